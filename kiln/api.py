@@ -1,0 +1,154 @@
+"""The public surface: `compile` (exporting for the user when given an nn.Module) and
+`CompiledModel` (sources, memory plan, report; `save` writes the package)."""
+
+from __future__ import annotations
+
+import os
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from kiln.__version__ import __version__
+from kiln.errors import KilnError, UnsupportedError
+from kiln.ir.sym import evaluate
+from kiln.memory.report import plan_summary
+from kiln.options import Options
+from kiln.package import write_package
+from kiln.pipeline import Built, build
+from kiln.schedule import Kernel
+from kiln.toolchain.cxx import compiler_identity
+
+MANIFEST_SCHEMA = "kiln.manifest/1"
+
+
+def _shape_json(shape) -> list:
+    return [int(d) if getattr(d, "is_Integer", False) or isinstance(d, int) else str(d)
+            for d in shape]
+
+
+def _kernels_json(built: Built) -> list[dict]:
+    out = []
+    for s in built.steps:
+        if isinstance(s, Kernel):
+            out.append({"name": s.name, "kind": "cpp", "members": [m.name for m in s.members],
+                        "source_ops": list(s.source)})
+        else:
+            out.append({"name": s.name, "kind": "blas_gemm", "members": [s.name],
+                        "source_ops": list(s.source)})
+    return out
+
+
+def _manifest(built: Built, opts: Options, report: dict) -> dict[str, Any]:
+    g = built.graph
+    types = g.types()
+    plan = dict(plan_summary(built.intervals, built.plan, opts.alignment))
+    plan["dynamic"] = built.program.dynamic
+    plan["planned_at"] = "runtime (cached per input sizes)" if built.program.dynamic else \
+        "compile time"
+    plan["example_sizes"] = {s.name: s.example for s in g.symbols}
+    plan["buffers"] = [{"name": iv.name, "size": iv.size, "start": iv.start, "end": iv.end,
+                        "offset": built.plan.offsets[iv.name]} for iv in built.intervals]
+    return {
+        "schema": MANIFEST_SCHEMA,
+        "kiln_version": __version__,
+        "torch_version": torch.__version__,
+        "abi_version": 1,
+        "device": "cpu",
+        "options": opts.to_json(),
+        "inputs": [{"name": i.name, "dtype": i.type.dtype.name, "shape": _shape_json(i.type.shape),
+                    "contiguous": True} for i in g.user_inputs],
+        "outputs": [{"name": o, "dtype": types[o].dtype.name, "shape": _shape_json(types[o].shape)}
+                    for o in g.outputs],
+        "symbols": {s.name: {"min": s.min, "max": s.max, "example": s.example}
+                    for s in g.symbols},
+        "in_spec": g.in_spec,
+        "out_spec": g.out_spec,
+        "weights": [{"name": w.name, "fqn": w.fqn, "dtype": w.dtype.name, "shape": list(w.shape),
+                     "nbytes": w.nbytes} for w in built.program.weights],
+        "kernels": _kernels_json(built),
+        "plan": plan,
+        "requires": {"libtorch": False, "aten_fallback_ops": [],
+                     "shared_libraries": ["libscipy_openblas.so (scipy-openblas32)",
+                                          "libgomp.so (OpenMP)"]},
+        "build": {"cxx": compiler_identity(opts.cxx or "c++"), "march": opts.march,
+                  "compile_seconds": report["compile_seconds"]},
+    }
+
+
+@dataclass(frozen=True)
+class CompiledModel:
+    """The result of `kiln.compile`: everything needed to write a package, plus the report."""
+
+    built: Built
+    manifest: dict[str, Any]
+    report: dict[str, Any]
+
+    @property
+    def sources(self) -> dict[str, str]:
+        return dict(self.built.sources)
+
+    @property
+    def library(self) -> Path:
+        return self.built.library
+
+    def save(self, path: str | os.PathLike[str]) -> Path:
+        files = {f"src/{name}": text.encode() for name, text in self.built.sources.items()}
+        files["lib/model.so"] = Path(self.built.library).read_bytes()
+        write_package(path, self.manifest, files, self.built.weights)
+        return Path(path)
+
+    def load(self, path: str | os.PathLike[str] | None = None):
+        """Save (to `path`, or next to the cached library) and load the package."""
+        from kiln.runtime import load
+
+        target = Path(path) if path else Path(self.built.library).with_name("model.kiln")
+        self.save(target)
+        return load(target)
+
+
+def _export(model, example_args, example_kwargs, dynamic_shapes):
+    if isinstance(model, torch.export.ExportedProgram):
+        return model
+    if not isinstance(model, torch.nn.Module):
+        raise KilnError(f"kiln.compile expects an ExportedProgram or an nn.Module, got "
+                        f"{type(model).__name__}")
+    if example_args is None and example_kwargs is None:
+        raise KilnError("kiln.compile: an nn.Module needs example_args to export it")
+    args = tuple(example_args or ())
+    try:
+        return torch.export.export(model, args, kwargs=example_kwargs,
+                                   dynamic_shapes=dynamic_shapes)
+    except Exception as e:  # torch raises many types here; give one clear error
+        raise UnsupportedError(f"torch.export failed: {type(e).__name__}: {e}") from e
+
+
+def compile(model, example_args=None, *, example_kwargs=None, dynamic_shapes=None,
+            device: str = "cpu", options: Options | None = None) -> CompiledModel:
+    """Compile an ExportedProgram (or an nn.Module with example inputs) ahead of time."""
+    if device != "cpu":
+        raise UnsupportedError(f"device {device!r} is not supported yet (only 'cpu')")
+    opts = options or Options()
+    t0 = time.perf_counter()
+    ep = _export(model, example_args, example_kwargs, dynamic_shapes)
+    t_export = time.perf_counter() - t0
+    built = build(ep, opts)
+    total = time.perf_counter() - t0
+    env = {s.name: s.example for s in built.graph.symbols}
+    report = {
+        "compile_seconds": total,
+        "export_seconds": t_export,
+        "stages": dict(built.timings),
+        "kernels": sum(1 for s in built.steps if isinstance(s, Kernel)),
+        "extern_calls": sum(1 for s in built.steps if not isinstance(s, Kernel)),
+        "graph_nodes": len(built.graph.nodes),
+        "arena_bytes": built.plan.arena_bytes,
+        "lower_bound_bytes": built.plan.lower_bound_bytes,
+        "weights_bytes": sum(w.nbytes for w in built.program.weights),
+        "example_sizes": env,
+        "output_numel": [evaluate(1, env)],
+    }
+    del report["output_numel"]
+    return CompiledModel(built, _manifest(built, opts, report), report)

@@ -1,0 +1,208 @@
+"""``kiln run`` and ``kiln inspect``: execute a package, and summarise its manifest."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+from rich.console import Console
+from rich.markup import escape
+from rich.table import Table
+
+from kiln.cli.manifest_view import (entries, fmt_bytes, fmt_shape, kwarg_names, plan_summary,
+                                    random_inputs, read_manifest, split_args, symbols)
+from kiln.errors import InputError
+
+__all__ = ["cmd_run", "cmd_inspect", "flatten_outputs", "time_calls"]
+
+console = Console()
+
+
+def flatten_outputs(out: Any) -> list[torch.Tensor]:
+    """Every tensor of an output pytree, in order (scalars become 0-d tensors)."""
+    leaves, _ = torch.utils._pytree.tree_flatten(out)
+    return [x if isinstance(x, torch.Tensor) else torch.as_tensor(x) for x in leaves]
+
+
+def time_calls(fn: Any, repeat: int, warmup: int = 1) -> list[float]:
+    """Seconds taken by each of ``repeat`` calls of ``fn()`` after ``warmup`` untimed calls."""
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(max(repeat, 1)):
+        t = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t)
+    return times
+
+
+def _load_inputs(path: str, manifest: dict[str, Any]) -> tuple[list[Any], dict[str, Any]]:
+    from safetensors.torch import load_file
+
+    if not Path(path).is_file():
+        raise InputError(f"inputs file {path!r} does not exist")
+    tensors = load_file(path)
+    specs = entries(manifest.get("inputs"))
+    if not specs:  # no manifest description: positional keys 0, 1, ...
+        keys = sorted(tensors, key=lambda k: (not k.isdigit(), k.zfill(9)))
+        return [tensors[k] for k in keys], {}
+    flat = []
+    for i, spec in enumerate(specs):
+        name = str(spec.get("name", i))
+        key = name if name in tensors else str(i)
+        if key not in tensors:
+            raise InputError(f"{path!r} has no tensor for input {i} ({name!r}); "
+                             f"it holds {', '.join(sorted(tensors)) or 'nothing'}")
+        flat.append(tensors[key])
+    return split_args(manifest, flat, kwarg_names(manifest))
+
+
+def cmd_run(args: argparse.Namespace) -> int:
+    """``kiln run PKG``: load, run on inputs, print outputs and the median latency."""
+    import kiln
+
+    with console.status(f"loading {args.package} ..."):
+        runner = kiln.load(args.package)
+    manifest = dict(getattr(runner, "manifest", None) or read_manifest(args.package))
+    if args.inputs:
+        call_args, call_kwargs = _load_inputs(args.inputs, manifest)
+        source = args.inputs
+    else:
+        call_args, call_kwargs = random_inputs(manifest, args.seed)
+        source = f"random (seed {args.seed})"
+    console.print(f"inputs: {source}")
+    for i, t in enumerate(list(call_args) + list(call_kwargs.values())):
+        console.print(f"  [{i}] {tuple(t.shape)} {str(t.dtype).removeprefix('torch.')}")
+    with torch.no_grad():
+        out = runner(*call_args, **call_kwargs)
+        times = time_calls(lambda: runner(*call_args, **call_kwargs), args.repeat)
+    table = Table(title="outputs")
+    for col in ("#", "shape", "dtype", "first values"):
+        table.add_column(col)
+    for i, t in enumerate(flatten_outputs(out)):
+        vals = t.detach().reshape(-1)[: args.show].tolist()
+        shown = ", ".join(f"{v:.5g}" if isinstance(v, float) else str(v) for v in vals)
+        more = ", ..." if t.numel() > args.show else ""
+        table.add_row(str(i), str(tuple(t.shape)), str(t.dtype).removeprefix("torch."),
+                      escape(f"[{shown}{more}]"))
+    console.print(table)
+    med = statistics.median(times)
+    console.print(f"latency: median {med * 1e3:.3f} ms over {len(times)} runs "
+                  f"(min {min(times) * 1e3:.3f} ms)")
+    return 0
+
+
+def _summary(manifest: dict[str, Any], package: str) -> dict[str, Any]:
+    weights = entries(manifest.get("weights"))
+    wbytes = sum(int(w.get("nbytes", w.get("bytes", 0)) or 0) for w in weights)
+    return {
+        "package": package,
+        "package_bytes": Path(package).stat().st_size if Path(package).is_file() else None,
+        "inputs": entries(manifest.get("inputs")),
+        "outputs": entries(manifest.get("outputs")),
+        "symbols": symbols(manifest),
+        "weights": {"count": len(weights), "bytes": wbytes},
+        "kernels": entries(manifest.get("kernels")),
+        "plan": plan_summary(manifest),
+    }
+
+
+def _tensor_table(title: str, specs: list[dict[str, Any]]) -> Table:
+    table = Table(title=title, title_justify="left")
+    for col in ("#", "name", "dtype", "shape"):
+        table.add_column(col)
+    for i, s in enumerate(specs):
+        table.add_row(str(i), escape(str(s.get("name", ""))), escape(str(s.get("dtype", "?"))),
+                      escape(fmt_shape(s.get("shape"))))
+    return table
+
+
+def _kernel_ops(k: dict[str, Any]) -> str:
+    ops = k.get("source_ops", k.get("ops", k.get("nodes", [])))
+    if isinstance(ops, (list, tuple)):
+        return ", ".join(str(o) for o in ops)
+    return str(ops)
+
+
+def _render_png(manifest: dict[str, Any], path: str) -> None:
+    from kiln.memory.intervals import Interval
+    from kiln.memory.planner import Plan
+    from kiln.memory.report import render_timeline_png
+
+    plan = manifest.get("plan") or {}
+    buffers = [b for b in entries(plan.get("buffers")) if "size" in b]
+    intervals = [Interval(str(b.get("name", i)), int(b["size"]), int(b.get("start", 0)),
+                          int(b.get("end", b.get("start", 0)))) for i, b in enumerate(buffers)]
+    offsets = {iv.name: int(b.get("offset", 0)) for iv, b in zip(intervals, buffers)}
+    arena = plan.get("arena_bytes")
+    if arena is None:
+        arena = max([offsets[iv.name] + iv.size for iv in intervals] or [0])
+    lower = plan.get("lower_bound_bytes", plan.get("lower_bound", 0)) or 0
+    render_timeline_png(intervals, Plan(offsets=offsets, arena_bytes=int(arena),
+                                        lower_bound_bytes=int(lower),
+                                        algorithm=str(plan.get("algorithm", "?")),
+                                        seconds=float(plan.get("seconds", 0.0) or 0.0)), path)
+
+
+def cmd_inspect(args: argparse.Namespace) -> int:
+    """``kiln inspect PKG``: summarise inputs, outputs, weights, kernels and the memory plan."""
+    manifest = read_manifest(args.package)
+    if args.manifest:
+        console.print_json(json.dumps(manifest, default=str))
+        return 0
+    summary = _summary(manifest, args.package)
+    if args.png:
+        if not args.memory:
+            raise InputError("--png draws the memory timeline: use it with --memory")
+        _render_png(manifest, args.png)
+    if args.json:
+        if not (args.kernels or args.memory):
+            summary["kernels"] = len(summary["kernels"])
+        print(json.dumps(summary, indent=2, default=str))
+        return 0
+    console.print(f"[bold]{escape(args.package)}[/bold] "
+                  f"({fmt_bytes(summary['package_bytes'])}, format "
+                  f"{manifest.get('format', manifest.get('format_version', '?'))})")
+    console.print(_tensor_table("inputs", summary["inputs"]))
+    console.print(_tensor_table("outputs", summary["outputs"]))
+    for name, s in summary["symbols"].items():
+        console.print(escape(f"  {name}: range [{s.get('min', '?')}, {s.get('max', '?')}], "
+                             f"example {s.get('example', '?')}"))
+    w = summary["weights"]
+    console.print(f"weights: {w['count']} tensors, {fmt_bytes(w['bytes'])}")
+    kernels = summary["kernels"]
+    console.print(f"kernels: {len(kernels)}")
+    if args.kernels:
+        table = Table(title_justify="left")
+        for col in ("#", "kernel", "source ops"):
+            table.add_column(col)
+        for i, k in enumerate(kernels):
+            table.add_row(str(i), escape(str(k.get("name", ""))), escape(_kernel_ops(k)))
+        console.print(table)
+    plan = summary["plan"]
+    ratio = f"{plan['ratio']:.2f}x" if plan["ratio"] else "?"
+    console.print(f"plan: arena {fmt_bytes(plan['arena_bytes'])}, lower bound "
+                  f"{fmt_bytes(plan['lower_bound_bytes'])} (ratio {ratio}), "
+                  f"{plan['buffers']} buffers")
+    if args.memory:
+        buffers = entries((manifest.get("plan") or {}).get("buffers"))
+        table = Table(title="buffers (largest first)", title_justify="left")
+        for col in ("name", "size", escape("live [start, end]"), "offset"):
+            table.add_column(col)
+        for b in sorted(buffers, key=lambda b: -int(b.get("size", 0) or 0)):
+            table.add_row(escape(str(b.get("name", ""))), fmt_bytes(b.get("size")),
+                          escape(f"[{b.get('start', '?')}, {b.get('end', '?')}]"),
+                          str(b.get("offset", "?")))
+        console.print(table)
+    else:
+        for b in plan["largest"]:
+            console.print(f"  {escape(str(b.get('name', '')))}: {fmt_bytes(b.get('size'))}",
+                          highlight=False)
+    if args.png:
+        console.print(f"[green]wrote[/green] {args.png}")
+    return 0

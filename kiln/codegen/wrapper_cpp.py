@@ -1,0 +1,241 @@
+"""Program IR -> model.cpp: the C++ wrapper that implements `kiln_model_abi` (see
+kiln/runtime/include/kiln_model_abi.h). Each Program IR line prints as a few C++ statements,
+each call preceded by a comment naming its graph nodes. Kernels are defined in separate files
+and declared here."""
+
+from __future__ import annotations
+
+from kiln.ir import loop as L
+from kiln.ir import program as P
+from kiln.ir.sym import free_size_symbols, to_c
+from kiln.memory.assign import intervals
+
+DL_CODE = {"float": 2, "int": 0, "uint": 1, "bool": 6}
+
+
+def _dl(dt) -> tuple[int, int]:
+    return dt.dl_code, dt.itemsize * 8
+
+
+def _cstr(s: str) -> str:
+    return '"' + s.replace("\\", "\\\\").replace('"', '\\"') + '"'
+
+
+def declare_kernel(name: str, params, status: bool, dtypes) -> str:
+    sig = []
+    for kind, n in params:
+        if kind == "size":
+            sig.append("int64_t")
+        else:
+            sig.append(("const " if kind == "in" else "") + f"{dtypes[n].c_type}*")
+    if status:
+        sig.append("int32_t*")
+    return f'extern "C" void {name}({", ".join(sig)});'
+
+
+class _Printer:
+    def __init__(self, prog: P.Program) -> None:
+        self.p = prog
+        self.out: list[str] = []
+        self.dynamic_bufs = [iv.name for iv in intervals(prog, {s.name: s.example
+                                                                for s in prog.symbols})]
+
+    def emit(self, s: str = "", ind: int = 1) -> None:
+        self.out.append("  " * ind + s if s else "")
+
+    def line(self, x: P.Line) -> None:
+        getattr(self, "_" + type(x).__name__)(x)
+
+    def _CheckInput(self, x: P.CheckInput) -> None:
+        code, bits = _dl(x.dtype)
+        n = _cstr(x.name)
+        self.emit(f"if (kr::check_tensor(e, inputs[{x.index}], {x.index}, {n}, {code}, {bits}, "
+                  f"{x.rank}) || kr::check_contiguous(e, inputs[{x.index}], {x.index}, {n}) ||")
+        self.emit(f"    kr::check_data(e, inputs[{x.index}], {x.index}, {n}, {x.dtype.itemsize}))"
+                  " return 1;")
+        self.emit(f"const {x.dtype.c_type}* buf_{x.name} = "
+                  f"kr::data_of<{x.dtype.c_type}>(inputs[{x.index}]);")
+
+    def _BindSize(self, x: P.BindSize) -> None:
+        self.emit(f"const int64_t {x.symbol} = inputs[{x.input}]->shape[{x.dim}];")
+
+    def _CheckSize(self, x: P.CheckSize) -> None:
+        got = f"inputs[{x.input}]->shape[{x.dim}]"
+        self.emit(f"if ({got} != {to_c(x.expr)}) return e.fail(\"input {x.input} ({x.name}): "
+                  f"expected size {x.expr} for dim {x.dim}, got %lld\", (long long){got});")
+
+    def _CheckRange(self, x: P.CheckRange) -> None:
+        self.emit(f"if ({x.symbol} < {x.lo} || {x.symbol} > {x.hi}) return e.fail(\"input "
+                  f"{x.input} ({x.name}): dim {x.dim} is %lld, expected a value in "
+                  f"[{x.lo}, {x.hi}] (symbol {x.symbol})\", (long long){x.symbol});")
+
+    def _AllocOutput(self, x: P.AllocOutput) -> None:
+        code, bits = _dl(x.dtype)
+        shape = ", ".join(to_c(d) for d in x.shape) or "0"
+        self.emit(f"{{ const int64_t shape[] = {{{shape}}};")
+        self.emit(f"  outs[{x.index}] = kr::new_output(e, {code}, {bits}, {len(x.shape)}, shape); }}")
+        self.emit(f"if (!outs[{x.index}]) goto fail;")
+        self.emit(f"{x.dtype.c_type}* buf_{x.buf} = static_cast<{x.dtype.c_type}*>("
+                  f"outs[{x.index}]->dl_tensor.data);")
+
+    def _Alloc(self, x: P.Alloc) -> None:
+        if x.offset is not None:
+            off = str(x.offset)
+        else:
+            off = f"self->offsets[{self.dynamic_bufs.index(x.buf)}]"
+        self.emit(f"{x.dtype.c_type}* buf_{x.buf} = reinterpret_cast<{x.dtype.c_type}*>("
+                  f"self->arena.base + {off});  // {x.numel} elements")
+
+    def _Free(self, x: P.Free) -> None:
+        self.emit(f"buf_{x.buf} = nullptr;  // {x.buf} dead: its bytes may be reused")
+
+    def _CallKernel(self, x: P.CallKernel) -> None:
+        self.emit(f"// {x.kernel}: {', '.join(x.members)}  <- {', '.join(x.source)}")
+        args = [n if k == "size" else f"buf_{n}" for k, n in x.args]
+        if x.status:
+            args.append("&status")
+        self.emit(f"{x.kernel}({', '.join(args)});")
+        if x.status:
+            self.emit(f"if (status) {{ e.fail(\"index out of range in {', '.join(x.source)}\"); "
+                      "goto fail; }")
+
+    def _CallGemm(self, x: P.CallGemm) -> None:
+        g = x.gemm
+        T = g.dtype.c_type
+        b = list(g.batch) + [1] * (2 - len(g.batch))
+        if len(g.batch) > 2:
+            raise NotImplementedError("gemm with more than two batch dims")
+        sa = list(g.a.batch_strides) + [0] * (2 - len(g.a.batch_strides))
+        sb = list(g.b.batch_strides) + [0] * (2 - len(g.b.batch_strides))
+        self.emit(f"// gemm {g.name} = {g.a.buf} @ {g.b.buf}  <- {', '.join(g.source)}")
+        self.emit(f"if (kr::gemm<{T}>(e, {_cstr(g.name)}, {to_c(b[0])}, {to_c(b[1])}, "
+                  f"{to_c(g.m)}, {to_c(g.n)}, {to_c(g.k)},")
+        self.emit(f"    buf_{g.a.buf} + {to_c(g.a.offset)}, {to_c(sa[0])}, {to_c(sa[1])}, "
+                  f"{to_c(g.a.rows)}, {to_c(g.a.cols)},")
+        self.emit(f"    buf_{g.b.buf} + {to_c(g.b.offset)}, {to_c(sb[0])}, {to_c(sb[1])}, "
+                  f"{to_c(g.b.rows)}, {to_c(g.b.cols)}, buf_{g.name})) goto fail;")
+
+    def _Return(self, x: P.Return) -> None:
+        self.emit(f"for (int64_t i = 0; i < {len(x.buffers)}; ++i) outputs[i] = outs[i];")
+        self.emit("return 0;")
+
+
+def _plan_block(pr: _Printer, prog: P.Program) -> None:
+    if prog.arena_bytes is not None:
+        pr.emit(f"if (!self->arena.reserve({max(prog.arena_bytes, 64)})) "
+                "return e.fail(\"out of memory reserving the arena\");")
+        return
+    ivs = intervals(prog, {s.name: s.example for s in prog.symbols})
+    allocs = {x.buf: x for x in prog.lines if isinstance(x, P.Alloc)}
+    syms = [s.name for s in prog.symbols]
+    n = len(ivs)
+    pr.emit("// dynamic sizes: plan the arena for these sizes (cached until they change)")
+    key = ", ".join(syms)
+    pr.emit(f"const int64_t key[] = {{{key}}};")
+    pr.emit(f"if (!self->planned || std::memcmp(key, self->key, sizeof key) != 0) {{")
+    if n:
+        sizes = ", ".join(to_c(allocs[iv.name].nbytes) for iv in ivs)
+        pr.emit(f"const int64_t sizes[] = {{{sizes}}};", 2)
+        pr.emit(f"static const int32_t starts[] = {{{', '.join(str(iv.start) for iv in ivs)}}};", 2)
+        pr.emit(f"static const int32_t ends[] = {{{', '.join(str(iv.end) for iv in ivs)}}};", 2)
+        pr.emit(f"self->arena_bytes = kiln_rt::plan_greedy({n}, sizes, starts, ends, "
+                f"{prog.alignment}, self->offsets);", 2)
+    else:
+        pr.emit("self->arena_bytes = 0;", 2)
+    pr.emit("if (!self->arena.reserve(self->arena_bytes > 64 ? self->arena_bytes : 64)) "
+            "return e.fail(\"out of memory reserving the arena\");", 2)
+    pr.emit("std::memcpy(self->key, key, sizeof key);", 2)
+    pr.emit("self->planned = true;", 2)
+    pr.emit("}")
+
+
+def print_wrapper(prog: P.Program, kernel_decls: list[str]) -> str:
+    pr = _Printer(prog)
+    n_in, n_w = len(prog.inputs), len(prog.weights)
+    outs = [x for x in prog.lines if isinstance(x, P.AllocOutput)]
+    n_out = len(outs)
+    n_dyn = max(len(pr.dynamic_bufs), 1)
+    head = [
+        "// Generated by kiln: the model wrapper. Implements kiln_model_abi (one run = the",
+        "// lines of the Program IR below, in order).",
+        "#include <cstring>",
+        '#include "kiln_model_rt.h"',
+        '#include "kiln_plan.h"',
+        "",
+        *kernel_decls,
+        "",
+        "namespace {",
+        "const char* const kWeightNames[] = {" + ", ".join(
+            _cstr(w.name) for w in prog.weights) + ("" if n_w else "nullptr") + "};",
+        "const int64_t kWeightBytes[] = {" + ", ".join(
+            str(w.nbytes) for w in prog.weights) + ("" if n_w else "0") + "};",
+        "const char* const kWeightDtypes[] = {" + ", ".join(
+            _cstr(w.dtype.safetensors) for w in prog.weights) + ("" if n_w else "nullptr") + "};",
+        "",
+        "struct Instance {",
+        f"  const void* w[{max(n_w, 1)}];",
+        "  kr::Arena arena;",
+        f"  int64_t key[{max(len(prog.symbols), 1)}];",
+        "  bool planned = false;",
+        "  int64_t arena_bytes = 0;",
+        f"  int64_t offsets[{n_dyn}];",
+        "};",
+        "",
+        "void* create(const void* const* weights, char* err, size_t errlen) {",
+        "  Instance* self = new (std::nothrow) Instance();",
+        "  if (!self) { kr::Err{err, errlen}.fail(\"out of memory creating an instance\"); "
+        "return nullptr; }",
+        f"  for (int i = 0; i < {n_w}; ++i) self->w[i] = weights[i];",
+        "  return self;",
+        "}",
+        "",
+        "void destroy(void* p) { delete static_cast<Instance*>(p); }",
+        "",
+        "int run(void* instance, const DLTensor* const* inputs, int64_t n_inputs,",
+        "        DLManagedTensor** outputs, int64_t n_outputs, char* err, size_t errlen) {",
+        "  kr::Err e{err, errlen};",
+        "  Instance* self = static_cast<Instance*>(instance);",
+        f"  if (!self) return e.fail(\"run: instance is NULL\");",
+        f"  if (n_inputs != {n_in}) return e.fail(\"expected {n_in} inputs, got %lld\", "
+        "(long long)n_inputs);",
+        f"  if (n_outputs != {n_out}) return e.fail(\"expected {n_out} outputs, got %lld\", "
+        "(long long)n_outputs);",
+        f"  if (!inputs && {n_in}) return e.fail(\"inputs array is NULL\");",
+        "  if (!outputs) return e.fail(\"outputs array is NULL\");",
+        f"  DLManagedTensor* outs[{max(n_out, 1)}] = {{}};",
+        "  int32_t status = 0;",
+        "  (void)status;",
+    ]
+    for k, w in enumerate(prog.weights):
+        head.append(f"  const {w.dtype.c_type}* buf_{w.name} = static_cast<const "
+                    f"{w.dtype.c_type}*>(self->w[{k}]);  // {w.fqn}")
+    body_start = len(pr.out)
+    checks = [x for x in prog.lines if isinstance(x, (P.CheckInput, P.BindSize, P.CheckSize,
+                                                      P.CheckRange))]
+    rest = [x for x in prog.lines if x not in checks]
+    for x in checks:
+        pr.line(x)
+    _plan_block(pr, prog)
+    pr.emit("{")
+    for x in rest:
+        pr.line(x)
+    pr.emit("}")
+    pr.emit("fail:", 0)
+    pr.emit(f"for (int64_t i = 0; i < {max(n_out, 1)}; ++i) kr::free_output(outs[i]);")
+    pr.emit("return 1;")
+    del body_start
+    tail = [
+        "}",
+        "}  // namespace",
+        "",
+        'extern "C" KILN_KERNEL const kiln_model_abi* kiln_model_abi_v1(void) {',
+        "  static const kiln_model_abi table = {KILN_MODEL_ABI_VERSION, "
+        f"{n_in}, {n_out}, {n_w}, kWeightNames,",
+        "                                       kWeightBytes, kWeightDtypes, create, run, "
+        "destroy};",
+        "  return &table;",
+        "}",
+        "",
+    ]
+    _ = L, free_size_symbols
+    return "\n".join(head + pr.out + tail)

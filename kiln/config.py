@@ -1,0 +1,29 @@
+"""The one module that reads the environment.
+
+KILN_CACHE_DIR  where compiled objects and libraries are cached (default: $XDG_CACHE_HOME/kiln,
+                else ~/.cache/kiln)
+KILN_CXX        the C++ compiler (default: $CXX, else c++)"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+
+def cache_dir() -> Path:
+    explicit = os.environ.get("KILN_CACHE_DIR")
+    if explicit:
+        return Path(explicit)
+    xdg = os.environ.get("XDG_CACHE_HOME")
+    return (Path(xdg) if xdg else Path.home() / ".cache") / "kiln"
+
+
+def cxx() -> str:
+    return os.environ.get("KILN_CXX") or os.environ.get("CXX") or "c++"
+
+
+def cpu_count() -> int:
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:
+        return os.cpu_count() or 1

@@ -1,0 +1,1 @@
+"""torch.export -> Graph IR. The only compiler package that imports torch."""

@@ -1,0 +1,237 @@
+"""ExportedProgram -> Graph IR.
+
+Runs the core-ATen decompositions, turns parameters / buffers / lifted constants into weights
+(keyed by their FQN), user inputs into typed inputs with symbolic shapes, every call node into
+kiln ops through `aten_table.TABLE`, and records the pytree specs and `Dim` ranges."""
+
+from __future__ import annotations
+
+import operator
+import sys
+from dataclasses import dataclass
+
+import sympy
+import torch
+from torch.export import ExportedProgram
+from torch.export.graph_signature import InputKind, OutputKind
+from torch.utils import _pytree as pytree
+
+from kiln.errors import UnsupportedError
+from kiln.frontend.aten_table import TABLE
+from kiln.frontend.symbols import SymbolTable
+from kiln.ir import dtypes
+from kiln.ir.graph import Graph, Input, Node, SymbolRange, TensorType
+
+_INT_MAX = 2**31 - 1
+
+
+def torch_dtype_name(dt: torch.dtype) -> str:
+    return str(dt).removeprefix("torch.")
+
+
+def to_dtype(dt: torch.dtype) -> dtypes.DType:
+    name = torch_dtype_name(dt)
+    if name not in dtypes.DTYPES:
+        raise UnsupportedError(f"dtype {name} is not supported yet (supported: "
+                               f"{sorted(dtypes.DTYPES)})")
+    return dtypes.DTYPES[name]
+
+
+@dataclass(frozen=True)
+class Imported:
+    graph: Graph
+    weights: dict[str, torch.Tensor]  # graph input name -> tensor (contiguous, detached)
+
+
+class Builder:
+    """Collects kiln nodes while the converters walk the FX graph."""
+
+    def __init__(self, syms: SymbolTable) -> None:
+        self.syms = syms
+        self.nodes: list[Node] = []
+        self.env: dict[str, str] = {}
+        self.types: dict[str, TensorType] = {}
+        self.counter = 0
+
+    # -- looking at FX values ------------------------------------------------------------------
+    @staticmethod
+    def val(x):
+        v = x.meta.get("val") if isinstance(x, torch.fx.Node) else x
+        return v[0] if isinstance(v, (tuple, list)) else v
+
+    def meta_dtype(self, x) -> torch.dtype:
+        v = self.val(x)
+        if isinstance(v, torch.Tensor):
+            return v.dtype
+        return torch.tensor(v).dtype if not isinstance(v, torch.SymInt) else torch.int64
+
+    def rank(self, x) -> int:
+        return self.val(x).dim()
+
+    def shape(self, x) -> tuple[sympy.Expr, ...]:
+        return self.syms.shape(self.val(x).shape)
+
+    def numel_nonzero(self, x) -> bool:
+        return all(d != 0 for d in self.shape(x))
+
+    def int_or_sym(self, v):
+        if isinstance(v, torch.fx.Node):
+            v = v.meta["val"]
+        return self.syms.convert(v) if isinstance(v, torch.SymInt) else v
+
+    def type_of(self, x) -> TensorType:
+        v = self.val(x)
+        return TensorType(to_dtype(v.dtype), self.syms.shape(v.shape))
+
+    # -- making kiln values ---------------------------------------------------------------------
+    def fresh(self, base: str) -> str:
+        self.counter += 1
+        return f"{base}_{self.counter}"
+
+    def emit(self, op, inputs, node, like=None, shape_of=None, shape=None, dtype=None, **attrs):
+        ref = node if node is not None else like
+        name = node.name if node is not None else self.fresh(f"{ref.name}_{op}")
+        t = self.type_of(ref)
+        if shape_of is not None:
+            t = TensorType(t.dtype, self.shape(shape_of))
+        if shape is not None:
+            t = TensorType(t.dtype, tuple(sympy.sympify(s) for s in shape))
+        if dtype is not None:
+            t = TensorType(dtype, t.shape)
+        source = ref.name if ref is not None else ""
+        self.nodes.append(Node(name, op, tuple(inputs), t, tuple(attrs.items()), source))
+        self.types[name] = t
+        return name
+
+    def scalar(self, value, dt: torch.dtype) -> str:
+        name = self.fresh("scalar")
+        t = TensorType(to_dtype(dt), ())
+        self.nodes.append(Node(name, "full", (), t, (("value", value),), "constant"))
+        self.types[name] = t
+        return name
+
+    def tensor(self, x) -> str:
+        if isinstance(x, torch.fx.Node):
+            if x.name not in self.env:
+                raise UnsupportedError(f"value {x.name} ({x.target}) has no kiln equivalent")
+            return self.env[x.name]
+        if isinstance(x, (bool, int, float)):
+            return self.scalar(x, torch.tensor(x).dtype)
+        raise UnsupportedError(f"operand {x!r} of type {type(x).__name__} is not a tensor")
+
+    def cast_to(self, name: str, dt: torch.dtype, like) -> str:
+        if self.types[name].dtype == to_dtype(dt):
+            return name
+        t = TensorType(to_dtype(dt), self.types[name].shape)
+        new = self.fresh(f"{name}_cast")
+        self.nodes.append(Node(new, "cast", (name,), t, (), like.name))
+        self.types[new] = t
+        return new
+
+    def promoted_operands(self, n, a, b) -> tuple[str, str]:
+        out_dt = self.meta_dtype(n)
+        op = str(n.target).split(".")[1]
+        if op.startswith("logical_"):
+            return self.tensor(a), self.tensor(b)
+        va, vb = self.val(a), self.val(b)
+        compute = torch.result_type(va, vb) if out_dt == torch.bool else out_dt
+        names = []
+        for x in (a, b):
+            if isinstance(x, torch.fx.Node):
+                names.append(self.cast_to(self.tensor(x), compute, n))
+            else:
+                names.append(self.scalar(x, compute))
+        return names[0], names[1]
+
+    def alias(self, node, name: str) -> str:
+        return name
+
+
+def _weights_and_inputs(ep: ExportedProgram, syms: SymbolTable, b: Builder):
+    kinds = {s.arg.name: s for s in ep.graph_signature.input_specs}
+    inputs: list[Input] = []
+    weights: dict[str, torch.Tensor] = {}
+    placeholders = [n for n in ep.graph.nodes if n.op == "placeholder"]
+    # user inputs first so that symbols are numbered by user input order
+    ordered = sorted(placeholders, key=lambda n: kinds[n.name].kind != InputKind.USER_INPUT)
+    for n in ordered:
+        spec = kinds[n.name]
+        v = n.meta.get("val")
+        if not isinstance(v, torch.Tensor):
+            raise UnsupportedError(f"input {n.name} is a {type(v).__name__}, not a tensor")
+        if spec.kind == InputKind.USER_INPUT:
+            for d in v.shape:
+                if isinstance(d, torch.SymInt) and d.node.expr.is_Symbol:
+                    syms.add(d.node.expr)
+            kind, fqn = "user", ""
+        elif spec.kind in (InputKind.PARAMETER, InputKind.BUFFER, InputKind.CONSTANT_TENSOR):
+            fqn = spec.target
+            data = ep.state_dict.get(fqn)
+            if data is None:
+                data = ep.constants[fqn]
+            weights[n.name] = data.detach().contiguous()
+            kind = "weight"
+        else:
+            raise UnsupportedError(f"input {n.name} of kind {spec.kind.name} is not supported")
+        t = TensorType(to_dtype(v.dtype), syms.shape(v.shape))
+        inputs.append(Input(n.name, t, kind, fqn))
+        b.env[n.name] = n.name
+        b.types[n.name] = t
+    user = [i for i in inputs if i.kind == "user"]
+    order = {n.name: k for k, n in enumerate(placeholders)}
+    user.sort(key=lambda i: order[i.name])
+    return tuple(user + [i for i in inputs if i.kind == "weight"]), weights
+
+
+def _symbol_ranges(ep: ExportedProgram, syms: SymbolTable) -> tuple[SymbolRange, ...]:
+    hints = {}
+    for n in ep.graph.nodes:
+        if n.op == "placeholder" and isinstance(n.meta.get("val"), torch.Tensor):
+            for d in n.meta["val"].shape:
+                if isinstance(d, torch.SymInt) and d.node.expr.is_Symbol:
+                    hints[d.node.expr] = d.node.hint
+    out = []
+    for theirs, ours in syms.rename.items():
+        vr = ep.range_constraints.get(theirs)
+        lo = int(vr.lower) if vr is not None and vr.lower.is_finite else 0
+        hi = int(vr.upper) if vr is not None and vr.upper.is_finite else _INT_MAX
+        out.append(SymbolRange(ours.name, lo, min(hi, sys.maxsize), int(hints.get(theirs, lo))))
+    return tuple(out)
+
+
+def import_program(ep: ExportedProgram) -> Imported:
+    """Decompose `ep` to core ATen and translate it to Graph IR."""
+    ep = ep.run_decompositions()
+    syms = SymbolTable()
+    b = Builder(syms)
+    inputs, weights = _weights_and_inputs(ep, syms, b)
+    for n in ep.graph.nodes:
+        if n.op != "call_function":
+            continue
+        if n.target is operator.getitem:
+            src, k = n.args
+            if k == 0:
+                b.env[n.name] = b.tensor(src)
+            elif n.users:
+                raise UnsupportedError(f"result {k} of {src.target} (node {src.name}) is used")
+            continue
+        if isinstance(n.meta.get("val"), (torch.SymInt, int, float)) and not isinstance(
+                n.meta.get("val"), bool):
+            continue  # size arithmetic: shapes are read from node metadata instead
+        conv = TABLE.get(str(n.target))
+        if conv is None:
+            raise UnsupportedError(f"operator {n.target} (node {n.name}) is not supported yet")
+        b.env[n.name] = conv(b, n)
+    outputs = []
+    for spec in ep.graph_signature.output_specs:
+        if spec.kind != OutputKind.USER_OUTPUT:
+            raise UnsupportedError(f"output {spec.arg} of kind {spec.kind.name} (mutation) is "
+                                   "not supported yet")
+        name = getattr(spec.arg, "name", None)
+        if name is None or name not in b.env:
+            raise UnsupportedError(f"output {spec.arg} is not a tensor")
+        outputs.append(b.env[name])
+    graph = Graph(inputs, tuple(b.nodes), tuple(outputs), _symbol_ranges(ep, syms),
+                  in_spec=pytree.treespec_dumps(ep.call_spec.in_spec),
+                  out_spec=pytree.treespec_dumps(ep.call_spec.out_spec))
+    return Imported(graph, weights)

@@ -1,0 +1,49 @@
+"""Element types known to kiln, with their C, DLPack and safetensors spellings.
+
+One table (`DTYPES`) holds all per-dtype knowledge; the rest of the compiler looks it up by
+name. Names follow torch (`float32`, `int64`, ...)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class DType:
+    name: str
+    c_type: str
+    itemsize: int
+    dl_code: int  # DLPack type code: 0 int, 1 uint, 2 float, 6 bool
+    safetensors: str
+    is_float: bool
+    is_signed: bool = True
+
+    def __repr__(self) -> str:
+        return self.name
+
+
+_ROWS = [
+    DType("float32", "float", 4, 2, "F32", True),
+    DType("float64", "double", 8, 2, "F64", True),
+    DType("int64", "int64_t", 8, 0, "I64", False),
+    DType("int32", "int32_t", 4, 0, "I32", False),
+    DType("int16", "int16_t", 2, 0, "I16", False),
+    DType("int8", "int8_t", 1, 0, "I8", False),
+    DType("uint8", "uint8_t", 1, 1, "U8", False, is_signed=False),
+    DType("bool", "bool", 1, 6, "BOOL", False, is_signed=False),
+]
+DTYPES: dict[str, DType] = {d.name: d for d in _ROWS}
+
+float32 = DTYPES["float32"]
+float64 = DTYPES["float64"]
+int64 = DTYPES["int64"]
+int32 = DTYPES["int32"]
+bool_ = DTYPES["bool"]
+
+
+def dtype(name: str) -> DType:
+    """Look a dtype up by its torch-style name."""
+    try:
+        return DTYPES[name]
+    except KeyError:
+        raise KeyError(f"dtype {name!r} is not supported by kiln; supported: {sorted(DTYPES)}")

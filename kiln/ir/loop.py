@@ -1,0 +1,182 @@
+"""Loop IR: every tensor the program materialises is a `Compute` (a loop body over its index
+space, optionally reducing over extra indices) or a `Gemm` (an extern call into BLAS).
+
+Expressions are frozen trees: `Const`, `Load` (a flat element offset into a buffer, possibly
+through `indirect` temporaries whose values are themselves loaded), `Index` (an integer index
+expression used as a value) and `Op` (an operator from `OPS`). A `Compute` of rank n binds loop
+variables i0..i{n-1}; with a `Reduce` of k sizes it also binds r0..r{k-1}. Buffers are always
+contiguous row-major; views never appear here: lowering folded them into index expressions.
+
+Invariants (checked by `verify_loop`): loads name declared buffers; loop variables in a body are
+bound by its node; a buffer is written by exactly one node (or is an input / weight) and is
+written before it is read."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Union
+
+import sympy
+
+from kiln.ir.dtypes import DType
+from kiln.ir.sym import contiguous_strides
+
+
+@dataclass(frozen=True)
+class Const:
+    value: object
+    dtype: DType
+
+
+@dataclass(frozen=True)
+class Indirect:
+    """A temporary index variable `var` = `value` (an int expression), required in [0, bound)
+    after negative values are wrapped by adding `bound` (torch indexing semantics)."""
+
+    var: sympy.Symbol
+    value: "Expr"
+    bound: sympy.Expr
+
+
+@dataclass(frozen=True)
+class Load:
+    buf: str
+    index: sympy.Expr
+    dtype: DType
+    indirect: tuple[Indirect, ...] = ()
+
+
+@dataclass(frozen=True)
+class Index:
+    expr: sympy.Expr
+    dtype: DType
+
+
+@dataclass(frozen=True)
+class Op:
+    op: str
+    args: tuple["Expr", ...]
+    dtype: DType
+
+
+Expr = Union[Const, Load, Index, Op]
+
+# op name -> arity. The C++ and numpy spellings live with their printers/interpreter.
+OPS: dict[str, int] = {
+    **{k: 1 for k in (
+        "neg", "exp", "log", "sqrt", "rsqrt", "tanh", "sigmoid", "relu", "abs", "sin", "cos",
+        "erf", "erfc", "logical_not", "reciprocal", "floor", "ceil", "round", "trunc", "log1p",
+        "expm1", "sign", "exp2", "log2", "tan", "atan", "asin", "acos", "sinh", "cosh", "asinh",
+        "acosh", "atanh", "isnan", "isinf", "bitwise_not", "cast", "to_bool", "square")},
+    **{k: 2 for k in (
+        "add", "sub", "mul", "div", "truediv_floor", "truediv_trunc", "pow", "maximum",
+        "minimum", "eq", "ne", "lt", "le", "gt", "ge", "logical_and", "logical_or",
+        "logical_xor", "remainder", "fmod", "atan2", "bitwise_and", "bitwise_or",
+        "bitwise_xor")},
+    "where": 3,
+}
+
+
+@dataclass(frozen=True)
+class Reduce:
+    kind: str  # sum, prod, max, min, any, all, argmax, argmin
+    sizes: tuple[sympy.Expr, ...]
+
+
+@dataclass(frozen=True)
+class Compute:
+    name: str
+    dtype: DType
+    shape: tuple[sympy.Expr, ...]
+    body: Expr
+    reduce: Reduce | None = None
+    source: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True)
+class Operand:
+    """A strided matrix operand of a GEMM: element (b..., x, y) sits at
+    offset + sum(b_k * batch_strides[k]) + x * rows + y * cols."""
+
+    buf: str
+    offset: sympy.Expr
+    batch_strides: tuple[sympy.Expr, ...]
+    rows: sympy.Expr
+    cols: sympy.Expr
+
+
+@dataclass(frozen=True)
+class Gemm:
+    """out[b..., m, n] = sum_k a[b..., m, k] * b[b..., k, n]; out is contiguous
+    [*batch, M, N]."""
+
+    name: str
+    dtype: DType
+    batch: tuple[sympy.Expr, ...]
+    m: sympy.Expr
+    n: sympy.Expr
+    k: sympy.Expr
+    a: Operand
+    b: Operand
+    source: tuple[str, ...] = ()
+
+    @property
+    def shape(self) -> tuple[sympy.Expr, ...]:
+        return (*self.batch, self.m, self.n)
+
+
+LoopNode = Union[Compute, Gemm]
+
+
+@dataclass(frozen=True)
+class Buffer:
+    name: str
+    dtype: DType
+    shape: tuple[sympy.Expr, ...]
+    kind: str  # input, weight, temp, output
+
+    @property
+    def strides(self) -> tuple[sympy.Expr, ...]:
+        return contiguous_strides(self.shape)
+
+    @property
+    def numel(self) -> sympy.Expr:
+        out = sympy.Integer(1)
+        for d in self.shape:
+            out = out * d
+        return out
+
+
+@dataclass(frozen=True)
+class LoopProgram:
+    buffers: tuple[Buffer, ...]
+    nodes: tuple[LoopNode, ...]
+    outputs: tuple[str, ...]  # buffer per flat user output (kind "output")
+    inputs: tuple[str, ...]  # buffer per flat user input
+    output_shapes: tuple[tuple[sympy.Expr, ...], ...] = ()  # logical shape of each output
+
+    def buffer(self, name: str) -> Buffer:
+        for b in self.buffers:
+            if b.name == name:
+                return b
+        raise KeyError(name)
+
+
+def loads(e: Expr) -> list[Load]:
+    """Every Load in `e` (including those inside indirect index values), in order."""
+    out: list[Load] = []
+    stack = [e]
+    while stack:
+        x = stack.pop()
+        if isinstance(x, Load):
+            out.append(x)
+            stack.extend(ind.value for ind in x.indirect)
+        elif isinstance(x, Op):
+            stack.extend(x.args)
+    return out
+
+
+def node_reads(node: LoopNode) -> set[str]:
+    if isinstance(node, Gemm):
+        return {node.a.buf, node.b.buf}
+    return {ld.buf for ld in loads(node.body)}

@@ -1,0 +1,218 @@
+"""Program IR: the flat list of typed lines one model run executes, printed as C++ (the
+artifact) and as Python (debugging) by `codegen/wrapper_*.py`.
+
+Lines, in the order a run executes them:
+  CheckInput   validate one user input (dtype, device, rank, data pointer, contiguity)
+  BindSize     read a size symbol from an input's dim
+  CheckSize    a dim that must equal an expression of bound symbols (static sizes, relations)
+  CheckRange   a symbol must lie in its `Dim` range
+  AllocOutput  a fresh output tensor (owned by the caller afterwards)
+  Alloc / Free an intermediate buffer in the arena; `offset` is set by the memory planner
+               (None while unplanned, or when planned at run time for dynamic sizes)
+  CallKernel   a generated kernel; CallGemm a BLAS call
+  Return       hand the outputs over
+
+Invariants (checked by `verify_program`): sizes are bound before use, every buffer is
+allocated before it is used and freed after its last use, no buffer is freed twice, every
+output is allocated, and a planned program has offsets on every Alloc."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Union
+
+import sympy
+
+from kiln.ir.dtypes import DType
+from kiln.ir.graph import SymbolRange
+from kiln.ir.loop import Gemm
+from kiln.ir.sym import free_size_symbols
+
+
+@dataclass(frozen=True)
+class CheckInput:
+    index: int
+    name: str
+    dtype: DType
+    rank: int
+
+
+@dataclass(frozen=True)
+class BindSize:
+    symbol: str
+    input: int
+    dim: int
+
+
+@dataclass(frozen=True)
+class CheckSize:
+    input: int
+    name: str
+    dim: int
+    expr: sympy.Expr
+
+
+@dataclass(frozen=True)
+class CheckRange:
+    symbol: str
+    input: int
+    name: str
+    dim: int
+    lo: int
+    hi: int
+
+
+@dataclass(frozen=True)
+class AllocOutput:
+    index: int
+    buf: str
+    dtype: DType
+    shape: tuple[sympy.Expr, ...]
+
+
+@dataclass(frozen=True)
+class Alloc:
+    buf: str
+    dtype: DType
+    numel: sympy.Expr
+    offset: int | None = None
+
+    @property
+    def nbytes(self) -> sympy.Expr:
+        return self.numel * self.dtype.itemsize
+
+
+@dataclass(frozen=True)
+class Free:
+    buf: str
+
+
+@dataclass(frozen=True)
+class CallKernel:
+    kernel: str
+    args: tuple[tuple[str, str], ...]  # (kind, name): kind in out / in / size
+    status: bool  # takes a status flag (data-dependent indexing)
+    members: tuple[str, ...]
+    source: tuple[str, ...]
+
+
+@dataclass(frozen=True)
+class CallGemm:
+    gemm: Gemm
+
+
+@dataclass(frozen=True)
+class Return:
+    buffers: tuple[str, ...]
+
+
+Line = Union[CheckInput, BindSize, CheckSize, CheckRange, AllocOutput, Alloc, Free, CallKernel,
+             CallGemm, Return]
+
+
+@dataclass(frozen=True)
+class WeightSpec:
+    name: str
+    fqn: str
+    dtype: DType
+    shape: tuple[int, ...]
+    nbytes: int
+
+
+@dataclass(frozen=True)
+class Program:
+    lines: tuple[Line, ...]
+    inputs: tuple[tuple[str, DType, tuple[sympy.Expr, ...]], ...]
+    weights: tuple[WeightSpec, ...]
+    symbols: tuple[SymbolRange, ...]
+    buffer_dtypes: dict[str, DType] = field(default_factory=dict)
+    arena_bytes: int | None = None  # static plan; None when planned at run time
+    alignment: int = 64
+
+    @property
+    def dynamic(self) -> bool:
+        return bool(self.symbols)
+
+    def steps(self) -> list[Line]:
+        return [x for x in self.lines if isinstance(x, (CallKernel, CallGemm))]
+
+
+def _fmt(line: Line) -> str:
+    if isinstance(line, CheckInput):
+        return f"check_input {line.index} ({line.name}): {line.dtype.name} rank {line.rank}"
+    if isinstance(line, BindSize):
+        return f"{line.symbol} = input {line.input}.shape[{line.dim}]"
+    if isinstance(line, CheckSize):
+        return f"check input {line.input} ({line.name}).shape[{line.dim}] == {line.expr}"
+    if isinstance(line, CheckRange):
+        return f"check {line.symbol} in [{line.lo}, {line.hi}]"
+    if isinstance(line, AllocOutput):
+        return f"%{line.buf} = output {line.index}: {line.dtype.name}{list(line.shape)}"
+    if isinstance(line, Alloc):
+        where = "runtime" if line.offset is None else f"arena+{line.offset}"
+        return f"%{line.buf} = alloc {line.dtype.name}[{line.numel}] @ {where}"
+    if isinstance(line, Free):
+        return f"free %{line.buf}"
+    if isinstance(line, CallKernel):
+        args = ", ".join(("%" if k != "size" else "") + n for k, n in line.args)
+        return f"call {line.kernel}({args})  # {', '.join(line.source)}"
+    if isinstance(line, CallGemm):
+        g = line.gemm
+        return (f"gemm %{g.name} = %{g.a.buf} @ %{g.b.buf}  batch={list(g.batch)} "
+                f"m={g.m} n={g.n} k={g.k}  # {', '.join(g.source)}")
+    if isinstance(line, Return):
+        return "return " + ", ".join(f"%{b}" for b in line.buffers)
+    raise TypeError(line)
+
+
+def print_program(p: Program) -> str:
+    head = [f"program (arena {p.arena_bytes if p.arena_bytes is not None else 'dynamic'} bytes)"]
+    return "\n".join(head + ["  " + _fmt(x) for x in p.lines])
+
+
+class ProgramError(ValueError):
+    pass
+
+
+def _uses(line: Line) -> list[str]:
+    if isinstance(line, CallKernel):
+        return [n for k, n in line.args if k != "size"]
+    if isinstance(line, CallGemm):
+        return [line.gemm.a.buf, line.gemm.b.buf, line.gemm.name]
+    if isinstance(line, Return):
+        return list(line.buffers)
+    return []
+
+
+def verify_program(p: Program, planned: bool = False) -> None:
+    bound: set[str] = set()
+    live: set[str] = {name for name, _, _ in p.inputs} | {w.name for w in p.weights}
+    freed: set[str] = set()
+    for k, line in enumerate(p.lines):
+        where = f"line {k} ({_fmt(line)})"
+        if isinstance(line, BindSize):
+            bound.add(line.symbol)
+        elif isinstance(line, (CheckSize, AllocOutput, Alloc)):
+            exprs = [line.expr] if isinstance(line, CheckSize) else (
+                list(line.shape) if isinstance(line, AllocOutput) else [line.numel])
+            for e in exprs:
+                missing = {s.name for s in free_size_symbols(e)} - bound
+                if missing:
+                    raise ProgramError(f"{where}: symbols {sorted(missing)} not bound yet")
+            if isinstance(line, (AllocOutput, Alloc)):
+                if line.buf in live:
+                    raise ProgramError(f"{where}: {line.buf} allocated twice")
+                live.add(line.buf)
+            if planned and isinstance(line, Alloc) and line.offset is None and not p.dynamic:
+                raise ProgramError(f"{where}: no arena offset")
+        elif isinstance(line, Free):
+            if line.buf not in live:
+                raise ProgramError(f"{where}: freeing {line.buf}, which is not live")
+            live.discard(line.buf)
+            freed.add(line.buf)
+        for b in _uses(line):
+            if b not in live:
+                state = "after it was freed" if b in freed else "before it is allocated"
+                raise ProgramError(f"{where}: uses {b} {state}")
+    if not p.lines or not isinstance(p.lines[-1], Return):
+        raise ProgramError("program does not end with Return")

@@ -1,0 +1,167 @@
+"""Symbolic integers for sizes and index expressions, on top of sympy.
+
+Sizes are sympy expressions over positive integer symbols (one per dynamic dim, e.g. `s0`).
+Index expressions are sympy expressions over loop variables `i0, i1, ...` (output indices) and
+`r0, r1, ...` (reduction indices), plus `FloorDiv` / `ModIdx` for reshapes that cannot be
+expressed with strides. `to_c` prints any of them as a C++ int64 expression."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import sympy
+
+Expr = sympy.Expr
+
+
+def size_symbol(name: str) -> sympy.Symbol:
+    return sympy.Symbol(name, integer=True, positive=True)
+
+
+def index_var(prefix: str, k: int) -> sympy.Symbol:
+    return sympy.Symbol(f"{prefix}{k}", integer=True, nonnegative=True)
+
+
+def ivars(n: int) -> tuple[sympy.Symbol, ...]:
+    return tuple(index_var("i", k) for k in range(n))
+
+
+def rvars(n: int) -> tuple[sympy.Symbol, ...]:
+    return tuple(index_var("r", k) for k in range(n))
+
+
+class FloorDiv(sympy.Function):
+    """Integer floor division of non-negative operands."""
+
+    is_integer = True
+
+    @classmethod
+    def eval(cls, a, b):
+        if b == 1:
+            return a
+        if a.is_Integer and b.is_Integer:
+            return sympy.Integer(int(a) // int(b))
+        if a == 0:
+            return sympy.Integer(0)
+        return None
+
+
+class ModIdx(sympy.Function):
+    """Integer remainder of non-negative operands."""
+
+    is_integer = True
+
+    @classmethod
+    def eval(cls, a, b):
+        if b == 1:
+            return sympy.Integer(0)
+        if a.is_Integer and b.is_Integer:
+            return sympy.Integer(int(a) % int(b))
+        if a == 0:
+            return sympy.Integer(0)
+        return None
+
+
+def as_expr(x) -> Expr:
+    return sympy.sympify(x)
+
+
+def product(xs: Sequence) -> Expr:
+    out = sympy.Integer(1)
+    for x in xs:
+        out = out * x
+    return out
+
+
+def contiguous_strides(shape: Sequence[Expr]) -> tuple[Expr, ...]:
+    strides: list[Expr] = []
+    acc: Expr = sympy.Integer(1)
+    for size in reversed(shape):
+        strides.append(acc)
+        acc = acc * size
+    return tuple(reversed(strides))
+
+
+def linear_index(idx: Sequence[Expr], strides: Sequence[Expr]) -> Expr:
+    return sympy.expand(sum((i * s for i, s in zip(idx, strides)), sympy.Integer(0)))
+
+
+def unravel(flat: Expr, shape: Sequence[Expr]) -> tuple[Expr, ...]:
+    """Indices into `shape` (row-major) of the flat position `flat`."""
+    out: list[Expr] = []
+    for k in range(len(shape)):
+        inner = product(shape[k + 1 :])
+        q = FloorDiv(flat, inner) if inner != 1 else flat
+        out.append(q if k == 0 else ModIdx(q, shape[k]))
+    return tuple(out)
+
+
+def free_size_symbols(e: Expr) -> set[sympy.Symbol]:
+    return {s for s in sympy.sympify(e).free_symbols if s.name[0] == "s"}
+
+
+def is_static(e) -> bool:
+    return sympy.sympify(e).is_Integer
+
+
+def affine_coeffs(e: Expr, vars_: Sequence[sympy.Symbol]) -> tuple[Expr, tuple[Expr, ...]] | None:
+    """Write `e` as offset + sum(c_k * v_k) with no var in offset or c_k, or return None."""
+    e = sympy.expand(e)
+    coeffs = []
+    rest = e
+    for v in vars_:
+        c = rest.coeff(v, 1)
+        if c.free_symbols & set(vars_):
+            return None
+        coeffs.append(c)
+        rest = sympy.expand(rest - c * v)
+    if rest.free_symbols & set(vars_) or rest.has(FloorDiv, ModIdx):
+        return None
+    return rest, tuple(coeffs)
+
+
+def _c(e: Expr) -> str:
+    if e.is_Integer:
+        v = int(e)
+        return f"{v}" if -(2**31) < v < 2**31 else f"INT64_C({v})"
+    if e.is_Symbol:
+        return e.name
+    if isinstance(e, FloorDiv):
+        return f"({_c(e.args[0])} / {_c(e.args[1])})"
+    if isinstance(e, ModIdx):
+        return f"({_c(e.args[0])} % {_c(e.args[1])})"
+    if e.is_Add:
+        terms = [_c(a) for a in sorted(e.args, key=sympy.default_sort_key)]
+        return "(" + " + ".join(terms) + ")"
+    if e.is_Mul:
+        return "(" + " * ".join(_c(a) for a in sorted(e.args, key=sympy.default_sort_key)) + ")"
+    if e.is_Pow and e.exp.is_Integer and int(e.exp) > 0:
+        return "(" + " * ".join([_c(e.base)] * int(e.exp)) + ")"
+    if isinstance(e, sympy.Max):
+        out = _c(e.args[0])
+        for a in e.args[1:]:
+            out = f"std::max<int64_t>({out}, {_c(a)})"
+        return out
+    if isinstance(e, sympy.Min):
+        out = _c(e.args[0])
+        for a in e.args[1:]:
+            out = f"std::min<int64_t>({out}, {_c(a)})"
+        return out
+    raise ValueError(f"cannot print index expression {e!r} as C")
+
+
+def to_c(e) -> str:
+    """Print a size or index expression as a C++ int64 expression."""
+    return _c(sympy.sympify(e))
+
+
+def to_py(e) -> str:
+    """Print a size expression as Python (for the Python wrapper)."""
+    e = sympy.sympify(e)
+    return sympy.pycode(e).replace("math.floor", "int")
+
+
+def evaluate(e, env: dict[str, int]) -> int:
+    e = sympy.sympify(e)
+    val = e.subs({sympy.Symbol(k, integer=True, positive=True): v for k, v in env.items()})
+    return int(val)

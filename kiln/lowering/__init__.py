@@ -1,0 +1,105 @@
+"""Graph IR -> Loop IR.
+
+Walks the graph in order, lowering each node through `RULES` into a `Lazy` value, then decides
+whether to materialise it: a value is inlined into its consumers (fusing pointwise chains and
+reduction prologues/epilogues) unless it is used several times and not trivially cheap, or its
+expression grew too large. Graph outputs always get their own output buffer."""
+
+from __future__ import annotations
+
+import sympy
+
+from kiln.ir import loop as L
+from kiln.ir.graph import Graph, Node
+from kiln.ir.sym import contiguous_strides, ivars
+from kiln.lowering import extern, indexing, pointwise, reductions, views
+from kiln.lowering.core import Lazy, LowerCtx, View, from_view
+
+RULES = {
+    **{op: pointwise.lower_unary for op in (
+        "neg", "exp", "log", "sqrt", "rsqrt", "tanh", "sigmoid", "relu", "abs", "sin", "cos",
+        "erf", "erfc", "logical_not", "reciprocal", "floor", "ceil", "round", "trunc", "log1p",
+        "expm1", "sign", "exp2", "log2", "tan", "atan", "asin", "acos", "sinh", "cosh", "asinh",
+        "acosh", "atanh", "isnan", "isinf", "bitwise_not", "silu", "hardswish", "hardsigmoid",
+        "mish", "softplus", "gelu", "leaky_relu", "clamp", "cast")},
+    **{op: pointwise.lower_binary for op in (
+        "add", "sub", "mul", "div", "pow", "maximum", "minimum", "eq", "ne", "lt", "le", "gt",
+        "ge", "logical_and", "logical_or", "logical_xor", "remainder", "fmod", "atan2",
+        "bitwise_and", "bitwise_or", "bitwise_xor", "floor_divide")},
+    "where": pointwise.lower_where,
+    "full": pointwise.lower_full,
+    "iota": pointwise.lower_iota,
+    "view": views.lower_view,
+    "permute": views.lower_permute,
+    "expand": views.lower_expand,
+    "slice": views.lower_slice,
+    "select": views.lower_select,
+    "cat": views.lower_cat,
+    "pad": views.lower_pad,
+    "reduce": reductions.lower_reduce,
+    "var": reductions.lower_var,
+    "softmax": reductions.lower_softmax,
+    "log_softmax": reductions.lower_softmax,
+    "layer_norm": reductions.lower_layer_norm,
+    "batch_norm": reductions.lower_batch_norm,
+    "max_pool2d": reductions.lower_max_pool2d,
+    "avg_pool2d": reductions.lower_avg_pool2d,
+    "adaptive_avg_pool2d": reductions.lower_adaptive_avg_pool2d,
+    "embedding": indexing.lower_embedding,
+    "index": indexing.lower_index,
+    "gather": indexing.lower_gather,
+    "matmul": extern.lower_matmul,
+    "conv2d": extern.lower_conv2d,
+}
+
+CHEAP = 2  # operators per element that may be recomputed by each consumer
+MAX_INLINE = 60  # operators per element above which a value is always materialised
+
+
+def _should_realize(node: Node, lz: Lazy, users: int) -> bool:
+    if lz.view is not None:
+        return False
+    if lz.cost > MAX_INLINE:
+        return True
+    return users > 1 and lz.cost > CHEAP
+
+
+def lower(graph: Graph) -> L.LoopProgram:
+    from kiln.errors import UnsupportedError
+
+    ctx = LowerCtx()
+    env: dict[str, Lazy] = {}
+    for i in graph.inputs:
+        ctx.declare(i.name, i.type.dtype, i.type.shape, "input" if i.kind == "user" else "weight")
+        env[i.name] = ctx.buffer_lazy(i.name, i.type.dtype, i.type.shape)
+    users = graph.users()
+    for node in graph.nodes:
+        rule = RULES.get(node.op)
+        if rule is None:
+            raise UnsupportedError(f"no lowering for op {node.op} (node {node.name})")
+        lz = rule(ctx, node, [env[x] for x in node.inputs])
+        if _should_realize(node, lz, users.get(node.name, 0)):
+            lz = ctx.realize(node.name, lz, (node.source or node.name,))
+        env[node.name] = lz
+    outputs = []
+    for k, name in enumerate(graph.outputs):
+        outputs.append(_output(ctx, name, env[name], graph, k))
+    types = graph.types()
+    return L.LoopProgram(tuple(ctx.buffers), tuple(ctx.nodes), tuple(outputs),
+                         tuple(i.name for i in graph.user_inputs),
+                         tuple(types[o].shape for o in graph.outputs))
+
+
+def _output(ctx: LowerCtx, name: str, lz: Lazy, graph: Graph, k: int) -> str:
+    """Give output k its own buffer: retarget the temp that computes it when it reads that
+    temp whole and in order (the output's shape may differ: the memory is the same)."""
+    whole = ctx.is_whole_buffer(lz)
+    if whole is not None:
+        buf = next(b for b in ctx.buffers if b.name == whole)
+        ctx.buffers[ctx.buffers.index(buf)] = L.Buffer(buf.name, buf.dtype, buf.shape, "output")
+        return whole
+    out = ctx.realize(f"out{k}_{name}", lz, (name,), kind="output")
+    return out.view.buf
+
+
+__all__ = ["lower", "RULES", "View", "from_view", "contiguous_strides", "sympy", "ivars"]

@@ -1,0 +1,271 @@
+"""Lowering rules for views and data movement: reshape, permute, expand, slice, select, cat,
+pad. Views compose index maps; when the source is an affine view of a buffer the result keeps
+(buffer, offset, strides) so that no copy is ever made for it."""
+
+from __future__ import annotations
+
+import sympy
+
+from kiln.ir import dtypes
+from kiln.ir import loop as L
+from kiln.ir.graph import Node
+from kiln.ir.sym import FloorDiv, ModIdx, linear_index, product, unravel
+from kiln.lowering.core import Index, Lazy, LowerCtx, View, from_view
+from kiln.lowering.pointwise import cast, const, op
+
+
+def _same(a, b) -> bool:
+    return sympy.expand(a - b) == 0
+
+
+def _divides(big, small) -> bool:
+    q = sympy.cancel(big / small)
+    num, den = sympy.fraction(q)
+    return den == 1 and (not num.is_Number or (num.is_Integer and int(num) >= 1))
+
+
+def reshape_groups(old, new) -> list[tuple[list[int], list[int]]] | None:
+    """Pair runs of `old` dims with runs of `new` dims of equal product (size-1 dims may sit in
+    any group). None when the shapes cannot be matched run by run."""
+    groups: list[tuple[list[int], list[int]]] = []
+    i = j = 0
+    while i < len(old) or j < len(new):
+        go, gn = [], []
+        po = pn = sympy.Integer(1)
+        while True:
+            if i < len(old) and (not go or not _same(po, pn)) and (
+                    not gn or _divides(pn, po * old[i]) or not go):
+                go.append(i)
+                po = po * old[i]
+                i += 1
+            elif j < len(new) and (not gn or not _same(po, pn)):
+                gn.append(j)
+                pn = pn * new[j]
+                j += 1
+            else:
+                break
+            if go and gn and _same(po, pn):
+                # absorb trailing size-1 dims into this group
+                while i < len(old) and old[i] == 1 and (j >= len(new) or new[j] != 1):
+                    go.append(i)
+                    i += 1
+                while j < len(new) and new[j] == 1 and (i >= len(old) or old[i] != 1):
+                    gn.append(j)
+                    j += 1
+                break
+            if i >= len(old) and j >= len(new):
+                break
+        if not _same(po, pn):
+            return None
+        groups.append((go, gn))
+    return groups
+
+
+def _group_strides(old_shape, old_strides, go, new_shape, gn):
+    """Strides for the new dims of one group, when the old group is mergeable, else None."""
+    dims = [k for k in go if old_shape[k] != 1]
+    for a, b in zip(dims, dims[1:]):
+        if not _same(old_strides[a], old_strides[b] * old_shape[b]):
+            return None
+    inner = old_strides[dims[-1]] if dims else sympy.Integer(1)
+    out = []
+    acc = inner
+    for k in reversed(gn):
+        out.append(acc)
+        acc = acc * new_shape[k]
+    return list(reversed(out))
+
+
+def lower_view(ctx: LowerCtx, node: Node, args: list[Lazy]) -> Lazy:
+    (x,) = args
+    new = node.type.shape
+    shape = node.attr("shape", None)
+    if shape is not None:
+        new = tuple(sympy.sympify(s) for s in shape)
+    groups = reshape_groups(x.shape, new)
+    if x.view is not None and groups is not None:
+        strides: list = [None] * len(new)
+        ok = True
+        for go, gn in groups:
+            st = _group_strides(x.shape, x.view.strides, go, new, gn)
+            if st is None:
+                ok = False
+                break
+            for k, s in zip(gn, st):
+                strides[k] = sympy.expand(s)
+        if ok:
+            return from_view(x.dtype, new, View(x.view.buf, x.view.offset, tuple(strides)))
+
+    def fn(idx: Index) -> L.Expr:
+        old_idx: list = [sympy.Integer(0)] * len(x.shape)
+        if groups is None:
+            flat = linear_index(idx, _contig(new))
+            return x.load(unravel(flat, x.shape))
+        for go, gn in groups:
+            flat = linear_index([idx[k] for k in gn], _contig([new[k] for k in gn]))
+            sub = [x.shape[k] for k in go]
+            vals = unravel(flat, sub) if len(go) > 1 else (flat,)
+            for k, v in zip(go, vals):
+                old_idx[k] = v if x.shape[k] != 1 else sympy.Integer(0)
+        return x.load(tuple(old_idx))
+
+    return Lazy(x.dtype, new, fn, None, x.cost)
+
+
+def _contig(shape):
+    from kiln.ir.sym import contiguous_strides
+    return contiguous_strides(shape)
+
+
+def lower_permute(ctx: LowerCtx, node: Node, args: list[Lazy]) -> Lazy:
+    (x,) = args
+    dims = node.attr("dims")
+    shape = tuple(x.shape[d] for d in dims)
+    if x.view is not None:
+        v = x.view
+        return from_view(x.dtype, shape, View(v.buf, v.offset, tuple(v.strides[d] for d in dims)))
+
+    def fn(idx: Index) -> L.Expr:
+        src = [None] * len(dims)
+        for k, d in enumerate(dims):
+            src[d] = idx[k]
+        return x.load(tuple(src))
+
+    return Lazy(x.dtype, shape, fn, None, x.cost)
+
+
+def lower_expand(ctx: LowerCtx, node: Node, args: list[Lazy]) -> Lazy:
+    (x,) = args
+    out = node.type.shape
+    off = len(out) - x.rank
+    if x.view is not None:
+        strides = [sympy.Integer(0)] * off + [
+            sympy.Integer(0) if (x.shape[k] == 1 and out[k + off] != 1) else x.view.strides[k]
+            for k in range(x.rank)]
+        return from_view(x.dtype, out, View(x.view.buf, x.view.offset, tuple(strides)))
+
+    def fn(idx: Index) -> L.Expr:
+        return x.load(tuple(sympy.Integer(0) if (x.shape[k] == 1 and out[k + off] != 1)
+                            else idx[k + off] for k in range(x.rank)))
+
+    return Lazy(x.dtype, out, fn, None, x.cost)
+
+
+def _clamp_slice(start, end, size):
+    def norm(v, default):
+        if v is None:
+            return default
+        v = sympy.sympify(v)
+        if v.is_Integer and int(v) < 0:
+            v = size + v
+        if v.is_Integer and size.is_Integer:
+            return sympy.Integer(max(0, min(int(v), int(size))))
+        if v.is_Integer and int(v) >= 2**62:
+            return size
+        return v
+    return norm(start, sympy.Integer(0)), norm(end, size)
+
+
+def lower_slice(ctx: LowerCtx, node: Node, args: list[Lazy]) -> Lazy:
+    (x,) = args
+    dim, step = node.attr("dim"), node.attr("step")
+    start, _ = _clamp_slice(node.attr("start"), node.attr("end"), x.shape[dim])
+    shape = node.type.shape
+    if x.view is not None:
+        v = x.view
+        strides = list(v.strides)
+        strides[dim] = v.strides[dim] * step
+        return from_view(x.dtype, shape, View(v.buf, sympy.expand(v.offset + start * v.strides[dim]),
+                                              tuple(strides)))
+
+    def fn(idx: Index) -> L.Expr:
+        src = list(idx)
+        src[dim] = sympy.expand(start + step * idx[dim])
+        return x.load(tuple(src))
+
+    return Lazy(x.dtype, shape, fn, None, x.cost)
+
+
+def lower_select(ctx: LowerCtx, node: Node, args: list[Lazy]) -> Lazy:
+    (x,) = args
+    dim = node.attr("dim")
+    index = sympy.sympify(node.attr("index"))
+    if index.is_Integer and int(index) < 0:
+        index = x.shape[dim] + index
+    shape = node.type.shape
+    if x.view is not None:
+        v = x.view
+        strides = tuple(s for k, s in enumerate(v.strides) if k != dim)
+        return from_view(x.dtype, shape, View(v.buf, sympy.expand(v.offset + index * v.strides[dim]),
+                                              strides))
+
+    def fn(idx: Index) -> L.Expr:
+        return x.load(tuple(idx[:dim]) + (index,) + tuple(idx[dim:]))
+
+    return Lazy(x.dtype, shape, fn, None, x.cost)
+
+
+def lower_cat(ctx: LowerCtx, node: Node, args: list[Lazy]) -> Lazy:
+    dim = node.attr("dim")
+    shape, dt = node.type.shape, node.type.dtype
+    starts = []
+    acc = sympy.Integer(0)
+    for a in args:
+        starts.append(acc)
+        acc = acc + a.shape[dim]
+
+    def fn(idx: Index) -> L.Expr:
+        i = idx[dim]
+        out = None
+        for a, s in reversed(list(zip(args, starts))):
+            local = list(idx)
+            local[dim] = sympy.expand(i - s)
+            val = cast(_guarded_load(a, local, dim), dt)
+            if out is None:
+                out = val
+            else:
+                cond = op("ge", L.Index(i, dtypes.int64), L.Index(s, dtypes.int64),
+                          dtype=dtypes.bool_)
+                out = op("where", cond, val, out)
+        return out
+
+    return Lazy(dt, shape, fn, None, len(args) * 2 + sum(a.cost for a in args))
+
+
+def _guarded_load(a: Lazy, idx, dim) -> L.Expr:
+    """Load from `a` at an index that may be out of range on `dim` for lanes another branch
+    selects: clamp it into range so the load is always in bounds."""
+    i = idx[dim]
+    idx = list(idx)
+    idx[dim] = sympy.Max(sympy.Integer(0), sympy.Min(i, a.shape[dim] - 1))
+    return a.load(tuple(idx))
+
+
+def lower_pad(ctx: LowerCtx, node: Node, args: list[Lazy]) -> Lazy:
+    (x,) = args
+    pad = node.attr("pad")
+    value = node.attr("value")
+    shape, dt = node.type.shape, node.type.dtype
+    rank = len(shape)
+    pads = {rank - 1 - k // 2: (pad[k], pad[k + 1]) for k in range(0, len(pad), 2)}
+
+    def fn(idx: Index) -> L.Expr:
+        src = list(idx)
+        conds = []
+        for d, (lo, _hi) in pads.items():
+            s = sympy.expand(idx[d] - lo)
+            conds.append(op("ge", L.Index(s, dtypes.int64), const(0, dtypes.int64),
+                            dtype=dtypes.bool_))
+            conds.append(op("lt", L.Index(s, dtypes.int64),
+                            L.Index(x.shape[d], dtypes.int64), dtype=dtypes.bool_))
+            src[d] = sympy.Max(sympy.Integer(0), sympy.Min(s, x.shape[d] - 1))
+        inside = conds[0]
+        for c in conds[1:]:
+            inside = op("logical_and", inside, c, dtype=dtypes.bool_)
+        return op("where", inside, cast(x.load(tuple(src)), dt), const(value, dt))
+
+    return Lazy(dt, shape, fn, None, x.cost + 4 * len(pads))
+
+
+__all__ = ["lower_view", "lower_permute", "lower_expand", "lower_slice", "lower_select",
+           "lower_cat", "lower_pad", "FloorDiv", "ModIdx", "product"]

@@ -1,0 +1,1 @@
+"""Graph IR -> Graph IR passes, one per module, each a pure function."""

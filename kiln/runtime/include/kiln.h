@@ -1,0 +1,89 @@
+/* kiln.h - the public, stable C ABI of the kiln runtime (libkiln).
+ *
+ * A compiled model is one package file ("model.kiln"). libkiln opens it, verifies it, maps its
+ * weights and runs the model on DLPack tensors:
+ *
+ *     kiln_model *m = NULL;
+ *     if (kiln_model_load("model.kiln", "cpu", &m) != 0) {
+ *       fprintf(stderr, "%s\n", kiln_last_error());
+ *       return 1;
+ *     }
+ *     const DLTensor *in[1] = {&x};
+ *     DLManagedTensor *out[1] = {NULL};
+ *     if (kiln_model_run(m, in, 1, out, 1) != 0) { ...kiln_last_error()... }
+ *     ... use out[0]->dl_tensor ...
+ *     out[0]->deleter(out[0]);
+ *     kiln_model_free(m);
+ *
+ * Conventions:
+ *  - Every function returning int returns 0 on success and non-zero on failure; a failure sets
+ *    the calling thread's error message (kiln_last_error). No function aborts or crashes on a
+ *    NULL argument: it fails with a message instead.
+ *  - Inputs are borrowed for the duration of the call and never modified.
+ *  - Outputs are owned by the caller and must be released with their own deleter, exactly once.
+ *    They stay valid after kiln_model_free.
+ *  - A kiln_model may be shared between threads: runs on one model are serialised internally;
+ *    runs on different models proceed in parallel.
+ *  - The ABI is versioned by KILN_ABI_VERSION; functions are only ever added, never changed.
+ */
+#ifndef KILN_H
+#define KILN_H
+
+#include <stdint.h>
+#include "dlpack.h"
+
+#define KILN_ABI_VERSION 1
+
+#if defined(_WIN32)
+#define KILN_API
+#else
+#define KILN_API __attribute__((visibility("default")))
+#endif
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+/* An opened, ready-to-run model. Opaque. */
+typedef struct kiln_model kiln_model;
+
+/* Returns the ABI version libkiln implements (KILN_ABI_VERSION of the header it was built with).
+ * Callers should check it equals the KILN_ABI_VERSION they were compiled against. */
+KILN_API int kiln_abi_version(void);
+
+/* Opens the package at package_path for the given device and stores the model in *out.
+ * device: only "cpu" is supported for now; anything else fails.
+ * The package is memory-mapped read-only, its zip structure and the CRC32 of every entry used
+ * (manifest.json, lib/model.so, weights.safetensors) are verified, lib/model.so is extracted to
+ * the cache directory ($KILN_CACHE_DIR, else $XDG_CACHE_HOME/kiln, else ~/.cache/kiln) and loaded,
+ * and every weight the model declares is checked (present, dtype, byte size, bounds).
+ * On failure *out is set to NULL (when out is not NULL) and non-zero is returned. */
+KILN_API int kiln_model_load(const char *package_path, const char *device, kiln_model **out);
+
+/* Number of flat tensor inputs / outputs of the model; -1 when m is NULL. */
+KILN_API int64_t kiln_model_num_inputs(const kiln_model *m);
+KILN_API int64_t kiln_model_num_outputs(const kiln_model *m);
+
+/* Runs the model. inputs: n_inputs borrowed tensor pointers (none may be NULL); outputs: an array
+ * of n_outputs slots that receives newly allocated tensors owned by the caller. Either array may
+ * be NULL only when its count is 0. The counts must equal kiln_model_num_inputs/num_outputs
+ * (else e.g. "kiln_model_run: expected 2 inputs, got 3"). Each input is validated by the model
+ * (dtype, device, rank, sizes, strides); the first violation is reported as an error message
+ * starting with "input <i> (<name>): ". On failure nothing needs freeing: the output slots are
+ * untouched (argument errors) or NULL. Thread-safe: concurrent calls on one model are
+ * serialised. */
+KILN_API int kiln_model_run(kiln_model *m, const DLTensor *const *inputs, int64_t n_inputs,
+                            DLManagedTensor **outputs, int64_t n_outputs);
+
+/* The message of the last failure on the calling thread ("" if none). The pointer stays valid
+ * until the next failing kiln call on this thread. Successful calls do not clear it. */
+KILN_API const char *kiln_last_error(void);
+
+/* Releases a model (its weights mapping and instance). NULL is allowed and does nothing.
+ * Outputs produced earlier stay valid. Must not be called while a run on m is in progress. */
+KILN_API void kiln_model_free(kiln_model *m);
+
+#ifdef __cplusplus
+}
+#endif
+#endif /* KILN_H */

@@ -1,0 +1,51 @@
+/* kiln_model_abi.h - the internal contract between the kiln runtime (libkiln) and one generated
+ * model library (lib/model.so inside a package).
+ *
+ * Every generated model.so exports exactly one symbol, `kiln_model_abi_v1`, returning a pointer to
+ * a static table. libkiln (the public C API in kiln.h) opens the package, maps the weights and
+ * drives the model only through this table. Users never include this header.
+ *
+ * Ownership rules:
+ *  - weights: create() receives n_weights read-only pointers (into the memory-mapped safetensors
+ *    blob), in the order of weight_names; they stay valid until destroy().
+ *  - run(): inputs are borrowed; the model validates every one (count, dtype, device, rank, sizes,
+ *    Dim ranges, strides) and reports the first violation through err. On success it fills
+ *    outputs[0..n_outputs) with freshly allocated DLManagedTensors the caller owns (the deleter
+ *    frees them; it lives in model.so, which libkiln therefore never unloads).
+ *  - One instance is not re-entrant: libkiln serialises run() calls per instance.
+ */
+#ifndef KILN_MODEL_ABI_H
+#define KILN_MODEL_ABI_H
+#include <stddef.h>
+#include <stdint.h>
+#include "dlpack.h"
+
+#define KILN_MODEL_ABI_VERSION 1u
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+typedef struct kiln_model_abi {
+  uint32_t abi_version;              /* KILN_MODEL_ABI_VERSION */
+  int64_t n_inputs;                  /* flat user inputs */
+  int64_t n_outputs;                 /* flat user outputs */
+  int64_t n_weights;
+  const char *const *weight_names;   /* safetensors keys, n_weights entries */
+  const int64_t *weight_nbytes;      /* expected byte size of each weight */
+  const char *const *weight_dtypes;  /* safetensors dtype strings ("F32", "I64", ...) */
+  /* Returns an instance or NULL (message in err). */
+  void *(*create)(const void *const *weights, char *err, size_t errlen);
+  /* Returns 0 on success, non-zero with a message in err. */
+  int (*run)(void *instance, const DLTensor *const *inputs, int64_t n_inputs,
+             DLManagedTensor **outputs, int64_t n_outputs, char *err, size_t errlen);
+  void (*destroy)(void *instance);
+} kiln_model_abi;
+
+typedef const kiln_model_abi *(*kiln_model_abi_fn)(void);
+#define KILN_MODEL_ABI_SYMBOL "kiln_model_abi_v1"
+
+#ifdef __cplusplus
+}
+#endif
+#endif

@@ -1,0 +1,233 @@
+"""Python front end of libkiln: load a package and call it like the original module.
+
+Input: a package path; at call time the same ``(*args, **kwargs)`` the exported program took.
+Output: the outputs as torch tensors in the exported output structure (manifest ``out_spec``).
+Invariants: the C ABI of kiln.h is the only path to the model (ctypes over libkiln.so); inputs
+are passed as DLTensors pointing at the tensors' own memory (never copied; the model validates
+dtype/device/shape/strides); every DLManagedTensor returned by the model is either handed to
+``torch.from_dlpack`` (which then owns it and calls its deleter when the tensor dies) or deleted
+here, exactly once. Runs on one Runner are serialised by libkiln.
+"""
+from __future__ import annotations
+
+import ctypes
+import functools
+import os
+import pathlib
+from typing import Any
+
+import torch
+from torch.utils import _pytree as pytree
+
+from kiln.errors import InputError, KilnError, PackageError, UnsupportedError
+from kiln.package import read_package
+from kiln.runtime import dlpack_ctypes as dl
+from kiln.runtime.build import build_libkiln
+
+KILN_ABI_VERSION = 1
+_CAPSULE_NAME = ctypes.create_string_buffer(b"dltensor")  # must outlive every capsule
+_USED_NAME = b"used_dltensor"
+
+_capsule_new = ctypes.pythonapi.PyCapsule_New
+_capsule_new.restype = ctypes.py_object
+_capsule_new.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p]
+_capsule_name = ctypes.pythonapi.PyCapsule_GetName
+_capsule_name.restype = ctypes.c_char_p
+_capsule_name.argtypes = [ctypes.py_object]
+
+
+@functools.lru_cache(maxsize=None)
+def libkiln() -> ctypes.CDLL:
+    """libkiln.so, built if needed and loaded once per process."""
+    lib = ctypes.CDLL(str(build_libkiln()))
+    vp, i64 = ctypes.c_void_p, ctypes.c_int64
+    lib.kiln_abi_version.restype = ctypes.c_int
+    lib.kiln_abi_version.argtypes = []
+    lib.kiln_model_load.restype = ctypes.c_int
+    lib.kiln_model_load.argtypes = [ctypes.c_char_p, ctypes.c_char_p, ctypes.POINTER(vp)]
+    lib.kiln_model_num_inputs.restype = i64
+    lib.kiln_model_num_inputs.argtypes = [vp]
+    lib.kiln_model_num_outputs.restype = i64
+    lib.kiln_model_num_outputs.argtypes = [vp]
+    lib.kiln_model_run.restype = ctypes.c_int
+    lib.kiln_model_run.argtypes = [vp, ctypes.POINTER(ctypes.POINTER(dl.DLTensor)), i64,
+                                   ctypes.POINTER(vp), i64]
+    lib.kiln_last_error.restype = ctypes.c_char_p
+    lib.kiln_last_error.argtypes = []
+    lib.kiln_model_free.restype = None
+    lib.kiln_model_free.argtypes = [vp]
+    if lib.kiln_abi_version() != KILN_ABI_VERSION:
+        raise KilnError(f"libkiln ABI version {lib.kiln_abi_version()}, expected "
+                        f"{KILN_ABI_VERSION}")
+    return lib
+
+
+def last_error() -> str:
+    return (libkiln().kiln_last_error() or b"").decode("utf-8", "replace")
+
+
+class _Leaf:
+    def __repr__(self) -> str:
+        return "*"
+
+
+def _describe(spec: pytree.TreeSpec) -> str:
+    """A readable picture of a (args, kwargs) structure, tensors shown as *."""
+    return repr(pytree.tree_unflatten([_Leaf()] * spec.num_leaves, spec))
+
+
+def _children(spec: pytree.TreeSpec) -> list[pytree.TreeSpec]:
+    children = getattr(spec, "children", None)
+    return list(children()) if callable(children) else list(spec.children_specs)
+
+
+class Runner:
+    """A loaded model. Call it with the exported program's arguments."""
+
+    def __init__(self, path: str | os.PathLike[str], device: str = "cpu") -> None:
+        self._handle: ctypes.c_void_p | None = None
+        self._path = pathlib.Path(path)
+        if device != "cpu":
+            raise UnsupportedError(f"kiln: unsupported device {device!r} (only 'cpu')")
+        self._manifest = read_package(self._path).manifest
+        m = self._manifest
+        self._in_spec = pytree.treespec_loads(m["in_spec"]) if "in_spec" in m else None
+        self._out_spec = pytree.treespec_loads(m["out_spec"]) if "out_spec" in m else None
+        self._names = [str(i.get("name", f"arg{k}")) if isinstance(i, dict) else f"arg{k}"
+                       for k, i in enumerate(m.get("inputs", []))]
+        self._lib = libkiln()
+        handle = ctypes.c_void_p()
+        if self._lib.kiln_model_load(os.fsencode(self._path), device.encode(),
+                                     ctypes.byref(handle)) != 0:
+            raise PackageError(last_error())
+        self._handle = handle
+        self._n_in = int(self._lib.kiln_model_num_inputs(handle))
+        self._n_out = int(self._lib.kiln_model_num_outputs(handle))
+        if self._in_spec is not None and self._in_spec.num_leaves != self._n_in:
+            self.close()
+            raise PackageError(f"package '{self._path}': in_spec has "
+                               f"{self._in_spec.num_leaves} leaves, the model {self._n_in} inputs")
+        if self._out_spec is not None and self._out_spec.num_leaves != self._n_out:
+            self.close()
+            raise PackageError(f"package '{self._path}': out_spec has {self._out_spec.num_leaves}"
+                               f" leaves, the model {self._n_out} outputs")
+
+    @property
+    def manifest(self) -> dict[str, Any]:
+        return self._manifest
+
+    @property
+    def num_inputs(self) -> int:
+        return self._n_in
+
+    @property
+    def num_outputs(self) -> int:
+        return self._n_out
+
+    def close(self) -> None:
+        handle, self._handle = self._handle, None
+        if handle is not None:
+            self._lib.kiln_model_free(handle)
+
+    def __enter__(self) -> Runner:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def __del__(self) -> None:
+        try:
+            self.close()
+        except Exception:  # interpreter shutdown
+            pass
+
+    def _name(self, i: int) -> str:
+        return self._names[i] if i < len(self._names) else f"arg{i}"
+
+    def _flatten(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> list[Any]:
+        if self._in_spec is None:
+            if kwargs:
+                raise InputError("this model takes no keyword arguments")
+            return list(args)
+        flat, spec = pytree.tree_flatten((args, kwargs))
+        if spec != self._in_spec and kwargs:  # same keywords in another order
+            try:
+                order = _children(self._in_spec)[1].context
+                if sorted(order) == sorted(kwargs):
+                    flat, spec = pytree.tree_flatten((args, {k: kwargs[k] for k in order}))
+            except (AttributeError, IndexError, TypeError):
+                pass
+        if spec != self._in_spec:
+            raise InputError(f"inputs do not match the exported structure: expected (args, "
+                             f"kwargs) like {_describe(self._in_spec)}, got {_describe(spec)}")
+        return flat
+
+    def _dltensor(self, i: int, t: Any, keep: list[Any]) -> dl.DLTensor:
+        if not isinstance(t, torch.Tensor):
+            raise InputError(f"input {i} ({self._name(i)}): expected a torch.Tensor, got "
+                             f"{type(t).__name__}")
+        if t.layout != torch.strided:
+            raise InputError(f"input {i} ({self._name(i)}): expected a strided tensor, got "
+                             f"layout {t.layout}")
+        t = t.detach().resolve_conj().resolve_neg()
+        code = dl.DTYPE_TO_DL.get(t.dtype)
+        dev = dl.dl_device(t.device)
+        if code is None or dev is None:
+            raise InputError(f"input {i} ({self._name(i)}): unsupported dtype/device "
+                             f"{t.dtype}/{t.device}")
+        shape = (ctypes.c_int64 * max(t.dim(), 1))(*t.shape)
+        strides = (ctypes.c_int64 * max(t.dim(), 1))(*t.stride())
+        keep += [t, shape, strides]
+        return dl.DLTensor(t.data_ptr(), dl.DLDevice(*dev), t.dim(), dl.DLDataType(*code, 1),
+                           ctypes.cast(shape, ctypes.POINTER(ctypes.c_int64)),
+                           ctypes.cast(strides, ctypes.POINTER(ctypes.c_int64)), 0)
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        if self._handle is None:
+            raise KilnError(f"kiln: runner for '{self._path}' is closed")
+        flat = self._flatten(args, kwargs)
+        if len(flat) != self._n_in:
+            raise InputError(f"expected {self._n_in} inputs, got {len(flat)}")
+        keep: list[Any] = []
+        structs = [self._dltensor(i, t, keep) for i, t in enumerate(flat)]
+        inputs = (ctypes.POINTER(dl.DLTensor) * max(self._n_in, 1))(
+            *[ctypes.pointer(s) for s in structs])
+        outputs = (ctypes.c_void_p * max(self._n_out, 1))()
+        if self._lib.kiln_model_run(self._handle, inputs, self._n_in, outputs, self._n_out):
+            msg = last_error()
+            raise (InputError if msg.startswith("input ") else KilnError)(msg)
+        results = _adopt_outputs(outputs, self._n_out)
+        if self._out_spec is None:
+            return tuple(results)
+        return pytree.tree_unflatten(results, self._out_spec)
+
+
+def _delete(ptr: int) -> None:
+    managed = dl.DLManagedTensor.from_address(ptr)
+    if managed.deleter:
+        managed.deleter(ptr)
+
+
+def _adopt_outputs(outputs: ctypes.Array, n: int) -> list[torch.Tensor]:
+    """Turns the model's DLManagedTensors into torch tensors; frees the rest on failure."""
+    results: list[torch.Tensor] = []
+    try:
+        for i in range(n):
+            ptr = outputs[i]
+            capsule = _capsule_new(ptr, ctypes.addressof(_CAPSULE_NAME), None)
+            try:
+                results.append(torch.from_dlpack(capsule))
+            finally:
+                if _capsule_name(capsule) == _USED_NAME:
+                    outputs[i] = None  # torch owns it now
+    finally:
+        for i in range(n):
+            if outputs[i]:
+                _delete(outputs[i])
+                outputs[i] = None
+    return results
+
+
+def load(path: str | os.PathLike[str], device: str = "cpu") -> Runner:
+    """Opens the package at ``path`` for ``device`` ("cpu") and returns a callable Runner."""
+    return Runner(path, device)

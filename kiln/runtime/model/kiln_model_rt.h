@@ -1,0 +1,218 @@
+/* kiln_model_rt.h - support code compiled into every generated model.so (namespace kr):
+ * error reporting, input validation against the export's promises, output allocation as
+ * DLManagedTensor, the arena, and the BLAS GEMM wrapper. */
+#ifndef KILN_MODEL_RT_H
+#define KILN_MODEL_RT_H
+#include <cstdarg>
+#include <cstdint>
+#include <cstdio>
+#include <cstdlib>
+#include <new>
+
+#include "dlpack.h"
+#include "kiln_model_abi.h"
+#include "kiln_kernels.h"
+
+#ifdef KILN_WITH_BLAS
+extern "C" {
+#include <cblas.h>
+}
+#endif
+
+namespace kr {
+
+struct Err {
+  char *buf;
+  size_t len;
+  int fail(const char *fmt, ...) __attribute__((format(printf, 2, 3))) {
+    if (buf && len) {
+      va_list ap;
+      va_start(ap, fmt);
+      vsnprintf(buf, len, fmt, ap);
+      va_end(ap);
+    }
+    return 1;
+  }
+};
+
+inline const char *dtype_name(DLDataType t) {
+  if (t.lanes != 1) return "vector";
+  switch (t.code) {
+    case kDLFloat: return t.bits == 32 ? "float32" : t.bits == 64 ? "float64" :
+                          t.bits == 16 ? "float16" : "float?";
+    case kDLInt: return t.bits == 64 ? "int64" : t.bits == 32 ? "int32" : t.bits == 16 ? "int16"
+                        : t.bits == 8 ? "int8" : "int?";
+    case kDLUInt: return t.bits == 8 ? "uint8" : "uint?";
+    case kDLBool: return "bool";
+    case kDLBfloat: return "bfloat16";
+    default: return "unknown";
+  }
+}
+
+inline const char *device_name(int type) {
+  switch (type) {
+    case kDLCPU: return "cpu";
+    case kDLCUDA: return "cuda";
+    default: return "other";
+  }
+}
+
+/* Checks shared by every input: present, dtype, device, rank, data pointer. */
+inline int check_tensor(Err &e, const DLTensor *t, int idx, const char *name, uint8_t code,
+                        uint8_t bits, int32_t ndim) {
+  if (!t) return e.fail("input %d (%s): is NULL", idx, name);
+  if (t->device.device_type != kDLCPU)
+    return e.fail("input %d (%s): expected device cpu, got %s", idx, name,
+                  device_name(t->device.device_type));
+  if (t->dtype.code != code || t->dtype.bits != bits || t->dtype.lanes != 1) {
+    DLDataType want{code, bits, 1};
+    return e.fail("input %d (%s): expected dtype %s, got %s", idx, name, dtype_name(want),
+                  dtype_name(t->dtype));
+  }
+  if (t->ndim != ndim)
+    return e.fail("input %d (%s): expected %d dimensions, got %d", idx, name, ndim, t->ndim);
+  if (ndim > 0 && !t->shape) return e.fail("input %d (%s): shape is NULL", idx, name);
+  for (int d = 0; d < ndim; ++d)
+    if (t->shape[d] < 0)
+      return e.fail("input %d (%s): size of dim %d is negative (%lld)", idx, name, d,
+                    (long long)t->shape[d]);
+  return 0;
+}
+
+inline int64_t numel(const DLTensor *t) {
+  int64_t n = 1;
+  for (int d = 0; d < t->ndim; ++d) n *= t->shape[d];
+  return n;
+}
+
+/* Row-major contiguity (size-1 dims may have any stride; NULL strides mean compact). */
+inline int check_contiguous(Err &e, const DLTensor *t, int idx, const char *name) {
+  if (!t->strides) return 0;
+  int64_t expect = 1;
+  for (int d = t->ndim - 1; d >= 0; --d) {
+    if (t->shape[d] != 1 && t->strides[d] != expect)
+      return e.fail("input %d (%s): expected contiguous strides, got stride %lld for dim %d "
+                    "(expected %lld); call .contiguous() first", idx, name,
+                    (long long)t->strides[d], d, (long long)expect);
+    expect *= t->shape[d];
+  }
+  return 0;
+}
+
+inline int check_data(Err &e, const DLTensor *t, int idx, const char *name, size_t align) {
+  if (numel(t) > 0 && !t->data) return e.fail("input %d (%s): data is NULL", idx, name);
+  uintptr_t p = reinterpret_cast<uintptr_t>(t->data) + t->byte_offset;
+  if (numel(t) > 0 && p % align != 0)
+    return e.fail("input %d (%s): data pointer is not aligned to %zu bytes", idx, name, align);
+  return 0;
+}
+
+template <class T> inline const T *data_of(const DLTensor *t) {
+  return reinterpret_cast<const T *>(static_cast<const char *>(t->data) + t->byte_offset);
+}
+
+struct OutputBox {
+  DLManagedTensor managed;
+  int64_t shape[8];
+};
+
+inline void free_output(DLManagedTensor *m) {
+  if (!m) return;
+  OutputBox *box = static_cast<OutputBox *>(m->manager_ctx);
+  std::free(m->dl_tensor.data);
+  delete box;
+}
+
+/* A fresh contiguous CPU tensor the caller owns (64-byte aligned; never NULL data). */
+inline DLManagedTensor *new_output(Err &e, uint8_t code, uint8_t bits, int32_t ndim,
+                                   const int64_t *shape) {
+  OutputBox *box = new (std::nothrow) OutputBox();
+  if (!box || ndim > 8) { delete box; e.fail("out of memory allocating an output"); return nullptr; }
+  int64_t n = 1;
+  for (int d = 0; d < ndim; ++d) { box->shape[d] = shape[d]; n *= shape[d]; }
+  size_t bytes = static_cast<size_t>(n) * (bits / 8);
+  size_t rounded = (bytes + 63) / 64 * 64;
+  void *data = std::aligned_alloc(64, rounded ? rounded : 64);
+  if (!data) { delete box; e.fail("out of memory allocating %zu bytes for an output", bytes); return nullptr; }
+  DLTensor &t = box->managed.dl_tensor;
+  t.data = data;
+  t.device = DLDevice{kDLCPU, 0};
+  t.ndim = ndim;
+  t.dtype = DLDataType{code, bits, 1};
+  t.shape = box->shape;
+  t.strides = nullptr;
+  t.byte_offset = 0;
+  box->managed.manager_ctx = box;
+  box->managed.deleter = free_output;
+  return &box->managed;
+}
+
+/* Arena: one 64-byte aligned block per instance, grown when a larger plan needs it. */
+struct Arena {
+  char *base = nullptr;
+  size_t cap = 0;
+  bool reserve(size_t bytes) {
+    if (bytes <= cap) return true;
+    size_t rounded = (bytes + 63) / 64 * 64;
+    char *p = static_cast<char *>(std::aligned_alloc(64, rounded));
+    if (!p) return false;
+    std::free(base);
+    base = p;
+    cap = rounded;
+    return true;
+  }
+  ~Arena() { std::free(base); }
+};
+
+#ifdef KILN_WITH_BLAS
+/* One row-major operand layout for BLAS: returns false when it is not expressible. */
+inline bool blas_layout(int64_t rows, int64_t cols, int64_t rs, int64_t cs, bool *trans,
+                        int64_t *ld) {
+  if ((cs == 1 || cols == 1) && (rs >= cols || rows == 1)) {
+    *trans = false;
+    *ld = rows == 1 ? (cols > 0 ? cols : 1) : rs;
+    if (*ld < cols) *ld = cols;
+    return true;
+  }
+  if ((rs == 1 || rows == 1) && (cs >= rows || cols == 1)) {
+    *trans = true;
+    *ld = cols == 1 ? (rows > 0 ? rows : 1) : cs;
+    if (*ld < rows) *ld = rows;
+    return true;
+  }
+  return false;
+}
+
+/* C[b][m][n] = A[b][m][k] * B[b][k][n] over up to two batch dims. */
+template <class T>
+inline int gemm(Err &e, const char *name, int64_t nb0, int64_t nb1, int64_t M, int64_t N,
+                int64_t K, const T *A, int64_t as0, int64_t as1, int64_t ar, int64_t ac,
+                const T *B, int64_t bs0, int64_t bs1, int64_t br, int64_t bc, T *C) {
+  bool ta, tb;
+  int64_t lda, ldb;
+  if (!blas_layout(M, K, ar, ac, &ta, &lda) || !blas_layout(K, N, br, bc, &tb, &ldb))
+    return e.fail("%s: operand layout not supported by BLAS", name);
+  if (M > INT32_MAX || N > INT32_MAX || K > INT32_MAX || lda > INT32_MAX || ldb > INT32_MAX)
+    return e.fail("%s: matrix too large for 32-bit BLAS", name);
+  for (int64_t b0 = 0; b0 < nb0; ++b0)
+    for (int64_t b1 = 0; b1 < nb1; ++b1) {
+      T *c = C + (b0 * nb1 + b1) * M * N;
+      if (K == 0) { for (int64_t i = 0; i < M * N; ++i) c[i] = T(0); continue; }
+      if (M == 0 || N == 0) continue;
+      const T *a = A + b0 * as0 + b1 * as1;
+      const T *bb = B + b0 * bs0 + b1 * bs1;
+      if constexpr (sizeof(T) == 4)
+        scipy_cblas_sgemm(CblasRowMajor, ta ? CblasTrans : CblasNoTrans,
+                          tb ? CblasTrans : CblasNoTrans, (int)M, (int)N, (int)K, 1.0f, a,
+                          (int)lda, bb, (int)ldb, 0.0f, c, (int)N);
+      else
+        scipy_cblas_dgemm(CblasRowMajor, ta ? CblasTrans : CblasNoTrans,
+                          tb ? CblasTrans : CblasNoTrans, (int)M, (int)N, (int)K, 1.0, a,
+                          (int)lda, bb, (int)ldb, 0.0, c, (int)N);
+    }
+  return 0;
+}
+#endif
+
+}  // namespace kr
+#endif

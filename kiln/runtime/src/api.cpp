@@ -1,0 +1,248 @@
+// api.cpp - the exported C functions of kiln.h.
+//
+// kiln_model_load: map + verify the package, extract and dlopen lib/model.so, bind the weights
+// (pointers into the mapping) and create the model instance. kiln_model_run: validate argument
+// counts and pointers, serialise on the model's mutex, call the model, translate its error.
+// Invariants: no exception and no NULL dereference crosses this file's boundary; each failure
+// sets the thread-local error; a model library is never dlclose'd (output deleters live in it).
+#include <dlfcn.h>
+
+#include <cstddef>
+#include <cstring>
+#include <memory>
+#include <mutex>
+#include <new>
+#include <string>
+#include <vector>
+
+#include "../include/kiln.h"
+#include "../include/kiln_model_abi.h"
+#include "cache.h"
+#include "error.h"
+#include "json.h"
+#include "safetensors.h"
+#include "zip_reader.h"
+
+static_assert(sizeof(DLDevice) == 8, "DLDevice layout");
+static_assert(sizeof(DLDataType) == 4, "DLDataType layout");
+static_assert(sizeof(void *) != 8 || sizeof(DLTensor) == 48, "DLTensor layout");
+static_assert(sizeof(void *) != 8 || offsetof(DLTensor, ndim) == 16, "DLTensor layout");
+static_assert(sizeof(void *) != 8 || offsetof(DLTensor, shape) == 24, "DLTensor layout");
+static_assert(sizeof(void *) != 8 || sizeof(DLManagedTensor) == 64, "DLManagedTensor layout");
+
+struct kiln_model {
+  std::unique_ptr<kiln::ZipReader> package;  // owns the mapping the weights point into
+  const kiln_model_abi *abi = nullptr;
+  void *instance = nullptr;
+  std::mutex mu;
+};
+
+namespace {
+
+constexpr const char *kFormat = "kiln.package/1";
+
+template <class F>
+int guarded(F &&body) {
+  try {
+    body();
+    return 0;
+  } catch (const std::bad_alloc &) {
+    kiln::set_last_error("kiln: out of memory");
+  } catch (const std::exception &e) {
+    kiln::set_last_error(e.what());
+  } catch (...) {
+    kiln::set_last_error("kiln: unknown internal error");
+  }
+  return 1;
+}
+
+void check_manifest(const kiln::ZipReader &zip) {
+  const std::string what = kiln::format("kiln: package '%s': entry 'manifest.json'",
+                                        zip.path().c_str());
+  kiln::Span s = zip.entry("manifest.json");
+  kiln::Json man = kiln::parse_json(reinterpret_cast<const char *>(s.data),
+                                    static_cast<size_t>(s.size), what);
+  if (man.type != kiln::Json::Object) kiln::fail("%s: not a JSON object", what.c_str());
+  const kiln::Json *fmt = man.get("format");
+  if (!fmt || fmt->type != kiln::Json::String) {
+    kiln::fail("%s: no \"format\" string (expected \"%s\")", what.c_str(), kFormat);
+  }
+  if (fmt->str != kFormat) {
+    kiln::fail("%s: unsupported package format \"%s\" (this libkiln reads \"%s\")",
+               what.c_str(), fmt->str.c_str(), kFormat);
+  }
+}
+
+const kiln_model_abi *open_library(const kiln::ZipReader &zip) {
+  const char *p = zip.path().c_str();
+  kiln::Span so = zip.entry("lib/model.so");
+  uint32_t crc = 0;
+  for (const kiln::ZipEntry &e : zip.entries()) {
+    if (e.name == "lib/model.so") crc = e.crc;
+  }
+  std::string what = kiln::format("package '%s': entry 'lib/model.so'", p);
+  std::string path = kiln::extract_to_cache(so.data, so.size, crc, what);
+  void *h = ::dlopen(path.c_str(), RTLD_NOW | RTLD_LOCAL);
+  if (!h) {
+    const char *e = ::dlerror();
+    kiln::fail("kiln: %s: cannot load '%s': %s", what.c_str(), path.c_str(), e ? e : "?");
+  }
+  void *sym = ::dlsym(h, KILN_MODEL_ABI_SYMBOL);
+  if (!sym) {
+    kiln::fail("kiln: %s: library does not export %s (built with -fvisibility=hidden and no "
+               "export attribute?)", what.c_str(), KILN_MODEL_ABI_SYMBOL);
+  }
+  kiln_model_abi_fn fn = nullptr;
+  std::memcpy(&fn, &sym, sizeof fn);
+  const kiln_model_abi *abi = fn();
+  if (!abi) kiln::fail("kiln: %s: %s() returned NULL", what.c_str(), KILN_MODEL_ABI_SYMBOL);
+  if (abi->abi_version != KILN_MODEL_ABI_VERSION) {
+    kiln::fail("kiln: %s: model ABI version %u, this libkiln supports %u", what.c_str(),
+               abi->abi_version, KILN_MODEL_ABI_VERSION);
+  }
+  if (abi->n_inputs < 0 || abi->n_outputs < 0 || abi->n_weights < 0 || !abi->create ||
+      !abi->run || !abi->destroy ||
+      (abi->n_weights > 0 && (!abi->weight_names || !abi->weight_nbytes ||
+                              !abi->weight_dtypes))) {
+    kiln::fail("kiln: %s: malformed model ABI table", what.c_str());
+  }
+  return abi;
+}
+
+std::vector<const void *> bind_weights(const kiln::ZipReader &zip, const kiln_model_abi *abi) {
+  const char *p = zip.path().c_str();
+  std::vector<const void *> ptrs;
+  const char *entry = "weights.safetensors";
+  if (!zip.has(entry)) {
+    if (abi->n_weights == 0) return ptrs;
+    kiln::fail("kiln: package '%s': missing entry '%s' (the model needs %lld weights)", p, entry,
+               static_cast<long long>(abi->n_weights));
+  }
+  std::string what = kiln::format("kiln: package '%s': entry '%s'", p, entry);
+  kiln::Span s = zip.entry(entry);
+  auto tensors = kiln::parse_safetensors(s.data, s.size, what);
+  for (int64_t i = 0; i < abi->n_weights; ++i) {
+    const char *name = abi->weight_names[i];
+    const char *dtype = abi->weight_dtypes[i];
+    if (!name || !dtype) kiln::fail("kiln: %s: model weight %lld has no name or dtype",
+                                    what.c_str(), static_cast<long long>(i));
+    auto it = tensors.find(name);
+    if (it == tensors.end()) kiln::fail("%s: missing weight '%s'", what.c_str(), name);
+    const kiln::SafeTensor &t = it->second;
+    if (t.dtype != dtype) {
+      kiln::fail("%s: weight '%s' has dtype %s, the model expects %s", what.c_str(), name,
+                 t.dtype.c_str(), dtype);
+    }
+    if (abi->weight_nbytes[i] < 0 || t.nbytes != static_cast<uint64_t>(abi->weight_nbytes[i])) {
+      kiln::fail("%s: weight '%s' has %llu bytes, the model expects %lld", what.c_str(), name,
+                 static_cast<unsigned long long>(t.nbytes),
+                 static_cast<long long>(abi->weight_nbytes[i]));
+    }
+    ptrs.push_back(t.data);
+  }
+  return ptrs;
+}
+
+void free_outputs(DLManagedTensor **outputs, int64_t n) {
+  for (int64_t i = 0; i < n; ++i) {
+    if (outputs[i] && outputs[i]->deleter) outputs[i]->deleter(outputs[i]);
+    outputs[i] = nullptr;
+  }
+}
+
+}  // namespace
+
+extern "C" {
+
+KILN_API int kiln_abi_version(void) { return KILN_ABI_VERSION; }
+
+KILN_API int kiln_model_load(const char *package_path, const char *device, kiln_model **out) {
+  if (out) *out = nullptr;
+  return guarded([&] {
+    if (!out) kiln::fail("kiln_model_load: out is NULL");
+    if (!package_path) kiln::fail("kiln_model_load: package_path is NULL");
+    if (!device) kiln::fail("kiln_model_load: device is NULL (use \"cpu\")");
+    if (std::strcmp(device, "cpu") != 0) {
+      kiln::fail("kiln_model_load: unsupported device '%s' (only \"cpu\" is supported)", device);
+    }
+    auto m = std::make_unique<kiln_model>();
+    m->package = std::make_unique<kiln::ZipReader>(package_path);
+    check_manifest(*m->package);
+    m->abi = open_library(*m->package);
+    std::vector<const void *> weights = bind_weights(*m->package, m->abi);
+    char err[1024] = {0};
+    m->instance = m->abi->create(weights.empty() ? nullptr : weights.data(), err, sizeof err);
+    err[sizeof err - 1] = '\0';
+    if (!m->instance) {
+      kiln::fail("kiln: package '%s': model creation failed: %s", package_path,
+                 err[0] ? err : "(no message)");
+    }
+    *out = m.release();
+  });
+}
+
+KILN_API int64_t kiln_model_num_inputs(const kiln_model *m) {
+  if (!m) {
+    kiln::set_last_error("kiln_model_num_inputs: model is NULL");
+    return -1;
+  }
+  return m->abi->n_inputs;
+}
+
+KILN_API int64_t kiln_model_num_outputs(const kiln_model *m) {
+  if (!m) {
+    kiln::set_last_error("kiln_model_num_outputs: model is NULL");
+    return -1;
+  }
+  return m->abi->n_outputs;
+}
+
+KILN_API int kiln_model_run(kiln_model *m, const DLTensor *const *inputs, int64_t n_inputs,
+                            DLManagedTensor **outputs, int64_t n_outputs) {
+  return guarded([&] {
+    if (!m) kiln::fail("kiln_model_run: model is NULL");
+    const kiln_model_abi *abi = m->abi;
+    if (n_inputs != abi->n_inputs) {
+      kiln::fail("kiln_model_run: expected %lld inputs, got %lld",
+                 static_cast<long long>(abi->n_inputs), static_cast<long long>(n_inputs));
+    }
+    if (n_outputs != abi->n_outputs) {
+      kiln::fail("kiln_model_run: expected %lld outputs, got %lld",
+                 static_cast<long long>(abi->n_outputs), static_cast<long long>(n_outputs));
+    }
+    if (!inputs && n_inputs > 0) kiln::fail("kiln_model_run: inputs is NULL");
+    if (!outputs && n_outputs > 0) kiln::fail("kiln_model_run: outputs is NULL");
+    for (int64_t i = 0; i < n_inputs; ++i) {
+      if (!inputs[i]) kiln::fail("kiln_model_run: input %lld is NULL", static_cast<long long>(i));
+    }
+    for (int64_t i = 0; i < n_outputs; ++i) outputs[i] = nullptr;
+    char err[1024] = {0};
+    int rc;
+    {
+      std::lock_guard<std::mutex> lock(m->mu);
+      rc = abi->run(m->instance, inputs, n_inputs, outputs, n_outputs, err, sizeof err);
+    }
+    err[sizeof err - 1] = '\0';
+    if (rc != 0) {
+      free_outputs(outputs, n_outputs);
+      kiln::fail("%s", err[0] ? err : "kiln_model_run: the model failed (no message)");
+    }
+    for (int64_t i = 0; i < n_outputs; ++i) {
+      if (!outputs[i]) {
+        free_outputs(outputs, n_outputs);
+        kiln::fail("kiln_model_run: the model returned no tensor for output %lld",
+                   static_cast<long long>(i));
+      }
+    }
+  });
+}
+
+KILN_API const char *kiln_last_error(void) { return kiln::last_error(); }
+
+KILN_API void kiln_model_free(kiln_model *m) {
+  if (!m) return;
+  if (m->instance) m->abi->destroy(m->instance);
+  delete m;
+}
+
+}  // extern "C"

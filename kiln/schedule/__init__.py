@@ -1,0 +1,146 @@
+"""Loop IR -> kernels.
+
+A `Kernel` runs several `Compute` nodes inside one parallel loop nest over a shared outer index
+space (a prefix of every member's shape). Within one outer iteration, members run in order, so a
+member may read what an earlier member wrote in the same outer iteration. Fusion is greedy in
+program order: a node joins the open kernel when its outer prefix matches (the kernel's outer may
+shrink to a common prefix) and every read of a buffer produced inside the kernel stays inside the
+producer's slice for the same outer index. A `Gemm` is a step of its own.
+
+A reduction whose result is read only inside its kernel, at exactly its own outer position,
+becomes a local scalar and gets no buffer (`Kernel.locals`)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import sympy
+
+from kiln.ir import loop as L
+from kiln.ir.sym import contiguous_strides, ivars, linear_index, product
+
+
+@dataclass(frozen=True)
+class Kernel:
+    name: str
+    outer: tuple[sympy.Expr, ...]
+    members: tuple[L.Compute, ...]
+    locals: frozenset[str]  # reduction results kept in registers, never stored
+
+    @property
+    def source(self) -> tuple[str, ...]:
+        out: list[str] = []
+        for m in self.members:
+            out.extend(s for s in m.source if s not in out)
+        return tuple(out)
+
+
+Step = Kernel | L.Gemm
+
+
+def outer_of(node: L.Compute) -> tuple[sympy.Expr, ...]:
+    if node.reduce is not None:
+        shape = list(node.shape)
+        while shape and shape[-1] == 1:
+            shape.pop()
+        return tuple(shape)
+    return tuple(node.shape[:-1])
+
+
+def _common_prefix(a, b) -> tuple:
+    out = []
+    for x, y in zip(a, b):
+        if sympy.expand(x - y) != 0:
+            break
+        out.append(x)
+    return tuple(out)
+
+
+def _row_local(load: L.Load, producer: L.Buffer, outer) -> bool:
+    """True when `load` (by a member whose first len(outer) vars are the outer vars) only reads
+    the producer's slice for the same outer index."""
+    if load.indirect:
+        return False
+    k = len(outer)
+    iv = ivars(k)
+    inner = product(producer.shape[k:])
+    base = linear_index(iv, contiguous_strides(outer)) * inner
+    rest = sympy.expand(load.index - base)
+    return not (rest.free_symbols & set(iv)) and not rest.has(*_opaque())
+
+
+def _opaque():
+    from kiln.ir.sym import FloorDiv, ModIdx
+    return (FloorDiv, ModIdx)
+
+
+def _legal(members: list[L.Compute], outer, buffers: dict[str, L.Buffer]) -> bool:
+    produced: set[str] = set()
+    for m in members:
+        if tuple(m.shape[:len(outer)]) != tuple(outer) and any(
+                sympy.expand(a - b) != 0 for a, b in zip(m.shape, outer)):
+            return False
+        for ld in L.loads(m.body):
+            if ld.buf in produced and not _row_local(ld, buffers[ld.buf], outer):
+                return False
+            if any(i.value and ld.buf in produced for i in ld.indirect):
+                return False
+        produced.add(m.name)
+    return True
+
+
+def _worth(outer, old_outer) -> bool:
+    if tuple(outer) == tuple(old_outer):
+        return True
+    n = product(outer)
+    return len(outer) > 0 and not (n.is_Integer and int(n) < 32)
+
+
+def _locals(members: tuple[L.Compute, ...], all_nodes, outputs: set[str], outer) -> frozenset:
+    names = {m.name for m in members}
+    out = set()
+    for m in members:
+        if m.reduce is None or m.name in outputs or product(m.shape[len(outer):]) != 1:
+            continue
+        readers_ok = True
+        for n in all_nodes:
+            reads = L.node_reads(n)
+            if m.name not in reads:
+                continue
+            if n.name not in names or isinstance(n, L.Gemm):
+                readers_ok = False
+                break
+            expect = linear_index(ivars(len(outer)), contiguous_strides(outer))
+            for ld in L.loads(n.body):
+                if ld.buf == m.name and (ld.indirect or sympy.expand(ld.index - expect) != 0):
+                    readers_ok = False
+        if readers_ok:
+            out.add(m.name)
+    return frozenset(out)
+
+
+def schedule(prog: L.LoopProgram, fuse: bool = True) -> tuple[Step, ...]:
+    buffers = {b.name: b for b in prog.buffers}
+    groups: list[list] = []  # [outer, members] or [gemm]
+    for node in prog.nodes:
+        if isinstance(node, L.Gemm):
+            groups.append([node])
+            continue
+        cur = groups[-1] if groups and not isinstance(groups[-1][0], L.Gemm) else None
+        if fuse and cur is not None:
+            outer = _common_prefix(cur[0], outer_of(node))
+            if _worth(outer, cur[0]) and _legal(cur[1] + [node], outer, buffers):
+                cur[0] = outer
+                cur[1].append(node)
+                continue
+        groups.append([outer_of(node), [node]])
+    steps: list[Step] = []
+    outputs = set(prog.outputs)
+    for g in groups:
+        if isinstance(g[0], L.Gemm):
+            steps.append(g[0])
+            continue
+        outer, members = tuple(g[0]), tuple(g[1])
+        name = f"k{len(steps)}_{members[-1].name}"
+        steps.append(Kernel(name, outer, members, _locals(members, prog.nodes, outputs, outer)))
+    return tuple(steps)

@@ -1,0 +1,89 @@
+"""Schedule -> Program IR.
+
+Emits the input checks from the export's promises (dtype, rank, static sizes, `Dim` ranges and
+relations between dims), binds each size symbol at its first plain occurrence, allocates the
+outputs, and surrounds every step with Alloc / Free lines from buffer liveness: a temp is
+allocated just before the step that first writes it and freed right after the step that last
+reads it."""
+
+from __future__ import annotations
+
+import sympy
+
+from kiln.codegen.cpp_kernel import kernel_params
+from kiln.ir import loop as L
+from kiln.ir import program as P
+from kiln.ir.graph import Graph
+from kiln.schedule import Kernel, Step
+
+
+def input_lines(graph: Graph) -> list[P.Line]:
+    lines: list[P.Line] = []
+    ranges = {s.name: s for s in graph.symbols}
+    bound: set[str] = set()
+    checks: list[P.Line] = []
+    for k, inp in enumerate(graph.user_inputs):
+        lines.append(P.CheckInput(k, inp.name, inp.type.dtype, inp.type.rank))
+    for k, inp in enumerate(graph.user_inputs):
+        for d, e in enumerate(inp.type.shape):
+            e = sympy.sympify(e)
+            if e.is_Symbol and e.name not in bound:
+                bound.add(e.name)
+                lines.append(P.BindSize(e.name, k, d))
+                r = ranges[e.name]
+                checks.append(P.CheckRange(e.name, k, inp.name, d, r.min, r.max))
+            else:
+                checks.append(P.CheckSize(k, inp.name, d, e))
+    unbound = set(ranges) - bound
+    if unbound:
+        from kiln.errors import UnsupportedError
+        raise UnsupportedError(f"size symbols {sorted(unbound)} appear in no input dim alone")
+    return lines + checks
+
+
+def _reads_writes(step: Step, buffers) -> tuple[list[str], list[str]]:
+    if isinstance(step, L.Gemm):
+        return [step.a.buf, step.b.buf], [step.name]
+    params = kernel_params(step, buffers)
+    return [n for k, n in params if k == "in"], [n for k, n in params if k == "out"]
+
+
+def build_program(graph: Graph, prog: L.LoopProgram, steps: tuple[Step, ...],
+                  weights) -> P.Program:
+    buffers = {b.name: b for b in prog.buffers}
+    lines = input_lines(graph)
+    for k, name in enumerate(prog.outputs):
+        b = buffers[name]
+        lines.append(P.AllocOutput(k, name, b.dtype, tuple(prog.output_shapes[k])))
+    rw = [_reads_writes(s, buffers) for s in steps]
+    first: dict[str, int] = {}
+    last: dict[str, int] = {}
+    for i, (reads, writes) in enumerate(rw):
+        for b in writes:
+            first.setdefault(b, i)
+            last[b] = max(last.get(b, i), i)
+        for b in reads:
+            last[b] = max(last.get(b, i), i)
+    temps = {b for b in first if buffers[b].kind == "temp"}
+    for i, step in enumerate(steps):
+        for b in sorted(temps):
+            if first[b] == i:
+                lines.append(P.Alloc(b, buffers[b].dtype, buffers[b].numel))
+        if isinstance(step, L.Gemm):
+            lines.append(P.CallGemm(step))
+        else:
+            assert isinstance(step, Kernel)
+            params = tuple(kernel_params(step, buffers))
+            lines.append(P.CallKernel(step.name, params, _has_status(step),
+                                      tuple(m.name for m in step.members), step.source))
+        for b in sorted(temps):
+            if last[b] == i:
+                lines.append(P.Free(b))
+    lines.append(P.Return(tuple(prog.outputs)))
+    inputs = tuple((i.name, i.type.dtype, i.type.shape) for i in graph.user_inputs)
+    dtypes = {b.name: b.dtype for b in prog.buffers}
+    return P.Program(tuple(lines), inputs, tuple(weights), graph.symbols, dtypes)
+
+
+def _has_status(kernel: Kernel) -> bool:
+    return any(ld.indirect for m in kernel.members for ld in L.loads(m.body))

@@ -1,0 +1,1 @@
+"""Invoking the system C++ compiler: parallel, cached by content hash."""

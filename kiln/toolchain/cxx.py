@@ -1,0 +1,109 @@
+"""Compile C++ sources into one shared library.
+
+Each source becomes an object file cached under `<cache>/obj/<sha256>.o`, the hash covering
+the source text, the flags, the compiler's identity and the content of every header in the
+include dirs; the link result is cached the same way. Sources compile in parallel (one compiler
+process per source, up to `jobs`). Writes go to a temporary name and are renamed into place, so
+concurrent builds of the same model never see half-written files."""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import subprocess
+import tempfile
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from functools import lru_cache
+from pathlib import Path
+
+from kiln.errors import CompileError
+
+
+@dataclass(frozen=True)
+class Toolchain:
+    cxx: str
+    cache: Path
+    cflags: tuple[str, ...]
+    ldflags: tuple[str, ...]
+    include_dirs: tuple[Path, ...]
+    jobs: int
+
+
+@lru_cache(maxsize=8)
+def compiler_identity(cxx: str) -> str:
+    try:
+        out = subprocess.run([cxx, "--version"], capture_output=True, text=True, check=True)
+    except (OSError, subprocess.CalledProcessError) as e:
+        raise CompileError(f"C++ compiler {cxx!r} is not usable: {e}") from e
+    return out.stdout.splitlines()[0] if out.stdout else cxx
+
+
+def _headers_digest(dirs: tuple[Path, ...]) -> str:
+    h = hashlib.sha256()
+    for d in dirs:
+        for p in sorted(Path(d).glob("*.h")):
+            h.update(p.name.encode())
+            h.update(p.read_bytes())
+    return h.hexdigest()
+
+
+def _atomic_output(final: Path) -> Path:
+    final.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=final.parent, prefix=final.name + ".", suffix=".tmp")
+    os.close(fd)
+    return Path(tmp)
+
+
+def _run(cmd: list[str], what: str) -> None:
+    proc = subprocess.run(cmd, capture_output=True, text=True)
+    if proc.returncode != 0:
+        raise CompileError(f"{what} failed ({' '.join(cmd[:3])} ...):\n{proc.stderr[-4000:]}")
+
+
+def compile_object(tc: Toolchain, name: str, source: str, headers: str) -> Path:
+    key = hashlib.sha256("\0".join([source, " ".join(tc.cflags), compiler_identity(tc.cxx),
+                                     headers]).encode()).hexdigest()
+    obj = tc.cache / "obj" / f"{key}.o"
+    if obj.exists():
+        return obj
+    src_dir = tc.cache / "src"
+    src_dir.mkdir(parents=True, exist_ok=True)
+    src = src_dir / f"{key}_{name}"
+    if not src.exists():
+        tmp = _atomic_output(src)
+        tmp.write_text(source)
+        tmp.replace(src)
+    tmp = _atomic_output(obj)
+    cmd = [tc.cxx, *tc.cflags, *[f"-I{d}" for d in tc.include_dirs], "-c", str(src), "-o",
+           str(tmp)]
+    try:
+        _run(cmd, f"compiling {name}")
+        tmp.replace(obj)
+    finally:
+        tmp.unlink(missing_ok=True)
+    return obj
+
+
+def build_shared(tc: Toolchain, sources: dict[str, str]) -> tuple[Path, dict[str, float]]:
+    """Compile `sources` (file name -> text) and link them; returns the library path."""
+    import time
+
+    headers = _headers_digest(tc.include_dirs)
+    t0 = time.perf_counter()
+    with ThreadPoolExecutor(max_workers=max(1, tc.jobs)) as pool:
+        objs = list(pool.map(lambda kv: compile_object(tc, kv[0], kv[1], headers),
+                             sorted(sources.items())))
+    t1 = time.perf_counter()
+    key = hashlib.sha256("\0".join([*(o.name for o in objs), " ".join(tc.ldflags),
+                                     compiler_identity(tc.cxx)]).encode()).hexdigest()
+    lib = tc.cache / "lib" / key / "model.so"
+    if not lib.exists():
+        tmp = _atomic_output(lib)
+        try:
+            _run([tc.cxx, "-shared", *[str(o) for o in objs], "-o", str(tmp), *tc.ldflags],
+                 "linking model.so")
+            tmp.replace(lib)
+        finally:
+            tmp.unlink(missing_ok=True)
+    return lib, {"compile": t1 - t0, "link": time.perf_counter() - t1}

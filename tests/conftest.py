@@ -1,0 +1,87 @@
+"""Shared pytest fixtures.
+
+Runtime fixtures (used by test_package.py and test_runtime_abi.py): ``libkiln_path`` (libkiln
+built and loaded once per session, before any test changes KILN_CACHE_DIR), ``toy_so`` (bytes
+of the hand-written test model tests/fixtures/toy_model.cpp; ``toy_so_no_weights`` is the same
+model with built-in weights), ``make_toy_package`` (writes a package around it) and
+``toy_reference`` (the model in eager PyTorch).
+"""
+from __future__ import annotations
+
+import pathlib
+import subprocess
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+import torch
+
+TESTS = pathlib.Path(__file__).resolve().parent
+TOY_W = torch.tensor([1.0, -2.0, 0.5, 3.0])
+TOY_B = torch.tensor([0.25, 1.0, -1.5, 2.0])
+
+
+@pytest.fixture(scope="session")
+def libkiln_path() -> pathlib.Path:
+    from kiln.runtime import build, loader
+
+    loader.libkiln()  # loaded once per process; later KILN_CACHE_DIR changes do not rebuild it
+    return build.build_libkiln()
+
+
+def _compile_toy(out: pathlib.Path, *defines: str) -> bytes:
+    from kiln.runtime.build import include_dir
+
+    cmd = ["c++", "-O2", "-fPIC", "-shared", "-std=c++17", "-fvisibility=hidden",
+           *defines, "-I", str(include_dir()), str(TESTS / "fixtures" / "toy_model.cpp"),
+           "-o", str(out)]
+    subprocess.run(cmd, check=True)
+    return out.read_bytes()
+
+
+@pytest.fixture(scope="session")
+def toy_so(tmp_path_factory: pytest.TempPathFactory) -> bytes:
+    return _compile_toy(tmp_path_factory.mktemp("toy") / "toy_model.so")
+
+
+@pytest.fixture(scope="session")
+def toy_so_no_weights(tmp_path_factory: pytest.TempPathFactory) -> bytes:
+    return _compile_toy(tmp_path_factory.mktemp("toy") / "toy_nw.so", "-DTOY_NO_WEIGHTS")
+
+
+def toy_manifest() -> dict[str, Any]:
+    from torch.utils._pytree import tree_flatten, treespec_dumps
+
+    x, s = torch.zeros(2, 4), torch.tensor(1.0)
+    _, in_spec = tree_flatten(((x,), {"scale": s}))
+    _, out_spec = tree_flatten((x, x))
+    return {"in_spec": treespec_dumps(in_spec), "out_spec": treespec_dumps(out_spec),
+            "inputs": [{"name": "x"}, {"name": "scale"}], "outputs": [{"name": "y"},
+                                                                    {"name": "s"}]}
+
+
+@pytest.fixture
+def make_toy_package(tmp_path: pathlib.Path, toy_so: bytes) -> Callable[..., pathlib.Path]:
+    from kiln.package import write_package
+
+    def make(name: str = "toy.kiln", weights: dict[str, torch.Tensor] | None = None,
+             so: bytes | None = None, **manifest_extra: Any) -> pathlib.Path:
+        path = tmp_path / name
+        w = {"w": TOY_W, "b": TOY_B} if weights is None else weights
+        files = {"lib/model.so": toy_so if so is None else so,
+                 "src/model.cpp": (TESTS / "fixtures" / "toy_model.cpp").read_bytes()}
+        write_package(path, {**toy_manifest(), **manifest_extra}, files, w)
+        return path
+
+    return make
+
+
+@pytest.fixture(scope="session")
+def toy_reference() -> Callable[[torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]:
+    """Eager reference of the toy model: (x, scale) -> (x * w * scale + b, row sums)."""
+
+    def ref(x: torch.Tensor, scale: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        y = x * TOY_W * scale + TOY_B
+        return y, y.sum(1)
+
+    return ref
