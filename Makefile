@@ -10,6 +10,7 @@ TORCH_SPEC ?= torch==2.13.0
 STAMP := $(VENV)/.kiln-installed
 PYTEST_WORKERS ?= 2
 PYTEST_ARGS ?=
+BENCH_ARGS ?=
 
 export PIP_DISABLE_PIP_VERSION_CHECK := 1
 
@@ -52,7 +53,7 @@ test-gpu: $(STAMP)
 	$(call run_pytest,-m gpu)
 
 bench: $(STAMP)
-	$(PY) bench/run.py
+	$(PY) bench/run.py $(BENCH_ARGS)
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check kiln tests bench

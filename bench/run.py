@@ -44,7 +44,7 @@ def _peak_rss() -> int:
     return rss if sys.platform == "darwin" else rss * 1024
 
 
-def _median_latency(fn: Callable[[], Any], repeat: int, warmup: int) -> tuple[float, Any]:
+def _latencies(fn: Callable[[], Any], repeat: int, warmup: int) -> tuple[list[float], Any]:
     out = None
     for _ in range(warmup):
         out = fn()
@@ -53,7 +53,7 @@ def _median_latency(fn: Callable[[], Any], repeat: int, warmup: int) -> tuple[fl
         t = time.perf_counter()
         out = fn()
         times.append(time.perf_counter() - t)
-    return statistics.median(times), out
+    return times, out
 
 
 def _max_err(got: Any, want: Any) -> float:
@@ -150,8 +150,9 @@ def run_system(model: str, system: str, repeat: int, warmup: int, workdir: Path)
         else:
             raise ValueError(f"unknown system {system!r}")
         res["rss_before_bytes"] = _peak_rss()
-        lat, got = _median_latency(fn, repeat, warmup)
-    res["latency_s"] = lat
+        times, got = _latencies(fn, max(repeat, 1), warmup)
+    res["latency_s"] = statistics.median(times)
+    res["latency_min_s"] = min(times)
     res["max_abs_err"] = _max_err(got, want)
     res["matches"] = bool(res["max_abs_err"] <= spec.atol + spec.rtol * _max_abs(want))
     res["peak_rss_bytes"] = _peak_rss()

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import resource
+import shutil
 import statistics
 import sys
 import tempfile
@@ -88,14 +89,17 @@ def cmd_demo(args: argparse.Namespace) -> int:
         mark = "[green]match[/green]" if ok else f"[red]MISMATCH[/red] {why}"
         table.add_row(f"input {shape}", f"max abs error {err:.2e}  {mark}")
     table.add_row("latency (median)", f"kiln {t_kiln * 1e3:.3f} ms, eager {t_eager * 1e3:.3f} ms "
-                  f"({t_eager / t_kiln:.2f}x)")
-    table.add_row("package", f"{pkg} ({fmt_bytes(pkg.stat().st_size)})")
+                  f"(speed-up over eager {t_eager / t_kiln:.2f}x)")
+    where = str(pkg) if args.keep else "deleted; keep it with --keep DIR"
+    table.add_row("package", f"{fmt_bytes(pkg.stat().st_size)} ({where})")
     arena, lower = report.get("arena_bytes"), report.get("lower_bound_bytes")
     if arena is not None:
         table.add_row("arena", fmt_bytes(arena) + (f" (lower bound {fmt_bytes(lower)})"
                                                    if lower is not None else ""))
     table.add_row("peak RSS", fmt_bytes(peak_rss_bytes()))
     console.print(table)
+    if not args.keep:
+        shutil.rmtree(tmp, ignore_errors=True)
     if not all(ok for *_, ok, _ in checks):
         console.print("[bold red]kiln's output does not match eager[/bold red]")
         return 1

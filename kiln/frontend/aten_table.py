@@ -365,3 +365,23 @@ def _index_select(b, n):
 def _gather(b, n):
     return b.emit("gather", [b.tensor(n.args[0]), b.tensor(n.args[2])], n,
                   dim=n.args[1] % b.rank(n.args[0]))
+
+
+@register("aten.split_with_sizes.default", "aten.split.Tensor", "aten.split_with_sizes_copy.default",
+          "aten.unbind.int", "aten.chunk.default")
+def _split(b, n):
+    """Each result is a slice (or, for unbind, a select) of the input: views, no copies."""
+    x = n.args[0]
+    rank = b.rank(x)
+    dim = (n.args[2] if len(n.args) > 2 else n.kwargs.get("dim", 0)) % rank
+    if str(n.target).startswith("aten.unbind"):
+        dim = (n.args[1] if len(n.args) > 1 else 0) % rank
+        return [b.emit("select", [b.tensor(x)], None, like=n, result=k, dim=dim, index=k)
+                for k in range(len(n.meta["val"]))]
+    out, start = [], 0
+    for k, v in enumerate(n.meta["val"]):
+        size = b.int_or_sym(v.shape[dim])
+        out.append(b.emit("slice", [b.tensor(x)], None, like=n, result=k, dim=dim,
+                          start=start, end=start + size, step=1))
+        start = start + size
+    return out

@@ -50,6 +50,7 @@ class Builder:
         self.syms = syms
         self.nodes: list[Node] = []
         self.env: dict[str, str] = {}
+        self.multi: dict[str, list[str]] = {}  # multi-result ops: node -> one value per result
         self.types: dict[str, TensorType] = {}
         self.counter = 0
 
@@ -88,10 +89,15 @@ class Builder:
         self.counter += 1
         return f"{base}_{self.counter}"
 
-    def emit(self, op, inputs, node, like=None, shape_of=None, shape=None, dtype=None, **attrs):
+    def emit(self, op, inputs, node, like=None, shape_of=None, shape=None, dtype=None,
+             result=None, **attrs):
         ref = node if node is not None else like
         name = node.name if node is not None else self.fresh(f"{ref.name}_{op}")
         t = self.type_of(ref)
+        if result is not None:  # one result of a multi-result op
+            v = ref.meta["val"][result]
+            t = TensorType(to_dtype(v.dtype), self.syms.shape(v.shape))
+            name = f"{ref.name}_{result}"
         if shape_of is not None:
             t = TensorType(t.dtype, self.shape(shape_of))
         if shape is not None:
@@ -210,7 +216,10 @@ def import_program(ep: ExportedProgram) -> Imported:
             continue
         if n.target is operator.getitem:
             src, k = n.args
-            if k == 0:
+            results = b.multi.get(src.name)
+            if results is not None:
+                b.env[n.name] = results[k]
+            elif k == 0:
                 b.env[n.name] = b.tensor(src)
             elif n.users:
                 raise UnsupportedError(f"result {k} of {src.target} (node {src.name}) is used")
@@ -221,7 +230,11 @@ def import_program(ep: ExportedProgram) -> Imported:
         conv = TABLE.get(str(n.target))
         if conv is None:
             raise UnsupportedError(f"operator {n.target} (node {n.name}) is not supported yet")
-        b.env[n.name] = conv(b, n)
+        result = conv(b, n)
+        if isinstance(result, list):
+            b.multi[n.name] = result
+        else:
+            b.env[n.name] = result
     outputs = []
     for spec in ep.graph_signature.output_specs:
         if spec.kind != OutputKind.USER_OUTPUT:

@@ -8,6 +8,7 @@ expression grew too large. Graph outputs always get their own output buffer."""
 from __future__ import annotations
 
 import sympy
+from dataclasses import replace
 
 from kiln.ir import loop as L
 from kiln.ir.graph import Graph, Node
@@ -78,6 +79,8 @@ def lower(graph: Graph) -> L.LoopProgram:
         if rule is None:
             raise UnsupportedError(f"no lowering for op {node.op} (node {node.name})")
         lz = rule(ctx, node, [env[x] for x in node.inputs])
+        if lz.view is None:
+            lz = replace(lz, origin=node.name)
         if _should_realize(node, lz, users.get(node.name, 0)):
             lz = ctx.realize(node.name, lz, (node.source or node.name,))
         env[node.name] = lz

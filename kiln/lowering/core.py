@@ -34,6 +34,7 @@ class Lazy:
     load: Callable[[Index], L.Expr]
     view: View | None = None
     cost: int = 0  # operators in one element's expression; 0 for loads
+    origin: str = ""  # the graph node this value computes (names its buffer if materialised)
 
     @property
     def rank(self) -> int:

@@ -21,7 +21,7 @@ def _blas_ok(strides) -> bool:
 def operand(ctx: LowerCtx, lz: Lazy, name: str, source) -> tuple[L.Operand, Lazy]:
     """A GEMM operand for `lz` ([..., rows, cols]); materialise it when not BLAS-compatible."""
     if lz.view is None or not _blas_ok(lz.view.strides):
-        lz = ctx.realize(name, lz, source)
+        lz = ctx.realize(lz.origin or name, lz, source)
     v = lz.view
     return L.Operand(v.buf, v.offset, tuple(v.strides[:-2]), v.strides[-2], v.strides[-1]), lz
 

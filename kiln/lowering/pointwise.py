@@ -47,7 +47,9 @@ def const(v, dt: dtypes.DType) -> L.Const:
 
 
 def op(name: str, *args: L.Expr, dtype: dtypes.DType | None = None) -> L.Op:
-    return L.Op(name, tuple(args), dtype or args[0].dtype)
+    if dtype is None:
+        dtype = args[1].dtype if name == "where" else args[0].dtype
+    return L.Op(name, tuple(args), dtype)
 
 
 def to_bool(e: L.Expr) -> L.Expr:
