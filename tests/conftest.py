@@ -85,3 +85,17 @@ def toy_reference() -> Callable[[torch.Tensor, torch.Tensor], tuple[torch.Tensor
         return y, y.sum(1)
 
     return ref
+
+
+@pytest.fixture(scope="session")
+def run_model_exe(libkiln_path: pathlib.Path, tmp_path_factory: pytest.TempPathFactory
+                  ) -> pathlib.Path:
+    """examples/c/run_model.c built against libkiln (with -Wall -Werror)."""
+    from kiln.runtime.build import include_dir
+
+    exe = tmp_path_factory.mktemp("cexample") / "run_model"
+    libdir = str(libkiln_path.parent)
+    subprocess.run(["cc", "-O2", "-Wall", "-Werror", "-I", str(include_dir()),
+                    str(TESTS.parent / "examples" / "c" / "run_model.c"), f"-L{libdir}",
+                    "-lkiln", f"-Wl,-rpath,{libdir}", "-o", str(exe)], check=True)
+    return exe

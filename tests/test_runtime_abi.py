@@ -394,17 +394,6 @@ def test_c_corrupt_packages(libkiln_path: pathlib.Path, make_toy_package: MakePk
 
 # --- the C example ------------------------------------------------------------------------------
 
-@pytest.fixture(scope="module")
-def run_model_exe(libkiln_path: pathlib.Path, tmp_path_factory: pytest.TempPathFactory
-                  ) -> pathlib.Path:
-    exe = tmp_path_factory.mktemp("cexample") / "run_model"
-    libdir = str(libkiln_path.parent)
-    subprocess.run(["cc", "-O2", "-Wall", "-Werror", "-I", str(include_dir()),
-                    str(ROOT / "examples" / "c" / "run_model.c"), f"-L{libdir}", "-lkiln",
-                    f"-Wl,-rpath,{libdir}", "-o", str(exe)], check=True)
-    return exe
-
-
 def test_c_example(run_model_exe: pathlib.Path, make_toy_package: MakePkg,
                    tmp_path: pathlib.Path, toy_reference: Callable,
                    cache_dir: pathlib.Path) -> None:

@@ -176,13 +176,18 @@ def cmd_inspect(args: argparse.Namespace) -> int:
     w = summary["weights"]
     console.print(f"weights: {w['count']} tensors, {fmt_bytes(w['bytes'])}")
     kernels = summary["kernels"]
-    console.print(f"kernels: {len(kernels)}")
+    kinds: dict[str, int] = {}
+    for k in kernels:
+        kinds[str(k.get("kind", "?"))] = kinds.get(str(k.get("kind", "?")), 0) + 1
+    detail = ", ".join(f"{n} {kind}" for kind, n in kinds.items())
+    console.print(f"kernels: {len(kernels)}" + (f" ({escape(detail)})" if detail else ""))
     if args.kernels:
         table = Table(title_justify="left")
-        for col in ("#", "kernel", "source ops"):
+        for col in ("#", "kernel", "kind", "source ops"):
             table.add_column(col)
         for i, k in enumerate(kernels):
-            table.add_row(str(i), escape(str(k.get("name", ""))), escape(_kernel_ops(k)))
+            table.add_row(str(i), escape(str(k.get("name", ""))), escape(str(k.get("kind", ""))),
+                          escape(_kernel_ops(k)))
         console.print(table)
     plan = summary["plan"]
     ratio = f"{plan['ratio']:.2f}x" if plan["ratio"] else "?"

@@ -1,0 +1,178 @@
+"""Shared helpers of the differential op tests (tests/test_ops_*.py).
+
+Every check compiles a small module with kiln, loads the package through the C ABI, runs it on
+fresh random inputs and compares each output with torch eager:
+
+* float32 outputs against a float64 eager reference (``module.double()(x.double())``) with
+  rtol = atol = 1e-4 (``ref="f64"``, the default), or against float32 eager where the op is
+  discontinuous in its input (floor of a quotient, comparisons of computed values: ``ref="same"``);
+* float64 outputs against float64 eager with rtol = atol = 1e-10;
+* integer and bool outputs exactly.
+Dtypes and shapes must match eager exactly. NaNs must sit in the same places.
+
+Inputs are contiguous (the ABI requires it); ``Layout`` wraps a module so that it transposes or
+slices its inputs first, which gives the generated kernels non-trivial index maps.
+"""
+
+from __future__ import annotations
+
+import copy
+import itertools
+import zlib
+from collections.abc import Callable, Sequence
+from pathlib import Path
+
+import torch
+from torch.utils import _pytree as pytree
+
+import kiln
+
+F32_TOL = {"rtol": 1e-4, "atol": 1e-4}
+F64_TOL = {"rtol": 1e-10, "atol": 1e-10}
+FLOATS = (torch.float32, torch.float64)
+
+# (shape, layout) cases shared by the elementwise tests: size-1 dims, odd sizes, one element,
+# more than 10k elements, and inputs that the model transposes / slices with a step.
+SHAPES = [(7, 13), (1,), (3, 1, 5), (1, 1), (130, 97)]
+STRIDED = [((7, 13), "t"), ((5, 9), "step"), ((2, 3, 4), "perm"), ((6, 11), "neg")]
+
+
+class Fn(torch.nn.Module):
+    """A module whose forward is `fn` (so one-off test models are one line)."""
+
+    def __init__(self, fn: Callable, name: str = "") -> None:
+        super().__init__()
+        self.fn = fn
+        self.label = name or getattr(fn, "__name__", "fn")
+
+    def forward(self, *args):
+        return self.fn(*args)
+
+    def extra_repr(self) -> str:
+        return self.label
+
+
+def layout_input(x: torch.Tensor, kind: str) -> torch.Tensor:
+    """Map a contiguous input to the strided tensor the inner module sees."""
+    if kind == "contig" or x.dim() == 0:
+        return x
+    if kind == "t":
+        return x.transpose(-1, -2) if x.dim() >= 2 else x
+    if kind == "step":
+        return x[..., ::2]
+    if kind == "perm":
+        return x.permute(*reversed(range(x.dim())))
+    if kind == "neg":  # negative start/end: drop the first and the last element of each dim
+        for d in range(x.dim()):
+            x = x[(slice(None),) * d + (slice(1, -1),)]
+        return x
+    raise ValueError(kind)
+
+
+def layout_shape(shape: Sequence[int], kind: str) -> tuple[int, ...]:
+    """The contiguous input shape that `layout_input(., kind)` turns into `shape`."""
+    shape = tuple(shape)
+    if kind == "contig" or not shape:
+        return shape
+    if kind == "t":
+        return shape[:-2] + (shape[-1], shape[-2]) if len(shape) >= 2 else shape
+    if kind == "step":
+        return shape[:-1] + (2 * shape[-1],)
+    if kind == "perm":
+        return tuple(reversed(shape))
+    if kind == "neg":
+        return tuple(d + 2 for d in shape)
+    raise ValueError(kind)
+
+
+class Layout(torch.nn.Module):
+    """Runs `inner` on strided views of its (contiguous) tensor inputs."""
+
+    def __init__(self, inner: torch.nn.Module, kind: str) -> None:
+        super().__init__()
+        self.inner, self.kind = inner, kind
+
+    def forward(self, *args):
+        return self.inner(*[layout_input(a, self.kind) if isinstance(a, torch.Tensor) and
+                            a.is_floating_point() else a for a in args])
+
+
+def gen(*key) -> torch.Generator:
+    """A generator seeded from `key` (reproducible, different for every case)."""
+    return torch.Generator().manual_seed(zlib.crc32(repr(key).encode()))
+
+
+def rand(shape, dtype=torch.float32, g: torch.Generator | None = None, low=-20, high=20):
+    """Random values: normal floats, integers in [low, high), bools."""
+    g = g or gen(shape, dtype)
+    shape = tuple(shape)
+    if dtype.is_floating_point:
+        return torch.randn(shape, generator=g, dtype=torch.float64).to(dtype)
+    if dtype == torch.bool:
+        return torch.randint(0, 2, shape, generator=g).bool()
+    if dtype == torch.uint8:
+        low = max(low, 0)
+    return torch.randint(low, high, shape, generator=g).to(dtype)
+
+
+def _double(a):
+    return a.double() if isinstance(a, torch.Tensor) and a.is_floating_point() else a
+
+
+def compare(got, want, want64=None, *, tol: dict | None = None, what: str = "") -> None:
+    """Compare kiln outputs with the eager outputs (`want64`: float64 reference values)."""
+    g_leaves, g_spec = pytree.tree_flatten(got)
+    w_leaves, w_spec = pytree.tree_flatten(want)
+    assert g_spec == w_spec, f"{what}: output structure {g_spec} != eager {w_spec}"
+    r_leaves = pytree.tree_leaves(want64) if want64 is not None else w_leaves
+    for k, (g, w, r) in enumerate(zip(g_leaves, w_leaves, r_leaves)):
+        where = f"{what} output {k}"
+        assert isinstance(g, torch.Tensor), f"{where}: got {type(g).__name__}"
+        assert g.dtype == w.dtype, f"{where}: dtype {g.dtype} != eager {w.dtype}"
+        assert g.shape == w.shape, f"{where}: shape {tuple(g.shape)} != eager {tuple(w.shape)}"
+        if w.is_floating_point():
+            t = tol or (F64_TOL if w.dtype == torch.float64 else F32_TOL)
+            torch.testing.assert_close(g.double(), r.double(), equal_nan=True, msg=lambda m: (
+                f"{where} ({w.dtype}, vs {r.dtype} eager):\n{m}"), **t)
+        else:
+            if not torch.equal(g, w):
+                bad = (g != w).nonzero()[:5].tolist()
+                raise AssertionError(f"{where} ({w.dtype}): mismatch at {bad}: got "
+                                     f"{[g[tuple(i)].item() for i in bad]}, want "
+                                     f"{[w[tuple(i)].item() for i in bad]}")
+
+
+class Checker:
+    """Compiles modules into packages under one (module-scoped) directory and checks them."""
+
+    def __init__(self, root: Path) -> None:
+        self.root = Path(root)
+        self.count = itertools.count()
+
+    def compile(self, module: torch.nn.Module, args: Sequence, *, dynamic_shapes=None,
+                options: kiln.Options | None = None):
+        module = module.eval()
+        compiled = kiln.compile(module, tuple(args), dynamic_shapes=dynamic_shapes,
+                                options=options)
+        return compiled, compiled.load(self.root / f"m{next(self.count)}.kiln")
+
+    def __call__(self, module: torch.nn.Module, args: Sequence, *, ref: str = "f64",
+                 tol: dict | None = None, more: Sequence[Sequence] = (), dynamic_shapes=None,
+                 options: kiln.Options | None = None):
+        """Compile `module` at `args`, then check it at `args` and at each of `more`."""
+        compiled, runner = self.compile(module, args, dynamic_shapes=dynamic_shapes,
+                                        options=options)
+        module64 = copy.deepcopy(module).double() if ref == "f64" else None
+        for k, a in enumerate([tuple(args), *map(tuple, more)]):
+            shapes = [tuple(t.shape) for t in a if isinstance(t, torch.Tensor)]
+            with torch.no_grad():
+                want = module(*a)
+                want64 = module64(*map(_double, a)) if module64 is not None else None
+            got = runner(*a)
+            compare(got, want, want64, tol=tol, what=f"{module} at {shapes} (run {k})")
+        return compiled
+
+
+
+def dim(name: str, lo: int = 2, hi: int = 256) -> torch.export.Dim:
+    return torch.export.Dim(name, min=lo, max=hi)
