@@ -186,6 +186,7 @@ def print_wrapper(prog: P.Program, kernel_decls: list[str]) -> str:
         "  if (!self) { kr::Err{err, errlen}.fail(\"out of memory creating an instance\"); "
         "return nullptr; }",
         f"  for (int i = 0; i < {n_w}; ++i) self->w[i] = weights[i];",
+        "  kr::blas_single_threaded();",
         "  return self;",
         "}",
         "",

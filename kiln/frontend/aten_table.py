@@ -63,7 +63,8 @@ def _binary(op: str) -> Converter:
 for _name, _op in UNARY.items():
     register(f"aten.{_name}.default")(_unary(_op))
 for _name, _op in BINARY.items():
-    for _ov in ("Tensor", "Scalar", "default", "Tensor_Scalar", "Scalar_Tensor", "Tensor_Tensor"):
+    for _ov in ("Tensor", "Scalar", "default", "Tensor_Scalar", "Scalar_Tensor", "Tensor_Tensor",
+                "Tensor_mode", "Scalar_mode"):
         register(f"aten.{_name}.{_ov}")(_binary(_op))
 register("aten.true_divide.Tensor")(_binary("div"))
 register("aten.rsub.Scalar", "aten.rsub.Tensor")(

@@ -89,6 +89,13 @@ class LowerCtx:
         self.nodes.append(L.Compute(name, lz.dtype, lz.shape, body, None, tuple(source)))
         return self.buffer_lazy(name, lz.dtype, lz.shape)
 
+    def cheap(self, lz: Lazy, base: str, source: Sequence[str], limit: int = 2) -> Lazy:
+        """`lz` itself when re-evaluating it per use is cheap, else its materialised buffer.
+        Rules that read an input several times (norms, softmax) call this first."""
+        if lz.view is not None or lz.cost <= limit:
+            return lz
+        return self.realize(lz.origin or base, lz, source)
+
     def reduction(self, base: str, dtype: DType, out_shape, kind: str, sizes,
                   body: L.Expr, source: Sequence[str]) -> Lazy:
         name = self.unique(base)

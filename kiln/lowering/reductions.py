@@ -81,7 +81,7 @@ def _mean_var(ctx, base, x: Lazy, dims, dt, source, correction=0):
 
 
 def lower_var(ctx: LowerCtx, node: Node, args: list[Lazy]) -> Lazy:
-    (x,) = args
+    x = ctx.cheap(args[0], node.name + "_input", (node.source,))
     dims, keep = node.attr("dims"), node.attr("keepdim")
     dt = node.type.dtype
     _, var_at, _, ss = _mean_var(ctx, node.name, x, dims, dt, (node.source,),
@@ -105,7 +105,7 @@ def lower_var(ctx: LowerCtx, node: Node, args: list[Lazy]) -> Lazy:
 
 
 def lower_softmax(ctx: LowerCtx, node: Node, args: list[Lazy]) -> Lazy:
-    (x,) = args
+    x = ctx.cheap(args[0], node.name + "_input", (node.source,))
     dim, dt = node.attr("dim"), node.type.dtype
     src = (node.source,)
     m = reduce_lazy(ctx, node.name + "_max", x, (dim,), True, "max", dt, src)
@@ -129,6 +129,7 @@ def lower_softmax(ctx: LowerCtx, node: Node, args: list[Lazy]) -> Lazy:
 
 def lower_layer_norm(ctx: LowerCtx, node: Node, args: list[Lazy]) -> Lazy:
     x, *rest = args
+    x = ctx.cheap(x, node.name + "_input", (node.source,))
     k, eps, dt = node.attr("norm_rank"), node.attr("eps"), node.type.dtype
     w = rest.pop(0) if node.attr("has_weight") else None
     b = rest.pop(0) if node.attr("has_bias") else None

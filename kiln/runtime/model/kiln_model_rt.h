@@ -6,6 +6,7 @@
 #include <cstdarg>
 #include <cstdint>
 #include <cstdio>
+#include <algorithm>
 #include <cstdlib>
 #include <new>
 
@@ -17,6 +18,9 @@
 extern "C" {
 #include <cblas.h>
 }
+#endif
+#ifdef _OPENMP
+#include <omp.h>
 #endif
 
 namespace kr {
@@ -183,7 +187,30 @@ inline bool blas_layout(int64_t rows, int64_t cols, int64_t rs, int64_t cs, bool
   return false;
 }
 
-/* C[b][m][n] = A[b][m][k] * B[b][k][n] over up to two batch dims. */
+/* One single-threaded BLAS call on a block (row-major C with leading dimension ldc). */
+template <class T>
+inline void gemm_block(bool ta, bool tb, int64_t M, int64_t N, int64_t K, const T *a,
+                       int64_t lda, const T *b, int64_t ldb, T *c, int64_t ldc) {
+  if (M == 0 || N == 0) return;
+  if (K == 0) {
+    for (int64_t i = 0; i < M; ++i)
+      for (int64_t j = 0; j < N; ++j) c[i * ldc + j] = T(0);
+    return;
+  }
+  if constexpr (sizeof(T) == 4)
+    scipy_cblas_sgemm(CblasRowMajor, ta ? CblasTrans : CblasNoTrans, tb ? CblasTrans : CblasNoTrans,
+                      (int)M, (int)N, (int)K, 1.0f, a, (int)lda, b, (int)ldb, 0.0f, c, (int)ldc);
+  else
+    scipy_cblas_dgemm(CblasRowMajor, ta ? CblasTrans : CblasNoTrans, tb ? CblasTrans : CblasNoTrans,
+                      (int)M, (int)N, (int)K, 1.0, a, (int)lda, b, (int)ldb, 0.0, c, (int)ldc);
+}
+
+/* BLAS runs single-threaded inside kiln's one OpenMP pool: a second thread pool (OpenBLAS's
+ * own) competing for the same cores made GEMMs several times slower. Called once per model. */
+inline void blas_single_threaded() { scipy_openblas_set_num_threads(1); }
+
+/* C[b][m][n] = A[b][m][k] * B[b][k][n] over up to two batch dims. Work is split over OpenMP
+ * threads by batch when there are enough batches, else by rows of C, else by columns. */
 template <class T>
 inline int gemm(Err &e, const char *name, int64_t nb0, int64_t nb1, int64_t M, int64_t N,
                 int64_t K, const T *A, int64_t as0, int64_t as1, int64_t ar, int64_t ac,
@@ -194,21 +221,28 @@ inline int gemm(Err &e, const char *name, int64_t nb0, int64_t nb1, int64_t M, i
     return e.fail("%s: operand layout not supported by BLAS", name);
   if (M > INT32_MAX || N > INT32_MAX || K > INT32_MAX || lda > INT32_MAX || ldb > INT32_MAX)
     return e.fail("%s: matrix too large for 32-bit BLAS", name);
-  for (int64_t b0 = 0; b0 < nb0; ++b0)
-    for (int64_t b1 = 0; b1 < nb1; ++b1) {
-      T *c = C + (b0 * nb1 + b1) * M * N;
-      if (K == 0) { for (int64_t i = 0; i < M * N; ++i) c[i] = T(0); continue; }
-      if (M == 0 || N == 0) continue;
+  const int64_t nb = nb0 * nb1;
+  int threads = 1;
+#ifdef _OPENMP
+  if (static_cast<double>(nb) * M * N * K >= 262144.0) threads = omp_get_max_threads();
+#endif
+  // element (m, k) of A sits at m*ar + k*ac in either layout, so sub-blocks are pointer offsets
+  const bool by_rows = M >= N;
+  const int64_t parts_mn = nb < threads ? std::max<int64_t>(1, std::min<int64_t>(
+                                              threads, by_rows ? M : N)) : 1;
+#pragma omp parallel for collapse(2) schedule(static) if (threads > 1)
+  for (int64_t bi = 0; bi < nb; ++bi)
+    for (int64_t p = 0; p < parts_mn; ++p) {
+      const int64_t b0 = bi / nb1, b1 = bi % nb1;
       const T *a = A + b0 * as0 + b1 * as1;
       const T *bb = B + b0 * bs0 + b1 * bs1;
-      if constexpr (sizeof(T) == 4)
-        scipy_cblas_sgemm(CblasRowMajor, ta ? CblasTrans : CblasNoTrans,
-                          tb ? CblasTrans : CblasNoTrans, (int)M, (int)N, (int)K, 1.0f, a,
-                          (int)lda, bb, (int)ldb, 0.0f, c, (int)N);
+      T *c = C + bi * M * N;
+      const int64_t len = by_rows ? M : N;
+      const int64_t lo = len * p / parts_mn, hi = len * (p + 1) / parts_mn;
+      if (by_rows)
+        gemm_block<T>(ta, tb, hi - lo, N, K, a + lo * ar, lda, bb, ldb, c + lo * N, N);
       else
-        scipy_cblas_dgemm(CblasRowMajor, ta ? CblasTrans : CblasNoTrans,
-                          tb ? CblasTrans : CblasNoTrans, (int)M, (int)N, (int)K, 1.0, a,
-                          (int)lda, bb, (int)ldb, 0.0, c, (int)N);
+        gemm_block<T>(ta, tb, M, hi - lo, K, a, lda, bb + lo * bc, ldb, c + lo, N);
     }
   return 0;
 }
