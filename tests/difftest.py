@@ -119,14 +119,20 @@ def _double(a):
     return a.double() if isinstance(a, torch.Tensor) and a.is_floating_point() else a
 
 
+def _leaf_name(path) -> str:
+    return "".join(str(p) for p in path) or "[]"
+
+
 def compare(got, want, want64=None, *, tol: dict | None = None, what: str = "") -> None:
-    """Compare kiln outputs with the eager outputs (`want64`: float64 reference values)."""
+    """Compare kiln outputs with the eager outputs (`want64`: float64 reference values).
+    Outputs are named by their pytree path, so a model returning a dict of op results names
+    the op that is wrong."""
     g_leaves, g_spec = pytree.tree_flatten(got)
-    w_leaves, w_spec = pytree.tree_flatten(want)
+    w_paths, w_spec = pytree.tree_flatten_with_path(want)
     assert g_spec == w_spec, f"{what}: output structure {g_spec} != eager {w_spec}"
-    r_leaves = pytree.tree_leaves(want64) if want64 is not None else w_leaves
-    for k, (g, w, r) in enumerate(zip(g_leaves, w_leaves, r_leaves)):
-        where = f"{what} output {k}"
+    r_leaves = pytree.tree_leaves(want64) if want64 is not None else [w for _, w in w_paths]
+    for g, (path, w), r in zip(g_leaves, w_paths, r_leaves):
+        where = f"{what}, output {_leaf_name(path)}"
         assert isinstance(g, torch.Tensor), f"{where}: got {type(g).__name__}"
         assert g.dtype == w.dtype, f"{where}: dtype {g.dtype} != eager {w.dtype}"
         assert g.shape == w.shape, f"{where}: shape {tuple(g.shape)} != eager {tuple(w.shape)}"
@@ -134,12 +140,11 @@ def compare(got, want, want64=None, *, tol: dict | None = None, what: str = "") 
             t = tol or (F64_TOL if w.dtype == torch.float64 else F32_TOL)
             torch.testing.assert_close(g.double(), r.double(), equal_nan=True, msg=lambda m: (
                 f"{where} ({w.dtype}, vs {r.dtype} eager):\n{m}"), **t)
-        else:
-            if not torch.equal(g, w):
-                bad = (g != w).nonzero()[:5].tolist()
-                raise AssertionError(f"{where} ({w.dtype}): mismatch at {bad}: got "
-                                     f"{[g[tuple(i)].item() for i in bad]}, want "
-                                     f"{[w[tuple(i)].item() for i in bad]}")
+        elif not torch.equal(g, w):
+            bad = (g != w).nonzero()[:5].tolist()
+            raise AssertionError(f"{where} ({w.dtype}): mismatch at {bad}: got "
+                                 f"{[g[tuple(i)].item() for i in bad]}, want "
+                                 f"{[w[tuple(i)].item() for i in bad]}")
 
 
 class Checker:
@@ -152,6 +157,8 @@ class Checker:
     def compile(self, module: torch.nn.Module, args: Sequence, *, dynamic_shapes=None,
                 options: kiln.Options | None = None):
         module = module.eval()
+        if dynamic_shapes is not None and isinstance(module, (Fn, Layout)):
+            dynamic_shapes = (tuple(dynamic_shapes),)  # forward(*args): one tuple parameter
         compiled = kiln.compile(module, tuple(args), dynamic_shapes=dynamic_shapes,
                                 options=options)
         return compiled, compiled.load(self.root / f"m{next(self.count)}.kiln")

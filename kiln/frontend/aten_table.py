@@ -114,13 +114,18 @@ def _masked_fill(b, n):
 
 
 @register("aten._to_copy.default", "aten.clone.default", "aten.alias.default",
-          "aten.lift_fresh_copy.default", "aten.contiguous.default", "aten.detach.default",
-          "aten._assert_tensor_metadata.default")
+          "aten.lift_fresh_copy.default", "aten.contiguous.default", "aten.detach.default")
 def _copy(b, n):
     src = n.args[0]
     if b.meta_dtype(n) != b.meta_dtype(src):
         return b.emit("cast", [b.tensor(src)], n)
     return b.alias(n, b.tensor(src))
+
+
+@register("aten._assert_tensor_metadata.default")
+def _assert_metadata(b, n):
+    """A check torch.export inserts before casts; it has no result (meta val None)."""
+    return b.tensor(n.args[0])
 
 
 @register("aten.scalar_tensor.default")

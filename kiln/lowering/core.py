@@ -15,7 +15,8 @@ import sympy
 
 from kiln.ir import loop as L
 from kiln.ir.dtypes import DType
-from kiln.ir.sym import contiguous_strides, ivars, linear_index
+from kiln.ir.simplify import simplify_index
+from kiln.ir.sym import FloorDiv, ModIdx, contiguous_strides, ivars, linear_index, rvars
 
 Index = tuple[sympy.Expr, ...]
 
@@ -55,6 +56,29 @@ def expr_cost(e: L.Expr) -> int:
     return 0
 
 
+def simplify_body(e: L.Expr, ranges, memo=None) -> L.Expr:
+    """`e` with every index expression simplified under the loop variables' ranges."""
+    memo = {} if memo is None else memo
+    if e in memo:
+        return memo[e]
+    out = e
+    if isinstance(e, L.Load):
+        ind = tuple(L.Indirect(i.var, simplify_body(i.value, ranges, memo), i.bound)
+                    for i in e.indirect)
+        index = simplify_index(e.index, ranges) if e.index.has(FloorDiv, ModIdx) else e.index
+        out = L.Load(e.buf, index, e.dtype, ind)
+    elif isinstance(e, L.Index) and e.expr.has(FloorDiv, ModIdx):
+        out = L.Index(simplify_index(e.expr, ranges), e.dtype)
+    elif isinstance(e, L.Op):
+        out = L.Op(e.op, tuple(simplify_body(a, ranges, memo) for a in e.args), e.dtype)
+    memo[e] = out
+    return out
+
+
+def loop_ranges(shape, sizes=()) -> dict:
+    return {**dict(zip(ivars(len(shape)), shape)), **dict(zip(rvars(len(sizes)), sizes))}
+
+
 def pointwise(dtype: DType, shape, fn: Callable[[Index], L.Expr], *parts: Lazy) -> Lazy:
     """A Lazy whose element is `fn(idx)`; cost estimated from one sample element."""
     probe = fn(ivars(len(shape)))
@@ -85,7 +109,7 @@ class LowerCtx:
     def realize(self, base: str, lz: Lazy, source: Sequence[str], kind: str = "temp") -> Lazy:
         name = self.unique(base)
         self.declare(name, lz.dtype, lz.shape, kind)
-        body = lz.load(ivars(lz.rank))
+        body = simplify_body(lz.load(ivars(lz.rank)), loop_ranges(lz.shape))
         self.nodes.append(L.Compute(name, lz.dtype, lz.shape, body, None, tuple(source)))
         return self.buffer_lazy(name, lz.dtype, lz.shape)
 
@@ -101,6 +125,7 @@ class LowerCtx:
         name = self.unique(base)
         self.declare(name, dtype, out_shape, "temp")
         red = L.Reduce(kind, tuple(sizes))
+        body = simplify_body(body, loop_ranges(out_shape, sizes))
         self.nodes.append(L.Compute(name, dtype, tuple(out_shape), body, red, tuple(source)))
         return self.buffer_lazy(name, dtype, out_shape)
 

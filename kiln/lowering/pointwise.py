@@ -98,7 +98,7 @@ def lower_unary(ctx: LowerCtx, node: Node, args: list[Lazy]) -> Lazy:
 
     def fn(idx: Index) -> L.Expr:
         v = load_broadcast(x, idx, node.type.shape)
-        if node.op == "logical_not":
+        if node.op == "logical_not" or (node.op == "bitwise_not" and out_dt == dtypes.bool_):
             return op("logical_not", to_bool(v), dtype=dtypes.bool_)
         if node.op in BOOL_OUT_UNARY:
             return op(node.op, v, dtype=dtypes.bool_)
