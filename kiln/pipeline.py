@@ -68,10 +68,11 @@ def _blas() -> tuple[Path, Path]:
     return Path(blas.get_include_dir()), Path(blas.get_lib_dir())
 
 
-def _toolchain(opts: Options) -> Toolchain:
+def toolchain(opts: Options) -> Toolchain:
     inc, lib = _blas()
     jobs = opts.jobs or config.cpu_count()
-    cflags = ["-std=c++17", "-fPIC", "-fvisibility=hidden", "-fno-math-errno", "-DKILN_WITH_BLAS",
+    cflags = ["-std=c++17", "-fPIC", "-fvisibility=hidden", "-fno-math-errno", "-fno-trapping-math",
+              "-DKILN_WITH_BLAS",
               f"-I{inc}", *opts.opt_flags]
     if opts.march:
         cflags.append(f"-march={opts.march}")
@@ -130,6 +131,6 @@ def build(ep: torch.export.ExportedProgram, opts: Options) -> Built:
             (Path(opts.dump_dir) / name).write_text(text)
     # 8. C++ compiler: parallel, cached by content hash
     cpp = {k: v for k, v in sources.items() if k.endswith(".cpp")}
-    lib, tt = run.stage("compile", lambda s: build_shared(_toolchain(opts), s), cpp)
+    lib, tt = run.stage("compile", lambda s: build_shared(toolchain(opts), s), cpp)
     run.timings.update({f"compile.{k}": v for k, v in tt.items()})
     return Built(graph, loop, steps, program, plan, ivs, sources, lib, weights, run.timings)

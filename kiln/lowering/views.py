@@ -217,7 +217,7 @@ def lower_cat(ctx: LowerCtx, node: Node, args: list[Lazy]) -> Lazy:
     def fn(idx: Index) -> L.Expr:
         i = idx[dim]
         out = None
-        for a, s in reversed(list(zip(args, starts))):
+        for a, s in zip(args, starts):
             local = list(idx)
             local[dim] = sympy.expand(i - s)
             val = cast(_guarded_load(a, local, dim), dt)

@@ -106,8 +106,14 @@ template <class T> inline T floordiv(T a, T b) {
     if (b == 0) return T(0);
     T q = a / b;
     return (a % b != 0 && ((a < 0) != (b < 0))) ? T(q - 1) : q;
-  } else {
-    return std::floor(a / b);
+  } else {  // torch's semantics: from fmod, so 1.0 // 0.1 == 9 (floor(1.0 / 0.1) is 10)
+    if (b == 0) return a / b;
+    const T mod = std::fmod(a, b);
+    T q = (a - mod) / b;
+    if (mod != 0 && ((b < 0) != (mod < 0))) q -= T(1);
+    if (q == 0) return std::copysign(T(0), a / b);
+    const T fq = std::floor(q);
+    return q - fq > T(0.5) ? fq + T(1) : fq;
   }
 }
 template <class T> inline T remainder(T a, T b) {

@@ -1,0 +1,143 @@
+"""Differential tests of views and data movement: view/reshape, permute, transpose, expand,
+slice, select, squeeze/unsqueeze, flatten, cat, stack, constant pad, split/chunk/unbind, and
+tensor creation (arange/full/zeros/ones) inside the model."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from difftest import Checker, Fn, Layout, dim, gen, layout_shape, rand
+
+F32, F64, I64, I32, BOOL = torch.float32, torch.float64, torch.int64, torch.int32, torch.bool
+
+
+@pytest.fixture(scope="module")
+def check(tmp_path_factory) -> Checker:
+    return Checker(tmp_path_factory.mktemp("ops_views"))
+
+
+def _ids(v) -> str:
+    return str(v).replace(" ", "").removeprefix("torch.")
+
+
+def movement(x):
+    """Pure data movement of x [a, b, c] (c even): works for every dtype and any a, b >= 1."""
+    a, b, c = x.shape
+    return {
+        "merge_last": x.reshape(a, b * c), "merge_first": x.reshape(a * b, c),
+        "split_last": x.reshape(a, b, c // 2, 2), "split_merge": x.reshape(a * b * c // 2, 2),
+        "infer": x.reshape(-1, c), "flatten": x.flatten(), "flatten_1": x.flatten(1),
+        "permute_merge": x.permute(2, 0, 1).reshape(c, a * b),
+        "permute_split": x.permute(0, 2, 1).reshape(a, c // 2, 2 * b),
+        "permute": x.permute(1, 2, 0), "transpose": x.transpose(0, 2), "swap_neg": x.mT,
+        "transpose_view": x.transpose(1, 2).contiguous().view(a, -1),
+        "expand": x[:, :1, :].expand(a, 4, c), "expand_new": x.unsqueeze(1).expand(a, 3, b, c),
+        "expand_permute": x[:1].expand(3, b, c).permute(2, 0, 1),
+        "slice_step": x[:, ::2, 1::3], "slice_neg": x[..., -3:], "slice_neg_2": x[-2:, -2:],
+        "slice_neg_end": x[:, :, :-1], "slice_inner": x[:, -1:, 1:-1:2],
+        "select": x[:, -1], "select_0": x[0], "select_neg": x.select(2, -2),
+        "select_slice": x[-1, :, ::2],
+        "unsqueeze": x.unsqueeze(0).unsqueeze(-1), "squeeze_dim": x[:, :1].squeeze(1),
+        "squeeze_all": x[:1, :, :1].squeeze(), "unsqueeze_mid": x.unsqueeze(2),
+        "cat_1": torch.cat([x, x[:, :1], x], dim=1),
+        "cat_0": torch.cat([x[:1], x, x[-1:]], 0), "cat_neg": torch.cat([x[..., :1], x], -1),
+        "cat_single": torch.cat([x]), "cat_views": torch.cat([x.mT, x.mT[:, ::2]], 1),
+        "stack_0": torch.stack([x, x]), "stack_last": torch.stack([x, x], -1),
+        "pad_last": F.pad(x, (1, 2), value=1), "pad_2d": F.pad(x, (0, 0, 2, 1)),
+        "pad_3d": F.pad(x, (1, 1, 1, 1, 1, 1)), "pad_crop": F.pad(x, (-1, 1)),
+        "split": x.split(3, dim=-1), "split_sizes": x.split([c // 2, c - c // 2], dim=2),
+        "chunk": x.chunk(2, dim=0), "unbind": x.unbind(1), "unbind_0": x.unbind(0),
+    }
+
+
+MOVE_CASES = [((4, 6, 10), "contig", F32), ((1, 1, 2), "contig", F32),
+              ((3, 1, 4), "contig", F32), ((16, 33, 24), "contig", F32),
+              ((4, 6, 10), "t", F32), ((4, 6, 10), "step", F32), ((4, 6, 10), "perm", F32),
+              ((3, 5, 8), "neg", F32), ((4, 6, 10), "contig", F64),
+              ((4, 6, 10), "contig", I64), ((3, 5, 4), "contig", I32),
+              ((2, 3, 4), "contig", BOOL), ((2, 3, 4), "contig", torch.uint8)]
+
+
+@pytest.mark.parametrize(("shape", "layout", "dtype"), MOVE_CASES, ids=_ids)
+def test_data_movement(check, shape, layout, dtype):
+    x = rand(layout_shape(shape, layout), dtype, gen("move", shape, layout, dtype))
+    check(Layout(Fn(movement), layout), (x,))
+
+
+def fused(x, y):
+    """Views consumed by arithmetic: the index maps end up inside fused kernels."""
+    a, b, c = x.shape
+    return {
+        "reshape_add": x.reshape(a * b, c) + y[:c], "permute_mul": x.permute(2, 0, 1) * 2 - 1,
+        "t_plus_t": x.mT + x.mT.exp(), "expand_bcast": x[:, :1].expand(a, b, c) * x,
+        "slice_sum": x[:, ::2].sum(-1) + x[:, -1].amax(-1, keepdim=True),
+        "cat_then_exp": torch.cat([x.exp(), x * 3, x[..., :1]], -1).tanh(),
+        "pad_then_relu": F.pad(x, (2, 1), value=-1.5).relu() + 1,
+        "stack_math": torch.stack([x, -x], 1).sigmoid(), "select_add": x[:, 0] + x[:, -1],
+        "unbind_sum": sum(x.unbind(2)), "chunk_mul": x.chunk(2, -1)[0] * x.chunk(2, -1)[1],
+        "view_of_expand": y[:c].expand(a * b, c).reshape(a, b, c) + x,
+        "reshape_of_view_chain": (x.transpose(0, 1)[:, :, 1:] * 2).reshape(b, -1).t(),
+    }
+
+
+@pytest.mark.parametrize(("shape", "layout"), [((4, 6, 10), "contig"), ((2, 1, 2), "contig"),
+                                               ((16, 33, 24), "t"), ((3, 5, 8), "neg")], ids=_ids)
+def test_views_fused_with_math(check, shape, layout):
+    g = gen("fused", shape, layout)
+    x, y = rand(layout_shape(shape, layout), F32, g), rand((64,), F32, g)
+    check(Layout(Fn(fused), layout), (x, y))
+
+
+def test_cat_many_inputs_and_dtypes(check):
+    g = gen("cat-many")
+    xs = [rand((3, k, 5), F32, g) for k in (1, 2, 3, 4, 7)]
+    i = rand((3, 2, 5), I64, g)
+    check(Fn(lambda a, b, c, d, e, i: {
+        "cat5": torch.cat([a, b, c, d, e], 1), "cat_promote": torch.cat([a, i], 1),
+        "cat_0": torch.cat([a.transpose(0, 1), b.transpose(0, 1), e.transpose(0, 1)], 0),
+        "cat_last": torch.cat([a, a * 2, a * 3], -1), "stack3": torch.stack([a, a, -a], 2)}),
+        (*xs, i))
+
+
+def test_creation_ops(check):
+    g = gen("creation")
+    x, i = rand((5, 7), F32, g), rand((5, 7), I64, g)
+    check(Fn(lambda x, i: {
+        "arange": torch.arange(7), "arange_add": x + torch.arange(7),
+        "arange_start_step": torch.arange(2, 23, 3), "arange_float": torch.arange(0.0, 1.0, 0.125),
+        "arange_neg_step": torch.arange(10, -5, -2),
+        "arange_view": torch.arange(35).view(5, 7) * i,
+        "full": torch.full((5, 7), 2.5), "full_int": torch.full((3,), 7, dtype=I64),
+        "zeros": torch.zeros(5, 7), "ones": torch.ones(4, dtype=I32),
+        "zeros_like": torch.zeros_like(x),
+        "ones_like_add": torch.ones_like(i) + i, "full_like": torch.full_like(x, -1.0) * x,
+        "new_zeros": x.new_zeros(2, 3), "new_ones": i.new_ones(3),
+        "new_full": x.new_full((2,), 3.0),
+        "eye_like": (torch.arange(5)[:, None] == torch.arange(7)).float(),
+        "bool_full": torch.full((2, 2), True)}), (x, i))
+
+
+# -- dynamic shapes ---------------------------------------------------------------------------
+def test_dynamic_views(check):
+    n = dim("n", 2, 300)
+    fn = Fn(lambda x: {
+        "reshape": x.reshape(-1, 4, 3), "merge": x.reshape(x.shape[0] * 12),
+        "permute": x.permute(1, 0) * 2, "slice": x[1:-1, ::2], "slice_neg": x[-2:],
+        "select": x[-1], "cat": torch.cat([x, x[:1], -x], 0), "stack": torch.stack([x, x], 1),
+        "pad": F.pad(x, (0, 0, 1, 2)), "split": x.split(5, dim=1), "chunk": x.chunk(3, 1),
+        "unsqueeze_expand": x.unsqueeze(1).expand(-1, 2, -1),
+        "arange": x + torch.arange(x.shape[0]).unsqueeze(1),
+        "ones": torch.ones(x.shape[0], 2), "t_view": x.t().contiguous().view(12, -1, 1)})
+    xs = [rand((k, 12), F32, gen("dyn-views", k)) for k in (6, 2, 37, 300)]
+    check(fn, (xs[0],), more=[(x,) for x in xs[1:]], dynamic_shapes=({0: n},))
+
+
+def test_dynamic_two_symbols_reshape(check):
+    n, m = dim("n", 2, 64), dim("m", 2, 64)
+    fn = Fn(lambda x: {"merge": x.reshape(-1), "merge_t": x.t().reshape(-1),
+                       "split": x.reshape(x.shape[0], x.shape[1], 1), "flat_perm":
+                       x.unsqueeze(0).permute(2, 0, 1).flatten(1)})
+    xs = [rand(s, F32, gen("dyn2", s)) for s in [(3, 5), (2, 2), (64, 7), (9, 64)]]
+    check(fn, (xs[0],), more=[(x,) for x in xs[1:]], dynamic_shapes=({0: n, 1: m},))
