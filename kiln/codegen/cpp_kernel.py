@@ -79,7 +79,8 @@ class ExprPrinter:
             var = ind.var.name
             b = to_c(ind.bound)
             self.lines.append(f"int64_t {var} = {v};")
-            self.lines.append(f"if ({var} < 0) {var} += {b};")
+            if ind.wrap:
+                self.lines.append(f"if ({var} < 0) {var} += {b};")
             self.lines.append(f"if (KILN_UNLIKELY(static_cast<uint64_t>({var}) >= "
                               f"static_cast<uint64_t>({b}))) {{ kr::flag(kiln_status); {var} = 0; }}")
             self.status[0] = True

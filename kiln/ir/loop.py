@@ -31,11 +31,13 @@ class Const:
 @dataclass(frozen=True)
 class Indirect:
     """A temporary index variable `var` = `value` (an int expression), required in [0, bound)
-    after negative values are wrapped by adding `bound` (torch indexing semantics)."""
+    after negative values are wrapped by adding `bound` when `wrap` (torch indexing semantics;
+    embedding, gather and index_select do not wrap)."""
 
     var: sympy.Symbol
     value: "Expr"
     bound: sympy.Expr
+    wrap: bool = True  # negative values count from the end (index.Tensor); else an error
 
 
 @dataclass(frozen=True)

@@ -27,13 +27,14 @@ def _base(ctx: LowerCtx, x: Lazy, name: str) -> Lazy:
     return x if x.view is not None else ctx.realize(name + "_src", x, (name,))
 
 
-def indirect_load(x: Lazy, src_index: list, replace: dict[int, L.Expr]) -> L.Expr:
+def indirect_load(x: Lazy, src_index: list, replace: dict[int, L.Expr],
+                  wrap: bool = True) -> L.Expr:
     """Load x at `src_index`, where dims in `replace` take a data-dependent index."""
     inds = []
     idx = list(src_index)
     for d, value in replace.items():
         v = _indirect_var()
-        inds.append(L.Indirect(v, cast(value, dtypes.int64), x.shape[d]))
+        inds.append(L.Indirect(v, cast(value, dtypes.int64), x.shape[d], wrap))
         idx[d] = v
     ld = x.load(tuple(idx))
     assert isinstance(ld, L.Load)
@@ -46,7 +47,7 @@ def lower_embedding(ctx: LowerCtx, node: Node, args: list[Lazy]) -> Lazy:
     k = ids.rank
 
     def fn(idx: Index) -> L.Expr:
-        return indirect_load(w, [None, idx[k]], {0: ids.load(tuple(idx[:k]))})
+        return indirect_load(w, [None, idx[k]], {0: ids.load(tuple(idx[:k]))}, wrap=False)
 
     return Lazy(w.dtype, node.type.shape, fn, None, 1)
 
@@ -70,7 +71,7 @@ def lower_index(ctx: LowerCtx, node: Node, args: list[Lazy]) -> Lazy:
             src.append(None if d in positions else next(it))
         repl = {d: t.load(broadcast_index(bidx, t.shape, bshape))
                 for d, t in zip(positions, indices)}
-        return indirect_load(x, src, repl)
+        return indirect_load(x, src, repl, wrap=not node.attr("select", False))
 
     if len(out_shape) != x.rank - len(positions) + nb:
         raise UnsupportedError(f"index pattern of node {node.name} (shape {out_shape})")
@@ -97,6 +98,6 @@ def lower_gather(ctx: LowerCtx, node: Node, args: list[Lazy]) -> Lazy:
 
     def fn(idx: Index) -> L.Expr:
         src = list(idx)
-        return indirect_load(x, src, {dim: ids.load(idx)})
+        return indirect_load(x, src, {dim: ids.load(idx)}, wrap=False)
 
     return Lazy(x.dtype, node.type.shape, fn, None, 1)

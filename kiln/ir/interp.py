@@ -1,0 +1,165 @@
+"""Reference interpreter of Loop IR, in numpy: the second oracle beside torch eager.
+
+It shares nothing with code generation: each `Compute` is evaluated over its whole index
+space at once (numpy broadcasting over one axis per loop variable), reductions reduce the
+trailing r-axes, and a `Gemm` is `np.matmul` over strided views. Buffers are flat numpy arrays.
+It is slow and meant for small shapes (tests, the fuzzer, bisecting a wrong kernel)."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+import numpy as np
+import sympy
+
+from kiln.ir import loop as L
+from kiln.ir.sym import FloorDiv, ModIdx, evaluate, ivars, rvars
+
+NP_DTYPES = {"float32": np.float32, "float64": np.float64, "int64": np.int64, "int32": np.int32,
+             "int16": np.int16, "int8": np.int8, "uint8": np.uint8, "bool": np.bool_}
+
+
+def _erf(x):
+    import math
+    return np.vectorize(math.erf, otypes=[x.dtype])(x) if x.size else x
+
+
+def _where_div(a, b):
+    if np.issubdtype(a.dtype, np.integer):
+        return np.where(b == 0, 0, np.trunc(a / np.where(b == 0, 1, b))).astype(a.dtype)
+    return a / b
+
+
+def _floordiv(a, b):
+    if np.issubdtype(a.dtype, np.integer):
+        return np.where(b == 0, 0, np.floor_divide(a, np.where(b == 0, 1, b)))
+    return np.floor(a / b)
+
+
+def _maximum(a, b):
+    return np.maximum(a, b)
+
+
+NP_OPS = {
+    "neg": np.negative, "exp": np.exp, "log": np.log, "sqrt": np.sqrt,
+    "rsqrt": lambda x: 1 / np.sqrt(x), "tanh": np.tanh, "sigmoid": lambda x: 1 / (1 + np.exp(-x)),
+    "relu": lambda x: np.where(x < 0, np.zeros_like(x), x), "abs": np.abs, "sin": np.sin,
+    "cos": np.cos, "tan": np.tan, "atan": np.arctan, "asin": np.arcsin, "acos": np.arccos,
+    "sinh": np.sinh, "cosh": np.cosh, "asinh": np.arcsinh, "acosh": np.arccosh,
+    "atanh": np.arctanh, "erf": _erf, "erfc": lambda x: 1 - _erf(x),
+    "logical_not": np.logical_not, "reciprocal": lambda x: 1 / x, "floor": np.floor,
+    "ceil": np.ceil, "round": np.round, "trunc": np.trunc, "log1p": np.log1p, "expm1": np.expm1,
+    "sign": np.sign, "exp2": np.exp2, "log2": np.log2, "isnan": np.isnan, "isinf": np.isinf,
+    "bitwise_not": np.invert, "to_bool": lambda x: x != 0, "square": np.square,
+    "add": np.add, "sub": np.subtract, "mul": np.multiply, "div": _where_div,
+    "truediv_floor": _floordiv, "truediv_trunc": lambda a, b: np.trunc(a / b).astype(a.dtype),
+    "pow": np.power, "maximum": _maximum, "minimum": np.minimum, "eq": np.equal,
+    "ne": np.not_equal, "lt": np.less, "le": np.less_equal, "gt": np.greater,
+    "ge": np.greater_equal, "logical_and": np.logical_and, "logical_or": np.logical_or,
+    "logical_xor": np.logical_xor, "remainder": lambda a, b: a - np.floor_divide(a, b) * b,
+    "fmod": np.fmod, "atan2": np.arctan2, "bitwise_and": np.bitwise_and,
+    "bitwise_or": np.bitwise_or, "bitwise_xor": np.bitwise_xor,
+    "where": np.where,
+}
+NP_REDUCE = {"sum": np.sum, "prod": np.prod, "max": np.max, "min": np.min, "any": np.any,
+             "all": np.all, "argmax": np.argmax, "argmin": np.argmin}
+_LAMBDIFY = [{"FloorDiv": np.floor_divide, "ModIdx": np.mod, "Max": np.maximum,
+              "Min": np.minimum}, "numpy"]
+
+
+class InterpError(ValueError):
+    pass
+
+
+class _Eval:
+    def __init__(self, bufs, env, grid: dict[sympy.Symbol, np.ndarray]):
+        self.bufs, self.env, self.grid = bufs, env, grid
+        self.memo: dict = {}
+
+    def index(self, e: sympy.Expr, extra: Mapping) -> np.ndarray:
+        e = sympy.sympify(e).xreplace({sympy.Symbol(k, integer=True, positive=True): v
+                                       for k, v in self.env.items()})
+        syms = sorted(e.free_symbols, key=lambda s: s.name)
+        if not syms:
+            return np.asarray(int(e), dtype=np.int64)
+        fn = sympy.lambdify(syms, e, modules=_LAMBDIFY)
+        vals = [extra[s] if s in extra else self.grid[s] for s in syms]
+        return np.asarray(fn(*vals), dtype=np.int64)
+
+    def value(self, e: L.Expr) -> np.ndarray:
+        if e in self.memo:
+            return self.memo[e]
+        dt = NP_DTYPES[e.dtype.name]
+        if isinstance(e, L.Const):
+            out = np.asarray(e.value, dtype=dt)
+        elif isinstance(e, L.Index):
+            out = self.index(e.expr, {}).astype(dt)
+        elif isinstance(e, L.Load):
+            extra = {}
+            for ind in e.indirect:
+                v = self.value(ind.value).astype(np.int64)
+                bound = evaluate(ind.bound, self.env)
+                v = np.where(v < 0, v + bound, v) if ind.wrap else v
+                if v.size and (v.min() < 0 or v.max() >= bound):
+                    raise InterpError(f"index out of range reading {e.buf}")
+                extra[ind.var] = v
+            out = self.bufs[e.buf][self.index(e.index, extra)]
+        elif e.op == "cast":
+            out = self.value(e.args[0]).astype(dt)
+        else:
+            with np.errstate(all="ignore"):
+                out = np.asarray(NP_OPS[e.op](*[self.value(a) for a in e.args])).astype(dt)
+        self.memo[e] = out
+        return out
+
+
+def _grid(shape: tuple[int, ...], names) -> dict:
+    n = len(shape)
+    return {v: np.arange(s).reshape([1] * k + [s] + [1] * (n - k - 1))
+            for k, (v, s) in enumerate(zip(names, shape))}
+
+
+def _compute(node: L.Compute, bufs, env) -> np.ndarray:
+    out_shape = tuple(evaluate(d, env) for d in node.shape)
+    red = tuple(evaluate(d, env) for d in node.reduce.sizes) if node.reduce else ()
+    names = list(ivars(len(out_shape))) + list(rvars(len(red)))
+    full = out_shape + red
+    vals = _Eval(bufs, env, _grid(full, names)).value(node.body)
+    vals = np.broadcast_to(vals, full)
+    if node.reduce is None:
+        return np.ascontiguousarray(vals).reshape(-1)
+    axes = tuple(range(len(out_shape), len(full)))
+    kind = node.reduce.kind
+    if kind in ("argmax", "argmin"):
+        flat = vals.reshape(out_shape + (-1,))
+        return NP_REDUCE[kind](flat, axis=-1).astype(np.int64).reshape(-1)
+    dt = NP_DTYPES[node.dtype.name]
+    with np.errstate(all="ignore"):
+        return np.asarray(NP_REDUCE[kind](vals, axis=axes)).astype(dt).reshape(-1)
+
+
+def _gemm(g: L.Gemm, bufs, env) -> np.ndarray:
+    def view(op: L.Operand, rows, cols):
+        base = bufs[op.buf]
+        item = base.itemsize
+        sizes = [evaluate(b, env) for b in g.batch] + [rows, cols]
+        strides = [evaluate(s, env) for s in (*op.batch_strides, op.rows, op.cols)]
+        start = base[evaluate(op.offset, env):]
+        return np.lib.stride_tricks.as_strided(start, sizes, [s * item for s in strides])
+
+    m, n, k = (evaluate(x, env) for x in (g.m, g.n, g.k))
+    a = view(g.a, m, k).astype(np.float64)
+    b = view(g.b, k, n).astype(np.float64)
+    return np.matmul(a, b).astype(NP_DTYPES[g.dtype.name]).reshape(-1)
+
+
+def run_loop(prog: L.LoopProgram, inputs: Mapping[str, np.ndarray],
+             env: Mapping[str, int]) -> list[np.ndarray]:
+    """Run `prog` on named inputs and weights (numpy arrays) with sizes `env`; returns the
+    outputs, shaped by the program's output shapes."""
+    bufs = {k: np.ascontiguousarray(v).reshape(-1) for k, v in inputs.items()}
+    for node in prog.nodes:
+        fn = _gemm if isinstance(node, L.Gemm) else _compute
+        bufs[node.name] = fn(node, bufs, dict(env))
+    return [bufs[o].reshape([evaluate(d, env) for d in shape])
+            for o, shape in zip(prog.outputs, prog.output_shapes)]
