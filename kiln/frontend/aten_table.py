@@ -236,8 +236,21 @@ def _reduction(kind: str) -> Converter:
 
 
 for _name, _kind in REDUCTIONS.items():
-    for _ov in ("default", "dim", "dim_IntList", "dims"):
+    for _ov in ("default", "dim", "dim_IntList", "dims", "dim_int"):
         register(f"aten.{_name}.{_ov}")(_reduction(_kind))
+register("aten.max.default")(_reduction("max"))
+register("aten.min.default")(_reduction("min"))
+
+
+@register("aten.max.dim", "aten.min.dim")
+def _max_dim(b, n):
+    """(values, indices): a max (min) reduction and an argmax (argmin) over the same dim."""
+    kind = "max" if str(n.target).startswith("aten.max") else "min"
+    keep = n.args[2] if len(n.args) > 2 else n.kwargs.get("keepdim", False)
+    dims = (n.args[1] % max(b.rank(n.args[0]), 1),)
+    x = b.tensor(n.args[0])
+    return [b.emit("reduce", [x], None, like=n, result=k, kind=kd, dims=dims, keepdim=bool(keep))
+            for k, kd in enumerate((kind, f"arg{kind}"))]
 
 
 @register("aten.argmax.default", "aten.argmin.default")

@@ -14,6 +14,7 @@ import ctypes
 import functools
 import os
 import pathlib
+from collections.abc import Mapping
 from typing import Any
 
 import torch
@@ -23,6 +24,7 @@ from kiln.errors import InputError, KilnError, PackageError, UnsupportedError
 from kiln.package import read_package
 from kiln.runtime import dlpack_ctypes as dl
 from kiln.runtime.build import build_libkiln
+from kiln.runtime.weights import checked_tensors, write_weights_file
 
 KILN_ABI_VERSION = 1
 _CAPSULE_NAME = ctypes.create_string_buffer(b"dltensor")  # must outlive every capsule
@@ -54,6 +56,8 @@ def libkiln() -> ctypes.CDLL:
                                    ctypes.POINTER(vp), i64]
     lib.kiln_last_error.restype = ctypes.c_char_p
     lib.kiln_last_error.argtypes = []
+    lib.kiln_model_update_weights.restype = ctypes.c_int
+    lib.kiln_model_update_weights.argtypes = [vp, ctypes.c_char_p]
     lib.kiln_model_free.restype = None
     lib.kiln_model_free.argtypes = [vp]
     if lib.kiln_abi_version() != KILN_ABI_VERSION:
@@ -181,6 +185,25 @@ class Runner:
         return dl.DLTensor(t.data_ptr(), dl.DLDevice(*dev), t.dim(), dl.DLDataType(*code, 1),
                            ctypes.cast(shape, ctypes.POINTER(ctypes.c_int64)),
                            ctypes.cast(strides, ctypes.POINTER(ctypes.c_int64)), 0)
+
+    def update_weights(self, weights: Mapping[str, Any] | str | os.PathLike[str]) -> None:
+        """Replace the weights without recompiling: a safetensors file (keys are the manifest's
+        weight names) or a state_dict (keys are FQNs). Checked against the manifest; atomic
+        with respect to concurrent runs."""
+        if self._handle is None:
+            raise KilnError(f"kiln: runner for '{self._path}' is closed")
+        if isinstance(weights, (str, os.PathLike)):
+            path, temporary = os.fspath(weights), False
+        else:
+            path = write_weights_file(checked_tensors(self._manifest, weights))
+            temporary = True
+        try:
+            if self._lib.kiln_model_update_weights(self._handle, os.fsencode(path)):
+                msg = last_error()
+                raise (InputError if "weight" in msg else KilnError)(msg)
+        finally:
+            if temporary:
+                os.unlink(path)  # the model keeps its mapping; the name is no longer needed
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         if self._handle is None:

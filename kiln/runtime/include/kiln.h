@@ -77,6 +77,14 @@ KILN_API int kiln_model_run(kiln_model *m, const DLTensor *const *inputs, int64_
 
 /* The message of the last failure on the calling thread ("" if none). The pointer stays valid
  * until the next failing kiln call on this thread. Successful calls do not clear it. */
+/* Replaces every weight with the tensors of a safetensors file, without recompiling. The file
+ * must hold every weight the model uses (by its name in the manifest's "weights" list) with the
+ * same dtype and byte size; it is memory-mapped and stays mapped while the model uses it.
+ * Atomic with respect to kiln_model_run on the same handle: a run in flight completes on the
+ * old weights, later runs see only the new ones. On failure the old weights stay in place.
+ * Returns 0 on success, non-zero with kiln_last_error() set. */
+KILN_API int kiln_model_update_weights(kiln_model *m, const char *safetensors_path);
+
 KILN_API const char *kiln_last_error(void);
 
 /* Releases a model (its weights mapping and instance). NULL is allowed and does nothing.

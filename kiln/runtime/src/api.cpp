@@ -6,7 +6,12 @@
 // Invariants: no exception and no NULL dereference crosses this file's boundary; each failure
 // sets the thread-local error; a model library is never dlclose'd (output deleters live in it).
 #include <dlfcn.h>
+#include <fcntl.h>
+#include <sys/mman.h>
+#include <sys/stat.h>
+#include <unistd.h>
 
+#include <cerrno>
 #include <cstddef>
 #include <cstring>
 #include <memory>
@@ -30,8 +35,48 @@ static_assert(sizeof(void *) != 8 || offsetof(DLTensor, ndim) == 16, "DLTensor l
 static_assert(sizeof(void *) != 8 || offsetof(DLTensor, shape) == 24, "DLTensor layout");
 static_assert(sizeof(void *) != 8 || sizeof(DLManagedTensor) == 64, "DLManagedTensor layout");
 
+namespace kiln {
+// A read-only mapping of a whole file (weights given to kiln_model_update_weights).
+class FileMap {
+ public:
+  explicit FileMap(const char *path) : path_(path) {
+    int fd = ::open(path, O_RDONLY | O_CLOEXEC);
+    if (fd < 0) fail("kiln: cannot open weights file '%s': %s", path, std::strerror(errno));
+    struct stat st;
+    if (::fstat(fd, &st) != 0 || !S_ISREG(st.st_mode)) {
+      ::close(fd);
+      fail("kiln: weights file '%s' is not a regular file", path);
+    }
+    size_ = static_cast<uint64_t>(st.st_size);
+    if (size_ > 0) {
+      void *p = ::mmap(nullptr, size_, PROT_READ, MAP_PRIVATE, fd, 0);
+      if (p == MAP_FAILED) {
+        ::close(fd);
+        fail("kiln: cannot map weights file '%s': %s", path, std::strerror(errno));
+      }
+      data_ = static_cast<const unsigned char *>(p);
+    }
+    ::close(fd);
+  }
+  ~FileMap() {
+    if (data_) ::munmap(const_cast<unsigned char *>(data_), size_);
+  }
+  FileMap(const FileMap &) = delete;
+  FileMap &operator=(const FileMap &) = delete;
+  const unsigned char *data() const { return data_; }
+  uint64_t size() const { return size_; }
+  const std::string &path() const { return path_; }
+
+ private:
+  std::string path_;
+  const unsigned char *data_ = nullptr;
+  uint64_t size_ = 0;
+};
+}  // namespace kiln
+
 struct kiln_model {
   std::unique_ptr<kiln::ZipReader> package;  // owns the mapping the weights point into
+  std::unique_ptr<kiln::FileMap> weights_file;  // set once weights were replaced
   const kiln_model_abi *abi = nullptr;
   void *instance = nullptr;
   std::mutex mu;
@@ -109,18 +154,10 @@ const kiln_model_abi *open_library(const kiln::ZipReader &zip) {
   return abi;
 }
 
-std::vector<const void *> bind_weights(const kiln::ZipReader &zip, const kiln_model_abi *abi) {
-  const char *p = zip.path().c_str();
+std::vector<const void *> bind_blob(const unsigned char *data, uint64_t size,
+                                    const kiln_model_abi *abi, const std::string &what) {
   std::vector<const void *> ptrs;
-  const char *entry = "weights.safetensors";
-  if (!zip.has(entry)) {
-    if (abi->n_weights == 0) return ptrs;
-    kiln::fail("kiln: package '%s': missing entry '%s' (the model needs %lld weights)", p, entry,
-               static_cast<long long>(abi->n_weights));
-  }
-  std::string what = kiln::format("kiln: package '%s': entry '%s'", p, entry);
-  kiln::Span s = zip.entry(entry);
-  auto tensors = kiln::parse_safetensors(s.data, s.size, what);
+  auto tensors = kiln::parse_safetensors(data, size, what);
   for (int64_t i = 0; i < abi->n_weights; ++i) {
     const char *name = abi->weight_names[i];
     const char *dtype = abi->weight_dtypes[i];
@@ -141,6 +178,18 @@ std::vector<const void *> bind_weights(const kiln::ZipReader &zip, const kiln_mo
     ptrs.push_back(t.data);
   }
   return ptrs;
+}
+
+std::vector<const void *> bind_weights(const kiln::ZipReader &zip, const kiln_model_abi *abi) {
+  const char *p = zip.path().c_str();
+  const char *entry = "weights.safetensors";
+  if (!zip.has(entry)) {
+    if (abi->n_weights == 0) return {};
+    kiln::fail("kiln: package '%s': missing entry '%s' (the model needs %lld weights)", p, entry,
+               static_cast<long long>(abi->n_weights));
+  }
+  kiln::Span s = zip.entry(entry);
+  return bind_blob(s.data, s.size, abi, kiln::format("kiln: package '%s': entry '%s'", p, entry));
 }
 
 void free_outputs(DLManagedTensor **outputs, int64_t n) {
@@ -234,6 +283,32 @@ KILN_API int kiln_model_run(kiln_model *m, const DLTensor *const *inputs, int64_
                    static_cast<long long>(i));
       }
     }
+  });
+}
+
+KILN_API int kiln_model_update_weights(kiln_model *m, const char *safetensors_path) {
+  return guarded([&] {
+    if (!m) kiln::fail("kiln_model_update_weights: model is NULL");
+    if (!safetensors_path) kiln::fail("kiln_model_update_weights: safetensors_path is NULL");
+    auto file = std::make_unique<kiln::FileMap>(safetensors_path);
+    std::string what = kiln::format("kiln: weights file '%s'", safetensors_path);
+    std::vector<const void *> ptrs = bind_blob(file->data(), file->size(), m->abi, what);
+    char err[1024] = {0};
+    void *fresh = m->abi->create(ptrs.empty() ? nullptr : ptrs.data(), err, sizeof err);
+    err[sizeof err - 1] = '\0';
+    if (!fresh) kiln::fail("%s: model creation failed: %s", what.c_str(), err);
+    // swap under the run mutex: a run in flight finishes on the old weights, the next one
+    // sees only the new ones
+    void *old;
+    std::unique_ptr<kiln::FileMap> old_file;
+    {
+      std::lock_guard<std::mutex> lock(m->mu);
+      old = m->instance;
+      m->instance = fresh;
+      old_file = std::move(m->weights_file);
+      m->weights_file = std::move(file);
+    }
+    if (old) m->abi->destroy(old);
   });
 }
 

@@ -1,0 +1,50 @@
+"""Replacement weights for a loaded model: a state_dict (keys are the original FQNs, as in
+`model.state_dict()`, or kiln's weight names) checked against the manifest's "weights" list and
+written as a safetensors file keyed by kiln's weight names.
+
+Every weight the model uses must be given, with its dtype and shape; keys the model does not
+use (e.g. buffers dead code elimination removed) are ignored."""
+
+from __future__ import annotations
+
+import os
+import tempfile
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+from safetensors.torch import save_file
+
+from kiln.errors import InputError
+
+
+def checked_tensors(manifest: Mapping[str, Any], state: Mapping[str, Any]
+                    ) -> dict[str, torch.Tensor]:
+    specs = manifest.get("weights", [])
+    by_key = {w["fqn"]: w for w in specs}
+    by_key.update({w["name"]: w for w in specs})
+    out: dict[str, torch.Tensor] = {}
+    for key, t in state.items():
+        w = by_key.get(key)
+        if w is None:
+            continue
+        if not isinstance(t, torch.Tensor):
+            raise InputError(f"weight {key!r}: expected a tensor, got {type(t).__name__}")
+        dtype = str(t.dtype).removeprefix("torch.")
+        if dtype != w["dtype"]:
+            raise InputError(f"weight {key!r}: expected dtype {w['dtype']}, got {dtype}")
+        if list(t.shape) != list(w["shape"]):
+            raise InputError(f"weight {key!r}: expected shape {w['shape']}, got {list(t.shape)}")
+        out[w["name"]] = t.detach().to("cpu").contiguous()
+    missing = [w["fqn"] or w["name"] for w in specs if w["name"] not in out]
+    if missing:
+        raise InputError(f"update_weights: missing weights {missing}")
+    return out
+
+
+def write_weights_file(tensors: Mapping[str, torch.Tensor], directory: str | None = None) -> str:
+    """A temporary safetensors file holding `tensors` (the caller maps it, then removes it)."""
+    fd, path = tempfile.mkstemp(prefix="kiln-weights-", suffix=".safetensors", dir=directory)
+    os.close(fd)
+    save_file(dict(tensors), path)
+    return path

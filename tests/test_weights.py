@@ -1,0 +1,156 @@
+"""Weights: replaced without recompiling (from a state_dict or a safetensors file), checked
+against the manifest, atomic with respect to runs; FQNs and dtypes in the manifest; tied
+parameters stored once; returned constants and views of constants."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+import torch
+from safetensors.torch import save_file
+
+import kiln
+
+
+class Net(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc1 = torch.nn.Linear(16, 32)
+        self.fc2 = torch.nn.Linear(32, 4)
+        self.register_buffer("scale", torch.tensor(2.0))
+
+    def forward(self, x):
+        return self.fc2(torch.relu(self.fc1(x))) * self.scale
+
+
+@pytest.fixture
+def net_runner(tmp_path):
+    torch.manual_seed(0)
+    m = Net().eval()
+    batch = torch.export.Dim("batch", min=1, max=64)
+    c = kiln.compile(m, (torch.randn(3, 16),), dynamic_shapes=({0: batch},))
+    return m, c.load(tmp_path / "net.kiln")
+
+
+def _fresh(m):
+    m2 = Net().eval()
+    with torch.no_grad():
+        for p in m2.parameters():
+            p.normal_()
+        m2.scale.fill_(-0.5)
+    return m2
+
+
+def test_update_from_state_dict(net_runner):
+    m, runner = net_runner
+    x = torch.randn(5, 16)
+    with torch.no_grad():
+        torch.testing.assert_close(runner(x), m(x), rtol=1e-5, atol=1e-5)
+    m2 = _fresh(m)
+    runner.update_weights(m2.state_dict())
+    with torch.no_grad():
+        torch.testing.assert_close(runner(x), m2(x), rtol=1e-5, atol=1e-5)
+
+
+def test_update_from_safetensors_file(net_runner, tmp_path):
+    m, runner = net_runner
+    m2 = _fresh(m)
+    names = {w["fqn"]: w["name"] for w in runner.manifest["weights"]}
+    path = tmp_path / "w.safetensors"
+    save_file({names[k]: v.contiguous() for k, v in m2.state_dict().items() if k in names},
+              str(path))
+    runner.update_weights(path)
+    x = torch.randn(2, 16)
+    with torch.no_grad():
+        torch.testing.assert_close(runner(x), m2(x), rtol=1e-5, atol=1e-5)
+
+
+def test_update_is_checked(net_runner, tmp_path):
+    m, runner = net_runner
+    state = m.state_dict()
+    x = torch.randn(2, 16)
+    before = runner(x)
+    bad = [
+        ({**state, "fc1.weight": torch.randn(32, 15)}, "expected shape"),
+        ({**state, "fc1.weight": state["fc1.weight"].double()}, "expected dtype float32"),
+        ({k: v for k, v in state.items() if k != "fc2.bias"}, "missing weights"),
+    ]
+    for sd, msg in bad:
+        with pytest.raises(kiln.errors.InputError, match=msg):
+            runner.update_weights(sd)
+    path = tmp_path / "wrong.safetensors"
+    save_file({"nope": torch.zeros(3)}, str(path))
+    with pytest.raises(kiln.errors.KilnError, match="missing weight"):
+        runner.update_weights(path)
+    with pytest.raises(kiln.errors.KilnError, match="cannot open"):
+        runner.update_weights(tmp_path / "absent.safetensors")
+    torch.testing.assert_close(runner(x), before)  # a failed update changes nothing
+
+
+def test_runs_never_see_half_updated_weights(net_runner):
+    m, runner = net_runner
+    a, b = m, _fresh(m)
+    x = torch.randn(4, 16)
+    with torch.no_grad():
+        ya, yb = a(x), b(x)
+    states = [a.state_dict(), b.state_dict()]
+    stop = threading.Event()
+    bad = []
+
+    def reader():
+        while not stop.is_set():
+            y = runner(x)
+            if not (torch.allclose(y, ya, atol=1e-5) or torch.allclose(y, yb, atol=1e-5)):
+                bad.append(y)
+
+    threads = [threading.Thread(target=reader) for _ in range(2)]
+    for t in threads:
+        t.start()
+    for k in range(20):
+        runner.update_weights(states[k % 2])
+    stop.set()
+    for t in threads:
+        t.join()
+    assert not bad
+
+
+def test_manifest_has_fqns_dtypes_and_tied_weights_once(tmp_path):
+    class Tied(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.emb = torch.nn.Embedding(10, 8)
+            self.head = torch.nn.Linear(8, 10, bias=False)
+            self.head.weight = self.emb.weight
+            self.register_buffer("offset", torch.arange(10, dtype=torch.int64))
+
+        def forward(self, ids):
+            return self.head(self.emb(ids)), self.offset[ids]
+
+    m = Tied().eval()
+    ids = torch.tensor([[1, 2, 9]])
+    c = kiln.compile(m, (ids,))
+    runner = c.load(tmp_path / "tied.kiln")
+    ws = runner.manifest["weights"]
+    assert sorted(w["dtype"] for w in ws) == ["float32", "int64"]
+    assert len([w for w in ws if w["dtype"] == "float32"]) == 1  # tied: stored once
+    assert {w["fqn"] for w in ws} <= {"emb.weight", "head.weight", "offset"}
+    with torch.no_grad():
+        for got, want in zip(runner(ids), m(ids)):
+            torch.testing.assert_close(got, want)
+
+
+def test_returning_constants_and_views_of_constants(tmp_path):
+    class Const(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.register_buffer("table", torch.arange(12.0).reshape(3, 4))
+
+        def forward(self, x):
+            return self.table, self.table[1], x + self.table, self.table.t()
+
+    m = Const()
+    x = torch.randn(3, 4)
+    runner = kiln.compile(m, (x,)).load(tmp_path / "c.kiln")
+    for got, want in zip(runner(x), m(x)):
+        torch.testing.assert_close(got, want)
