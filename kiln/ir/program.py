@@ -8,13 +8,18 @@ Lines, in the order a run executes them:
   CheckRange   a symbol must lie in its `Dim` range
   AllocOutput  a fresh output tensor (owned by the caller afterwards)
   Alloc / Free an intermediate buffer in the arena; `offset` is set by the memory planner
-               (None while unplanned, or when planned at run time for dynamic sizes)
+               (None while unplanned, or when planned at run time for dynamic sizes). An
+               Alloc with `reuse=src` is in place: the buffer takes over the bytes of `src`,
+               a live temp of the same dtype and size that the very next step (a kernel that
+               writes this buffer) reads for the last time; `src` is freed right after it
   CallKernel   a generated kernel; CallGemm a BLAS call
   Return       hand the outputs over
 
 Invariants (checked by `verify_program`): sizes are bound before use, every buffer is
 allocated before it is used and freed after its last use, no buffer is freed twice, every
-output is allocated, and a planned program has offsets on every Alloc."""
+output is allocated, a planned program has offsets on every Alloc, and every in-place Alloc
+names a live temp of its dtype and byte size, is followed by the kernel that writes it and
+reads `src` for the last time, and (when planned statically) sits at `src`'s offset."""
 
 from __future__ import annotations
 
@@ -76,6 +81,7 @@ class Alloc:
     dtype: DType
     numel: sympy.Expr
     offset: int | None = None
+    reuse: str | None = None  # in place: takes over this dying temp's bytes
 
     @property
     def nbytes(self) -> sympy.Expr:
@@ -150,6 +156,8 @@ def _fmt(line: Line) -> str:
         return f"%{line.buf} = output {line.index}: {line.dtype.name}{list(line.shape)}"
     if isinstance(line, Alloc):
         where = "runtime" if line.offset is None else f"arena+{line.offset}"
+        if line.reuse is not None:
+            where = f"in place of %{line.reuse} ({where})"
         return f"%{line.buf} = alloc {line.dtype.name}[{line.numel}] @ {where}"
     if isinstance(line, Free):
         return f"free %{line.buf}"
@@ -184,12 +192,46 @@ def _uses(line: Line) -> list[str]:
     return []
 
 
+def _check_reuse(p: Program, k: int, line: Alloc, temps: dict[str, Alloc], live: set[str],
+                 planned: bool) -> None:
+    """An in-place Alloc at line k: see the module docstring for what it must satisfy."""
+    where = f"line {k} ({_fmt(line)})"
+    src = temps.get(line.reuse) if line.reuse in live else None
+    if src is None:
+        raise ProgramError(f"{where}: {line.reuse} is not a live arena temp")
+    if src.dtype != line.dtype or sympy.expand(src.nbytes - line.nbytes) != 0:
+        raise ProgramError(f"{where}: {line.reuse} is {src.dtype.name}[{src.numel}], "
+                           f"a different dtype or size")
+    if planned and not p.dynamic and line.offset != src.offset:
+        raise ProgramError(f"{where}: offset {line.offset} differs from {line.reuse}'s "
+                           f"{src.offset}")
+    rest = p.lines[k + 1:]
+    j = next((j for j, x in enumerate(rest) if not isinstance(x, Alloc)), len(rest))
+    call = rest[j] if j < len(rest) else None
+    if not (isinstance(call, CallKernel) and ("out", line.buf) in call.args
+            and ("in", line.reuse) in call.args):
+        raise ProgramError(f"{where}: the next step is not a kernel writing {line.buf} and "
+                           f"reading {line.reuse}")
+    for x in rest[j + 1:]:
+        if isinstance(x, Free) and x.buf == line.reuse:
+            return
+        if isinstance(x, (CallKernel, CallGemm, Return)):
+            break
+    raise ProgramError(f"{where}: {line.reuse} is not freed right after {call.kernel}, its "
+                       f"last reader")
+
+
 def verify_program(p: Program, planned: bool = False) -> None:
     bound: set[str] = set()
     live: set[str] = {name for name, _, _ in p.inputs} | {w.name for w in p.weights}
     freed: set[str] = set()
+    temps: dict[str, Alloc] = {}
     for k, line in enumerate(p.lines):
         where = f"line {k} ({_fmt(line)})"
+        if isinstance(line, Alloc) and line.reuse is not None:
+            _check_reuse(p, k, line, temps, live, planned)
+        if isinstance(line, Alloc):
+            temps[line.buf] = line
         if isinstance(line, BindSize):
             bound.add(line.symbol)
         elif isinstance(line, (CheckSize, AllocOutput, Alloc)):

@@ -4,7 +4,9 @@ Emits the input checks from the export's promises (dtype, rank, static sizes, `D
 relations between dims), binds each size symbol at its first plain occurrence, allocates the
 outputs, and surrounds every step with Alloc / Free lines from buffer liveness: a temp is
 allocated just before the step that first writes it and freed right after the step that last
-reads it."""
+reads it. With `inplace` (the default), a kernel output that may take over a dying input's bytes
+(`kiln.memory.inplace.choose_reuse`, which states and proves the rule) is allocated with
+`reuse=<input>`; the planner then gives both one interval and one offset."""
 
 from __future__ import annotations
 
@@ -14,6 +16,7 @@ from kiln.codegen.cpp_kernel import kernel_params
 from kiln.ir import loop as L
 from kiln.ir import program as P
 from kiln.ir.graph import Graph
+from kiln.memory.inplace import choose_reuse
 from kiln.schedule import Kernel, Step
 
 
@@ -49,7 +52,7 @@ def _reads_writes(step: Step, buffers) -> tuple[list[str], list[str]]:
 
 
 def build_program(graph: Graph, prog: L.LoopProgram, steps: tuple[Step, ...],
-                  weights) -> P.Program:
+                  weights, inplace: bool = True) -> P.Program:
     buffers = {b.name: b for b in prog.buffers}
     lines = input_lines(graph)
     for k, name in enumerate(prog.outputs):
@@ -65,10 +68,12 @@ def build_program(graph: Graph, prog: L.LoopProgram, steps: tuple[Step, ...],
         for b in reads:
             last[b] = max(last.get(b, i), i)
     temps = {b for b in first if buffers[b].kind == "temp"}
+    reuse = choose_reuse(steps, buffers, first, last) if inplace else {}
     for i, step in enumerate(steps):
         for b in sorted(temps):
             if first[b] == i:
-                lines.append(P.Alloc(b, buffers[b].dtype, buffers[b].numel))
+                lines.append(P.Alloc(b, buffers[b].dtype, buffers[b].numel,
+                                     reuse=reuse.get(b)))
         if isinstance(step, L.Gemm):
             lines.append(P.CallGemm(step))
         else:

@@ -1,0 +1,211 @@
+"""A fuzz program: a small JSON-able op list, the nn.Module that runs it, and its inputs.
+
+A spec is a dict::
+
+    {"seed": int, "dynamic": bool,
+     "inputs": [{"shape": [int | "B", ...], "dtype": "float32", "high": int | None}, ...],
+     "params": {"p0": {"shape": [...], "init": "w" | "ln"}, ...},
+     "ops": [[op, [value ids], {attrs}], ...], "outputs": [value ids]}
+
+Values are numbered inputs first, then one per op. "B" is the one dynamic dimension
+(`torch.export.Dim("B", min=B_MIN, max=B_MAX)`); it only ever appears as dim 0 of an input.
+`FuzzModule(spec, ref64=True)` is the float64 reference: float32 inputs, parameters and casts
+become float64, everything else is the same program. Int inputs with a "high" are indices in
+[0, high); other ints are in [-20, 20)."""
+
+from __future__ import annotations
+
+import copy
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+B_MIN, B_MAX, B_EXAMPLE = 2, 9, 3
+DTYPES = {"float32": torch.float32, "float64": torch.float64, "int64": torch.int64,
+          "bool": torch.bool}
+
+UNARY = {
+    "neg": torch.neg, "abs": torch.abs, "relu": torch.relu, "tanh": torch.tanh,
+    "sigmoid": torch.sigmoid, "sin": torch.sin, "cos": torch.cos, "erf": torch.erf,
+    "gelu": F.gelu, "gelu_tanh": lambda x: F.gelu(x, approximate="tanh"), "silu": F.silu,
+    "leaky_relu": lambda x: F.leaky_relu(x, 0.1), "hardswish": F.hardswish,
+    "exp_c": lambda x: torch.exp(torch.clamp(x, -8, 8)),
+    "log_s": lambda x: torch.log(torch.abs(x) + 1), "sqrt_s": lambda x: torch.sqrt(torch.abs(x)),
+    "recip_s": lambda x: torch.reciprocal(torch.abs(x) + 0.5), "square": lambda x: x * x,
+    "clamp": lambda x: torch.clamp(x, -1, 1), "rsqrt_s": lambda x: torch.rsqrt(x * x + 1),
+    "log1p_s": lambda x: torch.log1p(torch.abs(x)), "expm1_c": lambda x: torch.expm1(
+        torch.clamp(x, max=5)), "atan": torch.atan, "hardsigmoid": F.hardsigmoid,
+    # discontinuous: only applied to exactly known values (see generator)
+    "floor": torch.floor, "ceil": torch.ceil, "round": torch.round, "sign": torch.sign,
+    "trunc": torch.trunc,
+}
+INT_UNARY = {
+    "neg": torch.neg, "abs": torch.abs, "rem_c": lambda x: torch.remainder(x, 7),
+    "fdiv_c": lambda x: torch.floor_divide(x, 3), "fmod_c": lambda x: torch.fmod(x, 5),
+    "bnot": torch.bitwise_not, "square": lambda x: x * x,
+}
+BINARY = {
+    "add": torch.add, "sub": torch.sub, "mul": torch.mul, "maximum": torch.maximum,
+    "minimum": torch.minimum, "div_s": lambda a, b: a / (torch.abs(b) + 0.5),
+    "atan2": torch.atan2, "add_alpha": lambda a, b: torch.add(a, b, alpha=2),
+    "bitwise_and": torch.bitwise_and, "bitwise_xor": torch.bitwise_xor,
+    "bitwise_or": torch.bitwise_or, "lt": torch.lt, "gt": torch.gt, "eq": torch.eq,
+    "ge": torch.ge, "ne": torch.ne, "logical_and": torch.logical_and,
+    "logical_or": torch.logical_or, "logical_xor": torch.logical_xor,
+}
+REDUCE = {"sum": torch.sum, "mean": torch.mean, "amax": torch.amax, "amin": torch.amin,
+          "prod": torch.prod, "any": torch.any, "all": torch.all}
+
+
+def _apply(op: str, xs: list, a: dict, p, ref64: bool):
+    x = xs[0] if xs else None
+    if op in ("unary", "int_unary"):
+        return (UNARY if op == "unary" else INT_UNARY)[a["fn"]](x)
+    if op == "binary":
+        return BINARY[a["fn"]](x, xs[1])
+    if op == "logical_not":
+        return torch.logical_not(x)
+    if op == "where":
+        return torch.where(x, xs[1], xs[2])
+    if op == "cast":
+        dt = a["dtype"]
+        return x.to(torch.float64 if ref64 and dt == "float32" else DTYPES[dt])
+    if op == "reduce":
+        fn = REDUCE[a["fn"]]
+        if a["fn"] in ("prod", "any", "all"):  # single-dim overloads only
+            return fn(x, a["dims"][0], keepdim=a["keep"])
+        return fn(x, a["dims"], keepdim=a["keep"])
+    if op == "var":
+        return torch.var(x, a["dims"], correction=a["corr"], keepdim=a["keep"])
+    if op == "argmax":
+        return (torch.argmax if a["max"] else torch.argmin)(x, a["dim"], keepdim=a["keep"])
+    if op == "permute":
+        return x.permute(*a["dims"])
+    if op == "transpose":
+        return x.transpose(a["d0"], a["d1"])
+    if op == "slice":
+        idx = [slice(None)] * x.dim()
+        idx[a["dim"]] = slice(a["start"], a["end"], a["step"])
+        return x[tuple(idx)]
+    if op == "select":
+        return x.select(a["dim"], a["index"])
+    if op == "unsqueeze":
+        return x.unsqueeze(a["dim"])
+    if op == "squeeze":
+        return x.squeeze(a["dim"])
+    if op == "reshape":
+        return x.reshape([-1 if d == "B" else d for d in a["shape"]])
+    if op == "expand":
+        return x.expand(*a["shape"])
+    if op == "cat":
+        return torch.cat(xs, a["dim"])
+    if op == "chunk":
+        return torch.chunk(x, a["n"], a["dim"])[a["k"]]
+    if op == "pad":
+        return F.pad(x, a["pad"], value=a["value"])
+    if op == "contiguous":
+        return x.contiguous()
+    if op == "softmax":
+        return (F.log_softmax if a["log"] else F.softmax)(x, a["dim"])
+    if op == "layer_norm":
+        w = p[a["w"]] if a.get("w") else None
+        b = p[a["b"]] if a.get("b") else None
+        return F.layer_norm(x, x.shape[-a["rank"]:], w, b, eps=1e-5)
+    if op == "linear":
+        return F.linear(x, p[a["w"]], p[a["b"]] if a.get("b") else None)
+    if op == "mm_w":
+        w = p[a["w"]]
+        return x @ (w.t() if a.get("t") else w)
+    if op == "matmul":
+        return torch.matmul(x, xs[1])
+    if op == "self_mm":
+        return x @ x.transpose(-1, -2)
+    if op == "conv2d":
+        return F.conv2d(x, p[a["w"]], p[a["b"]] if a.get("b") else None, a["stride"],
+                        a["padding"], a["dilation"], a["groups"])
+    if op == "pool":
+        if a["max"]:
+            return F.max_pool2d(x, a["k"], a["s"], a["pad"])
+        return F.avg_pool2d(x, a["k"], a["s"], a["pad"])
+    if op == "embedding":
+        return F.embedding(x, p[a["w"]])
+    if op == "index_select":
+        return torch.index_select(x, a["dim"], xs[1])
+    if op == "gather":
+        return torch.gather(x, a["dim"], xs[1])
+    if op == "adv_index":
+        idx = [slice(None)] * a["dim"] + [xs[1]]
+        return x[tuple(idx)]
+    raise ValueError(f"unknown fuzz op {op!r}")
+
+
+def _init(shape, kind: str, g: torch.Generator) -> torch.Tensor:
+    if kind == "ln":
+        return 1.0 + 0.1 * torch.randn(shape, generator=g)
+    fan = math.prod(shape[1:]) if len(shape) > 1 else shape[0]
+    return (torch.rand(shape, generator=g) * 2 - 1) / math.sqrt(max(fan, 1))
+
+
+class FuzzModule(nn.Module):
+    """Runs a spec's op list (parameters seeded from the spec)."""
+
+    def __init__(self, spec: dict, ref64: bool = False) -> None:
+        super().__init__()
+        self.spec, self.ref64 = spec, ref64
+        g = torch.Generator().manual_seed(int(spec["seed"]) & 0xFFFFFFFF)
+        self.p = nn.ParameterDict({
+            k: nn.Parameter(_init(tuple(v["shape"]), v["init"], g), requires_grad=False)
+            for k, v in sorted(spec["params"].items())})
+        if ref64:
+            self.double()
+        self.eval()
+
+    def forward(self, *inputs):
+        vals = list(inputs)
+        for op, args, attrs in self.spec["ops"]:
+            vals.append(_apply(op, [vals[i] for i in args], attrs, self.p, self.ref64))
+        return tuple(vals[i] for i in self.spec["outputs"])
+
+
+def concrete(shape, b: int) -> tuple[int, ...]:
+    return tuple(b if d == "B" else int(d) for d in shape)
+
+
+def make_inputs(spec: dict, seed: int, b: int = B_EXAMPLE) -> tuple[torch.Tensor, ...]:
+    """Fresh contiguous inputs for `spec` with the dynamic dim at `b`."""
+    g = torch.Generator().manual_seed(seed & 0xFFFFFFFF)
+    out = []
+    for i in spec["inputs"]:
+        shape, dt = concrete(i["shape"], b), i["dtype"]
+        if dt.startswith("float"):
+            out.append(torch.randn(shape, generator=g, dtype=torch.float64).to(DTYPES[dt]))
+        elif dt == "bool":
+            out.append(torch.randint(0, 2, shape, generator=g).bool())
+        elif i.get("high"):
+            out.append(torch.randint(0, int(i["high"]), shape, generator=g))
+        else:
+            out.append(torch.randint(-20, 20, shape, generator=g))
+    return tuple(out)
+
+
+def to_ref64(args) -> tuple:
+    return tuple(a.double() if a.dtype == torch.float32 else a for a in args)
+
+
+def dynamic_shapes(spec: dict):
+    if not spec.get("dynamic"):
+        return None
+    dim = torch.export.Dim("B", min=B_MIN, max=B_MAX)
+    return (tuple({0: dim} if i["shape"] and i["shape"][0] == "B" else None
+                  for i in spec["inputs"]),)
+
+
+def uses_float32(spec: dict) -> bool:
+    return any(i["dtype"] == "float32" for i in spec["inputs"]) or bool(spec["params"]) or any(
+        op == "cast" and a["dtype"] == "float32" for op, _, a in spec["ops"])
+
+
+def clone(spec: dict) -> dict:
+    return copy.deepcopy(spec)

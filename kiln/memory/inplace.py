@@ -1,0 +1,146 @@
+"""In-place reuse: which kernel outputs may take over the storage of a dying input.
+
+Input: one `Kernel` (kiln/schedule) and the Loop IR buffers; for `choose_reuse`, the whole
+schedule with each buffer's first-writer and last-reader step. Output: pairs (out, src) meaning
+"`out` may live in `src`'s bytes" (`kernel_candidates`: legal as far as this kernel can tell;
+`choose_reuse`: out -> src for the pairs the program uses). Pure functions, no IR is changed.
+
+Legality of (out, src) in a kernel K with outer loop nest of k dims (o = the outer index):
+  (1) both are temps (never a graph input, weight or output), of equal dtype and symbolically
+      equal element count, so one allocation fits both for every size; `src` is read by K, not
+      written by it; `out` is stored by its member M (not a register local).
+  (2) every load of `src` inside M is direct (no indirect index) and reads element E(i), where
+      E(i) is the flat index M stores `out` at (i-vars of size-1 dims are 0). A pointwise M
+      evaluates its whole body (all loads) before the single store of that iteration; a
+      reduction M reads x[E(i)] in every r-iteration and stores once, after the r loop. Either
+      way element E(i) of `src` is read only before `out[E(i)]` overwrites it, and no other
+      element of `src` is touched by M.
+  (3) no member after M reads `src` (they would see `out`'s values).
+  (4) every load of `src` by a member before M is direct and stays inside the outer slice of
+      the same outer index: index = o_flat * inner + rest with inner = prod(M.shape[k:]) and
+      rest affine in the member's other loop variables with non-negative coefficients and
+      0 <= rest <= inner - 1 (checked at the variables' extremes). Outer iterations may run on
+      different threads, but each only writes `out` inside its own slice (M's shape starts with
+      the outer dims), and within one outer iteration members run in order, so those reads
+      happen before M overwrites that slice, and no thread reads another thread's slice.
+  (5) program level (`choose_reuse`): K is the last reader of `src` (so no view, GEMM operand or
+      later kernel reads it: views are index maps, every read of a buffer is a load or a GEMM
+      operand in some step) and K is the first writer of `out`. Each src is taken at most once;
+      chains (a -> b -> c) share one storage, each link dying where the next is born.
+Under (1)-(5) the two pointers alias only as described, so codegen drops `__restrict__` on
+exactly those two parameters and keeps it everywhere else.
+"""
+from __future__ import annotations
+
+from typing import Mapping, Sequence
+
+import sympy
+
+from kiln.ir import loop as L
+from kiln.ir.sym import contiguous_strides, ivars, linear_index, product, rvars
+
+
+def _zero_unit_dims(m: L.Compute) -> dict:
+    """i-vars of size-1 dims are always 0 (reductions even bind them to the constant 0)."""
+    iv = ivars(len(m.shape))
+    return {iv[d]: 0 for d, n in enumerate(m.shape) if sympy.sympify(n) == 1}
+
+
+def store_index(m: L.Compute) -> sympy.Expr:
+    """The flat element index member `m` stores its result at (codegen's `out_index`)."""
+    iv = ivars(len(m.shape))
+    return sympy.expand(linear_index(iv, contiguous_strides(m.shape)).subs(_zero_unit_dims(m)))
+
+
+def _in_slice(ld: L.Load, m: L.Compute, k: int, inner: sympy.Expr) -> bool:
+    """Condition (4): `ld` (a load by member `m`) reads only the current outer slice."""
+    if ld.indirect:
+        return False
+    iv = ivars(len(m.shape))
+    base = linear_index(iv[:k], contiguous_strides(m.shape[:k])) * inner
+    rest = sympy.expand((ld.index - base).subs(_zero_unit_dims(m)))
+    ranges = {iv[d]: m.shape[d] for d in range(k, len(m.shape))}
+    if m.reduce is not None:
+        ranges.update(zip(rvars(len(m.reduce.sizes)), m.reduce.sizes))
+    if rest.free_symbols & set(iv[:k]):
+        return False
+    top = rest
+    for v, size in ranges.items():
+        c = rest.coeff(v, 1)
+        if c.free_symbols & (set(ranges) | set(iv)) or c.is_nonnegative is not True:
+            return False
+        top = top - c * v + c * (size - 1)
+    const = rest.subs({v: 0 for v in ranges})
+    if const.free_symbols & (set(ranges) | set(iv)) or sympy.expand(
+            rest - const - sum(rest.coeff(v, 1) * v for v in ranges)) != 0:
+        return False  # not affine in the loop variables
+    slack = sympy.expand(inner - 1 - top)
+    return const.is_nonnegative is True and (slack == 0 or slack.is_nonnegative is True)
+
+
+def _src_ok(kernel, pos: int, src: str) -> bool:
+    """Conditions (2)-(4) for `src` and the member at index `pos` of the kernel."""
+    m = kernel.members[pos]
+    k = len(kernel.outer)
+    want = store_index(m)
+    inner = product(m.shape[k:])
+    for j, other in enumerate(kernel.members):
+        for ld in L.loads(other.body):
+            if ld.buf != src:
+                continue
+            if j > pos:
+                return False
+            if j == pos:
+                if ld.indirect or sympy.expand(ld.index.subs(_zero_unit_dims(m)) - want) != 0:
+                    return False
+            elif not _in_slice(ld, other, k, inner):
+                return False
+    return True
+
+
+def kernel_candidates(kernel, buffers: Mapping[str, L.Buffer]) -> list[tuple[str, str]]:
+    """Every (out, src) pair of this kernel that satisfies conditions (1)-(4)."""
+    written = {m.name for m in kernel.members}
+    read: list[str] = []
+    for m in kernel.members:
+        for ld in L.loads(m.body):
+            if ld.buf not in written and ld.buf not in read:
+                read.append(ld.buf)
+    out: list[tuple[str, str]] = []
+    for pos, m in enumerate(kernel.members):
+        if m.name in kernel.locals or buffers[m.name].kind != "temp":
+            continue
+        for src in read:
+            b = buffers[src]
+            if (b.kind == "temp" and b.dtype == m.dtype
+                    and sympy.expand(b.numel - buffers[m.name].numel) == 0
+                    and _src_ok(kernel, pos, src)):
+                out.append((m.name, src))
+    return out
+
+
+def choose_reuse(steps: Sequence, buffers: Mapping[str, L.Buffer], first: Mapping[str, int],
+                 last: Mapping[str, int]) -> dict[str, str]:
+    """out -> src for every in-place reuse the program makes (condition (5) on top of (1)-(4)).
+
+    Greedy in step order; within a kernel, outputs in member order, each taking its first
+    legal dying source. Deterministic."""
+    chosen: dict[str, str] = {}
+    taken: set[str] = set()
+    for i, step in enumerate(steps):
+        if isinstance(step, L.Gemm):
+            continue
+        for out, src in kernel_candidates(step, buffers):
+            if (out in chosen or src in taken or first.get(out) != i or last.get(src) != i):
+                continue
+            chosen[out] = src
+            taken.add(src)
+    return chosen
+
+
+def alias_pairs(kernel, buffers: Mapping[str, L.Buffer]) -> set[str]:
+    """Parameters that may alias another one of this kernel (for dropping `__restrict__`).
+
+    Without program context this is every name in `kernel_candidates`: a superset of the
+    pairs the program really shares (dropping `__restrict__` is always safe)."""
+    return {name for pair in kernel_candidates(kernel, buffers) for name in pair}
