@@ -49,8 +49,10 @@ def kiln_backend(gm: torch.fx.GraphModule, example_inputs, options: Options | No
     args = tuple(x.detach().contiguous() for x in example_inputs)
     try:
         compiled = kiln_compile(_Wrapped(gm).eval(), args, options=options)
-    except (KilnError, torch._dynamo.exc.Unsupported, RuntimeError) as e:
-        log.warning("kiln backend: falling back to the captured graph: %s", e)
+    except Exception as e:  # noqa: BLE001 - a JIT backend must never break the model
+        level = logging.INFO if isinstance(e, KilnError) else logging.WARNING
+        log.log(level, "kiln backend: falling back to the captured graph: %s: %s",
+                type(e).__name__, e)
         return gm.forward
     directory = Path(tempfile.mkdtemp(prefix="kiln-jit-"))
     model = _load_python_wrapper(compiled.sources["model.py"], directory).Model(

@@ -42,26 +42,17 @@ class _Gen:
         self.spec: dict = {"seed": seed, "dynamic": dynamic, "inputs": [], "params": {},
                            "ops": [], "outputs": []}
         self.vals: list[V] = []
-        self.n_inputs = 0
+        self.inputs: list[int] = []  # ids of the inputs among vals
 
     # -- values -----------------------------------------------------------------------------
-    def _renumber_after_input(self) -> None:
-        """Inputs are values 0..k-1: inserting one shifts every op reference by one."""
-        k = self.n_inputs
-        for op in self.spec["ops"]:
-            op[1] = [i + 1 if i >= k else i for i in op[1]]
-
     def new_input(self, shape, dtype: str, high: int | None = None) -> int:
+        """A new graph input; ids are creation order here, renumbered by `finish`."""
         shape = tuple(shape)
-        if self.dynamic and shape and shape[0] == "B":
-            pass
-        elif "B" in shape:
-            raise AssertionError("B only as dim 0 of an input")
-        self._renumber_after_input()
+        assert "B" not in shape[1:], "B only as dim 0 of an input"
+        self.inputs.append(len(self.vals))
         self.spec["inputs"].append({"shape": list(shape), "dtype": dtype, "high": high})
-        self.vals.insert(self.n_inputs, V(shape, dtype, dtype != "float" or True))
-        self.n_inputs += 1
-        return self.n_inputs - 1
+        self.vals.append(V(shape, dtype, True))
+        return len(self.vals) - 1
 
     def param(self, shape, init: str = "w") -> str:
         name = f"p{len(self.spec['params'])}"
@@ -173,8 +164,7 @@ class _Gen:
         v = self.vals[i]
         choices = ["float32", "float64"] + (["int64", "bool"] if v.exact else [])
         dt = self.r.choice([c for c in choices if c != v.dtype] or ["float32"])
-        exact = v.exact or dt in ("int64", "bool")
-        self.emit("cast", [i], {"dtype": dt}, V(v.shape, dt, exact and v.exact))
+        self.emit("cast", [i], {"dtype": dt}, V(v.shape, dt, v.exact))
 
     def op_reduce(self) -> None:
         i = self.pick(lambda v: len(v.shape) >= 1)
@@ -330,4 +320,43 @@ def _factor(n: int, r: random.Random) -> list[int]:
     return out
 
 
-__all__ = ["V", "DTYPES", "_Gen"]
+
+def generate(seed: int, dynamic: bool | None = None, max_ops: int = 8) -> dict:
+    """One random program spec, reproducible from `seed`."""
+    from kiln.fuzz import gen_heavy
+
+    r = random.Random(seed)
+    dynamic = r.random() < 0.35 if dynamic is None else dynamic
+    g = _Gen(seed, dynamic, max_ops)
+    for _ in range(r.randint(1, 2)):
+        dt = r.choice(["float32"] * 6 + ["float64", "int64", "bool"])
+        g.new_input(g.rand_shape(), dt)
+    families = [(g.op_unary, 5), (g.op_binary, 5), (g.op_where, 1), (g.op_cast, 1),
+                (g.op_reduce, 3), (g.op_view, 6), (g.op_cat, 1)]
+    families += [(lambda f=f: f(g), w) for f, w in gen_heavy.FAMILIES]
+    fns, weights = zip(*families)
+    n_ops = r.randint(1, max_ops)
+    tries = 0
+    while len(g.spec["ops"]) < n_ops and tries < 20 * n_ops:
+        tries += 1
+        r.choices(fns, weights)[0]()
+    if not g.spec["ops"]:
+        g.op_unary()
+    return _finish(g, r)
+
+
+def _finish(g: _Gen, r: random.Random) -> dict:
+    """Pick outputs (the last value plus up to two values nothing reads) and renumber: inputs
+    first, then ops, in creation order."""
+    used = {i for _, args, _ in g.spec["ops"] for i in args}
+    ops_ids = [i for i in range(len(g.vals)) if i not in g.inputs]
+    leaves = [i for i in ops_ids[:-1] if i not in used]
+    outs = [ops_ids[-1]] + r.sample(leaves, min(len(leaves), r.randint(0, 2)))
+    new = {old: k for k, old in enumerate(g.inputs + ops_ids)}
+    for op in g.spec["ops"]:
+        op[1] = [new[i] for i in op[1]]
+    g.spec["outputs"] = [new[i] for i in outs]
+    return g.spec
+
+
+__all__ = ["V", "generate"]

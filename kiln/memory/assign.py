@@ -1,10 +1,29 @@
 """Program IR -> Program IR with arena offsets (the planning pass).
 
-Collects one `Interval` per `Alloc` (step indices of its Alloc and Free), plans them with
-`plan_memory`, verifies the plan, and writes each offset into its Alloc line. Programs with
-dynamic sizes keep `offset=None` (the generated code plans at run time with the same greedy
-algorithm, cached per distinct sizes); for them the plan at the example sizes is returned for
-the report."""
+Input: a Program whose Alloc lines have no offsets. Output: the same Program with every static
+Alloc at an arena offset (`arena_bytes` set), the `Plan` and the `Interval`s it was made from.
+Invariants: an in-place Alloc (`reuse=src`) joins `src`'s storage: the chain a -> b -> c of
+reuses is one interval (named after its first buffer, from its Alloc to the last Free of the
+chain) and every Alloc of the chain gets that interval's offset. Intervals are listed in name
+order, which is the order the generated C++ feeds `kiln_rt::plan_greedy` (its last tie-break is
+the index, the Python greedy's is the name, so the two agree bit for bit).
+
+Dynamic programs (size symbols with `Dim` ranges) keep `offset=None`: the generated code plans
+at run time with the C++ greedy-by-size (kiln/runtime/src/kiln_plan.h), cached per distinct
+size tuple, and this pass returns the plan at the example sizes for the report. With `verify`,
+the run-time plan is re-derived in Python (`greedy_by_size_offsets`, bit-identical to the C++)
+and proven overlap-free at each of `sizes_tried` (the range minimum, the example, the maximum
+and geometric steps between them); `plan_sizes` records arena and lower bound at each.
+
+Why plan at run time rather than once symbolically (measured by bench/memory.py, see
+BENCHMARKS.md): planning costs a few microseconds per *distinct* size tuple (about 1-20 us for
+the zoo's dynamic models; a cache hit is one memcmp), against milliseconds for a model run, and
+it yields at every size the arena of a concrete plan (ratio to the lower bound 1.00-1.10 over
+the ranges). A single symbolic plan must order offsets so that they are valid at every size of
+the range, i.e. plan for the worst case: sizing the arena for the range maximum wastes up to
+max/size times the memory at small sizes (1024x for mlp at batch 1), and a symbolic placement
+cannot reuse a gap whose fit depends on the sizes. Run-time planning is therefore kept; the
+example-size plan is still computed here (its report and, with `verify`, its proof)."""
 
 from __future__ import annotations
 
@@ -12,31 +31,76 @@ from dataclasses import replace
 
 from kiln.ir import program as P
 from kiln.ir.sym import evaluate
-from kiln.memory.intervals import Interval
-from kiln.memory.planner import Plan, plan_memory
+from kiln.memory.intervals import Interval, lower_bound
+from kiln.memory.planner import Plan, greedy_by_size_offsets, plan_memory
 from kiln.memory.verify import verify_plan
 
 
+def roots(prog: P.Program) -> dict[str, str]:
+    """buffer -> the first buffer of its in-place chain (itself when it reuses nothing)."""
+    out: dict[str, str] = {}
+    for line in prog.lines:
+        if isinstance(line, P.Alloc):
+            out[line.buf] = out[line.reuse] if line.reuse is not None else line.buf
+    return out
+
+
 def intervals(prog: P.Program, env: dict[str, int] | None = None) -> list[Interval]:
-    """Lifetimes of the program's arena buffers, sizes evaluated with `env` for symbols."""
+    """Lifetimes of the program's arena storages (one per in-place chain), in name order,
+    sizes evaluated with `env` for symbols."""
     step = -1
+    root = roots(prog)
     start: dict[str, int] = {}
+    end: dict[str, int] = {}
     size: dict[str, int] = {}
-    out: list[Interval] = []
     for line in prog.lines:
         if isinstance(line, (P.CallKernel, P.CallGemm)):
             step += 1
-        elif isinstance(line, P.Alloc):
+        elif isinstance(line, P.Alloc) and line.reuse is None:
             start[line.buf] = step + 1
             size[line.buf] = evaluate(line.nbytes, env or {})
         elif isinstance(line, P.Free):
-            out.append(Interval(line.buf, size[line.buf], start[line.buf], max(step,
-                                                                              start[line.buf])))
-    return out
+            r = root[line.buf]
+            end[r] = max(end.get(r, step), step, start[r])
+    return [Interval(r, size[r], start[r], end[r]) for r in sorted(end)]
 
 
 def example_env(prog: P.Program) -> dict[str, int]:
     return {s.name: s.example for s in prog.symbols}
+
+
+def sizes_tried(prog: P.Program, between: int = 3) -> list[dict[str, int]]:
+    """Size environments a dynamic program is checked and reported at: every symbol at its
+    minimum, `between` geometric steps towards the maximum, the example and the maximum."""
+    if not prog.symbols:
+        return []
+    envs = [{s.name: s.min for s in prog.symbols}]
+    for j in range(1, between + 1):
+        f = j / (between + 1)
+        envs.append({s.name: max(s.min, min(s.max, round(s.min * (s.max / s.min) ** f)))
+                     for s in prog.symbols})
+    envs += [example_env(prog), {s.name: s.max for s in prog.symbols}]
+    out: list[dict[str, int]] = []
+    for env in envs:
+        if env not in out:
+            out.append(env)
+    return out
+
+
+def runtime_plan(prog: P.Program, env: dict[str, int], verify: bool = True) -> dict:
+    """The plan the generated code makes at sizes `env` (greedy by size), optionally proven."""
+    ivs = intervals(prog, env)
+    offsets, arena = greedy_by_size_offsets(ivs, prog.alignment)
+    lb = lower_bound(ivs, prog.alignment)
+    if verify:
+        verify_plan(ivs, Plan(offsets, arena, lb, "greedy_by_size", 0.0), prog.alignment)
+    return {"sizes": dict(env), "arena_bytes": arena, "lower_bound_bytes": lb,
+            "ratio": arena / lb if lb else 1.0}
+
+
+def plan_sizes(prog: P.Program, verify: bool = True) -> list[dict]:
+    """`runtime_plan` at every environment of `sizes_tried` (empty for static programs)."""
+    return [runtime_plan(prog, env, verify) for env in sizes_tried(prog)]
 
 
 def assign_offsets(prog: P.Program, verify: bool = True, budget_s: float = 0.5
@@ -46,7 +110,10 @@ def assign_offsets(prog: P.Program, verify: bool = True, budget_s: float = 0.5
     if verify:
         verify_plan(ivs, plan, alignment=prog.alignment)
     if prog.dynamic:
+        if verify:
+            plan_sizes(prog, verify=True)
         return replace(prog, arena_bytes=None), plan, ivs
-    lines = tuple(replace(x, offset=plan.offsets[x.buf]) if isinstance(x, P.Alloc) else x
+    root = roots(prog)
+    lines = tuple(replace(x, offset=plan.offsets[root[x.buf]]) if isinstance(x, P.Alloc) else x
                   for x in prog.lines)
     return replace(prog, lines=lines, arena_bytes=plan.arena_bytes), plan, ivs
