@@ -62,6 +62,7 @@ def _manifest(built: Built, opts: Options, report: dict) -> dict[str, Any]:
                     "contiguous": True} for i in g.user_inputs],
         "outputs": [{"name": o, "dtype": types[o].dtype.name, "shape": _shape_json(types[o].shape)}
                     for o in g.outputs],
+        "constant_inputs": [dict(c) for c in g.meta.get("constant_inputs", ())],
         "symbols": {s.name: {"min": s.min, "max": s.max, "example": s.example}
                     for s in g.symbols},
         "in_spec": g.in_spec,

@@ -149,6 +149,10 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--repeat", type=int, default=50, help="timed runs (median reported)")
     d.add_argument("--keep", metavar="DIR", help="keep the package in DIR")
     d.set_defaults(func=lambda a: _lazy("kiln.cli.demo", "cmd_demo")(a))
+
+    from kiln.cli.fuzz_cmd import add_parser as add_fuzz  # ``kiln fuzz`` (kiln/cli/fuzz_cmd.py)
+
+    add_fuzz(sub)
     return p
 
 

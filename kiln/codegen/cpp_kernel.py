@@ -4,17 +4,22 @@ One `Kernel` becomes one `extern "C"` function: an OpenMP parallel loop over the
 index space; inside it each member runs its inner loops in order, the innermost one marked
 `omp simd` so the compiler vectorises it. Expressions are printed once per distinct subtree
 (common subexpressions become `const` temporaries). Buffers are `buf_<name>` pointers with
-`__restrict__` (the memory plan never lets two live buffers overlap)."""
+`__restrict__` (the memory plan never lets two live buffers overlap), except the two parameters
+of an in-place pair (an output stored into its dying input's bytes, see kiln/memory/inplace.py):
+`aliased` names them (Program IR's `Alloc.reuse`); when the caller gives none, every pair that
+the kernel alone allows to alias loses it (`alias_pairs`, a safe superset)."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Collection
 
 import sympy
 
 from kiln.codegen.cpp_ops import CPP_OPS, REDUCTIONS
 from kiln.ir import loop as L
 from kiln.ir.sym import contiguous_strides, free_size_symbols, ivars, linear_index, rvars, to_c
+from kiln.memory.inplace import alias_pairs
 from kiln.schedule import Kernel
 
 
@@ -200,9 +205,11 @@ def _expr_syms(e: L.Expr) -> set:
     return out
 
 
-def print_kernel(kernel: Kernel, buffers: dict[str, L.Buffer], num_threads: int = 0
-                 ) -> tuple[str, list, bool]:
+def print_kernel(kernel: Kernel, buffers: dict[str, L.Buffer], num_threads: int = 0,
+                 aliased: Collection[str] | None = None) -> tuple[str, list, bool]:
     """C++ source of one kernel, its parameter list and whether it takes a status pointer."""
+    if aliased is None:
+        aliased = alias_pairs(kernel, buffers)
     status = [False]
     locals_ = {name: f"v_{name}" for name in kernel.locals}
     k = len(kernel.outer)
@@ -219,7 +226,8 @@ def print_kernel(kernel: Kernel, buffers: dict[str, L.Buffer], num_threads: int 
             sig.append(f"int64_t {name}")
         else:
             const = "const " if kind == "in" else ""
-            sig.append(f"{const}{buffers[name].dtype.c_type}* __restrict__ buf_{name}")
+            restrict = "" if name in aliased else " __restrict__"
+            sig.append(f"{const}{buffers[name].dtype.c_type}*{restrict} buf_{name}")
     if status[0]:
         sig.append("int32_t* __restrict__ kiln_status")
     lines = [f"// {kernel.name}: {', '.join(m.name for m in kernel.members)}",

@@ -79,6 +79,10 @@ class _Printer:
                   f"outs[{x.index}]->dl_tensor.data);")
 
     def _Alloc(self, x: P.Alloc) -> None:
+        if x.reuse is not None:  # in place: the same bytes as the dying temp (same dtype)
+            self.emit(f"{x.dtype.c_type}* buf_{x.buf} = buf_{x.reuse};  // in place of "
+                      f"{x.reuse}, {x.numel} elements")
+            return
         if x.offset is not None:
             off = str(x.offset)
         else:

@@ -270,8 +270,11 @@ def _var(b, n):
     if str(n.target).endswith("dim"):
         corr = 1 if (n.args[2] if len(n.args) > 2 else True) else 0
     keep = n.kwargs.get("keepdim", n.args[3] if len(n.args) > 3 else False)
+    corr = 1 if corr is None else corr
+    if float(corr) != int(corr):
+        raise UnsupportedError(f"var with fractional correction {corr} (node {n.name})")
     return b.emit("var", [b.tensor(n.args[0])], n, dims=_dims(b, n, 1),
-                  correction=1 if corr is None else corr, keepdim=bool(keep))
+                  correction=int(corr), keepdim=bool(keep))
 
 
 @register("aten._softmax.default", "aten._log_softmax.default", "aten.softmax.int",

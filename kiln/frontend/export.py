@@ -51,6 +51,7 @@ class Builder:
         self.nodes: list[Node] = []
         self.env: dict[str, str] = {}
         self.multi: dict[str, list[str]] = {}  # multi-result ops: node -> one value per result
+        self.constant_inputs: list[dict] = []  # scalars export specialised to their value
         self.types: dict[str, TensorType] = {}
         self.counter = 0
 
@@ -160,15 +161,26 @@ def _weights_and_inputs(ep: ExportedProgram, syms: SymbolTable, b: Builder):
     placeholders = [n for n in ep.graph.nodes if n.op == "placeholder"]
     # user inputs first so that symbols are numbered by user input order
     ordered = sorted(placeholders, key=lambda n: kinds[n.name].kind != InputKind.USER_INPUT)
-    for n in ordered:
-        spec = kinds[n.name]
+    for n in ordered:  # every plain symbol first: a dim may be an expression of a later one
         v = n.meta.get("val")
-        if not isinstance(v, torch.Tensor):
-            raise UnsupportedError(f"input {n.name} is a {type(v).__name__}, not a tensor")
-        if spec.kind == InputKind.USER_INPUT:
+        if kinds[n.name].kind == InputKind.USER_INPUT and isinstance(v, torch.Tensor):
             for d in v.shape:
                 if isinstance(d, torch.SymInt) and d.node.expr.is_Symbol:
                     syms.add(d.node.expr)
+    for position, n in enumerate(n for n in placeholders
+                                 if kinds[n.name].kind == InputKind.USER_INPUT):
+        v = n.meta.get("val")
+        if isinstance(v, (bool, int, float)) and not n.users:
+            b.constant_inputs.append({"index": position, "name": n.name, "value": v})
+    for n in ordered:
+        spec = kinds[n.name]
+        v = n.meta.get("val")
+        if any(c["name"] == n.name for c in b.constant_inputs):
+            continue
+        if not isinstance(v, torch.Tensor):
+            raise UnsupportedError(f"input {n.name} is a {type(v).__name__} used as a symbolic "
+                                   "value; only tensors and constant scalars are supported")
+        if spec.kind == InputKind.USER_INPUT:
             kind, fqn = "user", ""
         elif spec.kind in (InputKind.PARAMETER, InputKind.BUFFER, InputKind.CONSTANT_TENSOR):
             fqn = spec.target
@@ -246,5 +258,6 @@ def import_program(ep: ExportedProgram) -> Imported:
         outputs.append(b.env[name])
     graph = Graph(inputs, tuple(b.nodes), tuple(outputs), _symbol_ranges(ep, syms),
                   in_spec=pytree.treespec_dumps(ep.call_spec.in_spec),
-                  out_spec=pytree.treespec_dumps(ep.call_spec.out_spec))
+                  out_spec=pytree.treespec_dumps(ep.call_spec.out_spec),
+                  meta={"constant_inputs": tuple(b.constant_inputs)})
     return Imported(graph, weights)

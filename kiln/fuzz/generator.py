@@ -27,6 +27,10 @@ CMP = ["lt", "gt", "eq", "ge", "ne"]
 BOOL_BIN = ["logical_and", "logical_or", "logical_xor", "bitwise_and", "bitwise_or"]
 
 
+class Skip(Exception):
+    """No operand fits this op family now: the generator tries another."""
+
+
 @dataclass
 class V:
     shape: tuple
@@ -64,10 +68,10 @@ class _Gen:
         self.vals.append(v)
         return len(self.vals) - 1
 
-    def pick(self, pred=lambda v: True) -> int | None:
+    def pick(self, pred=lambda v: True) -> int:
         ids = [i for i, v in enumerate(self.vals) if pred(v)]
         if not ids:
-            return None
+            raise Skip
         if self.r.random() < 0.6:
             return ids[-1] if self.r.random() < 0.5 else self.r.choice(ids[-3:])
         return self.r.choice(ids)
@@ -112,6 +116,7 @@ class _Gen:
             shape = shape[1:]
         if shape and shape[0] == "B" and self.r.random() < 0.2:
             shape[0] = 1
+        shape = shape[:1] + [1 if d == "B" else d for d in shape[1:]]
         return self.new_input(shape, dtype)
 
     def op_binary(self) -> None:
@@ -271,6 +276,8 @@ class _Gen:
             return
         s = list(v.shape)
         s[d] = self.r.randint(1, 5)
+        if "B" in s[1:]:
+            return
         j = self.new_input(s, v.dtype)
         args = [i, j] if self.r.random() < 0.5 else [j, i, i]
         s[d] = sum(self.vals[k].shape[d] for k in args)
@@ -339,7 +346,10 @@ def generate(seed: int, dynamic: bool | None = None, max_ops: int = 8) -> dict:
     tries = 0
     while len(g.spec["ops"]) < n_ops and tries < 20 * n_ops:
         tries += 1
-        r.choices(fns, weights)[0]()
+        try:
+            r.choices(fns, weights)[0]()
+        except (Skip, ValueError):  # ValueError: shapes that do not broadcast
+            pass
     if not g.spec["ops"]:
         g.op_unary()
     return _finish(g, r)

@@ -27,6 +27,7 @@ example-size plan is still computed here (its report and, with `verify`, its pro
 
 from __future__ import annotations
 
+import time
 from dataclasses import replace
 
 from kiln.ir import program as P
@@ -105,8 +106,16 @@ def plan_sizes(prog: P.Program, verify: bool = True) -> list[dict]:
 
 def assign_offsets(prog: P.Program, verify: bool = True, budget_s: float = 0.5
                    ) -> tuple[P.Program, Plan, list[Interval]]:
+    """Plan `prog` (see the module docstring); a dynamic program's plan is the run-time one
+    at the example sizes."""
     ivs = intervals(prog, example_env(prog))
-    plan = plan_memory(ivs, alignment=prog.alignment, budget_s=budget_s)
+    if prog.dynamic:
+        t0 = time.perf_counter()
+        offsets, arena = greedy_by_size_offsets(ivs, prog.alignment)
+        plan = Plan(offsets, arena, lower_bound(ivs, prog.alignment), "greedy_by_size (run time)",
+                    time.perf_counter() - t0, {"greedy_by_size": arena})
+    else:
+        plan = plan_memory(ivs, alignment=prog.alignment, budget_s=budget_s)
     if verify:
         verify_plan(ivs, plan, alignment=prog.alignment)
     if prog.dynamic:

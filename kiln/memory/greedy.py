@@ -16,6 +16,7 @@ Orders:
   * by breadth: every buffer is keyed by the heaviest step of its lifetime (the live load there,
     then the step), so buffers live at the heaviest step come first, then those first met at the
     next heaviest step, and so on; within one step, bigger first (`breadth_order`).
+  * by start (`start_order`) and by lifetime, longest first (`lifetime_order`).
 
 Cost: O(k log k) per buffer for k overlapping placed buffers, done with numpy, so O(n^2 log n)
 worst case and near O(n log n) for the chain-like lifetimes compilers produce.
@@ -33,6 +34,16 @@ from kiln.memory.intervals import Item, load_profile
 def size_order(its: Sequence[Item]) -> list[Item]:
     """Size descending, then start, end and name ascending (raw size breaks aligned ties)."""
     return sorted(its, key=lambda it: (-it.size, -it.raw, it.start, it.end, it.name))
+
+
+def start_order(its: Sequence[Item]) -> list[Item]:
+    """First use ascending, then size descending (then end, name)."""
+    return sorted(its, key=lambda it: (it.start, -it.size, -it.raw, it.end, it.name))
+
+
+def lifetime_order(its: Sequence[Item]) -> list[Item]:
+    """Longest lifetime first, then size descending (then start, name)."""
+    return sorted(its, key=lambda it: (it.start - it.end, -it.size, -it.raw, it.start, it.name))
 
 
 def breadth_order(its: Sequence[Item]) -> list[Item]:

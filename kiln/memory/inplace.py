@@ -10,7 +10,8 @@ Legality of (out, src) in a kernel K with outer loop nest of k dims (o = the out
       equal element count, so one allocation fits both for every size; `src` is read by K, not
       written by it; `out` is stored by its member M (not a register local).
   (2) every load of `src` inside M is direct (no indirect index) and reads element E(i), where
-      E(i) is the flat index M stores `out` at (i-vars of size-1 dims are 0). A pointwise M
+      E(i) is the flat index M stores `out` at (i-vars of size-1 dims are 0; c*FloorDiv(a, c) + ModIdx(a, c) counts
+      as a, see `canon`). A pointwise M
       evaluates its whole body (all loads) before the single store of that iteration; a
       reduction M reads x[E(i)] in every r-iteration and stores once, after the r loop. Either
       way element E(i) of `src` is read only before `out[E(i)]` overwrites it, and no other
@@ -37,7 +38,18 @@ from typing import Mapping, Sequence
 import sympy
 
 from kiln.ir import loop as L
-from kiln.ir.sym import contiguous_strides, ivars, linear_index, product, rvars
+from kiln.ir.sym import (FloorDiv, ModIdx, contiguous_strides, ivars, linear_index, product,
+                         rvars)
+
+
+def canon(e: sympy.Expr) -> sympy.Expr:
+    """`e` expanded, with FloorDiv(a, c) rewritten as (a - ModIdx(a, c)) / c (exact for the
+    non-negative operands of index arithmetic), so c*FloorDiv(a, c) + ModIdx(a, c) becomes a."""
+    e = sympy.sympify(e)
+    if e.has(FloorDiv):
+        e = e.replace(lambda x: isinstance(x, FloorDiv),
+                      lambda x: (x.args[0] - ModIdx(*x.args)) / x.args[1])
+    return sympy.expand(e)
 
 
 def _zero_unit_dims(m: L.Compute) -> dict:
@@ -58,7 +70,9 @@ def _in_slice(ld: L.Load, m: L.Compute, k: int, inner: sympy.Expr) -> bool:
         return False
     iv = ivars(len(m.shape))
     base = linear_index(iv[:k], contiguous_strides(m.shape[:k])) * inner
-    rest = sympy.expand((ld.index - base).subs(_zero_unit_dims(m)))
+    rest = canon((ld.index - base).subs(_zero_unit_dims(m)))
+    if rest.has(FloorDiv, ModIdx):
+        return False
     ranges = {iv[d]: m.shape[d] for d in range(k, len(m.shape))}
     if m.reduce is not None:
         ranges.update(zip(rvars(len(m.reduce.sizes)), m.reduce.sizes))
@@ -91,7 +105,7 @@ def _src_ok(kernel, pos: int, src: str) -> bool:
             if j > pos:
                 return False
             if j == pos:
-                if ld.indirect or sympy.expand(ld.index.subs(_zero_unit_dims(m)) - want) != 0:
+                if ld.indirect or canon(ld.index.subs(_zero_unit_dims(m)) - want) != 0:
                     return False
             elif not _in_slice(ld, other, k, inner):
                 return False
@@ -144,3 +158,17 @@ def alias_pairs(kernel, buffers: Mapping[str, L.Buffer]) -> set[str]:
     Without program context this is every name in `kernel_candidates`: a superset of the
     pairs the program really shares (dropping `__restrict__` is always safe)."""
     return {name for pair in kernel_candidates(kernel, buffers) for name in pair}
+
+
+def program_aliases(prog) -> dict[str, frozenset[str]]:
+    """kernel name -> the parameters that really share bytes in Program IR `prog` (the exact
+    `aliased` argument of codegen's `print_kernel`)."""
+    from kiln.ir import program as P
+
+    reuse = {x.buf: x.reuse for x in prog.lines if isinstance(x, P.Alloc) and x.reuse}
+    out: dict[str, frozenset[str]] = {}
+    for x in prog.lines:
+        if isinstance(x, P.CallKernel):
+            names = {n for kind, n in x.args if kind == "out" and n in reuse}
+            out[x.kernel] = frozenset(names | {reuse[n] for n in names})
+    return out

@@ -9,13 +9,18 @@ Invariants of every returned plan (checked by kiln.memory.verify.verify_plan): e
 has an offset; offsets and the arena are multiples of the alignment; offset + size <= arena;
 two buffers whose lifetimes overlap (and whose sizes are > 0) share no byte. Zero-size buffers
 get offset 0. Results are deterministic: the inputs alone fix every order and tie-break; the
-budget only decides which algorithms run (greedy-by-size always runs, greedy-by-breadth runs
-while time is left, the exact search only for small instances and within the budget; an exact
-search cut short by the budget is reported as "exact_incomplete").
+budget only decides which algorithms run (greedy-by-size always runs, the other greedy orders
+run while time is left and no plan has met the lower bound yet, the exact search only for small
+instances, within the budget and while the lower bound is unmet; an exact search cut short by
+the budget is reported as "exact_incomplete").
 
 Algorithms (see greedy.py and exact.py):
   * "greedy_by_size": size descending, best-fit gap. Mirrors kiln_plan.h's plan_greedy.
   * "greedy_by_breadth": buffers of the heaviest steps first, best-fit gap.
+  * "greedy_by_start": in order of first use (bigger first within a step), best-fit gap:
+    chains of short-lived buffers (im2col -> conv -> ...) stack without fragmenting.
+  * "greedy_by_lifetime": longest-lived first (then bigger), best-fit gap: long-lived buffers
+    (skip connections) take the bottom, short-lived ones share the space above.
   * "exact": branch and bound, for at most EXACT_MAX_BUFFERS buffers of size > 0; optimal over
     every placement of the aligned sizes when it completes. It stops after EXACT_MAX_NODES
     search nodes (deterministic) or at the budget's deadline (a safety net), whichever comes
@@ -30,7 +35,7 @@ from dataclasses import dataclass, field
 from typing import Mapping, Sequence
 
 from kiln.memory.exact import exact_place
-from kiln.memory.greedy import breadth_order, place, size_order
+from kiln.memory.greedy import breadth_order, lifetime_order, place, size_order, start_order
 from kiln.memory.intervals import Interval, align_up, items, lower_bound_items
 
 EXACT_MAX_BUFFERS = 12
@@ -68,12 +73,15 @@ def plan_memory(intervals: Sequence[Interval], alignment: int = 64,
     candidates: dict[str, int] = {}
     best_name, (best_offsets, best_arena) = "greedy_by_size", place(size_order(live))
     candidates[best_name] = best_arena
-    if time.perf_counter() < deadline:
-        offsets, arena = place(breadth_order(live))
-        candidates["greedy_by_breadth"] = arena
+    for name, order in (("greedy_by_breadth", breadth_order), ("greedy_by_start", start_order),
+                        ("greedy_by_lifetime", lifetime_order)):
+        if best_arena <= floor or time.perf_counter() >= deadline:
+            break
+        offsets, arena = place(order(live))
+        candidates[name] = arena
         if arena < best_arena:
-            best_name, best_offsets, best_arena = "greedy_by_breadth", offsets, arena
-    if len(live) <= EXACT_MAX_BUFFERS and time.perf_counter() < deadline:
+            best_name, best_offsets, best_arena = name, offsets, arena
+    if len(live) <= EXACT_MAX_BUFFERS and best_arena > floor and time.perf_counter() < deadline:
         result = exact_place(live, upper=best_arena, deadline=deadline,
                              max_nodes=EXACT_MAX_NODES)
         candidates["exact" if result.proven else "exact_incomplete"] = result.arena

@@ -107,7 +107,9 @@ class Runner:
         self._handle = handle
         self._n_in = int(self._lib.kiln_model_num_inputs(handle))
         self._n_out = int(self._lib.kiln_model_num_outputs(handle))
-        if self._in_spec is not None and self._in_spec.num_leaves != self._n_in:
+        self._constants = {int(c["index"]): c for c in m.get("constant_inputs", [])}
+        if self._in_spec is not None and \
+                self._in_spec.num_leaves - len(self._constants) != self._n_in:
             self.close()
             raise PackageError(f"package '{self._path}': in_spec has "
                                f"{self._in_spec.num_leaves} leaves, the model {self._n_in} inputs")
@@ -164,7 +166,17 @@ class Runner:
         if spec != self._in_spec:
             raise InputError(f"inputs do not match the exported structure: expected (args, "
                              f"kwargs) like {_describe(self._in_spec)}, got {_describe(spec)}")
-        return flat
+        return self._drop_constants(flat)
+
+    def _drop_constants(self, flat: list[Any]) -> list[Any]:
+        """Scalars the export specialised: check each equals the exported value, then drop it."""
+        for k, c in self._constants.items():
+            got, want = flat[k], c["value"]
+            if type(got) is not type(want) or got != want:
+                raise InputError(f"input {k} ({c['name']}): the program was exported with the "
+                                 f"constant {want!r}, got {got!r} (mark it dynamic at export to "
+                                 "vary it)")
+        return [x for k, x in enumerate(flat) if k not in self._constants]
 
     def _dltensor(self, i: int, t: Any, keep: list[Any]) -> dl.DLTensor:
         if not isinstance(t, torch.Tensor):

@@ -1,0 +1,64 @@
+"""``kiln fuzz --n N --seed S [--out DIR]``: differential fuzzing (see :mod:`kiln.fuzz`).
+
+Program k of a run is generated from seed ``S * 1_000_003 + k``, so one failing program is
+rerun with ``--seed S --start k --n 1``. Every mismatch or crash is minimised and written to
+``--out`` as a pytest file. The last line is ``N programs, M mismatches, K errors`` (errors:
+kiln raised UnsupportedError; crashes count as mismatches); the exit status is 1 when M > 0.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import time
+import warnings
+
+__all__ = ["add_parser", "cmd_fuzz"]
+
+
+def add_parser(sub) -> None:
+    f = sub.add_parser("fuzz", help="differential fuzzing against eager and the interpreter")
+    f.add_argument("--n", type=int, default=100, help="programs to generate")
+    f.add_argument("--seed", type=int, default=0)
+    f.add_argument("--start", type=int, default=0, help="index of the first program")
+    f.add_argument("--out", default="tests/fuzz_regressions",
+                   help="where minimised reproducers are written")
+    f.add_argument("--max-ops", type=int, default=8)
+    f.add_argument("--no-minimise", action="store_true")
+    f.add_argument("--no-interp", action="store_true", help="skip the Loop IR interpreter")
+    f.add_argument("--verbose", "-v", action="store_true")
+    f.set_defaults(func=cmd_fuzz)
+
+
+def program_seed(seed: int, k: int) -> int:
+    return seed * 1_000_003 + k
+
+
+def cmd_fuzz(args: argparse.Namespace) -> int:
+    warnings.filterwarnings("ignore")
+    from kiln.fuzz.generator import generate
+    from kiln.fuzz.minimise import minimise
+    from kiln.fuzz.report import write_repro
+    from kiln.fuzz.runner import check
+
+    counts: collections.Counter = collections.Counter()
+    t0 = time.perf_counter()
+    for k in range(args.start, args.start + args.n):
+        ps = program_seed(args.seed, k)
+        spec = generate(ps, max_ops=args.max_ops)
+        out = check(spec, interp=not args.no_interp)
+        counts[out.status] += 1
+        if args.verbose or out.status != "ok":
+            first = out.detail.splitlines()[0][:160] if out.detail else ""
+            print(f"[{k}] seed {ps}: {len(spec['ops'])} ops, {out.status} {first}", flush=True)
+        if out.failed:
+            if not args.no_minimise:
+                spec, out = minimise(spec, out, log=print)
+            path = write_repro(spec, out, args.out, f"--seed {args.seed} --start {k} --n 1")
+            print(f"    reproducer: {path}", flush=True)
+    mism = counts["mismatch"] + counts["crash"]
+    secs = time.perf_counter() - t0
+    print(f"({counts['ok']} ok, {counts['mismatch']} wrong results, {counts['crash']} crashes, "
+          f"{counts['invalid']} refused by torch.export; {secs:.0f} s)")
+    print(f"{args.n} programs, {mism} mismatches, {counts['error']} errors")
+    return 1 if mism else 0

@@ -1,0 +1,137 @@
+"""Checks one fuzz program: export, compile with kiln, load the package through the C ABI, run
+on fresh inputs (and, for dynamic programs, at other sizes in the Dim's range), and compare with
+torch eager and with the Loop IR interpreter (`kiln.ir.interp.run_loop`).
+
+Outcome statuses: "ok"; "invalid" (torch.export refused the program: not kiln's business);
+"error" (kiln raised UnsupportedError: counted, not a failure); "mismatch" (wrong values,
+dtype or shape against eager or the interpreter); "crash" (any other exception from kiln,
+including its interpreter). Float32 outputs are compared with a float64 eager reference,
+float64 outputs with float64 eager, ints and bools exactly."""
+
+from __future__ import annotations
+
+import tempfile
+import traceback
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+
+import kiln
+from kiln.errors import UnsupportedError
+from kiln.fuzz.program import (B_EXAMPLE, B_MAX, B_MIN, FuzzModule, dynamic_shapes,
+                               make_inputs, to_ref64, uses_float32)
+
+FAILURES = ("mismatch", "crash")
+OPTIONS = kiln.Options(plan_budget_s=0.02, jobs=1)
+
+
+@dataclass
+class Outcome:
+    status: str
+    detail: str = ""
+
+    @property
+    def failed(self) -> bool:
+        return self.status in FAILURES
+
+    def signature(self) -> str:
+        """Status plus the first line of the detail: what a minimised program must keep."""
+        return f"{self.status}:{self.detail.splitlines()[0] if self.detail else ''}"
+
+
+def _tol(dtype: torch.dtype, f32: bool, ref: torch.Tensor) -> tuple[float, float]:
+    scale = float(ref.double().abs().max()) if ref.numel() else 1.0
+    if dtype == torch.float64 and not f32:
+        return 1e-9, 1e-9 * max(1.0, scale)
+    return 2e-4, 2e-4 * max(1.0, scale)
+
+
+def compare(got, want, ref, f32: bool, what: str) -> str | None:
+    """None when `got` matches; else a one-line description and the worst element."""
+    for k, (g, w, r) in enumerate(zip(got, want, ref)):
+        g = torch.as_tensor(g)
+        where = f"{what}: output {k}"
+        if g.dtype != w.dtype:
+            return f"{where}: dtype {g.dtype} != {w.dtype}"
+        if tuple(g.shape) != tuple(w.shape):
+            return f"{where}: shape {tuple(g.shape)} != {tuple(w.shape)}"
+        if w.is_floating_point():
+            rtol, atol = _tol(w.dtype, f32, r)
+            gd, rd = g.double(), r.double()
+            bad = ~torch.isclose(gd, rd, rtol=rtol, atol=atol, equal_nan=True)
+        else:
+            gd, rd = g, r
+            bad = g != r
+        if bool(bad.any()):
+            idx = tuple(bad.nonzero()[0].tolist())
+            return (f"{where} ({w.dtype}): {int(bad.sum())} of {bad.numel()} elements differ, "
+                    f"e.g. at {list(idx)} got {gd[idx].item()!r} want {rd[idx].item()!r}")
+    return None
+
+
+def _interp(compiled, args: tuple) -> list[np.ndarray]:
+    from kiln.ir.interp import run_loop
+
+    built = compiled.built
+    feeds = {i.name: a.numpy() for i, a in zip(built.graph.user_inputs, args)}
+    feeds.update({k: v.detach().numpy() for k, v in built.weights.items()})
+    env = {}
+    for inp, a in zip(built.graph.user_inputs, args):
+        for d, e in zip(a.shape, inp.type.shape):
+            if getattr(e, "is_Symbol", False):
+                env[e.name] = int(d)
+    return run_loop(built.loop, feeds, env)
+
+
+def run_sizes(spec: dict) -> list[int]:
+    if not spec.get("dynamic"):
+        return [B_EXAMPLE, B_EXAMPLE]
+    return [B_MIN, B_MAX, (spec["seed"] % (B_MAX - B_MIN + 1)) + B_MIN]
+
+
+def check(spec: dict, workdir: str | Path | None = None, interp: bool = True) -> Outcome:
+    """Run the whole differential check of one program spec."""
+    if workdir is None:
+        with tempfile.TemporaryDirectory(prefix="kiln-fuzz-") as d:
+            return check(spec, d, interp)
+    module, ref = FuzzModule(spec), FuzzModule(spec, ref64=True)
+    args = make_inputs(spec, spec["seed"])
+    try:
+        with torch.no_grad():
+            ep = torch.export.export(module, args, dynamic_shapes=dynamic_shapes(spec))
+    except Exception as e:  # torch refuses: the program is not a valid test case
+        return Outcome("invalid", f"torch.export: {type(e).__name__}: {str(e)[:200]}")
+    stage = "compile"
+    try:
+        compiled = kiln.compile(ep, options=OPTIONS)
+        stage = "load"
+        path = Path(workdir) / f"fuzz_{spec['seed'] & 0xFFFFFFFF}.kiln"
+        runner = kiln.load(compiled.save(path))
+        f32 = uses_float32(spec)
+        for k, b in enumerate(run_sizes(spec)):
+            stage = f"run (B={b})"
+            fresh = make_inputs(spec, spec["seed"] * 7919 + k + 1, b)
+            with torch.no_grad():
+                want = module(*fresh)
+                want64 = ref(*to_ref64(fresh))
+            got = runner(*fresh)
+            bad = compare(got, want, [r if w.is_floating_point() else w
+                                      for w, r in zip(want, want64)], f32, f"eager, B={b}")
+            if bad:
+                return Outcome("mismatch", bad)
+            if interp:
+                stage = f"interpreter (B={b})"
+                ref_i = [torch.from_numpy(np.ascontiguousarray(x)) for x in _interp(compiled,
+                                                                                   fresh)]
+                bad = compare(got, want, ref_i, f32, f"interpreter, B={b}")
+                if bad:
+                    return Outcome("mismatch", bad)
+        runner.close()
+    except UnsupportedError as e:
+        return Outcome("error", f"{stage}: {e}")
+    except Exception as e:
+        tb = traceback.format_exc(limit=-3)
+        return Outcome("crash", f"{stage}: {type(e).__name__}: {str(e)[:300]}\n{tb}")
+    return Outcome("ok")
