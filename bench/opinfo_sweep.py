@@ -1,0 +1,191 @@
+"""OpInfo sweep: every OpInfo of torch's own `op_db` whose op is in the core ATen set runs
+through kiln on the CPU, on the OpInfo's own sample inputs, and is compared with eager.
+
+Each sample is one verdict: pass, unsupported (kiln said so clearly: UnsupportedError), export
+(torch.export itself refused the sample), wrong (kiln's answer differs from eager: a bug) or
+error (kiln failed in another way: a bug). Writes a markdown table (docs/coverage.md by default).
+
+    python bench/opinfo_sweep.py                    # float32, then other dtypes
+    python bench/opinfo_sweep.py --ops add,softmax --samples 2 --out /tmp/coverage.md
+"""
+
+from __future__ import annotations
+
+import argparse
+import multiprocessing as mp
+import tempfile
+import time
+import traceback
+from collections import Counter
+from pathlib import Path
+
+import torch
+from torch.utils import _pytree as pytree
+
+SECOND_PASS = (torch.float64, torch.int64, torch.int32, torch.bool)
+VERDICTS = ("pass", "unsupported", "export", "wrong", "error")
+
+
+def core_aten_names() -> set[str]:
+    names = set()
+    for name in dir(torch.ops.aten):
+        try:
+            packet = getattr(torch.ops.aten, name)
+            if any(torch.Tag.core in getattr(packet, ov).tags for ov in packet.overloads()):
+                names.add(name)
+        except (AttributeError, RuntimeError):
+            continue
+    return names
+
+
+def selected_ops(filter_names: set[str] | None):
+    from torch.testing._internal.common_methods_invocations import op_db
+
+    core = core_aten_names()
+    out = [o for o in op_db if o.name.split(".")[0] in core or (o.aten_name or "") in core]
+    if filter_names:
+        out = [o for o in out if o.name in filter_names]
+    return out
+
+
+class _Call(torch.nn.Module):
+    """Calls the op with the sample's tensors as inputs and everything else closed over."""
+
+    def __init__(self, op, structure, leaves_are_tensor):
+        super().__init__()
+        self.op, self.structure, self.is_tensor = op, structure, leaves_are_tensor
+        self.constants = None
+
+    def forward(self, *tensors):
+        it = iter(tensors)
+        leaves = [next(it) if t else c for t, c in zip(self.is_tensor, self.constants)]
+        inp, args, kwargs = pytree.tree_unflatten(leaves, self.structure)
+        return self.op(inp, *args, **kwargs)
+
+
+def _module(op, sample):
+    leaves, structure = pytree.tree_flatten((sample.input, tuple(sample.args),
+                                             dict(sample.kwargs)))
+    is_tensor = [isinstance(x, torch.Tensor) for x in leaves]
+    m = _Call(op.op, structure, is_tensor)
+    m.constants = leaves
+    return m, tuple(x for x in leaves if isinstance(x, torch.Tensor))
+
+
+def _close(got, want) -> bool:
+    g, w = pytree.tree_leaves(got), pytree.tree_leaves(want)
+    if len(g) != len(w):
+        return False
+    for a, b in zip(g, w):
+        if not isinstance(b, torch.Tensor):
+            b = torch.tensor(b)
+        if a.shape != b.shape or a.dtype != b.dtype:
+            return False
+        tol = {"rtol": 1e-4, "atol": 1e-4} if b.is_floating_point() else {"rtol": 0, "atol": 0}
+        try:
+            torch.testing.assert_close(a, b, equal_nan=True, **tol)
+        except AssertionError:
+            return False
+    return True
+
+
+def run_sample(op, sample, workdir: Path) -> tuple[str, str]:
+    import kiln
+
+    m, tensors = _module(op, sample)
+    try:
+        ep = torch.export.export(m, tensors)
+    except Exception as e:  # noqa: BLE001 - torch.export refusing a sample is a verdict
+        return "export", f"{type(e).__name__}: {str(e)[:120]}"
+    try:
+        runner = kiln.compile(ep).load(workdir / "m.kiln")
+        got = runner(*[t.contiguous() for t in tensors])
+    except kiln.errors.UnsupportedError as e:
+        return "unsupported", str(e)[:160]
+    except Exception as e:  # noqa: BLE001 - any other failure is a kiln bug to report
+        return "error", f"{type(e).__name__}: {str(e)[:160]}"
+    with torch.no_grad():
+        want = m(*tensors)
+    return ("pass", "") if _close(got, want) else ("wrong", "differs from eager")
+
+
+def _lookup(key: tuple[str, str]):
+    from torch.testing._internal.common_methods_invocations import op_db
+
+    return next(o for o in op_db if (o.name, o.variant_test_name) == key)
+
+
+def sweep_op(job) -> tuple[str, str, Counter, list[str]]:
+    key, dtype, n_samples = job
+    op = _lookup(key)
+    counts: Counter = Counter()
+    notes: list[str] = []
+    if dtype not in op.supported_dtypes("cpu"):
+        return op.name, str(dtype), counts, notes
+    with tempfile.TemporaryDirectory() as d:
+        try:
+            samples = list(op.sample_inputs("cpu", dtype))[:n_samples]
+        except Exception as e:  # noqa: BLE001
+            return op.name, str(dtype), counts, [f"no samples: {e}"]
+        for s in samples:
+            try:
+                verdict, note = run_sample(op, s, Path(d))
+            except Exception:  # noqa: BLE001
+                verdict, note = "error", traceback.format_exc(limit=1)[-160:]
+            counts[verdict] += 1
+            if note and verdict != "pass" and note not in notes:
+                notes.append(note)
+    return op.name, str(dtype).removeprefix("torch."), counts, notes
+
+
+def write_markdown(rows, path: Path, seconds: float) -> None:
+    total = Counter()
+    for *_, c, _ in rows:
+        total.update(c)
+    n = sum(total.values())
+    lines = ["# Operator coverage (OpInfo sweep)", "",
+             "Produced by `python bench/opinfo_sweep.py` (torch's own OpInfo samples for every",
+             "OpInfo whose op is a core ATen op; CPU). Verdicts: pass; unsupported (a clear",
+             "`UnsupportedError`); export (torch.export refused the sample); wrong (a different",
+             "answer: a bug); error (another failure: a bug).", "",
+             f"Samples: {n}; " + ", ".join(f"{v}: {total[v]}" for v in VERDICTS) +
+             f"; pass rate {100 * total['pass'] / max(n - total['export'], 1):.1f}% of exportable "
+             f"samples; {seconds:.0f} s.", "",
+             "| op | dtype | pass | unsupported | export | wrong | error | first note |",
+             "| --- | --- | --- | --- | --- | --- | --- | --- |"]
+    for name, dtype, c, notes in rows:
+        if not sum(c.values()):
+            continue
+        note = notes[0].replace("|", "/").replace("\n", " ") if notes else ""
+        lines.append(f"| {name} | {dtype} | " + " | ".join(str(c[v]) for v in VERDICTS) +
+                     f" | {note} |")
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text("\n".join(lines) + "\n")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--ops", default="", help="comma-separated OpInfo names")
+    ap.add_argument("--samples", type=int, default=3, help="samples per op and dtype")
+    ap.add_argument("--jobs", type=int, default=2)
+    ap.add_argument("--no-second-pass", action="store_true")
+    ap.add_argument("--out", default="docs/coverage.md")
+    a = ap.parse_args()
+    ops = selected_ops(set(a.ops.split(",")) if a.ops else None)
+    keys = [(op.name, op.variant_test_name) for op in ops]
+    jobs = [(k, torch.float32, a.samples) for k in keys]
+    if not a.no_second_pass:
+        jobs += [(k, dt, a.samples) for k in keys for dt in SECOND_PASS]
+    t0 = time.time()
+    with mp.get_context("spawn").Pool(a.jobs) as pool:
+        rows = []
+        for row in pool.imap(sweep_op, jobs):
+            rows.append(row)
+            if sum(row[2].values()):
+                print(row[0], row[1], dict(row[2]), flush=True)
+    write_markdown(rows, Path(a.out), time.time() - t0)
+    print(f"wrote {a.out}")
+
+
+if __name__ == "__main__":
+    main()
