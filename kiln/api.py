@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import os
+import re
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -14,6 +15,7 @@ import torch
 from kiln.__version__ import __version__
 from kiln.errors import KilnError, UnsupportedError
 from kiln.ir.sym import evaluate
+from kiln.memory.assign import inplace_report, plan_sizes
 from kiln.memory.report import plan_summary
 from kiln.options import Options
 from kiln.package import write_package
@@ -22,6 +24,8 @@ from kiln.schedule import Kernel
 from kiln.toolchain.cxx import compiler_identity
 
 MANIFEST_SCHEMA = "kiln.manifest/1"
+_CUDA_LIBS = ["libcuda.so.1 (NVIDIA driver, opened at load)",
+              "libcublas.so (cuBLAS, opened at load when the model has GEMMs)"]
 
 
 def _shape_json(shape) -> list:
@@ -33,7 +37,8 @@ def _kernels_json(built: Built) -> list[dict]:
     out = []
     for s in built.steps:
         if isinstance(s, Kernel):
-            out.append({"name": s.name, "kind": "cpp", "members": [m.name for m in s.members],
+            kind = "triton" if built.device == "cuda" else "cpp"
+            out.append({"name": s.name, "kind": kind, "members": [m.name for m in s.members],
                         "source_ops": list(s.source)})
         else:
             out.append({"name": s.name, "kind": "blas_gemm", "members": [s.name],
@@ -51,12 +56,15 @@ def _manifest(built: Built, opts: Options, report: dict) -> dict[str, Any]:
     plan["example_sizes"] = {s.name: s.example for s in g.symbols}
     plan["buffers"] = [{"name": iv.name, "size": iv.size, "start": iv.start, "end": iv.end,
                         "offset": built.plan.offsets[iv.name]} for iv in built.intervals]
+    plan["inplace"] = inplace_report(built.program, built.plan, opts.plan_budget_s)
+    plan["sizes"] = plan_sizes(built.program, verify=False)  # the run-time plan per size tried
     return {
         "schema": MANIFEST_SCHEMA,
         "kiln_version": __version__,
         "torch_version": torch.__version__,
         "abi_version": 1,
-        "device": "cpu",
+        "device": built.device,
+        **({"cuda": built.cuda} if built.device == "cuda" else {}),
         "options": opts.to_json(),
         "inputs": [{"name": i.name, "dtype": i.type.dtype.name, "shape": _shape_json(i.type.shape),
                     "contiguous": True} for i in g.user_inputs],
@@ -72,7 +80,7 @@ def _manifest(built: Built, opts: Options, report: dict) -> dict[str, Any]:
         "kernels": _kernels_json(built),
         "plan": plan,
         "requires": {"libtorch": False, "aten_fallback_ops": [],
-                     "shared_libraries": ["libscipy_openblas.so (scipy-openblas32)",
+                     "shared_libraries": _CUDA_LIBS if built.device == "cuda" else ["libscipy_openblas.so (scipy-openblas32)",
                                           "libgomp.so (OpenMP)"]},
         "build": {"cxx": compiler_identity(opts.cxx or "c++"), "march": opts.march,
                   "compile_seconds": report["compile_seconds"]},
@@ -101,13 +109,13 @@ class CompiledModel:
         write_package(path, self.manifest, files, self.built.weights)
         return Path(path)
 
-    def load(self, path: str | os.PathLike[str] | None = None):
+    def load(self, path: str | os.PathLike[str] | None = None, device: str | None = None):
         """Save (to `path`, or next to the cached library) and load the package."""
         from kiln.runtime import load
 
         target = Path(path) if path else Path(self.built.library).with_name("model.kiln")
         self.save(target)
-        return load(target)
+        return load(target, device or ("cuda" if self.built.device == "cuda" else "cpu"))
 
 
 def _export(model, example_args, example_kwargs, dynamic_shapes):
@@ -129,13 +137,14 @@ def _export(model, example_args, example_kwargs, dynamic_shapes):
 def compile(model, example_args=None, *, example_kwargs=None, dynamic_shapes=None,
             device: str = "cpu", options: Options | None = None) -> CompiledModel:
     """Compile an ExportedProgram (or an nn.Module with example inputs) ahead of time."""
-    if device != "cpu":
-        raise UnsupportedError(f"device {device!r} is not supported yet (only 'cpu')")
+    if device != "cpu" and not re.fullmatch(r"cuda(:\d+)?", device):
+        raise UnsupportedError(f"device {device!r} is not supported (use 'cpu', 'cuda' or "
+                               "'cuda:N')")
     opts = options or Options()
     t0 = time.perf_counter()
     ep = _export(model, example_args, example_kwargs, dynamic_shapes)
     t_export = time.perf_counter() - t0
-    built = build(ep, opts)
+    built = build(ep, opts, device)
     total = time.perf_counter() - t0
     env = {s.name: s.example for s in built.graph.symbols}
     report = {

@@ -36,6 +36,21 @@ class Options:
     alignment: int = 64
     #: Time budget (seconds) for the memory planner's search.
     plan_budget_s: float = 0.5
+    #: CUDA builds (`kiln.compile(..., device="cuda")`): target architectures as integers
+    #: (90 = sm_90); one cubin per kernel and architecture is embedded. Empty: the local GPU's
+    #: architecture when torch sees one, else (90,). Ignored for CPU builds.
+    cuda_archs: tuple[int, ...] = ()
+    #: Warps per Triton kernel; 0 picks by tile size (1-8). Applies to every kernel.
+    triton_num_warps: int = 0
+    #: Largest RBLOCK (tile width along a member's inner loop or reduction); a power of two.
+    triton_max_rblock: int = 1024
+    #: Directory holding cuda.h for compiling the CUDA wrapper; None: Triton's bundled copy,
+    #: else /usr/local/cuda/include. Only the header is used: nothing links against CUDA.
+    cuda_include: str | None = None
+    #: Sanitizers to build the model with, as for `-fsanitize=` (e.g. "address,undefined");
+    #: "" builds without. The process must load the sanitizer runtime first (LD_PRELOAD of
+    #: `c++ -print-file-name=libasan.so`); see tests/test_sanitizers.py.
+    sanitize: str = ""
 
     def to_json(self) -> dict:
         return {k: list(v) if isinstance(v, tuple) else v for k, v in asdict(self).items()}

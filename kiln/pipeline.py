@@ -60,6 +60,8 @@ class Built:
     library: Path
     weights: dict[str, torch.Tensor]
     timings: dict[str, float]
+    device: str = "cpu"  # "cpu" or "cuda" (pipeline_cuda.py built the library)
+    cuda: dict = field(default_factory=dict)  # archs and kernel launch configs (CUDA builds)
 
 
 def _blas() -> tuple[Path, Path]:
@@ -80,6 +82,9 @@ def toolchain(opts: Options) -> Toolchain:
     if opts.openmp:
         cflags.append("-fopenmp")
         ldflags.append("-fopenmp")
+    if opts.sanitize:  # ASan/UBSan builds (Options.sanitize)
+        cflags += [f"-fsanitize={opts.sanitize}", "-fno-omit-frame-pointer"]
+        ldflags.append(f"-fsanitize={opts.sanitize}")
     cache = Path(opts.cache_dir) if opts.cache_dir else config.cache_dir()
     return Toolchain(opts.cxx or config.cxx(), cache / "build", tuple(cflags), tuple(ldflags),
                      INCLUDE_DIRS, jobs)
@@ -99,8 +104,9 @@ def kernel_sources(steps, buffers, opts: Options) -> tuple[dict[str, str], list[
     return {f"kernels_{j}.cpp": "\n".join(f) for j, f in enumerate(files)}, decls
 
 
-def build(ep: torch.export.ExportedProgram, opts: Options) -> Built:
+def build(ep: torch.export.ExportedProgram, opts: Options, device: str = "cpu") -> Built:
     run = _Run(opts)
+    cuda = device.split(":")[0] == "cuda"
     # 1. torch.export -> Graph IR (core ATen decompositions, weights, pytree specs, Dim ranges)
     imported = run.stage("import", import_program, ep)
     # 2. drop dead nodes and unused weights
@@ -115,13 +121,20 @@ def build(ep: torch.export.ExportedProgram, opts: Options) -> Built:
                         weights[i.name].numel() * weights[i.name].element_size())
              for i in graph.weights]
     # 5. kernels -> Program IR (input checks, liveness-based Alloc/Free)
-    program = run.stage("program", build_program, graph, loop, steps, specs,
+    # (no in-place reuse on CUDA: threads of a Triton program do not run in lock step)
+    program = run.stage("program", build_program, graph, loop, steps, specs, not cuda,
                         dump=print_program, verify=verify_program)
     # 6. memory plan: one arena, offsets proven overlap-free
     program, plan, ivs = run.stage(
         "plan", lambda p: assign_offsets(p, opts.verify, opts.plan_budget_s), program,
         dump=lambda r: print_program(r[0]), verify=lambda r: verify_program(r[0], planned=True))
     buffers = {b.name: b for b in loop.buffers}
+    if cuda:  # 7-8 for NVIDIA GPUs: Triton kernels -> cubins, CUDA wrapper (pipeline_cuda.py)
+        from kiln.pipeline_cuda import build_cuda
+        hints = {s.name: s.example for s in graph.symbols}
+        sources, lib, info = build_cuda(run, steps, buffers, program, hints, opts)
+        return Built(graph, loop, steps, program, plan, ivs, sources, lib, weights, run.timings,
+                     "cuda", info)
     # 7. printers: C++ kernels, the C++ wrapper (artifact) and the Python wrapper (debugging)
     sources, decls = run.stage("codegen", kernel_sources, steps, buffers, opts)
     sources["model.cpp"] = print_wrapper(program, decls)

@@ -301,3 +301,141 @@ def test_report_summary_and_png(tmp_path):
     assert render_timeline_png(ivs, plan, tmp_path / "again.png", 320, 200).read_bytes() == data
     empty = plan_memory([])
     render_timeline_png([], empty, tmp_path / "empty.png")
+
+
+# ------------------------------------------------------------------ in-place legality (units)
+
+def _inplace_case(src_index=None, *, src_kind="temp", src_dtype=None, n=8, m=16,
+                  earlier=None, later=None, indirect=False):
+    """A kernel over outer (n,) whose member `o` [n, m] reads `x` at `src_index`; optional
+    earlier / later members reading `x` at the given index (a row sum / a copy)."""
+    from kiln.ir import loop as L
+    from kiln.ir.sym import ivars, rvars
+    from kiln.schedule import Kernel
+
+    i0, i1 = ivars(2)
+    (r0,) = rvars(1)
+    f32 = _f32()
+    src_dtype = src_dtype or f32
+    idx = i0 * m + i1 if src_index is None else src_index(i0, i1)
+    ind = ()
+    if indirect:
+        ind = (L.Indirect(sympy.Symbol("j0", integer=True), L.Const(0, _i64()), sympy.Integer(n)),)
+    load = L.Load("x", idx, src_dtype, ind)
+    members = []
+    if earlier is not None:
+        members.append(L.Compute("s", f32, (n, 1), L.Load("x", earlier(i0, r0), f32),
+                                 L.Reduce("sum", (m,))))
+    members.append(L.Compute("o", f32, (n, m), L.Op("add", (load, L.Const(1.0, f32)), f32)))
+    if later is not None:
+        members.append(L.Compute("c", f32, (n, m), L.Load("x", later(i0, i1), f32)))
+    buffers = {"x": L.Buffer("x", src_dtype, (n, m), src_kind),
+               "o": L.Buffer("o", f32, (n, m), "temp"),
+               "s": L.Buffer("s", f32, (n, 1), "temp"),
+               "c": L.Buffer("c", f32, (n, m), "temp")}
+    return Kernel("k", (sympy.Integer(n),), tuple(members), frozenset()), buffers
+
+
+def _f32():
+    from kiln.ir.dtypes import dtype
+    return dtype("float32")
+
+
+def _i64():
+    from kiln.ir.dtypes import dtype
+    return dtype("int64")
+
+
+@pytest.mark.parametrize("case, legal", [
+    (dict(), True),  # same element: read then write
+    (dict(src_index=lambda i0, i1: i0 * 16 + 15 - i1), False),  # reversed row
+    (dict(src_index=lambda i0, i1: i1 * 8 + i0), False),  # transposed
+    (dict(src_index=lambda i0, i1: i0 * 16 + i1 + 1), False),  # next element
+    (dict(src_kind="input"), False),
+    (dict(src_kind="weight"), False),
+    (dict(indirect=True), False),
+    (dict(earlier=lambda i0, r0: i0 * 16 + r0), True),  # a row reduction first (layer norm)
+    (dict(earlier=lambda i0, r0: r0), False),  # reads row 0 whatever the outer index
+    (dict(earlier=lambda i0, r0: i0 * 16 + r0 + 16), False),  # the next row
+    (dict(later=lambda i0, i1: i0 * 16 + i1), False),  # a later member still reads it
+])
+def test_inplace_legality_rule(case, legal):
+    from kiln.memory.inplace import kernel_candidates
+
+    kernel, buffers = _inplace_case(**case)
+    assert (("o", "x") in kernel_candidates(kernel, buffers)) is legal
+
+
+def test_inplace_needs_same_dtype_and_size():
+    from kiln.memory.inplace import kernel_candidates
+
+    kernel, buffers = _inplace_case(src_dtype=_i64())
+    assert ("o", "x") not in kernel_candidates(kernel, buffers)
+    from kiln.ir import loop as L
+    kernel, buffers = _inplace_case()
+    buffers["x"] = L.Buffer("x", _f32(), (8, 17), "temp")
+    assert ("o", "x") not in kernel_candidates(kernel, buffers)
+
+
+def test_program_verifier_checks_inplace_allocs():
+    from kiln.ir import program as P
+
+    f32 = _f32()
+    kargs = (("out", "b"), ("in", "a"))
+    good = [P.Alloc("a", f32, sympy.Integer(16)),
+            P.CallKernel("k0", (("out", "a"),), False, ("a",), ()),
+            P.Alloc("b", f32, sympy.Integer(16), reuse="a"),
+            P.CallKernel("k1", kargs, False, ("b",), ()),
+            P.Free("a"),
+            P.CallKernel("k2", (("in", "b"),), False, (), ()),
+            P.Free("b"), P.Return(())]
+    prog = P.Program(tuple(good), (), (), ())
+    P.verify_program(prog)
+    bad_late = good[:5] + [P.CallKernel("k2", (("in", "a"),), False, (), ())] + good[5:]
+    bad_late[4], bad_late[5] = bad_late[5], bad_late[4]  # a read after b took its bytes
+    bad_size = list(good)
+    bad_size[2] = P.Alloc("b", f32, sympy.Integer(32), reuse="a")
+    bad_src = list(good)
+    bad_src[2] = P.Alloc("b", f32, sympy.Integer(16), reuse="zz")
+    for lines, needle in ((bad_late, "not freed right after"), (bad_size, "different"),
+                          (bad_src, "not a live arena temp")):
+        with pytest.raises(Exception, match=needle):
+            P.verify_program(P.Program(tuple(lines), (), (), ()))
+    from kiln.memory.assign import assign_offsets, intervals
+    planned, plan, ivs = assign_offsets(prog)
+    assert [iv.name for iv in ivs] == ["a"] and ivs[0].end == 2  # one storage for the chain
+    offsets = {x.buf: x.offset for x in planned.lines if isinstance(x, P.Alloc)}
+    assert offsets["a"] == offsets["b"]
+    P.verify_program(planned, planned=True)
+    assert len(intervals(prog, inplace=False)) == 2
+
+
+def _zoo_program(name):
+    sys_path = str(ROOT / "bench")
+    import sys
+    if sys_path not in sys.path:
+        sys.path.insert(0, sys_path)
+    from memory import program_of  # bench/memory.py
+
+    from kiln.models import get
+    return program_of(get(name).export())[1]
+
+
+@pytest.mark.parametrize("name", ["mlp", "gpt", "intermediates"])
+def test_cpp_planner_matches_python_on_model_intervals(cpp_planner, name):
+    from kiln.memory.assign import intervals, runtime_plan, sizes_tried
+
+    prog = _zoo_program(name)
+    envs = sizes_tried(prog, between=6)
+    cases = [intervals(prog, env) for env in envs]
+    text = [str(len(cases))]
+    for ivs in cases:
+        text.append(f"{len(ivs)} {prog.alignment}")
+        text.extend(f"{iv.size} {iv.start} {iv.end}" for iv in ivs)
+    out = subprocess.run([str(cpp_planner)], input="\n".join(text) + "\n", capture_output=True,
+                         text=True, check=True).stdout.splitlines()
+    for env, ivs, line in zip(envs, cases, out):
+        arena, *offsets = map(int, line.split())
+        py_offsets, py_arena = greedy_by_size_offsets(ivs, prog.alignment)
+        assert (arena, offsets) == (py_arena, [py_offsets[iv.name] for iv in ivs])
+        assert runtime_plan(prog, env)["arena_bytes"] == arena  # and it is proven valid

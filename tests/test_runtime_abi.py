@@ -255,7 +255,8 @@ def test_libkiln_exports_only_api(libkiln_path: pathlib.Path) -> None:
     names = {line.split()[-1] for line in out.splitlines() if line.strip()}
     assert names == {"kiln_abi_version", "kiln_model_load", "kiln_model_num_inputs",
                      "kiln_model_num_outputs", "kiln_model_run", "kiln_last_error",
-                     "kiln_model_free", "kiln_model_update_weights"}
+                     "kiln_model_free", "kiln_model_update_weights",
+                     "kiln_model_run_on_stream"}
 
 
 # --- C level, in subprocesses (a crash fails the test instead of killing pytest) ----------------

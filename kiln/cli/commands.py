@@ -14,8 +14,9 @@ from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
 
-from kiln.cli.manifest_view import (entries, fmt_bytes, fmt_shape, kwarg_names, plan_summary,
-                                    random_inputs, read_manifest, split_args, symbols)
+from kiln.cli.manifest_view import (entries, fmt_bytes, fmt_shape, kwarg_names,
+                                    memory_summary, plan_summary, random_inputs, read_manifest,
+                                    split_args, symbols)
 from kiln.errors import InputError
 
 __all__ = ["cmd_run", "cmd_inspect", "flatten_outputs", "time_calls"]
@@ -160,6 +161,9 @@ def cmd_inspect(args: argparse.Namespace) -> int:
         if not args.memory:
             raise InputError("--png draws the memory timeline: use it with --memory")
         _render_png(manifest, args.png)
+    if args.json and args.memory:
+        print(json.dumps(memory_summary(manifest), indent=2, default=str))
+        return 0
     if args.json:
         if not (args.kernels or args.memory):
             summary["kernels"] = len(summary["kernels"])
@@ -195,15 +199,7 @@ def cmd_inspect(args: argparse.Namespace) -> int:
                   f"{fmt_bytes(plan['lower_bound_bytes'])} (ratio {ratio}), "
                   f"{plan['buffers']} buffers")
     if args.memory:
-        buffers = entries((manifest.get("plan") or {}).get("buffers"))
-        table = Table(title="buffers (largest first)", title_justify="left")
-        for col in ("name", "size", escape("live [start, end]"), "offset"):
-            table.add_column(col)
-        for b in sorted(buffers, key=lambda b: -int(b.get("size", 0) or 0)):
-            table.add_row(escape(str(b.get("name", ""))), fmt_bytes(b.get("size")),
-                          escape(f"[{b.get('start', '?')}, {b.get('end', '?')}]"),
-                          str(b.get("offset", "?")))
-        console.print(table)
+        _print_memory(manifest)
     else:
         for b in plan["largest"]:
             console.print(f"  {escape(str(b.get('name', '')))}: {fmt_bytes(b.get('size'))}",
@@ -211,3 +207,39 @@ def cmd_inspect(args: argparse.Namespace) -> int:
     if args.png:
         console.print(f"[green]wrote[/green] {args.png}")
     return 0
+
+
+def _print_memory(manifest: dict[str, Any], top: int = 10) -> None:
+    """The ``--memory`` detail: planning, baselines, in-place pairs, sizes, largest buffers."""
+    m = memory_summary(manifest, top)
+    secs = m["planning_seconds"]
+    console.print(f"planned {escape(str(m['planned_at'] or '?'))} by "
+                  f"{escape(str(m['algorithm'] or '?'))}"
+                  + (f" in {secs * 1e3:.2f} ms" if isinstance(secs, (int, float)) else ""))
+    console.print(f"baselines: no reuse {fmt_bytes(m['naive_bytes'])}, exact-size reuse "
+                  f"{fmt_bytes(m['exact_size_reuse_bytes'])}")
+    pairs = m["inplace_pairs"]
+    console.print(f"in place: {len(pairs)} outputs reuse a dying input's bytes, saving "
+                  f"{fmt_bytes(m['inplace_saved_bytes'])}", highlight=False)
+    if m["sizes"]:
+        table = Table(title="run-time plan per size (planned when the sizes change)",
+                      title_justify="left")
+        for col in ("sizes", "arena", "lower bound", "ratio"):
+            table.add_column(col)
+        for s in m["sizes"]:
+            sizes = ", ".join(f"{k}={v}" for k, v in (s.get("sizes") or {}).items())
+            ratio = s.get("ratio")
+            table.add_row(escape(sizes), fmt_bytes(s.get("arena_bytes")),
+                          fmt_bytes(s.get("lower_bound_bytes")),
+                          f"{ratio:.3f}" if isinstance(ratio, (int, float)) else "?")
+        console.print(table)
+    buffers = entries((manifest.get("plan") or {}).get("buffers"))
+    table = Table(title=f"largest buffers (of {len(buffers)}; at the example sizes)",
+                  title_justify="left")
+    for col in ("name", "size", escape("live [start, end]"), "offset"):
+        table.add_column(col)
+    for b in sorted(buffers, key=lambda b: -int(b.get("size", 0) or 0))[:top]:
+        table.add_row(escape(str(b.get("name", ""))), fmt_bytes(b.get("size")),
+                      escape(f"[{b.get('start', '?')}, {b.get('end', '?')}]"),
+                      str(b.get("offset", "?")))
+    console.print(table)

@@ -26,6 +26,8 @@ def add_parser(sub) -> None:
     f.add_argument("--max-ops", type=int, default=8)
     f.add_argument("--no-minimise", action="store_true")
     f.add_argument("--no-interp", action="store_true", help="skip the Loop IR interpreter")
+    f.add_argument("--bounded-dims", action="store_true",
+                   help="declare every Dim with min and max (avoids known compile crashes)")
     f.add_argument("--verbose", "-v", action="store_true")
     f.set_defaults(func=cmd_fuzz)
 
@@ -37,21 +39,26 @@ def program_seed(seed: int, k: int) -> int:
 def cmd_fuzz(args: argparse.Namespace) -> int:
     warnings.filterwarnings("ignore")
     from kiln.fuzz.generator import generate
-    from kiln.fuzz.minimise import minimise
+    from kiln.fuzz.minimise import _key, minimise
     from kiln.fuzz.report import write_repro
     from kiln.fuzz.runner import check
 
     counts: collections.Counter = collections.Counter()
+    seen: dict[str, str] = {}  # failure key -> first program that showed it
     t0 = time.perf_counter()
     for k in range(args.start, args.start + args.n):
         ps = program_seed(args.seed, k)
-        spec = generate(ps, max_ops=args.max_ops)
+        spec = generate(ps, max_ops=args.max_ops, bounded_dims=args.bounded_dims)
         out = check(spec, interp=not args.no_interp)
         counts[out.status] += 1
         if args.verbose or out.status != "ok":
             first = out.detail.splitlines()[0][:160] if out.detail else ""
             print(f"[{k}] seed {ps}: {len(spec['ops'])} ops, {out.status} {first}", flush=True)
         if out.failed:
+            if _key(out) in seen:
+                print(f"    same failure as {seen[_key(out)]}; not minimised again", flush=True)
+                continue
+            seen[_key(out)] = f"program {k}"
             if not args.no_minimise:
                 spec, out = minimise(spec, out, log=print)
             path = write_repro(spec, out, args.out, f"--seed {args.seed} --start {k} --n 1")

@@ -17,7 +17,8 @@ import torch
 from kiln.errors import InputError, PackageError
 
 __all__ = ["read_manifest", "entries", "symbols", "resolve_shape", "torch_dtype", "fmt_bytes",
-           "fmt_shape", "random_inputs", "split_args", "kwarg_names", "plan_summary"]
+           "fmt_shape", "random_inputs", "split_args", "kwarg_names", "plan_summary",
+           "memory_summary"]
 
 
 def read_manifest(path: str | Path) -> dict[str, Any]:
@@ -183,3 +184,30 @@ def plan_summary(manifest: dict[str, Any], top: int = 5) -> dict[str, Any]:
     ratio = (arena / lower) if isinstance(arena, (int, float)) and lower else None
     return {"arena_bytes": arena, "lower_bound_bytes": lower, "ratio": ratio,
             "buffers": len(buffers), "largest": largest}
+
+
+def memory_summary(manifest: dict[str, Any], top: int = 10) -> dict[str, Any]:
+    """What ``kiln inspect --memory --json`` prints: arena, lower bound, ratio, planning time,
+    algorithm, baselines, in-place reuse, the ``top`` largest storages with their lifetimes and,
+    for a dynamic program, the run-time plan at every size tried at compile time."""
+    plan = manifest.get("plan") or {}
+    base = plan_summary(manifest, top)
+    inplace = plan.get("inplace") or {}
+    return {
+        "arena_bytes": base["arena_bytes"],
+        "lower_bound_bytes": base["lower_bound_bytes"],
+        "ratio": base["ratio"],
+        "planning_seconds": plan.get("planning_seconds"),
+        "algorithm": plan.get("algorithm"),
+        "dynamic": bool(plan.get("dynamic")),
+        "planned_at": plan.get("planned_at"),
+        "example_sizes": plan.get("example_sizes") or {},
+        "naive_bytes": plan.get("naive_bytes"),
+        "exact_size_reuse_bytes": plan.get("exact_size_reuse_bytes"),
+        "inplace_pairs": entries(inplace.get("pairs")),
+        "inplace_saved_bytes": inplace.get("saved_bytes"),
+        "n_buffers": base["buffers"],
+        "largest_buffers": [{k: b.get(k) for k in ("name", "size", "start", "end", "offset")}
+                            for b in base["largest"]],
+        "sizes": entries(plan.get("sizes")),
+    }

@@ -237,7 +237,8 @@ def print_wrapper(prog: P.Program, kernel_decls: list[str]) -> str:
         "  static const kiln_model_abi table = {KILN_MODEL_ABI_VERSION, "
         f"{n_in}, {n_out}, {n_w}, kWeightNames,",
         "                                       kWeightBytes, kWeightDtypes, create, run, "
-        "destroy};",
+        "destroy,",
+        "                                       kDLCPU, nullptr, nullptr};",
         "  return &table;",
         "}",
         "",

@@ -185,6 +185,18 @@ def _expand(b, n):
     return b.emit("expand", [b.tensor(n.args[0])], n)
 
 
+@register("aten.repeat.default")
+def _repeat(b, n):
+    """x [s0, s1] repeated [r0, r1] = view [1, s0, 1, s1] -> expand [r0, s0, r1, s1] -> view."""
+    reps = list(n.args[1])
+    shape = (1,) * (len(reps) - b.rank(n.args[0])) + tuple(b.shape(n.args[0]))
+    ones = [d for s in shape for d in (1, s)]
+    wide = [d for r, s in zip(reps, shape) for d in (r, s)]
+    v = b.emit("view", [b.tensor(n.args[0])], None, like=n, shape=ones)
+    e = b.emit("expand", [v], None, like=n, shape=wide)
+    return b.emit("view", [e], n)
+
+
 @register("aten.slice.Tensor", "aten.slice_copy.Tensor")
 def _slice(b, n):
     args = list(n.args) + [None] * 5
@@ -290,6 +302,28 @@ def _layer_norm(b, n):
     ins = [b.tensor(x)] + [b.tensor(t) for t in (w, bias) if t is not None]
     return b.emit("layer_norm", ins, n, norm_rank=len(shape), eps=float(eps),
                   has_weight=w is not None, has_bias=bias is not None)
+
+
+@register("aten.native_group_norm.default")
+def _group_norm(b, n):
+    """x [N, C, *] -> view [N, G, C/G * prod(*)] -> layer_norm over the last dim -> view back,
+    then the per-channel affine (weight/bias viewed as [C, 1, ...])."""
+    x, w, bias, _n, _c, _hw, groups, eps = n.args
+    shape = b.shape(x)
+    inner = shape[1] // groups
+    for d in shape[2:]:
+        inner = inner * d
+    v = b.emit("view", [b.tensor(x)], None, like=n, shape=(shape[0], groups, inner))
+    ln = b.emit("layer_norm", [v], None, like=n, shape=(shape[0], groups, inner), norm_rank=1,
+                eps=float(eps), has_weight=False, has_bias=False)
+    last = [t for t in (w, bias) if t is not None]
+    y = b.emit("view", [ln], None if last else n, like=n)
+    for t, op in ((w, "mul"), (bias, "add")):
+        if t is not None:
+            tv = b.emit("view", [b.tensor(t)], None, like=n,
+                        shape=(shape[1],) + (1,) * (len(shape) - 2))
+            y = b.emit(op, [y, tv], n if t is last[-1] else None, like=n)
+    return y
 
 
 @register("aten._native_batch_norm_legit_no_training.default")

@@ -79,7 +79,8 @@ class _Gen:
     def rand_shape(self, rank: int | None = None) -> tuple:
         r = self.r
         rank = r.choice([1, 2, 2, 3, 3, 4]) if rank is None else rank
-        shape = [r.choice([1, 2, 3, 4, 5, 6, 7, 8, 12, 16]) for _ in range(rank)]
+        sizes = [1, 2, 3, 4, 5, 6, 7, 8, 12, 16] + ([17, 33, 64] if rank <= 2 else [])
+        shape = [r.choice(sizes) for _ in range(rank)]
         if self.dynamic and r.random() < 0.8:
             shape[0] = "B"
         return tuple(shape)
@@ -328,16 +329,21 @@ def _factor(n: int, r: random.Random) -> list[int]:
 
 
 
-def generate(seed: int, dynamic: bool | None = None, max_ops: int = 8) -> dict:
-    """One random program spec, reproducible from `seed`."""
+def generate(seed: int, dynamic: bool | None = None, max_ops: int = 8,
+             bounded_dims: bool = False) -> dict:
+    """One random program spec, reproducible from `seed` (`bounded_dims`: every Dim gets
+    a min and a max, skipping the declarations that hit known compile crashes)."""
     from kiln.fuzz import gen_heavy
 
     r = random.Random(seed)
     dynamic = r.random() < 0.35 if dynamic is None else dynamic
     g = _Gen(seed, dynamic, max_ops)
+    if dynamic:
+        kind = r.choice(["bounded"] * 5 + ["no_max", "default_min", "default"])
+        g.spec["dim"] = "bounded" if bounded_dims else kind
     for _ in range(r.randint(1, 2)):
         dt = r.choice(["float32"] * 6 + ["float64", "int64", "bool"])
-        g.new_input(g.rand_shape(), dt)
+        g.new_input(g.rand_shape() if r.random() < 0.95 else (), dt)
     families = [(g.op_unary, 5), (g.op_binary, 5), (g.op_where, 1), (g.op_cast, 1),
                 (g.op_reduce, 3), (g.op_view, 6), (g.op_cat, 1)]
     families += [(lambda f=f: f(g), w) for f, w in gen_heavy.FAMILIES]
@@ -362,6 +368,8 @@ def _finish(g: _Gen, r: random.Random) -> dict:
     ops_ids = [i for i in range(len(g.vals)) if i not in g.inputs]
     leaves = [i for i in ops_ids[:-1] if i not in used]
     outs = [ops_ids[-1]] + r.sample(leaves, min(len(leaves), r.randint(0, 2)))
+    if r.random() < 0.1:  # the same value twice, or a value that is also read by others
+        outs.append(r.choice(ops_ids))
     new = {old: k for k, old in enumerate(g.inputs + ops_ids)}
     for op in g.spec["ops"]:
         op[1] = [new[i] for i in op[1]]

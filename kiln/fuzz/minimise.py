@@ -19,8 +19,11 @@ from kiln.fuzz.runner import Outcome, check
 
 def _key(o: Outcome) -> str:
     """What must stay the same: the status and where it failed (numbers elided)."""
-    first = o.detail.splitlines()[0] if o.detail else ""
-    return o.status + ":" + re.sub(r"[-+0-9.e]+", "#", first.split(":")[0])
+    first = o.detail.splitlines()[0][:120] if o.detail else ""
+    first = re.sub(r"B=\d+", "B=#", first)
+    if o.status == "mismatch":  # where, not by how much
+        first = first.split(" elements differ")[0].rsplit(":", 1)[0]
+    return o.status + ":" + re.sub(r"\b[-+]?\d[\d.e+-]*", "#", first)
 
 
 def prune(spec: dict) -> dict:

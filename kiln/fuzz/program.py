@@ -197,7 +197,11 @@ def to_ref64(args) -> tuple:
 def dynamic_shapes(spec: dict):
     if not spec.get("dynamic"):
         return None
-    dim = torch.export.Dim("B", min=B_MIN, max=B_MAX)
+    # how the Dim is declared varies: bounded, no max, default min, neither
+    kind = spec.get("dim", "bounded")
+    kw = {"bounded": {"min": B_MIN, "max": B_MAX}, "no_max": {"min": B_MIN},
+          "default_min": {"max": B_MAX}, "default": {}}[kind]
+    dim = torch.export.Dim("B", **kw)
     return (tuple({0: dim} if i["shape"] and i["shape"][0] == "B" else None
                   for i in spec["inputs"]),)
 

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
+import sympy
 import torch
 
 import kiln
@@ -81,7 +82,10 @@ def _interp(compiled, args: tuple) -> list[np.ndarray]:
     for inp, a in zip(built.graph.user_inputs, args):
         for d, e in zip(a.shape, inp.type.shape):
             if getattr(e, "is_Symbol", False):
-                env[e.name] = int(d)
+                # sympy Integers, not ints: interp.py's index() returns a bare int for an index
+                # that is exactly a size symbol (reported; tests/fuzz_regressions/
+                # test_interp_size_symbol_index.py)
+                env[e.name] = sympy.Integer(int(d))
     return run_loop(built.loop, feeds, env)
 
 

@@ -5,7 +5,8 @@ Output: a `Plan` giving every buffer an aligned byte offset in a single arena, s
 live at the same step never share a byte, with the arena as small as the algorithms can make it.
 
 Modules: intervals (the data, bounds and baselines), greedy and exact (the algorithms), planner
-(`plan_memory`, which runs them within a time budget), verify (`verify_plan`, an independent
+(`plan_memory`, which runs them within a time budget), inplace (which kernel outputs may take a
+dying input's bytes), assign (the Program IR pass), verify (`verify_plan`, an independent
 checker) and report (a JSON summary and a timeline PNG). The C++ twin of the size-ordered greedy,
 for sizes only known at run time, is kiln/runtime/src/kiln_plan.h.
 """

@@ -16,14 +16,14 @@ and proven overlap-free at each of `sizes_tried` (the range minimum, the example
 and geometric steps between them); `plan_sizes` records arena and lower bound at each.
 
 Why plan at run time rather than once symbolically (measured by bench/memory.py, see
-BENCHMARKS.md): planning costs a few microseconds per *distinct* size tuple (about 1-20 us for
-the zoo's dynamic models; a cache hit is one memcmp), against milliseconds for a model run, and
-it yields at every size the arena of a concrete plan (ratio to the lower bound 1.00-1.10 over
-the ranges). A single symbolic plan must order offsets so that they are valid at every size of
-the range, i.e. plan for the worst case: sizing the arena for the range maximum wastes up to
-max/size times the memory at small sizes (1024x for mlp at batch 1), and a symbolic placement
-cannot reuse a gap whose fit depends on the sizes. Run-time planning is therefore kept; the
-example-size plan is still computed here (its report and, with `verify`, its proof)."""
+BENCHMARKS.md, "Memory planning"): the C++ plan costs 0.1 us (mlp, 3 storages) to 2 us (gpt,
+42 storages) per *distinct* size tuple (a cache hit is one memcmp of the size key), against
+milliseconds per model run, and at every size tried it is within 1.00-1.02x of that size's
+lower bound. One symbolic plan valid for the whole `Dim` range must place buffers so that no
+two overlap at *any* size, which in practice means sizing for the range maximum: 43x (gpt) to
+1024x (mlp) the arena the range minimum needs, and a symbolic placement cannot use gaps whose
+fit depends on the sizes. Run-time planning is therefore kept; the example-size plan is still
+computed here (for the report and, with `verify`, its proof)."""
 
 from __future__ import annotations
 
@@ -46,11 +46,17 @@ def roots(prog: P.Program) -> dict[str, str]:
     return out
 
 
-def intervals(prog: P.Program, env: dict[str, int] | None = None) -> list[Interval]:
+def intervals(prog: P.Program, env: dict[str, int] | None = None,
+              inplace: bool = True) -> list[Interval]:
     """Lifetimes of the program's arena storages (one per in-place chain), in name order,
-    sizes evaluated with `env` for symbols."""
+    sizes evaluated with `env` for symbols. `inplace=False` ignores `reuse` (every Alloc its
+    own storage: the baseline in-place savings are measured against)."""
     step = -1
-    root = roots(prog)
+    root = roots(prog) if inplace else {}
+    if not inplace:
+        prog = replace(prog, lines=tuple(replace(x, reuse=None) if isinstance(x, P.Alloc)
+                                         else x for x in prog.lines))
+        root = roots(prog)
     start: dict[str, int] = {}
     end: dict[str, int] = {}
     size: dict[str, int] = {}
@@ -91,12 +97,14 @@ def sizes_tried(prog: P.Program, between: int = 3) -> list[dict[str, int]]:
 def runtime_plan(prog: P.Program, env: dict[str, int], verify: bool = True) -> dict:
     """The plan the generated code makes at sizes `env` (greedy by size), optionally proven."""
     ivs = intervals(prog, env)
+    t0 = time.perf_counter()
     offsets, arena = greedy_by_size_offsets(ivs, prog.alignment)
+    seconds = time.perf_counter() - t0
     lb = lower_bound(ivs, prog.alignment)
     if verify:
         verify_plan(ivs, Plan(offsets, arena, lb, "greedy_by_size", 0.0), prog.alignment)
     return {"sizes": dict(env), "arena_bytes": arena, "lower_bound_bytes": lb,
-            "ratio": arena / lb if lb else 1.0}
+            "ratio": arena / lb if lb else 1.0, "planning_seconds": seconds}
 
 
 def plan_sizes(prog: P.Program, verify: bool = True) -> list[dict]:
@@ -126,3 +134,19 @@ def assign_offsets(prog: P.Program, verify: bool = True, budget_s: float = 0.5
     lines = tuple(replace(x, offset=plan.offsets[root[x.buf]]) if isinstance(x, P.Alloc) else x
                   for x in prog.lines)
     return replace(prog, lines=lines, arena_bytes=plan.arena_bytes), plan, ivs
+
+
+def inplace_report(prog: P.Program, plan: Plan, budget_s: float = 0.5) -> dict:
+    """In-place pairs and what they save at the example sizes: the arena planned the same way
+    (best-of for static programs, run-time greedy for dynamic ones) with every Alloc on its own
+    storage, minus the arena of `plan`."""
+    pairs = [{"buffer": x.buf, "reuses": x.reuse} for x in prog.lines
+             if isinstance(x, P.Alloc) and x.reuse is not None]
+    ivs = intervals(prog, example_env(prog), inplace=False)
+    if prog.dynamic:
+        without = greedy_by_size_offsets(ivs, prog.alignment)[1]
+    else:
+        without = plan_memory(ivs, alignment=prog.alignment, budget_s=budget_s).arena_bytes
+    return {"pairs": pairs, "arena_without_inplace_bytes": without,
+            "lower_bound_without_inplace_bytes": lower_bound(ivs, prog.alignment),
+            "saved_bytes": without - plan.arena_bytes}

@@ -10,9 +10,9 @@ Legality of (out, src) in a kernel K with outer loop nest of k dims (o = the out
       equal element count, so one allocation fits both for every size; `src` is read by K, not
       written by it; `out` is stored by its member M (not a register local).
   (2) every load of `src` inside M is direct (no indirect index) and reads element E(i), where
-      E(i) is the flat index M stores `out` at (i-vars of size-1 dims are 0; c*FloorDiv(a, c) + ModIdx(a, c) counts
-      as a, see `canon`). A pointwise M
-      evaluates its whole body (all loads) before the single store of that iteration; a
+      E(i) is the flat index M stores `out` at (i-vars of size-1 dims are 0; c*FloorDiv(a, c) +
+      ModIdx(a, c) counts as a, see `canon`). A pointwise M evaluates its whole body (all
+      loads) before the single store of that iteration; a
       reduction M reads x[E(i)] in every r-iteration and stores once, after the r loop. Either
       way element E(i) of `src` is read only before `out[E(i)]` overwrites it, and no other
       element of `src` is touched by M.

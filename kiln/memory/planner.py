@@ -11,8 +11,8 @@ two buffers whose lifetimes overlap (and whose sizes are > 0) share no byte. Zer
 get offset 0. Results are deterministic: the inputs alone fix every order and tie-break; the
 budget only decides which algorithms run (greedy-by-size always runs, the other greedy orders
 run while time is left and no plan has met the lower bound yet, the exact search only for small
-instances, within the budget and while the lower bound is unmet; an exact search cut short by
-the budget is reported as "exact_incomplete").
+instances and within the budget (it returns at once when the lower bound is met); an exact
+search cut short by the budget is reported as "exact_incomplete").
 
 Algorithms (see greedy.py and exact.py):
   * "greedy_by_size": size descending, best-fit gap. Mirrors kiln_plan.h's plan_greedy.
@@ -81,7 +81,7 @@ def plan_memory(intervals: Sequence[Interval], alignment: int = 64,
         candidates[name] = arena
         if arena < best_arena:
             best_name, best_offsets, best_arena = name, offsets, arena
-    if len(live) <= EXACT_MAX_BUFFERS and best_arena > floor and time.perf_counter() < deadline:
+    if len(live) <= EXACT_MAX_BUFFERS and time.perf_counter() < deadline:
         result = exact_place(live, upper=best_arena, deadline=deadline,
                              max_nodes=EXACT_MAX_NODES)
         candidates["exact" if result.proven else "exact_incomplete"] = result.arena

@@ -22,7 +22,7 @@ from typing import Sequence
 import numpy as np
 
 from kiln.errors import PlanError
-from kiln.memory.intervals import Item, items
+from kiln.memory.intervals import Interval, Item, items
 from kiln.memory.planner import Plan
 
 

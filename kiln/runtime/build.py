@@ -63,10 +63,14 @@ def _compiler_identity(cxx: str) -> str:
     return f"{os.path.realpath(exe)}\n{out.stdout}"
 
 
-def _key(cxx: str) -> str:
+def _sanitize_flags(sanitize: str) -> list[str]:
+    return [f"-fsanitize={sanitize}", "-fno-omit-frame-pointer"] if sanitize else []
+
+
+def _key(cxx: str, sanitize: str = "") -> str:
     h = hashlib.sha256()
     h.update(_compiler_identity(cxx).encode())
-    h.update(repr((CXXFLAGS, LDLIBS, _VERSION_SCRIPT)).encode())
+    h.update(repr((CXXFLAGS, LDLIBS, _VERSION_SCRIPT, _sanitize_flags(sanitize))).encode())
     files = sorted(_SRC.glob("*")) + sorted(_INCLUDE.glob("*.h"))
     for f in files:
         if f.is_file():
@@ -75,9 +79,10 @@ def _key(cxx: str) -> str:
     return h.hexdigest()[:24]
 
 
-def build_libkiln(cxx: str = "c++") -> pathlib.Path:
-    """Returns the path of a built libkiln.so, compiling it with ``cxx`` unless cached."""
-    out_dir = cache_dir() / "runtime" / _key(cxx)
+def build_libkiln(cxx: str = "c++", sanitize: str = "") -> pathlib.Path:
+    """Returns the path of a built libkiln.so, compiling it with ``cxx`` unless cached;
+    ``sanitize`` (e.g. "address,undefined") builds a separate sanitizer-instrumented copy."""
+    out_dir = cache_dir() / "runtime" / _key(cxx, sanitize)
     lib = out_dir / "libkiln.so"
     if lib.is_file():
         return lib
@@ -87,20 +92,20 @@ def build_libkiln(cxx: str = "c++") -> pathlib.Path:
         try:
             if lib.is_file():  # built by another process while we waited
                 return lib
-            _compile(cxx, out_dir, lib)
+            _compile(cxx, out_dir, lib, _sanitize_flags(sanitize))
         finally:
             fcntl.flock(lock, fcntl.LOCK_UN)
     return lib
 
 
-def _compile(cxx: str, out_dir: pathlib.Path, lib: pathlib.Path) -> None:
+def _compile(cxx: str, out_dir: pathlib.Path, lib: pathlib.Path, extra: list[str]) -> None:
     fd, tmp_name = tempfile.mkstemp(prefix=".libkiln.", suffix=".so", dir=out_dir)
     os.close(fd)
     tmp = pathlib.Path(tmp_name)
     script = out_dir / "libkiln.map"
     try:
         script.write_text(_VERSION_SCRIPT)
-        cmd = [cxx, *CXXFLAGS, f"-I{_INCLUDE}", *map(str, _sources()), "-o", str(tmp),
+        cmd = [cxx, *CXXFLAGS, *extra, f"-I{_INCLUDE}", *map(str, _sources()), "-o", str(tmp),
                f"-Wl,--version-script={script}", *LDLIBS]
         proc = subprocess.run(cmd, capture_output=True, text=True)
         if proc.returncode != 0:

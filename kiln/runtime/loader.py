@@ -6,7 +6,10 @@ Invariants: the C ABI of kiln.h is the only path to the model (ctypes over libki
 are passed as DLTensors pointing at the tensors' own memory (never copied; the model validates
 dtype/device/shape/strides); every DLManagedTensor returned by the model is either handed to
 ``torch.from_dlpack`` (which then owns it and calls its deleter when the tensor dies) or deleted
-here, exactly once. Runs on one Runner are serialised by libkiln.
+here, exactly once. Runs on one Runner are serialised by libkiln. A CUDA runner
+(``device="cuda:N"``) passes CUDA tensors as kDLCUDA DLTensors and runs on torch's current
+stream of its device (``kiln_model_run_on_stream``); its outputs are CUDA tensors ordered on
+that stream, as torch's own results would be.
 """
 from __future__ import annotations
 
@@ -14,6 +17,7 @@ import ctypes
 import functools
 import os
 import pathlib
+import re
 from collections.abc import Mapping
 from typing import Any
 
@@ -52,6 +56,9 @@ def libkiln() -> ctypes.CDLL:
     lib.kiln_model_num_outputs.restype = i64
     lib.kiln_model_num_outputs.argtypes = [vp]
     lib.kiln_model_run.restype = ctypes.c_int
+    lib.kiln_model_run_on_stream.restype = ctypes.c_int
+    lib.kiln_model_run_on_stream.argtypes = [vp, ctypes.POINTER(ctypes.POINTER(dl.DLTensor)), i64,
+                                             ctypes.POINTER(vp), i64, vp]
     lib.kiln_model_run.argtypes = [vp, ctypes.POINTER(ctypes.POINTER(dl.DLTensor)), i64,
                                    ctypes.POINTER(vp), i64]
     lib.kiln_last_error.restype = ctypes.c_char_p
@@ -91,8 +98,9 @@ class Runner:
     def __init__(self, path: str | os.PathLike[str], device: str = "cpu") -> None:
         self._handle: ctypes.c_void_p | None = None
         self._path = pathlib.Path(path)
-        if device != "cpu":
-            raise UnsupportedError(f"kiln: unsupported device {device!r} (only 'cpu')")
+        self._device = _parse_device(device)
+        if self._device.type == "cuda":
+            _preload_cublas()
         self._manifest = read_package(self._path).manifest
         m = self._manifest
         self._in_spec = pytree.treespec_loads(m["in_spec"]) if "in_spec" in m else None
@@ -101,7 +109,7 @@ class Runner:
                        for k, i in enumerate(m.get("inputs", []))]
         self._lib = libkiln()
         handle = ctypes.c_void_p()
-        if self._lib.kiln_model_load(os.fsencode(self._path), device.encode(),
+        if self._lib.kiln_model_load(os.fsencode(self._path), str(self._device).encode(),
                                      ctypes.byref(handle)) != 0:
             raise PackageError(last_error())
         self._handle = handle
@@ -228,7 +236,13 @@ class Runner:
         inputs = (ctypes.POINTER(dl.DLTensor) * max(self._n_in, 1))(
             *[ctypes.pointer(s) for s in structs])
         outputs = (ctypes.c_void_p * max(self._n_out, 1))()
-        if self._lib.kiln_model_run(self._handle, inputs, self._n_in, outputs, self._n_out):
+        if self._device.type == "cuda":
+            stream = torch.cuda.current_stream(self._device).cuda_stream
+            rc = self._lib.kiln_model_run_on_stream(self._handle, inputs, self._n_in, outputs,
+                                                    self._n_out, stream)
+        else:
+            rc = self._lib.kiln_model_run(self._handle, inputs, self._n_in, outputs, self._n_out)
+        if rc:
             msg = last_error()
             raise (InputError if msg.startswith("input ") else KilnError)(msg)
         results = _adopt_outputs(outputs, self._n_out)
@@ -263,6 +277,34 @@ def _adopt_outputs(outputs: ctypes.Array, n: int) -> list[torch.Tensor]:
     return results
 
 
+@functools.lru_cache(maxsize=None)
+def _preload_cublas() -> str | None:
+    """Loads cuBLAS from the nvidia pip packages (torch's CUDA wheels) into the process, so a
+    CUDA model's dlopen("libcublas.so.N") finds it by soname. Returns the path, or None when
+    there is no such package (then the model searches the standard library paths)."""
+    try:
+        import nvidia  # namespace package of the nvidia-* wheels
+    except ImportError:
+        return None
+    for root in getattr(nvidia, "__path__", []):
+        for lib in sorted(pathlib.Path(root).glob("*/lib/libcublas.so*"), reverse=True):
+            try:
+                ctypes.CDLL(str(lib), mode=ctypes.RTLD_GLOBAL)
+                return str(lib)
+            except OSError:
+                continue
+    return None
+
+
+def _parse_device(device: str | torch.device) -> torch.device:
+    text = str(device)
+    if text == "cpu" or re.fullmatch(r"cuda(:\d+)?", text):
+        d = torch.device(text)
+        return torch.device("cuda", d.index or 0) if d.type == "cuda" else d
+    raise UnsupportedError(f"kiln: unsupported device {text!r} (use 'cpu', 'cuda' or 'cuda:N')")
+
+
 def load(path: str | os.PathLike[str], device: str = "cpu") -> Runner:
-    """Opens the package at ``path`` for ``device`` ("cpu") and returns a callable Runner."""
+    """Opens the package at ``path`` for ``device`` ("cpu", "cuda", "cuda:N"; the package must
+    have been compiled for that kind of device) and returns a callable Runner."""
     return Runner(path, device)

@@ -52,7 +52,10 @@ typedef struct kiln_model kiln_model;
 KILN_API int kiln_abi_version(void);
 
 /* Opens the package at package_path for the given device and stores the model in *out.
- * device: only "cpu" is supported for now; anything else fails.
+ * device: "cpu", "cuda" (device 0) or "cuda:N"; it must match the device the package was
+ * compiled for (manifest "device"), else loading fails naming both. A CUDA model copies its
+ * weights to device N here and runs its kernels there; libcuda.so.1 and cuBLAS are opened at
+ * this point (never linked).
  * The package is memory-mapped read-only, its zip structure and the CRC32 of every entry used
  * (manifest.json, lib/model.so, weights.safetensors) are verified, lib/model.so is extracted to
  * the cache directory ($KILN_CACHE_DIR, else $XDG_CACHE_HOME/kiln, else ~/.cache/kiln) and loaded,
@@ -74,6 +77,18 @@ KILN_API int64_t kiln_model_num_outputs(const kiln_model *m);
  * serialised. */
 KILN_API int kiln_model_run(kiln_model *m, const DLTensor *const *inputs, int64_t n_inputs,
                             DLManagedTensor **outputs, int64_t n_outputs);
+
+/* Like kiln_model_run, for a CUDA model: every kernel and copy is ordered on cuda_stream (a
+ * CUstream / cudaStream_t; NULL is the legacy default stream, which kiln_model_run uses). Inputs
+ * must be kDLCUDA tensors on the model's device, ready on that stream; outputs are kDLCUDA
+ * tensors, valid once the stream reaches the end of this run; their deleters free them
+ * stream-ordered on cuda_stream, which must therefore outlive them. Returns without waiting
+ * for the GPU, except for models that index through data (embedding, gather), which check the
+ * indices at the end of the run and so synchronise the stream. For a CPU model cuda_stream must
+ * be NULL (then this is kiln_model_run). */
+KILN_API int kiln_model_run_on_stream(kiln_model *m, const DLTensor *const *inputs,
+                                      int64_t n_inputs, DLManagedTensor **outputs,
+                                      int64_t n_outputs, void *cuda_stream);
 
 /* The message of the last failure on the calling thread ("" if none). The pointer stays valid
  * until the next failing kiln call on this thread. Successful calls do not clear it. */

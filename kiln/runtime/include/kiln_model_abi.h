@@ -40,6 +40,18 @@ typedef struct kiln_model_abi {
   int (*run)(void *instance, const DLTensor *const *inputs, int64_t n_inputs,
              DLManagedTensor **outputs, int64_t n_outputs, char *err, size_t errlen);
   void (*destroy)(void *instance);
+  /* Added for device models; read by libkiln only when the package manifest names a device
+   * other than "cpu" (older CPU-only tables end at destroy). device_type: kDLCPU or kDLCUDA.
+   * run_on_stream: like run, with every kernel ordered on `stream` (a CUstream; NULL is the
+   * legacy default stream); outputs are device tensors ready when the stream reaches them.
+   * create_on_device: like create, on CUDA device `device_id`; `weights` are host pointers,
+   * copied to the device before it returns. Both are NULL in CPU models. */
+  int32_t device_type;
+  int (*run_on_stream)(void *instance, const DLTensor *const *inputs, int64_t n_inputs,
+                       DLManagedTensor **outputs, int64_t n_outputs, void *stream, char *err,
+                       size_t errlen);
+  void *(*create_on_device)(int32_t device_id, const void *const *weights, char *err,
+                            size_t errlen);
 } kiln_model_abi;
 
 typedef const kiln_model_abi *(*kiln_model_abi_fn)(void);

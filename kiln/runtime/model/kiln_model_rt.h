@@ -76,10 +76,16 @@ inline int check_tensor(Err &e, const DLTensor *t, int idx, const char *name, ui
   if (t->ndim != ndim)
     return e.fail("input %d (%s): expected %d dimensions, got %d", idx, name, ndim, t->ndim);
   if (ndim > 0 && !t->shape) return e.fail("input %d (%s): shape is NULL", idx, name);
-  for (int d = 0; d < ndim; ++d)
+  int64_t bytes = bits / 8 ? bits / 8 : 1;
+  for (int d = 0; d < ndim; ++d) {
     if (t->shape[d] < 0)
       return e.fail("input %d (%s): size of dim %d is negative (%lld)", idx, name, d,
                     (long long)t->shape[d]);
+    // every later computation (numel, strides, byte sizes) is then free of overflow
+    if (__builtin_mul_overflow(bytes, t->shape[d], &bytes))
+      return e.fail("input %d (%s): shape overflows: the size in bytes of dims 0..%d exceeds "
+                    "2^63 (dim %d is %lld)", idx, name, d, d, (long long)t->shape[d]);
+  }
   return 0;
 }
 

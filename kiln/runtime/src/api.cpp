@@ -1,8 +1,10 @@
 // api.cpp - the exported C functions of kiln.h.
 //
 // kiln_model_load: map + verify the package, extract and dlopen lib/model.so, bind the weights
-// (pointers into the mapping) and create the model instance. kiln_model_run: validate argument
-// counts and pointers, serialise on the model's mutex, call the model, translate its error.
+// (pointers into the mapping) and create the model instance (on the device the caller names,
+// which must be the device the package was compiled for: manifest "device"). kiln_model_run /
+// kiln_model_run_on_stream: validate argument counts and pointers, serialise on the model's
+// mutex, call the model, translate its error.
 // Invariants: no exception and no NULL dereference crosses this file's boundary; each failure
 // sets the thread-local error; a model library is never dlclose'd (output deleters live in it).
 #include <dlfcn.h>
@@ -13,6 +15,7 @@
 
 #include <cerrno>
 #include <cstddef>
+#include <cstdlib>
 #include <cstring>
 #include <memory>
 #include <mutex>
@@ -79,6 +82,8 @@ struct kiln_model {
   std::unique_ptr<kiln::FileMap> weights_file;  // set once weights were replaced
   const kiln_model_abi *abi = nullptr;
   void *instance = nullptr;
+  int32_t device_type = kDLCPU;  // kDLCUDA: the table's device fields are valid
+  int32_t device_id = 0;
   std::mutex mu;
 };
 
@@ -101,7 +106,8 @@ int guarded(F &&body) {
   return 1;
 }
 
-void check_manifest(const kiln::ZipReader &zip) {
+// Returns the manifest's "device" ("cpu" when absent: packages from before device support).
+std::string check_manifest(const kiln::ZipReader &zip) {
   const std::string what = kiln::format("kiln: package '%s': entry 'manifest.json'",
                                         zip.path().c_str());
   kiln::Span s = zip.entry("manifest.json");
@@ -116,6 +122,29 @@ void check_manifest(const kiln::ZipReader &zip) {
     kiln::fail("%s: unsupported package format \"%s\" (this libkiln reads \"%s\")",
                what.c_str(), fmt->str.c_str(), kFormat);
   }
+  const kiln::Json *dev = man.get("device");
+  return dev && dev->type == kiln::Json::String ? dev->str : std::string("cpu");
+}
+
+// "cpu" -> (kDLCPU, 0); "cuda" -> (kDLCUDA, 0); "cuda:N" -> (kDLCUDA, N); else fails.
+void parse_device(const char *device, int32_t *type, int32_t *id) {
+  *id = 0;
+  if (std::strcmp(device, "cpu") == 0) { *type = kDLCPU; return; }
+  if (std::strncmp(device, "cuda", 4) == 0) {
+    *type = kDLCUDA;
+    if (device[4] == '\0') return;
+    char *end = nullptr;
+    long v = device[4] == ':' && device[5] ? std::strtol(device + 5, &end, 10) : -1;
+    if (end && *end == '\0' && v >= 0 && v < 1 << 20) { *id = static_cast<int32_t>(v); return; }
+  }
+  kiln::fail("kiln_model_load: unsupported device '%s' (use \"cpu\", \"cuda\" or \"cuda:N\")",
+             device);
+}
+
+void *create_instance(kiln_model *m, const std::vector<const void *> &w, char *err, size_t n) {
+  const void *const *p = w.empty() ? nullptr : w.data();
+  if (m->device_type == kDLCUDA) return m->abi->create_on_device(m->device_id, p, err, n);
+  return m->abi->create(p, err, n);
 }
 
 const kiln_model_abi *open_library(const kiln::ZipReader &zip) {
@@ -211,16 +240,25 @@ KILN_API int kiln_model_load(const char *package_path, const char *device, kiln_
     if (!out) kiln::fail("kiln_model_load: out is NULL");
     if (!package_path) kiln::fail("kiln_model_load: package_path is NULL");
     if (!device) kiln::fail("kiln_model_load: device is NULL (use \"cpu\")");
-    if (std::strcmp(device, "cpu") != 0) {
-      kiln::fail("kiln_model_load: unsupported device '%s' (only \"cpu\" is supported)", device);
-    }
     auto m = std::make_unique<kiln_model>();
+    parse_device(device, &m->device_type, &m->device_id);
     m->package = std::make_unique<kiln::ZipReader>(package_path);
-    check_manifest(*m->package);
+    const std::string built_for = check_manifest(*m->package);
+    const bool want_cuda = m->device_type == kDLCUDA;
+    if (built_for != (want_cuda ? "cuda" : "cpu")) {
+      kiln::fail("kiln_model_load: package '%s' was compiled for device \"%s\", cannot load it "
+                 "on \"%s\" (compile with device=\"%s\")", package_path, built_for.c_str(),
+                 device, want_cuda ? "cuda" : "cpu");
+    }
     m->abi = open_library(*m->package);
+    if (want_cuda && (m->abi->device_type != kDLCUDA || !m->abi->create_on_device ||
+                      !m->abi->run_on_stream)) {
+      kiln::fail("kiln: package '%s': its manifest says cuda but lib/model.so is not a CUDA model",
+                 package_path);
+    }
     std::vector<const void *> weights = bind_weights(*m->package, m->abi);
     char err[1024] = {0};
-    m->instance = m->abi->create(weights.empty() ? nullptr : weights.data(), err, sizeof err);
+    m->instance = create_instance(m.get(), weights, err, sizeof err);
     err[sizeof err - 1] = '\0';
     if (!m->instance) {
       kiln::fail("kiln: package '%s': model creation failed: %s", package_path,
@@ -246,10 +284,14 @@ KILN_API int64_t kiln_model_num_outputs(const kiln_model *m) {
   return m->abi->n_outputs;
 }
 
-KILN_API int kiln_model_run(kiln_model *m, const DLTensor *const *inputs, int64_t n_inputs,
-                            DLManagedTensor **outputs, int64_t n_outputs) {
+static int run_impl(kiln_model *m, const DLTensor *const *inputs, int64_t n_inputs,
+                    DLManagedTensor **outputs, int64_t n_outputs, bool on_stream, void *stream) {
   return guarded([&] {
     if (!m) kiln::fail("kiln_model_run: model is NULL");
+    if (on_stream && stream && m->device_type != kDLCUDA) {
+      kiln::fail("kiln_model_run_on_stream: this model runs on the cpu; a stream applies only "
+                 "to cuda models (pass NULL)");
+    }
     const kiln_model_abi *abi = m->abi;
     if (n_inputs != abi->n_inputs) {
       kiln::fail("kiln_model_run: expected %lld inputs, got %lld",
@@ -269,7 +311,10 @@ KILN_API int kiln_model_run(kiln_model *m, const DLTensor *const *inputs, int64_
     int rc;
     {
       std::lock_guard<std::mutex> lock(m->mu);
-      rc = abi->run(m->instance, inputs, n_inputs, outputs, n_outputs, err, sizeof err);
+      rc = m->device_type == kDLCUDA
+               ? abi->run_on_stream(m->instance, inputs, n_inputs, outputs, n_outputs, stream,
+                                    err, sizeof err)
+               : abi->run(m->instance, inputs, n_inputs, outputs, n_outputs, err, sizeof err);
     }
     err[sizeof err - 1] = '\0';
     if (rc != 0) {
@@ -286,6 +331,17 @@ KILN_API int kiln_model_run(kiln_model *m, const DLTensor *const *inputs, int64_
   });
 }
 
+KILN_API int kiln_model_run(kiln_model *m, const DLTensor *const *inputs, int64_t n_inputs,
+                            DLManagedTensor **outputs, int64_t n_outputs) {
+  return run_impl(m, inputs, n_inputs, outputs, n_outputs, false, nullptr);
+}
+
+KILN_API int kiln_model_run_on_stream(kiln_model *m, const DLTensor *const *inputs,
+                                      int64_t n_inputs, DLManagedTensor **outputs,
+                                      int64_t n_outputs, void *cuda_stream) {
+  return run_impl(m, inputs, n_inputs, outputs, n_outputs, true, cuda_stream);
+}
+
 KILN_API int kiln_model_update_weights(kiln_model *m, const char *safetensors_path) {
   return guarded([&] {
     if (!m) kiln::fail("kiln_model_update_weights: model is NULL");
@@ -294,7 +350,7 @@ KILN_API int kiln_model_update_weights(kiln_model *m, const char *safetensors_pa
     std::string what = kiln::format("kiln: weights file '%s'", safetensors_path);
     std::vector<const void *> ptrs = bind_blob(file->data(), file->size(), m->abi, what);
     char err[1024] = {0};
-    void *fresh = m->abi->create(ptrs.empty() ? nullptr : ptrs.data(), err, sizeof err);
+    void *fresh = create_instance(m, ptrs, err, sizeof err);
     err[sizeof err - 1] = '\0';
     if (!fresh) kiln::fail("%s: model creation failed: %s", what.c_str(), err);
     // swap under the run mutex: a run in flight finishes on the old weights, the next one

@@ -1,0 +1,123 @@
+"""Runs a CUDA build's Program IR from Python, launching its Triton kernels through Triton
+(debugging; the artifact is model_cuda.cpp). On a machine without a GPU the kernels run in
+Triton's interpreter (numpy; TRITON_INTERPRET=1), so generated Triton is checked against eager
+on CPU in CI.
+
+Input: the planned Program, the `TritonKernel`s by name, the Triton module text, the weights
+(name -> tensor) and the flat user inputs. Output: the flat outputs. Invariants: buffers are
+fresh tensors (no arena: this checks kernels, not the plan), GEMMs run as torch.matmul on
+strided views of the same operands cuBLAS would see, a kernel's status flag raises an
+IndexError naming its graph nodes."""
+
+from __future__ import annotations
+
+import importlib.util
+import tempfile
+from pathlib import Path
+
+import torch
+
+from kiln.ir import program as P
+from kiln.ir.sym import evaluate
+
+_DT = {"float32": torch.float32, "float64": torch.float64, "int64": torch.int64,
+       "int32": torch.int32, "int16": torch.int16, "int8": torch.int8, "uint8": torch.uint8,
+       "bool": torch.bool}
+
+
+def import_triton_module(text: str):
+    """Imports the generated module. Triton decides at import time whether kernels run in its
+    interpreter: without a GPU, start the process with TRITON_INTERPRET=1 (tests do so in a
+    subprocess, since the AOT compiler needs the normal mode)."""
+    d = Path(tempfile.mkdtemp(prefix="kiln_triton_"))
+    path = d / "kiln_triton_kernels.py"
+    path.write_text(text)
+    spec = importlib.util.spec_from_file_location(f"kiln_triton_{d.name}", path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    import triton
+    if triton.knobs.runtime.interpret:
+        mod.libdevice = _InterpreterLibdevice()
+    return mod
+
+
+class _InterpreterLibdevice:
+    """numpy stand-ins for the libdevice functions kernels call (Triton's interpreter has
+    none); each takes and returns interpreter tensors of one dtype."""
+
+    _NP = {"tanh": "tanh", "tan": "tan", "atan": "arctan", "asin": "arcsin", "acos": "arccos",
+           "sinh": "sinh", "cosh": "cosh", "asinh": "arcsinh", "acosh": "arccosh",
+           "atanh": "arctanh", "nearbyint": "rint", "trunc": "trunc", "log1p": "log1p",
+           "expm1": "expm1", "pow": "power", "fmod": "fmod", "atan2": "arctan2",
+           "copysign": "copysign"}
+
+    def __getattr__(self, name):
+        import numpy as np
+        import triton.language as tl
+        from triton.runtime.interpreter import TensorHandle
+        f = getattr(np, self._NP[name]) if name in self._NP else None
+        if f is None:
+            if name != "erfc":
+                raise AttributeError(name)
+            import math
+            f = np.vectorize(math.erfc)
+
+        def call(*xs):
+            x0 = xs[0]
+            shape = np.broadcast_shapes(*[x.handle.data.shape for x in xs])
+            data = f(*[x.handle.data for x in xs]).astype(x0.handle.data.dtype)
+            data = np.broadcast_to(data, shape).copy()
+            ty = tl.block_type(x0.dtype, list(shape)) if shape else x0.dtype
+            return tl.core.tensor(TensorHandle(data, x0.dtype.scalar), ty)
+        return call
+
+
+def _strided(buf: torch.Tensor, op, batch, rows, cols, env) -> torch.Tensor:
+    ev = lambda e: evaluate(e, env)  # noqa: E731
+    sizes = [ev(b) for b in batch] + [ev(rows), ev(cols)]
+    strides = [ev(s) for s in op.batch_strides] + [ev(op.rows), ev(op.cols)]
+    return torch.as_strided(buf, sizes, strides, ev(op.offset))
+
+
+def run_program(prog: P.Program, kernels: dict, module, weights: dict, inputs: list,
+                device: str = "cpu") -> list[torch.Tensor]:
+    env: dict[str, int] = {}
+    bufs: dict[str, torch.Tensor] = {w: t.reshape(-1).to(device) for w, t in weights.items()}
+    status = torch.zeros(1, dtype=torch.int32, device=device)
+    for x in prog.lines:
+        if isinstance(x, P.CheckInput):
+            bufs[x.name] = inputs[x.index].contiguous().reshape(-1)
+        elif isinstance(x, P.BindSize):
+            env[x.symbol] = int(inputs[x.input].shape[x.dim])
+        elif isinstance(x, P.AllocOutput):
+            shape = [evaluate(d, env) for d in x.shape]
+            bufs[x.buf] = torch.empty(shape, dtype=_DT[x.dtype.name], device=device)
+        elif isinstance(x, P.Alloc):
+            n = evaluate(x.numel, env)
+            bufs[x.buf] = torch.empty(max(n, 1), dtype=_DT[x.dtype.name], device=device)
+        elif isinstance(x, P.Free):
+            bufs.pop(x.buf, None)
+        elif isinstance(x, P.CallKernel):
+            k = kernels[x.kernel]
+            rows = evaluate(k.rows, env)
+            if rows == 0:
+                continue
+            args = []
+            for kind, n in k.params:
+                args.append(env[n] if kind == "size" else status if kind == "status"
+                            else bufs[n].reshape(-1))
+            grid = (-(-rows // k.config.xblock),)
+            getattr(module, x.kernel)[grid](*args, XBLOCK=k.config.xblock,
+                                            RBLOCK=k.config.rblock,
+                                            num_warps=k.config.num_warps)
+            if int(status.item()):
+                raise IndexError(f"index out of range in {', '.join(x.source)}")
+        elif isinstance(x, P.CallGemm):
+            g = x.gemm
+            a = _strided(bufs[g.a.buf].reshape(-1), g.a, g.batch, g.m, g.k, env)
+            b = _strided(bufs[g.b.buf].reshape(-1), g.b, g.batch, g.k, g.n, env)
+            out = bufs[g.name].reshape(-1)
+            out[:a.shape[:-1].numel() * b.shape[-1]].copy_(torch.matmul(a, b).reshape(-1))
+        elif isinstance(x, P.Return):
+            return [bufs[b] for b in x.buffers]
+    raise ValueError("program has no Return")

@@ -1,0 +1,195 @@
+"""Program IR -> model_cuda.cpp: the C++ wrapper of a CUDA model. It implements the same
+`kiln_model_abi` as the CPU wrapper (kiln/runtime/include/kiln_model_abi.h) for device tensors.
+
+Input: a planned Program, the `TritonKernel`s (launch configs), their cubins per architecture
+and the path of the cubin blob. Output: one C++ source (plus `cubin_blob`, which lays the cubins
+out in one byte string). Each Program IR line prints as a few statements, each call preceded by
+a comment naming its graph nodes.
+
+Invariants: the cubins are one blob embedded with `.incbin` (one object, not one per kernel);
+create_on_device picks the cubins of the device's architecture (exact match, else the newest of
+the same major version that is not newer than the device), loads one module per kernel once,
+uploads the weights once (one allocation, each weight 256-byte aligned) and owns one output
+pool, one arena and one cuBLAS handle; a run validates the inputs (kDLCUDA on the instance's
+device, 16-byte aligned), plans the arena (at run time for dynamic sizes, cached), launches
+every kernel on the caller's stream (no launch for an empty grid) and returns device outputs.
+Nothing here needs libcuda at link time."""
+
+from __future__ import annotations
+
+import sympy
+
+from kiln.ir import program as P
+from kiln.ir.sym import to_c
+from kiln.memory.assign import intervals
+
+
+def _cstr(s: str) -> str:
+    return '"' + s.replace("\\", "\\\\").replace('"', '\\"') + '"'
+
+
+def cubin_blob(cubins: dict, names: list[str], archs: tuple[int, ...]
+               ) -> tuple[bytes, dict[tuple[str, int], tuple[int, int]]]:
+    """All cubins in one byte string (each 64-byte aligned) and (offset, size) per entry."""
+    out = bytearray()
+    where = {}
+    for a in archs:
+        for n in names:
+            out += b"\0" * (-len(out) % 64)
+            c = cubins[(n, a)].cubin
+            where[(n, a)] = (len(out), len(c))
+            out += c
+    return bytes(out), where
+
+
+class _Printer:
+    def __init__(self, prog: P.Program, kernels: dict) -> None:
+        self.p = prog
+        self.kernels = kernels
+        self.index = {name: i for i, name in enumerate(kernels)}
+        self.out: list[str] = []
+        env = {s.name: s.example for s in prog.symbols}
+        self.dynamic_bufs = [iv.name for iv in intervals(prog, env)]
+
+    def emit(self, s: str = "", ind: int = 1) -> None:
+        self.out.append("  " * ind + s if s else "")
+
+    def line(self, x: P.Line) -> None:
+        getattr(self, "_" + type(x).__name__)(x)
+
+    def _CheckInput(self, x: P.CheckInput) -> None:
+        n, i = _cstr(x.name), x.index
+        self.emit(f"if (kc::check_tensor(e, inputs[{i}], {i}, {n}, {x.dtype.dl_code}, "
+                  f"{x.dtype.itemsize * 8}, {x.rank}, self->device_id) ||")
+        self.emit(f"    kr::check_contiguous(e, inputs[{i}], {i}, {n}) || "
+                  f"kc::check_data(e, inputs[{i}], {i}, {n})) return 1;")
+        self.emit(f"CUdeviceptr buf_{x.name} = kc::dptr(inputs[{i}]);")
+
+    def _BindSize(self, x: P.BindSize) -> None:
+        self.emit(f"const int64_t {x.symbol} = inputs[{x.input}]->shape[{x.dim}];")
+
+    def _CheckSize(self, x: P.CheckSize) -> None:
+        got = f"inputs[{x.input}]->shape[{x.dim}]"
+        self.emit(f"if ({got} != {to_c(x.expr)}) return e.fail(\"input {x.input} ({x.name}): "
+                  f"expected size {x.expr} for dim {x.dim}, got %lld\", (long long){got});")
+
+    def _CheckRange(self, x: P.CheckRange) -> None:
+        self.emit(f"if ({x.symbol} < {x.lo} || {x.symbol} > {x.hi}) return e.fail(\"input "
+                  f"{x.input} ({x.name}): dim {x.dim} is %lld, expected a value in "
+                  f"[{x.lo}, {x.hi}] (symbol {x.symbol})\", (long long){x.symbol});")
+
+    def _AllocOutput(self, x: P.AllocOutput) -> None:
+        shape = ", ".join(to_c(d) for d in x.shape) or "0"
+        self.emit(f"{{ const int64_t shape[] = {{{shape}}};")
+        self.emit(f"  outs[{x.index}] = kc::new_output(e, self->pool, self->ctx, stream, "
+                  f"self->device_id, {x.dtype.dl_code}, {x.dtype.itemsize * 8}, "
+                  f"{len(x.shape)}, shape); }}")
+        self.emit(f"if (!outs[{x.index}]) goto fail;")
+        self.emit(f"CUdeviceptr buf_{x.buf} = kc::dptr(&outs[{x.index}]->dl_tensor);")
+
+    def _Alloc(self, x: P.Alloc) -> None:
+        if x.reuse is not None:
+            self.emit(f"CUdeviceptr buf_{x.buf} = buf_{x.reuse};  // in place of {x.reuse}")
+            return
+        off = str(x.offset) if x.offset is not None else \
+            f"self->offsets[{self.dynamic_bufs.index(x.buf)}]"
+        self.emit(f"CUdeviceptr buf_{x.buf} = self->arena.base + {off};  // {x.numel} "
+                  f"{x.dtype.name}")
+
+    def _Free(self, x: P.Free) -> None:
+        self.emit(f"buf_{x.buf} = 0;  // {x.buf} dead: its bytes may be reused")
+
+    def _CallKernel(self, x: P.CallKernel) -> None:
+        k = self.kernels[x.kernel]
+        i = self.index[x.kernel]
+        self.emit(f"{{  // {x.kernel}: {', '.join(x.members)}  <- {', '.join(x.source)}")
+        args = []
+        for kind, n in k.params:
+            args.append("&self->status" if kind == "status" else
+                        f"(void*)&{n}" if kind == "size" else f"&buf_{n}")
+        args += ["&scratch", "&scratch"]
+        self.emit(f"  void* args[] = {{{', '.join(args)}}};")
+        self.emit(f"  if (kc::launch(e, {_cstr(x.kernel)}, self->fn[{i}], {to_c(k.rows)}, "
+                  f"{k.config.xblock}, self->warps[{i}], self->shared[{i}], stream, args)) "
+                  "goto fail;")
+        self.emit("}")
+
+    def _CallGemm(self, x: P.CallGemm) -> None:
+        g = x.gemm
+        if len(g.batch) > 2:
+            raise NotImplementedError("gemm with more than two batch dims")
+        T = g.dtype.c_type
+        b = list(g.batch) + [1] * (2 - len(g.batch))
+        sa = list(g.a.batch_strides) + [0] * (2 - len(g.a.batch_strides))
+        sb = list(g.b.batch_strides) + [0] * (2 - len(g.b.batch_strides))
+        sz = g.dtype.itemsize
+        self.emit(f"// gemm {g.name} = {g.a.buf} @ {g.b.buf}  <- {', '.join(g.source)}")
+        self.emit(f"if (kc::gemm<{T}>(e, self->blas, stream, {_cstr(g.name)}, {to_c(b[0])}, "
+                  f"{to_c(b[1])}, {to_c(g.m)}, {to_c(g.n)}, {to_c(g.k)},")
+        self.emit(f"    buf_{g.a.buf} + {sz} * {to_c(g.a.offset)}, {to_c(sa[0])}, "
+                  f"{to_c(sa[1])}, {to_c(g.a.rows)}, {to_c(g.a.cols)},")
+        self.emit(f"    buf_{g.b.buf} + {sz} * {to_c(g.b.offset)}, {to_c(sb[0])}, "
+                  f"{to_c(sb[1])}, {to_c(g.b.rows)}, {to_c(g.b.cols)}, buf_{g.name})) goto fail;")
+
+    def _Return(self, x: P.Return) -> None:
+        if any(getattr(k, "status", False) for k in self.kernels.values()):
+            self.emit("if (kc::check(e, kc::driver().cuMemcpyDtoHAsync(&status, self->status, "
+                      "4, stream), \"reading the index status\") ||")
+            self.emit("    kc::check(e, kc::driver().cuStreamSynchronize(stream), \"run\")) "
+                      "goto fail;")
+            srcs = sorted({s for k in self.kernels.values() if k.status for s in k.source_ops})
+            self.emit(f"if (status) {{ e.fail(\"index out of range in {', '.join(srcs)}\"); "
+                      "goto fail; }")
+        self.emit(f"for (int64_t i = 0; i < {len(x.buffers)}; ++i) outputs[i] = outs[i];")
+        self.emit("return 0;")
+
+
+def _plan_block(pr: _Printer, prog: P.Program) -> None:
+    if prog.arena_bytes is not None:
+        pr.emit(f"if (self->arena.reserve(e, {max(prog.arena_bytes, 256)})) return 1;")
+        return
+    env = {s.name: s.example for s in prog.symbols}
+    ivs = intervals(prog, env)
+    allocs = {x.buf: x for x in prog.lines if isinstance(x, P.Alloc)}
+    pr.emit("// dynamic sizes: plan the arena for these sizes (cached until they change)")
+    pr.emit(f"const int64_t key[] = {{{', '.join(s.name for s in prog.symbols)}}};")
+    pr.emit("if (!self->planned || std::memcmp(key, self->key, sizeof key) != 0) {")
+    if ivs:
+        sizes = ", ".join(to_c(allocs[iv.name].nbytes) for iv in ivs)
+        pr.emit(f"const int64_t sizes[] = {{{sizes}}};", 2)
+        pr.emit(f"static const int32_t starts[] = {{{', '.join(str(i.start) for i in ivs)}}};", 2)
+        pr.emit(f"static const int32_t ends[] = {{{', '.join(str(i.end) for i in ivs)}}};", 2)
+        pr.emit(f"self->arena_bytes = kiln_rt::plan_greedy({len(ivs)}, sizes, starts, ends, "
+                f"{max(prog.alignment, 16)}, self->offsets);", 2)
+    else:
+        pr.emit("self->arena_bytes = 0;", 2)
+    pr.emit("if (self->arena.reserve(e, self->arena_bytes > 256 ? self->arena_bytes : 256)) "
+            "return 1;", 2)
+    pr.emit("std::memcpy(self->key, key, sizeof key);", 2)
+    pr.emit("self->planned = true;", 2)
+    pr.emit("}")
+
+
+def print_cuda_wrapper(prog: P.Program, kernels: dict, cubins: dict, archs: tuple[int, ...],
+                       blob_path: str, where: dict) -> str:
+    """`kernels`: name -> TritonKernel with `source_ops` set (see pipeline); `where`: the
+    (offset, size) of each (kernel, arch) cubin inside the blob at `blob_path`."""
+    from kiln.codegen.wrapper_cuda_parts import print_cuda_model
+    pr = _Printer(prog, kernels)
+    checks = [x for x in prog.lines if isinstance(x, (P.CheckInput, P.BindSize, P.CheckSize,
+                                                      P.CheckRange))]
+    for x in checks:
+        pr.line(x)
+    _plan_block(pr, prog)
+    if any(k.status for k in kernels.values()):
+        pr.emit("if (kc::check(e, kc::driver().cuMemsetD32Async(self->status, 0, 1, stream), "
+                "\"clearing the index status\")) return 1;")
+    pr.emit("{")
+    for x in prog.lines:
+        if x not in checks:
+            pr.line(x)
+    pr.emit("}")
+    gemms = any(isinstance(x, P.CallGemm) for x in prog.lines)
+    _ = sympy
+    return print_cuda_model(prog, kernels, cubins, archs, blob_path, where, pr.out,
+                            len(pr.dynamic_bufs), gemms)

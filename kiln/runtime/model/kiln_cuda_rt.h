@@ -1,0 +1,300 @@
+/* kiln_cuda_rt.h - support code compiled into every generated CUDA model.so (namespace kc).
+ *
+ * Input: the CUDA driver (libcuda.so.1) and cuBLAS (libcublas.so.{13,12,11}, or $KILN_CUBLAS),
+ * both opened with dlopen when a model instance is created, never linked: a package builds and
+ * links on a machine without CUDA (only cuda.h is needed, for types). Output: function tables
+ * with error strings, input checks for device tensors, device outputs as DLManagedTensor
+ * (kDLCUDA), the device arena, kernel launches and the cuBLAS GEMM wrapper.
+ *
+ * Invariants: every function returns 0 on success or non-zero with a message in Err; nothing
+ * throws. Outputs come from a memory pool owned by the instance and are freed stream-ordered on
+ * the stream that produced them (keep that stream alive while the outputs live); they stay
+ * valid after the instance is destroyed (the pool is released once they are all freed).
+ * Row-major GEMMs call column-major cuBLAS as C^T = B^T A^T, so no operand is copied. */
+#ifndef KILN_CUDA_RT_H
+#define KILN_CUDA_RT_H
+#include <dlfcn.h>
+
+#include <cstdint>
+#include <cstdlib>
+#include <cstring>
+#include <new>
+
+#include <cuda.h>
+
+#include "kiln_model_rt.h"
+
+namespace kc {
+using kr::Err;
+
+#define KC_FN(name) decltype(&::name) name = nullptr
+struct Driver {
+  const char *error = nullptr;
+  KC_FN(cuInit); KC_FN(cuDeviceGet); KC_FN(cuDeviceGetCount); KC_FN(cuDeviceGetAttribute);
+  KC_FN(cuDevicePrimaryCtxRetain); KC_FN(cuDevicePrimaryCtxRelease); KC_FN(cuCtxPushCurrent);
+  KC_FN(cuCtxPopCurrent); KC_FN(cuModuleLoadData); KC_FN(cuModuleGetFunction);
+  KC_FN(cuModuleUnload); KC_FN(cuFuncSetAttribute); KC_FN(cuLaunchKernel); KC_FN(cuMemAlloc);
+  KC_FN(cuMemFree); KC_FN(cuMemcpyHtoD); KC_FN(cuMemcpyDtoHAsync); KC_FN(cuMemsetD8Async);
+  KC_FN(cuMemsetD32Async); KC_FN(cuStreamSynchronize); KC_FN(cuGetErrorString);
+  KC_FN(cuMemPoolCreate); KC_FN(cuMemPoolDestroy); KC_FN(cuMemPoolSetAttribute);
+  KC_FN(cuMemAllocFromPoolAsync); KC_FN(cuMemFreeAsync);
+};
+#undef KC_FN
+
+template <class F> inline bool sym(void *h, const char *name, F *out) {
+  void *p = ::dlsym(h, name);
+  std::memcpy(out, &p, sizeof p);
+  return p != nullptr;
+}
+
+/* The driver table, loaded once per process (thread-safe static initialisation). */
+inline const Driver &driver() {
+  static const Driver d = [] {
+    Driver t;
+    void *h = ::dlopen("libcuda.so.1", RTLD_NOW | RTLD_LOCAL);
+    if (!h) { t.error = "cannot load libcuda.so.1 (no NVIDIA driver on this machine?)"; return t; }
+#define KC_SYM(field, name) if (!sym(h, name, &t.field)) { t.error = "libcuda.so.1 lacks " name \
+                                                           " (driver too old)"; return t; }
+    KC_SYM(cuInit, "cuInit") KC_SYM(cuDeviceGet, "cuDeviceGet")
+    KC_SYM(cuDeviceGetCount, "cuDeviceGetCount") KC_SYM(cuDeviceGetAttribute, "cuDeviceGetAttribute")
+    KC_SYM(cuDevicePrimaryCtxRetain, "cuDevicePrimaryCtxRetain")
+    KC_SYM(cuDevicePrimaryCtxRelease, "cuDevicePrimaryCtxRelease_v2")
+    KC_SYM(cuCtxPushCurrent, "cuCtxPushCurrent_v2") KC_SYM(cuCtxPopCurrent, "cuCtxPopCurrent_v2")
+    KC_SYM(cuModuleLoadData, "cuModuleLoadData") KC_SYM(cuModuleGetFunction, "cuModuleGetFunction")
+    KC_SYM(cuModuleUnload, "cuModuleUnload") KC_SYM(cuFuncSetAttribute, "cuFuncSetAttribute")
+    KC_SYM(cuLaunchKernel, "cuLaunchKernel") KC_SYM(cuMemAlloc, "cuMemAlloc_v2")
+    KC_SYM(cuMemFree, "cuMemFree_v2") KC_SYM(cuMemcpyHtoD, "cuMemcpyHtoD_v2")
+    KC_SYM(cuMemcpyDtoHAsync, "cuMemcpyDtoHAsync_v2") KC_SYM(cuMemsetD8Async, "cuMemsetD8Async")
+    KC_SYM(cuMemsetD32Async, "cuMemsetD32Async")
+    KC_SYM(cuStreamSynchronize, "cuStreamSynchronize")
+    KC_SYM(cuGetErrorString, "cuGetErrorString") KC_SYM(cuMemPoolCreate, "cuMemPoolCreate")
+    KC_SYM(cuMemPoolDestroy, "cuMemPoolDestroy")
+    KC_SYM(cuMemPoolSetAttribute, "cuMemPoolSetAttribute")
+    KC_SYM(cuMemAllocFromPoolAsync, "cuMemAllocFromPoolAsync")
+    KC_SYM(cuMemFreeAsync, "cuMemFreeAsync")
+#undef KC_SYM
+    return t;
+  }();
+  return d;
+}
+
+/* Fails with "<what>: <driver message>" unless r is CUDA_SUCCESS. */
+inline int check(Err &e, CUresult r, const char *what) {
+  if (r == CUDA_SUCCESS) return 0;
+  const char *s = nullptr;
+  if (driver().cuGetErrorString) driver().cuGetErrorString(r, &s);
+  return e.fail("%s: CUDA error %d (%s)", what, static_cast<int>(r), s ? s : "unknown");
+}
+
+/* cuBLAS, declared here (no cublas headers needed): handles are opaque, enums are ints. */
+typedef void *cublasHandle_t;
+struct Blas {
+  const char *error = nullptr;
+  int (*create)(cublasHandle_t *) = nullptr;
+  int (*destroy)(cublasHandle_t) = nullptr;
+  int (*set_stream)(cublasHandle_t, CUstream) = nullptr;
+  int (*sgemm)(cublasHandle_t, int, int, int, int, int, const float *, const float *, int,
+               long long, const float *, int, long long, const float *, float *, int, long long,
+               int) = nullptr;
+  int (*dgemm)(cublasHandle_t, int, int, int, int, int, const double *, const double *, int,
+               long long, const double *, int, long long, const double *, double *, int,
+               long long, int) = nullptr;
+};
+
+inline const Blas &blas() {
+  static const Blas b = [] {
+    Blas t;
+    const char *names[] = {std::getenv("KILN_CUBLAS"), "libcublas.so.13", "libcublas.so.12",
+                           "libcublas.so.11", "libcublas.so"};
+    void *h = nullptr;
+    for (const char *n : names)
+      if (n && *n && (h = ::dlopen(n, RTLD_NOW | RTLD_LOCAL))) break;
+    if (!h) {
+      t.error = "cannot load cuBLAS (tried $KILN_CUBLAS, libcublas.so.13/.12/.11): put its "
+                "directory on LD_LIBRARY_PATH, set KILN_CUBLAS, or import torch first";
+      return t;
+    }
+    if (!sym(h, "cublasCreate_v2", &t.create) || !sym(h, "cublasDestroy_v2", &t.destroy) ||
+        !sym(h, "cublasSetStream_v2", &t.set_stream) ||
+        !sym(h, "cublasSgemmStridedBatched", &t.sgemm) ||
+        !sym(h, "cublasDgemmStridedBatched", &t.dgemm))
+      t.error = "the cuBLAS library found lacks a needed function";
+    return t;
+  }();
+  return b;
+}
+
+/* Makes ctx current for this scope and restores the previous one. */
+struct CtxGuard {
+  bool pushed = false;
+  explicit CtxGuard(CUcontext ctx) {
+    pushed = ctx && driver().cuCtxPushCurrent(ctx) == CUDA_SUCCESS;
+  }
+  ~CtxGuard() {
+    CUcontext old;
+    if (pushed) driver().cuCtxPopCurrent(&old);
+  }
+};
+
+/* Checks shared by every input: present, on this instance's CUDA device, dtype, rank. */
+inline int check_tensor(Err &e, const DLTensor *t, int idx, const char *name, uint8_t code,
+                        uint8_t bits, int32_t ndim, int device_id) {
+  if (!t) return e.fail("input %d (%s): is NULL", idx, name);
+  if (t->device.device_type != kDLCUDA)
+    return e.fail("input %d (%s): expected a tensor on device cuda:%d, got one on %s (this "
+                  "model was loaded for cuda:%d)", idx, name, device_id,
+                  kr::device_name(t->device.device_type), device_id);
+  if (t->device.device_id != device_id)
+    return e.fail("input %d (%s): expected a tensor on device cuda:%d, got one on cuda:%d", idx,
+                  name, device_id, static_cast<int>(t->device.device_id));
+  DLTensor host = *t;
+  host.device.device_type = kDLCPU;  // the remaining checks are the CPU ones
+  return kr::check_tensor(e, &host, idx, name, code, bits, ndim);
+}
+
+/* Kernels assume 16-byte aligned pointers (vector loads). */
+inline int check_data(Err &e, const DLTensor *t, int idx, const char *name) {
+  if (kr::numel(t) == 0) return 0;
+  if (!t->data) return e.fail("input %d (%s): data is NULL", idx, name);
+  uintptr_t p = reinterpret_cast<uintptr_t>(t->data) + t->byte_offset;
+  if (p % 16 != 0)
+    return e.fail("input %d (%s): data pointer is not 16-byte aligned (a view with an offset?); "
+                  "pass a fresh tensor (.clone())", idx, name);
+  return 0;
+}
+
+inline CUdeviceptr dptr(const DLTensor *t) {
+  return reinterpret_cast<CUdeviceptr>(t->data) + t->byte_offset;
+}
+
+struct OutputBox {
+  DLManagedTensor managed;
+  int64_t shape[8];
+  CUcontext ctx;
+  CUstream stream;
+};
+
+inline void free_output(DLManagedTensor *m) {
+  if (!m) return;
+  OutputBox *box = static_cast<OutputBox *>(m->manager_ctx);
+  if (m->dl_tensor.data) {
+    CtxGuard g(box->ctx);
+    driver().cuMemFreeAsync(reinterpret_cast<CUdeviceptr>(m->dl_tensor.data), box->stream);
+  }
+  delete box;
+}
+
+/* A fresh contiguous device tensor from `pool`, ordered on `stream`; the caller owns it. */
+inline DLManagedTensor *new_output(Err &e, CUmemoryPool pool, CUcontext ctx, CUstream stream,
+                                   int device_id, uint8_t code, uint8_t bits, int32_t ndim,
+                                   const int64_t *shape) {
+  OutputBox *box = new (std::nothrow) OutputBox();
+  if (!box || ndim > 8) { delete box; e.fail("out of memory allocating an output"); return nullptr; }
+  int64_t n = 1;
+  for (int d = 0; d < ndim; ++d) { box->shape[d] = shape[d]; n *= shape[d]; }
+  size_t bytes = static_cast<size_t>(n) * (bits / 8);
+  CUdeviceptr p = 0;
+  if (check(e, driver().cuMemAllocFromPoolAsync(&p, bytes ? bytes : 16, pool, stream),
+            "allocating an output")) { delete box; return nullptr; }
+  DLTensor &t = box->managed.dl_tensor;
+  t.data = reinterpret_cast<void *>(p);
+  t.device = DLDevice{kDLCUDA, device_id};
+  t.ndim = ndim;
+  t.dtype = DLDataType{code, bits, 1};
+  t.shape = box->shape;
+  t.strides = nullptr;
+  t.byte_offset = 0;
+  box->ctx = ctx;
+  box->stream = stream;
+  box->managed.manager_ctx = box;
+  box->managed.deleter = free_output;
+  return &box->managed;
+}
+
+/* The device arena: one allocation, grown (never shrunk) when a larger plan needs it. */
+struct Arena {
+  CUdeviceptr base = 0;
+  size_t cap = 0;
+  int reserve(Err &e, size_t bytes) {
+    if (bytes <= cap) return 0;
+    size_t rounded = (bytes + 255) / 256 * 256;
+    if (base) driver().cuMemFree(base);  // synchronises: kernels still using it have finished
+    base = 0;
+    cap = 0;
+    if (check(e, driver().cuMemAlloc(&base, rounded), "allocating the device arena")) return 1;
+    cap = rounded;
+    return 0;
+  }
+};
+
+/* Launches a Triton kernel over `rows` rows, XBLOCK rows per program; programs beyond 2^31-1
+ * continue in grid y (the kernel computes pid = y * gridDim.x + x). Zero rows: no launch. */
+inline int launch(Err &e, const char *name, CUfunction f, int64_t rows, int64_t xblock,
+                  unsigned warps, unsigned shared, CUstream s, void **args) {
+  if (rows <= 0) return 0;
+  const int64_t n = (rows + xblock - 1) / xblock;
+  const int64_t gx = n < 2147483647 ? n : 2147483647;
+  const int64_t gy = (n + gx - 1) / gx;
+  if (gy > 65535) return e.fail("%s: grid of %lld programs is too large", name, (long long)n);
+  CUresult r = driver().cuLaunchKernel(f, static_cast<unsigned>(gx), static_cast<unsigned>(gy),
+                                       1, 32 * warps, 1, 1, shared, s, args, nullptr);
+  return check(e, r, name);
+}
+
+/* Row-major operand layout: (trans, ld), or false when cuBLAS cannot express it. */
+inline bool layout(int64_t rows, int64_t cols, int64_t rs, int64_t cs, bool *trans, int64_t *ld) {
+  if ((cs == 1 || cols == 1) && (rs >= cols || rows == 1)) {
+    *trans = false;
+    *ld = rows == 1 ? (cols > 0 ? cols : 1) : rs;
+    if (*ld < cols) *ld = cols;
+    return true;
+  }
+  if ((rs == 1 || rows == 1) && (cs >= rows || cols == 1)) {
+    *trans = true;
+    *ld = cols == 1 ? (rows > 0 ? rows : 1) : cs;
+    if (*ld < rows) *ld = rows;
+    return true;
+  }
+  return false;
+}
+
+/* C[b0][b1] (M x N, contiguous) = A[b0][b1] (M x K) * B[b0][b1] (K x N); offsets, strides in
+ * elements. */
+template <class T>
+inline int gemm(Err &e, cublasHandle_t h, CUstream s, const char *name, int64_t nb0, int64_t nb1,
+                int64_t M, int64_t N, int64_t K, CUdeviceptr A, int64_t as0, int64_t as1,
+                int64_t ar, int64_t ac, CUdeviceptr B, int64_t bs0, int64_t bs1, int64_t br,
+                int64_t bc, CUdeviceptr C) {
+  const int64_t nb = nb0 * nb1;
+  if (nb == 0 || M == 0 || N == 0) return 0;
+  if (K == 0)
+    return check(e, driver().cuMemsetD8Async(C, 0, static_cast<size_t>(nb * M * N) * sizeof(T),
+                                             s), name);
+  bool ta, tb;
+  int64_t lda, ldb;
+  if (!layout(M, K, ar, ac, &ta, &lda) || !layout(K, N, br, bc, &tb, &ldb))
+    return e.fail("%s: operand layout not supported by cuBLAS", name);
+  if (M > INT32_MAX || N > INT32_MAX || K > INT32_MAX || lda > INT32_MAX || ldb > INT32_MAX)
+    return e.fail("%s: matrix too large for 32-bit cuBLAS", name);
+  int64_t count = nb1, sa = as1, sb = bs1, loops = nb0;
+  if (nb1 == 1) { count = nb0; sa = as0; sb = bs0; loops = 1; }
+  else if (nb0 == 1 || (as0 == as1 * nb1 && bs0 == bs1 * nb1)) { count = nb; loops = 1; }
+  const T one = 1, zero = 0;
+  for (int64_t l = 0; l < loops; ++l) {
+    const T *a = reinterpret_cast<const T *>(A) + l * as0;
+    const T *b = reinterpret_cast<const T *>(B) + l * bs0;
+    T *c = reinterpret_cast<T *>(C) + l * nb1 * M * N;
+    int st;
+    if constexpr (sizeof(T) == 4)
+      st = blas().sgemm(h, tb ? 1 : 0, ta ? 1 : 0, (int)N, (int)M, (int)K, &one, b, (int)ldb, sb,
+                        a, (int)lda, sa, &zero, c, (int)N, M * N, (int)count);
+    else
+      st = blas().dgemm(h, tb ? 1 : 0, ta ? 1 : 0, (int)N, (int)M, (int)K, &one, b, (int)ldb, sb,
+                        a, (int)lda, sa, &zero, c, (int)N, M * N, (int)count);
+    if (st != 0) return e.fail("%s: cuBLAS error %d", name, st);
+  }
+  return 0;
+}
+
+}  // namespace kc
+#endif

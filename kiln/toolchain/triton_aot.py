@@ -1,0 +1,147 @@
+"""Triton sources -> cubins, ahead of time, for given CUDA architectures (no GPU needed).
+
+Input: the text of one generated Triton module (`print_triton_module`), its `TritonKernel`s,
+the target architectures (e.g. (90,)) and a cache directory. Output: one `Cubin` per (kernel,
+arch): the cubin bytes, the entry symbol, num_warps, the shared memory the launch needs and the
+parameter types the entry takes (the kernel's signature without constexprs, then Triton's two
+scratch pointers, which kiln always passes as 0: a kernel that needs global scratch is
+rejected).
+
+Invariants: results are cached under `<cache>/triton/<sha256>/` where the hash covers the
+kernel's source, signature, constexprs, num_warps, the architecture and the Triton version,
+written to a temporary directory and renamed into place (concurrent builds never see half a
+result). Kernels compile in parallel threads. The module is imported from a file (Triton reads
+the source of @triton.jit functions back through `inspect`)."""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import json
+import os
+import shutil
+import tempfile
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+
+from kiln.errors import CompileError
+
+
+@dataclass(frozen=True)
+class Cubin:
+    kernel: str
+    arch: int
+    symbol: str
+    cubin: bytes
+    num_warps: int
+    shared: int
+    arg_types: tuple[str, ...]
+
+
+def triton_version() -> str:
+    import triton
+    return triton.__version__
+
+
+def _import_module(text: str, cache: Path):
+    key = hashlib.sha256(text.encode()).hexdigest()[:24]
+    path = cache / "triton_src" / f"kiln_kernels_{key}.py"
+    if not path.exists():
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(dir=path.parent, suffix=".tmp")
+        with os.fdopen(fd, "w") as f:
+            f.write(text)
+        os.replace(tmp, path)
+    spec = importlib.util.spec_from_file_location(f"kiln_kernels_{key}", path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def _key(kernel, arch: int, prelude_hash: str) -> str:
+    blob = json.dumps([kernel.source, kernel.signature, kernel.config.xblock,
+                       kernel.config.rblock, kernel.config.num_warps, arch, triton_version(),
+                       prelude_hash])
+    return hashlib.sha256(blob.encode()).hexdigest()
+
+
+def _compile_one(mod, kernel, arch: int) -> Cubin:
+    import triton
+    from triton.backends.compiler import GPUTarget
+
+    fn = getattr(mod, kernel.name)
+    attrs = {(i,): [["tt.divisibility", 16]] for i, t in enumerate(kernel.signature.values())
+             if t.startswith("*")}
+    src = triton.compiler.ASTSource(
+        fn=fn, signature=dict(kernel.signature),
+        constexprs={"XBLOCK": kernel.config.xblock, "RBLOCK": kernel.config.rblock},
+        attrs=attrs)
+    try:
+        ck = triton.compile(src, target=GPUTarget("cuda", arch, 32),
+                            options={"num_warps": kernel.config.num_warps})
+    except Exception as e:  # Triton raises many types; name the kernel and keep the message
+        raise CompileError(f"Triton failed to compile {kernel.name} for sm_{arch}: "
+                           f"{type(e).__name__}: {e}") from e
+    md = ck.metadata
+    if getattr(md, "global_scratch_size", 0) or getattr(md, "profile_scratch_size", 0):
+        raise CompileError(f"{kernel.name}: Triton asked for global scratch memory, which kiln's "
+                           "launcher does not provide")
+    args = tuple(t for t in kernel.signature.values() if t != "constexpr") + ("*scratch",) * 2
+    return Cubin(kernel.name, arch, md.name, bytes(ck.asm["cubin"]), md.num_warps, md.shared,
+                 args)
+
+
+def _load_cached(d: Path, kernel, arch: int) -> Cubin | None:
+    meta = d / "meta.json"
+    if not meta.exists():
+        return None
+    m = json.loads(meta.read_text())
+    return Cubin(kernel.name, arch, m["symbol"], (d / "kernel.cubin").read_bytes(),
+                 m["num_warps"], m["shared"], tuple(m["arg_types"]))
+
+
+def _store(d: Path, c: Cubin) -> None:
+    d.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(dir=d.parent, prefix=d.name + "."))
+    try:
+        (tmp / "kernel.cubin").write_bytes(c.cubin)
+        (tmp / "meta.json").write_text(json.dumps({
+            "symbol": c.symbol, "num_warps": c.num_warps, "shared": c.shared,
+            "arg_types": list(c.arg_types)}))
+        try:
+            os.rename(tmp, d)
+        except OSError:  # another process stored it first
+            pass
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+def compile_cubins(module_text: str, kernels: list, archs: tuple[int, ...], cache: Path,
+                   jobs: int = 0) -> tuple[dict[tuple[str, int], Cubin], dict[str, float]]:
+    """Every kernel of the module for every arch; returns {(kernel, arch): Cubin} and timings."""
+    t0 = time.perf_counter()
+    root = cache / "triton"
+    from kiln.codegen.triton_ops import PRELUDE
+    prelude_hash = hashlib.sha256(PRELUDE.encode()).hexdigest()
+    out: dict[tuple[str, int], Cubin] = {}
+    todo = []
+    for k in kernels:
+        for a in archs:
+            d = root / _key(k, a, prelude_hash)
+            hit = _load_cached(d, k, a)
+            if hit is not None:
+                out[(k.name, a)] = hit
+            else:
+                todo.append((k, a, d))
+    hits = len(out)
+    if todo:
+        mod = _import_module(module_text, cache)
+        with ThreadPoolExecutor(max_workers=max(1, jobs or os.cpu_count() or 1)) as pool:
+            results = list(pool.map(lambda t: (t, _compile_one(mod, t[0], t[1])), todo))
+        for (k, a, d), c in results:
+            _store(d, c)
+            out[(k.name, a)] = c
+    return out, {"triton": time.perf_counter() - t0, "cache_hits": float(hits),
+                 "compiled": float(len(todo))}
