@@ -44,7 +44,7 @@ def unary(x):
 
 
 UNARY_CASES = ([(s, "contig", F32) for s in SHAPES] + [(s, k, F32) for s, k in STRIDED]
-               + [((7, 13), "contig", F64), ((130, 97), "t", F64), ((3, 1, 5), "step", F64)])
+               + [((7, 13), "contig", F64), ((130, 97), "t", F64)])
 
 
 @pytest.mark.parametrize(("shape", "layout", "dtype"), UNARY_CASES, ids=_ids)
@@ -97,9 +97,8 @@ def int_arith(a, b):
             "not": ~a}
 
 
-BROADCAST = [((7, 13), (7, 13)), ((7, 13), (13,)), ((7, 13), (7, 1)), ((4, 7, 13), (13,)),
-             ((1, 13), (7, 1)), ((7, 13), ()), ((1,), (1,)), ((130, 97), (97,)),
-             ((2, 1, 5), (3, 1))]
+BROADCAST = [((7, 13), (7, 13)), ((7, 13), (13,)), ((7, 13), (7, 1)), ((1, 13), (7, 1)),
+             ((7, 13), ()), ((130, 97), (97,)), ((2, 1, 5), (3, 1))]  # + (1,) in dtypes
 
 
 def _nonzero(b):

@@ -131,6 +131,8 @@ def test_load_errors(make_toy_package: MakePkg, tmp_path: pathlib.Path) -> None:
     with pytest.raises(PackageError, match="does not exist"):
         kiln.runtime.load(tmp_path / "missing.kiln")
     with pytest.raises(UnsupportedError):
+        kiln.runtime.load(make_toy_package(), device="tpu")
+    with pytest.raises(PackageError, match='compiled for device "cpu"'):
         kiln.runtime.load(make_toy_package(), device="cuda")
     bad = make_toy_package("w.kiln", weights={"w": torch.zeros(4, dtype=torch.float64),
                                               "b": torch.zeros(4)})
@@ -333,7 +335,8 @@ def test_c_corrupt_packages(libkiln_path: pathlib.Path, make_toy_package: MakePk
         where = {i.filename: (i.header_offset, data_offset(f, i.header_offset), i.file_size)
                  for i in zf.infolist()}
     cases: list[dict] = [{"path": str(tmp_path / "missing.kiln"), "expect": ["cannot open"]},
-                         {"path": str(good), "device": "cuda", "expect": ["unsupported device"]},
+                         {"path": str(good), "device": "tpu", "expect": ["unsupported device"]},
+                         {"path": str(good), "device": "cuda", "expect": ["compiled for device"]},
                          {"path": str(tmp_path), "expect": ["not a regular file"]}]
 
     def add(name: str, blob: bytes, *expect: str) -> None:

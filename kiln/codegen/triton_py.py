@@ -12,6 +12,7 @@ IndexError naming its graph nodes."""
 from __future__ import annotations
 
 import importlib.util
+import re
 import tempfile
 from pathlib import Path
 
@@ -29,13 +30,18 @@ def import_triton_module(text: str):
     """Imports the generated module. Triton decides at import time whether kernels run in its
     interpreter: without a GPU, start the process with TRITON_INTERPRET=1 (tests do so in a
     subprocess, since the AOT compiler needs the normal mode)."""
+    import triton
+    if triton.knobs.runtime.interpret:  # the interpreter's scalars are arrays: loop on ints
+        text = re.sub(r"range\(0, (.*), RBLOCK\):", r"range(0, _kl_int(\1), RBLOCK):", text)
+        text = re.sub(r"range\(0, ((?:(?!RBLOCK).)*)\):", r"range(0, _kl_int(\1)):", text)
+        text += ("\n\ndef _kl_int(t):\n    h = getattr(t, 'handle', None)\n"
+                 "    return int(h.data.reshape(-1)[0]) if h is not None else int(t)\n")
     d = Path(tempfile.mkdtemp(prefix="kiln_triton_"))
     path = d / "kiln_triton_kernels.py"
     path.write_text(text)
     spec = importlib.util.spec_from_file_location(f"kiln_triton_{d.name}", path)
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
-    import triton
     if triton.knobs.runtime.interpret:
         mod.libdevice = _InterpreterLibdevice()
     return mod

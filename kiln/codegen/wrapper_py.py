@@ -107,7 +107,8 @@ class Model:
         self.weights = weights
 
     def __call__(self, *inputs):
-        return run(self.lib, self.weights, inputs)
+        with torch.no_grad():
+            return run(self.lib, self.weights, inputs)
 
 
 def run(lib, weights, inputs):

@@ -254,26 +254,15 @@ register("aten.max.default")(_reduction("max"))
 register("aten.min.default")(_reduction("min"))
 
 
-@register("aten.max.dim", "aten.min.dim")
-def _max_dim(b, n):
-    """(values, indices): a max (min) reduction and an argmax (argmin) over the same dim."""
-    kind = "max" if str(n.target).startswith("aten.max") else "min"
-    keep = n.args[2] if len(n.args) > 2 else n.kwargs.get("keepdim", False)
-    dims = (n.args[1] % max(b.rank(n.args[0]), 1),)
-    x = b.tensor(n.args[0])
-    return [b.emit("reduce", [x], None, like=n, result=k, kind=kd, dims=dims, keepdim=bool(keep))
-            for k, kd in enumerate((kind, f"arg{kind}"))]
-
-
 @register("aten.argmax.default", "aten.argmin.default")
 def _argmax(b, n):
     dim = n.args[1] if len(n.args) > 1 else n.kwargs.get("dim")
     keep = n.args[2] if len(n.args) > 2 else n.kwargs.get("keepdim", False)
-    if dim is None:
-        raise UnsupportedError(f"{n.target} without dim (node {n.name})")
+    rank = b.rank(n.args[0])
+    # no dim: the flat index of the extreme over all elements (row-major order)
+    dims = tuple(range(rank)) if dim is None else (dim % max(rank, 1),)
     kind = "argmax" if "argmax" in str(n.target) else "argmin"
-    return b.emit("reduce", [b.tensor(n.args[0])], n, kind=kind,
-                  dims=(dim % b.rank(n.args[0]),), keepdim=bool(keep))
+    return b.emit("reduce", [b.tensor(n.args[0])], n, kind=kind, dims=dims, keepdim=bool(keep))
 
 
 @register("aten.var.correction", "aten.var.dim")
@@ -412,7 +401,11 @@ def _index(b, n):
 
 @register("aten.index_select.default")
 def _index_select(b, n):
-    dim = n.args[1] % b.rank(n.args[0])
+    dim = n.args[1] % max(b.rank(n.args[0]), 1)
+    if b.rank(n.args[0]) == 0:  # selecting from a scalar: the index must be 0; result = input
+        return b.emit("index", [b.emit("view", [b.tensor(n.args[0])], None, like=n,
+                                       shape=(1,)), b.tensor(n.args[2])], n, positions=(0,),
+                      select=True)
     return b.emit("index", [b.tensor(n.args[0]), b.tensor(n.args[2])], n, positions=(dim,),
                   select=True)
 
@@ -441,3 +434,18 @@ def _split(b, n):
                           start=start, end=start + size, step=1))
         start = start + size
     return out
+
+
+@register("aten.max.dim", "aten.min.dim")
+def _max_dim(b, n):
+    """(values, indices) of a max/min over one dim: two reductions, one per result."""
+    x = n.args[0]
+    rank = b.rank(x)
+    dim = (n.args[1] if len(n.args) > 1 else 0) % max(rank, 1)
+    keep = bool(n.args[2]) if len(n.args) > 2 else bool(n.kwargs.get("keepdim", False))
+    kind = "max" if str(n.target).startswith("aten.max") else "min"
+    values = b.emit("reduce", [b.tensor(x)], None, like=n, result=0, kind=kind, dims=(dim,),
+                    keepdim=keep)
+    index = b.emit("reduce", [b.tensor(x)], None, like=n, result=1, kind=f"arg{kind}",
+                   dims=(dim,), keepdim=keep)
+    return [values, index]

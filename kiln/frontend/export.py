@@ -217,6 +217,28 @@ def _symbol_ranges(ep: ExportedProgram, syms: SymbolTable) -> tuple[SymbolRange,
     return tuple(out)
 
 
+def _plain(obj):
+    """Structseq results (torch.return_types.max, ...) as plain tuples, recursively."""
+    if isinstance(obj, tuple) and hasattr(obj, "n_fields"):
+        return tuple(_plain(x) for x in obj)
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(_plain(x) for x in obj)
+    if isinstance(obj, dict):
+        return {k: _plain(v) for k, v in obj.items()}
+    return obj
+
+
+def _dump_spec(spec) -> str:
+    """JSON of a pytree spec. Structseq nodes have no serialised name in torch's pytree
+    registry: they become tuples (the runner returns a tuple where eager returns e.g.
+    torch.return_types.max; fields keep their order)."""
+    try:
+        return pytree.treespec_dumps(spec)
+    except NotImplementedError:
+        plain = _plain(pytree.tree_unflatten(list(range(spec.num_leaves)), spec))
+        return pytree.treespec_dumps(pytree.tree_flatten(plain)[1])
+
+
 def import_program(ep: ExportedProgram) -> Imported:
     """Decompose `ep` to core ATen and translate it to Graph IR."""
     ep = ep.run_decompositions()
@@ -258,6 +280,6 @@ def import_program(ep: ExportedProgram) -> Imported:
         outputs.append(b.env[name])
     graph = Graph(inputs, tuple(b.nodes), tuple(outputs), _symbol_ranges(ep, syms),
                   in_spec=pytree.treespec_dumps(ep.call_spec.in_spec),
-                  out_spec=pytree.treespec_dumps(ep.call_spec.out_spec),
+                  out_spec=_dump_spec(ep.call_spec.out_spec),
                   meta={"constant_inputs": tuple(b.constant_inputs)})
     return Imported(graph, weights)

@@ -15,7 +15,7 @@ from __future__ import annotations
 import random
 from dataclasses import dataclass
 
-from kiln.fuzz.program import B_MIN, DTYPES, UNARY
+from kiln.fuzz.program import B_MIN, UNARY
 
 SMOOTH = [k for k in UNARY if k not in ("floor", "ceil", "round", "sign", "trunc")]
 DISCONT = ["floor", "ceil", "round", "sign", "trunc"]
@@ -377,4 +377,4 @@ def _finish(g: _Gen, r: random.Random) -> dict:
     return g.spec
 
 
-__all__ = ["V", "generate"]
+__all__ = ["V", "Skip", "generate"]

@@ -155,10 +155,27 @@ def to_c(e) -> str:
     return _c(sympy.sympify(e))
 
 
+def _py(e: Expr) -> str:
+    if isinstance(e, FloorDiv):
+        return f"({_py(e.args[0])} // {_py(e.args[1])})"
+    if isinstance(e, ModIdx):
+        return f"({_py(e.args[0])} % {_py(e.args[1])})"
+    if e.is_Integer or e.is_Symbol:
+        return str(e)
+    if e.is_Add:
+        return "(" + " + ".join(_py(a) for a in sorted(e.args, key=sympy.default_sort_key)) + ")"
+    if e.is_Mul:
+        return "(" + " * ".join(_py(a) for a in sorted(e.args, key=sympy.default_sort_key)) + ")"
+    if e.is_Pow and e.exp.is_Integer and int(e.exp) > 0:
+        return f"({_py(e.base)} ** {int(e.exp)})"
+    if isinstance(e, (sympy.Max, sympy.Min)):
+        return f"{type(e).__name__.lower()}({', '.join(_py(a) for a in e.args)})"
+    raise ValueError(f"cannot print size expression {e!r} as Python")
+
+
 def to_py(e) -> str:
-    """Print a size expression as Python (for the Python wrapper)."""
-    e = sympy.sympify(e)
-    return sympy.pycode(e).replace("math.floor", "int")
+    """Print a size or index expression as Python (for the Python wrapper)."""
+    return _py(sympy.sympify(e))
 
 
 def evaluate(e, env: dict[str, int]) -> int:

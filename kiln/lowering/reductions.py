@@ -16,7 +16,7 @@ from kiln.lowering.pointwise import broadcast_index, cast, const, op, to_bool
 def reduce_lazy(ctx: LowerCtx, base: str, x: Lazy, dims, keepdim: bool, kind: str,
                 dtype, source, transform=None) -> Lazy:
     """Reduce `x` over `dims`; `transform(expr, full_index)` maps each element first."""
-    dims = tuple(sorted(dims))
+    dims = tuple(sorted(d for d in dims if d < x.rank))  # a 0-d tensor reduces over nothing
     out_shape = tuple(sympy.Integer(1) if d in dims else s for d, s in enumerate(x.shape)
                       if keepdim or d not in dims)
     iv, rv = ivars(len(out_shape)), rvars(len(dims))
@@ -46,9 +46,12 @@ def _keep_index(idx: Index, dims) -> Index:
 
 def lower_reduce(ctx: LowerCtx, node: Node, args: list[Lazy]) -> Lazy:
     (x,) = args
-    kind, dims, keep = node.attr("kind"), node.attr("dims"), node.attr("keepdim")
+    kind, keep = node.attr("kind"), node.attr("keepdim")
+    dims = tuple(d for d in node.attr("dims") if d < x.rank)  # a 0-d input reduces over nothing
     dt = node.type.dtype
     src = (node.source or node.name,)
+    if kind in ("argmax", "argmin") and not dims:
+        return Lazy(dt, node.type.shape, lambda idx: const(0, dt))
     if kind != "mean":
         return reduce_lazy(ctx, node.name, x, dims, keep, kind, dt, src)
     s = reduce_lazy(ctx, node.name + "_sum", x, dims, keep, "sum", dt, src)

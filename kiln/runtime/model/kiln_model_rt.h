@@ -97,7 +97,7 @@ inline int64_t numel(const DLTensor *t) {
 
 /* Row-major contiguity (size-1 dims may have any stride; NULL strides mean compact). */
 inline int check_contiguous(Err &e, const DLTensor *t, int idx, const char *name) {
-  if (!t->strides) return 0;
+  if (!t->strides || numel(t) == 0) return 0;  // zero-size: no element, any strides
   int64_t expect = 1;
   for (int d = t->ndim - 1; d >= 0; --d) {
     if (t->shape[d] != 1 && t->strides[d] != expect)
