@@ -80,8 +80,8 @@ def _manifest(built: Built, opts: Options, report: dict) -> dict[str, Any]:
         "kernels": _kernels_json(built),
         "plan": plan,
         "requires": {"libtorch": False, "aten_fallback_ops": [],
-                     "shared_libraries": _CUDA_LIBS if built.device == "cuda" else ["libscipy_openblas.so (scipy-openblas32)",
-                                          "libgomp.so (OpenMP)"]},
+                     "shared_libraries": _CUDA_LIBS if built.device == "cuda" else [
+                         "libscipy_openblas.so (scipy-openblas32)", "libgomp.so (OpenMP)"]},
         "build": {"cxx": compiler_identity(opts.cxx or "c++"), "march": opts.march,
                   "compile_seconds": report["compile_seconds"]},
     }

@@ -123,7 +123,8 @@ def build(ep: torch.export.ExportedProgram, opts: Options, device: str = "cpu") 
                       dump=lambda s: "\n".join(map(repr, s)))
     weights = {i.name: imported.weights[i.name] for i in graph.weights}
     specs = [WeightSpec(i.name, i.fqn, i.type.dtype, tuple(int(d) for d in i.type.shape),
-                        weights[i.name].numel() * weights[i.name].element_size())
+                        weights[i.name].numel() * weights[i.name].element_size(),
+                        mutable=i.kind == "state")
              for i in graph.weights]
     # 5. kernels -> Program IR (input checks, liveness-based Alloc/Free)
     # (no in-place reuse on CUDA: threads of a Triton program do not run in lock step)

@@ -26,13 +26,14 @@ from dataclasses import dataclass, field
 import sympy
 
 from kiln.codegen.cpp_kernel import kernel_params
-from kiln.codegen.triton_ops import (INT_LIMITS, REDUCTIONS, SIG_PTR, TL_DTYPE, op_spelling)
+from kiln.codegen.triton_ops import (INT_LIMITS, REDUCTIONS, SIG_PTR, TL_DTYPE, literal,
+                                     op_spelling, to_tl)
 from kiln.ir import loop as L
-from kiln.ir.sym import FloorDiv, ModIdx, evaluate, ivars, product, rvars, unravel
+from kiln.ir.sym import evaluate, ivars, product, rvars, unravel
 from kiln.schedule import Kernel
 
-BIG_INDEX = 2**62
-_NATIVE = ("float32", "float64", "int32", "int64")  # same-dtype arithmetic keeps the dtype  # argmax/argmin: index of a lane that has seen no element yet
+BIG_INDEX = 2**62  # argmax/argmin: index of a lane that has seen no element yet
+_NATIVE = ("float32", "float64", "int32", "int64")  # same-dtype arithmetic keeps the dtype
 
 
 @dataclass(frozen=True)
@@ -57,49 +58,6 @@ class TritonKernel:
         return any(k == "status" for k, _ in self.params)
 
 
-def to_tl(e, names: dict[str, str] | None = None) -> str:
-    """A size or index expression as Triton/Python integer arithmetic (operands of // and %
-    are non-negative in index expressions, where C and Python semantics agree)."""
-    e = sympy.sympify(e)
-    names = names or {}
-    if e.is_Integer:
-        return str(int(e))
-    if e.is_Symbol:
-        return names.get(e.name, e.name)
-    if isinstance(e, FloorDiv):
-        return f"({to_tl(e.args[0], names)} // {to_tl(e.args[1], names)})"
-    if isinstance(e, ModIdx):
-        return f"({to_tl(e.args[0], names)} % {to_tl(e.args[1], names)})"
-    if e.is_Add:
-        return "(" + " + ".join(to_tl(a, names) for a in
-                                sorted(e.args, key=sympy.default_sort_key)) + ")"
-    if e.is_Mul:
-        return "(" + " * ".join(to_tl(a, names) for a in
-                                sorted(e.args, key=sympy.default_sort_key)) + ")"
-    if e.is_Pow and e.exp.is_Integer and int(e.exp) > 0:
-        return "(" + " * ".join([to_tl(e.base, names)] * int(e.exp)) + ")"
-    if isinstance(e, (sympy.Max, sympy.Min)):
-        fn = "tl.maximum" if isinstance(e, sympy.Max) else "tl.minimum"
-        out = to_tl(e.args[0], names)
-        for a in e.args[1:]:
-            out = f"{fn}({out}, {to_tl(a, names)})"
-        return out
-    raise ValueError(f"cannot print index expression {e!r} for Triton")
-
-
-def _literal(value, dt) -> str:
-    if dt.name == "bool":
-        return "1" if value else "0"
-    if dt.is_float:
-        v = float(value)
-        if v != v:
-            return "float('nan')"
-        if v in (float("inf"), float("-inf")):
-            return "float('inf')" if v > 0 else "float('-inf')"
-        return repr(v)
-    return str(int(value))
-
-
 @dataclass
 class _Scope:
     """Prints expressions of one loop body as assignments, sharing repeated subtrees."""
@@ -121,7 +79,7 @@ class _Scope:
             return self.memo[e]
         T = TL_DTYPE[e.dtype.name]
         if isinstance(e, L.Const):
-            return f"tl.full([], {_literal(e.value, e.dtype)}, {T})"
+            return f"tl.full([], {literal(e.value, e.dtype)}, {T})"
         if isinstance(e, L.Load) and e.buf in self.locals and not e.indirect:
             return self.locals[e.buf]
         if isinstance(e, L.Index):

@@ -10,7 +10,10 @@ helpers named `_kl_*` are `@triton.jit` functions defined in `PRELUDE`."""
 
 from __future__ import annotations
 
+import sympy
+
 from kiln.ir.dtypes import DType
+from kiln.ir.sym import FloorDiv, ModIdx
 
 TL_DTYPE = {"float32": "tl.float32", "float64": "tl.float64", "int64": "tl.int64",
             "int32": "tl.int32", "int16": "tl.int16", "int8": "tl.int8", "uint8": "tl.uint8",
@@ -88,6 +91,49 @@ def op_spelling(op: str, arg_dtype: DType) -> str:
         from kiln.errors import UnsupportedError
         raise UnsupportedError(f"operator {op!r} on {arg_dtype.name} has no Triton spelling "
                                "(kiln/codegen/triton_ops.py)") from None
+
+
+def to_tl(e, names: dict[str, str] | None = None) -> str:
+    """A size or index expression as Triton/Python integer arithmetic (operands of // and %
+    are non-negative in index expressions, where C and Python semantics agree)."""
+    e = sympy.sympify(e)
+    names = names or {}
+    if e.is_Integer:
+        return str(int(e))
+    if e.is_Symbol:
+        return names.get(e.name, e.name)
+    if isinstance(e, FloorDiv):
+        return f"({to_tl(e.args[0], names)} // {to_tl(e.args[1], names)})"
+    if isinstance(e, ModIdx):
+        return f"({to_tl(e.args[0], names)} % {to_tl(e.args[1], names)})"
+    if e.is_Add:
+        return "(" + " + ".join(to_tl(a, names) for a in
+                                sorted(e.args, key=sympy.default_sort_key)) + ")"
+    if e.is_Mul:
+        return "(" + " * ".join(to_tl(a, names) for a in
+                                sorted(e.args, key=sympy.default_sort_key)) + ")"
+    if e.is_Pow and e.exp.is_Integer and int(e.exp) > 0:
+        return "(" + " * ".join([to_tl(e.base, names)] * int(e.exp)) + ")"
+    if isinstance(e, (sympy.Max, sympy.Min)):
+        fn = "tl.maximum" if isinstance(e, sympy.Max) else "tl.minimum"
+        out = to_tl(e.args[0], names)
+        for a in e.args[1:]:
+            out = f"{fn}({out}, {to_tl(a, names)})"
+        return out
+    raise ValueError(f"cannot print index expression {e!r} for Triton")
+
+
+def literal(value, dt) -> str:
+    if dt.name == "bool":
+        return "1" if value else "0"
+    if dt.is_float:
+        v = float(value)
+        if v != v:
+            return "float('nan')"
+        if v in (float("inf"), float("-inf")):
+            return "float('inf')" if v > 0 else "float('-inf')"
+        return repr(v)
+    return str(int(value))
 
 
 PRELUDE = '''\

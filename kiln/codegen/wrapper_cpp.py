@@ -119,6 +119,11 @@ class _Printer:
         self.emit(f"    buf_{g.b.buf} + {to_c(g.b.offset)}, {to_c(sb[0])}, {to_c(sb[1])}, "
                   f"{to_c(g.b.rows)}, {to_c(g.b.cols)}, buf_{g.name})) goto fail;")
 
+    def _CopyState(self, x: P.CopyState) -> None:
+        self.emit(f"// state {x.dst} <- {x.src}: persists to the next run")
+        self.emit(f"std::memcpy(buf_{x.dst}, buf_{x.src}, static_cast<size_t>({to_c(x.numel)}) "
+                  f"* {x.dtype.itemsize});")
+
     def _Return(self, x: P.Return) -> None:
         self.emit(f"for (int64_t i = 0; i < {len(x.buffers)}; ++i) outputs[i] = outs[i];")
         self.emit("return 0;")
@@ -178,6 +183,8 @@ def print_wrapper(prog: P.Program, kernel_decls: list[str]) -> str:
         "",
         "struct Instance {",
         f"  const void* w[{max(n_w, 1)}];",
+        f"  void* owned[{max(n_w, 1)}] = {{}};  // writable copies of state buffers",
+        "  ~Instance() { for (void* p : owned) std::free(p); }",
         "  kr::Arena arena;",
         f"  int64_t key[{max(len(prog.symbols), 1)}];",
         "  bool planned = false;",
@@ -190,6 +197,12 @@ def print_wrapper(prog: P.Program, kernel_decls: list[str]) -> str:
         "  if (!self) { kr::Err{err, errlen}.fail(\"out of memory creating an instance\"); "
         "return nullptr; }",
         f"  for (int i = 0; i < {n_w}; ++i) self->w[i] = weights[i];",
+        *[line for k, w in enumerate(prog.weights) if w.mutable for line in (
+            f"  self->owned[{k}] = std::aligned_alloc(64, {(w.nbytes + 63) // 64 * 64 or 64});",
+            f"  if (!self->owned[{k}]) {{ delete self; kr::Err{{err, errlen}}.fail(\"out of "
+            f"memory copying state {w.fqn}\"); return nullptr; }}",
+            f"  std::memcpy(self->owned[{k}], weights[{k}], {w.nbytes});",
+            f"  self->w[{k}] = self->owned[{k}];  // state {w.fqn}: updated by every run")],
         "  kr::blas_single_threaded();",
         "  return self;",
         "}",
@@ -212,8 +225,12 @@ def print_wrapper(prog: P.Program, kernel_decls: list[str]) -> str:
         "  (void)status;",
     ]
     for k, w in enumerate(prog.weights):
-        head.append(f"  const {w.dtype.c_type}* buf_{w.name} = static_cast<const "
-                    f"{w.dtype.c_type}*>(self->w[{k}]);  // {w.fqn}")
+        if w.mutable:
+            head.append(f"  {w.dtype.c_type}* buf_{w.name} = static_cast<{w.dtype.c_type}*>("
+                        f"self->owned[{k}]);  // state {w.fqn}")
+        else:
+            head.append(f"  const {w.dtype.c_type}* buf_{w.name} = static_cast<const "
+                        f"{w.dtype.c_type}*>(self->w[{k}]);  // {w.fqn}")
     body_start = len(pr.out)
     checks = [x for x in prog.lines if isinstance(x, (P.CheckInput, P.BindSize, P.CheckSize,
                                                       P.CheckRange))]

@@ -91,7 +91,8 @@ def print_cuda_model(prog: P.Program, kernels: dict, cubins: dict, archs: tuple[
         "  if (self->ctx) {",
         "    kc::CtxGuard g(self->ctx);",
         "    if (self->blas) kc::blas().destroy(self->blas);",
-        "    for (int i = 0; i < kNumKernels; ++i) if (self->mod[i]) d.cuModuleUnload(self->mod[i]);",
+        "    for (int i = 0; i < kNumKernels; ++i)",
+        "      if (self->mod[i]) d.cuModuleUnload(self->mod[i]);",
         "    if (self->weights) d.cuMemFree(self->weights);",
         "    if (self->arena.base) d.cuMemFree(self->arena.base);",
         "    if (self->status) d.cuMemFree(self->status);",
@@ -131,7 +132,8 @@ def print_cuda_model(prog: P.Program, kernels: dict, cubins: dict, archs: tuple[
         "  kc::CtxGuard g(self->ctx);",
         "  for (int i = 0; i < kNumKernels; ++i) {",
         "    const CubinRef& c = kCubins[pick][i];",
-        "    if (kc::check(e, d.cuModuleLoadData(&self->mod[i], kiln_cubins + c.offset), c.symbol) ||",
+        "    if (kc::check(e, d.cuModuleLoadData(&self->mod[i], kiln_cubins + c.offset), "
+        "c.symbol) ||",
         "        kc::check(e, d.cuModuleGetFunction(&self->fn[i], self->mod[i], c.symbol), "
         "c.symbol)) return 1;",
         "    self->warps[i] = c.warps;",

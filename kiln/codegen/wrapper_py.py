@@ -68,6 +68,9 @@ def print_python_wrapper(prog: P.Program, steps, buffers) -> str:
                             f"{', '.join(x.source)}')")
         elif isinstance(x, P.CallGemm):
             body += _gemm(x.gemm)
+        elif isinstance(x, P.CopyState):
+            body.append(f"buf_{x.dst}.view(-1).copy_(buf_{x.src}.reshape(-1)[:{to_py(x.numel)}])"
+                        f"  # state persists to the next run")
         elif isinstance(x, P.Return):
             body.append(f"return [{', '.join(f'buf_{b}' for b in x.buffers)}]")
     weights = "\n".join(f"    buf_{w.name} = weights[{w.name!r}]  # {w.fqn}" for w in prog.weights)
@@ -101,10 +104,14 @@ def _check(t, index, name, dtype, rank):
     _expect(t.is_contiguous(), f"input {{index}} ({{name}}): expected a contiguous tensor")
 
 
+STATE = {{{", ".join(repr(w.name) for w in prog.weights if w.mutable)}}}
+
+
 class Model:
     def __init__(self, lib_path, weights):
         self.lib = ctypes.CDLL(str(lib_path))
-        self.weights = weights
+        # state buffers are updated by every run: this model owns copies of them
+        self.weights = {{k: v.clone() if k in STATE else v for k, v in weights.items()}}
 
     def __call__(self, *inputs):
         with torch.no_grad():

@@ -449,3 +449,41 @@ def _max_dim(b, n):
     index = b.emit("reduce", [b.tensor(x)], None, like=n, result=1, kind=f"arg{kind}",
                    dims=(dim,), keepdim=keep)
     return [values, index]
+
+
+@register("aten._native_batch_norm_legit_functional.default")
+def _batch_norm_train(b, n):
+    """Training-mode batch norm: batch statistics normalise; the running statistics are
+    updated (results 3 and 4, which export writes back into the module's buffers)."""
+    x, w, bias, run_mean, run_var, _training, momentum, eps = n.args
+    rank = b.rank(x)
+    dims = tuple(d for d in range(rank) if d != 1)
+    count = 1
+    for d in dims:
+        size = b.shape(x)[d]
+        if not size.is_Integer:
+            raise UnsupportedError(f"training-mode batch norm over dynamic dims (node {n.name})")
+        count *= int(size)
+    stat = torch_float(b, n)
+    xs = b.tensor(x)
+    mean = b.emit("reduce", [xs], None, like=n, result=1, kind="mean", dims=dims,
+                  keepdim=False)
+    var = b.emit("var", [xs], None, like=n, result=3, dims=dims, correction=0, keepdim=False)
+    ins = [xs, mean, var] + [b.tensor(t) for t in (w, bias) if t is not None]
+    out = b.emit("batch_norm", ins, None, like=n, result=0, eps=float(eps),
+                 has_weight=w is not None, has_bias=bias is not None)
+    eps_v = b.emit("add", [var, b.scalar(float(eps), stat)], None, like=n, result=3)
+    rstd = b.emit("rsqrt", [eps_v], None, like=n, result=2)
+    keep = b.scalar(1.0 - momentum, stat)
+    new_mean = b.emit("add", [b.emit("mul", [b.tensor(run_mean), keep], None, like=n, result=3),
+                              b.emit("mul", [mean, b.scalar(momentum, stat)], None, like=n,
+                                     result=3)], None, like=n, result=3)
+    unbiased = momentum * count / max(count - 1, 1)
+    new_var = b.emit("add", [b.emit("mul", [b.tensor(run_var), keep], None, like=n, result=4),
+                             b.emit("mul", [var, b.scalar(unbiased, stat)], None, like=n,
+                                    result=4)], None, like=n, result=4)
+    return [out, mean, rstd, new_mean, new_var]
+
+
+def torch_float(b, n):
+    return b.meta_dtype(n)

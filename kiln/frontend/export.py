@@ -99,6 +99,8 @@ class Builder:
             v = ref.meta["val"][result]
             t = TensorType(to_dtype(v.dtype), self.syms.shape(v.shape))
             name = f"{ref.name}_{result}"
+            if name in self.types:  # several nodes build one result: only the first is named
+                name = self.fresh(name)
         if shape_of is not None:
             t = TensorType(t.dtype, self.shape(shape_of))
         if shape is not None:
@@ -270,16 +272,25 @@ def import_program(ep: ExportedProgram) -> Imported:
         else:
             b.env[n.name] = result
     outputs = []
+    mutations = []
+    by_fqn = {i.fqn: i.name for i in inputs if i.kind == "weight"}
     for spec in ep.graph_signature.output_specs:
+        if spec.kind == OutputKind.BUFFER_MUTATION and spec.target in by_fqn:
+            mutations.append((by_fqn[spec.target], b.env[spec.arg.name]))
+            continue
         if spec.kind != OutputKind.USER_OUTPUT:
-            raise UnsupportedError(f"output {spec.arg} of kind {spec.kind.name} (mutation) is "
-                                   "not supported yet")
+            raise UnsupportedError(f"output {spec.arg} of kind {spec.kind.name} is not "
+                                   "supported yet")
         name = getattr(spec.arg, "name", None)
         if name is None or name not in b.env:
             raise UnsupportedError(f"output {spec.arg} is not a tensor")
         outputs.append(b.env[name])
+    state = {name for name, _ in mutations}
+    inputs = tuple(Input(i.name, i.type, "state", i.fqn) if i.name in state else i
+                   for i in inputs)
     graph = Graph(inputs, tuple(b.nodes), tuple(outputs), _symbol_ranges(ep, syms),
                   in_spec=pytree.treespec_dumps(ep.call_spec.in_spec),
                   out_spec=_dump_spec(ep.call_spec.out_spec),
-                  meta={"constant_inputs": tuple(b.constant_inputs)})
+                  meta={"constant_inputs": tuple(b.constant_inputs),
+                        "mutations": tuple(mutations)})
     return Imported(graph, weights)

@@ -46,7 +46,7 @@ class SymbolRange:
 class Input:
     name: str
     type: TensorType
-    kind: str  # "user" or "weight"
+    kind: str  # "user", "weight", or "state" (a buffer the program updates: see meta mutations)
     fqn: str = ""  # weight: the module attribute path (e.g. "fc1.weight")
 
 
@@ -97,7 +97,13 @@ class Graph:
 
     @property
     def weights(self) -> tuple[Input, ...]:
-        return tuple(i for i in self.inputs if i.kind == "weight")
+        """Weights and state buffers: everything shipped in weights.safetensors."""
+        return tuple(i for i in self.inputs if i.kind in ("weight", "state"))
+
+    @property
+    def mutations(self) -> tuple[tuple[str, str], ...]:
+        """(state input, value) pairs: after a run, the state holds the value."""
+        return tuple(self.meta.get("mutations", ()))
 
 
 def _fmt_attr(v: Any) -> str:

@@ -135,7 +135,7 @@ class Buffer:
     name: str
     dtype: DType
     shape: tuple[sympy.Expr, ...]
-    kind: str  # input, weight, temp, output
+    kind: str  # input, weight, state (a weight the program updates), temp, output
 
     @property
     def strides(self) -> tuple[sympy.Expr, ...]:
@@ -156,6 +156,7 @@ class LoopProgram:
     outputs: tuple[str, ...]  # buffer per flat user output (kind "output")
     inputs: tuple[str, ...]  # buffer per flat user input
     output_shapes: tuple[tuple[sympy.Expr, ...], ...] = ()  # logical shape of each output
+    mutations: tuple[tuple[str, str], ...] = ()  # (state buffer, buffer with its new value)
 
     def buffer(self, name: str) -> Buffer:
         for b in self.buffers:

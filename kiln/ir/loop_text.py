@@ -33,7 +33,7 @@ def node_text(n: L.LoopNode) -> str:
 def print_loop(p: L.LoopProgram) -> str:
     lines = ["loop program"]
     for b in p.buffers:
-        if b.kind in ("input", "weight"):
+        if b.kind in ("input", "weight", "state"):
             lines.append(f"  {b.kind} %{b.name}: {b.dtype.name}{list(b.shape)}")
     lines += ["  " + node_text(n) for n in p.nodes]
     lines.append("  outputs " + ", ".join(f"%{o}" for o in p.outputs))
@@ -46,7 +46,7 @@ class LoopError(ValueError):
 
 def verify_loop(p: L.LoopProgram) -> None:
     declared = {b.name: b for b in p.buffers}
-    written = {b.name for b in p.buffers if b.kind in ("input", "weight")}
+    written = {b.name for b in p.buffers if b.kind in ("input", "weight", "state")}
     for n in p.nodes:
         where = f"loop node {n.name}: {node_text(n)[:300]}"
         if n.name not in declared:

@@ -108,12 +108,23 @@ class CallGemm:
 
 
 @dataclass(frozen=True)
+class CopyState:
+    """After every step: the state buffer `dst` takes the value in `src` (same dtype, size).
+    It persists in the model instance to the next run."""
+
+    dst: str
+    src: str
+    numel: sympy.Expr
+    dtype: DType
+
+
+@dataclass(frozen=True)
 class Return:
     buffers: tuple[str, ...]
 
 
 Line = Union[CheckInput, BindSize, CheckSize, CheckRange, AllocOutput, Alloc, Free, CallKernel,
-             CallGemm, Return]
+             CallGemm, CopyState, Return]
 
 
 @dataclass(frozen=True)
@@ -123,6 +134,7 @@ class WeightSpec:
     dtype: DType
     shape: tuple[int, ...]
     nbytes: int
+    mutable: bool = False  # a state buffer: the instance owns a writable copy
 
 
 @dataclass(frozen=True)
@@ -168,6 +180,8 @@ def _fmt(line: Line) -> str:
         g = line.gemm
         return (f"gemm %{g.name} = %{g.a.buf} @ %{g.b.buf}  batch={list(g.batch)} "
                 f"m={g.m} n={g.n} k={g.k}  # {', '.join(g.source)}")
+    if isinstance(line, CopyState):
+        return f"state %{line.dst} = %{line.src}"
     if isinstance(line, Return):
         return "return " + ", ".join(f"%{b}" for b in line.buffers)
     raise TypeError(line)
@@ -189,6 +203,8 @@ def _uses(line: Line) -> list[str]:
         return [line.gemm.a.buf, line.gemm.b.buf, line.gemm.name]
     if isinstance(line, Return):
         return list(line.buffers)
+    if isinstance(line, CopyState):
+        return [line.dst, line.src]
     return []
 
 

@@ -71,7 +71,8 @@ def lower(graph: Graph) -> L.LoopProgram:
     ctx = LowerCtx()
     env: dict[str, Lazy] = {}
     for i in graph.inputs:
-        ctx.declare(i.name, i.type.dtype, i.type.shape, "input" if i.kind == "user" else "weight")
+        kind = {"user": "input", "weight": "weight", "state": "state"}[i.kind]
+        ctx.declare(i.name, i.type.dtype, i.type.shape, kind)
         env[i.name] = ctx.buffer_lazy(i.name, i.type.dtype, i.type.shape)
     users = graph.users()
     for node in graph.nodes:
@@ -87,10 +88,17 @@ def lower(graph: Graph) -> L.LoopProgram:
     outputs = []
     for k, name in enumerate(graph.outputs):
         outputs.append(_output(ctx, name, env[name], graph, k))
+    mutations = []
+    for state, value in graph.mutations:
+        lz = env[value]
+        src = lz.view.buf if lz.view is not None and ctx.is_whole_buffer(lz) else None
+        if src is None:
+            src = ctx.realize(f"{state}_next", lz, (value,)).view.buf
+        mutations.append((state, src))
     types = graph.types()
     return L.LoopProgram(tuple(ctx.buffers), tuple(ctx.nodes), tuple(outputs),
                          tuple(i.name for i in graph.user_inputs),
-                         tuple(types[o].shape for o in graph.outputs))
+                         tuple(types[o].shape for o in graph.outputs), tuple(mutations))
 
 
 def _output(ctx: LowerCtx, name: str, lz: Lazy, graph: Graph, k: int) -> str:

@@ -67,6 +67,8 @@ def build_program(graph: Graph, prog: L.LoopProgram, steps: tuple[Step, ...],
             last[b] = max(last.get(b, i), i)
         for b in reads:
             last[b] = max(last.get(b, i), i)
+    for _, src in prog.mutations:  # new state values stay alive until they are copied back
+        last[src] = len(steps)
     temps = {b for b in first if buffers[b].kind == "temp"}
     reuse = choose_reuse(steps, buffers, first, last) if inplace else {}
     for i, step in enumerate(steps):
@@ -84,6 +86,9 @@ def build_program(graph: Graph, prog: L.LoopProgram, steps: tuple[Step, ...],
         for b in sorted(temps):
             if last[b] == i:
                 lines.append(P.Free(b))
+    for dst, src in prog.mutations:
+        lines.append(P.CopyState(dst, src, buffers[dst].numel, buffers[dst].dtype))
+    lines += [P.Free(b) for b in sorted(temps) if last[b] == len(steps)]
     lines.append(P.Return(tuple(prog.outputs)))
     inputs = tuple((i.name, i.type.dtype, i.type.shape) for i in graph.user_inputs)
     dtypes = {b.name: b.dtype for b in prog.buffers}
