@@ -123,10 +123,22 @@ def _leaf_name(path) -> str:
     return "".join(str(p) for p in path) or "[]"
 
 
+def _plain(obj):
+    """torch.return_types results (x.max(dim), ...) as the plain tuples kiln documents."""
+    if isinstance(obj, tuple):
+        return tuple(_plain(x) for x in obj)
+    if isinstance(obj, list):
+        return [_plain(x) for x in obj]
+    if isinstance(obj, dict):
+        return {k: _plain(v) for k, v in obj.items()}
+    return obj
+
+
 def compare(got, want, want64=None, *, tol: dict | None = None, what: str = "") -> None:
     """Compare kiln outputs with the eager outputs (`want64`: float64 reference values).
     Outputs are named by their pytree path, so a model returning a dict of op results names
     the op that is wrong."""
+    want, want64 = _plain(want), _plain(want64)
     g_leaves, g_spec = pytree.tree_flatten(got)
     w_paths, w_spec = pytree.tree_flatten_with_path(want)
     assert g_spec == w_spec, f"{what}: output structure {g_spec} != eager {w_spec}"

@@ -205,6 +205,20 @@ def _expr_syms(e: L.Expr) -> set:
     return out
 
 
+# Elements of work below which a kernel runs on the calling thread: waking the OpenMP team
+# costs a few microseconds, more than a small loop takes.
+PARALLEL_MIN_WORK = 16384
+
+
+def kernel_work(kernel: Kernel) -> sympy.Expr:
+    """Elements one run of the kernel touches (outer x the largest member's inner space)."""
+    best = sympy.Integer(1)
+    for m in kernel.members:
+        size = sympy.Mul(*m.shape) * sympy.Mul(*(m.reduce.sizes if m.reduce else ()))
+        best = size if best == 1 else sympy.Max(best, size)
+    return sympy.simplify(best) if not best.is_Integer else best
+
+
 def print_kernel(kernel: Kernel, buffers: dict[str, L.Buffer], num_threads: int = 0,
                  aliased: Collection[str] | None = None) -> tuple[str, list, bool]:
     """C++ source of one kernel, its parameter list and whether it takes a status pointer."""
@@ -235,10 +249,14 @@ def print_kernel(kernel: Kernel, buffers: dict[str, L.Buffer], num_threads: int 
              f'extern "C" KILN_KERNEL void {kernel.name}({", ".join(sig)}) {{']
     outer_vars = [f"i{d}" for d in range(k)]
     if k:
-        numel = to_c(sympy.Mul(*kernel.outer))
+        work = kernel_work(kernel)
         threads = f" num_threads({num_threads})" if num_threads else ""
-        lines.append(f"  #pragma omp parallel for collapse({k}) schedule(static) "
-                     f"if({numel} > 1){threads}")
+        cond = "" if work.is_Integer and int(work) >= PARALLEL_MIN_WORK else \
+            f" if({to_c(work)} >= {PARALLEL_MIN_WORK})"
+        if work.is_Integer and int(work) < PARALLEL_MIN_WORK:
+            cond = " if(0)"  # too little work to pay for waking threads
+        lines.append(f"  #pragma omp parallel for collapse({k}) schedule(static)"
+                     f"{cond}{threads}")
         for d, var in enumerate(outer_vars):
             lines.append("  " * (d + 1) + f"for (int64_t {var} = 0; {var} < "
                          f"{to_c(kernel.outer[d])}; ++{var}) {{")

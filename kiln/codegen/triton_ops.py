@@ -1,5 +1,6 @@
-"""Per-op Triton spellings for Loop IR operators (one table), the reduction table and the
-helper functions every generated Triton module starts with (`PRELUDE`).
+"""Per-op Triton spellings for Loop IR operators (one table), the reduction table, the
+printers of index expressions (`to_tl`) and constants (`literal`), and the helper functions
+every generated Triton module starts with (`PRELUDE`).
 
 Input: an operator name from `kiln.ir.loop.OPS` and whether its operands are floating point.
 Output: a format string over the argument expressions `{0}`, `{1}`, `{2}` (and `{T}`, the
