@@ -203,6 +203,16 @@ def _weights_and_inputs(ep: ExportedProgram, syms: SymbolTable, b: Builder):
     return tuple(user + [i for i in inputs if i.kind == "weight"]), weights
 
 
+def _bound(v, default: int) -> int:
+    """An export range bound as an int; unbounded (torch's int_oo, which claims to be finite)
+    gives `default`."""
+    try:
+        value = int(v)
+    except (TypeError, ValueError, AttributeError, OverflowError):
+        return default
+    return default if abs(value) >= 2**62 else value
+
+
 def _symbol_ranges(ep: ExportedProgram, syms: SymbolTable) -> tuple[SymbolRange, ...]:
     hints = {}
     for n in ep.graph.nodes:
@@ -213,8 +223,8 @@ def _symbol_ranges(ep: ExportedProgram, syms: SymbolTable) -> tuple[SymbolRange,
     out = []
     for theirs, ours in syms.rename.items():
         vr = ep.range_constraints.get(theirs)
-        lo = int(vr.lower) if vr is not None and vr.lower.is_finite else 0
-        hi = int(vr.upper) if vr is not None and vr.upper.is_finite else _INT_MAX
+        lo = _bound(vr.lower, 0) if vr is not None else 0
+        hi = _bound(vr.upper, _INT_MAX) if vr is not None else _INT_MAX
         out.append(SymbolRange(ours.name, lo, min(hi, sys.maxsize), int(hints.get(theirs, lo))))
     return tuple(out)
 

@@ -77,8 +77,8 @@ class _Eval:
         self.memo: dict = {}
 
     def index(self, e: sympy.Expr, extra: Mapping) -> np.ndarray:
-        e = sympy.sympify(e).xreplace({sympy.Symbol(k, integer=True, positive=True): v
-                                       for k, v in self.env.items()})
+        e = sympy.sympify(e).xreplace({sympy.Symbol(k, integer=True, positive=True):
+                                       sympy.Integer(v) for k, v in self.env.items()})
         syms = sorted(e.free_symbols, key=lambda s: s.name)
         if not syms:
             return np.asarray(int(e), dtype=np.int64)

@@ -84,8 +84,8 @@ def sizes_tried(prog: P.Program, between: int = 3) -> list[dict[str, int]]:
     envs = [{s.name: s.min for s in prog.symbols}]
     for j in range(1, between + 1):
         f = j / (between + 1)
-        envs.append({s.name: max(s.min, min(s.max, round(s.min * (s.max / s.min) ** f)))
-                     for s in prog.symbols})
+        envs.append({s.name: max(s.min, min(s.max, round(max(s.min, 1) * (
+            s.max / max(s.min, 1)) ** f))) for s in prog.symbols})
     envs += [example_env(prog), {s.name: s.max for s in prog.symbols}]
     out: list[dict[str, int]] = []
     for env in envs:

@@ -19,8 +19,6 @@ class Twice(torch.nn.Module):
         return (x * 2).sum(1)
 
 
-@pytest.mark.xfail(reason="unbounded Dim / default-min Dim crash kiln.compile (reported)",
-                   strict=False)
 @pytest.mark.parametrize("kw", [{"min": 2}, {"max": 9}, {}], ids=["no_max", "no_min", "none"])
 def test_dim_declarations_compile(kw, tmp_path):
     dim = torch.export.Dim("B", **kw)
@@ -35,7 +33,6 @@ SPEC = {"seed": 1000010, "dynamic": True, "dim": "no_max",
         "params": {}, "ops": [["unary", [0], {"fn": "relu"}]], "outputs": [1]}
 
 
-@pytest.mark.xfail(reason="unbounded Dim crashes kiln.compile (reported)", strict=False)
 def test_fuzz_minimised_no_max(tmp_path):
     out = check(SPEC, tmp_path)
     assert out.status in ("ok", "error"), out.detail

@@ -4,7 +4,6 @@ index expression that is exactly a size symbol (e.g. the divisor of a mean over 
 (kiln/ir/interp.py, `_Eval.index`). Not in the fuzzer's files to fix: reported to the lead; the
 fuzzer passes sizes as sympy Integers meanwhile."""
 
-import pytest
 import torch
 
 from kiln.frontend.export import import_program
@@ -18,8 +17,6 @@ class Mean0(torch.nn.Module):
         return x.mean(0)
 
 
-@pytest.mark.xfail(reason="interp.py: index that is exactly a size symbol (reported)",
-                   strict=False)
 def test_interp_mean_over_dynamic_dim():
     dim = torch.export.Dim("B", min=2, max=9)
     ep = torch.export.export(Mean0(), (torch.randn(3, 4),), dynamic_shapes=({0: dim},))
