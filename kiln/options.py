@@ -11,6 +11,9 @@ class Options:
     #: Fuse pointwise chains and reductions with their producers/consumers into shared kernels.
     #: False gives one kernel per materialised value (useful to bisect a wrong result).
     fuse: bool = True
+    #: Evaluate subgraphs that depend only on weights at compile time (they ship as weights).
+    #: Such packages cannot take new weights through update_weights; turn this off for those.
+    fold_constants: bool = True
     #: Run the verifier of every IR level between stages and prove the memory plan overlap-free.
     verify: bool = True
     #: C++ compiler; None means $KILN_CXX, else $CXX, else `c++`.

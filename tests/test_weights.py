@@ -154,3 +154,34 @@ def test_returning_constants_and_views_of_constants(tmp_path):
     runner = kiln.compile(m, (x,)).load(tmp_path / "c.kiln")
     for got, want in zip(runner(x), m(x)):
         torch.testing.assert_close(got, want)
+
+
+class Prep(torch.nn.Module):
+    """Weight preprocessing in forward: folded at compile time."""
+
+    def __init__(self):
+        super().__init__()
+        self.w = torch.nn.Parameter(torch.randn(8, 8))
+        self.register_buffer("m", torch.randn(8))
+
+    def forward(self, x):
+        return x @ (torch.relu(self.w.t() * 2) + self.m), torch.cat([self.m, self.m]) * x[0, 0]
+
+
+def test_weight_only_subgraphs_are_folded(tmp_path):
+    m, x = Prep(), torch.randn(3, 8)
+    c = kiln.compile(m, (x,))
+    fqns = {w["fqn"] for w in c.manifest["weights"]}
+    assert "w" not in fqns and any(f.startswith("<folded") for f in fqns)  # w only via folding
+    runner = c.load(tmp_path / "f.kiln")
+    for g, w in zip(runner(x), m(x)):
+        torch.testing.assert_close(g, w.detach())
+    with pytest.raises(kiln.errors.InputError, match="fold_constants=False"):
+        runner.update_weights(m.state_dict())
+    unfolded = kiln.compile(m, (x,), options=kiln.Options(fold_constants=False))
+    assert not any(w["fqn"].startswith("<folded") for w in unfolded.manifest["weights"])
+    r2 = unfolded.load(tmp_path / "u.kiln")
+    m2 = Prep()
+    r2.update_weights(m2.state_dict())
+    for g, w in zip(r2(x), m2(x)):
+        torch.testing.assert_close(g, w.detach())

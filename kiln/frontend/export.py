@@ -18,6 +18,7 @@ from torch.utils import _pytree as pytree
 
 from kiln.errors import UnsupportedError
 from kiln.frontend.aten_table import TABLE
+from kiln.frontend.fold import fold_constants
 from kiln.frontend.symbols import SymbolTable
 from kiln.ir import dtypes
 from kiln.ir.graph import Graph, Input, Node, SymbolRange, TensorType
@@ -251,14 +252,25 @@ def _dump_spec(spec) -> str:
         return pytree.treespec_dumps(pytree.tree_flatten(plain)[1])
 
 
-def import_program(ep: ExportedProgram) -> Imported:
-    """Decompose `ep` to core ATen and translate it to Graph IR."""
+def import_program(ep: ExportedProgram, fold: bool = True) -> Imported:
+    """Decompose `ep` to core ATen and translate it to Graph IR; with `fold`, weight-only
+    subgraphs are evaluated now and become weights (see fold.py)."""
     ep = ep.run_decompositions()
     syms = SymbolTable()
     b = Builder(syms)
     inputs, weights = _weights_and_inputs(ep, syms, b)
+    mutated = {s.target for s in ep.graph_signature.output_specs
+               if s.kind == OutputKind.BUFFER_MUTATION}
+    mutated_names = {i.name for i in inputs if i.fqn in mutated}
+    folded = fold_constants(ep, weights, mutated_names) if fold else {"__folded__": set()}
+    skip = folded.pop("__folded__")
+    for name, value in folded.items():  # folded values become weights
+        t = TensorType(to_dtype(value.dtype), tuple(sympy.Integer(d) for d in value.shape))
+        inputs = inputs + (Input(name, t, "weight", f"<folded {name}>"),)
+        weights[name] = value
+        b.env[name], b.types[name] = name, t
     for n in ep.graph.nodes:
-        if n.op != "call_function":
+        if n.op != "call_function" or n.name in skip:
             continue
         if n.target is operator.getitem:
             src, k = n.args

@@ -36,6 +36,12 @@ def checked_tensors(manifest: Mapping[str, Any], state: Mapping[str, Any]
         if list(t.shape) != list(w["shape"]):
             raise InputError(f"weight {key!r}: expected shape {w['shape']}, got {list(t.shape)}")
         out[w["name"]] = t.detach().to("cpu").contiguous()
+    folded = [w["fqn"] for w in specs if w["fqn"].startswith("<folded")]
+    if folded:
+        raise InputError(f"update_weights: this package folded weight-only computations at "
+                         f"compile time ({', '.join(folded)}); new weights would not reach "
+                         "them. Compile with kiln.Options(fold_constants=False) to update "
+                         "weights")
     missing = [w["fqn"] or w["name"] for w in specs if w["name"] not in out]
     if missing:
         raise InputError(f"update_weights: missing weights {missing}")
