@@ -52,7 +52,8 @@ CHILD = textwrap.dedent("""
     import sys, torch, kiln
     from safetensors.torch import load_file
     from torch.utils import _pytree as pytree
-    pkg, data, n_in, rtol, atol = sys.argv[1], sys.argv[2], int(sys.argv[3]), *map(float, sys.argv[4:6])
+    pkg, data, n_in = sys.argv[1], sys.argv[2], int(sys.argv[3])
+    rtol, atol = map(float, sys.argv[4:6])
     t = load_file(data)
     runner = kiln.load(pkg)
     out = pytree.tree_leaves(runner(*[t[f"in{i}"] for i in range(n_in)]))

@@ -23,7 +23,6 @@ from kiln.errors import InputError, KilnError, PackageError, UnsupportedError
 from kiln.package.format import data_offset
 from kiln.runtime import dlpack_ctypes as dl
 from kiln.runtime import loader
-from kiln.runtime.build import include_dir
 from kiln.runtime.cbin import read_tensor_bin, write_tensor_bin
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]

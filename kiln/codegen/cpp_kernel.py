@@ -87,7 +87,8 @@ class ExprPrinter:
             if ind.wrap:
                 self.lines.append(f"if ({var} < 0) {var} += {b};")
             self.lines.append(f"if (KILN_UNLIKELY(static_cast<uint64_t>({var}) >= "
-                              f"static_cast<uint64_t>({b}))) {{ kr::flag(kiln_status); {var} = 0; }}")
+                              f"static_cast<uint64_t>({b}))) "
+                              f"{{ kr::flag(kiln_status); {var} = 0; }}")
             self.status[0] = True
         return f"buf_{e.buf}[{to_c(e.index)}]"
 

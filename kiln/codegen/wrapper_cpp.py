@@ -73,7 +73,8 @@ class _Printer:
         code, bits = _dl(x.dtype)
         shape = ", ".join(to_c(d) for d in x.shape) or "0"
         self.emit(f"{{ const int64_t shape[] = {{{shape}}};")
-        self.emit(f"  outs[{x.index}] = kr::new_output(e, {code}, {bits}, {len(x.shape)}, shape); }}")
+        self.emit(f"  outs[{x.index}] = kr::new_output(e, {code}, {bits}, {len(x.shape)}, "
+                  "shape); }")
         self.emit(f"if (!outs[{x.index}]) goto fail;")
         self.emit(f"{x.dtype.c_type}* buf_{x.buf} = static_cast<{x.dtype.c_type}*>("
                   f"outs[{x.index}]->dl_tensor.data);")
@@ -141,7 +142,7 @@ def _plan_block(pr: _Printer, prog: P.Program) -> None:
     pr.emit("// dynamic sizes: plan the arena for these sizes (cached until they change)")
     key = ", ".join(syms)
     pr.emit(f"const int64_t key[] = {{{key}}};")
-    pr.emit(f"if (!self->planned || std::memcmp(key, self->key, sizeof key) != 0) {{")
+    pr.emit("if (!self->planned || std::memcmp(key, self->key, sizeof key) != 0) {")
     if n:
         sizes = ", ".join(to_c(allocs[iv.name].nbytes) for iv in ivs)
         pr.emit(f"const int64_t sizes[] = {{{sizes}}};", 2)
@@ -213,7 +214,7 @@ def print_wrapper(prog: P.Program, kernel_decls: list[str]) -> str:
         "        DLManagedTensor** outputs, int64_t n_outputs, char* err, size_t errlen) {",
         "  kr::Err e{err, errlen};",
         "  Instance* self = static_cast<Instance*>(instance);",
-        f"  if (!self) return e.fail(\"run: instance is NULL\");",
+        "  if (!self) return e.fail(\"run: instance is NULL\");",
         f"  if (n_inputs != {n_in}) return e.fail(\"expected {n_in} inputs, got %lld\", "
         "(long long)n_inputs);",
         f"  if (n_outputs != {n_out}) return e.fail(\"expected {n_out} outputs, got %lld\", "

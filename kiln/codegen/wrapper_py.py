@@ -119,7 +119,8 @@ class Model:
 
 
 def run(lib, weights, inputs):
-    _expect(len(inputs) == {len(prog.inputs)}, f"expected {len(prog.inputs)} inputs, got {{len(inputs)}}")
+    _expect(len(inputs) == {len(prog.inputs)},
+            f"expected {len(prog.inputs)} inputs, got {{len(inputs)}}")
     status = ctypes.c_int32(0)
     arena = torch.empty({arena}, dtype=torch.uint8)
 {weights}

@@ -416,7 +416,8 @@ def _gather(b, n):
                   dim=n.args[1] % b.rank(n.args[0]))
 
 
-@register("aten.split_with_sizes.default", "aten.split.Tensor", "aten.split_with_sizes_copy.default",
+@register("aten.split_with_sizes.default", "aten.split.Tensor",
+          "aten.split_with_sizes_copy.default",
           "aten.unbind.int", "aten.chunk.default")
 def _split(b, n):
     """Each result is a slice (or, for unbind, a select) of the input: views, no copies."""

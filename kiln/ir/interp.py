@@ -13,7 +13,7 @@ import numpy as np
 import sympy
 
 from kiln.ir import loop as L
-from kiln.ir.sym import FloorDiv, ModIdx, evaluate, ivars, rvars
+from kiln.ir.sym import evaluate, ivars, rvars
 
 NP_DTYPES = {"float32": np.float32, "float64": np.float64, "int64": np.int64, "int32": np.int32,
              "int16": np.int16, "int8": np.int8, "uint8": np.uint8, "bool": np.bool_}

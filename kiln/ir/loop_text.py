@@ -66,7 +66,8 @@ def verify_loop(p: L.LoopProgram) -> None:
                 extra = {s for s in ld.index.free_symbols
                          if s.name[0] in "ir" and s not in bound}
                 if extra:
-                    raise LoopError(f"{where}: index uses unbound loop vars {sorted(map(str, extra))}")
+                    names = sorted(map(str, extra))
+                    raise LoopError(f"{where}: index uses unbound loop vars {names}")
         written.add(n.name)
     for o in p.outputs:
         if o not in written:

@@ -175,8 +175,8 @@ def lower_slice(ctx: LowerCtx, node: Node, args: list[Lazy]) -> Lazy:
         v = x.view
         strides = list(v.strides)
         strides[dim] = v.strides[dim] * step
-        return from_view(x.dtype, shape, View(v.buf, sympy.expand(v.offset + start * v.strides[dim]),
-                                              tuple(strides)))
+        offset = sympy.expand(v.offset + start * v.strides[dim])
+        return from_view(x.dtype, shape, View(v.buf, offset, tuple(strides)))
 
     def fn(idx: Index) -> L.Expr:
         src = list(idx)
@@ -196,8 +196,8 @@ def lower_select(ctx: LowerCtx, node: Node, args: list[Lazy]) -> Lazy:
     if x.view is not None:
         v = x.view
         strides = tuple(s for k, s in enumerate(v.strides) if k != dim)
-        return from_view(x.dtype, shape, View(v.buf, sympy.expand(v.offset + index * v.strides[dim]),
-                                              strides))
+        offset = sympy.expand(v.offset + index * v.strides[dim])
+        return from_view(x.dtype, shape, View(v.buf, offset, strides))
 
     def fn(idx: Index) -> L.Expr:
         return x.load(tuple(idx[:dim]) + (index,) + tuple(idx[dim:]))
