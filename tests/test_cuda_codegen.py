@@ -178,7 +178,11 @@ def interp_cases():
     r = torch.randn(5, 7, 3)
     i = torch.randint(0, 50, (4, 9))
     c = torch.randn(2, 3, 9, 9)
+    from test_mutation import Stateful
+    slot = torch.tensor([2.0])
     return [
+        ("state_buffers", Stateful().train(), (x[:3, :4], slot), None, (x[:3, :4], slot),
+         1e-4),
         ("ln_softmax_small", LnSoftmax(), (x,), None, (x,), 1e-4),
         ("reductions", Reductions(), (r,), None, (r,), 1e-4),
         ("embedding", Embed(), (i,), None, (i,), 1e-4),

@@ -94,6 +94,8 @@ class Matmuls(nn.Module):
             "addmm": torch.addmm(b[0], a, b), "addmm_ab": torch.addmm(b[:5], a, b, beta=0.5,
                                                                       alpha=2.0),
             "linear_relu": torch.relu(self.lin(a)) * 2, "matmul_sum": (a @ b).sum(0),
+            "outer_k1": a[:, :1] @ b[:1], "m1_n1": a[:1] @ b[:, :1], "row_vec": a[2:3] @ b,
+            "bmm_batch1": torch.bmm(c[:1], c[:1].mT), "matmul_0d": a[0] @ b[:, 0],
         }
 
 
@@ -164,10 +166,14 @@ def test_pooling(check, shape, layout, dtype):
     check(Layout(Fn(pools), layout), (x,))
 
 
-def test_max_pool_all_negative_padding(check):
-    x = -rand((1, 2, 5, 5), F32, gen("pool-neg")).abs() - 1  # padding must never win the max
-    check(Fn(lambda x: {"p1": F.max_pool2d(x, 3, 2, 1), "ceil": F.max_pool2d(x, 2, 2, 0, 1, True)}),
-          (x,))
+def test_max_pool_padding_never_wins(check):
+    g = gen("pool-neg")
+    x = -rand((1, 2, 5, 5), F32, g).abs() - 1  # all negative: padding must never win the max
+    i, u = rand((2, 3, 6, 7), torch.int64, g, -9, -1), rand((1, 2, 5, 5), torch.uint8, g, 0, 9)
+    check(Fn(lambda x, i, u: {
+        "p1": F.max_pool2d(x, 3, 2, 1), "ceil": F.max_pool2d(x, 2, 2, 0, 1, True),
+        "int64_p1": F.max_pool2d(i, 3, 2, 1), "int64_ceil": F.max_pool2d(i, 2, 2, 1, 1, True),
+        "uint8_p1": F.max_pool2d(u, 3, 1, 1)}), (x, i, u))
 
 
 # -- attention ---------------------------------------------------------------------------------
@@ -233,9 +239,11 @@ def test_dynamic_linear_norm_attention(check):
 
 
 def test_dynamic_conv_pool(check):
-    b = dim("b", 1, 16)
+    b, h, w = dim("b", 1, 16), dim("h", 4, 64), dim("w", 4, 64)
     mods = init(Dict(conv=nn.Sequential(nn.Conv2d(3, 4, 3, padding=1), nn.ReLU()),
                      pool=nn.MaxPool2d(2), avg=nn.AvgPool2d(3, 1, 1), gn=nn.GroupNorm(3, 3),
+                     max_s2=nn.MaxPool2d(3, 2, 1), avg_nopad=nn.AvgPool2d(3, 2, 1, False, False),
                      bn=nn.BatchNorm2d(3), gap=nn.AdaptiveAvgPool2d(1)), "dyn-conv")
-    xs = [rand((k, 3, 8, 6), F32, gen("dyn-conv", k)) for k in (2, 1, 5, 16)]
-    check(mods, (xs[0],), more=[(x,) for x in xs[1:]], dynamic_shapes=({0: b},))
+    xs = [rand(s, F32, gen("dyn-conv", s)) for s in [(2, 3, 8, 6), (1, 3, 4, 4), (5, 3, 31, 17),
+                                                      (16, 3, 9, 64)]]
+    check(mods, (xs[0],), more=[(x,) for x in xs[1:]], dynamic_shapes=({0: b, 2: h, 3: w},))

@@ -69,6 +69,29 @@ def test_unary_special_values(check):
     check(Fn(specials), (x.double(),))
 
 
+def int_unary(i):
+    return {"abs": i.abs(), "neg": -i, "sign": i.sign(), "exp": i.exp(), "sqrt": i.abs().sqrt(),
+            "sigmoid": i.sigmoid(), "tanh": torch.tanh(i), "relu": i.relu(),
+            "clamp": i.clamp(-3, 4), "clamp_min": i.clamp(min=-3), "floor": i.floor(),
+            "round": i.round(), "square": i.square(), "reciprocal": i.reciprocal(),
+            "log1p": i.abs().log1p(), "erf": i.erf(), "isnan": i.isnan()}
+
+
+def test_unary_integer_inputs(check):
+    g = gen("int-unary")
+    args = [rand((7, 13), dt, g, 0 if dt == torch.uint8 else -10, 10)
+            for dt in (I64, I32, torch.int8, torch.uint8)]
+    b = rand((5, 6), BOOL, g)
+
+    def fn(a, c, d, e, b):
+        out = {f"{k}_{t}": v for t, x in zip(("i64", "i32", "i8", "u8"), (a, c, d, e))
+               for k, v in int_unary(x).items()}
+        return {**out, "bool_add": b + b, "bool_mul": b * b, "bool_max": torch.maximum(b, ~b),
+                "bool_float": b.float() * 2, "bool_neg_long": -(b.long())}
+
+    check(Fn(fn), (*args, b))
+
+
 # -- binary arithmetic -------------------------------------------------------------------------
 def arith(a, b):
     return {"add": a + b, "sub": a - b, "mul": a * b, "add_alpha": torch.add(a, b, alpha=2),

@@ -95,6 +95,18 @@ def test_integer_reductions(check, shape, dtype):
     check(Fn(int_reductions), (rand(shape, dtype, gen("int-red", shape, dtype)),))
 
 
+def test_long_reductions(check):
+    """Reduced dims of 20k elements (inner and outer): vectorised and parallel paths."""
+    g = gen("long")
+    a, b = rand((3, 20000), F32, g), rand((20000, 3), F32, g)
+    check(Fn(lambda a, b: {
+        "sum1": a.sum(1), "amax1": a.amax(1), "argmax1": a.argmax(1), "var1": a.var(1),
+        "var_offset": (a + 1000).var(1), "sum_offset": (a + 1000).sum(1), "sum0": b.sum(0),
+        "argmin0": b.argmin(0), "mean_all": a.mean(), "prod1": (1 + 1e-3 * a).prod(1),
+        "softmax1": a.softmax(1), "log_softmax0": b.log_softmax(0), "any1": (a > 4).any(1),
+        "t_sum": b.t().sum(1)}), (a, b))
+
+
 def test_bool_reductions(check):
     b = rand((6, 9), BOOL, gen("bool-red"))
     check(Fn(lambda b: {"any0": b.any(0), "all1": b.all(1), "any_all": b.any(), "all": b.all(),

@@ -118,8 +118,10 @@ class _Scope:
             self.lines.append(f"{var} = tl.where({bad}, 0, {var})")
             names[ind.var.name] = var
             self.status[0] = True
-        return (f"tl.load(buf_{e.buf} + {to_tl(e.index, names)}, mask={self.mask}, "
-                f"other=0)")
+        idx = to_tl(e.index, names)
+        if not any(names.get(str(v), "0") != "0" for v in sympy.sympify(e.index).free_symbols):
+            idx += " + xidx * 0"  # a block pointer: the mask is a block
+        return f"tl.load(buf_{e.buf} + {idx}, mask={self.mask}, other=0)"
 
 
 def _pow2(n: int) -> int:

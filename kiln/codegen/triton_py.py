@@ -88,7 +88,8 @@ def _strided(buf: torch.Tensor, op, batch, rows, cols, env) -> torch.Tensor:
 def run_program(prog: P.Program, kernels: dict, module, weights: dict, inputs: list,
                 device: str = "cpu") -> list[torch.Tensor]:
     env: dict[str, int] = {}
-    bufs: dict[str, torch.Tensor] = {w: t.reshape(-1).to(device) for w, t in weights.items()}
+    bufs: dict[str, torch.Tensor] = {w: t.reshape(-1).to(device).clone()
+                                     for w, t in weights.items()}
     status = torch.zeros(1, dtype=torch.int32, device=device)
     for x in prog.lines:
         if isinstance(x, P.CheckInput):
@@ -124,6 +125,8 @@ def run_program(prog: P.Program, kernels: dict, module, weights: dict, inputs: l
             b = _strided(bufs[g.b.buf].reshape(-1), g.b, g.batch, g.k, g.n, env)
             out = bufs[g.name].reshape(-1)
             out[:a.shape[:-1].numel() * b.shape[-1]].copy_(torch.matmul(a, b).reshape(-1))
+        elif isinstance(x, P.CopyState):
+            bufs[x.dst].reshape(-1).copy_(bufs[x.src].reshape(-1)[:bufs[x.dst].numel()])
         elif isinstance(x, P.Return):
             return [bufs[b] for b in x.buffers]
     raise ValueError("program has no Return")

@@ -131,6 +131,12 @@ class _Printer:
         self.emit(f"    buf_{g.b.buf} + {sz} * {to_c(g.b.offset)}, {to_c(sb[0])}, "
                   f"{to_c(sb[1])}, {to_c(g.b.rows)}, {to_c(g.b.cols)}, buf_{g.name})) goto fail;")
 
+    def _CopyState(self, x: P.CopyState) -> None:  # the instance owns its device weights
+        self.emit(f"// state {x.dst} <- {x.src}: persists to the next run")
+        self.emit(f"if (kc::check(e, kc::driver().cuMemcpyDtoDAsync(buf_{x.dst}, buf_{x.src}, "
+                  f"static_cast<size_t>({to_c(x.numel)}) * {x.dtype.itemsize}, stream), "
+                  f"{_cstr('state ' + x.dst)})) goto fail;")
+
     def _Return(self, x: P.Return) -> None:
         if any(getattr(k, "status", False) for k in self.kernels.values()):
             self.emit("if (kc::check(e, kc::driver().cuMemcpyDtoHAsync(&status, self->status, "

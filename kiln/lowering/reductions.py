@@ -191,6 +191,17 @@ def _window(x: Lazy, idx, r, kernel, stride, padding, dilation):
     return tuple(src), cond
 
 
+def _lowest(dt):
+    """Padding value of a max pool: -inf, or the smallest integer (int64: INT64_MIN + 1, which
+    C++ can spell as a literal; it differs only for a window whose elements all equal
+    INT64_MIN)."""
+    if dt.is_float:
+        return float("-inf")
+    if not dt.is_signed:
+        return 0
+    return -(2 ** (8 * dt.itemsize - 1)) + (dt.itemsize == 8)
+
+
 def lower_max_pool2d(ctx: LowerCtx, node: Node, args: list[Lazy]) -> Lazy:
     (x,) = args
     kernel, stride = node.attr("kernel"), node.attr("stride")
@@ -206,7 +217,7 @@ def lower_max_pool2d(ctx: LowerCtx, node: Node, args: list[Lazy]) -> Lazy:
                 c = op("lt", L.Index(pos, dtypes.int64), L.Index(x.shape[2 + a], dtypes.int64),
                        dtype=dtypes.bool_)
                 cond = c if cond is None else op("logical_and", cond, c, dtype=dtypes.bool_)
-        body = op("where", cond, body, const(float("-inf"), dt))
+        body = op("where", cond, body, const(_lowest(dt), dt))
     return ctx.reduction(node.name, dt, node.type.shape, "max", tuple(kernel), body,
                          (node.source,))
 

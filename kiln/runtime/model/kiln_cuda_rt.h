@@ -37,7 +37,7 @@ struct Driver {
   KC_FN(cuMemFree); KC_FN(cuMemcpyHtoD); KC_FN(cuMemcpyDtoHAsync); KC_FN(cuMemsetD8Async);
   KC_FN(cuMemsetD32Async); KC_FN(cuStreamSynchronize); KC_FN(cuGetErrorString);
   KC_FN(cuMemPoolCreate); KC_FN(cuMemPoolDestroy); KC_FN(cuMemPoolSetAttribute);
-  KC_FN(cuMemAllocFromPoolAsync); KC_FN(cuMemFreeAsync);
+  KC_FN(cuMemAllocFromPoolAsync); KC_FN(cuMemFreeAsync); KC_FN(cuMemcpyDtoDAsync);
 };
 #undef KC_FN
 
@@ -72,6 +72,7 @@ inline const Driver &driver() {
     KC_SYM(cuMemPoolSetAttribute, "cuMemPoolSetAttribute")
     KC_SYM(cuMemAllocFromPoolAsync, "cuMemAllocFromPoolAsync")
     KC_SYM(cuMemFreeAsync, "cuMemFreeAsync")
+    KC_SYM(cuMemcpyDtoDAsync, "cuMemcpyDtoDAsync_v2")
 #undef KC_SYM
     return t;
   }();
