@@ -185,3 +185,35 @@ def test_weight_only_subgraphs_are_folded(tmp_path):
     r2.update_weights(m2.state_dict())
     for g, w in zip(r2(x), m2(x)):
         torch.testing.assert_close(g, w.detach())
+
+
+def test_update_from_file_checks_shapes(net_runner, tmp_path):
+    m, runner = net_runner
+    names = {w["fqn"]: w["name"] for w in runner.manifest["weights"]}
+    state = {names[k]: v.contiguous() for k, v in m.state_dict().items() if k in names}
+    state[names["fc1.weight"]] = state[names["fc1.weight"]].reshape(16, 32).contiguous()
+    path = tmp_path / "reshaped.safetensors"
+    save_file(state, str(path))  # same dtype and byte size, different shape
+    with pytest.raises(kiln.errors.KilnError, match=r"has shape \[16, 32\], the model expects "
+                                                    r"\[32, 16\]"):
+        runner.update_weights(path)
+
+
+def test_incompatible_manifest_is_refused(tmp_path):
+    import zipfile
+
+    from kiln.package import read_package, write_package
+
+    m = torch.nn.Linear(4, 2)
+    path = kiln.compile(m, (torch.randn(1, 4),)).save(tmp_path / "m.kiln")
+    pkg = read_package(path)
+    files = {n: pkg.read(n) for n in pkg.names if n not in ("manifest.json",
+                                                             "weights.safetensors")}
+    manifest = {k: v for k, v in pkg.manifest.items() if k not in ("files", "format")}
+    for key, value, msg in (("schema", "kiln.manifest/99", "manifest schema"),
+                            ("abi_version", 7, "abi_version 7")):
+        bad = tmp_path / f"bad_{key}.kiln"
+        write_package(bad, {**manifest, key: value}, files, pkg.weights())
+        with pytest.raises(kiln.errors.KilnError, match=msg):
+            kiln.load(bad)
+    assert zipfile.is_zipfile(path)

@@ -17,6 +17,7 @@
 #include <cstddef>
 #include <cstdlib>
 #include <cstring>
+#include <map>
 #include <memory>
 #include <mutex>
 #include <new>
@@ -84,6 +85,7 @@ struct kiln_model {
   void *instance = nullptr;
   int32_t device_type = kDLCPU;  // kDLCUDA: the table's device fields are valid
   int32_t device_id = 0;
+  std::map<std::string, std::vector<int64_t>> weight_shapes;  // from the manifest, by name
   std::mutex mu;
 };
 
@@ -107,7 +109,41 @@ int guarded(F &&body) {
 }
 
 // Returns the manifest's "device" ("cpu" when absent: packages from before device support).
-std::string check_manifest(const kiln::ZipReader &zip) {
+constexpr const char *kSchema = "kiln.manifest/1";
+constexpr int64_t kManifestAbi = 1;
+
+struct ManifestInfo {
+  std::string device;
+  std::map<std::string, std::vector<int64_t>> weight_shapes;
+};
+
+// Expected weight shapes by name (a package from another version or a hand-made package
+// may lack them: then only dtype and size are checked).
+std::map<std::string, std::vector<int64_t>> weight_shapes(const kiln::Json &man) {
+  std::map<std::string, std::vector<int64_t>> out;
+  const kiln::Json *ws = man.get("weights");
+  if (!ws || ws->type != kiln::Json::Array) return out;
+  for (const kiln::Json &w : ws->items) {
+    const kiln::Json *name = w.get("name");
+    const kiln::Json *shape = w.get("shape");
+    if (!name || name->type != kiln::Json::String || !shape ||
+        shape->type != kiln::Json::Array) continue;
+    std::vector<int64_t> dims;
+    for (const kiln::Json &d : shape->items) dims.push_back(d.is_int ? d.integer : -1);
+    out[name->str] = dims;
+  }
+  return out;
+}
+
+std::string shape_text(const std::vector<int64_t> &shape) {
+  std::string out = "[";
+  for (size_t i = 0; i < shape.size(); ++i) {
+    out += (i ? ", " : "") + std::to_string(shape[i]);
+  }
+  return out + "]";
+}
+
+ManifestInfo check_manifest(const kiln::ZipReader &zip) {
   const std::string what = kiln::format("kiln: package '%s': entry 'manifest.json'",
                                         zip.path().c_str());
   kiln::Span s = zip.entry("manifest.json");
@@ -122,8 +158,21 @@ std::string check_manifest(const kiln::ZipReader &zip) {
     kiln::fail("%s: unsupported package format \"%s\" (this libkiln reads \"%s\")",
                what.c_str(), fmt->str.c_str(), kFormat);
   }
+  const kiln::Json *schema = man.get("schema");
+  if (schema && (schema->type != kiln::Json::String || schema->str != kSchema)) {
+    kiln::fail("%s: manifest schema \"%s\" is not the one this libkiln reads (\"%s\"); "
+               "recompile the model with this kiln version", what.c_str(),
+               schema->type == kiln::Json::String ? schema->str.c_str() : "?", kSchema);
+  }
+  const kiln::Json *abi = man.get("abi_version");
+  if (abi && (!abi->is_int || abi->integer != kManifestAbi)) {
+    kiln::fail("%s: abi_version %lld is not supported (this libkiln supports %lld)",
+               what.c_str(), static_cast<long long>(abi->is_int ? abi->integer : -1),
+               static_cast<long long>(kManifestAbi));
+  }
   const kiln::Json *dev = man.get("device");
-  return dev && dev->type == kiln::Json::String ? dev->str : std::string("cpu");
+  return {dev && dev->type == kiln::Json::String ? dev->str : std::string("cpu"),
+          weight_shapes(man)};
 }
 
 // "cpu" -> (kDLCPU, 0); "cuda" -> (kDLCUDA, 0); "cuda:N" -> (kDLCUDA, N); else fails.
@@ -184,7 +233,8 @@ const kiln_model_abi *open_library(const kiln::ZipReader &zip) {
 }
 
 std::vector<const void *> bind_blob(const unsigned char *data, uint64_t size,
-                                    const kiln_model_abi *abi, const std::string &what) {
+                                    const kiln_model_abi *abi, const std::string &what,
+                                    const std::map<std::string, std::vector<int64_t>> &shapes) {
   std::vector<const void *> ptrs;
   auto tensors = kiln::parse_safetensors(data, size, what);
   for (int64_t i = 0; i < abi->n_weights; ++i) {
@@ -199,6 +249,11 @@ std::vector<const void *> bind_blob(const unsigned char *data, uint64_t size,
       kiln::fail("%s: weight '%s' has dtype %s, the model expects %s", what.c_str(), name,
                  t.dtype.c_str(), dtype);
     }
+    auto want = shapes.find(name);
+    if (want != shapes.end() && want->second != t.shape) {
+      kiln::fail("%s: weight '%s' has shape %s, the model expects %s", what.c_str(), name,
+                 shape_text(t.shape).c_str(), shape_text(want->second).c_str());
+    }
     if (abi->weight_nbytes[i] < 0 || t.nbytes != static_cast<uint64_t>(abi->weight_nbytes[i])) {
       kiln::fail("%s: weight '%s' has %llu bytes, the model expects %lld", what.c_str(), name,
                  static_cast<unsigned long long>(t.nbytes),
@@ -209,7 +264,8 @@ std::vector<const void *> bind_blob(const unsigned char *data, uint64_t size,
   return ptrs;
 }
 
-std::vector<const void *> bind_weights(const kiln::ZipReader &zip, const kiln_model_abi *abi) {
+std::vector<const void *> bind_weights(const kiln::ZipReader &zip, const kiln_model_abi *abi,
+                                       const std::map<std::string, std::vector<int64_t>> &shapes) {
   const char *p = zip.path().c_str();
   const char *entry = "weights.safetensors";
   if (!zip.has(entry)) {
@@ -218,7 +274,8 @@ std::vector<const void *> bind_weights(const kiln::ZipReader &zip, const kiln_mo
                static_cast<long long>(abi->n_weights));
   }
   kiln::Span s = zip.entry(entry);
-  return bind_blob(s.data, s.size, abi, kiln::format("kiln: package '%s': entry '%s'", p, entry));
+  return bind_blob(s.data, s.size, abi, kiln::format("kiln: package '%s': entry '%s'", p, entry),
+                   shapes);
 }
 
 void free_outputs(DLManagedTensor **outputs, int64_t n) {
@@ -243,7 +300,9 @@ KILN_API int kiln_model_load(const char *package_path, const char *device, kiln_
     auto m = std::make_unique<kiln_model>();
     parse_device(device, &m->device_type, &m->device_id);
     m->package = std::make_unique<kiln::ZipReader>(package_path);
-    const std::string built_for = check_manifest(*m->package);
+    const ManifestInfo info = check_manifest(*m->package);
+    const std::string &built_for = info.device;
+    m->weight_shapes = info.weight_shapes;
     const bool want_cuda = m->device_type == kDLCUDA;
     if (built_for != (want_cuda ? "cuda" : "cpu")) {
       kiln::fail("kiln_model_load: package '%s' was compiled for device \"%s\", cannot load it "
@@ -256,7 +315,7 @@ KILN_API int kiln_model_load(const char *package_path, const char *device, kiln_
       kiln::fail("kiln: package '%s': its manifest says cuda but lib/model.so is not a CUDA model",
                  package_path);
     }
-    std::vector<const void *> weights = bind_weights(*m->package, m->abi);
+    std::vector<const void *> weights = bind_weights(*m->package, m->abi, m->weight_shapes);
     char err[1024] = {0};
     m->instance = create_instance(m.get(), weights, err, sizeof err);
     err[sizeof err - 1] = '\0';
@@ -348,7 +407,8 @@ KILN_API int kiln_model_update_weights(kiln_model *m, const char *safetensors_pa
     if (!safetensors_path) kiln::fail("kiln_model_update_weights: safetensors_path is NULL");
     auto file = std::make_unique<kiln::FileMap>(safetensors_path);
     std::string what = kiln::format("kiln: weights file '%s'", safetensors_path);
-    std::vector<const void *> ptrs = bind_blob(file->data(), file->size(), m->abi, what);
+    std::vector<const void *> ptrs = bind_blob(file->data(), file->size(), m->abi, what,
+                                               m->weight_shapes);
     char err[1024] = {0};
     void *fresh = create_instance(m, ptrs, err, sizeof err);
     err[sizeof err - 1] = '\0';
