@@ -290,3 +290,16 @@ def test_dynamic_strided_integer(check):
                        "count": (i % 4 == 0).sum(0)})
     args = [(rand((k, 6), I64, gen("dyn-int", k)),) for k in (4, 2, 77, 512)]
     check(fn, args[0], more=args[1:], dynamic_shapes=({0: n},))
+
+
+def test_int64_minimum_literal(tmp_path):
+    """The int64 minimum as a constant compiles and compares like eager."""
+    import kiln
+
+    class Floor(torch.nn.Module):
+        def forward(self, i):
+            return torch.maximum(i, torch.full((3,), -2**63, dtype=torch.int64))
+
+    i = torch.tensor([5, -3, 7])
+    runner = kiln.compile(Floor(), (i,)).load(tmp_path / "m.kiln")
+    torch.testing.assert_close(runner(i), Floor()(i))

@@ -36,7 +36,11 @@ def c_literal(value, dt) -> str:
         text = repr(v)
         return f"{text}f" if dt.name == "float32" else text
     v = int(value)
-    return f"INT64_C({v})" if dt.name == "int64" else f"static_cast<{dt.c_type}>({v})"
+    if v == -(2**63):  # the literal 9223372036854775808 does not fit int64 before negation
+        text = "(-INT64_C(9223372036854775807) - 1)"
+    else:
+        text = f"INT64_C({v})"
+    return text if dt.name == "int64" else f"static_cast<{dt.c_type}>({text})"
 
 
 @dataclass

@@ -31,6 +31,12 @@ from kiln.runtime.build import build_libkiln
 from kiln.runtime.weights import checked_tensors, write_weights_file
 
 KILN_ABI_VERSION = 1
+_DL_META: dict = {}  # (torch dtype, device) -> (DLDevice, DLDataType)
+_P64 = ctypes.POINTER(ctypes.c_int64)
+
+
+def _I64P(address: int):  # noqa: N802 - reads as a type constructor
+    return ctypes.cast(address, _P64)
 _CAPSULE_NAME = ctypes.create_string_buffer(b"dltensor")  # must outlive every capsule
 _USED_NAME = b"used_dltensor"
 
@@ -116,6 +122,8 @@ class Runner:
         self._n_in = int(self._lib.kiln_model_num_inputs(handle))
         self._n_out = int(self._lib.kiln_model_num_outputs(handle))
         self._constants = {int(c["index"]): c for c in m.get("constant_inputs", [])}
+        self._positional = self._in_spec is not None and self._in_spec == pytree.tree_flatten(
+            (tuple(range(self._in_spec.num_leaves)), {}))[1]
         if self._in_spec is not None and \
                 self._in_spec.num_leaves - len(self._constants) != self._n_in:
             self.close()
@@ -159,6 +167,9 @@ class Runner:
         return self._names[i] if i < len(self._names) else f"arg{i}"
 
     def _flatten(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> list[Any]:
+        if self._positional and not kwargs and len(args) == self._in_spec.num_leaves and \
+                not any(isinstance(a, (list, tuple, dict)) for a in args):
+            return self._drop_constants(list(args))  # plain positional leaves: no pytree work
         if self._in_spec is None:
             if kwargs:
                 raise InputError("this model takes no keyword arguments")
@@ -193,18 +204,22 @@ class Runner:
         if t.layout != torch.strided:
             raise InputError(f"input {i} ({self._name(i)}): expected a strided tensor, got "
                              f"layout {t.layout}")
-        t = t.detach().resolve_conj().resolve_neg()
-        code = dl.DTYPE_TO_DL.get(t.dtype)
-        dev = dl.dl_device(t.device)
-        if code is None or dev is None:
-            raise InputError(f"input {i} ({self._name(i)}): unsupported dtype/device "
-                             f"{t.dtype}/{t.device}")
-        shape = (ctypes.c_int64 * max(t.dim(), 1))(*t.shape)
-        strides = (ctypes.c_int64 * max(t.dim(), 1))(*t.stride())
-        keep += [t, shape, strides]
-        return dl.DLTensor(t.data_ptr(), dl.DLDevice(*dev), t.dim(), dl.DLDataType(*code, 1),
-                           ctypes.cast(shape, ctypes.POINTER(ctypes.c_int64)),
-                           ctypes.cast(strides, ctypes.POINTER(ctypes.c_int64)), 0)
+        if t.is_conj() or t.is_neg():
+            t = t.resolve_conj().resolve_neg()
+        key = (t.dtype, t.device)
+        meta = _DL_META.get(key)
+        if meta is None:
+            code = dl.DTYPE_TO_DL.get(t.dtype)
+            dev = dl.dl_device(t.device)
+            if code is None or dev is None:
+                raise InputError(f"input {i} ({self._name(i)}): unsupported dtype/device "
+                                 f"{t.dtype}/{t.device}")
+            meta = _DL_META[key] = (dl.DLDevice(*dev), dl.DLDataType(*code, 1))
+        n = t.dim()
+        dims = (ctypes.c_int64 * max(2 * n, 1))(*t.shape, *t.stride())  # shape, then strides
+        keep += [t, dims]
+        base = ctypes.addressof(dims)
+        return dl.DLTensor(t.data_ptr(), meta[0], n, meta[1], _I64P(base), _I64P(base + 8 * n), 0)
 
     def update_weights(self, weights: Mapping[str, Any] | str | os.PathLike[str]) -> None:
         """Replace the weights without recompiling: a safetensors file (keys are the manifest's
