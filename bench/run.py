@@ -191,8 +191,9 @@ def measure(model: str, system: str, repeat: int, warmup: int, timeout: float,
            "--warmup", str(warmup), "--worker-out", out]
     env = dict(os.environ, OMP_NUM_THREADS=str(THREADS))
     cache = tempfile.mkdtemp(prefix="kiln-bench-cache-")
-    if not warm_cache:  # cold compiles: inductor gets an empty cache directory
+    if not warm_cache:  # cold compiles: inductor and kiln get empty cache directories
         env["TORCHINDUCTOR_CACHE_DIR"] = cache
+        env["KILN_CACHE_DIR"] = os.path.join(cache, "kiln")
     t = time.perf_counter()
     try:
         proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env,
