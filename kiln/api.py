@@ -157,6 +157,7 @@ def compile(model, example_args=None, *, example_kwargs=None, dynamic_shapes=Non
         "arena_bytes": built.plan.arena_bytes,
         "lower_bound_bytes": built.plan.lower_bound_bytes,
         "weights_bytes": sum(w.nbytes for w in built.program.weights),
+        "reorder_peak_bytes": {"program_order": built.reorder[0], "chosen": built.reorder[1]},
         "example_sizes": env,
         "output_numel": [evaluate(1, env)],
     }

@@ -37,6 +37,8 @@ class Options:
     dump_dir: str | None = None
     #: Byte alignment of every arena offset.
     alignment: int = 64
+    #: Reorder independent kernels/GEMMs to lower peak memory (kept only when it helps).
+    reorder_for_memory: bool = True
     #: Time budget (seconds) for the memory planner's search.
     plan_budget_s: float = 0.5
     #: CUDA builds (`kiln.compile(..., device="cuda")`): target architectures as integers

@@ -25,6 +25,7 @@ from kiln.options import Options
 from kiln.passes.dce import dce
 from kiln.schedule import Kernel, schedule
 from kiln.schedule.program import build_program
+from kiln.schedule.reorder import reorder_for_memory
 from kiln.toolchain.cxx import Toolchain, build_shared
 
 RUNTIME = Path(__file__).parent / "runtime"
@@ -63,6 +64,7 @@ class Built:
     timings: dict[str, float]
     device: str = "cpu"  # "cpu" or "cuda" (pipeline_cuda.py built the library)
     cuda: dict = field(default_factory=dict)  # archs and kernel launch configs (CUDA builds)
+    reorder: tuple = (0, 0)  # peak temp bytes of program order, and of the order chosen
 
 
 def _blas() -> tuple[Path, Path]:
@@ -121,6 +123,12 @@ def build(ep: torch.export.ExportedProgram, opts: Options, device: str = "cpu") 
     # 4. Loop IR -> kernels (fusion by shared outer loops)
     steps = run.stage("schedule", lambda p: schedule(p, opts.fuse), loop,
                       dump=lambda s: "\n".join(map(repr, s)))
+    # 4b. run independent steps in the order that lowers peak memory (never worse)
+    reordered = (0, 0)
+    if opts.reorder_for_memory:
+        env = {s.name: s.example for s in graph.symbols}
+        steps, *reordered = run.stage("reorder", lambda s: reorder_for_memory(s, loop, env),
+                                      steps)
     weights = {i.name: imported.weights[i.name] for i in graph.weights}
     specs = [WeightSpec(i.name, i.fqn, i.type.dtype, tuple(int(d) for d in i.type.shape),
                         weights[i.name].numel() * weights[i.name].element_size(),
@@ -140,7 +148,7 @@ def build(ep: torch.export.ExportedProgram, opts: Options, device: str = "cpu") 
         hints = {s.name: s.example for s in graph.symbols}
         sources, lib, info = build_cuda(run, steps, buffers, program, hints, opts)
         return Built(graph, loop, steps, program, plan, ivs, sources, lib, weights, run.timings,
-                     "cuda", info)
+                     "cuda", info, reorder=tuple(reordered))
     # 7. printers: C++ kernels, the C++ wrapper (artifact) and the Python wrapper (debugging)
     sources, decls = run.stage("codegen", kernel_sources, steps, buffers, opts,
                                program_aliases(program))
@@ -153,4 +161,5 @@ def build(ep: torch.export.ExportedProgram, opts: Options, device: str = "cpu") 
     cpp = {k: v for k, v in sources.items() if k.endswith(".cpp")}
     lib, tt = run.stage("compile", lambda s: build_shared(toolchain(opts), s), cpp)
     run.timings.update({f"compile.{k}": v for k, v in tt.items()})
-    return Built(graph, loop, steps, program, plan, ivs, sources, lib, weights, run.timings)
+    return Built(graph, loop, steps, program, plan, ivs, sources, lib, weights, run.timings,
+                 reorder=tuple(reordered))
