@@ -23,7 +23,7 @@ from kiln.memory.assign import assign_offsets
 from kiln.memory.inplace import program_aliases
 from kiln.options import Options
 from kiln.passes.dce import dce
-from kiln.schedule import Kernel, schedule
+from kiln.schedule import Kernel, localize_rows, schedule
 from kiln.schedule.program import build_program
 from kiln.schedule.reorder import reorder_for_memory
 from kiln.toolchain.cxx import Toolchain, build_shared
@@ -123,6 +123,8 @@ def build(ep: torch.export.ExportedProgram, opts: Options, device: str = "cpu") 
     # 4. Loop IR -> kernels (fusion by shared outer loops)
     steps = run.stage("schedule", lambda p: schedule(p, opts.fuse), loop,
                       dump=lambda s: "\n".join(map(repr, s)))
+    if not cuda:  # 4a. fused intermediates as per-thread rows (Triton kernels keep tiles)
+        steps = run.stage("localize", lambda s: localize_rows(s, loop), steps)
     # 4b. run independent steps in the order that lowers peak memory (never worse)
     reordered = (0, 0)
     if opts.reorder_for_memory:

@@ -118,3 +118,12 @@ def test_unsupported_op_is_a_clear_error():
 
     with pytest.raises(kiln.errors.UnsupportedError, match="sort"):
         kiln.compile(Sort(), (torch.randn(4, 4),))
+
+
+def test_fused_intermediates_live_in_per_thread_rows(compiled):
+    """The layer norm output and the softmax input are consumed only inside their fused kernel:
+    they become stack rows, not arena buffers."""
+    _, c = compiled
+    text = "".join(v for k, v in c.sources.items() if k.startswith("kernels_"))
+    assert "row_native_layer_norm[" in text
+    assert "native_layer_norm" not in {b["name"] for b in c.manifest["plan"]["buffers"]}

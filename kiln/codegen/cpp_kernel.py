@@ -49,6 +49,7 @@ class ExprPrinter:
 
     locals: dict[str, str]  # reduction buffers held in registers: name -> variable
     status: list[bool]
+    rows: dict = field(default_factory=dict)  # row-local buffer -> base index of the row
     lines: list[str] = field(default_factory=list)
     memo: dict = field(default_factory=dict)
     counter: int = 0
@@ -94,6 +95,8 @@ class ExprPrinter:
                               f"static_cast<uint64_t>({b}))) "
                               f"{{ kr::flag(kiln_status); {var} = 0; }}")
             self.status[0] = True
+        if e.buf in self.rows:
+            return f"row_{e.buf}[{to_c(sympy.expand(e.index - self.rows[e.buf]))}]"
         return f"buf_{e.buf}[{to_c(e.index)}]"
 
 
@@ -102,10 +105,15 @@ def _loop(var: str, size, pragma: str | None = None) -> list[str]:
     return head + [f"for (int64_t {var} = 0; {var} < {to_c(size)}; ++{var}) {{"]
 
 
-def _member(m: L.Compute, k: int, locals_: dict[str, str], status: list[bool]) -> list[str]:
+def _member(m: L.Compute, k: int, locals_: dict[str, str], status: list[bool],
+            rows: dict | None = None) -> list[str]:
     """Statements of one member inside the outer loops (outer vars i0..i{k-1} are bound)."""
+    rows = rows or {}
     lines = [f"// {m.name} <- {', '.join(m.source)}"]
     iv = ivars(len(m.shape))
+    full_index = linear_index(iv, contiguous_strides(m.shape))
+    dest = (f"row_{m.name}[{to_c(sympy.expand(full_index - rows[m.name]))}]" if m.name in rows
+            else f"buf_{m.name}[{to_c(full_index)}]")
     inner = list(range(k, len(m.shape)))
     out_index = to_c(linear_index(iv, contiguous_strides(m.shape)))
     T = m.dtype.c_type
@@ -116,9 +124,9 @@ def _member(m: L.Compute, k: int, locals_: dict[str, str], status: list[bool]) -
             pragma = "#pragma omp simd" if j == len(inner) - 1 else None
             lines += _loop(f"i{d}", m.shape[d], pragma)
             opened += 1
-        p = ExprPrinter(locals_, status)
+        p = ExprPrinter(locals_, status, rows)
         v = p.value(m.body)
-        body_indent = p.lines + [f"buf_{m.name}[{out_index}] = {v};"]
+        body_indent = p.lines + [f"{dest} = {v};"]
         lines += ["  " + s for s in body_indent]
         lines += ["}"] * opened
         return ["{"] + ["  " + s for s in lines] + ["}"]
@@ -138,14 +146,14 @@ def _member(m: L.Compute, k: int, locals_: dict[str, str], status: list[bool]) -
                   "int64_t besti = 0; bool first = true;"]
         for j, r in enumerate(rv):
             lines += _loop(r.name, m.reduce.sizes[j])
-        p = ExprPrinter(locals_, status)
+        p = ExprPrinter(locals_, status, rows)
         x = p.value(m.body)
         flat = to_c(linear_index(rv, contiguous_strides(m.reduce.sizes)))
         lines += ["  " + s for s in p.lines]
         lines += [f"  if (first || ({x} {cmp} best) || ({x} != {x} && best == best)) "
                   f"{{ best = {x}; besti = {flat}; first = false; }}"]
         lines += ["}"] * len(rv)
-        lines.append(f"buf_{m.name}[{out_index}] = besti;")
+        lines.append(f"{dest} = besti;")
     else:
         ident, combine, clause = REDUCTIONS[kind]
         lines.append(f"{T} {acc} = {ident.format(T=T)};")
@@ -159,7 +167,7 @@ def _member(m: L.Compute, k: int, locals_: dict[str, str], status: list[bool]) -
                 if uses_nan:
                     pragma += f" reduction(|:{nan})"
             lines += _loop(r.name, m.reduce.sizes[j], pragma)
-        p = ExprPrinter(locals_, status)
+        p = ExprPrinter(locals_, status, rows)
         x = p.value(m.body)
         lines += ["  " + s for s in p.lines]
         lines.append("  " + combine.format(acc=acc, x=x, nan=nan))
@@ -169,19 +177,20 @@ def _member(m: L.Compute, k: int, locals_: dict[str, str], status: list[bool]) -
         if m.name in locals_:
             lines.append(f"{locals_[m.name]} = {acc};")
         else:
-            lines.append(f"buf_{m.name}[{out_index}] = {acc};")
+            lines.append(f"{dest} = {acc};")
     lines += ["}"] * opened
     return ["{"] + ["  " + s for s in lines] + ["}"]
 
 
 def kernel_params(kernel: Kernel, buffers: dict[str, L.Buffer]) -> list[tuple[str, str]]:
     """(kind, name) of every parameter, in order: buffers written, buffers read, sizes."""
-    written = [m.name for m in kernel.members if m.name not in kernel.locals]
+    private = kernel.locals | kernel.row_locals  # never leave the kernel: not parameters
+    written = [m.name for m in kernel.members if m.name not in private]
     read: list[str] = []
     syms: set = set()
     for m in kernel.members:
         for ld in L.loads(m.body):
-            if ld.buf not in written and ld.buf not in read and ld.buf not in kernel.locals:
+            if ld.buf not in written and ld.buf not in read and ld.buf not in private:
                 read.append(ld.buf)
         for e in list(m.shape) + list(m.reduce.sizes if m.reduce else ()):
             syms |= free_size_symbols(e)
@@ -236,8 +245,16 @@ def print_kernel(kernel: Kernel, buffers: dict[str, L.Buffer], num_threads: int 
     for name in sorted(kernel.locals):
         dt = next(m.dtype for m in kernel.members if m.name == name)
         body.append(f"{dt.c_type} v_{name};")
+    rows = {}
+    outer_base = linear_index(ivars(k), contiguous_strides(kernel.outer))
     for m in kernel.members:
-        body += _member(m, k, locals_, status)
+        if m.name in kernel.row_locals:
+            inner = sympy.Mul(*m.shape[k:])
+            rows[m.name] = sympy.expand(outer_base * inner)
+            body.append(f"alignas(64) {m.dtype.c_type} row_{m.name}[{to_c(inner)}];"
+                        "  // this outer iteration's slice only")
+    for m in kernel.members:
+        body += _member(m, k, locals_, status, rows)
     params = kernel_params(kernel, buffers)
     sig = []
     for kind, name in params:

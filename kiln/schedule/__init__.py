@@ -26,6 +26,7 @@ class Kernel:
     outer: tuple[sympy.Expr, ...]
     members: tuple[L.Compute, ...]
     locals: frozenset[str]  # reduction results kept in registers, never stored
+    row_locals: frozenset[str] = frozenset()  # buffers kept as one per-thread row (CPU)
 
     @property
     def source(self) -> tuple[str, ...]:
@@ -144,3 +145,44 @@ def schedule(prog: L.LoopProgram, fuse: bool = True) -> tuple[Step, ...]:
         name = f"k{len(steps)}_{members[-1].name}"
         steps.append(Kernel(name, outer, members, _locals(members, prog.nodes, outputs, outer)))
     return tuple(steps)
+
+
+ROW_LOCAL_MAX_BYTES = 64 * 1024  # per buffer; several may sit on one thread's stack
+
+
+def _inner_bytes(buf: L.Buffer, k: int) -> int | None:
+    inner = product(buf.shape[k:])
+    return int(inner) * buf.dtype.itemsize if inner.is_Integer else None
+
+
+def localize_rows(steps: tuple[Step, ...], prog: L.LoopProgram) -> tuple[Step, ...]:
+    """Buffers written and read only inside one kernel, always within the current outer
+    iteration's slice, need only that slice: one row per thread (on the stack) instead of a
+    whole buffer in the arena. Saves the round trip through memory of fused intermediates
+    (e.g. a layer norm's output consumed by the softmax fused after it)."""
+    from dataclasses import replace
+
+    buffers = {b.name: b for b in prog.buffers}
+    keep = {src for _, src in prog.mutations} | set(prog.outputs)
+    readers: dict[str, set[int]] = {}
+    for i, s in enumerate(steps):
+        for b in L.node_reads(s) if isinstance(s, L.Gemm) else {
+                ld.buf for m in s.members for ld in L.loads(m.body)}:
+            readers.setdefault(b, set()).add(i)
+    out: list[Step] = []
+    for i, s in enumerate(steps):
+        if not isinstance(s, Kernel) or not s.outer:
+            out.append(s)
+            continue
+        k, rows = len(s.outer), set()
+        for m in s.members:
+            b = buffers[m.name]
+            size = _inner_bytes(b, k)
+            if (m.name in s.locals or m.name in keep or b.kind != "temp" or size is None
+                    or size > ROW_LOCAL_MAX_BYTES or readers.get(m.name, set()) - {i}):
+                continue
+            if all(_row_local(ld, b, s.outer) for n in s.members for ld in L.loads(n.body)
+                   if ld.buf == m.name):
+                rows.add(m.name)
+        out.append(replace(s, row_locals=frozenset(rows)) if rows else s)
+    return tuple(out)
