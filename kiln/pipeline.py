@@ -161,7 +161,9 @@ def build(ep: torch.export.ExportedProgram, opts: Options, device: str = "cpu") 
             (Path(opts.dump_dir) / name).write_text(text)
     # 8. C++ compiler: parallel, cached by content hash
     cpp = {k: v for k, v in sources.items() if k.endswith(".cpp")}
-    lib, tt = run.stage("compile", lambda s: build_shared(toolchain(opts), s), cpp)
+    # the wrapper is straight-line glue around kernels and BLAS calls: -O1 compiles it faster
+    lib, tt = run.stage("compile", lambda s: build_shared(toolchain(opts), s,
+                                                          {"model.cpp": ("-O1",)}), cpp)
     run.timings.update({f"compile.{k}": v for k, v in tt.items()})
     return Built(graph, loop, steps, program, plan, ivs, sources, lib, weights, run.timings,
                  reorder=tuple(reordered))

@@ -69,8 +69,8 @@ def _loop_end(lines: list[str], header: int) -> int:
 def test_fusion_keeps_norm_and_softmax_in_one_kernel(compiled):
     _, c = compiled
     kernels = [k for k in c.manifest["kernels"] if k["kind"] == "cpp"]
-    fused = [k for k in kernels if "native_layer_norm" in k["source_ops"]]
-    assert len(fused) == 1 and "_softmax" in fused[0]["source_ops"]
+    fused = [k for k in kernels if any("layer_norm" in op for op in k["source_ops"])]
+    assert len(fused) == 1 and any("softmax" in op for op in fused[0]["source_ops"])
     assert len(kernels) <= 3
 
 
@@ -125,5 +125,5 @@ def test_fused_intermediates_live_in_per_thread_rows(compiled):
     they become stack rows, not arena buffers."""
     _, c = compiled
     text = "".join(v for k, v in c.sources.items() if k.startswith("kernels_"))
-    assert "row_native_layer_norm[" in text
-    assert "native_layer_norm" not in {b["name"] for b in c.manifest["plan"]["buffers"]}
+    assert re.search(r"row_\w*layer_norm\[", text)
+    assert not any("layer_norm" in b["name"] for b in c.manifest["plan"]["buffers"])

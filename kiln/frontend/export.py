@@ -17,6 +17,7 @@ from torch.export.graph_signature import InputKind, OutputKind
 from torch.utils import _pytree as pytree
 
 from kiln.errors import UnsupportedError
+from kiln.frontend.aten_high import Fallback
 from kiln.frontend.aten_table import TABLE
 from kiln.frontend.fold import fold_constants
 from kiln.frontend.symbols import SymbolTable
@@ -252,10 +253,31 @@ def _dump_spec(spec) -> str:
         return pytree.treespec_dumps(pytree.tree_flatten(plain)[1])
 
 
+def _all_known(ep: ExportedProgram) -> bool:
+    for n in ep.graph.nodes:
+        if n.op != "call_function" or n.target is operator.getitem:
+            continue
+        if isinstance(n.meta.get("val"), (torch.SymInt, int, float)):
+            continue
+        if str(n.target) not in TABLE:
+            return False
+    return True
+
+
 def import_program(ep: ExportedProgram, fold: bool = True) -> Imported:
-    """Decompose `ep` to core ATen and translate it to Graph IR; with `fold`, weight-only
-    subgraphs are evaluated now and become weights (see fold.py)."""
-    ep = ep.run_decompositions()
+    """Translate `ep` to Graph IR; with `fold`, weight-only subgraphs are evaluated now and
+    become weights (see fold.py). When every op is one kiln converts directly (aten_high.py
+    and aten_table.py), the program is imported as exported; otherwise (or when a converter
+    declines) it is decomposed to core ATen first."""
+    if _all_known(ep):
+        try:
+            return _import(ep, fold)
+        except Fallback:
+            pass
+    return _import(ep.run_decompositions(), fold)
+
+
+def _import(ep: ExportedProgram, fold: bool) -> Imported:
     syms = SymbolTable()
     b = Builder(syms)
     inputs, weights = _weights_and_inputs(ep, syms, b)

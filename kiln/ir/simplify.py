@@ -12,6 +12,7 @@ When anything is unknown the expression is left as it was."""
 from __future__ import annotations
 
 from collections.abc import Mapping
+from functools import lru_cache
 
 import sympy
 
@@ -20,6 +21,7 @@ from kiln.ir.sym import FloorDiv, ModIdx
 Bounds = tuple[sympy.Expr, sympy.Expr]
 
 
+@lru_cache(maxsize=65536)
 def _nonneg(e: sympy.Expr) -> bool:
     e = sympy.expand(e)
     if e.is_number:
@@ -71,6 +73,7 @@ def bounds(e: sympy.Expr, ranges: Mapping[sympy.Symbol, sympy.Expr]) -> Bounds |
     return None
 
 
+@lru_cache(maxsize=65536)
 def _split(x: sympy.Expr, c: sympy.Expr) -> tuple[sympy.Expr, sympy.Expr]:
     """x = q*c + r where q collects the terms of x divisible by c."""
     q, r = sympy.Integer(0), sympy.Integer(0)
@@ -88,6 +91,7 @@ def _below(b: Bounds | None, c: sympy.Expr) -> bool:
     return b is not None and _nonneg(b[0]) and _nonneg(c - 1 - b[1])
 
 
+@lru_cache(maxsize=65536)
 def _divides(c: sympy.Expr, g: sympy.Expr) -> sympy.Expr | None:
     ratio = sympy.cancel(c / g)
     num, den = sympy.fraction(ratio)
@@ -111,7 +115,19 @@ def _factor_out(x: sympy.Expr, c: sympy.Expr, ranges) -> tuple | None:
 
 
 def simplify_index(e: sympy.Expr, ranges: Mapping[sympy.Symbol, sympy.Expr]) -> sympy.Expr:
+    """`e` simplified under the loop variables' `ranges` (memoised: reshapes repeat)."""
     e = sympy.sympify(e)
+    if not e.has(FloorDiv, ModIdx):
+        return e
+    return _simplify_cached(e, frozenset(ranges.items()))
+
+
+@lru_cache(maxsize=65536)
+def _simplify_cached(e: sympy.Expr, ranges_key: frozenset) -> sympy.Expr:
+    return _simplify(e, dict(ranges_key))
+
+
+def _simplify(e: sympy.Expr, ranges: Mapping[sympy.Symbol, sympy.Expr]) -> sympy.Expr:
     if not e.has(FloorDiv, ModIdx):
         return e
     if isinstance(e, (FloorDiv, ModIdx)):

@@ -61,8 +61,10 @@ def _run(cmd: list[str], what: str) -> None:
         raise CompileError(f"{what} failed ({' '.join(cmd[:3])} ...):\n{proc.stderr[-4000:]}")
 
 
-def compile_object(tc: Toolchain, name: str, source: str, headers: str) -> Path:
-    key = hashlib.sha256("\0".join([source, " ".join(tc.cflags), compiler_identity(tc.cxx),
+def compile_object(tc: Toolchain, name: str, source: str, headers: str,
+                   extra: tuple[str, ...] = ()) -> Path:
+    flags = (*tc.cflags, *extra)  # later flags win (e.g. -O1 for glue code)
+    key = hashlib.sha256("\0".join([source, " ".join(flags), compiler_identity(tc.cxx),
                                      headers]).encode()).hexdigest()
     obj = tc.cache / "obj" / f"{key}.o"
     if obj.exists():
@@ -75,7 +77,7 @@ def compile_object(tc: Toolchain, name: str, source: str, headers: str) -> Path:
         tmp.write_text(source)
         tmp.replace(src)
     tmp = _atomic_output(obj)
-    cmd = [tc.cxx, *tc.cflags, *[f"-I{d}" for d in tc.include_dirs], "-c", str(src), "-o",
+    cmd = [tc.cxx, *flags, *[f"-I{d}" for d in tc.include_dirs], "-c", str(src), "-o",
            str(tmp)]
     try:
         _run(cmd, f"compiling {name}")
@@ -85,14 +87,18 @@ def compile_object(tc: Toolchain, name: str, source: str, headers: str) -> Path:
     return obj
 
 
-def build_shared(tc: Toolchain, sources: dict[str, str]) -> tuple[Path, dict[str, float]]:
+def build_shared(tc: Toolchain, sources: dict[str, str],
+                 extra_flags: dict[str, tuple[str, ...]] | None = None
+                 ) -> tuple[Path, dict[str, float]]:
     """Compile `sources` (file name -> text) and link them; returns the library path."""
     import time
 
     headers = _headers_digest(tc.include_dirs)
     t0 = time.perf_counter()
     with ThreadPoolExecutor(max_workers=max(1, tc.jobs)) as pool:
-        objs = list(pool.map(lambda kv: compile_object(tc, kv[0], kv[1], headers),
+        extra_flags = extra_flags or {}
+        objs = list(pool.map(lambda kv: compile_object(tc, kv[0], kv[1], headers,
+                                                       extra_flags.get(kv[0], ())),
                              sorted(sources.items())))
     t1 = time.perf_counter()
     key = hashlib.sha256("\0".join([*(o.name for o in objs), " ".join(tc.ldflags),

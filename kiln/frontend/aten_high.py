@@ -1,0 +1,147 @@
+"""Converters for the high-level aten ops `torch.export` emits before decomposition (linear,
+layer_norm, scaled_dot_product_attention, conv2d, batch_norm, ...). When every op of a program
+is known here or in aten_table.py, import skips `run_decompositions` (a full re-trace that
+costs about a second); anything unusual raises `Fallback` and the program is decomposed."""
+
+from __future__ import annotations
+
+import math
+
+import sympy
+
+from kiln.errors import UnsupportedError
+from kiln.frontend.aten_table import register
+
+
+class Fallback(UnsupportedError):
+    """This form of the op is not handled here: decompose the program instead."""
+
+
+def _shape(b, x):
+    return tuple(b.shape(x))
+
+
+@register("aten.linear.default")
+def _linear(b, n):
+    x, w = n.args[0], n.args[1]
+    bias = n.args[2] if len(n.args) > 2 else n.kwargs.get("bias")
+    xs, ws = _shape(b, x), _shape(b, w)
+    rows = sympy.Integer(1)
+    for d in xs[:-1]:
+        rows = rows * d
+    flat = b.tensor(x) if len(xs) == 2 else b.emit("view", [b.tensor(x)], None, like=n,
+                                                    shape=(rows, xs[-1]))
+    wt = b.emit("permute", [b.tensor(w)], None, like=n, shape=(ws[1], ws[0]), dims=(1, 0))
+    mm = b.emit("matmul", [flat, wt], None, like=n, shape=(rows, ws[0]))
+    out = mm if bias is None else b.emit("add", [mm, b.tensor(bias)], None, like=n,
+                                         shape=(rows, ws[0]))
+    return b.emit("view", [out], n) if len(xs) != 2 else b.alias(n, out)
+
+
+@register("aten.layer_norm.default")
+def _layer_norm(b, n):
+    args = list(n.args) + [None] * 6
+    x, shape, w, bias = args[0], args[1], args[2], args[3]
+    eps = args[4] if args[4] is not None else n.kwargs.get("eps", 1e-5)
+    ins = [b.tensor(x)] + [b.tensor(t) for t in (w, bias) if t is not None]
+    return b.emit("layer_norm", ins, n, norm_rank=len(shape), eps=float(eps),
+                  has_weight=w is not None, has_bias=bias is not None)
+
+
+@register("aten.dropout.default", "aten.feature_dropout.default")
+def _dropout(b, n):
+    p, train = n.args[1], n.args[2]
+    if train and p > 0:
+        raise Fallback("dropout in training mode")
+    return b.alias(n, b.tensor(n.args[0]))
+
+
+@register("aten.scaled_dot_product_attention.default")
+def _sdpa(b, n):
+    args = list(n.args) + [None] * 8
+    q, k, v = args[0], args[1], args[2]
+    mask = args[3] if args[3] is not None else n.kwargs.get("attn_mask")
+    dropout = args[4] if args[4] is not None else n.kwargs.get("dropout_p", 0.0)
+    causal = args[5] if args[5] is not None else n.kwargs.get("is_causal", False)
+    scale = args[6] if args[6] is not None else n.kwargs.get("scale")
+    if dropout or n.kwargs.get("enable_gqa"):
+        raise Fallback("attention with dropout or grouped queries")
+    qs, ks, vs = _shape(b, q), _shape(b, k), _shape(b, v)
+    if len(qs) != 4 or qs[:2] != ks[:2] or ks[:2] != vs[:2]:
+        raise Fallback("attention with broadcast or non-4D operands")
+    lq, s, e = qs[2], ks[2], qs[3]
+    if scale is None:
+        if not e.is_Integer:
+            raise Fallback("attention with a dynamic head size")
+        scale = 1.0 / math.sqrt(int(e))
+    kt = b.emit("permute", [b.tensor(k)], None, like=n, shape=(*ks[:2], ks[3], ks[2]),
+                dims=(0, 1, 3, 2))
+    scores = b.emit("matmul", [b.tensor(q), kt], None, like=n, shape=(*qs[:2], lq, s))
+    scores = b.emit("mul", [scores, b.scalar(float(scale), b.meta_dtype(n))], None, like=n,
+                    shape=(*qs[:2], lq, s))
+    if causal:
+        scores = _causal(b, n, scores, (*qs[:2], lq, s))
+    if mask is not None:
+        if b.meta_dtype(mask).is_floating_point:
+            scores = b.emit("add", [scores, b.tensor(mask)], None, like=n,
+                            shape=(*qs[:2], lq, s))
+        else:
+            ninf = b.scalar(float("-inf"), b.meta_dtype(n))
+            scores = b.emit("where", [b.tensor(mask), scores, ninf], None, like=n,
+                            shape=(*qs[:2], lq, s))
+    probs = b.emit("softmax", [scores], None, like=n, shape=(*qs[:2], lq, s), dim=3)
+    return b.emit("matmul", [probs, b.tensor(v)], n)
+
+
+def _causal(b, n, scores, shape):
+    """scores where column <= row (top-left aligned, like torch), else -inf."""
+    import torch
+
+    lq, s = shape[2], shape[3]
+    rows = b.emit("iota", [], None, like=n, shape=(lq,), dtype=_i64(), start=0, step=1)
+    cols = b.emit("iota", [], None, like=n, shape=(s,), dtype=_i64(), start=0, step=1)
+    rows = b.emit("view", [rows], None, like=n, shape=(lq, 1), dtype=_i64())
+    cols = b.emit("view", [cols], None, like=n, shape=(1, s), dtype=_i64())
+    keep = b.emit("ge", [rows, cols], None, like=n, shape=(lq, s), dtype=_bool())
+    ninf = b.scalar(float("-inf"), b.meta_dtype(n))
+    del torch
+    return b.emit("where", [keep, scores, ninf], None, like=n, shape=shape)
+
+
+def _i64():
+    from kiln.ir import dtypes
+    return dtypes.int64
+
+
+def _bool():
+    from kiln.ir import dtypes
+    return dtypes.bool_
+
+
+@register("aten.conv2d.default")
+def _conv2d(b, n):
+    args = list(n.args) + [None] * 7
+    x, w, bias = args[0], args[1], args[2]
+    stride, padding, dilation = args[3] or [1, 1], args[4] or [0, 0], args[5] or [1, 1]
+    groups = args[6] or 1
+    if isinstance(padding, str) or b.rank(x) != 4:
+        raise Fallback("conv2d with string padding or unbatched input")
+    expand = lambda v: tuple(v) * 2 if len(v) == 1 else tuple(v)  # noqa: E731
+    conv = b.emit("conv2d", [b.tensor(x), b.tensor(w)], n if bias is None else None, like=n,
+                  stride=expand(stride), padding=expand(padding), dilation=expand(dilation),
+                  groups=groups)
+    if bias is None:
+        return conv
+    bias_v = b.emit("view", [b.tensor(bias)], None, like=n, shape=(b.shape(bias)[0], 1, 1))
+    return b.emit("add", [conv, bias_v], n)
+
+
+@register("aten.batch_norm.default")
+def _batch_norm(b, n):
+    x, w, bias, mean, var, training, _momentum, eps = list(n.args)[:8]
+    if training:
+        raise Fallback("batch norm in training mode")
+    ins = [b.tensor(x), b.tensor(mean), b.tensor(var)]
+    ins += [b.tensor(t) for t in (w, bias) if t is not None]
+    return b.emit("batch_norm", ins, n, eps=float(eps), has_weight=w is not None,
+                  has_bias=bias is not None)
