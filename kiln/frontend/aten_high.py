@@ -145,3 +145,13 @@ def _batch_norm(b, n):
     ins += [b.tensor(t) for t in (w, bias) if t is not None]
     return b.emit("batch_norm", ins, n, eps=float(eps), has_weight=w is not None,
                   has_bias=bias is not None)
+
+
+@register("aten.matmul.default")
+def _matmul(b, n):
+    """2-D @ 2-D and batched @ batched of equal batch shape; other broadcasts decompose."""
+    x, y = n.args[0], n.args[1]
+    xs, ys = _shape(b, x), _shape(b, y)
+    if len(xs) < 2 or len(ys) < 2 or len(xs) != len(ys) or len(xs) > 4 or xs[:-2] != ys[:-2]:
+        raise Fallback("matmul with broadcasting or vectors")
+    return b.emit("matmul", [b.tensor(x), b.tensor(y)], n)
