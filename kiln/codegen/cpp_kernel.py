@@ -115,7 +115,6 @@ def _member(m: L.Compute, k: int, locals_: dict[str, str], status: list[bool],
     dest = (f"row_{m.name}[{to_c(sympy.expand(full_index - rows[m.name]))}]" if m.name in rows
             else f"buf_{m.name}[{to_c(full_index)}]")
     inner = list(range(k, len(m.shape)))
-    out_index = to_c(linear_index(iv, contiguous_strides(m.shape)))
     T = m.dtype.c_type
     opened = 0
     body_indent = []

@@ -130,33 +130,40 @@ class _Printer:
         self.emit("return 0;")
 
 
-def _plan_block(pr: _Printer, prog: P.Program) -> None:
-    if prog.arena_bytes is not None:
-        pr.emit(f"if (!self->arena.reserve({max(prog.arena_bytes, 64)})) "
-                "return e.fail(\"out of memory reserving the arena\");")
-        return
+def runtime_plan_lines(prog: P.Program, alignment: int, reserve: str) -> list[tuple[int, str]]:
+    """(indent, line) of the C++ that plans the arena for the run's sizes, once per distinct
+    size tuple (`kiln_rt::plan_greedy`). `reserve(bytes)` is the statement that grows the
+    instance's arena; it must return from `run` on failure. Shared by the CPU and CUDA
+    wrappers."""
     ivs = intervals(prog, {s.name: s.example for s in prog.symbols})
     allocs = {x.buf: x for x in prog.lines if isinstance(x, P.Alloc)}
-    syms = [s.name for s in prog.symbols]
-    n = len(ivs)
-    pr.emit("// dynamic sizes: plan the arena for these sizes (cached until they change)")
-    key = ", ".join(syms)
-    pr.emit(f"const int64_t key[] = {{{key}}};")
-    pr.emit("if (!self->planned || std::memcmp(key, self->key, sizeof key) != 0) {")
-    if n:
+    out = [(1, "// dynamic sizes: plan the arena for these sizes (cached until they change)"),
+           (1, f"const int64_t key[] = {{{', '.join(s.name for s in prog.symbols)}}};"),
+           (1, "if (!self->planned || std::memcmp(key, self->key, sizeof key) != 0) {")]
+    if ivs:
         sizes = ", ".join(to_c(allocs[iv.name].nbytes) for iv in ivs)
-        pr.emit(f"const int64_t sizes[] = {{{sizes}}};", 2)
-        pr.emit(f"static const int32_t starts[] = {{{', '.join(str(iv.start) for iv in ivs)}}};", 2)
-        pr.emit(f"static const int32_t ends[] = {{{', '.join(str(iv.end) for iv in ivs)}}};", 2)
-        pr.emit(f"self->arena_bytes = kiln_rt::plan_greedy({n}, sizes, starts, ends, "
-                f"{prog.alignment}, self->offsets);", 2)
+        out += [(2, f"const int64_t sizes[] = {{{sizes}}};"),
+                (2, f"static const int32_t starts[] = {{{', '.join(str(i.start) for i in ivs)}}};"),
+                (2, f"static const int32_t ends[] = {{{', '.join(str(i.end) for i in ivs)}}};"),
+                (2, f"self->arena_bytes = kiln_rt::plan_greedy({len(ivs)}, sizes, starts, ends, "
+                    f"{alignment}, self->offsets);")]
     else:
-        pr.emit("self->arena_bytes = 0;", 2)
-    pr.emit("if (!self->arena.reserve(self->arena_bytes > 64 ? self->arena_bytes : 64)) "
-            "return e.fail(\"out of memory reserving the arena\");", 2)
-    pr.emit("std::memcpy(self->key, key, sizeof key);", 2)
-    pr.emit("self->planned = true;", 2)
-    pr.emit("}")
+        out.append((2, "self->arena_bytes = 0;"))
+    out += [(2, reserve.format(bytes="self->arena_bytes")),
+            (2, "std::memcpy(self->key, key, sizeof key);"),
+            (2, "self->planned = true;"),
+            (1, "}")]
+    return out
+
+
+def _plan_block(pr: _Printer, prog: P.Program) -> None:
+    reserve = ("if (!self->arena.reserve({bytes} > 64 ? {bytes} : 64)) "
+               "return e.fail(\"out of memory reserving the arena\");")
+    if prog.arena_bytes is not None:
+        pr.emit(reserve.format(bytes=max(prog.arena_bytes, 64)))
+        return
+    for indent, line in runtime_plan_lines(prog, prog.alignment, reserve):
+        pr.emit(line, indent)
 
 
 def print_wrapper(prog: P.Program, kernel_decls: list[str]) -> str:

@@ -21,6 +21,7 @@ import sympy
 
 from kiln.ir import program as P
 from kiln.ir.sym import to_c
+from kiln.codegen.wrapper_cpp import runtime_plan_lines
 from kiln.memory.assign import intervals
 
 
@@ -151,29 +152,12 @@ class _Printer:
 
 
 def _plan_block(pr: _Printer, prog: P.Program) -> None:
+    reserve = "if (self->arena.reserve(e, {bytes} > 256 ? {bytes} : 256)) return 1;"
     if prog.arena_bytes is not None:
-        pr.emit(f"if (self->arena.reserve(e, {max(prog.arena_bytes, 256)})) return 1;")
+        pr.emit(reserve.format(bytes=max(prog.arena_bytes, 256)))
         return
-    env = {s.name: s.example for s in prog.symbols}
-    ivs = intervals(prog, env)
-    allocs = {x.buf: x for x in prog.lines if isinstance(x, P.Alloc)}
-    pr.emit("// dynamic sizes: plan the arena for these sizes (cached until they change)")
-    pr.emit(f"const int64_t key[] = {{{', '.join(s.name for s in prog.symbols)}}};")
-    pr.emit("if (!self->planned || std::memcmp(key, self->key, sizeof key) != 0) {")
-    if ivs:
-        sizes = ", ".join(to_c(allocs[iv.name].nbytes) for iv in ivs)
-        pr.emit(f"const int64_t sizes[] = {{{sizes}}};", 2)
-        pr.emit(f"static const int32_t starts[] = {{{', '.join(str(i.start) for i in ivs)}}};", 2)
-        pr.emit(f"static const int32_t ends[] = {{{', '.join(str(i.end) for i in ivs)}}};", 2)
-        pr.emit(f"self->arena_bytes = kiln_rt::plan_greedy({len(ivs)}, sizes, starts, ends, "
-                f"{max(prog.alignment, 16)}, self->offsets);", 2)
-    else:
-        pr.emit("self->arena_bytes = 0;", 2)
-    pr.emit("if (self->arena.reserve(e, self->arena_bytes > 256 ? self->arena_bytes : 256)) "
-            "return 1;", 2)
-    pr.emit("std::memcpy(self->key, key, sizeof key);", 2)
-    pr.emit("self->planned = true;", 2)
-    pr.emit("}")
+    for indent, line in runtime_plan_lines(prog, max(prog.alignment, 16), reserve):
+        pr.emit(line, indent)
 
 
 def print_cuda_wrapper(prog: P.Program, kernels: dict, cubins: dict, archs: tuple[int, ...],

@@ -242,22 +242,6 @@ inline int launch(Err &e, const char *name, CUfunction f, int64_t rows, int64_t 
   return check(e, r, name);
 }
 
-/* Row-major operand layout: (trans, ld), or false when cuBLAS cannot express it. */
-inline bool layout(int64_t rows, int64_t cols, int64_t rs, int64_t cs, bool *trans, int64_t *ld) {
-  if ((cs == 1 || cols == 1) && (rs >= cols || rows == 1)) {
-    *trans = false;
-    *ld = rows == 1 ? (cols > 0 ? cols : 1) : rs;
-    if (*ld < cols) *ld = cols;
-    return true;
-  }
-  if ((rs == 1 || rows == 1) && (cs >= rows || cols == 1)) {
-    *trans = true;
-    *ld = cols == 1 ? (rows > 0 ? rows : 1) : cs;
-    if (*ld < rows) *ld = rows;
-    return true;
-  }
-  return false;
-}
 
 /* C[b0][b1] (M x N, contiguous) = A[b0][b1] (M x K) * B[b0][b1] (K x N); offsets, strides in
  * elements. */
@@ -273,7 +257,8 @@ inline int gemm(Err &e, cublasHandle_t h, CUstream s, const char *name, int64_t 
                                              s), name);
   bool ta, tb;
   int64_t lda, ldb;
-  if (!layout(M, K, ar, ac, &ta, &lda) || !layout(K, N, br, bc, &tb, &ldb))
+  if (!kr::blas_layout(M, K, ar, ac, &ta, &lda) ||
+      !kr::blas_layout(K, N, br, bc, &tb, &ldb))
     return e.fail("%s: operand layout not supported by cuBLAS", name);
   if (M > INT32_MAX || N > INT32_MAX || K > INT32_MAX || lda > INT32_MAX || ldb > INT32_MAX)
     return e.fail("%s: matrix too large for 32-bit cuBLAS", name);

@@ -219,8 +219,8 @@ struct Arena {
   ~Arena() { std::free(base); }
 };
 
-#ifdef KILN_WITH_BLAS
-/* One row-major operand layout for BLAS: returns false when it is not expressible. */
+/* One row-major GEMM operand layout (transpose flag, leading dimension) for BLAS and cuBLAS:
+ * false when it is not expressible. */
 inline bool blas_layout(int64_t rows, int64_t cols, int64_t rs, int64_t cs, bool *trans,
                         int64_t *ld) {
   if ((cs == 1 || cols == 1) && (rs >= cols || rows == 1)) {
@@ -238,6 +238,7 @@ inline bool blas_layout(int64_t rows, int64_t cols, int64_t rs, int64_t cs, bool
   return false;
 }
 
+#ifdef KILN_WITH_BLAS
 /* One single-threaded BLAS call on a block (row-major C with leading dimension ldc). */
 template <class T>
 inline void gemm_block(bool ta, bool tb, int64_t M, int64_t N, int64_t K, const T *a,
