@@ -33,7 +33,40 @@ def declare_kernel(name: str, params, status: bool, dtypes) -> str:
     return f'extern "C" void {name}({", ".join(sig)});'
 
 
-class _Printer:
+class SizeCheckPrinter:
+    """Printers of the size lines (BindSize, CheckSize, CheckRange), shared by the CPU and CUDA
+    wrappers; subclasses provide `emit`."""
+
+    def _BindSize(self, x: P.BindSize) -> None:
+        self.emit(f"const int64_t {x.symbol} = inputs[{x.input}]->shape[{x.dim}];")
+
+    def _CheckSize(self, x: P.CheckSize) -> None:
+        got = f"inputs[{x.input}]->shape[{x.dim}]"
+        self.emit(f"if ({got} != {to_c(x.expr)}) return e.fail(\"input {x.input} ({x.name}): "
+                  f"expected size {x.expr} for dim {x.dim}, got %lld\", (long long){got});")
+
+    def _CheckRange(self, x: P.CheckRange) -> None:
+        self.emit(f"if ({x.symbol} < {x.lo} || {x.symbol} > {x.hi}) return e.fail(\"input "
+                  f"{x.input} ({x.name}): dim {x.dim} is %lld, expected a value in "
+                  f"[{x.lo}, {x.hi}] (symbol {x.symbol})\", (long long){x.symbol});")
+
+
+def run_prologue(n_in: int, n_out: int) -> list[str]:
+    """The argument checks that open every generated `run` function."""
+    return [
+        "  kr::Err e{err, errlen};",
+        "  Instance* self = static_cast<Instance*>(instance);",
+        "  if (!self) return e.fail(\"run: instance is NULL\");",
+        f"  if (n_inputs != {n_in}) return e.fail(\"expected {n_in} inputs, got %lld\", "
+        "(long long)n_inputs);",
+        f"  if (n_outputs != {n_out}) return e.fail(\"expected {n_out} outputs, got %lld\", "
+        "(long long)n_outputs);",
+        f"  if (!inputs && {n_in}) return e.fail(\"inputs array is NULL\");",
+        "  if (!outputs) return e.fail(\"outputs array is NULL\");",
+    ]
+
+
+class _Printer(SizeCheckPrinter):
     def __init__(self, prog: P.Program) -> None:
         self.p = prog
         self.out: list[str] = []
@@ -55,19 +88,6 @@ class _Printer:
                   " return 1;")
         self.emit(f"const {x.dtype.c_type}* buf_{x.name} = "
                   f"kr::data_of<{x.dtype.c_type}>(inputs[{x.index}]);")
-
-    def _BindSize(self, x: P.BindSize) -> None:
-        self.emit(f"const int64_t {x.symbol} = inputs[{x.input}]->shape[{x.dim}];")
-
-    def _CheckSize(self, x: P.CheckSize) -> None:
-        got = f"inputs[{x.input}]->shape[{x.dim}]"
-        self.emit(f"if ({got} != {to_c(x.expr)}) return e.fail(\"input {x.input} ({x.name}): "
-                  f"expected size {x.expr} for dim {x.dim}, got %lld\", (long long){got});")
-
-    def _CheckRange(self, x: P.CheckRange) -> None:
-        self.emit(f"if ({x.symbol} < {x.lo} || {x.symbol} > {x.hi}) return e.fail(\"input "
-                  f"{x.input} ({x.name}): dim {x.dim} is %lld, expected a value in "
-                  f"[{x.lo}, {x.hi}] (symbol {x.symbol})\", (long long){x.symbol});")
 
     def _AllocOutput(self, x: P.AllocOutput) -> None:
         code, bits = _dl(x.dtype)
@@ -219,15 +239,7 @@ def print_wrapper(prog: P.Program, kernel_decls: list[str]) -> str:
         "",
         "int run(void* instance, const DLTensor* const* inputs, int64_t n_inputs,",
         "        DLManagedTensor** outputs, int64_t n_outputs, char* err, size_t errlen) {",
-        "  kr::Err e{err, errlen};",
-        "  Instance* self = static_cast<Instance*>(instance);",
-        "  if (!self) return e.fail(\"run: instance is NULL\");",
-        f"  if (n_inputs != {n_in}) return e.fail(\"expected {n_in} inputs, got %lld\", "
-        "(long long)n_inputs);",
-        f"  if (n_outputs != {n_out}) return e.fail(\"expected {n_out} outputs, got %lld\", "
-        "(long long)n_outputs);",
-        f"  if (!inputs && {n_in}) return e.fail(\"inputs array is NULL\");",
-        "  if (!outputs) return e.fail(\"outputs array is NULL\");",
+        *run_prologue(n_in, n_out),
         f"  DLManagedTensor* outs[{max(n_out, 1)}] = {{}};",
         "  int32_t status = 0;",
         "  (void)status;",

@@ -21,7 +21,7 @@ import sympy
 
 from kiln.ir import program as P
 from kiln.ir.sym import to_c
-from kiln.codegen.wrapper_cpp import runtime_plan_lines
+from kiln.codegen.wrapper_cpp import SizeCheckPrinter, runtime_plan_lines
 from kiln.memory.assign import intervals
 
 
@@ -43,7 +43,7 @@ def cubin_blob(cubins: dict, names: list[str], archs: tuple[int, ...]
     return bytes(out), where
 
 
-class _Printer:
+class _Printer(SizeCheckPrinter):
     def __init__(self, prog: P.Program, kernels: dict) -> None:
         self.p = prog
         self.kernels = kernels
@@ -65,19 +65,6 @@ class _Printer:
         self.emit(f"    kr::check_contiguous(e, inputs[{i}], {i}, {n}) || "
                   f"kc::check_data(e, inputs[{i}], {i}, {n})) return 1;")
         self.emit(f"CUdeviceptr buf_{x.name} = kc::dptr(inputs[{i}]);")
-
-    def _BindSize(self, x: P.BindSize) -> None:
-        self.emit(f"const int64_t {x.symbol} = inputs[{x.input}]->shape[{x.dim}];")
-
-    def _CheckSize(self, x: P.CheckSize) -> None:
-        got = f"inputs[{x.input}]->shape[{x.dim}]"
-        self.emit(f"if ({got} != {to_c(x.expr)}) return e.fail(\"input {x.input} ({x.name}): "
-                  f"expected size {x.expr} for dim {x.dim}, got %lld\", (long long){got});")
-
-    def _CheckRange(self, x: P.CheckRange) -> None:
-        self.emit(f"if ({x.symbol} < {x.lo} || {x.symbol} > {x.hi}) return e.fail(\"input "
-                  f"{x.input} ({x.name}): dim {x.dim} is %lld, expected a value in "
-                  f"[{x.lo}, {x.hi}] (symbol {x.symbol})\", (long long){x.symbol});")
 
     def _AllocOutput(self, x: P.AllocOutput) -> None:
         shape = ", ".join(to_c(d) for d in x.shape) or "0"

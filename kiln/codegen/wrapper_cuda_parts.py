@@ -10,6 +10,7 @@ returns a complete instance or releases everything it acquired (through `destroy
 
 from __future__ import annotations
 
+from kiln.codegen.wrapper_cpp import run_prologue
 from kiln.ir import program as P
 
 
@@ -190,15 +191,7 @@ def print_cuda_model(prog: P.Program, kernels: dict, cubins: dict, archs: tuple[
         "int run_on_stream(void* instance, const DLTensor* const* inputs, int64_t n_inputs,",
         "                  DLManagedTensor** outputs, int64_t n_outputs, void* stream_, "
         "char* err, size_t errlen) {",
-        "  kr::Err e{err, errlen};",
-        "  Instance* self = static_cast<Instance*>(instance);",
-        "  if (!self) return e.fail(\"run: instance is NULL\");",
-        f"  if (n_inputs != {n_in}) return e.fail(\"expected {n_in} inputs, got %lld\", "
-        "(long long)n_inputs);",
-        f"  if (n_outputs != {n_out}) return e.fail(\"expected {n_out} outputs, got %lld\", "
-        "(long long)n_outputs);",
-        f"  if (!inputs && {n_in}) return e.fail(\"inputs array is NULL\");",
-        "  if (!outputs) return e.fail(\"outputs array is NULL\");",
+        *run_prologue(n_in, n_out),
         "  CUstream stream = static_cast<CUstream>(stream_);",
         "  kc::CtxGuard guard(self->ctx);",
         "  if (self->blas && kc::blas().set_stream(self->blas, stream) != 0)",

@@ -10,7 +10,7 @@ import math
 import sympy
 
 from kiln.errors import UnsupportedError
-from kiln.frontend.aten_table import register
+from kiln.frontend.aten_table import emit_conv2d, register
 
 
 class Fallback(UnsupportedError):
@@ -127,13 +127,8 @@ def _conv2d(b, n):
     if isinstance(padding, str) or b.rank(x) != 4:
         raise Fallback("conv2d with string padding or unbatched input")
     expand = lambda v: tuple(v) * 2 if len(v) == 1 else tuple(v)  # noqa: E731
-    conv = b.emit("conv2d", [b.tensor(x), b.tensor(w)], n if bias is None else None, like=n,
-                  stride=expand(stride), padding=expand(padding), dilation=expand(dilation),
-                  groups=groups)
-    if bias is None:
-        return conv
-    bias_v = b.emit("view", [b.tensor(bias)], None, like=n, shape=(b.shape(bias)[0], 1, 1))
-    return b.emit("add", [conv, bias_v], n)
+    return emit_conv2d(b, n, x, w, bias, expand(stride), expand(padding), expand(dilation),
+                       groups)
 
 
 @register("aten.batch_norm.default")

@@ -349,6 +349,11 @@ def _conv(b, n):
         raise UnsupportedError(f"transposed convolution (node {n.name})")
     if b.rank(x) != 4:
         raise UnsupportedError(f"convolution of rank {b.rank(x)} (node {n.name}); 2-D only")
+    return emit_conv2d(b, n, x, w, bias, stride, padding, dilation, groups)
+
+
+def emit_conv2d(b, n, x, w, bias, stride, padding, dilation, groups) -> str:
+    """conv2d, then the bias as a pointwise add (so it fuses into the consumer)."""
     conv = b.emit("conv2d", [b.tensor(x), b.tensor(w)], n if bias is None else None, like=n,
                   stride=tuple(stride), padding=tuple(padding), dilation=tuple(dilation),
                   groups=groups)
