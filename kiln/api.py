@@ -21,6 +21,7 @@ from kiln.options import Options
 from kiln.package import write_package
 from kiln.pipeline import Built, build
 from kiln.schedule import Kernel
+from kiln.codegen.wrapper_cpp import aten_fallback_ops
 from kiln.toolchain.cxx import compiler_identity
 
 MANIFEST_SCHEMA = "kiln.manifest/1"
@@ -79,12 +80,20 @@ def _manifest(built: Built, opts: Options, report: dict) -> dict[str, Any]:
                      "nbytes": w.nbytes} for w in built.program.weights],
         "kernels": _kernels_json(built),
         "plan": plan,
-        "requires": {"libtorch": False, "aten_fallback_ops": [],
-                     "shared_libraries": _CUDA_LIBS if built.device == "cuda" else [
-                         "libscipy_openblas.so (scipy-openblas32)", "libgomp.so (OpenMP)"]},
+        "requires": _requires(built),
         "build": {"cxx": compiler_identity(opts.cxx or "c++"), "march": opts.march,
                   "compile_seconds": report["compile_seconds"]},
     }
+
+
+def _requires(built: Built) -> dict[str, Any]:
+    """What the package needs at run time besides libkiln: libtorch only for ATen fallbacks."""
+    aten_ops = aten_fallback_ops(built.program)
+    libs = _CUDA_LIBS if built.device == "cuda" else [
+        "libscipy_openblas.so (scipy-openblas32)", "libgomp.so (OpenMP)"]
+    if aten_ops:
+        libs = [*libs, "libtorch_cpu.so (torch >= 2.10), for the ATen fallback"]
+    return {"libtorch": bool(aten_ops), "aten_fallback_ops": aten_ops, "shared_libraries": libs}
 
 
 @dataclass(frozen=True)

@@ -14,6 +14,10 @@ class Options:
     #: Evaluate subgraphs that depend only on weights at compile time (they ship as weights).
     #: Such packages cannot take new weights through update_weights; turn this off for those.
     fold_constants: bool = True
+    #: Ops kiln does not lower call ATen at run time (through torch's stable C interface); the
+    #: package then needs libtorch and its manifest lists the ops. False makes them a compile
+    #: error instead, for packages that must run without libtorch.
+    aten_fallback: bool = True
     #: Run the verifier of every IR level between stages and prove the memory plan overlap-free.
     verify: bool = True
     #: C++ compiler; None means $KILN_CXX, else $CXX, else `c++`.

@@ -14,7 +14,9 @@ from kiln import config
 from kiln.codegen.cpp_kernel import print_kernel
 from kiln.codegen.wrapper_cpp import declare_kernel, print_wrapper
 from kiln.codegen.wrapper_py import print_python_wrapper
+from kiln.errors import UnsupportedError
 from kiln.frontend.export import import_program
+from kiln.ir import loop as L
 from kiln.ir.graph import print_graph, verify_graph
 from kiln.ir.loop_text import print_loop, verify_loop
 from kiln.ir.program import WeightSpec, print_program, verify_program
@@ -115,7 +117,8 @@ def build(ep: torch.export.ExportedProgram, opts: Options, device: str = "cpu") 
     run = _Run(opts)
     cuda = device.split(":")[0] == "cuda"
     # 1. torch.export -> Graph IR (core ATen decompositions, weights, pytree specs, Dim ranges)
-    imported = run.stage("import", lambda e: import_program(e, opts.fold_constants), ep)
+    imported = run.stage("import", lambda e: import_program(e, opts.fold_constants,
+                                                           opts.aten_fallback), ep)
     # 2. drop dead nodes and unused weights
     graph = run.stage("dce", dce, imported.graph, dump=print_graph, verify=verify_graph)
     # 3. Graph IR -> Loop IR (views become index maps; pointwise producers inline)
@@ -146,6 +149,11 @@ def build(ep: torch.export.ExportedProgram, opts: Options, device: str = "cpu") 
         dump=lambda r: print_program(r[0]), verify=lambda r: verify_program(r[0], planned=True))
     buffers = {b.name: b for b in loop.buffers}
     if cuda:  # 7-8 for NVIDIA GPUs: Triton kernels -> cubins, CUDA wrapper (pipeline_cuda.py)
+        aten = sorted({f"{s.op}.{s.overload or 'default'}" for s in steps
+                       if isinstance(s, L.AtenCall)})
+        if aten:
+            raise UnsupportedError(f"the ATen fallback is CPU-only so far; this program needs it "
+                                   f"for {', '.join(aten)} on CUDA")
         from kiln.pipeline_cuda import build_cuda
         hints = {s.name: s.example for s in graph.symbols}
         sources, lib, info = build_cuda(run, steps, buffers, program, hints, opts)

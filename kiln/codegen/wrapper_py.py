@@ -28,6 +28,42 @@ def _gemm(g: L.Gemm) -> list[str]:
             f"out=buf_{g.name}.view({', '.join(out)},))"]
 
 
+def _aten_arg(a) -> str:
+    kind = a[0]
+    if kind == "tensor":
+        _, buf, _, shape, strides, offset = a
+        sizes = "".join(f"{to_py(d)}, " for d in shape)
+        st = "".join(f"{to_py(d)}, " for d in strides)
+        return (f"buf_{buf}.view(-1).as_strided(({sizes}), ({st}), "
+                f"buf_{buf}.storage_offset() + {to_py(offset)})")
+    if kind == "tensors":
+        return "[" + ", ".join(_aten_arg(x) for x in a[1]) + "]"
+    if kind == "opt":
+        return _aten_arg(a[1])
+    if kind == "none":
+        return "None"
+    if kind == "int":
+        return to_py(a[1])
+    if kind == "ints":
+        return "[" + ", ".join(to_py(v) for v in a[1]) + "]"
+    if kind == "dtype":
+        return f"torch.{a[1]}"
+    return repr(a[1]) if kind in ("bool", "str") else f"float({str(float(a[1]))!r})"
+
+
+def _aten(c: L.AtenCall) -> list[str]:
+    name = c.op.split("::", 1)[1]
+    ov = c.overload or "default"
+    res = f"[{c.result}]" if c.n_results > 1 else ""
+    shape = "".join(f"{to_py(d)}, " for d in c.shape)
+    n_pos = len(c.args) - len(c.keywords)
+    args = [_aten_arg(a) for a in c.args[:n_pos]]
+    args += [f"{k}={_aten_arg(a)}" for k, a in zip(c.keywords, c.args[n_pos:])]
+    return [f"# aten fallback {c.op}.{ov} -> {c.name}  <- {', '.join(c.source)}",
+            f"buf_{c.name}.view(({shape})).copy_(torch.ops.aten.{name}.{ov}("
+            f"{', '.join(args)}){res})"]
+
+
 def print_python_wrapper(prog: P.Program, steps, buffers) -> str:
     body: list[str] = []
     for x in prog.lines:
@@ -68,6 +104,8 @@ def print_python_wrapper(prog: P.Program, steps, buffers) -> str:
                             f"{', '.join(x.source)}')")
         elif isinstance(x, P.CallGemm):
             body += _gemm(x.gemm)
+        elif isinstance(x, P.CallAten):
+            body += _aten(x.call)
         elif isinstance(x, P.CopyState):
             body.append(f"buf_{x.dst}.view(-1).copy_(buf_{x.src}.reshape(-1)[:{to_py(x.numel)}])"
                         f"  # state persists to the next run")

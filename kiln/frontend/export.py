@@ -17,6 +17,7 @@ from torch.export.graph_signature import InputKind, OutputKind
 from torch.utils import _pytree as pytree
 
 from kiln.errors import UnsupportedError
+from kiln.frontend import fallback
 from kiln.frontend.aten_high import Fallback
 from kiln.frontend.aten_table import TABLE
 from kiln.frontend.fold import fold_constants
@@ -264,20 +265,21 @@ def _all_known(ep: ExportedProgram) -> bool:
     return True
 
 
-def import_program(ep: ExportedProgram, fold: bool = True) -> Imported:
+def import_program(ep: ExportedProgram, fold: bool = True, aten_fallback: bool = False
+                   ) -> Imported:
     """Translate `ep` to Graph IR; with `fold`, weight-only subgraphs are evaluated now and
     become weights (see fold.py). When every op is one kiln converts directly (aten_high.py
     and aten_table.py), the program is imported as exported; otherwise (or when a converter
     declines) it is decomposed to core ATen first."""
     if _all_known(ep):
         try:
-            return _import(ep, fold)
+            return _import(ep, fold, aten_fallback)
         except Fallback:
             pass
-    return _import(ep.run_decompositions(), fold)
+    return _import(ep.run_decompositions(), fold, aten_fallback)
 
 
-def _import(ep: ExportedProgram, fold: bool) -> Imported:
+def _import(ep: ExportedProgram, fold: bool, aten_fallback: bool = False) -> Imported:
     syms = SymbolTable()
     b = Builder(syms)
     inputs, weights = _weights_and_inputs(ep, syms, b)
@@ -308,6 +310,8 @@ def _import(ep: ExportedProgram, fold: bool) -> Imported:
                 n.meta.get("val"), bool):
             continue  # size arithmetic: shapes are read from node metadata instead
         conv = TABLE.get(str(n.target))
+        if conv is None and aten_fallback:
+            conv = fallback.aten_fallback
         if conv is None:
             raise UnsupportedError(f"operator {n.target} (node {n.name}) is not supported yet")
         result = conv(b, n)

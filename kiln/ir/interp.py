@@ -153,13 +153,47 @@ def _gemm(g: L.Gemm, bufs, env) -> np.ndarray:
     return np.matmul(a, b).astype(NP_DTYPES[g.dtype.name]).reshape(-1)
 
 
+def _aten(c: L.AtenCall, bufs, env) -> np.ndarray:
+    """The ATen fallback runs ATen itself, through torch (the reference has nothing else)."""
+    import torch
+
+    def value(a):
+        kind = a[0]
+        if kind == "tensor":
+            shape = [evaluate(d, env) for d in a[3]]
+            return torch.from_numpy(np.ascontiguousarray(bufs[a[1]])).reshape(shape)
+        if kind == "tensors":
+            return [value(x) for x in a[1]]
+        if kind == "opt":
+            return value(a[1])
+        if kind == "none":
+            return None
+        if kind == "int":
+            return evaluate(a[1], env)
+        if kind == "ints":
+            return [evaluate(x, env) for x in a[1]]
+        if kind == "dtype":
+            return getattr(torch, a[1])
+        return a[1]
+
+    name = c.op.split("::", 1)[1]
+    fn = getattr(getattr(torch.ops.aten, name), c.overload or "default")
+    n_pos = len(c.args) - len(c.keywords)
+    out = fn(*[value(a) for a in c.args[:n_pos]],
+             **{k: value(a) for k, a in zip(c.keywords, c.args[n_pos:])})
+    if c.n_results > 1:
+        out = out[c.result]
+    return out.contiguous().numpy().astype(NP_DTYPES[c.dtype.name]).reshape(-1)
+
+
 def run_loop(prog: L.LoopProgram, inputs: Mapping[str, np.ndarray],
              env: Mapping[str, int]) -> list[np.ndarray]:
     """Run `prog` on named inputs and weights (numpy arrays) with sizes `env`; returns the
     outputs, shaped by the program's output shapes."""
     bufs = {k: np.ascontiguousarray(v).reshape(-1) for k, v in inputs.items()}
     for node in prog.nodes:
-        fn = _gemm if isinstance(node, L.Gemm) else _compute
+        fn = _gemm if isinstance(node, L.Gemm) else _aten if isinstance(
+            node, L.AtenCall) else _compute
         bufs[node.name] = fn(node, bufs, dict(env))
     return [bufs[o].reshape([evaluate(d, env) for d in shape])
             for o, shape in zip(prog.outputs, prog.output_shapes)]

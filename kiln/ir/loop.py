@@ -127,7 +127,42 @@ class Gemm:
         return (*self.batch, self.m, self.n)
 
 
-LoopNode = Union[Compute, Gemm]
+@dataclass(frozen=True)
+class AtenCall:
+    """out = result `result` of the ATen op `op`.`overload` (of `n_results` tensor results),
+    called through torch's stable C interface at run time: the ATen fallback for ops kiln does
+    not lower. `args` are the op's schema arguments in order, each a tuple:
+    ("tensor", buf, dtype name, shape, strides, offset) (a strided view of a buffer) |
+    ("tensors", (tensor args...)) | ("none",) |
+    ("int", expr) | ("float", x) | ("bool", b) | ("str", s) | ("ints", (exprs...)) |
+    ("dtype", name) | ("opt", arg) (an optional argument that is present)."""
+
+    name: str
+    dtype: DType
+    shape: tuple[sympy.Expr, ...]
+    op: str  # "aten::linalg_inv_ex"
+    overload: str  # "" for the default overload
+    args: tuple
+    result: int
+    n_results: int
+    keywords: tuple[str, ...] = ()  # names of the trailing keyword-only arguments
+    source: tuple[str, ...] = ()
+
+
+def aten_arg_buffers(arg) -> list[str]:
+    """Buffers an `AtenCall` argument reads."""
+    kind = arg[0]
+    if kind == "tensor":
+        return [arg[1]]
+    if kind == "tensors":
+        return [b for a in arg[1] for b in aten_arg_buffers(a)]
+    if kind == "opt":
+        return aten_arg_buffers(arg[1])
+    return []
+
+
+LoopNode = Union[Compute, Gemm, AtenCall]
+CALLS = (Gemm, AtenCall)  # steps of their own: never fused into a kernel
 
 
 @dataclass(frozen=True)
@@ -182,4 +217,6 @@ def loads(e: Expr) -> list[Load]:
 def node_reads(node: LoopNode) -> set[str]:
     if isinstance(node, Gemm):
         return {node.a.buf, node.b.buf}
+    if isinstance(node, AtenCall):
+        return {b for a in node.args for b in aten_arg_buffers(a)}
     return {ld.buf for ld in loads(node.body)}

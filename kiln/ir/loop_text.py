@@ -19,7 +19,27 @@ def expr_text(e: L.Expr) -> str:
     return f"{e.op}({', '.join(expr_text(a) for a in e.args)})"
 
 
+def aten_arg_text(a) -> str:
+    kind = a[0]
+    if kind == "tensor":
+        return f"%{a[1]}"
+    if kind == "tensors":
+        return "[" + ", ".join(aten_arg_text(x) for x in a[1]) + "]"
+    if kind == "opt":
+        return aten_arg_text(a[1])
+    if kind == "none":
+        return "None"
+    if kind == "ints":
+        return "[" + ", ".join(str(x) for x in a[1]) + "]"
+    return str(a[1])
+
+
 def node_text(n: L.LoopNode) -> str:
+    if isinstance(n, L.AtenCall):
+        ov = n.overload or "default"
+        res = f"[{n.result}]" if n.n_results > 1 else ""
+        return (f"%{n.name}: {n.dtype.name}{list(n.shape)} = aten_fallback {n.op}.{ov}("
+                f"{', '.join(aten_arg_text(a) for a in n.args)}){res}  # {', '.join(n.source)}")
     if isinstance(n, L.Gemm):
         return (f"%{n.name}: {n.dtype.name}{list(n.shape)} = gemm(%{n.a.buf}, %{n.b.buf})  "
                 f"# {', '.join(n.source)}")

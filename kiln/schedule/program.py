@@ -45,8 +45,8 @@ def input_lines(graph: Graph) -> list[P.Line]:
 
 
 def _reads_writes(step: Step, buffers) -> tuple[list[str], list[str]]:
-    if isinstance(step, L.Gemm):
-        return [step.a.buf, step.b.buf], [step.name]
+    if isinstance(step, L.CALLS):
+        return sorted(L.node_reads(step)), [step.name]
     params = kernel_params(step, buffers)
     return [n for k, n in params if k == "in"], [n for k, n in params if k == "out"]
 
@@ -78,6 +78,8 @@ def build_program(graph: Graph, prog: L.LoopProgram, steps: tuple[Step, ...],
                                      reuse=reuse.get(b)))
         if isinstance(step, L.Gemm):
             lines.append(P.CallGemm(step))
+        elif isinstance(step, L.AtenCall):
+            lines.append(P.CallAten(step))
         else:
             assert isinstance(step, Kernel)
             params = tuple(kernel_params(step, buffers))

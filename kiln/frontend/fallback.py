@@ -1,0 +1,92 @@
+"""The ATen fallback: an op kiln does not lower becomes an `aten` Graph IR node that calls ATen
+at run time (through torch's stable C interface, see runtime/model/kiln_aten.h).
+
+The converter reads the op's schema and encodes every argument in schema order as a small
+tuple (see `loop.AtenCall`); tensor arguments name the node's inputs by position. An op whose
+arguments or results the stable interface cannot carry (Scalar, Generator, Device, ...),
+an op that mutates its inputs and an op whose result sizes depend on data are refused with an
+`UnsupportedError` that names the op and the reason. One Graph IR node is made per result."""
+
+from __future__ import annotations
+
+import torch
+
+from kiln.errors import UnsupportedError
+
+_SCALARS = {"int": "int", "SymInt": "int", "float": "float", "bool": "bool"}
+
+
+def _encode(b, n, name: str, t, value, inputs: list[str]):
+    kind = t.kind()
+    where = f"argument {name} of {n.target} (node {n.name})"
+    if kind == "OptionalType":
+        if value is None:
+            return ("none",)
+        return ("opt", _encode(b, n, name, t.getElementType(), value, inputs))
+    if kind == "TensorType":
+        if not isinstance(value, torch.fx.Node):
+            raise UnsupportedError(f"{where}: a {type(value).__name__} where ATen expects a "
+                                   "tensor")
+        inputs.append(b.tensor(value))
+        return ("tensor", len(inputs) - 1)
+    if kind in ("IntType", "SymIntType"):
+        return ("int", b.int_or_sym(value))
+    if kind == "FloatType":
+        return ("float", float(value))
+    if kind == "BoolType":
+        return ("bool", bool(value))
+    if kind == "StringType":
+        return ("str", str(value))
+    if kind == "ScalarTypeType":
+        from kiln.frontend.export import to_dtype
+        return ("dtype", to_dtype(value).name)
+    if kind == "ListType":
+        el = t.getElementType().kind()
+        if el in ("IntType", "SymIntType"):
+            return ("ints", tuple(b.int_or_sym(v) for v in value))
+        if el == "TensorType":
+            out = []
+            for v in value:
+                inputs.append(b.tensor(v))
+                out.append(("tensor", len(inputs) - 1))
+            return ("tensors", tuple(out))
+    shown = "Scalar" if kind == "NumberType" else str(t)
+    raise UnsupportedError(f"{where} has type {shown}, which kiln's ATen fallback cannot pass "
+                           "through torch's stable C interface")
+
+
+def aten_fallback(b, n) -> list[str] | str:
+    """Graph IR nodes for FX node `n` (an OpOverload kiln has no converter for)."""
+    op = n.target
+    schema = getattr(op, "_schema", None)
+    if schema is None or not str(op).startswith("aten."):
+        raise UnsupportedError(f"operator {op} (node {n.name}) is not supported and is not an "
+                               "ATen op that could fall back")
+    if schema.is_mutable:
+        raise UnsupportedError(f"operator {op} (node {n.name}) mutates its inputs; the ATen "
+                               "fallback only calls functional ops")
+    for r in schema.returns:
+        if r.type.kind() != "TensorType":
+            raise UnsupportedError(f"operator {op} (node {n.name}) returns {r.type}; the ATen "
+                                   "fallback handles tensor results only")
+    inputs: list[str] = []
+    args = []
+    for k, arg in enumerate(schema.arguments):
+        if k < len(n.args) and not arg.kwarg_only:
+            value = n.args[k]
+        elif arg.name in n.kwargs:
+            value = n.kwargs[arg.name]
+        elif arg.has_default_value():
+            value = arg.default_value
+        else:
+            raise UnsupportedError(f"argument {arg.name} of {op} (node {n.name}) is missing")
+        args.append(_encode(b, n, arg.name, arg.type, value, inputs))
+    vals = n.meta["val"]
+    vals = list(vals) if isinstance(vals, (tuple, list)) else [vals]
+    keywords = tuple(a.name for a in schema.arguments if a.kwarg_only)
+    attrs = dict(aten_op=schema.name, overload=schema.overload_name, args=tuple(args),
+                 keywords=keywords, n_results=len(vals))
+    if len(vals) == 1:
+        return b.emit("aten", inputs, n, result=0 if isinstance(n.meta["val"], (tuple, list))
+                      else None, index=0, **attrs)
+    return [b.emit("aten", inputs, n, result=k, index=k, **attrs) for k in range(len(vals))]

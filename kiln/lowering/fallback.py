@@ -1,0 +1,41 @@
+"""Lowering of `aten` nodes (the ATen fallback, see frontend/fallback.py) to `AtenCall`.
+
+Tensor arguments are passed to ATen as strided views of kiln's buffers: an affine view (a
+transpose, a slice, an expand) costs nothing; any other value is materialised first. The
+result is copied by ATen into a contiguous kiln buffer, so everything downstream is ordinary."""
+
+from __future__ import annotations
+
+from kiln.ir import loop as L
+from kiln.ir.graph import Node
+from kiln.lowering.core import Lazy, LowerCtx
+
+
+def _tensor_arg(ctx: LowerCtx, node: Node, lz: Lazy, k: int) -> tuple:
+    if lz.view is None:
+        lz = ctx.realize(f"{node.name}_arg{k}", lz, (node.source or node.name,))
+    v = lz.view
+    return ("tensor", v.buf, lz.dtype.name, tuple(lz.shape), tuple(v.strides), v.offset)
+
+
+def _arg(ctx: LowerCtx, node: Node, a, args: list[Lazy]) -> tuple:
+    kind = a[0]
+    if kind == "tensor":
+        return _tensor_arg(ctx, node, args[a[1]], a[1])
+    if kind == "tensors":
+        return ("tensors", tuple(_arg(ctx, node, x, args) for x in a[1]))
+    if kind == "opt":
+        return ("opt", _arg(ctx, node, a[1], args))
+    return a
+
+
+def lower_aten(ctx: LowerCtx, node: Node, args: list[Lazy]) -> Lazy:
+    call_args = tuple(_arg(ctx, node, a, args) for a in node.attr("args"))
+    name = ctx.unique(node.name)
+    t = node.type
+    ctx.declare(name, t.dtype, t.shape, "temp")
+    ctx.nodes.append(L.AtenCall(name, t.dtype, tuple(t.shape), node.attr("aten_op"),
+                                node.attr("overload"), call_args, node.attr("index"),
+                                node.attr("n_results"), node.attr("keywords"),
+                                (node.source or node.name,)))
+    return ctx.buffer_lazy(name, t.dtype, t.shape)

@@ -1,0 +1,168 @@
+"""The ATen fallback: ops kiln does not lower are called in ATen through torch's stable C
+interface (runtime/model/kiln_aten.h). Checked against eager through `kiln.load`, through the
+C example (with and without libtorch on the library path) and through the Python printer."""
+
+from __future__ import annotations
+
+import os
+import pathlib
+import subprocess
+
+import pytest
+import torch
+
+import kiln
+import kiln.backend
+from kiln.runtime.cbin import read_tensor_bin, write_tensor_bin
+
+
+class Fn(torch.nn.Module):
+    def __init__(self, fn):
+        super().__init__()
+        self.fn = fn
+
+    def forward(self, *args):
+        return self.fn(*args)
+
+
+def _compile(tmp_path, fn, args, dynamic_shapes=None, **opts):
+    ep = torch.export.export(Fn(fn), args, dynamic_shapes=dynamic_shapes)
+    cm = kiln.compile(ep, options=kiln.Options(**opts))
+    path = tmp_path / "m.kiln"
+    cm.save(path)
+    return cm, path
+
+
+def _spd(n, batch=()):
+    a = torch.randn(*batch, n, n, dtype=torch.float64)
+    return (a @ a.transpose(-1, -2) + n * torch.eye(n, dtype=torch.float64)).float()
+
+
+def _check(runner, fn, args, **tol):
+    got = runner(*args)
+    ref = fn(*args)
+    ref = ref if isinstance(ref, (tuple, list)) else (ref,)
+    got = got if isinstance(got, (tuple, list)) else (got,)
+    assert len(got) == len(ref)
+    for g, r in zip(got, ref):
+        assert g.dtype == r.dtype and g.shape == r.shape
+        torch.testing.assert_close(g, r, **tol)
+
+
+def inv_chain(x, y):
+    # kiln kernels before and after the fallback call; y is passed to ATen transposed (a view)
+    a = torch.linalg.inv_ex(x * 2 + 1e-3)[0]
+    return torch.relu(a @ y.t() + 1), torch.lgamma(y.t().abs() + 0.5) * 3
+
+
+def test_fallback_matches_eager_and_manifest_lists_ops(tmp_path):
+    args = (_spd(5), torch.randn(3, 5))
+    cm, path = _compile(tmp_path, inv_chain, args)
+    req = cm.manifest["requires"]
+    assert req["libtorch"] is True
+    assert req["aten_fallback_ops"] == ["aten::lgamma.default", "aten::linalg_inv_ex.default"]
+    assert "kiln_aten.h" in cm.sources["model.cpp"]
+    assert "#include <ATen" not in cm.sources["model.cpp"]
+    runner = kiln.load(path)
+    for _ in range(3):  # fresh inputs each run
+        _check(runner, inv_chain, (_spd(5), torch.randn(3, 5)), rtol=1e-4, atol=1e-4)
+
+
+def test_multi_result_op_and_dynamic_batch(tmp_path):
+    def fn(x):
+        sign, logdet = torch.linalg.slogdet(x)
+        return sign * 2, logdet + 1
+
+    b = torch.export.Dim("b", min=1, max=16)
+    cm, path = _compile(tmp_path, fn, (_spd(4, (3,)),), dynamic_shapes=(({0: b},),))
+    runner = kiln.load(path)
+    for n in (1, 3, 7):
+        _check(runner, fn, (_spd(4, (n,)),), rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("case", ["cdist", "bucketize", "qr_str_arg", "digamma_int"])
+def test_fallback_argument_kinds(tmp_path, case):
+    # float + optional int (cdist), tensor + bool kwargs (bucketize), a str argument (qr),
+    # an int input promoted by the op (digamma of int64 -> float32)
+    fns = {
+        "cdist": (lambda a, b: torch.cdist(a, b) * 2, (torch.randn(4, 3), torch.randn(6, 3))),
+        "bucketize": (lambda a, b: torch.bucketize(a, b, right=True) + 1,
+                      (torch.randn(5, 7), torch.sort(torch.randn(9))[0])),
+        "qr_str_arg": (lambda a: torch.linalg.qr(a, mode="complete")[1].abs(),
+                       (torch.randn(5, 3),)),
+        "digamma_int": (lambda a: torch.digamma(a), (torch.randint(1, 9, (4, 5)),)),
+    }
+    fn, args = fns[case]
+    _, path = _compile(tmp_path, fn, args)
+    runner = kiln.load(path)
+    fresh = tuple(torch.randint(1, 9, a.shape) if a.dtype == torch.int64 else
+                  (torch.sort(torch.randn(a.shape))[0] if case == "bucketize" and k == 1
+                   else torch.randn(a.shape)) for k, a in enumerate(args))
+    _check(runner, fn, fresh, rtol=1e-4, atol=1e-4)
+
+
+def test_fallback_can_be_refused(tmp_path):
+    with pytest.raises(kiln.errors.UnsupportedError, match="lgamma"):
+        _compile(tmp_path, lambda x: torch.lgamma(x), (torch.randn(3),), aten_fallback=False)
+
+
+def test_unencodable_arguments_are_clear_errors(tmp_path):
+    # a Scalar argument cannot cross torch's stable C interface
+    with pytest.raises(kiln.errors.UnsupportedError, match=r"argument .* has type Scalar"):
+        _compile(tmp_path, lambda x: torch.special.zeta(x, 2.0), (torch.rand(3) + 1,))
+
+
+def test_fallback_is_cpu_only_for_now(tmp_path):
+    ep = torch.export.export(Fn(lambda x: torch.lgamma(x)), (torch.randn(3),))
+    with pytest.raises(kiln.errors.UnsupportedError, match="CPU-only .* aten::lgamma"):
+        kiln.compile(ep, device="cuda")
+
+
+def test_python_printer_runs_the_fallback(tmp_path):
+    args = (_spd(5), torch.randn(3, 5))
+    cm, _ = _compile(tmp_path, inv_chain, args)
+    assert "torch.ops.aten.linalg_inv_ex.default(" in cm.sources["model.py"]
+    made = []
+
+    def backend(gm, inputs):
+        made.append(kiln.backend.kiln_backend(gm, inputs))
+        return made[-1]
+
+    torch._dynamo.reset()
+    f = torch.compile(inv_chain, backend=backend, fullgraph=True)
+    x, y = _spd(5), torch.randn(3, 5)
+    for g, r in zip(f(x, y), inv_chain(x, y)):
+        torch.testing.assert_close(g, r, rtol=1e-4, atol=1e-4)
+    assert made and all(hasattr(m, "kiln_compiled") for m in made)
+
+
+def test_c_program_needs_libtorch_on_the_path(tmp_path, run_model_exe):
+    fn = lambda x: torch.lgamma(x) + 1  # noqa: E731
+    _, path = _compile(tmp_path, fn, (torch.randn(4, 3),))
+    x = torch.rand(4, 3) + 0.1
+    write_tensor_bin(str(tmp_path / "in0.bin"), x)
+    prefix = str(tmp_path / "out")
+    env = {k: v for k, v in os.environ.items() if k != "LD_LIBRARY_PATH"}
+    proc = subprocess.run([str(run_model_exe), "-o", prefix, str(path), str(tmp_path / "in0.bin")],
+                          capture_output=True, text=True, timeout=120, env=env)
+    assert proc.returncode != 0
+    assert "needs libtorch" in proc.stderr and "aten::lgamma.default" in proc.stderr
+    env["LD_LIBRARY_PATH"] = str(pathlib.Path(torch.__file__).parent / "lib")
+    proc = subprocess.run([str(run_model_exe), "-o", prefix, str(path), str(tmp_path / "in0.bin")],
+                          capture_output=True, text=True, timeout=120, env=env)
+    assert proc.returncode == 0, proc.stderr
+    torch.testing.assert_close(read_tensor_bin(prefix + "0.bin"), fn(x))
+
+
+def test_interpreter_agrees(tmp_path):
+    from kiln.ir.interp import run_loop
+
+    args = (_spd(5), torch.randn(3, 5))
+    cm, _ = _compile(tmp_path, inv_chain, args)
+    loop = cm.built.loop
+    names = [b.name for b in loop.buffers if b.kind == "input"]
+    feeds = {n: a.numpy() for n, a in zip(names, args)}
+    feeds.update({k: v.numpy() for k, v in cm.built.weights.items()})
+    got = run_loop(loop, feeds, {})
+    for g, r in zip(got, inv_chain(*args)):
+        torch.testing.assert_close(torch.from_numpy(g), r, rtol=1e-4, atol=1e-4)
