@@ -166,3 +166,8 @@ def test_interpreter_agrees(tmp_path):
     got = run_loop(loop, feeds, {})
     for g, r in zip(got, inv_chain(*args)):
         torch.testing.assert_close(torch.from_numpy(g), r, rtol=1e-4, atol=1e-4)
+
+
+def test_effect_tokens_are_a_clear_error(tmp_path):
+    with pytest.raises(kiln.errors.UnsupportedError, match=r"_linalg_check_errors.*linalg.inv_ex"):
+        _compile(tmp_path, lambda x: torch.linalg.inv(x), (_spd(3),))

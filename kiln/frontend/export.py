@@ -194,6 +194,13 @@ def _weights_and_inputs(ep: ExportedProgram, syms: SymbolTable, b: Builder):
                 data = ep.constants[fqn]
             weights[n.name] = data.detach().contiguous()
             kind = "weight"
+        elif spec.kind == InputKind.TOKEN:
+            effects = sorted({str(u.args[1]) for u in ep.graph.nodes if u.op == "call_function"
+                              and "with_effects" in str(u.target)})
+            raise UnsupportedError(f"the program has side-effecting ops ({', '.join(effects)}; "
+                                   "e.g. torch.linalg.inv's singular-matrix check); kiln does "
+                                   "not compile effect tokens: use the *_ex variant (e.g. "
+                                   "torch.linalg.inv_ex) and check `info` in the model")
         else:
             raise UnsupportedError(f"input {n.name} of kind {spec.kind.name} is not supported")
         t = TensorType(to_dtype(v.dtype), syms.shape(v.shape))
