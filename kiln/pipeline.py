@@ -20,13 +20,14 @@ from kiln.ir import loop as L
 from kiln.ir.graph import print_graph, verify_graph
 from kiln.ir.loop_text import print_loop, verify_loop
 from kiln.ir.program import WeightSpec, print_program, verify_program
+from kiln.ir.sym import evaluate
 from kiln.lowering import lower
 from kiln.memory.assign import assign_offsets
 from kiln.memory.inplace import program_aliases
 from kiln.options import Options
 from kiln.passes.dce import dce
 from kiln.schedule import Kernel, localize_rows, schedule
-from kiln.schedule.program import build_program
+from kiln.schedule.program import build_program, unbacked_bounds
 from kiln.schedule.reorder import reorder_for_memory
 from kiln.toolchain.cxx import Toolchain, build_shared
 
@@ -132,6 +133,8 @@ def build(ep: torch.export.ExportedProgram, opts: Options, device: str = "cpu") 
     reordered = (0, 0)
     if opts.reorder_for_memory:
         env = {s.name: s.example for s in graph.symbols}
+        for name, bound in unbacked_bounds(steps):  # data-dependent sizes at their bounds
+            env[name] = evaluate(bound, env)
         steps, *reordered = run.stage("reorder", lambda s: reorder_for_memory(s, loop, env),
                                       steps)
     weights = {i.name: imported.weights[i.name] for i in graph.weights}

@@ -171,3 +171,53 @@ def test_interpreter_agrees(tmp_path):
 def test_effect_tokens_are_a_clear_error(tmp_path):
     with pytest.raises(kiln.errors.UnsupportedError, match=r"_linalg_check_errors.*linalg.inv_ex"):
         _compile(tmp_path, lambda x: torch.linalg.inv(x), (_spd(3),))
+
+
+def select_positive(x):
+    # data-dependent sizes: nonzero's rows (u0) and the masked values (u1), with kiln kernels
+    # consuming them (a u1-long pointwise chain and a reduction over u1 elements)
+    idx = torch.nonzero(x > 0)
+    v = x[x > 0]
+    return idx * 2, torch.relu(v) + 1, (v * 2).sum()
+
+
+@pytest.mark.parametrize("dynamic", [False, True])
+def test_data_dependent_sizes(tmp_path, dynamic):
+    shapes = None
+    if dynamic:
+        shapes = (({0: torch.export.Dim("n", min=1, max=64)},),)
+    cm, path = _compile(tmp_path, select_positive, (torch.randn(6, 5),), dynamic_shapes=shapes)
+    assert cm.manifest["requires"]["aten_fallback_ops"] == ["aten::index.Tensor",
+                                                            "aten::nonzero.default"]
+    runner = kiln.load(path)
+    rows = (6, 1, 17, 64) if dynamic else (6,)
+    for n in rows:
+        for x in (torch.randn(n, 5), -torch.ones(n, 5), torch.ones(n, 5)):  # some, none, all
+            got = runner(x)
+            ref = select_positive(x)
+            for g, r in zip(got, ref):
+                assert g.shape == r.shape and g.dtype == r.dtype
+                torch.testing.assert_close(g, r, rtol=1e-5, atol=1e-5)
+
+
+def test_data_dependent_sizes_in_python_printer_and_interpreter(tmp_path):
+    from kiln.ir.interp import run_loop
+
+    cm, _ = _compile(tmp_path, select_positive, (torch.randn(6, 5),))
+    assert "u0 = _r.shape[0]" in cm.sources["model.py"]
+    x = torch.randn(6, 5)
+    got = run_loop(cm.built.loop, {cm.built.loop.buffers[0].name: x.numpy()}, {})
+    for g, r in zip(got, select_positive(x)):
+        torch.testing.assert_close(torch.from_numpy(g).reshape(r.shape), r)
+    torch._dynamo.reset()
+    made = []
+
+    def backend(gm, inputs):
+        made.append(kiln.backend.kiln_backend(gm, inputs))
+        return made[-1]
+
+    with torch._dynamo.config.patch(capture_dynamic_output_shape_ops=True):
+        f = torch.compile(select_positive, backend=backend, fullgraph=True)
+        for g, r in zip(f(x), select_positive(x)):
+            torch.testing.assert_close(g, r)
+    assert made and all(hasattr(m, "kiln_compiled") for m in made)

@@ -94,7 +94,10 @@ class _Printer(SizeCheckPrinter):
 
     def _AllocOutput(self, x: P.AllocOutput) -> None:
         code, bits = _dl(x.dtype)
-        shape = ", ".join(to_c(d) for d in x.shape) or "0"
+        if x.capacity is not None:
+            self.emit(f"// output {x.index} has data-dependent sizes {list(x.shape)}: allocated "
+                      "for their upper bounds, its shape is set once they are known")
+        shape = ", ".join(to_c(d) for d in (x.capacity or x.shape)) or "0"
         self.emit(f"{{ const int64_t shape[] = {{{shape}}};")
         self.emit(f"  outs[{x.index}] = kr::new_output(e, {code}, {bits}, {len(x.shape)}, "
                   "shape); }")
@@ -185,10 +188,17 @@ class _Printer(SizeCheckPrinter):
         for a in c.args:
             for ln in self._aten_arg(a):
                 self.emit("  " + ln)
+        self.emit(f"  if (!c.run({c.n_results})) goto fail;")
+        bounds = dict(self.p.unbacked)
+        for d, name, _ in c.binds:  # data-dependent sizes: known now, checked against bounds
+            self.emit(f"  {name} = c.result_size({c.result}, {d});")
+            self.emit(f"  if ({name} < 0 || {name} > {to_c(bounds[name])}) {{ e.fail(\"ATen "
+                      f"fallback {c.op}: data-dependent size {name} = %lld exceeds its bound "
+                      f"{bounds[name]}\", (long long){name}); goto fail; }}")
         shape = ", ".join(to_c(d) for d in c.shape) or "0"
         self.emit(f"  const int64_t out_sz[] = {{{shape}}};")
-        self.emit(f"  if (!c.run({c.n_results}) || !c.copy_out({c.result}, buf_{c.name}, "
-                  f"{len(c.shape)}, out_sz, {SCALAR_TYPE[c.dtype.name]})) goto fail; }}")
+        self.emit(f"  if (!c.copy_out({c.result}, buf_{c.name}, {len(c.shape)}, out_sz, "
+                  f"{SCALAR_TYPE[c.dtype.name]})) goto fail; }}")
 
     def _CopyState(self, x: P.CopyState) -> None:
         self.emit(f"// state {x.dst} <- {x.src}: persists to the next run")
@@ -196,6 +206,10 @@ class _Printer(SizeCheckPrinter):
                   f"* {x.dtype.itemsize});")
 
     def _Return(self, x: P.Return) -> None:
+        for out in (y for y in self.p.lines if isinstance(y, P.AllocOutput) and y.capacity):
+            for d, size in enumerate(out.shape):
+                if size != out.capacity[d]:
+                    self.emit(f"outs[{out.index}]->dl_tensor.shape[{d}] = {to_c(size)};")
         self.emit(f"for (int64_t i = 0; i < {len(x.buffers)}; ++i) outputs[i] = outs[i];")
         self.emit("return 0;")
 
@@ -320,6 +334,8 @@ def print_wrapper(prog: P.Program, kernel_decls: list[str]) -> str:
     for x in checks:
         pr.line(x)
     _plan_block(pr, prog)
+    for name, bound in prog.unbacked:
+        pr.emit(f"int64_t {name} = 0;  // data-dependent size, at most {bound}")
     pr.emit("{")
     for x in rest:
         pr.line(x)

@@ -51,7 +51,7 @@ def _aten_arg(a) -> str:
     return repr(a[1]) if kind in ("bool", "str") else f"float({str(float(a[1]))!r})"
 
 
-def _aten(c: L.AtenCall) -> list[str]:
+def _aten(c: L.AtenCall, bounds) -> list[str]:
     name = c.op.split("::", 1)[1]
     ov = c.overload or "default"
     res = f"[{c.result}]" if c.n_results > 1 else ""
@@ -59,9 +59,14 @@ def _aten(c: L.AtenCall) -> list[str]:
     n_pos = len(c.args) - len(c.keywords)
     args = [_aten_arg(a) for a in c.args[:n_pos]]
     args += [f"{k}={_aten_arg(a)}" for k, a in zip(c.keywords, c.args[n_pos:])]
-    return [f"# aten fallback {c.op}.{ov} -> {c.name}  <- {', '.join(c.source)}",
-            f"buf_{c.name}.view(({shape})).copy_(torch.ops.aten.{name}.{ov}("
-            f"{', '.join(args)}){res})"]
+    out = [f"# aten fallback {c.op}.{ov} -> {c.name}  <- {', '.join(c.source)}",
+           f"_r = torch.ops.aten.{name}.{ov}({', '.join(args)}){res}"]
+    for d, sym, _ in c.binds:  # data-dependent sizes
+        out += [f"{sym} = _r.shape[{d}]",
+                f"_expect({sym} <= {to_py(bounds[sym])}, 'data-dependent size {sym} exceeds "
+                f"its bound')"]
+    numel = " * ".join(to_py(d) for d in c.shape) or "1"
+    return out + [f"buf_{c.name}.view(-1)[:{numel}].view(({shape})).copy_(_r)"]
 
 
 def print_python_wrapper(prog: P.Program, steps, buffers) -> str:
@@ -81,7 +86,7 @@ def print_python_wrapper(prog: P.Program, steps, buffers) -> str:
             body.append(f"_expect({x.lo} <= {x.symbol} <= {x.hi}, 'input {x.input} ({x.name}):"
                         f" dim {x.dim} must be in [{x.lo}, {x.hi}]')")
         elif isinstance(x, P.AllocOutput):
-            shape = ", ".join(to_py(d) for d in x.shape)
+            shape = ", ".join(to_py(d) for d in (x.capacity or x.shape))
             body.append(f"buf_{x.buf} = torch.empty(({shape}{',' if shape else ''}), "
                         f"dtype={TORCH_DTYPE[x.dtype.name]})")
         elif isinstance(x, P.Alloc):
@@ -105,11 +110,16 @@ def print_python_wrapper(prog: P.Program, steps, buffers) -> str:
         elif isinstance(x, P.CallGemm):
             body += _gemm(x.gemm)
         elif isinstance(x, P.CallAten):
-            body += _aten(x.call)
+            body += _aten(x.call, dict(prog.unbacked))
         elif isinstance(x, P.CopyState):
             body.append(f"buf_{x.dst}.view(-1).copy_(buf_{x.src}.reshape(-1)[:{to_py(x.numel)}])"
                         f"  # state persists to the next run")
         elif isinstance(x, P.Return):
+            for out in (y for y in prog.lines if isinstance(y, P.AllocOutput) and y.capacity):
+                numel = " * ".join(to_py(d) for d in out.shape) or "1"
+                shape = "".join(f"{to_py(d)}, " for d in out.shape)
+                body.append(f"buf_{out.buf} = buf_{out.buf}.view(-1)[:{numel}].view(({shape}))"
+                            "  # data-dependent shape")
             body.append(f"return [{', '.join(f'buf_{b}' for b in x.buffers)}]")
     weights = "\n".join(f"    buf_{w.name} = weights[{w.name!r}]  # {w.fqn}" for w in prog.weights)
     arena = prog.arena_bytes or 0

@@ -232,6 +232,8 @@ def _symbol_ranges(ep: ExportedProgram, syms: SymbolTable) -> tuple[SymbolRange,
                     hints[d.node.expr] = d.node.hint
     out = []
     for theirs, ours in syms.rename.items():
+        if ours.name in syms.unbacked:  # data-dependent: bound by the call that makes it
+            continue
         vr = ep.range_constraints.get(theirs)
         lo = _bound(vr.lower, 0) if vr is not None else 0
         hi = _bound(vr.upper, _INT_MAX) if vr is not None else _INT_MAX
@@ -286,9 +288,23 @@ def import_program(ep: ExportedProgram, fold: bool = True, aten_fallback: bool =
     return _import(ep.run_decompositions(), fold, aten_fallback)
 
 
+SIZE_ASSERTS = {"aten._assert_scalar.default", "aten.sym_constrain_range_for_size.default",
+                "aten.sym_constrain_range.default"}
+
+
+def _data_dependent(n, syms: SymbolTable) -> bool:
+    """Whether a result of `n` has a size only known once it ran (a new unbacked symbol)."""
+    vals = n.meta.get("val")
+    vals = vals if isinstance(vals, (tuple, list)) else [vals]
+    return any(isinstance(d, torch.SymInt) and any(
+        s not in syms.rename for s in d.node.expr.free_symbols)
+        for v in vals if isinstance(v, torch.Tensor) for d in v.shape)
+
+
 def _import(ep: ExportedProgram, fold: bool, aten_fallback: bool = False) -> Imported:
     syms = SymbolTable()
     b = Builder(syms)
+    b.ranges = dict(ep.range_constraints)
     inputs, weights = _weights_and_inputs(ep, syms, b)
     mutated = {s.target for s in ep.graph_signature.output_specs
                if s.kind == OutputKind.BUFFER_MUTATION}
@@ -316,8 +332,10 @@ def _import(ep: ExportedProgram, fold: bool, aten_fallback: bool = False) -> Imp
         if isinstance(n.meta.get("val"), (torch.SymInt, int, float)) and not isinstance(
                 n.meta.get("val"), bool):
             continue  # size arithmetic: shapes are read from node metadata instead
+        if isinstance(n.meta.get("val"), torch.SymBool) or str(n.target) in SIZE_ASSERTS:
+            continue  # facts about sizes: bounds of data-dependent sizes are checked at run time
         conv = TABLE.get(str(n.target))
-        if conv is None and aten_fallback:
+        if aten_fallback and (conv is None or _data_dependent(n, syms)):
             conv = fallback.aten_fallback
         if conv is None:
             raise UnsupportedError(f"operator {n.target} (node {n.name}) is not supported yet")

@@ -4,8 +4,10 @@ at run time (through torch's stable C interface, see runtime/model/kiln_aten.h).
 The converter reads the op's schema and encodes every argument in schema order as a small
 tuple (see `loop.AtenCall`); tensor arguments name the node's inputs by position. An op whose
 arguments or results the stable interface cannot carry (Scalar, Generator, Device, ...),
-an op that mutates its inputs and an op whose result sizes depend on data are refused with an
-`UnsupportedError` that names the op and the reason. One Graph IR node is made per result."""
+and an op that mutates its inputs are refused with an `UnsupportedError` that names the op and
+the reason. One Graph IR node is made per result. A result size that depends on data
+(torch's unbacked symbol, e.g. the row count of `nonzero`) becomes a size symbol `u0, u1, ...`
+bound when the call returns; memory is planned for its upper bound (`_bound`)."""
 
 from __future__ import annotations
 
@@ -13,7 +15,39 @@ import torch
 
 from kiln.errors import UnsupportedError
 
-_SCALARS = {"int": "int", "SymInt": "int", "float": "float", "bool": "bool"}
+# ops whose data-dependent result sizes never exceed the element count of their first tensor
+BOUNDED_BY_NUMEL = {"aten::nonzero", "aten::masked_select", "aten::index", "aten::_unique2",
+                    "aten::unique_dim", "aten::unique_consecutive", "aten::unique"}
+
+
+def _bound(b, n, schema, s, inputs: list[str]):
+    """An upper bound, over input sizes, of the unbacked size `s` of node `n`'s results."""
+    import sympy
+
+    if schema.name in BOUNDED_BY_NUMEL and inputs:
+        return sympy.Mul(*b.types[inputs[0]].shape)
+    vr = getattr(b, "ranges", {}).get(s)
+    upper = getattr(vr, "upper", None)
+    try:
+        return sympy.Integer(int(upper))
+    except (TypeError, ValueError, OverflowError):
+        raise UnsupportedError(f"operator {n.target} (node {n.name}): its result size {s} "
+                               "depends on data and has no upper bound kiln can plan memory "
+                               "for") from None
+
+
+def _binds(b, n, schema, vals, inputs: list[str]) -> list[list[tuple]]:
+    """Per result: (dim, kiln symbol, bound) for each dim that is a new data-dependent size."""
+    out = []
+    for v in vals:
+        binds = []
+        for d, size in enumerate(v.shape):
+            e = size.node.expr if isinstance(size, torch.SymInt) else None
+            if e is not None and e.is_Symbol and e not in b.syms.rename:
+                bound = _bound(b, n, schema, e, inputs)
+                binds.append((d, b.syms.add_unbacked(e, bound).name, bound))
+        out.append(binds)
+    return out
 
 
 def _encode(b, n, name: str, t, value, inputs: list[str]):
@@ -44,12 +78,10 @@ def _encode(b, n, name: str, t, value, inputs: list[str]):
         el = t.getElementType().kind()
         if el in ("IntType", "SymIntType"):
             return ("ints", tuple(b.int_or_sym(v) for v in value))
-        if el == "TensorType":
-            out = []
-            for v in value:
-                inputs.append(b.tensor(v))
-                out.append(("tensor", len(inputs) - 1))
-            return ("tensors", tuple(out))
+        if el == "TensorType" or (el == "OptionalType" and
+                                  t.getElementType().getElementType().kind() == "TensorType"):
+            return ("tensors", tuple(_encode(b, n, name, t.getElementType(), v, inputs)
+                                     for v in value))
     shown = "Scalar" if kind == "NumberType" else str(t)
     raise UnsupportedError(f"{where} has type {shown}, which kiln's ATen fallback cannot pass "
                            "through torch's stable C interface")
@@ -83,10 +115,12 @@ def aten_fallback(b, n) -> list[str] | str:
         args.append(_encode(b, n, arg.name, arg.type, value, inputs))
     vals = n.meta["val"]
     vals = list(vals) if isinstance(vals, (tuple, list)) else [vals]
+    binds = _binds(b, n, schema, vals, inputs)
     keywords = tuple(a.name for a in schema.arguments if a.kwarg_only)
     attrs = dict(aten_op=schema.name, overload=schema.overload_name, args=tuple(args),
                  keywords=keywords, n_results=len(vals))
     if len(vals) == 1:
         return b.emit("aten", inputs, n, result=0 if isinstance(n.meta["val"], (tuple, list))
-                      else None, index=0, **attrs)
-    return [b.emit("aten", inputs, n, result=k, index=k, **attrs) for k in range(len(vals))]
+                      else None, index=0, binds=tuple(binds[0]), **attrs)
+    return [b.emit("aten", inputs, n, result=k, index=k, binds=tuple(binds[k]), **attrs)
+            for k in range(len(vals))]

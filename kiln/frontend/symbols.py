@@ -14,6 +14,14 @@ from kiln.ir import sym
 class SymbolTable:
     def __init__(self) -> None:
         self.rename: dict[sympy.Symbol, sympy.Symbol] = {}
+        self.unbacked: dict[str, sympy.Expr] = {}  # u0 -> upper bound over input symbols
+
+    def add_unbacked(self, s: sympy.Symbol, bound: sympy.Expr) -> sympy.Symbol:
+        """A data-dependent size (torch's unbacked symbol) and its upper bound."""
+        if s not in self.rename:
+            self.rename[s] = sym.unbacked_symbol(f"u{len(self.unbacked)}")
+            self.unbacked[self.rename[s].name] = bound
+        return self.rename[s]
 
     def add(self, s: sympy.Symbol) -> sympy.Symbol:
         if s not in self.rename:

@@ -156,6 +156,7 @@ def verify_graph(g: Graph) -> None:
                 raise GraphError(f"node {n.name} ({n.op}) uses {x} before it is defined")
         if n.name in defined:
             raise GraphError(f"node {n.name} defined twice")
+        declared |= {name for _, name, _ in n.attr("binds", ())}  # data-dependent sizes
         check_type(n.name, n.type)
         defined.add(n.name)
     for o in g.outputs:

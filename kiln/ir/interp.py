@@ -183,6 +183,8 @@ def _aten(c: L.AtenCall, bufs, env) -> np.ndarray:
              **{k: value(a) for k, a in zip(c.keywords, c.args[n_pos:])})
     if c.n_results > 1:
         out = out[c.result]
+    for d, sym, _ in c.binds:  # data-dependent sizes are known from here on
+        env[sym] = int(out.shape[d])
     return out.contiguous().numpy().astype(NP_DTYPES[c.dtype.name]).reshape(-1)
 
 
@@ -191,7 +193,11 @@ def run_loop(prog: L.LoopProgram, inputs: Mapping[str, np.ndarray],
     """Run `prog` on named inputs and weights (numpy arrays) with sizes `env`; returns the
     outputs, shaped by the program's output shapes."""
     bufs = {k: np.ascontiguousarray(v).reshape(-1) for k, v in inputs.items()}
+    env = dict(env)
     for node in prog.nodes:
+        if isinstance(node, L.AtenCall):
+            bufs[node.name] = _aten(node, bufs, env)
+            continue
         fn = _gemm if isinstance(node, L.Gemm) else _aten if isinstance(
             node, L.AtenCall) else _compute
         bufs[node.name] = fn(node, bufs, dict(env))

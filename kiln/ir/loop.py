@@ -147,6 +147,8 @@ class AtenCall:
     n_results: int
     keywords: tuple[str, ...] = ()  # names of the trailing keyword-only arguments
     source: tuple[str, ...] = ()
+    # data-dependent sizes this call defines: (dim of the result, symbol u<k>, upper bound)
+    binds: tuple[tuple[int, str, sympy.Expr], ...] = ()
 
 
 def aten_arg_buffers(arg) -> list[str]:

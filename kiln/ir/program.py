@@ -73,6 +73,9 @@ class AllocOutput:
     buf: str
     dtype: DType
     shape: tuple[sympy.Expr, ...]
+    # when the shape has data-dependent sizes: the shape allocated (their upper bounds); the
+    # output's shape is set to `shape` once they are known
+    capacity: tuple[sympy.Expr, ...] | None = None
 
 
 @dataclass(frozen=True)
@@ -153,6 +156,7 @@ class Program:
     buffer_dtypes: dict[str, DType] = field(default_factory=dict)
     arena_bytes: int | None = None  # static plan; None when planned at run time
     alignment: int = 64
+    unbacked: tuple[tuple[str, sympy.Expr], ...] = ()  # data-dependent sizes, upper bounds
 
     @property
     def dynamic(self) -> bool:
@@ -262,9 +266,12 @@ def verify_program(p: Program, planned: bool = False) -> None:
             temps[line.buf] = line
         if isinstance(line, BindSize):
             bound.add(line.symbol)
+        elif isinstance(line, CallAten):
+            bound |= {name for _, name, _ in line.call.binds}
         elif isinstance(line, (CheckSize, AllocOutput, Alloc)):
             exprs = [line.expr] if isinstance(line, CheckSize) else (
-                list(line.shape) if isinstance(line, AllocOutput) else [line.numel])
+                list(line.capacity or line.shape) if isinstance(line, AllocOutput)
+                else [line.numel])
             for e in exprs:
                 missing = {s.name for s in free_size_symbols(e)} - bound
                 if missing:

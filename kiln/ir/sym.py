@@ -18,6 +18,12 @@ def size_symbol(name: str) -> sympy.Symbol:
     return sympy.Symbol(name, integer=True, positive=True)
 
 
+def unbacked_symbol(name: str) -> sympy.Symbol:
+    """A size known only once the op that produces it has run (e.g. the row count of
+    `nonzero`): named u0, u1, ...; may be 0."""
+    return sympy.Symbol(name, integer=True, nonnegative=True)
+
+
 def index_var(prefix: str, k: int) -> sympy.Symbol:
     return sympy.Symbol(f"{prefix}{k}", integer=True, nonnegative=True)
 
@@ -97,7 +103,7 @@ def unravel(flat: Expr, shape: Sequence[Expr]) -> tuple[Expr, ...]:
 
 
 def free_size_symbols(e: Expr) -> set[sympy.Symbol]:
-    return {s for s in sympy.sympify(e).free_symbols if s.name[0] == "s"}
+    return {s for s in sympy.sympify(e).free_symbols if s.name[0] in "su"}
 
 
 def is_static(e) -> bool:
@@ -180,5 +186,5 @@ def to_py(e) -> str:
 
 def evaluate(e, env: dict[str, int]) -> int:
     e = sympy.sympify(e)
-    val = e.subs({sympy.Symbol(k, integer=True, positive=True): v for k, v in env.items()})
+    val = e.subs({s: env[s.name] for s in e.free_symbols if s.name in env})
     return int(val)

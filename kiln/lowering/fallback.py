@@ -37,5 +37,5 @@ def lower_aten(ctx: LowerCtx, node: Node, args: list[Lazy]) -> Lazy:
     ctx.nodes.append(L.AtenCall(name, t.dtype, tuple(t.shape), node.attr("aten_op"),
                                 node.attr("overload"), call_args, node.attr("index"),
                                 node.attr("n_results"), node.attr("keywords"),
-                                (node.source or node.name,)))
+                                (node.source or node.name,), tuple(node.attr("binds", ()))))
     return ctx.buffer_lazy(name, t.dtype, t.shape)

@@ -16,6 +16,7 @@ from kiln.codegen.cpp_kernel import kernel_params
 from kiln.ir import loop as L
 from kiln.ir import program as P
 from kiln.ir.graph import Graph
+from kiln.ir.sym import unbacked_symbol
 from kiln.memory.inplace import choose_reuse
 from kiln.schedule import Kernel, Step
 
@@ -55,9 +56,14 @@ def build_program(graph: Graph, prog: L.LoopProgram, steps: tuple[Step, ...],
                   weights, inplace: bool = True) -> P.Program:
     buffers = {b.name: b for b in prog.buffers}
     lines = input_lines(graph)
+    bounds = unbacked_bounds(steps)
+    cap = {unbacked_symbol(n): b for n, b in bounds}
     for k, name in enumerate(prog.outputs):
         b = buffers[name]
-        lines.append(P.AllocOutput(k, name, b.dtype, tuple(prog.output_shapes[k])))
+        shape = tuple(prog.output_shapes[k])
+        capacity = tuple(sympy.sympify(d).subs(cap) for d in shape)
+        lines.append(P.AllocOutput(k, name, b.dtype, shape,
+                                   capacity if capacity != shape else None))
     rw = [_reads_writes(s, buffers) for s in steps]
     first: dict[str, int] = {}
     last: dict[str, int] = {}
@@ -74,7 +80,8 @@ def build_program(graph: Graph, prog: L.LoopProgram, steps: tuple[Step, ...],
     for i, step in enumerate(steps):
         for b in sorted(temps):
             if first[b] == i:
-                lines.append(P.Alloc(b, buffers[b].dtype, buffers[b].numel,
+                lines.append(P.Alloc(b, buffers[b].dtype,
+                                     sympy.sympify(buffers[b].numel).subs(cap),
                                      reuse=reuse.get(b)))
         if isinstance(step, L.Gemm):
             lines.append(P.CallGemm(step))
@@ -94,7 +101,20 @@ def build_program(graph: Graph, prog: L.LoopProgram, steps: tuple[Step, ...],
     lines.append(P.Return(tuple(prog.outputs)))
     inputs = tuple((i.name, i.type.dtype, i.type.shape) for i in graph.user_inputs)
     dtypes = {b.name: b.dtype for b in prog.buffers}
-    return P.Program(tuple(lines), inputs, tuple(weights), graph.symbols, dtypes)
+    return P.Program(tuple(lines), inputs, tuple(weights), graph.symbols, dtypes,
+                     unbacked=bounds)
+
+
+def unbacked_bounds(steps) -> tuple[tuple[str, sympy.Expr], ...]:
+    """(u<k>, upper bound over input sizes) for every data-dependent size, in definition
+    order; a bound that mentions an earlier data-dependent size uses that size's bound."""
+    out: list[tuple[str, sympy.Expr]] = []
+    for s in steps:
+        if isinstance(s, L.AtenCall):
+            for _, name, bound in s.binds:
+                subs = {unbacked_symbol(n): b for n, b in out}
+                out.append((name, sympy.sympify(bound).subs(subs)))
+    return tuple(out)
 
 
 def _has_status(kernel: Kernel) -> bool:

@@ -163,6 +163,15 @@ class Call {
     return true;
   }
 
+  // Size `d` of result `k` (a data-dependent size); -1 if it cannot be read.
+  int64_t result_size(size_t k, int64_t d) {
+    int64_t dim = -1;
+    int64_t* sizes = nullptr;
+    if (api().get_dim(results_[k], &dim) || d >= dim || api().get_sizes(results_[k], &sizes))
+      return -1;
+    return sizes[d];
+  }
+
   // Copies result `k` into kiln's contiguous buffer `out` after checking its sizes.
   bool copy_out(size_t k, void* out, int64_t ndim, const int64_t* sizes, int32_t dtype) {
     Handle r = results_[k];
