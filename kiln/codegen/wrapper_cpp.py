@@ -13,7 +13,8 @@ from kiln.memory.assign import intervals
 DL_CODE = {"float": 2, "int": 0, "uint": 1, "bool": 6}
 # torch's ScalarType numbers (part of its stable C interface), for the ATen fallback
 SCALAR_TYPE = {"uint8": 0, "int8": 1, "int16": 2, "int32": 3, "int64": 4, "float16": 5,
-               "float32": 6, "float64": 7, "bool": 11, "bfloat16": 15}
+               "float32": 6, "float64": 7, "complex64": 9, "complex128": 10, "bool": 11,
+               "bfloat16": 15}
 
 
 def _dl(dt) -> tuple[int, int]:

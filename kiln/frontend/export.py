@@ -292,6 +292,23 @@ SIZE_ASSERTS = {"aten._assert_scalar.default", "aten.sym_constrain_range_for_siz
                 "aten.sym_constrain_range.default"}
 
 
+# ops that only move complex elements: kiln lowers them (index maps / copies) like any other
+COMPLEX_MOVES = {"aten.view.default", "aten.reshape.default", "aten._unsafe_view.default",
+                 "aten.permute.default", "aten.t.default", "aten.transpose.int",
+                 "aten.slice.Tensor", "aten.select.int", "aten.expand.default",
+                 "aten.clone.default", "aten.alias.default", "aten.unsqueeze.default",
+                 "aten.squeeze.dim", "aten.squeeze.dims", "aten.cat.default"}
+
+
+def _complex(n) -> bool:
+    """Whether `n` computes on complex values (then ATen does: kiln only stores them)."""
+    if str(n.target) in COMPLEX_MOVES:
+        return False
+    vals = [n.meta.get("val")] + [a.meta.get("val") for a in n.all_input_nodes]
+    vals = [x for v in vals for x in (v if isinstance(v, (tuple, list)) else [v])]
+    return any(isinstance(v, torch.Tensor) and v.is_complex() for v in vals)
+
+
 def _data_dependent(n, syms: SymbolTable) -> bool:
     """Whether a result of `n` has a size only known once it ran (a new unbacked symbol)."""
     vals = n.meta.get("val")
@@ -335,7 +352,10 @@ def _import(ep: ExportedProgram, fold: bool, aten_fallback: bool = False) -> Imp
         if isinstance(n.meta.get("val"), torch.SymBool) or str(n.target) in SIZE_ASSERTS:
             continue  # facts about sizes: bounds of data-dependent sizes are checked at run time
         conv = TABLE.get(str(n.target))
-        if aten_fallback and (conv is None or _data_dependent(n, syms)):
+        if not aten_fallback and _complex(n):
+            raise UnsupportedError(f"operator {n.target} (node {n.name}) computes on complex "
+                                   "values, which kiln leaves to ATen: enable aten_fallback")
+        if aten_fallback and (conv is None or _data_dependent(n, syms) or _complex(n)):
             conv = fallback.aten_fallback
         if conv is None:
             raise UnsupportedError(f"operator {n.target} (node {n.name}) is not supported yet")

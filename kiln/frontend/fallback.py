@@ -58,6 +58,9 @@ def _encode(b, n, name: str, t, value, inputs: list[str]):
             return ("none",)
         return ("opt", _encode(b, n, name, t.getElementType(), value, inputs))
     if kind == "TensorType":
+        if isinstance(value, (bool, int, float)):  # a wrapped number: a 0-d tensor
+            inputs.append(b.tensor(value))
+            return ("tensor", len(inputs) - 1)
         if not isinstance(value, torch.fx.Node):
             raise UnsupportedError(f"{where}: a {type(value).__name__} where ATen expects a "
                                    "tensor")

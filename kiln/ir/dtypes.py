@@ -13,10 +13,12 @@ class DType:
     name: str
     c_type: str
     itemsize: int
-    dl_code: int  # DLPack type code: 0 int, 1 uint, 2 float, 6 bool
+    dl_code: int  # DLPack type code: 0 int, 1 uint, 2 float, 5 complex, 6 bool
     safetensors: str
     is_float: bool
     is_signed: bool = True
+    # complex values are stored and moved by kiln, computed on by ATen (the fallback)
+    is_complex: bool = False
 
     def __repr__(self) -> str:
         return self.name
@@ -31,6 +33,8 @@ _ROWS = [
     DType("int8", "int8_t", 1, 0, "I8", False),
     DType("uint8", "uint8_t", 1, 1, "U8", False, is_signed=False),
     DType("bool", "bool", 1, 6, "BOOL", False, is_signed=False),
+    DType("complex64", "kr_complex64", 8, 5, "C64", False, is_complex=True),
+    DType("complex128", "kr_complex128", 16, 5, "C128", False, is_complex=True),
 ]
 DTYPES: dict[str, DType] = {d.name: d for d in _ROWS}
 

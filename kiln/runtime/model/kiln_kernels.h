@@ -12,6 +12,14 @@
 #include <limits>
 #include <type_traits>
 
+// Complex elements: kiln only stores and moves them (ATen computes on them), so a pair of
+// reals with torch's layout is all kernels need.
+#ifndef KILN_COMPLEX_TYPES
+#define KILN_COMPLEX_TYPES
+struct kr_complex64 { float re, im; };
+struct kr_complex128 { double re, im; };
+#endif
+
 #define KILN_KERNEL __attribute__((visibility("default")))
 #define KILN_UNLIKELY(x) __builtin_expect(!!(x), 0)
 

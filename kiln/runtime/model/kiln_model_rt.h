@@ -14,6 +14,12 @@
 #include <vector>
 
 #include "dlpack.h"
+
+#ifndef KILN_COMPLEX_TYPES  // also in kiln_kernels.h: complex elements, stored and moved only
+#define KILN_COMPLEX_TYPES
+struct kr_complex64 { float re, im; };
+struct kr_complex128 { double re, im; };
+#endif
 #include "kiln_model_abi.h"
 #include "kiln_kernels.h"
 
@@ -52,6 +58,7 @@ inline const char *dtype_name(DLDataType t) {
     case kDLUInt: return t.bits == 8 ? "uint8" : "uint?";
     case kDLBool: return "bool";
     case kDLBfloat: return "bfloat16";
+    case kDLComplex: return t.bits == 64 ? "complex64" : t.bits == 128 ? "complex128" : "complex?";
     default: return "unknown";
   }
 }
