@@ -1,7 +1,8 @@
 """OpInfo sweep: every OpInfo of torch's own `op_db` whose op is in the core ATen set runs
 through kiln on the CPU, on the OpInfo's own sample inputs, and is compared with eager.
 
-Each sample is one verdict: pass, unsupported (kiln said so clearly: UnsupportedError), export
+Each sample is one verdict: pass (kiln's own kernels), aten (passes through the ATen fallback:
+the package needs libtorch), unsupported (kiln said so clearly: UnsupportedError), export
 (torch.export itself refused the sample), wrong (kiln's answer differs from eager: a bug) or
 error (kiln failed in another way: a bug). Writes a markdown table (docs/coverage.md by default).
 
@@ -26,7 +27,7 @@ from torch.utils import _pytree as pytree
 NONDETERMINISTIC = {"empty", "empty_strided", "empty_like", "new_empty", "randn", "rand",
                     "randint", "bernoulli", "normal", "uniform", "multinomial"}
 SECOND_PASS = (torch.float64, torch.int64, torch.int32, torch.bool)
-VERDICTS = ("pass", "unsupported", "export", "wrong", "error")
+VERDICTS = ("pass", "aten", "unsupported", "export", "wrong", "error")
 
 
 def core_aten_names() -> set[str]:
@@ -102,15 +103,19 @@ def run_sample(op, sample, workdir: Path) -> tuple[str, str]:
     except Exception as e:  # noqa: BLE001 - torch.export refusing a sample is a verdict
         return "export", f"{type(e).__name__}: {str(e)[:120]}"
     try:
-        runner = kiln.compile(ep).load(workdir / "m.kiln")
+        cm = kiln.compile(ep)
+        runner = cm.load(workdir / "m.kiln")
         got = runner(*[t.contiguous() for t in tensors])
+        aten = cm.manifest["requires"]["aten_fallback_ops"]
     except kiln.errors.UnsupportedError as e:
         return "unsupported", str(e)[:160]
     except Exception as e:  # noqa: BLE001 - any other failure is a kiln bug to report
         return "error", f"{type(e).__name__}: {str(e)[:160]}"
     with torch.no_grad():
         want = m(*tensors)
-    return ("pass", "") if _close(got, want) else ("wrong", "differs from eager")
+    if not _close(got, want):
+        return "wrong", "differs from eager"
+    return ("aten", "ATen fallback: " + ", ".join(aten)) if aten else ("pass", "")
 
 
 def _lookup(key: tuple[str, str]):
@@ -137,7 +142,7 @@ def sweep_op(job) -> tuple[str, str, Counter, list[str]]:
             except Exception:  # noqa: BLE001
                 verdict, note = "error", traceback.format_exc(limit=1)[-160:]
             counts[verdict] += 1
-            if note and verdict != "pass" and note not in notes:
+            if note and verdict not in ("pass", "aten") and note not in notes:
                 notes.append(note)
     return op.name, str(dtype).removeprefix("torch."), counts, notes
 
@@ -147,16 +152,19 @@ def write_markdown(rows, path: Path, seconds: float) -> None:
     for *_, c, _ in rows:
         total.update(c)
     n = sum(total.values())
+    exportable = max(n - total["export"], 1)
     lines = ["# Operator coverage (OpInfo sweep)", "",
              "Produced by `python bench/opinfo_sweep.py` (torch's own OpInfo samples for every",
-             "OpInfo whose op is a core ATen op; CPU). Verdicts: pass; unsupported (a clear",
-             "`UnsupportedError`); export (torch.export refused the sample); wrong (a different",
-             "answer: a bug); error (another failure: a bug).", "",
+             "OpInfo whose op is a core ATen op; CPU). Verdicts: pass (kiln's own kernels); aten",
+             "(right answer through the ATen fallback: the package needs libtorch); unsupported",
+             "(a clear `UnsupportedError`); export (torch.export refused the sample); wrong (a",
+             "different answer: a bug); error (another failure: a bug).", "",
              f"Samples: {n}; " + ", ".join(f"{v}: {total[v]}" for v in VERDICTS) +
-             f"; pass rate {100 * total['pass'] / max(n - total['export'], 1):.1f}% of exportable "
-             f"samples; {seconds:.0f} s.", "",
-             "| op | dtype | pass | unsupported | export | wrong | error | first note |",
-             "| --- | --- | --- | --- | --- | --- | --- | --- |"]
+             f"; pass rate {100 * (total['pass'] + total['aten']) / exportable:.1f}%"
+             f" of exportable samples ({100 * total['pass'] / exportable:.1f}% "
+             f"without the ATen fallback); {seconds:.0f} s.", "",
+             "| op | dtype | pass | aten | unsupported | export | wrong | error | first note |",
+             "| --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
     for name, dtype, c, notes in rows:
         if not sum(c.values()):
             continue
