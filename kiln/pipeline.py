@@ -152,8 +152,9 @@ def build(ep: torch.export.ExportedProgram, opts: Options, device: str = "cpu") 
         dump=lambda r: print_program(r[0]), verify=lambda r: verify_program(r[0], planned=True))
     buffers = {b.name: b for b in loop.buffers}
     if cuda:  # 7-8 for NVIDIA GPUs: Triton kernels -> cubins, CUDA wrapper (pipeline_cuda.py)
-        aten = sorted({f"{s.op}.{s.overload or 'default'}" for s in steps
-                       if isinstance(s, L.AtenCall)})
+        aten = sorted({f"{s.op}.{s.overload or 'default'}" if isinstance(s, L.AtenCall) else
+                       f"{s.symbol} = .item()" for s in steps
+                       if isinstance(s, (L.AtenCall, L.ReadSize))})
         if aten:
             raise UnsupportedError(f"the ATen fallback is CPU-only so far; this program needs it "
                                    f"for {', '.join(aten)} on CUDA")

@@ -242,3 +242,31 @@ def test_complex_values_and_fft(tmp_path):
         runner(torch.randn(4, 16), torch.randn(4, 4))
     with pytest.raises(kiln.errors.UnsupportedError, match="complex values"):
         _compile(tmp_path, spectrum, args, aten_fallback=False)
+
+
+def take_first(x, n):
+    k = n.item()
+    torch._check(k >= 1)
+    torch._check(k <= 8)
+    return x[:k] * 2, torch.ones(k, 3) + x.sum()
+
+
+def test_item_as_a_size_runs_natively_and_is_range_checked(tmp_path):
+    cm, path = _compile(tmp_path, take_first, (torch.randn(8, 3), torch.tensor(3)))
+    assert cm.manifest["requires"]["libtorch"] is False  # read by kiln itself
+    runner = kiln.load(path)
+    for k in (1, 5, 8):
+        _check(runner, take_first, (torch.randn(8, 3), torch.tensor(k)), rtol=1e-5, atol=1e-5)
+    with pytest.raises(kiln.errors.KilnError, match=r"\.item\(\) is 9, outside \[1, 8\]"):
+        runner(torch.randn(8, 3), torch.tensor(9))
+    _check(runner, take_first, (torch.randn(8, 3), torch.tensor(2)), rtol=1e-5, atol=1e-5)
+
+
+def test_item_size_needs_an_upper_bound(tmp_path):
+    def fn(x, n):
+        k = n.item()
+        torch._check(k >= 1)
+        return torch.ones(k) * x.sum()
+
+    with pytest.raises(kiln.errors.UnsupportedError, match=r"torch._check\(value <= N\)"):
+        _compile(tmp_path, fn, (torch.randn(3), torch.tensor(2)))

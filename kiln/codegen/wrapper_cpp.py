@@ -201,6 +201,16 @@ class _Printer(SizeCheckPrinter):
         self.emit(f"  if (!c.copy_out({c.result}, buf_{c.name}, {len(c.shape)}, out_sz, "
                   f"{SCALAR_TYPE[c.dtype.name]})) goto fail; }}")
 
+    def _ReadSizeLine(self, x: P.ReadSizeLine) -> None:
+        n = x.node
+        self.emit(f"// {n.symbol} = {n.src}.item(): a data-dependent size  <- "
+                  f"{', '.join(n.source)}")
+        self.emit(f"{n.symbol} = static_cast<int64_t>(buf_{n.src}[0]);")
+        self.emit(f"if ({n.symbol} < {n.lo} || {n.symbol} > {to_c(n.hi)}) {{ e.fail(\"{n.src}"
+                  f".item() is %lld, outside [{n.lo}, {n.hi}], the range the export assumed for "
+                  f"size {n.symbol}\", (long long){n.symbol}); goto fail; }}")
+        self.emit(f"buf_{n.name}[0] = {n.symbol};")
+
     def _CopyState(self, x: P.CopyState) -> None:
         self.emit(f"// state {x.dst} <- {x.src}: persists to the next run")
         self.emit(f"std::memcpy(buf_{x.dst}, buf_{x.src}, static_cast<size_t>({to_c(x.numel)}) "

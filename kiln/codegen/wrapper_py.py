@@ -112,6 +112,13 @@ def print_python_wrapper(prog: P.Program, steps, buffers) -> str:
             body += _gemm(x.gemm)
         elif isinstance(x, P.CallAten):
             body += _aten(x.call, dict(prog.unbacked))
+        elif isinstance(x, P.ReadSizeLine):
+            n = x.node
+            body += [f"# {n.symbol} = {n.src}.item(): a data-dependent size",
+                     f"{n.symbol} = int(buf_{n.src}.reshape(-1)[0])",
+                     f"_expect({n.lo} <= {n.symbol} <= {to_py(n.hi)}, '{n.src}.item() is "
+                     f"outside [{n.lo}, {n.hi}], the range the export assumed')",
+                     f"buf_{n.name}.view(-1)[0] = {n.symbol}"]
         elif isinstance(x, P.CopyState):
             body.append(f"buf_{x.dst}.view(-1).copy_(buf_{x.src}.reshape(-1)[:{to_py(x.numel)}])"
                         f"  # state persists to the next run")

@@ -309,6 +309,11 @@ def _complex(n) -> bool:
     return any(isinstance(v, torch.Tensor) and v.is_complex() for v in vals)
 
 
+def _new_size(n, syms: SymbolTable) -> bool:
+    v = n.meta.get("val")
+    return isinstance(v, torch.SymInt) and v.node.expr.is_Symbol and v.node.expr not in syms.rename
+
+
 def _data_dependent(n, syms: SymbolTable) -> bool:
     """Whether a result of `n` has a size only known once it ran (a new unbacked symbol)."""
     vals = n.meta.get("val")
@@ -345,6 +350,9 @@ def _import(ep: ExportedProgram, fold: bool, aten_fallback: bool = False) -> Imp
                 b.env[n.name] = b.tensor(src)
             elif n.users:
                 raise UnsupportedError(f"result {k} of {src.target} (node {src.name}) is used")
+            continue
+        if str(n.target) == "aten._local_scalar_dense.default" and _new_size(n, syms):
+            b.env[n.name] = fallback.read_size(b, n)  # `x.item()` used as a size
             continue
         if isinstance(n.meta.get("val"), (torch.SymInt, int, float)) and not isinstance(
                 n.meta.get("val"), bool):

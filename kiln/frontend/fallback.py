@@ -90,6 +90,31 @@ def _encode(b, n, name: str, t, value, inputs: list[str]):
                            "through torch's stable C interface")
 
 
+def read_size(b, n) -> str:
+    """`x.item()` that becomes a size (torch's unbacked symbol): a `read_size` node that binds
+    it at run time, checked against the range the export assumed (`torch._check`)."""
+    import sympy
+
+    from kiln.ir import dtypes
+
+    s = n.meta["val"].node.expr
+    vr = getattr(b, "ranges", {}).get(s)
+    try:
+        lo, hi = int(vr.lower), int(vr.upper)
+    except (AttributeError, TypeError, ValueError, OverflowError):
+        raise UnsupportedError(f"{n.name} = {n.args[0]}.item() is used as a size with no upper "
+                               "bound to plan memory for: add torch._check(value <= N) before "
+                               "using it") from None
+    from kiln.ir.graph import Node, TensorType
+
+    name = b.syms.add_unbacked(s, sympy.Integer(hi)).name
+    t = TensorType(dtypes.int64, ())
+    attrs = (("binds", ((0, name, sympy.Integer(hi)),)), ("lo", max(lo, 0)))
+    b.nodes.append(Node(n.name, "read_size", (b.tensor(n.args[0]),), t, attrs, n.name))
+    b.types[n.name] = t
+    return n.name
+
+
 def aten_fallback(b, n) -> list[str] | str:
     """Graph IR nodes for FX node `n` (an OpOverload kiln has no converter for)."""
     op = n.target

@@ -199,6 +199,10 @@ def run_loop(prog: L.LoopProgram, inputs: Mapping[str, np.ndarray],
         if isinstance(node, L.AtenCall):
             bufs[node.name] = _aten(node, bufs, env)
             continue
+        if isinstance(node, L.ReadSize):
+            env[node.symbol] = int(bufs[node.src][0])
+            bufs[node.name] = np.array([env[node.symbol]], dtype=np.int64)
+            continue
         fn = _gemm if isinstance(node, L.Gemm) else _aten if isinstance(
             node, L.AtenCall) else _compute
         bufs[node.name] = fn(node, bufs, dict(env))

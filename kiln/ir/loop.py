@@ -163,8 +163,30 @@ def aten_arg_buffers(arg) -> list[str]:
     return []
 
 
-LoopNode = Union[Compute, Gemm, AtenCall]
-CALLS = (Gemm, AtenCall)  # steps of their own: never fused into a kernel
+@dataclass(frozen=True)
+class ReadSize:
+    """`symbol` = the value of the 0-d tensor `src` (`x.item()` used as a size), checked to lie
+    in [lo, hi]; `name` is an int64 scalar buffer holding it."""
+
+    name: str
+    dtype: DType
+    src: str
+    symbol: str
+    lo: int
+    hi: sympy.Expr
+    source: tuple[str, ...] = ()
+
+    @property
+    def shape(self) -> tuple[sympy.Expr, ...]:
+        return ()
+
+    @property
+    def binds(self) -> tuple[tuple[int, str, sympy.Expr], ...]:
+        return ((0, self.symbol, self.hi),)
+
+
+LoopNode = Union[Compute, Gemm, AtenCall, ReadSize]
+CALLS = (Gemm, AtenCall, ReadSize)  # steps of their own: never fused into a kernel
 
 
 @dataclass(frozen=True)
@@ -221,4 +243,6 @@ def node_reads(node: LoopNode) -> set[str]:
         return {node.a.buf, node.b.buf}
     if isinstance(node, AtenCall):
         return {b for a in node.args for b in aten_arg_buffers(a)}
+    if isinstance(node, ReadSize):
+        return {node.src}
     return {ld.buf for ld in loads(node.body)}

@@ -35,6 +35,9 @@ def aten_arg_text(a) -> str:
 
 
 def node_text(n: L.LoopNode) -> str:
+    if isinstance(n, L.ReadSize):
+        return (f"%{n.name}: int64[] = read_size {n.symbol} = %{n.src}.item() in [{n.lo}, "
+                f"{n.hi}]  # {', '.join(n.source)}")
     if isinstance(n, L.AtenCall):
         ov = n.overload or "default"
         res = f"[{n.result}]" if n.n_results > 1 else ""

@@ -30,7 +30,7 @@ import sympy
 
 from kiln.ir.dtypes import DType
 from kiln.ir.graph import SymbolRange
-from kiln.ir.loop import AtenCall, Gemm, node_reads
+from kiln.ir.loop import AtenCall, Gemm, ReadSize, node_reads
 from kiln.ir.sym import free_size_symbols
 
 
@@ -118,6 +118,13 @@ class CallAten:
 
 
 @dataclass(frozen=True)
+class ReadSizeLine:
+    """A data-dependent size read from a 0-d tensor (see `loop.ReadSize`)."""
+
+    node: ReadSize
+
+
+@dataclass(frozen=True)
 class CopyState:
     """After every step: the state buffer `dst` takes the value in `src` (same dtype, size).
     It persists in the model instance to the next run."""
@@ -134,7 +141,7 @@ class Return:
 
 
 Line = Union[CheckInput, BindSize, CheckSize, CheckRange, AllocOutput, Alloc, Free, CallKernel,
-             CallGemm, CallAten, CopyState, Return]
+             CallGemm, CallAten, ReadSizeLine, CopyState, Return]
 
 
 @dataclass(frozen=True)
@@ -163,7 +170,10 @@ class Program:
         return bool(self.symbols)
 
     def steps(self) -> list[Line]:
-        return [x for x in self.lines if isinstance(x, (CallKernel, CallGemm, CallAten))]
+        return [x for x in self.lines if isinstance(x, STEPS)]
+
+
+STEPS = (CallKernel, CallGemm, CallAten, ReadSizeLine)  # lines that run a step
 
 
 def _fmt(line: Line) -> str:
@@ -191,9 +201,9 @@ def _fmt(line: Line) -> str:
         g = line.gemm
         return (f"gemm %{g.name} = %{g.a.buf} @ %{g.b.buf}  batch={list(g.batch)} "
                 f"m={g.m} n={g.n} k={g.k}  # {', '.join(g.source)}")
-    if isinstance(line, CallAten):
+    if isinstance(line, (CallAten, ReadSizeLine)):
         from kiln.ir.loop_text import node_text
-        return "aten " + node_text(line.call)
+        return node_text(line.call if isinstance(line, CallAten) else line.node)
     if isinstance(line, CopyState):
         return f"state %{line.dst} = %{line.src}"
     if isinstance(line, Return):
@@ -217,6 +227,8 @@ def _uses(line: Line) -> list[str]:
         return [line.gemm.a.buf, line.gemm.b.buf, line.gemm.name]
     if isinstance(line, CallAten):
         return sorted(node_reads(line.call)) + [line.call.name]
+    if isinstance(line, ReadSizeLine):
+        return [line.node.src, line.node.name]
     if isinstance(line, Return):
         return list(line.buffers)
     if isinstance(line, CopyState):
@@ -247,7 +259,7 @@ def _check_reuse(p: Program, k: int, line: Alloc, temps: dict[str, Alloc], live:
     for x in rest[j + 1:]:
         if isinstance(x, Free) and x.buf == line.reuse:
             return
-        if isinstance(x, (CallKernel, CallGemm, CallAten, Return)):
+        if isinstance(x, (*STEPS, Return)):
             break
     raise ProgramError(f"{where}: {line.reuse} is not freed right after {call.kernel}, its "
                        f"last reader")
@@ -266,8 +278,9 @@ def verify_program(p: Program, planned: bool = False) -> None:
             temps[line.buf] = line
         if isinstance(line, BindSize):
             bound.add(line.symbol)
-        elif isinstance(line, CallAten):
-            bound |= {name for _, name, _ in line.call.binds}
+        elif isinstance(line, (CallAten, ReadSizeLine)):
+            node = line.call if isinstance(line, CallAten) else line.node
+            bound |= {name for _, name, _ in node.binds}
         elif isinstance(line, (CheckSize, AllocOutput, Alloc)):
             exprs = [line.expr] if isinstance(line, CheckSize) else (
                 list(line.capacity or line.shape) if isinstance(line, AllocOutput)

@@ -52,6 +52,7 @@ RULES = {
     "matmul": extern.lower_matmul,
     "conv2d": extern.lower_conv2d,
     "aten": fallback.lower_aten,
+    "read_size": fallback.lower_read_size,
 }
 
 CHEAP = 2  # operators per element that may be recomputed by each consumer

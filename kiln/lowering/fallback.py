@@ -29,6 +29,18 @@ def _arg(ctx: LowerCtx, node: Node, a, args: list[Lazy]) -> tuple:
     return a
 
 
+def lower_read_size(ctx: LowerCtx, node: Node, args: list[Lazy]) -> Lazy:
+    src = args[0]
+    if src.view is None or src.view.offset != 0:
+        src = ctx.realize(f"{node.name}_value", src, (node.source or node.name,))
+    ((_, symbol, hi),) = node.attr("binds")
+    name = ctx.unique(node.name)
+    ctx.declare(name, node.type.dtype, (), "temp")
+    ctx.nodes.append(L.ReadSize(name, node.type.dtype, src.view.buf, symbol, node.attr("lo"), hi,
+                                (node.source or node.name,)))
+    return ctx.buffer_lazy(name, node.type.dtype, ())
+
+
 def lower_aten(ctx: LowerCtx, node: Node, args: list[Lazy]) -> Lazy:
     call_args = tuple(_arg(ctx, node, a, args) for a in node.attr("args"))
     name = ctx.unique(node.name)

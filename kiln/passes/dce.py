@@ -6,15 +6,22 @@ from __future__ import annotations
 
 from dataclasses import replace
 
+import sympy
+
 from kiln.ir.graph import Graph
 
 
 def dce(g: Graph) -> Graph:
     live = set(g.outputs) | {value for _, value in g.mutations} | {s for s, _ in g.mutations}
+    types = g.types()
+    sizes = {s.name for o in g.outputs for d in types[o].shape
+             for s in sympy.sympify(d).free_symbols}  # symbols live nodes' sizes use
     kept = []
     for n in reversed(g.nodes):
-        if n.name in live:
+        binds = {name for _, name, _ in n.attr("binds", ())}
+        if n.name in live or binds & sizes:  # a node that defines a size in use stays
             kept.append(n)
             live.update(n.inputs)
+            sizes |= {s.name for d in n.type.shape for s in sympy.sympify(d).free_symbols}
     inputs = tuple(i for i in g.inputs if i.kind in ("user", "state") or i.name in live)
     return replace(g, nodes=tuple(reversed(kept)), inputs=inputs)

@@ -87,6 +87,8 @@ def build_program(graph: Graph, prog: L.LoopProgram, steps: tuple[Step, ...],
             lines.append(P.CallGemm(step))
         elif isinstance(step, L.AtenCall):
             lines.append(P.CallAten(step))
+        elif isinstance(step, L.ReadSize):
+            lines.append(P.ReadSizeLine(step))
         else:
             assert isinstance(step, Kernel)
             params = tuple(kernel_params(step, buffers))
@@ -110,7 +112,7 @@ def unbacked_bounds(steps) -> tuple[tuple[str, sympy.Expr], ...]:
     order; a bound that mentions an earlier data-dependent size uses that size's bound."""
     out: list[tuple[str, sympy.Expr]] = []
     for s in steps:
-        if isinstance(s, L.AtenCall):
+        if isinstance(s, (L.AtenCall, L.ReadSize)):
             for _, name, bound in s.binds:
                 subs = {unbacked_symbol(n): b for n, b in out}
                 out.append((name, sympy.sympify(bound).subs(subs)))
