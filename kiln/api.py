@@ -127,12 +127,25 @@ class CompiledModel:
         return load(target, device or ("cuda" if self.built.device == "cuda" else "cpu"))
 
 
+class _Function(torch.nn.Module):
+    """A plain function or an op overload (`torch.ops.aten.add.Tensor`) as a module to export."""
+
+    def __init__(self, fn) -> None:
+        super().__init__()
+        self.fn = fn
+
+    def forward(self, *args, **kwargs):
+        return self.fn(*args, **kwargs)
+
+
 def _export(model, example_args, example_kwargs, dynamic_shapes):
     if isinstance(model, torch.export.ExportedProgram):
         return model
+    if callable(model) and not isinstance(model, torch.nn.Module):
+        model = _Function(model)
     if not isinstance(model, torch.nn.Module):
-        raise KilnError(f"kiln.compile expects an ExportedProgram or an nn.Module, got "
-                        f"{type(model).__name__}")
+        raise KilnError(f"kiln.compile expects an ExportedProgram, an nn.Module or a function, "
+                        f"got {type(model).__name__}")
     if example_args is None and example_kwargs is None:
         raise KilnError("kiln.compile: an nn.Module needs example_args to export it")
     args = tuple(example_args or ())
@@ -145,7 +158,8 @@ def _export(model, example_args, example_kwargs, dynamic_shapes):
 
 def compile(model, example_args=None, *, example_kwargs=None, dynamic_shapes=None,
             device: str = "cpu", options: Options | None = None) -> CompiledModel:
-    """Compile an ExportedProgram (or an nn.Module with example inputs) ahead of time."""
+    """Compile an ExportedProgram (or an nn.Module, a function or an op overload, with example
+    inputs) ahead of time."""
     if device != "cpu" and not re.fullmatch(r"cuda(:\d+)?", device):
         raise UnsupportedError(f"device {device!r} is not supported (use 'cpu', 'cuda' or "
                                "'cuda:N')")

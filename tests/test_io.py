@@ -125,3 +125,20 @@ def test_several_models_in_one_process(tmp_path):
         runners.append((m, kiln.compile(m, (X,)).load(tmp_path / f"m{k}.kiln")))
     for m, r in runners:
         torch.testing.assert_close(r(X), m(X).detach())
+
+
+def test_plain_function_and_op_overload(tmp_path):
+    def fn(x, y):
+        return torch.tanh(x) @ y.t()
+
+    x, y = torch.randn(4, 6), torch.randn(5, 6)
+    runner = kiln.compile(fn, (x, y)).load(tmp_path / "fn.kiln")
+    torch.testing.assert_close(runner(x, y), fn(x, y), rtol=1e-5, atol=1e-5)
+    # a bare op overload with a non-tensor keyword: specialised to the value given
+    cm = kiln.compile(torch.ops.aten.add.Tensor, (x, x * 2), example_kwargs={"alpha": 2.0})
+    runner = cm.load(tmp_path / "add.kiln")
+    torch.testing.assert_close(runner(x, x, alpha=2.0), x + 2 * x)
+    with pytest.raises(kiln.errors.InputError, match="exported with the constant 2.0"):
+        runner(x, x, alpha=3.0)
+    with pytest.raises(kiln.errors.KilnError, match="a function"):
+        kiln.compile(42, (x,))
