@@ -60,6 +60,9 @@ class Options:
     #: "" builds without. The process must load the sanitizer runtime first (LD_PRELOAD of
     #: `c++ -print-file-name=libasan.so`); see tests/test_sanitizers.py.
     sanitize: str = ""
+    #: Debugging: after every step, check the floating-point values it wrote and fail the run
+    #: at the first inf or NaN, naming the buffer and its source ops (costs a pass over each).
+    check_finite: bool = False
 
     def to_json(self) -> dict:
         return {k: list(v) if isinstance(v, tuple) else v for k, v in asdict(self).items()}

@@ -166,7 +166,7 @@ def build(ep: torch.export.ExportedProgram, opts: Options, device: str = "cpu") 
     # 7. printers: C++ kernels, the C++ wrapper (artifact) and the Python wrapper (debugging)
     sources, decls = run.stage("codegen", kernel_sources, steps, buffers, opts,
                                program_aliases(program))
-    sources["model.cpp"] = print_wrapper(program, decls)
+    sources["model.cpp"] = print_wrapper(program, decls, opts.check_finite)
     sources["model.py"] = print_python_wrapper(program, steps, buffers)
     if opts.dump_dir:
         for name, text in sources.items():

@@ -177,3 +177,20 @@ def test_python_entry_hostile(compiled):
                 r(bad, torch.randn(5, 4))
         x, y = torch.randn(3, 4), torch.randn(5, 4)
         torch.testing.assert_close(r(x, y), x.sum() + y.amax(0))
+
+
+def test_check_finite_option_names_the_first_non_finite_buffer(tmp_path):
+    class M(torch.nn.Module):
+        def forward(self, x):
+            y = torch.log(x) * 2  # log of a negative number: nan
+            return torch.relu(y) + 1
+
+    x = torch.rand(4, 8) + 0.5
+    cm = kiln.compile(M(), (x,), options=kiln.Options(check_finite=True))
+    runner = cm.load(tmp_path / "m.kiln")
+    torch.testing.assert_close(runner(x), M()(x))
+    bad = x.clone()
+    bad[2, 3] = -1.0
+    with pytest.raises(kiln.errors.KilnError, match=r"check_finite: .*\[19\] is -?nan"):
+        runner(bad)
+    torch.testing.assert_close(runner(x), M()(x))  # the next run is unaffected

@@ -5,6 +5,8 @@ and declared here."""
 
 from __future__ import annotations
 
+import sympy
+
 from kiln.ir import loop as L
 from kiln.ir import program as P
 from kiln.ir.sym import free_size_symbols, to_c
@@ -70,10 +72,27 @@ def run_prologue(n_in: int, n_out: int) -> list[str]:
     ]
 
 
+def written_buffers(x: P.Line) -> list[str]:
+    """Buffers a step line writes."""
+    if isinstance(x, P.CallKernel):
+        return [n for k, n in x.args if k == "out"]
+    if isinstance(x, P.CallGemm):
+        return [x.gemm.name]
+    if isinstance(x, P.CallAten):
+        return [x.call.name]
+    return []
+
+
 class _Printer(SizeCheckPrinter):
-    def __init__(self, prog: P.Program) -> None:
+    def __init__(self, prog: P.Program, check_finite: bool = False) -> None:
         self.p = prog
         self.out: list[str] = []
+        self.check_finite = check_finite
+        # buffer -> (dtype, element count as run) for the finite-value checks
+        self.sizes = {x.buf: (x.dtype, sympy.Mul(*x.shape)) for x in prog.lines
+                      if isinstance(x, P.AllocOutput)}
+        self.sizes.update({x.buf: (x.dtype, x.numel) for x in prog.lines
+                           if isinstance(x, P.Alloc)})
         self.dynamic_bufs = [iv.name for iv in intervals(prog, {s.name: s.example
                                                                 for s in prog.symbols})]
 
@@ -82,6 +101,14 @@ class _Printer(SizeCheckPrinter):
 
     def line(self, x: P.Line) -> None:
         getattr(self, "_" + type(x).__name__)(x)
+        if self.check_finite:  # Options(check_finite=True): stop at the first inf / nan
+            for b in written_buffers(x):
+                dt, numel = self.sizes.get(b, (None, 0))
+                if dt is not None and dt.is_float:
+                    node = getattr(x, "gemm", None) or getattr(x, "call", None) or x
+                    src = ", ".join(node.source)
+                    self.emit(f"if (kr::check_finite(e, buf_{b}, {to_c(numel)}, "
+                              f"{_cstr(b)}, {_cstr(src)})) goto fail;")
 
     def _CheckInput(self, x: P.CheckInput) -> None:
         code, bits = _dl(x.dtype)
@@ -268,8 +295,8 @@ def _plan_block(pr: _Printer, prog: P.Program) -> None:
         pr.emit(line, indent)
 
 
-def print_wrapper(prog: P.Program, kernel_decls: list[str]) -> str:
-    pr = _Printer(prog)
+def print_wrapper(prog: P.Program, kernel_decls: list[str], check_finite: bool = False) -> str:
+    pr = _Printer(prog, check_finite)
     n_in, n_w = len(prog.inputs), len(prog.weights)
     outs = [x for x in prog.lines if isinstance(x, P.AllocOutput)]
     n_out = len(outs)

@@ -3,6 +3,7 @@
  * DLManagedTensor, the arena, and the BLAS GEMM wrapper. */
 #ifndef KILN_MODEL_RT_H
 #define KILN_MODEL_RT_H
+#include <cmath>
 #include <cstdarg>
 #include <cstdint>
 #include <cstdio>
@@ -207,6 +208,18 @@ inline DLManagedTensor *new_output(Err &e, uint8_t code, uint8_t bits, int32_t n
   box->managed.manager_ctx = box;
   box->managed.deleter = free_output;
   return &box->managed;
+}
+
+/* Options(check_finite=True): the first non-finite value a step wrote fails the run. */
+template <class T>
+inline int check_finite(Err &e, const T *p, int64_t n, const char *buf, const char *source) {
+  for (int64_t i = 0; i < n; ++i) {
+    if (!std::isfinite(static_cast<double>(p[i]))) {
+      return e.fail("check_finite: %s[%lld] is %g (buffer %s, from %s)", buf, (long long)i,
+                    static_cast<double>(p[i]), buf, source);
+    }
+  }
+  return 0;
 }
 
 /* Arena: one 64-byte aligned block per instance, grown when a larger plan needs it. */
