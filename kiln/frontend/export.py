@@ -20,6 +20,7 @@ from kiln.errors import UnsupportedError
 from kiln.frontend.aten_high import Fallback
 from kiln.frontend.aten_table import TABLE
 from kiln.frontend.fold import fold_constants
+from kiln.frontend.control import CONTROL
 from kiln.frontend.symbols import SymbolTable
 from kiln.ir import dtypes
 from kiln.ir.graph import Graph, Input, Node, SymbolRange, TensorType
@@ -277,6 +278,35 @@ def import_program(ep: ExportedProgram, fold: bool = True) -> Imported:
     return _import(ep.run_decompositions(), fold)
 
 
+def convert_node(b: Builder, n: torch.fx.Node, gm: torch.fx.GraphModule) -> None:
+    """Convert one FX call node into kiln nodes (recorded in `b`). `gm` owns the subgraphs
+    that control-flow operators (torch.cond, while_loop) name."""
+    if n.target is operator.getitem:
+        src, k = n.args
+        results = b.multi.get(src.name)
+        if results is not None:
+            b.env[n.name] = results[k]
+        elif k == 0:
+            b.env[n.name] = b.tensor(src)
+        elif n.users:
+            raise UnsupportedError(f"result {k} of {src.target} (node {src.name}) is used")
+        return
+    if isinstance(n.meta.get("val"), (torch.SymInt, torch.SymBool, int, float)) and not isinstance(
+            n.meta.get("val"), bool):
+        return  # size arithmetic: shapes (and size predicates) are read from node metadata
+    if n.target in CONTROL:
+        b.multi[n.name] = CONTROL[n.target](b, n, gm)
+        return
+    conv = TABLE.get(str(n.target))
+    if conv is None:
+        raise UnsupportedError(f"operator {n.target} (node {n.name}) is not supported yet")
+    result = conv(b, n)
+    if isinstance(result, list):
+        b.multi[n.name] = result
+    else:
+        b.env[n.name] = result
+
+
 def _import(ep: ExportedProgram, fold: bool) -> Imported:
     syms = SymbolTable()
     b = Builder(syms)
@@ -294,27 +324,7 @@ def _import(ep: ExportedProgram, fold: bool) -> Imported:
     for n in ep.graph.nodes:
         if n.op != "call_function" or n.name in skip:
             continue
-        if n.target is operator.getitem:
-            src, k = n.args
-            results = b.multi.get(src.name)
-            if results is not None:
-                b.env[n.name] = results[k]
-            elif k == 0:
-                b.env[n.name] = b.tensor(src)
-            elif n.users:
-                raise UnsupportedError(f"result {k} of {src.target} (node {src.name}) is used")
-            continue
-        if isinstance(n.meta.get("val"), (torch.SymInt, int, float)) and not isinstance(
-                n.meta.get("val"), bool):
-            continue  # size arithmetic: shapes are read from node metadata instead
-        conv = TABLE.get(str(n.target))
-        if conv is None:
-            raise UnsupportedError(f"operator {n.target} (node {n.name}) is not supported yet")
-        result = conv(b, n)
-        if isinstance(result, list):
-            b.multi[n.name] = result
-        else:
-            b.env[n.name] = result
+        convert_node(b, n, ep.graph_module)
     outputs = []
     mutations = []
     by_fqn = {i.fqn: i.name for i in inputs if i.kind == "weight"}

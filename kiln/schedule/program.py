@@ -45,6 +45,8 @@ def input_lines(graph: Graph) -> list[P.Line]:
 
 
 def _reads_writes(step: Step, buffers) -> tuple[list[str], list[str]]:
+    if isinstance(step, L.CONTROL):
+        return list(step.reads), list(step.writes)
     if isinstance(step, L.Gemm):
         return [step.a.buf, step.b.buf], [step.name]
     params = kernel_params(step, buffers)
@@ -78,6 +80,9 @@ def build_program(graph: Graph, prog: L.LoopProgram, steps: tuple[Step, ...],
                                      reuse=reuse.get(b)))
         if isinstance(step, L.Gemm):
             lines.append(P.CallGemm(step))
+        elif isinstance(step, L.CONTROL):
+            from kiln.schedule.control import control_lines
+            lines += control_lines(step, inplace)
         else:
             assert isinstance(step, Kernel)
             params = tuple(kernel_params(step, buffers))
