@@ -157,7 +157,8 @@ def _schedule_regions(node, fuse: bool):
     names = ("then", "orelse") if isinstance(node, L.Branch) else ("cond", "body")
 
     def steps(k: str) -> tuple:  # kernels named <node>_<region>_k<i>_...: unique program-wide
-        return tuple(replace(s, name=f"{node.name}_{k.replace('orelse', 'else')}_{s.name}") if isinstance(s, Kernel)
+        label = "else" if k == "orelse" else k
+        return tuple(replace(s, name=f"{node.name}_{label}_{s.name}") if isinstance(s, Kernel)
                      else s for s in schedule(getattr(node, k).prog, fuse))
     return replace(node, **{k: L.Region(getattr(node, k).prog, steps(k)) for k in names})
 
