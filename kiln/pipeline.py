@@ -146,10 +146,6 @@ def build(ep: torch.export.ExportedProgram, opts: Options, device: str = "cpu") 
         "plan", lambda p: assign_offsets(p, opts.verify, opts.plan_budget_s), program,
         dump=lambda r: print_program(r[0]), verify=lambda r: verify_program(r[0], planned=True))
     buffers = L.all_buffers(loop)  # control-flow regions' buffers included
-    if cuda and any(isinstance(n, L.CONTROL) for n in loop.nodes):
-        from kiln.errors import UnsupportedError
-        raise UnsupportedError("torch.cond / while_loop are not supported on CUDA yet (node "
-                               f"{next(n.name for n in loop.nodes if isinstance(n, L.CONTROL))})")
     if cuda:  # 7-8 for NVIDIA GPUs: Triton kernels -> cubins, CUDA wrapper (pipeline_cuda.py)
         from kiln.pipeline_cuda import build_cuda
         hints = {s.name: s.example for s in graph.symbols}

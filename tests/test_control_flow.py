@@ -14,7 +14,7 @@ from torch._higher_order_ops.while_loop import while_loop
 
 import kiln
 import kiln.backend
-from kiln.errors import KilnError, UnsupportedError
+from kiln.errors import KilnError
 from kiln.ir import dtypes
 from kiln.ir import program as P
 from kiln.memory.assign import intervals
@@ -285,14 +285,34 @@ def test_verify_program_rejects_leaking_branch():
     P.verify_program(ok)
 
 
-def test_cuda_is_refused_clearly():
-    from kiln.pipeline import build
-    from kiln.options import Options
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_cuda_branches_and_loops(tmp_path):
+    """On CUDA the predicate is read with a device->host copy on the stream."""
+    class CondInWhile(torch.nn.Module):
+        def forward(self, x, limit):
+            def body_fn(i, y):
+                z = torch.cond(y.sum() > 0, lambda y: y * 0.5 - 1, lambda y: y + 2, (y,))
+                return i + 1, z
 
-    ep = torch.export.export(CondWeights(), (rand((3, 4)),))
-    with pytest.raises(UnsupportedError, match="torch.cond / while_loop are not supported on "
-                                               "CUDA"):
-        build(ep, Options(), device="cuda")
+            return while_loop(lambda i, y: i < limit.sum(), body_fn,
+                              (torch.zeros((), dtype=torch.int64), x))
+
+    x = rand((8, 5))
+    cases = [(CondWeights(), (x,), [(x.abs(),), (-x.abs(),)]),
+             (Counter(), (x[:3, :4].contiguous(), torch.tensor([3])),
+              [(rand((3, 4)), torch.tensor([0])), (rand((3, 4)), torch.tensor([6]))]),
+             (CondInWhile(), (x, torch.tensor([4])),
+              [(x * 5, torch.tensor([7])), (x, torch.tensor([0]))])]
+    for k, (m, example, runs) in enumerate(cases):
+        m = m.eval()
+        path = kiln.compile(m, example, device="cuda").save(tmp_path / f"m{k}.kiln")
+        runner = kiln.load(path, device="cuda:0")
+        for args in runs:
+            got = [t.cpu() for t in torch.utils._pytree.tree_leaves(
+                runner(*[a.cuda() for a in args]))]
+            compare(got, list(torch.utils._pytree.tree_leaves(m(*args))),
+                    what=f"cuda {type(m).__name__}")
 
 
 def test_loop_ir_interpreter_runs_regions():

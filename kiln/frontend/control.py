@@ -113,8 +113,9 @@ def convert_cond(b, n: torch.fx.Node, gm: torch.fx.GraphModule) -> list[str]:
     inputs: list[str] = []
     expr = None
     if isinstance(v, torch.Tensor):
-        if v.numel() != 1:
-            raise UnsupportedError(f"{what}: the predicate has {v.numel()} elements, not 1")
+        if v.numel() != 1 or v.dtype != torch.bool:
+            raise UnsupportedError(f"{what}: the predicate is {v.dtype}[{v.numel()}], not one "
+                                   "bool")
         inputs.append(b.tensor(pred))
     elif isinstance(v, torch.SymBool):
         expr = size_condition(b.syms, v.node.expr)
@@ -140,8 +141,8 @@ def convert_while(b, n: torch.fx.Node, gm: torch.fx.GraphModule) -> list[str]:
     if keep != keep_body or keep[:len(carried)] != list(range(len(carried))):
         raise UnsupportedError(f"{what}: cond and body take different operands")
     out = cond.types()[cond.outputs[0]] if len(cond.outputs) == 1 else None
-    if out is None or any(sympy.sympify(d) != 1 for d in out.shape):
-        raise UnsupportedError(f"{what}: cond_fn must return one 0-d tensor")
+    if out is None or out.dtype != dtypes.bool_ or any(sympy.sympify(d) != 1 for d in out.shape):
+        raise UnsupportedError(f"{what}: cond_fn must return one 0-d bool tensor")
     carried_types = [body.types()[i.name] for i in body.inputs[:len(carried)]]
     body_types = [body.types()[o] for o in body.outputs]
     if not types_match(carried_types, body_types):
