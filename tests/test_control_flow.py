@@ -299,7 +299,8 @@ def test_cuda_branches_and_loops(tmp_path):
                               (torch.zeros((), dtype=torch.int64), x))
 
     x = rand((8, 5))
-    cases = [(CondWeights(), (x,), [(x.abs(),), (-x.abs(),)]),
+    x4 = rand((8, 4))
+    cases = [(CondWeights(), (x4,), [(x4.abs(),), (-x4.abs(),)]),
              (Counter(), (x[:3, :4].contiguous(), torch.tensor([3])),
               [(rand((3, 4)), torch.tensor([0])), (rand((3, 4)), torch.tensor([6]))]),
              (CondInWhile(), (x, torch.tensor([4])),
