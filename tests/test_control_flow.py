@@ -343,3 +343,25 @@ def test_cond_on_a_bool_input_returning_a_copy(check):
     x = rand((4, 3))
     check(M(), (torch.tensor(True), x), more=[(torch.tensor(False), x),
                                               (torch.tensor(True), rand((4, 3)) + 1)])
+
+
+def test_results_feed_later_ops_dynamic(check):
+    """cond results feed a while_loop and ordinary ops after it; a GEMM before; dynamic batch;
+    a compound loop condition; an int carried value as an output."""
+    class M(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = torch.nn.Linear(6, 6)
+
+        def forward(self, x):
+            h = self.lin(x).relu()
+            y, z = torch.cond(h.mean() > 0.2, lambda h, x: (h * 2, x.sum(-1)),
+                              lambda h, x: (h - x, x.amax(-1)), (h, x))
+            i, w = while_loop(lambda i, w: (i < 3) & (w.sum() < 100),
+                              lambda i, w: (i + 1, w * 1.5 + 1),
+                              (torch.zeros((), dtype=torch.int64), y))
+            return (w + 1).softmax(-1), z * 2, i
+
+    check(M(), (rand((5, 6)),), more=[(rand((3, 6)) * 3,), (rand((7, 6)) - 2,),
+                                      (rand((2, 6)) + 2,)],
+          dynamic_shapes=[{0: dim("b", 2, 64)}])
