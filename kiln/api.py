@@ -14,6 +14,7 @@ import torch
 
 from kiln.__version__ import __version__
 from kiln.errors import KilnError, UnsupportedError
+from kiln.ir.loop import flat_steps
 from kiln.ir.sym import evaluate
 from kiln.memory.assign import inplace_report, plan_sizes
 from kiln.memory.report import plan_summary
@@ -36,7 +37,7 @@ def _shape_json(shape) -> list:
 
 def _kernels_json(built: Built) -> list[dict]:
     out = []
-    for s in built.steps:
+    for s in flat_steps(built.steps):  # control-flow regions' kernels included
         if isinstance(s, Kernel):
             kind = "triton" if built.device == "cuda" else "cpp"
             out.append({"name": s.name, "kind": kind, "members": [m.name for m in s.members],
@@ -174,8 +175,8 @@ def compile(model, example_args=None, *, example_kwargs=None, dynamic_shapes=Non
         "compile_seconds": total,
         "export_seconds": t_export,
         "stages": dict(built.timings),
-        "kernels": sum(1 for s in built.steps if isinstance(s, Kernel)),
-        "extern_calls": sum(1 for s in built.steps if not isinstance(s, Kernel)),
+        "kernels": sum(1 for s in flat_steps(built.steps) if isinstance(s, Kernel)),
+        "extern_calls": sum(1 for s in flat_steps(built.steps) if not isinstance(s, Kernel)),
         "graph_nodes": len(built.graph.nodes),
         "arena_bytes": built.plan.arena_bytes,
         "lower_bound_bytes": built.plan.lower_bound_bytes,

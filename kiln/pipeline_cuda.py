@@ -20,6 +20,7 @@ from kiln import config
 from kiln.codegen.triton_kernel import choose_config, print_triton_kernel, print_triton_module
 from kiln.codegen.wrapper_cuda import cubin_blob, print_cuda_wrapper
 from kiln.errors import CompileError
+from kiln.ir import loop as L
 from kiln.options import Options
 from kiln.schedule import Kernel
 from kiln.toolchain.cxx import Toolchain, build_shared
@@ -80,7 +81,7 @@ def build_cuda(run, steps, buffers, program, hints: dict[str, int], opts: Option
                ) -> tuple[dict[str, str], Path, dict]:
     archs = tuple(opts.cuda_archs) or default_archs()
     cache = Path(opts.cache_dir) if opts.cache_dir else config.cache_dir()
-    kernels = [s for s in steps if isinstance(s, Kernel)]
+    kernels = [s for s in L.flat_steps(steps) if isinstance(s, Kernel)]  # regions' too
 
     def codegen(_):
         out = []

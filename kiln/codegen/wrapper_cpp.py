@@ -96,8 +96,41 @@ class _Printer(SizeCheckPrinter):
         self.dynamic_bufs = [iv.name for iv in intervals(prog, {s.name: s.example
                                                                 for s in prog.symbols})]
 
+    depth = 0  # nesting of control-flow blocks
+
     def emit(self, s: str = "", ind: int = 1) -> None:
-        self.out.append("  " * ind + s if s else "")
+        self.out.append("  " * (ind + self.depth) + s if s else "")
+
+    def block(self, lines) -> None:
+        self.depth += 1
+        for x in lines:
+            self.line(x)
+        self.depth -= 1
+
+    def _SetFlag(self, x: P.SetFlag) -> None:
+        if x.buf is not None:  # the 0-d predicate, read on the host
+            self.emit(f"const bool {x.flag} = buf_{x.buf}[0] != 0;")
+        else:
+            self.emit(f"const bool {x.flag} = {condition(x.expr, to_c, ('&&', '||', '!'))};")
+
+    def _If(self, x: P.If) -> None:
+        self.emit(f"if ({x.flag}) {{  // torch.cond {', '.join(x.source)}: true branch")
+        self.block(x.then)
+        self.emit("} else {")
+        self.block(x.orelse)
+        self.emit("}")
+
+    def _While(self, x: P.While) -> None:
+        self.emit(f"while (true) {{  // while_loop {', '.join(x.source)}")
+        self.block(x.body)
+        self.emit("}")
+
+    def _BreakUnless(self, x: P.BreakUnless) -> None:
+        self.emit(f"if (!{x.flag}) break;")
+
+    def _CopyBuf(self, x: P.CopyBuf) -> None:
+        self.emit(f"std::memcpy(buf_{x.dst}, buf_{x.src}, static_cast<size_t>({to_c(x.numel)}) "
+                  f"* {x.dtype.itemsize});  // {x.dst} <- {x.src}")
 
     def line(self, x: P.Line) -> None:
         getattr(self, "_" + type(x).__name__)(x)
@@ -257,6 +290,22 @@ def aten_fallback_ops(prog: P.Program) -> list[str]:
     ops = {f"{x.call.op}.{x.call.overload or 'default'}" for x in prog.lines
            if isinstance(x, P.CallAten)}
     return sorted(ops)
+def condition(e, fmt, ops: tuple[str, str, str]) -> str:
+    """A size condition (sympy relational / boolean) printed with `fmt` for the sizes and
+    `ops` = (and, or, not) spellings."""
+    import sympy
+
+    if e is sympy.true or e is True:
+        return "true" if ops[0] == "&&" else "True"
+    if e is sympy.false or e is False:
+        return "false" if ops[0] == "&&" else "False"
+    if isinstance(e, sympy.And):
+        return "(" + f" {ops[0]} ".join(condition(a, fmt, ops) for a in e.args) + ")"
+    if isinstance(e, sympy.Or):
+        return "(" + f" {ops[1]} ".join(condition(a, fmt, ops) for a in e.args) + ")"
+    if isinstance(e, sympy.Not):
+        return f"({ops[2]} {condition(e.args[0], fmt, ops)})"
+    return f"({fmt(e.lhs)} {e.rel_op} {fmt(e.rhs)})"
 
 
 def runtime_plan_lines(prog: P.Program, alignment: int, reserve: str) -> list[tuple[int, str]]:
@@ -265,7 +314,7 @@ def runtime_plan_lines(prog: P.Program, alignment: int, reserve: str) -> list[tu
     instance's arena; it must return from `run` on failure. Shared by the CPU and CUDA
     wrappers."""
     ivs = intervals(prog, {s.name: s.example for s in prog.symbols})
-    allocs = {x.buf: x for x in prog.lines if isinstance(x, P.Alloc)}
+    allocs = {x.buf: x for x in P.walk(prog.lines) if isinstance(x, P.Alloc)}
     out = [(1, "// dynamic sizes: plan the arena for these sizes (cached until they change)"),
            (1, f"const int64_t key[] = {{{', '.join(s.name for s in prog.symbols)}}};"),
            (1, "if (!self->planned || std::memcmp(key, self->key, sizeof key) != 0) {")]

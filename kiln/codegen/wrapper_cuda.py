@@ -52,8 +52,50 @@ class _Printer(SizeCheckPrinter):
         env = {s.name: s.example for s in prog.symbols}
         self.dynamic_bufs = [iv.name for iv in intervals(prog, env)]
 
+    depth = 0  # nesting of control-flow blocks
+
     def emit(self, s: str = "", ind: int = 1) -> None:
-        self.out.append("  " * ind + s if s else "")
+        self.out.append("  " * (ind + self.depth) + s if s else "")
+
+    def block(self, lines) -> None:
+        self.depth += 1
+        for x in lines:
+            self.line(x)
+        self.depth -= 1
+
+    def _SetFlag(self, x: P.SetFlag) -> None:
+        if x.buf is None:
+            from kiln.codegen.wrapper_cpp import condition
+            self.emit(f"const bool {x.flag} = {condition(x.expr, to_c, ('&&', '||', '!'))};")
+            return
+        # the 0-d bool predicate: a device->host copy on the stream, then wait for it
+        self.emit(f"bool {x.flag} = false;")
+        self.emit(f"{{ unsigned char v = 0;  // predicate {x.buf}")
+        self.emit(f"  if (kc::check(e, kc::driver().cuMemcpyDtoHAsync(&v, buf_{x.buf}, 1, "
+                  f"stream), {_cstr('reading ' + x.buf)}) ||")
+        self.emit("      kc::check(e, kc::driver().cuStreamSynchronize(stream), "
+                  f"{_cstr('reading ' + x.buf)})) goto fail;")
+        self.emit(f"  {x.flag} = v != 0; }}")
+
+    def _If(self, x: P.If) -> None:
+        self.emit(f"if ({x.flag}) {{  // torch.cond {', '.join(x.source)}: true branch")
+        self.block(x.then)
+        self.emit("} else {")
+        self.block(x.orelse)
+        self.emit("}")
+
+    def _While(self, x: P.While) -> None:
+        self.emit(f"while (true) {{  // while_loop {', '.join(x.source)}")
+        self.block(x.body)
+        self.emit("}")
+
+    def _BreakUnless(self, x: P.BreakUnless) -> None:
+        self.emit(f"if (!{x.flag}) break;")
+
+    def _CopyBuf(self, x: P.CopyBuf) -> None:
+        self.emit(f"if (kc::check(e, kc::driver().cuMemcpyDtoDAsync(buf_{x.dst}, buf_{x.src}, "
+                  f"static_cast<size_t>({to_c(x.numel)}) * {x.dtype.itemsize}, stream), "
+                  f"{_cstr('copy ' + x.dst)})) goto fail;")
 
     def line(self, x: P.Line) -> None:
         getattr(self, "_" + type(x).__name__)(x)
@@ -166,7 +208,7 @@ def print_cuda_wrapper(prog: P.Program, kernels: dict, cubins: dict, archs: tupl
         if x not in checks:
             pr.line(x)
     pr.emit("}")
-    gemms = any(isinstance(x, P.CallGemm) for x in prog.lines)
+    gemms = any(isinstance(x, P.CallGemm) for x in P.walk(prog.lines))
     _ = sympy
     return print_cuda_model(prog, kernels, cubins, archs, blob_path, where, pr.out,
                             len(pr.dynamic_bufs), gemms)

@@ -21,6 +21,7 @@ from kiln.frontend import fallback
 from kiln.frontend.aten_high import Fallback
 from kiln.frontend.aten_table import TABLE
 from kiln.frontend.fold import fold_constants
+from kiln.frontend.control import CONTROL
 from kiln.frontend.symbols import SymbolTable
 from kiln.ir import dtypes
 from kiln.ir.graph import Graph, Input, Node, SymbolRange, TensorType
@@ -57,6 +58,8 @@ class Builder:
         self.constant_inputs: list[dict] = []  # scalars export specialised to their value
         self.types: dict[str, TensorType] = {}
         self.counter = 0
+        self.ranges: dict = {}  # torch symbol -> value range (ep.range_constraints)
+        self.aten_fallback = False  # unknown ops call ATen (frontend/fallback.py)
 
     # -- looking at FX values ------------------------------------------------------------------
     @staticmethod
@@ -323,10 +326,52 @@ def _data_dependent(n, syms: SymbolTable) -> bool:
         for v in vals if isinstance(v, torch.Tensor) for d in v.shape)
 
 
+def convert_node(b: Builder, n: torch.fx.Node, gm: torch.fx.GraphModule) -> None:
+    """Convert one FX call node into kiln nodes (recorded in `b`). `gm` owns the subgraphs
+    that control-flow operators (torch.cond, while_loop) name. With `b.aten_fallback`, ops
+    kiln does not lower, ops with data-dependent result sizes and ops computing on complex
+    values become ATen fallback calls (frontend/fallback.py)."""
+    if n.target is operator.getitem:
+        src, k = n.args
+        results = b.multi.get(src.name)
+        if results is not None:
+            b.env[n.name] = results[k]
+        elif k == 0:
+            b.env[n.name] = b.tensor(src)
+        elif n.users:
+            raise UnsupportedError(f"result {k} of {src.target} (node {src.name}) is used")
+        return
+    if str(n.target) == "aten._local_scalar_dense.default" and _new_size(n, b.syms):
+        b.env[n.name] = fallback.read_size(b, n)  # `x.item()` used as a size
+        return
+    if isinstance(n.meta.get("val"), (torch.SymInt, torch.SymBool, int, float)) and not isinstance(
+            n.meta.get("val"), bool):
+        return  # size arithmetic: shapes (and size predicates) are read from node metadata
+    if str(n.target) in SIZE_ASSERTS:
+        return  # facts about sizes: bounds of data-dependent sizes are checked at run time
+    if n.target in CONTROL:
+        b.multi[n.name] = CONTROL[n.target](b, n, gm)
+        return
+    conv = TABLE.get(str(n.target))
+    if not b.aten_fallback and _complex(n):
+        raise UnsupportedError(f"operator {n.target} (node {n.name}) computes on complex "
+                               "values, which kiln leaves to ATen: enable aten_fallback")
+    if b.aten_fallback and (conv is None or _data_dependent(n, b.syms) or _complex(n)):
+        conv = fallback.aten_fallback
+    if conv is None:
+        raise UnsupportedError(f"operator {n.target} (node {n.name}) is not supported yet")
+    result = conv(b, n)
+    if isinstance(result, list):
+        b.multi[n.name] = result
+    else:
+        b.env[n.name] = result
+
+
 def _import(ep: ExportedProgram, fold: bool, aten_fallback: bool = False) -> Imported:
     syms = SymbolTable()
     b = Builder(syms)
     b.ranges = dict(ep.range_constraints)
+    b.aten_fallback = aten_fallback
     inputs, weights = _weights_and_inputs(ep, syms, b)
     mutated = {s.target for s in ep.graph_signature.output_specs
                if s.kind == OutputKind.BUFFER_MUTATION}
@@ -341,37 +386,7 @@ def _import(ep: ExportedProgram, fold: bool, aten_fallback: bool = False) -> Imp
     for n in ep.graph.nodes:
         if n.op != "call_function" or n.name in skip:
             continue
-        if n.target is operator.getitem:
-            src, k = n.args
-            results = b.multi.get(src.name)
-            if results is not None:
-                b.env[n.name] = results[k]
-            elif k == 0:
-                b.env[n.name] = b.tensor(src)
-            elif n.users:
-                raise UnsupportedError(f"result {k} of {src.target} (node {src.name}) is used")
-            continue
-        if str(n.target) == "aten._local_scalar_dense.default" and _new_size(n, syms):
-            b.env[n.name] = fallback.read_size(b, n)  # `x.item()` used as a size
-            continue
-        if isinstance(n.meta.get("val"), (torch.SymInt, int, float)) and not isinstance(
-                n.meta.get("val"), bool):
-            continue  # size arithmetic: shapes are read from node metadata instead
-        if isinstance(n.meta.get("val"), torch.SymBool) or str(n.target) in SIZE_ASSERTS:
-            continue  # facts about sizes: bounds of data-dependent sizes are checked at run time
-        conv = TABLE.get(str(n.target))
-        if not aten_fallback and _complex(n):
-            raise UnsupportedError(f"operator {n.target} (node {n.name}) computes on complex "
-                                   "values, which kiln leaves to ATen: enable aten_fallback")
-        if aten_fallback and (conv is None or _data_dependent(n, syms) or _complex(n)):
-            conv = fallback.aten_fallback
-        if conv is None:
-            raise UnsupportedError(f"operator {n.target} (node {n.name}) is not supported yet")
-        result = conv(b, n)
-        if isinstance(result, list):
-            b.multi[n.name] = result
-        else:
-            b.env[n.name] = result
+        convert_node(b, n, ep.graph_module)
     outputs = []
     mutations = []
     by_fqn = {i.fqn: i.name for i in inputs if i.kind == "weight"}

@@ -107,6 +107,8 @@ class Graph:
 
 
 def _fmt_attr(v: Any) -> str:
+    if isinstance(v, Graph):
+        return f"<region: {len(v.inputs)} inputs, {len(v.nodes)} nodes>"
     if isinstance(v, tuple):
         return "(" + ", ".join(_fmt_attr(x) for x in v) + ")"
     return str(v)
@@ -125,6 +127,10 @@ def print_graph(g: Graph) -> str:
         attrs = ", ".join(f"{k}={_fmt_attr(v)}" for k, v in n.attrs)
         sep = "; " if args and attrs else ""
         lines.append(f"  %{n.name}: {n.type} = {n.op}({args}{sep}{attrs})")
+        for k, v in n.attrs:  # control-flow regions (frontend/control.py), indented
+            if isinstance(v, Graph):
+                lines += [f"    {k}: " + x if j == 0 else "    " + x
+                          for j, x in enumerate(print_graph(v).splitlines())]
     lines.append("  return " + ", ".join(f"%{o}" for o in g.outputs))
     lines.append("}")
     return "\n".join(lines)
@@ -159,6 +165,12 @@ def verify_graph(g: Graph) -> None:
         declared |= {name for _, name, _ in n.attr("binds", ())}  # data-dependent sizes
         check_type(n.name, n.type)
         defined.add(n.name)
+        for k, v in n.attrs:  # a control-flow region: a graph of its own, same symbols
+            if isinstance(v, Graph):
+                try:
+                    verify_graph(Graph(v.inputs, v.nodes, v.outputs, g.symbols))
+                except GraphError as e:
+                    raise GraphError(f"node {n.name} ({n.op}), region {k}: {e}") from None
     for o in g.outputs:
         if o not in defined:
             raise GraphError(f"output {o} is not defined")

@@ -189,22 +189,46 @@ def _aten(c: L.AtenCall, bufs, env) -> np.ndarray:
     return out.contiguous().numpy().astype(NP_DTYPES[c.dtype.name]).reshape(-1)
 
 
+def _truth(pred, expr, bufs, env) -> bool:
+    if pred is not None:
+        return bool(bufs[pred].reshape(-1)[0])
+    return bool(sympy.sympify(expr).subs({sympy.Symbol(k, integer=True, positive=True): v
+                                          for k, v in env.items()}))
+
+
+def _run_nodes(nodes, bufs: dict, env: dict[str, int]) -> None:
+    """Evaluate `nodes` in order into `bufs`; control nodes run their regions (a region's
+    buffers are named in the same space as its parent's)."""
+    for node in nodes:
+        if isinstance(node, L.Branch):
+            region = node.then if _truth(node.pred, node.expr, bufs, env) else node.orelse
+            _run_nodes(region.prog.nodes, bufs, env)
+        elif isinstance(node, L.Loop):
+            for c, i in zip(node.carries, node.inits):
+                bufs[c] = bufs[i].copy()
+            while True:
+                _run_nodes(node.cond.prog.nodes, bufs, env)
+                if not _truth(node.pred, None, bufs, env):
+                    break
+                _run_nodes(node.body.prog.nodes, bufs, env)
+                for c, x in zip(node.carries, node.nexts):
+                    bufs[c] = bufs[x].copy()
+        elif isinstance(node, L.AtenCall):
+            bufs[node.name] = _aten(node, bufs, env)  # binds data-dependent sizes in env
+        elif isinstance(node, L.ReadSize):
+            env[node.symbol] = int(bufs[node.src][0])
+            bufs[node.name] = np.array([env[node.symbol]], dtype=np.int64)
+        else:
+            fn = _gemm if isinstance(node, L.Gemm) else _compute
+            bufs[node.name] = fn(node, bufs, dict(env))
+
+
 def run_loop(prog: L.LoopProgram, inputs: Mapping[str, np.ndarray],
              env: Mapping[str, int]) -> list[np.ndarray]:
     """Run `prog` on named inputs and weights (numpy arrays) with sizes `env`; returns the
     outputs, shaped by the program's output shapes."""
     bufs = {k: np.ascontiguousarray(v).reshape(-1) for k, v in inputs.items()}
     env = dict(env)
-    for node in prog.nodes:
-        if isinstance(node, L.AtenCall):
-            bufs[node.name] = _aten(node, bufs, env)
-            continue
-        if isinstance(node, L.ReadSize):
-            env[node.symbol] = int(bufs[node.src][0])
-            bufs[node.name] = np.array([env[node.symbol]], dtype=np.int64)
-            continue
-        fn = _gemm if isinstance(node, L.Gemm) else _aten if isinstance(
-            node, L.AtenCall) else _compute
-        bufs[node.name] = fn(node, bufs, dict(env))
+    _run_nodes(prog.nodes, bufs, env)
     return [bufs[o].reshape([evaluate(d, env) for d in shape])
             for o, shape in zip(prog.outputs, prog.output_shapes)]

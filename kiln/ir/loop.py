@@ -239,6 +239,8 @@ def loads(e: Expr) -> list[Load]:
 
 
 def node_reads(node: LoopNode) -> set[str]:
+    if isinstance(node, CONTROL):
+        return set(node.reads)
     if isinstance(node, Gemm):
         return {node.a.buf, node.b.buf}
     if isinstance(node, AtenCall):
@@ -246,3 +248,106 @@ def node_reads(node: LoopNode) -> set[str]:
     if isinstance(node, ReadSize):
         return {node.src}
     return {ld.buf for ld in loads(node.body)}
+
+
+# -- control flow ---------------------------------------------------------------------------
+# A control node runs sub-programs (`Region`s) on the host's decision. A region's Loop IR names
+# the parent buffers it reads as kind "input" and those it writes as kind "output"; its own
+# temps carry a prefix naming the control node, so every buffer and kernel name is unique in
+# the whole program. Fusion never crosses a region boundary: a control node is a step of its
+# own and each region is scheduled separately (`Region.steps`).
+
+
+@dataclass(frozen=True)
+class Region:
+    prog: LoopProgram
+    steps: tuple = ()  # its kernels / GEMMs / control nodes once scheduled
+
+
+@dataclass(frozen=True)
+class Branch:
+    """torch.cond: run `then` when the predicate holds, else `orelse`. Both write `results`
+    (parent buffers). The predicate is the 0-d buffer `pred` (read on the host) or, when
+    `pred` is None, `expr`, a sympy condition over size symbols."""
+
+    name: str
+    pred: str | None
+    expr: object
+    then: Region
+    orelse: Region
+    operands: tuple[str, ...]
+    results: tuple[str, ...]
+    source: tuple[str, ...] = ()
+
+    @property
+    def reads(self) -> tuple[str, ...]:
+        return ((self.pred,) if self.pred is not None else ()) + self.operands
+
+    @property
+    def writes(self) -> tuple[str, ...]:
+        return self.results
+
+    @property
+    def regions(self) -> tuple[Region, ...]:
+        return (self.then, self.orelse)
+
+
+@dataclass(frozen=True)
+class Loop:
+    """while_loop: `carries` (parent buffers, the results) start as copies of `inits`; while
+    `cond` (reading carries and `extra`) writes a true `pred`, `body` writes the next carried
+    values into `nexts`, which are then copied into `carries` (double buffering: the body
+    reads iteration i's carries while writing iteration i+1's). `pred` and `nexts` are
+    loop-local buffers (`locals`), allocated and freed inside each iteration."""
+
+    name: str
+    inits: tuple[str, ...]
+    extra: tuple[str, ...]
+    carries: tuple[str, ...]
+    pred: str
+    nexts: tuple[str, ...]
+    cond: Region
+    body: Region
+    locals: tuple[Buffer, ...]
+    source: tuple[str, ...] = ()
+
+    @property
+    def reads(self) -> tuple[str, ...]:
+        return self.inits + self.extra
+
+    @property
+    def writes(self) -> tuple[str, ...]:
+        return self.carries
+
+    @property
+    def regions(self) -> tuple[Region, ...]:
+        return (self.cond, self.body)
+
+
+CONTROL = (Branch, Loop)
+
+
+def all_buffers(prog: LoopProgram) -> dict[str, Buffer]:
+    """Every buffer of `prog` and of its regions, by name (a region's view of a parent buffer
+    is the parent's declaration; loop-local buffers come from their Loop node)."""
+    out = {b.name: b for b in prog.buffers}
+    for node in prog.nodes:
+        if isinstance(node, CONTROL):
+            for r in node.regions:
+                for name, b in all_buffers(r.prog).items():
+                    out.setdefault(name, b)
+            if isinstance(node, Loop):
+                out.update({b.name: b for b in node.locals})
+    return out
+
+
+def flat_steps(steps) -> list:
+    """Kernels and GEMMs of `steps` and of every region inside them, in program order."""
+    out = []
+    for s in steps:
+        if isinstance(s, CONTROL):
+            for r in s.regions:
+                out += flat_steps(r.steps)
+        else:
+            out.append(s)
+    return out

@@ -43,6 +43,14 @@ def node_text(n: L.LoopNode) -> str:
         res = f"[{n.result}]" if n.n_results > 1 else ""
         return (f"%{n.name}: {n.dtype.name}{list(n.shape)} = aten_fallback {n.op}.{ov}("
                 f"{', '.join(aten_arg_text(a) for a in n.args)}){res}  # {', '.join(n.source)}")
+    if isinstance(n, L.Branch):
+        pred = f"%{n.pred}" if n.pred is not None else f"({n.expr})"
+        return (f"{', '.join('%' + r for r in n.results)} = cond({pred}; "
+                f"{', '.join('%' + o for o in n.operands)})  # {', '.join(n.source)}")
+    if isinstance(n, L.Loop):
+        return (f"{', '.join('%' + r for r in n.carries)} = while_loop(init "
+                f"{', '.join('%' + o for o in n.inits)}; extra "
+                f"{', '.join('%' + o for o in n.extra)})  # {', '.join(n.source)}")
     if isinstance(n, L.Gemm):
         return (f"%{n.name}: {n.dtype.name}{list(n.shape)} = gemm(%{n.a.buf}, %{n.b.buf})  "
                 f"# {', '.join(n.source)}")
@@ -58,7 +66,13 @@ def print_loop(p: L.LoopProgram) -> str:
     for b in p.buffers:
         if b.kind in ("input", "weight", "state"):
             lines.append(f"  {b.kind} %{b.name}: {b.dtype.name}{list(b.shape)}")
-    lines += ["  " + node_text(n) for n in p.nodes]
+    for n in p.nodes:
+        lines.append("  " + node_text(n))
+        if isinstance(n, L.CONTROL):  # regions, indented
+            for name, r in zip(("then", "else") if isinstance(n, L.Branch) else ("cond", "body"),
+                               n.regions):
+                lines += [f"    {name}: " + x if j == 0 else "    " + x
+                          for j, x in enumerate(print_loop(r.prog).splitlines())]
     lines.append("  outputs " + ", ".join(f"%{o}" for o in p.outputs))
     return "\n".join(lines)
 
@@ -67,11 +81,39 @@ class LoopError(ValueError):
     pass
 
 
+def _verify_control(n, where: str, declared, written: set[str]) -> None:
+    """A control node reads written buffers, writes each result once, and its regions are
+    programs of their own whose inputs / outputs are exactly those parent buffers."""
+    for b in n.reads:
+        if b not in declared or b not in written:
+            raise LoopError(f"{where}: reads {b} before it is written")
+    for b in n.writes:
+        if b not in declared or b in written:
+            raise LoopError(f"{where}: result {b} undeclared or written twice")
+    local = {b.name for b in getattr(n, "locals", ())}
+    for r in n.regions:
+        try:
+            verify_loop(r.prog)
+        except LoopError as e:
+            raise LoopError(f"{where}: region: {e}") from None
+        for b in r.prog.buffers:
+            ok = (b.kind == "temp" or (b.kind == "input" and (b.name in n.reads or
+                                                               b.name in n.writes))
+                  or (b.kind == "output" and (b.name in n.writes or b.name in local)))
+            if not ok or b.name in declared and b.kind == "temp":
+                raise LoopError(f"{where}: region buffer {b.name} ({b.kind}) is not one of "
+                                "the node's operands, results or its own")
+    written.update(n.writes)
+
+
 def verify_loop(p: L.LoopProgram) -> None:
     declared = {b.name: b for b in p.buffers}
     written = {b.name for b in p.buffers if b.kind in ("input", "weight", "state")}
     for n in p.nodes:
         where = f"loop node {n.name}: {node_text(n)[:300]}"
+        if isinstance(n, L.CONTROL):
+            _verify_control(n, where, declared, written)
+            continue
         if n.name not in declared:
             raise LoopError(f"{where}: writes an undeclared buffer")
         if n.name in written:

@@ -14,6 +14,16 @@ Lines, in the order a run executes them:
                writes this buffer) reads for the last time; `src` is freed right after it
   CallKernel   a generated kernel; CallGemm a BLAS call; CallAten an ATen fallback call
   Return       hand the outputs over
+Control flow (torch.cond, while_loop; lines nest):
+  SetFlag      a host boolean from a 0-d buffer (read on the host) or a size condition
+  If           run `then` or `orelse` on a flag
+  While        run `body` until a BreakUnless in it leaves the loop
+  BreakUnless  leave the innermost While unless the flag holds
+  CopyBuf      copy one buffer into another (loop-carried values)
+Buffers a nested block allocates it frees in the same block (and, in a While, before any
+BreakUnless), so the flat walk of all lines (`walk`: then before orelse, a loop body once)
+is a valid linear order for liveness and memory planning: every run executes a subsequence of
+it per iteration, and buffers live across a block span all of it.
 
 Invariants (checked by `verify_program`): sizes are bound before use, every buffer is
 allocated before it is used and freed after its last use, no buffer is freed twice, every
@@ -23,7 +33,7 @@ reads `src` for the last time, and (when planned statically) sits at `src`'s off
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Union
 
 import sympy
@@ -136,12 +146,71 @@ class CopyState:
 
 
 @dataclass(frozen=True)
+class SetFlag:
+    flag: str
+    buf: str | None = None  # a 0-d buffer: true when its element is non-zero
+    expr: object = None  # else a sympy condition over size symbols
+
+
+@dataclass(frozen=True)
+class If:
+    flag: str
+    then: tuple["Line", ...]
+    orelse: tuple["Line", ...]
+    source: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True)
+class While:
+    name: str
+    body: tuple["Line", ...]
+    source: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True)
+class BreakUnless:
+    flag: str
+
+
+@dataclass(frozen=True)
+class CopyBuf:
+    dst: str
+    src: str
+    numel: sympy.Expr
+    dtype: DType
+
+
+@dataclass(frozen=True)
 class Return:
     buffers: tuple[str, ...]
 
 
 Line = Union[CheckInput, BindSize, CheckSize, CheckRange, AllocOutput, Alloc, Free, CallKernel,
-             CallGemm, CallAten, ReadSizeLine, CopyState, Return]
+             CallGemm, CallAten, ReadSizeLine, CopyState, Return, SetFlag, If, While,
+             BreakUnless, CopyBuf]
+
+
+def walk(lines):
+    """Every line, nested blocks included, in the linear order described above."""
+    for x in lines:
+        yield x
+        if isinstance(x, If):
+            yield from walk(x.then)
+            yield from walk(x.orelse)
+        elif isinstance(x, While):
+            yield from walk(x.body)
+
+
+def map_lines(lines, fn) -> tuple:
+    """`lines` with every line x (nested ones included) replaced by fn(x)."""
+    out = []
+    for x in lines:
+        if isinstance(x, If):
+            x = replace(x, then=map_lines(x.then, fn), orelse=map_lines(x.orelse, fn))
+        elif isinstance(x, While):
+            x = replace(x, body=map_lines(x.body, fn))
+        out.append(fn(x))
+    return tuple(out)
 
 
 @dataclass(frozen=True)
@@ -208,12 +277,34 @@ def _fmt(line: Line) -> str:
         return f"state %{line.dst} = %{line.src}"
     if isinstance(line, Return):
         return "return " + ", ".join(f"%{b}" for b in line.buffers)
+    if isinstance(line, SetFlag):
+        return f"{line.flag} = " + (f"bool(%{line.buf})" if line.buf else f"({line.expr})")
+    if isinstance(line, If):
+        return f"if {line.flag}:  # {', '.join(line.source)}"
+    if isinstance(line, While):
+        return f"while {line.name}:  # {', '.join(line.source)}"
+    if isinstance(line, BreakUnless):
+        return f"break unless {line.flag}"
+    if isinstance(line, CopyBuf):
+        return f"copy %{line.dst} = %{line.src}"
     raise TypeError(line)
+
+
+def _text(lines, depth: int) -> list[str]:
+    out = []
+    for x in lines:
+        out.append("  " * depth + _fmt(x))
+        if isinstance(x, If):
+            out += _text(x.then, depth + 1) + ["  " * depth + "else:"]
+            out += _text(x.orelse, depth + 1)
+        elif isinstance(x, While):
+            out += _text(x.body, depth + 1)
+    return out
 
 
 def print_program(p: Program) -> str:
     head = [f"program (arena {p.arena_bytes if p.arena_bytes is not None else 'dynamic'} bytes)"]
-    return "\n".join(head + ["  " + _fmt(x) for x in p.lines])
+    return "\n".join(head + _text(p.lines, 1))
 
 
 class ProgramError(ValueError):
@@ -231,13 +322,15 @@ def _uses(line: Line) -> list[str]:
         return [line.node.src, line.node.name]
     if isinstance(line, Return):
         return list(line.buffers)
-    if isinstance(line, CopyState):
+    if isinstance(line, (CopyState, CopyBuf)):
         return [line.dst, line.src]
+    if isinstance(line, SetFlag) and line.buf is not None:
+        return [line.buf]
     return []
 
 
 def _check_reuse(p: Program, k: int, line: Alloc, temps: dict[str, Alloc], live: set[str],
-                 planned: bool) -> None:
+                 planned: bool, lines=None) -> None:
     """An in-place Alloc at line k: see the module docstring for what it must satisfy."""
     where = f"line {k} ({_fmt(line)})"
     src = temps.get(line.reuse) if line.reuse in live else None
@@ -249,7 +342,7 @@ def _check_reuse(p: Program, k: int, line: Alloc, temps: dict[str, Alloc], live:
     if planned and not p.dynamic and line.offset != src.offset:
         raise ProgramError(f"{where}: offset {line.offset} differs from {line.reuse}'s "
                            f"{src.offset}")
-    rest = p.lines[k + 1:]
+    rest = (p.lines if lines is None else lines)[k + 1:]
     j = next((j for j, x in enumerate(rest) if not isinstance(x, Alloc)), len(rest))
     call = rest[j] if j < len(rest) else None
     if not (isinstance(call, CallKernel) and ("out", line.buf) in call.args
@@ -268,12 +361,20 @@ def _check_reuse(p: Program, k: int, line: Alloc, temps: dict[str, Alloc], live:
 def verify_program(p: Program, planned: bool = False) -> None:
     bound: set[str] = set()
     live: set[str] = {name for name, _, _ in p.inputs} | {w.name for w in p.weights}
-    freed: set[str] = set()
-    temps: dict[str, Alloc] = {}
-    for k, line in enumerate(p.lines):
+    _verify_lines(p, p.lines, planned, bound, live, set(), {}, set(), None)
+    if not p.lines or not isinstance(p.lines[-1], Return):
+        raise ProgramError("program does not end with Return")
+
+
+def _verify_lines(p: Program, lines, planned: bool, bound: set[str], live: set[str],
+                  freed: set[str], temps: dict[str, Alloc], flags: set[str],
+                  loop_live: set[str] | None) -> None:
+    """Check `lines` in order, updating the sets; `loop_live` is the live set on entry to the
+    innermost While (None outside loops). A nested block must leave `live` as it found it."""
+    for k, line in enumerate(lines):
         where = f"line {k} ({_fmt(line)})"
         if isinstance(line, Alloc) and line.reuse is not None:
-            _check_reuse(p, k, line, temps, live, planned)
+            _check_reuse(p, k, line, temps, live, planned, lines)
         if isinstance(line, Alloc):
             temps[line.buf] = line
         if isinstance(line, BindSize):
@@ -281,10 +382,11 @@ def verify_program(p: Program, planned: bool = False) -> None:
         elif isinstance(line, (CallAten, ReadSizeLine)):
             node = line.call if isinstance(line, CallAten) else line.node
             bound |= {name for _, name, _ in node.binds}
-        elif isinstance(line, (CheckSize, AllocOutput, Alloc)):
+        elif isinstance(line, (CheckSize, AllocOutput, Alloc, SetFlag, CopyBuf)):
             exprs = [line.expr] if isinstance(line, CheckSize) else (
-                list(line.capacity or line.shape) if isinstance(line, AllocOutput)
-                else [line.numel])
+                list(line.capacity or line.shape) if isinstance(line, AllocOutput) else
+                [line.numel] if isinstance(line, (Alloc, CopyBuf)) else
+                [line.expr] if line.expr is not None else [])
             for e in exprs:
                 missing = {s.name for s in free_size_symbols(e)} - bound
                 if missing:
@@ -295,14 +397,39 @@ def verify_program(p: Program, planned: bool = False) -> None:
                 live.add(line.buf)
             if planned and isinstance(line, Alloc) and line.offset is None and not p.dynamic:
                 raise ProgramError(f"{where}: no arena offset")
+            if isinstance(line, SetFlag):
+                flags.add(line.flag)
         elif isinstance(line, Free):
             if line.buf not in live:
                 raise ProgramError(f"{where}: freeing {line.buf}, which is not live")
             live.discard(line.buf)
             freed.add(line.buf)
+        elif isinstance(line, (If, BreakUnless)) and line.flag not in flags:
+            raise ProgramError(f"{where}: flag {line.flag} is not set")
+        if isinstance(line, If):
+            for block in (line.then, line.orelse):
+                inner = set(live)
+                _verify_lines(p, block, planned, bound, inner, freed, temps, set(flags),
+                              loop_live)
+                if inner != live:
+                    raise ProgramError(f"{where}: a branch leaves {sorted(inner ^ live)} "
+                                       "allocated or freed")
+        elif isinstance(line, While):
+            inner = set(live)
+            _verify_lines(p, line.body, planned, bound, inner, freed, temps, set(flags),
+                          set(live))
+            if inner != live:
+                raise ProgramError(f"{where}: the loop body leaves {sorted(inner ^ live)} "
+                                   "allocated or freed")
+            if not any(isinstance(x, BreakUnless) for x in line.body):
+                raise ProgramError(f"{where}: the loop has no BreakUnless")
+        elif isinstance(line, BreakUnless):
+            if loop_live is None:
+                raise ProgramError(f"{where}: outside a loop")
+            if live != loop_live:
+                raise ProgramError(f"{where}: leaving the loop with {sorted(live ^ loop_live)} "
+                                   "allocated or freed")
         for b in _uses(line):
             if b not in live:
                 state = "after it was freed" if b in freed else "before it is allocated"
                 raise ProgramError(f"{where}: uses {b} {state}")
-    if not p.lines or not isinstance(p.lines[-1], Return):
-        raise ProgramError("program does not end with Return")

@@ -13,7 +13,7 @@ from dataclasses import replace
 from kiln.ir import loop as L
 from kiln.ir.graph import Graph, Node
 from kiln.ir.sym import contiguous_strides, ivars
-from kiln.lowering import extern, fallback, indexing, pointwise, reductions, views
+from kiln.lowering import control, extern, fallback, indexing, pointwise, reductions, views
 from kiln.lowering.core import Lazy, LowerCtx, View, from_view
 
 RULES = {
@@ -53,6 +53,9 @@ RULES = {
     "conv2d": extern.lower_conv2d,
     "aten": fallback.lower_aten,
     "read_size": fallback.lower_read_size,
+    "cond": control.lower_cond,
+    "while_loop": control.lower_while,
+    "ctl_result": control.lower_result,
 }
 
 CHEAP = 2  # operators per element that may be recomputed by each consumer

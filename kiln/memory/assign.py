@@ -40,7 +40,7 @@ from kiln.memory.verify import verify_plan
 def roots(prog: P.Program) -> dict[str, str]:
     """buffer -> the first buffer of its in-place chain (itself when it reuses nothing)."""
     out: dict[str, str] = {}
-    for line in prog.lines:
+    for line in P.walk(prog.lines):
         if isinstance(line, P.Alloc):
             out[line.buf] = out[line.reuse] if line.reuse is not None else line.buf
     return out
@@ -54,13 +54,13 @@ def intervals(prog: P.Program, env: dict[str, int] | None = None,
     step = -1
     root = roots(prog) if inplace else {}
     if not inplace:
-        prog = replace(prog, lines=tuple(replace(x, reuse=None) if isinstance(x, P.Alloc)
-                                         else x for x in prog.lines))
+        prog = replace(prog, lines=P.map_lines(prog.lines, lambda x: replace(x, reuse=None)
+                                               if isinstance(x, P.Alloc) else x))
         root = roots(prog)
     start: dict[str, int] = {}
     end: dict[str, int] = {}
     size: dict[str, int] = {}
-    for line in prog.lines:
+    for line in P.walk(prog.lines):  # nested blocks in their linear order (ir/program.py)
         if isinstance(line, P.STEPS):
             step += 1
         elif isinstance(line, P.Alloc) and line.reuse is None:
@@ -131,8 +131,8 @@ def assign_offsets(prog: P.Program, verify: bool = True, budget_s: float = 0.5
             plan_sizes(prog, verify=True)
         return replace(prog, arena_bytes=None), plan, ivs
     root = roots(prog)
-    lines = tuple(replace(x, offset=plan.offsets[root[x.buf]]) if isinstance(x, P.Alloc) else x
-                  for x in prog.lines)
+    lines = P.map_lines(prog.lines, lambda x: replace(x, offset=plan.offsets[root[x.buf]])
+                        if isinstance(x, P.Alloc) else x)
     return replace(prog, lines=lines, arena_bytes=plan.arena_bytes), plan, ivs
 
 
@@ -140,7 +140,7 @@ def inplace_report(prog: P.Program, plan: Plan, budget_s: float = 0.5) -> dict:
     """In-place pairs and what they save at the example sizes: the arena planned the same way
     (best-of for static programs, run-time greedy for dynamic ones) with every Alloc on its own
     storage, minus the arena of `plan`."""
-    pairs = [{"buffer": x.buf, "reuses": x.reuse} for x in prog.lines
+    pairs = [{"buffer": x.buf, "reuses": x.reuse} for x in P.walk(prog.lines)
              if isinstance(x, P.Alloc) and x.reuse is not None]
     ivs = intervals(prog, example_env(prog), inplace=False)
     if prog.dynamic:

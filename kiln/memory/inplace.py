@@ -142,7 +142,7 @@ def choose_reuse(steps: Sequence, buffers: Mapping[str, L.Buffer], first: Mappin
     chosen: dict[str, str] = {}
     taken: set[str] = set()
     for i, step in enumerate(steps):
-        if isinstance(step, L.CALLS):
+        if isinstance(step, (*L.CALLS, *L.CONTROL)):  # only kernels store in place
             continue
         for out, src in kernel_candidates(step, buffers):
             if (out in chosen or src in taken or first.get(out) != i or last.get(src) != i):
@@ -165,9 +165,9 @@ def program_aliases(prog) -> dict[str, frozenset[str]]:
     `aliased` argument of codegen's `print_kernel`)."""
     from kiln.ir import program as P
 
-    reuse = {x.buf: x.reuse for x in prog.lines if isinstance(x, P.Alloc) and x.reuse}
+    reuse = {x.buf: x.reuse for x in P.walk(prog.lines) if isinstance(x, P.Alloc) and x.reuse}
     out: dict[str, frozenset[str]] = {}
-    for x in prog.lines:
+    for x in P.walk(prog.lines):
         if isinstance(x, P.CallKernel):
             names = {n for kind, n in x.args if kind == "out" and n in reuse}
             out[x.kernel] = frozenset(names | {reuse[n] for n in names})

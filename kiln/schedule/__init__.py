@@ -127,7 +127,11 @@ def schedule(prog: L.LoopProgram, fuse: bool = True) -> tuple[Step, ...]:
         if isinstance(node, L.CALLS):
             groups.append([node])
             continue
-        cur = groups[-1] if groups and not isinstance(groups[-1][0], L.CALLS) else None
+        if isinstance(node, L.CONTROL):  # a step of its own; each region scheduled apart
+            groups.append([_schedule_regions(node, fuse)])
+            continue
+        cur = groups[-1] if groups and not isinstance(groups[-1][0], (*L.CALLS, *L.CONTROL)) \
+            else None
         if fuse and cur is not None:
             outer = _common_prefix(cur[0], outer_of(node))
             if _worth(outer, cur[0]) and _legal(cur[1] + [node], outer, buffers):
@@ -138,13 +142,35 @@ def schedule(prog: L.LoopProgram, fuse: bool = True) -> tuple[Step, ...]:
     steps: list[Step] = []
     outputs = set(prog.outputs)
     for g in groups:
-        if isinstance(g[0], L.CALLS):
+        if isinstance(g[0], (*L.CALLS, *L.CONTROL)):
             steps.append(g[0])
             continue
         outer, members = tuple(g[0]), tuple(g[1])
         name = f"k{len(steps)}_{members[-1].name}"
         steps.append(Kernel(name, outer, members, _locals(members, prog.nodes, outputs, outer)))
     return tuple(steps)
+
+
+def _schedule_regions(node, fuse: bool):
+    from dataclasses import replace
+
+    names = ("then", "orelse") if isinstance(node, L.Branch) else ("cond", "body")
+
+    def steps(k: str) -> tuple:  # kernels named <node>_<region>_k<i>_...: unique program-wide
+        label = "else" if k == "orelse" else k
+        return tuple(replace(s, name=f"{node.name}_{label}_{s.name}") if isinstance(s, Kernel)
+                     else s for s in schedule(getattr(node, k).prog, fuse))
+    return replace(node, **{k: L.Region(getattr(node, k).prog, steps(k)) for k in names})
+
+
+def _map_regions(node, fn):
+    """`node` with each region's steps replaced by fn(steps, region program)."""
+    from dataclasses import replace
+
+    names = ("then", "orelse") if isinstance(node, L.Branch) else ("cond", "body")
+    return replace(node, **{k: L.Region(getattr(node, k).prog,
+                                        fn(getattr(node, k).steps, getattr(node, k).prog))
+                            for k in names})
 
 
 ROW_LOCAL_MAX_BYTES = 64 * 1024  # per buffer; several may sit on one thread's stack
@@ -166,11 +192,14 @@ def localize_rows(steps: tuple[Step, ...], prog: L.LoopProgram) -> tuple[Step, .
     keep = {src for _, src in prog.mutations} | set(prog.outputs)
     readers: dict[str, set[int]] = {}
     for i, s in enumerate(steps):
-        for b in L.node_reads(s) if isinstance(s, L.CALLS) else {
+        for b in L.node_reads(s) if not isinstance(s, Kernel) else {
                 ld.buf for m in s.members for ld in L.loads(m.body)}:
             readers.setdefault(b, set()).add(i)
     out: list[Step] = []
     for i, s in enumerate(steps):
+        if isinstance(s, L.CONTROL):
+            out.append(_map_regions(s, localize_rows))
+            continue
         if not isinstance(s, Kernel) or not s.outer:
             out.append(s)
             continue

@@ -46,6 +46,8 @@ def input_lines(graph: Graph) -> list[P.Line]:
 
 
 def _reads_writes(step: Step, buffers) -> tuple[list[str], list[str]]:
+    if isinstance(step, L.CONTROL):
+        return list(step.reads), list(step.writes)
     if isinstance(step, L.CALLS):
         return sorted(L.node_reads(step)), [step.name]
     params = kernel_params(step, buffers)
@@ -89,6 +91,9 @@ def build_program(graph: Graph, prog: L.LoopProgram, steps: tuple[Step, ...],
             lines.append(P.CallAten(step))
         elif isinstance(step, L.ReadSize):
             lines.append(P.ReadSizeLine(step))
+        elif isinstance(step, L.CONTROL):
+            from kiln.schedule.control import control_lines
+            lines += control_lines(step, inplace)
         else:
             assert isinstance(step, Kernel)
             params = tuple(kernel_params(step, buffers))

@@ -21,6 +21,8 @@ from kiln.schedule import Kernel, Step
 def _io(step: Step, written_by: Mapping[str, int]) -> tuple[set[str], set[str]]:
     if isinstance(step, L.CALLS):
         return L.node_reads(step), {step.name}
+    if isinstance(step, L.CONTROL):
+        return set(step.reads), set(step.writes)
     writes = {m.name for m in step.members}
     reads = {ld.buf for m in step.members for ld in L.loads(m.body)} - writes
     return reads, writes
