@@ -5,6 +5,7 @@ and declared here."""
 
 from __future__ import annotations
 
+from kiln.codegen.gemm_cpp import function_name
 from kiln.ir import loop as L
 from kiln.ir import program as P
 from kiln.ir.sym import free_size_symbols, to_c
@@ -67,8 +68,9 @@ def run_prologue(n_in: int, n_out: int) -> list[str]:
 
 
 class _Printer(SizeCheckPrinter):
-    def __init__(self, prog: P.Program) -> None:
+    def __init__(self, prog: P.Program, gemm_choices: dict | None = None) -> None:
         self.p = prog
+        self.gemm_choices = gemm_choices or {}
         self.out: list[str] = []
         self.dynamic_bufs = [iv.name for iv in intervals(prog, {s.name: s.example
                                                                 for s in prog.symbols})]
@@ -132,8 +134,13 @@ class _Printer(SizeCheckPrinter):
             raise NotImplementedError("gemm with more than two batch dims")
         sa = list(g.a.batch_strides) + [0] * (2 - len(g.a.batch_strides))
         sb = list(g.b.batch_strides) + [0] * (2 - len(g.b.batch_strides))
-        self.emit(f"// gemm {g.name} = {g.a.buf} @ {g.b.buf}  <- {', '.join(g.source)}")
-        self.emit(f"if (kr::gemm<{T}>(e, {_cstr(g.name)}, {to_c(b[0])}, {to_c(b[1])}, "
+        choice = self.gemm_choices.get(g.name)
+        backend = choice.backend if choice is not None else "blas"
+        self.emit(f"// gemm {g.name} = {g.a.buf} @ {g.b.buf}  <- {', '.join(g.source)}  "
+                  f"[{backend}{', ' + choice.how if choice is not None else ''}]")
+        call = (f"{function_name(g.name)}(" if backend == "cpp" else
+                f"kr::gemm<{T}>(e, {_cstr(g.name)}, ")
+        self.emit(f"if ({call}{to_c(b[0])}, {to_c(b[1])}, "
                   f"{to_c(g.m)}, {to_c(g.n)}, {to_c(g.k)},")
         self.emit(f"    buf_{g.a.buf} + {to_c(g.a.offset)}, {to_c(sa[0])}, {to_c(sa[1])}, "
                   f"{to_c(g.a.rows)}, {to_c(g.a.cols)},")
@@ -186,8 +193,10 @@ def _plan_block(pr: _Printer, prog: P.Program) -> None:
         pr.emit(line, indent)
 
 
-def print_wrapper(prog: P.Program, kernel_decls: list[str]) -> str:
-    pr = _Printer(prog)
+def print_wrapper(prog: P.Program, kernel_decls: list[str],
+                  gemm_choices: dict | None = None) -> str:
+    """`gemm_choices`: GEMM name -> autotune Choice (kiln/autotune); missing ones use BLAS."""
+    pr = _Printer(prog, gemm_choices)
     n_in, n_w = len(prog.inputs), len(prog.weights)
     outs = [x for x in prog.lines if isinstance(x, P.AllocOutput)]
     n_out = len(outs)
