@@ -119,7 +119,10 @@ int main(int argc, char **argv) {
   kr::blas_single_threaded();
   std::vector<T> A(nb * M * K + 1), B(nb * K * N + 1), C(nb * M * N + 1);
   uint64_t s = 88172645463325252ull;
-  auto rnd = [&]() { s ^= s << 13; s ^= s >> 7; s ^= s << 17; return T((s >> 11) * 0x1p-53 - 0.5); };
+  auto rnd = [&]() {
+    s ^= s << 13; s ^= s >> 7; s ^= s << 17;
+    return T((s >> 11) * 0x1p-53 - 0.5);
+  };
   for (auto &x : A) x = rnd();
   for (auto &x : B) x = rnd();
   const int64_t ar = ta ? 1 : K, ac = ta ? M : 1, br = tb ? 1 : N, bc = tb ? K : 1;
@@ -134,7 +137,8 @@ int main(int argc, char **argv) {
     const int64_t b = (t * 7919) % nb, i = (t * 104729) % M, j = (t * 1299709) % N;
     long double ref = 0, mag = 0;
     for (int64_t k = 0; k < K; ++k) {
-      const long double p = (long double)A[b * M * K + i * ar + k * ac] * B[b * K * N + k * br + j * bc];
+      const long double p =
+          (long double)A[b * M * K + i * ar + k * ac] * B[b * K * N + k * br + j * bc];
       ref += p;
       mag += std::fabs(p);
     }
