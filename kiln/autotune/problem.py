@@ -4,7 +4,8 @@ A choice is valid for every size in the problem's range: sizes are recorded as i
 static and as `[min, max]` of the Dim range otherwise (the candidate is profiled at the example
 size). Layouts are BLAS's: "n" when an operand's columns are contiguous, "t" when its rows are.
 Alignment is the largest power of two (elements, up to 16) dividing every operand offset and
-leading dimension (1 when any of them is symbolic)."""
+leading dimension (1 when any of them is symbolic); `alignment_out` the same for the output's
+row length N."""
 
 from __future__ import annotations
 
@@ -26,8 +27,9 @@ class GemmProblem:
     k: object
     layout_a: str  # "n" | "t"
     layout_b: str
-    alignment: int
+    alignment: int  # of the A and B operands
     epilogue: str = ""  # "" when the epilogue stays in a separate kernel
+    alignment_out: int = 16  # of the output (its row length N)
 
     def key(self, device: str) -> str:
         text = json.dumps({"problem": asdict(self), "device": device}, sort_keys=True)
@@ -37,6 +39,7 @@ class GemmProblem:
         b = "x".join(map(_fmt, self.batch))
         return (f"{self.dtype} {b + ' x ' if b else ''}{_fmt(self.m)}x{_fmt(self.n)}x"
                 f"{_fmt(self.k)} {self.layout_a}{self.layout_b} align={self.alignment}"
+                f"{' out_align=' + str(self.alignment_out) if self.alignment_out < 16 else ''}"
                 f"{' +' + self.epilogue if self.epilogue else ''}")
 
 
@@ -77,4 +80,5 @@ def problem_of(g: L.Gemm, ranges: dict[str, tuple[int, int]], epilogue: str = ""
     ldb = g.b.rows if lb == "n" else g.b.cols
     return GemmProblem(g.dtype.name, tuple(_size(b, ranges) for b in g.batch),
                        _size(g.m, ranges), _size(g.n, ranges), _size(g.k, ranges), la, lb,
-                       _alignment([g.a.offset, g.b.offset, lda, ldb]), epilogue)
+                       _alignment([g.a.offset, g.b.offset, lda, ldb]), epilogue,
+                       _alignment([g.n]))
