@@ -109,9 +109,13 @@ def test_no_backend_for_device(check):
 
 
 def test_heuristic():
-    small = GemmProblem("float32", (), 5, 64, 64, "n", "t", 16)
+    small = GemmProblem("float32", (), 5, 64, 64, "n", "n", 16)
     big = GemmProblem("float32", (), 512, 512, 512, "n", "n", 16)
     assert cpu.heuristic(small, ("blas", "cpp"), "native")[0] == "cpp"
+    skinny = GemmProblem("float32", (), 4, 1024, 1024, "t", "n", 16)
+    assert cpu.heuristic(skinny, ("blas", "cpp"), "native")[0] == "cpp"
+    linear = GemmProblem("float32", (), 5, 64, 64, "n", "t", 16)
+    assert cpu.heuristic(linear, ("blas", "cpp"), "native")[0] == "blas"
     assert cpu.heuristic(big, ("blas", "cpp"), "native")[0] == "blas"
     assert cpu.heuristic(big, ("cpp",), "native")[0] == "cpp"
     assert cpu.heuristic(small, ("blas",), "native")[0] == "blas"

@@ -6,9 +6,10 @@ blocked by KC, N by NC. Tiles must fit the vector register file with room for th
 and the broadcast A value: MR * NV + NV + 1 <= registers (16 with AVX2, 32 with AVX-512).
 
 Heuristic without profiling (`Options.max_autotune` off and no cache entry): "cpp" for small
-or skinny GEMMs - at most 64^3 multiply-adds per batch element or min(M, N) <= 16 - where
-BLAS's call and packing overheads dominate; "blas" otherwise (BENCHMARKS.md, "GEMM on CPU",
-shows the crossover measured on the build machine)."""
+or skinny GEMMs whose B has contiguous rows - at most 64^3 multiply-adds per batch element or
+min(M, N) <= 16 - where BLAS's call and packing overheads dominate; "blas" otherwise, and for a
+transposed B (a Linear weight), which "cpp" must gather while packing and where OpenBLAS
+measured faster (BENCHMARKS.md, "GEMM on CPU")."""
 
 from __future__ import annotations
 
@@ -73,7 +74,8 @@ def heuristic(problem: GemmProblem, backends: tuple[str, ...], march: str) -> tu
         return v[1] if isinstance(v, (tuple, list)) else v
     m, n, k = (hi(x) for x in (problem.m, problem.n, problem.k))
     small = all(isinstance(x, int) for x in (m, n, k)) and (m * n * k <= 64 ** 3 or
-                                                            min(m, n) <= 16)
+                                                            min(m, n) <= 16) \
+        and problem.layout_b == "n"
     if "cpp" in backends and (small or "blas" not in backends):
         cfg = cpp_configs(march)[0] if min(m, n) > 16 or not isinstance(m, int) else \
             (CppConfig(1, 4) if m <= 2 else CppConfig(6, 2))
