@@ -8,8 +8,8 @@ and the broadcast A value: MR * NV + NV + 1 <= registers (16 with AVX2, 32 with 
 Heuristic without profiling (`Options.max_autotune` off and no cache entry): "cpp" for small
 or skinny GEMMs whose B has contiguous rows - at most 64^3 multiply-adds per batch element or
 min(M, N) <= 16 - where BLAS's call and packing overheads dominate; "blas" otherwise, and for a
-transposed B (a Linear weight), which "cpp" must gather while packing and where OpenBLAS
-measured faster (BENCHMARKS.md, "GEMM on CPU")."""
+transposed B (a Linear weight), which "cpp" must gather while packing and where it was not
+reliably faster (BENCHMARKS.md, "GEMM autotuning")."""
 
 from __future__ import annotations
 
