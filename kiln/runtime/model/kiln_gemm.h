@@ -32,7 +32,8 @@ constexpr int kVecBytes = 16;
 template <class T>
 struct Vec {
   static constexpr int width = kVecBytes / sizeof(T);
-  typedef T type __attribute__((vector_size(kVecBytes), aligned(sizeof(T))));
+  // may_alias: vectors are loaded from and stored to plain T arrays (like __m256_u)
+  typedef T type __attribute__((vector_size(kVecBytes), aligned(sizeof(T)), may_alias));
 };
 
 template <class T>
