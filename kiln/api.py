@@ -43,8 +43,11 @@ def _kernels_json(built: Built) -> list[dict]:
             out.append({"name": s.name, "kind": kind, "members": [m.name for m in s.members],
                         "source_ops": list(s.source)})
         else:
-            out.append({"name": s.name, "kind": "blas_gemm", "members": [s.name],
-                        "source_ops": list(s.source)})
+            choice = built.gemms.get(s.name)
+            backend = choice.backend if choice is not None else "blas"
+            out.append({"name": s.name, "kind": f"{backend}_gemm", "members": [s.name],
+                        "source_ops": list(s.source),
+                        **({"gemm": choice.to_json()} if choice is not None else {})})
     return out
 
 

@@ -6,6 +6,12 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, fields
 
 
+#: Every GEMM backend name `Options.gemm_backends` accepts, and the devices each applies to.
+GEMM_BACKENDS = ("blas", "cpp", "triton", "cutlass")
+BACKEND_DEVICES = {"blas": ("cpu", "cuda"), "cpp": ("cpu",), "triton": ("cuda",),
+                   "cutlass": ("cuda",)}
+
+
 @dataclass(frozen=True)
 class Options:
     #: Fuse pointwise chains and reductions with their producers/consumers into shared kernels.
@@ -63,6 +69,31 @@ class Options:
     #: Debugging: after every step, check the floating-point values it wrote and fail the run
     #: at the first inf or NaN, naming the buffer and its source ops (costs a pass over each).
     check_finite: bool = False
+    #: GEMM autotuning (kiln/autotune): time every candidate of every GEMM at compile time, in
+    #: a separate process, and link the fastest; off, a documented heuristic picks (or the
+    #: autotuning cache, when it already holds the problem). Names as in the reference system.
+    max_autotune: bool = False
+    #: GEMM backends to choose from. "blas": OpenBLAS on CPU, cuBLAS on GPU; "cpp": kiln's
+    #: generated register-blocked GEMM (CPU only); "triton": Triton GEMM templates and
+    #: "cutlass": CUTLASS 3.x kernels (GPU only). Backends that do not apply to the device are
+    #: ignored; at least one that applies must remain.
+    gemm_backends: tuple[str, ...] = ("blas", "cpp", "triton", "cutlass")
+    #: Most CUTLASS configurations profiled per GEMM, after the regex and size filters; 0: all.
+    cutlass_max_profiling_configs: int = 0
+    #: Only CUTLASS kernels whose name matches this regex (re.search) are candidates; "": all.
+    cutlass_op_allowlist_regex: str = ""
+    #: CUTLASS kernels whose name matches this regex (re.search) are never candidates.
+    cutlass_op_denylist_regex: str = ""
+    #: CUTLASS is not tried for GEMMs with fewer than this many multiply-adds (M * N * K * batch).
+    cutlass_min_gemm_size: int = 1
+    #: Seconds one profiling run of one GEMM candidate may take before it is dropped.
+    autotune_timeout_s: float = 20.0
+
+    def __post_init__(self) -> None:
+        bad = [b for b in self.gemm_backends if b not in GEMM_BACKENDS]
+        if bad or not self.gemm_backends:
+            raise ValueError(f"Options.gemm_backends: expected a non-empty tuple of "
+                             f"{GEMM_BACKENDS}, got {self.gemm_backends!r}")
 
     def to_json(self) -> dict:
         return {k: list(v) if isinstance(v, tuple) else v for k, v in asdict(self).items()}

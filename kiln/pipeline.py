@@ -11,7 +11,9 @@ from typing import Any
 import torch
 
 from kiln import config
+from kiln.autotune import choose_gemms
 from kiln.codegen.cpp_kernel import print_kernel
+from kiln.codegen.gemm_cpp import declaration, print_gemm_file
 from kiln.codegen.wrapper_cpp import declare_kernel, print_wrapper
 from kiln.codegen.wrapper_py import print_python_wrapper
 from kiln.errors import UnsupportedError
@@ -68,6 +70,7 @@ class Built:
     device: str = "cpu"  # "cpu" or "cuda" (pipeline_cuda.py built the library)
     cuda: dict = field(default_factory=dict)  # archs and kernel launch configs (CUDA builds)
     reorder: tuple = (0, 0)  # peak temp bytes of program order, and of the order chosen
+    gemms: dict = field(default_factory=dict)  # GEMM name -> autotune.Choice
 
 
 def _blas() -> tuple[Path, Path]:
@@ -160,13 +163,24 @@ def build(ep: torch.export.ExportedProgram, opts: Options, device: str = "cpu") 
                                    f"for {', '.join(aten)} on CUDA")
         from kiln.pipeline_cuda import build_cuda
         hints = {s.name: s.example for s in graph.symbols}
+        gemms = run.stage("autotune", lambda s: choose_gemms(s, graph.symbols, opts, "cuda"),
+                          steps)
         sources, lib, info = build_cuda(run, steps, buffers, program, hints, opts)
         return Built(graph, loop, steps, program, plan, ivs, sources, lib, weights, run.timings,
-                     "cuda", info, reorder=tuple(reordered))
+                     "cuda", info, reorder=tuple(reordered), gemms=gemms)
+    # 6b. GEMM backends: profiled (max_autotune), cached, or by heuristic (kiln/autotune)
+    tc = toolchain(opts)
+    gemms = run.stage("autotune", lambda s: choose_gemms(s, graph.symbols, opts, "cpu", tc),
+                      steps)
     # 7. printers: C++ kernels, the C++ wrapper (artifact) and the Python wrapper (debugging)
     sources, decls = run.stage("codegen", kernel_sources, steps, buffers, opts,
                                program_aliases(program))
-    sources["model.cpp"] = print_wrapper(program, decls, opts.check_finite)
+    gemm_file = print_gemm_file(steps, gemms)
+    if gemm_file is not None:
+        sources["gemm.cpp"] = gemm_file
+        decls += [declaration(s) for s in steps
+                  if isinstance(s, L.Gemm) and gemms[s.name].backend == "cpp"]
+    sources["model.cpp"] = print_wrapper(program, decls, gemms, opts.check_finite)
     sources["model.py"] = print_python_wrapper(program, steps, buffers)
     if opts.dump_dir:
         for name, text in sources.items():
@@ -174,8 +188,8 @@ def build(ep: torch.export.ExportedProgram, opts: Options, device: str = "cpu") 
     # 8. C++ compiler: parallel, cached by content hash
     cpp = {k: v for k, v in sources.items() if k.endswith(".cpp")}
     # the wrapper is straight-line glue around kernels and BLAS calls: -O1 compiles it faster
-    lib, tt = run.stage("compile", lambda s: build_shared(toolchain(opts), s,
+    lib, tt = run.stage("compile", lambda s: build_shared(tc, s,
                                                           {"model.cpp": ("-O1",)}), cpp)
     run.timings.update({f"compile.{k}": v for k, v in tt.items()})
     return Built(graph, loop, steps, program, plan, ivs, sources, lib, weights, run.timings,
-                 reorder=tuple(reordered))
+                 reorder=tuple(reordered), gemms=gemms)

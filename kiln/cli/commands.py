@@ -109,8 +109,32 @@ def _summary(manifest: dict[str, Any], package: str) -> dict[str, Any]:
         "symbols": symbols(manifest),
         "weights": {"count": len(weights), "bytes": wbytes},
         "kernels": entries(manifest.get("kernels")),
+        "gemms": [{"name": k.get("name"), **k["gemm"]} for k in entries(manifest.get("kernels"))
+                  if isinstance(k.get("gemm"), dict)],
         "plan": plan_summary(manifest),
     }
+
+
+def _gemm_table(gemms: list[dict[str, Any]]) -> Table:
+    """Per GEMM: the backend linked, how it was chosen, and the best timings per backend."""
+    table = Table(title="GEMMs (autotuning)", title_justify="left")
+    for col in ("gemm", "problem", "backend", "chosen by", "best per backend"):
+        table.add_column(col)
+    for g in gemms:
+        best = []
+        for backend, runs in (g.get("timings") or {}).items():
+            if runs:
+                name, sec = runs[0]
+                best.append(f"{backend}: {float(sec) * 1e6:.1f} us ({name})")
+        cfg = g.get("config") or {}
+        chosen = str(g.get("backend", "?")) + (
+            " " + ",".join(f"{k}={v}" for k, v in cfg.items()) if cfg else "")
+        how = str(g.get("how", "?"))
+        if g.get("dropped"):
+            how += f" ({len(g['dropped'])} candidates dropped)"
+        table.add_row(escape(str(g.get("name", ""))), escape(str(g.get("problem", ""))),
+                      escape(chosen), escape(how), escape("; ".join(best) or "-"))
+    return table
 
 
 def _tensor_table(title: str, specs: list[dict[str, Any]]) -> Table:
@@ -193,6 +217,8 @@ def cmd_inspect(args: argparse.Namespace) -> int:
             table.add_row(str(i), escape(str(k.get("name", ""))), escape(str(k.get("kind", ""))),
                           escape(_kernel_ops(k)))
         console.print(table)
+    if summary["gemms"]:
+        console.print(_gemm_table(summary["gemms"]))
     plan = summary["plan"]
     ratio = f"{plan['ratio']:.2f}x" if plan["ratio"] else "?"
     console.print(f"plan: arena {fmt_bytes(plan['arena_bytes'])}, lower bound "

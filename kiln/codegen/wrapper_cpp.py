@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import sympy
 
+from kiln.codegen.gemm_cpp import function_name
 from kiln.ir import loop as L
 from kiln.ir import program as P
 from kiln.ir.sym import free_size_symbols, to_c
@@ -84,8 +85,10 @@ def written_buffers(x: P.Line) -> list[str]:
 
 
 class _Printer(SizeCheckPrinter):
-    def __init__(self, prog: P.Program, check_finite: bool = False) -> None:
+    def __init__(self, prog: P.Program, gemm_choices: dict | None = None,
+                 check_finite: bool = False) -> None:
         self.p = prog
+        self.gemm_choices = gemm_choices or {}
         self.out: list[str] = []
         self.check_finite = check_finite
         # buffer -> (dtype, element count as run) for the finite-value checks
@@ -199,8 +202,13 @@ class _Printer(SizeCheckPrinter):
             raise NotImplementedError("gemm with more than two batch dims")
         sa = list(g.a.batch_strides) + [0] * (2 - len(g.a.batch_strides))
         sb = list(g.b.batch_strides) + [0] * (2 - len(g.b.batch_strides))
-        self.emit(f"// gemm {g.name} = {g.a.buf} @ {g.b.buf}  <- {', '.join(g.source)}")
-        self.emit(f"if (kr::gemm<{T}>(e, {_cstr(g.name)}, {to_c(b[0])}, {to_c(b[1])}, "
+        choice = self.gemm_choices.get(g.name)
+        backend = choice.backend if choice is not None else "blas"
+        self.emit(f"// gemm {g.name} = {g.a.buf} @ {g.b.buf}  <- {', '.join(g.source)}  "
+                  f"[{backend}{', ' + choice.how if choice is not None else ''}]")
+        call = (f"{function_name(g.name)}(" if backend == "cpp" else
+                f"kr::gemm<{T}>(e, {_cstr(g.name)}, ")
+        self.emit(f"if ({call}{to_c(b[0])}, {to_c(b[1])}, "
                   f"{to_c(g.m)}, {to_c(g.n)}, {to_c(g.k)},")
         self.emit(f"    buf_{g.a.buf} + {to_c(g.a.offset)}, {to_c(sa[0])}, {to_c(sa[1])}, "
                   f"{to_c(g.a.rows)}, {to_c(g.a.cols)},")
@@ -344,8 +352,11 @@ def _plan_block(pr: _Printer, prog: P.Program) -> None:
         pr.emit(line, indent)
 
 
-def print_wrapper(prog: P.Program, kernel_decls: list[str], check_finite: bool = False) -> str:
-    pr = _Printer(prog, check_finite)
+def print_wrapper(prog: P.Program, kernel_decls: list[str],
+                  gemm_choices: dict | None = None, check_finite: bool = False) -> str:
+    """`gemm_choices`: GEMM name -> autotune Choice (kiln/autotune); missing ones use BLAS.
+    `check_finite`: see Options.check_finite."""
+    pr = _Printer(prog, gemm_choices, check_finite)
     n_in, n_w = len(prog.inputs), len(prog.weights)
     outs = [x for x in prog.lines if isinstance(x, P.AllocOutput)]
     n_out = len(outs)

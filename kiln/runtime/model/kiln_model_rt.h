@@ -23,6 +23,7 @@ struct kr_complex128 { double re, im; };
 #endif
 #include "kiln_model_abi.h"
 #include "kiln_kernels.h"
+#include "kiln_gemm.h"
 
 #ifdef KILN_WITH_BLAS
 extern "C" {
@@ -280,19 +281,15 @@ inline void gemm_block(bool ta, bool tb, int64_t M, int64_t N, int64_t K, const 
 /* BLAS runs single-threaded inside kiln's one OpenMP pool: a second thread pool (OpenBLAS's
  * own) competing for the same cores made GEMMs several times slower. Called once per model. */
 inline void blas_single_threaded() { scipy_openblas_set_num_threads(1); }
+#endif
 
-/* C[b][m][n] = A[b][m][k] * B[b][k][n] over up to two batch dims. Work is split over OpenMP
- * threads by batch when there are enough batches, else by rows of C, else by columns. */
-template <class T>
-inline int gemm(Err &e, const char *name, int64_t nb0, int64_t nb1, int64_t M, int64_t N,
-                int64_t K, const T *A, int64_t as0, int64_t as1, int64_t ar, int64_t ac,
-                const T *B, int64_t bs0, int64_t bs1, int64_t br, int64_t bc, T *C) {
-  bool ta, tb;
-  int64_t lda, ldb;
-  if (!blas_layout(M, K, ar, ac, &ta, &lda) || !blas_layout(K, N, br, bc, &tb, &ldb))
-    return e.fail("%s: operand layout not supported by BLAS", name);
-  if (M > INT32_MAX || N > INT32_MAX || K > INT32_MAX || lda > INT32_MAX || ldb > INT32_MAX)
-    return e.fail("%s: matrix too large for 32-bit BLAS", name);
+/* C[b][m][n] = A[b][m][k] * B[b][k][n] over up to two batch dims, C contiguous. Work is split
+ * over OpenMP threads by batch when there are enough batches, else by rows of C, else by
+ * columns; `block(M', N', K, a, ar, ac, b, br, bc, c, ldc)` computes one single-threaded part. */
+template <class T, class Block>
+inline void gemm_split(int64_t nb0, int64_t nb1, int64_t M, int64_t N, int64_t K, const T *A,
+                       int64_t as0, int64_t as1, int64_t ar, int64_t ac, const T *B, int64_t bs0,
+                       int64_t bs1, int64_t br, int64_t bc, T *C, Block block) {
   const int64_t nb = nb0 * nb1;
   int threads = 1;
 #ifdef _OPENMP
@@ -312,10 +309,40 @@ inline int gemm(Err &e, const char *name, int64_t nb0, int64_t nb1, int64_t M, i
       const int64_t len = by_rows ? M : N;
       const int64_t lo = len * p / parts_mn, hi = len * (p + 1) / parts_mn;
       if (by_rows)
-        gemm_block<T>(ta, tb, hi - lo, N, K, a + lo * ar, lda, bb, ldb, c + lo * N, N);
+        block(hi - lo, N, K, a + lo * ar, ar, ac, bb, br, bc, c + lo * N, N);
       else
-        gemm_block<T>(ta, tb, M, hi - lo, K, a, lda, bb + lo * bc, ldb, c + lo, N);
+        block(M, hi - lo, K, a, ar, ac, bb + lo * bc, br, bc, c + lo, N);
     }
+}
+
+/* The "cpp" backend: kiln's register-blocked GEMM (kiln_gemm.h) with the tile the autotuner
+ * chose; takes any operand strides. */
+template <class T, int MR, int NV, int KC, int NC>
+inline int gemm_cpp(int64_t nb0, int64_t nb1, int64_t M, int64_t N, int64_t K, const T *A,
+                    int64_t as0, int64_t as1, int64_t ar, int64_t ac, const T *B, int64_t bs0,
+                    int64_t bs1, int64_t br, int64_t bc, T *C) {
+  gemm_split<T>(nb0, nb1, M, N, K, A, as0, as1, ar, ac, B, bs0, bs1, br, bc, C,
+                ukr_gemm_block<T, MR, NV, KC, NC>);
+  return 0;
+}
+
+#ifdef KILN_WITH_BLAS
+/* The "blas" backend: OpenBLAS on each part (operands must be BLAS-expressible). */
+template <class T>
+inline int gemm(Err &e, const char *name, int64_t nb0, int64_t nb1, int64_t M, int64_t N,
+                int64_t K, const T *A, int64_t as0, int64_t as1, int64_t ar, int64_t ac,
+                const T *B, int64_t bs0, int64_t bs1, int64_t br, int64_t bc, T *C) {
+  bool ta, tb;
+  int64_t lda, ldb;
+  if (!blas_layout(M, K, ar, ac, &ta, &lda) || !blas_layout(K, N, br, bc, &tb, &ldb))
+    return e.fail("%s: operand layout not supported by BLAS", name);
+  if (M > INT32_MAX || N > INT32_MAX || K > INT32_MAX || lda > INT32_MAX || ldb > INT32_MAX)
+    return e.fail("%s: matrix too large for 32-bit BLAS", name);
+  gemm_split<T>(nb0, nb1, M, N, K, A, as0, as1, ar, ac, B, bs0, bs1, br, bc, C,
+                [=](int64_t m, int64_t n, int64_t k, const T *a, int64_t, int64_t, const T *b,
+                    int64_t, int64_t, T *c, int64_t ldc) {
+                  gemm_block<T>(ta, tb, m, n, k, a, lda, b, ldb, c, ldc);
+                });
   return 0;
 }
 #endif

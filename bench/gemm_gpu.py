@@ -1,0 +1,230 @@
+"""GEMM on the GPU: TFLOP/s of kiln's candidates - cuBLAS (torch.mm), the Triton template
+(kiln/autotune/triton_gemm.py, every config of its space) and CUTLASS sm_90 kernels
+(kiln/autotune/cutlass.py, shared libraries built ahead of time with nvcc) - for a sweep of
+square and skinny fp16/bf16 shapes, and GEMM + epilogue chains fused into the Triton template
+vs unfused cuBLAS + eager pointwise. Every candidate's result is checked against torch.mm
+(a wrong one is dropped); the pick is the fastest correct candidate; autotuning time is the
+wall time to compile and time all candidates of one GEMM.
+
+    python bench/gemm_gpu.py [--cutlass-dir DIR] [--json out.json] [--markdown out.md]
+"""
+
+from __future__ import annotations
+
+import argparse
+import ctypes
+import json
+import math
+import time
+from pathlib import Path
+
+import torch
+import triton
+from triton.testing import do_bench
+
+from kiln.autotune import triton_gemm as T
+from kiln.toolchain.triton_aot import _import_module
+
+SQUARE = [1024, 2048, 4096, 8192]
+SKINNY = [(16, 4096, 4096), (64, 4096, 4096), (128, 8192, 1024), (64, 1024, 1024),
+          (4096, 64, 4096), (512, 512, 512)]
+# the zoo models' GEMMs (bench/gemm.py), as fp16 on the GPU: A @ W^T
+ZOO = [(64, 1024, 1024, "nt"), (64, 256, 1024, "nt")]
+CHAINS = [(4096, 4096, 4096, "gelu"), (2048, 8192, 2048, "relu"), (64, 4096, 4096, "gelu"),
+          (1024, 1024, 1024, "relu6")]
+
+
+def _kernel(cache):
+    return _import_module(T.SOURCE, Path(cache)).kiln_gemm
+
+
+def triton_call(kern, a, b, c, cfg, bias=None, act="none", res=None, scale=1.0, sms=132):
+    M, K = a.shape
+    N = b.shape[1]
+    tiles = triton.cdiv(M, cfg.block_m) * triton.cdiv(N, cfg.block_n)
+    grid = (min(sms, tiles),)
+    bb = bias if bias is not None else c
+    rr = res if res is not None else c
+    bsm, bsn = (0, bb.stride(0)) if bias is not None and bias.dim() == 1 else \
+        (bb.stride(0), bb.stride(1))
+    kern[grid](a, b, c, bb, rr, M, N, K, a.stride(0), a.stride(1), b.stride(0), b.stride(1),
+               c.stride(0), c.stride(1), bsm, bsn, rr.stride(0), rr.stride(1), scale, sms,
+               **T.constexprs(cfg, bias is not None, act, res is not None),
+               num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+
+
+class Cutlass:
+    def __init__(self, path: Path):
+        self.lib = ctypes.CDLL(str(path))
+        self.name = path.name.split("_0_")[0][-30:] + "..." + path.stem.split("align8_")[-1]
+        f = self.lib.kiln_cutlass_run
+        f.restype = ctypes.c_int
+        f.argtypes = [ctypes.c_int64] * 4 + [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64] * 2 \
+            + [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p]
+        w = self.lib.kiln_cutlass_workspace
+        w.restype = ctypes.c_size_t
+        w.argtypes = [ctypes.c_int64] * 4
+
+    def __call__(self, a, b, c):
+        M, K = a.shape
+        N = b.shape[1]
+        ws = torch.empty(max(1, self.lib.kiln_cutlass_workspace(M, N, K, 1)), dtype=torch.uint8,
+                         device=a.device)
+        rc = self.lib.kiln_cutlass_run(M, N, K, 1, a.data_ptr(), a.stride(0), 0, b.data_ptr(),
+                                       b.stride(0), 0, None, c.data_ptr(), ws.data_ptr(),
+                                       torch.cuda.current_stream().cuda_stream)
+        if rc:
+            raise RuntimeError(f"kiln_cutlass_run returned {rc}")
+
+
+def _ok(got, want):
+    return torch.allclose(got.float(), want.float(), rtol=2e-2, atol=2e-2 * math.sqrt(
+        want.shape[-1] if want.dim() else 1))
+
+
+def tune(m, n, k, layout, dtype, kern, cutlass, sms):
+    a = torch.randn(m, k, device="cuda", dtype=dtype)
+    b = torch.randn(n, k, device="cuda", dtype=dtype).t() if layout == "nt" else \
+        torch.randn(k, n, device="cuda", dtype=dtype)
+    want = torch.mm(a, b)
+    c = torch.empty_like(want)
+    flops = 2.0 * m * n * k
+    t0 = time.perf_counter()
+    res = {"cublas": (do_bench(lambda: torch.mm(a, b, out=c)), "torch.mm")}
+    dropped = []
+    for cfg in T.config_space(m, n, k):
+        try:
+            triton_call(kern, a, b, c, cfg, sms=sms)
+            if not _ok(c, want):
+                dropped.append((cfg.name, "wrong answer"))
+                continue
+            ms = do_bench(lambda: triton_call(kern, a, b, c, cfg, sms=sms))
+        except Exception as e:  # a config Triton cannot build for this GPU (shared memory, ...)
+            dropped.append((cfg.name, f"{type(e).__name__}: {str(e)[:80]}"))
+            continue
+        if "triton" not in res or ms < res["triton"][0]:
+            res["triton"] = (ms, cfg.name)
+    if dtype == torch.float16 and layout == "nn" and m % 8 == 0 and n % 8 == 0 and k % 8 == 0:
+        for cl in cutlass:
+            try:
+                c.zero_()
+                cl(a, b, c)
+                torch.cuda.synchronize()
+                if not _ok(c, want):
+                    dropped.append((cl.name, "wrong answer"))
+                    continue
+                ms = do_bench(lambda: cl(a, b, c))
+            except Exception as e:
+                dropped.append((cl.name, str(e)[:80]))
+                continue
+            if "cutlass" not in res or ms < res["cutlass"][0]:
+                res["cutlass"] = (ms, cl.name)
+    tune_s = time.perf_counter() - t0
+    pick = min(res, key=lambda b: res[b][0])
+    return {"shape": f"{m}x{n}x{k} {layout}", "dtype": str(dtype).split(".")[-1],
+            "tflops": {b: flops / (v[0] * 1e-3) / 1e12 for b, v in res.items()},
+            "best_config": {b: v[1] for b, v in res.items()}, "pick": pick,
+            "speedup_vs_cublas": res["cublas"][0] / res[pick][0], "tune_s": tune_s,
+            "dropped": dropped}
+
+
+def chain(m, n, k, act, dtype, kern, sms):
+    a = torch.randn(m, k, device="cuda", dtype=dtype)
+    b = torch.randn(k, n, device="cuda", dtype=dtype)
+    bias = torch.randn(n, device="cuda", dtype=dtype)
+    r = torch.randn(m, n, device="cuda", dtype=dtype)
+    f = {"relu": torch.relu, "gelu": torch.nn.functional.gelu,
+         "relu6": lambda x: torch.clamp(x, 0, 6)}[act]
+
+    def unfused():
+        return f(torch.addmm(bias, a, b)) + 0.5 * r
+    want = unfused()
+    c = torch.empty_like(want)
+    best = None
+    for cfg in T.config_space(m, n, k):
+        try:
+            triton_call(kern, a, b, c, cfg, bias, act, r, 0.5, sms)
+            if not _ok(c, want):
+                continue
+            ms = do_bench(lambda: triton_call(kern, a, b, c, cfg, bias, act, r, 0.5, sms))
+        except Exception:
+            continue
+        if best is None or ms < best[0]:
+            best = (ms, cfg.name)
+    base = do_bench(unfused)
+    return {"chain": f"{m}x{n}x{k} +bias {act} +0.5*res", "dtype": str(dtype).split(".")[-1],
+            "unfused_ms": base, "fused_ms": best[0] if best else None,
+            "config": best[1] if best else None,
+            "speedup": base / best[0] if best else None}
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--cutlass-dir", default=None)
+    ap.add_argument("--json", default=None)
+    ap.add_argument("--markdown", default=None)
+    ap.add_argument("--cache", default="/tmp/kiln_gemm_gpu")
+    ap.add_argument("--quick", action="store_true")
+    args = ap.parse_args(argv)
+    kern = _kernel(args.cache)
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    cutlass = [Cutlass(p) for p in sorted(Path(args.cutlass_dir).glob("*.so"))] \
+        if args.cutlass_dir else []
+    rows, chains = [], []
+    shapes = [(s, s, s, "nn") for s in SQUARE] + [(*s, "nn") for s in SKINNY] + ZOO
+    if args.quick:
+        shapes = shapes[:3]
+    out = {"device": torch.cuda.get_device_name(0), "gemm": rows, "chains": chains}
+
+    def dump():
+        if args.json:
+            Path(args.json).write_text(json.dumps(out, indent=1))
+    for dtype in (torch.float16, torch.bfloat16):
+        for m, n, k, lay in shapes:
+            r = tune(m, n, k, lay, dtype, kern, cutlass, sms)
+            rows.append(r)
+            print(json.dumps(r), flush=True)
+            dump()
+    for m, n, k, act in CHAINS:
+        for dtype in (torch.float16, torch.bfloat16):
+            r = chain(m, n, k, act, dtype, kern, sms)
+            chains.append(r)
+            print(json.dumps(r), flush=True)
+            dump()
+    sp = [r["speedup_vs_cublas"] for r in rows]
+    tri = [r["tflops"].get("triton", 0) / r["tflops"]["cublas"] for r in rows]
+    ch = [r["speedup"] for r in chains if r["speedup"]]
+
+    def geo(xs):
+        return math.exp(sum(math.log(x) for x in xs) / len(xs)) if xs and all(xs) else 0.0
+    out["geomean"] = {"pick_vs_cublas": geo(sp), "triton_alone_vs_cublas": geo(tri),
+                      "fused_chain_vs_unfused": geo(ch)}
+    print(json.dumps(out["geomean"]))
+    dump()
+    if args.markdown:
+        lines = [f"Device: {out['device']}", "",
+                 "| shape | dtype | cuBLAS TFLOP/s | Triton (best config) | CUTLASS (best) "
+                 "| pick | pick / cuBLAS | tuning s |", "|---" * 8 + "|"]
+        for r in rows:
+            t = r["tflops"]
+            cfg = r["best_config"]
+            cl = f" ({cfg['cutlass']})" if "cutlass" in cfg else ""
+            lines.append(
+                f"| {r['shape']} | {r['dtype']} | {t['cublas']:.0f} | "
+                f"{t.get('triton', 0):.0f} ({cfg.get('triton', '-')}) | "
+                f"{t.get('cutlass', 0):.0f}{cl} | {r['pick']} | {r['speedup_vs_cublas']:.2f}x | "
+                f"{r['tune_s']:.1f} |")
+        lines += ["", "| chain | dtype | unfused cuBLAS + eager ms | fused Triton ms | speedup |",
+                  "| --- | --- | --- | --- | --- |"]
+        for r in chains:
+            lines.append(f"| {r['chain']} | {r['dtype']} | {r['unfused_ms']:.3f} | "
+                         f"{r['fused_ms'] or 0:.3f} | {r['speedup'] or 0:.2f}x |")
+        g = out["geomean"]
+        lines += ["", f"Geometric means: pick / cuBLAS {g['pick_vs_cublas']:.2f}x, Triton alone / "
+                  f"cuBLAS {g['triton_alone_vs_cublas']:.2f}x, fused chain / unfused "
+                  f"{g['fused_chain_vs_unfused']:.2f}x"]
+        Path(args.markdown).write_text("\n".join(lines) + "\n")
+
+
+if __name__ == "__main__":
+    main()

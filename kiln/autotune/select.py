@@ -1,0 +1,161 @@
+"""The autotuning stage: one `Choice` per GEMM of the program.
+
+Order of decisions for a GEMM:
+1. `Options.max_autotune` on and the device can run candidates here: profile every candidate
+   of every allowed backend (one child process each, `profile.py`), keep the fastest that gave
+   the right answer, write the autotuning cache;
+2. otherwise the autotuning cache, when it holds the problem for this device (best allowed
+   candidate it recorded);
+3. otherwise the heuristic of the device's module (`cpu.heuristic`).
+Profiling happens at the example sizes; every candidate is valid for the whole Dim range."""
+
+from __future__ import annotations
+
+import platform
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from kiln.autotune import cache as acache
+from kiln.autotune import cpu
+from kiln.autotune.problem import GemmProblem, problem_of
+from kiln.autotune.profile import run_candidate
+from kiln.errors import UnsupportedError
+from kiln.ir import loop as L
+from kiln.ir.sym import evaluate
+from kiln.options import BACKEND_DEVICES, Options
+
+
+@dataclass(frozen=True)
+class Choice:
+    backend: str  # "blas" | "cpp" | "triton" | "cutlass"
+    config: dict = field(default_factory=dict)
+    how: str = "heuristic"  # "profiled" | "cache" | "heuristic"
+    problem: str = ""
+    #: backend -> [(candidate, seconds)], fastest first, at most 3 (profiled or cached only)
+    timings: dict = field(default_factory=dict)
+    dropped: tuple = ()  # (candidate, reason) of candidates that crashed, hung or were wrong
+    tune_seconds: float = 0.0
+
+    def to_json(self) -> dict:
+        return {"backend": self.backend, "config": self.config, "how": self.how,
+                "problem": self.problem, "tune_seconds": round(self.tune_seconds, 3),
+                "timings": {b: [[n, s] for n, s in v] for b, v in self.timings.items()},
+                "dropped": [list(d) for d in self.dropped]}
+
+
+def allowed_backends(opts: Options, device: str) -> tuple[str, ...]:
+    dev = device.split(":")[0]
+    out = tuple(b for b in opts.gemm_backends if dev in BACKEND_DEVICES[b])
+    if not out:
+        raise UnsupportedError(f"Options.gemm_backends={opts.gemm_backends!r} has no GEMM backend "
+                               f"for device {dev!r}; for {dev} use any of "
+                               f"{[b for b, d in BACKEND_DEVICES.items() if dev in d]}")
+    return out
+
+
+def cpu_device_id(opts: Options) -> str:
+    name = platform.machine()
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                name = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    return f"cpu:{name}:march={opts.march or 'generic'}:threads={opts.num_threads}"
+
+
+def _summary(results: list[tuple[str, str, dict, float]]) -> dict:
+    per: dict[str, list] = {}
+    for name, backend, _, sec in sorted(results, key=lambda r: r[3]):
+        per.setdefault(backend, [])
+        if len(per[backend]) < 3:
+            per[backend].append((name, sec))
+    return per
+
+
+def _from_results(results, allowed, how, problem, dropped=(), seconds=0.0) -> Choice | None:
+    ok = [r for r in results if r[1] in allowed]
+    if not ok:
+        return None
+    best = min(ok, key=lambda r: r[3])
+    return Choice(best[1], dict(best[2]), how, problem.describe(), _summary(ok), tuple(dropped),
+                  seconds)
+
+
+def _profile_cpu(problem: GemmProblem, sizes, allowed, opts: Options, tc) -> tuple[Choice, list]:
+    t0 = time.perf_counter()
+    nb, m, n, k = sizes
+    configs = cpu.cpp_configs(opts.march) if "cpp" in allowed else []
+    exe = cpu.build_driver(tc, problem.dtype, configs)
+    cands = ([("blas", "blas", {}, 0)] if "blas" in allowed else []) + \
+        [(c.name, "cpp", c.to_json(), i) for i, c in enumerate(configs, 1)]
+    env = {"OMP_NUM_THREADS": str(opts.num_threads)} if opts.num_threads else {}
+    results, dropped = [], []
+    for name, backend, cfg, idx in cands:
+        r = run_candidate([str(exe), str(idx), str(nb), str(m), str(n), str(k), problem.layout_a,
+                           problem.layout_b, "0.02"], opts.autotune_timeout_s, env)
+        if r.seconds is None:
+            dropped.append((name, r.reason))
+        else:
+            results.append((name, backend, cfg, r.seconds))
+    if not results:
+        raise UnsupportedError(f"GEMM {problem.describe()}: every candidate failed: {dropped}")
+    choice = _from_results(results, allowed, "profiled", problem, dropped,
+                           time.perf_counter() - t0)
+    return choice, results
+
+
+def choose_gemms(steps, symbols, opts: Options, device: str = "cpu", tc=None) -> dict[str, Choice]:
+    """Gemm name -> Choice for every `L.Gemm` in `steps`. `symbols`: the graph's symbols (name,
+    min, max, example); `tc`: the C++ toolchain (CPU profiling builds its driver with it)."""
+    allowed = allowed_backends(opts, device)
+    ranges = {s.name: (s.min, s.max) for s in symbols}
+    env = {s.name: s.example for s in symbols}
+    dev = device.split(":")[0]
+    dev_id = cpu_device_id(opts) if dev == "cpu" else device
+    root = Path(opts.cache_dir) if opts.cache_dir else None
+    if root is None:
+        from kiln import config
+        root = config.cache_dir()
+    out: dict[str, Choice] = {}
+    for g in steps:
+        if not isinstance(g, L.Gemm):
+            continue
+        problem = problem_of(g, ranges)
+        if dev != "cpu":
+            if "blas" not in allowed:
+                raise UnsupportedError(
+                    f"GEMM {g.name} ({', '.join(g.source)}): CUDA packages link cuBLAS GEMMs "
+                    f"only so far (Triton and CUTLASS GEMMs are generated and compiled by "
+                    f"kiln.autotune but not linked into packages); add 'blas' to "
+                    f"Options.gemm_backends")
+            out[g.name] = Choice("blas", {}, "only backend linked into CUDA packages",
+                                 problem.describe())
+            continue
+        sizes = (int(evaluate(_prod(g.batch), env)), int(evaluate(g.m, env)),
+                 int(evaluate(g.n, env)), int(evaluate(g.k, env)))
+        choice = None
+        if opts.max_autotune and tc is not None:
+            choice, results = _profile_cpu(problem, sizes, allowed, opts, tc)
+            acache.store(root, problem, dev_id, {
+                "winner": {"backend": choice.backend, "config": choice.config},
+                "results": [list(r) for r in results], "tune_seconds": choice.tune_seconds})
+        else:
+            hit = acache.load(root, problem, dev_id)
+            if hit is not None:
+                choice = _from_results([tuple(r) for r in hit.get("results", [])], allowed,
+                                       "cache", problem)
+        if choice is None:
+            backend, cfg = cpu.heuristic(problem, allowed, opts.march)
+            choice = Choice(backend, cfg, "heuristic", problem.describe())
+        out[g.name] = choice
+    return out
+
+
+def _prod(xs):
+    p = 1
+    for x in xs:
+        p = p * x
+    return p

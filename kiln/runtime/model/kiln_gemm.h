@@ -1,0 +1,207 @@
+/* kiln_gemm.h - kiln's own register-blocked GEMM (the "cpp" GEMM backend).
+ *
+ * C[M][N] (row-major, leading dimension ldc) = A[M][K] * B[K][N] for operands with arbitrary
+ * row/column strides. Blocking follows the usual three-level scheme: B is packed into KC x NR
+ * panels, A into MR x KC panels, and an MR x NR microkernel keeps MR * NV vector accumulators
+ * in registers (NR = NV * vector width) and issues one FMA per accumulator and k.
+ * The vector width follows the target (-march): 16 floats with AVX-512, 8 with AVX2/AVX,
+ * 4 otherwise; vectors are GCC vector extensions, and the multiply-add is an FMA intrinsic
+ * where the target has one (so results round like BLAS, once per multiply-add).
+ * Small and skinny problems win here: no call overhead, packing only what is used, and tile
+ * shapes the autotuner picks per GEMM (kiln/autotune/cpu.py). Single-threaded per call: the
+ * caller (kr::gemm_split) splits the problem over OpenMP threads. */
+#ifndef KILN_GEMM_H
+#define KILN_GEMM_H
+#include <cstdint>
+#include <cstring>
+#include <algorithm>
+#if defined(__AVX2__) || defined(__AVX512F__) || defined(__FMA__)
+#include <immintrin.h>
+#endif
+
+namespace kr {
+
+#if defined(__AVX512F__)
+constexpr int kVecBytes = 64;
+#elif defined(__AVX__)
+constexpr int kVecBytes = 32;
+#else
+constexpr int kVecBytes = 16;
+#endif
+
+template <class T>
+struct Vec {
+  static constexpr int width = kVecBytes / sizeof(T);
+  // may_alias: vectors are loaded from and stored to plain T arrays (like __m256_u)
+  typedef T type __attribute__((vector_size(kVecBytes), aligned(sizeof(T)), may_alias));
+};
+
+template <class T>
+inline typename Vec<T>::type vfma(typename Vec<T>::type a, typename Vec<T>::type b,
+                                         typename Vec<T>::type c) {
+#if defined(__AVX512F__)
+  if constexpr (sizeof(T) == 4) return (typename Vec<T>::type)_mm512_fmadd_ps((__m512)a, (__m512)b, (__m512)c);
+  else return (typename Vec<T>::type)_mm512_fmadd_pd((__m512d)a, (__m512d)b, (__m512d)c);
+#elif defined(__FMA__) && defined(__AVX__)
+  if constexpr (sizeof(T) == 4) return (typename Vec<T>::type)_mm256_fmadd_ps((__m256)a, (__m256)b, (__m256)c);
+  else return (typename Vec<T>::type)_mm256_fmadd_pd((__m256d)a, (__m256d)b, (__m256d)c);
+#else
+  return a * b + c;
+#endif
+}
+
+template <class T>
+inline typename Vec<T>::type vsplat(T x) {
+#if defined(__AVX512F__)
+  if constexpr (sizeof(T) == 4) return (typename Vec<T>::type)_mm512_set1_ps(x);
+  else return (typename Vec<T>::type)_mm512_set1_pd(x);
+#elif defined(__AVX__)
+  if constexpr (sizeof(T) == 4) return (typename Vec<T>::type)_mm256_set1_ps(x);
+  else return (typename Vec<T>::type)_mm256_set1_pd(x);
+#else
+  typename Vec<T>::type v;
+  for (int i = 0; i < Vec<T>::width; ++i) v[i] = x;
+  return v;
+#endif
+}
+
+/* Pack rows [0, mc) x cols [0, kc) of A (strides ar, ac) into MR-row panels, k-major:
+ * dst[p][k][r] = A[p*MR + r][k], rows past mc are zero. */
+template <class T, int MR>
+inline void pack_a(int64_t mc, int64_t kc, const T *a, int64_t ar, int64_t ac, T *dst) {
+  for (int64_t p = 0; p < mc; p += MR) {
+    const int64_t rows = std::min<int64_t>(MR, mc - p);
+    for (int64_t k = 0; k < kc; ++k) {
+      for (int64_t r = 0; r < rows; ++r) dst[k * MR + r] = a[(p + r) * ar + k * ac];
+      for (int64_t r = rows; r < MR; ++r) dst[k * MR + r] = T(0);
+    }
+    dst += kc * MR;
+  }
+}
+
+/* Pack rows [0, kc) x cols [0, nc) of B into NR-column panels: dst[p][k][c] = B[k][p*NR + c]. */
+template <class T, int NR>
+inline void pack_b(int64_t kc, int64_t nc, const T *b, int64_t br, int64_t bc, T *dst) {
+  for (int64_t p = 0; p < nc; p += NR) {
+    const int64_t cols = std::min<int64_t>(NR, nc - p);
+    if (br == 1 && bc != 1) {  // B transposed (a Linear weight): read along its columns
+      for (int64_t c = 0; c < cols; ++c) {
+        const T *src = b + (p + c) * bc;
+        for (int64_t k = 0; k < kc; ++k) dst[k * NR + c] = src[k];
+      }
+      for (int64_t k = 0; k < kc; ++k)
+        for (int64_t c = cols; c < NR; ++c) dst[k * NR + c] = T(0);
+      dst += kc * NR;
+      continue;
+    }
+    for (int64_t k = 0; k < kc; ++k) {
+      const T *src = b + k * br + p * bc;
+      T *d = dst + k * NR;
+      if (bc == 1 && cols == NR) {
+        std::memcpy(d, src, sizeof(T) * NR);
+      } else {
+        for (int64_t c = 0; c < cols; ++c) d[c] = src[c * bc];
+        for (int64_t c = cols; c < NR; ++c) d[c] = T(0);
+      }
+    }
+    dst += kc * NR;
+  }
+}
+
+/* The register tile: c[0:mr, 0:nr] (+)= a (MR x kc) * b (kc x NR). Element (i, k) of a is
+ * a[i * ars + k * aks] (a packed panel: ars = 1, aks = MR; else A itself, read by broadcasts),
+ * row k of b starts at b + k * bks (a packed panel: bks = NR; else B's rows, when contiguous). */
+template <class T, int MR, int NV>
+inline void micro_tile(int64_t kc, const T *__restrict__ a, int64_t ars, int64_t aks,
+                       const T *__restrict__ b, int64_t bks, T *__restrict__ c, int64_t ldc,
+                       int64_t mr, int64_t nr, bool accumulate) {
+  typedef typename Vec<T>::type V;
+  constexpr int W = Vec<T>::width;
+  V acc[MR][NV];
+#pragma GCC unroll 32
+  for (int i = 0; i < MR; ++i)
+#pragma GCC unroll 8
+    for (int v = 0; v < NV; ++v) acc[i][v] = V{};
+  for (int64_t k = 0; k < kc; ++k) {
+    V bv[NV];
+#pragma GCC unroll 8
+    for (int v = 0; v < NV; ++v) bv[v] = *reinterpret_cast<const V *>(b + k * bks + v * W);
+#pragma GCC unroll 32
+    for (int i = 0; i < MR; ++i) {
+      const V av = vsplat<T>(a[i * ars + k * aks]);
+#pragma GCC unroll 8
+      for (int v = 0; v < NV; ++v) acc[i][v] = vfma<T>(av, bv[v], acc[i][v]);
+    }
+  }
+  const bool full = mr == MR && nr == NV * W;
+#pragma GCC unroll 32
+  for (int i = 0; i < MR; ++i)
+#pragma GCC unroll 8
+    for (int v = 0; v < NV; ++v) {
+      T *dst = c + i * ldc + v * W;
+      if (full) {
+        V *d = reinterpret_cast<V *>(dst);
+        *d = accumulate ? *d + acc[i][v] : acc[i][v];
+      } else if (i < mr) {
+        for (int64_t j = 0; j < W && v * W + j < nr; ++j)
+          dst[j] = accumulate ? dst[j] + acc[i][v][j] : acc[i][v][j];
+      }
+    }
+}
+
+/* One single-threaded GEMM block with tiles MR x (NV * vector width), K blocked by KC and
+ * N by NC. A is read in place by broadcasts (only a last panel of fewer than MR rows is
+ * packed, zero-padded); B is packed into NR-wide panels unless its rows are contiguous and
+ * all of M fits one MC block (each B panel is then used by one sweep over M only). */
+template <class T, int MR, int NV, int KC, int NC>
+inline void ukr_gemm_block(int64_t M, int64_t N, int64_t K, const T *a, int64_t ar, int64_t ac,
+                           const T *b, int64_t br, int64_t bc, T *c, int64_t ldc) {
+  constexpr int NR = NV * Vec<T>::width;
+  constexpr int MC = ((256 + MR - 1) / MR) * MR;
+  if (M == 0 || N == 0) return;
+  if (K == 0) {
+    for (int64_t i = 0; i < M; ++i)
+      for (int64_t j = 0; j < N; ++j) c[i * ldc + j] = T(0);
+    return;
+  }
+  alignas(64) static thread_local T bpack[KC * ((NC + NR - 1) / NR) * NR];
+  alignas(64) static thread_local T btail[KC * NR];
+  alignas(64) static thread_local T apack[KC * MR];
+  const bool pack_all_b = !(bc == 1 && M <= MC);
+  for (int64_t jc = 0; jc < N; jc += NC) {
+    const int64_t nc = std::min<int64_t>(NC, N - jc);
+    for (int64_t pc = 0; pc < K; pc += KC) {
+      const int64_t kc = std::min<int64_t>(KC, K - pc);
+      if (pack_all_b) pack_b<T, NR>(kc, nc, b + pc * br + jc * bc, br, bc, bpack);
+      for (int64_t ic = 0; ic < M; ic += MC) {
+        const int64_t mc = std::min<int64_t>(MC, M - ic);
+        const int64_t mfull = mc / MR * MR;
+        if (mc > mfull) pack_a<T, MR>(mc - mfull, kc, a + (ic + mfull) * ar + pc * ac, ar, ac, apack);
+        for (int64_t jr = 0; jr < nc; jr += NR) {
+          const int64_t nr = std::min<int64_t>(NR, nc - jr);
+          const T *bp = bpack + jr * kc;
+          int64_t bks = NR;
+          if (!pack_all_b) {
+            if (nr == NR) {
+              bp = b + pc * br + jc + jr;
+              bks = br;
+            } else {
+              pack_b<T, NR>(kc, nr, b + pc * br + (jc + jr) * bc, br, bc, btail);
+              bp = btail;
+            }
+          }
+          T *ct = c + ic * ldc + jc + jr;
+          for (int64_t ir = 0; ir < mfull; ir += MR)
+            micro_tile<T, MR, NV>(kc, a + (ic + ir) * ar + pc * ac, ar, ac, bp, bks,
+                                  ct + ir * ldc, ldc, MR, nr, pc > 0);
+          if (mc > mfull)
+            micro_tile<T, MR, NV>(kc, apack, 1, MR, bp, bks, ct + mfull * ldc, ldc, mc - mfull,
+                                  nr, pc > 0);
+        }
+      }
+    }
+  }
+}
+
+}  // namespace kr
+#endif
