@@ -24,6 +24,7 @@ triton = pytest.importorskip("triton")
 import kiln  # noqa: E402
 from kiln.errors import PackageError  # noqa: E402
 from kiln.models import ALL_MODELS  # noqa: E402
+from kiln.models.zoo import in_dtype  # noqa: E402
 from kiln.options import Options  # noqa: E402
 
 GOLDEN = pathlib.Path(__file__).parent / "golden"
@@ -115,7 +116,7 @@ def test_triton_source_golden():
 
 
 _INTERP = textwrap.dedent("""
-    import sys, torch, kiln
+    import copy, sys, torch, kiln
     from torch.utils import _pytree as pytree
     sys.path.insert(0, sys.argv[1])
     from test_cuda_codegen import interp_cases, OPTS
@@ -133,6 +134,11 @@ _INTERP = textwrap.dedent("""
               for s in b.steps if isinstance(s, Kernel)}
         flat = [a for a in pytree.tree_leaves(call) if isinstance(a, torch.Tensor)]
         outs = run_program(b.program, ks, mod, b.weights, flat)
+        half = [a for a in flat if a.dtype in (torch.float16, torch.bfloat16)]
+        if half:  # the reference computes in float64 on the same 16-bit values
+            module = copy.deepcopy(module).double()
+            call = pytree.tree_map(lambda a: a.double() if isinstance(a, torch.Tensor) and
+                                   a.is_floating_point() else a, call)
         for o, r in zip(outs, pytree.tree_leaves(module(*call))):
             o = o.reshape(r.shape)
             if not torch.allclose(o.double(), r.double(), rtol=tol, atol=tol, equal_nan=True):
@@ -193,7 +199,24 @@ def interp_cases():
          inter.make_inputs(1, n=5), inter.rtol),
         ("gpt", gpt.module, gpt.example_args, gpt.dynamic_shapes,
          gpt.make_inputs(1, batch=1, seq=5), gpt.rtol),
-    ]
+    ] + half_cases()
+
+
+def half_cases():
+    """16-bit float programs (loads/stores in 16 bits, math in float32), against eager in
+    float64 on the same 16-bit inputs and weights."""
+    torch.manual_seed(1)
+    out = []
+    for dt in (torch.bfloat16, torch.float16):
+        tol = 2e-2 if dt == torch.bfloat16 else 4e-3
+        x = torch.randn(6, 40).to(dt)
+        r = torch.randn(5, 7, 3).to(dt)
+        mlp = in_dtype(ALL_MODELS["mlp"](), dt)
+        out += [(f"ln_softmax_{dt}", LnSoftmax().to(dt), (x,), None, (x,), tol),
+                (f"reductions_{dt}", Reductions(), (r,), None, (r,), tol),
+                (f"mlp_{dt}", mlp.module, mlp.example_args, mlp.dynamic_shapes,
+                 mlp.make_inputs(1, batch=3), tol)]
+    return out
 
 
 def test_triton_kernels_match_eager_in_interpreter():

@@ -25,6 +25,11 @@ from kiln.codegen.wrapper_cpp import SizeCheckPrinter, runtime_plan_lines
 from kiln.memory.assign import intervals
 
 
+# the element type kc::gemm is instantiated with (16-bit floats as kiln_cuda_rt.h's storage
+# types, which pick cublasGemmStridedBatchedEx with float accumulation)
+_GEMM_T = {"float16": "kc::f16", "bfloat16": "kc::bf16"}
+
+
 def _cstr(s: str) -> str:
     return '"' + s.replace("\\", "\\\\").replace('"', '\\"') + '"'
 
@@ -106,7 +111,7 @@ class _Printer(SizeCheckPrinter):
         g = x.gemm
         if len(g.batch) > 2:
             raise NotImplementedError("gemm with more than two batch dims")
-        T = g.dtype.c_type
+        T = _GEMM_T.get(g.dtype.name, g.dtype.c_type)
         b = list(g.batch) + [1] * (2 - len(g.batch))
         sa = list(g.a.batch_strides) + [0] * (2 - len(g.a.batch_strides))
         sb = list(g.b.batch_strides) + [0] * (2 - len(g.b.batch_strides))

@@ -100,7 +100,20 @@ struct Blas {
   int (*dgemm)(cublasHandle_t, int, int, int, int, int, const double *, const double *, int,
                long long, const double *, int, long long, const double *, double *, int,
                long long, int) = nullptr;
+  /* cublasGemmStridedBatchedEx: mixed types (16-bit operands, float accumulation) */
+  int (*gemm_ex)(cublasHandle_t, int, int, int, int, int, const void *, const void *, int, int,
+                 long long, const void *, int, int, long long, const void *, void *, int, int,
+                 long long, int, int, int) = nullptr;
 };
+
+/* 16-bit float storage types (host code never computes with them) and their cudaDataType. */
+struct f16 { uint16_t bits; };
+struct bf16 { uint16_t bits; };
+template <class T> struct CudaType;
+template <> struct CudaType<f16> { static constexpr int value = 2; };    /* CUDA_R_16F */
+template <> struct CudaType<bf16> { static constexpr int value = 14; };  /* CUDA_R_16BF */
+constexpr int kComputeF32 = 68;  /* CUBLAS_COMPUTE_32F: accumulate in float */
+constexpr int kGemmDefault = -1; /* CUBLAS_GEMM_DEFAULT */
 
 inline const Blas &blas() {
   static const Blas b = [] {
@@ -118,7 +131,8 @@ inline const Blas &blas() {
     if (!sym(h, "cublasCreate_v2", &t.create) || !sym(h, "cublasDestroy_v2", &t.destroy) ||
         !sym(h, "cublasSetStream_v2", &t.set_stream) ||
         !sym(h, "cublasSgemmStridedBatched", &t.sgemm) ||
-        !sym(h, "cublasDgemmStridedBatched", &t.dgemm))
+        !sym(h, "cublasDgemmStridedBatched", &t.dgemm) ||
+        !sym(h, "cublasGemmStridedBatchedEx", &t.gemm_ex))
       t.error = "the cuBLAS library found lacks a needed function";
     return t;
   }();
@@ -265,18 +279,26 @@ inline int gemm(Err &e, cublasHandle_t h, CUstream s, const char *name, int64_t 
   int64_t count = nb1, sa = as1, sb = bs1, loops = nb0;
   if (nb1 == 1) { count = nb0; sa = as0; sb = bs0; loops = 1; }
   else if (nb0 == 1 || (as0 == as1 * nb1 && bs0 == bs1 * nb1)) { count = nb; loops = 1; }
-  const T one = 1, zero = 0;
   for (int64_t l = 0; l < loops; ++l) {
     const T *a = reinterpret_cast<const T *>(A) + l * as0;
     const T *b = reinterpret_cast<const T *>(B) + l * bs0;
     T *c = reinterpret_cast<T *>(C) + l * nb1 * M * N;
     int st;
-    if constexpr (sizeof(T) == 4)
+    if constexpr (sizeof(T) == 2) {  /* f16/bf16 operands and result, float accumulation */
+      const float one = 1, zero = 0;
+      const int dt = CudaType<T>::value;
+      st = blas().gemm_ex(h, tb ? 1 : 0, ta ? 1 : 0, (int)N, (int)M, (int)K, &one, b, dt,
+                          (int)ldb, sb, a, dt, (int)lda, sa, &zero, c, dt, (int)N, M * N,
+                          (int)count, kComputeF32, kGemmDefault);
+    } else if constexpr (sizeof(T) == 4) {
+      const T one = 1, zero = 0;
       st = blas().sgemm(h, tb ? 1 : 0, ta ? 1 : 0, (int)N, (int)M, (int)K, &one, b, (int)ldb, sb,
                         a, (int)lda, sa, &zero, c, (int)N, M * N, (int)count);
-    else
+    } else {
+      const T one = 1, zero = 0;
       st = blas().dgemm(h, tb ? 1 : 0, ta ? 1 : 0, (int)N, (int)M, (int)K, &one, b, (int)ldb, sb,
                         a, (int)lda, sa, &zero, c, (int)N, M * N, (int)count);
+    }
     if (st != 0) return e.fail("%s: cuBLAS error %d", name, st);
   }
   return 0;
