@@ -98,7 +98,7 @@ def build_cuda(run, steps, buffers, program, hints: dict[str, int], opts: Option
     blob_path = _write_blob(blob, cache)
     by_name = {k.name: k for k in tks}
     wrapper = run.stage("codegen_wrapper", lambda p: print_cuda_wrapper(
-        p, by_name, cubins, archs, str(blob_path), where), program)
+        p, by_name, cubins, archs, str(blob_path), where, opts.cuda_graphs), program)
     sources = {"kernels_triton.py": module, "model_cuda.cpp": wrapper}
     if opts.dump_dir:
         for name, text in sources.items():

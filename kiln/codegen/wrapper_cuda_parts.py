@@ -79,6 +79,8 @@ def print_cuda_model(prog: P.Program, kernels: dict, cubins: dict, archs: tuple[
         "  kc::Arena arena;",
         "  CUdeviceptr status = 0;",
         "  kc::cublasHandle_t blas = nullptr;",
+        "  CUdeviceptr workspace = 0;  // cuBLAS workspace (graph capture must not allocate)",
+        "  kc::Graphs graphs;",
         f"  int64_t key[{max(len(prog.symbols), 1)}] = {{}};",
         "  bool planned = false;",
         "  int64_t arena_bytes = 0;",
@@ -91,7 +93,9 @@ def print_cuda_model(prog: P.Program, kernels: dict, cubins: dict, archs: tuple[
         "  const kc::Driver& d = kc::driver();",
         "  if (self->ctx) {",
         "    kc::CtxGuard g(self->ctx);",
+        "    self->graphs.release();",
         "    if (self->blas) kc::blas().destroy(self->blas);",
+        "    if (self->workspace) d.cuMemFree(self->workspace);",
         "    for (int i = 0; i < kNumKernels; ++i)",
         "      if (self->mod[i]) d.cuModuleUnload(self->mod[i]);",
         "    if (self->weights) d.cuMemFree(self->weights);",
@@ -168,6 +172,8 @@ def print_cuda_model(prog: P.Program, kernels: dict, cubins: dict, archs: tuple[
         src += [
             "  if (kc::blas().error) return e.fail(\"%s\", kc::blas().error);",
             "  if (kc::blas().create(&self->blas) != 0) return e.fail(\"cublasCreate failed\");",
+            "  if (kc::check(e, d.cuMemAlloc(&self->workspace, kc::kWorkspaceBytes), "
+            "\"allocating the cuBLAS workspace\")) return 1;",
         ]
     src += [
         "  return 0;",
@@ -194,8 +200,6 @@ def print_cuda_model(prog: P.Program, kernels: dict, cubins: dict, archs: tuple[
         *run_prologue(n_in, n_out),
         "  CUstream stream = static_cast<CUstream>(stream_);",
         "  kc::CtxGuard guard(self->ctx);",
-        "  if (self->blas && kc::blas().set_stream(self->blas, stream) != 0)",
-        "    return e.fail(\"cublasSetStream failed\");",
         f"  DLManagedTensor* outs[{max(n_out, 1)}] = {{}};",
         "  int32_t status = 0;",
         "  CUdeviceptr scratch = 0;",

@@ -52,3 +52,9 @@ def dtype(name: str) -> DType:
         return DTYPES[name]
     except KeyError:
         raise KeyError(f"dtype {name!r} is not supported by kiln; supported: {sorted(DTYPES)}")
+
+
+def acc_dtype(dt: DType) -> DType:
+    """The dtype internal statistics of a reduction over `dt` are kept in (means, variances,
+    softmax sums): float32 for 16-bit floats, as eager's kernels do; `dt` otherwise."""
+    return float32 if dt.name in HALF else dt
