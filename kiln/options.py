@@ -49,6 +49,11 @@ class Options:
     #: (captured on the second run with those sizes, replayed afterwards; inputs and outputs
     #: go through static device buffers). False launches every kernel and GEMM each run.
     cuda_graphs: bool = True
+    #: CUDA builds on a machine whose GPU is one of the target architectures: time candidate
+    #: launch configs of each large kernel on it and keep the fastest (kiln/toolchain/
+    #: autotune.py; cached on disk per kernel source and device). Off, or without a GPU:
+    #: the size heuristic alone.
+    autotune: bool = True
     #: Warps per Triton kernel; 0 picks by tile size (1-8). Applies to every kernel.
     triton_num_warps: int = 0
     #: Largest RBLOCK (tile width along a member's inner loop or reduction); a power of two.

@@ -193,3 +193,20 @@ def test_cuda_graph_is_replayed(gpt_graphs):
     print("graphs on:", seen_on, "off:", seen_off, file=sys.stderr)
     assert seen_off.get("cuLaunchKernel", 0) >= 10
     assert seen_on.get("cuLaunchKernel", 0) == 0 and seen_on.get("cuGraphLaunch", 0) == 1
+
+
+def test_autotune_measures_once_and_caches(tmp_path):
+    spec = ALL_MODELS["ln_softmax"]()
+    opts = Options(cache_dir=str(tmp_path / "cache"))
+    first = kiln.compile(spec.export(), device="cuda", options=opts)
+    tuned = first.manifest["cuda"]["autotuned"]
+    print("autotuned:", tuned, file=sys.stderr)
+    assert tuned and all(len(t) >= 2 for t in tuned.values())  # candidates were timed
+    chosen = {k: (v["xblock"], v["rblock"], v["num_warps"])
+              for k, v in first.manifest["cuda"]["kernels"].items()}
+    again = kiln.compile(spec.export(), device="cuda", options=opts)
+    assert again.manifest["cuda"]["autotuned"] == {}  # every kernel from the disk cache
+    assert {k: (v["xblock"], v["rblock"], v["num_warps"])
+            for k, v in again.manifest["cuda"]["kernels"].items()} == chosen
+    runner = kiln.load(again.save(tmp_path / "t.kiln"), device="cuda:0")
+    _check(spec, runner, spec.make_inputs(4))

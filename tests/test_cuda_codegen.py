@@ -229,3 +229,13 @@ def test_triton_kernels_match_eager_in_interpreter():
     out = subprocess.run([sys.executable, "-c", _INTERP, str(pathlib.Path(__file__).parent)],
                          env=env, capture_output=True, text=True, timeout=600)
     assert out.returncode == 0 and "ALL OK" in out.stdout, out.stdout + out.stderr[-3000:]
+
+
+def test_autotune_candidates_are_neighbours_of_the_heuristic():
+    from kiln.codegen.triton_kernel import Config
+    from kiln.toolchain.autotune import candidates
+    base = Config(8, 256, 8)
+    cands = candidates(base)
+    assert cands[0] == base and len(set(cands)) == len(cands) == 6
+    assert all(1 <= c.num_warps <= 16 and c.xblock * c.rblock <= 2**16 for c in cands)
+    assert candidates(Config(1, 1, 1)) == [Config(1, 1, 1), Config(1, 1, 2), Config(2, 1, 1)]
