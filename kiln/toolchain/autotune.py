@@ -149,7 +149,8 @@ def tune(kernels, buffers, hints: dict[str, int], base: dict[str, Config], arch:
         times = {}
         for j, tk in enumerate(tks):
             grid = (-(-rows // tk.config.xblock), 1, 1)
-            times[j] = _time_ms(compiled[(i, j)], grid, args, torch)
+            consts = [tk.config.xblock, tk.config.rblock]  # the launcher takes them too
+            times[j] = _time_ms(compiled[(i, j)], grid, args + consts, torch)
         win = min(times, key=lambda j: (times[j], j))
         c = tks[win].config
         best[k.name] = c
