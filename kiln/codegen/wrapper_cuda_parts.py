@@ -75,7 +75,7 @@ def print_cuda_model(prog: P.Program, kernels: dict, cubins: dict, archs: tuple[
         f"  unsigned warps[{max(nk, 1)}] = {{}}, shared[{max(nk, 1)}] = {{}};",
         "  CUdeviceptr weights = 0;",
         f"  CUdeviceptr w[{max(n_w, 1)}] = {{}};",
-        "  CUmemoryPool pool = nullptr;",
+        "  CUmemoryPool pool = nullptr;  // shared by the library's instances, never destroyed",
         "  kc::Arena arena;",
         "  CUdeviceptr status = 0;",
         "  kc::cublasHandle_t blas = nullptr;",
@@ -102,7 +102,6 @@ def print_cuda_model(prog: P.Program, kernels: dict, cubins: dict, archs: tuple[
         "    if (self->weights) d.cuMemFree(self->weights);",
         "    if (self->arena.base) d.cuMemFree(self->arena.base);",
         "    if (self->status) d.cuMemFree(self->status);",
-        "    if (self->pool) d.cuMemPoolDestroy(self->pool);  // freed once no output is left",
         "  }",
         "  if (self->ctx) d.cuDevicePrimaryCtxRelease(self->dev);",
         "  delete self;",
@@ -156,16 +155,7 @@ def print_cuda_model(prog: P.Program, kernels: dict, cubins: dict, archs: tuple[
         "kWeightBytes[i]), kWeightNames[i])) return 1;",
         "    }",
         "  }",
-        "  CUmemPoolProps props;",
-        "  std::memset(&props, 0, sizeof props);",
-        "  props.allocType = CU_MEM_ALLOCATION_TYPE_PINNED;",
-        "  props.location.type = CU_MEM_LOCATION_TYPE_DEVICE;",
-        "  props.location.id = device_id;",
-        "  cuuint64_t keep = ~cuuint64_t(0);  // keep freed output memory for the next run",
-        "  if (kc::check(e, d.cuMemPoolCreate(&self->pool, &props), \"creating the output pool\")"
-        " ||",
-        "      kc::check(e, d.cuMemPoolSetAttribute(self->pool, "
-        "CU_MEMPOOL_ATTR_RELEASE_THRESHOLD, &keep), \"output pool\")) return 1;",
+        "  if (kc::output_pool(e, device_id, &self->pool)) return 1;",
         ("  if (kc::check(e, d.cuMemAlloc(&self->status, 16), \"status\")) return 1;"
          if status else ""),
     ]

@@ -7,9 +7,9 @@
  * (kDLCUDA), the device arena, kernel launches and the cuBLAS GEMM wrapper.
  *
  * Invariants: every function returns 0 on success or non-zero with a message in Err; nothing
- * throws. Outputs come from a memory pool owned by the instance and are freed stream-ordered on
- * the stream that produced them (keep that stream alive while the outputs live); they stay
- * valid after the instance is destroyed (the pool is released once they are all freed).
+ * throws. Outputs come from a memory pool per device (output_pool) and are freed stream-ordered
+ * on the stream that produced them (keep that stream alive while the outputs live); they stay
+ * valid after the instance is destroyed.
  * Row-major GEMMs call column-major cuBLAS as C^T = B^T A^T, so no operand is copied. */
 #ifndef KILN_CUDA_RT_H
 #define KILN_CUDA_RT_H
@@ -18,6 +18,7 @@
 #include <cstdint>
 #include <cstdlib>
 #include <cstring>
+#include <mutex>
 #include <new>
 
 #include <cuda.h>
@@ -208,6 +209,35 @@ inline void free_output(DLManagedTensor *m) {
     driver().cuMemFreeAsync(reinterpret_cast<CUdeviceptr>(m->dl_tensor.data), box->stream);
   }
   delete box;
+}
+
+/* The output pool of `device_id` for this library: created on first use and never destroyed
+ * (freed outputs stay reserved for the next run, like a caching allocator). Destroying a
+ * per-instance pool after CUDA graphs had written into its allocations crashed the driver
+ * later (H100, driver 580), so the pool outlives every instance. */
+inline int output_pool(Err &e, int device_id, CUmemoryPool *out) {
+  static std::mutex mu;
+  static CUmemoryPool pools[64] = {};
+  if (device_id < 0 || device_id >= 64) return e.fail("device cuda:%d: too many devices", device_id);
+  std::lock_guard<std::mutex> lock(mu);
+  if (!pools[device_id]) {
+    CUmemPoolProps props;
+    std::memset(&props, 0, sizeof props);
+    props.allocType = CU_MEM_ALLOCATION_TYPE_PINNED;
+    props.location.type = CU_MEM_LOCATION_TYPE_DEVICE;
+    props.location.id = device_id;
+    CUmemoryPool p = nullptr;
+    cuuint64_t keep = ~cuuint64_t(0);  /* keep freed output memory for the next run */
+    if (check(e, driver().cuMemPoolCreate(&p, &props), "creating the output pool")) return 1;
+    if (check(e, driver().cuMemPoolSetAttribute(p, CU_MEMPOOL_ATTR_RELEASE_THRESHOLD, &keep),
+              "output pool")) {
+      driver().cuMemPoolDestroy(p);
+      return 1;
+    }
+    pools[device_id] = p;
+  }
+  *out = pools[device_id];
+  return 0;
 }
 
 /* A fresh contiguous device tensor from `pool`, ordered on `stream`; the caller owns it. */
