@@ -105,7 +105,7 @@ def bench_model(name: str, dtype: str, repeat: int, with_compile: bool) -> dict:
             off = kiln.compile(ep, device="cuda", options=Options(cuda_graphs=False)).load(
                 Path(tempfile.mkdtemp()) / f"{name}.kiln", device="cuda:0")
             row["kiln_nograph_ms"] = _median_ms(lambda: off(*args), repeat)
-            del off
+            off = None  # unload before the next measurement
         except Exception as e:  # report and go on
             row["kiln_error"] = f"{type(e).__name__}: {e}"[:200]
             traceback.print_exc()
@@ -191,7 +191,7 @@ def bandwidth(repeat: int) -> str:
     dst = torch.empty_like(src)
     copy_ms = _median_ms(lambda: dst.copy_(src), repeat)
     copy_gbs = 2 * src.numel() * 4 / copy_ms / 1e6
-    del src, dst
+    src = dst = None  # free the 1 GiB before the kernels
     rows = [f"Device-to-device copy: {copy_gbs:.0f} GB/s (bytes read + written).", "",
             "| kernel | dtype | shape | kiln ms | kiln GB/s | fraction of copy | eager GB/s |",
             "| --- | --- | --- | --- | --- | --- | --- |"]
@@ -200,8 +200,8 @@ def bandwidth(repeat: int) -> str:
              ("pointwise chain", _Chain(), 2)]
     for dtype in ("fp32", "bf16"):
         dt = DT[dtype]
-        for label, module, n_in in cases:
-            module = module.to(dt).eval()
+        for label, base, n_in in cases:
+            module = copy.deepcopy(base).to(dt).eval()  # a fresh copy: moved to the GPU below
             args = tuple(torch.randn(shape, dtype=dt) for _ in range(n_in))
             try:
                 ep = torch.export.export(module, args)
@@ -216,7 +216,7 @@ def bandwidth(repeat: int) -> str:
                     eager = moved / _median_ms(lambda: mod(*dev), repeat) / 1e6
                 rows.append(f"| {label} | {dtype} | {list(shape)} | {ms:.3f} | {gbs:.0f} | "
                             f"{gbs / copy_gbs:.0%} | {eager:.0f} |")
-                del runner, dev
+                runner = dev = None
             except Exception as e:  # report and go on
                 traceback.print_exc()
                 rows.append(f"| {label} | {dtype} | {list(shape)} | error: "

@@ -239,3 +239,6 @@ def test_autotune_candidates_are_neighbours_of_the_heuristic():
     assert cands[0] == base and len(set(cands)) == len(cands) == 6
     assert all(1 <= c.num_warps <= 16 and c.xblock * c.rblock <= 2**16 for c in cands)
     assert candidates(Config(1, 1, 1)) == [Config(1, 1, 1), Config(1, 1, 2), Config(2, 1, 1)]
+    wide = candidates(Config(2, 1024, 8), width=4096)  # a norm over rows of 4096
+    assert wide[-1] == Config(1, 4096, 16) and len(wide) == 7
+    assert Config(1, 16384, 16) not in candidates(Config(2, 1024, 8), width=16384)
