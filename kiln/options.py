@@ -55,6 +55,15 @@ class Options:
     #: (90 = sm_90); one cubin per kernel and architecture is embedded. Empty: the local GPU's
     #: architecture when torch sees one, else (90,). Ignored for CPU builds.
     cuda_archs: tuple[int, ...] = ()
+    #: CUDA builds: run the whole model as one CUDA graph per distinct input size tuple
+    #: (captured on the second run with those sizes, replayed afterwards; inputs and outputs
+    #: go through static device buffers). False launches every kernel and GEMM each run.
+    cuda_graphs: bool = True
+    #: CUDA builds on a machine whose GPU is one of the target architectures: time candidate
+    #: launch configs of each large kernel on it and keep the fastest (kiln/toolchain/
+    #: autotune.py; cached on disk per kernel source and device). Off, or without a GPU:
+    #: the size heuristic alone.
+    autotune: bool = True
     #: Warps per Triton kernel; 0 picks by tile size (1-8). Applies to every kernel.
     triton_num_warps: int = 0
     #: Largest RBLOCK (tile width along a member's inner loop or reduction); a power of two.

@@ -19,6 +19,7 @@ from kiln.codegen.wrapper_py import print_python_wrapper
 from kiln.errors import UnsupportedError
 from kiln.frontend.export import import_program
 from kiln.ir import loop as L
+from kiln.ir.dtypes import HALF
 from kiln.ir.graph import print_graph, verify_graph
 from kiln.ir.loop_text import print_loop, verify_loop
 from kiln.ir.program import WeightSpec, print_program, verify_program
@@ -127,6 +128,11 @@ def build(ep: torch.export.ExportedProgram, opts: Options, device: str = "cpu") 
     graph = run.stage("dce", dce, imported.graph, dump=print_graph, verify=verify_graph)
     # 3. Graph IR -> Loop IR (views become index maps; pointwise producers inline)
     loop = run.stage("lower", lower, graph, dump=print_loop, verify=verify_loop)
+    half = [] if cuda else sorted({b.name for b in loop.buffers if b.dtype.name in HALF})
+    if half:
+        raise UnsupportedError(f"16-bit float buffers ({', '.join(half[:5])}) are supported by "
+                               "the CUDA backend only; compile with device=\"cuda\" or export "
+                               "the model in float32")
     # 4. Loop IR -> kernels (fusion by shared outer loops)
     steps = run.stage("schedule", lambda p: schedule(p, opts.fuse), loop,
                       dump=lambda s: "\n".join(map(repr, s)))

@@ -24,6 +24,7 @@ from kiln.ir import loop as L
 from kiln.options import Options
 from kiln.schedule import Kernel
 from kiln.toolchain.cxx import Toolchain, build_shared
+from kiln.toolchain.autotune import device_available, tune
 from kiln.toolchain.triton_aot import compile_cubins
 
 RUNTIME = Path(__file__).parent / "runtime"
@@ -83,12 +84,17 @@ def build_cuda(run, steps, buffers, program, hints: dict[str, int], opts: Option
     cache = Path(opts.cache_dir) if opts.cache_dir else config.cache_dir()
     kernels = [s for s in L.flat_steps(steps) if isinstance(s, Kernel)]  # regions' too
 
+    configs = {k.name: choose_config(k, hints, opts.triton_max_rblock, opts.triton_num_warps)
+               for k in kernels}
+    tuned: dict = {}
+    if opts.autotune and not opts.triton_num_warps and kernels and device_available() and \
+            default_archs()[0] in archs:  # measure on the local GPU, for its architecture
+        best, tuned = run.stage("autotune", lambda _: tune(
+            kernels, buffers, hints, configs, default_archs()[0], cache, opts.jobs), None)
+        configs.update(best)
+
     def codegen(_):
-        out = []
-        for k in kernels:
-            cfg = choose_config(k, hints, opts.triton_max_rblock, opts.triton_num_warps)
-            out.append(print_triton_kernel(k, buffers, hints, cfg))
-        return out
+        return [print_triton_kernel(k, buffers, hints, configs[k.name]) for k in kernels]
     tks = run.stage("codegen_triton", codegen, None)
     module = print_triton_module(tks)
     cubins, tt = run.stage("cubins", lambda m: compile_cubins(m, tks, archs, cache, opts.jobs),
@@ -99,7 +105,7 @@ def build_cuda(run, steps, buffers, program, hints: dict[str, int], opts: Option
     blob_path = _write_blob(blob, cache)
     by_name = {k.name: k for k in tks}
     wrapper = run.stage("codegen_wrapper", lambda p: print_cuda_wrapper(
-        p, by_name, cubins, archs, str(blob_path), where), program)
+        p, by_name, cubins, archs, str(blob_path), where, opts.cuda_graphs), program)
     sources = {"kernels_triton.py": module, "model_cuda.cpp": wrapper}
     if opts.dump_dir:
         for name, text in sources.items():
@@ -107,7 +113,8 @@ def build_cuda(run, steps, buffers, program, hints: dict[str, int], opts: Option
     lib, ct = run.stage("compile", lambda s: build_shared(toolchain(opts), s),
                         {"model_cuda.cpp": wrapper})
     run.timings.update({f"compile.{k}": v for k, v in ct.items()})
-    info = {"archs": list(archs), "cubin_bytes": len(blob), "kernels": {
+    info = {"archs": list(archs), "cubin_bytes": len(blob), "autotuned": tuned,
+            "graphs": opts.cuda_graphs, "kernels": {
         k.name: {"xblock": k.config.xblock, "rblock": k.config.rblock,
                  "num_warps": k.config.num_warps,
                  "shared": {str(a): cubins[(k.name, a)].shared for a in archs}} for k in tks}}

@@ -13,6 +13,7 @@ import os
 import pathlib
 import subprocess
 import sys
+import tempfile
 import textwrap
 import zipfile
 
@@ -24,6 +25,7 @@ triton = pytest.importorskip("triton")
 import kiln  # noqa: E402
 from kiln.errors import PackageError  # noqa: E402
 from kiln.models import ALL_MODELS  # noqa: E402
+from kiln.models.zoo import in_dtype  # noqa: E402
 from kiln.options import Options  # noqa: E402
 
 GOLDEN = pathlib.Path(__file__).parent / "golden"
@@ -115,7 +117,7 @@ def test_triton_source_golden():
 
 
 _INTERP = textwrap.dedent("""
-    import sys, torch, kiln
+    import copy, sys, torch, kiln
     from torch.utils import _pytree as pytree
     sys.path.insert(0, sys.argv[1])
     from test_cuda_codegen import interp_cases, OPTS
@@ -133,6 +135,11 @@ _INTERP = textwrap.dedent("""
               for s in b.steps if isinstance(s, Kernel)}
         flat = [a for a in pytree.tree_leaves(call) if isinstance(a, torch.Tensor)]
         outs = run_program(b.program, ks, mod, b.weights, flat)
+        half = [a for a in flat if a.dtype in (torch.float16, torch.bfloat16)]
+        if half:  # the reference computes in float64 on the same 16-bit values
+            module = copy.deepcopy(module).double()
+            call = pytree.tree_map(lambda a: a.double() if isinstance(a, torch.Tensor) and
+                                   a.is_floating_point() else a, call)
         for o, r in zip(outs, pytree.tree_leaves(module(*call))):
             o = o.reshape(r.shape)
             if not torch.allclose(o.double(), r.double(), rtol=tol, atol=tol, equal_nan=True):
@@ -193,7 +200,49 @@ def interp_cases():
          inter.make_inputs(1, n=5), inter.rtol),
         ("gpt", gpt.module, gpt.example_args, gpt.dynamic_shapes,
          gpt.make_inputs(1, batch=1, seq=5), gpt.rtol),
-    ]
+    ] + half_cases()
+
+
+def half_cases():
+    """16-bit float programs (loads/stores in 16 bits, math in float32), against eager in
+    float64 on the same 16-bit inputs and weights."""
+    torch.manual_seed(1)
+    out = []
+    for dt in (torch.bfloat16, torch.float16):
+        tol = 2e-2 if dt == torch.bfloat16 else 4e-3
+        x = torch.randn(6, 40).to(dt)
+        r = torch.randn(5, 7, 3).to(dt)
+        mlp = in_dtype(ALL_MODELS["mlp"](), dt)
+        out.append((f"mlp_{dt}", mlp.module, mlp.example_args, mlp.dynamic_shapes,
+                    mlp.make_inputs(1, batch=3), tol))
+        if dt == torch.bfloat16:
+            out += [(f"ln_softmax_{dt}", LnSoftmax().to(dt), (x,), None, (x,), tol),
+                    (f"reductions_{dt}", Reductions(), (r,), None, (r,), tol)]
+    return out
+
+
+def test_half_precision_is_cuda_only():
+    spec = in_dtype(ALL_MODELS["mlp"](), torch.bfloat16)
+    with pytest.raises(kiln.errors.UnsupportedError, match="16-bit float buffers .* CUDA"):
+        kiln.compile(spec.export())
+    cm = kiln.compile(spec.export(), device="cuda", options=OPTS)
+    src = cm.sources["model_cuda.cpp"]
+    assert "kc::gemm<kc::bf16>" in src  # cublasGemmStridedBatchedEx, float accumulation
+    tri = cm.sources["kernels_triton.py"]
+    assert ").to(tl.float32)" in tri  # 16-bit loads widened to float32
+    with zipfile.ZipFile(cm.save(pathlib.Path(tempfile.mkdtemp()) / "m.kiln")) as z:
+        header = z.read("weights.safetensors")[8:4000]
+    assert b'"BF16"' in header  # weights ship in their dtype
+
+
+def test_cuda_graphs_option_changes_the_wrapper():
+    spec = ALL_MODELS["mlp"]()
+    on = kiln.compile(spec.export(), device="cuda", options=OPTS).sources["model_cuda.cpp"]
+    off = kiln.compile(spec.export(), device="cuda",
+                       options=Options(cuda_archs=(90,), cuda_graphs=False))
+    assert "kc::run_graph(" in on and "kc::run_graph(" not in off.sources["model_cuda.cpp"]
+    assert off.manifest["cuda"]["graphs"] is False
+    assert off.library.exists()  # the direct wrapper builds too
 
 
 def test_triton_kernels_match_eager_in_interpreter():
@@ -206,3 +255,16 @@ def test_triton_kernels_match_eager_in_interpreter():
     out = subprocess.run([sys.executable, "-c", _INTERP, str(pathlib.Path(__file__).parent)],
                          env=env, capture_output=True, text=True, timeout=600)
     assert out.returncode == 0 and "ALL OK" in out.stdout, out.stdout + out.stderr[-3000:]
+
+
+def test_autotune_candidates_are_neighbours_of_the_heuristic():
+    from kiln.codegen.triton_kernel import Config
+    from kiln.toolchain.autotune import candidates
+    base = Config(8, 256, 8)
+    cands = candidates(base)
+    assert cands[0] == base and len(set(cands)) == len(cands) == 6
+    assert all(1 <= c.num_warps <= 16 and c.xblock * c.rblock <= 2**16 for c in cands)
+    assert candidates(Config(1, 1, 1)) == [Config(1, 1, 1), Config(1, 1, 2), Config(2, 1, 1)]
+    wide = candidates(Config(2, 1024, 8), width=4096)  # a norm over rows of 4096
+    assert wide[-1] == Config(1, 4096, 16) and len(wide) == 7
+    assert Config(1, 16384, 16) not in candidates(Config(2, 1024, 8), width=16384)

@@ -26,8 +26,8 @@ from dataclasses import dataclass, field
 import sympy
 
 from kiln.codegen.cpp_kernel import kernel_params
-from kiln.codegen.triton_ops import (INT_LIMITS, REDUCTIONS, SIG_PTR, TL_DTYPE, literal,
-                                     op_spelling, to_tl)
+from kiln.codegen.triton_ops import (COMPUTE, INT_LIMITS, REDUCTIONS, SIG_PTR, TL_DTYPE,
+                                     literal, op_spelling, tl_compute, to_tl)
 from kiln.ir import loop as L
 from kiln.ir.sym import evaluate, ivars, product, rvars, unravel
 from kiln.schedule import Kernel
@@ -77,7 +77,7 @@ class _Scope:
     def value(self, e: L.Expr) -> str:
         if e in self.memo:
             return self.memo[e]
-        T = TL_DTYPE[e.dtype.name]
+        T = tl_compute(e.dtype.name)
         if isinstance(e, L.Const):
             return f"tl.full([], {literal(e.value, e.dtype)}, {T})"
         if isinstance(e, L.Load) and e.buf in self.locals and not e.indirect:
@@ -91,6 +91,8 @@ class _Scope:
         elif e.op == "cast":
             x = self.value(e.args[0])
             text = f"({x} != 0)" if e.dtype.name == "bool" else f"{x}.to({T})"
+            if e.dtype.name in COMPUTE and e.args[0].dtype != e.dtype:  # round to 16 bits
+                text = f"{x}.to({TL_DTYPE[e.dtype.name]}).to({T})"
         else:
             args = [self.value(a) for a in e.args]
             pick = e.args[1] if e.op == "where" else e.args[0]
@@ -121,7 +123,8 @@ class _Scope:
         idx = to_tl(e.index, names)
         if not any(names.get(str(v), "0") != "0" for v in sympy.sympify(e.index).free_symbols):
             idx += " + xidx * 0"  # a block pointer: the mask is a block
-        return f"tl.load(buf_{e.buf} + {idx}, mask={self.mask}, other=0)"
+        up = f".to({tl_compute(e.dtype.name)})" if e.dtype.name in COMPUTE else ""
+        return f"tl.load(buf_{e.buf} + {idx}, mask={self.mask}, other=0){up}"
 
 
 def _pow2(n: int) -> int:
@@ -253,11 +256,11 @@ class _KernelPrinter:
             lo, hi = INT_LIMITS.get(src.name, (None, None))
             init = ("float('-inf')" if kind == "argmax" else "float('inf')") if src.is_float \
                 else str(lo if kind == "argmax" else hi)
-            lines.append(f"{pad}{acc} = tl.full({shape}, {init}, {TL_DTYPE[src.name]})")
+            lines.append(f"{pad}{acc} = tl.full({shape}, {init}, {tl_compute(src.name)})")
             lines.append(f"{pad}{acc}_i = tl.full({shape}, {BIG_INDEX}, tl.int64)")
         else:
             fid, iid, _, _ = REDUCTIONS[kind]
-            acc_t = "tl.int8" if kind in ("any", "all") else TL_DTYPE[m.dtype.name]
+            acc_t = "tl.int8" if kind in ("any", "all") else tl_compute(m.dtype.name)
             lo, hi = INT_LIMITS.get(m.dtype.name, (0, 0))
             ident = fid if m.dtype.is_float else iid.format(lo=lo, hi=hi)
             lines.append(f"{pad}{acc} = tl.full({shape}, {ident}, {acc_t})")

@@ -16,12 +16,22 @@ import sympy
 from kiln.ir.dtypes import DType
 from kiln.ir.sym import FloorDiv, ModIdx
 
-TL_DTYPE = {"float32": "tl.float32", "float64": "tl.float64", "int64": "tl.int64",
-            "int32": "tl.int32", "int16": "tl.int16", "int8": "tl.int8", "uint8": "tl.uint8",
-            "bool": "tl.int1"}
+TL_DTYPE = {"float32": "tl.float32", "float64": "tl.float64", "float16": "tl.float16",
+            "bfloat16": "tl.bfloat16", "int64": "tl.int64", "int32": "tl.int32",
+            "int16": "tl.int16", "int8": "tl.int8", "uint8": "tl.uint8", "bool": "tl.int1"}
 # Triton signature spelling of a pointer to each dtype (bool tensors are bytes: *i1)
-SIG_PTR = {"float32": "*fp32", "float64": "*fp64", "int64": "*i64", "int32": "*i32",
-           "int16": "*i16", "int8": "*i8", "uint8": "*u8", "bool": "*i1"}
+SIG_PTR = {"float32": "*fp32", "float64": "*fp64", "float16": "*fp16", "bfloat16": "*bf16",
+           "int64": "*i64", "int32": "*i32", "int16": "*i16", "int8": "*i8", "uint8": "*u8",
+           "bool": "*i1"}
+# The type values of each dtype are held in while computing: 16-bit floats are loaded into
+# float32, every operator and accumulator works in float32, and a value is rounded to 16 bits
+# only where it is stored or explicitly cast (as eager's CUDA kernels do per operator).
+COMPUTE = {"float16": "float32", "bfloat16": "float32"}
+
+
+def tl_compute(name: str) -> str:
+    """The Triton dtype values of dtype `name` are computed in."""
+    return TL_DTYPE[COMPUTE.get(name, name)]
 
 LD = "libdevice"
 _SHARED = {

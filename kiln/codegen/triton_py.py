@@ -21,7 +21,8 @@ import torch
 from kiln.ir import program as P
 from kiln.ir.sym import evaluate
 
-_DT = {"float32": torch.float32, "float64": torch.float64, "int64": torch.int64,
+_DT = {"float32": torch.float32, "float64": torch.float64, "float16": torch.float16,
+       "bfloat16": torch.bfloat16, "int64": torch.int64,
        "int32": torch.int32, "int16": torch.int16, "int8": torch.int8, "uint8": torch.uint8,
        "bool": torch.bool}
 

@@ -17,12 +17,15 @@ Nothing here needs libcuda at link time."""
 
 from __future__ import annotations
 
-import sympy
-
 from kiln.ir import program as P
 from kiln.ir.sym import to_c
 from kiln.codegen.wrapper_cpp import SizeCheckPrinter, runtime_plan_lines
 from kiln.memory.assign import intervals
+
+
+# the element type kc::gemm is instantiated with (16-bit floats as kiln_cuda_rt.h's storage
+# types, which pick cublasGemmStridedBatchedEx with float accumulation)
+_GEMM_T = {"float16": "kc::f16", "bfloat16": "kc::bf16"}
 
 
 def _cstr(s: str) -> str:
@@ -106,16 +109,22 @@ class _Printer(SizeCheckPrinter):
                   f"{x.dtype.itemsize * 8}, {x.rank}, self->device_id) ||")
         self.emit(f"    kr::check_contiguous(e, inputs[{i}], {i}, {n}) || "
                   f"kc::check_data(e, inputs[{i}], {i}, {n})) return 1;")
-        self.emit(f"CUdeviceptr buf_{x.name} = kc::dptr(inputs[{i}]);")
+        self.emit(f"in_ptr[{i}] = kc::dptr(inputs[{i}]);")
+        self.emit(f"in_bytes[{i}] = kc::nbytes(inputs[{i}]);")
 
-    def _AllocOutput(self, x: P.AllocOutput) -> None:
+    def alloc_output(self, x: P.AllocOutput) -> None:
+        """The output tensor, allocated before the run (outside any CUDA graph)."""
         shape = ", ".join(to_c(d) for d in x.shape) or "0"
         self.emit(f"{{ const int64_t shape[] = {{{shape}}};")
         self.emit(f"  outs[{x.index}] = kc::new_output(e, self->pool, self->ctx, stream, "
                   f"self->device_id, {x.dtype.dl_code}, {x.dtype.itemsize * 8}, "
                   f"{len(x.shape)}, shape); }}")
         self.emit(f"if (!outs[{x.index}]) goto fail;")
-        self.emit(f"CUdeviceptr buf_{x.buf} = kc::dptr(&outs[{x.index}]->dl_tensor);")
+        self.emit(f"out_ptr[{x.index}] = kc::dptr(&outs[{x.index}]->dl_tensor);")
+        self.emit(f"out_bytes[{x.index}] = kc::nbytes(&outs[{x.index}]->dl_tensor);")
+
+    def _AllocOutput(self, x: P.AllocOutput) -> None:
+        self.emit(f"CUdeviceptr buf_{x.buf} = out[{x.index}];  // output {x.index}")
 
     def _Alloc(self, x: P.Alloc) -> None:
         if x.reuse is not None:
@@ -141,14 +150,14 @@ class _Printer(SizeCheckPrinter):
         self.emit(f"  void* args[] = {{{', '.join(args)}}};")
         self.emit(f"  if (kc::launch(e, {_cstr(x.kernel)}, self->fn[{i}], {to_c(k.rows)}, "
                   f"{k.config.xblock}, self->warps[{i}], self->shared[{i}], stream, args)) "
-                  "goto fail;")
+                  "return 1;")
         self.emit("}")
 
     def _CallGemm(self, x: P.CallGemm) -> None:
         g = x.gemm
         if len(g.batch) > 2:
             raise NotImplementedError("gemm with more than two batch dims")
-        T = g.dtype.c_type
+        T = _GEMM_T.get(g.dtype.name, g.dtype.c_type)
         b = list(g.batch) + [1] * (2 - len(g.batch))
         sa = list(g.a.batch_strides) + [0] * (2 - len(g.a.batch_strides))
         sb = list(g.b.batch_strides) + [0] * (2 - len(g.b.batch_strides))
@@ -159,13 +168,13 @@ class _Printer(SizeCheckPrinter):
         self.emit(f"    buf_{g.a.buf} + {sz} * {to_c(g.a.offset)}, {to_c(sa[0])}, "
                   f"{to_c(sa[1])}, {to_c(g.a.rows)}, {to_c(g.a.cols)},")
         self.emit(f"    buf_{g.b.buf} + {sz} * {to_c(g.b.offset)}, {to_c(sb[0])}, "
-                  f"{to_c(sb[1])}, {to_c(g.b.rows)}, {to_c(g.b.cols)}, buf_{g.name})) goto fail;")
+                  f"{to_c(sb[1])}, {to_c(g.b.rows)}, {to_c(g.b.cols)}, buf_{g.name})) return 1;")
 
     def _CopyState(self, x: P.CopyState) -> None:  # the instance owns its device weights
         self.emit(f"// state {x.dst} <- {x.src}: persists to the next run")
         self.emit(f"if (kc::check(e, kc::driver().cuMemcpyDtoDAsync(buf_{x.dst}, buf_{x.src}, "
                   f"static_cast<size_t>({to_c(x.numel)}) * {x.dtype.itemsize}, stream), "
-                  f"{_cstr('state ' + x.dst)})) goto fail;")
+                  f"{_cstr('state ' + x.dst)})) return 1;")
 
     def _Return(self, x: P.Return) -> None:
         if any(getattr(k, "status", False) for k in self.kernels.values()):
@@ -190,25 +199,64 @@ def _plan_block(pr: _Printer, prog: P.Program) -> None:
 
 
 def print_cuda_wrapper(prog: P.Program, kernels: dict, cubins: dict, archs: tuple[int, ...],
-                       blob_path: str, where: dict) -> str:
+                       blob_path: str, where: dict, graphs: bool = True) -> str:
     """`kernels`: name -> TritonKernel with `source_ops` set (see pipeline); `where`: the
-    (offset, size) of each (kernel, arch) cubin inside the blob at `blob_path`."""
+    (offset, size) of each (kernel, arch) cubin inside the blob at `blob_path`; `graphs`: run
+    through CUDA graphs (kc::run_graph) rather than launching every kernel each run.
+
+    The run: input checks and size binding, the arena plan, the outputs allocated, then
+    `body` (a lambda: every kernel, GEMM and state copy, on the stream and input/output
+    pointers it is given, so that it can be captured into a graph), then the status check."""
     from kiln.codegen.wrapper_cuda_parts import print_cuda_model
     pr = _Printer(prog, kernels)
     checks = [x for x in prog.lines if isinstance(x, (P.CheckInput, P.BindSize, P.CheckSize,
                                                       P.CheckRange))]
+    n_in = len(prog.inputs)
+    outs = [x for x in prog.lines if isinstance(x, P.AllocOutput)]
+    pr.emit(f"CUdeviceptr in_ptr[{max(n_in, 1)}] = {{}};")
+    pr.emit(f"size_t in_bytes[{max(n_in, 1)}] = {{}};")
     for x in checks:
         pr.line(x)
     _plan_block(pr, prog)
+    pr.emit("{")
+    pr.emit(f"CUdeviceptr out_ptr[{max(len(outs), 1)}] = {{}};")
+    pr.emit(f"size_t out_bytes[{max(len(outs), 1)}] = {{}};")
+    for x in outs:
+        pr.alloc_output(x)
+    pr.emit("auto body = [&](CUstream stream, const CUdeviceptr* in, const CUdeviceptr* out) "
+            "-> int {")
+    body_start = len(pr.out)
+    pr.emit("(void)in; (void)out;")
+    pr.emit("if (kc::blas_bind(e, self->blas, stream, self->workspace, kc::kWorkspaceBytes)) "
+            "return 1;")
     if any(k.status for k in kernels.values()):
         pr.emit("if (kc::check(e, kc::driver().cuMemsetD32Async(self->status, 0, 1, stream), "
                 "\"clearing the index status\")) return 1;")
-    pr.emit("{")
     for x in prog.lines:
-        if x not in checks:
+        if isinstance(x, P.CheckInput):
+            pr.emit(f"CUdeviceptr buf_{x.name} = in[{x.index}];  // input {x.index}")
+    ret = None
+    for x in prog.lines:
+        if isinstance(x, P.Return):
+            ret = x
+        elif x not in checks:
             pr.line(x)
+    pr.emit("return 0;")
+    pr.out[body_start:] = ["  " + ln if ln else ln for ln in pr.out[body_start:]]
+    pr.emit("};")
+    if graphs:
+        key = ", ".join(s.name for s in prog.symbols) or "0"
+        pr.emit(f"const int64_t graph_key[] = {{{key}}};")
+        launches = sum(isinstance(x, (P.CallKernel, P.CallGemm, P.CopyState))
+                       for x in prog.lines)
+        pr.emit(f"if (kc::run_graph(e, self->graphs, graph_key, {max(len(prog.symbols), 1)}, "
+                f"self->arena.epoch, {launches}, {n_in}, in_ptr, in_bytes, {len(outs)}, "
+                "out_ptr, out_bytes, stream, body)) goto fail;")
+    else:
+        pr.emit("if (body(stream, in_ptr, out_ptr)) goto fail;")
+    if ret is not None:
+        pr.line(ret)
     pr.emit("}")
     gemms = any(isinstance(x, P.CallGemm) for x in P.walk(prog.lines))
-    _ = sympy
     return print_cuda_model(prog, kernels, cubins, archs, blob_path, where, pr.out,
                             len(pr.dynamic_bufs), gemms)

@@ -75,10 +75,12 @@ def print_cuda_model(prog: P.Program, kernels: dict, cubins: dict, archs: tuple[
         f"  unsigned warps[{max(nk, 1)}] = {{}}, shared[{max(nk, 1)}] = {{}};",
         "  CUdeviceptr weights = 0;",
         f"  CUdeviceptr w[{max(n_w, 1)}] = {{}};",
-        "  CUmemoryPool pool = nullptr;",
+        "  CUmemoryPool pool = nullptr;  // shared by the library's instances, never destroyed",
         "  kc::Arena arena;",
         "  CUdeviceptr status = 0;",
         "  kc::cublasHandle_t blas = nullptr;",
+        "  CUdeviceptr workspace = 0;  // cuBLAS workspace (graph capture must not allocate)",
+        "  kc::Graphs graphs;",
         f"  int64_t key[{max(len(prog.symbols), 1)}] = {{}};",
         "  bool planned = false;",
         "  int64_t arena_bytes = 0;",
@@ -91,13 +93,15 @@ def print_cuda_model(prog: P.Program, kernels: dict, cubins: dict, archs: tuple[
         "  const kc::Driver& d = kc::driver();",
         "  if (self->ctx) {",
         "    kc::CtxGuard g(self->ctx);",
+        "    // cuBLAS first: its handle may still be bound to the graphs' capture stream",
         "    if (self->blas) kc::blas().destroy(self->blas);",
+        "    self->graphs.release();",
+        "    if (self->workspace) d.cuMemFree(self->workspace);",
         "    for (int i = 0; i < kNumKernels; ++i)",
         "      if (self->mod[i]) d.cuModuleUnload(self->mod[i]);",
         "    if (self->weights) d.cuMemFree(self->weights);",
         "    if (self->arena.base) d.cuMemFree(self->arena.base);",
         "    if (self->status) d.cuMemFree(self->status);",
-        "    if (self->pool) d.cuMemPoolDestroy(self->pool);  // freed once no output is left",
         "  }",
         "  if (self->ctx) d.cuDevicePrimaryCtxRelease(self->dev);",
         "  delete self;",
@@ -151,16 +155,7 @@ def print_cuda_model(prog: P.Program, kernels: dict, cubins: dict, archs: tuple[
         "kWeightBytes[i]), kWeightNames[i])) return 1;",
         "    }",
         "  }",
-        "  CUmemPoolProps props;",
-        "  std::memset(&props, 0, sizeof props);",
-        "  props.allocType = CU_MEM_ALLOCATION_TYPE_PINNED;",
-        "  props.location.type = CU_MEM_LOCATION_TYPE_DEVICE;",
-        "  props.location.id = device_id;",
-        "  cuuint64_t keep = ~cuuint64_t(0);  // keep freed output memory for the next run",
-        "  if (kc::check(e, d.cuMemPoolCreate(&self->pool, &props), \"creating the output pool\")"
-        " ||",
-        "      kc::check(e, d.cuMemPoolSetAttribute(self->pool, "
-        "CU_MEMPOOL_ATTR_RELEASE_THRESHOLD, &keep), \"output pool\")) return 1;",
+        "  if (kc::output_pool(e, device_id, &self->pool)) return 1;",
         ("  if (kc::check(e, d.cuMemAlloc(&self->status, 16), \"status\")) return 1;"
          if status else ""),
     ]
@@ -168,6 +163,8 @@ def print_cuda_model(prog: P.Program, kernels: dict, cubins: dict, archs: tuple[
         src += [
             "  if (kc::blas().error) return e.fail(\"%s\", kc::blas().error);",
             "  if (kc::blas().create(&self->blas) != 0) return e.fail(\"cublasCreate failed\");",
+            "  if (kc::check(e, d.cuMemAlloc(&self->workspace, kc::kWorkspaceBytes), "
+            "\"allocating the cuBLAS workspace\")) return 1;",
         ]
     src += [
         "  return 0;",
@@ -194,8 +191,6 @@ def print_cuda_model(prog: P.Program, kernels: dict, cubins: dict, archs: tuple[
         *run_prologue(n_in, n_out),
         "  CUstream stream = static_cast<CUstream>(stream_);",
         "  kc::CtxGuard guard(self->ctx);",
-        "  if (self->blas && kc::blas().set_stream(self->blas, stream) != 0)",
-        "    return e.fail(\"cublasSetStream failed\");",
         f"  DLManagedTensor* outs[{max(n_out, 1)}] = {{}};",
         "  int32_t status = 0;",
         "  CUdeviceptr scratch = 0;",

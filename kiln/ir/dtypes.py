@@ -13,7 +13,7 @@ class DType:
     name: str
     c_type: str
     itemsize: int
-    dl_code: int  # DLPack type code: 0 int, 1 uint, 2 float, 5 complex, 6 bool
+    dl_code: int  # DLPack type code: 0 int, 1 uint, 2 float, 4 bfloat, 5 complex, 6 bool
     safetensors: str
     is_float: bool
     is_signed: bool = True
@@ -27,6 +27,8 @@ class DType:
 _ROWS = [
     DType("float32", "float", 4, 2, "F32", True),
     DType("float64", "double", 8, 2, "F64", True),
+    DType("float16", "_Float16", 2, 2, "F16", True),
+    DType("bfloat16", "__bf16", 2, 4, "BF16", True),
     DType("int64", "int64_t", 8, 0, "I64", False),
     DType("int32", "int32_t", 4, 0, "I32", False),
     DType("int16", "int16_t", 2, 0, "I16", False),
@@ -40,6 +42,9 @@ DTYPES: dict[str, DType] = {d.name: d for d in _ROWS}
 
 float32 = DTYPES["float32"]
 float64 = DTYPES["float64"]
+float16 = DTYPES["float16"]
+bfloat16 = DTYPES["bfloat16"]
+HALF = ("float16", "bfloat16")  # 16-bit floats: stored in 16 bits, computed in float32
 int64 = DTYPES["int64"]
 int32 = DTYPES["int32"]
 bool_ = DTYPES["bool"]
@@ -51,3 +56,9 @@ def dtype(name: str) -> DType:
         return DTYPES[name]
     except KeyError:
         raise KeyError(f"dtype {name!r} is not supported by kiln; supported: {sorted(DTYPES)}")
+
+
+def acc_dtype(dt: DType) -> DType:
+    """The dtype internal statistics of a reduction over `dt` are kept in (means, variances,
+    softmax sums): float32 for 16-bit floats, as eager's kernels do; `dt` otherwise."""
+    return float32 if dt.name in HALF else dt

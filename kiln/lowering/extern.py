@@ -39,7 +39,7 @@ def gemm(ctx: LowerCtx, name: str, a: Lazy, b: Lazy, batch, source, dt) -> Lazy:
 
 def lower_matmul(ctx: LowerCtx, node: Node, args: list[Lazy]) -> Lazy:
     a, b = args
-    if node.type.dtype.name not in ("float32", "float64"):
+    if node.type.dtype.name not in ("float32", "float64", "float16", "bfloat16"):
         from kiln.errors import UnsupportedError
         raise UnsupportedError(f"matmul of dtype {node.type.dtype} (node {node.name})")
     batch = node.type.shape[:-2]

@@ -54,9 +54,11 @@ def lower_reduce(ctx: LowerCtx, node: Node, args: list[Lazy]) -> Lazy:
         return Lazy(dt, node.type.shape, lambda idx: const(0, dt))
     if kind != "mean":
         return reduce_lazy(ctx, node.name, x, dims, keep, kind, dt, src)
-    s = reduce_lazy(ctx, node.name + "_sum", x, dims, keep, "sum", dt, src)
+    acc = dtypes.acc_dtype(dt)
+    s = reduce_lazy(ctx, node.name + "_sum", x, dims, keep, "sum", acc, src)
     n = product([x.shape[d] for d in dims])
-    return pointwise(dt, s.shape, lambda idx: op("div", s.load(idx), _size_value(n, dt)), s)
+    return pointwise(dt, s.shape, lambda idx: cast(op("div", s.load(idx), _size_value(n, acc)),
+                                                   dt), s)
 
 
 def _size_value(n, dt) -> L.Expr:
@@ -87,7 +89,7 @@ def lower_var(ctx: LowerCtx, node: Node, args: list[Lazy]) -> Lazy:
     x = ctx.cheap(args[0], node.name + "_input", (node.source,))
     dims, keep = node.attr("dims"), node.attr("keepdim")
     dt = node.type.dtype
-    _, var_at, _, ss = _mean_var(ctx, node.name, x, dims, dt, (node.source,),
+    _, var_at, _, ss = _mean_var(ctx, node.name, x, dims, dtypes.acc_dtype(dt), (node.source,),
                                  node.attr("correction"))
     full = [None] * x.rank
 
@@ -101,7 +103,7 @@ def lower_var(ctx: LowerCtx, node: Node, args: list[Lazy]) -> Lazy:
                     next(it)
             else:
                 src.append(next(it))
-        return var_at(tuple(src))
+        return cast(var_at(tuple(src)), dt)
 
     del full
     return pointwise(dt, node.type.shape, fn, ss)
@@ -109,7 +111,8 @@ def lower_var(ctx: LowerCtx, node: Node, args: list[Lazy]) -> Lazy:
 
 def lower_softmax(ctx: LowerCtx, node: Node, args: list[Lazy]) -> Lazy:
     x = ctx.cheap(args[0], node.name + "_input", (node.source,))
-    dim, dt = node.attr("dim"), node.type.dtype
+    dim, out_dt = node.attr("dim"), node.type.dtype
+    dt = dtypes.acc_dtype(out_dt)  # 16-bit floats: max, sum and quotient in float32
     src = (node.source,)
     m = reduce_lazy(ctx, node.name + "_max", x, (dim,), True, "max", dt, src)
 
@@ -124,16 +127,19 @@ def lower_softmax(ctx: LowerCtx, node: Node, args: list[Lazy]) -> Lazy:
     def fn(idx: Index) -> L.Expr:
         v = x.load(idx)
         if node.op == "log_softmax":
-            return op("sub", shifted(v, idx), op("log", s.load(_keep_index(idx, (dim,)))))
-        return op("div", exp_shifted(v, idx), s.load(_keep_index(idx, (dim,))))
+            y = op("sub", shifted(v, idx), op("log", s.load(_keep_index(idx, (dim,)))))
+        else:
+            y = op("div", exp_shifted(v, idx), s.load(_keep_index(idx, (dim,))))
+        return cast(y, out_dt)
 
-    return pointwise(dt, x.shape, fn, m, s)
+    return pointwise(out_dt, x.shape, fn, m, s)
 
 
 def lower_layer_norm(ctx: LowerCtx, node: Node, args: list[Lazy]) -> Lazy:
     x, *rest = args
     x = ctx.cheap(x, node.name + "_input", (node.source,))
-    k, eps, dt = node.attr("norm_rank"), node.attr("eps"), node.type.dtype
+    k, eps, out_dt = node.attr("norm_rank"), node.attr("eps"), node.type.dtype
+    dt = dtypes.acc_dtype(out_dt)  # 16-bit floats: statistics and arithmetic in float32
     w = rest.pop(0) if node.attr("has_weight") else None
     b = rest.pop(0) if node.attr("has_bias") else None
     dims = tuple(range(x.rank - k, x.rank))
@@ -147,9 +153,9 @@ def lower_layer_norm(ctx: LowerCtx, node: Node, args: list[Lazy]) -> Lazy:
             y = op("mul", y, cast(w.load(tail), dt))
         if b is not None:
             y = op("add", y, cast(b.load(tail), dt))
-        return y
+        return cast(y, out_dt)
 
-    return pointwise(dt, x.shape, fn, x)
+    return pointwise(out_dt, x.shape, fn, x)
 
 
 def lower_batch_norm(ctx: LowerCtx, node: Node, args: list[Lazy]) -> Lazy:

@@ -17,7 +17,7 @@ from torch import nn
 from torch.export import Dim
 
 __all__ = ["ModelSpec", "ALL_MODELS", "get", "mlp", "resnet18", "gpt", "ln_softmax",
-           "intermediates", "demo"]
+           "intermediates", "demo", "in_dtype"]
 
 
 @dataclass(frozen=True)
@@ -292,6 +292,29 @@ ALL_MODELS: dict[str, Callable[[], ModelSpec]] = {
     "intermediates": intermediates,
     "demo": demo,
 }
+
+
+# tolerances of a 16-bit copy against eager in the same dtype (both round differently)
+_HALF_TOL = {torch.float16: 2e-2, torch.bfloat16: 8e-2}
+
+
+def in_dtype(spec: ModelSpec, dtype: torch.dtype) -> ModelSpec:
+    """`spec` with its floating-point weights, buffers and inputs converted to `dtype`
+    (e.g. torch.bfloat16); integer inputs (token ids) are left alone."""
+    import copy
+
+    def conv(args):
+        return tuple(a.to(dtype) if isinstance(a, torch.Tensor) and a.is_floating_point() else a
+                     for a in args)
+
+    def make_inputs(*a, **kw):
+        return conv(spec.make_inputs(*a, **kw))
+
+    tol = _HALF_TOL.get(dtype, max(spec.rtol, 1e-4))
+    return ModelSpec(name=f"{spec.name}_{str(dtype).removeprefix('torch.')}",
+                     module=copy.deepcopy(spec.module).to(dtype),
+                     example_args=conv(spec.example_args), dynamic_shapes=spec.dynamic_shapes,
+                     make_inputs=make_inputs, rtol=tol, atol=tol)
 
 
 def get(name: str) -> ModelSpec:

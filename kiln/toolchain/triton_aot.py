@@ -45,7 +45,7 @@ def triton_version() -> str:
     return triton.__version__
 
 
-def _import_module(text: str, cache: Path):
+def import_module(text: str, cache: Path):
     key = hashlib.sha256(text.encode()).hexdigest()[:24]
     path = cache / "triton_src" / f"kiln_kernels_{key}.py"
     if not path.exists():
@@ -67,7 +67,9 @@ def _key(kernel, arch: int, prelude_hash: str) -> str:
     return hashlib.sha256(blob.encode()).hexdigest()
 
 
-def _compile_one(mod, kernel, arch: int) -> Cubin:
+def compile_kernel(mod, kernel, arch: int):
+    """Triton's CompiledKernel of `kernel` (a TritonKernel defined in module `mod`) for sm_arch;
+    CompileError naming the kernel if Triton fails."""
     import triton
     from triton.backends.compiler import GPUTarget
 
@@ -84,6 +86,19 @@ def _compile_one(mod, kernel, arch: int) -> Cubin:
     except Exception as e:  # Triton raises many types; name the kernel and keep the message
         raise CompileError(f"Triton failed to compile {kernel.name} for sm_{arch}: "
                            f"{type(e).__name__}: {e}") from e
+    return ck
+
+
+def _compile_one(mod, kernel, arch: int) -> Cubin:
+    return _to_cubin(compile_kernel(mod, kernel, arch), kernel, arch)
+
+
+def store_compiled(ck, kernel, arch: int, prelude_hash: str, cache: Path) -> None:
+    """Puts an already compiled kernel (the autotuner's winner) into the cubin cache."""
+    _store(cache / "triton" / _key(kernel, arch, prelude_hash), _to_cubin(ck, kernel, arch))
+
+
+def _to_cubin(ck, kernel, arch: int) -> Cubin:
     md = ck.metadata
     if getattr(md, "global_scratch_size", 0) or getattr(md, "profile_scratch_size", 0):
         raise CompileError(f"{kernel.name}: Triton asked for global scratch memory, which kiln's "
@@ -137,7 +152,7 @@ def compile_cubins(module_text: str, kernels: list, archs: tuple[int, ...], cach
                 todo.append((k, a, d))
     hits = len(out)
     if todo:
-        mod = _import_module(module_text, cache)
+        mod = import_module(module_text, cache)
         with ThreadPoolExecutor(max_workers=max(1, jobs or os.cpu_count() or 1)) as pool:
             results = list(pool.map(lambda t: (t, _compile_one(mod, t[0], t[1])), todo))
         for (k, a, d), c in results:

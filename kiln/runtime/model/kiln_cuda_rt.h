@@ -7,9 +7,9 @@
  * (kDLCUDA), the device arena, kernel launches and the cuBLAS GEMM wrapper.
  *
  * Invariants: every function returns 0 on success or non-zero with a message in Err; nothing
- * throws. Outputs come from a memory pool owned by the instance and are freed stream-ordered on
- * the stream that produced them (keep that stream alive while the outputs live); they stay
- * valid after the instance is destroyed (the pool is released once they are all freed).
+ * throws. Outputs come from a memory pool per device (output_pool) and are freed stream-ordered
+ * on the stream that produced them (keep that stream alive while the outputs live); they stay
+ * valid after the instance is destroyed.
  * Row-major GEMMs call column-major cuBLAS as C^T = B^T A^T, so no operand is copied. */
 #ifndef KILN_CUDA_RT_H
 #define KILN_CUDA_RT_H
@@ -18,6 +18,7 @@
 #include <cstdint>
 #include <cstdlib>
 #include <cstring>
+#include <mutex>
 #include <new>
 
 #include <cuda.h>
@@ -38,6 +39,9 @@ struct Driver {
   KC_FN(cuMemsetD32Async); KC_FN(cuStreamSynchronize); KC_FN(cuGetErrorString);
   KC_FN(cuMemPoolCreate); KC_FN(cuMemPoolDestroy); KC_FN(cuMemPoolSetAttribute);
   KC_FN(cuMemAllocFromPoolAsync); KC_FN(cuMemFreeAsync); KC_FN(cuMemcpyDtoDAsync);
+  KC_FN(cuStreamCreate); KC_FN(cuStreamDestroy); KC_FN(cuStreamBeginCapture);
+  KC_FN(cuStreamEndCapture); KC_FN(cuGraphInstantiate); KC_FN(cuGraphLaunch);
+  KC_FN(cuGraphDestroy); KC_FN(cuGraphExecDestroy);
 };
 #undef KC_FN
 
@@ -73,6 +77,12 @@ inline const Driver &driver() {
     KC_SYM(cuMemAllocFromPoolAsync, "cuMemAllocFromPoolAsync")
     KC_SYM(cuMemFreeAsync, "cuMemFreeAsync")
     KC_SYM(cuMemcpyDtoDAsync, "cuMemcpyDtoDAsync_v2")
+    KC_SYM(cuStreamCreate, "cuStreamCreate") KC_SYM(cuStreamDestroy, "cuStreamDestroy_v2")
+    KC_SYM(cuStreamBeginCapture, "cuStreamBeginCapture_v2")
+    KC_SYM(cuStreamEndCapture, "cuStreamEndCapture")
+    KC_SYM(cuGraphInstantiate, "cuGraphInstantiateWithFlags")
+    KC_SYM(cuGraphLaunch, "cuGraphLaunch") KC_SYM(cuGraphDestroy, "cuGraphDestroy")
+    KC_SYM(cuGraphExecDestroy, "cuGraphExecDestroy")
 #undef KC_SYM
     return t;
   }();
@@ -94,13 +104,27 @@ struct Blas {
   int (*create)(cublasHandle_t *) = nullptr;
   int (*destroy)(cublasHandle_t) = nullptr;
   int (*set_stream)(cublasHandle_t, CUstream) = nullptr;
+  int (*set_workspace)(cublasHandle_t, void *, size_t) = nullptr;
   int (*sgemm)(cublasHandle_t, int, int, int, int, int, const float *, const float *, int,
                long long, const float *, int, long long, const float *, float *, int, long long,
                int) = nullptr;
   int (*dgemm)(cublasHandle_t, int, int, int, int, int, const double *, const double *, int,
                long long, const double *, int, long long, const double *, double *, int,
                long long, int) = nullptr;
+  /* cublasGemmStridedBatchedEx: mixed types (16-bit operands, float accumulation) */
+  int (*gemm_ex)(cublasHandle_t, int, int, int, int, int, const void *, const void *, int, int,
+                 long long, const void *, int, int, long long, const void *, void *, int, int,
+                 long long, int, int, int) = nullptr;
 };
+
+/* 16-bit float storage types (host code never computes with them) and their cudaDataType. */
+struct f16 { uint16_t bits; };
+struct bf16 { uint16_t bits; };
+template <class T> struct CudaType;
+template <> struct CudaType<f16> { static constexpr int value = 2; };    /* CUDA_R_16F */
+template <> struct CudaType<bf16> { static constexpr int value = 14; };  /* CUDA_R_16BF */
+constexpr int kComputeF32 = 68;  /* CUBLAS_COMPUTE_32F: accumulate in float */
+constexpr int kGemmDefault = -1; /* CUBLAS_GEMM_DEFAULT */
 
 inline const Blas &blas() {
   static const Blas b = [] {
@@ -117,8 +141,10 @@ inline const Blas &blas() {
     }
     if (!sym(h, "cublasCreate_v2", &t.create) || !sym(h, "cublasDestroy_v2", &t.destroy) ||
         !sym(h, "cublasSetStream_v2", &t.set_stream) ||
+        !sym(h, "cublasSetWorkspace_v2", &t.set_workspace) ||
         !sym(h, "cublasSgemmStridedBatched", &t.sgemm) ||
-        !sym(h, "cublasDgemmStridedBatched", &t.dgemm))
+        !sym(h, "cublasDgemmStridedBatched", &t.dgemm) ||
+        !sym(h, "cublasGemmStridedBatchedEx", &t.gemm_ex))
       t.error = "the cuBLAS library found lacks a needed function";
     return t;
   }();
@@ -185,6 +211,35 @@ inline void free_output(DLManagedTensor *m) {
   delete box;
 }
 
+/* The output pool of `device_id` for this library: created on first use and never destroyed
+ * (freed outputs stay reserved for the next run, like a caching allocator). Destroying a
+ * per-instance pool after CUDA graphs had written into its allocations crashed the driver
+ * later (H100, driver 580), so the pool outlives every instance. */
+inline int output_pool(Err &e, int device_id, CUmemoryPool *out) {
+  static std::mutex mu;
+  static CUmemoryPool pools[64] = {};
+  if (device_id < 0 || device_id >= 64) return e.fail("device cuda:%d: too many devices", device_id);
+  std::lock_guard<std::mutex> lock(mu);
+  if (!pools[device_id]) {
+    CUmemPoolProps props;
+    std::memset(&props, 0, sizeof props);
+    props.allocType = CU_MEM_ALLOCATION_TYPE_PINNED;
+    props.location.type = CU_MEM_LOCATION_TYPE_DEVICE;
+    props.location.id = device_id;
+    CUmemoryPool p = nullptr;
+    cuuint64_t keep = ~cuuint64_t(0);  /* keep freed output memory for the next run */
+    if (check(e, driver().cuMemPoolCreate(&p, &props), "creating the output pool")) return 1;
+    if (check(e, driver().cuMemPoolSetAttribute(p, CU_MEMPOOL_ATTR_RELEASE_THRESHOLD, &keep),
+              "output pool")) {
+      driver().cuMemPoolDestroy(p);
+      return 1;
+    }
+    pools[device_id] = p;
+  }
+  *out = pools[device_id];
+  return 0;
+}
+
 /* A fresh contiguous device tensor from `pool`, ordered on `stream`; the caller owns it. */
 inline DLManagedTensor *new_output(Err &e, CUmemoryPool pool, CUcontext ctx, CUstream stream,
                                    int device_id, uint8_t code, uint8_t bits, int32_t ndim,
@@ -216,9 +271,11 @@ inline DLManagedTensor *new_output(Err &e, CUmemoryPool pool, CUcontext ctx, CUs
 struct Arena {
   CUdeviceptr base = 0;
   size_t cap = 0;
+  uint64_t epoch = 0;  /* bumped when base moves: CUDA graphs captured before are stale */
   int reserve(Err &e, size_t bytes) {
     if (bytes <= cap) return 0;
     size_t rounded = (bytes + 255) / 256 * 256;
+    ++epoch;
     if (base) driver().cuMemFree(base);  // synchronises: kernels still using it have finished
     base = 0;
     cap = 0;
@@ -265,20 +322,176 @@ inline int gemm(Err &e, cublasHandle_t h, CUstream s, const char *name, int64_t 
   int64_t count = nb1, sa = as1, sb = bs1, loops = nb0;
   if (nb1 == 1) { count = nb0; sa = as0; sb = bs0; loops = 1; }
   else if (nb0 == 1 || (as0 == as1 * nb1 && bs0 == bs1 * nb1)) { count = nb; loops = 1; }
-  const T one = 1, zero = 0;
   for (int64_t l = 0; l < loops; ++l) {
     const T *a = reinterpret_cast<const T *>(A) + l * as0;
     const T *b = reinterpret_cast<const T *>(B) + l * bs0;
     T *c = reinterpret_cast<T *>(C) + l * nb1 * M * N;
     int st;
-    if constexpr (sizeof(T) == 4)
+    if constexpr (sizeof(T) == 2) {  /* f16/bf16 operands and result, float accumulation */
+      const float one = 1, zero = 0;
+      const int dt = CudaType<T>::value;
+      st = blas().gemm_ex(h, tb ? 1 : 0, ta ? 1 : 0, (int)N, (int)M, (int)K, &one, b, dt,
+                          (int)ldb, sb, a, dt, (int)lda, sa, &zero, c, dt, (int)N, M * N,
+                          (int)count, kComputeF32, kGemmDefault);
+    } else if constexpr (sizeof(T) == 4) {
+      const T one = 1, zero = 0;
       st = blas().sgemm(h, tb ? 1 : 0, ta ? 1 : 0, (int)N, (int)M, (int)K, &one, b, (int)ldb, sb,
                         a, (int)lda, sa, &zero, c, (int)N, M * N, (int)count);
-    else
+    } else {
+      const T one = 1, zero = 0;
       st = blas().dgemm(h, tb ? 1 : 0, ta ? 1 : 0, (int)N, (int)M, (int)K, &one, b, (int)ldb, sb,
                         a, (int)lda, sa, &zero, c, (int)N, M * N, (int)count);
+    }
     if (st != 0) return e.fail("%s: cuBLAS error %d", name, st);
   }
+  return 0;
+}
+
+constexpr size_t kWorkspaceBytes = size_t(32) << 20;  /* cuBLAS's own default on Hopper */
+
+/* cuBLAS on `s`, with the instance's own workspace (cublasSetStream resets the workspace to
+ * cuBLAS's default pool, whose lazy allocation a CUDA graph capture must not see). */
+inline int blas_bind(Err &e, cublasHandle_t h, CUstream s, CUdeviceptr ws, size_t ws_bytes) {
+  if (!h) return 0;
+  if (blas().set_stream(h, s) != 0) return e.fail("cublasSetStream failed");
+  if (ws && blas().set_workspace(h, reinterpret_cast<void *>(ws), ws_bytes) != 0)
+    return e.fail("cublasSetWorkspace failed");
+  return 0;
+}
+
+inline size_t nbytes(const DLTensor *t) {
+  return static_cast<size_t>(kr::numel(t)) * ((t->dtype.bits * t->dtype.lanes + 7) / 8);
+}
+
+/* CUDA graphs of a whole run, one per size tuple (`key`: the values of the size symbols).
+ *
+ * Design: the first run of a size tuple runs directly on the caller's stream (a warm-up: cuBLAS
+ * and the driver load what they load lazily). The second is captured, without executing, on the
+ * instance's private capture stream, reading its inputs from and writing its outputs to static
+ * device buffers owned by the graph entry; from then on every run with these sizes copies the
+ * inputs into those buffers, launches the graph on the caller's stream and copies the outputs
+ * into the fresh output tensors: three kinds of stream-ordered operation instead of one launch
+ * per kernel and GEMM, correct whatever pointers the caller passes (nothing is captured by the
+ * caller's pointer). The copies cost time where launches cost none, so a run whose inputs and
+ * outputs exceed kGraphBytesPerLaunch per launch saved runs directly instead (a large
+ * memory-bound model: launch overhead is negligible there, and the copies would double its
+ * traffic). A graph captured before the arena moved (a larger plan grew it) is stale and is
+ * captured again. A failed capture leaves that size tuple running directly. At most kMaxGraphs
+ * size tuples are kept; the oldest is replaced first. */
+constexpr size_t kGraphBytesPerLaunch = size_t(4) << 20;  /* ~3 us of launch vs ~3 us of copy */
+
+struct GraphEntry {
+  int64_t key[16];
+  CUgraphExec exec = nullptr;
+  CUdeviceptr io = 0;
+  uint64_t epoch = 0;
+  bool captured = false;  /* false: seen once (ran directly), capture on the next run */
+  bool direct = false;    /* capture failed: run these sizes directly */
+};
+
+struct Graphs {
+  static constexpr int kMaxGraphs = 8;
+  GraphEntry entry[kMaxGraphs];
+  int used = 0, next = 0;
+  CUstream capture_stream = nullptr;
+
+  void drop(GraphEntry &g) {
+    if (g.exec) driver().cuGraphExecDestroy(g.exec);
+    if (g.io) driver().cuMemFree(g.io);
+    g = GraphEntry();
+  }
+  void release() {
+    for (int i = 0; i < used; ++i) drop(entry[i]);
+    used = next = 0;
+    if (capture_stream) driver().cuStreamDestroy(capture_stream);
+    capture_stream = nullptr;
+  }
+  GraphEntry *find(const int64_t *key, int nkey) {
+    for (int i = 0; i < used; ++i)
+      if (std::memcmp(entry[i].key, key, sizeof(int64_t) * nkey) == 0) return &entry[i];
+    return nullptr;
+  }
+  GraphEntry *add(const int64_t *key, int nkey) {
+    GraphEntry *g;
+    if (used < kMaxGraphs) {
+      g = &entry[used++];
+    } else {  /* replace the oldest */
+      g = &entry[next];
+      next = (next + 1) % kMaxGraphs;
+    }
+    drop(*g);
+    std::memcpy(g->key, key, sizeof(int64_t) * nkey);
+    return g;
+  }
+};
+
+inline size_t io_round(size_t n) { return (n + 255) / 256 * 256; }
+
+/* Runs `body(stream, input pointers, output pointers)` through the graph of this size tuple
+ * (see Graphs). `body` returns 0 or fails with a message in e. */
+template <class Body>
+inline int run_graph(Err &e, Graphs &gs, const int64_t *key, int nkey, uint64_t epoch,
+                     int launches, int n_in, const CUdeviceptr *in, const size_t *in_bytes,
+                     int n_out, const CUdeviceptr *out, const size_t *out_bytes,
+                     CUstream stream, Body &&body) {
+  const Driver &d = driver();
+  size_t io = 0;
+  for (int i = 0; i < n_in; ++i) io += in_bytes[i];
+  for (int i = 0; i < n_out; ++i) io += out_bytes[i];
+  const int saved = launches - n_in - n_out - 1;
+  if (nkey > 16 || n_in > 64 || n_out > 64 || saved <= 0 ||
+      io > kGraphBytesPerLaunch * static_cast<size_t>(saved))
+    return body(stream, in, out);
+  GraphEntry *g = gs.find(key, nkey);
+  if (!g) {  /* first run of these sizes: directly */
+    g = gs.add(key, nkey);
+    return body(stream, in, out);
+  }
+  if (g->direct) return body(stream, in, out);
+  CUdeviceptr sin[64], sout[64];
+  if (!g->captured || g->epoch != epoch) {
+    if (g->exec) d.cuGraphExecDestroy(g->exec);
+    if (g->io) d.cuMemFree(g->io);
+    g->exec = nullptr;
+    g->io = 0;
+    g->captured = false;
+    size_t total = 0;
+    for (int i = 0; i < n_in; ++i) total += io_round(in_bytes[i]);
+    for (int i = 0; i < n_out; ++i) total += io_round(out_bytes[i]);
+    if (!gs.capture_stream &&
+        check(e, d.cuStreamCreate(&gs.capture_stream, CU_STREAM_NON_BLOCKING), "capture stream"))
+      return 1;
+    if (check(e, d.cuMemAlloc(&g->io, total ? total : 256), "allocating graph inputs/outputs"))
+      return 1;
+    size_t off = 0;
+    for (int i = 0; i < n_in; ++i) { sin[i] = g->io + off; off += io_round(in_bytes[i]); }
+    for (int i = 0; i < n_out; ++i) { sout[i] = g->io + off; off += io_round(out_bytes[i]); }
+    if (check(e, d.cuStreamBeginCapture(gs.capture_stream, CU_STREAM_CAPTURE_MODE_RELAXED),
+              "beginning CUDA graph capture")) return 1;
+    int rc = body(gs.capture_stream, sin, sout);
+    CUgraph graph = nullptr;
+    CUresult r = d.cuStreamEndCapture(gs.capture_stream, &graph);
+    if (rc == 0 && r == CUDA_SUCCESS && graph) r = d.cuGraphInstantiate(&g->exec, graph, 0);
+    if (graph) d.cuGraphDestroy(graph);
+    if (rc || r != CUDA_SUCCESS || !graph) {  /* not capturable: run directly from now on */
+      g->exec = nullptr;
+      g->direct = true;
+      return body(stream, in, out);
+    }
+    g->captured = true;
+    g->epoch = epoch;
+  } else {
+    size_t off = 0;
+    for (int i = 0; i < n_in; ++i) { sin[i] = g->io + off; off += io_round(in_bytes[i]); }
+    for (int i = 0; i < n_out; ++i) { sout[i] = g->io + off; off += io_round(out_bytes[i]); }
+  }
+  for (int i = 0; i < n_in; ++i)
+    if (in_bytes[i] && check(e, d.cuMemcpyDtoDAsync(sin[i], in[i], in_bytes[i], stream),
+                             "copying an input into the CUDA graph")) return 1;
+  if (check(e, d.cuGraphLaunch(g->exec, stream), "launching the CUDA graph")) return 1;
+  for (int i = 0; i < n_out; ++i)
+    if (out_bytes[i] && check(e, d.cuMemcpyDtoDAsync(out[i], sout[i], out_bytes[i], stream),
+                              "copying an output out of the CUDA graph")) return 1;
   return 0;
 }
 
