@@ -56,6 +56,9 @@ class Options:
     #: "" builds without. The process must load the sanitizer runtime first (LD_PRELOAD of
     #: `c++ -print-file-name=libasan.so`); see tests/test_sanitizers.py.
     sanitize: str = ""
+    #: Seed of kiln's random-number generator (rand, randn, dropout, ...). Each run of a loaded
+    #: model draws fresh numbers; a freshly loaded model replays the same sequence.
+    seed: int = 0
 
     def to_json(self) -> dict:
         return {k: list(v) if isinstance(v, tuple) else v for k, v in asdict(self).items()}

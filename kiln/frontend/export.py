@@ -17,7 +17,7 @@ from torch.export.graph_signature import InputKind, OutputKind
 from torch.utils import _pytree as pytree
 
 from kiln.errors import UnsupportedError
-from kiln.frontend import aten_extra  # noqa: F401 - registers its converters
+from kiln.frontend import aten_extra, aten_random  # noqa: F401 - register their converters
 from kiln.frontend.aten_high import Fallback
 from kiln.frontend.aten_table import TABLE
 from kiln.frontend.fold import fold_constants
@@ -57,6 +57,8 @@ class Builder:
         self.constant_inputs: list[dict] = []  # scalars export specialised to their value
         self.types: dict[str, TensorType] = {}
         self.counter = 0
+        self.rng: str | None = None  # the random-number state input, once a random op needs it
+        self.streams = 0
 
     # -- looking at FX values ------------------------------------------------------------------
     @staticmethod
@@ -157,6 +159,30 @@ class Builder:
 
     def alias(self, node, name: str) -> str:
         return name
+
+    def rng_state(self) -> str:
+        """The int64 [2] state input (seed, run counter) that random nodes read."""
+        if self.rng is None:
+            self.rng = RNG_STATE
+            self.types[self.rng] = TensorType(dtypes.int64, (sympy.Integer(2),))
+        return self.rng
+
+    def rng_stream(self) -> int:
+        """A fresh stream number: each random node draws from its own Philox counter range."""
+        self.streams += 1
+        return self.streams
+
+
+RNG_STATE = "kiln_rng_state"
+RNG_FQN = "<rng state>"
+
+
+def _rng_update(b: Builder) -> tuple[Node, Node]:
+    """state_next = state + [0, 1]: the seed stays, the run counter advances."""
+    t = b.types[RNG_STATE]
+    step = Node(f"{RNG_STATE}_step", "iota", (), t, (("start", 0), ("step", 1)), "random")
+    nxt = Node(f"{RNG_STATE}_next", "add", (RNG_STATE, step.name), t, (), "random")
+    return step, nxt
 
 
 def _weights_and_inputs(ep: ExportedProgram, syms: SymbolTable, b: Builder):
@@ -265,20 +291,20 @@ def _all_known(ep: ExportedProgram) -> bool:
     return True
 
 
-def import_program(ep: ExportedProgram, fold: bool = True) -> Imported:
+def import_program(ep: ExportedProgram, fold: bool = True, seed: int = 0) -> Imported:
     """Translate `ep` to Graph IR; with `fold`, weight-only subgraphs are evaluated now and
     become weights (see fold.py). When every op is one kiln converts directly (aten_high.py
     and aten_table.py), the program is imported as exported; otherwise (or when a converter
     declines) it is decomposed to core ATen first."""
     if _all_known(ep):
         try:
-            return _import(ep, fold)
+            return _import(ep, fold, seed)
         except Fallback:
             pass
-    return _import(ep.run_decompositions(), fold)
+    return _import(ep.run_decompositions(), fold, seed)
 
 
-def _import(ep: ExportedProgram, fold: bool) -> Imported:
+def _import(ep: ExportedProgram, fold: bool, seed: int = 0) -> Imported:
     syms = SymbolTable()
     b = Builder(syms)
     inputs, weights = _weights_and_inputs(ep, syms, b)
@@ -330,6 +356,11 @@ def _import(ep: ExportedProgram, fold: bool) -> Imported:
         if name is None or name not in b.env:
             raise UnsupportedError(f"output {spec.arg} is not a tensor")
         outputs.append(b.env[name])
+    if b.rng is not None:  # random ops: the seed and run counter are state, updated per run
+        inputs = inputs + (Input(RNG_STATE, b.types[RNG_STATE], "weight", RNG_FQN),)
+        weights[RNG_STATE] = torch.tensor([seed, 0], dtype=torch.int64)
+        b.nodes.extend(_rng_update(b))
+        mutations.append((RNG_STATE, f"{RNG_STATE}_next"))
     state = {name for name, _ in mutations}
     inputs = tuple(Input(i.name, i.type, "state", i.fqn) if i.name in state else i
                    for i in inputs)

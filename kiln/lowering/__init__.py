@@ -13,7 +13,7 @@ from dataclasses import replace
 from kiln.ir import loop as L
 from kiln.ir.graph import Graph, Node
 from kiln.ir.sym import contiguous_strides, ivars
-from kiln.lowering import extern, indexing, pointwise, reductions, views
+from kiln.lowering import extern, indexing, pointwise, random, reductions, views
 from kiln.lowering.core import Lazy, LowerCtx, View, from_view
 
 RULES = {
@@ -31,6 +31,7 @@ RULES = {
     "where": pointwise.lower_where,
     "full": pointwise.lower_full,
     "iota": pointwise.lower_iota,
+    "random": random.lower_random,
     "view": views.lower_view,
     "permute": views.lower_permute,
     "expand": views.lower_expand,

@@ -142,7 +142,28 @@ template <class T> inline T pow(T a, T b) {
 template <class T> inline bool signbit(T x) {
   if constexpr (std::is_floating_point_v<T>) return std::signbit(x); else return x < T(0);
 }
-template <class T> inline T i0(T x) { return T(std::cyl_bessel_i(T(0), x)); }
+/* Modified Bessel function I0, in double: the power series sum ((x/2)^k / k!)^2 up to
+ * |x| = 30, above it the asymptotic series e^x / sqrt(2 pi x) * sum ((2k-1)!!)^2 / (k! (8x)^k).
+ * (std::cyl_bessel_i throws for negative or large arguments.) */
+template <class T> inline T i0(T v) {
+  const double x = std::fabs(double(v));
+  if (x != x) return T(x);
+  double sum = 1, term = 1;
+  if (x <= 30.0) {
+    const double q = x * x / 4;
+    for (int k = 1; k < 200 && term > sum * 1e-17; ++k) {
+      term *= q / (double(k) * k);
+      sum += term;
+    }
+    return T(sum);
+  }
+  const double inv = 1 / (8 * x);
+  for (int k = 1; k < 40 && term > sum * 1e-17; ++k) {
+    term *= (2.0 * k - 1) * (2.0 * k - 1) * inv / k;
+    sum += term;
+  }
+  return T(std::exp(x) * (sum / std::sqrt(2 * 3.14159265358979323846 * x)));  // inf past 709.78
+}
 /* Shifts as torch defines them: a count outside [0, bits) shifts every bit out (a right shift
  * of a negative value leaves -1); a left shift is done on the unsigned type (no UB). */
 template <class T> inline T shift_left(T a, T b) {
