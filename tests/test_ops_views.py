@@ -238,3 +238,15 @@ def test_as_strided_scatter_overlapping_is_unsupported(tmp_path):
     x = torch.zeros(4, 4)
     with pytest.raises(UnsupportedError, match="overlapping strides"):
         kiln.compile(Fn(lambda x: torch.as_strided_scatter(x, x[:2, :3], (2, 3), (1, 1))), (x,))
+
+
+def test_as_strided_of_views_reads_their_storage(check):
+    """as_strided addresses the storage: of a transposed or sliced view, that is its base's."""
+    g = gen("as-strided-views")
+    x = rand((6, 8), F32, g)
+    check(Fn(lambda x: {
+        "of_t": x.t().as_strided((4, 3), (1, 8), 2),
+        "of_slice": x[1:].as_strided((2, 5), (8, 1), 9),
+        "of_step": x[:, ::2].as_strided((3, 3), (8, 2), 1),
+        "of_math": (x * 2).as_strided((2, 2), (8, 1), 3),
+        "of_unsqueeze": x.unsqueeze(1).as_strided((2, 4), (1, 8), 3)}), (x,))

@@ -65,17 +65,21 @@ def _storage_offset(b, n, x, k: int) -> object:
     return sympy.sympify(offset) - sympy.sympify(b.int_or_sym(own))
 
 
+def _meta_strides(b, x) -> tuple:
+    return tuple(sympy.sympify(b.int_or_sym(s)) for s in b.val(x).stride())
+
+
 def _check_extent(b, n, x, size, stride, offset) -> None:
-    numel = sympy.Integer(1)
-    for d in b.shape(x):
-        numel = numel * d
+    """The view must stay inside the storage span of `x` itself (first to last element)."""
+    span = sum(((d - 1) * st for d, st in zip(b.shape(x), _meta_strides(b, x))),
+               sympy.Integer(0))
     last = offset + sum(((sympy.sympify(s) - 1) * st for s, st in zip(size, stride)),
                         sympy.Integer(0))
     empty = any(sympy.sympify(s) == 0 for s in size)
-    if not empty and last.is_Integer and numel.is_Integer and (
-            int(offset) < 0 or int(last) >= int(numel)):
-        raise UnsupportedError(f"as_strided of node {n.name} reads outside its input's "
-                               f"{numel} elements (storage offset {offset}, last {last})")
+    if not empty and last.is_Integer and span.is_Integer and (
+            int(offset) < 0 or int(last) > int(span)):
+        raise UnsupportedError(f"as_strided of node {n.name} reads outside its input's storage "
+                               f"span [0, {span}] (storage offset {offset}, last {last})")
 
 
 @register("aten.as_strided.default", "aten.as_strided_copy.default")
@@ -85,7 +89,8 @@ def _as_strided(b, n):
     stride = tuple(sympy.sympify(b.int_or_sym(s)) for s in n.args[2])
     offset = _storage_offset(b, n, x, 3)
     _check_extent(b, n, x, size, stride, offset)
-    return b.emit("as_strided", [b.tensor(x)], n, stride=stride, offset=offset)
+    return b.emit("as_strided", [b.tensor(x)], n, stride=stride, offset=offset,
+                  src_strides=_meta_strides(b, x))
 
 
 # -- scatter into a view: out = input, with the view's elements replaced by src ----------------
@@ -117,6 +122,8 @@ def _as_strided_scatter(b, n):
     size = tuple(b.int_or_sym(s) for s in n.args[2])
     stride = tuple(sympy.sympify(b.int_or_sym(s)) for s in n.args[3])
     offset = _storage_offset(b, n, x, 4)
+    if not b.val(x).is_contiguous():
+        raise UnsupportedError(f"as_strided_scatter into a non-contiguous input (node {n.name})")
     _check_extent(b, n, x, size, stride, offset)
     xs, ss = b.promoted_operands(n, x, src)
     return b.emit("as_strided_scatter", [xs, ss], n, size=size, stride=stride, offset=offset)

@@ -344,17 +344,24 @@ def lower_diagonal(ctx: LowerCtx, node: Node, args: list[Lazy]) -> Lazy:
     return Lazy(x.dtype, shape, fn, None, x.cost)
 
 
-def _storage(ctx: LowerCtx, x: Lazy, node: Node) -> Lazy:
-    """`x` as a contiguous buffer view (its storage, as as_strided addresses it)."""
-    from kiln.ir.sym import contiguous_strides
-    if x.view is not None and tuple(sympy.expand(s) for s in x.view.strides) == tuple(
-            sympy.expand(s) for s in contiguous_strides(x.shape)):
-        return x
-    return ctx.realize(x.origin or node.name + "_storage", x, (node.source or node.name,))
-
-
 def lower_as_strided(ctx: LowerCtx, node: Node, args: list[Lazy]) -> Lazy:
-    x = _storage(ctx, args[0], node)
+    """A view of the input's storage as torch lays it out (`src_strides`): taken as is when
+    kiln's view of the input has those strides, else (a contiguous input) from a contiguous
+    copy; other layouts are unsupported."""
+    from kiln.errors import UnsupportedError
+    from kiln.ir.sym import contiguous_strides
+    x = args[0]
+
+    def layout(strides):  # strides of size-1 dims address nothing
+        return tuple(sympy.expand(s) for s, d in zip(strides, x.shape) if d != 1)
+
+    theirs = layout(node.attr("src_strides"))
+    ours = layout(x.view.strides) if x.view is not None else None
+    if ours != theirs:
+        if theirs != layout(contiguous_strides(x.shape)):
+            raise UnsupportedError(f"as_strided of a value whose layout kiln does not keep "
+                                   f"(node {node.name}, strides {node.attr('src_strides')})")
+        x = ctx.realize(x.origin or node.name + "_storage", x, (node.source or node.name,))
     v = x.view
     return from_view(x.dtype, node.type.shape, View(
         v.buf, sympy.expand(v.offset + node.attr("offset")), tuple(node.attr("stride"))))
