@@ -250,3 +250,15 @@ def test_as_strided_of_views_reads_their_storage(check):
         "of_step": x[:, ::2].as_strided((3, 3), (8, 2), 1),
         "of_math": (x * 2).as_strided((2, 2), (8, 1), 3),
         "of_unsqueeze": x.unsqueeze(1).as_strided((2, 4), (1, 8), 3)}), (x,))
+
+
+def test_select_scatter_copy_fill(check):
+    """Ops export keeps as they are when no other op forces a decomposition."""
+    g = gen("select-scatter-copy")
+    x, y, i = rand((4, 5, 6), F32, g), rand((4, 6), F32, g), rand((5, 6), I64, g)
+    check(Fn(lambda x, y, i: {
+        "select_scatter": torch.select_scatter(x, y, 1, 2),
+        "select_scatter_neg": torch.select_scatter(x, y[:, :5] * 2, 2, -1),
+        "copy": torch.ops.aten.copy(x, i), "copy_bcast": torch.ops.aten.copy(x, y[0]),
+        "fill": torch.ops.aten.fill(x, 2.5), "fill_t": torch.ops.aten.fill(i, y[0, 0]),
+        "empty_strided_shape": torch.empty_strided((2, 3), (1, 2)).shape[0] * x}), (x, y, i))

@@ -268,3 +268,41 @@ def _batch_norm_legit(b, n):
                  has_weight=w is not None, has_bias=bias is not None)
     empty = [b.emit("full", [], None, like=n, result=k, value=0) for k in (1, 2)]
     return [out, *empty]
+
+
+@register("aten.select_scatter.default")
+def _select_scatter(b, n):
+    """select_scatter = slice_scatter of src with the selected dim put back (size 1)."""
+    x, src = n.args[0], n.args[1]
+    rank = b.rank(x)
+    dim = _arg(n, 2, "dim") % rank
+    index = b.int_or_sym(_arg(n, 3, "index"))
+    if isinstance(index, int) and index < 0:
+        index = b.shape(x)[dim] + index
+    xs, ss = b.promoted_operands(n, x, src)
+    shape = list(b.shape(x))
+    shape[dim] = sympy.Integer(1)
+    sv = b.emit("view", [ss], None, like=n, shape=tuple(shape))
+    return b.emit("slice_scatter", [xs, sv], n, dim=dim, start=index, end=index + 1, step=1)
+
+
+@register("aten.copy.default")
+def _copy_into(b, n):
+    """copy(self, src): src broadcast to self's shape, in self's dtype."""
+    src = b.emit("expand", [b.tensor(n.args[1])], None, like=n, dtype=b.type_of(n.args[1]).dtype)
+    return b.emit("cast", [src], n)
+
+
+@register("aten.fill.Scalar", "aten.fill.Tensor")
+def _fill(b, n):
+    value = n.args[1]
+    if not isinstance(value, (bool, int, float)):  # a 0-d tensor
+        v = b.emit("expand", [b.tensor(value)], None, like=n, dtype=b.type_of(value).dtype)
+        return b.emit("cast", [v], n)
+    return b.emit("full", [], n, value=value)
+
+
+@register("aten.empty_strided.default")
+def _empty_strided(b, n):
+    """Uninitialised memory in eager; zeros here (kiln's outputs are contiguous)."""
+    return b.emit("full", [], n, value=0)
