@@ -143,7 +143,8 @@ template <class T> inline bool signbit(T x) {
   if constexpr (std::is_floating_point_v<T>) return std::signbit(x); else return x < T(0);
 }
 /* Modified Bessel function I0, in double: the power series sum ((x/2)^k / k!)^2 up to
- * |x| = 30, above it the asymptotic series e^x / sqrt(2 pi x) * sum ((2k-1)!!)^2 / (k! (8x)^k).
+ * |x| = 30, above it the asymptotic series e^x / sqrt(2 pi x) * sum ((2k-1)!!)^2 / (k! (8x)^k),
+ * with e^x in T (overflowing where torch's does).
  * (std::cyl_bessel_i throws for negative or large arguments.) */
 template <class T> inline T i0(T v) {
   const double x = std::fabs(double(v));
@@ -162,7 +163,9 @@ template <class T> inline T i0(T v) {
     term *= (2.0 * k - 1) * (2.0 * k - 1) * inv / k;
     sum += term;
   }
-  return T(std::exp(x) * (sum / std::sqrt(2 * 3.14159265358979323846 * x)));  // inf past 709.78
+  // e^x in T, as torch computes it: float results are inf from x = 88.72 on, double from 709.78
+  const T ex = std::exp(T(x));
+  return T(double(ex) * (sum / std::sqrt(2 * 3.14159265358979323846 * x)));
 }
 /* Shifts as torch defines them: a count outside [0, bits) shifts every bit out (a right shift
  * of a negative value leaves -1); a left shift is done on the unsigned type (no UB). */
