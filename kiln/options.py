@@ -98,6 +98,10 @@ class Options:
     #: Seconds one profiling run of one GEMM candidate may take before it is dropped.
     autotune_timeout_s: float = 20.0
 
+    #: Seed of kiln's random-number generator (rand, randn, dropout, ...). Each run of a loaded
+    #: model draws fresh numbers; a freshly loaded model replays the same sequence.
+    seed: int = 0
+
     def __post_init__(self) -> None:
         bad = [b for b in self.gemm_backends if b not in GEMM_BACKENDS]
         if bad or not self.gemm_backends:

@@ -123,7 +123,7 @@ def build(ep: torch.export.ExportedProgram, opts: Options, device: str = "cpu") 
     cuda = device.split(":")[0] == "cuda"
     # 1. torch.export -> Graph IR (core ATen decompositions, weights, pytree specs, Dim ranges)
     imported = run.stage("import", lambda e: import_program(e, opts.fold_constants,
-                                                           opts.aten_fallback), ep)
+                                                           opts.aten_fallback, opts.seed), ep)
     # 2. drop dead nodes and unused weights
     graph = run.stage("dce", dce, imported.graph, dump=print_graph, verify=verify_graph)
     # 3. Graph IR -> Loop IR (views become index maps; pointwise producers inline)

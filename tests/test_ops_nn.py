@@ -247,3 +247,66 @@ def test_dynamic_conv_pool(check):
     xs = [rand(s, F32, gen("dyn-conv", s)) for s in [(2, 3, 8, 6), (1, 3, 4, 4), (5, 3, 31, 17),
                                                       (16, 3, 9, 64)]]
     check(mods, (xs[0],), more=[(x,) for x in xs[1:]], dynamic_shapes=({0: b, 2: h, 3: w},))
+
+
+# -- norms returning their statistics; batch norm from batch statistics -----------------------
+def norm_stats(x, w, b):
+    """x [N, C, L]: the (out, mean, rstd) results of the native norms, used directly."""
+    aten = torch.ops.aten
+    c = x.shape[1]
+    xc = x.contiguous()  # eager's native_group_norm takes contiguous inputs only
+    out = {
+        "ln": aten.native_layer_norm(x, [x.shape[-1]], w[:x.shape[-1]], b[:x.shape[-1]], 1e-5),
+        "ln_2": aten.native_layer_norm(x, list(x.shape[1:]), None, None, 1e-3),
+        "gn": aten.native_group_norm(xc, w[:c], b[:c], x.shape[0], c, x.shape[2], 2, 1e-5),
+        "gn_plain": aten.native_group_norm(xc, None, None, x.shape[0], c, x.shape[2], 1, 1e-4),
+        "bn_batch": aten._native_batch_norm_legit(x, w[:c], b[:c], True, 0.1, 1e-5),
+        "bn_batch_plain": aten._native_batch_norm_legit(x, None, None, True, 0.1, 1e-3),
+        "bn_module": F.batch_norm(x, None, None, w[:c], b[:c], training=True),
+        "instance": F.instance_norm(x),
+    }
+    ln_out, mean, rstd = out["ln"]
+    out["stats_math"] = (ln_out * rstd + mean).sum(-1)
+    return out
+
+
+@pytest.mark.parametrize(("shape", "layout", "dtype"), [
+    ((3, 4, 10), "contig", F32), ((2, 6, 7), "t", F32), ((5, 4, 33), "contig", F64),
+    ((2, 2, 2), "contig", F32)], ids=_ids)
+def test_norm_statistics_results(check, shape, layout, dtype):
+    g = gen("norm-stats", shape, layout, dtype)
+    x = rand(layout_shape(shape, layout), dtype, g) * 2 + 0.5
+    w, b = rand((64,), dtype, g), rand((64,), dtype, g)
+    check(Layout(Fn(norm_stats), layout), (x, w, b))
+
+
+class _BatchNormStats(nn.Module):
+    """Training-mode batch norms that also return their running statistics after the update."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.bn = nn.BatchNorm1d(5)
+        self.bn_plain = nn.BatchNorm1d(5, affine=False, momentum=0.3)
+        self.bn_nostats = nn.BatchNorm1d(5, track_running_stats=False)
+
+    def forward(self, x):
+        return {"bn": self.bn(x), "bn_plain": self.bn_plain(x), "nostats": self.bn_nostats(x),
+                "mean": self.bn.running_mean.clone(), "var": self.bn.running_var.clone(),
+                "var_plain": self.bn_plain.running_var.clone(),
+                "batches": self.bn.num_batches_tracked.clone()}
+
+
+def test_batch_norm_training_updates_running_stats(tmp_path):
+    """Batch statistics normalise; running statistics update like eager, run after run (a
+    buffer mutation), with and without affine parameters and running statistics."""
+    import kiln
+    eager = init(_BatchNormStats(), "bn-train").train()
+    other = init(_BatchNormStats(), "bn-train").train()
+    g = gen("bn-train-x")
+    runner = kiln.compile(other, (rand((8, 5, 3), F32, g),)).load(tmp_path / "bn.kiln")
+    for _ in range(3):
+        x = rand((8, 5, 3), F32, g) * 2 + 1
+        got, want = runner(x), eager(x)
+        for k in want:
+            torch.testing.assert_close(got[k], want[k].detach(), rtol=1e-4, atol=1e-4,
+                                       msg=lambda m, k=k: f"{k}: {m}")

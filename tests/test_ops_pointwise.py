@@ -303,3 +303,58 @@ def test_int64_minimum_literal(tmp_path):
     i = torch.tensor([5, -3, 7])
     runner = kiln.compile(Floor(), (i,)).load(tmp_path / "m.kiln")
     torch.testing.assert_close(runner(i), Floor()(i))
+
+
+# -- more pointwise: special functions, sign handling, compositions, tensor clamp, shifts ----
+def more_math(x, y):
+    p = x.sigmoid()
+    return {
+        "log10": torch.log10(x.abs() + 0.01), "i0": torch.i0(x), "signbit": torch.signbit(x),
+        "hypot": torch.hypot(x, 3 * y), "copysign": torch.copysign(x, y),
+        "copysign_scalar": torch.copysign(x, -1.0), "nextafter": torch.nextafter(x, y),
+        "xlogy": torch.xlogy(x, y.abs()), "logit": torch.logit(p), "logit_eps": torch.logit(p, 0.1),
+        "frac": torch.frac(4 * x), "lerp": torch.lerp(x, y, 0.3), "lerp_t": torch.lerp(x, y, p),
+        "addcmul": torch.addcmul(x, y, p, value=0.5),
+        "addcdiv": torch.addcdiv(x, y, p + 1, value=2),
+        "heaviside": torch.heaviside(torch.round(x), y), "sinc": torch.sinc(x),
+        "nan_to_num": torch.nan_to_num(torch.log(x), nan=1.0, neginf=-5.0),
+        "elu": F.elu(x), "selu": F.selu(x), "celu": F.celu(x, 0.5),
+        "clamp_t": torch.clamp(x, y, y + 1), "clamp_t_min": torch.clamp(x, min=y),
+        "clamp_t_max": torch.clamp(x, max=y[..., :1]), "clamp_min_t": torch.clamp_min(x, y),
+        "clamp_max_t": torch.clamp_max(x, y),
+    }
+
+
+@pytest.mark.parametrize(("shape", "layout", "dtype"), [
+    ((7, 13), "contig", F32), ((1,), "contig", F32), ((130, 97), "contig", F32),
+    ((6, 11), "neg", F32), ((7, 13), "t", F64), ((3, 1, 5), "contig", F64)], ids=_ids)
+def test_more_math(check, shape, layout, dtype):
+    g = gen("more-math", shape, layout, dtype)
+    x, y = rand(layout_shape(shape, layout), dtype, g), rand(layout_shape(shape, layout), dtype, g)
+    check(Layout(Fn(more_math), layout), (x, y))
+
+
+def test_round_decimals_and_special_values(check):
+    """Rounding is discontinuous: compared with eager in the same dtype."""
+    g = gen("round-dec")
+    x = torch.cat([rand((200,), F32, g) * 50, torch.tensor(
+        [0.125, -0.125, 2.5, float("inf"), float("-inf"), float("nan"), -0.0])])
+    check(Fn(lambda x: {
+        "round_2": torch.round(x, decimals=2), "round_1": torch.round(x, decimals=1),
+        "round_neg": torch.round(x, decimals=-1), "round_0": torch.round(x, decimals=0),
+        "signbit": torch.signbit(x), "copysign": torch.copysign(x.abs(), x),
+        "nan_to_num": torch.nan_to_num(x), "log10": torch.log10(x.abs()),
+        "hypot_inf": torch.hypot(x, x), "i0": torch.i0(x)}), (x,), ref="same")
+
+
+@pytest.mark.parametrize("dtype", [I64, I32], ids=_ids)
+def test_integer_shifts_and_clamp(check, dtype):
+    g = gen("shifts", dtype)
+    bits = torch.iinfo(dtype).bits
+    x = rand((9, 11), dtype, g, low=-1000, high=1000)
+    s = rand((9, 11), dtype, g, low=0, high=bits)
+    check(Fn(lambda x, s: {
+        "shl": x << s, "shr": x >> s, "shl_scalar": x << 3, "shr_scalar": x >> 2,
+        "bitwise_left_shift": torch.bitwise_left_shift(x, s % 7),
+        "signbit": torch.signbit(x), "clamp_t": torch.clamp(x, s - 5, s * 10),
+        "log10": torch.log10(x.abs() + 1), "copysign": torch.copysign(x, s - 3)}), (x, s))

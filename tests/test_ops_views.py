@@ -157,3 +157,108 @@ def test_dynamic_step_slice(check):
     fn = Fn(lambda x: {"step": x[::2], "step_math": x[::2].exp() + 1})
     xs = [rand((k, 4), F32, gen("dyn-step", k)) for k in (6, 3, 37, 300)]
     check(fn, (xs[0],), more=[(x,) for x in xs[1:]], dynamic_shapes=({0: n},))
+
+
+# -- flip, roll, diagonal, as_strided and the scatter-into-view family --------------------------
+def more_movement(x):
+    """Index-map views of x [a, b, c] (a, b, c >= 2): every dtype."""
+    xc = x.contiguous()
+    a, b, c = x.shape
+    return {
+        "flip_0": x.flip(0), "flip_all": x.flip(0, 1, 2), "flip_neg": x.flip(-1),
+        "roll": x.roll(1, 0), "roll_neg": x.roll(-2, 2), "roll_two": x.roll((1, 3), (1, 2)),
+        "roll_flat": x.roll(5), "roll_big": x.roll(2 * c + 1, 2),
+        "diag": x.diagonal(), "diag_off": x.diagonal(1, 1, 2), "diag_neg": x.diagonal(-1, 2, 0),
+        "diag_swapped": x.diagonal(0, 2, 1), "diag_flip": x.flip(1).diagonal(0, 0, 1),
+        "as_strided": xc.as_strided((2, 3), (c, 1), 1),
+        "as_strided_overlap": xc.as_strided((3, 4), (1, 1)),
+        "as_strided_3d": xc.as_strided((a, 2, 2), (b * c, 1, c), 0),
+        "as_strided_bcast": xc.as_strided((2, 3), (0, 2), 3),
+    }
+
+
+@pytest.mark.parametrize(("shape", "layout", "dtype"), [
+    ((4, 6, 10), "contig", F32), ((2, 2, 2), "contig", F64), ((3, 5, 8), "t", F32),
+    ((4, 6, 10), "neg", F32), ((4, 6, 10), "contig", I64), ((3, 4, 5), "contig", BOOL),
+    ((5, 7, 9), "step", F64)], ids=_ids)
+def test_flip_roll_diagonal_as_strided(check, shape, layout, dtype):
+    x = rand(layout_shape(shape, layout), dtype, gen("more-move", shape, layout, dtype))
+    check(Layout(Fn(more_movement), layout), (x,))
+
+
+def scatters(x, y):
+    """out = x with a view replaced by values computed from y (shapes [a, b, c], b, c >= 3)."""
+    xc = x.contiguous()
+    a, b, c = x.shape
+    return {
+        "slice_scatter": torch.slice_scatter(x, y[:, 1:3] * 2, 1, 1, 3),
+        "slice_scatter_step": torch.slice_scatter(x, y[..., ::2], 2, 0, None, 2),
+        "slice_scatter_step3": torch.slice_scatter(x, y[:, :, 1::3][:, :, :(c - 1 + 2) // 3 - 0],
+                                                   2, 1, None, 3),
+        "slice_scatter_neg": torch.slice_scatter(x, y[-1:], 0, -1),
+        "select_scatter": torch.select_scatter(x, y[:, 0] * 3, 1, -1),
+        "diagonal_scatter": torch.diagonal_scatter(x, y.diagonal(0, 1, 2) * 5, 0, 1, 2),
+        "diagonal_scatter_off": torch.diagonal_scatter(x, y.diagonal(1, 0, 2) + 1, 1, 0, 2),
+        "diagonal_scatter_neg": torch.diagonal_scatter(x, y.diagonal(-2, 1, 2), -2, 1, 2),
+        "as_strided_scatter": torch.as_strided_scatter(xc, y[0, :2, :2] - 7, (2, 2), (c, 2), 1),
+        "as_strided_scatter_3d": torch.as_strided_scatter(
+            xc, y[:, :2, :1] * 0 + 1, (a, 2, 1), (b * c, c, 1), 1),
+        "scatter_then_math": torch.slice_scatter(x, y[:, :1].exp(), 1, 0, 1) * 2,
+    }
+
+
+@pytest.mark.parametrize(("shape", "layout", "dtype"), [
+    ((3, 4, 6), "contig", F32), ((2, 5, 7), "t", F64), ((4, 6, 9), "neg", F32),
+    ((3, 4, 6), "contig", F64)], ids=_ids)
+def test_scatter_into_views(check, shape, layout, dtype):
+    g = gen("scatter-views", shape, layout, dtype)
+    x = rand(layout_shape(shape, layout), dtype, g)
+    y = rand(layout_shape(shape, layout), dtype, g)
+    check(Layout(Fn(scatters), layout), (x, y))
+
+
+def test_scatter_into_views_integer(check):
+    g = gen("scatter-int")
+    x, y = rand((3, 4, 6), I64, g), rand((3, 4, 6), I64, g)
+    check(Fn(lambda x, y: {
+        "slice": torch.slice_scatter(x, y[:, ::2], 1, 0, None, 2),
+        "diag": torch.diagonal_scatter(x, y.diagonal(1, 1, 2), 1, 1, 2),
+        "as_strided": torch.as_strided_scatter(x, y[0, :3, :1], (3, 1), (2, 1), 4)}), (x, y))
+
+
+def test_index_select_of_a_scalar(check):
+    s, i = torch.tensor(2.5), torch.tensor([0])
+    check(Fn(lambda s, i: {"one": torch.index_select(s, 0, i),
+                           "0d": torch.index_select(s, 0, i[0])}), (s, i))
+
+
+def test_as_strided_scatter_overlapping_is_unsupported(tmp_path):
+    import kiln
+    from kiln.errors import UnsupportedError
+    x = torch.zeros(4, 4)
+    with pytest.raises(UnsupportedError, match="overlapping strides"):
+        kiln.compile(Fn(lambda x: torch.as_strided_scatter(x, x[:2, :3], (2, 3), (1, 1))), (x,))
+
+
+def test_as_strided_of_views_reads_their_storage(check):
+    """as_strided addresses the storage: of a transposed or sliced view, that is its base's."""
+    g = gen("as-strided-views")
+    x = rand((6, 8), F32, g)
+    check(Fn(lambda x: {
+        "of_t": x.t().as_strided((4, 3), (1, 8), 2),
+        "of_slice": x[1:].as_strided((2, 5), (8, 1), 9),
+        "of_step": x[:, ::2].as_strided((3, 3), (8, 2), 1),
+        "of_math": (x * 2).as_strided((2, 2), (8, 1), 3),
+        "of_unsqueeze": x.unsqueeze(1).as_strided((2, 4), (1, 8), 3)}), (x,))
+
+
+def test_select_scatter_copy_fill(check):
+    """Ops export keeps as they are when no other op forces a decomposition."""
+    g = gen("select-scatter-copy")
+    x, y, i = rand((4, 5, 6), F32, g), rand((4, 6), F32, g), rand((5, 6), I64, g)
+    check(Fn(lambda x, y, i: {
+        "select_scatter": torch.select_scatter(x, y, 1, 2),
+        "select_scatter_neg": torch.select_scatter(x, y[:, :5] * 2, 2, -1),
+        "copy": torch.ops.aten.copy(x, i), "copy_bcast": torch.ops.aten.copy(x, y[0]),
+        "fill": torch.ops.aten.fill(x, 2.5), "fill_t": torch.ops.aten.fill(i, y[0, 0]),
+        "empty_strided_shape": torch.empty_strided((2, 3), (1, 2)).shape[0] * x}), (x, y, i))

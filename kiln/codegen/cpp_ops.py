@@ -68,6 +68,15 @@ CPP_OPS: dict[str, str] = {
     "bitwise_or": "({0} | {1})",
     "bitwise_xor": "({0} ^ {1})",
     "where": "({0} ? {1} : {2})",
+    "log10": "std::log10({0})",
+    "i0": "kr::i0({0})",
+    "signbit": "kr::signbit({0})",
+    "hypot": "std::hypot({0}, {1})",
+    "copysign": "std::copysign({0}, {1})",
+    "nextafter": "std::nextafter({0}, {1})",
+    "shift_left": "kr::shift_left({0}, {1})",
+    "shift_right": "kr::shift_right({0}, {1})",
+    "philox": "kr::philox({0}, {1}, {2}, {3}, {4})",
 }
 
 # reduction kind -> (identity as C++ text per dtype class, combine statement, omp clause)

@@ -46,6 +46,7 @@ _SHARED = {
     "bitwise_not": "(~{0})", "where": "tl.where({0}, {1}, {2})",
     "relu": "tl.where({0} < 0, 0, {0}).to({T})",
     "sign": "(({0} > 0).to({T}) - ({0} < 0).to({T}))",
+    "philox": "_kl_philox({0}, {1}, {2}, {3}, {4})",
 }
 
 FLOAT_OPS: dict[str, str] = {
@@ -66,6 +67,10 @@ FLOAT_OPS: dict[str, str] = {
     "minimum": "tl.minimum({0}, {1}, propagate_nan=tl.PropagateNan.ALL)",
     "remainder": "_kl_remainder_f({0}, {1})", "fmod": f"{LD}.fmod({{0}}, {{1}})",
     "atan2": f"{LD}.atan2({{0}}, {{1}})",
+    "log10": f"{LD}.log10({{0}})", "i0": f"{LD}.cyl_bessel_i0({{0}})",
+    "signbit": f"({LD}.signbit({{0}}) != 0)", "hypot": f"{LD}.hypot({{0}}, {{1}})",
+    "copysign": f"{LD}.copysign({{0}}, {{1}})", "nextafter": f"{LD}.nextafter({{0}}, {{1}})",
+    "shift_left": f"({{0}} * {LD}.exp2({{1}}))", "shift_right": f"({{0}} / {LD}.exp2({{1}}))",
 }
 
 INT_OPS: dict[str, str] = {
@@ -76,6 +81,7 @@ INT_OPS: dict[str, str] = {
     "maximum": "tl.maximum({0}, {1})", "minimum": "tl.minimum({0}, {1})",
     "remainder": "_kl_remainder_i({0}, {1})", "fmod": "_kl_fmod_i({0}, {1})",
     "pow": f"{LD}.pow({{0}}.to(tl.float64), {{1}}.to(tl.float64)).to({{T}})",
+    "signbit": "({0} < 0)", "shift_left": "_kl_shl({0}, {1})", "shift_right": "_kl_shr({0}, {1})",
 }
 
 # kind -> (identity for floats, identity for ints, per-tile combine, final cross-lane reduce).
@@ -152,6 +158,7 @@ PRELUDE = '''\
 import triton
 import triton.language as tl
 from triton.language.extra import libdevice
+from triton.language.random import philox as _tl_philox
 
 
 @triton.jit
@@ -228,4 +235,30 @@ def _kl_floordiv_f(a, b):
     q2 = tl.where(q - fq > 0.5, fq + 1, fq)
     q2 = tl.where(q == 0, libdevice.copysign(q * 0, a / b), q2)
     return tl.where(b == 0, a / b, q2)
+
+
+@triton.jit
+def _kl_shl(a, b):
+    bits = a.dtype.primitive_bitwidth
+    ok = (b >= 0) & (b < bits)
+    return tl.where(ok, a << tl.where(ok, b, 0).to(a.dtype), 0)
+
+
+@triton.jit
+def _kl_shr(a, b):
+    bits = a.dtype.primitive_bitwidth
+    ok = (b >= 0) & (b < bits)
+    return tl.where(ok, a >> tl.where(ok, b, 0).to(a.dtype), tl.where(a < 0, -1, 0))
+
+
+@triton.jit
+def _kl_philox(seed, run, stream, index, lane):
+    # same words as kr::philox: key = seed, counter = (index lo, index hi, stream, run)
+    c0 = (index & 0xFFFFFFFF).to(tl.uint32)
+    c1 = ((index >> 32) & 0xFFFFFFFF).to(tl.uint32)
+    c2 = (index * 0 + stream).to(tl.uint32)
+    c3 = (index * 0 + run).to(tl.uint32)
+    r0, r1, r2, r3 = _tl_philox(seed, c0, c1, c2, c3)
+    r = tl.where(lane == 0, r0, tl.where(lane == 1, r1, tl.where(lane == 2, r2, r3)))
+    return r.to(tl.int64)
 '''

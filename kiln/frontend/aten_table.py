@@ -22,7 +22,8 @@ UNARY = {
     "isnan": "isnan", "isinf": "isinf", "tan": "tan", "atan": "atan", "asin": "asin",
     "acos": "acos", "sinh": "sinh", "cosh": "cosh", "asinh": "asinh", "acosh": "acosh",
     "atanh": "atanh", "erfc": "erfc", "hardswish": "hardswish", "hardsigmoid": "hardsigmoid",
-    "mish": "mish", "softplus_default": "softplus",
+    "mish": "mish", "softplus_default": "softplus", "log10": "log10", "i0": "i0",
+    "special_i0": "i0", "signbit": "signbit",
 }
 BINARY = {
     "add": "add", "sub": "sub", "mul": "mul", "div": "div", "pow": "pow", "maximum": "maximum",
@@ -30,6 +31,9 @@ BINARY = {
     "logical_and": "logical_and", "logical_or": "logical_or", "logical_xor": "logical_xor",
     "remainder": "remainder", "fmod": "fmod", "atan2": "atan2", "bitwise_and": "bitwise_and",
     "bitwise_or": "bitwise_or", "bitwise_xor": "bitwise_xor", "floor_divide": "floor_divide",
+    "hypot": "hypot", "copysign": "copysign", "nextafter": "nextafter",
+    "bitwise_left_shift": "shift_left", "__lshift__": "shift_left",
+    "bitwise_right_shift": "shift_right", "__rshift__": "shift_right",
 }
 REDUCTIONS = {"sum": "sum", "amax": "max", "amin": "min", "prod": "prod", "any": "any",
               "all": "all", "mean": "mean"}
@@ -285,36 +289,6 @@ def _softmax(b, n):
     return b.emit(op, [b.tensor(n.args[0])], n, dim=n.args[1] % max(b.rank(n), 1))
 
 
-@register("aten.native_layer_norm.default")
-def _layer_norm(b, n):
-    x, shape, w, bias, eps = n.args
-    ins = [b.tensor(x)] + [b.tensor(t) for t in (w, bias) if t is not None]
-    return b.emit("layer_norm", ins, n, norm_rank=len(shape), eps=float(eps),
-                  has_weight=w is not None, has_bias=bias is not None)
-
-
-@register("aten.native_group_norm.default")
-def _group_norm(b, n):
-    """x [N, C, *] -> view [N, G, C/G * prod(*)] -> layer_norm over the last dim -> view back,
-    then the per-channel affine (weight/bias viewed as [C, 1, ...])."""
-    x, w, bias, _n, _c, _hw, groups, eps = n.args
-    shape = b.shape(x)
-    inner = shape[1] // groups
-    for d in shape[2:]:
-        inner = inner * d
-    v = b.emit("view", [b.tensor(x)], None, like=n, shape=(shape[0], groups, inner))
-    ln = b.emit("layer_norm", [v], None, like=n, shape=(shape[0], groups, inner), norm_rank=1,
-                eps=float(eps), has_weight=False, has_bias=False)
-    last = [t for t in (w, bias) if t is not None]
-    y = b.emit("view", [ln], None if last else n, like=n)
-    for t, op in ((w, "mul"), (bias, "add")):
-        if t is not None:
-            tv = b.emit("view", [b.tensor(t)], None, like=n,
-                        shape=(shape[1],) + (1,) * (len(shape) - 2))
-            y = b.emit(op, [y, tv], n if t is last[-1] else None, like=n)
-    return y
-
-
 @register("aten._native_batch_norm_legit_no_training.default")
 def _batch_norm(b, n):
     x, w, bias, mean, var, _momentum, eps = n.args
@@ -408,9 +382,11 @@ def _index(b, n):
 def _index_select(b, n):
     dim = n.args[1] % max(b.rank(n.args[0]), 1)
     if b.rank(n.args[0]) == 0:  # selecting from a scalar: the index must be 0; result = input
+        idx = b.tensor(n.args[2])
+        if b.rank(n.args[2]) != b.rank(n):  # a one-element index [1] of a 0-d result
+            idx = b.emit("view", [idx], None, like=n.args[2], shape=())
         return b.emit("index", [b.emit("view", [b.tensor(n.args[0])], None, like=n,
-                                       shape=(1,)), b.tensor(n.args[2])], n, positions=(0,),
-                      select=True)
+                                       shape=(1,)), idx], n, positions=(0,), select=True)
     return b.emit("index", [b.tensor(n.args[0]), b.tensor(n.args[2])], n, positions=(dim,),
                   select=True)
 

@@ -18,6 +18,7 @@ from torch.utils import _pytree as pytree
 
 from kiln.errors import UnsupportedError
 from kiln.frontend import fallback
+from kiln.frontend import aten_extra, aten_random  # noqa: F401 - register their converters
 from kiln.frontend.aten_high import Fallback
 from kiln.frontend.aten_table import TABLE
 from kiln.frontend.fold import fold_constants
@@ -60,6 +61,8 @@ class Builder:
         self.counter = 0
         self.ranges: dict = {}  # torch symbol -> value range (ep.range_constraints)
         self.aten_fallback = False  # unknown ops call ATen (frontend/fallback.py)
+        self.rng: str | None = None  # the random-number state input, once a random op needs it
+        self.streams = 0
 
     # -- looking at FX values ------------------------------------------------------------------
     @staticmethod
@@ -160,6 +163,30 @@ class Builder:
 
     def alias(self, node, name: str) -> str:
         return name
+
+    def rng_state(self) -> str:
+        """The int64 [2] state input (seed, run counter) that random nodes read."""
+        if self.rng is None:
+            self.rng = RNG_STATE
+            self.types[self.rng] = TensorType(dtypes.int64, (sympy.Integer(2),))
+        return self.rng
+
+    def rng_stream(self) -> int:
+        """A fresh stream number: each random node draws from its own Philox counter range."""
+        self.streams += 1
+        return self.streams
+
+
+RNG_STATE = "kiln_rng_state"
+RNG_FQN = "<rng state>"
+
+
+def _rng_update(b: Builder) -> tuple[Node, Node]:
+    """state_next = state + [0, 1]: the seed stays, the run counter advances."""
+    t = b.types[RNG_STATE]
+    step = Node(f"{RNG_STATE}_step", "iota", (), t, (("start", 0), ("step", 1)), "random")
+    nxt = Node(f"{RNG_STATE}_next", "add", (RNG_STATE, step.name), t, (), "random")
+    return step, nxt
 
 
 def _weights_and_inputs(ep: ExportedProgram, syms: SymbolTable, b: Builder):
@@ -277,18 +304,18 @@ def _all_known(ep: ExportedProgram) -> bool:
     return True
 
 
-def import_program(ep: ExportedProgram, fold: bool = True, aten_fallback: bool = False
-                   ) -> Imported:
+def import_program(ep: ExportedProgram, fold: bool = True, aten_fallback: bool = False,
+                   seed: int = 0) -> Imported:
     """Translate `ep` to Graph IR; with `fold`, weight-only subgraphs are evaluated now and
     become weights (see fold.py). When every op is one kiln converts directly (aten_high.py
     and aten_table.py), the program is imported as exported; otherwise (or when a converter
     declines) it is decomposed to core ATen first."""
     if _all_known(ep):
         try:
-            return _import(ep, fold, aten_fallback)
+            return _import(ep, fold, aten_fallback, seed)
         except Fallback:
             pass
-    return _import(ep.run_decompositions(), fold, aten_fallback)
+    return _import(ep.run_decompositions(), fold, aten_fallback, seed)
 
 
 SIZE_ASSERTS = {"aten._assert_scalar.default", "aten.sym_constrain_range_for_size.default",
@@ -367,7 +394,8 @@ def convert_node(b: Builder, n: torch.fx.Node, gm: torch.fx.GraphModule) -> None
         b.env[n.name] = result
 
 
-def _import(ep: ExportedProgram, fold: bool, aten_fallback: bool = False) -> Imported:
+def _import(ep: ExportedProgram, fold: bool, aten_fallback: bool = False, seed: int = 0
+            ) -> Imported:
     syms = SymbolTable()
     b = Builder(syms)
     b.ranges = dict(ep.range_constraints)
@@ -401,6 +429,11 @@ def _import(ep: ExportedProgram, fold: bool, aten_fallback: bool = False) -> Imp
         if name is None or name not in b.env:
             raise UnsupportedError(f"output {spec.arg} is not a tensor")
         outputs.append(b.env[name])
+    if b.rng is not None:  # random ops: the seed and run counter are state, updated per run
+        inputs = inputs + (Input(RNG_STATE, b.types[RNG_STATE], "weight", RNG_FQN),)
+        weights[RNG_STATE] = torch.tensor([seed, 0], dtype=torch.int64)
+        b.nodes.extend(_rng_update(b))
+        mutations.append((RNG_STATE, f"{RNG_STATE}_next"))
     state = {name for name, _ in mutations}
     inputs = tuple(Input(i.name, i.type, "state", i.fqn) if i.name in state else i
                    for i in inputs)

@@ -41,6 +41,42 @@ def _maximum(a, b):
     return np.maximum(a, b)
 
 
+def _shift_left(a, b):
+    bits = a.dtype.itemsize * 8
+    ok = (b >= 0) & (b < bits)
+    return np.where(ok, np.left_shift(a, np.where(ok, b, 0).astype(a.dtype)), 0)
+
+
+def _shift_right(a, b):
+    bits = a.dtype.itemsize * 8
+    ok = (b >= 0) & (b < bits)
+    return np.where(ok, np.right_shift(a, np.where(ok, b, 0).astype(a.dtype)),
+                    np.where(a < 0, -1, 0))
+
+
+def philox4x32(key: tuple, counter: tuple) -> tuple:
+    """Philox4x32-10 over numpy uint32 arrays (the kr::philox of kiln_kernels.h)."""
+    m = np.uint64(0xFFFFFFFF)
+    k0, k1 = (np.asarray(k, dtype=np.uint64) & m for k in key)
+    c0, c1, c2, c3 = (np.asarray(c, dtype=np.uint64) & m for c in counter)
+    for _ in range(10):
+        p0, p1 = np.uint64(0xD2511F53) * c0, np.uint64(0xCD9E8D57) * c2
+        c0, c1, c2, c3 = ((p1 >> np.uint64(32)) ^ c1 ^ k0, p1 & m,
+                          (p0 >> np.uint64(32)) ^ c3 ^ k1, p0 & m)
+        k0, k1 = (k0 + np.uint64(0x9E3779B9)) & m, (k1 + np.uint64(0xBB67AE85)) & m
+    return c0, c1, c2, c3
+
+
+def _philox(seed, run, stream, index, lane):
+    u = [np.asarray(x).astype(np.int64).view(np.uint64) for x in (seed, run, stream, index)]
+    words = philox4x32((u[0], u[0] >> np.uint64(32)),
+                       (u[3], u[3] >> np.uint64(32), u[2], u[1]))
+    lane = np.asarray(lane)
+    out = np.where(lane == 0, words[0], np.where(lane == 1, words[1],
+                                                  np.where(lane == 2, words[2], words[3])))
+    return out.astype(np.int64)
+
+
 NP_OPS = {
     "neg": np.negative, "exp": np.exp, "log": np.log, "sqrt": np.sqrt,
     "rsqrt": lambda x: 1 / np.sqrt(x), "tanh": np.tanh, "sigmoid": lambda x: 1 / (1 + np.exp(-x)),
@@ -61,6 +97,9 @@ NP_OPS = {
     "fmod": np.fmod, "atan2": np.arctan2, "bitwise_and": np.bitwise_and,
     "bitwise_or": np.bitwise_or, "bitwise_xor": np.bitwise_xor,
     "where": np.where,
+    "log10": np.log10, "i0": np.i0, "signbit": np.signbit, "hypot": np.hypot,
+    "copysign": np.copysign, "nextafter": np.nextafter, "shift_left": _shift_left,
+    "shift_right": _shift_right, "philox": _philox,
 }
 NP_REDUCE = {"sum": np.sum, "prod": np.prod, "max": np.max, "min": np.min, "any": np.any,
              "all": np.all, "argmax": np.argmax, "argmin": np.argmin}

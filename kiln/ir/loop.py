@@ -69,13 +69,17 @@ OPS: dict[str, int] = {
         "neg", "exp", "log", "sqrt", "rsqrt", "tanh", "sigmoid", "relu", "abs", "sin", "cos",
         "erf", "erfc", "logical_not", "reciprocal", "floor", "ceil", "round", "trunc", "log1p",
         "expm1", "sign", "exp2", "log2", "tan", "atan", "asin", "acos", "sinh", "cosh", "asinh",
-        "acosh", "atanh", "isnan", "isinf", "bitwise_not", "cast", "to_bool", "square")},
+        "acosh", "atanh", "isnan", "isinf", "bitwise_not", "cast", "to_bool", "square", "log10",
+        "i0", "signbit")},
     **{k: 2 for k in (
         "add", "sub", "mul", "div", "truediv_floor", "truediv_trunc", "pow", "maximum",
         "minimum", "eq", "ne", "lt", "le", "gt", "ge", "logical_and", "logical_or",
         "logical_xor", "remainder", "fmod", "atan2", "bitwise_and", "bitwise_or",
-        "bitwise_xor")},
+        "bitwise_xor", "hypot", "copysign", "nextafter", "shift_left", "shift_right")},
     "where": 3,
+    # Philox4x32-10 (seed, run, stream, element index, lane): lane k of the 4 outputs, as an
+    # int64 in [0, 2**32). Key = seed; counter = (index lo, index hi, stream, run).
+    "philox": 5,
 }
 
 

@@ -13,7 +13,8 @@ from dataclasses import replace
 from kiln.ir import loop as L
 from kiln.ir.graph import Graph, Node
 from kiln.ir.sym import contiguous_strides, ivars
-from kiln.lowering import control, extern, fallback, indexing, pointwise, reductions, views
+from kiln.lowering import (control, extern, fallback, indexing, pointwise, random, reductions,
+                           views)
 from kiln.lowering.core import Lazy, LowerCtx, View, from_view
 
 RULES = {
@@ -22,14 +23,16 @@ RULES = {
         "erf", "erfc", "logical_not", "reciprocal", "floor", "ceil", "round", "trunc", "log1p",
         "expm1", "sign", "exp2", "log2", "tan", "atan", "asin", "acos", "sinh", "cosh", "asinh",
         "acosh", "atanh", "isnan", "isinf", "bitwise_not", "silu", "hardswish", "hardsigmoid",
-        "mish", "softplus", "gelu", "leaky_relu", "clamp", "cast")},
+        "mish", "softplus", "gelu", "leaky_relu", "clamp", "cast", "log10", "i0", "signbit")},
     **{op: pointwise.lower_binary for op in (
         "add", "sub", "mul", "div", "pow", "maximum", "minimum", "eq", "ne", "lt", "le", "gt",
         "ge", "logical_and", "logical_or", "logical_xor", "remainder", "fmod", "atan2",
-        "bitwise_and", "bitwise_or", "bitwise_xor", "floor_divide")},
+        "bitwise_and", "bitwise_or", "bitwise_xor", "floor_divide", "hypot", "copysign",
+        "nextafter", "shift_left", "shift_right")},
     "where": pointwise.lower_where,
     "full": pointwise.lower_full,
     "iota": pointwise.lower_iota,
+    "random": random.lower_random,
     "view": views.lower_view,
     "permute": views.lower_permute,
     "expand": views.lower_expand,
@@ -37,6 +40,13 @@ RULES = {
     "select": views.lower_select,
     "cat": views.lower_cat,
     "pad": views.lower_pad,
+    "flip": views.lower_flip,
+    "roll": views.lower_roll,
+    "diagonal": views.lower_diagonal,
+    "as_strided": views.lower_as_strided,
+    "slice_scatter": views.lower_slice_scatter,
+    "diagonal_scatter": views.lower_diagonal_scatter,
+    "as_strided_scatter": views.lower_as_strided_scatter,
     "reduce": reductions.lower_reduce,
     "var": reductions.lower_var,
     "softmax": reductions.lower_softmax,

@@ -89,7 +89,7 @@ COMPOSITE_UNARY = {
     "mish": lambda x: op("mul", x, op("tanh", _softplus(x))),
     "softplus": _softplus,
 }
-BOOL_OUT_UNARY = {"isnan", "isinf", "logical_not"}
+BOOL_OUT_UNARY = {"isnan", "isinf", "logical_not", "signbit"}
 
 
 def lower_unary(ctx: LowerCtx, node: Node, args: list[Lazy]) -> Lazy:

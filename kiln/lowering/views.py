@@ -269,3 +269,181 @@ def lower_pad(ctx: LowerCtx, node: Node, args: list[Lazy]) -> Lazy:
 
 __all__ = ["lower_view", "lower_permute", "lower_expand", "lower_slice", "lower_select",
            "lower_cat", "lower_pad", "FloorDiv", "ModIdx", "product"]
+
+
+# -- more views: flip, roll, diagonal, as_strided -----------------------------------------------
+def _int_value(e) -> L.Expr:
+    return L.Index(sympy.sympify(e), dtypes.int64)
+
+
+def _all(conds: list[L.Expr]) -> L.Expr:
+    out = conds[0]
+    for c in conds[1:]:
+        out = op("logical_and", out, c, dtype=dtypes.bool_)
+    return out
+
+
+def _cmp(name: str, a, b) -> L.Expr:
+    return op(name, _int_value(a), _int_value(b), dtype=dtypes.bool_)
+
+
+def lower_flip(ctx: LowerCtx, node: Node, args: list[Lazy]) -> Lazy:
+    """An index map (not a strided view: extern consumers take only non-negative strides)."""
+    (x,) = args
+    dims = node.attr("dims")
+
+    def fn(idx: Index) -> L.Expr:
+        return x.load(tuple(sympy.expand(x.shape[d] - 1 - i) if d in dims else i
+                            for d, i in enumerate(idx)))
+
+    return Lazy(x.dtype, x.shape, fn, None, x.cost)
+
+
+def lower_roll(ctx: LowerCtx, node: Node, args: list[Lazy]) -> Lazy:
+    """out[i] = x[(i - shift) mod n] on each rolled dim (static sizes: shift taken mod n)."""
+    (x,) = args
+    shifts = dict(zip(node.attr("dims"), node.attr("shifts")))
+    for d, s in list(shifts.items()):
+        shifts[d] = s % int(x.shape[d]) if int(x.shape[d]) else 0
+
+    def fn(idx: Index) -> L.Expr:
+        src = []
+        for d, i in enumerate(idx):
+            s = shifts.get(d, 0)
+            src.append(ModIdx(i + int(x.shape[d]) - s, x.shape[d]) if s else i)
+        return x.load(tuple(src))
+
+    return Lazy(x.dtype, x.shape, fn, None, x.cost)
+
+
+def _diag_starts(offset: int):
+    return (max(0, -offset), max(0, offset))
+
+
+def lower_diagonal(ctx: LowerCtx, node: Node, args: list[Lazy]) -> Lazy:
+    """Other dims in order, then the diagonal (dim1 = start1 + k, dim2 = start2 + k)."""
+    (x,) = args
+    d1, d2 = node.attr("dim1"), node.attr("dim2")
+    s1, s2 = _diag_starts(node.attr("offset"))
+    rest = [d for d in range(x.rank) if d not in (d1, d2)]
+    shape = node.type.shape
+    if x.view is not None:
+        v = x.view
+        strides = tuple(v.strides[d] for d in rest) + (v.strides[d1] + v.strides[d2],)
+        offset = sympy.expand(v.offset + s1 * v.strides[d1] + s2 * v.strides[d2])
+        return from_view(x.dtype, shape, View(v.buf, offset, strides))
+
+    def fn(idx: Index) -> L.Expr:
+        src: list = [None] * x.rank
+        for d, i in zip(rest, idx):
+            src[d] = i
+        k = idx[-1]
+        src[d1], src[d2] = s1 + k, s2 + k
+        return x.load(tuple(src))
+
+    return Lazy(x.dtype, shape, fn, None, x.cost)
+
+
+def lower_as_strided(ctx: LowerCtx, node: Node, args: list[Lazy]) -> Lazy:
+    """A view of the input's storage as torch lays it out (`src_strides`): taken as is when
+    kiln's view of the input has those strides, else (a contiguous input) from a contiguous
+    copy; other layouts are unsupported."""
+    from kiln.errors import UnsupportedError
+    from kiln.ir.sym import contiguous_strides
+    x = args[0]
+
+    def layout(strides):  # strides of size-1 dims address nothing
+        return tuple(sympy.expand(s) for s, d in zip(strides, x.shape) if d != 1)
+
+    theirs = layout(node.attr("src_strides"))
+    ours = layout(x.view.strides) if x.view is not None else None
+    if ours != theirs:
+        if theirs != layout(contiguous_strides(x.shape)):
+            raise UnsupportedError(f"as_strided of a value whose layout kiln does not keep "
+                                   f"(node {node.name}, strides {node.attr('src_strides')})")
+        x = ctx.realize(x.origin or node.name + "_storage", x, (node.source or node.name,))
+    v = x.view
+    return from_view(x.dtype, node.type.shape, View(
+        v.buf, sympy.expand(v.offset + node.attr("offset")), tuple(node.attr("stride"))))
+
+
+# -- scatter into a view: where(element is in the view, src at its view index, input) ---------
+def lower_slice_scatter(ctx: LowerCtx, node: Node, args: list[Lazy]) -> Lazy:
+    x, src = args
+    dim, step = node.attr("dim"), node.attr("step")
+    start, _ = _clamp_slice(node.attr("start"), node.attr("end"), x.shape[dim])
+    count = src.shape[dim]
+    if count == 0:
+        return x
+
+    def fn(idx: Index) -> L.Expr:
+        rel = sympy.expand(idx[dim] - start)
+        pos = sympy.Max(sympy.Integer(0), rel)
+        conds = [_cmp("ge", rel, 0), _cmp("lt", rel, count * step)]
+        if step != 1:
+            conds.append(_cmp("eq", ModIdx(pos, step), 0))
+        k = sympy.Min(FloorDiv(pos, step), count - 1)
+        s = list(idx)
+        s[dim] = k
+        return op("where", _all(conds), src.load(tuple(s)), x.load(idx))
+
+    return Lazy(x.dtype, x.shape, fn, None, x.cost + src.cost + 4)
+
+
+def lower_diagonal_scatter(ctx: LowerCtx, node: Node, args: list[Lazy]) -> Lazy:
+    x, src = args
+    d1, d2 = node.attr("dim1"), node.attr("dim2")
+    s1, s2 = _diag_starts(node.attr("offset"))
+    count = src.shape[-1]
+    rest = [d for d in range(x.rank) if d not in (d1, d2)]
+    if count == 0:
+        return x
+
+    def fn(idx: Index) -> L.Expr:
+        k = sympy.expand(idx[d1] - s1)
+        conds = [_cmp("eq", k, idx[d2] - s2), _cmp("ge", k, 0), _cmp("lt", k, count)]
+        at = tuple(idx[d] for d in rest) + (sympy.Max(sympy.Integer(0),
+                                                      sympy.Min(k, count - 1)),)
+        return op("where", _all(conds), src.load(at), x.load(idx))
+
+    return Lazy(x.dtype, x.shape, fn, None, x.cost + src.cost + 6)
+
+
+def lower_as_strided_scatter(ctx: LowerCtx, node: Node, args: list[Lazy]) -> Lazy:
+    """Invert the strided map: with dims sorted by decreasing stride and each stride larger
+    than the span of all smaller ones, element p - offset has at most one preimage, found
+    digit by digit (p // stride, p % stride). Other layouts (overlapping) are unsupported."""
+    from kiln.errors import UnsupportedError
+    from kiln.ir.sym import contiguous_strides
+    x, src = args
+    size, stride, offset = node.attr("size"), node.attr("stride"), node.attr("offset")
+    if any(not sympy.sympify(v).is_Integer for v in (*size, *stride, offset)):
+        raise UnsupportedError(f"as_strided_scatter with dynamic sizes (node {node.name})")
+    size = [int(s) for s in size]
+    stride = [int(s) for s in stride]
+    if 0 in size:
+        return x
+    dims = sorted((d for d in range(len(size)) if size[d] != 1), key=lambda d: -stride[d])
+    span = 0
+    for d in reversed(dims):
+        if stride[d] <= span:
+            raise UnsupportedError(f"as_strided_scatter with overlapping strides {stride} "
+                                   f"(node {node.name})")
+        span += (size[d] - 1) * stride[d]
+    flat_strides = contiguous_strides(x.shape)
+
+    def fn(idx: Index) -> L.Expr:
+        rel = sympy.expand(linear_index(idx, flat_strides) - int(offset))
+        rem = sympy.Max(sympy.Integer(0), rel)
+        at: list = [sympy.Integer(0)] * len(size)
+        conds = [_cmp("ge", rel, 0)]
+        for d in dims:
+            q = FloorDiv(rem, stride[d])
+            conds.append(_cmp("lt", q, size[d]))
+            at[d] = sympy.Min(q, size[d] - 1)
+            rem = ModIdx(rem, stride[d])
+        if rem != 0:
+            conds.append(_cmp("eq", rem, 0))
+        return op("where", _all(conds), src.load(tuple(at)), x.load(idx))
+
+    return Lazy(x.dtype, x.shape, fn, None, x.cost + src.cost + 2 * len(dims) + 2)

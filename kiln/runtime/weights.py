@@ -3,7 +3,8 @@
 written as a safetensors file keyed by kiln's weight names.
 
 Every weight the model uses must be given, with its dtype and shape; keys the model does not
-use (e.g. buffers dead code elimination removed) are ignored."""
+use (e.g. buffers dead code elimination removed) are ignored. The random-number state of
+models with random ops may be left out: it restarts at the compiled seed, run 0."""
 
 from __future__ import annotations
 
@@ -16,6 +17,8 @@ import torch
 from safetensors.torch import save_file
 
 from kiln.errors import InputError
+
+RNG_FQN = "<rng state>"  # kiln.frontend.export.RNG_FQN (the runtime imports no compiler code)
 
 
 def checked_tensors(manifest: Mapping[str, Any], state: Mapping[str, Any]
@@ -42,6 +45,10 @@ def checked_tensors(manifest: Mapping[str, Any], state: Mapping[str, Any]
                          f"compile time ({', '.join(folded)}); new weights would not reach "
                          "them. Compile with kiln.Options(fold_constants=False) to update "
                          "weights")
+    for w in specs:  # the random-number state restarts at (the compile-time seed, run 0)
+        if w["fqn"] == RNG_FQN and w["name"] not in out:
+            seed = int(manifest.get("options", {}).get("seed", 0))
+            out[w["name"]] = torch.tensor([seed, 0], dtype=torch.int64)
     missing = [w["fqn"] or w["name"] for w in specs if w["name"] not in out]
     if missing:
         raise InputError(f"update_weights: missing weights {missing}")

@@ -147,5 +147,71 @@ template <class T> inline T pow(T a, T b) {
   }
 }
 
+template <class T> inline bool signbit(T x) {
+  if constexpr (std::is_floating_point_v<T>) return std::signbit(x); else return x < T(0);
+}
+/* Modified Bessel function I0, in double: the power series sum ((x/2)^k / k!)^2 up to
+ * |x| = 30, above it the asymptotic series e^x / sqrt(2 pi x) * sum ((2k-1)!!)^2 / (k! (8x)^k),
+ * with e^x in T (overflowing where torch's does).
+ * (std::cyl_bessel_i throws for negative or large arguments.) */
+template <class T> inline T i0(T v) {
+  const double x = std::fabs(double(v));
+  if (x != x) return T(x);
+  double sum = 1, term = 1;
+  if (x <= 30.0) {
+    const double q = x * x / 4;
+    for (int k = 1; k < 200 && term > sum * 1e-17; ++k) {
+      term *= q / (double(k) * k);
+      sum += term;
+    }
+    return T(sum);
+  }
+  const double inv = 1 / (8 * x);
+  for (int k = 1; k < 40 && term > sum * 1e-17; ++k) {
+    term *= (2.0 * k - 1) * (2.0 * k - 1) * inv / k;
+    sum += term;
+  }
+  // e^x in T, as torch computes it: float results are inf from x = 88.72 on, double from 709.78
+  const T ex = std::exp(T(x));
+  return T(double(ex) * (sum / std::sqrt(2 * 3.14159265358979323846 * x)));
+}
+/* Shifts as torch defines them: a count outside [0, bits) shifts every bit out (a right shift
+ * of a negative value leaves -1); a left shift is done on the unsigned type (no UB). */
+template <class T> inline T shift_left(T a, T b) {
+  if constexpr (std::is_integral_v<T>) {
+    using U = std::make_unsigned_t<T>;
+    if (b < T(0) || b >= T(sizeof(T) * 8)) return T(0);
+    return T(U(a) << b);
+  } else {
+    return a * std::exp2(b);
+  }
+}
+template <class T> inline T shift_right(T a, T b) {
+  if constexpr (std::is_integral_v<T>) {
+    if (b < T(0) || b >= T(sizeof(T) * 8)) return std::is_signed_v<T> && a < T(0) ? T(-1) : T(0);
+    return T(a >> b);
+  } else {
+    return a / std::exp2(b);
+  }
+}
+/* Philox4x32-10 (Salmon et al., SC'11): key (seed lo, seed hi), counter (index lo, index hi,
+ * stream, run); returns output word `lane` (0..3) as an int64 in [0, 2^32). */
+inline int64_t philox(int64_t seed, int64_t run, int64_t stream, int64_t index, int64_t lane) {
+  uint32_t k0 = uint32_t(uint64_t(seed)), k1 = uint32_t(uint64_t(seed) >> 32);
+  uint32_t c0 = uint32_t(uint64_t(index)), c1 = uint32_t(uint64_t(index) >> 32);
+  uint32_t c2 = uint32_t(uint64_t(stream)), c3 = uint32_t(uint64_t(run));
+  for (int r = 0; r < 10; ++r) {
+    const uint64_t p0 = uint64_t(0xD2511F53u) * c0, p1 = uint64_t(0xCD9E8D57u) * c2;
+    const uint32_t n0 = uint32_t(p1 >> 32) ^ c1 ^ k0, n2 = uint32_t(p0 >> 32) ^ c3 ^ k1;
+    c1 = uint32_t(p1);
+    c3 = uint32_t(p0);
+    c0 = n0;
+    c2 = n2;
+    k0 += 0x9E3779B9u;
+    k1 += 0xBB67AE85u;
+  }
+  return int64_t(lane == 0 ? c0 : lane == 1 ? c1 : lane == 2 ? c2 : c3);
+}
+
 }  // namespace kr
 #endif
