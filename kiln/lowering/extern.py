@@ -9,9 +9,9 @@ import sympy
 from kiln.ir import dtypes
 from kiln.ir import loop as L
 from kiln.ir.graph import Node
-from kiln.ir.sym import FloorDiv, ModIdx, contiguous_strides, ivars
+from kiln.ir.sym import FloorDiv, ModIdx, contiguous_strides, ivars, rvars
 from kiln.lowering.core import Lazy, LowerCtx, View, from_view
-from kiln.lowering.pointwise import const, op
+from kiln.lowering.pointwise import cast, const, op
 
 
 def _blas_ok(strides) -> bool:
@@ -39,11 +39,28 @@ def gemm(ctx: LowerCtx, name: str, a: Lazy, b: Lazy, batch, source, dt) -> Lazy:
 
 def lower_matmul(ctx: LowerCtx, node: Node, args: list[Lazy]) -> Lazy:
     a, b = args
+    batch = node.type.shape[:-2]
+    if not node.type.dtype.is_float:
+        return int_matmul(ctx, node, a, b)
     if node.type.dtype.name not in ("float32", "float64"):
         from kiln.errors import UnsupportedError
         raise UnsupportedError(f"matmul of dtype {node.type.dtype} (node {node.name})")
-    batch = node.type.shape[:-2]
     return gemm(ctx, node.name, a, b, batch, (node.source or node.name,), node.type.dtype)
+
+
+def int_matmul(ctx: LowerCtx, node: Node, a: Lazy, b: Lazy) -> Lazy:
+    """Integer matmul (BLAS has none): a generated reduction over k, exact, wrapping on
+    overflow in the output dtype like eager."""
+    dt = node.type.dtype
+    if dt == dtypes.bool_:
+        from kiln.errors import UnsupportedError
+        raise UnsupportedError(f"matmul of dtype bool (node {node.name})")
+    nb = len(node.type.shape) - 2
+    iv, (r,) = ivars(nb + 2), rvars(1)
+    body = op("mul", cast(a.load((*iv[:nb], iv[nb], r)), dt),
+              cast(b.load((*iv[:nb], r, iv[nb + 1])), dt))
+    return ctx.reduction(node.name, dt, node.type.shape, "sum", (a.shape[-1],), body,
+                         (node.source or node.name,))
 
 
 def lower_conv2d(ctx: LowerCtx, node: Node, args: list[Lazy]) -> Lazy:
