@@ -1,0 +1,337 @@
+"""Lowering rules for spatial ops, generic over the number of spatial dims (1-D, 2-D, 3-D):
+pooling (max with indices, avg, adaptive), convolution (im2col + batched GEMM; transposed
+convolution gathers from the input instead of scattering into the output), upsampling and
+grid sampling (gather-style index maps: pointwise values that fuse into their consumers).
+
+Tensors are [*lead, *spatial] with the spatial dims last (NC* or C*)."""
+
+from __future__ import annotations
+
+import sympy
+
+from kiln.errors import UnsupportedError
+from kiln.ir import dtypes
+from kiln.ir import loop as L
+from kiln.ir.graph import Node
+from kiln.ir.sym import FloorDiv, ModIdx, contiguous_strides, ivars, product, rvars
+from kiln.lowering.core import Lazy, LowerCtx, View, from_view, pointwise
+from kiln.lowering.extern import gemm
+from kiln.lowering.pointwise import cast, const, op
+
+I64, BOOL = dtypes.int64, dtypes.bool_
+
+
+def _all(conds):
+    out = None
+    for c in conds:
+        out = c if out is None else op("logical_and", out, c, dtype=BOOL)
+    return out
+
+
+def _cmp(name: str, a: sympy.Expr, b: sympy.Expr) -> L.Expr:
+    return op(name, L.Index(sympy.sympify(a), I64), L.Index(sympy.sympify(b), I64), dtype=BOOL)
+
+
+def _clamp(pos, size):
+    return sympy.Max(sympy.Integer(0), sympy.Min(pos, size - 1))
+
+
+def lowest(dt):
+    """Padding value of a max pool: -inf, or the smallest integer (int64: INT64_MIN + 1, which
+    C++ can spell as a literal; it differs only for a window whose elements all equal
+    INT64_MIN)."""
+    if dt.is_float:
+        return float("-inf")
+    if not dt.is_signed:
+        return 0
+    return -(2 ** (8 * dt.itemsize - 1)) + (dt.itemsize == 8)
+
+
+def _size_value(n, dt) -> L.Expr:
+    n = sympy.sympify(n)
+    if n.is_Integer:
+        return const(int(n), dt)
+    return cast(L.Index(n, I64), dt)
+
+
+# -- pooling -----------------------------------------------------------------------------------
+def _window(x: Lazy, lead: int, out_idx, r, kernel, stride, padding, dilation, ceil_mode):
+    """Source index (positions clamped into the input) and in-bounds condition of window
+    element r of the output at out_idx (spatial part)."""
+    src, conds = [], []
+    for a in range(len(kernel)):
+        pos = sympy.expand(out_idx[a] * stride[a] + r[a] * dilation[a] - padding[a])
+        size = x.shape[lead + a]
+        if padding[a]:
+            conds.append(_cmp("ge", pos, 0))
+        if padding[a] or ceil_mode:
+            conds.append(_cmp("lt", pos, size))
+            pos = _clamp(pos, size)
+        src.append(pos)
+    return src, _all(conds)
+
+
+def _pool_reduce(ctx, node, x, kind, name, pad_value, want_dtype):
+    kernel, stride = node.attr("kernel"), node.attr("stride")
+    padding = node.attr("padding")
+    dilation = node.attr("dilation", (1,) * len(kernel))
+    d = len(kernel)
+    lead = x.rank - d
+    iv, rv = ivars(x.rank), rvars(d)
+    src, cond = _window(x, lead, iv[lead:], rv, kernel, stride, padding, dilation,
+                        node.attr("ceil_mode"))
+    body = cast(x.load((*iv[:lead], *src)), x.dtype if kind == "argmax" else want_dtype)
+    if cond is not None:
+        body = op("where", cond, body, const(pad_value, body.dtype))
+    return ctx.reduction(name, want_dtype if kind != "argmax" else I64, node.type.shape, kind,
+                         tuple(kernel), body, (node.source or node.name,))
+
+
+def lower_max_pool(ctx: LowerCtx, node: Node, args: list[Lazy]) -> Lazy:
+    """Values: a max over the window (padding never wins). Indices: the argmax over the same
+    window, mapped back to the flat position in the input's spatial dims (like eager)."""
+    (x,) = args
+    dt = node.type.dtype
+    if node.attr("want") == "values":
+        return _pool_reduce(ctx, node, x, "max", node.name, lowest(dt), dt)
+    best = _pool_reduce(ctx, node, x, "argmax", node.name + "_arg", lowest(x.dtype), I64)
+    kernel, stride, padding = node.attr("kernel"), node.attr("stride"), node.attr("padding")
+    dilation = node.attr("dilation")
+    d = len(kernel)
+    lead = x.rank - d
+    in_strides = contiguous_strides(x.shape[lead:])
+    k_strides = contiguous_strides(kernel)
+
+    def fn(idx):
+        k = best.load(idx)
+        flat = None
+        for a in range(d):
+            ra = op("remainder", op("truediv_floor", k, const(k_strides[a], I64)),
+                    const(kernel[a], I64))
+            pos = op("add", L.Index(sympy.expand(idx[lead + a] * stride[a] - padding[a]), I64),
+                     op("mul", ra, const(dilation[a], I64)))
+            term = op("mul", pos, _size_value(in_strides[a], I64))
+            flat = term if flat is None else op("add", flat, term)
+        return flat
+
+    return pointwise(I64, node.type.shape, fn, best)
+
+
+def lower_avg_pool(ctx: LowerCtx, node: Node, args: list[Lazy]) -> Lazy:
+    (x,) = args
+    kernel, stride, padding = node.attr("kernel"), node.attr("stride"), node.attr("padding")
+    d = len(kernel)
+    lead = x.rank - d
+    dt = node.type.dtype
+    s = _pool_reduce(ctx, node, x, "sum", node.name + "_sum", 0, dt)
+    iv = ivars(x.rank)
+    if node.attr("divisor"):
+        count = sympy.Integer(node.attr("divisor"))
+    else:
+        count = sympy.Integer(1)
+        for a in range(d):
+            start = iv[lead + a] * stride[a] - padding[a]
+            size = x.shape[lead + a]
+            if node.attr("count_include_pad"):  # the window clipped to the padded input
+                count = count * (sympy.Min(start + kernel[a], size + padding[a]) - start)
+            else:  # the window clipped to the input
+                count = count * (sympy.Min(start + kernel[a], size) - sympy.Max(start, 0))
+    return pointwise(dt, node.type.shape, lambda idx: op(
+        "div", s.load(idx), _size_value(count.subs(dict(zip(iv, idx)), simultaneous=True), dt)),
+        s)
+
+
+def _adaptive_bounds(i, size, out):
+    """[start, end) of adaptive window i: floor(i * size / out), ceil((i + 1) * size / out)."""
+    return FloorDiv(i * size, out), FloorDiv((i + 1) * size + out - 1, out)
+
+
+def _max_window(size, out):
+    """An upper bound of the adaptive window length over all outputs (exact for static sizes)."""
+    size, out = sympy.sympify(size), sympy.sympify(out)
+    if size.is_Integer and out.is_Integer:
+        s, o = int(size), int(out)
+        return sympy.Integer(max(((i + 1) * s + o - 1) // o - (i * s) // o for i in range(o))
+                             if o else 0)
+    return FloorDiv(size + out - 1, out) + 1
+
+
+def lower_adaptive_pool(ctx: LowerCtx, node: Node, args: list[Lazy]) -> Lazy:
+    """Windows of varying length: a reduction over the longest window, masking the rest."""
+    (x,) = args
+    d = node.attr("dims")
+    lead = x.rank - d
+    dt = node.type.dtype
+    out_sp, in_sp = node.type.shape[lead:], x.shape[lead:]
+    iv = ivars(x.rank)
+    bounds = [_adaptive_bounds(iv[lead + a], in_sp[a], out_sp[a]) for a in range(d)]
+    sizes = tuple(_max_window(in_sp[a], out_sp[a]) for a in range(d))
+    rv = rvars(d)
+    src, conds = [], []
+    for a in range(d):
+        start, end = bounds[a]
+        pos = start + rv[a]
+        length = sympy.sympify(end - start)
+        if not (sizes[a].is_Integer and length.is_Integer and length == sizes[a]):
+            conds.append(_cmp("lt", pos, end))
+            pos = sympy.Min(pos, in_sp[a] - 1)
+        src.append(pos)
+    cond = _all(conds)
+    kind = node.attr("kind")
+    source = (node.source or node.name,)
+    if kind == "avg":
+        body = cast(x.load((*iv[:lead], *src)), dt)
+        if cond is not None:
+            body = op("where", cond, body, const(0, dt))
+        s = ctx.reduction(node.name + "_sum", dt, node.type.shape, "sum", sizes, body, source)
+        count = product([end - start for start, end in bounds])
+        return pointwise(dt, node.type.shape, lambda idx: op(
+            "div", s.load(idx), _size_value(count.subs(dict(zip(iv, idx)), simultaneous=True),
+                                            dt)), s)
+    body = x.load((*iv[:lead], *src))
+    if cond is not None:
+        body = op("where", cond, body, const(lowest(x.dtype), x.dtype))
+    if node.attr("want") == "values":
+        return ctx.reduction(node.name, dt, node.type.shape, "max", sizes, body, source)
+    best = ctx.reduction(node.name + "_arg", I64, node.type.shape, "argmax", sizes, body,
+                         source)
+    in_strides = contiguous_strides(in_sp)
+    k_strides = contiguous_strides(sizes)
+
+    def fn(idx):
+        k = best.load(idx)
+        sub = dict(zip(iv, idx))
+        flat = None
+        for a in range(d):
+            ra = op("remainder", op("truediv_floor", k, _size_value(k_strides[a], I64)),
+                    _size_value(sizes[a], I64))
+            pos = op("add", L.Index(sympy.sympify(bounds[a][0]).subs(sub, simultaneous=True),
+                                    I64), ra)
+            term = op("mul", pos, _size_value(in_strides[a], I64))
+            flat = term if flat is None else op("add", flat, term)
+        return flat
+
+    return pointwise(I64, node.type.shape, fn, best)
+
+
+# -- convolution -------------------------------------------------------------------------------
+def _unflatten(flat, sizes):
+    """Row-major digits of a flat index over `sizes`."""
+    out = []
+    strides = contiguous_strides(sizes)
+    for a in range(len(sizes)):
+        q = FloorDiv(flat, strides[a]) if strides[a] != 1 else flat
+        out.append(ModIdx(q, sizes[a]) if a else q)
+    return out
+
+
+def lower_conv(ctx: LowerCtx, node: Node, args: list[Lazy]) -> Lazy:
+    """out[n, g, oc, o] = sum over (ic, k) of W[g, oc, (ic, k)] * cols[n, g, (ic, k), o]:
+    one batched GEMM over (batch, group). `cols` is the im2col matrix; for a transposed
+    convolution it gathers input element (o + padding - k * dilation) / stride where that
+    divides exactly (the zero-inserted input is never materialised)."""
+    x, w = args
+    stride, padding = node.attr("stride"), node.attr("padding")
+    dilation, g = node.attr("dilation"), node.attr("groups")
+    transposed = node.attr("transposed")
+    dt = node.type.dtype
+    if not dt.is_float:
+        raise UnsupportedError(f"convolution of dtype {dt} (node {node.name})")
+    n, c = x.shape[:2]
+    in_sp, out_sp, ksz = x.shape[2:], node.type.shape[2:], w.shape[2:]
+    o_total = node.type.shape[1]
+    src = (node.source or node.name,)
+    cg, og = c // g, o_total // g
+    kk = product(ksz)
+    ckk = cg * kk
+    npix = product(out_sp)
+    trivial = (not transposed and all(k == 1 for k in ksz) and all(s == 1 for s in stride)
+               and not any(padding))
+    if trivial:  # 1x1, stride 1: the input is the column matrix
+        if x.view is None or x.view.offset != 0 or tuple(x.view.strides) != \
+                contiguous_strides(x.shape):
+            x = ctx.realize(node.name + "_input", x, src)
+        cols = ctx.buffer_lazy(x.view.buf, dt, (n, g, cg, npix))
+    else:
+        gather = _transposed_cols if transposed else _im2col
+        cols = ctx.realize(node.name + "_im2col", gather(
+            x, (n, g, ckk, npix), cg, ksz, out_sp, in_sp, stride, padding, dilation), src)
+    if transposed:  # weight [C_in, C_out / g, *k] -> [g, og, (cg, k)]: a small copy
+        wm = _transposed_weight(w, g, cg, og, ksz)
+        wm = ctx.realize(node.name + "_weight", wm, src)
+        wv = wm.view
+        wmat = from_view(dt, (n, g, og, ckk), View(wv.buf, wv.offset, (
+            sympy.Integer(0), og * ckk, ckk, sympy.Integer(1))))
+    else:
+        wv = w
+        if w.view is None or tuple(w.view.strides) != contiguous_strides(w.shape):
+            wv = ctx.realize(node.name + "_weight", w, src)
+        wmat = from_view(dt, (n, g, og, ckk), View(wv.view.buf, wv.view.offset, (
+            sympy.Integer(0), og * ckk, ckk, sympy.Integer(1))))
+    out = gemm(ctx, node.name, wmat, cols, (n, g), src, dt)
+    return from_view(dt, node.type.shape, View(out.view.buf, sympy.Integer(0),
+                                               contiguous_strides(node.type.shape)))
+
+
+def _im2col(x: Lazy, shape, cg, ksz, out_sp, in_sp, stride, padding, dilation) -> Lazy:
+    dt = x.dtype
+    d = len(ksz)
+
+    def fn(idx):
+        b, g, row, col = idx
+        ci = FloorDiv(row, product(ksz))
+        ks = _unflatten(ModIdx(row, product(ksz)), ksz)
+        os_ = _unflatten(col, out_sp)
+        pos, conds = [], []
+        for a in range(d):
+            p = os_[a] * stride[a] + ks[a] * dilation[a] - padding[a]
+            if padding[a]:
+                conds += [_cmp("ge", p, 0), _cmp("lt", p, in_sp[a])]
+                p = _clamp(p, in_sp[a])
+            pos.append(p)
+        v = x.load((b, g * cg + ci, *pos))
+        cond = _all(conds)
+        return v if cond is None else op("where", cond, v, const(0, dt))
+
+    return Lazy(dt, tuple(shape), fn, None, 6)
+
+
+def _transposed_cols(x: Lazy, shape, cg, ksz, out_sp, in_sp, stride, padding, dilation):
+    """cols[n, g, (ci, k), o] = x[n, g * cg + ci, i] with i * stride = o + padding - k *
+    dilation (per dim), 0 where that has no integer solution inside the input."""
+    dt = x.dtype
+    d = len(ksz)
+
+    def fn(idx):
+        b, g, row, col = idx
+        ci = FloorDiv(row, product(ksz))
+        ks = _unflatten(ModIdx(row, product(ksz)), ksz)
+        os_ = _unflatten(col, out_sp)
+        pos, conds = [], []
+        for a in range(d):
+            # shifted by `shift` strides so the dividend is never negative
+            shift = ((ksz[a] - 1) * dilation[a]) // stride[a] + 1
+            t = os_[a] + padding[a] + shift * stride[a] - ks[a] * dilation[a]
+            if stride[a] != 1:
+                conds.append(_cmp("eq", ModIdx(t, stride[a]), 0))
+            i = FloorDiv(t, stride[a]) - shift
+            conds += [_cmp("ge", i, 0), _cmp("lt", i, in_sp[a])]
+            pos.append(_clamp(i, in_sp[a]))
+        v = x.load((b, g * cg + ci, *pos))
+        return op("where", _all(conds), v, const(0, dt))
+
+    return Lazy(dt, tuple(shape), fn, None, 8)
+
+
+def _transposed_weight(w: Lazy, g, cg, og, ksz) -> Lazy:
+    """The weight [C_in, C_out / g, *k] regrouped as [g, og, (cg, k)] (no flip: the gather
+    in `_transposed_cols` already indexes by kernel offset)."""
+    kk = product(ksz)
+
+    def fn(idx):
+        gi, oc, row = idx
+        ci = FloorDiv(row, kk)
+        ks = _unflatten(ModIdx(row, kk), ksz)
+        return w.load((gi * cg + ci, oc, *ks))
+
+    return Lazy(w.dtype, (g, og, cg * kk), fn, None, 0)
