@@ -47,6 +47,8 @@ RULES = {
     "avg_pool": spatial.lower_avg_pool,
     "adaptive_pool": spatial.lower_adaptive_pool,
     "conv": spatial.lower_conv,
+    "upsample": spatial.lower_upsample,
+    "grid_sample": spatial.lower_grid_sample,
     "embedding": indexing.lower_embedding,
     "index": indexing.lower_index,
     "gather": indexing.lower_gather,

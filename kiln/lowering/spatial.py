@@ -16,6 +16,7 @@ from kiln.ir.graph import Node
 from kiln.ir.sym import FloorDiv, ModIdx, contiguous_strides, ivars, product, rvars
 from kiln.lowering.core import Lazy, LowerCtx, View, from_view, pointwise
 from kiln.lowering.extern import gemm
+from kiln.lowering.indexing import indirect_load
 from kiln.lowering.pointwise import cast, const, op
 
 I64, BOOL = dtypes.int64, dtypes.bool_
@@ -335,3 +336,264 @@ def _transposed_weight(w: Lazy, g, cg, og, ksz) -> Lazy:
         return w.load((gi * cg + ci, oc, *ks))
 
     return Lazy(w.dtype, (g, og, cg * kk), fn, None, 0)
+
+
+# -- upsampling --------------------------------------------------------------------------------
+# One dim of an upsampling is a list of taps (source index, weight): the output element is the
+# sum over every combination of one tap per dim of the product of their weights times the
+# input there. A source index is a sympy expression when it is affine in the output index (no
+# copy, vectorisable) and else a Loop IR int64 value (an indirect load). Source coordinates are
+# computed in the same precision as eager (float32 for nearest; the op's float type for linear
+# and cubic), so the indices agree with eager bit for bit.
+
+CUBIC_A = -0.75
+
+
+def _np(dt):
+    import numpy as np
+    return np.float32 if dt == dtypes.float32 else np.float64
+
+
+def _index_value(o) -> L.Expr:
+    return o if isinstance(o, L.Op) else L.Index(sympy.sympify(o), I64)
+
+
+def _float_of(v, dt) -> L.Expr:
+    return cast(_index_value(v), dt)
+
+
+def _ratio(num, den, dt) -> L.Expr:
+    """num / den in dt, rounded like C++ (folded when both are static)."""
+    num, den = sympy.sympify(num), sympy.sympify(den)
+    if num.is_Integer and den.is_Integer:
+        t = _np(dt)
+        return const(float(t(int(num)) / t(int(den))), dt)
+    return op("div", _float_of(num, dt), _float_of(den, dt))
+
+
+def _scale(size, out, align: bool, given, dt) -> L.Expr:
+    """Source coordinate per output step (eager's area_pixel_compute_scale)."""
+    if align:
+        out = sympy.sympify(out)
+        if out.is_Integer:
+            return _ratio(size - 1, out - 1, dt) if int(out) > 1 else const(0, dt)
+        return op("where", _cmp("gt", out, 1), _ratio(size - 1, out - 1, dt), const(0, dt))
+    if given is not None and given > 0:
+        return const(float(_np(dt)(1.0 / given)), dt)
+    return _ratio(size, out, dt)
+
+
+def _source_coord(scale: L.Expr, o, align: bool, clamp_low: bool, dt) -> L.Expr:
+    """Eager's area_pixel_compute_source_index."""
+    of = _float_of(o, dt)
+    if align:
+        return op("mul", scale, of)
+    src = op("sub", op("mul", scale, op("add", of, const(0.5, dt))), const(0.5, dt))
+    return op("maximum", src, const(0, dt)) if clamp_low else src
+
+
+def _to_index(v: L.Expr) -> L.Expr:
+    return cast(op("floor", v), I64)
+
+
+def _imin(a: L.Expr, b) -> L.Expr:
+    return op("minimum", a, _index_value(b))
+
+
+def _imax(a: L.Expr, b) -> L.Expr:
+    return op("maximum", a, _index_value(b))
+
+
+def _nearest_taps(o, size, out, given, exact: bool):
+    out, size = sympy.sympify(out), sympy.sympify(size)
+    if not exact and (given is None or given == 1.0) and sympy.expand(out - size) == 0:
+        return [(o, None)]
+    if not exact and given is None and sympy.expand(out - 2 * size) == 0:
+        return [(FloorDiv(o, 2), None)]
+    f32 = dtypes.float32
+    scale = _scale(size, out, False, given, f32)
+    of = _float_of(o, f32)
+    if exact:
+        of = op("add", of, const(0.5, f32))
+    return [(_imin(_to_index(op("mul", of, scale)), size - 1), None)]
+
+
+def _linear_taps(o, size, out, given, align: bool, dt):
+    if sympy.expand(sympy.sympify(out) - size) == 0 and (given is None or given == 1.0):
+        return [(o, None)]
+    real = _source_coord(_scale(size, out, align, given, dt), o, align, True, dt)
+    i0 = _imin(_to_index(real), size - 1)
+    lam = op("minimum", op("maximum", op("sub", real, cast(i0, dt)), const(0, dt)),
+             const(1, dt))
+    i1 = op("add", i0, cast(op("lt", i0, _index_value(size - 1), dtype=BOOL), I64))
+    return [(i0, op("sub", const(1, dt), lam)), (i1, lam)]
+
+
+def _cubic_taps(o, size, out, given, align: bool, dt):
+    real = _source_coord(_scale(size, out, align, given, dt), o, align, False, dt)
+    fl = op("floor", real)
+    t = op("sub", real, fl)
+    base = cast(fl, I64)
+    a = const(CUBIC_A, dt)
+
+    def near(x):  # |x| <= 1: ((A + 2) x - (A + 3)) x x + 1
+        return op("add", op("mul", op("mul", op("sub", op("mul", const(CUBIC_A + 2, dt), x),
+                                                   const(CUBIC_A + 3, dt)), x), x),
+                  const(1, dt))
+
+    def far(x):  # 1 < |x| < 2: ((A x - 5A) x + 8A) x - 4A
+        return op("sub", op("mul", op("add", op("mul", op("sub", op("mul", a, x),
+                                                             const(5 * CUBIC_A, dt)), x),
+                                             const(8 * CUBIC_A, dt)), x),
+                  const(4 * CUBIC_A, dt))
+
+    one = const(1, dt)
+    weights = [far(op("add", t, one)), near(t), near(op("sub", one, t)),
+               far(op("sub", const(2, dt), t))]
+    taps = []
+    for j, w in enumerate(weights):
+        i = _imin(_imax(op("add", base, const(j - 1, I64)), 0), size - 1)
+        taps.append((i, w))
+    return taps
+
+
+def _gather(ctx: LowerCtx, x: Lazy, name: str, src) -> L.Expr:
+    """x at `src`, whose entries are sympy index expressions or Loop IR int64 values."""
+    data = {d: v for d, v in enumerate(src) if isinstance(v, L.Expr)}
+    if not data:
+        return x.load(tuple(src))
+    plain = [None if d in data else v for d, v in enumerate(src)]
+    return indirect_load(x, plain, data, wrap=False)
+
+
+def _combine(ctx, x: Lazy, lead_idx, per_dim, dt) -> L.Expr:
+    total = None
+    for combo in _product(per_dim):
+        w = None
+        for _i, wt in combo:
+            if wt is not None:
+                w = wt if w is None else op("mul", w, wt)
+        v = cast(_gather(ctx, x, "", [*lead_idx, *(i for i, _ in combo)]), dt)
+        term = v if w is None else op("mul", w, v)
+        total = term if total is None else op("add", total, term)
+    return total
+
+
+def _product(lists):
+    out = [[]]
+    for taps in lists:
+        out = [c + [t] for c in out for t in taps]
+    return out
+
+
+def lower_upsample(ctx: LowerCtx, node: Node, args: list[Lazy]) -> Lazy:
+    (x,) = args
+    mode, align = node.attr("mode"), node.attr("align_corners")
+    scales = node.attr("scales")
+    d = len(scales)
+    lead = x.rank - d
+    dt = node.type.dtype
+    if mode != "nearest" and mode != "nearest_exact" and not dt.is_float:
+        raise UnsupportedError(f"{mode} upsampling of dtype {dt} (node {node.name})")
+    if x.view is None:
+        x = ctx.realize(node.name + "_src", x, (node.source or node.name,))
+    in_sp, out_sp = x.shape[lead:], node.type.shape[lead:]
+
+    def fn(idx):
+        per_dim = []
+        for a in range(d):
+            o, size, out, given = idx[lead + a], in_sp[a], out_sp[a], scales[a]
+            if mode in ("nearest", "nearest_exact"):
+                per_dim.append(_nearest_taps(o, size, out, given, mode == "nearest_exact"))
+            elif mode == "linear":
+                per_dim.append(_linear_taps(o, size, out, given, align, dt))
+            else:
+                per_dim.append(_cubic_taps(o, size, out, given, align, dt))
+        return _combine(ctx, x, idx[:lead], per_dim, dt)
+
+    return pointwise(dt, node.type.shape, fn, x)
+
+
+# -- grid sampling -----------------------------------------------------------------------------
+def _reflect(c: L.Expr, low2: int | sympy.Expr, high2, dt) -> L.Expr:
+    """Reflect c into [low2 / 2, high2 / 2] (eager's reflect_coordinates)."""
+    lo = _ratio(low2, 2, dt) if not isinstance(low2, L.Expr) else low2
+    span = _ratio(sympy.sympify(high2) - low2, 2, dt)
+    c = op("abs", op("sub", c, lo))
+    extra = op("fmod", c, span)
+    flips = op("floor", op("div", c, span))
+    even = op("eq", op("fmod", flips, const(2, dt)), const(0, dt), dtype=BOOL)
+    return op("where", even, op("add", extra, lo), op("add", op("sub", span, extra), lo))
+
+
+def _grid_coord(g: L.Expr, size, padding: str, align: bool, dt) -> L.Expr:
+    """Grid value in [-1, 1] -> source coordinate (eager's grid_sampler_compute_source_index)."""
+    one, two = const(1, dt), const(2, dt)
+    sz = _float_of(size, dt)
+    if align:
+        c = op("mul", op("div", op("add", g, one), two), op("sub", sz, one))
+    else:
+        c = op("div", op("sub", op("mul", op("add", g, one), sz), one), two)
+    if padding == "zeros":
+        return c
+    if padding == "reflection":
+        degenerate = sympy.sympify(size) == 1 if align else False
+        if degenerate:
+            c = const(0, dt)
+        elif align:
+            c = _reflect(c, 0, 2 * (sympy.sympify(size) - 1), dt)
+        else:
+            c = _reflect(c, -1, 2 * sympy.sympify(size) - 1, dt)
+    return op("minimum", op("maximum", c, const(0, dt)), op("sub", sz, one))
+
+
+def lower_grid_sample(ctx: LowerCtx, node: Node, args: list[Lazy]) -> Lazy:
+    """out[n, c, y, x] samples input[n, c] at grid[n, y, x] = (gx, gy) in [-1, 1]."""
+    x, grid = args
+    dt = node.type.dtype
+    if not dt.is_float:
+        raise UnsupportedError(f"grid sampling of dtype {dt} (node {node.name})")
+    mode, padding, align = node.attr("mode"), node.attr("padding"), node.attr("align_corners")
+    if x.view is None:
+        x = ctx.realize(node.name + "_src", x, (node.source or node.name,))
+    h, w = x.shape[2], x.shape[3]
+
+    def fn(idx):
+        n, c, oy, ox = idx
+        cx = _grid_coord(cast(grid.load((n, oy, ox, sympy.Integer(0))), dt), w, padding,
+                         align, dt)
+        cy = _grid_coord(cast(grid.load((n, oy, ox, sympy.Integer(1))), dt), h, padding,
+                         align, dt)
+        if mode == "nearest":
+            taps = [[(op("round", cy), None)], [(op("round", cx), None)]]
+        else:
+            fy, fx = op("floor", cy), op("floor", cx)
+            ty, tx = op("sub", cy, fy), op("sub", cx, fx)
+            one = const(1, dt)
+            taps = [[(fy, op("sub", one, ty)), (op("add", fy, one), ty)],
+                    [(fx, op("sub", one, tx)), (op("add", fx, one), tx)]]
+        total = None
+        for (py, wy), (px, wx) in _product(taps):
+            conds, pos = [], []
+            for p, size in ((py, h), (px, w)):
+                # out-of-range taps read 0 (every padding mode; border and reflection
+                # coordinates are already inside, except for the +1 tap's zero weight)
+                ok = op("logical_and", op("ge", p, const(0, dt), dtype=BOOL),
+                        op("le", p, _float_of(size - 1, dt), dtype=BOOL),
+                        dtype=BOOL)
+                conds.append(ok)
+                pos.append(_imin(_imax(cast(_nan_to_zero(p), I64), 0), size - 1))
+            v = cast(_gather(ctx, x, "", [n, c, *pos]), dt)
+            v = op("where", _all(conds), v, const(0, dt))
+            weight = None if wy is None else op("mul", wy, wx)
+            term = v if weight is None else op("mul", weight, v)
+            total = term if total is None else op("add", total, term)
+        return total
+
+    return pointwise(dt, node.type.shape, fn, x, grid)
+
+
+def _nan_to_zero(p: L.Expr) -> L.Expr:
+    """A NaN coordinate converts to an arbitrary integer in C++: read element 0 instead (the
+    tap is masked anyway: NaN fails the range test)."""
+    return op("where", op("isnan", p, dtype=BOOL), const(0, p.dtype), p)
