@@ -23,6 +23,7 @@ from kiln.memory.assign import assign_offsets
 from kiln.memory.inplace import program_aliases
 from kiln.options import Options
 from kiln.passes.dce import dce
+from kiln.passes.widen_half import widen_half
 from kiln.schedule import Kernel, localize_rows, schedule
 from kiln.schedule.program import build_program
 from kiln.schedule.reorder import reorder_for_memory
@@ -118,6 +119,8 @@ def build(ep: torch.export.ExportedProgram, opts: Options, device: str = "cpu") 
     imported = run.stage("import", lambda e: import_program(e, opts.fold_constants), ep)
     # 2. drop dead nodes and unused weights
     graph = run.stage("dce", dce, imported.graph, dump=print_graph, verify=verify_graph)
+    # 2b. float16 / bfloat16 are storage types: ops compute in float32, round on store
+    graph = run.stage("widen_half", widen_half, graph, dump=print_graph, verify=verify_graph)
     # 3. Graph IR -> Loop IR (views become index maps; pointwise producers inline)
     loop = run.stage("lower", lower, graph, dump=print_loop, verify=verify_loop)
     # 4. Loop IR -> kernels (fusion by shared outer loops)

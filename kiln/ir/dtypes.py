@@ -13,7 +13,7 @@ class DType:
     name: str
     c_type: str
     itemsize: int
-    dl_code: int  # DLPack type code: 0 int, 1 uint, 2 float, 6 bool
+    dl_code: int  # DLPack type code: 0 int, 1 uint, 2 float, 4 bfloat, 6 bool
     safetensors: str
     is_float: bool
     is_signed: bool = True
@@ -25,6 +25,9 @@ class DType:
 _ROWS = [
     DType("float32", "float", 4, 2, "F32", True),
     DType("float64", "double", 8, 2, "F64", True),
+    # storage-only types: kernels compute in float32 and round on store (passes/widen_half.py)
+    DType("float16", "kr::half", 2, 2, "F16", True),
+    DType("bfloat16", "kr::bfloat16", 2, 4, "BF16", True),
     DType("int64", "int64_t", 8, 0, "I64", False),
     DType("int32", "int32_t", 4, 0, "I32", False),
     DType("int16", "int16_t", 2, 0, "I16", False),
@@ -36,9 +39,19 @@ DTYPES: dict[str, DType] = {d.name: d for d in _ROWS}
 
 float32 = DTYPES["float32"]
 float64 = DTYPES["float64"]
+float16 = DTYPES["float16"]
+bfloat16 = DTYPES["bfloat16"]
 int64 = DTYPES["int64"]
 int32 = DTYPES["int32"]
 bool_ = DTYPES["bool"]
+
+
+HALF = frozenset({"float16", "bfloat16"})
+
+
+def is_half(dt: DType) -> bool:
+    """A 16-bit float: stored as such, computed in float32 (like eager CPU for most ops)."""
+    return dt.name in HALF
 
 
 def dtype(name: str) -> DType:

@@ -1,0 +1,62 @@
+"""Half types (float16, bfloat16) are storage types: no kernel computes in them.
+
+This pass rewrites the graph so that every op that computes reads float32 and writes float32:
+a half operand is cast to float32 first, and a half result is computed in float32 under the
+name `<node>_f32`, then cast back to the half type under the node's own name (so consumers,
+outputs and mutations keep their names). Casts round on store, after each op, like eager on
+the CPU, which computes most half ops in float32 and rounds each op's result. Ops that only
+move data (views) keep the half type: their loads and stores copy 16-bit values. GEMMs and
+convolutions thereby run in float32 on converted operands.
+
+Pure: returns a new Graph."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+from kiln.ir import dtypes
+from kiln.ir.graph import Graph, Node, TensorType
+
+# ops that only move elements: they never compute on a value, so they keep half types
+MOVES = frozenset({"view", "permute", "expand", "slice", "select", "cast"})
+
+
+def widen_half(g: Graph) -> Graph:
+    types = g.types()
+    if not any(dtypes.is_half(t.dtype) for t in types.values()):
+        return g
+    nodes: list[Node] = []
+    widened: dict[str, str] = {}  # half value -> its float32 cast
+    names = set(types)
+
+    def fresh(base: str) -> str:
+        name, k = base, 1
+        while name in names:
+            k += 1
+            name = f"{base}_{k}"
+        names.add(name)
+        return name
+
+    def as_f32(x: str, source: str) -> str:
+        if x not in widened:
+            name = fresh(f"{x}_f32")
+            t = types[x]
+            nodes.append(Node(name, "cast", (x,), TensorType(dtypes.float32, t.shape), (),
+                              source))
+            widened[x] = name
+        return widened[x]
+
+    for n in g.nodes:
+        if n.op in MOVES:
+            nodes.append(n)
+            continue
+        ins = tuple(as_f32(x, n.source) if dtypes.is_half(types[x].dtype) else x
+                    for x in n.inputs)
+        if not dtypes.is_half(n.type.dtype):
+            nodes.append(replace(n, inputs=ins))
+            continue
+        inner = fresh(f"{n.name}_f32")
+        nodes.append(replace(n, name=inner, inputs=ins,
+                             type=TensorType(dtypes.float32, n.type.shape)))
+        nodes.append(Node(n.name, "cast", (inner,), n.type, (), n.source))
+    return replace(g, nodes=tuple(nodes))
