@@ -3,8 +3,9 @@
 This pass rewrites the graph so that every op that computes reads float32 and writes float32:
 a half operand is cast to float32 first, and a half result is computed in float32 under the
 name `<node>_f32`, then cast back to the half type under the node's own name (so consumers,
-outputs and mutations keep their names). Casts round on store, after each op, like eager on
-the CPU, which computes most half ops in float32 and rounds each op's result. Ops that only
+outputs and mutations keep their names). Casts round on store, after each aten op, like eager
+on the CPU, which computes most half ops in float32 and rounds each op's result; the steps of
+one aten op (the nodes its converter emitted, sharing `source`) stay float32 between them. Ops that only
 move data (views) keep the half type: their loads and stores copy 16-bit values. GEMMs and
 convolutions thereby run in float32 on converted operands.
 
@@ -46,6 +47,7 @@ def widen_half(g: Graph) -> Graph:
             widened[x] = name
         return widened[x]
 
+    inner = _internal(g)
     for n in g.nodes:
         if n.op in MOVES:
             nodes.append(n)
@@ -55,8 +57,26 @@ def widen_half(g: Graph) -> Graph:
         if not dtypes.is_half(n.type.dtype):
             nodes.append(replace(n, inputs=ins))
             continue
-        inner = fresh(f"{n.name}_f32")
-        nodes.append(replace(n, name=inner, inputs=ins,
+        if n.name in inner:  # a step inside one aten op: stays float32, rounds with the op
+            t = TensorType(dtypes.float32, n.type.shape)
+            types[n.name] = t
+            nodes.append(replace(n, inputs=ins, type=t))
+            continue
+        wide = fresh(f"{n.name}_f32")
+        nodes.append(replace(n, name=wide, inputs=ins,
                              type=TensorType(dtypes.float32, n.type.shape)))
-        nodes.append(Node(n.name, "cast", (inner,), n.type, (), n.source))
+        nodes.append(Node(n.name, "cast", (wide,), n.type, (), n.source))
     return replace(g, nodes=tuple(nodes))
+
+
+def _internal(g: Graph) -> set[str]:
+    """Computing nodes whose every user belongs to the same aten op (same `source`), e.g. the
+    GEMM before a convolution's bias add: eager rounds only the op's final result."""
+    users: dict[str, list[Node]] = {}
+    for n in g.nodes:
+        for x in n.inputs:
+            users.setdefault(x, []).append(n)
+    kept = set(g.outputs) | {v for _, v in g.mutations}
+    return {n.name for n in g.nodes
+            if n.op not in MOVES and n.name not in kept and n.source and users.get(n.name)
+            and all(u.source == n.source and u.op not in MOVES for u in users[n.name])}
