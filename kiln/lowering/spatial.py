@@ -1,6 +1,6 @@
 """Lowering rules for spatial ops, generic over the number of spatial dims (1-D, 2-D, 3-D):
 pooling (max with indices, avg, adaptive), convolution (im2col + batched GEMM; transposed
-convolution gathers from the input instead of scattering into the output), upsampling and
+convolution as a GEMM followed by a gathering col2im reduction), upsampling and
 grid sampling (gather-style index maps: pointwise values that fuse into their consumers).
 
 Tensors are [*lead, *spatial] with the spatial dims last (NC* or C*)."""
@@ -226,69 +226,62 @@ def _unflatten(flat, sizes):
     return out
 
 
+def _contiguous(ctx: LowerCtx, x: Lazy, name: str, src) -> Lazy:
+    if x.view is None or x.view.offset != 0 or tuple(x.view.strides) != \
+            contiguous_strides(x.shape):
+        return ctx.realize(name, x, src)
+    return x
+
+
 def lower_conv(ctx: LowerCtx, node: Node, args: list[Lazy]) -> Lazy:
     """out[n, g, oc, o] = sum over (ic, k) of W[g, oc, (ic, k)] * cols[n, g, (ic, k), o]:
-    one batched GEMM over (batch, group). `cols` is the im2col matrix; for a transposed
-    convolution it gathers input element (o + padding - k * dilation) / stride where that
-    divides exactly (the zero-inserted input is never materialised)."""
+    one batched GEMM over (batch, group). `cols` is the im2col matrix, realised with one loop
+    per (channel, kernel offset, output position) dim so no index is divided or reduced
+    modulo; 1x1 stride-1 convolutions read the input as it is."""
     x, w = args
     stride, padding = node.attr("stride"), node.attr("padding")
     dilation, g = node.attr("dilation"), node.attr("groups")
-    transposed = node.attr("transposed")
     dt = node.type.dtype
     if not dt.is_float:
         raise UnsupportedError(f"convolution of dtype {dt} (node {node.name})")
+    if node.attr("transposed"):
+        return _lower_conv_transposed(ctx, node, x, w)
     n, c = x.shape[:2]
-    in_sp, out_sp, ksz = x.shape[2:], node.type.shape[2:], w.shape[2:]
-    o_total = node.type.shape[1]
+    out_sp, ksz = node.type.shape[2:], w.shape[2:]
     src = (node.source or node.name,)
-    cg, og = c // g, o_total // g
-    kk = product(ksz)
-    ckk = cg * kk
+    cg, og = c // g, node.type.shape[1] // g
+    ckk = cg * product(ksz)
     npix = product(out_sp)
-    trivial = (not transposed and all(k == 1 for k in ksz) and all(s == 1 for s in stride)
-               and not any(padding))
-    if trivial:  # 1x1, stride 1: the input is the column matrix
-        if x.view is None or x.view.offset != 0 or tuple(x.view.strides) != \
-                contiguous_strides(x.shape):
-            x = ctx.realize(node.name + "_input", x, src)
+    if all(k == 1 for k in ksz) and all(s == 1 for s in stride) and not any(padding):
+        x = _contiguous(ctx, x, node.name + "_input", src)
         cols = ctx.buffer_lazy(x.view.buf, dt, (n, g, cg, npix))
     else:
-        gather = _transposed_cols if transposed else _im2col
-        cols = ctx.realize(node.name + "_im2col", gather(
-            x, (n, g, ckk, npix), cg, ksz, out_sp, in_sp, stride, padding, dilation), src)
-    if transposed:  # weight [C_in, C_out / g, *k] -> [g, og, (cg, k)]: a small copy
-        wm = _transposed_weight(w, g, cg, og, ksz)
-        wm = ctx.realize(node.name + "_weight", wm, src)
-        wv = wm.view
-        wmat = from_view(dt, (n, g, og, ckk), View(wv.buf, wv.offset, (
-            sympy.Integer(0), og * ckk, ckk, sympy.Integer(1))))
-    else:
-        wv = w
-        if w.view is None or tuple(w.view.strides) != contiguous_strides(w.shape):
-            wv = ctx.realize(node.name + "_weight", w, src)
-        wmat = from_view(dt, (n, g, og, ckk), View(wv.view.buf, wv.view.offset, (
-            sympy.Integer(0), og * ckk, ckk, sympy.Integer(1))))
+        full = ctx.realize(node.name + "_im2col", _im2col(
+            x, (n, g, cg, *ksz, *out_sp), cg, stride, padding, dilation), src)
+        cols = ctx.buffer_lazy(full.view.buf, dt, (n, g, ckk, npix))
+    w = _contiguous(ctx, w, node.name + "_weight", src)
+    wmat = from_view(dt, (n, g, og, ckk), View(w.view.buf, w.view.offset, (
+        sympy.Integer(0), og * ckk, ckk, sympy.Integer(1))))
     out = gemm(ctx, node.name, wmat, cols, (n, g), src, dt)
     return from_view(dt, node.type.shape, View(out.view.buf, sympy.Integer(0),
                                                contiguous_strides(node.type.shape)))
 
 
-def _im2col(x: Lazy, shape, cg, ksz, out_sp, in_sp, stride, padding, dilation) -> Lazy:
+def _im2col(x: Lazy, shape, cg, stride, padding, dilation) -> Lazy:
+    """cols[n, g, ci, *k, *o] = x[n, g * cg + ci, o * stride + k * dilation - padding] (0 in
+    the padding)."""
     dt = x.dtype
-    d = len(ksz)
+    d = len(stride)
 
     def fn(idx):
-        b, g, row, col = idx
-        ci = FloorDiv(row, product(ksz))
-        ks = _unflatten(ModIdx(row, product(ksz)), ksz)
-        os_ = _unflatten(col, out_sp)
+        b, g, ci = idx[:3]
+        ks, os_ = idx[3:3 + d], idx[3 + d:]
         pos, conds = [], []
         for a in range(d):
             p = os_[a] * stride[a] + ks[a] * dilation[a] - padding[a]
             if padding[a]:
-                conds += [_cmp("ge", p, 0), _cmp("lt", p, in_sp[a])]
-                p = _clamp(p, in_sp[a])
+                conds += [_cmp("ge", p, 0), _cmp("lt", p, x.shape[2 + a])]
+                p = _clamp(p, x.shape[2 + a])
             pos.append(p)
         v = x.load((b, g * cg + ci, *pos))
         cond = _all(conds)
@@ -297,45 +290,45 @@ def _im2col(x: Lazy, shape, cg, ksz, out_sp, in_sp, stride, padding, dilation) -
     return Lazy(dt, tuple(shape), fn, None, 6)
 
 
-def _transposed_cols(x: Lazy, shape, cg, ksz, out_sp, in_sp, stride, padding, dilation):
-    """cols[n, g, (ci, k), o] = x[n, g * cg + ci, i] with i * stride = o + padding - k *
-    dilation (per dim), 0 where that has no integer solution inside the input."""
-    dt = x.dtype
+def _lower_conv_transposed(ctx: LowerCtx, node: Node, x: Lazy, w: Lazy) -> Lazy:
+    """Transposed convolution without wasted FLOPs: a batched GEMM multiplies every input
+    pixel by the whole kernel, cols[n, g, (oc, k), i] = sum_ci w[g * cg + ci, oc, k] *
+    x[n, g * cg + ci, i], then each output element gathers its contributions (col2im as a
+    reduction over k): out[n, g * og + oc, o] = sum over k of cols[n, g, (oc, k), i] where
+    i * stride = o + padding - k * dilation has a solution inside the input."""
+    stride, padding = node.attr("stride"), node.attr("padding")
+    dilation, g = node.attr("dilation"), node.attr("groups")
+    dt = node.type.dtype
+    src = (node.source or node.name,)
+    n, c = x.shape[:2]
+    in_sp, ksz = x.shape[2:], w.shape[2:]
     d = len(ksz)
-
-    def fn(idx):
-        b, g, row, col = idx
-        ci = FloorDiv(row, product(ksz))
-        ks = _unflatten(ModIdx(row, product(ksz)), ksz)
-        os_ = _unflatten(col, out_sp)
-        pos, conds = [], []
-        for a in range(d):
-            # shifted by `shift` strides so the dividend is never negative
-            shift = ((ksz[a] - 1) * dilation[a]) // stride[a] + 1
-            t = os_[a] + padding[a] + shift * stride[a] - ks[a] * dilation[a]
-            if stride[a] != 1:
-                conds.append(_cmp("eq", ModIdx(t, stride[a]), 0))
-            i = FloorDiv(t, stride[a]) - shift
-            conds += [_cmp("ge", i, 0), _cmp("lt", i, in_sp[a])]
-            pos.append(_clamp(i, in_sp[a]))
-        v = x.load((b, g * cg + ci, *pos))
-        return op("where", _all(conds), v, const(0, dt))
-
-    return Lazy(dt, tuple(shape), fn, None, 8)
-
-
-def _transposed_weight(w: Lazy, g, cg, og, ksz) -> Lazy:
-    """The weight [C_in, C_out / g, *k] regrouped as [g, og, (cg, k)] (no flip: the gather
-    in `_transposed_cols` already indexes by kernel offset)."""
+    cg, og = c // g, w.shape[1]
     kk = product(ksz)
-
-    def fn(idx):
-        gi, oc, row = idx
-        ci = FloorDiv(row, kk)
-        ks = _unflatten(ModIdx(row, kk), ksz)
-        return w.load((gi * cg + ci, oc, *ks))
-
-    return Lazy(w.dtype, (g, og, cg * kk), fn, None, 0)
+    npix = product(in_sp)
+    x = _contiguous(ctx, x, node.name + "_input", src)
+    w = _contiguous(ctx, w, node.name + "_weight", src)
+    xmat = ctx.buffer_lazy(x.view.buf, dt, (n, g, cg, npix))
+    # w [g * cg, og, *k] read as [g, (og, k), cg]: a transposed operand, no copy
+    wmat = from_view(dt, (n, g, og * kk, cg), View(w.view.buf, w.view.offset, (
+        sympy.Integer(0), cg * og * kk, sympy.Integer(1), og * kk)))
+    cols = gemm(ctx, node.name + "_cols", wmat, xmat, (n, g), src, dt)
+    cols = ctx.buffer_lazy(cols.view.buf, dt, (n, g, og, *ksz, *in_sp))
+    iv, rv = ivars(d + 2), rvars(d)
+    b, ch, os_ = iv[0], iv[1], iv[2:]
+    pos, conds = [], []
+    for a in range(d):
+        # shifted by `shift` strides so the dividend is never negative
+        shift = ((ksz[a] - 1) * dilation[a]) // stride[a] + 1
+        t = os_[a] + padding[a] + shift * stride[a] - rv[a] * dilation[a]
+        if stride[a] != 1:
+            conds.append(_cmp("eq", ModIdx(t, stride[a]), 0))
+        i = FloorDiv(t, stride[a]) - shift
+        conds += [_cmp("ge", i, 0), _cmp("lt", i, in_sp[a])]
+        pos.append(_clamp(i, in_sp[a]))
+    body = cols.load((b, FloorDiv(ch, og), ModIdx(ch, og), *rv, *pos))
+    body = op("where", _all(conds), body, const(0, dt))
+    return ctx.reduction(node.name, dt, node.type.shape, "sum", tuple(ksz), body, src)
 
 
 # -- upsampling --------------------------------------------------------------------------------
