@@ -15,8 +15,9 @@ import sympy
 from kiln.ir import loop as L
 from kiln.ir.sym import evaluate, ivars, rvars
 
-NP_DTYPES = {"float32": np.float32, "float64": np.float64, "float16": np.float16, "int64": np.int64, "int32": np.int32,
-             "int16": np.int16, "int8": np.int8, "uint8": np.uint8, "bool": np.bool_}
+NP_DTYPES = {"float32": np.float32, "float64": np.float64, "int64": np.int64, "int32": np.int32,
+             "int16": np.int16, "int8": np.int8, "uint8": np.uint8, "bool": np.bool_,
+             "float16": np.float16}
 
 
 def _erf(x):

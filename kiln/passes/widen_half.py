@@ -5,9 +5,9 @@ a half operand is cast to float32 first, and a half result is computed in float3
 name `<node>_f32`, then cast back to the half type under the node's own name (so consumers,
 outputs and mutations keep their names). Casts round on store, after each aten op, like eager
 on the CPU, which computes most half ops in float32 and rounds each op's result; the steps of
-one aten op (the nodes its converter emitted, sharing `source`) stay float32 between them. Ops that only
-move data (views) keep the half type: their loads and stores copy 16-bit values. GEMMs and
-convolutions thereby run in float32 on converted operands.
+one aten op (the nodes its converter emitted, sharing `source`) stay float32 between them.
+Ops that only move data (views) keep the half type: their loads and stores copy 16-bit values.
+GEMMs and convolutions thereby run in float32 on converted operands.
 
 Pure: returns a new Graph."""
 
