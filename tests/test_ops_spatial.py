@@ -15,6 +15,7 @@ from difftest import Checker, Fn, Layout, dim, gen, layout_shape, rand
 
 F32, F64, I64, I32 = torch.float32, torch.float64, torch.int64, torch.int32
 I = F.interpolate  # noqa: E741
+SLOW = pytest.mark.slow  # float64 and strided variants: the slow suite
 
 
 @pytest.fixture(scope="module")
@@ -64,8 +65,9 @@ def pools(x1, x2, x3):
 
 
 @pytest.mark.parametrize(("dtype", "layout", "batch"), [
-    (F32, "contig", 2), (F64, "contig", 2), (F32, "t", 1), (F32, "contig", 0),
-    (I64, "contig", 2)], ids=_ids)
+    (F32, "contig", 2), (F32, "contig", 0), (I64, "contig", 2),
+    pytest.param(F64, "contig", 2, marks=SLOW), pytest.param(F32, "t", 1, marks=SLOW)],
+    ids=_ids)
 def test_pooling_nd(check, dtype, layout, batch):
     check(Layout(Fn(pools), layout), _inputs("pool", dtype, layout, batch))
 
@@ -119,7 +121,8 @@ class Convs(nn.Module):
 
 
 @pytest.mark.parametrize(("dtype", "layout", "batch"), [
-    (F32, "contig", 2), (F64, "contig", 1), (F32, "t", 2), (F32, "contig", 0)], ids=_ids)
+    (F32, "contig", 2), (F32, "contig", 0), pytest.param(F64, "contig", 1, marks=SLOW),
+    pytest.param(F32, "t", 2, marks=SLOW)], ids=_ids)
 def test_conv_nd(check, dtype, layout, batch):
     torch.manual_seed(0)
     g = gen("conv", dtype, layout, batch)
@@ -167,8 +170,9 @@ def upsamples(x1, x2, x3):
 
 
 @pytest.mark.parametrize(("dtype", "layout", "batch"), [
-    (F32, "contig", 2), (F64, "contig", 2), (F32, "step", 1), (F32, "contig", 0),
-    (torch.uint8, "contig", 1)], ids=_ids)
+    (F32, "contig", 2), (F32, "contig", 0), (torch.uint8, "contig", 1),
+    pytest.param(F64, "contig", 2, marks=SLOW), pytest.param(F32, "step", 1, marks=SLOW)],
+    ids=_ids)
 def test_upsample(check, dtype, layout, batch):
     check(Layout(Fn(upsamples), layout), _inputs("up", dtype, layout, batch))
 
