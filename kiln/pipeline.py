@@ -19,7 +19,6 @@ from kiln.codegen.wrapper_py import print_python_wrapper
 from kiln.errors import UnsupportedError
 from kiln.frontend.export import import_program
 from kiln.ir import loop as L
-from kiln.ir.dtypes import HALF
 from kiln.ir.graph import print_graph, verify_graph
 from kiln.ir.loop_text import print_loop, verify_loop
 from kiln.ir.program import WeightSpec, print_program, verify_program
@@ -29,6 +28,7 @@ from kiln.memory.assign import assign_offsets
 from kiln.memory.inplace import program_aliases
 from kiln.options import Options
 from kiln.passes.dce import dce
+from kiln.passes.widen_half import widen_half
 from kiln.schedule import Kernel, localize_rows, schedule
 from kiln.schedule.program import build_program, unbacked_bounds
 from kiln.schedule.reorder import reorder_for_memory
@@ -126,13 +126,13 @@ def build(ep: torch.export.ExportedProgram, opts: Options, device: str = "cpu") 
                                                            opts.aten_fallback, opts.seed), ep)
     # 2. drop dead nodes and unused weights
     graph = run.stage("dce", dce, imported.graph, dump=print_graph, verify=verify_graph)
+    # 2b. CPU: float16 / bfloat16 are storage types: ops compute in float32, round on store
+    # (CUDA keeps them: Triton kernels load/store 16 bits and compute in float32, and cuBLAS
+    # multiplies 16-bit operands on tensor cores with float32 accumulation)
+    if not cuda:
+        graph = run.stage("widen_half", widen_half, graph, dump=print_graph, verify=verify_graph)
     # 3. Graph IR -> Loop IR (views become index maps; pointwise producers inline)
     loop = run.stage("lower", lower, graph, dump=print_loop, verify=verify_loop)
-    half = [] if cuda else sorted({b.name for b in loop.buffers if b.dtype.name in HALF})
-    if half:
-        raise UnsupportedError(f"16-bit float buffers ({', '.join(half[:5])}) are supported by "
-                               "the CUDA backend only; compile with device=\"cuda\" or export "
-                               "the model in float32")
     # 4. Loop IR -> kernels (fusion by shared outer loops)
     steps = run.stage("schedule", lambda p: schedule(p, opts.fuse), loop,
                       dump=lambda s: "\n".join(map(repr, s)))

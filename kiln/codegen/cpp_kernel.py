@@ -17,6 +17,7 @@ from typing import Collection
 import sympy
 
 from kiln.codegen.cpp_ops import CPP_OPS, REDUCTIONS
+from kiln.ir import dtypes
 from kiln.ir import loop as L
 from kiln.ir.sym import contiguous_strides, free_size_symbols, ivars, linear_index, rvars, to_c
 from kiln.memory.inplace import alias_pairs
@@ -26,6 +27,8 @@ from kiln.schedule import Kernel
 def c_literal(value, dt) -> str:
     if dt.name == "bool":
         return "true" if value else "false"
+    if dt.is_float and dt.itemsize == 2:  # a storage type: rounded from the float32 value
+        return f"{dt.c_type}({c_literal(value, dtypes.float32)})"
     if dt.is_float:
         v = float(value)
         if v != v:

@@ -12,7 +12,8 @@ from kiln.ir.sym import to_py
 
 TORCH_DTYPE = {"float32": "torch.float32", "float64": "torch.float64", "int64": "torch.int64",
                "int32": "torch.int32", "int16": "torch.int16", "int8": "torch.int8",
-               "uint8": "torch.uint8", "bool": "torch.bool", "complex64": "torch.complex64",
+               "uint8": "torch.uint8", "bool": "torch.bool", "float16": "torch.float16",
+               "bfloat16": "torch.bfloat16", "complex64": "torch.complex64",
                "complex128": "torch.complex128"}
 
 

@@ -1,7 +1,8 @@
 """Converters for the high-level aten ops `torch.export` emits before decomposition (linear,
-layer_norm, scaled_dot_product_attention, conv2d, batch_norm, ...). When every op of a program
-is known here or in aten_table.py, import skips `run_decompositions` (a full re-trace that
-costs about a second); anything unusual raises `Fallback` and the program is decomposed."""
+layer_norm, scaled_dot_product_attention, batch_norm, ...; convolutions are in aten_spatial.py).
+When every op of a program is known here or in aten_table.py, import skips `run_decompositions`
+(a full re-trace that costs about a second); anything unusual raises `Fallback` and the
+program is decomposed."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ import math
 import sympy
 
 from kiln.errors import UnsupportedError
-from kiln.frontend.aten_table import emit_conv2d, register
+from kiln.frontend.aten_table import register
 
 
 class Fallback(UnsupportedError):
@@ -116,19 +117,6 @@ def _i64():
 def _bool():
     from kiln.ir import dtypes
     return dtypes.bool_
-
-
-@register("aten.conv2d.default")
-def _conv2d(b, n):
-    args = list(n.args) + [None] * 7
-    x, w, bias = args[0], args[1], args[2]
-    stride, padding, dilation = args[3] or [1, 1], args[4] or [0, 0], args[5] or [1, 1]
-    groups = args[6] or 1
-    if isinstance(padding, str) or b.rank(x) != 4:
-        raise Fallback("conv2d with string padding or unbatched input")
-    expand = lambda v: tuple(v) * 2 if len(v) == 1 else tuple(v)  # noqa: E731
-    return emit_conv2d(b, n, x, w, bias, expand(stride), expand(padding), expand(dilation),
-                       groups)
 
 
 @register("aten.batch_norm.default")

@@ -316,55 +316,6 @@ def _addmm(b, n):
     return b.emit("add", [mm, bt], n)
 
 
-@register("aten.convolution.default")
-def _conv(b, n):
-    x, w, bias, stride, padding, dilation, transposed, _out_pad, groups = n.args
-    if transposed:
-        raise UnsupportedError(f"transposed convolution (node {n.name})")
-    if b.rank(x) != 4:
-        raise UnsupportedError(f"convolution of rank {b.rank(x)} (node {n.name}); 2-D only")
-    return emit_conv2d(b, n, x, w, bias, stride, padding, dilation, groups)
-
-
-def emit_conv2d(b, n, x, w, bias, stride, padding, dilation, groups) -> str:
-    """conv2d, then the bias as a pointwise add (so it fuses into the consumer)."""
-    conv = b.emit("conv2d", [b.tensor(x), b.tensor(w)], n if bias is None else None, like=n,
-                  stride=tuple(stride), padding=tuple(padding), dilation=tuple(dilation),
-                  groups=groups)
-    if bias is None:
-        return conv
-    bias_v = b.emit("view", [b.tensor(bias)], None, like=n, shape=(b.shape(bias)[0], 1, 1))
-    return b.emit("add", [conv, bias_v], n)
-
-
-@register("aten.max_pool2d_with_indices.default", "aten.max_pool2d.default")
-def _max_pool(b, n):
-    args = list(n.args) + [None] * 6
-    kernel = tuple(args[1])
-    stride = tuple(args[2]) if args[2] else kernel
-    padding = tuple(args[3]) if args[3] else (0, 0)
-    dilation = tuple(args[4]) if args[4] else (1, 1)
-    return b.emit("max_pool2d", [b.tensor(n.args[0])], n, kernel=kernel, stride=stride,
-                  padding=padding, dilation=dilation, ceil_mode=bool(args[5]))
-
-
-@register("aten.avg_pool2d.default")
-def _avg_pool(b, n):
-    args = list(n.args) + [None] * 7
-    kernel = tuple(args[1])
-    stride = tuple(args[2]) if args[2] else kernel
-    padding = tuple(args[3]) if args[3] else (0, 0)
-    include = True if args[5] is None else bool(args[5])
-    return b.emit("avg_pool2d", [b.tensor(n.args[0])], n, kernel=kernel, stride=stride,
-                  padding=padding, ceil_mode=bool(args[4]), count_include_pad=include,
-                  divisor=args[6])
-
-
-@register("aten._adaptive_avg_pool2d.default", "aten.adaptive_avg_pool2d.default")
-def _adaptive_avg(b, n):
-    return b.emit("adaptive_avg_pool2d", [b.tensor(n.args[0])], n)
-
-
 @register("aten.embedding.default")
 def _embedding(b, n):
     return b.emit("embedding", [b.tensor(n.args[0]), b.tensor(n.args[1])], n)

@@ -19,6 +19,7 @@ from torch.utils import _pytree as pytree
 from kiln.errors import UnsupportedError
 from kiln.frontend import fallback
 from kiln.frontend import aten_extra, aten_random  # noqa: F401 - register their converters
+from kiln.frontend import aten_spatial  # noqa: F401  (registers spatial converters)
 from kiln.frontend.aten_high import Fallback
 from kiln.frontend.aten_table import TABLE
 from kiln.frontend.fold import fold_constants

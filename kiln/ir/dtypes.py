@@ -27,8 +27,9 @@ class DType:
 _ROWS = [
     DType("float32", "float", 4, 2, "F32", True),
     DType("float64", "double", 8, 2, "F64", True),
-    DType("float16", "_Float16", 2, 2, "F16", True),
-    DType("bfloat16", "__bf16", 2, 4, "BF16", True),
+    # storage-only types: kernels compute in float32 and round on store (passes/widen_half.py)
+    DType("float16", "kr::half", 2, 2, "F16", True),
+    DType("bfloat16", "kr::bfloat16", 2, 4, "BF16", True),
     DType("int64", "int64_t", 8, 0, "I64", False),
     DType("int32", "int32_t", 4, 0, "I32", False),
     DType("int16", "int16_t", 2, 0, "I16", False),
@@ -48,6 +49,14 @@ HALF = ("float16", "bfloat16")  # 16-bit floats: stored in 16 bits, computed in 
 int64 = DTYPES["int64"]
 int32 = DTYPES["int32"]
 bool_ = DTYPES["bool"]
+
+
+HALF = frozenset({"float16", "bfloat16"})
+
+
+def is_half(dt: DType) -> bool:
+    """A 16-bit float: stored as such, computed in float32 (like eager CPU for most ops)."""
+    return dt.name in HALF
 
 
 def dtype(name: str) -> DType:

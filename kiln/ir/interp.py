@@ -17,7 +17,7 @@ from kiln.ir.sym import evaluate, ivars, rvars
 
 NP_DTYPES = {"float32": np.float32, "float64": np.float64, "int64": np.int64, "int32": np.int32,
              "int16": np.int16, "int8": np.int8, "uint8": np.uint8, "bool": np.bool_,
-             "complex64": np.complex64, "complex128": np.complex128}
+             "float16": np.float16, "complex64": np.complex64, "complex128": np.complex128}
 
 
 def _erf(x):

@@ -14,7 +14,7 @@ from kiln.ir import loop as L
 from kiln.ir.graph import Graph, Node
 from kiln.ir.sym import contiguous_strides, ivars
 from kiln.lowering import (control, extern, fallback, indexing, pointwise, random, reductions,
-                           views)
+                           spatial, views)
 from kiln.lowering.core import Lazy, LowerCtx, View, from_view
 
 RULES = {
@@ -53,14 +53,16 @@ RULES = {
     "log_softmax": reductions.lower_softmax,
     "layer_norm": reductions.lower_layer_norm,
     "batch_norm": reductions.lower_batch_norm,
-    "max_pool2d": reductions.lower_max_pool2d,
-    "avg_pool2d": reductions.lower_avg_pool2d,
-    "adaptive_avg_pool2d": reductions.lower_adaptive_avg_pool2d,
+    "max_pool": spatial.lower_max_pool,
+    "avg_pool": spatial.lower_avg_pool,
+    "adaptive_pool": spatial.lower_adaptive_pool,
+    "conv": spatial.lower_conv,
+    "upsample": spatial.lower_upsample,
+    "grid_sample": spatial.lower_grid_sample,
     "embedding": indexing.lower_embedding,
     "index": indexing.lower_index,
     "gather": indexing.lower_gather,
     "matmul": extern.lower_matmul,
-    "conv2d": extern.lower_conv2d,
     "aten": fallback.lower_aten,
     "read_size": fallback.lower_read_size,
     "cond": control.lower_cond,

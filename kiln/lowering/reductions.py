@@ -1,5 +1,5 @@
 """Lowering rules for reductions and the normalisations built on them: sum/mean/max/...,
-argmax, var, softmax, log_softmax, layer_norm, batch_norm (inference), pooling."""
+argmax, var, softmax, log_softmax, layer_norm, batch_norm (inference). Pooling is in spatial.py."""
 
 from __future__ import annotations
 
@@ -177,107 +177,5 @@ def lower_batch_norm(ctx: LowerCtx, node: Node, args: list[Lazy]) -> Lazy:
     return pointwise(dt, x.shape, fn, x)
 
 
-def _window(x: Lazy, idx, r, kernel, stride, padding, dilation):
-    """Source index and in-bounds condition of window element r of output idx (NCHW)."""
-    src = [idx[0], idx[1]]
-    conds = []
-    for a in range(2):
-        pos = sympy.expand(idx[2 + a] * stride[a] + r[a] * dilation[a] - padding[a])
-        size = x.shape[2 + a]
-        if padding[a]:
-            conds.append(op("ge", L.Index(pos, dtypes.int64), const(0, dtypes.int64),
-                            dtype=dtypes.bool_))
-            conds.append(op("lt", L.Index(pos, dtypes.int64), L.Index(size, dtypes.int64),
-                            dtype=dtypes.bool_))
-            pos = sympy.Max(sympy.Integer(0), sympy.Min(pos, size - 1))
-        src.append(pos)
-    cond = None
-    for c in conds:
-        cond = c if cond is None else op("logical_and", cond, c, dtype=dtypes.bool_)
-    return tuple(src), cond
-
-
-def _lowest(dt):
-    """Padding value of a max pool: -inf, or the smallest integer (int64: INT64_MIN + 1, which
-    C++ can spell as a literal; it differs only for a window whose elements all equal
-    INT64_MIN)."""
-    if dt.is_float:
-        return float("-inf")
-    if not dt.is_signed:
-        return 0
-    return -(2 ** (8 * dt.itemsize - 1)) + (dt.itemsize == 8)
-
-
-def lower_max_pool2d(ctx: LowerCtx, node: Node, args: list[Lazy]) -> Lazy:
-    (x,) = args
-    kernel, stride = node.attr("kernel"), node.attr("stride")
-    padding, dilation = node.attr("padding"), node.attr("dilation")
-    dt = node.type.dtype
-    iv, rv = ivars(4), rvars(2)
-    src, cond = _window(x, iv, rv, kernel, stride, padding, dilation)
-    body = cast(x.load(src), dt)
-    if cond is not None or node.attr("ceil_mode"):
-        if node.attr("ceil_mode"):
-            for a in range(2):
-                pos = sympy.expand(iv[2 + a] * stride[a] + rv[a] * dilation[a] - padding[a])
-                c = op("lt", L.Index(pos, dtypes.int64), L.Index(x.shape[2 + a], dtypes.int64),
-                       dtype=dtypes.bool_)
-                cond = c if cond is None else op("logical_and", cond, c, dtype=dtypes.bool_)
-        body = op("where", cond, body, const(_lowest(dt), dt))
-    return ctx.reduction(node.name, dt, node.type.shape, "max", tuple(kernel), body,
-                         (node.source,))
-
-
-def lower_avg_pool2d(ctx: LowerCtx, node: Node, args: list[Lazy]) -> Lazy:
-    (x,) = args
-    kernel, stride, padding = node.attr("kernel"), node.attr("stride"), node.attr("padding")
-    if node.attr("ceil_mode"):
-        from kiln.errors import UnsupportedError
-        raise UnsupportedError(f"avg_pool2d with ceil_mode=True (node {node.name})")
-    dt = node.type.dtype
-    iv, rv = ivars(4), rvars(2)
-    src, cond = _window(x, iv, rv, kernel, stride, padding, (1, 1))
-    body = cast(x.load(src), dt)
-    if cond is not None:
-        body = op("where", cond, body, const(0, dt))
-    s = ctx.reduction(node.name + "_sum", dt, node.type.shape, "sum", tuple(kernel), body,
-                      (node.source,))
-    if node.attr("divisor"):
-        count = sympy.Integer(node.attr("divisor"))
-    elif node.attr("count_include_pad") or not any(padding):
-        count = sympy.Integer(kernel[0] * kernel[1])
-    else:
-        count = sympy.Integer(1)
-        for a in range(2):
-            lo = iv[2 + a] * stride[a] - padding[a]
-            count = count * (sympy.Min(lo + kernel[a], x.shape[2 + a]) - sympy.Max(lo, 0))
-    return pointwise(dt, node.type.shape,
-                     lambda idx: op("div", s.load(idx), _size_value(count.subs(
-                         dict(zip(iv, idx))), dt)), s)
-
-
-def lower_adaptive_avg_pool2d(ctx: LowerCtx, node: Node, args: list[Lazy]) -> Lazy:
-    (x,) = args
-    dt = node.type.dtype
-    oh, ow = node.type.shape[2], node.type.shape[3]
-    h, w = x.shape[2], x.shape[3]
-    iv = ivars(4)
-    starts = [sympy.floor(iv[2] * h / oh), sympy.floor(iv[3] * w / ow)]
-    ends = [sympy.ceiling((iv[2] + 1) * h / oh), sympy.ceiling((iv[3] + 1) * w / ow)]
-    if all(sympy.sympify(d).is_Integer for d in (oh, ow, h, w)) and int(h) % int(oh) == 0 \
-            and int(w) % int(ow) == 0:
-        kh, kw = int(h) // int(oh), int(w) // int(ow)
-        rv = rvars(2)
-        body = cast(x.load((iv[0], iv[1], iv[2] * kh + rv[0], iv[3] * kw + rv[1])), dt)
-        s = ctx.reduction(node.name + "_sum", dt, node.type.shape, "sum", (kh, kw), body,
-                          (node.source,))
-        return pointwise(dt, node.type.shape, lambda idx: op("div", s.load(idx),
-                                                             const(kh * kw, dt)), s)
-    from kiln.errors import UnsupportedError
-    raise UnsupportedError(f"adaptive_avg_pool2d from {h}x{w} to {oh}x{ow} (node {node.name}): "
-                           f"only evenly dividing sizes are supported; window {starts}..{ends}")
-
-
 __all__ = ["lower_reduce", "lower_var", "lower_softmax", "lower_layer_norm", "lower_batch_norm",
-           "lower_max_pool2d", "lower_avg_pool2d", "lower_adaptive_avg_pool2d",
            "broadcast_index"]

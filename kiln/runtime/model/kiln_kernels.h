@@ -37,6 +37,54 @@ inline void flag(int32_t *status) { __atomic_store_n(status, 1, __ATOMIC_RELAXED
 
 inline float bits_to_float(int32_t b) { float f; std::memcpy(&f, &b, 4); return f; }
 
+/* 16-bit float storage types. Kernels never compute in them (passes/widen_half.py): a value
+ * converts to float on load and rounds to nearest-even on store, like eager on the CPU.
+ * float16 conversions are the branch-free IEEE ones (subnormals, inf, NaN kept). */
+inline uint32_t float_bits(float f) { uint32_t b; std::memcpy(&b, &f, 4); return b; }
+inline float float_of_bits(uint32_t b) { float f; std::memcpy(&f, &b, 4); return f; }
+
+inline float f16_to_float(uint16_t h) {
+  const uint32_t w = static_cast<uint32_t>(h) << 16;
+  const uint32_t sign = w & 0x80000000u;
+  const uint32_t two_w = w + w;
+  const float normalized = float_of_bits((two_w >> 4) + (0xE0u << 23)) * 0x1.0p-112f;
+  const float denormalized = float_of_bits((two_w >> 17) | (126u << 23)) - 0.5f;
+  return float_of_bits(sign | (two_w < (1u << 27) ? float_bits(denormalized)
+                                                   : float_bits(normalized)));
+}
+inline uint16_t float_to_f16(float f) {
+  float base = (std::fabs(f) * 0x1.0p+112f) * 0x1.0p-110f;
+  const uint32_t w = float_bits(f);
+  const uint32_t shl1_w = w + w;
+  const uint32_t sign = w & 0x80000000u;
+  uint32_t bias = shl1_w & 0xFF000000u;
+  if (bias < 0x71000000u) bias = 0x71000000u;
+  base = float_of_bits((bias >> 1) + 0x07800000u) + base;
+  const uint32_t b = float_bits(base);
+  const uint32_t nonsign = ((b >> 13) & 0x00007C00u) + (b & 0x00000FFFu);
+  return static_cast<uint16_t>((sign >> 16) | (shl1_w > 0xFF000000u ? 0x7E00u : nonsign));
+}
+inline float bf16_to_float(uint16_t h) { return float_of_bits(static_cast<uint32_t>(h) << 16); }
+inline uint16_t float_to_bf16(float f) {
+  const uint32_t u = float_bits(f);
+  if (f != f) return static_cast<uint16_t>((u >> 16) | 0x0040u);  // quiet NaN, sign kept
+  return static_cast<uint16_t>((u + 0x7FFFu + ((u >> 16) & 1u)) >> 16);
+}
+
+struct half {
+  uint16_t bits;
+  half() = default;
+  template <class T> explicit half(T v) : bits(float_to_f16(static_cast<float>(v))) {}
+  operator float() const { return f16_to_float(bits); }
+};
+struct bfloat16 {
+  uint16_t bits;
+  bfloat16() = default;
+  template <class T> explicit bfloat16(T v) : bits(float_to_bf16(static_cast<float>(v))) {}
+  operator float() const { return bf16_to_float(bits); }
+};
+static_assert(sizeof(half) == 2 && sizeof(bfloat16) == 2, "16-bit storage types");
+
 inline float exp(float x) {
   const float xc = x < -87.5f ? -87.5f : (x > 88.5f ? 88.5f : x);
   const float k = std::floor(xc * 1.44269504088896341f + 0.5f);

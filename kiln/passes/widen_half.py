@@ -1,0 +1,82 @@
+"""Half types (float16, bfloat16) are storage types: no kernel computes in them.
+
+This pass rewrites the graph so that every op that computes reads float32 and writes float32:
+a half operand is cast to float32 first, and a half result is computed in float32 under the
+name `<node>_f32`, then cast back to the half type under the node's own name (so consumers,
+outputs and mutations keep their names). Casts round on store, after each aten op, like eager
+on the CPU, which computes most half ops in float32 and rounds each op's result; the steps of
+one aten op (the nodes its converter emitted, sharing `source`) stay float32 between them.
+Ops that only move data (views) keep the half type: their loads and stores copy 16-bit values.
+GEMMs and convolutions thereby run in float32 on converted operands.
+
+Pure: returns a new Graph."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+from kiln.ir import dtypes
+from kiln.ir.graph import Graph, Node, TensorType
+
+# ops that only move elements: they never compute on a value, so they keep half types
+MOVES = frozenset({"view", "permute", "expand", "slice", "select", "cast"})
+
+
+def widen_half(g: Graph) -> Graph:
+    types = g.types()
+    if not any(dtypes.is_half(t.dtype) for t in types.values()):
+        return g
+    nodes: list[Node] = []
+    widened: dict[str, str] = {}  # half value -> its float32 cast
+    names = set(types)
+
+    def fresh(base: str) -> str:
+        name, k = base, 1
+        while name in names:
+            k += 1
+            name = f"{base}_{k}"
+        names.add(name)
+        return name
+
+    def as_f32(x: str, source: str) -> str:
+        if x not in widened:
+            name = fresh(f"{x}_f32")
+            t = types[x]
+            nodes.append(Node(name, "cast", (x,), TensorType(dtypes.float32, t.shape), (),
+                              source))
+            widened[x] = name
+        return widened[x]
+
+    inner = _internal(g)
+    for n in g.nodes:
+        if n.op in MOVES:
+            nodes.append(n)
+            continue
+        ins = tuple(as_f32(x, n.source) if dtypes.is_half(types[x].dtype) else x
+                    for x in n.inputs)
+        if not dtypes.is_half(n.type.dtype):
+            nodes.append(replace(n, inputs=ins))
+            continue
+        if n.name in inner:  # a step inside one aten op: stays float32, rounds with the op
+            t = TensorType(dtypes.float32, n.type.shape)
+            types[n.name] = t
+            nodes.append(replace(n, inputs=ins, type=t))
+            continue
+        wide = fresh(f"{n.name}_f32")
+        nodes.append(replace(n, name=wide, inputs=ins,
+                             type=TensorType(dtypes.float32, n.type.shape)))
+        nodes.append(Node(n.name, "cast", (wide,), n.type, (), n.source))
+    return replace(g, nodes=tuple(nodes))
+
+
+def _internal(g: Graph) -> set[str]:
+    """Computing nodes whose every user belongs to the same aten op (same `source`), e.g. the
+    GEMM before a convolution's bias add: eager rounds only the op's final result."""
+    users: dict[str, list[Node]] = {}
+    for n in g.nodes:
+        for x in n.inputs:
+            users.setdefault(x, []).append(n)
+    kept = set(g.outputs) | {v for _, v in g.mutations}
+    return {n.name for n in g.nodes
+            if n.op not in MOVES and n.name not in kept and n.source and users.get(n.name)
+            and all(u.source == n.source and u.op not in MOVES for u in users[n.name])}
