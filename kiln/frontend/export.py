@@ -17,6 +17,7 @@ from torch.export.graph_signature import InputKind, OutputKind
 from torch.utils import _pytree as pytree
 
 from kiln.errors import UnsupportedError
+import kiln.frontend.aten_library  # noqa: F401  (registers library-call converters)
 from kiln.frontend.aten_high import Fallback
 from kiln.frontend.aten_table import TABLE
 from kiln.frontend.fold import fold_constants

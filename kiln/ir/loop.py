@@ -1,5 +1,7 @@
 """Loop IR: every tensor the program materialises is a `Compute` (a loop body over its index
-space, optionally reducing over extra indices) or a `Gemm` (an extern call into BLAS).
+space, optionally reducing over extra indices), a `Gemm` (an extern call into BLAS) or an
+`Extern` (a call into a kiln runtime routine: sort, scans, scatters, ...; it may write several
+buffers).
 
 Expressions are frozen trees: `Const`, `Load` (a flat element offset into a buffer, possibly
 through `indirect` temporaries whose values are themselves loaded), `Index` (an integer index
@@ -127,7 +129,42 @@ class Gemm:
         return (*self.batch, self.m, self.n)
 
 
-LoopNode = Union[Compute, Gemm]
+@dataclass(frozen=True)
+class LibArg:
+    """A strided tensor operand of a library call: element (j0, ..., j{k-1}) of the operand
+    sits at offset + sum(j_d * strides[d]) in buffer `buf` (a transposed or sliced input is
+    passed as it is, without a copy)."""
+
+    buf: str
+    offset: sympy.Expr
+    shape: tuple[sympy.Expr, ...]
+    strides: tuple[sympy.Expr, ...]
+
+
+@dataclass(frozen=True)
+class Extern:
+    """outs... = routine(args..., attrs...): a call into a kiln runtime routine (C++ templates
+    in kiln/runtime/model/kiln_lib.h; numpy twins in ir/interp.py). `outs` are contiguous
+    buffers declared in the program (the node is named after the first); `attrs` are static
+    ints, floats, bools or tuples of ints. `schema` is free for routines that call an op by its
+    ATen schema (an ATen fallback); kiln's own routines leave it empty."""
+
+    routine: str
+    outs: tuple[str, ...]
+    args: tuple[LibArg, ...]
+    attrs: tuple[tuple[str, object], ...] = ()
+    source: tuple[str, ...] = ()
+    schema: str = ""
+
+    @property
+    def name(self) -> str:
+        return self.outs[0]
+
+    def attr(self, key: str, default: object = None) -> object:
+        return next((v for k, v in self.attrs if k == key), default)
+
+
+LoopNode = Union[Compute, Gemm, Extern]
 
 
 @dataclass(frozen=True)
@@ -182,4 +219,11 @@ def loads(e: Expr) -> list[Load]:
 def node_reads(node: LoopNode) -> set[str]:
     if isinstance(node, Gemm):
         return {node.a.buf, node.b.buf}
+    if isinstance(node, Extern):
+        return {a.buf for a in node.args}
     return {ld.buf for ld in loads(node.body)}
+
+
+def node_writes(node: LoopNode) -> tuple[str, ...]:
+    """The buffers `node` writes (one, except for an `Extern` with several outputs)."""
+    return node.outs if isinstance(node, Extern) else (node.name,)

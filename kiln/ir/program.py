@@ -12,7 +12,8 @@ Lines, in the order a run executes them:
                Alloc with `reuse=src` is in place: the buffer takes over the bytes of `src`,
                a live temp of the same dtype and size that the very next step (a kernel that
                writes this buffer) reads for the last time; `src` is freed right after it
-  CallKernel   a generated kernel; CallGemm a BLAS call
+  CallKernel   a generated kernel; CallGemm a BLAS call; CallLib a kiln runtime routine
+               (sort, scan, scatter, ...: `kiln_lib.h`), which may fail on bad indices
   Return       hand the outputs over
 
 Invariants (checked by `verify_program`): sizes are bound before use, every buffer is
@@ -30,7 +31,7 @@ import sympy
 
 from kiln.ir.dtypes import DType
 from kiln.ir.graph import SymbolRange
-from kiln.ir.loop import Gemm
+from kiln.ir.loop import Extern, Gemm
 from kiln.ir.sym import free_size_symbols
 
 
@@ -108,6 +109,11 @@ class CallGemm:
 
 
 @dataclass(frozen=True)
+class CallLib:
+    call: Extern
+
+
+@dataclass(frozen=True)
 class CopyState:
     """After every step: the state buffer `dst` takes the value in `src` (same dtype, size).
     It persists in the model instance to the next run."""
@@ -124,7 +130,9 @@ class Return:
 
 
 Line = Union[CheckInput, BindSize, CheckSize, CheckRange, AllocOutput, Alloc, Free, CallKernel,
-             CallGemm, CopyState, Return]
+             CallGemm, CallLib, CopyState, Return]
+
+STEP_LINES = (CallKernel, CallGemm, CallLib)  # the lines that run one schedule step
 
 
 @dataclass(frozen=True)
@@ -152,7 +160,7 @@ class Program:
         return bool(self.symbols)
 
     def steps(self) -> list[Line]:
-        return [x for x in self.lines if isinstance(x, (CallKernel, CallGemm))]
+        return [x for x in self.lines if isinstance(x, STEP_LINES)]
 
 
 def _fmt(line: Line) -> str:
@@ -180,6 +188,9 @@ def _fmt(line: Line) -> str:
         g = line.gemm
         return (f"gemm %{g.name} = %{g.a.buf} @ %{g.b.buf}  batch={list(g.batch)} "
                 f"m={g.m} n={g.n} k={g.k}  # {', '.join(g.source)}")
+    if isinstance(line, CallLib):
+        from kiln.ir.loop_text import lib_text
+        return "lib " + lib_text(line.call)
     if isinstance(line, CopyState):
         return f"state %{line.dst} = %{line.src}"
     if isinstance(line, Return):
@@ -201,6 +212,8 @@ def _uses(line: Line) -> list[str]:
         return [n for k, n in line.args if k != "size"]
     if isinstance(line, CallGemm):
         return [line.gemm.a.buf, line.gemm.b.buf, line.gemm.name]
+    if isinstance(line, CallLib):
+        return [a.buf for a in line.call.args] + list(line.call.outs)
     if isinstance(line, Return):
         return list(line.buffers)
     if isinstance(line, CopyState):
@@ -231,7 +244,7 @@ def _check_reuse(p: Program, k: int, line: Alloc, temps: dict[str, Alloc], live:
     for x in rest[j + 1:]:
         if isinstance(x, Free) and x.buf == line.reuse:
             return
-        if isinstance(x, (CallKernel, CallGemm, Return)):
+        if isinstance(x, (*STEP_LINES, Return)):
             break
     raise ProgramError(f"{where}: {line.reuse} is not freed right after {call.kernel}, its "
                        f"last reader")

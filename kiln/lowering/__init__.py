@@ -13,7 +13,7 @@ from dataclasses import replace
 from kiln.ir import loop as L
 from kiln.ir.graph import Graph, Node
 from kiln.ir.sym import contiguous_strides, ivars
-from kiln.lowering import extern, indexing, pointwise, reductions, views
+from kiln.lowering import extern, indexing, library, pointwise, reductions, views
 from kiln.lowering.core import Lazy, LowerCtx, View, from_view
 
 RULES = {
@@ -51,6 +51,7 @@ RULES = {
     "gather": indexing.lower_gather,
     "matmul": extern.lower_matmul,
     "conv2d": extern.lower_conv2d,
+    **library.RULES,
 }
 
 CHEAP = 2  # operators per element that may be recomputed by each consumer

@@ -61,7 +61,7 @@ def intervals(prog: P.Program, env: dict[str, int] | None = None,
     end: dict[str, int] = {}
     size: dict[str, int] = {}
     for line in prog.lines:
-        if isinstance(line, (P.CallKernel, P.CallGemm)):
+        if isinstance(line, P.STEP_LINES):
             step += 1
         elif isinstance(line, P.Alloc) and line.reuse is None:
             start[line.buf] = step + 1

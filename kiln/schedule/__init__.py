@@ -5,7 +5,7 @@ space (a prefix of every member's shape). Within one outer iteration, members ru
 member may read what an earlier member wrote in the same outer iteration. Fusion is greedy in
 program order: a node joins the open kernel when its outer prefix matches (the kernel's outer may
 shrink to a common prefix) and every read of a buffer produced inside the kernel stays inside the
-producer's slice for the same outer index. A `Gemm` is a step of its own.
+producer's slice for the same outer index. A `Gemm` or an `Extern` is a step of its own.
 
 A reduction whose result is read only inside its kernel, at exactly its own outer position,
 becomes a local scalar and gets no buffer (`Kernel.locals`)."""
@@ -36,7 +36,8 @@ class Kernel:
         return tuple(out)
 
 
-Step = Kernel | L.Gemm
+Step = Kernel | L.Gemm | L.Extern
+CALLS = (L.Gemm, L.Extern)  # steps that are one library call, not a generated kernel
 
 
 def outer_of(node: L.Compute) -> tuple[sympy.Expr, ...]:
@@ -108,7 +109,7 @@ def _locals(members: tuple[L.Compute, ...], all_nodes, outputs: set[str], outer)
             reads = L.node_reads(n)
             if m.name not in reads:
                 continue
-            if n.name not in names or isinstance(n, L.Gemm):
+            if n.name not in names or isinstance(n, CALLS):
                 readers_ok = False
                 break
             expect = linear_index(ivars(len(outer)), contiguous_strides(outer))
@@ -124,10 +125,10 @@ def schedule(prog: L.LoopProgram, fuse: bool = True) -> tuple[Step, ...]:
     buffers = {b.name: b for b in prog.buffers}
     groups: list[list] = []  # [outer, members] or [gemm]
     for node in prog.nodes:
-        if isinstance(node, L.Gemm):
+        if isinstance(node, CALLS):
             groups.append([node])
             continue
-        cur = groups[-1] if groups and not isinstance(groups[-1][0], L.Gemm) else None
+        cur = groups[-1] if groups and not isinstance(groups[-1][0], CALLS) else None
         if fuse and cur is not None:
             outer = _common_prefix(cur[0], outer_of(node))
             if _worth(outer, cur[0]) and _legal(cur[1] + [node], outer, buffers):
@@ -138,7 +139,7 @@ def schedule(prog: L.LoopProgram, fuse: bool = True) -> tuple[Step, ...]:
     steps: list[Step] = []
     outputs = set(prog.outputs)
     for g in groups:
-        if isinstance(g[0], L.Gemm):
+        if isinstance(g[0], CALLS):
             steps.append(g[0])
             continue
         outer, members = tuple(g[0]), tuple(g[1])
@@ -166,7 +167,7 @@ def localize_rows(steps: tuple[Step, ...], prog: L.LoopProgram) -> tuple[Step, .
     keep = {src for _, src in prog.mutations} | set(prog.outputs)
     readers: dict[str, set[int]] = {}
     for i, s in enumerate(steps):
-        for b in L.node_reads(s) if isinstance(s, L.Gemm) else {
+        for b in L.node_reads(s) if isinstance(s, CALLS) else {
                 ld.buf for m in s.members for ld in L.loads(m.body)}:
             readers.setdefault(b, set()).add(i)
     out: list[Step] = []

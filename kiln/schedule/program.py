@@ -47,6 +47,8 @@ def input_lines(graph: Graph) -> list[P.Line]:
 def _reads_writes(step: Step, buffers) -> tuple[list[str], list[str]]:
     if isinstance(step, L.Gemm):
         return [step.a.buf, step.b.buf], [step.name]
+    if isinstance(step, L.Extern):
+        return [a.buf for a in step.args], list(step.outs)
     params = kernel_params(step, buffers)
     return [n for k, n in params if k == "in"], [n for k, n in params if k == "out"]
 
@@ -78,6 +80,8 @@ def build_program(graph: Graph, prog: L.LoopProgram, steps: tuple[Step, ...],
                                      reuse=reuse.get(b)))
         if isinstance(step, L.Gemm):
             lines.append(P.CallGemm(step))
+        elif isinstance(step, L.Extern):
+            lines.append(P.CallLib(step))
         else:
             assert isinstance(step, Kernel)
             params = tuple(kernel_params(step, buffers))

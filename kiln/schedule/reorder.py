@@ -19,8 +19,8 @@ from kiln.schedule import Kernel, Step
 
 
 def _io(step: Step, written_by: Mapping[str, int]) -> tuple[set[str], set[str]]:
-    if isinstance(step, L.Gemm):
-        return {step.a.buf, step.b.buf}, {step.name}
+    if isinstance(step, (L.Gemm, L.Extern)):
+        return L.node_reads(step), set(L.node_writes(step))
     writes = {m.name for m in step.members}
     reads = {ld.buf for m in step.members for ld in L.loads(m.body)} - writes
     return reads, writes
