@@ -183,9 +183,8 @@ def puts(x, i, j, v):
     return {
         "put": x.index_put((i,), v), "put_acc": x.index_put((i,), v, accumulate=True),
         "put_bcast": x.index_put((i,), v[0, 0]), "put2": x.index_put((j % 5, i.abs()), v[0, 0]),
-        "put_nonadj": x.index_put((i, None, i.abs()), v[:, :, 0], accumulate=True),
-        "put_mid": x.index_put((None, j), v[:3, :, :1].permute(2, 0, 1).expand(5, 3, 1, 7)
-                               .reshape(5, 3, 1, 7)),
+        "put_nonadj": torch.ops.aten.index_put(x, [i, None, i.abs()], v[:, :, 0], True),
+        "put_mid": torch.ops.aten.index_put(x, [None, j], v[:3, :1].reshape(3, 1, 7), False),
         "setitem": y, "setitem_scalar": z,
         "index_add": x.index_add(1, i.abs(), v.permute(1, 0, 2)[:5], alpha=2),
         "index_copy": x.index_copy(0, torch.tensor([3, 0]), v[:2]),
@@ -218,7 +217,10 @@ def test_masked_scatter(check):
 # -- embedding_bag ------------------------------------------------------------------------------
 def bags(w, ids, offsets, psw):
     out = {m: F.embedding_bag(ids, w, offsets, mode=m) for m in ("sum", "mean", "max")}
-    out["last"] = F.embedding_bag(ids, w, offsets, mode="mean", include_last_offset=True)
+    # include_last_offset: offsets end with len(ids) (torch's contract)
+    last = torch.cat([offsets, torch.full((1,), ids.numel(), dtype=offsets.dtype)])
+    out["last"] = F.embedding_bag(ids, w, last, mode="mean", include_last_offset=True)
+    out["last_max"] = F.embedding_bag(ids, w, last, mode="max", include_last_offset=True)
     out["weighted"] = F.embedding_bag(ids, w, offsets, mode="sum", per_sample_weights=psw)
     out["padding"] = F.embedding_bag(ids, w, offsets, mode="mean", padding_idx=3)
     out["2d"] = F.embedding_bag(ids[:8].view(4, 2), w, mode="max")
@@ -305,7 +307,7 @@ def test_interpreter_agrees(case):
     want = fn(*args)
     from torch.utils import _pytree as pytree
     leaves, spec = pytree.tree_flatten(want)
-    compare(pytree.tree_unflatten([torch.from_numpy(np.ascontiguousarray(g)) for g in got], spec),
+    compare(pytree.tree_unflatten([torch.from_numpy(np.array(g)) for g in got], spec),
             want)
 
 
