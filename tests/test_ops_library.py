@@ -62,7 +62,8 @@ def sorting(x):
         "sort0": tuple(torch.sort(x, 0)), "sort_desc": tuple(torch.sort(x, -1, descending=True)),
         "sort_t": tuple(torch.sort(x.transpose(0, 2), 1)), "argsort": torch.argsort(x, 1),
         "argsort_desc": torch.argsort(x[:, ::2], -1, descending=True),
-        "topk": tuple(torch.topk(x, 2, 1)), "topk_small": tuple(torch.topk(x, 3, -1, largest=False)),
+        "topk": tuple(torch.topk(x, 2, 1)),
+        "topk_small": tuple(torch.topk(x, 3, -1, largest=False)),
         "topk_all": tuple(torch.topk(x, 4, 0)), "kth": tuple(torch.kthvalue(x, 2, 0)),
         "kth_keep": tuple(torch.kthvalue(x, 6, 2, keepdim=True)),
         "median": tuple(torch.median(x, 1)), "median_keep": tuple(torch.median(x, 0, True)),
@@ -321,3 +322,18 @@ def test_interpreter_index_error():
     bad = torch.full((2, 4), 3)
     with pytest.raises(InterpError, match="out of range"):
         run_loop(prog, dict(zip(names, [x.numpy(), bad.numpy(), s.numpy()])), {})
+
+
+# -- dynamic shapes ----------------------------------------------------------------------------
+def test_dynamic_sizes(check):
+    """Operand sizes and strides are symbolic: one package serves every size in the range."""
+    fn = Fn(lambda x, i: {"sort": tuple(torch.sort(x, 0, descending=True)),
+                          "cumsum": torch.cumsum(x.t(), 1), "topk": tuple(torch.topk(x, 2, 1)),
+                          "scatter": x.scatter_add(0, i, x), "put": x.index_put((i[:, 0],), x[:1],
+                                                                               accumulate=True)})
+    n = torch.export.Dim("n", min=2, max=64)
+
+    def args(rows):
+        return (distinct((rows, 5), F32, ("dyn", rows)),
+                torch.randint(0, rows, (rows, 5), generator=gen("dyn-i", rows)))
+    check(fn, args(6), more=[args(2), args(33)], dynamic_shapes=({0: n}, {0: n}))
