@@ -146,15 +146,13 @@ class Extern:
     """outs... = routine(args..., attrs...): a call into a kiln runtime routine (C++ templates
     in kiln/runtime/model/kiln_lib.h; numpy twins in ir/interp.py). `outs` are contiguous
     buffers declared in the program (the node is named after the first); `attrs` are static
-    ints, floats, bools or tuples of ints. `schema` is free for routines that call an op by its
-    ATen schema (an ATen fallback); kiln's own routines leave it empty."""
+    ints, floats, bools or tuples of ints."""
 
     routine: str
     outs: tuple[str, ...]
     args: tuple[LibArg, ...]
     attrs: tuple[tuple[str, object], ...] = ()
     source: tuple[str, ...] = ()
-    schema: str = ""
 
     @property
     def name(self) -> str:
@@ -165,6 +163,7 @@ class Extern:
 
 
 LoopNode = Union[Compute, Gemm, Extern]
+CALLS = (Gemm, Extern)  # steps of their own: never fused into a kernel
 
 
 @dataclass(frozen=True)

@@ -142,7 +142,7 @@ def choose_reuse(steps: Sequence, buffers: Mapping[str, L.Buffer], first: Mappin
     chosen: dict[str, str] = {}
     taken: set[str] = set()
     for i, step in enumerate(steps):
-        if isinstance(step, (L.Gemm, L.Extern)):  # library calls never write in place
+        if isinstance(step, L.CALLS):
             continue
         for out, src in kernel_candidates(step, buffers):
             if (out in chosen or src in taken or first.get(out) != i or last.get(src) != i):

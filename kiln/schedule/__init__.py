@@ -37,7 +37,6 @@ class Kernel:
 
 
 Step = Kernel | L.Gemm | L.Extern
-CALLS = (L.Gemm, L.Extern)  # steps that are one library call, not a generated kernel
 
 
 def outer_of(node: L.Compute) -> tuple[sympy.Expr, ...]:
@@ -109,7 +108,7 @@ def _locals(members: tuple[L.Compute, ...], all_nodes, outputs: set[str], outer)
             reads = L.node_reads(n)
             if m.name not in reads:
                 continue
-            if n.name not in names or isinstance(n, CALLS):
+            if n.name not in names or isinstance(n, L.CALLS):
                 readers_ok = False
                 break
             expect = linear_index(ivars(len(outer)), contiguous_strides(outer))
@@ -125,10 +124,10 @@ def schedule(prog: L.LoopProgram, fuse: bool = True) -> tuple[Step, ...]:
     buffers = {b.name: b for b in prog.buffers}
     groups: list[list] = []  # [outer, members] or [gemm]
     for node in prog.nodes:
-        if isinstance(node, CALLS):
+        if isinstance(node, L.CALLS):
             groups.append([node])
             continue
-        cur = groups[-1] if groups and not isinstance(groups[-1][0], CALLS) else None
+        cur = groups[-1] if groups and not isinstance(groups[-1][0], L.CALLS) else None
         if fuse and cur is not None:
             outer = _common_prefix(cur[0], outer_of(node))
             if _worth(outer, cur[0]) and _legal(cur[1] + [node], outer, buffers):
@@ -139,7 +138,7 @@ def schedule(prog: L.LoopProgram, fuse: bool = True) -> tuple[Step, ...]:
     steps: list[Step] = []
     outputs = set(prog.outputs)
     for g in groups:
-        if isinstance(g[0], CALLS):
+        if isinstance(g[0], L.CALLS):
             steps.append(g[0])
             continue
         outer, members = tuple(g[0]), tuple(g[1])
@@ -167,7 +166,7 @@ def localize_rows(steps: tuple[Step, ...], prog: L.LoopProgram) -> tuple[Step, .
     keep = {src for _, src in prog.mutations} | set(prog.outputs)
     readers: dict[str, set[int]] = {}
     for i, s in enumerate(steps):
-        for b in L.node_reads(s) if isinstance(s, CALLS) else {
+        for b in L.node_reads(s) if isinstance(s, L.CALLS) else {
                 ld.buf for m in s.members for ld in L.loads(m.body)}:
             readers.setdefault(b, set()).add(i)
     out: list[Step] = []

@@ -19,7 +19,7 @@ from kiln.schedule import Kernel, Step
 
 
 def _io(step: Step, written_by: Mapping[str, int]) -> tuple[set[str], set[str]]:
-    if isinstance(step, (L.Gemm, L.Extern)):
+    if isinstance(step, L.CALLS):
         return L.node_reads(step), set(L.node_writes(step))
     writes = {m.name for m in step.members}
     reads = {ld.buf for m in step.members for ld in L.loads(m.body)} - writes
