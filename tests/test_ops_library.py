@@ -337,3 +337,27 @@ def test_dynamic_sizes(check):
         return (distinct((rows, 5), F32, ("dyn", rows)),
                 torch.randint(0, rows, (rows, 5), generator=gen("dyn-i", rows)))
     check(fn, args(6), more=[args(2), args(33)], dynamic_shapes=({0: n}, {0: n}))
+
+
+class Cache(torch.nn.Module):
+    """A KV-cache-like buffer updated in place by index_copy_ / index_put_ at given positions."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.register_buffer("cache", torch.zeros(8, 3))
+        self.register_buffer("hits", torch.zeros(8))
+
+    def forward(self, pos, v):
+        self.cache.index_copy_(0, pos, v)
+        self.hits.index_put_((pos,), torch.ones(pos.shape[0]), accumulate=True)
+        return self.cache.sum(1) + self.hits
+
+
+def test_state_updates_through_index_copy(check):
+    """The updated state persists across runs, as eager's buffers do."""
+    eager = Cache()
+    _, runner = check.compile(Cache(), (torch.tensor([0, 1]), torch.ones(2, 3)))
+    for k, pos in enumerate(([2, 5], [5, 0], [7, 7])):
+        v = rand((2, 3), F32, gen("cache", k))
+        want = eager(torch.tensor(pos), v)
+        torch.testing.assert_close(runner(torch.tensor(pos), v), want)
