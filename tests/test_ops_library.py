@@ -361,3 +361,20 @@ def test_state_updates_through_index_copy(check):
         v = rand((2, 3), F32, gen("cache", k))
         want = eager(torch.tensor(pos), v)
         torch.testing.assert_close(runner(torch.tensor(pos), v), want)
+
+
+def ties_order(a, b):
+    """Sorts and topk without `stable`: torch leaves ties in the order its selection algorithm
+    does, and kiln leaves them in the same order."""
+    return {"sort": tuple(torch.sort(a, 1)), "sort_desc0": tuple(torch.sort(a, 0, descending=True)),
+            "sort_long": tuple(torch.sort(b, -1)), "topk_small_k": tuple(torch.topk(b, 3, 1)),
+            "topk_large_k": tuple(torch.topk(a, 30, 1, largest=False)),
+            "topk_unsorted": tuple(torch.topk(a, 25, 1, sorted=False)),
+            "argsort": torch.argsort(b, 1, descending=True)}
+
+
+@pytest.mark.parametrize("dtype", [F32, I64], ids=_ids)
+def test_unstable_sort_and_topk_tie_order_matches_torch(check, dtype):
+    def args(key):
+        return ties((6, 50), dtype, ("a", key)), ties((4, 400), dtype, ("b", key))
+    check(Fn(ties_order), args(0), more=[args(1)])

@@ -35,8 +35,9 @@ def _sort(b, n):
     desc = bool(n.kwargs.get("descending", n.args[2] if len(n.args) > 2 and not stable
                              else False))
     x = b.tensor(n.args[0])
-    return [b.emit("sort", [x], None, like=n, result=k, part=k, dim=dim, descending=desc)
-            for k in range(2)]
+    stable = stable and bool(n.kwargs.get("stable", False))
+    return [b.emit("sort", [x], None, like=n, result=k, part=k, dim=dim, descending=desc,
+                   stable=stable) for k in range(2)]
 
 
 @register("aten.topk.default")
@@ -44,10 +45,10 @@ def _topk(b, n):
     k = int(_arg(n, 1, "k"))
     dim = _dim(b, n, _arg(n, 2, "dim", -1))
     largest = bool(_arg(n, 3, "largest", True))
-    # sorted=False lets torch return any order; kiln always returns the sorted order
+    is_sorted = bool(_arg(n, 4, "sorted", True))
     x = b.tensor(n.args[0])
-    return [b.emit("topk", [x], None, like=n, result=r, part=r, k=k, dim=dim, largest=largest)
-            for r in range(2)]
+    return [b.emit("topk", [x], None, like=n, result=r, part=r, k=k, dim=dim, largest=largest,
+                   sorted=is_sorted) for r in range(2)]
 
 
 def _order_statistic(b, n, x: str, shape, dim: int, k, keepdim: bool):
@@ -55,7 +56,7 @@ def _order_statistic(b, n, x: str, shape, dim: int, k, keepdim: bool):
     out = []
     for r in range(2):
         s = b.emit("sort", [x], None, like=n, result=r, shape=shape, part=r, dim=dim,
-                   descending=False)
+                   descending=False, stable=True)
         picked = b.emit("select", [s], None if keepdim else n, like=n, result=r, dim=dim,
                         index=k, shape=shape[:dim] + shape[dim + 1:])
         if keepdim:
@@ -93,7 +94,8 @@ def _median(b, n):
     for d in b.shape(x):
         numel = numel * d
     flat = b.emit("view", [b.tensor(x)], None, like=n, shape=(numel,))
-    s = b.emit("sort", [flat], None, like=n, shape=(numel,), part=0, dim=0, descending=False)
+    s = b.emit("sort", [flat], None, like=n, shape=(numel,), part=0, dim=0, descending=False,
+               stable=True)
     return b.emit("select", [s], n, dim=0, index=(numel - 1) // 2)
 
 

@@ -112,14 +112,16 @@ def _row_call(ctx: LowerCtx, node: Node, x: Lazy, routine: str, attrs, outs, len
 
 def lower_sort(ctx: LowerCtx, node: Node, args: list[Lazy]) -> Lazy:
     (x,) = args
-    return _row_call(ctx, node, x, "sort", [("descending", bool(node.attr("descending")))],
+    attrs = [("descending", bool(node.attr("descending"))), ("stable", bool(node.attr("stable")))]
+    return _row_call(ctx, node, x, "sort", attrs,
                      [("values", x.dtype), ("indices", dtypes.int64)])
 
 
 def lower_topk(ctx: LowerCtx, node: Node, args: list[Lazy]) -> Lazy:
     (x,) = args
     k = node.attr("k")
-    return _row_call(ctx, node, x, "topk", [("k", int(k)), ("largest", node.attr("largest"))],
+    attrs = [("k", int(k)), ("largest", node.attr("largest")), ("sorted", node.attr("sorted"))]
+    return _row_call(ctx, node, x, "topk", attrs,
                      [("values", x.dtype), ("indices", dtypes.int64)], length=sympy.Integer(k))
 
 

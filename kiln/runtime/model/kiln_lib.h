@@ -19,6 +19,7 @@
 #include <initializer_list>
 #include <limits>
 #include <type_traits>
+#include <utility>
 #include <vector>
 
 #include "kiln_model_rt.h"
@@ -74,47 +75,74 @@ template <class T> inline int64_t row_stride(const View<T> &x) {
   return x.rank ? x.stride(x.rank - 1) : 0;
 }
 
-/* sort: values and int64 indices of each row, ascending or descending, stable (equal values
- * keep their order; NaN sorts as the largest value). The index row is sorted in place. */
+/* sort: values and int64 indices of each row, ascending or descending, NaN sorting as the
+ * largest value. `stable`: equal values keep their order (std::stable_sort on the indices);
+ * otherwise std::sort on (value, index) pairs comparing values only, which leaves ties in the
+ * same order as torch's CPU sort does. */
 template <class T>
-int sort(kr::Err &, const char *, T *vals, int64_t *idx, bool descending, View<T> x) {
+int sort(kr::Err &, const char *, T *vals, int64_t *idx, bool descending, bool stable,
+         View<T> x) {
   const int64_t rows = rows_of(x), n = row_len(x), s = row_stride(x);
-#pragma omp parallel for schedule(static) if (rows > 1 && rows * n > 4096)
-  for (int64_t r = 0; r < rows; ++r) {
-    const T *row = x.data + x.offset(r, x.rank - 1);
-    int64_t *ix = idx + r * n;
-    for (int64_t j = 0; j < n; ++j) ix[j] = j;
-    if (descending)
-      std::stable_sort(ix, ix + n, [&](int64_t a, int64_t b) { return less(row[b * s], row[a * s]); });
-    else
-      std::stable_sort(ix, ix + n, [&](int64_t a, int64_t b) { return less(row[a * s], row[b * s]); });
-    for (int64_t j = 0; j < n; ++j) vals[r * n + j] = row[ix[j] * s];
+#pragma omp parallel if (rows > 1 && rows * n > 4096)
+  {
+    std::vector<std::pair<T, int64_t>> pairs(stable ? 0 : static_cast<size_t>(n));
+#pragma omp for schedule(static)
+    for (int64_t r = 0; r < rows; ++r) {
+      const T *row = x.data + x.offset(r, x.rank - 1);
+      int64_t *ix = idx + r * n;
+      if (stable) {
+        for (int64_t j = 0; j < n; ++j) ix[j] = j;
+        if (descending)
+          std::stable_sort(ix, ix + n, [&](int64_t a, int64_t b) { return less(row[b * s], row[a * s]); });
+        else
+          std::stable_sort(ix, ix + n, [&](int64_t a, int64_t b) { return less(row[a * s], row[b * s]); });
+        for (int64_t j = 0; j < n; ++j) vals[r * n + j] = row[ix[j] * s];
+        continue;
+      }
+      for (int64_t j = 0; j < n; ++j) pairs[j] = {row[j * s], j};
+      using P = std::pair<T, int64_t>;
+      if (descending)
+        std::sort(pairs.begin(), pairs.end(), [](const P &a, const P &b) { return less(b.first, a.first); });
+      else
+        std::sort(pairs.begin(), pairs.end(), [](const P &a, const P &b) { return less(a.first, b.first); });
+      for (int64_t j = 0; j < n; ++j) {
+        vals[r * n + j] = pairs[j].first;
+        ix[j] = pairs[j].second;
+      }
+    }
   }
   return 0;
 }
 
-/* topk: the k largest (or smallest) of each row, sorted, ties in index order: the first k of
- * the stable sort. */
+/* topk: the k largest (or smallest) of each row, NaN as the largest value (sorted, or with
+ * `sorted` false in the order the selection leaves them, as torch). Selection
+ * on (value, index) pairs comparing values only: a partial sort when k is small against the row
+ * (k * 64 <= n), else nth_element and a sort of the part before the k-th; this leaves ties in
+ * the order torch's CPU topk gives them. */
 template <class T>
-int topk(kr::Err &, const char *, T *vals, int64_t *idx, int64_t k, bool largest, View<T> x) {
+int topk(kr::Err &, const char *, T *vals, int64_t *idx, int64_t k, bool largest, bool sorted,
+         View<T> x) {
   const int64_t rows = rows_of(x), n = row_len(x), s = row_stride(x);
+  using P = std::pair<T, int64_t>;
+  auto first = [largest](const P &a, const P &b) {
+    return largest ? less(b.first, a.first) : less(a.first, b.first);
+  };
 #pragma omp parallel if (rows > 1 && rows * n > 4096)
   {
-    std::vector<int64_t> ix(static_cast<size_t>(n));
+    std::vector<P> q(static_cast<size_t>(n));
 #pragma omp for schedule(static)
     for (int64_t r = 0; r < rows; ++r) {
       const T *row = x.data + x.offset(r, x.rank - 1);
-      for (int64_t j = 0; j < n; ++j) ix[j] = j;
-      auto before = [&](int64_t a, int64_t b) {
-        const T va = row[a * s], vb = row[b * s];
-        const bool lt = largest ? less(vb, va) : less(va, vb);
-        const bool gt = largest ? less(va, vb) : less(vb, va);
-        return lt || (!gt && a < b);
-      };
-      std::partial_sort(ix.begin(), ix.begin() + k, ix.end(), before);
+      for (int64_t j = 0; j < n; ++j) q[j] = {row[j * s], j};
+      if (k > 0 && k * 64 <= n) {
+        std::partial_sort(q.begin(), q.begin() + k, q.end(), first);
+      } else if (k > 0) {
+        std::nth_element(q.begin(), q.begin() + k - 1, q.end(), first);
+        if (sorted) std::sort(q.begin(), q.begin() + k - 1, first);
+      }
       for (int64_t j = 0; j < k; ++j) {
-        vals[r * k + j] = row[ix[j] * s];
-        idx[r * k + j] = ix[j];
+        vals[r * k + j] = q[j].first;
+        idx[r * k + j] = q[j].second;
       }
     }
   }
