@@ -384,3 +384,18 @@ def test_unstable_sort_and_topk_tie_order_matches_torch(check, dtype):
     def args(key):
         return ties((6, 50), dtype, ("a", key)), ties((4, 400), dtype, ("b", key))
     check(Fn(ties_order), args(0), more=[args(1)])
+
+
+def test_index_put_boolean_mask(check):
+    """x[mask] = v with v the same for every selected element: no data-dependent size."""
+    def fn(x, m, m2, v):
+        y = x.clone()
+        y[m] = v
+        z = x.clone()
+        z[:, m2] = 2.5
+        return {"rows": y, "scalar": z, "acc": x.index_put((m,), v, accumulate=True),
+                "t": x.t().index_put((m2,), v[:1, None])}
+    x = rand((5, 6), F32, gen("mask-x"))
+    check(Fn(fn), (x, rand((5,), BOOL, gen("m1")), rand((6,), BOOL, gen("m2")),
+                   rand((6,), F32, gen("mask-v"))),
+          more=[(x, torch.ones(5, dtype=BOOL), torch.zeros(6, dtype=BOOL), x[0])])

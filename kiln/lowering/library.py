@@ -21,7 +21,7 @@ from kiln.ir import loop as L
 from kiln.ir.graph import Node
 from kiln.ir.sym import contiguous_strides
 from kiln.lowering.core import Lazy, LowerCtx, View, from_view, pointwise
-from kiln.lowering.pointwise import cast
+from kiln.lowering.pointwise import cast, op
 
 # kiln_lib.h enumerations (ScanKind, PutMode, BagMode)
 SCAN_KINDS = {"sum": 0, "prod": 1, "logsumexp": 2}
@@ -190,10 +190,12 @@ def lower_index_put(ctx: LowerCtx, node: Node, args: list[Lazy]) -> Lazy:
     self_, values, *indices = args
     positions = tuple(node.attr("positions"))
     base = node.source or node.name
+    if len(indices) == 1 and indices[0].dtype.name == "bool":
+        return _mask_put(node, self_, values, indices[0], positions[0])
     for t in indices:
         if t.dtype.name == "bool":
-            raise UnsupportedError(f"index_put with a boolean mask (node {node.name}): the "
-                                   f"number of selected elements is data-dependent")
+            raise UnsupportedError(f"index_put with a boolean mask among other indices (node "
+                                   f"{node.name})")
     bshape = _broadcast_shapes([t.shape for t in indices])
     nb = len(bshape)
     rest = [d for d in range(self_.rank) if d not in positions]
@@ -219,6 +221,30 @@ def lower_index_put(ctx: LowerCtx, node: Node, args: list[Lazy]) -> Lazy:
                  for d in range(self_.rank))
     mode = "sum" if node.attr("accumulate") else "set"
     return _put(ctx, node, self_, varg, index_args, dims, mode, True, wrap=True)
+
+
+def _mask_put(node: Node, self_: Lazy, values: Lazy, mask: Lazy, p: int) -> Lazy:
+    """x[mask] = v (or += v) where v does not vary along the selected elements (torch's result
+    dim of the mask, which has a data-dependent size, is broadcast in v): a pointwise select,
+    out[i] = mask[i_p..] ? v : x[i]. A v with one value per selected element is refused."""
+    dt, m, rank = node.type.dtype, mask.rank, self_.rank
+    res_rank = rank - m + 1
+    j = p - (res_rank - values.rank)  # the dim of v along the selected elements
+    if j >= 0 and values.shape[j] != 1:
+        raise UnsupportedError(f"index_put with a boolean mask and one value per selected "
+                               f"element (node {node.name}): the count is data-dependent")
+
+    def fn(idx):
+        res = list(idx[:p]) + [sympy.Integer(0)] + list(idx[p + m:])
+        vidx = [sympy.Integer(0) if values.shape[k] == 1 else res[k + res_rank - values.rank]
+                for k in range(values.rank)]
+        x = self_.load(idx)
+        v = cast(values.load(tuple(vidx)), dt)
+        if node.attr("accumulate"):
+            v = op("add", x, v) if dt.name != "bool" else op("logical_or", x, v)
+        return op("where", mask.load(tuple(idx[p:p + m])), v, x)
+
+    return pointwise(dt, node.type.shape, fn)
 
 
 def lower_masked_scatter(ctx: LowerCtx, node: Node, args: list[Lazy]) -> Lazy:
