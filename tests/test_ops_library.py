@@ -399,3 +399,16 @@ def test_index_put_boolean_mask(check):
     check(Fn(fn), (x, rand((5,), BOOL, gen("m1")), rand((6,), BOOL, gen("m2")),
                    rand((6,), F32, gen("mask-v"))),
           more=[(x, torch.ones(5, dtype=BOOL), torch.zeros(6, dtype=BOOL), x[0])])
+
+
+def test_large_scatters_run_in_parallel_slices(check):
+    """Above 65536 updates `put` runs disjoint slices in parallel: same answer, duplicates
+    included (sums add in order). (Eager's index_put without accumulate runs in parallel at
+    this size too, so its answer for duplicate rows is not defined: `put_set` has none.)"""
+    fn = Fn(lambda x, i, r: {"scatter": x.scatter(0, i, x * 2), "scatter_add": x.scatter_add(
+        1, i.t(), x), "put": x.index_put((r,), x[:40], accumulate=True),
+        "put_set": x.index_put((torch.arange(40) * 7 - 100,), x[:40])})
+    x = rand((300, 300), F32, gen("large-x"))
+    i = torch.randint(0, 300, (300, 300), generator=gen("large-i"))
+    r = torch.randint(-300, 300, (40,), generator=gen("large-r"))
+    check(fn, (x, i, r))

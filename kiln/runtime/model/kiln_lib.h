@@ -237,16 +237,20 @@ int put_counted(kr::Err &e, const char *where, T *out, int64_t *counts, int64_t 
   const std::vector<int64_t> dims(dims_il);
   const int R = self.rank, K = values.rank;
   const int64_t total = self.numel(), iters = values.numel();
-  for (int64_t p = 0; p < total; ++p) out[p] = self.at(p);
-  if (counts)
-    for (int64_t p = 0; p < total; ++p) counts[p] = include_self ? 1 : 0;
-  std::vector<int64_t> it(static_cast<size_t>(K > 0 ? K : 1));
-  // dest(it) for the current `it`; -1 (after reporting) for an index out of range
-  auto dest = [&](int64_t flat) -> int64_t {
-    for (int k = K - 1; k >= 0; --k) {
-      it[k] = flat % values.size(k);
-      flat /= values.size(k);
-    }
+#pragma omp parallel for schedule(static) if (total > 65536)
+  for (int64_t p = 0; p < total; ++p) {
+    out[p] = self.at(p);
+    if (counts) counts[p] = include_self ? 1 : 0;
+  }
+  // An update-space dim that is also a destination coordinate splits the updates into slices
+  // that write disjoint places: slices run in parallel, each in row-major order (so updates of
+  // one place keep their order). Without one, updates run sequentially.
+  int par = -1;
+  for (int d = 0; d < R && par < 0; ++d) par = dims[d];
+  const int64_t slices = par >= 0 ? values.size(par) : 1, per_slice = slices ? iters / slices : 0;
+  int failed = 0;
+  // destination of update `it`; -1 (after reporting) for an index out of range
+  auto dest = [&](const std::vector<int64_t> &it) -> int64_t {
     int64_t off = 0;
     for (int d = 0; d < R; ++d) {
       int64_t c;
@@ -260,8 +264,12 @@ int put_counted(kr::Err &e, const char *where, T *out, int64_t *counts, int64_t 
         const int64_t n = self.size(d);
         if (wrap && c < 0 && c >= -n) c += n;
         if (c < 0 || c >= n) {
-          e.fail("index out of range in %s: index %lld is out of bounds for dim %d of size "
-                 "%lld", where, (long long)v.data[o], d, (long long)n);
+#pragma omp critical(kl_put_error)
+          if (!failed) {
+            failed = 1;
+            e.fail("index out of range in %s: index %lld is out of bounds for dim %d of size "
+                   "%lld", where, (long long)v.data[o], d, (long long)n);
+          }
           return -1;
         }
       }
@@ -269,19 +277,28 @@ int put_counted(kr::Err &e, const char *where, T *out, int64_t *counts, int64_t 
     }
     return off;
   };
-  if (!include_self) {  // the self values at written places do not take part
-    for (int64_t f = 0; f < iters; ++f) {
-      const int64_t p = dest(f);
-      if (p < 0) return 1;
-      out[p] = put_identity<T>(mode);
+  // visit(it, value offset) for every update of slice `s`, in row-major order
+  auto slice = [&](int64_t s, bool apply) {
+    std::vector<int64_t> it(static_cast<size_t>(K > 0 ? K : 1));
+    for (int64_t f = 0; f < per_slice; ++f) {
+      int64_t rest = f, voff = 0;
+      for (int k = K - 1; k >= 0; --k) {
+        if (k == par) { it[k] = s; } else { it[k] = rest % values.size(k); rest /= values.size(k); }
+        voff += it[k] * values.stride(k);
+      }
+      const int64_t p = dest(it);
+      if (p < 0) return;
+      if (!apply) { out[p] = put_identity<T>(mode); continue; }
+      out[p] = put_combine(mode, out[p], values.data[voff]);
+      if (counts) counts[p] += 1;
     }
+  };
+  // without include_self, the self values at written places do not take part
+  for (int pass = include_self ? 1 : 0; pass < 2 && !failed; ++pass) {
+#pragma omp parallel for schedule(static) if (slices > 1 && iters > 65536)
+    for (int64_t s = 0; s < slices; ++s) slice(s, pass == 1);
   }
-  for (int64_t f = 0; f < iters; ++f) {
-    const int64_t p = dest(f);
-    if (p < 0) return 1;
-    out[p] = put_combine(mode, out[p], values.data[values.offset(f, K)]);
-    if (counts) counts[p] += 1;
-  }
+  if (failed) return 1;
   if (mode == kMean) {
     for (int64_t p = 0; p < total; ++p) {
       if (counts[p] == 0) continue;
