@@ -242,12 +242,14 @@ int put_counted(kr::Err &e, const char *where, T *out, int64_t *counts, int64_t 
     out[p] = self.at(p);
     if (counts) counts[p] = include_self ? 1 : 0;
   }
-  // An update-space dim that is also a destination coordinate splits the updates into slices
-  // that write disjoint places: slices run in parallel, each in row-major order (so updates of
-  // one place keep their order). Without one, updates run sequentially.
+  // An update-space dim that is also a destination coordinate (`par`) splits the updates into
+  // ranges of it that write disjoint places: threads take one range each and walk the update
+  // space in row-major order within it (updates of one place keep their order, memory is
+  // walked as in the sequential order). Without such a dim, updates run sequentially.
   int par = -1;
-  for (int d = 0; d < R && par < 0; ++d) par = dims[d];
-  const int64_t slices = par >= 0 ? values.size(par) : 1, per_slice = slices ? iters / slices : 0;
+  for (int d = 0; d < R && par < 0; ++d) par = dims[d] >= 0 ? dims[d] : -1;
+  const int64_t slices = par >= 0 ? values.size(par) : 1;
+  const int64_t per_slice = slices ? iters / slices : 0;
   int failed = 0;
   // destination of update `it`; -1 (after reporting) for an index out of range
   auto dest = [&](const std::vector<int64_t> &it) -> int64_t {
@@ -277,26 +279,43 @@ int put_counted(kr::Err &e, const char *where, T *out, int64_t *counts, int64_t 
     }
     return off;
   };
-  // visit(it, value offset) for every update of slice `s`, in row-major order
-  auto slice = [&](int64_t s, bool apply) {
-    std::vector<int64_t> it(static_cast<size_t>(K > 0 ? K : 1));
-    for (int64_t f = 0; f < per_slice; ++f) {
-      int64_t rest = f, voff = 0;
-      for (int k = K - 1; k >= 0; --k) {
-        if (k == par) { it[k] = s; } else { it[k] = rest % values.size(k); rest /= values.size(k); }
-        voff += it[k] * values.stride(k);
-      }
+  // apply (or, first, without include_self, reset) the updates with it[par] in [lo, hi)
+  auto range = [&](int64_t lo, int64_t hi, bool apply) {
+    if (lo >= hi) return;
+    std::vector<int64_t> it(static_cast<size_t>(K > 0 ? K : 1), 0);
+    if (par >= 0) it[par] = lo;
+    const int64_t n = par >= 0 ? per_slice * (hi - lo) : iters;
+    for (int64_t f = 0; f < n; ++f) {
+      int64_t voff = 0;
+      for (int k = 0; k < K; ++k) voff += it[k] * values.stride(k);
       const int64_t p = dest(it);
       if (p < 0) return;
-      if (!apply) { out[p] = put_identity<T>(mode); continue; }
-      out[p] = put_combine(mode, out[p], values.data[voff]);
-      if (counts) counts[p] += 1;
+      if (apply) {
+        out[p] = put_combine(mode, out[p], values.data[voff]);
+        if (counts) counts[p] += 1;
+      } else {
+        out[p] = put_identity<T>(mode);
+      }
+      for (int k = K - 1; k >= 0; --k) {  // next update in row-major order
+        if (++it[k] < (k == par ? hi : values.size(k))) break;
+        it[k] = k == par ? lo : 0;
+      }
     }
   };
-  // without include_self, the self values at written places do not take part
   for (int pass = include_self ? 1 : 0; pass < 2 && !failed; ++pass) {
-#pragma omp parallel for schedule(static) if (slices > 1 && iters > 65536)
-    for (int64_t s = 0; s < slices; ++s) slice(s, pass == 1);
+    if (par >= 0 && slices > 1 && iters > 65536) {
+#pragma omp parallel
+      {
+        int64_t t = 0, nt = 1;
+#ifdef _OPENMP
+        t = omp_get_thread_num();
+        nt = omp_get_num_threads();
+#endif
+        range(slices * t / nt, slices * (t + 1) / nt, pass == 1);
+      }
+    } else {
+      range(0, slices, pass == 1);
+    }
   }
   if (failed) return 1;
   if (mode == kMean) {
