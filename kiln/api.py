@@ -14,6 +14,7 @@ import torch
 
 from kiln.__version__ import __version__
 from kiln.errors import KilnError, UnsupportedError
+from kiln.ir import loop as L
 from kiln.ir.loop import flat_steps
 from kiln.ir.sym import evaluate
 from kiln.memory.assign import inplace_report, plan_sizes
@@ -41,6 +42,9 @@ def _kernels_json(built: Built) -> list[dict]:
         if isinstance(s, Kernel):
             kind = "triton" if built.device == "cuda" else "cpp"
             out.append({"name": s.name, "kind": kind, "members": [m.name for m in s.members],
+                        "source_ops": list(s.source)})
+        elif isinstance(s, L.Extern):
+            out.append({"name": s.name, "kind": f"lib.{s.routine}", "members": list(s.outs),
                         "source_ops": list(s.source)})
         else:
             choice = built.gemms.get(s.name)

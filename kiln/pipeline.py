@@ -118,6 +118,15 @@ def kernel_sources(steps, buffers, opts: Options, aliases=None) -> tuple[dict[st
     return {f"kernels_{j}.cpp": "\n".join(f) for j, f in enumerate(files)}, decls
 
 
+def _no_cuda_libs(steps) -> None:
+    from kiln.errors import UnsupportedError
+    from kiln.ir.loop import Extern
+    for s in steps:
+        if isinstance(s, Extern):
+            raise UnsupportedError(f"library routine {s.routine} (for {', '.join(s.source)}) "
+                                   "has no CUDA version yet; compile for the CPU")
+
+
 def build(ep: torch.export.ExportedProgram, opts: Options, device: str = "cpu") -> Built:
     run = _Run(opts)
     cuda = device.split(":")[0] == "cuda"
@@ -161,6 +170,7 @@ def build(ep: torch.export.ExportedProgram, opts: Options, device: str = "cpu") 
         dump=lambda r: print_program(r[0]), verify=lambda r: verify_program(r[0], planned=True))
     buffers = L.all_buffers(loop)  # control-flow regions' buffers included
     if cuda:  # 7-8 for NVIDIA GPUs: Triton kernels -> cubins, CUDA wrapper (pipeline_cuda.py)
+        _no_cuda_libs(steps)
         aten = sorted({f"{s.op}.{s.overload or 'default'}" if isinstance(s, L.AtenCall) else
                        f"{s.symbol} = .item()" for s in steps
                        if isinstance(s, (L.AtenCall, L.ReadSize))})

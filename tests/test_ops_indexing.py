@@ -116,9 +116,6 @@ def test_tensor_index_out_of_range_raises(check):
 @pytest.mark.parametrize(("name", "fn", "op"), [
     # neither lowered nor passable to the ATen fallback (a Scalar argument)
     ("zeta", lambda x: torch.special.zeta(x, 2.0), "special_zeta"),
-    ("grid_sample_bicubic", lambda x: F.grid_sample(x.view(1, 1, 4, 5), torch.zeros(1, 2, 2, 2),
-                                                    mode="bicubic", align_corners=False),
-     "bicubic"),
 ])
 def test_unsupported_ops_raise_clear_error(check, name, fn, op):
     with pytest.raises(UnsupportedError, match=op):

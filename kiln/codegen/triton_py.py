@@ -120,6 +120,10 @@ def run_program(prog: P.Program, kernels: dict, module, weights: dict, inputs: l
                                             num_warps=k.config.num_warps)
             if int(status.item()):
                 raise IndexError(f"index out of range in {', '.join(x.source)}")
+        elif isinstance(x, P.CallLib):
+            from kiln.errors import UnsupportedError
+            raise UnsupportedError(f"library routine {x.call.routine} (for "
+                                   f"{', '.join(x.call.source)}) has no CUDA version yet")
         elif isinstance(x, P.CallGemm):
             g = x.gemm
             a = _strided(bufs[g.a.buf].reshape(-1), g.a, g.batch, g.m, g.k, env)

@@ -28,6 +28,41 @@ def _cstr(s: str) -> str:
     return '"' + s.replace("\\", "\\\\").replace('"', '\\"') + '"'
 
 
+def c_attr(v) -> str:
+    """A static attribute of a library call as a C++ argument."""
+    if isinstance(v, bool):
+        return "true" if v else "false"
+    if isinstance(v, int):
+        return f"int64_t({v})"
+    if isinstance(v, float):
+        if v != v:
+            return "std::numeric_limits<double>::quiet_NaN()"
+        if v in (float("inf"), float("-inf")):
+            return ("-" if v < 0 else "") + "std::numeric_limits<double>::infinity()"
+        return repr(v)
+    if isinstance(v, tuple):
+        return "{" + ", ".join(c_attr(x) for x in v) + "}"
+    raise TypeError(f"library call attribute {v!r}")
+
+
+def lib_call_lines(x: L.Extern, ptr: str = "buf_{}") -> list[str]:
+    """The C++ block calling `kl::<routine>` (kiln_lib.h) for one Extern: each operand's sizes
+    and strides as a local array, outputs, attributes, operands (kiln_lib.h's convention)."""
+    lines = [f"{{  // lib.{x.routine} -> {', '.join(x.outs)}  <- {', '.join(x.source)}"]
+    args = []
+    for k, a in enumerate(x.args):
+        dims = [to_c(d) for d in (*a.shape, *a.strides)] or ["0"]
+        lines.append(f"  const int64_t d{k}[] = {{{', '.join(dims)}}};  // {a.buf}: sizes, "
+                     "strides")
+        args.append(f"kl::view({ptr.format(a.buf)} + {to_c(a.offset)}, {len(a.shape)}, d{k})")
+    outs = [ptr.format(o) for o in x.outs]
+    attrs = [f"/*{k}=*/{c_attr(v)}" for k, v in x.attrs]
+    call = ", ".join([_cstr(", ".join(x.source) or x.name)] + outs + attrs + args)
+    lines.append(f"  if (kl::{x.routine}(e, {call})) goto fail;")
+    lines.append("}")
+    return lines
+
+
 def declare_kernel(name: str, params, status: bool, dtypes) -> str:
     sig = []
     for kind, n in params:
@@ -279,6 +314,10 @@ class _Printer(SizeCheckPrinter):
                   f"size {n.symbol}\", (long long){n.symbol}); goto fail; }}")
         self.emit(f"buf_{n.name}[0] = {n.symbol};")
 
+    def _CallLib(self, x: P.CallLib) -> None:
+        for s in lib_call_lines(x.call):
+            self.emit(s)
+
     def _CopyState(self, x: P.CopyState) -> None:
         self.emit(f"// state {x.dst} <- {x.src}: persists to the next run")
         self.emit(f"std::memcpy(buf_{x.dst}, buf_{x.src}, static_cast<size_t>({to_c(x.numel)}) "
@@ -370,6 +409,8 @@ def print_wrapper(prog: P.Program, kernel_decls: list[str],
         '#include "kiln_model_rt.h"',
         '#include "kiln_plan.h"',
         *(['#include "kiln_aten.h"  // ATen fallback: ' + ", ".join(aten_ops)] if aten_ops else []),
+        *(['#include "kiln_lib.h"'] if any(isinstance(x, P.CallLib) for x in prog.lines)
+          else []),
         "",
         *kernel_decls,
         "",

@@ -153,6 +153,11 @@ class _Printer(SizeCheckPrinter):
                   "return 1;")
         self.emit("}")
 
+    def _CallLib(self, x: P.CallLib) -> None:
+        from kiln.errors import UnsupportedError
+        raise UnsupportedError(f"library routine {x.call.routine} (for {', '.join(x.call.source)})"
+                               " has no CUDA version yet; compile for the CPU")
+
     def _CallGemm(self, x: P.CallGemm) -> None:
         g = x.gemm
         if len(g.batch) > 2:

@@ -69,6 +69,17 @@ def _aten(c: L.AtenCall, bounds) -> list[str]:
                 f"its bound')"]
     numel = " * ".join(to_py(d) for d in c.shape) or "1"
     return out + [f"buf_{c.name}.view(-1)[:{numel}].view(({shape})).copy_(_r)"]
+
+
+def _lib(x: L.Extern) -> list[str]:
+    ops = [f"buf_{a.buf}.view(-1).as_strided(({''.join(to_py(d) + ', ' for d in a.shape)}), "
+           f"({''.join(to_py(d) + ', ' for d in a.strides)}), buf_{a.buf}.storage_offset() + "
+           f"{to_py(a.offset)})" for a in x.args]
+    outs = ", ".join(f"buf_{o}" for o in x.outs)
+    return [f"# lib.{x.routine} -> {', '.join(x.outs)}  <- {', '.join(x.source)}",
+            f"_lib({x.routine!r}, {dict(x.attrs)!r}, [{outs}], {', '.join(ops)})"]
+
+
 class _Else:
     """Marks the start of an If's else block in `_nested`."""
 
@@ -164,6 +175,8 @@ def print_python_wrapper(prog: P.Program, steps, buffers) -> str:
                      f"_expect({n.lo} <= {n.symbol} <= {to_py(n.hi)}, '{n.src}.item() is "
                      f"outside [{n.lo}, {n.hi}], the range the export assumed')",
                      f"buf_{n.name}.view(-1)[0] = {n.symbol}"]
+        elif isinstance(x, P.CallLib):
+            body += _lib(x.call)
         elif isinstance(x, P.CopyState):
             body.append(f"buf_{x.dst}.view(-1).copy_(buf_{x.src}.reshape(-1)[:{to_py(x.numel)}])"
                         f"  # state persists to the next run")
@@ -204,6 +217,17 @@ def _check(t, index, name, dtype, rank):
     _expect(t.dtype == dtype, f"input {{index}} ({{name}}): expected {{dtype}}, got {{t.dtype}}")
     _expect(t.dim() == rank, f"input {{index}} ({{name}}): expected rank {{rank}}, got {{t.dim()}}")
     _expect(t.is_contiguous(), f"input {{index}} ({{name}}): expected a contiguous tensor")
+
+
+def _lib(routine, attrs, outs, *operands):
+    """A kiln_lib.h routine, run by its numpy twin in kiln.ir.interp (this file is for
+    debugging: the C++ routine runs in model.so's own wrapper)."""
+    from kiln.ir.interp import ROUTINES
+    import numpy as np
+    specs = [(str(o.dtype).removeprefix("torch."), tuple(o.shape)) for o in outs]
+    got = ROUTINES[routine](specs, attrs, *[x.numpy() for x in operands])
+    for o, g in zip(outs, got):
+        o.view(-1).copy_(torch.from_numpy(np.ascontiguousarray(g).reshape(-1)).to(o.dtype))
 
 
 STATE = {{{", ".join(repr(w.name) for w in prog.weights if w.mutable)}}}

@@ -20,6 +20,7 @@ from kiln.errors import UnsupportedError
 from kiln.frontend import fallback
 from kiln.frontend import aten_extra, aten_random  # noqa: F401 - register their converters
 from kiln.frontend import aten_spatial  # noqa: F401  (registers spatial converters)
+import kiln.frontend.aten_library  # noqa: F401  (registers library-call converters)
 from kiln.frontend.aten_high import Fallback
 from kiln.frontend.aten_table import TABLE
 from kiln.frontend.fold import fold_constants
@@ -388,7 +389,19 @@ def convert_node(b: Builder, n: torch.fx.Node, gm: torch.fx.GraphModule) -> None
         conv = fallback.aten_fallback
     if conv is None:
         raise UnsupportedError(f"operator {n.target} (node {n.name}) is not supported yet")
-    result = conv(b, n)
+    mark, known = len(b.nodes), set(b.types)
+    try:
+        result = conv(b, n)
+    except UnsupportedError as declined:
+        if not b.aten_fallback or conv is fallback.aten_fallback or isinstance(declined, Fallback):
+            raise
+        del b.nodes[mark:]  # a converter that declines a form of its op: ATen computes it
+        for k in set(b.types) - known:
+            del b.types[k]
+        try:
+            result = fallback.aten_fallback(b, n)
+        except UnsupportedError:
+            raise declined from None
     if isinstance(result, list):
         b.multi[n.name] = result
     else:

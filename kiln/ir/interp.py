@@ -2,7 +2,9 @@
 
 It shares nothing with code generation: each `Compute` is evaluated over its whole index
 space at once (numpy broadcasting over one axis per loop variable), reductions reduce the
-trailing r-axes, and a `Gemm` is `np.matmul` over strided views. Buffers are flat numpy arrays.
+trailing r-axes, a `Gemm` is `np.matmul` over strided views, and an `Extern` runs the numpy
+twin of its routine (`ROUTINES`, written apart from kiln_lib.h: plain Python loops over rows
+and updates). Buffers are flat numpy arrays.
 It is slow and meant for small shapes (tests, the fuzzer, bisecting a wrong kernel)."""
 
 from __future__ import annotations
@@ -235,7 +237,7 @@ def _truth(pred, expr, bufs, env) -> bool:
                                           for k, v in env.items()}))
 
 
-def _run_nodes(nodes, bufs: dict, env: dict[str, int]) -> None:
+def _run_nodes(nodes, bufs: dict, env: dict[str, int], prog=None) -> None:
     """Evaluate `nodes` in order into `bufs`; control nodes run their regions (a region's
     buffers are named in the same space as its parent's)."""
     for node in nodes:
@@ -252,6 +254,8 @@ def _run_nodes(nodes, bufs: dict, env: dict[str, int]) -> None:
                 _run_nodes(node.body.prog.nodes, bufs, env)
                 for c, x in zip(node.carries, node.nexts):
                     bufs[c] = bufs[x].copy()
+        elif isinstance(node, L.Extern):
+            bufs.update(zip(node.outs, _extern(node, bufs, dict(env), prog)))
         elif isinstance(node, L.AtenCall):
             bufs[node.name] = _aten(node, bufs, env)  # binds data-dependent sizes in env
         elif isinstance(node, L.ReadSize):
@@ -262,12 +266,173 @@ def _run_nodes(nodes, bufs: dict, env: dict[str, int]) -> None:
             bufs[node.name] = fn(node, bufs, dict(env))
 
 
+def _rows(x: np.ndarray):
+    """x as [rows, n] over its last dim (a copy; rank 0 counts as one row of one)."""
+    x = np.asarray(x)
+    n = x.shape[-1] if x.ndim else 1
+    return x.reshape(-1, n) if x.size else np.zeros((int(np.prod(x.shape[:-1])), n), x.dtype)
+
+
+def _key(v):
+    """Sort key: NaN after every number."""
+    f = float(v)
+    return (1, 0.0) if f != f else (0, v)
+
+
+def _lib_sort(outs, attrs, x):
+    rows = _rows(x)
+    vals, idx = np.empty_like(rows), np.empty(rows.shape, np.int64)
+    for r, row in enumerate(rows):
+        # Python's sort is stable, also with reverse=True (equal items keep their order)
+        order = sorted(range(len(row)), key=lambda j: _key(row[j]), reverse=attrs["descending"])
+        idx[r], vals[r] = order, row[order]
+    return [vals, idx]
+
+
+def _lib_topk(outs, attrs, x):
+    k = attrs["k"]
+    vals, idx = _lib_sort(outs, {"descending": attrs["largest"]}, x)
+    return [vals[:, :k], idx[:, :k]]
+
+
+def _lib_scan(outs, attrs, x):
+    dt = NP_DTYPES[outs[0][0]]
+    rows = _rows(x).astype(dt)
+    acc_dt = np.float64 if np.issubdtype(dt, np.floating) else np.int64
+    kind = attrs["kind"]
+    with np.errstate(all="ignore"):
+        if kind == 0:
+            out = np.cumsum(rows.astype(acc_dt), axis=1)
+        elif kind == 1:
+            out = np.cumprod(rows.astype(acc_dt), axis=1)
+        else:
+            out = np.logaddexp.accumulate(rows.astype(np.float64), axis=1) if rows.size else \
+                rows.astype(np.float64)
+    return [out.astype(dt)]
+
+
+def _lib_scan_extreme(outs, attrs, x):
+    rows = _rows(x)
+    vals, idx = np.empty_like(rows), np.zeros(rows.shape, np.int64)
+    better = np.greater_equal if attrs["is_max"] else np.less_equal
+    for r, row in enumerate(rows):
+        best, at = None, 0
+        for j, v in enumerate(row):
+            if best is None or (best == best and (v != v or better(v, best))):
+                best, at = v, j
+            vals[r, j], idx[r, j] = best, at
+    return [vals, idx]
+
+
+def _lib_put(outs, attrs, self_, values, *index):
+    out = np.array(self_, dtype=self_.dtype, copy=True)
+    mode, dims, wrap = attrs["mode"], attrs["dims"], attrs["wrap"]
+    count = np.full(out.shape, 1 if attrs["include_self"] else 0, np.int64)
+    ident = {2: 1, 4: -np.inf, 5: np.inf}.get(mode, 0)
+    if mode in (4, 5) and not np.issubdtype(out.dtype, np.floating):
+        info = np.iinfo(out.dtype) if out.dtype != np.bool_ else None
+        ident = (info.min if mode == 4 else info.max) if info else mode == 5
+
+    def dest(it):
+        pos = []
+        for d, m in enumerate(dims):
+            if m >= 0:
+                pos.append(it[m])
+                continue
+            c = int(index[-m - 1][it])
+            n = out.shape[d]
+            c2 = c + n if wrap and -n <= c < 0 else c
+            if not 0 <= c2 < n:
+                raise InterpError(f"index out of range: index {c} for dim {d} of size {n}")
+            pos.append(c2)
+        return tuple(pos)
+
+    its = list(np.ndindex(*values.shape))
+    if not attrs["include_self"]:
+        for it in its:
+            out[dest(it)] = ident
+    for it in its:
+        p, v = dest(it), values[it]
+        if mode == 0:
+            out[p] = v
+        elif mode in (1, 3):
+            out[p] = out[p] + v
+        elif mode == 2:
+            out[p] = out[p] * v
+        elif mode == 4:
+            out[p] = v if v != v else max(out[p], v) if out[p] == out[p] else out[p]
+        else:
+            out[p] = v if v != v else min(out[p], v) if out[p] == out[p] else out[p]
+        count[p] += 1
+    if mode == 3:
+        c = np.maximum(count, 1)
+        out = np.where(count > 0, out / c if np.issubdtype(out.dtype, np.floating)
+                       else np.floor_divide(out, c), out).astype(out.dtype)
+    return [out, count] if len(outs) == 2 else [out]
+
+
+def _lib_masked_scatter(outs, attrs, self_, mask, source):
+    out = np.array(self_, copy=True).reshape(-1)
+    m = np.broadcast_to(mask, self_.shape).reshape(-1)
+    src = np.asarray(source).reshape(-1)
+    if m.sum() > src.size:
+        raise InterpError(f"masked_scatter: the mask selects more elements than source has "
+                          f"({src.size})")
+    out[m] = src[:int(m.sum())]
+    return [out]
+
+
+def _lib_embedding_bag(outs, attrs, weight, indices, offsets, psw=None):
+    n = indices.size
+    ids, offs = indices.reshape(-1).astype(np.int64), offsets.reshape(-1).astype(np.int64)
+    if n and (ids.min() < 0 or ids.max() >= weight.shape[0]):
+        raise InterpError("embedding_bag: index out of range")
+    bags = offs.size - (1 if attrs["include_last_offset"] else 0)
+    out = np.zeros((bags, weight.shape[1]), np.float64)
+    for b in range(bags):
+        hi = offs[b + 1] if b + 1 < offs.size else n
+        rows = [(i, ids[i]) for i in range(offs[b], hi) if ids[i] != attrs["padding_idx"]]
+        if not rows:
+            continue
+        vecs = np.stack([weight[j].astype(np.float64) * (1 if psw is None else psw[i])
+                         for i, j in rows])
+        out[b] = [vecs.sum(0), vecs.mean(0), vecs.max(0)][attrs["mode"]]
+    return [out.astype(weight.dtype)]
+
+
+# routine -> numpy twin: (outs [(dtype name, shape)], attrs, *operands) -> one array per out
+ROUTINES = {"sort": _lib_sort, "topk": _lib_topk, "scan": _lib_scan,
+            "scan_extreme": _lib_scan_extreme, "put": _lib_put, "put_mean": _lib_put,
+            "masked_scatter": _lib_masked_scatter, "embedding_bag": _lib_embedding_bag}
+
+
+def run_routine(call: L.Extern, outs, operands: list[np.ndarray]) -> list[np.ndarray]:
+    """Run the numpy twin of `call` on operands (arrays shaped like its LibArgs); `outs` are the
+    (dtype name, shape) of its outputs. Returns flat arrays."""
+    got = ROUTINES[call.routine](outs, dict(call.attrs), *operands)
+    return [np.ascontiguousarray(g).astype(NP_DTYPES[dt]).reshape(-1) for g, (dt, _) in
+            zip(got, outs)]
+
+
+def _extern(node: L.Extern, bufs, env, prog: L.LoopProgram) -> list[np.ndarray]:
+    ops = []
+    for a in node.args:
+        base = bufs[a.buf]
+        sizes = [evaluate(d, env) for d in a.shape]
+        strides = [evaluate(s, env) * base.itemsize for s in a.strides]
+        start = base[evaluate(a.offset, env):]
+        ops.append(np.lib.stride_tricks.as_strided(start, sizes, strides).copy())
+    outs = [(prog.buffer(o).dtype.name, tuple(evaluate(d, env) for d in prog.buffer(o).shape))
+            for o in node.outs]
+    return run_routine(node, outs, ops)
+
+
 def run_loop(prog: L.LoopProgram, inputs: Mapping[str, np.ndarray],
              env: Mapping[str, int]) -> list[np.ndarray]:
     """Run `prog` on named inputs and weights (numpy arrays) with sizes `env`; returns the
     outputs, shaped by the program's output shapes."""
     bufs = {k: np.ascontiguousarray(v).reshape(-1) for k, v in inputs.items()}
     env = dict(env)
-    _run_nodes(prog.nodes, bufs, env)
+    _run_nodes(prog.nodes, bufs, env, prog)
     return [bufs[o].reshape([evaluate(d, env) for d in shape])
             for o, shape in zip(prog.outputs, prog.output_shapes)]

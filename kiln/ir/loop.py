@@ -1,5 +1,7 @@
 """Loop IR: every tensor the program materialises is a `Compute` (a loop body over its index
-space, optionally reducing over extra indices) or a `Gemm` (an extern call into BLAS).
+space, optionally reducing over extra indices), a `Gemm` (an extern call into BLAS) or an
+`Extern` (a call into a kiln runtime routine: sort, scans, scatters, ...; it may write several
+buffers).
 
 Expressions are frozen trees: `Const`, `Load` (a flat element offset into a buffer, possibly
 through `indirect` temporaries whose values are themselves loaded), `Index` (an integer index
@@ -189,8 +191,41 @@ class ReadSize:
         return ((0, self.symbol, self.hi),)
 
 
-LoopNode = Union[Compute, Gemm, AtenCall, ReadSize]
-CALLS = (Gemm, AtenCall, ReadSize)  # steps of their own: never fused into a kernel
+@dataclass(frozen=True)
+class LibArg:
+    """A strided tensor operand of a library call: element (j0, ..., j{k-1}) of the operand
+    sits at offset + sum(j_d * strides[d]) in buffer `buf` (a transposed or sliced input is
+    passed as it is, without a copy)."""
+
+    buf: str
+    offset: sympy.Expr
+    shape: tuple[sympy.Expr, ...]
+    strides: tuple[sympy.Expr, ...]
+
+
+@dataclass(frozen=True)
+class Extern:
+    """outs... = routine(args..., attrs...): a call into a kiln runtime routine (C++ templates
+    in kiln/runtime/model/kiln_lib.h; numpy twins in ir/interp.py). `outs` are contiguous
+    buffers declared in the program (the node is named after the first); `attrs` are static
+    ints, floats, bools or tuples of ints."""
+
+    routine: str
+    outs: tuple[str, ...]
+    args: tuple[LibArg, ...]
+    attrs: tuple[tuple[str, object], ...] = ()
+    source: tuple[str, ...] = ()
+
+    @property
+    def name(self) -> str:
+        return self.outs[0]
+
+    def attr(self, key: str, default: object = None) -> object:
+        return next((v for k, v in self.attrs if k == key), default)
+
+
+LoopNode = Union[Compute, Gemm, AtenCall, ReadSize, Extern]
+CALLS = (Gemm, AtenCall, ReadSize, Extern)  # steps of their own: never fused into a kernel
 
 
 @dataclass(frozen=True)
@@ -251,7 +286,17 @@ def node_reads(node: LoopNode) -> set[str]:
         return {b for a in node.args for b in aten_arg_buffers(a)}
     if isinstance(node, ReadSize):
         return {node.src}
+    if isinstance(node, Extern):
+        return {a.buf for a in node.args}
     return {ld.buf for ld in loads(node.body)}
+
+
+def node_writes(node: LoopNode) -> tuple[str, ...]:
+    """The buffers `node` writes (one, except for an `Extern` with several outputs and a
+    control node, which writes its results)."""
+    if isinstance(node, CONTROL):
+        return tuple(node.writes)
+    return node.outs if isinstance(node, Extern) else (node.name,)
 
 
 # -- control flow ---------------------------------------------------------------------------

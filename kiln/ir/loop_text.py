@@ -34,7 +34,16 @@ def aten_arg_text(a) -> str:
     return str(a[1])
 
 
+def lib_text(n: L.Extern) -> str:
+    args = ", ".join(f"%{a.buf}[{a.offset}; {list(a.shape)}:{list(a.strides)}]" for a in n.args)
+    attrs = "".join(f", {k}={v}" for k, v in n.attrs)
+    outs = ", ".join(f"%{o}" for o in n.outs)
+    return f"{outs} = lib.{n.routine}({args}{attrs})  # {', '.join(n.source)}"
+
+
 def node_text(n: L.LoopNode) -> str:
+    if isinstance(n, L.Extern):
+        return lib_text(n)
     if isinstance(n, L.ReadSize):
         return (f"%{n.name}: int64[] = read_size {n.symbol} = %{n.src}.item() in [{n.lo}, "
                 f"{n.hi}]  # {', '.join(n.source)}")
@@ -106,6 +115,22 @@ def _verify_control(n, where: str, declared, written: set[str]) -> None:
     written.update(n.writes)
 
 
+def _verify_extern(n: L.Extern, declared, where: str) -> None:
+    """Operands are well formed, and no output is also an operand (routines never alias)."""
+    for a in n.args:
+        if len(a.shape) != len(a.strides):
+            raise LoopError(f"{where}: operand %{a.buf} has {len(a.shape)} sizes and "
+                            f"{len(a.strides)} strides")
+        if a.buf in n.outs:
+            raise LoopError(f"{where}: operand %{a.buf} is also an output")
+    for k, v in n.attrs:
+        ok = isinstance(v, (bool, int, float)) or (
+            isinstance(v, tuple) and all(isinstance(x, int) for x in v))
+        if not ok:
+            raise LoopError(f"{where}: attribute {k}={v!r} is not an int, float, bool or "
+                            f"tuple of ints")
+
+
 def verify_loop(p: L.LoopProgram) -> None:
     declared = {b.name: b for b in p.buffers}
     written = {b.name for b in p.buffers if b.kind in ("input", "weight", "state")}
@@ -114,10 +139,14 @@ def verify_loop(p: L.LoopProgram) -> None:
         if isinstance(n, L.CONTROL):
             _verify_control(n, where, declared, written)
             continue
-        if n.name not in declared:
-            raise LoopError(f"{where}: writes an undeclared buffer")
-        if n.name in written:
-            raise LoopError(f"{where}: buffer written twice")
+        outs = L.node_writes(n)
+        for o in outs:
+            if o not in declared:
+                raise LoopError(f"{where}: writes an undeclared buffer {o}")
+            if o in written:
+                raise LoopError(f"{where}: buffer {o} written twice")
+        if isinstance(n, L.Extern):
+            _verify_extern(n, declared, where)
         for b in L.node_reads(n):
             if b not in declared:
                 raise LoopError(f"{where}: reads undeclared buffer {b}")
@@ -133,7 +162,7 @@ def verify_loop(p: L.LoopProgram) -> None:
                 if extra:
                     names = sorted(map(str, extra))
                     raise LoopError(f"{where}: index uses unbound loop vars {names}")
-        written.add(n.name)
+        written.update(outs)
     for o in p.outputs:
         if o not in written:
             raise LoopError(f"output {o} is never written")

@@ -12,7 +12,9 @@ Lines, in the order a run executes them:
                Alloc with `reuse=src` is in place: the buffer takes over the bytes of `src`,
                a live temp of the same dtype and size that the very next step (a kernel that
                writes this buffer) reads for the last time; `src` is freed right after it
-  CallKernel   a generated kernel; CallGemm a BLAS call; CallAten an ATen fallback call
+  CallKernel   a generated kernel; CallGemm a BLAS call; CallAten an ATen fallback call;
+               CallLib a kiln runtime routine (sort, scan, scatter, ...: `kiln_lib.h`), which
+               may fail on bad indices
   Return       hand the outputs over
 Control flow (torch.cond, while_loop; lines nest):
   SetFlag      a host boolean from a 0-d buffer (read on the host) or a size condition
@@ -40,7 +42,7 @@ import sympy
 
 from kiln.ir.dtypes import DType
 from kiln.ir.graph import SymbolRange
-from kiln.ir.loop import AtenCall, Gemm, ReadSize, node_reads
+from kiln.ir.loop import AtenCall, Extern, Gemm, ReadSize, node_reads
 from kiln.ir.sym import free_size_symbols
 
 
@@ -135,6 +137,11 @@ class ReadSizeLine:
 
 
 @dataclass(frozen=True)
+class CallLib:
+    call: Extern
+
+
+@dataclass(frozen=True)
 class CopyState:
     """After every step: the state buffer `dst` takes the value in `src` (same dtype, size).
     It persists in the model instance to the next run."""
@@ -186,7 +193,7 @@ class Return:
 
 
 Line = Union[CheckInput, BindSize, CheckSize, CheckRange, AllocOutput, Alloc, Free, CallKernel,
-             CallGemm, CallAten, ReadSizeLine, CopyState, Return, SetFlag, If, While,
+             CallGemm, CallAten, ReadSizeLine, CallLib, CopyState, Return, SetFlag, If, While,
              BreakUnless, CopyBuf]
 
 
@@ -242,7 +249,8 @@ class Program:
         return [x for x in self.lines if isinstance(x, STEPS)]
 
 
-STEPS = (CallKernel, CallGemm, CallAten, ReadSizeLine)  # lines that run a step
+STEPS = (CallKernel, CallGemm, CallAten, ReadSizeLine, CallLib)  # lines that run a step
+STEP_LINES = STEPS
 
 
 def _fmt(line: Line) -> str:
@@ -270,6 +278,9 @@ def _fmt(line: Line) -> str:
         g = line.gemm
         return (f"gemm %{g.name} = %{g.a.buf} @ %{g.b.buf}  batch={list(g.batch)} "
                 f"m={g.m} n={g.n} k={g.k}  # {', '.join(g.source)}")
+    if isinstance(line, CallLib):
+        from kiln.ir.loop_text import lib_text
+        return "lib " + lib_text(line.call)
     if isinstance(line, (CallAten, ReadSizeLine)):
         from kiln.ir.loop_text import node_text
         return node_text(line.call if isinstance(line, CallAten) else line.node)
@@ -316,6 +327,8 @@ def _uses(line: Line) -> list[str]:
         return [n for k, n in line.args if k != "size"]
     if isinstance(line, CallGemm):
         return [line.gemm.a.buf, line.gemm.b.buf, line.gemm.name]
+    if isinstance(line, CallLib):
+        return [a.buf for a in line.call.args] + list(line.call.outs)
     if isinstance(line, CallAten):
         return sorted(node_reads(line.call)) + [line.call.name]
     if isinstance(line, ReadSizeLine):

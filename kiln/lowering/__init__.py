@@ -13,8 +13,8 @@ from dataclasses import replace
 from kiln.ir import loop as L
 from kiln.ir.graph import Graph, Node
 from kiln.ir.sym import contiguous_strides, ivars
-from kiln.lowering import (control, extern, fallback, indexing, pointwise, random, reductions,
-                           spatial, views)
+from kiln.lowering import (control, extern, fallback, indexing, library, pointwise, random,
+                           reductions, spatial, views)
 from kiln.lowering.core import Lazy, LowerCtx, View, from_view
 
 RULES = {
@@ -68,6 +68,7 @@ RULES = {
     "cond": control.lower_cond,
     "while_loop": control.lower_while,
     "ctl_result": control.lower_result,
+    **library.RULES,
 }
 
 CHEAP = 2  # operators per element that may be recomputed by each consumer

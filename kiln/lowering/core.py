@@ -90,6 +90,8 @@ class LowerCtx:
     buffers: list[L.Buffer] = field(default_factory=list)
     nodes: list[L.LoopNode] = field(default_factory=list)
     names: set[str] = field(default_factory=set)
+    # nodes already emitted for one multi-result op (library calls: sort values + indices)
+    shared: dict = field(default_factory=dict)
 
     def unique(self, base: str) -> str:
         name, k = base, 1

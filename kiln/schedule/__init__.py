@@ -5,7 +5,7 @@ space (a prefix of every member's shape). Within one outer iteration, members ru
 member may read what an earlier member wrote in the same outer iteration. Fusion is greedy in
 program order: a node joins the open kernel when its outer prefix matches (the kernel's outer may
 shrink to a common prefix) and every read of a buffer produced inside the kernel stays inside the
-producer's slice for the same outer index. A `Gemm` is a step of its own.
+producer's slice for the same outer index. A `Gemm` or an `Extern` is a step of its own.
 
 A reduction whose result is read only inside its kernel, at exactly its own outer position,
 becomes a local scalar and gets no buffer (`Kernel.locals`)."""
@@ -36,7 +36,7 @@ class Kernel:
         return tuple(out)
 
 
-Step = Kernel | L.Gemm | L.AtenCall | L.ReadSize
+Step = Kernel | L.Gemm | L.AtenCall | L.ReadSize | L.Extern
 
 
 def outer_of(node: L.Compute) -> tuple[sympy.Expr, ...]:

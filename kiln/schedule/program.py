@@ -49,7 +49,7 @@ def _reads_writes(step: Step, buffers) -> tuple[list[str], list[str]]:
     if isinstance(step, L.CONTROL):
         return list(step.reads), list(step.writes)
     if isinstance(step, L.CALLS):
-        return sorted(L.node_reads(step)), [step.name]
+        return sorted(L.node_reads(step)), list(L.node_writes(step))
     params = kernel_params(step, buffers)
     return [n for k, n in params if k == "in"], [n for k, n in params if k == "out"]
 
@@ -94,6 +94,8 @@ def build_program(graph: Graph, prog: L.LoopProgram, steps: tuple[Step, ...],
         elif isinstance(step, L.CONTROL):
             from kiln.schedule.control import control_lines
             lines += control_lines(step, inplace)
+        elif isinstance(step, L.Extern):
+            lines.append(P.CallLib(step))
         else:
             assert isinstance(step, Kernel)
             params = tuple(kernel_params(step, buffers))

@@ -20,7 +20,7 @@ from kiln.schedule import Kernel, Step
 
 def _io(step: Step, written_by: Mapping[str, int]) -> tuple[set[str], set[str]]:
     if isinstance(step, L.CALLS):
-        return L.node_reads(step), {step.name}
+        return L.node_reads(step), set(L.node_writes(step))
     if isinstance(step, L.CONTROL):
         return set(step.reads), set(step.writes)
     writes = {m.name for m in step.members}

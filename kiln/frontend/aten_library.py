@@ -1,0 +1,188 @@
+"""Converters for ops that lower to kiln runtime routines (`lowering/library.py`): sort,
+argsort, topk, kthvalue, median, scans, scatters, index_put, masked_scatter and embedding_bag.
+They register into `aten_table.TABLE`. A multi-result op becomes one graph node per result,
+each with attribute `part` (which output of the call it reads); lowering emits the call once.
+
+index_add, index_copy and index_fill are not converted here: core ATen decomposes them into
+index_put, which is."""
+
+from __future__ import annotations
+
+import operator
+
+from kiln.errors import UnsupportedError
+from kiln.frontend.aten_table import register
+
+
+def _arg(n, pos: int, name: str, default=None):
+    if len(n.args) > pos:
+        return n.args[pos]
+    return n.kwargs.get(name, default)
+
+
+def _dim(b, n, d) -> int:
+    return d % max(b.rank(n.args[0]), 1)
+
+
+def _used(n, k: int) -> bool:
+    return any(u.target is operator.getitem and u.args[1] == k and u.users for u in n.users)
+
+
+@register("aten.sort.default", "aten.sort.stable")
+def _sort(b, n):
+    stable = str(n.target).endswith("stable")
+    dim = _dim(b, n, n.kwargs.get("dim", n.args[1] if len(n.args) > 1 and not stable else -1))
+    desc = bool(n.kwargs.get("descending", n.args[2] if len(n.args) > 2 and not stable
+                             else False))
+    x = b.tensor(n.args[0])
+    stable = stable and bool(n.kwargs.get("stable", False))
+    return [b.emit("sort", [x], None, like=n, result=k, part=k, dim=dim, descending=desc,
+                   stable=stable) for k in range(2)]
+
+
+@register("aten.topk.default")
+def _topk(b, n):
+    k = int(_arg(n, 1, "k"))
+    dim = _dim(b, n, _arg(n, 2, "dim", -1))
+    largest = bool(_arg(n, 3, "largest", True))
+    is_sorted = bool(_arg(n, 4, "sorted", True))
+    x = b.tensor(n.args[0])
+    return [b.emit("topk", [x], None, like=n, result=r, part=r, k=k, dim=dim, largest=largest,
+                   sorted=is_sorted) for r in range(2)]
+
+
+def _order_statistic(b, n, x: str, shape, dim: int, k, keepdim: bool):
+    """(values, indices) of the k-th smallest (0-based) along `dim`: a sort, then a select."""
+    out = []
+    for r in range(2):
+        s = b.emit("sort", [x], None, like=n, result=r, shape=shape, part=r, dim=dim,
+                   descending=False, stable=True)
+        picked = b.emit("select", [s], None if keepdim else n, like=n, result=r, dim=dim,
+                        index=k, shape=shape[:dim] + shape[dim + 1:])
+        if keepdim:
+            picked = b.emit("view", [picked], None, like=n, result=r)
+        out.append(picked)
+    return out
+
+
+@register("aten.kthvalue.default")
+def _kthvalue(b, n):
+    x = n.args[0]
+    dim = _dim(b, n, _arg(n, 2, "dim", -1))
+    keep = bool(_arg(n, 3, "keepdim", False))
+    shape = tuple(b.shape(x)) or (1,)
+    xs = b.tensor(x) if b.rank(x) else b.emit("view", [b.tensor(x)], None, like=n, result=0,
+                                              shape=(1,))
+    return _order_statistic(b, n, xs, shape, dim, int(_arg(n, 1, "k")) - 1, keep)
+
+
+@register("aten.median.dim")
+def _median_dim(b, n):
+    x = n.args[0]
+    dim = _dim(b, n, _arg(n, 1, "dim"))
+    keep = bool(_arg(n, 2, "keepdim", False))
+    shape = tuple(b.shape(x)) or (1,)
+    xs = b.tensor(x) if b.rank(x) else b.emit("view", [b.tensor(x)], None, like=n, result=0,
+                                              shape=(1,))
+    return _order_statistic(b, n, xs, shape, dim, (shape[dim] - 1) // 2, keep)
+
+
+@register("aten.median.default")
+def _median(b, n):
+    x = n.args[0]
+    numel = 1
+    for d in b.shape(x):
+        numel = numel * d
+    flat = b.emit("view", [b.tensor(x)], None, like=n, shape=(numel,))
+    s = b.emit("sort", [flat], None, like=n, shape=(numel,), part=0, dim=0, descending=False,
+               stable=True)
+    return b.emit("select", [s], n, dim=0, index=(numel - 1) // 2)
+
+
+_SCANS = {"cumsum": "sum", "cumprod": "prod", "logcumsumexp": "logsumexp"}
+
+
+@register(*(f"aten.{name}.default" for name in _SCANS))
+def _scan(b, n):
+    """Output dtype as torch (the node's): cumsum of an int or bool is int64, or `dtype`."""
+    kind = _SCANS[str(n.target).split(".")[1]]
+    return b.emit("scan", [b.tensor(n.args[0])], n, kind=kind, dim=_dim(b, n, n.args[1]))
+
+
+@register("aten.cummax.default", "aten.cummin.default")
+def _cum_extreme(b, n):
+    kind = "max" if "cummax" in str(n.target) else "min"
+    x = b.tensor(n.args[0])
+    return [b.emit("scan_extreme", [x], None, like=n, result=r, part=r, kind=kind,
+                   dim=_dim(b, n, n.args[1])) for r in range(2)]
+
+
+_REDUCE = {"add": "sum", "multiply": "prod", "sum": "sum", "prod": "prod", "mean": "mean",
+           "amax": "amax", "amin": "amin"}
+
+
+@register("aten.scatter.src", "aten.scatter.value", "aten.scatter.reduce",
+          "aten.scatter.value_reduce", "aten.scatter_add.default", "aten.scatter_reduce.two")
+def _scatter(b, n):
+    target = str(n.target)
+    x, dim, index, src = n.args[:4]
+    dt = b.meta_dtype(n)
+    if isinstance(src, (bool, int, float)):  # scatter.value: the value at every index
+        src = b.emit("expand", [b.scalar(src, dt)], None, like=n, shape=b.shape(index))
+    else:
+        src = b.tensor(src)
+    mode, include_self = "set", True
+    if target == "aten.scatter_add.default":
+        mode = "sum"
+    elif target == "aten.scatter_reduce.two":
+        mode = _REDUCE[n.args[4]]
+        include_self = bool(_arg(n, 5, "include_self", True))
+    elif "reduce" in target:
+        reduce = _arg(n, 4, "reduce")
+        if reduce not in ("add", "multiply"):
+            raise UnsupportedError(f"scatter with reduce={reduce!r} (node {n.name})")
+        mode = _REDUCE[reduce]
+    return b.emit("scatter", [b.tensor(x), b.tensor(index), src], n, dim=_dim(b, n, dim),
+                  mode=mode, include_self=include_self)
+
+
+@register("aten.index_put.default")
+def _index_put(b, n):
+    x, indices, values = n.args[:3]
+    accumulate = bool(_arg(n, 3, "accumulate", False))
+    present = tuple(i for i, t in enumerate(indices) if t is not None)
+    if not present:
+        raise UnsupportedError(f"index_put without index tensors (node {n.name})")
+    return b.emit("index_put", [b.tensor(x), b.tensor(values)] +
+                  [b.tensor(indices[i]) for i in present], n, positions=present,
+                  accumulate=accumulate)
+
+
+@register("aten.masked_scatter.default")
+def _masked_scatter(b, n):
+    return b.emit("masked_scatter", [b.tensor(a) for a in n.args[:3]], n)
+
+
+@register("aten._embedding_bag_forward_only.default", "aten._embedding_bag.default",
+          "aten.embedding_bag.padding_idx", "aten.embedding_bag.default")
+def _embedding_bag(b, n):
+    """Result 0 (the bags) only; offset2bag, bag_size and max_indices are not produced."""
+    weight, indices, offsets = n.args[:3]
+    # scale_grad_by_freq and sparse only concern the gradient
+    mode = {0: "sum", 1: "mean", 2: "max"}[int(_arg(n, 4, "mode", 0))]
+    psw = _arg(n, 6, "per_sample_weights")
+    include_last = bool(_arg(n, 7, "include_last_offset", False))
+    padding_idx = _arg(n, 8, "padding_idx", -1)
+    padding_idx = -1 if padding_idx is None else int(padding_idx)
+    if padding_idx < -1:
+        padding_idx %= b.shape(weight)[0]
+    for k in (1, 2, 3):
+        if _used(n, k):
+            raise UnsupportedError(f"result {k} of {n.target} (node {n.name}): only the bags "
+                                   "(result 0) are supported")
+    ins = [b.tensor(weight), b.tensor(indices), b.tensor(offsets)]
+    if psw is not None:
+        ins.append(b.tensor(psw))
+    out = b.emit("embedding_bag", ins, None, like=n, result=0, mode=mode,
+                 include_last_offset=include_last, padding_idx=padding_idx)
+    return [out, None, None, None]

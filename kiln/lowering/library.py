@@ -1,0 +1,289 @@
+"""Lowering rules for ops computed by kiln runtime routines (`Extern` nodes, kiln_lib.h):
+sort / topk, scans (cumsum, cumprod, logcumsumexp, cummax, cummin), scatters (scatter,
+scatter_reduce, index_put: index_add / index_copy / index_fill decompose into it),
+masked_scatter and embedding_bag.
+
+Operands are passed as strided views (`LibArg`): a transposed or sliced input is not copied;
+a value that is not a view of a buffer (a fused pointwise expression) is materialised first.
+Row routines work along the operand's last dim, so the op's dim is permuted last; their outputs
+are written in that permuted order and read back through a permuted view (free).
+
+A multi-result op (sort: values, indices) is one graph node per result; the first one lowered
+emits the call, the others find it in `LowerCtx.shared`."""
+
+from __future__ import annotations
+
+import sympy
+
+from kiln.errors import UnsupportedError
+from kiln.ir import dtypes
+from kiln.ir import loop as L
+from kiln.ir.graph import Node
+from kiln.ir.sym import contiguous_strides
+from kiln.lowering.core import Lazy, LowerCtx, View, from_view, pointwise
+from kiln.lowering.pointwise import cast, op
+
+# kiln_lib.h enumerations (ScanKind, PutMode, BagMode)
+SCAN_KINDS = {"sum": 0, "prod": 1, "logsumexp": 2}
+PUT_MODES = {"set": 0, "sum": 1, "prod": 2, "mean": 3, "amax": 4, "amin": 5}
+BAG_MODES = {"sum": 0, "mean": 1, "max": 2}
+
+
+def _src(node: Node) -> tuple[str, ...]:
+    return (node.source or node.name,)
+
+
+def _viewed(ctx: LowerCtx, lz: Lazy, name: str, node: Node, dtype=None) -> Lazy:
+    """`lz` as a view of a buffer (cast to `dtype` first when given): materialised unless it
+    already is one."""
+    if dtype is not None and lz.dtype != dtype:
+        src = lz
+        lz = pointwise(dtype, src.shape, lambda idx: cast(src.load(idx), dtype), src)
+    if lz.view is None:
+        lz = ctx.realize(name, lz, _src(node))
+    return lz
+
+
+def _arg(lz: Lazy, perm=None, shape=None) -> L.LibArg:
+    """The LibArg of view `lz`, its dims permuted by `perm`, broadcast to `shape` (trailing
+    alignment, stride 0 along broadcast dims)."""
+    v = lz.view
+    sizes, strides = list(lz.shape), list(v.strides)
+    if perm is not None:
+        sizes, strides = [sizes[p] for p in perm], [strides[p] for p in perm]
+    if shape is not None:
+        lead = len(shape) - len(sizes)
+        if lead < 0:
+            raise ValueError(f"cannot broadcast {sizes} to {list(shape)}")
+        out = [sympy.Integer(0)] * lead
+        for s, st, o in zip(sizes, strides, shape[lead:]):
+            out.append(sympy.Integer(0) if s == 1 and o != 1 else st)
+        sizes, strides = list(shape), out
+    return L.LibArg(v.buf, v.offset, tuple(sizes), tuple(strides))
+
+
+def _key(node: Node) -> tuple:
+    return (node.op, node.inputs, tuple((k, v) for k, v in node.attrs if k != "part"))
+
+
+def _emit(ctx: LowerCtx, node: Node, routine: str, outs, args, attrs) -> tuple[str, ...]:
+    """Declare the output buffers [(suffix, dtype, shape)] and append the call."""
+    names = []
+    base = node.source or node.name
+    for suffix, dt, shape in outs:
+        name = ctx.unique(f"{base}_{suffix}" if suffix else base)
+        ctx.declare(name, dt, shape, "temp")
+        names.append(name)
+    ctx.nodes.append(L.Extern(routine, tuple(names), tuple(args), tuple(attrs), _src(node)))
+    return tuple(names)
+
+
+# --- row routines: sort, topk, scans ----------------------------------------------------------
+
+def _row_call(ctx: LowerCtx, node: Node, x: Lazy, routine: str, attrs, outs, length=None):
+    """Call a row routine along node's `dim`; returns the Lazy of output `node.attr(part)`.
+    outs: [(suffix, dtype)]; every output is [rows..., length (default: the dim's size)]."""
+    key = _key(node)
+    if key not in ctx.shared:
+        rank = x.rank
+        x = _viewed(ctx, x, (node.source or node.name) + "_input", node)
+        if rank == 0:
+            perm, arg = [], L.LibArg(x.view.buf, x.view.offset, (sympy.Integer(1),),
+                                     (sympy.Integer(0),))
+            shape = (sympy.Integer(1),)
+        else:
+            dim = node.attr("dim")
+            perm = [d for d in range(rank) if d != dim] + [dim]
+            arg = _arg(x, perm)
+            shape = arg.shape[:-1] + ((length if length is not None else arg.shape[-1]),)
+        names = _emit(ctx, node, routine, [(s, dt, shape) for s, dt in outs], [arg], attrs)
+        ctx.shared[key] = (names, shape, perm)
+    names, shape, perm = ctx.shared[key]
+    r = node.attr("part", 0)
+    dt = node.type.dtype
+    if not perm:
+        return from_view(dt, node.type.shape, View(names[r], sympy.Integer(0), ()))
+    flat = contiguous_strides(shape)
+    strides = [sympy.Integer(0)] * len(perm)
+    for i, p in enumerate(perm):
+        strides[p] = flat[i]
+    return from_view(dt, node.type.shape, View(names[r], sympy.Integer(0), tuple(strides)))
+
+
+def lower_sort(ctx: LowerCtx, node: Node, args: list[Lazy]) -> Lazy:
+    (x,) = args
+    attrs = [("descending", bool(node.attr("descending"))), ("stable", bool(node.attr("stable")))]
+    return _row_call(ctx, node, x, "sort", attrs,
+                     [("values", x.dtype), ("indices", dtypes.int64)])
+
+
+def lower_topk(ctx: LowerCtx, node: Node, args: list[Lazy]) -> Lazy:
+    (x,) = args
+    k = node.attr("k")
+    attrs = [("k", int(k)), ("largest", node.attr("largest")), ("sorted", node.attr("sorted"))]
+    return _row_call(ctx, node, x, "topk", attrs,
+                     [("values", x.dtype), ("indices", dtypes.int64)], length=sympy.Integer(k))
+
+
+def lower_scan(ctx: LowerCtx, node: Node, args: list[Lazy]) -> Lazy:
+    (x,) = args
+    return _row_call(ctx, node, x, "scan", [("kind", SCAN_KINDS[node.attr("kind")])],
+                     [("", node.type.dtype)])
+
+
+def lower_scan_extreme(ctx: LowerCtx, node: Node, args: list[Lazy]) -> Lazy:
+    (x,) = args
+    return _row_call(ctx, node, x, "scan_extreme", [("is_max", node.attr("kind") == "max")],
+                     [("values", x.dtype), ("indices", dtypes.int64)])
+
+
+# --- scatters ---------------------------------------------------------------------------------
+
+def _put(ctx: LowerCtx, node: Node, self_: Lazy, values: L.LibArg, index: list[L.LibArg],
+         dims: tuple[int, ...], mode: str, include_self: bool, wrap: bool) -> Lazy:
+    dt = node.type.dtype
+    self_ = _viewed(ctx, self_, (node.source or node.name) + "_self", node)
+    attrs = [("mode", PUT_MODES[mode]), ("include_self", include_self), ("wrap", wrap),
+             ("dims", dims)]
+    outs = [("", dt, self_.shape)]
+    if mode == "mean":
+        outs.append(("count", dtypes.int64, self_.shape))
+    names = _emit(ctx, node, "put_mean" if mode == "mean" else "put", outs,
+                  [_arg(self_), values, *index], attrs)
+    return ctx.buffer_lazy(names[0], dt, self_.shape)
+
+
+def lower_scatter(ctx: LowerCtx, node: Node, args: list[Lazy]) -> Lazy:
+    """out = self; out[..., index[i], ...] (at dim) <-combine- src[i] for every i in index's
+    shape (src may be larger than index: only its leading part is read)."""
+    self_, index, src = args
+    if self_.rank == 0:
+        raise UnsupportedError(f"scatter into a 0-d tensor (node {node.name})")
+    dim = node.attr("dim")
+    base = node.source or node.name
+    index = _viewed(ctx, index, base + "_index", node, dtypes.int64)
+    src = _viewed(ctx, src, base + "_src", node, node.type.dtype)
+    iters = tuple(index.shape)
+    values = L.LibArg(src.view.buf, src.view.offset, iters, tuple(src.view.strides))
+    dims = tuple(-1 if d == dim else d for d in range(self_.rank))
+    return _put(ctx, node, self_, values, [_arg(index)], dims, node.attr("mode"),
+                bool(node.attr("include_self", True)), wrap=False)
+
+
+def _broadcast_shapes(shapes):
+    rank = max(len(s) for s in shapes)
+    out = []
+    for k in range(rank):
+        size = sympy.Integer(1)
+        for s in shapes:
+            j = k - (rank - len(s))
+            if j >= 0 and s[j] != 1:
+                size = s[j]
+        out.append(size)
+    return tuple(out)
+
+
+def lower_index_put(ctx: LowerCtx, node: Node, args: list[Lazy]) -> Lazy:
+    """out = self; out[indices] = values (or += with accumulate). The iteration space is the
+    broadcast index shape followed by self's dims that are not indexed; `values` (broadcast
+    to torch's result shape) is permuted to that order."""
+    self_, values, *indices = args
+    positions = tuple(node.attr("positions"))
+    base = node.source or node.name
+    if len(indices) == 1 and indices[0].dtype.name == "bool":
+        return _mask_put(node, self_, values, indices[0], positions[0])
+    for t in indices:
+        if t.dtype.name == "bool":
+            raise UnsupportedError(f"index_put with a boolean mask among other indices (node "
+                                   f"{node.name})")
+    bshape = _broadcast_shapes([t.shape for t in indices])
+    nb = len(bshape)
+    rest = [d for d in range(self_.rank) if d not in positions]
+    adjacent = list(positions) == list(range(positions[0], positions[0] + len(positions)))
+    first = positions[0] if adjacent else 0
+    rest_shape = [self_.shape[d] for d in rest]
+    result = tuple(rest_shape[:first]) + bshape + tuple(rest_shape[first:])
+    # result dim of each iteration dim: bshape dims first, then the non-indexed dims
+    order = list(range(first, first + nb)) + list(range(first)) + list(
+        range(first + nb, len(result)))
+    vals = _viewed(ctx, values, base + "_values", node, node.type.dtype)
+    varg = _arg(vals, shape=result)
+    varg = L.LibArg(varg.buf, varg.offset, tuple(varg.shape[k] for k in order),
+                    tuple(varg.strides[k] for k in order))
+    iters = varg.shape
+    index_args = []
+    for k, t in enumerate(indices):
+        t = _viewed(ctx, t, f"{base}_index{k}", node, dtypes.int64)
+        a = _arg(t, shape=bshape)
+        zeros = (sympy.Integer(0),) * (len(iters) - nb)
+        index_args.append(L.LibArg(a.buf, a.offset, iters, a.strides + zeros))
+    dims = tuple(-(positions.index(d) + 1) if d in positions else nb + rest.index(d)
+                 for d in range(self_.rank))
+    mode = "sum" if node.attr("accumulate") else "set"
+    return _put(ctx, node, self_, varg, index_args, dims, mode, True, wrap=True)
+
+
+def _mask_put(node: Node, self_: Lazy, values: Lazy, mask: Lazy, p: int) -> Lazy:
+    """x[mask] = v (or += v) where v does not vary along the selected elements (torch's result
+    dim of the mask, which has a data-dependent size, is broadcast in v): a pointwise select,
+    out[i] = mask[i_p..] ? v : x[i]. A v with one value per selected element is refused."""
+    dt, m, rank = node.type.dtype, mask.rank, self_.rank
+    res_rank = rank - m + 1
+    j = p - (res_rank - values.rank)  # the dim of v along the selected elements
+    if j >= 0 and values.shape[j] != 1:
+        raise UnsupportedError(f"index_put with a boolean mask and one value per selected "
+                               f"element (node {node.name}): the count is data-dependent")
+
+    def fn(idx):
+        res = list(idx[:p]) + [sympy.Integer(0)] + list(idx[p + m:])
+        vidx = [sympy.Integer(0) if values.shape[k] == 1 else res[k + res_rank - values.rank]
+                for k in range(values.rank)]
+        x = self_.load(idx)
+        v = cast(values.load(tuple(vidx)), dt)
+        if node.attr("accumulate"):
+            v = op("add", x, v) if dt.name != "bool" else op("logical_or", x, v)
+        return op("where", mask.load(tuple(idx[p:p + m])), v, x)
+
+    return pointwise(dt, node.type.shape, fn)
+
+
+def lower_masked_scatter(ctx: LowerCtx, node: Node, args: list[Lazy]) -> Lazy:
+    self_, mask, source = args
+    base = node.source or node.name
+    shape = node.type.shape
+    self_ = _viewed(ctx, self_, base + "_self", node)
+    mask = _viewed(ctx, mask, base + "_mask", node, dtypes.bool_)
+    source = _viewed(ctx, source, base + "_source", node, node.type.dtype)
+    names = _emit(ctx, node, "masked_scatter", [("", node.type.dtype, shape)],
+                  [_arg(self_, shape=shape), _arg(mask, shape=shape), _arg(source)], [])
+    return ctx.buffer_lazy(names[0], node.type.dtype, shape)
+
+
+def lower_embedding_bag(ctx: LowerCtx, node: Node, args: list[Lazy]) -> Lazy:
+    weight, indices, offsets, *psw = args
+    base = node.source or node.name
+    weight = _viewed(ctx, weight, base + "_weight", node)
+    idt = indices.dtype if indices.dtype.name in ("int32", "int64") else dtypes.int64
+    indices = _viewed(ctx, indices, base + "_indices", node, idt)
+    offsets = _viewed(ctx, offsets, base + "_offsets", node, idt)
+    ops = [_arg(weight), _arg(indices), _arg(offsets)]
+    if psw:
+        ops.append(_arg(_viewed(ctx, psw[0], base + "_weights", node, weight.dtype)))
+    attrs = [("mode", BAG_MODES[node.attr("mode")]),
+             ("include_last_offset", bool(node.attr("include_last_offset"))),
+             ("padding_idx", int(node.attr("padding_idx")))]
+    names = _emit(ctx, node, "embedding_bag", [("", node.type.dtype, node.type.shape)], ops,
+                  attrs)
+    return ctx.buffer_lazy(names[0], node.type.dtype, node.type.shape)
+
+
+RULES = {
+    "sort": lower_sort,
+    "topk": lower_topk,
+    "scan": lower_scan,
+    "scan_extreme": lower_scan_extreme,
+    "scatter": lower_scatter,
+    "index_put": lower_index_put,
+    "masked_scatter": lower_masked_scatter,
+    "embedding_bag": lower_embedding_bag,
+}

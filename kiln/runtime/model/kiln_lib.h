@@ -1,0 +1,436 @@
+/* kiln_lib.h - runtime routines behind Loop IR `Extern` nodes (namespace kl): operations a
+ * fused loop nest cannot express well (sorting, scans, scatters, embedding bags).
+ *
+ * Calling convention (the wrapper prints every call the same way):
+ *   kl::<routine>(err, where, outputs..., attributes..., operands...)
+ * Outputs are contiguous buffers; operands are strided views `kl::View` (pointer, rank and an
+ * array of sizes then strides, in elements), so transposed or sliced inputs are read in place.
+ * `where` names the graph nodes for error messages. A routine returns 0, or 1 after writing an
+ * error into `err` (an index out of range): it never reads or writes out of bounds.
+ *
+ * Row routines (sort, topk, scans) work along the operand's last dim; lowering permutes the
+ * operand so that the dim it works on comes last. Rows are independent and run in parallel.
+ * The numpy twins of these routines are in kiln/ir/interp.py (`ROUTINES`). */
+#ifndef KILN_LIB_H
+#define KILN_LIB_H
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <initializer_list>
+#include <limits>
+#include <type_traits>
+#include <utility>
+#include <vector>
+
+#include "kiln_model_rt.h"
+
+namespace kl {
+
+template <class T> struct View {
+  const T *data;
+  int rank;
+  const int64_t *dims;  // sizes[rank] then strides[rank]
+  int64_t size(int d) const { return dims[d]; }
+  int64_t stride(int d) const { return dims[rank + d]; }
+  int64_t numel() const {
+    int64_t n = 1;
+    for (int d = 0; d < rank; ++d) n *= dims[d];
+    return n;
+  }
+  // element offset of the `flat`-th element in row-major order over the first `r` dims
+  int64_t offset(int64_t flat, int r) const {
+    int64_t off = 0;
+    for (int d = r - 1; d >= 0; --d) {
+      off += (flat % dims[d]) * dims[rank + d];
+      flat /= dims[d];
+    }
+    return off;
+  }
+  T at(int64_t flat) const { return data[offset(flat, rank)]; }
+};
+
+template <class T> inline View<T> view(const T *data, int rank, const int64_t *dims) {
+  return View<T>{data, rank, dims};
+}
+
+template <class T> inline bool is_nan(T x) { return x != x; }
+
+// a sorts before b in ascending order; NaN is larger than every number (as torch)
+template <class T> inline bool less(T a, T b) { return (!is_nan(a) && is_nan(b)) || a < b; }
+
+// accumulation type: double for floats (as torch's CPU scans), the type itself otherwise
+template <class T>
+using acc_t = typename std::conditional<std::is_floating_point<T>::value, double, T>::type;
+
+// rows of a row routine: all dims of `x` but the last; n: the last dim's size
+template <class T> inline int64_t rows_of(const View<T> &x) {
+  int64_t r = 1;
+  for (int d = 0; d + 1 < x.rank; ++d) r *= x.size(d);
+  return r;
+}
+template <class T> inline int64_t row_len(const View<T> &x) {
+  return x.rank ? x.size(x.rank - 1) : 1;
+}
+template <class T> inline int64_t row_stride(const View<T> &x) {
+  return x.rank ? x.stride(x.rank - 1) : 0;
+}
+
+/* sort: values and int64 indices of each row, ascending or descending, NaN sorting as the
+ * largest value. `stable`: equal values keep their order (std::stable_sort on the indices);
+ * otherwise std::sort on (value, index) pairs comparing values only, which leaves ties in the
+ * same order as torch's CPU sort does. */
+template <class T>
+int sort(kr::Err &, const char *, T *vals, int64_t *idx, bool descending, bool stable,
+         View<T> x) {
+  const int64_t rows = rows_of(x), n = row_len(x), s = row_stride(x);
+#pragma omp parallel if (rows > 1 && rows * n > 4096)
+  {
+    std::vector<std::pair<T, int64_t>> pairs(stable ? 0 : static_cast<size_t>(n));
+#pragma omp for schedule(static)
+    for (int64_t r = 0; r < rows; ++r) {
+      const T *row = x.data + x.offset(r, x.rank - 1);
+      int64_t *ix = idx + r * n;
+      if (stable) {
+        for (int64_t j = 0; j < n; ++j) ix[j] = j;
+        if (descending)
+          std::stable_sort(ix, ix + n, [&](int64_t a, int64_t b) { return less(row[b * s], row[a * s]); });
+        else
+          std::stable_sort(ix, ix + n, [&](int64_t a, int64_t b) { return less(row[a * s], row[b * s]); });
+        for (int64_t j = 0; j < n; ++j) vals[r * n + j] = row[ix[j] * s];
+        continue;
+      }
+      for (int64_t j = 0; j < n; ++j) pairs[j] = {row[j * s], j};
+      using P = std::pair<T, int64_t>;
+      if (descending)
+        std::sort(pairs.begin(), pairs.end(), [](const P &a, const P &b) { return less(b.first, a.first); });
+      else
+        std::sort(pairs.begin(), pairs.end(), [](const P &a, const P &b) { return less(a.first, b.first); });
+      for (int64_t j = 0; j < n; ++j) {
+        vals[r * n + j] = pairs[j].first;
+        ix[j] = pairs[j].second;
+      }
+    }
+  }
+  return 0;
+}
+
+/* topk: the k largest (or smallest) of each row, NaN as the largest value (sorted, or with
+ * `sorted` false in the order the selection leaves them, as torch). Selection
+ * on (value, index) pairs comparing values only: a partial sort when k is small against the row
+ * (k * 64 <= n), else nth_element and a sort of the part before the k-th; this leaves ties in
+ * the order torch's CPU topk gives them. */
+template <class T>
+int topk(kr::Err &, const char *, T *vals, int64_t *idx, int64_t k, bool largest, bool sorted,
+         View<T> x) {
+  const int64_t rows = rows_of(x), n = row_len(x), s = row_stride(x);
+  using P = std::pair<T, int64_t>;
+  auto first = [largest](const P &a, const P &b) {
+    return largest ? less(b.first, a.first) : less(a.first, b.first);
+  };
+#pragma omp parallel if (rows > 1 && rows * n > 4096)
+  {
+    std::vector<P> q(static_cast<size_t>(n));
+#pragma omp for schedule(static)
+    for (int64_t r = 0; r < rows; ++r) {
+      const T *row = x.data + x.offset(r, x.rank - 1);
+      for (int64_t j = 0; j < n; ++j) q[j] = {row[j * s], j};
+      if (k > 0 && k * 64 <= n) {
+        std::partial_sort(q.begin(), q.begin() + k, q.end(), first);
+      } else if (k > 0) {
+        std::nth_element(q.begin(), q.begin() + k - 1, q.end(), first);
+        if (sorted) std::sort(q.begin(), q.begin() + k - 1, first);
+      }
+      for (int64_t j = 0; j < k; ++j) {
+        vals[r * k + j] = q[j].first;
+        idx[r * k + j] = q[j].second;
+      }
+    }
+  }
+  return 0;
+}
+
+enum ScanKind : int64_t { kScanSum = 0, kScanProd = 1, kScanLogSumExp = 2 };
+
+template <class A> inline A log_add_exp(A a, A b) {
+  if (is_nan(a) || is_nan(b)) return a + b;
+  const A lo = std::min(a, b), hi = std::max(a, b);
+  if (lo == hi && !std::isfinite(lo)) return lo;  // both -inf or both +inf
+  return hi + std::log1p(std::exp(lo - hi));
+}
+
+/* scan: inclusive cumulative sum, product or log-sum-exp along each row (in `acc_t<Out>`). */
+template <class Out, class In>
+int scan(kr::Err &, const char *, Out *out, int64_t kind, View<In> x) {
+  using A = acc_t<Out>;
+  const int64_t rows = rows_of(x), n = row_len(x), s = row_stride(x);
+#pragma omp parallel for schedule(static) if (rows > 1 && rows * n > 4096)
+  for (int64_t r = 0; r < rows; ++r) {
+    const In *row = x.data + x.offset(r, x.rank - 1);
+    A acc = kind == kScanProd ? A(1) : kind == kScanSum ? A(0) : A(-INFINITY);
+    for (int64_t j = 0; j < n; ++j) {
+      const A v = static_cast<A>(static_cast<Out>(row[j * s]));
+      if (kind == kScanSum) acc = acc + v;
+      else if (kind == kScanProd) acc = acc * v;
+      else acc = log_add_exp(acc, v);
+      out[r * n + j] = static_cast<Out>(acc);
+    }
+  }
+  return 0;
+}
+
+/* cummax / cummin: running extreme and its index along each row. A later equal value takes
+ * over the index; once a NaN is seen it stays (with the index of the first NaN), as torch. */
+template <class T>
+int scan_extreme(kr::Err &, const char *, T *vals, int64_t *idx, bool is_max, View<T> x) {
+  const int64_t rows = rows_of(x), n = row_len(x), s = row_stride(x);
+#pragma omp parallel for schedule(static) if (rows > 1 && rows * n > 4096)
+  for (int64_t r = 0; r < rows; ++r) {
+    const T *row = x.data + x.offset(r, x.rank - 1);
+    T best = n ? row[0] : T();
+    int64_t at = 0;
+    for (int64_t j = 0; j < n; ++j) {
+      const T v = row[j * s];
+      if (!is_nan(best) && (is_nan(v) || (is_max ? v >= best : v <= best))) {
+        best = v;
+        at = j;
+      }
+      vals[r * n + j] = best;
+      idx[r * n + j] = at;
+    }
+  }
+  return 0;
+}
+
+enum PutMode : int64_t { kSet = 0, kAdd = 1, kMul = 2, kMean = 3, kMax = 4, kMin = 5 };
+
+template <class T> inline T put_identity(int64_t mode) {
+  switch (mode) {
+    case kMul: return T(1);
+    case kMax: return kr::lowest<T>();
+    case kMin: return kr::highest<T>();
+    default: return T(0);
+  }
+}
+
+template <class T> inline T put_combine(int64_t mode, T old, T v) {
+  switch (mode) {
+    case kAdd: case kMean: return static_cast<T>(old + v);
+    case kMul: return static_cast<T>(old * v);
+    case kMax: return is_nan(v) || is_nan(old) ? static_cast<T>(old + v) : std::max(old, v);
+    case kMin: return is_nan(v) || is_nan(old) ? static_cast<T>(old + v) : std::min(old, v);
+    default: return v;
+  }
+}
+
+/* put: out = self, then for every element `it` of the iteration space (the shape of `values`),
+ * in row-major order, out[dest(it)] = combine(out[dest(it)], values[it]). Coordinate d of
+ * dest is it[dims[d]] when dims[d] >= 0, else the value of index operand -dims[d]-1 at `it`
+ * (wrapped when negative if `wrap`, else an error; out of range is always an error). One
+ * routine covers scatter, scatter_add, scatter_reduce, index_put and (through decomposition)
+ * index_add / index_copy / index_fill. Updates run in order: with duplicate destinations the
+ * last write wins (kSet), sums add in order. `counts` (kMean only) counts the contributions. */
+template <class T, class... Idx>
+int put_counted(kr::Err &e, const char *where, T *out, int64_t *counts, int64_t mode,
+                bool include_self, bool wrap, std::initializer_list<int64_t> dims_il,
+                View<T> self, View<T> values, Idx... index) {
+  const View<int64_t> ix[] = {index..., View<int64_t>{nullptr, 0, nullptr}};
+  const std::vector<int64_t> dims(dims_il);
+  const int R = self.rank, K = values.rank;
+  const int64_t total = self.numel(), iters = values.numel();
+#pragma omp parallel for schedule(static) if (total > 65536)
+  for (int64_t p = 0; p < total; ++p) {
+    out[p] = self.at(p);
+    if (counts) counts[p] = include_self ? 1 : 0;
+  }
+  // An update-space dim that is also a destination coordinate (`par`) splits the updates into
+  // ranges of it that write disjoint places: threads take one range each and walk the update
+  // space in row-major order within it (updates of one place keep their order, memory is
+  // walked as in the sequential order). Without such a dim, updates run sequentially.
+  int par = -1;
+  for (int d = 0; d < R && par < 0; ++d) par = dims[d] >= 0 ? dims[d] : -1;
+  const int64_t slices = par >= 0 ? values.size(par) : 1;
+  const int64_t per_slice = slices ? iters / slices : 0;
+  int failed = 0;
+  // destination of update `it`; -1 (after reporting) for an index out of range
+  auto dest = [&](const std::vector<int64_t> &it) -> int64_t {
+    int64_t off = 0;
+    for (int d = 0; d < R; ++d) {
+      int64_t c;
+      if (dims[d] >= 0) {
+        c = it[dims[d]];
+      } else {
+        const View<int64_t> &v = ix[-dims[d] - 1];
+        int64_t o = 0;
+        for (int k = 0; k < K; ++k) o += it[k] * v.stride(k);
+        c = v.data[o];
+        const int64_t n = self.size(d);
+        if (wrap && c < 0 && c >= -n) c += n;
+        if (c < 0 || c >= n) {
+#pragma omp critical(kl_put_error)
+          if (!failed) {
+            failed = 1;
+            e.fail("index out of range in %s: index %lld is out of bounds for dim %d of size "
+                   "%lld", where, (long long)v.data[o], d, (long long)n);
+          }
+          return -1;
+        }
+      }
+      off = off * self.size(d) + c;
+    }
+    return off;
+  };
+  // apply (or, first, without include_self, reset) the updates with it[par] in [lo, hi)
+  auto range = [&](int64_t lo, int64_t hi, bool apply) {
+    if (lo >= hi) return;
+    std::vector<int64_t> it(static_cast<size_t>(K > 0 ? K : 1), 0);
+    if (par >= 0) it[par] = lo;
+    const int64_t n = par >= 0 ? per_slice * (hi - lo) : iters;
+    for (int64_t f = 0; f < n; ++f) {
+      int64_t voff = 0;
+      for (int k = 0; k < K; ++k) voff += it[k] * values.stride(k);
+      const int64_t p = dest(it);
+      if (p < 0) return;
+      if (apply) {
+        out[p] = put_combine(mode, out[p], values.data[voff]);
+        if (counts) counts[p] += 1;
+      } else {
+        out[p] = put_identity<T>(mode);
+      }
+      for (int k = K - 1; k >= 0; --k) {  // next update in row-major order
+        if (++it[k] < (k == par ? hi : values.size(k))) break;
+        it[k] = k == par ? lo : 0;
+      }
+    }
+  };
+  for (int pass = include_self ? 1 : 0; pass < 2 && !failed; ++pass) {
+    if (par >= 0 && slices > 1 && iters > 65536) {
+#pragma omp parallel
+      {
+        int64_t t = 0, nt = 1;
+#ifdef _OPENMP
+        t = omp_get_thread_num();
+        nt = omp_get_num_threads();
+#endif
+        range(slices * t / nt, slices * (t + 1) / nt, pass == 1);
+      }
+    } else {
+      range(0, slices, pass == 1);
+    }
+  }
+  if (failed) return 1;
+  if (mode == kMean) {
+    for (int64_t p = 0; p < total; ++p) {
+      if (counts[p] == 0) continue;
+      if (std::is_floating_point<T>::value) out[p] = static_cast<T>(out[p] / static_cast<T>(counts[p]));
+      else {
+        const int64_t q = static_cast<int64_t>(out[p]), c = counts[p];
+        out[p] = static_cast<T>(q / c - ((q % c != 0) && ((q < 0) != (c < 0))));  // floor
+      }
+    }
+  }
+  return 0;
+}
+
+template <class T, class... Idx>
+int put(kr::Err &e, const char *where, T *out, int64_t mode, bool include_self, bool wrap,
+        std::initializer_list<int64_t> dims, View<T> self, View<T> values, Idx... index) {
+  return put_counted(e, where, out, static_cast<int64_t *>(nullptr), mode, include_self, wrap,
+                     dims, self, values, index...);
+}
+
+template <class T, class... Idx>
+int put_mean(kr::Err &e, const char *where, T *out, int64_t *counts, int64_t mode,
+             bool include_self, bool wrap, std::initializer_list<int64_t> dims, View<T> self,
+             View<T> values, Idx... index) {
+  return put_counted(e, where, out, counts, mode, include_self, wrap, dims, self, values,
+                     index...);
+}
+
+/* masked_scatter: out = self; the positions where `mask` (broadcast to self's shape) is true
+ * take the elements of `source` one after another, in row-major order. */
+template <class T>
+int masked_scatter(kr::Err &e, const char *where, T *out, View<T> self, View<bool> mask,
+                   View<T> source) {
+  const int64_t total = self.numel(), avail = source.numel();
+  int64_t k = 0;
+  for (int64_t p = 0; p < total; ++p) {
+    if (mask.at(p)) {
+      if (k >= avail) {
+        return e.fail("%s: the mask selects more elements than source has (%lld)", where,
+                      (long long)avail);
+      }
+      out[p] = source.at(k++);
+    } else {
+      out[p] = self.at(p);
+    }
+  }
+  return 0;
+}
+
+enum BagMode : int64_t { kBagSum = 0, kBagMean = 1, kBagMax = 2 };
+
+/* embedding_bag: bag b sums / averages / takes the max of weight rows indices[offsets[b] ..
+ * offsets[b+1]) (the last bag ends at the end of `indices` unless include_last_offset),
+ * skipping padding_idx (-1: none); empty bags give zeros. Bags run in parallel. */
+template <class T, class I>
+int embedding_bag_weighted(kr::Err &e, const char *where, T *out, int64_t mode,
+                           bool include_last_offset, int64_t padding_idx, View<T> weight,
+                           View<I> indices, View<I> offsets, const View<T> *psw) {
+  const int64_t n = indices.numel(), nw = weight.size(0), D = weight.size(1);
+  const int64_t bags = offsets.numel() - (include_last_offset ? 1 : 0);
+  for (int64_t i = 0; i < n; ++i) {
+    const int64_t id = static_cast<int64_t>(indices.at(i));
+    if (id < 0 || id >= nw)
+      return e.fail("index out of range in %s: index %lld is out of bounds for dim 0 of size "
+                    "%lld", where, (long long)id, (long long)nw);
+  }
+  for (int64_t b = 0; b < offsets.numel(); ++b) {
+    const int64_t o = static_cast<int64_t>(offsets.at(b));
+    if (o < 0 || o > n || (b > 0 && o < static_cast<int64_t>(offsets.at(b - 1))))
+      return e.fail("%s: offsets[%lld] = %lld is not in [offsets[%lld], %lld]", where,
+                    (long long)b, (long long)o, (long long)(b > 0 ? b - 1 : 0), (long long)n);
+  }
+#pragma omp parallel for schedule(static) if (bags * D > 4096)
+  for (int64_t b = 0; b < bags; ++b) {
+    const int64_t lo = static_cast<int64_t>(offsets.at(b));
+    const int64_t hi = b + 1 < offsets.numel() ? static_cast<int64_t>(offsets.at(b + 1)) : n;
+    T *o = out + b * D;
+    int64_t used = 0;
+    for (int64_t c = 0; c < D; ++c) o[c] = mode == kBagMax ? kr::lowest<T>() : T(0);
+    for (int64_t i = lo; i < hi; ++i) {
+      const int64_t id = static_cast<int64_t>(indices.at(i));
+      if (id == padding_idx) continue;
+      ++used;
+      const T scale = psw ? psw->at(i) : T(1);
+      for (int64_t c = 0; c < D; ++c) {
+        const T w = weight.data[id * weight.stride(0) + c * weight.stride(1)];
+        if (mode == kBagMax) o[c] = is_nan(w) || w > o[c] ? w : o[c];
+        else o[c] += psw ? w * scale : w;
+      }
+    }
+    if (used == 0)
+      for (int64_t c = 0; c < D; ++c) o[c] = T(0);
+    else if (mode == kBagMean)
+      for (int64_t c = 0; c < D; ++c) o[c] /= static_cast<T>(used);
+  }
+  return 0;
+}
+
+template <class T, class I>
+int embedding_bag(kr::Err &e, const char *where, T *out, int64_t mode, bool include_last_offset,
+                  int64_t padding_idx, View<T> weight, View<I> indices, View<I> offsets) {
+  return embedding_bag_weighted(e, where, out, mode, include_last_offset, padding_idx, weight,
+                                indices, offsets, static_cast<const View<T> *>(nullptr));
+}
+
+template <class T, class I>
+int embedding_bag(kr::Err &e, const char *where, T *out, int64_t mode, bool include_last_offset,
+                  int64_t padding_idx, View<T> weight, View<I> indices, View<I> offsets,
+                  View<T> per_sample_weights) {
+  return embedding_bag_weighted(e, where, out, mode, include_last_offset, padding_idx, weight,
+                                indices, offsets, &per_sample_weights);
+}
+
+}  // namespace kl
+
+#endif
