@@ -254,10 +254,11 @@ def test_libkiln_exports_only_api(libkiln_path: pathlib.Path) -> None:
     out = subprocess.run(["nm", "-D", "--defined-only", str(libkiln_path)], check=True,
                          capture_output=True, text=True).stdout
     names = {line.split()[-1] for line in out.splitlines() if line.strip()}
-    assert names == {"kiln_abi_version", "kiln_model_load", "kiln_model_num_inputs",
-                     "kiln_model_num_outputs", "kiln_model_run", "kiln_last_error",
+    assert names == {"kiln_abi_version", "kiln_abi_minor", "kiln_model_load",
+                     "kiln_model_num_inputs", "kiln_model_num_outputs", "kiln_model_run", "kiln_last_error",
                      "kiln_model_free", "kiln_model_update_weights",
-                     "kiln_model_run_on_stream"}
+                     "kiln_model_run_on_stream", "kiln_model_set_num_threads",
+                     "kiln_model_num_threads"}
 
 
 # --- C level, in subprocesses (a crash fails the test instead of killing pytest) ----------------
