@@ -4,7 +4,8 @@ shared by several threads is serialised by libkiln and never corrupted. With the
 budget (concurrent runs share the cores, so a run's OpenMP team size depends on what else is
 running) results may differ from a lone run in the last bits: a GEMM split over fewer threads
 sums in another order; they are compared with a tolerance far below any corruption.
-Throughput with 1 vs 2 handles/threads on the zoo models is measured and printed (`-s` shows it; never asserted: the machine is shared).
+Throughput with 1 vs 2 handles/threads on the zoo models is measured and printed (`-s`
+shows it; never asserted: the machine is shared).
 
     .venv/bin/python -m pytest tests/test_concurrency.py -s -q
 """

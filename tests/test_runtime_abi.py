@@ -255,7 +255,8 @@ def test_libkiln_exports_only_api(libkiln_path: pathlib.Path) -> None:
                          capture_output=True, text=True).stdout
     names = {line.split()[-1] for line in out.splitlines() if line.strip()}
     assert names == {"kiln_abi_version", "kiln_abi_minor", "kiln_model_load",
-                     "kiln_model_num_inputs", "kiln_model_num_outputs", "kiln_model_run", "kiln_last_error",
+                     "kiln_model_num_inputs", "kiln_model_num_outputs", "kiln_model_run",
+                     "kiln_last_error",
                      "kiln_model_free", "kiln_model_update_weights",
                      "kiln_model_run_on_stream", "kiln_model_set_num_threads",
                      "kiln_model_num_threads"}
