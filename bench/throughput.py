@@ -3,12 +3,14 @@ single-handle latency, for zoo models. Each configuration is measured `--repeat`
 median is printed (the development box is shared: single measurements are noisy).
 
     python bench/throughput.py [--models mlp,gpt,resnet18] [--handles 1,2,4] [--seconds 1.0]
-                               [--repeat 3] [--num-threads N] [--packages DIR]
+                               [--repeat 3] [--budgets 0,2] [--packages DIR]
 
 `--packages DIR` keeps the compiled packages there (reused when present, so a rerun after a
-runtime-only change does not recompile). `--num-threads N` loads every handle with
-`kiln.load(..., num_threads=N)` (0: the automatic budget). Extra OpenMP environment variables
-(OMP_WAIT_POLICY, OMP_NUM_THREADS) apply as usual, for comparison.
+runtime-only change does not recompile). `--budgets 0,2` measures each configuration with
+every handle loaded as `kiln.load(..., num_threads=N)` for each N (0: the automatic budget;
+N = the core count: every run forks a full team, as kiln did before the budget), interleaved
+within each repeat so that load changes on a shared machine hit all of them alike. OpenMP
+environment variables (OMP_WAIT_POLICY, OMP_NUM_THREADS) apply as usual.
 """
 
 from __future__ import annotations
@@ -37,12 +39,11 @@ def package(name: str, out_dir: Path) -> tuple[Path, tuple]:
 
 
 def throughput(path: Path, args: tuple, handles: int, seconds: float,
-               num_threads: int | None) -> float:
+               num_threads: int) -> float:
     """Runs per second with `handles` handles, one thread each, for `seconds`."""
     import kiln
 
-    kw = {} if num_threads is None else {"num_threads": num_threads}
-    runners = [kiln.load(path, **kw) for _ in range(handles)]
+    runners = [kiln.load(path, num_threads=num_threads) for _ in range(handles)]
     counts = [0] * handles
     barrier = threading.Barrier(handles + 1)
     stop = [0.0]
@@ -69,11 +70,10 @@ def throughput(path: Path, args: tuple, handles: int, seconds: float,
     return sum(counts) / elapsed
 
 
-def latency_ms(path: Path, args: tuple, runs: int, num_threads: int | None) -> float:
+def latency_ms(path: Path, args: tuple, runs: int, num_threads: int) -> float:
     import kiln
 
-    kw = {} if num_threads is None else {"num_threads": num_threads}
-    with kiln.load(path, **kw) as r:
+    with kiln.load(path, num_threads=num_threads) as r:
         for _ in range(3):
             r(*args)
         times = []
@@ -95,24 +95,30 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--seconds", type=float, default=1.0)
     ap.add_argument("--repeat", type=int, default=3)
     ap.add_argument("--latency-runs", type=int, default=50)
-    ap.add_argument("--num-threads", type=int, default=None)
+    ap.add_argument("--budgets", default="0")
     ap.add_argument("--packages", default=None)
     a = ap.parse_args(argv)
     out = Path(a.packages) if a.packages else Path(tempfile.mkdtemp(prefix="kiln-tput-"))
     out.mkdir(parents=True, exist_ok=True)
     handles = [int(h) for h in a.handles.split(",")]
-    print("| model | latency, 1 handle (ms) | " +
+    budgets = [int(b) for b in a.budgets.split(",")]
+    print("| model | num_threads | latency, 1 handle (ms) | " +
           " | ".join(f"{h} handle{'s' if h > 1 else ''} (runs/s)" for h in handles) + " |")
-    print("| --- | --- | " + " | ".join("---" for _ in handles) + " |")
+    print("| --- | --- | --- | " + " | ".join("---" for _ in handles) + " |")
     for name in a.models.split(","):
         path, args = package(name, out)
-        lat = statistics.median(latency_ms(path, args, a.latency_runs, a.num_threads)
-                                for _ in range(a.repeat))
-        cells = []
-        for h in handles:
-            xs = [throughput(path, args, h, a.seconds, a.num_threads) for _ in range(a.repeat)]
-            cells.append(f"{statistics.median(xs):.0f}")
-        print(f"| {name} | {lat:.2f} | " + " | ".join(cells) + " |", flush=True)
+        lat: dict = {b: [] for b in budgets}
+        tput: dict = {(b, h): [] for b in budgets for h in handles}
+        for _ in range(a.repeat):
+            for b in budgets:
+                lat[b].append(latency_ms(path, args, a.latency_runs, b))
+            for h in handles:
+                for b in budgets:
+                    tput[b, h].append(throughput(path, args, h, a.seconds, b))
+        for b in budgets:
+            cells = [f"{statistics.median(tput[b, h]):.0f}" for h in handles]
+            print(f"| {name} | {b or 'auto'} | {statistics.median(lat[b]):.2f} | " +
+                  " | ".join(cells) + " |", flush=True)
     return 0
 
 

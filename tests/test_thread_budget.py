@@ -40,6 +40,14 @@ def package(tmp_path_factory):
     return c.save(tmp_path_factory.mktemp("budget") / "wide.kiln")
 
 
+@pytest.fixture(scope="module")
+def capped(tmp_path_factory):
+    """Compiled with Options(num_threads=3): kernels' teams capped at 3, and at the budget."""
+    x = torch.randn(256, 512)
+    c = kiln.compile(Wide(), (x,), options=kiln.Options(num_threads=3))
+    return c.save(tmp_path_factory.mktemp("budget") / "wide3.kiln")
+
+
 def _check(out, x):
     want = Wide()(x)
     for g, w in zip(out, want):
@@ -79,15 +87,19 @@ _CHILD = textwrap.dedent("""
 """)
 
 
-def test_team_sizes_follow_the_budget(package):
+@pytest.mark.parametrize("which", ["default", "compiled_with_3"])
+def test_team_sizes_follow_the_budget(package, capped, which):
     """Caller's OpenMP at 4 threads: budget 1 starts no OpenMP worker, budget 2 one, automatic
-    (one run in flight) three; the caller's omp_get_max_threads() is the same after the runs."""
+    (one run in flight) three, or two for a package compiled with num_threads=3; the caller's
+    omp_get_max_threads() is the same after the runs."""
     env = {**os.environ, "PYTHONPATH": ROOT}
-    proc = subprocess.run([sys.executable, "-c", _CHILD, str(package)], env=env,
+    path = package if which == "default" else capped
+    proc = subprocess.run([sys.executable, "-c", _CHILD, str(path)], env=env,
                           capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     got = json.loads(proc.stdout.strip().splitlines()[-1])
-    assert got == {"1": 0, "2": 1, "0": 3, "before": 4, "after": 4}, got
+    auto = 3 if which == "default" else 2
+    assert got == {"1": 0, "2": 1, "0": auto, "before": 4, "after": 4}, got
 
 
 def test_hostile_budgets(package):
