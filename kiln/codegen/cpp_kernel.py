@@ -152,7 +152,7 @@ def _member(m: L.Compute, k: int, locals_: dict[str, str], status: list[bool],
         lines += [f"  if (first || ({x} {cmp} best) || ({x} != {x} && best == best)) "
                   f"{{ best = {x}; besti = {flat}; first = false; }}"]
         lines += ["}"] * len(rv)
-        lines.append(f"{dest} = besti;")
+        lines.append(f"{locals_.get(m.name, dest)} = besti;")  # a local when fused away
     else:
         ident, combine, clause = REDUCTIONS[kind]
         lines.append(f"{T} {acc} = {ident.format(T=T)};")
