@@ -39,8 +39,10 @@ def package(name: str, out_dir: Path) -> tuple[Path, tuple]:
 
 
 def throughput(path: Path, args: tuple, handles: int, seconds: float,
-               num_threads: int) -> float:
-    """Runs per second with `handles` handles, one thread each, for `seconds`."""
+               num_threads: int) -> tuple[float, float]:
+    """(runs per second, process CPU milliseconds per run) with `handles` handles, one thread
+    each, for `seconds`. CPU time per run counts OpenMP threads spin-waiting too, and depends
+    less than runs/s on what else runs on a shared machine."""
     import kiln
 
     runners = [kiln.load(path, num_threads=num_threads) for _ in range(handles)]
@@ -59,15 +61,16 @@ def throughput(path: Path, args: tuple, handles: int, seconds: float,
     threads = [threading.Thread(target=work, args=(t,)) for t in range(handles)]
     for th in threads:
         th.start()
-    t0 = time.perf_counter()
+    t0, c0 = time.perf_counter(), time.process_time()
     stop[0] = t0 + seconds
     barrier.wait()
     for th in threads:
         th.join()
-    elapsed = time.perf_counter() - t0
+    elapsed, cpu = time.perf_counter() - t0, time.process_time() - c0
     for r in runners:
         r.close()
-    return sum(counts) / elapsed
+    runs = max(sum(counts), 1)
+    return runs / elapsed, 1e3 * cpu / runs
 
 
 def latency_ms(path: Path, args: tuple, runs: int, num_threads: int) -> float:
@@ -103,7 +106,8 @@ def main(argv: list[str] | None = None) -> int:
     handles = [int(h) for h in a.handles.split(",")]
     budgets = [int(b) for b in a.budgets.split(",")]
     print("| model | num_threads | latency, 1 handle (ms) | " +
-          " | ".join(f"{h} handle{'s' if h > 1 else ''} (runs/s)" for h in handles) + " |")
+          " | ".join(f"{h} handle{'s' if h > 1 else ''}: runs/s (CPU ms/run)" for h in handles)
+          + " |")
     print("| --- | --- | --- | " + " | ".join("---" for _ in handles) + " |")
     for name in a.models.split(","):
         path, args = package(name, out)
@@ -116,8 +120,10 @@ def main(argv: list[str] | None = None) -> int:
                 for b in budgets:
                     tput[b, h].append(throughput(path, args, h, a.seconds, b))
         for b in budgets:
-            cells = [f"{statistics.median(tput[b, h]):.0f}" for h in handles]
-            print(f"| {name} | {b or 'auto'} | {statistics.median(lat[b]):.2f} | " +
+            cells = [f"{statistics.median(x for x, _ in tput[b, h]):.0f} "
+                     f"({statistics.median(c for _, c in tput[b, h]):.1f})" for h in handles]
+            print(f"| {name} | {b or 'auto'} | {statistics.median(lat[b]):.2f} "
+                  f"(min {min(lat[b]):.2f}) | " +
                   " | ".join(cells) + " |", flush=True)
     return 0
 
