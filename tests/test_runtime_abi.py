@@ -428,6 +428,15 @@ def test_c_example(run_model_exe: pathlib.Path, make_toy_package: MakePkg,
     bad = subprocess.run([str(run_model_exe), str(tmp_path / "nope.kiln")], capture_output=True,
                          text=True, env=env)
     assert bad.returncode == 1 and "nope.kiln" in bad.stderr
+    write_tensor_bin(tmp_path / "x.bin", x)
+    one = subprocess.run([str(run_model_exe), "-t", "1", *args], capture_output=True, text=True,
+                         env=env)
+    assert one.returncode == 0 and one.stdout.splitlines() == text, one.stderr
+    for threads, rc, msg in (("-1", 1, "num_threads must be in [0, 4096]"),
+                             ("5000", 1, "got 5000"), ("x", 2, "usage"), ("", 2, "usage")):
+        bad = subprocess.run([str(run_model_exe), "-t", threads, *args], capture_output=True,
+                             text=True, env=env)
+        assert bad.returncode == rc and msg in bad.stderr, (threads, bad.stderr)
 
 
 def test_c_fuzz_never_crashes(libkiln_path: pathlib.Path, make_toy_package: MakePkg,
