@@ -1,7 +1,11 @@
 """Concurrency of compiled packages: one handle per thread over the same package runs in
-parallel with results bit-identical to a single thread; one handle shared by several threads
-is serialised by libkiln and never corrupted. Throughput with 1 vs 2 handles/threads on the
-zoo models is measured and printed (`-s` shows it; never asserted: the machine is shared).
+parallel with results bit-identical to a single thread at the same thread budget; one handle
+shared by several threads is serialised by libkiln and never corrupted. With the automatic
+budget (concurrent runs share the cores, so a run's OpenMP team size depends on what else is
+running) results may differ from a lone run in the last bits: a GEMM split over fewer threads
+sums in another order; they are compared with a tolerance far below any corruption.
+Throughput with 1 vs 2 handles/threads on the zoo models is measured and printed (`-s`
+shows it; never asserted: the machine is shared).
 
     .venv/bin/python -m pytest tests/test_concurrency.py -s -q
 """
@@ -42,7 +46,13 @@ def _leaves(out) -> list[torch.Tensor]:
     return list(torch.utils._pytree.tree_leaves(out))
 
 
-def _hammer(runners, cases, expect, rounds: int) -> list[str]:
+def _same(got, want, exact: bool) -> bool:
+    if exact or not got.is_floating_point():
+        return torch.equal(got, want)
+    return torch.allclose(got, want, rtol=1e-5, atol=1e-5 * float(want.abs().max()))
+
+
+def _hammer(runners, cases, expect, rounds: int, exact: bool = True) -> list[str]:
     """Each thread t uses runners[t % len(runners)] on all cases, in a thread-specific order."""
     errors: list[str] = []
     barrier = threading.Barrier(THREADS)
@@ -54,7 +64,7 @@ def _hammer(runners, cases, expect, rounds: int) -> list[str]:
             for k in range(len(cases)):
                 j = (k * (t + 1) + r) % len(cases)
                 got = _leaves(runner(*cases[j]))
-                if any(not torch.equal(g, w) for g, w in zip(got, expect[j])):
+                if any(not _same(g, w, exact) for g, w in zip(got, expect[j])):
                     errors.append(f"thread {t}, case {j}: result differs from single-threaded")
 
     threads = [threading.Thread(target=work, args=(t,)) for t in range(THREADS)]
@@ -66,15 +76,16 @@ def _hammer(runners, cases, expect, rounds: int) -> list[str]:
 
 
 @pytest.mark.parametrize("name", ["demo", "gpt"])
+@pytest.mark.parametrize("budget", [2, 0], ids=["two_threads", "automatic"])
 @pytest.mark.parametrize("shared", [False, True], ids=["handle_per_thread", "shared_handle"])
-def test_threads_match_single_thread(packages, name, shared):
+def test_threads_match_single_thread(packages, name, budget, shared):
     spec, path = packages[name]
     cases = _inputs(spec, 8)
-    with kiln.load(path) as single:
+    with kiln.load(path, num_threads=budget) as single:
         expect = [_leaves(single(*a)) for a in cases]
-    runners = [kiln.load(path)] if shared else [kiln.load(path) for _ in range(THREADS)]
+    runners = [kiln.load(path, num_threads=budget) for _ in range(1 if shared else THREADS)]
     try:
-        errors = _hammer(runners, cases, expect, rounds=RUNS // 8 + 1)
+        errors = _hammer(runners, cases, expect, rounds=RUNS // 8 + 1, exact=budget > 0)
     finally:
         for r in runners:
             r.close()
@@ -85,12 +96,12 @@ def throughput(path, args, handles: int, seconds: float = 1.0) -> float:
     """Runs per second with `handles` handles, one thread each."""
     runners = [kiln.load(path) for _ in range(handles)]
     counts = [0] * handles
-    stop = time.perf_counter() + seconds
-    barrier = threading.Barrier(handles)
+    barrier = threading.Barrier(handles + 1)
+    stop = [0.0]
 
     def work(t: int) -> None:
         barrier.wait()
-        while time.perf_counter() < stop:
+        while time.perf_counter() < stop[0]:
             runners[t](*args)
             counts[t] += 1
 
@@ -99,15 +110,20 @@ def throughput(path, args, handles: int, seconds: float = 1.0) -> float:
     threads = [threading.Thread(target=work, args=(t,)) for t in range(handles)]
     for th in threads:
         th.start()
+    t0 = time.perf_counter()
+    stop[0] = t0 + seconds  # after the warm-up: a slow warm-up must not eat the interval
+    barrier.wait()
     for th in threads:
         th.join()
+    elapsed = time.perf_counter() - t0
     for r in runners:
         r.close()
-    return sum(counts) / seconds
+    return sum(counts) / elapsed
 
 
 def test_throughput_report(packages):
-    """Prints runs/s for 1 and 2 handles (one thread each); asserts only that both ran."""
+    """Prints runs/s for 1 and 2 handles (one thread each); asserts only that both ran
+    (bench/throughput.py measures 1, 2 and 4 handles with repeats and medians)."""
     for name, (spec, path) in packages.items():
         args = spec.example_args
         one, two = throughput(path, args, 1), throughput(path, args, 2)

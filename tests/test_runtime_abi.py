@@ -254,10 +254,12 @@ def test_libkiln_exports_only_api(libkiln_path: pathlib.Path) -> None:
     out = subprocess.run(["nm", "-D", "--defined-only", str(libkiln_path)], check=True,
                          capture_output=True, text=True).stdout
     names = {line.split()[-1] for line in out.splitlines() if line.strip()}
-    assert names == {"kiln_abi_version", "kiln_model_load", "kiln_model_num_inputs",
-                     "kiln_model_num_outputs", "kiln_model_run", "kiln_last_error",
+    assert names == {"kiln_abi_version", "kiln_abi_minor", "kiln_model_load",
+                     "kiln_model_num_inputs", "kiln_model_num_outputs", "kiln_model_run",
+                     "kiln_last_error",
                      "kiln_model_free", "kiln_model_update_weights",
-                     "kiln_model_run_on_stream"}
+                     "kiln_model_run_on_stream", "kiln_model_set_num_threads",
+                     "kiln_model_num_threads"}
 
 
 # --- C level, in subprocesses (a crash fails the test instead of killing pytest) ----------------
@@ -426,6 +428,15 @@ def test_c_example(run_model_exe: pathlib.Path, make_toy_package: MakePkg,
     bad = subprocess.run([str(run_model_exe), str(tmp_path / "nope.kiln")], capture_output=True,
                          text=True, env=env)
     assert bad.returncode == 1 and "nope.kiln" in bad.stderr
+    write_tensor_bin(tmp_path / "x.bin", x)
+    one = subprocess.run([str(run_model_exe), "-t", "1", *args], capture_output=True, text=True,
+                         env=env)
+    assert one.returncode == 0 and one.stdout.splitlines() == text, one.stderr
+    for threads, rc, msg in (("-1", 1, "num_threads must be in [0, 4096]"),
+                             ("5000", 1, "got 5000"), ("x", 2, "usage"), ("", 2, "usage")):
+        bad = subprocess.run([str(run_model_exe), "-t", threads, *args], capture_output=True,
+                             text=True, env=env)
+        assert bad.returncode == rc and msg in bad.stderr, (threads, bad.stderr)
 
 
 def test_c_fuzz_never_crashes(libkiln_path: pathlib.Path, make_toy_package: MakePkg,

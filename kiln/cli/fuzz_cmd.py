@@ -60,7 +60,8 @@ def cmd_fuzz(args: argparse.Namespace) -> int:
                 continue
             seen[_key(out)] = f"program {k}"
             if not args.no_minimise:
-                spec, out = minimise(spec, out, log=print)
+                spec, out = minimise(spec, out, log=print,
+                                     check=lambda s: check(s, interp=not args.no_interp))
             path = write_repro(spec, out, args.out, f"--seed {args.seed} --start {k} --n 1")
             print(f"    reproducer: {path}", flush=True)
     mism = counts["mismatch"] + counts["crash"]

@@ -155,7 +155,7 @@ def _member(m: L.Compute, k: int, locals_: dict[str, str], status: list[bool],
         lines += [f"  if (first || ({x} {cmp} best) || ({x} != {x} && best == best)) "
                   f"{{ best = {x}; besti = {flat}; first = false; }}"]
         lines += ["}"] * len(rv)
-        lines.append(f"{dest} = besti;")
+        lines.append(f"{locals_.get(m.name, dest)} = besti;")  # a local when fused away
     else:
         ident, combine, clause = REDUCTIONS[kind]
         lines.append(f"{T} {acc} = {ident.format(T=T)};")
@@ -274,7 +274,8 @@ def print_kernel(kernel: Kernel, buffers: dict[str, L.Buffer], num_threads: int 
     outer_vars = [f"i{d}" for d in range(k)]
     if k:
         work = kernel_work(kernel)
-        threads = f" num_threads({num_threads})" if num_threads else ""
+        # Options.num_threads caps the team; the run's budget (libkiln) may lower it
+        threads = f" num_threads(kr::team_cap({num_threads}))" if num_threads else ""
         cond = "" if work.is_Integer and int(work) >= PARALLEL_MIN_WORK else \
             f" if({to_c(work)} >= {PARALLEL_MIN_WORK})"
         if work.is_Integer and int(work) < PARALLEL_MIN_WORK:

@@ -107,9 +107,17 @@ def runtime_plan(prog: P.Program, env: dict[str, int], verify: bool = True) -> d
             "ratio": arena / lb if lb else 1.0, "planning_seconds": seconds}
 
 
+# Total bytes beyond which sizes cannot be allocated in a 64-bit address space (and arena
+# offsets would overflow int64): such environments are skipped.
+ADDRESSABLE_BYTES = 2**62
+
+
 def plan_sizes(prog: P.Program, verify: bool = True) -> list[dict]:
-    """`runtime_plan` at every environment of `sizes_tried` (empty for static programs)."""
-    return [runtime_plan(prog, env, verify) for env in sizes_tried(prog)]
+    """`runtime_plan` at every environment of `sizes_tried` (empty for static programs) whose
+    storages fit in memory together: the maximum of a `Dim` without an upper bound, squared by
+    an `x @ x.T`, would not."""
+    return [runtime_plan(prog, env, verify) for env in sizes_tried(prog)
+            if sum(iv.size for iv in intervals(prog, env)) < ADDRESSABLE_BYTES]
 
 
 def assign_offsets(prog: P.Program, verify: bool = True, budget_s: float = 0.5

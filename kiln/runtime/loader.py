@@ -71,6 +71,12 @@ def libkiln() -> ctypes.CDLL:
     lib.kiln_last_error.argtypes = []
     lib.kiln_model_update_weights.restype = ctypes.c_int
     lib.kiln_model_update_weights.argtypes = [vp, ctypes.c_char_p]
+    lib.kiln_abi_minor.restype = ctypes.c_int
+    lib.kiln_abi_minor.argtypes = []
+    lib.kiln_model_set_num_threads.restype = ctypes.c_int
+    lib.kiln_model_set_num_threads.argtypes = [vp, ctypes.c_int]
+    lib.kiln_model_num_threads.restype = ctypes.c_int
+    lib.kiln_model_num_threads.argtypes = [vp]
     lib.kiln_model_free.restype = None
     lib.kiln_model_free.argtypes = [vp]
     if lib.kiln_abi_version() != KILN_ABI_VERSION:
@@ -101,7 +107,8 @@ def _children(spec: pytree.TreeSpec) -> list[pytree.TreeSpec]:
 class Runner:
     """A loaded model. Call it with the exported program's arguments."""
 
-    def __init__(self, path: str | os.PathLike[str], device: str = "cpu") -> None:
+    def __init__(self, path: str | os.PathLike[str], device: str = "cpu",
+                 num_threads: int | None = None) -> None:
         self._handle: ctypes.c_void_p | None = None
         self._path = pathlib.Path(path)
         self._device = _parse_device(device)
@@ -119,6 +126,12 @@ class Runner:
                                      ctypes.byref(handle)) != 0:
             raise PackageError(last_error())
         self._handle = handle
+        if num_threads is not None:
+            try:
+                self.num_threads = num_threads
+            except (KilnError, TypeError):
+                self.close()
+                raise
         self._n_in = int(self._lib.kiln_model_num_inputs(handle))
         self._n_out = int(self._lib.kiln_model_num_outputs(handle))
         self._constants = {int(c["index"]): c for c in m.get("constant_inputs", [])}
@@ -145,6 +158,26 @@ class Runner:
     @property
     def num_outputs(self) -> int:
         return self._n_out
+
+    @property
+    def num_threads(self) -> int:
+        """This handle's OpenMP thread budget per run; 0 (the default) is automatic: the
+        caller's OpenMP thread count divided by the number of kiln runs in flight."""
+        if self._handle is None:
+            raise KilnError(f"kiln: runner for '{self._path}' is closed")
+        return int(self._lib.kiln_model_num_threads(self._handle))
+
+    @num_threads.setter
+    def num_threads(self, n: int) -> None:
+        if isinstance(n, bool) or not isinstance(n, int):
+            raise TypeError(f"num_threads must be an int (0: automatic), got {type(n).__name__}")
+        if self._handle is None:
+            raise KilnError(f"kiln: runner for '{self._path}' is closed")
+        if not -2**31 <= n < 2**31:  # would not fit the C int
+            raise KilnError(f"kiln_model_set_num_threads: num_threads must be in [0, 4096] "
+                            f"(0: automatic), got {n}")
+        if self._lib.kiln_model_set_num_threads(self._handle, n):
+            raise KilnError(last_error())
 
     def close(self) -> None:
         handle, self._handle = self._handle, None
@@ -319,7 +352,10 @@ def _parse_device(device: str | torch.device) -> torch.device:
     raise UnsupportedError(f"kiln: unsupported device {text!r} (use 'cpu', 'cuda' or 'cuda:N')")
 
 
-def load(path: str | os.PathLike[str], device: str = "cpu") -> Runner:
+def load(path: str | os.PathLike[str], device: str = "cpu",
+         num_threads: int | None = None) -> Runner:
     """Opens the package at ``path`` for ``device`` ("cpu", "cuda", "cuda:N"; the package must
-    have been compiled for that kind of device) and returns a callable Runner."""
-    return Runner(path, device)
+    have been compiled for that kind of device) and returns a callable Runner. ``num_threads``:
+    OpenMP threads per run of this handle (CPU); None or 0 is automatic (the caller's OpenMP
+    thread count divided by the kiln runs in flight in the process)."""
+    return Runner(path, device, num_threads)

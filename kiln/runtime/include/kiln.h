@@ -25,6 +25,12 @@
  *  - A kiln_model may be shared between threads: runs on one model are serialised internally;
  *    runs on different models proceed in parallel.
  *  - The ABI is versioned by KILN_ABI_VERSION; functions are only ever added, never changed.
+ *    KILN_ABI_MINOR counts the additions (kiln_abi_minor() >= N: the functions of minor N exist).
+ *  - Threads (CPU models): a run uses the calling thread's OpenMP team size, divided between
+ *    the runs in flight in the process: max(1, omp_get_max_threads() / active runs), so that
+ *    several handles used from several threads share the cores instead of oversubscribing them.
+ *    kiln_model_set_num_threads gives one handle a fixed budget instead. The calling thread's
+ *    OpenMP setting is restored when the run returns.
  */
 #ifndef KILN_H
 #define KILN_H
@@ -33,6 +39,8 @@
 #include "dlpack.h"
 
 #define KILN_ABI_VERSION 1
+/* 1: kiln_abi_minor, kiln_model_set_num_threads, kiln_model_num_threads */
+#define KILN_ABI_MINOR 1
 
 #if defined(_WIN32)
 #define KILN_API
@@ -50,6 +58,11 @@ typedef struct kiln_model kiln_model;
 /* Returns the ABI version libkiln implements (KILN_ABI_VERSION of the header it was built with).
  * Callers should check it equals the KILN_ABI_VERSION they were compiled against. */
 KILN_API int kiln_abi_version(void);
+
+/* Returns KILN_ABI_MINOR of the header libkiln was built with (minor 1 and later). A caller
+ * that uses a function added in minor N checks kiln_abi_minor() >= N (a libkiln older than
+ * minor 1 does not export this function: look it up with dlsym when that matters). */
+KILN_API int kiln_abi_minor(void);
 
 /* Opens the package at package_path for the given device and stores the model in *out.
  * device: "cpu", "cuda" (device 0) or "cuda:N"; it must match the device the package was
@@ -101,6 +114,17 @@ KILN_API int kiln_model_run_on_stream(kiln_model *m, const DLTensor *const *inpu
 KILN_API int kiln_model_update_weights(kiln_model *m, const char *safetensors_path);
 
 KILN_API const char *kiln_last_error(void);
+
+/* Thread budget of one handle (minor 1). num_threads > 0: every later run on m uses that many
+ * OpenMP threads, whatever else runs in the process; 0 (the default): automatic, i.e.
+ * max(1, omp_get_max_threads() of the calling thread / CPU runs in flight in the process).
+ * Fails on a NULL model or num_threads outside [0, 4096]. May be called at any time, also
+ * while other threads run m: runs that already started keep their team size. No effect on a
+ * CUDA model. */
+KILN_API int kiln_model_set_num_threads(kiln_model *m, int num_threads);
+
+/* The budget set by kiln_model_set_num_threads (0: automatic); -1 when m is NULL. */
+KILN_API int kiln_model_num_threads(const kiln_model *m);
 
 /* Releases a model (its weights mapping and instance). NULL is allowed and does nothing.
  * Outputs produced earlier stay valid. Must not be called while a run on m is in progress. */

@@ -7,12 +7,22 @@
 // mutex, call the model, translate its error.
 // Invariants: no exception and no NULL dereference crosses this file's boundary; each failure
 // sets the thread-local error; a model library is never dlclose'd (output deleters live in it).
+//
+// Thread budget (CPU models): a run sets the calling thread's OpenMP team size (nthreads-var,
+// through the model library's own omp_set_num_threads) for its duration and restores it after.
+// The size is the handle's budget (kiln_model_set_num_threads), else max(1, T / active) where
+// T is the caller's omp_get_max_threads() and active the number of CPU runs in flight in the
+// process (all handles, all models), counted while they hold their model's mutex. Concurrent
+// runs thus share the cores instead of each forking a full team whose threads spin-wait while
+// the other team runs on the same cores.
 #include <dlfcn.h>
 #include <fcntl.h>
 #include <sys/mman.h>
 #include <sys/stat.h>
 #include <unistd.h>
 
+#include <algorithm>
+#include <atomic>
 #include <cerrno>
 #include <cstddef>
 #include <cstdlib>
@@ -21,6 +31,7 @@
 #include <memory>
 #include <mutex>
 #include <new>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -87,11 +98,54 @@ struct kiln_model {
   int32_t device_id = 0;
   std::map<std::string, std::vector<int64_t>> weight_shapes;  // from the manifest, by name
   std::mutex mu;
+  // OpenMP of the model library (NULL when it has none, e.g. CUDA or openmp=False models)
+  int (*omp_get_max_threads)(void) = nullptr;
+  void (*omp_set_num_threads)(int) = nullptr;
+  std::atomic<int> num_threads{0};  // kiln_model_set_num_threads; 0: automatic
 };
 
 namespace {
 
 constexpr const char *kFormat = "kiln.package/1";
+constexpr int kMaxThreads = 4096;  // kiln_model_set_num_threads refuses more
+
+// CPU runs in flight in this process (inside their model's mutex), for the automatic budget.
+std::atomic<int> g_active_runs{0};
+
+// Sets the calling thread's OpenMP team size for one run and restores it (and the count of
+// active runs) when the run ends, however it ends.
+class ThreadBudget {
+ public:
+  explicit ThreadBudget(kiln_model *m) : m_(m) {
+    const int active = g_active_runs.fetch_add(1) + 1;
+    if (!m->omp_get_max_threads || !m->omp_set_num_threads) return;
+    saved_ = m->omp_get_max_threads();
+    const int fixed = m->num_threads.load(std::memory_order_relaxed);
+    const int n = fixed > 0 ? fixed : std::max(1, saved_ / active);
+    if (n != saved_) m->omp_set_num_threads(n);
+    else saved_ = 0;  // nothing to restore
+  }
+  ~ThreadBudget() {
+    if (saved_ > 0) m_->omp_set_num_threads(saved_);
+    g_active_runs.fetch_sub(1);
+  }
+  ThreadBudget(const ThreadBudget &) = delete;
+  ThreadBudget &operator=(const ThreadBudget &) = delete;
+
+ private:
+  kiln_model *m_;
+  int saved_ = 0;
+};
+
+// Binds the OpenMP entry points the model library itself uses (its libgomp/libomp: the
+// process may hold another copy, e.g. torch's), or leaves them NULL.
+void bind_openmp(kiln_model *m, void *lib) {
+  void *get = ::dlsym(lib, "omp_get_max_threads");
+  void *set = ::dlsym(lib, "omp_set_num_threads");
+  if (!get || !set) return;
+  std::memcpy(&m->omp_get_max_threads, &get, sizeof get);
+  std::memcpy(&m->omp_set_num_threads, &set, sizeof set);
+}
 
 template <class F>
 int guarded(F &&body) {
@@ -196,7 +250,7 @@ void *create_instance(kiln_model *m, const std::vector<const void *> &w, char *e
   return m->abi->create(p, err, n);
 }
 
-const kiln_model_abi *open_library(const kiln::ZipReader &zip) {
+const kiln_model_abi *open_library(const kiln::ZipReader &zip, void **handle) {
   const char *p = zip.path().c_str();
   kiln::Span so = zip.entry("lib/model.so");
   uint32_t crc = 0;
@@ -210,6 +264,7 @@ const kiln_model_abi *open_library(const kiln::ZipReader &zip) {
     const char *e = ::dlerror();
     kiln::fail("kiln: %s: cannot load '%s': %s", what.c_str(), path.c_str(), e ? e : "?");
   }
+  *handle = h;
   void *sym = ::dlsym(h, KILN_MODEL_ABI_SYMBOL);
   if (!sym) {
     kiln::fail("kiln: %s: library does not export %s (built with -fvisibility=hidden and no "
@@ -291,6 +346,8 @@ extern "C" {
 
 KILN_API int kiln_abi_version(void) { return KILN_ABI_VERSION; }
 
+KILN_API int kiln_abi_minor(void) { return KILN_ABI_MINOR; }
+
 KILN_API int kiln_model_load(const char *package_path, const char *device, kiln_model **out) {
   if (out) *out = nullptr;
   return guarded([&] {
@@ -309,7 +366,9 @@ KILN_API int kiln_model_load(const char *package_path, const char *device, kiln_
                  "on \"%s\" (compile with device=\"%s\")", package_path, built_for.c_str(),
                  device, want_cuda ? "cuda" : "cpu");
     }
-    m->abi = open_library(*m->package);
+    void *lib = nullptr;
+    m->abi = open_library(*m->package, &lib);
+    if (!want_cuda) bind_openmp(m.get(), lib);
     if (want_cuda && (m->abi->device_type != kDLCUDA || !m->abi->create_on_device ||
                       !m->abi->run_on_stream)) {
       kiln::fail("kiln: package '%s': its manifest says cuda but lib/model.so is not a CUDA model",
@@ -370,6 +429,8 @@ static int run_impl(kiln_model *m, const DLTensor *const *inputs, int64_t n_inpu
     int rc;
     {
       std::lock_guard<std::mutex> lock(m->mu);
+      std::optional<ThreadBudget> budget;
+      if (m->device_type != kDLCUDA) budget.emplace(m);
       rc = m->device_type == kDLCUDA
                ? abi->run_on_stream(m->instance, inputs, n_inputs, outputs, n_outputs, stream,
                                     err, sizeof err)
@@ -426,6 +487,25 @@ KILN_API int kiln_model_update_weights(kiln_model *m, const char *safetensors_pa
     }
     if (old) m->abi->destroy(old);
   });
+}
+
+KILN_API int kiln_model_set_num_threads(kiln_model *m, int num_threads) {
+  return guarded([&] {
+    if (!m) kiln::fail("kiln_model_set_num_threads: model is NULL");
+    if (num_threads < 0 || num_threads > kMaxThreads) {
+      kiln::fail("kiln_model_set_num_threads: num_threads must be in [0, %d] (0: automatic), "
+                 "got %d", kMaxThreads, num_threads);
+    }
+    m->num_threads.store(num_threads);
+  });
+}
+
+KILN_API int kiln_model_num_threads(const kiln_model *m) {
+  if (!m) {
+    kiln::set_last_error("kiln_model_num_threads: model is NULL");
+    return -1;
+  }
+  return m->num_threads.load();
 }
 
 KILN_API const char *kiln_last_error(void) { return kiln::last_error(); }
