@@ -23,7 +23,7 @@ import triton
 from triton.testing import do_bench
 
 from kiln.autotune import triton_gemm as T
-from kiln.toolchain.triton_aot import _import_module
+from kiln.toolchain.triton_aot import import_module
 
 SQUARE = [1024, 2048, 4096, 8192]
 SKINNY = [(16, 4096, 4096), (64, 4096, 4096), (128, 8192, 1024), (64, 1024, 1024),
@@ -35,7 +35,7 @@ CHAINS = [(4096, 4096, 4096, "gelu"), (2048, 8192, 2048, "relu"), (64, 4096, 409
 
 
 def _kernel(cache):
-    return _import_module(T.SOURCE, Path(cache)).kiln_gemm
+    return import_module(T.SOURCE, Path(cache)).kiln_gemm
 
 
 def triton_call(kern, a, b, c, cfg, bias=None, act="none", res=None, scale=1.0, sms=132):

@@ -28,6 +28,7 @@ from torch.utils import _pytree as pytree
 NONDETERMINISTIC = {"empty", "empty_strided", "empty_like", "new_empty", "randn", "rand",
                     "randint", "bernoulli", "normal", "uniform", "multinomial"}
 SECOND_PASS = (torch.float64, torch.int64, torch.int32, torch.bool)
+MARKER = "<!-- hand-written sections below: kept when bench/opinfo_sweep.py rewrites this file -->"
 VERDICTS = ("pass", "aten", "unsupported", "export", "wrong", "error")
 # 16-bit floats (--dtypes float16,bfloat16): eager rounds each op to the half type, and so does
 # kiln; two units in the last place allow for a different float32 evaluation order
@@ -179,8 +180,11 @@ def write_markdown(rows, path: Path, seconds: float) -> None:
         note = notes[0].replace("|", "/").replace("\n", " ") if notes else ""
         lines.append(f"| {name} | {dtype} | " + " | ".join(str(c[v]) for v in VERDICTS) +
                      f" | {note} |")
+    kept = ""
+    if path.exists() and MARKER in path.read_text():  # hand-written sections stay
+        kept = "\n" + MARKER + path.read_text().split(MARKER, 1)[1]
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text("\n".join(lines) + "\n")
+    path.write_text("\n".join(lines) + "\n" + kept)
 
 
 def main() -> None:

@@ -133,9 +133,9 @@ def compile_cubin(cfg: TritonConfig, dtype: str, arch: int = 90, *, bias: bool =
     import triton
     from triton.backends.compiler import GPUTarget
 
-    from kiln.toolchain.triton_aot import _import_module
+    from kiln.toolchain.triton_aot import import_module
     from pathlib import Path
-    mod = _import_module(SOURCE, Path(cache) if cache else Path("/tmp/kiln_triton_gemm"))
+    mod = import_module(SOURCE, Path(cache) if cache else Path("/tmp/kiln_triton_gemm"))
     sig = signature(dtype)
     cx = constexprs(cfg, bias, act, residual)
     names = list(sig)

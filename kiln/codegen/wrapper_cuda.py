@@ -213,6 +213,8 @@ def print_cuda_wrapper(prog: P.Program, kernels: dict, cubins: dict, archs: tupl
     `body` (a lambda: every kernel, GEMM and state copy, on the stream and input/output
     pointers it is given, so that it can be captured into a graph), then the status check."""
     from kiln.codegen.wrapper_cuda_parts import print_cuda_model
+    # a branch or loop reads its predicate on the host (a stream sync): not capturable
+    graphs = graphs and not any(isinstance(x, (P.If, P.While)) for x in P.walk(prog.lines))
     pr = _Printer(prog, kernels)
     checks = [x for x in prog.lines if isinstance(x, (P.CheckInput, P.BindSize, P.CheckSize,
                                                       P.CheckRange))]
@@ -247,7 +249,9 @@ def print_cuda_wrapper(prog: P.Program, kernels: dict, cubins: dict, archs: tupl
         elif x not in checks:
             pr.line(x)
     pr.emit("return 0;")
-    pr.out[body_start:] = ["  " + ln if ln else ln for ln in pr.out[body_start:]]
+    # inside the lambda a failure returns (the caller jumps to `fail`)
+    pr.out[body_start:] = ["  " + ln.replace("goto fail;", "return 1;") if ln else ln
+                           for ln in pr.out[body_start:]]
     pr.emit("};")
     if graphs:
         key = ", ".join(s.name for s in prog.symbols) or "0"
