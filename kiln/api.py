@@ -77,8 +77,9 @@ def _manifest(built: Built, opts: Options, report: dict) -> dict[str, Any]:
         "options": opts.to_json(),
         "inputs": [{"name": i.name, "dtype": i.type.dtype.name, "shape": _shape_json(i.type.shape),
                     "contiguous": True} for i in g.user_inputs],
-        "outputs": [{"name": o, "dtype": types[o].dtype.name, "shape": _shape_json(types[o].shape)}
-                    for o in g.outputs],
+        "outputs": [{"name": o, "dtype": types[o].dtype.name, "shape": _shape_json(types[o].shape),
+                     **({"python_int": True} if k in g.meta.get("int_outputs", ()) else {})}
+                    for k, o in enumerate(g.outputs)],
         "constant_inputs": [dict(c) for c in g.meta.get("constant_inputs", ())],
         "symbols": {s.name: {"min": s.min, "max": s.max, "example": s.example}
                     for s in g.symbols},

@@ -142,3 +142,19 @@ def test_plain_function_and_op_overload(tmp_path):
         runner(x, x, alpha=3.0)
     with pytest.raises(kiln.errors.KilnError, match="a function"):
         kiln.compile(42, (x,))
+
+
+def test_symbolic_int_outputs(tmp_path):
+    class M(torch.nn.Module):
+        def forward(self, x):
+            return x * 2, x.shape[0] * 3 + 1, {"rows": x.shape[0]}
+
+    n = Dim("n", min=1, max=64)
+    cm = kiln.compile(M(), (torch.randn(5, 3),), dynamic_shapes=({0: n},))
+    runner = cm.load(tmp_path / "m.kiln")
+    for rows in (1, 5, 40):
+        x = torch.randn(rows, 3)
+        y, k, d = runner(x)
+        torch.testing.assert_close(y, x * 2)
+        assert k == rows * 3 + 1 and isinstance(k, int)
+        assert d == {"rows": rows}

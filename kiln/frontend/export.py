@@ -430,6 +430,7 @@ def _import(ep: ExportedProgram, fold: bool, aten_fallback: bool = False, seed: 
             continue
         convert_node(b, n, ep.graph_module)
     outputs = []
+    int_outputs: list[int] = []
     mutations = []
     by_fqn = {i.fqn: i.name for i in inputs if i.kind == "weight"}
     for spec in ep.graph_signature.output_specs:
@@ -440,6 +441,16 @@ def _import(ep: ExportedProgram, fold: bool, aten_fallback: bool = False, seed: 
             raise UnsupportedError(f"output {spec.arg} of kind {spec.kind.name} is not "
                                    "supported yet")
         name = getattr(spec.arg, "name", None)
+        node = next((n for n in ep.graph.nodes if n.name == name), None)
+        if name not in b.env and node is not None and isinstance(node.meta.get("val"),
+                                                                  (torch.SymInt, int)):
+            # a size returned as a Python int: a 0-d int64 output the loader turns into an int
+            value = b.syms.convert(node.meta["val"])
+            b.env[name] = b.fresh(f"{name}_int")
+            t = TensorType(dtypes.int64, ())
+            b.nodes.append(Node(b.env[name], "full", (), t, (("value", value),), name))
+            b.types[b.env[name]] = t
+            int_outputs.append(len(outputs))
         if name is None or name not in b.env:
             raise UnsupportedError(f"output {spec.arg} is not a tensor")
         outputs.append(b.env[name])
@@ -455,5 +466,6 @@ def _import(ep: ExportedProgram, fold: bool, aten_fallback: bool = False, seed: 
                   in_spec=pytree.treespec_dumps(ep.call_spec.in_spec),
                   out_spec=_dump_spec(ep.call_spec.out_spec),
                   meta={"constant_inputs": tuple(b.constant_inputs),
+                        "int_outputs": tuple(int_outputs),
                         "mutations": tuple(mutations)})
     return Imported(graph, weights)

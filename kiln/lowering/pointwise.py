@@ -162,6 +162,8 @@ def lower_where(ctx: LowerCtx, node: Node, args: list[Lazy]) -> Lazy:
 def lower_full(ctx: LowerCtx, node: Node, args: list[Lazy]) -> Lazy:
     value = node.attr("value")
     dt = node.type.dtype
+    if isinstance(value, sympy.Expr) and not value.is_Number:  # a size expression
+        return Lazy(dt, node.type.shape, lambda idx: L.Index(value, dt))
     return Lazy(dt, node.type.shape, lambda idx: const(value, dt))
 
 

@@ -135,6 +135,8 @@ class Runner:
         self._n_in = int(self._lib.kiln_model_num_inputs(handle))
         self._n_out = int(self._lib.kiln_model_num_outputs(handle))
         self._constants = {int(c["index"]): c for c in m.get("constant_inputs", [])}
+        self._int_outputs = [k for k, o in enumerate(m.get("outputs", []))
+                             if isinstance(o, dict) and o.get("python_int")]
         self._positional = self._in_spec is not None and self._in_spec == pytree.tree_flatten(
             (tuple(range(self._in_spec.num_leaves)), {}))[1]
         if self._in_spec is not None and \
@@ -294,6 +296,8 @@ class Runner:
             msg = last_error()
             raise (InputError if msg.startswith("input ") else KilnError)(msg)
         results = _adopt_outputs(outputs, self._n_out)
+        for k in self._int_outputs:  # sizes the program returns as Python ints
+            results[k] = int(results[k].item())
         if self._out_spec is None:
             return tuple(results)
         return pytree.tree_unflatten(results, self._out_spec)
