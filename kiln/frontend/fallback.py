@@ -122,7 +122,7 @@ def aten_fallback(b, n) -> list[str] | str:
     if schema is None or not str(op).startswith("aten."):
         raise UnsupportedError(f"operator {op} (node {n.name}) is not supported and is not an "
                                "ATen op that could fall back")
-    if any(a.name == "stride" for a in schema.arguments):
+    if any(a.name == "storage_offset" for a in schema.arguments):
         # as_strided & co address their input's storage, which a compiled program does not
         # have (it sees each input as its own contiguous tensor): eager could read elements
         # outside the input, so calling ATen here could give a different answer
