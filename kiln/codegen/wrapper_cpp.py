@@ -76,8 +76,36 @@ def declare_kernel(name: str, params, status: bool, dtypes) -> str:
 
 
 class SizeCheckPrinter:
-    """Printers of the size lines (BindSize, CheckSize, CheckRange), shared by the CPU and CUDA
-    wrappers; subclasses provide `emit`."""
+    """Printers shared by the CPU and CUDA wrappers: the size lines (BindSize, CheckSize,
+    CheckRange) and the control-flow blocks (If, While, BreakUnless); subclasses provide
+    `out`, `line` and the device-specific lines."""
+
+    depth = 0  # nesting of control-flow blocks
+
+    def emit(self, s: str = "", ind: int = 1) -> None:
+        self.out.append("  " * (ind + self.depth) + s if s else "")
+
+    def block(self, lines) -> None:
+        self.depth += 1
+        for x in lines:
+            self.line(x)
+        self.depth -= 1
+
+    def _If(self, x: P.If) -> None:
+        self.emit(f"if ({x.flag}) {{  // torch.cond {', '.join(x.source)}: true branch")
+        self.block(x.then)
+        self.emit("} else {")
+        self.block(x.orelse)
+        self.emit("}")
+
+    def _While(self, x: P.While) -> None:
+        self.emit(f"while (true) {{  // while_loop {', '.join(x.source)}")
+        self.block(x.body)
+        self.emit("}")
+
+    def _BreakUnless(self, x: P.BreakUnless) -> None:
+        self.emit(f"if (!{x.flag}) break;")
+
 
     def _BindSize(self, x: P.BindSize) -> None:
         self.emit(f"const int64_t {x.symbol} = inputs[{x.input}]->shape[{x.dim}];")
@@ -134,37 +162,12 @@ class _Printer(SizeCheckPrinter):
         self.dynamic_bufs = [iv.name for iv in intervals(prog, {s.name: s.example
                                                                 for s in prog.symbols})]
 
-    depth = 0  # nesting of control-flow blocks
-
-    def emit(self, s: str = "", ind: int = 1) -> None:
-        self.out.append("  " * (ind + self.depth) + s if s else "")
-
-    def block(self, lines) -> None:
-        self.depth += 1
-        for x in lines:
-            self.line(x)
-        self.depth -= 1
 
     def _SetFlag(self, x: P.SetFlag) -> None:
         if x.buf is not None:  # the 0-d predicate, read on the host
             self.emit(f"const bool {x.flag} = buf_{x.buf}[0] != 0;")
         else:
             self.emit(f"const bool {x.flag} = {condition(x.expr, to_c, ('&&', '||', '!'))};")
-
-    def _If(self, x: P.If) -> None:
-        self.emit(f"if ({x.flag}) {{  // torch.cond {', '.join(x.source)}: true branch")
-        self.block(x.then)
-        self.emit("} else {")
-        self.block(x.orelse)
-        self.emit("}")
-
-    def _While(self, x: P.While) -> None:
-        self.emit(f"while (true) {{  // while_loop {', '.join(x.source)}")
-        self.block(x.body)
-        self.emit("}")
-
-    def _BreakUnless(self, x: P.BreakUnless) -> None:
-        self.emit(f"if (!{x.flag}) break;")
 
     def _CopyBuf(self, x: P.CopyBuf) -> None:
         self.emit(f"std::memcpy(buf_{x.dst}, buf_{x.src}, static_cast<size_t>({to_c(x.numel)}) "

@@ -55,16 +55,6 @@ class _Printer(SizeCheckPrinter):
         env = {s.name: s.example for s in prog.symbols}
         self.dynamic_bufs = [iv.name for iv in intervals(prog, env)]
 
-    depth = 0  # nesting of control-flow blocks
-
-    def emit(self, s: str = "", ind: int = 1) -> None:
-        self.out.append("  " * (ind + self.depth) + s if s else "")
-
-    def block(self, lines) -> None:
-        self.depth += 1
-        for x in lines:
-            self.line(x)
-        self.depth -= 1
 
     def _SetFlag(self, x: P.SetFlag) -> None:
         if x.buf is None:
@@ -79,21 +69,6 @@ class _Printer(SizeCheckPrinter):
         self.emit("      kc::check(e, kc::driver().cuStreamSynchronize(stream), "
                   f"{_cstr('reading ' + x.buf)})) goto fail;")
         self.emit(f"  {x.flag} = v != 0; }}")
-
-    def _If(self, x: P.If) -> None:
-        self.emit(f"if ({x.flag}) {{  // torch.cond {', '.join(x.source)}: true branch")
-        self.block(x.then)
-        self.emit("} else {")
-        self.block(x.orelse)
-        self.emit("}")
-
-    def _While(self, x: P.While) -> None:
-        self.emit(f"while (true) {{  // while_loop {', '.join(x.source)}")
-        self.block(x.body)
-        self.emit("}")
-
-    def _BreakUnless(self, x: P.BreakUnless) -> None:
-        self.emit(f"if (!{x.flag}) break;")
 
     def _CopyBuf(self, x: P.CopyBuf) -> None:
         self.emit(f"if (kc::check(e, kc::driver().cuMemcpyDtoDAsync(buf_{x.dst}, buf_{x.src}, "

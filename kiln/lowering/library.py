@@ -21,6 +21,7 @@ from kiln.ir import loop as L
 from kiln.ir.graph import Node
 from kiln.ir.sym import contiguous_strides
 from kiln.lowering.core import Lazy, LowerCtx, View, from_view, pointwise
+from kiln.lowering.indexing import _broadcast_shapes
 from kiln.lowering.pointwise import cast, op
 
 # kiln_lib.h enumerations (ScanKind, PutMode, BagMode)
@@ -168,19 +169,6 @@ def lower_scatter(ctx: LowerCtx, node: Node, args: list[Lazy]) -> Lazy:
     dims = tuple(-1 if d == dim else d for d in range(self_.rank))
     return _put(ctx, node, self_, values, [_arg(index)], dims, node.attr("mode"),
                 bool(node.attr("include_self", True)), wrap=False)
-
-
-def _broadcast_shapes(shapes):
-    rank = max(len(s) for s in shapes)
-    out = []
-    for k in range(rank):
-        size = sympy.Integer(1)
-        for s in shapes:
-            j = k - (rank - len(s))
-            if j >= 0 and s[j] != 1:
-                size = s[j]
-        out.append(size)
-    return tuple(out)
 
 
 def lower_index_put(ctx: LowerCtx, node: Node, args: list[Lazy]) -> Lazy:
