@@ -76,7 +76,9 @@ def _manifest(built: Built, opts: Options, report: dict) -> dict[str, Any]:
         **({"cuda": built.cuda} if built.device == "cuda" else {}),
         "options": opts.to_json(),
         "inputs": [{"name": i.name, "dtype": i.type.dtype.name, "shape": _shape_json(i.type.shape),
-                    "contiguous": True} for i in g.user_inputs],
+                    "contiguous": True,
+                    **({"python_int": True, "symbol": i.symbol} if i.symbol else {})}
+                   for i in g.user_inputs],
         "outputs": [{"name": o, "dtype": types[o].dtype.name, "shape": _shape_json(types[o].shape),
                      **({"python_int": True} if k in g.meta.get("int_outputs", ()) else {})}
                     for k, o in enumerate(g.outputs)],

@@ -214,3 +214,22 @@ def test_autotune_measures_once_and_caches(tmp_path):
             for k, v in again.manifest["cuda"]["kernels"].items()} == chosen
     runner = kiln.load(again.save(tmp_path / "t.kiln"), device="cuda:0")
     _check(spec, runner, spec.make_inputs(4))
+
+
+@pytest.mark.parametrize("graphs", [True, False])
+def test_dynamic_int_inputs_on_cuda(tmp_path, graphs):
+    """Int inputs marked dynamic: host values binding sizes of a CUDA program (with and without
+    CUDA graphs, whose key then includes the value)."""
+    sys.path.insert(0, str(__import__("pathlib").Path(__file__).parent))
+    from test_io import IntInput, _int_input_export
+
+    cm = kiln.compile(_int_input_export(), device="cuda",
+                      options=Options(cuda_graphs=graphs))
+    runner = cm.load(tmp_path / "i.kiln", device="cuda")
+    for rows, n, scale in ((6, 3, 2), (8, 8, 4), (12, 5, 3), (6, 3, 2)):
+        x = torch.randn(rows, 4)
+        got, want = runner(x.cuda(), n, scale), IntInput()(x, n, scale)
+        for g, w in zip(pytree.tree_leaves(got), pytree.tree_leaves(want)):
+            torch.testing.assert_close(g.cpu() if isinstance(g, torch.Tensor) else g, w)
+    with pytest.raises(InputError, match=r"input sizes: aten.reshape"):
+        runner(torch.randn(4, 4, device="cuda"), 2, 0)

@@ -268,3 +268,16 @@ def test_autotune_candidates_are_neighbours_of_the_heuristic():
     wide = candidates(Config(2, 1024, 8), width=4096)  # a norm over rows of 4096
     assert wide[-1] == Config(1, 4096, 16) and len(wide) == 7
     assert Config(1, 16384, 16) not in candidates(Config(2, 1024, 8), width=16384)
+
+
+def test_int_inputs_are_host_values_in_cuda_packages():
+    """A dynamic int input travels as a 0-d int64 host tensor: the CUDA wrapper checks it as a
+    CPU tensor, reads its value on the host and never copies it to the device."""
+    from tests.test_io import _int_input_export
+
+    cm = kiln.compile(_int_input_export(), device="cuda", options=OPTS)
+    src = cm.sources["model_cuda.cpp"]
+    assert "= *kr::data_of<int64_t>(inputs[1]);" in src
+    assert "buf_n = in[1]" not in src and "in_ptr[1] =" not in src
+    assert "input sizes: aten.reshape" in src
+    assert cm.library.exists()

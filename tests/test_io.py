@@ -158,3 +158,68 @@ def test_symbolic_int_outputs(tmp_path):
         torch.testing.assert_close(y, x * 2)
         assert k == rows * 3 + 1 and isinstance(k, int)
         assert d == {"rows": rows}
+
+
+class IntInput(torch.nn.Module):
+    """An int input marked dynamic: used as a value, as a size (arange, slice, view) and in
+    float arithmetic, next to a dynamic tensor dim."""
+
+    def forward(self, x, n: int, scale: int):
+        rows = x[:n]
+        return (rows * scale + torch.arange(n).unsqueeze(1) * 0.5,
+                x.reshape(scale, -1).sum(0) / n,
+                {"n_plus": n + x.shape[0]})
+
+
+def _int_input_export():
+    b = Dim("b", min=2, max=32)
+    ep = torch.export.export(IntInput(), (torch.randn(6, 4), 3, 2),
+                             dynamic_shapes=({0: b}, Dim.DYNAMIC, Dim.DYNAMIC))
+    return ep
+
+
+def test_dynamic_int_inputs(tmp_path):
+    cm = kiln.compile(_int_input_export())
+    ins = cm.manifest["inputs"]
+    assert [i.get("python_int", False) for i in ins] == [False, True, True]
+    runner = cm.load(tmp_path / "i.kiln")
+    for rows, n, scale in ((6, 3, 2), (8, 8, 4), (12, 5, 3), (2, 2, 2)):
+        x = torch.randn(rows, 4)
+        got, want = runner(x, n, scale), IntInput()(x, n, scale)
+        assert pytree.tree_structure(got) == pytree.tree_structure(want)
+        for g, w in zip(pytree.tree_leaves(got), pytree.tree_leaves(want)):
+            torch.testing.assert_close(g, w)
+    X4 = torch.randn(4, 4)
+    # a 0-d int tensor is taken as its value; anything else names the input
+    torch.testing.assert_close(runner(X4, torch.tensor(2), 2)[0], IntInput()(X4, 2, 2)[0])
+    for bad, msg in ((2.0, "expected an int, got float"), (True, "expected an int, got bool"),
+                     ("2", "expected an int, got str"),
+                     (2**70, "1180591620717411303424 does not fit in int64")):
+        with pytest.raises(kiln.errors.InputError, match=rf"input 1 \(n\): {msg}"):
+            runner(X4, bad, 2)
+    hi = cm.manifest["symbols"][ins[1]["symbol"]]["max"]
+    with pytest.raises(kiln.errors.InputError, match=r"input 1 \(n\): the value is"):
+        runner(X4, hi + 1 if hi < 2**62 else -5, 2)
+    with pytest.raises(kiln.errors.InputError, match=r"input 2 \(scale\)"):
+        runner(X4, 2, 5)  # 4 rows * 4 columns cannot be viewed as 5 rows
+    with pytest.raises(kiln.errors.InputError,
+                       match=r"input sizes: aten.reshape.* needs s\d+ != 0"):
+        runner(X4, 2, 0)  # a size divisor of 0: a clear error, not a division by zero
+
+
+def test_dynamic_int_inputs_python_printer(tmp_path):
+    from kiln.backend import _load_python_wrapper
+
+    cm = kiln.compile(_int_input_export())
+    src = cm.sources["model.py"]
+    assert "_int_input(inputs[1], 1, 'n')" in src and "int(inputs[1])" in src
+    model = _load_python_wrapper(src, tmp_path).Model(cm.library, dict(cm.built.weights))
+    x = torch.randn(10, 4)
+    got, want = model(x, 4, 5), IntInput()(x, 4, 5)
+    for g, w in zip(got, pytree.tree_leaves(want)):
+        torch.testing.assert_close(g.reshape(w.shape) if isinstance(w, torch.Tensor) else
+                                   int(g), w)
+    with pytest.raises(ValueError, match=r"input 1 \(n\): expected an int, got float"):
+        model(x, 4.0, 5)
+    with pytest.raises(ValueError, match="input sizes: aten.reshape"):
+        model(x, 4, 3)

@@ -93,8 +93,12 @@ def run_program(prog: P.Program, kernels: dict, module, weights: dict, inputs: l
                                      for w, t in weights.items()}
     status = torch.zeros(1, dtype=torch.int32, device=device)
     for x in prog.lines:
+        if isinstance(x, P.CheckInput) and x.host:  # an int input: only its value is used
+            continue
         if isinstance(x, P.CheckInput):
             bufs[x.name] = inputs[x.index].contiguous().reshape(-1)
+        elif isinstance(x, P.BindSize) and x.dim is None:
+            env[x.symbol] = int(inputs[x.input])
         elif isinstance(x, P.BindSize):
             env[x.symbol] = int(inputs[x.input].shape[x.dim])
         elif isinstance(x, P.AllocOutput):

@@ -108,6 +108,9 @@ class SizeCheckPrinter:
 
 
     def _BindSize(self, x: P.BindSize) -> None:
+        if x.dim is None:  # an int input: a 0-d int64 host tensor (checked by CheckInput)
+            self.emit(f"const int64_t {x.symbol} = *kr::data_of<int64_t>(inputs[{x.input}]);")
+            return
         self.emit(f"const int64_t {x.symbol} = inputs[{x.input}]->shape[{x.dim}];")
 
     def _CheckSize(self, x: P.CheckSize) -> None:
@@ -115,9 +118,17 @@ class SizeCheckPrinter:
         self.emit(f"if ({got} != {to_c(x.expr)}) return e.fail(\"input {x.input} ({x.name}): "
                   f"expected size {x.expr} for dim {x.dim}, got %lld\", (long long){got});")
 
+    def _CheckRelation(self, x: P.CheckRelation) -> None:
+        op, fails = ("==", "!=") if x.equal else ("!=", "==")
+        lhs, rhs = to_c(x.lhs), to_c(x.rhs)
+        self.emit(f"if ({lhs} {fails} {rhs}) return e.fail(\"input sizes: {x.what} needs "
+                  f"{x.lhs} {op} {x.rhs}, got %lld {fails} %lld ({x.symbols})\", "
+                  f"(long long)({lhs}), (long long)({rhs}));")
+
     def _CheckRange(self, x: P.CheckRange) -> None:
+        what = "the value" if x.dim is None else f"dim {x.dim}"
         self.emit(f"if ({x.symbol} < {x.lo} || {x.symbol} > {x.hi}) return e.fail(\"input "
-                  f"{x.input} ({x.name}): dim {x.dim} is %lld, expected a value in "
+                  f"{x.input} ({x.name}): {what} is %lld, expected a value in "
                   f"[{x.lo}, {x.hi}] (symbol {x.symbol})\", (long long){x.symbol});")
 
 
@@ -470,8 +481,7 @@ def print_wrapper(prog: P.Program, kernel_decls: list[str],
             head.append(f"  const {w.dtype.c_type}* buf_{w.name} = static_cast<const "
                         f"{w.dtype.c_type}*>(self->w[{k}]);  // {w.fqn}")
     body_start = len(pr.out)
-    checks = [x for x in prog.lines if isinstance(x, (P.CheckInput, P.BindSize, P.CheckSize,
-                                                      P.CheckRange))]
+    checks = [x for x in prog.lines if isinstance(x, P.CHECKS)]
     rest = [x for x in prog.lines if x not in checks]
     for x in checks:
         pr.line(x)

@@ -80,6 +80,11 @@ class _Printer(SizeCheckPrinter):
 
     def _CheckInput(self, x: P.CheckInput) -> None:
         n, i = _cstr(x.name), x.index
+        if x.host:  # an int input: a 0-d int64 host tensor, read by BindSize only
+            self.emit(f"if (kr::check_tensor(e, inputs[{i}], {i}, {n}, {x.dtype.dl_code}, "
+                      f"{x.dtype.itemsize * 8}, 0) || kr::check_data(e, inputs[{i}], {i}, {n}, "
+                      f"{x.dtype.itemsize})) return 1;")
+            return
         self.emit(f"if (kc::check_tensor(e, inputs[{i}], {i}, {n}, {x.dtype.dl_code}, "
                   f"{x.dtype.itemsize * 8}, {x.rank}, self->device_id) ||")
         self.emit(f"    kr::check_contiguous(e, inputs[{i}], {i}, {n}) || "
@@ -191,8 +196,7 @@ def print_cuda_wrapper(prog: P.Program, kernels: dict, cubins: dict, archs: tupl
     # a branch or loop reads its predicate on the host (a stream sync): not capturable
     graphs = graphs and not any(isinstance(x, (P.If, P.While)) for x in P.walk(prog.lines))
     pr = _Printer(prog, kernels)
-    checks = [x for x in prog.lines if isinstance(x, (P.CheckInput, P.BindSize, P.CheckSize,
-                                                      P.CheckRange))]
+    checks = [x for x in prog.lines if isinstance(x, P.CHECKS)]
     n_in = len(prog.inputs)
     outs = [x for x in prog.lines if isinstance(x, P.AllocOutput)]
     pr.emit(f"CUdeviceptr in_ptr[{max(n_in, 1)}] = {{}};")
@@ -215,7 +219,7 @@ def print_cuda_wrapper(prog: P.Program, kernels: dict, cubins: dict, archs: tupl
         pr.emit("if (kc::check(e, kc::driver().cuMemsetD32Async(self->status, 0, 1, stream), "
                 "\"clearing the index status\")) return 1;")
     for x in prog.lines:
-        if isinstance(x, P.CheckInput):
+        if isinstance(x, P.CheckInput) and not x.host:
             pr.emit(f"CUdeviceptr buf_{x.name} = in[{x.index}];  // input {x.index}")
     ret = None
     for x in prog.lines:

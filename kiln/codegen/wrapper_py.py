@@ -129,19 +129,29 @@ def print_python_wrapper(prog: P.Program, steps, buffers) -> str:
     for depth, x in _nested(prog.lines):
         start = len(body)
         _control(body, x)
-        if isinstance(x, P.CheckInput):
+        if isinstance(x, P.CheckInput) and x.host:
+            body += [f"{x.name} = _int_input(inputs[{x.index}], {x.index}, {x.name!r})",
+                     f"buf_{x.name} = {x.name}"]
+        elif isinstance(x, P.CheckInput):
             body += [f"{x.name} = inputs[{x.index}]",
                      f"_check({x.name}, {x.index}, {x.name!r}, {TORCH_DTYPE[x.dtype.name]}, "
                      f"{x.rank})",
                      f"buf_{x.name} = {x.name}"]
+        elif isinstance(x, P.BindSize) and x.dim is None:
+            body.append(f"{x.symbol} = int(inputs[{x.input}])")
         elif isinstance(x, P.BindSize):
             body.append(f"{x.symbol} = inputs[{x.input}].shape[{x.dim}]")
         elif isinstance(x, P.CheckSize):
             body.append(f"_expect(inputs[{x.input}].shape[{x.dim}] == {to_py(x.expr)}, "
                         f"'input {x.input} ({x.name}): dim {x.dim} must be {x.expr}')")
+        elif isinstance(x, P.CheckRelation):
+            op = "==" if x.equal else "!="
+            body.append(f"_expect({to_py(x.lhs)} {op} {to_py(x.rhs)}, 'input sizes: {x.what} "
+                        f"needs {x.lhs} {op} {x.rhs} ({x.symbols})')")
         elif isinstance(x, P.CheckRange):
+            what = "the value" if x.dim is None else f"dim {x.dim}"
             body.append(f"_expect({x.lo} <= {x.symbol} <= {x.hi}, 'input {x.input} ({x.name}):"
-                        f" dim {x.dim} must be in [{x.lo}, {x.hi}]')")
+                        f" {what} must be in [{x.lo}, {x.hi}]')")
         elif isinstance(x, P.AllocOutput):
             shape = ", ".join(to_py(d) for d in (x.capacity or x.shape))
             body.append(f"buf_{x.buf} = torch.empty(({shape}{',' if shape else ''}), "
@@ -217,6 +227,17 @@ def _check(t, index, name, dtype, rank):
     _expect(t.dtype == dtype, f"input {{index}} ({{name}}): expected {{dtype}}, got {{t.dtype}}")
     _expect(t.dim() == rank, f"input {{index}} ({{name}}): expected rank {{rank}}, got {{t.dim()}}")
     _expect(t.is_contiguous(), f"input {{index}} ({{name}}): expected a contiguous tensor")
+
+
+def _int_input(v, index, name):
+    """An int input (a Python int, or a 0-d int64 tensor) as a 0-d int64 tensor."""
+    if isinstance(v, torch.Tensor):
+        _expect(v.dtype == torch.int64 and v.dim() == 0, f"input {{index}} ({{name}}): "
+                f"expected an int, got a {{v.dtype}} tensor of rank {{v.dim()}}")
+        return v
+    _expect(isinstance(v, int) and not isinstance(v, bool),
+            f"input {{index}} ({{name}}): expected an int, got {{type(v).__name__}}")
+    return torch.tensor(v, dtype=torch.int64)
 
 
 def _lib(routine, attrs, outs, *operands):

@@ -165,6 +165,7 @@ def _arange(b, n):
           "aten.squeeze.dims", "aten.squeeze.dim", "aten.squeeze.default",
           "aten.unsqueeze.default", "aten.flatten.using_ints", "aten.view_copy.default")
 def _view(b, n):
+    b.check_same_numel(n, b.shape(n.args[0]), b.shape(n))
     return b.emit("view", [b.tensor(n.args[0])], n)
 
 

@@ -26,7 +26,7 @@ from kiln.frontend.aten_table import TABLE
 from kiln.frontend.fold import fold_constants
 from kiln.frontend.control import CONTROL
 from kiln.frontend.symbols import SymbolTable
-from kiln.ir import dtypes
+from kiln.ir import dtypes, sym
 from kiln.ir.graph import Graph, Input, Node, SymbolRange, TensorType
 
 _INT_MAX = 2**31 - 1
@@ -65,6 +65,8 @@ class Builder:
         self.aten_fallback = False  # unknown ops call ATen (frontend/fallback.py)
         self.rng: str | None = None  # the random-number state input, once a random op needs it
         self.streams = 0
+        # size relations ops assume and the export did not guard: (lhs, rhs, equal, what)
+        self.relations: list[tuple] = []
 
     # -- looking at FX values ------------------------------------------------------------------
     @staticmethod
@@ -132,12 +134,37 @@ class Builder:
 
     def tensor(self, x) -> str:
         if isinstance(x, torch.fx.Node):
-            if x.name not in self.env:
-                raise UnsupportedError(f"value {x.name} ({x.target}) has no kiln equivalent")
-            return self.env[x.name]
+            if x.name in self.env:
+                return self.env[x.name]
+            if isinstance(x.meta.get("val"), torch.SymInt):  # a size (or int input) as a value
+                return self.size_value(x, torch.int64)
+            raise UnsupportedError(f"value {x.name} ({x.target}) has no kiln equivalent")
         if isinstance(x, (bool, int, float)):
             return self.scalar(x, torch.tensor(x).dtype)
         raise UnsupportedError(f"operand {x!r} of type {type(x).__name__} is not a tensor")
+
+    def size_value(self, x: torch.fx.Node, dt: torch.dtype) -> str:
+        """A 0-d value holding the size expression of `x` (a SymInt: a dim, an int input or
+        arithmetic on them), computed from the run's bound size symbols."""
+        name = self.fresh(f"{x.name}_value")
+        t = TensorType(to_dtype(dt), ())
+        value = self.syms.convert(x.meta["val"])
+        self.nodes.append(Node(name, "full", (), t, (("value", value),), x.name))
+        self.types[name] = t
+        return name
+
+    def check_same_numel(self, n: torch.fx.Node, src, dst) -> None:
+        """A reshape from `src` to `dst` sizes: at run time the element counts must agree and
+        no size divisor may be 0 (int inputs make both possible, export guards neither)."""
+        a, c = sympy.Mul(*src), sympy.Mul(*dst)
+        if not (a.free_symbols | c.free_symbols):
+            return
+        what = f"{n.target} (node {n.name})"
+        for f in sorted(c.atoms(sym.FloorDiv, sym.ModIdx), key=str):
+            if not f.args[1].is_Integer:
+                self.relations.append((f.args[1], sympy.Integer(0), False, what))
+        if sympy.expand(a - c) != 0:
+            self.relations.append((a, c, True, what))
 
     def cast_to(self, name: str, dt: torch.dtype, like) -> str:
         if self.types[name].dtype == to_dtype(dt):
@@ -157,7 +184,10 @@ class Builder:
         compute = torch.result_type(va, vb) if out_dt == torch.bool else out_dt
         names = []
         for x in (a, b):
-            if isinstance(x, torch.fx.Node):
+            if isinstance(x, torch.fx.Node) and x.name not in self.env and isinstance(
+                    x.meta.get("val"), torch.SymInt):
+                names.append(self.size_value(x, compute))
+            elif isinstance(x, torch.fx.Node):
                 names.append(self.cast_to(self.tensor(x), compute, n))
             else:
                 names.append(self.scalar(x, compute))
@@ -204,6 +234,8 @@ def _weights_and_inputs(ep: ExportedProgram, syms: SymbolTable, b: Builder):
             for d in v.shape:
                 if isinstance(d, torch.SymInt) and d.node.expr.is_Symbol:
                     syms.add(d.node.expr)
+        elif kinds[n.name].kind == InputKind.USER_INPUT and _int_input(v):
+            syms.add(v.node.expr)
     for position, n in enumerate(n for n in placeholders
                                  if kinds[n.name].kind == InputKind.USER_INPUT):
         v = n.meta.get("val")
@@ -213,6 +245,12 @@ def _weights_and_inputs(ep: ExportedProgram, syms: SymbolTable, b: Builder):
         spec = kinds[n.name]
         v = n.meta.get("val")
         if any(c["name"] == n.name for c in b.constant_inputs):
+            continue
+        if spec.kind == InputKind.USER_INPUT and _int_input(v):
+            # uses of the int read its symbol (Builder.tensor); the value binds it at run time
+            t = TensorType(dtypes.int64, ())
+            inputs.append(Input(n.name, t, "user", symbol=syms.convert(v).name))
+            b.types[n.name] = t
             continue
         if not isinstance(v, torch.Tensor):
             raise UnsupportedError(f"input {n.name} is a {type(v).__name__} used as a symbolic "
@@ -245,6 +283,11 @@ def _weights_and_inputs(ep: ExportedProgram, syms: SymbolTable, b: Builder):
     return tuple(user + [i for i in inputs if i.kind == "weight"]), weights
 
 
+def _int_input(v) -> bool:
+    """An int input marked dynamic at export: a SymInt placeholder that is a plain symbol."""
+    return isinstance(v, torch.SymInt) and v.node.expr.is_Symbol
+
+
 def _bound(v, default: int) -> int:
     """An export range bound as an int; unbounded (torch's int_oo, which claims to be finite)
     gives `default`."""
@@ -262,6 +305,8 @@ def _symbol_ranges(ep: ExportedProgram, syms: SymbolTable) -> tuple[SymbolRange,
             for d in n.meta["val"].shape:
                 if isinstance(d, torch.SymInt) and d.node.expr.is_Symbol:
                     hints[d.node.expr] = d.node.hint
+        elif n.op == "placeholder" and _int_input(n.meta.get("val")):
+            hints[n.meta["val"].node.expr] = n.meta["val"].node.hint
     out = []
     for theirs, ours in syms.rename.items():
         if ours.name in syms.unbacked:  # data-dependent: bound by the call that makes it
@@ -466,6 +511,7 @@ def _import(ep: ExportedProgram, fold: bool, aten_fallback: bool = False, seed: 
                   in_spec=pytree.treespec_dumps(ep.call_spec.in_spec),
                   out_spec=_dump_spec(ep.call_spec.out_spec),
                   meta={"constant_inputs": tuple(b.constant_inputs),
+                        "relations": tuple(b.relations),
                         "int_outputs": tuple(int_outputs),
                         "mutations": tuple(mutations)})
     return Imported(graph, weights)

@@ -48,6 +48,9 @@ class Input:
     type: TensorType
     kind: str  # "user", "weight", or "state" (a buffer the program updates: see meta mutations)
     fqn: str = ""  # weight: the module attribute path (e.g. "fc1.weight")
+    # a user input that is a Python int marked dynamic: its value binds this size symbol; it
+    # travels as a 0-d int64 host tensor and only the wrapper reads it
+    symbol: str = ""
 
 
 @dataclass(frozen=True)

@@ -3,9 +3,12 @@ artifact) and as Python (debugging) by `codegen/wrapper_*.py`.
 
 Lines, in the order a run executes them:
   CheckInput   validate one user input (dtype, device, rank, data pointer, contiguity)
-  BindSize     read a size symbol from an input's dim
+  BindSize     read a size symbol from an input's dim, or (dim None) from the value of an
+               int input (a 0-d int64 host tensor: a Python int marked dynamic at export)
   CheckSize    a dim that must equal an expression of bound symbols (static sizes, relations)
   CheckRange   a symbol must lie in its `Dim` range
+  CheckRelation  a relation between sizes an op assumes and the export did not guard (a
+               reshape keeps the element count; a size divisor is not 0)
   AllocOutput  a fresh output tensor (owned by the caller afterwards)
   Alloc / Free an intermediate buffer in the arena; `offset` is set by the memory planner
                (None while unplanned, or when planned at run time for dynamic sizes). An
@@ -52,13 +55,14 @@ class CheckInput:
     name: str
     dtype: DType
     rank: int
+    host: bool = False  # an int input: a 0-d int64 tensor in host memory on every device
 
 
 @dataclass(frozen=True)
 class BindSize:
     symbol: str
     input: int
-    dim: int
+    dim: int | None  # None: the input's value (an int input)
 
 
 @dataclass(frozen=True)
@@ -74,9 +78,18 @@ class CheckRange:
     symbol: str
     input: int
     name: str
-    dim: int
+    dim: int | None  # None: the input's value (an int input)
     lo: int
     hi: int
+
+
+@dataclass(frozen=True)
+class CheckRelation:
+    lhs: sympy.Expr
+    rhs: sympy.Expr
+    equal: bool  # lhs == rhs, else lhs != rhs
+    what: str  # the op that needs it, for the message
+    symbols: str  # where its symbols come from, e.g. "s0 = input 0 (x) dim 0"
 
 
 @dataclass(frozen=True)
@@ -192,9 +205,9 @@ class Return:
     buffers: tuple[str, ...]
 
 
-Line = Union[CheckInput, BindSize, CheckSize, CheckRange, AllocOutput, Alloc, Free, CallKernel,
-             CallGemm, CallAten, ReadSizeLine, CallLib, CopyState, Return, SetFlag, If, While,
-             BreakUnless, CopyBuf]
+Line = Union[CheckInput, BindSize, CheckSize, CheckRange, CheckRelation, AllocOutput, Alloc, Free,
+             CallKernel, CallGemm, CallAten, ReadSizeLine, CallLib, CopyState, Return, SetFlag, If,
+             While, BreakUnless, CopyBuf]
 
 
 def walk(lines):
@@ -249,6 +262,7 @@ class Program:
         return [x for x in self.lines if isinstance(x, STEPS)]
 
 
+CHECKS = (CheckInput, BindSize, CheckSize, CheckRange, CheckRelation)  # lines before any step
 STEPS = (CallKernel, CallGemm, CallAten, ReadSizeLine, CallLib)  # lines that run a step
 STEP_LINES = STEPS
 
@@ -257,11 +271,14 @@ def _fmt(line: Line) -> str:
     if isinstance(line, CheckInput):
         return f"check_input {line.index} ({line.name}): {line.dtype.name} rank {line.rank}"
     if isinstance(line, BindSize):
-        return f"{line.symbol} = input {line.input}.shape[{line.dim}]"
+        where = "value" if line.dim is None else f"shape[{line.dim}]"
+        return f"{line.symbol} = input {line.input}.{where}"
     if isinstance(line, CheckSize):
         return f"check input {line.input} ({line.name}).shape[{line.dim}] == {line.expr}"
     if isinstance(line, CheckRange):
         return f"check {line.symbol} in [{line.lo}, {line.hi}]"
+    if isinstance(line, CheckRelation):
+        return f"check {line.lhs} {'==' if line.equal else '!='} {line.rhs} ({line.what})"
     if isinstance(line, AllocOutput):
         return f"%{line.buf} = output {line.index}: {line.dtype.name}{list(line.shape)}"
     if isinstance(line, Alloc):
@@ -395,8 +412,9 @@ def _verify_lines(p: Program, lines, planned: bool, bound: set[str], live: set[s
         elif isinstance(line, (CallAten, ReadSizeLine)):
             node = line.call if isinstance(line, CallAten) else line.node
             bound |= {name for _, name, _ in node.binds}
-        elif isinstance(line, (CheckSize, AllocOutput, Alloc, SetFlag, CopyBuf)):
-            exprs = [line.expr] if isinstance(line, CheckSize) else (
+        elif isinstance(line, (CheckSize, CheckRelation, AllocOutput, Alloc, SetFlag, CopyBuf)):
+            exprs = [line.expr] if isinstance(line, CheckSize) else [line.lhs, line.rhs] if \
+                isinstance(line, CheckRelation) else (
                 list(line.capacity or line.shape) if isinstance(line, AllocOutput) else
                 [line.numel] if isinstance(line, (Alloc, CopyBuf)) else
                 [line.expr] if line.expr is not None else [])

@@ -89,9 +89,23 @@ def sizes_tried(prog: P.Program, between: int = 3) -> list[dict[str, int]]:
     envs += [example_env(prog), {s.name: s.max for s in prog.symbols}]
     out: list[dict[str, int]] = []
     for env in envs:
-        if env not in out:
+        if env not in out and _admissible(prog, env):
             out.append(env)
     return out
+
+
+def _admissible(prog: P.Program, env: dict[str, int]) -> bool:
+    """Whether a run at `env` passes the program's size relations (a reshape's element
+    count, a non-zero divisor): sizes that fail them never reach the plan."""
+    for x in prog.lines:
+        if isinstance(x, P.CheckRelation):
+            try:
+                lhs, rhs = evaluate(x.lhs, env), evaluate(x.rhs, env)
+            except ZeroDivisionError:
+                return False
+            if (lhs == rhs) != x.equal:
+                return False
+    return True
 
 
 def runtime_plan(prog: P.Program, env: dict[str, int], verify: bool = True) -> dict:

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import ctypes
 import functools
+import operator
 import os
 import pathlib
 import re
@@ -137,6 +138,9 @@ class Runner:
         self._constants = {int(c["index"]): c for c in m.get("constant_inputs", [])}
         self._int_outputs = [k for k, o in enumerate(m.get("outputs", []))
                              if isinstance(o, dict) and o.get("python_int")]
+        # ints marked dynamic at export: passed to the model as 0-d int64 host tensors
+        self._int_inputs = {k for k, i in enumerate(m.get("inputs", []))
+                            if isinstance(i, dict) and i.get("python_int")}
         self._positional = self._in_spec is not None and self._in_spec == pytree.tree_flatten(
             (tuple(range(self._in_spec.num_leaves)), {}))[1]
         if self._in_spec is not None and \
@@ -232,6 +236,24 @@ class Runner:
                                  "vary it)")
         return [x for k, x in enumerate(flat) if k not in self._constants]
 
+    def _int_tensor(self, i: int, v: Any) -> torch.Tensor:
+        """An int input (exported as a dynamic Python int) as the 0-d int64 CPU tensor the
+        model reads its value from; its range is checked by the model."""
+        if isinstance(v, torch.Tensor) and v.dim() == 0 and not v.is_floating_point() \
+                and not v.is_complex() and v.dtype != torch.bool:
+            v = int(v.item())
+        if isinstance(v, bool) or not isinstance(v, int):
+            try:
+                v = operator.index(v) if not isinstance(v, bool) else v
+            except TypeError:
+                pass
+        if isinstance(v, bool) or not isinstance(v, int):
+            raise InputError(f"input {i} ({self._name(i)}): expected an int, got "
+                             f"{type(v).__name__}")
+        if not -2**63 <= v < 2**63:
+            raise InputError(f"input {i} ({self._name(i)}): {v} does not fit in int64")
+        return torch.tensor(v, dtype=torch.int64)
+
     def _dltensor(self, i: int, t: Any, keep: list[Any]) -> dl.DLTensor:
         if not isinstance(t, torch.Tensor):
             raise InputError(f"input {i} ({self._name(i)}): expected a torch.Tensor, got "
@@ -282,6 +304,8 @@ class Runner:
         if len(flat) != self._n_in:
             raise InputError(f"expected {self._n_in} inputs, got {len(flat)}")
         keep: list[Any] = []
+        for k in self._int_inputs:
+            flat[k] = self._int_tensor(k, flat[k])
         structs = [self._dltensor(i, t, keep) for i, t in enumerate(flat)]
         inputs = (ctypes.POINTER(dl.DLTensor) * max(self._n_in, 1))(
             *[ctypes.pointer(s) for s in structs])

@@ -27,8 +27,15 @@ def input_lines(graph: Graph) -> list[P.Line]:
     bound: set[str] = set()
     checks: list[P.Line] = []
     for k, inp in enumerate(graph.user_inputs):
-        lines.append(P.CheckInput(k, inp.name, inp.type.dtype, inp.type.rank))
+        lines.append(P.CheckInput(k, inp.name, inp.type.dtype, inp.type.rank,
+                                  host=bool(inp.symbol)))
     for k, inp in enumerate(graph.user_inputs):
+        if inp.symbol:  # an int input: its value is the symbol
+            bound.add(inp.symbol)
+            lines.append(P.BindSize(inp.symbol, k, None))
+            r = ranges[inp.symbol]
+            checks.append(P.CheckRange(inp.symbol, k, inp.name, None, r.min, r.max))
+            continue
         for d, e in enumerate(inp.type.shape):
             e = sympy.sympify(e)
             if e.is_Symbol and e.name not in bound:
@@ -38,10 +45,23 @@ def input_lines(graph: Graph) -> list[P.Line]:
                 checks.append(P.CheckRange(e.name, k, inp.name, d, r.min, r.max))
             else:
                 checks.append(P.CheckSize(k, inp.name, d, e))
+    where = {}
+    for k, inp in enumerate(graph.user_inputs):
+        if inp.symbol:
+            where.setdefault(inp.symbol, f"input {k} ({inp.name})")
+        for d, e in enumerate(inp.type.shape):
+            if sympy.sympify(e).is_Symbol:
+                where.setdefault(str(e), f"input {k} ({inp.name}) dim {d}")
+    for lhs, rhs, equal, what in graph.meta.get("relations", ()):
+        names = sorted({s.name for s in (lhs - rhs).free_symbols})
+        if set(names) <= bound:
+            checks.append(P.CheckRelation(lhs, rhs, equal, what, ", ".join(
+                f"{s} = {where[s]}" for s in names if s in where)))
     unbound = set(ranges) - bound
     if unbound:
         from kiln.errors import UnsupportedError
-        raise UnsupportedError(f"size symbols {sorted(unbound)} appear in no input dim alone")
+        raise UnsupportedError(f"size symbols {sorted(unbound)} appear in no input dim alone "
+                               "and are no int input")
     return lines + checks
 
 
