@@ -88,7 +88,8 @@ def _manifest(built: Built, opts: Options, report: dict) -> dict[str, Any]:
         "in_spec": g.in_spec,
         "out_spec": g.out_spec,
         "weights": [{"name": w.name, "fqn": w.fqn, "dtype": w.dtype.name, "shape": list(w.shape),
-                     "nbytes": w.nbytes} for w in built.program.weights],
+                     "nbytes": w.nbytes, **({"permuted": list(w.permuted)} if w.permuted else {})}
+                    for w in built.program.weights],
         "kernels": _kernels_json(built),
         "plan": plan,
         "requires": _requires(built),

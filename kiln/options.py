@@ -20,6 +20,11 @@ class Options:
     #: Evaluate subgraphs that depend only on weights at compile time (they ship as weights).
     #: Such packages cannot take new weights through update_weights; turn this off for those.
     fold_constants: bool = True
+    #: Freezing: store each weight that only feeds GEMMs through a transpose in the layout the
+    #: GEMM reads (transposed once at compile time; see passes/freeze.py). Helps the "cpp" and
+    #: Triton GEMMs, which read row-contiguous B operands fastest; BLAS reads either layout.
+    #: update_weights(state_dict) still takes tensors in the model's own layout.
+    freeze: bool = False
     #: Ops kiln does not lower call ATen at run time (through torch's stable C interface); the
     #: package then needs libtorch and its manifest lists the ops. False makes them a compile
     #: error instead, for packages that must run without libtorch.

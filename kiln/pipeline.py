@@ -28,6 +28,7 @@ from kiln.memory.assign import assign_offsets
 from kiln.memory.inplace import program_aliases
 from kiln.options import Options
 from kiln.passes.dce import dce
+from kiln.passes.freeze import freeze
 from kiln.passes.widen_half import widen_half
 from kiln.schedule import Kernel, localize_rows, schedule
 from kiln.schedule.program import build_program, unbacked_bounds
@@ -135,6 +136,11 @@ def build(ep: torch.export.ExportedProgram, opts: Options, device: str = "cpu") 
                                                            opts.aten_fallback, opts.seed), ep)
     # 2. drop dead nodes and unused weights
     graph = run.stage("dce", dce, imported.graph, dump=print_graph, verify=verify_graph)
+    weights = dict(imported.weights)
+    if opts.freeze:  # 2a. weights stored in the layout their GEMMs read (passes/freeze.py)
+        graph, weights = run.stage("freeze", lambda g: freeze(g, weights), graph,
+                                   dump=lambda r: print_graph(r[0]),
+                                   verify=lambda r: verify_graph(r[0]))
     # 2b. CPU: float16 / bfloat16 are storage types: ops compute in float32, round on store
     # (CUDA keeps them: Triton kernels load/store 16 bits and compute in float32, and cuBLAS
     # multiplies 16-bit operands on tensor cores with float32 accumulation)
@@ -155,10 +161,10 @@ def build(ep: torch.export.ExportedProgram, opts: Options, device: str = "cpu") 
             env[name] = evaluate(bound, env)
         steps, *reordered = run.stage("reorder", lambda s: reorder_for_memory(s, loop, env),
                                       steps)
-    weights = {i.name: imported.weights[i.name] for i in graph.weights}
+    weights = {i.name: weights[i.name] for i in graph.weights}
     specs = [WeightSpec(i.name, i.fqn, i.type.dtype, tuple(int(d) for d in i.type.shape),
                         weights[i.name].numel() * weights[i.name].element_size(),
-                        mutable=i.kind == "state")
+                        mutable=i.kind == "state", permuted=i.permuted)
              for i in graph.weights]
     # 5. kernels -> Program IR (input checks, liveness-based Alloc/Free)
     # (no in-place reuse on CUDA: threads of a Triton program do not run in lock step)

@@ -217,3 +217,59 @@ def test_incompatible_manifest_is_refused(tmp_path):
         with pytest.raises(kiln.errors.KilnError, match=msg):
             kiln.load(bad)
     assert zipfile.is_zipfile(path)
+
+
+class TiedHead(torch.nn.Module):
+    """An embedding whose table is also the output projection (read through a transpose by
+    the GEMM *and* gathered): that weight must stay in its own layout."""
+
+    def __init__(self):
+        super().__init__()
+        self.emb = torch.nn.Embedding(50, 16)
+        self.fc = torch.nn.Linear(16, 16)
+
+    def forward(self, ids):
+        h = torch.relu(self.fc(self.emb(ids)))
+        return h @ self.emb.weight.t()
+
+
+@pytest.mark.parametrize("backend", ["blas", "cpp"])
+def test_freeze_stores_gemm_weights_transposed(tmp_path, backend):
+    torch.manual_seed(0)
+    m = Net().eval()
+    batch = torch.export.Dim("batch", min=1, max=64)
+    opts = kiln.Options(freeze=True, gemm_backends=(backend,))
+    c = kiln.compile(m, (torch.randn(3, 16),), dynamic_shapes=({0: batch},), options=opts)
+    frozen = {w["fqn"]: w for w in c.manifest["weights"] if w.get("permuted")}
+    assert sorted(frozen) == ["fc1.weight", "fc2.weight"]
+    assert frozen["fc1.weight"]["shape"] == [16, 32] and frozen["fc1.weight"]["permuted"] == [1, 0]
+    assert len(c.manifest["weights"]) == 5  # each weight stored once: no untransposed copy
+    runner = c.load(tmp_path / "f.kiln")
+    for rows in (1, 7, 64):
+        x = torch.randn(rows, 16)
+        torch.testing.assert_close(runner(x), m(x))
+    # update_weights takes the model's own layout by FQN (the package transposes it) ...
+    m2 = _fresh(m)
+    runner.update_weights(m2.state_dict())
+    x = torch.randn(5, 16)
+    torch.testing.assert_close(runner(x), m2(x))
+    with pytest.raises(kiln.errors.InputError, match="fc1.weight"):
+        runner.update_weights({**m2.state_dict(), "fc1.weight": torch.randn(32, 15)})
+    # ... and a safetensors file holds the stored layout under the manifest's names
+    m3 = _fresh(m)
+    stored = {w["name"]: (m3.state_dict()[w["fqn"]].permute(w["permuted"]) if w.get("permuted")
+                          else m3.state_dict()[w["fqn"]]).contiguous()
+              for w in c.manifest["weights"]}
+    save_file(stored, str(tmp_path / "w.safetensors"))
+    runner.update_weights(tmp_path / "w.safetensors")
+    torch.testing.assert_close(runner(x), m3(x))
+
+
+def test_freeze_keeps_weights_read_in_two_layouts(tmp_path):
+    torch.manual_seed(0)
+    m = TiedHead().eval()
+    ids = torch.randint(0, 50, (2, 5))
+    c = kiln.compile(m, (ids,), options=kiln.Options(freeze=True))
+    frozen = [w["fqn"] for w in c.manifest["weights"] if w.get("permuted")]
+    assert frozen == ["fc.weight"]
+    torch.testing.assert_close(c.load(tmp_path / "t.kiln")(ids), m(ids))

@@ -51,6 +51,8 @@ class Input:
     # a user input that is a Python int marked dynamic: its value binds this size symbol; it
     # travels as a 0-d int64 host tensor and only the wrapper reads it
     symbol: str = ""
+    # a frozen weight (passes/freeze.py): stored as the FQN's tensor permuted by these dims
+    permuted: tuple[int, ...] = ()
 
 
 @dataclass(frozen=True)

@@ -241,6 +241,7 @@ class WeightSpec:
     shape: tuple[int, ...]
     nbytes: int
     mutable: bool = False  # a state buffer: the instance owns a writable copy
+    permuted: tuple[int, ...] = ()  # frozen: the FQN's tensor permuted by these dims
 
 
 @dataclass(frozen=True)

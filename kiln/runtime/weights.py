@@ -33,6 +33,11 @@ def checked_tensors(manifest: Mapping[str, Any], state: Mapping[str, Any]
             continue
         if not isinstance(t, torch.Tensor):
             raise InputError(f"weight {key!r}: expected a tensor, got {type(t).__name__}")
+        if w.get("permuted") and key == w["fqn"] and key != w["name"]:
+            if t.dim() != len(w["permuted"]):  # frozen: stored as the FQN's tensor permuted
+                raise InputError(f"weight {key!r}: expected {len(w['permuted'])} dims, got "
+                                 f"{t.dim()}")
+            t = t.permute(w["permuted"])
         dtype = str(t.dtype).removeprefix("torch.")
         if dtype != w["dtype"]:
             raise InputError(f"weight {key!r}: expected dtype {w['dtype']}, got {dtype}")
