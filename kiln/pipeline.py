@@ -122,7 +122,7 @@ def kernel_sources(steps, buffers, opts: Options, aliases=None) -> tuple[dict[st
 def _no_cuda_libs(steps) -> None:
     from kiln.errors import UnsupportedError
     from kiln.ir.loop import Extern
-    for s in steps:
+    for s in L.flat_steps(steps):  # regions of cond / while_loop included
         if isinstance(s, Extern):
             raise UnsupportedError(f"library routine {s.routine} (for {', '.join(s.source)}) "
                                    "has no CUDA version yet; compile for the CPU")
@@ -178,7 +178,7 @@ def build(ep: torch.export.ExportedProgram, opts: Options, device: str = "cpu") 
     if cuda:  # 7-8 for NVIDIA GPUs: Triton kernels -> cubins, CUDA wrapper (pipeline_cuda.py)
         _no_cuda_libs(steps)
         aten = sorted({f"{s.op}.{s.overload or 'default'}" if isinstance(s, L.AtenCall) else
-                       f"{s.symbol} = .item()" for s in steps
+                       f"{s.symbol} = .item()" for s in L.flat_steps(steps)
                        if isinstance(s, (L.AtenCall, L.ReadSize))})
         if aten:
             raise UnsupportedError(f"the ATen fallback is CPU-only so far; this program needs it "

@@ -365,3 +365,54 @@ def test_results_feed_later_ops_dynamic(check):
     check(M(), (rand((5, 6)),), more=[(rand((3, 6)) * 3,), (rand((7, 6)) - 2,),
                                       (rand((2, 6)) + 2,)],
           dynamic_shapes=[{0: dim("b", 2, 64)}])
+
+
+class LibInBranches(torch.nn.Module):
+    """Library routines (sort, cumsum, scatter_add) and an ATen fallback op (special.i1)
+    inside both branches of a cond."""
+
+    def forward(self, x, idx):
+        def then(x, idx):
+            s, _ = torch.sort(x, dim=-1)
+            return s.cumsum(-1) + torch.special.i1(x)
+
+        def orelse(x, idx):
+            return x.scatter_add(1, idx, torch.ones_like(x)) - 1
+
+        return torch.cond(x.sum() > 0, then, orelse, (x, idx))
+
+
+class SortInLoop(torch.nn.Module):
+    def forward(self, x, n):
+        def body(i, x):
+            return i + 1, torch.sort(x, dim=0, descending=True)[0].cumsum(0) * 0.5
+
+        return while_loop(lambda i, x: i < n.sum(), body, (torch.zeros((), dtype=torch.int64), x))
+
+
+def test_library_and_fallback_calls_inside_regions(check, tmp_path):
+    x, idx = rand((4, 5)), torch.randint(0, 5, (4, 5))
+    c = check(LibInBranches(), (x.abs() + 0.1, idx),
+              more=[(-x.abs() - 0.1, idx), (x.abs() + 1, torch.randint(0, 5, (4, 5)))])
+    assert c.manifest["requires"]["aten_fallback_ops"] == ["aten::special_i1.default"]
+    src = c.sources["model.cpp"]
+    assert "kl::sort" in src and "kl::put" in src and '#include "kiln_lib.h"' in src
+    check(SortInLoop(), (x, torch.tensor([3])),
+          more=[(rand((4, 5)), torch.tensor([0])), (rand((4, 5)), torch.tensor([5]))])
+    # the Python printer runs the same nested calls
+    m = SortInLoop()
+    cm = kiln.compile(m, (x, torch.tensor([3])))
+    model = kiln.backend._load_python_wrapper(cm.sources["model.py"], tmp_path).Model(
+        cm.library, dict(cm.built.weights))
+    compare(list(model(x, torch.tensor([2]))), list(m(x, torch.tensor([2]))),
+            what="python printer, sort in a loop")
+
+
+def test_data_dependent_sizes_inside_regions_are_refused():
+    class M(torch.nn.Module):
+        def forward(self, x):
+            return torch.cond(x.sum() > 0, lambda x: x.nonzero().sum(0).float(),
+                              lambda x: x.sum(0).float() * 0, (x,))
+
+    with pytest.raises(KilnError, match="data-dependent sizes inside torch.cond"):
+        kiln.compile(M(), (rand((4, 2)),))

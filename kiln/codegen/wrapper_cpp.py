@@ -168,7 +168,7 @@ class _Printer(SizeCheckPrinter):
         # buffer -> (dtype, element count as run) for the finite-value checks
         self.sizes = {x.buf: (x.dtype, sympy.Mul(*x.shape)) for x in prog.lines
                       if isinstance(x, P.AllocOutput)}
-        self.sizes.update({x.buf: (x.dtype, x.numel) for x in prog.lines
+        self.sizes.update({x.buf: (x.dtype, x.numel) for x in P.walk(prog.lines)
                            if isinstance(x, P.Alloc)})
         self.dynamic_bufs = [iv.name for iv in intervals(prog, {s.name: s.example
                                                                 for s in prog.symbols})]
@@ -348,7 +348,7 @@ class _Printer(SizeCheckPrinter):
 
 def aten_fallback_ops(prog: P.Program) -> list[str]:
     """The ATen ops the program calls through the fallback, e.g. `aten::linalg_inv_ex`."""
-    ops = {f"{x.call.op}.{x.call.overload or 'default'}" for x in prog.lines
+    ops = {f"{x.call.op}.{x.call.overload or 'default'}" for x in P.walk(prog.lines)
            if isinstance(x, P.CallAten)}
     return sorted(ops)
 def condition(e, fmt, ops: tuple[str, str, str]) -> str:
@@ -423,7 +423,7 @@ def print_wrapper(prog: P.Program, kernel_decls: list[str],
         '#include "kiln_model_rt.h"',
         '#include "kiln_plan.h"',
         *(['#include "kiln_aten.h"  // ATen fallback: ' + ", ".join(aten_ops)] if aten_ops else []),
-        *(['#include "kiln_lib.h"'] if any(isinstance(x, P.CallLib) for x in prog.lines)
+        *(['#include "kiln_lib.h"'] if any(isinstance(x, P.CallLib) for x in P.walk(prog.lines))
           else []),
         "",
         *kernel_decls,

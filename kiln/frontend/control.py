@@ -31,7 +31,9 @@ def _region(b, gm: torch.fx.GraphModule, what: str) -> tuple[Graph, list[int]]:
     from kiln.frontend.export import Builder, convert_node, to_dtype
 
     sub = Builder(b.syms)
-    sub.ranges = b.ranges  # (the ATen fallback stays off inside regions: see docs)
+    sub.ranges = b.ranges
+    sub.aten_fallback = b.aten_fallback
+    sub.relations = b.relations  # size relations a region's reshapes need: checked up front
     inputs: list[Input] = []
     kept: list[int] = []
     for k, ph in enumerate(n for n in gm.graph.nodes if n.op == "placeholder"):

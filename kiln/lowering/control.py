@@ -54,11 +54,15 @@ def _rename_node(n, f):
     if isinstance(n, L.Gemm):
         return replace(n, name=f(n.name), a=replace(n.a, buf=f(n.a.buf)),
                        b=replace(n.b, buf=f(n.b.buf)))
-    if isinstance(n, (L.AtenCall, L.ReadSize, L.Extern)):
-        from kiln.errors import UnsupportedError
-        raise UnsupportedError(f"{n.name}: library calls, ATen fallback calls and "
-                               "data-dependent sizes inside torch.cond / while_loop bodies are "
-                               "not supported yet")
+    if isinstance(n, L.Extern):
+        return replace(n, outs=tuple(map(f, n.outs)),
+                       args=tuple(replace(a, buf=f(a.buf)) for a in n.args))
+    if isinstance(n, L.AtenCall) and not n.binds:
+        return replace(n, name=f(n.name), args=tuple(_rename_aten_arg(a, f) for a in n.args))
+    if isinstance(n, (L.AtenCall, L.ReadSize)):
+        raise UnsupportedError(f"{n.name}: data-dependent sizes inside torch.cond / while_loop "
+                               "bodies are not supported (the size would change per branch or "
+                               "iteration): compute it before the region")
     regions = {k: L.Region(rename(getattr(n, k).prog, f)) for k in (
         ("then", "orelse") if isinstance(n, L.Branch) else ("cond", "body"))}
     if isinstance(n, L.Branch):
@@ -68,6 +72,16 @@ def _rename_node(n, f):
     return replace(n, name=f(n.name), inits=tuple(map(f, n.inits)), extra=tuple(map(f, n.extra)),
                    carries=tuple(map(f, n.carries)), pred=f(n.pred), nexts=tuple(map(f, n.nexts)),
                    locals=tuple(replace(b, name=f(b.name)) for b in n.locals), **regions)
+
+
+def _rename_aten_arg(arg, f):
+    if arg[0] == "tensor":
+        return (arg[0], f(arg[1]), *arg[2:])
+    if arg[0] == "tensors":
+        return (arg[0], tuple(_rename_aten_arg(a, f) for a in arg[1]))
+    if arg[0] == "opt":
+        return (arg[0], _rename_aten_arg(arg[1], f))
+    return arg
 
 
 def rename(prog: L.LoopProgram, f) -> L.LoopProgram:
