@@ -104,7 +104,9 @@ def _requires(built: Built) -> dict[str, Any]:
     libs = _CUDA_LIBS if built.device == "cuda" else [
         "libscipy_openblas.so (scipy-openblas32)", "libgomp.so (OpenMP)"]
     if aten_ops:
-        libs = [*libs, "libtorch_cpu.so (torch >= 2.10), for the ATen fallback"]
+        torch_libs = "libtorch_cpu.so and libtorch_cuda.so" if built.device == "cuda" else \
+            "libtorch_cpu.so"
+        libs = [*libs, f"{torch_libs} (torch >= 2.10), for the ATen fallback"]
     return {"libtorch": bool(aten_ops), "aten_fallback_ops": aten_ops, "shared_libraries": libs}
 
 

@@ -133,7 +133,8 @@ def build(ep: torch.export.ExportedProgram, opts: Options, device: str = "cpu") 
     cuda = device.split(":")[0] == "cuda"
     # 1. torch.export -> Graph IR (core ATen decompositions, weights, pytree specs, Dim ranges)
     imported = run.stage("import", lambda e: import_program(e, opts.fold_constants,
-                                                           opts.aten_fallback, opts.seed), ep)
+                                                           opts.aten_fallback, opts.seed, cuda),
+                         ep)
     # 2. drop dead nodes and unused weights
     graph = run.stage("dce", dce, imported.graph, dump=print_graph, verify=verify_graph)
     weights = dict(imported.weights)
@@ -177,12 +178,13 @@ def build(ep: torch.export.ExportedProgram, opts: Options, device: str = "cpu") 
     buffers = L.all_buffers(loop)  # control-flow regions' buffers included
     if cuda:  # 7-8 for NVIDIA GPUs: Triton kernels -> cubins, CUDA wrapper (pipeline_cuda.py)
         _no_cuda_libs(steps)
-        aten = sorted({f"{s.op}.{s.overload or 'default'}" if isinstance(s, L.AtenCall) else
-                       f"{s.symbol} = .item()" for s in L.flat_steps(steps)
-                       if isinstance(s, (L.AtenCall, L.ReadSize))})
-        if aten:
-            raise UnsupportedError(f"the ATen fallback is CPU-only so far; this program needs it "
-                                   f"for {', '.join(aten)} on CUDA")
+        dependent = sorted({f"{s.op}.{s.overload or 'default'}" if isinstance(s, L.AtenCall)
+                            else f"{s.symbol} = .item()" for s in L.flat_steps(steps)
+                            if isinstance(s, L.ReadSize) or (isinstance(s, L.AtenCall)
+                                                             and s.binds)})
+        if dependent:
+            raise UnsupportedError(f"data-dependent sizes are CPU-only so far; this program "
+                                   f"makes them with {', '.join(dependent)} on CUDA")
         from kiln.pipeline_cuda import build_cuda
         hints = {s.name: s.example for s in graph.symbols}
         gemms = run.stage("autotune", lambda s: choose_gemms(s, graph.symbols, opts, "cuda"),

@@ -18,7 +18,7 @@ from pathlib import Path
 
 from kiln import config
 from kiln.codegen.triton_kernel import choose_config, print_triton_kernel, print_triton_module
-from kiln.codegen.wrapper_cuda import cubin_blob, print_cuda_wrapper
+from kiln.codegen.wrapper_cuda import capturable, cubin_blob, print_cuda_wrapper
 from kiln.errors import CompileError
 from kiln.ir import loop as L
 from kiln.options import Options
@@ -114,7 +114,7 @@ def build_cuda(run, steps, buffers, program, hints: dict[str, int], opts: Option
                         {"model_cuda.cpp": wrapper})
     run.timings.update({f"compile.{k}": v for k, v in ct.items()})
     info = {"archs": list(archs), "cubin_bytes": len(blob), "autotuned": tuned,
-            "graphs": opts.cuda_graphs, "kernels": {
+            "graphs": opts.cuda_graphs and capturable(program), "kernels": {
         k.name: {"xblock": k.config.xblock, "rblock": k.config.rblock,
                  "num_warps": k.config.num_warps,
                  "shared": {str(a): cubins[(k.name, a)].shared for a in archs}} for k in tks}}

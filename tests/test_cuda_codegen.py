@@ -281,3 +281,30 @@ def test_int_inputs_are_host_values_in_cuda_packages():
     assert "buf_n = in[1]" not in src and "in_ptr[1] =" not in src
     assert "input sizes: aten.reshape" in src
     assert cm.library.exists()
+
+
+class _LibraryOps(torch.nn.Module):
+    """Ops kiln runs as CPU library routines (sort, cumsum, scatter_add) and one it does not
+    lower at all (special.i1): on CUDA all of them call ATen on the device."""
+
+    def forward(self, x, idx):
+        s, i = torch.sort(x, dim=-1)
+        y = torch.special.i1(x) + s.cumsum(-1)
+        return y.scatter_add(1, idx, torch.ones_like(x)) * 2, i
+
+
+def test_cuda_aten_fallback_wrapper():
+    x, idx = torch.randn(4, 5), torch.randint(0, 5, (4, 5))
+    cm = kiln.compile(_LibraryOps(), (x, idx), device="cuda", options=OPTS)
+    req = cm.manifest["requires"]
+    assert req["libtorch"] and req["aten_fallback_ops"] == [
+        "aten::cumsum.default", "aten::scatter_add.default", "aten::sort.default",
+        "aten::special_i1.default"]
+    assert cm.manifest["cuda"]["graphs"] is False  # torch's allocator cannot be captured
+    src = cm.sources["model_cuda.cpp"]
+    assert src.count("c.on_cuda(self->device_id, static_cast<void*>(stream))") == 5
+    assert "kr_aten::require(e, " in src and "kc::run_graph(" not in src
+    assert cm.library.exists()
+    with pytest.raises(kiln.errors.UnsupportedError, match="CPU library routine"):
+        kiln.compile(_LibraryOps(), (x, idx), device="cuda",
+                     options=Options(cuda_archs=(90,), aten_fallback=False))

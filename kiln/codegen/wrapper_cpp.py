@@ -131,6 +131,69 @@ class SizeCheckPrinter:
                   f"{x.input} ({x.name}): {what} is %lld, expected a value in "
                   f"[{x.lo}, {x.hi}] (symbol {x.symbol})\", (long long){x.symbol});")
 
+    # -- ATen fallback calls (kiln_aten.h); `aten_ptr` / `aten_device` differ per device ----
+    aten_device = ""  # a line that moves the call to the run's device, if not the CPU
+
+    def aten_ptr(self, buf: str, offset, dt: str) -> str:
+        return f"buf_{buf} + {to_c(offset)}"
+
+    def _aten_arg(self, a) -> list[str]:
+        kind = a[0]
+        if kind == "tensor":
+            _, buf, dt, shape, strides, offset = a
+            sizes = ", ".join(to_c(d) for d in shape) or "0"
+            st = ", ".join(to_c(d) for d in strides) or "0"
+            return [f"{{ const int64_t sz[] = {{{sizes}}}, st[] = {{{st}}};",
+                    f"  if (!c.tensor({self.aten_ptr(buf, offset, dt)}, {len(shape)}, sz, st, "
+                    f"{SCALAR_TYPE[dt]})) goto fail; }}"]
+        if kind == "tensors":
+            return [ln for x in a[1] for ln in self._aten_arg(x)] + [
+                f"if (!c.list({len(a[1])})) goto fail;"]
+        if kind == "opt":
+            return self._aten_arg(a[1]) + ["c.optional();"]
+        if kind == "none":
+            return ["c.none();"]
+        if kind == "int":
+            return [f"c.i64({to_c(a[1])});"]
+        if kind == "float":
+            v = float(a[1])
+            text = repr(v) if v == v and abs(v) != float("inf") else (
+                "NAN" if v != v else ("-" if v < 0 else "") + "INFINITY")
+            return [f"c.f64({text});"]
+        if kind == "bool":
+            return [f"c.boolean({'true' if a[1] else 'false'});"]
+        if kind == "ints":
+            return [f"c.i64({to_c(v)});" for v in a[1]] + [f"if (!c.list({len(a[1])})) goto fail;"]
+        if kind == "dtype":
+            return [f"c.i64({SCALAR_TYPE[a[1]]});"]
+        if kind == "str":
+            return [f"if (!c.str({_cstr(a[1])})) goto fail;"]
+        raise TypeError(a)
+
+    def _CallAten(self, x: P.CallAten) -> None:
+        c = x.call
+        ov = c.overload or "default"
+        self.emit(f"// aten fallback {c.op}.{ov} (result {c.result} of {c.n_results}) -> "
+                  f"{c.name}  <- {', '.join(c.source)}")
+        self.emit(f"{{ kr_aten::Call c(e, {_cstr(c.op)}, {_cstr(c.overload)});")
+        if self.aten_device:
+            self.emit(f"  {self.aten_device}")
+        for a in c.args:
+            for ln in self._aten_arg(a):
+                self.emit("  " + ln)
+        self.emit(f"  if (!c.run({c.n_results})) goto fail;")
+        bounds = dict(self.p.unbacked)
+        for d, name, _ in c.binds:  # data-dependent sizes: known now, checked against bounds
+            self.emit(f"  {name} = c.result_size({c.result}, {d});")
+            self.emit(f"  if ({name} < 0 || {name} > {to_c(bounds[name])}) {{ e.fail(\"ATen "
+                      f"fallback {c.op}: data-dependent size {name} = %lld exceeds its bound "
+                      f"{bounds[name]}\", (long long){name}); goto fail; }}")
+        shape = ", ".join(to_c(d) for d in c.shape) or "0"
+        self.emit(f"  const int64_t out_sz[] = {{{shape}}};")
+        self.emit(f"  if (!c.copy_out({c.result}, {self.aten_ptr(c.name, 0, c.dtype.name)}, "
+                  f"{len(c.shape)}, out_sz, "
+                  f"{SCALAR_TYPE[c.dtype.name]})) goto fail; }}")
+
 
 def run_prologue(n_in: int, n_out: int) -> list[str]:
     """The argument checks that open every generated `run` function."""
@@ -263,60 +326,6 @@ class _Printer(SizeCheckPrinter):
                   f"{to_c(g.a.rows)}, {to_c(g.a.cols)},")
         self.emit(f"    buf_{g.b.buf} + {to_c(g.b.offset)}, {to_c(sb[0])}, {to_c(sb[1])}, "
                   f"{to_c(g.b.rows)}, {to_c(g.b.cols)}, buf_{g.name})) goto fail;")
-
-    def _aten_arg(self, a) -> list[str]:
-        kind = a[0]
-        if kind == "tensor":
-            _, buf, dt, shape, strides, offset = a
-            sizes = ", ".join(to_c(d) for d in shape) or "0"
-            st = ", ".join(to_c(d) for d in strides) or "0"
-            return [f"{{ const int64_t sz[] = {{{sizes}}}, st[] = {{{st}}};",
-                    f"  if (!c.tensor(buf_{buf} + {to_c(offset)}, {len(shape)}, sz, st, "
-                    f"{SCALAR_TYPE[dt]})) goto fail; }}"]
-        if kind == "tensors":
-            return [ln for x in a[1] for ln in self._aten_arg(x)] + [
-                f"if (!c.list({len(a[1])})) goto fail;"]
-        if kind == "opt":
-            return self._aten_arg(a[1]) + ["c.optional();"]
-        if kind == "none":
-            return ["c.none();"]
-        if kind == "int":
-            return [f"c.i64({to_c(a[1])});"]
-        if kind == "float":
-            v = float(a[1])
-            text = repr(v) if v == v and abs(v) != float("inf") else (
-                "NAN" if v != v else ("-" if v < 0 else "") + "INFINITY")
-            return [f"c.f64({text});"]
-        if kind == "bool":
-            return [f"c.boolean({'true' if a[1] else 'false'});"]
-        if kind == "ints":
-            return [f"c.i64({to_c(v)});" for v in a[1]] + [f"if (!c.list({len(a[1])})) goto fail;"]
-        if kind == "dtype":
-            return [f"c.i64({SCALAR_TYPE[a[1]]});"]
-        if kind == "str":
-            return [f"if (!c.str({_cstr(a[1])})) goto fail;"]
-        raise TypeError(a)
-
-    def _CallAten(self, x: P.CallAten) -> None:
-        c = x.call
-        ov = c.overload or "default"
-        self.emit(f"// aten fallback {c.op}.{ov} (result {c.result} of {c.n_results}) -> "
-                  f"{c.name}  <- {', '.join(c.source)}")
-        self.emit(f"{{ kr_aten::Call c(e, {_cstr(c.op)}, {_cstr(c.overload)});")
-        for a in c.args:
-            for ln in self._aten_arg(a):
-                self.emit("  " + ln)
-        self.emit(f"  if (!c.run({c.n_results})) goto fail;")
-        bounds = dict(self.p.unbacked)
-        for d, name, _ in c.binds:  # data-dependent sizes: known now, checked against bounds
-            self.emit(f"  {name} = c.result_size({c.result}, {d});")
-            self.emit(f"  if ({name} < 0 || {name} > {to_c(bounds[name])}) {{ e.fail(\"ATen "
-                      f"fallback {c.op}: data-dependent size {name} = %lld exceeds its bound "
-                      f"{bounds[name]}\", (long long){name}); goto fail; }}")
-        shape = ", ".join(to_c(d) for d in c.shape) or "0"
-        self.emit(f"  const int64_t out_sz[] = {{{shape}}};")
-        self.emit(f"  if (!c.copy_out({c.result}, buf_{c.name}, {len(c.shape)}, out_sz, "
-                  f"{SCALAR_TYPE[c.dtype.name]})) goto fail; }}")
 
     def _ReadSizeLine(self, x: P.ReadSizeLine) -> None:
         n = x.node

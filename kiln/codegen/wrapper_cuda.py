@@ -56,6 +56,13 @@ class _Printer(SizeCheckPrinter):
         self.dynamic_bufs = [iv.name for iv in intervals(prog, env)]
 
 
+    # ATen fallback calls: torch wraps kiln's device buffers and runs on kiln's stream
+    aten_device = "if (!c.on_cuda(self->device_id, static_cast<void*>(stream))) goto fail;"
+
+    def aten_ptr(self, buf: str, offset, dt: str) -> str:
+        from kiln.ir.dtypes import DTYPES
+        return f"reinterpret_cast<void*>(buf_{buf} + {DTYPES[dt].itemsize} * ({to_c(offset)}))"
+
     def _SetFlag(self, x: P.SetFlag) -> None:
         if x.buf is None:
             from kiln.codegen.wrapper_cpp import condition
@@ -174,6 +181,12 @@ class _Printer(SizeCheckPrinter):
         self.emit("return 0;")
 
 
+def capturable(prog: P.Program) -> bool:
+    """Whether a run can replay as one CUDA graph: a branch or loop reads its predicate on the
+    host (a stream sync) and an ATen call runs torch's allocator and dispatcher."""
+    return not any(isinstance(x, (P.If, P.While, P.CallAten)) for x in P.walk(prog.lines))
+
+
 def _plan_block(pr: _Printer, prog: P.Program) -> None:
     reserve = "if (self->arena.reserve(e, {bytes} > 256 ? {bytes} : 256)) return 1;"
     if prog.arena_bytes is not None:
@@ -193,8 +206,7 @@ def print_cuda_wrapper(prog: P.Program, kernels: dict, cubins: dict, archs: tupl
     `body` (a lambda: every kernel, GEMM and state copy, on the stream and input/output
     pointers it is given, so that it can be captured into a graph), then the status check."""
     from kiln.codegen.wrapper_cuda_parts import print_cuda_model
-    # a branch or loop reads its predicate on the host (a stream sync): not capturable
-    graphs = graphs and not any(isinstance(x, (P.If, P.While)) for x in P.walk(prog.lines))
+    graphs = graphs and capturable(prog)
     pr = _Printer(prog, kernels)
     checks = [x for x in prog.lines if isinstance(x, P.CHECKS)]
     n_in = len(prog.inputs)

@@ -10,7 +10,7 @@ returns a complete instance or releases everything it acquired (through `destroy
 
 from __future__ import annotations
 
-from kiln.codegen.wrapper_cpp import run_prologue
+from kiln.codegen.wrapper_cpp import aten_fallback_ops, run_prologue
 from kiln.ir import program as P
 
 
@@ -23,6 +23,7 @@ def print_cuda_model(prog: P.Program, kernels: dict, cubins: dict, archs: tuple[
                      gemms: bool) -> str:
     n_in, n_w, nk = len(prog.inputs), len(prog.weights), len(kernels)
     n_out = sum(1 for x in prog.lines if isinstance(x, P.AllocOutput))
+    aten_ops = aten_fallback_ops(prog)
     names = list(kernels)
     status = any(k.status for k in kernels.values())
     rows = []
@@ -42,6 +43,7 @@ def print_cuda_model(prog: P.Program, kernels: dict, cubins: dict, archs: tuple[
         "#include <cstring>",
         '#include "kiln_cuda_rt.h"',
         '#include "kiln_plan.h"',
+        *(['#include "kiln_aten.h"  // ATen fallback: ' + ", ".join(aten_ops)] if aten_ops else []),
         "",
         'extern "C" __attribute__((visibility("hidden"))) const unsigned char kiln_cubins[];',
         'asm(".section .rodata\\n.balign 64\\n.globl kiln_cubins\\n.hidden kiln_cubins\\n"',
@@ -108,6 +110,8 @@ def print_cuda_model(prog: P.Program, kernels: dict, cubins: dict, archs: tuple[
         "}",
         "",
         "int init(kr::Err& e, Instance* self, int32_t device_id, const void* const* weights) {",
+        *([f"  if (kr_aten::require(e, {_cstr(', '.join(aten_ops))}, true)) return 1;"]
+          if aten_ops else []),
         "  const kc::Driver& d = kc::driver();",
         "  int count = 0;",
         "  if (kc::check(e, d.cuInit(0), \"cuInit\") || "

@@ -13,6 +13,11 @@ import operator
 from kiln.errors import UnsupportedError
 from kiln.frontend.aten_table import register
 
+# Graph IR ops these converters emit that lower to kiln_lib.h routines, which are CPU code: a
+# CUDA program calls ATen for the aten op instead (frontend/export.py: convert_node)
+CPU_ONLY_OPS = frozenset({"sort", "topk", "scan", "scan_extreme", "scatter", "index_put",
+                          "masked_scatter", "embedding_bag"})
+
 
 def _arg(n, pos: int, name: str, default=None):
     if len(n.args) > pos:

@@ -33,6 +33,7 @@ def _region(b, gm: torch.fx.GraphModule, what: str) -> tuple[Graph, list[int]]:
     sub = Builder(b.syms)
     sub.ranges = b.ranges
     sub.aten_fallback = b.aten_fallback
+    sub.cuda = b.cuda
     sub.relations = b.relations  # size relations a region's reshapes need: checked up front
     inputs: list[Input] = []
     kept: list[int] = []

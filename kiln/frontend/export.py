@@ -22,6 +22,7 @@ from kiln.frontend import aten_extra, aten_random  # noqa: F401 - register their
 from kiln.frontend import aten_spatial  # noqa: F401  (registers spatial converters)
 import kiln.frontend.aten_library  # noqa: F401  (registers library-call converters)
 from kiln.frontend.aten_high import Fallback
+from kiln.frontend.aten_library import CPU_ONLY_OPS
 from kiln.frontend.aten_table import TABLE
 from kiln.frontend.fold import fold_constants
 from kiln.frontend.control import CONTROL
@@ -63,6 +64,7 @@ class Builder:
         self.counter = 0
         self.ranges: dict = {}  # torch symbol -> value range (ep.range_constraints)
         self.aten_fallback = False  # unknown ops call ATen (frontend/fallback.py)
+        self.cuda = False  # a CUDA program: ops kiln lowers to CPU routines call ATen instead
         self.rng: str | None = None  # the random-number state input, once a random op needs it
         self.streams = 0
         # size relations ops assume and the export did not guard: (lhs, rhs, equal, what)
@@ -352,17 +354,17 @@ def _all_known(ep: ExportedProgram) -> bool:
 
 
 def import_program(ep: ExportedProgram, fold: bool = True, aten_fallback: bool = False,
-                   seed: int = 0) -> Imported:
+                   seed: int = 0, cuda: bool = False) -> Imported:
     """Translate `ep` to Graph IR; with `fold`, weight-only subgraphs are evaluated now and
     become weights (see fold.py). When every op is one kiln converts directly (aten_high.py
     and aten_table.py), the program is imported as exported; otherwise (or when a converter
     declines) it is decomposed to core ATen first."""
     if _all_known(ep):
         try:
-            return _import(ep, fold, aten_fallback, seed)
+            return _import(ep, fold, aten_fallback, seed, cuda)
         except Fallback:
             pass
-    return _import(ep.run_decompositions(), fold, aten_fallback, seed)
+    return _import(ep.run_decompositions(), fold, aten_fallback, seed, cuda)
 
 
 SIZE_ASSERTS = {"aten._assert_scalar.default", "aten.sym_constrain_range_for_size.default",
@@ -437,6 +439,10 @@ def convert_node(b: Builder, n: torch.fx.Node, gm: torch.fx.GraphModule) -> None
     mark, known = len(b.nodes), set(b.types)
     try:
         result = conv(b, n)
+        if b.cuda and any(x.op in CPU_ONLY_OPS for x in b.nodes[mark:]):
+            raise UnsupportedError(f"operator {n.target} (node {n.name}) is lowered to a CPU "
+                                   "library routine, which CUDA programs cannot call: enable "
+                                   "aten_fallback to run it through ATen")
     except UnsupportedError as declined:
         if not b.aten_fallback or conv is fallback.aten_fallback or isinstance(declined, Fallback):
             raise
@@ -453,12 +459,13 @@ def convert_node(b: Builder, n: torch.fx.Node, gm: torch.fx.GraphModule) -> None
         b.env[n.name] = result
 
 
-def _import(ep: ExportedProgram, fold: bool, aten_fallback: bool = False, seed: int = 0
-            ) -> Imported:
+def _import(ep: ExportedProgram, fold: bool, aten_fallback: bool = False, seed: int = 0,
+            cuda: bool = False) -> Imported:
     syms = SymbolTable()
     b = Builder(syms)
     b.ranges = dict(ep.range_constraints)
     b.aten_fallback = aten_fallback
+    b.cuda = cuda
     inputs, weights = _weights_and_inputs(ep, syms, b)
     mutated = {s.target for s in ep.graph_signature.output_specs
                if s.kind == OutputKind.BUFFER_MUTATION}

@@ -48,6 +48,13 @@ struct Api {
   int32_t cpu = 0;
   bool ok = false;
   char missing[128] = {0};
+  // CUDA packages: torch's CUDA device type and a guard making kiln's stream torch's current
+  // one for the call (libtorch_cuda.so); looked up with the rest, needed only on CUDA
+  int32_t cuda = 1;
+  int32_t (*stream_guard_new)(void*, int32_t, Handle*) = nullptr;
+  int32_t (*stream_guard_delete)(Handle) = nullptr;
+  bool cuda_ok = false;
+  char cuda_missing[128] = {0};
 };
 
 inline void* find_libtorch() {
@@ -87,26 +94,58 @@ inline const Api& api() {
     a.what = reinterpret_cast<const char* (*)()>(dlsym(lib, "torch_exception_get_what"));
     if (ok) a.cpu = device_cpu();
     a.ok = ok;
+    void* cuda = dlopen("libtorch_cuda.so", RTLD_NOW | RTLD_NOLOAD);
+    if (!cuda) cuda = dlopen("libtorch_cuda.so", RTLD_NOW | RTLD_GLOBAL);
+    auto device_cuda = reinterpret_cast<int32_t (*)()>(dlsym(lib, "aoti_torch_device_type_cuda"));
+    if (!cuda || !device_cuda) {
+      std::snprintf(a.cuda_missing, sizeof a.cuda_missing, "%s",
+                    cuda ? "aoti_torch_device_type_cuda" : "libtorch_cuda.so");
+      return;
+    }
+    a.cuda = device_cuda();
+    a.stream_guard_new = reinterpret_cast<int32_t (*)(void*, int32_t, Handle*)>(
+        dlsym(cuda, "aoti_torch_create_cuda_stream_guard"));
+    a.stream_guard_delete = reinterpret_cast<int32_t (*)(Handle)>(
+        dlsym(cuda, "aoti_torch_delete_cuda_stream_guard"));
+    a.cuda_ok = a.stream_guard_new && a.stream_guard_delete;
+    if (!a.cuda_ok)
+      std::snprintf(a.cuda_missing, sizeof a.cuda_missing, "aoti_torch_create_cuda_stream_guard");
   });
   return a;
 }
 
 // Called when an instance is created: a package that needs libtorch fails to load without it.
-inline int require(kr::Err& e, const char* ops) {
+inline int require(kr::Err& e, const char* ops, bool cuda = false) {
   const Api& a = api();
-  if (a.ok) return 0;
-  return e.fail("this package calls ATen for %s and needs libtorch (libtorch_cpu.so, torch >= "
-                "2.10) loaded in the process: `import torch` first, or put torch's lib "
-                "directory on LD_LIBRARY_PATH (missing: %s)", ops, a.missing);
+  if (a.ok && (!cuda || a.cuda_ok)) return 0;
+  return e.fail("this package calls ATen for %s and needs libtorch (%s, torch >= 2.10) loaded "
+                "in the process: `import torch` first, or put torch's lib directory on "
+                "LD_LIBRARY_PATH (missing: %s)", ops,
+                cuda ? "libtorch_cpu.so and libtorch_cuda.so" : "libtorch_cpu.so",
+                a.ok ? a.cuda_missing : a.missing);
 }
 
 // One dispatcher call under construction. On any failure `e` holds the message and the owned
 // values pushed so far are released by the callee or here.
 class Call {
  public:
-  Call(kr::Err& e, const char* op, const char* overload) : e_(e), op_(op), ov_(overload) {}
+  Call(kr::Err& e, const char* op, const char* overload)
+      : e_(e), op_(op), ov_(overload), device_(api().cpu) {}
   ~Call() {
     for (Handle h : results_) if (h) api().delete_tensor(h);
+    if (guard_) api().stream_guard_delete(guard_);  // after the results: on kiln's stream
+  }
+
+  // A call on CUDA device `index`: tensors live there and torch runs the op (and the result
+  // copies) on `stream`, kiln's stream, which stays torch's current stream until the call ends.
+  bool on_cuda(int32_t index, void* stream) {
+    device_ = api().cuda;
+    index_ = index;
+    if (api().stream_guard_new(stream, index, &guard_)) {
+      guard_ = nullptr;
+      return fail("could not make kiln's stream torch's current CUDA stream");
+    }
+    return true;
   }
 
   // A tensor argument: a view of `data` with the given sizes/strides (elements).
@@ -114,7 +153,7 @@ class Call {
               int32_t dtype) {
     Handle h = nullptr;
     if (api().create_from_blob(const_cast<void*>(data), ndim, sizes, strides, 0, dtype,
-                               api().cpu, 0, &h)) {
+                               device_, index_, &h)) {
       return fail("could not wrap an argument as a tensor");
     }
     stack_.push_back(reinterpret_cast<Value>(h));
@@ -188,7 +227,8 @@ class Call {
     std::vector<int64_t> strides(ndim > 0 ? ndim : 1, 1);
     for (int64_t d = ndim - 2; d >= 0; --d) strides[d] = strides[d + 1] * sizes[d + 1];
     Handle dst = nullptr;
-    if (api().create_from_blob(out, ndim, sizes, strides.data(), 0, dtype, api().cpu, 0, &dst))
+    if (api().create_from_blob(out, ndim, sizes, strides.data(), 0, dtype, device_, index_,
+                               &dst))
       return fail("could not wrap a result buffer");
     int32_t rc = api().copy_(dst, r);
     api().delete_tensor(dst);
@@ -209,6 +249,9 @@ class Call {
   kr::Err& e_;
   const char* op_;
   const char* ov_;
+  int32_t device_;
+  int32_t index_ = 0;
+  Handle guard_ = nullptr;
   std::vector<Value> stack_;
   std::vector<Handle> results_;
 };
