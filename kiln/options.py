@@ -72,7 +72,8 @@ class Options:
     #: Warps per Triton kernel; 0 picks by tile size (1-8). Applies to every kernel.
     triton_num_warps: int = 0
     #: Largest RBLOCK (tile width along a member's inner loop or reduction); a power of two.
-    triton_max_rblock: int = 1024
+    #: Rows up to this width are one tile: each element of a softmax / norm row loads once.
+    triton_max_rblock: int = 4096
     #: Directory holding cuda.h for compiling the CUDA wrapper; None: Triton's bundled copy,
     #: else /usr/local/cuda/include. Only the header is used: nothing links against CUDA.
     cuda_include: str | None = None

@@ -21,6 +21,8 @@ treats a name re-assigned in a loop as loop-carried). Pointers are assumed 16-by
 
 from __future__ import annotations
 
+import re
+
 from dataclasses import dataclass, field
 
 import sympy
@@ -134,10 +136,11 @@ def _pow2(n: int) -> int:
     return p
 
 
-def choose_config(kernel: Kernel, hints: dict[str, int], max_rblock: int = 1024,
+def choose_config(kernel: Kernel, hints: dict[str, int], max_rblock: int = 4096,
                   num_warps: int = 0) -> Config:
     """Block sizes from the example sizes (the autotuning hook: a tuner would replace this).
-    RBLOCK covers the widest member (up to max_rblock); XBLOCK fills a tile of about 2048
+    RBLOCK covers the widest member (up to max_rblock: rows up to 4096 wide are one tile, so
+    each element of a norm or softmax row is loaded once); XBLOCK fills a tile of about 2048
     elements but keeps at least ~264 programs (2 per H100 SM) when there are enough rows."""
     k = len(kernel.outer)
     widths = [1]
@@ -359,8 +362,40 @@ def print_triton_kernel(kernel: Kernel, buffers: dict[str, L.Buffer], hints: dic
     head.append(f"    xmask = xidx < {to_tl(rows)}")
     for s, e in zip(ivars(kp.k), unravel(sympy.Symbol("xidx"), kernel.outer)):
         head.append(f"    {s.name} = {to_tl(e)}")
-    src = "\n".join(head + body) + "\n"
+    src = "\n".join(head + _value_number(body)) + "\n"
     return TritonKernel(kernel.name, src, tuple(params), sig, config, rows, kernel.source)
+
+
+_TOP = re.compile(r"^    (\w+) = (.+)$")  # an assignment at the kernel's top level
+_NAME = re.compile(r"\b\w+\b")
+
+
+def _value_number(lines: list[str]) -> list[str]:
+    """Top-level assignments that repeat an earlier one (after renaming) become that earlier
+    name. Members of a kernel print their loads and index math independently; when their
+    tiles are single (no loop), a softmax's three passes then load each element once instead
+    of three times. A store to a buffer forgets the loads of that buffer seen before it."""
+    counts: dict[str, int] = {}
+    for ln in lines:
+        m = re.match(r"^\s*(\w+) = ", ln)
+        if m:
+            counts[m.group(1)] = counts.get(m.group(1), 0) + 1
+    alias: dict[str, str] = {}
+    seen: dict[str, str] = {}
+    out = []
+    for ln in lines:
+        if alias:
+            ln = _NAME.sub(lambda w: alias.get(w.group(0), w.group(0)), ln)
+        for buf in re.findall(r"tl\.store\((buf_\w+)", ln):
+            seen = {k: v for k, v in seen.items() if f"tl.load({buf} " not in k}
+        m = _TOP.match(ln)
+        if m and counts[m.group(1)] == 1 and not m.group(2).startswith("tl.full("):
+            if m.group(2) in seen:
+                alias[m.group(1)] = seen[m.group(2)]
+                continue
+            seen[m.group(2)] = m.group(1)
+        out.append(ln)
+    return out
 
 
 def print_triton_module(kernels: list[TritonKernel]) -> str:
