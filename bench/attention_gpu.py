@@ -66,6 +66,8 @@ def _package(e, causal, d):
                       device="cuda")
     runner = kiln.load(cm.save(d / f"attn_{e}_{int(causal)}.kiln"), device="cuda:0")
     (name, info), = cm.manifest["cuda"]["attention"].items()
+    print(f"E={e} causal={int(causal)} autotune ms at 4x16x1024:",
+          cm.manifest["cuda"]["autotuned"].get(name), flush=True)
     from kiln.codegen.triton_py import import_triton_module
     mod = import_triton_module(cm.sources["kernels_triton.py"])
     return runner, getattr(mod, name), info

@@ -108,9 +108,13 @@ def test_gpt_cuda_package_fuses_attention():
     # the linear layers (qkv, proj, fc, out per block, and the head)
     assert kinds.count("blas_gemm") == 9
     assert cm.library.exists()
-    unfused = kiln.compile(ALL_MODELS["gpt"]().export(), device="cuda",
-                           options=Options(cuda_archs=(90,), fused_attention=False))
-    assert unfused.manifest["cuda"]["attention"] == {}
+
+
+def test_fused_attention_option_off_decomposes():
+    cm = kiln.compile(Sdpa(is_causal=True), tuple(inputs(8, 8, 16, 16, torch.float32, None)),
+                      device="cuda", options=Options(cuda_archs=(90,), fused_attention=False))
+    assert cm.manifest["cuda"]["attention"] == {}
+    assert [k["kind"] for k in cm.manifest["kernels"]].count("blas_gemm") == 2
 
 
 def test_cpu_keeps_the_decomposition():

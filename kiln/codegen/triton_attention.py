@@ -6,14 +6,17 @@ causal, scale, mask kind), the Loop IR buffers, size hints and a launch config. 
 `TritonKernel` named `attn_<output buffer>` that the CUDA wrapper launches like any other
 (codegen/wrapper_cuda.py) and triton_aot compiles to cubin ahead of time.
 
-Mapping: program p handles XBLOCK query rows of one (batch, head): p = (b * H + h) * n_m + m,
-n_m = ceil(L / XBLOCK) (so the grid is `rows` / XBLOCK programs with rows = B * H * n_m *
-XBLOCK). It walks the keys in RBLOCK-wide tiles with an online softmax (running row maximum
-m_i, running sum l_i, an [XBLOCK, Ev] float32 accumulator rescaled when the maximum grows): the
-L x S score matrix is never stored. Causal kernels stop at the tile holding the last key of the
-program's last query. Head dims are padded to a power of two (at least 16, tl.dot's minimum)
-with masked loads. Strides, offsets and sizes are printed as expressions of the size symbols,
-which are kernel parameters, so one kernel serves every run size.
+Mapping: program p handles XBLOCK query rows of one (batch, head): p = m * B * H + b * H + h
+for query block m (causal: m counted from the last block, so the heaviest programs start
+first), n_m = ceil(L / XBLOCK) blocks (the grid is `rows` / XBLOCK programs with rows = B * H *
+n_m * XBLOCK). It walks the keys in RBLOCK-wide tiles with an online softmax in base 2 (scores
+scaled by scale * log2(e); running row maximum m_i, running sum l_i, an [XBLOCK, Ev] float32
+accumulator rescaled when the maximum grows): the L x S score matrix is never stored. Two
+loops: whole tiles below `lo` need no bounds or causal masks (causal: the keys below the
+block's first query), the tail [lo, hi) is masked (causal: hi stops at the block's last query).
+Head dims are padded to a power of two (at least 16, tl.dot's minimum) with masked loads.
+Strides, offsets and sizes are printed as expressions of the size symbols, which are kernel
+parameters, so one kernel serves every run size.
 
 Precision: scores and the accumulator are float32. 16-bit inputs multiply on tensor cores with
 float32 accumulation (probabilities are rounded to the input type for the second product, as
@@ -34,6 +37,7 @@ from kiln.codegen.triton_ops import SIG_PTR, TL_DTYPE, to_tl
 from kiln.ir import loop as L
 from kiln.ir.sym import evaluate
 
+LOG2E = 1.4426950408889634
 SHARED_LIMIT = 232448  # bytes of shared memory one sm_90 block may use (227 KiB)
 
 
@@ -158,10 +162,14 @@ def print_attention_kernel(call: L.Extern, buffers, hints: dict[str, int],
         "    #   XBLOCK queries per program, keys in RBLOCK-wide tiles",
         "    pid = tl.program_id(1).to(tl.int64) * tl.num_programs(0) + tl.program_id(0)",
         f"    n_m = ({t(_c(Lq))} + XBLOCK - 1) // XBLOCK",
-        "    bh = pid // n_m",
+        # programs of one query block run side by side over all (batch, head)s; causal: the
+        # heaviest query blocks (most keys) start first
+        f"    bh = pid % {t(_c(B * H))}",
         f"    b = bh // {t(_c(H))}",
         f"    h = bh % {t(_c(H))}",
-        "    rows = (pid % n_m) * XBLOCK + tl.arange(0, XBLOCK)",
+        f"    m_blk = n_m - 1 - pid // {t(_c(B * H))}" if causal else
+        f"    m_blk = pid // {t(_c(B * H))}",
+        "    rows = m_blk * XBLOCK + tl.arange(0, XBLOCK)",
         f"    d = tl.arange(0, {ep})",
         f"    dv = tl.arange(0, {evp})",
         f"    row_ok = rows < {t(_c(Lq))}",
@@ -176,38 +184,64 @@ def print_attention_kernel(call: L.Extern, buffers, hints: dict[str, int],
     if mask is not None:
         ms = mask.strides
         lines.append(f"    m_ptr = {tile(base(mask), 'rows[:, None]', ms[2], '', 0)}")
-    end = t(_c(S))
-    if causal:  # keys past the program's last query are masked for every row: skip them
-        end = f"tl.minimum({end}, (pid % n_m + 1) * XBLOCK)"
-    lines += [
-        f"    for start in range(0, {end}, RBLOCK):",
-        "        cols = start + tl.arange(0, RBLOCK)",
-        f"        col_ok = cols < {t(_c(S))}",
-        f"        kt = tl.load({tile('k_ptr', 'cols[None, :]', ks[2], 'd[:, None]', ks[3])}, "
-        f"mask=col_ok[None, :]{kmask_e}, other=0.0)",
-        f"        s = tl.dot(q, kt{prec}) * {scale!r}",
-        "        keep = col_ok[None, :]",
-    ]
+    def _step(tail: bool) -> list[str]:
+        """One key tile of the online softmax; `tail` adds the bounds and causal masks."""
+        cmask = "col_ok[None, :]" if tail else ""
+        vmask = "col_ok[:, None]" if tail else ""
+        km = " & ".join(x for x in (cmask, kmask_e[3:]) if x)
+        vm = " & ".join(x for x in (vmask, vmask_e[3:]) if x)
+        out = ["        cols = start + tl.arange(0, RBLOCK)"]
+        if tail:
+            out.append(f"        col_ok = cols < {S_}")
+        out += [
+            f"        kt = tl.load({tile('k_ptr', 'cols[None, :]', ks[2], 'd[:, None]', ks[3])}"
+            + (f", mask={km}, other=0.0)" if km else ")"),
+            f"        s = tl.dot(q, kt{prec}) * qk_scale",
+        ]
+        keep = ["col_ok[None, :]"] if tail else []
+        if causal and tail:
+            keep.append("(cols[None, :] <= rows[:, None])")
+        if mask is not None:
+            bounds = "row_ok[:, None] & col_ok[None, :]" if tail else "row_ok[:, None]"
+            mld = (f"tl.load({tile('m_ptr', 'cols[None, :]', mask.strides[3], '', 0)}, "
+                   f"mask={bounds}, other=0)")
+            if kind == 1:
+                keep.append(f"({mld} != 0)")
+            else:
+                out.append(f"        s = s + {mld}.to(tl.float32) * {LOG2E!r}")
+        if keep:
+            out.append(f"        s = tl.where({' & '.join(keep)}, s, float(\"-inf\"))")
+        out += [
+            "        m_new = tl.maximum(m_i, tl.max(s, 1))",
+            "        m_use = tl.where(m_new == float(\"-inf\"), 0.0, m_new)  # all masked so far",
+            "        p = tl.exp2(s - m_use[:, None])",
+            "        alpha = tl.exp2(m_i - m_use)",
+            "        l_i = l_i * alpha + tl.sum(p, 1)",
+            f"        vt = tl.load({tile('v_ptr', 'cols[:, None]', vs[2], 'dv[None, :]', vs[3])}"
+            + (f", mask={vm}, other=0.0)" if vm else ")"),
+            f"        acc = tl.dot(p.to(vt.dtype), vt, acc * alpha[:, None]{prec})",
+            "        m_i = m_new",
+        ]
+        return out
+
+    S_ = t(_c(S))
+    lines.append("    # base-2 softmax: scores scaled by scale * log2(e), exp2 instead of exp")
+    lines.append(f"    qk_scale = {scale * LOG2E!r}")
     if causal:
-        lines.append("        keep = keep & (cols[None, :] <= rows[:, None])")
-    if mask is not None:
-        mld = (f"tl.load({tile('m_ptr', 'cols[None, :]', mask.strides[3], '', 0)}, "
-               f"mask=row_ok[:, None] & col_ok[None, :], other=0)")
-        if kind == 1:
-            lines.append(f"        keep = keep & ({mld} != 0)")
-        else:
-            lines.append(f"        s = s + {mld}.to(tl.float32)")
+        lines += [
+            "    first = m_blk * XBLOCK",
+            "    # keys below the block's first query are kept for every row: no causal mask",
+            f"    lo = tl.minimum({S_} // RBLOCK * RBLOCK, first // RBLOCK * RBLOCK)",
+            f"    hi = tl.minimum({S_}, first + XBLOCK)",
+        ]
+    else:
+        lines += [f"    lo = {S_} // RBLOCK * RBLOCK  # whole key tiles: no bounds masks",
+                  f"    hi = {S_}"]
+    lines.append("    for start in range(0, lo, RBLOCK):")
+    lines += _step(False)
+    lines.append("    for start in range(lo, hi, RBLOCK):  # the tail: bounds (and causal) masks")
+    lines += _step(True)
     lines += [
-        "        s = tl.where(keep, s, float(\"-inf\"))",
-        "        m_new = tl.maximum(m_i, tl.max(s, 1))",
-        "        m_use = tl.where(m_new == float(\"-inf\"), 0.0, m_new)  # all masked so far",
-        "        p = tl.exp(s - m_use[:, None])",
-        "        alpha = tl.exp(m_i - m_use)",
-        "        l_i = l_i * alpha + tl.sum(p, 1)",
-        f"        vt = tl.load({tile('v_ptr', 'cols[:, None]', vs[2], 'dv[None, :]', vs[3])}, "
-        f"mask=col_ok[:, None]{vmask_e}, other=0.0)",
-        f"        acc = tl.dot(p.to(vt.dtype), vt, acc * alpha[:, None]{prec})",
-        "        m_i = m_new",
         "    # rows whose keys were all masked: zeros (l_i == 0), as eager gives",
         "    o = tl.where(l_i[:, None] > 0, acc / tl.where(l_i > 0, l_i, 1.0)[:, None], 0.0)",
         f"    o_ptr = buf_{call.name} + (bh * {t(_c(Lq))} + rows[:, None]) * {ev} + dv[None, :]",

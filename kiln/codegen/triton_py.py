@@ -35,6 +35,8 @@ def import_triton_module(text: str):
     if triton.knobs.runtime.interpret:  # the interpreter's scalars are arrays: loop on ints
         text = re.sub(r"range\(0, (.*), RBLOCK\):", r"range(0, _kl_int(\1), RBLOCK):", text)
         text = re.sub(r"range\(0, ((?:(?!RBLOCK).)*)\):", r"range(0, _kl_int(\1)):", text)
+        text = re.sub(r"range\((\w+), (\w+), RBLOCK\):",
+                      r"range(_kl_int(\1), _kl_int(\2), RBLOCK):", text)
         text += ("\n\ndef _kl_int(t):\n    h = getattr(t, 'handle', None)\n"
                  "    return int(h.data.reshape(-1)[0]) if h is not None else int(t)\n")
     d = Path(tempfile.mkdtemp(prefix="kiln_triton_"))

@@ -235,7 +235,7 @@ def tune_attention(calls, buffers, hints: dict[str, int], arch: int, cache: Path
     compiled = {(i, j): ck for (i, j, _), ck in zip(jobs_list, cks) if ck is not None}
     prelude = hashlib.sha256(PRELUDE.encode()).hexdigest()
     for i, (c, tks, path) in enumerate(todo):
-        args = [a.fill_(True) if a.dtype == torch.bool else a
+        args = [a.fill_(True) if getattr(a, "dtype", None) == torch.bool else a
                 for a in _args(tks[0], buffers, hints, torch)]
         times = {}
         for j, tk in enumerate(tks):

@@ -6,10 +6,11 @@ def attn_scaled_dot_product_attention(buf_scaled_dot_product_attention, buf_q, b
     #   XBLOCK queries per program, keys in RBLOCK-wide tiles
     pid = tl.program_id(1).to(tl.int64) * tl.num_programs(0) + tl.program_id(0)
     n_m = (20 + XBLOCK - 1) // XBLOCK
-    bh = pid // n_m
+    bh = pid % 6
     b = bh // 3
     h = bh % 3
-    rows = (pid % n_m) * XBLOCK + tl.arange(0, XBLOCK)
+    m_blk = n_m - 1 - pid // 6
+    rows = m_blk * XBLOCK + tl.arange(0, XBLOCK)
     d = tl.arange(0, 128)
     dv = tl.arange(0, 128)
     row_ok = rows < 20
@@ -20,19 +21,35 @@ def attn_scaled_dot_product_attention(buf_scaled_dot_product_attention, buf_q, b
     k_ptr = buf_k + b * 7920 + h * 80
     v_ptr = buf_v + b * 7920 + h * 80
     m_ptr = buf_mask_0 + rows[:, None] * 33
-    for start in range(0, tl.minimum(33, (pid % n_m + 1) * XBLOCK), RBLOCK):
+    # base-2 softmax: scores scaled by scale * log2(e), exp2 instead of exp
+    qk_scale = 0.16129820911147805
+    first = m_blk * XBLOCK
+    # keys below the block's first query are kept for every row: no causal mask
+    lo = tl.minimum(33 // RBLOCK * RBLOCK, first // RBLOCK * RBLOCK)
+    hi = tl.minimum(33, first + XBLOCK)
+    for start in range(0, lo, RBLOCK):
+        cols = start + tl.arange(0, RBLOCK)
+        kt = tl.load(k_ptr + cols[None, :] * 240 + d[:, None], mask=(d[:, None] < 80), other=0.0)
+        s = tl.dot(q, kt) * qk_scale
+        s = tl.where((tl.load(m_ptr + cols[None, :], mask=row_ok[:, None], other=0) != 0), s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        m_use = tl.where(m_new == float("-inf"), 0.0, m_new)  # all masked so far
+        p = tl.exp2(s - m_use[:, None])
+        alpha = tl.exp2(m_i - m_use)
+        l_i = l_i * alpha + tl.sum(p, 1)
+        vt = tl.load(v_ptr + cols[:, None] * 240 + dv[None, :], mask=(dv[None, :] < 80), other=0.0)
+        acc = tl.dot(p.to(vt.dtype), vt, acc * alpha[:, None])
+        m_i = m_new
+    for start in range(lo, hi, RBLOCK):  # the tail: bounds (and causal) masks
         cols = start + tl.arange(0, RBLOCK)
         col_ok = cols < 33
         kt = tl.load(k_ptr + cols[None, :] * 240 + d[:, None], mask=col_ok[None, :] & (d[:, None] < 80), other=0.0)
-        s = tl.dot(q, kt) * 0.11180339887498948
-        keep = col_ok[None, :]
-        keep = keep & (cols[None, :] <= rows[:, None])
-        keep = keep & (tl.load(m_ptr + cols[None, :], mask=row_ok[:, None] & col_ok[None, :], other=0) != 0)
-        s = tl.where(keep, s, float("-inf"))
+        s = tl.dot(q, kt) * qk_scale
+        s = tl.where(col_ok[None, :] & (cols[None, :] <= rows[:, None]) & (tl.load(m_ptr + cols[None, :], mask=row_ok[:, None] & col_ok[None, :], other=0) != 0), s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1))
         m_use = tl.where(m_new == float("-inf"), 0.0, m_new)  # all masked so far
-        p = tl.exp(s - m_use[:, None])
-        alpha = tl.exp(m_i - m_use)
+        p = tl.exp2(s - m_use[:, None])
+        alpha = tl.exp2(m_i - m_use)
         l_i = l_i * alpha + tl.sum(p, 1)
         vt = tl.load(v_ptr + cols[:, None] * 240 + dv[None, :], mask=col_ok[:, None] & (dv[None, :] < 80), other=0.0)
         acc = tl.dot(p.to(vt.dtype), vt, acc * alpha[:, None])
