@@ -6,10 +6,10 @@ def attn_scaled_dot_product_attention(buf_scaled_dot_product_attention, buf_q, b
     #   XBLOCK queries per program, keys in RBLOCK-wide tiles
     pid = tl.program_id(1).to(tl.int64) * tl.num_programs(0) + tl.program_id(0)
     n_m = (20 + XBLOCK - 1) // XBLOCK
-    bh = pid % 6
+    bh = pid // n_m
     b = bh // 3
     h = bh % 3
-    m_blk = n_m - 1 - pid // 6
+    m_blk = n_m - 1 - pid % n_m
     rows = m_blk * XBLOCK + tl.arange(0, XBLOCK)
     d = tl.arange(0, 128)
     dv = tl.arange(0, 128)
