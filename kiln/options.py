@@ -69,6 +69,10 @@ class Options:
     #: autotune.py; cached on disk per kernel source and device). Off, or without a GPU:
     #: the size heuristic alone.
     autotune: bool = True
+    #: CUDA builds: run scaled_dot_product_attention as kiln's flash-attention Triton kernel
+    #: (codegen/triton_attention.py; one step, no L x S score matrix). False decomposes it
+    #: into matmul / softmax / matmul as CPU builds always do (to compare or bisect).
+    fused_attention: bool = True
     #: Warps per Triton kernel; 0 picks by tile size (1-8). Applies to every kernel.
     triton_num_warps: int = 0
     #: Largest RBLOCK (tile width along a member's inner loop or reduction); a power of two.

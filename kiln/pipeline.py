@@ -119,11 +119,14 @@ def kernel_sources(steps, buffers, opts: Options, aliases=None) -> tuple[dict[st
     return {f"kernels_{j}.cpp": "\n".join(f) for j, f in enumerate(files)}, decls
 
 
+CUDA_ROUTINES = ("attention",)  # Extern routines CUDA builds run (as generated Triton kernels)
+
+
 def _no_cuda_libs(steps) -> None:
     from kiln.errors import UnsupportedError
     from kiln.ir.loop import Extern
     for s in L.flat_steps(steps):  # regions of cond / while_loop included
-        if isinstance(s, Extern):
+        if isinstance(s, Extern) and s.routine not in CUDA_ROUTINES:
             raise UnsupportedError(f"library routine {s.routine} (for {', '.join(s.source)}) "
                                    "has no CUDA version yet; compile for the CPU")
 
@@ -132,9 +135,12 @@ def build(ep: torch.export.ExportedProgram, opts: Options, device: str = "cpu") 
     run = _Run(opts)
     cuda = device.split(":")[0] == "cuda"
     # 1. torch.export -> Graph IR (core ATen decompositions, weights, pytree specs, Dim ranges)
+    # (CUDA: scaled_dot_product_attention stays one `attention` node, a flash-attention
+    # kernel; the CPU decomposes it into matmul / softmax / matmul)
     imported = run.stage("import", lambda e: import_program(e, opts.fold_constants,
-                                                           opts.aten_fallback, opts.seed, cuda),
-                         ep)
+                                                           opts.aten_fallback, opts.seed, cuda,
+                                                           fused_attention=cuda and
+                                                           opts.fused_attention), ep)
     # 2. drop dead nodes and unused weights
     graph = run.stage("dce", dce, imported.graph, dump=print_graph, verify=verify_graph)
     weights = dict(imported.weights)

@@ -17,6 +17,7 @@ import os
 from pathlib import Path
 
 from kiln import config
+from kiln.codegen.triton_attention import choose_attention_config, print_attention_kernel
 from kiln.codegen.triton_kernel import choose_config, print_triton_kernel, print_triton_module
 from kiln.codegen.wrapper_cuda import capturable, cubin_blob, print_cuda_wrapper
 from kiln.errors import CompileError
@@ -24,7 +25,7 @@ from kiln.ir import loop as L
 from kiln.options import Options
 from kiln.schedule import Kernel
 from kiln.toolchain.cxx import Toolchain, build_shared
-from kiln.toolchain.autotune import device_available, tune
+from kiln.toolchain.autotune import device_available, tune, tune_attention
 from kiln.toolchain.triton_aot import compile_cubins
 
 RUNTIME = Path(__file__).parent / "runtime"
@@ -83,18 +84,26 @@ def build_cuda(run, steps, buffers, program, hints: dict[str, int], opts: Option
     archs = tuple(opts.cuda_archs) or default_archs()
     cache = Path(opts.cache_dir) if opts.cache_dir else config.cache_dir()
     kernels = [s for s in L.flat_steps(steps) if isinstance(s, Kernel)]  # regions' too
+    attns = attention_steps(steps)
 
     configs = {k.name: choose_config(k, hints, opts.triton_max_rblock, opts.triton_num_warps)
                for k in kernels}
+    configs.update({a.name: choose_attention_config(a, buffers, hints) for a in attns})
     tuned: dict = {}
-    if opts.autotune and not opts.triton_num_warps and kernels and device_available() and \
-            default_archs()[0] in archs:  # measure on the local GPU, for its architecture
+    local = device_available() and default_archs()[0] in archs
+    if opts.autotune and not opts.triton_num_warps and kernels and local:
+        # measure on the local GPU, for its architecture
         best, tuned = run.stage("autotune", lambda _: tune(
             kernels, buffers, hints, configs, default_archs()[0], cache, opts.jobs), None)
         configs.update(best)
+    if opts.autotune and attns and local:
+        best, t_att = run.stage("autotune_attention", lambda _: tune_attention(
+            attns, buffers, hints, default_archs()[0], cache, opts.jobs), None)
+        configs.update(best)
+        tuned.update(t_att)
 
     def codegen(_):
-        return [print_triton_kernel(k, buffers, hints, configs[k.name]) for k in kernels]
+        return triton_kernels(kernels + attns, buffers, hints, configs)
     tks = run.stage("codegen_triton", codegen, None)
     module = print_triton_module(tks)
     cubins, tt = run.stage("cubins", lambda m: compile_cubins(m, tks, archs, cache, opts.jobs),
@@ -113,9 +122,35 @@ def build_cuda(run, steps, buffers, program, hints: dict[str, int], opts: Option
     lib, ct = run.stage("compile", lambda s: build_shared(toolchain(opts), s),
                         {"model_cuda.cpp": wrapper})
     run.timings.update({f"compile.{k}": v for k, v in ct.items()})
+    attn = {f"attn_{a.name}" for a in attns}
     info = {"archs": list(archs), "cubin_bytes": len(blob), "autotuned": tuned,
             "graphs": opts.cuda_graphs and capturable(program), "kernels": {
         k.name: {"xblock": k.config.xblock, "rblock": k.config.rblock,
                  "num_warps": k.config.num_warps,
-                 "shared": {str(a): cubins[(k.name, a)].shared for a in archs}} for k in tks}}
+                 "shared": {str(a): cubins[(k.name, a)].shared for a in archs}}
+        for k in tks if k.name not in attn}, "attention": {
+        k.name: {"block_m": k.config.xblock, "block_n": k.config.rblock,
+                 "num_warps": k.config.num_warps, "num_stages": k.config.num_stages,
+                 "source_ops": list(k.source_ops),
+                 "shared": {str(a): cubins[(k.name, a)].shared for a in archs}}
+        for k in tks if k.name in attn}}
     return sources, lib, info
+
+
+def attention_steps(steps) -> list[L.Extern]:
+    """The fused attention calls of `steps` (regions' too), in program order."""
+    return [s for s in L.flat_steps(steps) if isinstance(s, L.Extern) and
+            s.routine == "attention"]
+
+
+def triton_kernels(steps, buffers, hints: dict[str, int], configs: dict | None = None) -> list:
+    """The TritonKernel of every schedule kernel and attention call in `steps` (configs by step
+    name; the heuristic where none is given)."""
+    configs = configs or {}
+    out = []
+    for s in steps:
+        if isinstance(s, Kernel):
+            out.append(print_triton_kernel(s, buffers, hints, configs.get(s.name)))
+        elif isinstance(s, L.Extern) and s.routine == "attention":
+            out.append(print_attention_kernel(s, buffers, hints, configs.get(s.name)))
+    return out

@@ -122,8 +122,7 @@ _INTERP = textwrap.dedent("""
     sys.path.insert(0, sys.argv[1])
     from test_cuda_codegen import interp_cases, OPTS
     from kiln.codegen.triton_py import import_triton_module, run_program
-    from kiln.codegen.triton_kernel import print_triton_kernel, choose_config
-    from kiln.schedule import Kernel
+    from kiln.pipeline_cuda import triton_kernels
     bad = []
     for name, module, args, dyn, call, tol in interp_cases():
         b = kiln.compile(torch.export.export(module, args, dynamic_shapes=dyn), device="cuda",
@@ -131,8 +130,7 @@ _INTERP = textwrap.dedent("""
         mod = import_triton_module(b.sources["kernels_triton.py"])
         hints = {s.name: s.example for s in b.graph.symbols}
         bufs = {x.name: x for x in b.loop.buffers}
-        ks = {s.name: print_triton_kernel(s, bufs, hints, choose_config(s, hints))
-              for s in b.steps if isinstance(s, Kernel)}
+        ks = {k.name: k for k in triton_kernels(b.steps, bufs, hints)}  # attention's too
         flat = [a for a in pytree.tree_leaves(call) if isinstance(a, torch.Tensor)]
         outs = run_program(b.program, ks, mod, b.weights, flat)
         half = [a for a in flat if a.dtype in (torch.float16, torch.bfloat16)]

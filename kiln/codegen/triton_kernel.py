@@ -43,6 +43,7 @@ class Config:
     xblock: int
     rblock: int
     num_warps: int
+    num_stages: int = 0  # software-pipelining depth of loops with loads; 0: Triton's default
 
 
 @dataclass(frozen=True)

@@ -35,6 +35,8 @@ def import_triton_module(text: str):
     if triton.knobs.runtime.interpret:  # the interpreter's scalars are arrays: loop on ints
         text = re.sub(r"range\(0, (.*), RBLOCK\):", r"range(0, _kl_int(\1), RBLOCK):", text)
         text = re.sub(r"range\(0, ((?:(?!RBLOCK).)*)\):", r"range(0, _kl_int(\1)):", text)
+        text = re.sub(r"range\((\w+), (\w+), RBLOCK\):",
+                      r"range(_kl_int(\1), _kl_int(\2), RBLOCK):", text)
         text += ("\n\ndef _kl_int(t):\n    h = getattr(t, 'handle', None)\n"
                  "    return int(h.data.reshape(-1)[0]) if h is not None else int(t)\n")
     d = Path(tempfile.mkdtemp(prefix="kiln_triton_"))
@@ -86,6 +88,21 @@ def _strided(buf: torch.Tensor, op, batch, rows, cols, env) -> torch.Tensor:
     return torch.as_strided(buf, sizes, strides, ev(op.offset))
 
 
+def _launch(module, k, env, bufs, status) -> None:
+    """Launch TritonKernel `k` over its rows (none for an empty grid)."""
+    rows = evaluate(k.rows, env)
+    if rows == 0:
+        return
+    args = []
+    for kind, n in k.params:
+        args.append(env[n] if kind == "size" else status if kind == "status"
+                    else bufs[n].reshape(-1))
+    grid = (-(-rows // k.config.xblock),)
+    extra = {"num_stages": k.config.num_stages} if k.config.num_stages else {}
+    getattr(module, k.name)[grid](*args, XBLOCK=k.config.xblock, RBLOCK=k.config.rblock,
+                                  num_warps=k.config.num_warps, **extra)
+
+
 def run_program(prog: P.Program, kernels: dict, module, weights: dict, inputs: list,
                 device: str = "cpu") -> list[torch.Tensor]:
     env: dict[str, int] = {}
@@ -110,20 +127,11 @@ def run_program(prog: P.Program, kernels: dict, module, weights: dict, inputs: l
         elif isinstance(x, P.Free):
             bufs.pop(x.buf, None)
         elif isinstance(x, P.CallKernel):
-            k = kernels[x.kernel]
-            rows = evaluate(k.rows, env)
-            if rows == 0:
-                continue
-            args = []
-            for kind, n in k.params:
-                args.append(env[n] if kind == "size" else status if kind == "status"
-                            else bufs[n].reshape(-1))
-            grid = (-(-rows // k.config.xblock),)
-            getattr(module, x.kernel)[grid](*args, XBLOCK=k.config.xblock,
-                                            RBLOCK=k.config.rblock,
-                                            num_warps=k.config.num_warps)
+            _launch(module, kernels[x.kernel], env, bufs, status)
             if int(status.item()):
                 raise IndexError(f"index out of range in {', '.join(x.source)}")
+        elif isinstance(x, P.CallLib) and x.call.routine == "attention":
+            _launch(module, kernels[f"attn_{x.call.name}"], env, bufs, status)
         elif isinstance(x, P.CallLib):
             from kiln.errors import UnsupportedError
             raise UnsupportedError(f"library routine {x.call.routine} (for "

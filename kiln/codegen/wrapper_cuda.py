@@ -126,21 +126,31 @@ class _Printer(SizeCheckPrinter):
         self.emit(f"buf_{x.buf} = 0;  // {x.buf} dead: its bytes may be reused")
 
     def _CallKernel(self, x: P.CallKernel) -> None:
-        k = self.kernels[x.kernel]
-        i = self.index[x.kernel]
         self.emit(f"{{  // {x.kernel}: {', '.join(x.members)}  <- {', '.join(x.source)}")
+        self._launch(x.kernel)
+
+    def _launch(self, name: str) -> None:
+        k = self.kernels[name]
+        i = self.index[name]
         args = []
         for kind, n in k.params:
             args.append("&self->status" if kind == "status" else
                         f"(void*)&{n}" if kind == "size" else f"&buf_{n}")
         args += ["&scratch", "&scratch"]
         self.emit(f"  void* args[] = {{{', '.join(args)}}};")
-        self.emit(f"  if (kc::launch(e, {_cstr(x.kernel)}, self->fn[{i}], {to_c(k.rows)}, "
+        self.emit(f"  if (kc::launch(e, {_cstr(name)}, self->fn[{i}], {to_c(k.rows)}, "
                   f"{k.config.xblock}, self->warps[{i}], self->shared[{i}], stream, args)) "
                   "return 1;")
         self.emit("}")
 
     def _CallLib(self, x: P.CallLib) -> None:
+        c = x.call
+        if c.routine == "attention":  # the generated flash-attention kernel (triton_attention)
+            ops = ", ".join(a.buf for a in c.args)
+            self.emit(f"{{  // attn_{c.name}: {c.name} = attention({ops})  <- "
+                      f"{', '.join(c.source)}")
+            self._launch(f"attn_{c.name}")
+            return
         from kiln.errors import UnsupportedError
         raise UnsupportedError(f"library routine {x.call.routine} (for {', '.join(x.call.source)})"
                                " has no CUDA version yet; compile for the CPU")
@@ -247,7 +257,7 @@ def print_cuda_wrapper(prog: P.Program, kernels: dict, cubins: dict, archs: tupl
     if graphs:
         key = ", ".join(s.name for s in prog.symbols) or "0"
         pr.emit(f"const int64_t graph_key[] = {{{key}}};")
-        launches = sum(isinstance(x, (P.CallKernel, P.CallGemm, P.CopyState))
+        launches = sum(isinstance(x, (P.CallKernel, P.CallGemm, P.CallLib, P.CopyState))
                        for x in prog.lines)
         pr.emit(f"if (kc::run_graph(e, self->graphs, graph_key, {max(len(prog.symbols), 1)}, "
                 f"self->arena.epoch, {launches}, {n_in}, in_ptr, in_bytes, {len(outs)}, "

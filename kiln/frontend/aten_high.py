@@ -75,6 +75,12 @@ def _sdpa(b, n):
         if not e.is_Integer:
             raise Fallback("attention with a dynamic head size")
         scale = 1.0 / math.sqrt(int(e))
+    if b.fused_attention and _fusable(b, n, q, k, v, mask):
+        kind = "none" if mask is None else "bool" if b.meta_dtype(mask) == _torch_bool() \
+            else "float"
+        ins = [b.tensor(q), b.tensor(k), b.tensor(v)] + ([b.tensor(mask)] if kind != "none"
+                                                         else [])
+        return b.emit("attention", ins, n, causal=bool(causal), scale=float(scale), mask=kind)
     kt = b.emit("permute", [b.tensor(k)], None, like=n, shape=(*ks[:2], ks[3], ks[2]),
                 dims=(0, 1, 3, 2))
     scores = b.emit("matmul", [b.tensor(q), kt], None, like=n, shape=(*qs[:2], lq, s))
@@ -92,6 +98,40 @@ def _sdpa(b, n):
                             shape=(*qs[:2], lq, s))
     probs = b.emit("softmax", [scores], None, like=n, shape=(*qs[:2], lq, s), dim=3)
     return b.emit("matmul", [probs, b.tensor(v)], n)
+
+
+MAX_HEAD_DIM = 256  # the fused kernel keeps a [BLOCK_M, head dim] accumulator in registers
+
+
+def _fusable(b, n, q, k, v, mask) -> bool:
+    """Whether the fused flash-attention step (CUDA targets: `Builder.fused_attention`) computes
+    this call: q, k, v of one float type (float32 / float16 / bfloat16), static head dims of at
+    most MAX_HEAD_DIM, and a mask (if any) that is bool or float and broadcasts to
+    [B, H, L, S] from the right. Anything else is decomposed (permute, matmul, softmax, ...)."""
+    import torch
+
+    dt = b.meta_dtype(q)
+    if dt not in (torch.float32, torch.float16, torch.bfloat16) or \
+            b.meta_dtype(k) != dt or b.meta_dtype(v) != dt or b.meta_dtype(n) != dt:
+        return False
+    e, ev = _shape(b, q)[3], _shape(b, v)[3]
+    if not (e.is_Integer and ev.is_Integer and 0 < int(e) <= MAX_HEAD_DIM and
+            0 < int(ev) <= MAX_HEAD_DIM):
+        return False
+    if mask is None:
+        return True
+    if not isinstance(mask, torch.fx.Node):
+        return False
+    md, ms = b.meta_dtype(mask), _shape(b, mask)
+    full = (*_shape(b, q)[:3], _shape(b, k)[2])
+    if md != torch.bool and not md.is_floating_point or len(ms) > 4:
+        return False
+    return all(m == 1 or sympy.expand(m - f) == 0 for m, f in zip(ms[::-1], full[::-1]))
+
+
+def _torch_bool():
+    import torch
+    return torch.bool
 
 
 def _causal(b, n, scores, shape):

@@ -34,6 +34,7 @@ def _region(b, gm: torch.fx.GraphModule, what: str) -> tuple[Graph, list[int]]:
     sub.ranges = b.ranges
     sub.aten_fallback = b.aten_fallback
     sub.cuda = b.cuda
+    sub.fused_attention = b.fused_attention
     sub.relations = b.relations  # size relations a region's reshapes need: checked up front
     inputs: list[Input] = []
     kept: list[int] = []

@@ -65,6 +65,8 @@ class Builder:
         self.ranges: dict = {}  # torch symbol -> value range (ep.range_constraints)
         self.aten_fallback = False  # unknown ops call ATen (frontend/fallback.py)
         self.cuda = False  # a CUDA program: ops kiln lowers to CPU routines call ATen instead
+        # the target runs attention as one fused step (CUDA: aten_high._sdpa emits `attention`)
+        self.fused_attention = False
         self.rng: str | None = None  # the random-number state input, once a random op needs it
         self.streams = 0
         # size relations ops assume and the export did not guard: (lhs, rhs, equal, what)
@@ -354,17 +356,19 @@ def _all_known(ep: ExportedProgram) -> bool:
 
 
 def import_program(ep: ExportedProgram, fold: bool = True, aten_fallback: bool = False,
-                   seed: int = 0, cuda: bool = False) -> Imported:
+                   seed: int = 0, cuda: bool = False, fused_attention: bool = False
+                   ) -> Imported:
     """Translate `ep` to Graph IR; with `fold`, weight-only subgraphs are evaluated now and
     become weights (see fold.py). When every op is one kiln converts directly (aten_high.py
     and aten_table.py), the program is imported as exported; otherwise (or when a converter
-    declines) it is decomposed to core ATen first."""
+    declines) it is decomposed to core ATen first. `fused_attention` (CUDA targets) turns
+    scaled_dot_product_attention into one `attention` node instead of its decomposition."""
     if _all_known(ep):
         try:
-            return _import(ep, fold, aten_fallback, seed, cuda)
+            return _import(ep, fold, aten_fallback, seed, cuda, fused_attention)
         except Fallback:
             pass
-    return _import(ep.run_decompositions(), fold, aten_fallback, seed, cuda)
+    return _import(ep.run_decompositions(), fold, aten_fallback, seed, cuda, fused_attention)
 
 
 SIZE_ASSERTS = {"aten._assert_scalar.default", "aten.sym_constrain_range_for_size.default",
@@ -460,9 +464,10 @@ def convert_node(b: Builder, n: torch.fx.Node, gm: torch.fx.GraphModule) -> None
 
 
 def _import(ep: ExportedProgram, fold: bool, aten_fallback: bool = False, seed: int = 0,
-            cuda: bool = False) -> Imported:
+            cuda: bool = False, fused_attention: bool = False) -> Imported:
     syms = SymbolTable()
     b = Builder(syms)
+    b.fused_attention = fused_attention
     b.ranges = dict(ep.range_constraints)
     b.aten_fallback = aten_fallback
     b.cuda = cuda

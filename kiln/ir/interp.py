@@ -400,10 +400,36 @@ def _lib_embedding_bag(outs, attrs, weight, indices, offsets, psw=None):
     return [out.astype(weight.dtype)]
 
 
+def _lib_attention(outs, attrs, q, k, v, mask=None):
+    """softmax(scale * q @ k^T (+ mask / where mask, causal: key <= query)) @ v in float64,
+    one (batch, head) at a time; a row whose keys are all masked gives zeros, as eager does."""
+    (dt, shape), = outs
+    out = np.zeros(shape, dtype=np.float64)
+    lq, s = q.shape[2], k.shape[2]
+    keep = np.tril(np.ones((lq, s), dtype=bool)) if attrs["causal"] else np.ones((lq, s), bool)
+    for b in range(q.shape[0]):
+        for h in range(q.shape[1]):
+            sc = attrs["scale"] * (q[b, h].astype(np.float64) @ k[b, h].astype(np.float64).T)
+            kept = keep.copy()
+            if attrs["mask"] == 1:
+                kept &= mask[b, h].astype(bool)
+            elif attrs["mask"] == 2:
+                sc = sc + mask[b, h].astype(np.float64)
+            sc = np.where(kept, sc, -np.inf)
+            top = sc.max(axis=1, keepdims=True) if s else np.zeros((lq, 1))
+            top = np.where(np.isneginf(top), 0.0, top)
+            p = np.exp(sc - top)
+            total = p.sum(axis=1, keepdims=True)
+            out[b, h] = np.where(total > 0, p / np.where(total > 0, total, 1.0), 0.0) @ \
+                v[b, h].astype(np.float64)
+    return [out]
+
+
 # routine -> numpy twin: (outs [(dtype name, shape)], attrs, *operands) -> one array per out
 ROUTINES = {"sort": _lib_sort, "topk": _lib_topk, "scan": _lib_scan,
             "scan_extreme": _lib_scan_extreme, "put": _lib_put, "put_mean": _lib_put,
-            "masked_scatter": _lib_masked_scatter, "embedding_bag": _lib_embedding_bag}
+            "masked_scatter": _lib_masked_scatter, "embedding_bag": _lib_embedding_bag,
+            "attention": _lib_attention}
 
 
 def run_routine(call: L.Extern, outs, operands: list[np.ndarray]) -> list[np.ndarray]:

@@ -92,6 +92,13 @@ class LowerCtx:
     names: set[str] = field(default_factory=set)
     # nodes already emitted for one multi-result op (library calls: sort values + indices)
     shared: dict = field(default_factory=dict)
+    indirect: list = field(default_factory=lambda: [0])  # index variables made so far
+
+    def index_var(self) -> sympy.Symbol:
+        """A fresh data-dependent index variable (x1, x2, ... per lowering: the same program
+        always prints the same kernels, which the build caches rely on)."""
+        self.indirect[0] += 1
+        return sympy.Symbol(f"x{self.indirect[0]}", integer=True)
 
     def unique(self, base: str) -> str:
         name, k = base, 1

@@ -14,26 +14,18 @@ from kiln.lowering.core import Index, Lazy, LowerCtx
 from kiln.lowering.pointwise import broadcast_index, cast
 
 
-class _Counter:
-    n = 0
-
-
-def _indirect_var() -> sympy.Symbol:
-    _Counter.n += 1
-    return sympy.Symbol(f"x{_Counter.n}", integer=True)
-
-
 def _base(ctx: LowerCtx, x: Lazy, name: str) -> Lazy:
     return x if x.view is not None else ctx.realize(name + "_src", x, (name,))
 
 
-def indirect_load(x: Lazy, src_index: list, replace: dict[int, L.Expr],
+def indirect_load(ctx: LowerCtx, x: Lazy, src_index: list, replace: dict[int, L.Expr],
                   wrap: bool = True) -> L.Expr:
-    """Load x at `src_index`, where dims in `replace` take a data-dependent index."""
+    """Load x at `src_index`, where dims in `replace` take a data-dependent index (each a
+    fresh variable of this lowering: `ctx.index_var`)."""
     inds = []
     idx = list(src_index)
     for d, value in replace.items():
-        v = _indirect_var()
+        v = ctx.index_var()
         inds.append(L.Indirect(v, cast(value, dtypes.int64), x.shape[d], wrap))
         idx[d] = v
     ld = x.load(tuple(idx))
@@ -47,7 +39,7 @@ def lower_embedding(ctx: LowerCtx, node: Node, args: list[Lazy]) -> Lazy:
     k = ids.rank
 
     def fn(idx: Index) -> L.Expr:
-        return indirect_load(w, [None, idx[k]], {0: ids.load(tuple(idx[:k]))}, wrap=False)
+        return indirect_load(ctx, w, [None, idx[k]], {0: ids.load(tuple(idx[:k]))}, wrap=False)
 
     return Lazy(w.dtype, node.type.shape, fn, None, 1)
 
@@ -71,7 +63,7 @@ def lower_index(ctx: LowerCtx, node: Node, args: list[Lazy]) -> Lazy:
             src.append(None if d in positions else next(it))
         repl = {d: t.load(broadcast_index(bidx, t.shape, bshape))
                 for d, t in zip(positions, indices)}
-        return indirect_load(x, src, repl, wrap=not node.attr("select", False))
+        return indirect_load(ctx, x, src, repl, wrap=not node.attr("select", False))
 
     if len(out_shape) != x.rank - len(positions) + nb:
         raise UnsupportedError(f"index pattern of node {node.name} (shape {out_shape})")
@@ -98,6 +90,6 @@ def lower_gather(ctx: LowerCtx, node: Node, args: list[Lazy]) -> Lazy:
 
     def fn(idx: Index) -> L.Expr:
         src = list(idx)
-        return indirect_load(x, src, {dim: ids.load(idx)}, wrap=False)
+        return indirect_load(ctx, x, src, {dim: ids.load(idx)}, wrap=False)
 
     return Lazy(x.dtype, node.type.shape, fn, None, 1)

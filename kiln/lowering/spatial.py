@@ -456,7 +456,7 @@ def _gather(ctx: LowerCtx, x: Lazy, name: str, src) -> L.Expr:
     if not data:
         return x.load(tuple(src))
     plain = [None if d in data else v for d, v in enumerate(src)]
-    return indirect_load(x, plain, data, wrap=False)
+    return indirect_load(ctx, x, plain, data, wrap=False)
 
 
 def _combine(ctx, x: Lazy, lead_idx, per_dim, dt) -> L.Expr:

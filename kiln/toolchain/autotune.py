@@ -183,3 +183,85 @@ def tune(kernels, buffers, hints: dict[str, int], base: dict[str, Config], arch:
         os.replace(tmp, path)
         del args
     return best, report
+
+
+def tune_attention(calls, buffers, hints: dict[str, int], arch: int, cache: Path,
+                   jobs: int = 0) -> tuple[dict[str, Config], dict]:
+    """The flash-attention kernels (codegen/triton_attention.py) of `calls`: every candidate of
+    `attention_candidates` compiled in parallel, timed at the example sizes, the fastest kept
+    (ties: the heuristic, listed first); a candidate Triton cannot compile or the device cannot
+    launch (shared memory) is skipped. Cached on disk like `tune`. Bool masks are all true
+    while timing (an all-false mask would time the fully masked path)."""
+    import torch
+    import triton
+
+    from kiln.codegen.triton_attention import attention_candidates, print_attention_kernel
+    from kiln.toolchain import triton_aot
+
+    device = torch.cuda.get_device_name()
+    root = cache / "autotune"
+    best: dict[str, Config] = {}
+    report: dict = {}
+    todo = []
+    for c in calls:
+        cands = attention_candidates(c, buffers, hints)
+        tks = [print_attention_kernel(c, buffers, hints, x) for x in cands]
+        sizes = {n: int(hints[n]) for kind, n in tks[0].params if kind == "size"}
+        path = root / f"{_cache_key(tks[0], cands, sizes, device, triton.__version__)}.json"
+        if path.exists():
+            hit = json.loads(path.read_text())
+            best[c.name] = Config(hit["xblock"], hit["rblock"], hit["num_warps"],
+                                  hit["num_stages"])
+            continue
+        todo.append((c, tks, path))
+    if not todo:
+        return best, report
+    n_mod = max(len(t) for _, t, _ in todo)
+    mods = [triton_aot.import_module(print_triton_module([t[i] for _, t, _ in todo
+                                                          if i < len(t)]), cache)
+            for i in range(n_mod)]
+    jobs_list = [(i, j, tk) for i, (_, tks, _) in enumerate(todo) for j, tk in enumerate(tks)]
+
+    def build(t):
+        try:
+            return triton_aot.compile_kernel(mods[t[1]], t[2], arch)
+        except CompileError:
+            if t[1] == 0:
+                raise
+            return None
+
+    with ThreadPoolExecutor(max_workers=max(1, jobs or os.cpu_count() or 1)) as pool:
+        cks = list(pool.map(build, jobs_list))
+    compiled = {(i, j): ck for (i, j, _), ck in zip(jobs_list, cks) if ck is not None}
+    prelude = hashlib.sha256(PRELUDE.encode()).hexdigest()
+    for i, (c, tks, path) in enumerate(todo):
+        args = [a.fill_(True) if getattr(a, "dtype", None) == torch.bool else a
+                for a in _args(tks[0], buffers, hints, torch)]
+        times = {}
+        for j, tk in enumerate(tks):
+            if (i, j) not in compiled:
+                continue
+            rows = max(1, evaluate(tk.rows, hints))  # depends on BLOCK_M
+            grid = (-(-rows // tk.config.xblock), 1, 1)
+            try:
+                times[j] = _time_ms(compiled[(i, j)], grid,
+                                    args + [tk.config.xblock, tk.config.rblock], torch)
+            except Exception:  # noqa: BLE001 - e.g. out of shared memory: not a candidate
+                if j == 0:
+                    raise
+        win = min(times, key=lambda j: (times[j], j))
+        cfg = tks[win].config
+        best[c.name] = cfg
+        report[f"attn_{c.name}"] = {
+            f"m{tks[j].config.xblock}n{tks[j].config.rblock}w{tks[j].config.num_warps}"
+            f"s{tks[j].config.num_stages}": round(ms, 5) for j, ms in times.items()}
+        triton_aot.store_compiled(compiled[(i, win)], tks[win], arch, prelude, cache)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(dir=path.parent, suffix=".tmp")
+        with os.fdopen(fd, "w") as f:
+            json.dump({"xblock": cfg.xblock, "rblock": cfg.rblock, "num_warps": cfg.num_warps,
+                       "num_stages": cfg.num_stages, "kernel": f"attn_{c.name}",
+                       "device": device, "ms": report[f"attn_{c.name}"]}, f)
+        os.replace(tmp, path)
+        del args
+    return best, report

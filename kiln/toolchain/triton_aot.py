@@ -61,9 +61,10 @@ def import_module(text: str, cache: Path):
 
 
 def _key(kernel, arch: int, prelude_hash: str) -> str:
+    stages = [kernel.config.num_stages] if kernel.config.num_stages else []
     blob = json.dumps([kernel.source, kernel.signature, kernel.config.xblock,
                        kernel.config.rblock, kernel.config.num_warps, arch, triton_version(),
-                       prelude_hash])
+                       prelude_hash, *stages])
     return hashlib.sha256(blob.encode()).hexdigest()
 
 
@@ -80,9 +81,11 @@ def compile_kernel(mod, kernel, arch: int):
         fn=fn, signature=dict(kernel.signature),
         constexprs={"XBLOCK": kernel.config.xblock, "RBLOCK": kernel.config.rblock},
         attrs=attrs)
+    options = {"num_warps": kernel.config.num_warps}
+    if kernel.config.num_stages:
+        options["num_stages"] = kernel.config.num_stages
     try:
-        ck = triton.compile(src, target=GPUTarget("cuda", arch, 32),
-                            options={"num_warps": kernel.config.num_warps})
+        ck = triton.compile(src, target=GPUTarget("cuda", arch, 32), options=options)
     except Exception as e:  # Triton raises many types; name the kernel and keep the message
         raise CompileError(f"Triton failed to compile {kernel.name} for sm_{arch}: "
                            f"{type(e).__name__}: {e}") from e
