@@ -127,6 +127,16 @@ def _no_cuda_libs(steps) -> None:
                                    "has no CUDA version yet; compile for the CPU")
 
 
+def _no_user_kernels(graph) -> None:
+    """User Triton kernels need a GPU. A triton_op's CPU kernel (register_kernel("cpu")) is
+    Python, which a package cannot run, so a CPU build with a user kernel is refused."""
+    names = [f"{n.attr('spec').name} (node {n.name})" for n in graph.nodes
+             if n.op == "user_kernel"]
+    if names:
+        raise UnsupportedError(f"user Triton kernel {', '.join(names)} needs a GPU: compile "
+                               "with device=\"cuda\" (CPU packages cannot run Triton kernels)")
+
+
 def build(ep: torch.export.ExportedProgram, opts: Options, device: str = "cpu") -> Built:
     run = _Run(opts)
     cuda = device.split(":")[0] == "cuda"
@@ -135,6 +145,8 @@ def build(ep: torch.export.ExportedProgram, opts: Options, device: str = "cpu") 
                                                            opts.aten_fallback, opts.seed), ep)
     # 2. drop dead nodes and unused weights
     graph = run.stage("dce", dce, imported.graph, dump=print_graph, verify=verify_graph)
+    if not cuda:
+        _no_user_kernels(graph)
     # 2b. CPU: float16 / bfloat16 are storage types: ops compute in float32, round on store
     # (CUDA keeps them: Triton kernels load/store 16 bits and compute in float32, and cuBLAS
     # multiplies 16-bit operands on tensor cores with float32 accumulation)

@@ -26,6 +26,17 @@ from kiln.schedule import Kernel
 from kiln.toolchain.cxx import Toolchain, build_shared
 from kiln.toolchain.autotune import device_available, tune
 from kiln.toolchain.triton_aot import compile_cubins
+from kiln.toolchain import user_triton
+
+
+def user_sources(launches) -> str:
+    """The user kernels' Triton source, each headed by the config and grid compiled."""
+    out = ["# User-written Triton kernels compiled into this package (source as written)."]
+    for u in launches:
+        out += ["", f"# {u.name} <- {', '.join(u.source_ops)}: config {u.config} "
+                f"{u.constexprs}, num_warps={u.num_warps}, num_stages={u.num_stages}, "
+                f"grid=({', '.join(map(str, u.grid))})", u.call.spec.fn.src]
+    return "\n".join(out) + "\n"
 
 RUNTIME = Path(__file__).parent / "runtime"
 INCLUDE_DIRS = (RUNTIME / "include", RUNTIME / "model", RUNTIME / "src")
@@ -100,13 +111,25 @@ def build_cuda(run, steps, buffers, program, hints: dict[str, int], opts: Option
     cubins, tt = run.stage("cubins", lambda m: compile_cubins(m, tks, archs, cache, opts.jobs),
                            module)
     run.timings.update({f"cubins.{k}": v for k, v in tt.items()})
-    names = [k.name for k in tks]
+    # user-written Triton kernels (triton_op / wrap_triton): a config each, then cubins
+    measure = bool(opts.autotune) and device_available() and default_archs()[0] in archs
+    launches, measured = [], {}
+    for u in (s for s in L.flat_steps(steps) if isinstance(s, L.UserKernel)):
+        best, ms = user_triton.choose_config(u, buffers, hints, measure, cache)
+        launches.append(user_triton.prepare(u, best, buffers))
+        if ms:
+            measured[u.name] = ms
+    cubins.update(run.stage("cubins_user",
+                            lambda ls: user_triton.user_cubins(ls, archs, cache), launches))
+    names = [k.name for k in tks] + [u.name for u in launches]
     blob, where = cubin_blob(cubins, names, archs)
     blob_path = _write_blob(blob, cache)
-    by_name = {k.name: k for k in tks}
+    by_name = {**{k.name: k for k in tks}, **{u.name: u for u in launches}}
     wrapper = run.stage("codegen_wrapper", lambda p: print_cuda_wrapper(
         p, by_name, cubins, archs, str(blob_path), where, opts.cuda_graphs), program)
     sources = {"kernels_triton.py": module, "model_cuda.cpp": wrapper}
+    if launches:
+        sources["user_triton.py"] = user_sources(launches)
     if opts.dump_dir:
         for name, text in sources.items():
             (Path(opts.dump_dir) / name).write_text(text)
@@ -117,5 +140,10 @@ def build_cuda(run, steps, buffers, program, hints: dict[str, int], opts: Option
             "graphs": opts.cuda_graphs, "kernels": {
         k.name: {"xblock": k.config.xblock, "rblock": k.config.rblock,
                  "num_warps": k.config.num_warps,
-                 "shared": {str(a): cubins[(k.name, a)].shared for a in archs}} for k in tks}}
+                 "shared": {str(a): cubins[(k.name, a)].shared for a in archs}} for k in tks},
+        "user_kernels": {u.name: {
+            "kernel": u.call.kernel, "config": u.config, "constexprs": {
+                k: repr(v) for k, v in u.constexprs.items()}, "num_warps": u.num_warps,
+            "num_stages": u.num_stages, "grid": [str(g) for g in u.grid],
+            "measured_ms": measured.get(u.name, {})} for u in launches}}
     return sources, lib, info

@@ -42,7 +42,7 @@ import sympy
 
 from kiln.ir.dtypes import DType
 from kiln.ir.graph import SymbolRange
-from kiln.ir.loop import AtenCall, Extern, Gemm, ReadSize, node_reads
+from kiln.ir.loop import AtenCall, Extern, Gemm, ReadSize, UserKernel, node_reads
 from kiln.ir.sym import free_size_symbols
 
 
@@ -142,6 +142,15 @@ class CallLib:
 
 
 @dataclass(frozen=True)
+class CallUser:
+    """A user Triton kernel (see `loop.UserKernel`): copy `inits` into `outs` (`numels`
+    elements each), then launch it with the grid of the config codegen chose."""
+
+    call: UserKernel
+    numels: tuple[sympy.Expr, ...]
+
+
+@dataclass(frozen=True)
 class CopyState:
     """After every step: the state buffer `dst` takes the value in `src` (same dtype, size).
     It persists in the model instance to the next run."""
@@ -193,8 +202,8 @@ class Return:
 
 
 Line = Union[CheckInput, BindSize, CheckSize, CheckRange, AllocOutput, Alloc, Free, CallKernel,
-             CallGemm, CallAten, ReadSizeLine, CallLib, CopyState, Return, SetFlag, If, While,
-             BreakUnless, CopyBuf]
+             CallGemm, CallAten, ReadSizeLine, CallLib, CallUser, CopyState, Return, SetFlag, If,
+             While, BreakUnless, CopyBuf]
 
 
 def walk(lines):
@@ -249,7 +258,7 @@ class Program:
         return [x for x in self.lines if isinstance(x, STEPS)]
 
 
-STEPS = (CallKernel, CallGemm, CallAten, ReadSizeLine, CallLib)  # lines that run a step
+STEPS = (CallKernel, CallGemm, CallAten, ReadSizeLine, CallLib, CallUser)  # lines that run a step
 STEP_LINES = STEPS
 
 
@@ -281,6 +290,12 @@ def _fmt(line: Line) -> str:
     if isinstance(line, CallLib):
         from kiln.ir.loop_text import lib_text
         return "lib " + lib_text(line.call)
+    if isinstance(line, CallUser):
+        from kiln.ir.loop_text import user_text
+        grids = {c.grid for c in line.call.spec.configs}
+        grid = ", ".join(map(str, next(iter(grids)))) if len(grids) == 1 else \
+            f"grid of the chosen config among {len(grids)}"
+        return f"launch[{grid}] {user_text(line.call)}"
     if isinstance(line, (CallAten, ReadSizeLine)):
         from kiln.ir.loop_text import node_text
         return node_text(line.call if isinstance(line, CallAten) else line.node)
@@ -329,6 +344,8 @@ def _uses(line: Line) -> list[str]:
         return [line.gemm.a.buf, line.gemm.b.buf, line.gemm.name]
     if isinstance(line, CallLib):
         return [a.buf for a in line.call.args] + list(line.call.outs)
+    if isinstance(line, CallUser):
+        return sorted(node_reads(line.call)) + list(line.call.outs)
     if isinstance(line, CallAten):
         return sorted(node_reads(line.call)) + [line.call.name]
     if isinstance(line, ReadSizeLine):

@@ -54,11 +54,11 @@ def _rename_node(n, f):
     if isinstance(n, L.Gemm):
         return replace(n, name=f(n.name), a=replace(n.a, buf=f(n.a.buf)),
                        b=replace(n.b, buf=f(n.b.buf)))
-    if isinstance(n, (L.AtenCall, L.ReadSize, L.Extern)):
+    if isinstance(n, (L.AtenCall, L.ReadSize, L.Extern, L.UserKernel)):
         from kiln.errors import UnsupportedError
-        raise UnsupportedError(f"{n.name}: library calls, ATen fallback calls and "
-                               "data-dependent sizes inside torch.cond / while_loop bodies are "
-                               "not supported yet")
+        raise UnsupportedError(f"{n.name}: library calls, ATen fallback calls, user Triton "
+                               "kernels and data-dependent sizes inside torch.cond / "
+                               "while_loop bodies are not supported yet")
     regions = {k: L.Region(rename(getattr(n, k).prog, f)) for k in (
         ("then", "orelse") if isinstance(n, L.Branch) else ("cond", "body"))}
     if isinstance(n, L.Branch):
