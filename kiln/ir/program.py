@@ -14,7 +14,7 @@ Lines, in the order a run executes them:
                writes this buffer) reads for the last time; `src` is freed right after it
   CallKernel   a generated kernel; CallGemm a BLAS call; CallAten an ATen fallback call;
                CallLib a kiln runtime routine (sort, scan, scatter, ...: `kiln_lib.h`), which
-               may fail on bad indices
+               may fail on bad indices; CallUser a user-written Triton kernel (CUDA)
   Return       hand the outputs over
 Control flow (torch.cond, while_loop; lines nest):
   SetFlag      a host boolean from a 0-d buffer (read on the host) or a size condition
