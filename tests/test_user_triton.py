@@ -130,6 +130,9 @@ def test_refusals_name_the_kernel():
         _compile(K.AddRelu(), (torch.randn(8, 16), torch.randn(8, 16)), device="cpu")
     with pytest.raises(UnsupportedError, match="writes user input x in place"):
         _compile(K.WritesInput(), (torch.randn(4, 40),))
+    with pytest.raises(UnsupportedError, match=r"add_relu_kernel .*tensor argument x_ptr has "
+                                               r"strides \[1, 8\]; kiln passes contiguous"):
+        _compile(K.Transposed(), (torch.randn(8, 8),))
     with pytest.raises(UnsupportedError, match="neg_kernel .*constexpr EVEN depends on a "
                                                "dynamic size"):
         _compile(K.Neg(), (torch.randn(4, 64),), ({0: Dim("b")},))

@@ -158,3 +158,13 @@ class Neg(torch.nn.Module):
         n = x.numel()
         wrap_triton(neg_kernel)[lambda meta: (triton.cdiv(n, meta["BLOCK"]),)](x, out, n)
         return out
+
+
+class Transposed(torch.nn.Module):
+    """A transposed (non-contiguous) tensor argument: kiln refuses."""
+
+    def forward(self, x):
+        out = torch.empty_like(x)
+        n = x.numel()
+        wrap_triton(add_relu_kernel)[(triton.cdiv(n, 128),)](x.t(), x, out, n, BLOCK_SIZE=128)
+        return out

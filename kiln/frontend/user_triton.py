@@ -17,8 +17,8 @@ analysis; without a GPU driver torch lists every tensor). An argument made by `e
 copied before the kernel writes it (`uninit`).
 
 Autotuned kernels keep every `triton.Config` (constexprs, num_warps, num_stages and the grid
-torch evaluated for it); `pipeline_cuda` picks one. `triton.heuristics` values are evaluated
-here, per config, on static arguments (a heuristic that reads a dynamic size is refused)."""
+torch evaluated for it); `pipeline_cuda` picks one. torch folds `triton.heuristics` values
+into the configs while tracing; a value that depends on a dynamic size is refused (`_static`)."""
 
 from __future__ import annotations
 
@@ -35,6 +35,7 @@ from kiln.errors import UnsupportedError
 from kiln.frontend.aten_table import register
 from kiln.ir import dtypes
 from kiln.ir.graph import Node, TensorType
+from kiln.ir.sym import contiguous_strides
 
 # pointer-writing Triton calls (functions of triton.language or methods of a descriptor)
 _STORES = {"store", "atomic_add", "atomic_and", "atomic_cas", "atomic_max", "atomic_min",
@@ -166,54 +167,25 @@ def written_params(fn, tensors) -> set[str]:
 
 
 def _unwrap(kernel, name: str):
-    """(JITFunction, autotune configs or None, key names, heuristics layers) of a side-table
-    kernel (Autotuner / Heuristics wrappers around a JITFunction)."""
-    from triton.runtime.autotuner import Autotuner, Heuristics
+    """(JITFunction, autotune configs or None, key names) of a side-table kernel (a
+    JITFunction, possibly inside one triton.autotune; torch has folded heuristics into the
+    configs)."""
+    from triton.runtime.autotuner import Autotuner
     from triton.runtime.jit import JITFunction
 
-    configs, keys, heur = None, (), []
+    configs, keys = None, ()
     k = kernel
-    while not isinstance(k, JITFunction):
-        if isinstance(k, Autotuner):
-            if configs is not None:
-                raise UnsupportedError(f"Triton kernel {name}: nested triton.autotune")
-            configs, keys = list(k.configs), tuple(k.keys)
-            if any(getattr(c, "pre_hook", None) for c in configs) or getattr(
-                    k, "user_defined_pre_hook", False) or getattr(k, "user_defined_post_hook",
-                                                                  False):
-                raise UnsupportedError(f"Triton kernel {name}: autotune pre/post hooks run "
-                                       "Python at launch time, which a package cannot")
-        elif isinstance(k, Heuristics):
-            heur.append(k.values)
-        else:
-            raise UnsupportedError(f"Triton kernel {name}: expected a triton.jit function "
-                                   f"(optionally autotuned), got {type(k).__name__}")
+    if isinstance(k, Autotuner):
+        configs, keys = list(k.configs), tuple(k.keys)
+        if any(getattr(c, "pre_hook", None) for c in configs) or getattr(
+                k, "user_defined_pre_hook", False) or getattr(k, "user_defined_post_hook", False):
+            raise UnsupportedError(f"Triton kernel {name}: autotune pre/post hooks run Python "
+                                   "at launch time, which a package cannot")
         k = k.fn
-    return k, configs, keys, heur
-
-
-@dataclass(frozen=True)
-class _DynamicSize:
-    """A dynamic int argument as a heuristic would see it (any read is refused by `_Args`)."""
-
-    expr: sympy.Expr
-
-
-class _Args(dict):
-    """Arguments as a heuristic sees them: a dynamic size raises (constexprs are fixed at
-    compile time, for every size)."""
-
-    def __init__(self, values, kernel: str) -> None:
-        super().__init__(values)
-        self.kernel = kernel
-
-    def __getitem__(self, key):
-        v = super().__getitem__(key)
-        if isinstance(v, _DynamicSize):
-            raise UnsupportedError(f"Triton kernel {self.kernel}: a triton.heuristics value "
-                                   f"reads argument {key}, a dynamic size; kiln fixes "
-                                   "constexprs at compile time for every size")
-        return v
+    if not isinstance(k, JITFunction):
+        raise UnsupportedError(f"Triton kernel {name}: expected a triton.jit function "
+                               f"(optionally autotuned), got {type(k).__name__}")
+    return k, configs, keys
 
 
 def _static(v, key: str, where: str):
@@ -247,7 +219,7 @@ def convert_user_kernel(b, n: torch.fx.Node, gm) -> dict[str, str]:
 
     kw = n.kwargs
     kernel = kernel_side_table.get_kernel(kw["kernel_idx"])
-    fn, configs, keys, heur = _unwrap(kernel, getattr(kernel, "__name__", n.name))
+    fn, configs, keys = _unwrap(kernel, getattr(kernel, "__name__", n.name))
     name = fn.__name__
     where = f"Triton kernel {name} (node {n.name})"
     if kw.get("tma_descriptor_metadata"):
@@ -261,7 +233,7 @@ def convert_user_kernel(b, n: torch.fx.Node, gm) -> dict[str, str]:
     operands: list[str] = []
     args: list[tuple[str, tuple]] = []
     tensors: dict[str, torch.fx.Node] = {}
-    config_keys = {k for c in raw for k in c["kwargs"]} | {k for h in heur for k in h}
+    config_keys = {k for c in raw for k in c["kwargs"]}
     for p in fn.params:
         if p.name in given:
             v = given[p.name]
@@ -274,11 +246,13 @@ def convert_user_kernel(b, n: torch.fx.Node, gm) -> dict[str, str]:
             raise UnsupportedError(f"{where}: argument {p.name} is not given")
         if isinstance(v, torch.fx.Node) and isinstance(v.meta.get("val"), torch.Tensor):
             t = v.meta["val"]
-            contiguous = torch.empty(t.shape, device="meta").stride()
-            if any(s != c and d != 1 for s, c, d in zip(t.stride(), contiguous, t.shape)):
+            shape, strides = b.syms.shape(t.shape), b.syms.shape(t.stride())
+            contiguous = contiguous_strides(shape)
+            if any(sympy.expand(s - c) != 0 and d != 1
+                   for s, c, d in zip(strides, contiguous, shape)):
                 raise UnsupportedError(f"{where}: tensor argument {p.name} has strides "
-                                       f"{tuple(t.stride())}; kiln passes contiguous tensors "
-                                       f"(expected {tuple(contiguous)})")
+                                       f"{list(strides)}; kiln passes contiguous tensors "
+                                       f"(strides {list(contiguous)})")
             if p.is_constexpr:
                 raise UnsupportedError(f"{where}: tensor argument {p.name} is a constexpr")
             tensors[p.name] = v
@@ -300,25 +274,12 @@ def convert_user_kernel(b, n: torch.fx.Node, gm) -> dict[str, str]:
             raise UnsupportedError(f"{where}: argument {p.name} is a {type(v).__name__}; "
                                    "supported: tensors, ints, sizes, floats, bools, None, "
                                    "constexprs")
-    heur_args = {}
-    for pname, v in args:
-        if v[0] == "tensor":
-            heur_args[pname] = tensors[pname].meta["val"]
-        elif v[0] == "int":
-            heur_args[pname] = int(v[1]) if v[1].is_Integer else _DynamicSize(v[1])
-        elif v[0] in ("float", "bool", "constexpr"):
-            heur_args[pname] = v[1]
-        elif v[0] == "none":
-            heur_args[pname] = None
     out_configs = []
     for c, g in zip(raw, grids):
         if c.get("num_ctas", 1) != 1:
             raise UnsupportedError(f"{where}: num_ctas={c['num_ctas']} (clusters) is not "
                                    "supported")
         consts = {k: _static(v, k, where) for k, v in c["kwargs"].items()}
-        for values in reversed(heur):  # innermost wrapper last, as Triton runs them
-            for k, h in values.items():
-                consts[k] = h(_Args({**heur_args, **consts}, name))
         grid = tuple(_grid_dim(b, x) for x in g) + (sympy.Integer(1),) * (3 - len(g))
         out_configs.append(UserConfig(tuple(sorted(consts.items())), int(c.get("num_warps", 4)),
                                       int(c.get("num_stages", 3)), grid))

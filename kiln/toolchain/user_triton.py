@@ -78,7 +78,11 @@ def prepare(call: L.UserKernel, config: int, buffers: dict) -> UserLaunch:
     for i, (p, v) in enumerate(call.args):
         kind = v[0]
         if kind == "buf":
-            sig[p] = "*" + TRITON_DTYPE[buffers[v[1]].dtype.name]
+            dt = buffers[v[1]].dtype.name
+            if dt not in TRITON_DTYPE:
+                raise CompileError(f"Triton kernel {call.kernel}: tensor argument {p} is "
+                                   f"{dt}; supported: {', '.join(TRITON_DTYPE)}")
+            sig[p] = "*" + TRITON_DTYPE[dt]
             if not params[p].do_not_specialize_on_alignment:
                 attrs[(i,)] = [["tt.divisibility", 16]]
         elif kind == "int":
