@@ -116,6 +116,21 @@ def test_kernel_writing_an_intermediate_gets_a_copy():
     assert copy.group(1) != "double_inplace_kernel_p_ptr"
 
 
+def test_triton_op_writing_its_argument_with_scalar_args_in_float16():
+    cm = _compile(K.Affine(), (torch.randn(8, 16, dtype=torch.float16),), ({0: Dim("b")},))
+    block = _user_block(cm, "affine_kernel")
+    for line in ("float a3 = static_cast<float>(0.25f);  // scale",
+                 "int32_t a4 = static_cast<int32_t>(3);  // shift",
+                 "int8_t a5 = static_cast<int8_t>(1);  // negate",
+                 "void* args[] = {&buf_x, &buf_affine_kernel_out_ptr, &a2, &a3, &a4, &a5, "
+                 "&scratch, &scratch};"):
+        assert line in block
+    launch = prepare(_step(cm, "affine_kernel"), 0, L.all_buffers(cm.built.loop))
+    assert launch.signature == {"x_ptr": "*fp16", "out_ptr": "*fp16", "n": "i64",
+                                "scale": "fp32", "shift": "i32", "negate": "i1",
+                                "BLOCK": "constexpr"}
+
+
 def test_fused_between_kiln_ops():
     b = Dim("b")
     cm = _compile(K.Fused(), (torch.randn(4, 16), torch.randn(4, 32)), ({0: b}, {0: b}))

@@ -36,6 +36,9 @@ CASES = {
     "linear_kernel_layernorm": (K.Fused, (torch.randn(4, 16), torch.randn(4, 32)),
                                 ({0: B}, {0: B}),
                                 lambda b: (torch.randn(b, 16), torch.randn(b, 32))),
+    "triton_op_out_arg_float16": (K.Affine, (torch.randn(8, 16, dtype=torch.float16),),
+                                  ({0: B},),
+                                  lambda b: (torch.randn(b, 16, dtype=torch.float16),)),
 }
 
 

@@ -168,3 +168,30 @@ class Transposed(torch.nn.Module):
         n = x.numel()
         wrap_triton(add_relu_kernel)[(triton.cdiv(n, 128),)](x.t(), x, out, n, BLOCK_SIZE=128)
         return out
+
+
+@triton.jit
+def affine_kernel(x_ptr, out_ptr, n, scale, shift, negate, BLOCK: tl.constexpr):
+    """out = +-(x * scale + shift) in x's dtype (float16 here): float, int and bool scalars."""
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    m = offs < n
+    y = tl.load(x_ptr + offs, mask=m).to(tl.float32) * scale + shift
+    if negate:
+        y = -y
+    tl.store(out_ptr + offs, y.to(out_ptr.dtype.element_ty), mask=m)
+
+
+@triton_op("kiln_test::affine_into", mutates_args={"out"})
+def affine_into(x: torch.Tensor, out: torch.Tensor, shift: int, negate: bool) -> None:
+    n = x.numel()
+    wrap_triton(affine_kernel)[(triton.cdiv(n, 256),)](x, out, n, 0.25, shift, negate,
+                                                        BLOCK=256)
+
+
+class Affine(torch.nn.Module):
+    """A triton_op that writes its `out` argument (mutates_args), on float16 tensors."""
+
+    def forward(self, x):
+        out = torch.empty_like(x)
+        affine_into(x, out, 3, True)
+        return out * 2
