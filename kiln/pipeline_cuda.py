@@ -5,7 +5,9 @@ hints (example sizes) and the Options. Output: (sources, library path, info) whe
 `kernels_triton.py` (every kernel as Triton) and `model_cuda.cpp` (the wrapper), the library is
 the linked model.so and info records the architectures and each kernel's launch config for the
 manifest. Stages (timed by the caller's `_Run`): Triton codegen, cubins (parallel, cached by
-content hash), wrapper codegen, C++ build against cuda.h only (no CUDA library is linked).
+content hash), user Triton kernels (a config each, then cubins: toolchain/user_triton.py; their
+source is kept as `user_triton.py`), wrapper codegen, C++ build against cuda.h only (no CUDA
+library is linked).
 
 Invariants: the cubin blob is content-addressed (`<cache>/cubins/<sha256>.bin`), so the
 wrapper's text, and with it the object cache key, changes whenever any cubin does."""

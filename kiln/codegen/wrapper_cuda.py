@@ -12,7 +12,8 @@ the same major version that is not newer than the device), loads one module per 
 uploads the weights once (one allocation, each weight 256-byte aligned) and owns one output
 pool, one arena and one cuBLAS handle; a run validates the inputs (kDLCUDA on the instance's
 device, 16-byte aligned), plans the arena (at run time for dynamic sizes, cached), launches
-every kernel on the caller's stream (no launch for an empty grid) and returns device outputs.
+every kernel on the caller's stream (no launch for an empty grid; a user Triton kernel on its
+own 3-D grid after copying the inputs it overwrites) and returns device outputs.
 Nothing here needs libcuda at link time."""
 
 from __future__ import annotations
