@@ -1,7 +1,7 @@
 """Loop IR: every tensor the program materialises is a `Compute` (a loop body over its index
-space, optionally reducing over extra indices), a `Gemm` (an extern call into BLAS) or an
+space, optionally reducing over extra indices), a `Gemm` (an extern call into BLAS), an
 `Extern` (a call into a kiln runtime routine: sort, scans, scatters, ...; it may write several
-buffers).
+buffers) or a `UserKernel` (a user-written Triton kernel; CUDA only).
 
 Expressions are frozen trees: `Const`, `Load` (a flat element offset into a buffer, possibly
 through `indirect` temporaries whose values are themselves loaded), `Index` (an integer index
