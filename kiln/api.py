@@ -43,6 +43,9 @@ def _kernels_json(built: Built) -> list[dict]:
             kind = "triton" if built.device == "cuda" else "cpp"
             out.append({"name": s.name, "kind": kind, "members": [m.name for m in s.members],
                         "source_ops": list(s.source)})
+        elif isinstance(s, L.UserKernel):
+            out.append({"name": s.name, "kind": "user_triton", "members": list(s.outs),
+                        "kernel": s.kernel, "source_ops": list(s.source)})
         elif isinstance(s, L.Extern):
             out.append({"name": s.name, "kind": f"lib.{s.routine}", "members": list(s.outs),
                         "source_ops": list(s.source)})

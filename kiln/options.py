@@ -66,8 +66,9 @@ class Options:
     cuda_graphs: bool = True
     #: CUDA builds on a machine whose GPU is one of the target architectures: time candidate
     #: launch configs of each large kernel on it and keep the fastest (kiln/toolchain/
-    #: autotune.py; cached on disk per kernel source and device). Off, or without a GPU:
-    #: the size heuristic alone.
+    #: autotune.py; cached on disk per kernel source and device), and the triton.autotune
+    #: configs of user Triton kernels (toolchain/user_triton.py). Off, or without a GPU: the
+    #: size heuristic alone, and a user kernel's first config.
     autotune: bool = True
     #: CUDA builds: run scaled_dot_product_attention as kiln's flash-attention Triton kernel
     #: (codegen/triton_attention.py; one step, no L x S score matrix). False decomposes it

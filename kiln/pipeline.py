@@ -131,6 +131,16 @@ def _no_cuda_libs(steps) -> None:
                                    "has no CUDA version yet; compile for the CPU")
 
 
+def _no_user_kernels(graph) -> None:
+    """User Triton kernels need a GPU. A triton_op's CPU kernel (register_kernel("cpu")) is
+    Python, which a package cannot run, so a CPU build with a user kernel is refused."""
+    names = [f"{n.attr('spec').name} (node {n.name})" for n in graph.nodes
+             if n.op == "user_kernel"]
+    if names:
+        raise UnsupportedError(f"user Triton kernel {', '.join(names)} needs a GPU: compile "
+                               "with device=\"cuda\" (CPU packages cannot run Triton kernels)")
+
+
 def build(ep: torch.export.ExportedProgram, opts: Options, device: str = "cpu") -> Built:
     run = _Run(opts)
     cuda = device.split(":")[0] == "cuda"
@@ -143,6 +153,8 @@ def build(ep: torch.export.ExportedProgram, opts: Options, device: str = "cpu") 
                                                            opts.fused_attention), ep)
     # 2. drop dead nodes and unused weights
     graph = run.stage("dce", dce, imported.graph, dump=print_graph, verify=verify_graph)
+    if not cuda:
+        _no_user_kernels(graph)
     weights = dict(imported.weights)
     if opts.freeze:  # 2a. weights stored in the layout their GEMMs read (passes/freeze.py)
         graph, weights = run.stage("freeze", lambda g: freeze(g, weights), graph,

@@ -5,7 +5,9 @@ hints (example sizes) and the Options. Output: (sources, library path, info) whe
 `kernels_triton.py` (every kernel as Triton) and `model_cuda.cpp` (the wrapper), the library is
 the linked model.so and info records the architectures and each kernel's launch config for the
 manifest. Stages (timed by the caller's `_Run`): Triton codegen, cubins (parallel, cached by
-content hash), wrapper codegen, C++ build against cuda.h only (no CUDA library is linked).
+content hash), user Triton kernels (a config each, then cubins: toolchain/user_triton.py; their
+source is kept as `user_triton.py`), wrapper codegen, C++ build against cuda.h only (no CUDA
+library is linked).
 
 Invariants: the cubin blob is content-addressed (`<cache>/cubins/<sha256>.bin`), so the
 wrapper's text, and with it the object cache key, changes whenever any cubin does."""
@@ -27,6 +29,17 @@ from kiln.schedule import Kernel
 from kiln.toolchain.cxx import Toolchain, build_shared
 from kiln.toolchain.autotune import device_available, tune, tune_attention
 from kiln.toolchain.triton_aot import compile_cubins
+from kiln.toolchain import user_triton
+
+
+def user_sources(launches) -> str:
+    """The user kernels' Triton source, each headed by the config and grid compiled."""
+    out = ["# User-written Triton kernels compiled into this package (source as written)."]
+    for u in launches:
+        out += ["", f"# {u.name} <- {', '.join(u.source_ops)}: config {u.config} "
+                f"{u.constexprs}, num_warps={u.num_warps}, num_stages={u.num_stages}, "
+                f"grid=({', '.join(map(str, u.grid))})", u.call.spec.fn.src]
+    return "\n".join(out) + "\n"
 
 RUNTIME = Path(__file__).parent / "runtime"
 INCLUDE_DIRS = (RUNTIME / "include", RUNTIME / "model", RUNTIME / "src")
@@ -109,13 +122,25 @@ def build_cuda(run, steps, buffers, program, hints: dict[str, int], opts: Option
     cubins, tt = run.stage("cubins", lambda m: compile_cubins(m, tks, archs, cache, opts.jobs),
                            module)
     run.timings.update({f"cubins.{k}": v for k, v in tt.items()})
-    names = [k.name for k in tks]
+    # user-written Triton kernels (triton_op / wrap_triton): a config each, then cubins
+    measure = bool(opts.autotune) and device_available() and default_archs()[0] in archs
+    launches, measured = [], {}
+    for u in (s for s in L.flat_steps(steps) if isinstance(s, L.UserKernel)):
+        best, ms = user_triton.choose_config(u, buffers, hints, measure, cache)
+        launches.append(user_triton.prepare(u, best, buffers))
+        if ms:
+            measured[u.name] = ms
+    cubins.update(run.stage("cubins_user",
+                            lambda ls: user_triton.user_cubins(ls, archs, cache), launches))
+    names = [k.name for k in tks] + [u.name for u in launches]
     blob, where = cubin_blob(cubins, names, archs)
     blob_path = _write_blob(blob, cache)
-    by_name = {k.name: k for k in tks}
+    by_name = {**{k.name: k for k in tks}, **{u.name: u for u in launches}}
     wrapper = run.stage("codegen_wrapper", lambda p: print_cuda_wrapper(
         p, by_name, cubins, archs, str(blob_path), where, opts.cuda_graphs), program)
     sources = {"kernels_triton.py": module, "model_cuda.cpp": wrapper}
+    if launches:
+        sources["user_triton.py"] = user_sources(launches)
     if opts.dump_dir:
         for name, text in sources.items():
             (Path(opts.dump_dir) / name).write_text(text)
@@ -133,7 +158,12 @@ def build_cuda(run, steps, buffers, program, hints: dict[str, int], opts: Option
                  "num_warps": k.config.num_warps, "num_stages": k.config.num_stages,
                  "source_ops": list(k.source_ops),
                  "shared": {str(a): cubins[(k.name, a)].shared for a in archs}}
-        for k in tks if k.name in attn}}
+        for k in tks if k.name in attn},
+        "user_kernels": {u.name: {
+            "kernel": u.call.kernel, "config": u.config, "constexprs": {
+                k: repr(v) for k, v in u.constexprs.items()}, "num_warps": u.num_warps,
+            "num_stages": u.num_stages, "grid": [str(g) for g in u.grid],
+            "measured_ms": measured.get(u.name, {})} for u in launches}}
     return sources, lib, info
 
 

@@ -103,6 +103,24 @@ def _launch(module, k, env, bufs, status) -> None:
                                   num_warps=k.config.num_warps, **extra)
 
 
+def _run_user(u, x: P.CallUser, bufs: dict, env: dict) -> None:
+    """A user Triton kernel (`toolchain.user_triton.UserLaunch`) through Triton's launcher:
+    the copies of overwritten inputs, then the kernel with the chosen config."""
+    for out, init, n in zip(x.call.outs, x.call.inits, x.numels):
+        if init is not None:
+            k = evaluate(n, env)
+            bufs[out].reshape(-1)[:k].copy_(bufs[init].reshape(-1)[:k])
+    grid = tuple(evaluate(g, env) for g in u.grid)
+    if min(grid) <= 0:
+        return
+    kw = {}
+    for p, v in x.call.args:
+        kw[p] = (bufs[v[1]].reshape(-1) if v[0] == "buf" else evaluate(v[1], env)
+                 if v[0] == "int" else None if v[0] == "none" else
+                 u.constexprs[p] if v[0] == "config" else v[1])
+    u.call.spec.fn[grid](**kw, num_warps=u.num_warps, num_stages=u.num_stages)
+
+
 def run_program(prog: P.Program, kernels: dict, module, weights: dict, inputs: list,
                 device: str = "cpu") -> list[torch.Tensor]:
     env: dict[str, int] = {}
@@ -132,6 +150,8 @@ def run_program(prog: P.Program, kernels: dict, module, weights: dict, inputs: l
                 raise IndexError(f"index out of range in {', '.join(x.source)}")
         elif isinstance(x, P.CallLib) and x.call.routine == "attention":
             _launch(module, kernels[f"attn_{x.call.name}"], env, bufs, status)
+        elif isinstance(x, P.CallUser):
+            _run_user(kernels[x.call.name], x, bufs, env)
         elif isinstance(x, P.CallLib):
             from kiln.errors import UnsupportedError
             raise UnsupportedError(f"library routine {x.call.routine} (for "

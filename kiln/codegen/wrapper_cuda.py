@@ -12,10 +12,13 @@ the same major version that is not newer than the device), loads one module per 
 uploads the weights once (one allocation, each weight 256-byte aligned) and owns one output
 pool, one arena and one cuBLAS handle; a run validates the inputs (kDLCUDA on the instance's
 device, 16-byte aligned), plans the arena (at run time for dynamic sizes, cached), launches
-every kernel on the caller's stream (no launch for an empty grid) and returns device outputs.
+every kernel on the caller's stream (no launch for an empty grid; a user Triton kernel on its
+own 3-D grid after copying the inputs it overwrites) and returns device outputs.
 Nothing here needs libcuda at link time."""
 
 from __future__ import annotations
+
+import math
 
 from kiln.ir import program as P
 from kiln.ir.sym import to_c
@@ -26,6 +29,18 @@ from kiln.memory.assign import intervals
 # the element type kc::gemm is instantiated with (16-bit floats as kiln_cuda_rt.h's storage
 # types, which pick cublasGemmStridedBatchedEx with float accumulation)
 _GEMM_T = {"float16": "kc::f16", "bfloat16": "kc::bf16"}
+
+
+# C++ types of a user kernel's scalar arguments, as Triton's launcher passes them
+_USER_ARG = {"i1": "int8_t", "i32": "int32_t", "i64": "int64_t", "fp32": "float"}
+
+
+def _float(x: float) -> str:
+    if math.isnan(x):
+        return "__builtin_nanf(\"\")"
+    if math.isinf(x):
+        return "__builtin_inff()" if x > 0 else "-__builtin_inff()"
+    return f"{x!r}f"
 
 
 def _cstr(s: str) -> str:
@@ -143,6 +158,35 @@ class _Printer(SizeCheckPrinter):
                   "return 1;")
         self.emit("}")
 
+    def _CallUser(self, x: P.CallUser) -> None:
+        """A user Triton kernel: copies of the inputs it overwrites, then the launch."""
+        u = self.kernels[x.call.name]
+        i = self.index[x.call.name]
+        grid = ", ".join(f"({to_c(g)})" for g in u.grid)
+        self.emit(f"{{  // user Triton kernel {u.call.kernel} ({x.call.name}), config "
+                  f"{u.config}  <- {', '.join(x.call.source)}")
+        for out, init, n in zip(x.call.outs, x.call.inits, x.numels):
+            if init is not None:
+                self.emit(f"  if (kc::check(e, kc::driver().cuMemcpyDtoDAsync(buf_{out}, "
+                          f"buf_{init}, static_cast<size_t>({to_c(n)}) * "
+                          f"{self.p.buffer_dtypes[out].itemsize}, stream), "
+                          f"{_cstr('copy ' + init + ' -> ' + out)})) return 1;")
+        args = []
+        for k, (p, v, ty) in enumerate(u.launch_args()):
+            if v[0] == "buf":
+                args.append(f"&buf_{v[1]}")
+                continue
+            ctype = _USER_ARG[ty]
+            value = to_c(v[1]) if v[0] == "int" else _float(v[1]) if v[0] == "float" \
+                else str(int(v[1]))
+            self.emit(f"  {ctype} a{k} = static_cast<{ctype}>({value});  // {p}")
+            args.append(f"&a{k}")
+        args += ["&scratch", "&scratch"]
+        self.emit(f"  void* args[] = {{{', '.join(args)}}};")
+        self.emit(f"  if (kc::launch_grid(e, {_cstr(u.call.kernel)}, self->fn[{i}], {grid}, "
+                  f"self->warps[{i}], self->shared[{i}], stream, args)) return 1;")
+        self.emit("}")
+
     def _CallLib(self, x: P.CallLib) -> None:
         c = x.call
         if c.routine == "attention":  # the generated flash-attention kernel (triton_attention)
@@ -257,7 +301,8 @@ def print_cuda_wrapper(prog: P.Program, kernels: dict, cubins: dict, archs: tupl
     if graphs:
         key = ", ".join(s.name for s in prog.symbols) or "0"
         pr.emit(f"const int64_t graph_key[] = {{{key}}};")
-        launches = sum(isinstance(x, (P.CallKernel, P.CallGemm, P.CallLib, P.CopyState))
+        launches = sum(isinstance(x, (P.CallKernel, P.CallGemm, P.CallLib, P.CallUser,
+                                      P.CopyState))
                        for x in prog.lines)
         pr.emit(f"if (kc::run_graph(e, self->graphs, graph_key, {max(len(prog.symbols), 1)}, "
                 f"self->arena.epoch, {launches}, {n_in}, in_ptr, in_bytes, {len(outs)}, "

@@ -17,7 +17,7 @@ from torch.export.graph_signature import InputKind, OutputKind
 from torch.utils import _pytree as pytree
 
 from kiln.errors import UnsupportedError
-from kiln.frontend import fallback
+from kiln.frontend import fallback, user_triton
 from kiln.frontend import aten_extra, aten_random  # noqa: F401 - register their converters
 from kiln.frontend import aten_spatial  # noqa: F401  (registers spatial converters)
 import kiln.frontend.aten_library  # noqa: F401  (registers library-call converters)
@@ -368,7 +368,9 @@ def import_program(ep: ExportedProgram, fold: bool = True, aten_fallback: bool =
             return _import(ep, fold, aten_fallback, seed, cuda, fused_attention)
         except Fallback:
             pass
-    return _import(ep.run_decompositions(), fold, aten_fallback, seed, cuda, fused_attention)
+    # triton_op custom ops decompose into the Triton kernel HOP (frontend/user_triton.py)
+    return _import(ep.run_decompositions(decompose_custom_triton_ops=True), fold, aten_fallback,
+                   seed, cuda, fused_attention)
 
 
 SIZE_ASSERTS = {"aten._assert_scalar.default", "aten.sym_constrain_range_for_size.default",
@@ -432,6 +434,9 @@ def convert_node(b: Builder, n: torch.fx.Node, gm: torch.fx.GraphModule) -> None
     if n.target in CONTROL:
         b.multi[n.name] = CONTROL[n.target](b, n, gm)
         return
+    if n.target is _triton_hop():
+        b.multi[n.name] = user_triton.convert_user_kernel(b, n, gm)
+        return
     conv = TABLE.get(str(n.target))
     if not b.aten_fallback and _complex(n):
         raise UnsupportedError(f"operator {n.target} (node {n.name}) computes on complex "
@@ -461,6 +466,23 @@ def convert_node(b: Builder, n: torch.fx.Node, gm: torch.fx.GraphModule) -> None
         b.multi[n.name] = result
     else:
         b.env[n.name] = result
+
+
+def _triton_hop():
+    """torch's functional Triton kernel HOP (None when this torch has none)."""
+    return getattr(torch.ops.higher_order, "triton_kernel_wrapper_functional", None)
+
+
+def _input_mutation(b: Builder, spec, inputs) -> None:
+    """A user input the program writes: accepted only when the value written back is the
+    input itself (a user Triton kernel torch could not analyse without a GPU lists every
+    tensor argument as mutated; kiln's own analysis found it unwritten)."""
+    value = b.env.get(spec.arg.name)
+    source = next((i.name for i in inputs if i.kind == "user" and i.name == value), None)
+    if source is None:
+        raise UnsupportedError(f"the program writes user input {spec.target} in place "
+                               f"(through {spec.arg.name}); kiln packages never write their "
+                               "inputs: write the result into a new tensor (torch.empty_like)")
 
 
 def _import(ep: ExportedProgram, fold: bool, aten_fallback: bool = False, seed: int = 0,
@@ -493,6 +515,9 @@ def _import(ep: ExportedProgram, fold: bool, aten_fallback: bool = False, seed: 
     for spec in ep.graph_signature.output_specs:
         if spec.kind == OutputKind.BUFFER_MUTATION and spec.target in by_fqn:
             mutations.append((by_fqn[spec.target], b.env[spec.arg.name]))
+            continue
+        if spec.kind == OutputKind.USER_INPUT_MUTATION:
+            _input_mutation(b, spec, inputs)
             continue
         if spec.kind != OutputKind.USER_OUTPUT:
             raise UnsupportedError(f"output {spec.arg} of kind {spec.kind.name} is not "

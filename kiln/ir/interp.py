@@ -256,6 +256,10 @@ def _run_nodes(nodes, bufs: dict, env: dict[str, int], prog=None) -> None:
                     bufs[c] = bufs[x].copy()
         elif isinstance(node, L.Extern):
             bufs.update(zip(node.outs, _extern(node, bufs, dict(env), prog)))
+        elif isinstance(node, L.UserKernel):
+            from kiln.errors import UnsupportedError
+            raise UnsupportedError(f"the interpreter cannot run user Triton kernel "
+                                   f"{node.kernel} (node {node.name}): run the CUDA package")
         elif isinstance(node, L.AtenCall):
             bufs[node.name] = _aten(node, bufs, env)  # binds data-dependent sizes in env
         elif isinstance(node, L.ReadSize):

@@ -1,7 +1,7 @@
 """Loop IR: every tensor the program materialises is a `Compute` (a loop body over its index
-space, optionally reducing over extra indices), a `Gemm` (an extern call into BLAS) or an
+space, optionally reducing over extra indices), a `Gemm` (an extern call into BLAS), an
 `Extern` (a call into a kiln runtime routine: sort, scans, scatters, ...; it may write several
-buffers).
+buffers) or a `UserKernel` (a user-written Triton kernel; CUDA only).
 
 Expressions are frozen trees: `Const`, `Load` (a flat element offset into a buffer, possibly
 through `indirect` temporaries whose values are themselves loaded), `Index` (an integer index
@@ -224,8 +224,30 @@ class Extern:
         return next((v for k, v in self.attrs if k == key), default)
 
 
-LoopNode = Union[Compute, Gemm, AtenCall, ReadSize, Extern]
-CALLS = (Gemm, AtenCall, ReadSize, Extern)  # steps of their own: never fused into a kernel
+@dataclass(frozen=True)
+class UserKernel:
+    """A user-written Triton kernel (frontend/user_triton.py), launched as written: `args` are
+    the kernel's parameters in order, each (param, value) with value ("buf", name) | ("int",
+    sympy expr) | ("float", x) | ("bool", b) | ("none",) | ("constexpr", v) | ("config",) (a
+    constexpr the chosen config sets). Every buffer the kernel writes is one of `outs`, a fresh
+    contiguous buffer; `inits[k]` is the buffer copied into `outs[k]` before the launch (None:
+    uninitialised, the input was `empty`). `spec` keeps the kernel, its configs and grids."""
+
+    name: str
+    kernel: str  # the Triton function's name
+    args: tuple[tuple[str, tuple], ...]
+    outs: tuple[str, ...]
+    inits: tuple[str | None, ...]
+    spec: object  # frontend.user_triton.UserKernelSpec
+    source: tuple[str, ...] = ()
+
+    @property
+    def operands(self) -> tuple[str, ...]:
+        return tuple(v[1] for _, v in self.args if v[0] == "buf")
+
+
+LoopNode = Union[Compute, Gemm, AtenCall, ReadSize, Extern, UserKernel]
+CALLS = (Gemm, AtenCall, ReadSize, Extern, UserKernel)  # steps of their own: never fused
 
 
 @dataclass(frozen=True)
@@ -288,6 +310,9 @@ def node_reads(node: LoopNode) -> set[str]:
         return {node.src}
     if isinstance(node, Extern):
         return {a.buf for a in node.args}
+    if isinstance(node, UserKernel):
+        return ({b for b in node.operands if b not in node.outs} |
+                {b for b in node.inits if b is not None})
     return {ld.buf for ld in loads(node.body)}
 
 
@@ -296,7 +321,7 @@ def node_writes(node: LoopNode) -> tuple[str, ...]:
     control node, which writes its results)."""
     if isinstance(node, CONTROL):
         return tuple(node.writes)
-    return node.outs if isinstance(node, Extern) else (node.name,)
+    return node.outs if isinstance(node, (Extern, UserKernel)) else (node.name,)
 
 
 # -- control flow ---------------------------------------------------------------------------

@@ -41,9 +41,20 @@ def lib_text(n: L.Extern) -> str:
     return f"{outs} = lib.{n.routine}({args}{attrs})  # {', '.join(n.source)}"
 
 
+def user_text(n: L.UserKernel) -> str:
+    def arg(v) -> str:
+        return f"%{v[1]}" if v[0] == "buf" else "None" if v[0] == "none" else \
+            "<config>" if v[0] == "config" else str(v[1])
+    outs = ", ".join(f"%{o}" + (f" <- copy %{i}" if i else "") for o, i in zip(n.outs, n.inits))
+    args = ", ".join(f"{p}={arg(v)}" for p, v in n.args)
+    return f"{outs} = triton.{n.kernel}({args})  # {', '.join(n.source)}"
+
+
 def node_text(n: L.LoopNode) -> str:
     if isinstance(n, L.Extern):
         return lib_text(n)
+    if isinstance(n, L.UserKernel):
+        return user_text(n)
     if isinstance(n, L.ReadSize):
         return (f"%{n.name}: int64[] = read_size {n.symbol} = %{n.src}.item() in [{n.lo}, "
                 f"{n.hi}]  # {', '.join(n.source)}")

@@ -17,7 +17,7 @@ Lines, in the order a run executes them:
                writes this buffer) reads for the last time; `src` is freed right after it
   CallKernel   a generated kernel; CallGemm a BLAS call; CallAten an ATen fallback call;
                CallLib a kiln runtime routine (sort, scan, scatter, ...: `kiln_lib.h`), which
-               may fail on bad indices
+               may fail on bad indices; CallUser a user-written Triton kernel (CUDA)
   Return       hand the outputs over
 Control flow (torch.cond, while_loop; lines nest):
   SetFlag      a host boolean from a 0-d buffer (read on the host) or a size condition
@@ -45,7 +45,7 @@ import sympy
 
 from kiln.ir.dtypes import DType
 from kiln.ir.graph import SymbolRange
-from kiln.ir.loop import AtenCall, Extern, Gemm, ReadSize, node_reads
+from kiln.ir.loop import AtenCall, Extern, Gemm, ReadSize, UserKernel, node_reads
 from kiln.ir.sym import free_size_symbols
 
 
@@ -155,6 +155,15 @@ class CallLib:
 
 
 @dataclass(frozen=True)
+class CallUser:
+    """A user Triton kernel (see `loop.UserKernel`): copy `inits` into `outs` (`numels`
+    elements each), then launch it with the grid of the config codegen chose."""
+
+    call: UserKernel
+    numels: tuple[sympy.Expr, ...]
+
+
+@dataclass(frozen=True)
 class CopyState:
     """After every step: the state buffer `dst` takes the value in `src` (same dtype, size).
     It persists in the model instance to the next run."""
@@ -206,8 +215,8 @@ class Return:
 
 
 Line = Union[CheckInput, BindSize, CheckSize, CheckRange, CheckRelation, AllocOutput, Alloc, Free,
-             CallKernel, CallGemm, CallAten, ReadSizeLine, CallLib, CopyState, Return, SetFlag, If,
-             While, BreakUnless, CopyBuf]
+             CallKernel, CallGemm, CallAten, ReadSizeLine, CallLib, CallUser, CopyState, Return,
+             SetFlag, If, While, BreakUnless, CopyBuf]
 
 
 def walk(lines):
@@ -264,7 +273,7 @@ class Program:
 
 
 CHECKS = (CheckInput, BindSize, CheckSize, CheckRange, CheckRelation)  # lines before any step
-STEPS = (CallKernel, CallGemm, CallAten, ReadSizeLine, CallLib)  # lines that run a step
+STEPS = (CallKernel, CallGemm, CallAten, ReadSizeLine, CallLib, CallUser)  # lines that run a step
 STEP_LINES = STEPS
 
 
@@ -299,6 +308,12 @@ def _fmt(line: Line) -> str:
     if isinstance(line, CallLib):
         from kiln.ir.loop_text import lib_text
         return "lib " + lib_text(line.call)
+    if isinstance(line, CallUser):
+        from kiln.ir.loop_text import user_text
+        grids = {c.grid for c in line.call.spec.configs}
+        grid = ", ".join(map(str, next(iter(grids)))) if len(grids) == 1 else \
+            f"grid of the chosen config among {len(grids)}"
+        return f"launch[{grid}] {user_text(line.call)}"
     if isinstance(line, (CallAten, ReadSizeLine)):
         from kiln.ir.loop_text import node_text
         return node_text(line.call if isinstance(line, CallAten) else line.node)
@@ -347,6 +362,8 @@ def _uses(line: Line) -> list[str]:
         return [line.gemm.a.buf, line.gemm.b.buf, line.gemm.name]
     if isinstance(line, CallLib):
         return [a.buf for a in line.call.args] + list(line.call.outs)
+    if isinstance(line, CallUser):
+        return sorted(node_reads(line.call)) + list(line.call.outs)
     if isinstance(line, CallAten):
         return sorted(node_reads(line.call)) + [line.call.name]
     if isinstance(line, ReadSizeLine):

@@ -14,7 +14,7 @@ from kiln.ir import loop as L
 from kiln.ir.graph import Graph, Node
 from kiln.ir.sym import contiguous_strides, ivars
 from kiln.lowering import (attention, control, extern, fallback, indexing, library, pointwise,
-                           random, reductions, spatial, views)
+                           random, reductions, spatial, user_triton, views)
 from kiln.lowering.core import Lazy, LowerCtx, View, from_view
 
 RULES = {
@@ -69,6 +69,8 @@ RULES = {
     "cond": control.lower_cond,
     "while_loop": control.lower_while,
     "ctl_result": control.lower_result,
+    "user_kernel": user_triton.lower_user_kernel,
+    "user_result": user_triton.lower_user_result,
     **library.RULES,
 }
 

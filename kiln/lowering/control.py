@@ -63,6 +63,9 @@ def _rename_node(n, f):
         raise UnsupportedError(f"{n.name}: data-dependent sizes inside torch.cond / while_loop "
                                "bodies are not supported (the size would change per branch or "
                                "iteration): compute it before the region")
+    if isinstance(n, L.UserKernel):
+        raise UnsupportedError(f"{n.name}: user Triton kernels inside torch.cond / while_loop "
+                               "bodies are not supported yet")
     regions = {k: L.Region(rename(getattr(n, k).prog, f)) for k in (
         ("then", "orelse") if isinstance(n, L.Branch) else ("cond", "body"))}
     if isinstance(n, L.Branch):

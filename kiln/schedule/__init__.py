@@ -36,7 +36,7 @@ class Kernel:
         return tuple(out)
 
 
-Step = Kernel | L.Gemm | L.AtenCall | L.ReadSize | L.Extern
+Step = Kernel | L.Gemm | L.AtenCall | L.ReadSize | L.Extern | L.UserKernel
 
 
 def outer_of(node: L.Compute) -> tuple[sympy.Expr, ...]:

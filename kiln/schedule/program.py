@@ -116,6 +116,9 @@ def build_program(graph: Graph, prog: L.LoopProgram, steps: tuple[Step, ...],
             lines += control_lines(step, inplace)
         elif isinstance(step, L.Extern):
             lines.append(P.CallLib(step))
+        elif isinstance(step, L.UserKernel):
+            lines.append(P.CallUser(step, tuple(sympy.sympify(buffers[o].numel).subs(cap)
+                                                for o in step.outs)))
         else:
             assert isinstance(step, Kernel)
             params = tuple(kernel_params(step, buffers))

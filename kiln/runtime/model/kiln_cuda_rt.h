@@ -299,6 +299,19 @@ inline int launch(Err &e, const char *name, CUfunction f, int64_t rows, int64_t 
   return check(e, r, name);
 }
 
+/* A user Triton kernel on a (gx, gy, gz) grid of programs (CUDA's limits: x < 2^31,
+ * y and z <= 65535); an empty grid launches nothing. */
+inline int launch_grid(Err &e, const char *name, CUfunction f, int64_t gx, int64_t gy,
+                       int64_t gz, unsigned warps, unsigned shared, CUstream s, void **args) {
+  if (gx <= 0 || gy <= 0 || gz <= 0) return 0;
+  if (gx > 2147483647 || gy > 65535 || gz > 65535)
+    return e.fail("%s: grid (%lld, %lld, %lld) exceeds CUDA's limits", name, (long long)gx,
+                  (long long)gy, (long long)gz);
+  CUresult r = driver().cuLaunchKernel(f, static_cast<unsigned>(gx), static_cast<unsigned>(gy),
+                                       static_cast<unsigned>(gz), 32 * warps, 1, 1, shared, s,
+                                       args, nullptr);
+  return check(e, r, name);
+}
 
 /* C[b0][b1] (M x N, contiguous) = A[b0][b1] (M x K) * B[b0][b1] (K x N); offsets, strides in
  * elements. */
