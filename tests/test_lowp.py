@@ -1,0 +1,169 @@
+"""8-bit floats and low-precision GEMMs on the CPU (kiln issues 5 and 6): float8_e4m3fn /
+float8_e5m2 as storage types (conversions bit for bit, weights, inputs, outputs), and
+`torch._scaled_mm` / `torch._int_mm` against eager. CUDA packages with them are compiled here
+(no GPU needed); tests/test_lowp_gpu.py runs them on a GPU."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+import kiln
+from kiln.errors import UnsupportedError
+from difftest import Checker, Fn, dim, gen
+
+F8 = [torch.float8_e4m3fn, torch.float8_e5m2]
+
+
+@pytest.fixture(scope="module")
+def check(tmp_path_factory) -> Checker:
+    return Checker(tmp_path_factory.mktemp("lowp"))
+
+
+def _ids(v) -> str:
+    return str(v).removeprefix("torch.")
+
+
+def _bits_equal(got: torch.Tensor, want: torch.Tensor) -> None:
+    assert got.dtype == want.dtype and got.shape == want.shape
+    view = {1: torch.uint8, 2: torch.int16, 4: torch.int32}[want.element_size()]
+    same = got.view(view) == want.view(view)
+    assert same.all(), (got.view(view)[~same][:5], want.view(view)[~same][:5],
+                        (~same).nonzero()[:5].flatten())
+
+
+@pytest.mark.parametrize("dtype", F8, ids=_ids)
+def test_float8_conversions_exact(check, dtype):
+    """All 256 bytes -> float32 -> back, and float32 / float64 / bfloat16 -> 8 bits (nearest-even,
+    subnormals, overflow: e4m3fn saturates to +-448, e5m2 becomes +-inf; NaN) bit for bit."""
+    every = torch.arange(256, dtype=torch.int32).to(torch.uint8).view(dtype)
+    g = gen("f8conv", dtype)
+    special = torch.tensor([0.0, -0.0, 1.0, float("inf"), float("-inf"), float("nan"), 448.0,
+                            463.9, 464.0, 480.0, 1e6, -1e6, 57344.0, 61439.0, 61440.0, 65536.0,
+                            2.0 ** -10, 2.0 ** -9, 1.5 * 2.0 ** -9, 2.0 ** -17, 2.0 ** -16,
+                            3 * 2.0 ** -18, 1e-30])
+    wide = torch.cat([special, -special, torch.randn(3000, generator=g) * 10.0 ** torch.randint(
+        -8, 6, (3000,), generator=g).float()])
+
+    def fn(v, x):
+        return {"up": v.float(), "trip": v.float().to(dtype), "down": x.to(dtype),
+                "f64": x.double().to(dtype), "bf16": x.bfloat16().to(dtype),
+                "other": v.to(F8[1 - F8.index(dtype)]), "slice": v[::3].contiguous()}
+
+    _, runner = check.compile(Fn(fn), (every, wide))
+    got = runner(every, wide)
+    want = fn(every, wide)
+    for k in want:  # NaN payloads too: kiln widens 8-bit NaNs as eager does
+        if k == "bf16":  # eager's float32 -> bfloat16 makes every NaN 0xFFFF; kiln keeps signs
+            nan = want[k].float().isnan()
+            assert torch.equal(got[k].float().isnan(), nan), k
+            got[k], want[k] = got[k][~nan], want[k][~nan]
+        _bits_equal(got[k], want[k])
+
+
+class F8Net(nn.Module):
+    """A float8 weight (safetensors F8_E4M3 / F8_E5M2) dequantised in the program, a float8
+    input and a float8 output."""
+
+    def __init__(self, dtype) -> None:
+        super().__init__()
+        self.w = nn.Parameter((torch.randn(8, 5) * 4).to(dtype), requires_grad=False)
+
+    def forward(self, x, q, scale):
+        y = x @ (self.w.float() * scale)
+        return y, (y * 2).to(self.w.dtype), q.float().sum(0)
+
+
+@pytest.mark.parametrize("dtype", F8, ids=_ids)
+def test_float8_weights_inputs_outputs(check, dtype, tmp_path):
+    torch.manual_seed(0)
+    net = F8Net(dtype)
+    x, q, s = torch.randn(3, 8), (torch.randn(4, 5) * 8).to(dtype), torch.tensor(0.25)
+    # without constant folding, which would ship the dequantised float32 weight instead
+    compiled, runner = check.compile(net, (x, q, s), options=kiln.Options(fold_constants=False),
+                                     dynamic_shapes=({0: dim("n", 1, 16)}, None, None))
+    name = str(dtype).removeprefix("torch.")
+    weights = {w["fqn"]: w["dtype"] for w in compiled.manifest["weights"]}
+    assert weights["w"] == name, weights
+    assert name in str(compiled.manifest["inputs"]), compiled.manifest["inputs"]
+    for xx in (x, torch.randn(11, 8)):
+        got, want = runner(xx, q, s), net(xx, q, s)
+        torch.testing.assert_close(got[0], want[0], rtol=1e-5, atol=1e-5)
+        _bits_equal(got[1], want[1])
+        torch.testing.assert_close(got[2], want[2])
+    with pytest.raises(Exception, match=f"input 1 .*expected dtype {name}, got "):
+        runner(x, q.float(), s)
+    other = F8[1 - F8.index(dtype)]
+    with pytest.raises(Exception, match=f"expected dtype {name}, got "
+                                        f"{str(other).removeprefix('torch.')}"):
+        runner(x, q.to(other), s)
+
+
+def _int_mm(a, b):
+    return torch._int_mm(a, b)
+
+
+@pytest.mark.parametrize("shape", [(32, 64, 48), (17, 24, 40)])
+def test_int_mm_cpu(check, shape):
+    m, k, n = shape
+    g = gen("int_mm", *shape)
+    a = torch.randint(-128, 128, (m, k), dtype=torch.int8, generator=g)
+    b = torch.randint(-128, 128, (k, n), dtype=torch.int8, generator=g)
+    _, runner = check.compile(Fn(_int_mm), (a, b), dynamic_shapes=(
+        {0: dim("m", 1, 64)}, None))
+    for aa in (a, torch.randint(-128, 128, (5, k), dtype=torch.int8, generator=g)):
+        got = runner(aa, b)
+        assert got.dtype == torch.int32
+        assert torch.equal(got, torch._int_mm(aa, b))
+
+
+def _fp8(shape, dtype, g, scale=1.0):
+    return (torch.randn(shape, generator=g) * scale).to(dtype)
+
+
+SCALED = [  # (a dtype, b dtype, out dtype, bias, row-wise)
+    (torch.float8_e4m3fn, torch.float8_e4m3fn, torch.bfloat16, True, False),
+    (torch.float8_e4m3fn, torch.float8_e4m3fn, torch.float32, False, False),
+    (torch.float8_e4m3fn, torch.float8_e4m3fn, torch.float32, True, False),
+    (torch.float8_e5m2, torch.float8_e4m3fn, torch.bfloat16, False, False),
+    (torch.float8_e4m3fn, torch.float8_e4m3fn, torch.bfloat16, False, True),
+]
+
+
+@pytest.mark.parametrize("case", SCALED, ids=lambda c: "-".join(map(_ids, c)))
+def test_scaled_mm_cpu(check, case):
+    da, db, out, with_bias, rowwise = case
+    g = gen("scaled_mm", *map(str, case))
+    m, k, n = 32, 64, 48
+    a, w = _fp8((m, k), da, g), _fp8((n, k), db, g)  # mat2 = w.t(): column-major, as eager wants
+    if rowwise:
+        sa, sb = torch.rand(m, 1, generator=g) + 0.5, torch.rand(1, n, generator=g) + 0.5
+    else:
+        sa, sb = torch.tensor(0.37), torch.tensor(1.93)
+    bias = torch.randn(n, generator=g).to(out) if with_bias else None
+
+    def fn(a, w, sa, sb, *bias):
+        return torch._scaled_mm(a, w.t(), sa, sb, bias=bias[0] if bias else None, out_dtype=out)
+
+    args = (a, w, sa, sb, *([bias] if with_bias else []))
+    dyn = ({0: dim("m", 1, 64)}, None, {0: dim("m", 1, 64)} if rowwise else None, None) + (
+        (None,) if with_bias else ())
+    _, runner = check.compile(Fn(fn), args, dynamic_shapes=dyn)
+    for mm in (m, 7):
+        aa = a[:mm]
+        sa2 = sa[:mm] if rowwise else sa
+        got, want = runner(aa, w, sa2, sb, *args[4:]), fn(aa, w, sa2, sb, *args[4:])
+        assert got.dtype == out
+        tol = 1.6e-2 if out == torch.bfloat16 else 1e-5
+        torch.testing.assert_close(got.float(), want.float(), rtol=tol, atol=tol * 4)
+
+
+def test_scaled_mm_float8_output_rejected():
+    """An 8-bit output (eager's default out_dtype) is refused clearly, naming the node (with
+    the ATen fallback on, the op calls eager's kernel instead)."""
+    a = torch.ones(16, 16).to(torch.float8_e4m3fn)
+    with pytest.raises(UnsupportedError, match=r"_scaled_mm.*out_dtype must be bfloat16, "
+                                               r"float16 or float32.*got torch.float8_e4m3fn"):
+        kiln.compile(Fn(lambda a, s: torch._scaled_mm(a, a.t(), s, s)), (a, torch.tensor(1.0)),
+                     options=kiln.Options(aten_fallback=False))
