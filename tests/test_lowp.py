@@ -167,3 +167,52 @@ def test_scaled_mm_float8_output_rejected():
                                                r"float16 or float32.*got torch.float8_e4m3fn"):
         kiln.compile(Fn(lambda a, s: torch._scaled_mm(a, a.t(), s, s)), (a, torch.tensor(1.0)),
                      options=kiln.Options(aten_fallback=False))
+
+
+# -- CUDA packages, compiled without a GPU (Triton -> cubin for sm_90, the wrapper by g++) ------
+
+def _cuda(fn, args, dynamic_shapes=None):
+    pytest.importorskip("triton")
+    return kiln.compile(Fn(fn), args, device="cuda", options=kiln.Options(cuda_archs=(90,)),
+                        dynamic_shapes=(tuple(dynamic_shapes),) if dynamic_shapes else None)
+
+
+def test_cuda_scaled_mm_compiles_to_cublaslt():
+    """Tensor-wise scales and a bias of the output dtype go to cuBLASLt (scale pointers, bias
+    epilogue): no kernel at all; mat2 given row-major is copied transposed by a kiln kernel."""
+    a = torch.ones(32, 64).to(torch.float8_e4m3fn)
+    w = torch.ones(48, 64).to(torch.float8_e4m3fn)
+    s, bias = torch.tensor(1.0), torch.ones(48).bfloat16()
+    cm = _cuda(lambda a, w, s, bias: torch._scaled_mm(a, w.t(), s, s, bias=bias,
+                                                      out_dtype=torch.bfloat16),
+               (a, w, s, bias), ({0: dim("m", 1, 256)}, None, None, None))
+    src = cm.sources["model_cuda.cpp"]
+    assert "kc::lt_gemm(e, self->lt, stream" in src and "kc::kR8F_E4M3" in src
+    assert "buf_args_3, kc::kR16BF" in src  # the bias epilogue
+    assert "kc::blaslt().create(&self->lt)" in src
+    assert not [k for k in cm.manifest["kernels"] if k["kind"] == "triton"]
+    # a row-major mat2 (w2 is [K, N] contiguous): one transposed copy, then cuBLASLt
+    w2 = torch.ones(64, 48).to(torch.float8_e5m2)
+    cm = _cuda(lambda a, w2, s: torch._scaled_mm(a, w2.contiguous().t().contiguous().t(), s, s,
+                                                 out_dtype=torch.float32), (a, w2, s))
+    assert "kc::kR8F_E5M2" in cm.sources["model_cuda.cpp"]
+
+
+def test_cuda_rowwise_and_int_mm_compile():
+    """Row-wise scales: a float32 cuBLASLt GEMM and a fused epilogue kernel; _int_mm: an int8
+    cuBLASLt GEMM into int32; float8 casts in Triton use kiln's rounding helpers."""
+    a = torch.ones(32, 64).to(torch.float8_e4m3fn)
+    w = torch.ones(48, 64).to(torch.float8_e4m3fn)
+    cm = _cuda(lambda a, w, sa, sb, x: (torch._scaled_mm(a, w.t(), sa, sb,
+                                                         out_dtype=torch.bfloat16),
+                                        x.to(torch.float8_e5m2), x.to(torch.float8_e4m3fn)),
+               (a, w, torch.ones(32, 1), torch.ones(1, 48), torch.randn(5, 7)))
+    triton_src = cm.sources["kernels_triton.py"]
+    assert "_kl_f8e5m2(" in triton_src and "_kl_f8e4m3(" in triton_src
+    assert "kc::kR32F" in cm.sources["model_cuda.cpp"]
+    ai = torch.ones(32, 64, dtype=torch.int8)
+    cm = _cuda(lambda a, b: torch._int_mm(a, b), (ai, torch.ones(64, 32, dtype=torch.int8)))
+    src = cm.sources["model_cuda.cpp"]
+    assert "kc::kR8I" in src and "kc::kR32I" in src
+    # b ([K, N] contiguous) is not column-major: exactly one copy kernel (its transpose)
+    assert len([k for k in cm.manifest["kernels"] if k["kind"] == "triton"]) == 1

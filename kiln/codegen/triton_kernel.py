@@ -126,7 +126,8 @@ class _Scope:
         if not any(names.get(str(v), "0") != "0" for v in sympy.sympify(e.index).free_symbols):
             idx += " + xidx * 0"  # a block pointer: the mask is a block
         up = f".to({tl_compute(e.dtype.name)})" if e.dtype.name in COMPUTE else ""
-        return f"tl.load(buf_{e.buf} + {idx}, mask={self.mask}, other=0){up}"
+        other = "0.0" if e.dtype.name in ROUND8 else "0"  # Triton casts no int to 8-bit floats
+        return f"tl.load(buf_{e.buf} + {idx}, mask={self.mask}, other={other}){up}"
 
 
 def _pow2(n: int) -> int:
