@@ -162,7 +162,9 @@ class _Printer(SizeCheckPrinter):
         lp = g.lowp
 
         def ptr(ref, item: int) -> str:
-            return "0" if ref is None else f"buf_{ref[0]} + {item} * {to_c(ref[1])}"
+            if ref is None:
+                return "0"
+            return f"buf_{ref[0]}" + (f" + {item} * {to_c(ref[1])}" if ref[1] != 0 else "")
 
         a = ptr((g.a.buf, g.a.offset), lp.a_dtype.itemsize)
         b = ptr((g.b.buf, g.b.offset), lp.b_dtype.itemsize)

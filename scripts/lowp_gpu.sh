@@ -1,0 +1,12 @@
+#!/bin/bash
+# GPU run for fp8 / int8 GEMMs (kiln issues 5 and 6): the GPU tests, then the benchmark.
+# Usage on the device machine, from the worktree root: bash scripts/lowp_gpu.sh  (logs in $OUT)
+export PYTHONPATH=$PWD PYTHONUNBUFFERED=1
+OUT=${OUT:-/tmp/out}
+mkdir -p "$OUT"
+nvidia-smi --query-gpu=name,driver_version --format=csv,noheader | tee "$OUT/device.txt"
+python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)"
+python3 -m pytest -m gpu -o addopts="" -q -p no:cacheprovider tests/test_lowp_gpu.py -p no:logging 2>&1 \
+    | tee "$OUT/tests.log" | grep -v "^DEBUG" | tail -40
+timeout 150 python3 bench/lowp_gpu.py --json "$OUT/lowp.json" --markdown "$OUT/lowp.md" 2>&1 \
+    | grep -v "^DEBUG" | tail -25
