@@ -3,7 +3,8 @@
 TOPS) against eager's same op, for square and skinny shapes. Each shape is one package (static
 shapes, compiled in parallel); both sides are timed with triton.testing.do_bench on the same
 inputs (kiln's time includes its Python call overhead and, where inputs and outputs are small, a
-CUDA-graph replay); results are checked against eager first.
+CUDA-graph replay); results are checked against eager first. Packages are built in parallel
+processes (8) from CPU example inputs, for sm_90.
 
     python bench/lowp_gpu.py [--json out.json] [--markdown out.md]
 """
@@ -13,7 +14,8 @@ from __future__ import annotations
 import argparse
 import json
 import tempfile
-from concurrent.futures import ThreadPoolExecutor
+import multiprocessing
+from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 
 import torch
@@ -35,21 +37,23 @@ class IntMM(torch.nn.Module):
         return torch._int_mm(a, w.t())
 
 
-def inputs(kind: str, m: int, k: int, n: int):
-    g = torch.Generator(device="cuda").manual_seed(0)
+def inputs(kind: str, m: int, k: int, n: int, device: str = "cuda"):
+    g = torch.Generator(device=device).manual_seed(0)
     if kind == "fp8":
-        a = torch.randn(m, k, device="cuda", generator=g).to(torch.float8_e4m3fn)
-        w = torch.randn(n, k, device="cuda", generator=g).to(torch.float8_e4m3fn)
-        return (a, w, torch.tensor(0.5, device="cuda"), torch.tensor(2.0, device="cuda"))
+        a = torch.randn(m, k, device=device, generator=g).to(torch.float8_e4m3fn)
+        w = torch.randn(n, k, device=device, generator=g).to(torch.float8_e4m3fn)
+        return (a, w, torch.tensor(0.5, device=device), torch.tensor(2.0, device=device))
     m = max(m, 17)  # eager's _int_mm needs M > 16
-    return (torch.randint(-8, 8, (m, k), device="cuda", dtype=torch.int8, generator=g),
-            torch.randint(-8, 8, (n, k), device="cuda", dtype=torch.int8, generator=g))
+    return (torch.randint(-8, 8, (m, k), device=device, dtype=torch.int8, generator=g),
+            torch.randint(-8, 8, (n, k), device=device, dtype=torch.int8, generator=g))
 
 
-def build(kind, shape, root: Path):
+def build(job):
+    """One package, exported from CPU example inputs (the child never touches the GPU)."""
+    kind, shape, root = job
     mod = ScaledMM() if kind == "fp8" else IntMM()
-    args = inputs(kind, *shape)
-    cm = kiln.compile(mod, args, device="cuda")
+    cm = kiln.compile(mod, inputs(kind, *shape, device="cpu"), device="cuda",
+                      options=kiln.Options(cuda_archs=(90,)))
     return kind, shape, cm.save(root / f"{kind}_{'x'.join(map(str, shape))}.kiln")
 
 
@@ -59,9 +63,9 @@ def main() -> None:
     ap.add_argument("--markdown")
     opts = ap.parse_args()
     root = Path(tempfile.mkdtemp(prefix="kiln-lowp-"))
-    jobs = [(kind, s) for kind in ("fp8", "int8") for s in SHAPES]
-    with ThreadPoolExecutor(8) as ex:
-        built = list(ex.map(lambda j: build(*j, root), jobs))
+    jobs = [(kind, s, root) for kind in ("fp8", "int8") for s in SHAPES]
+    with ProcessPoolExecutor(8, mp_context=multiprocessing.get_context("spawn")) as ex:
+        built = list(ex.map(build, jobs))
     rows = []
     for kind, (m, k, n), path in built:
         mod = ScaledMM() if kind == "fp8" else IntMM()
