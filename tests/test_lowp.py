@@ -62,6 +62,25 @@ def test_float8_conversions_exact(check, dtype):
         _bits_equal(got[k], want[k])
 
 
+def test_float8_e4m3fn_overflow_nan_mode(check, monkeypatch):
+    """Under a torch whose e4m3fn conversion makes overflow NaN (torch 2.11), kiln's does too:
+    past 464 and +-inf -> NaN (sign kept), 464 itself -> 448; everything else unchanged."""
+    from kiln.codegen import float8
+    monkeypatch.setattr(float8, "e4m3fn_saturates", lambda: False)
+    x = torch.tensor([463.9, 464.0, 464.01, 480.0, 1e6, -1e6, float("inf"), float("-inf"),
+                      448.0, 1.0, -300.0, 2.0 ** -10, 3 * 2.0 ** -10])
+    _, runner = check.compile(Fn(lambda x: (x.to(torch.float8_e4m3fn),
+                                            x.bfloat16().to(torch.float8_e4m3fn))), (x,))
+    def old_torch(v):
+        over = (v.abs() > 464) & ~v.isnan()
+        sat = v.to(torch.float8_e4m3fn).view(torch.uint8).int()
+        return torch.where(over, torch.where(v < 0, 0xFF, 0x7F), sat).tolist()
+
+    got = runner(x)
+    assert got[0].view(torch.uint8).tolist() == old_torch(x)
+    assert got[1].view(torch.uint8).tolist() == old_torch(x.bfloat16().float())
+
+
 class F8Net(nn.Module):
     """A float8 weight (safetensors F8_E4M3 / F8_E5M2) dequantised in the program, a float8
     input and a float8 output."""

@@ -26,6 +26,7 @@ from dataclasses import dataclass, field
 import sympy
 
 from kiln.codegen.cpp_kernel import kernel_params
+from kiln.codegen.float8 import triton_round
 from kiln.codegen.triton_ops import (COMPUTE, INT_LIMITS, REDUCTIONS, ROUND8, SIG_PTR, TL_DTYPE,
                                      literal, op_spelling, tl_compute, to_tl)
 from kiln.ir import loop as L
@@ -92,7 +93,7 @@ class _Scope:
             x = self.value(e.args[0])
             text = f"({x} != 0)" if e.dtype.name == "bool" else f"{x}.to({T})"
             if e.dtype.name in ROUND8 and e.args[0].dtype != e.dtype:  # round to 8 bits
-                text = f"{ROUND8[e.dtype.name]}({x}).to({T})"
+                text = f"{triton_round(e.dtype.name)}({x}).to({T})"
             elif e.dtype.name in COMPUTE and e.args[0].dtype != e.dtype:  # round to 16 bits
                 text = f"{x}.to({TL_DTYPE[e.dtype.name]}).to({T})"
         else:
@@ -309,7 +310,7 @@ class _KernelPrinter:
 def _stored(v: str, dt) -> str:
     """The value a store writes: 8-bit floats converted explicitly with eager's rounding (an
     implicit conversion would saturate e5m2's infinities); others convert on store."""
-    return f"{ROUND8[dt.name]}({v})" if dt.name in ROUND8 else v
+    return f"{triton_round(dt.name)}({v})" if dt.name in ROUND8 else v
 
 
 def _store_ptr(buf: str, idx: sympy.Expr, names: dict[str, str], k: int) -> str:

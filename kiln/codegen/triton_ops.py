@@ -27,11 +27,11 @@ SIG_PTR = {"float32": "*fp32", "float64": "*fp64", "float16": "*fp16", "bfloat16
 # The type values of each dtype are held in while computing: 16-bit floats are loaded into
 # float32, every operator and accumulator works in float32, and a value is rounded to 16 bits
 # only where it is stored or explicitly cast (as eager's CUDA kernels do per operator).
-# 8-bit floats likewise, rounded by `_kl_f8e4m3` / `_kl_f8e5m2` (eager's overflow rules).
+# 8-bit floats likewise, rounded by the `_kl_f8*` helpers (eager's overflow rules:
+# kiln/codegen/float8.py picks the helper of the compiling torch).
 COMPUTE = {"float16": "float32", "bfloat16": "float32", "float8_e4m3fn": "float32",
            "float8_e5m2": "float32"}
-# float32 -> 8-bit float as eager rounds it (a value of the 8-bit Triton type)
-ROUND8 = {"float8_e4m3fn": "_kl_f8e4m3", "float8_e5m2": "_kl_f8e5m2"}
+ROUND8 = frozenset({"float8_e4m3fn", "float8_e5m2"})
 
 
 def tl_compute(name: str) -> str:
@@ -171,6 +171,16 @@ def _kl_f8e4m3(x):
     # eager's float -> float8_e4m3fn: nearest-even; finite overflow and +-inf saturate to
     # +-448 (clamped first, so the hardware's saturation mode never matters); NaN stays NaN
     x = x.to(tl.float32)
+    x = tl.where(tl.abs(x) > 448.0, tl.where(x > 0, 448.0, -448.0), x)
+    return x.to(tl.float8e4nv, fp_downcast_rounding="rtne")
+
+
+@triton.jit
+def _kl_f8e4m3_nan(x):
+    # torch < 2.12's float -> float8_e4m3fn: nearest-even; magnitudes past 464 (which would
+    # round to 480) and +-inf become NaN; 464 itself rounds to 448
+    x = x.to(tl.float32)
+    x = tl.where(tl.abs(x) > 464.0, float("nan"), x)
     x = tl.where(tl.abs(x) > 448.0, tl.where(x > 0, 448.0, -448.0), x)
     return x.to(tl.float8e4nv, fp_downcast_rounding="rtne")
 
