@@ -58,6 +58,12 @@ class _Printer(SizeCheckPrinter):
         self.out: list[str] = []
         env = {s.name: s.example for s in prog.symbols}
         self.dynamic_bufs = [iv.name for iv in intervals(prog, env)]
+        self.lt_gemms: list[str] = []  # cuBLASLt GEMMs, in order: each has an LtPlan
+
+    def lt_index(self, name: str) -> int:
+        if name not in self.lt_gemms:
+            self.lt_gemms.append(name)
+        return self.lt_gemms.index(name)
 
 
     def _SetFlag(self, x: P.SetFlag) -> None:
@@ -177,7 +183,8 @@ class _Printer(SizeCheckPrinter):
                   f"{_LT_TYPE[lp.b_dtype.name]}, {to_c(g.b.cols)},")
         self.emit(f"    buf_{g.name}, {_LT_TYPE[g.dtype.name]}, {ptr(lp.scale_a, 4)}, "
                   f"{ptr(lp.scale_b, 4)}, {'buf_' + lp.bias if lp.bias else '0'}, {bias_t}, "
-                  "self->workspace, kc::kWorkspaceBytes)) return 1;")
+                  f"self->workspace, kc::kWorkspaceBytes, &self->lt_plan[{self.lt_index(g.name)}]"
+                  ")) return 1;")
 
     def _CopyState(self, x: P.CopyState) -> None:  # the instance owns its device weights
         self.emit(f"// state {x.dst} <- {x.src}: persists to the next run")
@@ -271,6 +278,5 @@ def print_cuda_wrapper(prog: P.Program, kernels: dict, cubins: dict, archs: tupl
         pr.line(ret)
     pr.emit("}")
     gemms = any(isinstance(x, P.CallGemm) for x in P.walk(prog.lines))
-    lt = any(isinstance(x, P.CallGemm) and x.gemm.lowp is not None for x in P.walk(prog.lines))
     return print_cuda_model(prog, kernels, cubins, archs, blob_path, where, pr.out,
-                            len(pr.dynamic_bufs), gemms, lt)
+                            len(pr.dynamic_bufs), gemms, len(pr.lt_gemms))

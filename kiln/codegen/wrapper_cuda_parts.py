@@ -20,7 +20,7 @@ def _cstr(s: str) -> str:
 
 def print_cuda_model(prog: P.Program, kernels: dict, cubins: dict, archs: tuple[int, ...],
                      blob_path: str, where: dict, body: list[str], n_dyn: int,
-                     gemms: bool, lt: bool = False) -> str:
+                     gemms: bool, lt: int = 0) -> str:
     n_in, n_w, nk = len(prog.inputs), len(prog.weights), len(kernels)
     n_out = sum(1 for x in prog.lines if isinstance(x, P.AllocOutput))
     names = list(kernels)
@@ -80,6 +80,7 @@ def print_cuda_model(prog: P.Program, kernels: dict, cubins: dict, archs: tuple[
         "  CUdeviceptr status = 0;",
         "  kc::cublasHandle_t blas = nullptr;",
         "  kc::cublasLtHandle_t lt = nullptr;  // cuBLASLt: 8-bit float / int8 GEMMs",
+        f"  kc::LtPlan lt_plan[{max(lt, 1)}];  // per cuBLASLt GEMM: its algorithm",
         "  CUdeviceptr workspace = 0;  // cuBLAS workspace (graph capture must not allocate)",
         "  kc::Graphs graphs;",
         f"  int64_t key[{max(len(prog.symbols), 1)}] = {{}};",

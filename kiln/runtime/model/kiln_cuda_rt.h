@@ -379,6 +379,12 @@ struct BlasLt {
                 void *, const void *, const void *, void *, void *, void *, const void *, void *,
                 size_t, CUstream) = nullptr;
 };
+/* The algorithm cuBLASLt's heuristic chose for one GEMM of an instance at the sizes (m, n, k):
+ * asked once per size, not per run (the query costs tens of microseconds on the host). */
+struct LtPlan {
+  int64_t m = -1, n = -1, k = -1;
+  LtHeuristic heur{};
+};
 /* cudaDataType_t values */
 constexpr int kR32F = 0, kR16F = 2, kR8I = 3, kR32I = 10, kR16BF = 14, kR8F_E4M3 = 28,
               kR8F_E5M2 = 29;
@@ -427,7 +433,7 @@ inline int lt_gemm(Err &e, cublasLtHandle_t h, CUstream s, const char *name, int
                    int64_t N, int64_t K, CUdeviceptr A, int a_type, int64_t lda, CUdeviceptr B,
                    int b_type, int64_t ldb, CUdeviceptr C, int c_type, CUdeviceptr scale_a,
                    CUdeviceptr scale_b, CUdeviceptr bias, int bias_type, CUdeviceptr ws,
-                   size_t ws_bytes) {
+                   size_t ws_bytes, LtPlan *plan) {
   if (M == 0 || N == 0) return 0;
   if (K == 0) return e.fail("%s: a low-precision GEMM needs K > 0", name);
   const BlasLt &lt = blaslt();
@@ -460,10 +466,13 @@ inline int lt_gemm(Err &e, cublasLtHandle_t h, CUstream s, const char *name, int
   }
   LtHeuristic heur{};
   int found = 0;
-  if (st == 0) {
+  if (st == 0 && plan->m == M && plan->n == N && plan->k == K) {
+    heur = plan->heur;
+  } else if (st == 0) {
     st = lt.heuristic(h, desc, la, lb, lc, lc, pref, 1, &heur, &found);
     what = "cublasLtMatmulAlgoGetHeuristic";
     if (st == 0 && found == 0) st = -1;
+    if (st == 0) { plan->m = M; plan->n = N; plan->k = K; plan->heur = heur; }
   }
   if (st == 0) {
     const float onef = 1, zerof = 0;
