@@ -29,7 +29,8 @@ def c_literal(value, dt) -> str:
     if dt.name == "bool":
         return "true" if value else "false"
     if dt.is_float and dt.itemsize <= 2:  # a storage type: rounded from the float32 value
-        return cpp_cast(dt.c_type, dt.name, c_literal(value, dtypes.float32))
+        text = c_literal(value, dtypes.float32)
+        return cpp_cast(dt.c_type, dt.name, text) if dt.itemsize == 1 else f"{dt.c_type}({text})"
     if dt.is_float:
         v = float(value)
         if v != v:
