@@ -379,19 +379,28 @@ struct BlasLt {
                 void *, const void *, const void *, void *, void *, void *, const void *, void *,
                 size_t, CUstream) = nullptr;
 };
-/* The algorithm cuBLASLt's heuristic chose for one GEMM of an instance at the sizes (m, n, k):
- * asked once per size, not per run (the query costs tens of microseconds on the host). */
+/* The algorithm cuBLASLt's heuristic chose for one GEMM of an instance at the sizes (m, n, k)
+ * and operand alignments: asked once per such key, not per run (the query costs tens of
+ * microseconds on the host). */
 struct LtPlan {
   int64_t m = -1, n = -1, k = -1;
+  uint32_t align[3] = {};
   LtHeuristic heur{};
 };
+/* The alignment of a device address in bytes, up to the 256 cuBLASLt's heuristic assumes. */
+inline uint32_t address_alignment(CUdeviceptr p) {
+  uint32_t a = 256;
+  while (a > 1 && p % a) a >>= 1;
+  return a;
+}
 /* cudaDataType_t values */
 constexpr int kR32F = 0, kR16F = 2, kR8I = 3, kR32I = 10, kR16BF = 14, kR8F_E4M3 = 28,
               kR8F_E5M2 = 29;
 /* cublasLtMatmulDescAttributes_t, cublasLtEpilogue_t, cublasComputeType_t, preference */
 constexpr int kLtTransA = 3, kLtTransB = 4, kLtEpilogue = 7, kLtBiasPointer = 8,
               kLtAScale = 17, kLtBScale = 18, kLtBiasType = 26, kLtEpilogueBias = 4,
-              kComputeI32 = 72, kLtPrefWorkspace = 1;
+              kComputeI32 = 72, kLtPrefWorkspace = 1, kLtPrefAlignA = 5, kLtPrefAlignB = 6,
+              kLtPrefAlignC = 7, kLtPrefAlignD = 8;
 
 inline const BlasLt &blaslt() {
   static const BlasLt b = [] {
@@ -464,15 +473,26 @@ inline int lt_gemm(Err &e, cublasLtHandle_t h, CUstream s, const char *name, int
     st = lt.pref_set(pref, kLtPrefWorkspace, &ws64, sizeof ws64);
     what = "setting the workspace size";
   }
+  /* the heuristic assumes 256-byte aligned matrices unless told (its A is our B) */
+  const uint32_t align[3] = {address_alignment(B), address_alignment(A), address_alignment(C)};
+  const int pref_attr[4] = {kLtPrefAlignA, kLtPrefAlignB, kLtPrefAlignC, kLtPrefAlignD};
+  for (int i = 0; i < 4 && st == 0; ++i) {
+    st = lt.pref_set(pref, pref_attr[i], &align[i < 3 ? i : 2], sizeof(uint32_t));
+    what = "setting the operand alignments";
+  }
   LtHeuristic heur{};
   int found = 0;
-  if (st == 0 && plan->m == M && plan->n == N && plan->k == K) {
+  if (st == 0 && plan->m == M && plan->n == N && plan->k == K &&
+      std::memcmp(plan->align, align, sizeof align) == 0) {
     heur = plan->heur;
   } else if (st == 0) {
     st = lt.heuristic(h, desc, la, lb, lc, lc, pref, 1, &heur, &found);
     what = "cublasLtMatmulAlgoGetHeuristic";
     if (st == 0 && found == 0) st = -1;
-    if (st == 0) { plan->m = M; plan->n = N; plan->k = K; plan->heur = heur; }
+    if (st == 0) {
+      plan->m = M; plan->n = N; plan->k = K; plan->heur = heur;
+      std::memcpy(plan->align, align, sizeof align);
+    }
   }
   if (st == 0) {
     const float onef = 1, zerof = 0;
