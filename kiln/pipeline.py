@@ -29,6 +29,7 @@ from kiln.memory.inplace import program_aliases
 from kiln.options import Options
 from kiln.passes.dce import dce
 from kiln.passes.freeze import freeze
+from kiln.passes.lowp_cpu import expand_lowp
 from kiln.passes.widen_half import widen_half
 from kiln.schedule import Kernel, localize_rows, schedule
 from kiln.schedule.program import build_program, unbacked_bounds
@@ -163,7 +164,9 @@ def build(ep: torch.export.ExportedProgram, opts: Options, device: str = "cpu") 
     # 2b. CPU: float16 / bfloat16 are storage types: ops compute in float32, round on store
     # (CUDA keeps them: Triton kernels load/store 16 bits and compute in float32, and cuBLAS
     # multiplies 16-bit operands on tensor cores with float32 accumulation)
-    if not cuda:
+    if not cuda:  # low-precision GEMMs as float32 / int32 GEMMs (CUDA: cuBLASLt)
+        graph = run.stage("expand_lowp", expand_lowp, graph, dump=print_graph,
+                          verify=verify_graph)
         graph = run.stage("widen_half", widen_half, graph, dump=print_graph, verify=verify_graph)
     # 3. Graph IR -> Loop IR (views become index maps; pointwise producers inline)
     loop = run.stage("lower", lower, graph, dump=print_loop, verify=verify_loop)

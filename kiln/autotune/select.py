@@ -123,6 +123,11 @@ def choose_gemms(steps, symbols, opts: Options, device: str = "cpu", tc=None) ->
     for g in steps:
         if not isinstance(g, L.Gemm):
             continue
+        if g.lowp is not None:  # 8-bit float / int8 operands: cuBLASLt is the one backend
+            out[g.name] = Choice("blas", {}, "cuBLASLt: the only low-precision GEMM backend",
+                                 f"{g.lowp.kind} {g.lowp.a_dtype}x{g.lowp.b_dtype}->{g.dtype} "
+                                 f"m={g.m} n={g.n} k={g.k}")
+            continue
         problem = problem_of(g, ranges)
         if dev != "cpu":
             if "blas" not in allowed:

@@ -87,6 +87,8 @@ _DTYPES = {
     "i32": torch.int32, "int": torch.int32, "int32": torch.int32,
     "i16": torch.int16, "int16": torch.int16, "i8": torch.int8, "int8": torch.int8,
     "u8": torch.uint8, "uint8": torch.uint8, "bool": torch.bool,
+    "f8_e4m3": torch.float8_e4m3fn, "float8_e4m3fn": torch.float8_e4m3fn,
+    "f8_e5m2": torch.float8_e5m2, "float8_e5m2": torch.float8_e5m2,
 }
 
 

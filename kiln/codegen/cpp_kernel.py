@@ -16,6 +16,7 @@ from typing import Collection
 
 import sympy
 
+from kiln.codegen.float8 import cpp_cast
 from kiln.codegen.cpp_ops import CPP_OPS, REDUCTIONS
 from kiln.ir import dtypes
 from kiln.ir import loop as L
@@ -27,8 +28,9 @@ from kiln.schedule import Kernel
 def c_literal(value, dt) -> str:
     if dt.name == "bool":
         return "true" if value else "false"
-    if dt.is_float and dt.itemsize == 2:  # a storage type: rounded from the float32 value
-        return f"{dt.c_type}({c_literal(value, dtypes.float32)})"
+    if dt.is_float and dt.itemsize <= 2:  # a storage type: rounded from the float32 value
+        text = c_literal(value, dtypes.float32)
+        return cpp_cast(dt.c_type, dt.name, text) if dt.itemsize == 1 else f"{dt.c_type}({text})"
     if dt.is_float:
         v = float(value)
         if v != v:
@@ -72,7 +74,7 @@ class ExprPrinter:
         elif isinstance(e, L.Load):
             text = self._load(e)
         elif e.op == "cast":
-            text = f"static_cast<{e.dtype.c_type}>({self.value(e.args[0])})"
+            text = cpp_cast(e.dtype.c_type, e.dtype.name, self.value(e.args[0]))
         else:
             args = [self.value(a) for a in e.args]
             text = CPP_OPS[e.op].format(*args)

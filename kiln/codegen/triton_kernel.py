@@ -28,7 +28,8 @@ from dataclasses import dataclass, field
 import sympy
 
 from kiln.codegen.cpp_kernel import kernel_params
-from kiln.codegen.triton_ops import (COMPUTE, INT_LIMITS, REDUCTIONS, SIG_PTR, TL_DTYPE,
+from kiln.codegen.float8 import triton_round
+from kiln.codegen.triton_ops import (COMPUTE, INT_LIMITS, REDUCTIONS, ROUND8, SIG_PTR, TL_DTYPE,
                                      literal, op_spelling, tl_compute, to_tl)
 from kiln.ir import loop as L
 from kiln.ir.sym import evaluate, ivars, product, rvars, unravel
@@ -94,7 +95,9 @@ class _Scope:
         elif e.op == "cast":
             x = self.value(e.args[0])
             text = f"({x} != 0)" if e.dtype.name == "bool" else f"{x}.to({T})"
-            if e.dtype.name in COMPUTE and e.args[0].dtype != e.dtype:  # round to 16 bits
+            if e.dtype.name in ROUND8 and e.args[0].dtype != e.dtype:  # round to 8 bits
+                text = f"{triton_round(e.dtype.name)}({x}).to({T})"
+            elif e.dtype.name in COMPUTE and e.args[0].dtype != e.dtype:  # round to 16 bits
                 text = f"{x}.to({TL_DTYPE[e.dtype.name]}).to({T})"
         else:
             args = [self.value(a) for a in e.args]
@@ -127,7 +130,8 @@ class _Scope:
         if not any(names.get(str(v), "0") != "0" for v in sympy.sympify(e.index).free_symbols):
             idx += " + xidx * 0"  # a block pointer: the mask is a block
         up = f".to({tl_compute(e.dtype.name)})" if e.dtype.name in COMPUTE else ""
-        return f"tl.load(buf_{e.buf} + {idx}, mask={self.mask}, other=0){up}"
+        other = "0.0" if e.dtype.name in ROUND8 else "0"  # Triton casts no int to 8-bit floats
+        return f"tl.load(buf_{e.buf} + {idx}, mask={self.mask}, other={other}){up}"
 
 
 def _pow2(n: int) -> int:
@@ -222,7 +226,7 @@ class _KernelPrinter:
             for d in range(self.k, len(m.shape)):
                 names[f"i{d}"] = "0"
             sc = self.scope(names, "xmask")
-            v = sc.value(m.body)
+            v = _stored(sc.value(m.body), m.dtype)
             lines += ["    " + s for s in sc.lines]
             lines.append(f"    tl.store({_store_ptr(m.name, out_idx, names, self.k)}, {v}, "
                          "mask=xmask)")
@@ -232,7 +236,7 @@ class _KernelPrinter:
             names = mem.names()
             lines.extend(mem.inner_defs(names, pad, f"r_m{j}", dims, self.k, "i"))
             sc = self.scope(names, f"mask_m{j}")
-            v = sc.value(m.body)
+            v = _stored(sc.value(m.body), m.dtype)
             lines.extend(pad + s for s in sc.lines)
             lines.append(f"{pad}tl.store({_store_ptr(m.name, out_idx, names, self.k)}, {v}, "
                          f"mask=mask_m{j})")
@@ -305,6 +309,12 @@ class _KernelPrinter:
         else:
             ptr = _store_ptr(m.name, _out_index(m), names, self.k)
             lines.append(f"{pad}tl.store({ptr}, {res}, mask=xmask)")
+
+
+def _stored(v: str, dt) -> str:
+    """The value a store writes: 8-bit floats converted explicitly with eager's rounding (an
+    implicit conversion would saturate e5m2's infinities); others convert on store."""
+    return f"{triton_round(dt.name)}({v})" if dt.name in ROUND8 else v
 
 
 def _store_ptr(buf: str, idx: sympy.Expr, names: dict[str, str], k: int) -> str:

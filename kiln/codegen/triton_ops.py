@@ -18,15 +18,20 @@ from kiln.ir.sym import FloorDiv, ModIdx
 
 TL_DTYPE = {"float32": "tl.float32", "float64": "tl.float64", "float16": "tl.float16",
             "bfloat16": "tl.bfloat16", "int64": "tl.int64", "int32": "tl.int32",
-            "int16": "tl.int16", "int8": "tl.int8", "uint8": "tl.uint8", "bool": "tl.int1"}
+            "int16": "tl.int16", "int8": "tl.int8", "uint8": "tl.uint8", "bool": "tl.int1",
+            "float8_e4m3fn": "tl.float8e4nv", "float8_e5m2": "tl.float8e5"}
 # Triton signature spelling of a pointer to each dtype (bool tensors are bytes: *i1)
 SIG_PTR = {"float32": "*fp32", "float64": "*fp64", "float16": "*fp16", "bfloat16": "*bf16",
            "int64": "*i64", "int32": "*i32", "int16": "*i16", "int8": "*i8", "uint8": "*u8",
-           "bool": "*i1"}
+           "bool": "*i1", "float8_e4m3fn": "*fp8e4nv", "float8_e5m2": "*fp8e5"}
 # The type values of each dtype are held in while computing: 16-bit floats are loaded into
 # float32, every operator and accumulator works in float32, and a value is rounded to 16 bits
 # only where it is stored or explicitly cast (as eager's CUDA kernels do per operator).
-COMPUTE = {"float16": "float32", "bfloat16": "float32"}
+# 8-bit floats likewise, rounded by the `_kl_f8*` helpers (eager's overflow rules:
+# kiln/codegen/float8.py picks the helper of the compiling torch).
+COMPUTE = {"float16": "float32", "bfloat16": "float32", "float8_e4m3fn": "float32",
+           "float8_e5m2": "float32"}
+ROUND8 = frozenset({"float8_e4m3fn", "float8_e5m2"})
 
 
 def tl_compute(name: str) -> str:
@@ -159,6 +164,36 @@ import triton
 import triton.language as tl
 from triton.language.extra import libdevice
 from triton.language.random import philox as _tl_philox
+
+
+@triton.jit
+def _kl_f8e4m3(x):
+    # eager's float -> float8_e4m3fn: nearest-even; finite overflow and +-inf saturate to
+    # +-448 (clamped first, so the hardware's saturation mode never matters); NaN stays NaN
+    x = x.to(tl.float32)
+    x = tl.where(tl.abs(x) > 448.0, tl.where(x > 0, 448.0, -448.0), x)
+    return x.to(tl.float8e4nv, fp_downcast_rounding="rtne")
+
+
+@triton.jit
+def _kl_f8e4m3_nan(x):
+    # torch < 2.12's float -> float8_e4m3fn: nearest-even; magnitudes past 464 (which would
+    # round to 480) and +-inf become NaN; 464 itself rounds to 448
+    x = x.to(tl.float32)
+    x = tl.where(tl.abs(x) > 464.0, float("nan"), x)
+    x = tl.where(tl.abs(x) > 448.0, tl.where(x > 0, 448.0, -448.0), x)
+    return x.to(tl.float8e4nv, fp_downcast_rounding="rtne")
+
+
+@triton.jit
+def _kl_f8e5m2(x):
+    # eager's float -> float8_e5m2: nearest-even; magnitudes from 61440 (halfway past the
+    # largest finite value, 57344) become +-inf, whatever the hardware conversion saturates to
+    x = x.to(tl.float32)
+    y = x.to(tl.float8e5, fp_downcast_rounding="rtne").to(tl.uint8, bitcast=True)
+    inf = tl.where(x < 0, 0xFC, 0x7C).to(tl.uint8)
+    y = tl.where(tl.abs(x) >= 61440.0, inf, y)
+    return y.to(tl.float8e5, bitcast=True)
 
 
 @triton.jit

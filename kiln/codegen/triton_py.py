@@ -24,7 +24,8 @@ from kiln.ir.sym import evaluate
 _DT = {"float32": torch.float32, "float64": torch.float64, "float16": torch.float16,
        "bfloat16": torch.bfloat16, "int64": torch.int64,
        "int32": torch.int32, "int16": torch.int16, "int8": torch.int8, "uint8": torch.uint8,
-       "bool": torch.bool}
+       "bool": torch.bool, "float8_e4m3fn": torch.float8_e4m3fn,
+       "float8_e5m2": torch.float8_e5m2}
 
 
 def import_triton_module(text: str):

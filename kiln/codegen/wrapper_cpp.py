@@ -17,7 +17,7 @@ DL_CODE = {"float": 2, "int": 0, "uint": 1, "bool": 6}
 # torch's ScalarType numbers (part of its stable C interface), for the ATen fallback
 SCALAR_TYPE = {"uint8": 0, "int8": 1, "int16": 2, "int32": 3, "int64": 4, "float16": 5,
                "float32": 6, "float64": 7, "complex64": 9, "complex128": 10, "bool": 11,
-               "bfloat16": 15}
+               "bfloat16": 15, "float8_e5m2": 23, "float8_e4m3fn": 24}
 
 
 def _dl(dt) -> tuple[int, int]:

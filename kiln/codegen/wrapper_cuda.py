@@ -29,6 +29,10 @@ from kiln.memory.assign import intervals
 # the element type kc::gemm is instantiated with (16-bit floats as kiln_cuda_rt.h's storage
 # types, which pick cublasGemmStridedBatchedEx with float accumulation)
 _GEMM_T = {"float16": "kc::f16", "bfloat16": "kc::bf16"}
+# cudaDataType of each dtype a cuBLASLt (low-precision) GEMM reads or writes
+_LT_TYPE = {"float8_e4m3fn": "kc::kR8F_E4M3", "float8_e5m2": "kc::kR8F_E5M2",
+            "int8": "kc::kR8I", "int32": "kc::kR32I", "float32": "kc::kR32F",
+            "bfloat16": "kc::kR16BF", "float16": "kc::kR16F"}
 
 
 # C++ types of a user kernel's scalar arguments, as Triton's launcher passes them
@@ -69,6 +73,12 @@ class _Printer(SizeCheckPrinter):
         self.out: list[str] = []
         env = {s.name: s.example for s in prog.symbols}
         self.dynamic_bufs = [iv.name for iv in intervals(prog, env)]
+        self.lt_gemms: list[str] = []  # cuBLASLt GEMMs, in order: each has an LtPlan
+
+    def lt_index(self, name: str) -> int:
+        if name not in self.lt_gemms:
+            self.lt_gemms.append(name)
+        return self.lt_gemms.index(name)
 
 
     # ATen fallback calls: torch wraps kiln's device buffers and runs on kiln's stream
@@ -201,6 +211,8 @@ class _Printer(SizeCheckPrinter):
 
     def _CallGemm(self, x: P.CallGemm) -> None:
         g = x.gemm
+        if g.lowp is not None:
+            return self._lt_gemm(g)
         if len(g.batch) > 2:
             raise NotImplementedError("gemm with more than two batch dims")
         T = _GEMM_T.get(g.dtype.name, g.dtype.c_type)
@@ -215,6 +227,30 @@ class _Printer(SizeCheckPrinter):
                   f"{to_c(sa[1])}, {to_c(g.a.rows)}, {to_c(g.a.cols)},")
         self.emit(f"    buf_{g.b.buf} + {sz} * {to_c(g.b.offset)}, {to_c(sb[0])}, "
                   f"{to_c(sb[1])}, {to_c(g.b.rows)}, {to_c(g.b.cols)}, buf_{g.name})) return 1;")
+
+    def _lt_gemm(self, g) -> None:
+        """A low-precision GEMM through cuBLASLt (operands already in its layout: a row-major,
+        b column-major; see lowering/lowp.py)."""
+        lp = g.lowp
+
+        def ptr(ref, item: int) -> str:
+            if ref is None:
+                return "0"
+            return f"buf_{ref[0]}" + (f" + {item} * {to_c(ref[1])}" if ref[1] != 0 else "")
+
+        a = ptr((g.a.buf, g.a.offset), lp.a_dtype.itemsize)
+        b = ptr((g.b.buf, g.b.offset), lp.b_dtype.itemsize)
+        bias_t = _LT_TYPE[g.dtype.name] if lp.bias else 0
+        self.emit(f"// {lp.kind} gemm {g.name} = {g.a.buf} @ {g.b.buf} (cuBLASLt, {lp.a_dtype} x "
+                  f"{lp.b_dtype} -> {g.dtype})  <- {', '.join(g.source)}")
+        self.emit(f"if (kc::lt_gemm(e, self->lt, stream, {_cstr(g.name)}, {to_c(g.m)}, "
+                  f"{to_c(g.n)}, {to_c(g.k)},")
+        self.emit(f"    {a}, {_LT_TYPE[lp.a_dtype.name]}, {to_c(g.a.rows)}, {b}, "
+                  f"{_LT_TYPE[lp.b_dtype.name]}, {to_c(g.b.cols)},")
+        self.emit(f"    buf_{g.name}, {_LT_TYPE[g.dtype.name]}, {ptr(lp.scale_a, 4)}, "
+                  f"{ptr(lp.scale_b, 4)}, {'buf_' + lp.bias if lp.bias else '0'}, {bias_t}, "
+                  f"self->workspace, kc::kWorkspaceBytes, &self->lt_plan[{self.lt_index(g.name)}]"
+                  ")) return 1;")
 
     def _CopyState(self, x: P.CopyState) -> None:  # the instance owns its device weights
         self.emit(f"// state {x.dst} <- {x.src}: persists to the next run")
@@ -314,4 +350,4 @@ def print_cuda_wrapper(prog: P.Program, kernels: dict, cubins: dict, archs: tupl
     pr.emit("}")
     gemms = any(isinstance(x, P.CallGemm) for x in P.walk(prog.lines))
     return print_cuda_model(prog, kernels, cubins, archs, blob_path, where, pr.out,
-                            len(pr.dynamic_bufs), gemms)
+                            len(pr.dynamic_bufs), gemms, len(pr.lt_gemms))

@@ -20,7 +20,7 @@ def _cstr(s: str) -> str:
 
 def print_cuda_model(prog: P.Program, kernels: dict, cubins: dict, archs: tuple[int, ...],
                      blob_path: str, where: dict, body: list[str], n_dyn: int,
-                     gemms: bool) -> str:
+                     gemms: bool, lt: int = 0) -> str:
     n_in, n_w, nk = len(prog.inputs), len(prog.weights), len(kernels)
     n_out = sum(1 for x in prog.lines if isinstance(x, P.AllocOutput))
     aten_ops = aten_fallback_ops(prog)
@@ -81,6 +81,8 @@ def print_cuda_model(prog: P.Program, kernels: dict, cubins: dict, archs: tuple[
         "  kc::Arena arena;",
         "  CUdeviceptr status = 0;",
         "  kc::cublasHandle_t blas = nullptr;",
+        "  kc::cublasLtHandle_t lt = nullptr;  // cuBLASLt: 8-bit float / int8 GEMMs",
+        f"  kc::LtPlan lt_plan[{max(lt, 1)}];  // per cuBLASLt GEMM: its algorithm",
         "  CUdeviceptr workspace = 0;  // cuBLAS workspace (graph capture must not allocate)",
         "  kc::Graphs graphs;",
         f"  int64_t key[{max(len(prog.symbols), 1)}] = {{}};",
@@ -97,6 +99,7 @@ def print_cuda_model(prog: P.Program, kernels: dict, cubins: dict, archs: tuple[
         "    kc::CtxGuard g(self->ctx);",
         "    // cuBLAS first: its handle may still be bound to the graphs' capture stream",
         "    if (self->blas) kc::blas().destroy(self->blas);",
+        "    if (self->lt) kc::blaslt().destroy(self->lt);",
         "    self->graphs.release();",
         "    if (self->workspace) d.cuMemFree(self->workspace);",
         "    for (int i = 0; i < kNumKernels; ++i)",
@@ -169,6 +172,11 @@ def print_cuda_model(prog: P.Program, kernels: dict, cubins: dict, archs: tuple[
             "  if (kc::blas().create(&self->blas) != 0) return e.fail(\"cublasCreate failed\");",
             "  if (kc::check(e, d.cuMemAlloc(&self->workspace, kc::kWorkspaceBytes), "
             "\"allocating the cuBLAS workspace\")) return 1;",
+        ]
+    if lt:  # cuBLASLt shares the workspace (its GEMMs run on the same stream as cuBLAS's)
+        src += [
+            "  if (kc::blaslt().error) return e.fail(\"%s\", kc::blaslt().error);",
+            "  if (kc::blaslt().create(&self->lt) != 0) return e.fail(\"cublasLtCreate failed\");",
         ]
     src += [
         "  return 0;",

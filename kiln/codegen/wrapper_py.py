@@ -14,7 +14,8 @@ TORCH_DTYPE = {"float32": "torch.float32", "float64": "torch.float64", "int64": 
                "int32": "torch.int32", "int16": "torch.int16", "int8": "torch.int8",
                "uint8": "torch.uint8", "bool": "torch.bool", "float16": "torch.float16",
                "bfloat16": "torch.bfloat16", "complex64": "torch.complex64",
-               "complex128": "torch.complex128"}
+               "complex128": "torch.complex128", "float8_e4m3fn": "torch.float8_e4m3fn",
+               "float8_e5m2": "torch.float8_e5m2"}
 
 
 def _gemm(g: L.Gemm) -> list[str]:

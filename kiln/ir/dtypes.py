@@ -13,7 +13,9 @@ class DType:
     name: str
     c_type: str
     itemsize: int
-    dl_code: int  # DLPack type code: 0 int, 1 uint, 2 float, 4 bfloat, 5 complex, 6 bool
+    # DLPack type code: 0 int, 1 uint, 2 float, 4 bfloat, 5 complex, 6 bool, 10 float8_e4m3fn,
+    # 12 float8_e5m2 (dlpack.h v1.1: kDLFloat8_e4m3fn, kDLFloat8_e5m2)
+    dl_code: int
     safetensors: str
     is_float: bool
     is_signed: bool = True
@@ -30,6 +32,9 @@ _ROWS = [
     # storage-only types: kernels compute in float32 and round on store (passes/widen_half.py)
     DType("float16", "kr::half", 2, 2, "F16", True),
     DType("bfloat16", "kr::bfloat16", 2, 4, "BF16", True),
+    # 8-bit floats: storage only, like the 16-bit ones (eager computes on them only by casting)
+    DType("float8_e4m3fn", "kr::float8_e4m3fn", 1, 10, "F8_E4M3", True),
+    DType("float8_e5m2", "kr::float8_e5m2", 1, 12, "F8_E5M2", True),
     DType("int64", "int64_t", 8, 0, "I64", False),
     DType("int32", "int32_t", 4, 0, "I32", False),
     DType("int16", "int16_t", 2, 0, "I16", False),
@@ -45,18 +50,24 @@ float32 = DTYPES["float32"]
 float64 = DTYPES["float64"]
 float16 = DTYPES["float16"]
 bfloat16 = DTYPES["bfloat16"]
-HALF = ("float16", "bfloat16")  # 16-bit floats: stored in 16 bits, computed in float32
 int64 = DTYPES["int64"]
 int32 = DTYPES["int32"]
 bool_ = DTYPES["bool"]
 
 
 HALF = frozenset({"float16", "bfloat16"})
+FLOAT8 = frozenset({"float8_e4m3fn", "float8_e5m2"})
+NARROW = HALF | FLOAT8  # floats stored narrow and computed in float32
 
 
 def is_half(dt: DType) -> bool:
     """A 16-bit float: stored as such, computed in float32 (like eager CPU for most ops)."""
     return dt.name in HALF
+
+
+def is_narrow(dt: DType) -> bool:
+    """A float narrower than 32 bits (16- or 8-bit): a storage type, computed in float32."""
+    return dt.name in NARROW
 
 
 def dtype(name: str) -> DType:
@@ -70,4 +81,4 @@ def dtype(name: str) -> DType:
 def acc_dtype(dt: DType) -> DType:
     """The dtype internal statistics of a reduction over `dt` are kept in (means, variances,
     softmax sums): float32 for 16-bit floats, as eager's kernels do; `dt` otherwise."""
-    return float32 if dt.name in HALF else dt
+    return float32 if dt.name in NARROW else dt

@@ -181,6 +181,8 @@ def _compute(node: L.Compute, bufs, env) -> np.ndarray:
 
 
 def _gemm(g: L.Gemm, bufs, env) -> np.ndarray:
+    if g.lowp is not None:  # CUDA-only nodes (CPU programs expand them: passes/lowp_cpu.py)
+        raise NotImplementedError(f"{g.name}: the interpreter has no low-precision GEMM")
     def view(op: L.Operand, rows, cols):
         base = bufs[op.buf]
         item = base.itemsize

@@ -114,9 +114,30 @@ class Operand:
 
 
 @dataclass(frozen=True)
+class LowpGemm:
+    """What makes a `Gemm` low-precision (CUDA only, through cuBLASLt): kind "scaled" multiplies
+    8-bit float operands (`a_dtype`, `b_dtype`) with float32 accumulation, then by the float32
+    scalars at `scale_a` and `scale_b` (buffer, element offset; None: 1) and adds `bias` (a
+    buffer of N elements of the output dtype, or None); kind "int" multiplies int8 operands
+    into int32. Operands are in cuBLASLt's one layout for them: `a` row-major, `b`
+    column-major, leading dimensions and addresses 16-byte aligned (lowering/lowp.py)."""
+
+    kind: str  # "scaled" | "int"
+    a_dtype: DType
+    b_dtype: DType
+    scale_a: tuple[str, sympy.Expr] | None = None
+    scale_b: tuple[str, sympy.Expr] | None = None
+    bias: str | None = None
+
+    def reads(self) -> list[str]:
+        return [x[0] for x in (self.scale_a, self.scale_b) if x is not None] + (
+            [self.bias] if self.bias else [])
+
+
+@dataclass(frozen=True)
 class Gemm:
     """out[b..., m, n] = sum_k a[b..., m, k] * b[b..., k, n]; out is contiguous
-    [*batch, M, N]."""
+    [*batch, M, N]. `lowp`: a low-precision GEMM (operand dtypes differ from `dtype`)."""
 
     name: str
     dtype: DType
@@ -127,6 +148,7 @@ class Gemm:
     a: Operand
     b: Operand
     source: tuple[str, ...] = ()
+    lowp: LowpGemm | None = None
 
     @property
     def shape(self) -> tuple[sympy.Expr, ...]:
@@ -303,7 +325,7 @@ def node_reads(node: LoopNode) -> set[str]:
     if isinstance(node, CONTROL):
         return set(node.reads)
     if isinstance(node, Gemm):
-        return {node.a.buf, node.b.buf}
+        return {node.a.buf, node.b.buf, *(node.lowp.reads() if node.lowp else ())}
     if isinstance(node, AtenCall):
         return {b for a in node.args for b in aten_arg_buffers(a)}
     if isinstance(node, ReadSize):

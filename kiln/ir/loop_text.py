@@ -72,8 +72,13 @@ def node_text(n: L.LoopNode) -> str:
                 f"{', '.join('%' + o for o in n.inits)}; extra "
                 f"{', '.join('%' + o for o in n.extra)})  # {', '.join(n.source)}")
     if isinstance(n, L.Gemm):
-        return (f"%{n.name}: {n.dtype.name}{list(n.shape)} = gemm(%{n.a.buf}, %{n.b.buf})  "
-                f"# {', '.join(n.source)}")
+        extra = "".join(f", {k}=%{b}" for k, b in (
+            ("scale_a", n.lowp.scale_a and n.lowp.scale_a[0]),
+            ("scale_b", n.lowp.scale_b and n.lowp.scale_b[0]), ("bias", n.lowp.bias))
+            if b) if n.lowp else ""
+        kind = f"{n.lowp.kind}_gemm" if n.lowp else "gemm"
+        return (f"%{n.name}: {n.dtype.name}{list(n.shape)} = {kind}(%{n.a.buf}, %{n.b.buf}"
+                f"{extra})  # {', '.join(n.source)}")
     red = ""
     if n.reduce is not None:
         red = f" reduce {n.reduce.kind} over r{list(n.reduce.sizes)}"

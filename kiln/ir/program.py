@@ -303,7 +303,9 @@ def _fmt(line: Line) -> str:
         return f"call {line.kernel}({args})  # {', '.join(line.source)}"
     if isinstance(line, CallGemm):
         g = line.gemm
-        return (f"gemm %{g.name} = %{g.a.buf} @ %{g.b.buf}  batch={list(g.batch)} "
+        lp = "" if g.lowp is None else f" {g.lowp.kind}(" + ", ".join(
+            f"%{b}" for b in g.lowp.reads()) + ")"
+        return (f"gemm %{g.name} = %{g.a.buf} @ %{g.b.buf}{lp}  batch={list(g.batch)} "
                 f"m={g.m} n={g.n} k={g.k}  # {', '.join(g.source)}")
     if isinstance(line, CallLib):
         from kiln.ir.loop_text import lib_text
@@ -359,7 +361,8 @@ def _uses(line: Line) -> list[str]:
     if isinstance(line, CallKernel):
         return [n for k, n in line.args if k != "size"]
     if isinstance(line, CallGemm):
-        return [line.gemm.a.buf, line.gemm.b.buf, line.gemm.name]
+        g = line.gemm
+        return [g.a.buf, g.b.buf, *(g.lowp.reads() if g.lowp else ()), g.name]
     if isinstance(line, CallLib):
         return [a.buf for a in line.call.args] + list(line.call.outs)
     if isinstance(line, CallUser):

@@ -52,8 +52,13 @@ def _rename_node(n, f):
     if isinstance(n, L.Compute):
         return replace(n, name=f(n.name), body=_rename_expr(n.body, f, {}))
     if isinstance(n, L.Gemm):
+        lp = n.lowp
+        if lp is not None:
+            lp = replace(lp, **{k: (f(getattr(lp, k)[0]), getattr(lp, k)[1])
+                                for k in ("scale_a", "scale_b") if getattr(lp, k)},
+                         bias=f(lp.bias) if lp.bias else None)
         return replace(n, name=f(n.name), a=replace(n.a, buf=f(n.a.buf)),
-                       b=replace(n.b, buf=f(n.b.buf)))
+                       b=replace(n.b, buf=f(n.b.buf)), lowp=lp)
     if isinstance(n, L.Extern):
         return replace(n, outs=tuple(map(f, n.outs)),
                        args=tuple(replace(a, buf=f(a.buf)) for a in n.args))

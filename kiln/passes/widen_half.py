@@ -1,4 +1,5 @@
-"""Half types (float16, bfloat16) are storage types: no kernel computes in them.
+"""Narrow floats (float16, bfloat16, float8_e4m3fn, float8_e5m2) are storage types: no kernel
+computes in them ("half" below stands for all four).
 
 This pass rewrites the graph so that every op that computes reads float32 and writes float32:
 a half operand is cast to float32 first, and a half result is computed in float32 under the
@@ -24,7 +25,7 @@ MOVES = frozenset({"view", "permute", "expand", "slice", "select", "cast"})
 
 def widen_half(g: Graph) -> Graph:
     types = g.types()
-    if not any(dtypes.is_half(t.dtype) for t in types.values()):
+    if not any(dtypes.is_narrow(t.dtype) for t in types.values()):
         return g
     nodes: list[Node] = []
     widened: dict[str, str] = {}  # half value -> its float32 cast
@@ -52,9 +53,9 @@ def widen_half(g: Graph) -> Graph:
         if n.op in MOVES:
             nodes.append(n)
             continue
-        ins = tuple(as_f32(x, n.source) if dtypes.is_half(types[x].dtype) else x
+        ins = tuple(as_f32(x, n.source) if dtypes.is_narrow(types[x].dtype) else x
                     for x in n.inputs)
-        if not dtypes.is_half(n.type.dtype):
+        if not dtypes.is_narrow(n.type.dtype):
             nodes.append(replace(n, inputs=ins))
             continue
         if n.name in inner:  # a step inside one aten op: stays float32, rounds with the op

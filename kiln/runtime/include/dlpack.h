@@ -55,7 +55,10 @@ typedef enum {
   kDLOpaqueHandle = 3,
   kDLBfloat = 4,
   kDLComplex = 5,
-  kDLBool = 6
+  kDLBool = 6,
+  /* 8-bit floats, from DLPack v1.1 (the codes kiln uses; bits = 8) */
+  kDLFloat8_e4m3fn = 10,
+  kDLFloat8_e5m2 = 12
 } DLDataTypeCode;
 
 /* Element type: code (a DLDataTypeCode), bits per lane, number of lanes (1 for scalars). */

@@ -4,7 +4,8 @@
  * both opened with dlopen when a model instance is created, never linked: a package builds and
  * links on a machine without CUDA (only cuda.h is needed, for types). Output: function tables
  * with error strings, input checks for device tensors, device outputs as DLManagedTensor
- * (kDLCUDA), the device arena, kernel launches and the cuBLAS GEMM wrapper.
+ * (kDLCUDA), the device arena, kernel launches, the cuBLAS GEMM wrapper and the cuBLASLt one
+ * (8-bit float / int8 GEMMs; libcublasLt opened the same way).
  *
  * Invariants: every function returns 0 on success or non-zero with a message in Err; nothing
  * throws. Outputs come from a memory pool per device (output_pool) and are freed stream-ordered
@@ -361,6 +362,173 @@ inline int gemm(Err &e, cublasHandle_t h, CUstream s, const char *name, int64_t 
 }
 
 constexpr size_t kWorkspaceBytes = size_t(32) << 20;  /* cuBLAS's own default on Hopper */
+
+/* cuBLASLt, for 8-bit float and int8 GEMMs (cuBLAS's GEMMs take neither with scales), opened
+ * like cuBLAS (libcublasLt.so.{13,12,11}, or $KILN_CUBLASLT). Declared here, no headers:
+ * descriptors are opaque pointers, enums the ints of cublasLt.h / library_types.h. */
+typedef void *cublasLtHandle_t;
+struct LtHeuristic {  /* cublasLtMatmulHeuristicResult_t */
+  uint64_t algo[8];
+  size_t workspace_bytes;
+  int state;
+  float waves;
+  int reserved[4];
+};
+struct BlasLt {
+  const char *error = nullptr;
+  int (*create)(cublasLtHandle_t *) = nullptr;
+  int (*destroy)(cublasLtHandle_t) = nullptr;
+  int (*desc_create)(void **, int, int) = nullptr;
+  int (*desc_destroy)(void *) = nullptr;
+  int (*desc_set)(void *, int, const void *, size_t) = nullptr;
+  int (*layout_create)(void **, int, uint64_t, uint64_t, int64_t) = nullptr;
+  int (*layout_destroy)(void *) = nullptr;
+  int (*pref_create)(void **) = nullptr;
+  int (*pref_destroy)(void *) = nullptr;
+  int (*pref_set)(void *, int, const void *, size_t) = nullptr;
+  int (*heuristic)(cublasLtHandle_t, void *, void *, void *, void *, void *, void *, int,
+                   LtHeuristic *, int *) = nullptr;
+  int (*matmul)(cublasLtHandle_t, void *, const void *, const void *, void *, const void *,
+                void *, const void *, const void *, void *, void *, void *, const void *, void *,
+                size_t, CUstream) = nullptr;
+};
+/* The algorithm cuBLASLt's heuristic chose for one GEMM of an instance at the sizes (m, n, k)
+ * and operand alignments: asked once per such key, not per run (the query costs tens of
+ * microseconds on the host). */
+struct LtPlan {
+  int64_t m = -1, n = -1, k = -1;
+  uint32_t align[3] = {};
+  LtHeuristic heur{};
+};
+/* The alignment of a device address in bytes, up to the 256 cuBLASLt's heuristic assumes. */
+inline uint32_t address_alignment(CUdeviceptr p) {
+  uint32_t a = 256;
+  while (a > 1 && p % a) a >>= 1;
+  return a;
+}
+/* cudaDataType_t values */
+constexpr int kR32F = 0, kR16F = 2, kR8I = 3, kR32I = 10, kR16BF = 14, kR8F_E4M3 = 28,
+              kR8F_E5M2 = 29;
+/* cublasLtMatmulDescAttributes_t, cublasLtEpilogue_t, cublasComputeType_t, preference */
+constexpr int kLtTransA = 3, kLtTransB = 4, kLtEpilogue = 7, kLtBiasPointer = 8,
+              kLtAScale = 17, kLtBScale = 18, kLtBiasType = 26, kLtEpilogueBias = 4,
+              kComputeI32 = 72, kLtPrefWorkspace = 1, kLtPrefAlignA = 5, kLtPrefAlignB = 6,
+              kLtPrefAlignC = 7, kLtPrefAlignD = 8;
+
+inline const BlasLt &blaslt() {
+  static const BlasLt b = [] {
+    BlasLt t;
+    const char *names[] = {std::getenv("KILN_CUBLASLT"), "libcublasLt.so.13",
+                           "libcublasLt.so.12", "libcublasLt.so.11", "libcublasLt.so"};
+    void *h = nullptr;
+    for (const char *n : names)
+      if (n && *n && (h = ::dlopen(n, RTLD_NOW | RTLD_LOCAL))) break;
+    if (!h) {
+      t.error = "cannot load cuBLASLt (tried $KILN_CUBLASLT, libcublasLt.so.13/.12/.11): put "
+                "its directory on LD_LIBRARY_PATH, set KILN_CUBLASLT, or import torch first";
+      return t;
+    }
+    if (!sym(h, "cublasLtCreate", &t.create) || !sym(h, "cublasLtDestroy", &t.destroy) ||
+        !sym(h, "cublasLtMatmulDescCreate", &t.desc_create) ||
+        !sym(h, "cublasLtMatmulDescDestroy", &t.desc_destroy) ||
+        !sym(h, "cublasLtMatmulDescSetAttribute", &t.desc_set) ||
+        !sym(h, "cublasLtMatrixLayoutCreate", &t.layout_create) ||
+        !sym(h, "cublasLtMatrixLayoutDestroy", &t.layout_destroy) ||
+        !sym(h, "cublasLtMatmulPreferenceCreate", &t.pref_create) ||
+        !sym(h, "cublasLtMatmulPreferenceDestroy", &t.pref_destroy) ||
+        !sym(h, "cublasLtMatmulPreferenceSetAttribute", &t.pref_set) ||
+        !sym(h, "cublasLtMatmulAlgoGetHeuristic", &t.heuristic) ||
+        !sym(h, "cublasLtMatmul", &t.matmul))
+      t.error = "the cuBLASLt library found lacks a needed function";
+    return t;
+  }();
+  return b;
+}
+
+/* C (M x N, row-major, contiguous, type c_type) = A (M x K, row-major, leading dimension lda)
+ * * B (K x N, column-major, leading dimension ldb), times the float32 scalars at scale_a and
+ * scale_b (0: none), plus bias[N] (0: none; type bias_type), through cuBLASLt. 8-bit float
+ * operands accumulate in float32, int8 operands into int32 (c_type kR32I, no scales, no bias).
+ * Column-major cuBLASLt computes C^T (N x M) = B^T A^T: its A is our B read transposed and its
+ * B our A, the "TN" layout it requires for these types (lowering/lowp.py guarantees it). */
+inline int lt_gemm(Err &e, cublasLtHandle_t h, CUstream s, const char *name, int64_t M,
+                   int64_t N, int64_t K, CUdeviceptr A, int a_type, int64_t lda, CUdeviceptr B,
+                   int b_type, int64_t ldb, CUdeviceptr C, int c_type, CUdeviceptr scale_a,
+                   CUdeviceptr scale_b, CUdeviceptr bias, int bias_type, CUdeviceptr ws,
+                   size_t ws_bytes, LtPlan *plan) {
+  if (M == 0 || N == 0) return 0;
+  if (K == 0) return e.fail("%s: a low-precision GEMM needs K > 0", name);
+  const BlasLt &lt = blaslt();
+  const bool ints = a_type == kR8I;
+  void *desc = nullptr, *la = nullptr, *lb = nullptr, *lc = nullptr, *pref = nullptr;
+  int st = lt.desc_create(&desc, ints ? kComputeI32 : kComputeF32, ints ? kR32I : kR32F);
+  const char *what = "cublasLtMatmulDescCreate";
+  const int trans = 1, keep = 0;
+  const uint64_t ws64 = ws_bytes;
+  auto set = [&](int attr, const void *v, size_t n, const char *w) {
+    if (st == 0) { st = lt.desc_set(desc, attr, v, n); what = w; }
+  };
+  set(kLtTransA, &trans, sizeof trans, "setting TRANSA");
+  set(kLtTransB, &keep, sizeof keep, "setting TRANSB");
+  if (scale_a) set(kLtBScale, &scale_a, sizeof scale_a, "setting the scale of A");
+  if (scale_b) set(kLtAScale, &scale_b, sizeof scale_b, "setting the scale of B");
+  if (bias) {
+    const int epi = kLtEpilogueBias;
+    set(kLtEpilogue, &epi, sizeof epi, "setting the bias epilogue");
+    set(kLtBiasPointer, &bias, sizeof bias, "setting the bias pointer");
+    set(kLtBiasType, &bias_type, sizeof bias_type, "setting the bias type");
+  }
+  if (st == 0) { st = lt.layout_create(&la, b_type, K, N, ldb); what = "layout of B"; }
+  if (st == 0) { st = lt.layout_create(&lb, a_type, K, M, lda); what = "layout of A"; }
+  if (st == 0) { st = lt.layout_create(&lc, c_type, N, M, N); what = "layout of C"; }
+  if (st == 0) { st = lt.pref_create(&pref); what = "cublasLtMatmulPreferenceCreate"; }
+  if (st == 0) {
+    st = lt.pref_set(pref, kLtPrefWorkspace, &ws64, sizeof ws64);
+    what = "setting the workspace size";
+  }
+  /* the heuristic assumes 256-byte aligned matrices unless told (its A is our B) */
+  const uint32_t align[3] = {address_alignment(B), address_alignment(A), address_alignment(C)};
+  const int pref_attr[4] = {kLtPrefAlignA, kLtPrefAlignB, kLtPrefAlignC, kLtPrefAlignD};
+  for (int i = 0; i < 4 && st == 0; ++i) {
+    st = lt.pref_set(pref, pref_attr[i], &align[i < 3 ? i : 2], sizeof(uint32_t));
+    what = "setting the operand alignments";
+  }
+  LtHeuristic heur{};
+  int found = 0;
+  if (st == 0 && plan->m == M && plan->n == N && plan->k == K &&
+      std::memcmp(plan->align, align, sizeof align) == 0) {
+    heur = plan->heur;
+  } else if (st == 0) {
+    st = lt.heuristic(h, desc, la, lb, lc, lc, pref, 1, &heur, &found);
+    what = "cublasLtMatmulAlgoGetHeuristic";
+    if (st == 0 && found == 0) st = -1;
+    if (st == 0) {
+      plan->m = M; plan->n = N; plan->k = K; plan->heur = heur;
+      std::memcpy(plan->align, align, sizeof align);
+    }
+  }
+  if (st == 0) {
+    const float onef = 1, zerof = 0;
+    const int32_t onei = 1, zeroi = 0;
+    const void *alpha = ints ? static_cast<const void *>(&onei) : &onef;
+    const void *beta = ints ? static_cast<const void *>(&zeroi) : &zerof;
+    st = lt.matmul(h, desc, alpha, reinterpret_cast<const void *>(B), la,
+                   reinterpret_cast<const void *>(A), lb, beta, reinterpret_cast<void *>(C), lc,
+                   reinterpret_cast<void *>(C), lc, heur.algo, reinterpret_cast<void *>(ws),
+                   ws_bytes, s);
+    what = "cublasLtMatmul";
+  }
+  if (pref) lt.pref_destroy(pref);
+  if (lc) lt.layout_destroy(lc);
+  if (lb) lt.layout_destroy(lb);
+  if (la) lt.layout_destroy(la);
+  if (desc) lt.desc_destroy(desc);
+  if (st == -1)
+    return e.fail("%s: cuBLASLt has no algorithm for this GEMM (M=%lld N=%lld K=%lld)", name,
+                  (long long)M, (long long)N, (long long)K);
+  if (st != 0) return e.fail("%s: %s failed (cuBLAS status %d)", name, what, st);
+  return 0;
+}
 
 /* cuBLAS on `s`, with the instance's own workspace (cublasSetStream resets the workspace to
  * cuBLAS's default pool, whose lazy allocation a CUDA graph capture must not see). */

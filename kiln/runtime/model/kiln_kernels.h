@@ -98,6 +98,67 @@ struct bfloat16 {
 };
 static_assert(sizeof(half) == 2 && sizeof(bfloat16) == 2, "16-bit storage types");
 
+/* 8-bit float storage types, torch's float8_e4m3fn (4 exponent bits, bias 7, no infinities,
+ * S.1111.111 is NaN) and float8_e5m2 (5 exponent bits, bias 15, IEEE-like). Conversions match
+ * eager bit for bit: to float exactly; from float rounding to nearest-even, subnormals kept;
+ * e4m3fn saturates finite overflow and infinities to +-448 (torch >= 2.12; Sat = false: they
+ * become NaN, as in earlier torch versions), e5m2 overflows to +-inf; NaN stays
+ * NaN (S.1111111; to float with eager's payload). Template arguments: exponent bits E, mantissa bits M. */
+template <int E, int M> inline float f8_to_float(uint8_t v) {
+  constexpr int bias = (1 << (E - 1)) - 1;
+  const uint32_t sign = static_cast<uint32_t>(v & 0x80u) << 24;
+  const uint32_t e = (v >> M) & ((1u << E) - 1), m = v & ((1u << M) - 1);
+  const bool ieee = E == 5;  // e5m2 reserves the top exponent; e4m3fn only S.1111.111
+  if ((ieee && e == (1u << E) - 1) || (!ieee && e == (1u << E) - 1 && m == (1u << M) - 1))
+    return float_of_bits(sign | 0x7F800000u |  // inf, or a quiet NaN with eager's payload
+                         (ieee && m == 0 ? 0u : (m << (23 - M)) | 0x400000u));
+  if (e == 0)  // subnormal: m * 2^(1 - bias - M), exact in float
+    return float_of_bits(sign | float_bits(static_cast<float>(m) *
+                                           float_of_bits((127u + 1 - bias - M) << 23)));
+  return float_of_bits(sign | ((e + 127 - bias) << 23) | (m << (23 - M)));
+}
+template <int E, int M, bool Sat = true> inline uint8_t float_to_f8(float f) {
+  constexpr int bias = (1 << (E - 1)) - 1;
+  const uint32_t w = float_bits(f);
+  const uint8_t sign = static_cast<uint8_t>((w >> 24) & 0x80u);
+  const uint32_t a = w & 0x7FFFFFFFu;
+  if (a > 0x7F800000u) return sign | 0x7F;  // NaN
+  // first magnitude that rounds past the largest finite value: 464 (e4m3fn), 61440 (e5m2)
+  constexpr uint32_t over = E == 4 ? 0x43E80000u : 0x47700000u;
+  if (a >= over)  // e4m3fn saturates (or, from past 464, is NaN), e5m2 is inf
+    return sign | (E == 4 ? (Sat || a == over ? 0x7E : 0x7F) : 0x7C);
+  if (a < static_cast<uint32_t>(127 + 1 - bias) << 23) {
+    // subnormal range: m = round(|f| * 2^(bias - 1 + M)) (the scaling is exact; adding and
+    // subtracting 2^23 rounds to nearest-even); m == 2^M is the smallest normal's encoding
+    const float t = float_of_bits(a) * float_of_bits((127u + bias - 1 + M) << 23);
+    const float big = 8388608.0f;
+    return sign | static_cast<uint8_t>(static_cast<uint32_t>((t + big) - big));
+  }
+  constexpr int shift = 23 - M;
+  const uint32_t r = a + ((1u << (shift - 1)) - 1) + ((a >> shift) & 1u);  // nearest-even
+  return sign | static_cast<uint8_t>((r >> shift) - (static_cast<uint32_t>(127 - bias) << M));
+}
+
+struct float8_e4m3fn {
+  uint8_t bits;
+  float8_e4m3fn() = default;
+  template <class T> explicit float8_e4m3fn(T v) : bits(float_to_f8<4, 3>(static_cast<float>(v))) {}
+  operator float() const { return f8_to_float<4, 3>(bits); }
+  /* the conversion of torch < 2.12: overflow past 464 and infinities become NaN */
+  template <class T> static float8_e4m3fn overflow_nan(T v) {
+    float8_e4m3fn r;
+    r.bits = float_to_f8<4, 3, false>(static_cast<float>(v));
+    return r;
+  }
+};
+struct float8_e5m2 {
+  uint8_t bits;
+  float8_e5m2() = default;
+  template <class T> explicit float8_e5m2(T v) : bits(float_to_f8<5, 2>(static_cast<float>(v))) {}
+  operator float() const { return f8_to_float<5, 2>(bits); }
+};
+static_assert(sizeof(float8_e4m3fn) == 1 && sizeof(float8_e5m2) == 1, "8-bit storage types");
+
 inline float exp(float x) {
   const float xc = x < -87.5f ? -87.5f : (x > 88.5f ? 88.5f : x);
   const float k = std::floor(xc * 1.44269504088896341f + 0.5f);
