@@ -34,7 +34,11 @@ def import_triton_module(text: str):
     import triton
     if triton.knobs.runtime.interpret:  # the interpreter's scalars are arrays: loop on ints
         text = re.sub(r"range\(0, (.*), RBLOCK\):", r"range(0, _kl_int(\1), RBLOCK):", text)
-        text = re.sub(r"range\(0, ((?:(?!RBLOCK).)*)\):", r"range(0, _kl_int(\1)):", text)
+        text = re.sub(r"range\(0, ((?:(?!RBLOCK|BLOCK_K).)*)\):", r"range(0, _kl_int(\1)):", text)
+        # the GEMM template's persistent tile loop and its loop over K
+        text = text.replace("range(tl.program_id(0), tiles, NUM_SMS)",
+                            "range(_kl_int(tl.program_id(0)), _kl_int(tiles), _kl_int(NUM_SMS))")
+        text = text.replace("range(0, K, BLOCK_K)", "range(0, _kl_int(K), BLOCK_K)")
         text += ("\n\ndef _kl_int(t):\n    h = getattr(t, 'handle', None)\n"
                  "    return int(h.data.reshape(-1)[0]) if h is not None else int(t)\n")
     d = Path(tempfile.mkdtemp(prefix="kiln_triton_"))
@@ -86,6 +90,12 @@ def _strided(buf: torch.Tensor, op, batch, rows, cols, env) -> torch.Tensor:
     return torch.as_strided(buf, sizes, strides, ev(op.offset))
 
 
+def _sm_count(device: str) -> int:
+    if str(device).startswith("cuda"):
+        return torch.cuda.get_device_properties(torch.device(device)).multi_processor_count
+    return 4  # Triton's interpreter: a few programs, so the persistent loop runs
+
+
 def run_program(prog: P.Program, kernels: dict, module, weights: dict, inputs: list,
                 device: str = "cpu") -> list[torch.Tensor]:
     env: dict[str, int] = {}
@@ -107,17 +117,24 @@ def run_program(prog: P.Program, kernels: dict, module, weights: dict, inputs: l
             bufs.pop(x.buf, None)
         elif isinstance(x, P.CallKernel):
             k = kernels[x.kernel]
-            rows = evaluate(k.rows, env)
+            rows = evaluate(k.tiles if k.tiles is not None else k.rows, env)
             if rows == 0:
                 continue
+            sms = _sm_count(device)
             args = []
             for kind, n in k.params:
                 args.append(env[n] if kind == "size" else status if kind == "status"
-                            else bufs[n].reshape(-1))
-            grid = (-(-rows // k.config.xblock),)
-            getattr(module, x.kernel)[grid](*args, XBLOCK=k.config.xblock,
-                                            RBLOCK=k.config.rblock,
-                                            num_warps=k.config.num_warps)
+                            else sms if kind == "sms" else bufs[n].reshape(-1))
+            if k.tiles is not None:  # persistent (the GEMM template): min(tiles, #SMs)
+                consts = dict(k.constexprs)
+                getattr(module, x.kernel)[(min(rows, sms),)](
+                    *args, **consts, num_warps=k.config.num_warps,
+                    **({"num_stages": k.num_stages} if k.num_stages else {}))
+            else:
+                grid = (-(-rows // k.config.xblock),)
+                getattr(module, x.kernel)[grid](*args, XBLOCK=k.config.xblock,
+                                                RBLOCK=k.config.rblock,
+                                                num_warps=k.config.num_warps)
             if int(status.item()):
                 raise IndexError(f"index out of range in {', '.join(x.source)}")
         elif isinstance(x, P.CallLib):

@@ -63,7 +63,7 @@ def import_module(text: str, cache: Path):
 def _key(kernel, arch: int, prelude_hash: str) -> str:
     blob = json.dumps([kernel.source, kernel.signature, kernel.config.xblock,
                        kernel.config.rblock, kernel.config.num_warps, arch, triton_version(),
-                       prelude_hash])
+                       prelude_hash, list(kernel.constexprs), kernel.num_stages])
     return hashlib.sha256(blob.encode()).hexdigest()
 
 
@@ -76,13 +76,15 @@ def compile_kernel(mod, kernel, arch: int):
     fn = getattr(mod, kernel.name)
     attrs = {(i,): [["tt.divisibility", 16]] for i, t in enumerate(kernel.signature.values())
              if t.startswith("*")}
-    src = triton.compiler.ASTSource(
-        fn=fn, signature=dict(kernel.signature),
-        constexprs={"XBLOCK": kernel.config.xblock, "RBLOCK": kernel.config.rblock},
-        attrs=attrs)
+    consts = dict(kernel.constexprs) or {"XBLOCK": kernel.config.xblock,
+                                         "RBLOCK": kernel.config.rblock}
+    src = triton.compiler.ASTSource(fn=fn, signature=dict(kernel.signature), constexprs=consts,
+                                    attrs=attrs)
+    options = {"num_warps": kernel.config.num_warps}
+    if kernel.num_stages:
+        options["num_stages"] = kernel.num_stages
     try:
-        ck = triton.compile(src, target=GPUTarget("cuda", arch, 32),
-                            options={"num_warps": kernel.config.num_warps})
+        ck = triton.compile(src, target=GPUTarget("cuda", arch, 32), options=options)
     except Exception as e:  # Triton raises many types; name the kernel and keep the message
         raise CompileError(f"Triton failed to compile {kernel.name} for sm_{arch}: "
                            f"{type(e).__name__}: {e}") from e
