@@ -61,9 +61,11 @@ def import_module(text: str, cache: Path):
 
 
 def _key(kernel, arch: int, prelude_hash: str) -> str:
-    blob = json.dumps([kernel.source, kernel.signature, kernel.config.xblock,
-                       kernel.config.rblock, kernel.config.num_warps, arch, triton_version(),
-                       prelude_hash, list(kernel.constexprs), kernel.num_stages])
+    parts = [kernel.source, kernel.signature, kernel.config.xblock, kernel.config.rblock,
+             kernel.config.num_warps, arch, triton_version(), prelude_hash]
+    if kernel.constexprs:  # the GEMM template (row kernels' keys stay as they were)
+        parts += [list(kernel.constexprs), kernel.num_stages]
+    blob = json.dumps(parts)
     return hashlib.sha256(blob.encode()).hexdigest()
 
 
