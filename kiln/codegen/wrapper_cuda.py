@@ -231,8 +231,8 @@ def _cutlass_parts(prog: P.Program, cutlass: dict) -> tuple[list[str], list[str]
                      "void*, void*, CUstream);")
     for name in sorted(n for n in cutlass if n in gemms):
         g = gemms[name]
-        sizes = [evaluate(e, hi) for e in (g.m, g.n, g.k)] + \
-            [evaluate(g.batch[0], hi) if g.batch else 1]
+        sizes = [min(evaluate(e, hi), 2**31 - 1) for e in (g.m, g.n, g.k)] + \
+            [min(evaluate(g.batch[0], hi), 2**31 - 1) if g.batch else 1]  # CUTLASS's int
         init.append(f"  {{ const size_t w = {workspace_entry(cutlass[name].config['name'])}"
                     f"({', '.join(map(str, sizes))});  // {name} at the ranges' maxima")
         init.append("    if (w > self->cutlass_ws_bytes) self->cutlass_ws_bytes = w; }")
