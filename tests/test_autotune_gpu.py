@@ -1,6 +1,10 @@
 """GPU runs of the GEMM templates (kiln/autotune): the Triton template under every epilogue
 and dtype against eager, for square, skinny, odd and transposed operands, and (when prebuilt
-shared libraries are given in $KILN_CUTLASS_SO_DIR) CUTLASS kernels against torch.mm."""
+shared libraries are given in $KILN_CUTLASS_SO_DIR) CUTLASS kernels against torch.mm; and
+CUDA packages that link the chosen backend (Triton template with its epilogue absorbed,
+CUTLASS objects, cuBLAS) under each backend alone and all together, for addmm + bias /
+relu / gelu + residual + cast over a dynamic M, bmm in fp16 / bf16, fp32 through the template,
+and max_autotune choosing among all three, against eager."""
 
 from __future__ import annotations
 
