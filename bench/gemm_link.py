@@ -106,14 +106,16 @@ def main(argv=None):
     todo = []
     for n in filter(None, args.models.split(",")):
         spec = in_dtype(ALL_MODELS[n](), torch.float16)
-        todo.append((spec.name, spec.module.cuda(), spec.export(),
+        ep = spec.export()  # on the CPU, before the module moves to the GPU
+        todo.append((spec.name, spec.module.cuda(), ep,
                      tuple(a.cuda() if isinstance(a, torch.Tensor) else a
                            for a in spec.example_args), 5e-2))
     if args.sweep:
         for m, n, k in SWEEP:
-            mod = _MM(k, n).half().cuda()
-            x = torch.randn(m, k, device="cuda", dtype=torch.float16)
-            todo.append((f"mm_{m}x{n}x{k}", mod, torch.export.export(mod, (x,)), (x,),
+            mod = _MM(k, n).half()
+            x = torch.randn(m, k, dtype=torch.float16)
+            ep = torch.export.export(mod, (x,))
+            todo.append((f"mm_{m}x{n}x{k}", mod.cuda(), ep, (x.cuda(),),
                          5e-2 * k ** 0.5 / 8))
     for name, module, ep, a, tol in todo:
         with torch.no_grad():
