@@ -15,9 +15,10 @@ without a GPU.
 Profiling (`Options.max_autotune` and a local GPU of the target architecture): the candidates
 run in child processes (`python -m kiln.autotune.gpu`), one process for all candidates of a
 GEMM; a candidate that crashes its process is dropped with the reason and the others run in a
-fresh one. The child times each candidate with CUDA events at the example sizes and checks it
-against a float32 torch.matmul of the same operands (profile.py's protocol, one
-`KILN_PROFILE <name> <seconds> <max error> <tolerance>` line per candidate)."""
+fresh one. The child times each candidate (captured in a CUDA graph, as packages run) with
+CUDA events at the example sizes and checks it against a float32 torch.matmul of the same
+operands (profile.py's protocol, one `KILN_PROFILE <name> <seconds> <max error> <tolerance>`
+line per candidate)."""
 
 from __future__ import annotations
 
@@ -211,11 +212,26 @@ def _child(spec: dict) -> None:
             run()
             torch.cuda.synchronize()
             err = float((c.float() - want).abs().max())
-            sec = do_bench(run, warmup=5, rep=20) * 1e-3
+            sec = do_bench(_graphed(run), warmup=5, rep=20) * 1e-3
         except Exception as e:  # this candidate fails; the others still run
             print(f"{name}: {type(e).__name__}: {e}", file=sys.stderr)
             sec, err = -1.0, 0.0
         print(f"KILN_PROFILE {name} {sec:.9g} {err:.6g} {tol:.6g}", flush=True)
+
+
+def _graphed(run):
+    """`run` captured in a CUDA graph (as packages run by default), so per-launch host cost,
+    e.g. the template's one launch per batch entry here, does not decide the choice; `run`
+    itself when capture fails."""
+    import torch
+    try:
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g):
+            run()
+        return g.replay
+    except Exception:  # not capturable: time the plain launches
+        torch.cuda.synchronize()
+        return run
 
 
 def _triton(kern, a, b, c, cfg: T.TritonConfig, sms: int) -> None:
