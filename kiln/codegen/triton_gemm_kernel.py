@@ -22,7 +22,7 @@ import sympy
 from kiln.codegen.triton_kernel import Config, TritonKernel, _Scope
 from kiln.codegen.triton_ops import SIG_PTR, TL_DTYPE, tl_compute, to_tl
 from kiln.ir import loop as L
-from kiln.ir.sym import FloorDiv, contiguous_strides, ivars, linear_index, product, unravel
+from kiln.ir.sym import FloorDiv, contiguous_strides, linear_index, product, unravel
 from kiln.schedule.gemm_fuse import GemmKernel
 
 DTYPES = ("float16", "bfloat16", "float32")
@@ -34,6 +34,23 @@ def _small(gk: GemmKernel, buffers: dict[str, L.Buffer]) -> bool:
                int(buffers[n].numel) < 2**31 - 2**20 for n in names)
 
 
+def _epilogue_names(g: L.Gemm, epi: L.Compute, flat: sympy.Expr) -> dict[str, str]:
+    """The epilogue's index variables as expressions of the tile's (batch, row, column): the
+    same when its shape is the GEMM's; else (a regrouping of the GEMM's dims, same row-major
+    order) its last dim is the column when it spans N and the others unravel the row, or in
+    general all of them unravel the flat position."""
+    k = len(epi.shape)
+    same = len(epi.shape) == len(g.shape) and all(
+        sympy.simplify(sympy.sympify(a) - b) == 0 for a, b in zip(epi.shape, g.shape))
+    if same:
+        nb = len(g.batch)
+        return {**{f"i{d}": f"b{d}" for d in range(nb)}, f"i{nb}": "i_m", f"i{nb + 1}": "i_n"}
+    if not g.batch and sympy.simplify(sympy.sympify(epi.shape[-1]) - g.n) == 0:
+        lead = unravel(sympy.Symbol("i_m"), epi.shape[:-1])
+        return {**{f"i{d}": f"({to_tl(e)})" for d, e in enumerate(lead)}, f"i{k - 1}": "i_n"}
+    return {f"i{d}": f"({to_tl(e)})" for d, e in enumerate(unravel(flat, epi.shape))}
+
+
 def print_gemm_kernel(gk: GemmKernel, buffers: dict[str, L.Buffer]) -> TritonKernel:
     g, epi, cfg = gk.gemm, gk.epilogue, gk.config
     if g.dtype.name not in DTYPES:
@@ -42,11 +59,14 @@ def print_gemm_kernel(gk: GemmKernel, buffers: dict[str, L.Buffer]) -> TritonKer
                                f"template takes {', '.join(DTYPES)}, not {g.dtype.name}")
     out = gk.out
     params = gk.params()
+    if gk.status:
+        params.append(("status", "kiln_status"))
     params.append(("sms", "NUM_SMS"))
     sig: dict[str, str] = {}
     for kind, n in params:
-        sig[n if kind in ("size", "sms") else f"buf_{n}"] = \
-            "i64" if kind == "size" else "i32" if kind == "sms" else SIG_PTR[buffers[n].dtype.name]
+        sig[n if kind in ("size", "sms", "status") else f"buf_{n}"] = \
+            "i64" if kind == "size" else "i32" if kind == "sms" else "*i32" \
+            if kind == "status" else SIG_PTR[buffers[n].dtype.name]
     consts = (("BLOCK_M", cfg["block_m"]), ("BLOCK_N", cfg["block_n"]),
               ("BLOCK_K", cfg["block_k"]), ("GROUP_M", cfg.get("group_m", 8)))
     for c, _ in consts:
@@ -109,8 +129,9 @@ def print_gemm_kernel(gk: GemmKernel, buffers: dict[str, L.Buffer]) -> TritonKer
         f"{p}i_n = rn[None, :]",
         f"{p}mask = (i_m < M) & (i_n < N)",
     ]
-    names = {**{f"i{d}": f"b{d}" for d in range(nb)}, f"i{nb}": "i_m", f"i{nb + 1}": "i_n"}
-    idx = linear_index(ivars(nb + 2), contiguous_strides(g.shape))
+    tile = {**{f"i{d}": f"b{d}" for d in range(nb)}, f"i{nb}": "i_m", f"i{nb + 1}": "i_n"}
+    flat = linear_index([sympy.Symbol(v) for v in tile.values()], contiguous_strides(g.shape))
+    names = tile if epi is None else _epilogue_names(g, epi, flat)
     if epi is None:
         value = f"acc.to({TL_DTYPE[g.dtype.name]})"
     else:
@@ -122,7 +143,7 @@ def print_gemm_kernel(gk: GemmKernel, buffers: dict[str, L.Buffer]) -> TritonKer
         sc = _Scope(names, "mask", {g.name: f"v_{g.name}"}, [0])
         value = sc.value(epi.body)
         lines += [p + s for s in sc.lines]
-    lines.append(f"{p}tl.store(buf_{out} + {to_tl(idx, names)}, {value}, mask=mask)")
+    lines.append(f"{p}tl.store(buf_{out} + {to_tl(flat)}, {value}, mask=mask)")
     bm, bn = cfg["block_m"], cfg["block_n"]
     tiles = product(g.batch) * FloorDiv(g.m + bm - 1, bm) * FloorDiv(g.n + bn - 1, bn)
     warps = cfg.get("num_warps", 4)

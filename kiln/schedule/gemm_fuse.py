@@ -23,7 +23,8 @@ from dataclasses import dataclass
 import sympy
 
 from kiln.ir import loop as L
-from kiln.ir.sym import contiguous_strides, free_size_symbols, ivars, linear_index
+from kiln.ir.sym import FloorDiv, ModIdx, contiguous_strides, free_size_symbols, ivars, \
+    linear_index, product
 from kiln.schedule import Kernel
 
 
@@ -44,6 +45,12 @@ class GemmKernel:
     @property
     def out(self) -> str:
         return self.epilogue.name if self.epilogue is not None else self.gemm.name
+
+    @property
+    def status(self) -> bool:
+        """The epilogue indexes through data: the kernel reports an index out of range."""
+        return self.epilogue is not None and any(ld.indirect
+                                                 for ld in L.loads(self.epilogue.body))
 
     @property
     def source(self) -> tuple[str, ...]:
@@ -67,7 +74,7 @@ class GemmKernel:
         exprs = [g.m, g.n, g.k, *g.batch, g.a.offset, g.a.rows, g.a.cols, *g.a.batch_strides,
                  g.b.offset, g.b.rows, g.b.cols, *g.b.batch_strides]
         if self.epilogue is not None:
-            exprs += [ld.index for ld in L.loads(self.epilogue.body)]
+            exprs += [ld.index for ld in L.loads(self.epilogue.body)] + list(self.epilogue.shape)
         syms: set = set()
         for e in exprs:
             syms |= free_size_symbols(sympy.sympify(e))
@@ -83,19 +90,44 @@ def _step_reads(step) -> set[str]:
     return set(L.node_reads(step))
 
 
+def fold_divmod(e) -> sympy.Expr:
+    """`e` with every `c*s*FloorDiv(a, s) + c*ModIdx(a, s)` rewritten to `c*a` (exact for
+    non-negative integers: a = s * (a // s) + a % s), as reshapes of reshapes produce."""
+    e = sympy.expand(sympy.sympify(e))
+    changed = True
+    while changed and e.is_Add:
+        changed = False
+        terms = e.as_coefficients_dict()
+        for t, c in terms.items():
+            if isinstance(t, ModIdx):
+                a, d = t.args
+                fd = FloorDiv(a, d)
+                if sympy.simplify(terms.get(fd, 0) - c * d) == 0 or \
+                        sympy.simplify(_coeff(e, fd) - c * d) == 0:
+                    e = sympy.expand(e - c * t - c * d * fd + c * a)
+                    changed = True
+                    break
+    return e
+
+
+def _coeff(e, atom) -> sympy.Expr:
+    """The coefficient of `atom` in the sum `e` (symbolic coefficients included)."""
+    return sympy.expand(e).coeff(atom)
+
+
 def epilogue_of(g: L.Gemm, m: L.Compute) -> bool:
-    """`m` can be `g`'s epilogue: pointwise over g's shape, no gathers, reading g's result only
-    at the element it computes."""
-    if m.reduce is not None or len(m.shape) != len(g.shape) or any(
-            sympy.simplify(sympy.sympify(a) - b) != 0 for a, b in zip(m.shape, g.shape)):
+    """`m` can be `g`'s epilogue: pointwise over g's elements (its shape may regroup g's dims,
+    e.g. [b*s, n] read as [b, s, n]), reading g's result only at the element it computes (same
+    row-major position); its other loads may gather (checked indices, as in any kernel)."""
+    if m.reduce is not None or sympy.simplify(product(m.shape) - product(g.shape)) != 0:
         return False
-    ident = linear_index(ivars(len(g.shape)), contiguous_strides(g.shape))
+    ident = linear_index(ivars(len(m.shape)), contiguous_strides(m.shape))
     seen = False
     for ld in L.loads(m.body):
-        if ld.indirect:
-            return False
         if ld.buf == g.name:
-            if sympy.simplify(sympy.sympify(ld.index) - ident) != 0:
+            if ld.indirect:
+                return False
+            if sympy.simplify(fold_divmod(ld.index) - sympy.expand(ident)) != 0:
                 return False
             seen = True
     return seen

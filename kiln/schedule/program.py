@@ -92,7 +92,7 @@ def build_program(graph: Graph, prog: L.LoopProgram, steps: tuple[Step, ...],
             lines.append(P.CallGemm(step))
         elif isinstance(step, GemmKernel):
             members = (step.gemm.name,) + ((step.epilogue.name,) if step.epilogue else ())
-            lines.append(P.CallKernel(step.name, tuple(step.params()), False, members,
+            lines.append(P.CallKernel(step.name, tuple(step.params()), step.status, members,
                                       step.source))
         elif isinstance(step, L.AtenCall):
             lines.append(P.CallAten(step))
