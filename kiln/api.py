@@ -23,6 +23,7 @@ from kiln.options import Options
 from kiln.package import write_package
 from kiln.pipeline import Built, build
 from kiln.schedule import Kernel
+from kiln.schedule.gemm_fuse import GemmKernel
 from kiln.codegen.wrapper_cpp import aten_fallback_ops
 from kiln.toolchain.cxx import compiler_identity
 
@@ -46,6 +47,12 @@ def _kernels_json(built: Built) -> list[dict]:
         elif isinstance(s, L.UserKernel):
             out.append({"name": s.name, "kind": "user_triton", "members": list(s.outs),
                         "kernel": s.kernel, "source_ops": list(s.source)})
+        elif isinstance(s, GemmKernel):  # the Triton GEMM template, epilogue fused
+            choice = built.gemms.get(s.gemm.name)
+            out.append({"name": s.name, "kind": "triton_gemm",
+                        "members": [s.gemm.name] + ([s.epilogue.name] if s.epilogue else []),
+                        "source_ops": list(s.source),
+                        **({"gemm": choice.to_json()} if choice is not None else {})})
         elif isinstance(s, L.Extern):
             out.append({"name": s.name, "kind": f"lib.{s.routine}", "members": list(s.outs),
                         "source_ops": list(s.source)})

@@ -12,6 +12,7 @@ import torch
 
 from kiln import config
 from kiln.autotune import choose_gemms
+from kiln.schedule.gemm_fuse import fuse_gemms
 from kiln.codegen.cpp_kernel import print_kernel
 from kiln.codegen.gemm_cpp import declaration, print_gemm_file
 from kiln.codegen.wrapper_cpp import declare_kernel, print_wrapper
@@ -183,6 +184,13 @@ def build(ep: torch.export.ExportedProgram, opts: Options, device: str = "cpu") 
             env[name] = evaluate(bound, env)
         steps, *reordered = run.stage("reorder", lambda s: reorder_for_memory(s, loop, env),
                                       steps)
+    gemms: dict = {}
+    if cuda:  # 4c. GEMM backends (kiln/autotune); Triton GEMMs absorb their epilogue
+        gemms = run.stage("autotune", lambda s: choose_gemms(s, graph.symbols, opts, "cuda"),
+                          steps)
+        keep = set(loop.outputs) | {src for _, src in loop.mutations}
+        steps = run.stage("fuse_gemms", lambda s: fuse_gemms(s, gemms, keep), steps,
+                          dump=lambda s: "\n".join(map(repr, s)))
     weights = {i.name: weights[i.name] for i in graph.weights}
     specs = [WeightSpec(i.name, i.fqn, i.type.dtype, tuple(int(d) for d in i.type.shape),
                         weights[i.name].numel() * weights[i.name].element_size(),
@@ -208,9 +216,7 @@ def build(ep: torch.export.ExportedProgram, opts: Options, device: str = "cpu") 
                                    f"makes them with {', '.join(dependent)} on CUDA")
         from kiln.pipeline_cuda import build_cuda
         hints = {s.name: s.example for s in graph.symbols}
-        gemms = run.stage("autotune", lambda s: choose_gemms(s, graph.symbols, opts, "cuda"),
-                          steps)
-        sources, lib, info = build_cuda(run, steps, buffers, program, hints, opts)
+        sources, lib, info = build_cuda(run, steps, buffers, program, hints, opts, gemms)
         return Built(graph, loop, steps, program, plan, ivs, sources, lib, weights, run.timings,
                      "cuda", info, reorder=tuple(reordered), gemms=gemms)
     # 6b. GEMM backends: profiled (max_autotune), cached, or by heuristic (kiln/autotune)

@@ -14,18 +14,21 @@ wrapper's text, and with it the object cache key, changes whenever any cubin doe
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import os
 from pathlib import Path
 
 from kiln import config
 from kiln.codegen.triton_attention import choose_attention_config, print_attention_kernel
+from kiln.codegen.triton_gemm_kernel import print_gemm_kernel
 from kiln.codegen.triton_kernel import choose_config, print_triton_kernel, print_triton_module
 from kiln.codegen.wrapper_cuda import capturable, cubin_blob, print_cuda_wrapper
 from kiln.errors import CompileError
 from kiln.ir import loop as L
 from kiln.options import Options
 from kiln.schedule import Kernel
+from kiln.schedule.gemm_fuse import GemmKernel
 from kiln.toolchain.cxx import Toolchain, build_shared
 from kiln.toolchain.autotune import device_available, tune, tune_attention
 from kiln.toolchain.triton_aot import compile_cubins
@@ -92,8 +95,8 @@ def _write_blob(data: bytes, cache: Path) -> Path:
     return path
 
 
-def build_cuda(run, steps, buffers, program, hints: dict[str, int], opts: Options
-               ) -> tuple[dict[str, str], Path, dict]:
+def build_cuda(run, steps, buffers, program, hints: dict[str, int], opts: Options,
+               gemms: dict | None = None) -> tuple[dict[str, str], Path, dict]:
     archs = tuple(opts.cuda_archs) or default_archs()
     cache = Path(opts.cache_dir) if opts.cache_dir else config.cache_dir()
     kernels = [s for s in L.flat_steps(steps) if isinstance(s, Kernel)]  # regions' too
@@ -116,7 +119,8 @@ def build_cuda(run, steps, buffers, program, hints: dict[str, int], opts: Option
         tuned.update(t_att)
 
     def codegen(_):
-        return triton_kernels(kernels + attns, buffers, hints, configs)
+        return triton_kernels(launched + attns, buffers, hints, configs)
+    launched = [s for s in L.flat_steps(steps) if isinstance(s, (Kernel, GemmKernel))]
     tks = run.stage("codegen_triton", codegen, None)
     module = print_triton_module(tks)
     cubins, tt = run.stage("cubins", lambda m: compile_cubins(m, tks, archs, cache, opts.jobs),
@@ -136,19 +140,32 @@ def build_cuda(run, steps, buffers, program, hints: dict[str, int], opts: Option
     blob, where = cubin_blob(cubins, names, archs)
     blob_path = _write_blob(blob, cache)
     by_name = {**{k.name: k for k in tks}, **{u.name: u for u in launches}}
+    cutlass = {n: c for n, c in (gemms or {}).items() if c.backend == "cutlass"}
+    objects: list[Path] = []
+    if cutlass:
+        from kiln.autotune.cutlass_link import build_objects
+        objects, cut_sources = run.stage("cutlass", lambda c: build_objects(
+            steps, c, opts, cache / "cutlass"), cutlass)
     wrapper = run.stage("codegen_wrapper", lambda p: print_cuda_wrapper(
-        p, by_name, cubins, archs, str(blob_path), where, opts.cuda_graphs), program)
+        p, by_name, cubins, archs, str(blob_path), where, opts.cuda_graphs, cutlass), program)
     sources = {"kernels_triton.py": module, "model_cuda.cpp": wrapper}
     if launches:
         sources["user_triton.py"] = user_sources(launches)
+    if cutlass:
+        sources.update(cut_sources)
     if opts.dump_dir:
         for name, text in sources.items():
             (Path(opts.dump_dir) / name).write_text(text)
-    lib, ct = run.stage("compile", lambda s: build_shared(toolchain(opts), s),
-                        {"model_cuda.cpp": wrapper})
+    tc = toolchain(opts)
+    if objects:
+        from kiln.autotune.cutlass_link import cudart_static
+        tc = dataclasses.replace(tc, ldflags=(*tc.ldflags, *map(str, objects),
+                                              *cudart_static()))
+    lib, ct = run.stage("compile", lambda s: build_shared(tc, s), {"model_cuda.cpp": wrapper})
     run.timings.update({f"compile.{k}": v for k, v in ct.items()})
     attn = {f"attn_{a.name}" for a in attns}
     info = {"archs": list(archs), "cubin_bytes": len(blob), "autotuned": tuned,
+            "cutlass_objects": [p.name for p in objects],
             "graphs": opts.cuda_graphs and capturable(program), "kernels": {
         k.name: {"xblock": k.config.xblock, "rblock": k.config.rblock,
                  "num_warps": k.config.num_warps,
@@ -174,12 +191,14 @@ def attention_steps(steps) -> list[L.Extern]:
 
 
 def triton_kernels(steps, buffers, hints: dict[str, int], configs: dict | None = None) -> list:
-    """The TritonKernel of every schedule kernel and attention call in `steps` (configs by step
-    name; the heuristic where none is given)."""
+    """The TritonKernel of every schedule kernel, GEMM template kernel and attention call in
+    `steps` (configs by step name; the heuristic where none is given)."""
     configs = configs or {}
     out = []
     for s in steps:
-        if isinstance(s, Kernel):
+        if isinstance(s, GemmKernel):  # the GEMM template with its epilogue
+            out.append(print_gemm_kernel(s, buffers))
+        elif isinstance(s, Kernel):
             out.append(print_triton_kernel(s, buffers, hints, configs.get(s.name)))
         elif isinstance(s, L.Extern) and s.routine == "attention":
             out.append(print_attention_kernel(s, buffers, hints, configs.get(s.name)))

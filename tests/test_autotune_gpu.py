@@ -1,6 +1,10 @@
 """GPU runs of the GEMM templates (kiln/autotune): the Triton template under every epilogue
 and dtype against eager, for square, skinny, odd and transposed operands, and (when prebuilt
-shared libraries are given in $KILN_CUTLASS_SO_DIR) CUTLASS kernels against torch.mm."""
+shared libraries are given in $KILN_CUTLASS_SO_DIR) CUTLASS kernels against torch.mm; and
+CUDA packages that link the chosen backend (Triton template with its epilogue absorbed,
+CUTLASS objects, cuBLAS) under each backend alone and all together, for addmm + bias /
+relu / gelu + residual + cast over a dynamic M, bmm in fp16 / bf16, fp32 through the template,
+and max_autotune choosing among all three, against eager."""
 
 from __future__ import annotations
 
@@ -69,3 +73,96 @@ def test_cutlass_kernels(shape):
         torch.cuda.synchronize()
         torch.testing.assert_close(c.double(), want.half().double(), rtol=2e-2,
                                    atol=2e-2 * k ** 0.5, msg=lib.name)
+
+
+# -- packages that link the chosen backend (kiln/schedule/gemm_fuse.py, cutlass_link.py) ------
+
+import kiln  # noqa: E402
+from kiln.options import Options  # noqa: E402
+
+
+class _Linear(torch.nn.Module):
+    """addmm (bias) + an activation + a residual + a cast: every epilogue kind."""
+
+    def __init__(self, k, n, act):
+        super().__init__()
+        self.l = torch.nn.Linear(k, n)
+        self.act = act
+
+    def forward(self, x, r):
+        return (ACTS[self.act](self.l(x)) + r).float(), x @ self.l.weight.t()
+
+
+class _Bmm(torch.nn.Module):
+    def forward(self, a, b):
+        return torch.relu(torch.bmm(a, b))
+
+
+BACKENDS = [("triton",), ("cutlass",), ("blas", "triton", "cutlass")]
+
+
+def _check_pkg(tmp_path, ep, backends, calls, tol, **opts):
+    cm = kiln.compile(ep, device="cuda", options=Options(gemm_backends=backends, **opts))
+    runner = kiln.load(cm.save(tmp_path / "m.kiln"), device="cuda:0")
+    kinds = {k["kind"] for k in cm.manifest["kernels"] if k["kind"].endswith("gemm")}
+    for args, want in calls:
+        got = runner(*args)
+        got = got if isinstance(got, (tuple, list)) else [got]
+        want = want if isinstance(want, (tuple, list)) else [want]
+        for g, w in zip(got, want):
+            torch.testing.assert_close(g.float(), w.float(), rtol=tol, atol=tol)
+    return cm, kinds
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("backends", BACKENDS, ids="+".join)
+@pytest.mark.parametrize("act", ["none", "relu", "gelu"])
+def test_package_linear_epilogues_dynamic_m(tmp_path, backends, act):
+    torch.manual_seed(0)
+    m = _Linear(256, 128, act).half().cuda()
+    x, r = torch.randn(64, 256).half().cuda(), torch.randn(64, 128).half().cuda()
+    b = torch.export.Dim("b", min=1, max=1024)
+    ep = torch.export.export(m, (x, r), dynamic_shapes={"x": {0: b}, "r": {0: b}})
+    calls = []
+    for rows in (1, 37, 64, 1000):
+        xx, rr = torch.randn(rows, 256).half().cuda(), torch.randn(rows, 128).half().cuda()
+        calls.append(((xx, rr), m(xx, rr)))
+    cm, kinds = _check_pkg(tmp_path, ep, backends, calls, 2e-2)
+    if backends == ("triton",):
+        assert kinds == {"triton_gemm"}
+        fused = [k for k in cm.manifest["kernels"] if k["kind"] == "triton_gemm"]
+        assert any(len(k["members"]) == 2 for k in fused)  # an epilogue was absorbed
+    if backends == ("cutlass",):
+        assert kinds == {"cutlass_gemm"}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("backends", BACKENDS, ids="+".join)
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_package_bmm(tmp_path, backends, dtype):
+    torch.manual_seed(1)
+    a, b = torch.randn(3, 40, 72, dtype=dtype).cuda(), torch.randn(3, 72, 24, dtype=dtype).cuda()
+    ep = torch.export.export(_Bmm(), (a, b))
+    _check_pkg(tmp_path, ep, backends, [((a, b), _Bmm()(a, b))], 3e-2)
+
+
+def test_package_triton_fp32_matches_eager(tmp_path):
+    torch.manual_seed(2)
+    m = _Linear(96, 80, "relu").cuda()
+    x, r = torch.randn(33, 96).cuda(), torch.randn(33, 80).cuda()
+    ep = torch.export.export(m, (x, r))
+    _, kinds = _check_pkg(tmp_path, ep, ("triton",), [((x, r), m(x, r))], 1e-4)
+    assert kinds == {"triton_gemm"}
+
+
+def test_package_max_autotune_all_backends(tmp_path):
+    torch.manual_seed(3)
+    m = _Linear(512, 512, "gelu").half().cuda()
+    x, r = torch.randn(256, 512).half().cuda(), torch.randn(256, 512).half().cuda()
+    ep = torch.export.export(m, (x, r))
+    cm, _ = _check_pkg(tmp_path, ep, ("blas", "triton", "cutlass"), [((x, r), m(x, r))], 2e-2,
+                       max_autotune=True, cutlass_max_profiling_configs=1,
+                       )
+    g = [k["gemm"] for k in cm.manifest["kernels"] if "gemm" in k]
+    assert g and all(c["how"] == "profiled" for c in g)
+    assert all(set(c["timings"]) >= {"blas", "triton"} for c in g)

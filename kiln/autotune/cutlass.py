@@ -226,6 +226,20 @@ extern "C" int kiln_cutlass_run(int64_t M, int64_t N, int64_t K, int64_t batch, 
 '''
 
 
+def _version() -> str:
+    from importlib import metadata
+    try:
+        return "cutlass " + metadata.version("nvidia-cutlass")
+    except metadata.PackageNotFoundError:
+        return "cutlass (unknown version)"
+
+
+@lru_cache(maxsize=4)
+def exe_version(exe: str) -> str:
+    out = subprocess.run([exe, "--version"], capture_output=True, text=True)
+    return out.stdout.strip().splitlines()[-1] if out.stdout.strip() else exe
+
+
 def nvcc() -> str:
     found = shutil.which("nvcc") or ("/usr/local/cuda/bin/nvcc" if Path(
         "/usr/local/cuda/bin/nvcc").exists() else None)
@@ -245,9 +259,13 @@ def compile_all(sources: dict[str, str], out_dir: Path, arch: str = "90a", jobs:
              "--expt-relaxed-constexpr", "-DNDEBUG", "-Xcompiler=-fPIC",
              *[f"-I{d}" for d in include_dirs()]]
 
+    # the key names the headers by cutlass_library's version, not by where they are
+    # installed, so objects built on one machine are found on another
+    portable = [f for f in flags if not f.startswith("-I")] + [_version(), exe_version(exe)]
+
     def one(item):
         name, src = item
-        key = hashlib.sha256((src + " ".join(flags) + str(shared)).encode()).hexdigest()[:20]
+        key = hashlib.sha256((src + " ".join(portable) + str(shared)).encode()).hexdigest()[:20]
         out = out_dir / f"{name}_{key}{'.so' if shared else '.o'}"
         if out.exists():
             return name, out

@@ -129,18 +129,11 @@ def choose_gemms(steps, symbols, opts: Options, device: str = "cpu", tc=None) ->
                                  f"m={g.m} n={g.n} k={g.k}")
             continue
         problem = problem_of(g, ranges)
-        if dev != "cpu":
-            if "blas" not in allowed:
-                raise UnsupportedError(
-                    f"GEMM {g.name} ({', '.join(g.source)}): CUDA packages link cuBLAS GEMMs "
-                    f"only so far (Triton and CUTLASS GEMMs are generated and compiled by "
-                    f"kiln.autotune but not linked into packages); add 'blas' to "
-                    f"Options.gemm_backends")
-            out[g.name] = Choice("blas", {}, "only backend linked into CUDA packages",
-                                 problem.describe())
-            continue
         sizes = (int(evaluate(_prod(g.batch), env)), int(evaluate(g.m, env)),
                  int(evaluate(g.n, env)), int(evaluate(g.k, env)))
+        if dev != "cpu":
+            out[g.name] = _choose_cuda(g, problem, sizes, allowed, opts, root)
+            continue
         choice = None
         if opts.max_autotune and tc is not None:
             choice, results = _profile_cpu(problem, sizes, allowed, opts, tc)
@@ -157,6 +150,63 @@ def choose_gemms(steps, symbols, opts: Options, device: str = "cpu", tc=None) ->
             choice = Choice(backend, cfg, "heuristic", problem.describe())
         out[g.name] = choice
     return out
+
+
+def _cuda_arch(opts: Options) -> tuple[int, bool]:
+    """(target architecture, whether the local GPU is of that architecture)."""
+    from kiln.pipeline_cuda import default_archs
+    local = default_archs()
+    arch = (tuple(opts.cuda_archs) or local)[0]
+    try:
+        import torch
+        here = torch.cuda.is_available() and local[0] == arch
+    except Exception:  # no usable CUDA
+        here = False
+    return arch, here
+
+
+def _choose_cuda(g: L.Gemm, problem: GemmProblem, sizes, allowed, opts: Options, root: Path
+                 ) -> Choice:
+    from kiln.autotune import gpu
+    backends = gpu.eligible(problem, allowed, opts)
+    if not backends:
+        raise UnsupportedError(
+            f"GEMM {g.name} ({', '.join(g.source)}, {problem.describe()}): none of "
+            f"Options.gemm_backends={tuple(allowed)!r} can compute it on CUDA (the Triton "
+            f"template takes {', '.join(gpu.TRITON_DTYPES)}; CUTLASS float16/bfloat16 with at "
+            f"most one batch dim, cutlass_library and nvcc); add 'blas'")
+    arch, here = _cuda_arch(opts)
+    dev_id = gpu.device_id(arch)
+    if opts.max_autotune and here:
+        t0 = time.perf_counter()
+        cands, dropped = gpu.candidates(problem, backends, sizes, opts,
+                                        root / "autotune_cutlass")
+        results, more = gpu.profile(problem, sizes, cands, opts.autotune_timeout_s)
+        dropped = list(dropped) + list(more)
+        if results:
+            choice = _from_results(results, backends, "profiled", problem, dropped,
+                                   time.perf_counter() - t0)
+            keep = [[n, b, {k: v for k, v in c.items() if k != "so"}, s]
+                    for n, b, c, s in results]
+            choice = Choice(choice.backend, {k: v for k, v in choice.config.items()
+                                             if k != "so"}, choice.how, choice.problem,
+                            choice.timings, choice.dropped, choice.tune_seconds)
+            acache.store(root, problem, dev_id, {
+                "winner": {"backend": choice.backend, "config": choice.config},
+                "results": keep, "tune_seconds": choice.tune_seconds})
+            return choice
+    hit = acache.load(root, problem, dev_id)
+    if hit is not None:
+        choice = _from_results([tuple(r) for r in hit.get("results", [])], backends, "cache",
+                               problem)
+        if choice is not None:
+            return choice
+    backend, cfg = gpu.heuristic(problem, backends, sizes, opts)
+    if not backend:
+        raise UnsupportedError(f"GEMM {g.name} ({', '.join(g.source)}, {problem.describe()}): "
+                               f"no CUTLASS kernel fits it and no other backend is allowed "
+                               f"(Options.gemm_backends={tuple(allowed)!r})")
+    return Choice(backend, cfg, "heuristic", problem.describe())
 
 
 def _prod(xs):

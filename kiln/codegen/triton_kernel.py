@@ -56,6 +56,12 @@ class TritonKernel:
     config: Config
     rows: sympy.Expr  # grid: ceil(rows / XBLOCK) programs
     source_ops: tuple[str, ...] = ()  # graph nodes the kernel computes
+    #: a persistent kernel (the GEMM template): its grid is min(tiles, #SMs), computed at run
+    #: time; it takes the SM count as parameter kind "sms" (None: a row kernel)
+    tiles: sympy.Expr | None = None
+    #: the compile-time constants (XBLOCK/RBLOCK for row kernels) and cp.async stages
+    constexprs: tuple[tuple[str, int], ...] = ()
+    num_stages: int = 0  # 0: Triton's default
 
     @property
     def status(self) -> bool:

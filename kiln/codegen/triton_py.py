@@ -35,9 +35,13 @@ def import_triton_module(text: str):
     import triton
     if triton.knobs.runtime.interpret:  # the interpreter's scalars are arrays: loop on ints
         text = re.sub(r"range\(0, (.*), RBLOCK\):", r"range(0, _kl_int(\1), RBLOCK):", text)
-        text = re.sub(r"range\(0, ((?:(?!RBLOCK).)*)\):", r"range(0, _kl_int(\1)):", text)
+        text = re.sub(r"range\(0, ((?:(?!RBLOCK|BLOCK_K).)*)\):", r"range(0, _kl_int(\1)):", text)
         text = re.sub(r"range\((\w+), (\w+), RBLOCK\):",
                       r"range(_kl_int(\1), _kl_int(\2), RBLOCK):", text)
+        # the GEMM template's persistent tile loop and its loop over K
+        text = text.replace("range(tl.program_id(0), tiles, NUM_SMS)",
+                            "range(_kl_int(tl.program_id(0)), _kl_int(tiles), _kl_int(NUM_SMS))")
+        text = text.replace("range(0, K, BLOCK_K)", "range(0, _kl_int(K), BLOCK_K)")
         text += ("\n\ndef _kl_int(t):\n    h = getattr(t, 'handle', None)\n"
                  "    return int(h.data.reshape(-1)[0]) if h is not None else int(t)\n")
     d = Path(tempfile.mkdtemp(prefix="kiln_triton_"))
@@ -89,15 +93,28 @@ def _strided(buf: torch.Tensor, op, batch, rows, cols, env) -> torch.Tensor:
     return torch.as_strided(buf, sizes, strides, ev(op.offset))
 
 
-def _launch(module, k, env, bufs, status) -> None:
-    """Launch TritonKernel `k` over its rows (none for an empty grid)."""
-    rows = evaluate(k.rows, env)
+def _sm_count(device: str) -> int:
+    if str(device).startswith("cuda"):
+        return torch.cuda.get_device_properties(torch.device(device)).multi_processor_count
+    return 4  # Triton's interpreter: a few programs, so the persistent loop runs
+
+
+def _launch(module, k, env, bufs, status, device) -> None:
+    """Launch TritonKernel `k`: over its rows, or (the GEMM template) persistently over
+    min(tiles, #SMs) programs; nothing for an empty grid."""
+    rows = evaluate(k.tiles if k.tiles is not None else k.rows, env)
     if rows == 0:
         return
+    sms = _sm_count(device) if k.tiles is not None else 0
     args = []
     for kind, n in k.params:
         args.append(env[n] if kind == "size" else status if kind == "status"
-                    else bufs[n].reshape(-1))
+                    else sms if kind == "sms" else bufs[n].reshape(-1))
+    if k.tiles is not None:
+        getattr(module, k.name)[(min(rows, sms),)](
+            *args, **dict(k.constexprs), num_warps=k.config.num_warps,
+            **({"num_stages": k.num_stages} if k.num_stages else {}))
+        return
     grid = (-(-rows // k.config.xblock),)
     extra = {"num_stages": k.config.num_stages} if k.config.num_stages else {}
     getattr(module, k.name)[grid](*args, XBLOCK=k.config.xblock, RBLOCK=k.config.rblock,
@@ -146,11 +163,11 @@ def run_program(prog: P.Program, kernels: dict, module, weights: dict, inputs: l
         elif isinstance(x, P.Free):
             bufs.pop(x.buf, None)
         elif isinstance(x, P.CallKernel):
-            _launch(module, kernels[x.kernel], env, bufs, status)
+            _launch(module, kernels[x.kernel], env, bufs, status, device)
             if int(status.item()):
                 raise IndexError(f"index out of range in {', '.join(x.source)}")
         elif isinstance(x, P.CallLib) and x.call.routine == "attention":
-            _launch(module, kernels[f"attn_{x.call.name}"], env, bufs, status)
+            _launch(module, kernels[f"attn_{x.call.name}"], env, bufs, status, device)
         elif isinstance(x, P.CallUser):
             _run_user(kernels[x.call.name], x, bufs, env)
         elif isinstance(x, P.CallLib):

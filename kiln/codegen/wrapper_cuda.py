@@ -66,9 +66,10 @@ def cubin_blob(cubins: dict, names: list[str], archs: tuple[int, ...]
 
 
 class _Printer(SizeCheckPrinter):
-    def __init__(self, prog: P.Program, kernels: dict) -> None:
+    def __init__(self, prog: P.Program, kernels: dict, cutlass: dict | None = None) -> None:
         self.p = prog
         self.kernels = kernels
+        self.cutlass = cutlass or {}
         self.index = {name: i for i, name in enumerate(kernels)}
         self.out: list[str] = []
         env = {s.name: s.example for s in prog.symbols}
@@ -159,13 +160,19 @@ class _Printer(SizeCheckPrinter):
         i = self.index[name]
         args = []
         for kind, n in k.params:
-            args.append("&self->status" if kind == "status" else
-                        f"(void*)&{n}" if kind == "size" else f"&buf_{n}")
+            args.append("&self->status" if kind == "status" else "&self->sms" if kind == "sms"
+                        else f"(void*)&{n}" if kind == "size" else f"&buf_{n}")
         args += ["&scratch", "&scratch"]
         self.emit(f"  void* args[] = {{{', '.join(args)}}};")
-        self.emit(f"  if (kc::launch(e, {_cstr(name)}, self->fn[{i}], {to_c(k.rows)}, "
-                  f"{k.config.xblock}, self->warps[{i}], self->shared[{i}], stream, args)) "
-                  "return 1;")
+        if k.tiles is not None:  # persistent: one program per SM, at most one per tile
+            self.emit(f"  const int64_t tiles = {to_c(k.tiles)};")
+            self.emit(f"  if (kc::launch(e, {_cstr(name)}, self->fn[{i}], tiles < self->sms "
+                      f"? tiles : self->sms, 1, self->warps[{i}], self->shared[{i}], stream, "
+                      "args)) return 1;")
+        else:
+            self.emit(f"  if (kc::launch(e, {_cstr(name)}, self->fn[{i}], {to_c(k.rows)}, "
+                      f"{k.config.xblock}, self->warps[{i}], self->shared[{i}], stream, args)) "
+                      "return 1;")
         self.emit("}")
 
     def _CallUser(self, x: P.CallUser) -> None:
@@ -213,6 +220,9 @@ class _Printer(SizeCheckPrinter):
         g = x.gemm
         if g.lowp is not None:
             return self._lt_gemm(g)
+        if g.name in self.cutlass:
+            self._cutlass(g)
+            return
         if len(g.batch) > 2:
             raise NotImplementedError("gemm with more than two batch dims")
         T = _GEMM_T.get(g.dtype.name, g.dtype.c_type)
@@ -252,6 +262,32 @@ class _Printer(SizeCheckPrinter):
                   f"self->workspace, kc::kWorkspaceBytes, &self->lt_plan[{self.lt_index(g.name)}]"
                   ")) return 1;")
 
+    def _cutlass(self, g) -> None:
+        """The CUTLASS kernel linked for this GEMM (kiln/autotune/cutlass_link.py)."""
+        from kiln.autotune.cutlass_link import entry, workspace_entry
+        from kiln.autotune.problem import layout
+        sz = g.dtype.itemsize
+        lda = g.a.rows if layout(g.a.rows, g.a.cols) == "n" else g.a.cols
+        ldb = g.b.rows if layout(g.b.rows, g.b.cols) == "n" else g.b.cols
+        nb = to_c(g.batch[0]) if g.batch else "1"
+        sa = to_c(g.a.batch_strides[0]) if g.batch else "0"
+        sb = to_c(g.b.batch_strides[0]) if g.batch else "0"
+        m, n, k = to_c(g.m), to_c(g.n), to_c(g.k)
+        kern = self.cutlass[g.name].config["name"]
+        self.emit(f"// gemm {g.name} = {g.a.buf} @ {g.b.buf}: CUTLASS {kern}  <- "
+                  f"{', '.join(g.source)}")
+        self.emit(f"if ({m} > 0 && {n} > 0 && {nb} > 0) {{")
+        self.emit(f"  if ({workspace_entry(kern)}({m}, {n}, {k}, {nb}) > self->cutlass_ws_bytes)")
+        self.emit(f"    return e.fail(\"{g.name}: the CUTLASS kernel needs more workspace at these "
+                  "sizes than was reserved for the Dim ranges' maxima\");")
+        self.emit(f"  const int rc = {entry(kern)}({m}, {n}, {k}, {nb}, "
+                  f"(const void*)(buf_{g.a.buf} + {sz} * {to_c(g.a.offset)}), {to_c(lda)}, {sa},")
+        self.emit(f"      (const void*)(buf_{g.b.buf} + {sz} * {to_c(g.b.offset)}), {to_c(ldb)}, "
+                  f"{sb}, nullptr, (void*)buf_{g.name}, (void*)self->cutlass_ws, stream);")
+        self.emit(f"  if (rc) return e.fail(\"{g.name}: CUTLASS kernel failed (%d: 1 cannot run "
+                  "these sizes, 2 initialisation, 3 launch)\", rc);")
+        self.emit("}")
+
     def _CopyState(self, x: P.CopyState) -> None:  # the instance owns its device weights
         self.emit(f"// state {x.dst} <- {x.src}: persists to the next run")
         self.emit(f"if (kc::check(e, kc::driver().cuMemcpyDtoDAsync(buf_{x.dst}, buf_{x.src}, "
@@ -286,8 +322,37 @@ def _plan_block(pr: _Printer, prog: P.Program) -> None:
         pr.emit(line, indent)
 
 
+def _cutlass_parts(prog: P.Program, cutlass: dict) -> tuple[list[str], list[str]]:
+    """Declarations of the linked CUTLASS entries, and the instance's workspace allocation
+    (the largest any of them needs at the maxima of the Dim ranges)."""
+    from kiln.autotune.cutlass_link import entry, workspace_entry
+    from kiln.ir.sym import evaluate
+    decls, init = [], []
+    hi = {s.name: s.max for s in prog.symbols}
+    gemms = {x.gemm.name: x.gemm for x in P.walk(prog.lines) if isinstance(x, P.CallGemm)}
+    kernels = sorted({cutlass[n].config["name"] for n in cutlass if n in gemms})
+    for kern in kernels:
+        decls.append(f'extern "C" size_t {workspace_entry(kern)}(int64_t, int64_t, int64_t, '
+                     "int64_t);")
+        decls.append(f'extern "C" int {entry(kern)}(int64_t, int64_t, int64_t, int64_t, '
+                     "const void*, int64_t, int64_t, const void*, int64_t, int64_t, const void*, "
+                     "void*, void*, CUstream);")
+    for name in sorted(n for n in cutlass if n in gemms):
+        g = gemms[name]
+        sizes = [min(evaluate(e, hi), 2**31 - 1) for e in (g.m, g.n, g.k)] + \
+            [min(evaluate(g.batch[0], hi), 2**31 - 1) if g.batch else 1]  # CUTLASS's int
+        init.append(f"  {{ const size_t w = {workspace_entry(cutlass[name].config['name'])}"
+                    f"({', '.join(map(str, sizes))});  // {name} at the ranges' maxima")
+        init.append("    if (w > self->cutlass_ws_bytes) self->cutlass_ws_bytes = w; }")
+    if init:
+        init += ["  if (self->cutlass_ws_bytes && kc::check(e, d.cuMemAlloc(&self->cutlass_ws, "
+                 "self->cutlass_ws_bytes), \"allocating the CUTLASS workspace\")) return 1;"]
+    return decls, init
+
+
 def print_cuda_wrapper(prog: P.Program, kernels: dict, cubins: dict, archs: tuple[int, ...],
-                       blob_path: str, where: dict, graphs: bool = True) -> str:
+                       blob_path: str, where: dict, graphs: bool = True,
+                       cutlass: dict | None = None) -> str:
     """`kernels`: name -> TritonKernel with `source_ops` set (see pipeline); `where`: the
     (offset, size) of each (kernel, arch) cubin inside the blob at `blob_path`; `graphs`: run
     through CUDA graphs (kc::run_graph) rather than launching every kernel each run.
@@ -297,7 +362,7 @@ def print_cuda_wrapper(prog: P.Program, kernels: dict, cubins: dict, archs: tupl
     pointers it is given, so that it can be captured into a graph), then the status check."""
     from kiln.codegen.wrapper_cuda_parts import print_cuda_model
     graphs = graphs and capturable(prog)
-    pr = _Printer(prog, kernels)
+    pr = _Printer(prog, kernels, cutlass)
     checks = [x for x in prog.lines if isinstance(x, P.CHECKS)]
     n_in = len(prog.inputs)
     outs = [x for x in prog.lines if isinstance(x, P.AllocOutput)]
@@ -348,6 +413,8 @@ def print_cuda_wrapper(prog: P.Program, kernels: dict, cubins: dict, archs: tupl
     if ret is not None:
         pr.line(ret)
     pr.emit("}")
-    gemms = any(isinstance(x, P.CallGemm) for x in P.walk(prog.lines))
+    gemms = any(isinstance(x, P.CallGemm) and x.gemm.name not in (cutlass or {})
+                for x in P.walk(prog.lines))
+    decls, init = _cutlass_parts(prog, cutlass or {})
     return print_cuda_model(prog, kernels, cubins, archs, blob_path, where, pr.out,
-                            len(pr.dynamic_bufs), gemms, len(pr.lt_gemms))
+                            len(pr.dynamic_bufs), gemms, len(pr.lt_gemms), decls, init)

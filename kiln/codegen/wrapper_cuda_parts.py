@@ -20,7 +20,8 @@ def _cstr(s: str) -> str:
 
 def print_cuda_model(prog: P.Program, kernels: dict, cubins: dict, archs: tuple[int, ...],
                      blob_path: str, where: dict, body: list[str], n_dyn: int,
-                     gemms: bool, lt: int = 0) -> str:
+                     gemms: bool, lt: int = 0, decls: list[str] = (), init: list[str] = ()
+                     ) -> str:
     n_in, n_w, nk = len(prog.inputs), len(prog.weights), len(kernels)
     n_out = sum(1 for x in prog.lines if isinstance(x, P.AllocOutput))
     aten_ops = aten_fallback_ops(prog)
@@ -49,6 +50,7 @@ def print_cuda_model(prog: P.Program, kernels: dict, cubins: dict, archs: tuple[
         'asm(".section .rodata\\n.balign 64\\n.globl kiln_cubins\\n.hidden kiln_cubins\\n"',
         f'    "kiln_cubins:\\n.incbin \\"{blob_path}\\"\\n.byte 0\\n.previous\\n");',
         "",
+        *decls,
         "namespace {",
         "const char* const kWeightNames[] = {" + ", ".join(
             _cstr(w.name) for w in prog.weights) + none + "};",
@@ -80,10 +82,13 @@ def print_cuda_model(prog: P.Program, kernels: dict, cubins: dict, archs: tuple[
         "  CUmemoryPool pool = nullptr;  // shared by the library's instances, never destroyed",
         "  kc::Arena arena;",
         "  CUdeviceptr status = 0;",
+        "  int32_t sms = 1;  // multiprocessors: the grid of persistent (GEMM template) kernels",
         "  kc::cublasHandle_t blas = nullptr;",
         "  kc::cublasLtHandle_t lt = nullptr;  // cuBLASLt: 8-bit float / int8 GEMMs",
         f"  kc::LtPlan lt_plan[{max(lt, 1)}];  // per cuBLASLt GEMM: its algorithm",
         "  CUdeviceptr workspace = 0;  // cuBLAS workspace (graph capture must not allocate)",
+        "  CUdeviceptr cutlass_ws = 0;  // CUTLASS workspace, sized for the Dim ranges' maxima",
+        "  size_t cutlass_ws_bytes = 0;",
         "  kc::Graphs graphs;",
         f"  int64_t key[{max(len(prog.symbols), 1)}] = {{}};",
         "  bool planned = false;",
@@ -102,6 +107,7 @@ def print_cuda_model(prog: P.Program, kernels: dict, cubins: dict, archs: tuple[
         "    if (self->lt) kc::blaslt().destroy(self->lt);",
         "    self->graphs.release();",
         "    if (self->workspace) d.cuMemFree(self->workspace);",
+        "    if (self->cutlass_ws) d.cuMemFree(self->cutlass_ws);",
         "    for (int i = 0; i < kNumKernels; ++i)",
         "      if (self->mod[i]) d.cuModuleUnload(self->mod[i]);",
         "    if (self->weights) d.cuMemFree(self->weights);",
@@ -142,6 +148,8 @@ def print_cuda_model(prog: P.Program, kernels: dict, cubins: dict, archs: tuple[
         "  if (kc::check(e, d.cuDevicePrimaryCtxRetain(&self->ctx, self->dev), \"context\")) "
         "return 1;",
         "  kc::CtxGuard g(self->ctx);",
+        "  if (kc::check(e, d.cuDeviceGetAttribute(&self->sms, "
+        "CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT, self->dev), \"SM count\")) return 1;",
         "  for (int i = 0; i < kNumKernels; ++i) {",
         "    const CubinRef& c = kCubins[pick][i];",
         "    if (kc::check(e, d.cuModuleLoadData(&self->mod[i], kiln_cubins + c.offset), "
@@ -179,6 +187,7 @@ def print_cuda_model(prog: P.Program, kernels: dict, cubins: dict, archs: tuple[
             "  if (kc::blaslt().create(&self->lt) != 0) return e.fail(\"cublasLtCreate failed\");",
         ]
     src += [
+        *init,
         "  return 0;",
         "}",
         "",

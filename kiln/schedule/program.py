@@ -19,6 +19,7 @@ from kiln.ir.graph import Graph
 from kiln.ir.sym import unbacked_symbol
 from kiln.memory.inplace import choose_reuse
 from kiln.schedule import Kernel, Step
+from kiln.schedule.gemm_fuse import GemmKernel
 
 
 def input_lines(graph: Graph) -> list[P.Line]:
@@ -66,6 +67,8 @@ def input_lines(graph: Graph) -> list[P.Line]:
 
 
 def _reads_writes(step: Step, buffers) -> tuple[list[str], list[str]]:
+    if isinstance(step, GemmKernel):
+        return step.reads(), [step.out]
     if isinstance(step, L.CONTROL):
         return list(step.reads), list(step.writes)
     if isinstance(step, L.CALLS):
@@ -107,6 +110,10 @@ def build_program(graph: Graph, prog: L.LoopProgram, steps: tuple[Step, ...],
                                      reuse=reuse.get(b)))
         if isinstance(step, L.Gemm):
             lines.append(P.CallGemm(step))
+        elif isinstance(step, GemmKernel):
+            members = (step.gemm.name,) + ((step.epilogue.name,) if step.epilogue else ())
+            lines.append(P.CallKernel(step.name, tuple(step.params()), step.status, members,
+                                      step.source))
         elif isinstance(step, L.AtenCall):
             lines.append(P.CallAten(step))
         elif isinstance(step, L.ReadSize):

@@ -61,10 +61,13 @@ def import_module(text: str, cache: Path):
 
 
 def _key(kernel, arch: int, prelude_hash: str) -> str:
-    stages = [kernel.config.num_stages] if kernel.config.num_stages else []
-    blob = json.dumps([kernel.source, kernel.signature, kernel.config.xblock,
-                       kernel.config.rblock, kernel.config.num_warps, arch, triton_version(),
-                       prelude_hash, *stages])
+    parts = [kernel.source, kernel.signature, kernel.config.xblock, kernel.config.rblock,
+             kernel.config.num_warps, arch, triton_version(), prelude_hash]
+    if kernel.config.num_stages:  # attention kernels (row kernels' keys stay as they were)
+        parts.append(kernel.config.num_stages)
+    if kernel.constexprs:  # the GEMM template
+        parts += [list(kernel.constexprs), kernel.num_stages]
+    blob = json.dumps(parts)
     return hashlib.sha256(blob.encode()).hexdigest()
 
 
@@ -77,13 +80,14 @@ def compile_kernel(mod, kernel, arch: int):
     fn = getattr(mod, kernel.name)
     attrs = {(i,): [["tt.divisibility", 16]] for i, t in enumerate(kernel.signature.values())
              if t.startswith("*")}
-    src = triton.compiler.ASTSource(
-        fn=fn, signature=dict(kernel.signature),
-        constexprs={"XBLOCK": kernel.config.xblock, "RBLOCK": kernel.config.rblock},
-        attrs=attrs)
+    consts = dict(kernel.constexprs) or {"XBLOCK": kernel.config.xblock,
+                                         "RBLOCK": kernel.config.rblock}
+    src = triton.compiler.ASTSource(fn=fn, signature=dict(kernel.signature), constexprs=consts,
+                                    attrs=attrs)
     options = {"num_warps": kernel.config.num_warps}
-    if kernel.config.num_stages:
-        options["num_stages"] = kernel.config.num_stages
+    stages = kernel.num_stages or kernel.config.num_stages
+    if stages:
+        options["num_stages"] = stages
     try:
         ck = triton.compile(src, target=GPUTarget("cuda", arch, 32), options=options)
     except Exception as e:  # Triton raises many types; name the kernel and keep the message

@@ -1,0 +1,248 @@
+"""CUDA GEMM candidates: cuBLAS ("blas"), the Triton template ("triton") and CUTLASS sm_90
+kernels ("cutlass"); which apply to a problem, the heuristic used without measurements, and
+profiling on the local GPU.
+
+Applicability: the Triton template takes float16 / bfloat16 / float32 (fp32 with IEEE
+products, as eager); CUTLASS takes float16 / bfloat16 with at most one batch dim, needs
+`cutlass_library` and nvcc at compile time, and kernels from `cutlass.enumerate_candidates`.
+
+Heuristic (no profiling, no cache entry): cuBLAS when allowed (the strongest single backend
+over bench/gemm_gpu.py's sweep); else the Triton template with the first config of its space
+trimmed to the example sizes (the largest tile that fits); else the first CUTLASS kernel. So
+restricting `gemm_backends` to one backend always yields that backend, also on a machine
+without a GPU.
+
+Profiling (`Options.max_autotune` and a local GPU of the target architecture): the candidates
+run in child processes (`python -m kiln.autotune.gpu`), one process for all candidates of a
+GEMM; a candidate that crashes its process is dropped with the reason and the others run in a
+fresh one. The child times each candidate (captured in a CUDA graph, as packages run) with
+CUDA events at the example sizes and checks it against a float32 torch.matmul of the same
+operands (profile.py's protocol, one `KILN_PROFILE <name> <seconds> <max error> <tolerance>`
+line per candidate)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+from kiln.autotune import triton_gemm as T
+from kiln.autotune.problem import GemmProblem
+
+TRITON_DTYPES = ("float16", "bfloat16", "float32")
+
+
+def device_id(arch: int) -> str:
+    """The cache's device key: the architecture, so a choice measured on a GPU is reused by a
+    compile for that architecture on a machine without one."""
+    return f"cuda:sm_{arch}"
+
+
+def _cutlass_ok(problem: GemmProblem, opts) -> bool:
+    from kiln.autotune import cutlass
+    if problem.dtype not in ("float16", "bfloat16") or len(problem.batch) > 1:
+        return False
+    if not cutlass.available():
+        return False
+    try:
+        cutlass.nvcc()
+    except Exception:  # no nvcc here: CUTLASS kernels cannot be built for the package
+        return False
+    return True
+
+
+def eligible(problem: GemmProblem, allowed, opts) -> list[str]:
+    out = []
+    for b in allowed:
+        if b == "blas" or (b == "triton" and problem.dtype in TRITON_DTYPES) or \
+                (b == "cutlass" and _cutlass_ok(problem, opts)):
+            out.append(b)
+    return out
+
+
+def triton_configs(sizes) -> list[T.TritonConfig]:
+    _, m, n, k = sizes
+    return T.config_space(m, n, k) or [T.TritonConfig(16, 64, 256, 8, 3, 4)]
+
+
+def cutlass_candidates(problem: GemmProblem, opts) -> list:
+    from kiln.autotune import cutlass
+    return cutlass.enumerate_candidates(problem, opts)
+
+
+def heuristic(problem: GemmProblem, backends: list[str], sizes, opts) -> tuple[str, dict]:
+    for b in backends:
+        if b == "blas":
+            return "blas", {}
+    if "triton" in backends:
+        c = triton_configs(sizes)[0]
+        return "triton", _cfg_json(c)
+    cands = cutlass_candidates(problem, opts)
+    if cands:
+        return "cutlass", {"name": cands[0].name}
+    return "", {}
+
+
+def _cfg_json(c: T.TritonConfig) -> dict:
+    return {"name": c.name, "block_m": c.block_m, "block_n": c.block_n, "block_k": c.block_k,
+            "group_m": c.group_m, "num_stages": c.num_stages, "num_warps": c.num_warps}
+
+
+def candidates(problem: GemmProblem, backends: list[str], sizes, opts, work: Path
+               ) -> tuple[list[tuple[str, str, dict]], list]:
+    """(name, backend, config) to profile, and (name, reason) of those that could not be
+    built (a CUTLASS kernel nvcc rejected)."""
+    out, dropped = [], []
+    if "blas" in backends:
+        out.append(("blas", "blas", {}))
+    if "triton" in backends:
+        out += [(c.name, "triton", _cfg_json(c)) for c in triton_configs(sizes)]
+    if "cutlass" in backends:
+        from kiln.autotune import cutlass
+        cands = cutlass_candidates(problem, opts)
+        built = cutlass.compile_all({c.name: cutlass.render(c) for c in cands}, work,
+                                    jobs=opts.jobs, shared=True)
+        for c in cands:
+            r = built[c.name]
+            if isinstance(r, Path):
+                out.append((c.name, "cutlass", {"name": c.name, "so": str(r)}))
+            else:
+                dropped.append((c.name, r[-200:]))
+    return out, dropped
+
+
+def profile(problem: GemmProblem, sizes, cands, timeout_s: float
+            ) -> tuple[list[tuple[str, str, dict, float]], list]:
+    """Runs the candidates on the local GPU: (name, backend, config, seconds) of those that
+    gave the right answer, and (name, reason) of those dropped."""
+    results, dropped = [], []
+    todo = list(cands)
+    while todo:
+        spec = {"dtype": problem.dtype, "sizes": list(sizes), "layout_a": problem.layout_a,
+                "layout_b": problem.layout_b, "cands": [[n, b, c] for n, b, c in todo]}
+        try:
+            proc = subprocess.run([sys.executable, "-m", "kiln.autotune.gpu", json.dumps(spec)],
+                                  capture_output=True, text=True,
+                                  timeout=timeout_s * len(todo))
+            out, err, rc = proc.stdout, proc.stderr, proc.returncode
+        except subprocess.TimeoutExpired as e:
+            out = (e.stdout or b"").decode() if isinstance(e.stdout, bytes) else (e.stdout or "")
+            err, rc = "hang", -9
+        seen = set()
+        for line in out.splitlines():
+            p = line.split()
+            if len(p) == 5 and p[0] == "KILN_PROFILE":
+                name, sec, e_, tol = p[1], float(p[2]), float(p[3]), float(p[4])
+                seen.add(name)
+                cand = next(c for c in todo if c[0] == name)
+                if sec < 0:
+                    dropped.append((name, "failed: " + err.strip()[-160:]))
+                elif not e_ <= tol:
+                    dropped.append((name, f"wrong answer: max error {e_:g} > tolerance {tol:g}"))
+                else:
+                    results.append((name, cand[1], cand[2], sec))
+        rest = [c for c in todo if c[0] not in seen]
+        if rest and rc == 0:
+            dropped += [(c[0], "no result line") for c in rest]
+            break
+        if rest:  # the first one without a result crashed the process
+            dropped.append((rest[0][0], f"crash (exit {rc}): {err.strip()[-200:]}"))
+            rest = rest[1:]
+        todo = rest
+    return results, dropped
+
+
+def _child(spec: dict) -> None:
+    import ctypes
+
+    import torch
+    from triton.testing import do_bench
+    dt = getattr(torch, spec["dtype"])
+    nb, m, n, k = spec["sizes"]
+    g = torch.Generator(device="cuda").manual_seed(0)
+    a = torch.randn(max(nb, 1), m, k, device="cuda", dtype=dt, generator=g)
+    if spec["layout_a"] == "t":
+        a = a.transpose(1, 2).contiguous().transpose(1, 2)
+    b = torch.randn(max(nb, 1), k, n, device="cuda", dtype=dt, generator=g)
+    if spec["layout_b"] == "t":
+        b = b.transpose(1, 2).contiguous().transpose(1, 2)
+    want = torch.matmul(a.float(), b.float())
+    tol = (2e-2 if dt != torch.float32 else 1e-4) * max(1.0, k ** 0.5) * \
+        max(1.0, float(want.abs().max()) ** 0.5)
+    c = torch.empty(max(nb, 1), m, n, device="cuda", dtype=dt)
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    kern = None
+    for name, backend, cfg in spec["cands"]:
+        try:
+            if backend == "blas":
+                def run():
+                    torch.matmul(a, b, out=c)
+            elif backend == "triton":
+                if kern is None:
+                    from kiln.toolchain.triton_aot import import_module
+                    kern = import_module(T.SOURCE, Path("/tmp/kiln_triton_gemm")).kiln_gemm
+                tc = T.TritonConfig(cfg["block_m"], cfg["block_n"], cfg["block_k"],
+                                    cfg["group_m"], cfg["num_stages"], cfg["num_warps"])
+
+                def run(tc=tc):
+                    for i in range(max(nb, 1)):
+                        _triton(kern, a[i], b[i], c[i], tc, sms)
+            else:
+                lib = ctypes.CDLL(cfg["so"])
+                f = lib.kiln_cutlass_run
+                f.restype = ctypes.c_int
+                f.argtypes = [ctypes.c_int64] * 4 + [ctypes.c_void_p, ctypes.c_int64,
+                                                     ctypes.c_int64] * 2 + [ctypes.c_void_p] * 4
+                w = lib.kiln_cutlass_workspace
+                w.restype = ctypes.c_size_t
+                w.argtypes = [ctypes.c_int64] * 4
+                ws = torch.empty(max(1, w(m, n, k, max(nb, 1))), dtype=torch.uint8,
+                                 device="cuda")
+                lda = a.stride(1) if spec["layout_a"] == "n" else a.stride(2)
+                ldb = b.stride(1) if spec["layout_b"] == "n" else b.stride(2)
+
+                def run(f=f, ws=ws, lda=lda, ldb=ldb):
+                    rc = f(m, n, k, max(nb, 1), a.data_ptr(), lda, a.stride(0), b.data_ptr(),
+                           ldb, b.stride(0), None, c.data_ptr(), ws.data_ptr(),
+                           torch.cuda.current_stream().cuda_stream)
+                    if rc:
+                        raise RuntimeError(f"kiln_cutlass_run returned {rc}")
+            c.zero_()
+            run()
+            torch.cuda.synchronize()
+            err = float((c.float() - want).abs().max())
+            sec = do_bench(_graphed(run), warmup=5, rep=20) * 1e-3
+        except Exception as e:  # this candidate fails; the others still run
+            print(f"{name}: {type(e).__name__}: {e}", file=sys.stderr)
+            sec, err = -1.0, 0.0
+        print(f"KILN_PROFILE {name} {sec:.9g} {err:.6g} {tol:.6g}", flush=True)
+
+
+def _graphed(run):
+    """`run` captured in a CUDA graph (as packages run by default), so per-launch host cost,
+    e.g. the template's one launch per batch entry here, does not decide the choice; `run`
+    itself when capture fails."""
+    import torch
+    try:
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g):
+            run()
+        return g.replay
+    except Exception:  # not capturable: time the plain launches
+        torch.cuda.synchronize()
+        return run
+
+
+def _triton(kern, a, b, c, cfg: T.TritonConfig, sms: int) -> None:
+    M, K = a.shape
+    N = b.shape[1]
+    tiles = -(-M // cfg.block_m) * -(-N // cfg.block_n)
+    kern[(min(sms, tiles),)](a, b, c, c, c, M, N, K, a.stride(0), a.stride(1), b.stride(0),
+                             b.stride(1), c.stride(0), c.stride(1), 0, 0, 0, 0, 0.0, sms,
+                             **T.constexprs(cfg), num_warps=cfg.num_warps,
+                             num_stages=cfg.num_stages)
+
+
+if __name__ == "__main__":
+    _child(json.loads(sys.argv[1]))

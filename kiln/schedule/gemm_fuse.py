@@ -1,0 +1,199 @@
+"""CUDA: GEMMs that a generated kernel computes (the Triton template), with their epilogue.
+
+Input: the schedule (steps), the autotuning choice per GEMM and the buffers that must be
+stored (program outputs and new state values). Output: new steps where each GEMM whose choice
+is "triton" is a `GemmKernel`: the GEMM plus, when the first later step reading the GEMM's
+result is a kernel whose member reading it is pointwise and reads it only at the element it
+stores, that member as its epilogue. The absorbed member leaves its kernel (a kernel left
+empty disappears), so bias, activation, residual and cast ops are computed once, inside the
+GEMM's tile, and the GEMM's own result buffer is never written (build_program allocates
+nothing for it).
+
+Moving the member up to the GEMM is sound when every other buffer it reads is written before
+the GEMM (not by a step in between, nor by an earlier member of its kernel): those are then
+live at the GEMM already (they are read later), so no lifetime shrinks but the GEMM result's,
+which disappears, and the member's own result, which starts earlier. The GEMM result must
+have no other reader (nor be an output or a new state value), else it would have to be
+stored as well."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import sympy
+
+from kiln.ir import loop as L
+from kiln.ir.sym import FloorDiv, ModIdx, contiguous_strides, free_size_symbols, ivars, \
+    linear_index, product
+from kiln.schedule import Kernel
+
+
+@dataclass(frozen=True)
+class GemmKernel:
+    """A GEMM computed by the Triton template; `epilogue` (a pointwise Compute over the GEMM's
+    shape reading the GEMM's result at its own element) is applied to each tile before the
+    store; `config`: the template config (autotune.triton_gemm.TritonConfig fields)."""
+
+    gemm: L.Gemm
+    epilogue: L.Compute | None
+    config: dict
+
+    @property
+    def name(self) -> str:
+        return f"gemm_{self.gemm.name}"
+
+    @property
+    def out(self) -> str:
+        return self.epilogue.name if self.epilogue is not None else self.gemm.name
+
+    @property
+    def status(self) -> bool:
+        """The epilogue indexes through data: the kernel reports an index out of range."""
+        return self.epilogue is not None and any(ld.indirect
+                                                 for ld in L.loads(self.epilogue.body))
+
+    @property
+    def source(self) -> tuple[str, ...]:
+        src = list(self.gemm.source)
+        if self.epilogue is not None:
+            src += [s for s in self.epilogue.source if s not in src]
+        return tuple(src)
+
+    def reads(self) -> list[str]:
+        out = [self.gemm.a.buf] + ([self.gemm.b.buf] if self.gemm.b.buf != self.gemm.a.buf
+                                   else [])
+        if self.epilogue is not None:
+            for ld in L.loads(self.epilogue.body):
+                if ld.buf != self.gemm.name and ld.buf not in out:
+                    out.append(ld.buf)
+        return out
+
+    def params(self) -> list[tuple[str, str]]:
+        """(kind, name): the buffer written, the buffers read, the size symbols."""
+        g = self.gemm
+        exprs = [g.m, g.n, g.k, *g.batch, g.a.offset, g.a.rows, g.a.cols, *g.a.batch_strides,
+                 g.b.offset, g.b.rows, g.b.cols, *g.b.batch_strides]
+        if self.epilogue is not None:
+            exprs += [ld.index for ld in L.loads(self.epilogue.body)] + list(self.epilogue.shape)
+        syms: set = set()
+        for e in exprs:
+            syms |= free_size_symbols(sympy.sympify(e))
+        return [("out", self.out)] + [("in", b) for b in self.reads()] + \
+            [("size", s.name) for s in sorted(syms, key=lambda s: s.name)]
+
+
+def _step_reads(step) -> set[str]:
+    if isinstance(step, Kernel):
+        return {ld.buf for m in step.members for ld in L.loads(m.body)}
+    if isinstance(step, GemmKernel):
+        return set(step.reads())
+    return set(L.node_reads(step))
+
+
+def fold_divmod(e) -> sympy.Expr:
+    """`e` with every `c*s*FloorDiv(a, s) + c*ModIdx(a, s)` rewritten to `c*a` (exact for
+    non-negative integers: a = s * (a // s) + a % s), as reshapes of reshapes produce."""
+    e = sympy.expand(sympy.sympify(e))
+    changed = True
+    while changed and e.is_Add:
+        changed = False
+        terms = e.as_coefficients_dict()
+        for t, c in terms.items():
+            if isinstance(t, ModIdx):
+                a, d = t.args
+                fd = FloorDiv(a, d)
+                if sympy.simplify(terms.get(fd, 0) - c * d) == 0 or \
+                        sympy.simplify(_coeff(e, fd) - c * d) == 0:
+                    e = sympy.expand(e - c * t - c * d * fd + c * a)
+                    changed = True
+                    break
+    return e
+
+
+def _coeff(e, atom) -> sympy.Expr:
+    """The coefficient of `atom` in the sum `e` (symbolic coefficients included)."""
+    return sympy.expand(e).coeff(atom)
+
+
+def epilogue_of(g: L.Gemm, m: L.Compute) -> bool:
+    """`m` can be `g`'s epilogue: pointwise over g's elements (its shape may regroup g's dims,
+    e.g. [b*s, n] read as [b, s, n]), reading g's result only at the element it computes (same
+    row-major position); its other loads may gather (checked indices, as in any kernel)."""
+    if m.reduce is not None or sympy.simplify(product(m.shape) - product(g.shape)) != 0:
+        return False
+    ident = linear_index(ivars(len(m.shape)), contiguous_strides(m.shape))
+    seen = False
+    for ld in L.loads(m.body):
+        if ld.buf == g.name:
+            if ld.indirect:
+                return False
+            if sympy.simplify(fold_divmod(ld.index) - sympy.expand(ident)) != 0:
+                return False
+            seen = True
+    return seen
+
+
+def _step_writes(step) -> set[str]:
+    if isinstance(step, Kernel):
+        return {m.name for m in step.members}
+    if isinstance(step, GemmKernel):
+        return {step.out}
+    return set(L.node_writes(step))
+
+
+def _find_epilogue(steps: list, i: int, outputs: set[str]) -> tuple[int, int] | None:
+    """(step index, member index) of GEMM `steps[i]`'s epilogue, or None."""
+    g = steps[i]
+    if g.name in outputs:
+        return None
+    for j in range(i + 1, len(steps)):
+        if g.name in _step_reads(steps[j]):
+            break
+    else:
+        return None
+    nxt = steps[j]
+    if not isinstance(nxt, Kernel):
+        return None
+    pos = next(p for p, m in enumerate(nxt.members)
+               if g.name in {ld.buf for ld in L.loads(m.body)})
+    m = nxt.members[pos]
+    if not epilogue_of(g, m):
+        return None
+    others = {ld.buf for q, mm in enumerate(nxt.members) if q != pos for ld in L.loads(mm.body)}
+    later = set().union(set(), *[_step_reads(t) for t in steps[j + 1:]])
+    if g.name in others or g.name in later:
+        return None
+    # what it reads must exist at the GEMM: written neither between them nor before it in
+    # its own kernel
+    between = set().union(set(), *[_step_writes(t) for t in steps[i + 1:j]],
+                          {mm.name for mm in nxt.members[:pos]})
+    if {ld.buf for ld in L.loads(m.body)} & between:
+        return None
+    return j, pos
+
+
+def fuse_gemms(steps: tuple, choices: dict, outputs: set[str]) -> tuple:
+    """`choices`: GEMM name -> autotune Choice; `outputs`: buffers that must be stored
+    (program outputs and new state values)."""
+    steps = list(steps)
+    i = 0
+    while i < len(steps):
+        s = steps[i]
+        c = choices.get(s.name) if isinstance(s, L.Gemm) else None
+        if c is None or c.backend != "triton":
+            i += 1
+            continue
+        found = _find_epilogue(steps, i, outputs)
+        epi = None
+        if found is not None:
+            j, pos = found
+            k = steps[j]
+            epi = k.members[pos]
+            rest = k.members[:pos] + k.members[pos + 1:]
+            if rest:
+                steps[j] = Kernel(k.name, k.outer, rest, k.locals, k.row_locals)
+            else:
+                del steps[j]
+        steps[i] = GemmKernel(s, epi, dict(c.config))
+        i += 1
+    return tuple(steps)

@@ -1,0 +1,73 @@
+"""Builds, on a machine without a GPU, the CUTLASS objects (.o, linked into packages) and
+shared libraries (.so, profiled by max_autotune) that bench/gemm_link.py and
+tests/test_autotune_gpu.py will ask for, into $KILN_CACHE_DIR: the GPU machine then finds
+them by content hash instead of spending its time in nvcc.
+
+    KILN_CACHE_DIR=build/gpucache python scripts/prebuild_cutlass.py [max configs]
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import torch
+
+import kiln
+from kiln import config
+from kiln.autotune import cutlass
+from kiln.autotune.cutlass_link import _tag, source_for
+from kiln.autotune.problem import problem_of
+from kiln.ir import loop as L
+from kiln.models import ALL_MODELS
+from kiln.models.zoo import in_dtype
+from kiln.options import Options
+
+sys.path.insert(0, str(Path(__file__).parent.parent))
+from bench.gemm_link import SWEEP, _MM  # noqa: E402
+
+
+def programs():
+    for n in ("mlp", "gpt"):
+        yield in_dtype(ALL_MODELS[n](), torch.float16).export()
+    for m, n, k in SWEEP:
+        yield torch.export.export(_MM(k, n).half(), (torch.randn(m, k).half(),))
+    sys.path.insert(0, str(Path(__file__).parent.parent / "tests"))
+    lin = torch.nn.Linear(256, 128).half()
+    b = torch.export.Dim("b", min=1, max=1024)
+    yield torch.export.export(lin, (torch.randn(64, 256).half(),), dynamic_shapes=({0: b},))
+    for dt in (torch.float16, torch.bfloat16):
+        yield torch.export.export(_Bmm(), (torch.randn(3, 40, 72, dtype=dt),
+                                           torch.randn(3, 72, 24, dtype=dt)))
+    lin = torch.nn.Linear(512, 512).half()
+    yield torch.export.export(lin, (torch.randn(256, 512).half(),))
+
+
+class _Bmm(torch.nn.Module):
+    def forward(self, a, b):
+        return torch.relu(torch.bmm(a, b))
+
+
+def main():
+    n = int(sys.argv[1]) if len(sys.argv) > 1 else 1
+    opts = Options(cuda_archs=(90,), gemm_backends=("blas",), cutlass_max_profiling_configs=n)
+    root = config.cache_dir()
+    names = {}
+    for ep in programs():
+        b = kiln.compile(ep, device="cuda", options=opts).built
+        ranges = {s.name: (s.min, s.max) for s in b.graph.symbols}
+        for g in L.flat_steps(b.steps):
+            if isinstance(g, L.Gemm) and g.dtype.name in ("float16", "bfloat16"):
+                for c in cutlass.enumerate_candidates(problem_of(g, ranges), opts):
+                    names[c.name] = c
+    print(len(names), "kernels:", *names, sep="\n  ", flush=True)
+    so = cutlass.compile_all({k: cutlass.render(c) for k, c in names.items()},
+                             root / "autotune_cutlass", shared=True)
+    obj = cutlass.compile_all({f"cutlass_{_tag(k)}": source_for(k) for k in names},
+                              root / "cutlass")
+    bad = [k for k, v in {**so, **obj}.items() if not isinstance(v, Path)]
+    print("failed:", bad or "none")
+
+
+if __name__ == "__main__":
+    main()
