@@ -17,7 +17,6 @@ lowering): median latency of one package call.
 from __future__ import annotations
 
 import argparse
-import statistics
 import sys
 import tempfile
 from pathlib import Path
@@ -31,6 +30,7 @@ from torch.export import Dim  # noqa: E402
 
 import kiln  # noqa: E402
 from kiln.options import Options  # noqa: E402
+from bench.cuda_timing import events_ms  # noqa: E402
 
 
 class Sdpa(torch.nn.Module):
@@ -40,21 +40,6 @@ class Sdpa(torch.nn.Module):
 
     def forward(self, q, k, v):
         return F.scaled_dot_product_attention(q, k, v, is_causal=self.causal)
-
-
-def _events_ms(fn, repeat):
-    for _ in range(3):
-        fn()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(repeat):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        fn()
-        b.record()
-        b.synchronize()
-        times.append(a.elapsed_time(b))
-    return statistics.median(times)
 
 
 def _package(e, causal, d):
@@ -99,11 +84,11 @@ def attention_table(repeat, quick):
                             kern[grid](out, q, k, v, *sizes, XBLOCK=bm, RBLOCK=info["block_n"],
                                        num_warps=info["num_warps"],
                                        num_stages=info["num_stages"])
-                        t_kernel = _events_ms(launch, repeat)
+                        t_kernel = events_ms(launch, repeat)
                         want = F.scaled_dot_product_attention(q, k, v, is_causal=causal)
                         err = (out.float() - want.float()).abs().max().item()
-                        t_pkg = _events_ms(lambda: runner(q, k, v), repeat)
-                        t_eager = _events_ms(lambda: F.scaled_dot_product_attention(
+                        t_pkg = events_ms(lambda: runner(q, k, v), repeat)
+                        t_eager = events_ms(lambda: F.scaled_dot_product_attention(
                             q, k, v, is_causal=causal), repeat)
                         flops = 4 * b * h * n * n * e / (2 if causal else 1)
                         row = (e, causal, b, h, n, t_kernel, t_pkg, t_eager,
@@ -132,7 +117,7 @@ def gpt_table(repeat):
             cm = kiln.compile(spec.export(), device="cuda",
                               options=Options(fused_attention=fused))
             r = kiln.load(cm.save(d / f"gpt_{name}_{fused}.kiln"), device="cuda:0")
-            t.append(_events_ms(lambda: r(idx), repeat))
+            t.append(events_ms(lambda: r(idx), repeat))
         print(f"| {name} | {t[0]:.4f} | {t[1]:.4f} | {t[1] / t[0]:.2f}x |", flush=True)
 
 

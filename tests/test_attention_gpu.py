@@ -13,7 +13,6 @@ import sys
 
 import pytest
 import torch
-import torch.nn.functional as F
 
 import kiln
 from kiln.models import ALL_MODELS
@@ -22,19 +21,9 @@ from kiln.options import Options
 pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
 
+from tests.test_attention import Sdpa  # noqa: E402
+
 OPTS = Options(autotune=False)  # the heuristic config; autotuning is tested below
-
-
-class Sdpa(torch.nn.Module):
-    """q, k, v as [B, L, H, E] (a projection's layout) transposed to [B, H, L, E]."""
-
-    def __init__(self, **kw):
-        super().__init__()
-        self.kw = kw
-
-    def forward(self, q, k, v, *mask):
-        return F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2),
-                                              v.transpose(1, 2), *mask, **self.kw)
 
 
 def _inputs(b, h, lq, s, e, ev, dt, mask, seed=0):

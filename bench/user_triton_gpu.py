@@ -1,36 +1,23 @@
 """User Triton kernels on the GPU: latency of kiln packages against eager for the models of
 tests/user_triton_kernels.py (median of timed runs, CUDA events), and the configs the
-autotuner measured. Prints one table; used by scripts/user_triton_gpu.sh.
-    python3 scripts/user_triton_bench.py [--repeat N]"""
+autotuner measured. Prints one table.
+    python3 bench/user_triton_gpu.py [--repeat N]"""
 
 from __future__ import annotations
 
 import argparse
-import statistics
 import sys
 from pathlib import Path
 
 import torch
 from torch.export import Dim
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
+ROOT = Path(__file__).resolve().parent.parent
+sys.path[:0] = [str(ROOT), str(ROOT / "tests")]
 
 import kiln  # noqa: E402
 import user_triton_kernels as K  # noqa: E402
-
-
-def _time(fn, repeat: int) -> float:
-    for _ in range(10):
-        fn()
-    times = []
-    for _ in range(repeat):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        fn()
-        b.record()
-        b.synchronize()
-        times.append(a.elapsed_time(b) * 1000)
-    return statistics.median(times)
+from bench.cuda_timing import events_ms  # noqa: E402
 
 
 def main() -> None:
@@ -53,8 +40,8 @@ def main() -> None:
         module = module.cuda()
         dev = [a.cuda() for a in run_args]
         with torch.no_grad():
-            eager = _time(lambda: module(*dev), args.repeat)
-        ours = _time(lambda: runner(*dev), args.repeat)
+            eager = events_ms(lambda: module(*dev), args.repeat, 10) * 1000
+        ours = events_ms(lambda: runner(*dev), args.repeat, 10) * 1000
         tuned = {k: v["measured_ms"] for k, v in cm.manifest["cuda"]["user_kernels"].items()
                  if v["measured_ms"]}
         rows.append((name, eager, ours, tuned))
