@@ -113,6 +113,32 @@ def _time_ms(ck, grid, args, torch, reps: int = 20) -> float:
     return start.elapsed_time(end) / reps
 
 
+def _compile_candidates(todo, cache: Path, arch: int, jobs: int) -> dict:
+    """Every candidate of every (step, kernels, cache path) in `todo`, compiled for `arch` in
+    parallel threads: {(step index, candidate index): compiled kernel}. One module per candidate
+    index keeps the kernel names those the build uses; a neighbour Triton cannot compile (e.g.
+    too many registers) is skipped, the heuristic config (index 0) must compile."""
+    from kiln.toolchain import triton_aot
+
+    n_mod = max(len(t) for _, t, _ in todo)
+    mods = [triton_aot.import_module(print_triton_module([t[i] for _, t, _ in todo
+                                                          if i < len(t)]), cache)
+            for i in range(n_mod)]
+    jobs_list = [(i, j, tk) for i, (_, tks, _) in enumerate(todo) for j, tk in enumerate(tks)]
+
+    def build(t):
+        try:
+            return triton_aot.compile_kernel(mods[t[1]], t[2], arch)
+        except CompileError:
+            if t[1] == 0:  # the build needs the heuristic config anyway
+                raise
+            return None
+
+    with ThreadPoolExecutor(max_workers=max(1, jobs or os.cpu_count() or 1)) as pool:
+        cks = list(pool.map(build, jobs_list))
+    return {(i, j): ck for (i, j, _), ck in zip(jobs_list, cks) if ck is not None}
+
+
 def tune(kernels, buffers, hints: dict[str, int], base: dict[str, Config], arch: int,
          cache: Path, jobs: int = 0) -> tuple[dict[str, Config], dict]:
     """Returns ({kernel name: best config}, {kernel name: {config text: ms}} of what ran)."""
@@ -141,23 +167,7 @@ def tune(kernels, buffers, hints: dict[str, int], base: dict[str, Config], arch:
         todo.append((k, tks, path))
     if not todo:
         return best, report
-    # one module per candidate index: kernel names stay those the build uses
-    n_mod = max(len(t) for _, t, _ in todo)
-    mods = [triton_aot.import_module(print_triton_module([t[i] for _, t, _ in todo
-                                                          if i < len(t)]), cache)
-            for i in range(n_mod)]
-    jobs_list = [(i, j, tk) for i, (_, tks, _) in enumerate(todo) for j, tk in enumerate(tks)]
-    def build(t):
-        try:
-            return triton_aot.compile_kernel(mods[t[1]], t[2], arch)
-        except CompileError:
-            if t[1] == 0:  # the heuristic config must compile: the build needs it anyway
-                raise
-            return None  # a neighbour Triton cannot compile (e.g. too many registers): skip
-
-    with ThreadPoolExecutor(max_workers=max(1, jobs or os.cpu_count() or 1)) as pool:
-        cks = list(pool.map(build, jobs_list))
-    compiled = {(i, j): ck for (i, j, _), ck in zip(jobs_list, cks) if ck is not None}
+    compiled = _compile_candidates(todo, cache, arch, jobs)
     prelude = hashlib.sha256(PRELUDE.encode()).hexdigest()
     for i, (k, tks, path) in enumerate(todo):
         args = _args(tks[0], buffers, hints, torch)
@@ -216,23 +226,7 @@ def tune_attention(calls, buffers, hints: dict[str, int], arch: int, cache: Path
         todo.append((c, tks, path))
     if not todo:
         return best, report
-    n_mod = max(len(t) for _, t, _ in todo)
-    mods = [triton_aot.import_module(print_triton_module([t[i] for _, t, _ in todo
-                                                          if i < len(t)]), cache)
-            for i in range(n_mod)]
-    jobs_list = [(i, j, tk) for i, (_, tks, _) in enumerate(todo) for j, tk in enumerate(tks)]
-
-    def build(t):
-        try:
-            return triton_aot.compile_kernel(mods[t[1]], t[2], arch)
-        except CompileError:
-            if t[1] == 0:
-                raise
-            return None
-
-    with ThreadPoolExecutor(max_workers=max(1, jobs or os.cpu_count() or 1)) as pool:
-        cks = list(pool.map(build, jobs_list))
-    compiled = {(i, j): ck for (i, j, _), ck in zip(jobs_list, cks) if ck is not None}
+    compiled = _compile_candidates(todo, cache, arch, jobs)
     prelude = hashlib.sha256(PRELUDE.encode()).hexdigest()
     for i, (c, tks, path) in enumerate(todo):
         args = [a.fill_(True) if getattr(a, "dtype", None) == torch.bool else a
