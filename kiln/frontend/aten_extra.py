@@ -11,7 +11,7 @@ import sympy
 
 from kiln.errors import UnsupportedError
 from kiln.frontend.aten_high import Fallback
-from kiln.frontend.aten_table import register
+from kiln.frontend.aten_table import batch_statistics_norm, register
 
 
 def _arg(n, k: int, name: str, default=None):
@@ -243,16 +243,8 @@ def _batch_norm_no_stats(b, n):
     if not training:
         raise UnsupportedError(f"batch norm without running statistics in eval mode "
                                f"(node {n.name})")
-    dims = tuple(d for d in range(b.rank(x)) if d != 1)
-    xs = b.tensor(x)
-    mean = b.emit("reduce", [xs], None, like=n, result=1, kind="mean", dims=dims,
-                  keepdim=False)
-    var = b.emit("var", [xs], None, like=n, result=2, dims=dims, correction=0, keepdim=False)
-    ins = [xs, mean, var] + [b.tensor(t) for t in (w, bias) if t is not None]
-    out = b.emit("batch_norm", ins, None, like=n, result=0, eps=float(eps),
-                 has_weight=w is not None, has_bias=bias is not None)
-    eps_v = b.emit("add", [var, b.scalar(float(eps), b.meta_dtype(n))], None, like=n, result=2)
-    return [out, mean, b.emit("rsqrt", [eps_v], None, like=n, result=2)]
+    out, mean, _var, rstd = batch_statistics_norm(b, n, x, w, bias, eps)
+    return [out, mean, rstd]
 
 
 @register("aten._native_batch_norm_legit.default")

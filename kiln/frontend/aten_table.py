@@ -399,15 +399,7 @@ def _batch_norm_train(b, n):
             raise UnsupportedError(f"training-mode batch norm over dynamic dims (node {n.name})")
         count *= int(size)
     stat = torch_float(b, n)
-    xs = b.tensor(x)
-    mean = b.emit("reduce", [xs], None, like=n, result=1, kind="mean", dims=dims,
-                  keepdim=False)
-    var = b.emit("var", [xs], None, like=n, result=3, dims=dims, correction=0, keepdim=False)
-    ins = [xs, mean, var] + [b.tensor(t) for t in (w, bias) if t is not None]
-    out = b.emit("batch_norm", ins, None, like=n, result=0, eps=float(eps),
-                 has_weight=w is not None, has_bias=bias is not None)
-    eps_v = b.emit("add", [var, b.scalar(float(eps), stat)], None, like=n, result=3)
-    rstd = b.emit("rsqrt", [eps_v], None, like=n, result=2)
+    out, mean, var, rstd = batch_statistics_norm(b, n, x, w, bias, eps)
     keep = b.scalar(1.0 - momentum, stat)
     new_mean = b.emit("add", [b.emit("mul", [b.tensor(run_mean), keep], None, like=n, result=3),
                               b.emit("mul", [mean, b.scalar(momentum, stat)], None, like=n,
@@ -417,6 +409,21 @@ def _batch_norm_train(b, n):
                              b.emit("mul", [var, b.scalar(unbiased, stat)], None, like=n,
                                     result=4)], None, like=n, result=4)
     return [out, mean, rstd, new_mean, new_var]
+
+
+def batch_statistics_norm(b, n, x, w, bias, eps):
+    """Batch norm of `x` by its own batch statistics over every dim but 1: (out, mean, biased
+    variance, rstd); results 0 and 1 of `n` give the shapes of out and of a statistic."""
+    dims = tuple(d for d in range(b.rank(x)) if d != 1)
+    xs = b.tensor(x)
+    mean = b.emit("reduce", [xs], None, like=n, result=1, kind="mean", dims=dims,
+                  keepdim=False)
+    var = b.emit("var", [xs], None, like=n, result=1, dims=dims, correction=0, keepdim=False)
+    ins = [xs, mean, var] + [b.tensor(t) for t in (w, bias) if t is not None]
+    out = b.emit("batch_norm", ins, None, like=n, result=0, eps=float(eps),
+                 has_weight=w is not None, has_bias=bias is not None)
+    eps_v = b.emit("add", [var, b.scalar(float(eps), b.meta_dtype(n))], None, like=n, result=1)
+    return out, mean, var, b.emit("rsqrt", [eps_v], None, like=n, result=1)
 
 
 def torch_float(b, n):
