@@ -13,13 +13,13 @@ shows it; never asserted: the machine is shared).
 from __future__ import annotations
 
 import threading
-import time
 
 import pytest
 import torch
 
 import kiln
 from kiln.models import ALL_MODELS
+from bench.throughput import throughput  # runs/s, CPU ms per run
 
 THREADS, RUNS = 4, 25
 
@@ -92,41 +92,12 @@ def test_threads_match_single_thread(packages, name, budget, shared):
     assert not errors, errors[:5]
 
 
-def throughput(path, args, handles: int, seconds: float = 1.0) -> float:
-    """Runs per second with `handles` handles, one thread each."""
-    runners = [kiln.load(path) for _ in range(handles)]
-    counts = [0] * handles
-    barrier = threading.Barrier(handles + 1)
-    stop = [0.0]
-
-    def work(t: int) -> None:
-        barrier.wait()
-        while time.perf_counter() < stop[0]:
-            runners[t](*args)
-            counts[t] += 1
-
-    for r in runners:
-        r(*args)  # warm up (plan cache, pages)
-    threads = [threading.Thread(target=work, args=(t,)) for t in range(handles)]
-    for th in threads:
-        th.start()
-    t0 = time.perf_counter()
-    stop[0] = t0 + seconds  # after the warm-up: a slow warm-up must not eat the interval
-    barrier.wait()
-    for th in threads:
-        th.join()
-    elapsed = time.perf_counter() - t0
-    for r in runners:
-        r.close()
-    return sum(counts) / elapsed
-
-
 def test_throughput_report(packages):
     """Prints runs/s for 1 and 2 handles (one thread each); asserts only that both ran
     (bench/throughput.py measures 1, 2 and 4 handles with repeats and medians)."""
     for name, (spec, path) in packages.items():
         args = spec.example_args
-        one, two = throughput(path, args, 1), throughput(path, args, 2)
+        one, two = (throughput(path, args, h, 1.0, 0)[0] for h in (1, 2))
         print(f"\nthroughput {name}: 1 handle {one:.0f} runs/s, 2 handles {two:.0f} runs/s "
               f"({two / one:.2f}x)")
         assert one > 0 and two > 0
