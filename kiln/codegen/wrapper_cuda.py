@@ -21,6 +21,7 @@ from __future__ import annotations
 import math
 
 from kiln.ir import program as P
+from kiln.ir.dtypes import DTYPES
 from kiln.ir.sym import to_c
 from kiln.codegen.wrapper_cpp import SizeCheckPrinter, runtime_plan_lines
 from kiln.memory.assign import intervals
@@ -86,7 +87,6 @@ class _Printer(SizeCheckPrinter):
     aten_device = "if (!c.on_cuda(self->device_id, static_cast<void*>(stream))) goto fail;"
 
     def aten_ptr(self, buf: str, offset, dt: str) -> str:
-        from kiln.ir.dtypes import DTYPES
         return f"reinterpret_cast<void*>(buf_{buf} + {DTYPES[dt].itemsize} * ({to_c(offset)}))"
 
     def _SetFlag(self, x: P.SetFlag) -> None:

@@ -29,9 +29,9 @@ def freeze(g: Graph, weights: dict[str, torch.Tensor]
     for n in g.nodes:
         for k, x in enumerate(n.inputs):
             readers.setdefault(x, []).append((n, k))
-    frozen = {i.name: i for i in g.inputs if i.kind == "weight" and not i.permuted}
-    rewrite: dict[str, Input] = {}  # permute node -> the weight stored in its layout
-    for name, w in frozen.items():
+    weights_in = {i.name: i for i in g.inputs if i.kind == "weight" and not i.permuted}
+    rewrite: dict[str, tuple[Input, str]] = {}  # permute node -> (stored weight, source)
+    for name, w in weights_in.items():
         uses = readers.get(name, [])
         if not uses or name in g.outputs or any(
                 n.op != "permute" or not _feeds_gemm_b(n.name, readers, g) for n, _ in uses):
@@ -40,19 +40,18 @@ def freeze(g: Graph, weights: dict[str, torch.Tensor]
             dims = tuple(n.attr("dims"))
             if dims == tuple(range(len(dims))):
                 continue
-            rewrite[n.name] = Input(f"{name}_{'_'.join(map(str, dims))}",
-                                    TensorType(w.type.dtype, n.type.shape), "weight", w.fqn,
-                                    permuted=dims)
+            rewrite[n.name] = (Input(f"{name}_{'_'.join(map(str, dims))}",
+                                     TensorType(w.type.dtype, n.type.shape), "weight", w.fqn,
+                                     permuted=dims), name)
     if not rewrite:
         return g, weights
     new_weights = dict(weights)
-    for node, inp in rewrite.items():
-        src = next(n for n in g.nodes if n.name == node).inputs[0]
+    for inp, src in rewrite.values():
         new_weights[inp.name] = weights[src].permute(inp.permuted).contiguous()
-    rename = {node: inp.name for node, inp in rewrite.items()}
+    rename = {node: inp.name for node, (inp, _) in rewrite.items()}
     nodes = tuple(replace(n, inputs=tuple(rename.get(x, x) for x in n.inputs))
                   for n in g.nodes if n.name not in rename)
-    added = tuple({i.name: i for i in rewrite.values()}.values())
+    added = tuple({i.name: i for i, _ in rewrite.values()}.values())
     out = replace(g, inputs=g.inputs + added, nodes=nodes)
     live = {x for n in out.nodes for x in n.inputs}
     out = replace(out, inputs=tuple(i for i in out.inputs if i.kind != "weight" or i.name in live))

@@ -242,9 +242,9 @@ class Runner:
         if isinstance(v, torch.Tensor) and v.dim() == 0 and not v.is_floating_point() \
                 and not v.is_complex() and v.dtype != torch.bool:
             v = int(v.item())
-        if isinstance(v, bool) or not isinstance(v, int):
+        if not isinstance(v, bool):
             try:
-                v = operator.index(v) if not isinstance(v, bool) else v
+                v = operator.index(v)  # numpy ints too
             except TypeError:
                 pass
         if isinstance(v, bool) or not isinstance(v, int):
