@@ -110,11 +110,11 @@ def build_cuda(run, steps, buffers, program, hints: dict[str, int], opts: Option
     if opts.autotune and not opts.triton_num_warps and kernels and local:
         # measure on the local GPU, for its architecture
         best, tuned = run.stage("autotune", lambda _: tune(
-            kernels, buffers, hints, configs, default_archs()[0], cache, opts.jobs), None)
+            kernels, buffers, hints, configs, default_archs()[0], cache), None)
         configs.update(best)
     if opts.autotune and attns and local:
         best, t_att = run.stage("autotune_attention", lambda _: tune_attention(
-            attns, buffers, hints, default_archs()[0], cache, opts.jobs), None)
+            attns, buffers, hints, default_archs()[0], cache), None)
         configs.update(best)
         tuned.update(t_att)
 
@@ -123,7 +123,7 @@ def build_cuda(run, steps, buffers, program, hints: dict[str, int], opts: Option
     launched = [s for s in L.flat_steps(steps) if isinstance(s, (Kernel, GemmKernel))]
     tks = run.stage("codegen_triton", codegen, None)
     module = print_triton_module(tks)
-    cubins, tt = run.stage("cubins", lambda m: compile_cubins(m, tks, archs, cache, opts.jobs),
+    cubins, tt = run.stage("cubins", lambda m: compile_cubins(m, tks, archs, cache),
                            module)
     run.timings.update({f"cubins.{k}": v for k, v in tt.items()})
     # user-written Triton kernels (triton_op / wrap_triton): a config each, then cubins

@@ -25,7 +25,6 @@ import hashlib
 import json
 import os
 import tempfile
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from kiln.codegen.triton_kernel import Config, print_triton_kernel, print_triton_module
@@ -113,9 +112,10 @@ def _time_ms(ck, grid, args, torch, reps: int = 20) -> float:
     return start.elapsed_time(end) / reps
 
 
-def _compile_candidates(todo, cache: Path, arch: int, jobs: int) -> dict:
-    """Every candidate of every (step, kernels, cache path) in `todo`, compiled for `arch` in
-    parallel threads: {(step index, candidate index): compiled kernel}. One module per candidate
+def _compile_candidates(todo, cache: Path, arch: int) -> dict:
+    """Every candidate of every (step, kernels, cache path) in `todo`, compiled for `arch` one
+    after another (see triton_aot.compile_cubins for why not in threads): {(step index,
+    candidate index): compiled kernel}. One module per candidate
     index keeps the kernel names those the build uses; a neighbour Triton cannot compile (e.g.
     too many registers) is skipped, the heuristic config (index 0) must compile."""
     from kiln.toolchain import triton_aot
@@ -124,7 +124,7 @@ def _compile_candidates(todo, cache: Path, arch: int, jobs: int) -> dict:
     mods = [triton_aot.import_module(print_triton_module([t[i] for _, t, _ in todo
                                                           if i < len(t)]), cache)
             for i in range(n_mod)]
-    jobs_list = [(i, j, tk) for i, (_, tks, _) in enumerate(todo) for j, tk in enumerate(tks)]
+    cands = [(i, j, tk) for i, (_, tks, _) in enumerate(todo) for j, tk in enumerate(tks)]
 
     def build(t):
         try:
@@ -134,13 +134,12 @@ def _compile_candidates(todo, cache: Path, arch: int, jobs: int) -> dict:
                 raise
             return None
 
-    with ThreadPoolExecutor(max_workers=max(1, jobs or os.cpu_count() or 1)) as pool:
-        cks = list(pool.map(build, jobs_list))
-    return {(i, j): ck for (i, j, _), ck in zip(jobs_list, cks) if ck is not None}
+    cks = [build(t) for t in cands]
+    return {(i, j): ck for (i, j, _), ck in zip(cands, cks) if ck is not None}
 
 
 def tune(kernels, buffers, hints: dict[str, int], base: dict[str, Config], arch: int,
-         cache: Path, jobs: int = 0) -> tuple[dict[str, Config], dict]:
+         cache: Path) -> tuple[dict[str, Config], dict]:
     """Returns ({kernel name: best config}, {kernel name: {config text: ms}} of what ran)."""
     import torch
     import triton
@@ -167,7 +166,7 @@ def tune(kernels, buffers, hints: dict[str, int], base: dict[str, Config], arch:
         todo.append((k, tks, path))
     if not todo:
         return best, report
-    compiled = _compile_candidates(todo, cache, arch, jobs)
+    compiled = _compile_candidates(todo, cache, arch)
     prelude = hashlib.sha256(PRELUDE.encode()).hexdigest()
     for i, (k, tks, path) in enumerate(todo):
         args = _args(tks[0], buffers, hints, torch)
@@ -195,10 +194,10 @@ def tune(kernels, buffers, hints: dict[str, int], base: dict[str, Config], arch:
     return best, report
 
 
-def tune_attention(calls, buffers, hints: dict[str, int], arch: int, cache: Path,
-                   jobs: int = 0) -> tuple[dict[str, Config], dict]:
+def tune_attention(calls, buffers, hints: dict[str, int], arch: int, cache: Path
+                   ) -> tuple[dict[str, Config], dict]:
     """The flash-attention kernels (codegen/triton_attention.py) of `calls`: every candidate of
-    `attention_candidates` compiled in parallel, timed at the example sizes, the fastest kept
+    `attention_candidates` compiled, timed at the example sizes, the fastest kept
     (ties: the heuristic, listed first); a candidate Triton cannot compile or the device cannot
     launch (shared memory) is skipped. Cached on disk like `tune`. Bool masks are all true
     while timing (an all-false mask would time the fully masked path)."""
@@ -226,7 +225,7 @@ def tune_attention(calls, buffers, hints: dict[str, int], arch: int, cache: Path
         todo.append((c, tks, path))
     if not todo:
         return best, report
-    compiled = _compile_candidates(todo, cache, arch, jobs)
+    compiled = _compile_candidates(todo, cache, arch)
     prelude = hashlib.sha256(PRELUDE.encode()).hexdigest()
     for i, (c, tks, path) in enumerate(todo):
         args = [a.fill_(True) if getattr(a, "dtype", None) == torch.bool else a

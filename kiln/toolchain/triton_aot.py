@@ -22,7 +22,6 @@ import os
 import shutil
 import tempfile
 import time
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -140,9 +139,15 @@ def _store(d: Path, c: Cubin) -> None:
         shutil.rmtree(tmp, ignore_errors=True)
 
 
-def compile_cubins(module_text: str, kernels: list, archs: tuple[int, ...], cache: Path,
-                   jobs: int = 0) -> tuple[dict[tuple[str, int], Cubin], dict[str, float]]:
-    """Every kernel of the module for every arch; returns {(kernel, arch): Cubin} and timings."""
+def compile_cubins(module_text: str, kernels: list, archs: tuple[int, ...], cache: Path
+                   ) -> tuple[dict[tuple[str, int], Cubin], dict[str, float]]:
+    """Every kernel of the module for every arch; returns {(kernel, arch): Cubin} and timings.
+
+    Kernels compile one after another in this thread. Triton's front end builds Python ASTs,
+    and CPython 3.11's AST converter keeps its recursion counter per interpreter, not per
+    thread: two threads compiling at once can fail with "AST constructor recursion depth
+    mismatch" (seen in CI). Threads also bought nothing, the work holds the GIL: resnet18's
+    CUDA kernels took 2.4-3.4 s with one thread or two."""
     t0 = time.perf_counter()
     root = cache / "triton"
     from kiln.codegen.triton_ops import PRELUDE
@@ -160,9 +165,8 @@ def compile_cubins(module_text: str, kernels: list, archs: tuple[int, ...], cach
     hits = len(out)
     if todo:
         mod = import_module(module_text, cache)
-        with ThreadPoolExecutor(max_workers=max(1, jobs or os.cpu_count() or 1)) as pool:
-            results = list(pool.map(lambda t: (t, _compile_one(mod, t[0], t[1])), todo))
-        for (k, a, d), c in results:
+        for k, a, d in todo:
+            c = _compile_one(mod, k, a)
             _store(d, c)
             out[(k.name, a)] = c
     return out, {"triton": time.perf_counter() - t0, "cache_hits": float(hits),
