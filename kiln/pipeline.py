@@ -210,7 +210,7 @@ def build(ep: torch.export.ExportedProgram, opts: Options, device: str = "cpu") 
         dependent = sorted({f"{s.op}.{s.overload or 'default'}" if isinstance(s, L.AtenCall)
                             else f"{s.symbol} = .item()" for s in L.flat_steps(steps)
                             if isinstance(s, L.ReadSize) or (isinstance(s, L.AtenCall)
-                                                             and s.binds)})
+                                                             and s.all_binds())})
         if dependent:
             raise UnsupportedError(f"data-dependent sizes are CPU-only so far; this program "
                                    f"makes them with {', '.join(dependent)} on CUDA")

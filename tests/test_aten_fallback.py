@@ -123,6 +123,33 @@ def test_fallback_on_cuda_and_its_limit(tmp_path):
         kiln.compile(ep, device="cuda", options=kiln.Options(cuda_archs=(90,)))
 
 
+def unique_parts(x):
+    u, inv, counts = torch.unique(x, return_inverse=True, return_counts=True)
+    return u * 2, inv + 1, counts
+
+
+@pytest.mark.parametrize("fn,make", [
+    (lambda x: tuple(r + 1 for r in torch.linalg.slogdet(x)), lambda: _spd(4, (3,))),
+    (unique_parts, lambda: torch.randint(0, 5, (12,)).float()),  # data-dependent sizes
+], ids=["slogdet", "unique"])
+def test_multi_result_op_is_called_once(tmp_path, fn, make):
+    from kiln.ir.interp import run_loop
+
+    cm, path = _compile(tmp_path, fn, (make(),))
+    for src, mark in (("model.cpp", "// aten fallback"), ("model.py", "# aten fallback")):
+        calls = [ln for ln in cm.sources[src].splitlines() if ln.strip().startswith(mark)]
+        assert len(calls) == 1, calls  # one call writes every result
+    runner = kiln.load(path)
+    loop = cm.built.loop
+    for _ in range(3):
+        x = make()
+        _check(runner, fn, (x,), rtol=1e-4, atol=1e-4)
+        got = run_loop(loop, {loop.buffers[0].name: x.numpy()}, {})
+        for g, r in zip(got, fn(x)):
+            torch.testing.assert_close(torch.from_numpy(g.copy()).reshape(r.shape), r,
+                                       rtol=1e-4, atol=1e-4)
+
+
 def test_python_printer_runs_the_fallback(tmp_path):
     args = (_spd(5), torch.randn(3, 5))
     cm, _ = _compile(tmp_path, inv_chain, args)

@@ -173,8 +173,10 @@ class SizeCheckPrinter:
     def _CallAten(self, x: P.CallAten) -> None:
         c = x.call
         ov = c.overload or "default"
-        self.emit(f"// aten fallback {c.op}.{ov} (result {c.result} of {c.n_results}) -> "
-                  f"{c.name}  <- {', '.join(c.source)}")
+        res = c.results()
+        taken = ", ".join(f"result {r.result} -> {r.name}" if c.n_results > 1 else r.name
+                          for r in res)
+        self.emit(f"// aten fallback {c.op}.{ov} ({taken})  <- {', '.join(c.source)}")
         self.emit(f"{{ kr_aten::Call c(e, {_cstr(c.op)}, {_cstr(c.overload)});")
         if self.aten_device:
             self.emit(f"  {self.aten_device}")
@@ -183,16 +185,18 @@ class SizeCheckPrinter:
                 self.emit("  " + ln)
         self.emit(f"  if (!c.run({c.n_results})) goto fail;")
         bounds = dict(self.p.unbacked)
-        for d, name, _ in c.binds:  # data-dependent sizes: known now, checked against bounds
-            self.emit(f"  {name} = c.result_size({c.result}, {d});")
-            self.emit(f"  if ({name} < 0 || {name} > {to_c(bounds[name])}) {{ e.fail(\"ATen "
-                      f"fallback {c.op}: data-dependent size {name} = %lld exceeds its bound "
-                      f"{bounds[name]}\", (long long){name}); goto fail; }}")
-        shape = ", ".join(to_c(d) for d in c.shape) or "0"
-        self.emit(f"  const int64_t out_sz[] = {{{shape}}};")
-        self.emit(f"  if (!c.copy_out({c.result}, {self.aten_ptr(c.name, 0, c.dtype.name)}, "
-                  f"{len(c.shape)}, out_sz, "
-                  f"{SCALAR_TYPE[c.dtype.name]})) goto fail; }}")
+        for r in res:
+            for d, name, _ in r.binds:  # data-dependent sizes: known now, checked
+                self.emit(f"  {name} = c.result_size({r.result}, {d});")
+                self.emit(f"  if ({name} < 0 || {name} > {to_c(bounds[name])}) {{ e.fail("
+                          f"\"ATen fallback {c.op}: data-dependent size {name} = %lld exceeds "
+                          f"its bound {bounds[name]}\", (long long){name}); goto fail; }}")
+        for k, r in enumerate(res):
+            shape = ", ".join(to_c(d) for d in r.shape) or "0"
+            self.emit(f"  {{ const int64_t out_sz[] = {{{shape}}};")
+            self.emit(f"    if (!c.copy_out({r.result}, {self.aten_ptr(r.name, 0, r.dtype.name)}"
+                      f", {len(r.shape)}, out_sz, {SCALAR_TYPE[r.dtype.name]})) goto fail; }}"
+                      + (" }" if k == len(res) - 1 else ""))
 
 
 def run_prologue(n_in: int, n_out: int) -> list[str]:
@@ -217,7 +221,7 @@ def written_buffers(x: P.Line) -> list[str]:
     if isinstance(x, P.CallGemm):
         return [x.gemm.name]
     if isinstance(x, P.CallAten):
-        return [x.call.name]
+        return [r.name for r in x.call.results()]
     return []
 
 

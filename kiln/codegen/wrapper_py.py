@@ -57,19 +57,23 @@ def _aten_arg(a) -> str:
 def _aten(c: L.AtenCall, bounds) -> list[str]:
     name = c.op.split("::", 1)[1]
     ov = c.overload or "default"
-    res = f"[{c.result}]" if c.n_results > 1 else ""
-    shape = "".join(f"{to_py(d)}, " for d in c.shape)
     n_pos = len(c.args) - len(c.keywords)
     args = [_aten_arg(a) for a in c.args[:n_pos]]
     args += [f"{k}={_aten_arg(a)}" for k, a in zip(c.keywords, c.args[n_pos:])]
-    out = [f"# aten fallback {c.op}.{ov} -> {c.name}  <- {', '.join(c.source)}",
-           f"_r = torch.ops.aten.{name}.{ov}({', '.join(args)}){res}"]
-    for d, sym, _ in c.binds:  # data-dependent sizes
-        out += [f"{sym} = _r.shape[{d}]",
-                f"_expect({sym} <= {to_py(bounds[sym])}, 'data-dependent size {sym} exceeds "
-                f"its bound')"]
-    numel = " * ".join(to_py(d) for d in c.shape) or "1"
-    return out + [f"buf_{c.name}.view(-1)[:{numel}].view(({shape})).copy_(_r)"]
+    res = c.results()
+    out = [f"# aten fallback {c.op}.{ov} -> {', '.join(r.name for r in res)}  <- "
+           f"{', '.join(c.source)}",
+           f"_r = torch.ops.aten.{name}.{ov}({', '.join(args)})"]
+    for r in res:
+        got = f"_r[{r.result}]" if c.n_results > 1 else "_r"
+        for d, sym, _ in r.binds:  # data-dependent sizes
+            out += [f"{sym} = {got}.shape[{d}]",
+                    f"_expect({sym} <= {to_py(bounds[sym])}, 'data-dependent size {sym} exceeds "
+                    f"its bound')"]
+        shape = "".join(f"{to_py(d)}, " for d in r.shape)
+        numel = " * ".join(to_py(d) for d in r.shape) or "1"
+        out.append(f"buf_{r.name}.view(-1)[:{numel}].view(({shape})).copy_({got})")
+    return out
 
 
 def _lib(x: L.Extern) -> list[str]:

@@ -197,7 +197,7 @@ def _gemm(g: L.Gemm, bufs, env) -> np.ndarray:
     return np.matmul(a, b).astype(NP_DTYPES[g.dtype.name]).reshape(-1)
 
 
-def _aten(c: L.AtenCall, bufs, env) -> np.ndarray:
+def _aten(c: L.AtenCall, bufs, env) -> dict[str, np.ndarray]:
     """The ATen fallback runs ATen itself, through torch (the reference has nothing else)."""
     import torch
 
@@ -225,11 +225,13 @@ def _aten(c: L.AtenCall, bufs, env) -> np.ndarray:
     n_pos = len(c.args) - len(c.keywords)
     out = fn(*[value(a) for a in c.args[:n_pos]],
              **{k: value(a) for k, a in zip(c.keywords, c.args[n_pos:])})
-    if c.n_results > 1:
-        out = out[c.result]
-    for d, sym, _ in c.binds:  # data-dependent sizes are known from here on
-        env[sym] = int(out.shape[d])
-    return out.contiguous().numpy().astype(NP_DTYPES[c.dtype.name]).reshape(-1)
+    got = {}
+    for r in c.results():
+        t = out[r.result] if c.n_results > 1 else out
+        for d, sym, _ in r.binds:  # data-dependent sizes are known from here on
+            env[sym] = int(t.shape[d])
+        got[r.name] = t.contiguous().numpy().astype(NP_DTYPES[r.dtype.name]).reshape(-1)
+    return got
 
 
 def _truth(pred, expr, bufs, env) -> bool:
@@ -263,7 +265,7 @@ def _run_nodes(nodes, bufs: dict, env: dict[str, int], prog=None) -> None:
             raise UnsupportedError(f"the interpreter cannot run user Triton kernel "
                                    f"{node.kernel} (node {node.name}): run the CUDA package")
         elif isinstance(node, L.AtenCall):
-            bufs[node.name] = _aten(node, bufs, env)  # binds data-dependent sizes in env
+            bufs.update(_aten(node, bufs, env))  # binds data-dependent sizes in env
         elif isinstance(node, L.ReadSize):
             env[node.symbol] = int(bufs[node.src][0])
             bufs[node.name] = np.array([env[node.symbol]], dtype=np.int64)

@@ -177,6 +177,28 @@ class AtenCall:
     source: tuple[str, ...] = ()
     # data-dependent sizes this call defines: (dim of the result, symbol u<k>, upper bound)
     binds: tuple[tuple[int, str, sympy.Expr], ...] = ()
+    # the op's other results the program uses, written by this same call (one call per op)
+    also: tuple[AtenResult, ...] = ()
+
+    def results(self) -> tuple[AtenResult, ...]:
+        """Every result this call writes: its own first, then `also`."""
+        return (AtenResult(self.result, self.name, self.dtype, self.shape, self.binds),
+                *self.also)
+
+    def all_binds(self) -> tuple[tuple[int, str, sympy.Expr], ...]:
+        return tuple(b for r in self.results() for b in r.binds)
+
+
+@dataclass(frozen=True)
+class AtenResult:
+    """Result `result` of an `AtenCall`, copied into buffer `name` (contiguous `shape`);
+    `binds` as `AtenCall.binds`, dims of this result."""
+
+    result: int
+    name: str
+    dtype: DType
+    shape: tuple[sympy.Expr, ...]
+    binds: tuple[tuple[int, str, sympy.Expr], ...] = ()
 
 
 def aten_arg_buffers(arg) -> list[str]:
@@ -339,10 +361,12 @@ def node_reads(node: LoopNode) -> set[str]:
 
 
 def node_writes(node: LoopNode) -> tuple[str, ...]:
-    """The buffers `node` writes (one, except for an `Extern` with several outputs and a
-    control node, which writes its results)."""
+    """The buffers `node` writes (one, except for an `Extern` with several outputs, an
+    `AtenCall` with several results used, and a control node, which writes its results)."""
     if isinstance(node, CONTROL):
         return tuple(node.writes)
+    if isinstance(node, AtenCall):
+        return tuple(r.name for r in node.results())
     return node.outs if isinstance(node, (Extern, UserKernel)) else (node.name,)
 
 

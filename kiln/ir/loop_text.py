@@ -60,9 +60,10 @@ def node_text(n: L.LoopNode) -> str:
                 f"{n.hi}]  # {', '.join(n.source)}")
     if isinstance(n, L.AtenCall):
         ov = n.overload or "default"
-        res = f"[{n.result}]" if n.n_results > 1 else ""
-        return (f"%{n.name}: {n.dtype.name}{list(n.shape)} = aten_fallback {n.op}.{ov}("
-                f"{', '.join(aten_arg_text(a) for a in n.args)}){res}  # {', '.join(n.source)}")
+        outs = ", ".join(f"%{r.name}: {r.dtype.name}{list(r.shape)}"
+                         + (f" = [{r.result}]" if n.n_results > 1 else "") for r in n.results())
+        return (f"{outs} <- aten_fallback {n.op}.{ov}("
+                f"{', '.join(aten_arg_text(a) for a in n.args)})  # {', '.join(n.source)}")
     if isinstance(n, L.Branch):
         pred = f"%{n.pred}" if n.pred is not None else f"({n.expr})"
         return (f"{', '.join('%' + r for r in n.results)} = cond({pred}; "

@@ -368,7 +368,7 @@ def _uses(line: Line) -> list[str]:
     if isinstance(line, CallUser):
         return sorted(node_reads(line.call)) + list(line.call.outs)
     if isinstance(line, CallAten):
-        return sorted(node_reads(line.call)) + [line.call.name]
+        return sorted(node_reads(line.call)) + [r.name for r in line.call.results()]
     if isinstance(line, ReadSizeLine):
         return [line.node.src, line.node.name]
     if isinstance(line, Return):
@@ -431,8 +431,8 @@ def _verify_lines(p: Program, lines, planned: bool, bound: set[str], live: set[s
         if isinstance(line, BindSize):
             bound.add(line.symbol)
         elif isinstance(line, (CallAten, ReadSizeLine)):
-            node = line.call if isinstance(line, CallAten) else line.node
-            bound |= {name for _, name, _ in node.binds}
+            binds = line.call.all_binds() if isinstance(line, CallAten) else line.node.binds
+            bound |= {name for _, name, _ in binds}
         elif isinstance(line, (CheckSize, CheckRelation, AllocOutput, Alloc, SetFlag, CopyBuf)):
             exprs = [line.expr] if isinstance(line, CheckSize) else [line.lhs, line.rhs] if \
                 isinstance(line, CheckRelation) else (

@@ -62,8 +62,9 @@ def _rename_node(n, f):
     if isinstance(n, L.Extern):
         return replace(n, outs=tuple(map(f, n.outs)),
                        args=tuple(replace(a, buf=f(a.buf)) for a in n.args))
-    if isinstance(n, L.AtenCall) and not n.binds:
-        return replace(n, name=f(n.name), args=tuple(_rename_aten_arg(a, f) for a in n.args))
+    if isinstance(n, L.AtenCall) and not n.all_binds():
+        return replace(n, name=f(n.name), args=tuple(_rename_aten_arg(a, f) for a in n.args),
+                       also=tuple(replace(r, name=f(r.name)) for r in n.also))
     if isinstance(n, (L.AtenCall, L.ReadSize)):
         raise UnsupportedError(f"{n.name}: data-dependent sizes inside torch.cond / while_loop "
                                "bodies are not supported (the size would change per branch or "

@@ -6,6 +6,8 @@ result is copied by ATen into a contiguous kiln buffer, so everything downstream
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 from kiln.ir import loop as L
 from kiln.ir.graph import Node
 from kiln.lowering.core import Lazy, LowerCtx
@@ -42,12 +44,26 @@ def lower_read_size(ctx: LowerCtx, node: Node, args: list[Lazy]) -> Lazy:
 
 
 def lower_aten(ctx: LowerCtx, node: Node, args: list[Lazy]) -> Lazy:
-    call_args = tuple(_arg(ctx, node, a, args) for a in node.attr("args"))
     name = ctx.unique(node.name)
     t = node.type
     ctx.declare(name, t.dtype, t.shape, "temp")
+    binds = tuple(node.attr("binds", ()))
+    key = ("aten", node.attr("aten_op"), node.attr("overload"), repr(node.attr("args")),
+           tuple(node.inputs))
+    at = ctx.shared.get(key) if node.attr("n_results") > 1 else None
+    if at is not None:  # another result of a call already emitted
+        head = ctx.nodes[at]
+        src = node.source or node.name
+        ctx.nodes[at] = replace(
+            head, also=(*head.also, L.AtenResult(node.attr("index"), name, t.dtype,
+                                                 tuple(t.shape), binds)),
+            source=head.source + ((src,) if src not in head.source else ()))
+        return ctx.buffer_lazy(name, t.dtype, t.shape)
+    call_args = tuple(_arg(ctx, node, a, args) for a in node.attr("args"))
+    ctx.shared[key] = len(ctx.nodes)
     ctx.nodes.append(L.AtenCall(name, t.dtype, tuple(t.shape), node.attr("aten_op"),
                                 node.attr("overload"), call_args, node.attr("index"),
                                 node.attr("n_results"), node.attr("keywords"),
-                                (node.source or node.name,), tuple(node.attr("binds", ()))))
+                                (node.source or node.name,), binds))
     return ctx.buffer_lazy(name, t.dtype, t.shape)
+

@@ -33,11 +33,18 @@ from kiln.runtime.weights import checked_tensors, write_weights_file
 
 KILN_ABI_VERSION = 1
 _DL_META: dict = {}  # (torch dtype, device) -> (DLDevice, DLDataType)
-_P64 = ctypes.POINTER(ctypes.c_int64)
 
 
-def _I64P(address: int):  # noqa: N802 - reads as a type constructor
-    return ctypes.cast(address, _P64)
+@functools.lru_cache(maxsize=None)
+def _i64_array(n: int) -> type:
+    """The ctypes array type of `n` int64s (at least one, so its address is never NULL)."""
+    return ctypes.c_int64 * max(n, 1)
+
+
+# torch's C entry points, where this torch has them: the public wrappers around them cost
+# microseconds per call (argument checks, Stream objects), a large share of a small model's run.
+_from_capsule = getattr(torch._C, "_from_dlpack", None) or torch.from_dlpack
+_raw_stream = getattr(torch._C, "_cuda_getCurrentRawStream", None)
 _CAPSULE_NAME = ctypes.create_string_buffer(b"dltensor")  # must outlive every capsule
 _USED_NAME = b"used_dltensor"
 
@@ -152,6 +159,7 @@ class Runner:
             self.close()
             raise PackageError(f"package '{self._path}': out_spec has {self._out_spec.num_leaves}"
                                f" leaves, the model {self._n_out} outputs")
+        self._unflatten = _output_builder(self._out_spec)
 
     @property
     def manifest(self) -> dict[str, Any]:
@@ -273,10 +281,10 @@ class Runner:
                                  f"{t.dtype}/{t.device}")
             meta = _DL_META[key] = (dl.DLDevice(*dev), dl.DLDataType(*code, 1))
         n = t.dim()
-        dims = (ctypes.c_int64 * max(2 * n, 1))(*t.shape, *t.stride())  # shape, then strides
-        keep += [t, dims]
-        base = ctypes.addressof(dims)
-        return dl.DLTensor(t.data_ptr(), meta[0], n, meta[1], _I64P(base), _I64P(base + 8 * n), 0)
+        arr = _i64_array(n)
+        shape, strides = arr(*t.shape), arr(*t.stride())
+        keep += [t, shape, strides]
+        return dl.DLTensor(t.data_ptr(), meta[0], n, meta[1], shape, strides, 0)
 
     def update_weights(self, weights: Mapping[str, Any] | str | os.PathLike[str]) -> None:
         """Replace the weights without recompiling: a safetensors file (keys are the manifest's
@@ -311,7 +319,8 @@ class Runner:
             *[ctypes.pointer(s) for s in structs])
         outputs = (ctypes.c_void_p * max(self._n_out, 1))()
         if self._device.type == "cuda":
-            stream = torch.cuda.current_stream(self._device).cuda_stream
+            stream = (_raw_stream(self._device.index) if _raw_stream is not None else
+                      torch.cuda.current_stream(self._device).cuda_stream)
             rc = self._lib.kiln_model_run_on_stream(self._handle, inputs, self._n_in, outputs,
                                                     self._n_out, stream)
         else:
@@ -322,9 +331,26 @@ class Runner:
         results = _adopt_outputs(outputs, self._n_out)
         for k in self._int_outputs:  # sizes the program returns as Python ints
             results[k] = int(results[k].item())
-        if self._out_spec is None:
-            return tuple(results)
-        return pytree.tree_unflatten(results, self._out_spec)
+        return self._unflatten(results)
+
+
+def _output_builder(spec: pytree.TreeSpec | None):
+    """results (a list) -> the exported output structure; the common flat forms (one tensor, a
+    tuple or list of tensors) without the general pytree walk."""
+    if spec is None:
+        return tuple
+    n = spec.num_leaves
+    if spec.is_leaf():
+        return operator.itemgetter(0)
+    if spec == pytree.tree_flatten(tuple(range(n)))[1]:
+        return tuple
+    if spec == pytree.tree_flatten(list(range(n)))[1]:
+        return list
+    return functools.partial(_unflatten, spec=spec)
+
+
+def _unflatten(results: list, spec: pytree.TreeSpec):
+    return pytree.tree_unflatten(results, spec)
 
 
 def _delete(ptr: int) -> None:
@@ -341,7 +367,7 @@ def _adopt_outputs(outputs: ctypes.Array, n: int) -> list[torch.Tensor]:
             ptr = outputs[i]
             capsule = _capsule_new(ptr, ctypes.addressof(_CAPSULE_NAME), None)
             try:
-                results.append(torch.from_dlpack(capsule))
+                results.append(_from_capsule(capsule))
             finally:
                 if _capsule_name(capsule) == _USED_NAME:
                     outputs[i] = None  # torch owns it now

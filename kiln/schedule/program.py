@@ -150,7 +150,7 @@ def unbacked_bounds(steps) -> tuple[tuple[str, sympy.Expr], ...]:
     out: list[tuple[str, sympy.Expr]] = []
     for s in steps:
         if isinstance(s, (L.AtenCall, L.ReadSize)):
-            for _, name, bound in s.binds:
+            for _, name, bound in (s.all_binds() if isinstance(s, L.AtenCall) else s.binds):
                 subs = {unbacked_symbol(n): b for n, b in out}
                 out.append((name, sympy.sympify(bound).subs(subs)))
     return tuple(out)
