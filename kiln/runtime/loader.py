@@ -160,6 +160,8 @@ class Runner:
             raise PackageError(f"package '{self._path}': out_spec has {self._out_spec.num_leaves}"
                                f" leaves, the model {self._n_out} outputs")
         self._unflatten = _output_builder(self._out_spec)
+        self._inputs_t = ctypes.POINTER(dl.DLTensor) * max(self._n_in, 1)
+        self._outputs_t = ctypes.c_void_p * max(self._n_out, 1)
 
     @property
     def manifest(self) -> dict[str, Any]:
@@ -236,6 +238,8 @@ class Runner:
 
     def _drop_constants(self, flat: list[Any]) -> list[Any]:
         """Scalars the export specialised: check each equals the exported value, then drop it."""
+        if not self._constants:
+            return flat
         for k, c in self._constants.items():
             got, want = flat[k], c["value"]
             if type(got) is not type(want) or got != want:
@@ -315,9 +319,8 @@ class Runner:
         for k in self._int_inputs:
             flat[k] = self._int_tensor(k, flat[k])
         structs = [self._dltensor(i, t, keep) for i, t in enumerate(flat)]
-        inputs = (ctypes.POINTER(dl.DLTensor) * max(self._n_in, 1))(
-            *[ctypes.pointer(s) for s in structs])
-        outputs = (ctypes.c_void_p * max(self._n_out, 1))()
+        inputs = self._inputs_t(*[ctypes.pointer(s) for s in structs])
+        outputs = self._outputs_t()
         if self._device.type == "cuda":
             stream = (_raw_stream(self._device.index) if _raw_stream is not None else
                       torch.cuda.current_stream(self._device).cuda_stream)
