@@ -7,20 +7,7 @@ import statistics
 
 
 def events_ms(fn, repeat: int, warmup: int = 3) -> float:
-    import torch
-
-    for _ in range(warmup):
-        fn()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(repeat):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        fn()
-        b.record()
-        b.synchronize()
-        times.append(a.elapsed_time(b))
-    return statistics.median(times)
+    return stream_ms(fn, 1, repeat, warmup)
 
 
 def stream_ms(fn, calls: int, repeat: int, warmup: int = 3) -> float:
