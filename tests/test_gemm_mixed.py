@@ -156,31 +156,51 @@ def test_eager_meets_the_bound():
 # -- CPU packages -------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
-def test_cpu_package_keeps_int8_weights_and_matches(dtype, tmp_path):
-    model = QModel(dtype)
-    cm = kiln.compile(_export(model), options=Options(cache_dir=str(tmp_path / "cache")))
+class Both(torch.nn.Module):
+    """The float16 and the bfloat16 model in one package (one C++ build)."""
+
+    def __init__(self):
+        super().__init__()
+        self.h, self.bf = QModel(torch.float16), QModel(torch.bfloat16, seed=1)
+
+    def forward(self, x, x3, y, y3):
+        return self.h(x, x3) + self.bf(y, y3)
+
+
+def test_cpu_package_keeps_int8_weights_and_matches(tmp_path):
+    model = Both()
+    mdim = torch.export.Dim("m", min=1, max=256)
+    args = _inputs(torch.float16, 7) + _inputs(torch.bfloat16, 7)
+    ep = torch.export.export(model, args, dynamic_shapes=({0: mdim}, {1: mdim}, {0: mdim},
+                                                          {1: mdim}))
+    cm = kiln.compile(ep, options=Options(cache_dir=str(tmp_path / "cache")))
     path = cm.save(tmp_path / "m.kiln")
     stored = _stored_dtypes(path)
-    assert stored["b_wq"] == "I8" and stored["b_wq3"] == "I8", stored
-    assert not any(s.startswith("<folded") for s in stored), stored  # nothing widened
-    weights = {w["name"]: w for w in cm.manifest["weights"]}
-    assert weights["b_wq"]["nbytes"] == N * K  # one byte per element
+    weights = {w["fqn"]: w for w in cm.manifest["weights"]}
+    for sub in ("h", "bf"):
+        assert weights[f"{sub}.wq"]["dtype"] == "int8" and weights[f"{sub}.wq3"]["dtype"] == "int8"
+        assert weights[f"{sub}.wq"]["nbytes"] == N * K  # one byte per element
+        assert stored[weights[f"{sub}.wq"]["name"]] == "I8"
+    assert not any(w.startswith("<folded") for w in weights), weights  # nothing widened
     # the dequantised weights are computed once per run (one kernel each), then BLAS
     loop = cm.built.loop
+    ints = {b.name for b in loop.buffers if b.dtype.name == "int8"}
     deq = [n for n in loop.nodes if isinstance(n, L.Compute)
-           and any(ld.buf in ("b_wq", "b_wq3") for ld in L.loads(n.body))]
-    assert len(deq) == len(model.forms) and all(n.reduce is None for n in deq), deq
+           and any(ld.buf in ints for ld in L.loads(n.body))]
+    assert len(deq) == 2 * len(QModel.FORMS) and all(n.reduce is None for n in deq), deq
     r = kiln.load(path)
     for m in (7, 1, 33):  # a dynamic M
-        args = _inputs(dtype, m, seed=m)
-        _check(r(*args), model, args, f"cpu m={m}")
+        xs = _inputs(torch.float16, m, seed=m) + _inputs(torch.bfloat16, m, seed=m + 1)
+        outs = r(*xs)
+        n = len(QModel.FORMS)
+        _check(outs[:n], model.h, xs[:2], f"cpu float16 m={m}")
+        _check(outs[n:], model.bf, xs[2:], f"cpu bfloat16 m={m}")
 
 
 # -- CUDA: the pass and lowering, checked by the Loop IR interpreter ----------------------
 
 
-def _lowered(model, forms_args):
+def _lowered(model):
     ep = _export(model)
     imp = import_program(ep, cuda=True)
     graph = mixed_gemms(dce(imp.graph))
@@ -190,12 +210,13 @@ def _lowered(model, forms_args):
 def _interp(prog, graph, weights, args):
     feeds = {i.name: a.numpy() for i, a in zip(graph.user_inputs, args)}
     feeds.update({k: v.numpy() for k, v in weights.items()})
-    return [torch.from_numpy(np.asarray(o)) for o in run_loop(prog, feeds, {"s0": args[0].shape[0]})]
+    outs = run_loop(prog, feeds, {"s0": args[0].shape[0]})
+    return [torch.from_numpy(np.array(o)) for o in outs]
 
 
 def test_pass_makes_mixed_gemms_that_compute_the_model():
     model = QModel(torch.float16)
-    graph, prog, weights = _lowered(model, None)
+    graph, prog, weights = _lowered(model)
     gemms = [n for n in prog.nodes if isinstance(n, L.Gemm)]
     assert len(gemms) == 5 and all(g.mixed is not None for g in gemms)
     sides = {g.source[0]: (g.mixed.side, g.mixed.qdtype.name) for g in gemms}
@@ -220,7 +241,7 @@ def test_pass_makes_mixed_gemms_that_compute_the_model():
 
 def test_scale_along_k_and_other_patterns_keep_the_present_path():
     model = QModel(torch.float16, forms=("k_scale", "linear_relu"))
-    graph, prog, weights = _lowered(model, None)
+    graph, prog, weights = _lowered(model)
     gemms = {g.source[0]: g for g in prog.nodes if isinstance(g, L.Gemm)}
     assert [g.mixed is None for g in gemms.values()] == [True, False]
     args = _inputs(torch.float16, 11)
@@ -234,9 +255,17 @@ def _cuda_opts(tmp_path, backends=("blas", "triton", "cutlass"), **kw):
     return Options(cuda_archs=(90,), gemm_backends=backends, cache_dir=str(tmp_path), **kw)
 
 
-def test_cuda_package_links_the_int8_template(tmp_path):
-    model = QModel(torch.float16)
-    cm = kiln.compile(_export(model), device="cuda", options=_cuda_opts(tmp_path))
+@pytest.fixture(scope="module")
+def cuda_build(tmp_path_factory):
+    """(cache dir, compiled model) of QModel(float16) for CUDA with the default backends."""
+    pytest.importorskip("triton")
+    cache = tmp_path_factory.mktemp("cuda")
+    return cache, kiln.compile(_export(QModel(torch.float16)), device="cuda",
+                               options=_cuda_opts(cache))
+
+
+def test_cuda_package_links_the_int8_template(cuda_build, tmp_path):
+    _, cm = cuda_build
     gk = [k for k in cm.manifest["kernels"] if k["kind"] == "triton_gemm"]
     assert len(gk) == 5, cm.manifest["kernels"]
     assert all(k["gemm"]["backend"] == "triton" and "mixed=" in k["gemm"]["problem"]
@@ -260,6 +289,7 @@ def test_cuda_package_links_the_int8_template(tmp_path):
 def test_cuda_without_triton_materialises_the_weight(tmp_path):
     """cuBLAS only: the present path, a kiln kernel writes the float16 weight per run into
     the arena and cuBLAS multiplies it."""
+    pytest.importorskip("triton")
     model = QModel(torch.float16, forms=("linear_relu",))
     cm = kiln.compile(_export(model), device="cuda", options=_cuda_opts(tmp_path, ("blas",)))
     (g,) = [s for s in cm.built.loop.nodes if isinstance(s, L.Gemm)]
@@ -284,7 +314,7 @@ _INTERP = textwrap.dedent("""
     bufs = {x.name: x for x in b.loop.buffers}
     ks = {s.name: print_gemm_kernel(s, bufs) if isinstance(s, GemmKernel) else
           print_triton_kernel(s, bufs, hints, choose_config(s, hints)) for s in b.steps}
-    for m in (5, 37):
+    for m in (37, 2):  # not the example size, nor a multiple of a block
         args = _inputs(torch.float16, m, seed=m)
         outs = run_program(b.program, ks, mod, b.weights, list(args))
         outs = [o.reshape(r.shape) for o, r in zip(outs, model(*args))]
@@ -293,12 +323,26 @@ _INTERP = textwrap.dedent("""
 """)
 
 
-def test_template_kernels_match_eager_in_triton_interpreter(tmp_path):
-    pytest.importorskip("triton")
-    kiln.compile(_export(QModel(torch.float16)), device="cuda", options=_cuda_opts(tmp_path))
+def test_template_kernels_match_eager_in_triton_interpreter(cuda_build):
+    """The package's Triton kernels (the GEMM template specialised to each mixed GEMM, with
+    its epilogue) in Triton's interpreter, in a child process (TRITON_INTERPRET must hold
+    when Triton is imported); its compile finds the cubins the fixture built in the cache."""
+    cache, _ = cuda_build
     env = {**os.environ, "TRITON_INTERPRET": "1",
            "PYTHONPATH": os.pathsep.join([os.getcwd(), os.environ.get("PYTHONPATH", "")])}
     out = subprocess.run([sys.executable, "-c", _INTERP, os.path.dirname(__file__),
-                          str(tmp_path)], env=env, capture_output=True, text=True, timeout=600)
+                          str(cache)], env=env, capture_output=True, text=True, timeout=600)
     assert out.returncode == 0 and "ALL OK" in out.stdout, out.stdout[-2000:] + \
         out.stderr[-3000:]
+
+
+def test_profiled_template_compiles_with_int8_operand(tmp_path):
+    """The standalone template that max_autotune times (autotune/gpu.py), B int8 with a
+    column scale, compiles to cubin; the int8 pointer and the conversion are in its IR."""
+    pytest.importorskip("triton")
+    from kiln.autotune import triton_gemm as T
+    k = T.compile_cubin(T.TritonConfig(64, 64, 32, 8, 3, 4), "float16", quant="b", scale=True,
+                        cache=tmp_path)
+    assert bytes(k.asm["cubin"])[:4] == b"\x7fELF"
+    ttir = k.asm["ttir"]
+    assert "!tt.ptr<i8>" in ttir and "arith.sitofp" in ttir, ttir[:2000]
