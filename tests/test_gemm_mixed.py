@@ -346,3 +346,73 @@ def test_profiled_template_compiles_with_int8_operand(tmp_path):
     assert bytes(k.asm["cubin"])[:4] == b"\x7fELF"
     ttir = k.asm["ttir"]
     assert "!tt.ptr<i8>" in ttir and "arith.sitofp" in ttir, ttir[:2000]
+
+
+# -- GPU ----------------------------------------------------------------------------------
+
+gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+
+
+def _gpu_run(model, tmp_path, ms=(1, 7, 37, 200), **opts):
+    """Compile `model` for CUDA, run it on the GPU at several M, check every output against
+    the float64 bound; returns the manifest."""
+    cm = kiln.compile(_export(model), device="cuda",
+                      options=Options(cache_dir=str(tmp_path / "cache"), **opts))
+    r = kiln.load(cm.save(tmp_path / "m.kiln"), device="cuda:0")
+    dt = model.s.dtype
+    for m in ms:
+        args = _inputs(dt, m, seed=m)
+        outs = r(*[a.cuda() for a in args])
+        _check([o.cpu() for o in outs], model, args, f"gpu {dt} m={m}")
+    return cm.manifest
+
+
+@pytest.mark.gpu
+@gpu
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
+def test_gpu_mixed_package_matches_reference(dtype, tmp_path):
+    man = _gpu_run(QModel(dtype), tmp_path)
+    gk = [k for k in man["kernels"] if k["kind"] == "triton_gemm"]
+    assert len(gk) == 5 and all("mixed=" in k["gemm"]["problem"] for k in gk)
+
+
+@pytest.mark.gpu
+@gpu
+def test_gpu_mixed_max_autotune_profiles_int8_template(tmp_path):
+    man = _gpu_run(QModel(torch.float16, forms=("linear_relu", "bmm")), tmp_path, (5, 130),
+                   max_autotune=True)
+    gk = [k for k in man["kernels"] if k["kind"] == "triton_gemm"]
+    assert len(gk) == 2 and all(k["gemm"]["how"] == "profiled" for k in gk), gk
+    assert all(not k["gemm"]["dropped"] for k in gk), gk  # every config gave the right answer
+
+
+@pytest.mark.gpu
+@gpu
+def test_gpu_cublas_only_materialises_the_weight(tmp_path):
+    man = _gpu_run(QModel(torch.bfloat16, forms=("linear_relu", "post_scale_bias", "a_side")),
+                   tmp_path, (3, 64), gemm_backends=("blas",))
+    assert not [k for k in man["kernels"] if k["kind"] == "triton_gemm"]
+
+
+@pytest.mark.gpu
+@gpu
+@pytest.mark.parametrize("shape", [(16, 4096, 4096), (300, 136, 520), (1, 64, 1024)])
+def test_gpu_standalone_template_with_int8_b(shape, tmp_path):
+    """The template max_autotune times (autotune/gpu.py), B int8 + a column scale."""
+    from kiln.autotune import gpu as G
+    from kiln.autotune import triton_gemm as T
+    from kiln.toolchain.triton_aot import import_module
+    m, n, k = shape
+    kern = import_module(T.SOURCE, tmp_path).kiln_gemm
+    g = torch.Generator(device="cuda").manual_seed(m + n + k)
+    a = torch.randn(m, k, device="cuda", generator=g).half()
+    q = torch.randint(-128, 128, (n, k), device="cuda", dtype=torch.int8, generator=g).t()
+    s = (torch.rand(n, device="cuda", generator=g) / 64).half()
+    want = (a.double() @ q.double()) * s.double()
+    tol = (3 * 2.0 ** -11 + k * 2.0 ** -24) * (a.double().abs() @ q.double().abs()) * s.double()
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    for cfg in T.config_space(m, n, k)[:3]:
+        c = torch.empty(m, n, device="cuda", dtype=torch.float16)
+        G._triton(kern, a, q, c, cfg, sms, "b", s)
+        torch.cuda.synchronize()
+        assert ((c.double() - want).abs() <= tol).all(), cfg.name
