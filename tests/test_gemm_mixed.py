@@ -80,6 +80,11 @@ class QModel(torch.nn.Module):
                 out.append((self.wq.to(dt) * self.s[:, None]) @ x.t())
             elif f == "k_scale":  # a scale along K: not a scale of the output (fallback)
                 out.append(x @ (self.wq.to(dt) * self.sk).t())
+            elif f == "bmm_expand":  # one weight for every batch entry, through expand
+                w = (self.wq.to(dt) * self.s[:, None]).t()
+                out.append(torch.bmm(x3, w.expand(BATCH, K, N)))
+            elif f == "both_sides":  # B scaled along K (materialised), A per row (mixed)
+                out.append((self.wq.to(dt) * self.s[:, None]) @ (self.wq.to(dt) * self.sk).t())
         return tuple(out)
 
     def reference(self, x, x3):
@@ -107,6 +112,11 @@ class QModel(torch.nn.Module):
             elif f == "k_scale":
                 wk = (self.wq.to(dt) * self.sk).double()
                 refs.append((xd @ wk.t(), xd.abs() @ wk.abs().t(), 0.0))
+            elif f == "bmm_expand":
+                refs.append((x3d @ w.t(), x3d.abs() @ w.abs().t(), 0.0))
+            elif f == "both_sides":
+                wk = (self.wq.to(dt) * self.sk).double()
+                refs.append((w @ wk.t(), w.abs() @ wk.abs().t(), 0.0))
         return [(r, (3 * u + K * 2.0 ** -24) * mag + 2 * u * bias + 1e-30)
                 for r, mag, bias in refs]
 
@@ -246,6 +256,18 @@ def test_scale_along_k_and_other_patterns_keep_the_present_path():
     assert [g.mixed is None for g in gemms.values()] == [True, False]
     args = _inputs(torch.float16, 11)
     _check(_interp(prog, graph, weights, args), model, args, "interp k_scale")
+
+
+def test_expanded_weight_and_second_operand():
+    model = QModel(torch.float16, forms=("bmm_expand", "both_sides"))
+    graph, prog, weights = _lowered(model)
+    g1, g2 = [g for g in prog.nodes if isinstance(g, L.Gemm)]
+    assert g1.mixed.side == "b" and g1.b.buf == "b_wq" and g1.b.batch_strides == (0,)
+    assert g1.mixed.scale.batch_strides == (0,) and g1.mixed.scale.rows == 0
+    assert g2.mixed.side == "a" and g2.a.buf == "b_wq" and g2.mixed.scale.cols == 0
+    assert prog.buffer(g2.b.buf).dtype.name == "float16"  # B scaled along K: materialised
+    args = _inputs(torch.float16, 6)
+    _check(_interp(prog, graph, weights, args), model, args, "interp expand / both")
 
 
 # -- CUDA packages (compiled here, no GPU) ------------------------------------------------

@@ -106,41 +106,47 @@ def _scale_view(emit, mm: Node, scale: str, rank: int, views, types) -> tuple:
     return scale, shape
 
 
+def _rewrite(emit, n: Node, side: str, found, types) -> bool:
+    """Emit `n` as a mixed GEMM reading the int8 tensor on `side`; False (nothing emitted)
+    when the scale varies along K."""
+    q, scale, views, rank = found
+    k = 1 if side == "b" else 0
+    src = n.source or n.name
+    before = len(emit.nodes)
+    ins = []
+    if scale is not None:
+        scale, shape = _scale_view(emit, n, scale, rank, views, types)
+        kdim = -2 if side == "b" else -1  # the operand's K dim
+        if len(shape) != len(types[n.inputs[k]].shape) or not _one(shape[kdim]):
+            del emit.nodes[before:]  # not a scale of the output
+            return False
+        ins = [scale]
+    qv = q
+    for v in reversed(views):
+        qv = emit(f"{n.name}_q", v.op, [qv], TensorType(types[q].dtype, types[v.name].shape),
+                  v.attrs, src)
+    ops = [n.inputs[0], qv] if side == "b" else [qv, n.inputs[1]]
+    emit.nodes.append(replace(n, op="mixed_mm", inputs=tuple(ops + ins),
+                              attrs=(("side", side), ("scaled", scale is not None))))
+    return True
+
+
 def mixed_gemms(g: Graph) -> Graph:
     types = g.types()
     prod = {n.name: n for n in g.nodes}
     emit = _Emit(g)
     changed = False
     for n in g.nodes:
-        found = None
+        done = False
         if n.op == "matmul" and len(n.inputs) == 2 and n.type.dtype.name in GEMM_DTYPES:
             for side, k in (("b", 1), ("a", 0)):
                 found = _match(n.inputs[k], n.type.dtype, prod, types)
-                if found is not None:
+                if found is not None and _rewrite(emit, n, side, found, types):
+                    done = True
                     break
-        if found is None:
+        if not done:
             emit.nodes.append(n)
-            continue
-        q, scale, views, rank = found
-        src = n.source or n.name
-        kdim = -2 if side == "b" else -1  # the K dim of the operand
-        ins = []
-        if scale is not None:
-            before = len(emit.nodes)
-            scale, shape = _scale_view(emit, n, scale, rank, views, types)
-            if len(shape) != len(types[n.inputs[k]].shape) or not _one(shape[kdim]):
-                del emit.nodes[before:]  # varies along K: not a scale of the output
-                emit.nodes.append(n)
-                continue
-            ins = [scale]
-        qv = q
-        for v in reversed(views):
-            qv = emit(f"{n.name}_q", v.op, [qv],
-                      TensorType(types[q].dtype, types[v.name].shape), v.attrs, src)
-        ops = [n.inputs[0], qv] if side == "b" else [qv, n.inputs[1]]
-        emit.nodes.append(replace(n, op="mixed_mm", inputs=tuple(ops + ins),
-                                  attrs=(("side", side), ("scaled", scale is not None))))
-        changed = True
+        changed = changed or done
     if not changed:
         return g
     return dce(replace(g, nodes=tuple(emit.nodes)))
