@@ -270,6 +270,23 @@ def test_expanded_weight_and_second_operand():
     _check(_interp(prog, graph, weights, args), model, args, "interp expand / both")
 
 
+def test_autotune_problem_and_backends():
+    """Mixed GEMMs have their own cache key (plain keys are those recorded before) and only
+    the Triton template is eligible."""
+    from dataclasses import replace
+
+    from kiln.autotune import gpu as G
+    from kiln.autotune.problem import GemmProblem
+    plain = GemmProblem("float16", (), 8, 64, 32, "n", "t", 8)
+    assert plain.key("cuda:sm_90") == "655ab14e2fb30c0329b9cdec"  # as before mixed GEMMs
+    mixed = replace(plain, mixed="b:int8:scaled")
+    assert mixed.key("cuda:sm_90") != plain.key("cuda:sm_90")
+    assert "mixed=b:int8:scaled" in mixed.describe()
+    opts = Options(cuda_archs=(90,))
+    assert G.eligible(mixed, ("blas", "triton", "cutlass"), opts) == ["triton"]
+    assert G.eligible(mixed, ("blas",), opts) == []
+
+
 # -- CUDA packages (compiled here, no GPU) ------------------------------------------------
 
 
