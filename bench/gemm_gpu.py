@@ -38,7 +38,8 @@ def _kernel(cache):
     return import_module(T.SOURCE, Path(cache)).kiln_gemm
 
 
-def triton_call(kern, a, b, c, cfg, bias=None, act="none", res=None, scale=1.0, sms=132):
+def triton_call(kern, a, b, c, cfg, bias=None, act="none", res=None, scale=1.0, sms=132,
+                quant="", col_scale=None):
     M, K = a.shape
     N = b.shape[1]
     tiles = triton.cdiv(M, cfg.block_m) * triton.cdiv(N, cfg.block_n)
@@ -48,8 +49,10 @@ def triton_call(kern, a, b, c, cfg, bias=None, act="none", res=None, scale=1.0, 
     bsm, bsn = (0, bb.stride(0)) if bias is not None and bias.dim() == 1 else \
         (bb.stride(0), bb.stride(1))
     kern[grid](a, b, c, bb, rr, M, N, K, a.stride(0), a.stride(1), b.stride(0), b.stride(1),
-               c.stride(0), c.stride(1), bsm, bsn, rr.stride(0), rr.stride(1), scale, sms,
-               **T.constexprs(cfg, bias is not None, act, res is not None),
+               c.stride(0), c.stride(1), bsm, bsn, rr.stride(0), rr.stride(1), scale,
+               c if col_scale is None else col_scale, 0, 1, sms,
+               **T.constexprs(cfg, bias is not None, act, res is not None, quant,
+                              col_scale is not None),
                num_warps=cfg.num_warps, num_stages=cfg.num_stages)
 
 

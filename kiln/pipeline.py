@@ -31,6 +31,7 @@ from kiln.options import Options
 from kiln.passes.dce import dce
 from kiln.passes.freeze import freeze
 from kiln.passes.lowp_cpu import expand_lowp
+from kiln.passes.mixed_gemm import mixed_gemms
 from kiln.passes.widen_half import widen_half
 from kiln.schedule import Kernel, localize_rows, schedule
 from kiln.schedule.program import build_program, unbacked_bounds
@@ -169,6 +170,11 @@ def build(ep: torch.export.ExportedProgram, opts: Options, device: str = "cpu") 
         graph = run.stage("expand_lowp", expand_lowp, graph, dump=print_graph,
                           verify=verify_graph)
         graph = run.stage("widen_half", widen_half, graph, dump=print_graph, verify=verify_graph)
+    # 2c. CUDA: GEMMs of int8 tensors converted to float read the int8 tensor (the Triton
+    # template converts tiles as it loads them; cuBLAS has no float16 x int8 GEMM)
+    if cuda and "triton" in opts.gemm_backends:
+        graph = run.stage("mixed_gemm", mixed_gemms, graph, dump=print_graph,
+                          verify=verify_graph)
     # 3. Graph IR -> Loop IR (views become index maps; pointwise producers inline)
     loop = run.stage("lower", lower, graph, dump=print_loop, verify=verify_loop)
     # 4. Loop IR -> kernels (fusion by shared outer loops)

@@ -53,6 +53,8 @@ def _cutlass_ok(problem: GemmProblem, opts) -> bool:
 
 
 def eligible(problem: GemmProblem, allowed, opts) -> list[str]:
+    if problem.mixed:  # int8 x float: the Triton template converts tiles as it loads them
+        return [b for b in allowed if b == "triton" and problem.dtype in TRITON_DTYPES]
     out = []
     for b in allowed:
         if b == "blas" or (b == "triton" and problem.dtype in TRITON_DTYPES) or \
@@ -120,7 +122,8 @@ def profile(problem: GemmProblem, sizes, cands, timeout_s: float
     todo = list(cands)
     while todo:
         spec = {"dtype": problem.dtype, "sizes": list(sizes), "layout_a": problem.layout_a,
-                "layout_b": problem.layout_b, "cands": [[n, b, c] for n, b, c in todo]}
+                "layout_b": problem.layout_b, "mixed": problem.mixed,
+                "cands": [[n, b, c] for n, b, c in todo]}
         try:
             proc = subprocess.run([sys.executable, "-m", "kiln.autotune.gpu", json.dumps(spec)],
                                   capture_output=True, text=True,
@@ -161,13 +164,26 @@ def _child(spec: dict) -> None:
     dt = getattr(torch, spec["dtype"])
     nb, m, n, k = spec["sizes"]
     g = torch.Generator(device="cuda").manual_seed(0)
-    a = torch.randn(max(nb, 1), m, k, device="cuda", dtype=dt, generator=g)
-    if spec["layout_a"] == "t":
-        a = a.transpose(1, 2).contiguous().transpose(1, 2)
-    b = torch.randn(max(nb, 1), k, n, device="cuda", dtype=dt, generator=g)
-    if spec["layout_b"] == "t":
-        b = b.transpose(1, 2).contiguous().transpose(1, 2)
+    mixed = spec.get("mixed", "").split(":") if spec.get("mixed") else ["", "", ""]
+    quant, scaled = mixed[0], mixed[-1] == "scaled"
+
+    def operand(rows, cols, side):
+        if side == quant:  # int8 / uint8 integers (mixed-dtype GEMM)
+            qt = getattr(torch, mixed[1])
+            info = torch.iinfo(qt)
+            x = torch.randint(info.min, info.max + 1, (max(nb, 1), rows, cols), device="cuda",
+                              dtype=qt, generator=g)
+        else:
+            x = torch.randn(max(nb, 1), rows, cols, device="cuda", dtype=dt, generator=g)
+        if spec[f"layout_{side}"] == "t":
+            x = x.transpose(1, 2).contiguous().transpose(1, 2)
+        return x
+    a, b = operand(m, k, "a"), operand(k, n, "b")
+    # a per-column scale of the size that keeps results of order 1
+    scale = (torch.rand(n, device="cuda", generator=g) / 64).to(dt) if scaled else None
     want = torch.matmul(a.float(), b.float())
+    if scale is not None:
+        want = want * scale.float()
     tol = (2e-2 if dt != torch.float32 else 1e-4) * max(1.0, k ** 0.5) * \
         max(1.0, float(want.abs().max()) ** 0.5)
     c = torch.empty(max(nb, 1), m, n, device="cuda", dtype=dt)
@@ -187,7 +203,7 @@ def _child(spec: dict) -> None:
 
                 def run(tc=tc):
                     for i in range(max(nb, 1)):
-                        _triton(kern, a[i], b[i], c[i], tc, sms)
+                        _triton(kern, a[i], b[i], c[i], tc, sms, quant, scale)
             else:
                 lib = ctypes.CDLL(cfg["so"])
                 f = lib.kiln_cutlass_run
@@ -234,14 +250,16 @@ def _graphed(run):
         return run
 
 
-def _triton(kern, a, b, c, cfg: T.TritonConfig, sms: int) -> None:
+def _triton(kern, a, b, c, cfg: T.TritonConfig, sms: int, quant: str = "", scale=None) -> None:
+    """C = A @ B (`quant`: which operand is int8); `scale`: a per-column vector over N."""
     M, K = a.shape
     N = b.shape[1]
     tiles = -(-M // cfg.block_m) * -(-N // cfg.block_n)
     kern[(min(sms, tiles),)](a, b, c, c, c, M, N, K, a.stride(0), a.stride(1), b.stride(0),
-                             b.stride(1), c.stride(0), c.stride(1), 0, 0, 0, 0, 0.0, sms,
-                             **T.constexprs(cfg), num_warps=cfg.num_warps,
-                             num_stages=cfg.num_stages)
+                             b.stride(1), c.stride(0), c.stride(1), 0, 0, 0, 0, 0.0,
+                             c if scale is None else scale, 0, 0 if scale is None else 1, sms,
+                             **T.constexprs(cfg, quant=quant, scale=scale is not None),
+                             num_warps=cfg.num_warps, num_stages=cfg.num_stages)
 
 
 if __name__ == "__main__":

@@ -30,9 +30,14 @@ class GemmProblem:
     alignment: int  # of the A and B operands
     epilogue: str = ""  # "" when the epilogue stays in a separate kernel
     alignment_out: int = 16  # of the output (its row length N)
+    # mixed dtypes: "<side>:<int dtype>[:scaled]" (the operand holding integers), "" if none
+    mixed: str = ""
 
     def key(self, device: str) -> str:
-        text = json.dumps({"problem": asdict(self), "device": device}, sort_keys=True)
+        fields = asdict(self)
+        if not self.mixed:  # keys of plain GEMMs are those recorded before the field existed
+            del fields["mixed"]
+        text = json.dumps({"problem": fields, "device": device}, sort_keys=True)
         return hashlib.sha256(text.encode()).hexdigest()[:24]
 
     def describe(self) -> str:
@@ -40,7 +45,8 @@ class GemmProblem:
         return (f"{self.dtype} {b + ' x ' if b else ''}{_fmt(self.m)}x{_fmt(self.n)}x"
                 f"{_fmt(self.k)} {self.layout_a}{self.layout_b} align={self.alignment}"
                 f"{' out_align=' + str(self.alignment_out) if self.alignment_out < 16 else ''}"
-                f"{' +' + self.epilogue if self.epilogue else ''}")
+                f"{' +' + self.epilogue if self.epilogue else ''}"
+                f"{' mixed=' + self.mixed if self.mixed else ''}")
 
 
 def _fmt(v) -> str:
@@ -78,7 +84,10 @@ def problem_of(g: L.Gemm, ranges: dict[str, tuple[int, int]], epilogue: str = ""
     la, lb = layout(g.a.rows, g.a.cols), layout(g.b.rows, g.b.cols)
     lda = g.a.rows if la == "n" else g.a.cols
     ldb = g.b.rows if lb == "n" else g.b.cols
+    mx = g.mixed
+    mixed = "" if mx is None else f"{mx.side}:{mx.qdtype.name}" + (
+        ":scaled" if mx.scale is not None else "")
     return GemmProblem(g.dtype.name, tuple(_size(b, ranges) for b in g.batch),
                        _size(g.m, ranges), _size(g.n, ranges), _size(g.k, ranges), la, lb,
                        _alignment([g.a.offset, g.b.offset, lda, ldb]), epilogue,
-                       _alignment([g.n]))
+                       _alignment([g.n]), mixed)

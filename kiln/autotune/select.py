@@ -169,6 +169,10 @@ def _choose_cuda(g: L.Gemm, problem: GemmProblem, sizes, allowed, opts: Options,
                  ) -> Choice:
     from kiln.autotune import gpu
     backends = gpu.eligible(problem, allowed, opts)
+    if not backends and problem.mixed:
+        raise UnsupportedError(
+            f"GEMM {g.name} ({', '.join(g.source)}, {problem.describe()}): a mixed-dtype GEMM "
+            f"runs on the Triton template only; Options.gemm_backends={tuple(allowed)!r}")
     if not backends:
         raise UnsupportedError(
             f"GEMM {g.name} ({', '.join(g.source)}, {problem.describe()}): none of "

@@ -5,7 +5,10 @@ C[M, N] = epilogue(A[M, K] @ B[K, N]) with arbitrary strides for A, B and C; acc
 float32, the result cast to C's element type. Epilogues (constexpr switches, so each variant
 compiles to its own kernel): bias (a row vector over N, or a full [M, N] tensor with strides),
 activation (relu, relu6 = clamp(0, 6), gelu (erf form), or none), and a scaled residual add
-(`C = act(A @ B + bias) + alpha * R`). Loads use masks at the edges, so every config is valid for
+(`C = act(A @ B + bias) + alpha * R`). Mixed dtypes (`QUANT`): A (1) or B (2) holds int8
+integers, converted to the other operand's float type as each tile is loaded, and the
+accumulator is multiplied by a scale (`HAS_SCALE`, strided over [M, N]: a per-column vector has
+stride_sm = 0) before the bias. Loads use masks at the edges, so every config is valid for
 every size: candidates stay valid over a whole Dim range.
 
 Tensor-memory-accelerator loads are not used: Triton 3.6's device-side descriptors
@@ -27,10 +30,11 @@ import triton.language as tl
 @triton.jit
 def kiln_gemm(a_ptr, b_ptr, c_ptr, bias_ptr, res_ptr, M, N, K,
               stride_am, stride_ak, stride_bk, stride_bn, stride_cm, stride_cn,
-              stride_bias_m, stride_bias_n, stride_rm, stride_rn, res_scale, NUM_SMS,
+              stride_bias_m, stride_bias_n, stride_rm, stride_rn, res_scale, scale_ptr,
+              stride_sm, stride_sn, NUM_SMS,
               BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
               GROUP_M: tl.constexpr, HAS_BIAS: tl.constexpr, ACT: tl.constexpr,
-              HAS_RES: tl.constexpr):
+              HAS_RES: tl.constexpr, QUANT: tl.constexpr, HAS_SCALE: tl.constexpr):
     # persistent: program `pid` computes tiles pid, pid + NUM_SMS, ... in grouped order
     pid = tl.program_id(0)
     num_m = tl.cdiv(M, BLOCK_M)
@@ -53,8 +57,15 @@ def kiln_gemm(a_ptr, b_ptr, c_ptr, bias_ptr, res_ptr, M, N, K,
                         mask=(rm[:, None] < M) & (kk[None, :] < K), other=0.0)
             b = tl.load(b_ptr + kk[:, None] * stride_bk + rn[None, :] * stride_bn,
                         mask=(kk[:, None] < K) & (rn[None, :] < N), other=0.0)
+            if QUANT == 1:
+                a = a.to(b.dtype)
+            elif QUANT == 2:
+                b = b.to(a.dtype)
             acc = tl.dot(a, b, acc)
         mask = (rm[:, None] < M) & (rn[None, :] < N)
+        if HAS_SCALE:
+            acc *= tl.load(scale_ptr + rm[:, None] * stride_sm + rn[None, :] * stride_sn,
+                           mask=mask, other=0.0).to(tl.float32)
         if HAS_BIAS:
             acc += tl.load(bias_ptr + rm[:, None] * stride_bias_m + rn[None, :] * stride_bias_n,
                            mask=mask, other=0.0).to(tl.float32)
@@ -105,29 +116,36 @@ def config_space(m: int, n: int, k: int) -> list[TritonConfig]:
 _TL = {"float16": "fp16", "bfloat16": "bf16", "float32": "fp32"}
 
 
-def signature(dtype: str, out_dtype: str | None = None) -> dict[str, str]:
+QUANT = {"": 0, "a": 1, "b": 2}  # which operand holds int8 integers (mixed-dtype GEMMs)
+
+
+def signature(dtype: str, out_dtype: str | None = None, quant: str = "") -> dict[str, str]:
     t, o = _TL[dtype], _TL[out_dtype or dtype]
-    sig = {"a_ptr": f"*{t}", "b_ptr": f"*{t}", "c_ptr": f"*{o}", "bias_ptr": f"*{o}",
-           "res_ptr": f"*{o}"}
+    sig = {"a_ptr": "*i8" if quant == "a" else f"*{t}", "b_ptr": "*i8" if quant == "b" else
+           f"*{t}", "c_ptr": f"*{o}", "bias_ptr": f"*{o}", "res_ptr": f"*{o}"}
     for n in ("M", "N", "K", "stride_am", "stride_ak", "stride_bk", "stride_bn", "stride_cm",
               "stride_cn", "stride_bias_m", "stride_bias_n", "stride_rm", "stride_rn"):
         sig[n] = "i32"
     sig["res_scale"] = "fp32"
+    sig["scale_ptr"] = f"*{t}"
+    sig["stride_sm"] = sig["stride_sn"] = "i32"
     sig["NUM_SMS"] = "i32"
-    for n in ("BLOCK_M", "BLOCK_N", "BLOCK_K", "GROUP_M", "HAS_BIAS", "ACT", "HAS_RES"):
+    for n in ("BLOCK_M", "BLOCK_N", "BLOCK_K", "GROUP_M", "HAS_BIAS", "ACT", "HAS_RES", "QUANT",
+              "HAS_SCALE"):
         sig[n] = "constexpr"
     return sig
 
 
 def constexprs(cfg: TritonConfig, bias: bool = False, act: str = "none",
-               residual: bool = False) -> dict[str, int]:
+               residual: bool = False, quant: str = "", scale: bool = False) -> dict[str, int]:
     return {"BLOCK_M": cfg.block_m, "BLOCK_N": cfg.block_n, "BLOCK_K": cfg.block_k,
             "GROUP_M": cfg.group_m, "HAS_BIAS": int(bias), "ACT": ACTIVATIONS[act],
-            "HAS_RES": int(residual)}
+            "HAS_RES": int(residual), "QUANT": QUANT[quant], "HAS_SCALE": int(scale)}
 
 
 def compile_cubin(cfg: TritonConfig, dtype: str, arch: int = 90, *, bias: bool = False,
-                  act: str = "none", residual: bool = False, cache=None):
+                  act: str = "none", residual: bool = False, quant: str = "",
+                  scale: bool = False, cache=None):
     """The template for one config and epilogue, compiled ahead of time for `arch`: returns
     Triton's compiled kernel (`.asm["cubin"]`, `.metadata`). No GPU needed."""
     import triton
@@ -136,8 +154,8 @@ def compile_cubin(cfg: TritonConfig, dtype: str, arch: int = 90, *, bias: bool =
     from kiln.toolchain.triton_aot import import_module
     from pathlib import Path
     mod = import_module(SOURCE, Path(cache) if cache else Path("/tmp/kiln_triton_gemm"))
-    sig = signature(dtype)
-    cx = constexprs(cfg, bias, act, residual)
+    sig = signature(dtype, quant=quant)
+    cx = constexprs(cfg, bias, act, residual, quant, scale)
     names = list(sig)
     attrs = {(names.index(n),): [["tt.divisibility", 16]] for n in sig if sig[n].startswith("*")}
     src = triton.compiler.ASTSource(fn=mod.kiln_gemm, signature=sig,

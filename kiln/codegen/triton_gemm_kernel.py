@@ -51,6 +51,20 @@ def _epilogue_names(g: L.Gemm, epi: L.Compute, flat: sympy.Expr) -> dict[str, st
     return {f"i{d}": f"({to_tl(e)})" for d, e in enumerate(unravel(flat, epi.shape))}
 
 
+def _scale_lines(sc: L.Operand, start: str, p: str) -> list[str]:
+    """The accumulator times the mixed GEMM's scale, loaded once per tile as what it is: a
+    [1, BLOCK_N] row (per output column), a [BLOCK_M, 1] column, a scalar or a full tile."""
+    idx, masks = [], []
+    for var, stride, bound in (("i_m", sc.rows, "M"), ("i_n", sc.cols, "N")):
+        if sympy.sympify(stride) != 0:
+            idx.append(f"{var} * {to_tl(stride)}")
+            masks.append(f"({var} < {bound})")
+    ptr = f"buf_{sc.buf} + {start}" + "".join(f" + {x}" for x in idx)
+    load = f"tl.load({ptr}, mask={' & '.join(masks)}, other=0.0)" if masks else f"tl.load({ptr})"
+    return [f"{p}# dequantisation scale {sc.buf} (it does not vary along K)",
+            f"{p}acc = acc * {load}.to(tl.float32)"]
+
+
 def print_gemm_kernel(gk: GemmKernel, buffers: dict[str, L.Buffer]) -> TritonKernel:
     g, epi, cfg = gk.gemm, gk.epilogue, gk.config
     if g.dtype.name not in DTYPES:
@@ -113,6 +127,11 @@ def print_gemm_kernel(gk: GemmKernel, buffers: dict[str, L.Buffer]) -> TritonKer
         e = sympy.sympify(op.offset) + sum(
             (sympy.Symbol(f"b{d}") * s for d, s in enumerate(op.batch_strides)), sympy.S.Zero)
         return to_tl(e, bnames)
+    mx = g.mixed
+    quant = {s: mx is not None and mx.side == s for s in ("a", "b")}
+    conv = {s: f".to({TL_DTYPE[g.dtype.name]})  # {mx.qdtype.name} -> {g.dtype.name}, exact"
+            if quant[s] else "" for s in quant}
+    other = {s: "0" if quant[s] else "0.0" for s in quant}
     lines += [
         f"{p}pa = buf_{g.a.buf} + {base(g.a)}",
         f"{p}pb = buf_{g.b.buf} + {base(g.b)}",
@@ -120,15 +139,19 @@ def print_gemm_kernel(gk: GemmKernel, buffers: dict[str, L.Buffer]) -> TritonKer
         f"{p}for k0 in range(0, K, BLOCK_K):",
         f"{p}    kk = k0 + rk",
         f"{p}    a = tl.load(pa + rm[:, None] * {to_tl(g.a.rows)} + kk[None, :] * "
-        f"{to_tl(g.a.cols)}, mask=(rm[:, None] < M) & (kk[None, :] < K), other=0.0)",
+        f"{to_tl(g.a.cols)}, mask=(rm[:, None] < M) & (kk[None, :] < K), "
+        f"other={other['a']}){conv['a']}",
         f"{p}    b = tl.load(pb + kk[:, None] * {to_tl(g.b.rows)} + rn[None, :] * "
-        f"{to_tl(g.b.cols)}, mask=(kk[:, None] < K) & (rn[None, :] < N), other=0.0)",
+        f"{to_tl(g.b.cols)}, mask=(kk[:, None] < K) & (rn[None, :] < N), "
+        f"other={other['b']}){conv['b']}",
         f"{p}    acc = tl.dot(a, b, acc"
         + (", input_precision=\"ieee\")" if g.dtype.name == "float32" else ")"),
         f"{p}i_m = rm[:, None]",
         f"{p}i_n = rn[None, :]",
         f"{p}mask = (i_m < M) & (i_n < N)",
     ]
+    if mx is not None and mx.scale is not None:
+        lines += _scale_lines(mx.scale, base(mx.scale), p)
     tile = {**{f"i{d}": f"b{d}" for d in range(nb)}, f"i{nb}": "i_m", f"i{nb + 1}": "i_n"}
     flat = linear_index([sympy.Symbol(v) for v in tile.values()], contiguous_strides(g.shape))
     names = tile if epi is None else _epilogue_names(g, epi, flat)

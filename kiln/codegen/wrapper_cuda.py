@@ -220,6 +220,10 @@ class _Printer(SizeCheckPrinter):
         g = x.gemm
         if g.lowp is not None:
             return self._lt_gemm(g)
+        if g.mixed is not None:  # passes/mixed_gemm.py runs only when Triton may take it
+            from kiln.errors import UnsupportedError
+            raise UnsupportedError(f"mixed-dtype GEMM {g.name} ({', '.join(g.source)}) needs "
+                                   "the Triton GEMM template (cuBLAS has no int8 x float GEMM)")
         if g.name in self.cutlass:
             self._cutlass(g)
             return

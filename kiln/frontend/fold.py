@@ -4,8 +4,10 @@ that non-folded nodes consume become new weights ("folded constants"); everythin
 disappears from the program.
 
 Never folded: views (a view of a weight is free and folding it would copy the weight), ops that
-grow their data (a folded expand or repeat would make the package bigger), random ops, and
-nodes with symbolic sizes."""
+grow their data in bytes (a folded expand or repeat would make the package bigger, and so would
+a folded widening convert: an int8 weight converted to float16, or dequantised by a float16
+scale, would ship at twice its bytes; the convert stays in the program, where a mixed-dtype GEMM
+reads the int8 weight), random ops, and nodes with symbolic sizes."""
 
 from __future__ import annotations
 
@@ -13,7 +15,7 @@ import operator
 
 import torch
 
-_MAX_GROWTH = 1.0  # folded output numel may not exceed its largest input's
+_MAX_GROWTH = 1.0  # a folded output's bytes may not exceed its largest input's
 
 
 def _is_view(target) -> bool:
@@ -27,6 +29,10 @@ def _tensors(x) -> list[torch.Tensor]:
     if isinstance(x, (list, tuple)):
         return [t for v in x for t in _tensors(v)]
     return []
+
+
+def _nbytes(t: torch.Tensor) -> int:
+    return t.numel() * t.element_size()
 
 
 def _foldable(n, values) -> bool:
@@ -59,9 +65,9 @@ def fold_constants(ep, weights: dict[str, torch.Tensor], mutated: set[str]
         kwargs = torch.fx.node.map_arg(n.kwargs, lambda a: values[a.name])
         with torch.no_grad():
             out = n.target(*args, **kwargs)
-        biggest = max((t.numel() for a in n.all_input_nodes for t in _tensors(values[a.name])),
+        biggest = max((_nbytes(t) for a in n.all_input_nodes for t in _tensors(values[a.name])),
                       default=0)
-        if any(t.numel() > _MAX_GROWTH * max(biggest, 1) for t in _tensors(out)):
+        if any(_nbytes(t) > _MAX_GROWTH * max(biggest, 1) for t in _tensors(out)):
             continue
         values[n.name] = out
         folded.add(n.name)

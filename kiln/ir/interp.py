@@ -194,7 +194,10 @@ def _gemm(g: L.Gemm, bufs, env) -> np.ndarray:
     m, n, k = (evaluate(x, env) for x in (g.m, g.n, g.k))
     a = view(g.a, m, k).astype(np.float64)
     b = view(g.b, k, n).astype(np.float64)
-    return np.matmul(a, b).astype(NP_DTYPES[g.dtype.name]).reshape(-1)
+    out = np.matmul(a, b)
+    if g.mixed is not None and g.mixed.scale is not None:  # int8 operands convert exactly
+        out = out * view(g.mixed.scale, m, n).astype(np.float64)
+    return out.astype(NP_DTYPES[g.dtype.name]).reshape(-1)
 
 
 def _aten(c: L.AtenCall, bufs, env) -> dict[str, np.ndarray]:

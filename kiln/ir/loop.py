@@ -135,9 +135,30 @@ class LowpGemm:
 
 
 @dataclass(frozen=True)
+class MixedGemm:
+    """What makes a `Gemm` mixed-dtype (CUDA only, through the Triton template): operand
+    `side` ("a" or "b") holds integers of `qdtype` (int8 / uint8), converted to the GEMM's
+    float dtype as the kernel loads them (exact: every int8 is a float16 / bfloat16); the
+    other operand is of the GEMM's dtype. `scale` (None: 1) multiplies the float32
+    accumulator before it is rounded: a strided view broadcast over the output
+    [*batch, M, N] (stride 0 along a broadcast dim; it never varies along K, which is what
+    lets it leave the dot product: a per-output-channel or scalar dequantisation scale).
+    Written by lowering/mixed.py from passes/mixed_gemm.py's `mixed_mm` node."""
+
+    side: str  # "a" | "b"
+    qdtype: DType
+    scale: Operand | None = None
+    scale_dtype: DType | None = None
+
+    def reads(self) -> list[str]:
+        return [self.scale.buf] if self.scale is not None else []
+
+
+@dataclass(frozen=True)
 class Gemm:
     """out[b..., m, n] = sum_k a[b..., m, k] * b[b..., k, n]; out is contiguous
-    [*batch, M, N]. `lowp`: a low-precision GEMM (operand dtypes differ from `dtype`)."""
+    [*batch, M, N]. `lowp`: a low-precision GEMM (operand dtypes differ from `dtype`);
+    `mixed`: one operand is int8, converted on load, the result optionally scaled."""
 
     name: str
     dtype: DType
@@ -149,10 +170,16 @@ class Gemm:
     b: Operand
     source: tuple[str, ...] = ()
     lowp: LowpGemm | None = None
+    mixed: MixedGemm | None = None
 
     @property
     def shape(self) -> tuple[sympy.Expr, ...]:
         return (*self.batch, self.m, self.n)
+
+    def extra_reads(self) -> list[str]:
+        """Buffers read besides the operands (scales, bias)."""
+        return (self.lowp.reads() if self.lowp else []) + (
+            self.mixed.reads() if self.mixed else [])
 
 
 @dataclass(frozen=True)
@@ -347,7 +374,7 @@ def node_reads(node: LoopNode) -> set[str]:
     if isinstance(node, CONTROL):
         return set(node.reads)
     if isinstance(node, Gemm):
-        return {node.a.buf, node.b.buf, *(node.lowp.reads() if node.lowp else ())}
+        return {node.a.buf, node.b.buf, *node.extra_reads()}
     if isinstance(node, AtenCall):
         return {b for a in node.args for b in aten_arg_buffers(a)}
     if isinstance(node, ReadSize):

@@ -78,6 +78,10 @@ def node_text(n: L.LoopNode) -> str:
             ("scale_b", n.lowp.scale_b and n.lowp.scale_b[0]), ("bias", n.lowp.bias))
             if b) if n.lowp else ""
         kind = f"{n.lowp.kind}_gemm" if n.lowp else "gemm"
+        if n.mixed:
+            kind = "mixed_gemm"
+            extra = f", {n.mixed.side}={n.mixed.qdtype.name}" + "".join(
+                f", scale=%{b}" for b in n.mixed.reads())
         return (f"%{n.name}: {n.dtype.name}{list(n.shape)} = {kind}(%{n.a.buf}, %{n.b.buf}"
                 f"{extra})  # {', '.join(n.source)}")
     red = ""

@@ -305,6 +305,9 @@ def _fmt(line: Line) -> str:
         g = line.gemm
         lp = "" if g.lowp is None else f" {g.lowp.kind}(" + ", ".join(
             f"%{b}" for b in g.lowp.reads()) + ")"
+        if g.mixed is not None:
+            lp += f" mixed({g.mixed.side}={g.mixed.qdtype.name}" + "".join(
+                f", scale=%{b}" for b in g.mixed.reads()) + ")"
         return (f"gemm %{g.name} = %{g.a.buf} @ %{g.b.buf}{lp}  batch={list(g.batch)} "
                 f"m={g.m} n={g.n} k={g.k}  # {', '.join(g.source)}")
     if isinstance(line, CallLib):
@@ -362,7 +365,7 @@ def _uses(line: Line) -> list[str]:
         return [n for k, n in line.args if k != "size"]
     if isinstance(line, CallGemm):
         g = line.gemm
-        return [g.a.buf, g.b.buf, *(g.lowp.reads() if g.lowp else ()), g.name]
+        return [g.a.buf, g.b.buf, *g.extra_reads(), g.name]
     if isinstance(line, CallLib):
         return [a.buf for a in line.call.args] + list(line.call.outs)
     if isinstance(line, CallUser):

@@ -14,7 +14,7 @@ from kiln.ir import loop as L
 from kiln.ir.graph import Graph, Node
 from kiln.ir.sym import contiguous_strides, ivars
 from kiln.lowering import (attention, control, extern, fallback, indexing, library, lowp,
-                           pointwise, random, reductions, spatial, user_triton, views)
+                           mixed, pointwise, random, reductions, spatial, user_triton, views)
 from kiln.lowering.core import Lazy, LowerCtx, View, from_view
 
 RULES = {
@@ -66,6 +66,7 @@ RULES = {
     "attention": attention.lower_attention,
     "scaled_mm": lowp.lower_scaled_mm,  # CUDA (CPU builds expand it: passes/lowp_cpu.py)
     "int_mm": lowp.lower_int_mm,
+    "mixed_mm": mixed.lower_mixed_mm,  # CUDA + Triton template (passes/mixed_gemm.py)
     "aten": fallback.lower_aten,
     "read_size": fallback.lower_read_size,
     "cond": control.lower_cond,

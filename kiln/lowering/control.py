@@ -57,8 +57,11 @@ def _rename_node(n, f):
             lp = replace(lp, **{k: (f(getattr(lp, k)[0]), getattr(lp, k)[1])
                                 for k in ("scale_a", "scale_b") if getattr(lp, k)},
                          bias=f(lp.bias) if lp.bias else None)
+        mx = n.mixed
+        if mx is not None and mx.scale is not None:
+            mx = replace(mx, scale=replace(mx.scale, buf=f(mx.scale.buf)))
         return replace(n, name=f(n.name), a=replace(n.a, buf=f(n.a.buf)),
-                       b=replace(n.b, buf=f(n.b.buf)), lowp=lp)
+                       b=replace(n.b, buf=f(n.b.buf)), lowp=lp, mixed=mx)
     if isinstance(n, L.Extern):
         return replace(n, outs=tuple(map(f, n.outs)),
                        args=tuple(replace(a, buf=f(a.buf)) for a in n.args))

@@ -62,6 +62,7 @@ class GemmKernel:
     def reads(self) -> list[str]:
         out = [self.gemm.a.buf] + ([self.gemm.b.buf] if self.gemm.b.buf != self.gemm.a.buf
                                    else [])
+        out += [b for b in self.gemm.extra_reads() if b not in out]  # a mixed GEMM's scale
         if self.epilogue is not None:
             for ld in L.loads(self.epilogue.body):
                 if ld.buf != self.gemm.name and ld.buf not in out:
@@ -73,6 +74,9 @@ class GemmKernel:
         g = self.gemm
         exprs = [g.m, g.n, g.k, *g.batch, g.a.offset, g.a.rows, g.a.cols, *g.a.batch_strides,
                  g.b.offset, g.b.rows, g.b.cols, *g.b.batch_strides]
+        if g.mixed is not None and g.mixed.scale is not None:
+            sc = g.mixed.scale
+            exprs += [sc.offset, sc.rows, sc.cols, *sc.batch_strides]
         if self.epilogue is not None:
             exprs += [ld.index for ld in L.loads(self.epilogue.body)] + list(self.epilogue.shape)
         syms: set = set()
