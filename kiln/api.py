@@ -23,7 +23,7 @@ from kiln.options import Options
 from kiln.package import write_package
 from kiln.pipeline import Built, build
 from kiln.schedule import Kernel
-from kiln.schedule.gemm_fuse import GemmKernel
+from kiln.schedule.gemm_fuse import CutlassGemm, GemmKernel
 from kiln.codegen.wrapper_cpp import aten_fallback_ops
 from kiln.toolchain.cxx import compiler_identity
 
@@ -51,6 +51,12 @@ def _kernels_json(built: Built) -> list[dict]:
             choice = built.gemms.get(s.gemm.name)
             out.append({"name": s.name, "kind": "triton_gemm",
                         "members": [s.gemm.name] + ([s.epilogue.name] if s.epilogue else []),
+                        "source_ops": list(s.source),
+                        **({"gemm": choice.to_json()} if choice is not None else {})})
+        elif isinstance(s, CutlassGemm):  # a CUTLASS kernel, epilogue fused (visitor tree)
+            choice = built.gemms.get(s.gemm.name)
+            out.append({"name": s.name, "kind": "cutlass_gemm",
+                        "members": [s.gemm.name, s.epilogue.name], "epilogue": s.config["evt"],
                         "source_ops": list(s.source),
                         **({"gemm": choice.to_json()} if choice is not None else {})})
         elif isinstance(s, L.Extern):

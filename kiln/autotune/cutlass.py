@@ -78,6 +78,7 @@ class CutlassCandidate:
     name: str
     op: object  # cutlass_library GemmOperation
     reads_c: bool = False  # D = A @ B + C (beta 1); else beta 0 and C is never read
+    evt: object = None  # a cutlass_evt.Evt: the epilogue fused as a visitor tree
 
     @property
     def schedule(self) -> str:
@@ -96,10 +97,14 @@ def _hi(v) -> int:
     return v[1] if isinstance(v, (tuple, list)) else v
 
 
-def enumerate_candidates(problem: GemmProblem, opts, with_c: bool = False
+def enumerate_candidates(problem: GemmProblem, opts, with_c: bool = False, evt=None
                          ) -> list[CutlassCandidate]:
     """CUTLASS kernels valid for `problem` (a 16-bit GEMM), filtered by the Options.
-    `with_c`: the kernel reads a C operand (addmm: D = A @ B + C); else C is void."""
+    `with_c`: the kernel reads a C operand (addmm: D = A @ B + C); else C is void.
+    `evt` (a cutlass_evt.Evt): candidates fusing that epilogue, i.e. the kernels with a TMA
+    epilogue (the visitor trees run in the warp-specialised TMA epilogue only), rendered with
+    the tree in place of the linear combination (C becomes the tree's full-size operand, D
+    its output dtype)."""
     from cutlass_library import library as lib
     if problem.dtype not in _DTYPES:
         raise UnsupportedError(f"CUTLASS GEMM of dtype {problem.dtype}: kiln enumerates "
@@ -132,6 +137,9 @@ def enumerate_candidates(problem: GemmProblem, opts, with_c: bool = False
             continue
         if op.kernel_schedule not in schedules:
             continue
+        if evt is not None and (op.C.element != lib.DataType.void or not _tma_epilogue(op)):
+            continue  # (C's type and alignment are the tree's; the void-C kernels list each
+            # configuration once)
         if max(op.A.alignment, op.B.alignment) > problem.alignment or \
                 max(op.C.alignment if with_c else 1, op.D.alignment) > problem.alignment_out:
             continue
@@ -140,15 +148,23 @@ def enumerate_candidates(problem: GemmProblem, opts, with_c: bool = False
             continue
         if deny is not None and deny.search(name):
             continue
-        out.append(CutlassCandidate(name, op, with_c))
+        out.append(CutlassCandidate(name, op, with_c, evt))
     if opts.cutlass_max_profiling_configs:
         out = out[:opts.cutlass_max_profiling_configs]
     return out
 
 
+def _tma_epilogue(op) -> bool:
+    from cutlass_library import library as lib
+    return op.epilogue_schedule in (lib.EpilogueScheduleType.TmaWarpSpecialized,
+                                    lib.EpilogueScheduleType.TmaWarpSpecializedCooperative)
+
+
 def render(cand: CutlassCandidate) -> str:
     """A .cu source: the kernel type from cutlass_library's emitter, plus the C entry points."""
     from cutlass_library.gemm_operation import EmitGemmUniversal3xInstance
+    if cand.evt is not None:
+        return _render_evt(cand)
     kernel = EmitGemmUniversal3xInstance().emit(cand.op)
     return _TEMPLATE.replace("@KERNEL@", kernel).replace("@NAME@", cand.name).replace(
         "@SCHEDULE@", cand.schedule).replace("@BETA@", "1" if cand.reads_c else "0")
@@ -224,6 +240,147 @@ extern "C" int kiln_cutlass_run(int64_t M, int64_t N, int64_t K, int64_t batch, 
   return gemm.run(stream) == cutlass::Status::kSuccess ? 0 : 3;
 }
 '''
+
+
+class _EvtDecl:
+    """Stands for the epilogue functor in cutlass_library's emitter: its declaration is the
+    name of the visitor tree type printed before the kernel."""
+
+    def emit_declaration(self) -> str:
+        return "KilnEvt"
+
+
+_LIB_DTYPES = {"float16": "f16", "bfloat16": "bf16", "float32": "f32"}
+
+
+def evt_name(cand: CutlassCandidate) -> str:
+    """The kernel type's name for a candidate fusing `cand.evt`: the base kernel's name and a
+    hash of the tree (one type per distinct epilogue)."""
+    return f"{cand.name}_evt_{hashlib.sha256(cand.evt.key.encode()).hexdigest()[:10]}"
+
+
+def _render_evt(cand: CutlassCandidate) -> str:
+    """The .cu source of `cand` with its epilogue visitor tree (kiln/autotune/cutlass_evt.py):
+    the emitter's kernel with C / D retyped to the tree's source and output dtypes and the
+    tree as the epilogue's fusion callbacks; entries take the tree's other operands as an
+    array of pointers, `ext`."""
+    import copy
+
+    from cutlass_library import library as lib
+    from cutlass_library.gemm_operation import EmitGemmUniversal3xInstance
+
+    from kiln.autotune.cutlass_evt import render_types
+    evt = cand.evt
+    op = copy.copy(cand.op)
+    src = evt.src
+    c_el = getattr(lib.DataType, _LIB_DTYPES[src.dtype]) if src else lib.DataType.void
+    d_el = getattr(lib.DataType, _LIB_DTYPES[evt.out_dtype])
+    op.C = lib.TensorDescription(c_el, op.C.layout, lib.get_tma_alignment(c_el) or 1)
+    op.D = lib.TensorDescription(d_el, op.D.layout, lib.get_tma_alignment(d_el))
+    name = evt_name(cand)
+    op.__dict__["_procedural_name"] = name
+    op.epilogue_functor = _EvtDecl()
+    emitter = EmitGemmUniversal3xInstance()
+    emitter.epilogue_functor = _EvtDecl()  # (the emitter reads it from itself, not from op)
+    kernel = emitter.emit(op)
+    tm, tn, tk = op.get_collective_tile_shape()
+    tile = f"cute::Shape<cute::_{tm}, cute::_{tn}, cute::_{tk}>"
+    defs, ty, args = render_types(evt, tile)
+    return (_EVT_TEMPLATE.replace("@FUNCTORS@", defs).replace("@EVT@", ty)
+            .replace("@ARGS@", args).replace("@KERNEL@", kernel).replace("@NAME@", name)
+            .replace("@BASE@", cand.name).replace("@SCHEDULE@", cand.schedule)
+            .replace("@KEY@", evt.key).replace("@NEXT@", str(max(1, len(evt.ext))))
+            .replace("@OPERANDS@", "; ".join(f"ext[{k}]: {o.role} {o.dtype}"
+                                               for k, o in enumerate(evt.ext)) or "none"))
+
+
+_EVT_TEMPLATE = r"""// Generated by kiln (kiln/autotune/cutlass.py): CUTLASS kernel @BASE@
+// (@SCHEDULE@)
+// with its epilogue fused as a visitor tree (kiln/autotune/cutlass_evt.py):
+//   @KEY@
+// Computes kiln's row-major D[b][M][N] = epilogue(A[b] @ B[b], ...) as CUTLASS's column-major
+// D^T: CUTLASS's (M, N) are kiln's (N, M); kiln's vectors over N are CUTLASS column vectors.
+// Operands: C = the tree's full-size operand (if any); @OPERANDS@.
+#include <cmath>
+#include <cstdint>
+#include <cuda_runtime.h>
+#include "cutlass/cutlass.h"
+#include "cute/tensor.hpp"
+#include "cutlass/gemm/device/gemm_universal_adapter.h"
+#include "cutlass/gemm/collective/collective_builder.hpp"
+#include "cutlass/epilogue/collective/collective_builder.hpp"
+#include "cutlass/epilogue/fusion/sm90_callbacks_tma_warpspecialized.hpp"
+#include "cutlass/epilogue/thread/activation.h"
+#include "cutlass/gemm/kernel/gemm_universal.hpp"
+#include "cutlass/util/packed_stride.hpp"
+
+namespace kiln_evt {
+@FUNCTORS@
+}  // namespace kiln_evt
+
+using KilnEvt = @EVT@;
+
+@KERNEL@
+
+namespace {
+using Gemm = cutlass::gemm::device::GemmUniversalAdapter<@NAME@>;
+using Kernel = typename Gemm::GemmKernel;
+
+// A stride with leading dimension `ld` and batch stride `bs` (the unit stride stays static).
+template <class Stride>
+Stride strided(int64_t ld, int64_t bs) {
+  Stride s{};
+  if constexpr (cute::is_static<cute::remove_cvref_t<decltype(cute::get<0>(s))>>::value)
+    cute::get<1>(s) = ld;
+  else
+    cute::get<0>(s) = ld;
+  cute::get<2>(s) = bs;
+  return s;
+}
+
+typename Gemm::Arguments arguments(int64_t m, int64_t n, int64_t k, int64_t batch,
+                                   const void *a, int64_t lda, int64_t sa, const void *b,
+                                   int64_t ldb, int64_t sb, const void *c, void *d, int64_t ldd,
+                                   int64_t sd, const void *const *ext) {
+  using EA = typename Kernel::ElementA;
+  using EB = typename Kernel::ElementB;
+  using ED = typename Kernel::ElementD;
+  using EC = typename Kernel::ElementC;
+  typename Gemm::Arguments args{
+      batch > 1 ? cutlass::gemm::GemmUniversalMode::kBatched
+                : cutlass::gemm::GemmUniversalMode::kGemm,
+      {int(m), int(n), int(k), int(batch)},
+      {static_cast<const EA *>(a), strided<typename Kernel::StrideA>(lda, sa),
+       static_cast<const EB *>(b), strided<typename Kernel::StrideB>(ldb, sb)},
+      {{}, static_cast<const EC *>(c), strided<typename Kernel::StrideC>(ldd, sd),
+       static_cast<ED *>(d), strided<typename Kernel::StrideD>(ldd, sd)}};
+  args.epilogue.thread = @ARGS@;
+  return args;
+}
+}  // namespace
+
+// Workspace bytes for this problem (kiln's sizes: D[batch][M][N] = A[M][K] @ B[K][N]).
+extern "C" size_t kiln_cutlass_workspace(int64_t M, int64_t N, int64_t K, int64_t batch) {
+  const void *none[@NEXT@] = {};
+  auto args = arguments(N, M, K, batch, nullptr, 0, 0, nullptr, 0, 0, nullptr, nullptr, N, M * N,
+                        none);
+  return Gemm::get_workspace_size(args);
+}
+
+// 0 on success; 1: this kernel cannot run the problem; 2: initialisation failed; 3: launch.
+// lda / ldb: leading dimensions of kiln's A and B; sa / sb: batch strides; C: the tree's
+// full-size operand (null when it has none); ext: its other operands, in the order above.
+extern "C" int kiln_cutlass_run(int64_t M, int64_t N, int64_t K, int64_t batch, const void *A,
+                                int64_t lda, int64_t sa, const void *B, int64_t ldb, int64_t sb,
+                                const void *C, void *D, const void *const *ext, void *workspace,
+                                cudaStream_t stream) {
+  auto args = arguments(N, M, K, batch, B, ldb, sb, A, lda, sa, C, D, N, M * N, ext);
+  Gemm gemm;
+  if (gemm.can_implement(args) != cutlass::Status::kSuccess) return 1;
+  if (gemm.initialize(args, workspace, stream) != cutlass::Status::kSuccess) return 2;
+  return gemm.run(stream) == cutlass::Status::kSuccess ? 0 : 3;
+}
+"""
 
 
 def _version() -> str:

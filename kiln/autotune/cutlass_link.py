@@ -11,11 +11,14 @@ package because a .so would need a path to dlopen and its own copy of the runtim
 
 Entries: each kernel gets unique C names, `kiln_cutlass_run_<tag>` and
 `kiln_cutlass_workspace_<tag>` (the rendered entries of kiln/autotune/cutlass.py renamed; tag:
-a hash of the kernel's name), so several CUTLASS kernels link into one library and GEMMs
-that chose the same kernel share one object. The wrapper passes the caller's stream and a
-workspace the instance owns (sized at creation for the Dim ranges' maxima and checked before
-every call). Epilogues are not fused into CUTLASS kernels: bias, activation, residual and cast
-stay in the kiln kernel after the call (beta = 0, C unused)."""
+a hash of the kernel's name, and of its epilogue visitor tree for a fused one), so several
+CUTLASS kernels link into one library and GEMMs that chose the same kernel (and epilogue)
+share one object. The wrapper passes the caller's stream and a workspace the instance owns
+(sized at creation for the Dim ranges' maxima and checked before every call). A GEMM whose
+choice fused its epilogue (`schedule/gemm_fuse.py: CutlassGemm`) links the kernel rendered
+with that tree (kiln/autotune/cutlass_evt.py): its entry also takes C (the tree's full-size
+operand) and `ext`, an array of the tree's other operand pointers. Other CUTLASS GEMMs run
+the plain kernel (beta = 0, C unused) and their epilogue stays a kiln kernel."""
 
 from __future__ import annotations
 
@@ -26,38 +29,55 @@ from pathlib import Path
 from kiln.autotune.cutlass import CutlassCandidate, _sm90_operations, compile_all, render
 from kiln.errors import CompileError, UnsupportedError
 from kiln.ir import loop as L
+from kiln.schedule.gemm_fuse import CutlassGemm
 
 
-def _tag(kernel: str) -> str:
-    return hashlib.sha256(kernel.encode()).hexdigest()[:12]
+def _tag(kernel: str, evt_key: str = "") -> str:
+    return hashlib.sha256((kernel + ("|" + evt_key if evt_key else "")).encode()
+                          ).hexdigest()[:12]
 
 
-def entry(kernel: str) -> str:
-    return f"kiln_cutlass_run_{_tag(kernel)}"
+def entry(kernel: str, evt_key: str = "") -> str:
+    return f"kiln_cutlass_run_{_tag(kernel, evt_key)}"
 
 
-def workspace_entry(kernel: str) -> str:
-    return f"kiln_cutlass_workspace_{_tag(kernel)}"
+def workspace_entry(kernel: str, evt_key: str = "") -> str:
+    return f"kiln_cutlass_workspace_{_tag(kernel, evt_key)}"
 
 
-def source_for(kernel: str, gemm: str = "") -> str:
-    """The .cu source of CUTLASS kernel `kernel` (a cutlass_library procedural name) with its
-    entries renamed after the kernel."""
+def source_for(kernel: str, gemm: str = "", evt=None) -> str:
+    """The .cu source of CUTLASS kernel `kernel` (a cutlass_library procedural name), fusing
+    visitor tree `evt` when given, with its entries renamed after the kernel (and tree)."""
     ops = [op for op in _sm90_operations() if op.procedural_name() == kernel]
     if not ops:
         raise UnsupportedError(f"GEMM {gemm}: CUTLASS kernel {kernel!r} (from the autotuning "
                                f"cache or choice) is not among cutlass_library's sm_90 kernels")
-    src = render(CutlassCandidate(kernel, ops[0]))
-    return src.replace("kiln_cutlass_run", entry(kernel)).replace(
-        "kiln_cutlass_workspace", workspace_entry(kernel))
+    src = render(CutlassCandidate(kernel, ops[0], evt=evt))
+    key = evt.key if evt is not None else ""
+    return src.replace("kiln_cutlass_run", entry(kernel, key)).replace(
+        "kiln_cutlass_workspace", workspace_entry(kernel, key))
+
+
+def fused_evt(step: CutlassGemm):
+    """The visitor tree of a fused CUTLASS GEMM (the one its choice was made for)."""
+    from kiln.autotune.cutlass_evt import Evt, from_epilogue
+    evt = from_epilogue(step.gemm, step.epilogue)
+    if not isinstance(evt, Evt) or evt.key != step.config.get("evt"):
+        raise CompileError(f"GEMM {step.gemm.name}: its epilogue no longer matches the "
+                           "visitor tree its CUTLASS kernel was chosen for")
+    return evt
 
 
 def build_objects(steps, choices: dict, opts, out_dir: Path) -> tuple[list[Path], dict]:
     """(object paths, {file name: source}) for the CUTLASS kernels chosen for the GEMMs of
-    `steps` (one object per distinct kernel)."""
+    `steps` (one object per distinct kernel and epilogue)."""
     sources = {}
     for g in L.flat_steps(steps):
-        if isinstance(g, L.Gemm) and g.name in choices:
+        if isinstance(g, CutlassGemm):
+            kernel, evt = g.config["name"], fused_evt(g)
+            sources.setdefault(f"cutlass_{_tag(kernel, evt.key)}",
+                               source_for(kernel, g.name, evt))
+        elif isinstance(g, L.Gemm) and g.name in choices:
             kernel = choices[g.name].config["name"]
             sources.setdefault(f"cutlass_{_tag(kernel)}", source_for(kernel, g.name))
     built = compile_all(sources, out_dir, jobs=opts.jobs)

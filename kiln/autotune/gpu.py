@@ -18,7 +18,11 @@ GEMM; a candidate that crashes its process is dropped with the reason and the ot
 fresh one. The child times each candidate (captured in a CUDA graph, as packages run) with
 CUDA events at the example sizes and checks it against a float32 torch.matmul of the same
 operands (profile.py's protocol, one `KILN_PROFILE <name> <seconds> <max error> <tolerance>`
-line per candidate)."""
+line per candidate). A GEMM whose absorbed epilogue maps to a visitor tree
+(kiln/autotune/cutlass_evt.py) has CUTLASS candidates fusing it: they run with random operands
+of the tree and are checked against the tree evaluated by torch (`evaluate_torch`), so their
+time includes the epilogue; cuBLAS and the template are timed without theirs (a bias towards
+the unfused backends, never towards the fused kernel)."""
 
 from __future__ import annotations
 
@@ -68,21 +72,33 @@ def triton_configs(sizes) -> list[T.TritonConfig]:
     return T.config_space(m, n, k) or [T.TritonConfig(16, 64, 256, 8, 3, 4)]
 
 
-def cutlass_candidates(problem: GemmProblem, opts) -> list:
+def cutlass_candidates(problem: GemmProblem, opts, evt=None) -> list:
+    """CUTLASS candidates; with `evt` (a cutlass_evt.Evt) those fusing it, or the plain ones
+    when no kernel with a TMA epilogue fits the problem."""
     from kiln.autotune import cutlass
+    if evt is not None:
+        fused = cutlass.enumerate_candidates(problem, opts, evt=evt)
+        if fused:
+            return fused
     return cutlass.enumerate_candidates(problem, opts)
 
 
-def heuristic(problem: GemmProblem, backends: list[str], sizes, opts) -> tuple[str, dict]:
+def cutlass_config(c) -> dict:
+    """A CUTLASS candidate's config as choices and the cache record it."""
+    return {"name": c.name, **({"evt": c.evt.key} if c.evt is not None else {})}
+
+
+def heuristic(problem: GemmProblem, backends: list[str], sizes, opts, evt=None
+              ) -> tuple[str, dict]:
     for b in backends:
         if b == "blas":
             return "blas", {}
     if "triton" in backends:
         c = triton_configs(sizes)[0]
         return "triton", _cfg_json(c)
-    cands = cutlass_candidates(problem, opts)
+    cands = cutlass_candidates(problem, opts, evt)
     if cands:
-        return "cutlass", {"name": cands[0].name}
+        return "cutlass", cutlass_config(cands[0])
     return "", {}
 
 
@@ -91,10 +107,11 @@ def _cfg_json(c: T.TritonConfig) -> dict:
             "group_m": c.group_m, "num_stages": c.num_stages, "num_warps": c.num_warps}
 
 
-def candidates(problem: GemmProblem, backends: list[str], sizes, opts, work: Path
+def candidates(problem: GemmProblem, backends: list[str], sizes, opts, work: Path, evt=None
                ) -> tuple[list[tuple[str, str, dict]], list]:
     """(name, backend, config) to profile, and (name, reason) of those that could not be
-    built (a CUTLASS kernel nvcc rejected)."""
+    built (a CUTLASS kernel nvcc rejected). With `evt`, the CUTLASS candidates fuse it (their
+    config holds its key, and `profile` runs them with the tree's operands)."""
     out, dropped = [], []
     if "blas" in backends:
         out.append(("blas", "blas", {}))
@@ -102,13 +119,16 @@ def candidates(problem: GemmProblem, backends: list[str], sizes, opts, work: Pat
         out += [(c.name, "triton", _cfg_json(c)) for c in triton_configs(sizes)]
     if "cutlass" in backends:
         from kiln.autotune import cutlass
-        cands = cutlass_candidates(problem, opts)
+        cands = cutlass_candidates(problem, opts, evt)
         built = cutlass.compile_all({c.name: cutlass.render(c) for c in cands}, work,
                                     jobs=opts.jobs, shared=True)
         for c in cands:
             r = built[c.name]
             if isinstance(r, Path):
-                out.append((c.name, "cutlass", {"name": c.name, "so": str(r)}))
+                cfg = {**cutlass_config(c), "so": str(r)}
+                if c.evt is not None:
+                    cfg["evt_tree"] = c.evt.to_json()
+                out.append((c.name, "cutlass", cfg))
             else:
                 dropped.append((c.name, r[-200:]))
     return out, dropped
@@ -144,7 +164,8 @@ def profile(problem: GemmProblem, sizes, cands, timeout_s: float
                 elif not e_ <= tol:
                     dropped.append((name, f"wrong answer: max error {e_:g} > tolerance {tol:g}"))
                 else:
-                    results.append((name, cand[1], cand[2], sec))
+                    results.append((name, cand[1], {k: v for k, v in cand[2].items()
+                                                    if k != "evt_tree"}, sec))
         rest = [c for c in todo if c[0] not in seen]
         if rest and rc == 0:
             dropped += [(c[0], "no result line") for c in rest]
@@ -204,6 +225,8 @@ def _child(spec: dict) -> None:
                 def run(tc=tc):
                     for i in range(max(nb, 1)):
                         _triton(kern, a[i], b[i], c[i], tc, sms, quant, scale)
+            elif "evt_tree" in cfg:  # a CUTLASS kernel with its epilogue fused
+                run, check = _fused_cutlass(cfg, a, b, want, spec, nb, m, n, k)
             else:
                 lib = ctypes.CDLL(cfg["so"])
                 f = lib.kiln_cutlass_run
@@ -224,15 +247,64 @@ def _child(spec: dict) -> None:
                            torch.cuda.current_stream().cuda_stream)
                     if rc:
                         raise RuntimeError(f"kiln_cutlass_run returned {rc}")
-            c.zero_()
-            run()
-            torch.cuda.synchronize()
-            err = float((c.float() - want).abs().max())
+            if "evt_tree" in cfg:
+                run()
+                torch.cuda.synchronize()
+                err = check()
+            else:
+                c.zero_()
+                run()
+                torch.cuda.synchronize()
+                err = float((c.float() - want).abs().max())
             sec = do_bench(_graphed(run), warmup=5, rep=20) * 1e-3
         except Exception as e:  # this candidate fails; the others still run
             print(f"{name}: {type(e).__name__}: {e}", file=sys.stderr)
             sec, err = -1.0, 0.0
         print(f"KILN_PROFILE {name} {sec:.9g} {err:.6g} {tol:.6g}", flush=True)
+
+
+def _fused_cutlass(cfg, a, b, want, spec, nb, m, n, k):
+    """(run, check) for a CUTLASS kernel fusing visitor tree `cfg["evt_tree"]`: random
+    operands of the tree's roles (C: [M, N], col: [N], row: [M], scalar: [1]); check returns
+    the largest error against the tree evaluated by torch on the float32 product `want`."""
+    import ctypes
+
+    import torch
+
+    from kiln.autotune.cutlass_evt import evaluate_torch
+    tree = cfg["evt_tree"]
+    dt = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32}
+    g = torch.Generator(device="cuda").manual_seed(1)
+    shape = {"src": (max(nb, 1), m, n), "col": (n,), "row": (m,), "scalar": (1,)}
+    ops = [torch.randn(*shape[role], device="cuda", dtype=dt[d], generator=g)
+           for role, d in tree["operands"]]
+    out = torch.empty(max(nb, 1), m, n, device="cuda", dtype=dt[tree["out"]])
+    src = next((t for (role, _), t in zip(tree["operands"], ops) if role == "src"), None)
+    ext = [t for (role, _), t in zip(tree["operands"], ops) if role != "src"]
+    ptrs = (ctypes.c_void_p * max(1, len(ext)))(*[t.data_ptr() for t in ext])
+    lib = ctypes.CDLL(cfg["so"])
+    f = lib.kiln_cutlass_run
+    f.restype = ctypes.c_int
+    f.argtypes = [ctypes.c_int64] * 4 + [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64] * 2 \
+        + [ctypes.c_void_p] * 5
+    w = lib.kiln_cutlass_workspace
+    w.restype = ctypes.c_size_t
+    w.argtypes = [ctypes.c_int64] * 4
+    ws = torch.empty(max(1, w(m, n, k, max(nb, 1))), dtype=torch.uint8, device="cuda")
+    lda = a.stride(1) if spec["layout_a"] == "n" else a.stride(2)
+    ldb = b.stride(1) if spec["layout_b"] == "n" else b.stride(2)
+    ref = evaluate_torch(tree, want, ops, m, n).float()
+
+    def run():
+        rc = f(m, n, k, max(nb, 1), a.data_ptr(), lda, a.stride(0), b.data_ptr(), ldb,
+               b.stride(0), src.data_ptr() if src is not None else None, out.data_ptr(),
+               ctypes.addressof(ptrs), ws.data_ptr(), torch.cuda.current_stream().cuda_stream)
+        if rc:
+            raise RuntimeError(f"kiln_cutlass_run returned {rc}")
+
+    def check():
+        return float((out.float() - ref).abs().max())
+    return run, check
 
 
 def _graphed(run):

@@ -36,12 +36,17 @@ class Choice:
     timings: dict = field(default_factory=dict)
     dropped: tuple = ()  # (candidate, reason) of candidates that crashed, hung or were wrong
     tune_seconds: float = 0.0
+    #: CUDA: whether CUTLASS candidates fuse the GEMM's absorbed epilogue ("cutlass fuses
+    #: evt ...") or why not ("cutlass: epilogue ... stays a separate kernel: ..."); "" when
+    #: there is no epilogue or CUTLASS is not a candidate
+    epilogue: str = ""
 
     def to_json(self) -> dict:
         return {"backend": self.backend, "config": self.config, "how": self.how,
                 "problem": self.problem, "tune_seconds": round(self.tune_seconds, 3),
                 "timings": {b: [[n, s] for n, s in v] for b, v in self.timings.items()},
-                "dropped": [list(d) for d in self.dropped]}
+                "dropped": [list(d) for d in self.dropped],
+                **({"epilogue": self.epilogue} if self.epilogue else {})}
 
 
 def allowed_backends(opts: Options, device: str) -> tuple[str, ...]:
@@ -107,9 +112,12 @@ def _profile_cpu(problem: GemmProblem, sizes, allowed, opts: Options, tc) -> tup
     return choice, results
 
 
-def choose_gemms(steps, symbols, opts: Options, device: str = "cpu", tc=None) -> dict[str, Choice]:
+def choose_gemms(steps, symbols, opts: Options, device: str = "cpu", tc=None,
+                 outputs: set[str] | None = None) -> dict[str, Choice]:
     """Gemm name -> Choice for every `L.Gemm` in `steps`. `symbols`: the graph's symbols (name,
-    min, max, example); `tc`: the C++ toolchain (CPU profiling builds its driver with it)."""
+    min, max, example); `tc`: the C++ toolchain (CPU profiling builds its driver with it);
+    `outputs` (CUDA): the buffers that must be stored, to find each GEMM's absorbed epilogue
+    (schedule/gemm_fuse.py), which CUTLASS candidates fuse when it maps to a visitor tree."""
     allowed = allowed_backends(opts, device)
     ranges = {s.name: (s.min, s.max) for s in symbols}
     env = {s.name: s.example for s in symbols}
@@ -120,7 +128,7 @@ def choose_gemms(steps, symbols, opts: Options, device: str = "cpu", tc=None) ->
         from kiln import config
         root = config.cache_dir()
     out: dict[str, Choice] = {}
-    for g in steps:
+    for i, g in enumerate(steps):
         if not isinstance(g, L.Gemm):
             continue
         if g.lowp is not None:  # 8-bit float / int8 operands: cuBLASLt is the one backend
@@ -128,12 +136,14 @@ def choose_gemms(steps, symbols, opts: Options, device: str = "cpu", tc=None) ->
                                  f"{g.lowp.kind} {g.lowp.a_dtype}x{g.lowp.b_dtype}->{g.dtype} "
                                  f"m={g.m} n={g.n} k={g.k}")
             continue
-        problem = problem_of(g, ranges)
         sizes = (int(evaluate(_prod(g.batch), env)), int(evaluate(g.m, env)),
                  int(evaluate(g.n, env)), int(evaluate(g.k, env)))
         if dev != "cpu":
-            out[g.name] = _choose_cuda(g, problem, sizes, allowed, opts, root)
+            evt = _evt(steps, i, outputs)
+            problem = problem_of(g, ranges, getattr(evt, "key", ""))
+            out[g.name] = _choose_cuda(g, problem, sizes, allowed, opts, root, evt)
             continue
+        problem = problem_of(g, ranges)
         choice = None
         if opts.max_autotune and tc is not None:
             choice, results = _profile_cpu(problem, sizes, allowed, opts, tc)
@@ -165,9 +175,38 @@ def _cuda_arch(opts: Options) -> tuple[int, bool]:
     return arch, here
 
 
-def _choose_cuda(g: L.Gemm, problem: GemmProblem, sizes, allowed, opts: Options, root: Path
-                 ) -> Choice:
+def _evt(steps, i: int, outputs: set[str] | None):
+    """The visitor tree of GEMM `steps[i]`'s absorbed epilogue (cutlass_evt.Evt), why it has
+    none (cutlass_evt.EvtRefusal), or None when it absorbs no epilogue."""
+    if outputs is None or steps[i].mixed is not None:  # (int8 operands: the template only)
+        return None
+    from kiln.schedule.gemm_fuse import epilogue_member
+    epi = epilogue_member(steps, i, outputs)
+    if epi is None:
+        return None
+    from kiln.autotune.cutlass_evt import from_epilogue
+    return from_epilogue(steps[i], epi)
+
+
+def _epilogue_note(evt, backends, cands=None) -> str:
+    """The Choice's `epilogue` line: what CUTLASS does with the GEMM's epilogue."""
+    from kiln.autotune.cutlass_evt import Evt
+    if evt is None or "cutlass" not in backends:
+        return ""
+    if not isinstance(evt, Evt):
+        return f"cutlass: {evt.reason}"
+    if cands is not None and not any(c.evt is not None for c in cands):
+        return (f"cutlass: no kernel with a TMA epilogue fits the problem (alignment); the "
+                f"epilogue stays a separate kernel ({evt.key})")
+    return f"cutlass fuses {evt.key}"
+
+
+def _choose_cuda(g: L.Gemm, problem: GemmProblem, sizes, allowed, opts: Options, root: Path,
+                 evt=None) -> Choice:
+    import dataclasses
+
     from kiln.autotune import gpu
+    from kiln.autotune.cutlass_evt import Evt
     backends = gpu.eligible(problem, allowed, opts)
     if not backends and problem.mixed:
         raise UnsupportedError(
@@ -179,12 +218,22 @@ def _choose_cuda(g: L.Gemm, problem: GemmProblem, sizes, allowed, opts: Options,
             f"Options.gemm_backends={tuple(allowed)!r} can compute it on CUDA (the Triton "
             f"template takes {', '.join(gpu.TRITON_DTYPES)}; CUTLASS float16/bfloat16 with at "
             f"most one batch dim, cutlass_library and nvcc); add 'blas'")
+    fuse = evt if isinstance(evt, Evt) else None
+    note = _epilogue_note(evt, backends, gpu.cutlass_candidates(problem, opts, fuse)
+                          if fuse is not None and "cutlass" in backends else None)
+    choice = _choose_cuda_backend(g, problem, sizes, backends, allowed, opts, root, fuse)
+    return dataclasses.replace(choice, epilogue=note)
+
+
+def _choose_cuda_backend(g: L.Gemm, problem: GemmProblem, sizes, backends, allowed,
+                         opts: Options, root: Path, evt) -> Choice:
+    from kiln.autotune import gpu
     arch, here = _cuda_arch(opts)
     dev_id = gpu.device_id(arch)
     if opts.max_autotune and here:
         t0 = time.perf_counter()
         cands, dropped = gpu.candidates(problem, backends, sizes, opts,
-                                        root / "autotune_cutlass")
+                                        root / "autotune_cutlass", evt)
         results, more = gpu.profile(problem, sizes, cands, opts.autotune_timeout_s)
         dropped = list(dropped) + list(more)
         if results:
@@ -205,7 +254,7 @@ def _choose_cuda(g: L.Gemm, problem: GemmProblem, sizes, allowed, opts: Options,
                                problem)
         if choice is not None:
             return choice
-    backend, cfg = gpu.heuristic(problem, backends, sizes, opts)
+    backend, cfg = gpu.heuristic(problem, backends, sizes, opts, evt)
     if not backend:
         raise UnsupportedError(f"GEMM {g.name} ({', '.join(g.source)}, {problem.describe()}): "
                                f"no CUTLASS kernel fits it and no other backend is allowed "

@@ -225,7 +225,7 @@ class _Printer(SizeCheckPrinter):
             raise UnsupportedError(f"mixed-dtype GEMM {g.name} ({', '.join(g.source)}) needs "
                                    "the Triton GEMM template (cuBLAS has no int8 x float GEMM)")
         if g.name in self.cutlass:
-            self._cutlass(g)
+            self._cutlass(g, x.epilogue)
             return
         if len(g.batch) > 2:
             raise NotImplementedError("gemm with more than two batch dims")
@@ -266,8 +266,9 @@ class _Printer(SizeCheckPrinter):
                   f"self->workspace, kc::kWorkspaceBytes, &self->lt_plan[{self.lt_index(g.name)}]"
                   ")) return 1;")
 
-    def _cutlass(self, g) -> None:
-        """The CUTLASS kernel linked for this GEMM (kiln/autotune/cutlass_link.py)."""
+    def _cutlass(self, g, epi=None) -> None:
+        """The CUTLASS kernel linked for this GEMM (kiln/autotune/cutlass_link.py); with `epi`,
+        the kernel fusing it as a visitor tree, which writes the epilogue's buffer."""
         from kiln.autotune.cutlass_link import entry, workspace_entry
         from kiln.autotune.problem import layout
         sz = g.dtype.itemsize
@@ -278,16 +279,32 @@ class _Printer(SizeCheckPrinter):
         sb = to_c(g.b.batch_strides[0]) if g.batch else "0"
         m, n, k = to_c(g.m), to_c(g.n), to_c(g.k)
         kern = self.cutlass[g.name].config["name"]
+        evt = _evt_of(g, epi)
+        key = evt.key if evt is not None else ""
+        out = epi.name if epi is not None else g.name
         self.emit(f"// gemm {g.name} = {g.a.buf} @ {g.b.buf}: CUTLASS {kern}  <- "
                   f"{', '.join(g.source)}")
+        if evt is not None:
+            self.emit(f"//   epilogue {epi.name} fused ({key})  <- {', '.join(epi.source)}")
         self.emit(f"if ({m} > 0 && {n} > 0 && {nb} > 0) {{")
-        self.emit(f"  if ({workspace_entry(kern)}({m}, {n}, {k}, {nb}) > self->cutlass_ws_bytes)")
+        self.emit(f"  if ({workspace_entry(kern, key)}({m}, {n}, {k}, {nb}) > "
+                  "self->cutlass_ws_bytes)")
         self.emit(f"    return e.fail(\"{g.name}: the CUTLASS kernel needs more workspace at these "
                   "sizes than was reserved for the Dim ranges' maxima\");")
-        self.emit(f"  const int rc = {entry(kern)}({m}, {n}, {k}, {nb}, "
+        c_arg, ext_arg = "nullptr", ""
+        if evt is not None:
+            def ptr(o) -> str:
+                return f"(const void*)(buf_{o.buf} + {_DT_SIZE[o.dtype]} * {to_c(o.offset)})"
+            if evt.src is not None:
+                c_arg = ptr(evt.src)
+            self.emit(f"  const void* ext_{g.name}[] = {{{', '.join(ptr(o) for o in evt.ext)}"
+                      f"{'' if evt.ext else 'nullptr'}}};  // "
+                      + ("; ".join(f"{o.role} {o.buf}" for o in evt.ext) or "none"))
+            ext_arg = f"ext_{g.name}, "
+        self.emit(f"  const int rc = {entry(kern, key)}({m}, {n}, {k}, {nb}, "
                   f"(const void*)(buf_{g.a.buf} + {sz} * {to_c(g.a.offset)}), {to_c(lda)}, {sa},")
         self.emit(f"      (const void*)(buf_{g.b.buf} + {sz} * {to_c(g.b.offset)}), {to_c(ldb)}, "
-                  f"{sb}, nullptr, (void*)buf_{g.name}, (void*)self->cutlass_ws, stream);")
+                  f"{sb}, {c_arg}, (void*)buf_{out}, {ext_arg}(void*)self->cutlass_ws, stream);")
         self.emit(f"  if (rc) return e.fail(\"{g.name}: CUTLASS kernel failed (%d: 1 cannot run "
                   "these sizes, 2 initialisation, 3 launch)\", rc);")
         self.emit("}")
@@ -326,6 +343,19 @@ def _plan_block(pr: _Printer, prog: P.Program) -> None:
         pr.emit(line, indent)
 
 
+_DT_SIZE = {"float16": 2, "bfloat16": 2, "float32": 4}
+
+
+def _evt_of(g, epi):
+    """The visitor tree of a fused CUTLASS call (None for a plain one)."""
+    if epi is None:
+        return None
+    from kiln.autotune.cutlass_evt import Evt, from_epilogue
+    evt = from_epilogue(g, epi)
+    assert isinstance(evt, Evt), evt  # gemm_fuse fused it because it maps
+    return evt
+
+
 def _cutlass_parts(prog: P.Program, cutlass: dict) -> tuple[list[str], list[str]]:
     """Declarations of the linked CUTLASS entries, and the instance's workspace allocation
     (the largest any of them needs at the maxima of the Dim ranges)."""
@@ -333,19 +363,23 @@ def _cutlass_parts(prog: P.Program, cutlass: dict) -> tuple[list[str], list[str]
     from kiln.ir.sym import evaluate
     decls, init = [], []
     hi = {s.name: s.max for s in prog.symbols}
-    gemms = {x.gemm.name: x.gemm for x in P.walk(prog.lines) if isinstance(x, P.CallGemm)}
-    kernels = sorted({cutlass[n].config["name"] for n in cutlass if n in gemms})
-    for kern in kernels:
-        decls.append(f'extern "C" size_t {workspace_entry(kern)}(int64_t, int64_t, int64_t, '
+    calls = {x.gemm.name: x for x in P.walk(prog.lines) if isinstance(x, P.CallGemm)}
+    gemms = {n: x.gemm for n, x in calls.items()}
+    keys = {n: (lambda e: e.key if e is not None else "")(_evt_of(x.gemm, x.epilogue))
+            for n, x in calls.items() if n in cutlass}
+    kernels = sorted({(cutlass[n].config["name"], keys[n]) for n in keys})
+    for kern, key in kernels:
+        decls.append(f'extern "C" size_t {workspace_entry(kern, key)}(int64_t, int64_t, int64_t, '
                      "int64_t);")
-        decls.append(f'extern "C" int {entry(kern)}(int64_t, int64_t, int64_t, int64_t, '
+        decls.append(f'extern "C" int {entry(kern, key)}(int64_t, int64_t, int64_t, int64_t, '
                      "const void*, int64_t, int64_t, const void*, int64_t, int64_t, const void*, "
-                     "void*, void*, CUstream);")
-    for name in sorted(n for n in cutlass if n in gemms):
+                     f"void*, {'const void* const*, ' if key else ''}void*, CUstream);")
+    for name in sorted(keys):
         g = gemms[name]
         sizes = [min(evaluate(e, hi), 2**31 - 1) for e in (g.m, g.n, g.k)] + \
             [min(evaluate(g.batch[0], hi), 2**31 - 1) if g.batch else 1]  # CUTLASS's int
-        init.append(f"  {{ const size_t w = {workspace_entry(cutlass[name].config['name'])}"
+        ws = workspace_entry(cutlass[name].config['name'], keys[name])
+        init.append(f"  {{ const size_t w = {ws}"
                     f"({', '.join(map(str, sizes))});  // {name} at the ranges' maxima")
         init.append("    if (w > self->cutlass_ws_bytes) self->cutlass_ws_bytes = w; }")
     if init:

@@ -45,7 +45,7 @@ import sympy
 
 from kiln.ir.dtypes import DType
 from kiln.ir.graph import SymbolRange
-from kiln.ir.loop import AtenCall, Extern, Gemm, ReadSize, UserKernel, node_reads
+from kiln.ir.loop import AtenCall, Compute, Extern, Gemm, ReadSize, UserKernel, loads, node_reads
 from kiln.ir.sym import free_size_symbols
 
 
@@ -133,6 +133,9 @@ class CallKernel:
 @dataclass(frozen=True)
 class CallGemm:
     gemm: Gemm
+    #: fused into the GEMM's kernel (a CUTLASS epilogue visitor tree): the pointwise Compute
+    #: reading the GEMM's result; the call then writes `epilogue.name`, never `gemm.name`
+    epilogue: Compute | None = None
 
 
 @dataclass(frozen=True)
@@ -308,7 +311,9 @@ def _fmt(line: Line) -> str:
         if g.mixed is not None:
             lp += f" mixed({g.mixed.side}={g.mixed.qdtype.name}" + "".join(
                 f", scale=%{b}" for b in g.mixed.reads()) + ")"
-        return (f"gemm %{g.name} = %{g.a.buf} @ %{g.b.buf}{lp}  batch={list(g.batch)} "
+        epi = "" if line.epilogue is None else f"%{line.epilogue.name} = epilogue(" + ", ".join(
+            f"%{b}" for b in _epilogue_reads(line)) + ") of "
+        return (f"gemm {epi}%{g.name} = %{g.a.buf} @ %{g.b.buf}{lp}  batch={list(g.batch)} "
                 f"m={g.m} n={g.n} k={g.k}  # {', '.join(g.source)}")
     if isinstance(line, CallLib):
         from kiln.ir.loop_text import lib_text
@@ -360,11 +365,22 @@ class ProgramError(ValueError):
     pass
 
 
+def _epilogue_reads(line: CallGemm) -> list[str]:
+    """Buffers a fused epilogue reads besides the GEMM's result."""
+    out: list[str] = []
+    for ld in loads(line.epilogue.body):
+        if ld.buf != line.gemm.name and ld.buf not in out:
+            out.append(ld.buf)
+    return out
+
+
 def _uses(line: Line) -> list[str]:
     if isinstance(line, CallKernel):
         return [n for k, n in line.args if k != "size"]
     if isinstance(line, CallGemm):
         g = line.gemm
+        if line.epilogue is not None:
+            return [g.a.buf, g.b.buf, *_epilogue_reads(line), line.epilogue.name]
         return [g.a.buf, g.b.buf, *g.extra_reads(), g.name]
     if isinstance(line, CallLib):
         return [a.buf for a in line.call.args] + list(line.call.outs)

@@ -1,4 +1,5 @@
-"""CUDA: GEMMs that a generated kernel computes (the Triton template), with their epilogue.
+"""CUDA: GEMMs that a generated kernel computes (the Triton template, or a CUTLASS kernel
+with an epilogue visitor tree), with their epilogue.
 
 Input: the schedule (steps), the autotuning choice per GEMM and the buffers that must be
 stored (program outputs and new state values). Output: new steps where each GEMM whose choice
@@ -86,10 +87,42 @@ class GemmKernel:
             [("size", s.name) for s in sorted(syms, key=lambda s: s.name)]
 
 
+@dataclass(frozen=True)
+class CutlassGemm:
+    """A GEMM computed by a CUTLASS kernel with `epilogue` fused as an epilogue visitor tree
+    (kiln/autotune/cutlass_evt.py; the same absorption rule as the Triton template's);
+    `config`: the autotuning choice's config (the kernel's name and the tree's key)."""
+
+    gemm: L.Gemm
+    epilogue: L.Compute
+    config: dict
+
+    @property
+    def name(self) -> str:
+        return self.gemm.name
+
+    @property
+    def out(self) -> str:
+        return self.epilogue.name
+
+    @property
+    def source(self) -> tuple[str, ...]:
+        return self.gemm.source + tuple(s for s in self.epilogue.source
+                                        if s not in self.gemm.source)
+
+    def reads(self) -> list[str]:
+        out = [self.gemm.a.buf] + ([self.gemm.b.buf] if self.gemm.b.buf != self.gemm.a.buf
+                                   else [])
+        for ld in L.loads(self.epilogue.body):
+            if ld.buf != self.gemm.name and ld.buf not in out:
+                out.append(ld.buf)
+        return out
+
+
 def _step_reads(step) -> set[str]:
     if isinstance(step, Kernel):
         return {ld.buf for m in step.members for ld in L.loads(m.body)}
-    if isinstance(step, GemmKernel):
+    if isinstance(step, (GemmKernel, CutlassGemm)):
         return set(step.reads())
     return set(L.node_reads(step))
 
@@ -140,7 +173,7 @@ def epilogue_of(g: L.Gemm, m: L.Compute) -> bool:
 def _step_writes(step) -> set[str]:
     if isinstance(step, Kernel):
         return {m.name for m in step.members}
-    if isinstance(step, GemmKernel):
+    if isinstance(step, (GemmKernel, CutlassGemm)):
         return {step.out}
     return set(L.node_writes(step))
 
@@ -176,28 +209,50 @@ def _find_epilogue(steps: list, i: int, outputs: set[str]) -> tuple[int, int] | 
     return j, pos
 
 
+def epilogue_member(steps, i: int, outputs: set[str]) -> L.Compute | None:
+    """The member that GEMM `steps[i]` would absorb as its epilogue (what the autotuner
+    profiles fused candidates with), or None."""
+    found = _find_epilogue(list(steps), i, outputs)
+    return None if found is None else steps[found[0]].members[found[1]]
+
+
+def _fused_evt(g: L.Gemm, epi: L.Compute | None, config: dict) -> bool:
+    """A "cutlass" choice made for a fused epilogue still matches the member found here."""
+    if epi is None or "evt" not in config:
+        return False
+    from kiln.autotune.cutlass_evt import Evt, from_epilogue
+    evt = from_epilogue(g, epi)
+    return isinstance(evt, Evt) and evt.key == config["evt"]
+
+
 def fuse_gemms(steps: tuple, choices: dict, outputs: set[str]) -> tuple:
     """`choices`: GEMM name -> autotune Choice; `outputs`: buffers that must be stored
-    (program outputs and new state values)."""
+    (program outputs and new state values). "triton" GEMMs become `GemmKernel`s (with their
+    epilogue when one is found); "cutlass" GEMMs whose choice fused an epilogue (config key
+    "evt") become `CutlassGemm`s when that epilogue is still found, else stay plain GEMMs
+    (the plain kernel of the same name; the epilogue stays in its kernel)."""
     steps = list(steps)
     i = 0
     while i < len(steps):
         s = steps[i]
         c = choices.get(s.name) if isinstance(s, L.Gemm) else None
-        if c is None or c.backend != "triton":
+        if c is None or c.backend not in ("triton", "cutlass"):
             i += 1
             continue
         found = _find_epilogue(steps, i, outputs)
-        epi = None
+        epi = None if found is None else steps[found[0]].members[found[1]]
+        if c.backend == "cutlass" and not _fused_evt(s, epi, c.config):
+            i += 1
+            continue
         if found is not None:
             j, pos = found
             k = steps[j]
-            epi = k.members[pos]
             rest = k.members[:pos] + k.members[pos + 1:]
             if rest:
                 steps[j] = Kernel(k.name, k.outer, rest, k.locals, k.row_locals)
             else:
                 del steps[j]
-        steps[i] = GemmKernel(s, epi, dict(c.config))
+        steps[i] = GemmKernel(s, epi, dict(c.config)) if c.backend == "triton" else \
+            CutlassGemm(s, epi, dict(c.config))
         i += 1
     return tuple(steps)

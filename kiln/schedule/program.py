@@ -19,7 +19,7 @@ from kiln.ir.graph import Graph
 from kiln.ir.sym import unbacked_symbol
 from kiln.memory.inplace import choose_reuse
 from kiln.schedule import Kernel, Step
-from kiln.schedule.gemm_fuse import GemmKernel
+from kiln.schedule.gemm_fuse import CutlassGemm, GemmKernel
 
 
 def input_lines(graph: Graph) -> list[P.Line]:
@@ -67,7 +67,7 @@ def input_lines(graph: Graph) -> list[P.Line]:
 
 
 def _reads_writes(step: Step, buffers) -> tuple[list[str], list[str]]:
-    if isinstance(step, GemmKernel):
+    if isinstance(step, (GemmKernel, CutlassGemm)):
         return step.reads(), [step.out]
     if isinstance(step, L.CONTROL):
         return list(step.reads), list(step.writes)
@@ -110,6 +110,8 @@ def build_program(graph: Graph, prog: L.LoopProgram, steps: tuple[Step, ...],
                                      reuse=reuse.get(b)))
         if isinstance(step, L.Gemm):
             lines.append(P.CallGemm(step))
+        elif isinstance(step, CutlassGemm):
+            lines.append(P.CallGemm(step.gemm, step.epilogue))
         elif isinstance(step, GemmKernel):
             members = (step.gemm.name,) + ((step.epilogue.name,) if step.epilogue else ())
             lines.append(P.CallKernel(step.name, tuple(step.params()), step.status, members,
