@@ -213,11 +213,35 @@ def _built(tmp_path, act, dt=torch.float16):
     import kiln
     torch.manual_seed(0)
     b = torch.export.Dim("b", min=1, max=256)
-    ep = torch.export.export(_Lin(act).to(dt), (torch.randn(16, 64, dtype=dt),
-                                                torch.randn(16, 32, dtype=dt)),
+    m = _Lin(act).to(dt)
+    ep = torch.export.export(m, (torch.randn(16, 64, dtype=dt), torch.randn(16, 32, dtype=dt)),
                              dynamic_shapes={"x": {0: b}, "r": {0: b}})
     opts = Options(cuda_archs=(90,), gemm_backends=("blas",), cache_dir=str(tmp_path))
-    return kiln.compile(ep, device="cuda", options=opts).built
+    return kiln.compile(ep, device="cuda", options=opts).built, m
+
+
+@pytest.mark.parametrize("act,dt", [("gelu", torch.float16), ("relu6", torch.bfloat16)])
+def test_fused_program_matches_eager(tmp_path, act, dt):
+    """The fused step's semantics (the tree's torch twin, as the Python printer runs it)
+    against eager: the frontend's GELU / clamp forms, bias as a column vector, the residual as
+    C, the float32 cast."""
+    from kiln.autotune.select import choose_gemms
+    from kiln.codegen.triton_py import run_program
+    from kiln.schedule.gemm_fuse import CutlassGemm, fuse_gemms
+    from kiln.schedule.program import build_program
+    b, module = _built(tmp_path, act, dt)
+    keep = set(b.loop.outputs)
+    opts = Options(cuda_archs=(90,), gemm_backends=("cutlass",), cache_dir=str(tmp_path))
+    fused = fuse_gemms(b.steps, choose_gemms(b.steps, b.graph.symbols, opts, "cuda",
+                                             outputs=keep), keep)
+    assert [type(s) for s in fused] == [CutlassGemm]
+    prog = build_program(b.graph, b.loop, fused, b.program.weights, False)
+    torch.manual_seed(3)
+    x, r = torch.randn(37, 64, dtype=dt) * 2, torch.randn(37, 32, dtype=dt)
+    (got,) = run_program(prog, {}, None, b.weights, [x, r])
+    want = module(x, r)
+    assert got.dtype == want.dtype == torch.float32
+    torch.testing.assert_close(got.reshape(want.shape), want, rtol=2e-2, atol=2e-2)
 
 
 def test_frontend_gelu_choice_fuses_and_wrapper_passes_operands(tmp_path):
@@ -230,7 +254,7 @@ def test_frontend_gelu_choice_fuses_and_wrapper_passes_operands(tmp_path):
     from kiln.pipeline_cuda import toolchain
     from kiln.schedule.gemm_fuse import CutlassGemm, fuse_gemms
     from kiln.schedule.program import build_program
-    b = _built(tmp_path, "gelu")
+    b, _ = _built(tmp_path, "gelu")
     keep = set(b.loop.outputs)
     steps = [s for s in b.steps if not isinstance(s, CutlassGemm)]
     opts = Options(cuda_archs=(90,), gemm_backends=("cutlass",), cache_dir=str(tmp_path))
@@ -263,7 +287,7 @@ def test_unexpressible_epilogue_is_reported_and_stays_a_kernel(tmp_path):
     from kiln.autotune.select import choose_gemms
     from kiln.schedule import Kernel
     from kiln.schedule.gemm_fuse import fuse_gemms
-    b = _built(tmp_path, "where")
+    b, _ = _built(tmp_path, "where")
     keep = set(b.loop.outputs)
     opts = Options(cuda_archs=(90,), gemm_backends=("cutlass",), cache_dir=str(tmp_path))
     got = choose_gemms(b.steps, b.graph.symbols, opts, "cuda", outputs=keep)

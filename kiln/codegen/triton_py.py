@@ -6,8 +6,9 @@ on CPU in CI.
 Input: the planned Program, the `TritonKernel`s by name, the Triton module text, the weights
 (name -> tensor) and the flat user inputs. Output: the flat outputs. Invariants: buffers are
 fresh tensors (no arena: this checks kernels, not the plan), GEMMs run as torch.matmul on
-strided views of the same operands cuBLAS would see, a kernel's status flag raises an
-IndexError naming its graph nodes."""
+strided views of the same operands cuBLAS would see (a CUTLASS GEMM with a fused epilogue
+then applies the visitor tree's torch twin), a kernel's status flag raises an IndexError
+naming its graph nodes."""
 
 from __future__ import annotations
 
@@ -91,6 +92,18 @@ def _strided(buf: torch.Tensor, op, batch, rows, cols, env) -> torch.Tensor:
     sizes = [ev(b) for b in batch] + [ev(rows), ev(cols)]
     strides = [ev(s) for s in op.batch_strides] + [ev(op.rows), ev(op.cols)]
     return torch.as_strided(buf, sizes, strides, ev(op.offset))
+
+
+def _fused_epilogue(x: P.CallGemm, acc: torch.Tensor, bufs, env) -> torch.Tensor:
+    """The fused epilogue of a CUTLASS call, by the visitor tree's torch twin
+    (kiln/autotune/cutlass_evt.py: evaluate_torch) on the float32 product `acc`."""
+    from kiln.autotune.cutlass_evt import evaluate_torch, from_epilogue
+    evt = from_epilogue(x.gemm, x.epilogue)
+    m, n = acc.shape[-2], acc.shape[-1]
+    size = {"src": acc.numel(), "col": n, "row": m, "scalar": 1}
+    ops = [bufs[o.buf].reshape(-1)[evaluate(o.offset, env):][:size[o.role]]
+           for o in evt.operands]
+    return evaluate_torch(evt.to_json(), acc.reshape(-1, m, n), ops, m, n)
 
 
 def _sm_count(device: str) -> int:
@@ -178,8 +191,13 @@ def run_program(prog: P.Program, kernels: dict, module, weights: dict, inputs: l
             g = x.gemm
             a = _strided(bufs[g.a.buf].reshape(-1), g.a, g.batch, g.m, g.k, env)
             b = _strided(bufs[g.b.buf].reshape(-1), g.b, g.batch, g.k, g.n, env)
-            out = bufs[g.name].reshape(-1)
-            out[:a.shape[:-1].numel() * b.shape[-1]].copy_(torch.matmul(a, b).reshape(-1))
+            if x.epilogue is not None:  # a CUTLASS kernel with a fused visitor tree
+                out = bufs[x.epilogue.name].reshape(-1)
+                res = _fused_epilogue(x, torch.matmul(a.float(), b.float()), bufs, env)
+            else:
+                out = bufs[g.name].reshape(-1)
+                res = torch.matmul(a, b)
+            out[:a.shape[:-1].numel() * b.shape[-1]].copy_(res.reshape(-1))
         elif isinstance(x, P.CopyState):
             bufs[x.dst].reshape(-1).copy_(bufs[x.src].reshape(-1)[:bufs[x.dst].numel()])
         elif isinstance(x, P.Return):
