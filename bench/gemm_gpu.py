@@ -2,11 +2,15 @@
 (kiln/autotune/triton_gemm.py, every config of its space) and CUTLASS sm_90 kernels
 (kiln/autotune/cutlass.py, shared libraries built ahead of time with nvcc) - for a sweep of
 square and skinny fp16/bf16 shapes, and GEMM + epilogue chains fused into the Triton template
-vs unfused cuBLAS + eager pointwise. Every candidate's result is checked against torch.mm
-(a wrong one is dropped); the pick is the fastest correct candidate; autotuning time is the
-wall time to compile and time all candidates of one GEMM.
+and into CUTLASS kernels (the epilogue as a visitor tree, kiln/autotune/cutlass_evt.py; the
+first --evt-configs kernels with a TMA epilogue, compiled with nvcc into --cache) vs unfused
+cuBLAS + eager pointwise. Every candidate's result is checked against torch.mm (a wrong one
+is dropped; fused ones against the tree's torch twin); the pick is the fastest correct
+candidate; autotuning time is the wall time to compile and time all candidates of one GEMM.
 
-    python bench/gemm_gpu.py [--cutlass-dir DIR] [--json out.json] [--markdown out.md]
+    python bench/gemm_gpu.py [--cutlass-dir DIR] [--evt-configs 2] [--json out.json]
+                             [--markdown out.md]
+    python bench/gemm_gpu.py --prebuild   # only compile the fused CUTLASS kernels (no GPU)
 """
 
 from __future__ import annotations
@@ -19,11 +23,8 @@ import time
 from pathlib import Path
 
 import torch
-import triton
-from triton.testing import do_bench
 
 from kiln.autotune import triton_gemm as T
-from kiln.toolchain.triton_aot import import_module
 
 SQUARE = [1024, 2048, 4096, 8192]
 SKINNY = [(16, 4096, 4096), (64, 4096, 4096), (128, 8192, 1024), (64, 1024, 1024),
@@ -35,11 +36,52 @@ CHAINS = [(4096, 4096, 4096, "gelu"), (2048, 8192, 2048, "relu"), (64, 4096, 409
 
 
 def _kernel(cache):
+    from kiln.toolchain.triton_aot import import_module
     return import_module(T.SOURCE, Path(cache)).kiln_gemm
+
+
+def do_bench(fn):
+    from triton.testing import do_bench as bench
+    return bench(fn)
+
+
+def chain_evt(act: str, dtype: str):
+    """The visitor tree of `act(A @ B + bias) + 0.5 * R` (what kiln derives from the Loop IR
+    of that chain: the product rounded to the GEMM's dtype, bias a vector over N, R as C)."""
+    from kiln.autotune.cutlass_evt import Evt, Node, Operand
+    x = Node("compute", "add", (Node("compute", "identity", (Node("acc"),), dtype),
+                                Node("col", operand=0)))
+    f = Node("compute", "clamp", (x,), params=(0.0, 6.0)) if act == "relu6" else \
+        Node("compute", act, (x,))
+    res = Node("compute", "mul", (Node("src", operand=1), Node("const", value=0.5)))
+    return Evt(Node("compute", "add", (f, res), dtype),
+               (Operand("col", "bias", 0, dtype, 8), Operand("src", "r", 0, dtype)), dtype,
+               dtype)
+
+
+def evt_kernels(acts, dtypes, configs: int, cache: Path) -> dict:
+    """(act, dtype) -> [(kernel name, .so path or nvcc's error, tree)]: the first `configs`
+    CUTLASS kernels fusing each chain's tree, compiled in parallel (cached by content)."""
+    from kiln.autotune import cutlass
+    from kiln.autotune.problem import GemmProblem
+    from kiln.options import Options
+    todo, srcs = {}, {}
+    for act in acts:
+        for dt in dtypes:
+            evt = chain_evt(act, dt)
+            p = GemmProblem(dt, (), 4096, 4096, 4096, "n", "n", 16, evt.key)
+            cands = cutlass.enumerate_candidates(
+                p, Options(cutlass_max_profiling_configs=configs), evt=evt)
+            todo[(act, dt)] = [(f"{c.name}_{act}_{dt}", c.name, evt) for c in cands]
+            srcs.update({key: cutlass.render(c) for (key, _, _), c in zip(todo[(act, dt)],
+                                                                           cands)})
+    built = cutlass.compile_all(srcs, cache / "cutlass_evt", shared=True) if srcs else {}
+    return {k: [(name, built[key], evt) for key, name, evt in v] for k, v in todo.items()}
 
 
 def triton_call(kern, a, b, c, cfg, bias=None, act="none", res=None, scale=1.0, sms=132,
                 quant="", col_scale=None):
+    import triton
     M, K = a.shape
     N = b.shape[1]
     tiles = triton.cdiv(M, cfg.block_m) * triton.cdiv(N, cfg.block_n)
@@ -131,7 +173,22 @@ def tune(m, n, k, layout, dtype, kern, cutlass, sms):
             "dropped": dropped}
 
 
-def chain(m, n, k, act, dtype, kern, sms):
+def _cutlass_fused(a, b, bias, r, evt, so):
+    """(run, max error) of a CUTLASS kernel fusing the chain (gpu.py's fused-candidate runner,
+    here fed the chain's own operands: `bias` as the column vector, `r` as C)."""
+    from kiln.autotune.gpu import _fused_cutlass
+    m, k = a.shape
+    n = b.shape[1]
+    want = torch.matmul(a.float(), b.float())[None]
+    cfg = {"so": str(so), "evt_tree": evt.to_json()}
+    run, check = _fused_cutlass(cfg, a[None], b[None], want, {"layout_a": "n", "layout_b": "n"},
+                                1, m, n, k, operands=[bias, r[None]])
+    run()
+    torch.cuda.synchronize()
+    return run, check()
+
+
+def chain(m, n, k, act, dtype, kern, sms, fused_cutlass=()):
     a = torch.randn(m, k, device="cuda", dtype=dtype)
     b = torch.randn(k, n, device="cuda", dtype=dtype)
     bias = torch.randn(n, device="cuda", dtype=dtype)
@@ -155,10 +212,28 @@ def chain(m, n, k, act, dtype, kern, sms):
         if best is None or ms < best[0]:
             best = (ms, cfg.name)
     base = do_bench(unfused)
+    cl, dropped = None, []
+    for name, so, evt in fused_cutlass:
+        if not isinstance(so, Path):
+            dropped.append((name, so[-200:]))
+            continue
+        try:
+            run, err = _cutlass_fused(a, b, bias, r, evt, so)
+            if err > 2e-2 * math.sqrt(k) * max(1.0, float(want.abs().max()) ** 0.5):
+                dropped.append((name, f"wrong answer: max error {err:g}"))
+                continue
+            ms = do_bench(run)
+        except Exception as e:  # noqa: BLE001 - a kernel that cannot run this problem
+            dropped.append((name, f"{type(e).__name__}: {str(e)[:80]}"))
+            continue
+        if cl is None or ms < cl[0]:
+            cl = (ms, name)
     return {"chain": f"{m}x{n}x{k} +bias {act} +0.5*res", "dtype": str(dtype).split(".")[-1],
             "unfused_ms": base, "fused_ms": best[0] if best else None,
             "config": best[1] if best else None,
-            "speedup": base / best[0] if best else None}
+            "speedup": base / best[0] if best else None,
+            "cutlass_fused_ms": cl[0] if cl else None, "cutlass_config": cl[1] if cl else None,
+            "cutlass_speedup": base / cl[0] if cl else None, "cutlass_dropped": dropped}
 
 
 def main(argv=None):
@@ -168,7 +243,19 @@ def main(argv=None):
     ap.add_argument("--markdown", default=None)
     ap.add_argument("--cache", default="/tmp/kiln_gemm_gpu")
     ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--evt-configs", type=int, default=2,
+                    help="CUTLASS kernels fusing each chain's epilogue (0: none)")
+    ap.add_argument("--prebuild", action="store_true",
+                    help="only compile the fused CUTLASS kernels into --cache (no GPU needed)")
     args = ap.parse_args(argv)
+    acts = sorted({c[3] for c in CHAINS})
+    names = ("float16", "bfloat16")
+    evts = evt_kernels(acts, names, args.evt_configs, Path(args.cache)) \
+        if args.evt_configs else {}
+    if args.prebuild:
+        for key, ks in evts.items():
+            print(key, [(n, str(so)) for n, so, _ in ks])
+        return
     kern = _kernel(args.cache)
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     cutlass = [Cutlass(p) for p in sorted(Path(args.cutlass_dir).glob("*.so"))] \
@@ -190,18 +277,21 @@ def main(argv=None):
             dump()
     for m, n, k, act in CHAINS:
         for dtype in (torch.float16, torch.bfloat16):
-            r = chain(m, n, k, act, dtype, kern, sms)
+            r = chain(m, n, k, act, dtype, kern, sms,
+                      evts.get((act, str(dtype).split(".")[-1]), ()))
             chains.append(r)
             print(json.dumps(r), flush=True)
             dump()
     sp = [r["speedup_vs_cublas"] for r in rows]
     tri = [r["tflops"].get("triton", 0) / r["tflops"]["cublas"] for r in rows]
     ch = [r["speedup"] for r in chains if r["speedup"]]
+    chc = [r["cutlass_speedup"] for r in chains if r.get("cutlass_speedup")]
 
     def geo(xs):
         return math.exp(sum(math.log(x) for x in xs) / len(xs)) if xs and all(xs) else 0.0
     out["geomean"] = {"pick_vs_cublas": geo(sp), "triton_alone_vs_cublas": geo(tri),
-                      "fused_chain_vs_unfused": geo(ch)}
+                      "fused_chain_vs_unfused": geo(ch),
+                      "cutlass_fused_chain_vs_unfused": geo(chc)}
     print(json.dumps(out["geomean"]))
     dump()
     if args.markdown:
@@ -217,15 +307,17 @@ def main(argv=None):
                 f"{t.get('triton', 0):.0f} ({cfg.get('triton', '-')}) | "
                 f"{t.get('cutlass', 0):.0f}{cl} | {r['pick']} | {r['speedup_vs_cublas']:.2f}x | "
                 f"{r['tune_s']:.1f} |")
-        lines += ["", "| chain | dtype | unfused cuBLAS + eager ms | fused Triton ms | speedup |",
-                  "| --- | --- | --- | --- | --- |"]
+        lines += ["", "| chain | dtype | unfused cuBLAS + eager ms | fused Triton ms | speedup "
+                  "| fused CUTLASS (EVT) ms | speedup |", "|---" * 7 + "|"]
         for r in chains:
             lines.append(f"| {r['chain']} | {r['dtype']} | {r['unfused_ms']:.3f} | "
-                         f"{r['fused_ms'] or 0:.3f} | {r['speedup'] or 0:.2f}x |")
+                         f"{r['fused_ms'] or 0:.3f} | {r['speedup'] or 0:.2f}x | "
+                         f"{r['cutlass_fused_ms'] or 0:.3f} | {r['cutlass_speedup'] or 0:.2f}x |")
         g = out["geomean"]
         lines += ["", f"Geometric means: pick / cuBLAS {g['pick_vs_cublas']:.2f}x, Triton alone / "
                   f"cuBLAS {g['triton_alone_vs_cublas']:.2f}x, fused chain / unfused "
-                  f"{g['fused_chain_vs_unfused']:.2f}x"]
+                  f"{g['fused_chain_vs_unfused']:.2f}x (Triton), "
+                  f"{g['cutlass_fused_chain_vs_unfused']:.2f}x (CUTLASS EVT)"]
         Path(args.markdown).write_text("\n".join(lines) + "\n")
 
 

@@ -1,7 +1,8 @@
 """Builds, on a machine without a GPU, the CUTLASS objects (.o, linked into packages) and
 shared libraries (.so, profiled by max_autotune) that bench/gemm_link.py and
 tests/test_autotune_gpu.py will ask for, into $KILN_CACHE_DIR: the GPU machine then finds
-them by content hash instead of spending its time in nvcc.
+them by content hash instead of spending its time in nvcc. GEMMs whose epilogue maps to a
+visitor tree (kiln/autotune/cutlass_evt.py) get the fused kernels as well.
 
     KILN_CACHE_DIR=build/gpucache python scripts/prebuild_cutlass.py [max configs]
 """
@@ -16,8 +17,10 @@ import torch
 import kiln
 from kiln import config
 from kiln.autotune import cutlass
+from kiln.autotune.cutlass_evt import Evt
 from kiln.autotune.cutlass_link import _tag, source_for
 from kiln.autotune.problem import problem_of
+from kiln.autotune.select import _evt
 from kiln.ir import loop as L
 from kiln.models import ALL_MODELS
 from kiln.models.zoo import in_dtype
@@ -41,6 +44,18 @@ def programs():
                                            torch.randn(3, 72, 24, dtype=dt)))
     lin = torch.nn.Linear(512, 512).half()
     yield torch.export.export(lin, (torch.randn(256, 512).half(),))
+    # tests/test_autotune_gpu.py's Linear + epilogue models (same structure and sizes)
+    for act in ("none", "relu", "gelu"):
+        yield torch.export.export(_Linear(256, 128, act).half(), (
+            torch.randn(64, 256).half(), torch.randn(64, 128).half()),
+            dynamic_shapes={"x": {0: b}, "r": {0: b}})
+    yield torch.export.export(_Linear(512, 512, "gelu").half(), (
+        torch.randn(256, 512).half(), torch.randn(256, 512).half()))
+    bb = torch.export.Dim("b", min=1, max=512)
+    for dt in (torch.float16, torch.bfloat16):
+        yield torch.export.export(_Fused(256, 128).to(dt), (
+            torch.randn(64, 256, dtype=dt), torch.randn(64, 128, dtype=dt)),
+            dynamic_shapes={"x": {0: bb}, "r": {0: bb}})
 
 
 class _Bmm(torch.nn.Module):
@@ -48,23 +63,59 @@ class _Bmm(torch.nn.Module):
         return torch.relu(torch.bmm(a, b))
 
 
+ACTS = {"none": lambda x: x, "relu": torch.relu, "gelu": torch.nn.functional.gelu}
+FUSED = [lambda y, r: y, lambda y, r: torch.relu(y), lambda y, r: torch.clamp(y, 0, 6),
+         lambda y, r: torch.nn.functional.gelu(y), lambda y, r: y + 0.5 * r,
+         lambda y, r: torch.relu(y).float()]  # tests/test_autotune_gpu.py: FUSED, in order
+
+
+class _Linear(torch.nn.Module):
+    def __init__(self, k, n, act):
+        super().__init__()
+        self.l = torch.nn.Linear(k, n)
+        self.act = act
+
+    def forward(self, x, r):
+        return (ACTS[self.act](self.l(x)) + r).float(), x @ self.l.weight.t()
+
+
+class _Fused(torch.nn.Module):
+    def __init__(self, k, n):
+        super().__init__()
+        self.ls = torch.nn.ModuleList(torch.nn.Linear(k, n) for _ in FUSED)
+
+    def forward(self, x, r):
+        return tuple(f(lin(x), r) for lin, f in zip(self.ls, FUSED))
+
+
 def main():
     n = int(sys.argv[1]) if len(sys.argv) > 1 else 1
     opts = Options(cuda_archs=(90,), gemm_backends=("blas",), cutlass_max_profiling_configs=n)
     root = config.cache_dir()
-    names = {}
+    names, fused = {}, {}
     for ep in programs():
         b = kiln.compile(ep, device="cuda", options=opts).built
         ranges = {s.name: (s.min, s.max) for s in b.graph.symbols}
-        for g in L.flat_steps(b.steps):
+        keep = set(b.loop.outputs)
+        for i, g in enumerate(b.steps):
             if isinstance(g, L.Gemm) and g.dtype.name in ("float16", "bfloat16"):
                 for c in cutlass.enumerate_candidates(problem_of(g, ranges), opts):
                     names[c.name] = c
-    print(len(names), "kernels:", *names, sep="\n  ", flush=True)
+                evt = _evt(b.steps, i, keep)
+                if isinstance(evt, Evt):
+                    p = problem_of(g, ranges, evt.key)
+                    for c in cutlass.enumerate_candidates(p, opts, evt=evt):
+                        fused[(c.name, evt.key)] = c
+    print(len(names), "kernels,", len(fused), "fused:", *names, *fused, sep="\n  ", flush=True)
     so = cutlass.compile_all({k: cutlass.render(c) for k, c in names.items()},
                              root / "autotune_cutlass", shared=True)
-    obj = cutlass.compile_all({f"cutlass_{_tag(k)}": source_for(k) for k in names},
-                              root / "cutlass")
+    for key in sorted({e for _, e in fused}):  # named as gpu.candidates names them
+        so.update({(k, key): v for k, v in cutlass.compile_all(
+            {k: cutlass.render(c) for (k, e), c in fused.items() if e == key},
+            root / "autotune_cutlass", shared=True).items()})
+    obj = cutlass.compile_all({**{f"cutlass_{_tag(k)}": source_for(k) for k in names},
+                               **{f"cutlass_{_tag(k, e)}": source_for(k, evt=c.evt)
+                                  for (k, e), c in fused.items()}}, root / "cutlass")
     bad = [k for k, v in {**so, **obj}.items() if not isinstance(v, Path)]
     print("failed:", bad or "none")
 

@@ -166,3 +166,68 @@ def test_package_max_autotune_all_backends(tmp_path):
     g = [k["gemm"] for k in cm.manifest["kernels"] if "gemm" in k]
     assert g and all(c["how"] == "profiled" for c in g)
     assert all(set(c["timings"]) >= {"blas", "triton"} for c in g)
+
+
+# -- CUTLASS with the epilogue fused as a visitor tree (kiln/autotune/cutlass_evt.py) --------
+
+FUSED = {  # epilogue kind -> (Linear output y, residual r) -> result
+    "bias": lambda y, r: y,
+    "relu": lambda y, r: torch.relu(y),
+    "relu6": lambda y, r: torch.clamp(y, 0, 6),
+    "gelu": lambda y, r: torch.nn.functional.gelu(y),
+    "residual": lambda y, r: y + 0.5 * r,
+    "cast": lambda y, r: torch.relu(y).float(),
+}
+
+
+class _Fused(torch.nn.Module):
+    """One Linear per epilogue kind, all reading x: one package compiles every kind."""
+
+    def __init__(self, k, n):
+        super().__init__()
+        self.ls = torch.nn.ModuleList(torch.nn.Linear(k, n) for _ in FUSED)
+
+    def forward(self, x, r):
+        return tuple(f(lin(x), r) for lin, f in zip(self.ls, FUSED.values()))
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_package_cutlass_fused_epilogues(tmp_path, dtype):
+    """Every epilogue kind under gemm_backends=("cutlass",): each GEMM is one CUTLASS kernel
+    with its epilogue fused (no kiln kernel left), over a dynamic M, against eager."""
+    torch.manual_seed(4)
+    m = _Fused(256, 128).to(dtype).cuda()
+    x, r = torch.randn(64, 256, dtype=dtype).cuda(), torch.randn(64, 128, dtype=dtype).cuda()
+    b = torch.export.Dim("b", min=1, max=512)
+    ep = torch.export.export(m, (x, r), dynamic_shapes={"x": {0: b}, "r": {0: b}})
+    calls = []
+    for rows in (1, 37, 64, 300):
+        xx = torch.randn(rows, 256, dtype=dtype).cuda() * 2
+        rr = torch.randn(rows, 128, dtype=dtype).cuda()
+        calls.append(((xx, rr), m(xx, rr)))
+    tol = 2e-2 if dtype == torch.float16 else 5e-2
+    cm, kinds = _check_pkg(tmp_path, ep, ("cutlass",), calls, tol)
+    gk = [k for k in cm.manifest["kernels"] if k["kind"] == "cutlass_gemm"]
+    assert len(gk) == len(FUSED) and kinds == {"cutlass_gemm"}
+    assert all(len(k["members"]) == 2 and k["epilogue"].startswith("evt ") for k in gk), gk
+    assert not [k for k in cm.manifest["kernels"] if k["kind"] == "triton"]
+
+
+def test_package_max_autotune_profiles_fused_cutlass(tmp_path):
+    """max_autotune profiles the CUTLASS candidates with their epilogue (the child checks
+    them against the tree's torch twin) next to cuBLAS and the template; the package runs
+    whichever wins."""
+    torch.manual_seed(5)
+    m = _Linear(512, 512, "gelu").half().cuda()
+    x, r = torch.randn(256, 512).half().cuda(), torch.randn(256, 512).half().cuda()
+    ep = torch.export.export(m, (x, r))
+    cm, _ = _check_pkg(tmp_path, ep, ("blas", "triton", "cutlass"), [((x, r), m(x, r))], 2e-2,
+                       max_autotune=True, cutlass_max_profiling_configs=2)
+    g = [k["gemm"] for k in cm.manifest["kernels"] if "gemm" in k]
+    fused = [c for c in g if c.get("epilogue", "").startswith("cutlass fuses evt")]
+    assert fused and all(c["how"] == "profiled" for c in g)
+    for c in fused:
+        assert c["timings"].get("cutlass"), c  # the fused candidates ran and were right
+        assert not [d for d in c["dropped"] if "wrong answer" in d[1]], c["dropped"]
+        if c["backend"] == "cutlass":
+            assert "evt" in c["config"]

@@ -295,6 +295,12 @@ def test_unexpressible_epilogue_is_reported_and_stays_a_kernel(tmp_path):
     assert c.backend == "cutlass" and "evt" not in c.config
     assert c.epilogue.startswith("cutlass: epilogue") and "stays a separate kernel" in \
         c.epilogue and "operator where" in c.epilogue
+    from rich.console import Console
+
+    from kiln.cli.commands import _gemm_table
+    con = Console(width=400, record=True)
+    con.print(_gemm_table([{"name": "g", **c.to_json()}]))
+    assert "stays a separate kernel" in con.export_text()  # kiln inspect shows the reason
     fused = fuse_gemms(b.steps, got, keep)
     assert [type(s).__name__ for s in fused] == ["Gemm", "Kernel"]
     assert isinstance(fused[1], Kernel)

@@ -230,8 +230,10 @@ def test_cutlass_backend_links_object(tmp_path):
                                                          gemm_backends=("cutlass",)))
     kinds = [k["kind"] for k in cm.manifest["kernels"] if k["kind"].endswith("gemm")]
     assert kinds.count("cutlass_gemm") == 2
-    # the epilogues (bias, relu, residual) stay kiln kernels after the CUTLASS calls
-    assert [k for k in cm.manifest["kernels"] if k["kind"] == "triton"]
+    # the epilogues (bias + relu; bias + residual) are fused as visitor trees
+    fused = [k for k in cm.manifest["kernels"] if k["kind"] == "cutlass_gemm"]
+    assert all(len(k["members"]) == 2 and k["epilogue"].startswith("evt ") for k in fused)
+    assert not [k for k in cm.manifest["kernels"] if k["kind"] == "triton"]
     assert cm.manifest["cuda"]["cutlass_objects"]
     assert any(n.startswith("cutlass_") and n.endswith(".cu") for n in cm.sources)
     nm = subprocess.run(["nm", "-D", "--defined-only", str(cm.library)], capture_output=True,

@@ -10,6 +10,8 @@
 - `cutlass.py`  CUTLASS 3.x candidates from `cutlass_library`, filtered by the Options'
                 regexes / size threshold / count; rendered with an `extern "C"` entry and
                 compiled with nvcc
+- `cutlass_evt.py`  a GEMM's absorbed epilogue as a CUTLASS epilogue visitor tree (sm_90),
+                or the reason it stays a separate kernel
 - `triton_gemm.py`  the Triton GEMM template (persistent) and its config space
 - `select.py`   the pipeline stage: one `Choice` per GEMM (profiled, cached or heuristic)
 """

@@ -6,7 +6,7 @@ manifest with the sm_90 16-bit WGMMA kernels; kiln keeps the warp-specialised TM
 rows are not 16-byte aligned, which TMA needs) whose element types,
 layouts and alignment fit the problem, then applies the Options: `cutlass_op_allowlist_regex`,
 `cutlass_op_denylist_regex` (re.search on the kernel name), `cutlass_min_gemm_size` and
-`cutlass_max_profiling_configs` (the first N in the generator's order).
+`cutlass_max_profiling_configs` (the first N by kernel name).
 
 Layouts: kiln's C is row-major; CUTLASS's problem is column-major. kiln computes
 C[M, N] = A @ B as the column-major C^T[N, M] = B^T @ A^T, so CUTLASS's A is kiln's B and the
@@ -17,7 +17,9 @@ second index's stride).
 Rendering: `cutlass_library`'s emitter gives the kernel type; kiln adds an `extern "C"`
 entry `kiln_cutlass_run(...)` that builds the arguments for a (batched) GEMM with arbitrary
 leading dimensions and runs it through `GemmUniversalAdapter`, and `kiln_cutlass_workspace`.
-Sources compile with nvcc in parallel (`compile_all`)."""
+A candidate with an epilogue visitor tree (`evt`, kiln/autotune/cutlass_evt.py) renders the
+same kernel with the tree as its epilogue (`_render_evt`). Sources compile with nvcc in
+parallel (`compile_all`)."""
 
 from __future__ import annotations
 
@@ -70,7 +72,9 @@ def _sm90_operations(cuda_version: str = "12.8") -> tuple:
     for by_name in manifest.operations.get(lib.OperationKind.Gemm, {}).values():
         for lst in by_name.values():
             ops.extend(lst)
-    return tuple(ops)
+    # by name: the generator's order depends on the interpreter's string hashing (sets), and
+    # the heuristic's "first kernel" and prebuilt objects must not change between processes
+    return tuple(sorted(ops, key=lambda op: op.procedural_name()))
 
 
 @dataclass(frozen=True)

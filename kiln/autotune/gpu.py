@@ -263,10 +263,11 @@ def _child(spec: dict) -> None:
         print(f"KILN_PROFILE {name} {sec:.9g} {err:.6g} {tol:.6g}", flush=True)
 
 
-def _fused_cutlass(cfg, a, b, want, spec, nb, m, n, k):
-    """(run, check) for a CUTLASS kernel fusing visitor tree `cfg["evt_tree"]`: random
-    operands of the tree's roles (C: [M, N], col: [N], row: [M], scalar: [1]); check returns
-    the largest error against the tree evaluated by torch on the float32 product `want`."""
+def _fused_cutlass(cfg, a, b, want, spec, nb, m, n, k, operands=None):
+    """(run, check) for a CUTLASS kernel fusing visitor tree `cfg["evt_tree"]`: `operands`,
+    else random ones, of the tree's roles (C: [B, M, N], col: [N], row: [M], scalar: [1]);
+    check returns the largest error against the tree evaluated by torch on the float32
+    product `want`."""
     import ctypes
 
     import torch
@@ -276,8 +277,9 @@ def _fused_cutlass(cfg, a, b, want, spec, nb, m, n, k):
     dt = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32}
     g = torch.Generator(device="cuda").manual_seed(1)
     shape = {"src": (max(nb, 1), m, n), "col": (n,), "row": (m,), "scalar": (1,)}
-    ops = [torch.randn(*shape[role], device="cuda", dtype=dt[d], generator=g)
-           for role, d in tree["operands"]]
+    ops = list(operands) if operands is not None else [
+        torch.randn(*shape[role], device="cuda", dtype=dt[d], generator=g)
+        for role, d in tree["operands"]]
     out = torch.empty(max(nb, 1), m, n, device="cuda", dtype=dt[tree["out"]])
     src = next((t for (role, _), t in zip(tree["operands"], ops) if role == "src"), None)
     ext = [t for (role, _), t in zip(tree["operands"], ops) if role != "src"]

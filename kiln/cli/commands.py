@@ -132,6 +132,8 @@ def _gemm_table(gemms: list[dict[str, Any]]) -> Table:
         how = str(g.get("how", "?"))
         if g.get("dropped"):
             how += f" ({len(g['dropped'])} candidates dropped)"
+        if g.get("epilogue"):  # CUTLASS fused the epilogue, or why it did not
+            how += f"; {g['epilogue']}"
         table.add_row(escape(str(g.get("name", ""))), escape(str(g.get("problem", ""))),
                       escape(chosen), escape(how), escape("; ".join(best) or "-"))
     return table
