@@ -3,7 +3,7 @@
 (kiln/autotune/cutlass.py, shared libraries built ahead of time with nvcc) - for a sweep of
 square and skinny fp16/bf16 shapes, and GEMM + epilogue chains fused into the Triton template
 and into CUTLASS kernels (the epilogue as a visitor tree, kiln/autotune/cutlass_evt.py; the
-first --evt-configs kernels with a TMA epilogue, compiled with nvcc into --cache) vs unfused
+first kernel of --evt-configs schedules, compiled with nvcc into --cache) vs unfused
 cuBLAS + eager pointwise. Every candidate's result is checked against torch.mm (a wrong one
 is dropped; fused ones against the tree's torch twin); the pick is the fastest correct
 candidate; autotuning time is the wall time to compile and time all candidates of one GEMM.
@@ -60,8 +60,9 @@ def chain_evt(act: str, dtype: str):
 
 
 def evt_kernels(acts, dtypes, configs: int, cache: Path) -> dict:
-    """(act, dtype) -> [(kernel name, .so path or nvcc's error, tree)]: the first `configs`
-    CUTLASS kernels fusing each chain's tree, compiled in parallel (cached by content)."""
+    """(act, dtype) -> [(kernel name, .so path or nvcc's error, tree)]: CUTLASS kernels fusing
+    each chain's tree, one per schedule (ping-pong, cooperative, stream-K: the first
+    `configs`), compiled in parallel (cached by content)."""
     from kiln.autotune import cutlass
     from kiln.autotune.problem import GemmProblem
     from kiln.options import Options
@@ -70,8 +71,11 @@ def evt_kernels(acts, dtypes, configs: int, cache: Path) -> dict:
         for dt in dtypes:
             evt = chain_evt(act, dt)
             p = GemmProblem(dt, (), 4096, 4096, 4096, "n", "n", 16, evt.key)
-            cands = cutlass.enumerate_candidates(
-                p, Options(cutlass_max_profiling_configs=configs), evt=evt)
+            by_schedule: dict = {}  # the first kernel of each schedule, ping-pong first
+            for c in cutlass.enumerate_candidates(p, Options(), evt=evt):
+                by_schedule.setdefault(c.schedule, c)
+            cands = [by_schedule[s] for s in ("ping-pong", "cooperative", "stream-K")
+                     if s in by_schedule][:configs]
             todo[(act, dt)] = [(f"{c.name}_{act}_{dt}", c.name, evt) for c in cands]
             srcs.update({key: cutlass.render(c) for (key, _, _), c in zip(todo[(act, dt)],
                                                                            cands)})

@@ -421,3 +421,32 @@ def test_more_visitor_trees_compile_with_nvcc(tmp_path):
     relu (bf16); bias + relu; kiln's own functors (tanh-GELU, exp, sigmoid, neg; bf16)."""
     _compile(["gelu_residual_cast", "clamp_row_scalar_bf16", "relu_bias",
               "kiln_functors_bf16"], tmp_path)
+
+
+def test_cached_fused_choice_is_keyed_by_the_tree(tmp_path):
+    """A measurement of the fused kernel (as max_autotune stores it on the GPU) is found by a
+    CPU-only compile of the same GEMM + epilogue, and the package step is the fused one; the
+    same GEMM without that epilogue is another problem."""
+    from kiln.autotune import cache as acache
+    from kiln.autotune import gpu
+    from kiln.autotune.problem import problem_of
+    from kiln.autotune.select import choose_gemms
+    from kiln.schedule.gemm_fuse import CutlassGemm, epilogue_member, fuse_gemms
+    b, _ = _built(tmp_path, "gelu")
+    keep = set(b.loop.outputs)
+    g = b.steps[0]
+    evt = from_epilogue(g, epilogue_member(b.steps, 0, keep))
+    ranges = {s.name: (s.min, s.max) for s in b.graph.symbols}
+    kern = cutlass.enumerate_candidates(problem_of(g, ranges, evt.key), Options(), evt=evt)[-1]
+    cfg = {"name": kern.name, "evt": evt.key}
+    acache.store(tmp_path, problem_of(g, ranges, evt.key), gpu.device_id(90), {
+        "winner": {"backend": "cutlass", "config": cfg},
+        "results": [["blas", "blas", {}, 2e-5], [kern.name, "cutlass", cfg, 1e-5]]})
+    opts = Options(cuda_archs=(90,), gemm_backends=("blas", "cutlass"), cache_dir=str(tmp_path))
+    got = choose_gemms(b.steps, b.graph.symbols, opts, "cuda", outputs=keep)
+    c = got[g.name]
+    assert (c.backend, c.how, c.config) == ("cutlass", "cache", cfg)
+    assert [type(s) for s in fuse_gemms(b.steps, got, keep)] == [CutlassGemm]
+    # no epilogue found (its result is an output): the plain problem, not in the cache
+    plain = choose_gemms(b.steps, b.graph.symbols, opts, "cuda", outputs=keep | {g.name})
+    assert plain[g.name].how == "heuristic" and plain[g.name].backend == "blas"
