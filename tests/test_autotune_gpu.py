@@ -4,7 +4,8 @@ shared libraries are given in $KILN_CUTLASS_SO_DIR) CUTLASS kernels against torc
 CUDA packages that link the chosen backend (Triton template with its epilogue absorbed,
 CUTLASS objects, cuBLAS) under each backend alone and all together, for addmm + bias /
 relu / gelu + residual + cast over a dynamic M, bmm in fp16 / bf16, fp32 through the template,
-and max_autotune choosing among all three, against eager."""
+and max_autotune choosing among all three, against eager; CUTLASS alone with every epilogue
+kind fused as a visitor tree (fp16, bf16), and max_autotune profiling the fused candidates."""
 
 from __future__ import annotations
 
@@ -191,7 +192,7 @@ class _Fused(torch.nn.Module):
         return tuple(f(lin(x), r) for lin, f in zip(self.ls, FUSED.values()))
 
 
-@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["fp16", "bf16"])
 def test_package_cutlass_fused_epilogues(tmp_path, dtype):
     """Every epilogue kind under gemm_backends=("cutlass",): each GEMM is one CUTLASS kernel
     with its epilogue fused (no kiln kernel left), over a dynamic M, against eager."""
