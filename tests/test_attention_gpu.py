@@ -23,7 +23,8 @@ pytestmark = [pytest.mark.gpu,
 
 from tests.test_attention import Sdpa  # noqa: E402
 
-OPTS = Options(autotune=False)  # the heuristic config; autotuning is tested below
+# the heuristic config (autotuning is tested below); float32 attention fused too
+OPTS = Options(autotune=False, fused_attention=True)
 
 
 def _inputs(b, h, lq, s, e, ev, dt, mask, seed=0):
