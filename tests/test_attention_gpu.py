@@ -136,7 +136,7 @@ def test_gpt_end_to_end(dt, tmp_path):
     spec = ALL_MODELS["gpt"]()
     if dt != torch.float32:
         spec = in_dtype(spec, dt)
-    cm = kiln.compile(spec.export(), device="cuda")
+    cm = kiln.compile(spec.export(), device="cuda", options=OPTS)
     assert len(cm.manifest["cuda"]["attention"]) == 2  # one fused kernel per block
     runner = kiln.load(cm.save(tmp_path / "gpt.kiln"), device="cuda:0")
     module = spec.module.cuda()
