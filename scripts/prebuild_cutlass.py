@@ -28,6 +28,7 @@ from kiln.options import Options
 
 sys.path.insert(0, str(Path(__file__).parent.parent))
 from bench.gemm_link import SWEEP, _MM  # noqa: E402
+from tests.gemm_models import Bmm, Fused, Linear  # noqa: E402
 
 
 def programs():
@@ -35,57 +36,26 @@ def programs():
         yield in_dtype(ALL_MODELS[n](), torch.float16).export()
     for m, n, k in SWEEP:
         yield torch.export.export(_MM(k, n).half(), (torch.randn(m, k).half(),))
-    sys.path.insert(0, str(Path(__file__).parent.parent / "tests"))
     lin = torch.nn.Linear(256, 128).half()
     b = torch.export.Dim("b", min=1, max=1024)
     yield torch.export.export(lin, (torch.randn(64, 256).half(),), dynamic_shapes=({0: b},))
     for dt in (torch.float16, torch.bfloat16):
-        yield torch.export.export(_Bmm(), (torch.randn(3, 40, 72, dtype=dt),
+        yield torch.export.export(Bmm(), (torch.randn(3, 40, 72, dtype=dt),
                                            torch.randn(3, 72, 24, dtype=dt)))
     lin = torch.nn.Linear(512, 512).half()
     yield torch.export.export(lin, (torch.randn(256, 512).half(),))
     # tests/test_autotune_gpu.py's Linear + epilogue models (same structure and sizes)
     for act in ("none", "relu", "gelu"):
-        yield torch.export.export(_Linear(256, 128, act).half(), (
+        yield torch.export.export(Linear(256, 128, act).half(), (
             torch.randn(64, 256).half(), torch.randn(64, 128).half()),
             dynamic_shapes={"x": {0: b}, "r": {0: b}})
-    yield torch.export.export(_Linear(512, 512, "gelu").half(), (
+    yield torch.export.export(Linear(512, 512, "gelu").half(), (
         torch.randn(256, 512).half(), torch.randn(256, 512).half()))
     bb = torch.export.Dim("b", min=1, max=512)
     for dt in (torch.float16, torch.bfloat16):
-        yield torch.export.export(_Fused(256, 128).to(dt), (
+        yield torch.export.export(Fused(256, 128).to(dt), (
             torch.randn(64, 256, dtype=dt), torch.randn(64, 128, dtype=dt)),
             dynamic_shapes={"x": {0: bb}, "r": {0: bb}})
-
-
-class _Bmm(torch.nn.Module):
-    def forward(self, a, b):
-        return torch.relu(torch.bmm(a, b))
-
-
-ACTS = {"none": lambda x: x, "relu": torch.relu, "gelu": torch.nn.functional.gelu}
-FUSED = [lambda y, r: y, lambda y, r: torch.relu(y), lambda y, r: torch.clamp(y, 0, 6),
-         lambda y, r: torch.nn.functional.gelu(y), lambda y, r: y + 0.5 * r,
-         lambda y, r: torch.relu(y).float()]  # tests/test_autotune_gpu.py: FUSED, in order
-
-
-class _Linear(torch.nn.Module):
-    def __init__(self, k, n, act):
-        super().__init__()
-        self.l = torch.nn.Linear(k, n)
-        self.act = act
-
-    def forward(self, x, r):
-        return (ACTS[self.act](self.l(x)) + r).float(), x @ self.l.weight.t()
-
-
-class _Fused(torch.nn.Module):
-    def __init__(self, k, n):
-        super().__init__()
-        self.ls = torch.nn.ModuleList(torch.nn.Linear(k, n) for _ in FUSED)
-
-    def forward(self, x, r):
-        return tuple(f(lin(x), r) for lin, f in zip(self.ls, FUSED))
 
 
 def main():

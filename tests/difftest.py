@@ -195,3 +195,19 @@ class Checker:
 
 def dim(name: str, lo: int = 2, hi: int = 256) -> torch.export.Dim:
     return torch.export.Dim(name, min=lo, max=hi)
+
+
+def assert_host_compiles(tmp_path: Path, source: str) -> None:
+    """A generated CUDA wrapper source passes the host compiler's syntax and type
+    checks with kiln's flags and include directories."""
+    import subprocess
+
+    from kiln.options import Options
+    from kiln.pipeline_cuda import toolchain
+
+    tc = toolchain(Options())
+    f = tmp_path / "w.cpp"
+    f.write_text(source)
+    out = subprocess.run([tc.cxx, *tc.cflags, *[f"-I{d}" for d in tc.include_dirs],
+                          "-fsyntax-only", str(f)], capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr[-3000:]

@@ -22,9 +22,8 @@ if not torch.cuda.is_available():
 
 from bench.gemm_gpu import Cutlass, _kernel, triton_call  # noqa: E402
 from kiln.autotune import triton_gemm as T  # noqa: E402
+from tests.gemm_models import ACTS, FUSED, Bmm, Fused, Linear  # noqa: E402
 
-ACTS = {"none": lambda x: x, "relu": torch.relu, "relu6": lambda x: torch.clamp(x, 0, 6),
-        "gelu": torch.nn.functional.gelu}
 
 
 @pytest.fixture(scope="module")
@@ -82,23 +81,6 @@ import kiln  # noqa: E402
 from kiln.options import Options  # noqa: E402
 
 
-class _Linear(torch.nn.Module):
-    """addmm (bias) + an activation + a residual + a cast: every epilogue kind."""
-
-    def __init__(self, k, n, act):
-        super().__init__()
-        self.l = torch.nn.Linear(k, n)
-        self.act = act
-
-    def forward(self, x, r):
-        return (ACTS[self.act](self.l(x)) + r).float(), x @ self.l.weight.t()
-
-
-class _Bmm(torch.nn.Module):
-    def forward(self, a, b):
-        return torch.relu(torch.bmm(a, b))
-
-
 BACKENDS = [("triton",), ("cutlass",), ("blas", "triton", "cutlass")]
 
 
@@ -120,7 +102,7 @@ def _check_pkg(tmp_path, ep, backends, calls, tol, **opts):
 @pytest.mark.parametrize("act", ["none", "relu", "gelu"])
 def test_package_linear_epilogues_dynamic_m(tmp_path, backends, act):
     torch.manual_seed(0)
-    m = _Linear(256, 128, act).half().cuda()
+    m = Linear(256, 128, act).half().cuda()
     x, r = torch.randn(64, 256).half().cuda(), torch.randn(64, 128).half().cuda()
     b = torch.export.Dim("b", min=1, max=1024)
     ep = torch.export.export(m, (x, r), dynamic_shapes={"x": {0: b}, "r": {0: b}})
@@ -143,13 +125,13 @@ def test_package_linear_epilogues_dynamic_m(tmp_path, backends, act):
 def test_package_bmm(tmp_path, backends, dtype):
     torch.manual_seed(1)
     a, b = torch.randn(3, 40, 72, dtype=dtype).cuda(), torch.randn(3, 72, 24, dtype=dtype).cuda()
-    ep = torch.export.export(_Bmm(), (a, b))
-    _check_pkg(tmp_path, ep, backends, [((a, b), _Bmm()(a, b))], 3e-2)
+    ep = torch.export.export(Bmm(), (a, b))
+    _check_pkg(tmp_path, ep, backends, [((a, b), Bmm()(a, b))], 3e-2)
 
 
 def test_package_triton_fp32_matches_eager(tmp_path):
     torch.manual_seed(2)
-    m = _Linear(96, 80, "relu").cuda()
+    m = Linear(96, 80, "relu").cuda()
     x, r = torch.randn(33, 96).cuda(), torch.randn(33, 80).cuda()
     ep = torch.export.export(m, (x, r))
     _, kinds = _check_pkg(tmp_path, ep, ("triton",), [((x, r), m(x, r))], 1e-4)
@@ -158,7 +140,7 @@ def test_package_triton_fp32_matches_eager(tmp_path):
 
 def test_package_max_autotune_all_backends(tmp_path):
     torch.manual_seed(3)
-    m = _Linear(512, 512, "gelu").half().cuda()
+    m = Linear(512, 512, "gelu").half().cuda()
     x, r = torch.randn(256, 512).half().cuda(), torch.randn(256, 512).half().cuda()
     ep = torch.export.export(m, (x, r))
     cm, _ = _check_pkg(tmp_path, ep, ("blas", "triton", "cutlass"), [((x, r), m(x, r))], 2e-2,
@@ -171,33 +153,12 @@ def test_package_max_autotune_all_backends(tmp_path):
 
 # -- CUTLASS with the epilogue fused as a visitor tree (kiln/autotune/cutlass_evt.py) --------
 
-FUSED = {  # epilogue kind -> (Linear output y, residual r) -> result
-    "bias": lambda y, r: y,
-    "relu": lambda y, r: torch.relu(y),
-    "relu6": lambda y, r: torch.clamp(y, 0, 6),
-    "gelu": lambda y, r: torch.nn.functional.gelu(y),
-    "residual": lambda y, r: y + 0.5 * r,
-    "cast": lambda y, r: torch.relu(y).float(),
-}
-
-
-class _Fused(torch.nn.Module):
-    """One Linear per epilogue kind, all reading x: one package compiles every kind."""
-
-    def __init__(self, k, n):
-        super().__init__()
-        self.ls = torch.nn.ModuleList(torch.nn.Linear(k, n) for _ in FUSED)
-
-    def forward(self, x, r):
-        return tuple(f(lin(x), r) for lin, f in zip(self.ls, FUSED.values()))
-
-
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["fp16", "bf16"])
 def test_package_cutlass_fused_epilogues(tmp_path, dtype):
     """Every epilogue kind under gemm_backends=("cutlass",): each GEMM is one CUTLASS kernel
     with its epilogue fused (no kiln kernel left), over a dynamic M, against eager."""
     torch.manual_seed(4)
-    m = _Fused(256, 128).to(dtype).cuda()
+    m = Fused(256, 128).to(dtype).cuda()
     x, r = torch.randn(64, 256, dtype=dtype).cuda(), torch.randn(64, 128, dtype=dtype).cuda()
     b = torch.export.Dim("b", min=1, max=512)
     ep = torch.export.export(m, (x, r), dynamic_shapes={"x": {0: b}, "r": {0: b}})
@@ -219,7 +180,7 @@ def test_package_max_autotune_profiles_fused_cutlass(tmp_path):
     them against the tree's torch twin) next to cuBLAS and the template; the package runs
     whichever wins."""
     torch.manual_seed(5)
-    m = _Linear(512, 512, "gelu").half().cuda()
+    m = Linear(512, 512, "gelu").half().cuda()
     x, r = torch.randn(256, 512).half().cuda(), torch.randn(256, 512).half().cuda()
     ep = torch.export.export(m, (x, r))
     cm, _ = _check_pkg(tmp_path, ep, ("blas", "triton", "cutlass"), [((x, r), m(x, r))], 2e-2,

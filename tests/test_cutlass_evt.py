@@ -251,7 +251,7 @@ def test_frontend_gelu_choice_fuses_and_wrapper_passes_operands(tmp_path):
     from kiln.autotune.cutlass_link import entry, workspace_entry
     from kiln.autotune.select import choose_gemms
     from kiln.codegen.wrapper_cuda import print_cuda_wrapper
-    from kiln.pipeline_cuda import toolchain
+    from tests.difftest import assert_host_compiles
     from kiln.schedule.gemm_fuse import CutlassGemm, fuse_gemms
     from kiln.schedule.program import build_program
     b, _ = _built(tmp_path, "gelu")
@@ -275,12 +275,7 @@ def test_frontend_gelu_choice_fuses_and_wrapper_passes_operands(tmp_path):
     assert "(const void*)(buf_r + 2 * 0)" in call and "(void*)buf_out0__to_copy" in call
     assert f"ext_{name}, " in call and "buf_addmm" not in call
     assert f"const void* ext_{name}[] = {{(const void*)(buf_p_l_bias + 2 * 0)}};" in cpp
-    tc = toolchain(Options())
-    f = tmp_path / "w.cpp"
-    f.write_text(cpp)
-    out = subprocess.run([tc.cxx, *tc.cflags, *[f"-I{d}" for d in tc.include_dirs],
-                          "-fsyntax-only", str(f)], capture_output=True, text=True)
-    assert out.returncode == 0, out.stderr[-3000:]
+    assert_host_compiles(tmp_path, cpp)
 
 
 def test_unexpressible_epilogue_is_reported_and_stays_a_kernel(tmp_path):

@@ -179,7 +179,7 @@ def test_cutlass_wrapper_calls_renamed_entry_and_compiles(tmp_path):
     from kiln.autotune.cutlass_link import entry, source_for, workspace_entry
     from kiln.autotune.select import Choice
     from kiln.codegen.wrapper_cuda import print_cuda_wrapper
-    from kiln.pipeline_cuda import toolchain
+    from tests.difftest import assert_host_compiles
 
     class MM(torch.nn.Module):
         def forward(self, x, w):
@@ -197,12 +197,7 @@ def test_cutlass_wrapper_calls_renamed_entry_and_compiles(tmp_path):
     src = source_for(kern)
     assert f'extern "C" int {entry(kern)}(' in src
     assert f'extern "C" size_t {workspace_entry(kern)}(' in src
-    tc = toolchain(Options())
-    f = tmp_path / "w.cpp"
-    f.write_text(cpp)
-    out = subprocess.run([tc.cxx, *tc.cflags, *[f"-I{d}" for d in tc.include_dirs],
-                          "-fsyntax-only", str(f)], capture_output=True, text=True)
-    assert out.returncode == 0, out.stderr[-3000:]
+    assert_host_compiles(tmp_path, cpp)
 
 
 class Lin2(torch.nn.Module):
