@@ -302,3 +302,19 @@ def test_item_size_needs_an_upper_bound(tmp_path):
 
     with pytest.raises(kiln.errors.UnsupportedError, match=r"torch._check\(value <= N\)"):
         _compile(tmp_path, fn, (torch.randn(3), torch.tensor(2)))
+
+
+def sizes_from_an_item(x, c):
+    n = c.item()
+    torch._check(n >= 0)
+    torch._check(n <= 10)
+    return torch.ones(2 * n + 1) * x.sum(), x[: n + 1] * 3, torch.cat([x[:n], x[:n] * 2])
+
+
+def test_sizes_derived_from_a_data_dependent_size(tmp_path):
+    # 2*u0 + 1, u0 + 1 and 2*u0 (a cat of two u0 slices) as output sizes
+    _, path = _compile(tmp_path, sizes_from_an_item, (torch.randn(20), torch.tensor(3)))
+    runner = kiln.load(path)
+    for n in (0, 3, 10):
+        _check(runner, sizes_from_an_item, (torch.randn(20), torch.tensor(n)), rtol=1e-5,
+               atol=1e-5)
