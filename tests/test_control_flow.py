@@ -416,3 +416,69 @@ def test_data_dependent_sizes_inside_regions_are_refused():
 
     with pytest.raises(KilnError, match="data-dependent sizes inside torch.cond"):
         kiln.compile(M(), (rand((4, 2)),))
+
+
+class IntCounter(torch.nn.Module):
+    """A Python int carried by while_loop, used as a value in the body and returned."""
+
+    def forward(self, x):
+        def cond_fn(i, y):
+            return i < 5
+
+        def body_fn(i, y):
+            return i + 1, y * 2 + i
+
+        return while_loop(cond_fn, body_fn, (0, x))
+
+
+class IntsAndShapes(torch.nn.Module):
+    """Two carried ints, one starting from a size; a bound from a dynamic dim; floor division
+    and modulo; int results used after the loop and returned."""
+
+    def forward(self, x):
+        def cond_fn(i, j, y):
+            return i < y.shape[0]
+
+        def body_fn(i, j, y):
+            return i + 2, j * 3 % 7, y + i // 2
+
+        i, j, y = while_loop(cond_fn, body_fn, (1, x.shape[0] - 1, x))
+        return i * 10, y, j
+
+
+def _same(got, want):
+    assert len(got) == len(want)
+    for g, w in zip(got, want):
+        if isinstance(w, torch.Tensor):
+            torch.testing.assert_close(g, w)
+        else:  # carried ints come back as Python ints
+            assert type(g) is int and g == w, (g, w)
+
+
+def test_while_carries_python_ints(tmp_path):
+    d = torch.export.Dim("d", min=2, max=64)
+    cases = [(IntCounter(), [(rand((3,)),)], None),
+             (IntsAndShapes(), [(rand((6, 2)),), (rand((9, 2)),), (rand((2, 2)),)],
+              ({0: d},))]
+    for k, (m, calls, ds) in enumerate(cases):
+        cm = kiln.compile(torch.export.export(m, calls[0], dynamic_shapes=ds))
+        runner = kiln.load(cm.save(tmp_path / f"m{k}.kiln"))
+        (tmp_path / f"py{k}").mkdir()
+        model = kiln.backend._load_python_wrapper(cm.sources["model.py"],
+                                                  tmp_path / f"py{k}").Model(
+            cm.library, dict(cm.built.weights))
+        for args in calls:
+            _same(runner(*args), m(*args))
+            got = list(model(*args))  # the Python printer (0-d tensors for the ints)
+            compare([g for g in got if g.dim()], [w for w in m(*args)
+                                                   if isinstance(w, torch.Tensor)],
+                    what=f"python printer, case {k}")
+
+
+def test_unsupported_int_arithmetic_in_a_loop_is_refused():
+    class M(torch.nn.Module):
+        def forward(self, x):
+            return while_loop(lambda i, y: i < 3, lambda i, y: (i ** 2 + 1, y + 1), (0, x))
+
+    with pytest.raises(KilnError, match=r"pow.*on an int carried by a while_loop"):
+        kiln.compile(M(), (rand((3,)),))

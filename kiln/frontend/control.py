@@ -7,6 +7,11 @@ attributes of the exported module. Each subgraph becomes a nested `Graph` (a reg
 inputs are its placeholders, in order; the outer-scope tensors a subgraph needs (weights,
 buffers, closure captures) are operands (cond) or additional inputs (while_loop), so they reach
 the region as ordinary inputs. Size operands (SymInts) are dropped: shapes come from metadata.
+Python ints carried by a while_loop (a counter) are values, not sizes: they travel as 0-d
+int64 tensors, and the int arithmetic and comparisons on them (`i + 1`, `i < n`) become
+pointwise nodes (`convert_int_value`); the loop's int results are such values too, returned
+as Python ints when they are outputs. Using one as a shape is refused (the size would change
+per iteration).
 
 A control node is one Graph IR node (op "cond" or "while_loop", its own type a 0-d bool token)
 plus one "ctl_result" node per result (attr `index`), so every result is an ordinary value.
@@ -17,6 +22,8 @@ predicate tensor, else a sympy condition over size symbols); while_loop -- `cond
 
 from __future__ import annotations
 
+import operator
+
 import sympy
 import torch
 from torch.utils import _pytree as pytree
@@ -26,8 +33,43 @@ from kiln.ir import dtypes
 from kiln.ir.graph import Graph, Input, Node, TensorType
 
 
-def _region(b, gm: torch.fx.GraphModule, what: str) -> tuple[Graph, list[int]]:
-    """`gm` as a region Graph, and the positions of its tensor placeholders."""
+# Python int operators on int values -> kiln pointwise ops (Python's floor division and modulo
+# are torch's floor_divide and remainder on int64)
+INT_OPS = {operator.add: "add", operator.sub: "sub", operator.mul: "mul",
+           operator.floordiv: "floor_divide", operator.mod: "remainder", operator.lt: "lt",
+           operator.le: "le", operator.gt: "gt", operator.ge: "ge", operator.eq: "eq",
+           operator.ne: "ne"}
+
+
+def convert_int_value(b, n: torch.fx.Node) -> bool:
+    """Int arithmetic or a comparison that reads an int held as a value (`b.value_ints`): emits
+    the pointwise node on 0-d int64 tensors and returns True; False for anything else (size
+    arithmetic stays symbolic)."""
+    if n.op != "call_function" or isinstance(n.meta.get("val"), torch.Tensor) or not any(
+            isinstance(a, torch.fx.Node) and a.name in b.value_ints for a in n.args):
+        return False
+    op = INT_OPS.get(n.target)
+    if op is None or n.kwargs or len(n.args) != 2:
+        raise UnsupportedError(f"{n.target} (node {n.name}) on an int carried by a "
+                               "while_loop is not supported (carry a 0-d tensor instead)")
+    ins = [b.tensor(a) if isinstance(a, torch.fx.Node) else b.scalar(a, torch.int64)
+           for a in n.args]
+    ins = [b.cast_to(x, torch.int64, n) for x in ins]
+    t = TensorType(dtypes.bool_ if op in ("lt", "le", "gt", "ge", "eq", "ne") else
+                   dtypes.int64, ())
+    name = b.fresh(n.name)
+    b.nodes.append(Node(name, op, tuple(ins), t, (), n.name))
+    b.types[name] = t
+    b.env[n.name] = name
+    if t.dtype == dtypes.int64:
+        b.value_ints.add(n.name)
+    return True
+
+
+def _region(b, gm: torch.fx.GraphModule, what: str, ints: frozenset[int] = frozenset()
+            ) -> tuple[Graph, list[int]]:
+    """`gm` as a region Graph, and the positions of its tensor placeholders (and of the int
+    placeholders at positions `ints`, values carried as 0-d int64 tensors)."""
     from kiln.frontend.export import Builder, convert_node, to_dtype
 
     sub = Builder(b.syms)
@@ -40,11 +82,14 @@ def _region(b, gm: torch.fx.GraphModule, what: str) -> tuple[Graph, list[int]]:
     kept: list[int] = []
     for k, ph in enumerate(n for n in gm.graph.nodes if n.op == "placeholder"):
         v = ph.meta.get("val")
-        if isinstance(v, torch.Tensor):
-            t = TensorType(to_dtype(v.dtype), b.syms.shape(v.shape))
+        if isinstance(v, torch.Tensor) or k in ints:
+            t = TensorType(to_dtype(v.dtype), b.syms.shape(v.shape)) if k not in ints else \
+                TensorType(dtypes.int64, ())
             inputs.append(Input(ph.name, t, "user"))
             sub.env[ph.name], sub.types[ph.name] = ph.name, t
             kept.append(k)
+            if k in ints:
+                sub.value_ints.add(ph.name)
         elif not isinstance(v, (torch.SymInt, int)):
             raise UnsupportedError(f"{what}: operand {ph.name} is a {type(v).__name__}; only "
                                    "tensors and sizes are supported")
@@ -54,8 +99,13 @@ def _region(b, gm: torch.fx.GraphModule, what: str) -> tuple[Graph, list[int]]:
         elif n.op == "output":
             outs = []
             for x in pytree.tree_leaves(n.args[0]):
-                if not isinstance(x, torch.fx.Node) or not isinstance(x.meta.get("val"),
-                                                                      torch.Tensor):
+                if isinstance(x, int) and not isinstance(x, bool) and ints:
+                    outs.append(sub.scalar(x, torch.int64))  # a carried int set to a constant
+                    continue
+                if not isinstance(x, torch.fx.Node) or not (
+                        x.name in sub.value_ints or x.name in sub.env and sub.types.get(
+                            sub.env[x.name], TensorType(dtypes.int64, (1,))).shape == () or
+                        isinstance(x.meta.get("val"), torch.Tensor)):
                     raise UnsupportedError(f"{what}: result {x} is not a tensor")
                 outs.append(sub.tensor(x))
     return Graph(tuple(inputs), tuple(sub.nodes), tuple(outs)), kept
@@ -86,7 +136,8 @@ def _results(b, n: torch.fx.Node, op: str, inputs: list[str], attrs: list) -> li
                         tuple(attrs) + (("results", tuple(names)),), n.name))
     b.types[n.name] = token
     for k, (name, v) in enumerate(zip(names, vals)):
-        t = TensorType(to_dtype(v.dtype), b.syms.shape(v.shape))
+        t = TensorType(dtypes.int64, ()) if isinstance(v, (torch.SymInt, int)) else \
+            TensorType(to_dtype(v.dtype), b.syms.shape(v.shape))
         b.nodes.append(Node(name, "ctl_result", (n.name,), t, (("index", k),), n.name))
         b.types[name] = t
     return names
@@ -136,12 +187,16 @@ def convert_cond(b, n: torch.fx.Node, gm: torch.fx.GraphModule) -> list[str]:
 def convert_while(b, n: torch.fx.Node, gm: torch.fx.GraphModule) -> list[str]:
     cond_g, body_g, carried, additional = n.args[:4]
     what = f"while_loop (node {n.name})"
-    for x in carried:
-        if not (isinstance(x, torch.fx.Node) and isinstance(x.meta.get("val"), torch.Tensor)):
-            raise UnsupportedError(f"{what}: carried value {x} is not a tensor (carry counters "
-                                   "as 0-d tensors)")
-    cond, keep = _region(b, getattr(gm, cond_g.target), what)
-    body, keep_body = _region(b, getattr(gm, body_g.target), what)
+    ints = set()
+    for k, x in enumerate(carried):
+        v = x.meta.get("val") if isinstance(x, torch.fx.Node) else x
+        if isinstance(v, (torch.SymInt, int)) and not isinstance(v, bool):
+            ints.add(k)  # a Python int: carried as a 0-d int64 value
+        elif not isinstance(v, torch.Tensor):
+            raise UnsupportedError(f"{what}: carried value {x} is a {type(v).__name__}; "
+                                   "tensors and ints can be carried")
+    cond, keep = _region(b, getattr(gm, cond_g.target), what, frozenset(ints))
+    body, keep_body = _region(b, getattr(gm, body_g.target), what, frozenset(ints))
     ops = list(carried) + list(additional)
     if keep != keep_body or keep[:len(carried)] != list(range(len(carried))):
         raise UnsupportedError(f"{what}: cond and body take different operands")

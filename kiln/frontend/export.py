@@ -26,7 +26,7 @@ from kiln.frontend.aten_high import Fallback
 from kiln.frontend.aten_library import CPU_ONLY_OPS
 from kiln.frontend.aten_table import TABLE
 from kiln.frontend.fold import fold_constants
-from kiln.frontend.control import CONTROL
+from kiln.frontend.control import CONTROL, convert_int_value
 from kiln.frontend.symbols import SymbolTable
 from kiln.ir import dtypes, sym
 from kiln.ir.graph import Graph, Input, Node, SymbolRange, TensorType
@@ -72,6 +72,9 @@ class Builder:
         self.streams = 0
         # size relations ops assume and the export did not guard: (lhs, rhs, equal, what)
         self.relations: list[tuple] = []
+        # FX nodes holding Python ints as run-time values (0-d int64 tensors): ints carried by
+        # while_loop and the int arithmetic on them (frontend/control.py `convert_int_value`)
+        self.value_ints: set[str] = set()
 
     # -- looking at FX values ------------------------------------------------------------------
     @staticmethod
@@ -420,6 +423,8 @@ def convert_node(b: Builder, n: torch.fx.Node, gm: torch.fx.GraphModule) -> None
         results = b.multi.get(src.name)
         if results is not None:
             b.env[n.name] = results[k]
+            if isinstance(n.meta.get("val"), torch.SymInt):  # an int a while_loop carried
+                b.value_ints.add(n.name)
         elif k == 0:
             b.env[n.name] = b.tensor(src)
         elif n.users:
@@ -428,6 +433,8 @@ def convert_node(b: Builder, n: torch.fx.Node, gm: torch.fx.GraphModule) -> None
     if str(n.target) == "aten._local_scalar_dense.default" and _new_size(n, b.syms):
         b.env[n.name] = fallback.read_size(b, n)  # `x.item()` used as a size
         return
+    if convert_int_value(b, n):
+        return  # arithmetic on ints held as values (a while_loop counter)
     if isinstance(n.meta.get("val"), (torch.SymInt, torch.SymBool, int, float)) and not isinstance(
             n.meta.get("val"), bool):
         return  # size arithmetic: shapes (and size predicates) are read from node metadata
@@ -534,6 +541,8 @@ def _import(ep: ExportedProgram, fold: bool, aten_fallback: bool = False, seed: 
             t = TensorType(dtypes.int64, ())
             b.nodes.append(Node(b.env[name], "full", (), t, (("value", value),), name))
             b.types[b.env[name]] = t
+            int_outputs.append(len(outputs))
+        if name in b.value_ints:  # an int computed as a value: returned as a Python int
             int_outputs.append(len(outputs))
         if name is None or name not in b.env:
             raise UnsupportedError(f"output {spec.arg} is not a tensor")
