@@ -211,3 +211,13 @@ def assert_host_compiles(tmp_path: Path, source: str) -> None:
     out = subprocess.run([tc.cxx, *tc.cflags, *[f"-I{d}" for d in tc.include_dirs],
                           "-fsyntax-only", str(f)], capture_output=True, text=True)
     assert out.returncode == 0, out.stderr[-3000:]
+
+
+def assert_golden(path: Path, got: str) -> None:
+    """`got` equals the golden file `path` (written when missing or KILN_UPDATE_GOLDEN=1)."""
+    import os
+
+    if os.environ.get("KILN_UPDATE_GOLDEN") == "1" or not path.exists():
+        path.parent.mkdir(exist_ok=True)
+        path.write_text(got)
+    assert got == path.read_text(), "generated Triton changed; KILN_UPDATE_GOLDEN=1 to accept"

@@ -28,6 +28,7 @@ from kiln.lowering import lower  # noqa: E402
 from kiln.models import ALL_MODELS  # noqa: E402
 from kiln.options import Options  # noqa: E402
 from kiln.passes.dce import dce  # noqa: E402
+from tests.difftest import assert_golden  # noqa: E402
 
 GOLDEN = pathlib.Path(__file__).parent / "golden"
 OPTS = Options(cuda_archs=(90,), fused_attention=True)  # float32 too
@@ -146,11 +147,7 @@ def _golden_source() -> str:
 
 def test_attention_triton_source_golden():
     got = _golden_source()
-    path = GOLDEN / "triton_attention.py"
-    if os.environ.get("KILN_UPDATE_GOLDEN") == "1" or not path.exists():
-        path.parent.mkdir(exist_ok=True)
-        path.write_text(got)
-    assert got == path.read_text(), "generated Triton changed; KILN_UPDATE_GOLDEN=1 to accept"
+    assert_golden(GOLDEN / "triton_attention.py", got)
 
 
 INTERP = [v for v in VARIANTS if v[1] != torch.bfloat16 and v[2] <= 128]  # numpy has no bf16

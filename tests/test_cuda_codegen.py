@@ -27,6 +27,7 @@ from kiln.errors import PackageError  # noqa: E402
 from kiln.models import ALL_MODELS  # noqa: E402
 from kiln.models.zoo import in_dtype  # noqa: E402
 from kiln.options import Options  # noqa: E402
+from tests.difftest import assert_golden  # noqa: E402
 
 GOLDEN = pathlib.Path(__file__).parent / "golden"
 OPTS = Options(cuda_archs=(90,))
@@ -109,11 +110,7 @@ def _golden_kernel() -> str:
 
 def test_triton_source_golden():
     got = _golden_kernel()
-    path = GOLDEN / "triton_ln_softmax.py"
-    if os.environ.get("KILN_UPDATE_GOLDEN") == "1" or not path.exists():
-        path.parent.mkdir(exist_ok=True)
-        path.write_text(got)
-    assert got == path.read_text(), "generated Triton changed; KILN_UPDATE_GOLDEN=1 to accept"
+    assert_golden(GOLDEN / "triton_ln_softmax.py", got)
 
 
 _INTERP = textwrap.dedent("""

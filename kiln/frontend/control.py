@@ -102,10 +102,9 @@ def _region(b, gm: torch.fx.GraphModule, what: str, ints: frozenset[int] = froze
                 if isinstance(x, int) and not isinstance(x, bool) and ints:
                     outs.append(sub.scalar(x, torch.int64))  # a carried int set to a constant
                     continue
+                # kiln values (int values and comparisons on them included) or tensors
                 if not isinstance(x, torch.fx.Node) or not (
-                        x.name in sub.value_ints or x.name in sub.env and sub.types.get(
-                            sub.env[x.name], TensorType(dtypes.int64, (1,))).shape == () or
-                        isinstance(x.meta.get("val"), torch.Tensor)):
+                        x.name in sub.env or isinstance(x.meta.get("val"), torch.Tensor)):
                     raise UnsupportedError(f"{what}: result {x} is not a tensor")
                 outs.append(sub.tensor(x))
     return Graph(tuple(inputs), tuple(sub.nodes), tuple(outs)), kept

@@ -79,6 +79,29 @@ def _cache_key(tk, cands, sizes, device: str, version: str) -> str:
     return hashlib.sha256(blob.encode()).hexdigest()
 
 
+def _cached(root: Path, tks, cands, hints, device: str, version: str
+            ) -> tuple[Path, Config | None]:
+    """The cache file of one kernel's candidate set at these sizes, and the config it holds
+    (None when this set was never timed here)."""
+    sizes = {n: int(hints[n]) for kind, n in tks[0].params if kind == "size"}
+    path = root / f"{_cache_key(tks[0], cands, sizes, device, version)}.json"
+    if not path.exists():
+        return path, None
+    hit = json.loads(path.read_text())
+    return path, Config(hit["xblock"], hit["rblock"], hit["num_warps"], hit.get("num_stages", 0))
+
+
+def _store(path: Path, cfg: Config, kernel: str, device: str, ms: dict) -> None:
+    """Records the winning config (atomically: concurrent builds read whole files only)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, suffix=".tmp")
+    with os.fdopen(fd, "w") as f:
+        json.dump({"xblock": cfg.xblock, "rblock": cfg.rblock, "num_warps": cfg.num_warps,
+                   "num_stages": cfg.num_stages, "kernel": kernel, "device": device,
+                   "ms": ms}, f)
+    os.replace(tmp, path)
+
+
 def _args(tk, buffers, hints, torch):
     args = []
     for kind, n in tk.params:
@@ -157,11 +180,9 @@ def tune(kernels, buffers, hints: dict[str, int], base: dict[str, Config], arch:
             continue
         cands = candidates(base[k.name], width)
         tks = [print_triton_kernel(k, buffers, hints, c) for c in cands]
-        sizes = {n: int(hints[n]) for kind, n in tks[0].params if kind == "size"}
-        path = root / f"{_cache_key(tks[0], cands, sizes, device, triton.__version__)}.json"
-        if path.exists():
-            hit = json.loads(path.read_text())
-            best[k.name] = Config(hit["xblock"], hit["rblock"], hit["num_warps"])
+        path, hit = _cached(root, tks, cands, hints, device, triton.__version__)
+        if hit is not None:
+            best[k.name] = hit
             continue
         todo.append((k, tks, path))
     if not todo:
@@ -184,12 +205,7 @@ def tune(kernels, buffers, hints: dict[str, int], base: dict[str, Config], arch:
         report[k.name] = {f"x{tks[j].config.xblock}r{tks[j].config.rblock}"
                           f"w{tks[j].config.num_warps}": round(ms, 5) for j, ms in times.items()}
         triton_aot.store_compiled(compiled[(i, win)], tks[win], arch, prelude, cache)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(dir=path.parent, suffix=".tmp")
-        with os.fdopen(fd, "w") as f:
-            json.dump({"xblock": c.xblock, "rblock": c.rblock, "num_warps": c.num_warps,
-                       "kernel": k.name, "device": device, "ms": report[k.name]}, f)
-        os.replace(tmp, path)
+        _store(path, c, k.name, device, report[k.name])
         del args
     return best, report
 
@@ -215,12 +231,9 @@ def tune_attention(calls, buffers, hints: dict[str, int], arch: int, cache: Path
     for c in calls:
         cands = attention_candidates(c, buffers, hints)
         tks = [print_attention_kernel(c, buffers, hints, x) for x in cands]
-        sizes = {n: int(hints[n]) for kind, n in tks[0].params if kind == "size"}
-        path = root / f"{_cache_key(tks[0], cands, sizes, device, triton.__version__)}.json"
-        if path.exists():
-            hit = json.loads(path.read_text())
-            best[c.name] = Config(hit["xblock"], hit["rblock"], hit["num_warps"],
-                                  hit["num_stages"])
+        path, hit = _cached(root, tks, cands, hints, device, triton.__version__)
+        if hit is not None:
+            best[c.name] = hit
             continue
         todo.append((c, tks, path))
     if not todo:
@@ -249,12 +262,6 @@ def tune_attention(calls, buffers, hints: dict[str, int], arch: int, cache: Path
             f"m{tks[j].config.xblock}n{tks[j].config.rblock}w{tks[j].config.num_warps}"
             f"s{tks[j].config.num_stages}": round(ms, 5) for j, ms in times.items()}
         triton_aot.store_compiled(compiled[(i, win)], tks[win], arch, prelude, cache)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(dir=path.parent, suffix=".tmp")
-        with os.fdopen(fd, "w") as f:
-            json.dump({"xblock": cfg.xblock, "rblock": cfg.rblock, "num_warps": cfg.num_warps,
-                       "num_stages": cfg.num_stages, "kernel": f"attn_{c.name}",
-                       "device": device, "ms": report[f"attn_{c.name}"]}, f)
-        os.replace(tmp, path)
+        _store(path, cfg, f"attn_{c.name}", device, report[f"attn_{c.name}"])
         del args
     return best, report
