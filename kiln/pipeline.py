@@ -196,8 +196,8 @@ def build(ep: torch.export.ExportedProgram, opts: Options, device: str = "cpu") 
     if cuda:  # 4c. GEMM backends (kiln/autotune); Triton (and CUTLASS visitor-tree) GEMMs
         # absorb their epilogue
         keep = set(loop.outputs) | {src for _, src in loop.mutations}
-        gemms = run.stage("autotune", lambda s: choose_gemms(s, graph.symbols, opts, "cuda",
-                                                             outputs=keep), steps)
+        gemms = run.stage("autotune", lambda s: choose_gemms(
+            s, graph.symbols, opts, "cuda", outputs=keep, buffers=L.all_buffers(loop)), steps)
         steps = run.stage("fuse_gemms", lambda s: fuse_gemms(s, gemms, keep), steps,
                           dump=lambda s: "\n".join(map(repr, s)))
     weights = {i.name: weights[i.name] for i in graph.weights}

@@ -18,11 +18,16 @@ GEMM; a candidate that crashes its process is dropped with the reason and the ot
 fresh one. The child times each candidate (captured in a CUDA graph, as packages run) with
 CUDA events at the example sizes and checks it against a float32 torch.matmul of the same
 operands (profile.py's protocol, one `KILN_PROFILE <name> <seconds> <max error> <tolerance>`
-line per candidate). A GEMM whose absorbed epilogue maps to a visitor tree
-(kiln/autotune/cutlass_evt.py) has CUTLASS candidates fusing it: they run with random operands
-of the tree and are checked against the tree evaluated by torch (`evaluate_torch`), so their
-time includes the epilogue; cuBLAS and the template are timed without theirs (a bias towards
-the unfused backends, never towards the fused kernel)."""
+line per candidate). Every candidate is timed on the same work, the GEMM and the epilogue
+it absorbs in a package (schedule/gemm_fuse.py):
+- the template's candidates are the kernels the package would contain (kiln/autotune/
+  printed.py), epilogue, batch loop and int8 operands included, checked against the product
+  followed by the epilogue;
+- CUTLASS candidates fuse the epilogue when it maps to a visitor tree (kiln/autotune/
+  cutlass_evt.py): they run with random operands of the tree and are checked against the tree
+  evaluated by torch (`evaluate_torch`);
+- cuBLAS and plain CUTLASS kernels leave the epilogue to its own kernel in a package: the
+  child times that kernel alone and the parent adds its time to theirs."""
 
 from __future__ import annotations
 
@@ -32,6 +37,7 @@ import sys
 from pathlib import Path
 
 from kiln.autotune import triton_gemm as T
+from kiln.autotune.printed import EPILOGUE
 from kiln.autotune.problem import GemmProblem
 
 TRITON_DTYPES = ("float16", "bfloat16", "float32")
@@ -111,7 +117,8 @@ def candidates(problem: GemmProblem, backends: list[str], sizes, opts, work: Pat
                ) -> tuple[list[tuple[str, str, dict]], list]:
     """(name, backend, config) to profile, and (name, reason) of those that could not be
     built (a CUTLASS kernel nvcc rejected). With `evt`, the CUTLASS candidates fuse it (their
-    config holds its key, and `profile` runs them with the tree's operands)."""
+    config holds its key, and `profile` runs them with the tree's operands). The template's
+    candidates are printed by `profile` (kiln/autotune/printed.py)."""
     out, dropped = [], []
     if "blas" in backends:
         out.append(("blas", "blas", {}))
@@ -134,15 +141,19 @@ def candidates(problem: GemmProblem, backends: list[str], sizes, opts, work: Pat
     return out, dropped
 
 
-def profile(problem: GemmProblem, sizes, cands, timeout_s: float
+def profile(problem: GemmProblem, sizes, cands, timeout_s: float, printed: Path | None = None
             ) -> tuple[list[tuple[str, str, dict, float]], list]:
     """Runs the candidates on the local GPU: (name, backend, config, seconds) of those that
-    gave the right answer, and (name, reason) of those dropped."""
+    gave the right answer, and (name, reason) of those dropped. `printed`: the pickled
+    `printed.Printed` of the template's candidates (required when there are any); when it has
+    an epilogue, its own kernel's time is added to the candidates that do not fuse it."""
     results, dropped = [], []
     todo = list(cands)
+    epilogue_s = 0.0
     while todo:
         spec = {"dtype": problem.dtype, "sizes": list(sizes), "layout_a": problem.layout_a,
                 "layout_b": problem.layout_b, "mixed": problem.mixed,
+                "printed": str(printed) if printed else "",
                 "cands": [[n, b, c] for n, b, c in todo]}
         try:
             proc = subprocess.run([sys.executable, "-m", "kiln.autotune.gpu", json.dumps(spec)],
@@ -157,6 +168,9 @@ def profile(problem: GemmProblem, sizes, cands, timeout_s: float
             p = line.split()
             if len(p) == 5 and p[0] == "KILN_PROFILE":
                 name, sec, e_, tol = p[1], float(p[2]), float(p[3]), float(p[4])
+                if name == EPILOGUE:
+                    epilogue_s = max(sec, 0.0)
+                    continue
                 seen.add(name)
                 cand = next(c for c in todo if c[0] == name)
                 if sec < 0:
@@ -174,7 +188,14 @@ def profile(problem: GemmProblem, sizes, cands, timeout_s: float
             dropped.append((rest[0][0], f"crash (exit {rc}): {err.strip()[-200:]}"))
             rest = rest[1:]
         todo = rest
+    results = [(n, b, c, s + (epilogue_s if _unfused(b, c) else 0.0))
+               for n, b, c, s in results]
     return results, dropped
+
+
+def _unfused(backend: str, cfg: dict) -> bool:
+    """A candidate whose package leaves the GEMM's epilogue to a kernel of its own."""
+    return backend == "blas" or (backend == "cutlass" and "evt" not in cfg)
 
 
 def _child(spec: dict) -> None:
@@ -208,23 +229,22 @@ def _child(spec: dict) -> None:
     tol = (2e-2 if dt != torch.float32 else 1e-4) * max(1.0, k ** 0.5) * \
         max(1.0, float(want.abs().max()) ** 0.5)
     c = torch.empty(max(nb, 1), m, n, device="cuda", dtype=dt)
-    sms = torch.cuda.get_device_properties(0).multi_processor_count
-    kern = None
+    bench = None
+    if spec.get("printed"):
+        from kiln.autotune.printed import Bench, read
+        bench = Bench(read(spec["printed"]))
+        if bench.p.epilogue_kernel is not None:  # what an unfused candidate adds
+            sec = do_bench(_graphed(bench.epilogue), warmup=5, rep=20) * 1e-3
+            print(f"KILN_PROFILE {EPILOGUE} {sec:.9g} 0 1", flush=True)
     for name, backend, cfg in spec["cands"]:
         try:
             if backend == "blas":
                 def run():
                     torch.matmul(a, b, out=c)
             elif backend == "triton":
-                if kern is None:
-                    from kiln.toolchain.triton_aot import import_module
-                    kern = import_module(T.SOURCE, Path("/tmp/kiln_triton_gemm")).kiln_gemm
-                tc = T.TritonConfig(cfg["block_m"], cfg["block_n"], cfg["block_k"],
-                                    cfg["group_m"], cfg["num_stages"], cfg["num_warps"])
-
-                def run(tc=tc):
-                    for i in range(max(nb, 1)):
-                        _triton(kern, a[i], b[i], c[i], tc, sms, quant, scale)
+                if bench is None:
+                    raise RuntimeError("no printed kernels were given for the template")
+                run, err, tol_t = bench.runner(name), bench.check(name), bench.tolerance()
             elif "evt_tree" in cfg:  # a CUTLASS kernel with its epilogue fused
                 run, check = _fused_cutlass(cfg, a, b, want, spec, nb, m, n, k)
             else:
@@ -247,7 +267,9 @@ def _child(spec: dict) -> None:
                            torch.cuda.current_stream().cuda_stream)
                     if rc:
                         raise RuntimeError(f"kiln_cutlass_run returned {rc}")
-            if "evt_tree" in cfg:
+            if backend == "triton":
+                pass  # checked by the printed-kernel bench
+            elif "evt_tree" in cfg:
                 run()
                 torch.cuda.synchronize()
                 err = check()
@@ -260,7 +282,8 @@ def _child(spec: dict) -> None:
         except Exception as e:  # this candidate fails; the others still run
             print(f"{name}: {type(e).__name__}: {e}", file=sys.stderr)
             sec, err = -1.0, 0.0
-        print(f"KILN_PROFILE {name} {sec:.9g} {err:.6g} {tol:.6g}", flush=True)
+        limit = tol_t if backend == "triton" and sec >= 0 else tol
+        print(f"KILN_PROFILE {name} {sec:.9g} {err:.6g} {limit:.6g}", flush=True)
 
 
 def _fused_cutlass(cfg, a, b, want, spec, nb, m, n, k, operands=None):
@@ -322,18 +345,6 @@ def _graphed(run):
     except Exception:  # not capturable: time the plain launches
         torch.cuda.synchronize()
         return run
-
-
-def _triton(kern, a, b, c, cfg: T.TritonConfig, sms: int, quant: str = "", scale=None) -> None:
-    """C = A @ B (`quant`: which operand is int8); `scale`: a per-column vector over N."""
-    M, K = a.shape
-    N = b.shape[1]
-    tiles = -(-M // cfg.block_m) * -(-N // cfg.block_n)
-    kern[(min(sms, tiles),)](a, b, c, c, c, M, N, K, a.stride(0), a.stride(1), b.stride(0),
-                             b.stride(1), c.stride(0), c.stride(1), 0, 0, 0, 0, 0.0,
-                             c if scale is None else scale, 0, 0 if scale is None else 1, sms,
-                             **T.constexprs(cfg, quant=quant, scale=scale is not None),
-                             num_warps=cfg.num_warps, num_stages=cfg.num_stages)
 
 
 if __name__ == "__main__":

@@ -113,11 +113,15 @@ def _profile_cpu(problem: GemmProblem, sizes, allowed, opts: Options, tc) -> tup
 
 
 def choose_gemms(steps, symbols, opts: Options, device: str = "cpu", tc=None,
-                 outputs: set[str] | None = None) -> dict[str, Choice]:
+                 outputs: set[str] | None = None, buffers: dict | None = None
+                 ) -> dict[str, Choice]:
     """Gemm name -> Choice for every `L.Gemm` in `steps`. `symbols`: the graph's symbols (name,
     min, max, example); `tc`: the C++ toolchain (CPU profiling builds its driver with it);
     `outputs` (CUDA): the buffers that must be stored, to find each GEMM's absorbed epilogue
-    (schedule/gemm_fuse.py), which CUTLASS candidates fuse when it maps to a visitor tree."""
+    (schedule/gemm_fuse.py), which the template's candidates and CUTLASS candidates (when it
+    maps to a visitor tree) are profiled with; `buffers` (CUDA): the Loop IR buffers, to
+    print the template's candidates as the package would (without them a GEMM is profiled
+    without its epilogue)."""
     allowed = allowed_backends(opts, device)
     ranges = {s.name: (s.min, s.max) for s in symbols}
     env = {s.name: s.example for s in symbols}
@@ -139,9 +143,13 @@ def choose_gemms(steps, symbols, opts: Options, device: str = "cpu", tc=None,
         sizes = (int(evaluate(_prod(g.batch), env)), int(evaluate(g.m, env)),
                  int(evaluate(g.n, env)), int(evaluate(g.k, env)))
         if dev != "cpu":
-            evt = _evt(steps, i, outputs)
-            problem = problem_of(g, ranges, getattr(evt, "key", ""))
-            out[g.name] = _choose_cuda(g, problem, sizes, allowed, opts, root, evt)
+            epi = _epilogue(steps, i, outputs)
+            evt = _evt(g, epi)
+            if buffers is None:  # the template's candidates are profiled without it
+                epi = None
+            problem = problem_of(g, ranges, _epilogue_key(evt, epi, allowed))
+            printed = (epi, buffers, env)
+            out[g.name] = _choose_cuda(g, problem, sizes, allowed, opts, root, evt, printed)
             continue
         problem = problem_of(g, ranges)
         choice = None
@@ -175,17 +183,34 @@ def _cuda_arch(opts: Options) -> tuple[int, bool]:
     return arch, here
 
 
-def _evt(steps, i: int, outputs: set[str] | None):
-    """The visitor tree of GEMM `steps[i]`'s absorbed epilogue (cutlass_evt.Evt), why it has
-    none (cutlass_evt.EvtRefusal), or None when it absorbs no epilogue."""
-    if outputs is None or steps[i].mixed is not None:  # (int8 operands: the template only)
+def _epilogue(steps, i: int, outputs: set[str] | None):
+    """The member GEMM `steps[i]` absorbs as its epilogue in a package, or None."""
+    if outputs is None:
         return None
     from kiln.schedule.gemm_fuse import epilogue_member
-    epi = epilogue_member(steps, i, outputs)
-    if epi is None:
+    return epilogue_member(steps, i, outputs)
+
+
+def _evt(g: L.Gemm, epi):
+    """The visitor tree of GEMM `g`'s absorbed epilogue `epi` (cutlass_evt.Evt), why it has
+    none (cutlass_evt.EvtRefusal), or None when it absorbs no epilogue."""
+    if epi is None or g.mixed is not None:  # (int8 operands: the template only)
         return None
     from kiln.autotune.cutlass_evt import from_epilogue
-    return from_epilogue(steps[i], epi)
+    return from_epilogue(g, epi)
+
+
+def _epilogue_key(evt, epi, allowed) -> str:
+    """The problem's epilogue: the visitor tree's key when CUTLASS can fuse it, else the
+    epilogue's own key when the template (which fuses any absorbed epilogue) may be chosen,
+    else "" (no candidate fuses it: the plain GEMM's entry)."""
+    from kiln.autotune.cutlass_evt import Evt
+    if isinstance(evt, Evt) and "cutlass" in allowed:
+        return evt.key
+    if epi is not None and "triton" in allowed:
+        from kiln.autotune.printed import epilogue_key
+        return epilogue_key(epi)
+    return ""
 
 
 def _epilogue_note(evt, backends, cands=None) -> str:
@@ -202,7 +227,7 @@ def _epilogue_note(evt, backends, cands=None) -> str:
 
 
 def _choose_cuda(g: L.Gemm, problem: GemmProblem, sizes, allowed, opts: Options, root: Path,
-                 evt=None) -> Choice:
+                 evt=None, printed: tuple = (None, None, {})) -> Choice:
     import dataclasses
 
     from kiln.autotune import gpu
@@ -221,12 +246,13 @@ def _choose_cuda(g: L.Gemm, problem: GemmProblem, sizes, allowed, opts: Options,
     fuse = evt if isinstance(evt, Evt) else None
     note = _epilogue_note(evt, backends, gpu.cutlass_candidates(problem, opts, fuse)
                           if fuse is not None and "cutlass" in backends else None)
-    choice = _choose_cuda_backend(g, problem, sizes, backends, allowed, opts, root, fuse)
+    choice = _choose_cuda_backend(g, problem, sizes, backends, allowed, opts, root, fuse,
+                                  printed)
     return dataclasses.replace(choice, epilogue=note)
 
 
 def _choose_cuda_backend(g: L.Gemm, problem: GemmProblem, sizes, backends, allowed,
-                         opts: Options, root: Path, evt) -> Choice:
+                         opts: Options, root: Path, evt, printed) -> Choice:
     from kiln.autotune import gpu
     arch, here = _cuda_arch(opts)
     dev_id = gpu.device_id(arch)
@@ -234,7 +260,9 @@ def _choose_cuda_backend(g: L.Gemm, problem: GemmProblem, sizes, backends, allow
         t0 = time.perf_counter()
         cands, dropped = gpu.candidates(problem, backends, sizes, opts,
                                         root / "autotune_cutlass", evt)
-        results, more = gpu.profile(problem, sizes, cands, opts.autotune_timeout_s)
+        path = _print_candidates(g, cands, printed, root / "autotune_printed" /
+                                 f"{problem.key(dev_id)}.pkl")
+        results, more = gpu.profile(problem, sizes, cands, opts.autotune_timeout_s, path)
         dropped = list(dropped) + list(more)
         if results:
             choice = _from_results(results, backends, "profiled", problem, dropped,
@@ -260,6 +288,19 @@ def _choose_cuda_backend(g: L.Gemm, problem: GemmProblem, sizes, backends, allow
                                f"no CUTLASS kernel fits it and no other backend is allowed "
                                f"(Options.gemm_backends={tuple(allowed)!r})")
     return Choice(backend, cfg, "heuristic", problem.describe())
+
+
+def _print_candidates(g: L.Gemm, cands, printed, path: Path) -> Path | None:
+    """The template's candidates as the package would print them (kiln/autotune/printed.py),
+    pickled at `path` for the profiling child; None when there are none."""
+    from kiln.autotune import printed as PR
+    configs = {n: c for n, b, c in cands if b == "triton"}
+    if not configs:
+        return None
+    epi, buffers, env = printed
+    if buffers is None:
+        buffers = PR.gemm_buffers(g, env)
+    return PR.write(PR.build(g, epi, buffers, env, configs), path)
 
 
 def _prod(xs):

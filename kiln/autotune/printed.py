@@ -1,0 +1,203 @@
+"""Triton GEMM candidates profiled as packages run them: each config's kernel is the one
+kiln/codegen/triton_gemm_kernel.py prints for the package, with the GEMM's absorbed epilogue
+(bias, activation, residual, casts, any pointwise member `gemm_fuse` would absorb), batch
+dims and int8 operands, launched as the Python printer launches it (kiln/codegen/triton_py.py).
+
+Parent side (`build`): the GEMM, its epilogue member, the Loop IR buffers the kernels touch
+and the example sizes become a `Printed` record, pickled next to the CUTLASS builds and read
+by the profiling child (`python -m kiln.autotune.gpu`). It holds one Triton module with a
+kernel per config (`gemm_<name>__<i>`) and, when there is an epilogue, the epilogue alone as a
+row kernel (`epilogue_<name>`): what runs when another backend computes the GEMM.
+
+Child side (`Bench`): random operands in every buffer (floats N(0, 1); int8 GEMM operands
+over their whole range and a dequantisation scale U(0, 1/64), so 16-bit results stay finite;
+other integer buffers zero, so indices read through data stay in range), the reference (the
+product of float32 copies of the operands, rounded to the GEMM's dtype into its result buffer,
+then the epilogue kernel) and, per candidate, a launch and a check against that reference.
+The epilogue kernel's own time is what an unfused candidate (cuBLAS, a plain CUTLASS kernel)
+adds to a run, so the parent adds it to their times: every candidate is compared on the same
+work, GEMM plus epilogue."""
+
+from __future__ import annotations
+
+import hashlib
+import pickle
+import re
+from dataclasses import dataclass
+from pathlib import Path
+
+from kiln.codegen.triton_gemm_kernel import print_gemm_kernel
+from kiln.codegen.triton_kernel import TritonKernel, print_triton_kernel, print_triton_module
+from kiln.ir import loop as L
+from kiln.ir.sym import evaluate
+from kiln.schedule import Kernel, outer_of
+from kiln.schedule.gemm_fuse import GemmKernel
+
+EPILOGUE = "__epilogue__"  # the profiling line naming the epilogue kernel's own time
+
+
+@dataclass(frozen=True)
+class Printed:
+    gemm: L.Gemm
+    epilogue: L.Compute | None
+    buffers: dict[str, L.Buffer]  # every buffer the kernels read or write
+    env: dict[str, int]  # the size symbols at the example sizes
+    module: str  # the Triton source of all kernels below
+    kernels: dict[str, TritonKernel]  # candidate name -> its kernel
+    epilogue_kernel: TritonKernel | None
+
+
+def epilogue_key(epi: L.Compute) -> str:
+    """A key of the epilogue's computation, independent of the program's buffer names (the
+    autotuning cache's problem key: a choice profiled with this epilogue)."""
+    text = repr(epi.body)
+    names: dict[str, str] = {}
+    for m in re.finditer(r"buf='([^']*)'", text):
+        names.setdefault(m.group(1), f"b{len(names)}")
+    text = re.sub(r"buf='([^']*)'", lambda m: f"buf='{names[m.group(1)]}'", text)
+    return "pw:" + hashlib.sha256(f"{epi.dtype.name}|{epi.shape}|{text}".encode()
+                                  ).hexdigest()[:16]
+
+
+def gemm_buffers(g: L.Gemm, env: dict[str, int]) -> dict[str, L.Buffer]:
+    """Buffers just large enough for the GEMM's strided operands and its result, for a GEMM
+    profiled without its program's buffers (no epilogue then)."""
+    import sympy
+    mx = g.mixed
+    ops = [(g.a, g.m, g.k, mx is not None and mx.side == "a"),
+           (g.b, g.k, g.n, mx is not None and mx.side == "b")]
+    if mx is not None and mx.scale is not None:
+        ops.append((mx.scale, g.m, g.n, False))
+    out = {g.name: L.Buffer(g.name, g.dtype, tuple(g.shape), "temp")}
+    for op, rows, cols, quant in ops:
+        last = sum((evaluate(d, env) - 1) * evaluate(s, env) for d, s in
+                   zip((*g.batch, rows, cols), (*op.batch_strides, op.rows, op.cols)))
+        n = evaluate(op.offset, env) + last + 1
+        dt = mx.qdtype if quant else g.dtype
+        if op.buf not in out or evaluate(out[op.buf].numel, env) < n:
+            out[op.buf] = L.Buffer(op.buf, dt, (sympy.Integer(n),), "input")
+    return out
+
+
+def build(g: L.Gemm, epi: L.Compute | None, buffers: dict[str, L.Buffer],
+          env: dict[str, int], configs: dict[str, dict]) -> Printed:
+    """`configs`: candidate name -> template config (kiln/autotune/gpu.py `_cfg_json`)."""
+    kernels: dict[str, TritonKernel] = {}
+    for i, (name, cfg) in enumerate(configs.items()):
+        k = print_gemm_kernel(GemmKernel(g, epi, dict(cfg)), buffers)
+        new = f"{k.name}__{i}"
+        kernels[name] = TritonKernel(new, k.source.replace(f"def {k.name}(", f"def {new}(", 1),
+                                     k.params, k.signature, k.config, k.rows, k.source_ops,
+                                     k.tiles, k.constexprs, k.num_stages)
+    ek = None
+    if epi is not None:
+        ek = print_triton_kernel(Kernel(f"epilogue_{epi.name}", outer_of(epi), (epi,),
+                                        frozenset()), buffers, env)
+    used = {n for k in [*kernels.values(), *([ek] if ek else [])] for kind, n in k.params
+            if kind in ("in", "out")} | {g.name}
+    return Printed(g, epi, {n: buffers[n] for n in sorted(used)}, dict(env),
+                   print_triton_module([*kernels.values(), *([ek] if ek else [])]), kernels, ek)
+
+
+def write(p: Printed, path: Path) -> Path:
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_bytes(pickle.dumps(p))
+    return path
+
+
+def read(path: str | Path) -> Printed:
+    return pickle.loads(Path(path).read_bytes())
+
+
+class Bench:
+    """The child's state for one `Printed`: buffers, reference and launchers."""
+
+    def __init__(self, p: Printed, device: str = "cuda", seed: int = 0) -> None:
+        import torch
+
+        from kiln.codegen.triton_py import _DT, _strided, import_triton_module
+        self.p, self.device = p, device
+        self.module = import_triton_module(p.module)
+        g, env = p.gemm, p.env
+        gen = torch.Generator(device=device).manual_seed(seed)
+        mx = g.mixed
+        quant = {getattr(g, mx.side).buf: mx.qdtype.name} if mx is not None else {}
+        scale = mx.scale.buf if mx is not None and mx.scale is not None else None
+        self.bufs: dict[str, torch.Tensor] = {}
+        for name, b in p.buffers.items():
+            n, dt = max(evaluate(b.numel, env), 1), _DT[b.dtype.name]
+            if name in quant:
+                info = torch.iinfo(dt)
+                t = torch.randint(info.min, info.max + 1, (n,), generator=gen, device=device,
+                                  dtype=dt)
+            elif name == scale:
+                t = (torch.rand(n, generator=gen, device=device) / 64).to(dt)
+            elif dt.is_floating_point:
+                t = torch.randn(n, generator=gen, device=device).to(dt)
+            elif dt == torch.bool:
+                t = torch.randint(0, 2, (n,), generator=gen, device=device).bool()
+            else:
+                t = torch.zeros(n, device=device, dtype=dt)
+            self.bufs[name] = t
+        self.status = torch.zeros(1, dtype=torch.int32, device=device)
+        a = _strided(self.bufs[g.a.buf], g.a, g.batch, g.m, g.k, env).float()
+        b = _strided(self.bufs[g.b.buf], g.b, g.batch, g.k, g.n, env).float()
+        want = torch.matmul(a, b)
+        if scale is not None:
+            want = want * _strided(self.bufs[scale], mx.scale, g.batch, g.m, g.n, env).float()
+        self.k = evaluate(g.k, env)
+        out = self.bufs[g.name]
+        out[:want.numel()].copy_(want.reshape(-1))
+        if p.epilogue_kernel is not None:
+            self.epilogue()
+            self.out = self.bufs[p.epilogue.name]
+            self.ref = self.out[:evaluate(p.buffers[p.epilogue.name].numel, env)
+                                ].float().clone()
+        else:
+            self.out = out
+            self.ref = want.reshape(-1).clone()
+
+    def _launch(self, k: TritonKernel) -> None:
+        from kiln.codegen.triton_py import _launch
+        _launch(self.module, k, self.p.env, self.bufs, self.status, self.device)
+
+    def epilogue(self) -> None:
+        """The epilogue alone, as its own kernel (what an unfused GEMM is followed by)."""
+        self._launch(self.p.epilogue_kernel)
+
+    def runner(self, name: str):
+        k = self.p.kernels[name]
+        return lambda: self._launch(k)
+
+    def tolerance(self) -> float:
+        """The largest error allowed: that of a 16-bit (float32: IEEE) product of depth K,
+        grown with the magnitude of the result."""
+        import torch
+        fin = self.ref[torch.isfinite(self.ref)]
+        big = float(fin.abs().max()) if fin.numel() else 1.0
+        base = 1e-4 if self.p.gemm.dtype.name == "float32" else 2e-2
+        return base * max(1.0, self.k ** 0.5) * max(1.0, big ** 0.5)
+
+    def error(self) -> float:
+        """The largest difference between the candidate's output and the reference; where
+        the reference is not finite the output must be the same value."""
+        import torch
+        got = self.out[:self.ref.numel()].float()
+        fin = torch.isfinite(self.ref)
+        same = (got == self.ref) | (torch.isnan(got) & torch.isnan(self.ref))
+        if bool((~fin & ~same).any()):
+            return float("inf")
+        err = (got - self.ref).abs()[fin]
+        return float(err.max()) if err.numel() else 0.0
+
+    def check(self, name: str) -> float:
+        """Runs candidate `name` once on a cleared output; its error."""
+        self.out.zero_()
+        self.runner(name)()
+        if self.device != "cpu":
+            import torch
+            torch.cuda.synchronize()
+        if int(self.status.item()):
+            raise IndexError(f"{name}: index out of range")
+        return self.error()
