@@ -193,3 +193,27 @@ def test_package_max_autotune_profiles_fused_cutlass(tmp_path):
         assert not [d for d in c["dropped"] if "wrong answer" in d[1]], c["dropped"]
         if c["backend"] == "cutlass":
             assert "evt" in c["config"]
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["fp16", "bf16"])
+def test_package_max_autotune_profiles_template_with_epilogue(tmp_path, dtype):
+    """max_autotune times the template's candidates as the package prints them, epilogue
+    included (kiln/autotune/printed.py): every config is checked against the product followed
+    by the epilogue and none is dropped; cuBLAS is charged the epilogue's own kernel; the
+    problem names the epilogue; the package runs the winner."""
+    torch.manual_seed(6)
+    m = Linear(384, 256, "gelu").to(dtype).cuda()
+    x, r = torch.randn(96, 384, dtype=dtype).cuda(), torch.randn(96, 256, dtype=dtype).cuda()
+    a, b = torch.randn(4, 40, 72, dtype=dtype).cuda(), torch.randn(4, 72, 24, dtype=dtype).cuda()
+    tol = 2e-2 if dtype == torch.float16 else 5e-2
+    for mod, args in ((m, (x, r)), (Bmm(), (a, b))):
+        ep = torch.export.export(mod, args)
+        cm, _ = _check_pkg(tmp_path, ep, ("blas", "triton"), [(args, mod(*args))], tol,
+                           max_autotune=True, cache_dir=str(tmp_path / "cache"))
+        g = [k["gemm"] for k in cm.manifest["kernels"] if "gemm" in k]
+        assert g and all(c["how"] == "profiled" for c in g), g
+        for c in g:
+            assert c["timings"].get("triton") and c["timings"].get("blas"), c
+            assert not [d for d in c["dropped"] if d[0].startswith("triton")], c["dropped"]
+        if mod is m:
+            assert any("+pw:" in c["problem"] for c in g), g
