@@ -437,8 +437,9 @@ def test_gpu_cublas_only_materialises_the_weight(tmp_path):
 @gpu
 @pytest.mark.parametrize("shape", [(16, 4096, 4096), (300, 136, 520), (1, 64, 1024)])
 def test_gpu_standalone_template_with_int8_b(shape, tmp_path):
-    """The template max_autotune times (autotune/gpu.py), B int8 + a column scale."""
-    from kiln.autotune import gpu as G
+    """The generic template (the GEMM benchmark's, bench/gemm_gpu.py), B int8 + a column
+    scale."""
+    from bench.gemm_gpu import triton_call
     from kiln.autotune import triton_gemm as T
     from kiln.toolchain.triton_aot import import_module
     m, n, k = shape
@@ -452,6 +453,6 @@ def test_gpu_standalone_template_with_int8_b(shape, tmp_path):
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     for cfg in T.config_space(m, n, k)[:3]:
         c = torch.empty(m, n, device="cuda", dtype=torch.float16)
-        G._triton(kern, a, q, c, cfg, sms, "b", s)
+        triton_call(kern, a, q, c, cfg, sms=sms, quant="b", col_scale=s)
         torch.cuda.synchronize()
         assert ((c.double() - want).abs() <= tol).all(), cfg.name
