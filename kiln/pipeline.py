@@ -216,15 +216,10 @@ def build(ep: torch.export.ExportedProgram, opts: Options, device: str = "cpu") 
     buffers = L.all_buffers(loop)  # control-flow regions' buffers included
     if cuda:  # 7-8 for NVIDIA GPUs: Triton kernels -> cubins, CUDA wrapper (pipeline_cuda.py)
         _no_cuda_libs(steps)
-        dependent = sorted({f"{s.op}.{s.overload or 'default'}" if isinstance(s, L.AtenCall)
-                            else f"{s.symbol} = .item()" for s in L.flat_steps(steps)
-                            if isinstance(s, L.ReadSize) or (isinstance(s, L.AtenCall)
-                                                             and s.all_binds())})
-        if dependent:
-            raise UnsupportedError(f"data-dependent sizes are CPU-only so far; this program "
-                                   f"makes them with {', '.join(dependent)} on CUDA")
         from kiln.pipeline_cuda import build_cuda
         hints = {s.name: s.example for s in graph.symbols}
+        for name, bound in program.unbacked:  # data-dependent sizes: configs for their bounds
+            hints[name] = evaluate(bound, hints)
         sources, lib, info = build_cuda(run, steps, buffers, program, hints, opts, gemms)
         return Built(graph, loop, steps, program, plan, ivs, sources, lib, weights, run.timings,
                      "cuda", info, reorder=tuple(reordered), gemms=gemms)

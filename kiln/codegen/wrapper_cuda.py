@@ -126,8 +126,12 @@ class _Printer(SizeCheckPrinter):
         self.emit(f"in_bytes[{i}] = kc::nbytes(inputs[{i}]);")
 
     def alloc_output(self, x: P.AllocOutput) -> None:
-        """The output tensor, allocated before the run (outside any CUDA graph)."""
-        shape = ", ".join(to_c(d) for d in x.shape) or "0"
+        """The output tensor, allocated before the run (outside any CUDA graph); one with
+        data-dependent sizes at their upper bounds (`_Return` sets its real shape)."""
+        if x.capacity is not None:
+            self.emit(f"// output {x.index} has data-dependent sizes {list(x.shape)}: allocated "
+                      "for their upper bounds, its shape is set once they are known")
+        shape = ", ".join(to_c(d) for d in (x.capacity or x.shape)) or "0"
         self.emit(f"{{ const int64_t shape[] = {{{shape}}};")
         self.emit(f"  outs[{x.index}] = kc::new_output(e, self->pool, self->ctx, stream, "
                   f"self->device_id, {x.dtype.dl_code}, {x.dtype.itemsize * 8}, "
@@ -203,6 +207,35 @@ class _Printer(SizeCheckPrinter):
         self.emit(f"  if (kc::launch_grid(e, {_cstr(u.call.kernel)}, self->fn[{i}], {grid}, "
                   f"self->warps[{i}], self->shared[{i}], stream, args)) return 1;")
         self.emit("}")
+
+    def _ReadSizeLine(self, x: P.ReadSizeLine) -> None:
+        """`x.item()` as a size: the scalar read on the host (a device->host copy on the
+        stream, then a wait), range-checked, and stored as the int64 scalar `node.name`."""
+        n = x.node
+        src = self.p.buffer_dtypes[n.src]
+        if src.is_float:
+            from kiln.errors import UnsupportedError
+            raise UnsupportedError(f"{n.src}.item() (for {', '.join(n.source)}) is used as a "
+                                   f"size but holds {src.name} values")
+        what = _cstr(f"reading {n.src}.item()")
+        self.emit(f"// {n.symbol} = {n.src}.item(): a data-dependent size, read on the host  "
+                  f"<- {', '.join(n.source)}")
+        self.emit(f"{{ {src.c_type} v = 0;")
+        self.emit(f"  if (kc::check(e, kc::driver().cuMemcpyDtoHAsync(&v, buf_{n.src}, "
+                  f"{src.itemsize}, stream), {what}) ||")
+        self.emit(f"      kc::check(e, kc::driver().cuStreamSynchronize(stream), {what})) "
+                  "goto fail;")
+        self.emit(f"  {n.symbol} = static_cast<int64_t>(v); }}")
+        self.emit(f"if ({n.symbol} < {n.lo} || {n.symbol} > {to_c(n.hi)}) {{ e.fail(\"{n.src}"
+                  f".item() is %lld, outside [{n.lo}, {n.hi}], the range the export assumed for "
+                  f"size {n.symbol}\", (long long){n.symbol}); goto fail; }}")
+        # the int64 scalar as a value for kernels: its two 32-bit words, set on the stream
+        self.emit(f"if (kc::check(e, kc::driver().cuMemsetD32Async(buf_{n.name}, "
+                  f"static_cast<unsigned>(static_cast<uint64_t>({n.symbol}) & 0xffffffffu), 1, "
+                  f"stream), {_cstr('writing ' + n.name)}) ||")
+        self.emit(f"    kc::check(e, kc::driver().cuMemsetD32Async(buf_{n.name} + 4, "
+                  f"static_cast<unsigned>(static_cast<uint64_t>({n.symbol}) >> 32), 1, stream), "
+                  f"{_cstr('writing ' + n.name)})) goto fail;")
 
     def _CallLib(self, x: P.CallLib) -> None:
         c = x.call
@@ -324,14 +357,21 @@ class _Printer(SizeCheckPrinter):
             srcs = sorted({s for k in self.kernels.values() if k.status for s in k.source_ops})
             self.emit(f"if (status) {{ e.fail(\"index out of range in {', '.join(srcs)}\"); "
                       "goto fail; }")
+        for out in (y for y in self.p.lines if isinstance(y, P.AllocOutput) and y.capacity):
+            for d, size in enumerate(out.shape):  # data-dependent dims: known now
+                if size != out.capacity[d]:
+                    self.emit(f"outs[{out.index}]->dl_tensor.shape[{d}] = {to_c(size)};")
         self.emit(f"for (int64_t i = 0; i < {len(x.buffers)}; ++i) outputs[i] = outs[i];")
         self.emit("return 0;")
 
 
 def capturable(prog: P.Program) -> bool:
     """Whether a run can replay as one CUDA graph: a branch or loop reads its predicate on the
-    host (a stream sync) and an ATen call runs torch's allocator and dispatcher."""
-    return not any(isinstance(x, (P.If, P.While, P.CallAten)) for x in P.walk(prog.lines))
+    host (a stream sync), an ATen call runs torch's allocator and dispatcher, and a
+    data-dependent size (`.item()` read on the host, or bound by an ATen call) changes the
+    launches after it within the run."""
+    return not prog.unbacked and not any(
+        isinstance(x, (P.If, P.While, P.CallAten, P.ReadSizeLine)) for x in P.walk(prog.lines))
 
 
 def _plan_block(pr: _Printer, prog: P.Program) -> None:
@@ -412,6 +452,8 @@ def print_cuda_wrapper(prog: P.Program, kernels: dict, cubins: dict, archs: tupl
     pr.emit("{")
     pr.emit(f"CUdeviceptr out_ptr[{max(len(outs), 1)}] = {{}};")
     pr.emit(f"size_t out_bytes[{max(len(outs), 1)}] = {{}};")
+    for name, bound in prog.unbacked:  # bound mid-run (by `body`), read by `Return`
+        pr.emit(f"int64_t {name} = 0;  // data-dependent size, at most {bound}")
     for x in outs:
         pr.alloc_output(x)
     pr.emit("auto body = [&](CUstream stream, const CUdeviceptr* in, const CUdeviceptr* out) "
