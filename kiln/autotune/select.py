@@ -122,9 +122,15 @@ def choose_gemms(steps, symbols, opts: Options, device: str = "cpu", tc=None,
     maps to a visitor tree) are profiled with; `buffers` (CUDA): the Loop IR buffers, to
     print the template's candidates as the package would (without them a GEMM is profiled
     without its epilogue)."""
+    from kiln.schedule.program import unbacked_bounds
+
     allowed = allowed_backends(opts, device)
     ranges = {s.name: (s.min, s.max) for s in symbols}
     env = {s.name: s.example for s in symbols}
+    hi = {s.name: s.max for s in symbols}
+    for name, bound in unbacked_bounds(steps):  # data-dependent sizes: 0 up to their bounds,
+        ranges[name] = (0, evaluate(bound, hi))  # profiled at the bound for the example sizes
+        env[name] = evaluate(bound, env)
     dev = device.split(":")[0]
     dev_id = cpu_device_id(opts) if dev == "cpu" else device
     root = Path(opts.cache_dir) if opts.cache_dir else None

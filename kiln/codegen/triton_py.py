@@ -7,12 +7,17 @@ Input: the planned Program, the `TritonKernel`s by name, the Triton module text,
 (name -> tensor) and the flat user inputs. Output: the flat outputs. Invariants: buffers are
 fresh tensors (no arena: this checks kernels, not the plan), GEMMs run as torch.matmul on
 strided views of the same operands cuBLAS would see (a CUTLASS GEMM with a fused epilogue
-then applies the visitor tree's torch twin), a kernel's status flag raises an IndexError
-naming its graph nodes."""
+then applies the visitor tree's torch twin), ATen fallback calls run through torch.ops on
+strided views of the buffers, a kernel's status flag raises an IndexError naming its graph
+nodes. Data-dependent sizes are bound as in the C++ wrapper (an ATen result's dim, or
+`.item()` read on the host and range-checked, a ValueError naming the symbol otherwise);
+outputs with such dims are allocated at their bounds and cut to the real shape at the end.
+Control flow (torch.cond / while_loop) is not run here (UnsupportedError)."""
 
 from __future__ import annotations
 
 import importlib.util
+import math
 import re
 import tempfile
 from pathlib import Path
@@ -152,6 +157,62 @@ def _run_user(u, x: P.CallUser, bufs: dict, env: dict) -> None:
     u.call.spec.fn[grid](**kw, num_warps=u.num_warps, num_stages=u.num_stages)
 
 
+def _aten_value(a, bufs: dict, env: dict):
+    """One argument of an ATen fallback call (`loop.AtenCall.args`) as torch takes it."""
+    kind = a[0]
+    if kind == "tensor":
+        _, buf, _, shape, strides, offset = a
+        t = bufs[buf]
+        return torch.as_strided(t, [evaluate(d, env) for d in shape],
+                                [evaluate(d, env) for d in strides],
+                                t.storage_offset() + evaluate(offset, env))
+    if kind == "tensors":
+        return [_aten_value(x, bufs, env) for x in a[1]]
+    if kind == "opt":
+        return _aten_value(a[1], bufs, env)
+    if kind == "none":
+        return None
+    if kind == "int":
+        return evaluate(a[1], env)
+    if kind == "ints":
+        return [evaluate(v, env) for v in a[1]]
+    if kind == "dtype":
+        return getattr(torch, a[1])
+    return float(a[1]) if kind == "float" else a[1]
+
+
+def _run_aten(c, bufs: dict, env: dict, bounds: dict) -> None:
+    """An ATen fallback call (`loop.AtenCall`): the op once, every result it writes copied
+    into its buffer, its data-dependent sizes bound and checked against their bounds."""
+    n_pos = len(c.args) - len(c.keywords)
+    args = [_aten_value(a, bufs, env) for a in c.args[:n_pos]]
+    kw = {k: _aten_value(a, bufs, env) for k, a in zip(c.keywords, c.args[n_pos:])}
+    name, ov = c.op.split("::", 1)[1], c.overload or "default"
+    res = getattr(getattr(torch.ops.aten, name), ov)(*args, **kw)
+    for r in c.results():
+        got = res[r.result] if c.n_results > 1 else res
+        for d, sym, _ in r.binds:
+            env[sym] = int(got.shape[d])
+            hi = evaluate(bounds[sym], env)
+            if not 0 <= env[sym] <= hi:
+                raise ValueError(f"ATen fallback {c.op}: data-dependent size {sym} = {env[sym]} "
+                                 f"exceeds its bound {bounds[sym]} = {hi}")
+        shape = [evaluate(d, env) for d in r.shape]
+        n = math.prod(shape)
+        bufs[r.name].reshape(-1)[:n].view(shape).copy_(got)
+
+
+def _read_size(n, bufs: dict, env: dict) -> None:
+    """`x.item()` as a size (`loop.ReadSize`): read, range-checked, stored as int64."""
+    v = int(bufs[n.src].reshape(-1)[0])
+    hi = evaluate(n.hi, env)
+    if not n.lo <= v <= hi:
+        raise ValueError(f"{n.src}.item() is {v}, outside [{n.lo}, {n.hi}], the range the "
+                         f"export assumed for size {n.symbol}")
+    env[n.symbol] = v
+    bufs[n.name].reshape(-1)[0] = v
+
+
 def run_program(prog: P.Program, kernels: dict, module, weights: dict, inputs: list,
                 device: str = "cpu") -> list[torch.Tensor]:
     env: dict[str, int] = {}
@@ -167,8 +228,8 @@ def run_program(prog: P.Program, kernels: dict, module, weights: dict, inputs: l
             env[x.symbol] = int(inputs[x.input])
         elif isinstance(x, P.BindSize):
             env[x.symbol] = int(inputs[x.input].shape[x.dim])
-        elif isinstance(x, P.AllocOutput):
-            shape = [evaluate(d, env) for d in x.shape]
+        elif isinstance(x, P.AllocOutput):  # data-dependent dims at their bounds
+            shape = [evaluate(d, env) for d in (x.capacity or x.shape)]
             bufs[x.buf] = torch.empty(shape, dtype=_DT[x.dtype.name], device=device)
         elif isinstance(x, P.Alloc):
             n = evaluate(x.numel, env)
@@ -183,6 +244,14 @@ def run_program(prog: P.Program, kernels: dict, module, weights: dict, inputs: l
             _launch(module, kernels[f"attn_{x.call.name}"], env, bufs, status, device)
         elif isinstance(x, P.CallUser):
             _run_user(kernels[x.call.name], x, bufs, env)
+        elif isinstance(x, P.CallAten):
+            _run_aten(x.call, bufs, env, dict(prog.unbacked))
+        elif isinstance(x, P.ReadSizeLine):
+            _read_size(x.node, bufs, env)
+        elif isinstance(x, (P.If, P.While)):
+            from kiln.errors import UnsupportedError
+            raise UnsupportedError("the Triton runner does not run torch.cond / while_loop "
+                                   f"({', '.join(x.source)}); the C++ wrapper does")
         elif isinstance(x, P.CallLib):
             from kiln.errors import UnsupportedError
             raise UnsupportedError(f"library routine {x.call.routine} (for "
@@ -201,5 +270,8 @@ def run_program(prog: P.Program, kernels: dict, module, weights: dict, inputs: l
         elif isinstance(x, P.CopyState):
             bufs[x.dst].reshape(-1).copy_(bufs[x.src].reshape(-1)[:bufs[x.dst].numel()])
         elif isinstance(x, P.Return):
-            return [bufs[b] for b in x.buffers]
+            cut = {y.buf: [evaluate(d, env) for d in y.shape] for y in prog.lines
+                   if isinstance(y, P.AllocOutput) and y.capacity}
+            return [bufs[b].reshape(-1)[:math.prod(cut[b])].view(cut[b]) if b in cut
+                    else bufs[b] for b in x.buffers]
     raise ValueError("program has no Return")

@@ -403,6 +403,8 @@ def _cutlass_parts(prog: P.Program, cutlass: dict) -> tuple[list[str], list[str]
     from kiln.ir.sym import evaluate
     decls, init = [], []
     hi = {s.name: s.max for s in prog.symbols}
+    for name, bound in prog.unbacked:  # data-dependent sizes at their bounds
+        hi[name] = evaluate(bound, hi)
     calls = {x.gemm.name: x for x in P.walk(prog.lines) if isinstance(x, P.CallGemm)}
     gemms = {n: x.gemm for n, x in calls.items()}
     keys = {n: (lambda e: e.key if e is not None else "")(_evt_of(x.gemm, x.epilogue))
