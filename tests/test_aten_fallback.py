@@ -112,15 +112,12 @@ def test_unencodable_arguments_are_clear_errors(tmp_path):
         _compile(tmp_path, lambda x: torch.special.zeta(x, 2.0), (torch.rand(3) + 1,))
 
 
-def test_fallback_on_cuda_and_its_limit(tmp_path):
-    """CUDA packages call ATen on the device (tests/test_cuda_codegen.py checks the wrapper);
-    data-dependent sizes stay CPU-only and say so."""
+def test_fallback_on_cuda(tmp_path):
+    """CUDA packages call ATen on the device (tests/test_cuda_codegen.py checks the wrapper,
+    tests/test_cuda_dds.py the data-dependent sizes)."""
     ep = torch.export.export(Fn(lambda x: torch.lgamma(x)), (torch.randn(3),))
     cm = kiln.compile(ep, device="cuda", options=kiln.Options(cuda_archs=(90,)))
     assert cm.manifest["requires"]["aten_fallback_ops"] == ["aten::lgamma.default"]
-    ep = torch.export.export(Fn(lambda x: x.nonzero()), (torch.randn(3),))
-    with pytest.raises(kiln.errors.UnsupportedError, match="data-dependent sizes are CPU-only"):
-        kiln.compile(ep, device="cuda", options=kiln.Options(cuda_archs=(90,)))
 
 
 def unique_parts(x):

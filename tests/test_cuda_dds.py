@@ -1,0 +1,323 @@
+"""Data-dependent sizes on CUDA: nonzero, boolean-mask indexing, masked_select and unique
+through the ATen fallback (the size u<k> bound when the call returns), `x.item()` used as a size
+(read on the host, range-checked) and sizes derived from one (2*u0 + 1).
+
+Without a GPU: each program compiles to a CUDA package (model.so built with the host compiler),
+its wrapper declares the sizes before the run body, allocates data-dependent outputs at their
+bounds and sets their shapes after the run, and never takes the CUDA-graph path; the Triton
+kernels run in Triton's interpreter through the Python runner (kiln/codegen/triton_py.py)
+against eager, with empty (u0 = 0), partial and full masks. With a GPU (`-m gpu`): the packages
+against eager on fresh inputs, bounds exceeded as clear errors, and later runs of one handle with
+other sizes."""
+
+from __future__ import annotations
+
+import os
+import pickle
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+
+import kiln
+from kiln.ir import program as P
+from kiln.options import Options
+
+OPTS = Options(cuda_archs=(90,))
+
+
+class Nonzero(torch.nn.Module):
+    def forward(self, x):
+        idx = torch.nonzero(x > 0)  # [u0, 2] int64
+        return idx * 2 + 1, idx.sum(0)
+
+
+class MaskRows(torch.nn.Module):
+    """x[mask] with a row mask, then a GEMM over the u0 selected rows and a reduction."""
+
+    def __init__(self):
+        super().__init__()
+        self.w = torch.nn.Parameter(torch.randn(6, 8))
+
+    def forward(self, x, mask):
+        r = x[mask]
+        return torch.relu(r @ self.w) + 1, r.sum(0)
+
+
+class MaskedSelect(torch.nn.Module):
+    def forward(self, x):
+        v = torch.masked_select(x, x > 0.5)
+        return v * 2, (v * v).sum()
+
+
+class TakeFirst(torch.nn.Module):
+    """`.item()` as a size, with the range torch._check gives it."""
+
+    def forward(self, x, n):
+        k = n.item()
+        torch._check(k >= 1)
+        torch._check(k <= 8)
+        return x[:k] * 2, torch.ones(k, 3) + x.sum()
+
+
+class Derived(torch.nn.Module):
+    """Output sizes derived from a data-dependent size: 2*u0 + 1, u0 + 1, 2*u0."""
+
+    def forward(self, x, c):
+        n = c.item()
+        torch._check(n >= 0)
+        torch._check(n <= 10)
+        return torch.ones(2 * n + 1) * x.sum(), x[: n + 1] * 3, torch.cat([x[:n], x[:n] * 2])
+
+
+class Unique(torch.nn.Module):
+    def forward(self, x):
+        u, inv, counts = torch.unique(x, return_inverse=True, return_counts=True)
+        return u * 2, inv + 1, counts
+
+
+def _signed(shape, p):
+    """Values > 0 (and > 0.5) with probability p: p = 0 gives an empty selection."""
+    x = torch.rand(shape) + 0.6
+    return torch.where(torch.rand(shape) < p, x, -x)
+
+
+def _rows(p):
+    return torch.randn(12, 6), torch.rand(12) < p
+
+
+# name -> (module, export args, (density or value) -> call args, call values)
+CASES = {
+    "nonzero": (Nonzero, (torch.randn(5, 4),), lambda p: (_signed((5, 4), p),),
+                (0.0, 0.3, 1.0)),
+    "mask_rows": (MaskRows, _rows(0.5), _rows, (0.0, 0.5, 1.0)),
+    "masked_select": (MaskedSelect, (torch.randn(4, 6),), lambda p: (_signed((4, 6), p),),
+                      (0.0, 0.5, 1.0)),
+    "take_first": (TakeFirst, (torch.randn(8, 3), torch.tensor(3)),
+                   lambda k: (torch.randn(8, 3), torch.tensor(k)), (1, 5, 8)),
+    "derived": (Derived, (torch.randn(20), torch.tensor(3)),
+                lambda k: (torch.randn(20), torch.tensor(k)), (0, 3, 10)),
+    "unique": (Unique, (torch.randint(0, 5, (12,)).float(),),
+               lambda k: (torch.randint(0, k, (12,)).float(),), (1, 4, 50)),
+}
+
+
+def _module(name):
+    torch.manual_seed(0)
+    return CASES[name][0]()
+
+
+def _export(name):
+    cls, args, _, _ = CASES[name]
+    return torch.export.export(_module(name), args)
+
+
+_compiled: dict = {}
+
+
+def _cuda(name):
+    """The CUDA package of case `name` (compiled once per session)."""
+    if name not in _compiled:
+        _compiled[name] = kiln.compile(_export(name), device="cuda", options=OPTS)
+    return _compiled[name]
+
+
+@pytest.mark.parametrize("name", sorted(CASES))
+def test_cuda_package_builds_without_graphs(name):
+    cm = _cuda(name)
+    assert cm.library.exists()  # model_cuda.cpp built by the host compiler
+    assert cm.manifest["cuda"]["graphs"] is False
+    src = cm.sources["model_cuda.cpp"]
+    assert "kc::run_graph(" not in src and "if (body(stream, in_ptr, out_ptr)) goto fail;" in src
+    prog = cm.built.program
+    assert prog.unbacked
+    for sym, bound in prog.unbacked:  # declared before the body that binds it
+        decl = f"int64_t {sym} = 0;  // data-dependent size, at most {bound}"
+        assert decl in src and src.index(decl) < src.index("auto body = [&]")
+    after = src[src.index("if (body(stream, in_ptr, out_ptr))"):]
+    for out in (x for x in prog.lines if isinstance(x, P.AllocOutput)):
+        if out.capacity is None:
+            continue
+        assert f"// output {out.index} has data-dependent sizes" in src
+        for d, size in enumerate(out.shape):  # the real size, once the run is over
+            if size != out.capacity[d]:
+                assert f"outs[{out.index}]->dl_tensor.shape[{d}] = " in after
+
+
+def test_item_is_read_on_the_host_and_range_checked():
+    src = _cuda("take_first").sources["model_cuda.cpp"]
+    body = src[src.index("auto body = [&]"):]
+    read = body.index("cuMemcpyDtoHAsync(&v, buf_n, 8, stream)")
+    sync = body.index("cuStreamSynchronize(stream)", read)
+    check = body.index("if (u0 < 1 || u0 > 8) { e.fail(\"n.item() is %lld, outside [1, 8]")
+    launch = body.index("kc::launch(")
+    assert read < sync < check < launch
+    assert "(void*)&u0" in body  # the kernel gets the bound symbol as its size
+    assert _cuda("take_first").manifest["requires"]["libtorch"] is False
+
+
+def test_aten_bound_is_checked_before_the_copy():
+    src = _cuda("nonzero").sources["model_cuda.cpp"]
+    bind = src.index("u0 = c.result_size(0, 0);")
+    check = src.index("data-dependent size u0 = %lld exceeds its bound 20")
+    assert bind < check < src.index("c.copy_out(0", bind)
+
+
+def test_capturable_says_no_for_data_dependent_sizes():
+    from kiln.codegen.wrapper_cuda import capturable
+    for name in ("take_first", "nonzero"):
+        assert not capturable(_cuda(name).built.program)
+
+
+def test_gemm_on_selected_rows_compiles_on_the_cpu_too(tmp_path):
+    """The GEMM autotuner ranges u0 over [0, bound] (CPU and CUDA builds alike)."""
+    cm = kiln.compile(_export("mask_rows"))
+    runner = kiln.load(cm.save(tmp_path / "m.kiln"))
+    m = _module("mask_rows")
+    for p in (0.0, 0.5, 1.0):
+        args = _rows(p)
+        for g, w in zip(runner(*args), m(*args)):
+            assert g.shape == w.shape
+            torch.testing.assert_close(g, w, rtol=1e-5, atol=1e-5)
+
+
+_INTERP = textwrap.dedent("""
+    import pickle, sys, torch
+    from kiln.codegen.triton_py import import_triton_module, run_program
+    bad = []
+    with open(sys.argv[1], "rb") as f:
+        cases = pickle.load(f)
+    for name, prog, kernels, module, weights, calls in cases:
+        mod = import_triton_module(module)
+        for v, args, want in calls:
+            got = run_program(prog, kernels, mod, weights, list(args))
+            for g, w in zip(got, want):
+                if g.shape != w.shape or not torch.allclose(g.double(), w.double(),
+                                                            rtol=1e-5, atol=1e-5):
+                    bad.append(f"{name} at {v}: got {g}, want {w}")
+        print(name, "checked", flush=True)
+    print("BAD" if bad else "ALL OK", *bad, sep="\\n")
+    sys.exit(1 if bad else 0)
+""")
+
+
+def triton_kernels_of(cm) -> dict:
+    """The TritonKernels of a CUDA build by name, with the configs the pipeline chose."""
+    from kiln.ir.sym import evaluate
+    from kiln.pipeline_cuda import triton_kernels
+
+    b = cm.built
+    hints = {s.name: s.example for s in b.graph.symbols}
+    for name, bound in b.program.unbacked:  # as the pipeline picks configs
+        hints[name] = evaluate(bound, hints)
+    return {k.name: k for k in triton_kernels(b.steps, {x.name: x for x in b.loop.buffers},
+                                              hints)}
+
+
+def test_triton_kernels_match_eager_in_interpreter(tmp_path):
+    """Each build through the Python runner (kiln/codegen/triton_py.py) in Triton's
+    interpreter, in a subprocess (the interpreter is chosen when Triton is imported; the AOT
+    compiler needs the normal mode, so the builds come from here, pickled)."""
+    torch.manual_seed(1)
+    cases = []
+    for name, (_, _, make, values) in CASES.items():
+        cm, m = _cuda(name), _module(name)
+        calls = [(v, args, tuple(m(*args))) for v in values for args in [make(v)]]
+        cases.append((name, cm.built.program, triton_kernels_of(cm),
+                      cm.built.sources["kernels_triton.py"], cm.built.weights, calls))
+    data = tmp_path / "cases.pkl"
+    data.write_bytes(pickle.dumps(cases))
+    env = dict(os.environ, TRITON_INTERPRET="1")
+    out = subprocess.run([sys.executable, "-c", _INTERP, str(data)], env=env,
+                         capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0 and "ALL OK" in out.stdout, out.stdout + out.stderr[-3000:]
+
+
+def test_triton_runner_checks_the_item_range():
+    from kiln.codegen.triton_py import _read_size
+
+    cm = _cuda("take_first")
+    (node,) = [x.node for x in cm.built.program.lines
+               if isinstance(x, P.ReadSizeLine)]
+    bufs = {node.src: torch.tensor([9]), node.name: torch.zeros(1, dtype=torch.int64)}
+    with pytest.raises(ValueError, match=r"\.item\(\) is 9, outside \[1, 8\].*size u0"):
+        _read_size(node, bufs, {})
+
+
+# -- on a GPU ---------------------------------------------------------------------------------
+
+def _on_gpu(name, tmp_path, **opts):
+    cm = kiln.compile(_export(name), device="cuda", options=Options(**opts))
+    return kiln.load(cm.save(tmp_path / f"{name}.kiln"), device="cuda:0")
+
+
+def _check(runner, m, args):
+    got = runner(*[a.cuda() for a in args])
+    want = m(*args)
+    got = got if isinstance(got, (tuple, list)) else (got,)
+    assert len(got) == len(want)
+    for g, w in zip(got, want):
+        assert g.device == torch.device("cuda", 0)
+        assert g.shape == w.shape and g.dtype == w.dtype, (g.shape, w.shape)
+        torch.testing.assert_close(g.cpu(), w, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("name", sorted(CASES))
+def test_gpu_matches_eager(name, tmp_path):
+    """Fresh inputs, each size value twice (empty, partial, full masks; u0 = 0 launches empty
+    grids), in one handle: later runs with other sizes get their own shapes."""
+    runner = _on_gpu(name, tmp_path)
+    _, _, make, values = CASES[name]
+    m = _module(name)
+    torch.manual_seed(2)
+    for v in (*values, *reversed(values)):
+        _check(runner, m, make(v))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_gpu_item_out_of_range_is_a_clear_error(tmp_path):
+    runner = _on_gpu("take_first", tmp_path)
+    m = _module("take_first")
+    for k in (9, 0):
+        with pytest.raises(kiln.errors.KilnError,
+                           match=rf"\.item\(\) is {k}, outside \[1, 8\], the range the export "
+                                 r"assumed for size u0"):
+            runner(torch.randn(8, 3, device="cuda"), torch.tensor(k, device="cuda"))
+    _check(runner, m, (torch.randn(8, 3), torch.tensor(4)))  # the handle still works
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("backend", ["blas", "triton"])
+def test_gpu_gemm_on_selected_rows(tmp_path, backend):
+    runner = _on_gpu("mask_rows", tmp_path, gemm_backends=(backend,))
+    m = _module("mask_rows")
+    for p in (0.0, 0.5, 1.0, 0.2):
+        _check(runner, m, _rows(p))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_gpu_dynamic_rows_and_caller_stream(tmp_path):
+    """A Dim on the input as well (the arena is planned per input size, for the bounds), run on
+    a non-default stream: the ATen call and the host read follow it."""
+    n = torch.export.Dim("n", min=1, max=64)
+    ep = torch.export.export(_module("nonzero"), (torch.randn(5, 4),),
+                             dynamic_shapes=({0: n},))
+    runner = kiln.load(kiln.compile(ep, device="cuda").save(tmp_path / "d.kiln"),
+                       device="cuda:0")
+    m = _module("nonzero")
+    s = torch.cuda.Stream()
+    for rows, p in ((5, 0.5), (64, 1.0), (1, 0.0), (17, 0.3), (64, 0.0)):
+        x = _signed((rows, 4), p)
+        with torch.cuda.stream(s):
+            got = runner(x.cuda())
+        s.synchronize()
+        for g, w in zip(got, m(x)):
+            assert g.shape == w.shape
+            torch.testing.assert_close(g.cpu(), w)
