@@ -72,6 +72,16 @@ class Derived(torch.nn.Module):
         return torch.ones(2 * n + 1) * x.sum(), x[: n + 1] * 3, torch.cat([x[:n], x[:n] * 2])
 
 
+class CountPrefix(torch.nn.Module):
+    """`.item()` of a value computed on the device (an int32 count)."""
+
+    def forward(self, x):
+        k = (x > 0).sum(dtype=torch.int32).item()
+        torch._check(k >= 0)
+        torch._check(k <= 20)
+        return x.sort().values[:k] * 2
+
+
 class Unique(torch.nn.Module):
     def forward(self, x):
         u, inv, counts = torch.unique(x, return_inverse=True, return_counts=True)
@@ -99,9 +109,15 @@ CASES = {
                    lambda k: (torch.randn(8, 3), torch.tensor(k)), (1, 5, 8)),
     "derived": (Derived, (torch.randn(20), torch.tensor(3)),
                 lambda k: (torch.randn(20), torch.tensor(k)), (0, 3, 10)),
+    "count_prefix": (CountPrefix, (torch.randn(20),), lambda p: (_signed((20,), p),),
+                     (0.0, 0.5, 1.0)),
     "unique": (Unique, (torch.randint(0, 5, (12,)).float(),),
                lambda k: (torch.randint(0, k, (12,)).float(),), (1, 4, 50)),
 }
+
+
+def _outs(x) -> tuple:
+    return tuple(x) if isinstance(x, (tuple, list)) else (x,)
 
 
 def _module(name):
@@ -224,7 +240,7 @@ def test_triton_kernels_match_eager_in_interpreter(tmp_path):
     cases = []
     for name, (_, _, make, values) in CASES.items():
         cm, m = _cuda(name), _module(name)
-        calls = [(v, args, tuple(m(*args))) for v in values for args in [make(v)]]
+        calls = [(v, args, _outs(m(*args))) for v in values for args in [make(v)]]
         cases.append((name, cm.built.program, triton_kernels_of(cm),
                       cm.built.sources["kernels_triton.py"], cm.built.weights, calls))
     data = tmp_path / "cases.pkl"
@@ -254,9 +270,7 @@ def _on_gpu(name, tmp_path, **opts):
 
 
 def _check(runner, m, args):
-    got = runner(*[a.cuda() for a in args])
-    want = m(*args)
-    got = got if isinstance(got, (tuple, list)) else (got,)
+    got, want = _outs(runner(*[a.cuda() for a in args])), _outs(m(*args))
     assert len(got) == len(want)
     for g, w in zip(got, want):
         assert g.device == torch.device("cuda", 0)
