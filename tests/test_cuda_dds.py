@@ -100,6 +100,9 @@ def _rows(p):
 
 # name -> (module, export args, (density or value) -> call args, call values)
 CASES = {
+    # rows of x dynamic too: the bound 4*s0 is an expression of an input size
+    "nonzero_dyn": (Nonzero, (torch.randn(5, 4),),
+                    lambda p: (_signed((int(p * 20) % 17 + 1, 4), p),), (0.0, 0.3, 1.0)),
     "nonzero": (Nonzero, (torch.randn(5, 4),), lambda p: (_signed((5, 4), p),),
                 (0.0, 0.3, 1.0)),
     "mask_rows": (MaskRows, _rows(0.5), _rows, (0.0, 0.5, 1.0)),
@@ -126,8 +129,8 @@ def _module(name):
 
 
 def _export(name):
-    cls, args, _, _ = CASES[name]
-    return torch.export.export(_module(name), args)
+    dyn = ({0: torch.export.Dim("n", min=1, max=64)},) if name.endswith("_dyn") else None
+    return torch.export.export(_module(name), CASES[name][1], dynamic_shapes=dyn)
 
 
 _compiled: dict = {}
@@ -323,14 +326,10 @@ def test_gpu_gemm_on_selected_rows(tmp_path, backend):
 def test_gpu_dynamic_rows_and_caller_stream(tmp_path):
     """A Dim on the input as well (the arena is planned per input size, for the bounds), run on
     a non-default stream: the ATen call and the host read follow it."""
-    n = torch.export.Dim("n", min=1, max=64)
-    ep = torch.export.export(_module("nonzero"), (torch.randn(5, 4),),
-                             dynamic_shapes=({0: n},))
-    runner = kiln.load(kiln.compile(ep, device="cuda").save(tmp_path / "d.kiln"),
-                       device="cuda:0")
-    m = _module("nonzero")
+    runner = _on_gpu("nonzero_dyn", tmp_path)
+    m = _module("nonzero_dyn")
     s = torch.cuda.Stream()
-    for rows, p in ((5, 0.5), (64, 1.0), (1, 0.0), (17, 0.3), (64, 0.0)):
+    for rows, p in ((5, 0.5), (64, 1.0), (1, 0.0), (17, 0.3), (64, 0.0), (64, 1.0)):
         x = _signed((rows, 4), p)
         with torch.cuda.stream(s):
             got = runner(x.cuda())
