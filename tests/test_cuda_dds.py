@@ -106,6 +106,7 @@ CASES = {
     "nonzero": (Nonzero, (torch.randn(5, 4),), lambda p: (_signed((5, 4), p),),
                 (0.0, 0.3, 1.0)),
     "mask_rows": (MaskRows, _rows(0.5), _rows, (0.0, 0.5, 1.0)),
+    "mask_rows_triton": (MaskRows, _rows(0.5), _rows, (0.0, 0.5, 1.0)),
     "masked_select": (MaskedSelect, (torch.randn(4, 6),), lambda p: (_signed((4, 6), p),),
                       (0.0, 0.5, 1.0)),
     "take_first": (TakeFirst, (torch.randn(8, 3), torch.tensor(3)),
@@ -117,6 +118,11 @@ CASES = {
     "unique": (Unique, (torch.randint(0, 5, (12,)).float(),),
                lambda k: (torch.randint(0, k, (12,)).float(),), (1, 4, 50)),
 }
+
+
+# options besides OPTS: the Triton GEMM template over the u0 selected rows (a persistent grid of
+# min(tiles, SMs) programs; no launch when u0 = 0)
+CASE_OPTS = {"mask_rows_triton": {"gemm_backends": ("triton",)}}
 
 
 def _outs(x) -> tuple:
@@ -139,7 +145,8 @@ _compiled: dict = {}
 def _cuda(name):
     """The CUDA package of case `name` (compiled once per session)."""
     if name not in _compiled:
-        _compiled[name] = kiln.compile(_export(name), device="cuda", options=OPTS)
+        _compiled[name] = kiln.compile(_export(name), device="cuda", options=Options(
+            cuda_archs=OPTS.cuda_archs, **CASE_OPTS.get(name, {})))
     return _compiled[name]
 
 
@@ -271,7 +278,8 @@ def test_triton_runner_checks_the_item_range():
 # -- on a GPU ---------------------------------------------------------------------------------
 
 def _on_gpu(name, tmp_path, **opts):
-    cm = kiln.compile(_export(name), device="cuda", options=Options(**opts))
+    cm = kiln.compile(_export(name), device="cuda",
+                      options=Options(**{**CASE_OPTS.get(name, {}), **opts}))
     return kiln.load(cm.save(tmp_path / f"{name}.kiln"), device="cuda:0")
 
 
@@ -309,16 +317,6 @@ def test_gpu_item_out_of_range_is_a_clear_error(tmp_path):
                                  r"assumed for size u0"):
             runner(torch.randn(8, 3, device="cuda"), torch.tensor(k, device="cuda"))
     _check(runner, m, (torch.randn(8, 3), torch.tensor(4)))  # the handle still works
-
-
-@pytest.mark.gpu
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
-@pytest.mark.parametrize("backend", ["blas", "triton"])
-def test_gpu_gemm_on_selected_rows(tmp_path, backend):
-    runner = _on_gpu("mask_rows", tmp_path, gemm_backends=(backend,))
-    m = _module("mask_rows")
-    for p in (0.0, 0.5, 1.0, 0.2):
-        _check(runner, m, _rows(p))
 
 
 @pytest.mark.gpu
