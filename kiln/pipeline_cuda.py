@@ -23,7 +23,8 @@ from kiln import config
 from kiln.codegen.triton_attention import choose_attention_config, print_attention_kernel
 from kiln.codegen.triton_gemm_kernel import print_gemm_kernel
 from kiln.codegen.triton_kernel import choose_config, print_triton_kernel, print_triton_module
-from kiln.codegen.wrapper_cuda import capturable, cubin_blob, print_cuda_wrapper
+from kiln.codegen.wrapper_cuda import (blaslt_choices, capturable, cubin_blob,
+                                       print_cuda_wrapper)
 from kiln.errors import CompileError
 from kiln.ir import loop as L
 from kiln.options import Options
@@ -147,7 +148,8 @@ def build_cuda(run, steps, buffers, program, hints: dict[str, int], opts: Option
         objects, cut_sources = run.stage("cutlass", lambda c: build_objects(
             steps, c, opts, cache / "cutlass"), cutlass)
     wrapper = run.stage("codegen_wrapper", lambda p: print_cuda_wrapper(
-        p, by_name, cubins, archs, str(blob_path), where, opts.cuda_graphs, cutlass), program)
+        p, by_name, cubins, archs, str(blob_path), where, opts.cuda_graphs, cutlass,
+        blaslt_choices(gemms)), program)
     sources = {"kernels_triton.py": module, "model_cuda.cpp": wrapper}
     if launches:
         sources["user_triton.py"] = user_sources(launches)

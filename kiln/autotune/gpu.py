@@ -1,6 +1,7 @@
-"""CUDA GEMM candidates: cuBLAS ("blas"), the Triton template ("triton") and CUTLASS sm_90
-kernels ("cutlass"); which apply to a problem, the heuristic used without measurements, and
-profiling on the local GPU.
+"""CUDA GEMM candidates: cuBLAS ("blas": cuBLAS's own algorithm, and "blaslt_<i>", the
+cuBLASLt heuristic's i-th algorithm, config {"algo": i}; kiln/autotune/blaslt.py), the Triton
+template ("triton") and CUTLASS sm_90 kernels ("cutlass"); which apply to a problem, the
+heuristic used without measurements, and profiling on the local GPU.
 
 Applicability: the Triton template takes float16 / bfloat16 / float32 (fp32 with IEEE
 products, as eager); CUTLASS takes float16 / bfloat16 with at most one batch dim, needs
@@ -26,6 +27,8 @@ it absorbs in a package (schedule/gemm_fuse.py):
 - CUTLASS candidates fuse the epilogue when it maps to a visitor tree (kiln/autotune/
   cutlass_evt.py): they run with random operands of the tree and are checked against the tree
   evaluated by torch (`evaluate_torch`);
+- cuBLASLt candidates run through the helper library's `kiln_lt_run` (the package's
+  `kc::lt_blas_gemm`); one whose index is beyond what the heuristic offers is dropped;
 - cuBLAS and plain CUTLASS kernels leave the epilogue to its own kernel in a package: the
   child times that kernel alone and the parent adds its time to theirs."""
 
@@ -36,6 +39,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+from kiln.autotune import blaslt
 from kiln.autotune import triton_gemm as T
 from kiln.autotune.printed import EPILOGUE
 from kiln.autotune.problem import GemmProblem
@@ -122,6 +126,13 @@ def candidates(problem: GemmProblem, backends: list[str], sizes, opts, work: Pat
     out, dropped = [], []
     if "blas" in backends:
         out.append(("blas", "blas", {}))
+        lt = blaslt.candidates(problem.dtype)  # cuBLASLt's heuristic results, timed as linked
+        if lt:
+            try:
+                so = str(blaslt.build_helper(opts))
+                out += [(name, "blas", {**cfg, "so": so}) for name, cfg in lt]
+            except Exception as e:  # noqa: BLE001 - no helper: cuBLAS's own choice only
+                dropped += [(name, f"helper library: {str(e)[-200:]}") for name, _ in lt]
     if "triton" in backends:
         out += [(c.name, "triton", _cfg_json(c)) for c in triton_configs(sizes)]
     if "cutlass" in backends:
@@ -236,9 +247,15 @@ def _child(spec: dict) -> None:
         if bench.p.epilogue_kernel is not None:  # what an unfused candidate adds
             sec = do_bench(_graphed(bench.epilogue), warmup=5, rep=20) * 1e-3
             print(f"KILN_PROFILE {EPILOGUE} {sec:.9g} 0 1", flush=True)
+    ws = None  # cuBLASLt candidates share a workspace of a package's size (kc::kWorkspaceBytes)
     for name, backend, cfg in spec["cands"]:
         try:
-            if backend == "blas":
+            algos = None
+            if backend == "blas" and "algo" in cfg:
+                if ws is None:
+                    ws = torch.empty(32 << 20, dtype=torch.uint8, device="cuda")
+                run, algos = blaslt.runner(cfg["so"], cfg["algo"], spec["dtype"], a, b, c, ws)
+            elif backend == "blas":
                 def run():
                     torch.matmul(a, b, out=c)
             elif backend == "triton":
@@ -278,6 +295,8 @@ def _child(spec: dict) -> None:
                 run()
                 torch.cuda.synchronize()
                 err = float((c.float() - want).abs().max())
+                if algos is not None and cfg["algo"] >= algos():  # would run result 0 again
+                    raise RuntimeError(f"the cuBLASLt heuristic offers {algos()} algorithms")
             sec = do_bench(_graphed(run), warmup=5, rep=20) * 1e-3
         except Exception as e:  # this candidate fails; the others still run
             print(f"{name}: {type(e).__name__}: {e}", file=sys.stderr)

@@ -67,10 +67,13 @@ def cubin_blob(cubins: dict, names: list[str], archs: tuple[int, ...]
 
 
 class _Printer(SizeCheckPrinter):
-    def __init__(self, prog: P.Program, kernels: dict, cutlass: dict | None = None) -> None:
+    def __init__(self, prog: P.Program, kernels: dict, cutlass: dict | None = None,
+                 blaslt: dict | None = None) -> None:
         self.p = prog
         self.kernels = kernels
         self.cutlass = cutlass or {}
+        self.blaslt = blaslt or {}  # GEMM name -> cuBLASLt heuristic index ("blas" + "algo")
+        self.blaslt_gemms: list[str] = []  # those GEMMs, in order: each has an LtGemmPlan
         self.index = {name: i for i, name in enumerate(kernels)}
         self.out: list[str] = []
         env = {s.name: s.example for s in prog.symbols}
@@ -267,13 +270,27 @@ class _Printer(SizeCheckPrinter):
         sa = list(g.a.batch_strides) + [0] * (2 - len(g.a.batch_strides))
         sb = list(g.b.batch_strides) + [0] * (2 - len(g.b.batch_strides))
         sz = g.dtype.itemsize
-        self.emit(f"// gemm {g.name} = {g.a.buf} @ {g.b.buf}  <- {', '.join(g.source)}")
-        self.emit(f"if (kc::gemm<{T}>(e, self->blas, stream, {_cstr(g.name)}, {to_c(b[0])}, "
-                  f"{to_c(b[1])}, {to_c(g.m)}, {to_c(g.n)}, {to_c(g.k)},")
+        algo = self.blaslt.get(g.name)
+        if algo is not None and g.dtype.name in ("float16", "bfloat16", "float32"):
+            if g.name not in self.blaslt_gemms:
+                self.blaslt_gemms.append(g.name)
+            plan = self.blaslt_gemms.index(g.name)
+            self.emit(f"// gemm {g.name} = {g.a.buf} @ {g.b.buf}: cuBLASLt heuristic algorithm "
+                      f"{algo} (result 0 when it offers fewer)  <- {', '.join(g.source)}")
+            self.emit(f"if (kc::lt_blas_gemm<{T}>(e, self->lt, self->blas, stream, "
+                      f"{_cstr(g.name)}, {algo}, {to_c(b[0])}, {to_c(b[1])}, {to_c(g.m)}, "
+                      f"{to_c(g.n)}, {to_c(g.k)},")
+            tail = (f", buf_{g.name}, self->workspace, kc::kWorkspaceBytes, "
+                    f"&self->blaslt_plan[{plan}])) return 1;")
+        else:
+            self.emit(f"// gemm {g.name} = {g.a.buf} @ {g.b.buf}  <- {', '.join(g.source)}")
+            self.emit(f"if (kc::gemm<{T}>(e, self->blas, stream, {_cstr(g.name)}, "
+                      f"{to_c(b[0])}, {to_c(b[1])}, {to_c(g.m)}, {to_c(g.n)}, {to_c(g.k)},")
+            tail = f", buf_{g.name})) return 1;"
         self.emit(f"    buf_{g.a.buf} + {sz} * {to_c(g.a.offset)}, {to_c(sa[0])}, "
                   f"{to_c(sa[1])}, {to_c(g.a.rows)}, {to_c(g.a.cols)},")
         self.emit(f"    buf_{g.b.buf} + {sz} * {to_c(g.b.offset)}, {to_c(sb[0])}, "
-                  f"{to_c(sb[1])}, {to_c(g.b.rows)}, {to_c(g.b.cols)}, buf_{g.name})) return 1;")
+                  f"{to_c(sb[1])}, {to_c(g.b.rows)}, {to_c(g.b.cols)}{tail}")
 
     def _lt_gemm(self, g) -> None:
         """A low-precision GEMM through cuBLASLt (operands already in its layout: a row-major,
@@ -432,17 +449,19 @@ def _cutlass_parts(prog: P.Program, cutlass: dict) -> tuple[list[str], list[str]
 
 def print_cuda_wrapper(prog: P.Program, kernels: dict, cubins: dict, archs: tuple[int, ...],
                        blob_path: str, where: dict, graphs: bool = True,
-                       cutlass: dict | None = None) -> str:
+                       cutlass: dict | None = None, blaslt: dict | None = None) -> str:
     """`kernels`: name -> TritonKernel with `source_ops` set (see pipeline); `where`: the
     (offset, size) of each (kernel, arch) cubin inside the blob at `blob_path`; `graphs`: run
-    through CUDA graphs (kc::run_graph) rather than launching every kernel each run.
+    through CUDA graphs (kc::run_graph) rather than launching every kernel each run;
+    `cutlass`: GEMM name -> its CUTLASS Choice; `blaslt`: GEMM name -> the cuBLASLt heuristic
+    index of its "blas" Choice (`blaslt_choices`); other GEMMs call cuBLAS (kc::gemm).
 
     The run: input checks and size binding, the arena plan, the outputs allocated, then
     `body` (a lambda: every kernel, GEMM and state copy, on the stream and input/output
     pointers it is given, so that it can be captured into a graph), then the status check."""
     from kiln.codegen.wrapper_cuda_parts import print_cuda_model
     graphs = graphs and capturable(prog)
-    pr = _Printer(prog, kernels, cutlass)
+    pr = _Printer(prog, kernels, cutlass, blaslt)
     checks = [x for x in prog.lines if isinstance(x, P.CHECKS)]
     n_in = len(prog.inputs)
     outs = [x for x in prog.lines if isinstance(x, P.AllocOutput)]
@@ -499,4 +518,12 @@ def print_cuda_wrapper(prog: P.Program, kernels: dict, cubins: dict, archs: tupl
                 for x in P.walk(prog.lines))
     decls, init = _cutlass_parts(prog, cutlass or {})
     return print_cuda_model(prog, kernels, cubins, archs, blob_path, where, pr.out,
-                            len(pr.dynamic_bufs), gemms, len(pr.lt_gemms), decls, init)
+                            len(pr.dynamic_bufs), gemms, len(pr.lt_gemms), decls, init,
+                            len(pr.blaslt_gemms))
+
+
+def blaslt_choices(gemms: dict) -> dict[str, int]:
+    """GEMM name -> cuBLASLt heuristic index, for the "blas" choices that name one (config
+    {"algo": i}, profiled by max_autotune; older {} choices call cuBLAS)."""
+    return {n: int(c.config["algo"]) for n, c in (gemms or {}).items()
+            if c.backend == "blas" and "algo" in c.config}

@@ -20,8 +20,8 @@ def _cstr(s: str) -> str:
 
 def print_cuda_model(prog: P.Program, kernels: dict, cubins: dict, archs: tuple[int, ...],
                      blob_path: str, where: dict, body: list[str], n_dyn: int,
-                     gemms: bool, lt: int = 0, decls: list[str] = (), init: list[str] = ()
-                     ) -> str:
+                     gemms: bool, lt: int = 0, decls: list[str] = (), init: list[str] = (),
+                     blaslt: int = 0) -> str:
     n_in, n_w, nk = len(prog.inputs), len(prog.weights), len(kernels)
     n_out = sum(1 for x in prog.lines if isinstance(x, P.AllocOutput))
     aten_ops = aten_fallback_ops(prog)
@@ -84,8 +84,9 @@ def print_cuda_model(prog: P.Program, kernels: dict, cubins: dict, archs: tuple[
         "  CUdeviceptr status = 0;",
         "  int32_t sms = 1;  // multiprocessors: the grid of persistent (GEMM template) kernels",
         "  kc::cublasHandle_t blas = nullptr;",
-        "  kc::cublasLtHandle_t lt = nullptr;  // cuBLASLt: 8-bit float / int8 GEMMs",
+        "  kc::cublasLtHandle_t lt = nullptr;  // cuBLASLt: 8-bit / profiled-algorithm GEMMs",
         f"  kc::LtPlan lt_plan[{max(lt, 1)}];  // per cuBLASLt GEMM: its algorithm",
+        f"  kc::LtGemmPlan blaslt_plan[{max(blaslt, 1)}];  // per cuBLASLt float GEMM: its plan",
         "  CUdeviceptr workspace = 0;  // cuBLAS workspace (graph capture must not allocate)",
         "  CUdeviceptr cutlass_ws = 0;  // CUTLASS workspace, sized for the Dim ranges' maxima",
         "  size_t cutlass_ws_bytes = 0;",
@@ -104,6 +105,7 @@ def print_cuda_model(prog: P.Program, kernels: dict, cubins: dict, archs: tuple[
         "    kc::CtxGuard g(self->ctx);",
         "    // cuBLAS first: its handle may still be bound to the graphs' capture stream",
         "    if (self->blas) kc::blas().destroy(self->blas);",
+        "    for (kc::LtGemmPlan& p : self->blaslt_plan) p.release();",
         "    if (self->lt) kc::blaslt().destroy(self->lt);",
         "    self->graphs.release();",
         "    if (self->workspace) d.cuMemFree(self->workspace);",
@@ -181,7 +183,7 @@ def print_cuda_model(prog: P.Program, kernels: dict, cubins: dict, archs: tuple[
             "  if (kc::check(e, d.cuMemAlloc(&self->workspace, kc::kWorkspaceBytes), "
             "\"allocating the cuBLAS workspace\")) return 1;",
         ]
-    if lt:  # cuBLASLt shares the workspace (its GEMMs run on the same stream as cuBLAS's)
+    if lt or blaslt:  # cuBLASLt shares the workspace (its GEMMs run on cuBLAS's stream)
         src += [
             "  if (kc::blaslt().error) return e.fail(\"%s\", kc::blaslt().error);",
             "  if (kc::blaslt().create(&self->lt) != 0) return e.fail(\"cublasLtCreate failed\");",

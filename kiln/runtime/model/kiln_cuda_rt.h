@@ -314,6 +314,16 @@ inline int launch_grid(Err &e, const char *name, CUfunction f, int64_t gx, int64
   return check(e, r, name);
 }
 
+/* Two batch dims (nb0, nb1; operand batch strides as0/as1, bs0/bs1) as `loops` strided-batched
+ * calls of `count` matrices each (batch strides sa, sb): one call when nb1 == 1, when nb0 == 1
+ * or when dim 0 steps over whole dim-1 batches; else one call per index of dim 0. */
+inline void batch_calls(int64_t nb0, int64_t nb1, int64_t as0, int64_t as1, int64_t bs0,
+                        int64_t bs1, int64_t *count, int64_t *sa, int64_t *sb, int64_t *loops) {
+  *count = nb1; *sa = as1; *sb = bs1; *loops = nb0;
+  if (nb1 == 1) { *count = nb0; *sa = as0; *sb = bs0; *loops = 1; }
+  else if (nb0 == 1 || (as0 == as1 * nb1 && bs0 == bs1 * nb1)) { *count = nb0 * nb1; *loops = 1; }
+}
+
 /* C[b0][b1] (M x N, contiguous) = A[b0][b1] (M x K) * B[b0][b1] (K x N); offsets, strides in
  * elements. */
 template <class T>
@@ -333,9 +343,8 @@ inline int gemm(Err &e, cublasHandle_t h, CUstream s, const char *name, int64_t 
     return e.fail("%s: operand layout not supported by cuBLAS", name);
   if (M > INT32_MAX || N > INT32_MAX || K > INT32_MAX || lda > INT32_MAX || ldb > INT32_MAX)
     return e.fail("%s: matrix too large for 32-bit cuBLAS", name);
-  int64_t count = nb1, sa = as1, sb = bs1, loops = nb0;
-  if (nb1 == 1) { count = nb0; sa = as0; sb = bs0; loops = 1; }
-  else if (nb0 == 1 || (as0 == as1 * nb1 && bs0 == bs1 * nb1)) { count = nb; loops = 1; }
+  int64_t count, sa, sb, loops;
+  batch_calls(nb0, nb1, as0, as1, bs0, bs1, &count, &sa, &sb, &loops);
   for (int64_t l = 0; l < loops; ++l) {
     const T *a = reinterpret_cast<const T *>(A) + l * as0;
     const T *b = reinterpret_cast<const T *>(B) + l * bs0;
@@ -383,6 +392,7 @@ struct BlasLt {
   int (*desc_set)(void *, int, const void *, size_t) = nullptr;
   int (*layout_create)(void **, int, uint64_t, uint64_t, int64_t) = nullptr;
   int (*layout_destroy)(void *) = nullptr;
+  int (*layout_set)(void *, int, const void *, size_t) = nullptr;
   int (*pref_create)(void **) = nullptr;
   int (*pref_destroy)(void *) = nullptr;
   int (*pref_set)(void *, int, const void *, size_t) = nullptr;
@@ -414,6 +424,8 @@ constexpr int kLtTransA = 3, kLtTransB = 4, kLtEpilogue = 7, kLtBiasPointer = 8,
               kLtAScale = 17, kLtBScale = 18, kLtBiasType = 26, kLtEpilogueBias = 4,
               kComputeI32 = 72, kLtPrefWorkspace = 1, kLtPrefAlignA = 5, kLtPrefAlignB = 6,
               kLtPrefAlignC = 7, kLtPrefAlignD = 8;
+/* cublasLtMatrixLayoutAttribute_t: batch count (int32) and batch stride (int64, elements) */
+constexpr int kLtLayoutBatchCount = 5, kLtLayoutBatchStride = 6;
 
 inline const BlasLt &blaslt() {
   static const BlasLt b = [] {
@@ -434,6 +446,7 @@ inline const BlasLt &blaslt() {
         !sym(h, "cublasLtMatmulDescSetAttribute", &t.desc_set) ||
         !sym(h, "cublasLtMatrixLayoutCreate", &t.layout_create) ||
         !sym(h, "cublasLtMatrixLayoutDestroy", &t.layout_destroy) ||
+        !sym(h, "cublasLtMatrixLayoutSetAttribute", &t.layout_set) ||
         !sym(h, "cublasLtMatmulPreferenceCreate", &t.pref_create) ||
         !sym(h, "cublasLtMatmulPreferenceDestroy", &t.pref_destroy) ||
         !sym(h, "cublasLtMatmulPreferenceSetAttribute", &t.pref_set) ||
@@ -527,6 +540,173 @@ inline int lt_gemm(Err &e, cublasLtHandle_t h, CUstream s, const char *name, int
     return e.fail("%s: cuBLASLt has no algorithm for this GEMM (M=%lld N=%lld K=%lld)", name,
                   (long long)M, (long long)N, (long long)K);
   if (st != 0) return e.fail("%s: %s failed (cuBLAS status %d)", name, what, st);
+  return 0;
+}
+
+/* cuBLASLt for float16 / bfloat16 / float32 GEMMs with an algorithm picked at compile time
+ * (a "blas" choice with config {"algo": i}: the i-th result of cublasLtMatmulAlgoGetHeuristic,
+ * which max_autotune profiled against cuBLAS's own choice). float32 computes in float32 (no
+ * TF32, as eager by default); 16-bit operands accumulate in float32.
+ *
+ * LtGemmPlan: the descriptors, layouts and chosen algorithm of one GEMM of an instance for one
+ * key (sizes, leading dimensions, batch, layouts, operand alignments): made on the first run
+ * with that key and reused until the key changes (dynamic sizes re-plan when they change, as
+ * LtPlan does); the heuristic is asked for kLtAlgos results (more when `algo` is larger) and
+ * result `algo` is used, result 0 when it returned fewer; with no result at all the GEMM runs
+ * on cuBLAS (kc::gemm) instead, so a choice never makes a run fail. */
+constexpr int kLtAlgos = 8;
+
+struct LtGemmPlan {
+  int64_t key[14] = {-1};
+  void *desc = nullptr, *la = nullptr, *lb = nullptr, *lc = nullptr;
+  LtHeuristic heur{};
+  int found = 0;  /* usable algorithms the heuristic returned (0: cuBLAS runs the GEMM) */
+  int used = 0;   /* the index of the algorithm run */
+  LtGemmPlan() = default;
+  LtGemmPlan(const LtGemmPlan &) = delete;
+  LtGemmPlan &operator=(const LtGemmPlan &) = delete;
+  void release() {
+    if (lc) blaslt().layout_destroy(lc);
+    if (lb) blaslt().layout_destroy(lb);
+    if (la) blaslt().layout_destroy(la);
+    if (desc) blaslt().desc_destroy(desc);
+    desc = la = lb = lc = nullptr;
+    key[0] = -1;
+  }
+  ~LtGemmPlan() { release(); }
+};
+
+/* Makes `plan` for C^T (N x M, column-major, contiguous) = op(B^T) op(A^T), `count` matrices
+ * per call: cuBLASLt's A is our B (transposed when tb), its B our A (when ta). Returns a
+ * cuBLAS status (0: the plan holds descriptors and `found` algorithms), `*what` the step. */
+inline int lt_make_plan(cublasLtHandle_t h, int dtype, int algo, int64_t M, int64_t N,
+                        int64_t K, int64_t count, bool ta, int64_t lda, int64_t sa, bool tb,
+                        int64_t ldb, int64_t sb, const uint32_t align[3], size_t ws_bytes,
+                        LtGemmPlan *plan, const char **what) {
+  const BlasLt &lt = blaslt();
+  plan->release();
+  plan->found = plan->used = 0;
+  int st = lt.desc_create(&plan->desc, kComputeF32, kR32F);
+  *what = "cublasLtMatmulDescCreate";
+  const int opa = tb ? 1 : 0, opb = ta ? 1 : 0;
+  if (st == 0) { st = lt.desc_set(plan->desc, kLtTransA, &opa, sizeof opa); *what = "TRANSA"; }
+  if (st == 0) { st = lt.desc_set(plan->desc, kLtTransB, &opb, sizeof opb); *what = "TRANSB"; }
+  /* stored matrices (column-major): our B is N x K (K x N when transposed), A likewise */
+  if (st == 0) {
+    st = lt.layout_create(&plan->la, dtype, tb ? K : N, tb ? N : K, ldb);
+    *what = "layout of B";
+  }
+  if (st == 0) {
+    st = lt.layout_create(&plan->lb, dtype, ta ? M : K, ta ? K : M, lda);
+    *what = "layout of A";
+  }
+  if (st == 0) { st = lt.layout_create(&plan->lc, dtype, N, M, N); *what = "layout of C"; }
+  if (count > 1) {
+    const int32_t c32 = static_cast<int32_t>(count);
+    const int64_t sc = M * N;
+    void *lay[3] = {plan->la, plan->lb, plan->lc};
+    const int64_t stride[3] = {sb, sa, sc};
+    for (int i = 0; i < 3 && st == 0; ++i) {
+      st = lt.layout_set(lay[i], kLtLayoutBatchCount, &c32, sizeof c32);
+      if (st == 0) st = lt.layout_set(lay[i], kLtLayoutBatchStride, &stride[i], sizeof(int64_t));
+      *what = "batch layout";
+    }
+  }
+  void *pref = nullptr;
+  if (st == 0) { st = lt.pref_create(&pref); *what = "cublasLtMatmulPreferenceCreate"; }
+  const uint64_t ws64 = ws_bytes;
+  if (st == 0) {
+    st = lt.pref_set(pref, kLtPrefWorkspace, &ws64, sizeof ws64);
+    *what = "setting the workspace size";
+  }
+  const int pref_attr[4] = {kLtPrefAlignA, kLtPrefAlignB, kLtPrefAlignC, kLtPrefAlignD};
+  for (int i = 0; i < 4 && st == 0; ++i) {
+    st = lt.pref_set(pref, pref_attr[i], &align[i < 3 ? i : 2], sizeof(uint32_t));
+    *what = "setting the operand alignments";
+  }
+  const int want = algo + 1 > kLtAlgos ? algo + 1 : kLtAlgos;
+  LtHeuristic res[64];
+  int got = 0;
+  if (st == 0 && want <= 64) {
+    st = lt.heuristic(h, plan->desc, plan->la, plan->lb, plan->lc, plan->lc, pref, want, res,
+                      &got);
+    *what = "cublasLtMatmulAlgoGetHeuristic";
+    if (st != 0) { st = 0; got = 0; }  /* no algorithm: cuBLAS computes it */
+  }
+  if (pref) lt.pref_destroy(pref);
+  if (st != 0) return st;
+  int usable[64], n = 0;  /* results that can run, in the heuristic's order */
+  for (int i = 0; i < got; ++i)
+    if (res[i].state == 0) usable[n++] = i;
+  plan->found = n;
+  plan->used = algo < n ? algo : 0;  /* fewer results than `algo + 1`: result 0 */
+  if (n > 0) plan->heur = res[usable[plan->used]];
+  return 0;
+}
+
+/* The GEMM of kc::gemm (same operands and layouts) through cuBLASLt with heuristic result
+ * `algo` (see LtGemmPlan). `bh` (cuBLAS, bound to `s`) runs it when cuBLASLt has none. */
+template <class T>
+inline int lt_blas_gemm(Err &e, cublasLtHandle_t h, cublasHandle_t bh, CUstream s,
+                        const char *name, int algo, int64_t nb0, int64_t nb1, int64_t M,
+                        int64_t N, int64_t K, CUdeviceptr A, int64_t as0, int64_t as1,
+                        int64_t ar, int64_t ac, CUdeviceptr B, int64_t bs0, int64_t bs1,
+                        int64_t br, int64_t bc, CUdeviceptr C, CUdeviceptr ws, size_t ws_bytes,
+                        LtGemmPlan *plan) {
+  static_assert(sizeof(T) == 2 || sizeof(T) == 4, "cuBLASLt GEMMs take f16, bf16, float");
+  const int64_t nb = nb0 * nb1;
+  if (nb == 0 || M == 0 || N == 0) return 0;
+  if (K == 0)
+    return check(e, driver().cuMemsetD8Async(C, 0, static_cast<size_t>(nb * M * N) * sizeof(T),
+                                             s), name);
+  if (algo < 0) algo = 0;
+  bool ta, tb;
+  int64_t lda, ldb;
+  if (!kr::blas_layout(M, K, ar, ac, &ta, &lda) ||
+      !kr::blas_layout(K, N, br, bc, &tb, &ldb))
+    return e.fail("%s: operand layout not supported by cuBLASLt", name);
+  if (M > INT32_MAX || N > INT32_MAX || K > INT32_MAX || lda > INT32_MAX || ldb > INT32_MAX)
+    return e.fail("%s: matrix too large for 32-bit cuBLASLt", name);
+  int64_t count, sa, sb, loops;
+  batch_calls(nb0, nb1, as0, as1, bs0, bs1, &count, &sa, &sb, &loops);
+  int dtype = kR32F;
+  if constexpr (sizeof(T) == 2) dtype = CudaType<T>::value;
+  const int64_t sz = sizeof(T);
+  /* what the heuristic may assume of every matrix: base addresses and batch steps */
+  const uint64_t step_a = static_cast<uint64_t>((count > 1 ? sa : 0) | (loops > 1 ? as0 : 0)) * sz;
+  const uint64_t step_b = static_cast<uint64_t>((count > 1 ? sb : 0) | (loops > 1 ? bs0 : 0)) * sz;
+  const uint64_t step_c = static_cast<uint64_t>(count > 1 || loops > 1 ? M * N : 0) * sz;
+  const uint32_t align[3] = {address_alignment(B | step_b), address_alignment(A | step_a),
+                             address_alignment(C | step_c)};
+  const int64_t key[14] = {M, N, K, count, lda, ldb, sa, sb, ta, tb, algo, align[0], align[1],
+                           align[2]};
+  if (std::memcmp(plan->key, key, sizeof key) != 0) {
+    const char *what = "";
+    const BlasLt &lt = blaslt();
+    if (lt.error) return e.fail("%s: %s", name, lt.error);
+    int st = lt_make_plan(h, dtype, algo, M, N, K, count, ta, lda, sa, tb, ldb, sb, align,
+                          ws_bytes, plan, &what);
+    if (st != 0) {
+      plan->release();
+      return e.fail("%s: %s failed (cuBLAS status %d)", name, what, st);
+    }
+    std::memcpy(plan->key, key, sizeof key);
+  }
+  if (plan->found == 0)
+    return gemm<T>(e, bh, s, name, nb0, nb1, M, N, K, A, as0, as1, ar, ac, B, bs0, bs1, br, bc,
+                   C);
+  const float one = 1, zero = 0;
+  for (int64_t l = 0; l < loops; ++l) {
+    const void *a = reinterpret_cast<const T *>(A) + l * as0;
+    const void *b = reinterpret_cast<const T *>(B) + l * bs0;
+    void *c = reinterpret_cast<T *>(C) + l * nb1 * M * N;
+    int st = blaslt().matmul(h, plan->desc, &one, b, plan->la, a, plan->lb, &zero, c,
+                             plan->lc, c, plan->lc, plan->heur.algo,
+                             reinterpret_cast<void *>(ws), ws_bytes, s);
+    if (st != 0)
+      return e.fail("%s: cublasLtMatmul failed (cuBLAS status %d, algorithm %d of %d)", name,
+                    st, plan->used, plan->found);
+  }
   return 0;
 }
 
