@@ -5,7 +5,8 @@
  * links on a machine without CUDA (only cuda.h is needed, for types). Output: function tables
  * with error strings, input checks for device tensors, device outputs as DLManagedTensor
  * (kDLCUDA), the device arena, kernel launches, the cuBLAS GEMM wrapper and the cuBLASLt one
- * (8-bit float / int8 GEMMs; libcublasLt opened the same way).
+ * (8-bit float / int8 GEMMs, and float GEMMs whose algorithm max_autotune picked; libcublasLt
+ * opened the same way).
  *
  * Invariants: every function returns 0 on success or non-zero with a message in Err; nothing
  * throws. Outputs come from a memory pool per device (output_pool) and are freed stream-ordered
@@ -551,10 +552,12 @@ inline int lt_gemm(Err &e, cublasLtHandle_t h, CUstream s, const char *name, int
  * LtGemmPlan: the descriptors, layouts and chosen algorithm of one GEMM of an instance for one
  * key (sizes, leading dimensions, batch, layouts, operand alignments): made on the first run
  * with that key and reused until the key changes (dynamic sizes re-plan when they change, as
- * LtPlan does); the heuristic is asked for kLtAlgos results (more when `algo` is larger) and
- * result `algo` is used, result 0 when it returned fewer; with no result at all the GEMM runs
- * on cuBLAS (kc::gemm) instead, so a choice never makes a run fail. */
+ * LtPlan does); the heuristic is asked for kLtAlgos results (up to 64 when `algo` is larger)
+ * and result `algo` is used, result 0 when it returned fewer; with no result at all the GEMM
+ * runs on cuBLAS (kc::gemm) instead, as it does when cublasLtMatmul refuses the algorithm
+ * (NOT_SUPPORTED), so a choice never makes a run fail. */
 constexpr int kLtAlgos = 8;
+constexpr int kLtNotSupported = 15;  /* CUBLAS_STATUS_NOT_SUPPORTED */
 
 struct LtGemmPlan {
   int64_t key[14] = {-1};
@@ -624,10 +627,12 @@ inline int lt_make_plan(cublasLtHandle_t h, int dtype, int algo, int64_t M, int6
     st = lt.pref_set(pref, pref_attr[i], &align[i < 3 ? i : 2], sizeof(uint32_t));
     *what = "setting the operand alignments";
   }
-  const int want = algo + 1 > kLtAlgos ? algo + 1 : kLtAlgos;
-  LtHeuristic res[64];
+  constexpr int kMaxResults = 64;
+  const int want = algo + 1 < kLtAlgos ? kLtAlgos : algo + 1 > kMaxResults ? kMaxResults
+                                                                          : algo + 1;
+  LtHeuristic res[kMaxResults];
   int got = 0;
-  if (st == 0 && want <= 64) {
+  if (st == 0) {
     st = lt.heuristic(h, plan->desc, plan->la, plan->lb, plan->lc, plan->lc, pref, want, res,
                       &got);
     *what = "cublasLtMatmulAlgoGetHeuristic";
@@ -635,7 +640,7 @@ inline int lt_make_plan(cublasLtHandle_t h, int dtype, int algo, int64_t M, int6
   }
   if (pref) lt.pref_destroy(pref);
   if (st != 0) return st;
-  int usable[64], n = 0;  /* results that can run, in the heuristic's order */
+  int usable[kMaxResults], n = 0;  /* results that can run, in the heuristic's order */
   for (int i = 0; i < got; ++i)
     if (res[i].state == 0) usable[n++] = i;
   plan->found = n;
@@ -703,6 +708,11 @@ inline int lt_blas_gemm(Err &e, cublasLtHandle_t h, cublasHandle_t bh, CUstream 
     int st = blaslt().matmul(h, plan->desc, &one, b, plan->la, a, plan->lb, &zero, c,
                              plan->lc, c, plan->lc, plan->heur.algo,
                              reinterpret_cast<void *>(ws), ws_bytes, s);
+    if (st == kLtNotSupported) {  /* refused at run time: cuBLAS computes it from now on */
+      plan->found = 0;
+      return gemm<T>(e, bh, s, name, nb0, nb1, M, N, K, A, as0, as1, ar, ac, B, bs0, bs1, br,
+                     bc, C);
+    }
     if (st != 0)
       return e.fail("%s: cublasLtMatmul failed (cuBLAS status %d, algorithm %d of %d)", name,
                     st, plan->used, plan->found);
