@@ -1,6 +1,8 @@
-"""GEMM on the GPU: TFLOP/s of kiln's candidates - cuBLAS (torch.mm), the Triton template
-(kiln/autotune/triton_gemm.py, every config of its space) and CUTLASS sm_90 kernels
-(kiln/autotune/cutlass.py, shared libraries built ahead of time with nvcc) - for a sweep of
+"""GEMM on the GPU: TFLOP/s of kiln's candidates - cuBLAS (torch.mm), the cuBLASLt
+heuristic's algorithms (kiln/autotune/blaslt.py: the best index, through the helper library
+that max_autotune times them with), the Triton template (kiln/autotune/triton_gemm.py, every
+config of its space) and CUTLASS sm_90 kernels (kiln/autotune/cutlass.py, shared libraries
+built ahead of time with nvcc) - for a sweep of
 square and skinny fp16/bf16 shapes, and GEMM + epilogue chains fused into the Triton template
 and into CUTLASS kernels (the epilogue as a visitor tree, kiln/autotune/cutlass_evt.py; the
 first kernel of --evt-configs schedules, compiled with nvcc into --cache) vs unfused
@@ -131,7 +133,34 @@ def _ok(got, want):
         want.shape[-1] if want.dim() else 1))
 
 
-def tune(m, n, k, layout, dtype, kern, cutlass, sms):
+def lt_best(lt_so, a, b, c, want, dropped):
+    """(ms, "algo i") of the fastest correct cuBLASLt heuristic algorithm, or None."""
+    from kiln.autotune import blaslt
+    ws = torch.empty(32 << 20, dtype=torch.uint8, device="cuda")  # a package's workspace
+    a3, b3, c3 = a[None], b[None], c[None]
+    dt = str(a.dtype).split(".")[-1]
+    best = None
+    for i in range(blaslt.ALGOS):
+        try:
+            run, count = blaslt.runner(lt_so, i, dt, a3, b3, c3, ws)
+            c.zero_()
+            run()
+            torch.cuda.synchronize()
+            if i >= count():  # the heuristic offers fewer: index i would rerun result 0
+                break
+            if not _ok(c, want):
+                dropped.append((f"blaslt_{i}", "wrong answer"))
+                continue
+            ms = do_bench(run)
+        except Exception as e:  # noqa: BLE001 - an algorithm that cannot run this problem
+            dropped.append((f"blaslt_{i}", f"{type(e).__name__}: {str(e)[:80]}"))
+            continue
+        if best is None or ms < best[0]:
+            best = (ms, f"algo {i}")
+    return best
+
+
+def tune(m, n, k, layout, dtype, kern, cutlass, sms, lt_so=None):
     a = torch.randn(m, k, device="cuda", dtype=dtype)
     b = torch.randn(n, k, device="cuda", dtype=dtype).t() if layout == "nt" else \
         torch.randn(k, n, device="cuda", dtype=dtype)
@@ -141,6 +170,9 @@ def tune(m, n, k, layout, dtype, kern, cutlass, sms):
     t0 = time.perf_counter()
     res = {"cublas": (do_bench(lambda: torch.mm(a, b, out=c)), "torch.mm")}
     dropped = []
+    lt = lt_best(lt_so, a, b, c, want, dropped) if lt_so else None
+    if lt is not None:
+        res["cublaslt"] = lt
     for cfg in T.config_space(m, n, k):
         try:
             triton_call(kern, a, b, c, cfg, sms=sms)
@@ -174,6 +206,7 @@ def tune(m, n, k, layout, dtype, kern, cutlass, sms):
             "tflops": {b: flops / (v[0] * 1e-3) / 1e12 for b, v in res.items()},
             "best_config": {b: v[1] for b, v in res.items()}, "pick": pick,
             "speedup_vs_cublas": res["cublas"][0] / res[pick][0], "tune_s": tune_s,
+            "cublaslt_vs_cublas": res["cublas"][0] / lt[0] if lt else None,
             "dropped": dropped}
 
 
@@ -249,6 +282,8 @@ def main(argv=None):
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--evt-configs", type=int, default=2,
                     help="CUTLASS kernels fusing each chain's epilogue (0: none)")
+    ap.add_argument("--no-cublaslt", action="store_true",
+                    help="skip the cuBLASLt heuristic's algorithms")
     ap.add_argument("--prebuild", action="store_true",
                     help="only compile the fused CUTLASS kernels into --cache (no GPU needed)")
     args = ap.parse_args(argv)
@@ -261,6 +296,11 @@ def main(argv=None):
             print(key, [(n, str(so)) for n, so, _ in ks])
         return
     kern = _kernel(args.cache)
+    lt_so = None
+    if not args.no_cublaslt:
+        from kiln.autotune import blaslt
+        from kiln.options import Options
+        lt_so = str(blaslt.build_helper(Options(cache_dir=args.cache)))
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     cutlass = [Cutlass(p) for p in sorted(Path(args.cutlass_dir).glob("*.so"))] \
         if args.cutlass_dir else []
@@ -275,7 +315,7 @@ def main(argv=None):
             Path(args.json).write_text(json.dumps(out, indent=1))
     for dtype in (torch.float16, torch.bfloat16):
         for m, n, k, lay in shapes:
-            r = tune(m, n, k, lay, dtype, kern, cutlass, sms)
+            r = tune(m, n, k, lay, dtype, kern, cutlass, sms, lt_so)
             rows.append(r)
             print(json.dumps(r), flush=True)
             dump()
@@ -290,24 +330,27 @@ def main(argv=None):
     tri = [r["tflops"].get("triton", 0) / r["tflops"]["cublas"] for r in rows]
     ch = [r["speedup"] for r in chains if r["speedup"]]
     chc = [r["cutlass_speedup"] for r in chains if r.get("cutlass_speedup")]
+    lts = [r["cublaslt_vs_cublas"] for r in rows if r.get("cublaslt_vs_cublas")]
 
     def geo(xs):
         return math.exp(sum(math.log(x) for x in xs) / len(xs)) if xs and all(xs) else 0.0
     out["geomean"] = {"pick_vs_cublas": geo(sp), "triton_alone_vs_cublas": geo(tri),
                       "fused_chain_vs_unfused": geo(ch),
-                      "cutlass_fused_chain_vs_unfused": geo(chc)}
+                      "cutlass_fused_chain_vs_unfused": geo(chc),
+                      "cublaslt_best_vs_cublas": geo(lts)}
     print(json.dumps(out["geomean"]))
     dump()
     if args.markdown:
         lines = [f"Device: {out['device']}", "",
-                 "| shape | dtype | cuBLAS TFLOP/s | Triton (best config) | CUTLASS (best) "
-                 "| pick | pick / cuBLAS | tuning s |", "|---" * 8 + "|"]
+                 "| shape | dtype | cuBLAS TFLOP/s | cuBLASLt best (algo) | Triton (best config) "
+                 "| CUTLASS (best) | pick | pick / cuBLAS | tuning s |", "|---" * 9 + "|"]
         for r in rows:
             t = r["tflops"]
             cfg = r["best_config"]
             cl = f" ({cfg['cutlass']})" if "cutlass" in cfg else ""
+            lt = f"{t['cublaslt']:.0f} ({cfg['cublaslt']})" if "cublaslt" in t else "-"
             lines.append(
-                f"| {r['shape']} | {r['dtype']} | {t['cublas']:.0f} | "
+                f"| {r['shape']} | {r['dtype']} | {t['cublas']:.0f} | {lt} | "
                 f"{t.get('triton', 0):.0f} ({cfg.get('triton', '-')}) | "
                 f"{t.get('cutlass', 0):.0f}{cl} | {r['pick']} | {r['speedup_vs_cublas']:.2f}x | "
                 f"{r['tune_s']:.1f} |")
@@ -318,7 +361,8 @@ def main(argv=None):
                          f"{r['fused_ms'] or 0:.3f} | {r['speedup'] or 0:.2f}x | "
                          f"{r['cutlass_fused_ms'] or 0:.3f} | {r['cutlass_speedup'] or 0:.2f}x |")
         g = out["geomean"]
-        lines += ["", f"Geometric means: pick / cuBLAS {g['pick_vs_cublas']:.2f}x, Triton alone / "
+        lines += ["", f"Geometric means: pick / cuBLAS {g['pick_vs_cublas']:.2f}x, cuBLASLt "
+                  f"best / cuBLAS {g['cublaslt_best_vs_cublas']:.2f}x, Triton alone / "
                   f"cuBLAS {g['triton_alone_vs_cublas']:.2f}x, fused chain / unfused "
                   f"{g['fused_chain_vs_unfused']:.2f}x (Triton), "
                   f"{g['cutlass_fused_chain_vs_unfused']:.2f}x (CUTLASS EVT)"]

@@ -678,9 +678,10 @@ inline int lt_blas_gemm(Err &e, cublasLtHandle_t h, cublasHandle_t bh, CUstream 
   if constexpr (sizeof(T) == 2) dtype = CudaType<T>::value;
   const int64_t sz = sizeof(T);
   /* what the heuristic may assume of every matrix: base addresses and batch steps */
-  const uint64_t step_a = static_cast<uint64_t>((count > 1 ? sa : 0) | (loops > 1 ? as0 : 0)) * sz;
-  const uint64_t step_b = static_cast<uint64_t>((count > 1 ? sb : 0) | (loops > 1 ? bs0 : 0)) * sz;
-  const uint64_t step_c = static_cast<uint64_t>(count > 1 || loops > 1 ? M * N : 0) * sz;
+  auto steps = [&](int64_t inner, int64_t outer) {
+    return static_cast<uint64_t>(((count > 1 ? inner : 0) | (loops > 1 ? outer : 0)) * sz);
+  };
+  const uint64_t step_a = steps(sa, as0), step_b = steps(sb, bs0), step_c = steps(M * N, M * N);
   const uint32_t align[3] = {address_alignment(B | step_b), address_alignment(A | step_a),
                              address_alignment(C | step_c)};
   const int64_t key[14] = {M, N, K, count, lda, ldb, sa, sb, ta, tb, algo, align[0], align[1],
