@@ -7,6 +7,8 @@
                 wrong answer drops the candidate, never the compile
 - `cpu.py`      CPU candidates: OpenBLAS ("blas") and kiln's register-blocked GEMM ("cpp"),
                 the benchmark driver, and the heuristic used without profiling
+- `blaslt.py`   CUDA "blas" candidates beyond cuBLAS's own choice: the cuBLASLt heuristic's
+                algorithms (config {"algo": i}) and the helper library that times them
 - `cutlass.py`  CUTLASS 3.x candidates from `cutlass_library`, filtered by the Options'
                 regexes / size threshold / count; rendered with an `extern "C"` entry and
                 compiled with nvcc
