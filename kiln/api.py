@@ -119,6 +119,12 @@ def _requires(built: Built) -> dict[str, Any]:
     aten_ops = aten_fallback_ops(built.program)
     libs = _CUDA_LIBS if built.device == "cuda" else [
         "libscipy_openblas.so (scipy-openblas32)", "libgomp.so (OpenMP)"]
+    if built.device == "cuda" and any(
+            g.lowp is not None or (built.gemms.get(g.name) is not None and
+                                   "algo" in built.gemms[g.name].config)
+            for g in flat_steps(built.steps) if isinstance(g, L.Gemm)):
+        libs = [*libs, "libcublasLt.so (cuBLASLt, opened at load: low-precision GEMMs and "
+                "GEMMs with a profiled cuBLASLt algorithm)"]
     if aten_ops:
         torch_libs = "libtorch_cpu.so and libtorch_cuda.so" if built.device == "cuda" else \
             "libtorch_cpu.so"

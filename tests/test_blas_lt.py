@@ -87,6 +87,7 @@ def test_cache_entry_with_algo_reaches_package(tmp_path):
     opts = Options(cuda_archs=(90,), gemm_backends=("blas",), cache_dir=str(tmp_path))
     first = kiln.compile(ep, device="cuda", options=opts)
     assert "kc::lt_blas_gemm" not in first.sources["model_cuda.cpp"]  # heuristic: cuBLAS
+    assert not [x for x in first.manifest["requires"]["shared_libraries"] if "cublasLt" in x]
     (mm, p_mm), (bmm, p_bmm) = _gemm_problems(first.built)
     dev = gpu.device_id(90)
     acache.store(tmp_path, p_mm, dev, {
@@ -100,6 +101,7 @@ def test_cache_entry_with_algo_reaches_package(tmp_path):
     assert got[mm.name]["config"] == {"algo": 2} and got[mm.name]["how"] == "cache"
     assert got[mm.name]["timings"]["blas"][0] == ["blaslt_2", 2e-5]
     assert got[bmm.name]["config"] == {} and got[bmm.name]["how"] == "cache"
+    assert [x for x in cm.manifest["requires"]["shared_libraries"] if "cublasLt" in x]
     cpp = cm.sources["model_cuda.cpp"]
     assert f"kc::lt_blas_gemm<kc::f16>(e, self->lt, self->blas, stream, \"{mm.name}\", 2," in cpp
     assert "&self->blaslt_plan[0]" in cpp and "kc::LtGemmPlan blaslt_plan[1];" in cpp
