@@ -44,6 +44,11 @@ LOG2E = 1.4426950408889634
 SHARED_LIMIT = 232448  # bytes of shared memory one sm_90 block may use (227 KiB)
 
 
+# tl.dot's input precision per operand dtype where Triton's default is not eager's: float32
+# products are IEEE float32 (Triton's default would round operands to TF32)
+DOT_PRECISION = {"float32": "ieee"}
+
+
 def _pow2(n: int, least: int = 16) -> int:
     return max(least, 1 << max(0, int(n) - 1).bit_length())
 
@@ -130,7 +135,7 @@ def print_attention_kernel(call: L.Extern, buffers, hints: dict[str, int],
     sig["XBLOCK"] = sig["RBLOCK"] = "constexpr"
 
     t = to_tl
-    prec = ', input_precision="ieee"' if dt == "float32" else ""
+    prec = f', input_precision="{DOT_PRECISION[dt]}"' if dt in DOT_PRECISION else ""
     pmask_e = f" & (d[None, :] < {e})" if ep != e else ""
     kmask_e = f" & (d[:, None] < {e})" if ep != e else ""
     vmask_e = f" & (dv[None, :] < {ev})" if evp != ev else ""
