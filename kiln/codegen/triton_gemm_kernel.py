@@ -13,12 +13,24 @@ epilogue is printed by the row-kernel printer's `_Scope` with its index variable
 tile (batch dims -> this tile's batch index, dim -2 -> rows [BLOCK_M, 1], dim -1 -> columns
 [1, BLOCK_N]) and its read of the GEMM result bound to the accumulator rounded to the GEMM's
 dtype (what reading the stored result would give). Every config is valid for every size
-(masked loads), so one kernel serves a whole Dim range."""
+(masked loads), so one kernel serves a whole Dim range.
+
+TMA configs (config key "tma"): A and B tiles come through tensor descriptors made once per
+program before the tile loop (`tl.make_tensor_descriptor`: Triton writes each descriptor into
+the program's slice of the global scratch block the wrapper passes). Each operand is described
+as [nonzero-stride batch dims..., rows, cols] with its real strides and sizes, so TMA's zero
+fill replaces the masks at every edge (also along K, which must read zeros, and across batch
+entries, which a flattened 2-D view would not stop at); an operand with contiguous rows is
+described transposed and its tile used as `.T`. Only the loads change: the epilogue and the
+masked store are the same. A TMA config given for a GEMM that `tma_refusal` refuses (a cache
+entry of a problem with the same key but other batch strides) prints the pointer loads, with
+a comment saying why."""
 
 from __future__ import annotations
 
 import sympy
 
+from kiln.autotune.triton_gemm import tma_operands, tma_refusal
 from kiln.codegen.triton_kernel import Config, TritonKernel, _Scope
 from kiln.codegen.triton_ops import SIG_PTR, TL_DTYPE, tl_compute, to_tl
 from kiln.ir import loop as L
@@ -65,6 +77,60 @@ def _scale_lines(sc: L.Operand, start: str, p: str) -> list[str]:
             f"{p}acc = acc * {load}.to(tl.float32)"]
 
 
+def _tma_dims(g: L.Gemm, op: L.Operand) -> list[int]:
+    """The batch dims an operand's descriptor has: those it does not broadcast (stride 0)."""
+    return [d for d, st in enumerate(op.batch_strides) if sympy.sympify(st) != 0]
+
+
+# (operand, transposed) -> the descriptor's last two dims: (size, block) rows then columns
+_TMA_SHAPE = {("A", False): (("M", "BLOCK_M"), ("K", "BLOCK_K")),
+              ("A", True): (("K", "BLOCK_K"), ("M", "BLOCK_M")),
+              ("B", False): (("K", "BLOCK_K"), ("N", "BLOCK_N")),
+              ("B", True): (("N", "BLOCK_N"), ("K", "BLOCK_K"))}
+# the tile offset along each of M, N, K (int32, as descriptor loads take)
+_TMA_OFF = {"M": "tm", "N": "tn", "K": "tk"}
+
+
+def _descriptor_lines(g: L.Gemm) -> list[str]:
+    """The two descriptors, made once per program before the tile loop."""
+    lines = ["    # TMA descriptors, made once per program (in its slice of the global scratch):",
+             "    # [batch dims, rows, cols] at the operand's strides; zeros outside, so no masks"]
+    for name, op, tr in tma_operands(g):
+        dims = _tma_dims(g, op)
+        (r, br), (c, bc) = _TMA_SHAPE[(name, tr)]
+        shape = [to_tl(g.batch[d]) for d in dims] + [r, c]
+        strides = [to_tl(op.batch_strides[d]) for d in dims] + [
+            to_tl(op.cols if tr else op.rows), "1"]
+        block = ["1"] * len(dims) + [br, bc]
+        off = sympy.sympify(op.offset)
+        base = f"buf_{op.buf}" + (f" + {to_tl(off)}" if off != 0 else "")
+        what = f"{op.buf}{' transposed' if tr else ''}"
+        lines.append(f"    desc_{name.lower()} = tl.make_tensor_descriptor({base}, "
+                     f"[{', '.join(shape)}], [{', '.join(strides)}], "
+                     f"[{', '.join(block)}])  # {name} = {what}")
+    return lines
+
+
+def _tma_tile_lines(g: L.Gemm, p: str) -> list[str]:
+    """The K loop of one tile reading A and B through their descriptors."""
+    lines = [f"{p}tm = tl.cast(pid_m * BLOCK_M, tl.int32)",
+             f"{p}tn = tl.cast(pid_n * BLOCK_N, tl.int32)"]
+    used = sorted({d for _, op, _ in tma_operands(g) for d in _tma_dims(g, op)})
+    lines += [f"{p}tb{d} = tl.cast(b{d}, tl.int32)" for d in used]
+    lines += [f"{p}acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)",
+              f"{p}for k0 in range(0, K, BLOCK_K):",
+              f"{p}    tk = tl.cast(k0, tl.int32)"]
+    for name, op, tr in tma_operands(g):
+        dims = _tma_dims(g, op)
+        (r, br), (c, bc) = _TMA_SHAPE[(name, tr)]
+        idx = [f"tb{d}" for d in dims] + [_TMA_OFF[r], _TMA_OFF[c]]
+        load = f"desc_{name.lower()}.load([{', '.join(idx)}])"
+        if dims:
+            load += f".reshape({br}, {bc})"
+        lines.append(f"{p}    {name.lower()} = {load}{'.T' if tr else ''}")
+    return lines
+
+
 def print_gemm_kernel(gk: GemmKernel, buffers: dict[str, L.Buffer]) -> TritonKernel:
     g, epi, cfg = gk.gemm, gk.epilogue, gk.config
     if g.dtype.name not in DTYPES:
@@ -104,6 +170,14 @@ def print_gemm_kernel(gk: GemmKernel, buffers: dict[str, L.Buffer]) -> TritonKer
         "    per_batch = num_m * num_n",
         f"    tiles = per_batch * {to_tl(product(g.batch))}",
         "    per_group = GROUP_M * num_n",
+    ]
+    refused = tma_refusal(g) if cfg.get("tma", False) else None
+    tma = cfg.get("tma", False) and refused is None
+    if refused is not None:
+        lines.append(f"    # a TMA config, but {refused}: pointer loads")
+    if tma:
+        lines += _descriptor_lines(g)
+    lines += [
         "    # persistent: program p computes tiles p, p + NUM_SMS, ... (grouped order: L2 reuse)",
         "    for tile in range(tl.program_id(0), tiles, NUM_SMS):",
         "        t = tile % per_batch",
@@ -120,8 +194,9 @@ def print_gemm_kernel(gk: GemmKernel, buffers: dict[str, L.Buffer]) -> TritonKer
         f"{p}pid_n = (t % per_group) // size_m",
         f"{p}rm = (pid_m * BLOCK_M + tl.arange(0, BLOCK_M)){cast}",
         f"{p}rn = (pid_n * BLOCK_N + tl.arange(0, BLOCK_N)){cast}",
-        f"{p}rk = tl.arange(0, BLOCK_K){cast}",
     ]
+    if not tma:
+        lines.append(f"{p}rk = tl.arange(0, BLOCK_K){cast}")
 
     def base(op: L.Operand) -> str:
         e = sympy.sympify(op.offset) + sum(
@@ -132,18 +207,23 @@ def print_gemm_kernel(gk: GemmKernel, buffers: dict[str, L.Buffer]) -> TritonKer
     conv = {s: f".to({TL_DTYPE[g.dtype.name]})  # {mx.qdtype.name} -> {g.dtype.name}, exact"
             if quant[s] else "" for s in quant}
     other = {s: "0" if quant[s] else "0.0" for s in quant}
+    if tma:
+        lines += _tma_tile_lines(g, p)
+    else:
+        lines += [
+            f"{p}pa = buf_{g.a.buf} + {base(g.a)}",
+            f"{p}pb = buf_{g.b.buf} + {base(g.b)}",
+            f"{p}acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)",
+            f"{p}for k0 in range(0, K, BLOCK_K):",
+            f"{p}    kk = k0 + rk",
+            f"{p}    a = tl.load(pa + rm[:, None] * {to_tl(g.a.rows)} + kk[None, :] * "
+            f"{to_tl(g.a.cols)}, mask=(rm[:, None] < M) & (kk[None, :] < K), "
+            f"other={other['a']}){conv['a']}",
+            f"{p}    b = tl.load(pb + kk[:, None] * {to_tl(g.b.rows)} + rn[None, :] * "
+            f"{to_tl(g.b.cols)}, mask=(kk[:, None] < K) & (rn[None, :] < N), "
+            f"other={other['b']}){conv['b']}",
+        ]
     lines += [
-        f"{p}pa = buf_{g.a.buf} + {base(g.a)}",
-        f"{p}pb = buf_{g.b.buf} + {base(g.b)}",
-        f"{p}acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)",
-        f"{p}for k0 in range(0, K, BLOCK_K):",
-        f"{p}    kk = k0 + rk",
-        f"{p}    a = tl.load(pa + rm[:, None] * {to_tl(g.a.rows)} + kk[None, :] * "
-        f"{to_tl(g.a.cols)}, mask=(rm[:, None] < M) & (kk[None, :] < K), "
-        f"other={other['a']}){conv['a']}",
-        f"{p}    b = tl.load(pb + kk[:, None] * {to_tl(g.b.rows)} + rn[None, :] * "
-        f"{to_tl(g.b.cols)}, mask=(kk[:, None] < K) & (rn[None, :] < N), "
-        f"other={other['b']}){conv['b']}",
         f"{p}    acc = tl.dot(a, b, acc"
         + (", input_precision=\"ieee\")" if g.dtype.name == "float32" else ")"),
         f"{p}i_m = rm[:, None]",

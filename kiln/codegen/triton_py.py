@@ -16,6 +16,7 @@ Control flow (torch.cond / while_loop) is not run here (UnsupportedError)."""
 
 from __future__ import annotations
 
+import contextvars
 import importlib.util
 import math
 import re
@@ -117,6 +118,13 @@ def _sm_count(device: str) -> int:
     return 4  # Triton's interpreter: a few programs, so the persistent loop runs
 
 
+def _with_scratch_allocator(launch, device) -> None:
+    import triton
+    triton.set_allocator(lambda size, align, stream: torch.empty(
+        size, dtype=torch.int8, device=device))
+    launch()
+
+
 def _launch(module, k, env, bufs, status, device) -> None:
     """Launch TritonKernel `k`: over its rows, or (the GEMM template) persistently over
     min(tiles, #SMs) programs; nothing for an empty grid."""
@@ -129,9 +137,14 @@ def _launch(module, k, env, bufs, status, device) -> None:
         args.append(env[n] if kind == "size" else status if kind == "status"
                     else sms if kind == "sms" else bufs[n].reshape(-1))
     if k.tiles is not None:
-        getattr(module, k.name)[(min(rows, sms),)](
-            *args, **dict(k.constexprs), num_warps=k.config.num_warps,
-            **({"num_stages": k.num_stages} if k.num_stages else {}))
+        def launch():
+            getattr(module, k.name)[(min(rows, sms),)](
+                *args, **dict(k.constexprs), num_warps=k.config.num_warps,
+                **({"num_stages": k.num_stages} if k.num_stages else {}))
+        # the template's TMA configs make descriptors in global scratch, which Triton's
+        # launcher takes from the allocator set in the current context: set one in a copy
+        # of the context, so nothing outlives the launch
+        contextvars.copy_context().run(_with_scratch_allocator, launch, device)
         return
     grid = (-(-rows // k.config.xblock),)
     extra = {"num_stages": k.config.num_stages} if k.config.num_stages else {}

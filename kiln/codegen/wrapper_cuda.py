@@ -68,9 +68,10 @@ def cubin_blob(cubins: dict, names: list[str], archs: tuple[int, ...]
 
 class _Printer(SizeCheckPrinter):
     def __init__(self, prog: P.Program, kernels: dict, cutlass: dict | None = None,
-                 blaslt: dict | None = None) -> None:
+                 blaslt: dict | None = None, scratch: frozenset = frozenset()) -> None:
         self.p = prog
         self.kernels = kernels
+        self.scratch = scratch  # kernels that take the instance's global scratch block
         self.cutlass = cutlass or {}
         self.blaslt = blaslt or {}  # GEMM name -> cuBLASLt heuristic index ("blas" + "algo")
         self.blaslt_gemms: list[str] = []  # those GEMMs, in order: each has an LtGemmPlan
@@ -169,7 +170,8 @@ class _Printer(SizeCheckPrinter):
         for kind, n in k.params:
             args.append("&self->status" if kind == "status" else "&self->sms" if kind == "sms"
                         else f"(void*)&{n}" if kind == "size" else f"&buf_{n}")
-        args += ["&scratch", "&scratch"]
+        # Triton's global scratch (TMA descriptors made on the device), then profiling scratch
+        args += ["&self->global_scratch" if name in self.scratch else "&scratch", "&scratch"]
         self.emit(f"  void* args[] = {{{', '.join(args)}}};")
         if k.tiles is not None:  # persistent: one program per SM, at most one per tile
             self.emit(f"  const int64_t tiles = {to_c(k.tiles)};")
@@ -461,7 +463,8 @@ def print_cuda_wrapper(prog: P.Program, kernels: dict, cubins: dict, archs: tupl
     pointers it is given, so that it can be captured into a graph), then the status check."""
     from kiln.codegen.wrapper_cuda_parts import print_cuda_model
     graphs = graphs and capturable(prog)
-    pr = _Printer(prog, kernels, cutlass, blaslt)
+    scratch = frozenset(n for (n, _), c in cubins.items() if getattr(c, "scratch", 0))
+    pr = _Printer(prog, kernels, cutlass, blaslt, scratch)
     checks = [x for x in prog.lines if isinstance(x, P.CHECKS)]
     n_in = len(prog.inputs)
     outs = [x for x in prog.lines if isinstance(x, P.AllocOutput)]

@@ -5,8 +5,12 @@ destroy, run_on_stream / run and the `kiln_model_abi` table.
 Input: the planned Program, the kernels (name -> TritonKernel, in launch-table order), the
 cubins and their (offset, size) in the blob, the architectures, the blob path, the run body
 lines, the number of dynamically planned buffers and whether the program calls cuBLAS.
-Output: the C++ source text. Invariants: see `wrapper_cuda.py`; create_on_device either
-returns a complete instance or releases everything it acquired (through `destroy`)."""
+Output: the C++ source text. An instance owns one global scratch block for the kernels that
+need Triton's global scratch (persistent GEMM kernels making TMA descriptors on the device):
+SMs x the largest per-program size among the picked architecture's cubins, allocated at
+creation, so runs and CUDA graph captures allocate nothing. Invariants: see
+`wrapper_cuda.py`; create_on_device either returns a complete instance or releases everything
+it acquired (through `destroy`)."""
 
 from __future__ import annotations
 
@@ -28,6 +32,8 @@ def print_cuda_model(prog: P.Program, kernels: dict, cubins: dict, archs: tuple[
     names = list(kernels)
     status = any(k.status for k in kernels.values())
     rows = []
+    # per architecture: the largest global scratch a kernel needs per program (bytes)
+    scratch = [max([getattr(cubins[(n, a)], "scratch", 0) for n in names] + [0]) for a in archs]
     for a in archs:
         ents = [f"{{{where[(n, a)][0]}, {where[(n, a)][1]}, {_cstr(cubins[(n, a)].symbol)}, "
                 f"{cubins[(n, a)].num_warps}, {cubins[(n, a)].shared}}}" for n in names]
@@ -66,6 +72,7 @@ def print_cuda_model(prog: P.Program, kernels: dict, cubins: dict, archs: tuple[
         f"constexpr int kNumKernels = {nk};",
         f"constexpr int kNumArchs = {len(archs)};",
         f"const int kArchs[] = {{{', '.join(map(str, archs))}}};",
+        f"const int64_t kScratchPerProgram[] = {{{', '.join(map(str, scratch))}}};  // per arch",
         f"const CubinRef kCubins[kNumArchs][{max(nk, 1)}] = {{",
         *rows,
         "};",
@@ -89,6 +96,7 @@ def print_cuda_model(prog: P.Program, kernels: dict, cubins: dict, archs: tuple[
         f"  kc::LtGemmPlan blaslt_plan[{max(blaslt, 1)}];  // per cuBLASLt float GEMM: its plan",
         "  CUdeviceptr workspace = 0;  // cuBLAS workspace (graph capture must not allocate)",
         "  CUdeviceptr cutlass_ws = 0;  // CUTLASS workspace, sized for the Dim ranges' maxima",
+        "  CUdeviceptr global_scratch = 0;  // Triton's global scratch: SMs x per-program bytes",
         "  size_t cutlass_ws_bytes = 0;",
         "  kc::Graphs graphs;",
         f"  int64_t key[{max(len(prog.symbols), 1)}] = {{}};",
@@ -110,6 +118,7 @@ def print_cuda_model(prog: P.Program, kernels: dict, cubins: dict, archs: tuple[
         "    self->graphs.release();",
         "    if (self->workspace) d.cuMemFree(self->workspace);",
         "    if (self->cutlass_ws) d.cuMemFree(self->cutlass_ws);",
+        "    if (self->global_scratch) d.cuMemFree(self->global_scratch);",
         "    for (int i = 0; i < kNumKernels; ++i)",
         "      if (self->mod[i]) d.cuModuleUnload(self->mod[i]);",
         "    if (self->weights) d.cuMemFree(self->weights);",
@@ -152,6 +161,9 @@ def print_cuda_model(prog: P.Program, kernels: dict, cubins: dict, archs: tuple[
         "  kc::CtxGuard g(self->ctx);",
         "  if (kc::check(e, d.cuDeviceGetAttribute(&self->sms, "
         "CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT, self->dev), \"SM count\")) return 1;",
+        "  if (kScratchPerProgram[pick] > 0 && kc::check(e, d.cuMemAlloc(&self->global_scratch, "
+        "static_cast<size_t>(kScratchPerProgram[pick]) * self->sms), "
+        "\"allocating the global scratch of the persistent kernels\")) return 1;",
         "  for (int i = 0; i < kNumKernels; ++i) {",
         "    const CubinRef& c = kCubins[pick][i];",
         "    if (kc::check(e, d.cuModuleLoadData(&self->mod[i], kiln_cubins + c.offset), "

@@ -2,10 +2,20 @@
 
 Input: the text of one generated Triton module (`print_triton_module`), its `TritonKernel`s,
 the target architectures (e.g. (90,)) and a cache directory. Output: one `Cubin` per (kernel,
-arch): the cubin bytes, the entry symbol, num_warps, the shared memory the launch needs and the
-parameter types the entry takes (the kernel's signature without constexprs, then Triton's two
-scratch pointers, which kiln always passes as 0: a kernel that needs global scratch is
-rejected).
+arch): the cubin bytes, the entry symbol, num_warps, the shared memory the launch needs, the
+global scratch bytes per program and the parameter types the entry takes (the kernel's
+signature without constexprs, then Triton's two scratch pointers).
+
+Global scratch (what a kernel making TMA descriptors on the device writes them into: Triton
+gives program p the `scratch` bytes at base + p * scratch) is accepted only for persistent
+kernels (`TritonKernel.tiles`: the GEMM template), whose grid never exceeds the SM count, so
+the model instance allocates the block once at creation (SMs x the largest per-program size)
+and passes it to every launch, inside a CUDA graph too. Host-side descriptors (a CUtensorMap
+per operand, encoded by the wrapper with cuTensorMapEncodeTiled and passed by value) would
+need the wrapper to re-encode them whenever an operand's address or a size changes, i.e. on
+every run of a dynamic-shape program and for every new graph; device-side descriptors follow
+the kernel's own size arguments and need nothing from the wrapper but the block. Profiling
+scratch (instrumentation) is rejected; so is global scratch for any other kernel.
 
 Invariants: results are cached under `<cache>/triton/<sha256>/` where the hash covers the
 kernel's source, signature, constexprs, num_warps, the architecture and the Triton version,
@@ -37,6 +47,7 @@ class Cubin:
     num_warps: int
     shared: int
     arg_types: tuple[str, ...]
+    scratch: int = 0  # global scratch bytes per program (0: the kernel needs none)
 
 
 def triton_version() -> str:
@@ -106,12 +117,19 @@ def store_compiled(ck, kernel, arch: int, prelude_hash: str, cache: Path) -> Non
 
 def _to_cubin(ck, kernel, arch: int) -> Cubin:
     md = ck.metadata
-    if getattr(md, "global_scratch_size", 0) or getattr(md, "profile_scratch_size", 0):
-        raise CompileError(f"{kernel.name}: Triton asked for global scratch memory, which kiln's "
-                           "launcher does not provide")
+    if getattr(md, "profile_scratch_size", 0):
+        raise CompileError(f"{kernel.name}: Triton asked for profiling scratch memory, which "
+                           "kiln's launcher does not provide")
+    scratch = getattr(md, "global_scratch_size", 0)
+    if scratch and getattr(kernel, "tiles", None) is None:
+        raise CompileError(f"{kernel.name}: Triton asked for global scratch memory, which kiln "
+                           "provides only to persistent kernels (grid at most the SM count)")
+    align = max(getattr(md, "global_scratch_align", 1), 1)
+    if align > 256:  # the block comes from cuMemAlloc, 256-byte aligned
+        raise CompileError(f"{kernel.name}: global scratch aligned to {align} bytes")
     args = tuple(t for t in kernel.signature.values() if t != "constexpr") + ("*scratch",) * 2
     return Cubin(kernel.name, arch, md.name, bytes(ck.asm["cubin"]), md.num_warps, md.shared,
-                 args)
+                 args, scratch)
 
 
 def _load_cached(d: Path, kernel, arch: int) -> Cubin | None:
@@ -120,7 +138,7 @@ def _load_cached(d: Path, kernel, arch: int) -> Cubin | None:
         return None
     m = json.loads(meta.read_text())
     return Cubin(kernel.name, arch, m["symbol"], (d / "kernel.cubin").read_bytes(),
-                 m["num_warps"], m["shared"], tuple(m["arg_types"]))
+                 m["num_warps"], m["shared"], tuple(m["arg_types"]), m.get("scratch", 0))
 
 
 def _store(d: Path, c: Cubin) -> None:
@@ -130,7 +148,7 @@ def _store(d: Path, c: Cubin) -> None:
         (tmp / "kernel.cubin").write_bytes(c.cubin)
         (tmp / "meta.json").write_text(json.dumps({
             "symbol": c.symbol, "num_warps": c.num_warps, "shared": c.shared,
-            "arg_types": list(c.arg_types)}))
+            "arg_types": list(c.arg_types), "scratch": c.scratch}))
         try:
             os.rename(tmp, d)
         except OSError:  # another process stored it first
