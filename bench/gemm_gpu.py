@@ -1,9 +1,10 @@
 """GEMM on the GPU: TFLOP/s of kiln's candidates - cuBLAS (torch.mm), the cuBLASLt
 heuristic's algorithms (kiln/autotune/blaslt.py: the best index, through the helper library
 that max_autotune times them with), the Triton template (kiln/autotune/triton_gemm.py, every
-config of its space) and CUTLASS sm_90 kernels (kiln/autotune/cutlass.py, shared libraries
-built ahead of time with nvcc) - for a sweep of
-square and skinny fp16/bf16 shapes, and GEMM + epilogue chains fused into the Triton template
+config of its space; its TMA configs, which load A and B through device-side tensor
+descriptors, in a column of their own) and CUTLASS sm_90 kernels (kiln/autotune/cutlass.py,
+shared libraries built ahead of time with nvcc) - for a sweep of square and skinny fp16/bf16
+shapes, and GEMM + epilogue chains fused into the Triton template
 and into CUTLASS kernels (the epilogue as a visitor tree, kiln/autotune/cutlass_evt.py; the
 first kernel of --evt-configs schedules, compiled with nvcc into --cache) vs unfused
 cuBLAS + eager pointwise. Every candidate's result is checked against torch.mm (a wrong one
@@ -85,6 +86,12 @@ def evt_kernels(acts, dtypes, configs: int, cache: Path) -> dict:
     return {k: [(name, built[key], evt) for key, name, evt in v] for k, v in todo.items()}
 
 
+def _tma_ok(*ts) -> bool:
+    """TMA's rules for the operands: 16-byte aligned addresses and strides, one unit stride."""
+    return all(t.data_ptr() % 16 == 0 and 1 in t.stride() and
+               all(s * t.element_size() % 16 == 0 for s in t.stride() if s != 1) for t in ts)
+
+
 def triton_call(kern, a, b, c, cfg, bias=None, act="none", res=None, scale=1.0, sms=132,
                 quant="", col_scale=None):
     import triton
@@ -100,7 +107,8 @@ def triton_call(kern, a, b, c, cfg, bias=None, act="none", res=None, scale=1.0, 
                c.stride(0), c.stride(1), bsm, bsn, rr.stride(0), rr.stride(1), scale,
                c if col_scale is None else col_scale, 0, 1, sms,
                **T.constexprs(cfg, bias is not None, act, res is not None, quant,
-                              col_scale is not None),
+                              col_scale is not None, a_t=cfg.tma and a.stride(1) != 1,
+                              b_t=cfg.tma and b.stride(1) != 1),
                num_warps=cfg.num_warps, num_stages=cfg.num_stages)
 
 
@@ -173,7 +181,8 @@ def tune(m, n, k, layout, dtype, kern, cutlass, sms, lt_so=None):
     lt = lt_best(lt_so, a, b, c, want, dropped) if lt_so else None
     if lt is not None:
         res["cublaslt"] = lt
-    for cfg in T.config_space(m, n, k):
+    for cfg in T.config_space(m, n, k, tma=_tma_ok(a, b)):
+        col = "triton_tma" if cfg.tma else "triton"
         try:
             triton_call(kern, a, b, c, cfg, sms=sms)
             if not _ok(c, want):
@@ -183,8 +192,8 @@ def tune(m, n, k, layout, dtype, kern, cutlass, sms, lt_so=None):
         except Exception as e:  # a config Triton cannot build for this GPU (shared memory, ...)
             dropped.append((cfg.name, f"{type(e).__name__}: {str(e)[:80]}"))
             continue
-        if "triton" not in res or ms < res["triton"][0]:
-            res["triton"] = (ms, cfg.name)
+        if col not in res or ms < res[col][0]:
+            res[col] = (ms, cfg.name)
     if dtype == torch.float16 and layout == "nn" and m % 8 == 0 and n % 8 == 0 and k % 8 == 0:
         for cl in cutlass:
             try:
@@ -237,8 +246,8 @@ def chain(m, n, k, act, dtype, kern, sms, fused_cutlass=()):
         return f(torch.addmm(bias, a, b)) + 0.5 * r
     want = unfused()
     c = torch.empty_like(want)
-    best = None
-    for cfg in T.config_space(m, n, k):
+    best, best_tma = None, None
+    for cfg in T.config_space(m, n, k, tma=_tma_ok(a, b)):
         try:
             triton_call(kern, a, b, c, cfg, bias, act, r, 0.5, sms)
             if not _ok(c, want):
@@ -246,7 +255,10 @@ def chain(m, n, k, act, dtype, kern, sms, fused_cutlass=()):
             ms = do_bench(lambda: triton_call(kern, a, b, c, cfg, bias, act, r, 0.5, sms))
         except Exception:
             continue
-        if best is None or ms < best[0]:
+        if cfg.tma:
+            if best_tma is None or ms < best_tma[0]:
+                best_tma = (ms, cfg.name)
+        elif best is None or ms < best[0]:
             best = (ms, cfg.name)
     base = do_bench(unfused)
     cl, dropped = None, []
@@ -269,6 +281,8 @@ def chain(m, n, k, act, dtype, kern, sms, fused_cutlass=()):
             "unfused_ms": base, "fused_ms": best[0] if best else None,
             "config": best[1] if best else None,
             "speedup": base / best[0] if best else None,
+            "tma_fused_ms": best_tma[0] if best_tma else None,
+            "tma_config": best_tma[1] if best_tma else None,
             "cutlass_fused_ms": cl[0] if cl else None, "cutlass_config": cl[1] if cl else None,
             "cutlass_speedup": base / cl[0] if cl else None, "cutlass_dropped": dropped}
 
@@ -296,6 +310,9 @@ def main(argv=None):
             print(key, [(n, str(so)) for n, so, _ in ks])
         return
     kern = _kernel(args.cache)
+    import triton  # the TMA configs make descriptors in global scratch, from this allocator
+    triton.set_allocator(lambda size, align, stream: torch.empty(size, dtype=torch.int8,
+                                                                 device="cuda"))
     lt_so = None
     if not args.no_cublaslt:
         from kiln.autotune import blaslt
@@ -328,6 +345,10 @@ def main(argv=None):
             dump()
     sp = [r["speedup_vs_cublas"] for r in rows]
     tri = [r["tflops"].get("triton", 0) / r["tflops"]["cublas"] for r in rows]
+    tma = [r["tflops"]["triton_tma"] / r["tflops"]["cublas"] for r in rows
+           if "triton_tma" in r["tflops"]]
+    tma_vs = [r["tflops"]["triton_tma"] / r["tflops"]["triton"] for r in rows
+              if "triton_tma" in r["tflops"] and "triton" in r["tflops"]]
     ch = [r["speedup"] for r in chains if r["speedup"]]
     chc = [r["cutlass_speedup"] for r in chains if r.get("cutlass_speedup")]
     lts = [r["cublaslt_vs_cublas"] for r in rows if r.get("cublaslt_vs_cublas")]
@@ -335,6 +356,7 @@ def main(argv=None):
     def geo(xs):
         return math.exp(sum(math.log(x) for x in xs) / len(xs)) if xs and all(xs) else 0.0
     out["geomean"] = {"pick_vs_cublas": geo(sp), "triton_alone_vs_cublas": geo(tri),
+                      "triton_tma_vs_cublas": geo(tma), "triton_tma_vs_triton": geo(tma_vs),
                       "fused_chain_vs_unfused": geo(ch),
                       "cutlass_fused_chain_vs_unfused": geo(chc),
                       "cublaslt_best_vs_cublas": geo(lts)}
@@ -343,7 +365,8 @@ def main(argv=None):
     if args.markdown:
         lines = [f"Device: {out['device']}", "",
                  "| shape | dtype | cuBLAS TFLOP/s | cuBLASLt best (algo) | Triton (best config) "
-                 "| CUTLASS (best) | pick | pick / cuBLAS | tuning s |", "|---" * 9 + "|"]
+                 "| Triton TMA (best config) | CUTLASS (best) | pick | pick / cuBLAS | tuning s |",
+                 "|---" * 10 + "|"]
         for r in rows:
             t = r["tflops"]
             cfg = r["best_config"]
@@ -352,18 +375,22 @@ def main(argv=None):
             lines.append(
                 f"| {r['shape']} | {r['dtype']} | {t['cublas']:.0f} | {lt} | "
                 f"{t.get('triton', 0):.0f} ({cfg.get('triton', '-')}) | "
+                f"{t.get('triton_tma', 0):.0f} ({cfg.get('triton_tma', '-')}) | "
                 f"{t.get('cutlass', 0):.0f}{cl} | {r['pick']} | {r['speedup_vs_cublas']:.2f}x | "
                 f"{r['tune_s']:.1f} |")
         lines += ["", "| chain | dtype | unfused cuBLAS + eager ms | fused Triton ms | speedup "
-                  "| fused CUTLASS (EVT) ms | speedup |", "|---" * 7 + "|"]
+                  "| fused Triton TMA ms | fused CUTLASS (EVT) ms | speedup |", "|---" * 8 + "|"]
         for r in chains:
             lines.append(f"| {r['chain']} | {r['dtype']} | {r['unfused_ms']:.3f} | "
                          f"{r['fused_ms'] or 0:.3f} | {r['speedup'] or 0:.2f}x | "
+                         f"{r['tma_fused_ms'] or 0:.3f} | "
                          f"{r['cutlass_fused_ms'] or 0:.3f} | {r['cutlass_speedup'] or 0:.2f}x |")
         g = out["geomean"]
         lines += ["", f"Geometric means: pick / cuBLAS {g['pick_vs_cublas']:.2f}x, cuBLASLt "
                   f"best / cuBLAS {g['cublaslt_best_vs_cublas']:.2f}x, Triton alone / "
-                  f"cuBLAS {g['triton_alone_vs_cublas']:.2f}x, fused chain / unfused "
+                  f"cuBLAS {g['triton_alone_vs_cublas']:.2f}x, Triton TMA / cuBLAS "
+                  f"{g['triton_tma_vs_cublas']:.2f}x, Triton TMA / Triton "
+                  f"{g['triton_tma_vs_triton']:.2f}x, fused chain / unfused "
                   f"{g['fused_chain_vs_unfused']:.2f}x (Triton), "
                   f"{g['cutlass_fused_chain_vs_unfused']:.2f}x (CUTLASS EVT)"]
         Path(args.markdown).write_text("\n".join(lines) + "\n")
