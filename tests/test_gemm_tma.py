@@ -244,6 +244,21 @@ _INTERP = textwrap.dedent("""
             err = (o.reshape(w.shape).float() - w).abs().max().item()
             print("m", m, "err", err)
             assert err < 2e-2 * max(1.0, w.abs().max().item()), err
+    # the autotuner's printed candidates (kiln/autotune/printed.py) with a TMA config: the
+    # linear with its bias + relu epilogue, the batched GEMM with B transposed
+    from dataclasses import asdict
+    from kiln.autotune import printed as PR
+    from kiln.ir import loop as L
+    cfgs = {TMA_CFG.name: asdict(TMA_CFG)}
+    allbufs = L.all_buffers(b.loop)
+    for name in ("gemm_linear_matmul_2", "gemm_bmm"):
+        gk = next(s for s in b.steps if s.name == name)
+        p = PR.build(gk.gemm, gk.epilogue, allbufs, {"s0": 70}, cfgs)
+        assert "tl.make_tensor_descriptor" in p.kernels[TMA_CFG.name].source
+        bench = PR.Bench(p, device="cpu")
+        err, tol = bench.check(TMA_CFG.name), bench.tolerance()
+        print("printed", name, err, tol)
+        assert err <= tol, (name, err, tol)
     print("ALL OK")
 """)
 
@@ -251,7 +266,8 @@ _INTERP = textwrap.dedent("""
 def test_tma_kernels_match_eager_in_interpreter(built, tmp_path):
     """Triton's interpreter runs the descriptor loads (zero fill outside the shape), so the
     printed TMA kernels are checked against eager float32 on the CPU, at M = 1 and 70 (a
-    partial tile, past the example size)."""
+    partial tile, past the example size); so are two of the autotuner's printed candidates
+    (kiln/autotune/printed.py) given a TMA config."""
     _compile(_export(torch.float16), tmp_path, TMA_CFG)  # the child then hits the cache
     env = {**os.environ, "TRITON_INTERPRET": "1",
            "PYTHONPATH": os.pathsep.join([os.getcwd(), os.environ.get("PYTHONPATH", "")])}
