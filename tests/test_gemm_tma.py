@@ -120,7 +120,8 @@ def test_refusal_covers_the_whole_dim_range():
                       (ok, _op(rows=20), "leading dimension 20"),
                       (ok, _op(rows=8 * S + 4), "leading dimension"),
                       (_op(batch=(36 * S,)), ok, "batch stride 0"),
-                      (_op(rows=64, cols=2), ok, "no unit stride")]:
+                      (_op(rows=64, cols=2), ok, "no unit stride"),
+                      (ok, _op(rows=0), "leading dimension 0")]:
         got = T.tma_refusal(_gemm(a, b, batch=(3,) if a.batch_strides else ()))
         assert got is not None and why in got, (why, got)
     assert "float32" in T.tma_refusal(_gemm(ok, ok, "float32"))

@@ -181,11 +181,11 @@ def tma_operands(g) -> list[tuple[str, object, bool]]:
 def tma_refusal(g) -> str | None:
     """Why the Loop IR GEMM `g` cannot load its operands through TMA descriptors, or None when
     it can for every size of its Dim range: one float type of 16 bits (not mixed, not
-    low-precision), a unit inner stride, and base offset, leading dimension and every nonzero
-    batch stride multiples of 16 bytes whatever the size symbols are (buffers themselves are
-    16-byte aligned: arena offsets are multiples of 64, inputs are checked, weights are
-    256-byte aligned). Batch dims of stride 0 (a broadcast operand) are left out of its
-    descriptor; at most three others."""
+    low-precision), a unit inner stride, a nonzero leading dimension, and base offset, leading
+    dimension and every nonzero batch stride multiples of 16 bytes whatever the size symbols
+    are (buffers themselves are 16-byte aligned: arena offsets are multiples of 64, inputs
+    are checked, weights are 256-byte aligned). Batch dims of stride 0 (a broadcast operand)
+    are left out of its descriptor; at most three others."""
     import sympy
     if g.lowp is not None or g.mixed is not None:
         return "mixed-dtype GEMMs convert int8 tiles in registers (pointer loads)"
@@ -196,6 +196,8 @@ def tma_refusal(g) -> str | None:
         inner, lead = (op.rows, op.cols) if tr else (op.cols, op.rows)
         if sympy.sympify(inner) != 1:
             return f"operand {name} ({op.buf}) has no unit stride (rows {op.rows}, cols {op.cols})"
+        if sympy.sympify(lead) == 0:
+            return f"operand {name} ({op.buf}) repeats one row (leading dimension 0)"
         strides = [("offset", op.offset), ("leading dimension", lead)] + [
             (f"batch stride {d}", s) for d, s in enumerate(op.batch_strides)
             if sympy.sympify(s) != 0]
