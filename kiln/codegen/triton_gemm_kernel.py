@@ -77,7 +77,7 @@ def _scale_lines(sc: L.Operand, start: str, p: str) -> list[str]:
             f"{p}acc = acc * {load}.to(tl.float32)"]
 
 
-def _tma_dims(g: L.Gemm, op: L.Operand) -> list[int]:
+def _tma_dims(op: L.Operand) -> list[int]:
     """The batch dims an operand's descriptor has: those it does not broadcast (stride 0)."""
     return [d for d, st in enumerate(op.batch_strides) if sympy.sympify(st) != 0]
 
@@ -96,7 +96,7 @@ def _descriptor_lines(g: L.Gemm) -> list[str]:
     lines = ["    # TMA descriptors, made once per program (in its slice of the global scratch):",
              "    # [batch dims, rows, cols] at the operand's strides; zeros outside, so no masks"]
     for name, op, tr in tma_operands(g):
-        dims = _tma_dims(g, op)
+        dims = _tma_dims(op)
         (r, br), (c, bc) = _TMA_SHAPE[(name, tr)]
         shape = [to_tl(g.batch[d]) for d in dims] + [r, c]
         strides = [to_tl(op.batch_strides[d]) for d in dims] + [
@@ -115,13 +115,13 @@ def _tma_tile_lines(g: L.Gemm, p: str) -> list[str]:
     """The K loop of one tile reading A and B through their descriptors."""
     lines = [f"{p}tm = tl.cast(pid_m * BLOCK_M, tl.int32)",
              f"{p}tn = tl.cast(pid_n * BLOCK_N, tl.int32)"]
-    used = sorted({d for _, op, _ in tma_operands(g) for d in _tma_dims(g, op)})
+    used = sorted({d for _, op, _ in tma_operands(g) for d in _tma_dims(op)})
     lines += [f"{p}tb{d} = tl.cast(b{d}, tl.int32)" for d in used]
     lines += [f"{p}acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)",
               f"{p}for k0 in range(0, K, BLOCK_K):",
               f"{p}    tk = tl.cast(k0, tl.int32)"]
     for name, op, tr in tma_operands(g):
-        dims = _tma_dims(g, op)
+        dims = _tma_dims(op)
         (r, br), (c, bc) = _TMA_SHAPE[(name, tr)]
         idx = [f"tb{d}" for d in dims] + [_TMA_OFF[r], _TMA_OFF[c]]
         load = f"desc_{name.lower()}.load([{', '.join(idx)}])"
