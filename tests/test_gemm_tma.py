@@ -358,3 +358,24 @@ def test_gpu_bench_tma_column(layout):
         print(r["shape"], {b: round(t) for b, t in r["tflops"].items()}, r["best_config"])
         assert "triton_tma" in r["tflops"], r
         assert not [d for d in r["dropped"] if d[0].endswith("_tma")], r["dropped"]
+
+
+def test_autotuner_offers_tma_configs_only_for_gemms_that_allow_them(tmp_path):
+    """gpu.candidates lists the TMA configs (config key "tma") when select.py found the
+    GEMM's operands TMA-ready, and never otherwise; skinny problems also get narrow tiles."""
+    from kiln.autotune import gpu
+    from kiln.autotune.problem import problem_of
+    ok = _op()
+    g = _gemm(ok, ok)
+    p = problem_of(g, {"s0": (1, 4096)})
+    opts = Options(cuda_archs=(90,), cache_dir=str(tmp_path))
+    sizes = (1, 4096, 4096, 4096)
+    with_tma, _ = gpu.candidates(p, ["triton"], sizes, opts, tmp_path, None, T.tma_refusal(g)
+                                 is None)
+    tma = [c for n, b, c in with_tma if c.get("tma")]
+    assert tma and all(c["name"].endswith("_tma") for c in tma)
+    without, _ = gpu.candidates(p, ["triton"], sizes, opts, tmp_path, None, False)
+    assert not [c for n, b, c in without if c.get("tma") or n.endswith("_tma")]
+    skinny, _ = gpu.candidates(p, ["triton"], (1, 16, 4096, 4096), opts, tmp_path)
+    assert "triton_16x32x256_g8_s5_w4" in [n for n, _, _ in skinny]
+    assert "triton_16x32x256_g8_s5_w4" not in [n for n, _, _ in without]

@@ -77,9 +77,10 @@ def eligible(problem: GemmProblem, allowed, opts) -> list[str]:
     return out
 
 
-def triton_configs(sizes) -> list[T.TritonConfig]:
+def triton_configs(sizes, tma: bool = False) -> list[T.TritonConfig]:
+    """The template's configs for a problem; `tma`: its operands allow TMA loads."""
     _, m, n, k = sizes
-    return T.config_space(m, n, k) or [T.TritonConfig(16, 64, 256, 8, 3, 4)]
+    return T.config_space(m, n, k, tma) or [T.TritonConfig(16, 64, 256, 8, 3, 4)]
 
 
 def cutlass_candidates(problem: GemmProblem, opts, evt=None) -> list:
@@ -114,15 +115,18 @@ def heuristic(problem: GemmProblem, backends: list[str], sizes, opts, evt=None
 
 def _cfg_json(c: T.TritonConfig) -> dict:
     return {"name": c.name, "block_m": c.block_m, "block_n": c.block_n, "block_k": c.block_k,
-            "group_m": c.group_m, "num_stages": c.num_stages, "num_warps": c.num_warps}
+            "group_m": c.group_m, "num_stages": c.num_stages, "num_warps": c.num_warps,
+            **({"tma": True} if c.tma else {})}
 
 
-def candidates(problem: GemmProblem, backends: list[str], sizes, opts, work: Path, evt=None
-               ) -> tuple[list[tuple[str, str, dict]], list]:
+def candidates(problem: GemmProblem, backends: list[str], sizes, opts, work: Path, evt=None,
+               tma: bool = False) -> tuple[list[tuple[str, str, dict]], list]:
     """(name, backend, config) to profile, and (name, reason) of those that could not be
     built (a CUTLASS kernel nvcc rejected). With `evt`, the CUTLASS candidates fuse it (their
-    config holds its key, and `profile` runs them with the tree's operands). The template's
-    candidates are printed by `profile` (kiln/autotune/printed.py)."""
+    config holds its key, and `profile` runs them with the tree's operands). `tma`: the
+    GEMM's operands allow TMA loads, so the template's TMA configs are candidates too (the
+    template's candidates are printed as the package would by select.py through
+    kiln/autotune/printed.py)."""
     out, dropped = [], []
     if "blas" in backends:
         out.append(("blas", "blas", {}))
@@ -134,7 +138,7 @@ def candidates(problem: GemmProblem, backends: list[str], sizes, opts, work: Pat
             except Exception as e:  # noqa: BLE001 - no helper: cuBLAS's own choice only
                 dropped += [(name, f"helper library: {str(e)[-200:]}") for name, _ in lt]
     if "triton" in backends:
-        out += [(c.name, "triton", _cfg_json(c)) for c in triton_configs(sizes)]
+        out += [(c.name, "triton", _cfg_json(c)) for c in triton_configs(sizes, tma)]
     if "cutlass" in backends:
         from kiln.autotune import cutlass
         cands = cutlass_candidates(problem, opts, evt)

@@ -264,8 +264,9 @@ def _choose_cuda_backend(g: L.Gemm, problem: GemmProblem, sizes, backends, allow
     dev_id = gpu.device_id(arch)
     if opts.max_autotune and here:
         t0 = time.perf_counter()
+        from kiln.autotune.triton_gemm import tma_refusal
         cands, dropped = gpu.candidates(problem, backends, sizes, opts,
-                                        root / "autotune_cutlass", evt)
+                                        root / "autotune_cutlass", evt, tma_refusal(g) is None)
         path = _print_candidates(g, cands, printed, root / "autotune_printed" /
                                  f"{problem.key(dev_id)}.pkl")
         results, more = gpu.profile(problem, sizes, cands, opts.autotune_timeout_s, path)

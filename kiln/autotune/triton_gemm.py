@@ -134,6 +134,14 @@ TMA_SPACE = [TritonConfig(128, 256, 64, 8, 3, 8, True), TritonConfig(128, 128, 6
              TritonConfig(128, 64, 64, 8, 5, 4, True), TritonConfig(64, 64, 128, 8, 4, 4, True)]
 
 
+# narrow tiles with deep K steps for skinny problems (decode-shaped: M or N <= 64), where the
+# configs above leave SMs idle: M = 16, N = 4096 makes 64 tiles of 64 columns for 132 SMs,
+# 128 of 32; such GEMMs are bound by reading the weight, which every SM then shares
+SKINNY_SPACE = [TritonConfig(16, 32, 256, 8, 5, 4), TritonConfig(32, 32, 256, 8, 4, 4),
+                TritonConfig(64, 32, 128, 8, 4, 4), TritonConfig(32, 16, 256, 8, 5, 4),
+                TritonConfig(16, 16, 512, 8, 4, 4)]
+
+
 def config_space(m: int, n: int, k: int, tma: bool = False) -> list[TritonConfig]:
     """Configs for a problem: large tiles for large problems, small tiles for skinny ones
     (a tile larger than the padded problem only wastes work). `tma`: the GEMM's operands allow
@@ -143,10 +151,13 @@ def config_space(m: int, n: int, k: int, tma: bool = False) -> list[TritonConfig
              TritonConfig(128, 128, 32, 8, 4, 4), TritonConfig(64, 128, 64, 8, 4, 4),
              TritonConfig(128, 64, 64, 8, 4, 4), TritonConfig(64, 64, 64, 8, 4, 4),
              TritonConfig(32, 64, 128, 8, 4, 4), TritonConfig(16, 128, 128, 8, 4, 4),
-             TritonConfig(16, 64, 256, 8, 3, 4)] + (TMA_SPACE if tma else [])
+             TritonConfig(16, 64, 256, 8, 3, 4)]
 
     def p2(x):
         return 1 << max(4, (max(int(x), 1) - 1).bit_length())
+    if min(p2(m), p2(n)) <= 64:
+        space += SKINNY_SPACE
+    space += TMA_SPACE if tma else []
     return [c for c in space if c.block_m <= p2(m) and c.block_n <= p2(n)
             and c.block_k <= max(32, p2(k))]
 
