@@ -560,7 +560,7 @@ constexpr int kLtAlgos = 8;
 constexpr int kLtNotSupported = 15;  /* CUBLAS_STATUS_NOT_SUPPORTED */
 
 struct LtGemmPlan {
-  int64_t key[14] = {-1};
+  int64_t key[15] = {-1};  /* what the plan was made for (lt_blas_gemm): sizes .. dtype */
   void *desc = nullptr, *la = nullptr, *lb = nullptr, *lc = nullptr;
   LtHeuristic heur{};
   int found = 0;  /* usable algorithms the heuristic returned (0: cuBLAS runs the GEMM) */
@@ -684,8 +684,8 @@ inline int lt_blas_gemm(Err &e, cublasLtHandle_t h, cublasHandle_t bh, CUstream 
   const uint64_t step_a = steps(sa, as0), step_b = steps(sb, bs0), step_c = steps(M * N, M * N);
   const uint32_t align[3] = {address_alignment(B | step_b), address_alignment(A | step_a),
                              address_alignment(C | step_c)};
-  const int64_t key[14] = {M, N, K, count, lda, ldb, sa, sb, ta, tb, algo, align[0], align[1],
-                           align[2]};
+  const int64_t key[15] = {M, N, K, count, lda, ldb, sa, sb, ta, tb, algo, align[0], align[1],
+                           align[2], dtype};
   if (std::memcmp(plan->key, key, sizeof key) != 0) {
     const char *what = "";
     const BlasLt &lt = blaslt();
