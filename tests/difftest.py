@@ -221,3 +221,21 @@ def assert_golden(path: Path, got: str) -> None:
         path.parent.mkdir(exist_ok=True)
         path.write_text(got)
     assert got == path.read_text(), "generated Triton changed; KILN_UPDATE_GOLDEN=1 to accept"
+
+
+def run_interpreted(script: str, *args: str, timeout: float = 600) -> str:
+    """Runs `script` (python -c) with `args` in a child process whose Triton runs kernels in
+    its interpreter (TRITON_INTERPRET must hold when Triton is imported, and the AOT compiler
+    of this process needs the normal mode), with this checkout on the path; asserts it exits
+    0 and prints "ALL OK"; returns its output."""
+    import os
+    import subprocess
+    import sys
+
+    env = {**os.environ, "TRITON_INTERPRET": "1",
+           "PYTHONPATH": os.pathsep.join([os.getcwd(), os.environ.get("PYTHONPATH", "")])}
+    out = subprocess.run([sys.executable, "-c", script, *args], env=env, capture_output=True,
+                         text=True, timeout=timeout)
+    assert out.returncode == 0 and "ALL OK" in out.stdout, out.stdout[-2000:] + \
+        out.stderr[-3000:]
+    return out.stdout

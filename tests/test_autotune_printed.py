@@ -6,9 +6,6 @@ that prints the protocol's lines."""
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
 import textwrap
 
 import pytest
@@ -24,6 +21,7 @@ from kiln.autotune.select import choose_gemms  # noqa: E402
 from kiln.ir import loop as L  # noqa: E402
 from kiln.options import Options  # noqa: E402
 from kiln.schedule.gemm_fuse import epilogue_member  # noqa: E402
+from tests.difftest import run_interpreted  # noqa: E402
 
 CONFIGS = {"triton_32x32x32_g8_s2_w4": {"block_m": 32, "block_n": 32, "block_k": 32,
                                         "group_m": 8, "num_stages": 2, "num_warps": 4},
@@ -122,12 +120,8 @@ def test_printed_candidates_checked_against_product_and_epilogue(tmp_path, dtype
             p = PR.build(g, epilogue_member(steps, i, keep), bufs, env, CONFIGS)
             paths.append(PR.write(p, tmp_path / f"{g.name}.pkl"))
     assert len(paths) == 2
-    env_ = {**os.environ, "TRITON_INTERPRET": "1",
-            "PYTHONPATH": os.pathsep.join([os.getcwd(), os.environ.get("PYTHONPATH", "")])}
     for path in paths:
-        r = subprocess.run([sys.executable, "-c", _CHILD, str(path)], capture_output=True,
-                           text=True, env=env_, timeout=600)
-        assert r.returncode == 0 and "ALL OK" in r.stdout, r.stdout + r.stderr[-3000:]
+        run_interpreted(_CHILD, str(path))
 
 
 def test_gemm_buffers_cover_strided_operands(tmp_path):

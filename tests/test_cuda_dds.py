@@ -12,10 +12,7 @@ other sizes."""
 
 from __future__ import annotations
 
-import os
 import pickle
-import subprocess
-import sys
 import textwrap
 
 import pytest
@@ -24,6 +21,7 @@ import torch
 import kiln
 from kiln.ir import program as P
 from kiln.options import Options
+from tests.difftest import run_interpreted
 
 OPTS = Options(cuda_archs=(90,))
 
@@ -258,10 +256,7 @@ def test_triton_kernels_match_eager_in_interpreter(tmp_path):
                       cm.built.sources["kernels_triton.py"], cm.built.weights, calls))
     data = tmp_path / "cases.pkl"
     data.write_bytes(pickle.dumps(cases))
-    env = dict(os.environ, TRITON_INTERPRET="1")
-    out = subprocess.run([sys.executable, "-c", _INTERP, str(data)], env=env,
-                         capture_output=True, text=True, timeout=600)
-    assert out.returncode == 0 and "ALL OK" in out.stdout, out.stdout + out.stderr[-3000:]
+    run_interpreted(_INTERP, str(data))
 
 
 def test_triton_runner_checks_the_item_range():

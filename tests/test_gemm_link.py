@@ -28,6 +28,7 @@ from kiln.autotune.select import choose_gemms  # noqa: E402
 from kiln.errors import UnsupportedError  # noqa: E402
 from kiln.ir import loop as L  # noqa: E402
 from kiln.options import Options  # noqa: E402
+from tests.difftest import run_interpreted  # noqa: E402
 
 
 class Block(torch.nn.Module):
@@ -125,13 +126,7 @@ _INTERP = textwrap.dedent("""
 def test_triton_gemm_kernels_match_eager_in_interpreter(tmp_path):
     _, ep = _export()  # compile in this process (normal mode) so the child hits the cache
     kiln.compile(ep, device="cuda", options=_opts(tmp_path, ("triton",)))
-    env = {**os.environ, "TRITON_INTERPRET": "1",
-           "PYTHONPATH": os.pathsep.join([os.getcwd(), os.environ.get("PYTHONPATH", "")])}
-    here = os.path.dirname(__file__)
-    out = subprocess.run([sys.executable, "-c", _INTERP, here, str(tmp_path)], env=env,
-                         capture_output=True, text=True, timeout=600)
-    assert out.returncode == 0 and "ALL OK" in out.stdout, out.stdout[-2000:] + \
-        out.stderr[-3000:]
+    run_interpreted(_INTERP, os.path.dirname(__file__), str(tmp_path))
 
 
 def _steps(tmp_path, ep):

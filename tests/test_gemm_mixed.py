@@ -22,8 +22,6 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
-import sys
 import textwrap
 import zipfile
 
@@ -40,6 +38,7 @@ from kiln.lowering import lower
 from kiln.options import Options
 from kiln.passes.dce import dce
 from kiln.passes.mixed_gemm import mixed_gemms
+from tests.difftest import run_interpreted
 
 N, K, BATCH = 48, 40, 3
 SCALAR = 3 / 256  # exactly representable in float16 and bfloat16
@@ -367,12 +366,7 @@ def test_template_kernels_match_eager_in_triton_interpreter(cuda_build):
     its epilogue) in Triton's interpreter, in a child process (TRITON_INTERPRET must hold
     when Triton is imported); its compile finds the cubins the fixture built in the cache."""
     cache, _ = cuda_build
-    env = {**os.environ, "TRITON_INTERPRET": "1",
-           "PYTHONPATH": os.pathsep.join([os.getcwd(), os.environ.get("PYTHONPATH", "")])}
-    out = subprocess.run([sys.executable, "-c", _INTERP, os.path.dirname(__file__),
-                          str(cache)], env=env, capture_output=True, text=True, timeout=600)
-    assert out.returncode == 0 and "ALL OK" in out.stdout, out.stdout[-2000:] + \
-        out.stderr[-3000:]
+    run_interpreted(_INTERP, os.path.dirname(__file__), str(cache))
 
 
 def test_profiled_template_compiles_with_int8_operand(tmp_path):

@@ -9,8 +9,6 @@ from __future__ import annotations
 
 import dataclasses
 import os
-import subprocess
-import sys
 import textwrap
 import types
 
@@ -26,6 +24,7 @@ from kiln.errors import CompileError  # noqa: E402
 from kiln.ir import loop as L  # noqa: E402
 from kiln.ir.dtypes import dtype as kdtype  # noqa: E402
 from kiln.options import Options  # noqa: E402
+from tests.difftest import run_interpreted  # noqa: E402
 
 gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 S = sympy.Symbol("s0", integer=True, positive=True)
@@ -270,12 +269,7 @@ def test_tma_kernels_match_eager_in_interpreter(built, tmp_path):
     partial tile, past the example size); so are two of the autotuner's printed candidates
     (kiln/autotune/printed.py) given a TMA config."""
     _compile(_export(torch.float16), tmp_path, TMA_CFG)  # the child then hits the cache
-    env = {**os.environ, "TRITON_INTERPRET": "1",
-           "PYTHONPATH": os.pathsep.join([os.getcwd(), os.environ.get("PYTHONPATH", "")])}
-    out = subprocess.run([sys.executable, "-c", _INTERP, os.path.dirname(__file__),
-                          str(tmp_path)], env=env, capture_output=True, text=True, timeout=600)
-    assert out.returncode == 0 and "ALL OK" in out.stdout, out.stdout[-2000:] + \
-        out.stderr[-3000:]
+    run_interpreted(_INTERP, os.path.dirname(__file__), str(tmp_path))
 
 
 def _check_outputs(outs, args, dtype, what):
