@@ -315,3 +315,25 @@ def test_sizes_derived_from_a_data_dependent_size(tmp_path):
     for n in (0, 3, 10):
         _check(runner, sizes_from_an_item, (torch.randn(20), torch.tensor(n)), rtol=1e-5,
                atol=1e-5)
+
+
+def test_wrong_result_dtypes_in_the_export_are_refused():
+    """torch 2.11's export records unique's inverse and counts as float32 (eager: int64);
+    kiln trusts the export's metadata, so a program carrying the wrong dtypes is refused by
+    name instead of returning float outputs. Simulated here by retyping the results' meta
+    (kiln.compile re-runs torch's decompositions, whose metadata is right on this torch)."""
+    from kiln.errors import UnsupportedError
+    from kiln.frontend.fallback import check_result_dtypes
+
+    class M(torch.nn.Module):
+        def forward(self, x):
+            return unique_parts(x)
+    ep = torch.export.export(M(), (torch.randint(0, 5, (12,)).float(),))
+    node = next(n for n in ep.graph.nodes if n.target is torch.ops.aten._unique2.default)
+    vals = node.meta["val"]
+    schema = node.target._schema
+    check_result_dtypes(node, schema, list(vals))  # as exported here: right
+    wrong = [vals[0], vals[1].to(torch.float32), vals[2].to(torch.float32)]
+    with pytest.raises(UnsupportedError, match=r"_unique2 .*result 1 is torch.float32, but "
+                                               r"the op returns torch.int64"):
+        check_result_dtypes(node, schema, wrong)

