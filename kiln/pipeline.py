@@ -152,10 +152,8 @@ def build(ep: torch.export.ExportedProgram, opts: Options, device: str = "cpu") 
     # kernel; the CPU decomposes it into matmul / softmax / matmul)
     imported = run.stage("import", lambda e: import_program(e, opts.fold_constants,
                                                            opts.aten_fallback, opts.seed, cuda,
-                                                           fused_attention=cuda and (
-                                                               "16-bit" if opts.fused_attention
-                                                               is None else
-                                                               opts.fused_attention)), ep)
+                                                           fused_attention=cuda and
+                                                           opts.fused_attention), ep)
     # 2. drop dead nodes and unused weights
     graph = run.stage("dce", dce, imported.graph, dump=print_graph, verify=verify_graph)
     if not cuda:

@@ -104,16 +104,13 @@ MAX_HEAD_DIM = 256  # the fused kernel keeps a [BLOCK_M, head dim] accumulator i
 
 
 def _fusable(b, n, q, k, v, mask) -> bool:
-    """Whether the fused flash-attention step (CUDA targets: `Builder.fused_attention`, True or
-    "16-bit") computes this call: q, k, v of one float type (float32 / float16 / bfloat16;
-    float32 only when it is True), static head dims of at
-    most MAX_HEAD_DIM, and a mask (if any) that is bool or float and broadcasts to
+    """Whether the fused flash-attention step (CUDA targets with `Builder.fused_attention`)
+    computes this call: q, k, v of one float type (float32 / float16 / bfloat16), static head
+    dims of at most MAX_HEAD_DIM, and a mask (if any) that is bool or float and broadcasts to
     [B, H, L, S] from the right. Anything else is decomposed (permute, matmul, softmax, ...)."""
     import torch
 
     dt = b.meta_dtype(q)
-    if dt == torch.float32 and b.fused_attention == "16-bit":
-        return False
     if dt not in (torch.float32, torch.float16, torch.bfloat16) or \
             b.meta_dtype(k) != dt or b.meta_dtype(v) != dt or b.meta_dtype(n) != dt:
         return False

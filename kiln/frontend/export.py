@@ -360,14 +360,13 @@ def _all_known(ep: ExportedProgram) -> bool:
 
 
 def import_program(ep: ExportedProgram, fold: bool = True, aten_fallback: bool = False,
-                   seed: int = 0, cuda: bool = False, fused_attention: bool | str = False
+                   seed: int = 0, cuda: bool = False, fused_attention: bool = False
                    ) -> Imported:
     """Translate `ep` to Graph IR; with `fold`, weight-only subgraphs are evaluated now and
     become weights (see fold.py). When every op is one kiln converts directly (aten_high.py
     and aten_table.py), the program is imported as exported; otherwise (or when a converter
-    declines) it is decomposed to core ATen first. `fused_attention` (CUDA targets: True, or
-    "16-bit" for float16 / bfloat16 only) turns scaled_dot_product_attention into one
-    `attention` node instead of its decomposition."""
+    declines) it is decomposed to core ATen first. `fused_attention` (CUDA targets) turns
+    scaled_dot_product_attention into one `attention` node instead of its decomposition."""
     if _all_known(ep):
         try:
             return _import(ep, fold, aten_fallback, seed, cuda, fused_attention)
@@ -495,7 +494,7 @@ def _input_mutation(b: Builder, spec, inputs) -> None:
 
 
 def _import(ep: ExportedProgram, fold: bool, aten_fallback: bool = False, seed: int = 0,
-            cuda: bool = False, fused_attention: bool | str = False) -> Imported:
+            cuda: bool = False, fused_attention: bool = False) -> Imported:
     syms = SymbolTable()
     b = Builder(syms)
     b.fused_attention = fused_attention
