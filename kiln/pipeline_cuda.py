@@ -32,6 +32,7 @@ from kiln.schedule import Kernel
 from kiln.schedule.gemm_fuse import GemmKernel
 from kiln.toolchain.cxx import Toolchain, build_shared
 from kiln.toolchain.autotune import device_available, tune, tune_attention
+from kiln.config import cpu_count
 from kiln.toolchain.triton_aot import compile_cubins
 from kiln.toolchain import user_triton
 
@@ -107,15 +108,16 @@ def build_cuda(run, steps, buffers, program, hints: dict[str, int], opts: Option
                for k in kernels}
     configs.update({a.name: choose_attention_config(a, buffers, hints) for a in attns})
     tuned: dict = {}
+    workers = opts.jobs or cpu_count()  # processes compiling Triton kernels (triton_aot.prewarm)
     local = device_available() and default_archs()[0] in archs
     if opts.autotune and not opts.triton_num_warps and kernels and local:
         # measure on the local GPU, for its architecture
         best, tuned = run.stage("autotune", lambda _: tune(
-            kernels, buffers, hints, configs, default_archs()[0], cache), None)
+            kernels, buffers, hints, configs, default_archs()[0], cache, workers), None)
         configs.update(best)
     if opts.autotune and attns and local:
         best, t_att = run.stage("autotune_attention", lambda _: tune_attention(
-            attns, buffers, hints, default_archs()[0], cache), None)
+            attns, buffers, hints, default_archs()[0], cache, workers), None)
         configs.update(best)
         tuned.update(t_att)
 
@@ -124,7 +126,7 @@ def build_cuda(run, steps, buffers, program, hints: dict[str, int], opts: Option
     launched = [s for s in L.flat_steps(steps) if isinstance(s, (Kernel, GemmKernel))]
     tks = run.stage("codegen_triton", codegen, None)
     module = print_triton_module(tks)
-    cubins, tt = run.stage("cubins", lambda m: compile_cubins(m, tks, archs, cache),
+    cubins, tt = run.stage("cubins", lambda m: compile_cubins(m, tks, archs, cache, workers),
                            module)
     run.timings.update({f"cubins.{k}": v for k, v in tt.items()})
     # user-written Triton kernels (triton_op / wrap_triton): a config each, then cubins

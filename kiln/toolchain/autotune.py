@@ -135,7 +135,7 @@ def _time_ms(ck, grid, args, torch, reps: int = 20) -> float:
     return start.elapsed_time(end) / reps
 
 
-def _compile_candidates(todo, cache: Path, arch: int) -> dict:
+def _compile_candidates(todo, cache: Path, arch: int, workers: int = 1) -> dict:
     """Every candidate of every (step, kernels, cache path) in `todo`, compiled for `arch` one
     after another (see triton_aot.compile_cubins for why not in threads): {(step index,
     candidate index): compiled kernel}. One module per candidate
@@ -144,10 +144,10 @@ def _compile_candidates(todo, cache: Path, arch: int) -> dict:
     from kiln.toolchain import triton_aot
 
     n_mod = max(len(t) for _, t, _ in todo)
-    mods = [triton_aot.import_module(print_triton_module([t[i] for _, t, _ in todo
-                                                          if i < len(t)]), cache)
-            for i in range(n_mod)]
+    texts = [print_triton_module([t[i] for _, t, _ in todo if i < len(t)]) for i in range(n_mod)]
     cands = [(i, j, tk) for i, (_, tks, _) in enumerate(todo) for j, tk in enumerate(tks)]
+    triton_aot.prewarm([(texts[j], tk, arch) for _, j, tk in cands], cache, workers)
+    mods = [triton_aot.import_module(text, cache) for text in texts]
 
     def build(t):
         try:
@@ -162,7 +162,7 @@ def _compile_candidates(todo, cache: Path, arch: int) -> dict:
 
 
 def tune(kernels, buffers, hints: dict[str, int], base: dict[str, Config], arch: int,
-         cache: Path) -> tuple[dict[str, Config], dict]:
+         cache: Path, workers: int = 1) -> tuple[dict[str, Config], dict]:
     """Returns ({kernel name: best config}, {kernel name: {config text: ms}} of what ran)."""
     import torch
     import triton
@@ -187,7 +187,7 @@ def tune(kernels, buffers, hints: dict[str, int], base: dict[str, Config], arch:
         todo.append((k, tks, path))
     if not todo:
         return best, report
-    compiled = _compile_candidates(todo, cache, arch)
+    compiled = _compile_candidates(todo, cache, arch, workers)
     prelude = hashlib.sha256(PRELUDE.encode()).hexdigest()
     for i, (k, tks, path) in enumerate(todo):
         args = _args(tks[0], buffers, hints, torch)
@@ -210,8 +210,8 @@ def tune(kernels, buffers, hints: dict[str, int], base: dict[str, Config], arch:
     return best, report
 
 
-def tune_attention(calls, buffers, hints: dict[str, int], arch: int, cache: Path
-                   ) -> tuple[dict[str, Config], dict]:
+def tune_attention(calls, buffers, hints: dict[str, int], arch: int, cache: Path,
+                   workers: int = 1) -> tuple[dict[str, Config], dict]:
     """The flash-attention kernels (codegen/triton_attention.py) of `calls`: every candidate of
     `attention_candidates` compiled, timed at the example sizes, the fastest kept
     (ties: the heuristic, listed first); a candidate Triton cannot compile or the device cannot
@@ -238,7 +238,7 @@ def tune_attention(calls, buffers, hints: dict[str, int], arch: int, cache: Path
         todo.append((c, tks, path))
     if not todo:
         return best, report
-    compiled = _compile_candidates(todo, cache, arch)
+    compiled = _compile_candidates(todo, cache, arch, workers)
     prelude = hashlib.sha256(PRELUDE.encode()).hexdigest()
     for i, (c, tks, path) in enumerate(todo):
         args = [a.fill_(True) if getattr(a, "dtype", None) == torch.bool else a

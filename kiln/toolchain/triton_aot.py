@@ -20,8 +20,11 @@ scratch (instrumentation) is rejected; so is global scratch for any other kernel
 Invariants: results are cached under `<cache>/triton/<sha256>/` where the hash covers the
 kernel's source, signature, constexprs, num_warps, the architecture and the Triton version,
 written to a temporary directory and renamed into place (concurrent builds never see half a
-result). Kernels compile in parallel threads. The module is imported from a file (Triton reads
-the source of @triton.jit functions back through `inspect`)."""
+result). Kernels compile in this thread (see `compile_cubins`), after `prewarm` has compiled
+them in worker processes when there are enough of them: each worker leaves its results in
+Triton's own on-disk cache, which the in-process compile then reads back. The module is
+imported from a file (Triton reads the source of @triton.jit functions back through
+`inspect`)."""
 
 from __future__ import annotations
 
@@ -36,6 +39,10 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from kiln.errors import CompileError
+
+# `prewarm` starts a worker process only for at least this many kernels per worker: a worker
+# costs a fraction of a second (Python, then Triton's import) before its first compile
+PER_WORKER = 6
 
 
 @dataclass(frozen=True)
@@ -55,16 +62,21 @@ def triton_version() -> str:
     return triton.__version__
 
 
-def import_module(text: str, cache: Path):
+def module_path(text: str, cache: Path) -> tuple[Path, str]:
+    """Where `import_module` keeps the module of `text`, and the module's name."""
     key = hashlib.sha256(text.encode()).hexdigest()[:24]
-    path = cache / "triton_src" / f"kiln_kernels_{key}.py"
+    return cache / "triton_src" / f"kiln_kernels_{key}.py", f"kiln_kernels_{key}"
+
+
+def import_module(text: str, cache: Path):
+    path, name = module_path(text, cache)
     if not path.exists():
         path.parent.mkdir(parents=True, exist_ok=True)
         fd, tmp = tempfile.mkstemp(dir=path.parent, suffix=".tmp")
         with os.fdopen(fd, "w") as f:
             f.write(text)
         os.replace(tmp, path)
-    spec = importlib.util.spec_from_file_location(f"kiln_kernels_{key}", path)
+    spec = importlib.util.spec_from_file_location(name, path)
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
     return mod
@@ -81,23 +93,29 @@ def _key(kernel, arch: int, prelude_hash: str) -> str:
     return hashlib.sha256(blob.encode()).hexdigest()
 
 
+def _plain(kernel) -> tuple[dict, dict, dict]:
+    """(signature, constexprs, options) of a TritonKernel's compile, as plain data."""
+    consts = dict(kernel.constexprs) or {"XBLOCK": kernel.config.xblock,
+                                         "RBLOCK": kernel.config.rblock}
+    options = {"num_warps": kernel.config.num_warps}
+    stages = kernel.num_stages or kernel.config.num_stages
+    if stages:
+        options["num_stages"] = stages
+    return dict(kernel.signature), consts, options
+
+
 def compile_kernel(mod, kernel, arch: int):
     """Triton's CompiledKernel of `kernel` (a TritonKernel defined in module `mod`) for sm_arch;
     CompileError naming the kernel if Triton fails."""
     import triton
     from triton.backends.compiler import GPUTarget
 
+    from kiln.toolchain.triton_warm import compile_args
+
     fn = getattr(mod, kernel.name)
-    attrs = {(i,): [["tt.divisibility", 16]] for i, t in enumerate(kernel.signature.values())
-             if t.startswith("*")}
-    consts = dict(kernel.constexprs) or {"XBLOCK": kernel.config.xblock,
-                                         "RBLOCK": kernel.config.rblock}
-    src = triton.compiler.ASTSource(fn=fn, signature=dict(kernel.signature), constexprs=consts,
-                                    attrs=attrs)
-    options = {"num_warps": kernel.config.num_warps}
-    stages = kernel.num_stages or kernel.config.num_stages
-    if stages:
-        options["num_stages"] = stages
+    sig, consts, options = _plain(kernel)
+    sig, consts, attrs = compile_args(sig, consts)
+    src = triton.compiler.ASTSource(fn=fn, signature=sig, constexprs=consts, attrs=attrs)
     try:
         ck = triton.compile(src, target=GPUTarget("cuda", arch, 32), options=options)
     except Exception as e:  # Triton raises many types; name the kernel and keep the message
@@ -157,15 +175,56 @@ def _store(d: Path, c: Cubin) -> None:
         shutil.rmtree(tmp, ignore_errors=True)
 
 
-def compile_cubins(module_text: str, kernels: list, archs: tuple[int, ...], cache: Path
-                   ) -> tuple[dict[tuple[str, int], Cubin], dict[str, float]]:
+def prewarm(tasks: list[tuple[str, object, int]], cache: Path, workers: int) -> int:
+    """Compiles each (module text, TritonKernel, arch) of `tasks` in up to `workers` worker
+    processes (kiln/toolchain/triton_warm.py, which imports Triton only), so that compiling
+    them again in this process reads Triton's on-disk cache. Processes rather than threads:
+    the work holds the GIL, and CPython 3.11's AST converter fails when two threads run it at
+    once. A worker's failure is ignored (the in-process compile reports it). Returns the
+    number of workers started (none for fewer than 2 x PER_WORKER tasks)."""
+    import subprocess
+    import sys
+    n = min(workers, len(tasks) // PER_WORKER)
+    if n < 2:
+        return 0
+    rows = []
+    for text, kernel, arch in tasks:
+        path, name = module_path(text, cache)
+        if not path.exists():  # the workers import the module from its file
+            import_module(text, cache)
+        sig, consts, options = _plain(kernel)
+        rows.append([str(path), name, kernel.name, sig, consts, options, arch])
+    script = str(Path(__file__).with_name("triton_warm.py"))
+    procs, files = [], []
+    for i in range(n):
+        fd, path = tempfile.mkstemp(prefix="kiln_warm_", suffix=".json")
+        with os.fdopen(fd, "w") as f:
+            json.dump({"tasks": rows[i::n]}, f)
+        files.append(path)
+        procs.append(subprocess.Popen([sys.executable, script, path],
+                                      stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))
+    try:
+        for p in procs:
+            try:
+                p.wait(timeout=600)
+            except subprocess.TimeoutExpired:
+                p.kill()
+    finally:
+        for path in files:
+            os.unlink(path)
+    return n
+
+
+def compile_cubins(module_text: str, kernels: list, archs: tuple[int, ...], cache: Path,
+                   workers: int = 1) -> tuple[dict[tuple[str, int], Cubin], dict[str, float]]:
     """Every kernel of the module for every arch; returns {(kernel, arch): Cubin} and timings.
 
     Kernels compile one after another in this thread. Triton's front end builds Python ASTs,
     and CPython 3.11's AST converter keeps its recursion counter per interpreter, not per
     thread: two threads compiling at once can fail with "AST constructor recursion depth
     mismatch" (seen in CI). Threads also bought nothing, the work holds the GIL: resnet18's
-    CUDA kernels took 2.4-3.4 s with one thread or two."""
+    CUDA kernels took 2.4-3.4 s with one thread or two. With `workers` > 1 and enough kernels
+    to compile, `prewarm` compiles them in worker processes first."""
     t0 = time.perf_counter()
     root = cache / "triton"
     from kiln.codegen.triton_ops import PRELUDE
@@ -181,6 +240,7 @@ def compile_cubins(module_text: str, kernels: list, archs: tuple[int, ...], cach
             else:
                 todo.append((k, a, d))
     hits = len(out)
+    warmed = prewarm([(module_text, k, a) for k, a, _ in todo], cache, workers) if todo else 0
     if todo:
         mod = import_module(module_text, cache)
         for k, a, d in todo:
@@ -188,4 +248,5 @@ def compile_cubins(module_text: str, kernels: list, archs: tuple[int, ...], cach
             _store(d, c)
             out[(k.name, a)] = c
     return out, {"triton": time.perf_counter() - t0, "cache_hits": float(hits),
-                 "compiled": float(len(todo))}
+                 "compiled": float(len(todo)), "workers": float(warmed)}
+

@@ -1,0 +1,46 @@
+"""A worker of `triton_aot.prewarm`, run as a script (`python .../triton_warm.py TASKS`) so that
+it imports only Triton, not kiln or torch: it starts in well under a second.
+
+TASKS is a JSON file: {"tasks": [[module path, module name, kernel name, signature,
+constexprs, options, arch], ...]}. Each kernel is compiled with exactly the arguments
+`triton_aot.compile_kernel` uses, so Triton's on-disk cache then holds what the parent's
+compile asks for. A failure is skipped: the parent's own compile reports it."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import sys
+
+
+def compile_args(sig: dict, consts: dict) -> tuple[dict, dict, dict]:
+    """(signature, constexprs, attrs) as triton.compiler.ASTSource takes them: pointers are
+    16-byte aligned (the CUDA wrapper guarantees it)."""
+    attrs = {(i,): [["tt.divisibility", 16]] for i, t in enumerate(sig.values())
+             if t.startswith("*")}
+    return dict(sig), dict(consts), attrs
+
+
+def main(path: str) -> None:
+    import triton
+    from triton.backends.compiler import GPUTarget
+    with open(path) as f:
+        tasks = json.load(f)["tasks"]
+    mods: dict = {}
+    for mpath, mname, kname, sig, consts, options, arch in tasks:
+        try:
+            if mpath not in mods:
+                spec = importlib.util.spec_from_file_location(mname, mpath)
+                mod = importlib.util.module_from_spec(spec)
+                spec.loader.exec_module(mod)
+                mods[mpath] = mod
+            sig_, consts_, attrs = compile_args(sig, consts)
+            src = triton.compiler.ASTSource(fn=getattr(mods[mpath], kname), signature=sig_,
+                                            constexprs=consts_, attrs=attrs)
+            triton.compile(src, target=GPUTarget("cuda", arch, 32), options=options)
+        except Exception:  # noqa: BLE001 - the parent's compile reports it
+            continue
+
+
+if __name__ == "__main__":
+    main(sys.argv[1])
