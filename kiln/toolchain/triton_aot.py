@@ -42,7 +42,7 @@ from kiln.errors import CompileError
 
 # `prewarm` starts a worker process only for at least this many kernels per worker: a worker
 # costs a fraction of a second (Python, then Triton's import) before its first compile
-PER_WORKER = 6
+PER_WORKER = 3
 
 
 @dataclass(frozen=True)
