@@ -29,6 +29,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+from bench.markdown import splice  # noqa: E402
+
 BEGIN, END = "<!-- aoti-gpu:begin -->", "<!-- aoti-gpu:end -->"
 
 _CHILD = r'''
@@ -167,14 +169,7 @@ def main() -> None:
     text = table(rows)
     print(text)
     if a.markdown:
-        p = Path(a.markdown)
-        old = p.read_text() if p.exists() else ""
-        block = f"{BEGIN}\n{text}\n{END}"
-        if BEGIN in old and END in old:
-            new = old[:old.index(BEGIN)] + block + old[old.index(END) + len(END):]
-        else:
-            new = old + ("\n" if old else "") + block + "\n"
-        p.write_text(new)
+        splice(a.markdown, BEGIN, END, text)
 
 
 if __name__ == "__main__":

@@ -42,6 +42,7 @@ import torch  # noqa: E402
 from torch.utils import _pytree as pytree  # noqa: E402
 
 from bench.cuda_timing import stream_ms  # noqa: E402
+from bench.markdown import splice  # noqa: E402
 
 BEGIN, END = "<!-- gpu:begin -->", "<!-- gpu:end -->"
 DT = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -252,14 +253,7 @@ def main() -> None:
     if not a.no_bandwidth:
         text += "\n\n" + bandwidth(a.repeat)
     if a.markdown:
-        p = Path(a.markdown)
-        doc = p.read_text() if p.exists() else ""
-        block = f"{BEGIN}\n{text}\n{END}"
-        if BEGIN in doc and END in doc:
-            doc = doc[:doc.index(BEGIN)] + block + doc[doc.index(END) + len(END):]
-        else:
-            doc += f"\n## GPU (CUDA backend)\n\n{block}\n"
-        p.write_text(doc)
+        splice(a.markdown, BEGIN, END, text, "## GPU (CUDA backend)")
     print(text)
 
 

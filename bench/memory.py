@@ -26,6 +26,8 @@ from typing import Any
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+from bench.markdown import splice  # noqa: E402
+
 BEGIN, END = "<!-- memory:begin -->", "<!-- memory:end -->"
 
 DRIVER = r"""
@@ -280,14 +282,7 @@ def main(argv: list[str] | None = None) -> int:
     if a.json:
         Path(a.json).write_text(json.dumps({"models": rows, "synthetic": synth}, indent=2))
     if a.markdown:
-        path = Path(a.markdown)
-        doc = path.read_text()
-        section = f"{BEGIN}\n{text}\n{END}"
-        if BEGIN in doc and END in doc:
-            doc = doc[:doc.index(BEGIN)] + section + doc[doc.index(END) + len(END):]
-        else:
-            doc = doc.rstrip("\n") + "\n\n## Memory planning\n\n" + section + "\n"
-        path.write_text(doc)
+        splice(a.markdown, BEGIN, END, text, "## Memory planning")
     return 0
 
 

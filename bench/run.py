@@ -32,6 +32,8 @@ from typing import Any, Callable
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+from bench.markdown import splice  # noqa: E402
+
 SYSTEMS = ("eager", "torch.compile", "aoti", "kiln")
 BEGIN, END = "<!-- bench:begin -->", "<!-- bench:end -->"
 THREADS = 2
@@ -306,15 +308,7 @@ def markdown(results: list[dict], info: dict[str, Any], command: str) -> str:
 
 def rewrite_section(path: Path, body: str) -> None:
     """Replace the text between the bench markers in ``path`` (appending them if absent)."""
-    text = path.read_text() if path.exists() else ""
-    block = f"{BEGIN}\n{body}{END}"
-    if BEGIN in text and END in text:
-        head, rest = text.split(BEGIN, 1)
-        tail = rest.split(END, 1)[1]
-        text = head + block + tail
-    else:
-        text = text.rstrip("\n") + ("\n\n" if text else "") + block + "\n"
-    path.write_text(text)
+    splice(path, BEGIN, END, body)
 
 
 def main(argv: list[str] | None = None) -> int:
