@@ -32,7 +32,6 @@ from kiln.schedule import Kernel
 from kiln.schedule.gemm_fuse import GemmKernel
 from kiln.toolchain.cxx import Toolchain, build_shared
 from kiln.toolchain.autotune import device_available, tune, tune_attention
-from kiln.config import cpu_count
 from kiln.toolchain.triton_aot import compile_cubins
 from kiln.toolchain import user_triton
 
@@ -108,7 +107,7 @@ def build_cuda(run, steps, buffers, program, hints: dict[str, int], opts: Option
                for k in kernels}
     configs.update({a.name: choose_attention_config(a, buffers, hints) for a in attns})
     tuned: dict = {}
-    workers = opts.jobs or cpu_count()  # processes compiling Triton kernels (triton_aot.prewarm)
+    workers = opts.jobs or config.cpu_count()  # Triton compile processes (triton_aot.prewarm)
     local = device_available() and default_archs()[0] in archs
     if opts.autotune and not opts.triton_num_warps and kernels and local:
         # measure on the local GPU, for its architecture

@@ -166,3 +166,15 @@ def test_choice_problem_names_the_templates_epilogue(tmp_path):
                                              gemm_backends=("blas",)),
                         "cuda", outputs=keep, buffers=bufs)
     assert not any("+" in c.problem for c in blas.values())
+
+
+def test_epilogue_alone_when_the_template_is_not_a_candidate(tmp_path):
+    """Without template configs (e.g. gemm_backends=("blas", "cutlass")) the record still
+    holds the GEMM's operands and the epilogue kernel, whose time the unfused candidates are
+    charged."""
+    steps, bufs, env, keep, _ = _gemms(tmp_path)
+    i = next(j for j, s in enumerate(steps) if isinstance(s, L.Gemm) and not s.batch)
+    g, epi = steps[i], epilogue_member(steps, i, keep)
+    p = PR.build(g, epi, bufs, env, {})
+    assert not p.kernels and p.epilogue_kernel is not None
+    assert {g.a.buf, g.b.buf, g.name, epi.name} <= set(p.buffers)

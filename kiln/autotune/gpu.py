@@ -160,8 +160,8 @@ def profile(problem: GemmProblem, sizes, cands, timeout_s: float, printed: Path 
             ) -> tuple[list[tuple[str, str, dict, float]], list]:
     """Runs the candidates on the local GPU: (name, backend, config, seconds) of those that
     gave the right answer, and (name, reason) of those dropped. `printed`: the pickled
-    `printed.Printed` of the template's candidates (required when there are any); when it has
-    an epilogue, its own kernel's time is added to the candidates that do not fuse it."""
+    `printed.Printed` of the template's candidates (required when there are any) and of the
+    GEMM's epilogue, whose own kernel's time is added to the candidates that do not fuse it."""
     results, dropped = [], []
     todo = list(cands)
     epilogue_s = 0.0
@@ -214,7 +214,6 @@ def _unfused(backend: str, cfg: dict) -> bool:
 
 
 def _child(spec: dict) -> None:
-    import ctypes
 
     import torch
     from triton.testing import do_bench
@@ -269,25 +268,7 @@ def _child(spec: dict) -> None:
             elif "evt_tree" in cfg:  # a CUTLASS kernel with its epilogue fused
                 run, check = _fused_cutlass(cfg, a, b, want, spec, nb, m, n, k)
             else:
-                lib = ctypes.CDLL(cfg["so"])
-                f = lib.kiln_cutlass_run
-                f.restype = ctypes.c_int
-                f.argtypes = [ctypes.c_int64] * 4 + [ctypes.c_void_p, ctypes.c_int64,
-                                                     ctypes.c_int64] * 2 + [ctypes.c_void_p] * 4
-                w = lib.kiln_cutlass_workspace
-                w.restype = ctypes.c_size_t
-                w.argtypes = [ctypes.c_int64] * 4
-                ws = torch.empty(max(1, w(m, n, k, max(nb, 1))), dtype=torch.uint8,
-                                 device="cuda")
-                lda = a.stride(1) if spec["layout_a"] == "n" else a.stride(2)
-                ldb = b.stride(1) if spec["layout_b"] == "n" else b.stride(2)
-
-                def run(f=f, ws=ws, lda=lda, ldb=ldb):
-                    rc = f(m, n, k, max(nb, 1), a.data_ptr(), lda, a.stride(0), b.data_ptr(),
-                           ldb, b.stride(0), None, c.data_ptr(), ws.data_ptr(),
-                           torch.cuda.current_stream().cuda_stream)
-                    if rc:
-                        raise RuntimeError(f"kiln_cutlass_run returned {rc}")
+                run = _cutlass_runner(cfg["so"], a, b, c, spec)
             if backend == "triton":
                 pass  # checked by the printed-kernel bench
             elif "evt_tree" in cfg:
@@ -314,8 +295,6 @@ def _fused_cutlass(cfg, a, b, want, spec, nb, m, n, k, operands=None):
     else random ones, of the tree's roles (C: [B, M, N], col: [N], row: [M], scalar: [1]);
     check returns the largest error against the tree evaluated by torch on the float32
     product `want`."""
-    import ctypes
-
     import torch
 
     from kiln.autotune.cutlass_evt import evaluate_torch
@@ -329,30 +308,47 @@ def _fused_cutlass(cfg, a, b, want, spec, nb, m, n, k, operands=None):
     out = torch.empty(max(nb, 1), m, n, device="cuda", dtype=dt[tree["out"]])
     src = next((t for (role, _), t in zip(tree["operands"], ops) if role == "src"), None)
     ext = [t for (role, _), t in zip(tree["operands"], ops) if role != "src"]
-    ptrs = (ctypes.c_void_p * max(1, len(ext)))(*[t.data_ptr() for t in ext])
-    lib = ctypes.CDLL(cfg["so"])
-    f = lib.kiln_cutlass_run
-    f.restype = ctypes.c_int
-    f.argtypes = [ctypes.c_int64] * 4 + [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64] * 2 \
-        + [ctypes.c_void_p] * 5
-    w = lib.kiln_cutlass_workspace
-    w.restype = ctypes.c_size_t
-    w.argtypes = [ctypes.c_int64] * 4
-    ws = torch.empty(max(1, w(m, n, k, max(nb, 1))), dtype=torch.uint8, device="cuda")
-    lda = a.stride(1) if spec["layout_a"] == "n" else a.stride(2)
-    ldb = b.stride(1) if spec["layout_b"] == "n" else b.stride(2)
     ref = evaluate_torch(tree, want, ops, m, n).float()
-
-    def run():
-        rc = f(m, n, k, max(nb, 1), a.data_ptr(), lda, a.stride(0), b.data_ptr(), ldb,
-               b.stride(0), src.data_ptr() if src is not None else None, out.data_ptr(),
-               ctypes.addressof(ptrs), ws.data_ptr(), torch.cuda.current_stream().cuda_stream)
-        if rc:
-            raise RuntimeError(f"kiln_cutlass_run returned {rc}")
+    run = _cutlass_runner(cfg["so"], a, b, out, spec, src, ext)
 
     def check():
         return float((out.float() - ref).abs().max())
     return run, check
+
+
+def _cutlass_runner(so: str, a, b, out, spec: dict, src=None, ext=None):
+    """run() calling the `kiln_cutlass_run` entry of CUTLASS shared library `so` (kiln/autotune/
+    cutlass.py) on the current stream: out[B] = A[B] @ B[B] (3-D tensors, the problem's
+    layouts in `spec`), with C = `src` and the visitor tree's other operands `ext` (tensors)
+    for a kernel fusing its epilogue; its workspace sized by the library. run() holds every
+    tensor whose address it passes."""
+    import ctypes
+
+    import torch
+    nb, m, k = a.shape
+    n = b.shape[2]
+    lib = ctypes.CDLL(so)
+    f = lib.kiln_cutlass_run
+    f.restype = ctypes.c_int
+    f.argtypes = [ctypes.c_int64] * 4 + [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64] * 2 \
+        + [ctypes.c_void_p] * (4 if ext is None else 5)
+    w = lib.kiln_cutlass_workspace
+    w.restype = ctypes.c_size_t
+    w.argtypes = [ctypes.c_int64] * 4
+    ws = torch.empty(max(1, w(m, n, k, nb)), dtype=torch.uint8, device="cuda")
+    lda = a.stride(1) if spec["layout_a"] == "n" else a.stride(2)
+    ldb = b.stride(1) if spec["layout_b"] == "n" else b.stride(2)
+    ptrs = None if ext is None else \
+        (ctypes.c_void_p * max(1, len(ext)))(*[t.data_ptr() for t in ext])
+
+    def run():
+        tail = [] if ext is None else [ctypes.addressof(ptrs)]
+        rc = f(m, n, k, nb, a.data_ptr(), lda, a.stride(0), b.data_ptr(), ldb, b.stride(0),
+               src.data_ptr() if src is not None else None, out.data_ptr(), *tail,
+               ws.data_ptr(), torch.cuda.current_stream().cuda_stream)
+        if rc:
+            raise RuntimeError(f"kiln_cutlass_run returned {rc}")
+    return run
 
 
 def _graphed(run):

@@ -94,7 +94,7 @@ def build(g: L.Gemm, epi: L.Compute | None, buffers: dict[str, L.Buffer],
         ek = print_triton_kernel(Kernel(f"epilogue_{epi.name}", outer_of(epi), (epi,),
                                         frozenset()), buffers, env)
     used = {n for k in [*kernels.values(), *([ek] if ek else [])] for kind, n in k.params
-            if kind in ("in", "out")} | {g.name}
+            if kind in ("in", "out")} | {g.name, g.a.buf, g.b.buf, *g.extra_reads()}
     return Printed(g, epi, {n: buffers[n] for n in sorted(used)}, dict(env),
                    print_triton_module([*kernels.values(), *([ek] if ek else [])]), kernels, ek)
 

@@ -298,13 +298,15 @@ def _choose_cuda_backend(g: L.Gemm, problem: GemmProblem, sizes, backends, allow
 
 
 def _print_candidates(g: L.Gemm, cands, printed, path: Path) -> Path | None:
-    """The template's candidates as the package would print them (kiln/autotune/printed.py),
-    pickled at `path` for the profiling child; None when there are none."""
+    """The template's candidates as the package would print them, and the GEMM's epilogue as
+    its own kernel (kiln/autotune/printed.py: its time is charged to the candidates that do
+    not fuse it, also when the template is not a candidate), pickled at `path` for the
+    profiling child; None when there is neither."""
     from kiln.autotune import printed as PR
     configs = {n: c for n, b, c in cands if b == "triton"}
-    if not configs:
-        return None
     epi, buffers, env = printed
+    if not configs and epi is None:
+        return None
     if buffers is None:
         buffers = PR.gemm_buffers(g, env)
     return PR.write(PR.build(g, epi, buffers, env, configs), path)

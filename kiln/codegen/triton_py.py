@@ -170,40 +170,19 @@ def _run_user(u, x: P.CallUser, bufs: dict, env: dict) -> None:
     u.call.spec.fn[grid](**kw, num_warps=u.num_warps, num_stages=u.num_stages)
 
 
-def _aten_value(a, bufs: dict, env: dict):
-    """One argument of an ATen fallback call (`loop.AtenCall.args`) as torch takes it."""
-    kind = a[0]
-    if kind == "tensor":
+def _run_aten(c, bufs: dict, env: dict, bounds: dict) -> None:
+    """An ATen fallback call (`loop.AtenCall`, run by ir/interp.py's `call_aten` on strided
+    views of the buffers): every result it writes copied into its buffer, its data-dependent
+    sizes bound and checked against their bounds."""
+    from kiln.ir.interp import call_aten
+
+    def tensor(a):
         _, buf, _, shape, strides, offset = a
         t = bufs[buf]
         return torch.as_strided(t, [evaluate(d, env) for d in shape],
                                 [evaluate(d, env) for d in strides],
                                 t.storage_offset() + evaluate(offset, env))
-    if kind == "tensors":
-        return [_aten_value(x, bufs, env) for x in a[1]]
-    if kind == "opt":
-        return _aten_value(a[1], bufs, env)
-    if kind == "none":
-        return None
-    if kind == "int":
-        return evaluate(a[1], env)
-    if kind == "ints":
-        return [evaluate(v, env) for v in a[1]]
-    if kind == "dtype":
-        return getattr(torch, a[1])
-    return float(a[1]) if kind == "float" else a[1]
-
-
-def _run_aten(c, bufs: dict, env: dict, bounds: dict) -> None:
-    """An ATen fallback call (`loop.AtenCall`): the op once, every result it writes copied
-    into its buffer, its data-dependent sizes bound and checked against their bounds."""
-    n_pos = len(c.args) - len(c.keywords)
-    args = [_aten_value(a, bufs, env) for a in c.args[:n_pos]]
-    kw = {k: _aten_value(a, bufs, env) for k, a in zip(c.keywords, c.args[n_pos:])}
-    name, ov = c.op.split("::", 1)[1], c.overload or "default"
-    res = getattr(getattr(torch.ops.aten, name), ov)(*args, **kw)
-    for r in c.results():
-        got = res[r.result] if c.n_results > 1 else res
+    for r, got in call_aten(c, tensor, env):
         for d, sym, _ in r.binds:
             env[sym] = int(got.shape[d])
             hi = evaluate(bounds[sym], env)

@@ -200,15 +200,17 @@ def _gemm(g: L.Gemm, bufs, env) -> np.ndarray:
     return out.astype(NP_DTYPES[g.dtype.name]).reshape(-1)
 
 
-def _aten(c: L.AtenCall, bufs, env) -> dict[str, np.ndarray]:
-    """The ATen fallback runs ATen itself, through torch (the reference has nothing else)."""
+def call_aten(c: L.AtenCall, tensor, env) -> list:
+    """Runs ATen fallback call `c` through torch.ops (shared by this interpreter and the
+    Python printer, codegen/triton_py.py): `tensor(arg)` turns a ("tensor", buf, dtype, shape,
+    strides, offset) argument into a torch tensor, the other arguments decode here. Returns
+    (AtenResult, torch result) for every result `c` writes."""
     import torch
 
     def value(a):
         kind = a[0]
         if kind == "tensor":
-            shape = [evaluate(d, env) for d in a[3]]
-            return torch.from_numpy(np.ascontiguousarray(bufs[a[1]])).reshape(shape)
+            return tensor(a)
         if kind == "tensors":
             return [value(x) for x in a[1]]
         if kind == "opt":
@@ -221,16 +223,25 @@ def _aten(c: L.AtenCall, bufs, env) -> dict[str, np.ndarray]:
             return [evaluate(x, env) for x in a[1]]
         if kind == "dtype":
             return getattr(torch, a[1])
-        return a[1]
+        return float(a[1]) if kind == "float" else a[1]
 
     name = c.op.split("::", 1)[1]
     fn = getattr(getattr(torch.ops.aten, name), c.overload or "default")
     n_pos = len(c.args) - len(c.keywords)
     out = fn(*[value(a) for a in c.args[:n_pos]],
              **{k: value(a) for k, a in zip(c.keywords, c.args[n_pos:])})
+    return [(r, out[r.result] if c.n_results > 1 else out) for r in c.results()]
+
+
+def _aten(c: L.AtenCall, bufs, env) -> dict[str, np.ndarray]:
+    """The ATen fallback runs ATen itself, through torch (the reference has nothing else)."""
+    import torch
+
+    def tensor(a):
+        shape = [evaluate(d, env) for d in a[3]]
+        return torch.from_numpy(np.ascontiguousarray(bufs[a[1]])).reshape(shape)
     got = {}
-    for r in c.results():
-        t = out[r.result] if c.n_results > 1 else out
+    for r, t in call_aten(c, tensor, env):
         for d, sym, _ in r.binds:  # data-dependent sizes are known from here on
             env[sym] = int(t.shape[d])
         got[r.name] = t.contiguous().numpy().astype(NP_DTYPES[r.dtype.name]).reshape(-1)
