@@ -1,5 +1,5 @@
 """float32 attention on the GPU: decomposed (bmm, softmax kernel, bmm: the default) vs kiln's
-fused flash-attention kernel with each tl.dot input precision (kiln/codegen/triton_attention.py
+fused flash-attention kernel with each tl.dot input precision (kiln/targets/cuda/attention.py
 `DOT_PRECISION`), on the gpt zoo model in float32: median latency of one package call and the
 largest error against the model run in float64 (eager float32's error alongside). Decides
 whether float32 attention should be fused by default (`Options.fused_attention`).
@@ -23,7 +23,7 @@ from torch.utils import _pytree as pytree  # noqa: E402
 
 import kiln  # noqa: E402
 from bench.gpu import _cuda, _median_ms  # noqa: E402
-from kiln.codegen import triton_attention  # noqa: E402
+from kiln.targets.cuda import attention as triton_attention  # noqa: E402
 from kiln.models import get  # noqa: E402
 from kiln.options import Options  # noqa: E402
 

@@ -1,4 +1,4 @@
-"""GPU benchmark of kiln's flash-attention kernel (codegen/triton_attention.py) against
+"""GPU benchmark of kiln's flash-attention kernel (targets/cuda/attention.py) against
 `torch.nn.functional.scaled_dot_product_attention` (eager: flash / cuDNN / efficient kernels).
 
 Table 1: bf16 attention, B in {1, 8}, H in {8, 16}, L = S in {128 .. 4096}, E in {64, 128},
@@ -53,7 +53,7 @@ def _package(e, causal, d):
     (name, info), = cm.manifest["cuda"]["attention"].items()
     print(f"E={e} causal={int(causal)} autotune ms at 4x16x1024:",
           cm.manifest["cuda"]["autotuned"].get(name), flush=True)
-    from kiln.codegen.triton_py import import_triton_module
+    from kiln.targets.cuda.wrapper_py import import_triton_module
     mod = import_triton_module(cm.sources["kernels_triton.py"])
     return runner, getattr(mod, name), info
 

@@ -1,6 +1,6 @@
 """GEMM on CPU: GFLOP/s of kiln's register-blocked GEMM ("cpp", best tile), OpenBLAS ("blas")
 and torch.mm, for the GEMMs of the zoo models (at their example sizes) and small / skinny
-shapes. kiln's numbers come from the autotuner's own benchmark driver (kiln/autotune/cpu.py),
+shapes. kiln's numbers come from the autotuner's own benchmark driver (kiln/gemm/cpu.py),
 so they are what `max_autotune` sees; torch.mm is timed in this process with the same thread
 count.
 
@@ -16,9 +16,9 @@ from pathlib import Path
 
 import torch
 
-from kiln.autotune import cpu
-from kiln.autotune.problem import problem_of
-from kiln.autotune.profile import run_candidate
+from kiln.gemm import cpu
+from kiln.gemm.problem import problem_of
+from kiln.gemm.profile import run_candidate
 from kiln.frontend.export import import_program
 from kiln.ir import loop as L
 from kiln.ir.sym import evaluate

@@ -1,11 +1,11 @@
 """GEMM on the GPU: TFLOP/s of kiln's candidates - cuBLAS (torch.mm), the cuBLASLt
-heuristic's algorithms (kiln/autotune/blaslt.py: the best index, through the helper library
-that max_autotune times them with), the Triton template (kiln/autotune/triton_gemm.py, every
+heuristic's algorithms (kiln/gemm/blaslt.py: the best index, through the helper library
+that max_autotune times them with), the Triton template (kiln/gemm/triton_gemm.py, every
 config of its space; its TMA configs, which load A and B through device-side tensor
-descriptors, in a column of their own) and CUTLASS sm_90 kernels (kiln/autotune/cutlass.py,
+descriptors, in a column of their own) and CUTLASS sm_90 kernels (kiln/gemm/cutlass.py,
 shared libraries built ahead of time with nvcc) - for a sweep of square and skinny fp16/bf16
 shapes, and GEMM + epilogue chains fused into the Triton template
-and into CUTLASS kernels (the epilogue as a visitor tree, kiln/autotune/cutlass_evt.py; the
+and into CUTLASS kernels (the epilogue as a visitor tree, kiln/gemm/cutlass_evt.py; the
 first kernel of --evt-configs schedules, compiled with nvcc into --cache) vs unfused
 cuBLAS + eager pointwise. Every candidate's result is checked against torch.mm (a wrong one
 is dropped; fused ones against the tree's torch twin); the pick is the fastest correct
@@ -27,7 +27,7 @@ from pathlib import Path
 
 import torch
 
-from kiln.autotune import triton_gemm as T
+from kiln.gemm import triton_gemm as T
 
 SQUARE = [1024, 2048, 4096, 8192]
 SKINNY = [(16, 4096, 4096), (64, 4096, 4096), (128, 8192, 1024), (64, 1024, 1024),
@@ -51,7 +51,7 @@ def do_bench(fn):
 def chain_evt(act: str, dtype: str):
     """The visitor tree of `act(A @ B + bias) + 0.5 * R` (what kiln derives from the Loop IR
     of that chain: the product rounded to the GEMM's dtype, bias a vector over N, R as C)."""
-    from kiln.autotune.cutlass_evt import Evt, Node, Operand
+    from kiln.gemm.cutlass_evt import Evt, Node, Operand
     x = Node("compute", "add", (Node("compute", "identity", (Node("acc"),), dtype),
                                 Node("col", operand=0)))
     f = Node("compute", "clamp", (x,), params=(0.0, 6.0)) if act == "relu6" else \
@@ -66,8 +66,8 @@ def evt_kernels(acts, dtypes, configs: int, cache: Path) -> dict:
     """(act, dtype) -> [(kernel name, .so path or nvcc's error, tree)]: CUTLASS kernels fusing
     each chain's tree, one per schedule (ping-pong, cooperative, stream-K: the first
     `configs`), compiled in parallel (cached by content)."""
-    from kiln.autotune import cutlass
-    from kiln.autotune.problem import GemmProblem
+    from kiln.gemm import cutlass
+    from kiln.gemm.problem import GemmProblem
     from kiln.options import Options
     todo, srcs = {}, {}
     for act in acts:
@@ -143,7 +143,7 @@ def _ok(got, want):
 
 def lt_best(lt_so, a, b, c, want, dropped):
     """(ms, "algo i") of the fastest correct cuBLASLt heuristic algorithm, or None."""
-    from kiln.autotune import blaslt
+    from kiln.gemm import blaslt
     ws = torch.empty(32 << 20, dtype=torch.uint8, device="cuda")  # a package's workspace
     a3, b3, c3 = a[None], b[None], c[None]
     dt = str(a.dtype).split(".")[-1]
@@ -222,7 +222,7 @@ def tune(m, n, k, layout, dtype, kern, cutlass, sms, lt_so=None):
 def _cutlass_fused(a, b, bias, r, evt, so):
     """(run, max error) of a CUTLASS kernel fusing the chain (gpu.py's fused-candidate runner,
     here fed the chain's own operands: `bias` as the column vector, `r` as C)."""
-    from kiln.autotune.gpu import _fused_cutlass
+    from kiln.gemm.gpu import _fused_cutlass
     m, k = a.shape
     n = b.shape[1]
     want = torch.matmul(a.float(), b.float())[None]
@@ -315,7 +315,7 @@ def main(argv=None):
                                                                  device="cuda"))
     lt_so = None
     if not args.no_cublaslt:
-        from kiln.autotune import blaslt
+        from kiln.gemm import blaslt
         from kiln.options import Options
         lt_so = str(blaslt.build_helper(Options(cache_dir=args.cache)))
     sms = torch.cuda.get_device_properties(0).multi_processor_count

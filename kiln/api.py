@@ -23,9 +23,10 @@ from kiln.options import Options
 from kiln.package import write_package
 from kiln.pipeline import Built, build
 from kiln.schedule import Kernel
-from kiln.schedule.gemm_fuse import CutlassGemm, GemmKernel
-from kiln.codegen.wrapper_cpp import aten_fallback_ops
+from kiln.schedule.steps import CutlassGemm, GemmKernel
+from kiln.schedule.analysis import aten_fallback_ops
 from kiln.toolchain.cxx import compiler_identity
+from kiln.runtime import load
 
 MANIFEST_SCHEMA = "kiln.manifest/1"
 _CUDA_LIBS = ["libcuda.so.1 (NVIDIA driver, opened at load)",
@@ -156,7 +157,6 @@ class CompiledModel:
 
     def load(self, path: str | os.PathLike[str] | None = None, device: str | None = None):
         """Save (to `path`, or next to the cached library) and load the package."""
-        from kiln.runtime import load
 
         target = Path(path) if path else Path(self.built.library).with_name("model.kiln")
         self.save(target)

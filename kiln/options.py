@@ -67,11 +67,11 @@ class Options:
     #: CUDA builds on a machine whose GPU is one of the target architectures: time candidate
     #: launch configs of each large kernel on it and keep the fastest (kiln/toolchain/
     #: autotune.py; cached on disk per kernel source and device), and the triton.autotune
-    #: configs of user Triton kernels (toolchain/user_triton.py). Off, or without a GPU: the
+    #: configs of user Triton kernels (targets/cuda/user_triton.py). Off, or without a GPU: the
     #: size heuristic alone, and a user kernel's first config.
     autotune: bool = True
     #: CUDA builds: run scaled_dot_product_attention as kiln's flash-attention Triton kernel
-    #: (codegen/triton_attention.py; one step, no L x S score matrix) for float16, bfloat16
+    #: (targets/cuda/attention.py; one step, no L x S score matrix) for float16, bfloat16
     #: and float32 (products as 3xTF32, which measured more accurate than eager's float32
     #: attention and faster than the decomposition: H100, gpt fp32 0.202 ms vs 0.236 ms, max
     #: error vs float64 1.1e-6 vs eager's 1.5e-6); False decomposes it into matmul / softmax

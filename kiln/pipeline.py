@@ -11,12 +11,13 @@ from typing import Any
 import torch
 
 from kiln import config
-from kiln.autotune import choose_gemms
-from kiln.schedule.gemm_fuse import fuse_gemms
-from kiln.codegen.cpp_kernel import print_kernel
-from kiln.codegen.gemm_cpp import declaration, print_gemm_file
-from kiln.codegen.wrapper_cpp import declare_kernel, print_wrapper
-from kiln.codegen.wrapper_py import print_python_wrapper
+from kiln.gemm import choose_gemms
+from kiln.gemm.fuse import fuse_gemms
+from kiln.targets.cuda.gemm_candidates import build as build_candidates
+from kiln.targets.cpu.kernel import print_kernel
+from kiln.targets.cpu.gemm import declaration, print_gemm_file
+from kiln.targets.cpu.wrapper import declare_kernel, print_wrapper
+from kiln.targets.cpu.wrapper_py import print_python_wrapper
 from kiln.errors import UnsupportedError
 from kiln.frontend.export import import_program
 from kiln.ir import loop as L
@@ -36,10 +37,11 @@ from kiln.passes.widen_half import widen_half
 from kiln.schedule import Kernel, localize_rows, schedule
 from kiln.schedule.program import build_program, unbacked_bounds
 from kiln.schedule.reorder import reorder_for_memory
-from kiln.toolchain.cxx import Toolchain, build_shared
+from kiln.toolchain.cxx import INCLUDE_DIRS, Toolchain, build_shared
+from kiln.ir.loop import Extern
+from kiln.targets.cuda.build import build_cuda
+import scipy_openblas32 as blas
 
-RUNTIME = Path(__file__).parent / "runtime"
-INCLUDE_DIRS = (RUNTIME / "include", RUNTIME / "model", RUNTIME / "src")
 
 
 @dataclass
@@ -72,14 +74,13 @@ class Built:
     library: Path
     weights: dict[str, torch.Tensor]
     timings: dict[str, float]
-    device: str = "cpu"  # "cpu" or "cuda" (pipeline_cuda.py built the library)
+    device: str = "cpu"  # "cpu" or "cuda" (targets/cuda/build.py built the library)
     cuda: dict = field(default_factory=dict)  # archs and kernel launch configs (CUDA builds)
     reorder: tuple = (0, 0)  # peak temp bytes of program order, and of the order chosen
     gemms: dict = field(default_factory=dict)  # GEMM name -> autotune.Choice
 
 
 def _blas() -> tuple[Path, Path]:
-    import scipy_openblas32 as blas
 
     return Path(blas.get_include_dir()), Path(blas.get_lib_dir())
 
@@ -126,8 +127,6 @@ CUDA_ROUTINES = ("attention",)  # Extern routines CUDA builds run (as generated 
 
 
 def _no_cuda_libs(steps) -> None:
-    from kiln.errors import UnsupportedError
-    from kiln.ir.loop import Extern
     for s in L.flat_steps(steps):  # regions of cond / while_loop included
         if isinstance(s, Extern) and s.routine not in CUDA_ROUTINES:
             raise UnsupportedError(f"library routine {s.routine} (for {', '.join(s.source)}) "
@@ -195,7 +194,8 @@ def build(ep: torch.export.ExportedProgram, opts: Options, device: str = "cpu") 
         # absorb their epilogue
         keep = set(loop.outputs) | {src for _, src in loop.mutations}
         gemms = run.stage("autotune", lambda s: choose_gemms(
-            s, graph.symbols, opts, "cuda", outputs=keep, buffers=L.all_buffers(loop)), steps)
+            s, graph.symbols, opts, "cuda", outputs=keep, buffers=L.all_buffers(loop),
+            printer=build_candidates), steps)
         steps = run.stage("fuse_gemms", lambda s: fuse_gemms(s, gemms, keep), steps,
                           dump=lambda s: "\n".join(map(repr, s)))
     weights = {i.name: weights[i.name] for i in graph.weights}
@@ -212,9 +212,8 @@ def build(ep: torch.export.ExportedProgram, opts: Options, device: str = "cpu") 
         "plan", lambda p: assign_offsets(p, opts.verify, opts.plan_budget_s), program,
         dump=lambda r: print_program(r[0]), verify=lambda r: verify_program(r[0], planned=True))
     buffers = L.all_buffers(loop)  # control-flow regions' buffers included
-    if cuda:  # 7-8 for NVIDIA GPUs: Triton kernels -> cubins, CUDA wrapper (pipeline_cuda.py)
+    if cuda:  # 7-8 for NVIDIA GPUs: Triton kernels -> cubins, CUDA wrapper (targets/cuda/build.py)
         _no_cuda_libs(steps)
-        from kiln.pipeline_cuda import build_cuda
         hints = {s.name: s.example for s in graph.symbols}
         for name, bound in program.unbacked:  # data-dependent sizes: configs for their bounds
             hints[name] = evaluate(bound, hints)

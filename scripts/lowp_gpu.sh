@@ -11,7 +11,7 @@ import torch
 x = torch.tensor([1e6, float('inf'), 470.0])
 for dev in ('cpu', 'cuda'):
     print(dev, 'e4m3fn overflow bytes', x.to(dev).to(torch.float8_e4m3fn).view(torch.uint8).tolist())
-from kiln.codegen.float8 import e4m3fn_saturates
+from kiln.targets.float8 import e4m3fn_saturates
 print('kiln: e4m3fn saturates', e4m3fn_saturates())"
 python3 -m pytest -m gpu -o addopts="" -q -p no:cacheprovider tests/test_lowp_gpu.py \
     tests/test_gemm_mixed.py -p no:logging 2>&1 \

@@ -2,7 +2,7 @@
 shared libraries (.so, profiled by max_autotune) that bench/gemm_link.py and
 tests/test_autotune_gpu.py will ask for, into $KILN_CACHE_DIR: the GPU machine then finds
 them by content hash instead of spending its time in nvcc. GEMMs whose epilogue maps to a
-visitor tree (kiln/autotune/cutlass_evt.py) get the fused kernels as well.
+visitor tree (kiln/gemm/cutlass_evt.py) get the fused kernels as well.
 
     KILN_CACHE_DIR=build/gpucache python scripts/prebuild_cutlass.py [max configs]
 """
@@ -16,11 +16,11 @@ import torch
 
 import kiln
 from kiln import config
-from kiln.autotune import cutlass
-from kiln.autotune.cutlass_evt import Evt
-from kiln.autotune.cutlass_link import _tag, source_for
-from kiln.autotune.problem import problem_of
-from kiln.autotune.select import _evt
+from kiln.gemm import cutlass
+from kiln.gemm.cutlass_evt import Evt
+from kiln.gemm.cutlass_link import _tag, source_for
+from kiln.gemm.problem import problem_of
+from kiln.gemm.select import _evt
 from kiln.ir import loop as L
 from kiln.models import ALL_MODELS
 from kiln.models.zoo import in_dtype

@@ -113,8 +113,16 @@ def _cases():
     return out
 
 
+def _drop_seconds(x):
+    if isinstance(x, dict):
+        return {k: _drop_seconds(v) for k, v in x.items() if not k.endswith("_seconds")}
+    if isinstance(x, list):
+        return [_drop_seconds(v) for v in x]
+    return x
+
+
 def _clean_manifest(m: dict) -> dict:
-    m = json.loads(json.dumps(m))
+    m = _drop_seconds(json.loads(json.dumps(m)))
     m.get("build", {}).pop("compile_seconds", None)
     m.get("build", {}).pop("cxx", None)
     m.pop("torch_version", None)
@@ -149,9 +157,9 @@ def main() -> int:
             failures += 1
             continue
         for fname, text in cm.sources.items():
-            (d / fname).write_text(text)
+            (d / fname).write_text(text.replace(cache, "<CACHE>"))
         (d / "manifest.json").write_text(json.dumps(_clean_manifest(cm.manifest), indent=1,
-                                                    sort_keys=True))
+                                                    sort_keys=True).replace(cache, "<CACHE>"))
         print(f"{tag}: {len(cm.sources)} sources", flush=True)
     print(f"{failures} cases raised (recorded in ERROR files)")
     return 0

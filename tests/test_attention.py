@@ -21,7 +21,7 @@ import torch.nn.functional as F
 triton = pytest.importorskip("triton")
 
 import kiln  # noqa: E402
-from kiln.codegen.triton_attention import SHARED_LIMIT, print_attention_kernel  # noqa: E402
+from kiln.targets.cuda.attention import SHARED_LIMIT, print_attention_kernel  # noqa: E402
 from kiln.frontend.export import import_program  # noqa: E402
 from kiln.ir.interp import run_loop  # noqa: E402
 from kiln.lowering import lower  # noqa: E402
@@ -174,8 +174,8 @@ _TRITON_INTERP = textwrap.dedent("""
     import sys, torch, kiln
     sys.path.insert(0, sys.argv[1])
     from test_attention import INTERP, _compile, Sdpa
-    from kiln.codegen.triton_py import import_triton_module, run_program
-    from kiln.pipeline_cuda import triton_kernels
+    from kiln.targets.cuda.wrapper_py import import_triton_module, run_program
+    from kiln.targets.cuda.build import triton_kernels
     bad = []
     for v in INTERP:
         cm, args = _compile(v)

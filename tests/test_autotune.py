@@ -12,10 +12,10 @@ import pytest
 import torch
 
 import kiln
-from kiln.autotune import cache as acache
-from kiln.autotune import cpu
-from kiln.autotune.problem import GemmProblem
-from kiln.autotune.profile import run_candidate
+from kiln.gemm import cache as acache
+from kiln.gemm import cpu
+from kiln.gemm.problem import GemmProblem
+from kiln.gemm.profile import run_candidate
 from kiln.errors import UnsupportedError
 from tests.difftest import Checker, Fn, dim, gen, rand
 

@@ -1,4 +1,4 @@
-"""CUTLASS GEMM candidates (kiln/autotune/cutlass.py): enumeration from cutlass_library for a
+"""CUTLASS GEMM candidates (kiln/gemm/cutlass.py): enumeration from cutlass_library for a
 problem, filtering by dtype / layout / alignment and by the Options (regexes, size threshold,
 count), rendering with the `extern "C"` entries, and (slow) nvcc compiling two configs."""
 
@@ -8,11 +8,11 @@ import shutil
 
 import pytest
 
-from kiln.autotune.problem import GemmProblem
+from kiln.gemm.problem import GemmProblem
 from kiln.errors import UnsupportedError
 from kiln.options import Options
 
-cutlass = pytest.importorskip("kiln.autotune.cutlass")
+cutlass = pytest.importorskip("kiln.gemm.cutlass")
 if not cutlass.available():
     pytest.skip("nvidia-cutlass is not installed", allow_module_level=True)
 

@@ -21,7 +21,7 @@ if not torch.cuda.is_available():
     pytest.skip("no CUDA device", allow_module_level=True)
 
 from bench.gemm_gpu import Cutlass, _kernel, triton_call  # noqa: E402
-from kiln.autotune import triton_gemm as T  # noqa: E402
+from kiln.gemm import triton_gemm as T  # noqa: E402
 from tests.gemm_models import ACTS, FUSED, Bmm, Fused, Linear  # noqa: E402
 
 
@@ -75,7 +75,7 @@ def test_cutlass_kernels(shape):
                                    atol=2e-2 * k ** 0.5, msg=lib.name)
 
 
-# -- packages that link the chosen backend (kiln/schedule/gemm_fuse.py, cutlass_link.py) ------
+# -- packages that link the chosen backend (kiln/gemm/fuse.py, cutlass_link.py) ------
 
 import kiln  # noqa: E402
 from kiln.options import Options  # noqa: E402
@@ -151,7 +151,7 @@ def test_package_max_autotune_all_backends(tmp_path):
     assert all(set(c["timings"]) >= {"blas", "triton"} for c in g)
 
 
-# -- CUTLASS with the epilogue fused as a visitor tree (kiln/autotune/cutlass_evt.py) --------
+# -- CUTLASS with the epilogue fused as a visitor tree (kiln/gemm/cutlass_evt.py) --------
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["fp16", "bf16"])
 def test_package_cutlass_fused_epilogues(tmp_path, dtype):
@@ -198,7 +198,7 @@ def test_package_max_autotune_profiles_fused_cutlass(tmp_path):
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["fp16", "bf16"])
 def test_package_max_autotune_profiles_template_with_epilogue(tmp_path, dtype):
     """max_autotune times the template's candidates as the package prints them, epilogue
-    included (kiln/autotune/printed.py): every config is checked against the product followed
+    included (kiln/gemm/printed.py): every config is checked against the product followed
     by the epilogue and none is dropped; cuBLAS is charged the epilogue's own kernel; the
     problem names the epilogue; the package runs the winner."""
     torch.manual_seed(6)

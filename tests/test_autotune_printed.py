@@ -1,6 +1,6 @@
 """The template's autotuning candidates are the kernels a package would contain, profiled
-with the GEMM's absorbed epilogue (kiln/autotune/printed.py), and unfused candidates are
-charged the epilogue's own kernel (kiln/autotune/gpu.py `profile`). No GPU needed: the printed
+with the GEMM's absorbed epilogue (kiln/gemm/printed.py), and unfused candidates are
+charged the epilogue's own kernel (kiln/gemm/gpu.py `profile`). No GPU needed: the printed
 kernels run in Triton's interpreter (a subprocess), the profiling child is replaced by a fake
 that prints the protocol's lines."""
 
@@ -14,13 +14,14 @@ import torch
 pytest.importorskip("triton")
 
 import kiln  # noqa: E402
-from kiln.autotune import gpu  # noqa: E402
-from kiln.autotune import printed as PR  # noqa: E402
-from kiln.autotune.problem import problem_of  # noqa: E402
-from kiln.autotune.select import choose_gemms  # noqa: E402
+from kiln.gemm import gpu  # noqa: E402
+from kiln.gemm import printed as PR  # noqa: E402
+from kiln.targets.cuda.gemm_candidates import build as build_candidates  # noqa: E402
+from kiln.gemm.problem import problem_of  # noqa: E402
+from kiln.gemm.select import choose_gemms  # noqa: E402
 from kiln.ir import loop as L  # noqa: E402
 from kiln.options import Options  # noqa: E402
-from kiln.schedule.gemm_fuse import epilogue_member  # noqa: E402
+from kiln.gemm.fuse import epilogue_member  # noqa: E402
 from tests.difftest import run_interpreted  # noqa: E402
 
 CONFIGS = {"triton_32x32x32_g8_s2_w4": {"block_m": 32, "block_n": 32, "block_k": 32,
@@ -60,7 +61,7 @@ def test_printed_candidates_are_the_package_kernels_with_their_epilogue(tmp_path
     i = next(j for j, s in enumerate(steps) if isinstance(s, L.Gemm) and not s.batch)
     g, epi = steps[i], epilogue_member(steps, i, keep)
     assert epi is not None
-    p = PR.build(g, epi, bufs, env, CONFIGS)
+    p = build_candidates(g, epi, bufs, env, CONFIGS)
     assert set(p.kernels) == set(CONFIGS)
     for j, k in enumerate(p.kernels.values()):
         assert k.name == f"gemm_{g.name}__{j}" and f"def {k.name}(" in p.module
@@ -87,7 +88,7 @@ def test_epilogue_key_ignores_buffer_names(tmp_path):
 
 _CHILD = textwrap.dedent("""
     import sys
-    from kiln.autotune.printed import Bench, read
+    from kiln.gemm.printed import Bench, read
     p = read(sys.argv[1])
     b = Bench(p, device="cpu")
     for name in p.kernels:
@@ -100,7 +101,7 @@ _CHILD = textwrap.dedent("""
     k = p.kernels[name]
     bad = k.source.replace(", mask=mask)\\n", " * 1.25, mask=mask)\\n")
     assert bad != k.source
-    from kiln.codegen.triton_py import import_triton_module
+    from kiln.targets.cuda.wrapper_py import import_triton_module
     b.module = import_triton_module(p.module.replace(k.source, bad))
     err = b.check(name)
     print("bad", err, b.tolerance())
@@ -117,7 +118,7 @@ def test_printed_candidates_checked_against_product_and_epilogue(tmp_path, dtype
     paths = []
     for i, g in enumerate(steps):
         if isinstance(g, L.Gemm):
-            p = PR.build(g, epilogue_member(steps, i, keep), bufs, env, CONFIGS)
+            p = build_candidates(g, epilogue_member(steps, i, keep), bufs, env, CONFIGS)
             paths.append(PR.write(p, tmp_path / f"{g.name}.pkl"))
     assert len(paths) == 2
     for path in paths:
@@ -130,7 +131,7 @@ def test_gemm_buffers_cover_strided_operands(tmp_path):
     bufs = PR.gemm_buffers(g, env)
     assert set(bufs) == {g.a.buf, g.name} and g.a.buf == g.b.buf
     assert int(bufs[g.a.buf].numel) == 3 * 7 * 24 and int(bufs[g.name].numel) == 3 * 7 * 7
-    p = PR.build(g, None, bufs, env, CONFIGS)
+    p = build_candidates(g, None, bufs, env, CONFIGS)
     assert p.epilogue_kernel is None and len(p.kernels) == 2
 
 
@@ -175,6 +176,6 @@ def test_epilogue_alone_when_the_template_is_not_a_candidate(tmp_path):
     steps, bufs, env, keep, _ = _gemms(tmp_path)
     i = next(j for j, s in enumerate(steps) if isinstance(s, L.Gemm) and not s.batch)
     g, epi = steps[i], epilogue_member(steps, i, keep)
-    p = PR.build(g, epi, bufs, env, {})
+    p = build_candidates(g, epi, bufs, env, {})
     assert not p.kernels and p.epilogue_kernel is not None
     assert {g.a.buf, g.b.buf, g.name, epi.name} <= set(p.buffers)

@@ -1,4 +1,4 @@
-"""The Triton GEMM template (kiln/autotune/triton_gemm.py): its config space and ahead-of-time
+"""The Triton GEMM template (kiln/gemm/triton_gemm.py): its config space and ahead-of-time
 compilation to cubin for sm_90 (no GPU needed). GPU runs are in bench/gemm_gpu.py."""
 
 from __future__ import annotations
@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 pytest.importorskip("triton")
-from kiln.autotune import triton_gemm as T  # noqa: E402
+from kiln.gemm import triton_gemm as T  # noqa: E402
 
 
 def test_config_space_fits_the_problem():

@@ -1,4 +1,4 @@
-"""cuBLASLt algorithms as "blas" candidates (kiln/autotune/blaslt.py, kc::lt_blas_gemm in
+"""cuBLASLt algorithms as "blas" candidates (kiln/gemm/blaslt.py, kc::lt_blas_gemm in
 kiln_cuda_rt.h). Without a GPU: the candidates of a problem (cuBLAS's own choice, then
 blaslt_0..7 with config {"algo": i}; none for float64), the heuristic unchanged, the profiling
 helper library built with kiln's toolchain, and a cache entry choosing an algorithm that
@@ -21,9 +21,9 @@ import torch
 pytest.importorskip("triton")
 
 import kiln  # noqa: E402
-from kiln.autotune import blaslt, gpu  # noqa: E402
-from kiln.autotune import cache as acache  # noqa: E402
-from kiln.autotune.problem import GemmProblem, problem_of  # noqa: E402
+from kiln.gemm import blaslt, gpu  # noqa: E402
+from kiln.gemm import cache as acache  # noqa: E402
+from kiln.gemm.problem import GemmProblem, problem_of  # noqa: E402
 from kiln.ir import loop as L  # noqa: E402
 from kiln.options import Options  # noqa: E402
 
@@ -206,7 +206,7 @@ def test_forced_algo_beyond_heuristic_falls_back(tmp_path, dtype):
     opts = Options(gemm_backends=("blas",), cache_dir=str(tmp_path / "cache"))
     built = kiln.compile(ep, device="cuda", options=opts).built
     (g, problem), = _gemm_problems(built)
-    from kiln.pipeline_cuda import default_archs
+    from kiln.targets.cuda.build import default_archs
     acache.store(tmp_path / "cache", problem, gpu.device_id(default_archs()[0]), {
         "winner": {"backend": "blas", "config": {"algo": 50}},
         "results": [["blaslt_50", "blas", {"algo": 50}, 1e-6], ["blas", "blas", {}, 1e-5]]})

@@ -2,7 +2,7 @@
 cubin per kernel for sm_90, embedded in model.so; the wrapper compiles against cuda.h only and
 links no CUDA library), the Triton source of a small fused kernel matches its golden file, and
 the generated Triton kernels compute what eager computes, run by Triton's interpreter (numpy)
-in a subprocess through the Program IR (kiln/codegen/triton_py.py).
+in a subprocess through the Program IR (kiln/targets/cuda/wrapper_py.py).
 
 Regenerate the golden file with KILN_UPDATE_GOLDEN=1."""
 
@@ -94,7 +94,7 @@ class LnSoftmax(torch.nn.Module):
 
 
 def _golden_kernel() -> str:
-    from kiln.codegen.triton_kernel import print_triton_kernel
+    from kiln.targets.cuda.kernel import print_triton_kernel
     from kiln.frontend.export import import_program
     from kiln.lowering import lower
     from kiln.passes.dce import dce
@@ -118,8 +118,8 @@ _INTERP = textwrap.dedent("""
     from torch.utils import _pytree as pytree
     sys.path.insert(0, sys.argv[1])
     from test_cuda_codegen import interp_cases, OPTS
-    from kiln.codegen.triton_py import import_triton_module, run_program
-    from kiln.pipeline_cuda import triton_kernels
+    from kiln.targets.cuda.wrapper_py import import_triton_module, run_program
+    from kiln.targets.cuda.build import triton_kernels
     bad = []
     for name, module, args, dyn, call, tol in interp_cases():
         b = kiln.compile(torch.export.export(module, args, dynamic_shapes=dyn), device="cuda",
@@ -253,8 +253,8 @@ def test_triton_kernels_match_eager_in_interpreter():
 
 
 def test_autotune_candidates_are_neighbours_of_the_heuristic():
-    from kiln.codegen.triton_kernel import Config
-    from kiln.toolchain.autotune import candidates
+    from kiln.targets.cuda.kernel import Config
+    from kiln.targets.cuda.launch_tune import candidates
     base = Config(8, 256, 8)
     cands = candidates(base)
     assert cands[0] == base and len(set(cands)) == len(cands) == 6
@@ -310,7 +310,8 @@ def test_prewarm_compiles_kernels_in_worker_processes(tmp_path, monkeypatch):
     """triton_aot.prewarm: worker processes (Triton only) fill Triton's on-disk cache with
     exactly the compiles this process then asks for, so they become cache reads; too few
     kernels start no worker; a build with workers gives the same cubins as one without."""
-    from kiln.pipeline_cuda import triton_kernels
+    from kiln.targets.cuda.build import triton_kernels
+    from kiln.targets.cuda.ops import PRELUDE
     from kiln.toolchain import triton_aot as A
 
     monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path / "triton"))
@@ -325,7 +326,7 @@ def test_prewarm_compiles_kernels_in_worker_processes(tmp_path, monkeypatch):
     assert A.prewarm(tasks, tmp_path / "c", 2) == 2
     entries = list((tmp_path / "triton").iterdir())
     assert len(entries) >= len(tks) * 4, entries
-    cold, _ = A.compile_cubins(src, tks, (90,), tmp_path / "d", workers=1)
-    warm, t = A.compile_cubins(src, tks, (90,), tmp_path / "e", workers=8)
+    cold, _ = A.compile_cubins(src, tks, (90,), tmp_path / "d", workers=1, prelude=PRELUDE)
+    warm, t = A.compile_cubins(src, tks, (90,), tmp_path / "e", workers=8, prelude=PRELUDE)
     assert {k: c.cubin for k, c in cold.items()} == {k: c.cubin for k, c in warm.items()}
     assert t["workers"] == 0  # 3 kernels: fewer than 2 x PER_WORKER (3)

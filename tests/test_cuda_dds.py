@@ -5,7 +5,7 @@ through the ATen fallback (the size u<k> bound when the call returns), `x.item()
 Without a GPU: each program compiles to a CUDA package (model.so built with the host compiler),
 its wrapper declares the sizes before the run body, allocates data-dependent outputs at their
 bounds and sets their shapes after the run, and never takes the CUDA-graph path; the Triton
-kernels run in Triton's interpreter through the Python runner (kiln/codegen/triton_py.py)
+kernels run in Triton's interpreter through the Python runner (kiln/targets/cuda/wrapper_py.py)
 against eager, with empty (u0 = 0), partial and full masks. With a GPU (`-m gpu`): the packages
 against eager on fresh inputs, bounds exceeded as clear errors, and later runs of one handle with
 other sizes."""
@@ -191,14 +191,14 @@ def test_aten_bound_is_checked_before_the_copy():
 
 
 def test_capturable_says_no_for_data_dependent_sizes():
-    from kiln.codegen.wrapper_cuda import capturable
+    from kiln.targets.cuda.wrapper import capturable
     for name in ("take_first", "nonzero"):
         assert not capturable(_cuda(name).built.program)
 
 
 def test_gemm_problem_on_selected_rows():
     """The GEMM autotuner ranges u0 over [0, bound] and picks at the bound (CPU builds too)."""
-    from kiln.autotune import choose_gemms
+    from kiln.gemm import choose_gemms
     from kiln.frontend.export import import_program
     from kiln.lowering import lower
     from kiln.passes.dce import dce
@@ -213,7 +213,7 @@ def test_gemm_problem_on_selected_rows():
 
 _INTERP = textwrap.dedent("""
     import pickle, sys, torch
-    from kiln.codegen.triton_py import import_triton_module, run_program
+    from kiln.targets.cuda.wrapper_py import import_triton_module, run_program
     bad = []
     with open(sys.argv[1], "rb") as f:
         cases = pickle.load(f)
@@ -234,7 +234,7 @@ _INTERP = textwrap.dedent("""
 def triton_kernels_of(cm) -> dict:
     """The TritonKernels of a CUDA build by name, with the configs the pipeline chose."""
     from kiln.ir.sym import evaluate
-    from kiln.pipeline_cuda import triton_kernels
+    from kiln.targets.cuda.build import triton_kernels
 
     b = cm.built
     hints = {s.name: s.example for s in b.graph.symbols}
@@ -245,7 +245,7 @@ def triton_kernels_of(cm) -> dict:
 
 
 def test_triton_kernels_match_eager_in_interpreter(tmp_path):
-    """Each build through the Python runner (kiln/codegen/triton_py.py) in Triton's
+    """Each build through the Python runner (kiln/targets/cuda/wrapper_py.py) in Triton's
     interpreter, in a subprocess (the interpreter is chosen when Triton is imported; the AOT
     compiler needs the normal mode, so the builds come from here, pickled)."""
     torch.manual_seed(1)
@@ -261,7 +261,7 @@ def test_triton_kernels_match_eager_in_interpreter(tmp_path):
 
 
 def test_triton_runner_checks_the_item_range():
-    from kiln.codegen.triton_py import _read_size
+    from kiln.targets.cuda.wrapper_py import _read_size
 
     cm = _cuda("take_first")
     (node,) = [x.node for x in cm.built.program.lines

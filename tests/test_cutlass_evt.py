@@ -1,7 +1,7 @@
-"""CUTLASS epilogue visitor trees (kiln/autotune/cutlass_evt.py): the epilogue description ->
+"""CUTLASS epilogue visitor trees (kiln/gemm/cutlass_evt.py): the epilogue description ->
 EVT mapping for every kind (bias, relu, relu6 / clamp, erf and tanh GELU, scaled residual,
 casts) and every refusal, without nvcc; the rendered types; the choice (fused candidates,
-the report line), the fused step (schedule/gemm_fuse.py) and the wrapper's call; and the
+the report line), the fused step (gemm/fuse.py) and the wrapper's call; and the
 rendered sources compiling with nvcc for sm_90a (one in the default suite, the rest slow)."""
 
 from __future__ import annotations
@@ -14,13 +14,13 @@ import pytest
 import sympy
 import torch
 
-from kiln.autotune.cutlass_evt import Evt, EvtRefusal, from_epilogue, render_types
+from kiln.gemm.cutlass_evt import Evt, EvtRefusal, from_epilogue, render_types
 from kiln.ir import loop as L
 from kiln.ir.dtypes import dtype
 from kiln.ir.sym import ivars
 from kiln.options import Options
 
-cutlass = pytest.importorskip("kiln.autotune.cutlass")
+cutlass = pytest.importorskip("kiln.gemm.cutlass")
 if not cutlass.available():
     pytest.skip("nvidia-cutlass is not installed", allow_module_level=True)
 
@@ -175,7 +175,7 @@ def test_refusals_name_what_cutlass_cannot_express():
 
 
 def test_fused_candidates_have_a_tma_epilogue_and_render_the_tree():
-    from kiln.autotune.problem import GemmProblem
+    from kiln.gemm.problem import GemmProblem
     g = _gemm()
     evt = from_epilogue(g, _epi(g, _op("cast", _gelu(_op("add", _acc(g), _bias())),
                                        dt="float32"), "float32"))
@@ -225,9 +225,10 @@ def test_fused_program_matches_eager(tmp_path, act, dt):
     """The fused step's semantics (the tree's torch twin, as the Python printer runs it)
     against eager: the frontend's GELU / clamp forms, bias as a column vector, the residual as
     C, the float32 cast."""
-    from kiln.autotune.select import choose_gemms
-    from kiln.codegen.triton_py import run_program
-    from kiln.schedule.gemm_fuse import CutlassGemm, fuse_gemms
+    from kiln.gemm.select import choose_gemms
+    from kiln.targets.cuda.wrapper_py import run_program
+    from kiln.gemm.fuse import fuse_gemms
+    from kiln.schedule.steps import CutlassGemm
     from kiln.schedule.program import build_program
     b, module = _built(tmp_path, act, dt)
     keep = set(b.loop.outputs)
@@ -248,11 +249,12 @@ def test_frontend_gelu_choice_fuses_and_wrapper_passes_operands(tmp_path):
     """The frontend's decomposed GELU maps to CUTLASS's GELU; the choice under ("cutlass",)
     names the tree, gemm_fuse makes the fused step, and the wrapper calls the fused entry
     with C = the residual, ext = {bias}, D = the epilogue's buffer (and compiles)."""
-    from kiln.autotune.cutlass_link import entry, workspace_entry
-    from kiln.autotune.select import choose_gemms
-    from kiln.codegen.wrapper_cuda import print_cuda_wrapper
+    from kiln.gemm.cutlass_link import entry, workspace_entry
+    from kiln.gemm.select import choose_gemms
+    from kiln.targets.cuda.wrapper import print_cuda_wrapper
     from tests.difftest import assert_host_compiles
-    from kiln.schedule.gemm_fuse import CutlassGemm, fuse_gemms
+    from kiln.gemm.fuse import fuse_gemms
+    from kiln.schedule.steps import CutlassGemm
     from kiln.schedule.program import build_program
     b, _ = _built(tmp_path, "gelu")
     keep = set(b.loop.outputs)
@@ -279,9 +281,9 @@ def test_frontend_gelu_choice_fuses_and_wrapper_passes_operands(tmp_path):
 
 
 def test_unexpressible_epilogue_is_reported_and_stays_a_kernel(tmp_path):
-    from kiln.autotune.select import choose_gemms
+    from kiln.gemm.select import choose_gemms
     from kiln.schedule import Kernel
-    from kiln.schedule.gemm_fuse import fuse_gemms
+    from kiln.gemm.fuse import fuse_gemms
     b, _ = _built(tmp_path, "where")
     keep = set(b.loop.outputs)
     opts = Options(cuda_archs=(90,), gemm_backends=("cutlass",), cache_dir=str(tmp_path))
@@ -313,7 +315,7 @@ def test_unexpressible_epilogue_is_reported_and_stays_a_kernel(tmp_path):
 def test_gemm_chain_fuses_only_the_last_epilogue(tmp_path):
     """x @ w1 @ w2 + bias: the first GEMM's reader is a GEMM, so it has no epilogue."""
     import kiln
-    from kiln.autotune.select import choose_gemms
+    from kiln.gemm.select import choose_gemms
 
     class Chain(torch.nn.Module):
         def __init__(self):
@@ -337,7 +339,7 @@ def test_gemm_chain_fuses_only_the_last_epilogue(tmp_path):
 def test_layer_norm_after_a_gemm_is_not_an_epilogue(tmp_path):
     """A shape-dependent normalisation (a reduction over the row) is not absorbed."""
     import kiln
-    from kiln.autotune.select import choose_gemms
+    from kiln.gemm.select import choose_gemms
 
     class LN(torch.nn.Module):
         def __init__(self):
@@ -358,7 +360,7 @@ def test_layer_norm_after_a_gemm_is_not_an_epilogue(tmp_path):
 
 def _sources(kinds):
     """{kind: rendered .cu} for the nvcc checks: each a Linear-shaped fp16 / bf16 GEMM."""
-    from kiln.autotune.problem import GemmProblem
+    from kiln.gemm.problem import GemmProblem
     out = {}
     for kind in kinds:
         dt = "bfloat16" if kind in ("clamp_row_scalar_bf16", "kiln_functors_bf16") else "float16"
@@ -422,11 +424,12 @@ def test_cached_fused_choice_is_keyed_by_the_tree(tmp_path):
     """A measurement of the fused kernel (as max_autotune stores it on the GPU) is found by a
     CPU-only compile of the same GEMM + epilogue, and the package step is the fused one; the
     same GEMM without that epilogue is another problem."""
-    from kiln.autotune import cache as acache
-    from kiln.autotune import gpu
-    from kiln.autotune.problem import problem_of
-    from kiln.autotune.select import choose_gemms
-    from kiln.schedule.gemm_fuse import CutlassGemm, epilogue_member, fuse_gemms
+    from kiln.gemm import cache as acache
+    from kiln.gemm import gpu
+    from kiln.gemm.problem import problem_of
+    from kiln.gemm.select import choose_gemms
+    from kiln.gemm.fuse import epilogue_member, fuse_gemms
+    from kiln.schedule.steps import CutlassGemm
     b, _ = _built(tmp_path, "gelu")
     keep = set(b.loop.outputs)
     g = b.steps[0]

@@ -148,7 +148,7 @@ def test_key_ignores_sizes_and_dtypes():
 def test_real_pipeline_fault_shrinks(monkeypatch):
     """End to end: kiln's C++ spelling of sin made wrong, a generated program with sin fails
     the real differential check, and the minimiser (real compiles) shrinks it."""
-    from kiln.codegen import cpp_ops
+    from kiln.targets.cpu import ops as cpp_ops
     from kiln.fuzz.runner import check
 
     warnings.filterwarnings("ignore")

@@ -21,10 +21,10 @@ import torch
 triton = pytest.importorskip("triton")
 
 import kiln  # noqa: E402
-from kiln.autotune import cache as acache  # noqa: E402
-from kiln.autotune import gpu  # noqa: E402
-from kiln.autotune.problem import problem_of  # noqa: E402
-from kiln.autotune.select import choose_gemms  # noqa: E402
+from kiln.gemm import cache as acache  # noqa: E402
+from kiln.gemm import gpu  # noqa: E402
+from kiln.gemm.problem import problem_of  # noqa: E402
+from kiln.gemm.select import choose_gemms  # noqa: E402
 from kiln.errors import UnsupportedError  # noqa: E402
 from kiln.ir import loop as L  # noqa: E402
 from kiln.options import Options  # noqa: E402
@@ -98,11 +98,11 @@ _INTERP = textwrap.dedent("""
     import sys, torch, kiln
     sys.path.insert(0, sys.argv[1])
     from test_gemm_link import _export, _opts
-    from kiln.codegen.triton_py import import_triton_module, run_program
-    from kiln.codegen.triton_kernel import print_triton_kernel, choose_config
-    from kiln.codegen.triton_gemm_kernel import print_gemm_kernel
+    from kiln.targets.cuda.wrapper_py import import_triton_module, run_program
+    from kiln.targets.cuda.kernel import print_triton_kernel, choose_config
+    from kiln.targets.cuda.gemm_template import print_gemm_kernel
     from kiln.schedule import Kernel
-    from kiln.schedule.gemm_fuse import GemmKernel
+    from kiln.schedule.steps import GemmKernel
     import pathlib
     m, ep = _export()
     b = kiln.compile(ep, device="cuda", options=_opts(pathlib.Path(sys.argv[2]),
@@ -170,10 +170,10 @@ def test_cutlass_wrapper_calls_renamed_entry_and_compiles(tmp_path):
     """Fast structural check: the CUTLASS choice prints a call of the kernel's own entry
     (declared extern "C", workspace sized at the Dim maxima), and the wrapper compiles."""
     pytest.importorskip("cutlass_library")
-    from kiln.autotune import cutlass
-    from kiln.autotune.cutlass_link import entry, source_for, workspace_entry
-    from kiln.autotune.select import Choice
-    from kiln.codegen.wrapper_cuda import print_cuda_wrapper
+    from kiln.gemm import cutlass
+    from kiln.gemm.cutlass_link import entry, source_for, workspace_entry
+    from kiln.gemm.select import Choice
+    from kiln.targets.cuda.wrapper import print_cuda_wrapper
     from tests.difftest import assert_host_compiles
 
     class MM(torch.nn.Module):
@@ -245,7 +245,7 @@ def test_absorbed_epilogues_read_only_what_exists_at_the_gemm(tmp_path):
     from kiln.models import ALL_MODELS
     from kiln.models.zoo import in_dtype
     from kiln.schedule import Kernel
-    from kiln.schedule.gemm_fuse import GemmKernel
+    from kiln.schedule.steps import GemmKernel
     spec = in_dtype(ALL_MODELS["gpt"](), torch.float16)
     b = kiln.compile(spec.export(), device="cuda", options=_opts(tmp_path, ("triton",))).built
     written: set[str] = set()
@@ -276,10 +276,10 @@ _GPT_INTERP = textwrap.dedent("""
     import sys, torch, kiln, pathlib
     from kiln.models import ALL_MODELS
     from kiln.options import Options
-    from kiln.codegen.triton_py import import_triton_module, run_program
-    from kiln.codegen.triton_kernel import print_triton_kernel, choose_config
-    from kiln.codegen.triton_gemm_kernel import print_gemm_kernel
-    from kiln.schedule.gemm_fuse import GemmKernel
+    from kiln.targets.cuda.wrapper_py import import_triton_module, run_program
+    from kiln.targets.cuda.kernel import print_triton_kernel, choose_config
+    from kiln.targets.cuda.gemm_template import print_gemm_kernel
+    from kiln.schedule.steps import GemmKernel
     spec = ALL_MODELS["gpt"]()
     opts = Options(cuda_archs=(90,), gemm_backends=("triton",), cache_dir=sys.argv[1])
     b = kiln.compile(spec.export(), device="cuda", options=opts).built

@@ -274,8 +274,8 @@ def test_autotune_problem_and_backends():
     the Triton template is eligible."""
     from dataclasses import replace
 
-    from kiln.autotune import gpu as G
-    from kiln.autotune.problem import GemmProblem
+    from kiln.gemm import gpu as G
+    from kiln.gemm.problem import GemmProblem
     plain = GemmProblem("float16", (), 8, 64, 32, "n", "t", 8)
     assert plain.key("cuda:sm_90") == "655ab14e2fb30c0329b9cdec"  # as before mixed GEMMs
     mixed = replace(plain, mixed="b:int8:scaled")
@@ -340,10 +340,10 @@ _INTERP = textwrap.dedent("""
     import pathlib, sys, torch, kiln
     sys.path.insert(0, sys.argv[1])
     from test_gemm_mixed import QModel, _export, _cuda_opts, _inputs, _check
-    from kiln.codegen.triton_py import import_triton_module, run_program
-    from kiln.codegen.triton_kernel import print_triton_kernel, choose_config
-    from kiln.codegen.triton_gemm_kernel import print_gemm_kernel
-    from kiln.schedule.gemm_fuse import GemmKernel
+    from kiln.targets.cuda.wrapper_py import import_triton_module, run_program
+    from kiln.targets.cuda.kernel import print_triton_kernel, choose_config
+    from kiln.targets.cuda.gemm_template import print_gemm_kernel
+    from kiln.schedule.steps import GemmKernel
     model = QModel(torch.float16)
     b = kiln.compile(_export(model), device="cuda",
                      options=_cuda_opts(pathlib.Path(sys.argv[2]))).built
@@ -370,10 +370,10 @@ def test_template_kernels_match_eager_in_triton_interpreter(cuda_build):
 
 
 def test_profiled_template_compiles_with_int8_operand(tmp_path):
-    """The standalone template that max_autotune times (autotune/gpu.py), B int8 with a
+    """The standalone template that max_autotune times (gemm/gpu.py), B int8 with a
     column scale, compiles to cubin; the int8 pointer and the conversion are in its IR."""
     pytest.importorskip("triton")
-    from kiln.autotune import triton_gemm as T
+    from kiln.gemm import triton_gemm as T
     k = T.compile_cubin(T.TritonConfig(64, 64, 32, 8, 3, 4), "float16", quant="b", scale=True,
                         cache=tmp_path)
     assert bytes(k.asm["cubin"])[:4] == b"\x7fELF"
@@ -434,7 +434,7 @@ def test_gpu_standalone_template_with_int8_b(shape, tmp_path):
     """The generic template (the GEMM benchmark's, bench/gemm_gpu.py), B int8 + a column
     scale."""
     from bench.gemm_gpu import triton_call
-    from kiln.autotune import triton_gemm as T
+    from kiln.gemm import triton_gemm as T
     from kiln.toolchain.triton_aot import import_module
     m, n, k = shape
     kern = import_module(T.SOURCE, tmp_path).kiln_gemm

@@ -1,5 +1,5 @@
-"""TMA loads in the Triton GEMM template (kiln/autotune/triton_gemm.py, printed for packages by
-kiln/codegen/triton_gemm_kernel.py): which GEMMs may take them (`tma_refusal`, over the whole
+"""TMA loads in the Triton GEMM template (kiln/gemm/triton_gemm.py, printed for packages by
+kiln/targets/cuda/gemm_template.py): which GEMMs may take them (`tma_refusal`, over the whole
 Dim range), the config space, the package kernels (device-side descriptors, compiled for
 sm_90 to PTX with bulk tensor copies), the wrapper's global scratch block, the fallback for a
 refused GEMM, and the kernels against eager in Triton's interpreter (no GPU). The GPU tests
@@ -19,7 +19,7 @@ import torch
 triton = pytest.importorskip("triton")
 
 import kiln  # noqa: E402
-from kiln.autotune import triton_gemm as T  # noqa: E402
+from kiln.gemm import triton_gemm as T  # noqa: E402
 from kiln.errors import CompileError  # noqa: E402
 from kiln.ir import loop as L  # noqa: E402
 from kiln.ir.dtypes import dtype as kdtype  # noqa: E402
@@ -74,7 +74,7 @@ def _cfg_dict(c: T.TritonConfig) -> dict:
 def _compile(ep, cache_dir, cfg: T.TritonConfig):
     """A CUDA package with every GEMM on the Triton template at `cfg` (the no-profiling choice
     replaced by it)."""
-    from kiln.autotune import gpu as agpu
+    from kiln.gemm import gpu as agpu
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(agpu, "heuristic", lambda *a, **k: ("triton", _cfg_dict(cfg)))
         return kiln.compile(ep, device="cuda", options=Options(
@@ -168,8 +168,8 @@ def test_package_kernels_read_operands_through_descriptors(built):
 def test_tma_kernel_compiles_to_bulk_tensor_copies(built):
     """The printed kernels compile for sm_90 with TMA loads (PTX cp.async.bulk.tensor fed by
     tensormaps in global scratch); the refused one has none and needs no scratch."""
-    from kiln.codegen.triton_gemm_kernel import print_gemm_kernel
-    from kiln.schedule.gemm_fuse import GemmKernel
+    from kiln.targets.cuda.gemm_template import print_gemm_kernel
+    from kiln.schedule.steps import GemmKernel
     from kiln.toolchain.triton_aot import _to_cubin, compile_kernel, import_module
     b = built.built
     bufs = {x.name: x for x in b.loop.buffers}
@@ -223,10 +223,10 @@ _INTERP = textwrap.dedent("""
     import sys, pathlib, torch
     sys.path.insert(0, sys.argv[1])
     from test_gemm_tma import _export, _inputs, _compile, Layouts, TMA_CFG
-    from kiln.codegen.triton_py import import_triton_module, run_program
-    from kiln.codegen.triton_kernel import print_triton_kernel, choose_config
-    from kiln.codegen.triton_gemm_kernel import print_gemm_kernel
-    from kiln.schedule.gemm_fuse import GemmKernel
+    from kiln.targets.cuda.wrapper_py import import_triton_module, run_program
+    from kiln.targets.cuda.kernel import print_triton_kernel, choose_config
+    from kiln.targets.cuda.gemm_template import print_gemm_kernel
+    from kiln.schedule.steps import GemmKernel
     b = _compile(_export(torch.float16), pathlib.Path(sys.argv[2]), TMA_CFG).built
     src = b.sources["kernels_triton.py"]
     assert src.count("tl.make_tensor_descriptor") == 10
@@ -244,10 +244,10 @@ _INTERP = textwrap.dedent("""
             err = (o.reshape(w.shape).float() - w).abs().max().item()
             print("m", m, "err", err)
             assert err < 2e-2 * max(1.0, w.abs().max().item()), err
-    # the autotuner's printed candidates (kiln/autotune/printed.py) with a TMA config: the
+    # the autotuner's printed candidates (kiln/gemm/printed.py) with a TMA config: the
     # linear with its bias + relu epilogue, the batched GEMM with B transposed
     from dataclasses import asdict
-    from kiln.autotune import printed as PR
+    from kiln.gemm import printed as PR
     from kiln.ir import loop as L
     cfgs = {TMA_CFG.name: asdict(TMA_CFG)}
     allbufs = L.all_buffers(b.loop)
@@ -267,7 +267,7 @@ def test_tma_kernels_match_eager_in_interpreter(built, tmp_path):
     """Triton's interpreter runs the descriptor loads (zero fill outside the shape), so the
     printed TMA kernels are checked against eager float32 on the CPU, at M = 1 and 70 (a
     partial tile, past the example size); so are two of the autotuner's printed candidates
-    (kiln/autotune/printed.py) given a TMA config."""
+    (kiln/gemm/printed.py) given a TMA config."""
     _compile(_export(torch.float16), tmp_path, TMA_CFG)  # the child then hits the cache
     run_interpreted(_INTERP, os.path.dirname(__file__), str(tmp_path))
 
@@ -304,10 +304,10 @@ def test_gpu_tma_python_printer_sets_the_allocator(built):
     global scratch from an allocator that the runner sets for each launch only."""
     from triton.runtime import _allocation
 
-    from kiln.codegen.triton_gemm_kernel import print_gemm_kernel
-    from kiln.codegen.triton_kernel import choose_config, print_triton_kernel
-    from kiln.codegen.triton_py import import_triton_module, run_program
-    from kiln.schedule.gemm_fuse import GemmKernel
+    from kiln.targets.cuda.gemm_template import print_gemm_kernel
+    from kiln.targets.cuda.kernel import choose_config, print_triton_kernel
+    from kiln.targets.cuda.wrapper_py import import_triton_module, run_program
+    from kiln.schedule.steps import GemmKernel
     b = built.built
     mod = import_triton_module(b.sources["kernels_triton.py"])
     hints = {s.name: s.example for s in b.graph.symbols}
@@ -357,8 +357,8 @@ def test_gpu_bench_tma_column(layout):
 def test_autotuner_offers_tma_configs_only_for_gemms_that_allow_them(tmp_path):
     """gpu.candidates lists the TMA configs (config key "tma") when select.py found the
     GEMM's operands TMA-ready, and never otherwise; skinny problems also get narrow tiles."""
-    from kiln.autotune import gpu
-    from kiln.autotune.problem import problem_of
+    from kiln.gemm import gpu
+    from kiln.gemm.problem import problem_of
     ok = _op()
     g = _gemm(ok, ok)
     p = problem_of(g, {"s0": (1, 4096)})

@@ -24,7 +24,7 @@ from kiln.errors import UnsupportedError  # noqa: E402
 from kiln.frontend.user_triton import written_params  # noqa: E402
 from kiln.ir import loop as L  # noqa: E402
 from kiln.options import Options  # noqa: E402
-from kiln.toolchain.user_triton import prepare  # noqa: E402
+from kiln.targets.cuda.user_triton import prepare  # noqa: E402
 
 OPTS = Options(cuda_archs=(90,), autotune=False)  # the first config, GPU or not
 # without a GPU driver torch cannot analyse a kernel and logs a traceback per call: noise here

@@ -86,11 +86,11 @@ def test_autotune_measures_every_config():
 
 
 def test_python_printer_launches_user_kernels(compiled):
-    from kiln.codegen.triton_kernel import choose_config, print_triton_kernel
-    from kiln.codegen.triton_py import import_triton_module, run_program
+    from kiln.targets.cuda.kernel import choose_config, print_triton_kernel
+    from kiln.targets.cuda.wrapper_py import import_triton_module, run_program
     from kiln.ir import loop as L
     from kiln.schedule import Kernel
-    from kiln.toolchain.user_triton import prepare
+    from kiln.targets.cuda.user_triton import prepare
 
     name, module, cm, _, fresh = compiled
     b = cm.built

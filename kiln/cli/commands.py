@@ -18,6 +18,11 @@ from kiln.cli.manifest_view import (entries, fmt_bytes, fmt_shape, kwarg_names,
                                     memory_summary, plan_summary, random_inputs, read_manifest,
                                     split_args, symbols)
 from kiln.errors import InputError
+import kiln
+from kiln.memory.intervals import Interval
+from kiln.memory.planner import Plan
+from kiln.memory.report import render_timeline_png
+from safetensors.torch import load_file
 
 __all__ = ["cmd_run", "cmd_inspect", "flatten_outputs", "time_calls"]
 
@@ -43,7 +48,6 @@ def time_calls(fn: Any, repeat: int, warmup: int = 1) -> list[float]:
 
 
 def _load_inputs(path: str, manifest: dict[str, Any]) -> tuple[list[Any], dict[str, Any]]:
-    from safetensors.torch import load_file
 
     if not Path(path).is_file():
         raise InputError(f"inputs file {path!r} does not exist")
@@ -65,7 +69,6 @@ def _load_inputs(path: str, manifest: dict[str, Any]) -> tuple[list[Any], dict[s
 
 def cmd_run(args: argparse.Namespace) -> int:
     """``kiln run PKG``: load, run on inputs, print outputs and the median latency."""
-    import kiln
 
     with console.status(f"loading {args.package} ..."):
         runner = kiln.load(args.package)
@@ -157,9 +160,6 @@ def _kernel_ops(k: dict[str, Any]) -> str:
 
 
 def _render_png(manifest: dict[str, Any], path: str) -> None:
-    from kiln.memory.intervals import Interval
-    from kiln.memory.planner import Plan
-    from kiln.memory.report import render_timeline_png
 
     plan = manifest.get("plan") or {}
     buffers = [b for b in entries(plan.get("buffers")) if "size" in b]

@@ -20,6 +20,8 @@ from rich.table import Table
 
 from kiln.cli.commands import flatten_outputs, time_calls
 from kiln.cli.manifest_view import fmt_bytes
+import kiln
+from kiln.models import get
 
 __all__ = ["cmd_demo", "peak_rss_bytes"]
 
@@ -46,8 +48,6 @@ def _max_abs_err(got: object, want: object) -> tuple[float, bool, str]:
 
 def cmd_demo(args: argparse.Namespace) -> int:
     """Compile ``zoo:demo``, save, load, check against eager and time both."""
-    import kiln
-    from kiln.models import get
 
     torch.manual_seed(0)
     spec = get("demo")

@@ -12,6 +12,10 @@ import argparse
 import collections
 import time
 import warnings
+from kiln.fuzz.generator import generate
+from kiln.fuzz.minimise import _key, minimise
+from kiln.fuzz.report import write_repro
+from kiln.fuzz.runner import check
 
 __all__ = ["add_parser", "cmd_fuzz"]
 
@@ -38,10 +42,6 @@ def program_seed(seed: int, k: int) -> int:
 
 def cmd_fuzz(args: argparse.Namespace) -> int:
     warnings.filterwarnings("ignore")
-    from kiln.fuzz.generator import generate
-    from kiln.fuzz.minimise import _key, minimise
-    from kiln.fuzz.report import write_repro
-    from kiln.fuzz.runner import check
 
     counts: collections.Counter = collections.Counter()
     seen: dict[str, str] = {}  # failure key -> first program that showed it

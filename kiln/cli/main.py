@@ -19,6 +19,15 @@ from rich.console import Console
 from rich.table import Table
 
 from kiln.errors import InputError, KilnError, UnsupportedError
+import kiln
+from kiln.cli.targets import parse_options
+from kiln.cli.manifest_view import fmt_bytes
+from kiln.cli.targets import parse_dynamic, resolve_target
+from kiln.cli.fuzz_cmd import add_parser as add_fuzz
+import importlib
+import os
+import torch
+from rich.markup import escape
 
 __all__ = ["main", "build_parser"]
 
@@ -27,8 +36,6 @@ err_console = Console(stderr=True)
 
 
 def _make_options(pairs: list[str]) -> Any:
-    import kiln
-    from kiln.cli.targets import parse_options
 
     opts = parse_options(pairs)
     if dataclasses.is_dataclass(kiln.Options):
@@ -44,7 +51,6 @@ def _make_options(pairs: list[str]) -> Any:
 
 
 def _report_table(report: dict[str, Any], title: str) -> Table:
-    from kiln.cli.manifest_view import fmt_bytes
 
     table = Table(title=title, show_header=False, box=None, pad_edge=False)
     table.add_column(style="bold")
@@ -64,10 +70,6 @@ def _report_table(report: dict[str, Any], title: str) -> Table:
 
 def cmd_compile(args: argparse.Namespace) -> int:
     """``kiln compile TARGET -o OUT``."""
-    import torch
-
-    import kiln
-    from kiln.cli.targets import parse_dynamic, resolve_target
 
     out = Path(args.output)
     t_start = time.perf_counter()
@@ -150,14 +152,12 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--keep", metavar="DIR", help="keep the package in DIR")
     d.set_defaults(func=lambda a: _lazy("kiln.cli.demo", "cmd_demo")(a))
 
-    from kiln.cli.fuzz_cmd import add_parser as add_fuzz  # ``kiln fuzz`` (kiln/cli/fuzz_cmd.py)
 
     add_fuzz(sub)
     return p
 
 
 def _lazy(module: str, name: str) -> Any:
-    import importlib
 
     return getattr(importlib.import_module(module), name)
 
@@ -170,7 +170,6 @@ def main(argv: Sequence[str] | None = None) -> int:
     except KilnError as e:
         if args.debug:
             raise
-        from rich.markup import escape
 
         err_console.print(f"[bold red]error:[/bold red] [red]{type(e).__name__}: "
                           f"{escape(str(e))}[/red]", highlight=False, soft_wrap=True)
@@ -179,7 +178,6 @@ def main(argv: Sequence[str] | None = None) -> int:
         err_console.print("[red]interrupted[/red]")
         return 130
     except BrokenPipeError:  # e.g. `kiln inspect --json | head`
-        import os
 
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return 0

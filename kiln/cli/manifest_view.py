@@ -15,6 +15,7 @@ import sympy
 import torch
 
 from kiln.errors import InputError, PackageError
+from torch.utils import _pytree as pytree
 
 __all__ = ["read_manifest", "entries", "symbols", "resolve_shape", "torch_dtype", "fmt_bytes",
            "fmt_shape", "random_inputs", "split_args", "kwarg_names", "plan_summary",
@@ -133,7 +134,6 @@ def split_args(manifest: dict[str, Any], flat: list[Any],
     """Rebuild ``(args, kwargs)`` from flat inputs with the manifest's ``in_spec`` if any."""
     spec = manifest.get("in_spec")
     if spec:
-        from torch.utils import _pytree as pytree
 
         args, kwargs = pytree.tree_unflatten(flat, pytree.treespec_loads(spec))
         return list(args), dict(kwargs)

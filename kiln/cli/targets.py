@@ -17,6 +17,8 @@ from typing import Any
 import torch
 
 from kiln.errors import InputError
+from kiln.models import ALL_MODELS
+from torch.export import Dim
 
 __all__ = ["Target", "resolve_target", "parse_dynamic", "parse_options"]
 
@@ -76,7 +78,6 @@ def _load_file_factory(path_str: str, attr: str) -> Any:
 def resolve_target(target: str) -> Target:
     """Turn a TARGET string into a :class:`Target`; raises :class:`InputError` when malformed."""
     if target.startswith("zoo:"):
-        from kiln.models import ALL_MODELS
 
         name = target[4:]
         if name not in ALL_MODELS:
@@ -101,7 +102,6 @@ def parse_dynamic(specs: list[str], example_args: tuple[Any, ...]) -> tuple[Any,
 
     ``ARG`` is a positional index; dimensions sharing a ``NAME`` share one ``Dim``.
     """
-    from torch.export import Dim
 
     dims: dict[str, Any] = {}
     per_arg: list[dict[int, Any] | None] = [None] * len(example_args)

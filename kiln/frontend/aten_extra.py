@@ -12,6 +12,7 @@ import sympy
 from kiln.errors import UnsupportedError
 from kiln.frontend.aten_high import Fallback
 from kiln.frontend.aten_table import batch_statistics_norm, register
+from kiln.ir import dtypes
 
 
 def _arg(n, k: int, name: str, default=None):
@@ -185,7 +186,6 @@ def _elu(b, n):
 
 
 def _bool():
-    from kiln.ir import dtypes
     return dtypes.bool_
 
 

@@ -12,6 +12,8 @@ import sympy
 
 from kiln.errors import UnsupportedError
 from kiln.frontend.aten_table import register
+from kiln.ir import dtypes
+import torch
 
 
 class Fallback(UnsupportedError):
@@ -76,7 +78,7 @@ def _sdpa(b, n):
             raise Fallback("attention with a dynamic head size")
         scale = 1.0 / math.sqrt(int(e))
     if b.fused_attention and _fusable(b, n, q, k, v, mask):
-        kind = "none" if mask is None else "bool" if b.meta_dtype(mask) == _torch_bool() \
+        kind = "none" if mask is None else "bool" if b.meta_dtype(mask) == torch.bool \
             else "float"
         ins = [b.tensor(q), b.tensor(k), b.tensor(v)] + ([b.tensor(mask)] if kind != "none"
                                                          else [])
@@ -108,7 +110,6 @@ def _fusable(b, n, q, k, v, mask) -> bool:
     computes this call: q, k, v of one float type (float32 / float16 / bfloat16), static head
     dims of at most MAX_HEAD_DIM, and a mask (if any) that is bool or float and broadcasts to
     [B, H, L, S] from the right. Anything else is decomposed (permute, matmul, softmax, ...)."""
-    import torch
 
     dt = b.meta_dtype(q)
     if dt not in (torch.float32, torch.float16, torch.bfloat16) or \
@@ -129,34 +130,16 @@ def _fusable(b, n, q, k, v, mask) -> bool:
     return all(m == 1 or sympy.expand(m - f) == 0 for m, f in zip(ms[::-1], full[::-1]))
 
 
-def _torch_bool():
-    import torch
-    return torch.bool
-
-
 def _causal(b, n, scores, shape):
     """scores where column <= row (top-left aligned, like torch), else -inf."""
-    import torch
-
     lq, s = shape[2], shape[3]
-    rows = b.emit("iota", [], None, like=n, shape=(lq,), dtype=_i64(), start=0, step=1)
-    cols = b.emit("iota", [], None, like=n, shape=(s,), dtype=_i64(), start=0, step=1)
-    rows = b.emit("view", [rows], None, like=n, shape=(lq, 1), dtype=_i64())
-    cols = b.emit("view", [cols], None, like=n, shape=(1, s), dtype=_i64())
-    keep = b.emit("ge", [rows, cols], None, like=n, shape=(lq, s), dtype=_bool())
+    rows = b.emit("iota", [], None, like=n, shape=(lq,), dtype=dtypes.int64, start=0, step=1)
+    cols = b.emit("iota", [], None, like=n, shape=(s,), dtype=dtypes.int64, start=0, step=1)
+    rows = b.emit("view", [rows], None, like=n, shape=(lq, 1), dtype=dtypes.int64)
+    cols = b.emit("view", [cols], None, like=n, shape=(1, s), dtype=dtypes.int64)
+    keep = b.emit("ge", [rows, cols], None, like=n, shape=(lq, s), dtype=dtypes.bool_)
     ninf = b.scalar(float("-inf"), b.meta_dtype(n))
-    del torch
     return b.emit("where", [keep, scores, ninf], None, like=n, shape=shape)
-
-
-def _i64():
-    from kiln.ir import dtypes
-    return dtypes.int64
-
-
-def _bool():
-    from kiln.ir import dtypes
-    return dtypes.bool_
 
 
 @register("aten.batch_norm.default")

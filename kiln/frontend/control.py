@@ -30,6 +30,7 @@ from torch.utils import _pytree as pytree
 
 from kiln.errors import UnsupportedError
 from kiln.ir import dtypes
+from kiln.frontend.builder import Builder, to_dtype
 from kiln.ir.graph import Graph, Input, Node, TensorType
 
 
@@ -70,9 +71,7 @@ def _region(b, gm: torch.fx.GraphModule, what: str, ints: frozenset[int] = froze
             ) -> tuple[Graph, list[int]]:
     """`gm` as a region Graph, and the positions of its tensor placeholders (and of the int
     placeholders at positions `ints`, values carried as 0-d int64 tensors)."""
-    from kiln.frontend.export import Builder, convert_node, to_dtype
-
-    sub = Builder(b.syms)
+    sub = Builder(b.syms, b.convert_node)
     sub.ranges = b.ranges
     sub.aten_fallback = b.aten_fallback
     sub.cuda = b.cuda
@@ -95,7 +94,7 @@ def _region(b, gm: torch.fx.GraphModule, what: str, ints: frozenset[int] = froze
                                    "tensors and sizes are supported")
     for n in gm.graph.nodes:
         if n.op == "call_function":
-            convert_node(sub, n, gm)
+            sub.convert_node(sub, n, gm)
         elif n.op == "output":
             outs = []
             for x in pytree.tree_leaves(n.args[0]):
@@ -123,8 +122,6 @@ def size_condition(syms, e) -> sympy.Basic:
 
 
 def _results(b, n: torch.fx.Node, op: str, inputs: list[str], attrs: list) -> list[str]:
-    from kiln.frontend.export import to_dtype
-
     vals = pytree.tree_leaves(n.meta["val"])
     names = []
     for k, v in enumerate(vals):

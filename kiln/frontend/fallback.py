@@ -14,6 +14,10 @@ from __future__ import annotations
 import torch
 
 from kiln.errors import UnsupportedError
+from kiln.ir import dtypes
+from kiln.ir.graph import Node, TensorType
+from kiln.frontend.builder import to_dtype
+import sympy
 
 # ops whose data-dependent result sizes never exceed the element count of their first tensor
 BOUNDED_BY_NUMEL = {"aten::nonzero", "aten::masked_select", "aten::index", "aten::_unique2",
@@ -22,7 +26,6 @@ BOUNDED_BY_NUMEL = {"aten::nonzero", "aten::masked_select", "aten::index", "aten
 
 def _bound(b, n, schema, s, inputs: list[str]):
     """An upper bound, over input sizes, of the unbacked size `s` of node `n`'s results."""
-    import sympy
 
     if schema.name in BOUNDED_BY_NUMEL and inputs:
         return sympy.Mul(*b.types[inputs[0]].shape)
@@ -75,7 +78,6 @@ def _encode(b, n, name: str, t, value, inputs: list[str]):
     if kind == "StringType":
         return ("str", str(value))
     if kind == "ScalarTypeType":
-        from kiln.frontend.export import to_dtype
         return ("dtype", to_dtype(value).name)
     if kind == "ListType":
         el = t.getElementType().kind()
@@ -93,9 +95,7 @@ def _encode(b, n, name: str, t, value, inputs: list[str]):
 def read_size(b, n) -> str:
     """`x.item()` that becomes a size (torch's unbacked symbol): a `read_size` node that binds
     it at run time, checked against the range the export assumed (`torch._check`)."""
-    import sympy
 
-    from kiln.ir import dtypes
 
     s = n.meta["val"].node.expr
     vr = getattr(b, "ranges", {}).get(s)
@@ -105,7 +105,6 @@ def read_size(b, n) -> str:
         raise UnsupportedError(f"{n.name} = {n.args[0]}.item() is used as a size with no upper "
                                "bound to plan memory for: add torch._check(value <= N) before "
                                "using it") from None
-    from kiln.ir.graph import Node, TensorType
 
     name = b.syms.add_unbacked(s, sympy.Integer(hi)).name
     t = TensorType(dtypes.int64, ())

@@ -36,6 +36,8 @@ from kiln.frontend.aten_table import register
 from kiln.ir import dtypes
 from kiln.ir.graph import Node, TensorType
 from kiln.ir.sym import contiguous_strides
+from kiln.frontend.builder import to_dtype
+from torch._higher_order_ops.triton_kernel_wrap import kernel_side_table
 
 # pointer-writing Triton calls (functions of triton.language or methods of a descriptor)
 _STORES = {"store", "atomic_add", "atomic_and", "atomic_cas", "atomic_max", "atomic_min",
@@ -170,7 +172,9 @@ def _unwrap(kernel, name: str):
     """(JITFunction, autotune configs or None, key names) of a side-table kernel (a
     JITFunction, possibly inside one triton.autotune; torch has folded heuristics into the
     configs)."""
+    # deferred: Triton is optional (GPU builds only)
     from triton.runtime.autotuner import Autotuner
+    # deferred: Triton is optional (GPU builds only)
     from triton.runtime.jit import JITFunction
 
     configs, keys = None, ()
@@ -213,9 +217,7 @@ def _grid_dim(b, g) -> sympy.Expr:
 def convert_user_kernel(b, n: torch.fx.Node, gm) -> dict[str, str]:
     """`triton_kernel_wrapper_functional` -> a user_kernel node and its result nodes; returns
     the HOP's results by argument name (for its getitem users)."""
-    from torch._higher_order_ops.triton_kernel_wrap import kernel_side_table
 
-    from kiln.frontend.export import to_dtype
 
     kw = n.kwargs
     kernel = kernel_side_table.get_kernel(kw["kernel_idx"])

@@ -6,7 +6,7 @@ range."""
 
 from __future__ import annotations
 
-from kiln.fuzz.generator import V
+from kiln.fuzz.program import V
 
 
 def _float(g, i: int) -> int:

@@ -13,9 +13,9 @@ expand), since kiln requires contiguous inputs."""
 from __future__ import annotations
 
 import random
-from dataclasses import dataclass
 
-from kiln.fuzz.program import B_MIN, UNARY
+from kiln.fuzz.program import B_MIN, UNARY, V
+from kiln.fuzz import gen_heavy
 
 SMOOTH = [k for k in UNARY if k not in ("floor", "ceil", "round", "sign", "trunc")]
 DISCONT = ["floor", "ceil", "round", "sign", "trunc"]
@@ -29,13 +29,6 @@ BOOL_BIN = ["logical_and", "logical_or", "logical_xor", "bitwise_and", "bitwise_
 
 class Skip(Exception):
     """No operand fits this op family now: the generator tries another."""
-
-
-@dataclass
-class V:
-    shape: tuple
-    dtype: str
-    exact: bool
 
 
 class _Gen:
@@ -333,7 +326,6 @@ def generate(seed: int, dynamic: bool | None = None, max_ops: int = 8,
              bounded_dims: bool = False) -> dict:
     """One random program spec, reproducible from `seed` (`bounded_dims`: every Dim gets
     a min and a max, skipping the declarations that hit known compile crashes)."""
-    from kiln.fuzz import gen_heavy
 
     r = random.Random(seed)
     dynamic = r.random() < 0.35 if dynamic is None else dynamic

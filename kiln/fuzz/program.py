@@ -16,6 +16,7 @@ become float64, everything else is the same program. Int inputs with a "high" ar
 from __future__ import annotations
 
 import copy
+from dataclasses import dataclass
 import math
 
 import torch
@@ -146,6 +147,16 @@ def _init(shape, kind: str, g: torch.Generator) -> torch.Tensor:
         return 1.0 + 0.1 * torch.randn(shape, generator=g)
     fan = math.prod(shape[1:]) if len(shape) > 1 else shape[0]
     return (torch.rand(shape, generator=g) * 2 - 1) / math.sqrt(max(fan, 1))
+
+
+@dataclass
+class V:
+    """A value of a spec being generated: its shape ("B" a dynamic dim), dtype and whether
+    it is exact (integers, or floats computed without rounding)."""
+
+    shape: tuple
+    dtype: str
+    exact: bool
 
 
 class FuzzModule(nn.Module):

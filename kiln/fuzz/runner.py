@@ -23,6 +23,7 @@ import kiln
 from kiln.errors import UnsupportedError
 from kiln.fuzz.program import (B_EXAMPLE, B_MAX, B_MIN, FuzzModule, dynamic_shapes,
                                make_inputs, to_ref64, uses_float32)
+from kiln.ir.interp import run_loop
 
 FAILURES = ("mismatch", "crash")
 OPTIONS = kiln.Options(plan_budget_s=0.02, jobs=1)
@@ -73,7 +74,6 @@ def compare(got, want, ref, f32: bool, what: str) -> str | None:
 
 
 def _interp(compiled, args: tuple) -> list[np.ndarray]:
-    from kiln.ir.interp import run_loop
 
     built = compiled.built
     feeds = {i.name: a.numpy() for i, a in zip(built.graph.user_inputs, args)}

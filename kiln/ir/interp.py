@@ -16,6 +16,9 @@ import sympy
 
 from kiln.ir import loop as L
 from kiln.ir.sym import evaluate, ivars, rvars
+from kiln.errors import UnsupportedError
+import math
+import torch
 
 NP_DTYPES = {"float32": np.float32, "float64": np.float64, "int64": np.int64, "int32": np.int32,
              "int16": np.int16, "int8": np.int8, "uint8": np.uint8, "bool": np.bool_,
@@ -23,7 +26,6 @@ NP_DTYPES = {"float32": np.float32, "float64": np.float64, "int64": np.int64, "i
 
 
 def _erf(x):
-    import math
     return np.vectorize(math.erf, otypes=[x.dtype])(x) if x.size else x
 
 
@@ -202,10 +204,9 @@ def _gemm(g: L.Gemm, bufs, env) -> np.ndarray:
 
 def call_aten(c: L.AtenCall, tensor, env) -> list:
     """Runs ATen fallback call `c` through torch.ops (shared by this interpreter and the
-    Python printer, codegen/triton_py.py): `tensor(arg)` turns a ("tensor", buf, dtype, shape,
+    Python printer, targets/cuda/wrapper_py.py): `tensor(arg)` turns a ("tensor", buf, dtype, shape,
     strides, offset) argument into a torch tensor, the other arguments decode here. Returns
     (AtenResult, torch result) for every result `c` writes."""
-    import torch
 
     def value(a):
         kind = a[0]
@@ -235,7 +236,6 @@ def call_aten(c: L.AtenCall, tensor, env) -> list:
 
 def _aten(c: L.AtenCall, bufs, env) -> dict[str, np.ndarray]:
     """The ATen fallback runs ATen itself, through torch (the reference has nothing else)."""
-    import torch
 
     def tensor(a):
         shape = [evaluate(d, env) for d in a[3]]
@@ -275,7 +275,6 @@ def _run_nodes(nodes, bufs: dict, env: dict[str, int], prog=None) -> None:
         elif isinstance(node, L.Extern):
             bufs.update(zip(node.outs, _extern(node, bufs, dict(env), prog)))
         elif isinstance(node, L.UserKernel):
-            from kiln.errors import UnsupportedError
             raise UnsupportedError(f"the interpreter cannot run user Triton kernel "
                                    f"{node.kernel} (node {node.name}): run the CUDA package")
         elif isinstance(node, L.AtenCall):

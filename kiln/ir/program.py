@@ -47,6 +47,9 @@ from kiln.ir.dtypes import DType
 from kiln.ir.graph import SymbolRange
 from kiln.ir.loop import AtenCall, Compute, Extern, Gemm, ReadSize, UserKernel, loads, node_reads
 from kiln.ir.sym import free_size_symbols
+from kiln.ir.loop_text import lib_text
+from kiln.ir.loop_text import user_text
+from kiln.ir.loop_text import node_text
 
 
 @dataclass(frozen=True)
@@ -316,16 +319,13 @@ def _fmt(line: Line) -> str:
         return (f"gemm {epi}%{g.name} = %{g.a.buf} @ %{g.b.buf}{lp}  batch={list(g.batch)} "
                 f"m={g.m} n={g.n} k={g.k}  # {', '.join(g.source)}")
     if isinstance(line, CallLib):
-        from kiln.ir.loop_text import lib_text
         return "lib " + lib_text(line.call)
     if isinstance(line, CallUser):
-        from kiln.ir.loop_text import user_text
         grids = {c.grid for c in line.call.spec.configs}
         grid = ", ".join(map(str, next(iter(grids)))) if len(grids) == 1 else \
             f"grid of the chosen config among {len(grids)}"
         return f"launch[{grid}] {user_text(line.call)}"
     if isinstance(line, (CallAten, ReadSizeLine)):
-        from kiln.ir.loop_text import node_text
         return node_text(line.call if isinstance(line, CallAten) else line.node)
     if isinstance(line, CopyState):
         return f"state %{line.dst} = %{line.src}"

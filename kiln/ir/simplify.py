@@ -152,3 +152,28 @@ def _simplify(e: sympy.Expr, ranges: Mapping[sympy.Symbol, sympy.Expr]) -> sympy
     if e.args:
         return sympy.expand(e.func(*[simplify_index(a, ranges) for a in e.args]))
     return e
+
+
+def fold_divmod(e) -> sympy.Expr:
+    """`e` with every `c*s*FloorDiv(a, s) + c*ModIdx(a, s)` rewritten to `c*a` (exact for
+    non-negative integers: a = s * (a // s) + a % s), as reshapes of reshapes produce."""
+    e = sympy.expand(sympy.sympify(e))
+    changed = True
+    while changed and e.is_Add:
+        changed = False
+        terms = e.as_coefficients_dict()
+        for t, c in terms.items():
+            if isinstance(t, ModIdx):
+                a, d = t.args
+                fd = FloorDiv(a, d)
+                if sympy.simplify(terms.get(fd, 0) - c * d) == 0 or \
+                        sympy.simplify(_coeff(e, fd) - c * d) == 0:
+                    e = sympy.expand(e - c * t - c * d * fd + c * a)
+                    changed = True
+                    break
+    return e
+
+
+def _coeff(e, atom) -> sympy.Expr:
+    """The coefficient of `atom` in the sum `e` (symbolic coefficients included)."""
+    return sympy.expand(e).coeff(atom)

@@ -16,6 +16,7 @@ from kiln.ir.sym import contiguous_strides, ivars
 from kiln.lowering import (attention, control, extern, fallback, indexing, library, lowp,
                            mixed, pointwise, random, reductions, spatial, user_triton, views)
 from kiln.lowering.core import Lazy, LowerCtx, View, from_view
+from kiln.errors import UnsupportedError
 
 RULES = {
     **{op: pointwise.lower_unary for op in (
@@ -90,9 +91,8 @@ def _should_realize(node: Node, lz: Lazy, users: int) -> bool:
 
 
 def lower(graph: Graph) -> L.LoopProgram:
-    from kiln.errors import UnsupportedError
 
-    ctx = LowerCtx()
+    ctx = LowerCtx(lower)
     env: dict[str, Lazy] = {}
     for i in graph.inputs:
         kind = {"user": "input", "weight": "weight", "state": "state"}[i.kind]

@@ -8,7 +8,7 @@ The mask is broadcast to [B, H, L, S] with stride 0 along its broadcast dims. Th
 contiguous [B, H, L, Ev] buffer of q's dtype. Attributes: causal (top-left aligned: key j is
 kept for query i when j <= i), scale, mask kind (MASK_KINDS: none / bool, keep where true /
 float, added). CUDA builds run it as a generated Triton flash-attention kernel
-(codegen/triton_attention.py); `ir/interp.py` has its numpy twin."""
+(targets/cuda/attention.py); `ir/interp.py` has its numpy twin."""
 
 from __future__ import annotations
 

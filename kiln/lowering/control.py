@@ -19,6 +19,7 @@ from kiln.ir import loop as L
 from kiln.ir.graph import Graph, Node
 from kiln.ir.sym import contiguous_strides
 from kiln.lowering.core import Lazy, LowerCtx, pointwise
+from kiln.passes.dce import dce
 
 
 def _whole(ctx: LowerCtx, lz: Lazy, base: str, source: str) -> str:
@@ -107,13 +108,12 @@ def rename(prog: L.LoopProgram, f) -> L.LoopProgram:
                          prog.output_shapes, prog.mutations)
 
 
-def lower_region(g: Graph, prefix: str, inputs: list[str], outputs: list[str]) -> L.Region:
+def lower_region(ctx: LowerCtx, g: Graph, prefix: str, inputs: list[str], outputs: list[str]
+                 ) -> L.Region:
     """Lower region `g` reading parent buffers `inputs` (one per region input, in order) and
     writing parent buffers `outputs` (one per region output)."""
-    from kiln.lowering import lower
-    from kiln.passes.dce import dce
 
-    prog = lower(dce(g))
+    prog = ctx.lower_graph(dce(g))
     if prog.mutations:
         raise UnsupportedError(f"region {prefix.rstrip('_')} updates module state")
     mapping = dict(zip((i.name for i in g.user_inputs), inputs))
@@ -146,8 +146,8 @@ def lower_cond(ctx: LowerCtx, node: Node, args: list[Lazy]) -> Lazy:
            for k, a in enumerate(args)]
     results = _declare_results(ctx, node, [then.types()[o] for o in then.outputs])
     ctx.nodes.append(L.Branch(
-        node.name, pred, expr, lower_region(then, f"{node.name}_then_", ops, results),
-        lower_region(orelse, f"{node.name}_else_", ops, results), tuple(ops), tuple(results),
+        node.name, pred, expr, lower_region(ctx, then, f"{node.name}_then_", ops, results),
+        lower_region(ctx, orelse, f"{node.name}_else_", ops, results), tuple(ops), tuple(results),
         (node.source or node.name,)))
     return _token(node)
 
@@ -167,8 +167,8 @@ def lower_while(ctx: LowerCtx, node: Node, args: list[Lazy]) -> Lazy:
     operands = carries + ins[n:]
     ctx.nodes.append(L.Loop(
         node.name, tuple(ins[:n]), tuple(ins[n:]), tuple(carries), pred, tuple(nexts),
-        lower_region(cond, f"{node.name}_cond_", operands, [pred]),
-        lower_region(body, f"{node.name}_body_", operands, nexts), local,
+        lower_region(ctx, cond, f"{node.name}_cond_", operands, [pred]),
+        lower_region(ctx, body, f"{node.name}_body_", operands, nexts), local,
         (node.source or node.name,)))
     return _token(node)
 

@@ -87,6 +87,9 @@ def pointwise(dtype: DType, shape, fn: Callable[[Index], L.Expr], *parts: Lazy) 
 
 @dataclass
 class LowerCtx:
+    #: lowers a whole region Graph to a LoopProgram (lowering.lower; control-flow rules call it
+    #: for their branches and bodies)
+    lower_graph: Callable = None
     buffers: list[L.Buffer] = field(default_factory=list)
     nodes: list[L.LoopNode] = field(default_factory=list)
     names: set[str] = field(default_factory=set)

@@ -11,6 +11,7 @@ from kiln.ir.graph import Node
 from kiln.ir.sym import ivars, rvars
 from kiln.lowering.core import Lazy, LowerCtx
 from kiln.lowering.pointwise import cast, op
+from kiln.errors import UnsupportedError
 
 
 def _blas_ok(strides) -> bool:
@@ -42,7 +43,6 @@ def lower_matmul(ctx: LowerCtx, node: Node, args: list[Lazy]) -> Lazy:
     if not node.type.dtype.is_float:
         return int_matmul(ctx, node, a, b)
     if node.type.dtype.name not in ("float32", "float64", "float16", "bfloat16"):
-        from kiln.errors import UnsupportedError
         raise UnsupportedError(f"matmul of dtype {node.type.dtype} (node {node.name})")
     return gemm(ctx, node.name, a, b, batch, (node.source or node.name,), node.type.dtype)
 
@@ -52,7 +52,6 @@ def int_matmul(ctx: LowerCtx, node: Node, a: Lazy, b: Lazy) -> Lazy:
     overflow in the output dtype like eager."""
     dt = node.type.dtype
     if dt == dtypes.bool_:
-        from kiln.errors import UnsupportedError
         raise UnsupportedError(f"matmul of dtype bool (node {node.name})")
     nb = len(node.type.shape) - 2
     iv, (r,) = ivars(nb + 2), rvars(1)

@@ -18,6 +18,7 @@ from kiln.lowering.core import Lazy, LowerCtx, View, from_view, pointwise
 from kiln.lowering.extern import gemm
 from kiln.lowering.indexing import indirect_load
 from kiln.lowering.pointwise import cast, const, op
+import numpy as np
 
 I64, BOOL = dtypes.int64, dtypes.bool_
 
@@ -343,7 +344,6 @@ CUBIC_A = -0.75
 
 
 def _np(dt):
-    import numpy as np
     return np.float32 if dt == dtypes.float32 else np.float64
 
 

@@ -12,6 +12,8 @@ from kiln.ir.graph import Node
 from kiln.ir.sym import FloorDiv, ModIdx, linear_index, product, unravel
 from kiln.lowering.core import Index, Lazy, LowerCtx, View, from_view
 from kiln.lowering.pointwise import cast, const, op
+from kiln.ir.sym import contiguous_strides
+from kiln.errors import UnsupportedError
 
 
 def _same(a, b) -> bool:
@@ -113,7 +115,6 @@ def lower_view(ctx: LowerCtx, node: Node, args: list[Lazy]) -> Lazy:
 
 
 def _contig(shape):
-    from kiln.ir.sym import contiguous_strides
     return contiguous_strides(shape)
 
 
@@ -348,8 +349,6 @@ def lower_as_strided(ctx: LowerCtx, node: Node, args: list[Lazy]) -> Lazy:
     """A view of the input's storage as torch lays it out (`src_strides`): taken as is when
     kiln's view of the input has those strides, else (a contiguous input) from a contiguous
     copy; other layouts are unsupported."""
-    from kiln.errors import UnsupportedError
-    from kiln.ir.sym import contiguous_strides
     x = args[0]
 
     def layout(strides):  # strides of size-1 dims address nothing
@@ -413,8 +412,6 @@ def lower_as_strided_scatter(ctx: LowerCtx, node: Node, args: list[Lazy]) -> Laz
     """Invert the strided map: with dims sorted by decreasing stride and each stride larger
     than the span of all smaller ones, element p - offset has at most one preimage, found
     digit by digit (p // stride, p % stride). Other layouts (overlapping) are unsupported."""
-    from kiln.errors import UnsupportedError
-    from kiln.ir.sym import contiguous_strides
     x, src = args
     size, stride, offset = node.attr("size"), node.attr("stride"), node.attr("offset")
     if any(not sympy.sympify(v).is_Integer for v in (*size, *stride, offset)):

@@ -40,6 +40,7 @@ import sympy
 from kiln.ir import loop as L
 from kiln.ir.sym import (FloorDiv, ModIdx, contiguous_strides, ivars, linear_index, product,
                          rvars)
+from kiln.ir import program as P
 
 
 def canon(e: sympy.Expr) -> sympy.Expr:
@@ -163,7 +164,6 @@ def alias_pairs(kernel, buffers: Mapping[str, L.Buffer]) -> set[str]:
 def program_aliases(prog) -> dict[str, frozenset[str]]:
     """kernel name -> the parameters that really share bytes in Program IR `prog` (the exact
     `aliased` argument of codegen's `print_kernel`)."""
-    from kiln.ir import program as P
 
     reuse = {x.buf: x.reuse for x in P.walk(prog.lines) if isinstance(x, P.Alloc) and x.reuse}
     out: dict[str, frozenset[str]] = {}

@@ -15,6 +15,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 from torch.export import Dim
+import copy
 
 __all__ = ["ModelSpec", "ALL_MODELS", "get", "mlp", "resnet18", "gpt", "ln_softmax",
            "intermediates", "demo", "in_dtype"]
@@ -301,7 +302,6 @@ _HALF_TOL = {torch.float16: 2e-2, torch.bfloat16: 8e-2}
 def in_dtype(spec: ModelSpec, dtype: torch.dtype) -> ModelSpec:
     """`spec` with its floating-point weights, buffers and inputs converted to `dtype`
     (e.g. torch.bfloat16); integer inputs (token ids) are left alone."""
-    import copy
 
     def conv(args):
         return tuple(a.to(dtype) if isinstance(a, torch.Tensor) and a.is_floating_point() else a

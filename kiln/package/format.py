@@ -29,6 +29,8 @@ from collections.abc import Mapping
 from typing import Any
 
 from kiln.errors import PackageError
+import safetensors.torch
+import torch
 
 FORMAT = "kiln.package/1"
 MANIFEST = "manifest.json"
@@ -64,8 +66,6 @@ def _padding(offset: int, name: str, size: int) -> bytes:
 
 
 def _serialise_weights(weights: Mapping[str, Any]) -> bytes:
-    import safetensors.torch
-    import torch
 
     tensors: dict[str, torch.Tensor] = {}
     for name, t in weights.items():

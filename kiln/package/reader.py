@@ -18,6 +18,7 @@ from typing import Any
 
 from kiln.errors import PackageError
 from kiln.package.format import FORMAT, MANIFEST, WEIGHTS
+import safetensors.torch
 
 _CHUNK = 1 << 20
 
@@ -42,7 +43,6 @@ class Package:
 
     def weights(self) -> dict[str, Any]:
         """The weights as CPU torch tensors (empty dict if the package has none)."""
-        import safetensors.torch
 
         if WEIGHTS not in self.names:
             return {}

@@ -13,7 +13,7 @@ product's rank first (V'), which then broadcasts over the GEMM's output [*batch,
 scale leaves the dot product: sum_k x[m, k] * (q[k, n] * s[n]) = s[n] * sum_k x[m, k] * q[k, n].
 So the package keeps int8 weights (frontend/fold.py does not widen them) and the GEMM kernel
 loads int8 tiles, converts them in registers and scales the float32 accumulator (lowering/
-mixed.py, codegen/triton_gemm_kernel.py).
+mixed.py, targets/cuda/gemm_template.py).
 
 Where the pattern does not match (a scale varying along K, another producer, a dtype the
 template does not take), or the Triton template is not allowed (cuBLAS has no float16 x int8

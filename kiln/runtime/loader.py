@@ -388,6 +388,7 @@ def _preload_cublas() -> str | None:
     CUDA model's dlopen("libcublas.so.N") finds it by soname. Returns the path, or None when
     there is no such package (then the model searches the standard library paths)."""
     try:
+        # deferred: NVIDIA's CUDA wheels are optional (CPU-only installs have none)
         import nvidia  # namespace package of the nvidia-* wheels
     except ImportError:
         return None

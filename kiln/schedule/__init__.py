@@ -18,6 +18,8 @@ import sympy
 
 from kiln.ir import loop as L
 from kiln.ir.sym import contiguous_strides, ivars, linear_index, product
+from kiln.ir.sym import FloorDiv, ModIdx
+from dataclasses import replace
 
 
 @dataclass(frozen=True)
@@ -71,7 +73,6 @@ def _row_local(load: L.Load, producer: L.Buffer, outer) -> bool:
 
 
 def _opaque():
-    from kiln.ir.sym import FloorDiv, ModIdx
     return (FloorDiv, ModIdx)
 
 
@@ -152,7 +153,6 @@ def schedule(prog: L.LoopProgram, fuse: bool = True) -> tuple[Step, ...]:
 
 
 def _schedule_regions(node, fuse: bool):
-    from dataclasses import replace
 
     names = ("then", "orelse") if isinstance(node, L.Branch) else ("cond", "body")
 
@@ -165,7 +165,6 @@ def _schedule_regions(node, fuse: bool):
 
 def _map_regions(node, fn):
     """`node` with each region's steps replaced by fn(steps, region program)."""
-    from dataclasses import replace
 
     names = ("then", "orelse") if isinstance(node, L.Branch) else ("cond", "body")
     return replace(node, **{k: L.Region(getattr(node, k).prog,
@@ -186,7 +185,6 @@ def localize_rows(steps: tuple[Step, ...], prog: L.LoopProgram) -> tuple[Step, .
     iteration's slice, need only that slice: one row per thread (on the stack) instead of a
     whole buffer in the arena. Saves the round trip through memory of fused intermediates
     (e.g. a layer norm's output consumed by the softmax fused after it)."""
-    from dataclasses import replace
 
     buffers = {b.name: b for b in prog.buffers}
     keep = {src for _, src in prog.mutations} | set(prog.outputs)

@@ -6,20 +6,38 @@ outputs, and surrounds every step with Alloc / Free lines from buffer liveness: 
 allocated just before the step that first writes it and freed right after the step that last
 reads it. With `inplace` (the default), a kernel output that may take over a dying input's bytes
 (`kiln.memory.inplace.choose_reuse`, which states and proves the rule) is allocated with
-`reuse=<input>`; the planner then gives both one interval and one offset."""
+`reuse=<input>`; the planner then gives both one interval and one offset.
+
+Control steps (Loop IR `Branch` / `Loop`) become nested Program IR lines (`control_lines`).
+
+Each region's lines are built like a whole program's (`build_program`: Alloc before a temp's
+first writer, Free after its last reader, in-place reuse among its own temps) minus input
+checks, output allocation and Return: the parent buffers a region reads and writes are already
+live around the control line, so a region allocates and frees only its own temps.
+
+  cond:       SetFlag(f, pred | size condition); If(f, then-lines, else-lines)
+  while_loop: CopyBuf(carry_k, init_k) ...
+              While(body = Alloc pred; cond-lines; SetFlag(f, pred); Free pred; BreakUnless(f);
+                           Alloc next_k ...; body-lines; CopyBuf(carry_k, next_k) ...;
+                           Free next_k ...)
+The body reads the carries and writes `next_k` (a separate buffer, live at the same time, so
+the planner gives it separate bytes); the copies after the body make them iteration i+1's
+carries.
+"""
 
 from __future__ import annotations
 
 import sympy
 
-from kiln.codegen.cpp_kernel import kernel_params
+from kiln.schedule.analysis import kernel_params
+from kiln.errors import UnsupportedError
 from kiln.ir import loop as L
 from kiln.ir import program as P
 from kiln.ir.graph import Graph
 from kiln.ir.sym import unbacked_symbol
 from kiln.memory.inplace import choose_reuse
 from kiln.schedule import Kernel, Step
-from kiln.schedule.gemm_fuse import CutlassGemm, GemmKernel
+from kiln.schedule.steps import CutlassGemm, GemmKernel
 
 
 def input_lines(graph: Graph) -> list[P.Line]:
@@ -60,7 +78,6 @@ def input_lines(graph: Graph) -> list[P.Line]:
                 f"{s} = {where[s]}" for s in names if s in where)))
     unbound = set(ranges) - bound
     if unbound:
-        from kiln.errors import UnsupportedError
         raise UnsupportedError(f"size symbols {sorted(unbound)} appear in no input dim alone "
                                "and are no int input")
     return lines + checks
@@ -121,7 +138,6 @@ def build_program(graph: Graph, prog: L.LoopProgram, steps: tuple[Step, ...],
         elif isinstance(step, L.ReadSize):
             lines.append(P.ReadSizeLine(step))
         elif isinstance(step, L.CONTROL):
-            from kiln.schedule.control import control_lines
             lines += control_lines(step, inplace)
         elif isinstance(step, L.Extern):
             lines.append(P.CallLib(step))
@@ -160,3 +176,29 @@ def unbacked_bounds(steps) -> tuple[tuple[str, sympy.Expr], ...]:
 
 def _has_status(kernel: Kernel) -> bool:
     return any(ld.indirect for m in kernel.members for ld in L.loads(m.body))
+
+
+def region_lines(region: L.Region, inplace: bool) -> tuple[P.Line, ...]:
+    prog = build_program(Graph((), (), ()), region.prog, region.steps, (), inplace)
+    return tuple(x for x in prog.lines if not isinstance(x, (P.AllocOutput, P.Return)))
+
+
+def control_lines(step, inplace: bool = True) -> list[P.Line]:
+    flag = f"flag_{step.name}"
+    if isinstance(step, L.Branch):
+        return [P.SetFlag(flag, step.pred, step.expr),
+                P.If(flag, region_lines(step.then, inplace), region_lines(step.orelse, inplace),
+                     step.source)]
+    bufs = {b.name: b for b in step.locals}
+    pred = bufs[step.pred]
+    body: list[P.Line] = [P.Alloc(pred.name, pred.dtype, pred.numel)]
+    body += region_lines(step.cond, inplace)
+    body += [P.SetFlag(flag, pred.name), P.Free(pred.name), P.BreakUnless(flag)]
+    body += [P.Alloc(x, bufs[x].dtype, bufs[x].numel) for x in step.nexts]
+    body += region_lines(step.body, inplace)
+    body += [P.CopyBuf(c, x, bufs[x].numel, bufs[x].dtype) for c, x in zip(step.carries,
+                                                                             step.nexts)]
+    body += [P.Free(x) for x in step.nexts]
+    return [*(P.CopyBuf(c, i, bufs[x].numel, bufs[x].dtype)
+              for c, i, x in zip(step.carries, step.inits, step.nexts)),
+            P.While(step.name, tuple(body), step.source)]

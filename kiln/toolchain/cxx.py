@@ -18,6 +18,12 @@ from functools import lru_cache
 from pathlib import Path
 
 from kiln.errors import CompileError
+import time
+
+#: kiln's runtime headers (kiln/runtime: the C ABI, the model-side headers, the plan), which
+#: every generated C++ source may include
+RUNTIME = Path(__file__).resolve().parents[1] / "runtime"
+INCLUDE_DIRS = (RUNTIME / "include", RUNTIME / "model", RUNTIME / "src")
 
 
 @dataclass(frozen=True)
@@ -91,7 +97,6 @@ def build_shared(tc: Toolchain, sources: dict[str, str],
                  extra_flags: dict[str, tuple[str, ...]] | None = None
                  ) -> tuple[Path, dict[str, float]]:
     """Compile `sources` (file name -> text) and link them; returns the library path."""
-    import time
 
     headers = _headers_digest(tc.include_dirs)
     t0 = time.perf_counter()

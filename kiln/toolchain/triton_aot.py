@@ -39,6 +39,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from kiln.errors import CompileError
+from kiln.toolchain.triton_warm import compile_args
+import subprocess
+import sys
 
 # `prewarm` starts a worker process only for at least this many kernels per worker: a worker
 # costs a fraction of a second (Python, then Triton's import) before its first compile
@@ -58,6 +61,7 @@ class Cubin:
 
 
 def triton_version() -> str:
+    # deferred: Triton is optional (GPU builds only)
     import triton
     return triton.__version__
 
@@ -107,10 +111,11 @@ def _plain(kernel) -> tuple[dict, dict, dict]:
 def compile_kernel(mod, kernel, arch: int):
     """Triton's CompiledKernel of `kernel` (a TritonKernel defined in module `mod`) for sm_arch;
     CompileError naming the kernel if Triton fails."""
+    # deferred: Triton is optional (GPU builds only)
     import triton
+    # deferred: Triton is optional (GPU builds only)
     from triton.backends.compiler import GPUTarget
 
-    from kiln.toolchain.triton_warm import compile_args
 
     fn = getattr(mod, kernel.name)
     sig, consts, options = _plain(kernel)
@@ -182,8 +187,6 @@ def prewarm(tasks: list[tuple[str, object, int]], cache: Path, workers: int) -> 
     the work holds the GIL, and CPython 3.11's AST converter fails when two threads run it at
     once. A worker's failure is ignored (the in-process compile reports it). Returns the
     number of workers started (none for fewer than 2 x PER_WORKER tasks)."""
-    import subprocess
-    import sys
     n = min(workers, len(tasks) // PER_WORKER)
     if n < 2:
         return 0
@@ -216,8 +219,10 @@ def prewarm(tasks: list[tuple[str, object, int]], cache: Path, workers: int) -> 
 
 
 def compile_cubins(module_text: str, kernels: list, archs: tuple[int, ...], cache: Path,
-                   workers: int = 1) -> tuple[dict[tuple[str, int], Cubin], dict[str, float]]:
+                   workers: int = 1, *, prelude: str
+                   ) -> tuple[dict[tuple[str, int], Cubin], dict[str, float]]:
     """Every kernel of the module for every arch; returns {(kernel, arch): Cubin} and timings.
+    `prelude`: the helper functions the module starts with (part of each kernel's cache key).
 
     Kernels compile one after another in this thread. Triton's front end builds Python ASTs,
     and CPython 3.11's AST converter keeps its recursion counter per interpreter, not per
@@ -227,8 +232,7 @@ def compile_cubins(module_text: str, kernels: list, archs: tuple[int, ...], cach
     to compile, `prewarm` compiles them in worker processes first."""
     t0 = time.perf_counter()
     root = cache / "triton"
-    from kiln.codegen.triton_ops import PRELUDE
-    prelude_hash = hashlib.sha256(PRELUDE.encode()).hexdigest()
+    prelude_hash = hashlib.sha256(prelude.encode()).hexdigest()
     out: dict[tuple[str, int], Cubin] = {}
     todo = []
     for k in kernels:

@@ -22,7 +22,9 @@ def compile_args(sig: dict, consts: dict) -> tuple[dict, dict, dict]:
 
 
 def main(path: str) -> None:
+    # deferred: Triton is optional (GPU builds only)
     import triton
+    # deferred: Triton is optional (GPU builds only)
     from triton.backends.compiler import GPUTarget
     with open(path) as f:
         tasks = json.load(f)["tasks"]

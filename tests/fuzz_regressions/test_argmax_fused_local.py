@@ -1,7 +1,7 @@
 """Fuzzer reproducer (fixed): an argmax whose only reader is fused into the same kernel
 becomes a kernel-local value, but the argmax printer stored its result to the buffer
 `buf_argmax`, which is not a kernel parameter: "'buf_argmax' was not declared" from the C++
-compiler (kiln/codegen/cpp_kernel.py). Found by `kiln fuzz --seed 11 --start 26 --n 1
+compiler (kiln/targets/cpu/kernel.py). Found by `kiln fuzz --seed 11 --start 26 --n 1
 --max-ops 12` (7 ops), minimised to 3 ops by kiln/fuzz/minimise.py.
 """
 

@@ -1,1 +1,0 @@
-"""Printers: C++ kernels from schedules, and the C++ / Python wrappers from Program IR."""

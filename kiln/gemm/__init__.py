@@ -1,0 +1,24 @@
+"""GEMM autotuning: per GEMM, pick a backend and configuration among candidates.
+
+- `problem.py`  the problem a choice is valid for (dtype, sizes or Dim ranges, layouts,
+                alignment, epilogue) and its cache key (with the device)
+- `cache.py`    the on-disk autotuning cache (one JSON file per problem and device)
+- `profile.py`  runs one candidate in a child process with a timeout; a crash, a hang or a
+                wrong answer drops the candidate, never the compile
+- `cpu.py`      CPU candidates: OpenBLAS ("blas") and kiln's register-blocked GEMM ("cpp"),
+                the benchmark driver, and the heuristic used without profiling
+- `blaslt.py`   CUDA "blas" candidates beyond cuBLAS's own choice: the cuBLASLt heuristic's
+                algorithms (config {"algo": i}) and the helper library that times them
+- `cutlass.py`  CUTLASS 3.x candidates from `cutlass_library`, filtered by the Options'
+                regexes / size threshold / count; rendered with an `extern "C"` entry and
+                compiled with nvcc
+- `cutlass_evt.py`  a GEMM's absorbed epilogue as a CUTLASS epilogue visitor tree (sm_90),
+                or the reason it stays a separate kernel
+- `triton_gemm.py`  the Triton GEMM template (persistent) and its config space
+- `select.py`   the pipeline stage: one `Choice` per GEMM (profiled, cached or heuristic)
+"""
+
+from kiln.gemm.problem import GemmProblem, problem_of
+from kiln.gemm.select import Choice, choose_gemms
+
+__all__ = ["Choice", "GemmProblem", "choose_gemms", "problem_of"]

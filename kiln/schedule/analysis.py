@@ -1,0 +1,55 @@
+"""Analyses the printers read instead of computing them: a scheduled kernel's parameter list
+(buffers written, buffers read, size symbols, in the order the printers declare them and the
+Program IR's `CallKernel` lines pass them), and the ATen ops a program calls through the
+fallback (the manifest's `requires`)."""
+
+from __future__ import annotations
+
+from kiln.ir import loop as L
+from kiln.ir import program as P
+from kiln.ir.sym import free_size_symbols
+from kiln.schedule import Kernel
+
+
+def kernel_params(kernel: Kernel, buffers: dict[str, L.Buffer]) -> list[tuple[str, str]]:
+    """(kind, name) of every parameter, in order: buffers written, buffers read, sizes."""
+    private = kernel.locals | kernel.row_locals  # never leave the kernel: not parameters
+    written = [m.name for m in kernel.members if m.name not in private]
+    read: list[str] = []
+    syms: set = set()
+    for m in kernel.members:
+        for ld in L.loads(m.body):
+            if ld.buf not in written and ld.buf not in read and ld.buf not in private:
+                read.append(ld.buf)
+        for e in list(m.shape) + list(m.reduce.sizes if m.reduce else ()):
+            syms |= free_size_symbols(e)
+        syms |= _expr_syms(m.body)
+    for e in kernel.outer:
+        syms |= free_size_symbols(e)
+    params = [("out", b) for b in written] + [("in", b) for b in read]
+    params += [("size", s.name) for s in sorted(syms, key=lambda s: s.name)]
+    return params
+
+
+def _expr_syms(e: L.Expr) -> set:
+    out: set = set()
+    stack = [e]
+    while stack:
+        x = stack.pop()
+        if isinstance(x, L.Load):
+            out |= free_size_symbols(x.index)
+            for ind in x.indirect:
+                out |= free_size_symbols(ind.bound)
+                stack.append(ind.value)
+        elif isinstance(x, L.Index):
+            out |= free_size_symbols(x.expr)
+        elif isinstance(x, L.Op):
+            stack.extend(x.args)
+    return out
+
+
+def aten_fallback_ops(prog: P.Program) -> list[str]:
+    """The ATen ops the program calls through the fallback, e.g. `aten::linalg_inv_ex`."""
+    ops = {f"{x.call.op}.{x.call.overload or 'default'}" for x in P.walk(prog.lines)
+           if isinstance(x, P.CallAten)}
+    return sorted(ops)

@@ -1,0 +1,101 @@
+"""Steps the GEMM backends add to a schedule: a GEMM computed by a generated kernel together
+with the pointwise member it absorbs as its epilogue (`kiln/gemm/fuse.py` builds them)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import sympy
+
+from kiln.ir import loop as L
+from kiln.ir.sym import free_size_symbols
+
+
+@dataclass(frozen=True)
+class GemmKernel:
+    """A GEMM computed by the Triton template; `epilogue` (a pointwise Compute over the GEMM's
+    shape reading the GEMM's result at its own element) is applied to each tile before the
+    store; `config`: the template config (autotune.triton_gemm.TritonConfig fields)."""
+
+    gemm: L.Gemm
+    epilogue: L.Compute | None
+    config: dict
+
+    @property
+    def name(self) -> str:
+        return f"gemm_{self.gemm.name}"
+
+    @property
+    def out(self) -> str:
+        return self.epilogue.name if self.epilogue is not None else self.gemm.name
+
+    @property
+    def status(self) -> bool:
+        """The epilogue indexes through data: the kernel reports an index out of range."""
+        return self.epilogue is not None and any(ld.indirect
+                                                 for ld in L.loads(self.epilogue.body))
+
+    @property
+    def source(self) -> tuple[str, ...]:
+        src = list(self.gemm.source)
+        if self.epilogue is not None:
+            src += [s for s in self.epilogue.source if s not in src]
+        return tuple(src)
+
+    def reads(self) -> list[str]:
+        out = [self.gemm.a.buf] + ([self.gemm.b.buf] if self.gemm.b.buf != self.gemm.a.buf
+                                   else [])
+        out += [b for b in self.gemm.extra_reads() if b not in out]  # a mixed GEMM's scale
+        if self.epilogue is not None:
+            for ld in L.loads(self.epilogue.body):
+                if ld.buf != self.gemm.name and ld.buf not in out:
+                    out.append(ld.buf)
+        return out
+
+    def params(self) -> list[tuple[str, str]]:
+        """(kind, name): the buffer written, the buffers read, the size symbols."""
+        g = self.gemm
+        exprs = [g.m, g.n, g.k, *g.batch, g.a.offset, g.a.rows, g.a.cols, *g.a.batch_strides,
+                 g.b.offset, g.b.rows, g.b.cols, *g.b.batch_strides]
+        if g.mixed is not None and g.mixed.scale is not None:
+            sc = g.mixed.scale
+            exprs += [sc.offset, sc.rows, sc.cols, *sc.batch_strides]
+        if self.epilogue is not None:
+            exprs += [ld.index for ld in L.loads(self.epilogue.body)] + list(self.epilogue.shape)
+        syms: set = set()
+        for e in exprs:
+            syms |= free_size_symbols(sympy.sympify(e))
+        return [("out", self.out)] + [("in", b) for b in self.reads()] + \
+            [("size", s.name) for s in sorted(syms, key=lambda s: s.name)]
+
+
+@dataclass(frozen=True)
+class CutlassGemm:
+    """A GEMM computed by a CUTLASS kernel with `epilogue` fused as an epilogue visitor tree
+    (kiln/gemm/cutlass_evt.py; the same absorption rule as the Triton template's);
+    `config`: the autotuning choice's config (the kernel's name and the tree's key)."""
+
+    gemm: L.Gemm
+    epilogue: L.Compute
+    config: dict
+
+    @property
+    def name(self) -> str:
+        return self.gemm.name
+
+    @property
+    def out(self) -> str:
+        return self.epilogue.name
+
+    @property
+    def source(self) -> tuple[str, ...]:
+        return self.gemm.source + tuple(s for s in self.epilogue.source
+                                        if s not in self.gemm.source)
+
+    def reads(self) -> list[str]:
+        out = [self.gemm.a.buf] + ([self.gemm.b.buf] if self.gemm.b.buf != self.gemm.a.buf
+                                   else [])
+        for ld in L.loads(self.epilogue.body):
+            if ld.buf != self.gemm.name and ld.buf not in out:
+                out.append(ld.buf)
+        return out

@@ -1,0 +1,261 @@
+"""Schedule -> C++ kernel functions.
+
+One `Kernel` becomes one `extern "C"` function: an OpenMP parallel loop over the kernel's outer
+index space; inside it each member runs its inner loops in order, the innermost one marked
+`omp simd` so the compiler vectorises it. Expressions are printed once per distinct subtree
+(common subexpressions become `const` temporaries). Buffers are `buf_<name>` pointers with
+`__restrict__` (the memory plan never lets two live buffers overlap), except the two parameters
+of an in-place pair (an output stored into its dying input's bytes, see kiln/memory/inplace.py):
+`aliased` names them (Program IR's `Alloc.reuse`); when the caller gives none, every pair that
+the kernel alone allows to alias loses it (`alias_pairs`, a safe superset)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Collection
+
+import sympy
+
+from kiln.targets.float8 import cpp_cast
+from kiln.targets.cpu.ops import CPP_OPS, REDUCTIONS
+from kiln.ir import dtypes
+from kiln.ir import loop as L
+from kiln.ir.sym import contiguous_strides, ivars, linear_index, rvars, to_c
+from kiln.memory.inplace import alias_pairs
+from kiln.schedule import Kernel
+from kiln.schedule.analysis import kernel_params
+
+
+def c_literal(value, dt) -> str:
+    if dt.name == "bool":
+        return "true" if value else "false"
+    if dt.is_float and dt.itemsize <= 2:  # a storage type: rounded from the float32 value
+        text = c_literal(value, dtypes.float32)
+        return cpp_cast(dt.c_type, dt.name, text) if dt.itemsize == 1 else f"{dt.c_type}({text})"
+    if dt.is_float:
+        v = float(value)
+        if v != v:
+            return f"std::numeric_limits<{dt.c_type}>::quiet_NaN()"
+        if v in (float("inf"), float("-inf")):
+            sign = "" if v > 0 else "-"
+            return f"{sign}std::numeric_limits<{dt.c_type}>::infinity()"
+        text = repr(v)
+        return f"{text}f" if dt.name == "float32" else text
+    v = int(value)
+    if v == -(2**63):  # the literal 9223372036854775808 does not fit int64 before negation
+        text = "(-INT64_C(9223372036854775807) - 1)"
+    else:
+        text = f"INT64_C({v})"
+    return text if dt.name == "int64" else f"static_cast<{dt.c_type}>({text})"
+
+
+@dataclass
+class ExprPrinter:
+    """Prints expression trees as a list of `const` statements, sharing repeated subtrees."""
+
+    locals: dict[str, str]  # reduction buffers held in registers: name -> variable
+    status: list[bool]
+    rows: dict = field(default_factory=dict)  # row-local buffer -> base index of the row
+    lines: list[str] = field(default_factory=list)
+    memo: dict = field(default_factory=dict)
+    counter: int = 0
+
+    def fresh(self) -> str:
+        self.counter += 1
+        return f"t{self.counter}"
+
+    def value(self, e: L.Expr) -> str:
+        if isinstance(e, L.Const):
+            return c_literal(e.value, e.dtype)
+        key = e
+        if key in self.memo:
+            return self.memo[key]
+        if isinstance(e, L.Index):
+            text = f"static_cast<{e.dtype.c_type}>({to_c(e.expr)})"
+        elif isinstance(e, L.Load):
+            text = self._load(e)
+        elif e.op == "cast":
+            text = cpp_cast(e.dtype.c_type, e.dtype.name, self.value(e.args[0]))
+        else:
+            args = [self.value(a) for a in e.args]
+            text = CPP_OPS[e.op].format(*args)
+        if isinstance(e, L.Load) and e.buf in self.locals:
+            self.memo[key] = text
+            return text
+        name = self.fresh()
+        self.lines.append(f"const {e.dtype.c_type} {name} = {text};")
+        self.memo[key] = name
+        return name
+
+    def _load(self, e: L.Load) -> str:
+        if e.buf in self.locals and not e.indirect:
+            return self.locals[e.buf]
+        for ind in e.indirect:
+            v = self.value(ind.value)
+            var = ind.var.name
+            b = to_c(ind.bound)
+            self.lines.append(f"int64_t {var} = {v};")
+            if ind.wrap:
+                self.lines.append(f"if ({var} < 0) {var} += {b};")
+            self.lines.append(f"if (KILN_UNLIKELY(static_cast<uint64_t>({var}) >= "
+                              f"static_cast<uint64_t>({b}))) "
+                              f"{{ kr::flag(kiln_status); {var} = 0; }}")
+            self.status[0] = True
+        if e.buf in self.rows:
+            return f"row_{e.buf}[{to_c(sympy.expand(e.index - self.rows[e.buf]))}]"
+        return f"buf_{e.buf}[{to_c(e.index)}]"
+
+
+def _loop(var: str, size, pragma: str | None = None) -> list[str]:
+    head = [pragma] if pragma else []
+    return head + [f"for (int64_t {var} = 0; {var} < {to_c(size)}; ++{var}) {{"]
+
+
+def _member(m: L.Compute, k: int, locals_: dict[str, str], status: list[bool],
+            rows: dict | None = None) -> list[str]:
+    """Statements of one member inside the outer loops (outer vars i0..i{k-1} are bound)."""
+    rows = rows or {}
+    lines = [f"// {m.name} <- {', '.join(m.source)}"]
+    iv = ivars(len(m.shape))
+    full_index = linear_index(iv, contiguous_strides(m.shape))
+    dest = (f"row_{m.name}[{to_c(sympy.expand(full_index - rows[m.name]))}]" if m.name in rows
+            else f"buf_{m.name}[{to_c(full_index)}]")
+    inner = list(range(k, len(m.shape)))
+    T = m.dtype.c_type
+    opened = 0
+    body_indent = []
+    if m.reduce is None:
+        for j, d in enumerate(inner):
+            pragma = "#pragma omp simd" if j == len(inner) - 1 else None
+            lines += _loop(f"i{d}", m.shape[d], pragma)
+            opened += 1
+        p = ExprPrinter(locals_, status, rows)
+        v = p.value(m.body)
+        body_indent = p.lines + [f"{dest} = {v};"]
+        lines += ["  " + s for s in body_indent]
+        lines += ["}"] * opened
+        return ["{"] + ["  " + s for s in lines] + ["}"]
+    for d in inner:
+        if m.shape[d] == 1:
+            lines.append(f"const int64_t i{d} = 0;")
+        else:
+            lines += _loop(f"i{d}", m.shape[d])
+            opened += 1
+    kind = m.reduce.kind
+    acc, nan = f"acc_{m.name}", f"nan_{m.name}"
+    rv = rvars(len(m.reduce.sizes))
+    if kind in ("argmax", "argmin"):
+        src_t = m.body.dtype.c_type
+        cmp = ">" if kind == "argmax" else "<"
+        lines += [f"{src_t} best = kr::{'lowest' if kind == 'argmax' else 'highest'}<{src_t}>();",
+                  "int64_t besti = 0; bool first = true;"]
+        for j, r in enumerate(rv):
+            lines += _loop(r.name, m.reduce.sizes[j])
+        p = ExprPrinter(locals_, status, rows)
+        x = p.value(m.body)
+        flat = to_c(linear_index(rv, contiguous_strides(m.reduce.sizes)))
+        lines += ["  " + s for s in p.lines]
+        lines += [f"  if (first || ({x} {cmp} best) || ({x} != {x} && best == best)) "
+                  f"{{ best = {x}; besti = {flat}; first = false; }}"]
+        lines += ["}"] * len(rv)
+        lines.append(f"{locals_.get(m.name, dest)} = besti;")  # a local when fused away
+    else:
+        ident, combine, clause = REDUCTIONS[kind]
+        lines.append(f"{T} {acc} = {ident.format(T=T)};")
+        uses_nan = "{nan}" in combine
+        if uses_nan:
+            lines.append(f"int {nan} = 0;")
+        for j, r in enumerate(rv):
+            pragma = None
+            if j == len(rv) - 1 and clause:
+                pragma = f"#pragma omp simd reduction({clause}:{acc})"
+                if uses_nan:
+                    pragma += f" reduction(|:{nan})"
+            lines += _loop(r.name, m.reduce.sizes[j], pragma)
+        p = ExprPrinter(locals_, status, rows)
+        x = p.value(m.body)
+        lines += ["  " + s for s in p.lines]
+        lines.append("  " + combine.format(acc=acc, x=x, nan=nan))
+        lines += ["}"] * len(rv)
+        if uses_nan:
+            lines.append(f"if ({nan}) {acc} = std::numeric_limits<{T}>::quiet_NaN();")
+        if m.name in locals_:
+            lines.append(f"{locals_[m.name]} = {acc};")
+        else:
+            lines.append(f"{dest} = {acc};")
+    lines += ["}"] * opened
+    return ["{"] + ["  " + s for s in lines] + ["}"]
+
+
+# Elements of work below which a kernel runs on the calling thread: waking the OpenMP team
+# costs a few microseconds, more than a small loop takes.
+PARALLEL_MIN_WORK = 16384
+
+
+def kernel_work(kernel: Kernel) -> sympy.Expr:
+    """Elements one run of the kernel touches (outer x the largest member's inner space)."""
+    best = sympy.Integer(1)
+    for m in kernel.members:
+        size = sympy.Mul(*m.shape) * sympy.Mul(*(m.reduce.sizes if m.reduce else ()))
+        best = size if best == 1 else sympy.Max(best, size)
+    return sympy.simplify(best) if not best.is_Integer else best
+
+
+def print_kernel(kernel: Kernel, buffers: dict[str, L.Buffer], num_threads: int = 0,
+                 aliased: Collection[str] | None = None) -> tuple[str, list, bool]:
+    """C++ source of one kernel, its parameter list and whether it takes a status pointer."""
+    if aliased is None:
+        aliased = alias_pairs(kernel, buffers)
+    status = [False]
+    locals_ = {name: f"v_{name}" for name in kernel.locals}
+    k = len(kernel.outer)
+    body: list[str] = []
+    for name in sorted(kernel.locals):
+        dt = next(m.dtype for m in kernel.members if m.name == name)
+        body.append(f"{dt.c_type} v_{name};")
+    rows = {}
+    outer_base = linear_index(ivars(k), contiguous_strides(kernel.outer))
+    for m in kernel.members:
+        if m.name in kernel.row_locals:
+            inner = sympy.Mul(*m.shape[k:])
+            rows[m.name] = sympy.expand(outer_base * inner)
+            body.append(f"alignas(64) {m.dtype.c_type} row_{m.name}[{to_c(inner)}];"
+                        "  // this outer iteration's slice only")
+    for m in kernel.members:
+        body += _member(m, k, locals_, status, rows)
+    params = kernel_params(kernel, buffers)
+    sig = []
+    for kind, name in params:
+        if kind == "size":
+            sig.append(f"int64_t {name}")
+        else:
+            const = "const " if kind == "in" else ""
+            restrict = "" if name in aliased else " __restrict__"
+            sig.append(f"{const}{buffers[name].dtype.c_type}*{restrict} buf_{name}")
+    if status[0]:
+        sig.append("int32_t* __restrict__ kiln_status")
+    lines = [f"// {kernel.name}: {', '.join(m.name for m in kernel.members)}",
+             f"//   from graph nodes: {', '.join(kernel.source)}",
+             f'extern "C" KILN_KERNEL void {kernel.name}({", ".join(sig)}) {{']
+    outer_vars = [f"i{d}" for d in range(k)]
+    if k:
+        work = kernel_work(kernel)
+        # Options.num_threads caps the team; the run's budget (libkiln) may lower it
+        threads = f" num_threads(kr::team_cap({num_threads}))" if num_threads else ""
+        cond = "" if work.is_Integer and int(work) >= PARALLEL_MIN_WORK else \
+            f" if({to_c(work)} >= {PARALLEL_MIN_WORK})"
+        if work.is_Integer and int(work) < PARALLEL_MIN_WORK:
+            cond = " if(0)"  # too little work to pay for waking threads
+        lines.append(f"  #pragma omp parallel for collapse({k}) schedule(static)"
+                     f"{cond}{threads}")
+        for d, var in enumerate(outer_vars):
+            lines.append("  " * (d + 1) + f"for (int64_t {var} = 0; {var} < "
+                         f"{to_c(kernel.outer[d])}; ++{var}) {{")
+        ind = "  " * (k + 1)
+        lines += [ind + s for s in body]
+        for d in reversed(range(k)):
+            lines.append("  " * (d + 1) + "}")
+    else:
+        lines += ["  " + s for s in body]
+    lines.append("}")
+    return "\n".join(lines), params, status[0]

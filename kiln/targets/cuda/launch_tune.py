@@ -1,0 +1,263 @@
+"""Compile-time autotuning of Triton launch configs (XBLOCK, RBLOCK, num_warps) on the local GPU.
+
+Input: the schedule's kernels, the Loop IR buffers, the size hints (the export's example
+sizes), the heuristic config of each kernel (`choose_config`), the cache directory. Output:
+kernel name -> the fastest config measured (kernels not tuned keep their heuristic config).
+
+Method: only kernels with at least MIN_ELEMENTS elements of work at the example sizes are
+tuned (below that a kernel runs in microseconds and latency, which CUDA graphs hide,
+dominates). Each gets up to seven candidates around its heuristic config (num_warps halved and
+doubled, XBLOCK halved and doubled, RBLOCK halved, one tile covering a wide row); each is
+printed (the source depends on RBLOCK), compiled for the device in parallel threads and timed
+with CUDA events on buffers of the example sizes (floats drawn from a normal distribution,
+integers zero: data-dependent indices stay in range); a neighbour Triton cannot compile is
+skipped; the fastest wins (ties: the heuristic). A winner's cubin is stored in the cubin cache
+(`triton_aot`), so the build does not compile it again.
+
+Invariants: results are cached on disk in `<cache>/autotune/<sha256>.json`, the hash covering
+the kernel's heuristic source and signature, the candidates, the sizes, the device name and
+the Triton version: a second build on the same device measures nothing. Nothing here runs
+without a CUDA device visible to torch (the caller checks `device_available`)."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import tempfile
+from pathlib import Path
+
+from kiln.targets.cuda.kernel import Config, print_triton_kernel, print_triton_module
+from kiln.targets.cuda.ops import PRELUDE
+from kiln.errors import CompileError
+from kiln.ir.sym import evaluate, product
+from kiln.toolchain import triton_aot
+from kiln.targets.cuda.attention import attention_candidates, print_attention_kernel
+import torch
+
+MIN_ELEMENTS = 2**18
+
+
+def device_available() -> bool:
+    try:
+        return torch.cuda.is_available()
+    except Exception:  # no usable torch/CUDA: heuristics only
+        return False
+
+
+def candidates(base: Config, width: int = 1) -> list[Config]:
+    """The heuristic config first, then its neighbours (distinct, within Triton's limits);
+    for members wider than RBLOCK, one more with a single tile covering the widest member (up
+    to 8192: no re-reads of a row between a norm's passes, at the cost of registers)."""
+    out = [base]
+    full = 1 << max(0, (width - 1).bit_length())
+    wide = ((max(1, base.xblock * base.rblock // full), full, min(16, base.num_warps * 2)),) \
+        if base.rblock < full <= 8192 else ()
+    for x, r, w in ((base.xblock, base.rblock, base.num_warps * 2),
+                    (base.xblock, base.rblock, base.num_warps // 2),
+                    (base.xblock * 2, base.rblock, base.num_warps),
+                    (base.xblock // 2, base.rblock, base.num_warps),
+                    (base.xblock, base.rblock // 2, base.num_warps)) + wide:
+        c = Config(x, r, w)
+        if x >= 1 and r >= 1 and 1 <= w <= 16 and x * r <= 2**16 and c not in out:
+            out.append(c)
+    return out
+
+
+def _shape(kernel, hints) -> tuple[int, int]:
+    """(rows, widest member) at the example sizes."""
+    k = len(kernel.outer)
+    rows = max(1, evaluate(product(kernel.outer), hints))
+    width = 1
+    for m in kernel.members:
+        n = m.reduce.sizes if m.reduce is not None else m.shape[k:]
+        width = max(width, evaluate(product(n), hints))
+    return rows, width
+
+
+def _cache_key(tk, cands, sizes, device: str, version: str) -> str:
+    blob = json.dumps([tk.source, tk.signature, [list(c.__dict__.values()) for c in cands],
+                       sizes, device, version])
+    return hashlib.sha256(blob.encode()).hexdigest()
+
+
+def _cached(root: Path, tks, cands, hints, device: str, version: str
+            ) -> tuple[Path, Config | None]:
+    """The cache file of one kernel's candidate set at these sizes, and the config it holds
+    (None when this set was never timed here)."""
+    sizes = {n: int(hints[n]) for kind, n in tks[0].params if kind == "size"}
+    path = root / f"{_cache_key(tks[0], cands, sizes, device, version)}.json"
+    if not path.exists():
+        return path, None
+    hit = json.loads(path.read_text())
+    return path, Config(hit["xblock"], hit["rblock"], hit["num_warps"], hit.get("num_stages", 0))
+
+
+def _store(path: Path, cfg: Config, kernel: str, device: str, ms: dict) -> None:
+    """Records the winning config (atomically: concurrent builds read whole files only)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, suffix=".tmp")
+    with os.fdopen(fd, "w") as f:
+        json.dump({"xblock": cfg.xblock, "rblock": cfg.rblock, "num_warps": cfg.num_warps,
+                   "num_stages": cfg.num_stages, "kernel": kernel, "device": device,
+                   "ms": ms}, f)
+    os.replace(tmp, path)
+
+
+def _args(tk, buffers, hints, torch):
+    args = []
+    for kind, n in tk.params:
+        if kind == "size":
+            args.append(int(hints[n]))
+        elif kind == "status":
+            args.append(torch.zeros(4, dtype=torch.int32, device="cuda"))
+        else:
+            b = buffers[n]
+            dt = getattr(torch, b.dtype.name)
+            numel = max(1, evaluate(b.numel, hints))
+            t = torch.empty(numel, dtype=dt, device="cuda")
+            if dt.is_floating_point:
+                t.normal_()
+            else:
+                t.zero_()
+            args.append(t)
+    return args
+
+
+def _time_ms(ck, grid, args, torch, reps: int = 20) -> float:
+    run = ck[grid]
+    for _ in range(3):
+        run(*args)
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(reps):
+        run(*args)
+    end.record()
+    end.synchronize()
+    return start.elapsed_time(end) / reps
+
+
+def _compile_candidates(todo, cache: Path, arch: int, workers: int = 1) -> dict:
+    """Every candidate of every (step, kernels, cache path) in `todo`, compiled for `arch` one
+    after another (see triton_aot.compile_cubins for why not in threads): {(step index,
+    candidate index): compiled kernel}. One module per candidate
+    index keeps the kernel names those the build uses; a neighbour Triton cannot compile (e.g.
+    too many registers) is skipped, the heuristic config (index 0) must compile."""
+
+    n_mod = max(len(t) for _, t, _ in todo)
+    texts = [print_triton_module([t[i] for _, t, _ in todo if i < len(t)]) for i in range(n_mod)]
+    cands = [(i, j, tk) for i, (_, tks, _) in enumerate(todo) for j, tk in enumerate(tks)]
+    triton_aot.prewarm([(texts[j], tk, arch) for _, j, tk in cands], cache, workers)
+    mods = [triton_aot.import_module(text, cache) for text in texts]
+
+    def build(t):
+        try:
+            return triton_aot.compile_kernel(mods[t[1]], t[2], arch)
+        except CompileError:
+            if t[1] == 0:  # the build needs the heuristic config anyway
+                raise
+            return None
+
+    cks = [build(t) for t in cands]
+    return {(i, j): ck for (i, j, _), ck in zip(cands, cks) if ck is not None}
+
+
+def tune(kernels, buffers, hints: dict[str, int], base: dict[str, Config], arch: int,
+         cache: Path, workers: int = 1) -> tuple[dict[str, Config], dict]:
+    """Returns ({kernel name: best config}, {kernel name: {config text: ms}} of what ran)."""
+    # deferred: Triton is optional (GPU builds only)
+    import triton
+
+    device = torch.cuda.get_device_name()
+    root = cache / "autotune"
+    best: dict[str, Config] = {}
+    report: dict = {}
+    todo = []  # (kernel, [TritonKernel per candidate], cache file)
+    for k in kernels:
+        rows, width = _shape(k, hints)
+        if rows * width < MIN_ELEMENTS:
+            continue
+        cands = candidates(base[k.name], width)
+        tks = [print_triton_kernel(k, buffers, hints, c) for c in cands]
+        path, hit = _cached(root, tks, cands, hints, device, triton.__version__)
+        if hit is not None:
+            best[k.name] = hit
+            continue
+        todo.append((k, tks, path))
+    if not todo:
+        return best, report
+    compiled = _compile_candidates(todo, cache, arch, workers)
+    prelude = hashlib.sha256(PRELUDE.encode()).hexdigest()
+    for i, (k, tks, path) in enumerate(todo):
+        args = _args(tks[0], buffers, hints, torch)
+        rows = max(1, evaluate(tks[0].rows, hints))
+        times = {}
+        for j, tk in enumerate(tks):
+            if (i, j) not in compiled:
+                continue
+            grid = (-(-rows // tk.config.xblock), 1, 1)
+            consts = [tk.config.xblock, tk.config.rblock]  # the launcher takes them too
+            times[j] = _time_ms(compiled[(i, j)], grid, args + consts, torch)
+        win = min(times, key=lambda j: (times[j], j))
+        c = tks[win].config
+        best[k.name] = c
+        report[k.name] = {f"x{tks[j].config.xblock}r{tks[j].config.rblock}"
+                          f"w{tks[j].config.num_warps}": round(ms, 5) for j, ms in times.items()}
+        triton_aot.store_compiled(compiled[(i, win)], tks[win], arch, prelude, cache)
+        _store(path, c, k.name, device, report[k.name])
+        del args
+    return best, report
+
+
+def tune_attention(calls, buffers, hints: dict[str, int], arch: int, cache: Path,
+                   workers: int = 1) -> tuple[dict[str, Config], dict]:
+    """The flash-attention kernels (targets/cuda/attention.py) of `calls`: every candidate of
+    `attention_candidates` compiled, timed at the example sizes, the fastest kept
+    (ties: the heuristic, listed first); a candidate Triton cannot compile or the device cannot
+    launch (shared memory) is skipped. Cached on disk like `tune`. Bool masks are all true
+    while timing (an all-false mask would time the fully masked path)."""
+    # deferred: Triton is optional (GPU builds only)
+    import triton
+
+    device = torch.cuda.get_device_name()
+    root = cache / "autotune"
+    best: dict[str, Config] = {}
+    report: dict = {}
+    todo = []
+    for c in calls:
+        cands = attention_candidates(c, buffers, hints)
+        tks = [print_attention_kernel(c, buffers, hints, x) for x in cands]
+        path, hit = _cached(root, tks, cands, hints, device, triton.__version__)
+        if hit is not None:
+            best[c.name] = hit
+            continue
+        todo.append((c, tks, path))
+    if not todo:
+        return best, report
+    compiled = _compile_candidates(todo, cache, arch, workers)
+    prelude = hashlib.sha256(PRELUDE.encode()).hexdigest()
+    for i, (c, tks, path) in enumerate(todo):
+        args = [a.fill_(True) if getattr(a, "dtype", None) == torch.bool else a
+                for a in _args(tks[0], buffers, hints, torch)]
+        times = {}
+        for j, tk in enumerate(tks):
+            if (i, j) not in compiled:
+                continue
+            rows = max(1, evaluate(tk.rows, hints))  # depends on BLOCK_M
+            grid = (-(-rows // tk.config.xblock), 1, 1)
+            try:
+                times[j] = _time_ms(compiled[(i, j)], grid,
+                                    args + [tk.config.xblock, tk.config.rblock], torch)
+            except Exception:  # noqa: BLE001 - e.g. out of shared memory: not a candidate
+                if j == 0:
+                    raise
+        win = min(times, key=lambda j: (times[j], j))
+        cfg = tks[win].config
+        best[c.name] = cfg
+        report[f"attn_{c.name}"] = {
+            f"m{tks[j].config.xblock}n{tks[j].config.rblock}w{tks[j].config.num_warps}"
+            f"s{tks[j].config.num_stages}": round(ms, 5) for j, ms in times.items()}
+        triton_aot.store_compiled(compiled[(i, win)], tks[win], arch, prelude, cache)
+        _store(path, cfg, f"attn_{c.name}", device, report[f"attn_{c.name}"])
+        del args
+    return best, report

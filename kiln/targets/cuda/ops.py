@@ -1,0 +1,299 @@
+"""Per-op Triton spellings for Loop IR operators (one table), the reduction table, the
+printers of index expressions (`to_tl`) and constants (`literal`), and the helper functions
+every generated Triton module starts with (`PRELUDE`).
+
+Input: an operator name from `kiln.ir.loop.OPS` and whether its operands are floating point.
+Output: a format string over the argument expressions `{0}`, `{1}`, `{2}` (and `{T}`, the
+Triton dtype of the result). Invariants: every spelling computes what the C++ spelling of
+`kiln/targets/cpu/ops.py` computes (`kiln_kernels.h` semantics: integer division by zero
+gives 0, `maximum`/`minimum` propagate NaN, `floordiv`/`remainder` follow Python's sign rules);
+helpers named `_kl_*` are `@triton.jit` functions defined in `PRELUDE`."""
+
+from __future__ import annotations
+
+import sympy
+
+from kiln.ir.dtypes import DType
+from kiln.ir.sym import FloorDiv, ModIdx
+from kiln.errors import UnsupportedError
+
+TL_DTYPE = {"float32": "tl.float32", "float64": "tl.float64", "float16": "tl.float16",
+            "bfloat16": "tl.bfloat16", "int64": "tl.int64", "int32": "tl.int32",
+            "int16": "tl.int16", "int8": "tl.int8", "uint8": "tl.uint8", "bool": "tl.int1",
+            "float8_e4m3fn": "tl.float8e4nv", "float8_e5m2": "tl.float8e5"}
+# Triton signature spelling of a pointer to each dtype (bool tensors are bytes: *i1)
+SIG_PTR = {"float32": "*fp32", "float64": "*fp64", "float16": "*fp16", "bfloat16": "*bf16",
+           "int64": "*i64", "int32": "*i32", "int16": "*i16", "int8": "*i8", "uint8": "*u8",
+           "bool": "*i1", "float8_e4m3fn": "*fp8e4nv", "float8_e5m2": "*fp8e5"}
+# The type values of each dtype are held in while computing: 16-bit floats are loaded into
+# float32, every operator and accumulator works in float32, and a value is rounded to 16 bits
+# only where it is stored or explicitly cast (as eager's CUDA kernels do per operator).
+# 8-bit floats likewise, rounded by the `_kl_f8*` helpers (eager's overflow rules:
+# kiln/targets/float8.py picks the helper of the compiling torch).
+COMPUTE = {"float16": "float32", "bfloat16": "float32", "float8_e4m3fn": "float32",
+           "float8_e5m2": "float32"}
+ROUND8 = frozenset({"float8_e4m3fn", "float8_e5m2"})
+
+
+def tl_compute(name: str) -> str:
+    """The Triton dtype values of dtype `name` are computed in."""
+    return TL_DTYPE[COMPUTE.get(name, name)]
+
+LD = "libdevice"
+_SHARED = {
+    "neg": "(-{0})", "abs": "tl.abs({0})", "square": "({0} * {0})",
+    "add": "({0} + {1})", "sub": "({0} - {1})", "mul": "({0} * {1})",
+    "eq": "({0} == {1})", "ne": "({0} != {1})", "lt": "({0} < {1})", "le": "({0} <= {1})",
+    "gt": "({0} > {1})", "ge": "({0} >= {1})",
+    "logical_not": "({0} == 0)", "to_bool": "({0} != 0)",
+    "logical_and": "(({0} != 0) & ({1} != 0))", "logical_or": "(({0} != 0) | ({1} != 0))",
+    "logical_xor": "(({0} != 0) ^ ({1} != 0))",
+    "bitwise_and": "({0} & {1})", "bitwise_or": "({0} | {1})", "bitwise_xor": "({0} ^ {1})",
+    "bitwise_not": "(~{0})", "where": "tl.where({0}, {1}, {2})",
+    "relu": "tl.where({0} < 0, 0, {0}).to({T})",
+    "sign": "(({0} > 0).to({T}) - ({0} < 0).to({T}))",
+    "philox": "_kl_philox({0}, {1}, {2}, {3}, {4})",
+}
+
+FLOAT_OPS: dict[str, str] = {
+    **_SHARED,
+    "exp": "tl.exp({0})", "log": "tl.log({0})", "sqrt": "tl.sqrt_rn({0})",
+    "rsqrt": "tl.rsqrt({0})", "tanh": f"{LD}.tanh({{0}})", "sigmoid": "tl.sigmoid({0})",
+    "sin": "tl.sin({0})", "cos": "tl.cos({0})", "tan": f"{LD}.tan({{0}})",
+    "atan": f"{LD}.atan({{0}})", "asin": f"{LD}.asin({{0}})", "acos": f"{LD}.acos({{0}})",
+    "sinh": f"{LD}.sinh({{0}})", "cosh": f"{LD}.cosh({{0}})", "asinh": f"{LD}.asinh({{0}})",
+    "acosh": f"{LD}.acosh({{0}})", "atanh": f"{LD}.atanh({{0}})", "erf": "tl.erf({0})",
+    "erfc": f"{LD}.erfc({{0}})", "reciprocal": "(1 / {0})", "floor": "tl.floor({0})",
+    "ceil": "tl.ceil({0})", "round": f"{LD}.nearbyint({{0}})", "trunc": f"{LD}.trunc({{0}})",
+    "log1p": f"{LD}.log1p({{0}})", "expm1": f"{LD}.expm1({{0}})", "exp2": "tl.exp2({0})",
+    "log2": "tl.log2({0})", "isnan": "({0} != {0})", "isinf": "(tl.abs({0}) == float('inf'))",
+    "div": "({0} / {1})", "truediv_floor": "_kl_floordiv_f({0}, {1})",
+    "truediv_trunc": f"{LD}.trunc({{0}} / {{1}})", "pow": f"{LD}.pow({{0}}, {{1}})",
+    "maximum": "tl.maximum({0}, {1}, propagate_nan=tl.PropagateNan.ALL)",
+    "minimum": "tl.minimum({0}, {1}, propagate_nan=tl.PropagateNan.ALL)",
+    "remainder": "_kl_remainder_f({0}, {1})", "fmod": f"{LD}.fmod({{0}}, {{1}})",
+    "atan2": f"{LD}.atan2({{0}}, {{1}})",
+    "log10": f"{LD}.log10({{0}})", "i0": f"{LD}.cyl_bessel_i0({{0}})",
+    "signbit": f"({LD}.signbit({{0}}) != 0)", "hypot": f"{LD}.hypot({{0}}, {{1}})",
+    "copysign": f"{LD}.copysign({{0}}, {{1}})", "nextafter": f"{LD}.nextafter({{0}}, {{1}})",
+    "shift_left": f"({{0}} * {LD}.exp2({{1}}))", "shift_right": f"({{0}} / {LD}.exp2({{1}}))",
+}
+
+INT_OPS: dict[str, str] = {
+    **_SHARED,
+    "isnan": "({0} != {0})", "isinf": "({0} != {0})",
+    "div": "_kl_div_i({0}, {1})", "truediv_trunc": "_kl_div_i({0}, {1})",
+    "truediv_floor": "_kl_floordiv_i({0}, {1})",
+    "maximum": "tl.maximum({0}, {1})", "minimum": "tl.minimum({0}, {1})",
+    "remainder": "_kl_remainder_i({0}, {1})", "fmod": "_kl_fmod_i({0}, {1})",
+    "pow": f"{LD}.pow({{0}}.to(tl.float64), {{1}}.to(tl.float64)).to({{T}})",
+    "signbit": "({0} < 0)", "shift_left": "_kl_shl({0}, {1})", "shift_right": "_kl_shr({0}, {1})",
+}
+
+# kind -> (identity for floats, identity for ints, per-tile combine, final cross-lane reduce).
+# {acc} is the [XBLOCK, RBLOCK] accumulator, {x} the masked tile (identity where masked).
+REDUCTIONS: dict[str, tuple[str, str, str, str]] = {
+    "sum": ("0", "0", "{acc} + {x}", "tl.sum({acc}, 1, keep_dims=True)"),
+    "prod": ("1", "1", "{acc} * {x}", "tl.reduce({acc}, 1, _kl_mul, keep_dims=True)"),
+    "max": ("float('-inf')", "{lo}", "{maximum}", "tl.reduce({acc}, 1, _kl_max, keep_dims=True)"),
+    "min": ("float('inf')", "{hi}", "{minimum}", "tl.reduce({acc}, 1, _kl_min, keep_dims=True)"),
+    "any": ("0", "0", "tl.maximum({acc}, {x})", "tl.max({acc}, 1, keep_dims=True) != 0"),
+    "all": ("1", "1", "tl.minimum({acc}, {x})", "tl.min({acc}, 1, keep_dims=True) != 0"),
+}
+
+INT_LIMITS = {"int64": (-(2**63), 2**63 - 1), "int32": (-(2**31), 2**31 - 1),
+              "int16": (-(2**15), 2**15 - 1), "int8": (-128, 127), "uint8": (0, 255),
+              "bool": (0, 1)}
+
+
+def op_spelling(op: str, arg_dtype: DType) -> str:
+    table = FLOAT_OPS if arg_dtype.is_float else INT_OPS
+    try:
+        return table[op]
+    except KeyError:
+        raise UnsupportedError(f"operator {op!r} on {arg_dtype.name} has no Triton spelling "
+                               "(kiln/targets/cuda/ops.py)") from None
+
+
+def to_tl(e, names: dict[str, str] | None = None) -> str:
+    """A size or index expression as Triton/Python integer arithmetic (operands of // and %
+    are non-negative in index expressions, where C and Python semantics agree)."""
+    e = sympy.sympify(e)
+    names = names or {}
+    if e.is_Integer:
+        return str(int(e))
+    if e.is_Symbol:
+        return names.get(e.name, e.name)
+    if isinstance(e, FloorDiv):
+        return f"({to_tl(e.args[0], names)} // {to_tl(e.args[1], names)})"
+    if isinstance(e, ModIdx):
+        return f"({to_tl(e.args[0], names)} % {to_tl(e.args[1], names)})"
+    if e.is_Add:
+        return "(" + " + ".join(to_tl(a, names) for a in
+                                sorted(e.args, key=sympy.default_sort_key)) + ")"
+    if e.is_Mul:
+        return "(" + " * ".join(to_tl(a, names) for a in
+                                sorted(e.args, key=sympy.default_sort_key)) + ")"
+    if e.is_Pow and e.exp.is_Integer and int(e.exp) > 0:
+        return "(" + " * ".join([to_tl(e.base, names)] * int(e.exp)) + ")"
+    if isinstance(e, (sympy.Max, sympy.Min)):
+        fn = "tl.maximum" if isinstance(e, sympy.Max) else "tl.minimum"
+        out = to_tl(e.args[0], names)
+        for a in e.args[1:]:
+            out = f"{fn}({out}, {to_tl(a, names)})"
+        return out
+    raise ValueError(f"cannot print index expression {e!r} for Triton")
+
+
+def literal(value, dt) -> str:
+    if dt.name == "bool":
+        return "1" if value else "0"
+    if dt.is_float:
+        v = float(value)
+        if v != v:
+            return "float('nan')"
+        if v in (float("inf"), float("-inf")):
+            return "float('inf')" if v > 0 else "float('-inf')"
+        return repr(v)
+    return str(int(value))
+
+
+PRELUDE = '''\
+# Generated by kiln: fused kernels as Triton, compiled ahead of time to cubin.
+import triton
+import triton.language as tl
+from triton.language.extra import libdevice
+from triton.language.random import philox as _tl_philox
+
+
+@triton.jit
+def _kl_f8e4m3(x):
+    # eager's float -> float8_e4m3fn: nearest-even; finite overflow and +-inf saturate to
+    # +-448 (clamped first, so the hardware's saturation mode never matters); NaN stays NaN
+    x = x.to(tl.float32)
+    x = tl.where(tl.abs(x) > 448.0, tl.where(x > 0, 448.0, -448.0), x)
+    return x.to(tl.float8e4nv, fp_downcast_rounding="rtne")
+
+
+@triton.jit
+def _kl_f8e4m3_nan(x):
+    # torch < 2.12's float -> float8_e4m3fn: nearest-even; magnitudes past 464 (which would
+    # round to 480) and +-inf become NaN; 464 itself rounds to 448
+    x = x.to(tl.float32)
+    x = tl.where(tl.abs(x) > 464.0, float("nan"), x)
+    x = tl.where(tl.abs(x) > 448.0, tl.where(x > 0, 448.0, -448.0), x)
+    return x.to(tl.float8e4nv, fp_downcast_rounding="rtne")
+
+
+@triton.jit
+def _kl_f8e5m2(x):
+    # eager's float -> float8_e5m2: nearest-even; magnitudes from 61440 (halfway past the
+    # largest finite value, 57344) become +-inf, whatever the hardware conversion saturates to
+    x = x.to(tl.float32)
+    y = x.to(tl.float8e5, fp_downcast_rounding="rtne").to(tl.uint8, bitcast=True)
+    inf = tl.where(x < 0, 0xFC, 0x7C).to(tl.uint8)
+    y = tl.where(tl.abs(x) >= 61440.0, inf, y)
+    return y.to(tl.float8e5, bitcast=True)
+
+
+@triton.jit
+def _kl_max(a, b):
+    return tl.maximum(a, b, propagate_nan=tl.PropagateNan.ALL)
+
+
+@triton.jit
+def _kl_min(a, b):
+    return tl.minimum(a, b, propagate_nan=tl.PropagateNan.ALL)
+
+
+@triton.jit
+def _kl_mul(a, b):
+    return a * b
+
+
+@triton.jit
+def _kl_argmax(v1, i1, v2, i2):
+    n1 = v1 != v1
+    n2 = v2 != v2
+    eq = (v1 == v2) | (n1 & n2)
+    t = (v1 > v2) | (n1 & (n2 == 0)) | (eq & (i1 < i2))
+    return tl.where(t, v1, v2), tl.where(t, i1, i2)
+
+
+@triton.jit
+def _kl_argmin(v1, i1, v2, i2):
+    n1 = v1 != v1
+    n2 = v2 != v2
+    eq = (v1 == v2) | (n1 & n2)
+    t = (v1 < v2) | (n1 & (n2 == 0)) | (eq & (i1 < i2))
+    return tl.where(t, v1, v2), tl.where(t, i1, i2)
+
+
+@triton.jit
+def _kl_div_i(a, b):
+    return tl.where(b == 0, 0, a // tl.where(b == 0, 1, b))
+
+
+@triton.jit
+def _kl_fmod_i(a, b):
+    return tl.where(b == 0, 0, a % tl.where(b == 0, 1, b))
+
+
+@triton.jit
+def _kl_floordiv_i(a, b):
+    bb = tl.where(b == 0, 1, b)
+    q = a // bb
+    q = tl.where((a % bb != 0) & ((a < 0) != (bb < 0)), q - 1, q)
+    return tl.where(b == 0, 0, q)
+
+
+@triton.jit
+def _kl_remainder_i(a, b):
+    bb = tl.where(b == 0, 1, b)
+    r = a % bb
+    r = tl.where((r != 0) & ((r < 0) != (bb < 0)), r + bb, r)
+    return tl.where(b == 0, 0, r)
+
+
+@triton.jit
+def _kl_remainder_f(a, b):
+    r = libdevice.fmod(a, b)
+    return tl.where((r != 0) & ((r < 0) != (b < 0)), r + b, r)
+
+
+@triton.jit
+def _kl_floordiv_f(a, b):
+    mod = libdevice.fmod(a, b)
+    q = (a - mod) / b
+    q = tl.where((mod != 0) & ((b < 0) != (mod < 0)), q - 1, q)
+    fq = tl.floor(q)
+    q2 = tl.where(q - fq > 0.5, fq + 1, fq)
+    q2 = tl.where(q == 0, libdevice.copysign(q * 0, a / b), q2)
+    return tl.where(b == 0, a / b, q2)
+
+
+@triton.jit
+def _kl_shl(a, b):
+    bits = a.dtype.primitive_bitwidth
+    ok = (b >= 0) & (b < bits)
+    return tl.where(ok, a << tl.where(ok, b, 0).to(a.dtype), 0)
+
+
+@triton.jit
+def _kl_shr(a, b):
+    bits = a.dtype.primitive_bitwidth
+    ok = (b >= 0) & (b < bits)
+    return tl.where(ok, a >> tl.where(ok, b, 0).to(a.dtype), tl.where(a < 0, -1, 0))
+
+
+@triton.jit
+def _kl_philox(seed, run, stream, index, lane):
+    # same words as kr::philox: key = seed, counter = (index lo, index hi, stream, run)
+    c0 = (index & 0xFFFFFFFF).to(tl.uint32)
+    c1 = ((index >> 32) & 0xFFFFFFFF).to(tl.uint32)
+    c2 = (index * 0 + stream).to(tl.uint32)
+    c3 = (index * 0 + run).to(tl.uint32)
+    r0, r1, r2, r3 = _tl_philox(seed, c0, c1, c2, c3)
+    r = tl.where(lane == 0, r0, tl.where(lane == 1, r1, tl.where(lane == 2, r2, r3)))
+    return r.to(tl.int64)
+'''

@@ -1,0 +1,53 @@
+"""Facts about the CUDA toolchain that the GEMM package and the CUDA target both need: the
+target architectures (the local GPU's when torch sees one), where cuda.h is, and the C++
+toolchain that compiles code against it. Imports torch and Triton only inside functions
+(both optional for CPU builds)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from kiln import config
+from kiln.errors import CompileError
+from kiln.options import Options
+from kiln.toolchain.cxx import INCLUDE_DIRS, Toolchain
+import torch
+
+
+def default_archs() -> tuple[int, ...]:
+    """The local GPU's architecture when torch sees a CUDA device, else sm_90."""
+    try:
+        if torch.cuda.is_available():
+            major, minor = torch.cuda.get_device_capability()
+            return (major * 10 + minor,)
+    except Exception:  # no usable CUDA: build for the default target
+        pass
+    return (90,)
+
+
+def cuda_include_dir(opts: Options) -> Path:
+    """A directory holding cuda.h: the option, else Triton's bundled copy, else CUDA's."""
+    cands = [opts.cuda_include] if opts.cuda_include else []
+    try:
+        # deferred: Triton is optional (GPU builds only)
+        import triton
+        cands.append(str(Path(triton.__file__).parent / "backends" / "nvidia" / "include"))
+    except ImportError:
+        pass
+    cands.append("/usr/local/cuda/include")
+    for c in cands:
+        if c and (Path(c) / "cuda.h").is_file():
+            return Path(c)
+    raise CompileError(f"cuda.h not found (looked in {', '.join(c for c in cands if c)}); set "
+                       "Options(cuda_include=...)")
+
+
+def cuda_toolchain(opts: Options) -> Toolchain:
+    """The C++ toolchain of CUDA packages' wrappers: the runtime headers and cuda.h, no CUDA
+    library linked (the driver is opened at load)."""
+    jobs = opts.jobs or config.cpu_count()
+    cflags = ["-std=c++17", "-fPIC", "-fvisibility=hidden", *opts.opt_flags,
+              f"-I{cuda_include_dir(opts)}"]
+    cache = Path(opts.cache_dir) if opts.cache_dir else config.cache_dir()
+    return Toolchain(opts.cxx or config.cxx(), cache / "build", tuple(cflags), ("-ldl",),
+                     INCLUDE_DIRS, jobs)
