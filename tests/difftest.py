@@ -203,7 +203,7 @@ def assert_host_compiles(tmp_path: Path, source: str) -> None:
     import subprocess
 
     from kiln.options import Options
-    from kiln.targets.cuda.build import toolchain
+    from kiln.toolchain.cuda import cuda_toolchain as toolchain
 
     tc = toolchain(Options())
     f = tmp_path / "w.cpp"

@@ -206,7 +206,7 @@ def test_forced_algo_beyond_heuristic_falls_back(tmp_path, dtype):
     opts = Options(gemm_backends=("blas",), cache_dir=str(tmp_path / "cache"))
     built = kiln.compile(ep, device="cuda", options=opts).built
     (g, problem), = _gemm_problems(built)
-    from kiln.targets.cuda.build import default_archs
+    from kiln.toolchain.cuda import default_archs
     acache.store(tmp_path / "cache", problem, gpu.device_id(default_archs()[0]), {
         "winner": {"backend": "blas", "config": {"algo": 50}},
         "results": [["blaslt_50", "blas", {"algo": 50}, 1e-6], ["blas", "blas", {}, 1e-5]]})
