@@ -248,12 +248,13 @@ _INTERP = textwrap.dedent("""
     # linear with its bias + relu epilogue, the batched GEMM with B transposed
     from dataclasses import asdict
     from kiln.gemm import printed as PR
+    from kiln.targets.cuda.gemm_candidates import build as build_candidates
     from kiln.ir import loop as L
     cfgs = {TMA_CFG.name: asdict(TMA_CFG)}
     allbufs = L.all_buffers(b.loop)
     for name in ("gemm_linear_matmul_2", "gemm_bmm"):
         gk = next(s for s in b.steps if s.name == name)
-        p = PR.build(gk.gemm, gk.epilogue, allbufs, {"s0": 70}, cfgs)
+        p = build_candidates(gk.gemm, gk.epilogue, allbufs, {"s0": 70}, cfgs)
         assert "tl.make_tensor_descriptor" in p.kernels[TMA_CFG.name].source
         bench = PR.Bench(p, device="cpu")
         err, tol = bench.check(TMA_CFG.name), bench.tolerance()

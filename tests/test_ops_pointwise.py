@@ -64,8 +64,10 @@ def test_unary_special_values(check):
                 "clamp": x.clamp(-1, 1), "isnan": torch.isnan(x), "isinf": torch.isinf(x),
                 "gelu": F.gelu(x), "silu": F.silu(x), "softplus": F.softplus(x)}
 
-    # exact eager values at the extremes of the range: only rounding-level differences
-    check(Fn(specials), (x,), ref="same", tol={"rtol": 1e-5, "atol": 1e-6})
+    # float64 math rounded to float32 at the extremes of the range: only rounding-level
+    # differences. Not float32 eager: on AVX-512 CPUs (Zen 4) eager's float32 gelu(+inf) is nan
+    # where float64 math (and kiln) give inf.
+    check(Fn(specials), (x,), ref="f64r", tol={"rtol": 1e-5, "atol": 1e-6})
     check(Fn(specials), (x.double(),))
 
 
