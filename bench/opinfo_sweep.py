@@ -167,7 +167,7 @@ def write_markdown(rows, path: Path, seconds: float) -> None:
              "(a clear `UnsupportedError`); export (torch.export refused the sample); wrong (a",
              "different answer: a bug); error (another failure: a bug). Random ops (rand, randn,",
              "randint, bernoulli, normal, uniform) are left out: kiln's generator is not torch's;",
-             "they are checked statistically in tests/test_ops_random.py.", "",
+             "they are checked statistically in tests/ops/test_ops_random.py.", "",
              f"Samples: {n}; " + ", ".join(f"{v}: {total[v]}" for v in VERDICTS) +
              f"; pass rate {100 * (total['pass'] + total['aten']) / exportable:.1f}%"
              f" of exportable samples ({100 * total['pass'] / exportable:.1f}% "

@@ -1,7 +1,7 @@
 """The import order of kiln's parts, lowest first: a module may import the parts of earlier
 layers and its own part, never a later layer or a sibling in its own layer. The order follows
 the pipeline (export -> IR -> kernels -> package), with the GEMM package below the targets
-that call it. `tests/test_layers.py` checks every import against it, at module level and
+that call it. `tests/ir/test_layers.py` checks every import against it, at module level and
 inside functions, and that imports inside functions are only those a heavy optional
 dependency forces (marked `# deferred: <reason>`).
 

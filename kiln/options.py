@@ -87,7 +87,7 @@ class Options:
     cuda_include: str | None = None
     #: Sanitizers to build the model with, as for `-fsanitize=` (e.g. "address,undefined");
     #: "" builds without. The process must load the sanitizer runtime first (LD_PRELOAD of
-    #: `c++ -print-file-name=libasan.so`); see tests/test_sanitizers.py.
+    #: `c++ -print-file-name=libasan.so`); see tests/targets/cpu/test_sanitizers.py.
     sanitize: str = ""
     #: Debugging: after every step, check the floating-point values it wrote and fail the run
     #: at the first inf or NaN, naming the buffer and its source ops (costs a pass over each).

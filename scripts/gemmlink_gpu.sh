@@ -11,10 +11,10 @@ nvidia-smi -L
 for what in "$@"; do
   case $what in
     tests) timeout 280 python3 -m pytest -q -x -m gpu -p no:cacheprovider \
-             tests/test_autotune_gpu.py -k "package" 2>&1 | tee $OUT/tests.log | tail -25 ;;
+             tests/gemm/test_autotune_gpu.py -k "package" 2>&1 | tee $OUT/tests.log | tail -25 ;;
     tests-fast) timeout 200 python3 -m pytest -q -x -m gpu -p no:cacheprovider \
-             tests/test_autotune_gpu.py -k "package and not slow_" \
-             --deselect tests/test_autotune_gpu.py::test_package_max_autotune_all_backends \
+             tests/gemm/test_autotune_gpu.py -k "package and not slow_" \
+             --deselect tests/gemm/test_autotune_gpu.py::test_package_max_autotune_all_backends \
              2>&1 | tee $OUT/tests.log | tail -25 ;;
     bench) timeout 280 python3 bench/gemm_link.py --models mlp,gpt --cutlass-configs 1 \
              --json $OUT/zoo.json 2>&1 | tee $OUT/bench.log | grep -v Warn | tail -30 ;;

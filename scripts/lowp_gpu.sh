@@ -13,8 +13,8 @@ for dev in ('cpu', 'cuda'):
     print(dev, 'e4m3fn overflow bytes', x.to(dev).to(torch.float8_e4m3fn).view(torch.uint8).tolist())
 from kiln.targets.float8 import e4m3fn_saturates
 print('kiln: e4m3fn saturates', e4m3fn_saturates())"
-python3 -m pytest -m gpu -o addopts="" -q -p no:cacheprovider tests/test_lowp_gpu.py \
-    tests/test_gemm_mixed.py -p no:logging 2>&1 \
+python3 -m pytest -m gpu -o addopts="" -q -p no:cacheprovider tests/targets/cuda/test_lowp_gpu.py \
+    tests/gemm/test_gemm_mixed.py -p no:logging 2>&1 \
     | tee "$OUT/tests.log" | grep -v "^DEBUG" | tail -40
 timeout 300 python3 bench/lowp_gpu.py --json "$OUT/lowp.json" --markdown "$OUT/lowp.md" 2>&1 \
     | grep -v "^DEBUG" | tail -25

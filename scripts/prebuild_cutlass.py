@@ -1,6 +1,6 @@
 """Builds, on a machine without a GPU, the CUTLASS objects (.o, linked into packages) and
 shared libraries (.so, profiled by max_autotune) that bench/gemm_link.py and
-tests/test_autotune_gpu.py will ask for, into $KILN_CACHE_DIR: the GPU machine then finds
+tests/gemm/test_autotune_gpu.py will ask for, into $KILN_CACHE_DIR: the GPU machine then finds
 them by content hash instead of spending its time in nvcc. GEMMs whose epilogue maps to a
 visitor tree (kiln/gemm/cutlass_evt.py) get the fused kernels as well.
 
@@ -44,7 +44,7 @@ def programs():
                                            torch.randn(3, 72, 24, dtype=dt)))
     lin = torch.nn.Linear(512, 512).half()
     yield torch.export.export(lin, (torch.randn(256, 512).half(),))
-    # tests/test_autotune_gpu.py's Linear + epilogue models (same structure and sizes)
+    # tests/gemm/test_autotune_gpu.py's Linear + epilogue models (same structure and sizes)
     for act in ("none", "relu", "gelu"):
         yield torch.export.export(Linear(256, 128, act).half(), (
             torch.randn(64, 256).half(), torch.randn(64, 128).half()),

@@ -8,8 +8,10 @@ model with built-in weights), ``make_toy_package`` (writes a package around it) 
 """
 from __future__ import annotations
 
+import os
 import pathlib
 import subprocess
+import sys
 from collections.abc import Callable
 from typing import Any
 
@@ -17,6 +19,16 @@ import pytest
 import torch
 
 TESTS = pathlib.Path(__file__).resolve().parent
+# Tests live in folders by stage (tests/README.md); the shared helpers (difftest.py,
+# gemm_models.py, user_triton_kernels.py) sit here, and some tests import another folder's test
+# module or run one in a subprocess: every test folder is importable, here and in children.
+_FOLDERS = [str(TESTS)] + sorted(str(p) for p in TESTS.rglob("*") if p.is_dir() and
+                                 any(p.glob("test_*.py")))
+for _f in reversed(_FOLDERS):
+    if _f not in sys.path:
+        sys.path.insert(0, _f)
+os.environ["PYTHONPATH"] = os.pathsep.join(
+    _FOLDERS + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p])
 TOY_W = torch.tensor([1.0, -2.0, 0.5, 3.0])
 TOY_B = torch.tensor([0.25, 1.0, -1.5, 2.0])
 

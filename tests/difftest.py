@@ -1,4 +1,4 @@
-"""Shared helpers of the differential op tests (tests/test_ops_*.py).
+"""Shared helpers of the differential op tests (tests/ops/test_ops_*.py).
 
 Every check compiles a small module with kiln, loads the package through the C ABI, runs it on
 fresh random inputs and compares each output with torch eager:

@@ -1,4 +1,4 @@
-"""The GEMM + epilogue modules the GPU autotuning tests compile (tests/test_autotune_gpu.py),
+"""The GEMM + epilogue modules the GPU autotuning tests compile (tests/gemm/test_autotune_gpu.py),
 shared with scripts/prebuild_cutlass.py so that the CUTLASS kernels it builds ahead on a CPU
 machine are exactly the ones those tests ask for."""
 

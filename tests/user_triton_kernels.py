@@ -1,4 +1,5 @@
-"""User-written Triton kernels and the models that call them (tests/test_user_triton*.py).
+"""User-written Triton kernels and the models that call them
+(tests/targets/cuda/test_user_triton*.py).
 
 Kernels live in a file of their own because Triton reads a @triton.jit function's source back
 from its file; the triton_op names are registered once per process, on import."""

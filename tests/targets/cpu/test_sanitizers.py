@@ -3,7 +3,7 @@ under AddressSanitizer and UndefinedBehaviorSanitizer, in a subprocess that prel
 runtime and loads a sanitizer-built libkiln: results match eager, hostile inputs get clear
 errors, and the sanitizers report nothing (UBSan halts on its first error).
 
-    .venv/bin/python -m pytest tests/test_sanitizers.py -m slow -s
+    .venv/bin/python -m pytest tests/targets/cpu/test_sanitizers.py -m slow -s
 """
 
 from __future__ import annotations

@@ -6,15 +6,12 @@ printer (triton_py.py) launching the user kernel through Triton."""
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
 
 import pytest
 import torch
 from torch.export import Dim
 
 pytest.importorskip("triton")
-sys.path.insert(0, str(Path(__file__).parent))
 
 import kiln  # noqa: E402
 import user_triton_kernels as K  # noqa: E402

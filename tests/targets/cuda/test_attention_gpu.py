@@ -21,7 +21,7 @@ from kiln.options import Options
 pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
 
-from tests.test_attention import Sdpa  # noqa: E402
+from test_attention import Sdpa  # noqa: E402
 
 # the heuristic config (autotuning is tested below); float32 attention fused too
 OPTS = Options(autotune=False, fused_attention=True)

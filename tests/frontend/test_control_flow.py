@@ -318,7 +318,7 @@ def test_cuda_branches_and_loops(tmp_path):
 
 def test_loop_ir_interpreter_runs_regions():
     """The numpy Loop IR oracle runs Branch / Loop nodes too (no C++ involved)."""
-    from tests.test_interp import _interp
+    from test_interp import _interp
 
     m, x = CondWeights().eval(), rand((3, 4))
     for xs in (x.abs(), -x.abs()):

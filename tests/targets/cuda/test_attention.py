@@ -30,7 +30,7 @@ from kiln.options import Options  # noqa: E402
 from kiln.passes.dce import dce  # noqa: E402
 from tests.difftest import assert_golden  # noqa: E402
 
-GOLDEN = pathlib.Path(__file__).parent / "golden"
+GOLDEN = pathlib.Path(__file__).resolve().parents[2] / "golden"
 OPTS = Options(cuda_archs=(90,))
 
 

@@ -7,16 +7,13 @@ from __future__ import annotations
 
 import logging
 import re
-import sys
 import zipfile
-from pathlib import Path
 
 import pytest
 import torch
 from torch.export import Dim
 
 pytest.importorskip("triton")
-sys.path.insert(0, str(Path(__file__).parent))
 
 import kiln  # noqa: E402
 import user_triton_kernels as K  # noqa: E402

@@ -113,8 +113,8 @@ def test_unencodable_arguments_are_clear_errors(tmp_path):
 
 
 def test_fallback_on_cuda(tmp_path):
-    """CUDA packages call ATen on the device (tests/test_cuda_codegen.py checks the wrapper,
-    tests/test_cuda_dds.py the data-dependent sizes)."""
+    """CUDA packages call ATen on the device (tests/targets/cuda/test_cuda_codegen.py checks
+    the wrapper, tests/targets/cuda/test_cuda_dds.py the data-dependent sizes)."""
     ep = torch.export.export(Fn(lambda x: torch.lgamma(x)), (torch.randn(3),))
     cm = kiln.compile(ep, device="cuda", options=kiln.Options(cuda_archs=(90,)))
     assert cm.manifest["requires"]["aten_fallback_ops"] == ["aten::lgamma.default"]

@@ -1,7 +1,7 @@
 """8-bit floats and low-precision GEMMs on the CPU (kiln issues 5 and 6): float8_e4m3fn /
 float8_e5m2 as storage types (conversions bit for bit, weights, inputs, outputs), and
 `torch._scaled_mm` / `torch._int_mm` against eager. CUDA packages with them are compiled here
-(no GPU needed); tests/test_lowp_gpu.py runs them on a GPU."""
+(no GPU needed); tests/targets/cuda/test_lowp_gpu.py runs them on a GPU."""
 
 from __future__ import annotations
 

@@ -29,7 +29,7 @@ from kiln.models.zoo import in_dtype  # noqa: E402
 from kiln.options import Options  # noqa: E402
 from tests.difftest import assert_golden  # noqa: E402
 
-GOLDEN = pathlib.Path(__file__).parent / "golden"
+GOLDEN = pathlib.Path(__file__).resolve().parents[2] / "golden"
 OPTS = Options(cuda_archs=(90,))
 
 
@@ -268,7 +268,7 @@ def test_autotune_candidates_are_neighbours_of_the_heuristic():
 def test_int_inputs_are_host_values_in_cuda_packages():
     """A dynamic int input travels as a 0-d int64 host tensor: the CUDA wrapper checks it as a
     CPU tensor, reads its value on the host and never copies it to the device."""
-    from tests.test_io import _int_input_export
+    from test_io import _int_input_export
 
     cm = kiln.compile(_int_input_export(), device="cuda", options=OPTS)
     src = cm.sources["model_cuda.cpp"]

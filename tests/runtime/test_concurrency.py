@@ -7,7 +7,7 @@ sums in another order; they are compared with a tolerance far below any corrupti
 Throughput with 1 vs 2 handles/threads on the zoo models is measured and printed (`-s`
 shows it; never asserted: the machine is shared).
 
-    .venv/bin/python -m pytest tests/test_concurrency.py -s -q
+    .venv/bin/python -m pytest tests/runtime/test_concurrency.py -s -q
 """
 
 from __future__ import annotations

@@ -26,7 +26,7 @@ from kiln.memory.exact import exact_place
 from kiln.memory.greedy import breadth_order, place, size_order
 from kiln.memory.intervals import items
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 @st.composite

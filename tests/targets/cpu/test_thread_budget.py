@@ -22,7 +22,7 @@ from torch import nn
 import kiln
 from kiln.errors import KilnError
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.abspath(os.path.join(os.path.dirname(__file__), '../../../'))
 
 
 class Wide(nn.Module):

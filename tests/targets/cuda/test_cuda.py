@@ -155,7 +155,6 @@ def test_cuda_graph_replays_fresh_inputs_and_sizes(gpt_graphs):
 
 
 def test_cuda_graph_state_persists(tmp_path):
-    sys.path.insert(0, str(__import__("pathlib").Path(__file__).parent))
     from test_mutation import Stateful
     torch.manual_seed(0)
     m = Stateful().eval()
@@ -220,7 +219,6 @@ def test_autotune_measures_once_and_caches(tmp_path):
 def test_dynamic_int_inputs_on_cuda(tmp_path, graphs):
     """Int inputs marked dynamic: host values binding sizes of a CUDA program (with and without
     CUDA graphs, whose key then includes the value)."""
-    sys.path.insert(0, str(__import__("pathlib").Path(__file__).parent))
     from test_io import IntInput, _int_input_export
 
     cm = kiln.compile(_int_input_export(), device="cuda",
@@ -238,7 +236,6 @@ def test_dynamic_int_inputs_on_cuda(tmp_path, graphs):
 def test_aten_fallback_on_cuda(tmp_path):
     """sort / cumsum / scatter_add / special.i1 through ATen on the device, on the caller's
     stream (a non-default stream here), against eager on fresh inputs."""
-    sys.path.insert(0, str(__import__("pathlib").Path(__file__).parent))
     from test_cuda_codegen import _LibraryOps
 
     m = _LibraryOps()

@@ -25,7 +25,7 @@ from kiln.runtime import dlpack_ctypes as dl
 from kiln.runtime import loader
 from kiln.runtime.cbin import read_tensor_bin, write_tensor_bin
 
-ROOT = pathlib.Path(__file__).resolve().parents[1]
+ROOT = pathlib.Path(__file__).resolve().parents[2]
 MakePkg = Callable[..., pathlib.Path]
 
 

@@ -3,7 +3,7 @@
 RSS is read from /proc/self/statm after a warm-up (allocator pools, the plan cache and lazily
 mapped pages settle first), then again after the loop; the growth must stay under a small
 slack. The default suite runs 1,000 runs / 100 cycles; the `slow` version the full 10,000 runs /
-1,000 cycles (`.venv/bin/python -m pytest tests/test_leaks.py -m slow -s`). Each test prints
+1,000 cycles (`.venv/bin/python -m pytest tests/runtime/test_leaks.py -m slow -s`). Each test prints
 its before/after figures (docs/reliability.md quotes them)."""
 
 from __future__ import annotations
