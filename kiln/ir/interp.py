@@ -204,27 +204,31 @@ def _gemm(g: L.Gemm, bufs, env) -> np.ndarray:
 
 def call_aten(c: L.AtenCall, tensor, env) -> list:
     """Runs ATen fallback call `c` through torch.ops (shared by this interpreter and the
-    Python printer, targets/cuda/wrapper_py.py): `tensor(arg)` turns a ("tensor", buf, dtype, shape,
-    strides, offset) argument into a torch tensor, the other arguments decode here. Returns
-    (AtenResult, torch result) for every result `c` writes."""
+    Python printer, targets/cuda/wrapper_py.py): `tensor(arg)` turns an `AtenTensor` argument
+    into a torch tensor, the other arguments decode here. Returns (AtenResult, torch result)
+    for every result `c` writes."""
 
-    def value(a):
-        kind = a[0]
-        if kind == "tensor":
-            return tensor(a)
-        if kind == "tensors":
-            return [value(x) for x in a[1]]
-        if kind == "opt":
-            return value(a[1])
-        if kind == "none":
-            return None
-        if kind == "int":
-            return evaluate(a[1], env)
-        if kind == "ints":
-            return [evaluate(x, env) for x in a[1]]
-        if kind == "dtype":
-            return getattr(torch, a[1])
-        return float(a[1]) if kind == "float" else a[1]
+    def value(a: L.AtenArg):
+        match a:
+            case L.AtenTensor():
+                return tensor(a)
+            case L.AtenTensors(items=items):
+                return [value(x) for x in items]
+            case L.AtenOptional(value=x):
+                return value(x)
+            case L.AtenNone():
+                return None
+            case L.AtenInt(value=v):
+                return evaluate(v, env)
+            case L.AtenInts(values=vs):
+                return [evaluate(x, env) for x in vs]
+            case L.AtenDtype(dtype=dt):
+                return getattr(torch, dt.name)
+            case L.AtenFloat(value=v):
+                return float(v)
+            case L.AtenBool(value=v) | L.AtenStr(value=v):
+                return v
+        raise TypeError(a)
 
     name = c.op.split("::", 1)[1]
     fn = getattr(getattr(torch.ops.aten, name), c.overload or "default")
@@ -237,9 +241,9 @@ def call_aten(c: L.AtenCall, tensor, env) -> list:
 def _aten(c: L.AtenCall, bufs, env) -> dict[str, np.ndarray]:
     """The ATen fallback runs ATen itself, through torch (the reference has nothing else)."""
 
-    def tensor(a):
-        shape = [evaluate(d, env) for d in a[3]]
-        return torch.from_numpy(np.ascontiguousarray(bufs[a[1]])).reshape(shape)
+    def tensor(a: L.AtenTensor):
+        shape = [evaluate(d, env) for d in a.shape]
+        return torch.from_numpy(np.ascontiguousarray(bufs[a.buf])).reshape(shape)
     got = {}
     for r, t in call_aten(c, tensor, env):
         for d, sym, _ in r.binds:  # data-dependent sizes are known from here on

@@ -32,27 +32,30 @@ def _gemm(g: L.Gemm) -> list[str]:
             f"out=buf_{g.name}.view({', '.join(out)},))"]
 
 
-def _aten_arg(a) -> str:
-    kind = a[0]
-    if kind == "tensor":
-        _, buf, _, shape, strides, offset = a
-        sizes = "".join(f"{to_py(d)}, " for d in shape)
-        st = "".join(f"{to_py(d)}, " for d in strides)
-        return (f"buf_{buf}.view(-1).as_strided(({sizes}), ({st}), "
-                f"buf_{buf}.storage_offset() + {to_py(offset)})")
-    if kind == "tensors":
-        return "[" + ", ".join(_aten_arg(x) for x in a[1]) + "]"
-    if kind == "opt":
-        return _aten_arg(a[1])
-    if kind == "none":
-        return "None"
-    if kind == "int":
-        return to_py(a[1])
-    if kind == "ints":
-        return "[" + ", ".join(to_py(v) for v in a[1]) + "]"
-    if kind == "dtype":
-        return f"torch.{a[1]}"
-    return repr(a[1]) if kind in ("bool", "str") else f"float({str(float(a[1]))!r})"
+def _aten_arg(a: L.AtenArg) -> str:
+    match a:
+        case L.AtenTensor(buf=buf, shape=shape, strides=strides, offset=offset):
+            sizes = "".join(f"{to_py(d)}, " for d in shape)
+            st = "".join(f"{to_py(d)}, " for d in strides)
+            return (f"buf_{buf}.view(-1).as_strided(({sizes}), ({st}), "
+                    f"buf_{buf}.storage_offset() + {to_py(offset)})")
+        case L.AtenTensors(items=items):
+            return "[" + ", ".join(_aten_arg(x) for x in items) + "]"
+        case L.AtenOptional(value=value):
+            return _aten_arg(value)
+        case L.AtenNone():
+            return "None"
+        case L.AtenInt(value=v):
+            return to_py(v)
+        case L.AtenInts(values=vs):
+            return "[" + ", ".join(to_py(v) for v in vs) + "]"
+        case L.AtenDtype(dtype=dt):
+            return f"torch.{dt.name}"
+        case L.AtenBool(value=v) | L.AtenStr(value=v):
+            return repr(v)
+        case L.AtenFloat(value=v):
+            return f"float({str(float(v))!r})"
+    raise TypeError(a)
 
 
 def _aten(c: L.AtenCall, bounds) -> list[str]:

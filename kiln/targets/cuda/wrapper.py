@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import math
 
+from kiln.ir import loop as L
 from kiln.ir import program as P
 from kiln.ir.dtypes import DTYPES
 from kiln.ir.sym import to_c
@@ -201,12 +202,19 @@ class _Printer(SizeCheckPrinter):
                           f"{_cstr('copy ' + init + ' -> ' + out)})) return 1;")
         args = []
         for k, (p, v, ty) in enumerate(u.launch_args()):
-            if v[0] == "buf":
-                args.append(f"&buf_{v[1]}")
+            if isinstance(v, L.UserBuf):
+                args.append(f"&buf_{v.buf}")
                 continue
             ctype = _USER_ARG[ty]
-            value = to_c(v[1]) if v[0] == "int" else _float(v[1]) if v[0] == "float" \
-                else str(int(v[1]))
+            match v:
+                case L.UserInt(value=e):
+                    value = to_c(e)
+                case L.UserFloat(value=x):
+                    value = _float(x)
+                case L.UserBool(value=b):
+                    value = str(int(b))
+                case _:
+                    raise TypeError(v)
             self.emit(f"  {ctype} a{k} = static_cast<{ctype}>({value});  // {p}")
             args.append(f"&a{k}")
         args += ["&scratch", "&scratch"]

@@ -26,6 +26,7 @@ from pathlib import Path
 import torch
 
 from kiln.gemm.printed import strided_operand
+from kiln.ir import loop as L
 from kiln.ir import program as P
 from kiln.ir.sym import evaluate
 from kiln.gemm.cutlass_evt import evaluate_torch, from_epilogue
@@ -163,9 +164,19 @@ def _run_user(u, x: P.CallUser, bufs: dict, env: dict) -> None:
         return
     kw = {}
     for p, v in x.call.args:
-        kw[p] = (bufs[v[1]].reshape(-1) if v[0] == "buf" else evaluate(v[1], env)
-                 if v[0] == "int" else None if v[0] == "none" else
-                 u.constexprs[p] if v[0] == "config" else v[1])
+        match v:
+            case L.UserBuf(buf=buf):
+                kw[p] = bufs[buf].reshape(-1)
+            case L.UserInt(value=e):
+                kw[p] = evaluate(e, env)
+            case L.UserNone():
+                kw[p] = None
+            case L.UserConfigured():
+                kw[p] = u.constexprs[p]
+            case L.UserFloat(value=c) | L.UserBool(value=c) | L.UserConstexpr(value=c):
+                kw[p] = c
+            case _:
+                raise TypeError(v)
     u.call.spec.fn[grid](**kw, num_warps=u.num_warps, num_stages=u.num_stages)
 
 
@@ -174,12 +185,11 @@ def _run_aten(c, bufs: dict, env: dict, bounds: dict) -> None:
     views of the buffers): every result it writes copied into its buffer, its data-dependent
     sizes bound and checked against their bounds."""
 
-    def tensor(a):
-        _, buf, _, shape, strides, offset = a
-        t = bufs[buf]
-        return torch.as_strided(t, [evaluate(d, env) for d in shape],
-                                [evaluate(d, env) for d in strides],
-                                t.storage_offset() + evaluate(offset, env))
+    def tensor(a: L.AtenTensor):
+        t = bufs[a.buf]
+        return torch.as_strided(t, [evaluate(d, env) for d in a.shape],
+                                [evaluate(d, env) for d in a.strides],
+                                t.storage_offset() + evaluate(a.offset, env))
     for r, got in call_aten(c, tensor, env):
         for d, sym, _ in r.binds:
             env[sym] = int(got.shape[d])
