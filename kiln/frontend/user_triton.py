@@ -45,9 +45,6 @@ _STORES = {"store", "atomic_add", "atomic_and", "atomic_cas", "atomic_max", "ato
            "atomic_or", "atomic_xchg", "atomic_xor", "store_tensor_descriptor"}
 _EMPTY = {"aten.empty.memory_format", "aten.empty_like.default", "aten.empty_permuted.default",
           "aten.empty_strided.default", "aten.new_empty.default"}
-TRITON_DTYPE = {"float32": "fp32", "float16": "fp16", "bfloat16": "bf16", "float64": "fp64",
-                "int64": "i64", "int32": "i32", "int16": "i16", "int8": "i8", "uint8": "u8",
-                "bool": "i1"}
 
 
 @dataclass(frozen=True)

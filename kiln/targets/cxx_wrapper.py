@@ -11,17 +11,9 @@ from kiln.ir import program as P
 from kiln.ir.sym import to_c
 from kiln.memory.assign import intervals
 
-DL_CODE = {"float": 2, "int": 0, "uint": 1, "bool": 6}
-
-
-# torch's ScalarType numbers (part of its stable C interface), for the ATen fallback
-SCALAR_TYPE = {"uint8": 0, "int8": 1, "int16": 2, "int32": 3, "int64": 4, "float16": 5,
-               "float32": 6, "float64": 7, "complex64": 9, "complex128": 10, "bool": 11,
-               "bfloat16": 15, "float8_e5m2": 23, "float8_e4m3fn": 24}
-
 
 def _dl(dt) -> tuple[int, int]:
-    return dt.dl_code, dt.itemsize * 8
+    return dt.dl_code, dt.bits
 
 
 def _cstr(s: str) -> str:
@@ -155,7 +147,7 @@ class SizeCheckPrinter:
                 st = ", ".join(to_c(d) for d in strides) or "0"
                 return [f"{{ const int64_t sz[] = {{{sizes}}}, st[] = {{{st}}};",
                         f"  if (!c.tensor({self.aten_ptr(buf, offset, dt.name)}, {len(shape)}, "
-                        f"sz, st, {SCALAR_TYPE[dt.name]})) goto fail; }}"]
+                        f"sz, st, {dt.scalar_type})) goto fail; }}"]
             case L.AtenTensors(items=items):
                 return [ln for x in items for ln in self._aten_arg(x)] + [
                     f"if (!c.list({len(items)})) goto fail;"]
@@ -175,7 +167,7 @@ class SizeCheckPrinter:
             case L.AtenInts(values=vs):
                 return [f"c.i64({to_c(v)});" for v in vs] + [f"if (!c.list({len(vs)})) goto fail;"]
             case L.AtenDtype(dtype=dt):
-                return [f"c.i64({SCALAR_TYPE[dt.name]});"]
+                return [f"c.i64({dt.scalar_type});"]
             case L.AtenStr(value=v):
                 return [f"if (!c.str({_cstr(v)})) goto fail;"]
         raise TypeError(a)
@@ -205,5 +197,5 @@ class SizeCheckPrinter:
             shape = ", ".join(to_c(d) for d in r.shape) or "0"
             self.emit(f"  {{ const int64_t out_sz[] = {{{shape}}};")
             self.emit(f"    if (!c.copy_out({r.result}, {self.aten_ptr(r.name, 0, r.dtype.name)}"
-                      f", {len(r.shape)}, out_sz, {SCALAR_TYPE[r.dtype.name]})) goto fail; }}"
+                      f", {len(r.shape)}, out_sz, {r.dtype.scalar_type})) goto fail; }}"
                       + (" }" if k == len(res) - 1 else ""))

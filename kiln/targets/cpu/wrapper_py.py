@@ -11,13 +11,6 @@ from kiln.ir import program as P
 from kiln.ir.sym import to_py
 from kiln.targets.cxx_wrapper import condition
 
-TORCH_DTYPE = {"float32": "torch.float32", "float64": "torch.float64", "int64": "torch.int64",
-               "int32": "torch.int32", "int16": "torch.int16", "int8": "torch.int8",
-               "uint8": "torch.uint8", "bool": "torch.bool", "float16": "torch.float16",
-               "bfloat16": "torch.bfloat16", "complex64": "torch.complex64",
-               "complex128": "torch.complex128", "float8_e4m3fn": "torch.float8_e4m3fn",
-               "float8_e5m2": "torch.float8_e5m2"}
-
 
 def _gemm(g: L.Gemm) -> list[str]:
     def view(op: L.Operand, rows, cols) -> str:
@@ -50,7 +43,7 @@ def _aten_arg(a: L.AtenArg) -> str:
         case L.AtenInts(values=vs):
             return "[" + ", ".join(to_py(v) for v in vs) + "]"
         case L.AtenDtype(dtype=dt):
-            return f"torch.{dt.name}"
+            return str(dt.torch)
         case L.AtenBool(value=v) | L.AtenStr(value=v):
             return repr(v)
         case L.AtenFloat(value=v):
@@ -142,7 +135,7 @@ def print_python_wrapper(prog: P.Program, steps, buffers) -> str:
                      f"buf_{x.name} = {x.name}"]
         elif isinstance(x, P.CheckInput):
             body += [f"{x.name} = inputs[{x.index}]",
-                     f"_check({x.name}, {x.index}, {x.name!r}, {TORCH_DTYPE[x.dtype.name]}, "
+                     f"_check({x.name}, {x.index}, {x.name!r}, {x.dtype.torch}, "
                      f"{x.rank})",
                      f"buf_{x.name} = {x.name}"]
         elif isinstance(x, P.BindSize) and x.dim is None:
@@ -163,9 +156,9 @@ def print_python_wrapper(prog: P.Program, steps, buffers) -> str:
         elif isinstance(x, P.AllocOutput):
             shape = ", ".join(to_py(d) for d in (x.capacity or x.shape))
             body.append(f"buf_{x.buf} = torch.empty(({shape}{',' if shape else ''}), "
-                        f"dtype={TORCH_DTYPE[x.dtype.name]})")
+                        f"dtype={x.dtype.torch})")
         elif isinstance(x, P.Alloc):
-            dt = TORCH_DTYPE[x.dtype.name]
+            dt = x.dtype.torch
             if x.offset is None:
                 body.append(f"buf_{x.buf} = torch.empty({to_py(x.numel)}, dtype={dt})")
             else:

@@ -32,14 +32,17 @@ from pathlib import Path
 import sympy
 
 from kiln.errors import CompileError
-from kiln.frontend.user_triton import TRITON_DTYPE
+from kiln.ir import dtypes
 from kiln.ir import loop as L
 from kiln.ir.sym import evaluate
 from kiln.toolchain import triton_aot
-from kiln.targets.cuda.wrapper_py import _DT
+from kiln.targets.cuda.ops import SIG_PTR
 import torch
 
 _I32 = (-2**31, 2**31 - 1)
+# the dtypes a user kernel's tensor arguments may have (spelled as SIG_PTR spells them)
+TENSOR_DTYPES = (dtypes.float32, dtypes.float16, dtypes.bfloat16, dtypes.float64, dtypes.int64,
+                 dtypes.int32, dtypes.int16, dtypes.int8, dtypes.uint8, dtypes.bool_)
 
 
 @dataclass(frozen=True)
@@ -80,11 +83,12 @@ def prepare(call: L.UserKernel, config: int, buffers: dict) -> UserLaunch:
     for i, (p, v) in enumerate(call.args):
         match v:
             case L.UserBuf(buf=buf):
-                dt = buffers[buf].dtype.name
-                if dt not in TRITON_DTYPE:
+                dt = buffers[buf].dtype
+                if dt not in TENSOR_DTYPES:
                     raise CompileError(f"Triton kernel {call.kernel}: tensor argument {p} is "
-                                       f"{dt}; supported: {', '.join(TRITON_DTYPE)}")
-                sig[p] = "*" + TRITON_DTYPE[dt]
+                                       f"{dt.name}; supported: "
+                                       f"{', '.join(d.name for d in TENSOR_DTYPES)}")
+                sig[p] = SIG_PTR[dt]
                 if not params[p].do_not_specialize_on_alignment:
                     attrs[(i,)] = [["tt.divisibility", 16]]
             case L.UserInt(value=value):
@@ -164,7 +168,7 @@ def _example_args(launch: UserLaunch, buffers: dict, hints: dict, device: str) -
             case L.UserBuf(buf=buf):
                 b = buffers[buf]
                 n = max(evaluate(b.numel, hints), 1)
-                dt = _DT[b.dtype.name]
+                dt = b.dtype.torch
                 out[p] = (torch.randn(n, device=device).to(dt) if dt.is_floating_point
                           else torch.zeros(n, dtype=dt, device=device))
             case L.UserInt(value=e):

@@ -34,12 +34,6 @@ from kiln.ir.interp import call_aten
 from kiln.errors import UnsupportedError
 import numpy as np
 
-_DT = {"float32": torch.float32, "float64": torch.float64, "float16": torch.float16,
-       "bfloat16": torch.bfloat16, "int64": torch.int64,
-       "int32": torch.int32, "int16": torch.int16, "int8": torch.int8, "uint8": torch.uint8,
-       "bool": torch.bool, "float8_e4m3fn": torch.float8_e4m3fn,
-       "float8_e5m2": torch.float8_e5m2}
-
 
 def import_triton_module(text: str):
     """Imports the generated module. Triton decides at import time whether kernels run in its
@@ -230,10 +224,10 @@ def run_program(prog: P.Program, kernels: dict, module, weights: dict, inputs: l
             env[x.symbol] = int(inputs[x.input].shape[x.dim])
         elif isinstance(x, P.AllocOutput):  # data-dependent dims at their bounds
             shape = [evaluate(d, env) for d in (x.capacity or x.shape)]
-            bufs[x.buf] = torch.empty(shape, dtype=_DT[x.dtype.name], device=device)
+            bufs[x.buf] = torch.empty(shape, dtype=x.dtype.torch, device=device)
         elif isinstance(x, P.Alloc):
             n = evaluate(x.numel, env)
-            bufs[x.buf] = torch.empty(max(n, 1), dtype=_DT[x.dtype.name], device=device)
+            bufs[x.buf] = torch.empty(max(n, 1), dtype=x.dtype.torch, device=device)
         elif isinstance(x, P.Free):
             bufs.pop(x.buf, None)
         elif isinstance(x, P.CallKernel):
