@@ -19,11 +19,11 @@ def torch_dtype_name(dt: torch.dtype) -> str:
 
 
 def to_dtype(dt: torch.dtype) -> dtypes.DType:
-    name = torch_dtype_name(dt)
-    if name not in dtypes.DTYPES:
-        raise UnsupportedError(f"dtype {name} is not supported yet (supported: "
-                               f"{sorted(dtypes.DTYPES)})")
-    return dtypes.DTYPES[name]
+    try:
+        return dtypes.from_torch(dt)
+    except KeyError:
+        raise UnsupportedError(f"dtype {torch_dtype_name(dt)} is not supported yet (supported: "
+                               f"{sorted(dtypes.DTYPES)})") from None
 
 
 class Builder:

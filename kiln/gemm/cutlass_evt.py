@@ -37,6 +37,7 @@ from dataclasses import dataclass
 
 import sympy
 
+from kiln.ir import dtypes
 from kiln.ir import loop as L
 from kiln.ir.simplify import fold_divmod
 from kiln.ir.sym import contiguous_strides, ivars, linear_index, unravel
@@ -381,7 +382,7 @@ def _align(offset, dtype: str, extent=None) -> int:
     """Vector width (elements) a broadcast load may use: 16 bytes, as far as the first
     element's offset and the vector's length allow (a vector load is predicated on its first
     element only, so the length must be a multiple of it)."""
-    bits = {"float16": 16, "bfloat16": 16, "float32": 32}[dtype]
+    bits = dtypes.dtype(dtype).bits
     a = 128 // bits
     for v in (offset, extent):
         if v is None:
@@ -477,7 +478,6 @@ def evaluate_torch(tree: dict, acc, operands: list, m: int, n: int):
     `acc` the float32 product [B, M, N]; `operands` the tensors of the tree's operands in
     order (src [B, M, N], col [N], row [M], scalar [1])."""
     fns = _torch_fns()
-    dts = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32}
 
     def ev(nd):
         k = nd["kind"]
@@ -491,5 +491,5 @@ def evaluate_torch(tree: dict, acc, operands: list, m: int, n: int):
                 t.reshape(n) if k == "col" else t.reshape(())
         xs = [ev(a) for a in nd["args"]]
         y = torch.clamp(xs[0], *nd["params"]) if nd["fn"] == "clamp" else fns[nd["fn"]](*xs)
-        return y.to(dts[nd["out"]]).float()
-    return ev(tree["root"]).to(dts[tree["out"]])
+        return y.to(dtypes.dtype(nd["out"]).torch).float()
+    return ev(tree["root"]).to(dtypes.dtype(tree["out"]).torch)

@@ -146,7 +146,7 @@ def print_gemm_kernel(gk: GemmKernel, buffers: dict[str, L.Buffer]) -> TritonKer
     for kind, n in params:
         sig[n if kind in ("size", "sms", "status") else f"buf_{n}"] = \
             "i64" if kind == "size" else "i32" if kind == "sms" else "*i32" \
-            if kind == "status" else SIG_PTR[buffers[n].dtype.name]
+            if kind == "status" else SIG_PTR[buffers[n].dtype]
     consts = (("BLOCK_M", cfg["block_m"]), ("BLOCK_N", cfg["block_n"]),
               ("BLOCK_K", cfg["block_k"]), ("GROUP_M", cfg.get("group_m", 8)))
     for c, _ in consts:
@@ -204,7 +204,7 @@ def print_gemm_kernel(gk: GemmKernel, buffers: dict[str, L.Buffer]) -> TritonKer
         return to_tl(e, bnames)
     mx = g.mixed
     quant = {s: mx is not None and mx.side == s for s in ("a", "b")}
-    conv = {s: f".to({TL_DTYPE[g.dtype.name]})  # {mx.qdtype.name} -> {g.dtype.name}, exact"
+    conv = {s: f".to({TL_DTYPE[g.dtype]})  # {mx.qdtype.name} -> {g.dtype.name}, exact"
             if quant[s] else "" for s in quant}
     other = {s: "0" if quant[s] else "0.0" for s in quant}
     if tma:
@@ -236,11 +236,11 @@ def print_gemm_kernel(gk: GemmKernel, buffers: dict[str, L.Buffer]) -> TritonKer
     flat = linear_index([sympy.Symbol(v) for v in tile.values()], contiguous_strides(g.shape))
     names = tile if epi is None else _epilogue_names(g, epi, flat)
     if epi is None:
-        value = f"acc.to({TL_DTYPE[g.dtype.name]})"
+        value = f"acc.to({TL_DTYPE[g.dtype]})"
     else:
         lines.append(f"{p}xidx = i_m * 0 + i_n * 0  # the tile's shape, for loads of scalars")
         rounded = "acc" if g.dtype.name == "float32" else \
-            f"acc.to({TL_DTYPE[g.dtype.name]}).to({tl_compute(g.dtype.name)})"
+            f"acc.to({TL_DTYPE[g.dtype]}).to({tl_compute(g.dtype.name)})"
         lines.append(f"{p}v_{g.name} = {rounded}  # the GEMM result, as its buffer would hold it")
         lines.append(f"{p}# epilogue {epi.name} <- {', '.join(epi.source)}")
         sc = _Scope(names, "mask", {g.name: f"v_{g.name}"}, [0])

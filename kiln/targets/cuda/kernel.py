@@ -106,7 +106,7 @@ class _Scope:
             if e.dtype.name in ROUND8 and e.args[0].dtype != e.dtype:  # round to 8 bits
                 text = f"{triton_round(e.dtype.name)}({x}).to({T})"
             elif e.dtype.name in COMPUTE and e.args[0].dtype != e.dtype:  # round to 16 bits
-                text = f"{x}.to({TL_DTYPE[e.dtype.name]}).to({T})"
+                text = f"{x}.to({TL_DTYPE[e.dtype]}).to({T})"
         else:
             args = [self.value(a) for a in e.args]
             pick = e.args[1] if e.op == "where" else e.args[0]
@@ -361,7 +361,7 @@ def print_triton_kernel(kernel: Kernel, buffers: dict[str, L.Buffer], hints: dic
         elif kind == "status":
             sig[n] = "*i32"
         else:
-            sig[f"buf_{n}"] = SIG_PTR[buffers[n].dtype.name]
+            sig[f"buf_{n}"] = SIG_PTR[buffers[n].dtype]
     sig["XBLOCK"] = sig["RBLOCK"] = "constexpr"
     rows = product(kernel.outer)
     head = [
