@@ -8,7 +8,8 @@ the C++ wrapper that is the artifact and the Python wrapper for debugging); the 
 (parallel, cached by content hash; kiln/toolchain/cxx.py).
 
 The toolchain (`toolchain(opts)`): the host C++ compiler with OpenBLAS (scipy-openblas32) and
-OpenMP, and the runtime headers (kiln/runtime)."""
+OpenMP, the shared runtime headers (kiln/runtime) and this target's own (include/:
+kiln_lib.h, the library routines behind Loop IR `Extern` steps)."""
 
 from __future__ import annotations
 
@@ -32,6 +33,10 @@ from kiln.targets.cpu.wrapper import declare_kernel, print_wrapper
 from kiln.targets.cpu.wrapper_py import print_python_wrapper
 from kiln.targets.stages import Build
 from kiln.toolchain.cxx import INCLUDE_DIRS, Toolchain, build_shared
+
+#: the CPU target's model-side headers (kiln_lib.h), next to the shared ones in kiln/runtime
+INCLUDE = Path(__file__).resolve().parent / "include"
+
 
 @dataclass(frozen=True)
 class CpuBuild(Build):
@@ -59,7 +64,7 @@ def toolchain(opts: Options) -> Toolchain:
         ldflags.append(f"-fsanitize={opts.sanitize}")
     cache = Path(opts.cache_dir) if opts.cache_dir else config.cache_dir()
     return Toolchain(opts.cxx or config.cxx(), cache / "build", tuple(cflags), tuple(ldflags),
-                     INCLUDE_DIRS, jobs)
+                     (*INCLUDE_DIRS, INCLUDE), jobs)
 
 
 def kernel_sources(steps, buffers, opts: Options, aliases=None) -> tuple[dict[str, str], list[str]]:
