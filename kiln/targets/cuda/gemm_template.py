@@ -31,6 +31,7 @@ from __future__ import annotations
 import sympy
 
 from kiln.gemm.triton_gemm import tma_operands, tma_refusal
+from kiln.targets.cuda.cse import render, text
 from kiln.targets.cuda.kernel import Config, TritonKernel, _Scope
 from kiln.targets.cuda.ops import SIG_PTR, TL_DTYPE, tl_compute, to_tl
 from kiln.ir import loop as L
@@ -244,8 +245,8 @@ def print_gemm_kernel(gk: GemmKernel, buffers: dict[str, L.Buffer]) -> TritonKer
         lines.append(f"{p}v_{g.name} = {rounded}  # the GEMM result, as its buffer would hold it")
         lines.append(f"{p}# epilogue {epi.name} <- {', '.join(epi.source)}")
         sc = _Scope(names, "mask", {g.name: f"v_{g.name}"}, [0])
-        value = sc.value(epi.body)
-        lines += [p + s for s in sc.lines]
+        value = text(sc.value(epi.body))
+        lines += render(sc.lines, p)
     lines.append(f"{p}tl.store(buf_{out} + {to_tl(flat)}, {value}, mask=mask)")
     bm, bn = cfg["block_m"], cfg["block_n"]
     tiles = product(g.batch) * FloorDiv(g.m + bm - 1, bm) * FloorDiv(g.n + bn - 1, bn)
