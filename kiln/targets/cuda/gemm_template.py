@@ -133,8 +133,11 @@ def _tma_tile_lines(g: L.Gemm, p: str) -> list[str]:
     return lines
 
 
-def print_gemm_kernel(gk: GemmKernel, buffers: dict[str, L.Buffer]) -> TritonKernel:
+def print_gemm_kernel(gk: GemmKernel, buffers: dict[str, L.Buffer],
+                      name: str | None = None) -> TritonKernel:
+    """`name`: the function's name (default `gk.name`; the header comment keeps `gk.name`)."""
     g, epi, cfg = gk.gemm, gk.epilogue, gk.config
+    name = name or gk.name
     if g.dtype.name not in DTYPES:
         raise UnsupportedError(f"GEMM {g.name} ({', '.join(g.source)}): the Triton GEMM "
                                f"template takes {', '.join(DTYPES)}, not {g.dtype.name}")
@@ -158,7 +161,7 @@ def print_gemm_kernel(gk: GemmKernel, buffers: dict[str, L.Buffer]) -> TritonKer
     bnames = {f"b{d}": f"b{d}" for d in range(nb)}
     lines = [
         "@triton.jit",
-        f"def {gk.name}({', '.join(a for a in sig if sig[a] != 'constexpr')}, "
+        f"def {name}({', '.join(a for a in sig if sig[a] != 'constexpr')}, "
         + ", ".join(f"{c}: tl.constexpr" for c, _ in consts) + "):",
         f"    # {gk.name}: {g.name} = {g.a.buf} @ {g.b.buf}"
         + (f", epilogue {epi.name}" if epi is not None else ""),
@@ -251,6 +254,6 @@ def print_gemm_kernel(gk: GemmKernel, buffers: dict[str, L.Buffer]) -> TritonKer
     bm, bn = cfg["block_m"], cfg["block_n"]
     tiles = product(g.batch) * FloorDiv(g.m + bm - 1, bm) * FloorDiv(g.n + bn - 1, bn)
     warps = cfg.get("num_warps", 4)
-    return TritonKernel(gk.name, "\n".join(lines) + "\n", tuple(params), sig,
+    return TritonKernel(name, "\n".join(lines) + "\n", tuple(params), sig,
                         Config(1, 1, warps), tiles, gk.source, tiles=tiles, constexprs=consts,
                         num_stages=cfg.get("num_stages", 3))
