@@ -29,7 +29,7 @@ from dataclasses import dataclass, field
 
 import sympy
 
-from kiln.schedule.analysis import kernel_params
+from kiln.schedule.analysis import indexes_through_data, kernel_params, read_after_store
 from kiln.targets.float8 import triton_round
 from kiln.targets.cuda.cse import Assign, Code, Line, Ref, Stmt, Store, code, render, value_number
 from kiln.targets.cuda.ops import (COMPUTE, INT_LIMITS, REDUCTIONS, ROUND8, SIG_PTR, TL_DTYPE,
@@ -91,7 +91,6 @@ class _Scope:
     counter: list[int]
     lines: list[Stmt] = field(default_factory=list)
     memo: dict = field(default_factory=dict)
-    status: list[bool] = field(default_factory=lambda: [False])
     depth: int = 0  # of the statements, in loops
 
     def fresh(self, base: str = "t") -> str:
@@ -151,7 +150,6 @@ class _Scope:
                                         "mask={bad})", bad=Ref(bad)), d))
             self.lines.append(Assign(var, code("tl.where({}, 0, {})", Ref(bad), x), d))
             names[ind.var.name] = var
-            self.status[0] = True
         idx = _index(e.index, names)
         if not any(names.get(str(v), "0") != "0" for v in sympy.sympify(e.index).free_symbols):
             idx = code("{} + xidx * 0", idx)  # a block pointer: the mask is a block
@@ -238,11 +236,10 @@ class _KernelPrinter:
         self.k = len(kernel.outer)
         self.locals = {n: f"v_{n}" for n in kernel.locals}
         self.counter = [0]
-        self.status = [False]
         self.outer_names = {f"i{d}": f"i{d}" for d in range(self.k)}
 
     def scope(self, names, mask, depth: int) -> _Scope:
-        return _Scope(names, mask, self.locals, self.counter, status=self.status, depth=depth)
+        return _Scope(names, mask, self.locals, self.counter, depth=depth)
 
     def pointwise(self, j: int, m: L.Compute, body: list[Stmt]) -> None:
         mem = _Member(self, j, m)
@@ -361,33 +358,28 @@ def _out_index(m: L.Compute) -> sympy.Expr:
     return linear_index(ivars(len(m.shape)), contiguous_strides(m.shape))
 
 
-def kernel_body(kernel: Kernel, buffers: dict[str, L.Buffer], config: Config
-                ) -> tuple[list[Stmt], bool]:
+def kernel_body(kernel: Kernel, buffers: dict[str, L.Buffer], config: Config) -> list[Stmt]:
     """The kernel's body as statements, every member printed on its own (before
-    `cse.value_number`), and whether it indexes through data (then it takes `kiln_status`)."""
+    `cse.value_number`)."""
     idx_t = "tl.int32" if _small_indices(kernel, buffers) else "tl.int64"
     kp = _KernelPrinter(kernel, buffers, config, idx_t)
     body: list[Stmt] = []
-    read_later: set[str] = set()
-    for j, m in enumerate(kernel.members):
-        for later in kernel.members[j + 1:]:
-            if m.name in {ld.buf for ld in L.loads(later.body)} and m.name not in kp.locals:
-                read_later.add(m.name)
+    read_later = read_after_store(kernel)
     for j, m in enumerate(kernel.members):
         body.append(Line(code("# {} <- {}", m.name, ", ".join(m.source))))
         (kp.reduction if m.reduce is not None else kp.pointwise)(j, m, body)
         if m.name in read_later:
             body.append(Line(("tl.debug_barrier()  # later members read what this one stored",)))
-    return body, kp.status[0]
+    return body
 
 
 def print_triton_kernel(kernel: Kernel, buffers: dict[str, L.Buffer], hints: dict[str, int],
                         config: Config | None = None) -> TritonKernel:
     config = config or choose_config(kernel, hints)
     idx_t = "tl.int32" if _small_indices(kernel, buffers) else "tl.int64"
-    body, status = kernel_body(kernel, buffers, config)
+    body = kernel_body(kernel, buffers, config)
     params = list(kernel_params(kernel, buffers))
-    if status:
+    if indexes_through_data(kernel):
         params.append(("status", "kiln_status"))
     sig: dict[str, str] = {}
     for kind, n in params:
