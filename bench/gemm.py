@@ -26,7 +26,7 @@ from kiln.lowering import lower
 from kiln.models import zoo
 from kiln.options import Options
 from kiln.passes.dce import dce
-from kiln.pipeline import toolchain
+from kiln.targets.cpu.build import toolchain
 
 SMALL = [(1, 64, 64), (1, 256, 256), (4, 128, 512), (8, 1024, 1024), (16, 16, 16),
          (32, 32, 32), (64, 64, 64), (5, 300, 32), (128, 8, 128), (256, 256, 256)]

@@ -4,7 +4,6 @@
 from __future__ import annotations
 
 import os
-import re
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -21,7 +20,7 @@ from kiln.memory.assign import inplace_report, plan_sizes
 from kiln.memory.report import plan_summary
 from kiln.options import Options
 from kiln.package import write_package
-from kiln.pipeline import Built, build
+from kiln.pipeline import Built, build, target_of
 from kiln.schedule import Kernel
 from kiln.schedule.steps import CutlassGemm, GemmKernel
 from kiln.schedule.analysis import aten_fallback_ops
@@ -196,9 +195,7 @@ def compile(model, example_args=None, *, example_kwargs=None, dynamic_shapes=Non
             device: str = "cpu", options: Options | None = None) -> CompiledModel:
     """Compile an ExportedProgram (or an nn.Module, a function or an op overload, with example
     inputs) ahead of time."""
-    if device != "cpu" and not re.fullmatch(r"cuda(:\d+)?", device):
-        raise UnsupportedError(f"device {device!r} is not supported (use 'cpu', 'cuda' or "
-                               "'cuda:N')")
+    target_of(device)  # refuses a device no target compiles for
     opts = options or Options()
     t0 = time.perf_counter()
     ep = _export(model, example_args, example_kwargs, dynamic_shapes)

@@ -15,6 +15,7 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     ("errors", "config", "__version__", "layers"),
     ("options",),
     ("ir",),  # Graph, Loop and Program IR; dtypes; symbolic sizes; the reference interpreter
+    ("ops",),  # the pointwise op table: one row per op (semantics, body, eager twin), forms
     ("frontend",),  # torch.export program -> Graph IR
     ("passes",),  # Graph IR -> Graph IR
     ("lowering",),  # Graph IR -> Loop IR

@@ -1,65 +1,32 @@
-"""The compiler pipeline: one ordered list of stages from an ExportedProgram to a shared library.
-Timing, IR dumps and verification happen between stages (in `_Run`), never inside them."""
+"""The driver: runs a target's stage list from an ExportedProgram to a shared library.
+
+A target is a folder (kiln/targets/<name>/) whose `stages.py` declares its `TARGET`: a name and
+an ordered tuple of stages (kiln/targets/stages.py says what a stage is). `build` picks the
+target from the device string ("cpu", "cuda", "cuda:N"), then for each stage whose `when`
+holds: runs it, times it into `Built.timings` (the report's `stages`; a stage's timed parts as
+`<stage>.<part>`), runs its verifier (Options.verify) and writes its dumps
+(Options.dump_dir: `NN_<stage>.txt`, and files by name such as the generated sources). Timing,
+dumps and verification happen here, between stages, never inside them; nothing here depends
+on which target runs. A new target is a new folder with its stage list and one entry in
+`TARGETS`."""
 
 from __future__ import annotations
 
+import re
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from kiln import config
-from kiln.gemm import choose_gemms
-from kiln.gemm.fuse import fuse_gemms
-from kiln.targets.cuda.gemm_candidates import build as build_candidates
-from kiln.targets.cpu.kernel import print_kernel
-from kiln.targets.cpu.gemm import declaration, print_gemm_file
-from kiln.targets.cpu.wrapper import declare_kernel, print_wrapper
-from kiln.targets.cpu.wrapper_py import print_python_wrapper
 from kiln.errors import UnsupportedError
-from kiln.frontend.export import import_program
-from kiln.ir import loop as L
-from kiln.ir.graph import print_graph, verify_graph
-from kiln.ir.loop_text import print_loop, verify_loop
-from kiln.ir.program import WeightSpec, print_program, verify_program
-from kiln.ir.sym import evaluate
-from kiln.lowering import lower
-from kiln.memory.assign import assign_offsets
-from kiln.memory.inplace import program_aliases
 from kiln.options import Options
-from kiln.passes.dce import dce
-from kiln.passes.freeze import freeze
-from kiln.passes.lowp_cpu import expand_lowp
-from kiln.passes.mixed_gemm import mixed_gemms
-from kiln.passes.widen_half import widen_half
-from kiln.schedule import Kernel, localize_rows, schedule
-from kiln.schedule.program import build_program, unbacked_bounds
-from kiln.schedule.reorder import reorder_for_memory
-from kiln.toolchain.cxx import INCLUDE_DIRS, Toolchain, build_shared
-from kiln.ir.loop import Extern
-from kiln.targets.cuda.build import build_cuda
-import scipy_openblas32 as blas
+from kiln.targets.cpu.stages import TARGET as CPU
+from kiln.targets.cuda.stages import TARGET as CUDA
+from kiln.targets.stages import Build, Stage, Target
 
-
-
-@dataclass
-class _Run:
-    options: Options
-    timings: dict[str, float] = field(default_factory=dict)
-
-    def stage(self, name: str, fn, *args, dump=None, verify=None):
-        t0 = time.perf_counter()
-        out = fn(*args)
-        self.timings[name] = time.perf_counter() - t0
-        if verify is not None and self.options.verify:
-            verify(out)
-        if dump is not None and self.options.dump_dir:
-            d = Path(self.options.dump_dir)
-            d.mkdir(parents=True, exist_ok=True)
-            (d / f"{len(self.timings):02d}_{name}.txt").write_text(dump(out))
-        return out
+TARGETS: dict[str, Target] = {t.name: t for t in (CPU, CUDA)}
 
 
 @dataclass(frozen=True)
@@ -74,174 +41,50 @@ class Built:
     library: Path
     weights: dict[str, torch.Tensor]
     timings: dict[str, float]
-    device: str = "cpu"  # "cpu" or "cuda" (targets/cuda/build.py built the library)
+    device: str = "cpu"  # the target's name: "cpu" or "cuda"
     cuda: dict = field(default_factory=dict)  # archs and kernel launch configs (CUDA builds)
     reorder: tuple = (0, 0)  # peak temp bytes of program order, and of the order chosen
-    gemms: dict = field(default_factory=dict)  # GEMM name -> autotune.Choice
+    gemms: dict = field(default_factory=dict)  # GEMM name -> gemm Choice
 
 
-def _blas() -> tuple[Path, Path]:
-
-    return Path(blas.get_include_dir()), Path(blas.get_lib_dir())
-
-
-def toolchain(opts: Options) -> Toolchain:
-    inc, lib = _blas()
-    jobs = opts.jobs or config.cpu_count()
-    cflags = ["-std=c++17", "-fPIC", "-fvisibility=hidden", "-fno-math-errno", "-fno-trapping-math",
-              "-DKILN_WITH_BLAS",
-              f"-I{inc}", *opts.opt_flags]
-    if opts.march:
-        cflags.append(f"-march={opts.march}")
-    ldflags = [f"-L{lib}", "-lscipy_openblas", f"-Wl,-rpath,{lib}"]
-    if opts.openmp:
-        cflags.append("-fopenmp")
-        ldflags.append("-fopenmp")
-    if opts.sanitize:  # ASan/UBSan builds (Options.sanitize)
-        cflags += [f"-fsanitize={opts.sanitize}", "-fno-omit-frame-pointer"]
-        ldflags.append(f"-fsanitize={opts.sanitize}")
-    cache = Path(opts.cache_dir) if opts.cache_dir else config.cache_dir()
-    return Toolchain(opts.cxx or config.cxx(), cache / "build", tuple(cflags), tuple(ldflags),
-                     INCLUDE_DIRS, jobs)
+def target_of(device: str) -> Target:
+    """The target a device string names: "<target>", or "<target>:N" for targets of several
+    devices."""
+    m = re.fullmatch(r"(\w+?)(:\d+)?", device)
+    target = TARGETS.get(m.group(1)) if m else None
+    if target is None or (m.group(2) and not target.numbered):
+        names = [f"'{t.name}'" for t in TARGETS.values()]
+        names += [f"'{t.name}:N'" for t in TARGETS.values() if t.numbered]
+        raise UnsupportedError(f"device {device!r} is not supported (use "
+                               f"{', '.join(names[:-1])} or {names[-1]})")
+    return target
 
 
-def kernel_sources(steps, buffers, opts: Options, aliases=None) -> tuple[dict[str, str], list[str]]:
-    """Kernel files (split for parallel builds) and their declarations. `aliases`: kernel ->
-    the parameters that share bytes through in-place reuse (they lose `__restrict__`)."""
-    aliases = aliases or {}
-    kernels = [s for s in L.flat_steps(steps) if isinstance(s, Kernel)]
-    n_files = max(1, min(len(kernels), opts.kernel_files or opts.jobs or config.cpu_count()))
-    files = [["// Generated by kiln: fused kernels.", '#include "kiln_kernels.h"', ""]
-             for _ in range(n_files)]
-    decls = []
-    for i, k in enumerate(kernels):
-        text, params, status = print_kernel(k, buffers, opts.num_threads,
-                                            aliases.get(k.name, frozenset()))
-        files[i * n_files // max(len(kernels), 1)].append(text + "\n")
-        decls.append(declare_kernel(k.name, params, status,
-                                    {b: buffers[b].dtype for b in buffers}))
-    return {f"kernels_{j}.cpp": "\n".join(f) for j, f in enumerate(files)}, decls
-
-
-CUDA_ROUTINES = ("attention",)  # Extern routines CUDA builds run (as generated Triton kernels)
-
-
-def _no_cuda_libs(steps) -> None:
-    for s in L.flat_steps(steps):  # regions of cond / while_loop included
-        if isinstance(s, Extern) and s.routine not in CUDA_ROUTINES:
-            raise UnsupportedError(f"library routine {s.routine} (for {', '.join(s.source)}) "
-                                   "has no CUDA version yet; compile for the CPU")
-
-
-def _no_user_kernels(graph) -> None:
-    """User Triton kernels need a GPU. A triton_op's CPU kernel (register_kernel("cpu")) is
-    Python, which a package cannot run, so a CPU build with a user kernel is refused."""
-    names = [f"{n.attr('spec').name} (node {n.name})" for n in graph.nodes
-             if n.op == "user_kernel"]
-    if names:
-        raise UnsupportedError(f"user Triton kernel {', '.join(names)} needs a GPU: compile "
-                               "with device=\"cuda\" (CPU packages cannot run Triton kernels)")
+def _run(stage: Stage, state: Build, timings: dict[str, float], opts: Options) -> Build:
+    t0 = time.perf_counter()
+    state = stage.run(state)
+    timings[stage.name] = time.perf_counter() - t0
+    if stage.verify is not None and opts.verify:
+        stage.verify(state)
+    if opts.dump_dir and (stage.dump is not None or stage.dump_files is not None):
+        d = Path(opts.dump_dir)
+        d.mkdir(parents=True, exist_ok=True)
+        if stage.dump is not None:
+            (d / f"{len(timings):02d}_{stage.name}.txt").write_text(stage.dump(state))
+        for name, text in (stage.dump_files(state) if stage.dump_files else {}).items():
+            (d / name).write_text(text)
+    timings.update({f"{stage.name}.{k}": v for k, v in state.times.items()})
+    return replace(state, times={})
 
 
 def build(ep: torch.export.ExportedProgram, opts: Options, device: str = "cpu") -> Built:
-    run = _Run(opts)
-    cuda = device.split(":")[0] == "cuda"
-    # 1. torch.export -> Graph IR (core ATen decompositions, weights, pytree specs, Dim ranges)
-    # (CUDA: scaled_dot_product_attention stays one `attention` node, a flash-attention
-    # kernel; the CPU decomposes it into matmul / softmax / matmul)
-    imported = run.stage("import", lambda e: import_program(e, opts.fold_constants,
-                                                           opts.aten_fallback, opts.seed, cuda,
-                                                           fused_attention=cuda and
-                                                           opts.fused_attention), ep)
-    # 2. drop dead nodes and unused weights
-    graph = run.stage("dce", dce, imported.graph, dump=print_graph, verify=verify_graph)
-    if not cuda:
-        _no_user_kernels(graph)
-    weights = dict(imported.weights)
-    if opts.freeze:  # 2a. weights stored in the layout their GEMMs read (passes/freeze.py)
-        graph, weights = run.stage("freeze", lambda g: freeze(g, weights), graph,
-                                   dump=lambda r: print_graph(r[0]),
-                                   verify=lambda r: verify_graph(r[0]))
-    # 2b. CPU: float16 / bfloat16 are storage types: ops compute in float32, round on store
-    # (CUDA keeps them: Triton kernels load/store 16 bits and compute in float32, and cuBLAS
-    # multiplies 16-bit operands on tensor cores with float32 accumulation)
-    if not cuda:  # low-precision GEMMs as float32 / int32 GEMMs (CUDA: cuBLASLt)
-        graph = run.stage("expand_lowp", expand_lowp, graph, dump=print_graph,
-                          verify=verify_graph)
-        graph = run.stage("widen_half", widen_half, graph, dump=print_graph, verify=verify_graph)
-    # 2c. CUDA: GEMMs of int8 tensors converted to float read the int8 tensor (the Triton
-    # template converts tiles as it loads them; cuBLAS has no float16 x int8 GEMM)
-    if cuda and "triton" in opts.gemm_backends:
-        graph = run.stage("mixed_gemm", mixed_gemms, graph, dump=print_graph,
-                          verify=verify_graph)
-    # 3. Graph IR -> Loop IR (views become index maps; pointwise producers inline)
-    loop = run.stage("lower", lower, graph, dump=print_loop, verify=verify_loop)
-    # 4. Loop IR -> kernels (fusion by shared outer loops)
-    steps = run.stage("schedule", lambda p: schedule(p, opts.fuse), loop,
-                      dump=lambda s: "\n".join(map(repr, s)))
-    if not cuda:  # 4a. fused intermediates as per-thread rows (Triton kernels keep tiles)
-        steps = run.stage("localize", lambda s: localize_rows(s, loop), steps)
-    # 4b. run independent steps in the order that lowers peak memory (never worse)
-    reordered = (0, 0)
-    if opts.reorder_for_memory:
-        env = {s.name: s.example for s in graph.symbols}
-        for name, bound in unbacked_bounds(steps):  # data-dependent sizes at their bounds
-            env[name] = evaluate(bound, env)
-        steps, *reordered = run.stage("reorder", lambda s: reorder_for_memory(s, loop, env),
-                                      steps)
-    gemms: dict = {}
-    if cuda:  # 4c. GEMM backends (kiln/autotune); Triton (and CUTLASS visitor-tree) GEMMs
-        # absorb their epilogue
-        keep = set(loop.outputs) | {src for _, src in loop.mutations}
-        gemms = run.stage("autotune", lambda s: choose_gemms(
-            s, graph.symbols, opts, "cuda", outputs=keep, buffers=L.all_buffers(loop),
-            printer=build_candidates), steps)
-        steps = run.stage("fuse_gemms", lambda s: fuse_gemms(s, gemms, keep), steps,
-                          dump=lambda s: "\n".join(map(repr, s)))
-    weights = {i.name: weights[i.name] for i in graph.weights}
-    specs = [WeightSpec(i.name, i.fqn, i.type.dtype, tuple(int(d) for d in i.type.shape),
-                        weights[i.name].numel() * weights[i.name].element_size(),
-                        mutable=i.kind == "state", permuted=i.permuted)
-             for i in graph.weights]
-    # 5. kernels -> Program IR (input checks, liveness-based Alloc/Free)
-    # (no in-place reuse on CUDA: threads of a Triton program do not run in lock step)
-    program = run.stage("program", build_program, graph, loop, steps, specs, not cuda,
-                        dump=print_program, verify=verify_program)
-    # 6. memory plan: one arena, offsets proven overlap-free
-    program, plan, ivs = run.stage(
-        "plan", lambda p: assign_offsets(p, opts.verify, opts.plan_budget_s), program,
-        dump=lambda r: print_program(r[0]), verify=lambda r: verify_program(r[0], planned=True))
-    buffers = L.all_buffers(loop)  # control-flow regions' buffers included
-    if cuda:  # 7-8 for NVIDIA GPUs: Triton kernels -> cubins, CUDA wrapper (targets/cuda/build.py)
-        _no_cuda_libs(steps)
-        hints = {s.name: s.example for s in graph.symbols}
-        for name, bound in program.unbacked:  # data-dependent sizes: configs for their bounds
-            hints[name] = evaluate(bound, hints)
-        sources, lib, info = build_cuda(run, steps, buffers, program, hints, opts, gemms)
-        return Built(graph, loop, steps, program, plan, ivs, sources, lib, weights, run.timings,
-                     "cuda", info, reorder=tuple(reordered), gemms=gemms)
-    # 6b. GEMM backends: profiled (max_autotune), cached, or by heuristic (kiln/autotune)
-    tc = toolchain(opts)
-    gemms = run.stage("autotune", lambda s: choose_gemms(s, graph.symbols, opts, "cpu", tc),
-                      steps)
-    # 7. printers: C++ kernels, the C++ wrapper (artifact) and the Python wrapper (debugging)
-    sources, decls = run.stage("codegen", kernel_sources, steps, buffers, opts,
-                               program_aliases(program))
-    gemm_file = print_gemm_file(steps, gemms)
-    if gemm_file is not None:
-        sources["gemm.cpp"] = gemm_file
-        decls += [declaration(s) for s in steps
-                  if isinstance(s, L.Gemm) and gemms[s.name].backend == "cpp"]
-    sources["model.cpp"] = print_wrapper(program, decls, gemms, opts.check_finite)
-    sources["model.py"] = print_python_wrapper(program, steps, buffers)
-    if opts.dump_dir:
-        for name, text in sources.items():
-            (Path(opts.dump_dir) / name).write_text(text)
-    # 8. C++ compiler: parallel, cached by content hash
-    cpp = {k: v for k, v in sources.items() if k.endswith(".cpp")}
-    # the wrapper is straight-line glue around kernels and BLAS calls: -O1 compiles it faster
-    lib, tt = run.stage("compile", lambda s: build_shared(tc, s,
-                                                          {"model.cpp": ("-O1",)}), cpp)
-    run.timings.update({f"compile.{k}": v for k, v in tt.items()})
-    return Built(graph, loop, steps, program, plan, ivs, sources, lib, weights, run.timings,
-                 reorder=tuple(reordered), gemms=gemms)
+    target = target_of(device)
+    timings: dict[str, float] = {}
+    state = target.state(options=opts, ep=ep)
+    for stage in target.stages:
+        if stage.when(state):
+            state = _run(stage, state, timings, opts)
+    return Built(state.graph, state.loop, state.steps, state.program, state.plan,
+                 state.intervals, dict(state.sources), state.library, dict(state.weights),
+                 timings, target.name, dict(state.info), reorder=tuple(state.reorder),
+                 gemms=dict(state.gemms))

@@ -15,6 +15,7 @@ import sympy
 import torch
 
 from kiln.errors import InputError, PackageError
+from kiln.ir import dtypes
 from torch.utils import _pytree as pytree
 
 __all__ = ["read_manifest", "entries", "symbols", "resolve_shape", "torch_dtype", "fmt_bytes",
@@ -79,18 +80,13 @@ def resolve_shape(shape: Any, values: dict[str, int]) -> list[int]:
     return out
 
 
-_DTYPES = {
-    "f32": torch.float32, "float": torch.float32, "float32": torch.float32,
-    "f64": torch.float64, "double": torch.float64, "float64": torch.float64,
-    "f16": torch.float16, "half": torch.float16, "float16": torch.float16,
-    "bf16": torch.bfloat16, "bfloat16": torch.bfloat16,
-    "i64": torch.int64, "long": torch.int64, "int64": torch.int64,
-    "i32": torch.int32, "int": torch.int32, "int32": torch.int32,
-    "i16": torch.int16, "int16": torch.int16, "i8": torch.int8, "int8": torch.int8,
-    "u8": torch.uint8, "uint8": torch.uint8, "bool": torch.bool,
-    "f8_e4m3": torch.float8_e4m3fn, "float8_e4m3fn": torch.float8_e4m3fn,
-    "f8_e5m2": torch.float8_e5m2, "float8_e5m2": torch.float8_e5m2,
-}
+# torch's names and safetensors' spellings (lowercased: "f32", "bf16", ...) of every real
+# dtype (random_inputs cannot draw complex values), and C's names for the common ones
+_DTYPES = {**{k: d.torch for d in dtypes.DTYPES.values() if not d.is_complex
+              for k in (d.name, d.safetensors.lower())},
+           **{k: dtypes.dtype(v).torch for k, v in (("float", "float32"), ("double", "float64"),
+                                                    ("half", "float16"), ("long", "int64"),
+                                                    ("int", "int32"))}}
 
 
 def torch_dtype(name: Any) -> torch.dtype:

@@ -14,7 +14,8 @@ from kiln.errors import UnsupportedError
 from kiln.frontend.aten_table import register
 
 # Graph IR ops these converters emit that lower to kiln_lib.h routines, which are CPU code: a
-# CUDA program calls ATen for the aten op instead (frontend/export.py: convert_node)
+# target without them (import_program's `library_routines`, off for CUDA) calls ATen for the
+# aten op instead (frontend/export.py: convert_node)
 CPU_ONLY_OPS = frozenset({"sort", "topk", "scan", "scan_extreme", "scatter", "index_put",
                           "masked_scatter", "embedding_bag"})
 

@@ -23,7 +23,7 @@ def _random(b, n, dist: str, like=None, result=None, shape_of=None) -> str:
     dt = b.meta_dtype(n) if result is None else n.meta["val"][result].dtype
     compute = dt if dt in (torch.float32, torch.float64) else torch.float32
     name = b.emit("random", [b.rng_state()], None, like=n, result=result, shape_of=shape_of,
-                  dtype=dtypes.DTYPES[str(compute).removeprefix("torch.")], dist=dist,
+                  dtype=dtypes.from_torch(compute), dist=dist,
                   stream=b.rng_stream())
     return name
 
@@ -53,7 +53,7 @@ def _uniform(b, n):
 
 
 def _scalar(b, value, dt: dtypes.DType) -> str:
-    return b.scalar(value, getattr(torch, dt.name))
+    return b.scalar(value, dt.torch)
 
 
 @register("aten.normal.Tensor_Tensor", "aten.normal.Tensor_float", "aten.normal.float_Tensor",
@@ -69,7 +69,7 @@ def _normal(b, n):
         std = n.args[1] if len(n.args) > 1 else n.kwargs.get("std", 1.0)
     z = _random(b, n, "normal")
     dt = b.types[z].dtype
-    t = getattr(torch, dt.name)
+    t = dt.torch
 
     def operand(v):
         return _scalar(b, float(v), dt) if isinstance(v, (int, float)) else \
@@ -109,7 +109,7 @@ def _bernoulli(b, n):
     u = _random(b, n, "uniform")
     dt = b.types[u].dtype
     pv = _scalar(b, float(p), dt) if isinstance(p, (int, float)) else \
-        b.cast_to(b.tensor(p), getattr(torch, dt.name), n)
+        b.cast_to(b.tensor(p), dt.torch, n)
     keep = b.emit("lt", [u, pv], None, like=n, dtype=dtypes.bool_)
     return _finish(b, n, keep)
 

@@ -9,11 +9,15 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from kiln.errors import UnsupportedError
+from kiln.ops import ROWS
 
 Converter = Callable[..., str]
 TABLE: dict[str, Converter] = {}
 
-UNARY = {
+#: aten op name -> kiln pointwise op (a row of kiln/ops/table.py, which says what it computes).
+#: The row's arity picks the overloads registered: `.default` for one operand, the Tensor /
+#: Scalar variants (`BINARY_OVERLOADS`) for two.
+POINTWISE = {
     "neg": "neg", "exp": "exp", "log": "log", "sqrt": "sqrt", "rsqrt": "rsqrt", "tanh": "tanh",
     "sigmoid": "sigmoid", "relu": "relu", "abs": "abs", "sin": "sin", "cos": "cos", "erf": "erf",
     "logical_not": "logical_not", "reciprocal": "reciprocal", "floor": "floor", "ceil": "ceil",
@@ -24,8 +28,6 @@ UNARY = {
     "atanh": "atanh", "erfc": "erfc", "hardswish": "hardswish", "hardsigmoid": "hardsigmoid",
     "mish": "mish", "softplus_default": "softplus", "log10": "log10", "i0": "i0",
     "special_i0": "i0", "signbit": "signbit",
-}
-BINARY = {
     "add": "add", "sub": "sub", "mul": "mul", "div": "div", "pow": "pow", "maximum": "maximum",
     "minimum": "minimum", "eq": "eq", "ne": "ne", "lt": "lt", "le": "le", "gt": "gt", "ge": "ge",
     "logical_and": "logical_and", "logical_or": "logical_or", "logical_xor": "logical_xor",
@@ -64,12 +66,14 @@ def _binary(op: str) -> Converter:
     return conv
 
 
-for _name, _op in UNARY.items():
-    register(f"aten.{_name}.default")(_unary(_op))
-for _name, _op in BINARY.items():
-    for _ov in ("Tensor", "Scalar", "default", "Tensor_Scalar", "Scalar_Tensor", "Tensor_Tensor",
-                "Tensor_mode", "Scalar_mode"):
-        register(f"aten.{_name}.{_ov}")(_binary(_op))
+BINARY_OVERLOADS = ("Tensor", "Scalar", "default", "Tensor_Scalar", "Scalar_Tensor",
+                    "Tensor_Tensor", "Tensor_mode", "Scalar_mode")
+for _name, _op in POINTWISE.items():
+    if ROWS[_op].arity == 1:
+        register(f"aten.{_name}.default")(_unary(_op))
+    else:
+        for _ov in BINARY_OVERLOADS:
+            register(f"aten.{_name}.{_ov}")(_binary(_op))
 register("aten.true_divide.Tensor")(_binary("div"))
 register("aten.rsub.Scalar", "aten.rsub.Tensor")(
     lambda b, n: b.emit("sub", list(reversed(b.promoted_operands(n, n.args[0], n.args[1]))), n))
@@ -77,13 +81,14 @@ register("aten.rsub.Scalar", "aten.rsub.Tensor")(
 
 @register("aten.gelu.default")
 def _gelu(b, n):
-    return b.emit("gelu", [b.tensor(n.args[0])], n,
-                  approximate=n.kwargs.get("approximate", n.args[1] if len(n.args) > 1 else "none"))
+    default = ROWS["gelu"].default("approximate")
+    return b.emit("gelu", [b.tensor(n.args[0])], n, approximate=n.kwargs.get(
+        "approximate", n.args[1] if len(n.args) > 1 else default))
 
 
 @register("aten.leaky_relu.default")
 def _leaky(b, n):
-    slope = n.args[1] if len(n.args) > 1 else 0.01
+    slope = n.args[1] if len(n.args) > 1 else ROWS["leaky_relu"].default("slope")
     return b.emit("leaky_relu", [b.tensor(n.args[0])], n, slope=float(slope))
 
 

@@ -19,11 +19,11 @@ def torch_dtype_name(dt: torch.dtype) -> str:
 
 
 def to_dtype(dt: torch.dtype) -> dtypes.DType:
-    name = torch_dtype_name(dt)
-    if name not in dtypes.DTYPES:
-        raise UnsupportedError(f"dtype {name} is not supported yet (supported: "
-                               f"{sorted(dtypes.DTYPES)})")
-    return dtypes.DTYPES[name]
+    try:
+        return dtypes.from_torch(dt)
+    except KeyError:
+        raise UnsupportedError(f"dtype {torch_dtype_name(dt)} is not supported yet (supported: "
+                               f"{sorted(dtypes.DTYPES)})") from None
 
 
 class Builder:
@@ -42,8 +42,10 @@ class Builder:
         self.counter = 0
         self.ranges: dict = {}  # torch symbol -> value range (ep.range_constraints)
         self.aten_fallback = False  # unknown ops call ATen (frontend/fallback.py)
-        self.cuda = False  # a CUDA program: ops kiln lowers to CPU routines call ATen instead
-        # the target runs attention as one fused step (CUDA: aten_high._sdpa emits `attention`)
+        # the target links kiln's CPU library routines (kiln_lib.h); without them the ops
+        # kiln lowers to one call ATen instead (frontend/export.py: convert_node)
+        self.library_routines = True
+        # the target runs attention as one fused step (aten_high._sdpa emits `attention`)
         self.fused_attention = False
         self.rng: str | None = None  # the random-number state input, once a random op needs it
         self.streams = 0

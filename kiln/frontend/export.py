@@ -180,21 +180,24 @@ def _all_known(ep: ExportedProgram) -> bool:
 
 
 def import_program(ep: ExportedProgram, fold: bool = True, aten_fallback: bool = False,
-                   seed: int = 0, cuda: bool = False, fused_attention: bool = False
+                   seed: int = 0, library_routines: bool = True, fused_attention: bool = False
                    ) -> Imported:
     """Translate `ep` to Graph IR; with `fold`, weight-only subgraphs are evaluated now and
     become weights (see fold.py). When every op is one kiln converts directly (aten_high.py
     and aten_table.py), the program is imported as exported; otherwise (or when a converter
-    declines) it is decomposed to core ATen first. `fused_attention` (CUDA targets) turns
+    declines) it is decomposed to core ATen first. The target decides two things:
+    `library_routines` (the target links kiln's CPU library routines, kiln_lib.h): without
+    them an op kiln would lower to one (aten_library.CPU_ONLY_OPS) calls ATen instead (with
+    `aten_fallback`; else it is refused); `fused_attention` turns
     scaled_dot_product_attention into one `attention` node instead of its decomposition."""
     if _all_known(ep):
         try:
-            return _import(ep, fold, aten_fallback, seed, cuda, fused_attention)
+            return _import(ep, fold, aten_fallback, seed, library_routines, fused_attention)
         except Fallback:
             pass
     # triton_op custom ops decompose into the Triton kernel HOP (frontend/user_triton.py)
     return _import(ep.run_decompositions(decompose_custom_triton_ops=True), fold, aten_fallback,
-                   seed, cuda, fused_attention)
+                   seed, library_routines, fused_attention)
 
 
 SIZE_ASSERTS = {"aten._assert_scalar.default", "aten.sym_constrain_range_for_size.default",
@@ -276,7 +279,7 @@ def convert_node(b: Builder, n: torch.fx.Node, gm: torch.fx.GraphModule) -> None
     mark, known = len(b.nodes), set(b.types)
     try:
         result = conv(b, n)
-        if b.cuda and any(x.op in CPU_ONLY_OPS for x in b.nodes[mark:]):
+        if not b.library_routines and any(x.op in CPU_ONLY_OPS for x in b.nodes[mark:]):
             raise UnsupportedError(f"operator {n.target} (node {n.name}) is lowered to a CPU "
                                    "library routine, which CUDA programs cannot call: enable "
                                    "aten_fallback to run it through ATen")
@@ -314,13 +317,13 @@ def _input_mutation(b: Builder, spec, inputs) -> None:
 
 
 def _import(ep: ExportedProgram, fold: bool, aten_fallback: bool = False, seed: int = 0,
-            cuda: bool = False, fused_attention: bool = False) -> Imported:
+            library_routines: bool = True, fused_attention: bool = False) -> Imported:
     syms = SymbolTable()
     b = Builder(syms, convert_node)
     b.fused_attention = fused_attention
     b.ranges = dict(ep.range_constraints)
     b.aten_fallback = aten_fallback
-    b.cuda = cuda
+    b.library_routines = library_routines
     inputs, weights = _weights_and_inputs(ep, syms, b)
     mutated = {s.target for s in ep.graph_signature.output_specs
                if s.kind == OutputKind.BUFFER_MUTATION}

@@ -1,11 +1,11 @@
 """The ATen fallback: an op kiln does not lower becomes an `aten` Graph IR node that calls ATen
 at run time (through torch's stable C interface, see runtime/model/kiln_aten.h).
 
-The converter reads the op's schema and encodes every argument in schema order as a small
-tuple (see `loop.AtenCall`); tensor arguments name the node's inputs by position. An op whose
-arguments or results the stable interface cannot carry (Scalar, Generator, Device, ...),
-and an op that mutates its inputs are refused with an `UnsupportedError` that names the op and
-the reason. One Graph IR node is made per result. A result size that depends on data
+The converter reads the op's schema and encodes every argument in schema order as a
+`loop.AtenArg`; tensor arguments are `AtenOperand`s, naming the node's inputs by position. An
+op whose arguments or results the stable interface cannot carry (Scalar, Generator, Device,
+...), and an op that mutates its inputs are refused with an `UnsupportedError` that names the
+op and the reason. One Graph IR node is made per result. A result size that depends on data
 (torch's unbacked symbol, e.g. the row count of `nonzero`) becomes a size symbol `u0, u1, ...`
 bound when the call returns; memory is planned for its upper bound (`_bound`)."""
 
@@ -15,6 +15,7 @@ import torch
 
 from kiln.errors import UnsupportedError
 from kiln.ir import dtypes
+from kiln.ir import loop as L
 from kiln.ir.graph import Node, TensorType
 from kiln.frontend.builder import to_dtype
 import sympy
@@ -53,40 +54,40 @@ def _binds(b, n, schema, vals, inputs: list[str]) -> list[list[tuple]]:
     return out
 
 
-def _encode(b, n, name: str, t, value, inputs: list[str]):
+def _encode(b, n, name: str, t, value, inputs: list[str]) -> L.AtenArg:
     kind = t.kind()
     where = f"argument {name} of {n.target} (node {n.name})"
     if kind == "OptionalType":
         if value is None:
-            return ("none",)
-        return ("opt", _encode(b, n, name, t.getElementType(), value, inputs))
+            return L.AtenNone()
+        return L.AtenOptional(_encode(b, n, name, t.getElementType(), value, inputs))
     if kind == "TensorType":
         if isinstance(value, (bool, int, float)):  # a wrapped number: a 0-d tensor
             inputs.append(b.tensor(value))
-            return ("tensor", len(inputs) - 1)
+            return L.AtenOperand(len(inputs) - 1)
         if not isinstance(value, torch.fx.Node):
             raise UnsupportedError(f"{where}: a {type(value).__name__} where ATen expects a "
                                    "tensor")
         inputs.append(b.tensor(value))
-        return ("tensor", len(inputs) - 1)
+        return L.AtenOperand(len(inputs) - 1)
     if kind in ("IntType", "SymIntType"):
-        return ("int", b.int_or_sym(value))
+        return L.AtenInt(b.int_or_sym(value))
     if kind == "FloatType":
-        return ("float", float(value))
+        return L.AtenFloat(float(value))
     if kind == "BoolType":
-        return ("bool", bool(value))
+        return L.AtenBool(bool(value))
     if kind == "StringType":
-        return ("str", str(value))
+        return L.AtenStr(str(value))
     if kind == "ScalarTypeType":
-        return ("dtype", to_dtype(value).name)
+        return L.AtenDtype(to_dtype(value))
     if kind == "ListType":
         el = t.getElementType().kind()
         if el in ("IntType", "SymIntType"):
-            return ("ints", tuple(b.int_or_sym(v) for v in value))
+            return L.AtenInts(tuple(b.int_or_sym(v) for v in value))
         if el == "TensorType" or (el == "OptionalType" and
                                   t.getElementType().getElementType().kind() == "TensorType"):
-            return ("tensors", tuple(_encode(b, n, name, t.getElementType(), v, inputs)
-                                     for v in value))
+            return L.AtenTensors(tuple(_encode(b, n, name, t.getElementType(), v, inputs)
+                                       for v in value))
     shown = "Scalar" if kind == "NumberType" else str(t)
     raise UnsupportedError(f"{where} has type {shown}, which kiln's ATen fallback cannot pass "
                            "through torch's stable C interface")

@@ -34,6 +34,7 @@ import torch
 from kiln.errors import UnsupportedError
 from kiln.frontend.aten_table import register
 from kiln.ir import dtypes
+from kiln.ir import loop as L
 from kiln.ir.graph import Node, TensorType
 from kiln.ir.sym import contiguous_strides
 from kiln.frontend.builder import to_dtype
@@ -44,9 +45,6 @@ _STORES = {"store", "atomic_add", "atomic_and", "atomic_cas", "atomic_max", "ato
            "atomic_or", "atomic_xchg", "atomic_xor", "store_tensor_descriptor"}
 _EMPTY = {"aten.empty.memory_format", "aten.empty_like.default", "aten.empty_permuted.default",
           "aten.empty_strided.default", "aten.new_empty.default"}
-TRITON_DTYPE = {"float32": "fp32", "float16": "fp16", "bfloat16": "bf16", "float64": "fp64",
-                "int64": "i64", "int32": "i32", "int16": "i16", "int8": "i8", "uint8": "u8",
-                "bool": "i1"}
 
 
 @dataclass(frozen=True)
@@ -62,14 +60,13 @@ class UserConfig:
 
 @dataclass(frozen=True, eq=False)
 class UserKernelSpec:
-    """A user Triton kernel call. `args`: per kernel parameter, in order, (name, value) with
-    value ("tensor", k) (k-th operand of the node) | ("int", sympy expr) | ("float", x) |
-    ("bool", b) | ("none",) | ("constexpr", v) | ("config",) (set by the chosen config).
+    """A user Triton kernel call. `args`: per kernel parameter, in order, (name, `loop.UserArg`)
+    with tensors as `UserOperand`s (the node's k-th operand).
     `written`: the tensor parameters the kernel writes (the node's results, in order)."""
 
     name: str
     fn: Any  # the triton.JITFunction
-    args: tuple[tuple[str, tuple], ...]
+    args: tuple[tuple[str, L.UserArg], ...]
     configs: tuple[UserConfig, ...]
     keys: tuple[str, ...]  # triton.autotune key arguments
     written: tuple[str, ...]
@@ -233,14 +230,14 @@ def convert_user_kernel(b, n: torch.fx.Node, gm) -> dict[str, str]:
     if len(grids) != len(raw):
         raise UnsupportedError(f"{where}: {len(grids)} grids for {len(raw)} configs")
     operands: list[str] = []
-    args: list[tuple[str, tuple]] = []
+    args: list[tuple[str, L.UserArg]] = []
     tensors: dict[str, torch.fx.Node] = {}
     config_keys = {k for c in raw for k in c["kwargs"]}
     for p in fn.params:
         if p.name in given:
             v = given[p.name]
         elif p.name in config_keys:
-            args.append((p.name, ("config",)))
+            args.append((p.name, L.UserConfigured()))
             continue
         elif p.has_default:
             v = p.default
@@ -259,19 +256,19 @@ def convert_user_kernel(b, n: torch.fx.Node, gm) -> dict[str, str]:
                 raise UnsupportedError(f"{where}: tensor argument {p.name} is a constexpr")
             tensors[p.name] = v
             operands.append(b.tensor(v))
-            args.append((p.name, ("tensor", len(operands) - 1)))
+            args.append((p.name, L.UserOperand(len(operands) - 1)))
         elif p.is_constexpr:
-            args.append((p.name, ("constexpr", v)))
+            args.append((p.name, L.UserConstexpr(v)))
         elif v is None:
-            args.append((p.name, ("none",)))
+            args.append((p.name, L.UserNone()))
         elif isinstance(v, bool):
-            args.append((p.name, ("bool", v)))
+            args.append((p.name, L.UserBool(v)))
         elif isinstance(v, (int, torch.SymInt)) or (
                 isinstance(v, torch.fx.Node) and isinstance(v.meta.get("val"),
                                                             (int, torch.SymInt))):
-            args.append((p.name, ("int", sympy.sympify(b.int_or_sym(v)))))
+            args.append((p.name, L.UserInt(sympy.sympify(b.int_or_sym(v)))))
         elif isinstance(v, float):
-            args.append((p.name, ("float", v)))
+            args.append((p.name, L.UserFloat(v)))
         else:
             raise UnsupportedError(f"{where}: argument {p.name} is a {type(v).__name__}; "
                                    "supported: tensors, ints, sizes, floats, bools, None, "

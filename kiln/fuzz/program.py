@@ -23,9 +23,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from kiln.ir import dtypes
+
 B_MIN, B_MAX, B_EXAMPLE = 2, 9, 3
-DTYPES = {"float32": torch.float32, "float64": torch.float64, "int64": torch.int64,
-          "bool": torch.bool}
 
 UNARY = {
     "neg": torch.neg, "abs": torch.abs, "relu": torch.relu, "tanh": torch.tanh,
@@ -72,7 +72,7 @@ def _apply(op: str, xs: list, a: dict, p, ref64: bool):
         return torch.where(x, xs[1], xs[2])
     if op == "cast":
         dt = a["dtype"]
-        return x.to(torch.float64 if ref64 and dt == "float32" else DTYPES[dt])
+        return x.to(torch.float64 if ref64 and dt == "float32" else dtypes.dtype(dt).torch)
     if op == "reduce":
         fn = REDUCE[a["fn"]]
         if a["fn"] in ("prod", "any", "all"):  # single-dim overloads only
@@ -191,7 +191,8 @@ def make_inputs(spec: dict, seed: int, b: int = B_EXAMPLE) -> tuple[torch.Tensor
     for i in spec["inputs"]:
         shape, dt = concrete(i["shape"], b), i["dtype"]
         if dt.startswith("float"):
-            out.append(torch.randn(shape, generator=g, dtype=torch.float64).to(DTYPES[dt]))
+            x = torch.randn(shape, generator=g, dtype=torch.float64)
+            out.append(x.to(dtypes.dtype(dt).torch))
         elif dt == "bool":
             out.append(torch.randint(0, 2, shape, generator=g).bool())
         elif i.get("high"):

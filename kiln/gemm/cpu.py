@@ -20,6 +20,7 @@ from pathlib import Path
 
 from kiln.gemm.problem import GemmProblem
 from kiln.errors import CompileError
+from kiln.ir import dtypes
 from kiln.toolchain.cxx import _headers_digest, compiler_identity
 
 
@@ -86,7 +87,7 @@ def heuristic(problem: GemmProblem, backends: tuple[str, ...], march: str) -> tu
 
 def driver_source(dtype: str, configs: list[CppConfig]) -> str:
     """A benchmark program over every candidate: `driver CAND NB M N K LA LB MIN_SECONDS`."""
-    T = {"float32": "float", "float64": "double"}[dtype]
+    T = dtypes.dtype(dtype).c_type
     cases = ["    case 0: return kr::gemm<T>(e, \"blas\", nb, 1, M, N, K, A, sa, 0, ar, ac, "
              "B, sb, 0, br, bc, C);"]
     for i, c in enumerate(configs, 1):

@@ -24,11 +24,13 @@ column-major C^T[N, M], so CUTLASS's M is kiln's N):
 | a 0-d tensor                            | Sm90ScalarBroadcast from a pointer      |
 | a float constant                        | Sm90ScalarBroadcast of the value        |
 
-Operators map through `FUNCTORS` (one row each: the CUTLASS functor template and arity);
-decomposed compounds are recognised first: erf-GELU (`0.5 * x * (1 + erf(x * 1/sqrt(2)))`,
-CUTLASS's `GELU`, exact erf for float, as torch's default gelu), tanh-GELU (kiln's own
-functor with `tanhf`: CUTLASS's `GELU_taylor` uses the approximate hardware tanh) and
-`minimum(maximum(x, a), b)` (CUTLASS's `Clamp`, NaN-propagating like torch's clamp)."""
+Operators map through `FUNCTORS` (one row per form of kiln's op table, kiln/ops/table.py:
+the CUTLASS functor template and arity). A form whose body is more than one operator is
+recognised by matching the epilogue against the row's own body (kiln/ops/match.py), before
+single operators: erf-GELU (form `gelu`: CUTLASS's `GELU`, exact erf for float, as torch's
+default gelu), tanh-GELU (form `gelu_tanh`: kiln's own functor with `tanhf`: CUTLASS's
+`GELU_taylor` uses the approximate hardware tanh) and clamp with both bounds (form `clamp`:
+`minimum(maximum(x, a), b)`, CUTLASS's `Clamp`, NaN-propagating like torch's clamp)."""
 
 from __future__ import annotations
 
@@ -37,14 +39,17 @@ from dataclasses import dataclass
 
 import sympy
 
+from kiln.ir import dtypes
 from kiln.ir import loop as L
 from kiln.ir.simplify import fold_divmod
 from kiln.ir.sym import contiguous_strides, ivars, linear_index, unravel
+from kiln.ops import ROWS, form, is_primitive, match
 import torch
 
-#: Loop IR operator (or recognised compound) -> (CUTLASS functor template, arity). Every
-#: functor is applied to Array<float, N> (Sm90Compute converts its inputs to float first).
-#: (Their torch twins, for the profiling child's reference, are `_torch_fns`.)
+#: form of kiln's op table (kiln/ops/table.py; "identity": the rounding node, no form) ->
+#: (CUTLASS functor template, arity). Every functor is applied to Array<float, N>
+#: (Sm90Compute converts its inputs to float first). The torch twin of each, for the
+#: profiling child's reference, is its row's (`_torch_fn`).
 FUNCTORS: dict[str, tuple[str, int]] = {
     "identity": ("cutlass::epilogue::thread::Identity", 1),
     "add": ("cutlass::plus", 2),
@@ -77,6 +82,9 @@ _KILN_UNARY = {  # of one float x
     "erf": "erff(x)",
     "gelu_tanh": "0.5f * x * (1.0f + tanhf(0.7978845608028654f * (x + 0.044715f * x * x * x)))",
 }
+
+#: the fusable forms that are not one Loop IR operator, matched first (ops.match)
+COMPOUND = tuple(f for f in FUNCTORS if f != "identity" and not is_primitive(f))
 
 ELEMENT = {"float16": "cutlass::half_t", "bfloat16": "cutlass::bfloat16_t", "float32": "float"}
 FLOATS = tuple(ELEMENT)
@@ -165,71 +173,6 @@ class _Refuse(Exception):
     pass
 
 
-def _is_const(e, value: float | None = None, tol: float = 1e-6) -> bool:
-    return isinstance(e, L.Const) and e.dtype.is_float and (
-        value is None or abs(float(e.value) - value) <= tol * max(1.0, abs(value)))
-
-
-def _pair(e: L.Op, pred):
-    """(x, other) when one argument of commutative binary `e` satisfies `pred`, else None."""
-    a, b = e.args
-    if pred(a):
-        return a, b
-    if pred(b):
-        return b, a
-    return None
-
-
-def _match_gelu(e) -> tuple[str, object] | None:
-    """("gelu" | "gelu_tanh", x) when `e` is a decomposed GELU of x (the frontend's form
-    `(0.5 * x) * (1 + erf(x * 0.70710678))` / `(1 + tanh(0.79788456 * (x + 0.044715 *
-    (x * (x * x)))))`, factors in either order)."""
-    if not (isinstance(e, L.Op) and e.op == "mul"):
-        return None
-    for half, rest in (e.args, e.args[::-1]):
-        if not (isinstance(half, L.Op) and half.op == "mul"):
-            continue
-        hx = _pair(half, lambda a: _is_const(a, 0.5))
-        if hx is None or not (isinstance(rest, L.Op) and rest.op == "add"):
-            continue
-        x = hx[1]
-        one = _pair(rest, lambda a: _is_const(a, 1.0))
-        if one is None or not isinstance(one[1], L.Op):
-            continue
-        f = one[1]
-        if f.op == "erf":
-            inner = f.args[0]
-            if isinstance(inner, L.Op) and inner.op == "mul":
-                p = _pair(inner, lambda a: _is_const(a, 1 / math.sqrt(2)))
-                if p is not None and p[1] == x:
-                    return "gelu", x
-        if f.op == "tanh":
-            inner = f.args[0]
-            if isinstance(inner, L.Op) and inner.op == "mul":
-                p = _pair(inner, lambda a: _is_const(a, math.sqrt(2 / math.pi)))
-                if p is not None and _cubic(p[1], x):
-                    return "gelu_tanh", x
-    return None
-
-
-def _cubic(e, x) -> bool:
-    """e == x + 0.044715 * x^3 (as x + c * (x * (x * x)), in any operand order)."""
-    if not (isinstance(e, L.Op) and e.op == "add"):
-        return False
-    p = _pair(e, lambda a: a == x)
-    if p is None or not (isinstance(p[1], L.Op) and p[1].op == "mul"):
-        return False
-    q = _pair(p[1], lambda a: _is_const(a, 0.044715))
-    if q is None:
-        return False
-    cube = q[1]
-    if not (isinstance(cube, L.Op) and cube.op == "mul"):
-        return False
-    r = _pair(cube, lambda a: a == x)
-    return r is not None and isinstance(r[1], L.Op) and r[1].op == "mul" and \
-        r[1].args == (x, x)
-
-
 class _Builder:
     def __init__(self, g: L.Gemm, epi: L.Compute, names: dict, m, n, b):
         self.g, self.epi, self.names = g, epi, names
@@ -294,13 +237,11 @@ class _Builder:
         if e.dtype.name not in FLOATS:
             raise _Refuse(f"operator {e.op} computes {e.dtype.name} (CUTLASS epilogues here "
                           "compute in float)")
-        gelu = _match_gelu(e)
-        if gelu is not None:
-            return Node("compute", gelu[0], (self.node(gelu[1]),))
-        if e.op == "minimum" and isinstance(e.args[0], L.Op) and e.args[0].op == "maximum" \
-                and _is_const(e.args[1]) and _is_const(e.args[0].args[1]):
-            lo, hi = float(e.args[0].args[1].value), float(e.args[1].value)
-            return Node("compute", "clamp", (self.node(e.args[0].args[0]),), params=(lo, hi))
+        for name in COMPOUND:
+            m = match(name, e)
+            if m is not None:
+                return Node("compute", name, tuple(self.node(x) for x in m.operands),
+                            params=m.params)
         if e.op == "cast":
             x = e.args[0]
             if x.dtype.name not in FLOATS:
@@ -309,9 +250,10 @@ class _Builder:
             if e.dtype.name == "float32" or e.dtype == x.dtype:
                 return child  # values are float32 already: nothing rounds
             return Node("compute", "identity", (child,), e.dtype.name)
-        if e.op not in FUNCTORS:
+        m = match(e.op, e) if e.op in FUNCTORS and e.op not in COMPOUND else None
+        if m is None:
             raise _Refuse(f"operator {e.op} has no CUTLASS epilogue functor in kiln's table")
-        return Node("compute", e.op, tuple(self.node(a) for a in e.args))
+        return Node("compute", e.op, tuple(self.node(x) for x in m.operands))
 
 
 def _names(g: L.Gemm, epi: L.Compute, m, n, b) -> dict:
@@ -381,7 +323,7 @@ def _align(offset, dtype: str, extent=None) -> int:
     """Vector width (elements) a broadcast load may use: 16 bytes, as far as the first
     element's offset and the vector's length allow (a vector load is predicated on its first
     element only, so the length must be a multiple of it)."""
-    bits = {"float16": 16, "bfloat16": 16, "float32": 32}[dtype]
+    bits = dtypes.dtype(dtype).bits
     a = 128 // bits
     for v in (offset, extent):
         if v is None:
@@ -461,23 +403,19 @@ def _functor(name: str) -> str:
 
 # -- reference (the profiling child checks fused candidates against it) ---------------------
 
-def _torch_fns():
-    erf_gelu = torch.nn.functional.gelu
-    return {
-        "identity": lambda x: x, "add": torch.add, "sub": torch.sub, "mul": torch.mul,
-        "div": torch.div, "neg": torch.neg, "maximum": torch.maximum,
-        "minimum": torch.minimum, "relu": torch.relu, "exp": torch.exp, "tanh": torch.tanh,
-        "sigmoid": torch.sigmoid, "erf": torch.erf, "gelu": erf_gelu,
-        "gelu_tanh": lambda x: erf_gelu(x, approximate="tanh"),
-    }
+def _torch_fn(fn: str, params=()):
+    """The torch twin of functor `fn` (a form's row's, its open attributes set to `params`)."""
+    if fn == "identity":
+        return lambda x: x
+    f = form(fn)
+    twin, attrs = ROWS[f.row].torch, f.values(params)
+    return lambda *xs: twin(*xs, **attrs)
 
 
 def evaluate_torch(tree: dict, acc, operands: list, m: int, n: int):
     """The tree (`Evt.to_json()`) evaluated with torch in float32, as the kernel computes it:
     `acc` the float32 product [B, M, N]; `operands` the tensors of the tree's operands in
     order (src [B, M, N], col [N], row [M], scalar [1])."""
-    fns = _torch_fns()
-    dts = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32}
 
     def ev(nd):
         k = nd["kind"]
@@ -490,6 +428,6 @@ def evaluate_torch(tree: dict, acc, operands: list, m: int, n: int):
             return t.reshape(-1, m, n) if k == "src" else t.reshape(m, 1) if k == "row" else \
                 t.reshape(n) if k == "col" else t.reshape(())
         xs = [ev(a) for a in nd["args"]]
-        y = torch.clamp(xs[0], *nd["params"]) if nd["fn"] == "clamp" else fns[nd["fn"]](*xs)
-        return y.to(dts[nd["out"]]).float()
-    return ev(tree["root"]).to(dts[tree["out"]])
+        y = _torch_fn(nd["fn"], nd["params"])(*xs)
+        return y.to(dtypes.dtype(nd["out"]).torch).float()
+    return ev(tree["root"]).to(dtypes.dtype(tree["out"]).torch)

@@ -43,6 +43,7 @@ from kiln.gemm import blaslt
 from kiln.gemm import triton_gemm as T
 from kiln.gemm.printed import EPILOGUE
 from kiln.gemm.problem import GemmProblem
+from kiln.ir import dtypes
 from kiln.gemm import cutlass
 from kiln.gemm.cutlass_evt import evaluate_torch
 from kiln.gemm.printed import Bench, read
@@ -298,13 +299,12 @@ def _fused_cutlass(cfg, a, b, want, spec, nb, m, n, k, operands=None):
     product `want`."""
 
     tree = cfg["evt_tree"]
-    dt = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32}
     g = torch.Generator(device="cuda").manual_seed(1)
     shape = {"src": (max(nb, 1), m, n), "col": (n,), "row": (m,), "scalar": (1,)}
     ops = list(operands) if operands is not None else [
-        torch.randn(*shape[role], device="cuda", dtype=dt[d], generator=g)
+        torch.randn(*shape[role], device="cuda", dtype=dtypes.dtype(d).torch, generator=g)
         for role, d in tree["operands"]]
-    out = torch.empty(max(nb, 1), m, n, device="cuda", dtype=dt[tree["out"]])
+    out = torch.empty(max(nb, 1), m, n, device="cuda", dtype=dtypes.dtype(tree["out"]).torch)
     src = next((t for (role, _), t in zip(tree["operands"], ops) if role == "src"), None)
     ext = [t for (role, _), t in zip(tree["operands"], ops) if role != "src"]
     ref = evaluate_torch(tree, want, ops, m, n).float()

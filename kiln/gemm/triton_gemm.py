@@ -30,6 +30,8 @@ from kiln.toolchain.triton_aot import import_module
 from pathlib import Path
 import sympy
 
+#: the template's own activations (ACT), keyed by forms of kiln's op table (kiln/ops/table.py:
+#: "relu6" is clamp(0, 6), "gelu" the erf form); tests/test_op_table.py checks the keys
 ACTIVATIONS = {"none": 0, "relu": 1, "relu6": 2, "gelu": 3}
 
 SOURCE = '''

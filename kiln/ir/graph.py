@@ -2,7 +2,8 @@
 
 A `Graph` is immutable. Its `inputs` are user inputs and weights (parameters, buffers, lifted
 constants); `nodes` are in topological order and each names its operands by value name; `outputs`
-name the flat user outputs. Op names and their attributes are those of `frontend/aten_table.py`.
+name the flat user outputs. Op names and their attributes are those of `frontend/aten_table.py`
+(pointwise ops: the rows of `ops/table.py`).
 
 Invariants (checked by `verify_graph`): every operand is defined before use, names are unique,
 every output is defined, shapes are tuples of sympy integer expressions whose free symbols are

@@ -14,15 +14,12 @@ from collections.abc import Mapping
 import numpy as np
 import sympy
 
+from kiln.ir import dtypes
 from kiln.ir import loop as L
 from kiln.ir.sym import evaluate, ivars, rvars
 from kiln.errors import UnsupportedError
 import math
 import torch
-
-NP_DTYPES = {"float32": np.float32, "float64": np.float64, "int64": np.int64, "int32": np.int32,
-             "int16": np.int16, "int8": np.int8, "uint8": np.uint8, "bool": np.bool_,
-             "float16": np.float16, "complex64": np.complex64, "complex128": np.complex128}
 
 
 def _erf(x):
@@ -133,7 +130,7 @@ class _Eval:
     def value(self, e: L.Expr) -> np.ndarray:
         if e in self.memo:
             return self.memo[e]
-        dt = NP_DTYPES[e.dtype.name]
+        dt = e.dtype.numpy
         if isinstance(e, L.Const):
             out = np.asarray(e.value, dtype=dt)
         elif isinstance(e, L.Index):
@@ -177,7 +174,7 @@ def _compute(node: L.Compute, bufs, env) -> np.ndarray:
     if kind in ("argmax", "argmin"):
         flat = vals.reshape(out_shape + (-1,))
         return NP_REDUCE[kind](flat, axis=-1).astype(np.int64).reshape(-1)
-    dt = NP_DTYPES[node.dtype.name]
+    dt = node.dtype.numpy
     with np.errstate(all="ignore"):
         return np.asarray(NP_REDUCE[kind](vals, axis=axes)).astype(dt).reshape(-1)
 
@@ -199,32 +196,36 @@ def _gemm(g: L.Gemm, bufs, env) -> np.ndarray:
     out = np.matmul(a, b)
     if g.mixed is not None and g.mixed.scale is not None:  # int8 operands convert exactly
         out = out * view(g.mixed.scale, m, n).astype(np.float64)
-    return out.astype(NP_DTYPES[g.dtype.name]).reshape(-1)
+    return out.astype(g.dtype.numpy).reshape(-1)
 
 
 def call_aten(c: L.AtenCall, tensor, env) -> list:
     """Runs ATen fallback call `c` through torch.ops (shared by this interpreter and the
-    Python printer, targets/cuda/wrapper_py.py): `tensor(arg)` turns a ("tensor", buf, dtype, shape,
-    strides, offset) argument into a torch tensor, the other arguments decode here. Returns
-    (AtenResult, torch result) for every result `c` writes."""
+    Python printer, targets/cuda/wrapper_py.py): `tensor(arg)` turns an `AtenTensor` argument
+    into a torch tensor, the other arguments decode here. Returns (AtenResult, torch result)
+    for every result `c` writes."""
 
-    def value(a):
-        kind = a[0]
-        if kind == "tensor":
-            return tensor(a)
-        if kind == "tensors":
-            return [value(x) for x in a[1]]
-        if kind == "opt":
-            return value(a[1])
-        if kind == "none":
-            return None
-        if kind == "int":
-            return evaluate(a[1], env)
-        if kind == "ints":
-            return [evaluate(x, env) for x in a[1]]
-        if kind == "dtype":
-            return getattr(torch, a[1])
-        return float(a[1]) if kind == "float" else a[1]
+    def value(a: L.AtenArg):
+        match a:
+            case L.AtenTensor():
+                return tensor(a)
+            case L.AtenTensors(items=items):
+                return [value(x) for x in items]
+            case L.AtenOptional(value=x):
+                return value(x)
+            case L.AtenNone():
+                return None
+            case L.AtenInt(value=v):
+                return evaluate(v, env)
+            case L.AtenInts(values=vs):
+                return [evaluate(x, env) for x in vs]
+            case L.AtenDtype(dtype=dt):
+                return dt.torch
+            case L.AtenFloat(value=v):
+                return float(v)
+            case L.AtenBool(value=v) | L.AtenStr(value=v):
+                return v
+        raise TypeError(a)
 
     name = c.op.split("::", 1)[1]
     fn = getattr(getattr(torch.ops.aten, name), c.overload or "default")
@@ -237,14 +238,14 @@ def call_aten(c: L.AtenCall, tensor, env) -> list:
 def _aten(c: L.AtenCall, bufs, env) -> dict[str, np.ndarray]:
     """The ATen fallback runs ATen itself, through torch (the reference has nothing else)."""
 
-    def tensor(a):
-        shape = [evaluate(d, env) for d in a[3]]
-        return torch.from_numpy(np.ascontiguousarray(bufs[a[1]])).reshape(shape)
+    def tensor(a: L.AtenTensor):
+        shape = [evaluate(d, env) for d in a.shape]
+        return torch.from_numpy(np.ascontiguousarray(bufs[a.buf])).reshape(shape)
     got = {}
     for r, t in call_aten(c, tensor, env):
         for d, sym, _ in r.binds:  # data-dependent sizes are known from here on
             env[sym] = int(t.shape[d])
-        got[r.name] = t.contiguous().numpy().astype(NP_DTYPES[r.dtype.name]).reshape(-1)
+        got[r.name] = t.contiguous().numpy().astype(r.dtype.numpy).reshape(-1)
     return got
 
 
@@ -317,7 +318,7 @@ def _lib_topk(outs, attrs, x):
 
 
 def _lib_scan(outs, attrs, x):
-    dt = NP_DTYPES[outs[0][0]]
+    dt = dtypes.dtype(outs[0][0]).numpy
     rows = _rows(x).astype(dt)
     acc_dt = np.float64 if np.issubdtype(dt, np.floating) else np.int64
     kind = attrs["kind"]
@@ -457,7 +458,7 @@ def run_routine(call: L.Extern, outs, operands: list[np.ndarray]) -> list[np.nda
     """Run the numpy twin of `call` on operands (arrays shaped like its LibArgs); `outs` are the
     (dtype name, shape) of its outputs. Returns flat arrays."""
     got = ROUTINES[call.routine](outs, dict(call.attrs), *operands)
-    return [np.ascontiguousarray(g).astype(NP_DTYPES[dt]).reshape(-1) for g, (dt, _) in
+    return [np.ascontiguousarray(g).astype(dtypes.dtype(dt).numpy).reshape(-1) for g, (dt, _) in
             zip(got, outs)]
 
 

@@ -182,22 +182,124 @@ class Gemm:
             self.mixed.reads() if self.mixed else [])
 
 
+# -- ATen fallback arguments ----------------------------------------------------------------
+# One frozen class per kind of schema argument (`AtenArg`); printers, the interpreter and the
+# analyses dispatch on the class. In Graph IR a tensor argument is an `AtenOperand` (the aten
+# node's k-th input); lowering turns it into an `AtenTensor` (a strided view of a buffer).
+
+
+@dataclass(frozen=True)
+class AtenOperand:
+    """Graph IR only: the `index`-th input of the `aten` node."""
+
+    index: int
+
+
+@dataclass(frozen=True)
+class AtenTensor:
+    """A strided view of buffer `buf`: element (j0, ...) at offset + sum(j_d * strides[d])."""
+
+    buf: str
+    dtype: DType
+    shape: tuple[sympy.Expr, ...]
+    strides: tuple[sympy.Expr, ...]
+    offset: sympy.Expr
+
+
+@dataclass(frozen=True)
+class AtenTensors:
+    """A list of tensors (Tensor[] or Tensor?[]): `AtenTensor`s (`AtenOperand`s in Graph IR),
+    `AtenNone`s or `AtenOptional`s."""
+
+    items: tuple[AtenArg, ...]
+
+
+@dataclass(frozen=True)
+class AtenOptional:
+    """An optional argument that is present."""
+
+    value: AtenArg
+
+
+@dataclass(frozen=True)
+class AtenNone:
+    """An optional argument that is absent."""
+
+
+@dataclass(frozen=True)
+class AtenInt:
+    value: sympy.Expr | int  # a size expression or a constant
+
+
+@dataclass(frozen=True)
+class AtenFloat:
+    value: float
+
+
+@dataclass(frozen=True)
+class AtenBool:
+    value: bool
+
+
+@dataclass(frozen=True)
+class AtenStr:
+    value: str
+
+
+@dataclass(frozen=True)
+class AtenInts:
+    values: tuple[sympy.Expr | int, ...]
+
+
+@dataclass(frozen=True)
+class AtenDtype:
+    """A ScalarType argument."""
+
+    dtype: DType
+
+
+AtenArg = Union[AtenOperand, AtenTensor, AtenTensors, AtenOptional, AtenNone, AtenInt,
+                AtenFloat, AtenBool, AtenStr, AtenInts, AtenDtype]
+
+
+def aten_arg_buffers(arg: AtenArg) -> list[str]:
+    """Buffers an `AtenCall` argument reads."""
+    match arg:
+        case AtenTensor(buf=buf):
+            return [buf]
+        case AtenTensors(items=items):
+            return [b for a in items for b in aten_arg_buffers(a)]
+        case AtenOptional(value=value):
+            return aten_arg_buffers(value)
+    return []
+
+
+def map_aten_tensors(arg: AtenArg, f) -> AtenArg:
+    """`arg` with every tensor argument `t` (inside lists and optionals too) replaced by
+    `f(t)`."""
+    match arg:
+        case AtenTensor() | AtenOperand():
+            return f(arg)
+        case AtenTensors(items=items):
+            return AtenTensors(tuple(map_aten_tensors(a, f) for a in items))
+        case AtenOptional(value=value):
+            return AtenOptional(map_aten_tensors(value, f))
+    return arg
+
+
 @dataclass(frozen=True)
 class AtenCall:
     """out = result `result` of the ATen op `op`.`overload` (of `n_results` tensor results),
     called through torch's stable C interface at run time: the ATen fallback for ops kiln does
-    not lower. `args` are the op's schema arguments in order, each a tuple:
-    ("tensor", buf, dtype name, shape, strides, offset) (a strided view of a buffer) |
-    ("tensors", (tensor args...)) | ("none",) |
-    ("int", expr) | ("float", x) | ("bool", b) | ("str", s) | ("ints", (exprs...)) |
-    ("dtype", name) | ("opt", arg) (an optional argument that is present)."""
+    not lower. `args` are the op's schema arguments in order (`AtenArg`s; tensors are
+    `AtenTensor`s)."""
 
     name: str
     dtype: DType
     shape: tuple[sympy.Expr, ...]
     op: str  # "aten::linalg_inv_ex"
     overload: str  # "" for the default overload
-    args: tuple
+    args: tuple[AtenArg, ...]
     result: int
     n_results: int
     keywords: tuple[str, ...] = ()  # names of the trailing keyword-only arguments
@@ -226,18 +328,6 @@ class AtenResult:
     dtype: DType
     shape: tuple[sympy.Expr, ...]
     binds: tuple[tuple[int, str, sympy.Expr], ...] = ()
-
-
-def aten_arg_buffers(arg) -> list[str]:
-    """Buffers an `AtenCall` argument reads."""
-    kind = arg[0]
-    if kind == "tensor":
-        return [arg[1]]
-    if kind == "tensors":
-        return [b for a in arg[1] for b in aten_arg_buffers(a)]
-    if kind == "opt":
-        return aten_arg_buffers(arg[1])
-    return []
 
 
 @dataclass(frozen=True)
@@ -295,18 +385,73 @@ class Extern:
         return next((v for k, v in self.attrs if k == key), default)
 
 
+# -- user Triton kernel arguments ----------------------------------------------------------
+# One frozen class per kind of kernel parameter value (`UserArg`). In Graph IR (the
+# `UserKernelSpec` of a user_kernel node) a tensor is a `UserOperand` (the node's k-th input);
+# lowering turns it into a `UserBuf` (a whole contiguous buffer).
+
+
+@dataclass(frozen=True)
+class UserOperand:
+    """Graph IR only: the `index`-th operand of the user_kernel node."""
+
+    index: int
+
+
+@dataclass(frozen=True)
+class UserBuf:
+    """A tensor: the pointer to buffer `buf`."""
+
+    buf: str
+
+
+@dataclass(frozen=True)
+class UserInt:
+    value: sympy.Expr  # a constant or an expression over size symbols
+
+
+@dataclass(frozen=True)
+class UserFloat:
+    value: float
+
+
+@dataclass(frozen=True)
+class UserBool:
+    value: bool
+
+
+@dataclass(frozen=True)
+class UserNone:
+    """None (a constant of the compiled kernel)."""
+
+
+@dataclass(frozen=True)
+class UserConstexpr:
+    """A constexpr parameter given `value` by the caller."""
+
+    value: object
+
+
+@dataclass(frozen=True)
+class UserConfigured:
+    """A constexpr the chosen launch config sets."""
+
+
+UserArg = Union[UserOperand, UserBuf, UserInt, UserFloat, UserBool, UserNone, UserConstexpr,
+                UserConfigured]
+
+
 @dataclass(frozen=True)
 class UserKernel:
     """A user-written Triton kernel (frontend/user_triton.py), launched as written: `args` are
-    the kernel's parameters in order, each (param, value) with value ("buf", name) | ("int",
-    sympy expr) | ("float", x) | ("bool", b) | ("none",) | ("constexpr", v) | ("config",) (a
-    constexpr the chosen config sets). Every buffer the kernel writes is one of `outs`, a fresh
-    contiguous buffer; `inits[k]` is the buffer copied into `outs[k]` before the launch (None:
-    uninitialised, the input was `empty`). `spec` keeps the kernel, its configs and grids."""
+    the kernel's parameters in order, each (param, `UserArg`; tensors are `UserBuf`s). Every
+    buffer the kernel writes is one of `outs`, a fresh contiguous buffer; `inits[k]` is the
+    buffer copied into `outs[k]` before the launch (None: uninitialised, the input was
+    `empty`). `spec` keeps the kernel, its configs and grids."""
 
     name: str
     kernel: str  # the Triton function's name
-    args: tuple[tuple[str, tuple], ...]
+    args: tuple[tuple[str, UserArg], ...]
     outs: tuple[str, ...]
     inits: tuple[str | None, ...]
     spec: object  # frontend.user_triton.UserKernelSpec
@@ -314,7 +459,7 @@ class UserKernel:
 
     @property
     def operands(self) -> tuple[str, ...]:
-        return tuple(v[1] for _, v in self.args if v[0] == "buf")
+        return tuple(v.buf for _, v in self.args if isinstance(v, UserBuf))
 
 
 LoopNode = Union[Compute, Gemm, AtenCall, ReadSize, Extern, UserKernel]

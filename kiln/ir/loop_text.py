@@ -19,19 +19,25 @@ def expr_text(e: L.Expr) -> str:
     return f"{e.op}({', '.join(expr_text(a) for a in e.args)})"
 
 
-def aten_arg_text(a) -> str:
-    kind = a[0]
-    if kind == "tensor":
-        return f"%{a[1]}"
-    if kind == "tensors":
-        return "[" + ", ".join(aten_arg_text(x) for x in a[1]) + "]"
-    if kind == "opt":
-        return aten_arg_text(a[1])
-    if kind == "none":
-        return "None"
-    if kind == "ints":
-        return "[" + ", ".join(str(x) for x in a[1]) + "]"
-    return str(a[1])
+def aten_arg_text(a: L.AtenArg) -> str:
+    match a:
+        case L.AtenTensor(buf=buf):
+            return f"%{buf}"
+        case L.AtenOperand(index=k):
+            return f"$arg{k}"
+        case L.AtenTensors(items=items):
+            return "[" + ", ".join(aten_arg_text(x) for x in items) + "]"
+        case L.AtenOptional(value=value):
+            return aten_arg_text(value)
+        case L.AtenNone():
+            return "None"
+        case L.AtenInts(values=values):
+            return "[" + ", ".join(str(x) for x in values) + "]"
+        case L.AtenDtype(dtype=dt):
+            return dt.name
+        case L.AtenInt(value=v) | L.AtenFloat(value=v) | L.AtenBool(value=v) | L.AtenStr(value=v):
+            return str(v)
+    raise TypeError(a)
 
 
 def lib_text(n: L.Extern) -> str:
@@ -42,9 +48,17 @@ def lib_text(n: L.Extern) -> str:
 
 
 def user_text(n: L.UserKernel) -> str:
-    def arg(v) -> str:
-        return f"%{v[1]}" if v[0] == "buf" else "None" if v[0] == "none" else \
-            "<config>" if v[0] == "config" else str(v[1])
+    def arg(v: L.UserArg) -> str:
+        match v:
+            case L.UserBuf(buf=buf):
+                return f"%{buf}"
+            case L.UserNone():
+                return "None"
+            case L.UserConfigured():
+                return "<config>"
+            case L.UserOperand(index=k):
+                return f"$arg{k}"
+        return str(v.value)
     outs = ", ".join(f"%{o}" + (f" <- copy %{i}" if i else "") for o, i in zip(n.outs, n.inits))
     args = ", ".join(f"{p}={arg(v)}" for p, v in n.args)
     return f"{outs} = triton.{n.kernel}({args})  # {', '.join(n.source)}"
@@ -152,6 +166,27 @@ def _verify_extern(n: L.Extern, declared, where: str) -> None:
                             f"tuple of ints")
 
 
+def _verify_aten(n: L.AtenCall, where: str) -> None:
+    """Arguments are Loop IR kinds (tensors are strided views of buffers, not Graph IR
+    operands) and every tensor has as many strides as sizes."""
+
+    def check(a: L.AtenArg) -> L.AtenArg:
+        if not isinstance(a, L.AtenTensor):
+            raise LoopError(f"{where}: tensor argument {a!r} is not a buffer view")
+        if len(a.shape) != len(a.strides):
+            raise LoopError(f"{where}: operand %{a.buf} has {len(a.shape)} sizes and "
+                            f"{len(a.strides)} strides")
+        return a
+    for a in n.args:
+        L.map_aten_tensors(a, check)
+
+
+def _verify_user(n: L.UserKernel, where: str) -> None:
+    for p, v in n.args:
+        if isinstance(v, L.UserOperand):
+            raise LoopError(f"{where}: argument {p} is a Graph IR operand, not a buffer")
+
+
 def verify_loop(p: L.LoopProgram) -> None:
     declared = {b.name: b for b in p.buffers}
     written = {b.name for b in p.buffers if b.kind in ("input", "weight", "state")}
@@ -168,6 +203,10 @@ def verify_loop(p: L.LoopProgram) -> None:
                 raise LoopError(f"{where}: buffer {o} written twice")
         if isinstance(n, L.Extern):
             _verify_extern(n, declared, where)
+        elif isinstance(n, L.AtenCall):
+            _verify_aten(n, where)
+        elif isinstance(n, L.UserKernel):
+            _verify_user(n, where)
         for b in L.node_reads(n):
             if b not in declared:
                 raise LoopError(f"{where}: reads undeclared buffer {b}")

@@ -16,21 +16,11 @@ from kiln.ir.sym import contiguous_strides, ivars
 from kiln.lowering import (attention, control, extern, fallback, indexing, library, lowp,
                            mixed, pointwise, random, reductions, spatial, user_triton, views)
 from kiln.lowering.core import Lazy, LowerCtx, View, from_view
+from kiln.ops import ROWS
 from kiln.errors import UnsupportedError
 
 RULES = {
-    **{op: pointwise.lower_unary for op in (
-        "neg", "exp", "log", "sqrt", "rsqrt", "tanh", "sigmoid", "relu", "abs", "sin", "cos",
-        "erf", "erfc", "logical_not", "reciprocal", "floor", "ceil", "round", "trunc", "log1p",
-        "expm1", "sign", "exp2", "log2", "tan", "atan", "asin", "acos", "sinh", "cosh", "asinh",
-        "acosh", "atanh", "isnan", "isinf", "bitwise_not", "silu", "hardswish", "hardsigmoid",
-        "mish", "softplus", "gelu", "leaky_relu", "clamp", "cast", "log10", "i0", "signbit")},
-    **{op: pointwise.lower_binary for op in (
-        "add", "sub", "mul", "div", "pow", "maximum", "minimum", "eq", "ne", "lt", "le", "gt",
-        "ge", "logical_and", "logical_or", "logical_xor", "remainder", "fmod", "atan2",
-        "bitwise_and", "bitwise_or", "bitwise_xor", "floor_divide", "hypot", "copysign",
-        "nextafter", "shift_left", "shift_right")},
-    "where": pointwise.lower_where,
+    **{name: pointwise.lower_pointwise for name in ROWS},  # kiln/ops/table.py
     "full": pointwise.lower_full,
     "iota": pointwise.lower_iota,
     "random": random.lower_random,

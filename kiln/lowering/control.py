@@ -87,14 +87,8 @@ def _rename_node(n, f):
                    locals=tuple(replace(b, name=f(b.name)) for b in n.locals), **regions)
 
 
-def _rename_aten_arg(arg, f):
-    if arg[0] == "tensor":
-        return (arg[0], f(arg[1]), *arg[2:])
-    if arg[0] == "tensors":
-        return (arg[0], tuple(_rename_aten_arg(a, f) for a in arg[1]))
-    if arg[0] == "opt":
-        return (arg[0], _rename_aten_arg(arg[1], f))
-    return arg
+def _rename_aten_arg(arg: L.AtenArg, f) -> L.AtenArg:
+    return L.map_aten_tensors(arg, lambda t: replace(t, buf=f(t.buf)))
 
 
 def rename(prog: L.LoopProgram, f) -> L.LoopProgram:

@@ -10,7 +10,7 @@ from kiln.ir import loop as L
 from kiln.ir.graph import Node
 from kiln.ir.sym import ivars, rvars
 from kiln.lowering.core import Lazy, LowerCtx
-from kiln.lowering.pointwise import cast, op
+from kiln.ops.build import cast, op
 from kiln.errors import UnsupportedError
 
 

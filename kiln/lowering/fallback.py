@@ -13,22 +13,16 @@ from kiln.ir.graph import Node
 from kiln.lowering.core import Lazy, LowerCtx
 
 
-def _tensor_arg(ctx: LowerCtx, node: Node, lz: Lazy, k: int) -> tuple:
+def _tensor_arg(ctx: LowerCtx, node: Node, lz: Lazy, k: int) -> L.AtenTensor:
     if lz.view is None:
         lz = ctx.realize(f"{node.name}_arg{k}", lz, (node.source or node.name,))
     v = lz.view
-    return ("tensor", v.buf, lz.dtype.name, tuple(lz.shape), tuple(v.strides), v.offset)
+    return L.AtenTensor(v.buf, lz.dtype, tuple(lz.shape), tuple(v.strides), v.offset)
 
 
-def _arg(ctx: LowerCtx, node: Node, a, args: list[Lazy]) -> tuple:
-    kind = a[0]
-    if kind == "tensor":
-        return _tensor_arg(ctx, node, args[a[1]], a[1])
-    if kind == "tensors":
-        return ("tensors", tuple(_arg(ctx, node, x, args) for x in a[1]))
-    if kind == "opt":
-        return ("opt", _arg(ctx, node, a[1], args))
-    return a
+def _arg(ctx: LowerCtx, node: Node, a: L.AtenArg, args: list[Lazy]) -> L.AtenArg:
+    """Graph IR argument `a` with its tensor operands made strided views of buffers."""
+    return L.map_aten_tensors(a, lambda t: _tensor_arg(ctx, node, args[t.index], t.index))
 
 
 def lower_read_size(ctx: LowerCtx, node: Node, args: list[Lazy]) -> Lazy:

@@ -11,7 +11,8 @@ from kiln.ir import dtypes
 from kiln.ir import loop as L
 from kiln.ir.graph import Node
 from kiln.lowering.core import Index, Lazy, LowerCtx
-from kiln.lowering.pointwise import broadcast_index, cast
+from kiln.lowering.pointwise import broadcast_index
+from kiln.ops.build import cast
 
 
 def _base(ctx: LowerCtx, x: Lazy, name: str) -> Lazy:

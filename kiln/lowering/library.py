@@ -22,7 +22,7 @@ from kiln.ir.graph import Node
 from kiln.ir.sym import contiguous_strides
 from kiln.lowering.core import Lazy, LowerCtx, View, from_view, pointwise
 from kiln.lowering.indexing import _broadcast_shapes
-from kiln.lowering.pointwise import cast, op
+from kiln.ops.build import cast, op
 
 # kiln_lib.h enumerations (ScanKind, PutMode, BagMode)
 SCAN_KINDS = {"sum": 0, "prod": 1, "logsumexp": 2}

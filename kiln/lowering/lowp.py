@@ -20,7 +20,8 @@ from kiln.ir import dtypes
 from kiln.ir import loop as L
 from kiln.ir.graph import Node
 from kiln.lowering.core import Lazy, LowerCtx, View, pointwise
-from kiln.lowering.pointwise import cast, load_broadcast, op
+from kiln.lowering.pointwise import load_broadcast
+from kiln.ops.build import cast, op
 
 ALIGN_BYTES = 16
 

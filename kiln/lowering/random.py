@@ -16,7 +16,7 @@ from kiln.ir import loop as L
 from kiln.ir.graph import Node
 from kiln.ir.sym import contiguous_strides, linear_index
 from kiln.lowering.core import Index, Lazy, LowerCtx, pointwise
-from kiln.lowering.pointwise import cast, const, op
+from kiln.ops.build import cast, const, op
 
 I64 = dtypes.int64
 

@@ -10,7 +10,8 @@ from kiln.ir import loop as L
 from kiln.ir.graph import Node
 from kiln.ir.sym import ivars, product, rvars
 from kiln.lowering.core import Index, Lazy, LowerCtx, pointwise
-from kiln.lowering.pointwise import broadcast_index, cast, const, op, to_bool
+from kiln.lowering.pointwise import broadcast_index
+from kiln.ops.build import cast, const, op, to_bool
 
 
 def reduce_lazy(ctx: LowerCtx, base: str, x: Lazy, dims, keepdim: bool, kind: str,

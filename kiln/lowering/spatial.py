@@ -17,7 +17,7 @@ from kiln.ir.sym import FloorDiv, ModIdx, contiguous_strides, ivars, product, rv
 from kiln.lowering.core import Lazy, LowerCtx, View, from_view, pointwise
 from kiln.lowering.extern import gemm
 from kiln.lowering.indexing import indirect_load
-from kiln.lowering.pointwise import cast, const, op
+from kiln.ops.build import cast, const, op
 import numpy as np
 
 I64, BOOL = dtypes.int64, dtypes.bool_

@@ -20,9 +20,9 @@ def lower_user_kernel(ctx: LowerCtx, node: Node, args: list[Lazy]) -> Lazy:
     bufs: dict[int, str] = {}
     outs, inits = [], []
     for pname, v in spec.args:
-        if v[0] != "tensor":
+        if not isinstance(v, L.UserOperand):
             continue
-        lz = args[v[1]]
+        lz = args[v.index]
         if pname in spec.written:
             out = ctx.unique(f"{node.name}_{pname}")
             ctx.declare(out, lz.dtype, lz.shape, "temp")
@@ -30,10 +30,11 @@ def lower_user_kernel(ctx: LowerCtx, node: Node, args: list[Lazy]) -> Lazy:
                                                             src)
             outs.append(out)
             inits.append(init)
-            bufs[v[1]] = out
+            bufs[v.index] = out
         else:
-            bufs[v[1]] = _whole(ctx, lz, f"{node.name}_{pname}", src)
-    loop_args = tuple((p, ("buf", bufs[v[1]]) if v[0] == "tensor" else v) for p, v in spec.args)
+            bufs[v.index] = _whole(ctx, lz, f"{node.name}_{pname}", src)
+    loop_args = tuple((p, L.UserBuf(bufs[v.index]) if isinstance(v, L.UserOperand) else v)
+                      for p, v in spec.args)
     ctx.nodes.append(L.UserKernel(node.name, spec.name, loop_args, tuple(outs), tuple(inits),
                                   spec, (src,)))
     return _token(node)

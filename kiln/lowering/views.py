@@ -11,7 +11,7 @@ from kiln.ir import loop as L
 from kiln.ir.graph import Node
 from kiln.ir.sym import FloorDiv, ModIdx, linear_index, product, unravel
 from kiln.lowering.core import Index, Lazy, LowerCtx, View, from_view
-from kiln.lowering.pointwise import cast, const, op
+from kiln.ops.build import cast, const, op
 from kiln.ir.sym import contiguous_strides
 from kiln.errors import UnsupportedError
 

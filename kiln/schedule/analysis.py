@@ -1,7 +1,9 @@
 """Analyses the printers read instead of computing them: a scheduled kernel's parameter list
 (buffers written, buffers read, size symbols, in the order the printers declare them and the
-Program IR's `CallKernel` lines pass them), and the ATen ops a program calls through the
-fallback (the manifest's `requires`)."""
+Program IR's `CallKernel` lines pass them), whether it indexes through data (then it takes a
+status flag), which of its members a later member reads back from memory (a GPU kernel puts a
+barrier after them), and the ATen ops a program calls through the fallback (the manifest's
+`requires`)."""
 
 from __future__ import annotations
 
@@ -29,6 +31,25 @@ def kernel_params(kernel: Kernel, buffers: dict[str, L.Buffer]) -> list[tuple[st
     params = [("out", b) for b in written] + [("in", b) for b in read]
     params += [("size", s.name) for s in sorted(syms, key=lambda s: s.name)]
     return params
+
+
+def indexes_through_data(kernel: Kernel) -> bool:
+    """Some member loads at an index read from data (`Load.indirect`, also inside another
+    indirect index): the kernel bounds-checks those indices and takes a status flag
+    (`kiln_status`) to report one out of range."""
+    return any(ld.indirect for m in kernel.members for ld in L.loads(m.body))
+
+
+def read_after_store(kernel: Kernel) -> set[str]:
+    """The members whose stored result a later member of the kernel loads (a register local,
+    `Kernel.locals`, is never stored): on a GPU other threads of the program stored what that
+    member reads, so a barrier comes between."""
+    out: set[str] = set()
+    for j, m in enumerate(kernel.members):
+        for later in kernel.members[j + 1:]:
+            if m.name in {ld.buf for ld in L.loads(later.body)} and m.name not in kernel.locals:
+                out.add(m.name)
+    return out
 
 
 def _expr_syms(e: L.Expr) -> set:

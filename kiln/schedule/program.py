@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import sympy
 
-from kiln.schedule.analysis import kernel_params
+from kiln.schedule.analysis import indexes_through_data, kernel_params
 from kiln.errors import UnsupportedError
 from kiln.ir import loop as L
 from kiln.ir import program as P
@@ -147,7 +147,7 @@ def build_program(graph: Graph, prog: L.LoopProgram, steps: tuple[Step, ...],
         else:
             assert isinstance(step, Kernel)
             params = tuple(kernel_params(step, buffers))
-            lines.append(P.CallKernel(step.name, params, _has_status(step),
+            lines.append(P.CallKernel(step.name, params, indexes_through_data(step),
                                       tuple(m.name for m in step.members), step.source))
         for b in sorted(temps):
             if last[b] == i:
@@ -172,10 +172,6 @@ def unbacked_bounds(steps) -> tuple[tuple[str, sympy.Expr], ...]:
                 subs = {unbacked_symbol(n): b for n, b in out}
                 out.append((name, sympy.sympify(bound).subs(subs)))
     return tuple(out)
-
-
-def _has_status(kernel: Kernel) -> bool:
-    return any(ld.indirect for m in kernel.members for ld in L.loads(m.body))
 
 
 def region_lines(region: L.Region, inplace: bool) -> tuple[P.Line, ...]:

@@ -6,21 +6,14 @@ from __future__ import annotations
 
 import sympy
 
+from kiln.ir import loop as L
 from kiln.ir import program as P
 from kiln.ir.sym import to_c
 from kiln.memory.assign import intervals
 
-DL_CODE = {"float": 2, "int": 0, "uint": 1, "bool": 6}
-
-
-# torch's ScalarType numbers (part of its stable C interface), for the ATen fallback
-SCALAR_TYPE = {"uint8": 0, "int8": 1, "int16": 2, "int32": 3, "int64": 4, "float16": 5,
-               "float32": 6, "float64": 7, "complex64": 9, "complex128": 10, "bool": 11,
-               "bfloat16": 15, "float8_e5m2": 23, "float8_e4m3fn": 24}
-
 
 def _dl(dt) -> tuple[int, int]:
-    return dt.dl_code, dt.itemsize * 8
+    return dt.dl_code, dt.bits
 
 
 def _cstr(s: str) -> str:
@@ -147,37 +140,36 @@ class SizeCheckPrinter:
     def aten_ptr(self, buf: str, offset, dt: str) -> str:
         return f"buf_{buf} + {to_c(offset)}"
 
-    def _aten_arg(self, a) -> list[str]:
-        kind = a[0]
-        if kind == "tensor":
-            _, buf, dt, shape, strides, offset = a
-            sizes = ", ".join(to_c(d) for d in shape) or "0"
-            st = ", ".join(to_c(d) for d in strides) or "0"
-            return [f"{{ const int64_t sz[] = {{{sizes}}}, st[] = {{{st}}};",
-                    f"  if (!c.tensor({self.aten_ptr(buf, offset, dt)}, {len(shape)}, sz, st, "
-                    f"{SCALAR_TYPE[dt]})) goto fail; }}"]
-        if kind == "tensors":
-            return [ln for x in a[1] for ln in self._aten_arg(x)] + [
-                f"if (!c.list({len(a[1])})) goto fail;"]
-        if kind == "opt":
-            return self._aten_arg(a[1]) + ["c.optional();"]
-        if kind == "none":
-            return ["c.none();"]
-        if kind == "int":
-            return [f"c.i64({to_c(a[1])});"]
-        if kind == "float":
-            v = float(a[1])
-            text = repr(v) if v == v and abs(v) != float("inf") else (
-                "NAN" if v != v else ("-" if v < 0 else "") + "INFINITY")
-            return [f"c.f64({text});"]
-        if kind == "bool":
-            return [f"c.boolean({'true' if a[1] else 'false'});"]
-        if kind == "ints":
-            return [f"c.i64({to_c(v)});" for v in a[1]] + [f"if (!c.list({len(a[1])})) goto fail;"]
-        if kind == "dtype":
-            return [f"c.i64({SCALAR_TYPE[a[1]]});"]
-        if kind == "str":
-            return [f"if (!c.str({_cstr(a[1])})) goto fail;"]
+    def _aten_arg(self, a: L.AtenArg) -> list[str]:
+        match a:
+            case L.AtenTensor(buf=buf, dtype=dt, shape=shape, strides=strides, offset=offset):
+                sizes = ", ".join(to_c(d) for d in shape) or "0"
+                st = ", ".join(to_c(d) for d in strides) or "0"
+                return [f"{{ const int64_t sz[] = {{{sizes}}}, st[] = {{{st}}};",
+                        f"  if (!c.tensor({self.aten_ptr(buf, offset, dt.name)}, {len(shape)}, "
+                        f"sz, st, {dt.scalar_type})) goto fail; }}"]
+            case L.AtenTensors(items=items):
+                return [ln for x in items for ln in self._aten_arg(x)] + [
+                    f"if (!c.list({len(items)})) goto fail;"]
+            case L.AtenOptional(value=value):
+                return self._aten_arg(value) + ["c.optional();"]
+            case L.AtenNone():
+                return ["c.none();"]
+            case L.AtenInt(value=v):
+                return [f"c.i64({to_c(v)});"]
+            case L.AtenFloat(value=v):
+                v = float(v)
+                text = repr(v) if v == v and abs(v) != float("inf") else (
+                    "NAN" if v != v else ("-" if v < 0 else "") + "INFINITY")
+                return [f"c.f64({text});"]
+            case L.AtenBool(value=v):
+                return [f"c.boolean({'true' if v else 'false'});"]
+            case L.AtenInts(values=vs):
+                return [f"c.i64({to_c(v)});" for v in vs] + [f"if (!c.list({len(vs)})) goto fail;"]
+            case L.AtenDtype(dtype=dt):
+                return [f"c.i64({dt.scalar_type});"]
+            case L.AtenStr(value=v):
+                return [f"if (!c.str({_cstr(v)})) goto fail;"]
         raise TypeError(a)
 
     def _CallAten(self, x: P.CallAten) -> None:
@@ -205,5 +197,5 @@ class SizeCheckPrinter:
             shape = ", ".join(to_c(d) for d in r.shape) or "0"
             self.emit(f"  {{ const int64_t out_sz[] = {{{shape}}};")
             self.emit(f"    if (!c.copy_out({r.result}, {self.aten_ptr(r.name, 0, r.dtype.name)}"
-                      f", {len(r.shape)}, out_sz, {SCALAR_TYPE[r.dtype.name]})) goto fail; }}"
+                      f", {len(r.shape)}, out_sz, {r.dtype.scalar_type})) goto fail; }}"
                       + (" }" if k == len(res) - 1 else ""))

@@ -13,6 +13,10 @@ from kiln.options import Options
 from kiln.toolchain.cxx import INCLUDE_DIRS, Toolchain
 import torch
 
+#: the CUDA target's model-side header (kiln_cuda_rt.h), which packages' wrappers and the
+#: cuBLASLt profiling helper (gemm/blaslt.py) include
+CUDA_INCLUDE = Path(__file__).resolve().parents[1] / "targets" / "cuda" / "include"
+
 
 def default_archs() -> tuple[int, ...]:
     """The local GPU's architecture when torch sees a CUDA device, else sm_90."""
@@ -43,11 +47,12 @@ def cuda_include_dir(opts: Options) -> Path:
 
 
 def cuda_toolchain(opts: Options) -> Toolchain:
-    """The C++ toolchain of CUDA packages' wrappers: the runtime headers and cuda.h, no CUDA
-    library linked (the driver is opened at load)."""
+    """The C++ toolchain of CUDA packages' wrappers: the shared runtime headers, the CUDA
+    target's (CUDA_INCLUDE) and cuda.h, no CUDA library linked (the driver is opened at
+    load)."""
     jobs = opts.jobs or config.cpu_count()
     cflags = ["-std=c++17", "-fPIC", "-fvisibility=hidden", *opts.opt_flags,
               f"-I{cuda_include_dir(opts)}"]
     cache = Path(opts.cache_dir) if opts.cache_dir else config.cache_dir()
     return Toolchain(opts.cxx or config.cxx(), cache / "build", tuple(cflags), ("-ldl",),
-                     INCLUDE_DIRS, jobs)
+                     (*INCLUDE_DIRS, CUDA_INCLUDE), jobs)

@@ -20,8 +20,8 @@ from pathlib import Path
 from kiln.errors import CompileError
 import time
 
-#: kiln's runtime headers (kiln/runtime: the C ABI, the model-side headers, the plan), which
-#: every generated C++ source may include
+#: kiln's runtime headers every target's generated C++ may include (kiln/runtime: the C ABI,
+#: the shared model-side headers, the plan); a target adds its own (kiln/targets/<name>/include)
 RUNTIME = Path(__file__).resolve().parents[1] / "runtime"
 INCLUDE_DIRS = (RUNTIME / "include", RUNTIME / "model", RUNTIME / "src")
 

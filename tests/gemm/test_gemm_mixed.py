@@ -211,7 +211,7 @@ def test_cpu_package_keeps_int8_weights_and_matches(tmp_path):
 
 def _lowered(model):
     ep = _export(model)
-    imp = import_program(ep, cuda=True)
+    imp = import_program(ep, library_routines=False)
     graph = mixed_gemms(dce(imp.graph))
     return graph, lower(graph), imp.weights
 

@@ -23,7 +23,7 @@ from kiln.ir import loop as L
 from kiln.ir.sym import contiguous_strides, ivars, linear_index, rvars, to_c
 from kiln.memory.inplace import alias_pairs
 from kiln.schedule import Kernel
-from kiln.schedule.analysis import kernel_params
+from kiln.schedule.analysis import indexes_through_data, kernel_params
 
 
 def c_literal(value, dt) -> str:
@@ -54,7 +54,6 @@ class ExprPrinter:
     """Prints expression trees as a list of `const` statements, sharing repeated subtrees."""
 
     locals: dict[str, str]  # reduction buffers held in registers: name -> variable
-    status: list[bool]
     rows: dict = field(default_factory=dict)  # row-local buffer -> base index of the row
     lines: list[str] = field(default_factory=list)
     memo: dict = field(default_factory=dict)
@@ -100,7 +99,6 @@ class ExprPrinter:
             self.lines.append(f"if (KILN_UNLIKELY(static_cast<uint64_t>({var}) >= "
                               f"static_cast<uint64_t>({b}))) "
                               f"{{ kr::flag(kiln_status); {var} = 0; }}")
-            self.status[0] = True
         if e.buf in self.rows:
             return f"row_{e.buf}[{to_c(sympy.expand(e.index - self.rows[e.buf]))}]"
         return f"buf_{e.buf}[{to_c(e.index)}]"
@@ -111,8 +109,8 @@ def _loop(var: str, size, pragma: str | None = None) -> list[str]:
     return head + [f"for (int64_t {var} = 0; {var} < {to_c(size)}; ++{var}) {{"]
 
 
-def _member(m: L.Compute, k: int, locals_: dict[str, str], status: list[bool],
-            rows: dict | None = None) -> list[str]:
+def _member(m: L.Compute, k: int, locals_: dict[str, str], rows: dict | None = None
+            ) -> list[str]:
     """Statements of one member inside the outer loops (outer vars i0..i{k-1} are bound)."""
     rows = rows or {}
     lines = [f"// {m.name} <- {', '.join(m.source)}"]
@@ -129,7 +127,7 @@ def _member(m: L.Compute, k: int, locals_: dict[str, str], status: list[bool],
             pragma = "#pragma omp simd" if j == len(inner) - 1 else None
             lines += _loop(f"i{d}", m.shape[d], pragma)
             opened += 1
-        p = ExprPrinter(locals_, status, rows)
+        p = ExprPrinter(locals_, rows)
         v = p.value(m.body)
         body_indent = p.lines + [f"{dest} = {v};"]
         lines += ["  " + s for s in body_indent]
@@ -151,7 +149,7 @@ def _member(m: L.Compute, k: int, locals_: dict[str, str], status: list[bool],
                   "int64_t besti = 0; bool first = true;"]
         for j, r in enumerate(rv):
             lines += _loop(r.name, m.reduce.sizes[j])
-        p = ExprPrinter(locals_, status, rows)
+        p = ExprPrinter(locals_, rows)
         x = p.value(m.body)
         flat = to_c(linear_index(rv, contiguous_strides(m.reduce.sizes)))
         lines += ["  " + s for s in p.lines]
@@ -172,7 +170,7 @@ def _member(m: L.Compute, k: int, locals_: dict[str, str], status: list[bool],
                 if uses_nan:
                     pragma += f" reduction(|:{nan})"
             lines += _loop(r.name, m.reduce.sizes[j], pragma)
-        p = ExprPrinter(locals_, status, rows)
+        p = ExprPrinter(locals_, rows)
         x = p.value(m.body)
         lines += ["  " + s for s in p.lines]
         lines.append("  " + combine.format(acc=acc, x=x, nan=nan))
@@ -206,7 +204,6 @@ def print_kernel(kernel: Kernel, buffers: dict[str, L.Buffer], num_threads: int 
     """C++ source of one kernel, its parameter list and whether it takes a status pointer."""
     if aliased is None:
         aliased = alias_pairs(kernel, buffers)
-    status = [False]
     locals_ = {name: f"v_{name}" for name in kernel.locals}
     k = len(kernel.outer)
     body: list[str] = []
@@ -222,7 +219,7 @@ def print_kernel(kernel: Kernel, buffers: dict[str, L.Buffer], num_threads: int 
             body.append(f"alignas(64) {m.dtype.c_type} row_{m.name}[{to_c(inner)}];"
                         "  // this outer iteration's slice only")
     for m in kernel.members:
-        body += _member(m, k, locals_, status, rows)
+        body += _member(m, k, locals_, rows)
     params = kernel_params(kernel, buffers)
     sig = []
     for kind, name in params:
@@ -232,7 +229,8 @@ def print_kernel(kernel: Kernel, buffers: dict[str, L.Buffer], num_threads: int 
             const = "const " if kind == "in" else ""
             restrict = "" if name in aliased else " __restrict__"
             sig.append(f"{const}{buffers[name].dtype.c_type}*{restrict} buf_{name}")
-    if status[0]:
+    status = indexes_through_data(kernel)
+    if status:
         sig.append("int32_t* __restrict__ kiln_status")
     lines = [f"// {kernel.name}: {', '.join(m.name for m in kernel.members)}",
              f"//   from graph nodes: {', '.join(kernel.source)}",
@@ -258,4 +256,4 @@ def print_kernel(kernel: Kernel, buffers: dict[str, L.Buffer], num_threads: int 
     else:
         lines += ["  " + s for s in body]
     lines.append("}")
-    return "\n".join(lines), params, status[0]
+    return "\n".join(lines), params, status

@@ -11,13 +11,6 @@ from kiln.ir import program as P
 from kiln.ir.sym import to_py
 from kiln.targets.cxx_wrapper import condition
 
-TORCH_DTYPE = {"float32": "torch.float32", "float64": "torch.float64", "int64": "torch.int64",
-               "int32": "torch.int32", "int16": "torch.int16", "int8": "torch.int8",
-               "uint8": "torch.uint8", "bool": "torch.bool", "float16": "torch.float16",
-               "bfloat16": "torch.bfloat16", "complex64": "torch.complex64",
-               "complex128": "torch.complex128", "float8_e4m3fn": "torch.float8_e4m3fn",
-               "float8_e5m2": "torch.float8_e5m2"}
-
 
 def _gemm(g: L.Gemm) -> list[str]:
     def view(op: L.Operand, rows, cols) -> str:
@@ -32,27 +25,30 @@ def _gemm(g: L.Gemm) -> list[str]:
             f"out=buf_{g.name}.view({', '.join(out)},))"]
 
 
-def _aten_arg(a) -> str:
-    kind = a[0]
-    if kind == "tensor":
-        _, buf, _, shape, strides, offset = a
-        sizes = "".join(f"{to_py(d)}, " for d in shape)
-        st = "".join(f"{to_py(d)}, " for d in strides)
-        return (f"buf_{buf}.view(-1).as_strided(({sizes}), ({st}), "
-                f"buf_{buf}.storage_offset() + {to_py(offset)})")
-    if kind == "tensors":
-        return "[" + ", ".join(_aten_arg(x) for x in a[1]) + "]"
-    if kind == "opt":
-        return _aten_arg(a[1])
-    if kind == "none":
-        return "None"
-    if kind == "int":
-        return to_py(a[1])
-    if kind == "ints":
-        return "[" + ", ".join(to_py(v) for v in a[1]) + "]"
-    if kind == "dtype":
-        return f"torch.{a[1]}"
-    return repr(a[1]) if kind in ("bool", "str") else f"float({str(float(a[1]))!r})"
+def _aten_arg(a: L.AtenArg) -> str:
+    match a:
+        case L.AtenTensor(buf=buf, shape=shape, strides=strides, offset=offset):
+            sizes = "".join(f"{to_py(d)}, " for d in shape)
+            st = "".join(f"{to_py(d)}, " for d in strides)
+            return (f"buf_{buf}.view(-1).as_strided(({sizes}), ({st}), "
+                    f"buf_{buf}.storage_offset() + {to_py(offset)})")
+        case L.AtenTensors(items=items):
+            return "[" + ", ".join(_aten_arg(x) for x in items) + "]"
+        case L.AtenOptional(value=value):
+            return _aten_arg(value)
+        case L.AtenNone():
+            return "None"
+        case L.AtenInt(value=v):
+            return to_py(v)
+        case L.AtenInts(values=vs):
+            return "[" + ", ".join(to_py(v) for v in vs) + "]"
+        case L.AtenDtype(dtype=dt):
+            return str(dt.torch)
+        case L.AtenBool(value=v) | L.AtenStr(value=v):
+            return repr(v)
+        case L.AtenFloat(value=v):
+            return f"float({str(float(v))!r})"
+    raise TypeError(a)
 
 
 def _aten(c: L.AtenCall, bounds) -> list[str]:
@@ -139,7 +135,7 @@ def print_python_wrapper(prog: P.Program, steps, buffers) -> str:
                      f"buf_{x.name} = {x.name}"]
         elif isinstance(x, P.CheckInput):
             body += [f"{x.name} = inputs[{x.index}]",
-                     f"_check({x.name}, {x.index}, {x.name!r}, {TORCH_DTYPE[x.dtype.name]}, "
+                     f"_check({x.name}, {x.index}, {x.name!r}, {x.dtype.torch}, "
                      f"{x.rank})",
                      f"buf_{x.name} = {x.name}"]
         elif isinstance(x, P.BindSize) and x.dim is None:
@@ -160,9 +156,9 @@ def print_python_wrapper(prog: P.Program, steps, buffers) -> str:
         elif isinstance(x, P.AllocOutput):
             shape = ", ".join(to_py(d) for d in (x.capacity or x.shape))
             body.append(f"buf_{x.buf} = torch.empty(({shape}{',' if shape else ''}), "
-                        f"dtype={TORCH_DTYPE[x.dtype.name]})")
+                        f"dtype={x.dtype.torch})")
         elif isinstance(x, P.Alloc):
-            dt = TORCH_DTYPE[x.dtype.name]
+            dt = x.dtype.torch
             if x.offset is None:
                 body.append(f"buf_{x.buf} = torch.empty({to_py(x.numel)}, dtype={dt})")
             else:

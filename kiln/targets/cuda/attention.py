@@ -134,7 +134,7 @@ def print_attention_kernel(call: L.Extern, buffers, hints: dict[str, int],
     syms = sorted({str(s) for x in exprs for s in sympy.sympify(x).free_symbols})
     params = (("out", call.name), *(("in", b) for b in bufs[1:]),
               *(("size", s) for s in syms))
-    sig = {f"buf_{b}": SIG_PTR[buffers[b].dtype.name] for b in bufs}
+    sig = {f"buf_{b}": SIG_PTR[buffers[b].dtype] for b in bufs}
     sig.update({s: "i64" for s in syms})
     sig["XBLOCK"] = sig["RBLOCK"] = "constexpr"
 
@@ -256,7 +256,7 @@ def print_attention_kernel(call: L.Extern, buffers, hints: dict[str, int],
         "    # rows whose keys were all masked: zeros (l_i == 0), as eager gives",
         "    o = tl.where(l_i[:, None] > 0, acc / tl.where(l_i > 0, l_i, 1.0)[:, None], 0.0)",
         f"    o_ptr = buf_{call.name} + (bh * {t(_c(Lq))} + rows[:, None]) * {ev} + dv[None, :]",
-        f"    tl.store(o_ptr, o.to({TL_DTYPE[out.dtype.name]}), "
+        f"    tl.store(o_ptr, o.to({TL_DTYPE[out.dtype]}), "
         f"mask=row_ok[:, None]{vmask_e})",
     ]
     src = "\n".join(lines) + "\n"

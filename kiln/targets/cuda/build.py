@@ -1,13 +1,17 @@
-"""The CUDA half of the pipeline: from a planned Program to model.so for NVIDIA GPUs.
+"""The CUDA target's own stages: from Graph IR to model.so for NVIDIA GPUs.
 
-Input: the schedule (kernels and GEMMs), the Loop IR buffers, the planned Program, the size
-hints (example sizes) and the Options. Output: (sources, library path, info) where sources hold
-`kernels_triton.py` (every kernel as Triton) and `model_cuda.cpp` (the wrapper), the library is
-the linked model.so and info records the architectures and each kernel's launch config for the
-manifest. Stages (timed by the caller's `_Run`): Triton codegen, cubins (parallel, cached by
-content hash), user Triton kernels (a config each, then cubins: targets/cuda/user_triton.py; their
-source is kept as `user_triton.py`), wrapper codegen, C++ build against cuda.h only (no CUDA
-library is linked).
+Stages (listed in targets/cuda/stages.py): GEMMs of int8 tensors converted to float read the
+int8 tensor (passes/mixed_gemm.py); the GEMM choice (cuBLAS / cuBLASLt, the Triton template,
+CUTLASS; profiled on the local GPU) and the fusion of epilogues into the GEMMs that absorb
+them; the refusal of library routines CUDA has no version of; the launch configs (each
+kernel's heuristic, measured on a local GPU of a target architecture with Options.autotune:
+`launch_autotune`, `launch_autotune_attention`); Triton codegen (every kernel, GEMM template
+and attention call as Triton: `kernels_triton.py`); cubins (parallel, cached by content
+hash); user Triton kernels (a config each, then cubins: targets/cuda/user_triton.py; their
+source is kept as `user_triton.py`); CUTLASS objects (nvcc); wrapper codegen
+(`model_cuda.cpp`, and the manifest's record: architectures and each kernel's launch config);
+the C++ build against cuda.h only (no CUDA library is linked; kiln/toolchain/cuda.py, with
+this target's header include/kiln_cuda_rt.h).
 
 Invariants: the cubin blob is content-addressed (`<cache>/cubins/<sha256>.bin`), so the
 wrapper's text, and with it the object cache key, changes whenever any cubin does."""
@@ -17,120 +21,242 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import os
+from dataclasses import dataclass, field, replace
 from pathlib import Path
+from typing import Any, Mapping
 
 from kiln import config
-from kiln.targets.cuda.attention import choose_attention_config, print_attention_kernel
-from kiln.targets.cuda.gemm_template import print_gemm_kernel
-from kiln.targets.cuda.ops import PRELUDE
-from kiln.targets.cuda.kernel import choose_config, print_triton_kernel, print_triton_module
-from kiln.targets.cuda.wrapper import (blaslt_choices, capturable, cubin_blob,
-                                       print_cuda_wrapper)
+from kiln.errors import UnsupportedError
+from kiln.gemm import choose_gemms
+from kiln.gemm.cutlass_link import build_objects, cudart_static
+from kiln.gemm.fuse import fuse_gemms
 from kiln.ir import loop as L
+from kiln.ir.sym import evaluate
 from kiln.options import Options
+from kiln.passes.mixed_gemm import mixed_gemms
 from kiln.schedule import Kernel
 from kiln.schedule.steps import GemmKernel
-from kiln.toolchain.cxx import build_shared
-from kiln.targets.cuda.launch_tune import device_available, tune, tune_attention
-from kiln.toolchain.cuda import cuda_toolchain, default_archs
-from kiln.toolchain.triton_aot import compile_cubins
 from kiln.targets.cuda import user_triton
-from kiln.gemm.cutlass_link import build_objects
-from kiln.gemm.cutlass_link import cudart_static
+from kiln.targets.cuda.attention import choose_attention_config, print_attention_kernel
+from kiln.targets.cuda.gemm_candidates import build as build_candidates
+from kiln.targets.cuda.gemm_template import print_gemm_kernel
+from kiln.targets.cuda.kernel import choose_config, print_triton_kernel, print_triton_module
+from kiln.targets.cuda.launch_tune import device_available, tune, tune_attention
+from kiln.targets.cuda.ops import PRELUDE
+from kiln.targets.cuda.wrapper import (blaslt_choices, capturable, cubin_blob,
+                                       print_cuda_wrapper)
+from kiln.targets.stages import Build
+from kiln.toolchain.cuda import cuda_toolchain, default_archs
+from kiln.toolchain.cxx import build_shared
+from kiln.toolchain.triton_aot import compile_cubins
+
+CUDA_ROUTINES = ("attention",)  # Extern routines CUDA builds run (as generated Triton kernels)
 
 
-def user_sources(launches) -> str:
-    """The user kernels' Triton source, each headed by the config and grid compiled."""
-    out = ["# User-written Triton kernels compiled into this package (source as written)."]
-    for u in launches:
-        out += ["", f"# {u.name} <- {', '.join(u.source_ops)}: config {u.config} "
-                f"{u.constexprs}, num_warps={u.num_warps}, num_stages={u.num_stages}, "
-                f"grid=({', '.join(map(str, u.grid))})", u.call.spec.fn.src]
-    return "\n".join(out) + "\n"
-
-def _write_blob(data: bytes, cache: Path) -> Path:
-    path = cache / "cubins" / f"{hashlib.sha256(data).hexdigest()}.bin"
-    if not path.exists():
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_suffix(f".{os.getpid()}.tmp")
-        tmp.write_bytes(data)
-        os.replace(tmp, path)
-    return path
+@dataclass(frozen=True)
+class CudaBuild(Build):
+    configs: Mapping[str, Any] = field(default_factory=dict)  # measured launch configs
+    tuned: Mapping[str, Any] = field(default_factory=dict)  # the timings behind them
+    triton: tuple = ()  # the TritonKernel of every kernel, GEMM template and attention call
+    cubins: Mapping[Any, Any] = field(default_factory=dict)  # (kernel, arch) -> Cubin
+    launches: tuple = ()  # user Triton kernels: their UserLaunch
+    measured: Mapping[str, Any] = field(default_factory=dict)  # user kernel -> ms by config
+    objects: tuple[Path, ...] = ()  # CUTLASS objects linked into model.so
+    cutlass_sources: Mapping[str, str] = field(default_factory=dict)
 
 
-def build_cuda(run, steps, buffers, program, hints: dict[str, int], opts: Options,
-               gemms: dict | None = None) -> tuple[dict[str, str], Path, dict]:
-    archs = tuple(opts.cuda_archs) or default_archs()
-    cache = Path(opts.cache_dir) if opts.cache_dir else config.cache_dir()
-    kernels = [s for s in L.flat_steps(steps) if isinstance(s, Kernel)]  # regions' too
-    attns = attention_steps(steps)
+# -- facts the stages derive from the state --------------------------------------------------
 
+
+def _archs(opts: Options) -> tuple[int, ...]:
+    return tuple(opts.cuda_archs) or default_archs()
+
+
+def _cache(opts: Options) -> Path:
+    return Path(opts.cache_dir) if opts.cache_dir else config.cache_dir()
+
+
+def _workers(opts: Options) -> int:
+    return opts.jobs or config.cpu_count()  # Triton compile processes (triton_aot.prewarm)
+
+
+def _local(opts: Options) -> bool:
+    """A GPU of a target architecture is here to measure on."""
+    return device_available() and default_archs()[0] in _archs(opts)
+
+
+def _kept(loop) -> set[str]:
+    """The buffers a GEMM's absorbed epilogue must still store."""
+    return set(loop.outputs) | {src for _, src in loop.mutations}
+
+
+def _kernels(steps) -> list[Kernel]:
+    return [s for s in L.flat_steps(steps) if isinstance(s, Kernel)]  # regions' too
+
+
+def _user_kernels(steps) -> list[L.UserKernel]:
+    return [s for s in L.flat_steps(steps) if isinstance(s, L.UserKernel)]
+
+
+def _hints(state: Build) -> dict[str, int]:
+    """Example sizes; data-dependent sizes at their bounds (launch configs for the bounds)."""
+    hints = {s.name: s.example for s in state.graph.symbols}
+    for name, bound in state.program.unbacked:
+        hints[name] = evaluate(bound, hints)
+    return hints
+
+
+def _heuristic_configs(state: Build) -> dict:
+    opts, buffers, hints = state.options, L.all_buffers(state.loop), _hints(state)
     configs = {k.name: choose_config(k, hints, opts.triton_max_rblock, opts.triton_num_warps)
-               for k in kernels}
-    configs.update({a.name: choose_attention_config(a, buffers, hints) for a in attns})
-    tuned: dict = {}
-    workers = opts.jobs or config.cpu_count()  # Triton compile processes (triton_aot.prewarm)
-    local = device_available() and default_archs()[0] in archs
-    if opts.autotune and not opts.triton_num_warps and kernels and local:
-        # measure on the local GPU, for its architecture
-        best, tuned = run.stage("autotune", lambda _: tune(
-            kernels, buffers, hints, configs, default_archs()[0], cache, workers), None)
-        configs.update(best)
-    if opts.autotune and attns and local:
-        best, t_att = run.stage("autotune_attention", lambda _: tune_attention(
-            attns, buffers, hints, default_archs()[0], cache, workers), None)
-        configs.update(best)
-        tuned.update(t_att)
+               for k in _kernels(state.steps)}
+    configs.update({a.name: choose_attention_config(a, buffers, hints)
+                    for a in attention_steps(state.steps)})
+    return configs
 
-    def codegen(_):
-        return triton_kernels(launched + attns, buffers, hints, configs)
-    launched = [s for s in L.flat_steps(steps) if isinstance(s, (Kernel, GemmKernel))]
-    tks = run.stage("codegen_triton", codegen, None)
-    module = print_triton_module(tks)
-    cubins, tt = run.stage("cubins", lambda m: compile_cubins(m, tks, archs, cache, workers,
-                                                                 prelude=PRELUDE),
-                           module)
-    run.timings.update({f"cubins.{k}": v for k, v in tt.items()})
-    # user-written Triton kernels (triton_op / wrap_triton): a config each, then cubins
-    measure = bool(opts.autotune) and device_available() and default_archs()[0] in archs
+
+# -- when stages run -------------------------------------------------------------------------
+
+
+def triton_allowed(state: Build) -> bool:
+    return "triton" in state.options.gemm_backends
+
+
+def tunes_kernels(state: Build) -> bool:
+    o = state.options
+    return bool(o.autotune and not o.triton_num_warps and _kernels(state.steps) and
+                _local(o))
+
+
+def tunes_attention(state: Build) -> bool:
+    return bool(state.options.autotune and attention_steps(state.steps) and
+                _local(state.options))
+
+
+def has_user_kernels(state: Build) -> bool:
+    return bool(_user_kernels(state.steps))
+
+
+def has_cutlass(state: Build) -> bool:
+    return any(c.backend == "cutlass" for c in state.gemms.values())
+
+
+# -- stages ----------------------------------------------------------------------------------
+
+
+def mixed_gemm(state: Build) -> Build:
+    """GEMMs of int8 tensors converted to float read the int8 tensor (the Triton template
+    converts tiles as it loads them; cuBLAS has no float16 x int8 GEMM)."""
+    return replace(state, graph=mixed_gemms(state.graph))
+
+
+def gemm_autotune(state: Build) -> Build:
+    """GEMM backends (kiln/gemm), candidates printed as the package would print them."""
+    gemms = choose_gemms(state.steps, state.graph.symbols, state.options, "cuda",
+                         outputs=_kept(state.loop), buffers=L.all_buffers(state.loop),
+                         printer=build_candidates)
+    return replace(state, gemms=gemms)
+
+
+def fuse_gemm_epilogues(state: Build) -> Build:
+    """Triton (and CUTLASS visitor-tree) GEMMs absorb their epilogue."""
+    return replace(state, steps=fuse_gemms(state.steps, state.gemms, _kept(state.loop)))
+
+
+def check_routines(state: Build) -> Build:
+    """Library routines (regions' included) that have no CUDA version are refused."""
+    for s in L.flat_steps(state.steps):
+        if isinstance(s, L.Extern) and s.routine not in CUDA_ROUTINES:
+            raise UnsupportedError(f"library routine {s.routine} (for {', '.join(s.source)}) "
+                                   "has no CUDA version yet; compile for the CPU")
+    return state
+
+
+def launch_autotune(state: CudaBuild) -> CudaBuild:
+    """Kernels' launch configs measured on the local GPU, for its architecture."""
+    o = state.options
+    best, tuned = tune(_kernels(state.steps), L.all_buffers(state.loop), _hints(state),
+                       _heuristic_configs(state), default_archs()[0], _cache(o), _workers(o))
+    return replace(state, configs={**state.configs, **best}, tuned={**state.tuned, **tuned})
+
+
+def launch_autotune_attention(state: CudaBuild) -> CudaBuild:
+    """Attention calls' block sizes measured on the local GPU."""
+    o = state.options
+    best, tuned = tune_attention(attention_steps(state.steps), L.all_buffers(state.loop),
+                                 _hints(state), default_archs()[0], _cache(o), _workers(o))
+    return replace(state, configs={**state.configs, **best}, tuned={**state.tuned, **tuned})
+
+
+def codegen_triton(state: CudaBuild) -> CudaBuild:
+    """Every kernel, GEMM template kernel and attention call as Triton, in one module."""
+    configs = {**_heuristic_configs(state), **state.configs}
+    launched = [s for s in L.flat_steps(state.steps) if isinstance(s, (Kernel, GemmKernel))]
+    tks = triton_kernels(launched + attention_steps(state.steps), L.all_buffers(state.loop),
+                         _hints(state), configs)
+    return replace(state, triton=tuple(tks),
+                   sources={"kernels_triton.py": print_triton_module(tks)})
+
+
+def cubins(state: CudaBuild) -> CudaBuild:
+    """The Triton module compiled for every architecture (parts timed by kernel)."""
+    o = state.options
+    out, times = compile_cubins(state.sources["kernels_triton.py"], list(state.triton),
+                                _archs(o), _cache(o), _workers(o), prelude=PRELUDE)
+    return replace(state, cubins=out, times=times)
+
+
+def user_kernel_configs(state: CudaBuild) -> CudaBuild:
+    """User-written Triton kernels (triton_op / wrap_triton): a config each (measured on a
+    local GPU with Options.autotune, else the first)."""
+    o = state.options
+    buffers, hints = L.all_buffers(state.loop), _hints(state)
+    measure = bool(o.autotune) and _local(o)
     launches, measured = [], {}
-    for u in (s for s in L.flat_steps(steps) if isinstance(s, L.UserKernel)):
-        best, ms = user_triton.choose_config(u, buffers, hints, measure, cache)
+    for u in _user_kernels(state.steps):
+        best, ms = user_triton.choose_config(u, buffers, hints, measure, _cache(o))
         launches.append(user_triton.prepare(u, best, buffers))
         if ms:
             measured[u.name] = ms
-    cubins.update(run.stage("cubins_user",
-                            lambda ls: user_triton.user_cubins(ls, archs, cache), launches))
+    return replace(state, launches=tuple(launches), measured=measured)
+
+
+def cubins_user(state: CudaBuild) -> CudaBuild:
+    o = state.options
+    user = user_triton.user_cubins(list(state.launches), _archs(o), _cache(o))
+    return replace(state, cubins={**state.cubins, **user})
+
+
+def cutlass(state: CudaBuild) -> CudaBuild:
+    """The chosen CUTLASS kernels as objects (nvcc), with their sources."""
+    chosen = {n: c for n, c in state.gemms.items() if c.backend == "cutlass"}
+    objects, sources = build_objects(state.steps, chosen, state.options,
+                                     _cache(state.options) / "cutlass")
+    return replace(state, objects=tuple(objects), cutlass_sources=sources)
+
+
+def codegen_wrapper(state: CudaBuild) -> CudaBuild:
+    """The cubin blob (content-addressed in the cache), the C++ wrapper that embeds it, the
+    sources kept in the package and the manifest's record of the build."""
+    o, program, tks, launches = state.options, state.program, state.triton, state.launches
+    archs, cubins = _archs(o), state.cubins
     names = [k.name for k in tks] + [u.name for u in launches]
     blob, where = cubin_blob(cubins, names, archs)
-    blob_path = _write_blob(blob, cache)
+    blob_path = _write_blob(blob, _cache(o))
     by_name = {**{k.name: k for k in tks}, **{u.name: u for u in launches}}
-    cutlass = {n: c for n, c in (gemms or {}).items() if c.backend == "cutlass"}
-    objects: list[Path] = []
-    if cutlass:
-        objects, cut_sources = run.stage("cutlass", lambda c: build_objects(
-            steps, c, opts, cache / "cutlass"), cutlass)
-    wrapper = run.stage("codegen_wrapper", lambda p: print_cuda_wrapper(
-        p, by_name, cubins, archs, str(blob_path), where, opts.cuda_graphs, cutlass,
-        blaslt_choices(gemms)), program)
-    sources = {"kernels_triton.py": module, "model_cuda.cpp": wrapper}
+    chosen = {n: c for n, c in state.gemms.items() if c.backend == "cutlass"}
+    wrapper = print_cuda_wrapper(program, by_name, cubins, archs, str(blob_path), where,
+                                 o.cuda_graphs, chosen, blaslt_choices(state.gemms))
+    sources = {"kernels_triton.py": state.sources["kernels_triton.py"],
+               "model_cuda.cpp": wrapper}
     if launches:
         sources["user_triton.py"] = user_sources(launches)
-    if cutlass:
-        sources.update(cut_sources)
-    if opts.dump_dir:
-        for name, text in sources.items():
-            (Path(opts.dump_dir) / name).write_text(text)
-    tc = cuda_toolchain(opts)
-    if objects:
-        tc = dataclasses.replace(tc, ldflags=(*tc.ldflags, *map(str, objects),
-                                              *cudart_static()))
-    lib, ct = run.stage("compile", lambda s: build_shared(tc, s), {"model_cuda.cpp": wrapper})
-    run.timings.update({f"compile.{k}": v for k, v in ct.items()})
-    attn = {f"attn_{a.name}" for a in attns}
-    info = {"archs": list(archs), "cubin_bytes": len(blob), "autotuned": tuned,
-            "cutlass_objects": [p.name for p in objects],
-            "graphs": opts.cuda_graphs and capturable(program), "kernels": {
+    if chosen:
+        sources.update(state.cutlass_sources)
+    attn = {f"attn_{a.name}" for a in attention_steps(state.steps)}
+    info = {"archs": list(archs), "cubin_bytes": len(blob), "autotuned": dict(state.tuned),
+            "cutlass_objects": [p.name for p in state.objects],
+            "graphs": o.cuda_graphs and capturable(program), "kernels": {
         k.name: {"xblock": k.config.xblock, "rblock": k.config.rblock,
                  "num_warps": k.config.num_warps,
                  "shared": {str(a): cubins[(k.name, a)].shared for a in archs}}
@@ -144,8 +270,42 @@ def build_cuda(run, steps, buffers, program, hints: dict[str, int], opts: Option
             "kernel": u.call.kernel, "config": u.config, "constexprs": {
                 k: repr(v) for k, v in u.constexprs.items()}, "num_warps": u.num_warps,
             "num_stages": u.num_stages, "grid": [str(g) for g in u.grid],
-            "measured_ms": measured.get(u.name, {})} for u in launches}}
-    return sources, lib, info
+            "measured_ms": state.measured.get(u.name, {})} for u in launches}}
+    return replace(state, sources=sources, info=info)
+
+
+def compile_library(state: CudaBuild) -> CudaBuild:
+    """The wrapper compiled against cuda.h and linked (with the CUTLASS objects and CUDA's
+    static runtime when there are any)."""
+    tc = cuda_toolchain(state.options)
+    if state.objects:
+        tc = dataclasses.replace(tc, ldflags=(*tc.ldflags, *map(str, state.objects),
+                                              *cudart_static()))
+    lib, times = build_shared(tc, {"model_cuda.cpp": state.sources["model_cuda.cpp"]})
+    return replace(state, library=lib, times=times)
+
+
+# -- helpers ---------------------------------------------------------------------------------
+
+
+def user_sources(launches) -> str:
+    """The user kernels' Triton source, each headed by the config and grid compiled."""
+    out = ["# User-written Triton kernels compiled into this package (source as written)."]
+    for u in launches:
+        out += ["", f"# {u.name} <- {', '.join(u.source_ops)}: config {u.config} "
+                f"{u.constexprs}, num_warps={u.num_warps}, num_stages={u.num_stages}, "
+                f"grid=({', '.join(map(str, u.grid))})", u.call.spec.fn.src]
+    return "\n".join(out) + "\n"
+
+
+def _write_blob(data: bytes, cache: Path) -> Path:
+    path = cache / "cubins" / f"{hashlib.sha256(data).hexdigest()}.bin"
+    if not path.exists():
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(f".{os.getpid()}.tmp")
+        tmp.write_bytes(data)
+        os.replace(tmp, path)
+    return path
 
 
 def attention_steps(steps) -> list[L.Extern]:

@@ -31,11 +31,8 @@ def build(g: L.Gemm, epi: L.Compute | None, buffers: dict[str, L.Buffer],
     """`configs`: candidate name -> template config (kiln/gemm/gpu.py `_cfg_json`)."""
     kernels: dict[str, TritonKernel] = {}
     for i, (name, cfg) in enumerate(configs.items()):
-        k = print_gemm_kernel(GemmKernel(g, epi, dict(cfg)), buffers)
-        new = f"{k.name}__{i}"
-        kernels[name] = TritonKernel(new, k.source.replace(f"def {k.name}(", f"def {new}(", 1),
-                                     k.params, k.signature, k.config, k.rows, k.source_ops,
-                                     k.tiles, k.constexprs, k.num_stages)
+        gk = GemmKernel(g, epi, dict(cfg))
+        kernels[name] = print_gemm_kernel(gk, buffers, f"{gk.name}__{i}")
     ek = None
     if epi is not None:
         ek = print_triton_kernel(Kernel(f"epilogue_{epi.name}", outer_of(epi), (epi,),

@@ -31,6 +31,7 @@ from __future__ import annotations
 import sympy
 
 from kiln.gemm.triton_gemm import tma_operands, tma_refusal
+from kiln.targets.cuda.cse import render, text
 from kiln.targets.cuda.kernel import Config, TritonKernel, _Scope
 from kiln.targets.cuda.ops import SIG_PTR, TL_DTYPE, tl_compute, to_tl
 from kiln.ir import loop as L
@@ -132,8 +133,11 @@ def _tma_tile_lines(g: L.Gemm, p: str) -> list[str]:
     return lines
 
 
-def print_gemm_kernel(gk: GemmKernel, buffers: dict[str, L.Buffer]) -> TritonKernel:
+def print_gemm_kernel(gk: GemmKernel, buffers: dict[str, L.Buffer],
+                      name: str | None = None) -> TritonKernel:
+    """`name`: the function's name (default `gk.name`; the header comment keeps `gk.name`)."""
     g, epi, cfg = gk.gemm, gk.epilogue, gk.config
+    name = name or gk.name
     if g.dtype.name not in DTYPES:
         raise UnsupportedError(f"GEMM {g.name} ({', '.join(g.source)}): the Triton GEMM "
                                f"template takes {', '.join(DTYPES)}, not {g.dtype.name}")
@@ -146,7 +150,7 @@ def print_gemm_kernel(gk: GemmKernel, buffers: dict[str, L.Buffer]) -> TritonKer
     for kind, n in params:
         sig[n if kind in ("size", "sms", "status") else f"buf_{n}"] = \
             "i64" if kind == "size" else "i32" if kind == "sms" else "*i32" \
-            if kind == "status" else SIG_PTR[buffers[n].dtype.name]
+            if kind == "status" else SIG_PTR[buffers[n].dtype]
     consts = (("BLOCK_M", cfg["block_m"]), ("BLOCK_N", cfg["block_n"]),
               ("BLOCK_K", cfg["block_k"]), ("GROUP_M", cfg.get("group_m", 8)))
     for c, _ in consts:
@@ -157,7 +161,7 @@ def print_gemm_kernel(gk: GemmKernel, buffers: dict[str, L.Buffer]) -> TritonKer
     bnames = {f"b{d}": f"b{d}" for d in range(nb)}
     lines = [
         "@triton.jit",
-        f"def {gk.name}({', '.join(a for a in sig if sig[a] != 'constexpr')}, "
+        f"def {name}({', '.join(a for a in sig if sig[a] != 'constexpr')}, "
         + ", ".join(f"{c}: tl.constexpr" for c, _ in consts) + "):",
         f"    # {gk.name}: {g.name} = {g.a.buf} @ {g.b.buf}"
         + (f", epilogue {epi.name}" if epi is not None else ""),
@@ -204,7 +208,7 @@ def print_gemm_kernel(gk: GemmKernel, buffers: dict[str, L.Buffer]) -> TritonKer
         return to_tl(e, bnames)
     mx = g.mixed
     quant = {s: mx is not None and mx.side == s for s in ("a", "b")}
-    conv = {s: f".to({TL_DTYPE[g.dtype.name]})  # {mx.qdtype.name} -> {g.dtype.name}, exact"
+    conv = {s: f".to({TL_DTYPE[g.dtype]})  # {mx.qdtype.name} -> {g.dtype.name}, exact"
             if quant[s] else "" for s in quant}
     other = {s: "0" if quant[s] else "0.0" for s in quant}
     if tma:
@@ -236,20 +240,20 @@ def print_gemm_kernel(gk: GemmKernel, buffers: dict[str, L.Buffer]) -> TritonKer
     flat = linear_index([sympy.Symbol(v) for v in tile.values()], contiguous_strides(g.shape))
     names = tile if epi is None else _epilogue_names(g, epi, flat)
     if epi is None:
-        value = f"acc.to({TL_DTYPE[g.dtype.name]})"
+        value = f"acc.to({TL_DTYPE[g.dtype]})"
     else:
         lines.append(f"{p}xidx = i_m * 0 + i_n * 0  # the tile's shape, for loads of scalars")
         rounded = "acc" if g.dtype.name == "float32" else \
-            f"acc.to({TL_DTYPE[g.dtype.name]}).to({tl_compute(g.dtype.name)})"
+            f"acc.to({TL_DTYPE[g.dtype]}).to({tl_compute(g.dtype.name)})"
         lines.append(f"{p}v_{g.name} = {rounded}  # the GEMM result, as its buffer would hold it")
         lines.append(f"{p}# epilogue {epi.name} <- {', '.join(epi.source)}")
         sc = _Scope(names, "mask", {g.name: f"v_{g.name}"}, [0])
-        value = sc.value(epi.body)
-        lines += [p + s for s in sc.lines]
+        value = text(sc.value(epi.body))
+        lines += render(sc.lines, p)
     lines.append(f"{p}tl.store(buf_{out} + {to_tl(flat)}, {value}, mask=mask)")
     bm, bn = cfg["block_m"], cfg["block_n"]
     tiles = product(g.batch) * FloorDiv(g.m + bm - 1, bm) * FloorDiv(g.n + bn - 1, bn)
     warps = cfg.get("num_warps", 4)
-    return TritonKernel(gk.name, "\n".join(lines) + "\n", tuple(params), sig,
+    return TritonKernel(name, "\n".join(lines) + "\n", tuple(params), sig,
                         Config(1, 1, warps), tiles, gk.source, tiles=tiles, constexprs=consts,
                         num_stages=cfg.get("num_stages", 3))

@@ -12,6 +12,10 @@ in order over its own inner space, flattened and walked in RBLOCK-wide tiles, so
 (tl.sum / tl.reduce); one with extra non-reduced inner dims loops over them one by one.
 Reductions kept in registers (`Kernel.locals`) are [XBLOCK, 1] values `v_<name>`.
 
+The body is printed as statements (kiln/targets/cuda/cse.py), every member on its own;
+`cse.value_number` then removes the top-level assignments that repeat an earlier member's (with
+single tiles, a softmax's passes load each element once), and `cse.render` prints the rest.
+
 Invariants: every load and store is masked with the row and tile bounds; a member that reads a
 buffer written earlier in the same kernel is preceded by a barrier (`tl.debug_barrier`: other
 threads of the program wrote it); data-dependent indices are bounds-checked, an out-of-range
@@ -21,14 +25,13 @@ treats a name re-assigned in a loop as loop-carried). Pointers are assumed 16-by
 
 from __future__ import annotations
 
-import re
-
 from dataclasses import dataclass, field
 
 import sympy
 
-from kiln.schedule.analysis import kernel_params
+from kiln.schedule.analysis import indexes_through_data, kernel_params, read_after_store
 from kiln.targets.float8 import triton_round
+from kiln.targets.cuda.cse import Assign, Code, Line, Ref, Stmt, Store, code, render, value_number
 from kiln.targets.cuda.ops import (COMPUTE, INT_LIMITS, REDUCTIONS, ROUND8, SIG_PTR, TL_DTYPE,
                                      literal, op_spelling, tl_compute, to_tl)
 from kiln.ir import loop as L
@@ -70,76 +73,89 @@ class TritonKernel:
         return any(k == "status" for k, _ in self.params)
 
 
+def _index(e, names: dict[str, str]) -> Code:
+    """An index expression (`to_tl`) as Code: the variables `names` gives are `Ref`s."""
+    refs = [v for v in dict.fromkeys(names.values()) if v.isidentifier()]
+    slot = {v: f"{{{i}}}" for i, v in enumerate(refs)}  # to_tl prints no braces of its own
+    return code(to_tl(e, {k: slot.get(v, v) for k, v in names.items()}), *map(Ref, refs))
+
+
 @dataclass
 class _Scope:
-    """Prints expressions of one loop body as assignments, sharing repeated subtrees."""
+    """Prints expressions of one loop body as assignments (`cse.Assign`, `depth` loops deep),
+    sharing repeated subtrees; `value` gives the Code that names an expression's value."""
 
     names: dict[str, str]  # index symbol -> variable name in this scope
     mask: str
     locals: dict[str, str]
     counter: list[int]
-    lines: list[str] = field(default_factory=list)
+    lines: list[Stmt] = field(default_factory=list)
     memo: dict = field(default_factory=dict)
-    status: list[bool] = field(default_factory=lambda: [False])
+    depth: int = 0  # of the statements, in loops
 
     def fresh(self, base: str = "t") -> str:
         self.counter[0] += 1
         return f"{base}{self.counter[0]}"
 
-    def value(self, e: L.Expr) -> str:
+    def value(self, e: L.Expr) -> Code:
         if e in self.memo:
             return self.memo[e]
         T = tl_compute(e.dtype.name)
         if isinstance(e, L.Const):
-            return f"tl.full([], {literal(e.value, e.dtype)}, {T})"
+            return code("tl.full([], {}, {})", literal(e.value, e.dtype), T)
         if isinstance(e, L.Load) and e.buf in self.locals and not e.indirect:
-            return self.locals[e.buf]
+            return (Ref(self.locals[e.buf]),)
         if isinstance(e, L.Index):
             if not sympy.sympify(e.expr).free_symbols:
-                return f"tl.full([], {int(e.expr)}, {T})"
-            text = f"({to_tl(e.expr, self.names)}).to({T})"
+                return code("tl.full([], {}, {})", str(int(e.expr)), T)
+            text = code("({}).to({})", _index(e.expr, self.names), T)
         elif isinstance(e, L.Load):
             text = self._load(e)
         elif e.op == "cast":
             x = self.value(e.args[0])
-            text = f"({x} != 0)" if e.dtype.name == "bool" else f"{x}.to({T})"
+            text = code("({} != 0)", x) if e.dtype.name == "bool" else code("{}.to({})", x, T)
             if e.dtype.name in ROUND8 and e.args[0].dtype != e.dtype:  # round to 8 bits
-                text = f"{triton_round(e.dtype.name)}({x}).to({T})"
+                text = code("{}({}).to({})", triton_round(e.dtype.name), x, T)
             elif e.dtype.name in COMPUTE and e.args[0].dtype != e.dtype:  # round to 16 bits
-                text = f"{x}.to({TL_DTYPE[e.dtype.name]}).to({T})"
+                text = code("{}.to({}).to({})", x, TL_DTYPE[e.dtype], T)
         else:
             args = [self.value(a) for a in e.args]
             pick = e.args[1] if e.op == "where" else e.args[0]
-            text = op_spelling(e.op, pick.dtype).format(*args, T=T)
+            text = code(op_spelling(e.op, pick.dtype), *args, T=T)
             same = all(a.dtype == e.dtype for a in e.args[1 if e.op == "where" else 0:])
             if e.dtype.name != "bool" and not (same and e.dtype.name in _NATIVE):
-                text = f"{text}.to({T})"
+                text = code("{}.to({})", text, T)
         name = self.fresh()
-        self.lines.append(f"{name} = {text}")
-        self.memo[e] = name
-        return name
+        self.lines.append(Assign(name, text, self.depth,
+                                 e.buf if isinstance(e, L.Load) else None))
+        self.memo[e] = (Ref(name),)
+        return self.memo[e]
 
-    def _load(self, e: L.Load) -> str:
+    def _load(self, e: L.Load) -> Code:
         names = dict(self.names)
+        d, mask = self.depth, Ref(self.mask)
         for ind in e.indirect:
             v = self.value(ind.value)
             var = self.fresh(f"{ind.var.name}_")
-            b = to_tl(ind.bound, self.names)
-            self.lines.append(f"{var} = {v}.to(tl.int64)")
+            b = _index(ind.bound, self.names)
+            self.lines.append(Assign(var, code("{}.to(tl.int64)", v), d))
+            x = Ref(var)
             if ind.wrap:
-                self.lines.append(f"{var} = tl.where({var} < 0, {var} + {b}, {var})")
+                self.lines.append(Assign(var, code("tl.where({x} < 0, {x} + {b}, {x})",
+                                                   x=x, b=b), d))
             bad = self.fresh("bad")
-            self.lines.append(f"{bad} = {self.mask} & (({var} < 0) | ({var} >= {b}))")
-            self.lines.append(f"tl.store(kiln_status + {bad}.to(tl.int32) * 0, 1, mask={bad})")
-            self.lines.append(f"{var} = tl.where({bad}, 0, {var})")
+            self.lines.append(Assign(bad, code("{} & (({x} < 0) | ({x} >= {b}))", mask, x=x,
+                                               b=b), d))
+            self.lines.append(Line(code("tl.store(kiln_status + {bad}.to(tl.int32) * 0, 1, "
+                                        "mask={bad})", bad=Ref(bad)), d))
+            self.lines.append(Assign(var, code("tl.where({}, 0, {})", Ref(bad), x), d))
             names[ind.var.name] = var
-            self.status[0] = True
-        idx = to_tl(e.index, names)
+        idx = _index(e.index, names)
         if not any(names.get(str(v), "0") != "0" for v in sympy.sympify(e.index).free_symbols):
-            idx += " + xidx * 0"  # a block pointer: the mask is a block
+            idx = code("{} + xidx * 0", idx)  # a block pointer: the mask is a block
         up = f".to({tl_compute(e.dtype.name)})" if e.dtype.name in COMPUTE else ""
         other = "0.0" if e.dtype.name in ROUND8 else "0"  # Triton casts no int to 8-bit floats
-        return f"tl.load(buf_{e.buf} + {idx}, mask={self.mask}, other={other}){up}"
+        return code("tl.load(buf_{} + {}, mask={}, other={}){}", e.buf, idx, mask, other, up)
 
 
 def _pow2(n: int) -> int:
@@ -178,20 +194,21 @@ def _small_indices(kernel: Kernel, buffers: dict[str, L.Buffer]) -> bool:
     return all(sympy.sympify(s).is_Integer and int(s) < 2**31 - 2**20 for s in sizes)
 
 
-def _tile(lines, var, extent, mask, idx_t, pad, rblock, body_fn):
+def _tile(body: list[Stmt], var, extent, mask, idx_t, depth, rblock, body_fn):
     """A loop over `extent` elements in RBLOCK tiles (no loop when one tile covers it)."""
     static = sympy.sympify(extent).is_Integer
     ext = to_tl(extent)
     cast = ".to(tl.int64)" if idx_t == "tl.int64" else ""
     single = static and int(extent) <= rblock
     if single:
-        lines.append(f"{pad}{var} = tl.arange(0, RBLOCK)[None, :]{cast}")
-        inner = pad
+        body.append(Assign(var, code("tl.arange(0, RBLOCK)[None, :]{}", cast), depth))
+        inner = depth
     else:
-        lines.append(f"{pad}for {var}_off in range(0, {ext}, RBLOCK):")
-        inner = pad + "    "
-        lines.append(f"{inner}{var} = {var}_off + tl.arange(0, RBLOCK)[None, :]{cast}")
-    lines.append(f"{inner}{mask} = xmask & ({var} < {ext})")
+        off = Ref(f"{var}_off")
+        body.append(Line(code("for {} in range(0, {}, RBLOCK):", off, ext), depth))
+        inner = depth + 1
+        body.append(Assign(var, code("{} + tl.arange(0, RBLOCK)[None, :]{}", off, cast), inner))
+    body.append(Assign(mask, code("xmask & ({} < {})", Ref(var), ext), inner))
     body_fn(inner)
 
 
@@ -203,13 +220,13 @@ class _Member:
     def names(self) -> dict[str, str]:
         return dict(self.kp.outer_names)
 
-    def inner_defs(self, names, pad, flat: str, dims, first: int, prefix: str) -> list[str]:
-        out = []
+    def inner_defs(self, names, depth, flat: str, dims, first: int, prefix: str) -> list[Stmt]:
+        out: list[Stmt] = []
         syms = (ivars if prefix == "i" else rvars)(first + len(dims))[first:]
         for s, e in zip(syms, unravel(sympy.Symbol("FLAT"), dims)):
             name = f"{s.name}_m{self.j}"
             names[s.name] = name
-            out.append(f"{pad}{name} = {to_tl(e, {'FLAT': flat})}")
+            out.append(Assign(name, _index(e, {"FLAT": flat}), depth))
         return out
 
 
@@ -219,13 +236,12 @@ class _KernelPrinter:
         self.k = len(kernel.outer)
         self.locals = {n: f"v_{n}" for n in kernel.locals}
         self.counter = [0]
-        self.status = [False]
         self.outer_names = {f"i{d}": f"i{d}" for d in range(self.k)}
 
-    def scope(self, names, mask) -> _Scope:
-        return _Scope(names, mask, self.locals, self.counter, status=self.status)
+    def scope(self, names, mask, depth: int) -> _Scope:
+        return _Scope(names, mask, self.locals, self.counter, depth=depth)
 
-    def pointwise(self, j: int, m: L.Compute, lines: list[str]) -> None:
+    def pointwise(self, j: int, m: L.Compute, body: list[Stmt]) -> None:
         mem = _Member(self, j, m)
         dims = m.shape[self.k:]
         out_idx = _out_index(m)
@@ -233,126 +249,137 @@ class _KernelPrinter:
             names = mem.names()
             for d in range(self.k, len(m.shape)):
                 names[f"i{d}"] = "0"
-            sc = self.scope(names, "xmask")
+            sc = self.scope(names, "xmask", 0)
             v = _stored(sc.value(m.body), m.dtype)
-            lines += ["    " + s for s in sc.lines]
-            lines.append(f"    tl.store({_store_ptr(m.name, out_idx, names, self.k)}, {v}, "
-                         "mask=xmask)")
+            body += sc.lines
+            body.append(Store(m.name, _store_offset(out_idx, names, self.k), v,
+                              (Ref("xmask"),)))
             return
 
-        def body(pad):
+        def tile_body(depth):
             names = mem.names()
-            lines.extend(mem.inner_defs(names, pad, f"r_m{j}", dims, self.k, "i"))
-            sc = self.scope(names, f"mask_m{j}")
+            body.extend(mem.inner_defs(names, depth, f"r_m{j}", dims, self.k, "i"))
+            sc = self.scope(names, f"mask_m{j}", depth)
             v = _stored(sc.value(m.body), m.dtype)
-            lines.extend(pad + s for s in sc.lines)
-            lines.append(f"{pad}tl.store({_store_ptr(m.name, out_idx, names, self.k)}, {v}, "
-                         f"mask=mask_m{j})")
-        _tile(lines, f"r_m{j}", product(dims), f"mask_m{j}", self.idx_t, "    ",
-              self.config.rblock, body)
+            body.extend(sc.lines)
+            body.append(Store(m.name, _store_offset(out_idx, names, self.k), v,
+                              (Ref(f"mask_m{j}"),), depth))
+        _tile(body, f"r_m{j}", product(dims), f"mask_m{j}", self.idx_t, 0, self.config.rblock,
+              tile_body)
 
-    def reduction(self, j: int, m: L.Compute, lines: list[str]) -> None:
+    def reduction(self, j: int, m: L.Compute, body: list[Stmt]) -> None:
         mem = _Member(self, j, m)
         dims = m.shape[self.k:]
         names = mem.names()
-        pad = "    "
+        depth = 0
         if sympy.sympify(product(dims)) == 1:
             for d in range(self.k, len(m.shape)):
                 names[f"i{d}"] = "0"
         else:  # extra non-reduced inner dims: one at a time
             n = to_tl(product(dims))
-            lines.append(f"{pad}for jj_m{j} in range(0, {n}):")
-            pad += "    "
-            lines.extend(mem.inner_defs(names, pad, f"jj_m{j}", dims, self.k, "i"))
+            body.append(Line(code("for {} in range(0, {}):", Ref(f"jj_m{j}"), n)))
+            depth += 1
+            body.extend(mem.inner_defs(names, depth, f"jj_m{j}", dims, self.k, "i"))
         kind = m.reduce.kind
-        acc, res = f"acc_{m.name}", f"res_{m.name}"
+        acc, acc_i, res = f"acc_{m.name}", f"acc_{m.name}_i", f"res_{m.name}"
         shape = "[XBLOCK, RBLOCK]"
         src = m.body.dtype
         if kind in ("argmax", "argmin"):
             lo, hi = INT_LIMITS.get(src.name, (None, None))
             init = ("float('-inf')" if kind == "argmax" else "float('inf')") if src.is_float \
                 else str(lo if kind == "argmax" else hi)
-            lines.append(f"{pad}{acc} = tl.full({shape}, {init}, {tl_compute(src.name)})")
-            lines.append(f"{pad}{acc}_i = tl.full({shape}, {BIG_INDEX}, tl.int64)")
+            body.append(Assign(acc, code("tl.full({}, {}, {})", shape, init,
+                                         tl_compute(src.name)), depth))
+            body.append(Assign(acc_i, code("tl.full({}, {}, tl.int64)", shape, str(BIG_INDEX)),
+                               depth))
         else:
             fid, iid, _, _ = REDUCTIONS[kind]
             acc_t = "tl.int8" if kind in ("any", "all") else tl_compute(m.dtype.name)
             lo, hi = INT_LIMITS.get(m.dtype.name, (0, 0))
             ident = fid if m.dtype.is_float else iid.format(lo=lo, hi=hi)
-            lines.append(f"{pad}{acc} = tl.full({shape}, {ident}, {acc_t})")
+            body.append(Assign(acc, code("tl.full({}, {}, {})", shape, ident, acc_t), depth))
 
-        def body(p2):
+        def tile_body(d2):
             nm = dict(names)
-            lines.extend(mem.inner_defs(nm, p2, f"r_m{j}", m.reduce.sizes, 0, "r"))
-            sc = self.scope(nm, f"mask_m{j}")
+            body.extend(mem.inner_defs(nm, d2, f"r_m{j}", m.reduce.sizes, 0, "r"))
+            sc = self.scope(nm, f"mask_m{j}", d2)
             x = sc.value(m.body)
-            lines.extend(p2 + s for s in sc.lines)
+            body.extend(sc.lines)
+            mask = Ref(f"mask_m{j}")
             if kind in ("argmax", "argmin"):
                 cmp = ">" if kind == "argmax" else "<"
-                lines.append(f"{p2}take = mask_m{j} & (({acc}_i == {BIG_INDEX}) | ({x} {cmp} "
-                             f"{acc}) | (({x} != {x}) & ({acc} == {acc})))")
-                lines.append(f"{p2}{acc} = tl.where(take, {x}, {acc})")
-                lines.append(f"{p2}{acc}_i = tl.where(take, r_m{j}.to(tl.int64), {acc}_i)")
+                body.append(Assign("take", code(
+                    "{mask} & (({acc_i} == {big}) | ({x} {cmp} {acc}) | "
+                    "(({x} != {x}) & ({acc} == {acc})))", mask=mask, acc_i=Ref(acc_i),
+                    big=str(BIG_INDEX), x=x, cmp=cmp, acc=Ref(acc)), d2))
+                body.append(Assign(acc, code("tl.where(take, {}, {})", x, Ref(acc)), d2))
+                body.append(Assign(acc_i, code("tl.where(take, {}.to(tl.int64), {})",
+                                               Ref(f"r_m{j}"), Ref(acc_i)), d2))
                 return
             fid, iid, comb, _ = REDUCTIONS[kind]
             ident = fid if m.dtype.is_float else iid.format(lo=lo, hi=hi)
-            xv = f"{x}.to(tl.int8)" if kind in ("any", "all") else x
-            masked = f"tl.where(mask_m{j}, {xv}, {ident})"
+            xv = code("{}.to(tl.int8)", x) if kind in ("any", "all") else x
+            masked = code("tl.where({}, {}, {})", mask, xv, ident)
             if kind in ("max", "min"):
                 fn = "tl.maximum" if kind == "max" else "tl.minimum"
                 nan = ", propagate_nan=tl.PropagateNan.ALL" if m.dtype.is_float else ""
                 comb = f"{fn}({{acc}}, {{x}}{nan})"
-            lines.append(f"{p2}{acc} = {comb.format(acc=acc, x=masked)}")
-        _tile(lines, f"r_m{j}", product(m.reduce.sizes), f"mask_m{j}", self.idx_t, pad,
-              self.config.rblock, body)
+            body.append(Assign(acc, code(comb, acc=Ref(acc), x=masked), d2))
+        _tile(body, f"r_m{j}", product(m.reduce.sizes), f"mask_m{j}", self.idx_t, depth,
+              self.config.rblock, tile_body)
         if kind in ("argmax", "argmin"):
             fn = "_kl_argmax" if kind == "argmax" else "_kl_argmin"
-            lines.append(f"{pad}_, {res} = tl.reduce(({acc}, {acc}_i), 1, {fn}, "
-                         "keep_dims=True)")
-            lines.append(f"{pad}{res} = tl.where({res} == {BIG_INDEX}, 0, {res})")
+            body.append(Line(code("_, {} = tl.reduce(({}, {}), 1, {}, keep_dims=True)",
+                                  Ref(res), Ref(acc), Ref(acc_i), fn), depth))
+            body.append(Assign(res, code("tl.where({r} == {big}, 0, {r})", r=Ref(res),
+                                         big=str(BIG_INDEX)), depth))
         else:
-            lines.append(f"{pad}{res} = {REDUCTIONS[kind][3].format(acc=acc)}")
+            body.append(Assign(res, code(REDUCTIONS[kind][3], acc=Ref(acc)), depth))
         if m.name in self.locals:
-            lines.append(f"{pad}{self.locals[m.name]} = {res}")
+            body.append(Assign(self.locals[m.name], (Ref(res),), depth))
         else:
-            ptr = _store_ptr(m.name, _out_index(m), names, self.k)
-            lines.append(f"{pad}tl.store({ptr}, {res}, mask=xmask)")
+            body.append(Store(m.name, _store_offset(_out_index(m), names, self.k), (Ref(res),),
+                              (Ref("xmask"),), depth))
 
 
-def _stored(v: str, dt) -> str:
+def _stored(v: Code, dt) -> Code:
     """The value a store writes: 8-bit floats converted explicitly with eager's rounding (an
     implicit conversion would saturate e5m2's infinities); others convert on store."""
-    return f"{triton_round(dt.name)}({v})" if dt.name in ROUND8 else v
+    return code("{}({})", triton_round(dt.name), v) if dt.name in ROUND8 else v
 
 
-def _store_ptr(buf: str, idx: sympy.Expr, names: dict[str, str], k: int) -> str:
-    """The store pointer, shaped like the row mask even when `idx` ignores the rows."""
+def _store_offset(idx: sympy.Expr, names: dict[str, str], k: int) -> Code:
+    """The store's offset, shaped like the row mask even when `idx` ignores the rows."""
     row = any(v in sympy.sympify(idx).free_symbols for v in ivars(k))
-    return f"buf_{buf} + {to_tl(idx, names)}" + ("" if row else " + xidx * 0")
+    return _index(idx, names) if row else code("{} + xidx * 0", _index(idx, names))
 
 
 def _out_index(m: L.Compute) -> sympy.Expr:
     return linear_index(ivars(len(m.shape)), contiguous_strides(m.shape))
 
 
+def kernel_body(kernel: Kernel, buffers: dict[str, L.Buffer], config: Config) -> list[Stmt]:
+    """The kernel's body as statements, every member printed on its own (before
+    `cse.value_number`)."""
+    idx_t = "tl.int32" if _small_indices(kernel, buffers) else "tl.int64"
+    kp = _KernelPrinter(kernel, buffers, config, idx_t)
+    body: list[Stmt] = []
+    read_later = read_after_store(kernel)
+    for j, m in enumerate(kernel.members):
+        body.append(Line(code("# {} <- {}", m.name, ", ".join(m.source))))
+        (kp.reduction if m.reduce is not None else kp.pointwise)(j, m, body)
+        if m.name in read_later:
+            body.append(Line(("tl.debug_barrier()  # later members read what this one stored",)))
+    return body
+
+
 def print_triton_kernel(kernel: Kernel, buffers: dict[str, L.Buffer], hints: dict[str, int],
                         config: Config | None = None) -> TritonKernel:
     config = config or choose_config(kernel, hints)
     idx_t = "tl.int32" if _small_indices(kernel, buffers) else "tl.int64"
-    kp = _KernelPrinter(kernel, buffers, config, idx_t)
-    body: list[str] = []
-    read_later: set[str] = set()
-    for j, m in enumerate(kernel.members):
-        for later in kernel.members[j + 1:]:
-            if m.name in {ld.buf for ld in L.loads(later.body)} and m.name not in kp.locals:
-                read_later.add(m.name)
-    for j, m in enumerate(kernel.members):
-        body.append(f"    # {m.name} <- {', '.join(m.source)}")
-        (kp.reduction if m.reduce is not None else kp.pointwise)(j, m, body)
-        if m.name in read_later:
-            body.append("    tl.debug_barrier()  # later members read what this one stored")
+    body = kernel_body(kernel, buffers, config)
     params = list(kernel_params(kernel, buffers))
-    if kp.status[0]:
+    if indexes_through_data(kernel):
         params.append(("status", "kiln_status"))
     sig: dict[str, str] = {}
     for kind, n in params:
@@ -361,7 +388,7 @@ def print_triton_kernel(kernel: Kernel, buffers: dict[str, L.Buffer], hints: dic
         elif kind == "status":
             sig[n] = "*i32"
         else:
-            sig[f"buf_{n}"] = SIG_PTR[buffers[n].dtype.name]
+            sig[f"buf_{n}"] = SIG_PTR[buffers[n].dtype]
     sig["XBLOCK"] = sig["RBLOCK"] = "constexpr"
     rows = product(kernel.outer)
     head = [
@@ -378,42 +405,10 @@ def print_triton_kernel(kernel: Kernel, buffers: dict[str, L.Buffer], hints: dic
         head.append("    pid = tl.program_id(1) * tl.num_programs(0) + tl.program_id(0)")
     head.append("    xidx = pid * XBLOCK + tl.arange(0, XBLOCK)[:, None]")
     head.append(f"    xmask = xidx < {to_tl(rows)}")
-    for s, e in zip(ivars(kp.k), unravel(sympy.Symbol("xidx"), kernel.outer)):
+    for s, e in zip(ivars(len(kernel.outer)), unravel(sympy.Symbol("xidx"), kernel.outer)):
         head.append(f"    {s.name} = {to_tl(e)}")
-    src = "\n".join(head + _value_number(body)) + "\n"
+    src = "\n".join(head + render(value_number(body))) + "\n"
     return TritonKernel(kernel.name, src, tuple(params), sig, config, rows, kernel.source)
-
-
-_TOP = re.compile(r"^    (\w+) = (.+)$")  # an assignment at the kernel's top level
-_NAME = re.compile(r"\b\w+\b")
-
-
-def _value_number(lines: list[str]) -> list[str]:
-    """Top-level assignments that repeat an earlier one (after renaming) become that earlier
-    name. Members of a kernel print their loads and index math independently; when their
-    tiles are single (no loop), a softmax's three passes then load each element once instead
-    of three times. A store to a buffer forgets the loads of that buffer seen before it."""
-    counts: dict[str, int] = {}
-    for ln in lines:
-        m = re.match(r"^\s*(\w+) = ", ln)
-        if m:
-            counts[m.group(1)] = counts.get(m.group(1), 0) + 1
-    alias: dict[str, str] = {}
-    seen: dict[str, str] = {}
-    out = []
-    for ln in lines:
-        if alias:
-            ln = _NAME.sub(lambda w: alias.get(w.group(0), w.group(0)), ln)
-        for buf in re.findall(r"tl\.store\((buf_\w+)", ln):
-            seen = {k: v for k, v in seen.items() if f"tl.load({buf} " not in k}
-        m = _TOP.match(ln)
-        if m and counts[m.group(1)] == 1 and not m.group(2).startswith("tl.full("):
-            if m.group(2) in seen:
-                alias[m.group(1)] = seen[m.group(2)]
-                continue
-            seen[m.group(2)] = m.group(1)
-        out.append(ln)
-    return out
 
 
 def print_triton_module(kernels: list[TritonKernel]) -> str:

@@ -113,7 +113,7 @@ def _args(tk, buffers, hints, torch):
             args.append(torch.zeros(4, dtype=torch.int32, device="cuda"))
         else:
             b = buffers[n]
-            dt = getattr(torch, b.dtype.name)
+            dt = b.dtype.torch
             numel = max(1, evaluate(b.numel, hints))
             t = torch.empty(numel, dtype=dt, device="cuda")
             if dt.is_floating_point:

@@ -13,18 +13,22 @@ from __future__ import annotations
 
 import sympy
 
+from kiln.ir import dtypes
 from kiln.ir.dtypes import DType
 from kiln.ir.sym import FloorDiv, ModIdx
 from kiln.errors import UnsupportedError
 
-TL_DTYPE = {"float32": "tl.float32", "float64": "tl.float64", "float16": "tl.float16",
-            "bfloat16": "tl.bfloat16", "int64": "tl.int64", "int32": "tl.int32",
-            "int16": "tl.int16", "int8": "tl.int8", "uint8": "tl.uint8", "bool": "tl.int1",
-            "float8_e4m3fn": "tl.float8e4nv", "float8_e5m2": "tl.float8e5"}
-# Triton signature spelling of a pointer to each dtype (bool tensors are bytes: *i1)
-SIG_PTR = {"float32": "*fp32", "float64": "*fp64", "float16": "*fp16", "bfloat16": "*bf16",
-           "int64": "*i64", "int32": "*i32", "int16": "*i16", "int8": "*i8", "uint8": "*u8",
-           "bool": "*i1", "float8_e4m3fn": "*fp8e4nv", "float8_e5m2": "*fp8e5"}
+# Triton's spellings of each dtype: its `tl.` type, and its signature spelling as a pointer's
+# element (bool tensors are bytes: *i1)
+TL_DTYPE = {dtypes.float32: "tl.float32", dtypes.float64: "tl.float64",
+            dtypes.float16: "tl.float16", dtypes.bfloat16: "tl.bfloat16",
+            dtypes.int64: "tl.int64", dtypes.int32: "tl.int32", dtypes.int16: "tl.int16",
+            dtypes.int8: "tl.int8", dtypes.uint8: "tl.uint8", dtypes.bool_: "tl.int1",
+            dtypes.float8_e4m3fn: "tl.float8e4nv", dtypes.float8_e5m2: "tl.float8e5"}
+SIG_PTR = {dtypes.float32: "*fp32", dtypes.float64: "*fp64", dtypes.float16: "*fp16",
+           dtypes.bfloat16: "*bf16", dtypes.int64: "*i64", dtypes.int32: "*i32",
+           dtypes.int16: "*i16", dtypes.int8: "*i8", dtypes.uint8: "*u8", dtypes.bool_: "*i1",
+           dtypes.float8_e4m3fn: "*fp8e4nv", dtypes.float8_e5m2: "*fp8e5"}
 # The type values of each dtype are held in while computing: 16-bit floats are loaded into
 # float32, every operator and accumulator works in float32, and a value is rounded to 16 bits
 # only where it is stored or explicitly cast (as eager's CUDA kernels do per operator).
@@ -37,7 +41,7 @@ ROUND8 = frozenset({"float8_e4m3fn", "float8_e5m2"})
 
 def tl_compute(name: str) -> str:
     """The Triton dtype values of dtype `name` are computed in."""
-    return TL_DTYPE[COMPUTE.get(name, name)]
+    return TL_DTYPE[dtypes.dtype(COMPUTE.get(name, name))]
 
 LD = "libdevice"
 _SHARED = {
@@ -101,9 +105,8 @@ REDUCTIONS: dict[str, tuple[str, str, str, str]] = {
     "all": ("1", "1", "tl.minimum({acc}, {x})", "tl.min({acc}, 1, keep_dims=True) != 0"),
 }
 
-INT_LIMITS = {"int64": (-(2**63), 2**63 - 1), "int32": (-(2**31), 2**31 - 1),
-              "int16": (-(2**15), 2**15 - 1), "int8": (-128, 127), "uint8": (0, 255),
-              "bool": (0, 1)}
+# by dtype name: the range of each integer and bool dtype
+INT_LIMITS = {d.name: d.int_range for d in dtypes.DTYPES.values() if d.int_range is not None}
 
 
 def op_spelling(op: str, arg_dtype: DType) -> str:

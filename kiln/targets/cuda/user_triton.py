@@ -32,14 +32,17 @@ from pathlib import Path
 import sympy
 
 from kiln.errors import CompileError
-from kiln.frontend.user_triton import TRITON_DTYPE
+from kiln.ir import dtypes
 from kiln.ir import loop as L
 from kiln.ir.sym import evaluate
 from kiln.toolchain import triton_aot
-from kiln.targets.cuda.wrapper_py import _DT
+from kiln.targets.cuda.ops import SIG_PTR
 import torch
 
 _I32 = (-2**31, 2**31 - 1)
+# the dtypes a user kernel's tensor arguments may have (spelled as SIG_PTR spells them)
+TENSOR_DTYPES = (dtypes.float32, dtypes.float16, dtypes.bfloat16, dtypes.float64, dtypes.int64,
+                 dtypes.int32, dtypes.int16, dtypes.int8, dtypes.uint8, dtypes.bool_)
 
 
 @dataclass(frozen=True)
@@ -66,7 +69,7 @@ class UserLaunch:
     def num_stages(self) -> int:
         return self.call.spec.configs[self.config].num_stages
 
-    def launch_args(self) -> list[tuple[str, tuple, str]]:
+    def launch_args(self) -> list[tuple[str, L.UserArg, str]]:
         """(parameter, value, Triton type) of every argument the cubin takes, in order."""
         return [(p, v, self.signature[p]) for p, v in self.call.args
                 if self.signature[p] != "constexpr"]
@@ -78,31 +81,37 @@ def prepare(call: L.UserKernel, config: int, buffers: dict) -> UserLaunch:
     cfg = dict(call.spec.configs[config].constexprs)
     sig, consts, attrs = {}, {}, {}
     for i, (p, v) in enumerate(call.args):
-        kind = v[0]
-        if kind == "buf":
-            dt = buffers[v[1]].dtype.name
-            if dt not in TRITON_DTYPE:
-                raise CompileError(f"Triton kernel {call.kernel}: tensor argument {p} is "
-                                   f"{dt}; supported: {', '.join(TRITON_DTYPE)}")
-            sig[p] = "*" + TRITON_DTYPE[dt]
-            if not params[p].do_not_specialize_on_alignment:
-                attrs[(i,)] = [["tt.divisibility", 16]]
-        elif kind == "int":
-            e = sympy.sympify(v[1])
-            if e.is_Integer:
-                x = int(e)
-                sig[p] = "i32" if _I32[0] <= x <= _I32[1] else "i64"
-                if x % 16 == 0 and not params[p].do_not_specialize:
+        match v:
+            case L.UserBuf(buf=buf):
+                dt = buffers[buf].dtype
+                if dt not in TENSOR_DTYPES:
+                    raise CompileError(f"Triton kernel {call.kernel}: tensor argument {p} is "
+                                       f"{dt.name}; supported: "
+                                       f"{', '.join(d.name for d in TENSOR_DTYPES)}")
+                sig[p] = SIG_PTR[dt]
+                if not params[p].do_not_specialize_on_alignment:
                     attrs[(i,)] = [["tt.divisibility", 16]]
-            else:  # a dynamic size: the widest type, no value assumed
-                sig[p] = "i64"
-        elif kind == "float":
-            sig[p] = "fp32"
-        elif kind == "bool":
-            sig[p] = "i1"
-        else:
-            sig[p] = "constexpr"
-            consts[p] = None if kind == "none" else v[1] if kind == "constexpr" else cfg[p]
+            case L.UserInt(value=value):
+                e = sympy.sympify(value)
+                if e.is_Integer:
+                    x = int(e)
+                    sig[p] = "i32" if _I32[0] <= x <= _I32[1] else "i64"
+                    if x % 16 == 0 and not params[p].do_not_specialize:
+                        attrs[(i,)] = [["tt.divisibility", 16]]
+                else:  # a dynamic size: the widest type, no value assumed
+                    sig[p] = "i64"
+            case L.UserFloat():
+                sig[p] = "fp32"
+            case L.UserBool():
+                sig[p] = "i1"
+            case L.UserNone():
+                sig[p], consts[p] = "constexpr", None
+            case L.UserConstexpr(value=value):
+                sig[p], consts[p] = "constexpr", value
+            case L.UserConfigured():
+                sig[p], consts[p] = "constexpr", cfg[p]
+            case _:
+                raise TypeError(v)
     extra = set(cfg) - set(params)
     if extra:
         raise CompileError(f"Triton kernel {call.kernel}: its config sets {sorted(extra)}, "
@@ -155,19 +164,30 @@ def _example_args(launch: UserLaunch, buffers: dict, hints: dict, device: str) -
 
     out = {}
     for p, v in launch.call.args:
-        if v[0] == "buf":
-            b = buffers[v[1]]
-            n = max(evaluate(b.numel, hints), 1)
-            dt = _DT[b.dtype.name]
-            out[p] = (torch.randn(n, device=device).to(dt) if dt.is_floating_point
-                      else torch.zeros(n, dtype=dt, device=device))
-        elif v[0] == "int":
-            out[p] = evaluate(v[1], hints)
-        elif v[0] in ("float", "bool", "constexpr"):
-            out[p] = v[1]
-        elif v[0] == "none":
-            out[p] = None
+        match v:
+            case L.UserBuf(buf=buf):
+                b = buffers[buf]
+                n = max(evaluate(b.numel, hints), 1)
+                dt = b.dtype.torch
+                out[p] = (torch.randn(n, device=device).to(dt) if dt.is_floating_point
+                          else torch.zeros(n, dtype=dt, device=device))
+            case L.UserInt(value=e):
+                out[p] = evaluate(e, hints)
+            case L.UserFloat(value=c) | L.UserBool(value=c) | L.UserConstexpr(value=c):
+                out[p] = c
+            case L.UserNone():
+                out[p] = None
     return out
+
+
+def _key_text(v: L.UserArg) -> str:
+    """An autotune key argument's value as the on-disk cache key spells it (the repr of its
+    payload as a tuple: `(x,)`, or `()` for None and config-set values)."""
+    match v:
+        case L.UserBuf(buf=c) | L.UserFloat(value=c) | L.UserBool(value=c) | \
+                L.UserConstexpr(value=c):
+            return repr((c,))
+    return repr(())
 
 
 def _bench(call: L.UserKernel, k: int, args: dict, hints: dict) -> float:
@@ -192,7 +212,7 @@ def choose_config(call: L.UserKernel, buffers: dict, hints: dict, measure: bool,
     if len(spec.configs) == 1 or not measure:
         return 0, {}
 
-    keyvals = {p: str(evaluate(v[1], hints)) if v[0] == "int" else repr(v[1:])
+    keyvals = {p: str(evaluate(v.value, hints)) if isinstance(v, L.UserInt) else _key_text(v)
                for p, v in call.args if p in spec.keys}
     blob = json.dumps([spec.fn.cache_key, repr(spec.configs), keyvals, sorted(hints.items()),
                        torch.cuda.get_device_name(), triton_aot.triton_version()])

@@ -20,6 +20,8 @@ from __future__ import annotations
 
 import math
 
+from kiln.ir import dtypes
+from kiln.ir import loop as L
 from kiln.ir import program as P
 from kiln.ir.dtypes import DTYPES
 from kiln.ir.sym import to_c
@@ -35,11 +37,11 @@ from kiln.gemm.problem import layout
 
 # the element type kc::gemm is instantiated with (16-bit floats as kiln_cuda_rt.h's storage
 # types, which pick cublasGemmStridedBatchedEx with float accumulation)
-_GEMM_T = {"float16": "kc::f16", "bfloat16": "kc::bf16"}
+_GEMM_T = {dtypes.float16: "kc::f16", dtypes.bfloat16: "kc::bf16"}
 # cudaDataType of each dtype a cuBLASLt (low-precision) GEMM reads or writes
-_LT_TYPE = {"float8_e4m3fn": "kc::kR8F_E4M3", "float8_e5m2": "kc::kR8F_E5M2",
-            "int8": "kc::kR8I", "int32": "kc::kR32I", "float32": "kc::kR32F",
-            "bfloat16": "kc::kR16BF", "float16": "kc::kR16F"}
+_LT_TYPE = {dtypes.float8_e4m3fn: "kc::kR8F_E4M3", dtypes.float8_e5m2: "kc::kR8F_E5M2",
+            dtypes.int8: "kc::kR8I", dtypes.int32: "kc::kR32I", dtypes.float32: "kc::kR32F",
+            dtypes.bfloat16: "kc::kR16BF", dtypes.float16: "kc::kR16F"}
 
 
 # C++ types of a user kernel's scalar arguments, as Triton's launcher passes them
@@ -201,12 +203,19 @@ class _Printer(SizeCheckPrinter):
                           f"{_cstr('copy ' + init + ' -> ' + out)})) return 1;")
         args = []
         for k, (p, v, ty) in enumerate(u.launch_args()):
-            if v[0] == "buf":
-                args.append(f"&buf_{v[1]}")
+            if isinstance(v, L.UserBuf):
+                args.append(f"&buf_{v.buf}")
                 continue
             ctype = _USER_ARG[ty]
-            value = to_c(v[1]) if v[0] == "int" else _float(v[1]) if v[0] == "float" \
-                else str(int(v[1]))
+            match v:
+                case L.UserInt(value=e):
+                    value = to_c(e)
+                case L.UserFloat(value=x):
+                    value = _float(x)
+                case L.UserBool(value=b):
+                    value = str(int(b))
+                case _:
+                    raise TypeError(v)
             self.emit(f"  {ctype} a{k} = static_cast<{ctype}>({value});  // {p}")
             args.append(f"&a{k}")
         args += ["&scratch", "&scratch"]
@@ -266,7 +275,7 @@ class _Printer(SizeCheckPrinter):
             return
         if len(g.batch) > 2:
             raise NotImplementedError("gemm with more than two batch dims")
-        T = _GEMM_T.get(g.dtype.name, g.dtype.c_type)
+        T = _GEMM_T.get(g.dtype, g.dtype.c_type)
         b = list(g.batch) + [1] * (2 - len(g.batch))
         sa = list(g.a.batch_strides) + [0] * (2 - len(g.a.batch_strides))
         sb = list(g.b.batch_strides) + [0] * (2 - len(g.b.batch_strides))
@@ -305,14 +314,14 @@ class _Printer(SizeCheckPrinter):
 
         a = ptr((g.a.buf, g.a.offset), lp.a_dtype.itemsize)
         b = ptr((g.b.buf, g.b.offset), lp.b_dtype.itemsize)
-        bias_t = _LT_TYPE[g.dtype.name] if lp.bias else 0
+        bias_t = _LT_TYPE[g.dtype] if lp.bias else 0
         self.emit(f"// {lp.kind} gemm {g.name} = {g.a.buf} @ {g.b.buf} (cuBLASLt, {lp.a_dtype} x "
                   f"{lp.b_dtype} -> {g.dtype})  <- {', '.join(g.source)}")
         self.emit(f"if (kc::lt_gemm(e, self->lt, stream, {_cstr(g.name)}, {to_c(g.m)}, "
                   f"{to_c(g.n)}, {to_c(g.k)},")
-        self.emit(f"    {a}, {_LT_TYPE[lp.a_dtype.name]}, {to_c(g.a.rows)}, {b}, "
-                  f"{_LT_TYPE[lp.b_dtype.name]}, {to_c(g.b.cols)},")
-        self.emit(f"    buf_{g.name}, {_LT_TYPE[g.dtype.name]}, {ptr(lp.scale_a, 4)}, "
+        self.emit(f"    {a}, {_LT_TYPE[lp.a_dtype]}, {to_c(g.a.rows)}, {b}, "
+                  f"{_LT_TYPE[lp.b_dtype]}, {to_c(g.b.cols)},")
+        self.emit(f"    buf_{g.name}, {_LT_TYPE[g.dtype]}, {ptr(lp.scale_a, 4)}, "
                   f"{ptr(lp.scale_b, 4)}, {'buf_' + lp.bias if lp.bias else '0'}, {bias_t}, "
                   f"self->workspace, kc::kWorkspaceBytes, &self->lt_plan[{self.lt_index(g.name)}]"
                   ")) return 1;")
@@ -343,7 +352,7 @@ class _Printer(SizeCheckPrinter):
         c_arg, ext_arg = "nullptr", ""
         if evt is not None:
             def ptr(o) -> str:
-                return f"(const void*)(buf_{o.buf} + {_DT_SIZE[o.dtype]} * {to_c(o.offset)})"
+                return f"(const void*)(buf_{o.buf} + {DTYPES[o.dtype].itemsize} * {to_c(o.offset)})"
             if evt.src is not None:
                 c_arg = ptr(evt.src)
             self.emit(f"  const void* ext_{g.name}[] = {{{', '.join(ptr(o) for o in evt.ext)}"
@@ -397,9 +406,6 @@ def _plan_block(pr: _Printer, prog: P.Program) -> None:
         return
     for indent, line in runtime_plan_lines(prog, max(prog.alignment, 16), reserve):
         pr.emit(line, indent)
-
-
-_DT_SIZE = {"float16": 2, "bfloat16": 2, "float32": 4}
 
 
 def _evt_of(g, epi):

@@ -26,18 +26,13 @@ from pathlib import Path
 import torch
 
 from kiln.gemm.printed import strided_operand
+from kiln.ir import loop as L
 from kiln.ir import program as P
 from kiln.ir.sym import evaluate
 from kiln.gemm.cutlass_evt import evaluate_torch, from_epilogue
 from kiln.ir.interp import call_aten
 from kiln.errors import UnsupportedError
 import numpy as np
-
-_DT = {"float32": torch.float32, "float64": torch.float64, "float16": torch.float16,
-       "bfloat16": torch.bfloat16, "int64": torch.int64,
-       "int32": torch.int32, "int16": torch.int16, "int8": torch.int8, "uint8": torch.uint8,
-       "bool": torch.bool, "float8_e4m3fn": torch.float8_e4m3fn,
-       "float8_e5m2": torch.float8_e5m2}
 
 
 def import_triton_module(text: str):
@@ -163,9 +158,19 @@ def _run_user(u, x: P.CallUser, bufs: dict, env: dict) -> None:
         return
     kw = {}
     for p, v in x.call.args:
-        kw[p] = (bufs[v[1]].reshape(-1) if v[0] == "buf" else evaluate(v[1], env)
-                 if v[0] == "int" else None if v[0] == "none" else
-                 u.constexprs[p] if v[0] == "config" else v[1])
+        match v:
+            case L.UserBuf(buf=buf):
+                kw[p] = bufs[buf].reshape(-1)
+            case L.UserInt(value=e):
+                kw[p] = evaluate(e, env)
+            case L.UserNone():
+                kw[p] = None
+            case L.UserConfigured():
+                kw[p] = u.constexprs[p]
+            case L.UserFloat(value=c) | L.UserBool(value=c) | L.UserConstexpr(value=c):
+                kw[p] = c
+            case _:
+                raise TypeError(v)
     u.call.spec.fn[grid](**kw, num_warps=u.num_warps, num_stages=u.num_stages)
 
 
@@ -174,12 +179,11 @@ def _run_aten(c, bufs: dict, env: dict, bounds: dict) -> None:
     views of the buffers): every result it writes copied into its buffer, its data-dependent
     sizes bound and checked against their bounds."""
 
-    def tensor(a):
-        _, buf, _, shape, strides, offset = a
-        t = bufs[buf]
-        return torch.as_strided(t, [evaluate(d, env) for d in shape],
-                                [evaluate(d, env) for d in strides],
-                                t.storage_offset() + evaluate(offset, env))
+    def tensor(a: L.AtenTensor):
+        t = bufs[a.buf]
+        return torch.as_strided(t, [evaluate(d, env) for d in a.shape],
+                                [evaluate(d, env) for d in a.strides],
+                                t.storage_offset() + evaluate(a.offset, env))
     for r, got in call_aten(c, tensor, env):
         for d, sym, _ in r.binds:
             env[sym] = int(got.shape[d])
@@ -220,10 +224,10 @@ def run_program(prog: P.Program, kernels: dict, module, weights: dict, inputs: l
             env[x.symbol] = int(inputs[x.input].shape[x.dim])
         elif isinstance(x, P.AllocOutput):  # data-dependent dims at their bounds
             shape = [evaluate(d, env) for d in (x.capacity or x.shape)]
-            bufs[x.buf] = torch.empty(shape, dtype=_DT[x.dtype.name], device=device)
+            bufs[x.buf] = torch.empty(shape, dtype=x.dtype.torch, device=device)
         elif isinstance(x, P.Alloc):
             n = evaluate(x.numel, env)
-            bufs[x.buf] = torch.empty(max(n, 1), dtype=_DT[x.dtype.name], device=device)
+            bufs[x.buf] = torch.empty(max(n, 1), dtype=x.dtype.torch, device=device)
         elif isinstance(x, P.Free):
             bufs.pop(x.buf, None)
         elif isinstance(x, P.CallKernel):

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 import kiln
-from kiln.pipeline import toolchain
+from kiln.targets.cpu.build import toolchain
 
 
 class Chain(torch.nn.Module):

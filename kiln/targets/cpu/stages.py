@@ -1,0 +1,46 @@
+"""The CPU target's compiler: its stages, in order (the driver is kiln/pipeline.py).
+
+    import            torch.export -> Graph IR; library routines allowed, attention decomposed
+    dce               dead nodes and unused weights dropped
+    check_user_kernels  user Triton kernels refused (a package cannot run them on the CPU)
+    freeze            (Options.freeze) weights stored in the layout their GEMMs read
+    expand_lowp       low-precision GEMMs as float32 / int32 GEMMs
+    widen_half        float16 / bfloat16 as storage types, computed in float32
+    lower             Graph IR -> Loop IR
+    schedule          Loop IR -> kernels
+    localize          fused intermediates as per-thread rows
+    reorder           (Options.reorder_for_memory) the order of lowest peak memory
+    program           Program IR, with in-place reuse
+    plan              the arena plan
+    gemm_autotune     each GEMM's backend (BLAS or kiln's "cpp" GEMM) and config
+    codegen           C++ kernel files, the GEMM file
+    codegen_wrapper   the C++ wrapper (model.cpp) and the Python one (model.py)
+    compile           model.so (parts timed as compile.compile, compile.link)"""
+
+from __future__ import annotations
+
+from kiln.targets.cpu.build import (CpuBuild, check_user_kernels, codegen, codegen_wrapper,
+                                    compile_library, expand_low_precision, gemm_autotune,
+                                    localize, widen_half_types)
+from kiln.targets.stages import (DCE, FREEZE, LOWER, PLAN, REORDER, SCHEDULE, Stage, Target,
+                                 check_graph, graph_text, import_stage, program_stage,
+                                 source_files)
+
+TARGET = Target("cpu", (
+    import_stage(library_routines=True, fused_attention=False),
+    DCE,
+    Stage("check_user_kernels", check_user_kernels),
+    FREEZE,
+    Stage("expand_lowp", expand_low_precision, dump=graph_text, verify=check_graph),
+    Stage("widen_half", widen_half_types, dump=graph_text, verify=check_graph),
+    LOWER,
+    SCHEDULE,
+    Stage("localize", localize),
+    REORDER,
+    program_stage(inplace=True),
+    PLAN,
+    Stage("gemm_autotune", gemm_autotune),
+    Stage("codegen", codegen),
+    Stage("codegen_wrapper", codegen_wrapper, dump_files=source_files),
+    Stage("compile", compile_library),
+), state=CpuBuild)

@@ -1,0 +1,62 @@
+"""The CUDA target's compiler: its stages, in order (the driver is kiln/pipeline.py).
+
+    import            torch.export -> Graph IR; ops kiln would lower to CPU library routines
+                      call ATen; scaled_dot_product_attention stays one `attention` node
+                      (Options.fused_attention)
+    dce               dead nodes and unused weights dropped
+    freeze            (Options.freeze) weights stored in the layout their GEMMs read
+    mixed_gemm        (Triton GEMMs allowed) GEMMs of int8 tensors converted to float read int8
+    lower             Graph IR -> Loop IR
+    schedule          Loop IR -> kernels (Triton kernels keep tiles: no per-thread rows)
+    reorder           (Options.reorder_for_memory) the order of lowest peak memory
+    gemm_autotune     each GEMM's backend (cuBLAS / cuBLASLt, Triton template, CUTLASS)
+    fuse_gemms        GEMMs absorb their epilogue (Triton template, CUTLASS visitor tree)
+    program           Program IR, no in-place reuse (threads of a Triton program do not run
+                      in lock step)
+    plan              the arena plan
+    check_routines    library routines without a CUDA version refused
+    launch_autotune   (Options.autotune, a local GPU) kernels' launch configs measured
+    launch_autotune_attention   (likewise) attention block sizes measured
+    codegen_triton    kernels_triton.py
+    cubins            cubins per architecture (parts timed as cubins.<part>)
+    user_kernel_configs  (user Triton kernels) a config each
+    cubins_user       user kernels' cubins
+    cutlass           (CUTLASS GEMMs chosen) their objects
+    codegen_wrapper   model_cuda.cpp and the manifest's record
+    compile           model.so (parts timed as compile.compile, compile.link)"""
+
+from __future__ import annotations
+
+from kiln.targets.cuda.build import (CudaBuild, check_routines, codegen_triton, codegen_wrapper,
+                                     compile_library, cubins, cubins_user, cutlass,
+                                     fuse_gemm_epilogues, gemm_autotune, has_cutlass,
+                                     has_user_kernels, launch_autotune,
+                                     launch_autotune_attention, mixed_gemm, triton_allowed,
+                                     tunes_attention, tunes_kernels, user_kernel_configs)
+from kiln.targets.stages import (DCE, FREEZE, LOWER, PLAN, REORDER, SCHEDULE, Stage, Target,
+                                 check_graph, graph_text, import_stage, program_stage,
+                                 source_files, steps_text)
+
+TARGET = Target("cuda", (
+    import_stage(library_routines=False, fused_attention=True),
+    DCE,
+    FREEZE,
+    Stage("mixed_gemm", mixed_gemm, dump=graph_text, verify=check_graph, when=triton_allowed),
+    LOWER,
+    SCHEDULE,
+    REORDER,
+    Stage("gemm_autotune", gemm_autotune),
+    Stage("fuse_gemms", fuse_gemm_epilogues, dump=steps_text),
+    program_stage(inplace=False),
+    PLAN,
+    Stage("check_routines", check_routines),
+    Stage("launch_autotune", launch_autotune, when=tunes_kernels),
+    Stage("launch_autotune_attention", launch_autotune_attention, when=tunes_attention),
+    Stage("codegen_triton", codegen_triton),
+    Stage("cubins", cubins),
+    Stage("user_kernel_configs", user_kernel_configs, when=has_user_kernels),
+    Stage("cubins_user", cubins_user),
+    Stage("cutlass", cutlass, when=has_cutlass),
+    Stage("codegen_wrapper", codegen_wrapper, dump_files=source_files),
+    Stage("compile", compile_library),
+), state=CudaBuild, numbered=True)

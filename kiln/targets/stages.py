@@ -1,0 +1,219 @@
+"""What every target's compiler is made of: stages, the build state they pass along, and the
+stages all targets share.
+
+A `Target` is a name and an ordered tuple of `Stage`s (kiln/targets/<name>/stages.py). A stage
+is a named pure function from one `Build` (a frozen dataclass: the options, the exported
+program and every artifact made so far) to the next: it returns `dataclasses.replace(state,
+...)` with the fields it made and changes nothing it was given. Next to the function, as data,
+a stage declares its IR printer (`dump`, for Options.dump_dir), the files it writes there
+(`dump_files`, e.g. the generated sources), its verifier (`verify`, for Options.verify) and
+when it runs (`when`, a predicate on the state: an option, or whether there is anything to
+do). The driver (kiln/pipeline.py) runs a target's stages in order and does the timing,
+dumping and verifying between them, never inside them. No stage asks which target it belongs
+to: what differs between targets is the list, and the parameters a list gives a shared stage
+(`import_stage(library_routines=..., fused_attention=...)`, `program_stage(inplace=...)`).
+
+A stage that has parts worth timing apart (the C++ compile and the link) returns their seconds
+in `Build.times`; the driver records them as `<stage>.<part>`.
+
+The shared stages here (import, dce, freeze, lower, schedule, reorder, program, plan) take
+Graph IR from the export to a planned Program; each target adds its own passes, its GEMM
+choice and its back half (kiln/targets/cpu/build.py, kiln/targets/cuda/build.py)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, replace
+from functools import partial
+from pathlib import Path
+from typing import Any, Callable, Mapping
+
+from kiln.frontend.export import import_program
+from kiln.ir.graph import print_graph, verify_graph
+from kiln.ir.loop_text import print_loop, verify_loop
+from kiln.ir.program import WeightSpec, print_program, verify_program
+from kiln.ir.sym import evaluate
+from kiln.lowering import lower
+from kiln.memory.assign import assign_offsets
+from kiln.options import Options
+from kiln.passes.dce import dce
+from kiln.passes.freeze import freeze
+from kiln.schedule import schedule
+from kiln.schedule.program import build_program, unbacked_bounds
+from kiln.schedule.reorder import reorder_for_memory
+
+
+@dataclass(frozen=True)
+class Build:
+    """The state between two stages. A target may extend it with the fields of its own back
+    half (a subclass, `Target.state`)."""
+
+    options: Options
+    ep: Any = None  # the torch.export.ExportedProgram being compiled
+    graph: Any = None  # Graph IR
+    weights: Mapping[str, Any] = field(default_factory=dict)  # graph input name -> tensor
+    loop: Any = None  # Loop IR (LoopProgram)
+    steps: Any = ()  # the schedule: kernels, GEMMs, library and ATen calls
+    reorder: tuple = (0, 0)  # peak temp bytes of program order, and of the order chosen
+    gemms: Mapping[str, Any] = field(default_factory=dict)  # GEMM name -> gemm Choice
+    program: Any = None  # Program IR (planned once `plan` ran)
+    plan: Any = None  # the arena plan
+    intervals: Any = ()  # the planned buffers' live intervals
+    sources: Mapping[str, str] = field(default_factory=dict)  # file name -> generated text
+    library: Path | None = None  # the linked model.so
+    info: Mapping[str, Any] = field(default_factory=dict)  # the target's manifest record
+    times: Mapping[str, float] = field(default_factory=dict)  # the last stage's timed parts
+
+
+def always(state: Build) -> bool:
+    return True
+
+
+@dataclass(frozen=True)
+class Stage:
+    name: str  # the key of its time in the report's `stages`
+    run: Callable[[Build], Build]
+    dump: Callable[[Build], str] | None = None  # -> dump_dir/NN_<name>.txt
+    verify: Callable[[Build], None] | None = None  # raises when the artifact is malformed
+    when: Callable[[Build], bool] = always  # skipped (and not timed) when false
+    dump_files: Callable[[Build], Mapping[str, str]] | None = None  # -> dump_dir/<file name>
+
+
+@dataclass(frozen=True)
+class Target:
+    name: str  # the device string's name part; Built.device and the manifest's "device"
+    stages: tuple[Stage, ...]
+    state: type[Build] = Build  # the state class its stages pass along
+    numbered: bool = False  # whether "<name>:N" device strings select one of several devices
+
+
+# -- predicates on options -------------------------------------------------------------------
+
+
+def freezing(state: Build) -> bool:
+    return state.options.freeze
+
+
+def reordering(state: Build) -> bool:
+    return state.options.reorder_for_memory
+
+
+# -- printers and verifiers, as stages declare them ------------------------------------------
+
+
+def graph_text(state: Build) -> str:
+    return print_graph(state.graph)
+
+
+def check_graph(state: Build) -> None:
+    verify_graph(state.graph)
+
+
+def loop_text(state: Build) -> str:
+    return print_loop(state.loop)
+
+
+def check_loop(state: Build) -> None:
+    verify_loop(state.loop)
+
+
+def steps_text(state: Build) -> str:
+    return "\n".join(map(repr, state.steps))
+
+
+def program_text(state: Build) -> str:
+    return print_program(state.program)
+
+
+def check_program(state: Build) -> None:
+    verify_program(state.program)
+
+
+def check_planned(state: Build) -> None:
+    verify_program(state.program, planned=True)
+
+
+def source_files(state: Build) -> Mapping[str, str]:
+    return state.sources
+
+
+# -- the shared stages -----------------------------------------------------------------------
+
+
+def import_graph(state: Build, library_routines: bool, fused_attention: bool) -> Build:
+    """torch.export -> Graph IR (core ATen decompositions, weights, pytree specs, Dim ranges).
+    `library_routines`: the target links kiln's CPU library routines (else ATen computes the
+    ops that would lower to them); `fused_attention`: the target runs
+    scaled_dot_product_attention as one `attention` step (when Options.fused_attention)."""
+    o = state.options
+    imported = import_program(state.ep, o.fold_constants, o.aten_fallback, o.seed,
+                              library_routines=library_routines,
+                              fused_attention=fused_attention and o.fused_attention)
+    return replace(state, graph=imported.graph, weights=dict(imported.weights))
+
+
+def import_stage(library_routines: bool, fused_attention: bool) -> Stage:
+    return Stage("import", partial(import_graph, library_routines=library_routines,
+                                   fused_attention=fused_attention))
+
+
+def drop_dead(state: Build) -> Build:
+    """Dead nodes and unused weights dropped."""
+    return replace(state, graph=dce(state.graph))
+
+
+def freeze_weights(state: Build) -> Build:
+    """Weights stored in the layout their GEMMs read (passes/freeze.py)."""
+    graph, weights = freeze(state.graph, dict(state.weights))
+    return replace(state, graph=graph, weights=weights)
+
+
+def lower_graph(state: Build) -> Build:
+    """Graph IR -> Loop IR (views become index maps; pointwise producers inline)."""
+    return replace(state, loop=lower(state.graph))
+
+
+def schedule_loop(state: Build) -> Build:
+    """Loop IR -> kernels (fusion by shared outer loops)."""
+    return replace(state, steps=schedule(state.loop, state.options.fuse))
+
+
+def reorder_steps(state: Build) -> Build:
+    """Independent steps in the order that lowers peak memory (never worse)."""
+    env = {s.name: s.example for s in state.graph.symbols}
+    for name, bound in unbacked_bounds(state.steps):  # data-dependent sizes at their bounds
+        env[name] = evaluate(bound, env)
+    steps, before, after = reorder_for_memory(state.steps, state.loop, env)
+    return replace(state, steps=steps, reorder=(before, after))
+
+
+def build_program_ir(state: Build, inplace: bool) -> Build:
+    """Kernels -> Program IR (input checks, liveness-based Alloc/Free; with `inplace`, a
+    buffer may reuse a dead operand's bytes). Keeps only the weights the graph reads."""
+    graph = state.graph
+    weights = {i.name: state.weights[i.name] for i in graph.weights}
+    specs = [WeightSpec(i.name, i.fqn, i.type.dtype, tuple(int(d) for d in i.type.shape),
+                        weights[i.name].numel() * weights[i.name].element_size(),
+                        mutable=i.kind == "state", permuted=i.permuted)
+             for i in graph.weights]
+    program = build_program(graph, state.loop, state.steps, specs, inplace)
+    return replace(state, weights=weights, program=program)
+
+
+def program_stage(inplace: bool) -> Stage:
+    return Stage("program", partial(build_program_ir, inplace=inplace), dump=program_text,
+                 verify=check_program)
+
+
+def plan_memory(state: Build) -> Build:
+    """One arena, offsets proven overlap-free."""
+    o = state.options
+    program, plan, intervals = assign_offsets(state.program, o.verify, o.plan_budget_s)
+    return replace(state, program=program, plan=plan, intervals=intervals)
+
+
+DCE = Stage("dce", drop_dead, dump=graph_text, verify=check_graph)
+FREEZE = Stage("freeze", freeze_weights, dump=graph_text, verify=check_graph, when=freezing)
+LOWER = Stage("lower", lower_graph, dump=loop_text, verify=check_loop)
+SCHEDULE = Stage("schedule", schedule_loop, dump=steps_text)
+REORDER = Stage("reorder", reorder_steps, when=reordering)
+PLAN = Stage("plan", plan_memory, dump=program_text, verify=check_planned)
