@@ -220,15 +220,16 @@ def tune(m, n, k, layout, dtype, kern, cutlass, sms, lt_so=None):
 
 
 def _cutlass_fused(a, b, bias, r, evt, so):
-    """(run, max error) of a CUTLASS kernel fusing the chain (gpu.py's fused-candidate runner,
-    here fed the chain's own operands: `bias` as the column vector, `r` as C)."""
-    from kiln.gemm.gpu import _fused_cutlass
+    """(run, max error) of a CUTLASS kernel fusing the chain (the profiling child's
+    fused-candidate runner, here fed the chain's own operands: `bias` as the column vector,
+    `r` as C)."""
+    from kiln.gemm.gpu_child import fused_cutlass
     m, k = a.shape
     n = b.shape[1]
     want = torch.matmul(a.float(), b.float())[None]
-    cfg = {"so": str(so), "evt_tree": evt.to_json()}
-    run, check = _fused_cutlass(cfg, a[None], b[None], want, {"layout_a": "n", "layout_b": "n"},
-                                1, m, n, k, operands=[bias, r[None]])
+    run, check = fused_cutlass(str(so), evt.to_json(), a[None], b[None], want,
+                               {"layout_a": "n", "layout_b": "n"}, 1, m, n, k,
+                               operands=[bias, r[None]])
     run()
     torch.cuda.synchronize()
     return run, check()

@@ -7,7 +7,6 @@ run the packages on the device against eager."""
 
 from __future__ import annotations
 
-import dataclasses
 import os
 import textwrap
 import types
@@ -23,7 +22,7 @@ from kiln.gemm import triton_gemm as T  # noqa: E402
 from kiln.errors import CompileError  # noqa: E402
 from kiln.ir import loop as L  # noqa: E402
 from kiln.ir.dtypes import dtype as kdtype  # noqa: E402
-from kiln.options import Options  # noqa: E402
+from kiln.options import GemmBackend, Options  # noqa: E402
 from tests.difftest import run_interpreted  # noqa: E402
 
 gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
@@ -67,16 +66,12 @@ def _export(dtype):
                                dynamic_shapes={"x": {0: m}, "u": None, "y": {1: m}, "z": {0: m}})
 
 
-def _cfg_dict(c: T.TritonConfig) -> dict:
-    return {"name": c.name, **dataclasses.asdict(c)}
-
-
 def _compile(ep, cache_dir, cfg: T.TritonConfig):
     """A CUDA package with every GEMM on the Triton template at `cfg` (the no-profiling choice
     replaced by it)."""
     from kiln.gemm import gpu as agpu
     with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(agpu, "heuristic", lambda *a, **k: ("triton", _cfg_dict(cfg)))
+        mp.setattr(agpu, "heuristic", lambda *a, **k: (GemmBackend.TRITON, cfg))
         return kiln.compile(ep, device="cuda", options=Options(
             cuda_archs=(90,), gemm_backends=("triton",), cache_dir=str(cache_dir)))
 
@@ -246,14 +241,14 @@ _INTERP = textwrap.dedent("""
             assert err < 2e-2 * max(1.0, w.abs().max().item()), err
     # the autotuner's printed candidates (kiln/gemm/printed.py) with a TMA config: the
     # linear with its bias + relu epilogue, the batched GEMM with B transposed
-    from dataclasses import asdict
     from kiln.gemm import printed as PR
     from kiln.ir import loop as L
-    cfgs = {TMA_CFG.name: asdict(TMA_CFG)}
+    from kiln.targets.cuda.gemm_candidates import build
+    cfgs = {TMA_CFG.name: TMA_CFG}
     allbufs = L.all_buffers(b.loop)
     for name in ("gemm_linear_matmul_2", "gemm_bmm"):
         gk = next(s for s in b.steps if s.name == name)
-        p = PR.build(gk.gemm, gk.epilogue, allbufs, {"s0": 70}, cfgs)
+        p = build(gk.gemm, gk.epilogue, allbufs, {"s0": 70}, cfgs)
         assert "tl.make_tensor_descriptor" in p.kernels[TMA_CFG.name].source
         bench = PR.Bench(p, device="cpu")
         err, tol = bench.check(TMA_CFG.name), bench.tolerance()
@@ -366,10 +361,10 @@ def test_autotuner_offers_tma_configs_only_for_gemms_that_allow_them(tmp_path):
     sizes = (1, 4096, 4096, 4096)
     with_tma, _ = gpu.candidates(p, ["triton"], sizes, opts, tmp_path, None, T.tma_refusal(g)
                                  is None)
-    tma = [c for n, b, c in with_tma if c.get("tma")]
-    assert tma and all(c["name"].endswith("_tma") for c in tma)
+    tma = [c.config for c in with_tma if c.config.tma]
+    assert tma and all(c.name.endswith("_tma") and c.to_json()["tma"] is True for c in tma)
     without, _ = gpu.candidates(p, ["triton"], sizes, opts, tmp_path, None, False)
-    assert not [c for n, b, c in without if c.get("tma") or n.endswith("_tma")]
+    assert not [c for c in without if c.config.tma or c.name.endswith("_tma")]
     skinny, _ = gpu.candidates(p, ["triton"], (1, 16, 4096, 4096), opts, tmp_path)
-    assert "triton_16x32x256_g8_s5_w4" in [n for n, _, _ in skinny]
-    assert "triton_16x32x256_g8_s5_w4" not in [n for n, _, _ in without]
+    assert "triton_16x32x256_g8_s5_w4" in [c.name for c in skinny]
+    assert "triton_16x32x256_g8_s5_w4" not in [c.name for c in without]

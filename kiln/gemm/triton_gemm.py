@@ -25,7 +25,7 @@ registers anyway, and float32's IEEE products run on FMA units, which TMA does n
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from kiln.gemm.configs import TritonConfig
 from kiln.toolchain.triton_aot import import_module
 from pathlib import Path
 import sympy
@@ -111,22 +111,6 @@ def kiln_gemm(a_ptr, b_ptr, c_ptr, bias_ptr, res_ptr, M, N, K,
         tl.store(c_ptr + rm[:, None] * stride_cm + rn[None, :] * stride_cn,
                  acc.to(c_ptr.dtype.element_ty), mask=mask)
 '''
-
-
-@dataclass(frozen=True)
-class TritonConfig:
-    block_m: int
-    block_n: int
-    block_k: int
-    group_m: int = 8
-    num_stages: int = 3
-    num_warps: int = 8
-    tma: bool = False  # A and B tiles through TMA descriptors (config dicts: key "tma")
-
-    @property
-    def name(self) -> str:
-        return (f"triton_{self.block_m}x{self.block_n}x{self.block_k}_g{self.group_m}"
-                f"_s{self.num_stages}_w{self.num_warps}" + ("_tma" if self.tma else ""))
 
 
 # TMA variants: the tiles that feed Hopper's warp-group MMA (64 rows per warp group) from
