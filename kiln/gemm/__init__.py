@@ -19,7 +19,8 @@
 - `cutlass_link.py`  the chosen CUTLASS kernels, compiled and linked into a CUDA package
 - `cutlass_evt.py`  a GEMM's absorbed epilogue as a CUTLASS epilogue visitor tree (sm_90),
                 or the reason it stays a separate kernel
-- `triton_gemm.py`  the Triton GEMM template (persistent) and its config space
+- `triton_gemm.py`  the Triton GEMM template's config space and TMA rule (the template is
+                printed by kiln/targets/cuda/gemm_template.py)
 - `printed.py`  the template's candidates as the package prints them, for the profiling child
 - `fuse.py`     GEMMs that absorb their epilogue (Triton template, CUTLASS visitor trees)
 - `select.py`   the pipeline stage: one `Choice` per GEMM (profiled, cached or heuristic)
