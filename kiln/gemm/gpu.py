@@ -61,10 +61,13 @@ class Candidate:
     CUTLASS kernel fuses (`cutlass_evt.Evt.to_json()`)."""
 
     name: str
-    backend: GemmBackend
+    backend: GemmBackend  # (a backend's name is accepted and converted)
     config: GemmConfig
     so: str = ""
     evt_tree: dict | None = None
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "backend", GemmBackend(self.backend))
 
     def to_json(self) -> dict:
         """The child's spec of the candidate."""
