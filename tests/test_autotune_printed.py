@@ -144,7 +144,6 @@ def test_unfused_candidates_are_charged_the_epilogue_kernel(tmp_path, monkeypatc
     lines = [f"KILN_PROFILE {PR.EPILOGUE} 3e-06 0 1", "KILN_PROFILE blas 1e-05 0 1",
              "KILN_PROFILE t1 1.2e-05 0 1", "KILN_PROFILE c1 1e-05 0 1",
              "KILN_PROFILE c2 1.1e-05 0 1"]
-    monkeypatch.setattr(gpu.subprocess, "run", lambda *a, **k: _Fake(lines))
     cands = [gpu.Candidate("blas", GemmBackend.BLAS, BlasConfig()),
              gpu.Candidate("t1", GemmBackend.TRITON, TritonConfig(32, 32, 32)),
              gpu.Candidate("c1", GemmBackend.CUTLASS, CutlassConfig("c1")),
@@ -156,6 +155,8 @@ def test_unfused_candidates_are_charged_the_epilogue_kernel(tmp_path, monkeypatc
     steps, bufs, env, keep, syms = _gemms(tmp_path)
     g = next(s for s in steps if isinstance(s, L.Gemm) and not s.batch)
     problem = problem_of(g, {s.name: (s.min, s.max) for s in syms})
+    # (patched after the compile, which runs processes of its own: subprocess is one module)
+    monkeypatch.setattr(gpu.subprocess, "run", lambda *a, **k: _Fake(lines))
     results, dropped = gpu.profile(problem, (0, 33, 48, 40), cands, 10.0, None)
     got = {n: s for n, _, _, s in results}
     assert not dropped
