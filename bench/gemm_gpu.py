@@ -1,14 +1,17 @@
 """GEMM on the GPU: TFLOP/s of kiln's candidates - cuBLAS (torch.mm), the cuBLASLt
 heuristic's algorithms (kiln/gemm/blaslt.py: the best index, through the helper library
-that max_autotune times them with), the Triton template (kiln/gemm/triton_gemm.py, every
-config of its space; its TMA configs, which load A and B through device-side tensor
-descriptors, in a column of their own) and CUTLASS sm_90 kernels (kiln/gemm/cutlass.py,
-shared libraries built ahead of time with nvcc) - for a sweep of square and skinny fp16/bf16
-shapes, and GEMM + epilogue chains fused into the Triton template
-and into CUTLASS kernels (the epilogue as a visitor tree, kiln/gemm/cutlass_evt.py; the
-first kernel of --evt-configs schedules, compiled with nvcc into --cache) vs unfused
-cuBLAS + eager pointwise. Every candidate's result is checked against torch.mm (a wrong one
-is dropped; fused ones against the tree's torch twin); the pick is the fastest correct
+that max_autotune times them with), the Triton template (every config of its space,
+kiln/gemm/triton_gemm.py, printed as a package prints it, kiln/targets/cuda/gemm_template.py,
+and run as max_autotune runs it, kiln/gemm/printed.py; its TMA configs, which load A and B
+through device-side tensor descriptors, in a column of their own) and CUTLASS sm_90 kernels
+(kiln/gemm/cutlass.py, shared libraries built ahead of time with nvcc) - for a sweep of square
+and skinny fp16/bf16 shapes, and GEMM + epilogue chains fused into the Triton template (the
+epilogue kiln absorbs from the chain's own program) and into CUTLASS kernels (the epilogue as
+a visitor tree, kiln/gemm/cutlass_evt.py; the first kernel of --evt-configs schedules,
+compiled with nvcc into --cache) vs unfused cuBLAS + eager pointwise. Every candidate's result
+is checked (a wrong one is dropped): cuBLAS, cuBLASLt and plain CUTLASS against torch.mm, the
+template's kernels against the float32 product (then the epilogue) of their own random
+operands, fused CUTLASS kernels against the tree's torch twin; the pick is the fastest correct
 candidate; autotuning time is the wall time to compile and time all candidates of one GEMM.
 
     python bench/gemm_gpu.py [--cutlass-dir DIR] [--evt-configs 2] [--json out.json]
@@ -25,9 +28,19 @@ import math
 import time
 from pathlib import Path
 
+import sympy
 import torch
 
+import kiln
+from kiln.gemm import printed as PR
 from kiln.gemm import triton_gemm as T
+from kiln.gemm.fuse import epilogue_member
+from kiln.gemm.gpu_child import fused_cutlass, graphed
+from kiln.ir import loop as L
+from kiln.ir.dtypes import dtype as kdtype
+from kiln.ir.sym import evaluate
+from kiln.options import Options
+from kiln.targets.cuda.gemm_candidates import build as build_candidates
 
 SQUARE = [1024, 2048, 4096, 8192]
 SKINNY = [(16, 4096, 4096), (64, 4096, 4096), (128, 8192, 1024), (64, 1024, 1024),
@@ -36,11 +49,6 @@ SKINNY = [(16, 4096, 4096), (64, 4096, 4096), (128, 8192, 1024), (64, 1024, 1024
 ZOO = [(64, 1024, 1024, "nt"), (64, 256, 1024, "nt")]
 CHAINS = [(4096, 4096, 4096, "gelu"), (2048, 8192, 2048, "relu"), (64, 4096, 4096, "gelu"),
           (1024, 1024, 1024, "relu6")]
-
-
-def _kernel(cache):
-    from kiln.toolchain.triton_aot import import_module
-    return import_module(T.SOURCE, Path(cache)).kiln_gemm
 
 
 def do_bench(fn):
@@ -68,7 +76,6 @@ def evt_kernels(acts, dtypes, configs: int, cache: Path) -> dict:
     `configs`), compiled in parallel (cached by content)."""
     from kiln.gemm import cutlass
     from kiln.gemm.problem import GemmProblem
-    from kiln.options import Options
     todo, srcs = {}, {}
     for act in acts:
         for dt in dtypes:
@@ -86,30 +93,58 @@ def evt_kernels(acts, dtypes, configs: int, cache: Path) -> dict:
     return {k: [(name, built[key], evt) for key, name, evt in v] for k, v in todo.items()}
 
 
-def _tma_ok(*ts) -> bool:
-    """TMA's rules for the operands: 16-byte aligned addresses and strides, one unit stride."""
-    return all(t.data_ptr() % 16 == 0 and 1 in t.stride() and
-               all(s * t.element_size() % 16 == 0 for s in t.stride() if s != 1) for t in ts)
+def plain_gemm(m: int, n: int, k: int, layout: str, dtype: str) -> L.Gemm:
+    """The Loop IR GEMM C[m, n] = A[m, k] @ B: B is [k, n] row-major for "nn", a [n, k]
+    Linear weight read transposed for "nt"."""
+    i = sympy.Integer
+    a = L.Operand("a", i(0), (), i(k), i(1))
+    b = L.Operand("b", i(0), (), i(n), i(1)) if layout == "nn" else \
+        L.Operand("b", i(0), (), i(1), i(k))
+    return L.Gemm("c", kdtype(dtype), (), i(m), i(n), i(k), a, b)
 
 
-def triton_call(kern, a, b, c, cfg, bias=None, act="none", res=None, scale=1.0, sms=132,
-                quant="", col_scale=None):
-    import triton
-    M, K = a.shape
-    N = b.shape[1]
-    tiles = triton.cdiv(M, cfg.block_m) * triton.cdiv(N, cfg.block_n)
-    grid = (min(sms, tiles),)
-    bb = bias if bias is not None else c
-    rr = res if res is not None else c
-    bsm, bsn = (0, bb.stride(0)) if bias is not None and bias.dim() == 1 else \
-        (bb.stride(0), bb.stride(1))
-    kern[grid](a, b, c, bb, rr, M, N, K, a.stride(0), a.stride(1), b.stride(0), b.stride(1),
-               c.stride(0), c.stride(1), bsm, bsn, rr.stride(0), rr.stride(1), scale,
-               c if col_scale is None else col_scale, 0, 1, sms,
-               **T.constexprs(cfg, bias is not None, act, res is not None, quant,
-                              col_scale is not None, a_t=cfg.tma and a.stride(1) != 1,
-                              b_t=cfg.tma and b.stride(1) != 1),
-               num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+def chain_gemm(m: int, n: int, k: int, act: str, dtype: torch.dtype, cache: Path):
+    """(GEMM, epilogue member, buffers, sizes) of the chain `act(a @ b + bias) + 0.5 * r` as
+    kiln schedules it for CUDA (its program compiled with cuBLAS for sm_90; no GPU needed):
+    the epilogue is the member the template absorbs in a package (kiln/gemm/fuse.py)."""
+    f = {"relu": torch.relu, "gelu": torch.nn.functional.gelu,
+         "relu6": lambda x: torch.clamp(x, 0, 6)}[act]
+
+    class Chain(torch.nn.Module):
+        def forward(self, a, b, bias, r):
+            return f(a @ b + bias) + 0.5 * r
+    args = (torch.randn(m, k, dtype=dtype), torch.randn(k, n, dtype=dtype),
+            torch.randn(n, dtype=dtype), torch.randn(m, n, dtype=dtype))
+    built = kiln.compile(torch.export.export(Chain(), args), device="cuda", options=Options(
+        cuda_archs=(90,), gemm_backends=("blas",), cache_dir=str(cache))).built
+    steps = built.steps
+    i = next(j for j, st in enumerate(steps) if isinstance(st, L.Gemm))
+    epi = epilogue_member(steps, i, set(built.loop.outputs))
+    return steps[i], epi, L.all_buffers(built.loop), {s.name: s.example for s in
+                                                      built.graph.symbols}
+
+
+class Template:
+    """The Triton template's configs for one GEMM (and its epilogue), printed as a package
+    prints them (kiln/targets/cuda/gemm_candidates.py) and run as max_autotune's child runs
+    them (kiln/gemm/printed.py `Bench`: random operands, a check against the float32 product,
+    then the epilogue). `configs`: the config space (TMA configs when the GEMM allows them)."""
+
+    def __init__(self, g: L.Gemm, epi=None, buffers=None, env=None, device="cuda"):
+        env = env or {}
+        m, n, k = (int(evaluate(x, env)) for x in (g.m, g.n, g.k))
+        self.configs = T.config_space(m, n, k, tma=T.tma_refusal(g) is None)
+        printed = build_candidates(g, epi, buffers or PR.gemm_buffers(g, env), env,
+                                   {c.name: c for c in self.configs})
+        self.bench = PR.Bench(printed, device)
+
+    def time(self, name: str) -> float:
+        """Milliseconds of config `name` (captured in a CUDA graph, as packages run); raises
+        on a wrong answer or a config Triton cannot build for this GPU."""
+        err, tol = self.bench.check(name), self.bench.tolerance()
+        if not err <= tol:
+            raise ValueError(f"wrong answer: max error {err:g} > tolerance {tol:g}")
+        return do_bench(graphed(self.bench.runner(name)))
 
 
 class Cutlass:
@@ -168,7 +203,7 @@ def lt_best(lt_so, a, b, c, want, dropped):
     return best
 
 
-def tune(m, n, k, layout, dtype, kern, cutlass, sms, lt_so=None):
+def tune(m, n, k, layout, dtype, cutlass, lt_so=None):
     a = torch.randn(m, k, device="cuda", dtype=dtype)
     b = torch.randn(n, k, device="cuda", dtype=dtype).t() if layout == "nt" else \
         torch.randn(k, n, device="cuda", dtype=dtype)
@@ -181,14 +216,11 @@ def tune(m, n, k, layout, dtype, kern, cutlass, sms, lt_so=None):
     lt = lt_best(lt_so, a, b, c, want, dropped) if lt_so else None
     if lt is not None:
         res["cublaslt"] = lt
-    for cfg in T.config_space(m, n, k, tma=_tma_ok(a, b)):
+    tpl = Template(plain_gemm(m, n, k, layout, str(dtype).split(".")[-1]))
+    for cfg in tpl.configs:
         col = "triton_tma" if cfg.tma else "triton"
         try:
-            triton_call(kern, a, b, c, cfg, sms=sms)
-            if not _ok(c, want):
-                dropped.append((cfg.name, "wrong answer"))
-                continue
-            ms = do_bench(lambda: triton_call(kern, a, b, c, cfg, sms=sms))
+            ms = tpl.time(cfg.name)
         except Exception as e:  # a config Triton cannot build for this GPU (shared memory, ...)
             dropped.append((cfg.name, f"{type(e).__name__}: {str(e)[:80]}"))
             continue
@@ -220,21 +252,21 @@ def tune(m, n, k, layout, dtype, kern, cutlass, sms, lt_so=None):
 
 
 def _cutlass_fused(a, b, bias, r, evt, so):
-    """(run, max error) of a CUTLASS kernel fusing the chain (gpu.py's fused-candidate runner,
-    here fed the chain's own operands: `bias` as the column vector, `r` as C)."""
-    from kiln.gemm.gpu import _fused_cutlass
+    """(run, max error) of a CUTLASS kernel fusing the chain (the profiling child's
+    fused-candidate runner, here fed the chain's own operands: `bias` as the column vector,
+    `r` as C)."""
     m, k = a.shape
     n = b.shape[1]
     want = torch.matmul(a.float(), b.float())[None]
-    cfg = {"so": str(so), "evt_tree": evt.to_json()}
-    run, check = _fused_cutlass(cfg, a[None], b[None], want, {"layout_a": "n", "layout_b": "n"},
-                                1, m, n, k, operands=[bias, r[None]])
+    run, check = fused_cutlass(str(so), evt.to_json(), a[None], b[None], want,
+                               {"layout_a": "n", "layout_b": "n"}, 1, m, n, k,
+                               operands=[bias, r[None]])
     run()
     torch.cuda.synchronize()
     return run, check()
 
 
-def chain(m, n, k, act, dtype, kern, sms, fused_cutlass=()):
+def chain(m, n, k, act, dtype, cache: Path, evt_kernels=()):
     a = torch.randn(m, k, device="cuda", dtype=dtype)
     b = torch.randn(k, n, device="cuda", dtype=dtype)
     bias = torch.randn(n, device="cuda", dtype=dtype)
@@ -245,15 +277,12 @@ def chain(m, n, k, act, dtype, kern, sms, fused_cutlass=()):
     def unfused():
         return f(torch.addmm(bias, a, b)) + 0.5 * r
     want = unfused()
-    c = torch.empty_like(want)
     best, best_tma = None, None
-    for cfg in T.config_space(m, n, k, tma=_tma_ok(a, b)):
+    tpl = Template(*chain_gemm(m, n, k, act, dtype, cache / "chains"))
+    for cfg in tpl.configs:
         try:
-            triton_call(kern, a, b, c, cfg, bias, act, r, 0.5, sms)
-            if not _ok(c, want):
-                continue
-            ms = do_bench(lambda: triton_call(kern, a, b, c, cfg, bias, act, r, 0.5, sms))
-        except Exception:
+            ms = tpl.time(cfg.name)
+        except Exception:  # noqa: BLE001 - a wrong answer, or a config that cannot build
             continue
         if cfg.tma:
             if best_tma is None or ms < best_tma[0]:
@@ -262,7 +291,7 @@ def chain(m, n, k, act, dtype, kern, sms, fused_cutlass=()):
             best = (ms, cfg.name)
     base = do_bench(unfused)
     cl, dropped = None, []
-    for name, so, evt in fused_cutlass:
+    for name, so, evt in evt_kernels:
         if not isinstance(so, Path):
             dropped.append((name, so[-200:]))
             continue
@@ -309,16 +338,10 @@ def main(argv=None):
         for key, ks in evts.items():
             print(key, [(n, str(so)) for n, so, _ in ks])
         return
-    kern = _kernel(args.cache)
-    import triton  # the TMA configs make descriptors in global scratch, from this allocator
-    triton.set_allocator(lambda size, align, stream: torch.empty(size, dtype=torch.int8,
-                                                                 device="cuda"))
     lt_so = None
     if not args.no_cublaslt:
         from kiln.gemm import blaslt
-        from kiln.options import Options
         lt_so = str(blaslt.build_helper(Options(cache_dir=args.cache)))
-    sms = torch.cuda.get_device_properties(0).multi_processor_count
     cutlass = [Cutlass(p) for p in sorted(Path(args.cutlass_dir).glob("*.so"))] \
         if args.cutlass_dir else []
     rows, chains = [], []
@@ -332,13 +355,13 @@ def main(argv=None):
             Path(args.json).write_text(json.dumps(out, indent=1))
     for dtype in (torch.float16, torch.bfloat16):
         for m, n, k, lay in shapes:
-            r = tune(m, n, k, lay, dtype, kern, cutlass, sms, lt_so)
+            r = tune(m, n, k, lay, dtype, cutlass, lt_so)
             rows.append(r)
             print(json.dumps(r), flush=True)
             dump()
     for m, n, k, act in CHAINS:
         for dtype in (torch.float16, torch.bfloat16):
-            r = chain(m, n, k, act, dtype, kern, sms,
+            r = chain(m, n, k, act, dtype, Path(args.cache),
                       evts.get((act, str(dtype).split(".")[-1]), ()))
             chains.append(r)
             print(json.dumps(r), flush=True)

@@ -13,12 +13,13 @@ import torch
 
 from kiln.__version__ import __version__
 from kiln.errors import KilnError, UnsupportedError
+from kiln.gemm.configs import BlasLtConfig
 from kiln.ir import loop as L
 from kiln.ir.loop import flat_steps
 from kiln.ir.sym import evaluate
 from kiln.memory.assign import inplace_report, plan_sizes
 from kiln.memory.report import plan_summary
-from kiln.options import Options
+from kiln.options import GemmBackend, Options
 from kiln.package import write_package
 from kiln.pipeline import Built, build, target_of
 from kiln.schedule import Kernel
@@ -56,7 +57,7 @@ def _kernels_json(built: Built) -> list[dict]:
         elif isinstance(s, CutlassGemm):  # a CUTLASS kernel, epilogue fused (visitor tree)
             choice = built.gemms.get(s.gemm.name)
             out.append({"name": s.name, "kind": "cutlass_gemm",
-                        "members": [s.gemm.name, s.epilogue.name], "epilogue": s.config["evt"],
+                        "members": [s.gemm.name, s.epilogue.name], "epilogue": s.config.evt,
                         "source_ops": list(s.source),
                         **({"gemm": choice.to_json()} if choice is not None else {})})
         elif isinstance(s, L.Extern):
@@ -64,8 +65,8 @@ def _kernels_json(built: Built) -> list[dict]:
                         "source_ops": list(s.source)})
         else:
             choice = built.gemms.get(s.name)
-            backend = choice.backend if choice is not None else "blas"
-            out.append({"name": s.name, "kind": f"{backend}_gemm", "members": [s.name],
+            backend = choice.backend if choice is not None else GemmBackend.BLAS
+            out.append({"name": s.name, "kind": f"{backend.value}_gemm", "members": [s.name],
                         "source_ops": list(s.source),
                         **({"gemm": choice.to_json()} if choice is not None else {})})
     return out
@@ -121,7 +122,7 @@ def _requires(built: Built) -> dict[str, Any]:
         "libscipy_openblas.so (scipy-openblas32)", "libgomp.so (OpenMP)"]
     if built.device == "cuda" and any(
             g.lowp is not None or (built.gemms.get(g.name) is not None and
-                                   "algo" in built.gemms[g.name].config)
+                                   isinstance(built.gemms[g.name].config, BlasLtConfig))
             for g in flat_steps(built.steps) if isinstance(g, L.Gemm)):
         libs = [*libs, "libcublasLt.so (cuBLASLt, opened at load: low-precision GEMMs and "
                 "GEMMs with a profiled cuBLASLt algorithm)"]

@@ -4,12 +4,23 @@ build wants; tests flip `verify` on (it is on by default too: it costs milliseco
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass, fields
+from enum import StrEnum
+
+
+class GemmBackend(StrEnum):
+    """A GEMM backend. A str-Enum: each member is equal to (and hashes as) its name, so
+    manifests, the autotuning cache and `Options.gemm_backends` keep plain strings."""
+
+    BLAS = "blas"  # OpenBLAS on CPU, cuBLAS (and cuBLASLt algorithms) on CUDA
+    CPP = "cpp"  # kiln's register-blocked GEMM (CPU)
+    TRITON = "triton"  # kiln's Triton GEMM template (CUDA)
+    CUTLASS = "cutlass"  # CUTLASS 3.x kernels (CUDA)
 
 
 #: Every GEMM backend name `Options.gemm_backends` accepts, and the devices each applies to.
-GEMM_BACKENDS = ("blas", "cpp", "triton", "cutlass")
-BACKEND_DEVICES = {"blas": ("cpu", "cuda"), "cpp": ("cpu",), "triton": ("cuda",),
-                   "cutlass": ("cuda",)}
+GEMM_BACKENDS = tuple(b.value for b in GemmBackend)
+BACKEND_DEVICES = {GemmBackend.BLAS: ("cpu", "cuda"), GemmBackend.CPP: ("cpu",),
+                   GemmBackend.TRITON: ("cuda",), GemmBackend.CUTLASS: ("cuda",)}
 
 
 @dataclass(frozen=True)

@@ -12,6 +12,7 @@ expand), since kiln requires contiguous inputs."""
 
 from __future__ import annotations
 
+import math
 import random
 
 from kiln.fuzz.program import B_MIN, UNARY, V
@@ -245,7 +246,7 @@ class _Gen:
             self.emit("squeeze", [i], {"dim": d}, V(tuple(s[:d] + s[d + 1:]), v.dtype, v.exact))
         elif kind == "reshape" and "B" not in s[1:]:
             lead = s[:1] if s[0] == "B" else []
-            n = _prod([d for d in s if d != "B"])
+            n = math.prod(d for d in s if d != "B")
             new = lead + _factor(n, r)
             self.emit("reshape", [i], {"shape": new}, V(tuple(new), v.dtype, v.exact))
         elif kind == "expand" and 1 in s:
@@ -298,13 +299,6 @@ def _reduces_two(v: V, dims) -> bool:
     for d in dims:
         n *= B_MIN if v.shape[d] == "B" else v.shape[d]
     return n >= 2
-
-
-def _prod(xs) -> int:
-    n = 1
-    for x in xs:
-        n *= x
-    return n
 
 
 def _factor(n: int, r: random.Random) -> list[int]:

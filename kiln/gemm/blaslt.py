@@ -1,13 +1,13 @@
 """cuBLASLt algorithms as "blas" candidates on CUDA: besides cuBLAS's own choice ("blas",
-config {}), the first `ALGOS` results of `cublasLtMatmulAlgoGetHeuristic` for the GEMM
-("blaslt_<i>", backend "blas", config {"algo": i}), so max_autotune can link an algorithm
-faster than cuBLAS's default where the heuristic offers one.
+`BlasConfig`, JSON {}), the first `ALGOS` results of `cublasLtMatmulAlgoGetHeuristic` for the
+GEMM ("blaslt_<i>", backend "blas", `BlasLtConfig(i)`, JSON {"algo": i}), so max_autotune can
+link an algorithm faster than cuBLAS's default where the heuristic offers one.
 
 Input: the problem's dtype (float16 / bfloat16 / float32) and the C++ toolchain of CUDA
 packages. Output: the candidates, and a small shared library (`HELPER`, built from
 kiln_cuda_rt.h with kiln's host compiler, cached by content like a model) exposing
-`kiln_lt_run`, which the profiling child (kiln/gemm/gpu.py) calls through ctypes: the
-same `kc::lt_blas_gemm` a package calls for a "blas" choice with "algo", on the child's
+`kiln_lt_run`, which the profiling child (kiln/gemm/gpu_child.py) calls through ctypes: the
+same `kc::lt_blas_gemm` a package calls for a `BlasLtConfig` choice, on the child's
 stream, so each candidate is timed as it would run.
 
 Invariants: a candidate index beyond what the heuristic returns for the problem runs result
@@ -19,6 +19,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from kiln.gemm.configs import BlasLtConfig
 from kiln.toolchain.cuda import cuda_toolchain
 from kiln.toolchain.cxx import build_shared
 import ctypes
@@ -99,9 +100,9 @@ extern "C" __attribute__((visibility("default"))) int kiln_lt_algos(int algo) {
 """
 
 
-def candidates(dtype: str) -> list[tuple[str, dict]]:
+def candidates(dtype: str) -> list[tuple[str, BlasLtConfig]]:
     """(name, config) of the cuBLASLt candidates of a problem of `dtype` (none for others)."""
-    return [(f"blaslt_{i}", {"algo": i}) for i in range(ALGOS)] if dtype in DTYPES else []
+    return [(f"blaslt_{i}", BlasLtConfig(i)) for i in range(ALGOS)] if dtype in DTYPES else []
 
 
 def build_helper(opts) -> Path:

@@ -15,28 +15,14 @@ from __future__ import annotations
 
 import hashlib
 import subprocess
-from dataclasses import dataclass
 from pathlib import Path
 
+from kiln.gemm.configs import BlasConfig, CppConfig
 from kiln.gemm.problem import GemmProblem
 from kiln.errors import CompileError
 from kiln.ir import dtypes
+from kiln.options import GemmBackend
 from kiln.toolchain.cxx import _headers_digest, compiler_identity
-
-
-@dataclass(frozen=True)
-class CppConfig:
-    mr: int
-    nv: int
-    kc: int = 256
-    nc: int = 1024
-
-    @property
-    def name(self) -> str:
-        return f"cpp_{self.mr}x{self.nv}v_k{self.kc}_n{self.nc}"
-
-    def to_json(self) -> dict:
-        return {"mr": self.mr, "nv": self.nv, "kc": self.kc, "nc": self.nc}
 
 
 def vector_registers(march: str) -> int:
@@ -70,7 +56,8 @@ def cpp_configs(march: str) -> list[CppConfig]:
     return out
 
 
-def heuristic(problem: GemmProblem, backends: tuple[str, ...], march: str) -> tuple[str, dict]:
+def heuristic(problem: GemmProblem, backends: tuple[GemmBackend, ...], march: str
+              ) -> tuple[GemmBackend, BlasConfig | CppConfig]:
     """(backend, config) without profiling; see the module docstring."""
     def hi(v):
         return v[1] if isinstance(v, (tuple, list)) else v
@@ -78,11 +65,11 @@ def heuristic(problem: GemmProblem, backends: tuple[str, ...], march: str) -> tu
     small = all(isinstance(x, int) for x in (m, n, k)) and (m * n * k <= 64 ** 3 or
                                                             min(m, n) <= 16) \
         and problem.layout_b == "n"
-    if "cpp" in backends and (small or "blas" not in backends):
+    if GemmBackend.CPP in backends and (small or GemmBackend.BLAS not in backends):
         cfg = cpp_configs(march)[0] if min(m, n) > 16 or not isinstance(m, int) else \
             (CppConfig(1, 4) if m <= 2 else CppConfig(6, 2))
-        return "cpp", cfg.to_json()
-    return "blas", {}
+        return GemmBackend.CPP, cfg
+    return GemmBackend.BLAS, BlasConfig()
 
 
 def driver_source(dtype: str, configs: list[CppConfig]) -> str:

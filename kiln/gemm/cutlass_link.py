@@ -63,7 +63,7 @@ def source_for(kernel: str, gemm: str = "", evt=None) -> str:
 def fused_evt(step: CutlassGemm):
     """The visitor tree of a fused CUTLASS GEMM (the one its choice was made for)."""
     evt = from_epilogue(step.gemm, step.epilogue)
-    if not isinstance(evt, Evt) or evt.key != step.config.get("evt"):
+    if not isinstance(evt, Evt) or evt.key != step.config.evt:
         raise CompileError(f"GEMM {step.gemm.name}: its epilogue no longer matches the "
                            "visitor tree its CUTLASS kernel was chosen for")
     return evt
@@ -75,11 +75,11 @@ def build_objects(steps, choices: dict, opts, out_dir: Path) -> tuple[list[Path]
     sources = {}
     for g in L.flat_steps(steps):
         if isinstance(g, CutlassGemm):
-            kernel, evt = g.config["name"], fused_evt(g)
+            kernel, evt = g.config.name, fused_evt(g)
             sources.setdefault(f"cutlass_{_tag(kernel, evt.key)}",
                                source_for(kernel, g.name, evt))
         elif isinstance(g, L.Gemm) and g.name in choices:
-            kernel = choices[g.name].config["name"]
+            kernel = choices[g.name].config.name
             sources.setdefault(f"cutlass_{_tag(kernel)}", source_for(kernel, g.name))
     built = compile_all(sources, out_dir, jobs=opts.jobs)
     bad = {n: r for n, r in built.items() if not isinstance(r, Path)}

@@ -24,8 +24,10 @@ import sympy
 from kiln.ir import loop as L
 from kiln.ir.sym import contiguous_strides, ivars, \
     linear_index, product
+from kiln.gemm.configs import CutlassConfig
 from kiln.gemm.cutlass_evt import Evt, from_epilogue
 from kiln.ir.simplify import fold_divmod
+from kiln.options import GemmBackend
 from kiln.schedule import Kernel
 from kiln.schedule.steps import CutlassGemm, GemmKernel
 
@@ -102,31 +104,31 @@ def epilogue_member(steps, i: int, outputs: set[str]) -> L.Compute | None:
     return None if found is None else steps[found[0]].members[found[1]]
 
 
-def _fused_evt(g: L.Gemm, epi: L.Compute | None, config: dict) -> bool:
+def _fused_evt(g: L.Gemm, epi: L.Compute | None, config: CutlassConfig) -> bool:
     """A "cutlass" choice made for a fused epilogue still matches the member found here."""
-    if epi is None or "evt" not in config:
+    if epi is None or config.evt is None:
         return False
     evt = from_epilogue(g, epi)
-    return isinstance(evt, Evt) and evt.key == config["evt"]
+    return isinstance(evt, Evt) and evt.key == config.evt
 
 
 def fuse_gemms(steps: tuple, choices: dict, outputs: set[str]) -> tuple:
     """`choices`: GEMM name -> autotune Choice; `outputs`: buffers that must be stored
     (program outputs and new state values). "triton" GEMMs become `GemmKernel`s (with their
-    epilogue when one is found); "cutlass" GEMMs whose choice fused an epilogue (config key
-    "evt") become `CutlassGemm`s when that epilogue is still found, else stay plain GEMMs
-    (the plain kernel of the same name; the epilogue stays in its kernel)."""
+    epilogue when one is found); "cutlass" GEMMs whose choice fused an epilogue
+    (`CutlassConfig.evt`) become `CutlassGemm`s when that epilogue is still found, else stay
+    plain GEMMs (the plain kernel of the same name; the epilogue stays in its kernel)."""
     steps = list(steps)
     i = 0
     while i < len(steps):
         s = steps[i]
         c = choices.get(s.name) if isinstance(s, L.Gemm) else None
-        if c is None or c.backend not in ("triton", "cutlass"):
+        if c is None or c.backend not in (GemmBackend.TRITON, GemmBackend.CUTLASS):
             i += 1
             continue
         found = _find_epilogue(steps, i, outputs)
         epi = None if found is None else steps[found[0]].members[found[1]]
-        if c.backend == "cutlass" and not _fused_evt(s, epi, c.config):
+        if c.backend is GemmBackend.CUTLASS and not _fused_evt(s, epi, c.config):
             i += 1
             continue
         if found is not None:
@@ -137,7 +139,7 @@ def fuse_gemms(steps: tuple, choices: dict, outputs: set[str]) -> tuple:
                 steps[j] = Kernel(k.name, k.outer, rest, k.locals, k.row_locals)
             else:
                 del steps[j]
-        steps[i] = GemmKernel(s, epi, dict(c.config)) if c.backend == "triton" else \
-            CutlassGemm(s, epi, dict(c.config))
+        steps[i] = GemmKernel(s, epi, c.config) if c.backend is GemmBackend.TRITON else \
+            CutlassGemm(s, epi, c.config)
         i += 1
     return tuple(steps)

@@ -7,10 +7,10 @@ The target prints them (kiln/targets/cuda/gemm_candidates.py: `build`, handed to
 
 Parent side (the target's `build`): the GEMM, its epilogue member, the Loop IR buffers the
 kernels touch and the example sizes become a `Printed` record, pickled next to the CUTLASS
-builds and read by the profiling child (`python -m kiln.gemm.gpu`). It holds one Triton
-module with a kernel per config (`gemm_<name>__<i>`) and, when there is an epilogue, the
-epilogue alone as a row kernel (`epilogue_<name>`): what runs when another backend computes
-the GEMM.
+builds and read by the profiling child (`python -m kiln.gemm.gpu_child`). It holds one
+Triton module with a kernel per config (`gemm_<name>__<i>`) and, when there is an epilogue,
+the epilogue alone as a row kernel (`epilogue_<name>`): what runs when another backend
+computes the GEMM.
 
 Child side (`Bench`): random operands in every buffer (floats N(0, 1); int8 GEMM operands
 over their whole range and a dequantisation scale U(0, 1/64), so 16-bit results stay finite;

@@ -19,12 +19,13 @@ from pathlib import Path
 
 from kiln.gemm import cache as acache
 from kiln.gemm import cpu
+from kiln.gemm.configs import BlasConfig, GemmConfig, config_from_json
 from kiln.gemm.problem import GemmProblem, problem_of
 from kiln.gemm.profile import run_candidate
 from kiln.errors import UnsupportedError
 from kiln.ir import loop as L
-from kiln.ir.sym import evaluate
-from kiln.options import BACKEND_DEVICES, Options
+from kiln.ir.sym import evaluate, product
+from kiln.options import BACKEND_DEVICES, GemmBackend, Options
 from kiln.toolchain.cuda import default_archs
 from kiln.schedule.program import unbacked_bounds
 from kiln.gemm.fuse import epilogue_member
@@ -40,8 +41,8 @@ import torch
 
 @dataclass(frozen=True)
 class Choice:
-    backend: str  # "blas" | "cpp" | "triton" | "cutlass"
-    config: dict = field(default_factory=dict)
+    backend: GemmBackend  # (a backend's name is accepted and converted)
+    config: GemmConfig = BlasConfig()  # of the backend's type (kiln/gemm/configs.py)
     how: str = "heuristic"  # "profiled" | "cache" | "heuristic"
     problem: str = ""
     #: backend -> [(candidate, seconds)], fastest first, at most 3 (profiled or cached only)
@@ -53,21 +54,26 @@ class Choice:
     #: there is no epilogue or CUTLASS is not a candidate
     epilogue: str = ""
 
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "backend", GemmBackend(self.backend))
+        if self.config.backend is not self.backend:
+            raise TypeError(f"a {self.backend.value!r} choice with config {self.config!r}")
+
     def to_json(self) -> dict:
-        return {"backend": self.backend, "config": self.config, "how": self.how,
+        return {"backend": self.backend.value, "config": self.config.to_json(), "how": self.how,
                 "problem": self.problem, "tune_seconds": round(self.tune_seconds, 3),
                 "timings": {b: [[n, s] for n, s in v] for b, v in self.timings.items()},
                 "dropped": [list(d) for d in self.dropped],
                 **({"epilogue": self.epilogue} if self.epilogue else {})}
 
 
-def allowed_backends(opts: Options, device: str) -> tuple[str, ...]:
+def allowed_backends(opts: Options, device: str) -> tuple[GemmBackend, ...]:
     dev = device.split(":")[0]
-    out = tuple(b for b in opts.gemm_backends if dev in BACKEND_DEVICES[b])
+    out = tuple(GemmBackend(b) for b in opts.gemm_backends if dev in BACKEND_DEVICES[b])
     if not out:
         raise UnsupportedError(f"Options.gemm_backends={opts.gemm_backends!r} has no GEMM backend "
                                f"for device {dev!r}; for {dev} use any of "
-                               f"{[b for b, d in BACKEND_DEVICES.items() if dev in d]}")
+                               f"{[b.value for b, d in BACKEND_DEVICES.items() if dev in d]}")
     return out
 
 
@@ -83,31 +89,60 @@ def cpu_device_id(opts: Options) -> str:
     return f"cpu:{name}:march={opts.march or 'generic'}:threads={opts.num_threads}"
 
 
-def _summary(results: list[tuple[str, str, dict, float]]) -> dict:
+def _names(backends) -> tuple[str, ...]:
+    """Backends as `Options.gemm_backends` spells them (for messages)."""
+    return tuple(GemmBackend(b).value for b in backends)
+
+
+#: a measured candidate: (name, backend, config, seconds)
+Result = tuple[str, GemmBackend, GemmConfig, float]
+
+
+def _summary(results: list[Result]) -> dict:
     per: dict[str, list] = {}
     for name, backend, _, sec in sorted(results, key=lambda r: r[3]):
-        per.setdefault(backend, [])
-        if len(per[backend]) < 3:
-            per[backend].append((name, sec))
+        per.setdefault(backend.value, [])
+        if len(per[backend.value]) < 3:
+            per[backend.value].append((name, sec))
     return per
 
 
-def _from_results(results, allowed, how, problem, dropped=(), seconds=0.0) -> Choice | None:
+def _from_results(results: list[Result], allowed, how, problem, dropped=(), seconds=0.0
+                  ) -> Choice | None:
     ok = [r for r in results if r[1] in allowed]
     if not ok:
         return None
     best = min(ok, key=lambda r: r[3])
-    return Choice(best[1], dict(best[2]), how, problem.describe(), _summary(ok), tuple(dropped),
+    return Choice(best[1], best[2], how, problem.describe(), _summary(ok), tuple(dropped),
                   seconds)
+
+
+def _results_json(results: list[Result]) -> list[list]:
+    """The cache's record of measured candidates: [name, backend, config JSON, seconds]."""
+    return [[n, b.value, c.to_json(), sec] for n, b, c, sec in results]
+
+
+def _cached_results(entry: dict, allowed) -> list[Result]:
+    """The measured candidates of a cache entry (`_results_json`'s, also of older entries)
+    of the `allowed` backends."""
+    return [(n, GemmBackend(b), config_from_json(b, c), sec)
+            for n, b, c, sec in entry.get("results", []) if b in allowed]
+
+
+def _store(root: Path, problem: GemmProblem, dev_id: str, choice: Choice,
+           results: list[Result]) -> None:
+    acache.store(root, problem, dev_id, {
+        "winner": {"backend": choice.backend.value, "config": choice.config.to_json()},
+        "results": _results_json(results), "tune_seconds": choice.tune_seconds})
 
 
 def _profile_cpu(problem: GemmProblem, sizes, allowed, opts: Options, tc) -> tuple[Choice, list]:
     t0 = time.perf_counter()
     nb, m, n, k = sizes
-    configs = cpu.cpp_configs(opts.march) if "cpp" in allowed else []
+    configs = cpu.cpp_configs(opts.march) if GemmBackend.CPP in allowed else []
     exe = cpu.build_driver(tc, problem.dtype, configs)
-    cands = ([("blas", "blas", {}, 0)] if "blas" in allowed else []) + \
-        [(c.name, "cpp", c.to_json(), i) for i, c in enumerate(configs, 1)]
+    cands = ([("blas", GemmBackend.BLAS, BlasConfig(), 0)] if GemmBackend.BLAS in allowed
+             else []) + [(c.name, GemmBackend.CPP, c, i) for i, c in enumerate(configs, 1)]
     env = {"OMP_NUM_THREADS": str(opts.num_threads)} if opts.num_threads else {}
     results, dropped = [], []
     for name, backend, cfg, idx in cands:
@@ -154,11 +189,12 @@ def choose_gemms(steps, symbols, opts: Options, device: str = "cpu", tc=None,
         if not isinstance(g, L.Gemm):
             continue
         if g.lowp is not None:  # 8-bit float / int8 operands: cuBLASLt is the one backend
-            out[g.name] = Choice("blas", {}, "cuBLASLt: the only low-precision GEMM backend",
+            out[g.name] = Choice(GemmBackend.BLAS, BlasConfig(),
+                                 "cuBLASLt: the only low-precision GEMM backend",
                                  f"{g.lowp.kind} {g.lowp.a_dtype}x{g.lowp.b_dtype}->{g.dtype} "
                                  f"m={g.m} n={g.n} k={g.k}")
             continue
-        sizes = (int(evaluate(_prod(g.batch), env)), int(evaluate(g.m, env)),
+        sizes = (int(evaluate(product(g.batch), env)), int(evaluate(g.m, env)),
                  int(evaluate(g.n, env)), int(evaluate(g.k, env)))
         if dev != "cpu":
             epi = _epilogue(steps, i, outputs)
@@ -173,14 +209,11 @@ def choose_gemms(steps, symbols, opts: Options, device: str = "cpu", tc=None,
         choice = None
         if opts.max_autotune and tc is not None:
             choice, results = _profile_cpu(problem, sizes, allowed, opts, tc)
-            acache.store(root, problem, dev_id, {
-                "winner": {"backend": choice.backend, "config": choice.config},
-                "results": [list(r) for r in results], "tune_seconds": choice.tune_seconds})
+            _store(root, problem, dev_id, choice, results)
         else:
             hit = acache.load(root, problem, dev_id)
             if hit is not None:
-                choice = _from_results([tuple(r) for r in hit.get("results", [])], allowed,
-                                       "cache", problem)
+                choice = _from_results(_cached_results(hit, allowed), allowed, "cache", problem)
         if choice is None:
             backend, cfg = cpu.heuristic(problem, allowed, opts.march)
             choice = Choice(backend, cfg, "heuristic", problem.describe())
@@ -218,16 +251,16 @@ def _epilogue_key(evt, epi, allowed) -> str:
     """The problem's epilogue: the visitor tree's key when CUTLASS can fuse it, else the
     epilogue's own key when the template (which fuses any absorbed epilogue) may be chosen,
     else "" (no candidate fuses it: the plain GEMM's entry)."""
-    if isinstance(evt, Evt) and "cutlass" in allowed:
+    if isinstance(evt, Evt) and GemmBackend.CUTLASS in allowed:
         return evt.key
-    if epi is not None and "triton" in allowed:
+    if epi is not None and GemmBackend.TRITON in allowed:
         return epilogue_key(epi)
     return ""
 
 
 def _epilogue_note(evt, backends, cands=None) -> str:
     """The Choice's `epilogue` line: what CUTLASS does with the GEMM's epilogue."""
-    if evt is None or "cutlass" not in backends:
+    if evt is None or GemmBackend.CUTLASS not in backends:
         return ""
     if not isinstance(evt, Evt):
         return f"cutlass: {evt.reason}"
@@ -243,16 +276,16 @@ def _choose_cuda(g: L.Gemm, problem: GemmProblem, sizes, allowed, opts: Options,
     if not backends and problem.mixed:
         raise UnsupportedError(
             f"GEMM {g.name} ({', '.join(g.source)}, {problem.describe()}): a mixed-dtype GEMM "
-            f"runs on the Triton template only; Options.gemm_backends={tuple(allowed)!r}")
+            f"runs on the Triton template only; Options.gemm_backends={_names(allowed)!r}")
     if not backends:
         raise UnsupportedError(
             f"GEMM {g.name} ({', '.join(g.source)}, {problem.describe()}): none of "
-            f"Options.gemm_backends={tuple(allowed)!r} can compute it on CUDA (the Triton "
+            f"Options.gemm_backends={_names(allowed)!r} can compute it on CUDA (the Triton "
             f"template takes {', '.join(gpu.TRITON_DTYPES)}; CUTLASS float16/bfloat16 with at "
             f"most one batch dim, cutlass_library and nvcc); add 'blas'")
     fuse = evt if isinstance(evt, Evt) else None
     note = _epilogue_note(evt, backends, gpu.cutlass_candidates(problem, opts, fuse)
-                          if fuse is not None and "cutlass" in backends else None)
+                          if fuse is not None and GemmBackend.CUTLASS in backends else None)
     choice = _choose_cuda_backend(g, problem, sizes, backends, allowed, opts, root, fuse,
                                   printed)
     return dataclasses.replace(choice, epilogue=note)
@@ -273,26 +306,18 @@ def _choose_cuda_backend(g: L.Gemm, problem: GemmProblem, sizes, backends, allow
         if results:
             choice = _from_results(results, backends, "profiled", problem, dropped,
                                    time.perf_counter() - t0)
-            keep = [[n, b, {k: v for k, v in c.items() if k != "so"}, s]
-                    for n, b, c, s in results]
-            choice = Choice(choice.backend, {k: v for k, v in choice.config.items()
-                                             if k != "so"}, choice.how, choice.problem,
-                            choice.timings, choice.dropped, choice.tune_seconds)
-            acache.store(root, problem, dev_id, {
-                "winner": {"backend": choice.backend, "config": choice.config},
-                "results": keep, "tune_seconds": choice.tune_seconds})
+            _store(root, problem, dev_id, choice, results)
             return choice
     hit = acache.load(root, problem, dev_id)
     if hit is not None:
-        choice = _from_results([tuple(r) for r in hit.get("results", [])], backends, "cache",
-                               problem)
+        choice = _from_results(_cached_results(hit, backends), backends, "cache", problem)
         if choice is not None:
             return choice
     backend, cfg = gpu.heuristic(problem, backends, sizes, opts, evt)
-    if not backend:
+    if backend is None:
         raise UnsupportedError(f"GEMM {g.name} ({', '.join(g.source)}, {problem.describe()}): "
                                f"no CUTLASS kernel fits it and no other backend is allowed "
-                               f"(Options.gemm_backends={tuple(allowed)!r})")
+                               f"(Options.gemm_backends={_names(allowed)!r})")
     return Choice(backend, cfg, "heuristic", problem.describe())
 
 
@@ -301,7 +326,7 @@ def _print_candidates(g: L.Gemm, cands, printed, path: Path) -> Path | None:
     its own kernel (kiln/gemm/printed.py: its time is charged to the candidates that do
     not fuse it, also when the template is not a candidate), pickled at `path` for the
     profiling child; None when there is neither."""
-    configs = {n: c for n, b, c in cands if b == "triton"}
+    configs = {c.name: c.config for c in cands if c.backend is GemmBackend.TRITON}
     epi, buffers, env, printer = printed
     if printer is None or (not configs and epi is None):
         return None
@@ -309,9 +334,3 @@ def _print_candidates(g: L.Gemm, cands, printed, path: Path) -> Path | None:
         buffers = PR.gemm_buffers(g, env)
     return PR.write(printer(g, epi, buffers, env, configs), path)
 
-
-def _prod(xs):
-    p = 1
-    for x in xs:
-        p = p * x
-    return p

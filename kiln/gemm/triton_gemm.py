@@ -1,135 +1,28 @@
-"""The Triton GEMM template: a persistent kernel (one program per SM, looping over output
-tiles in grouped order for L2 reuse) with a config space, and the fused epilogues.
+"""The Triton GEMM template's config space and its TMA rule. The template itself is printed
+for each GEMM by the CUDA target (kiln/targets/cuda/gemm_template.py: a persistent kernel, one
+program per SM looping over output tiles in grouped order for L2 reuse, with the GEMM's
+absorbed epilogue); its configs (`TritonConfig`, kiln/gemm/configs.py) are the candidates
+max_autotune times and the heuristic picks from. Loads use masks at the edges, so every config
+is valid for every size: candidates stay valid over a whole Dim range.
 
-C[M, N] = epilogue(A[M, K] @ B[K, N]) with arbitrary strides for A, B and C; accumulation in
-float32, the result cast to C's element type. Epilogues (constexpr switches, so each variant
-compiles to its own kernel): bias (a row vector over N, or a full [M, N] tensor with strides),
-activation (relu, relu6 = clamp(0, 6), gelu (erf form), or none), and a scaled residual add
-(`C = act(A @ B + bias) + alpha * R`). Mixed dtypes (`QUANT`): A (1) or B (2) holds int8
-integers, converted to the other operand's float type as each tile is loaded, and the
-accumulator is multiplied by a scale (`HAS_SCALE`, strided over [M, N]: a per-column vector has
-stride_sm = 0) before the bias. Loads use masks at the edges, so every config is valid for
-every size: candidates stay valid over a whole Dim range.
-
-Tensor-memory-accelerator loads (`TMA`, sm_90): A and B tiles come through device-side tensor
-descriptors (`tl.make_tensor_descriptor`, built once per program in global scratch memory that
-the launcher provides: Triton's allocator here, the model instance's scratch block in a
-package, see kiln/toolchain/triton_aot.py) instead of masked pointer loads. TMA fills what lies
-outside the descriptor's shape with zeros, so edges need no masks and every config stays valid
-for every size. TMA needs a 16-byte aligned base, strides that are multiples of 16 bytes and a
-unit inner stride: an operand whose rows are contiguous (BLAS "t") is described transposed and
-its tile used as `.T`. `tma_refusal` decides this for a Loop IR GEMM over its whole Dim range;
-TMA configs are offered (`config_space(..., tma=True)`) only when it finds nothing.
-Mixed int8 GEMMs and float32 GEMMs keep the pointer loads: the int8 tiles are converted in
-registers anyway, and float32's IEEE products run on FMA units, which TMA does not feed."""
+Tensor-memory-accelerator loads (TMA configs, sm_90): A and B tiles come through device-side
+tensor descriptors (`tl.make_tensor_descriptor`, built once per program in global scratch
+memory that the launcher provides: Triton's allocator in the Python runner, the model
+instance's scratch block in a package, see kiln/toolchain/triton_aot.py) instead of masked
+pointer loads. TMA fills what lies outside the descriptor's shape with zeros, so edges need no
+masks and every config stays valid for every size. TMA needs a 16-byte aligned base, strides
+that are multiples of 16 bytes and a unit inner stride: an operand whose rows are contiguous
+(BLAS "t") is described transposed and its tile used as `.T`. `tma_refusal` decides this for
+a Loop IR GEMM over its whole Dim range; TMA configs are offered (`config_space(..., tma=True)`)
+only when it finds nothing. Mixed int8 GEMMs and float32 GEMMs keep the pointer loads: the
+int8 tiles are converted in registers anyway, and float32's IEEE products run on FMA units,
+which TMA does not feed."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from kiln.toolchain.triton_aot import import_module
-from pathlib import Path
 import sympy
 
-#: the template's own activations (ACT), keyed by forms of kiln's op table (kiln/ops/table.py:
-#: "relu6" is clamp(0, 6), "gelu" the erf form); tests/test_op_table.py checks the keys
-ACTIVATIONS = {"none": 0, "relu": 1, "relu6": 2, "gelu": 3}
-
-SOURCE = '''
-import triton
-import triton.language as tl
-
-
-@triton.jit
-def kiln_gemm(a_ptr, b_ptr, c_ptr, bias_ptr, res_ptr, M, N, K,
-              stride_am, stride_ak, stride_bk, stride_bn, stride_cm, stride_cn,
-              stride_bias_m, stride_bias_n, stride_rm, stride_rn, res_scale, scale_ptr,
-              stride_sm, stride_sn, NUM_SMS,
-              BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-              GROUP_M: tl.constexpr, HAS_BIAS: tl.constexpr, ACT: tl.constexpr,
-              HAS_RES: tl.constexpr, QUANT: tl.constexpr, HAS_SCALE: tl.constexpr,
-              TMA: tl.constexpr, A_T: tl.constexpr, B_T: tl.constexpr):
-    # persistent: program `pid` computes tiles pid, pid + NUM_SMS, ... in grouped order
-    pid = tl.program_id(0)
-    num_m = tl.cdiv(M, BLOCK_M)
-    num_n = tl.cdiv(N, BLOCK_N)
-    if TMA:  # descriptors over the operands (A_T / B_T: rows contiguous, described transposed)
-        if A_T:
-            da = tl.make_tensor_descriptor(a_ptr, [K, M], [stride_ak, 1], [BLOCK_K, BLOCK_M])
-        else:
-            da = tl.make_tensor_descriptor(a_ptr, [M, K], [stride_am, 1], [BLOCK_M, BLOCK_K])
-        if B_T:
-            db = tl.make_tensor_descriptor(b_ptr, [N, K], [stride_bn, 1], [BLOCK_N, BLOCK_K])
-        else:
-            db = tl.make_tensor_descriptor(b_ptr, [K, N], [stride_bk, 1], [BLOCK_K, BLOCK_N])
-    tiles = num_m * num_n
-    per_group = GROUP_M * num_n
-    for tile in range(pid, tiles, NUM_SMS):
-        group = tile // per_group
-        first_m = group * GROUP_M
-        size_m = min(num_m - first_m, GROUP_M)
-        pid_m = first_m + (tile % per_group) % size_m
-        pid_n = (tile % per_group) // size_m
-        rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-        rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-        rk = tl.arange(0, BLOCK_K)
-        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-        for k0 in range(0, K, BLOCK_K):
-            if TMA:
-                if A_T:
-                    a = da.load([k0, pid_m * BLOCK_M]).T
-                else:
-                    a = da.load([pid_m * BLOCK_M, k0])
-                if B_T:
-                    b = db.load([pid_n * BLOCK_N, k0]).T
-                else:
-                    b = db.load([k0, pid_n * BLOCK_N])
-            else:
-                kk = k0 + rk
-                a = tl.load(a_ptr + rm[:, None] * stride_am + kk[None, :] * stride_ak,
-                            mask=(rm[:, None] < M) & (kk[None, :] < K), other=0.0)
-                b = tl.load(b_ptr + kk[:, None] * stride_bk + rn[None, :] * stride_bn,
-                            mask=(kk[:, None] < K) & (rn[None, :] < N), other=0.0)
-            if QUANT == 1:
-                a = a.to(b.dtype)
-            elif QUANT == 2:
-                b = b.to(a.dtype)
-            acc = tl.dot(a, b, acc)
-        mask = (rm[:, None] < M) & (rn[None, :] < N)
-        if HAS_SCALE:
-            acc *= tl.load(scale_ptr + rm[:, None] * stride_sm + rn[None, :] * stride_sn,
-                           mask=mask, other=0.0).to(tl.float32)
-        if HAS_BIAS:
-            acc += tl.load(bias_ptr + rm[:, None] * stride_bias_m + rn[None, :] * stride_bias_n,
-                           mask=mask, other=0.0).to(tl.float32)
-        if ACT == 1:
-            acc = tl.maximum(acc, 0.0)
-        elif ACT == 2:
-            acc = tl.minimum(tl.maximum(acc, 0.0), 6.0)
-        elif ACT == 3:
-            acc = 0.5 * acc * (1.0 + tl.erf(acc * 0.7071067811865476))
-        if HAS_RES:
-            acc += res_scale * tl.load(res_ptr + rm[:, None] * stride_rm + rn[None, :] * stride_rn,
-                                       mask=mask, other=0.0).to(tl.float32)
-        tl.store(c_ptr + rm[:, None] * stride_cm + rn[None, :] * stride_cn,
-                 acc.to(c_ptr.dtype.element_ty), mask=mask)
-'''
-
-
-@dataclass(frozen=True)
-class TritonConfig:
-    block_m: int
-    block_n: int
-    block_k: int
-    group_m: int = 8
-    num_stages: int = 3
-    num_warps: int = 8
-    tma: bool = False  # A and B tiles through TMA descriptors (config dicts: key "tma")
-
-    @property
-    def name(self) -> str:
-        return (f"triton_{self.block_m}x{self.block_n}x{self.block_k}_g{self.group_m}"
-                f"_s{self.num_stages}_w{self.num_warps}" + ("_tma" if self.tma else ""))
-
+from kiln.gemm.configs import TritonConfig
 
 # TMA variants: the tiles that feed Hopper's warp-group MMA (64 rows per warp group) from
 # shared memory, with one more pipeline stage where shared memory allows (TMA copies need no
@@ -221,59 +114,3 @@ def tma_refusal(g) -> str | None:
         if len(strides) - 2 > TMA_MAX_BATCH_DIMS:
             return f"operand {name} ({op.buf}) has more than {TMA_MAX_BATCH_DIMS} batch dims"
     return None
-
-_TL = {"float16": "fp16", "bfloat16": "bf16", "float32": "fp32"}
-
-
-QUANT = {"": 0, "a": 1, "b": 2}  # which operand holds int8 integers (mixed-dtype GEMMs)
-
-
-def signature(dtype: str, out_dtype: str | None = None, quant: str = "") -> dict[str, str]:
-    t, o = _TL[dtype], _TL[out_dtype or dtype]
-    sig = {"a_ptr": "*i8" if quant == "a" else f"*{t}", "b_ptr": "*i8" if quant == "b" else
-           f"*{t}", "c_ptr": f"*{o}", "bias_ptr": f"*{o}", "res_ptr": f"*{o}"}
-    for n in ("M", "N", "K", "stride_am", "stride_ak", "stride_bk", "stride_bn", "stride_cm",
-              "stride_cn", "stride_bias_m", "stride_bias_n", "stride_rm", "stride_rn"):
-        sig[n] = "i32"
-    sig["res_scale"] = "fp32"
-    sig["scale_ptr"] = f"*{t}"
-    sig["stride_sm"] = sig["stride_sn"] = "i32"
-    sig["NUM_SMS"] = "i32"
-    for n in ("BLOCK_M", "BLOCK_N", "BLOCK_K", "GROUP_M", "HAS_BIAS", "ACT", "HAS_RES", "QUANT",
-              "HAS_SCALE", "TMA", "A_T", "B_T"):
-        sig[n] = "constexpr"
-    return sig
-
-
-def constexprs(cfg: TritonConfig, bias: bool = False, act: str = "none",
-               residual: bool = False, quant: str = "", scale: bool = False,
-               a_t: bool = False, b_t: bool = False) -> dict[str, int]:
-    """`a_t` / `b_t`: the operand's rows are contiguous (BLAS "t"; read by TMA transposed)."""
-    if cfg.tma and quant:
-        raise ValueError("TMA configs are for GEMMs of one float type (see tma_refusal)")
-    return {"BLOCK_M": cfg.block_m, "BLOCK_N": cfg.block_n, "BLOCK_K": cfg.block_k,
-            "GROUP_M": cfg.group_m, "HAS_BIAS": int(bias), "ACT": ACTIVATIONS[act],
-            "HAS_RES": int(residual), "QUANT": QUANT[quant], "HAS_SCALE": int(scale),
-            "TMA": int(cfg.tma), "A_T": int(a_t), "B_T": int(b_t)}
-
-
-def compile_cubin(cfg: TritonConfig, dtype: str, arch: int = 90, *, bias: bool = False,
-                  act: str = "none", residual: bool = False, quant: str = "",
-                  scale: bool = False, a_t: bool = False, b_t: bool = False, cache=None):
-    """The template for one config and epilogue, compiled ahead of time for `arch`: returns
-    Triton's compiled kernel (`.asm["cubin"]`, `.metadata`). No GPU needed."""
-    # deferred: Triton is optional (GPU builds only)
-    import triton
-    # deferred: Triton is optional (GPU builds only)
-    from triton.backends.compiler import GPUTarget
-
-    mod = import_module(SOURCE, Path(cache) if cache else Path("/tmp/kiln_triton_gemm"))
-    sig = signature(dtype, quant=quant)
-    cx = constexprs(cfg, bias, act, residual, quant, scale, a_t, b_t)
-    names = list(sig)
-    attrs = {(names.index(n),): [["tt.divisibility", 16]] for n in sig if sig[n].startswith("*")}
-    src = triton.compiler.ASTSource(fn=mod.kiln_gemm, signature=sig,
-                                    constexprs={(names.index(k),): v for k, v in cx.items()},
-                                    attrs=attrs)
-    return triton.compile(src, target=GPUTarget("cuda", arch, 32),
-                          options={"num_warps": cfg.num_warps, "num_stages": cfg.num_stages})

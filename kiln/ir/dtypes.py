@@ -106,11 +106,6 @@ FLOAT8 = frozenset({"float8_e4m3fn", "float8_e5m2"})
 NARROW = HALF | FLOAT8  # floats stored narrow and computed in float32
 
 
-def is_half(dt: DType) -> bool:
-    """A 16-bit float: stored as such, computed in float32 (like eager CPU for most ops)."""
-    return dt.name in HALF
-
-
 def is_narrow(dt: DType) -> bool:
     """A float narrower than 32 bits (16- or 8-bit): a storage type, computed in float32."""
     return dt.name in NARROW

@@ -280,7 +280,6 @@ class Program:
 
 CHECKS = (CheckInput, BindSize, CheckSize, CheckRange, CheckRelation)  # lines before any step
 STEPS = (CallKernel, CallGemm, CallAten, ReadSizeLine, CallLib, CallUser)  # lines that run a step
-STEP_LINES = STEPS
 
 
 def _fmt(line: Line) -> str:

@@ -68,10 +68,6 @@ class ModIdx(sympy.Function):
         return None
 
 
-def as_expr(x) -> Expr:
-    return sympy.sympify(x)
-
-
 def product(xs: Sequence) -> Expr:
     out = sympy.Integer(1)
     for x in xs:
@@ -104,26 +100,6 @@ def unravel(flat: Expr, shape: Sequence[Expr]) -> tuple[Expr, ...]:
 
 def free_size_symbols(e: Expr) -> set[sympy.Symbol]:
     return {s for s in sympy.sympify(e).free_symbols if s.name[0] in "su"}
-
-
-def is_static(e) -> bool:
-    return sympy.sympify(e).is_Integer
-
-
-def affine_coeffs(e: Expr, vars_: Sequence[sympy.Symbol]) -> tuple[Expr, tuple[Expr, ...]] | None:
-    """Write `e` as offset + sum(c_k * v_k) with no var in offset or c_k, or return None."""
-    e = sympy.expand(e)
-    coeffs = []
-    rest = e
-    for v in vars_:
-        c = rest.coeff(v, 1)
-        if c.free_symbols & set(vars_):
-            return None
-        coeffs.append(c)
-        rest = sympy.expand(rest - c * v)
-    if rest.free_symbols & set(vars_) or rest.has(FloorDiv, ModIdx):
-        return None
-    return rest, tuple(coeffs)
 
 
 def _c(e: Expr) -> str:

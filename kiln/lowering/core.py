@@ -163,5 +163,3 @@ def _numel(shape) -> sympy.Expr:
         out *= d
     return out
 
-
-LowerFn = Callable[[LowerCtx, "object", list[Lazy]], Lazy]

@@ -21,8 +21,8 @@ calls it per element; epilogue fusion matches forms of it (match.py).
 
 A form (`form(name)`) is a row with some attributes fixed and others left open (`PARAM`, whose
 values a match reports): every row with its default attributes is the form of its own name;
-`FORMS` adds the named others. Per-target tables of fused epilogues (gemm/cutlass_evt.py
-FUNCTORS, gemm/triton_gemm.py ACTIVATIONS) are keyed by form names.
+`FORMS` adds the named others. The table of fused epilogues (gemm/cutlass_evt.py FUNCTORS) is
+keyed by form names; the Triton template prints the epilogue's Loop IR itself.
 
 Invariants: every operator a body emits is a Loop IR operator (`kiln.ir.loop.OPS`) spelled by
 every target and the interpreter (tests/test_op_table.py); bodies are pure functions of their

@@ -18,7 +18,7 @@ from kiln.ir.sym import evaluate
 from kiln.schedule import Kernel, Step
 
 
-def _io(step: Step, written_by: Mapping[str, int]) -> tuple[set[str], set[str]]:
+def _io(step: Step) -> tuple[set[str], set[str]]:
     if isinstance(step, L.CALLS):
         return L.node_reads(step), set(L.node_writes(step))
     if isinstance(step, L.CONTROL):
@@ -52,7 +52,7 @@ def reorder_for_memory(steps: tuple[Step, ...], prog: L.LoopProgram,
     keep_alive = {src for _, src in prog.mutations}
     temps = {n for n, b in buffers.items() if b.kind == "temp" and n not in keep_alive}
     sizes = {n: evaluate(b.numel, dict(env)) * b.dtype.itemsize for n, b in buffers.items()}
-    io = [_io(s, {}) for s in steps]
+    io = [_io(s) for s in steps]
     producer = {b: k for k, (_, w) in enumerate(io) for b in w}
     deps = [{producer[b] for b in r if b in producer and producer[b] != k}
             for k, (r, _) in enumerate(io)]

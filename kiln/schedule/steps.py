@@ -15,11 +15,11 @@ from kiln.ir.sym import free_size_symbols
 class GemmKernel:
     """A GEMM computed by the Triton template; `epilogue` (a pointwise Compute over the GEMM's
     shape reading the GEMM's result at its own element) is applied to each tile before the
-    store; `config`: the template config (autotune.triton_gemm.TritonConfig fields)."""
+    store; `config`: the template config (a kiln.gemm.configs.TritonConfig)."""
 
     gemm: L.Gemm
     epilogue: L.Compute | None
-    config: dict
+    config: object
 
     @property
     def name(self) -> str:
@@ -73,11 +73,12 @@ class GemmKernel:
 class CutlassGemm:
     """A GEMM computed by a CUTLASS kernel with `epilogue` fused as an epilogue visitor tree
     (kiln/gemm/cutlass_evt.py; the same absorption rule as the Triton template's);
-    `config`: the autotuning choice's config (the kernel's name and the tree's key)."""
+    `config`: the autotuning choice's config (a kiln.gemm.configs.CutlassConfig: the kernel's
+    name and the tree's key)."""
 
     gemm: L.Gemm
     epilogue: L.Compute
-    config: dict
+    config: object
 
     @property
     def name(self) -> str:

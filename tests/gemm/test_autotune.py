@@ -147,6 +147,40 @@ def test_problem_key_and_cache_round_trip(tmp_path):
     assert acache.load(tmp_path, p, "cpu:x") is None
 
 
+def test_config_json_round_trip():
+    """Each backend's config type writes the JSON manifests and the cache held before the
+    types (dicts with these keys) and reads it back; older entries load too."""
+    from kiln.gemm.configs import (BlasConfig, BlasLtConfig, CppConfig, CutlassConfig,
+                                   TritonConfig, config_from_json)
+    from kiln.gemm.select import Choice
+    from kiln.options import GEMM_BACKENDS, GemmBackend
+    cases = [("blas", BlasConfig(), {}), ("blas", BlasLtConfig(3), {"algo": 3}),
+             ("cpp", CppConfig(6, 2), {"mr": 6, "nv": 2, "kc": 256, "nc": 1024}),
+             ("triton", TritonConfig(64, 128, 32, 8, 4, 4),
+              {"name": "triton_64x128x32_g8_s4_w4", "block_m": 64, "block_n": 128,
+               "block_k": 32, "group_m": 8, "num_stages": 4, "num_warps": 4}),
+             ("triton", TritonConfig(128, 128, 64, 8, 5, 8, True),
+              {"name": "triton_128x128x64_g8_s5_w8_tma", "block_m": 128, "block_n": 128,
+               "block_k": 64, "group_m": 8, "num_stages": 5, "num_warps": 8, "tma": True}),
+             ("cutlass", CutlassConfig("k1"), {"name": "k1"}),
+             ("cutlass", CutlassConfig("k1", "evt relu(acc)"),
+              {"name": "k1", "evt": "evt relu(acc)"})]
+    for backend, cfg, js in cases:
+        assert cfg.to_json() == js and cfg.backend == backend
+        assert config_from_json(backend, json.loads(json.dumps(js))) == cfg
+        c = Choice(backend, cfg, "cache", "p")
+        assert c.backend is GemmBackend(backend)
+        assert json.loads(json.dumps(c.to_json()))["config"] == js
+        assert json.loads(json.dumps(c.to_json()))["backend"] == backend
+    # an entry without the optional template fields: the printer's defaults
+    assert config_from_json("triton", {"block_m": 16, "block_n": 64, "block_k": 256}) == \
+        TritonConfig(16, 64, 256, 8, 3, 4)
+    with pytest.raises(TypeError):
+        Choice("cpp", BlasConfig())
+    assert GEMM_BACKENDS == ("blas", "cpp", "triton", "cutlass")
+    assert [b for b in GemmBackend] == list(GEMM_BACKENDS) and f"{GemmBackend.CPP}" == "cpp"
+
+
 def test_profiler_drops_bad_candidates():
     py = sys.executable
     ok = run_candidate([py, "-c", "print('KILN_PROFILE 1e-3 0 1e-6')"], 30)

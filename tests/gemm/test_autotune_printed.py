@@ -6,6 +6,7 @@ that prints the protocol's lines."""
 
 from __future__ import annotations
 
+import json
 import textwrap
 
 import pytest
@@ -15,19 +16,18 @@ pytest.importorskip("triton")
 
 import kiln  # noqa: E402
 from kiln.gemm import gpu  # noqa: E402
+from kiln.gemm.configs import BlasConfig, CutlassConfig, TritonConfig  # noqa: E402
 from kiln.gemm import printed as PR  # noqa: E402
 from kiln.targets.cuda.gemm_candidates import build as build_candidates  # noqa: E402
 from kiln.gemm.problem import problem_of  # noqa: E402
 from kiln.gemm.select import choose_gemms  # noqa: E402
 from kiln.ir import loop as L  # noqa: E402
-from kiln.options import Options  # noqa: E402
+from kiln.options import GemmBackend, Options  # noqa: E402
 from kiln.gemm.fuse import epilogue_member  # noqa: E402
 from tests.difftest import run_interpreted  # noqa: E402
 
-CONFIGS = {"triton_32x32x32_g8_s2_w4": {"block_m": 32, "block_n": 32, "block_k": 32,
-                                        "group_m": 8, "num_stages": 2, "num_warps": 4},
-           "triton_16x64x32_g8_s2_w4": {"block_m": 16, "block_n": 64, "block_k": 32,
-                                        "group_m": 8, "num_stages": 2, "num_warps": 4}}
+CONFIGS = {c.name: c for c in (TritonConfig(32, 32, 32, 8, 2, 4),
+                                TritonConfig(16, 64, 32, 8, 2, 4))}
 
 
 class Lin(torch.nn.Module):
@@ -144,12 +144,19 @@ def test_unfused_candidates_are_charged_the_epilogue_kernel(tmp_path, monkeypatc
     lines = [f"KILN_PROFILE {PR.EPILOGUE} 3e-06 0 1", "KILN_PROFILE blas 1e-05 0 1",
              "KILN_PROFILE t1 1.2e-05 0 1", "KILN_PROFILE c1 1e-05 0 1",
              "KILN_PROFILE c2 1.1e-05 0 1"]
-    monkeypatch.setattr(gpu.subprocess, "run", lambda *a, **k: _Fake(lines))
-    cands = [("blas", "blas", {}), ("t1", "triton", {}), ("c1", "cutlass", {"name": "c1"}),
-             ("c2", "cutlass", {"name": "c2", "evt": "k"})]
+    cands = [gpu.Candidate("blas", GemmBackend.BLAS, BlasConfig()),
+             gpu.Candidate("t1", GemmBackend.TRITON, TritonConfig(32, 32, 32)),
+             gpu.Candidate("c1", GemmBackend.CUTLASS, CutlassConfig("c1")),
+             gpu.Candidate("c2", GemmBackend.CUTLASS, CutlassConfig("c2", "k"), "/x.so",
+                           {"operands": [["col", "float16"]], "out": "float16"})]
+    # the child reads back what the parent hands over
+    assert [gpu.Candidate.from_json(json.loads(json.dumps(c.to_json()))) for c in cands] == \
+        cands
     steps, bufs, env, keep, syms = _gemms(tmp_path)
     g = next(s for s in steps if isinstance(s, L.Gemm) and not s.batch)
     problem = problem_of(g, {s.name: (s.min, s.max) for s in syms})
+    # (patched after the compile, which runs processes of its own: subprocess is one module)
+    monkeypatch.setattr(gpu.subprocess, "run", lambda *a, **k: _Fake(lines))
     results, dropped = gpu.profile(problem, (0, 33, 48, 40), cands, 10.0, None)
     got = {n: s for n, _, _, s in results}
     assert not dropped

@@ -1,12 +1,22 @@
-"""The Triton GEMM template (kiln/gemm/triton_gemm.py): its config space and ahead-of-time
-compilation to cubin for sm_90 (no GPU needed). GPU runs are in bench/gemm_gpu.py."""
+"""The Triton GEMM template: its config space (kiln/gemm/triton_gemm.py) and, for one config,
+the kernel a package prints (kiln/targets/cuda/gemm_template.py) compiled ahead of time to
+cubin for sm_90 (no GPU needed). GPU runs are in bench/gemm_gpu.py."""
 
 from __future__ import annotations
 
 import pytest
+import sympy
 
 pytest.importorskip("triton")
 from kiln.gemm import triton_gemm as T  # noqa: E402
+from kiln.gemm.printed import gemm_buffers  # noqa: E402
+from kiln.ir import loop as L  # noqa: E402
+from kiln.ir.dtypes import dtype as kdtype  # noqa: E402
+from kiln.schedule.steps import GemmKernel  # noqa: E402
+from kiln.targets.cuda.gemm_template import print_gemm_kernel  # noqa: E402
+from kiln.targets.cuda.kernel import print_triton_module  # noqa: E402
+from kiln.targets.cuda.ops import PRELUDE  # noqa: E402
+from kiln.toolchain.triton_aot import compile_cubins  # noqa: E402
 
 
 def test_config_space_fits_the_problem():
@@ -17,28 +27,13 @@ def test_config_space_fits_the_problem():
     assert all(c.block_n <= 64 for c in T.config_space(512, 40, 512))
 
 
-def test_signature_and_constexprs():
-    sig = T.signature("bfloat16")
-    assert sig["a_ptr"] == "*bf16" and sig["c_ptr"] == "*bf16" and sig["res_scale"] == "fp32"
-    cx = T.constexprs(T.config_space(64, 64, 64)[0], bias=True, act="gelu", residual=True)
-    assert cx["HAS_BIAS"] == 1 and cx["ACT"] == T.ACTIVATIONS["gelu"] and cx["HAS_RES"] == 1
-    assert all(sig[k] == "constexpr" for k in cx)
-
-
 def test_template_compiles_to_cubin(tmp_path):
+    i = sympy.Integer  # c[64, 96] = a[64, 80] @ b[96, 80].T (a Linear weight)
+    g = L.Gemm("c", kdtype("float16"), (), i(64), i(96), i(80),
+               L.Operand("a", i(0), (), i(80), i(1)), L.Operand("b", i(0), (), i(1), i(80)))
     cfg = T.TritonConfig(64, 64, 32, 8, 3, 4)
-    k = T.compile_cubin(cfg, "float16", cache=tmp_path)
-    cubin = bytes(k.asm["cubin"])
-    assert cubin[:4] == b"\x7fELF" and k.metadata.num_warps == 4
-    assert "tl.dot" in T.SOURCE or "dot" in k.asm["ttir"]
-
-
-@pytest.mark.slow  # three more Triton compiles (about 25 s each on the CI machine)
-@pytest.mark.parametrize("dtype,act", [("float16", "gelu"), ("bfloat16", "relu6"),
-                                       ("float16", "relu")])
-def test_epilogue_variants_compile(tmp_path, dtype, act):
-    cfg = T.config_space(512, 512, 512)[1]
-    k = T.compile_cubin(cfg, dtype, bias=True, act=act, residual=True, cache=tmp_path)
-    assert bytes(k.asm["cubin"])[:4] == b"\x7fELF"
-    ttir = k.asm["ttir"]
-    assert ("erf" in ttir) == (act == "gelu")
+    k = print_gemm_kernel(GemmKernel(g, None, cfg), gemm_buffers(g, {}))
+    assert dict(k.constexprs) == {"BLOCK_M": 64, "BLOCK_N": 64, "BLOCK_K": 32, "GROUP_M": 8}
+    assert k.config.num_warps == 4 and k.num_stages == 3
+    cubins, _ = compile_cubins(print_triton_module([k]), [k], (90,), tmp_path, prelude=PRELUDE)
+    assert cubins[(k.name, 90)].cubin[:4] == b"\x7fELF"

@@ -23,6 +23,7 @@ pytest.importorskip("triton")
 import kiln  # noqa: E402
 from kiln.gemm import blaslt, gpu  # noqa: E402
 from kiln.gemm import cache as acache  # noqa: E402
+from kiln.gemm.configs import BlasConfig, BlasLtConfig  # noqa: E402
 from kiln.gemm.problem import GemmProblem, problem_of  # noqa: E402
 from kiln.ir import loop as L  # noqa: E402
 from kiln.options import Options  # noqa: E402
@@ -46,16 +47,17 @@ def test_candidates_include_cublaslt_algorithms(helper_opts, tmp_path):
     p = GemmProblem("float16", (), 64, 96, 40, "n", "t", 8)
     cands, dropped = gpu.candidates(p, ["blas"], (1, 64, 96, 40), helper_opts, tmp_path)
     assert not dropped
-    assert [c[0] for c in cands] == ["blas"] + [f"blaslt_{i}" for i in range(blaslt.ALGOS)]
-    assert cands[0] == ("blas", "blas", {})
-    for i, (name, backend, cfg) in enumerate(cands[1:]):
-        assert backend == "blas" and cfg["algo"] == i and Path(cfg["so"]).is_file()
+    assert [c.name for c in cands] == ["blas"] + [f"blaslt_{i}" for i in range(blaslt.ALGOS)]
+    assert cands[0] == gpu.Candidate("blas", "blas", BlasConfig())
+    for i, c in enumerate(cands[1:]):
+        assert c.backend == "blas" and c.config == BlasLtConfig(i) and Path(c.so).is_file()
     # float64: cuBLAS only (cuBLASLt's float path here is f16 / bf16 / f32)
     p64 = GemmProblem("float64", (), 8, 8, 8, "n", "n", 8)
     cands, _ = gpu.candidates(p64, ["blas"], (1, 8, 8, 8), helper_opts, tmp_path)
-    assert [c[0] for c in cands] == ["blas"]
+    assert [c.name for c in cands] == ["blas"]
     # without measurements the choice is cuBLAS's own, as before
-    assert gpu.heuristic(p, ["blas", "triton"], (1, 64, 96, 40), helper_opts) == ("blas", {})
+    assert gpu.heuristic(p, ["blas", "triton"], (1, 64, 96, 40), helper_opts) == \
+        ("blas", BlasConfig())
 
 
 def test_helper_library_builds_and_exports(helper_opts):

@@ -262,15 +262,15 @@ def test_frontend_gelu_choice_fuses_and_wrapper_passes_operands(tmp_path):
     opts = Options(cuda_archs=(90,), gemm_backends=("cutlass",), cache_dir=str(tmp_path))
     got = choose_gemms(steps, b.graph.symbols, opts, "cuda", outputs=keep)
     (name, c), = got.items()
-    assert c.backend == "cutlass" and c.config["evt"].startswith("evt add(gelu(add(")
-    assert c.epilogue == f"cutlass fuses {c.config['evt']}" and "evt" in c.problem
+    assert c.backend == "cutlass" and c.config.evt.startswith("evt add(gelu(add(")
+    assert c.epilogue == f"cutlass fuses {c.config.evt}" and "evt" in c.problem
     assert c.to_json()["epilogue"] == c.epilogue
     fused = fuse_gemms(tuple(steps), got, keep)
     cg = [s for s in fused if isinstance(s, CutlassGemm)]
     assert len(cg) == 1 and cg[0].out == "out0__to_copy"
     prog = build_program(b.graph, b.loop, fused, b.program.weights, False)
     cpp = print_cuda_wrapper(prog, {}, {}, (90,), "/dev/null", {}, True, got)
-    kern, key = c.config["name"], c.config["evt"]
+    kern, key = c.config.name, c.config.evt
     assert f"{workspace_entry(kern, key)}(256, 32, 64, 1)" in cpp
     call = cpp[cpp.index(f"const int rc = {entry(kern, key)}("):]
     call = call[:call.index(";")]
@@ -289,7 +289,7 @@ def test_unexpressible_epilogue_is_reported_and_stays_a_kernel(tmp_path):
     opts = Options(cuda_archs=(90,), gemm_backends=("cutlass",), cache_dir=str(tmp_path))
     got = choose_gemms(b.steps, b.graph.symbols, opts, "cuda", outputs=keep)
     (c,) = got.values()
-    assert c.backend == "cutlass" and "evt" not in c.config
+    assert c.backend == "cutlass" and c.config.evt is None and "evt" not in c.to_json()["config"]
     assert c.epilogue.startswith("cutlass: epilogue") and "stays a separate kernel" in \
         c.epilogue and "operator where" in c.epilogue
     from rich.console import Console
@@ -331,8 +331,8 @@ def test_gemm_chain_fuses_only_the_last_epilogue(tmp_path):
     opts = Options(cuda_archs=(90,), gemm_backends=("cutlass",), cache_dir=str(tmp_path))
     got = choose_gemms(b.steps, b.graph.symbols, opts, "cuda", outputs=set(b.loop.outputs))
     first, last = [got[s.name] for s in b.steps if isinstance(s, L.Gemm)]
-    assert "evt" not in first.config and first.epilogue == ""
-    assert last.config["evt"] == "evt relu(add(identity(acc)->float16,col0:float16/8)) -> " \
+    assert first.config.evt is None and first.epilogue == ""
+    assert last.config.evt == "evt relu(add(identity(acc)->float16,col0:float16/8)) -> " \
         "float16"
 
 
@@ -355,7 +355,7 @@ def test_layer_norm_after_a_gemm_is_not_an_epilogue(tmp_path):
     opts = Options(cuda_archs=(90,), gemm_backends=("cutlass",), cache_dir=str(tmp_path))
     got = choose_gemms(b.steps, b.graph.symbols, opts, "cuda", outputs=set(b.loop.outputs))
     c = next(iter(got.values()))
-    assert "evt" not in c.config
+    assert c.config.evt is None
 
 
 def _sources(kinds):
@@ -443,7 +443,7 @@ def test_cached_fused_choice_is_keyed_by_the_tree(tmp_path):
     opts = Options(cuda_archs=(90,), gemm_backends=("blas", "cutlass"), cache_dir=str(tmp_path))
     got = choose_gemms(b.steps, b.graph.symbols, opts, "cuda", outputs=keep)
     c = got[g.name]
-    assert (c.backend, c.how, c.config) == ("cutlass", "cache", cfg)
+    assert (c.backend, c.how, c.config.to_json()) == ("cutlass", "cache", cfg)
     assert [type(s) for s in fuse_gemms(b.steps, got, keep)] == [CutlassGemm]
     # no epilogue found (its result is an output): the plain problem, not in the cache
     plain = choose_gemms(b.steps, b.graph.symbols, opts, "cuda", outputs=keep | {g.name})

@@ -152,7 +152,7 @@ def test_cuda_choice_heuristic_cache_and_restriction(tmp_path):
         "results": [["blas", "blas", {}, 2e-5], [cfg["name"], "triton", cfg, 1e-5]]})
     got = choose_gemms(gemms, syms, _opts(tmp_path, ("blas", "triton")), "cuda")
     assert got[g.name].backend == "triton" and got[g.name].how == "cache"
-    assert got[g.name].config == cfg
+    assert got[g.name].config.to_json() == cfg
     got = choose_gemms(gemms, syms, _opts(tmp_path, ("blas",)), "cuda")
     assert got[g.name].backend == "blas" and got[g.name].how == "cache"
 
@@ -172,6 +172,7 @@ def test_cutlass_wrapper_calls_renamed_entry_and_compiles(tmp_path):
     pytest.importorskip("cutlass_library")
     from kiln.gemm import cutlass
     from kiln.gemm.cutlass_link import entry, source_for, workspace_entry
+    from kiln.gemm.configs import CutlassConfig
     from kiln.gemm.select import Choice
     from kiln.targets.cuda.wrapper import print_cuda_wrapper
     from tests.difftest import assert_host_compiles
@@ -185,7 +186,7 @@ def test_cutlass_wrapper_calls_renamed_entry_and_compiles(tmp_path):
     built, gemms = _steps(tmp_path, ep)
     problem = problem_of(gemms[0], {s.name: (s.min, s.max) for s in built.graph.symbols})
     kern = cutlass.enumerate_candidates(problem, Options())[0].name
-    choice = {gemms[0].name: Choice("cutlass", {"name": kern})}
+    choice = {gemms[0].name: Choice("cutlass", CutlassConfig(kern))}
     cpp = print_cuda_wrapper(built.program, {}, {}, (90,), "/dev/null", {}, True, choice)
     assert f"{entry(kern)}(" in cpp and f"{workspace_entry(kern)}(512, 32, 64, 1)" in cpp
     assert "kc::gemm<" not in cpp

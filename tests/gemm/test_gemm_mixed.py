@@ -369,18 +369,6 @@ def test_template_kernels_match_eager_in_triton_interpreter(cuda_build):
     run_interpreted(_INTERP, os.path.dirname(__file__), str(cache))
 
 
-def test_profiled_template_compiles_with_int8_operand(tmp_path):
-    """The standalone template that max_autotune times (gemm/gpu.py), B int8 with a
-    column scale, compiles to cubin; the int8 pointer and the conversion are in its IR."""
-    pytest.importorskip("triton")
-    from kiln.gemm import triton_gemm as T
-    k = T.compile_cubin(T.TritonConfig(64, 64, 32, 8, 3, 4), "float16", quant="b", scale=True,
-                        cache=tmp_path)
-    assert bytes(k.asm["cubin"])[:4] == b"\x7fELF"
-    ttir = k.asm["ttir"]
-    assert "!tt.ptr<i8>" in ttir and "arith.sitofp" in ttir, ttir[:2000]
-
-
 # -- GPU ----------------------------------------------------------------------------------
 
 gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
@@ -425,28 +413,3 @@ def test_gpu_cublas_only_materialises_the_weight(tmp_path):
     man = _gpu_run(QModel(torch.bfloat16, forms=("linear_relu", "post_scale_bias", "a_side")),
                    tmp_path, (3, 64), gemm_backends=("blas",))
     assert not [k for k in man["kernels"] if k["kind"] == "triton_gemm"]
-
-
-@pytest.mark.gpu
-@gpu
-@pytest.mark.parametrize("shape", [(16, 4096, 4096), (300, 136, 520), (1, 64, 1024)])
-def test_gpu_standalone_template_with_int8_b(shape, tmp_path):
-    """The generic template (the GEMM benchmark's, bench/gemm_gpu.py), B int8 + a column
-    scale."""
-    from bench.gemm_gpu import triton_call
-    from kiln.gemm import triton_gemm as T
-    from kiln.toolchain.triton_aot import import_module
-    m, n, k = shape
-    kern = import_module(T.SOURCE, tmp_path).kiln_gemm
-    g = torch.Generator(device="cuda").manual_seed(m + n + k)
-    a = torch.randn(m, k, device="cuda", generator=g).half()
-    q = torch.randint(-128, 128, (n, k), device="cuda", dtype=torch.int8, generator=g).t()
-    s = (torch.rand(n, device="cuda", generator=g) / 64).half()
-    want = (a.double() @ q.double()) * s.double()
-    tol = (3 * 2.0 ** -11 + k * 2.0 ** -24) * (a.double().abs() @ q.double().abs()) * s.double()
-    sms = torch.cuda.get_device_properties(0).multi_processor_count
-    for cfg in T.config_space(m, n, k)[:3]:
-        c = torch.empty(m, n, device="cuda", dtype=torch.float16)
-        triton_call(kern, a, q, c, cfg, sms=sms, quant="b", col_scale=s)
-        torch.cuda.synchronize()
-        assert ((c.double() - want).abs() <= tol).all(), cfg.name

@@ -18,7 +18,7 @@ import kiln
 from kiln import lowering
 from kiln.frontend import aten_table
 from kiln.frontend.builder import to_dtype
-from kiln.gemm import cutlass_evt, triton_gemm
+from kiln.gemm import cutlass_evt
 from kiln.ir import dtypes
 from kiln.ir import loop as L
 from kiln.ir.graph import Graph, Input, Node, TensorType
@@ -290,13 +290,3 @@ def test_compound_forms_come_from_the_table():
             return L.Op(p.op, args[::-1] if p.op in ("add", "mul") else args, dtypes.float16)
         return L.Const(p.value, dtypes.float16)
     assert match("gelu", swap(e)).operands == (x,)
-
-
-@pytest.mark.parametrize("name", [a for a in triton_gemm.ACTIVATIONS if a != "none"])
-def test_triton_template_activations_are_forms(name):
-    c, params = _lowered_form(name)
-    assert params == () and match(name, c.body) is not None
-    assert name in FORMS or name in ROWS
-    if name == "relu6":
-        assert match("clamp", c.body).params == (0.0, 6.0)
-    assert all(v is not PARAM for _, v in form(name).attrs)

@@ -5,6 +5,7 @@ chosen tile. The file is compiled with the kernels' flags (-O3), not the wrapper
 from __future__ import annotations
 
 from kiln.ir import loop as L
+from kiln.options import GemmBackend
 
 PARAMS = ("int64_t nb0, int64_t nb1, int64_t M, int64_t N, int64_t K, const {T}* A, "
           "int64_t as0, int64_t as1, int64_t ar, int64_t ac, const {T}* B, int64_t bs0, "
@@ -24,16 +25,15 @@ def print_gemm_file(steps, choices: dict) -> str | None:
     body = []
     for g in steps:
         c = choices.get(g.name) if isinstance(g, L.Gemm) else None
-        if c is None or c.backend != "cpp":
+        if c is None or c.backend is not GemmBackend.CPP:
             continue
         cfg = c.config
         T = g.dtype.c_type
         body += [f"// gemm {g.name} <- {', '.join(g.source)}: {c.problem}",
-                 f"// tile {cfg['mr']} x {cfg['nv']} vectors, KC={cfg['kc']}, NC={cfg['nc']} "
-                 f"({c.how})",
+                 f"// tile {cfg.mr} x {cfg.nv} vectors, KC={cfg.kc}, NC={cfg.nc} ({c.how})",
                  f'extern "C" int {function_name(g.name)}({PARAMS.format(T=T)}) {{',
-                 f"  return kr::gemm_cpp<{T}, {cfg['mr']}, {cfg['nv']}, {cfg['kc']}, "
-                 f"{cfg['nc']}>(nb0, nb1, M, N, K, A, as0, as1, ar, ac, B, bs0, bs1, br, bc, C);",
+                 f"  return kr::gemm_cpp<{T}, {cfg.mr}, {cfg.nv}, {cfg.kc}, "
+                 f"{cfg.nc}>(nb0, nb1, M, N, K, A, as0, as1, ar, ac, B, bs0, bs1, br, bc, C);",
                  "}", ""]
     if not body:
         return None

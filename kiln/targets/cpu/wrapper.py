@@ -12,6 +12,7 @@ from kiln.ir import loop as L
 from kiln.ir import program as P
 from kiln.ir.sym import free_size_symbols, to_c
 from kiln.memory.assign import intervals
+from kiln.options import GemmBackend
 from kiln.schedule.analysis import aten_fallback_ops
 from kiln.targets.cxx_wrapper import SizeCheckPrinter, _cstr, _dl, condition, run_prologue, \
     runtime_plan_lines
@@ -178,10 +179,10 @@ class _Printer(SizeCheckPrinter):
         sa = list(g.a.batch_strides) + [0] * (2 - len(g.a.batch_strides))
         sb = list(g.b.batch_strides) + [0] * (2 - len(g.b.batch_strides))
         choice = self.gemm_choices.get(g.name)
-        backend = choice.backend if choice is not None else "blas"
+        backend = choice.backend if choice is not None else GemmBackend.BLAS
         self.emit(f"// gemm {g.name} = {g.a.buf} @ {g.b.buf}  <- {', '.join(g.source)}  "
-                  f"[{backend}{', ' + choice.how if choice is not None else ''}]")
-        call = (f"{function_name(g.name)}(" if backend == "cpp" else
+                  f"[{backend.value}{', ' + choice.how if choice is not None else ''}]")
+        call = (f"{function_name(g.name)}(" if backend is GemmBackend.CPP else
                 f"kr::gemm<{T}>(e, {_cstr(g.name)}, ")
         self.emit(f"if ({call}{to_c(b[0])}, {to_c(b[1])}, "
                   f"{to_c(g.m)}, {to_c(g.n)}, {to_c(g.k)},")

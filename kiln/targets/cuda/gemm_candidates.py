@@ -6,6 +6,7 @@ package (kiln/gemm/select.py), which never imports a target."""
 
 from __future__ import annotations
 
+from kiln.gemm.configs import TritonConfig
 from kiln.gemm.printed import Printed
 from kiln.ir import loop as L
 from kiln.schedule import Kernel, outer_of
@@ -27,11 +28,11 @@ class TritonLauncher:
 
 
 def build(g: L.Gemm, epi: L.Compute | None, buffers: dict[str, L.Buffer],
-          env: dict[str, int], configs: dict[str, dict]) -> Printed:
-    """`configs`: candidate name -> template config (kiln/gemm/gpu.py `_cfg_json`)."""
+          env: dict[str, int], configs: dict[str, TritonConfig]) -> Printed:
+    """`configs`: candidate name -> template config."""
     kernels: dict[str, TritonKernel] = {}
     for i, (name, cfg) in enumerate(configs.items()):
-        gk = GemmKernel(g, epi, dict(cfg))
+        gk = GemmKernel(g, epi, cfg)
         kernels[name] = print_gemm_kernel(gk, buffers, f"{gk.name}__{i}")
     ek = None
     if epi is not None:

@@ -1,6 +1,7 @@
 """A `GemmKernel` (kiln/gemm/fuse.py) -> one Triton function: kiln's GEMM template
-(kiln/gemm/triton_gemm.py: persistent, grouped tile order, masked edges) specialised to
-the GEMM's operands, with its epilogue printed into the tile before the store.
+(persistent, grouped tile order, masked edges; its configs and TMA rule in
+kiln/gemm/triton_gemm.py) specialised to the GEMM's operands, with its epilogue printed into
+the tile before the store.
 
 Input: the GemmKernel, the Loop IR buffers. Output: a `TritonKernel` whose parameters are the
 buffers (output first), the size symbols and the SM count (kind "sms"), whose constexprs are
@@ -15,7 +16,7 @@ tile (batch dims -> this tile's batch index, dim -2 -> rows [BLOCK_M, 1], dim -1
 dtype (what reading the stored result would give). Every config is valid for every size
 (masked loads), so one kernel serves a whole Dim range.
 
-TMA configs (config key "tma"): A and B tiles come through tensor descriptors made once per
+TMA configs (`TritonConfig.tma`): A and B tiles come through tensor descriptors made once per
 program before the tile loop (`tl.make_tensor_descriptor`: Triton writes each descriptor into
 the program's slice of the global scratch block the wrapper passes). Each operand is described
 as [nonzero-stride batch dims..., rows, cols] with its real strides and sizes, so TMA's zero
@@ -151,8 +152,8 @@ def print_gemm_kernel(gk: GemmKernel, buffers: dict[str, L.Buffer],
         sig[n if kind in ("size", "sms", "status") else f"buf_{n}"] = \
             "i64" if kind == "size" else "i32" if kind == "sms" else "*i32" \
             if kind == "status" else SIG_PTR[buffers[n].dtype]
-    consts = (("BLOCK_M", cfg["block_m"]), ("BLOCK_N", cfg["block_n"]),
-              ("BLOCK_K", cfg["block_k"]), ("GROUP_M", cfg.get("group_m", 8)))
+    consts = (("BLOCK_M", cfg.block_m), ("BLOCK_N", cfg.block_n),
+              ("BLOCK_K", cfg.block_k), ("GROUP_M", cfg.group_m))
     for c, _ in consts:
         sig[c] = "constexpr"
     i64 = not _small(gk, buffers)
@@ -175,8 +176,8 @@ def print_gemm_kernel(gk: GemmKernel, buffers: dict[str, L.Buffer],
         f"    tiles = per_batch * {to_tl(product(g.batch))}",
         "    per_group = GROUP_M * num_n",
     ]
-    refused = tma_refusal(g) if cfg.get("tma", False) else None
-    tma = cfg.get("tma", False) and refused is None
+    refused = tma_refusal(g) if cfg.tma else None
+    tma = cfg.tma and refused is None
     if refused is not None:
         lines.append(f"    # a TMA config, but {refused}: pointer loads")
     if tma:
@@ -251,9 +252,9 @@ def print_gemm_kernel(gk: GemmKernel, buffers: dict[str, L.Buffer],
         value = text(sc.value(epi.body))
         lines += render(sc.lines, p)
     lines.append(f"{p}tl.store(buf_{out} + {to_tl(flat)}, {value}, mask=mask)")
-    bm, bn = cfg["block_m"], cfg["block_n"]
+    bm, bn = cfg.block_m, cfg.block_n
     tiles = product(g.batch) * FloorDiv(g.m + bm - 1, bm) * FloorDiv(g.n + bn - 1, bn)
-    warps = cfg.get("num_warps", 4)
+    warps = cfg.num_warps
     return TritonKernel(name, "\n".join(lines) + "\n", tuple(params), sig,
                         Config(1, 1, warps), tiles, gk.source, tiles=tiles, constexprs=consts,
-                        num_stages=cfg.get("num_stages", 3))
+                        num_stages=cfg.num_stages)

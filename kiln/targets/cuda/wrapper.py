@@ -27,6 +27,7 @@ from kiln.ir.dtypes import DTYPES
 from kiln.ir.sym import to_c
 from kiln.targets.cxx_wrapper import SizeCheckPrinter, _cstr, condition, runtime_plan_lines
 from kiln.memory.assign import intervals
+from kiln.gemm.configs import BlasLtConfig
 from kiln.gemm.cutlass_evt import Evt, from_epilogue
 from kiln.gemm.cutlass_link import entry, workspace_entry
 from kiln.ir.sym import evaluate
@@ -78,7 +79,7 @@ class _Printer(SizeCheckPrinter):
         self.kernels = kernels
         self.scratch = scratch  # kernels that take the instance's global scratch block
         self.cutlass = cutlass or {}
-        self.blaslt = blaslt or {}  # GEMM name -> cuBLASLt heuristic index ("blas" + "algo")
+        self.blaslt = blaslt or {}  # GEMM name -> cuBLASLt heuristic index (BlasLtConfig)
         self.blaslt_gemms: list[str] = []  # those GEMMs, in order: each has an LtGemmPlan
         self.index = {name: i for i, name in enumerate(kernels)}
         self.out: list[str] = []
@@ -336,7 +337,7 @@ class _Printer(SizeCheckPrinter):
         sa = to_c(g.a.batch_strides[0]) if g.batch else "0"
         sb = to_c(g.b.batch_strides[0]) if g.batch else "0"
         m, n, k = to_c(g.m), to_c(g.n), to_c(g.k)
-        kern = self.cutlass[g.name].config["name"]
+        kern = self.cutlass[g.name].config.name
         evt = _evt_of(g, epi)
         key = evt.key if evt is not None else ""
         out = epi.name if epi is not None else g.name
@@ -428,7 +429,7 @@ def _cutlass_parts(prog: P.Program, cutlass: dict) -> tuple[list[str], list[str]
     gemms = {n: x.gemm for n, x in calls.items()}
     keys = {n: (lambda e: e.key if e is not None else "")(_evt_of(x.gemm, x.epilogue))
             for n, x in calls.items() if n in cutlass}
-    kernels = sorted({(cutlass[n].config["name"], keys[n]) for n in keys})
+    kernels = sorted({(cutlass[n].config.name, keys[n]) for n in keys})
     for kern, key in kernels:
         decls.append(f'extern "C" size_t {workspace_entry(kern, key)}(int64_t, int64_t, int64_t, '
                      "int64_t);")
@@ -439,7 +440,7 @@ def _cutlass_parts(prog: P.Program, cutlass: dict) -> tuple[list[str], list[str]
         g = gemms[name]
         sizes = [min(evaluate(e, hi), 2**31 - 1) for e in (g.m, g.n, g.k)] + \
             [min(evaluate(g.batch[0], hi), 2**31 - 1) if g.batch else 1]  # CUTLASS's int
-        ws = workspace_entry(cutlass[name].config['name'], keys[name])
+        ws = workspace_entry(cutlass[name].config.name, keys[name])
         init.append(f"  {{ const size_t w = {ws}"
                     f"({', '.join(map(str, sizes))});  // {name} at the ranges' maxima")
         init.append("    if (w > self->cutlass_ws_bytes) self->cutlass_ws_bytes = w; }")
@@ -525,7 +526,7 @@ def print_cuda_wrapper(prog: P.Program, kernels: dict, cubins: dict, archs: tupl
 
 
 def blaslt_choices(gemms: dict) -> dict[str, int]:
-    """GEMM name -> cuBLASLt heuristic index, for the "blas" choices that name one (config
-    {"algo": i}, profiled by max_autotune; older {} choices call cuBLAS)."""
-    return {n: int(c.config["algo"]) for n, c in (gemms or {}).items()
-            if c.backend == "blas" and "algo" in c.config}
+    """GEMM name -> cuBLASLt heuristic index, for the "blas" choices that name one
+    (`BlasLtConfig`, profiled by max_autotune; `BlasConfig` choices call cuBLAS)."""
+    return {n: c.config.algo for n, c in (gemms or {}).items()
+            if isinstance(c.config, BlasLtConfig)}
