@@ -24,9 +24,9 @@ from kiln.ir import loop as L
 from kiln.ir.graph import Graph, Input, Node, TensorType
 from kiln.ir.interp import NP_OPS, run_loop
 from kiln.lowering import pointwise
-from kiln.ops import FORMS, ROWS, form, match, pattern
+from kiln.ops import ROWS, form, match, pattern
 from kiln.ops.match import Hole
-from kiln.ops.table import DTYPE_RULES, PARAM
+from kiln.ops.table import DTYPE_RULES
 from kiln.targets.cpu.ops import CPP_OPS
 from kiln.targets.cuda.ops import FLOAT_OPS, INT_OPS
 
