@@ -1,4 +1,4 @@
-"""CUDA packages with the GEMM backend the autotuner links (kiln/autotune, issue 6): model
+"""CUDA packages with the GEMM backend the autotuner links (kiln/gemm, issue 6): model
 latency with `max_autotune` off (the heuristic: cuBLAS) and on (every allowed backend
 profiled: cuBLAS, the Triton template with its epilogue fused, CUTLASS), the backend that won
 each GEMM, and the Triton template alone (forced by `gemm_backends=("triton",)`). Models: the

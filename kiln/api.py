@@ -13,7 +13,6 @@ import torch
 
 from kiln.__version__ import __version__
 from kiln.errors import KilnError, UnsupportedError
-from kiln.gemm.configs import BlasLtConfig
 from kiln.ir import loop as L
 from kiln.ir.loop import flat_steps
 from kiln.ir.sym import evaluate
@@ -29,9 +28,6 @@ from kiln.toolchain.cxx import compiler_identity
 from kiln.runtime import load
 
 MANIFEST_SCHEMA = "kiln.manifest/1"
-_CUDA_LIBS = ["libcuda.so.1 (NVIDIA driver, opened at load)",
-              "libcublas.so (cuBLAS, opened at load when the model has GEMMs)"]
-
 
 def _shape_json(shape) -> list:
     return [int(d) if getattr(d, "is_Integer", False) or isinstance(d, int) else str(d)
@@ -42,7 +38,7 @@ def _kernels_json(built: Built) -> list[dict]:
     out = []
     for s in flat_steps(built.steps):  # control-flow regions' kernels included
         if isinstance(s, Kernel):
-            kind = "triton" if built.device == "cuda" else "cpp"
+            kind = target_of(built.device).kernel_kind
             out.append({"name": s.name, "kind": kind, "members": [m.name for m in s.members],
                         "source_ops": list(s.source)})
         elif isinstance(s, L.UserKernel):
@@ -90,7 +86,7 @@ def _manifest(built: Built, opts: Options, report: dict) -> dict[str, Any]:
         "torch_version": torch.__version__,
         "abi_version": 1,
         "device": built.device,
-        **({"cuda": built.cuda} if built.device == "cuda" else {}),
+        **({built.device: built.cuda} if built.cuda else {}),
         "options": opts.to_json(),
         "inputs": [{"name": i.name, "dtype": i.type.dtype.name, "shape": _shape_json(i.type.shape),
                     "contiguous": True,
@@ -118,18 +114,10 @@ def _manifest(built: Built, opts: Options, report: dict) -> dict[str, Any]:
 def _requires(built: Built) -> dict[str, Any]:
     """What the package needs at run time besides libkiln: libtorch only for ATen fallbacks."""
     aten_ops = aten_fallback_ops(built.program)
-    libs = _CUDA_LIBS if built.device == "cuda" else [
-        "libscipy_openblas.so (scipy-openblas32)", "libgomp.so (OpenMP)"]
-    if built.device == "cuda" and any(
-            g.lowp is not None or (built.gemms.get(g.name) is not None and
-                                   isinstance(built.gemms[g.name].config, BlasLtConfig))
-            for g in flat_steps(built.steps) if isinstance(g, L.Gemm)):
-        libs = [*libs, "libcublasLt.so (cuBLASLt, opened at load: low-precision GEMMs and "
-                "GEMMs with a profiled cuBLASLt algorithm)"]
+    target = target_of(built.device)
+    libs = target.libraries(built.steps, built.gemms)
     if aten_ops:
-        torch_libs = "libtorch_cpu.so and libtorch_cuda.so" if built.device == "cuda" else \
-            "libtorch_cpu.so"
-        libs = [*libs, f"{torch_libs} (torch >= 2.10), for the ATen fallback"]
+        libs = [*libs, f"{target.torch_libraries} (torch >= 2.10), for the ATen fallback"]
     return {"libtorch": bool(aten_ops), "aten_fallback_ops": aten_ops, "shared_libraries": libs}
 
 
@@ -160,7 +148,7 @@ class CompiledModel:
 
         target = Path(path) if path else Path(self.built.library).with_name("model.kiln")
         self.save(target)
-        return load(target, device or ("cuda" if self.built.device == "cuda" else "cpu"))
+        return load(target, device or self.built.device)
 
 
 class _Function(torch.nn.Module):

@@ -103,7 +103,7 @@ class Options:
     #: Debugging: after every step, check the floating-point values it wrote and fail the run
     #: at the first inf or NaN, naming the buffer and its source ops (costs a pass over each).
     check_finite: bool = False
-    #: GEMM autotuning (kiln/autotune): time every candidate of every GEMM at compile time, in
+    #: GEMM autotuning (kiln/gemm): time every candidate of every GEMM at compile time, in
     #: a separate process, and link the fastest; off, a documented heuristic picks (or the
     #: autotuning cache, when it already holds the problem). Names as in the reference system.
     max_autotune: bool = False

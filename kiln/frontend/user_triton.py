@@ -17,8 +17,9 @@ analysis; without a GPU driver torch lists every tensor). An argument made by `e
 copied before the kernel writes it (`uninit`).
 
 Autotuned kernels keep every `triton.Config` (constexprs, num_warps, num_stages and the grid
-torch evaluated for it); `pipeline_cuda` picks one. torch folds `triton.heuristics` values
-into the configs while tracing; a value that depends on a dynamic size is refused (`_static`)."""
+torch evaluated for it); the CUDA target picks one (targets/cuda/user_triton.py). torch folds
+`triton.heuristics` values into the configs while tracing; a value that depends on a dynamic
+size is refused (`_static`)."""
 
 from __future__ import annotations
 

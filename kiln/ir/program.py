@@ -1,5 +1,5 @@
 """Program IR: the flat list of typed lines one model run executes, printed as C++ (the
-artifact) and as Python (debugging) by `codegen/wrapper_*.py`.
+artifact) and as Python (debugging) by the targets' wrapper printers (`targets/*/wrapper*.py`).
 
 Lines, in the order a run executes them:
   CheckInput   validate one user input (dtype, device, rank, data pointer, contiguity)

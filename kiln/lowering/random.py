@@ -2,7 +2,7 @@
 function of (seed, run counter, the node's stream, the element's row-major index).
 
 The bits come from the Loop IR `philox` operator (Philox4x32-10; C++ in kiln_kernels.h,
-Triton in triton_ops.py, numpy in ir/interp.py: the same words everywhere). float32 uniform
+Triton in targets/cuda/ops.py, numpy in ir/interp.py: the same words everywhere). float32 uniform
 takes the top 24 bits of one word; float64 uniform 53 bits of two; normal is Box-Muller on two
 uniforms (1 - u, so the log never sees 0). No state is read or written per element, so the
 value inlines and fuses like any other pointwise expression."""

@@ -84,6 +84,13 @@ class Target:
     stages: tuple[Stage, ...]
     state: type[Build] = Build  # the state class its stages pass along
     numbered: bool = False  # whether "<name>:N" device strings select one of several devices
+    #: the manifest's `kind` of a schedule kernel ("cpp": a C++ function, "triton": a cubin)
+    kernel_kind: str = "cpp"
+    #: the shared libraries a package needs at run time besides libkiln and libtorch:
+    #: `libraries(steps, gemms) -> list[str]` (the manifest's `requires`)
+    libraries: Callable[[tuple, dict], list[str]] = lambda steps, gemms: []
+    #: how the manifest and users name the libtorch parts the ATen fallback needs
+    torch_libraries: str = "libtorch_cpu.so"
 
 
 # -- predicates on options -------------------------------------------------------------------

@@ -8,7 +8,7 @@
  * 4 otherwise; vectors are GCC vector extensions, and the multiply-add is an FMA intrinsic
  * where the target has one (so results round like BLAS, once per multiply-add).
  * Small and skinny problems win here: no call overhead, packing only what is used, and tile
- * shapes the autotuner picks per GEMM (kiln/autotune/cpu.py). Single-threaded per call: the
+ * shapes the autotuner picks per GEMM (kiln/gemm/cpu.py). Single-threaded per call: the
  * caller (kr::gemm_split) splits the problem over OpenMP threads. */
 #ifndef KILN_GEMM_H
 #define KILN_GEMM_H

@@ -23,7 +23,7 @@ from kiln.errors import UnsupportedError
 from kiln.gemm import choose_gemms
 from kiln.ir import loop as L
 from kiln.memory.inplace import program_aliases
-from kiln.options import Options
+from kiln.options import GemmBackend, Options
 from kiln.passes.lowp_cpu import expand_lowp
 from kiln.passes.widen_half import widen_half
 from kiln.schedule import Kernel, localize_rows
@@ -130,7 +130,7 @@ def codegen(state: CpuBuild) -> CpuBuild:
     if gemm_file is not None:
         sources["gemm.cpp"] = gemm_file
         decls += [declaration(s) for s in steps
-                  if isinstance(s, L.Gemm) and gemms[s.name].backend == "cpp"]
+                  if isinstance(s, L.Gemm) and gemms[s.name].backend is GemmBackend.CPP]
     return replace(state, sources=sources, decls=tuple(decls))
 
 
@@ -149,3 +149,8 @@ def compile_library(state: Build) -> Build:
     # the wrapper is straight-line glue around kernels and BLAS calls: -O1 compiles it faster
     lib, times = build_shared(toolchain(state.options), cpp, {"model.cpp": ("-O1",)})
     return replace(state, library=lib, times=times)
+
+
+def libraries(steps, gemms) -> list[str]:
+    """The shared libraries a CPU package loads besides libkiln (the manifest's `requires`)."""
+    return ["libscipy_openblas.so (scipy-openblas32)", "libgomp.so (OpenMP)"]

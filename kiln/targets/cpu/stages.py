@@ -21,7 +21,7 @@ from __future__ import annotations
 
 from kiln.targets.cpu.build import (CpuBuild, check_user_kernels, codegen, codegen_wrapper,
                                     compile_library, expand_low_precision, gemm_autotune,
-                                    localize, widen_half_types)
+                                    libraries, localize, widen_half_types)
 from kiln.targets.stages import (DCE, FREEZE, LOWER, PLAN, REORDER, SCHEDULE, Stage, Target,
                                  check_graph, graph_text, import_stage, program_stage,
                                  source_files)
@@ -43,4 +43,4 @@ TARGET = Target("cpu", (
     Stage("codegen", codegen),
     Stage("codegen_wrapper", codegen_wrapper, dump_files=source_files),
     Stage("compile", compile_library),
-), state=CpuBuild)
+), state=CpuBuild, kernel_kind="cpp", libraries=libraries)

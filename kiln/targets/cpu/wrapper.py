@@ -235,7 +235,7 @@ def _plan_block(pr: _Printer, prog: P.Program) -> None:
 
 def print_wrapper(prog: P.Program, kernel_decls: list[str],
                   gemm_choices: dict | None = None, check_finite: bool = False) -> str:
-    """`gemm_choices`: GEMM name -> autotune Choice (kiln/autotune); missing ones use BLAS.
+    """`gemm_choices`: GEMM name -> gemm Choice (kiln/gemm); missing ones use BLAS.
     `check_finite`: see Options.check_finite."""
     pr = _Printer(prog, gemm_choices, check_finite)
     n_in, n_w = len(prog.inputs), len(prog.weights)

@@ -32,7 +32,8 @@ from kiln.gemm.cutlass_link import build_objects, cudart_static
 from kiln.gemm.fuse import fuse_gemms
 from kiln.ir import loop as L
 from kiln.ir.sym import evaluate
-from kiln.options import Options
+from kiln.gemm.configs import BlasLtConfig
+from kiln.options import GemmBackend, Options
 from kiln.passes.mixed_gemm import mixed_gemms
 from kiln.schedule import Kernel
 from kiln.schedule.steps import GemmKernel
@@ -119,7 +120,7 @@ def _heuristic_configs(state: Build) -> dict:
 
 
 def triton_allowed(state: Build) -> bool:
-    return "triton" in state.options.gemm_backends
+    return GemmBackend.TRITON in state.options.gemm_backends
 
 
 def tunes_kernels(state: Build) -> bool:
@@ -138,7 +139,7 @@ def has_user_kernels(state: Build) -> bool:
 
 
 def has_cutlass(state: Build) -> bool:
-    return any(c.backend == "cutlass" for c in state.gemms.values())
+    return any(c.backend is GemmBackend.CUTLASS for c in state.gemms.values())
 
 
 # -- stages ----------------------------------------------------------------------------------
@@ -229,7 +230,7 @@ def cubins_user(state: CudaBuild) -> CudaBuild:
 
 def cutlass(state: CudaBuild) -> CudaBuild:
     """The chosen CUTLASS kernels as objects (nvcc), with their sources."""
-    chosen = {n: c for n, c in state.gemms.items() if c.backend == "cutlass"}
+    chosen = {n: c for n, c in state.gemms.items() if c.backend is GemmBackend.CUTLASS}
     objects, sources = build_objects(state.steps, chosen, state.options,
                                      _cache(state.options) / "cutlass")
     return replace(state, objects=tuple(objects), cutlass_sources=sources)
@@ -244,7 +245,7 @@ def codegen_wrapper(state: CudaBuild) -> CudaBuild:
     blob, where = cubin_blob(cubins, names, archs)
     blob_path = _write_blob(blob, _cache(o))
     by_name = {**{k.name: k for k in tks}, **{u.name: u for u in launches}}
-    chosen = {n: c for n, c in state.gemms.items() if c.backend == "cutlass"}
+    chosen = {n: c for n, c in state.gemms.items() if c.backend is GemmBackend.CUTLASS}
     wrapper = print_cuda_wrapper(program, by_name, cubins, archs, str(blob_path), where,
                                  o.cuda_graphs, chosen, blaslt_choices(state.gemms))
     sources = {"kernels_triton.py": state.sources["kernels_triton.py"],
@@ -327,3 +328,16 @@ def triton_kernels(steps, buffers, hints: dict[str, int], configs: dict | None =
         elif isinstance(s, L.Extern) and s.routine == "attention":
             out.append(print_attention_kernel(s, buffers, hints, configs.get(s.name)))
     return out
+
+
+def libraries(steps, gemms) -> list[str]:
+    """The shared libraries a CUDA package opens at load (the manifest's `requires`): the
+    driver and cuBLAS always, cuBLASLt for low-precision GEMMs and profiled algorithms."""
+    libs = ["libcuda.so.1 (NVIDIA driver, opened at load)",
+            "libcublas.so (cuBLAS, opened at load when the model has GEMMs)"]
+    if any(g.lowp is not None or (gemms.get(g.name) is not None and
+                                  isinstance(gemms[g.name].config, BlasLtConfig))
+           for g in L.flat_steps(steps) if isinstance(g, L.Gemm)):
+        libs.append("libcublasLt.so (cuBLASLt, opened at load: low-precision GEMMs and GEMMs "
+                    "with a profiled cuBLASLt algorithm)")
+    return libs

@@ -30,7 +30,7 @@ from __future__ import annotations
 from kiln.targets.cuda.build import (CudaBuild, check_routines, codegen_triton, codegen_wrapper,
                                      compile_library, cubins, cubins_user, cutlass,
                                      fuse_gemm_epilogues, gemm_autotune, has_cutlass,
-                                     has_user_kernels, launch_autotune,
+                                     has_user_kernels, launch_autotune, libraries,
                                      launch_autotune_attention, mixed_gemm, triton_allowed,
                                      tunes_attention, tunes_kernels, user_kernel_configs)
 from kiln.targets.stages import (DCE, FREEZE, LOWER, PLAN, REORDER, SCHEDULE, Stage, Target,
@@ -59,4 +59,5 @@ TARGET = Target("cuda", (
     Stage("cutlass", cutlass, when=has_cutlass),
     Stage("codegen_wrapper", codegen_wrapper, dump_files=source_files),
     Stage("compile", compile_library),
-), state=CudaBuild, numbered=True)
+), state=CudaBuild, numbered=True, kernel_kind="triton", libraries=libraries,
+   torch_libraries="libtorch_cpu.so and libtorch_cuda.so")

@@ -414,7 +414,7 @@ def _evt_of(g, epi):
     if epi is None:
         return None
     evt = from_epilogue(g, epi)
-    assert isinstance(evt, Evt), evt  # gemm_fuse fused it because it maps
+    assert isinstance(evt, Evt), evt  # gemm/fuse.py fused it because it maps
     return evt
 
 

@@ -1,4 +1,4 @@
-"""The fixed parts of model_cuda.cpp around the run body printed by `wrapper_cuda.py`: the
+"""The fixed parts of model_cuda.cpp around the run body printed by `wrapper.py`: the
 embedded cubin blob, the kernel and weight tables, the Instance, create_on_device / create /
 destroy, run_on_stream / run and the `kiln_model_abi` table.
 
@@ -9,7 +9,7 @@ Output: the C++ source text. An instance owns one global scratch block for the k
 need Triton's global scratch (persistent GEMM kernels making TMA descriptors on the device):
 SMs x the largest per-program size among the picked architecture's cubins, allocated at
 creation, so runs and CUDA graph captures allocate nothing. Invariants: see
-`wrapper_cuda.py`; create_on_device either returns a complete instance or releases everything
+`wrapper.py`; create_on_device either returns a complete instance or releases everything
 it acquired (through `destroy`)."""
 
 from __future__ import annotations
