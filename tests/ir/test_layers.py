@@ -18,8 +18,9 @@ from kiln.layers import LAYERS
 
 ROOT = Path(kiln.__file__).resolve().parent
 RANK = {part: i for i, layer in enumerate(LAYERS) for part in layer}
-#: the only third-party modules a function may import (optional for a CPU-only install)
-OPTIONAL = {"triton", "cutlass_library", "nvidia"}
+#: the only third-party modules a function may import: optional for a CPU-only install
+#: (triton, CUTLASS, NVIDIA's wheels) or for a GPU-only one (OpenBLAS's wheel)
+OPTIONAL = {"triton", "cutlass_library", "nvidia", "scipy_openblas32"}
 
 
 def _module(path: Path) -> str:

@@ -16,8 +16,6 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from pathlib import Path
 
-import scipy_openblas32 as blas
-
 from kiln import config
 from kiln.errors import UnsupportedError
 from kiln.gemm import choose_gemms
@@ -44,6 +42,8 @@ class CpuBuild(Build):
 
 
 def _blas() -> tuple[Path, Path]:
+    # deferred: OpenBLAS's wheel is needed by CPU builds only (a GPU-only install may lack it)
+    import scipy_openblas32 as blas
     return Path(blas.get_include_dir()), Path(blas.get_lib_dir())
 
 
