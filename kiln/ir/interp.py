@@ -238,9 +238,10 @@ def call_aten(c: L.AtenCall, tensor, env) -> list:
 def _aten(c: L.AtenCall, bufs, env) -> dict[str, np.ndarray]:
     """The ATen fallback runs ATen itself, through torch (the reference has nothing else)."""
 
-    def tensor(a: L.AtenTensor):
-        shape = [evaluate(d, env) for d in a.shape]
-        return torch.from_numpy(np.ascontiguousarray(bufs[a.buf])).reshape(shape)
+    def tensor(a: L.AtenTensor):  # the operand as the strided view of its buffer
+        flat = torch.from_numpy(np.ascontiguousarray(bufs[a.buf]).reshape(-1))
+        return torch.as_strided(flat, [evaluate(d, env) for d in a.shape],
+                                [evaluate(s, env) for s in a.strides], evaluate(a.offset, env))
     got = {}
     for r, t in call_aten(c, tensor, env):
         for d, sym, _ in r.binds:  # data-dependent sizes are known from here on
