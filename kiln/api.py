@@ -86,7 +86,7 @@ def _manifest(built: Built, opts: Options, report: dict) -> dict[str, Any]:
         "torch_version": torch.__version__,
         "abi_version": 1,
         "device": built.device,
-        **({built.device: built.cuda} if built.cuda else {}),
+        **({built.device: _target_record(built)} if _target_record(built) else {}),
         "options": opts.to_json(),
         "inputs": [{"name": i.name, "dtype": i.type.dtype.name, "shape": _shape_json(i.type.shape),
                     "contiguous": True,
@@ -111,6 +111,12 @@ def _manifest(built: Built, opts: Options, report: dict) -> dict[str, Any]:
     }
 
 
+def _target_record(built: Built) -> dict[str, Any]:
+    """The target's own manifest record (CUDA: architectures, launch configs), less what
+    `requires` states."""
+    return {k: v for k, v in built.cuda.items() if k != "cpu_features"}
+
+
 def _requires(built: Built) -> dict[str, Any]:
     """What the package needs at run time besides libkiln: libtorch only for ATen fallbacks."""
     aten_ops = aten_fallback_ops(built.program)
@@ -118,7 +124,10 @@ def _requires(built: Built) -> dict[str, Any]:
     libs = target.libraries(built.steps, built.gemms)
     if aten_ops:
         libs = [*libs, f"{target.torch_libraries} (torch >= 2.10), for the ATen fallback"]
-    return {"libtorch": bool(aten_ops), "aten_fallback_ops": aten_ops, "shared_libraries": libs}
+    return {"libtorch": bool(aten_ops), "aten_fallback_ops": aten_ops, "shared_libraries": libs,
+            # instruction-set extensions the code uses: checked at load, before mapping it
+            **({"cpu_features": list(built.cuda["cpu_features"])}
+               if "cpu_features" in built.cuda else {})}
 
 
 @dataclass(frozen=True)

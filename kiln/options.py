@@ -46,8 +46,11 @@ class Options:
     cxx: str | None = None
     #: Optimisation flags for generated kernels.
     opt_flags: tuple[str, ...] = ("-O3",)
-    #: Target CPU for -march ("native" tunes for the build machine; "" omits the flag so the
-    #: artifact runs on any x86-64 CPU). Recorded in the manifest.
+    #: Target CPU for -march ("native" tunes for the build machine; a level such as
+    #: "x86-64-v3" (AVX2) or "x86-64-v4" (AVX-512) runs on every CPU of that level; "" omits
+    #: the flag so the artifact runs on any x86-64 CPU). The instruction-set extensions it
+    #: enables are recorded in the manifest (requires.cpu_features) and checked when a package
+    #: loads: a CPU without one fails with an error naming it, not an illegal instruction.
     march: str = "native"
     #: Parallelise the outer loop of every kernel with OpenMP.
     openmp: bool = True

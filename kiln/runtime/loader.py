@@ -87,6 +87,8 @@ def libkiln() -> ctypes.CDLL:
     lib.kiln_model_num_threads.argtypes = [vp]
     lib.kiln_model_free.restype = None
     lib.kiln_model_free.argtypes = [vp]
+    lib.kiln_cpu_supports.restype = ctypes.c_int
+    lib.kiln_cpu_supports.argtypes = [ctypes.c_char_p]
     if lib.kiln_abi_version() != KILN_ABI_VERSION:
         raise KilnError(f"libkiln ABI version {lib.kiln_abi_version()}, expected "
                         f"{KILN_ABI_VERSION}")
@@ -95,6 +97,14 @@ def libkiln() -> ctypes.CDLL:
 
 def last_error() -> str:
     return (libkiln().kiln_last_error() or b"").decode("utf-8", "replace")
+
+
+def cpu_supports(feature: str) -> bool | None:
+    """Whether this CPU (and OS) supports the instruction-set extension `feature`, named as
+    manifests list them (requires.cpu_features: "avx2", "avx512f", ...); None when libkiln
+    does not know the name. `load` refuses a package needing a feature this CPU lacks."""
+    r = libkiln().kiln_cpu_supports(feature.encode())
+    return None if r < 0 else bool(r)
 
 
 class _Leaf:

@@ -45,6 +45,38 @@ def compiler_identity(cxx: str) -> str:
     return out.stdout.splitlines()[0] if out.stdout else cxx
 
 
+#: x86-64 instruction-set extensions a package may need, by the macro the compiler defines
+#: when its flags enable one, and the name the runtime checks (kiln/runtime/src/cpu.cpp)
+CPU_FEATURES = {
+    "__SSE3__": "sse3", "__SSSE3__": "ssse3", "__SSE4_1__": "sse4.1", "__SSE4_2__": "sse4.2",
+    "__POPCNT__": "popcnt", "__AVX__": "avx", "__AVX2__": "avx2", "__FMA__": "fma",
+    "__F16C__": "f16c", "__BMI__": "bmi", "__BMI2__": "bmi2", "__LZCNT__": "lzcnt",
+    "__MOVBE__": "movbe", "__AVX512F__": "avx512f", "__AVX512CD__": "avx512cd",
+    "__AVX512BW__": "avx512bw", "__AVX512DQ__": "avx512dq", "__AVX512VL__": "avx512vl",
+    "__AVX512IFMA__": "avx512ifma", "__AVX512VBMI__": "avx512vbmi",
+    "__AVX512VBMI2__": "avx512vbmi2", "__AVX512VNNI__": "avx512vnni",
+    "__AVX512BITALG__": "avx512bitalg", "__AVX512VPOPCNTDQ__": "avx512vpopcntdq",
+    "__AVX512BF16__": "avx512bf16", "__AVX512FP16__": "avx512fp16", "__AVXVNNI__": "avxvnni",
+    "__GFNI__": "gfni", "__VAES__": "vaes", "__VPCLMULQDQ__": "vpclmulqdq",
+    "__AMX_TILE__": "amx-tile", "__AMX_INT8__": "amx-int8", "__AMX_BF16__": "amx-bf16",
+}
+
+
+@lru_cache(maxsize=16)
+def cpu_features(cxx: str, flags: tuple[str, ...]) -> tuple[str, ...]:
+    """The instruction-set extensions code compiled with `flags` (e.g. -march=native) may
+    use, as the runtime names them (sorted): what a package records in its manifest and the
+    loader checks before it maps the code. Empty where the compiler defines none (not x86)."""
+    try:
+        out = subprocess.run([cxx, *flags, "-dM", "-E", "-x", "c++", "-"], input="",
+                             capture_output=True, text=True, check=True)
+    except (OSError, subprocess.CalledProcessError) as e:
+        raise CompileError(f"C++ compiler {cxx!r} rejects {' '.join(flags)}: "
+                           f"{getattr(e, 'stderr', '') or e}") from e
+    defined = {ln.split()[1] for ln in out.stdout.splitlines() if ln.startswith("#define ")}
+    return tuple(sorted(name for macro, name in CPU_FEATURES.items() if macro in defined))
+
+
 def _headers_digest(dirs: tuple[Path, ...]) -> str:
     h = hashlib.sha256()
     for d in dirs:

@@ -40,7 +40,7 @@
 
 #define KILN_ABI_VERSION 1
 /* 1: kiln_abi_minor, kiln_model_set_num_threads, kiln_model_num_threads */
-#define KILN_ABI_MINOR 1
+#define KILN_ABI_MINOR 2
 
 #if defined(_WIN32)
 #define KILN_API
@@ -125,6 +125,14 @@ KILN_API int kiln_model_set_num_threads(kiln_model *m, int num_threads);
 
 /* The budget set by kiln_model_set_num_threads (0: automatic); -1 when m is NULL. */
 KILN_API int kiln_model_num_threads(const kiln_model *m);
+
+/* Whether this CPU (and the OS, for AVX / AVX-512 / AMX register state) supports the
+ * instruction-set extension `feature` (minor 2), named as a package's manifest lists them in
+ * requires.cpu_features ("avx2", "fma", "avx512f", "avx512bf16", "amx-tile", ...): 1 yes,
+ * 0 no, -1 when the name is unknown to this libkiln or NULL. kiln_model_load checks every
+ * feature a package lists before it maps the package's code, and fails naming the missing
+ * ones, instead of the process dying with an illegal instruction. */
+KILN_API int kiln_cpu_supports(const char *feature);
 
 /* Releases a model (its weights mapping and instance). NULL is allowed and does nothing.
  * Outputs produced earlier stay valid. Must not be called while a run on m is in progress. */

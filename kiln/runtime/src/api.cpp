@@ -35,6 +35,7 @@
 #include <string>
 #include <vector>
 
+#include "cpu.h"
 #include "../include/kiln.h"
 #include "../include/kiln_model_abi.h"
 #include "cache.h"
@@ -169,7 +170,46 @@ constexpr int64_t kManifestAbi = 1;
 struct ManifestInfo {
   std::string device;
   std::map<std::string, std::vector<int64_t>> weight_shapes;
+  std::vector<std::string> cpu_features;  // requires.cpu_features: what the code executes
+  std::string march;                      // build.march, for the error message
 };
+
+// requires.cpu_features (absent in packages from before it: nothing to check).
+std::vector<std::string> cpu_features(const kiln::Json &man, const std::string &what) {
+  std::vector<std::string> out;
+  const kiln::Json *req = man.get("requires");
+  const kiln::Json *fs = req && req->type == kiln::Json::Object ? req->get("cpu_features")
+                                                                : nullptr;
+  if (!fs) return out;
+  if (fs->type != kiln::Json::Array) kiln::fail("%s: requires.cpu_features is not a list",
+                                                what.c_str());
+  for (const kiln::Json &f : fs->items) {
+    if (f.type != kiln::Json::String) kiln::fail("%s: requires.cpu_features holds a non-string",
+                                                 what.c_str());
+    out.push_back(f.str);
+  }
+  return out;
+}
+
+// Fails, naming them, when this CPU lacks features the package's code uses.
+void check_cpu(const ManifestInfo &info, const char *path) {
+  std::string missing, unknown;
+  for (const std::string &f : info.cpu_features) {
+    const int ok = kiln::cpu_supports(f.c_str());
+    if (ok == 0) missing += (missing.empty() ? "" : ", ") + f;
+    if (ok < 0) unknown += (unknown.empty() ? "" : ", ") + f;
+  }
+  if (!unknown.empty()) {
+    kiln::fail("kiln_model_load: package '%s' needs CPU features this libkiln does not know "
+               "(%s): load it with the kiln version that compiled it", path, unknown.c_str());
+  }
+  if (!missing.empty()) {
+    kiln::fail("kiln_model_load: package '%s' needs CPU features this CPU lacks: %s (it was "
+               "compiled with -march=%s). Recompile with kiln.Options(march=\"x86-64-v2\") "
+               "or another level this CPU has (march=\"\": any x86-64)", path, missing.c_str(),
+               info.march.empty() ? "(none)" : info.march.c_str());
+  }
+}
 
 // Expected weight shapes by name (a package from another version or a hand-made package
 // may lack them: then only dtype and size are checked).
@@ -225,8 +265,12 @@ ManifestInfo check_manifest(const kiln::ZipReader &zip) {
                static_cast<long long>(kManifestAbi));
   }
   const kiln::Json *dev = man.get("device");
+  const kiln::Json *build = man.get("build");
+  const kiln::Json *march = build && build->type == kiln::Json::Object ? build->get("march")
+                                                                       : nullptr;
   return {dev && dev->type == kiln::Json::String ? dev->str : std::string("cpu"),
-          weight_shapes(man)};
+          weight_shapes(man), cpu_features(man, what),
+          march && march->type == kiln::Json::String ? march->str : std::string()};
 }
 
 // "cpu" -> (kDLCPU, 0); "cuda" -> (kDLCUDA, 0); "cuda:N" -> (kDLCUDA, N); else fails.
@@ -348,6 +392,10 @@ KILN_API int kiln_abi_version(void) { return KILN_ABI_VERSION; }
 
 KILN_API int kiln_abi_minor(void) { return KILN_ABI_MINOR; }
 
+KILN_API int kiln_cpu_supports(const char *feature) {
+  return feature ? kiln::cpu_supports(feature) : -1;
+}
+
 KILN_API int kiln_model_load(const char *package_path, const char *device, kiln_model **out) {
   if (out) *out = nullptr;
   return guarded([&] {
@@ -366,6 +414,7 @@ KILN_API int kiln_model_load(const char *package_path, const char *device, kiln_
                  "on \"%s\" (compile with device=\"%s\")", package_path, built_for.c_str(),
                  device, want_cuda ? "cuda" : "cpu");
     }
+    check_cpu(info, package_path);  // before any of the package's code is mapped
     void *lib = nullptr;
     m->abi = open_library(*m->package, &lib);
     if (!want_cuda) bind_openmp(m.get(), lib);

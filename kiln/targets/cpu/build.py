@@ -30,7 +30,7 @@ from kiln.targets.cpu.kernel import print_kernel
 from kiln.targets.cpu.wrapper import declare_kernel, print_wrapper
 from kiln.targets.cpu.wrapper_py import print_python_wrapper
 from kiln.targets.stages import Build
-from kiln.toolchain.cxx import INCLUDE_DIRS, Toolchain, build_shared
+from kiln.toolchain.cxx import INCLUDE_DIRS, Toolchain, build_shared, cpu_features
 
 #: the CPU target's model-side headers (kiln_lib.h), next to the shared ones in kiln/runtime
 INCLUDE = Path(__file__).resolve().parent / "include"
@@ -147,8 +147,13 @@ def compile_library(state: Build) -> Build:
     """The C++ compiler: parallel, cached by content hash."""
     cpp = {k: v for k, v in state.sources.items() if k.endswith(".cpp")}
     # the wrapper is straight-line glue around kernels and BLAS calls: -O1 compiles it faster
-    lib, times = build_shared(toolchain(state.options), cpp, {"model.cpp": ("-O1",)})
-    return replace(state, library=lib, times=times)
+    tc = toolchain(state.options)
+    lib, times = build_shared(tc, cpp, {"model.cpp": ("-O1",)})
+    march = tuple(f for f in tc.cflags if f.startswith("-march="))
+    # what the code may execute: the loader refuses a CPU without it (before mapping the code)
+    features = cpu_features(tc.cxx, march)
+    return replace(state, library=lib, times=times,
+                   info={**state.info, "cpu_features": list(features)})
 
 
 def libraries(steps, gemms) -> list[str]:
