@@ -6,6 +6,7 @@ compared with the kernel's view (/proc/cpuinfo) and with the compiler's -march=n
 from __future__ import annotations
 
 import pathlib
+import shutil
 import subprocess
 
 import pytest
@@ -13,7 +14,7 @@ import torch
 
 import kiln
 from kiln.errors import KilnError
-from kiln.runtime.cbin import write_tensor_bin
+from kiln.runtime.cbin import read_tensor_bin, write_tensor_bin
 from kiln.runtime import cpu_supports
 from kiln.toolchain.cxx import CPU_FEATURES, cpu_features
 
@@ -90,3 +91,27 @@ def test_unknown_features_are_refused_by_name(tmp_path):
     path = cm.save(tmp_path / "m.kiln")
     with pytest.raises(KilnError, match="avx2-from-the-future"):
         kiln.load(path)
+
+
+@pytest.mark.skipif(shutil.which("qemu-x86_64") is None, reason="needs qemu-user (Debian)")
+def test_emulated_older_cpu_gets_an_error_not_an_illegal_instruction(tmp_path, run_model_exe):
+    """Under `qemu-x86_64 -cpu Haswell` (AVX2, no AVX-512): from C, a package built for this
+    machine fails to load naming what Haswell lacks (where this machine has AVX-512), and one
+    built for x86-64-v3 runs and matches eager."""
+    x = torch.randn(64)
+    write_tensor_bin(str(tmp_path / "in0.bin"), x)
+
+    def run(march: str) -> subprocess.CompletedProcess:
+        path = kiln.compile(lambda x: torch.relu(x) * 2 + 1, (x,),
+                            options=kiln.Options(march=march)).save(tmp_path / f"{march}.kiln")
+        return subprocess.run(["qemu-x86_64", "-cpu", "Haswell", str(run_model_exe), "-o",
+                               str(tmp_path / "out"), str(path), str(tmp_path / "in0.bin")],
+                              capture_output=True, text=True, timeout=300)
+
+    if cpu_supports("avx512f"):
+        proc = run("native")
+        assert proc.returncode == 1, (proc.returncode, proc.stderr[-2000:])
+        assert "lacks: " in proc.stderr and "avx512f" in proc.stderr, proc.stderr[-2000:]
+    proc = run("x86-64-v3")
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    torch.testing.assert_close(read_tensor_bin(str(tmp_path / "out0.bin")), torch.relu(x) * 2 + 1)
