@@ -1,6 +1,7 @@
 /* per_call.c - per-call time of kiln_model_run from C (bench/per_call.py builds and runs it).
  *
- * Usage: per_call <package.kiln> <rounds> <calls> <shape> [<shape> ...]
+ * Usage: per_call <package.kiln> <threads> <rounds> <calls> <shape> [<shape> ...]
+ *   threads: kiln_model_set_num_threads (0: automatic), as the Python runner's num_threads;
  *   each <shape> is one float32 input's dims joined by 'x' ("4", "3x2"; "" for a scalar).
  * Prints one line per round: the mean microseconds per kiln_model_run (outputs freed through
  * their deleters inside the timed loop, as any caller must), after 200 warm-up calls.
@@ -35,19 +36,19 @@ static int run_once(kiln_model *m, const DLTensor *const *in, int64_t n_in,
 }
 
 int main(int argc, char **argv) {
-  if (argc < 4 || argc - 4 > MAX_IN) {
-    fprintf(stderr, "usage: per_call <package.kiln> <rounds> <calls> <shape>...\n");
+  if (argc < 5 || argc - 5 > MAX_IN) {
+    fprintf(stderr, "usage: per_call <package.kiln> <threads> <rounds> <calls> <shape>...\n");
     return 2;
   }
-  const int rounds = atoi(argv[2]), calls = atoi(argv[3]);
-  const int64_t n_in = argc - 4;
+  const int threads = atoi(argv[2]), rounds = atoi(argv[3]), calls = atoi(argv[4]);
+  const int64_t n_in = argc - 5;
   static DLTensor t[MAX_IN];
   static int64_t shape[MAX_IN][MAX_DIM], strides[MAX_IN][MAX_DIM];
   const DLTensor *in[MAX_IN];
   for (int64_t i = 0; i < n_in; ++i) {
     int ndim = 0;
     int64_t numel = 1;
-    for (char *s = argv[4 + i]; *s && ndim < MAX_DIM; ++ndim) {
+    for (char *s = argv[5 + i]; *s && ndim < MAX_DIM; ++ndim) {
       shape[i][ndim] = strtoll(s, &s, 10);
       numel *= shape[i][ndim];
       if (*s == 'x') ++s;
@@ -67,6 +68,10 @@ int main(int argc, char **argv) {
   }
   kiln_model *m = NULL;
   if (kiln_model_load(argv[1], "cpu", &m) != 0) {
+    fprintf(stderr, "per_call: %s\n", kiln_last_error());
+    return 1;
+  }
+  if (kiln_model_set_num_threads(m, threads) != 0) {
     fprintf(stderr, "per_call: %s\n", kiln_last_error());
     return 1;
   }

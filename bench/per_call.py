@@ -13,8 +13,9 @@ Programs: `x + 1` on 4 floats; `a @ b` with a 2x3 and b 3x2 (4 output elements);
 built against this checkout's libkiln (kiln.runtime.build_libkiln) and run as its own process
 once per round; its time is libkiln + the model (plus freeing outputs), so kiln Python minus
 kiln C is the cost of the Python loader. ORT sessions use one intra-op and one inter-op
-thread; kiln and eager run with --threads OpenMP/torch threads (default 1: these programs are
-far too small to split).
+thread; kiln (Python and C: num_threads / kiln_model_set_num_threads) and eager
+(torch.set_num_threads) run with --threads threads (default 1: these programs are far too
+small to split).
 """
 
 from __future__ import annotations
@@ -114,7 +115,6 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=1)
     a = ap.parse_args()
     torch.set_num_threads(a.threads)
-    env = dict(os.environ, OMP_NUM_THREADS=str(a.threads))
     work = Path(tempfile.mkdtemp())
     exe = _build_c(work)
     cases = [("x + 1, 4 floats", "add1", _add1, (torch.randn(4),)),
@@ -133,8 +133,8 @@ def main() -> None:
         for _ in range(a.rounds):
             us["py"].append(_time(lambda: runner(*args), a.calls))
             if exe is not None:
-                out = subprocess.run([str(exe), str(path), "1", str(a.calls), *shapes],
-                                     capture_output=True, text=True, check=True, env=env)
+                out = subprocess.run([str(exe), str(path), str(a.threads), "1", str(a.calls),
+                                      *shapes], capture_output=True, text=True, check=True)
                 us["c"].append(float(out.stdout.split()[-1]))
             if sess is not None:
                 us["ort"].append(_time(sess, a.calls))

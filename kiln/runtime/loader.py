@@ -35,8 +35,9 @@ from kiln.runtime.weights import checked_tensors, write_weights_file
 KILN_ABI_VERSION = 1
 _DL_META: dict = {}  # (torch dtype, device) -> (DLDevice, DLDataType)
 # the fast path's (device_type, device_id, code, bits, lanes) of a CPU tensor, by torch dtype
+# (complex ones left out: a conjugate view of one takes the general path, which resolves it)
 _CPU_FIELDS: dict = {d: (dl.KDL_CPU, 0, code, bits, 1) for d, (code, bits) in
-                     dl.DTYPE_TO_DL.items()}
+                     dl.DTYPE_TO_DL.items() if code != dl.KDL_COMPLEX}
 _FAST_RANK = 8  # the fast path's most dimensions per input (more: the general path)
 # one fast-path input: its DLTensor (data, device, ndim, dtype, shape, strides, byte_offset;
 # 48 bytes, as dlpack_ctypes.DLTensor), then room for _FAST_RANK sizes and _FAST_RANK strides
@@ -369,16 +370,21 @@ class Runner:
         try:
             buf, base, off = s.buf, s.base, 0
             for t in args:
-                if type(t) is not torch.Tensor or t.layout is not torch.strided \
-                        or t.is_conj() or t.is_neg():
+                if type(t) is not torch.Tensor or t.layout is not torch.strided or t.is_neg():
                     return _MISS
-                f = _CPU_FIELDS.get(t.dtype) if t.is_cpu else _fields(t)
-                n = t.dim()
+                if t.is_cpu:
+                    f = _CPU_FIELDS.get(t.dtype)  # no complex dtypes: no conj views
+                elif t.is_conj():
+                    return _MISS
+                else:
+                    f = _fields(t)
+                shape = t.shape
+                n = len(shape)
                 if f is None or n > _FAST_RANK:
                     return _MISS
                 a = base + off + 48
                 _SLOT_FMT[n](buf, off, t.data_ptr(), f[0], f[1], n, f[2], f[3], f[4], a,
-                             a + 8 * _FAST_RANK, 0, *t.shape, *t.stride())
+                             a + 8 * _FAST_RANK, 0, *shape, *t.stride())
                 off += _SLOT
             if self._device.type == "cuda":
                 stream = (_raw_stream(self._device.index) if _raw_stream is not None else
