@@ -2,7 +2,10 @@
 session.run and eager PyTorch, in interleaved rounds (each round times every path once, so all
 see the same machine load); medians of the rounds' mean microseconds per call.
 
-    python bench/per_call.py [--rounds 15] [--calls 3000] [--threads 1]
+    python bench/per_call.py [--rounds 15] [--calls 3000] [--threads 1] [--base REV]
+
+--base REV adds a column: the Python loader of commit REV (kiln/runtime/loader.py as of REV,
+as bench/loader_overhead.py does) on the same packages, for before/after in one table.
 
 Measured on the development VM (2 shared x86-64 cores, torch 2.13 CPU, onnxruntime 1.2x from
 pip; `uptime` noted with the table in PERCALL_NOTE.md). onnxruntime and onnx are
@@ -99,6 +102,13 @@ def _build_c(work: Path) -> Path | None:
     return exe
 
 
+def _base_runner(rev: str | None, path: Path, threads: int):
+    if rev is None:
+        return None
+    from bench.loader_overhead import _loader_at
+    return _loader_at(rev).Runner(path, num_threads=threads)
+
+
 def _time(fn, calls: int) -> float:
     for _ in range(200):
         fn()
@@ -113,6 +123,7 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=15)
     ap.add_argument("--calls", type=int, default=3000)
     ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--base", default=None, help="also time this commit's Python loader")
     a = ap.parse_args()
     torch.set_num_threads(a.threads)
     work = Path(tempfile.mkdtemp())
@@ -122,15 +133,18 @@ def main() -> None:
              ("3 in / 2 out, 8x8", "three", _three, tuple(torch.randn(8, 8) for _ in range(3)))]
     print(f"rounds {a.rounds} x {a.calls} calls; median us per call "
           f"(load: {os.getloadavg()[0]:.2f})")
-    print(f"{'program':<20} {'kiln py':>8} {'kiln C':>8} {'ORT':>8} {'eager':>8} "
-          f"{'py/ORT':>7} {'py/eager':>8} {'py - C':>7}")
+    print(f"{'program':<20} {'base py':>8} {'kiln py':>8} {'kiln C':>8} {'ORT':>8} "
+          f"{'eager':>8} {'py/ORT':>7} {'py/eager':>8} {'py - C':>7}")
     for label, name, fn, args in cases:
         path = kiln.compile(fn, args).save(work / f"{name}.kiln")
         runner = kr.load(path, num_threads=a.threads)
+        base = _base_runner(a.base, path, a.threads)
         sess = _onnx_session(name, args)
         shapes = ["x".join(str(d) for d in t.shape) for t in args]
-        us: dict[str, list[float]] = {"py": [], "c": [], "ort": [], "eager": []}
+        us: dict[str, list[float]] = {"base": [], "py": [], "c": [], "ort": [], "eager": []}
         for _ in range(a.rounds):
+            if base is not None:
+                us["base"].append(_time(lambda: base(*args), a.calls))
             us["py"].append(_time(lambda: runner(*args), a.calls))
             if exe is not None:
                 out = subprocess.run([str(exe), str(path), str(a.threads), "1", str(a.calls),
@@ -140,7 +154,7 @@ def main() -> None:
                 us["ort"].append(_time(sess, a.calls))
             us["eager"].append(_time(lambda: fn(*args), a.calls))
         med = {k: statistics.median(v) if v else float("nan") for k, v in us.items()}
-        print(f"{label:<20} {med['py']:8.2f} {med['c']:8.2f} {med['ort']:8.2f} "
+        print(f"{label:<20} {med['base']:8.2f} {med['py']:8.2f} {med['c']:8.2f} {med['ort']:8.2f} "
               f"{med['eager']:8.2f} {med['py'] / med['ort']:7.2f} "
               f"{med['py'] / med['eager']:8.2f} {med['py'] - med['c']:7.2f}")
         runner.close()
