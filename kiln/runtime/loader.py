@@ -192,7 +192,8 @@ class Runner:
             and not self._int_inputs
         self._free: list[_Scratch] = []  # idle scratch buffers (one per call in flight)
         vp, i64 = ctypes.c_void_p, ctypes.c_int64
-        if self._device.type == "cuda":
+        self._cuda = self._device.type == "cuda"
+        if self._cuda:
             self._run_raw = self._lib["kiln_model_run_on_stream"]  # a fresh function object
             self._run_raw.argtypes = [vp, vp, i64, vp, i64, vp]
         else:
@@ -386,7 +387,7 @@ class Runner:
                 _SLOT_FMT[n](buf, off, t.data_ptr(), f[0], f[1], n, f[2], f[3], f[4], a,
                              a + 8 * _FAST_RANK, 0, *shape, *t.stride())
                 off += _SLOT
-            if self._device.type == "cuda":
+            if self._cuda:
                 stream = (_raw_stream(self._device.index) if _raw_stream is not None else
                           torch.cuda.current_stream(self._device).cuda_stream)
                 rc = self._run_raw(self._handle, s.inputs, self._n_in, s.outputs, self._n_out,
