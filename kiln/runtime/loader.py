@@ -19,6 +19,7 @@ import operator
 import os
 import pathlib
 import re
+import struct
 from collections.abc import Mapping
 from typing import Any
 
@@ -33,6 +34,18 @@ from kiln.runtime.weights import checked_tensors, write_weights_file
 
 KILN_ABI_VERSION = 1
 _DL_META: dict = {}  # (torch dtype, device) -> (DLDevice, DLDataType)
+# the fast path's (device_type, device_id, code, bits, lanes) of a CPU tensor, by torch dtype
+# (complex ones left out: a conjugate view of one takes the general path, which resolves it)
+_CPU_FIELDS: dict = {d: (dl.KDL_CPU, 0, code, bits, 1) for d, (code, bits) in
+                     dl.DTYPE_TO_DL.items() if code != dl.KDL_COMPLEX}
+_FAST_RANK = 8  # the fast path's most dimensions per input (more: the general path)
+# one fast-path input: its DLTensor (data, device, ndim, dtype, shape, strides, byte_offset;
+# 48 bytes, as dlpack_ctypes.DLTensor), then room for _FAST_RANK sizes and _FAST_RANK strides
+_DLT_HEAD = "=QiiiBBHQQQ"
+_SLOT = struct.calcsize(_DLT_HEAD) + 16 * _FAST_RANK
+assert struct.calcsize(_DLT_HEAD) == ctypes.sizeof(dl.DLTensor)
+_SLOT_FMT = [struct.Struct(f"{_DLT_HEAD}{r}q{8 * (_FAST_RANK - r)}x{r}q").pack_into
+             for r in range(_FAST_RANK + 1)]
 
 
 @functools.lru_cache(maxsize=None)
@@ -46,6 +59,7 @@ def _i64_array(n: int) -> type:
 _from_capsule = getattr(torch._C, "_from_dlpack", None) or torch.from_dlpack
 _raw_stream = getattr(torch._C, "_cuda_getCurrentRawStream", None)
 _CAPSULE_NAME = ctypes.create_string_buffer(b"dltensor")  # must outlive every capsule
+_CAPSULE_ADDR = ctypes.addressof(_CAPSULE_NAME)
 _USED_NAME = b"used_dltensor"
 
 _capsule_new = ctypes.pythonapi.PyCapsule_New
@@ -172,6 +186,20 @@ class Runner:
         self._unflatten = _output_builder(self._out_spec)
         self._inputs_t = ctypes.POINTER(dl.DLTensor) * max(self._n_in, 1)
         self._outputs_t = ctypes.c_void_p * max(self._n_out, 1)
+        # the fast path (_call_fast): positional tensors written straight into preallocated
+        # DLTensors; programs with specialised constants or int inputs take the general path
+        self._fast = (self._in_spec is None or self._positional) and not self._constants \
+            and not self._int_inputs
+        self._free: list[_Scratch] = []  # idle scratch buffers (one per call in flight)
+        vp, i64 = ctypes.c_void_p, ctypes.c_int64
+        self._cuda = self._device.type == "cuda"
+        if self._cuda:
+            self._run_raw = self._lib["kiln_model_run_on_stream"]  # a fresh function object
+            self._run_raw.argtypes = [vp, vp, i64, vp, i64, vp]
+        else:
+            self._run_raw = self._lib["kiln_model_run"]
+            self._run_raw.argtypes = [vp, vp, i64, vp, i64]
+        self._run_raw.restype = ctypes.c_int
 
     @property
     def manifest(self) -> dict[str, Any]:
@@ -322,6 +350,61 @@ class Runner:
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         if self._handle is None:
             raise KilnError(f"kiln: runner for '{self._path}' is closed")
+        if self._fast and not kwargs and len(args) == self._n_in:
+            out = self._call_fast(args)
+            if out is not _MISS:
+                return out
+        return self._call_general(args, kwargs)
+
+    def _call_fast(self, args: tuple[Any, ...]) -> Any:
+        """The run for plain strided tensors of a DLPack dtype and device, at most _FAST_RANK
+        dimensions, passed positionally: each one's DLTensor is written into a scratch buffer
+        kept by this runner (one struct.pack_into per input), no ctypes objects made per call.
+        The model gets the same DLTensors as from the general path and checks them the same
+        way; any other input returns _MISS and the general path takes the call (and raises the
+        same errors it always has)."""
+        free = self._free
+        try:
+            s = free.pop()
+        except IndexError:  # first call, or every scratch in use by a concurrent call
+            s = _Scratch(self._n_in, self._n_out)
+        try:
+            buf, base, off = s.buf, s.base, 0
+            for t in args:
+                if type(t) is not torch.Tensor or t.layout is not torch.strided or t.is_neg():
+                    return _MISS
+                if t.is_cpu:
+                    f = _CPU_FIELDS.get(t.dtype)  # no complex dtypes: no conj views
+                elif t.is_conj():
+                    return _MISS
+                else:
+                    f = _fields(t)
+                shape = t.shape
+                n = len(shape)
+                if f is None or n > _FAST_RANK:
+                    return _MISS
+                a = base + off + 48
+                _SLOT_FMT[n](buf, off, t.data_ptr(), f[0], f[1], n, f[2], f[3], f[4], a,
+                             a + 8 * _FAST_RANK, 0, *shape, *t.stride())
+                off += _SLOT
+            if self._cuda:
+                stream = (_raw_stream(self._device.index) if _raw_stream is not None else
+                          torch.cuda.current_stream(self._device).cuda_stream)
+                rc = self._run_raw(self._handle, s.inputs, self._n_in, s.outputs, self._n_out,
+                                   stream)
+            else:
+                rc = self._run_raw(self._handle, s.inputs, self._n_in, s.outputs, self._n_out)
+            if rc:
+                msg = last_error()
+                raise (InputError if msg.startswith("input ") else KilnError)(msg)
+            results = _adopt_pointers(s.read_outputs(buf, s.out_off))
+        finally:
+            free.append(s)
+        for k in self._int_outputs:  # sizes the program returns as Python ints
+            results[k] = int(results[k].item())
+        return self._unflatten(results)
+
+    def _call_general(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         flat = self._flatten(args, kwargs)
         if len(flat) != self._n_in:
             raise InputError(f"expected {self._n_in} inputs, got {len(flat)}")
@@ -345,6 +428,62 @@ class Runner:
         for k in self._int_outputs:  # sizes the program returns as Python ints
             results[k] = int(results[k].item())
         return self._unflatten(results)
+
+
+_MISS = object()  # _call_fast: not a fast-path call
+
+
+class _Scratch:
+    """One fast-path call's memory: _SLOT bytes per input (its DLTensor, sizes, strides), the
+    array of pointers to those DLTensors, the model's output pointers."""
+
+    __slots__ = ("buf", "base", "inputs", "outputs", "out_off", "read_outputs")
+
+    def __init__(self, n_in: int, n_out: int) -> None:
+        ptrs = n_in * _SLOT
+        self.out_off = ptrs + 8 * max(n_in, 1)
+        self.buf = ctypes.create_string_buffer(self.out_off + 8 * max(n_out, 1))
+        self.base = ctypes.addressof(self.buf)
+        self.inputs = self.base + ptrs
+        self.outputs = self.base + self.out_off
+        struct.pack_into(f"={n_in}Q", self.buf, ptrs,
+                         *[self.base + i * _SLOT for i in range(n_in)])
+        self.read_outputs = struct.Struct(f"={n_out}Q").unpack_from
+
+
+_FIELDS: dict = {}  # (torch dtype, device) -> the fast path's fields, None: not DLPack's
+
+
+def _fields(t: torch.Tensor) -> tuple[int, int, int, int, int] | None:
+    key = (t.dtype, t.device)
+    try:
+        return _FIELDS[key]
+    except KeyError:
+        code, dev = dl.DTYPE_TO_DL.get(t.dtype), dl.dl_device(t.device)
+        f = _FIELDS[key] = None if code is None or dev is None else (*dev, *code, 1)
+        return f
+
+
+def _adopt_pointers(ptrs: tuple[int, ...]) -> list[torch.Tensor]:
+    """_adopt_outputs for the fast path: the model's DLManagedTensors (addresses, none NULL
+    after a successful run) as torch tensors; on failure frees those torch did not take."""
+    results: list[torch.Tensor] = []
+    owned = 0  # ptrs[:owned] belong to torch
+    try:
+        for ptr in ptrs:
+            capsule = _capsule_new(ptr, _CAPSULE_ADDR, None)
+            try:
+                results.append(_from_capsule(capsule))
+            except BaseException:
+                if _capsule_name(capsule) == _USED_NAME:
+                    owned += 1
+                raise
+            owned += 1  # torch renames the capsule once it owns the tensor
+    except BaseException:
+        for ptr in ptrs[owned:]:
+            _delete(ptr)
+        raise
+    return results
 
 
 def _output_builder(spec: pytree.TreeSpec | None):
