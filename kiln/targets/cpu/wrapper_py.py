@@ -125,79 +125,110 @@ def _control(body: list[str], x) -> None:
         body.append("pass")
 
 
+def _check_input(prog: P.Program, x: P.CheckInput) -> list[str]:
+    if x.host:
+        return [f"{x.name} = _int_input(inputs[{x.index}], {x.index}, {x.name!r})",
+                f"buf_{x.name} = {x.name}"]
+    return [f"{x.name} = inputs[{x.index}]",
+            f"_check({x.name}, {x.index}, {x.name!r}, {x.dtype.torch}, {x.rank})",
+            f"buf_{x.name} = {x.name}"]
+
+
+def _bind_size(prog: P.Program, x: P.BindSize) -> list[str]:
+    if x.dim is None:
+        return [f"{x.symbol} = int(inputs[{x.input}])"]
+    return [f"{x.symbol} = inputs[{x.input}].shape[{x.dim}]"]
+
+
+def _check_size(prog: P.Program, x: P.CheckSize) -> list[str]:
+    return [f"_expect(inputs[{x.input}].shape[{x.dim}] == {to_py(x.expr)}, "
+            f"'input {x.input} ({x.name}): dim {x.dim} must be {x.expr}')"]
+
+
+def _check_relation(prog: P.Program, x: P.CheckRelation) -> list[str]:
+    op = "==" if x.equal else "!="
+    return [f"_expect({to_py(x.lhs)} {op} {to_py(x.rhs)}, 'input sizes: {x.what} "
+            f"needs {x.lhs} {op} {x.rhs} ({x.symbols})')"]
+
+
+def _check_range(prog: P.Program, x: P.CheckRange) -> list[str]:
+    what = "the value" if x.dim is None else f"dim {x.dim}"
+    return [f"_expect({x.lo} <= {x.symbol} <= {x.hi}, 'input {x.input} ({x.name}):"
+            f" {what} must be in [{x.lo}, {x.hi}]')"]
+
+
+def _alloc_output(prog: P.Program, x: P.AllocOutput) -> list[str]:
+    shape = ", ".join(to_py(d) for d in (x.capacity or x.shape))
+    return [f"buf_{x.buf} = torch.empty(({shape}{',' if shape else ''}), "
+            f"dtype={x.dtype.torch})"]
+
+
+def _alloc(prog: P.Program, x: P.Alloc) -> list[str]:
+    dt = x.dtype.torch
+    if x.offset is None:
+        return [f"buf_{x.buf} = torch.empty({to_py(x.numel)}, dtype={dt})"]
+    return [f"buf_{x.buf} = arena[{x.offset}:{x.offset} + {to_py(x.nbytes)}].view({dt})"]
+
+
+def _call_kernel(prog: P.Program, x: P.CallKernel) -> list[str]:
+    args = [f"_i64({n})" if k == "size" else f"_ptr(buf_{n})" for k, n in x.args]
+    if x.status:
+        args.append("ctypes.byref(status)")
+    out = [f"# {x.kernel}: {', '.join(x.members)}  <- {', '.join(x.source)}",
+           f"lib.{x.kernel}({', '.join(args)})"]
+    if x.status:
+        out.append(f"_expect(status.value == 0, 'index out of range in "
+                   f"{', '.join(x.source)}')")
+    return out
+
+
+def _read_size(prog: P.Program, x: P.ReadSizeLine) -> list[str]:
+    n = x.node
+    return [f"# {n.symbol} = {n.src}.item(): a data-dependent size",
+            f"{n.symbol} = int(buf_{n.src}.reshape(-1)[0])",
+            f"_expect({n.lo} <= {n.symbol} <= {to_py(n.hi)}, '{n.src}.item() is "
+            f"outside [{n.lo}, {n.hi}], the range the export assumed')",
+            f"buf_{n.name}.view(-1)[0] = {n.symbol}"]
+
+
+def _copy_state(prog: P.Program, x: P.CopyState) -> list[str]:
+    return [f"buf_{x.dst}.view(-1).copy_(buf_{x.src}.reshape(-1)[:{to_py(x.numel)}])"
+            f"  # state persists to the next run"]
+
+
+def _return(prog: P.Program, x: P.Return) -> list[str]:
+    out = []
+    for y in (y for y in prog.lines if isinstance(y, P.AllocOutput) and y.capacity):
+        numel = " * ".join(to_py(d) for d in y.shape) or "1"
+        shape = "".join(f"{to_py(d)}, " for d in y.shape)
+        out.append(f"buf_{y.buf} = buf_{y.buf}.view(-1)[:{numel}].view(({shape}))"
+                   "  # data-dependent shape")
+    return out + [f"return [{', '.join(f'buf_{b}' for b in x.buffers)}]"]
+
+
+#: Program IR line type -> its Python lines (control-flow lines: `_control`)
+_LINES = {
+    P.CheckInput: _check_input, P.BindSize: _bind_size, P.CheckSize: _check_size,
+    P.CheckRelation: _check_relation, P.CheckRange: _check_range,
+    P.AllocOutput: _alloc_output, P.Alloc: _alloc,
+    P.Free: lambda prog, x: [f"del buf_{x.buf}"],
+    P.CallKernel: _call_kernel,
+    P.CallGemm: lambda prog, x: _gemm(x.gemm),
+    P.CallAten: lambda prog, x: _aten(x.call, dict(prog.unbacked)),
+    P.ReadSizeLine: _read_size,
+    P.CallLib: lambda prog, x: _lib(x.call),
+    P.CopyState: _copy_state, P.Return: _return,
+}
+
+
 def print_python_wrapper(prog: P.Program, steps, buffers) -> str:
     body: list[str] = []
     for depth, x in _nested(prog.lines):
         start = len(body)
         _control(body, x)
-        if isinstance(x, P.CheckInput) and x.host:
-            body += [f"{x.name} = _int_input(inputs[{x.index}], {x.index}, {x.name!r})",
-                     f"buf_{x.name} = {x.name}"]
-        elif isinstance(x, P.CheckInput):
-            body += [f"{x.name} = inputs[{x.index}]",
-                     f"_check({x.name}, {x.index}, {x.name!r}, {x.dtype.torch}, "
-                     f"{x.rank})",
-                     f"buf_{x.name} = {x.name}"]
-        elif isinstance(x, P.BindSize) and x.dim is None:
-            body.append(f"{x.symbol} = int(inputs[{x.input}])")
-        elif isinstance(x, P.BindSize):
-            body.append(f"{x.symbol} = inputs[{x.input}].shape[{x.dim}]")
-        elif isinstance(x, P.CheckSize):
-            body.append(f"_expect(inputs[{x.input}].shape[{x.dim}] == {to_py(x.expr)}, "
-                        f"'input {x.input} ({x.name}): dim {x.dim} must be {x.expr}')")
-        elif isinstance(x, P.CheckRelation):
-            op = "==" if x.equal else "!="
-            body.append(f"_expect({to_py(x.lhs)} {op} {to_py(x.rhs)}, 'input sizes: {x.what} "
-                        f"needs {x.lhs} {op} {x.rhs} ({x.symbols})')")
-        elif isinstance(x, P.CheckRange):
-            what = "the value" if x.dim is None else f"dim {x.dim}"
-            body.append(f"_expect({x.lo} <= {x.symbol} <= {x.hi}, 'input {x.input} ({x.name}):"
-                        f" {what} must be in [{x.lo}, {x.hi}]')")
-        elif isinstance(x, P.AllocOutput):
-            shape = ", ".join(to_py(d) for d in (x.capacity or x.shape))
-            body.append(f"buf_{x.buf} = torch.empty(({shape}{',' if shape else ''}), "
-                        f"dtype={x.dtype.torch})")
-        elif isinstance(x, P.Alloc):
-            dt = x.dtype.torch
-            if x.offset is None:
-                body.append(f"buf_{x.buf} = torch.empty({to_py(x.numel)}, dtype={dt})")
-            else:
-                body.append(f"buf_{x.buf} = arena[{x.offset}:{x.offset} + "
-                            f"{to_py(x.nbytes)}].view({dt})")
-        elif isinstance(x, P.Free):
-            body.append(f"del buf_{x.buf}")
-        elif isinstance(x, P.CallKernel):
-            args = [f"_i64({n})" if k == "size" else f"_ptr(buf_{n})" for k, n in x.args]
-            if x.status:
-                args.append("ctypes.byref(status)")
-            body += [f"# {x.kernel}: {', '.join(x.members)}  <- {', '.join(x.source)}",
-                     f"lib.{x.kernel}({', '.join(args)})"]
-            if x.status:
-                body.append(f"_expect(status.value == 0, 'index out of range in "
-                            f"{', '.join(x.source)}')")
-        elif isinstance(x, P.CallGemm):
-            body += _gemm(x.gemm)
-        elif isinstance(x, P.CallAten):
-            body += _aten(x.call, dict(prog.unbacked))
-        elif isinstance(x, P.ReadSizeLine):
-            n = x.node
-            body += [f"# {n.symbol} = {n.src}.item(): a data-dependent size",
-                     f"{n.symbol} = int(buf_{n.src}.reshape(-1)[0])",
-                     f"_expect({n.lo} <= {n.symbol} <= {to_py(n.hi)}, '{n.src}.item() is "
-                     f"outside [{n.lo}, {n.hi}], the range the export assumed')",
-                     f"buf_{n.name}.view(-1)[0] = {n.symbol}"]
-        elif isinstance(x, P.CallLib):
-            body += _lib(x.call)
-        elif isinstance(x, P.CopyState):
-            body.append(f"buf_{x.dst}.view(-1).copy_(buf_{x.src}.reshape(-1)[:{to_py(x.numel)}])"
-                        f"  # state persists to the next run")
-        elif isinstance(x, P.Return):
-            for out in (y for y in prog.lines if isinstance(y, P.AllocOutput) and y.capacity):
-                numel = " * ".join(to_py(d) for d in out.shape) or "1"
-                shape = "".join(f"{to_py(d)}, " for d in out.shape)
-                body.append(f"buf_{out.buf} = buf_{out.buf}.view(-1)[:{numel}].view(({shape}))"
-                            "  # data-dependent shape")
-            body.append(f"return [{', '.join(f'buf_{b}' for b in x.buffers)}]")
+        text = _LINES.get(type(x))
+        if text is not None:
+            body += text(prog, x)
         body[start:] = ["    " * depth + s for s in body[start:]]
     weights = "\n".join(f"    buf_{w.name} = weights[{w.name!r}]  # {w.fqn}" for w in prog.weights)
     arena = prog.arena_bytes or 0
