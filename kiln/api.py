@@ -86,7 +86,7 @@ def _manifest(built: Built, opts: Options, report: dict) -> dict[str, Any]:
         "torch_version": torch.__version__,
         "abi_version": 1,
         "device": built.device,
-        **({built.device: _target_record(built)} if _target_record(built) else {}),
+        **({built.device: dict(built.info)} if built.info else {}),
         "options": opts.to_json(),
         "inputs": [{"name": i.name, "dtype": i.type.dtype.name, "shape": _shape_json(i.type.shape),
                     "contiguous": True,
@@ -111,12 +111,6 @@ def _manifest(built: Built, opts: Options, report: dict) -> dict[str, Any]:
     }
 
 
-def _target_record(built: Built) -> dict[str, Any]:
-    """The target's own manifest record (CUDA: architectures, launch configs), less what
-    `requires` states."""
-    return {k: v for k, v in built.cuda.items() if k != "cpu_features"}
-
-
 def _requires(built: Built) -> dict[str, Any]:
     """What the package needs at run time besides libkiln: libtorch only for ATen fallbacks."""
     aten_ops = aten_fallback_ops(built.program)
@@ -126,8 +120,8 @@ def _requires(built: Built) -> dict[str, Any]:
         libs = [*libs, f"{target.torch_libraries} (torch >= 2.10), for the ATen fallback"]
     return {"libtorch": bool(aten_ops), "aten_fallback_ops": aten_ops, "shared_libraries": libs,
             # instruction-set extensions the code uses: checked at load, before mapping it
-            **({"cpu_features": list(built.cuda["cpu_features"])}
-               if "cpu_features" in built.cuda else {})}
+            **({"cpu_features": list(built.cpu_features)}
+               if built.cpu_features is not None else {})}
 
 
 @dataclass(frozen=True)

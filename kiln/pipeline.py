@@ -42,9 +42,10 @@ class Built:
     weights: dict[str, torch.Tensor]
     timings: dict[str, float]
     device: str = "cpu"  # the target's name: "cpu" or "cuda"
-    cuda: dict = field(default_factory=dict)  # archs and kernel launch configs (CUDA builds)
+    info: dict = field(default_factory=dict)  # the target's manifest record (CUDA: archs, ...)
     reorder: tuple = (0, 0)  # peak temp bytes of program order, and of the order chosen
     gemms: dict = field(default_factory=dict)  # GEMM name -> gemm Choice
+    cpu_features: tuple[str, ...] | None = None  # extensions the code uses (checked at load)
 
 
 def target_of(device: str) -> Target:
@@ -87,4 +88,4 @@ def build(ep: torch.export.ExportedProgram, opts: Options, device: str = "cpu") 
     return Built(state.graph, state.loop, state.steps, state.program, state.plan,
                  state.intervals, dict(state.sources), state.library, dict(state.weights),
                  timings, target.name, dict(state.info), reorder=tuple(state.reorder),
-                 gemms=dict(state.gemms))
+                 gemms=dict(state.gemms), cpu_features=state.cpu_features)

@@ -61,6 +61,9 @@ class Build:
     sources: Mapping[str, str] = field(default_factory=dict)  # file name -> generated text
     library: Path | None = None  # the linked model.so
     info: Mapping[str, Any] = field(default_factory=dict)  # the target's manifest record
+    #: instruction-set extensions the compiled host code uses (the manifest's requires), None
+    #: where the target does not check them at load
+    cpu_features: tuple[str, ...] | None = None
     times: Mapping[str, float] = field(default_factory=dict)  # the last stage's timed parts
 
 

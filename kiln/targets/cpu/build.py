@@ -153,7 +153,7 @@ def compile_library(state: Build) -> Build:
     # what the code may execute: the loader refuses a CPU without it (before mapping the code)
     features = cpu_features(tc.cxx, march)
     return replace(state, library=lib, times=times,
-                   info={**state.info, "cpu_features": list(features)})
+                   cpu_features=features)
 
 
 def libraries(steps, gemms) -> list[str]:
