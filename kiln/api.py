@@ -36,9 +36,9 @@ def _shape_json(shape) -> list:
 
 def _kernels_json(built: Built) -> list[dict]:
     out = []
+    kind = target_of(built.device).kernel_kind  # a schedule kernel's kind on this target
     for s in flat_steps(built.steps):  # control-flow regions' kernels included
         if isinstance(s, Kernel):
-            kind = target_of(built.device).kernel_kind
             out.append({"name": s.name, "kind": kind, "members": [m.name for m in s.members],
                         "source_ops": list(s.source)})
         elif isinstance(s, L.UserKernel):

@@ -33,7 +33,6 @@ from kiln.runtime.build import build_libkiln
 from kiln.runtime.weights import checked_tensors, write_weights_file
 
 KILN_ABI_VERSION = 1
-_DL_META: dict = {}  # (torch dtype, device) -> (DLDevice, DLDataType)
 # the fast path's (device_type, device_id, code, bits, lanes) of a CPU tensor, by torch dtype
 # (complex ones left out: a conjugate view of one takes the general path, which resolves it)
 _CPU_FIELDS: dict = {d: (dl.KDL_CPU, 0, code, bits, 1) for d, (code, bits) in
@@ -313,20 +312,16 @@ class Runner:
                              f"layout {t.layout}")
         if t.is_conj() or t.is_neg():
             t = t.resolve_conj().resolve_neg()
-        key = (t.dtype, t.device)
-        meta = _DL_META.get(key)
-        if meta is None:
-            code = dl.DTYPE_TO_DL.get(t.dtype)
-            dev = dl.dl_device(t.device)
-            if code is None or dev is None:
-                raise InputError(f"input {i} ({self._name(i)}): unsupported dtype/device "
-                                 f"{t.dtype}/{t.device}")
-            meta = _DL_META[key] = (dl.DLDevice(*dev), dl.DLDataType(*code, 1))
+        f = _fields(t)
+        if f is None:
+            raise InputError(f"input {i} ({self._name(i)}): unsupported dtype/device "
+                             f"{t.dtype}/{t.device}")
         n = t.dim()
         arr = _i64_array(n)
         shape, strides = arr(*t.shape), arr(*t.stride())
         keep += [t, shape, strides]
-        return dl.DLTensor(t.data_ptr(), meta[0], n, meta[1], shape, strides, 0)
+        device, dtype = _dl_structs(f)
+        return dl.DLTensor(t.data_ptr(), device, n, dtype, shape, strides, 0)
 
     def update_weights(self, weights: Mapping[str, Any] | str | os.PathLike[str]) -> None:
         """Replace the weights without recompiling: a safetensors file (keys are the manifest's
@@ -464,9 +459,15 @@ def _fields(t: torch.Tensor) -> tuple[int, int, int, int, int] | None:
         return f
 
 
+@functools.lru_cache(maxsize=None)
+def _dl_structs(f: tuple[int, int, int, int, int]) -> tuple[dl.DLDevice, dl.DLDataType]:
+    """The general path's DLDevice and DLDataType of `_fields` (copied into each DLTensor)."""
+    return dl.DLDevice(f[0], f[1]), dl.DLDataType(*f[2:])
+
+
 def _adopt_pointers(ptrs: tuple[int, ...]) -> list[torch.Tensor]:
-    """_adopt_outputs for the fast path: the model's DLManagedTensors (addresses, none NULL
-    after a successful run) as torch tensors; on failure frees those torch did not take."""
+    """The model's DLManagedTensors (addresses, none NULL after a successful run) as torch
+    tensors; on failure frees those torch did not take."""
     results: list[torch.Tensor] = []
     owned = 0  # ptrs[:owned] belong to torch
     try:
@@ -513,22 +514,7 @@ def _delete(ptr: int) -> None:
 
 def _adopt_outputs(outputs: ctypes.Array, n: int) -> list[torch.Tensor]:
     """Turns the model's DLManagedTensors into torch tensors; frees the rest on failure."""
-    results: list[torch.Tensor] = []
-    try:
-        for i in range(n):
-            ptr = outputs[i]
-            capsule = _capsule_new(ptr, ctypes.addressof(_CAPSULE_NAME), None)
-            try:
-                results.append(_from_capsule(capsule))
-            finally:
-                if _capsule_name(capsule) == _USED_NAME:
-                    outputs[i] = None  # torch owns it now
-    finally:
-        for i in range(n):
-            if outputs[i]:
-                _delete(outputs[i])
-                outputs[i] = None
-    return results
+    return _adopt_pointers(tuple(outputs[:n]))
 
 
 @functools.lru_cache(maxsize=None)
