@@ -5,6 +5,7 @@
 from __future__ import annotations
 
 from kiln.runtime.build import build_libkiln, include_dir
+from kiln.runtime.comm import nccl_unique_id
 from kiln.runtime.loader import Runner, cpu_supports, load
 
-__all__ = ["Runner", "build_libkiln", "cpu_supports", "include_dir", "load"]
+__all__ = ["Runner", "build_libkiln", "cpu_supports", "include_dir", "load", "nccl_unique_id"]

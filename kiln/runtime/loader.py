@@ -29,6 +29,7 @@ from torch.utils import _pytree as pytree
 from kiln.errors import InputError, KilnError, PackageError, UnsupportedError
 from kiln.package import read_package
 from kiln.runtime import dlpack_ctypes as dl
+from kiln.runtime import comm
 from kiln.runtime.build import build_libkiln
 from kiln.runtime.weights import checked_tensors, write_weights_file
 
@@ -546,9 +547,24 @@ def _parse_device(device: str | torch.device) -> torch.device:
 
 
 def load(path: str | os.PathLike[str], device: str = "cpu",
-         num_threads: int | None = None) -> Runner:
+         num_threads: int | None = None, rank: int | None = None,
+         world_size: int | None = None, comm_id: bytes | None = None) -> Runner:
     """Opens the package at ``path`` for ``device`` ("cpu", "cuda", "cuda:N"; the package must
     have been compiled for that kind of device) and returns a callable Runner. ``num_threads``:
     OpenMP threads per run of this handle (CPU); None or 0 is automatic (the caller's OpenMP
-    thread count divided by the kiln runs in flight in the process)."""
-    return Runner(path, device, num_threads)
+    thread count divided by the kiln runs in flight in the process).
+    ``rank``, ``world_size``, ``comm_id``: for a package whose program runs collectives, this
+    process's rank among ``world_size`` ranks joined by ``comm_id`` (CUDA: NCCL, a
+    `kiln.runtime.nccl_unique_id()` shared by the ranks; CPU: MPI under mpirun, comm_id
+    optional); every rank loads at the same time (see kiln.h: kiln_model_set_comm)."""
+    runner = Runner(path, device, num_threads)
+    if rank is not None or world_size is not None or comm_id is not None:
+        if rank is None or world_size is None:
+            runner.close()
+            raise KilnError("kiln.load: give both rank= and world_size= (and comm_id= for NCCL)")
+        try:
+            comm.attach(runner._lib, runner._handle, rank, world_size, comm_id, last_error)
+        except BaseException:
+            runner.close()
+            raise
+    return runner

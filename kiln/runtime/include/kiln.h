@@ -35,12 +35,14 @@
 #ifndef KILN_H
 #define KILN_H
 
+#include <stddef.h>
 #include <stdint.h>
 #include "dlpack.h"
 
 #define KILN_ABI_VERSION 1
-/* 1: kiln_abi_minor, kiln_model_set_num_threads, kiln_model_num_threads */
-#define KILN_ABI_MINOR 2
+/* 1: kiln_abi_minor, kiln_model_set_num_threads, kiln_model_num_threads
+ * 3: kiln_model_set_comm */
+#define KILN_ABI_MINOR 3
 
 #if defined(_WIN32)
 #define KILN_API
@@ -133,6 +135,24 @@ KILN_API int kiln_model_num_threads(const kiln_model *m);
  * feature a package lists before it maps the package's code, and fails naming the missing
  * ones, instead of the process dying with an illegal instruction. */
 KILN_API int kiln_cpu_supports(const char *feature);
+
+/* Gives a model whose program runs collectives (torch.distributed's functional collectives:
+ * all_reduce, all_gather_into_tensor, reduce_scatter_tensor, all_to_all_single) its
+ * communicator (minor 3): this process is `rank` of `world_size` ranks, which must be the
+ * process group's size at export. Collective: every rank calls it, each with its own rank and
+ * the same comm_id. Runs fail until it succeeded.
+ *  - CUDA packages (NCCL): comm_id is a 128-byte ncclUniqueId made by one rank with
+ *    ncclGetUniqueId (Python: kiln.runtime.nccl_unique_id()) and passed to all of them;
+ *    libnccl.so.2 is opened here ($KILN_NCCL_LIB, else the one on the loader's path); NVLink
+ *    SHARP (NVLS) is turned off unless NCCL_NVLS_ENABLE is set. Collectives are enqueued on
+ *    the run's stream.
+ *  - CPU packages (MPI): the processes are started by mpirun; libmpi (Open MPI) is opened here
+ *    ($KILN_MPI_LIB, else libmpi.so.40) and initialised unless the process did it. The ranks
+ *    passing the same comm_id bytes (any length, may be NULL with length 0) form one
+ *    communicator of MPI_COMM_WORLD, ordered by `rank`.
+ * kiln_model_update_weights keeps the communicator. Fails on a model without collectives. */
+KILN_API int kiln_model_set_comm(kiln_model *m, int rank, int world_size, const void *comm_id,
+                                 size_t comm_id_len);
 
 /* Releases a model (its weights mapping and instance). NULL is allowed and does nothing.
  * Outputs produced earlier stay valid. Must not be called while a run on m is in progress. */

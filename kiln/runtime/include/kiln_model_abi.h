@@ -57,6 +57,25 @@ typedef struct kiln_model_abi {
 typedef const kiln_model_abi *(*kiln_model_abi_fn)(void);
 #define KILN_MODEL_ABI_SYMBOL "kiln_model_abi_v1"
 
+/* Models whose program runs collectives (torch's functional collectives) also export
+ * `kiln_model_comm_v1`, returning this table; libkiln looks it up with dlsym
+ * (kiln_model_set_comm). attach gives an instance its communicator: this process is `rank` of
+ * `world_size` ranks joined by `comm_id` (NCCL: a 128-byte ncclUniqueId; MPI: any bytes, the
+ * ranks passing the same bytes form the communicator; may be empty). It is collective: every
+ * rank calls it. move hands the communicator of instance `from` over to `to` (a fresh instance
+ * made by kiln_model_update_weights), leaving `from` without one. */
+typedef struct kiln_model_comm {
+  uint32_t version;          /* 1 */
+  int32_t world_size;        /* the process group's size at export; 0: any */
+  const char *backend;       /* "mpi" (CPU) or "nccl" (CUDA) */
+  int (*attach)(void *instance, int32_t rank, int32_t world_size, const void *comm_id,
+                size_t comm_id_len, char *err, size_t errlen);
+  void (*move)(void *from, void *to);
+} kiln_model_comm;
+
+typedef const kiln_model_comm *(*kiln_model_comm_fn)(void);
+#define KILN_MODEL_COMM_SYMBOL "kiln_model_comm_v1"
+
 #ifdef __cplusplus
 }
 #endif

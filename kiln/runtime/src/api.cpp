@@ -39,6 +39,7 @@
 #include "../include/kiln.h"
 #include "../include/kiln_model_abi.h"
 #include "cache.h"
+#include "comm.h"
 #include "error.h"
 #include "json.h"
 #include "safetensors.h"
@@ -530,6 +531,7 @@ KILN_API int kiln_model_update_weights(kiln_model *m, const char *safetensors_pa
     {
       std::lock_guard<std::mutex> lock(m->mu);
       old = m->instance;
+      kiln::comm_move(m->abi, old, fresh);  // a collective package keeps its communicator
       m->instance = fresh;
       old_file = std::move(m->weights_file);
       m->weights_file = std::move(file);
@@ -555,6 +557,15 @@ KILN_API int kiln_model_num_threads(const kiln_model *m) {
     return -1;
   }
   return m->num_threads.load();
+}
+
+KILN_API int kiln_model_set_comm(kiln_model *m, int rank, int world_size, const void *comm_id,
+                                 size_t comm_id_len) {
+  return guarded([&] {
+    if (!m) kiln::fail("kiln_model_set_comm: model is NULL");
+    std::lock_guard<std::mutex> lock(m->mu);  // not while a run is in flight
+    kiln::comm_attach(m->abi, m->instance, rank, world_size, comm_id, comm_id_len);
+  });
 }
 
 KILN_API const char *kiln_last_error(void) { return kiln::last_error(); }
