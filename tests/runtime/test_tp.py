@@ -1,0 +1,236 @@
+"""Tensor-parallel packages on the CPU: collectives (torch's functional collectives) through
+MPI, ranks as processes under mpirun (tests/runtime/tp_worker.py is one rank).
+
+- every collective (all_reduce sum / avg / max / min / product, all_gather, reduce_scatter,
+  all_to_all) on 2 ranks against a numpy reference, float32, float64, int64 and int32;
+- a tensor-parallel Llama-shaped decoder (kiln.models.tp, 2 layers) on 2 and 4 ranks: the
+  logits of the single-device model (eager, float64 reference) within float32 tolerance, and
+  the same greedy tokens;
+- errors: a run without a communicator, a world size other than the export's, a rank on a
+  package without collectives.
+Skipped when Open MPI (mpirun, libmpi.so.40) is missing."""
+
+from __future__ import annotations
+
+import ctypes.util
+import os
+import pathlib
+import shutil
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+import torch
+import torch.distributed as dist
+import torch.distributed._functional_collectives as fc
+from torch.testing._internal.distributed.fake_pg import FakeStore
+
+import kiln
+from kiln.errors import KilnError
+from kiln.frontend.export import import_program
+from kiln.lowering import lower
+from kiln.models import tp
+
+WORKER = pathlib.Path(__file__).with_name("tp_worker.py")
+HAVE_MPI = shutil.which("mpirun") is not None and ctypes.util.find_library("mpi") is not None
+needs_mpi = pytest.mark.skipif(not HAVE_MPI, reason="Open MPI (mpirun, libmpi) not installed")
+
+
+def mpirun(n: int, *args: str, timeout: int = 300) -> None:
+    env = dict(os.environ, OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1",
+               OMP_NUM_THREADS="1", OMPI_MCA_btl="self,vader,tcp",
+               OMPI_MCA_rmaps_base_oversubscribe="1")
+    cmd = ["mpirun", "-n", str(n), "--oversubscribe", sys.executable, str(WORKER), *args]
+    p = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout)
+    assert p.returncode == 0, f"{' '.join(cmd)} failed:\n{p.stdout[-3000:]}\n{p.stderr[-3000:]}"
+
+
+class Collectives(torch.nn.Module):
+    def __init__(self, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.dtype = dtype
+
+    def forward(self, x, y):
+        g = dist.group.WORLD
+        out = [fc.all_reduce(x, "sum", g), fc.all_reduce(x * 2, "max", g),
+               fc.all_reduce(x, "min", g), fc.all_reduce(y, "product", g),
+               fc.all_gather_tensor(x.t(), 0, g),  # a transposed operand: made contiguous
+               fc.reduce_scatter_tensor(x[1:], "sum", 0, g),
+               fc.all_to_all_single(x[1:], None, None, g)]  # an offset view
+        if self.dtype.is_floating_point:
+            out.append(fc.all_reduce(x, "avg", g))
+        return tuple(out)
+
+
+def _reference(xs, ys, dtype, n: int):
+    """Per rank: what each output of `Collectives` holds."""
+    xs = [x.numpy() for x in xs]
+    ys = [y.numpy() for y in ys]
+    total = sum(xs)
+    out = []
+    for r in range(n):
+        sub = [x[1:] for x in xs]
+        sub_rows = sub[0].shape[0] // n
+        got = [total, np.maximum.reduce([2 * x for x in xs]), np.minimum.reduce(xs),
+               np.prod(np.stack(ys), axis=0).astype(ys[0].dtype),
+               np.concatenate([x.T for x in xs], 0), total[1:][r * sub_rows:(r + 1) * sub_rows],
+               np.concatenate([s[r * sub_rows:(r + 1) * sub_rows] for s in sub], 0)]
+        if dtype.is_floating_point:
+            got.append(total / n)
+        out.append(got)
+    return out
+
+
+def _export_collectives(dtype, n: int, tmp: pathlib.Path):
+    """The package of `Collectives` for `n` ranks; x has 2n + 1 rows (x[1:] splits in n)."""
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=n)
+    try:
+        x = torch.zeros(2 * n + 1, 3, dtype=dtype)
+        y = torch.zeros(5, dtype=dtype)
+        cm = kiln.compile(torch.export.export(Collectives(dtype), (x, y)))
+    finally:
+        dist.destroy_process_group()
+    path = tmp / f"collectives_{str(dtype).removeprefix('torch.')}.kiln"
+    cm.save(path)
+    return path, x.shape, y.shape
+
+
+def _rank_inputs(dtype, xshape, yshape, n: int, seed: int):
+    g = torch.Generator().manual_seed(seed)
+    xs, ys = [], []
+    for _ in range(n):
+        if dtype.is_floating_point:
+            xs.append(torch.randn(xshape, generator=g).to(dtype))
+            ys.append((0.5 + torch.rand(yshape, generator=g)).to(dtype))
+        else:
+            xs.append(torch.randint(-50, 50, xshape, generator=g).to(dtype))
+            ys.append(torch.randint(-3, 4, yshape, generator=g).to(dtype))
+    return xs, ys
+
+
+@needs_mpi
+@pytest.mark.parametrize("dtype", [torch.float32, torch.int64,
+                                   pytest.param(torch.float64, marks=pytest.mark.slow),
+                                   pytest.param(torch.int32, marks=pytest.mark.slow)])
+def test_collectives_match_numpy(dtype, tmp_path):
+    n = 2
+    pkg, xshape, yshape = _export_collectives(dtype, n, tmp_path)
+    for seed in (0, 1):  # fresh inputs, one package
+        xs, ys = _rank_inputs(dtype, xshape, yshape, n, seed)
+        torch.save([[x, y] for x, y in zip(xs, ys)], tmp_path / "inputs.pt")
+        mpirun(n, "collectives", str(pkg), str(tmp_path / "inputs.pt"),
+               str(tmp_path / "out{rank}.pt"))
+        want = _reference(xs, ys, dtype, n)
+        for r in range(n):
+            got = torch.load(tmp_path / f"out{r}.pt")
+            assert len(got) == len(want[r])
+            for k, (g, w) in enumerate(zip(got, want[r])):
+                assert g.dtype == dtype, (r, k)
+                tol = 1e-6 if dtype == torch.float32 else 1e-12
+                np.testing.assert_allclose(g.numpy(), w, rtol=tol, atol=tol,
+                                           err_msg=f"rank {r}, output {k}, seed {seed}")
+
+
+CFG = tp.LlamaConfig(vocab_size=96, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                     num_attention_heads=8, num_key_value_heads=4)
+
+
+def _greedy(model, tokens, steps: int):
+    for _ in range(steps):
+        nxt = model(tokens)[:, -1].argmax(-1, keepdim=True)
+        tokens = torch.cat([tokens, nxt], dim=1)
+    return tokens
+
+
+@needs_mpi
+@pytest.mark.parametrize("n", [2, 4])
+def test_tp_llama_matches_single_device(n, tmp_path):
+    model = tp.random_llama(CFG, seed=3)
+    prompt = torch.randint(0, CFG.vocab_size, (2, 7), generator=torch.Generator().manual_seed(n))
+    steps = 4
+    tp.export_tp(model, n, tmp_path, prompt, dynamic_seq=(1, 32))
+    torch.save(prompt, tmp_path / "prompt.pt")
+    mpirun(n, "llama", str(tmp_path), str(tmp_path / "out.pt"), "--steps", str(steps))
+    got = torch.load(tmp_path / "out.pt")
+    with torch.no_grad():
+        ref = model.double()(prompt)
+        tokens = _greedy(model.float(), prompt, steps)
+    assert got["logits"].shape == ref.shape
+    torch.testing.assert_close(got["logits"].double(), ref, rtol=1e-4, atol=1e-4)
+    assert torch.equal(got["tokens"], tokens)
+
+
+def test_shard_state_splits_linears():
+    model = tp.random_llama(CFG, seed=0)
+    parts = [tp.shard_state(model, 2, r) for r in range(2)]
+    full = model.state_dict()
+    q = "model.layers.0.self_attn.q_proj.weight"
+    o = "model.layers.1.mlp.down_proj.weight"
+    assert torch.equal(torch.cat([p[q] for p in parts], 0), full[q])
+    assert torch.equal(torch.cat([p[o] for p in parts], 1), full[o])
+    assert torch.equal(parts[1]["model.norm.weight"], full["model.norm.weight"])
+    with pytest.raises(kiln.errors.InputError, match="num_key_value_heads=4"):
+        tp.shard_state(model, 8, 0)
+
+
+@pytest.fixture(scope="module")
+def small_collective(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("tp_small")
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=2)
+    try:
+        ep = torch.export.export(Collectives(torch.float32),
+                                 (torch.zeros(5, 3), torch.zeros(5)))
+    finally:
+        dist.destroy_process_group()
+    path = tmp / "c.kiln"
+    kiln.compile(ep).save(path)
+    return path
+
+
+def test_run_without_communicator_fails(small_collective):
+    r = kiln.load(small_collective)
+    with pytest.raises(KilnError, match="no communicator"):
+        r(torch.zeros(5, 3), torch.zeros(5))
+
+
+def test_world_size_other_than_export_fails(small_collective):
+    with pytest.raises(KilnError, match="exported for a process group of 2 ranks, got "
+                                        "world_size 3"):
+        kiln.load(small_collective, rank=0, world_size=3)
+    with pytest.raises(KilnError, match="expected 0 <= rank < world_size"):
+        kiln.load(small_collective, rank=2, world_size=2)
+    with pytest.raises(KilnError, match="give both rank= and world_size="):
+        kiln.load(small_collective, rank=0)
+
+
+def test_comm_on_package_without_collectives(tmp_path):
+    cm = kiln.compile(torch.nn.Linear(3, 2), (torch.zeros(1, 3),))
+    cm.save(tmp_path / "p.kiln")
+    with pytest.raises(KilnError, match="runs no collectives"):
+        kiln.load(tmp_path / "p.kiln", rank=0, world_size=2)
+
+
+def test_collectives_in_graph_and_loop_ir():
+    """Each collective is a collective + collective_wait pair in Graph IR, in program order;
+    each is one Extern step with its own result buffer in Loop IR."""
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=2)
+    try:
+        ep = torch.export.export(Collectives(torch.float32), (torch.zeros(5, 3), torch.zeros(5)))
+        graph = import_program(ep).graph
+    finally:
+        dist.destroy_process_group()
+    # with the group gone, all_reduce's size is unknown (0: any; its shapes do not need it)
+    gone = import_program(ep).graph
+    assert {n.attr("group_size") for n in gone.nodes if n.attr("kind") == "all_reduce"} == {0}
+    ops = [(n.op, n.attr("kind")) for n in graph.nodes if n.op.startswith("collective")]
+    kinds = [k for op, k in ops if op == "collective"]
+    assert kinds == ["all_reduce"] * 4 + ["all_gather", "reduce_scatter", "all_to_all",
+                                          "all_reduce"]
+    assert [op for op, _ in ops] == ["collective", "collective_wait"] * 8
+    sizes = {n.attr("group_size") for n in graph.nodes if n.op == "collective"}
+    assert sizes == {2}
+    loop = lower(graph)
+    steps = [s for s in loop.nodes if getattr(s, "routine", None) in
+             ("all_reduce", "all_gather", "reduce_scatter", "all_to_all")]
+    assert len(steps) == 8 and len({s.outs[0] for s in steps}) == 8

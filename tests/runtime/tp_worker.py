@@ -1,0 +1,61 @@
+"""One rank of a tensor-parallel test run (tests/runtime/test_tp.py, tests/targets/cuda/
+test_tp_cuda.py, bench/tp_gpu.py): loads its package with kiln.load(rank=, world_size=,
+comm_id=), runs it and saves what it got for the parent to compare.
+
+    tp_worker.py collectives PKG INPUTS.pt OUT{rank}.pt [--device D] [--rank R --world N --id HEX]
+    tp_worker.py llama PKG_DIR OUT.pt [--steps K] [...]
+
+Rank and world size come from mpirun's environment (OMPI_COMM_WORLD_RANK / _SIZE) unless
+given; `--id` is the NCCL unique id in hex (CUDA packages)."""
+
+from __future__ import annotations
+
+import argparse
+import os
+
+import torch
+
+import kiln
+
+
+def _args():
+    p = argparse.ArgumentParser()
+    p.add_argument("mode", choices=("collectives", "llama"))
+    p.add_argument("paths", nargs="+")
+    p.add_argument("--device", default="cpu")
+    p.add_argument("--rank", type=int, default=None)
+    p.add_argument("--world", type=int, default=None)
+    p.add_argument("--id", default="")
+    p.add_argument("--steps", type=int, default=4)
+    return p.parse_args()
+
+
+def main() -> None:
+    a = _args()
+    rank = a.rank if a.rank is not None else int(os.environ["OMPI_COMM_WORLD_RANK"])
+    world = a.world if a.world is not None else int(os.environ["OMPI_COMM_WORLD_SIZE"])
+    device = a.device
+    if device.startswith("cuda"):
+        torch.cuda.set_device(int(device.split(":")[1]) if ":" in device else 0)
+    comm_id = bytes.fromhex(a.id) if a.id else None
+    if a.mode == "collectives":
+        pkg, inputs, out = a.paths
+        r = kiln.load(pkg, device, rank=rank, world_size=world, comm_id=comm_id)
+        xs = [x.to(device) for x in torch.load(inputs)[rank]]
+        got = [y.cpu() for y in r(*xs)]
+        torch.save(got, out.format(rank=rank))
+        return
+    pkg_dir, out = a.paths
+    r = kiln.load(os.path.join(pkg_dir, f"rank{rank}.kiln"), device, rank=rank,
+                  world_size=world, comm_id=comm_id)
+    tokens = torch.load(os.path.join(pkg_dir, "prompt.pt")).to(device)
+    logits = r(tokens)
+    for _ in range(a.steps):  # greedy decoding, the whole sequence each step
+        nxt = r(tokens)[:, -1].argmax(-1, keepdim=True)
+        tokens = torch.cat([tokens, nxt], dim=1)
+    if rank == 0:
+        torch.save({"logits": logits.cpu(), "tokens": tokens.cpu()}, out)
+
+
+if __name__ == "__main__":
+    main()
