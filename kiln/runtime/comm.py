@@ -53,8 +53,10 @@ def nccl_unique_id() -> bytes:
 
 
 def attach(lib: ctypes.CDLL, handle, rank: int, world_size: int, comm_id: bytes | None,
-           last_error) -> None:
-    """kiln_model_set_comm on `handle` (libkiln `lib`); raises KilnError with its message."""
+           last_error, cuda: bool = False) -> None:
+    """kiln_model_set_comm on `handle` (libkiln `lib`); raises KilnError with its message.
+    `cuda`: load the NVIDIA wheel's libnccl.so.2 first (RTLD_GLOBAL), so that the model
+    library's dlopen("libnccl.so.2") finds it."""
     for name, v in (("rank", rank), ("world_size", world_size)):
         if isinstance(v, bool) or not isinstance(v, int):
             raise TypeError(f"{name} must be an int, got {type(v).__name__}")
@@ -67,6 +69,8 @@ def attach(lib: ctypes.CDLL, handle, rank: int, world_size: int, comm_id: bytes 
     fn.restype = ctypes.c_int
     fn.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_int, ctypes.c_char_p, ctypes.c_size_t]
     data = bytes(comm_id or b"")
+    if cuda and not os.environ.get("KILN_NCCL_LIB"):
+        _nccl()
     if fn(handle, rank, world_size, data or None, len(data)) != 0:
         raise KilnError(last_error())
 

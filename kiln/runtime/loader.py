@@ -563,7 +563,8 @@ def load(path: str | os.PathLike[str], device: str = "cpu",
             runner.close()
             raise KilnError("kiln.load: give both rank= and world_size= (and comm_id= for NCCL)")
         try:
-            comm.attach(runner._lib, runner._handle, rank, world_size, comm_id, last_error)
+            comm.attach(runner._lib, runner._handle, rank, world_size, comm_id, last_error,
+                        cuda=runner._cuda)
         except BaseException:
             runner.close()
             raise

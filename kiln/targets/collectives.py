@@ -2,15 +2,19 @@
 call of one collective step, the instance's communicator member and the exported
 `kiln_model_comm_v1` table (kiln_model_abi.h) through which libkiln attaches a communicator.
 
-The communicator's implementation is a header namespace `kc` of the same calls: CPU
-`kiln/runtime/model/kiln_comm_mpi.h` (MPI), CUDA `targets/cuda/include/kiln_comm_nccl.h`
-(NCCL, with the run's stream as an extra argument)."""
+The communicator's implementation is a header of the same calls: CPU
+`kiln/runtime/model/kiln_comm_mpi.h` (MPI, namespace kc), CUDA
+`targets/cuda/include/kiln_comm_nccl.h` (NCCL, namespace kcn, with the element's NCCL type
+and the run's stream as extra arguments)."""
 
 from __future__ import annotations
 
 import sympy
 
+from kiln.errors import UnsupportedError
+from kiln.ir import dtypes
 from kiln.ir import loop as L
+from kiln.ir.dtypes import DType
 from kiln.ir import program as P
 from kiln.ir.sym import to_c
 from kiln.lowering.collectives import COLLECTIVES
@@ -32,16 +36,39 @@ def group_size(prog: P.Program) -> int:
     return max(sizes, default=0)
 
 
-def collective_lines(x: L.Extern, dtype, ptr: str = "buf_{}", extra: str = "") -> list[str]:
-    """`kc::<kind>(e, self->comm, what, group_size, reduce, out, in, numel[, extra])`."""
+# ncclDataType_t of each dtype NCCL reduces (kiln_comm_nccl.h)
+NCCL_TYPES = {dtypes.int8: 0, dtypes.uint8: 1, dtypes.bool_: 1, dtypes.int32: 2, dtypes.int64: 4,
+              dtypes.float16: 6, dtypes.float32: 7, dtypes.float64: 8, dtypes.bfloat16: 9}
+# MPI: the element types kiln_comm_mpi.h maps to MPI datatypes
+MPI_TYPES = (dtypes.float32, dtypes.float64, dtypes.int64, dtypes.int32, dtypes.int16,
+             dtypes.int8, dtypes.uint8, dtypes.bool_)
+
+
+def collective_lines(x: L.Extern, dtype: DType, backend: str, ptr: str = "buf_{}") -> list[str]:
+    """MPI: `kc::<kind><T>(e, self->comm, what, group_size, reduce, out, in, numel)` on host
+    pointers; NCCL: `kcn::<kind><uintN_t>(..., out, in + bytes, numel, ncclDataType, stream)`
+    on device pointers (CUdeviceptr: offsets in bytes)."""
     (a,) = x.args
     numel = sympy.Mul(*a.shape)
     what = _cstr(f"{x.routine} {x.name} <- {', '.join(x.source)}")
-    tail = f", {extra}" if extra else ""
+    if backend == "nccl":
+        if dtype not in NCCL_TYPES:
+            raise UnsupportedError(f"collective {x.name} ({', '.join(x.source)}) of dtype "
+                                   f"{dtype.name}: NCCL has no such type")
+        ns, t = "kcn", f"uint{8 * dtype.itemsize}_t"
+        src = f"{ptr.format(a.buf)} + {to_c(a.offset * dtype.itemsize)}"
+        tail = f", {NCCL_TYPES[dtype]}, stream"
+    else:
+        if dtype not in MPI_TYPES:
+            raise UnsupportedError(f"collective {x.name} ({', '.join(x.source)}) of dtype "
+                                   f"{dtype.name}: the CPU (MPI) supports "
+                                   f"{', '.join(d.name for d in MPI_TYPES)}")
+        ns, t = "kc", dtype.c_type
+        src, tail = f"{ptr.format(a.buf)} + {to_c(a.offset)}", ""
     return [f"// collective {x.routine} -> {x.name}  <- {', '.join(x.source)}",
-            f"if (kc::{x.routine}<{dtype.c_type}>(e, self->comm, {what}, "
-            f"{int(x.attr('group_size'))}, {int(x.attr('reduce'))}, {ptr.format(x.name)}, "
-            f"{ptr.format(a.buf)} + {to_c(a.offset)}, {to_c(numel)}{tail})) goto fail;"]
+            f"if ({ns}::{x.routine}<{t}>(e, self->comm, {what}, {int(x.attr('group_size'))}, "
+            f"{int(x.attr('reduce'))}, {ptr.format(x.name)}, {src}, {to_c(numel)}{tail})) "
+            "goto fail;"]
 
 
 def comm_table_lines(prog: P.Program, backend: str, attach_body: list[str]) -> list[str]:
@@ -72,5 +99,5 @@ def comm_table_lines(prog: P.Program, backend: str, attach_body: list[str]) -> l
     ]
 
 
-__all__ = ["COLLECTIVES", "collective_steps", "is_collective", "group_size", "collective_lines",
+__all__ = ["COLLECTIVES", "NCCL_TYPES", "MPI_TYPES", "collective_steps", "is_collective", "group_size", "collective_lines",
            "comm_table_lines"]

@@ -204,7 +204,8 @@ class _Printer(SizeCheckPrinter):
 
     def _CallLib(self, x: P.CallLib) -> None:
         if collectives.is_collective(x):  # MPI (kiln_comm_mpi.h)
-            for s in collectives.collective_lines(x.call, self.p.buffer_dtypes[x.call.name]):
+            for s in collectives.collective_lines(x.call, self.p.buffer_dtypes[x.call.name],
+                                                   "mpi"):
                 self.emit(s)
             return
         for s in lib_call_lines(x.call):

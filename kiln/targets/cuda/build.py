@@ -46,12 +46,14 @@ from kiln.targets.cuda.launch_tune import device_available, tune, tune_attention
 from kiln.targets.cuda.ops import PRELUDE
 from kiln.targets.cuda.wrapper import (blaslt_choices, capturable, cubin_blob,
                                        print_cuda_wrapper)
+from kiln.targets.collectives import COLLECTIVES
 from kiln.targets.stages import Build
 from kiln.toolchain.cuda import cuda_toolchain, default_archs
 from kiln.toolchain.cxx import build_shared
 from kiln.toolchain.triton_aot import compile_cubins
 
-CUDA_ROUTINES = ("attention",)  # Extern routines CUDA builds run (as generated Triton kernels)
+# Extern routines CUDA builds run: attention (a generated Triton kernel), the collectives (NCCL)
+CUDA_ROUTINES = ("attention", *COLLECTIVES)
 
 
 @dataclass(frozen=True)

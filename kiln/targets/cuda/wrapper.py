@@ -25,6 +25,7 @@ from kiln.ir import loop as L
 from kiln.ir import program as P
 from kiln.ir.dtypes import DTYPES
 from kiln.ir.sym import to_c
+from kiln.targets import collectives
 from kiln.targets.cxx_wrapper import SizeCheckPrinter, _cstr, condition, runtime_plan_lines
 from kiln.memory.assign import intervals
 from kiln.gemm.configs import BlasLtConfig
@@ -260,6 +261,10 @@ class _Printer(SizeCheckPrinter):
             self.emit(f"{{  // attn_{c.name}: {c.name} = attention({ops})  <- "
                       f"{', '.join(c.source)}")
             self._launch(f"attn_{c.name}")
+            return
+        if collectives.is_collective(x):  # NCCL on the run's stream (kiln_comm_nccl.h)
+            for s in collectives.collective_lines(c, self.p.buffer_dtypes[c.name], "nccl"):
+                self.emit(s)
             return
         raise UnsupportedError(f"library routine {x.call.routine} (for {', '.join(x.call.source)})"
                                " has no CUDA version yet; compile for the CPU")

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 from kiln.ir import program as P
 from kiln.schedule.analysis import aten_fallback_ops
+from kiln.targets import collectives
 from kiln.targets.cxx_wrapper import _cstr, run_prologue
 
 
@@ -33,7 +34,27 @@ def print_cuda_model(prog: P.Program, kernels: dict, cubins: dict, archs: tuple[
            *_instance(prog, nk, n_w, n_dyn, lt, blaslt), *DESTROY,
            *_init(archs, n_w, aten_ops, status, gemms, lt, blaslt, init),
            *_entry_points(prog, n_in, n_out, n_w, body)]
+    if collectives.collective_steps(prog):
+        src = _with_comm(prog, src)
     return "\n".join(src)
+
+
+def _with_comm(prog: P.Program, src: list[str]) -> list[str]:
+    """A program with collectives: the NCCL header, the instance's communicator (released
+    after the graphs that captured its kernels) and the kiln_model_comm_v1 table."""
+    out = []
+    for line in src:
+        out.append(line)
+        if line == '#include "kiln_plan.h"':
+            out.append('#include "kiln_comm_nccl.h"  // collectives through NCCL')
+        elif line == "  kc::Graphs graphs;":
+            out.append("  kcn::Comm comm;  // NCCL communicator: kiln_model_comm_v1 attaches it")
+        elif line == "    self->graphs.release();":
+            out.append("    self->comm.release();  // after the graphs holding its kernels")
+    return out + collectives.comm_table_lines(prog, "nccl", [
+        "kc::CtxGuard g(self->ctx);",
+        f"return kcn::attach(e, self->comm, self->ctx, rank, world_size, "
+        f"{collectives.group_size(prog)}, comm_id, comm_id_len);"])
 
 
 def _tables(prog: P.Program, kernels: dict, cubins: dict, archs: tuple[int, ...],
