@@ -1,0 +1,118 @@
+"""Tensor-parallel CUDA packages: collectives through NCCL (kiln_comm_nccl.h).
+
+Without a GPU (CI): the program with every collective compiles to a CUDA package whose
+wrapper (compiled here against cuda.h, libnccl opened at run time) enqueues each collective
+on the run's stream and exports the kiln_model_comm_v1 table.
+With 2 GPUs (`-m gpu`; tests/runtime/tp_worker.py is one rank, one process per GPU, the
+ncclUniqueId made here and passed on the command line): every collective against numpy, and
+the tensor-parallel Llama decoder (kiln.models.tp) against the single-GPU package: logits
+within float32 tolerance, the same greedy tokens."""
+
+from __future__ import annotations
+
+import os
+import pathlib
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+import torch
+import torch.distributed as dist
+from torch.testing._internal.distributed.fake_pg import FakeStore
+
+import kiln
+from kiln.models import tp
+from kiln.options import Options
+from kiln.runtime import nccl_unique_id
+from test_tp import CFG, Collectives, _greedy, _rank_inputs, _reference
+
+WORKER = pathlib.Path(__file__).resolve().parents[2] / "runtime" / "tp_worker.py"
+OPTS = Options(cuda_archs=(90,))
+
+
+def _collectives_package(dtype, n: int, tmp: pathlib.Path, device: str, options=None):
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=n)
+    try:
+        x, y = torch.zeros(2 * n + 1, 3, dtype=dtype), torch.zeros(5, dtype=dtype)
+        cm = kiln.compile(torch.export.export(Collectives(dtype), (x, y)), device=device,
+                          options=options)
+    finally:
+        dist.destroy_process_group()
+    path = tmp / f"collectives_{device}_{str(dtype).removeprefix('torch.')}.kiln"
+    cm.save(path)
+    return cm, path, x.shape, y.shape
+
+
+def test_collectives_compile_to_nccl_calls_on_the_stream(tmp_path):
+    cm, path, _, _ = _collectives_package(torch.float32, 2, tmp_path, "cuda", OPTS)
+    src = cm.sources["model_cuda.cpp"]
+    assert '#include "kiln_comm_nccl.h"' in src
+    for kind in ("all_reduce", "all_gather", "reduce_scatter", "all_to_all"):
+        assert f"kcn::{kind}<uint32_t>(e, self->comm," in src
+    calls = [ln for ln in src.splitlines() if "if (kcn::" in ln]
+    assert len(calls) == 8 and all(ln.rstrip().endswith(", 7, stream)) return 1;")
+                                   for ln in calls)  # ncclFloat32, inside the graph body
+    assert "kiln_model_comm_v1" in src and '"nccl"' in src
+    assert "self->comm.release();" in src
+
+
+def test_bfloat16_collective_compiles_for_cuda(tmp_path):
+    cm, _, _, _ = _collectives_package(torch.bfloat16, 2, tmp_path, "cuda", OPTS)
+    assert "kcn::all_reduce<uint16_t>" in cm.sources["model_cuda.cpp"]
+
+
+def spawn(n: int, *args: str, timeout: int = 600) -> None:
+    """One worker per GPU, joined by a fresh ncclUniqueId."""
+    uid = nccl_unique_id().hex()
+    env = dict(os.environ, NCCL_NVLS_ENABLE="0")
+    procs = [subprocess.Popen([sys.executable, str(WORKER), *args, "--device", f"cuda:{r}",
+                               "--rank", str(r), "--world", str(n), "--id", uid], env=env,
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+             for r in range(n)]
+    logs = [p.communicate(timeout=timeout)[0] for p in procs]
+    for r, (p, log) in enumerate(zip(procs, logs)):
+        assert p.returncode == 0, f"rank {r} failed:\n{log[-4000:]}"
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA GPUs")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.int64])
+def test_nccl_collectives_match_numpy(dtype, tmp_path):
+    n = 2
+    _, pkg, xshape, yshape = _collectives_package(dtype, n, tmp_path, "cuda")
+    for seed in (0, 1):
+        xs, ys = _rank_inputs(dtype, xshape, yshape, n, seed)
+        torch.save([[x, y] for x, y in zip(xs, ys)], tmp_path / "inputs.pt")
+        spawn(n, "collectives", str(pkg), str(tmp_path / "inputs.pt"),
+              str(tmp_path / "out{rank}.pt"))
+        want = _reference(xs, ys, dtype, n)
+        for r in range(n):
+            got = torch.load(tmp_path / f"out{r}.pt")
+            for k, (g, w) in enumerate(zip(got, want[r])):
+                assert g.dtype == dtype, (r, k)
+                np.testing.assert_allclose(g.numpy(), w, rtol=1e-5, atol=1e-5,
+                                           err_msg=f"rank {r}, output {k}, seed {seed}")
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA GPUs")
+def test_tp_llama_on_two_gpus_matches_one(tmp_path):
+    n, steps = 2, 4
+    model = tp.random_llama(CFG, seed=3)
+    prompt = torch.randint(0, CFG.vocab_size, (2, 7), generator=torch.Generator().manual_seed(0))
+    tp.export_tp(model, n, tmp_path, prompt, dynamic_seq=(1, 32), device="cuda")
+    torch.save(prompt, tmp_path / "prompt.pt")
+    spawn(n, "llama", str(tmp_path), str(tmp_path / "out.pt"), "--steps", str(steps))
+    got = torch.load(tmp_path / "out.pt")
+    # the single-GPU run: the whole model as one package
+    dyn = ({1: torch.export.Dim("seq", min=1, max=32)},)
+    one = kiln.compile(torch.export.export(model, (prompt,), dynamic_shapes=dyn),
+                       device="cuda").load(tmp_path / "one.kiln", "cuda:0")
+    single = one(prompt.cuda()).cpu()
+    with torch.no_grad():
+        ref = model.double()(prompt)
+        tokens = _greedy(model.float(), prompt, steps)
+    torch.testing.assert_close(got["logits"].double(), ref, rtol=2e-3, atol=2e-3)
+    torch.testing.assert_close(got["logits"], single, rtol=2e-3, atol=2e-3)
+    assert torch.equal(got["tokens"], tokens)
