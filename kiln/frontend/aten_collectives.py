@@ -15,6 +15,9 @@ They register into `aten_table.TABLE`; `lowering/collectives.py` lowers them."""
 
 from __future__ import annotations
 
+import torch.distributed as dist
+from torch.distributed.distributed_c10d import _resolve_process_group
+
 from kiln.errors import UnsupportedError
 from kiln.frontend.aten_table import register
 
@@ -86,8 +89,6 @@ def _wait(b, n):
 def _group_size(n, group) -> int:
     """The size of process group `group` (its registered name) at export; 0 (any size) when
     the group is gone (all_reduce's shapes do not depend on it)."""
-    import torch.distributed as dist  # deferred: torch.distributed only for collective programs
-    from torch.distributed.distributed_c10d import _resolve_process_group  # deferred: as above
     try:
         return dist.get_world_size(_resolve_process_group(str(group)))
     except Exception:  # noqa: BLE001 - any failure means the group is gone

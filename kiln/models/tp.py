@@ -31,6 +31,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed._functional_collectives as fc
 from torch import nn
+from torch.testing._internal.distributed.fake_pg import FakeStore
 
 from kiln.api import compile as kiln_compile
 from kiln.errors import InputError
@@ -239,7 +240,6 @@ def export_tp(model: Llama, world_size: int, out_dir: str | os.PathLike[str],
     Exports through a fake process group (torch.testing's FakeStore) of `world_size` ranks
     unless a default group of that size is initialised already. `dynamic_seq`: (min, max)
     sequence lengths the packages accept (default: the example's only)."""
-    from torch.testing._internal.distributed.fake_pg import FakeStore  # deferred: test-only torch module
     _check(model.cfg, world_size, shard_lm_head)
     own = not dist.is_initialized()
     if own:
