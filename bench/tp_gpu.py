@@ -231,6 +231,8 @@ def main(argv=None) -> int:
     res: dict = {}
     _section(res, "compile", lambda: _compile(a, work))
     _section(res, "single", lambda: _single(a, work))
+    (work / "pg").unlink(missing_ok=True)  # torch's file rendezvous of the eager TP run
+    (work / "rank0.json").unlink(missing_ok=True)
     (work / "ids.json").write_text(json.dumps({k: nccl_unique_id().hex() for k in
                                                ("model", "allreduce", "nccl")}))
     argv_w = [sys.executable, __file__, "--worker", "--out", str(work),

@@ -18,6 +18,7 @@ import pathlib
 import shutil
 import subprocess
 import sys
+import zipfile
 
 import numpy as np
 import pytest
@@ -149,9 +150,13 @@ def test_tp_llama_matches_single_device(n, tmp_path):
     model = tp.random_llama(CFG, seed=3)
     prompt = torch.randint(0, CFG.vocab_size, (2, 7), generator=torch.Generator().manual_seed(n))
     steps = 4
-    tp.export_tp(model, n, tmp_path, prompt, dynamic_seq=(1, 32))
+    paths = tp.export_tp(model, n, tmp_path, prompt, dynamic_seq=(1, 32))
     torch.save(prompt, tmp_path / "prompt.pt")
-    mpirun(n, "llama", str(tmp_path), str(tmp_path / "out.pt"), "--steps", str(steps))
+    for r, path in enumerate(paths):  # each rank's weights alone, for update_weights
+        with zipfile.ZipFile(path) as z:
+            (tmp_path / f"rank{r}.safetensors").write_bytes(z.read("weights.safetensors"))
+    mpirun(n, "llama", str(tmp_path), str(tmp_path / "out.pt"), "--steps", str(steps),
+           "--update")
     got = torch.load(tmp_path / "out.pt")
     with torch.no_grad():
         ref = model.double()(prompt)

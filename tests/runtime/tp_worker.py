@@ -27,6 +27,7 @@ def _args():
     p.add_argument("--world", type=int, default=None)
     p.add_argument("--id", default="")
     p.add_argument("--steps", type=int, default=4)
+    p.add_argument("--update", action="store_true", help="update_weights, then run again")
     return p.parse_args()
 
 
@@ -50,6 +51,11 @@ def main() -> None:
                   world_size=world, comm_id=comm_id)
     tokens = torch.load(os.path.join(pkg_dir, "prompt.pt")).to(device)
     logits = r(tokens)
+    if a.update:  # new weights (the same values): the fresh instance keeps the communicator
+        r.update_weights(os.path.join(pkg_dir, f"rank{rank}.safetensors"))
+        again = r(tokens)
+        if not torch.equal(again, logits):
+            raise SystemExit(f"rank {rank}: the run after update_weights differs")
     for _ in range(a.steps):  # greedy decoding, the whole sequence each step
         nxt = r(tokens)[:, -1].argmax(-1, keepdim=True)
         tokens = torch.cat([tokens, nxt], dim=1)
