@@ -239,3 +239,20 @@ def test_collectives_in_graph_and_loop_ir():
     steps = [s for s in loop.nodes if getattr(s, "routine", None) in
              ("all_reduce", "all_gather", "reduce_scatter", "all_to_all")]
     assert len(steps) == 8 and len({s.outs[0] for s in steps}) == 8
+
+
+def test_llama_from_transformers_matches_it():
+    transformers = pytest.importorskip("transformers")
+    cfg = transformers.LlamaConfig(vocab_size=96, hidden_size=64, intermediate_size=128,
+                                   num_hidden_layers=2, num_attention_heads=8,
+                                   num_key_value_heads=4, max_position_embeddings=64,
+                                   rms_norm_eps=1e-5, tie_word_embeddings=False)
+    torch.manual_seed(0)
+    hf = transformers.LlamaForCausalLM(cfg).eval()
+    with torch.no_grad():
+        for p in hf.parameters():
+            p.normal_(0, 0.2)
+    m = tp.Llama.from_hf(hf)
+    tokens = torch.randint(0, 96, (2, 9))
+    with torch.no_grad():
+        torch.testing.assert_close(m(tokens), hf(tokens).logits)
