@@ -86,7 +86,8 @@ def comm_table_lines(prog: P.Program, backend: str, attach_body: list[str]) -> l
         "}",
         "",
         "void comm_move(void* from, void* to) {",
-        "  if (from && to) static_cast<Instance*>(to)->comm.take(static_cast<Instance*>(from)->comm);",
+        "  if (from && to)",
+        "    static_cast<Instance*>(to)->comm.take(static_cast<Instance*>(from)->comm);",
         "}",
         "}  // namespace",
         "",
@@ -99,5 +100,5 @@ def comm_table_lines(prog: P.Program, backend: str, attach_body: list[str]) -> l
     ]
 
 
-__all__ = ["COLLECTIVES", "NCCL_TYPES", "MPI_TYPES", "collective_steps", "is_collective", "group_size", "collective_lines",
-           "comm_table_lines"]
+__all__ = ["COLLECTIVES", "NCCL_TYPES", "MPI_TYPES", "collective_steps", "is_collective",
+           "group_size", "collective_lines", "comm_table_lines"]
