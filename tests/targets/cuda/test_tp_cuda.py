@@ -77,7 +77,8 @@ def spawn(n: int, *args: str, timeout: int = 600) -> None:
 
 @pytest.mark.gpu
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA GPUs")
-@pytest.mark.parametrize("dtype", [torch.float32, torch.int64])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.int64],
+                         ids=lambda d: str(d).removeprefix("torch."))
 def test_nccl_collectives_match_numpy(dtype, tmp_path):
     n = 2
     _, pkg, xshape, yshape = _collectives_package(dtype, n, tmp_path, "cuda")
