@@ -2,7 +2,7 @@
 one GPU and against torch eager with the same functional collectives, and the bus bandwidth of
 kiln's all-reduce against NCCL called directly (ctypes; nccl-tests are not available).
 
-    python bench/tp_gpu.py [--world 2] [--dtype bfloat16] [--layers 4] [--hidden 2048]
+    python bench/tp_gpu.py [--world 2] [--dtype bfloat16] [--layers 2] [--hidden 2048]
                            [--prefill 512] [--iters 30] [--sizes-mib 1,2,4,...,256]
 
 Prints one table: decode latency (1 new token, the whole sequence of `--context` tokens
@@ -32,6 +32,7 @@ from torch.testing._internal.distributed.fake_pg import FakeStore
 
 import kiln
 from kiln.models import tp
+from kiln.options import Options
 from kiln.runtime import nccl_unique_id
 from kiln.runtime.comm import nccl_library_path
 
@@ -40,7 +41,7 @@ def _args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--world", type=int, default=2)
     p.add_argument("--dtype", default="bfloat16")
-    p.add_argument("--layers", type=int, default=4)
+    p.add_argument("--layers", type=int, default=2)
     p.add_argument("--hidden", type=int, default=2048)
     p.add_argument("--heads", type=int, default=16)
     p.add_argument("--kv-heads", type=int, default=8)
@@ -51,6 +52,9 @@ def _args(argv=None):
     p.add_argument("--iters", type=int, default=30)
     p.add_argument("--sizes-mib", default="1,2,4,8,16,32,64,128,256")
     p.add_argument("--out", default="")
+    p.add_argument("--autotune", action="store_true",
+                   help="autotune launch configs at compile time (slower compiles; the same "
+                        "option for the 1-GPU and the TP packages)")
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--rank", type=int, default=0, help=argparse.SUPPRESS)
     return p.parse_args(argv)
@@ -185,16 +189,18 @@ def _compile(a, work: pathlib.Path) -> dict:
     t0 = time.perf_counter()
     seq = (1, max(a.prefill, a.context))
     dyn = ({1: torch.export.Dim("seq", min=seq[0], max=seq[1])},)
-    one = kiln.compile(torch.export.export(model, (tok,), dynamic_shapes=dyn), device="cuda")
+    opts = Options(autotune=a.autotune)
+    one = kiln.compile(torch.export.export(model, (tok,), dynamic_shapes=dyn), device="cuda",
+                       options=opts)
     one.save(work / "one.kiln")
     t1 = time.perf_counter()
-    tp.export_tp(model, a.world, work, tok, dynamic_seq=seq, device="cuda")
+    tp.export_tp(model, a.world, work, tok, dynamic_seq=seq, device="cuda", options=opts)
     t2 = time.perf_counter()
     dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=a.world)
     try:
         n = torch.export.Dim("n", min=2, max=256 * 2**20 // 4)
         ep = torch.export.export(AllReduce(), (torch.zeros(1024),), dynamic_shapes=({0: n},))
-        kiln.compile(ep, device="cuda").save(work / "allreduce.kiln")
+        kiln.compile(ep, device="cuda", options=opts).save(work / "allreduce.kiln")
     finally:
         dist.destroy_process_group()
     return {"compile_one_s": t1 - t0, "compile_tp_s": t2 - t1}
