@@ -121,7 +121,20 @@ def _requires(built: Built) -> dict[str, Any]:
     return {"libtorch": bool(aten_ops), "aten_fallback_ops": aten_ops, "shared_libraries": libs,
             # instruction-set extensions the code uses: checked at load, before mapping it
             **({"cpu_features": list(built.cpu_features)}
-               if built.cpu_features is not None else {})}
+               if built.cpu_features is not None else {}),
+            # a portable build: the loader runs the first level whose features the CPU has
+            **({"cpu_levels": [{"march": lv.march, "library": arc,
+                                "cpu_features": list(lv.cpu_features)}
+                               for lv, arc in _level_libraries(built)]}
+               if built.cpu_levels else {})}
+
+
+def _level_libraries(built: Built) -> list[tuple[Any, str]]:
+    """Each level of a portable build with its package entry: lib/model.<level>.so, the last
+    level (built.library) lib/model.so."""
+    last = len(built.cpu_levels) - 1
+    return [(lv, "lib/model.so" if i == last else f"lib/model.{lv.march}.so")
+            for i, lv in enumerate(built.cpu_levels)]
 
 
 @dataclass(frozen=True)
@@ -143,6 +156,8 @@ class CompiledModel:
     def save(self, path: str | os.PathLike[str]) -> Path:
         files = {f"src/{name}": text.encode() for name, text in self.built.sources.items()}
         files["lib/model.so"] = Path(self.built.library).read_bytes()
+        for lv, arc in _level_libraries(self.built):
+            files[arc] = Path(lv.library).read_bytes()
         write_package(path, self.manifest, files, self.built.weights)
         return Path(path)
 

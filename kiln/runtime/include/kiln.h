@@ -39,8 +39,10 @@
 #include "dlpack.h"
 
 #define KILN_ABI_VERSION 1
-/* 1: kiln_abi_minor, kiln_model_set_num_threads, kiln_model_num_threads */
-#define KILN_ABI_MINOR 2
+/* 1: kiln_abi_minor, kiln_model_set_num_threads, kiln_model_num_threads
+ * 2: kiln_cpu_supports
+ * 3: kiln_model_cpu_level */
+#define KILN_ABI_MINOR 3
 
 #if defined(_WIN32)
 #define KILN_API
@@ -133,6 +135,13 @@ KILN_API int kiln_model_num_threads(const kiln_model *m);
  * feature a package lists before it maps the package's code, and fails naming the missing
  * ones, instead of the process dying with an illegal instruction. */
 KILN_API int kiln_cpu_supports(const char *feature);
+
+/* The -march level of the code kiln_model_load mapped (minor 3): for a portable package
+ * (kiln.Options(march="portable"), manifest requires.cpu_levels) the first of its levels whose
+ * features this CPU has, e.g. "x86-64-v4"; else the package's one build (build.march:
+ * "native", "x86-64-v3", "" when compiled without -march). Valid until kiln_model_free; NULL
+ * when m is NULL. */
+KILN_API const char *kiln_model_cpu_level(const kiln_model *m);
 
 /* Releases a model (its weights mapping and instance). NULL is allowed and does nothing.
  * Outputs produced earlier stay valid. Must not be called while a run on m is in progress. */
