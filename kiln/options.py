@@ -141,6 +141,8 @@ class Options:
     seed: int = 0
 
     def __post_init__(self) -> None:
+        if isinstance(self.cpu_levels, list):  # as Options.to_json writes it
+            object.__setattr__(self, "cpu_levels", tuple(self.cpu_levels))
         if self.march == "portable":
             lv = self.cpu_levels
             if not isinstance(lv, tuple) or not lv or len(set(lv)) != len(lv) or any(

@@ -144,10 +144,16 @@ def test_a_non_portable_package_reports_its_one_build(tmp_path):
 
 
 @pytest.mark.parametrize("levels", [(), ("x86-64", "x86-64"), ("native",), ("x86 64",),
-                                    ["x86-64"]])
+                                    "x86-64", (3,)])
 def test_bad_levels_are_refused(levels):
     with pytest.raises(ValueError, match="cpu_levels"):
         kiln.Options(march="portable", cpu_levels=levels)
+
+
+def test_levels_round_trip_through_the_manifests_options():
+    opts = kiln.Options(march="portable", cpu_levels=("x86-64-v3", "x86-64"))
+    back = kiln.Options(**opts.to_json())
+    assert back.cpu_levels == opts.cpu_levels and back.march == "portable"
 
 
 @pytest.mark.skipif(shutil.which("qemu-x86_64") is None, reason="needs qemu-user (Debian)")
