@@ -135,11 +135,15 @@ def localize(state: Build) -> Build:
     return replace(state, steps=localize_rows(state.steps, state.loop))
 
 
+def gemm_options(opts: Options) -> Options:
+    """The options GEMMs are chosen with: a portable build's for the level the build machine
+    runs."""
+    return replace(opts, march=host_level(opts)) if opts.march == "portable" else opts
+
+
 def gemm_autotune(state: Build) -> Build:
     """GEMM backends: profiled (max_autotune), cached, or by heuristic (kiln/gemm)."""
-    opts = state.options
-    if opts.march == "portable":  # chosen for the level the build machine runs
-        opts = replace(opts, march=host_level(opts))
+    opts = gemm_options(state.options)
     gemms = choose_gemms(state.steps, state.graph.symbols, opts, "cpu", toolchain(opts))
     return replace(state, gemms=gemms)
 
