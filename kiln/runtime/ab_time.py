@@ -26,6 +26,11 @@ class ABResult:
         """"a" or "b": the lower median; a tie keeps "a"."""
         return "b" if self.b_s < self.a_s else "a"
 
+    def a_wins(self, margin: float) -> bool:
+        """Whether A is faster than B by more than `margin` (relative to B's median): the
+        test for replacing a safe default B by A when the difference may be noise."""
+        return self.a_s < self.b_s * (1.0 - margin)
+
     def to_json(self) -> dict:
         return {"a_ms": self.a_s * 1e3, "b_ms": self.b_s * 1e3, "rounds": self.rounds}
 
