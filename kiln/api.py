@@ -189,7 +189,12 @@ def _never_lose(built: Built, ep, opts: Options) -> tuple[Built, dict[str, Any],
             manifests[name] = _manifest(b, opts, {"compile_seconds": 0.0})
             path = Path(d) / f"{name}.kiln"
             write_package(path, manifests[name], _package_files(b), b.weights)
-            runners.append(load(path, b.device))
+            try:
+                runners.append(load(path, b.device))
+            except KilnError as e:  # code for another CPU than this one: nothing to time
+                for r in runners:
+                    r.close()
+                return tuned, manifests["tuned"], {"kept": "tuned", "skipped": str(e)}
         ra, rb = runners
         try:
             res = time_ab(lambda: ra(*args, **kwargs), lambda: rb(*args, **kwargs))

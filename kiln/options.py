@@ -119,6 +119,10 @@ class Options:
     #: GEMM autotuning (kiln/gemm): time every candidate of every GEMM at compile time, in
     #: a separate process, and link the fastest; off, a documented heuristic picks (or the
     #: autotuning cache, when it already holds the problem). Names as in the reference system.
+    #: CPU builds then also build the package with the heuristic's choices (when any differs),
+    #: time both end to end on the example's shapes (interleaved medians) and keep the tuned
+    #: one only when it is faster by more than 2 %: the report's and manifest's `gemm_check`
+    #: record both timings and the choice (kiln/targets/cpu/never_lose.py, kiln/api.py).
     max_autotune: bool = False
     #: GEMM backends to choose from. "blas": OpenBLAS on CPU, cuBLAS on GPU; "cpp": kiln's
     #: generated register-blocked GEMM (CPU only); "triton": Triton GEMM templates and

@@ -17,6 +17,7 @@ import torch
 
 import kiln
 import kiln.api
+from kiln.errors import KilnError
 from kiln.gemm import choose_gemms
 from kiln.gemm.configs import BlasConfig, CppConfig
 from kiln.gemm.select import Choice
@@ -193,3 +194,16 @@ def test_real_max_autotune_never_loses_and_matches_eager(tmp_path):
         assert check[f"{check['kept']}_ms"] == best
     x = torch.randn(40, 48)
     torch.testing.assert_close(cm.load(tmp_path / "m.kiln")(x), m(x), rtol=1e-4, atol=1e-5)
+
+
+def test_a_package_this_machine_cannot_run_is_kept_untimed(tmp_path, cache, fake_profile,
+                                                           monkeypatch):
+    """Code for another CPU (the loader refuses it here): nothing to time, the tuned package
+    is kept and the report says why."""
+    def refuse(path, device="cpu"):
+        raise KilnError("kiln_model_load: this CPU lacks avx512f")
+    monkeypatch.setattr(kiln.api, "load", refuse)
+    _, cm = _compile(cache)
+    assert cm.report["gemm_check"]["kept"] == "tuned"
+    assert "avx512f" in cm.report["gemm_check"]["skipped"]
+    assert _how(cm) == {"profiled"}
