@@ -188,3 +188,20 @@ def test_a_gemm_tile_too_wide_for_a_level_is_refitted():
         assert cfg.mr * cfg.nv + cfg.nv + 1 <= vector_registers(level) and cfg.kc == 128
         assert "fitted" in got["mm0"].how
         assert got["mm1"] == gemms["mm1"] and got["mm2"] == gemms["mm2"]
+
+
+@pytest.mark.skipif(shutil.which("qemu-x86_64") is None, reason="needs qemu-user (Debian)")
+def test_c_loader_refuses_a_cpu_below_every_level_by_name(tmp_path, run_model_exe):
+    """Under qemu-x86_64 -cpu Nehalem (SSE4.2, no AVX), a package of x86-64-v4 and x86-64-v3
+    only fails to load, naming what each level needs that the CPU lacks."""
+    _, cm = _portable(tmp_path, cpu_levels=("x86-64-v4", "x86-64-v3"))
+    path = cm.save(tmp_path / "p.kiln")
+    write_tensor_bin(str(tmp_path / "in0.bin"), torch.randn(32, 64))
+    proc = subprocess.run(["qemu-x86_64", "-cpu", "Nehalem", str(run_model_exe), "-o",
+                           str(tmp_path / "out"), str(path), str(tmp_path / "in0.bin")],
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 1, (proc.returncode, proc.stderr[-2000:])
+    err = proc.stderr
+    assert "no build this CPU can run" in err, err
+    assert "-march=x86-64-v4 lacks" in err and "avx512f" in err, err
+    assert "-march=x86-64-v3 lacks" in err and "avx2" in err, err
