@@ -22,6 +22,7 @@ from kiln.gemm import choose_gemms
 from kiln.gemm.configs import BlasConfig, CppConfig
 from kiln.gemm.select import Choice
 from kiln.options import GemmBackend
+from kiln.runtime import cpu_supports
 from kiln.runtime.ab_time import ABResult, time_ab
 from kiln.targets.cpu import build as cpu_build
 
@@ -207,3 +208,23 @@ def test_a_package_this_machine_cannot_run_is_kept_untimed(tmp_path, cache, fake
     assert cm.report["gemm_check"]["kept"] == "tuned"
     assert "avx512f" in cm.report["gemm_check"]["skipped"]
     assert _how(cm) == {"profiled"}
+
+
+def test_portable_packages_are_checked_level_by_level(tmp_path, cache, fake_profile):
+    """march="portable": both variants carry every level; the kept one's levels are its own
+    libraries (the GEMM file and wrapper differ between the variants)."""
+    torch.manual_seed(0)
+    m = Mlp().eval()
+    x = torch.randn(40, 48)
+    opts = kiln.Options(max_autotune=True, cache_dir=cache, march="portable",
+                        cpu_levels=("x86-64-v3", "x86-64"))
+    cm = kiln.compile(m, (x,), options=opts)
+    check = cm.report["gemm_check"]
+    assert check["kept"] in ("tuned", "default") and len(check["differing_gemms"]) == 2
+    levels = cm.manifest["requires"]["cpu_levels"]
+    assert [lv["march"] for lv in levels] == ["x86-64-v3", "x86-64"]
+    assert cm.built.library == cm.built.cpu_levels[-1].library
+    runner = cm.load(tmp_path / "p.kiln")
+    v3_here = all(cpu_supports(f) for f in levels[0]["cpu_features"])
+    assert runner.cpu_level == ("x86-64-v3" if v3_here else "x86-64")
+    torch.testing.assert_close(runner(x), m(x), rtol=1e-4, atol=1e-5)
