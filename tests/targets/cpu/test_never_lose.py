@@ -210,6 +210,7 @@ def test_a_package_this_machine_cannot_run_is_kept_untimed(tmp_path, cache, fake
     assert _how(cm) == {"profiled"}
 
 
+@pytest.mark.slow  # two variants of two levels: about a minute on the loaded 2-core box
 def test_portable_packages_are_checked_level_by_level(tmp_path, cache, fake_profile):
     """march="portable": both variants carry every level; the kept one's levels are its own
     libraries (the GEMM file and wrapper differ between the variants)."""
