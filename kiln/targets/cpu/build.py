@@ -5,7 +5,9 @@ the CPU needs (low-precision types as float32 storage); per-thread rows for fuse
 intermediates; the GEMM choice (BLAS or kiln's own "cpp" GEMM, profiled with this
 toolchain); the printers (C++ kernels split into files for parallel builds, the GEMM file,
 the C++ wrapper that is the artifact and the Python wrapper for debugging); the C++ build
-(parallel, cached by content hash; kiln/toolchain/cxx.py).
+(parallel, cached by content hash; kiln/toolchain/cxx.py), for a portable build
+(Options.march="portable") one library per -march level of Options.cpu_levels
+(`compile_levels`).
 
 The toolchain (`toolchain(opts)`): the host C++ compiler with OpenBLAS (scipy-openblas32) and
 OpenMP, the shared runtime headers (kiln/runtime) and this target's own (include/:
