@@ -4,12 +4,14 @@
 from __future__ import annotations
 
 import os
+import tempfile
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
 import torch
+from torch.utils import _pytree as pytree
 
 from kiln.__version__ import __version__
 from kiln.errors import KilnError, UnsupportedError
@@ -26,6 +28,8 @@ from kiln.schedule.steps import CutlassGemm, GemmKernel
 from kiln.schedule.analysis import aten_fallback_ops
 from kiln.toolchain.cxx import compiler_identity
 from kiln.runtime import load
+from kiln.runtime.ab_time import time_ab
+from kiln.targets.cpu.never_lose import differing
 
 MANIFEST_SCHEMA = "kiln.manifest/1"
 
@@ -121,7 +125,87 @@ def _requires(built: Built) -> dict[str, Any]:
     return {"libtorch": bool(aten_ops), "aten_fallback_ops": aten_ops, "shared_libraries": libs,
             # instruction-set extensions the code uses: checked at load, before mapping it
             **({"cpu_features": list(built.cpu_features)}
-               if built.cpu_features is not None else {})}
+               if built.cpu_features is not None else {}),
+            # a portable build: the loader runs the first level whose features the CPU has
+            **({"cpu_levels": [{"march": lv.march, "library": arc,
+                                "cpu_features": list(lv.cpu_features)}
+                               for lv, arc in _level_libraries(built)]}
+               if built.cpu_levels else {})}
+
+
+def _level_libraries(built: Built) -> list[tuple[Any, str]]:
+    """Each level of a portable build with its package entry: lib/model.<level>.so, the last
+    level (built.library) lib/model.so."""
+    last = len(built.cpu_levels) - 1
+    return [(lv, "lib/model.so" if i == last else f"lib/model.{lv.march}.so")
+            for i, lv in enumerate(built.cpu_levels)]
+
+
+def _package_files(built: Built) -> dict[str, bytes]:
+    """The package entries besides the manifest and the weights: sources and libraries."""
+    files = {f"src/{name}": text.encode() for name, text in built.sources.items()}
+    files["lib/model.so"] = Path(built.library).read_bytes()
+    for lv, arc in _level_libraries(built):
+        files[arc] = Path(lv.library).read_bytes()
+    return files
+
+
+def _timing_inputs(ep: torch.export.ExportedProgram) -> tuple[tuple, dict]:
+    """Inputs of the example's shapes: fresh random floating-point tensors (seeded), the
+    example's own values for everything else (integer ids must stay in range)."""
+    g = torch.Generator().manual_seed(0)
+
+    def fresh(x):
+        if isinstance(x, torch.Tensor) and x.is_floating_point():
+            return torch.randn(x.shape, generator=g).to(x.dtype)
+        return x
+
+    args, kwargs = ep.example_inputs or ((), {})
+    return (pytree.tree_map(fresh, tuple(args)),
+            pytree.tree_map(fresh, dict(kwargs or {})))
+
+
+#: max_autotune's end-to-end check keeps the tuned package only when its median is lower than
+#: the default package's by more than this fraction: within it the two are a tie, and the
+#: default (no profiling noise baked in) is kept
+NEVER_LOSE_MARGIN = 0.02
+
+
+def _never_lose(built: Built, ep, opts: Options) -> tuple[Built, dict[str, Any], dict]:
+    """Max_autotune's final check: the tuned package and the default one (built.variants
+    ["default"], the heuristic's GEMM choices: targets/cpu/never_lose.py) loaded and timed
+    end to end on the example's shapes, interleaved (runtime/ab_time.py); the tuned one is
+    kept only when faster by more than NEVER_LOSE_MARGIN. Returns the kept build, its
+    manifest and the record of the check."""
+    v = built.variants["default"]
+    tuned = replace(built, variants={})
+    default = replace(tuned, gemms=dict(v.gemms), sources=dict(v.sources), library=v.library,
+                      cpu_features=v.cpu_features, cpu_levels=tuple(v.cpu_levels))
+    args, kwargs = _timing_inputs(ep)
+    manifests = {}
+    with tempfile.TemporaryDirectory(prefix="kiln_never_lose_") as d:
+        runners = []
+        for name, b in (("tuned", tuned), ("default", default)):
+            manifests[name] = _manifest(b, opts, {"compile_seconds": 0.0})
+            path = Path(d) / f"{name}.kiln"
+            write_package(path, manifests[name], _package_files(b), b.weights)
+            try:
+                runners.append(load(path, b.device))
+            except KilnError as e:  # code for another CPU than this one: nothing to time
+                for r in runners:
+                    r.close()
+                return tuned, manifests["tuned"], {"kept": "tuned", "skipped": str(e)}
+        ra, rb = runners
+        try:
+            res = time_ab(lambda: ra(*args, **kwargs), lambda: rb(*args, **kwargs))
+        finally:
+            ra.close()
+            rb.close()
+    kept = "tuned" if res.a_wins(NEVER_LOSE_MARGIN) else "default"
+    check = {"tuned_ms": res.a_s * 1e3, "default_ms": res.b_s * 1e3, "rounds": res.rounds,
+             "margin": NEVER_LOSE_MARGIN, "kept": kept,
+             "differing_gemms": differing(tuned.gemms, default.gemms)}
+    return (tuned if kept == "tuned" else default), manifests[kept], check
 
 
 @dataclass(frozen=True)
@@ -141,9 +225,7 @@ class CompiledModel:
         return self.built.library
 
     def save(self, path: str | os.PathLike[str]) -> Path:
-        files = {f"src/{name}": text.encode() for name, text in self.built.sources.items()}
-        files["lib/model.so"] = Path(self.built.library).read_bytes()
-        write_package(path, self.manifest, files, self.built.weights)
+        write_package(path, self.manifest, _package_files(self.built), self.built.weights)
         return Path(path)
 
     def load(self, path: str | os.PathLike[str] | None = None, device: str | None = None):
@@ -193,6 +275,11 @@ def compile(model, example_args=None, *, example_kwargs=None, dynamic_shapes=Non
     ep = _export(model, example_args, example_kwargs, dynamic_shapes)
     t_export = time.perf_counter() - t0
     built = build(ep, opts, device)
+    check = manifest = None
+    if "default" in built.variants:  # max_autotune on the CPU: keep the faster package
+        t1 = time.perf_counter()
+        built, manifest, check = _never_lose(built, ep, opts)
+        built = replace(built, timings={**built.timings, "never_lose": time.perf_counter() - t1})
     total = time.perf_counter() - t0
     env = {s.name: s.example for s in built.graph.symbols}
     report = {
@@ -210,4 +297,9 @@ def compile(model, example_args=None, *, example_kwargs=None, dynamic_shapes=Non
         "output_numel": [evaluate(1, env)],
     }
     del report["output_numel"]
-    return CompiledModel(built, _manifest(built, opts, report), report)
+    if check is None:
+        return CompiledModel(built, _manifest(built, opts, report), report)
+    # max_autotune's end-to-end check: both timings and the package kept
+    report["gemm_check"] = check
+    manifest["build"] = {**manifest["build"], "compile_seconds": total, "gemm_check": check}
+    return CompiledModel(built, manifest, report)

@@ -51,7 +51,17 @@ class Options:
     #: the flag so the artifact runs on any x86-64 CPU). The instruction-set extensions it
     #: enables are recorded in the manifest (requires.cpu_features) and checked when a package
     #: loads: a CPU without one fails with an error naming it, not an illegal instruction.
+    #: "portable" builds the kernels once per level of `cpu_levels` into one package; the
+    #: loader runs the first (best) level the CPU supports (`Runner.cpu_level` says which).
     march: str = "native"
+    #: march="portable": the -march levels the package carries, best first. The kernels and
+    #: the GEMM file are compiled once per level (in parallel, Options.jobs) and linked with
+    #: one wrapper object (model.cpp, compiled once at the last level) into
+    #: lib/model.<level>.so, the last level as lib/model.so; the manifest lists each level's
+    #: library and CPU features (requires.cpu_levels). GEMMs are chosen for the best level the
+    #: build machine has; a "cpp" GEMM tile too large for a level's register file is replaced by
+    #: that level's default tile in its GEMM file. Ignored unless march is "portable".
+    cpu_levels: tuple[str, ...] = ("x86-64-v4", "x86-64-v3", "x86-64")
     #: Parallelise the outer loop of every kernel with OpenMP.
     openmp: bool = True
     #: Threads used by kernels and BLAS at run time; 0 keeps the OpenMP/BLAS default.
@@ -109,6 +119,10 @@ class Options:
     #: GEMM autotuning (kiln/gemm): time every candidate of every GEMM at compile time, in
     #: a separate process, and link the fastest; off, a documented heuristic picks (or the
     #: autotuning cache, when it already holds the problem). Names as in the reference system.
+    #: CPU builds then also build the package with the heuristic's choices (when any differs),
+    #: time both end to end on the example's shapes (interleaved medians) and keep the tuned
+    #: one only when it is faster by more than 2 %: the report's and manifest's `gemm_check`
+    #: record both timings and the choice (kiln/targets/cpu/never_lose.py, kiln/api.py).
     max_autotune: bool = False
     #: GEMM backends to choose from. "blas": OpenBLAS on CPU, cuBLAS on GPU; "cpp": kiln's
     #: generated register-blocked GEMM (CPU only); "triton": Triton GEMM templates and
@@ -131,6 +145,17 @@ class Options:
     seed: int = 0
 
     def __post_init__(self) -> None:
+        if isinstance(self.cpu_levels, list):  # as Options.to_json writes it
+            object.__setattr__(self, "cpu_levels", tuple(self.cpu_levels))
+        if self.march == "portable":
+            lv = self.cpu_levels
+            if not isinstance(lv, tuple) or not lv or len(set(lv)) != len(lv) or any(
+                    not isinstance(x, str) or x in ("", "native", "portable") or
+                    not x.replace("-", "").replace("_", "").replace(".", "").isalnum()
+                    for x in lv):
+                raise ValueError(f"Options.cpu_levels: expected a non-empty tuple of distinct "
+                                 f"-march levels, best first (e.g. (\"x86-64-v4\", "
+                                 f"\"x86-64-v3\", \"x86-64\")), got {lv!r}")
         bad = [b for b in self.gemm_backends if b not in GEMM_BACKENDS]
         if bad or not self.gemm_backends:
             raise ValueError(f"Options.gemm_backends: expected a non-empty tuple of "

@@ -46,6 +46,10 @@ class Built:
     reorder: tuple = (0, 0)  # peak temp bytes of program order, and of the order chosen
     gemms: dict = field(default_factory=dict)  # GEMM name -> gemm Choice
     cpu_features: tuple[str, ...] | None = None  # extensions the code uses (checked at load)
+    cpu_levels: tuple = ()  # portable builds: targets.stages.CpuLevel per level, best first
+    #: other builds to time against this one, by name (targets.stages.Variant; CPU
+    #: max_autotune: "default", the heuristic's GEMM choices)
+    variants: dict = field(default_factory=dict)
 
 
 def target_of(device: str) -> Target:
@@ -88,4 +92,5 @@ def build(ep: torch.export.ExportedProgram, opts: Options, device: str = "cpu") 
     return Built(state.graph, state.loop, state.steps, state.program, state.plan,
                  state.intervals, dict(state.sources), state.library, dict(state.weights),
                  timings, target.name, dict(state.info), reorder=tuple(state.reorder),
-                 gemms=dict(state.gemms), cpu_features=state.cpu_features)
+                 gemms=dict(state.gemms), cpu_features=state.cpu_features,
+                 cpu_levels=tuple(state.cpu_levels), variants=dict(state.variants))

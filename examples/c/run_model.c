@@ -1,13 +1,14 @@
 /* run_model.c - run a kiln package from C on tensors stored in KLT1 files.
  *
- * Usage: run_model [-o PREFIX] [-t THREADS] <package.kiln> [input0.bin input1.bin ...]
+ * Usage: run_model [-v] [-o PREFIX] [-t THREADS] <package.kiln> [input0.bin input1.bin ...]
  *
  * Each input file is a KLT1 tensor (see README.md). For each output i the program prints
  *     output[i] <dtype> [d0,d1,...]
  * followed, without -o, by one value per line (%.9g for float32/16/bf16, %.17g for float64,
  * integers in decimal, complex as "re im"); with -o PREFIX it instead writes PREFIX<i>.bin in the
  * KLT1 format. -t sets the model's OpenMP thread budget (kiln_model_set_num_threads; 0 is
- * automatic, the default). Exit status: 0 on success, 1 when kiln reports an error (kiln_last_error() is
+ * automatic, the default). -v prints the -march level of the code loaded on stderr
+ * (kiln_model_cpu_level: a portable package's pick for this CPU). Exit status: 0 on success, 1 when kiln reports an error (kiln_last_error() is
  * printed on stderr), 2 on usage or file errors.
  */
 #include <stdint.h>
@@ -204,8 +205,10 @@ static int emit(const DLTensor *t, int index, const char *prefix) {
 
 int main(int argc, char **argv) {
   const char *prefix = NULL, *threads = NULL;
-  int a = 1;
-  while (a + 1 < argc && (strcmp(argv[a], "-o") == 0 || strcmp(argv[a], "-t") == 0)) {
+  int a = 1, verbose = 0;
+  while (a + 1 < argc && (strcmp(argv[a], "-o") == 0 || strcmp(argv[a], "-t") == 0 ||
+                          strcmp(argv[a], "-v") == 0)) {
+    if (argv[a][1] == 'v') { verbose = 1; a += 1; continue; }
     if (argv[a][1] == 'o') prefix = argv[a + 1];
     else threads = argv[a + 1];
     a += 2;
@@ -214,7 +217,7 @@ int main(int argc, char **argv) {
   long n_threads = threads ? strtol(threads, &end, 10) : 0;
   if (a >= argc || (threads && (end == threads || *end != '\0' || n_threads < INT32_MIN ||
                                 n_threads > INT32_MAX))) {
-    fprintf(stderr, "usage: %s [-o PREFIX] [-t THREADS] <package.kiln> [input.bin ...]\n",
+    fprintf(stderr, "usage: %s [-v] [-o PREFIX] [-t THREADS] <package.kiln> [input.bin ...]\n",
             argv[0]);
     return 2;
   }
@@ -227,6 +230,9 @@ int main(int argc, char **argv) {
   if (kiln_model_load(argv[a], "cpu", &m) != 0) {
     fprintf(stderr, "run_model: %s\n", kiln_last_error());
     return 1;
+  }
+  if (verbose && kiln_abi_minor() >= 4) {
+    fprintf(stderr, "run_model: cpu level '%s'\n", kiln_model_cpu_level(m));
   }
   if (threads && (kiln_abi_minor() < 1 || kiln_model_set_num_threads(m, (int)n_threads) != 0)) {
     fprintf(stderr, "run_model: %s\n", kiln_abi_minor() < 1 ? "libkiln has no thread budget"

@@ -14,7 +14,7 @@ from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
 
-from kiln.cli.manifest_view import (entries, fmt_bytes, fmt_shape, kwarg_names,
+from kiln.cli.manifest_view import (cpu_summary, entries, fmt_bytes, fmt_shape, kwarg_names,
                                     memory_summary, plan_summary, random_inputs, read_manifest,
                                     split_args, symbols)
 from kiln.errors import InputError
@@ -115,7 +115,20 @@ def _summary(manifest: dict[str, Any], package: str) -> dict[str, Any]:
         "gemms": [{"name": k.get("name"), **k["gemm"]} for k in entries(manifest.get("kernels"))
                   if isinstance(k.get("gemm"), dict)],
         "plan": plan_summary(manifest),
+        "cpu": cpu_summary(manifest),
     }
+
+
+def _print_cpu(cpu: dict[str, Any]) -> None:
+    """The package's -march builds and the one this machine's loader picks."""
+    for lv in cpu["levels"]:
+        lacks = ", ".join(lv["missing_here"])
+        mark = "picked here" if lv["march"] == cpu["picked_here"] else (
+            f"this CPU lacks {lacks}" if lacks else "runs here")
+        console.print(escape(f"cpu: -march={lv['march'] or '(none)'} {lv['library']} "
+                             f"({len(lv['cpu_features'])} features; {mark})"), highlight=False)
+    if cpu["picked_here"] is None:
+        console.print("[red]cpu: no build of this package runs on this CPU[/red]")
 
 
 def _gemm_table(gemms: list[dict[str, Any]]) -> Table:
@@ -221,6 +234,8 @@ def cmd_inspect(args: argparse.Namespace) -> int:
         console.print(table)
     if summary["gemms"]:
         console.print(_gemm_table(summary["gemms"]))
+    if summary["cpu"]:
+        _print_cpu(summary["cpu"])
     plan = summary["plan"]
     ratio = f"{plan['ratio']:.2f}x" if plan["ratio"] else "?"
     console.print(f"plan: arena {fmt_bytes(plan['arena_bytes'])}, lower bound "

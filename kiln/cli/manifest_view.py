@@ -16,6 +16,7 @@ import torch
 
 from kiln.errors import InputError, PackageError
 from kiln.ir import dtypes
+from kiln.runtime import cpu_supports
 from torch.utils import _pytree as pytree
 
 __all__ = ["read_manifest", "entries", "symbols", "resolve_shape", "torch_dtype", "fmt_bytes",
@@ -209,3 +210,26 @@ def memory_summary(manifest: dict[str, Any], top: int = 10) -> dict[str, Any]:
                             for b in base["largest"]],
         "sizes": entries(plan.get("sizes")),
     }
+
+
+def cpu_summary(manifest: dict[str, Any]) -> dict[str, Any] | None:
+    """The builds of a CPU package: per -march level (one, or a portable package's several,
+    best first) its library and CPU features, whether this machine runs it, and the level
+    the loader picks here (the first it runs; None: none). None for packages without
+    requires.cpu_features (CUDA, or older)."""
+    req = manifest.get("requires") if isinstance(manifest.get("requires"), dict) else {}
+    build = manifest.get("build") if isinstance(manifest.get("build"), dict) else {}
+    levels = entries(req.get("cpu_levels"))
+    if not levels:
+        if not isinstance(req.get("cpu_features"), list):
+            return None
+        levels = [{"march": build.get("march", ""), "library": "lib/model.so",
+                   "cpu_features": req["cpu_features"]}]
+    out = []
+    for lv in levels:
+        feats = [str(f) for f in lv.get("cpu_features", [])]
+        out.append({"march": str(lv.get("march", "")), "library": str(lv.get("library", "")),
+                    "cpu_features": feats,
+                    "missing_here": [f for f in feats if not cpu_supports(f)]})
+    picked = next((lv["march"] for lv in out if not lv["missing_here"]), None)
+    return {"march": build.get("march", ""), "levels": out, "picked_here": picked}

@@ -161,7 +161,7 @@ def _profile_cpu(problem: GemmProblem, sizes, allowed, opts: Options, tc) -> tup
 
 def choose_gemms(steps, symbols, opts: Options, device: str = "cpu", tc=None,
                  outputs: set[str] | None = None, buffers: dict | None = None,
-                 printer=None) -> dict[str, Choice]:
+                 printer=None, cached: bool = True) -> dict[str, Choice]:
     """Gemm name -> Choice for every `L.Gemm` in `steps`. `symbols`: the graph's symbols (name,
     min, max, example); `tc`: the C++ toolchain (CPU profiling builds its driver with it);
     `outputs` (CUDA): the buffers that must be stored, to find each GEMM's absorbed epilogue
@@ -170,7 +170,9 @@ def choose_gemms(steps, symbols, opts: Options, device: str = "cpu", tc=None,
     print the template's candidates as the package would (without them a GEMM is profiled
     without its epilogue); `printer` (CUDA): the target's candidate printer,
     `printer(gemm, epilogue, buffers, env, configs) -> printed.Printed`
-    (kiln/targets/cuda/gemm_candidates.py); without it the template is not profiled."""
+    (kiln/targets/cuda/gemm_candidates.py); without it the template is not profiled.
+    `cached=False` (CPU, max_autotune off): the heuristic alone, ignoring the autotuning
+    cache (the default choices a tuned CPU package is timed against)."""
 
     allowed = allowed_backends(opts, device)
     ranges = {s.name: (s.min, s.max) for s in symbols}
@@ -210,7 +212,7 @@ def choose_gemms(steps, symbols, opts: Options, device: str = "cpu", tc=None,
         if opts.max_autotune and tc is not None:
             choice, results = _profile_cpu(problem, sizes, allowed, opts, tc)
             _store(root, problem, dev_id, choice, results)
-        else:
+        elif cached:
             hit = acache.load(root, problem, dev_id)
             if hit is not None:
                 choice = _from_results(_cached_results(hit, allowed), allowed, "cache", problem)

@@ -103,6 +103,8 @@ def libkiln() -> ctypes.CDLL:
     lib.kiln_model_free.argtypes = [vp]
     lib.kiln_cpu_supports.restype = ctypes.c_int
     lib.kiln_cpu_supports.argtypes = [ctypes.c_char_p]
+    lib.kiln_model_cpu_level.restype = ctypes.c_char_p
+    lib.kiln_model_cpu_level.argtypes = [vp]
     if lib.kiln_abi_version() != KILN_ABI_VERSION:
         raise KilnError(f"libkiln ABI version {lib.kiln_abi_version()}, expected "
                         f"{KILN_ABI_VERSION}")
@@ -204,6 +206,15 @@ class Runner:
     @property
     def manifest(self) -> dict[str, Any]:
         return self._manifest
+
+    @property
+    def cpu_level(self) -> str:
+        """The -march level of the code loaded: for a portable package (Options(march=
+        "portable")) the best of its levels this CPU runs, e.g. "x86-64-v4"; else the
+        package's one build ("native", "x86-64-v3", "" without -march)."""
+        if self._handle is None:
+            raise KilnError(f"kiln: runner for '{self._path}' is closed")
+        return self._lib.kiln_model_cpu_level(self._handle).decode()
 
     @property
     def num_inputs(self) -> int:

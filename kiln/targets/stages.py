@@ -43,6 +43,28 @@ from kiln.schedule.reorder import reorder_for_memory
 
 
 @dataclass(frozen=True)
+class CpuLevel:
+    """One -march level of a portable build: its linked library and the instruction-set
+    extensions its code uses (what the loader checks to pick it)."""
+
+    march: str
+    library: Path
+    cpu_features: tuple[str, ...]
+
+
+@dataclass(frozen=True)
+class Variant:
+    """Another build of the same planned program: other GEMM choices and what they change
+    (the generated sources and the linked code); everything else is the build's own."""
+
+    gemms: Mapping[str, Any]
+    sources: Mapping[str, str]
+    library: Path
+    cpu_features: tuple[str, ...] | None = None
+    cpu_levels: tuple[CpuLevel, ...] = ()
+
+
+@dataclass(frozen=True)
 class Build:
     """The state between two stages. A target may extend it with the fields of its own back
     half (a subclass, `Target.state`)."""
@@ -64,6 +86,12 @@ class Build:
     #: instruction-set extensions the compiled host code uses (the manifest's requires), None
     #: where the target does not check them at load
     cpu_features: tuple[str, ...] | None = None
+    #: a portable build (Options.march="portable"): one library per -march level, best first;
+    #: `library` and `cpu_features` are then the last (most widely runnable) level's
+    cpu_levels: tuple[CpuLevel, ...] = ()
+    #: other builds of the same program, by name, for the caller to time against this one
+    #: (the CPU's "default" GEMM choices when max_autotune tuned them: never_lose.py)
+    variants: Mapping[str, Variant] = field(default_factory=dict)
     times: Mapping[str, float] = field(default_factory=dict)  # the last stage's timed parts
 
 

@@ -125,28 +125,43 @@ def compile_object(tc: Toolchain, name: str, source: str, headers: str,
     return obj
 
 
-def build_shared(tc: Toolchain, sources: dict[str, str],
-                 extra_flags: dict[str, tuple[str, ...]] | None = None
-                 ) -> tuple[Path, dict[str, float]]:
-    """Compile `sources` (file name -> text) and link them; returns the library path."""
+def compile_objects(jobs: list[tuple[Toolchain, str, str, tuple[str, ...]]],
+                    workers: int) -> list[Path]:
+    """Compile (toolchain, file name, text, extra flags) jobs in parallel (`workers`
+    compiler processes); the object files, in the order of `jobs`. Jobs of several toolchains
+    (e.g. one per -march level of a portable build) share one pool."""
+    digests = {dirs: _headers_digest(dirs) for dirs in {tc.include_dirs for tc, *_ in jobs}}
+    with ThreadPoolExecutor(max_workers=max(1, workers)) as pool:
+        return list(pool.map(lambda j: compile_object(j[0], j[1], j[2], digests[j[0].include_dirs],
+                                                      j[3]), jobs))
 
-    headers = _headers_digest(tc.include_dirs)
-    t0 = time.perf_counter()
-    with ThreadPoolExecutor(max_workers=max(1, tc.jobs)) as pool:
-        extra_flags = extra_flags or {}
-        objs = list(pool.map(lambda kv: compile_object(tc, kv[0], kv[1], headers,
-                                                       extra_flags.get(kv[0], ())),
-                             sorted(sources.items())))
-    t1 = time.perf_counter()
+
+def link_shared(tc: Toolchain, objs: list[Path], name: str = "model.so") -> Path:
+    """Link objects into a shared library (cached by the objects' hashes and the flags).
+    Earlier objects win where several define one inline function (COMDAT), so a caller puts
+    the objects compiled for the most specific target first."""
     key = hashlib.sha256("\0".join([*(o.name for o in objs), " ".join(tc.ldflags),
                                      compiler_identity(tc.cxx)]).encode()).hexdigest()
-    lib = tc.cache / "lib" / key / "model.so"
+    lib = tc.cache / "lib" / key / name
     if not lib.exists():
         tmp = _atomic_output(lib)
         try:
             _run([tc.cxx, "-shared", *[str(o) for o in objs], "-o", str(tmp), *tc.ldflags],
-                 "linking model.so")
+                 f"linking {name}")
             tmp.replace(lib)
         finally:
             tmp.unlink(missing_ok=True)
+    return lib
+
+
+def build_shared(tc: Toolchain, sources: dict[str, str],
+                 extra_flags: dict[str, tuple[str, ...]] | None = None
+                 ) -> tuple[Path, dict[str, float]]:
+    """Compile `sources` (file name -> text) and link them; returns the library path."""
+    extra_flags = extra_flags or {}
+    t0 = time.perf_counter()
+    objs = compile_objects([(tc, name, text, extra_flags.get(name, ()))
+                            for name, text in sorted(sources.items())], tc.jobs)
+    t1 = time.perf_counter()
+    lib = link_shared(tc, objs)
     return lib, {"compile": t1 - t0, "link": time.perf_counter() - t1}

@@ -259,7 +259,8 @@ def test_libkiln_exports_only_api(libkiln_path: pathlib.Path) -> None:
                      "kiln_last_error",
                      "kiln_model_free", "kiln_model_update_weights",
                      "kiln_model_run_on_stream", "kiln_model_set_num_threads",
-                     "kiln_model_num_threads", "kiln_cpu_supports", "kiln_model_set_comm"}
+                     "kiln_model_num_threads", "kiln_cpu_supports", "kiln_model_set_comm",
+                     "kiln_model_cpu_level"}
 
 
 # --- C level, in subprocesses (a crash fails the test instead of killing pytest) ----------------

@@ -41,8 +41,10 @@
 
 #define KILN_ABI_VERSION 1
 /* 1: kiln_abi_minor, kiln_model_set_num_threads, kiln_model_num_threads
- * 3: kiln_model_set_comm */
-#define KILN_ABI_MINOR 3
+ * 2: kiln_cpu_supports
+ * 3: kiln_model_set_comm
+ * 4: kiln_model_cpu_level */
+#define KILN_ABI_MINOR 4
 
 #if defined(_WIN32)
 #define KILN_API
@@ -153,6 +155,13 @@ KILN_API int kiln_cpu_supports(const char *feature);
  * kiln_model_update_weights keeps the communicator. Fails on a model without collectives. */
 KILN_API int kiln_model_set_comm(kiln_model *m, int rank, int world_size, const void *comm_id,
                                  size_t comm_id_len);
+
+/* The -march level of the code kiln_model_load mapped (minor 4): for a portable package
+ * (kiln.Options(march="portable"), manifest requires.cpu_levels) the first of its levels whose
+ * features this CPU has, e.g. "x86-64-v4"; else the package's one build (build.march:
+ * "native", "x86-64-v3", "" when compiled without -march). Valid until kiln_model_free; NULL
+ * when m is NULL. */
+KILN_API const char *kiln_model_cpu_level(const kiln_model *m);
 
 /* Releases a model (its weights mapping and instance). NULL is allowed and does nothing.
  * Outputs produced earlier stay valid. Must not be called while a run on m is in progress. */

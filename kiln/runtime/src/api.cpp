@@ -1,6 +1,8 @@
 // api.cpp - the exported C functions of kiln.h.
 //
-// kiln_model_load: map + verify the package, extract and dlopen lib/model.so, bind the weights
+// kiln_model_load: map + verify the package, pick the build this CPU runs (a portable package
+// carries one library per -march level: the first whose CPU features this CPU has; others
+// lib/model.so), extract and dlopen it, bind the weights
 // (pointers into the mapping) and create the model instance (on the device the caller names,
 // which must be the device the package was compiled for: manifest "device"). kiln_model_run /
 // kiln_model_run_on_stream: validate argument counts and pointers, serialise on the model's
@@ -104,6 +106,7 @@ struct kiln_model {
   int (*omp_get_max_threads)(void) = nullptr;
   void (*omp_set_num_threads)(int) = nullptr;
   std::atomic<int> num_threads{0};  // kiln_model_set_num_threads; 0: automatic
+  std::string cpu_level;  // the -march of the loaded code (kiln_model_cpu_level)
 };
 
 namespace {
@@ -168,48 +171,102 @@ int guarded(F &&body) {
 constexpr const char *kSchema = "kiln.manifest/1";
 constexpr int64_t kManifestAbi = 1;
 
+// One build of the package's code: its library entry, the -march it was compiled with and
+// the instruction-set extensions it executes.
+struct CpuLevel {
+  std::string march;
+  std::string library = "lib/model.so";
+  std::vector<std::string> features;
+};
+
 struct ManifestInfo {
   std::string device;
   std::map<std::string, std::vector<int64_t>> weight_shapes;
-  std::vector<std::string> cpu_features;  // requires.cpu_features: what the code executes
-  std::string march;                      // build.march, for the error message
+  // requires.cpu_levels of a portable package (best first), else the one build:
+  // lib/model.so, requires.cpu_features, build.march
+  std::vector<CpuLevel> levels;
+  bool portable = false;
 };
 
-// requires.cpu_features (absent in packages from before it: nothing to check).
-std::vector<std::string> cpu_features(const kiln::Json &man, const std::string &what) {
+// A list of strings (`key` of `obj`; absent: empty, as in packages from before it).
+std::vector<std::string> strings(const kiln::Json *obj, const char *key, const std::string &what) {
   std::vector<std::string> out;
-  const kiln::Json *req = man.get("requires");
-  const kiln::Json *fs = req && req->type == kiln::Json::Object ? req->get("cpu_features")
-                                                                : nullptr;
+  const kiln::Json *fs = obj && obj->type == kiln::Json::Object ? obj->get(key) : nullptr;
   if (!fs) return out;
-  if (fs->type != kiln::Json::Array) kiln::fail("%s: requires.cpu_features is not a list",
-                                                what.c_str());
+  if (fs->type != kiln::Json::Array) kiln::fail("%s: %s is not a list", what.c_str(), key);
   for (const kiln::Json &f : fs->items) {
-    if (f.type != kiln::Json::String) kiln::fail("%s: requires.cpu_features holds a non-string",
-                                                 what.c_str());
+    if (f.type != kiln::Json::String) kiln::fail("%s: %s holds a non-string", what.c_str(), key);
     out.push_back(f.str);
   }
   return out;
 }
 
-// Fails, naming them, when this CPU lacks features the package's code uses.
-void check_cpu(const ManifestInfo &info, const char *path) {
-  std::string missing, unknown;
-  for (const std::string &f : info.cpu_features) {
+std::string string_field(const kiln::Json *obj, const char *key) {
+  const kiln::Json *v = obj && obj->type == kiln::Json::Object ? obj->get(key) : nullptr;
+  return v && v->type == kiln::Json::String ? v->str : std::string();
+}
+
+// requires.cpu_levels (a portable package), else one level from requires.cpu_features.
+void cpu_levels(const kiln::Json &man, const std::string &what, ManifestInfo *info) {
+  const kiln::Json *req = man.get("requires");
+  const kiln::Json *ls = req && req->type == kiln::Json::Object ? req->get("cpu_levels")
+                                                                : nullptr;
+  if (!ls) {
+    info->levels.push_back({string_field(man.get("build"), "march"), "lib/model.so",
+                            strings(req, "cpu_features", what + ": requires")});
+    return;
+  }
+  if (ls->type != kiln::Json::Array || ls->items.empty()) {
+    kiln::fail("%s: requires.cpu_levels is not a non-empty list", what.c_str());
+  }
+  info->portable = true;
+  for (const kiln::Json &l : ls->items) {
+    CpuLevel lv{string_field(&l, "march"), string_field(&l, "library"),
+                strings(&l, "cpu_features", what + ": a level of requires.cpu_levels")};
+    if (lv.march.empty() || lv.library.rfind("lib/", 0) != 0) {
+      kiln::fail("%s: a level of requires.cpu_levels lacks its \"march\" or its \"library\" "
+                 "(lib/...)", what.c_str());
+    }
+    info->levels.push_back(std::move(lv));
+  }
+}
+
+// The features of `level` this CPU lacks (and those this libkiln does not know), as lists.
+void lacking(const CpuLevel &level, std::string *missing, std::string *unknown) {
+  for (const std::string &f : level.features) {
     const int ok = kiln::cpu_supports(f.c_str());
-    if (ok == 0) missing += (missing.empty() ? "" : ", ") + f;
-    if (ok < 0) unknown += (unknown.empty() ? "" : ", ") + f;
+    if (ok == 0) *missing += (missing->empty() ? "" : ", ") + f;
+    if (ok < 0) *unknown += (unknown->empty() ? "" : ", ") + f;
   }
-  if (!unknown.empty()) {
-    kiln::fail("kiln_model_load: package '%s' needs CPU features this libkiln does not know "
-               "(%s): load it with the kiln version that compiled it", path, unknown.c_str());
+}
+
+// The first level whose features this CPU has; fails, naming what each level lacks, when
+// there is none (before any of the package's code is mapped).
+const CpuLevel &pick_level(const ManifestInfo &info, const char *path) {
+  std::string why;
+  for (const CpuLevel &lv : info.levels) {
+    std::string missing, unknown;
+    lacking(lv, &missing, &unknown);
+    if (missing.empty() && unknown.empty()) return lv;
+    if (!info.portable && !unknown.empty()) {
+      kiln::fail("kiln_model_load: package '%s' needs CPU features this libkiln does not know "
+                 "(%s): load it with the kiln version that compiled it", path, unknown.c_str());
+    }
+    if (!info.portable) {
+      kiln::fail("kiln_model_load: package '%s' needs CPU features this CPU lacks: %s (it was "
+                 "compiled with -march=%s). Recompile with kiln.Options(march=\"x86-64-v2\") "
+                 "or another level this CPU has (march=\"\": any x86-64; march=\"portable\": "
+                 "several levels, picked at load)", path, missing.c_str(),
+                 lv.march.empty() ? "(none)" : lv.march.c_str());
+    }
+    why += kiln::format("%s-march=%s lacks %s%s%s", why.empty() ? "" : "; ", lv.march.c_str(),
+                        missing.c_str(), missing.empty() || unknown.empty() ? "" : ", ",
+                        unknown.empty() ? "" : ("features this libkiln does not know: " +
+                                                unknown).c_str());
   }
-  if (!missing.empty()) {
-    kiln::fail("kiln_model_load: package '%s' needs CPU features this CPU lacks: %s (it was "
-               "compiled with -march=%s). Recompile with kiln.Options(march=\"x86-64-v2\") "
-               "or another level this CPU has (march=\"\": any x86-64)", path, missing.c_str(),
-               info.march.empty() ? "(none)" : info.march.c_str());
-  }
+  kiln::fail("kiln_model_load: package '%s' has no build this CPU can run: this CPU lacks "
+             "features of every level it carries (%s). Recompile with a lower level in "
+             "kiln.Options(cpu_levels=...), e.g. \"x86-64\"", path, why.c_str());
 }
 
 // Expected weight shapes by name (a package from another version or a hand-made package
@@ -266,12 +323,11 @@ ManifestInfo check_manifest(const kiln::ZipReader &zip) {
                static_cast<long long>(kManifestAbi));
   }
   const kiln::Json *dev = man.get("device");
-  const kiln::Json *build = man.get("build");
-  const kiln::Json *march = build && build->type == kiln::Json::Object ? build->get("march")
-                                                                       : nullptr;
-  return {dev && dev->type == kiln::Json::String ? dev->str : std::string("cpu"),
-          weight_shapes(man), cpu_features(man, what),
-          march && march->type == kiln::Json::String ? march->str : std::string()};
+  ManifestInfo info;
+  info.device = dev && dev->type == kiln::Json::String ? dev->str : std::string("cpu");
+  info.weight_shapes = weight_shapes(man);
+  cpu_levels(man, what, &info);
+  return info;
 }
 
 // "cpu" -> (kDLCPU, 0); "cuda" -> (kDLCUDA, 0); "cuda:N" -> (kDLCUDA, N); else fails.
@@ -295,14 +351,15 @@ void *create_instance(kiln_model *m, const std::vector<const void *> &w, char *e
   return m->abi->create(p, err, n);
 }
 
-const kiln_model_abi *open_library(const kiln::ZipReader &zip, void **handle) {
+const kiln_model_abi *open_library(const kiln::ZipReader &zip, const std::string &entry,
+                                   void **handle) {
   const char *p = zip.path().c_str();
-  kiln::Span so = zip.entry("lib/model.so");
+  kiln::Span so = zip.entry(entry.c_str());
   uint32_t crc = 0;
   for (const kiln::ZipEntry &e : zip.entries()) {
-    if (e.name == "lib/model.so") crc = e.crc;
+    if (e.name == entry) crc = e.crc;
   }
-  std::string what = kiln::format("package '%s': entry 'lib/model.so'", p);
+  std::string what = kiln::format("package '%s': entry '%s'", p, entry.c_str());
   std::string path = kiln::extract_to_cache(so.data, so.size, crc, what);
   void *h = ::dlopen(path.c_str(), RTLD_NOW | RTLD_LOCAL);
   if (!h) {
@@ -415,9 +472,11 @@ KILN_API int kiln_model_load(const char *package_path, const char *device, kiln_
                  "on \"%s\" (compile with device=\"%s\")", package_path, built_for.c_str(),
                  device, want_cuda ? "cuda" : "cpu");
     }
-    check_cpu(info, package_path);  // before any of the package's code is mapped
+    // before any of the package's code is mapped: a CPU without its features fails by name
+    const CpuLevel &level = pick_level(info, package_path);
+    m->cpu_level = level.march;
     void *lib = nullptr;
-    m->abi = open_library(*m->package, &lib);
+    m->abi = open_library(*m->package, level.library, &lib);
     if (!want_cuda) bind_openmp(m.get(), lib);
     if (want_cuda && (m->abi->device_type != kDLCUDA || !m->abi->create_on_device ||
                       !m->abi->run_on_stream)) {
@@ -434,6 +493,14 @@ KILN_API int kiln_model_load(const char *package_path, const char *device, kiln_
     }
     *out = m.release();
   });
+}
+
+KILN_API const char *kiln_model_cpu_level(const kiln_model *m) {
+  if (!m) {
+    kiln::set_last_error("kiln_model_cpu_level: model is NULL");
+    return nullptr;
+  }
+  return m->cpu_level.c_str();
 }
 
 KILN_API int64_t kiln_model_num_inputs(const kiln_model *m) {

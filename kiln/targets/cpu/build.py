@@ -5,7 +5,9 @@ the CPU needs (low-precision types as float32 storage); per-thread rows for fuse
 intermediates; the GEMM choice (BLAS or kiln's own "cpp" GEMM, profiled with this
 toolchain); the printers (C++ kernels split into files for parallel builds, the GEMM file,
 the C++ wrapper that is the artifact and the Python wrapper for debugging); the C++ build
-(parallel, cached by content hash; kiln/toolchain/cxx.py).
+(parallel, cached by content hash; kiln/toolchain/cxx.py), for a portable build
+(Options.march="portable") one library per -march level of Options.cpu_levels
+(`compile_levels`).
 
 The toolchain (`toolchain(opts)`): the host C++ compiler with OpenBLAS (scipy-openblas32) and
 OpenMP, the shared runtime headers (kiln/runtime) and this target's own (include/:
@@ -13,12 +15,15 @@ kiln_lib.h, the library routines behind Loop IR `Extern` steps)."""
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, replace
 from pathlib import Path
 
 from kiln import config
 from kiln.errors import UnsupportedError
 from kiln.gemm import choose_gemms
+from kiln.gemm.configs import CppConfig
+from kiln.gemm.cpu import cpp_configs, vector_registers
 from kiln.ir import loop as L
 from kiln.memory.inplace import program_aliases
 from kiln.options import GemmBackend, Options
@@ -29,8 +34,9 @@ from kiln.targets.cpu.gemm import declaration, print_gemm_file
 from kiln.targets.cpu.kernel import print_kernel
 from kiln.targets.cpu.wrapper import declare_kernel, print_wrapper
 from kiln.targets.cpu.wrapper_py import print_python_wrapper
-from kiln.targets.stages import Build
-from kiln.toolchain.cxx import INCLUDE_DIRS, Toolchain, build_shared, cpu_features
+from kiln.targets.stages import Build, CpuLevel
+from kiln.toolchain.cxx import (INCLUDE_DIRS, Toolchain, build_shared, compile_objects,
+                                cpu_features, link_shared)
 
 #: the CPU target's model-side headers (kiln_lib.h), next to the shared ones in kiln/runtime
 INCLUDE = Path(__file__).resolve().parent / "include"
@@ -47,14 +53,31 @@ def _blas() -> tuple[Path, Path]:
     return Path(blas.get_include_dir()), Path(blas.get_lib_dir())
 
 
-def toolchain(opts: Options) -> Toolchain:
+def host_level(opts: Options) -> str:
+    """The -march the build machine's own code is compiled for: Options.march, or for a
+    portable build the best of Options.cpu_levels this machine runs (the compiler's view of
+    -march=native holds every extension the level enables); GEMMs are chosen (and profiled)
+    for it."""
+    if opts.march != "portable":
+        return opts.march
+    cxx = opts.cxx or config.cxx()
+    have = set(cpu_features(cxx, ("-march=native",)))
+    for level in opts.cpu_levels:
+        if set(cpu_features(cxx, (f"-march={level}",))) <= have:
+            return level
+    return opts.cpu_levels[-1]
+
+
+def toolchain(opts: Options, march: str | None = None) -> Toolchain:
+    """The C++ toolchain for code compiled with -march=`march` (default: host_level(opts))."""
     inc, lib = _blas()
     jobs = opts.jobs or config.cpu_count()
     cflags = ["-std=c++17", "-fPIC", "-fvisibility=hidden", "-fno-math-errno", "-fno-trapping-math",
               "-DKILN_WITH_BLAS",
               f"-I{inc}", *opts.opt_flags]
-    if opts.march:
-        cflags.append(f"-march={opts.march}")
+    march = host_level(opts) if march is None else march
+    if march:
+        cflags.append(f"-march={march}")
     ldflags = [f"-L{lib}", "-lscipy_openblas", f"-Wl,-rpath,{lib}"]
     if opts.openmp:
         cflags.append("-fopenmp")
@@ -114,10 +137,16 @@ def localize(state: Build) -> Build:
     return replace(state, steps=localize_rows(state.steps, state.loop))
 
 
+def gemm_options(opts: Options) -> Options:
+    """The options GEMMs are chosen with: a portable build's for the level the build machine
+    runs."""
+    return replace(opts, march=host_level(opts)) if opts.march == "portable" else opts
+
+
 def gemm_autotune(state: Build) -> Build:
     """GEMM backends: profiled (max_autotune), cached, or by heuristic (kiln/gemm)."""
-    gemms = choose_gemms(state.steps, state.graph.symbols, state.options, "cpu",
-                         toolchain(state.options))
+    opts = gemm_options(state.options)
+    gemms = choose_gemms(state.steps, state.graph.symbols, opts, "cpu", toolchain(opts))
     return replace(state, gemms=gemms)
 
 
@@ -144,7 +173,10 @@ def codegen_wrapper(state: CpuBuild) -> CpuBuild:
 
 
 def compile_library(state: Build) -> Build:
-    """The C++ compiler: parallel, cached by content hash."""
+    """The C++ compiler: parallel, cached by content hash. A portable build compiles the
+    kernels and the GEMM file once per level (compile_levels)."""
+    if state.options.march == "portable":
+        return compile_levels(state)
     cpp = {k: v for k, v in state.sources.items() if k.endswith(".cpp")}
     # the wrapper is straight-line glue around kernels and BLAS calls: -O1 compiles it faster
     tc = toolchain(state.options)
@@ -154,6 +186,56 @@ def compile_library(state: Build) -> Build:
     features = cpu_features(tc.cxx, march)
     return replace(state, library=lib, times=times,
                    cpu_features=features)
+
+
+def fit_gemms(gemms: dict, march: str) -> dict:
+    """The GEMM choices for code compiled with -march=`march`: a "cpp" tile that needs more
+    vector registers than the level has (chosen for a wider level) becomes the level's default
+    tile, keeping its K and N blocking; every other choice is kept."""
+    regs = vector_registers(march)
+    out = {}
+    for name, c in gemms.items():
+        cfg = c.config
+        if isinstance(cfg, CppConfig) and cfg.mr * cfg.nv + cfg.nv + 1 > regs:
+            d = cpp_configs(march)[0]
+            c = replace(c, config=replace(cfg, mr=d.mr, nv=d.nv),
+                        how=f"{c.how}, tile fitted to -march={march}")
+        out[name] = c
+    return out
+
+
+def compile_levels(state: Build) -> Build:
+    """A portable build (Options.march="portable"): the kernel files and the GEMM file
+    compiled once per level of Options.cpu_levels, the wrapper (model.cpp: glue, not hot) once
+    at the last level, all in one parallel pool; each level's objects linked with the one
+    wrapper object into its own library. The last level's library is `library` (the
+    package's lib/model.so, which a libkiln without level support loads)."""
+    opts = state.options
+    levels = opts.cpu_levels
+    tcs = {lv: toolchain(opts, lv) for lv in levels}
+    cpp = {k: v for k, v in state.sources.items() if k.endswith(".cpp")}
+    wrapper = cpp.pop("model.cpp")
+    per_level = {}
+    for lv in levels:
+        files = dict(cpp)
+        if "gemm.cpp" in files:
+            files["gemm.cpp"] = print_gemm_file(state.steps, fit_gemms(state.gemms, lv))
+        per_level[lv] = sorted(files.items())
+    jobs = [(tcs[lv], name, text, ()) for lv in levels for name, text in per_level[lv]]
+    jobs.append((tcs[levels[-1]], "model.cpp", wrapper, ("-O1",)))
+    t0 = time.perf_counter()
+    objs = compile_objects(jobs, max(1, opts.jobs or config.cpu_count()))
+    t1 = time.perf_counter()
+    out, k = [], 0
+    for lv in levels:
+        n = len(per_level[lv])
+        # the level's own objects first: its copies of shared inline functions win
+        lib = link_shared(tcs[lv], [*objs[k:k + n], objs[-1]])
+        k += n
+        out.append(CpuLevel(lv, lib, cpu_features(tcs[lv].cxx, (f"-march={lv}",))))
+    times = {"compile": t1 - t0, "link": time.perf_counter() - t1}
+    return replace(state, library=out[-1].library, cpu_features=out[-1].cpu_features,
+                   cpu_levels=tuple(out), times=times)
 
 
 def libraries(steps, gemms) -> list[str]:

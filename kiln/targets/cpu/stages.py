@@ -15,13 +15,16 @@
     gemm_autotune     each GEMM's backend (BLAS or kiln's "cpp" GEMM) and config
     codegen           C++ kernel files, the GEMM file
     codegen_wrapper   the C++ wrapper (model.cpp) and the Python one (model.py)
-    compile           model.so (parts timed as compile.compile, compile.link)"""
+    compile           model.so (parts timed as compile.compile, compile.link)
+    default_variant   (max_autotune) the package with the heuristic's GEMM choices too, for
+                      kiln.compile to time against the tuned one and keep the faster"""
 
 from __future__ import annotations
 
 from kiln.targets.cpu.build import (CpuBuild, check_user_kernels, codegen, codegen_wrapper,
                                     compile_library, expand_low_precision, gemm_autotune,
                                     libraries, localize, widen_half_types)
+from kiln.targets.cpu.never_lose import default_variant, tuned
 from kiln.targets.stages import (DCE, FREEZE, LOWER, PLAN, REORDER, SCHEDULE, Stage, Target,
                                  check_graph, graph_text, import_stage, program_stage,
                                  source_files)
@@ -43,4 +46,5 @@ TARGET = Target("cpu", (
     Stage("codegen", codegen),
     Stage("codegen_wrapper", codegen_wrapper, dump_files=source_files),
     Stage("compile", compile_library),
+    Stage("default_variant", default_variant, when=tuned),
 ), state=CpuBuild, kernel_kind="cpp", libraries=libraries)
