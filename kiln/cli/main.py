@@ -18,7 +18,7 @@ from typing import Any, Sequence
 from rich.console import Console
 from rich.table import Table
 
-from kiln.errors import InputError, KilnError, UnsupportedError
+from kiln.errors import InputError, KilnError
 import kiln
 from kiln.cli.targets import parse_options
 from kiln.cli.manifest_view import fmt_bytes
@@ -82,14 +82,8 @@ def cmd_compile(args: argparse.Namespace) -> int:
             if args.dynamic:
                 dyn = parse_dynamic(args.dynamic, target.example_args)
             status.update("exporting with torch.export ...")
-            try:
-                program = torch.export.export(target.module, target.example_args,
-                                              kwargs=target.example_kwargs,
-                                              dynamic_shapes=dyn)
-            except Exception as e:  # torch raises many types; report the first line
-                first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-                raise UnsupportedError(f"torch.export could not export {target.label}: "
-                                       f"{first}") from e
+            program = kiln.api.export(target.module, target.example_args,
+                                      target.example_kwargs, dyn, what=target.label)
         elif args.dynamic:
             raise InputError("--dynamic applies to module targets; a .pt2 program already "
                              "carries its dynamic shapes")
@@ -165,6 +159,8 @@ def _lazy(module: str, name: str) -> Any:
 def main(argv: Sequence[str] | None = None) -> int:
     """Run the ``kiln`` command; returns (and, as a console script, exits with) its status."""
     args = build_parser().parse_args(argv)
+    if args.debug:  # compiler crashes propagate as they are, with their traceback
+        os.environ["KILN_DEBUG"] = "1"
     try:
         return int(args.func(args) or 0)
     except KilnError as e:
