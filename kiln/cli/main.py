@@ -60,7 +60,9 @@ def _report_table(report: dict[str, Any], title: str) -> Table:
     for name, secs in (report.get("stages") or {}).items():
         table.add_row(f"  {name}", f"{secs:.3f} s")
     if "kernels" in report:
-        table.add_row("kernels", str(report["kernels"]))
+        table.add_row("kernels", f"{report['kernels']} ({report.get('fused_kernels', '?')} "
+                                 f"generated, {report.get('extern_calls', '?')} GEMM/library "
+                                 f"calls)")
     arena, lower = report.get("arena_bytes"), report.get("lower_bound_bytes")
     if arena is not None:
         extra = f"  (lower bound {fmt_bytes(lower)}, {arena / lower:.2f}x)" if lower else ""
@@ -138,8 +140,23 @@ def build_parser() -> argparse.ArgumentParser:
     i.add_argument("--kernels", action="store_true", help="list every kernel and its ops")
     i.add_argument("--memory", action="store_true", help="the memory plan in detail")
     i.add_argument("--json", action="store_true", help="machine-readable summary")
-    i.add_argument("--png", metavar="PATH", help="with --memory: draw the buffer timeline")
+    i.add_argument("--png", metavar="PATH", help="draw the memory timeline (needs matplotlib)")
+    i.add_argument("--html", metavar="PATH", help="write the HTML report (no profiling run)")
     i.set_defaults(func=lambda a: _lazy("kiln.cli.commands", "cmd_inspect")(a))
+
+    pr = sub.add_parser("profile", help="time each kernel of a CPU package")
+    pr.add_argument("package")
+    pr.add_argument("--repeat", type=int, default=20, help="timed runs (medians reported)")
+    pr.add_argument("--seed", type=int, default=0)
+    pr.add_argument("--json", action="store_true", help="machine-readable times")
+    pr.set_defaults(func=lambda a: _lazy("kiln.cli.commands", "cmd_profile")(a))
+
+    rp = sub.add_parser("report", help="write a self-contained HTML report of a package")
+    rp.add_argument("package")
+    rp.add_argument("-o", "--output", metavar="PATH", help="HTML file (default PKG.html)")
+    rp.add_argument("--no-profile", action="store_true", help="skip the profiling run")
+    rp.add_argument("--repeat", type=int, default=20, help="profiling runs")
+    rp.set_defaults(func=lambda a: _lazy("kiln.cli.commands", "cmd_report")(a))
 
     d = sub.add_parser("demo", help="compile, run and check the bundled demo model")
     d.add_argument("--repeat", type=int, default=50, help="timed runs (median reported)")
