@@ -10,7 +10,7 @@ import time
 import traceback
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import torch
 
@@ -271,16 +271,18 @@ def _crash(e: Exception, ep: torch.export.ExportedProgram, device: str) -> Compi
 
 
 def compile(model, example_args=None, *, example_kwargs=None, dynamic_shapes=None,
-            device: str = "cpu", options: Options | None = None) -> CompiledModel:
+            device: str = "cpu", options: Options | None = None,
+            progress: Callable[[str, int, int], None] | None = None) -> CompiledModel:
     """Compile an ExportedProgram (or an nn.Module, a function or an op overload, with example
-    inputs) ahead of time."""
+    inputs) ahead of time. `progress(stage, k, n)` is told each stage as it starts (the CLI
+    draws it; see kiln.pipeline.build)."""
     target_of(device)  # refuses a device no target compiles for
     opts = options or Options()
     t0 = time.perf_counter()
     ep = export(model, example_args, example_kwargs, dynamic_shapes)
     t_export = time.perf_counter() - t0
     try:
-        built = build(ep, opts, device)
+        built = build(ep, opts, device, progress)
     except KilnError:
         raise
     except Exception as e:  # a compiler bug: say where, and keep what reproduces it

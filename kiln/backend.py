@@ -67,7 +67,7 @@ def reset_stats() -> None:
 def _fall_back(name: str, reason: str) -> None:
     _STATS["eager"] += 1
     _REASONS[reason.split(":")[0]] += 1
-    warnings.warn(f"kiln backend: graph {name} runs eagerly (not compiled by kiln): {reason}",
+    warnings.warn(f"kiln backend: {name} runs eagerly (not compiled by kiln): {reason}",
                   KilnFallbackWarning, stacklevel=3)
 
 
@@ -243,14 +243,19 @@ def _compile_graph(gm: torch.fx.GraphModule, example_inputs, options: Options | 
 
 
 def _graph_name(gm: torch.fx.GraphModule, kind: str) -> str:
-    ops = [str(n.target).split(".")[-1] if n.op == "call_function" else str(n.target)
-           for n in gm.graph.nodes if n.op in ("call_function", "call_method", "call_module")]
+    """"forward graph (3 ops: linear, gelu, layer_norm)": which graph a warning is about."""
+    ops = []
+    for n in gm.graph.nodes:
+        if n.op in ("call_function", "call_method", "call_module"):
+            t = n.target
+            name = t if isinstance(t, str) else getattr(t, "__name__", str(t))
+            ops.append(str(name).split(".")[-1])
     shown = ", ".join(ops[:4]) + (", ..." if len(ops) > 4 else "")
-    return f"{kind} graph ({len(ops)} ops: {shown})"
+    return f"{kind + ' ' if kind else ''}graph ({len(ops)} ops: {shown})"
 
 
 def _inference(gm, example_inputs, options, kind="compiled"):
-    name = _graph_name(gm, "" if kind == "compiled" else kind).strip()
+    name = _graph_name(gm, "" if kind == "compiled" else kind)
     run, reason = _compile_graph(gm, list(example_inputs), options, name, kind)
     if run is None:
         _fall_back(name, reason)

@@ -8,101 +8,19 @@ and exits with status 2; ``--debug`` shows the traceback instead.
 from __future__ import annotations
 
 import argparse
-import dataclasses
-import inspect
+import importlib
+import os
 import sys
-import time
-from pathlib import Path
 from typing import Any, Sequence
 
 from rich.console import Console
-from rich.table import Table
-
-from kiln.errors import InputError, KilnError
-import kiln
-from kiln.cli.targets import parse_options
-from kiln.cli.manifest_view import fmt_bytes
-from kiln.cli.targets import parse_dynamic, resolve_target
-from kiln.cli.fuzz_cmd import add_parser as add_fuzz
-import importlib
-import os
-import torch
 from rich.markup import escape
+
+from kiln.errors import KilnError
 
 __all__ = ["main", "build_parser"]
 
-console = Console()
 err_console = Console(stderr=True)
-
-
-def _make_options(pairs: list[str]) -> Any:
-
-    opts = parse_options(pairs)
-    if dataclasses.is_dataclass(kiln.Options):
-        known = {f.name for f in dataclasses.fields(kiln.Options)}
-        unknown = sorted(set(opts) - known)
-        if unknown:
-            raise InputError(f"unknown option(s) {', '.join(unknown)}; "
-                             f"known: {', '.join(sorted(known))}")
-    try:
-        return kiln.Options(**opts)
-    except (TypeError, ValueError) as e:
-        raise InputError(f"bad --option: {e}") from None
-
-
-def _report_table(report: dict[str, Any], title: str) -> Table:
-
-    table = Table(title=title, show_header=False, box=None, pad_edge=False)
-    table.add_column(style="bold")
-    table.add_column()
-    if "compile_seconds" in report:
-        table.add_row("compile time", f"{report['compile_seconds']:.2f} s")
-    for name, secs in (report.get("stages") or {}).items():
-        table.add_row(f"  {name}", f"{secs:.3f} s")
-    if "kernels" in report:
-        table.add_row("kernels", f"{report['kernels']} ({report.get('fused_kernels', '?')} "
-                                 f"generated, {report.get('extern_calls', '?')} GEMM/library "
-                                 f"calls)")
-    arena, lower = report.get("arena_bytes"), report.get("lower_bound_bytes")
-    if arena is not None:
-        extra = f"  (lower bound {fmt_bytes(lower)}, {arena / lower:.2f}x)" if lower else ""
-        table.add_row("arena", fmt_bytes(arena) + extra)
-    return table
-
-
-def cmd_compile(args: argparse.Namespace) -> int:
-    """``kiln compile TARGET -o OUT``."""
-
-    out = Path(args.output)
-    t_start = time.perf_counter()
-    with console.status(f"loading {args.target} ...") as status:
-        target = resolve_target(args.target)
-        options = _make_options(args.option)
-        program = target.program
-        if program is None:
-            dyn = target.dynamic_shapes
-            if args.dynamic:
-                dyn = parse_dynamic(args.dynamic, target.example_args)
-            status.update("exporting with torch.export ...")
-            program = kiln.api.export(target.module, target.example_args,
-                                      target.example_kwargs, dyn, what=target.label)
-        elif args.dynamic:
-            raise InputError("--dynamic applies to module targets; a .pt2 program already "
-                             "carries its dynamic shapes")
-        t_export = time.perf_counter() - t_start
-        status.update("compiling (lower, schedule, plan, generate, build C++) ...")
-        kwargs: dict[str, Any] = {"device": args.device, "options": options}
-        if "progress" in inspect.signature(kiln.compile).parameters:
-            kwargs["progress"] = lambda stage, *_: status.update(f"compiling: {stage} ...")
-        compiled = kiln.compile(program, **kwargs)
-        status.update(f"saving {out} ...")
-        out.parent.mkdir(parents=True, exist_ok=True)
-        compiled.save(str(out))
-    report = dict(getattr(compiled, "report", {}) or {})
-    console.print(_report_table(report, f"compiled {target.label}"))
-    console.print(f"  load + export {t_export:.2f} s; total {time.perf_counter() - t_start:.2f} s")
-    console.print(f"[green]wrote[/green] {out} ({out.stat().st_size / 1024:.1f} KiB)")
-    return 0
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -120,7 +38,7 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--option", action="append", default=[], metavar="KEY=VALUE",
                    help="a kiln.Options field, e.g. num_threads=2 (repeatable)")
     c.add_argument("--device", default="cpu", help="target device (default cpu)")
-    c.set_defaults(func=cmd_compile)
+    c.set_defaults(func=lambda a: _lazy("kiln.cli.compile_cmd", "cmd_compile")(a))
 
     r = sub.add_parser("run", help="run a package on given or random inputs")
     r.add_argument("package")
@@ -164,7 +82,19 @@ def build_parser() -> argparse.ArgumentParser:
     d.set_defaults(func=lambda a: _lazy("kiln.cli.demo", "cmd_demo")(a))
 
 
-    add_fuzz(sub)
+    f = sub.add_parser("fuzz", help="differential fuzzing against eager and the interpreter")
+    f.add_argument("--n", type=int, default=100, help="programs to generate")
+    f.add_argument("--seed", type=int, default=0)
+    f.add_argument("--start", type=int, default=0, help="index of the first program")
+    f.add_argument("--out", default="tests/fuzz_regressions",
+                   help="where minimised reproducers are written")
+    f.add_argument("--max-ops", type=int, default=8)
+    f.add_argument("--no-minimise", action="store_true")
+    f.add_argument("--no-interp", action="store_true", help="skip the Loop IR interpreter")
+    f.add_argument("--bounded-dims", action="store_true",
+                   help="declare every Dim with min and max (avoids known compile crashes)")
+    f.add_argument("--verbose", "-v", action="store_true")
+    f.set_defaults(func=lambda a: _lazy("kiln.cli.fuzz_cmd", "cmd_fuzz")(a))
     return p
 
 
