@@ -147,4 +147,4 @@ def read_package(path: str | os.PathLike[str]) -> Package:
             if name not in names:
                 raise PackageError(f"package '{path}': missing entry '{name}'")
             _verify_streaming(path, zf, name, files[name])
-    return Package(path, manifest, names)
+    return Package(path, manifest, [n for n in names if n != MANIFEST_HASH])  # format-internal
