@@ -226,7 +226,8 @@ def _compile_graph(gm: torch.fx.GraphModule, example_inputs, options: Options | 
                    for i in kept]
         try:
             got = model(*core_in)
-        except InputError as e:  # e.g. a size export specialised that Dynamo kept dynamic
+        except (InputError, ValueError) as e:  # e.g. a size export specialised that Dynamo
+            # kept dynamic (the Python wrapper's checks raise ValueError): eager semantics
             if not eager["warned"]:
                 eager["warned"] = True
                 _fall_back(name, f"inputs outside what kiln compiled: {e}")
@@ -256,7 +257,10 @@ def _graph_name(gm: torch.fx.GraphModule, kind: str) -> str:
 
 def _inference(gm, example_inputs, options, kind="compiled"):
     name = _graph_name(gm, "" if kind == "compiled" else kind)
-    run, reason = _compile_graph(gm, list(example_inputs), options, name, kind)
+    try:
+        run, reason = _compile_graph(gm, list(example_inputs), options, name, kind)
+    except Exception as e:  # noqa: BLE001 - preparing the graph failed: still never break it
+        run, reason = None, f"kiln crashed preparing the graph ({type(e).__name__}: {e})"
     if run is None:
         _fall_back(name, reason)
         return gm.forward
