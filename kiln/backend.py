@@ -66,7 +66,7 @@ def reset_stats() -> None:
 
 def _fall_back(name: str, reason: str) -> None:
     _STATS["eager"] += 1
-    _REASONS[reason.split(":")[0]] += 1
+    _REASONS[reason.split(":")[0].split(" (")[0]] += 1  # the kind of reason, not its details
     warnings.warn(f"kiln backend: {name} runs eagerly (not compiled by kiln): {reason}",
                   KilnFallbackWarning, stacklevel=3)
 
@@ -127,39 +127,78 @@ def _is_dynamic(d: Any) -> bool:
 @dataclass(frozen=True)
 class _Split:
     """The part of a graph kiln compiles: its computed tensor outputs from its used inputs.
-    Outputs that are an input, None or a constant are put back around the compiled call."""
+    Outputs that are an input, None or a constant are put back around the compiled call;
+    symbolic scalars (sizes AOTAutograd saves for the backward) come from `sizes`, a graph of
+    size arithmetic alone, run as it is."""
 
     core: torch.fx.GraphModule
     kept: tuple[int, ...]  # positions of the graph inputs the core takes
-    outs: tuple[tuple[str, Any], ...]  # ("core", k) | ("input", i) | ("const", value)
+    outs: tuple[tuple[str, Any], ...]  # ("core", k) | ("input", i) | ("const", v) | ("size", k)
+    sizes: torch.fx.GraphModule | None = None
 
 
-def _split(gm: torch.fx.GraphModule) -> _Split | str:
-    """The core to compile, or why there is none."""
+_VIEWS = (torch.ops.aten.view.default, torch.ops.aten._unsafe_view.default)
+
+
+def _val(n: torch.fx.Node) -> Any:
+    return n.meta.get("val", n.meta.get("example_value"))
+
+
+def _sizes_from_tensors(graph: torch.fx.Graph) -> None:
+    """A SymInt input that is a tensor input's size is read from that tensor (aten.sym_size)
+    instead: export then relates it to the tensor's dimension itself, and the input is
+    dropped."""
+    placeholders = [n for n in graph.nodes if n.op == "placeholder"]
+    dims = {}
+    for p in placeholders:
+        v = _val(p)
+        if isinstance(v, torch.Tensor):
+            for d, size in enumerate(v.shape):
+                if isinstance(size, torch.SymInt):
+                    dims.setdefault(size.node.expr, (p, d))
+    for p in placeholders:
+        v = _val(p)
+        if isinstance(v, torch.SymInt) and p.users and v.node.expr in dims:
+            tensor, d = dims[v.node.expr]
+            with graph.inserting_after(placeholders[-1]):
+                size = graph.call_function(torch.ops.aten.sym_size.int, (tensor, d))
+            size.meta["val"] = v
+            p.replace_all_uses_with(size)
+
+
+def _split(gm: torch.fx.GraphModule) -> tuple[_Split, bool] | str:
+    """The core to compile (and whether the graph returns one value), or why there is none."""
     graph = torch.fx.Graph()
     env = {}
     graph.graph_copy(gm.graph, env)  # copies all but the output node
+    for n in graph.nodes:  # AOTAutograd's views hold for its strides, not always for export's
+        if n.op == "call_function" and n.target in _VIEWS:
+            n.target = torch.ops.aten.reshape.default
+    _sizes_from_tensors(graph)
     out_node = next(n for n in gm.graph.nodes if n.op == "output")
     flat = out_node.args[0]
     single = not isinstance(flat, (list, tuple))
     flat = [flat] if single else list(flat)
     placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
     where = {n: i for i, n in enumerate(placeholders)}
-    outs, core_outs = [], []
+    outs, core_outs, size_outs = [], [], []
     for o in flat:
         if o is None or not isinstance(o, torch.fx.Node):
             outs.append(("const", o))
         elif o in where:
             outs.append(("input", where[o]))
-        elif isinstance(o.meta.get("val", o.meta.get("example_value")), (torch.SymInt, int,
-                                                                           float, bool)):
-            return f"the graph outputs a symbolic scalar ({o.name})"
+        elif isinstance(_val(o), (torch.SymInt, int, float, bool)):
+            size_outs.append(o)
+            outs.append(("size", len(size_outs) - 1))
         else:
             if env[o] not in core_outs:
                 core_outs.append(env[o])
             outs.append(("core", core_outs.index(env[o])))
     if not core_outs:
         return "the graph computes no tensor"
+    sizes = _size_graph(gm, size_outs) if size_outs else None
+    if isinstance(sizes, str):
+        return sizes
     graph.output(tuple(core_outs))
     graph.eliminate_dead_code()
     kept = []
@@ -169,7 +208,20 @@ def _split(gm: torch.fx.GraphModule) -> _Split | str:
         else:
             graph.erase_node(n)
     core = torch.fx.GraphModule(gm, graph)
-    return _Split(core, tuple(kept), tuple(outs)), single
+    return _Split(core, tuple(kept), tuple(outs), sizes), single
+
+
+def _size_graph(gm: torch.fx.GraphModule, outs: list) -> torch.fx.GraphModule | str:
+    """The scalar outputs' own graph: size arithmetic on the inputs, no tensor computed."""
+    graph = torch.fx.Graph()
+    env = {}
+    graph.graph_copy(gm.graph, env)
+    graph.output(tuple(env[o] for o in outs))
+    graph.eliminate_dead_code()
+    for n in graph.nodes:
+        if n.op == "call_function" and isinstance(_val(n), torch.Tensor):
+            return f"a symbolic scalar output ({outs[0].name}) depends on tensor data"
+    return torch.fx.GraphModule(gm, graph)
 
 
 def _dynamic_shapes(values: list[Any]) -> tuple | None:
@@ -218,7 +270,12 @@ def _compile_graph(gm: torch.fx.GraphModule, example_inputs, options: Options | 
     directory = Path(tempfile.mkdtemp(prefix="kiln-jit-"))
     model = _load_python_wrapper(compiled.sources["model.py"], directory).Model(
         compiled.library, dict(compiled.built.weights))
-    kept, outs = split.kept, split.outs
+    with unset_fake_temporarily(), torch.no_grad():
+        differs = _differs(model(*args), split.core(*args))
+    if differs:  # a miscompile must not reach the user (nor their gradients) silently
+        return None, f"kiln's result differs from the graph's at the example inputs ({differs}); " \
+                     "a kiln bug, please report it"
+    kept, outs, size_graph = split.kept, split.outs, split.sizes
     eager = {"warned": False}
 
     def run(*inputs):
@@ -233,7 +290,9 @@ def _compile_graph(gm: torch.fx.GraphModule, example_inputs, options: Options | 
                 _fall_back(name, f"inputs outside what kiln compiled: {e}")
             got = gm(*inputs)
             return got
-        res = [got[v] if k == "core" else inputs[v] if k == "input" else v for k, v in outs]
+        sizes = size_graph(*inputs) if size_graph is not None else ()
+        res = [got[v] if k == "core" else inputs[v] if k == "input" else sizes[v] if k == "size"
+               else v for k, v in outs]
         return res[0] if single else tuple(res)
 
     _STATS["compiled"] += 1
@@ -243,13 +302,36 @@ def _compile_graph(gm: torch.fx.GraphModule, example_inputs, options: Options | 
     return run, None
 
 
+def _differs(got, want) -> str:
+    """How kiln's outputs differ from the graph's own (empty when they agree: same shapes and
+    dtypes, values within a tolerance loose enough for reassociated float sums)."""
+    want = want if isinstance(want, (list, tuple)) else (want,)
+    if len(got) != len(want):
+        return f"{len(got)} outputs, expected {len(want)}"
+    for k, (g, w) in enumerate(zip(got, want)):
+        if not isinstance(w, torch.Tensor):
+            continue
+        if not isinstance(g, torch.Tensor) or g.shape != w.shape or g.dtype != w.dtype:
+            return (f"output {k}: {tuple(getattr(g, 'shape', ()))} {getattr(g, 'dtype', '?')}, "
+                    f"expected {tuple(w.shape)} {w.dtype}")
+        if w.is_floating_point() and w.numel():
+            scale = float(w.double().abs().max()) or 1.0
+            err = float((g.double() - w.double()).abs().max())
+            if not err <= 1e-2 * scale + 1e-4:
+                return f"output {k}: max abs difference {err:.3g} at magnitude {scale:.3g}"
+        elif not w.is_floating_point() and not torch.equal(g, w):
+            return f"output {k}: values differ"
+    return ""
+
+
 def _graph_name(gm: torch.fx.GraphModule, kind: str) -> str:
     """"forward graph (3 ops: linear, gelu, layer_norm)": which graph a warning is about."""
     ops = []
     for n in gm.graph.nodes:
         if n.op in ("call_function", "call_method", "call_module"):
             t = n.target
-            name = t if isinstance(t, str) else getattr(t, "__name__", str(t))
+            name = t if isinstance(t, str) else getattr(t, "_opname", None) or getattr(
+                t, "__name__", str(t))
             ops.append(str(name).split(".")[-1])
     shown = ", ".join(ops[:4]) + (", ..." if len(ops) > 4 else "")
     return f"{kind + ' ' if kind else ''}graph ({len(ops)} ops: {shown})"

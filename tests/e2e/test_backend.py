@@ -121,3 +121,27 @@ def test_backend_falls_back_on_unsupported_graph_with_a_warning():
     s = kiln.backend.stats()
     assert s["eager"] == 1 and s["compiled"] == 0 and s["eager_reasons"] == {
         "UnsupportedError": 1}, s
+
+
+def test_attention_training_gradients_equal_eager():
+    """AOTAutograd saves attention's logsumexp for the backward: whatever kiln compiles or
+    refuses of that forward, the gradients are eager's (a forward whose outputs differ from the
+    graph's at the example inputs runs eagerly, with the reason)."""
+    torch.manual_seed(0)
+    proj = torch.nn.Linear(16, 48)
+    ref = torch.nn.Linear(16, 48)
+    ref.load_state_dict(proj.state_dict())
+
+    def f(lin, x):
+        q, k, v = lin(x).view(2, 5, 3, 4, 4).permute(2, 0, 3, 1, 4)
+        return torch.nn.functional.scaled_dot_product_attention(q, k, v).sum()
+
+    x = torch.randn(2, 5, 16)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", kiln.backend.KilnFallbackWarning)
+        torch.compile(f, backend="kiln")(proj, x).backward()
+    f(ref, x).backward()
+    torch.testing.assert_close(proj.weight.grad, ref.weight.grad, rtol=1e-4, atol=1e-5)
+    torch.testing.assert_close(proj.bias.grad, ref.bias.grad, rtol=1e-4, atol=1e-5)
+    s = kiln.backend.stats()
+    assert s["forward"] + s["backward"] + s["eager"] >= 2, s
