@@ -4,12 +4,40 @@
     compiled.save("model.kiln")
     runner = kiln.load("model.kiln")
     outputs = runner(*args)
-"""
+
+The public names are looked up on first use (PEP 562), so that `import kiln.errors` or the
+`kiln --help` command does not import torch and the compiler."""
+
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
 
 from kiln import errors
 from kiln.__version__ import __version__
-from kiln.api import CompiledModel, compile
-from kiln.options import Options
-from kiln.runtime import load
+
+if TYPE_CHECKING:
+    from kiln.api import CompiledModel, compile
+    from kiln.options import Options
+    from kiln.runtime import load
 
 __all__ = ["CompiledModel", "Options", "compile", "errors", "load", "__version__"]
+
+_PUBLIC = {"CompiledModel": "kiln.api", "compile": "kiln.api", "Options": "kiln.options",
+           "load": "kiln.runtime"}
+
+
+def __getattr__(name: str) -> Any:
+    if name in _PUBLIC:
+        value = getattr(importlib.import_module(_PUBLIC[name]), name)
+    else:  # a submodule not imported yet (kiln.api, kiln.backend, ...)
+        try:
+            value = importlib.import_module(f"kiln.{name}")
+        except ModuleNotFoundError:
+            raise AttributeError(f"module 'kiln' has no attribute {name!r}") from None
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(_PUBLIC))

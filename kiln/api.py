@@ -4,17 +4,19 @@
 from __future__ import annotations
 
 import os
+import re
 import tempfile
 import time
+import traceback
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import torch
 from torch.utils import _pytree as pytree
 
 from kiln.__version__ import __version__
-from kiln.errors import KilnError, UnsupportedError
+from kiln.errors import CompileError, KilnError, UnsupportedError
 from kiln.ir import loop as L
 from kiln.ir.loop import flat_steps
 from kiln.ir.sym import evaluate
@@ -247,10 +249,44 @@ class _Function(torch.nn.Module):
         return self.fn(*args, **kwargs)
 
 
-def _export(model, example_args, example_kwargs, dynamic_shapes):
+_EXPORT_HINTS = (
+    (r"specialized it to be a constant \((0|1)\)",
+     "torch.export specialises example sizes of 0 and 1: give an example input whose dynamic "
+     "dimension is at least 2 (the Dim's min may still be 1)"),
+    (r"specialized it to be a constant \(\d+\)",
+     "the model's code fixes that size (a reshape to a constant, a check against a constant "
+     "size): drop that Dim, or use Dim.AUTO to let export decide"),
+    (r"data-dependent|GuardOnDataDependent",
+     "the model branches on a tensor's value: use torch.cond for the branch, or "
+     "torch._check(...) to tell export the value's range"),
+    (r"mismatch between the structure of `inputs` and `dynamic_shapes`",
+     "dynamic_shapes mirrors the example inputs: one entry per forward() argument (a dict "
+     "keyed by argument name, or a tuple in argument order), each a {dim: Dim} dict or None"),
+    (r"Cannot mark .* as dynamic|not a valid dim",
+     "a Dim's range must contain the example size"),
+)
+
+
+def explain_export_error(e: Exception, what: str = "the model") -> str:
+    """A torch.export failure in full (torch's reason and suggested fixes, not only its first
+    line), with the likely fix kiln knows for it."""
+    text = str(e).strip() or type(e).__name__
+    text = text.replace("For more information, run with TORCH_LOGS=\"+dynamic\".", "").strip()
+    hints = [h for pattern, h in _EXPORT_HINTS if re.search(pattern, text)]
+    out = f"torch.export could not export {what}: {type(e).__name__}: {text}"
+    if hints:
+        out += "\n" + "\n".join(f"likely fix: {h}" for h in hints[:1])
+    return out
+
+
+def export(model, example_args=None, example_kwargs=None, dynamic_shapes=None,
+           what: str = "the model") -> torch.export.ExportedProgram:
+    """torch.export for kiln.compile and the CLI: an nn.Module, a function or an op overload;
+    an export failure raises UnsupportedError with torch's whole reason and the likely fix."""
     if isinstance(model, torch.export.ExportedProgram):
         return model
-    if callable(model) and not isinstance(model, torch.nn.Module):
+    wrapped = callable(model) and not isinstance(model, torch.nn.Module)
+    if wrapped:
         model = _Function(model)
     if not isinstance(model, torch.nn.Module):
         raise KilnError(f"kiln.compile expects an ExportedProgram, an nn.Module or a function, "
@@ -259,22 +295,81 @@ def _export(model, example_args, example_kwargs, dynamic_shapes):
         raise KilnError("kiln.compile: an nn.Module needs example_args to export it")
     args = tuple(example_args or ())
     try:
-        return torch.export.export(model, args, kwargs=example_kwargs,
-                                   dynamic_shapes=dynamic_shapes)
+        try:
+            return torch.export.export(model, args, kwargs=example_kwargs,
+                                       dynamic_shapes=dynamic_shapes)
+        except Exception as e:  # noqa: BLE001 - a function's shapes given per argument
+            if not (wrapped and isinstance(dynamic_shapes, (tuple, list))
+                    and "structure of `inputs`" in str(e)):
+                raise
+            return torch.export.export(model, args, kwargs=example_kwargs,
+                                       dynamic_shapes=(tuple(dynamic_shapes),))
     except Exception as e:  # torch raises many types here; give one clear error
-        raise UnsupportedError(f"torch.export failed: {type(e).__name__}: {e}") from e
+        raise UnsupportedError(explain_export_error(e, what)) from e
+
+
+def _crash_site(tb) -> tuple[str, str, str]:
+    """(stage, node, code location) a crash happened at, from the traceback's frames: the
+    innermost `node` / `n` local that is a graph node (Graph IR or torch.fx) names the node
+    and its op; the driver's `stage` local names the stage."""
+    stage = node = where = ""
+    for frame, line in reversed(list(traceback.walk_tb(tb))):
+        f_locals = frame.f_locals
+        code = frame.f_code
+        if not where and "/kiln/" in code.co_filename:
+            where = f"{code.co_filename.rsplit('/kiln/', 1)[1]}:{line} in {code.co_name}"
+        for key in ("node", "n", "step", "member"):
+            v = f_locals.get(key)
+            if node or v is None:
+                continue
+            if isinstance(v, torch.fx.Node):
+                node = f"node `{v.name}` (op {v.target})"
+            elif isinstance(getattr(v, "name", None), str) and \
+                    isinstance(getattr(v, "op", None), str):
+                node = f"node `{v.name}` (op {v.op})"
+        if not stage and code.co_name == "_run" and hasattr(f_locals.get("stage"), "name"):
+            stage = f_locals["stage"].name
+    return stage, node, where
+
+
+def _crash(e: Exception, ep: torch.export.ExportedProgram, device: str) -> CompileError:
+    """A compiler crash (any non-kiln exception inside the pipeline) as a CompileError naming
+    the stage, node and op, with the exported program saved for a bug report."""
+    stage, node, where = _crash_site(e.__traceback__)
+    saved = ""
+    try:
+        path = Path(tempfile.mkdtemp(prefix="kiln-bug-")) / "program.pt2"
+        torch.export.save(ep, str(path))
+        saved = (f"\nThis is a kiln bug: the exported program is saved to {path} for a bug "
+                 f"report (`kiln compile {path} -o x.kiln --device {device}` reproduces it)")
+    except Exception as save_error:  # noqa: BLE001 - the report must not hide the crash
+        saved = f"\nThis is a kiln bug (saving the program failed too: {save_error})"
+    at = " while ".join(x for x in (f"in stage {stage}" if stage else "",
+                                    f"processing {node}" if node else "") if x)
+    return CompileError(f"kiln crashed{' ' + at if at else ''}: {type(e).__name__}: {e}"
+                        f"{' [' + where + ']' if where else ''}{saved}\n"
+                        f"(set KILN_DEBUG=1 or pass --debug to the CLI for the traceback)")
 
 
 def compile(model, example_args=None, *, example_kwargs=None, dynamic_shapes=None,
-            device: str = "cpu", options: Options | None = None) -> CompiledModel:
+            device: str = "cpu", options: Options | None = None,
+            progress: Callable[[str, int, int], None] | None = None) -> CompiledModel:
     """Compile an ExportedProgram (or an nn.Module, a function or an op overload, with example
-    inputs) ahead of time."""
+    inputs) ahead of time. `progress(stage, k, n)` is told each stage as it starts (the CLI
+    draws it; see kiln.pipeline.build)."""
     target_of(device)  # refuses a device no target compiles for
     opts = options or Options()
     t0 = time.perf_counter()
-    ep = _export(model, example_args, example_kwargs, dynamic_shapes)
+    ep = export(model, example_args, example_kwargs, dynamic_shapes)
     t_export = time.perf_counter() - t0
-    built = build(ep, opts, device)
+    try:
+        built = build(ep, opts, device, progress)
+    except KilnError:
+        raise
+    except Exception as e:  # a compiler bug: say where, and keep what reproduces it
+        if os.environ.get("KILN_DEBUG"):
+            raise
+        raise _crash(e, ep, device) from e
     check = manifest = None
     if "default" in built.variants:  # max_autotune on the CPU: keep the faster package
         t1 = time.perf_counter()
@@ -286,7 +381,10 @@ def compile(model, example_args=None, *, example_kwargs=None, dynamic_shapes=Non
         "compile_seconds": total,
         "export_seconds": t_export,
         "stages": dict(built.timings),
-        "kernels": sum(1 for s in flat_steps(built.steps) if isinstance(s, Kernel)),
+        # every step the manifest lists (what `kiln inspect` counts), of which generated
+        # fused kernels and calls of GEMMs, library routines and user kernels
+        "kernels": sum(1 for _ in flat_steps(built.steps)),
+        "fused_kernels": sum(1 for s in flat_steps(built.steps) if isinstance(s, Kernel)),
         "extern_calls": sum(1 for s in flat_steps(built.steps) if not isinstance(s, Kernel)),
         "graph_nodes": len(built.graph.nodes),
         "arena_bytes": built.plan.arena_bytes,

@@ -16,7 +16,7 @@ import re
 import time
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import torch
 
@@ -82,13 +82,22 @@ def _run(stage: Stage, state: Build, timings: dict[str, float], opts: Options) -
     return replace(state, times={})
 
 
-def build(ep: torch.export.ExportedProgram, opts: Options, device: str = "cpu") -> Built:
+def build(ep: torch.export.ExportedProgram, opts: Options, device: str = "cpu",
+          progress: Callable[[str, int, int], None] | None = None) -> Built:
+    """`progress(stage, k, n)`, when given, is called before each of the target's n stages
+    (k from 0; a skipped stage too) and once after the last with ("done", n, n): the CLI's
+    progress display; nothing here prints."""
     target = target_of(device)
     timings: dict[str, float] = {}
     state = target.state(options=opts, ep=ep)
-    for stage in target.stages:
+    n = len(target.stages)
+    for k, stage in enumerate(target.stages):
+        if progress is not None:
+            progress(stage.name, k, n)
         if stage.when(state):
             state = _run(stage, state, timings, opts)
+    if progress is not None:
+        progress("done", n, n)
     return Built(state.graph, state.loop, state.steps, state.program, state.plan,
                  state.intervals, dict(state.sources), state.library, dict(state.weights),
                  timings, target.name, dict(state.info), reorder=tuple(state.reorder),

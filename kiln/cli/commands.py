@@ -19,12 +19,13 @@ from kiln.cli.manifest_view import (cpu_summary, entries, fmt_bytes, fmt_shape, 
                                     split_args, symbols)
 from kiln.errors import InputError
 import kiln
-from kiln.memory.intervals import Interval
-from kiln.memory.planner import Plan
-from kiln.memory.report import render_timeline_png
+from kiln.cli.plots import memory_timeline
+from kiln.cli.profile import profile_package
+from kiln.cli.report import render_report
 from safetensors.torch import load_file
 
-__all__ = ["cmd_run", "cmd_inspect", "flatten_outputs", "time_calls"]
+__all__ = ["cmd_run", "cmd_inspect", "cmd_profile", "cmd_report", "flatten_outputs",
+           "time_calls"]
 
 console = Console()
 
@@ -172,23 +173,6 @@ def _kernel_ops(k: dict[str, Any]) -> str:
     return str(ops)
 
 
-def _render_png(manifest: dict[str, Any], path: str) -> None:
-
-    plan = manifest.get("plan") or {}
-    buffers = [b for b in entries(plan.get("buffers")) if "size" in b]
-    intervals = [Interval(str(b.get("name", i)), int(b["size"]), int(b.get("start", 0)),
-                          int(b.get("end", b.get("start", 0)))) for i, b in enumerate(buffers)]
-    offsets = {iv.name: int(b.get("offset", 0)) for iv, b in zip(intervals, buffers)}
-    arena = plan.get("arena_bytes")
-    if arena is None:
-        arena = max([offsets[iv.name] + iv.size for iv in intervals] or [0])
-    lower = plan.get("lower_bound_bytes", plan.get("lower_bound", 0)) or 0
-    render_timeline_png(intervals, Plan(offsets=offsets, arena_bytes=int(arena),
-                                        lower_bound_bytes=int(lower),
-                                        algorithm=str(plan.get("algorithm", "?")),
-                                        seconds=float(plan.get("seconds", 0.0) or 0.0)), path)
-
-
 def cmd_inspect(args: argparse.Namespace) -> int:
     """``kiln inspect PKG``: summarise inputs, outputs, weights, kernels and the memory plan."""
     manifest = read_manifest(args.package)
@@ -197,9 +181,11 @@ def cmd_inspect(args: argparse.Namespace) -> int:
         return 0
     summary = _summary(manifest, args.package)
     if args.png:
-        if not args.memory:
-            raise InputError("--png draws the memory timeline: use it with --memory")
-        _render_png(manifest, args.png)
+        Path(args.png).write_bytes(memory_timeline(manifest, "png",
+                                                   title=f"memory plan of {args.package}"))
+    if args.html:
+        Path(args.html).write_text(render_report(args.package, manifest), encoding="utf-8")
+        console.print(f"[green]wrote[/green] {args.html}")
     if args.json and args.memory:
         print(json.dumps(memory_summary(manifest), indent=2, default=str))
         return 0
@@ -286,3 +272,45 @@ def _print_memory(manifest: dict[str, Any], top: int = 10) -> None:
                       escape(f"[{b.get('start', '?')}, {b.get('end', '?')}]"),
                       str(b.get("offset", "?")))
     console.print(table)
+
+
+def _profile_table(prof: dict[str, Any]) -> Table:
+    total = sum(s["median_s"] for s in prof["steps"]) or 1.0
+    table = Table(title=f"per-step times (median of {prof['repeat']} runs after "
+                        f"{prof['warmup']} warm-up, {prof['threads']} threads)",
+                  title_justify="left")
+    for col in ("step", "kind", "source ops", "median", "share", "timed as"):
+        table.add_column(col, justify="right" if col in ("median", "share") else "left")
+    for s in sorted(prof["steps"], key=lambda s: -s["median_s"]):
+        table.add_row(escape(s["name"]), escape(s["kind"]), escape(", ".join(s["source_ops"])),
+                      f"{s['median_s'] * 1e6:,.1f} us", f"{s['median_s'] / total:.1%}",
+                      escape(s["timed_as"]))
+    return table
+
+
+def cmd_profile(args: argparse.Namespace) -> int:
+    """``kiln profile PKG``: per-kernel times of a CPU package."""
+    with console.status(f"profiling {args.package} ({args.repeat} runs) ..."):
+        prof = profile_package(args.package, repeat=args.repeat, seed=args.seed)
+    if args.json:
+        print(json.dumps(prof, indent=2))
+        return 0
+    console.print(_profile_table(prof))
+    console.print(f"package run: median {prof['package_run_median_s'] * 1e3:.3f} ms "
+                  f"(min {prof['package_run_min_s'] * 1e3:.3f} ms)")
+    console.print(f"[dim]{escape(prof['method'])}; CUDA: {escape(prof['cuda'])}[/dim]")
+    return 0
+
+
+def cmd_report(args: argparse.Namespace) -> int:
+    """``kiln report PKG``: one self-contained HTML page (manifest, kernels with times, GEMM
+    choices, memory timeline)."""
+    manifest = read_manifest(args.package)
+    prof = None
+    if not args.no_profile:
+        with console.status(f"profiling {args.package} ({args.repeat} runs) ..."):
+            prof = profile_package(args.package, repeat=args.repeat)
+    out = Path(args.output or Path(args.package).with_suffix(".html"))
+    out.write_text(render_report(args.package, manifest, prof), encoding="utf-8")
+    console.print(f"[green]wrote[/green] {out}")
+    return 0

@@ -46,6 +46,21 @@ def _max_abs_err(got: object, want: object) -> tuple[float, bool, str]:
     return worst, ok, why
 
 
+def interleaved(kiln_call, eager_call, repeat: int, warmup: int = 5):
+    """Median seconds of each and the per-pair eager/kiln ratios, timing the two alternately
+    after `warmup` untimed calls of each (eager's first calls are cold: allocator, thread
+    pool), so load on a shared machine hits both alike."""
+    for _ in range(warmup):
+        kiln_call()
+        eager_call()
+    tk, te = [], []
+    for _ in range(max(repeat, 1)):
+        tk += time_calls(kiln_call, 1, warmup=0)
+        te += time_calls(eager_call, 1, warmup=0)
+    ratios = [e / k for k, e in zip(tk, te)]
+    return statistics.median(tk), statistics.median(te), ratios
+
+
 def cmd_demo(args: argparse.Namespace) -> int:
     """Compile ``zoo:demo``, save, load, check against eager and time both."""
 
@@ -74,9 +89,8 @@ def cmd_demo(args: argparse.Namespace) -> int:
                                   for a, b in zip(flatten_outputs(got), flatten_outputs(want)))
                 checks.append((tuple(x[0].shape), err, ok, why))
             x = spec.example_args
-            t_kiln = statistics.median(time_calls(lambda: runner(*x), args.repeat, warmup=3))
-            t_eager = statistics.median(time_calls(lambda: spec.module(*x), args.repeat,
-                                                   warmup=3))
+            t_kiln, t_eager, ratios = interleaved(lambda: runner(*x), lambda: spec.module(*x),
+                                                  args.repeat)
     report = dict(getattr(compiled, "report", {}) or {})
     table = Table(show_header=False, box=None)
     table.add_column(style="bold")
@@ -88,8 +102,11 @@ def cmd_demo(args: argparse.Namespace) -> int:
     for shape, err, ok, why in checks:
         mark = "[green]match[/green]" if ok else f"[red]MISMATCH[/red] {why}"
         table.add_row(f"input {shape}", f"max abs error {err:.2e}  {mark}")
-    table.add_row("latency (median)", f"kiln {t_kiln * 1e3:.3f} ms, eager {t_eager * 1e3:.3f} ms "
-                  f"(speed-up over eager {t_eager / t_kiln:.2f}x)")
+    q = statistics.quantiles(ratios, n=4) if len(ratios) > 1 else [ratios[0]] * 3
+    table.add_row("latency (median)", f"kiln {t_kiln * 1e3:.3f} ms, eager {t_eager * 1e3:.3f} ms")
+    table.add_row("speed-up over eager", f"{statistics.median(ratios):.2f}x (median of "
+                  f"{len(ratios)} interleaved pairs after warm-up; middle half "
+                  f"{q[0]:.2f}x to {q[2]:.2f}x)")
     where = str(pkg) if args.keep else "deleted; keep it with --keep DIR"
     table.add_row("package", f"{fmt_bytes(pkg.stat().st_size)} ({where})")
     arena, lower = report.get("arena_bytes"), report.get("lower_bound_bytes")

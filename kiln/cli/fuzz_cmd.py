@@ -17,23 +17,7 @@ from kiln.fuzz.minimise import _key, minimise
 from kiln.fuzz.report import write_repro
 from kiln.fuzz.runner import check
 
-__all__ = ["add_parser", "cmd_fuzz"]
-
-
-def add_parser(sub) -> None:
-    f = sub.add_parser("fuzz", help="differential fuzzing against eager and the interpreter")
-    f.add_argument("--n", type=int, default=100, help="programs to generate")
-    f.add_argument("--seed", type=int, default=0)
-    f.add_argument("--start", type=int, default=0, help="index of the first program")
-    f.add_argument("--out", default="tests/fuzz_regressions",
-                   help="where minimised reproducers are written")
-    f.add_argument("--max-ops", type=int, default=8)
-    f.add_argument("--no-minimise", action="store_true")
-    f.add_argument("--no-interp", action="store_true", help="skip the Loop IR interpreter")
-    f.add_argument("--bounded-dims", action="store_true",
-                   help="declare every Dim with min and max (avoids known compile crashes)")
-    f.add_argument("--verbose", "-v", action="store_true")
-    f.set_defaults(func=cmd_fuzz)
+__all__ = ["cmd_fuzz"]  # its arguments: kiln/cli/main.py (no heavy import for --help)
 
 
 def program_seed(seed: int, k: int) -> int:

@@ -8,105 +8,19 @@ and exits with status 2; ``--debug`` shows the traceback instead.
 from __future__ import annotations
 
 import argparse
-import dataclasses
-import inspect
+import importlib
+import os
 import sys
-import time
-from pathlib import Path
 from typing import Any, Sequence
 
 from rich.console import Console
-from rich.table import Table
-
-from kiln.errors import InputError, KilnError, UnsupportedError
-import kiln
-from kiln.cli.targets import parse_options
-from kiln.cli.manifest_view import fmt_bytes
-from kiln.cli.targets import parse_dynamic, resolve_target
-from kiln.cli.fuzz_cmd import add_parser as add_fuzz
-import importlib
-import os
-import torch
 from rich.markup import escape
+
+from kiln.errors import KilnError
 
 __all__ = ["main", "build_parser"]
 
-console = Console()
 err_console = Console(stderr=True)
-
-
-def _make_options(pairs: list[str]) -> Any:
-
-    opts = parse_options(pairs)
-    if dataclasses.is_dataclass(kiln.Options):
-        known = {f.name for f in dataclasses.fields(kiln.Options)}
-        unknown = sorted(set(opts) - known)
-        if unknown:
-            raise InputError(f"unknown option(s) {', '.join(unknown)}; "
-                             f"known: {', '.join(sorted(known))}")
-    try:
-        return kiln.Options(**opts)
-    except (TypeError, ValueError) as e:
-        raise InputError(f"bad --option: {e}") from None
-
-
-def _report_table(report: dict[str, Any], title: str) -> Table:
-
-    table = Table(title=title, show_header=False, box=None, pad_edge=False)
-    table.add_column(style="bold")
-    table.add_column()
-    if "compile_seconds" in report:
-        table.add_row("compile time", f"{report['compile_seconds']:.2f} s")
-    for name, secs in (report.get("stages") or {}).items():
-        table.add_row(f"  {name}", f"{secs:.3f} s")
-    if "kernels" in report:
-        table.add_row("kernels", str(report["kernels"]))
-    arena, lower = report.get("arena_bytes"), report.get("lower_bound_bytes")
-    if arena is not None:
-        extra = f"  (lower bound {fmt_bytes(lower)}, {arena / lower:.2f}x)" if lower else ""
-        table.add_row("arena", fmt_bytes(arena) + extra)
-    return table
-
-
-def cmd_compile(args: argparse.Namespace) -> int:
-    """``kiln compile TARGET -o OUT``."""
-
-    out = Path(args.output)
-    t_start = time.perf_counter()
-    with console.status(f"loading {args.target} ...") as status:
-        target = resolve_target(args.target)
-        options = _make_options(args.option)
-        program = target.program
-        if program is None:
-            dyn = target.dynamic_shapes
-            if args.dynamic:
-                dyn = parse_dynamic(args.dynamic, target.example_args)
-            status.update("exporting with torch.export ...")
-            try:
-                program = torch.export.export(target.module, target.example_args,
-                                              kwargs=target.example_kwargs,
-                                              dynamic_shapes=dyn)
-            except Exception as e:  # torch raises many types; report the first line
-                first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-                raise UnsupportedError(f"torch.export could not export {target.label}: "
-                                       f"{first}") from e
-        elif args.dynamic:
-            raise InputError("--dynamic applies to module targets; a .pt2 program already "
-                             "carries its dynamic shapes")
-        t_export = time.perf_counter() - t_start
-        status.update("compiling (lower, schedule, plan, generate, build C++) ...")
-        kwargs: dict[str, Any] = {"device": args.device, "options": options}
-        if "progress" in inspect.signature(kiln.compile).parameters:
-            kwargs["progress"] = lambda stage, *_: status.update(f"compiling: {stage} ...")
-        compiled = kiln.compile(program, **kwargs)
-        status.update(f"saving {out} ...")
-        out.parent.mkdir(parents=True, exist_ok=True)
-        compiled.save(str(out))
-    report = dict(getattr(compiled, "report", {}) or {})
-    console.print(_report_table(report, f"compiled {target.label}"))
-    console.print(f"  load + export {t_export:.2f} s; total {time.perf_counter() - t_start:.2f} s")
-    console.print(f"[green]wrote[/green] {out} ({out.stat().st_size / 1024:.1f} KiB)")
-    return 0
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -124,7 +38,7 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--option", action="append", default=[], metavar="KEY=VALUE",
                    help="a kiln.Options field, e.g. num_threads=2 (repeatable)")
     c.add_argument("--device", default="cpu", help="target device (default cpu)")
-    c.set_defaults(func=cmd_compile)
+    c.set_defaults(func=lambda a: _lazy("kiln.cli.compile_cmd", "cmd_compile")(a))
 
     r = sub.add_parser("run", help="run a package on given or random inputs")
     r.add_argument("package")
@@ -144,8 +58,23 @@ def build_parser() -> argparse.ArgumentParser:
     i.add_argument("--kernels", action="store_true", help="list every kernel and its ops")
     i.add_argument("--memory", action="store_true", help="the memory plan in detail")
     i.add_argument("--json", action="store_true", help="machine-readable summary")
-    i.add_argument("--png", metavar="PATH", help="with --memory: draw the buffer timeline")
+    i.add_argument("--png", metavar="PATH", help="draw the memory timeline (needs matplotlib)")
+    i.add_argument("--html", metavar="PATH", help="write the HTML report (no profiling run)")
     i.set_defaults(func=lambda a: _lazy("kiln.cli.commands", "cmd_inspect")(a))
+
+    pr = sub.add_parser("profile", help="time each kernel of a CPU package")
+    pr.add_argument("package")
+    pr.add_argument("--repeat", type=int, default=20, help="timed runs (medians reported)")
+    pr.add_argument("--seed", type=int, default=0)
+    pr.add_argument("--json", action="store_true", help="machine-readable times")
+    pr.set_defaults(func=lambda a: _lazy("kiln.cli.commands", "cmd_profile")(a))
+
+    rp = sub.add_parser("report", help="write a self-contained HTML report of a package")
+    rp.add_argument("package")
+    rp.add_argument("-o", "--output", metavar="PATH", help="HTML file (default PKG.html)")
+    rp.add_argument("--no-profile", action="store_true", help="skip the profiling run")
+    rp.add_argument("--repeat", type=int, default=20, help="profiling runs")
+    rp.set_defaults(func=lambda a: _lazy("kiln.cli.commands", "cmd_report")(a))
 
     d = sub.add_parser("demo", help="compile, run and check the bundled demo model")
     d.add_argument("--repeat", type=int, default=50, help="timed runs (median reported)")
@@ -153,7 +82,19 @@ def build_parser() -> argparse.ArgumentParser:
     d.set_defaults(func=lambda a: _lazy("kiln.cli.demo", "cmd_demo")(a))
 
 
-    add_fuzz(sub)
+    f = sub.add_parser("fuzz", help="differential fuzzing against eager and the interpreter")
+    f.add_argument("--n", type=int, default=100, help="programs to generate")
+    f.add_argument("--seed", type=int, default=0)
+    f.add_argument("--start", type=int, default=0, help="index of the first program")
+    f.add_argument("--out", default="tests/fuzz_regressions",
+                   help="where minimised reproducers are written")
+    f.add_argument("--max-ops", type=int, default=8)
+    f.add_argument("--no-minimise", action="store_true")
+    f.add_argument("--no-interp", action="store_true", help="skip the Loop IR interpreter")
+    f.add_argument("--bounded-dims", action="store_true",
+                   help="declare every Dim with min and max (avoids known compile crashes)")
+    f.add_argument("--verbose", "-v", action="store_true")
+    f.set_defaults(func=lambda a: _lazy("kiln.cli.fuzz_cmd", "cmd_fuzz")(a))
     return p
 
 
@@ -165,6 +106,8 @@ def _lazy(module: str, name: str) -> Any:
 def main(argv: Sequence[str] | None = None) -> int:
     """Run the ``kiln`` command; returns (and, as a console script, exits with) its status."""
     args = build_parser().parse_args(argv)
+    if args.debug:  # compiler crashes propagate as they are, with their traceback
+        os.environ["KILN_DEBUG"] = "1"
     try:
         return int(args.func(args) or 0)
     except KilnError as e:

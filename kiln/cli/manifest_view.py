@@ -17,6 +17,7 @@ import torch
 from kiln.errors import InputError, PackageError
 from kiln.ir import dtypes
 from kiln.runtime import cpu_supports
+from kiln.package.reader import check_manifest_hash
 from torch.utils import _pytree as pytree
 
 __all__ = ["read_manifest", "entries", "symbols", "resolve_shape", "torch_dtype", "fmt_bytes",
@@ -33,7 +34,9 @@ def read_manifest(path: str | Path) -> dict[str, Any]:
         if p.is_dir():
             return json.loads((p / "manifest.json").read_text())
         with zipfile.ZipFile(p) as zf:
-            return json.loads(zf.read("manifest.json"))
+            raw = zf.read("manifest.json")
+            check_manifest_hash(p, zf, zf.namelist(), raw)  # a hand-edited one is refused
+            return json.loads(raw)
     except (KeyError, FileNotFoundError):
         raise PackageError(f"{str(p)!r} has no manifest.json: not a kiln package") from None
     except zipfile.BadZipFile:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import operator
 import sys
+import warnings
 from dataclasses import dataclass
 
 import sympy
@@ -197,8 +198,11 @@ def import_program(ep: ExportedProgram, fold: bool = True, aten_fallback: bool =
         except Fallback:
             pass
     # triton_op custom ops decompose into the Triton kernel HOP (frontend/user_triton.py)
-    return _import(ep.run_decompositions(decompose_custom_triton_ops=True), fold, aten_fallback,
-                   seed, library_routines, fused_attention)
+    with warnings.catch_warnings():  # torch's deepcopy of its own pytree specs warns on
+        warnings.filterwarnings(  # every compile (a deprecation inside torch, not ours)
+            "ignore", r"`isinstance\(treespec, LeafSpec\)` is deprecated", FutureWarning)
+        decomposed = ep.run_decompositions(decompose_custom_triton_ops=True)
+    return _import(decomposed, fold, aten_fallback, seed, library_routines, fused_attention)
 
 
 SIZE_ASSERTS = {"aten._assert_scalar.default", "aten.sym_constrain_range_for_size.default",

@@ -131,6 +131,12 @@ class CallKernel:
     status: bool  # takes a status flag (data-dependent indexing)
     members: tuple[str, ...]
     source: tuple[str, ...]
+    #: what an index out of range names: "embedding (node `embedding`, input `input_ids`)"
+    index_site: str = ""
+
+    @property
+    def index_error(self) -> str:
+        return f"index out of range in {self.index_site or ', '.join(self.source)}"
 
 
 @dataclass(frozen=True)

@@ -14,11 +14,11 @@ from kiln.errors import PlanError
 from kiln.memory.intervals import (Interval, exact_size_reuse_bytes, lower_bound,
                                    naive_bytes)
 from kiln.memory.planner import Plan, greedy_by_size_offsets, plan_memory
-from kiln.memory.report import plan_summary, render_timeline_png
+from kiln.memory.report import plan_summary
 from kiln.memory.verify import verify_plan
 
 __all__ = [
     "Interval", "Plan", "PlanError", "exact_size_reuse_bytes", "greedy_by_size_offsets",
-    "lower_bound", "naive_bytes", "plan_memory", "plan_summary", "render_timeline_png",
+    "lower_bound", "naive_bytes", "plan_memory", "plan_summary",
     "verify_plan",
 ]

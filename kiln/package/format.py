@@ -5,6 +5,8 @@ A package (``model.kiln``) is a zip file whose entries are all STORED (uncompres
 * ``manifest.json`` -- first entry; a JSON object (sorted keys, indent 1) with at least
   ``"format": "kiln.package/1"`` and ``"files": {arcname: {"sha256": hex, "size": int}}`` for
   every other entry; the compiler adds its own keys (``in_spec``, ``out_spec``, ``inputs``...).
+* ``manifest.sha256`` -- the sha256 of ``manifest.json``'s bytes (64 hex digits): a manifest
+  edited after writing is refused at load (from Python and from C).
 * ``weights.safetensors`` -- the weights, written by the ``safetensors`` library.
 * ``lib/model.so`` and any other ``files`` (``src/model.cpp``, ``src/model.py``, ...).
 
@@ -34,11 +36,14 @@ import torch
 
 FORMAT = "kiln.package/1"
 MANIFEST = "manifest.json"
+#: the sha256 (64 hex digits) of manifest.json's bytes: a hand-edited manifest (zip tools
+#: recompute its CRC) no longer matches and is refused at load, from Python and from C
+MANIFEST_HASH = "manifest.sha256"
 WEIGHTS = "weights.safetensors"
 ALIGNMENT = 64
 _PAD_ID = 0xD935  # extra-field id used for alignment padding (as Android's zipalign does)
 _DATE = (1980, 1, 1, 0, 0, 0)
-_RESERVED = (MANIFEST, WEIGHTS)
+_RESERVED = (MANIFEST, MANIFEST_HASH, WEIGHTS)
 
 
 def _check_arcname(name: object) -> str:
@@ -96,7 +101,8 @@ def write_package(path: str | os.PathLike[str], manifest: Mapping[str, Any],
         man_bytes = json.dumps(man, sort_keys=True, indent=1).encode("utf-8")
     except (TypeError, ValueError) as e:
         raise PackageError(f"manifest is not JSON-serialisable: {e}") from e
-    entries = [(MANIFEST, man_bytes)] + sorted(body.items())
+    man_hash = hashlib.sha256(man_bytes).hexdigest().encode()
+    entries = [(MANIFEST, man_bytes), (MANIFEST_HASH, man_hash)] + sorted(body.items())
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
     os.close(fd)

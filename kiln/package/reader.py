@@ -17,7 +17,7 @@ import zipfile
 from typing import Any
 
 from kiln.errors import PackageError
-from kiln.package.format import FORMAT, MANIFEST, WEIGHTS
+from kiln.package.format import FORMAT, MANIFEST, MANIFEST_HASH, WEIGHTS
 import safetensors.torch
 
 _CHUNK = 1 << 20
@@ -96,6 +96,20 @@ def _verify_streaming(path: pathlib.Path, zf: zipfile.ZipFile, arcname: str,
                            f"({rec.get('size')}, {rec.get('sha256')})")
 
 
+def check_manifest_hash(path: pathlib.Path, zf: zipfile.ZipFile, names: list[str],
+                         raw: bytes) -> None:
+    """manifest.json's bytes against manifest.sha256 (packages written before it existed
+    have none: nothing to check)."""
+    if MANIFEST_HASH not in names:
+        return
+    want = _read_verified(path, zf, MANIFEST_HASH, None).decode("ascii", "replace").strip()
+    got = hashlib.sha256(raw).hexdigest()
+    if got != want:
+        raise PackageError(f"package '{path}': '{MANIFEST}' was changed after the package was "
+                           f"written (its sha256 {got} is not the recorded {want}); a "
+                           "hand-edited manifest is refused: recompile the model instead")
+
+
 def read_package(path: str | os.PathLike[str]) -> Package:
     """Opens and fully verifies the package at ``path``."""
     path = pathlib.Path(path)
@@ -111,6 +125,7 @@ def read_package(path: str | os.PathLike[str]) -> Package:
         if MANIFEST not in names:
             raise PackageError(f"package '{path}' has no '{MANIFEST}'")
         raw = _read_verified(path, zf, MANIFEST, None)
+        check_manifest_hash(path, zf, names, raw)
         try:
             manifest = json.loads(raw.decode("utf-8"))
         except (UnicodeDecodeError, ValueError) as e:
@@ -125,11 +140,11 @@ def read_package(path: str | os.PathLike[str]) -> Package:
         if not isinstance(files, dict) or not all(isinstance(v, dict) for v in files.values()):
             raise PackageError(f"package '{path}': '{MANIFEST}' has no valid 'files' table")
         for name in names:
-            if name != MANIFEST and name not in files:
+            if name not in (MANIFEST, MANIFEST_HASH) and name not in files:
                 raise PackageError(f"package '{path}': entry '{name}' is not listed in the "
                                    "manifest")
         for name in files:
             if name not in names:
                 raise PackageError(f"package '{path}': missing entry '{name}'")
             _verify_streaming(path, zf, name, files[name])
-    return Package(path, manifest, names)
+    return Package(path, manifest, [n for n in names if n != MANIFEST_HASH])  # format-internal

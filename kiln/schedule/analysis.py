@@ -40,6 +40,21 @@ def indexes_through_data(kernel: Kernel) -> bool:
     return any(ld.indirect for m in kernel.members for ld in L.loads(m.body))
 
 
+def index_sites(kernel: Kernel) -> tuple[tuple[str, tuple[str, ...]], ...]:
+    """(member, buffers its data-dependent indices are read from) for every member that
+    indexes through data: what a run-time "index out of range" names (the node the user
+    wrote and the input the bad index came from), not only the kernel it was fused into."""
+    out = []
+    for m in kernel.members:
+        bufs: list[str] = []
+        for ld in L.loads(m.body):
+            for ind in ld.indirect:
+                bufs += [x.buf for x in L.loads(ind.value) if x.buf not in bufs]
+        if bufs:
+            out.append((m.name, tuple(bufs)))
+    return tuple(out)
+
+
 def read_after_store(kernel: Kernel) -> set[str]:
     """The members whose stored result a later member of the kernel loads (a register local,
     `Kernel.locals`, is never stored): on a GPU other threads of the program stored what that

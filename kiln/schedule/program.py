@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import sympy
 
-from kiln.schedule.analysis import indexes_through_data, kernel_params
+from kiln.schedule.analysis import index_sites, indexes_through_data, kernel_params
 from kiln.errors import UnsupportedError
 from kiln.ir import loop as L
 from kiln.ir import program as P
@@ -94,6 +94,17 @@ def _reads_writes(step: Step, buffers) -> tuple[list[str], list[str]]:
     return [n for k, n in params if k == "in"], [n for k, n in params if k == "out"]
 
 
+def index_site(graph: Graph, kernel: Kernel) -> str:
+    """The ops, nodes and inputs an "index out of range" in `kernel` names."""
+    ops = {n.name: n.op for n in graph.nodes}
+    users = {i.name for i in graph.user_inputs}
+    parts = []
+    for member, bufs in index_sites(kernel):
+        src = ", ".join(f"input `{b}`" if b in users else f"indices `{b}`" for b in bufs)
+        parts.append(f"{ops.get(member, member)} (node `{member}`, {src})")
+    return "; ".join(parts)
+
+
 def build_program(graph: Graph, prog: L.LoopProgram, steps: tuple[Step, ...],
                   weights, inplace: bool = True) -> P.Program:
     buffers = {b.name: b for b in prog.buffers}
@@ -148,7 +159,8 @@ def build_program(graph: Graph, prog: L.LoopProgram, steps: tuple[Step, ...],
             assert isinstance(step, Kernel)
             params = tuple(kernel_params(step, buffers))
             lines.append(P.CallKernel(step.name, params, indexes_through_data(step),
-                                      tuple(m.name for m in step.members), step.source))
+                                      tuple(m.name for m in step.members), step.source,
+                                      index_site(graph, step)))
         for b in sorted(temps):
             if last[b] == i:
                 lines.append(P.Free(b))

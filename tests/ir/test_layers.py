@@ -19,8 +19,9 @@ from kiln.layers import LAYERS
 ROOT = Path(kiln.__file__).resolve().parent
 RANK = {part: i for i, layer in enumerate(LAYERS) for part in layer}
 #: the only third-party modules a function may import: optional for a CPU-only install
-#: (triton, CUTLASS, NVIDIA's wheels) or for a GPU-only one (OpenBLAS's wheel)
-OPTIONAL = {"triton", "cutlass_library", "nvidia", "scipy_openblas32"}
+#: (triton, CUTLASS, NVIDIA's wheels; matplotlib, the `report` extra) or for a GPU-only one
+#: (OpenBLAS's wheel)
+OPTIONAL = {"triton", "cutlass_library", "nvidia", "scipy_openblas32", "matplotlib"}
 
 
 def _module(path: Path) -> str:

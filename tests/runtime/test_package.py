@@ -153,6 +153,8 @@ def _rewrite(src: pathlib.Path, dst: pathlib.Path,
     with zipfile.ZipFile(src) as zf:
         entries = {i.filename: zf.read(i) for i in zf.infolist()}
     edit(entries)
+    if "manifest.json" in entries and "manifest.sha256" in entries:  # past the hash check
+        entries["manifest.sha256"] = hashlib.sha256(entries["manifest.json"]).hexdigest().encode()
     method = zipfile.ZIP_DEFLATED if deflate else zipfile.ZIP_STORED
     with zipfile.ZipFile(dst, "w", compression=method) as zf:
         for k, v in entries.items():

@@ -45,6 +45,7 @@
 #include "error.h"
 #include "json.h"
 #include "safetensors.h"
+#include "sha256.h"
 #include "zip_reader.h"
 
 static_assert(sizeof(DLDevice) == 8, "DLDevice layout");
@@ -295,10 +296,25 @@ std::string shape_text(const std::vector<int64_t> &shape) {
   return out + "]";
 }
 
+// manifest.json's bytes against manifest.sha256 (kiln/package/format.py): a hand-edited
+// manifest is refused. Packages written before the hash existed have none to check.
+void check_manifest_hash(const kiln::ZipReader &zip, kiln::Span manifest) {
+  if (!zip.has("manifest.sha256")) return;
+  kiln::Span h = zip.entry("manifest.sha256");
+  std::string want(reinterpret_cast<const char *>(h.data), static_cast<size_t>(h.size));
+  std::string got = kiln::sha256_hex(manifest.data, static_cast<size_t>(manifest.size));
+  if (got != want) {
+    kiln::fail("kiln: package '%s': 'manifest.json' was changed after the package was written "
+               "(its sha256 %s is not the recorded %.64s); a hand-edited manifest is refused: "
+               "recompile the model instead", zip.path().c_str(), got.c_str(), want.c_str());
+  }
+}
+
 ManifestInfo check_manifest(const kiln::ZipReader &zip) {
   const std::string what = kiln::format("kiln: package '%s': entry 'manifest.json'",
                                         zip.path().c_str());
   kiln::Span s = zip.entry("manifest.json");
+  check_manifest_hash(zip, s);
   kiln::Json man = kiln::parse_json(reinterpret_cast<const char *>(s.data),
                                     static_cast<size_t>(s.size), what);
   if (man.type != kiln::Json::Object) kiln::fail("%s: not a JSON object", what.c_str());

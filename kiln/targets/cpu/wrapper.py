@@ -168,8 +168,7 @@ class _Printer(SizeCheckPrinter):
             args.append("&status")
         self.emit(f"{x.kernel}({', '.join(args)});")
         if x.status:
-            self.emit(f"if (status) {{ e.fail(\"index out of range in {', '.join(x.source)}\"); "
-                      "goto fail; }")
+            self.emit(f"if (status) {{ e.fail(\"%s\", {_cstr(x.index_error)}); goto fail; }}")
 
     def _CallGemm(self, x: P.CallGemm) -> None:
         g = x.gemm

@@ -177,8 +177,7 @@ def _call_kernel(prog: P.Program, x: P.CallKernel) -> list[str]:
     out = [f"# {x.kernel}: {', '.join(x.members)}  <- {', '.join(x.source)}",
            f"lib.{x.kernel}({', '.join(args)})"]
     if x.status:
-        out.append(f"_expect(status.value == 0, 'index out of range in "
-                   f"{', '.join(x.source)}')")
+        out.append(f"_expect(status.value == 0, {x.index_error!r})")
     return out
 
 

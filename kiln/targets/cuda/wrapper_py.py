@@ -233,7 +233,7 @@ def run_program(prog: P.Program, kernels: dict, module, weights: dict, inputs: l
         elif isinstance(x, P.CallKernel):
             launch_kernel(module, kernels[x.kernel], env, bufs, status, device)
             if int(status.item()):
-                raise IndexError(f"index out of range in {', '.join(x.source)}")
+                raise IndexError(x.index_error)
         elif isinstance(x, P.CallLib) and x.call.routine == "attention":
             launch_kernel(module, kernels[f"attn_{x.call.name}"], env, bufs, status, device)
         elif isinstance(x, P.CallUser):
