@@ -68,6 +68,15 @@ def _kernels_json(built: Built) -> list[dict]:
     return out
 
 
+# what the compiled code reads per input, and what becomes of other strides (the runners'
+# copy-in: kiln/runtime/src/copy_in.h for CPU packages, the Python loader for CUDA ones)
+_INPUT_LAYOUT = {
+    "cpu": "contiguous (other strides copied in)",
+    "cuda": "contiguous (other strides copied in by the Python runner; C callers pass "
+            "contiguous tensors)",
+}
+
+
 def _manifest(built: Built, opts: Options, report: dict) -> dict[str, Any]:
     g = built.graph
     types = g.types()
@@ -89,7 +98,7 @@ def _manifest(built: Built, opts: Options, report: dict) -> dict[str, Any]:
         **({built.device: dict(built.info)} if built.info else {}),
         "options": opts.to_json(),
         "inputs": [{"name": i.name, "dtype": i.type.dtype.name, "shape": _shape_json(i.type.shape),
-                    "contiguous": True,
+                    "contiguous": True, "layout": _INPUT_LAYOUT.get(built.device, "contiguous"),
                     **({"python_int": True, "symbol": i.symbol} if i.symbol else {})}
                    for i in g.user_inputs],
         "outputs": [{"name": o, "dtype": types[o].dtype.name, "shape": _shape_json(types[o].shape),

@@ -3,8 +3,12 @@
 Input: a package path; at call time the same ``(*args, **kwargs)`` the exported program took.
 Output: the outputs as torch tensors in the exported output structure (manifest ``out_spec``).
 Invariants: the C ABI of kiln.h is the only path to the model (ctypes over libkiln.so); inputs
-are passed as DLTensors pointing at the tensors' own memory (never copied; the model validates
-dtype/device/shape/strides); every DLManagedTensor returned by the model is either handed to
+are passed as DLTensors pointing at the tensors' own memory with their own strides (the model
+validates dtype/device/shape; libkiln copies a CPU input whose strides are not compact into a
+scratch buffer of the handle, so transposed, sliced, expanded and channels-last tensors are
+valid inputs). Torch tensors and numpy arrays (any strides, negative ones included) are taken;
+a CUDA input that is not contiguous is made contiguous here, on torch's current stream, since
+libkiln cannot copy device memory; every DLManagedTensor returned by the model is either handed to
 ``torch.from_dlpack`` (which then owns it and calls its deleter when the tensor dies) or deleted
 here, exactly once. Runs on one Runner are serialised by libkiln. A CUDA runner
 (``device="cuda:N"``) passes CUDA tensors as kDLCUDA DLTensors and runs on torch's current
@@ -23,6 +27,7 @@ import struct
 from collections.abc import Mapping
 from typing import Any
 
+import numpy as np
 import torch
 from torch.utils import _pytree as pytree
 
@@ -304,6 +309,8 @@ class Runner:
         return torch.tensor(v, dtype=torch.int64)
 
     def _dltensor(self, i: int, t: Any, keep: list[Any]) -> dl.DLTensor:
+        if isinstance(t, np.ndarray):
+            return self._dl_numpy(i, t, keep)
         if not isinstance(t, torch.Tensor):
             raise InputError(f"input {i} ({self._name(i)}): expected a torch.Tensor, got "
                              f"{type(t).__name__}")
@@ -316,12 +323,29 @@ class Runner:
         if f is None:
             raise InputError(f"input {i} ({self._name(i)}): unsupported dtype/device "
                              f"{t.dtype}/{t.device}")
+        if not t.is_cpu and not t.is_contiguous():  # libkiln copies only host memory
+            t = t.contiguous()
         n = t.dim()
         arr = _i64_array(n)
         shape, strides = arr(*t.shape), arr(*t.stride())
         keep += [t, shape, strides]
         device, dtype = _dl_structs(f)
         return dl.DLTensor(t.data_ptr(), device, n, dtype, shape, strides, 0)
+
+    def _dl_numpy(self, i: int, a: np.ndarray, keep: list[Any]) -> dl.DLTensor:
+        """A numpy array as a CPU DLTensor over its own memory and strides (negative and
+        zero strides included; libkiln copies a non-compact one in)."""
+        code = _NP_TO_DL.get(a.dtype.newbyteorder("=")) if a.dtype.isnative else None
+        if code is None:
+            raise InputError(f"input {i} ({self._name(i)}): unsupported numpy dtype {a.dtype}")
+        if any(st % a.itemsize for st in a.strides):  # not whole elements (a record field)
+            a = np.ascontiguousarray(a)
+        n = a.ndim
+        arr = _i64_array(n)
+        shape, strides = arr(*a.shape), arr(*[st // a.itemsize for st in a.strides])
+        keep += [a, shape, strides]
+        device, dtype = _dl_structs((dl.KDL_CPU, 0, *code, 1))
+        return dl.DLTensor(a.__array_interface__["data"][0], device, n, dtype, shape, strides, 0)
 
     def update_weights(self, weights: Mapping[str, Any] | str | os.PathLike[str]) -> None:
         """Replace the weights without recompiling: a safetensors file (keys are the manifest's
@@ -370,7 +394,7 @@ class Runner:
                     return _MISS
                 if t.is_cpu:
                     f = _CPU_FIELDS.get(t.dtype)  # no complex dtypes: no conj views
-                elif t.is_conj():
+                elif t.is_conj() or not t.is_contiguous():  # the general path copies it
                     return _MISS
                 else:
                     f = _fields(t)
@@ -445,6 +469,14 @@ class _Scratch:
                          *[self.base + i * _SLOT for i in range(n_in)])
         self.read_outputs = struct.Struct(f"={n_out}Q").unpack_from
 
+
+# numpy dtype -> (DLDataTypeCode, bits), for numpy inputs (numpy has no bfloat16 / float8)
+_NP_TO_DL: dict = {}
+for _t, _code in dl.DTYPE_TO_DL.items():
+    try:
+        _NP_TO_DL[np.dtype(torch.empty(0, dtype=_t).numpy().dtype)] = _code
+    except (TypeError, RuntimeError):
+        pass
 
 _FIELDS: dict = {}  # (torch dtype, device) -> the fast path's fields, None: not DLPack's
 

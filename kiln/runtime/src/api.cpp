@@ -4,7 +4,8 @@
 // (pointers into the mapping) and create the model instance (on the device the caller names,
 // which must be the device the package was compiled for: manifest "device"). kiln_model_run /
 // kiln_model_run_on_stream: validate argument counts and pointers, serialise on the model's
-// mutex, call the model, translate its error.
+// mutex, bind the inputs (CPU inputs with other strides copied compact: copy_in.h), call the
+// model, translate its error.
 // Invariants: no exception and no NULL dereference crosses this file's boundary; each failure
 // sets the thread-local error; a model library is never dlclose'd (output deleters live in it).
 //
@@ -39,6 +40,7 @@
 #include "../include/kiln.h"
 #include "../include/kiln_model_abi.h"
 #include "cache.h"
+#include "copy_in.h"
 #include "error.h"
 #include "json.h"
 #include "safetensors.h"
@@ -103,6 +105,7 @@ struct kiln_model {
   int (*omp_get_max_threads)(void) = nullptr;
   void (*omp_set_num_threads)(int) = nullptr;
   std::atomic<int> num_threads{0};  // kiln_model_set_num_threads; 0: automatic
+  kiln::CopyIn copy_in;  // CPU inputs with other strides, copied compact (under mu)
 };
 
 namespace {
@@ -483,7 +486,8 @@ static int run_impl(kiln_model *m, const DLTensor *const *inputs, int64_t n_inpu
       rc = m->device_type == kDLCUDA
                ? abi->run_on_stream(m->instance, inputs, n_inputs, outputs, n_outputs, stream,
                                     err, sizeof err)
-               : abi->run(m->instance, inputs, n_inputs, outputs, n_outputs, err, sizeof err);
+               : abi->run(m->instance, m->copy_in.bind(inputs, n_inputs), n_inputs, outputs,
+                          n_outputs, err, sizeof err);
     }
     err[sizeof err - 1] = '\0';
     if (rc != 0) {
