@@ -102,7 +102,8 @@ def _manifest(built: Built, opts: Options, report: dict) -> dict[str, Any]:
                     **({"python_int": True, "symbol": i.symbol} if i.symbol else {})}
                    for i in g.user_inputs],
         "outputs": [{"name": o, "dtype": types[o].dtype.name, "shape": _shape_json(types[o].shape),
-                     **({"python_int": True} if k in g.meta.get("int_outputs", ()) else {})}
+                     **({"python_int": True} if k in g.meta.get("int_outputs", ()) else {}),
+                     **({"alias": dict(a)} if (a := _alias(g, k)) else {})}
                     for k, o in enumerate(g.outputs)],
         "constant_inputs": [dict(c) for c in g.meta.get("constant_inputs", ())],
         "symbols": {s.name: {"min": s.min, "max": s.max, "example": s.example}
@@ -118,6 +119,12 @@ def _manifest(built: Built, opts: Options, report: dict) -> dict[str, Any]:
         "build": {"cxx": compiler_identity(opts.cxx or "c++"), "march": opts.march,
                   "compile_seconds": report["compile_seconds"]},
     }
+
+
+def _alias(g, k: int) -> dict | None:
+    """Output k's storage sharing in eager (frontend/aliasing.py), None when it has its own."""
+    aliases = g.meta.get("output_aliases", ())
+    return aliases[k] if k < len(aliases) else None
 
 
 def _requires(built: Built) -> dict[str, Any]:

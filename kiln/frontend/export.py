@@ -18,6 +18,7 @@ from torch.utils import _pytree as pytree
 
 from kiln.errors import UnsupportedError
 from kiln.frontend import fallback, user_triton
+from kiln.frontend.aliasing import output_aliases
 from kiln.frontend import aten_extra, aten_random  # noqa: F401 - register their converters
 from kiln.frontend import aten_spatial  # noqa: F401  (registers spatial converters)
 import kiln.frontend.aten_library  # noqa: F401  (registers library-call converters)
@@ -340,6 +341,7 @@ def _import(ep: ExportedProgram, fold: bool, aten_fallback: bool = False, seed: 
             continue
         convert_node(b, n, ep.graph_module)
     outputs = []
+    out_nodes: list[str | None] = []  # the FX node of each user output
     int_outputs: list[int] = []
     mutations = []
     by_fqn = {i.fqn: i.name for i in inputs if i.kind == "weight"}
@@ -368,6 +370,7 @@ def _import(ep: ExportedProgram, fold: bool, aten_fallback: bool = False, seed: 
             int_outputs.append(len(outputs))
         if name is None or name not in b.env:
             raise UnsupportedError(f"output {spec.arg} is not a tensor")
+        out_nodes.append(None if int_outputs and int_outputs[-1] == len(outputs) else name)
         outputs.append(b.env[name])
     if b.rng is not None:  # random ops: the seed and run counter are state, updated per run
         inputs = inputs + (Input(RNG_STATE, b.types[RNG_STATE], "weight", RNG_FQN),)
@@ -383,5 +386,8 @@ def _import(ep: ExportedProgram, fold: bool, aten_fallback: bool = False, seed: 
                   meta={"constant_inputs": tuple(b.constant_inputs),
                         "relations": tuple(b.relations),
                         "int_outputs": tuple(int_outputs),
+                        # eager's storage sharing between outputs and inputs (aliasing.py)
+                        "output_aliases": output_aliases(
+                            ep, [i.name for i in inputs if i.kind == "user"], out_nodes, syms),
                         "mutations": tuple(mutations)})
     return Imported(graph, weights)
