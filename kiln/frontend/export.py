@@ -19,6 +19,7 @@ from torch.utils import _pytree as pytree
 from kiln.errors import UnsupportedError
 from kiln.frontend import fallback, user_triton
 from kiln.frontend.aliasing import output_aliases
+from kiln.frontend.scalar_ops import ScalarArgument, rewrite_table
 from kiln.frontend import aten_extra, aten_random  # noqa: F401 - register their converters
 from kiln.frontend import aten_spatial  # noqa: F401  (registers spatial converters)
 import kiln.frontend.aten_library  # noqa: F401  (registers library-call converters)
@@ -191,14 +192,30 @@ def import_program(ep: ExportedProgram, fold: bool = True, aten_fallback: bool =
     them an op kiln would lower to one (aten_library.CPU_ONLY_OPS) calls ATen instead (with
     `aten_fallback`; else it is refused); `fused_attention` turns
     scaled_dot_product_attention into one `attention` node instead of its decomposition."""
+    args = (fold, aten_fallback, seed, library_routines, fused_attention)
     if _all_known(ep):
         try:
-            return _import(ep, fold, aten_fallback, seed, library_routines, fused_attention)
-        except Fallback:
+            return _import(ep, *args)
+        except (Fallback, ScalarArgument):
             pass
     # triton_op custom ops decompose into the Triton kernel HOP (frontend/user_triton.py)
-    return _import(ep.run_decompositions(decompose_custom_triton_ops=True), fold, aten_fallback,
-                   seed, library_routines, fused_attention)
+    rewritten: list = []  # ops the ATen fallback met with Scalar arguments (scalar_ops.py)
+    first: ScalarArgument | None = None
+    while True:
+        table = rewrite_table(rewritten) if rewritten else None
+        try:
+            return _import(ep.run_decompositions(table, decompose_custom_triton_ops=True),
+                           *args)
+        except ScalarArgument as e:
+            first = first or e
+            if e.op in rewritten or rewrite_table([*rewritten, e.op]) is None:
+                raise
+            rewritten.append(e.op)
+        except UnsupportedError as e:
+            if first is None:
+                raise
+            # the rewrite made ops kiln cannot compile either: the Scalar is the reason
+            raise UnsupportedError(f"{first} (its decomposition fails too: {e})") from None
 
 
 SIZE_ASSERTS = {"aten._assert_scalar.default", "aten.sym_constrain_range_for_size.default",
@@ -292,6 +309,8 @@ def convert_node(b: Builder, n: torch.fx.Node, gm: torch.fx.GraphModule) -> None
             del b.types[k]
         try:
             result = fallback.aten_fallback(b, n)
+        except ScalarArgument:
+            raise  # the importer rewrites the op (scalar_ops.py)
         except UnsupportedError:
             raise declined from None
     if isinstance(result, list):
