@@ -74,6 +74,15 @@ def _kernels_json(built: Built) -> list[dict]:
     return out
 
 
+# what the compiled code reads per input, and what becomes of other strides (the runners'
+# copy-in: kiln/runtime/src/copy_in.h for CPU packages, the Python loader for CUDA ones)
+_INPUT_LAYOUT = {
+    "cpu": "contiguous (other strides copied in)",
+    "cuda": "contiguous (other strides copied in by the Python runner; C callers pass "
+            "contiguous tensors)",
+}
+
+
 def _manifest(built: Built, opts: Options, report: dict) -> dict[str, Any]:
     g = built.graph
     types = g.types()
@@ -95,11 +104,12 @@ def _manifest(built: Built, opts: Options, report: dict) -> dict[str, Any]:
         **({built.device: dict(built.info)} if built.info else {}),
         "options": opts.to_json(),
         "inputs": [{"name": i.name, "dtype": i.type.dtype.name, "shape": _shape_json(i.type.shape),
-                    "contiguous": True,
+                    "contiguous": True, "layout": _INPUT_LAYOUT.get(built.device, "contiguous"),
                     **({"python_int": True, "symbol": i.symbol} if i.symbol else {})}
                    for i in g.user_inputs],
         "outputs": [{"name": o, "dtype": types[o].dtype.name, "shape": _shape_json(types[o].shape),
-                     **({"python_int": True} if k in g.meta.get("int_outputs", ()) else {})}
+                     **({"python_int": True} if k in g.meta.get("int_outputs", ()) else {}),
+                     **({"alias": dict(a)} if (a := _alias(g, k)) else {})}
                     for k, o in enumerate(g.outputs)],
         "constant_inputs": [dict(c) for c in g.meta.get("constant_inputs", ())],
         "symbols": {s.name: {"min": s.min, "max": s.max, "example": s.example}
@@ -115,6 +125,12 @@ def _manifest(built: Built, opts: Options, report: dict) -> dict[str, Any]:
         "build": {"cxx": compiler_identity(opts.cxx or "c++"), "march": opts.march,
                   "compile_seconds": report["compile_seconds"]},
     }
+
+
+def _alias(g, k: int) -> dict | None:
+    """Output k's storage sharing in eager (frontend/aliasing.py), None when it has its own."""
+    aliases = g.meta.get("output_aliases", ())
+    return aliases[k] if k < len(aliases) else None
 
 
 def _requires(built: Built) -> dict[str, Any]:

@@ -98,8 +98,23 @@ def _sdpa(b, n):
             ninf = b.scalar(float("-inf"), b.meta_dtype(n))
             scores = b.emit("where", [b.tensor(mask), scores, ninf], None, like=n,
                             shape=(*qs[:2], lq, s))
-    probs = b.emit("softmax", [scores], None, like=n, shape=(*qs[:2], lq, s), dim=3)
+    probs = _safe_softmax(b, n, scores, (*qs[:2], lq, s))
     return b.emit("matmul", [probs, b.tensor(v)], n)
+
+
+def _safe_softmax(b, n, scores, shape):
+    """softmax over the keys, with zeros for a query row whose scores are all -inf (every key
+    masked): eager's scaled_dot_product_attention on every CPU path (math: aten._safe_softmax;
+    flash) and the CUDA fused kernel (targets/cuda/attention.py) give 0 there, a plain softmax
+    NaN. A NaN score still gives NaN, as in eager."""
+    probs = b.emit("softmax", [scores], None, like=n, shape=shape, dim=3)
+    ninf = b.scalar(float("-inf"), b.meta_dtype(n))
+    masked = b.emit("eq", [scores, ninf], None, like=n, shape=shape, dtype=dtypes.bool_)
+    row = (*shape[:3], 1)
+    empty = b.emit("reduce", [masked], None, like=n, shape=row, dtype=dtypes.bool_, kind="all",
+                   dims=(3,), keepdim=True)
+    zero = b.scalar(0.0, b.meta_dtype(n))
+    return b.emit("where", [empty, zero, probs], None, like=n, shape=shape)
 
 
 MAX_HEAD_DIM = 256  # the fused kernel keeps a [BLOCK_M, head dim] accumulator in registers

@@ -19,6 +19,8 @@ from torch.utils import _pytree as pytree
 
 from kiln.errors import UnsupportedError
 from kiln.frontend import fallback, user_triton
+from kiln.frontend.aliasing import output_aliases
+from kiln.frontend.scalar_ops import ScalarArgument, rewrite_table
 from kiln.frontend import aten_extra, aten_random  # noqa: F401 - register their converters
 from kiln.frontend import aten_spatial  # noqa: F401  (registers spatial converters)
 import kiln.frontend.aten_library  # noqa: F401  (registers library-call converters)
@@ -192,17 +194,33 @@ def import_program(ep: ExportedProgram, fold: bool = True, aten_fallback: bool =
     them an op kiln would lower to one (aten_library.CPU_ONLY_OPS) calls ATen instead (with
     `aten_fallback`; else it is refused); `fused_attention` turns
     scaled_dot_product_attention into one `attention` node instead of its decomposition."""
+    args = (fold, aten_fallback, seed, library_routines, fused_attention)
     if _all_known(ep):
         try:
-            return _import(ep, fold, aten_fallback, seed, library_routines, fused_attention)
-        except Fallback:
+            return _import(ep, *args)
+        except (Fallback, ScalarArgument):
             pass
     # triton_op custom ops decompose into the Triton kernel HOP (frontend/user_triton.py)
-    with warnings.catch_warnings():  # torch's deepcopy of its own pytree specs warns on
-        warnings.filterwarnings(  # every compile (a deprecation inside torch, not ours)
-            "ignore", r"`isinstance\(treespec, LeafSpec\)` is deprecated", FutureWarning)
-        decomposed = ep.run_decompositions(decompose_custom_triton_ops=True)
-    return _import(decomposed, fold, aten_fallback, seed, library_routines, fused_attention)
+    rewritten: list = []  # ops the ATen fallback met with Scalar arguments (scalar_ops.py)
+    first: ScalarArgument | None = None
+    while True:
+        table = rewrite_table(rewritten) if rewritten else None
+        try:
+            with warnings.catch_warnings():  # torch's deepcopy of its own pytree specs warns
+                warnings.filterwarnings(  # on every compile (a deprecation inside torch)
+                    "ignore", r"`isinstance\(treespec, LeafSpec\)` is deprecated", FutureWarning)
+                decomposed = ep.run_decompositions(table, decompose_custom_triton_ops=True)
+            return _import(decomposed, *args)
+        except ScalarArgument as e:
+            first = first or e
+            if e.op in rewritten or rewrite_table([*rewritten, e.op]) is None:
+                raise
+            rewritten.append(e.op)
+        except UnsupportedError as e:
+            if first is None:
+                raise
+            # the rewrite made ops kiln cannot compile either: the Scalar is the reason
+            raise UnsupportedError(f"{first} (its decomposition fails too: {e})") from None
 
 
 SIZE_ASSERTS = {"aten._assert_scalar.default", "aten.sym_constrain_range_for_size.default",
@@ -296,6 +314,8 @@ def convert_node(b: Builder, n: torch.fx.Node, gm: torch.fx.GraphModule) -> None
             del b.types[k]
         try:
             result = fallback.aten_fallback(b, n)
+        except ScalarArgument:
+            raise  # the importer rewrites the op (scalar_ops.py)
         except UnsupportedError:
             raise declined from None
     if isinstance(result, list):
@@ -345,6 +365,7 @@ def _import(ep: ExportedProgram, fold: bool, aten_fallback: bool = False, seed: 
             continue
         convert_node(b, n, ep.graph_module)
     outputs = []
+    out_nodes: list[str | None] = []  # the FX node of each user output
     int_outputs: list[int] = []
     mutations = []
     by_fqn = {i.fqn: i.name for i in inputs if i.kind == "weight"}
@@ -373,6 +394,7 @@ def _import(ep: ExportedProgram, fold: bool, aten_fallback: bool = False, seed: 
             int_outputs.append(len(outputs))
         if name is None or name not in b.env:
             raise UnsupportedError(f"output {spec.arg} is not a tensor")
+        out_nodes.append(None if int_outputs and int_outputs[-1] == len(outputs) else name)
         outputs.append(b.env[name])
     if b.rng is not None:  # random ops: the seed and run counter are state, updated per run
         inputs = inputs + (Input(RNG_STATE, b.types[RNG_STATE], "weight", RNG_FQN),)
@@ -388,5 +410,8 @@ def _import(ep: ExportedProgram, fold: bool, aten_fallback: bool = False, seed: 
                   meta={"constant_inputs": tuple(b.constant_inputs),
                         "relations": tuple(b.relations),
                         "int_outputs": tuple(int_outputs),
+                        # eager's storage sharing between outputs and inputs (aliasing.py)
+                        "output_aliases": output_aliases(
+                            ep, [i.name for i in inputs if i.kind == "user"], out_nodes, syms),
                         "mutations": tuple(mutations)})
     return Imported(graph, weights)

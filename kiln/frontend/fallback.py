@@ -3,9 +3,10 @@ at run time (through torch's stable C interface, see runtime/model/kiln_aten.h).
 
 The converter reads the op's schema and encodes every argument in schema order as a
 `loop.AtenArg`; tensor arguments are `AtenOperand`s, naming the node's inputs by position. An
-op whose arguments or results the stable interface cannot carry (Scalar, Generator, Device,
-...), and an op that mutates its inputs are refused with an `UnsupportedError` that names the
-op and the reason. One Graph IR node is made per result. A result size that depends on data
+op whose arguments or results the stable interface cannot carry (Generator, Device, ...), and
+an op that mutates its inputs are refused with an `UnsupportedError` that names the op and the
+reason; a Scalar argument raises `scalar_ops.ScalarArgument`, on which the importer rewrites
+the op without Scalars (scalar_ops.py) and imports again. One Graph IR node is made per result. A result size that depends on data
 (torch's unbacked symbol, e.g. the row count of `nonzero`) becomes a size symbol `u0, u1, ...`
 bound when the call returns; memory is planned for its upper bound (`_bound`)."""
 
@@ -18,6 +19,7 @@ from kiln.ir import dtypes
 from kiln.ir import loop as L
 from kiln.ir.graph import Node, TensorType
 from kiln.frontend.builder import to_dtype
+from kiln.frontend.scalar_ops import ScalarArgument
 import sympy
 
 # ops whose data-dependent result sizes never exceed the element count of their first tensor
@@ -70,6 +72,8 @@ def _encode(b, n, name: str, t, value, inputs: list[str]) -> L.AtenArg:
                                    "tensor")
         inputs.append(b.tensor(value))
         return L.AtenOperand(len(inputs) - 1)
+    if isinstance(value, torch.dtype):  # a ScalarType argument (its schema type reads int)
+        return L.AtenDtype(to_dtype(value))
     if kind in ("IntType", "SymIntType"):
         return L.AtenInt(b.int_or_sym(value))
     if kind == "FloatType":
@@ -89,8 +93,12 @@ def _encode(b, n, name: str, t, value, inputs: list[str]) -> L.AtenArg:
             return L.AtenTensors(tuple(_encode(b, n, name, t.getElementType(), v, inputs)
                                        for v in value))
     shown = "Scalar" if kind == "NumberType" else str(t)
-    raise UnsupportedError(f"{where} has type {shown}, which kiln's ATen fallback cannot pass "
-                           "through torch's stable C interface")
+    message = (f"{where} has type {shown}, which kiln's ATen fallback cannot pass through "
+               "torch's stable C interface")
+    if kind == "NumberType":  # the importer rewrites the op without Scalars if it can
+        raise ScalarArgument(message + " (and kiln has no rewrite of the op without it)",
+                             n.target)
+    raise UnsupportedError(message)
 
 
 def read_size(b, n) -> str:

@@ -1,5 +1,6 @@
 """Generator families for the ops with weights or index inputs: linear/matmul, conv2d and
-pooling, softmax and layer norm, embedding / index_select / gather / advanced indexing.
+pooling, softmax and layer norm, embedding / index_select / gather / advanced indexing,
+scaled_dot_product_attention with masks that may leave a query row no key.
 Each takes the `_Gen` of `kiln.fuzz.generator` and appends at most a few ops (or nothing when
 no value fits). Index inputs are int64 graph inputs with a "high", so fresh inputs stay in
 range."""
@@ -155,4 +156,34 @@ def op_index(g) -> None:
         g.emit("adv_index", [i, j], {"dim": d}, V(tuple(s), v.dtype, v.exact))
 
 
-FAMILIES = [(op_linear, 2), (op_matmul, 2), (op_conv, 2), (op_norm, 2), (op_index, 2)]
+def op_attention(g) -> None:
+    """scaled_dot_product_attention on q (a rank-4 float value, or a new input), new k and v
+    inputs and a bool mask input (kept where true) or its float form (0 / -inf), or causal.
+    Few keys (S in 1..5) so that random masks often leave a query row no key at all, and with
+    `empty_row` the program itself masks every key of query row 0: eager gives zeros there,
+    which kiln must match."""
+    r = g.r
+
+    def fits(v):
+        return len(v.shape) == 4 and v.dtype == "float32" and "B" not in v.shape[1:]
+
+    i = g.pick(fits) if any(fits(v) for v in g.vals) and r.random() < 0.6 else None
+    if i is None:
+        n, h = ("B" if g.dynamic and r.random() < 0.7 else r.choice([1, 2])), r.choice([1, 2])
+        i = g.new_input((n, h, r.choice([1, 3, 4, 7]), r.choice([1, 4, 8])), "float32")
+    q = g.vals[i]
+    n, h, lq, e = q.shape
+    s, ev = r.choice([1, 2, 3, 5]), r.choice([1, 4, 8])
+    k = g.new_input((n, h, s, e), "float32")
+    v = g.new_input((n, h, s, ev), "float32")
+    kind = r.choice(["bool", "bool", "float", "none", "causal"])
+    args, attrs = [i, k, v], {"mask": "none" if kind == "causal" else kind,
+                              "causal": kind == "causal", "empty_row": r.random() < 0.5}
+    if kind in ("bool", "float"):
+        shape = (lq, s) if r.random() < 0.5 else (n, 1, lq, s)
+        args.append(g.new_input(shape, "bool"))
+    g.emit("attention", args, attrs, V((n, h, lq, ev), "float32", False))
+
+
+FAMILIES = [(op_linear, 2), (op_matmul, 2), (op_conv, 2), (op_norm, 2), (op_index, 2),
+            (op_attention, 1)]

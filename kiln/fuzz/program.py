@@ -139,6 +139,14 @@ def _apply(op: str, xs: list, a: dict, p, ref64: bool):
     if op == "adv_index":
         idx = [slice(None)] * a["dim"] + [xs[1]]
         return x[tuple(idx)]
+    if op == "attention":
+        m = xs[3] if len(xs) > 3 else None
+        if m is not None and a.get("empty_row"):  # query row 0 keeps no key
+            m = torch.logical_and(m, (torch.arange(m.shape[-2]) != 0).unsqueeze(-1))
+        if m is not None and a["mask"] == "float":  # the same mask as 0 / -inf, added
+            m = torch.zeros(m.shape, dtype=x.dtype).masked_fill(~m, float("-inf"))
+        return F.scaled_dot_product_attention(x, xs[1], xs[2], attn_mask=m,
+                                              is_causal=a.get("causal", False))
     raise ValueError(f"unknown fuzz op {op!r}")
 
 

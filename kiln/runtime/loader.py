@@ -3,8 +3,12 @@
 Input: a package path; at call time the same ``(*args, **kwargs)`` the exported program took.
 Output: the outputs as torch tensors in the exported output structure (manifest ``out_spec``).
 Invariants: the C ABI of kiln.h is the only path to the model (ctypes over libkiln.so); inputs
-are passed as DLTensors pointing at the tensors' own memory (never copied; the model validates
-dtype/device/shape/strides); every DLManagedTensor returned by the model is either handed to
+are passed as DLTensors pointing at the tensors' own memory with their own strides (the model
+validates dtype/device/shape; libkiln copies a CPU input whose strides are not compact into a
+scratch buffer of the handle, so transposed, sliced, expanded and channels-last tensors are
+valid inputs). Torch tensors and numpy arrays (any strides, negative ones included) are taken;
+a CUDA input that is not contiguous is made contiguous here, on torch's current stream, since
+libkiln cannot copy device memory; every DLManagedTensor returned by the model is either handed to
 ``torch.from_dlpack`` (which then owns it and calls its deleter when the tensor dies) or deleted
 here, exactly once. Runs on one Runner are serialised by libkiln. A CUDA runner
 (``device="cuda:N"``) passes CUDA tensors as kDLCUDA DLTensors and runs on torch's current
@@ -13,6 +17,7 @@ that stream, as torch's own results would be.
 """
 from __future__ import annotations
 
+import ast
 import ctypes
 import functools
 import operator
@@ -23,6 +28,7 @@ import struct
 from collections.abc import Mapping
 from typing import Any
 
+import numpy as np
 import torch
 from torch.utils import _pytree as pytree
 
@@ -250,6 +256,7 @@ class Runner:
             raise PackageError(f"package '{self._path}': out_spec has {self._out_spec.num_leaves}"
                                f" leaves, the model {self._n_out} outputs")
         self._unflatten = _output_builder(self._out_spec)
+        self._aliases = _alias_plan(m)  # outputs returned as views, as eager shares storage
         self._inputs_t = ctypes.POINTER(dl.DLTensor) * max(self._n_in, 1)
         self._outputs_t = ctypes.c_void_p * max(self._n_out, 1)
         # the fast path (_call_fast): positional tensors written straight into preallocated
@@ -383,6 +390,8 @@ class Runner:
         return torch.tensor(v, dtype=torch.int64)
 
     def _dltensor(self, i: int, t: Any, keep: list[Any]) -> dl.DLTensor:
+        if isinstance(t, np.ndarray):
+            return self._dl_numpy(i, t, keep)
         if not isinstance(t, torch.Tensor):
             raise InputError(f"input {i} ({self._name(i)}): expected a torch.Tensor, got "
                              f"{type(t).__name__}")
@@ -395,12 +404,29 @@ class Runner:
         if f is None:
             raise InputError(f"input {i} ({self._name(i)}): unsupported dtype/device "
                              f"{t.dtype}/{t.device}")
+        if not t.is_cpu and not t.is_contiguous():  # libkiln copies only host memory
+            t = t.contiguous()
         n = t.dim()
         arr = _i64_array(n)
         shape, strides = arr(*t.shape), arr(*t.stride())
         keep += [t, shape, strides]
         device, dtype = _dl_structs(f)
         return dl.DLTensor(t.data_ptr(), device, n, dtype, shape, strides, 0)
+
+    def _dl_numpy(self, i: int, a: np.ndarray, keep: list[Any]) -> dl.DLTensor:
+        """A numpy array as a CPU DLTensor over its own memory and strides (negative and
+        zero strides included; libkiln copies a non-compact one in)."""
+        code = _NP_TO_DL.get(a.dtype.newbyteorder("=")) if a.dtype.isnative else None
+        if code is None:
+            raise InputError(f"input {i} ({self._name(i)}): unsupported numpy dtype {a.dtype}")
+        if any(st % a.itemsize for st in a.strides):  # not whole elements (a record field)
+            a = np.ascontiguousarray(a)
+        n = a.ndim
+        arr = _i64_array(n)
+        shape, strides = arr(*a.shape), arr(*[st // a.itemsize for st in a.strides])
+        keep += [a, shape, strides]
+        device, dtype = _dl_structs((dl.KDL_CPU, 0, *code, 1))
+        return dl.DLTensor(a.__array_interface__["data"][0], device, n, dtype, shape, strides, 0)
 
     def update_weights(self, weights: Mapping[str, Any] | str | os.PathLike[str]) -> None:
         """Replace the weights without recompiling: a safetensors file (keys are the manifest's
@@ -449,7 +475,7 @@ class Runner:
                     return _MISS
                 if t.is_cpu:
                     f = _CPU_FIELDS.get(t.dtype)  # no complex dtypes: no conj views
-                elif t.is_conj():
+                elif t.is_conj() or not t.is_contiguous():  # the general path copies it
                     return _MISS
                 else:
                     f = _fields(t)
@@ -474,6 +500,8 @@ class Runner:
             results = _adopt_pointers(s.read_outputs(buf, s.out_off))
         finally:
             free.append(s)
+        if self._aliases:
+            _share_storage(self._aliases, results, args)
         for k in self._int_outputs:  # sizes the program returns as Python ints
             results[k] = int(results[k].item())
         return self._unflatten(results)
@@ -485,6 +513,7 @@ class Runner:
         keep: list[Any] = []
         for k in self._int_inputs:
             flat[k] = self._int_tensor(k, flat[k])
+        flat = list(flat)  # the caller's objects stay in `flat` (outputs may be their views)
         structs = [self._dltensor(i, t, keep) for i, t in enumerate(flat)]
         inputs = self._inputs_t(*[ctypes.pointer(s) for s in structs])
         outputs = self._outputs_t()
@@ -499,12 +528,115 @@ class Runner:
             msg = last_error()
             raise (InputError if msg.startswith("input ") else KilnError)(msg)
         results = _adopt_outputs(outputs, self._n_out)
+        if self._aliases:
+            _share_storage(self._aliases, results, flat)
         for k in self._int_outputs:  # sizes the program returns as Python ints
             results[k] = int(results[k].item())
         return self._unflatten(results)
 
 
 _MISS = object()  # _call_fast: not a fast-path call
+
+
+class _Alias:
+    """Output `out` is a view of input or output `index` (manifest outputs[out].alias):
+    `strides` and `offset` evaluate the recorded expressions on the input sizes."""
+
+    __slots__ = ("out", "of_input", "index", "strides", "offset")
+
+    def __init__(self, out: int, of_input: bool, index: int, strides, offset) -> None:
+        self.out, self.of_input, self.index = out, of_input, index
+        self.strides, self.offset = strides, offset
+
+
+_EXPR_OPS = {ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mul,
+             ast.Pow: operator.pow}
+
+
+def _size_expr(text: int | str, where: dict[str, tuple[int, int | None]]):
+    """A recorded size expression (an int, or a polynomial over input size symbols as text:
+    "3*s0 - 3") -> a function of the flat inputs; None when it is not of that form."""
+    if isinstance(text, int) and not isinstance(text, bool):
+        return lambda flat: text
+    try:
+        tree = ast.parse(str(text), mode="eval").body
+    except SyntaxError:
+        return None
+
+    def build(n):
+        if isinstance(n, ast.Constant) and type(n.value) is int:
+            v = n.value
+            return lambda flat: v
+        if isinstance(n, ast.Name) and n.id in where:
+            i, d = where[n.id]
+            if d is None:  # an int input: its 0-d tensor
+                return lambda flat: int(flat[i])
+            return lambda flat: int(flat[i].shape[d])
+        if isinstance(n, ast.UnaryOp) and isinstance(n.op, ast.USub):
+            f = build(n.operand)
+            return None if f is None else (lambda flat: -f(flat))
+        if isinstance(n, ast.BinOp) and type(n.op) in _EXPR_OPS:
+            a, b, op = build(n.left), build(n.right), _EXPR_OPS[type(n.op)]
+            return None if a is None or b is None else (lambda flat: op(a(flat), b(flat)))
+        return None
+
+    return build(tree)
+
+
+def _alias_plan(m: Mapping[str, Any]) -> list[_Alias]:
+    """The manifest's output aliases whose expressions this runner can evaluate."""
+    where: dict[str, tuple[int, int | None]] = {}  # size symbol -> (input, dim or None: an int)
+    for i, rec in enumerate(m.get("inputs", [])):
+        if isinstance(rec, dict) and rec.get("python_int") and "symbol" in rec:
+            where.setdefault(str(rec["symbol"]), (i, None))
+        for d, size in enumerate(rec.get("shape", []) if isinstance(rec, dict) else []):
+            if isinstance(size, str) and size.isidentifier():
+                where.setdefault(size, (i, d))
+    plan = []
+    for j, rec in enumerate(m.get("outputs", [])):
+        a = rec.get("alias") if isinstance(rec, dict) else None
+        if not isinstance(a, dict) or a.get("of") not in ("input", "output"):
+            continue
+        strides = [_size_expr(x, where) for x in a.get("strides", [])]
+        offset = _size_expr(a.get("offset", 0), where)
+        if offset is not None and None not in strides and isinstance(a.get("index"), int):
+            plan.append(_Alias(j, a["of"] == "input", a["index"], strides, offset))
+    return plan
+
+
+def _share_storage(plan: list[_Alias], results: list[Any], flat: Any) -> None:
+    """Replaces each aliasing output by the view of its base that eager returns: the base
+    itself when the view is the whole of it (`return x, x`), else an as_strided view of a
+    compact base. A base with other strides (an input given transposed: its copy-in was
+    compact, the recorded strides are not its strides) keeps the output's own copy."""
+    for a in plan:
+        base = flat[a.index] if a.of_input else results[a.index]
+        if isinstance(base, np.ndarray):
+            if any(st < 0 for st in base.strides) or not base.dtype.isnative:
+                continue
+            try:
+                base = torch.from_numpy(base)
+            except (TypeError, ValueError):
+                continue
+        out = results[a.out]
+        if not isinstance(base, torch.Tensor) or not isinstance(out, torch.Tensor) or \
+                base.dtype != out.dtype or base.device != out.device:
+            continue
+        strides, offset = [f(flat) for f in a.strides], a.offset(flat)
+        if offset == 0 and base.shape == out.shape and \
+                (out.numel() <= 1 or strides == list(_compact_strides(out.shape))) and \
+                (not a.of_input or base.layout == torch.strided):
+            results[a.out] = base
+        elif base.layout == torch.strided and base.is_contiguous() and len(strides) == out.dim():
+            results[a.out] = base.as_strided(out.shape, strides, base.storage_offset() + offset)
+
+
+def _compact_strides(shape) -> tuple[int, ...]:
+    out, step = [], 1
+    for n in reversed(shape):
+        out.append(step)
+        step *= n
+    return tuple(reversed(out))
 
 
 class _Scratch:
@@ -524,6 +656,14 @@ class _Scratch:
                          *[self.base + i * _SLOT for i in range(n_in)])
         self.read_outputs = struct.Struct(f"={n_out}Q").unpack_from
 
+
+# numpy dtype -> (DLDataTypeCode, bits), for numpy inputs (numpy has no bfloat16 / float8)
+_NP_TO_DL: dict = {}
+for _t, _code in dl.DTYPE_TO_DL.items():
+    try:
+        _NP_TO_DL[np.dtype(torch.empty(0, dtype=_t).numpy().dtype)] = _code
+    except (TypeError, RuntimeError):
+        pass
 
 _FIELDS: dict = {}  # (torch dtype, device) -> the fast path's fields, None: not DLPack's
 

@@ -88,7 +88,9 @@ KILN_API int64_t kiln_model_num_outputs(const kiln_model *m);
  * of n_outputs slots that receives newly allocated tensors owned by the caller. Either array may
  * be NULL only when its count is 0. The counts must equal kiln_model_num_inputs/num_outputs
  * (else e.g. "kiln_model_run: expected 2 inputs, got 3"). Each input is validated by the model
- * (dtype, device, rank, sizes, strides); the first violation is reported as an error message
+ * (dtype, device, rank, sizes); CPU inputs may have any strides (zero and negative included:
+ * one that is not compact row-major is copied into a compact buffer of the handle before the
+ * run), CUDA inputs must be compact. The first violation is reported as an error message
  * starting with "input <i> (<name>): ". On failure nothing needs freeing: the output slots are
  * untouched (argument errors) or NULL. Thread-safe: concurrent calls on one model are
  * serialised. */

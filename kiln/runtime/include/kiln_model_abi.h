@@ -9,7 +9,8 @@
  *  - weights: create() receives n_weights read-only pointers (into the memory-mapped safetensors
  *    blob), in the order of weight_names; they stay valid until destroy().
  *  - run(): inputs are borrowed; the model validates every one (count, dtype, device, rank, sizes,
- *    Dim ranges, strides) and reports the first violation through err. On success it fills
+ *    Dim ranges, strides) and reports the first violation through err. libkiln passes CPU
+ *    inputs compact: one with other strides is copied into a compact buffer first (copy_in.h). On success it fills
  *    outputs[0..n_outputs) with freshly allocated DLManagedTensors the caller owns (the deleter
  *    frees them; it lives in model.so, which libkiln therefore never unloads).
  *  - One instance is not re-entrant: libkiln serialises run() calls per instance.

@@ -6,7 +6,8 @@
 // (pointers into the mapping) and create the model instance (on the device the caller names,
 // which must be the device the package was compiled for: manifest "device"). kiln_model_run /
 // kiln_model_run_on_stream: validate argument counts and pointers, serialise on the model's
-// mutex, call the model, translate its error.
+// mutex, bind the inputs (CPU inputs with other strides copied compact: copy_in.h), call the
+// model, translate its error.
 // Invariants: no exception and no NULL dereference crosses this file's boundary; each failure
 // sets the thread-local error; a model library is never dlclose'd (output deleters live in it).
 //
@@ -42,6 +43,7 @@
 #include "../include/kiln_model_abi.h"
 #include "cache.h"
 #include "comm.h"
+#include "copy_in.h"
 #include "error.h"
 #include "json.h"
 #include "safetensors.h"
@@ -108,6 +110,7 @@ struct kiln_model {
   void (*omp_set_num_threads)(int) = nullptr;
   std::atomic<int> num_threads{0};  // kiln_model_set_num_threads; 0: automatic
   std::string cpu_level;  // the -march of the loaded code (kiln_model_cpu_level)
+  kiln::CopyIn copy_in;  // CPU inputs with other strides, copied compact (under mu)
 };
 
 namespace {
@@ -567,7 +570,8 @@ static int run_impl(kiln_model *m, const DLTensor *const *inputs, int64_t n_inpu
       rc = m->device_type == kDLCUDA
                ? abi->run_on_stream(m->instance, inputs, n_inputs, outputs, n_outputs, stream,
                                     err, sizeof err)
-               : abi->run(m->instance, inputs, n_inputs, outputs, n_outputs, err, sizeof err);
+               : abi->run(m->instance, m->copy_in.bind(inputs, n_inputs), n_inputs, outputs,
+                          n_outputs, err, sizeof err);
     }
     err[sizeof err - 1] = '\0';
     if (rc != 0) {

@@ -1,0 +1,102 @@
+"""Which program outputs share storage with another output or with a user input in eager.
+
+Input: the exported program (its FX graph: views are the ops whose schema says the result
+aliases `self`, e.g. `slice.Tensor(Tensor(a) self, ...) -> Tensor(a)`), the model's user input
+names in input order, the symbol table. Output: one record per user output, None where the
+output owns its storage, else
+``{"of": "input" | "output", "index": k, "sizes": [...], "strides": [...], "offset": e}``:
+output j is ``base.as_strided(sizes, strides, base.storage_offset() + offset)`` of input k or
+output k, in elements, for a compact (row-major) base. Sizes, strides and offset are ints or
+polynomials over the input size symbols written as text ("3*s0"); the runner evaluates them.
+
+Rule: follow output j's views back to the first value that is not a view (the root). When the
+root is a user input, or the value of another output (the first such; for an output listed
+twice, an earlier position), j aliases it, provided eager lays the root out compactly (then its
+view's strides and storage offset, in the export's metadata, hold for kiln's compact buffers
+too). Other cases keep separate storage (the values are the same): a root eager lays out
+otherwise (a pointwise op on a transposed input), outputs that share a root no output returns,
+and sizes that are not polynomials over the input symbols."""
+
+from __future__ import annotations
+
+import sympy
+import torch
+
+from kiln.errors import UnsupportedError
+from kiln.frontend.symbols import SymbolTable
+
+
+def _is_view(n: torch.fx.Node) -> bool:
+    """Whether `n`'s result aliases its first argument (an ATen view op)."""
+    schema = getattr(n.target, "_schema", None)
+    if n.op != "call_function" or schema is None or not schema.returns or not schema.arguments:
+        return False
+    out, first = schema.returns[0].alias_info, schema.arguments[0].alias_info
+    return out is not None and not out.is_write and first is not None and \
+        not first.is_write and set(out.before_set) == set(first.before_set) and \
+        isinstance(n.args[0], torch.fx.Node) and len(schema.returns) == 1
+
+
+def _text(e: sympy.Expr) -> int | str | None:
+    """An int, or a polynomial with integer coefficients over size symbols as text."""
+    e = sympy.expand(e)
+    if e.is_Integer:
+        return int(e)
+    if not e.free_symbols or not all(s.name.startswith("s") for s in e.free_symbols):
+        return None  # data-dependent sizes (u0) are not known to the runner from the inputs
+    poly = sympy.Poly(e, *sorted(e.free_symbols, key=lambda s: s.name))
+    if not all(c.is_Integer for c in poly.coeffs()):
+        return None
+    return str(e)
+
+
+def _compact(val: torch.Tensor) -> bool:
+    try:
+        return bool(val.is_contiguous())
+    except Exception:  # a guard on data-dependent sizes: not provably compact
+        return False
+
+
+def _record(val, root_val, syms: SymbolTable, of: str, index: int) -> dict | None:
+    try:
+        parts = [syms.convert(d) for d in val.shape], [syms.convert(s) for s in val.stride()], \
+            syms.convert(val.storage_offset()) - syms.convert(root_val.storage_offset())
+    except UnsupportedError:
+        return None
+    sizes, strides, offset = ([_text(e) for e in parts[0]], [_text(e) for e in parts[1]],
+                              _text(parts[2]))
+    if None in sizes or None in strides or offset is None:
+        return None
+    return {"of": of, "index": index, "sizes": sizes, "strides": strides, "offset": offset}
+
+
+def output_aliases(ep: torch.export.ExportedProgram, user_inputs: list[str],
+                   outputs: list[str | None], syms: SymbolTable) -> tuple[dict | None, ...]:
+    """`outputs`: the FX node name of each user output (None: not a tensor node)."""
+    nodes = {n.name: n for n in ep.graph.nodes}
+    first_output: dict[str, int] = {}
+    roots = []
+    for j, name in enumerate(outputs):
+        n = nodes.get(name) if name is not None else None
+        while n is not None and _is_view(n):
+            n = n.args[0]
+        roots.append(n)
+        if name is not None and name in nodes and not _is_view(nodes[name]):
+            first_output.setdefault(name, j)  # an output that owns (or is) its root
+    out: list[dict | None] = []
+    for j, name in enumerate(outputs):
+        root, val = roots[j], nodes[name].meta.get("val") if name in nodes else None
+        record = None
+        if root is not None and isinstance(val, torch.Tensor):
+            root_val = root.meta.get("val")
+            if root.name in user_inputs:
+                of, index = "input", user_inputs.index(root.name)
+            elif first_output.get(root.name, j) != j:
+                of, index = "output", first_output[root.name]
+            else:
+                of = None
+            if of is not None and isinstance(root_val, torch.Tensor) and \
+                    root_val.dtype == val.dtype and _compact(root_val):
+                record = _record(val, root_val, syms, of, index)
+        out.append(record)
+    return tuple(out)

@@ -1,0 +1,132 @@
+"""Outputs that share storage in eager (issue 16, class 2) share it through the Python runner:
+`return x, x`, `return y, y`, `return y, y[1:]`, `return y, y.t()`, a view of an input. The
+manifest records each such output as a view (base input or output, sizes, strides, offset;
+kiln/frontend/aliasing.py) and the runner returns views of the base (kiln/runtime/loader.py
+`_share_storage`). Checked against eager at several sizes and dtypes: the values, the strides
+and storage offsets, that the storage is the base's (a write through one output shows in the
+other exactly as in eager), and that outputs eager does not alias stay separate."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+import kiln
+
+
+class Views(torch.nn.Module):
+    def forward(self, x):
+        y = x * 2 + 1
+        z = x.sum(1)
+        return x, x, y, y, y[1:], y.t(), x.view(-1), y.t()[0], y[:, ::2], z, x[1:].t()
+
+
+class Nested(torch.nn.Module):
+    def forward(self, x, n):
+        y = x.abs()
+        return {"y": y, "rows": y[1:n.shape[0]], "first": (y[0], x.unsqueeze(0))}
+
+
+class NotAliased(torch.nn.Module):
+    """Eager shares storage here too, but not with anything kiln returns compactly: the root
+    of y.t() and y[0] is not returned, and w is laid out transposed by eager."""
+
+    def forward(self, x):
+        y = x + 1
+        w = x.t() * 3
+        return y.t(), y[0], w, w[1]
+
+
+B = torch.export.Dim("B", min=3, max=64)
+
+
+def _compile(tmp_path, module, args, dynamic):
+    c = kiln.compile(module, args, dynamic_shapes=dynamic)
+    return c, kiln.load(c.save(tmp_path / f"{type(module).__name__}.kiln"))
+
+
+def _storage(t: torch.Tensor) -> int:
+    return t.untyped_storage().data_ptr()
+
+
+def _same_sharing(got, want, inputs) -> None:
+    """Values, strides and offsets as eager; outputs (and inputs) share storage with exactly
+    the tensors eager's share it with, and a write through one shows in the others."""
+    got, want = list(got), list(want)
+    for g, w in zip(got, want, strict=True):
+        assert g.dtype == w.dtype and g.shape == w.shape
+        torch.testing.assert_close(g, w, rtol=0, atol=0)
+    everything_g, everything_w = got + list(inputs), want + list(inputs)
+    for i, (a, b) in enumerate(zip(everything_g, everything_w)):
+        for k in range(i + 1, len(everything_g)):
+            shared_w = _storage(b) == _storage(everything_w[k])
+            assert (_storage(a) == _storage(everything_g[k])) == shared_w, (i, k)
+            if shared_w and i < len(got):
+                assert (a is everything_g[k]) == (b is everything_w[k]), (i, k)
+    for g, w in zip(got, want):
+        if any(_storage(w) == _storage(o) for o in want if o is not w):
+            assert g.stride() == w.stride()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.int64])
+def test_views_of_outputs_and_inputs(tmp_path, dtype):
+    make = (lambda *s: torch.randn(*s)) if dtype.is_floating_point else \
+        (lambda *s: torch.randint(-50, 50, s))
+    c, runner = _compile(tmp_path, Views(), (make(4, 6).to(dtype),), ({0: B},))
+    aliases = [o.get("alias") for o in c.manifest["outputs"]]
+    assert aliases[0]["of"] == "input" and aliases[1]["of"] == "input"
+    assert aliases[2] is None and aliases[3] == {"of": "output", "index": 2, "sizes": ["s0", 6],
+                                                  "strides": [6, 1], "offset": 0}
+    assert aliases[4]["offset"] == 6 and aliases[9] is None
+    for n in (3, 4, 17):
+        x = make(n, 6).to(dtype)
+        got, want = runner(x), Views()(x)
+        _same_sharing(got, want, [x])
+        assert got[0] is x and got[2] is got[3]
+        # a write through one output reaches the others as in eager
+        got[2][1, 0] = 100
+        want[2][1, 0] = 100
+        for g, w in zip(got, want):
+            torch.testing.assert_close(g, w, rtol=0, atol=0)
+
+
+def test_nested_outputs_and_int_symbols(tmp_path):
+    m = Nested()
+    x, n = torch.randn(7, 3), torch.zeros(4)
+    rows = torch.export.Dim("rows", min=6, max=64)
+    c, runner = _compile(tmp_path, m, (x, n), ({0: rows}, {0: torch.export.Dim("n", min=3,
+                                                                                  max=6)}))
+    assert c.manifest["outputs"][1]["alias"]["sizes"] == ["s1 - 1", 3]
+    for rows, k in ((6, 3), (9, 5)):
+        x, n = torch.randn(rows, 3), torch.zeros(k)
+        got, want = runner(x, n), m(x, n)
+        flat_g = [got["y"], got["rows"], *got["first"]]
+        flat_w = [want["y"], want["rows"], *want["first"]]
+        _same_sharing(flat_g, flat_w, [x, n])
+
+
+def test_outputs_eager_lays_out_otherwise_keep_their_storage(tmp_path):
+    c, runner = _compile(tmp_path, NotAliased(), (torch.randn(4, 5),), ({0: B},))
+    assert all("alias" not in o for o in c.manifest["outputs"])
+    x = torch.randn(7, 5)
+    got, want = runner(x), NotAliased()(x)
+    for g, w in zip(got, want):
+        torch.testing.assert_close(g, w, rtol=0, atol=0)
+    assert len({_storage(g) for g in got}) == len(got)
+
+
+def test_views_of_inputs_in_other_layouts(tmp_path):
+    """A transposed input is copied in compact: its view stays a copy with eager's values; a
+    numpy input's view shares the array's memory."""
+    _, runner = _compile(tmp_path, Views(), (torch.randn(4, 6),), ({0: B},))
+    xt = torch.randn(6, 5).t()
+    got, want = runner(xt), Views()(xt.contiguous())  # eager's x.view(-1) refuses xt
+    assert got[0] is xt
+    for g, w in zip(got, want):
+        torch.testing.assert_close(g, w, rtol=0, atol=0)
+    a = np.random.default_rng(0).standard_normal((5, 6), dtype=np.float32)
+    got = runner(a)
+    assert np.shares_memory(got[6].numpy(), a)
+    got[6][0] = 42.0
+    assert a[0, 0] == 42.0
