@@ -19,6 +19,7 @@ from pathlib import Path
 from kiln import config
 from kiln.errors import UnsupportedError
 from kiln.gemm import choose_gemms
+from kiln.gemm.cpu import packable
 from kiln.ir import loop as L
 from kiln.memory.inplace import program_aliases
 from kiln.options import GemmBackend, Options
@@ -116,8 +117,10 @@ def localize(state: Build) -> Build:
 
 def gemm_autotune(state: Build) -> Build:
     """GEMM backends: profiled (max_autotune), cached, or by heuristic (kiln/gemm)."""
+    constants = {w.name for w in state.program.weights if not w.mutable}
     gemms = choose_gemms(state.steps, state.graph.symbols, state.options, "cpu",
-                         toolchain(state.options))
+                         toolchain(state.options),
+                         packable=packable(state.steps, constants - set(state.graph.outputs)))
     return replace(state, gemms=gemms)
 
 

@@ -13,6 +13,7 @@
     program           Program IR, with in-place reuse
     plan              the arena plan
     gemm_autotune     each GEMM's backend (BLAS or kiln's "cpp" GEMM) and config
+    pack_weights      constant B operands of packed "cpp" GEMMs stored prepacked
     codegen           C++ kernel files, the GEMM file
     codegen_wrapper   the C++ wrapper (model.cpp) and the Python one (model.py)
     compile           model.so (parts timed as compile.compile, compile.link)"""
@@ -22,9 +23,27 @@ from __future__ import annotations
 from kiln.targets.cpu.build import (CpuBuild, check_user_kernels, codegen, codegen_wrapper,
                                     compile_library, expand_low_precision, gemm_autotune,
                                     libraries, localize, widen_half_types)
+from dataclasses import replace
+
+from kiln.gemm.cpu import packed_nr
+from kiln.passes.pack_cpu import pack_weights
 from kiln.targets.stages import (DCE, FREEZE, LOWER, PLAN, REORDER, SCHEDULE, Stage, Target,
                                  check_graph, graph_text, import_stage, program_stage,
                                  source_files)
+
+
+
+def pack_constant_b(state: CpuBuild) -> CpuBuild:
+    """The B weights of GEMMs given to the packed "cpp" kernel, packed (passes/pack_cpu.py)."""
+    pack = {name: packed_nr(_gemm_dtype(state.steps, name), state.options.march)
+            for name, c in state.gemms.items() if getattr(c.config, "packed", False)}
+    program, steps, weights = pack_weights(state.program, state.steps, dict(state.weights), pack)
+    return replace(state, program=program, steps=steps, weights=weights)
+
+
+def _gemm_dtype(steps, name: str) -> str:
+    return next(s.dtype.name for s in steps if getattr(s, "name", None) == name)
+
 
 TARGET = Target("cpu", (
     import_stage(library_routines=True, fused_attention=False),
@@ -40,6 +59,7 @@ TARGET = Target("cpu", (
     program_stage(inplace=True),
     PLAN,
     Stage("gemm_autotune", gemm_autotune),
+    Stage("pack_weights", pack_constant_b),
     Stage("codegen", codegen),
     Stage("codegen_wrapper", codegen_wrapper, dump_files=source_files),
     Stage("compile", compile_library),
