@@ -328,18 +328,34 @@ inline void packed_rows(int64_t kc, const T *a, int64_t ar, int64_t ac, const T 
                               std::min<int64_t>(NR, N - p * NR), accumulate);
 }
 
-/* A last row block of mr < MR rows: the tile with exactly mr rows. */
+/* A last row block of mr < MR rows (A packed k-major with stride `ac`), in tiles of 8, 4, 2
+ * and 1 rows (few instantiations to compile; M = 1, 2, 4, 8 sweep B once). */
 template <class T, int NR, int MR>
 inline void packed_rows_tail(int64_t mr, int64_t kc, const T *a, int64_t ar, int64_t ac,
                              const T *bk, int64_t pstride, int64_t p0, int64_t p1, int64_t N,
                              T *c, int64_t ldc, bool accumulate) {
-  if constexpr (MR > 1) {
-    if (mr == MR - 1)
-      return packed_rows<T, NR, MR - 1>(kc, a, ar, ac, bk, pstride, p0, p1, N, c, ldc,
-                                        accumulate);
-    return packed_rows_tail<T, NR, MR - 1>(mr, kc, a, ar, ac, bk, pstride, p0, p1, N, c, ldc,
-                                           accumulate);
-  }
+  int64_t i = 0;
+  if constexpr (MR > 8)
+    if (mr - i >= 8) {
+      packed_rows<T, NR, 8>(kc, a + i * ar, ar, ac, bk, pstride, p0, p1, N, c + i * ldc, ldc,
+                            accumulate);
+      i += 8;
+    }
+  if constexpr (MR > 4)
+    if (mr - i >= 4) {
+      packed_rows<T, NR, 4>(kc, a + i * ar, ar, ac, bk, pstride, p0, p1, N, c + i * ldc, ldc,
+                            accumulate);
+      i += 4;
+    }
+  if constexpr (MR > 2)
+    if (mr - i >= 2) {
+      packed_rows<T, NR, 2>(kc, a + i * ar, ar, ac, bk, pstride, p0, p1, N, c + i * ldc, ldc,
+                            accumulate);
+      i += 2;
+    }
+  if (mr - i >= 1)
+    packed_rows<T, NR, 1>(kc, a + i * ar, ar, ac, bk, pstride, p0, p1, N, c + i * ldc, ldc,
+                          accumulate);
 }
 
 /* Pack rows [0, mr) x cols [0, kc) of A k-major: dst[k * mr + i] = A[i][k] (the tile then
