@@ -263,12 +263,12 @@ constexpr int panels_per_tile() {
   return np > 4 ? 4 : np;
 }
 
-/* c[0:MR][0:ncols] (+)= a (MR rows x kc, element (i, k) at a[i * ar + k * ac]) times NP
- * consecutive K-blocks of panels (panel q's block at b + q * pstride, row k at + k * NR);
- * `ncols` (<= NP * NR) columns of c are stored. */
+/* c[0:mrows][0:ncols] (+)= a (MR rows x kc, element (i, k) at a[k * MR + i]: packed, rows
+ * past mrows zero) times NP consecutive K-blocks of panels (panel q's block at
+ * b + q * pstride, row k at + k * NR); `ncols` (<= NP * NR) columns of c are stored. */
 template <class T, int NR, int MR, int NP>
-inline void packed_tile(int64_t kc, const T *__restrict__ a, int64_t ar, int64_t ac,
-                        const T *__restrict__ b, int64_t pstride, T *__restrict__ c, int64_t ldc,
+inline void packed_tile(int64_t kc, const T *__restrict__ a, const T *__restrict__ b,
+                        int64_t pstride, T *__restrict__ c, int64_t ldc, int64_t mrows,
                         int64_t ncols, bool accumulate) {
   typedef PanelVec<T, NR> P;
   typedef typename P::type V;
@@ -287,21 +287,22 @@ inline void packed_tile(int64_t kc, const T *__restrict__ a, int64_t ar, int64_t
         bv[v] = *reinterpret_cast<const V *>(b + q * pstride + k * NR + v * L);
 #pragma GCC unroll 32
       for (int i = 0; i < MR; ++i) {
-        const V av = P::splat(a[i * ar + k * ac]);
+        const V av = P::splat(a[k * MR + i]);
 #pragma GCC unroll 8
         for (int v = 0; v < NV; ++v) acc[i][q * NV + v] = P::fma(av, bv[v], acc[i][q * NV + v]);
       }
     }
   }
 #pragma GCC unroll 32
-  for (int i = 0; i < MR; ++i)
+  for (int i = 0; i < MR; ++i) {
+    if (i >= mrows) break;
 #pragma GCC unroll 32
     for (int v = 0; v < NP * NV; ++v) {
       T *dst = c + i * ldc + v * L;
       if ((v + 1) * L <= ncols) {
         V *d = reinterpret_cast<V *>(dst);
         *d = accumulate ? *d + acc[i][v] : acc[i][v];
-      } else {  // (a copy: indexing acc itself would keep every accumulator in memory)
+      } else {  // (through a copy: indexing acc itself would keep every accumulator in memory)
         T part[L];
         const V t = acc[i][v];
         std::memcpy(part, &t, sizeof part);
@@ -309,71 +310,69 @@ inline void packed_tile(int64_t kc, const T *__restrict__ a, int64_t ar, int64_t
           dst[j] = accumulate ? dst[j] + part[j] : part[j];
       }
     }
+  }
 }
 
-/* Rows [0, MR) of one K block over panels [p0, p1): groups of panels_per_tile panels, then
- * single panels. */
+/* Rows [0, mrows) (<= MR; A packed for MR rows) of one K block over panels [p0, p1): groups
+ * of panels_per_tile panels, then single panels. */
 template <class T, int NR, int MR>
-inline void packed_rows(int64_t kc, const T *a, int64_t ar, int64_t ac, const T *bk,
-                        int64_t pstride, int64_t p0, int64_t p1, int64_t N, T *c, int64_t ldc,
+inline void packed_rows(int64_t kc, const T *a, const T *bk, int64_t pstride, int64_t p0,
+                        int64_t p1, int64_t N, T *c, int64_t ldc, int64_t mrows,
                         bool accumulate) {
   constexpr int NP = panels_per_tile<T, NR, MR>();
   int64_t p = p0;
   if constexpr (NP > 1)
     for (; p + NP <= p1; p += NP)
-      packed_tile<T, NR, MR, NP>(kc, a, ar, ac, bk + p * pstride, pstride, c + p * NR, ldc,
+      packed_tile<T, NR, MR, NP>(kc, a, bk + p * pstride, pstride, c + p * NR, ldc, mrows,
                                  std::min<int64_t>(NP * NR, N - p * NR), accumulate);
   for (; p < p1; ++p)
-    packed_tile<T, NR, MR, 1>(kc, a, ar, ac, bk + p * pstride, pstride, c + p * NR, ldc,
+    packed_tile<T, NR, MR, 1>(kc, a, bk + p * pstride, pstride, c + p * NR, ldc, mrows,
                               std::min<int64_t>(NR, N - p * NR), accumulate);
 }
 
-/* A last row block of mr < MR rows (A packed k-major with stride `ac`), in tiles of 8, 4, 2
- * and 1 rows (few instantiations to compile; M = 1, 2, 4, 8 sweep B once). */
-template <class T, int NR, int MR>
-inline void packed_rows_tail(int64_t mr, int64_t kc, const T *a, int64_t ar, int64_t ac,
-                             const T *bk, int64_t pstride, int64_t p0, int64_t p1, int64_t N,
-                             T *c, int64_t ldc, bool accumulate) {
-  int64_t i = 0;
-  if constexpr (MR > 8)
-    if (mr - i >= 8) {
-      packed_rows<T, NR, 8>(kc, a + i * ar, ar, ac, bk, pstride, p0, p1, N, c + i * ldc, ldc,
-                            accumulate);
-      i += 8;
-    }
-  if constexpr (MR > 4)
-    if (mr - i >= 4) {
-      packed_rows<T, NR, 4>(kc, a + i * ar, ar, ac, bk, pstride, p0, p1, N, c + i * ldc, ldc,
-                            accumulate);
-      i += 4;
-    }
-  if constexpr (MR > 2)
-    if (mr - i >= 2) {
-      packed_rows<T, NR, 2>(kc, a + i * ar, ar, ac, bk, pstride, p0, p1, N, c + i * ldc, ldc,
-                            accumulate);
-      i += 2;
-    }
-  if (mr - i >= 1)
-    packed_rows<T, NR, 1>(kc, a + i * ar, ar, ac, bk, pstride, p0, p1, N, c + i * ldc, ldc,
-                          accumulate);
-}
-
-/* Pack rows [0, mr) x cols [0, kc) of A k-major: dst[k * mr + i] = A[i][k] (the tile then
- * reads its broadcasts from one contiguous stream, not from mr rows that may alias in L1). */
+/* Pack rows [0, mr) x cols [0, kc) of A k-major for a tile of h >= mr rows, rows past mr
+ * zero: dst[k * h + i] = A[i][k] (the tile then reads its broadcasts from one stream, not
+ * from mr rows that may alias in L1). */
 template <class T>
-inline void pack_a_rows(int64_t mr, int64_t kc, const T *a, int64_t ar, int64_t ac, T *dst) {
-  if (mr == 1 && ac == 1) {
+inline void pack_a_rows(int64_t mr, int64_t h, int64_t kc, const T *a, int64_t ar, int64_t ac,
+                        T *dst) {
+  if (mr == 1 && h == 1 && ac == 1) {
     std::memcpy(dst, a, sizeof(T) * kc);
     return;
   }
-  for (int64_t i = 0; i < mr; ++i)
-    for (int64_t k = 0; k < kc; ++k) dst[k * mr + i] = a[i * ar + k * ac];
+  for (int64_t k = 0; k < kc; ++k) {
+    for (int64_t i = 0; i < mr; ++i) dst[k * h + i] = a[i * ar + k * ac];
+    for (int64_t i = mr; i < h; ++i) dst[k * h + i] = T(0);
+  }
+}
+
+/* mr rows (<= MR) of one K block, A packed first: a tile of 1, 2, 4 or 8 rows when mr fits
+ * one (small M: B is swept once whatever M), else of MR rows, zero-padded. */
+template <class T, int NR, int MR>
+inline void packed_row_block(int64_t mr, int64_t kc, const T *a, int64_t ar, int64_t ac,
+                             const T *bk, int64_t pstride, int64_t p0, int64_t p1, int64_t N,
+                             T *c, int64_t ldc, bool accumulate, T *apack) {
+  const int64_t h = mr == MR ? MR : mr <= 1 ? 1 : mr <= 2 ? 2 : mr <= 4 ? 4 : mr <= 8 && MR > 8 ? 8 : MR;
+  pack_a_rows<T>(mr, h, kc, a, ar, ac, apack);
+  if (h == MR)
+    return packed_rows<T, NR, MR>(kc, apack, bk, pstride, p0, p1, N, c, ldc, mr, accumulate);
+  if constexpr (MR > 8)
+    if (h == 8)
+      return packed_rows<T, NR, 8>(kc, apack, bk, pstride, p0, p1, N, c, ldc, mr, accumulate);
+  if constexpr (MR > 4)
+    if (h == 4)
+      return packed_rows<T, NR, 4>(kc, apack, bk, pstride, p0, p1, N, c, ldc, mr, accumulate);
+  if constexpr (MR > 2)
+    if (h == 2)
+      return packed_rows<T, NR, 2>(kc, apack, bk, pstride, p0, p1, N, c, ldc, mr, accumulate);
+  if constexpr (MR > 1)
+    packed_rows<T, NR, 1>(kc, apack, bk, pstride, p0, p1, N, c, ldc, mr, accumulate);
 }
 
 /* One GEMM C[M][N] = A * B (B packed, `bp`) over panels [p0, p1): K blocked by KC when M has
  * more than one row block (each K block of the panels is reused by every row block while it is
- * in L2), else the whole K at once (C written once, B streamed once). Each MR-row block of A
- * is packed k-major first (`apack`: min(M, MR) * K elements, `packed_apack_size`). */
+ * in L2), else the whole K at once (C written once, B streamed once). `apack`: MR * K
+ * elements (`packed_apack_size`). */
 template <class T, int NR, int MR, int KC>
 inline void packed_block(int64_t M, int64_t N, int64_t K, const T *a, int64_t ar, int64_t ac,
                          const T *bp, int64_t p0, int64_t p1, T *c, int64_t ldc, T *apack) {
@@ -384,28 +383,20 @@ inline void packed_block(int64_t M, int64_t N, int64_t K, const T *a, int64_t ar
     return;
   }
   const int64_t kcb = M <= MR ? K : KC, pstride = K * NR;
-  const int64_t mfull = M / MR * MR;
   for (int64_t pc = 0; pc < K; pc += kcb) {
     const int64_t kc = std::min<int64_t>(kcb, K - pc);
-    const T *bk = bp + pc * NR;
-    for (int64_t ir = 0; ir < mfull; ir += MR) {
-      pack_a_rows<T>(MR, kc, a + ir * ar + pc * ac, ar, ac, apack);
-      packed_rows<T, NR, MR>(kc, apack, 1, MR, bk, pstride, p0, p1, N, c + ir * ldc, ldc,
-                             pc > 0);
-    }
-    if (M > mfull) {
-      const int64_t mr = M - mfull;
-      pack_a_rows<T>(mr, kc, a + mfull * ar + pc * ac, ar, ac, apack);
-      packed_rows_tail<T, NR, MR>(mr, kc, apack, 1, mr, bk, pstride, p0, p1, N,
-                                  c + mfull * ldc, ldc, pc > 0);
-    }
+    for (int64_t ir = 0; ir < M; ir += MR)
+      packed_row_block<T, NR, MR>(std::min<int64_t>(MR, M - ir), kc, a + ir * ar + pc * ac, ar,
+                                  ac, bp + pc * NR, pstride, p0, p1, N, c + ir * ldc, ldc,
+                                  pc > 0, apack);
   }
 }
 
 /* Elements of the A buffer `packed_block` needs. */
 template <int MR, int KC>
 inline int64_t packed_apack_size(int64_t M, int64_t K) {
-  return std::max<int64_t>(std::min<int64_t>(M, MR) * K, 1);
+  (void)M;
+  return std::max<int64_t>(int64_t(MR) * K, 1);
 }
 
 }  // namespace kr
