@@ -235,7 +235,7 @@ def main() -> None:
     print(body)
     if a.markdown:
         from bench.markdown import splice
-        splice(a.markdown, "<!-- gemm_cpu begin -->", "<!-- gemm_cpu end -->", body,
+        splice(a.markdown, "<!-- gemm-prepacked:begin -->", "<!-- gemm-prepacked:end -->", body,
                "## CPU GEMM with prepacked weights (bench/gemm_cpu.py)")
 
 

@@ -152,3 +152,16 @@ def test_other_targets(check, march):
     compiled = check(model, _inputs(7, torch.float32), dynamic_shapes=_dyn(), options=opts,
                      more=[_inputs(m, torch.float32) for m in (1, 2, 16, 200)])
     assert len(_packed_gemms(compiled)) == 4
+
+
+@pytest.mark.slow
+def test_max_autotune_times_packed_candidates(check, tmp_path):
+    """Profiling a constant-B GEMM times the packed candidates (B packed once, shared by the
+    batch, as in the package) beside BLAS and the unpacked tiles; the winner is correct."""
+    torch.manual_seed(6)
+    model = torch.nn.Linear(300, 200)
+    opts = kiln.Options(max_autotune=True, cache_dir=str(tmp_path))
+    compiled = check(model, (rand((4, 300)),), options=opts)
+    (choice,) = compiled.built.gemms.values()
+    assert choice.how == "profiled" and "const_b" in choice.problem
+    assert any(n.startswith("cpp_packed_") for n, _ in choice.timings["cpp"]), choice.timings
