@@ -117,7 +117,8 @@ def _manifest(built: Built, opts: Options, report: dict) -> dict[str, Any]:
         "in_spec": g.in_spec,
         "out_spec": g.out_spec,
         "weights": [{"name": w.name, "fqn": w.fqn, "dtype": w.dtype.name, "shape": list(w.shape),
-                     "nbytes": w.nbytes, **({"permuted": list(w.permuted)} if w.permuted else {})}
+                     "nbytes": w.nbytes, **({"permuted": list(w.permuted)} if w.permuted else {}),
+                     **({"packed": dict(w.packed)} if w.packed else {})}
                     for w in built.program.weights],
         "kernels": _kernels_json(built),
         "plan": plan,

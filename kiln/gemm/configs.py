@@ -4,7 +4,8 @@
 - `BlasLtConfig`   "blas" on CUDA: the cuBLASLt heuristic's `algo`-th algorithm
                    (kiln/gemm/blaslt.py); JSON {"algo": i}
 - `CppConfig`      "cpp": kiln's register-blocked CPU GEMM, an MR x (NV vectors) register tile,
-                   K blocked by KC, N by NC (kiln/gemm/cpu.py); JSON {"mr", "nv", "kc", "nc"}
+                   K blocked by KC, N by NC (kiln/gemm/cpu.py); JSON {"mr", "nv", "kc", "nc"} and "packed": true for a
+                   B packed at compile time
 - `TritonConfig`   "triton": the template's tile sizes, group size, pipeline stages, warps and
                    TMA loads (kiln/gemm/triton_gemm.py); JSON {"name", "block_m", "block_n",
                    "block_k", "group_m", "num_stages", "num_warps"} and "tma": true for TMA
@@ -49,22 +50,30 @@ class BlasLtConfig:
 
 @dataclass(frozen=True)
 class CppConfig:
+    """`packed`: B is a constant packed at compile time into panels of `nv` vectors
+    (passes/pack_cpu.py; kr::gemm_cpp_packed), `nc` unused."""
+
     mr: int
     nv: int
     kc: int = 256
     nc: int = 1024
+    packed: bool = False
     backend: ClassVar[GemmBackend] = GemmBackend.CPP
 
     @property
     def name(self) -> str:
+        if self.packed:
+            return f"cpp_packed_{self.mr}x{self.nv}v_k{self.kc}"
         return f"cpp_{self.mr}x{self.nv}v_k{self.kc}_n{self.nc}"
 
     def to_json(self) -> dict:
-        return {"mr": self.mr, "nv": self.nv, "kc": self.kc, "nc": self.nc}
+        return {"mr": self.mr, "nv": self.nv, "kc": self.kc, "nc": self.nc,
+                **({"packed": True} if self.packed else {})}
 
     @classmethod
     def from_json(cls, d: dict) -> CppConfig:
-        return cls(int(d["mr"]), int(d["nv"]), int(d["kc"]), int(d["nc"]))
+        return cls(int(d["mr"]), int(d["nv"]), int(d["kc"]), int(d["nc"]),
+                   bool(d.get("packed", False)))
 
 
 @dataclass(frozen=True)

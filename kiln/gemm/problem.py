@@ -32,11 +32,15 @@ class GemmProblem:
     alignment_out: int = 16  # of the output (its row length N)
     # mixed dtypes: "<side>:<int dtype>[:scaled]" (the operand holding integers), "" if none
     mixed: str = ""
+    #: B is a constant (a weight) shared by the batch: CPU candidates may prepack it
+    const_b: bool = False
 
     def key(self, device: str) -> str:
         fields = asdict(self)
         if not self.mixed:  # keys of plain GEMMs are those recorded before the field existed
             del fields["mixed"]
+        if not self.const_b:
+            del fields["const_b"]
         text = json.dumps({"problem": fields, "device": device}, sort_keys=True)
         return hashlib.sha256(text.encode()).hexdigest()[:24]
 
@@ -46,7 +50,8 @@ class GemmProblem:
                 f"{_fmt(self.k)} {self.layout_a}{self.layout_b} align={self.alignment}"
                 f"{' out_align=' + str(self.alignment_out) if self.alignment_out < 16 else ''}"
                 f"{' +' + self.epilogue if self.epilogue else ''}"
-                f"{' mixed=' + self.mixed if self.mixed else ''}")
+                f"{' mixed=' + self.mixed if self.mixed else ''}"
+                f"{' const_b' if self.const_b else ''}")
 
 
 def _fmt(v) -> str:

@@ -140,14 +140,18 @@ def _profile_cpu(problem: GemmProblem, sizes, allowed, opts: Options, tc) -> tup
     t0 = time.perf_counter()
     nb, m, n, k = sizes
     configs = cpu.cpp_configs(opts.march) if GemmBackend.CPP in allowed else []
-    exe = cpu.build_driver(tc, problem.dtype, configs)
+    if problem.const_b and configs:  # B packed once, as the package packs it at compile time
+        configs = cpu.packed_configs(opts.march) + configs
+    nr = cpu.packed_nr(problem.dtype, opts.march)
+    exe = cpu.build_driver(tc, problem.dtype, configs, nr)
     cands = ([("blas", GemmBackend.BLAS, BlasConfig(), 0)] if GemmBackend.BLAS in allowed
              else []) + [(c.name, GemmBackend.CPP, c, i) for i, c in enumerate(configs, 1)]
     env = {"OMP_NUM_THREADS": str(opts.num_threads)} if opts.num_threads else {}
     results, dropped = [], []
     for name, backend, cfg, idx in cands:
         r = run_candidate([str(exe), str(idx), str(nb), str(m), str(n), str(k), problem.layout_a,
-                           problem.layout_b, "0.02"], opts.autotune_timeout_s, env)
+                           problem.layout_b, "0.02", "c" if problem.const_b else "-"],
+                          opts.autotune_timeout_s, env)
         if r.seconds is None:
             dropped.append((name, r.reason))
         else:
@@ -161,7 +165,8 @@ def _profile_cpu(problem: GemmProblem, sizes, allowed, opts: Options, tc) -> tup
 
 def choose_gemms(steps, symbols, opts: Options, device: str = "cpu", tc=None,
                  outputs: set[str] | None = None, buffers: dict | None = None,
-                 printer=None, cached: bool = True) -> dict[str, Choice]:
+                 printer=None, cached: bool = True,
+                 packable: set[str] = frozenset()) -> dict[str, Choice]:
     """Gemm name -> Choice for every `L.Gemm` in `steps`. `symbols`: the graph's symbols (name,
     min, max, example); `tc`: the C++ toolchain (CPU profiling builds its driver with it);
     `outputs` (CUDA): the buffers that must be stored, to find each GEMM's absorbed epilogue
@@ -172,7 +177,9 @@ def choose_gemms(steps, symbols, opts: Options, device: str = "cpu", tc=None,
     `printer(gemm, epilogue, buffers, env, configs) -> printed.Printed`
     (kiln/targets/cuda/gemm_candidates.py); without it the template is not profiled.
     `cached=False` (CPU, max_autotune off): the heuristic alone, ignoring the autotuning
-    cache (the default choices a tuned CPU package is timed against)."""
+    cache (the default choices a tuned CPU package is timed against).
+    `packable` (CPU): the GEMMs whose constant B may be packed at compile time
+    (`cpu.packable`); their problems have `const_b` and packed candidates."""
 
     allowed = allowed_backends(opts, device)
     ranges = {s.name: (s.min, s.max) for s in symbols}
@@ -208,6 +215,8 @@ def choose_gemms(steps, symbols, opts: Options, device: str = "cpu", tc=None,
             out[g.name] = _choose_cuda(g, problem, sizes, allowed, opts, root, evt, printed)
             continue
         problem = problem_of(g, ranges)
+        if g.name in packable:
+            problem = dataclasses.replace(problem, const_b=True)
         choice = None
         if opts.max_autotune and tc is not None:
             choice, results = _profile_cpu(problem, sizes, allowed, opts, tc)

@@ -171,6 +171,10 @@ class Gemm:
     source: tuple[str, ...] = ()
     lowp: LowpGemm | None = None
     mixed: MixedGemm | None = None
+    #: CPU: `b.buf` is a weight stored prepacked in panels of this many columns (NR; 0: as
+    #: `b` describes it). Panel p holds B[0:K, p*NR:(p+1)*NR] k-major, zero-padded past N
+    #: (passes/pack_cpu.py); `b`'s strides describe the weight as it was before packing.
+    packed_b: int = 0
 
     @property
     def shape(self) -> tuple[sympy.Expr, ...]:

@@ -263,6 +263,9 @@ class WeightSpec:
     nbytes: int
     mutable: bool = False  # a state buffer: the instance owns a writable copy
     permuted: tuple[int, ...] = ()  # frozen: the FQN's tensor permuted by these dims
+    #: prepacked for a CPU GEMM (passes/pack_cpu.py): the packing record (ir/packing.py);
+    #: `shape` is then the packed shape, the record's "shape" the one it was packed from
+    packed: dict | None = field(default=None, hash=False)
 
 
 @dataclass(frozen=True)

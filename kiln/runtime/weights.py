@@ -17,6 +17,7 @@ import torch
 from safetensors.torch import save_file
 
 from kiln.errors import InputError
+from kiln.ir.packing import pack_panels
 
 RNG_FQN = "<rng state>"  # kiln.frontend.export.RNG_FQN (the runtime imports no compiler code)
 
@@ -38,11 +39,15 @@ def checked_tensors(manifest: Mapping[str, Any], state: Mapping[str, Any]
                 raise InputError(f"weight {key!r}: expected {len(w['permuted'])} dims, got "
                                  f"{t.dim()}")
             t = t.permute(w["permuted"])
+        packed = w.get("packed")  # prepacked for a CPU GEMM: new weights are packed alike
+        if packed and list(t.shape) == list(packed["shape"]) != list(w["shape"]):
+            t = pack_panels(t.detach().to("cpu"), packed)
         dtype = str(t.dtype).removeprefix("torch.")
         if dtype != w["dtype"]:
             raise InputError(f"weight {key!r}: expected dtype {w['dtype']}, got {dtype}")
         if list(t.shape) != list(w["shape"]):
-            raise InputError(f"weight {key!r}: expected shape {w['shape']}, got {list(t.shape)}")
+            want = packed["shape"] if packed else w["shape"]
+            raise InputError(f"weight {key!r}: expected shape {want}, got {list(t.shape)}")
         out[w["name"]] = t.detach().to("cpu").contiguous()
     folded = [w["fqn"] for w in specs if w["fqn"].startswith("<folded")]
     if folded:

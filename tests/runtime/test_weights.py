@@ -11,6 +11,7 @@ import torch
 from safetensors.torch import save_file
 
 import kiln
+from kiln.ir.packing import pack_panels
 
 
 class Net(torch.nn.Module):
@@ -242,7 +243,9 @@ def test_freeze_stores_gemm_weights_transposed(tmp_path, backend):
     c = kiln.compile(m, (torch.randn(3, 16),), dynamic_shapes=({0: batch},), options=opts)
     frozen = {w["fqn"]: w for w in c.manifest["weights"] if w.get("permuted")}
     assert sorted(frozen) == ["fc1.weight", "fc2.weight"]
-    assert frozen["fc1.weight"]["shape"] == [16, 32] and frozen["fc1.weight"]["permuted"] == [1, 0]
+    # (the "cpp" GEMM stores it prepacked too: passes/pack_cpu.py, the shape it was packed from)
+    fc1 = frozen["fc1.weight"]
+    assert fc1.get("packed", fc1)["shape"] == [16, 32] and fc1["permuted"] == [1, 0]
     assert len(c.manifest["weights"]) == 5  # each weight stored once: no untransposed copy
     runner = c.load(tmp_path / "f.kiln")
     for rows in (1, 7, 64):
@@ -260,6 +263,8 @@ def test_freeze_stores_gemm_weights_transposed(tmp_path, backend):
     stored = {w["name"]: (m3.state_dict()[w["fqn"]].permute(w["permuted"]) if w.get("permuted")
                           else m3.state_dict()[w["fqn"]]).contiguous()
               for w in c.manifest["weights"]}
+    stored = {w["name"]: pack_panels(stored[w["name"]], w["packed"]) if w.get("packed")
+              else stored[w["name"]] for w in c.manifest["weights"]}
     save_file(stored, str(tmp_path / "w.safetensors"))
     runner.update_weights(tmp_path / "w.safetensors")
     torch.testing.assert_close(runner(x), m3(x))

@@ -142,9 +142,12 @@ inline void micro_tile(int64_t kc, const T *__restrict__ a, int64_t ars, int64_t
       if (full) {
         V *d = reinterpret_cast<V *>(dst);
         *d = accumulate ? *d + acc[i][v] : acc[i][v];
-      } else if (i < mr) {
+      } else if (i < mr) {  // (through a copy: indexing acc keeps it in memory)
+        T part[W];
+        const V t = acc[i][v];
+        std::memcpy(part, &t, sizeof part);
         for (int64_t j = 0; j < W && v * W + j < nr; ++j)
-          dst[j] = accumulate ? dst[j] + acc[i][v][j] : acc[i][v][j];
+          dst[j] = accumulate ? dst[j] + part[j] : part[j];
       }
     }
 }
@@ -201,6 +204,199 @@ inline void ukr_gemm_block(int64_t M, int64_t N, int64_t K, const T *a, int64_t 
       }
     }
   }
+}
+
+
+/* -- Prepacked B ("cpp" with a constant B, packed at compile time by passes/pack_cpu.py) ----
+ * The packed layout of a K x N operand B with panel width NR: ceil(N / NR) panels, each
+ * K x NR contiguous and k-major, columns past N zero:
+ *     packed[p][k][c] = B[k][p * NR + c]    (p < ceil(N / NR), k < K, c < NR)
+ * It does not depend on the K blocking: K block [k0, k0 + kc) of panel p starts at
+ * packed + p * K * NR + k0 * NR. The kernel streams each panel once per sweep over M, so for
+ * small M (a GEMV) the weight is read exactly once, at memory bandwidth. */
+
+template <class T, int NR>
+struct PanelVec {  // the vector of a panel row: the target's width, or NR when narrower
+  static constexpr int lanes = Vec<T>::width < NR ? Vec<T>::width : NR;
+  static constexpr int per_row = NR / lanes;
+  static_assert(NR % lanes == 0, "panel width must be a multiple of the vector width");
+  typedef T type __attribute__((vector_size(lanes * sizeof(T)), aligned(sizeof(T)), may_alias));
+  static type fma(type a, type b, type c) {
+    if constexpr (lanes == Vec<T>::width)
+      return (type)vfma<T>((typename Vec<T>::type)a, (typename Vec<T>::type)b,
+                           (typename Vec<T>::type)c);
+    else
+      return a * b + c;
+  }
+  static type splat(T x) {
+    if constexpr (lanes == Vec<T>::width) {
+      return (type)vsplat<T>(x);
+    } else {
+      type v;
+      for (int i = 0; i < lanes; ++i) v[i] = x;
+      return v;
+    }
+  }
+};
+
+/* Pack B (element (k, n) at b[k * br + n * bc]) into `dst` (ceil(N / NR) * K * NR elements). */
+template <class T, int NR>
+inline void pack_b_panels(int64_t K, int64_t N, const T *b, int64_t br, int64_t bc, T *dst) {
+  for (int64_t p = 0; p * NR < N; ++p) {
+    const int64_t n0 = p * NR, cols = std::min<int64_t>(NR, N - n0);
+    T *d = dst + p * K * NR;
+    for (int64_t k = 0; k < K; ++k)
+      for (int64_t c = 0; c < NR; ++c)
+        d[k * NR + c] = c < cols ? b[k * br + (n0 + c) * bc] : T(0);
+  }
+}
+
+/* Accumulator vectors a register tile may hold (the rest: B vectors and the broadcast). */
+constexpr int kTileAccs = kVecBytes == 64 ? 24 : 12;
+
+/* Panels a tile of MR rows spans: enough independent accumulators to hide the FMA latency
+ * when MR is small (a GEMV reads 4 panels at once), within the register file. */
+template <class T, int NR, int MR>
+constexpr int panels_per_tile() {
+  constexpr int per = MR * PanelVec<T, NR>::per_row;
+  constexpr int np = per >= kTileAccs ? 1 : kTileAccs / per;
+  return np > 4 ? 4 : np;
+}
+
+/* c[0:mrows][0:ncols] (+)= a (MR rows x kc, element (i, k) at a[k * MR + i]: packed, rows
+ * past mrows zero) times NP consecutive K-blocks of panels (panel q's block at
+ * b + q * pstride, row k at + k * NR); `ncols` (<= NP * NR) columns of c are stored. */
+template <class T, int NR, int MR, int NP>
+inline void packed_tile(int64_t kc, const T *__restrict__ a, const T *__restrict__ b,
+                        int64_t pstride, T *__restrict__ c, int64_t ldc, int64_t mrows,
+                        int64_t ncols, bool accumulate) {
+  typedef PanelVec<T, NR> P;
+  typedef typename P::type V;
+  constexpr int L = P::lanes, NV = P::per_row;
+  V acc[MR][NP * NV];
+#pragma GCC unroll 32
+  for (int i = 0; i < MR; ++i)
+#pragma GCC unroll 32
+    for (int v = 0; v < NP * NV; ++v) acc[i][v] = V{};
+  for (int64_t k = 0; k < kc; ++k) {
+#pragma GCC unroll 4
+    for (int q = 0; q < NP; ++q) {
+      V bv[NV];
+#pragma GCC unroll 8
+      for (int v = 0; v < NV; ++v)
+        bv[v] = *reinterpret_cast<const V *>(b + q * pstride + k * NR + v * L);
+#pragma GCC unroll 32
+      for (int i = 0; i < MR; ++i) {
+        const V av = P::splat(a[k * MR + i]);
+#pragma GCC unroll 8
+        for (int v = 0; v < NV; ++v) acc[i][q * NV + v] = P::fma(av, bv[v], acc[i][q * NV + v]);
+      }
+    }
+  }
+#pragma GCC unroll 32
+  for (int i = 0; i < MR; ++i) {
+    if (i >= mrows) break;
+#pragma GCC unroll 32
+    for (int v = 0; v < NP * NV; ++v) {
+      T *dst = c + i * ldc + v * L;
+      if ((v + 1) * L <= ncols) {
+        V *d = reinterpret_cast<V *>(dst);
+        *d = accumulate ? *d + acc[i][v] : acc[i][v];
+      } else {  // (through a copy: indexing acc itself would keep every accumulator in memory)
+        T part[L];
+        const V t = acc[i][v];
+        std::memcpy(part, &t, sizeof part);
+        for (int64_t j = 0; j < L && v * L + j < ncols; ++j)
+          dst[j] = accumulate ? dst[j] + part[j] : part[j];
+      }
+    }
+  }
+}
+
+/* Rows [0, mrows) (<= MR; A packed for MR rows) of one K block over panels [p0, p1): groups
+ * of panels_per_tile panels, then single panels. */
+template <class T, int NR, int MR>
+inline void packed_rows(int64_t kc, const T *a, const T *bk, int64_t pstride, int64_t p0,
+                        int64_t p1, int64_t N, T *c, int64_t ldc, int64_t mrows,
+                        bool accumulate) {
+  constexpr int NP = panels_per_tile<T, NR, MR>();
+  int64_t p = p0;
+  if constexpr (NP > 1)
+    for (; p + NP <= p1; p += NP)
+      packed_tile<T, NR, MR, NP>(kc, a, bk + p * pstride, pstride, c + p * NR, ldc, mrows,
+                                 std::min<int64_t>(NP * NR, N - p * NR), accumulate);
+  for (; p < p1; ++p)
+    packed_tile<T, NR, MR, 1>(kc, a, bk + p * pstride, pstride, c + p * NR, ldc, mrows,
+                              std::min<int64_t>(NR, N - p * NR), accumulate);
+}
+
+/* Pack rows [0, mr) x cols [0, kc) of A k-major for a tile of h >= mr rows, rows past mr
+ * zero: dst[k * h + i] = A[i][k] (the tile then reads its broadcasts from one stream, not
+ * from mr rows that may alias in L1). */
+template <class T>
+inline void pack_a_rows(int64_t mr, int64_t h, int64_t kc, const T *a, int64_t ar, int64_t ac,
+                        T *dst) {
+  if (mr == 1 && h == 1 && ac == 1) {
+    std::memcpy(dst, a, sizeof(T) * kc);
+    return;
+  }
+  for (int64_t k = 0; k < kc; ++k) {
+    for (int64_t i = 0; i < mr; ++i) dst[k * h + i] = a[i * ar + k * ac];
+    for (int64_t i = mr; i < h; ++i) dst[k * h + i] = T(0);
+  }
+}
+
+/* mr rows (<= MR) of one K block, A packed first: a tile of 1, 2, 4 or 8 rows when mr fits
+ * one (small M: B is swept once whatever M), else of MR rows, zero-padded. */
+template <class T, int NR, int MR>
+inline void packed_row_block(int64_t mr, int64_t kc, const T *a, int64_t ar, int64_t ac,
+                             const T *bk, int64_t pstride, int64_t p0, int64_t p1, int64_t N,
+                             T *c, int64_t ldc, bool accumulate, T *apack) {
+  const int64_t h = mr == MR ? MR : mr <= 1 ? 1 : mr <= 2 ? 2 : mr <= 4 ? 4 : mr <= 8 && MR > 8 ? 8 : MR;
+  pack_a_rows<T>(mr, h, kc, a, ar, ac, apack);
+  if (h == MR)
+    return packed_rows<T, NR, MR>(kc, apack, bk, pstride, p0, p1, N, c, ldc, mr, accumulate);
+  if constexpr (MR > 8)
+    if (h == 8)
+      return packed_rows<T, NR, 8>(kc, apack, bk, pstride, p0, p1, N, c, ldc, mr, accumulate);
+  if constexpr (MR > 4)
+    if (h == 4)
+      return packed_rows<T, NR, 4>(kc, apack, bk, pstride, p0, p1, N, c, ldc, mr, accumulate);
+  if constexpr (MR > 2)
+    if (h == 2)
+      return packed_rows<T, NR, 2>(kc, apack, bk, pstride, p0, p1, N, c, ldc, mr, accumulate);
+  if constexpr (MR > 1)
+    packed_rows<T, NR, 1>(kc, apack, bk, pstride, p0, p1, N, c, ldc, mr, accumulate);
+}
+
+/* One GEMM C[M][N] = A * B (B packed, `bp`) over panels [p0, p1): K blocked by KC when M has
+ * more than one row block (each K block of the panels is reused by every row block while it is
+ * in L2), else the whole K at once (C written once, B streamed once). `apack`: MR * K
+ * elements (`packed_apack_size`). */
+template <class T, int NR, int MR, int KC>
+inline void packed_block(int64_t M, int64_t N, int64_t K, const T *a, int64_t ar, int64_t ac,
+                         const T *bp, int64_t p0, int64_t p1, T *c, int64_t ldc, T *apack) {
+  if (M == 0 || p0 >= p1) return;
+  if (K == 0) {
+    for (int64_t i = 0; i < M; ++i)
+      for (int64_t j = p0 * NR; j < std::min<int64_t>(N, p1 * NR); ++j) c[i * ldc + j] = T(0);
+    return;
+  }
+  const int64_t kcb = M <= MR ? K : KC, pstride = K * NR;
+  for (int64_t pc = 0; pc < K; pc += kcb) {
+    const int64_t kc = std::min<int64_t>(kcb, K - pc);
+    for (int64_t ir = 0; ir < M; ir += MR)
+      packed_row_block<T, NR, MR>(std::min<int64_t>(MR, M - ir), kc, a + ir * ar + pc * ac, ar,
+                                  ac, bp + pc * NR, pstride, p0, p1, N, c + ir * ldc, ldc,
+                                  pc > 0, apack);
+  }
+}
+
+/* Elements of the A buffer `packed_block` needs. */
+template <int MR, int KC>
+inline int64_t packed_apack_size(int64_t M, int64_t K) {
+  (void)M;
+  return std::max<int64_t>(int64_t(MR) * K, 1);
 }
 
 }  // namespace kr

@@ -328,6 +328,43 @@ inline int gemm_cpp(int64_t nb0, int64_t nb1, int64_t M, int64_t N, int64_t K, c
   return 0;
 }
 
+/* The "cpp" backend with a prepacked constant B (kiln_gemm.h, `packed_block`): `Bp` holds
+ * the panels of the one B every batch element shares. Work is split over OpenMP threads by
+ * panels of N (each thread streams its share of B once), or by rows of C when N has too few
+ * panels to go round and M has enough row blocks. */
+template <class T, int NR, int MR, int KC>
+inline int gemm_cpp_packed(int64_t nb0, int64_t nb1, int64_t M, int64_t N, int64_t K,
+                           const T *A, int64_t as0, int64_t as1, int64_t ar, int64_t ac,
+                           const T *Bp, T *C) {
+  const int64_t nb = nb0 * nb1, P = (N + NR - 1) / NR;
+  int threads = 1;
+#ifdef _OPENMP
+  if (static_cast<double>(nb) * M * N * K >= 262144.0) threads = omp_get_max_threads();
+#endif
+  const bool by_rows = P < 2 * threads && M >= 2 * MR * threads;
+  const int64_t parts = std::max<int64_t>(1, std::min<int64_t>(threads, by_rows ? (M + MR - 1) / MR : P));
+#pragma omp parallel for schedule(static) if (parts > 1) num_threads(parts)
+  for (int64_t t = 0; t < parts; ++t) {
+    static thread_local std::vector<T> apack;
+    apack.resize(static_cast<size_t>(packed_apack_size<MR, KC>(M, K)));
+    for (int64_t bi = 0; bi < nb; ++bi) {
+      const T *a = A + (bi / nb1) * as0 + (bi % nb1) * as1;
+      T *c = C + bi * M * N;
+      if (by_rows) {
+        const int64_t blocks = (M + MR - 1) / MR;
+        const int64_t lo = std::min(M, blocks * t / parts * MR),
+                      hi = std::min(M, blocks * (t + 1) / parts * MR);
+        packed_block<T, NR, MR, KC>(hi - lo, N, K, a + lo * ar, ar, ac, Bp, 0, P, c + lo * N, N,
+                                    apack.data());
+      } else {
+        packed_block<T, NR, MR, KC>(M, N, K, a, ar, ac, Bp, P * t / parts, P * (t + 1) / parts,
+                                    c, N, apack.data());
+      }
+    }
+  }
+  return 0;
+}
+
 #ifdef KILN_WITH_BLAS
 /* The "blas" backend: OpenBLAS on each part (operands must be BLAS-expressible). */
 template <class T>

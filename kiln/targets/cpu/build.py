@@ -23,11 +23,12 @@ from kiln import config
 from kiln.errors import UnsupportedError
 from kiln.gemm import choose_gemms
 from kiln.gemm.configs import CppConfig
-from kiln.gemm.cpu import cpp_configs, vector_registers
+from kiln.gemm.cpu import cpp_configs, packable, packed_nr, vector_registers
 from kiln.ir import loop as L
 from kiln.memory.inplace import program_aliases
 from kiln.options import GemmBackend, Options
 from kiln.passes.lowp_cpu import expand_lowp
+from kiln.passes.pack_cpu import pack_weights
 from kiln.passes.widen_half import widen_half
 from kiln.schedule import Kernel, localize_rows
 from kiln.targets.cpu.gemm import declaration, print_gemm_file
@@ -143,11 +144,34 @@ def gemm_options(opts: Options) -> Options:
     return replace(opts, march=host_level(opts)) if opts.march == "portable" else opts
 
 
+def packable_gemms(state: Build) -> set[str]:
+    """The GEMMs whose constant B may be packed at compile time (kiln/gemm/cpu.py `packable`).
+    None in a portable build: the panel width follows the vector width, which differs between
+    the levels whose kernels one package carries, and the weights are stored once."""
+    if state.options.march == "portable":
+        return set()
+    constants = {w.name for w in state.program.weights if not w.mutable}
+    return packable(state.steps, constants - set(state.graph.outputs))
+
+
 def gemm_autotune(state: Build) -> Build:
     """GEMM backends: profiled (max_autotune), cached, or by heuristic (kiln/gemm)."""
     opts = gemm_options(state.options)
-    gemms = choose_gemms(state.steps, state.graph.symbols, opts, "cpu", toolchain(opts))
+    gemms = choose_gemms(state.steps, state.graph.symbols, opts, "cpu", toolchain(opts),
+                         packable=packable_gemms(state))
     return replace(state, gemms=gemms)
+
+
+def pack_constant_b(state: Build) -> Build:
+    """The B weights of GEMMs given to the packed "cpp" kernel, packed (passes/pack_cpu.py)."""
+    pack = {name: packed_nr(_gemm_dtype(state.steps, name), state.options.march)
+            for name, c in state.gemms.items() if getattr(c.config, "packed", False)}
+    program, steps, weights = pack_weights(state.program, state.steps, dict(state.weights), pack)
+    return replace(state, program=program, steps=steps, weights=weights)
+
+
+def _gemm_dtype(steps, name: str) -> str:
+    return next(s.dtype.name for s in steps if getattr(s, "name", None) == name)
 
 
 def codegen(state: CpuBuild) -> CpuBuild:

@@ -1,6 +1,6 @@
 """GEMMs that autotuning gave to kiln's register-blocked kernel (backend "cpp"): one
 `extern "C" int gemm_<node>(...)` per GEMM in `gemm.cpp`, instantiating `kr::gemm_cpp` with the
-chosen tile. The file is compiled with the kernels' flags (-O3), not the wrapper's."""
+chosen tile, or `kr::gemm_cpp_packed` when B is a weight stored prepacked (L.Gemm.packed_b). The file is compiled with the kernels' flags (-O3), not the wrapper's."""
 
 from __future__ import annotations
 
@@ -16,8 +16,17 @@ def function_name(gemm: str) -> str:
     return f"gemm_{gemm}"
 
 
+#: a GEMM with a prepacked constant B (L.Gemm.packed_b): B's panels, shared by the batch
+PACKED_PARAMS = ("int64_t nb0, int64_t nb1, int64_t M, int64_t N, int64_t K, const {T}* A, "
+                 "int64_t as0, int64_t as1, int64_t ar, int64_t ac, const {T}* Bp, {T}* C")
+
+
+def params(g: L.Gemm) -> str:
+    return (PACKED_PARAMS if g.packed_b else PARAMS).format(T=g.dtype.c_type)
+
+
 def declaration(g: L.Gemm) -> str:
-    return f'extern "C" int {function_name(g.name)}({PARAMS.format(T=g.dtype.c_type)});'
+    return f'extern "C" int {function_name(g.name)}({params(g)});'
 
 
 def print_gemm_file(steps, choices: dict) -> str | None:
@@ -29,6 +38,15 @@ def print_gemm_file(steps, choices: dict) -> str | None:
             continue
         cfg = c.config
         T = g.dtype.c_type
+        if g.packed_b:
+            body += [f"// gemm {g.name} <- {', '.join(g.source)}: {c.problem}",
+                     f"// B ({g.b.buf}) prepacked in panels of {g.packed_b} columns; rows in "
+                     f"tiles of {cfg.mr}, KC={cfg.kc} ({c.how})",
+                     f'extern "C" int {function_name(g.name)}({params(g)}) {{',
+                     f"  return kr::gemm_cpp_packed<{T}, {g.packed_b}, {cfg.mr}, {cfg.kc}>"
+                     f"(nb0, nb1, M, N, K, A, as0, as1, ar, ac, Bp, C);",
+                     "}", ""]
+            continue
         body += [f"// gemm {g.name} <- {', '.join(g.source)}: {c.problem}",
                  f"// tile {cfg.mr} x {cfg.nv} vectors, KC={cfg.kc}, NC={cfg.nc} ({c.how})",
                  f'extern "C" int {function_name(g.name)}({PARAMS.format(T=T)}) {{',

@@ -16,6 +16,7 @@ from dataclasses import replace
 from kiln.gemm import choose_gemms
 from kiln.targets.cpu.build import (codegen, codegen_wrapper, compile_library,
                                     gemm_options)
+from kiln.gemm.select import Choice
 from kiln.targets.stages import Build, Variant
 
 
@@ -30,11 +31,28 @@ def differing(a: dict, b: dict) -> list[str]:
                   (b[n].backend, b[n].config))
 
 
+def _packed(c: Choice) -> bool:
+    return bool(getattr(c.config, "packed", False))
+
+
+def packed(gemms: dict) -> set[str]:
+    """The GEMMs whose B the tuned build stored packed (the pack_weights stage)."""
+    return {n for n, c in gemms.items() if _packed(c)}
+
+
+def same_weights(tuned: dict, default: dict) -> dict:
+    """Both variants share one set of weights: a default choice that would read B in the
+    other layout (packed vs not) than the tuned one takes the tuned choice for that GEMM."""
+    return {n: (c if n not in tuned or _packed(c) == _packed(tuned[n]) else tuned[n])
+            for n, c in default.items()}
+
+
 def default_variant(state: Build) -> Build:
     """The "default" variant: the heuristic's GEMM choices, built like the tuned package."""
     opts = gemm_options(state.options)
     default = choose_gemms(state.steps, state.graph.symbols, replace(opts, max_autotune=False),
-                           "cpu", None, cached=False)
+                           "cpu", None, cached=False, packable=packed(state.gemms))
+    default = same_weights(state.gemms, default)
     if not differing(state.gemms, default):
         return state
     alt = compile_library(codegen_wrapper(codegen(replace(state, gemms=default))))

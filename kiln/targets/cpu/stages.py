@@ -13,6 +13,7 @@
     program           Program IR, with in-place reuse
     plan              the arena plan
     gemm_autotune     each GEMM's backend (BLAS or kiln's "cpp" GEMM) and config
+    pack_weights      constant B operands of packed "cpp" GEMMs stored prepacked
     codegen           C++ kernel files, the GEMM file
     codegen_wrapper   the C++ wrapper (model.cpp) and the Python one (model.py)
     compile           model.so (parts timed as compile.compile, compile.link)
@@ -23,7 +24,8 @@ from __future__ import annotations
 
 from kiln.targets.cpu.build import (CpuBuild, check_user_kernels, codegen, codegen_wrapper,
                                     compile_library, expand_low_precision, gemm_autotune,
-                                    libraries, localize, widen_half_types)
+                                    libraries, localize, pack_constant_b,
+                                    widen_half_types)
 from kiln.targets.cpu.never_lose import default_variant, tuned
 from kiln.targets.stages import (DCE, FREEZE, LOWER, PLAN, REORDER, SCHEDULE, Stage, Target,
                                  check_graph, graph_text, import_stage, program_stage,
@@ -43,6 +45,7 @@ TARGET = Target("cpu", (
     program_stage(inplace=True),
     PLAN,
     Stage("gemm_autotune", gemm_autotune),
+    Stage("pack_weights", pack_constant_b),
     Stage("codegen", codegen),
     Stage("codegen_wrapper", codegen_wrapper, dump_files=source_files),
     Stage("compile", compile_library),

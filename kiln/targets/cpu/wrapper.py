@@ -188,6 +188,10 @@ class _Printer(SizeCheckPrinter):
                   f"{to_c(g.m)}, {to_c(g.n)}, {to_c(g.k)},")
         self.emit(f"    buf_{g.a.buf} + {to_c(g.a.offset)}, {to_c(sa[0])}, {to_c(sa[1])}, "
                   f"{to_c(g.a.rows)}, {to_c(g.a.cols)},")
+        if g.packed_b:  # the weight holds B's panels (passes/pack_cpu.py)
+            self.emit(f"    buf_{g.b.buf} /* prepacked, {g.packed_b}-column panels */, "
+                      f"buf_{g.name})) goto fail;")
+            return
         self.emit(f"    buf_{g.b.buf} + {to_c(g.b.offset)}, {to_c(sb[0])}, {to_c(sb[1])}, "
                   f"{to_c(g.b.rows)}, {to_c(g.b.cols)}, buf_{g.name})) goto fail;")
 

@@ -20,8 +20,11 @@ def _gemm(g: L.Gemm) -> list[str]:
                 f"({', '.join(strides)},), buf_{op.buf}.storage_offset() + {to_py(op.offset)})")
 
     out = [*(to_py(b) for b in g.batch), to_py(g.m), to_py(g.n)]
+    b = view(g.b, g.k, g.n)
+    if g.packed_b:  # B's panels [P, K, NR] (passes/pack_cpu.py) read back as K x N
+        b = (f"buf_{g.b.buf}.permute(1, 0, 2).reshape({to_py(g.k)}, -1)[:, :{to_py(g.n)}]")
     return [f"# gemm {g.name} = {g.a.buf} @ {g.b.buf}  <- {', '.join(g.source)}",
-            f"torch.matmul({view(g.a, g.m, g.k)}, {view(g.b, g.k, g.n)}, "
+            f"torch.matmul({view(g.a, g.m, g.k)}, {b}, "
             f"out=buf_{g.name}.view({', '.join(out)},))"]
 
 

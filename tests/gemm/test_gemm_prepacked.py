@@ -1,0 +1,167 @@
+"""Prepacked constant B operands on the CPU (passes/pack_cpu.py, kr::gemm_cpp_packed): Linear
+layers (B read transposed), `x @ W` (B read as stored), frozen weights and batched matmuls
+with a constant B, against eager (float64 references) at M from 1 to 200 with N and K that
+are no multiple of the panel width; the generated source calls the packed entry point;
+update_weights packs new weights; builds for x86-64-v3 (AVX2, no AVX-512) and x86-64 (no AVX)
+are correct too."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+import kiln
+from kiln.gemm import cpu
+from kiln.ir.packing import pack_panels
+from tests.difftest import Checker, rand
+
+M_SIZES = (1, 2, 7, 16, 64, 200)  # 7: the example size the package is compiled at
+
+
+@pytest.fixture(scope="module")
+def check(tmp_path_factory):
+    return Checker(tmp_path_factory.mktemp("prepacked"))
+
+
+class Layers(torch.nn.Module):
+    """Every way a constant B reaches a GEMM: Linear with and without bias (B = W.t()),
+    x @ W (B = W), a batched matmul with one W for the batch."""
+
+    def __init__(self, k=1023, dtype=torch.float32):
+        super().__init__()
+        self.fc = torch.nn.Linear(k, 1000, dtype=dtype)
+        self.narrow = torch.nn.Linear(k, 33, bias=False, dtype=dtype)
+        self.w = torch.nn.Parameter(torch.randn(k, 70, dtype=dtype) / k ** 0.5)
+        self.wb = torch.nn.Parameter(torch.randn(40, 65, dtype=dtype) / 40 ** 0.5)
+
+    def forward(self, x, xb):
+        return self.fc(x), self.narrow(x), x @ self.w, torch.matmul(xb, self.wb)
+
+
+def _inputs(m, dtype, k=1023):
+    return (rand((m, k), dtype), rand((3, m, 40), dtype))
+
+
+def _dyn():
+    m = torch.export.Dim("m", min=1, max=256)
+    return ({0: m}, {1: m})
+
+
+def _packed_gemms(compiled) -> list[str]:
+    return [name for name, c in compiled.built.gemms.items()
+            if getattr(c.config, "packed", False)]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_constant_b_packed_vs_eager(check, dtype):
+    torch.manual_seed(0)
+    model = Layers(dtype=dtype)
+    opts = kiln.Options(gemm_backends=("cpp",))  # every constant B packed, also N = 33
+    compiled = check(model, _inputs(7, dtype), dynamic_shapes=_dyn(), options=opts,
+                     more=[_inputs(m, dtype) for m in M_SIZES if m != 7])
+    assert len(_packed_gemms(compiled)) == 4, compiled.built.gemms
+    src = compiled.built.sources["gemm.cpp"]
+    assert src.count("kr::gemm_cpp_packed<") == 4, src
+    model_cpp = compiled.built.sources["model.cpp"]
+    assert "prepacked" in model_cpp
+    shapes = {w["fqn"]: w for w in compiled.manifest["weights"]}
+    nr = cpu.packed_nr(str(dtype).removeprefix("torch."), "native")
+    assert shapes["fc.weight"]["shape"] == [-(-1000 // nr), 1023, nr]
+    assert shapes["fc.weight"]["packed"]["shape"] == [1000, 1023]
+    assert "packed" not in shapes["fc.bias"]
+
+
+def test_frozen_weights_pack_alike(check):
+    torch.manual_seed(1)
+    model = Layers()
+    opts = kiln.Options(freeze=True, gemm_backends=("cpp",))
+    compiled = check(model, _inputs(7, torch.float32), dynamic_shapes=_dyn(), options=opts,
+                     more=[_inputs(1, torch.float32), _inputs(64, torch.float32)])
+    assert len(_packed_gemms(compiled)) == 4
+
+
+def test_default_heuristic_packs_wide_weights(check):
+    """Without options the packed kernel takes the wide Linear (N = 1000); the narrow one
+    (N = 33, one panel and a bit) stays with BLAS."""
+    torch.manual_seed(2)
+    model = Layers()
+    compiled = check(model, _inputs(7, torch.float32), dynamic_shapes=_dyn(),
+                     more=[_inputs(1, torch.float32), _inputs(200, torch.float32)])
+    choices = {c.problem.split(" ")[1]: c for c in compiled.built.gemms.values()}
+    assert [c.config.packed for p, c in choices.items() if "x1000x" in p] == [True]
+    assert all(not getattr(c.config, "packed", False) for p, c in choices.items()
+               if "x33x" in p)
+
+
+def test_weight_read_twice_is_not_packed(check):
+    """A weight another step reads too (here: added to the output) ships as it is."""
+    torch.manual_seed(3)
+
+    class Tied(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.w = torch.nn.Parameter(torch.randn(96, 96) / 10)
+
+        def forward(self, x):
+            return x @ self.w + self.w.sum(0)
+
+    compiled = check(Tied(), (rand((5, 96)),),
+                     options=kiln.Options(gemm_backends=("cpp",), fold_constants=False))
+    assert _packed_gemms(compiled) == []
+
+
+def test_update_weights_packs_new_weights(check, tmp_path):
+    torch.manual_seed(4)
+    model = Layers(k=130).eval()
+    opts = kiln.Options(gemm_backends=("cpp",))
+    compiled, runner = check.compile(model, _inputs(9, torch.float32, 130), options=opts)
+    assert len(_packed_gemms(compiled)) == 4
+    fresh = Layers(k=130).eval()
+    runner.update_weights(fresh.state_dict())
+    x = _inputs(9, torch.float32, 130)
+    with torch.no_grad():
+        want = copy.deepcopy(fresh).double()(*(t.double() for t in x))
+    for got, w in zip(runner(*x), want):
+        torch.testing.assert_close(got.double(), w, rtol=1e-4, atol=1e-4)
+    bad = {**fresh.state_dict(), "fc.weight": torch.randn(1000, 129)}
+    with pytest.raises(kiln.errors.InputError, match=r"expected shape \[1000, 130\]"):
+        runner.update_weights(bad)
+
+
+def test_pack_panels_layout():
+    """The layout itself: panel p, row k, column c holds B[k, p * nr + c], zero past N."""
+    w = torch.arange(5 * 7, dtype=torch.float32).reshape(5, 7)  # a Linear weight [N=5, K=7]
+    rec = {"nr": 4, "k": 7, "n": 5, "offset": 0, "rows": 1, "cols": 7, "shape": [5, 7]}
+    p = pack_panels(w, rec)
+    assert p.shape == (2, 7, 4)
+    b = w.t()
+    torch.testing.assert_close(p[0], b[:, :4])
+    torch.testing.assert_close(p[1, :, 0], b[:, 4])
+    assert (p[1, :, 1:] == 0).all()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("march", ["x86-64-v3", "x86-64"])
+def test_other_targets(check, march):
+    """AVX2 (16 vector registers) and SSE2 (no AVX, narrower vectors than the panels)."""
+    torch.manual_seed(5)
+    model = Layers()
+    opts = kiln.Options(march=march, gemm_backends=("cpp",))
+    compiled = check(model, _inputs(7, torch.float32), dynamic_shapes=_dyn(), options=opts,
+                     more=[_inputs(m, torch.float32) for m in (1, 2, 16, 200)])
+    assert len(_packed_gemms(compiled)) == 4
+
+
+@pytest.mark.slow
+def test_max_autotune_times_packed_candidates(check, tmp_path):
+    """Profiling a constant-B GEMM times the packed candidates (B packed once, shared by the
+    batch, as in the package) beside BLAS and the unpacked tiles; the winner is correct."""
+    torch.manual_seed(6)
+    model = torch.nn.Linear(300, 200)
+    opts = kiln.Options(max_autotune=True, cache_dir=str(tmp_path))
+    compiled = check(model, (rand((4, 300)),), options=opts)
+    (choice,) = compiled.built.gemms.values()
+    assert choice.how == "profiled" and "const_b" in choice.problem
+    assert any(n.startswith("cpp_packed_") for n, _ in choice.timings["cpp"]), choice.timings
