@@ -13,8 +13,8 @@ from dataclasses import replace
 from kiln.ir import loop as L
 from kiln.ir.graph import Graph, Node
 from kiln.ir.sym import contiguous_strides, ivars
-from kiln.lowering import (attention, control, extern, fallback, indexing, library, lowp,
-                           mixed, pointwise, random, reductions, spatial, user_triton, views)
+from kiln.lowering import (attention, control, conv_nchwc, extern, fallback, indexing, library,
+                           lowp, mixed, pointwise, random, reductions, spatial, user_triton, views)
 from kiln.lowering.core import Lazy, LowerCtx, View, from_view
 from kiln.ops import ROWS
 from kiln.errors import UnsupportedError
@@ -66,6 +66,7 @@ RULES = {
     "user_kernel": user_triton.lower_user_kernel,
     "user_result": user_triton.lower_user_result,
     **library.RULES,
+    **conv_nchwc.RULES,  # the CPU direct convolution (passes/conv_nchwc.py)
 }
 
 CHEAP = 2  # operators per element that may be recomputed by each consumer
