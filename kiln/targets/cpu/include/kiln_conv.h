@@ -22,7 +22,8 @@
  * Vectors are GCC vector extensions of B floats, so the same source compiles for any -march
  * (without AVX a vector is split into SSE registers). The definitions are compiled only where
  * KILN_CONV_IMPL is defined (the generated conv.cpp, at the kernels' optimisation level); the
- * wrapper (model.cpp) sees the declarations. The numpy twin is kiln/ir/interp.py's
+ * wrapper (model.cpp) sees the declarations. KILN_CONV_B16 / KILN_CONV_B8 select the channel
+ * blocks compiled (conv.cpp defines those its calls use). The numpy twin is kiln/ir/interp.py's
  * `_lib_conv2d_nchwc`. */
 #ifndef KILN_CONV_H
 #define KILN_CONV_H
@@ -405,12 +406,16 @@ inline int dispatch(kr::Err &e, const char *where, float *out, int64_t oh, int64
                     const View<float> &x, const View<float> &w, const View<float> &b,
                     const float *res) {
   const int64_t blk = w.size(w.rank - 1);
+#ifdef KILN_CONV_B16
   if (blk == 16)
     return run<16>(e, where, out, oh, ow, sh, sw, ph, pw, dh, dw, dwise, act, lo, hi, threads,
                    x, w, b, res);
+#endif
+#ifdef KILN_CONV_B8
   if (blk == 8)
     return run<8>(e, where, out, oh, ow, sh, sw, ph, pw, dh, dw, dwise, act, lo, hi, threads, x,
                   w, b, res);
+#endif
   return e.fail("%s: channel block of %lld floats (expected 8 or 16)", where, (long long)blk);
 }
 
