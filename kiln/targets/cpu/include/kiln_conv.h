@@ -53,7 +53,7 @@ int conv2d_nchwc(kr::Err &e, const char *where, float *out, int64_t oh, int64_t 
 #ifdef _OPENMP
 #include <omp.h>
 #endif
-#if defined(__AVX512F__) || defined(__FMA__)
+#if defined(__AVX512F__) || defined(__AVX__)
 #include <immintrin.h>
 #endif
 
@@ -73,6 +73,16 @@ template <int B> inline void store(float *p, typename V<B>::type v) {
 template <int B> inline typename V<B>::type splat(float x) {
   typename V<B>::type v = {};
   return v + x;
+}
+// *p in every lane, straight from memory (a broadcast load, or an FMA's broadcast operand)
+template <int B> inline typename V<B>::type splat_at(const float *p) {
+#if defined(__AVX512F__)
+  if constexpr (B == 16) return (typename V<B>::type)_mm512_set1_ps(*p);
+#endif
+#if defined(__AVX__)
+  if constexpr (B == 8) return (typename V<B>::type)_mm256_broadcast_ss(p);
+#endif
+  return splat<B>(*p);
 }
 template <int B>
 inline typename V<B>::type fma(typename V<B>::type a, typename V<B>::type b,
@@ -157,7 +167,7 @@ inline void dense_tile(const Shape &s, const float *x, const float *w, int64_t w
           const float *xc = xp + c * s.xs_ch;
           for (int p = 0; p < P; ++p) {
             if (CHECK && !ok[p]) continue;
-            const vec xv = splat<B>(xc[p * step]);
+            const vec xv = splat_at<B>(xc + p * step);
             for (int o = 0; o < OB; ++o) acc[o][p] = fma<B>(wv[o], xv, acc[o][p]);
           }
         }
