@@ -47,6 +47,9 @@ int conv2d_nchwc(kr::Err &e, const char *where, float *out, int64_t oh, int64_t 
 #ifdef KILN_CONV_IMPL
 // vectors wider than the target's registers (B = 8 or 16 without AVX) are passed in memory
 #pragma GCC diagnostic ignored "-Wpsabi"
+// GCC would version the channel loops for a unit stride, and the copies spill the OB x P
+// accumulators (a store per FMA: half speed)
+#pragma GCC optimize("no-version-loops-for-strides")
 #include <algorithm>
 #include <cmath>
 #include <cstring>
@@ -190,7 +193,7 @@ inline void dense_tile(const Shape &s, const float *x, const float *w, int64_t w
 
 // widest tile (pixels) for OB output blocks: OB * P accumulators in registers
 template <int B, int OB> constexpr int tile_px() {
-  return B == 16 ? (OB == 4 ? 6 : OB == 2 ? 12 : 14) : (OB == 4 ? 3 : OB == 2 ? 6 : 12);
+  return B == 16 ? (OB == 4 ? 6 : 14) : (OB == 4 ? 3 : OB == 2 ? 6 : 12);
 }
 
 template <int B, int OB, int P>
@@ -252,7 +255,10 @@ void dense_group(const Shape &s, const float *x, const float *w, const float *bi
   const int64_t ostride = s.oh * s.ow * B;
   // input channel blocks per chunk: OB blocks' weights of one chunk within ~256 KiB (L2)
   const int64_t per_block = OB * s.kh * s.kw * s.icn * B * 4;
-  const int64_t chunk = std::max<int64_t>(1, (256 << 10) / per_block);
+#ifndef KILN_CONV_CHUNK_BYTES
+#define KILN_CONV_CHUNK_BYTES (256 << 10)
+#endif
+  const int64_t chunk = std::max<int64_t>(1, KILN_CONV_CHUNK_BYTES / per_block);
   const float *xn = x + n * s.xs_img;
   const float *wg = w + ob0 * wstride;
   float *og = out + (n * s.ocb + ob0) * ostride;
@@ -270,8 +276,10 @@ void dense_group(const Shape &s, const float *x, const float *w, const float *bi
 template <int B>
 void dense(const Shape &s, const float *x, const float *w, const float *bias, const float *res,
            float *out, const Epi &ep, int64_t threads) {
-  // groups of output blocks: 4 at a time, the remainder as a 2 and / or a 1
-  const int64_t n4 = s.ocb / 4, rem = s.ocb % 4;
+  // groups of output blocks: 4 at a time, the remainder as a 2 and / or a 1; rows of at
+  // most 14 pixels take groups of 2 (one tile of up to 14 pixels per row, no narrow tail)
+  const int64_t gw = s.ow <= tile_px<B, 2>() ? 2 : 4;
+  const int64_t n4 = s.ocb / gw, rem = s.ocb % gw;
   const int64_t ng = n4 + (rem >= 2) + (rem % 2);
   // tasks: (batch, group, block of rows, column segment), at least ~4 per thread
   const int nt = team(threads);
@@ -293,9 +301,9 @@ void dense(const Shape &s, const float *x, const float *w, const float *bias, co
     const int64_t r0 = r * rblk, r1 = std::min(s.oh, r0 + rblk);
     const int64_t c0 = cs * cw, c1 = std::min(s.ow, c0 + cw);
     if (c0 >= c1) continue;
-    int64_t g0 = 4 * gi, gn = 4;
+    int64_t g0 = gw * gi, gn = gw;
     if (gi >= n4) {
-      g0 = 4 * n4 + (gi > n4 ? 2 : 0);
+      g0 = gw * n4 + (gi > n4 && rem >= 2 ? 2 : 0);
       gn = gi == n4 && rem >= 2 ? 2 : 1;
     }
     switch (gn) {
@@ -336,6 +344,34 @@ inline void dw_tile(const Shape &s, const float *xc, const float *wc, const floa
   }
 }
 
+/* An interior depthwise tile for a static kernel width and stride (dilation 1): the input
+ * vectors of one kernel row are loaded once and shared by the KW taps of the P pixels. */
+template <int B, int P, int KW, int SW>
+inline void dw_fast(const Shape &s, const float *xc, const float *wc, const float *bc,
+                    const float *rrow, float *orow, int64_t oh, int64_t ow0, const Epi &ep) {
+  typedef typename V<B>::type vec;
+  constexpr int NX = SW * (P - 1) + KW;
+  vec acc[P];
+  const vec bv = load<B>(bc);
+  for (int p = 0; p < P; ++p) acc[p] = bv;
+  for (int64_t ky = 0; ky < s.kh; ++ky) {
+    const int64_t iy = oh * s.sh + ky * s.dh - s.ph;
+    if (iy < 0 || iy >= s.ih) continue;
+    const float *xr = xc + (iy * s.iw + ow0 * SW - s.pw) * B;
+    vec xv[NX];
+    for (int j = 0; j < NX; ++j) xv[j] = load<B>(xr + j * B);
+    for (int kx = 0; kx < KW; ++kx) {
+      const vec wv = load<B>(wc + (ky * KW + kx) * B);
+      for (int p = 0; p < P; ++p) acc[p] = fma<B>(wv, xv[p * SW + kx], acc[p]);
+    }
+  }
+  for (int p = 0; p < P; ++p) {
+    vec v = acc[p];
+    if (rrow) v += load<B>(rrow + (ow0 + p) * B);
+    store<B>(orow + (ow0 + p) * B, activate<B>(v, ep));
+  }
+}
+
 template <int B, int P>
 inline void dw_tail(const Shape &s, const float *xc, const float *wc, const float *bc,
                     const float *rrow, float *orow, int64_t oh, int64_t ow0, int64_t np,
@@ -349,7 +385,7 @@ inline void dw_tail(const Shape &s, const float *xc, const float *wc, const floa
 template <int B>
 void depthwise(const Shape &s, const float *x, const float *w, const float *bias,
                const float *res, float *out, const Epi &ep, int64_t threads) {
-  constexpr int P = 8;
+  constexpr int P = B == 16 ? 8 : 4;  // with stride 2: 2P + 1 input vectors in registers
   const int64_t span = (s.kw - 1) * s.dw;
   const int64_t lo = s.pw > 0 ? (s.pw + s.sw - 1) / s.sw : 0;
   int64_t hi = s.iw - span + s.pw <= 0 ? 0 : (s.iw - span + s.pw - 1) / s.sw + 1;
@@ -366,6 +402,12 @@ void depthwise(const Shape &s, const float *x, const float *w, const float *bias
     const float *rrow = res ? res + ((n * s.ocb + cb) * s.oh + oh) * s.ow * B : nullptr;
     int64_t o = 0;
     for (; o < s.ow && o < lo; ++o) dw_tile<B, 1, true>(s, xc, wc, bc, rrow, orow, oh, o, ep);
+    if (s.dw == 1 && s.kw == 3 && s.sw == 1)
+      for (; o + P <= hi; o += P) dw_fast<B, P, 3, 1>(s, xc, wc, bc, rrow, orow, oh, o, ep);
+    else if (s.dw == 1 && s.kw == 3 && s.sw == 2)
+      for (; o + P <= hi; o += P) dw_fast<B, P, 3, 2>(s, xc, wc, bc, rrow, orow, oh, o, ep);
+    else if (s.dw == 1 && s.kw == 5 && s.sw == 1)
+      for (; o + P <= hi; o += P) dw_fast<B, P, 5, 1>(s, xc, wc, bc, rrow, orow, oh, o, ep);
     for (; o + P <= hi; o += P) dw_tile<B, P, false>(s, xc, wc, bc, rrow, orow, oh, o, ep);
     for (; o < s.ow;) {
       const int64_t np = std::min<int64_t>(P, s.ow - o);
