@@ -22,6 +22,9 @@ GEMM_BACKENDS = tuple(b.value for b in GemmBackend)
 BACKEND_DEVICES = {GemmBackend.BLAS: ("cpu", "cuda"), GemmBackend.CPP: ("cpu",),
                    GemmBackend.TRITON: ("cuda",), GemmBackend.CUTLASS: ("cuda",)}
 
+#: Options.cpu_conv values
+CPU_CONV = ("direct", "im2col")
+
 
 @dataclass(frozen=True)
 class Options:
@@ -140,6 +143,15 @@ class Options:
     #: Seconds one profiling run of one GEMM candidate may take before it is dropped.
     autotune_timeout_s: float = 20.0
 
+    #: CPU builds: how 2-D float32 convolutions run. "direct": kiln's direct convolution in the
+    #: blocked channel layout NCHWc (kiln/targets/cpu/include/kiln_conv.h; weights packed and
+    #: batch norm folded at compile time, bias / residual add / activation in its store; see
+    #: passes/conv_nchwc.py), with im2col + GEMM for what it does not cover (transposed, 1-D
+    #: and 3-D, grouped but not depthwise, other dtypes, dynamic sizes). "im2col": every
+    #: convolution as im2col + GEMM. The direct path packs weights, a compile-time fold: with
+    #: fold_constants=False it is off. With max_autotune, both are timed per convolution.
+    cpu_conv: str = "direct"
+
     #: Seed of kiln's random-number generator (rand, randn, dropout, ...). Each run of a loaded
     #: model draws fresh numbers; a freshly loaded model replays the same sequence.
     seed: int = 0
@@ -160,6 +172,10 @@ class Options:
         if bad or not self.gemm_backends:
             raise ValueError(f"Options.gemm_backends: expected a non-empty tuple of "
                              f"{GEMM_BACKENDS}, got {self.gemm_backends!r}")
+
+        if self.cpu_conv not in CPU_CONV:
+            raise ValueError(f"Options.cpu_conv: expected one of {CPU_CONV}, got "
+                             f"{self.cpu_conv!r}")
 
     def to_json(self) -> dict:
         return {k: list(v) if isinstance(v, tuple) else v for k, v in asdict(self).items()}

@@ -448,11 +448,49 @@ def _lib_attention(outs, attrs, q, k, v, mask=None):
     return [out]
 
 
+def _lib_conv2d_nchwc(outs, attrs, x, w, b, res=None):
+    """kiln_conv.h's direct convolution: NCHWc (or NCHW) x, packed w, in float64."""
+    a = attrs
+    n, ocb, oh, ow, blk = outs[0][1]
+    x = x.astype(np.float64)
+    if x.ndim == 5:  # [N, Cb, H, W, B] -> [N, C, H, W]
+        x = x.transpose(0, 1, 4, 2, 3).reshape(x.shape[0], -1, x.shape[2], x.shape[3])
+    if a["depthwise"]:  # [Cb, KH, KW, B] -> [C, KH, KW]
+        wf = w.astype(np.float64).transpose(0, 3, 1, 2).reshape(-1, w.shape[1], w.shape[2])
+    else:  # [OCb, ICb, KH, KW, i, o] -> [OC, IC, KH, KW]
+        wf = w.astype(np.float64).transpose(0, 5, 1, 4, 2, 3)
+        wf = wf.reshape(wf.shape[0] * blk, wf.shape[2] * wf.shape[3], *wf.shape[4:])
+    kh, kw = wf.shape[-2:]
+    xp = np.pad(x, ((0, 0), (0, 0), (a["ph"], a["ph"]), (a["pw"], a["pw"])))
+    out = np.zeros((n, ocb * blk, oh, ow))
+    for ky in range(kh):
+        for kx in range(kw):
+            y0, x0 = ky * a["dh"], kx * a["dw"]
+            win = xp[:, :, y0:y0 + a["sh"] * (oh - 1) + 1:a["sh"],
+                     x0:x0 + a["sw"] * (ow - 1) + 1:a["sw"]][:, :wf.shape[0 if a["depthwise"] else 1]]
+            if a["depthwise"]:
+                out += win * wf[None, :, ky, kx, None, None]
+            else:
+                out += np.einsum("oc,nchw->nohw", wf[:, :, ky, kx], win)
+    out += b.astype(np.float64).reshape(1, -1, 1, 1)
+    out = out.reshape(n, ocb, blk, oh, ow).transpose(0, 1, 3, 4, 2)
+    if res is not None:
+        out = out + res.astype(np.float64)
+    act = a["act"]
+    if act == 1:
+        out = np.maximum(out, 0)
+    elif act == 2:
+        out = np.minimum(np.maximum(out, a["lo"]), a["hi"])
+    elif act == 3:
+        out = out / (1 + np.exp(-out))
+    return [out]
+
+
 # routine -> numpy twin: (outs [(dtype name, shape)], attrs, *operands) -> one array per out
 ROUTINES = {"sort": _lib_sort, "topk": _lib_topk, "scan": _lib_scan,
             "scan_extreme": _lib_scan_extreme, "put": _lib_put, "put_mean": _lib_put,
             "masked_scatter": _lib_masked_scatter, "embedding_bag": _lib_embedding_bag,
-            "attention": _lib_attention}
+            "attention": _lib_attention, "conv2d_nchwc": _lib_conv2d_nchwc}
 
 
 def run_routine(call: L.Extern, outs, operands: list[np.ndarray]) -> list[np.ndarray]:

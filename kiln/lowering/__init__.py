@@ -14,8 +14,8 @@ from kiln.ir import loop as L
 from kiln.ir.graph import Graph, Node
 from kiln.ir.sym import contiguous_strides, ivars
 from kiln.lowering import collectives
-from kiln.lowering import (attention, control, extern, fallback, indexing, library, lowp,
-                           mixed, pointwise, random, reductions, spatial, user_triton, views)
+from kiln.lowering import (attention, control, conv_nchwc, extern, fallback, indexing, library,
+                           lowp, mixed, pointwise, random, reductions, spatial, user_triton, views)
 from kiln.lowering.core import Lazy, LowerCtx, View, from_view
 from kiln.ops import ROWS
 from kiln.errors import UnsupportedError
@@ -68,6 +68,7 @@ RULES = {
     "user_result": user_triton.lower_user_result,
     **library.RULES,
     **collectives.RULES,  # functional collectives (MPI / NCCL)
+    **conv_nchwc.RULES,  # the CPU direct convolution (passes/conv_nchwc.py)
 }
 
 CHEAP = 2  # operators per element that may be recomputed by each consumer

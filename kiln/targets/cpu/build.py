@@ -31,6 +31,7 @@ from kiln.passes.lowp_cpu import expand_lowp
 from kiln.passes.pack_cpu import pack_weights
 from kiln.passes.widen_half import widen_half
 from kiln.schedule import Kernel, localize_rows
+from kiln.targets.cpu.conv import conv_source
 from kiln.targets.cpu.gemm import declaration, print_gemm_file
 from kiln.targets.cpu.kernel import print_kernel
 from kiln.targets.cpu.wrapper import declare_kernel, print_wrapper
@@ -179,6 +180,9 @@ def codegen(state: CpuBuild) -> CpuBuild:
     steps, gemms = state.steps, state.gemms
     sources, decls = kernel_sources(steps, L.all_buffers(state.loop), state.options,
                                     program_aliases(state.program))
+    conv_file = conv_source(steps)
+    if conv_file is not None:  # the direct convolution (kiln_conv.h)
+        sources["conv.cpp"] = conv_file
     gemm_file = print_gemm_file(steps, gemms)
     if gemm_file is not None:
         sources["gemm.cpp"] = gemm_file

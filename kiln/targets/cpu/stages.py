@@ -3,6 +3,8 @@
     import            torch.export -> Graph IR; library routines allowed, attention decomposed
     dce               dead nodes and unused weights dropped
     check_user_kernels  user Triton kernels refused (a package cannot run them on the CPU)
+    conv_nchwc        (Options.cpu_conv "direct") convolutions as NCHWc direct convolutions,
+                      weights packed, epilogues fused (passes/conv_nchwc.py)
     freeze            (Options.freeze) weights stored in the layout their GEMMs read
     expand_lowp       low-precision GEMMs as float32 / int32 GEMMs
     widen_half        float16 / bfloat16 as storage types, computed in float32
@@ -27,6 +29,7 @@ from kiln.targets.cpu.build import (CpuBuild, check_user_kernels, codegen, codeg
                                     libraries, localize, pack_constant_b,
                                     widen_half_types)
 from kiln.targets.cpu.never_lose import default_variant, tuned
+from kiln.targets.cpu.conv import direct_conv, direct_conv_enabled
 from kiln.targets.stages import (DCE, FREEZE, LOWER, PLAN, REORDER, SCHEDULE, Stage, Target,
                                  check_graph, graph_text, import_stage, program_stage,
                                  source_files)
@@ -35,6 +38,8 @@ TARGET = Target("cpu", (
     import_stage(library_routines=True, fused_attention=False),
     DCE,
     Stage("check_user_kernels", check_user_kernels),
+    Stage("conv_nchwc", direct_conv, dump=graph_text, verify=check_graph,
+          when=direct_conv_enabled),
     FREEZE,
     Stage("expand_lowp", expand_low_precision, dump=graph_text, verify=check_graph),
     Stage("widen_half", widen_half_types, dump=graph_text, verify=check_graph),

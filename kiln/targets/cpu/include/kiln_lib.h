@@ -433,4 +433,6 @@ int embedding_bag(kr::Err &e, const char *where, T *out, int64_t mode, bool incl
 
 }  // namespace kl
 
+#include "kiln_conv.h"  // the direct convolution (declarations; conv.cpp compiles the code)
+
 #endif

@@ -1,0 +1,494 @@
+/* kiln_conv.h - direct 2-D convolution in the blocked channel layout NCHWc (CPU target).
+ *
+ * Layout: an activation [N, C, H, W] is stored as [N, C/B, H, W, B] (channels padded to a
+ * multiple of B with zeros), B = 16 floats (AVX-512) or 8 (AVX2 and below); the compiler pass
+ * (kiln/passes/conv_nchwc.py) picks B and packs the weights at compile time:
+ *   dense      [OC/B, IC/B, KH, KW, ICB, B]  (ICB = B, or IC itself for an NCHW input: a stem
+ *              convolution with fewer than B input channels reads the plain NCHW tensor)
+ *   depthwise  [C/B, KH, KW, B]
+ * Bias [OC/B * B]; folded batch norm is already part of weight and bias.
+ *
+ * Epilogue, in the store: out = act(acc + bias [+ residual]), act 0 none, 1 relu,
+ * 2 clamp(lo, hi) (relu6, hardtanh), 3 silu.
+ *
+ * Dense kernel: a task is (batch, group of OB output-channel blocks, block of output rows);
+ * input channel blocks are walked in chunks whose weights stay in L2, and for each chunk every
+ * output row of the task is swept in tiles of PX pixels with OB x PX vector accumulators in
+ * registers (each input value broadcast once per tile and channel, each weight vector loaded
+ * once per tile). Tiles whose windows leave the input (padding) take a checked variant. A
+ * 1x1 stride-1 convolution without padding sees its pixels as one flat row (a GEMM over
+ * channel blocks, no im2col). Depthwise: B channels per vector, PX pixels per tile.
+ *
+ * Vectors are GCC vector extensions of B floats, so the same source compiles for any -march
+ * (without AVX a vector is split into SSE registers). The definitions are compiled only where
+ * KILN_CONV_IMPL is defined (the generated conv.cpp, at the kernels' optimisation level); the
+ * wrapper (model.cpp) sees the declarations. KILN_CONV_B16 / KILN_CONV_B8 select the channel
+ * blocks compiled (conv.cpp defines those its calls use). The numpy twin is kiln/ir/interp.py's
+ * `_lib_conv2d_nchwc`. */
+#ifndef KILN_CONV_H
+#define KILN_CONV_H
+#include <cstdint>
+
+#include "kiln_lib.h"
+
+namespace kl {
+
+int conv2d_nchwc(kr::Err &e, const char *where, float *out, int64_t oh, int64_t ow, int64_t sh,
+                 int64_t sw, int64_t ph, int64_t pw, int64_t dh, int64_t dw, bool depthwise,
+                 int64_t act, double lo, double hi, int64_t threads, View<float> x,
+                 View<float> w, View<float> b);
+int conv2d_nchwc(kr::Err &e, const char *where, float *out, int64_t oh, int64_t ow, int64_t sh,
+                 int64_t sw, int64_t ph, int64_t pw, int64_t dh, int64_t dw, bool depthwise,
+                 int64_t act, double lo, double hi, int64_t threads, View<float> x,
+                 View<float> w, View<float> b, View<float> res);
+
+}  // namespace kl
+
+#ifdef KILN_CONV_IMPL
+// vectors wider than the target's registers (B = 8 or 16 without AVX) are passed in memory
+#pragma GCC diagnostic ignored "-Wpsabi"
+// GCC would version the channel loops for a unit stride, and the copies spill the OB x P
+// accumulators (a store per FMA: half speed)
+#pragma GCC optimize("no-version-loops-for-strides")
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+#ifdef _OPENMP
+#include <omp.h>
+#endif
+#if defined(__AVX512F__) || defined(__AVX__)
+#include <immintrin.h>
+#endif
+
+namespace kl {
+namespace conv {
+
+template <int B> struct V {
+  typedef float type __attribute__((vector_size(B * 4), aligned(4), may_alias));
+};
+
+template <int B> inline typename V<B>::type load(const float *p) {
+  return *reinterpret_cast<const typename V<B>::type *>(p);
+}
+template <int B> inline void store(float *p, typename V<B>::type v) {
+  *reinterpret_cast<typename V<B>::type *>(p) = v;
+}
+template <int B> inline typename V<B>::type splat(float x) {
+  typename V<B>::type v = {};
+  return v + x;
+}
+// *p in every lane, straight from memory (a broadcast load, or an FMA's broadcast operand)
+template <int B> inline typename V<B>::type splat_at(const float *p) {
+#if defined(__AVX512F__)
+  if constexpr (B == 16) return (typename V<B>::type)_mm512_set1_ps(*p);
+#endif
+#if defined(__AVX__)
+  if constexpr (B == 8) return (typename V<B>::type)_mm256_broadcast_ss(p);
+#endif
+  return splat<B>(*p);
+}
+template <int B>
+inline typename V<B>::type fma(typename V<B>::type a, typename V<B>::type b,
+                               typename V<B>::type c) {
+#if defined(__AVX512F__)
+  if constexpr (B == 16) return (typename V<B>::type)_mm512_fmadd_ps((__m512)a, (__m512)b, (__m512)c);
+#endif
+#if defined(__FMA__) && defined(__AVX__)
+  if constexpr (B == 8) return (typename V<B>::type)_mm256_fmadd_ps((__m256)a, (__m256)b, (__m256)c);
+#endif
+  return a * b + c;
+}
+
+struct Epi {
+  int act;
+  float lo, hi;
+};
+
+template <int B>
+inline typename V<B>::type activate(typename V<B>::type v, const Epi &ep) {
+  typedef typename V<B>::type vec;
+  if (ep.act == 1) {
+    const vec z = {};
+    return v > z ? v : z;
+  }
+  if (ep.act == 2) {
+    const vec l = splat<B>(ep.lo), h = splat<B>(ep.hi);
+    v = v < l ? l : v;
+    return v > h ? h : v;
+  }
+  if (ep.act == 3) {
+    for (int i = 0; i < B; ++i) v[i] = v[i] / (1.0f + std::exp(-v[i]));
+  }
+  return v;
+}
+
+// the problem of one dense or depthwise convolution, sizes in elements
+struct Shape {
+  int64_t n, icb, ih, iw, icn;  // icn: input channels per block (B, or IC for NCHW input)
+  int64_t ocb, oh, ow, kh, kw, sh, sw, ph, pw, dh, dw;
+  int64_t xs_blk, xs_row, xs_pix, xs_ch, xs_img;  // input strides: block, row, pixel, channel
+};
+
+/* Accumulate the OB x P tile at output (row oh, columns ow0..ow0+P) over input channel blocks
+ * [ib0, ib1) into `out` (first: start from zero; last: apply the epilogue). CHECK: some
+ * window positions leave the input along the width. */
+template <int B, int OB, int P, bool CHECK>
+inline void dense_tile(const Shape &s, const float *x, const float *w, int64_t wstride,
+                       float *out, int64_t ostride, const float *bias, const float *res,
+                       int64_t oh, int64_t ow0, int64_t ib0, int64_t ib1, bool first, bool last,
+                       const Epi &ep) {
+  typedef typename V<B>::type vec;
+  vec acc[OB][P];
+  if (first) {
+    for (int o = 0; o < OB; ++o)
+      for (int p = 0; p < P; ++p) acc[o][p] = vec{};
+  } else {
+    for (int o = 0; o < OB; ++o)
+      for (int p = 0; p < P; ++p) acc[o][p] = load<B>(out + o * ostride + (ow0 + p) * B);
+  }
+  const int64_t icn = s.icn;
+  for (int64_t ib = ib0; ib < ib1; ++ib) {
+    for (int64_t ky = 0; ky < s.kh; ++ky) {
+      const int64_t iy = oh * s.sh + ky * s.dh - s.ph;
+      if (iy < 0 || iy >= s.ih) continue;
+      const float *xrow = x + ib * s.xs_blk + iy * s.xs_row;
+      for (int64_t kx = 0; kx < s.kw; ++kx) {
+        const float *wk = w + ((ib * s.kh + ky) * s.kw + kx) * icn * B;
+        const int64_t ix0 = ow0 * s.sw + kx * s.dw - s.pw;
+        bool ok[P];
+        if (CHECK) {
+          for (int p = 0; p < P; ++p) {
+            const int64_t ix = ix0 + p * s.sw;
+            ok[p] = ix >= 0 && ix < s.iw;
+          }
+        }
+        const float *xp = xrow + ix0 * s.xs_pix;
+        const int64_t step = s.sw * s.xs_pix;
+        for (int64_t c = 0; c < icn; ++c) {
+          vec wv[OB];
+          for (int o = 0; o < OB; ++o) wv[o] = load<B>(wk + o * wstride + c * B);
+          const float *xc = xp + c * s.xs_ch;
+          for (int p = 0; p < P; ++p) {
+            if (CHECK && !ok[p]) continue;
+            const vec xv = splat_at<B>(xc + p * step);
+            for (int o = 0; o < OB; ++o) acc[o][p] = fma<B>(wv[o], xv, acc[o][p]);
+          }
+        }
+      }
+    }
+  }
+  for (int o = 0; o < OB; ++o) {
+    const vec bv = last ? load<B>(bias + o * B) : vec{};
+    for (int p = 0; p < P; ++p) {
+      vec v = acc[o][p];
+      if (last) {
+        v += bv;
+        if (res) v += load<B>(res + o * ostride + (ow0 + p) * B);
+        v = activate<B>(v, ep);
+      }
+      store<B>(out + o * ostride + (ow0 + p) * B, v);
+    }
+  }
+}
+
+// widest tile (pixels) for OB output blocks: OB * P accumulators in registers
+template <int B, int OB> constexpr int tile_px() {
+  return B == 16 ? (OB == 4 ? 6 : 14) : (OB == 4 ? 3 : OB == 2 ? 6 : 12);
+}
+
+template <int B, int OB, int P>
+inline void dense_tail(const Shape &s, const float *x, const float *w, int64_t wstride,
+                       float *out, int64_t ostride, const float *bias, const float *res,
+                       int64_t oh, int64_t ow0, int64_t np, int64_t ib0, int64_t ib1,
+                       bool first, bool last, const Epi &ep, bool check) {
+  if constexpr (P > 0) {
+    if (np == P) {
+      if (check)
+        dense_tile<B, OB, P, true>(s, x, w, wstride, out, ostride, bias, res, oh, ow0, ib0, ib1,
+                                   first, last, ep);
+      else
+        dense_tile<B, OB, P, false>(s, x, w, wstride, out, ostride, bias, res, oh, ow0, ib0,
+                                    ib1, first, last, ep);
+      return;
+    }
+    dense_tail<B, OB, P - 1>(s, x, w, wstride, out, ostride, bias, res, oh, ow0, np, ib0, ib1,
+                             first, last, ep, check);
+  }
+}
+
+/* One output row segment [c0, c1) of OB blocks: full tiles, then one narrower tile. */
+template <int B, int OB>
+inline void dense_row(const Shape &s, const float *x, const float *w, int64_t wstride,
+                      float *out, int64_t ostride, const float *bias, const float *res,
+                      int64_t oh, int64_t c0, int64_t c1, int64_t ib0, int64_t ib1, bool first,
+                      bool last, const Epi &ep) {
+  constexpr int P = tile_px<B, OB>();
+  // output columns whose whole window (every kx) lies inside the input width
+  const int64_t span = (s.kw - 1) * s.dw;
+  int64_t lo = s.pw > 0 ? (s.pw + s.sw - 1) / s.sw : 0;
+  int64_t hi = s.iw - span + s.pw <= 0 ? 0 : (s.iw - span + s.pw - 1) / s.sw + 1;  // exclusive
+  hi = std::min(hi, s.ow);
+  for (int64_t o = c0; o < c1;) {
+    const int64_t np = std::min<int64_t>(P, c1 - o);
+    const bool check = o < lo || o + np > hi;
+    dense_tail<B, OB, P>(s, x, w, wstride, out, ostride, bias, res, oh, o, np, ib0, ib1, first,
+                         last, ep, check);
+    o += np;
+  }
+}
+
+inline int team(int64_t threads) {
+#ifdef _OPENMP
+  const int budget = omp_get_max_threads();
+  return threads > 0 && threads < budget ? int(threads) : budget;
+#else
+  (void)threads;
+  return 1;
+#endif
+}
+
+template <int B, int OB>
+void dense_group(const Shape &s, const float *x, const float *w, const float *bias,
+                 const float *res, float *out, int64_t n, int64_t ob0, int64_t r0, int64_t r1,
+                 int64_t c0, int64_t c1, const Epi &ep) {
+  const int64_t wstride = s.icb * s.kh * s.kw * s.icn * B;  // one output block's weights
+  const int64_t ostride = s.oh * s.ow * B;
+  // input channel blocks per chunk: OB blocks' weights of one chunk within ~256 KiB (L2)
+  const int64_t per_block = OB * s.kh * s.kw * s.icn * B * 4;
+#ifndef KILN_CONV_CHUNK_BYTES
+#define KILN_CONV_CHUNK_BYTES (256 << 10)
+#endif
+  const int64_t chunk = std::max<int64_t>(1, KILN_CONV_CHUNK_BYTES / per_block);
+  const float *xn = x + n * s.xs_img;
+  const float *wg = w + ob0 * wstride;
+  float *og = out + (n * s.ocb + ob0) * ostride;
+  const float *rg = res ? res + (n * s.ocb + ob0) * ostride : nullptr;
+  const float *bg = bias + ob0 * B;
+  for (int64_t ib = 0; ib < s.icb; ib += chunk) {
+    const int64_t ie = std::min(s.icb, ib + chunk);
+    for (int64_t oh = r0; oh < r1; ++oh)
+      dense_row<B, OB>(s, xn, wg, wstride, og + oh * s.ow * B, ostride, bg,
+                       rg ? rg + oh * s.ow * B : nullptr, oh, c0, c1, ib, ie, ib == 0,
+                       ie == s.icb, ep);
+  }
+}
+
+template <int B>
+void dense(const Shape &s, const float *x, const float *w, const float *bias, const float *res,
+           float *out, const Epi &ep, int64_t threads) {
+  // groups of output blocks: 4 at a time, the remainder as a 2 and / or a 1; rows of at
+  // most 14 pixels take groups of 2 (one tile of up to 14 pixels per row, no narrow tail)
+  const int64_t gw = s.ow <= tile_px<B, 2>() ? 2 : 4;
+  const int64_t n4 = s.ocb / gw, rem = s.ocb % gw;
+  const int64_t ng = n4 + (rem >= 2) + (rem % 2);
+  // tasks: (batch, group, block of rows, column segment), at least ~4 per thread
+  const int nt = team(threads);
+  const int64_t base = s.n * ng, want = 4 * int64_t(nt);
+  int64_t rblk = s.oh, cseg = 1;
+  if (base < want) {
+    if (s.oh == 1)  // a flat 1x1 row: split the pixels
+      cseg = std::max<int64_t>(1, std::min<int64_t>((want + base - 1) / base, s.ow / 32));
+    else
+      rblk = std::max<int64_t>(1, s.oh * base / want);
+  }
+  const int64_t nr = (s.oh + rblk - 1) / rblk;
+  const int64_t tasks = base * nr * cseg;
+  const int64_t cw = (s.ow + cseg - 1) / cseg;
+#pragma omp parallel for schedule(dynamic, 1) num_threads(nt) if (tasks > 1)
+  for (int64_t t = 0; t < tasks; ++t) {
+    const int64_t cs = t % cseg, rest = t / cseg;
+    const int64_t r = rest % nr, gi = (rest / nr) % ng, n = rest / nr / ng;
+    const int64_t r0 = r * rblk, r1 = std::min(s.oh, r0 + rblk);
+    const int64_t c0 = cs * cw, c1 = std::min(s.ow, c0 + cw);
+    if (c0 >= c1) continue;
+    int64_t g0 = gw * gi, gn = gw;
+    if (gi >= n4) {
+      g0 = gw * n4 + (gi > n4 && rem >= 2 ? 2 : 0);
+      gn = gi == n4 && rem >= 2 ? 2 : 1;
+    }
+    switch (gn) {
+      case 4: dense_group<B, 4>(s, x, w, bias, res, out, n, g0, r0, r1, c0, c1, ep); break;
+      case 2: dense_group<B, 2>(s, x, w, bias, res, out, n, g0, r0, r1, c0, c1, ep); break;
+      default: dense_group<B, 1>(s, x, w, bias, res, out, n, g0, r0, r1, c0, c1, ep); break;
+    }
+  }
+}
+
+/* Depthwise: out[n, cb, oh, ow, :] = act(bias + sum over (ky, kx) of w[cb, ky, kx, :] *
+ * x[n, cb, iy, ix, :] [+ res]), P pixels per tile. */
+template <int B, int P, bool CHECK>
+inline void dw_tile(const Shape &s, const float *xc, const float *wc, const float *bc,
+                    const float *rrow, float *orow, int64_t oh, int64_t ow0, const Epi &ep) {
+  typedef typename V<B>::type vec;
+  vec acc[P];
+  const vec bv = load<B>(bc);
+  for (int p = 0; p < P; ++p) acc[p] = bv;
+  for (int64_t ky = 0; ky < s.kh; ++ky) {
+    const int64_t iy = oh * s.sh + ky * s.dh - s.ph;
+    if (iy < 0 || iy >= s.ih) continue;
+    const float *xrow = xc + iy * s.iw * B;
+    for (int64_t kx = 0; kx < s.kw; ++kx) {
+      const vec wv = load<B>(wc + (ky * s.kw + kx) * B);
+      const int64_t ix0 = ow0 * s.sw + kx * s.dw - s.pw;
+      for (int p = 0; p < P; ++p) {
+        const int64_t ix = ix0 + p * s.sw;
+        if (CHECK && (ix < 0 || ix >= s.iw)) continue;
+        acc[p] = fma<B>(wv, load<B>(xrow + ix * B), acc[p]);
+      }
+    }
+  }
+  for (int p = 0; p < P; ++p) {
+    vec v = acc[p];
+    if (rrow) v += load<B>(rrow + (ow0 + p) * B);
+    store<B>(orow + (ow0 + p) * B, activate<B>(v, ep));
+  }
+}
+
+/* An interior depthwise tile for a static kernel width and stride (dilation 1): the input
+ * vectors of one kernel row are loaded once and shared by the KW taps of the P pixels. */
+template <int B, int P, int KW, int SW>
+inline void dw_fast(const Shape &s, const float *xc, const float *wc, const float *bc,
+                    const float *rrow, float *orow, int64_t oh, int64_t ow0, const Epi &ep) {
+  typedef typename V<B>::type vec;
+  constexpr int NX = SW * (P - 1) + KW;
+  vec acc[P];
+  const vec bv = load<B>(bc);
+  for (int p = 0; p < P; ++p) acc[p] = bv;
+  for (int64_t ky = 0; ky < s.kh; ++ky) {
+    const int64_t iy = oh * s.sh + ky * s.dh - s.ph;
+    if (iy < 0 || iy >= s.ih) continue;
+    const float *xr = xc + (iy * s.iw + ow0 * SW - s.pw) * B;
+    vec xv[NX];
+    for (int j = 0; j < NX; ++j) xv[j] = load<B>(xr + j * B);
+    for (int kx = 0; kx < KW; ++kx) {
+      const vec wv = load<B>(wc + (ky * KW + kx) * B);
+      for (int p = 0; p < P; ++p) acc[p] = fma<B>(wv, xv[p * SW + kx], acc[p]);
+    }
+  }
+  for (int p = 0; p < P; ++p) {
+    vec v = acc[p];
+    if (rrow) v += load<B>(rrow + (ow0 + p) * B);
+    store<B>(orow + (ow0 + p) * B, activate<B>(v, ep));
+  }
+}
+
+template <int B, int P>
+inline void dw_tail(const Shape &s, const float *xc, const float *wc, const float *bc,
+                    const float *rrow, float *orow, int64_t oh, int64_t ow0, int64_t np,
+                    const Epi &ep) {
+  if constexpr (P > 0) {
+    if (np == P) return dw_tile<B, P, true>(s, xc, wc, bc, rrow, orow, oh, ow0, ep);
+    dw_tail<B, P - 1>(s, xc, wc, bc, rrow, orow, oh, ow0, np, ep);
+  }
+}
+
+template <int B>
+void depthwise(const Shape &s, const float *x, const float *w, const float *bias,
+               const float *res, float *out, const Epi &ep, int64_t threads) {
+  constexpr int P = B == 16 ? 8 : 4;  // with stride 2: 2P + 1 input vectors in registers
+  const int64_t span = (s.kw - 1) * s.dw;
+  const int64_t lo = s.pw > 0 ? (s.pw + s.sw - 1) / s.sw : 0;
+  int64_t hi = s.iw - span + s.pw <= 0 ? 0 : (s.iw - span + s.pw - 1) / s.sw + 1;
+  hi = std::min(hi, s.ow);
+  const int64_t rows = s.n * s.ocb * s.oh;
+  const int nt = team(threads);
+#pragma omp parallel for schedule(static) num_threads(nt) if (rows * s.ow > 256)
+  for (int64_t t = 0; t < rows; ++t) {
+    const int64_t oh = t % s.oh, cb = (t / s.oh) % s.ocb, n = t / s.oh / s.ocb;
+    const float *xc = x + (n * s.icb + cb) * s.ih * s.iw * B;
+    const float *wc = w + cb * s.kh * s.kw * B;
+    const float *bc = bias + cb * B;
+    float *orow = out + ((n * s.ocb + cb) * s.oh + oh) * s.ow * B;
+    const float *rrow = res ? res + ((n * s.ocb + cb) * s.oh + oh) * s.ow * B : nullptr;
+    int64_t o = 0;
+    for (; o < s.ow && o < lo; ++o) dw_tile<B, 1, true>(s, xc, wc, bc, rrow, orow, oh, o, ep);
+    if (s.dw == 1 && s.kw == 3 && s.sw == 1)
+      for (; o + P <= hi; o += P) dw_fast<B, P, 3, 1>(s, xc, wc, bc, rrow, orow, oh, o, ep);
+    else if (s.dw == 1 && s.kw == 3 && s.sw == 2)
+      for (; o + P <= hi; o += P) dw_fast<B, P, 3, 2>(s, xc, wc, bc, rrow, orow, oh, o, ep);
+    else if (s.dw == 1 && s.kw == 5 && s.sw == 1)
+      for (; o + P <= hi; o += P) dw_fast<B, P, 5, 1>(s, xc, wc, bc, rrow, orow, oh, o, ep);
+    for (; o + P <= hi; o += P) dw_tile<B, P, false>(s, xc, wc, bc, rrow, orow, oh, o, ep);
+    for (; o < s.ow;) {
+      const int64_t np = std::min<int64_t>(P, s.ow - o);
+      dw_tail<B, P>(s, xc, wc, bc, rrow, orow, oh, o, np, ep);
+      o += np;
+    }
+  }
+}
+
+template <int B>
+int run(kr::Err &e, const char *where, float *out, int64_t oh, int64_t ow, int64_t sh,
+        int64_t sw, int64_t ph, int64_t pw, int64_t dh, int64_t dw, bool dwise, int64_t act,
+        double lo, double hi, int64_t threads, const View<float> &x, const View<float> &w,
+        const View<float> &b, const float *res) {
+  Shape s{};
+  s.oh = oh, s.ow = ow, s.sh = sh, s.sw = sw, s.ph = ph, s.pw = pw, s.dh = dh, s.dw = dw;
+  s.n = x.size(0);
+  const Epi ep{int(act), float(lo), float(hi)};
+  if (dwise) {  // x [N, Cb, H, W, B], w [Cb, KH, KW, B]
+    s.icb = x.size(1), s.ih = x.size(2), s.iw = x.size(3), s.icn = B;
+    s.ocb = w.size(0), s.kh = w.size(1), s.kw = w.size(2);
+    if (s.ocb != s.icb) return e.fail("%s: depthwise convolution of %lld channel blocks with "
+                                      "%lld weight blocks", where, (long long)s.icb,
+                                      (long long)s.ocb);
+    depthwise<B>(s, x.data, w.data, b.data, res, out, ep, threads);
+    return 0;
+  }
+  s.ocb = w.size(0), s.kh = w.size(2), s.kw = w.size(3), s.icn = w.size(4);
+  if (x.rank == 5) {  // NCHWc input
+    s.icb = x.size(1), s.ih = x.size(2), s.iw = x.size(3);
+    s.xs_pix = B, s.xs_ch = 1, s.xs_row = s.iw * B, s.xs_blk = s.ih * s.iw * B;
+  } else {  // NCHW input (fewer input channels than one block): one "block" of icn channels
+    s.icb = 1, s.ih = x.size(2), s.iw = x.size(3);
+    s.xs_pix = 1, s.xs_ch = s.ih * s.iw, s.xs_row = s.iw, s.xs_blk = s.icn * s.ih * s.iw;
+  }
+  s.xs_img = s.icb * s.xs_blk;
+  if (s.kh == 1 && s.kw == 1 && sh == 1 && sw == 1 && ph == 0 && pw == 0 && s.ih == oh &&
+      s.iw == ow) {  // 1x1: the pixels as one flat row
+    s.iw = s.ih * s.iw, s.ow = s.iw, s.ih = 1, s.oh = 1, s.xs_row = s.iw * s.xs_pix;
+  }
+  dense<B>(s, x.data, w.data, b.data, res, out, ep, threads);
+  return 0;
+}
+
+inline int dispatch(kr::Err &e, const char *where, float *out, int64_t oh, int64_t ow,
+                    int64_t sh, int64_t sw, int64_t ph, int64_t pw, int64_t dh, int64_t dw,
+                    bool dwise, int64_t act, double lo, double hi, int64_t threads,
+                    const View<float> &x, const View<float> &w, const View<float> &b,
+                    const float *res) {
+  const int64_t blk = w.size(w.rank - 1);
+#ifdef KILN_CONV_B16
+  if (blk == 16)
+    return run<16>(e, where, out, oh, ow, sh, sw, ph, pw, dh, dw, dwise, act, lo, hi, threads,
+                   x, w, b, res);
+#endif
+#ifdef KILN_CONV_B8
+  if (blk == 8)
+    return run<8>(e, where, out, oh, ow, sh, sw, ph, pw, dh, dw, dwise, act, lo, hi, threads, x,
+                  w, b, res);
+#endif
+  return e.fail("%s: channel block of %lld floats (expected 8 or 16)", where, (long long)blk);
+}
+
+}  // namespace conv
+
+int conv2d_nchwc(kr::Err &e, const char *where, float *out, int64_t oh, int64_t ow, int64_t sh,
+                 int64_t sw, int64_t ph, int64_t pw, int64_t dh, int64_t dw, bool depthwise,
+                 int64_t act, double lo, double hi, int64_t threads, View<float> x,
+                 View<float> w, View<float> b) {
+  return conv::dispatch(e, where, out, oh, ow, sh, sw, ph, pw, dh, dw, depthwise, act, lo, hi,
+                        threads, x, w, b, nullptr);
+}
+
+int conv2d_nchwc(kr::Err &e, const char *where, float *out, int64_t oh, int64_t ow, int64_t sh,
+                 int64_t sw, int64_t ph, int64_t pw, int64_t dh, int64_t dw, bool depthwise,
+                 int64_t act, double lo, double hi, int64_t threads, View<float> x,
+                 View<float> w, View<float> b, View<float> res) {
+  return conv::dispatch(e, where, out, oh, ow, sh, sw, ph, pw, dh, dw, depthwise, act, lo, hi,
+                        threads, x, w, b, res.data);
+}
+
+}  // namespace kl
+#endif  // KILN_CONV_IMPL
+#endif  // KILN_CONV_H

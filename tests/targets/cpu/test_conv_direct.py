@@ -1,0 +1,270 @@
+"""The CPU direct convolution (Options.cpu_conv "direct": passes/conv_nchwc.py,
+kiln/targets/cpu/include/kiln_conv.h) against torch eager with float64 references: kernel
+sizes, strides, padding, dilation, depthwise, channel counts that are not a multiple of the
+channel block, batch 1 and 3, fused epilogues (bias, batch norm, relu, relu6, silu, residual
+add), non-contiguous weights; what falls back to im2col + GEMM; the NCHWc layout kept across a
+chain of convolutions; ResNet-18 and a MobileNetV2-style chain end to end; a build for plain
+x86-64 (no AVX); update_weights refused for packed weights, and accepted with
+fold_constants=False (which turns the direct path off)."""
+
+from __future__ import annotations
+
+import copy
+import re
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import kiln
+from difftest import Checker, gen, rand
+from kiln.errors import InputError
+from kiln.models.zoo import resnet18
+
+F32 = torch.float32
+TOL = {"rtol": 1e-4, "atol": 1e-4}
+
+
+@pytest.fixture(scope="module")
+def check(tmp_path_factory) -> Checker:
+    return Checker(tmp_path_factory.mktemp("conv_direct"))
+
+
+def _bn(c: int, g: torch.Generator) -> nn.BatchNorm2d:
+    """A batch norm in eval mode with non-trivial statistics and affine parameters."""
+    bn = nn.BatchNorm2d(c)
+    with torch.no_grad():
+        bn.running_mean.copy_(torch.randn(c, generator=g))
+        bn.running_var.copy_(torch.rand(c, generator=g) + 0.5)
+        bn.weight.copy_(torch.randn(c, generator=g))
+        bn.bias.copy_(torch.randn(c, generator=g))
+    return bn.eval()
+
+
+class ConvBlock(nn.Module):
+    """conv [-> bn] [+ residual] [-> act]; the residual is a 1x1 projection of the input (or
+    the input itself) so it has the output's shape."""
+
+    def __init__(self, cin, cout, k, stride=1, padding=0, dilation=1, groups=1, bias=True,
+                 bn=False, act=None, residual=False, seed=0) -> None:
+        super().__init__()
+        g = torch.Generator().manual_seed(seed)
+        self.conv = nn.Conv2d(cin, cout, k, stride, padding, dilation, groups, bias=bias)
+        with torch.no_grad():
+            self.conv.weight.copy_(torch.randn(self.conv.weight.shape, generator=g) * 0.3)
+        self.bn = _bn(cout, g) if bn else None
+        self.act = act
+        self.proj = None
+        if residual:
+            self.proj = nn.Conv2d(cin, cout, 1, stride, bias=False)
+
+    def forward(self, x):
+        y = self.conv(x)
+        if self.bn is not None:
+            y = self.bn(y)
+        if self.proj is not None:
+            y = y + self.proj(x)
+        if self.act == "relu":
+            y = F.relu(y)
+        elif self.act == "relu6":
+            y = F.relu6(y)
+        elif self.act == "silu":
+            y = F.silu(y)
+        return y
+
+
+def _sources(compiled) -> str:
+    return "\n".join(compiled.sources.values())
+
+
+def _direct_calls(compiled) -> int:
+    return compiled.sources["model.cpp"].count("kl::conv2d_nchwc(")
+
+
+# (id, ConvBlock arguments, input channels, spatial size)
+CASES = [
+    ("3x3_s1_p1", dict(cout=32, k=3, padding=1), 16, (9, 11)),
+    ("3x3_s2_p1", dict(cout=24, k=3, stride=2, padding=1), 40, (13, 10)),
+    ("7x7_s2_p3_stem", dict(cout=64, k=7, stride=2, padding=3, bias=False, bn=True,
+                            act="relu"), 3, (23, 23)),
+    ("1x1_s1", dict(cout=40, k=1), 24, (7, 9)),
+    ("1x1_s2", dict(cout=48, k=1, stride=2, bias=False), 32, (9, 9)),
+    ("dw3x3_s1", dict(cout=24, k=3, padding=1, groups=24, act="relu6"), 24, (10, 7)),
+    ("dw3x3_s2", dict(cout=40, k=3, stride=2, padding=1, groups=40, bn=True, act="relu6"),
+     40, (11, 12)),
+    ("3x3_d2", dict(cout=16, k=3, padding=2, dilation=2), 16, (12, 12)),
+    ("dw3x3_d2", dict(cout=32, k=3, padding=2, dilation=2, groups=32), 32, (9, 9)),
+    ("5x3_rect_p0", dict(cout=20, k=(5, 3), stride=(1, 2), padding=(0, 1)), 8, (11, 14)),
+    ("3x3_bn_relu", dict(cout=40, k=3, padding=1, bn=True, act="relu"), 24, (8, 8)),
+    ("3x3_bias_silu", dict(cout=16, k=3, padding=1, act="silu"), 3, (6, 7)),
+    ("3x3_bn_residual_relu", dict(cout=32, k=3, stride=2, padding=1, bias=False, bn=True,
+                                  residual=True, act="relu"), 24, (10, 10)),
+    ("1x1_residual", dict(cout=24, k=1, bias=False, bn=True, residual=True), 40, (5, 6)),
+]
+
+
+@pytest.mark.parametrize("batch", [1, 3])
+@pytest.mark.parametrize(("cfg", "cin", "hw"), [c[1:] for c in CASES],
+                         ids=[c[0] for c in CASES])
+def test_conv_direct_matches_eager(check, cfg, cin, hw, batch):
+    m = ConvBlock(cin, seed=batch, **cfg)
+    g = gen("conv_direct", str(cfg), batch)
+    x = rand((batch, cin, *hw), F32, g, -2, 2)
+    compiled = check(m, [x], tol=TOL, more=[(rand((batch, cin, *hw), F32, g, -2, 2),)])
+    convs = 1 + bool(cfg.get("residual"))
+    assert _direct_calls(compiled) == convs
+    assert "im2col" not in _sources(compiled)
+
+
+def test_residual_is_the_input(check):
+    """y = relu(bn(conv(x)) + x): the residual is the convolution's own (blocked) input."""
+    g = torch.Generator().manual_seed(3)
+
+    class M(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.conv, self.bn = nn.Conv2d(24, 24, 3, padding=1, bias=False), _bn(24, g)
+
+        def forward(self, x):
+            return F.relu(self.bn(self.conv(x)) + x)
+
+    x = rand((2, 24, 7, 7), F32, gen("conv_res_in"), -2, 2)
+    compiled = check(M(), [x], tol=TOL)
+    assert _direct_calls(compiled) == 1
+
+
+def test_non_contiguous_weight(check):
+    conv = nn.Conv2d(16, 24, 3, padding=1)
+    w = torch.randn(3, 3, 16, 24).permute(3, 2, 0, 1)  # [24, 16, 3, 3], not contiguous
+    conv.weight = nn.Parameter(w)
+    assert not conv.weight.is_contiguous()
+    x = rand((1, 16, 8, 8), F32, gen("conv_ncw"), -2, 2)
+    compiled = check(conv, [x], tol=TOL)
+    assert _direct_calls(compiled) == 1
+
+
+@pytest.mark.parametrize(("name", "module", "shape"), [
+    ("groups2", nn.Conv2d(8, 12, 3, padding=1, groups=2), (2, 8, 6, 6)),
+    ("transposed", nn.ConvTranspose2d(8, 4, 3, stride=2), (1, 8, 5, 5)),
+    ("conv1d", nn.Conv1d(8, 16, 3), (2, 8, 9)),
+    ("float64", nn.Conv2d(8, 16, 3).double(), (1, 8, 6, 6)),
+])
+def test_unsupported_falls_back_to_im2col(check, name, module, shape):
+    dt = next(module.parameters()).dtype
+    x = rand(shape, dt, gen("conv_fallback", name), -2, 2)
+    compiled = check(module, [x], tol=TOL if dt == F32 else None)
+    assert _direct_calls(compiled) == 0
+
+
+def test_layout_kept_across_a_chain(check):
+    """conv-bn-relu -> depthwise -> 1x1 (+ residual): one conversion into NCHWc at the input
+    and one out of it at the output, every convolution a direct call with its epilogue."""
+    g = torch.Generator().manual_seed(5)
+
+    class Chain(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.c1, self.b1 = nn.Conv2d(24, 48, 3, padding=1, bias=False), _bn(48, g)
+            self.dw, self.b2 = nn.Conv2d(48, 48, 3, padding=1, groups=48, bias=False), _bn(48, g)
+            self.pw, self.b3 = nn.Conv2d(48, 24, 1, bias=False), _bn(24, g)
+
+        def forward(self, x):
+            y = F.relu(self.b1(self.c1(x)))
+            y = F.relu6(self.b2(self.dw(y)))
+            return self.b3(self.pw(y)) + x
+
+    x = rand((1, 24, 10, 10), F32, gen("conv_chain"), -2, 2)
+    compiled = check(Chain(), [x], tol=TOL)
+    src = compiled.sources["model.cpp"]
+    assert _direct_calls(compiled) == 3
+    assert len(set(re.findall(r"\bbuf_(\w+_nchwc) =", src)) - {"x_nchwc"}) == 3  # conv outputs
+    assert "buf_x_nchwc" in src  # the one input conversion
+    assert len(re.findall(r"// k\d+_\w+: \w*x_nchwc\b", src)) == 1
+    # each call named after its source ops, with its epilogue
+    assert re.search(r"// direct conv \(depthwise 3x3, stride 1x1, NCHWc\) of [\w, ]*; "
+                     r"epilogue: bias, clamp\(0, 6\)", src)
+    assert re.search(r"epilogue: bias, \+ residual x_nchwc", src)
+    assert "im2col" not in _sources(compiled)
+
+
+def test_im2col_option(check):
+    m = ConvBlock(16, cout=16, k=3, padding=1, bn=True, act="relu")
+    x = rand((1, 16, 6, 6), F32, gen("conv_opt"), -2, 2)
+    compiled = check(m, [x], tol=TOL, options=kiln.Options(cpu_conv="im2col"))
+    assert _direct_calls(compiled) == 0 and "im2col" in _sources(compiled)
+    with pytest.raises(ValueError, match="cpu_conv"):
+        kiln.Options(cpu_conv="winograd")
+
+
+def test_update_weights_refused_then_allowed_without_folding(check):
+    m = ConvBlock(16, cout=24, k=3, padding=1, bn=True, act="relu", seed=7).eval()
+    x = rand((1, 16, 6, 6), F32, gen("conv_update"), -2, 2)
+    _, runner = check.compile(m, [x])
+    with pytest.raises(InputError, match=r"folded.*conv\.weight.*fold_constants=False"):
+        runner.update_weights(m.state_dict())
+    compiled, runner = check.compile(m, [x], options=kiln.Options(fold_constants=False))
+    assert _direct_calls(compiled) == 0
+    m2 = copy.deepcopy(m)
+    with torch.no_grad():
+        for p in m2.parameters():
+            p.mul_(-1.5)
+    runner.update_weights(m2.state_dict())
+    with torch.no_grad():
+        torch.testing.assert_close(runner(x), m2(x), **TOL)
+
+
+class InvertedResidual(nn.Module):
+    """MobileNetV2's block: 1x1 expand (bn, relu6), 3x3 depthwise (bn, relu6), 1x1 project
+    (bn), plus the input when the shapes allow."""
+
+    def __init__(self, cin, cout, stride, expand, g) -> None:
+        super().__init__()
+        hid = cin * expand
+        layers = []
+        if expand != 1:
+            layers += [nn.Conv2d(cin, hid, 1, bias=False), _bn(hid, g), nn.ReLU6()]
+        layers += [nn.Conv2d(hid, hid, 3, stride, 1, groups=hid, bias=False), _bn(hid, g),
+                   nn.ReLU6(), nn.Conv2d(hid, cout, 1, bias=False), _bn(cout, g)]
+        self.body = nn.Sequential(*layers)
+        self.skip = stride == 1 and cin == cout
+
+    def forward(self, x):
+        y = self.body(x)
+        return x + y if self.skip else y
+
+
+def test_mobilenet_v2_chain(check):
+    g = torch.Generator().manual_seed(11)
+    m = nn.Sequential(nn.Conv2d(3, 32, 3, 2, 1, bias=False), _bn(32, g), nn.ReLU6(),
+                      InvertedResidual(32, 16, 1, 1, g), InvertedResidual(16, 24, 2, 6, g),
+                      InvertedResidual(24, 24, 1, 6, g), InvertedResidual(24, 40, 2, 6, g),
+                      nn.Conv2d(40, 64, 1, bias=False), _bn(64, g), nn.ReLU6(),
+                      nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(64, 10)).eval()
+    x = rand((2, 3, 32, 32), F32, gen("mbv2"), -2, 2)
+    compiled = check(m, [x], tol={"rtol": 1e-3, "atol": 1e-3})
+    assert _direct_calls(compiled) == 13
+    assert "im2col" not in _sources(compiled)
+
+
+def test_resnet18(check):
+    spec = resnet18()
+    x = spec.example_args[0]
+    compiled = check(spec.module, [x], tol={"rtol": 1e-3, "atol": 1e-3},
+                     more=[spec.make_inputs(1)])
+    assert _direct_calls(compiled) == 20
+    assert "im2col" not in _sources(compiled)
+
+
+def test_plain_x86_64_build(check):
+    """march="x86-64" (SSE2 only): the header's vectors split into SSE registers, channel
+    block 8; results unchanged."""
+    g = torch.Generator().manual_seed(13)
+    m = nn.Sequential(nn.Conv2d(3, 24, 3, 2, 1, bias=False), _bn(24, g), nn.ReLU(),
+                      InvertedResidual(24, 24, 1, 2, g)).eval()
+    x = rand((2, 3, 12, 12), F32, gen("x86"), -2, 2)
+    compiled = check(m, [x], tol=TOL, options=kiln.Options(march="x86-64"))
+    assert _direct_calls(compiled) == 4
+    assert re.search(r"kl::view\(buf_\w+_w \+ 0, 6, d1\)", compiled.sources["model.cpp"])
+    assert "#define KILN_CONV_B8" in compiled.sources["conv.cpp"]
+    assert "avx" not in compiled.manifest["requires"].get("cpu_features", [])
