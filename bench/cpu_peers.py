@@ -32,6 +32,8 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import importlib.metadata
+import importlib.util
 import json
 import math
 import os
@@ -387,8 +389,6 @@ def _importable(system: str) -> str | None:
     mod = {"ort": "onnxruntime", "openvino": "openvino"}.get(system)
     if mod is None:
         return None
-    import importlib.util
-
     if importlib.util.find_spec(mod) is None:
         return f"{mod} not installed (pip install kiln[bench])"
     if system == "ort" and importlib.util.find_spec("onnxscript") is None:
@@ -484,11 +484,9 @@ def machine_info(taskset: str | None) -> dict[str, Any]:
         pass
     vers = {}
     for mod in ("torch", "onnxruntime", "openvino", "transformers"):
-        try:
-            out = subprocess.run([sys.executable, "-c", f"import {mod}; print({mod}.__version__)"],
-                                 capture_output=True, text=True, timeout=120, check=False)
-            vers[mod] = out.stdout.strip().splitlines()[-1] if out.stdout.strip() else "-"
-        except subprocess.SubprocessError:
+        try:  # the installed distributions' versions, without importing them here
+            vers[mod] = importlib.metadata.version(mod)
+        except importlib.metadata.PackageNotFoundError:
             vers[mod] = "-"
     return {"cpu": cpu, "cores": os.cpu_count(), "os": platform.platform(),
             "python": platform.python_version(), "threads": THREADS, "taskset": taskset,
