@@ -523,6 +523,9 @@ def _cell(r: dict | None) -> str:
     if "latency_s" not in r:
         return "-"
     cell = _ms(r["latency_s"])
+    rounds = r.get("round_latencies_s") or []
+    if len(rounds) > 1:  # the spread of the rounds' medians: how noisy the machine was
+        cell += f" ({_ms(min(rounds))}-{_ms(max(rounds))})"
     if not r.get("matches", True):
         cell += f" **MISMATCH** ({r.get('max_abs_err', float('nan')):.1e})"
     return cell
@@ -567,8 +570,9 @@ def markdown(rows: list[dict], systems: list[str], info: dict, command: str,
              f"Load: start `{load_start}`; end `{load_end}`"
              + (f"; 1-min load sampled each round: min {min(loads):.2f}, median "
                 f"{statistics.median(loads):.2f}, max {max(loads):.2f}" if loads else "") + ".",
-             "", "Median latency in ms (lower is better); ratios below 1 mean kiln is faster. "
-             "Best peer: the faster of ORT and OpenVINO (results that matched eager only).", "",
+             "", "Median latency in ms over the rounds (lower is better), in brackets the "
+             "lowest and highest round; ratios below 1 mean kiln is faster. Best peer: the "
+             "faster of ORT and OpenVINO (results that matched eager only).", "",
              "| model | " + " | ".join(LABELS[s] for s in systems)
              + " | kiln / best peer | kiln / AOTI | max_autotune / default |",
              "| --- | " + " | ".join("---" for _ in systems) + " | --- | --- | --- |"]
@@ -633,6 +637,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--taskset", metavar="CPUS", help="pin every process (taskset -c CPUS)")
     p.add_argument("--keep", action="store_true", help="keep the work directories")
     p.add_argument("--json", metavar="PATH", help="write all results as JSON")
+    p.add_argument("--from-json", metavar="PATH",
+                   help="measure nothing: render the tables of an earlier --json file")
     p.add_argument("--markdown", metavar="PATH",
                    help=f"rewrite the section between {BEGIN} and {END} of this file")
     for hidden in ("--worker", "--worker-out", "--model", "--system", "--dir"):
@@ -647,6 +653,15 @@ def main(argv: list[str] | None = None) -> int:
         if getattr(a, k) is None:
             setattr(a, k, v)
 
+    if a.from_json:
+        saved = json.loads(Path(a.from_json).read_text())
+        rows = saved["rows"]
+        systems = [s for s in SYSTEMS if any(s in r["systems"] for r in rows)]
+        loads = [x for r in rows for x in r.get("loads", [])]
+        a.json = None
+        print(_write(a, rows, systems, saved["machine"], saved.get("command", "?"),
+                     saved["load_start"], saved["load_end"], loads))
+        return 0
     names = _model_names()
     models = a.models.split(",") if a.models else names
     systems = [s for s in SYSTEMS if s in a.systems.split(",")]  # canonical order
@@ -696,7 +711,8 @@ def _model_names() -> list[str]:
 def _write(a, rows, systems, info, command, load_start, load_end, loads) -> str:
     md = markdown(rows, systems, info, command, load_start, load_end, loads)
     if a.json:
-        Path(a.json).write_text(json.dumps({"machine": info, "load_start": load_start,
+        Path(a.json).write_text(json.dumps({"machine": info, "command": command,
+                                            "load_start": load_start,
                                             "load_end": load_end, "rows": rows,
                                             "ratios": ratios(rows)}, indent=1, default=str))
     if a.markdown:
