@@ -14,7 +14,7 @@ BENCH_ARGS ?=
 
 export PIP_DISABLE_PIP_VERSION_CHECK := 1
 
-.PHONY: all setup demo test test-slow test-gpu bench bench-gpu lint format clean distclean
+.PHONY: all setup demo test test-slow test-gpu bench bench-cpu bench-gpu lint format clean distclean
 
 all: test
 
@@ -54,6 +54,10 @@ test-gpu: $(STAMP)
 
 bench: $(STAMP)
 	$(PY) bench/run.py $(BENCH_ARGS)
+
+# kiln against ONNX Runtime, OpenVINO, AOTInductor and eager (needs `pip install -e .[bench]`)
+bench-cpu: $(STAMP)
+	$(PY) bench/cpu_peers.py $(BENCH_ARGS)
 
 # kiln vs eager vs torch.compile latency on the zoo models, fp32, on the local GPU.
 bench-gpu: $(STAMP)

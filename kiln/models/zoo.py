@@ -17,8 +17,8 @@ from torch import nn
 from torch.export import Dim
 import copy
 
-__all__ = ["ModelSpec", "ALL_MODELS", "get", "mlp", "resnet18", "gpt", "ln_softmax",
-           "intermediates", "demo", "in_dtype"]
+__all__ = ["ModelSpec", "ALL_MODELS", "get", "mlp", "resnet18", "mobilenet_v2", "gpt",
+           "ln_softmax", "intermediates", "demo", "in_dtype"]
 
 
 @dataclass(frozen=True)
@@ -159,6 +159,70 @@ def resnet18() -> ModelSpec:
                      dynamic_shapes=None, make_inputs=make_inputs, rtol=1e-3, atol=1e-3)
 
 
+# ------------------------------------------------------------------------------ mobilenet_v2
+
+class ConvBNReLU6(nn.Sequential):
+    """Conv2d (no bias) + BatchNorm2d + ReLU6; ``groups=cin`` makes it depthwise."""
+
+    def __init__(self, cin: int, cout: int, kernel: int = 3, stride: int = 1,
+                 groups: int = 1) -> None:
+        super().__init__(nn.Conv2d(cin, cout, kernel, stride, (kernel - 1) // 2, groups=groups,
+                                   bias=False),
+                         nn.BatchNorm2d(cout), nn.ReLU6())
+
+
+class InvertedResidual(nn.Module):
+    """MobileNetV2 block: 1x1 expand, 3x3 depthwise, 1x1 linear projection, residual when
+    the shape is kept."""
+
+    def __init__(self, cin: int, cout: int, stride: int, expand: int) -> None:
+        super().__init__()
+        hidden = cin * expand
+        layers: list[nn.Module] = [] if expand == 1 else [ConvBNReLU6(cin, hidden, 1)]
+        layers += [ConvBNReLU6(hidden, hidden, 3, stride, groups=hidden),
+                   nn.Conv2d(hidden, cout, 1, bias=False), nn.BatchNorm2d(cout)]
+        self.conv = nn.Sequential(*layers)
+        self.residual = stride == 1 and cin == cout
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.conv(x) if self.residual else self.conv(x)
+
+
+class MobileNetV2(nn.Module):
+    """MobileNetV2 (width 1.0) image classifier (written here; no torchvision)."""
+
+    # expansion, output channels, repeats, first stride
+    SETTINGS = ((1, 16, 1, 1), (6, 24, 2, 2), (6, 32, 3, 2), (6, 64, 4, 2), (6, 96, 3, 1),
+                (6, 160, 3, 2), (6, 320, 1, 1))
+
+    def __init__(self, num_classes: int = 1000) -> None:
+        super().__init__()
+        layers: list[nn.Module] = [ConvBNReLU6(3, 32, 3, 2)]
+        cin = 32
+        for t, c, n, s in self.SETTINGS:
+            for i in range(n):
+                layers.append(InvertedResidual(cin, c, s if i == 0 else 1, t))
+                cin = c
+        layers.append(ConvBNReLU6(cin, 1280, 1))
+        self.features = nn.Sequential(*layers)
+        self.classifier = nn.Linear(1280, num_classes)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = F.adaptive_avg_pool2d(self.features(x), 1)
+        return self.classifier(torch.flatten(x, 1))
+
+
+def mobilenet_v2() -> ModelSpec:
+    """MobileNetV2 (depthwise-separable convolutions, ReLU6) on a static 1x3x224x224 input."""
+    module = _seeded(MobileNetV2(), seed=5)
+
+    def make_inputs(seed: int = 0) -> tuple[torch.Tensor]:
+        return (torch.randn(1, 3, 224, 224, generator=_gen(seed)),)
+
+    return ModelSpec(name="mobilenet_v2", module=module, example_args=make_inputs(0),
+                     dynamic_shapes=None, make_inputs=make_inputs, rtol=1e-3, atol=1e-3)
+
+
 # --------------------------------------------------------------------------------------- gpt
 
 class CausalSelfAttention(nn.Module):
@@ -288,6 +352,7 @@ def intermediates() -> ModelSpec:
 ALL_MODELS: dict[str, Callable[[], ModelSpec]] = {
     "mlp": mlp,
     "resnet18": resnet18,
+    "mobilenet_v2": mobilenet_v2,
     "gpt": gpt,
     "ln_softmax": ln_softmax,
     "intermediates": intermediates,

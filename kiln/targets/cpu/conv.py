@@ -20,8 +20,12 @@ ACT_NAMES = {0: "", 1: "relu", 2: "clamp", 3: "silu"}
 
 def channel_block(opts: Options, cxx: str) -> int:
     """Floats per channel block: one AVX-512 vector (16) where the target has AVX-512F,
-    else 8 (one AVX2 vector; two SSE registers without AVX)."""
-    flags = (f"-march={opts.march}",) if opts.march else ()
+    else 8 (one AVX2 vector; two SSE registers without AVX). A portable build, whose one set
+    of packed weights serves every level, takes the build machine's block: kiln_conv.h's
+    blocks are GCC vectors of B floats, correct at any level (split into narrower registers
+    where the level has no AVX-512)."""
+    march = "native" if opts.march == "portable" else opts.march
+    flags = (f"-march={march}",) if march else ()
     return 16 if "avx512f" in cpu_features(cxx, flags) else 8
 
 
