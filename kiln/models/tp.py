@@ -80,15 +80,23 @@ class Attention(nn.Module):
         self.o_proj = nn.Linear(heads * self.head_dim, d, bias=False)
 
     def forward(self, x, cos, sin):
+        # rotary and the key/value head repeat in the [b, t, heads, head_dim] layout of the
+        # projections, transposed to [b, heads, t, head_dim] only for the attention: every
+        # elementwise op and every reshape sees one layout whose merged dims have static
+        # strides (repeat_interleave on the transposed [b, kv, t, d] merges dims of strides
+        # 2*t*d and t*d, a min(...) guard on seq that torch 2.11's export cannot prove)
         b, t, _ = x.shape
-        q = self.q_proj(x).view(b, t, self.heads, self.head_dim).transpose(1, 2)
-        k = self.k_proj(x).view(b, t, self.kv_heads, self.head_dim).transpose(1, 2)
-        v = self.v_proj(x).view(b, t, self.kv_heads, self.head_dim).transpose(1, 2)
+        hd = self.head_dim
+        q = self.q_proj(x).view(b, t, self.heads, hd)
+        k = self.k_proj(x).view(b, t, self.kv_heads, hd)
+        v = self.v_proj(x).view(b, t, self.kv_heads, hd)
         q = q * cos + _rotate_half(q) * sin
         k = k * cos + _rotate_half(k) * sin
         rep = self.heads // self.kv_heads
-        k = k.repeat_interleave(rep, dim=1)
-        v = v.repeat_interleave(rep, dim=1)
+        if rep > 1:  # query head h reads key/value head h // rep (repeat_interleave)
+            k = k[:, :, :, None].expand(b, t, self.kv_heads, rep, hd).reshape(b, t, self.heads, hd)
+            v = v[:, :, :, None].expand(b, t, self.kv_heads, rep, hd).reshape(b, t, self.heads, hd)
+        q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
         y = nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
         y = self.o_proj(y.transpose(1, 2).reshape(b, t, self.heads * self.head_dim))
         return y if self.group is None else fc.all_reduce(y, "sum", self.group)
@@ -148,9 +156,11 @@ class Llama(nn.Module):
         cfg = self.cfg
         hd = cfg.hidden_size // cfg.num_attention_heads
         t = tokens.shape[1]
-        inv = 1.0 / (cfg.rope_theta ** (torch.arange(0, hd, 2, dtype=torch.float32) / hd))
-        ang = torch.arange(t, dtype=torch.float32)[:, None] * inv[None, :]
-        ang = torch.cat((ang, ang), dim=-1)
+        dev = tokens.device  # the tables on the tokens' device (eager on a GPU)
+        inv = 1.0 / (cfg.rope_theta ** (torch.arange(0, hd, 2, dtype=torch.float32, device=dev)
+                                        / hd))
+        ang = torch.arange(t, dtype=torch.float32, device=dev)[:, None] * inv[None, :]
+        ang = torch.cat((ang, ang), dim=-1)[:, None, :]  # [t, 1, head_dim]: over the heads
         dt = self.lm_head.weight.dtype
         cos, sin = ang.cos().to(dt), ang.sin().to(dt)
         x = self.model.embed_tokens(tokens)

@@ -56,8 +56,10 @@ class Collectives(torch.nn.Module):
     def forward(self, x, y):
         g = dist.group.WORLD
         out = [fc.all_reduce(x, "sum", g), fc.all_reduce(x * 2, "max", g),
-               fc.all_reduce(x, "min", g), fc.all_reduce(y, "product", g),
-               fc.all_gather_tensor(x.t(), 0, g),  # a transposed operand: made contiguous
+               fc.all_reduce(x.t(), "min", g),  # a transposed operand: made contiguous
+               fc.all_reduce(y, "product", g),
+               # torch 2.11's all_gather_tensor asserts a contiguous operand at trace time
+               fc.all_gather_tensor(x.t().contiguous(), 0, g),
                fc.reduce_scatter_tensor(x[1:], "sum", 0, g),
                fc.all_to_all_single(x[1:], None, None, g)]  # an offset view
         if self.dtype.is_floating_point:
@@ -74,7 +76,7 @@ def _reference(xs, ys, dtype, n: int):
     for r in range(n):
         sub = [x[1:] for x in xs]
         sub_rows = sub[0].shape[0] // n
-        got = [total, np.maximum.reduce([2 * x for x in xs]), np.minimum.reduce(xs),
+        got = [total, np.maximum.reduce([2 * x for x in xs]), np.minimum.reduce(xs).T,
                np.prod(np.stack(ys), axis=0).astype(ys[0].dtype),
                np.concatenate([x.T for x in xs], 0), total[1:][r * sub_rows:(r + 1) * sub_rows],
                np.concatenate([s[r * sub_rows:(r + 1) * sub_rows] for s in sub], 0)]
@@ -290,3 +292,23 @@ def test_collective_buffers_are_planned_like_any_step():
     src_free = next(i for i, x in enumerate(lines) if isinstance(x, P.Free) and x.buf == src)
     assert src_free > k
     assert prog.arena_bytes is not None and prog.arena_bytes > 0
+
+
+def test_gathered_operands_are_contiguous_at_export(monkeypatch):
+    """torch 2.11's all_gather_tensor asserts a contiguous operand at trace time (2.13 does
+    not): the collectives program and the TP Llama export under that check."""
+    real = fc.all_gather_tensor
+
+    def checked(x, *args, **kwargs):
+        assert x.is_contiguous(), "Tensor must be contiguous for all_gather_tensor"
+        return real(x, *args, **kwargs)
+
+    monkeypatch.setattr(fc, "all_gather_tensor", checked)
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=2)
+    try:
+        torch.export.export(Collectives(torch.float32), (torch.zeros(5, 3), torch.zeros(5)))
+        m = tp.shard(tp.random_llama(CFG, seed=0), 2, 0)
+        torch.export.export(m, (torch.zeros(2, 5, dtype=torch.int64),),
+                            dynamic_shapes=({1: torch.export.Dim("seq", min=1, max=32)},))
+    finally:
+        dist.destroy_process_group()
