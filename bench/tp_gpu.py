@@ -202,9 +202,8 @@ class AllReduce(torch.nn.Module):
         return fc.all_reduce(x, "sum", dist.group.WORLD)
 
 
-def _seq_dim(a):
-    seq = (1, max(a.prefill, a.context))
-    return seq, ({1: torch.export.Dim("seq", min=seq[0], max=seq[1])},)
+def _seq_range(a) -> tuple[int, int]:
+    return 1, max(a.prefill, a.context)
 
 
 def _model(a, work: pathlib.Path) -> tp.Llama:
@@ -217,9 +216,9 @@ def _model(a, work: pathlib.Path) -> tp.Llama:
 def _compile_one(a, work: pathlib.Path) -> dict:
     model = _model(a, work)
     tok = torch.zeros(1, 8, dtype=torch.int64)
-    _, dyn = _seq_dim(a)
+    seq = _seq_range(a)
     t0 = time.perf_counter()
-    one = kiln.compile(torch.export.export(model, (tok,), dynamic_shapes=dyn), device="cuda",
+    one = kiln.compile(tp.export_llama(model, tok, seq), device="cuda",
                        options=Options(autotune=a.autotune))
     one.save(work / "one.kiln")
     return {"compile_one_s": round(time.perf_counter() - t0, 1)}
@@ -228,7 +227,7 @@ def _compile_one(a, work: pathlib.Path) -> dict:
 def _compile_tp(a, work: pathlib.Path) -> dict:
     model = _model(a, work)
     tok = torch.zeros(1, 8, dtype=torch.int64)
-    seq, _ = _seq_dim(a)
+    seq = _seq_range(a)
     t0 = time.perf_counter()
     tp.export_tp(model, a.world, work, tok, dynamic_seq=seq, device="cuda",
                  options=Options(autotune=a.autotune))
@@ -321,10 +320,11 @@ def _report(a, res: dict, ranks: dict) -> None:
         d = res.get(key, {})
         print(f"{key}: " + (f"FAILED: {d['error']}" if "error" in d else
                              (", ".join(f"{k} {v}" for k, v in d.items()) or "ok")))
+    lost = {"error": ranks.get("error", "?")}  # the workers wrote nothing
     rows = [("kiln, 1 GPU", res.get("kiln_1gpu", {"error": "?"})),
-            (f"kiln TP, {a.world} GPUs", ranks.get("kiln_tp", {"error": ranks.get("error", "?")})),
+            (f"kiln TP, {a.world} GPUs", ranks.get("kiln_tp", lost)),
             ("eager, 1 GPU", res.get("eager_1gpu", {"error": "?"})),
-            (f"eager TP, {a.world} GPUs", ranks.get("eager_tp", {"error": ranks.get("error", "?")}))]
+            (f"eager TP, {a.world} GPUs", ranks.get("eager_tp", lost))]
     print(f"\n| run | decode ms ({a.context} tokens, batch 1) | prefill ms ({a.prefill} tokens) "
           "| prefill tokens/s |")
     print("| --- | ---: | ---: | ---: |")

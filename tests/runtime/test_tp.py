@@ -312,3 +312,35 @@ def test_gathered_operands_are_contiguous_at_export(monkeypatch):
                             dynamic_shapes=({1: torch.export.Dim("seq", min=1, max=32)},))
     finally:
         dist.destroy_process_group()
+
+
+def test_export_llama_retries_an_unprovable_seq_guard(monkeypatch, tmp_path):
+    """A named seq Dim that this torch cannot prove a guard for (torch 2.11 on the Llama before
+    its layout change) falls back to Dim.DYNAMIC over the same range, with a warning; the
+    package still runs every length in it but 1, and matches eager."""
+    real = torch.export.export
+    calls = []
+
+    def export(mod, args, dynamic_shapes=None, **kw):
+        calls.append(dynamic_shapes)
+        if len(calls) == 1:
+            raise RuntimeError("Constraints violated (seq)! emulated")
+        return real(mod, args, dynamic_shapes=dynamic_shapes, **kw)
+
+    monkeypatch.setattr(torch.export, "export", export)
+    cfg = tp.LlamaConfig(vocab_size=32, hidden_size=32, intermediate_size=64,
+                         num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=2)
+    model = tp.random_llama(cfg, seed=1)
+    with pytest.warns(UserWarning, match="Dim.DYNAMIC"):
+        ep = tp.export_llama(model, torch.zeros(1, 5, dtype=torch.int64), (1, 16))
+    assert len(calls) == 2
+    r = kiln.compile(ep).load(tmp_path / "m.kiln")
+    for t in (2, 9, 16):
+        tokens = torch.randint(0, 32, (1, t), generator=torch.Generator().manual_seed(t))
+        with torch.no_grad():
+            torch.testing.assert_close(r(tokens), model(tokens), rtol=1e-4, atol=1e-4)
+    with pytest.raises(RuntimeError, match="emulated"):  # other failures are not retried
+        calls.clear()
+        monkeypatch.setattr(torch.export, "export", lambda *a, **k: (_ for _ in ()).throw(
+            RuntimeError("Constraints violated (seq)! emulated")))
+        tp.export_llama(model, torch.zeros(1, 5, dtype=torch.int64), (1, 16))
