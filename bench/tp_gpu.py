@@ -9,7 +9,8 @@ Prints one table: decode latency (1 new token, the whole sequence of `--context`
 recomputed: no KV cache; batch 1), prefill tokens/s (`--prefill` tokens), and all-reduce bus
 bandwidth per size (busbw = bytes / time * 2 (n - 1) / n, as nccl-tests report it). Medians;
 ranks run as one process per GPU (`--worker` is one rank), the NCCL ids made by the parent.
-Each section that fails prints its error and the others still run."""
+Each section that fails prints one line (its traceback goes to OUT/tracebacks.log) and the
+others still run; a section whose package was not built is skipped with one line."""
 
 from __future__ import annotations
 
@@ -113,12 +114,32 @@ class _Nccl:
             raise RuntimeError(f"ncclAllReduce: {rc}")
 
 
-def _section(results: dict, name: str, fn) -> None:
+def _first_line(e: BaseException) -> str:
+    lines = [x.strip() for x in str(e).splitlines() if x.strip()]
+    text = " ".join(lines[:2])  # e.g. "Constraints violated (seq)! ... - Not all values ..."
+    return f"{type(e).__name__}: {text[:400]}"
+
+
+def _section(results: dict, name: str, fn, needs: tuple[pathlib.Path, ...] = (),
+             log: pathlib.Path | None = None) -> None:
+    """Run one section; a failure is one line on stderr, its traceback appended to `log`
+    (default: beside the first of `needs`, else not kept). A section whose packages are
+    missing (their compile failed) is skipped with one line."""
+    missing = [p.name for p in needs if not p.exists()]
+    if missing:
+        results[name] = {"error": f"skipped: {', '.join(missing)} not built (see compile)"}
+        print(f"tp_gpu: {name}: {results[name]['error']}", file=sys.stderr)
+        return
     try:
         results[name] = fn()
     except Exception as e:  # noqa: BLE001 - report and go on with the other sections
-        results[name] = {"error": f"{type(e).__name__}: {e}"}
-        traceback.print_exc()
+        results[name] = {"error": _first_line(e)}
+        log = log or (needs[0].with_name("tracebacks.log") if needs else None)
+        if log is not None:
+            with open(log, "a") as f:
+                f.write(f"== {name} (pid {os.getpid()})\n{traceback.format_exc()}\n")
+        print(f"tp_gpu: {name} failed: {results[name]['error']}"
+              + (f" (traceback: {log})" if log is not None else ""), file=sys.stderr)
 
 
 def worker(a) -> None:
@@ -136,7 +157,7 @@ def worker(a) -> None:
                       comm_id=bytes.fromhex(ids["model"]))
         return {"decode_ms": _median_ms(lambda: r(ctx), a.iters),
                 "prefill_ms": _median_ms(lambda: r(pre), max(a.iters // 3, 5))}
-    _section(res, "kiln_tp", kiln_tp)
+    _section(res, "kiln_tp", kiln_tp, (work / f"rank{rank}.kiln",))
 
     def eager_tp():
         dist.init_process_group("nccl", init_method=f"file://{work / 'pg'}", rank=rank,
@@ -148,7 +169,7 @@ def worker(a) -> None:
             out = {"decode_ms": _median_ms(lambda: m(ctx), a.iters),
                    "prefill_ms": _median_ms(lambda: m(pre), max(a.iters // 3, 5))}
         return out
-    _section(res, "eager_tp", eager_tp)
+    _section(res, "eager_tp", eager_tp, (work / "model.pt",))
 
     def bandwidth():
         r = kiln.load(work / "allreduce.kiln", dev, rank=rank, world_size=world,
@@ -167,7 +188,7 @@ def worker(a) -> None:
                          "kiln_busbw": mib * 2**20 / (t_kiln / 1e3) * bus / 1e9,
                          "nccl_busbw": mib * 2**20 / (t_nccl / 1e3) * bus / 1e9})
         return rows
-    _section(res, "bandwidth", bandwidth)
+    _section(res, "bandwidth", bandwidth, (work / "allreduce.kiln",))
     if rank == 0:
         (work / "rank0.json").write_text(json.dumps(res))
 
@@ -181,46 +202,71 @@ class AllReduce(torch.nn.Module):
         return fc.all_reduce(x, "sum", dist.group.WORLD)
 
 
-def _compile(a, work: pathlib.Path) -> dict:
-    dt = getattr(torch, a.dtype)
-    model = tp.random_llama(_cfg(a), seed=0, dtype=dt)
-    torch.save(model.state_dict(), work / "model.pt")
+def _seq_range(a) -> tuple[int, int]:
+    return 1, max(a.prefill, a.context)
+
+
+def _model(a, work: pathlib.Path) -> tp.Llama:
+    model = tp.random_llama(_cfg(a), seed=0, dtype=getattr(torch, a.dtype))
+    if not (work / "model.pt").exists():
+        torch.save(model.state_dict(), work / "model.pt")
+    return model
+
+
+def _compile_one(a, work: pathlib.Path) -> dict:
+    model = _model(a, work)
     tok = torch.zeros(1, 8, dtype=torch.int64)
+    seq = _seq_range(a)
     t0 = time.perf_counter()
-    seq = (1, max(a.prefill, a.context))
-    dyn = ({1: torch.export.Dim("seq", min=seq[0], max=seq[1])},)
-    opts = Options(autotune=a.autotune)
-    one = kiln.compile(torch.export.export(model, (tok,), dynamic_shapes=dyn), device="cuda",
-                       options=opts)
+    one = kiln.compile(tp.export_llama(model, tok, seq), device="cuda",
+                       options=Options(autotune=a.autotune))
     one.save(work / "one.kiln")
-    t1 = time.perf_counter()
-    tp.export_tp(model, a.world, work, tok, dynamic_seq=seq, device="cuda", options=opts)
-    t2 = time.perf_counter()
+    return {"compile_one_s": round(time.perf_counter() - t0, 1)}
+
+
+def _compile_tp(a, work: pathlib.Path) -> dict:
+    model = _model(a, work)
+    tok = torch.zeros(1, 8, dtype=torch.int64)
+    seq = _seq_range(a)
+    t0 = time.perf_counter()
+    tp.export_tp(model, a.world, work, tok, dynamic_seq=seq, device="cuda",
+                 options=Options(autotune=a.autotune))
+    return {"compile_tp_s": round(time.perf_counter() - t0, 1)}
+
+
+def _compile_allreduce(a, work: pathlib.Path) -> dict:
     dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=a.world)
     try:
         n = torch.export.Dim("n", min=2, max=256 * 2**20 // 4)
         ep = torch.export.export(AllReduce(), (torch.zeros(1024),), dynamic_shapes=({0: n},))
-        kiln.compile(ep, device="cuda", options=opts).save(work / "allreduce.kiln")
+        kiln.compile(ep, device="cuda", options=Options(autotune=a.autotune)).save(
+            work / "allreduce.kiln")
     finally:
         dist.destroy_process_group()
-    return {"compile_one_s": t1 - t0, "compile_tp_s": t2 - t1}
+    return {}
 
 
-def _single(a, work: pathlib.Path) -> dict:
-    dt = getattr(torch, a.dtype)
+def _inputs(a, dev):
     ctx = torch.randint(0, a.vocab, (1, a.context), generator=torch.Generator().manual_seed(0))
     pre = torch.randint(0, a.vocab, (1, a.prefill), generator=torch.Generator().manual_seed(1))
-    ctx, pre = ctx.cuda(), pre.cuda()
+    return ctx.to(dev), pre.to(dev)
+
+
+def _kiln_1gpu(a, work: pathlib.Path) -> dict:
+    ctx, pre = _inputs(a, "cuda:0")
     r = kiln.load(work / "one.kiln", "cuda:0")
-    out = {"kiln_1gpu": {"decode_ms": _median_ms(lambda: r(ctx), a.iters),
-                         "prefill_ms": _median_ms(lambda: r(pre), max(a.iters // 3, 5))}}
+    return {"decode_ms": _median_ms(lambda: r(ctx), a.iters),
+            "prefill_ms": _median_ms(lambda: r(pre), max(a.iters // 3, 5))}
+
+
+def _eager_1gpu(a, work: pathlib.Path) -> dict:
+    ctx, pre = _inputs(a, "cuda:0")
     m = tp.Llama(_cfg(a))
     m.load_state_dict(torch.load(work / "model.pt"))
-    m = m.to(dt).cuda().eval()
+    m = m.to(getattr(torch, a.dtype)).cuda().eval()
     with torch.no_grad():
-        out["eager_1gpu"] = {"decode_ms": _median_ms(lambda: m(ctx), a.iters),
-                             "prefill_ms": _median_ms(lambda: m(pre), max(a.iters // 3, 5))}
-    return out
+        return {"decode_ms": _median_ms(lambda: m(ctx), a.iters),
+                "prefill_ms": _median_ms(lambda: m(pre), max(a.iters // 3, 5))}
 
 
 def main(argv=None) -> int:
@@ -235,8 +281,16 @@ def main(argv=None) -> int:
     work = pathlib.Path(a.out or tempfile.mkdtemp(prefix="kiln_tp_"))
     work.mkdir(parents=True, exist_ok=True)
     res: dict = {}
-    _section(res, "compile", lambda: _compile(a, work))
-    _section(res, "single", lambda: _single(a, work))
+    (work / "model.pt").unlink(missing_ok=True)
+    for f in ("one.kiln", "allreduce.kiln", *[f"rank{r}.kiln" for r in range(a.world)]):
+        (work / f).unlink(missing_ok=True)  # no stale package from an earlier run
+    tb = work / "tracebacks.log"
+    tb.unlink(missing_ok=True)
+    _section(res, "compile_one", lambda: _compile_one(a, work), log=tb)
+    _section(res, "compile_tp", lambda: _compile_tp(a, work), log=tb)
+    _section(res, "compile_allreduce", lambda: _compile_allreduce(a, work), log=tb)
+    _section(res, "kiln_1gpu", lambda: _kiln_1gpu(a, work), (work / "one.kiln",))
+    _section(res, "eager_1gpu", lambda: _eager_1gpu(a, work), (work / "model.pt",))
     (work / "pg").unlink(missing_ok=True)  # torch's file rendezvous of the eager TP run
     (work / "rank0.json").unlink(missing_ok=True)
     (work / "ids.json").write_text(json.dumps({k: nccl_unique_id().hex() for k in
@@ -261,12 +315,16 @@ def _report(a, res: dict, ranks: dict) -> None:
     name = torch.cuda.get_device_name(0)
     print(f"\nGPU: {a.world} x {name}; torch {torch.__version__}; model: Llama-shaped, "
           f"{a.layers} layers, hidden {a.hidden}, {a.heads} heads ({a.kv_heads} kv), "
-          f"{a.dtype}; compile {res.get('compile')}")
-    single = res.get("single", {})
-    rows = [("kiln, 1 GPU", single.get("kiln_1gpu", {"error": single.get("error")})),
-            (f"kiln TP, {a.world} GPUs", ranks.get("kiln_tp", {"error": "?"})),
-            ("eager, 1 GPU", single.get("eager_1gpu", {"error": single.get("error")})),
-            (f"eager TP, {a.world} GPUs", ranks.get("eager_tp", {"error": "?"}))]
+          f"{a.dtype}")
+    for key in ("compile_one", "compile_tp", "compile_allreduce"):
+        d = res.get(key, {})
+        print(f"{key}: " + (f"FAILED: {d['error']}" if "error" in d else
+                             (", ".join(f"{k} {v}" for k, v in d.items()) or "ok")))
+    lost = {"error": ranks.get("error", "?")}  # the workers wrote nothing
+    rows = [("kiln, 1 GPU", res.get("kiln_1gpu", {"error": "?"})),
+            (f"kiln TP, {a.world} GPUs", ranks.get("kiln_tp", lost)),
+            ("eager, 1 GPU", res.get("eager_1gpu", {"error": "?"})),
+            (f"eager TP, {a.world} GPUs", ranks.get("eager_tp", lost))]
     print(f"\n| run | decode ms ({a.context} tokens, batch 1) | prefill ms ({a.prefill} tokens) "
           "| prefill tokens/s |")
     print("| --- | ---: | ---: | ---: |")
@@ -285,7 +343,8 @@ def _report(a, res: dict, ranks: dict) -> None:
                   f"{r['kiln_busbw']:.1f} | {r['nccl_busbw']:.1f} | "
                   f"{r['kiln_busbw'] / r['nccl_busbw']:.2f} |")
     else:
-        print(f"| failed: {bw} |")
+        err = bw.get("error") if isinstance(bw, dict) else ranks.get("error", "?")
+        print(f"| failed: {err} |")
 
 
 if __name__ == "__main__":

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import math
 import os
+import warnings
 from dataclasses import dataclass, replace
 from pathlib import Path
 
@@ -80,15 +81,23 @@ class Attention(nn.Module):
         self.o_proj = nn.Linear(heads * self.head_dim, d, bias=False)
 
     def forward(self, x, cos, sin):
+        # rotary and the key/value head repeat in the [b, t, heads, head_dim] layout of the
+        # projections, transposed to [b, heads, t, head_dim] only for the attention: every
+        # elementwise op and every reshape sees one layout whose merged dims have static
+        # strides (repeat_interleave on the transposed [b, kv, t, d] merges dims of strides
+        # 2*t*d and t*d, a min(...) guard on seq that torch 2.11's export cannot prove)
         b, t, _ = x.shape
-        q = self.q_proj(x).view(b, t, self.heads, self.head_dim).transpose(1, 2)
-        k = self.k_proj(x).view(b, t, self.kv_heads, self.head_dim).transpose(1, 2)
-        v = self.v_proj(x).view(b, t, self.kv_heads, self.head_dim).transpose(1, 2)
+        hd = self.head_dim
+        q = self.q_proj(x).view(b, t, self.heads, hd)
+        k = self.k_proj(x).view(b, t, self.kv_heads, hd)
+        v = self.v_proj(x).view(b, t, self.kv_heads, hd)
         q = q * cos + _rotate_half(q) * sin
         k = k * cos + _rotate_half(k) * sin
         rep = self.heads // self.kv_heads
-        k = k.repeat_interleave(rep, dim=1)
-        v = v.repeat_interleave(rep, dim=1)
+        if rep > 1:  # query head h reads key/value head h // rep (repeat_interleave)
+            k = k[:, :, :, None].expand(b, t, self.kv_heads, rep, hd).reshape(b, t, self.heads, hd)
+            v = v[:, :, :, None].expand(b, t, self.kv_heads, rep, hd).reshape(b, t, self.heads, hd)
+        q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
         y = nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
         y = self.o_proj(y.transpose(1, 2).reshape(b, t, self.heads * self.head_dim))
         return y if self.group is None else fc.all_reduce(y, "sum", self.group)
@@ -148,9 +157,11 @@ class Llama(nn.Module):
         cfg = self.cfg
         hd = cfg.hidden_size // cfg.num_attention_heads
         t = tokens.shape[1]
-        inv = 1.0 / (cfg.rope_theta ** (torch.arange(0, hd, 2, dtype=torch.float32) / hd))
-        ang = torch.arange(t, dtype=torch.float32)[:, None] * inv[None, :]
-        ang = torch.cat((ang, ang), dim=-1)
+        dev = tokens.device  # the tables on the tokens' device (eager on a GPU)
+        inv = 1.0 / (cfg.rope_theta ** (torch.arange(0, hd, 2, dtype=torch.float32, device=dev)
+                                        / hd))
+        ang = torch.arange(t, dtype=torch.float32, device=dev)[:, None] * inv[None, :]
+        ang = torch.cat((ang, ang), dim=-1)[:, None, :]  # [t, 1, head_dim]: over the heads
         dt = self.lm_head.weight.dtype
         cos, sin = ang.cos().to(dt), ang.sin().to(dt)
         x = self.model.embed_tokens(tokens)
@@ -232,6 +243,34 @@ def shard(model: Llama, world_size: int, rank: int, group=None,
     return m.to(model.lm_head.weight.dtype).eval()
 
 
+def export_llama(model: nn.Module, example_tokens: torch.Tensor,
+                 dynamic_seq: tuple[int, int] | None = None) -> torch.export.ExportedProgram:
+    """torch.export of `model` (a `Llama` or a rank's shard) on `example_tokens`, the sequence
+    length dynamic over `dynamic_seq` = (min, max) when given. Should this torch's export find a
+    shape guard on seq it cannot prove (a named Dim's constraint violation), it exports again
+    with Dim.DYNAMIC over the same range (which assumes seq != 1: its range starts at 2) and
+    warns; an export whose range does not cover (max(min, 2), max) raises the first error."""
+    if dynamic_seq is None:
+        return torch.export.export(model, (example_tokens,))
+    lo, hi = dynamic_seq
+    try:
+        return torch.export.export(model, (example_tokens,), dynamic_shapes=(
+            {1: torch.export.Dim("seq", min=lo, max=hi)},))
+    except Exception as e:  # torch._dynamo.exc.UserError; only constraint violations retry
+        if "Constraints violated" not in str(e):
+            raise
+        first = e
+    ep = torch.export.export(model, (example_tokens,), dynamic_shapes=(
+        {1: torch.export.Dim.DYNAMIC(min=lo, max=hi)},))
+    ranges = [(int(r.lower), int(r.upper)) for r in ep.range_constraints.values()]
+    if not any(a <= max(lo, 2) and b >= hi for a, b in ranges):
+        raise first
+    warnings.warn(f"export_llama: seq as a named Dim failed on this torch "
+                  f"({str(first).splitlines()[0]} ...); exported with Dim.DYNAMIC, range "
+                  f"{ranges}", stacklevel=2)
+    return ep
+
+
 def export_tp(model: Llama, world_size: int, out_dir: str | os.PathLike[str],
               example_tokens: torch.Tensor, dynamic_seq: tuple[int, int] | None = None,
               device: str = "cpu", options: Options | None = None,
@@ -249,10 +288,7 @@ def export_tp(model: Llama, world_size: int, out_dir: str | os.PathLike[str],
             raise InputError(f"export_tp: world_size {world_size}, but the default process group "
                              f"has {dist.get_world_size()} ranks")
         rank0 = shard(model, world_size, 0, shard_lm_head=shard_lm_head)
-        dyn = None
-        if dynamic_seq is not None:
-            dyn = ({1: torch.export.Dim("seq", min=dynamic_seq[0], max=dynamic_seq[1])},)
-        ep = torch.export.export(rank0, (example_tokens,), dynamic_shapes=dyn)
+        ep = export_llama(rank0, example_tokens, dynamic_seq)
         # no folding: every weight keeps its FQN, so each rank's shard can replace rank 0's
         opts = replace(options or Options(), fold_constants=False)
         cm = kiln_compile(ep, device=device, options=opts)
@@ -272,4 +308,5 @@ def export_tp(model: Llama, world_size: int, out_dir: str | os.PathLike[str],
     return paths
 
 
-__all__ = ["LlamaConfig", "Llama", "random_llama", "shard", "shard_state", "export_tp"]
+__all__ = ["LlamaConfig", "Llama", "random_llama", "shard", "shard_state", "export_llama",
+           "export_tp"]

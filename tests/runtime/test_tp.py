@@ -56,8 +56,10 @@ class Collectives(torch.nn.Module):
     def forward(self, x, y):
         g = dist.group.WORLD
         out = [fc.all_reduce(x, "sum", g), fc.all_reduce(x * 2, "max", g),
-               fc.all_reduce(x, "min", g), fc.all_reduce(y, "product", g),
-               fc.all_gather_tensor(x.t(), 0, g),  # a transposed operand: made contiguous
+               fc.all_reduce(x.t(), "min", g),  # a transposed operand: made contiguous
+               fc.all_reduce(y, "product", g),
+               # torch 2.11's all_gather_tensor asserts a contiguous operand at trace time
+               fc.all_gather_tensor(x.t().contiguous(), 0, g),
                fc.reduce_scatter_tensor(x[1:], "sum", 0, g),
                fc.all_to_all_single(x[1:], None, None, g)]  # an offset view
         if self.dtype.is_floating_point:
@@ -74,7 +76,7 @@ def _reference(xs, ys, dtype, n: int):
     for r in range(n):
         sub = [x[1:] for x in xs]
         sub_rows = sub[0].shape[0] // n
-        got = [total, np.maximum.reduce([2 * x for x in xs]), np.minimum.reduce(xs),
+        got = [total, np.maximum.reduce([2 * x for x in xs]), np.minimum.reduce(xs).T,
                np.prod(np.stack(ys), axis=0).astype(ys[0].dtype),
                np.concatenate([x.T for x in xs], 0), total[1:][r * sub_rows:(r + 1) * sub_rows],
                np.concatenate([s[r * sub_rows:(r + 1) * sub_rows] for s in sub], 0)]
@@ -290,3 +292,55 @@ def test_collective_buffers_are_planned_like_any_step():
     src_free = next(i for i, x in enumerate(lines) if isinstance(x, P.Free) and x.buf == src)
     assert src_free > k
     assert prog.arena_bytes is not None and prog.arena_bytes > 0
+
+
+def test_gathered_operands_are_contiguous_at_export(monkeypatch):
+    """torch 2.11's all_gather_tensor asserts a contiguous operand at trace time (2.13 does
+    not): the collectives program and the TP Llama export under that check."""
+    real = fc.all_gather_tensor
+
+    def checked(x, *args, **kwargs):
+        assert x.is_contiguous(), "Tensor must be contiguous for all_gather_tensor"
+        return real(x, *args, **kwargs)
+
+    monkeypatch.setattr(fc, "all_gather_tensor", checked)
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=2)
+    try:
+        torch.export.export(Collectives(torch.float32), (torch.zeros(5, 3), torch.zeros(5)))
+        m = tp.shard(tp.random_llama(CFG, seed=0), 2, 0)
+        torch.export.export(m, (torch.zeros(2, 5, dtype=torch.int64),),
+                            dynamic_shapes=({1: torch.export.Dim("seq", min=1, max=32)},))
+    finally:
+        dist.destroy_process_group()
+
+
+def test_export_llama_retries_an_unprovable_seq_guard(monkeypatch, tmp_path):
+    """A named seq Dim that this torch cannot prove a guard for (torch 2.11 on the Llama before
+    its layout change) falls back to Dim.DYNAMIC over the same range, with a warning; the
+    package still runs every length in it but 1, and matches eager."""
+    real = torch.export.export
+    calls = []
+
+    def export(mod, args, dynamic_shapes=None, **kw):
+        calls.append(dynamic_shapes)
+        if len(calls) == 1:
+            raise RuntimeError("Constraints violated (seq)! emulated")
+        return real(mod, args, dynamic_shapes=dynamic_shapes, **kw)
+
+    monkeypatch.setattr(torch.export, "export", export)
+    cfg = tp.LlamaConfig(vocab_size=32, hidden_size=32, intermediate_size=64,
+                         num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=2)
+    model = tp.random_llama(cfg, seed=1)
+    with pytest.warns(UserWarning, match="Dim.DYNAMIC"):
+        ep = tp.export_llama(model, torch.zeros(1, 5, dtype=torch.int64), (1, 16))
+    assert len(calls) == 2
+    r = kiln.compile(ep).load(tmp_path / "m.kiln")
+    for t in (2, 9, 16):
+        tokens = torch.randint(0, 32, (1, t), generator=torch.Generator().manual_seed(t))
+        with torch.no_grad():
+            torch.testing.assert_close(r(tokens), model(tokens), rtol=1e-4, atol=1e-4)
+    with pytest.raises(RuntimeError, match="emulated"):  # other failures are not retried
+        calls.clear()
+        monkeypatch.setattr(torch.export, "export", lambda *a, **k: (_ for _ in ()).throw(
+            RuntimeError("Constraints violated (seq)! emulated")))
+        tp.export_llama(model, torch.zeros(1, 5, dtype=torch.int64), (1, 16))

@@ -107,9 +107,8 @@ def test_tp_llama_on_two_gpus_matches_one(tmp_path):
     spawn(n, "llama", str(tmp_path), str(tmp_path / "out.pt"), "--steps", str(steps))
     got = torch.load(tmp_path / "out.pt")
     # the single-GPU run: the whole model as one package
-    dyn = ({1: torch.export.Dim("seq", min=1, max=32)},)
-    one = kiln.compile(torch.export.export(model, (prompt,), dynamic_shapes=dyn),
-                       device="cuda").load(tmp_path / "one.kiln", "cuda:0")
+    one = kiln.compile(tp.export_llama(model, prompt, (1, 32)), device="cuda").load(
+        tmp_path / "one.kiln", "cuda:0")
     single = one(prompt.cuda()).cpu()
     with torch.no_grad():
         ref = model.double()(prompt)
