@@ -12,8 +12,9 @@ fresh random inputs and compares each output with torch eager:
 * integer and bool outputs exactly.
 Dtypes and shapes must match eager exactly. NaNs must sit in the same places.
 
-Inputs are contiguous (the ABI requires it); ``Layout`` wraps a module so that it transposes or
-slices its inputs first, which gives the generated kernels non-trivial index maps.
+Inputs are contiguous (other layouts are copied in by libkiln: tests/e2e/test_strided_inputs.py);
+``Layout`` wraps a module so that it transposes or slices its inputs first, which gives the
+generated kernels non-trivial index maps.
 """
 
 from __future__ import annotations

@@ -10,6 +10,7 @@ import torch
 
 from kiln.errors import UnsupportedError
 from kiln.frontend.symbols import SymbolTable
+from kiln.frontend.sym_values import sym_value
 from kiln.ir import dtypes, sym
 from kiln.ir.graph import Node, TensorType
 
@@ -65,6 +66,10 @@ class Builder:
         v = self.val(x)
         if isinstance(v, torch.Tensor):
             return v.dtype
+        if isinstance(v, torch.SymFloat):
+            return torch.float64
+        if isinstance(v, torch.SymBool):
+            return torch.bool
         return torch.tensor(v).dtype if not isinstance(v, torch.SymInt) else torch.int64
 
     def rank(self, x) -> int:
@@ -124,7 +129,12 @@ class Builder:
             if x.name in self.env:
                 return self.env[x.name]
             if isinstance(x.meta.get("val"), torch.SymInt):  # a size (or int input) as a value
-                return self.size_value(x, torch.int64)
+                try:
+                    return self.size_value(x, torch.int64)
+                except UnsupportedError:
+                    return sym_value(self, x)  # arithmetic kiln's sizes do not model
+            if isinstance(x.meta.get("val"), (torch.SymFloat, torch.SymBool)):
+                return sym_value(self, x)  # size arithmetic as a float / bool value
             raise UnsupportedError(f"value {x.name} ({x.target}) has no kiln equivalent")
         if isinstance(x, (bool, int, float)):
             return self.scalar(x, torch.tensor(x).dtype)
@@ -173,7 +183,10 @@ class Builder:
         for x in (a, b):
             if isinstance(x, torch.fx.Node) and x.name not in self.env and isinstance(
                     x.meta.get("val"), torch.SymInt):
-                names.append(self.size_value(x, compute))
+                try:
+                    names.append(self.size_value(x, compute))
+                except UnsupportedError:
+                    names.append(self.cast_to(sym_value(self, x), compute, n))
             elif isinstance(x, torch.fx.Node):
                 names.append(self.cast_to(self.tensor(x), compute, n))
             else:

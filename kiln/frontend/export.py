@@ -280,9 +280,10 @@ def convert_node(b: Builder, n: torch.fx.Node, gm: torch.fx.GraphModule) -> None
         return
     if convert_int_value(b, n):
         return  # arithmetic on ints held as values (a while_loop counter)
-    if isinstance(n.meta.get("val"), (torch.SymInt, torch.SymBool, int, float)) and not isinstance(
-            n.meta.get("val"), bool):
-        return  # size arithmetic: shapes (and size predicates) are read from node metadata
+    if isinstance(n.meta.get("val"), (torch.SymInt, torch.SymBool, torch.SymFloat, int, float)) \
+            and not isinstance(n.meta.get("val"), bool):
+        return  # size arithmetic: shapes (and size predicates) are read from node metadata,
+        # values made where a tensor op reads them (Builder.tensor, frontend/sym_values.py)
     if str(n.target) in SIZE_ASSERTS:
         return  # facts about sizes: bounds of data-dependent sizes are checked at run time
     if n.target in CONTROL:

@@ -223,3 +223,23 @@ def test_bad_inputs_still_refused(package):
         with pytest.raises(kiln.errors.InputError, match=f"input {k} ") as info:
             runner(*relaid)
         assert words in str(info.value)
+
+
+class AB(torch.nn.Module):
+    def forward(self, a, b):
+        return a * 2 + 1, b.sum(0)
+
+
+def test_large_transposed_inputs_take_the_tiled_copy(tmp_path):
+    """Last two dims transposed in memory and at least 16 x 16 (copy_in.cpp copies those in
+    tiles), sizes that are not multiples of the tile, with a batch dim, a storage offset and
+    padded rows; small ones below the tile size take the row copy."""
+    n = torch.export.Dim("n", min=1, max=512)
+    c = kiln.compile(AB(), (torch.randn(3, 20, 17), torch.randn(20, 40, dtype=torch.float64)),
+                     dynamic_shapes=({1: n}, {0: n}))
+    runner = kiln.load(c.save(tmp_path / "t.kiln"))
+    for rows in (20, 47, 16, 130, 5):
+        a = torch.randn(3, 17, rows).transpose(1, 2)
+        b = torch.randn(45, rows + 3, dtype=torch.float64)[2:42, 1:rows + 1].t()
+        assert not a.is_contiguous() and not b.is_contiguous() and b.storage_offset() > 0
+        _check(runner(a, b), AB()(a, b))
