@@ -101,9 +101,20 @@ def test_input_gradient_flows_through_kiln():
     assert kiln.backend.stats()["backward"] == 1
 
 
+@torch.library.custom_op("kiln_test_backend::opaque", mutates_args=())
+def _opaque(x: torch.Tensor) -> torch.Tensor:
+    """A custom op: neither lowered by kiln nor an ATen op its fallback could call."""
+    return x * 3 - 1
+
+
+@_opaque.register_fake
+def _(x):
+    return torch.empty_like(x)
+
+
 def test_backend_falls_back_on_unsupported_graph_with_a_warning():
-    def f(x):  # a Scalar argument: neither lowered nor passable to the ATen fallback
-        return torch.special.zeta(x, 2.0) * 2
+    def f(x):
+        return _opaque(x) * 2
 
     x = torch.rand(5) + 1
     made = []
@@ -114,8 +125,8 @@ def test_backend_falls_back_on_unsupported_graph_with_a_warning():
 
     fn = torch.compile(f, backend=backend)
     with pytest.warns(kiln.backend.KilnFallbackWarning,
-                      match=r"graph \(2 ops: .*zeta.*\) runs eagerly \(not compiled by kiln\): "
-                            r"UnsupportedError"):
+                      match=r"graph \(2 ops: opaque, mul\) runs eagerly \(not compiled by "
+                            r"kiln\): UnsupportedError: .*kiln_test_backend.opaque"):
         torch.testing.assert_close(fn(x), f(x))
     assert made and not hasattr(made[0], "kiln_compiled")
     s = kiln.backend.stats()
