@@ -20,8 +20,12 @@ import torch
 
 def pack_panels(w: torch.Tensor, rec: Mapping[str, Any]) -> torch.Tensor:
     k, n, nr = int(rec["k"]), int(rec["n"]), int(rec["nr"])
-    b = w.contiguous().reshape(-1).as_strided((k, n), (int(rec["rows"]), int(rec["cols"])),
-                                              int(rec["offset"]))
+    flat = w.contiguous().reshape(-1)
+    # as_strided's offset counts from the start of the storage, not of the view: a weight
+    # that is a view into a larger tensor (a row shard, w.chunk(n, 0)[r]) starts at its own
+    # storage_offset
+    b = flat.as_strided((k, n), (int(rec["rows"]), int(rec["cols"])),
+                        flat.storage_offset() + int(rec["offset"]))
     panels = -(-n // nr)
     out = torch.zeros((k, panels * nr), dtype=w.dtype)
     out[:, :n] = b

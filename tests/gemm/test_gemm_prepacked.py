@@ -142,6 +142,47 @@ def test_pack_panels_layout():
     assert (p[1, :, 1:] == 0).all()
 
 
+def test_pack_panels_of_a_view_reads_the_view():
+    """A weight that is a view into a larger tensor (a tensor-parallel row shard,
+    w.chunk(n, 0)[r], contiguous with a storage offset) packs its own elements, not those at
+    the start of the storage (test_tp.py's 2-rank Llama got rank 0's gate/up weights)."""
+    torch.manual_seed(6)
+    full = torch.randn(2 * 40, 24)
+    rec = {"nr": 16, "k": 24, "n": 40, "offset": 0, "rows": 1, "cols": 24, "shape": [40, 24]}
+    for r in range(2):
+        view = full.chunk(2, 0)[r]
+        assert view.is_contiguous() and view.storage_offset() == r * 40 * 24
+        torch.testing.assert_close(pack_panels(view, rec), pack_panels(view.clone(), rec),
+                                   rtol=0, atol=0)
+    # a nonzero record offset counts from the view's first element too
+    rec1 = {**rec, "n": 39, "offset": 24}
+    torch.testing.assert_close(pack_panels(full[40:], rec1), pack_panels(full[41:].clone(),
+                                                                          {**rec1, "offset": 0}),
+                               rtol=0, atol=0)
+
+
+def test_update_weights_packs_views(check, tmp_path):
+    """New weights given as views into larger tensors (shards) are packed from their own
+    elements."""
+    torch.manual_seed(7)
+    model = Layers(k=130).eval()
+    compiled, runner = check.compile(model, _inputs(9, torch.float32, 130),
+                                     options=kiln.Options(gemm_backends=("cpp",)))
+    assert _packed_gemms(compiled)
+    fresh = Layers(k=130).eval()
+    state = {}
+    for name, t in fresh.state_dict().items():  # each tensor the second half of a bigger one
+        big = torch.cat([torch.randn_like(t), t], 0)
+        state[name] = big[t.shape[0]:] if t.dim() else t
+        assert state[name].dim() == 0 or state[name].storage_offset() > 0
+    runner.update_weights(state)
+    x = _inputs(9, torch.float32, 130)
+    with torch.no_grad():
+        want = copy.deepcopy(fresh).double()(*(t.double() for t in x))
+    for got, w in zip(runner(*x), want):
+        torch.testing.assert_close(got.double(), w, rtol=1e-4, atol=1e-4)
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("march", ["x86-64-v3", "x86-64"])
 def test_other_targets(check, march):
