@@ -268,3 +268,20 @@ def test_plain_x86_64_build(check):
     assert re.search(r"kl::view\(buf_\w+_w \+ 0, 6, d1\)", compiled.sources["model.cpp"])
     assert "#define KILN_CONV_B8" in compiled.sources["conv.cpp"]
     assert "avx" not in compiled.manifest["requires"].get("cpu_features", [])
+
+
+@pytest.mark.parametrize(("kernel", "stride", "padding", "ceil"), [
+    (3, 2, 1, False), (2, 2, 0, True), (3, 1, 0, False)])
+def test_max_pool_inside_a_region(check, kernel, stride, padding, ceil):
+    """conv -> relu -> max pool -> conv: the pooling reads and writes NCHWc (no conversion
+    between the convolutions); channel count 24 (a padded block)."""
+    g = torch.Generator().manual_seed(17)
+    m = nn.Sequential(nn.Conv2d(3, 24, 3, padding=1, bias=False), _bn(24, g), nn.ReLU(),
+                      nn.MaxPool2d(kernel, stride, padding, ceil_mode=ceil),
+                      nn.Conv2d(24, 16, 3, padding=1)).eval()
+    x = rand((2, 3, 15, 13), F32, gen("pool", kernel, stride), -2, 2)
+    compiled = check(m, [x], tol=TOL)
+    src = compiled.sources["model.cpp"]
+    assert _direct_calls(compiled) == 2
+    assert "max_pool2d_nchwc" in src
+    assert not re.search(r"buf_max_pool2d\b", src)  # never materialised in NCHW
