@@ -20,6 +20,8 @@ from torch import nn
 import kiln
 from difftest import Checker, gen, rand
 from kiln.errors import InputError
+from kiln.ir import loop as L
+from kiln.ir.interp import run_loop
 from kiln.models.zoo import resnet18
 
 F32 = torch.float32
@@ -285,3 +287,23 @@ def test_max_pool_inside_a_region(check, kernel, stride, padding, ceil):
     assert _direct_calls(compiled) == 2
     assert "max_pool2d_nchwc" in src
     assert not re.search(r"buf_max_pool2d\b", src)  # never materialised in NCHW
+
+
+def test_interpreter_twin_matches_eager(check):
+    """The numpy twin of conv2d_nchwc (kiln.ir.interp, also behind the package's model.py)
+    runs the compiled Loop IR: dense (NCHWc and NCHW input), depthwise, residual, relu6,
+    max pooling in NCHWc."""
+    g = torch.Generator().manual_seed(19)
+    m = nn.Sequential(nn.Conv2d(3, 24, 3, 2, 1, bias=False), _bn(24, g), nn.ReLU6(),
+                      nn.MaxPool2d(2), InvertedResidual(24, 24, 1, 2, g)).eval()
+    x = rand((2, 3, 14, 14), F32, gen("twin"), -2, 2)
+    compiled, _ = check.compile(m, [x])
+    built = compiled.built
+    feeds = {i.name: x.numpy() for i in built.graph.user_inputs}
+    feeds.update({k: v.numpy() for k, v in built.weights.items()})
+    (got,) = run_loop(built.loop, feeds, {})
+    assert sum(isinstance(s, L.Extern) and s.routine == "conv2d_nchwc"
+               for s in built.loop.nodes) == 4
+    with torch.no_grad():
+        want = m.double()(x.double())
+    torch.testing.assert_close(torch.tensor(got).double(), want, **TOL)
