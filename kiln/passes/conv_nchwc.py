@@ -47,9 +47,6 @@ from kiln.ir import dtypes
 from kiln.ir.graph import Graph, Input, Node, TensorType
 from kiln.passes.dce import dce
 
-ACTS = {"none": 0, "relu": 1, "clamp": 2, "silu": 3}  # kiln_conv.h's activation codes
-
-
 @dataclass(frozen=True)
 class Fused:
     """One convolution and the chain folded into it."""
@@ -169,7 +166,8 @@ def pack(f: Fused, w: torch.Tensor, bias, bn_tensors, block: int, unblocked_inpu
     return (wp.to(torch.float32).contiguous(), bias_p.to(torch.float32).contiguous())
 
 
-def _describe(f: Fused, by_name) -> str:
+def _describe(f: Fused) -> str:
+    """The epilogue in words (the node's `epilogue` attribute, shown in graph dumps)."""
     parts = []
     if f.bias:
         parts.append("bias")
@@ -278,7 +276,7 @@ def conv_nchwc(g: Graph, weights: dict[str, torch.Tensor], block: int, threads: 
                  ("dilation", tuple(conv.attr("dilation"))),
                  ("depthwise", conv.attr("groups") != 1), ("act", f.act), ("lo", f.lo),
                  ("hi", f.hi), ("channels", int(oc)), ("block", block), ("threads", threads),
-                 ("fused", f.absorbed), ("epilogue", _describe(f, by_name)))
+                 ("fused", f.absorbed), ("epilogue", _describe(f)))
         ins = (xin, win.name, bin_.name) + ((res,) if res else ())
         nodes.append(Node(name, "conv_nchwc", ins, TensorType(dtypes.float32, (
             nb, sympy.Integer(ocb), oh, ow, sympy.Integer(block))), attrs, conv.source))
