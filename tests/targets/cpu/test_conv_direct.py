@@ -18,7 +18,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import kiln
-from difftest import Checker, gen, rand
+from difftest import Checker, dim, gen, rand
 from kiln.errors import InputError
 from kiln.ir import loop as L
 from kiln.ir.interp import run_loop
@@ -156,6 +156,15 @@ def test_unsupported_falls_back_to_im2col(check, name, module, shape):
     dt = next(module.parameters()).dtype
     x = rand(shape, dt, gen("conv_fallback", name), -2, 2)
     compiled = check(module, [x], tol=TOL if dt == F32 else None)
+    assert _direct_calls(compiled) == 0
+
+
+def test_dynamic_batch_falls_back(check):
+    """A symbolic batch size: im2col + GEMM (the direct path needs static sizes)."""
+    m = ConvBlock(8, cout=16, k=3, padding=1, bn=True, act="relu")
+    g = gen("conv_dyn")
+    compiled = check(m, [rand((2, 8, 6, 6), F32, g, -2, 2)], tol=TOL,
+                     dynamic_shapes=({0: dim("n")},), more=[(rand((5, 8, 6, 6), F32, g),)])
     assert _direct_calls(compiled) == 0
 
 
