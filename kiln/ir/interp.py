@@ -466,8 +466,9 @@ def _lib_conv2d_nchwc(outs, attrs, x, w, b, res=None):
     for ky in range(kh):
         for kx in range(kw):
             y0, x0 = ky * a["dh"], kx * a["dw"]
-            win = xp[:, :, y0:y0 + a["sh"] * (oh - 1) + 1:a["sh"],
-                     x0:x0 + a["sw"] * (ow - 1) + 1:a["sw"]][:, :wf.shape[0 if a["depthwise"] else 1]]
+            channels = wf.shape[0 if a["depthwise"] else 1]
+            win = xp[:, :channels, y0:y0 + a["sh"] * (oh - 1) + 1:a["sh"],
+                     x0:x0 + a["sw"] * (ow - 1) + 1:a["sw"]]
             if a["depthwise"]:
                 out += win * wf[None, :, ky, kx, None, None]
             else:

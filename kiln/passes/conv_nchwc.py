@@ -25,6 +25,10 @@ by another op (or is a graph output), a `from_nchwc` node under the original nam
 NCHW value back (a pointwise index map that fuses into its readers), so every other node
 keeps its operands.
 
+A 2-D max pooling (values only) of a value already in NCHWc stays in the layout
+(`max_pool_nchwc`, named `<pool>_nchwc`): the ResNet stem's conv -> relu -> max pool ->
+block chain never leaves NCHWc.
+
 Packed weights are compile-time folds of the model's tensors: their FQN is `<folded ...>`
 (naming the source weights), so update_weights(state_dict) refuses them with the message
 for folded constants; packages that must take new weights compile with
@@ -42,9 +46,6 @@ import torch
 from kiln.ir import dtypes
 from kiln.ir.graph import Graph, Input, Node, TensorType
 from kiln.passes.dce import dce
-
-ACTS = {"none": 0, "relu": 1, "clamp": 2, "silu": 3}  # kiln_conv.h's activation codes
-
 
 @dataclass(frozen=True)
 class Fused:
@@ -165,7 +166,8 @@ def pack(f: Fused, w: torch.Tensor, bias, bn_tensors, block: int, unblocked_inpu
     return (wp.to(torch.float32).contiguous(), bias_p.to(torch.float32).contiguous())
 
 
-def _describe(f: Fused, by_name) -> str:
+def _describe(f: Fused) -> str:
+    """The epilogue in words (the node's `epilogue` attribute, shown in graph dumps)."""
     parts = []
     if f.bias:
         parts.append("bias")
@@ -184,7 +186,7 @@ def conv_nchwc(g: Graph, weights: dict[str, torch.Tensor], block: int, threads: 
                ) -> tuple[Graph, dict[str, torch.Tensor]]:
     """Rewrite the supported convolutions of `g` (see the module docstring); `block`: floats
     per channel block (16 with AVX-512, 8 otherwise); `threads`: Options.num_threads."""
-    types = g.types()
+    types = dict(g.types())
     weights_in = {i.name: i for i in g.inputs if i.kind == "weight" and i.name in weights}
     by_name = {n.name: n for n in g.nodes}
     users: dict[str, list[Node]] = {}
@@ -226,10 +228,23 @@ def conv_nchwc(g: Graph, weights: dict[str, torch.Tensor], block: int, threads: 
                 n, sympy.Integer(_padded(int(c), block) // block), h, w, sympy.Integer(block))),
                 (("block", block),), by_name[v].source if v in by_name else v))
             blocked[v] = name
+            types[name] = nodes[-1].type
         return blocked[v]
 
     for node in g.nodes:
         if node.name in absorbed and node.name not in fused:
+            continue
+        if _blocked_pool(node, blocked):  # max pooling inside a region stays in NCHWc
+            name = f"{node.name}_nchwc"
+            x = types[blocked[node.inputs[0]]]
+            nodes.append(Node(name, "max_pool_nchwc", (blocked[node.inputs[0]],), TensorType(
+                node.type.dtype, (x.shape[0], x.shape[1], *node.type.shape[2:], x.shape[4])),
+                node.attrs, node.source))
+            types[name] = nodes[-1].type
+            blocked[node.name] = name
+            if needs_nchw(node.name):
+                nodes.append(Node(node.name, "from_nchwc", (name,), node.type,
+                                  (("block", block),), node.source))
             continue
         if node.name not in fused:
             nodes.append(node)
@@ -261,10 +276,11 @@ def conv_nchwc(g: Graph, weights: dict[str, torch.Tensor], block: int, threads: 
                  ("dilation", tuple(conv.attr("dilation"))),
                  ("depthwise", conv.attr("groups") != 1), ("act", f.act), ("lo", f.lo),
                  ("hi", f.hi), ("channels", int(oc)), ("block", block), ("threads", threads),
-                 ("fused", f.absorbed), ("epilogue", _describe(f, by_name)))
+                 ("fused", f.absorbed), ("epilogue", _describe(f)))
         ins = (xin, win.name, bin_.name) + ((res,) if res else ())
         nodes.append(Node(name, "conv_nchwc", ins, TensorType(dtypes.float32, (
             nb, sympy.Integer(ocb), oh, ow, sympy.Integer(block))), attrs, conv.source))
+        types[name] = nodes[-1].type
         blocked[f.last] = name
         if needs_nchw(f.last):
             nodes.append(Node(f.last, "from_nchwc", (name,), out_t, (("block", block),),
@@ -274,3 +290,9 @@ def conv_nchwc(g: Graph, weights: dict[str, torch.Tensor], block: int, threads: 
     names = {i.name for i in out.inputs}
     return out, {k: v for k, v in new_weights.items() if k in names}
 
+
+
+def _blocked_pool(n: Node, blocked) -> bool:
+    """A 2-D max pooling (values) of a value already in NCHWc."""
+    return n.op == "max_pool" and n.attr("want") == "values" and len(n.attr("kernel")) == 2 \
+        and n.inputs[0] in blocked and n.type.dtype == dtypes.float32

@@ -18,8 +18,10 @@ import torch.nn.functional as F
 from torch import nn
 
 import kiln
-from difftest import Checker, gen, rand
+from difftest import Checker, dim, gen, rand
 from kiln.errors import InputError
+from kiln.ir import loop as L
+from kiln.ir.interp import run_loop
 from kiln.models.zoo import resnet18
 
 F32 = torch.float32
@@ -157,6 +159,15 @@ def test_unsupported_falls_back_to_im2col(check, name, module, shape):
     assert _direct_calls(compiled) == 0
 
 
+def test_dynamic_batch_falls_back(check):
+    """A symbolic batch size: im2col + GEMM (the direct path needs static sizes)."""
+    m = ConvBlock(8, cout=16, k=3, padding=1, bn=True, act="relu")
+    g = gen("conv_dyn")
+    compiled = check(m, [rand((2, 8, 6, 6), F32, g, -2, 2)], tol=TOL,
+                     dynamic_shapes=({0: dim("n")},), more=[(rand((5, 8, 6, 6), F32, g),)])
+    assert _direct_calls(compiled) == 0
+
+
 def test_layout_kept_across_a_chain(check):
     """conv-bn-relu -> depthwise -> 1x1 (+ residual): one conversion into NCHWc at the input
     and one out of it at the output, every convolution a direct call with its epilogue."""
@@ -268,3 +279,40 @@ def test_plain_x86_64_build(check):
     assert re.search(r"kl::view\(buf_\w+_w \+ 0, 6, d1\)", compiled.sources["model.cpp"])
     assert "#define KILN_CONV_B8" in compiled.sources["conv.cpp"]
     assert "avx" not in compiled.manifest["requires"].get("cpu_features", [])
+
+
+@pytest.mark.parametrize(("kernel", "stride", "padding", "ceil"), [
+    (3, 2, 1, False), (2, 2, 0, True), (3, 1, 0, False)])
+def test_max_pool_inside_a_region(check, kernel, stride, padding, ceil):
+    """conv -> relu -> max pool -> conv: the pooling reads and writes NCHWc (no conversion
+    between the convolutions); channel count 24 (a padded block)."""
+    g = torch.Generator().manual_seed(17)
+    m = nn.Sequential(nn.Conv2d(3, 24, 3, padding=1, bias=False), _bn(24, g), nn.ReLU(),
+                      nn.MaxPool2d(kernel, stride, padding, ceil_mode=ceil),
+                      nn.Conv2d(24, 16, 3, padding=1)).eval()
+    x = rand((2, 3, 15, 13), F32, gen("pool", kernel, stride), -2, 2)
+    compiled = check(m, [x], tol=TOL)
+    src = compiled.sources["model.cpp"]
+    assert _direct_calls(compiled) == 2
+    assert "max_pool2d_nchwc" in src
+    assert not re.search(r"buf_max_pool2d\b", src)  # never materialised in NCHW
+
+
+def test_interpreter_twin_matches_eager(check):
+    """The numpy twin of conv2d_nchwc (kiln.ir.interp, also behind the package's model.py)
+    runs the compiled Loop IR: dense (NCHWc and NCHW input), depthwise, residual, relu6,
+    max pooling in NCHWc."""
+    g = torch.Generator().manual_seed(19)
+    m = nn.Sequential(nn.Conv2d(3, 24, 3, 2, 1, bias=False), _bn(24, g), nn.ReLU6(),
+                      nn.MaxPool2d(2), InvertedResidual(24, 24, 1, 2, g)).eval()
+    x = rand((2, 3, 14, 14), F32, gen("twin"), -2, 2)
+    compiled, _ = check.compile(m, [x])
+    built = compiled.built
+    feeds = {i.name: x.numpy() for i in built.graph.user_inputs}
+    feeds.update({k: v.numpy() for k, v in built.weights.items()})
+    (got,) = run_loop(built.loop, feeds, {})
+    assert sum(isinstance(s, L.Extern) and s.routine == "conv2d_nchwc"
+               for s in built.loop.nodes) == 4
+    with torch.no_grad():
+        want = m.double()(x.double())
+    torch.testing.assert_close(torch.tensor(got).double(), want, **TOL)

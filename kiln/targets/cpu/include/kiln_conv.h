@@ -294,7 +294,9 @@ void dense(const Shape &s, const float *x, const float *w, const float *bias, co
   const int64_t nr = (s.oh + rblk - 1) / rblk;
   const int64_t tasks = base * nr * cseg;
   const int64_t cw = (s.ow + cseg - 1) / cseg;
-#pragma omp parallel for schedule(dynamic, 1) num_threads(nt) if (tasks > 1)
+  // vector FMAs: below ~4 us of one core's work, waking a second thread costs more than it saves
+  const int64_t work = s.n * s.ocb * s.oh * s.ow * s.icb * s.icn * s.kh * s.kw;
+#pragma omp parallel for schedule(dynamic, 1) num_threads(nt) if (tasks > 1 && work >= 16384)
   for (int64_t t = 0; t < tasks; ++t) {
     const int64_t cs = t % cseg, rest = t / cseg;
     const int64_t r = rest % nr, gi = (rest / nr) % ng, n = rest / nr / ng;
@@ -392,7 +394,7 @@ void depthwise(const Shape &s, const float *x, const float *w, const float *bias
   hi = std::min(hi, s.ow);
   const int64_t rows = s.n * s.ocb * s.oh;
   const int nt = team(threads);
-#pragma omp parallel for schedule(static) num_threads(nt) if (rows * s.ow > 256)
+#pragma omp parallel for schedule(static) num_threads(nt) if (rows * s.ow * s.kh * s.kw >= 16384)
   for (int64_t t = 0; t < rows; ++t) {
     const int64_t oh = t % s.oh, cb = (t / s.oh) % s.ocb, n = t / s.oh / s.ocb;
     const float *xc = x + (n * s.icb + cb) * s.ih * s.iw * B;
