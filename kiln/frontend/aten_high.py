@@ -12,6 +12,7 @@ import sympy
 
 from kiln.errors import UnsupportedError
 from kiln.frontend.aten_table import register
+from kiln.frontend.builder import to_dtype
 from kiln.ir import dtypes
 import torch
 
@@ -62,13 +63,36 @@ def _dropout(b, n):
 @register("aten.scaled_dot_product_attention.default")
 def _sdpa(b, n):
     args = list(n.args) + [None] * 8
-    q, k, v = args[0], args[1], args[2]
     mask = args[3] if args[3] is not None else n.kwargs.get("attn_mask")
     dropout = args[4] if args[4] is not None else n.kwargs.get("dropout_p", 0.0)
     causal = args[5] if args[5] is not None else n.kwargs.get("is_causal", False)
     scale = args[6] if args[6] is not None else n.kwargs.get("scale")
-    if dropout or n.kwargs.get("enable_gqa"):
-        raise Fallback("attention with dropout or grouped queries")
+    if n.kwargs.get("enable_gqa"):
+        raise Fallback("attention with grouped queries")
+    return _attention(b, n, args[:3], mask, dropout, causal, scale, None)[0]
+
+
+@register("aten._scaled_dot_product_flash_attention_for_cpu.default")
+def _sdpa_flash_cpu(b, n):
+    """The CPU flash kernel's op (what AOTAutograd's training graphs carry): the attention and
+    its logsumexp [B, H, L] over the scaled, masked scores (float32; -inf for a query row with
+    no key), which its backward reads. torch's own decomposition of this op returns the
+    attention weights [B, H, L, S] in place of the logsumexp, so kiln builds both itself."""
+    args = list(n.args) + [None] * 4
+    dropout = args[3] if args[3] is not None else n.kwargs.get("dropout_p", 0.0)
+    causal = args[4] if args[4] is not None else n.kwargs.get("is_causal", False)
+    out, scores = _attention(b, n, args[:3], n.kwargs.get("attn_mask"), dropout, causal,
+                             n.kwargs.get("scale"), 0)
+    return [out, _logsumexp(b, n, scores, (*_shape(b, args[0])[:3], _shape(b, args[1])[2]))]
+
+
+def _attention(b, n, qkv, mask, dropout, causal, scale, result):
+    """(output, scores) of softmax(q k^T * scale + mask) v; `result`: the output's index in a
+    multi-result op (None for a one-result op). `scores` is None when the fused step computes
+    the call (CUDA)."""
+    q, k, v = qkv
+    if dropout:
+        raise Fallback("attention with dropout")
     qs, ks, vs = _shape(b, q), _shape(b, k), _shape(b, v)
     if len(qs) != 4 or qs[:2] != ks[:2] or ks[:2] != vs[:2]:
         raise Fallback("attention with broadcast or non-4D operands")
@@ -77,29 +101,55 @@ def _sdpa(b, n):
         if not e.is_Integer:
             raise Fallback("attention with a dynamic head size")
         scale = 1.0 / math.sqrt(int(e))
-    if b.fused_attention and _fusable(b, n, q, k, v, mask):
+    node = n if result is None else None
+    if b.fused_attention and result is None and _fusable(b, n, q, k, v, mask):
         kind = "none" if mask is None else "bool" if b.meta_dtype(mask) == torch.bool \
             else "float"
         ins = [b.tensor(q), b.tensor(k), b.tensor(v)] + ([b.tensor(mask)] if kind != "none"
                                                          else [])
-        return b.emit("attention", ins, n, causal=bool(causal), scale=float(scale), mask=kind)
+        return b.emit("attention", ins, n, causal=bool(causal), scale=float(scale),
+                      mask=kind), None
+    shape = (*qs[:2], lq, s)
+    dt = b.meta_dtype(q)
     kt = b.emit("permute", [b.tensor(k)], None, like=n, shape=(*ks[:2], ks[3], ks[2]),
-                dims=(0, 1, 3, 2))
-    scores = b.emit("matmul", [b.tensor(q), kt], None, like=n, shape=(*qs[:2], lq, s))
-    scores = b.emit("mul", [scores, b.scalar(float(scale), b.meta_dtype(n))], None, like=n,
-                    shape=(*qs[:2], lq, s))
+                dims=(0, 1, 3, 2), dtype=to_dtype(dt))
+    scores = b.emit("matmul", [b.tensor(q), kt], None, like=n, shape=shape, dtype=to_dtype(dt))
+    scores = b.emit("mul", [scores, b.scalar(float(scale), dt)], None, like=n, shape=shape,
+                    dtype=to_dtype(dt))
     if causal:
-        scores = _causal(b, n, scores, (*qs[:2], lq, s))
+        scores = _causal(b, n, scores, shape)
     if mask is not None:
         if b.meta_dtype(mask).is_floating_point:
-            scores = b.emit("add", [scores, b.tensor(mask)], None, like=n,
-                            shape=(*qs[:2], lq, s))
+            scores = b.emit("add", [scores, b.tensor(mask)], None, like=n, shape=shape,
+                            dtype=to_dtype(dt))
         else:
-            ninf = b.scalar(float("-inf"), b.meta_dtype(n))
-            scores = b.emit("where", [b.tensor(mask), scores, ninf], None, like=n,
-                            shape=(*qs[:2], lq, s))
-    probs = _safe_softmax(b, n, scores, (*qs[:2], lq, s))
-    return b.emit("matmul", [probs, b.tensor(v)], n)
+            ninf = b.scalar(float("-inf"), dt)
+            scores = b.emit("where", [b.tensor(mask), scores, ninf], None, like=n, shape=shape,
+                            dtype=to_dtype(dt))
+    probs = _safe_softmax(b, n, scores, shape)
+    return b.emit("matmul", [probs, b.tensor(v)], node, like=n, result=result), scores
+
+
+def _logsumexp(b, n, scores, shape):
+    """log(sum(exp(scores))) over the keys in float32, shifted by the row's maximum; 0 for a
+    query row whose scores are all -inf (no key), as eager's kernel gives (torch 2.13)."""
+    row, f32 = (*shape[:3], 1), dtypes.float32
+    x = b.emit("cast", [scores], None, like=n, shape=shape, dtype=f32)
+    top = b.emit("reduce", [x], None, like=n, shape=row, dtype=f32, kind="max", dims=(3,),
+                 keepdim=True)
+    ninf = b.scalar(float("-inf"), torch.float32)
+    empty = b.emit("eq", [top, ninf], None, like=n, shape=row, dtype=dtypes.bool_)
+    top = b.emit("where", [empty, b.scalar(0.0, torch.float32), top], None, like=n, shape=row,
+                 dtype=f32)
+    e = b.emit("exp", [b.emit("sub", [x, top], None, like=n, shape=shape, dtype=f32)], None,
+               like=n, shape=shape, dtype=f32)
+    total = b.emit("reduce", [e], None, like=n, shape=row, dtype=f32, kind="sum", dims=(3,),
+                   keepdim=True)
+    lse = b.emit("add", [b.emit("log", [total], None, like=n, shape=row, dtype=f32), top],
+                 None, like=n, shape=row, dtype=f32)
+    lse = b.emit("where", [empty, b.scalar(0.0, torch.float32), lse], None, like=n, shape=row,
+                 dtype=f32)
+    return b.emit("view", [lse], None, like=n, result=1, shape=shape[:3], dtype=f32)
 
 
 def _safe_softmax(b, n, scores, shape):
