@@ -44,8 +44,11 @@ def _text(e: sympy.Expr) -> int | str | None:
         return int(e)
     if not e.free_symbols or not all(s.name.startswith("s") for s in e.free_symbols):
         return None  # data-dependent sizes (u0) are not known to the runner from the inputs
-    poly = sympy.Poly(e, *sorted(e.free_symbols, key=lambda s: s.name))
-    if not all(c.is_Integer for c in poly.coeffs()):
+    try:  # FloorDiv, Mod and the like are not polynomials: not recorded
+        poly = sympy.Poly(e, *sorted(e.free_symbols, key=lambda s: s.name))
+    except sympy.PolynomialError:
+        return None
+    if not e.is_polynomial(*e.free_symbols) or not all(c.is_Integer for c in poly.coeffs()):
         return None
     return str(e)
 

@@ -68,12 +68,12 @@ _CAPSULE_NAME = ctypes.create_string_buffer(b"dltensor")  # must outlive every c
 _CAPSULE_ADDR = ctypes.addressof(_CAPSULE_NAME)
 _USED_NAME = b"used_dltensor"
 
-_capsule_new = ctypes.pythonapi.PyCapsule_New
-_capsule_new.restype = ctypes.py_object
-_capsule_new.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p]
-_capsule_name = ctypes.pythonapi.PyCapsule_GetName
-_capsule_name.restype = ctypes.c_char_p
-_capsule_name.argtypes = [ctypes.py_object]
+# Prototypes of kiln's own: `ctypes.pythonapi.X` is one shared object per process, whose
+# argtypes any other module may set differently.
+_capsule_new = ctypes.PYFUNCTYPE(ctypes.py_object, ctypes.c_void_p, ctypes.c_void_p,
+                                 ctypes.c_void_p)(("PyCapsule_New", ctypes.pythonapi))
+_capsule_name = ctypes.PYFUNCTYPE(ctypes.c_char_p, ctypes.py_object)(
+    ("PyCapsule_GetName", ctypes.pythonapi))
 
 
 @functools.lru_cache(maxsize=None)

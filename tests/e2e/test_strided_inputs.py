@@ -203,9 +203,8 @@ def test_c_abi_takes_any_strides(tmp_path):
 
 
 def _capsule(ptr: int):
-    new = ctypes.pythonapi.PyCapsule_New
-    new.restype, new.argtypes = ctypes.py_object, [ctypes.c_void_p, ctypes.c_char_p,
-                                                   ctypes.c_void_p]
+    new = ctypes.PYFUNCTYPE(ctypes.py_object, ctypes.c_void_p, ctypes.c_char_p,
+                            ctypes.c_void_p)(("PyCapsule_New", ctypes.pythonapi))
     return new(ptr, b"dltensor", None)
 
 
