@@ -34,7 +34,20 @@ def _is_view(n: torch.fx.Node) -> bool:
     out, first = schema.returns[0].alias_info, schema.arguments[0].alias_info
     return out is not None and not out.is_write and first is not None and \
         not first.is_write and set(out.before_set) == set(first.before_set) and \
-        isinstance(n.args[0], torch.fx.Node) and len(schema.returns) == 1
+        isinstance(n.args[0], torch.fx.Node) and len(schema.returns) == 1 and \
+        _shares_storage(n.meta.get("val"), n.args[0].meta.get("val"))
+
+
+def _shares_storage(val, arg) -> bool:
+    """Whether the traced values share storage: a schema's alias annotation says "may alias"
+    (reshape, flatten: a view where the strides allow one, else a copy), the traced values
+    say what this call did."""
+    if not isinstance(val, torch.Tensor) or not isinstance(arg, torch.Tensor):
+        return False
+    try:
+        return bool(torch._C._is_alias_of(val, arg))
+    except Exception:  # no storage to compare (e.g. sparse): not provably a view
+        return False
 
 
 def _text(e: sympy.Expr) -> int | str | None:

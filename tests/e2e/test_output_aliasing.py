@@ -130,3 +130,23 @@ def test_views_of_inputs_in_other_layouts(tmp_path):
     assert np.shares_memory(got[6].numpy(), a)
     got[6][0] = 42.0
     assert a[0, 0] == 42.0
+
+
+class MayAlias(torch.nn.Module):
+    """reshape's schema says "may alias": a view where the strides allow one, else a copy."""
+
+    def forward(self, x):
+        return x, x.t().reshape(-1), x.reshape(-1), x.t().flatten()
+
+
+@pytest.mark.parametrize("shape", [(3, 5), (4, 1), (2, 7)])
+def test_reshape_that_copies_is_not_a_view(tmp_path, shape):
+    x = torch.randn(shape)
+    runner = kiln.load(kiln.compile(torch.export.export(MayAlias(), (x,))).save(
+        tmp_path / "m.kiln"))
+    fresh = torch.randn(shape)
+    got, want = runner(fresh), MayAlias()(fresh)
+    for g, w in zip(got, want):
+        torch.testing.assert_close(g, w, rtol=0, atol=0)
+        assert g.shape == w.shape
+    assert got[2].untyped_storage().data_ptr() == fresh.untyped_storage().data_ptr()
