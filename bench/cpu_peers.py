@@ -52,6 +52,7 @@ from typing import Any, Callable
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+from bench.machine import cpu_name  # noqa: E402
 from bench.markdown import splice  # noqa: E402
 
 THREADS = 2
@@ -474,14 +475,7 @@ def _aggregate(rs: list[dict]) -> dict:
 # ================================================================================ report
 
 def machine_info(taskset: str | None) -> dict[str, Any]:
-    cpu = platform.processor() or platform.machine()
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                cpu = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        pass
+    cpu = cpu_name()
     vers = {}
     for mod in ("torch", "onnxruntime", "openvino", "transformers"):
         try:  # the installed distributions' versions, without importing them here

@@ -32,6 +32,7 @@ from typing import Any, Callable
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+from bench.machine import cpu_name  # noqa: E402
 from bench.markdown import splice  # noqa: E402
 
 SYSTEMS = ("eager", "torch.compile", "aoti", "kiln")
@@ -217,14 +218,7 @@ def measure(model: str, system: str, repeat: int, warmup: int, timeout: float,
 
 def machine_info() -> dict[str, Any]:
     """CPU, cores, OS, Python and torch versions and the date, for the report header."""
-    cpu = platform.processor() or platform.machine()
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                cpu = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        pass
+    cpu = cpu_name()
     try:
         import torch
 

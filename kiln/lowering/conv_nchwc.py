@@ -14,7 +14,7 @@ from kiln.ir import loop as L
 from kiln.ir.graph import Node
 from kiln.ir.sym import FloorDiv, ModIdx, contiguous_strides, ivars, rvars
 from kiln.lowering.core import Lazy, LowerCtx, pointwise
-from kiln.lowering.spatial import _all, _clamp, _cmp, lowest
+from kiln.lowering.spatial import _window, lowest
 from kiln.ops.build import const, op
 
 ACTS = {"none": 0, "relu": 1, "clamp": 2, "silu": 3}  # kiln_conv.h's activation codes
@@ -80,19 +80,9 @@ def lower_max_pool_nchwc(ctx: LowerCtx, node: Node, args: list[Lazy]) -> Lazy:
     kernel, stride, padding = node.attr("kernel"), node.attr("stride"), node.attr("padding")
     dilation, ceil = node.attr("dilation"), node.attr("ceil_mode")
     iv, rv = ivars(5), rvars(2)
-    src, conds = [], []
-    for a in range(2):
-        pos = iv[2 + a] * stride[a] + rv[a] * dilation[a] - padding[a]
-        size = y.shape[2 + a]
-        if padding[a]:
-            conds.append(_cmp("ge", pos, 0))
-        if padding[a] or ceil:
-            conds.append(_cmp("lt", pos, size))
-            pos = _clamp(pos, size)
-        src.append(pos)
+    src, cond = _window(y, 2, iv[2:4], rv, kernel, stride, padding, dilation, ceil)
     dt = node.type.dtype
     body = y.load((iv[0], iv[1], src[0], src[1], iv[4]))
-    cond = _all(conds)
     if cond is not None:
         body = op("where", cond, body, const(lowest(dt), dt))
     return ctx.reduction(node.name, dt, node.type.shape, "max", tuple(kernel), body,
