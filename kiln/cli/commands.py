@@ -276,8 +276,9 @@ def _print_memory(manifest: dict[str, Any], top: int = 10) -> None:
 
 def _profile_table(prof: dict[str, Any]) -> Table:
     total = sum(s["median_s"] for s in prof["steps"]) or 1.0
+    where = "on the GPU" if prof["device"] == "cuda" else f"{prof['threads']} threads"
     table = Table(title=f"per-step times (median of {prof['repeat']} runs after "
-                        f"{prof['warmup']} warm-up, {prof['threads']} threads)",
+                        f"{prof['warmup']} warm-up, {where})",
                   title_justify="left")
     for col in ("step", "kind", "source ops", "median", "share", "timed as"):
         table.add_column(col, justify="right" if col in ("median", "share") else "left")
@@ -289,7 +290,7 @@ def _profile_table(prof: dict[str, Any]) -> Table:
 
 
 def cmd_profile(args: argparse.Namespace) -> int:
-    """``kiln profile PKG``: per-kernel times of a CPU package."""
+    """``kiln profile PKG``: per-kernel times of a CPU or CUDA package."""
     with console.status(f"profiling {args.package} ({args.repeat} runs) ..."):
         prof = profile_package(args.package, repeat=args.repeat, seed=args.seed)
     if args.json:
@@ -298,7 +299,7 @@ def cmd_profile(args: argparse.Namespace) -> int:
     console.print(_profile_table(prof))
     console.print(f"package run: median {prof['package_run_median_s'] * 1e3:.3f} ms "
                   f"(min {prof['package_run_min_s'] * 1e3:.3f} ms)")
-    console.print(f"[dim]{escape(prof['method'])}; CUDA: {escape(prof['cuda'])}[/dim]")
+    console.print(f"[dim]{escape(prof['method'])}[/dim]")
     return 0
 
 

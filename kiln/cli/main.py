@@ -62,7 +62,7 @@ def build_parser() -> argparse.ArgumentParser:
     i.add_argument("--html", metavar="PATH", help="write the HTML report (no profiling run)")
     i.set_defaults(func=lambda a: _lazy("kiln.cli.commands", "cmd_inspect")(a))
 
-    pr = sub.add_parser("profile", help="time each kernel of a CPU package")
+    pr = sub.add_parser("profile", help="time each kernel of a package (CPU, or CUDA on a GPU)")
     pr.add_argument("package")
     pr.add_argument("--repeat", type=int, default=20, help="timed runs (medians reported)")
     pr.add_argument("--seed", type=int, default=0)

@@ -1,4 +1,4 @@
-"""``kiln profile PKG``: time each step of a CPU package.
+"""``kiln profile PKG``: time each step of a package (CPU, or CUDA on a GPU).
 
 The package's own run (the C++ wrapper in lib/model.so, through libkiln) is timed end to end.
 Per step, kiln runs the package's Python wrapper (src/model.py: the same Program IR printed
@@ -6,8 +6,14 @@ as Python, calling the same kernels of lib/model.so through ctypes) under a line
 times each generated line: one line is one step (a kernel, a GEMM, a library routine). The
 Python wrapper runs GEMMs through torch.matmul (the package links the backend the manifest
 names; its own timings are the autotuning ones) and library routines through their numpy
-twins, so those rows are marked as stand-ins. CUDA packages are not profiled (a CUDA event
-per launch would be needed): the command says so."""
+twins, so those rows are marked as stand-ins.
+
+A CUDA package is timed on the device by CUPTI (torch.profiler's CUDA activity trace): every
+kernel the package launches (kiln's Triton kernels, named after their graph nodes, and the
+library kernels of cuBLAS/cuBLASLt/CUTLASS it calls) is recorded with its device start and end,
+CUDA-graph replays included. The trace of `repeat` runs is cut into runs (each run launches the
+same kernels in the same order) and each kernel's device time is the median over runs. Library
+kernels carry the library's own name; they are listed under that name."""
 
 from __future__ import annotations
 
@@ -90,10 +96,8 @@ def profile_package(path: str | Path, repeat: int = 20, warmup: int = 3,
     """Per-step median times of a CPU package (see the module's docstring)."""
     pkg = read_package(path)
     manifest = pkg.manifest
-    if manifest.get("device", "cpu") != "cpu":
-        raise UnsupportedError(f"kiln profile times CPU packages; {path} is a "
-                               f"{manifest.get('device')} package (CUDA profiling is not "
-                               f"implemented)")
+    if str(manifest.get("device", "cpu")).startswith("cuda"):
+        return _profile_cuda(path, manifest, repeat, warmup, seed)
     args, kwargs = random_inputs(manifest, seed)
     runner = load(path)
     with torch.no_grad():
@@ -128,7 +132,6 @@ def profile_package(path: str | Path, repeat: int = 20, warmup: int = 3,
             "package_run_median_s": statistics.median(totals),
             "package_run_min_s": min(totals),
             "steps": steps,
-            "cuda": "not profiled: kiln profile times CPU packages only",
             "method": "end to end: the package (lib/model.so's C++ wrapper); per step: "
                       "src/model.py's lines under a tracer (the same kernels, called "
                       "through ctypes)"}
@@ -136,3 +139,82 @@ def profile_package(path: str | Path, repeat: int = 20, warmup: int = 3,
 
 def _source(module) -> tuple[list[str], int]:
     return inspect.getsourcelines(module.run)
+
+
+def _profile_cuda(path, manifest: dict[str, Any], repeat: int, warmup: int,
+                  seed: int) -> dict[str, Any]:
+    """Per-kernel device times of a CUDA package (see the module's docstring)."""
+    if not torch.cuda.is_available():
+        raise UnsupportedError(f"{path} is a CUDA package; profiling it needs a GPU and "
+                               f"torch.cuda.is_available() is False here")
+    repeat = max(repeat, 1)
+    args, kwargs = random_inputs(manifest, seed)
+    args = [a.cuda() if isinstance(a, torch.Tensor) else a for a in args]
+    kwargs = {k: v.cuda() if isinstance(v, torch.Tensor) else v for k, v in kwargs.items()}
+    runner = load(path, device="cuda")
+    try:
+        with torch.no_grad():
+            for _ in range(warmup):
+                runner(*args, **kwargs)
+            torch.cuda.synchronize()
+            totals = []
+            for _ in range(repeat):
+                t = time.perf_counter()
+                runner(*args, **kwargs)
+                torch.cuda.synchronize()
+                totals.append(time.perf_counter() - t)
+            kernels_seen = _cupti_kernels(lambda: runner(*args, **kwargs), repeat)
+    finally:
+        runner.close()
+    named = {str(k.get("name")): k for k in entries(manifest.get("kernels"))}
+    steps = [_cuda_step(name, times, named) for name, times in kernels_seen.items()]
+    return {"package": str(path), "device": "cuda", "threads": 0, "repeat": repeat,
+            "warmup": warmup, "package_run_median_s": statistics.median(totals),
+            "package_run_min_s": min(totals), "steps": steps,
+            "device_total_median_s": sum(s["median_s"] for s in steps),
+            "method": "end to end: the package's run with a device synchronise after each; "
+                      "per kernel: device start/end from CUPTI (torch.profiler), median "
+                      "over runs"}
+
+
+def _cuda_step(name: str, times: list[float], named: dict[str, Any]) -> dict:
+    k = named.get(name) or next((v for n, v in named.items() if name.startswith(n)), None)
+    return {"name": name, "kind": str(k.get("kind", "triton")) if k else "library",
+            "source_ops": list(k.get("source_ops", [])) if k else [],
+            "median_s": statistics.median(times),
+            "timed_as": "device time (CUPTI)" if k else "device time (CUPTI), library kernel"}
+
+
+def _cupti_kernels(run_once, repeat: int) -> dict[str, list[float]]:
+    """Kernel name -> device seconds per run (a kernel launched several times in one run is
+    summed within the run), for `repeat` runs traced in one profiler session."""
+    from torch.profiler import ProfilerActivity, profile  # deferred: loads CUPTI
+
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(repeat):
+            run_once()
+        torch.cuda.synchronize()
+    events = sorted((e for e in prof.events() if _is_kernel(e)),
+                    key=lambda e: e.time_range.start)
+    if not events:
+        raise UnsupportedError("the CUDA profiler recorded no kernels (CUPTI unavailable "
+                               "or kernels in CUDA-graph replays not traced by this driver)")
+    out: dict[str, list[float]] = {}
+    if len(events) % repeat:  # runs differ in kernel count: one mean per kernel
+        for e in events:
+            out.setdefault(e.name, [0.0])[0] += e.time_range.elapsed_us() * 1e-6 / repeat
+        return out
+    per_run = len(events) // repeat
+    for r in range(repeat):
+        run: dict[str, float] = {}
+        for e in events[r * per_run:(r + 1) * per_run]:
+            run[e.name] = run.get(e.name, 0.0) + e.time_range.elapsed_us() * 1e-6
+        for name, t in run.items():
+            out.setdefault(name, []).append(t)
+    return out
+
+
+def _is_kernel(event) -> bool:
+    kind = getattr(event, "device_type", None)
+    return kind is not None and str(kind).endswith("CUDA") and \
+        not event.name.startswith(("Memcpy", "Memset", "cudaGraph"))

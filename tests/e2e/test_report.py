@@ -57,7 +57,7 @@ def test_profile_times_every_kernel(package):
     names = [k["name"] for k in compiled.manifest["kernels"]]
     assert [s["name"] for s in prof["steps"]] == names
     assert all(s["median_s"] > 0 for s in prof["steps"])
-    assert prof["package_run_median_s"] > 0 and "CPU" in prof["cuda"]
+    assert prof["package_run_median_s"] > 0 and prof["device"] == "cpu"
     gemm = [s for s in prof["steps"] if s["kind"].endswith("_gemm")]
     assert gemm and all(s["timed_as"] == "torch.matmul stand-in" for s in gemm)
 
