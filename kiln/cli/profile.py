@@ -28,6 +28,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from torch.profiler import ProfilerActivity, profile
 
 from kiln.cli.manifest_view import entries, random_inputs
 from kiln.errors import UnsupportedError
@@ -188,8 +189,6 @@ def _cuda_step(name: str, times: list[float], named: dict[str, Any]) -> dict:
 def _cupti_kernels(run_once, repeat: int) -> dict[str, list[float]]:
     """Kernel name -> device seconds per run (a kernel launched several times in one run is
     summed within the run), for `repeat` runs traced in one profiler session."""
-    from torch.profiler import ProfilerActivity, profile  # deferred: loads CUPTI
-
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         for _ in range(repeat):
             run_once()
