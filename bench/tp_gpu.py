@@ -1,6 +1,7 @@
 """Tensor parallelism on GPUs: kiln's TP packages (kiln.models.tp, NCCL collectives) against
 one GPU and against torch eager with the same functional collectives, and the bus bandwidth of
-kiln's all-reduce against NCCL called directly (ctypes; nccl-tests are not available).
+kiln's all-reduce against NCCL's all-reduce through torch.distributed's NCCL process group
+(the same library; nccl-tests are not available).
 
     python bench/tp_gpu.py [--world 2] [--dtype bfloat16] [--layers 2] [--hidden 2048]
                            [--prefill 512] [--iters 30] [--sizes-mib 1,2,4,...,256]
@@ -15,7 +16,6 @@ others still run; a section whose package was not built is skipped with one line
 from __future__ import annotations
 
 import argparse
-import ctypes
 import json
 import os
 import pathlib
@@ -35,7 +35,6 @@ import kiln
 from kiln.models import tp
 from kiln.options import Options
 from kiln.runtime import nccl_unique_id
-from kiln.runtime.comm import nccl_library_path
 
 
 def _args(argv=None):
@@ -84,34 +83,6 @@ def _loop_ms(fn, iters: int, warmup: int = 3) -> float:
         fn()
     torch.cuda.synchronize()
     return (time.perf_counter() - t0) * 1e3 / iters
-
-
-class _Uid(ctypes.Structure):
-    _fields_ = [("internal", ctypes.c_char * 128)]
-
-
-class _Nccl:
-    """NCCL through ctypes: the baseline all-reduce."""
-
-    def __init__(self, uid: bytes, rank: int, world: int) -> None:
-        self.lib = ctypes.CDLL(nccl_library_path(), mode=ctypes.RTLD_GLOBAL)
-        self.lib.ncclCommInitRank.argtypes = [ctypes.POINTER(ctypes.c_void_p), ctypes.c_int, _Uid,
-                                              ctypes.c_int]
-        self.lib.ncclAllReduce.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t,
-                                           ctypes.c_int, ctypes.c_int, ctypes.c_void_p,
-                                           ctypes.c_void_p]
-        self.comm = ctypes.c_void_p()
-        u = _Uid()
-        u.internal = uid
-        rc = self.lib.ncclCommInitRank(ctypes.byref(self.comm), world, u, rank)
-        if rc:
-            raise RuntimeError(f"ncclCommInitRank: {rc}")
-
-    def all_reduce(self, x: torch.Tensor, out: torch.Tensor) -> None:
-        rc = self.lib.ncclAllReduce(x.data_ptr(), out.data_ptr(), x.numel(), 7, 0, self.comm,
-                                    torch.cuda.current_stream().cuda_stream)  # float32, sum
-        if rc:
-            raise RuntimeError(f"ncclAllReduce: {rc}")
 
 
 def _first_line(e: BaseException) -> str:
@@ -174,15 +145,17 @@ def worker(a) -> None:
     def bandwidth():
         r = kiln.load(work / "allreduce.kiln", dev, rank=rank, world_size=world,
                       comm_id=bytes.fromhex(ids["allreduce"]))
-        nccl = _Nccl(bytes.fromhex(ids["nccl"]), rank, world)
+        if not dist.is_initialized():  # the eager TP section failed before making it
+            dist.init_process_group("nccl", init_method=f"file://{work / 'pg'}", rank=rank,
+                                    world_size=world, device_id=torch.device(dev))
         rows = []
         for mib in [int(s) for s in a.sizes_mib.split(",")]:
             n = mib * 2**20 // 4
             x = torch.randn(n, device=dev)
-            out = torch.empty_like(x)
+            out = x.clone()
             iters = max(5, min(50, 2048 // mib))
             t_kiln = _loop_ms(lambda: r(x), iters)
-            t_nccl = _loop_ms(lambda: nccl.all_reduce(x, out), iters)
+            t_nccl = _loop_ms(lambda: dist.all_reduce(out), iters)
             bus = 2 * (world - 1) / world
             rows.append({"mib": mib, "kiln_ms": t_kiln, "nccl_ms": t_nccl,
                          "kiln_busbw": mib * 2**20 / (t_kiln / 1e3) * bus / 1e9,
@@ -294,7 +267,7 @@ def main(argv=None) -> int:
     (work / "pg").unlink(missing_ok=True)  # torch's file rendezvous of the eager TP run
     (work / "rank0.json").unlink(missing_ok=True)
     (work / "ids.json").write_text(json.dumps({k: nccl_unique_id().hex() for k in
-                                               ("model", "allreduce", "nccl")}))
+                                               ("model", "allreduce")}))
     argv_w = [sys.executable, __file__, "--worker", "--out", str(work),
               *[x for x in (argv or sys.argv[1:]) if x != "--worker"]]
     procs = [subprocess.Popen([*argv_w, "--rank", str(r)]) for r in range(a.world)]
