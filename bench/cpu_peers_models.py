@@ -154,6 +154,39 @@ def _hf_whisper_tiny_encoder() -> Case:
                 note=f"WhisperConfig tiny encoder, 80x{2 * WHISPER_POSITIONS} mel")
 
 
+def _tokens(vocab: int, batch: int = 1, seq: int = 128) -> tuple[torch.Tensor]:
+    return (torch.randint(0, vocab, (batch, seq), generator=_gen(0)),)
+
+
+def _hf_llama() -> Case:
+    import transformers as tf
+
+    torch.manual_seed(0)  # 1B-class layer shapes, 4 layers (the whole forward, no cache)
+    cfg = tf.LlamaConfig(hidden_size=2048, intermediate_size=5632, num_hidden_layers=4,
+                         num_attention_heads=32, num_key_value_heads=8, vocab_size=32000)
+    return Case(_hf(tf.LlamaForCausalLM(cfg)), _tokens(cfg.vocab_size), 2e-3, 1e-3,
+                note="LlamaConfig 4 layers x 2048 (GQA 32/8), seq 128, b1")
+
+
+def _hf_qwen2() -> Case:
+    import transformers as tf
+
+    torch.manual_seed(0)
+    cfg = tf.Qwen2Config(hidden_size=1536, intermediate_size=8960, num_hidden_layers=4,
+                         num_attention_heads=12, num_key_value_heads=2, vocab_size=32000)
+    return Case(_hf(tf.Qwen2ForCausalLM(cfg)), _tokens(cfg.vocab_size), 2e-3, 1e-3,
+                note="Qwen2Config 4 layers x 1536 (GQA 12/2), seq 128, b1")
+
+
+def _hf_t5_encoder() -> Case:
+    import transformers as tf
+
+    torch.manual_seed(0)
+    cfg = tf.T5Config()  # defaults: t5-small (6 layers, 512, 8 heads)
+    return Case(_hf(tf.T5EncoderModel(cfg)), _tokens(cfg.vocab_size),
+                note="T5Config small encoder, seq 128, b1")
+
+
 MODELS: dict[str, Callable[[], Case]] = {
     "mlp": _zoo("mlp", note="zoo, 4x1024 batch 64"),
     "resnet18": _zoo("resnet18", note="zoo, 224, b1"),
@@ -170,6 +203,9 @@ MODELS: dict[str, Callable[[], Case]] = {
     "hf_vit_base": _hf_vit_base,
     "hf_bert_base": _hf_bert_base,
     "hf_whisper_tiny_enc": _hf_whisper_tiny_encoder,
+    "hf_llama": _hf_llama,
+    "hf_qwen2": _hf_qwen2,
+    "hf_t5_encoder": _hf_t5_encoder,
 }
 
 # models that need `transformers` (a benchmark extra)
