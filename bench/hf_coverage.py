@@ -79,7 +79,10 @@ def _config(model_type: str):
         current = getattr(cfg, k, None)
         if isinstance(current, int) and not isinstance(current, bool) or \
                 isinstance(v, tuple) and current is not None:
-            setattr(cfg, k, list(v) if isinstance(v, tuple) else v)
+            try:
+                setattr(cfg, k, list(v) if isinstance(v, tuple) else v)
+            except AttributeError:  # a derived property (Falcon's head_dim)
+                pass
     if getattr(cfg, "layer_types", None) is not None:  # per-layer kinds must match the depth
         n = getattr(cfg, "num_hidden_layers", 2)
         cfg.layer_types = list(cfg.layer_types)[:n] + [cfg.layer_types[-1]] * max(

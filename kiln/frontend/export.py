@@ -209,7 +209,7 @@ def import_program(ep: ExportedProgram, fold: bool = True, aten_fallback: bool =
             with warnings.catch_warnings():  # torch's deepcopy of its own pytree specs warns
                 warnings.filterwarnings(  # on every compile (a deprecation inside torch)
                     "ignore", r"`isinstance\(treespec, LeafSpec\)` is deprecated", FutureWarning)
-                decomposed = ep.run_decompositions(table, decompose_custom_triton_ops=True)
+                decomposed = _decompose(ep, table)
             return _import(decomposed, *args)
         except ScalarArgument as e:
             first = first or e
@@ -221,6 +221,24 @@ def import_program(ep: ExportedProgram, fold: bool = True, aten_fallback: bool =
                 raise
             # the rewrite made ops kiln cannot compile either: the Scalar is the reason
             raise UnsupportedError(f"{first} (its decomposition fails too: {e})") from None
+
+
+def _decompose(ep: ExportedProgram, table: dict | None) -> ExportedProgram:
+    """`ep` decomposed to core ATen by `table` (None: torch's default). When torch's own
+    re-trace fails (e.g. GPT-2: SDPA's math decomposition yields other strides than the fused
+    op, and the `view` after it no longer applies), the program is decomposed again keeping
+    every op kiln converts directly (aten_table.TABLE) as it is."""
+    try:
+        return ep.run_decompositions(table, decompose_custom_triton_ops=True)
+    except (RuntimeError, ValueError, TypeError) as failed:
+        keep = torch.export.default_decompositions() if table is None else dict(table)
+        for op in list(keep):
+            if str(op) in TABLE:
+                del keep[op]
+        try:
+            return ep.run_decompositions(keep, decompose_custom_triton_ops=True)
+        except (RuntimeError, ValueError, TypeError):
+            raise failed from None
 
 
 SIZE_ASSERTS = {"aten._assert_scalar.default", "aten.sym_constrain_range_for_size.default",
