@@ -20,6 +20,7 @@ from torch.utils import _pytree as pytree
 from kiln.errors import UnsupportedError
 from kiln.frontend import fallback, user_triton
 from kiln.frontend.aliasing import output_aliases
+from kiln.frontend.custom_ops import custom_rewrites
 from kiln.frontend.scalar_ops import ScalarArgument, rewrite_table
 from kiln.frontend import aten_extra, aten_random  # noqa: F401 - register their converters
 from kiln.frontend import aten_spatial  # noqa: F401  (registers spatial converters)
@@ -227,7 +228,11 @@ def _decompose(ep: ExportedProgram, table: dict | None) -> ExportedProgram:
     """`ep` decomposed to core ATen by `table` (None: torch's default). When torch's own
     re-trace fails (e.g. GPT-2: SDPA's math decomposition yields other strides than the fused
     op, and the `view` after it no longer applies), the program is decomposed again keeping
-    every op kiln converts directly (aten_table.TABLE) as it is."""
+    every op kiln converts directly (aten_table.TABLE) as it is. Ops outside ATen that kiln
+    rewrites (custom_ops.py) are rewritten in the same step."""
+    custom = custom_rewrites({n.target for n in ep.graph.nodes if n.op == "call_function"})
+    if custom:
+        table = {**(torch.export.default_decompositions() if table is None else table), **custom}
     try:
         return ep.run_decompositions(table, decompose_custom_triton_ops=True)
     except (RuntimeError, ValueError, TypeError) as failed:
