@@ -99,7 +99,9 @@ def main() -> None:
     p.add_argument("--iters", type=int, default=20)
     p.add_argument("--budget-s", type=float, default=330)
     p.add_argument("--out", default=None)
-    p.add_argument("--no-tc", action="store_true")
+    p.add_argument("--no-tc", action="store_true", help="kiln alone")
+    p.add_argument("--ro-only", action="store_true",
+                   help="no max-autotune profile: kiln's kernels and the reduce-overhead timing")
     a = p.parse_args()
     t_start = time.time()
     out = Path(a.out) if a.out else Path(tempfile.mkdtemp())
@@ -132,7 +134,7 @@ def main() -> None:
                 ref = dm(*dargs)
                 row["kiln_err"] = (runner(*dargs).double() - ref.double()).abs().max().item()
                 ttrace = []
-                if not a.no_tc:
+                if not a.no_tc and not a.ro_only:
                     torch._dynamo.reset()
                     t0 = time.time()
                     tc = torch.compile(dm, mode="max-autotune-no-cudagraphs")
@@ -142,6 +144,7 @@ def main() -> None:
                     with torch.no_grad():
                         ttrace = kernel_trace(lambda: tc(*dargs), a.iters)
                         row["tc_ma_ms"] = stream_ms(lambda: tc(*dargs), 20, 20)
+                if not a.no_tc:
                     torch._dynamo.reset()
                     ro = torch.compile(copy.deepcopy(module).cuda(), mode="reduce-overhead")
                     with torch.no_grad():

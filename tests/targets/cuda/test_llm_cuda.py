@@ -23,14 +23,13 @@ pytest.importorskip("transformers")
 import kiln  # noqa: E402
 from kiln.options import Options  # noqa: E402
 
-sys.path.insert(0, str(pathlib.Path(__file__).parent))
-from llm_models import eager_step, greedy, static_cache_module, tiny_llama  # noqa: E402
+from kiln.models.llm import eager_step, greedy, static_cache_module, llama  # noqa: E402
 
 OPTS = Options(cuda_archs=(90,))
 
 
 def test_static_cache_llama_compiles_for_cuda():
-    _, ep = static_cache_module(tiny_llama(), 16)
+    _, ep = static_cache_module(llama(), 16)
     cm = kiln.compile(ep, device="cuda", options=OPTS)
     src = cm.sources["kernels_triton.py"]
     assert "(0).to(" not in src  # a size-1 dim's index is the constant 0, not a Python int
@@ -54,7 +53,7 @@ _INTERP = textwrap.dedent("""
     import sys, torch, kiln
     sys.path.insert(0, sys.argv[1])
     from test_llm_cuda import OPTS, _OneIndex
-    from llm_models import eager_step, static_cache_module, tiny_llama
+    from kiln.models.llm import eager_step, static_cache_module, llama
     from kiln.targets.cuda.wrapper_py import import_triton_module, run_program
     from kiln.targets.cuda.build import triton_kernels
 
@@ -72,7 +71,7 @@ _INTERP = textwrap.dedent("""
     want = _OneIndex()(x, pos)
     if not torch.allclose(got.reshape(want.shape), want):
         bad.append(f"one-index: {got} vs {want}")
-    w, ep = static_cache_module(tiny_llama(), 16)
+    w, ep = static_cache_module(llama(), 16)
     ids, cp = torch.tensor([[7]]), torch.tensor([0])
     got = run(ep, (ids, cp))[0]
     want = eager_step(w)(ids, cp)
@@ -89,7 +88,7 @@ def test_kv_cache_step_matches_eager_in_triton_interpreter():
     interpreter. The cubins are built first: the AOT compiler cannot run in interpreter mode."""
     x, pos = torch.randn(2, 1, 3), torch.tensor([4])
     kiln.compile(torch.export.export(_OneIndex(), (x, pos)), device="cuda", options=OPTS)
-    _, ep = static_cache_module(tiny_llama(), 16)
+    _, ep = static_cache_module(llama(), 16)
     kiln.compile(ep, device="cuda", options=OPTS)
     env = dict(os.environ, TRITON_INTERPRET="1")
     out = subprocess.run([sys.executable, "-c", _INTERP, str(pathlib.Path(__file__).parent)],
@@ -102,7 +101,7 @@ def test_kv_cache_step_matches_eager_in_triton_interpreter():
 def test_greedy_tokens_equal_eager_on_cuda(tmp_path, dtype):
     if not torch.cuda.is_available():
         pytest.skip("needs a GPU")
-    w, ep = static_cache_module(tiny_llama(layers=2, hidden=128, vocab=256, inter=256),
+    w, ep = static_cache_module(llama(layers=2, hidden=128, vocab=256, inter=256),
                                 64, device="cuda", dtype=dtype)
     targets = {str(n.target) for n in ep.run_decompositions().graph.nodes}
     if dtype == torch.bfloat16:  # what the issue saw: the GPU export picks cuDNN attention
@@ -110,5 +109,5 @@ def test_greedy_tokens_equal_eager_on_cuda(tmp_path, dtype):
     runner = kiln.compile(ep, device="cuda").load(tmp_path / "llama.kiln", device="cuda:0")
     prompt = [3, 17, 42, 5, 99]
     want = greedy(eager_step(w), prompt, 12, "cuda")
-    got = greedy(lambda i, c: runner(i, c), prompt, 12, "cuda")
+    got = greedy(lambda i, c: runner(input_ids=i, cache_position=c), prompt, 12, "cuda")
     assert got == want
