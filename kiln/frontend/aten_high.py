@@ -115,8 +115,9 @@ def _sdpa_cuda(b, n):
         out[0] = _attention(b, n, qkv, mask, dropout, causal, scale, 0)[0]
         return out
     q, k = _shape(b, a["query"]), _shape(b, a["key"])
-    lse_shape = tuple(vals[1].shape)
-    if len(lse_shape) < 3 or math.prod(lse_shape[3:]) != 1:
+    lse_shape = tuple(b.syms.shape(vals[1].shape))
+    if len(lse_shape) < 3 or any(sympy.expand(x - y) != 0 for x, y in zip(lse_shape, q[:3])) \
+            or any(d != 1 for d in lse_shape[3:]):  # the efficient op pads L to 32
         raise UnsupportedError(f"the logsumexp of {n.target} (node {n.name}) has shape "
                                f"{lse_shape}; kiln builds it as [B, H, L] only")
     out[0], scores = _attention(b, n, qkv, mask, dropout, causal, scale, 0, need_scores=True)

@@ -100,3 +100,12 @@ def test_cudnn_sdpa_compiles_to_fused_attention_for_cuda():
     src = cm.sources["kernels_triton.py"]
     assert "tl.dot(q, kt" in src  # kiln's flash-attention kernel, no decomposition
     assert cm.report["extern_calls"] == 1  # the fused attention call, no GEMM
+
+
+def test_efficient_sdpa_padded_logsumexp_refused():
+    """The memory-efficient op pads the logsumexp's query dim to a multiple of 32 (here
+    [1, 2, 32] for 6 queries); kiln builds [B, H, L] only and says so."""
+    q = torch.randn(1, 2, 6, 8)
+    ep = torch.export.export(Op("efficient", True, None, results=(0, 1)), (q, q, q))
+    with pytest.raises(UnsupportedError, match=r"logsumexp of .*efficient.* \(1, 2, 32\)"):
+        kiln.compile(ep, options=kiln.Options(aten_fallback=False))
