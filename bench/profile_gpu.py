@@ -79,11 +79,12 @@ def _short(name: str, width: int = 58) -> str:
 
 
 def side_by_side(a: list, b: list) -> str:
-    lines = [f"{'kiln kernel':58s} {'us':>7s} | {'torch.compile max-autotune kernel':58s} {'us':>7s}"]
+    lines = [f"{'kiln kernel':58s} {'us':>7s} | "
+             f"{'torch.compile max-autotune kernel':58s} {'us':>7s}"]
     for i in range(max(len(a), len(b))):
-        l = a[i] if i < len(a) else ("", 0.0)
+        left = a[i] if i < len(a) else ("", 0.0)
         r = b[i] if i < len(b) else ("", 0.0)
-        lines.append(f"{_short(l[0]):58s} {l[1]:7.1f} | {_short(r[0]):58s} {r[1]:7.1f}")
+        lines.append(f"{_short(left[0]):58s} {left[1]:7.1f} | {_short(r[0]):58s} {r[1]:7.1f}")
     lines.append(f"{'TOTAL (' + str(len(a)) + ' kernels)':58s} {sum(x[1] for x in a):7.1f} | "
                  f"{'TOTAL (' + str(len(b)) + ' kernels)':58s} {sum(x[1] for x in b):7.1f}")
     return "\n".join(lines)
@@ -156,7 +157,7 @@ def main() -> None:
                 print(side_by_side(ktrace, ttrace), flush=True)
                 row["kiln_sum_us"] = sum(x[1] for x in ktrace)
                 row["tc_sum_us"] = sum(x[1] for x in ttrace)
-                del runner, g
+                runner = g = None  # unload before the next model
             except Exception as e:  # report and go on
                 traceback.print_exc()
                 row["error"] = f"{type(e).__name__}: {e}"[:300]

@@ -35,9 +35,9 @@ from kiln.targets.cuda.build import (CudaBuild, check_routines, codegen_triton, 
                                      has_user_kernels, launch_autotune, libraries,
                                      launch_autotune_attention, mixed_gemm, triton_allowed,
                                      tunes_attention, tunes_kernels, user_kernel_configs)
-from kiln.targets.stages import (DCE, FREEZE, MERGE_GEMMS, LOWER, PLAN, REORDER, SCHEDULE, Stage, Target,
-                                 check_graph, graph_text, import_stage, program_stage,
-                                 source_files, steps_text)
+from kiln.targets.stages import (DCE, FREEZE, LOWER, MERGE_GEMMS, PLAN, REORDER, SCHEDULE,
+                                 Stage, Target, check_graph, graph_text, import_stage,
+                                 program_stage, source_files, steps_text)
 
 TARGET = Target("cuda", (
     import_stage(library_routines=False, fused_attention=True),
