@@ -7,6 +7,7 @@ program is decomposed."""
 from __future__ import annotations
 
 import math
+import operator
 
 import sympy
 
@@ -82,14 +83,60 @@ def _sdpa_flash_cpu(b, n):
     dropout = args[3] if args[3] is not None else n.kwargs.get("dropout_p", 0.0)
     causal = args[4] if args[4] is not None else n.kwargs.get("is_causal", False)
     out, scores = _attention(b, n, args[:3], n.kwargs.get("attn_mask"), dropout, causal,
-                             n.kwargs.get("scale"), 0)
+                             n.kwargs.get("scale"), 0, need_scores=True)
     return [out, _logsumexp(b, n, scores, (*_shape(b, args[0])[:3], _shape(b, args[1])[2]))]
 
 
-def _attention(b, n, qkv, mask, dropout, causal, scale, result):
+# The CUDA fused-attention ops a GPU export carries (after run_decompositions; bf16 / fp16
+# programs pick cudnn or flash, others efficient): result 0 is the attention, result 1 its
+# logsumexp; the others (sequence offsets, max lengths, RNG state, debug mask) describe dropout
+# and variable-length batches, which kiln does not take.
+_CUDA_SDPA = ("aten._scaled_dot_product_cudnn_attention.default",
+              "aten._scaled_dot_product_flash_attention.default",
+              "aten._scaled_dot_product_efficient_attention.default")
+
+
+@register(*_CUDA_SDPA)
+def _sdpa_cuda(b, n):
+    """Lowered like scaled_dot_product_attention (the fused step on CUDA targets when it
+    applies, else the decomposition); the logsumexp is built from the scores when used."""
+    names = [a.name for a in n.target._schema.arguments]
+    a = {nm: (n.args[i] if i < len(n.args) else n.kwargs.get(nm)) for i, nm in enumerate(names)}
+    vals = n.meta["val"]
+    for k in range(2, len(vals)):
+        if _used_result(n, k):
+            raise UnsupportedError(f"result {k} of {n.target} (node {n.name}) is used; kiln "
+                                   "computes only the attention (0) and its logsumexp (1)")
+    mask, dropout = a.get("attn_bias"), a.get("dropout_p") or 0.0
+    causal, scale = bool(a.get("is_causal") or False), a.get("scale")
+    qkv = (a["query"], a["key"], a["value"])
+    out = [None] * len(vals)
+    if not _used_result(n, 1):
+        out[0] = _attention(b, n, qkv, mask, dropout, causal, scale, 0)[0]
+        return out
+    q, k = _shape(b, a["query"]), _shape(b, a["key"])
+    lse_shape = tuple(b.syms.shape(vals[1].shape))
+    if len(lse_shape) < 3 or any(sympy.expand(x - y) != 0 for x, y in zip(lse_shape, q[:3])) \
+            or any(d != 1 for d in lse_shape[3:]):  # the efficient op pads L to 32
+        raise UnsupportedError(f"the logsumexp of {n.target} (node {n.name}) has shape "
+                               f"{lse_shape}; kiln builds it as [B, H, L] only")
+    out[0], scores = _attention(b, n, qkv, mask, dropout, causal, scale, 0, need_scores=True)
+    lse = _logsumexp(b, n, scores, (*q[:3], k[2]))
+    if len(lse_shape) != 3:
+        lse = b.emit("view", [lse], None, like=n, result=1, shape=(*q[:3],) + (1,) * (
+            len(lse_shape) - 3), dtype=dtypes.float32)
+    out[1] = lse
+    return out
+
+
+def _used_result(n, k: int) -> bool:
+    return any(u.target is operator.getitem and u.args[1] == k and u.users for u in n.users)
+
+
+def _attention(b, n, qkv, mask, dropout, causal, scale, result, need_scores=False):
     """(output, scores) of softmax(q k^T * scale + mask) v; `result`: the output's index in a
     multi-result op (None for a one-result op). `scores` is None when the fused step computes
-    the call (CUDA)."""
+    the call (CUDA; never with `need_scores`)."""
     q, k, v = qkv
     if dropout:
         raise Fallback("attention with dropout")
@@ -102,13 +149,13 @@ def _attention(b, n, qkv, mask, dropout, causal, scale, result):
             raise Fallback("attention with a dynamic head size")
         scale = 1.0 / math.sqrt(int(e))
     node = n if result is None else None
-    if b.fused_attention and result is None and _fusable(b, n, q, k, v, mask):
+    if b.fused_attention and not need_scores and _fusable(b, n, q, k, v, mask):
         kind = "none" if mask is None else "bool" if b.meta_dtype(mask) == torch.bool \
             else "float"
         ins = [b.tensor(q), b.tensor(k), b.tensor(v)] + ([b.tensor(mask)] if kind != "none"
                                                          else [])
-        return b.emit("attention", ins, n, causal=bool(causal), scale=float(scale),
-                      mask=kind), None
+        return b.emit("attention", ins, node, like=n, result=result, causal=bool(causal),
+                      scale=float(scale), mask=kind), None
     shape = (*qs[:2], lq, s)
     dt = b.meta_dtype(q)
     kt = b.emit("permute", [b.tensor(k)], None, like=n, shape=(*ks[:2], ks[3], ks[2]),

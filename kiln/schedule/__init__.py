@@ -19,6 +19,7 @@ import sympy
 from kiln.ir import loop as L
 from kiln.ir.sym import contiguous_strides, ivars, linear_index, product
 from kiln.ir.sym import FloorDiv, ModIdx
+from kiln.ir.simplify import fold_divmod, simplify_index
 from dataclasses import replace
 
 
@@ -100,12 +101,14 @@ def _worth(outer, old_outer) -> bool:
 
 def _locals(members: tuple[L.Compute, ...], all_nodes, outputs: set[str], outer) -> frozenset:
     names = {m.name for m in members}
+    mine = {m.name: m for m in members}  # as scheduled (a member may be re-indexed)
     out = set()
     for m in members:
         if m.reduce is None or m.name in outputs or product(m.shape[len(outer):]) != 1:
             continue
         readers_ok = True
         for n in all_nodes:
+            n = mine.get(n.name, n) if isinstance(n, L.Compute) else n
             reads = L.node_reads(n)
             if m.name not in reads:
                 continue
@@ -119,6 +122,38 @@ def _locals(members: tuple[L.Compute, ...], all_nodes, outputs: set[str], outer)
         if readers_ok:
             out.add(m.name)
     return frozenset(out)
+
+
+def _split_rows(node: L.Compute, outer) -> L.Compute | None:
+    """`node`, a pointwise [R, C] node whose R rows are the kernel's multi-dim `outer` flattened
+    (a `view` of [B, T, C] as [B*T, C] before a GEMM, after a layer norm over [B, T, C]), as
+    the same node iterated over `outer` + [C]: its writes keep their order (row-major over the
+    same elements), its reads are re-indexed (i0 = the flat row, linear in the new indices),
+    so it joins the kernel that produced its rows. None when that does not apply."""
+    if node.reduce is not None or len(node.shape) != 2 or len(outer) < 2 or \
+            sympy.expand(node.shape[0] - product(outer)) != 0:
+        return None
+    new, old = ivars(len(outer) + 1), ivars(2)
+    sub = {old[0]: linear_index(new[:len(outer)], contiguous_strides(outer)), old[1]: new[-1]}
+    ranges = dict(zip(new, (*outer, node.shape[1])))
+    return replace(node, shape=(*outer, node.shape[1]), body=_reindex(node.body, sub, ranges))
+
+
+def _reindex(e: L.Expr, sub: dict, ranges: dict) -> L.Expr:
+    """`e` with the index variables replaced at once by `sub`'s expressions, simplified under
+    the new variables' `ranges` (a flat row's FloorDiv / ModIdx become the new indices)."""
+    def ix(x):
+        return simplify_index(fold_divmod(sympy.sympify(x).xreplace(sub)), ranges)
+
+    if isinstance(e, L.Load):
+        ind = tuple(replace(i, value=_reindex(i.value, sub, ranges), bound=ix(i.bound))
+                    for i in e.indirect)
+        return replace(e, index=ix(e.index), indirect=ind)
+    if isinstance(e, L.Index):
+        return replace(e, expr=ix(e.expr))
+    if isinstance(e, L.Op):
+        return replace(e, args=tuple(_reindex(a, sub, ranges) for a in e.args))
+    return e
 
 
 def schedule(prog: L.LoopProgram, fuse: bool = True) -> tuple[Step, ...]:
@@ -138,6 +173,10 @@ def schedule(prog: L.LoopProgram, fuse: bool = True) -> tuple[Step, ...]:
             if _worth(outer, cur[0]) and _legal(cur[1] + [node], outer, buffers):
                 cur[0] = outer
                 cur[1].append(node)
+                continue
+            split = _split_rows(node, cur[0])
+            if split is not None and _legal(cur[1] + [split], cur[0], buffers):
+                cur[1].append(split)
                 continue
         groups.append([outer_of(node), [node]])
     steps: list[Step] = []

@@ -37,6 +37,7 @@ from kiln.memory.assign import assign_offsets
 from kiln.options import Options
 from kiln.passes.dce import dce
 from kiln.passes.freeze import freeze
+from kiln.passes.merge_gemms import merge_gemms
 from kiln.schedule import schedule
 from kiln.schedule.program import build_program, unbacked_bounds
 from kiln.schedule.reorder import reorder_for_memory
@@ -131,6 +132,10 @@ def freezing(state: Build) -> bool:
     return state.options.freeze
 
 
+def merging_gemms(state: Build) -> bool:
+    return state.options.fold_constants
+
+
 def reordering(state: Build) -> bool:
     return state.options.reorder_for_memory
 
@@ -205,6 +210,13 @@ def freeze_weights(state: Build) -> Build:
     return replace(state, graph=graph, weights=weights)
 
 
+def merge_projections(state: Build) -> Build:
+    """GEMMs sharing their input and reading weights become one on concatenated weights
+    (passes/merge_gemms.py; a compile-time fold)."""
+    graph, weights = merge_gemms(state.graph, dict(state.weights))
+    return replace(state, graph=graph, weights=weights)
+
+
 def lower_graph(state: Build) -> Build:
     """Graph IR -> Loop IR (views become index maps; pointwise producers inline)."""
     return replace(state, loop=lower(state.graph))
@@ -250,6 +262,8 @@ def plan_memory(state: Build) -> Build:
 
 
 DCE = Stage("dce", drop_dead, dump=graph_text, verify=check_graph)
+MERGE_GEMMS = Stage("merge_gemms", merge_projections, dump=graph_text, verify=check_graph,
+                    when=merging_gemms)
 FREEZE = Stage("freeze", freeze_weights, dump=graph_text, verify=check_graph, when=freezing)
 LOWER = Stage("lower", lower_graph, dump=loop_text, verify=check_loop)
 SCHEDULE = Stage("schedule", schedule_loop, dump=steps_text)

@@ -106,8 +106,10 @@ class _Scope:
         if isinstance(e, L.Load) and e.buf in self.locals and not e.indirect:
             return (Ref(self.locals[e.buf]),)
         if isinstance(e, L.Index):
-            if not sympy.sympify(e.expr).free_symbols:
-                return code("tl.full([], {}, {})", str(int(e.expr)), T)
+            expr = sympy.sympify(e.expr)  # symbols of size-1 dims print as 0: a constant
+            expr = expr.subs({s: 0 for s in expr.free_symbols if self.names.get(str(s)) == "0"})
+            if not expr.free_symbols:
+                return code("tl.full([], {}, {})", str(int(expr)), T)
             text = code("({}).to({})", _index(e.expr, self.names), T)
         elif isinstance(e, L.Load):
             text = self._load(e)

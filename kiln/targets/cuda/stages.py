@@ -4,6 +4,8 @@
                       call ATen; scaled_dot_product_attention stays one `attention` node
                       (Options.fused_attention)
     dce               dead nodes and unused weights dropped
+    merge_gemms       (Options.fold_constants) GEMMs sharing their input and reading weights
+                      become one GEMM on the weights concatenated (merged q/k/v, gate/up)
     freeze            (Options.freeze) weights stored in the layout their GEMMs read
     mixed_gemm        (Triton GEMMs allowed) GEMMs of int8 tensors converted to float read int8
     lower             Graph IR -> Loop IR
@@ -33,13 +35,14 @@ from kiln.targets.cuda.build import (CudaBuild, check_routines, codegen_triton, 
                                      has_user_kernels, launch_autotune, libraries,
                                      launch_autotune_attention, mixed_gemm, triton_allowed,
                                      tunes_attention, tunes_kernels, user_kernel_configs)
-from kiln.targets.stages import (DCE, FREEZE, LOWER, PLAN, REORDER, SCHEDULE, Stage, Target,
-                                 check_graph, graph_text, import_stage, program_stage,
-                                 source_files, steps_text)
+from kiln.targets.stages import (DCE, FREEZE, LOWER, MERGE_GEMMS, PLAN, REORDER, SCHEDULE,
+                                 Stage, Target, check_graph, graph_text, import_stage,
+                                 program_stage, source_files, steps_text)
 
 TARGET = Target("cuda", (
     import_stage(library_routines=False, fused_attention=True),
     DCE,
+    MERGE_GEMMS,
     FREEZE,
     Stage("mixed_gemm", mixed_gemm, dump=graph_text, verify=check_graph, when=triton_allowed),
     LOWER,
