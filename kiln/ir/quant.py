@@ -65,7 +65,7 @@ def quantize_int8(w: torch.Tensor) -> dict[str, torch.Tensor]:
     np_ = _cdiv(n, NB) * NB
     qp = _pad(q, padded_k("int8", k), np_)
     return {"q": _panels(qp, 4).reshape(-1), "s": _pad(s[None], 1, np_)[0].contiguous(),
-            "wsum": qp.to(torch.int32).sum(0).contiguous()}
+            "wsum": qp.to(torch.int32).sum(0).to(torch.int32).contiguous()}
 
 
 def quantize_int4(w: torch.Tensor, group: int) -> dict[str, torch.Tensor]:
