@@ -56,7 +56,11 @@ def _compile(model, dtype=torch.float32, **opts):
 
 def _stored(cm, fc_index: int, mode: str) -> dict:
     """The tensors the package stores for Linear `fc_index`'s weight."""
-    fqn = f"<quantised {mode} of fcs.{fc_index}.weight>"
+    return _parts(cm, f"<quantised {mode} of fcs.{fc_index}.weight>")
+
+
+def _parts(cm, fqn: str) -> dict:
+    """The stored tensors of FQN `fqn`, by part ("q", "s", "wsum")."""
     specs = [w for w in cm.manifest["weights"] if w["fqn"] == fqn]
     assert specs, [w["fqn"] for w in cm.manifest["weights"]]
     out = {}
@@ -229,11 +233,7 @@ def test_portable_package_runs_each_level(mode, kernel):
         weight_quant_group=GROUP))
     qmode = "int8_vnni" if kernel == "vnni" else mode
     fq = f"<quantised {qmode} of fc.weight>"
-    st = {}
-    for w in cm.manifest["weights"]:
-        if w["fqn"] == fq:
-            part = w["name"].rsplit("_", 1)[-1]
-            st["wsum" if part == "wsum" else "s" if part == "s" else "q"] = cm.built.weights[w["name"]]
+    st = _parts(cm, fq)
     if kernel == "vnni":
         want = torch.from_numpy(Q.routine(None, {"mode": 2, "k": 70, "n": 37}, xs[0].numpy(),
                                           st["q"].numpy(), st["s"].numpy(),
