@@ -124,6 +124,8 @@ inline void panel_i4(const float *x, int64_t kp, int64_t group, const int8_t *w,
   float out[MB][NB];
   const int64_t groups = kp / group, steps = group / 8;
 #if defined(__AVX512F__)
+  // the 16 int4 values as floats, by their nibble (two's complement)
+  const __m512 lut = _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, -8, -7, -6, -5, -4, -3, -2, -1);
   __m512 acc[R];
   for (int m = 0; m < R; ++m) acc[m] = _mm512_setzero_ps();
   for (int64_t g = 0; g < groups; ++g) {
@@ -132,15 +134,16 @@ inline void panel_i4(const float *x, int64_t kp, int64_t group, const int8_t *w,
     for (int64_t t = 0; t < steps; ++t) {
       const int64_t kk = g * steps + t;
       const __m512i v = _mm512_loadu_si512(w + kk * 64);
+      // nibble j of each lane (its low 4 bits after a shift) picks its value from `lut`
       __m512 wj[8];
-      wj[0] = _mm512_cvtepi32_ps(_mm512_srai_epi32(_mm512_slli_epi32(v, 28), 28));
-      wj[1] = _mm512_cvtepi32_ps(_mm512_srai_epi32(_mm512_slli_epi32(v, 24), 28));
-      wj[2] = _mm512_cvtepi32_ps(_mm512_srai_epi32(_mm512_slli_epi32(v, 20), 28));
-      wj[3] = _mm512_cvtepi32_ps(_mm512_srai_epi32(_mm512_slli_epi32(v, 16), 28));
-      wj[4] = _mm512_cvtepi32_ps(_mm512_srai_epi32(_mm512_slli_epi32(v, 12), 28));
-      wj[5] = _mm512_cvtepi32_ps(_mm512_srai_epi32(_mm512_slli_epi32(v, 8), 28));
-      wj[6] = _mm512_cvtepi32_ps(_mm512_srai_epi32(_mm512_slli_epi32(v, 4), 28));
-      wj[7] = _mm512_cvtepi32_ps(_mm512_srai_epi32(v, 28));
+      wj[0] = _mm512_permutexvar_ps(v, lut);
+      wj[1] = _mm512_permutexvar_ps(_mm512_srli_epi32(v, 4), lut);
+      wj[2] = _mm512_permutexvar_ps(_mm512_srli_epi32(v, 8), lut);
+      wj[3] = _mm512_permutexvar_ps(_mm512_srli_epi32(v, 12), lut);
+      wj[4] = _mm512_permutexvar_ps(_mm512_srli_epi32(v, 16), lut);
+      wj[5] = _mm512_permutexvar_ps(_mm512_srli_epi32(v, 20), lut);
+      wj[6] = _mm512_permutexvar_ps(_mm512_srli_epi32(v, 24), lut);
+      wj[7] = _mm512_permutexvar_ps(_mm512_srli_epi32(v, 28), lut);
       for (int m = 0; m < R; ++m) {
         const float *xm = x + m * kp + kk * 8;
         for (int j = 0; j < 8; ++j)
