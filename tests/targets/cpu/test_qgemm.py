@@ -258,3 +258,41 @@ def test_portable_package_runs_each_level(mode, kernel):
         y, y16 = runner(*xs)
         torch.testing.assert_close(y.double(), want, rtol=1e-5, atol=1e-5)
         torch.testing.assert_close(y16.double(), want16, rtol=2 ** -7, atol=1e-2)
+
+
+class Tied(torch.nn.Module):
+    """An embedding tied to the output projection, a weight read by two GEMMs, and a GEMM of
+    two activations (not a weight: left to the float GEMM)."""
+
+    def __init__(self):
+        super().__init__()
+        self.emb = torch.nn.Embedding(40, 24)
+        self.fc = torch.nn.Linear(24, 24, bias=False)
+
+    def forward(self, tok, y):
+        h = self.emb(tok)
+        a, b = self.fc(h), self.fc(h * 2)
+        return torch.nn.functional.linear(a + b, self.emb.weight), a @ y
+
+
+def test_tied_and_shared_weights_and_activation_products():
+    torch.manual_seed(0)
+    model = Tied().eval()
+    args = (torch.randint(0, 40, (5,)), torch.randn(24, 7))
+    cm = kiln.compile(model, args, options=kiln.Options(weight_quant="int8"))
+    fqns = sorted({w["fqn"] for w in cm.manifest["weights"]})
+    # the embedding table stays (the lookup reads it) and is also stored quantised for the
+    # tied projection; fc's weight is quantised once for both of its GEMMs
+    assert fqns == ["<quantised int8 of emb.weight>", "<quantised int8 of fc.weight>",
+                    "emb.weight"], fqns
+    got = cm.load()(*args)
+    with torch.no_grad():
+        ref = model(*args)
+    h = model.emb.weight[args[0]].double()
+    dfc = Q.dequantize("int8", _parts(cm, "<quantised int8 of fc.weight>"), 24, 24)
+    demb = Q.dequantize("int8", _parts(cm, "<quantised int8 of emb.weight>"), 24, 40)
+    a = h @ dfc
+    want = (a + (h * 2) @ dfc) @ demb
+    torch.testing.assert_close(got[0].double(), want, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(got[1].double(), a @ args[1].double(), rtol=1e-5, atol=1e-5)
+    assert (got[0] - ref[0]).abs().max() > 0
