@@ -81,8 +81,12 @@ inline void panel_i8(const float *x, int64_t kp, const int8_t *w, const float *s
                      int64_t ys, int nv) {
   float out[MB][NB];
 #if defined(__AVX512F__)
-  __m512 acc[R];
-  for (int m = 0; m < R; ++m) acc[m] = _mm512_setzero_ps();
+  // A independent accumulators a row (the 4 products of a step alternate among them), so a
+  // row's FMAs do not wait on each other's latency when few rows share the loop
+  constexpr int A = R == 1 ? 4 : R == 2 ? 2 : 1;
+  __m512 acc[R][A];
+  for (int m = 0; m < R; ++m)
+    for (int a = 0; a < A; ++a) acc[m][a] = _mm512_setzero_ps();
   for (int64_t kk = 0; kk < kp / 4; ++kk) {
     const __m512i v = _mm512_loadu_si512(w + kk * 64);
     const __m512 w0 = _mm512_cvtepi32_ps(_mm512_srai_epi32(_mm512_slli_epi32(v, 24), 24));
@@ -91,14 +95,16 @@ inline void panel_i8(const float *x, int64_t kp, const int8_t *w, const float *s
     const __m512 w3 = _mm512_cvtepi32_ps(_mm512_srai_epi32(v, 24));
     for (int m = 0; m < R; ++m) {
       const float *xm = x + m * kp + kk * 4;
-      acc[m] = _mm512_fmadd_ps(_mm512_set1_ps(xm[0]), w0, acc[m]);
-      acc[m] = _mm512_fmadd_ps(_mm512_set1_ps(xm[1]), w1, acc[m]);
-      acc[m] = _mm512_fmadd_ps(_mm512_set1_ps(xm[2]), w2, acc[m]);
-      acc[m] = _mm512_fmadd_ps(_mm512_set1_ps(xm[3]), w3, acc[m]);
+      acc[m][0] = _mm512_fmadd_ps(_mm512_set1_ps(xm[0]), w0, acc[m][0]);
+      acc[m][1 % A] = _mm512_fmadd_ps(_mm512_set1_ps(xm[1]), w1, acc[m][1 % A]);
+      acc[m][2 % A] = _mm512_fmadd_ps(_mm512_set1_ps(xm[2]), w2, acc[m][2 % A]);
+      acc[m][3 % A] = _mm512_fmadd_ps(_mm512_set1_ps(xm[3]), w3, acc[m][3 % A]);
     }
   }
+  for (int m = 0; m < R; ++m)
+    for (int a = 1; a < A; ++a) acc[m][0] = _mm512_add_ps(acc[m][0], acc[m][a]);
   const __m512 sv = _mm512_loadu_ps(s);
-  for (int m = 0; m < R; ++m) _mm512_storeu_ps(out[m], _mm512_mul_ps(acc[m], sv));
+  for (int m = 0; m < R; ++m) _mm512_storeu_ps(out[m], _mm512_mul_ps(acc[m][0], sv));
 #else
   float acc[R][NB] = {};
   for (int64_t kk = 0; kk < kp / 4; ++kk) {
@@ -129,8 +135,10 @@ inline void panel_i4(const float *x, int64_t kp, int64_t group, const int8_t *w,
   __m512 acc[R];
   for (int m = 0; m < R; ++m) acc[m] = _mm512_setzero_ps();
   for (int64_t g = 0; g < groups; ++g) {
-    __m512 part[R];
-    for (int m = 0; m < R; ++m) part[m] = _mm512_setzero_ps();
+    constexpr int A = R == 1 ? 4 : R == 2 ? 2 : 1;  // independent partial sums a row
+    __m512 part[R][A];
+    for (int m = 0; m < R; ++m)
+      for (int a = 0; a < A; ++a) part[m][a] = _mm512_setzero_ps();
     for (int64_t t = 0; t < steps; ++t) {
       const int64_t kk = g * steps + t;
       const __m512i v = _mm512_loadu_si512(w + kk * 64);
@@ -147,11 +155,14 @@ inline void panel_i4(const float *x, int64_t kp, int64_t group, const int8_t *w,
       for (int m = 0; m < R; ++m) {
         const float *xm = x + m * kp + kk * 8;
         for (int j = 0; j < 8; ++j)
-          part[m] = _mm512_fmadd_ps(_mm512_set1_ps(xm[j]), wj[j], part[m]);
+          part[m][j % A] = _mm512_fmadd_ps(_mm512_set1_ps(xm[j]), wj[j], part[m][j % A]);
       }
     }
     const __m512 sv = _mm512_loadu_ps(s + g * NB);
-    for (int m = 0; m < R; ++m) acc[m] = _mm512_fmadd_ps(part[m], sv, acc[m]);
+    for (int m = 0; m < R; ++m) {
+      for (int a = 1; a < A; ++a) part[m][0] = _mm512_add_ps(part[m][0], part[m][a]);
+      acc[m] = _mm512_fmadd_ps(part[m][0], sv, acc[m]);
+    }
   }
   for (int m = 0; m < R; ++m) _mm512_storeu_ps(out[m], acc[m]);
 #else
