@@ -12,7 +12,7 @@ from kiln.models.quant_report import kl_report, kl_stats, small_llama, token_str
 
 
 def test_kl_stats_of_known_distributions():
-    ref = torch.tensor([[0.0, 0.0], [math.log(3), 0.0]])
+    ref = torch.tensor([[0.0, 0.0], [math.log(3), 0.0]], dtype=torch.float64)
     got = torch.tensor([[0.0, 0.0], [0.0, 0.0]])
     s = kl_stats(ref, got)
     # row 1: P = (3/4, 1/4), Q = (1/2, 1/2): KL = 3/4 log(3/2) + 1/4 log(1/2)
