@@ -27,7 +27,7 @@ from kiln.runtime import cpu_supports
 from kiln.toolchain.cxx import CPU_FEATURES
 
 SHAPES = ((70, 37), (64, 48), (133, 16), (40, 1))  # (K, N) of each Linear
-ROWS = (1, 3, 4, 5, 17, 40)
+ROWS = (1, 3, 4, 5, 9, 15, 17, 40)
 GROUP = 16
 
 
@@ -127,7 +127,7 @@ def test_vnni_kernel_matches_integer_products_of_row_quantised_activations():
     model = Net(bias=False).eval()
     cm = _compile(model, weight_quant="int8", weight_quant_kernel="vnni")
     runner = cm.load()
-    for rows in (1, 5, 17):
+    for rows in (1, 5, 12, 17):
         xs = _inputs(rows)
         got = runner(*xs)
         for i, ((k, n), x, y) in enumerate(zip(SHAPES, xs, got)):
@@ -157,7 +157,7 @@ def test_bf16_gemm_matches_float64(shapes):
     assert all(w["fqn"].startswith("<quantised bf16") for w in cm.manifest["weights"]
                if w["fqn"].endswith(".weight>") or w["fqn"].endswith(".weight"))
     runner = cm.load()
-    for rows in (1, 2, 5, 33):
+    for rows in (1, 2, 5, 11, 33):
         xs = _inputs(rows, shapes, torch.bfloat16)
         got = runner(*xs)
         for fc, x, y in zip(model.fcs, xs, got):

@@ -16,7 +16,7 @@
  *                (__AVX512VNNI__); y = sx * s[n] * (acc - 128 * wsum[n])
  *   3 bf16       bf16 x and B, fp32 accumulate (vdpbf16ps where __AVX512BF16__), the result
  *                rounded to bf16 once
- * Small M (up to QGEMM_BLAS_M - 1 rows) streams every panel once per 4 rows, dequantising in
+ * Small M (up to QGEMM_BLAS_M - 1 rows) streams every panel once per 8 rows, dequantising in
  * registers (the weights of a panel stay in L1/L2 between row blocks). Larger M (int8 / int4,
  * with BLAS) dequantises chunks of panels to fp32 and multiplies them with BLAS sgemm.
  * Panels are shared among OpenMP threads. Every ISA-specific path is guarded by the
@@ -56,7 +56,7 @@ namespace kl {
 namespace qg {
 
 constexpr int NB = 16;      // columns per panel
-constexpr int MB = 4;       // rows per register block
+constexpr int MB = 8;       // rows per register block (the weights converted once for them)
 constexpr int QGEMM_BLAS_M = 16;  // rows from which int8 / int4 dequantise panels for sgemm
 constexpr int CHUNK = 8;    // panels per dequantised chunk (128 columns)
 
@@ -294,6 +294,10 @@ template <class F> inline void row_blocks(int64_t M, F &&f) {
   int64_t m = 0;
   for (; m + MB <= M; m += MB) f(std::integral_constant<int, MB>(), m);
   switch (M - m) {
+    case 7: f(std::integral_constant<int, 7>(), m); break;
+    case 6: f(std::integral_constant<int, 6>(), m); break;
+    case 5: f(std::integral_constant<int, 5>(), m); break;
+    case 4: f(std::integral_constant<int, 4>(), m); break;
     case 3: f(std::integral_constant<int, 3>(), m); break;
     case 2: f(std::integral_constant<int, 2>(), m); break;
     case 1: f(std::integral_constant<int, 1>(), m); break;
