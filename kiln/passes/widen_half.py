@@ -21,8 +21,9 @@ from kiln.ir.graph import Graph, Node, TensorType
 
 # ops that only move elements: they never compute on a value, so they keep half types
 MOVES = frozenset({"view", "permute", "expand", "slice", "select", "cast"})
-# ops whose kernels read and write half types themselves (kiln_qgemm.h's bf16 GEMM)
-NATIVE = frozenset({"qgemm"})
+# ops that read and write half types themselves: kiln_qgemm.h's bf16 GEMM, and the embedding
+# lookup (a gather: widening its operand would convert the whole table on every run)
+NATIVE = frozenset({"qgemm", "embedding"})
 
 
 def widen_half(g: Graph) -> Graph:

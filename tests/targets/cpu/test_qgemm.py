@@ -296,3 +296,17 @@ def test_tied_and_shared_weights_and_activation_products():
     torch.testing.assert_close(got[0].double(), want, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(got[1].double(), a @ args[1].double(), rtol=1e-5, atol=1e-5)
     assert (got[0] - ref[0]).abs().max() > 0
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_half_embedding_gathers_rows_without_widening_the_table(dtype):
+    """widen_half leaves `embedding` in the half type (a gather): rows equal eager's bit for
+    bit, and no float32 copy of the table is made per run."""
+    emb = torch.nn.Embedding(50, 12).to(dtype)
+    tok = torch.randint(0, 50, (3, 4))
+    cm = kiln.compile(emb, (tok,))
+    assert "float* buf_p_weight_f32" not in cm.sources["model.cpp"]
+    assert not any("p_weight_f32" in text for name, text in cm.sources.items()
+                   if name.startswith("kernels"))
+    got = cm.load()(tok)
+    assert got.dtype == dtype and torch.equal(got, emb(tok))
