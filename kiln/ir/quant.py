@@ -119,9 +119,12 @@ def quantize_rows(x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
 
 
 def routine(outs, attrs, x, *parts) -> list[np.ndarray]:
-    """numpy twin of kl::qgemm: out [M, N] = x [M, K] @ dequantised B (float64 sums)."""
+    """numpy twin of kl::qgemm: out [M, N] = x [M, K] @ dequantised B [+ bias] (float64)."""
     mode = {v: k for k, v in MODES.items()}[attrs["mode"]]
     k, n, group = attrs["k"], attrs["n"], attrs.get("group", 0)
+    if len(parts) > {"int8": 2, "int4": 2, "int8_vnni": 3, "bf16": 1}[mode]:  # a bias last
+        *parts, bias = parts
+        return [y + np.asarray(bias, np.float64)[None] for y in routine(outs, attrs, x, *parts)]
     names = ("q", "s", "wsum")[:len(parts)]
     w = dequantize(mode, {a: torch.from_numpy(np.ascontiguousarray(p)) for a, p in
                           zip(names, parts)}, k, n, group).numpy()

@@ -33,7 +33,8 @@ def lower_qgemm(ctx: LowerCtx, node: Node, args: list[Lazy]) -> Lazy:
     out = ctx.unique(node.name)
     shape = node.type.shape
     ctx.declare(out, node.type.dtype, shape, "temp")
-    attrs = tuple((k, int(v)) for k, v in node.attrs) + (("threads", 0),)
+    # a bias is the operand after the stored weights (kl::qgemm's overloads tell them apart)
+    attrs = tuple((k, int(v)) for k, v in node.attrs if k != "bias") + (("threads", 0),)
     ctx.nodes.append(L.Extern("qgemm", (out,), tuple(ops), attrs, src))
     return ctx.buffer_lazy(out, node.type.dtype, shape)
 

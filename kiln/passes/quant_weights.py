@@ -4,7 +4,7 @@ bf16-packed) copy stored in the package, through kiln_qgemm.h's dequantising ker
 A `matmul(x, B)` node (2-D, static sizes) whose B is a weight [K, N], or `permute(W, (1, 0))`
 of a weight W [N, K] (nn.Linear), becomes
 
-    qgemm(x, q, s[, wsum])    attrs: mode, k, n, group
+    qgemm(x, q, s[, wsum][, bias])    attrs: mode, k, n, group[, bias]
 
 with q, s (and wsum) new weights in ir/quant.py's panel layout:
   `weight_quant` "int8"  float32 GEMMs: int8 per output channel (symmetric, fp32 scale per
@@ -16,6 +16,9 @@ with q, s (and wsum) new weights in ir/quant.py's panel layout:
   `bf16`                 bfloat16 GEMMs (x, B and the result bfloat16), whatever
                          weight_quant says: B repacked, not rounded (vdpbf16ps where the CPU
                          has avx512_bf16); products summed in fp32, the result rounded once
+
+A bias add that is the GEMM's only reader (nn.Linear's `add(mm, bias)`, bias a weight [N])
+is folded in: the node takes the add's name and the bias is added to the fp32 sum.
 
 The stored tensors are named `<weight>_q8` / `_q4` / `_bf16` (values), `_s` (scales) and
 `_wsum`; their FQN is `<quantised MODE of FQN>`, which update_weights refuses (runtime/
@@ -66,8 +69,15 @@ def quantize_weights(g: Graph, weights: dict[str, torch.Tensor], weight_quant: s
     new_weights = dict(weights)
     added: list[Input] = []
     done: dict[tuple[str, bool, str], tuple[str, ...]] = {}  # (weight, transposed, mode) -> ins
+    users: dict[str, list[Node]] = {}
+    for n in g.nodes:
+        for x in n.inputs:
+            users.setdefault(x, []).append(n)
+    fused: set[str] = set()  # bias adds folded into their qgemm
     out_nodes = []
     for n in g.nodes:
+        if n.name in fused:
+            continue
         mode = _mode(n, types, weight_quant, kernel, bf16)
         wb = _weight_b(n, g, nodes, weights_in) if mode else None
         if wb is None:
@@ -103,13 +113,37 @@ def quantize_weights(g: Graph, weights: dict[str, torch.Tensor], weight_quant: s
             done[key] = tuple(ins)
         attrs = (("mode", Q.MODES[mode]), ("k", k), ("n", nn_),
                  ("group", group if mode == "int4" else 0))
-        out_nodes.append(Node(n.name, "qgemm", (n.inputs[0], *done[key]), n.type, attrs,
-                              n.source))
+        add = _bias_add(n, users, weights_in, g)
+        if add is None:
+            out_nodes.append(Node(n.name, "qgemm", (n.inputs[0], *done[key]), n.type, attrs,
+                                  n.source))
+            continue
+        fused.add(add.name)
+        out_nodes.append(Node(add.name, "qgemm", (n.inputs[0], *done[key], add.inputs[1]),
+                              add.type, attrs + (("bias", 1),), add.source or n.source))
     if not done:
         return g, weights
     out = dce(replace(g, inputs=g.inputs + tuple(added), nodes=tuple(out_nodes)))
     live = {i.name for i in out.inputs}
     return out, {k: v for k, v in new_weights.items() if k in live}
+
+
+def _bias_add(n: Node, users: dict, weights_in: dict, g: Graph) -> Node | None:
+    """The `add(n, bias)` that is matmul `n`'s only reader, bias a weight [N] of n's dtype
+    (nn.Linear's bias): folded into the qgemm (added to the fp32 sum, so a bf16 result is
+    rounded once, as eager's addmm)."""
+    us = users.get(n.name, [])
+    if len(us) != 1 or n.name in g.outputs:
+        return None
+    add = us[0]
+    if add.op != "add" or len(add.inputs) != 2 or add.inputs[0] != n.name:
+        return None
+    b = weights_in.get(add.inputs[1])
+    if (b is None or b.type.dtype != n.type.dtype or len(b.type.shape) != 1
+            or sympy.sympify(b.type.shape[0]) != sympy.sympify(n.type.shape[-1])
+            or add.type != n.type):
+        return None
+    return add
 
 
 def _mode(n: Node, types, weight_quant: str, kernel: str, bf16: bool) -> str | None:

@@ -41,6 +41,16 @@ int qgemm(kr::Err &e, const char *where, float *out, int64_t mode, int64_t k, in
           View<int32_t> wsum);
 int qgemm(kr::Err &e, const char *where, kr::bfloat16 *out, int64_t mode, int64_t k, int64_t n,
           int64_t group, int64_t threads, View<kr::bfloat16> x, View<kr::bfloat16> q);
+// the same with a bias [N] added to each row (before a bf16 result is rounded)
+int qgemm(kr::Err &e, const char *where, float *out, int64_t mode, int64_t k, int64_t n,
+          int64_t group, int64_t threads, View<float> x, View<int8_t> q, View<float> s,
+          View<float> bias);
+int qgemm(kr::Err &e, const char *where, float *out, int64_t mode, int64_t k, int64_t n,
+          int64_t group, int64_t threads, View<float> x, View<int8_t> q, View<float> s,
+          View<int32_t> wsum, View<float> bias);
+int qgemm(kr::Err &e, const char *where, kr::bfloat16 *out, int64_t mode, int64_t k, int64_t n,
+          int64_t group, int64_t threads, View<kr::bfloat16> x, View<kr::bfloat16> q,
+          View<kr::bfloat16> bias);
 
 }  // namespace kl
 
@@ -72,6 +82,13 @@ inline int nthreads(int64_t threads, int64_t tasks) {
 inline void store_rows(float *y, int64_t ys, int rows, int nv, const float (*acc)[NB]) {
   for (int m = 0; m < rows; ++m)
     for (int l = 0; l < nv; ++l) y[m * ys + l] = acc[m][l];
+}
+
+// y[m, n0 + l] += bias[n0 + l] for `rows` rows of `cols` columns (fp32 results)
+inline void add_bias(float *y, int64_t ys, int64_t rows, int64_t cols, const float *bias) {
+  if (!bias) return;
+  for (int64_t m = 0; m < rows; ++m)
+    for (int64_t l = 0; l < cols; ++l) y[m * ys + l] += bias[l];
 }
 
 /* -- int8 / int4 weight-only, one panel, `rows` (<= MB) rows of x (padded to Kp, fp32) -- */
@@ -240,7 +257,7 @@ inline void panel_vnni(const uint8_t *xu, int64_t kp, const float *sx, const int
 
 template <int R>
 inline void panel_bf16(const uint16_t *x, int64_t kp, const uint16_t *w, kr::bfloat16 *y,
-                       int64_t ys, int nv) {
+                       int64_t ys, int nv, const kr::bfloat16 *bias) {
   float out[MB][NB];
 #if defined(__AVX512BF16__) && defined(__AVX512F__)
   __m512 acc[R];
@@ -285,8 +302,9 @@ inline void panel_bf16(const uint16_t *x, int64_t kp, const uint16_t *w, kr::bfl
   for (int m = 0; m < R; ++m)
     for (int l = 0; l < NB; ++l) out[m][l] = acc[m][l];
 #endif
-  for (int m = 0; m < R; ++m)
-    for (int l = 0; l < nv; ++l) y[m * ys + l] = kr::bfloat16(out[m][l]);
+  for (int m = 0; m < R; ++m)  // the bias joins the fp32 sum: one rounding, as eager's addmm
+    for (int l = 0; l < nv; ++l)
+      y[m * ys + l] = kr::bfloat16(bias ? out[m][l] + static_cast<float>(bias[l]) : out[m][l]);
 }
 
 // rows m0.. of a row-blocked sweep: calls F<R>(m0) with R = MB, then the remainder
@@ -367,7 +385,7 @@ inline void dequant_chunk(int64_t mode, const int8_t *q, const float *s, int64_t
 
 inline int weight_only(kr::Err &e, const char *where, float *out, int64_t mode, int64_t k,
                        int64_t n, int64_t group, int64_t threads, View<float> x,
-                       View<int8_t> q, View<float> s) {
+                       View<int8_t> q, View<float> s, const float *bias) {
   const int64_t kp = mode == 1 ? cdiv(k, group) * group : cdiv(k, 4) * 4;
   const int64_t P = cdiv(n, NB), M = x.size(0);
   if (check(e, where, k, n, kp, x.size(1), x.stride(1), q.numel(),
@@ -394,6 +412,7 @@ inline int weight_only(kr::Err &e, const char *where, float *out, int64_t mode, 
         scipy_cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, (int)M, (int)cols, (int)k,
                           1.0f, X, (int)kp, buf.data(), (int)(np * NB), 0.0f, out + p0 * NB,
                           (int)n);
+        add_bias(out + p0 * NB, n, M, cols, bias ? bias + p0 * NB : nullptr);
       }
     }
     return 0;
@@ -411,26 +430,25 @@ inline int weight_only(kr::Err &e, const char *where, float *out, int64_t mode, 
         panel_i8<R>(X + m0 * kp, kp, Q + p * pstride, S + p * sstride, out + m0 * n + p * NB,
                     n, nv);
     });
+    add_bias(out + p * NB, n, M, nv, bias ? bias + p * NB : nullptr);
   }
   return 0;
 }
 
-}  // namespace qg
-
-int qgemm(kr::Err &e, const char *where, float *out, int64_t mode, int64_t k, int64_t n,
-          int64_t group, int64_t threads, View<float> x, View<int8_t> q, View<float> s) {
+inline int int8_int4(kr::Err &e, const char *where, float *out, int64_t mode, int64_t k,
+                     int64_t n, int64_t group, int64_t threads, View<float> x, View<int8_t> q,
+                     View<float> s, const float *bias) {
   if (mode != 0 && mode != 1)
     return e.fail("%s: qgemm mode %lld takes other operands", where, (long long)mode);
   if (mode == 1 && (group <= 0 || group % 8))
     return e.fail("%s: int4 group size %lld is not a positive multiple of 8", where,
                   (long long)group);
-  return qg::weight_only(e, where, out, mode, k, n, group, threads, x, q, s);
+  return weight_only(e, where, out, mode, k, n, group, threads, x, q, s, bias);
 }
 
-int qgemm(kr::Err &e, const char *where, float *out, int64_t mode, int64_t k, int64_t n,
-          int64_t /*group*/, int64_t threads, View<float> x, View<int8_t> q, View<float> s,
-          View<int32_t> wsum) {
-  using namespace qg;
+inline int vnni(kr::Err &e, const char *where, float *out, int64_t mode, int64_t k, int64_t n,
+                int64_t threads, View<float> x, View<int8_t> q, View<float> s,
+                View<int32_t> wsum, const float *bias) {
   if (mode != 2) return e.fail("%s: qgemm mode %lld takes other operands", where, (long long)mode);
   const int64_t kp = cdiv(k, 4) * 4, P = cdiv(n, NB), M = x.size(0);
   if (check(e, where, k, n, kp, x.size(1), x.stride(1), q.numel(), P * kp * NB)) return 1;
@@ -461,13 +479,14 @@ int qgemm(kr::Err &e, const char *where, float *out, int64_t mode, int64_t k, in
       panel_vnni<R>(xu.data() + m0 * kp, kp, sx.data() + m0, Q + p * kp * NB, S + p * NB,
                     W + p * NB, out + m0 * n + p * NB, n, nv);
     });
+    add_bias(out + p * NB, n, M, nv, bias ? bias + p * NB : nullptr);
   }
   return 0;
 }
 
-int qgemm(kr::Err &e, const char *where, kr::bfloat16 *out, int64_t mode, int64_t k, int64_t n,
-          int64_t /*group*/, int64_t threads, View<kr::bfloat16> x, View<kr::bfloat16> q) {
-  using namespace qg;
+inline int bf16(kr::Err &e, const char *where, kr::bfloat16 *out, int64_t mode, int64_t k,
+                int64_t n, int64_t threads, View<kr::bfloat16> x, View<kr::bfloat16> q,
+                const kr::bfloat16 *bias) {
   if (mode != 3) return e.fail("%s: qgemm mode %lld takes other operands", where, (long long)mode);
   const int64_t kp = cdiv(k, 2) * 2, P = cdiv(n, NB), M = x.size(0);
   if (check(e, where, k, n, kp, x.size(1), x.stride(1), q.numel(), P * kp * NB)) return 1;
@@ -480,10 +499,54 @@ int qgemm(kr::Err &e, const char *where, kr::bfloat16 *out, int64_t mode, int64_
     const int nv = static_cast<int>(std::min<int64_t>(NB, n - p * NB));
     row_blocks(M, [&](auto r, int64_t m0) {
       constexpr int R = decltype(r)::value;
-      panel_bf16<R>(X + m0 * kp, kp, Q + p * kp * NB, out + m0 * n + p * NB, n, nv);
+      panel_bf16<R>(X + m0 * kp, kp, Q + p * kp * NB, out + m0 * n + p * NB, n, nv,
+                    bias ? bias + p * NB : nullptr);
     });
   }
   return 0;
+}
+
+}  // namespace qg
+
+int qgemm(kr::Err &e, const char *where, float *out, int64_t mode, int64_t k, int64_t n,
+          int64_t group, int64_t threads, View<float> x, View<int8_t> q, View<float> s) {
+  return qg::int8_int4(e, where, out, mode, k, n, group, threads, x, q, s, nullptr);
+}
+
+int qgemm(kr::Err &e, const char *where, float *out, int64_t mode, int64_t k, int64_t n,
+          int64_t /*group*/, int64_t threads, View<float> x, View<int8_t> q, View<float> s,
+          View<int32_t> wsum) {
+  return qg::vnni(e, where, out, mode, k, n, threads, x, q, s, wsum, nullptr);
+}
+
+int qgemm(kr::Err &e, const char *where, kr::bfloat16 *out, int64_t mode, int64_t k, int64_t n,
+          int64_t /*group*/, int64_t threads, View<kr::bfloat16> x, View<kr::bfloat16> q) {
+  return qg::bf16(e, where, out, mode, k, n, threads, x, q, nullptr);
+}
+
+// with a bias: the stored contiguous [N] vector (bias.stride(0) == 1, checked)
+int qgemm(kr::Err &e, const char *where, float *out, int64_t mode, int64_t k, int64_t n,
+          int64_t group, int64_t threads, View<float> x, View<int8_t> q, View<float> s,
+          View<float> bias) {
+  if (bias.numel() != n || bias.stride(0) != 1)
+    return e.fail("%s: qgemm expects a contiguous bias of %lld values", where, (long long)n);
+  return qg::int8_int4(e, where, out, mode, k, n, group, threads, x, q, s, bias.data);
+}
+
+int qgemm(kr::Err &e, const char *where, float *out, int64_t mode, int64_t k, int64_t n,
+          int64_t /*group*/, int64_t threads, View<float> x, View<int8_t> q, View<float> s,
+          View<int32_t> wsum, View<float> bias) {
+  if (bias.numel() != n || bias.stride(0) != 1)
+    return e.fail("%s: qgemm expects a contiguous bias of %lld values", where, (long long)n);
+  return qg::vnni(e, where, out, mode, k, n, threads, x, q, s, wsum, bias.data);
+}
+
+int qgemm(kr::Err &e, const char *where, kr::bfloat16 *out, int64_t mode, int64_t k, int64_t n,
+          int64_t /*group*/, int64_t threads, View<kr::bfloat16> x, View<kr::bfloat16> q,
+          View<kr::bfloat16> bias) {
+  if (bias.numel() != n || bias.stride(0) != 1)
+    return e.fail("%s: qgemm expects a contiguous bias of %lld values", where, (long long)n);
+  return qg::bf16(e, where, out, mode, k, n, threads, x, q, bias.data);
 }
 
 }  // namespace kl
