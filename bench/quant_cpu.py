@@ -15,7 +15,7 @@ kernels (kiln_qgemm.h) against kiln's fp32 GEMM and eager, at LLM shapes.
 3. (--accuracy) kiln.models.quant_report's KL divergence of next-token distributions.
 
     PYTHONPATH=$PWD .venv/bin/python bench/quant_cpu.py [--rounds 5] [--threads 2]
-        [--markdown BENCHMARKS.md] [--accuracy] [--skip-gemv] [--skip-llama]
+        [--markdown BENCHMARKS.md] [--accuracy] [--skip-gemv] [--skip-llama] [--no-eager]
 """
 
 from __future__ import annotations
@@ -66,7 +66,8 @@ def weight_bytes(fmt: str, k: int, n: int) -> int:
     return k * n // 2 + 4 * n * (-(-k // GROUP))
 
 
-def gemv_table(rounds: int, threads: int, bw: float, work: Path) -> list[str]:
+def gemv_table(rounds: int, threads: int, bw: float, work: Path, eager: bool = True
+               ) -> list[str]:
     rows = ["| K x N | M | format | ms | weight GB/s | / copy bw | vs fp32 |",
             "|---|---|---|---|---|---|---|"]
     for k, n in SHAPES:
@@ -84,7 +85,8 @@ def gemv_table(rounds: int, threads: int, bw: float, work: Path) -> list[str]:
             xs = {dt: torch.randn(m, k).to(dt) for dt in (torch.float32, torch.bfloat16)}
             fns = {fmt: (lambda r=r, x=xs[dt]: r(x)) for fmt, (r, dt) in runners.items()}
             w = lin.weight.detach()
-            fns["eager fp32"] = lambda x=xs[torch.float32], w=w: F.linear(x, w)
+            if eager:
+                fns["eager fp32"] = lambda x=xs[torch.float32], w=w: F.linear(x, w)
             t = _bench(fns, rounds)
             for fmt, sec in t.items():
                 b = weight_bytes(fmt.removeprefix("eager "), k, n)
@@ -99,7 +101,8 @@ LLAMA = LlamaConfig(vocab_size=32000, hidden_size=1024, intermediate_size=2816,
                     num_hidden_layers=4, num_attention_heads=16, num_key_value_heads=8)
 
 
-def llama_table(rounds: int, threads: int, bw: float, work: Path) -> list[str]:
+def llama_table(rounds: int, threads: int, bw: float, work: Path, eager: bool = True
+                ) -> list[str]:
     cfg = LLAMA
     tok = torch.randint(0, cfg.vocab_size, (1, 1), generator=torch.Generator().manual_seed(0))
     base = kiln.Options(num_threads=threads)
@@ -114,9 +117,9 @@ def llama_table(rounds: int, threads: int, bw: float, work: Path) -> list[str]:
         fns[name] = lambda r=r: r(tok)
         nbytes[name] = sum(w["nbytes"] for w in cm.manifest["weights"]
                            if "embed_tokens" not in w["fqn"])
-        if name == "fp32":
-            eager = model
-            fns["eager fp32"] = lambda: eager(tok)
+        if name == "fp32" and eager:
+            eager_model = model
+            fns["eager fp32"] = lambda: eager_model(tok)
             nbytes["eager fp32"] = nbytes["fp32"]
     with torch.no_grad():
         t = _bench(fns, rounds, 0.3)
@@ -161,6 +164,9 @@ def main() -> None:
     ap.add_argument("--accuracy", action="store_true")
     ap.add_argument("--skip-gemv", action="store_true")
     ap.add_argument("--skip-llama", action="store_true")
+    # torch's own OpenMP pool (eager) spins between calls and competes with kiln's threads
+    # when both run interleaved at 2+ threads on a 2-core machine: --no-eager times kiln alone
+    ap.add_argument("--no-eager", action="store_true")
     a = ap.parse_args()
     work = Path(tempfile.mkdtemp())
     load = subprocess.run(["uptime"], capture_output=True, text=True).stdout.strip()
@@ -170,9 +176,9 @@ def main() -> None:
     print("\n".join(head), flush=True)
     body = list(head)
     if not a.skip_gemv:
-        body += gemv_table(a.rounds, a.threads, bw, work) + [""]
+        body += gemv_table(a.rounds, a.threads, bw, work, not a.no_eager) + [""]
     if not a.skip_llama:
-        body += llama_table(a.rounds, a.threads, bw, work) + [""]
+        body += llama_table(a.rounds, a.threads, bw, work, not a.no_eager) + [""]
     if a.accuracy:
         body += accuracy_table() + [""]
     end = subprocess.run(["uptime"], capture_output=True, text=True).stdout.strip()
