@@ -24,6 +24,9 @@ BACKEND_DEVICES = {GemmBackend.BLAS: ("cpu", "cuda"), GemmBackend.CPP: ("cpu",),
 
 #: Options.cpu_conv values
 CPU_CONV = ("direct", "im2col")
+#: Options.weight_quant / weight_quant_kernel values
+WEIGHT_QUANT = ("none", "int8", "int4")
+WEIGHT_QUANT_KERNELS = ("dequant", "vnni")
 
 
 @dataclass(frozen=True)
@@ -153,6 +156,25 @@ class Options:
     #: (yet): a supported convolution always runs direct.
     cpu_conv: str = "direct"
 
+    #: CPU builds: weight-only quantisation of the constant B operands of float32 GEMMs (nn.Linear
+    #: weights, 2-D matmuls with a weight). "int8": int8 per output channel (symmetric, an fp32
+    #: scale per column); "int4": int4 group-wise along K (`weight_quant_group` values share
+    #: an fp32 scale), two values a byte. The package stores only the quantised tensors (FQN
+    #: `<quantised MODE of FQN>`; update_weights refuses them), and kiln_qgemm.h's kernels
+    #: dequantise in registers (passes/quant_weights.py, targets/cpu/quant.py).
+    weight_quant: str = "none"
+    #: weight_quant="int4": values of K per scale (a positive multiple of 8).
+    weight_quant_group: int = 128
+    #: weight_quant="int8": "dequant" multiplies fp32 activations by the converted weights;
+    #: "vnni" also quantises each activation row to int8 (symmetric, per row) and multiplies
+    #: integers (AVX-512 VNNI vpdpbusd where the -march has it, exact integer loops elsewhere):
+    #: faster, less accurate (measure with kiln.models.quant_report).
+    weight_quant_kernel: str = "dequant"
+    #: CPU builds: bfloat16 GEMMs with a constant bf16 weight run kiln_qgemm.h's bf16 kernel
+    #: (vdpbf16ps where the -march has avx512_bf16; fp32 products elsewhere), the weight stored
+    #: repacked, not converted; False widens them to float32 GEMMs like other bf16 ops.
+    cpu_bf16_gemm: bool = True
+
     #: Seed of kiln's random-number generator (rand, randn, dropout, ...). Each run of a loaded
     #: model draws fresh numbers; a freshly loaded model replays the same sequence.
     seed: int = 0
@@ -174,6 +196,16 @@ class Options:
             raise ValueError(f"Options.gemm_backends: expected a non-empty tuple of "
                              f"{GEMM_BACKENDS}, got {self.gemm_backends!r}")
 
+        if self.weight_quant not in WEIGHT_QUANT:
+            raise ValueError(f"Options.weight_quant: expected one of {WEIGHT_QUANT}, got "
+                             f"{self.weight_quant!r}")
+        if self.weight_quant_kernel not in WEIGHT_QUANT_KERNELS:
+            raise ValueError(f"Options.weight_quant_kernel: expected one of "
+                             f"{WEIGHT_QUANT_KERNELS}, got {self.weight_quant_kernel!r}")
+        g = self.weight_quant_group
+        if not isinstance(g, int) or isinstance(g, bool) or g <= 0 or g % 8:
+            raise ValueError(f"Options.weight_quant_group: expected a positive multiple of 8, "
+                             f"got {g!r}")
         if self.cpu_conv not in CPU_CONV:
             raise ValueError(f"Options.cpu_conv: expected one of {CPU_CONV}, got "
                              f"{self.cpu_conv!r}")

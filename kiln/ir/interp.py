@@ -17,6 +17,7 @@ import sympy
 from kiln.ir import dtypes
 from kiln.ir import loop as L
 from kiln.ir.sym import evaluate, ivars, rvars
+from kiln.ir.quant import routine as quant_routine
 from kiln.errors import UnsupportedError
 import math
 import torch
@@ -491,7 +492,8 @@ def _lib_conv2d_nchwc(outs, attrs, x, w, b, res=None):
 ROUTINES = {"sort": _lib_sort, "topk": _lib_topk, "scan": _lib_scan,
             "scan_extreme": _lib_scan_extreme, "put": _lib_put, "put_mean": _lib_put,
             "masked_scatter": _lib_masked_scatter, "embedding_bag": _lib_embedding_bag,
-            "attention": _lib_attention, "conv2d_nchwc": _lib_conv2d_nchwc}
+            "attention": _lib_attention, "conv2d_nchwc": _lib_conv2d_nchwc,
+            "qgemm": quant_routine}
 
 
 def run_routine(call: L.Extern, outs, operands: list[np.ndarray]) -> list[np.ndarray]:

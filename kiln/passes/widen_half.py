@@ -21,6 +21,9 @@ from kiln.ir.graph import Graph, Node, TensorType
 
 # ops that only move elements: they never compute on a value, so they keep half types
 MOVES = frozenset({"view", "permute", "expand", "slice", "select", "cast"})
+# ops that read and write half types themselves: kiln_qgemm.h's bf16 GEMM, and the embedding
+# lookup (a gather: widening its operand would convert the whole table on every run)
+NATIVE = frozenset({"qgemm", "embedding"})
 
 
 def widen_half(g: Graph) -> Graph:
@@ -50,7 +53,7 @@ def widen_half(g: Graph) -> Graph:
 
     inner = _internal(g)
     for n in g.nodes:
-        if n.op in MOVES:
+        if n.op in MOVES or n.op in NATIVE:
             nodes.append(n)
             continue
         ins = tuple(as_f32(x, n.source) if dtypes.is_narrow(types[x].dtype) else x

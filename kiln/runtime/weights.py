@@ -49,6 +49,13 @@ def checked_tensors(manifest: Mapping[str, Any], state: Mapping[str, Any]
             want = packed["shape"] if packed else w["shape"]
             raise InputError(f"weight {key!r}: expected shape {want}, got {list(t.shape)}")
         out[w["name"]] = t.detach().to("cpu").contiguous()
+    quantised = [w["fqn"] for w in specs if w["fqn"].startswith("<quantised")]
+    if quantised:  # passes/quant_weights.py: stored quantised / repacked at compile time
+        raise InputError(f"update_weights: this package stores weights quantised or repacked "
+                         f"at compile time ({', '.join(sorted(set(quantised)))}; Options."
+                         f"weight_quant={manifest.get('options', {}).get('weight_quant')!r}); "
+                         "new weights would need quantising the same way. Compile the package "
+                         "again with the new weights")
     folded = [w["fqn"] for w in specs if w["fqn"].startswith("<folded")]
     if folded:
         raise InputError(f"update_weights: this package folded weight-only computations at "

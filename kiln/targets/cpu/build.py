@@ -34,6 +34,7 @@ from kiln.schedule import Kernel, localize_rows
 from kiln.targets.cpu.conv import conv_source
 from kiln.targets.cpu.gemm import declaration, print_gemm_file
 from kiln.targets.cpu.kernel import print_kernel
+from kiln.targets.cpu.quant import qgemm_source
 from kiln.targets.cpu.wrapper import declare_kernel, print_wrapper
 from kiln.targets.cpu.wrapper_py import print_python_wrapper
 from kiln.targets.stages import Build, CpuLevel
@@ -183,6 +184,9 @@ def codegen(state: CpuBuild) -> CpuBuild:
     conv_file = conv_source(steps)
     if conv_file is not None:  # the direct convolution (kiln_conv.h)
         sources["conv.cpp"] = conv_file
+    qgemm_file = qgemm_source(steps)
+    if qgemm_file is not None:  # quantised / bf16 weight GEMMs (kiln_qgemm.h)
+        sources["qgemm.cpp"] = qgemm_file
     gemm_file = print_gemm_file(steps, gemms)
     if gemm_file is not None:
         sources["gemm.cpp"] = gemm_file

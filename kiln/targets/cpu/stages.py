@@ -5,6 +5,8 @@
     check_user_kernels  user Triton kernels refused (a package cannot run them on the CPU)
     conv_nchwc        (Options.cpu_conv "direct") convolutions as NCHWc direct convolutions,
                       weights packed, epilogues fused (passes/conv_nchwc.py)
+    quant_weights     (Options.weight_quant, cpu_bf16_gemm) constant GEMM weights stored
+                      quantised / bf16-packed for kiln_qgemm.h (passes/quant_weights.py)
     freeze            (Options.freeze) weights stored in the layout their GEMMs read
     expand_lowp       low-precision GEMMs as float32 / int32 GEMMs
     widen_half        float16 / bfloat16 as storage types, computed in float32
@@ -30,6 +32,7 @@ from kiln.targets.cpu.build import (CpuBuild, check_user_kernels, codegen, codeg
                                     widen_half_types)
 from kiln.targets.cpu.never_lose import default_variant, tuned
 from kiln.targets.cpu.conv import direct_conv, direct_conv_enabled
+from kiln.targets.cpu.quant import quant_enabled, quant_weights
 from kiln.targets.stages import (DCE, FREEZE, LOWER, PLAN, REORDER, SCHEDULE, Stage, Target,
                                  check_graph, graph_text, import_stage, program_stage,
                                  source_files)
@@ -40,6 +43,8 @@ TARGET = Target("cpu", (
     Stage("check_user_kernels", check_user_kernels),
     Stage("conv_nchwc", direct_conv, dump=graph_text, verify=check_graph,
           when=direct_conv_enabled),
+    Stage("quant_weights", quant_weights, dump=graph_text, verify=check_graph,
+          when=quant_enabled),
     FREEZE,
     Stage("expand_lowp", expand_low_precision, dump=graph_text, verify=check_graph),
     Stage("widen_half", widen_half_types, dump=graph_text, verify=check_graph),

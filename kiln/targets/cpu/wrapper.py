@@ -8,6 +8,7 @@ from __future__ import annotations
 import sympy
 
 from kiln.targets.cpu.conv import call_comment
+from kiln.targets.cpu.quant import call_comment as qgemm_comment
 from kiln.targets.cpu.gemm import function_name
 from kiln.ir import loop as L
 from kiln.ir import program as P
@@ -45,7 +46,7 @@ def c_attr(v) -> str:
 def lib_call_lines(x: L.Extern, ptr: str = "buf_{}") -> list[str]:
     """The C++ block calling `kl::<routine>` (kiln_lib.h) for one Extern: each operand's sizes
     and strides as a local array, outputs, attributes, operands (kiln_lib.h's convention)."""
-    comment = call_comment(x)
+    comment = call_comment(x) or qgemm_comment(x)
     lines = [comment] if comment else []
     lines.append(f"{{  // lib.{x.routine} -> {', '.join(x.outs)}  <- {', '.join(x.source)}")
     args = []

@@ -434,5 +434,6 @@ int embedding_bag(kr::Err &e, const char *where, T *out, int64_t mode, bool incl
 }  // namespace kl
 
 #include "kiln_conv.h"  // the direct convolution (declarations; conv.cpp compiles the code)
+#include "kiln_qgemm.h"  // quantised / bf16 weight GEMMs (declarations; qgemm.cpp compiles them)
 
 #endif
