@@ -78,16 +78,29 @@ def generate(runner: Runner, prompt: list[int], max_new_tokens: int, *,
                         f"points: {', '.join(runner.entries)}); compile it with "
                         "kiln.models.hf_decoder.export_decoder")
     sample = Sampler(temperature, top_k, top_p, seed)
-    prefill, decode = runner.entry("prefill"), runner.entry("decode")
+    prefill, decode = _call(runner.entry("prefill")), _call(runner.entry("decode"))
     runner.reset_state()
     t0 = time.perf_counter()
-    logits = prefill(input_ids=torch.tensor([prompt], dtype=torch.long),
-                     cache_position=torch.arange(len(prompt)))
+    logits = prefill(torch.tensor([prompt], dtype=torch.long), torch.arange(len(prompt)))
     tokens = [sample(logits)]
     t1 = time.perf_counter()
     ids, pos = torch.zeros(1, 1, dtype=torch.long), torch.zeros(1, dtype=torch.long)
     while len(tokens) < max_new_tokens and tokens[-1] != stop:
         ids[0, 0], pos[0] = tokens[-1], len(prompt) + len(tokens) - 1
-        tokens.append(sample(decode(input_ids=ids, cache_position=pos)))
+        tokens.append(sample(decode(ids, pos)))
     t2 = time.perf_counter()
     return Generation(tokens, t1 - t0, t2 - t1, len(tokens) - 1)
+
+
+def _call(entry: Runner):
+    """entry(input_ids, cache_position): positionally, or by keyword for programs exported
+    with keyword inputs (transformers' wrappers)."""
+    names = [i.get("name") for i in entry.input_specs]
+    if len(names) != 2:
+        raise KilnError(f"generate: entry point {entry!r} takes {len(names)} inputs "
+                        f"({', '.join(map(str, names))}); expected input_ids [1, T] and "
+                        "cache_position [T]")
+    if entry.positional:
+        return entry
+    a, b = names
+    return lambda ids, pos: entry(**{a: ids, b: pos})

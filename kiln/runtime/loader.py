@@ -259,6 +259,7 @@ class Runner:
         self._out_spec = pytree.treespec_loads(m["out_spec"]) if "out_spec" in m else None
         self._names = [str(i.get("name", f"arg{k}")) if isinstance(i, dict) else f"arg{k}"
                        for k, i in enumerate(m.get("inputs", []))]
+        self._inputs = [i for i in m.get("inputs", []) if isinstance(i, dict)]
         handle = self._handle
         if entry is None:
             self._n_in = int(self._lib.kiln_model_num_inputs(handle))
@@ -352,6 +353,16 @@ class Runner:
                             f"(0: automatic), got {n}")
         if self._lib.kiln_model_set_num_threads(self._handle, n):
             raise KilnError(last_error())
+
+    @property
+    def input_specs(self) -> list[dict[str, Any]]:
+        """The manifest's records of this entry point's flat inputs (name, dtype, shape)."""
+        return list(self._inputs)
+
+    @property
+    def positional(self) -> bool:
+        """Whether the program takes its inputs as plain positional arguments."""
+        return self._in_spec is None or self._positional
 
     @property
     def entries(self) -> list[str]:
