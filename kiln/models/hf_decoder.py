@@ -14,6 +14,8 @@ instance. Each entry takes `input_ids` (int64 [1, T]; T = 1 for decode) and `cac
     tokens = kiln.runtime.generate(runner, [1, 2, 3], max_new_tokens=20).tokens
 
 `eager_generate` runs the same loop (greedy) in eager on a fresh wrapper: the reference.
+This module needs `transformers` (not one of kiln's own requirements; nothing else in kiln
+imports it).
 """
 
 from __future__ import annotations
@@ -21,7 +23,9 @@ from __future__ import annotations
 from typing import Any
 
 import torch
+import transformers
 from torch.export import Dim
+from transformers.integrations.executorch import TorchExportableModuleWithStaticCache
 
 from kiln.errors import KilnError
 
@@ -34,15 +38,9 @@ TINY: dict[str, dict[str, Any]] = {
 }
 
 
-def _transformers():
-    # deferred: transformers is optional (only this helper needs it) and slow to import
-    import transformers
-    return transformers
-
-
 def config(family: str, **overrides: Any):
     """A tiny transformers config of `family` ("llama", "qwen2"), `overrides` applied."""
-    tf = _transformers()
+    tf = transformers
     classes = {"llama": tf.LlamaConfig, "qwen2": tf.Qwen2Config}
     if family not in classes:
         raise KilnError(f"hf_decoder: unknown family {family!r} (known: {', '.join(classes)})")
@@ -52,7 +50,7 @@ def config(family: str, **overrides: Any):
 def build(family_or_config: Any = "llama", seed: int = 0,
           dtype: torch.dtype = torch.float32, **overrides: Any) -> torch.nn.Module:
     """A causal LM with random weights (seeded) from a family's tiny config or a config."""
-    tf = _transformers()
+    tf = transformers
     cfg = config(family_or_config, **overrides) if isinstance(family_or_config, str) \
         else family_or_config
     torch.manual_seed(seed)
@@ -62,8 +60,6 @@ def build(family_or_config: Any = "llama", seed: int = 0,
 
 def static_cache_module(model: torch.nn.Module, max_cache_len: int) -> torch.nn.Module:
     """transformers' static-cache wrapper of `model` (batch 1, cache of max_cache_len)."""
-    # deferred: transformers is optional (only this helper needs it) and slow to import
-    from transformers.integrations.executorch import TorchExportableModuleWithStaticCache
     gc = model.generation_config
     gc.use_cache = True
     gc.cache_implementation = "static"
