@@ -372,7 +372,8 @@ class Runner:
     def entry(self, name: str) -> Runner:
         """Entry point `name`, callable like the runner, sharing its weights and state (also
         `runner.<name>(...)`). An unknown name raises KilnError naming the entry points."""
-        self._check_open()
+        if self._handle is None:
+            raise KilnError(f"kiln: runner for '{self._path}' is closed")
         e = self._entries.get(name)
         if e is None:
             if "entries" not in self._manifest and name == DEFAULT_ENTRY:
@@ -391,6 +392,8 @@ class Runner:
     def _check_open(self) -> None:
         if self._handle is None:
             raise KilnError(f"kiln: runner for '{self._path}' is closed")
+        if self._device.type == "cuda":  # state copies are on the legacy default stream:
+            torch.cuda.synchronize(self._device)  # runs on torch's streams finish first
 
     def reset_state(self) -> None:
         """Every state buffer (KV cache, counters: the buffers the programs update) back to

@@ -203,8 +203,9 @@ KILN_API int kiln_model_run_entry_on_stream(kiln_model *m, const char *entry,
  * kiln_model_num_state counts the buffers (0 for such an older package; -1 when m is NULL),
  * kiln_model_state_name is the name of buffer i (its key in the package's weights, e.g.
  * "b_key_cache_0"), kiln_model_state_nbytes its size (-1 on error); read / write copy all of
- * its bytes to / from host memory (nbytes must equal its size; synchronous, also for CUDA
- * models). kiln_model_copy_state copies every state buffer of src into dst (two handles of
+ * its bytes to / from host memory (nbytes must equal its size; synchronous; for a CUDA model
+ * ordered on the legacy default stream, so a caller whose runs use another stream
+ * synchronises that stream first; the same holds for reset). kiln_model_copy_state copies every state buffer of src into dst (two handles of
  * the same package: e.g. to fork a conversation's KV cache). None of them may overlap a run
  * on the same model from another thread: they wait for it. */
 KILN_API int kiln_model_reset_state(kiln_model *m);
