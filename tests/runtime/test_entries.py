@@ -254,3 +254,36 @@ def test_entries_take_dynamic_prompt_lengths_up_to_the_dim(toy, tmp_path):
     r = c.load(tmp_path / "p.kiln")
     with pytest.raises(kiln.errors.InputError, match="input_ids"):
         r.prefill(torch.zeros(1, 6, dtype=torch.long), torch.arange(6))
+
+
+def test_update_weights_reaches_every_entry_and_resets_state(package, toy):
+    r = kiln.load(package)
+    r.prefill(torch.tensor([[1, 2]]), torch.arange(2))
+    torch.manual_seed(5)
+    fresh = ToyLM()
+    r.update_weights(fresh.state_dict())
+    assert r.state()["cache"].abs().sum() == 0
+    eager = _eager_copy(fresh)
+    ids = torch.tensor([[4, 6, 8]])
+    torch.testing.assert_close(r.prefill(ids, torch.arange(3)), eager(ids, torch.arange(3)))
+    tok = torch.tensor([[3]])
+    torch.testing.assert_close(r.decode(tok, torch.tensor([3])), eager(tok, torch.tensor([3])))
+
+
+def test_cuda_package_of_entries_builds(tmp_path):
+    """Compile-only (no GPU here): a CUDA package of two entries sharing a state buffer has
+    the state functions in each library and the entries in its manifest."""
+    pytest.importorskip("triton")
+    import zipfile
+
+    opts = kiln.Options(cuda_archs=(90,))
+    c = kiln.compile({"a": (_Counter(4), (torch.ones(4),)),
+                      "b": (_Counter(4), (torch.ones(4),))}, device="cuda", options=opts)
+    path = c.save(tmp_path / "c.kiln")
+    assert [e["name"] for e in c.manifest["entries"]] == ["a", "b"]
+    assert c.manifest["device"] == "cuda" and c.manifest["state_abi"] == 1
+    with zipfile.ZipFile(path) as z:
+        for src in ("src/model_cuda.cpp", "entries/b/src/model_cuda.cpp"):
+            text = z.read(src).decode()
+            assert "int share_state(" in text and "state_buffer, share_state" in text
+        assert {"lib/model.so", "entries/b/lib/model.so"} <= set(z.namelist())
