@@ -6,7 +6,6 @@ examples/c/generate.c against eager on a toy language model (tests/runtime/toy_l
 from __future__ import annotations
 
 import copy
-import ctypes
 import json
 import subprocess
 import sys
@@ -106,7 +105,6 @@ def test_bad_entry_names_name_the_entries(package, toy):
     with pytest.raises(AttributeError, match=r"no attribute 'prefil'.*prefill, decode"):
         r.prefil  # noqa: B018
     lib = libkiln()  # the C API says the same
-    x = ctypes.c_int64(0)
     rc = lib.kiln_model_run_entry(r._handle, b"decod", None, 0, None, 0)
     assert rc != 0
     msg = lib.kiln_last_error().decode()
@@ -116,7 +114,6 @@ def test_bad_entry_names_name_the_entries(package, toy):
     assert lib.kiln_model_num_entries(r._handle) == 2
     assert lib.kiln_model_entry_name(r._handle, 1) == b"decode"
     assert lib.kiln_model_entry_name(r._handle, 2) is None
-    del x
     with pytest.raises(KilnError, match="not an identifier"):
         kiln.compile({"1st": entries(toy)["decode"]})
     with pytest.raises(KilnError, match="dict of entry points is empty"):
