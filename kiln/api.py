@@ -24,6 +24,7 @@ from kiln.memory.assign import inplace_report, plan_sizes
 from kiln.memory.report import plan_summary
 from kiln.options import GemmBackend, Options
 from kiln.package import write_package
+from kiln.package import entries as package_entries
 from kiln.pipeline import Built, build, target_of
 from kiln.schedule import Kernel
 from kiln.schedule.steps import CutlassGemm, GemmKernel
@@ -100,6 +101,7 @@ def _manifest(built: Built, opts: Options, report: dict) -> dict[str, Any]:
         "kiln_version": __version__,
         "torch_version": torch.__version__,
         "abi_version": 1,
+        "state_abi": 1,  # the model table has the state functions (kiln_model_abi.h)
         "device": built.device,
         **({built.device: dict(built.info)} if built.info else {}),
         "options": opts.to_json(),
@@ -117,7 +119,8 @@ def _manifest(built: Built, opts: Options, report: dict) -> dict[str, Any]:
         "in_spec": g.in_spec,
         "out_spec": g.out_spec,
         "weights": [{"name": w.name, "fqn": w.fqn, "dtype": w.dtype.name, "shape": list(w.shape),
-                     "nbytes": w.nbytes, **({"permuted": list(w.permuted)} if w.permuted else {}),
+                     "nbytes": w.nbytes, **({"state": True} if w.mutable else {}),
+                     **({"permuted": list(w.permuted)} if w.permuted else {}),
                      **({"packed": dict(w.packed)} if w.packed else {})}
                     for w in built.program.weights],
         "kernels": _kernels_json(built),
@@ -373,7 +376,17 @@ def compile(model, example_args=None, *, example_kwargs=None, dynamic_shapes=Non
             progress: Callable[[str, int, int], None] | None = None) -> CompiledModel:
     """Compile an ExportedProgram (or an nn.Module, a function or an op overload, with example
     inputs) ahead of time. `progress(stage, k, n)` is told each stage as it starts (the CLI
-    draws it; see kiln.pipeline.build)."""
+    draws it; see kiln.pipeline.build).
+
+    Several entry points in one package: `model` a dict {name: ExportedProgram or (module,
+    example_args[, dynamic_shapes[, example_kwargs]])}, e.g. {"prefill": ..., "decode": ...};
+    returns a `CompiledPackage` whose entries share weights (same FQN and values: stored once)
+    and state buffers (same FQN: one buffer per loaded instance, e.g. a KV cache)."""
+    if isinstance(model, dict):
+        if example_args is not None or example_kwargs is not None or dynamic_shapes is not None:
+            raise KilnError("kiln.compile: with a dict of entry points, give each entry's "
+                            "example_args and dynamic_shapes in its tuple, not as arguments")
+        return _compile_entries(model, device, options, progress)
     target_of(device)  # refuses a device no target compiles for
     opts = options or Options()
     t0 = time.perf_counter()
@@ -418,3 +431,57 @@ def compile(model, example_args=None, *, example_kwargs=None, dynamic_shapes=Non
     report["gemm_check"] = check
     manifest["build"] = {**manifest["build"], "compile_seconds": total, "gemm_check": check}
     return CompiledModel(built, manifest, report)
+
+
+@dataclass(frozen=True)
+class CompiledPackage:
+    """The result of `kiln.compile({name: ...})`: one package of several entry points
+    (kiln/package/entries.py); `entries[name]` is each entry's CompiledModel."""
+
+    entries: dict[str, CompiledModel]
+    manifest: dict[str, Any]
+    files: dict[str, bytes]
+    weights: dict[str, torch.Tensor]
+    report: dict[str, Any]
+
+    def save(self, path: str | os.PathLike[str]) -> Path:
+        write_package(path, self.manifest, self.files, self.weights)
+        return Path(path)
+
+    def load(self, path: str | os.PathLike[str] | None = None, device: str | None = None):
+        """Save (to `path`, or next to the first entry's cached library) and load."""
+        first = next(iter(self.entries.values())).built
+        target = Path(path) if path else Path(first.library).with_name("entries.kiln")
+        self.save(target)
+        return load(target, device or first.device)
+
+
+def _entry_args(name: str, spec) -> tuple:
+    """(model, example_args, dynamic_shapes, example_kwargs) of one entry's spec."""
+    if isinstance(spec, torch.export.ExportedProgram):
+        return spec, None, None, None
+    if isinstance(spec, (tuple, list)) and 2 <= len(spec) <= 4:
+        model, args, *rest = spec
+        return model, args, rest[0] if rest else None, rest[1] if len(rest) > 1 else None
+    raise KilnError(f"kiln.compile: entry point {name!r}: expected an ExportedProgram or a "
+                    f"tuple (model, example_args[, dynamic_shapes[, example_kwargs]]), got "
+                    f"{type(spec).__name__}")
+
+
+def _compile_entries(specs: dict, device: str, options: Options | None,
+                     progress: Callable[[str, int, int], None] | None) -> CompiledPackage:
+    package_entries.check_entry_names(list(specs))
+    compiled: dict[str, CompiledModel] = {}
+    for name, spec in specs.items():
+        model, args, dyn, kwargs = _entry_args(name, spec)
+        tell = None if progress is None else \
+            (lambda stage, k, n, _name=name: progress(f"{_name}: {stage}", k, n))
+        compiled[name] = compile(model, args, example_kwargs=kwargs, dynamic_shapes=dyn,
+                                 device=device, options=options, progress=tell)
+    manifest, files, weights = package_entries.merge(
+        [(name, c.manifest, _package_files(c.built), c.built.weights)
+         for name, c in compiled.items()])
+    report = {"compile_seconds": sum(c.report["compile_seconds"] for c in compiled.values()),
+              "weights_bytes": sum(t.numel() * t.element_size() for t in weights.values()),
+              "entries": {name: c.report for name, c in compiled.items()}}
+    return CompiledPackage(compiled, manifest, files, weights, report)

@@ -117,7 +117,23 @@ def _summary(manifest: dict[str, Any], package: str) -> dict[str, Any]:
                   if isinstance(k.get("gemm"), dict)],
         "plan": plan_summary(manifest),
         "cpu": cpu_summary(manifest),
+        # every entry point (a package of one program: "forward") and the state they share
+        "entry_points": [{"name": e.get("name"), "library": e.get("library"),
+                          "inputs": entries(e.get("inputs")),
+                          "outputs": entries(e.get("outputs"))}
+                         for e in entries(manifest.get("entries"))] or
+                        [{"name": "forward", "library": "lib/model.so",
+                          "inputs": entries(manifest.get("inputs")),
+                          "outputs": entries(manifest.get("outputs"))}],
+        "state": [{"name": w.get("name"), "fqn": w.get("fqn"), "dtype": w.get("dtype"),
+                   "shape": w.get("shape"), "nbytes": w.get("nbytes")}
+                  for w in weights if w.get("state")],
     }
+
+
+def _signature(tensors: list[dict[str, Any]]) -> str:
+    return ", ".join(f"{t.get('name', '?')} {t.get('dtype', '?')}{fmt_shape(t.get('shape'))}"
+                     for t in tensors)
 
 
 def _print_cpu(cpu: dict[str, Any]) -> None:
@@ -202,8 +218,20 @@ def cmd_inspect(args: argparse.Namespace) -> int:
     for name, s in summary["symbols"].items():
         console.print(escape(f"  {name}: range [{s.get('min', '?')}, {s.get('max', '?')}], "
                              f"example {s.get('example', '?')}"))
+    if "entries" in manifest:
+        console.print(f"entry points: {len(summary['entry_points'])} (inputs and outputs above: "
+                      f"the first one's)")
+        for e in summary["entry_points"]:
+            console.print(escape(f"  {e['name']}({_signature(e['inputs'])}) -> "
+                                 f"{_signature(e['outputs'])}  [{e['library']}]"),
+                          highlight=False)
     w = summary["weights"]
     console.print(f"weights: {w['count']} tensors, {fmt_bytes(w['bytes'])}")
+    if summary["state"]:
+        console.print(f"state: {len(summary['state'])} buffers, "
+                      f"{fmt_bytes(sum(int(x['nbytes'] or 0) for x in summary['state']))} "
+                      "(updated by the runs, one copy per loaded model, shared by the entry "
+                      "points)")
     kernels = summary["kernels"]
     kinds: dict[str, int] = {}
     for k in kernels:

@@ -76,6 +76,21 @@ def build_parser() -> argparse.ArgumentParser:
     rp.add_argument("--repeat", type=int, default=20, help="profiling runs")
     rp.set_defaults(func=lambda a: _lazy("kiln.cli.commands", "cmd_report")(a))
 
+    g = sub.add_parser("generate", help="generate tokens with a prefill/decode package")
+    g.add_argument("package", help="a package with entry points prefill and decode "
+                                   "(kiln.models.hf_decoder.export_decoder)")
+    g.add_argument("--prompt-ids", required=True, metavar="ID,ID,...",
+                   help="the prompt's token ids, comma-separated")
+    g.add_argument("--max-new-tokens", type=int, default=32)
+    g.add_argument("--temperature", type=float, default=0.0, help="0: greedy (the default)")
+    g.add_argument("--top-k", type=int, default=0, help="keep the k most likely (0: all)")
+    g.add_argument("--top-p", type=float, default=1.0, help="nucleus mass (1: all)")
+    g.add_argument("--seed", type=int, default=0, help="the sampler's seed")
+    g.add_argument("--stop", type=int, default=None, metavar="ID", help="stop at this token")
+    g.add_argument("--threads", type=int, default=None, help="OpenMP threads per run")
+    g.add_argument("--json", action="store_true", help="tokens and timings as JSON")
+    g.set_defaults(func=lambda a: _lazy("kiln.cli.generate_cmd", "cmd_generate")(a))
+
     d = sub.add_parser("demo", help="compile, run and check the bundled demo model")
     d.add_argument("--repeat", type=int, default=50, help="timed runs (median reported)")
     d.add_argument("--keep", metavar="DIR", help="keep the package in DIR")

@@ -6,6 +6,8 @@ from __future__ import annotations
 
 from kiln.runtime.build import build_libkiln, include_dir
 from kiln.runtime.comm import nccl_unique_id
+from kiln.runtime.generation import Generation, Sampler, generate
 from kiln.runtime.loader import Runner, cpu_supports, load
 
-__all__ = ["Runner", "build_libkiln", "cpu_supports", "include_dir", "load", "nccl_unique_id"]
+__all__ = ["Generation", "Runner", "Sampler", "build_libkiln", "cpu_supports", "generate",
+           "include_dir", "load", "nccl_unique_id"]

@@ -34,6 +34,7 @@ from torch.utils import _pytree as pytree
 
 from kiln.errors import InputError, KilnError, PackageError, UnsupportedError
 from kiln.package import read_package
+from kiln.package.entries import DEFAULT_ENTRY, entry_manifest, entry_names
 from kiln.runtime import dlpack_ctypes as dl
 from kiln.runtime import comm
 from kiln.runtime.build import build_libkiln
@@ -111,6 +112,24 @@ def libkiln() -> ctypes.CDLL:
     lib.kiln_cpu_supports.argtypes = [ctypes.c_char_p]
     lib.kiln_model_cpu_level.restype = ctypes.c_char_p
     lib.kiln_model_cpu_level.argtypes = [vp]
+    cp, sz = ctypes.c_char_p, ctypes.c_size_t
+    for name, res, args in (  # minor 5: entry points, state, sampling
+            ("kiln_model_num_entries", i64, [vp]),
+            ("kiln_model_entry_name", cp, [vp, i64]),
+            ("kiln_model_entry_num_inputs", i64, [vp, cp]),
+            ("kiln_model_entry_num_outputs", i64, [vp, cp]),
+            ("kiln_model_reset_state", ctypes.c_int, [vp]),
+            ("kiln_model_num_state", i64, [vp]),
+            ("kiln_model_state_name", cp, [vp, i64]),
+            ("kiln_model_state_nbytes", i64, [vp, i64]),
+            ("kiln_model_read_state", ctypes.c_int, [vp, i64, vp, sz]),
+            ("kiln_model_write_state", ctypes.c_int, [vp, i64, vp, sz]),
+            ("kiln_model_copy_state", ctypes.c_int, [vp, vp]),
+            ("kiln_sample", ctypes.c_int, [ctypes.POINTER(dl.DLTensor), ctypes.c_float, i64,
+                                           ctypes.c_float, ctypes.POINTER(ctypes.c_uint64),
+                                           ctypes.POINTER(i64)])):
+        getattr(lib, name).restype = res
+        getattr(lib, name).argtypes = args
     if lib.kiln_abi_version() != KILN_ABI_VERSION:
         raise KilnError(f"libkiln ABI version {lib.kiln_abi_version()}, expected "
                         f"{KILN_ABI_VERSION}")
@@ -219,11 +238,7 @@ class Runner:
         if self._device.type == "cuda":
             _preload_cublas()
         self._manifest = read_package(self._path).manifest
-        m = self._manifest
-        self._in_spec = pytree.treespec_loads(m["in_spec"]) if "in_spec" in m else None
-        self._out_spec = pytree.treespec_loads(m["out_spec"]) if "out_spec" in m else None
-        self._names = [str(i.get("name", f"arg{k}")) if isinstance(i, dict) else f"arg{k}"
-                       for k, i in enumerate(m.get("inputs", []))]
+        self._entries: dict[str, _Entry] = {}
         self._lib = libkiln()
         handle = ctypes.c_void_p()
         if self._lib.kiln_model_load(os.fsencode(self._path), str(self._device).encode(),
@@ -236,8 +251,24 @@ class Runner:
             except (KilnError, TypeError):
                 self.close()
                 raise
-        self._n_in = int(self._lib.kiln_model_num_inputs(handle))
-        self._n_out = int(self._lib.kiln_model_num_outputs(handle))
+        self._bind(self._manifest, None)
+
+    def _bind(self, m: Mapping[str, Any], entry: str | None) -> None:
+        """The call machinery of one entry point (None: the default one) from its manifest."""
+        self._in_spec = pytree.treespec_loads(m["in_spec"]) if "in_spec" in m else None
+        self._out_spec = pytree.treespec_loads(m["out_spec"]) if "out_spec" in m else None
+        self._names = [str(i.get("name", f"arg{k}")) if isinstance(i, dict) else f"arg{k}"
+                       for k, i in enumerate(m.get("inputs", []))]
+        self._inputs = [i for i in m.get("inputs", []) if isinstance(i, dict)]
+        handle = self._handle
+        if entry is None:
+            self._n_in = int(self._lib.kiln_model_num_inputs(handle))
+            self._n_out = int(self._lib.kiln_model_num_outputs(handle))
+        else:
+            self._n_in = int(self._lib.kiln_model_entry_num_inputs(handle, entry.encode()))
+            self._n_out = int(self._lib.kiln_model_entry_num_outputs(handle, entry.encode()))
+            if self._n_in < 0 or self._n_out < 0:
+                raise KilnError(last_error())
         self._constants = {int(c["index"]): c for c in m.get("constant_inputs", [])}
         self._int_outputs = [k for k, o in enumerate(m.get("outputs", []))
                              if isinstance(o, dict) and o.get("python_int")]
@@ -266,6 +297,14 @@ class Runner:
         self._free: list[_Scratch] = []  # idle scratch buffers (one per call in flight)
         vp, i64 = ctypes.c_void_p, ctypes.c_int64
         self._cuda = self._device.type == "cuda"
+        if entry is not None:  # kiln_model_run_entry(_on_stream) with the entry's name
+            fn = self._lib["kiln_model_run_entry_on_stream" if self._cuda else
+                           "kiln_model_run_entry"]
+            fn.argtypes = [vp, ctypes.c_char_p, vp, i64, vp, i64] + [vp] * self._cuda
+            fn.restype = ctypes.c_int
+            name = entry.encode()
+            self._run_raw = lambda h, *rest: fn(h, name, *rest)
+            return
         if self._cuda:
             self._run_raw = self._lib["kiln_model_run_on_stream"]  # a fresh function object
             self._run_raw.argtypes = [vp, vp, i64, vp, i64, vp]
@@ -314,6 +353,113 @@ class Runner:
                             f"(0: automatic), got {n}")
         if self._lib.kiln_model_set_num_threads(self._handle, n):
             raise KilnError(last_error())
+
+    @property
+    def input_specs(self) -> list[dict[str, Any]]:
+        """The manifest's records of this entry point's flat inputs (name, dtype, shape)."""
+        return list(self._inputs)
+
+    @property
+    def positional(self) -> bool:
+        """Whether the program takes its inputs as plain positional arguments."""
+        return self._in_spec is None or self._positional
+
+    @property
+    def entries(self) -> list[str]:
+        """The package's entry points ("forward" for a package of one program)."""
+        return entry_names(self._manifest)
+
+    def entry(self, name: str) -> Runner:
+        """Entry point `name`, callable like the runner, sharing its weights and state (also
+        `runner.<name>(...)`). An unknown name raises KilnError naming the entry points."""
+        if self._handle is None:
+            raise KilnError(f"kiln: runner for '{self._path}' is closed")
+        e = self._entries.get(name)
+        if e is None:
+            if "entries" not in self._manifest and name == DEFAULT_ENTRY:
+                return self
+            e = self._entries[name] = _Entry(self, name, entry_manifest(self._manifest, name))
+        return e
+
+    def __getattr__(self, name: str) -> Any:
+        if name.startswith("_") or "_manifest" not in self.__dict__:
+            raise AttributeError(name)
+        if name in entry_names(self._manifest):
+            return self.entry(name)
+        raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r} (the "
+                             f"package's entry points: {', '.join(self.entries)})")
+
+    def _check_open(self) -> None:
+        if self._handle is None:
+            raise KilnError(f"kiln: runner for '{self._path}' is closed")
+        if self._device.type == "cuda":  # state copies are on the legacy default stream:
+            torch.cuda.synchronize(self._device)  # runs on torch's streams finish first
+
+    def reset_state(self) -> None:
+        """Every state buffer (KV cache, counters: the buffers the programs update) back to
+        its value in the package (or in the last update_weights)."""
+        self._check_open()
+        if self._lib.kiln_model_reset_state(self._handle):
+            raise KilnError(last_error())
+
+    def _state_slots(self) -> list[tuple[int, str, dict[str, Any]]]:
+        """(index, key, manifest weight record) of each state buffer."""
+        self._check_open()
+        records = {w["name"]: w for w in self._manifest.get("weights", [])}
+        out = []
+        for i in range(int(self._lib.kiln_model_num_state(self._handle))):
+            key = self._lib.kiln_model_state_name(self._handle, i)
+            if key is None:
+                raise KilnError(last_error())
+            key = key.decode()
+            out.append((i, key, records.get(key, {"name": key, "fqn": key})))
+        return out
+
+    def state(self) -> dict[str, torch.Tensor]:
+        """A copy of every state buffer, by FQN (CPU tensors): load_state takes it back, into
+        this runner or another handle of the same package."""
+        out = {}
+        for i, key, rec in self._state_slots():
+            n = int(self._lib.kiln_model_state_nbytes(self._handle, i))
+            t = torch.empty(rec["shape"], dtype=getattr(torch, rec["dtype"])) if "shape" in rec \
+                else torch.empty(n, dtype=torch.uint8)
+            if t.numel() * t.element_size() != n:
+                raise KilnError(f"state buffer {key!r}: {n} bytes, the manifest says "
+                                f"{rec.get('dtype')}{rec.get('shape')}")
+            if self._lib.kiln_model_read_state(self._handle, i, t.data_ptr(), n):
+                raise KilnError(last_error())
+            out[rec.get("fqn") or key] = t
+        return out
+
+    def load_state(self, state: Mapping[str, Any] | Runner) -> None:
+        """Sets the state buffers: from `state()`'s dict (keys FQNs or the package's names;
+        every buffer must be given) or from another Runner of the same package (its state
+        copied, e.g. to fork a KV cache)."""
+        self._check_open()
+        if isinstance(state, Runner):
+            state._check_open()
+            if self._lib.kiln_model_copy_state(self._handle, state._handle):
+                raise KilnError(last_error())
+            return
+        slots = self._state_slots()
+        given = {}
+        for i, key, rec in slots:
+            t = state.get(rec.get("fqn"), state.get(key)) if rec.get("fqn") else state.get(key)
+            if t is None:
+                raise InputError(f"load_state: missing state buffer {rec.get('fqn') or key!r} "
+                                 f"(the model's: {', '.join(r.get('fqn') or k for _, k, r in slots)})")
+            if not isinstance(t, torch.Tensor):
+                raise InputError(f"load_state: {key!r}: expected a tensor, got "
+                                 f"{type(t).__name__}")
+            want = (str(t.dtype).removeprefix("torch."), list(t.shape))
+            if "shape" in rec and want != (rec["dtype"], list(rec["shape"])):
+                raise InputError(f"load_state: state buffer {rec.get('fqn') or key!r}: expected "
+                                 f"{rec['dtype']}{list(rec['shape'])}, got {want[0]}{want[1]}")
+            given[i] = t.detach().to("cpu").contiguous()
+        for i, t in given.items():
+            if self._lib.kiln_model_write_state(self._handle, i, t.data_ptr(),
+                                                t.numel() * t.element_size()):
+                raise KilnError(last_error())
 
     def close(self) -> None:
         handle, self._handle = self._handle, None
@@ -517,13 +663,14 @@ class Runner:
         structs = [self._dltensor(i, t, keep) for i, t in enumerate(flat)]
         inputs = self._inputs_t(*[ctypes.pointer(s) for s in structs])
         outputs = self._outputs_t()
+        args = (self._handle, ctypes.addressof(inputs), self._n_in, ctypes.addressof(outputs),
+                self._n_out)
         if self._device.type == "cuda":
             stream = (_raw_stream(self._device.index) if _raw_stream is not None else
                       torch.cuda.current_stream(self._device).cuda_stream)
-            rc = self._lib.kiln_model_run_on_stream(self._handle, inputs, self._n_in, outputs,
-                                                    self._n_out, stream)
+            rc = self._run_raw(*args, stream)
         else:
-            rc = self._lib.kiln_model_run(self._handle, inputs, self._n_in, outputs, self._n_out)
+            rc = self._run_raw(*args)
         if rc:
             msg = last_error()
             raise (InputError if msg.startswith("input ") else KilnError)(msg)
@@ -536,6 +683,29 @@ class Runner:
 
 
 _MISS = object()  # _call_fast: not a fast-path call
+
+
+class _Entry(Runner):
+    """One entry point of a loaded package (`Runner.entry`): called like the Runner, on the
+    runner's handle, weights and state; closing the runner closes it."""
+
+    def __init__(self, parent: Runner, name: str, manifest: Mapping[str, Any]) -> None:
+        self._parent = parent
+        self._path, self._device, self._lib = parent._path, parent._device, parent._lib
+        self._manifest = parent._manifest
+        self._entries = parent._entries
+        self._entry_name = name
+        self._bind(manifest, name)
+
+    @property
+    def _handle(self):  # the runner's (None once it is closed)
+        return self._parent._handle
+
+    def close(self) -> None:  # the runner owns the handle
+        pass
+
+    def __repr__(self) -> str:
+        return f"<kiln entry point {self._entry_name!r} of {self._path}>"
 
 
 class _Alias:

@@ -25,13 +25,13 @@ RNG_FQN = "<rng state>"  # kiln.frontend.export.RNG_FQN (the runtime imports no 
 def checked_tensors(manifest: Mapping[str, Any], state: Mapping[str, Any]
                     ) -> dict[str, torch.Tensor]:
     specs = manifest.get("weights", [])
-    by_key = {w["fqn"]: w for w in specs}
-    by_key.update({w["name"]: w for w in specs})
     out: dict[str, torch.Tensor] = {}
-    for key, t in state.items():
-        w = by_key.get(key)
-        if w is None:
-            continue
+    # each weight by its name, else by its FQN (a package of several entry points may store
+    # one FQN under several names: other values or layouts per entry)
+    pairs = [(w["name"] if w["name"] in state else w["fqn"], w) for w in specs
+             if w["name"] in state or w["fqn"] in state]
+    for key, w in pairs:
+        t = state[key]
         if not isinstance(t, torch.Tensor):
             raise InputError(f"weight {key!r}: expected a tensor, got {type(t).__name__}")
         if w.get("permuted") and key == w["fqn"] and key != w["name"]:

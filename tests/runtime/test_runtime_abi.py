@@ -264,7 +264,14 @@ def test_libkiln_exports_only_api(libkiln_path: pathlib.Path) -> None:
                      "kiln_model_free", "kiln_model_update_weights",
                      "kiln_model_run_on_stream", "kiln_model_set_num_threads",
                      "kiln_model_num_threads", "kiln_cpu_supports", "kiln_model_set_comm",
-                     "kiln_model_cpu_level"}
+                     "kiln_model_cpu_level",
+                     # minor 5: entry points, state, sampling
+                     "kiln_model_num_entries", "kiln_model_entry_name",
+                     "kiln_model_entry_num_inputs", "kiln_model_entry_num_outputs",
+                     "kiln_model_run_entry", "kiln_model_run_entry_on_stream",
+                     "kiln_model_reset_state", "kiln_model_num_state", "kiln_model_state_name",
+                     "kiln_model_state_nbytes", "kiln_model_read_state",
+                     "kiln_model_write_state", "kiln_model_copy_state", "kiln_sample"}
 
 
 # --- C level, in subprocesses (a crash fails the test instead of killing pytest) ----------------

@@ -43,8 +43,13 @@
 /* 1: kiln_abi_minor, kiln_model_set_num_threads, kiln_model_num_threads
  * 2: kiln_cpu_supports
  * 3: kiln_model_set_comm
- * 4: kiln_model_cpu_level */
-#define KILN_ABI_MINOR 4
+ * 4: kiln_model_cpu_level
+ * 5: entry points (kiln_model_num_entries, kiln_model_entry_name, kiln_model_entry_num_inputs,
+ *    kiln_model_entry_num_outputs, kiln_model_run_entry, kiln_model_run_entry_on_stream),
+ *    state (kiln_model_reset_state, kiln_model_num_state, kiln_model_state_name,
+ *    kiln_model_state_nbytes, kiln_model_read_state, kiln_model_write_state,
+ *    kiln_model_copy_state) and kiln_sample */
+#define KILN_ABI_MINOR 5
 
 #if defined(_WIN32)
 #define KILN_API
@@ -164,6 +169,64 @@ KILN_API int kiln_model_set_comm(kiln_model *m, int rank, int world_size, const 
  * "native", "x86-64-v3", "" when compiled without -march). Valid until kiln_model_free; NULL
  * when m is NULL. */
 KILN_API const char *kiln_model_cpu_level(const kiln_model *m);
+
+/* Entry points (minor 5). A package compiled from several programs (kiln.compile({"prefill":
+ * ..., "decode": ...})) has one entry point per program; they share the package's weights and
+ * the model's state buffers (the buffers the programs update, e.g. a KV cache: one copy per
+ * kiln_model, read and written by every entry point). A package of one program has one entry
+ * point, "forward". kiln_model_run, kiln_model_num_inputs and kiln_model_num_outputs are those
+ * of the first entry point. */
+KILN_API int64_t kiln_model_num_entries(const kiln_model *m);  /* -1 when m is NULL */
+/* The name of entry point i in [0, kiln_model_num_entries); valid until kiln_model_free; NULL
+ * (with kiln_last_error set) when m is NULL or i out of range. */
+KILN_API const char *kiln_model_entry_name(const kiln_model *m, int64_t i);
+/* Flat inputs / outputs of the named entry point; -1 (kiln_last_error names the entry points
+ * the package has) when there is no such entry. */
+KILN_API int64_t kiln_model_entry_num_inputs(const kiln_model *m, const char *entry);
+KILN_API int64_t kiln_model_entry_num_outputs(const kiln_model *m, const char *entry);
+/* kiln_model_run / kiln_model_run_on_stream of the named entry point; an unknown name fails
+ * with "kiln_model_run_entry: package '<path>' has no entry point '<name>' (its entry points:
+ * prefill, decode)". Runs of all entry points of one model are serialised. */
+KILN_API int kiln_model_run_entry(kiln_model *m, const char *entry, const DLTensor *const *inputs,
+                                  int64_t n_inputs, DLManagedTensor **outputs,
+                                  int64_t n_outputs);
+KILN_API int kiln_model_run_entry_on_stream(kiln_model *m, const char *entry,
+                                            const DLTensor *const *inputs, int64_t n_inputs,
+                                            DLManagedTensor **outputs, int64_t n_outputs,
+                                            void *cuda_stream);
+
+/* State (minor 5): the buffers the model's programs update (registered buffers written in
+ * place: a KV cache, a counter, batch-norm running statistics), one copy per kiln_model.
+ * kiln_model_reset_state sets every one back to its value in the package (or in the weights
+ * given to kiln_model_update_weights, which also resets them). The others need a package
+ * written by a kiln with state functions (manifest "state_abi"), else they fail saying so:
+ * kiln_model_num_state counts the buffers (0 for such an older package; -1 when m is NULL),
+ * kiln_model_state_name is the name of buffer i (its key in the package's weights, e.g.
+ * "b_key_cache_0"), kiln_model_state_nbytes its size (-1 on error); read / write copy all of
+ * its bytes to / from host memory (nbytes must equal its size; synchronous; for a CUDA model
+ * ordered on the legacy default stream, so a caller whose runs use another stream
+ * synchronises that stream first; the same holds for reset). kiln_model_copy_state copies every state buffer of src into dst (two handles of
+ * the same package: e.g. to fork a conversation's KV cache). None of them may overlap a run
+ * on the same model from another thread: they wait for it. */
+KILN_API int kiln_model_reset_state(kiln_model *m);
+KILN_API int64_t kiln_model_num_state(const kiln_model *m);
+KILN_API const char *kiln_model_state_name(const kiln_model *m, int64_t i);
+KILN_API int64_t kiln_model_state_nbytes(const kiln_model *m, int64_t i);
+KILN_API int kiln_model_read_state(kiln_model *m, int64_t i, void *host, size_t nbytes);
+KILN_API int kiln_model_write_state(kiln_model *m, int64_t i, const void *host, size_t nbytes);
+KILN_API int kiln_model_copy_state(kiln_model *dst, kiln_model *src);
+
+/* The next token from logits (minor 5): the last row of `logits` (shape [..., V], host
+ * memory, any strides; float32, float64, float16 or bfloat16) -> *token in [0, V).
+ * temperature <= 0: greedy, the first index of the largest logit (rng_state unused, may be
+ * NULL). Otherwise p = softmax(logits / temperature); top_k > 0 keeps the k most likely
+ * tokens (0: all); then 0 < top_p < 1 keeps the fewest most likely tokens whose probability
+ * mass reaches top_p (0 or 1: all); one token is drawn from the kept ones, renormalised, with
+ * the next number of the generator whose 64-bit state is *rng_state (splitmix64; set it to a
+ * seed once, then pass it to every call: the same seed gives the same tokens anywhere).
+ * Returns 0, or non-zero with kiln_last_error() set (bad arguments, NaN logits). */
+KILN_API int kiln_sample(const DLTensor *logits, float temperature, int64_t top_k, float top_p,
+                         uint64_t *rng_state, int64_t *token);
 
 /* Releases a model (its weights mapping and instance). NULL is allowed and does nothing.
  * Outputs produced earlier stay valid. Must not be called while a run on m is in progress. */

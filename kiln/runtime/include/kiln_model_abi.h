@@ -53,6 +53,21 @@ typedef struct kiln_model_abi {
                        size_t errlen);
   void *(*create_on_device)(int32_t device_id, const void *const *weights, char *err,
                             size_t errlen);
+  /* Added for state (read by libkiln only when the manifest has "state_abi": 1; older tables
+   * end at create_on_device). k indexes the weights; a state weight is one the program updates
+   * (a KV cache, a counter), of which each instance owns a writable copy (device memory on
+   * CUDA), initialised from `weights` at create.
+   *  - state_buffer: the address of state weight k; NULL when weight k is not state.
+   *  - share_state: the instance uses `buffer` (state_buffer of another instance of the same
+   *    package, same bytes) for state k from now on, instead of its own copy; the buffer stays
+   *    its owner's, which libkiln destroys last. Called before the first run (libkiln: the
+   *    entry points of one package share their state buffers by name).
+   *  - read_state / write_state: copy weight_nbytes[k] bytes of state k to / from host memory,
+   *    synchronously (libkiln: reset, and copying a cache between handles). */
+  void *(*state_buffer)(void *instance, int64_t k);
+  int (*share_state)(void *instance, int64_t k, void *buffer, char *err, size_t errlen);
+  int (*read_state)(void *instance, int64_t k, void *host, char *err, size_t errlen);
+  int (*write_state)(void *instance, int64_t k, const void *host, char *err, size_t errlen);
 } kiln_model_abi;
 
 typedef const kiln_model_abi *(*kiln_model_abi_fn)(void);

@@ -96,11 +96,43 @@ class FileMap {
 };
 }  // namespace kiln
 
+namespace kiln {
+// One build of the package's code: its library entry, the -march it was compiled with and
+// the instruction-set extensions it executes.
+struct CpuLevel {
+  std::string march;
+  std::string library = "lib/model.so";
+  std::vector<std::string> features;
+};
+
+// An entry point of the package (manifest "entries"; a package without them has one, the
+// default, named "forward"): its library and its instance.
+struct ModelEntry {
+  std::string name;
+  std::map<std::string, std::string> keys;  // library weight name -> weights blob key
+  std::vector<CpuLevel> levels;  // requires.cpu_levels, else the one build
+  bool portable = false;
+  const kiln_model_abi *abi = nullptr;
+  void *instance = nullptr;
+};
+
+// A state buffer (a weight the programs update: a KV cache), one per loaded model, shared by
+// every entry that reads it: owned by the instance of entry `entry` (its weight k).
+struct StateSlot {
+  std::string key;  // its key in the weights blob
+  size_t entry = 0;
+  int64_t k = 0;
+  int64_t nbytes = 0;
+  const void *initial = nullptr;  // its value in the weights blob (kiln_model_reset_state)
+};
+}  // namespace kiln
+
 struct kiln_model {
   std::unique_ptr<kiln::ZipReader> package;  // owns the mapping the weights point into
   std::unique_ptr<kiln::FileMap> weights_file;  // set once weights were replaced
-  const kiln_model_abi *abi = nullptr;
-  void *instance = nullptr;
+  std::vector<kiln::ModelEntry> entries;  // [0]: the default entry (kiln_model_run)
+  bool state_abi = false;  // the tables have the state functions (manifest "state_abi")
+  std::vector<kiln::StateSlot> state;  // under mu
   int32_t device_type = kDLCPU;  // kDLCUDA: the table's device fields are valid
   int32_t device_id = 0;
   std::map<std::string, std::vector<int64_t>> weight_shapes;  // from the manifest, by name
@@ -175,21 +207,16 @@ int guarded(F &&body) {
 constexpr const char *kSchema = "kiln.manifest/1";
 constexpr int64_t kManifestAbi = 1;
 
-// One build of the package's code: its library entry, the -march it was compiled with and
-// the instruction-set extensions it executes.
-struct CpuLevel {
-  std::string march;
-  std::string library = "lib/model.so";
-  std::vector<std::string> features;
-};
+using kiln::CpuLevel;
+using kiln::ModelEntry;
 
 struct ManifestInfo {
   std::string device;
   std::map<std::string, std::vector<int64_t>> weight_shapes;
-  // requires.cpu_levels of a portable package (best first), else the one build:
-  // lib/model.so, requires.cpu_features, build.march
-  std::vector<CpuLevel> levels;
-  bool portable = false;
+  // per entry point: requires.cpu_levels of a portable package (best first), else the one
+  // build: its library, requires.cpu_features, build.march
+  std::vector<ModelEntry> entries;
+  bool state_abi = false;
 };
 
 // A list of strings (`key` of `obj`; absent: empty, as in packages from before it).
@@ -211,13 +238,12 @@ std::string string_field(const kiln::Json *obj, const char *key) {
 }
 
 // requires.cpu_levels (a portable package), else one level from requires.cpu_features.
-void cpu_levels(const kiln::Json &man, const std::string &what, ManifestInfo *info) {
-  const kiln::Json *req = man.get("requires");
+void cpu_levels(const kiln::Json *req, const std::string &march, const std::string &library,
+                const std::string &what, ModelEntry *info) {
   const kiln::Json *ls = req && req->type == kiln::Json::Object ? req->get("cpu_levels")
                                                                 : nullptr;
   if (!ls) {
-    info->levels.push_back({string_field(man.get("build"), "march"), "lib/model.so",
-                            strings(req, "cpu_features", what + ": requires")});
+    info->levels.push_back({march, library, strings(req, "cpu_features", what + ": requires")});
     return;
   }
   if (ls->type != kiln::Json::Array || ls->items.empty()) {
@@ -246,7 +272,7 @@ void lacking(const CpuLevel &level, std::string *missing, std::string *unknown) 
 
 // The first level whose features this CPU has; fails, naming what each level lacks, when
 // there is none (before any of the package's code is mapped).
-const CpuLevel &pick_level(const ManifestInfo &info, const char *path) {
+const CpuLevel &pick_level(const ModelEntry &info, const char *path) {
   std::string why;
   for (const CpuLevel &lv : info.levels) {
     std::string missing, unknown;
@@ -345,7 +371,40 @@ ManifestInfo check_manifest(const kiln::ZipReader &zip) {
   ManifestInfo info;
   info.device = dev && dev->type == kiln::Json::String ? dev->str : std::string("cpu");
   info.weight_shapes = weight_shapes(man);
-  cpu_levels(man, what, &info);
+  const kiln::Json *sa = man.get("state_abi");
+  info.state_abi = sa && sa->is_int && sa->integer >= 1;
+  const std::string march = string_field(man.get("build"), "march");
+  const kiln::Json *es = man.get("entries");
+  if (!es) {  // one entry point: the package's top level
+    ModelEntry e;
+    e.name = "forward";
+    cpu_levels(man.get("requires"), march, "lib/model.so", what, &e);
+    info.entries.push_back(std::move(e));
+    return info;
+  }
+  if (es->type != kiln::Json::Array || es->items.empty()) {
+    kiln::fail("%s: \"entries\" is not a non-empty list", what.c_str());
+  }
+  for (const kiln::Json &j : es->items) {
+    ModelEntry e;
+    e.name = string_field(&j, "name");
+    const std::string library = string_field(&j, "library");
+    if (e.name.empty() || library.empty()) {
+      kiln::fail("%s: an entry of \"entries\" lacks its \"name\" or \"library\"", what.c_str());
+    }
+    const kiln::Json *keys = j.get("weights");
+    if (keys && keys->type == kiln::Json::Object) {
+      for (const auto &kv : keys->members) {
+        if (kv.second.type != kiln::Json::String) {
+          kiln::fail("%s: entry '%s': weights[%s] is not a string", what.c_str(),
+                     e.name.c_str(), kv.first.c_str());
+        }
+        e.keys[kv.first] = kv.second.str;
+      }
+    }
+    cpu_levels(j.get("requires"), march, library, what + ": entry '" + e.name + "'", &e);
+    info.entries.push_back(std::move(e));
+  }
   return info;
 }
 
@@ -364,10 +423,11 @@ void parse_device(const char *device, int32_t *type, int32_t *id) {
              device);
 }
 
-void *create_instance(kiln_model *m, const std::vector<const void *> &w, char *err, size_t n) {
+void *create_instance(kiln_model *m, const kiln_model_abi *abi,
+                      const std::vector<const void *> &w, char *err, size_t n) {
   const void *const *p = w.empty() ? nullptr : w.data();
-  if (m->device_type == kDLCUDA) return m->abi->create_on_device(m->device_id, p, err, n);
-  return m->abi->create(p, err, n);
+  if (m->device_type == kDLCUDA) return abi->create_on_device(m->device_id, p, err, n);
+  return abi->create(p, err, n);
 }
 
 const kiln_model_abi *open_library(const kiln::ZipReader &zip, const std::string &entry,
@@ -410,14 +470,17 @@ const kiln_model_abi *open_library(const kiln::ZipReader &zip, const std::string
 
 std::vector<const void *> bind_blob(const unsigned char *data, uint64_t size,
                                     const kiln_model_abi *abi, const std::string &what,
-                                    const std::map<std::string, std::vector<int64_t>> &shapes) {
+                                    const std::map<std::string, std::vector<int64_t>> &shapes,
+                                    const std::map<std::string, std::string> &keys = {}) {
   std::vector<const void *> ptrs;
   auto tensors = kiln::parse_safetensors(data, size, what);
   for (int64_t i = 0; i < abi->n_weights; ++i) {
-    const char *name = abi->weight_names[i];
+    const char *own = abi->weight_names[i];
     const char *dtype = abi->weight_dtypes[i];
-    if (!name || !dtype) kiln::fail("kiln: %s: model weight %lld has no name or dtype",
-                                    what.c_str(), static_cast<long long>(i));
+    if (!own || !dtype) kiln::fail("kiln: %s: model weight %lld has no name or dtype",
+                                   what.c_str(), static_cast<long long>(i));
+    auto key = keys.find(own);  // an entry point's weight may be stored under another key
+    const char *name = key == keys.end() ? own : key->second.c_str();
     auto it = tensors.find(name);
     if (it == tensors.end()) kiln::fail("%s: missing weight '%s'", what.c_str(), name);
     const kiln::SafeTensor &t = it->second;
@@ -440,18 +503,89 @@ std::vector<const void *> bind_blob(const unsigned char *data, uint64_t size,
   return ptrs;
 }
 
-std::vector<const void *> bind_weights(const kiln::ZipReader &zip, const kiln_model_abi *abi,
-                                       const std::map<std::string, std::vector<int64_t>> &shapes) {
-  const char *p = zip.path().c_str();
-  const char *entry = "weights.safetensors";
-  if (!zip.has(entry)) {
-    if (abi->n_weights == 0) return {};
-    kiln::fail("kiln: package '%s': missing entry '%s' (the model needs %lld weights)", p, entry,
-               static_cast<long long>(abi->n_weights));
+// The weights blob the instances are created on: the file given to
+// kiln_model_update_weights, else the package's weights.safetensors (NULL when it has none).
+kiln::Span current_blob(const kiln_model *m, std::string *what) {
+  if (m->weights_file) {
+    *what = kiln::format("kiln: weights file '%s'", m->weights_file->path().c_str());
+    return {m->weights_file->data(), m->weights_file->size()};
   }
-  kiln::Span s = zip.entry(entry);
-  return bind_blob(s.data, s.size, abi, kiln::format("kiln: package '%s': entry '%s'", p, entry),
-                   shapes);
+  const char *entry = "weights.safetensors";
+  *what = kiln::format("kiln: package '%s': entry '%s'", m->package->path().c_str(), entry);
+  if (!m->package->has(entry)) return {nullptr, 0};
+  return m->package->entry(entry);
+}
+
+// Fresh instances of every entry point on the weights blob `data`, their state buffers
+// shared (one per key: the first entry that has it owns it), or a failure with nothing left
+// allocated.
+struct Instances {
+  std::vector<void *> inst;
+  std::vector<kiln::StateSlot> state;
+};
+
+void destroy_all(const kiln_model *m, const std::vector<void *> &inst) {
+  for (size_t i = inst.size(); i-- > 0;) {  // owners of shared state last
+    if (inst[i]) m->entries[i].abi->destroy(inst[i]);
+  }
+}
+
+Instances create_all(kiln_model *m, const unsigned char *data, uint64_t size,
+                     const std::string &what) {
+  Instances out;
+  try {
+    for (size_t e = 0; e < m->entries.size(); ++e) {
+      const ModelEntry &ent = m->entries[e];
+      const kiln_model_abi *abi = ent.abi;
+      if (!data && abi->n_weights > 0) {
+        kiln::fail("kiln: package '%s': missing entry 'weights.safetensors' (the model needs "
+                   "%lld weights)", m->package->path().c_str(),
+                   static_cast<long long>(abi->n_weights));
+      }
+      std::vector<const void *> w = abi->n_weights > 0
+          ? bind_blob(data, size, abi, what, m->weight_shapes, ent.keys)
+          : std::vector<const void *>();
+      char err[1024] = {0};
+      void *inst = create_instance(m, abi, w, err, sizeof err);
+      err[sizeof err - 1] = '\0';
+      if (!inst) {
+        kiln::fail("%s: model creation failed%s%s: %s", what.c_str(),
+                   m->entries.size() > 1 ? " for entry point " : "",
+                   m->entries.size() > 1 ? ent.name.c_str() : "", err[0] ? err : "(no message)");
+      }
+      out.inst.push_back(inst);
+      if (!m->state_abi || !abi->state_buffer) continue;
+      for (int64_t k = 0; k < abi->n_weights; ++k) {
+        void *buf = abi->state_buffer(inst, k);
+        if (!buf) continue;
+        auto key = ent.keys.find(abi->weight_names[k]);
+        const std::string name = key == ent.keys.end() ? abi->weight_names[k] : key->second;
+        auto slot = std::find_if(out.state.begin(), out.state.end(),
+                                 [&](const kiln::StateSlot &s) { return s.key == name; });
+        if (slot == out.state.end()) {
+          out.state.push_back({name, e, k, abi->weight_nbytes[k], w[k]});
+          continue;
+        }
+        if (slot->nbytes != abi->weight_nbytes[k]) {
+          kiln::fail("%s: state buffer '%s' has %lld bytes in entry point %s, %lld in %s",
+                     what.c_str(), name.c_str(), static_cast<long long>(abi->weight_nbytes[k]),
+                     ent.name.c_str(), static_cast<long long>(slot->nbytes),
+                     m->entries[slot->entry].name.c_str());
+        }
+        const ModelEntry &owner = m->entries[slot->entry];
+        void *shared = owner.abi->state_buffer(out.inst[slot->entry], slot->k);
+        if (abi->share_state(inst, k, shared, err, sizeof err) != 0) {
+          err[sizeof err - 1] = '\0';
+          kiln::fail("%s: entry point %s cannot share state buffer '%s': %s", what.c_str(),
+                     ent.name.c_str(), name.c_str(), err);
+        }
+      }
+    }
+  } catch (...) {
+    destroy_all(m, out.inst);
+    throw;
+  }
+  return out;
 }
 
 void free_outputs(DLManagedTensor **outputs, int64_t n) {
@@ -482,34 +616,41 @@ KILN_API int kiln_model_load(const char *package_path, const char *device, kiln_
     auto m = std::make_unique<kiln_model>();
     parse_device(device, &m->device_type, &m->device_id);
     m->package = std::make_unique<kiln::ZipReader>(package_path);
-    const ManifestInfo info = check_manifest(*m->package);
+    ManifestInfo info = check_manifest(*m->package);
     const std::string &built_for = info.device;
     m->weight_shapes = info.weight_shapes;
+    m->state_abi = info.state_abi;
     const bool want_cuda = m->device_type == kDLCUDA;
     if (built_for != (want_cuda ? "cuda" : "cpu")) {
       kiln::fail("kiln_model_load: package '%s' was compiled for device \"%s\", cannot load it "
                  "on \"%s\" (compile with device=\"%s\")", package_path, built_for.c_str(),
                  device, want_cuda ? "cuda" : "cpu");
     }
-    // before any of the package's code is mapped: a CPU without its features fails by name
-    const CpuLevel &level = pick_level(info, package_path);
-    m->cpu_level = level.march;
-    void *lib = nullptr;
-    m->abi = open_library(*m->package, level.library, &lib);
-    if (!want_cuda) bind_openmp(m.get(), lib);
-    if (want_cuda && (m->abi->device_type != kDLCUDA || !m->abi->create_on_device ||
-                      !m->abi->run_on_stream)) {
-      kiln::fail("kiln: package '%s': its manifest says cuda but lib/model.so is not a CUDA model",
-                 package_path);
+    m->entries = std::move(info.entries);
+    for (size_t e = 0; e < m->entries.size(); ++e) {
+      ModelEntry &ent = m->entries[e];
+      // before any of the package's code is mapped: a CPU without its features fails by name
+      const CpuLevel &level = pick_level(ent, package_path);
+      if (e == 0) m->cpu_level = level.march;
+      void *lib = nullptr;
+      ent.abi = open_library(*m->package, level.library, &lib);
+      if (!want_cuda && e == 0) bind_openmp(m.get(), lib);
+      if (want_cuda && (ent.abi->device_type != kDLCUDA || !ent.abi->create_on_device ||
+                        !ent.abi->run_on_stream)) {
+        kiln::fail("kiln: package '%s': its manifest says cuda but %s is not a CUDA model",
+                   package_path, level.library.c_str());
+      }
+      if (m->state_abi && (!ent.abi->state_buffer || !ent.abi->share_state ||
+                           !ent.abi->read_state || !ent.abi->write_state)) {
+        kiln::fail("kiln: package '%s': %s lacks the state functions its manifest promises",
+                   package_path, level.library.c_str());
+      }
     }
-    std::vector<const void *> weights = bind_weights(*m->package, m->abi, m->weight_shapes);
-    char err[1024] = {0};
-    m->instance = create_instance(m.get(), weights, err, sizeof err);
-    err[sizeof err - 1] = '\0';
-    if (!m->instance) {
-      kiln::fail("kiln: package '%s': model creation failed: %s", package_path,
-                 err[0] ? err : "(no message)");
-    }
+    std::string what;
+    kiln::Span blob = current_blob(m.get(), &what);
+    Instances made = create_all(m.get(), blob.data, blob.size, what);
+    for (size_t e = 0; e < m->entries.size(); ++e) m->entries[e].instance = made.inst[e];
+    m->state = std::move(made.state);
     *out = m.release();
   });
 }
@@ -522,12 +663,26 @@ KILN_API const char *kiln_model_cpu_level(const kiln_model *m) {
   return m->cpu_level.c_str();
 }
 
+namespace {
+// The entry point `name` of m (NULL: the default one), or a failure naming the ones it has.
+size_t find_entry(const kiln_model *m, const char *name, const char *fn) {
+  if (!name) kiln::fail("%s: entry name is NULL", fn);
+  for (size_t e = 0; e < m->entries.size(); ++e) {
+    if (m->entries[e].name == name) return e;
+  }
+  std::string names;
+  for (const ModelEntry &e : m->entries) names += (names.empty() ? "" : ", ") + e.name;
+  kiln::fail("%s: package '%s' has no entry point '%s' (its entry points: %s)", fn,
+             m->package->path().c_str(), name, names.c_str());
+}
+}  // namespace
+
 KILN_API int64_t kiln_model_num_inputs(const kiln_model *m) {
   if (!m) {
     kiln::set_last_error("kiln_model_num_inputs: model is NULL");
     return -1;
   }
-  return m->abi->n_inputs;
+  return m->entries[0].abi->n_inputs;
 }
 
 KILN_API int64_t kiln_model_num_outputs(const kiln_model *m) {
@@ -535,30 +690,34 @@ KILN_API int64_t kiln_model_num_outputs(const kiln_model *m) {
     kiln::set_last_error("kiln_model_num_outputs: model is NULL");
     return -1;
   }
-  return m->abi->n_outputs;
+  return m->entries[0].abi->n_outputs;
 }
 
-static int run_impl(kiln_model *m, const DLTensor *const *inputs, int64_t n_inputs,
-                    DLManagedTensor **outputs, int64_t n_outputs, bool on_stream, void *stream) {
+static int run_impl(kiln_model *m, const char *entry, const DLTensor *const *inputs,
+                    int64_t n_inputs, DLManagedTensor **outputs, int64_t n_outputs,
+                    bool on_stream, void *stream) {
   return guarded([&] {
-    if (!m) kiln::fail("kiln_model_run: model is NULL");
+    const char *fn = entry ? "kiln_model_run_entry" : "kiln_model_run";
+    if (!m) kiln::fail("%s: model is NULL", fn);
     if (on_stream && stream && m->device_type != kDLCUDA) {
       kiln::fail("kiln_model_run_on_stream: this model runs on the cpu; a stream applies only "
                  "to cuda models (pass NULL)");
     }
-    const kiln_model_abi *abi = m->abi;
+    const ModelEntry &ent = m->entries[entry ? find_entry(m, entry, fn) : 0];
+    const kiln_model_abi *abi = ent.abi;
+    const std::string at = entry ? kiln::format("%s(%s)", fn, entry) : std::string(fn);
     if (n_inputs != abi->n_inputs) {
-      kiln::fail("kiln_model_run: expected %lld inputs, got %lld",
+      kiln::fail("%s: expected %lld inputs, got %lld", at.c_str(),
                  static_cast<long long>(abi->n_inputs), static_cast<long long>(n_inputs));
     }
     if (n_outputs != abi->n_outputs) {
-      kiln::fail("kiln_model_run: expected %lld outputs, got %lld",
+      kiln::fail("%s: expected %lld outputs, got %lld", at.c_str(),
                  static_cast<long long>(abi->n_outputs), static_cast<long long>(n_outputs));
     }
-    if (!inputs && n_inputs > 0) kiln::fail("kiln_model_run: inputs is NULL");
-    if (!outputs && n_outputs > 0) kiln::fail("kiln_model_run: outputs is NULL");
+    if (!inputs && n_inputs > 0) kiln::fail("%s: inputs is NULL", at.c_str());
+    if (!outputs && n_outputs > 0) kiln::fail("%s: outputs is NULL", at.c_str());
     for (int64_t i = 0; i < n_inputs; ++i) {
-      if (!inputs[i]) kiln::fail("kiln_model_run: input %lld is NULL", static_cast<long long>(i));
+      if (!inputs[i]) kiln::fail("%s: input %lld is NULL", at.c_str(), static_cast<long long>(i));
     }
     for (int64_t i = 0; i < n_outputs; ++i) outputs[i] = nullptr;
     char err[1024] = {0};
@@ -568,20 +727,20 @@ static int run_impl(kiln_model *m, const DLTensor *const *inputs, int64_t n_inpu
       std::optional<ThreadBudget> budget;
       if (m->device_type != kDLCUDA) budget.emplace(m);
       rc = m->device_type == kDLCUDA
-               ? abi->run_on_stream(m->instance, inputs, n_inputs, outputs, n_outputs, stream,
+               ? abi->run_on_stream(ent.instance, inputs, n_inputs, outputs, n_outputs, stream,
                                     err, sizeof err)
-               : abi->run(m->instance, m->copy_in.bind(inputs, n_inputs), n_inputs, outputs,
+               : abi->run(ent.instance, m->copy_in.bind(inputs, n_inputs), n_inputs, outputs,
                           n_outputs, err, sizeof err);
     }
     err[sizeof err - 1] = '\0';
     if (rc != 0) {
       free_outputs(outputs, n_outputs);
-      kiln::fail("%s", err[0] ? err : "kiln_model_run: the model failed (no message)");
+      kiln::fail("%s", err[0] ? err : (at + ": the model failed (no message)").c_str());
     }
     for (int64_t i = 0; i < n_outputs; ++i) {
       if (!outputs[i]) {
         free_outputs(outputs, n_outputs);
-        kiln::fail("kiln_model_run: the model returned no tensor for output %lld",
+        kiln::fail("%s: the model returned no tensor for output %lld", at.c_str(),
                    static_cast<long long>(i));
       }
     }
@@ -590,14 +749,126 @@ static int run_impl(kiln_model *m, const DLTensor *const *inputs, int64_t n_inpu
 
 KILN_API int kiln_model_run(kiln_model *m, const DLTensor *const *inputs, int64_t n_inputs,
                             DLManagedTensor **outputs, int64_t n_outputs) {
-  return run_impl(m, inputs, n_inputs, outputs, n_outputs, false, nullptr);
+  return run_impl(m, nullptr, inputs, n_inputs, outputs, n_outputs, false, nullptr);
 }
 
 KILN_API int kiln_model_run_on_stream(kiln_model *m, const DLTensor *const *inputs,
                                       int64_t n_inputs, DLManagedTensor **outputs,
                                       int64_t n_outputs, void *cuda_stream) {
-  return run_impl(m, inputs, n_inputs, outputs, n_outputs, true, cuda_stream);
+  return run_impl(m, nullptr, inputs, n_inputs, outputs, n_outputs, true, cuda_stream);
 }
+
+KILN_API int kiln_model_run_entry(kiln_model *m, const char *entry, const DLTensor *const *inputs,
+                                  int64_t n_inputs, DLManagedTensor **outputs,
+                                  int64_t n_outputs) {
+  if (!entry) {
+    kiln::set_last_error("kiln_model_run_entry: entry is NULL");
+    return 1;
+  }
+  return run_impl(m, entry, inputs, n_inputs, outputs, n_outputs, false, nullptr);
+}
+
+KILN_API int kiln_model_run_entry_on_stream(kiln_model *m, const char *entry,
+                                            const DLTensor *const *inputs, int64_t n_inputs,
+                                            DLManagedTensor **outputs, int64_t n_outputs,
+                                            void *cuda_stream) {
+  if (!entry) {
+    kiln::set_last_error("kiln_model_run_entry_on_stream: entry is NULL");
+    return 1;
+  }
+  return run_impl(m, entry, inputs, n_inputs, outputs, n_outputs, true, cuda_stream);
+}
+
+KILN_API int64_t kiln_model_num_entries(const kiln_model *m) {
+  if (!m) {
+    kiln::set_last_error("kiln_model_num_entries: model is NULL");
+    return -1;
+  }
+  return static_cast<int64_t>(m->entries.size());
+}
+
+KILN_API const char *kiln_model_entry_name(const kiln_model *m, int64_t i) {
+  if (!m || i < 0 || i >= static_cast<int64_t>(m->entries.size())) {
+    kiln::set_last_error(m ? kiln::format("kiln_model_entry_name: index %lld out of range (the "
+                                          "package has %zu entry points)",
+                                          static_cast<long long>(i), m->entries.size())
+                           : std::string("kiln_model_entry_name: model is NULL"));
+    return nullptr;
+  }
+  return m->entries[static_cast<size_t>(i)].name.c_str();
+}
+
+static int64_t entry_count(const kiln_model *m, const char *entry, bool inputs) {
+  const char *fn = inputs ? "kiln_model_entry_num_inputs" : "kiln_model_entry_num_outputs";
+  int64_t n = -1;
+  if (guarded([&] {
+        if (!m) kiln::fail("%s: model is NULL", fn);
+        const kiln_model_abi *abi = m->entries[find_entry(m, entry, fn)].abi;
+        n = inputs ? abi->n_inputs : abi->n_outputs;
+      }) != 0) {
+    return -1;
+  }
+  return n;
+}
+
+KILN_API int64_t kiln_model_entry_num_inputs(const kiln_model *m, const char *entry) {
+  return entry_count(m, entry, true);
+}
+
+KILN_API int64_t kiln_model_entry_num_outputs(const kiln_model *m, const char *entry) {
+  return entry_count(m, entry, false);
+}
+
+namespace {
+// Swaps in fresh instances (and their state), handing a collective package's communicator
+// over, and destroys the old ones after the swap (a run in flight completes on them).
+void swap_instances(kiln_model *m, Instances fresh, std::unique_ptr<kiln::FileMap> file) {
+  std::vector<void *> old;
+  std::unique_ptr<kiln::FileMap> old_file;
+  {
+    std::lock_guard<std::mutex> lock(m->mu);
+    for (size_t e = 0; e < m->entries.size(); ++e) {
+      old.push_back(m->entries[e].instance);
+      kiln::comm_move(m->entries[e].abi, old.back(), fresh.inst[e]);
+      m->entries[e].instance = fresh.inst[e];
+    }
+    m->state = std::move(fresh.state);
+    if (file) {
+      old_file = std::move(m->weights_file);
+      m->weights_file = std::move(file);
+    }
+  }
+  destroy_all(m, old);
+}
+
+const kiln::StateSlot &state_slot(const kiln_model *m, int64_t i, const char *fn) {
+  if (!m->state_abi) {
+    kiln::fail("%s: package '%s' was written by a kiln without state functions: recompile it "
+               "to read or write its state", fn, m->package->path().c_str());
+  }
+  if (i < 0 || i >= static_cast<int64_t>(m->state.size())) {
+    kiln::fail("%s: state index %lld out of range (the model has %zu state buffers)", fn,
+               static_cast<long long>(i), m->state.size());
+  }
+  return m->state[static_cast<size_t>(i)];
+}
+
+void state_io(kiln_model *m, int64_t i, void *to, const void *from, size_t nbytes,
+              const char *fn) {
+  const kiln::StateSlot &s = state_slot(m, i, fn);
+  if (nbytes != static_cast<size_t>(s.nbytes)) {
+    kiln::fail("%s: state buffer '%s' has %lld bytes, got a buffer of %zu", fn, s.key.c_str(),
+               static_cast<long long>(s.nbytes), nbytes);
+  }
+  if (!(to ? to : from)) kiln::fail("%s: buffer is NULL", fn);
+  const ModelEntry &owner = m->entries[s.entry];
+  char err[1024] = {0};
+  const int rc = to ? owner.abi->read_state(owner.instance, s.k, to, err, sizeof err)
+                    : owner.abi->write_state(owner.instance, s.k, from, err, sizeof err);
+  err[sizeof err - 1] = '\0';
+  if (rc != 0) kiln::fail("%s: state buffer '%s': %s", fn, s.key.c_str(), err);
+}
+}  // namespace
 
 KILN_API int kiln_model_update_weights(kiln_model *m, const char *safetensors_path) {
   return guarded([&] {
@@ -605,25 +876,99 @@ KILN_API int kiln_model_update_weights(kiln_model *m, const char *safetensors_pa
     if (!safetensors_path) kiln::fail("kiln_model_update_weights: safetensors_path is NULL");
     auto file = std::make_unique<kiln::FileMap>(safetensors_path);
     std::string what = kiln::format("kiln: weights file '%s'", safetensors_path);
-    std::vector<const void *> ptrs = bind_blob(file->data(), file->size(), m->abi, what,
-                                               m->weight_shapes);
-    char err[1024] = {0};
-    void *fresh = create_instance(m, ptrs, err, sizeof err);
-    err[sizeof err - 1] = '\0';
-    if (!fresh) kiln::fail("%s: model creation failed: %s", what.c_str(), err);
-    // swap under the run mutex: a run in flight finishes on the old weights, the next one
-    // sees only the new ones
-    void *old;
-    std::unique_ptr<kiln::FileMap> old_file;
-    {
+    Instances fresh = create_all(m, file->data(), file->size(), what);
+    swap_instances(m, std::move(fresh), std::move(file));
+  });
+}
+
+KILN_API int kiln_model_reset_state(kiln_model *m) {
+  return guarded([&] {
+    if (!m) kiln::fail("kiln_model_reset_state: model is NULL");
+    if (m->state_abi) {  // each state buffer back to its value in the weights blob
       std::lock_guard<std::mutex> lock(m->mu);
-      old = m->instance;
-      kiln::comm_move(m->abi, old, fresh);  // a collective package keeps its communicator
-      m->instance = fresh;
-      old_file = std::move(m->weights_file);
-      m->weights_file = std::move(file);
+      for (size_t i = 0; i < m->state.size(); ++i) {
+        const kiln::StateSlot &s = m->state[i];
+        state_io(m, static_cast<int64_t>(i), nullptr, s.initial,
+                 static_cast<size_t>(s.nbytes), "kiln_model_reset_state");
+      }
+      return;
     }
-    if (old) m->abi->destroy(old);
+    std::string what;  // an older package: fresh instances on the same weights
+    kiln::Span blob = current_blob(m, &what);
+    swap_instances(m, create_all(m, blob.data, blob.size, what), nullptr);
+  });
+}
+
+KILN_API int64_t kiln_model_num_state(const kiln_model *m) {
+  if (!m) {
+    kiln::set_last_error("kiln_model_num_state: model is NULL");
+    return -1;
+  }
+  return static_cast<int64_t>(m->state.size());
+}
+
+KILN_API const char *kiln_model_state_name(const kiln_model *m, int64_t i) {
+  const char *out = nullptr;
+  guarded([&] {
+    if (!m) kiln::fail("kiln_model_state_name: model is NULL");
+    out = state_slot(m, i, "kiln_model_state_name").key.c_str();
+  });
+  return out;
+}
+
+KILN_API int64_t kiln_model_state_nbytes(const kiln_model *m, int64_t i) {
+  int64_t out = -1;
+  guarded([&] {
+    if (!m) kiln::fail("kiln_model_state_nbytes: model is NULL");
+    out = state_slot(m, i, "kiln_model_state_nbytes").nbytes;
+  });
+  return out;
+}
+
+KILN_API int kiln_model_read_state(kiln_model *m, int64_t i, void *host, size_t nbytes) {
+  return guarded([&] {
+    if (!m) kiln::fail("kiln_model_read_state: model is NULL");
+    std::lock_guard<std::mutex> lock(m->mu);
+    state_io(m, i, host, nullptr, nbytes, "kiln_model_read_state");
+  });
+}
+
+KILN_API int kiln_model_write_state(kiln_model *m, int64_t i, const void *host, size_t nbytes) {
+  return guarded([&] {
+    if (!m) kiln::fail("kiln_model_write_state: model is NULL");
+    std::lock_guard<std::mutex> lock(m->mu);
+    state_io(m, i, nullptr, host, nbytes, "kiln_model_write_state");
+  });
+}
+
+KILN_API int kiln_model_copy_state(kiln_model *dst, kiln_model *src) {
+  return guarded([&] {
+    const char *fn = "kiln_model_copy_state";
+    if (!dst || !src) kiln::fail("%s: model is NULL", fn);
+    if (dst == src) return;
+    if (dst->state.size() != src->state.size()) {
+      kiln::fail("%s: the models have %zu and %zu state buffers (copy between handles of one "
+                 "package)", fn, dst->state.size(), src->state.size());
+    }
+    for (size_t i = 0; i < src->state.size(); ++i) {
+      if (src->state[i].key != dst->state[i].key ||
+          src->state[i].nbytes != dst->state[i].nbytes) {
+        kiln::fail("%s: state buffer %zu is '%s' (%lld bytes) in the source, '%s' (%lld bytes) "
+                   "in the destination (copy between handles of one package)", fn, i,
+                   src->state[i].key.c_str(), static_cast<long long>(src->state[i].nbytes),
+                   dst->state[i].key.c_str(), static_cast<long long>(dst->state[i].nbytes));
+      }
+    }
+    std::vector<unsigned char> host;
+    for (size_t i = 0; i < src->state.size(); ++i) {  // through host memory (any device)
+      host.resize(static_cast<size_t>(src->state[i].nbytes));
+      {
+        std::lock_guard<std::mutex> lock(src->mu);
+        state_io(src, static_cast<int64_t>(i), host.data(), nullptr, host.size(), fn);
+      }
+      std::lock_guard<std::mutex> lock(dst->mu);
+      state_io(dst, static_cast<int64_t>(i), nullptr, host.data(), host.size(), fn);
+    }
   });
 }
 
@@ -651,7 +996,16 @@ KILN_API int kiln_model_set_comm(kiln_model *m, int rank, int world_size, const 
   return guarded([&] {
     if (!m) kiln::fail("kiln_model_set_comm: model is NULL");
     std::lock_guard<std::mutex> lock(m->mu);  // not while a run is in flight
-    kiln::comm_attach(m->abi, m->instance, rank, world_size, comm_id, comm_id_len);
+    bool any = false;  // every entry point whose program runs collectives
+    for (const ModelEntry &e : m->entries) {
+      if (!kiln::comm_table(e.abi)) continue;
+      kiln::comm_attach(e.abi, e.instance, rank, world_size, comm_id, comm_id_len);
+      any = true;
+    }
+    if (!any) {  // fails naming why
+      kiln::comm_attach(m->entries[0].abi, m->entries[0].instance, rank, world_size, comm_id,
+                        comm_id_len);
+    }
   });
 }
 
@@ -659,7 +1013,9 @@ KILN_API const char *kiln_last_error(void) { return kiln::last_error(); }
 
 KILN_API void kiln_model_free(kiln_model *m) {
   if (!m) return;
-  if (m->instance) m->abi->destroy(m->instance);
+  std::vector<void *> inst;
+  for (const ModelEntry &e : m->entries) inst.push_back(e.instance);
+  destroy_all(m, inst);
   delete m;
 }
 

@@ -16,7 +16,7 @@ from kiln.ir.sym import free_size_symbols, to_c
 from kiln.memory.assign import intervals
 from kiln.options import GemmBackend
 from kiln.schedule.analysis import aten_fallback_ops
-from kiln.targets import collectives
+from kiln.targets import collectives, state_abi
 from kiln.targets.cxx_wrapper import SizeCheckPrinter, _cstr, _dl, condition, run_prologue, \
     runtime_plan_lines
 
@@ -282,7 +282,9 @@ def print_wrapper(prog: P.Program, kernel_decls: list[str],
         "struct Instance {",
         f"  const void* w[{max(n_w, 1)}];",
         f"  void* owned[{max(n_w, 1)}] = {{}};  // writable copies of state buffers",
-        "  ~Instance() { for (void* p : owned) std::free(p); }",
+        f"  bool borrowed[{max(n_w, 1)}] = {{}};  // owned[k] is another instance's (share_state)",
+        f"  ~Instance() {{ for (int i = 0; i < {max(n_w, 1)}; ++i) if (!borrowed[i]) "
+        "std::free(owned[i]); }",
         "  kr::Arena arena;",
         f"  int64_t key[{max(len(prog.symbols), 1)}];",
         "  bool planned = false;",
@@ -310,6 +312,7 @@ def print_wrapper(prog: P.Program, kernel_decls: list[str],
         "",
         "void destroy(void* p) { delete static_cast<Instance*>(p); }",
         "",
+        *state_abi.state_functions(prog, state_abi.CPU),
         "int run(void* instance, const DLTensor* const* inputs, int64_t n_inputs,",
         "        DLManagedTensor** outputs, int64_t n_outputs, char* err, size_t errlen) {",
         *run_prologue(n_in, n_out),
@@ -349,7 +352,8 @@ def print_wrapper(prog: P.Program, kernel_decls: list[str],
         f"{n_in}, {n_out}, {n_w}, kWeightNames,",
         "                                       kWeightBytes, kWeightDtypes, create, run, "
         "destroy,",
-        "                                       kDLCPU, nullptr, nullptr};",
+        "                                       kDLCPU, nullptr, nullptr,",
+        f"                                       {state_abi.TABLE_FIELDS}}};",
         "  return &table;",
         "}",
         "",

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from kiln.ir import program as P
 from kiln.schedule.analysis import aten_fallback_ops
-from kiln.targets import collectives
+from kiln.targets import collectives, state_abi
 from kiln.targets.cxx_wrapper import _cstr, run_prologue
 
 
@@ -32,6 +32,7 @@ def print_cuda_model(prog: P.Program, kernels: dict, cubins: dict, archs: tuple[
     status = any(k.status for k in kernels.values())
     src = [*_tables(prog, kernels, cubins, archs, blob_path, where, decls, aten_ops),
            *_instance(prog, nk, n_w, n_dyn, lt, blaslt), *DESTROY,
+           *state_abi.state_functions(prog, state_abi.CUDA),
            *_init(archs, n_w, aten_ops, status, gemms, lt, blaslt, init),
            *_entry_points(prog, n_in, n_out, n_w, body)]
     if collectives.collective_steps(prog):
@@ -305,7 +306,8 @@ def _entry_points(prog: P.Program, n_in: int, n_out: int, n_w: int, body: list[s
         f"{n_w}, kWeightNames,",
         "                                       kWeightBytes, kWeightDtypes, create, run, "
         "destroy,",
-        "                                       kDLCUDA, run_on_stream, create_on_device};",
+        "                                       kDLCUDA, run_on_stream, create_on_device,",
+        f"                                       {state_abi.TABLE_FIELDS}}};",
         "  return &table;",
         "}",
         "",

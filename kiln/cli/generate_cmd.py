@@ -1,0 +1,46 @@
+"""``kiln generate PKG --prompt-ids 1,2,3 --max-new-tokens N``: prefill the prompt, decode
+token by token (kiln.runtime.generate: libkiln's kiln_sample, as examples/c/generate.c),
+print the tokens and the speed."""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+from kiln.errors import InputError
+from kiln.runtime import generate, load
+
+
+def parse_ids(text: str) -> list[int]:
+    try:
+        ids = [int(x) for x in text.replace(" ", "").split(",") if x]
+    except ValueError:
+        raise InputError(f"--prompt-ids: expected comma-separated integers, got {text!r}") \
+            from None
+    if not ids:
+        raise InputError("--prompt-ids: the prompt is empty")
+    return ids
+
+
+def cmd_generate(args: argparse.Namespace) -> int:
+    prompt = parse_ids(args.prompt_ids)
+    runner = load(args.package, num_threads=args.threads)
+    try:
+        g = generate(runner, prompt, args.max_new_tokens, temperature=args.temperature,
+                     top_k=args.top_k, top_p=args.top_p, seed=args.seed, stop=args.stop)
+    finally:
+        runner.close()
+    if args.json:
+        print(json.dumps({"prompt": prompt, "tokens": g.tokens,
+                          "prefill_ms": g.prefill_seconds * 1e3,
+                          "decode_ms_per_token": (g.decode_seconds / g.decode_steps * 1e3
+                                                  if g.decode_steps else None),
+                          "decode_tokens_per_s": g.decode_tokens_per_s,
+                          "tokens_per_s": g.tokens_per_s}))
+        return 0
+    print("tokens:", ",".join(map(str, g.tokens)))
+    per = f"{g.decode_seconds / g.decode_steps * 1e3:.2f} ms/token, " if g.decode_steps else ""
+    print(f"prefill: {len(prompt)} tokens in {g.prefill_seconds * 1e3:.2f} ms; decode: "
+          f"{g.decode_steps} tokens, {per}{g.decode_tokens_per_s:.1f} tokens/s; overall "
+          f"{g.tokens_per_s:.1f} tokens/s")
+    return 0

@@ -1,0 +1,131 @@
+"""Packages with several entry points (e.g. a decoder's `prefill` and `decode`): one package,
+one weights blob, one model library per entry, state buffers shared per loaded instance.
+
+Layout: the first entry is the package's default one and sits where a single-entry package
+has everything (the top-level `inputs`, `outputs`, `in_spec`, ..., `lib/model.so`,
+`src/...`), so a reader that knows no entries runs it; entry k >= 1 has its files under
+`entries/<name>/`. The manifest's `entries` lists every entry (first one included): its
+`name`, `library` (and `requires`: the CPU levels of its libraries), its inputs, outputs and
+specs, and `weights`: {the entry library's weight name: the key in weights.safetensors}.
+
+Weights: an entry's weight is stored once when an earlier entry already stored the same FQN
+with the same dtype, shape, layout (freezing, prepacking) and values; its key is then that
+earlier one. State buffers (weights the programs update: a KV cache) with the same FQN are one
+key, hence one buffer per loaded instance that every entry reads and writes (libkiln:
+kiln_model_abi's share_state); their dtype and shape must agree."""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import torch
+
+from kiln.errors import KilnError
+
+ENTRY_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*\Z")
+#: what the Python runner and `kiln inspect` call the one entry of a package without entries
+DEFAULT_ENTRY = "forward"
+#: the keys of an entry's own manifest copied into its record
+ENTRY_KEYS = ("inputs", "outputs", "in_spec", "out_spec", "symbols", "constant_inputs",
+              "requires", "kernels")
+
+
+def check_entry_names(names: Sequence[Any]) -> None:
+    if not names:
+        raise KilnError("kiln.compile: the dict of entry points is empty (give at least one "
+                        "name -> (model, example_args[, dynamic_shapes]))")
+    for n in names:
+        if not isinstance(n, str) or not ENTRY_NAME.match(n):
+            raise KilnError(f"kiln.compile: entry point name {n!r} is not an identifier "
+                            "(letters, digits and _, not starting with a digit)")
+
+
+def _layout(rec: Mapping[str, Any]) -> tuple:
+    return (rec["dtype"], tuple(rec["shape"]), tuple(rec.get("permuted") or ()),
+            repr(sorted((rec.get("packed") or {}).items())))
+
+
+def _same_values(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return a.dtype == b.dtype and a.shape == b.shape and bool(torch.equal(a, b))
+
+
+def merge(parts: Sequence[tuple[str, Mapping[str, Any], Mapping[str, bytes],
+                                Mapping[str, torch.Tensor]]]
+          ) -> tuple[dict[str, Any], dict[str, bytes], dict[str, torch.Tensor]]:
+    """(name, manifest, files, weights) per entry, in order -> the package's manifest, files
+    and weights blob."""
+    check_entry_names([p[0] for p in parts])
+    blob: dict[str, torch.Tensor] = {}
+    records: dict[str, dict[str, Any]] = {}  # blob key -> its manifest "weights" record
+    by_fqn: dict[str, list[str]] = {}  # fqn -> keys stored for it
+    files: dict[str, bytes] = {}
+    entries = []
+    for k, (name, man, own_files, weights) in enumerate(parts):
+        prefix = "" if k == 0 else f"entries/{name}/"
+        keys: dict[str, str] = {}
+        for rec in man.get("weights", []):
+            w, fqn, state = rec["name"], rec["fqn"], bool(rec.get("state"))
+            t = weights[w]
+            key = None
+            for cand in by_fqn.get(fqn, []):
+                other = records[cand]
+                if state or other.get("state"):
+                    if bool(other.get("state")) != state or _layout(other) != _layout(rec):
+                        raise KilnError(
+                            f"kiln.compile: entry points disagree on state buffer {fqn!r}: "
+                            f"entry {name!r} has it as {'state' if state else 'a weight'} "
+                            f"{rec['dtype']}{list(rec['shape'])}, an earlier entry as "
+                            f"{'state' if other.get('state') else 'a weight'} "
+                            f"{other['dtype']}{list(other['shape'])}; the entries of one "
+                            "package share their state buffers by FQN")
+                    key = cand
+                    break
+                if _layout(other) == _layout(rec) and _same_values(blob[cand], t):
+                    key = cand
+                    break
+            if key is None:
+                key = w if w not in blob else f"{name}.{w}"
+                while key in blob:
+                    key = "_" + key
+                blob[key] = t
+                records[key] = {**rec, "name": key}
+                by_fqn.setdefault(fqn, []).append(key)
+            keys[w] = key
+        for arc, data in own_files.items():
+            files[prefix + arc] = data
+        req = dict(man.get("requires", {}))
+        if prefix and "cpu_levels" in req:
+            req["cpu_levels"] = [{**lv, "library": prefix + lv["library"]}
+                                 for lv in req["cpu_levels"]]
+        entries.append({"name": name, "library": prefix + "lib/model.so",
+                        **{key: man[key] for key in ENTRY_KEYS if key in man},
+                        "requires": req, "weights": keys})
+    first = parts[0][1]
+    manifest = dict(first)
+    manifest["weights"] = list(records.values())
+    manifest["entries"] = entries
+    manifest["build"] = {**first.get("build", {}), "compile_seconds": sum(
+        float(p[1].get("build", {}).get("compile_seconds", 0.0)) for p in parts)}
+    return manifest, files, blob
+
+
+def entry_names(manifest: Mapping[str, Any]) -> list[str]:
+    """The entry points of a package's manifest ([DEFAULT_ENTRY] without `entries`)."""
+    return [e["name"] for e in manifest.get("entries", [])] or [DEFAULT_ENTRY]
+
+
+def entry_manifest(manifest: Mapping[str, Any], name: str) -> dict[str, Any]:
+    """The manifest as one entry sees it (its inputs, outputs, specs, ...); a name the
+    package lacks raises KilnError naming the entries it has."""
+    entries = manifest.get("entries")
+    if not entries:
+        if name == DEFAULT_ENTRY:
+            return dict(manifest)
+    else:
+        for e in entries:
+            if e["name"] == name:
+                return {**manifest, **e}
+    raise KilnError(f"no entry point {name!r} in this package (its entry points: "
+                    f"{', '.join(entry_names(manifest))})")
