@@ -18,7 +18,7 @@ from torch.export.graph_signature import InputKind, OutputKind
 from torch.utils import _pytree as pytree
 
 from kiln.errors import UnsupportedError
-from kiln.frontend import fallback, user_triton
+from kiln.frontend import fallback, sym_values, user_triton
 from kiln.frontend.aliasing import output_aliases
 from kiln.frontend.scalar_ops import ScalarArgument, rewrite_table
 from kiln.frontend import aten_extra, aten_random  # noqa: F401 - register their converters
@@ -244,6 +244,12 @@ def _complex(n) -> bool:
     return any(isinstance(v, torch.Tensor) and v.is_complex() for v in vals)
 
 
+def _data_dependent_number(v, syms: SymbolTable) -> bool:
+    """Whether int `v` is computed from a tensor's data (`y.item()`), not from sizes."""
+    return isinstance(v, torch.SymInt) and any(s not in syms.rename
+                                               for s in v.node.expr.free_symbols)
+
+
 def _new_size(n, syms: SymbolTable) -> bool:
     v = n.meta.get("val")
     return isinstance(v, torch.SymInt) and v.node.expr.is_Symbol and v.node.expr not in syms.rename
@@ -382,16 +388,21 @@ def _import(ep: ExportedProgram, fold: bool, aten_fallback: bool = False, seed: 
                                    "supported yet")
         name = getattr(spec.arg, "name", None)
         node = next((n for n in ep.graph.nodes if n.name == name), None)
-        if name not in b.env and node is not None and isinstance(node.meta.get("val"),
-                                                                  (torch.SymInt, int)):
+        val = node.meta.get("val") if node is not None else None
+        number = isinstance(val, (torch.SymInt, torch.SymFloat, torch.SymBool, int, float))
+        if name not in b.env and isinstance(val, (torch.SymInt, int)) and \
+                not isinstance(val, bool) and not _data_dependent_number(val, b.syms):
             # a size returned as a Python int: a 0-d int64 output the loader turns into an int
-            value = b.syms.convert(node.meta["val"])
+            value = b.syms.convert(val)
             b.env[name] = b.fresh(f"{name}_int")
             t = TensorType(dtypes.int64, ())
             b.nodes.append(Node(b.env[name], "full", (), t, (("value", value),), name))
             b.types[b.env[name]] = t
-            int_outputs.append(len(outputs))
-        if name in b.value_ints:  # an int computed as a value: returned as a Python int
+        elif name not in b.env and number:
+            # a float / bool computed from sizes, or `y.item()`: a 0-d output (int64,
+            # float64 or bool) the loader turns into a Python number
+            b.env[name] = sym_values.sym_value(b, node)
+        if number or name in b.value_ints:  # returned as a Python number
             int_outputs.append(len(outputs))
         if name is None or name not in b.env:
             raise UnsupportedError(f"output {spec.arg} is not a tensor")

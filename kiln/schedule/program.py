@@ -34,7 +34,7 @@ from kiln.errors import UnsupportedError
 from kiln.ir import loop as L
 from kiln.ir import program as P
 from kiln.ir.graph import Graph
-from kiln.ir.sym import unbacked_symbol
+from kiln.ir.sym import data_dependent_symbols, unbacked_symbol
 from kiln.memory.inplace import choose_reuse
 from kiln.schedule import Kernel, Step
 from kiln.schedule.steps import CutlassGemm, GemmKernel
@@ -111,13 +111,22 @@ def build_program(graph: Graph, prog: L.LoopProgram, steps: tuple[Step, ...],
     lines = input_lines(graph)
     bounds = unbacked_bounds(steps)
     cap = {unbacked_symbol(n): b for n, b in bounds}
+    rw = [_reads_writes(s, buffers) for s in steps]
+    first_write: dict[str, int] = {}
+    for i, (_, writes) in enumerate(rw):
+        for b in writes:
+            first_write.setdefault(b, i)
+    late: dict[int, list[P.Line]] = {}  # step -> outputs allocated just before it
     for k, name in enumerate(prog.outputs):
         b = buffers[name]
         shape = tuple(prog.output_shapes[k])
         capacity = tuple(sympy.sympify(d).subs(cap) for d in shape)
+        if data_dependent_symbols(sympy.Mul(*capacity)) and name in first_write:
+            # no upper bound: allocated at its exact shape once the sizes are known
+            late.setdefault(first_write[name], []).append(P.AllocOutput(k, name, b.dtype, shape))
+            continue
         lines.append(P.AllocOutput(k, name, b.dtype, shape,
                                    capacity if capacity != shape else None))
-    rw = [_reads_writes(s, buffers) for s in steps]
     first: dict[str, int] = {}
     last: dict[str, int] = {}
     for i, (reads, writes) in enumerate(rw):
@@ -129,13 +138,20 @@ def build_program(graph: Graph, prog: L.LoopProgram, steps: tuple[Step, ...],
     for _, src in prog.mutations:  # new state values stay alive until they are copied back
         last[src] = len(steps)
     temps = {b for b in first if buffers[b].kind == "temp"}
+    numel = {b: sympy.sympify(buffers[b].numel).subs(cap) for b in temps}
+    heap = {b for b in temps if data_dependent_symbols(numel[b])}  # no upper bound
     reuse = choose_reuse(steps, buffers, first, last) if inplace else {}
+    reuse = {b: r for b, r in reuse.items() if b not in heap and r not in heap}
     for i, step in enumerate(steps):
+        made = list(late.get(i, ()))
         for b in sorted(temps):
             if first[b] == i:
-                lines.append(P.Alloc(b, buffers[b].dtype,
-                                     sympy.sympify(buffers[b].numel).subs(cap),
-                                     reuse=reuse.get(b)))
+                made.append(P.Alloc(b, buffers[b].dtype, numel[b], reuse=reuse.get(b),
+                                    heap=b in heap))
+        # results of an ATen call sized by the sizes it binds: allocated inside the call
+        binds = {n for _, n, _ in step.all_binds()} if isinstance(step, L.AtenCall) else set()
+        in_call = tuple(x for x in made if binds and _sized_by(x, binds))
+        lines += [x for x in made if x not in in_call]
         if isinstance(step, L.Gemm):
             lines.append(P.CallGemm(step))
         elif isinstance(step, CutlassGemm):
@@ -145,7 +161,7 @@ def build_program(graph: Graph, prog: L.LoopProgram, steps: tuple[Step, ...],
             lines.append(P.CallKernel(step.name, tuple(step.params()), step.status, members,
                                       step.source))
         elif isinstance(step, L.AtenCall):
-            lines.append(P.CallAten(step))
+            lines.append(P.CallAten(step, in_call))
         elif isinstance(step, L.ReadSize):
             lines.append(P.ReadSizeLine(step))
         elif isinstance(step, L.CONTROL):
@@ -172,6 +188,11 @@ def build_program(graph: Graph, prog: L.LoopProgram, steps: tuple[Step, ...],
     dtypes = {b.name: b.dtype for b in prog.buffers}
     return P.Program(tuple(lines), inputs, tuple(weights), graph.symbols, dtypes,
                      unbacked=bounds)
+
+
+def _sized_by(x: P.Line, names: set[str]) -> bool:
+    size = x.numel if isinstance(x, P.Alloc) else sympy.Mul(*x.shape)
+    return any(s.name in names for s in data_dependent_symbols(size))
 
 
 def unbacked_bounds(steps) -> tuple[tuple[str, sympy.Expr], ...]:
