@@ -66,6 +66,10 @@ class BindSize:
     symbol: str
     input: int
     dim: int | None  # None: the input's value (an int input)
+    # a dim declared as scale * symbol + offset (a derived Dim, `2 * Dim("h")`): the symbol is
+    # (dim - offset) / scale, and a CheckSize line checks the dim is exactly that
+    scale: int = 1
+    offset: int = 0
 
 
 @dataclass(frozen=True)
@@ -303,6 +307,8 @@ def _fmt(line: Line) -> str:
         return f"check_input {line.index} ({line.name}): {line.dtype.name} rank {line.rank}"
     if isinstance(line, BindSize):
         where = "value" if line.dim is None else f"shape[{line.dim}]"
+        if line.scale != 1 or line.offset:
+            where = f"({where} - {line.offset}) / {line.scale}"
         return f"{line.symbol} = input {line.input}.{where}"
     if isinstance(line, CheckSize):
         return f"check input {line.input} ({line.name}).shape[{line.dim}] == {line.expr}"

@@ -40,6 +40,22 @@ from kiln.schedule import Kernel, Step
 from kiln.schedule.steps import CutlassGemm, GemmKernel
 
 
+def _derived(e: sympy.Expr, bound: set[str]) -> tuple[str, int, int] | None:
+    """(s, scale, offset) when size `e` is scale * s + offset for one symbol s not bound yet
+    (integer scale > 0): a derived Dim."""
+    free = [s for s in e.free_symbols if s.name not in bound]
+    if len(free) != 1 or e.free_symbols != set(free):
+        return None
+    s = free[0]
+    poly = sympy.Poly(e, s) if e.is_polynomial(s) else None
+    if poly is None or poly.degree() != 1:
+        return None
+    scale, offset = poly.all_coeffs()
+    if not (scale.is_Integer and offset.is_Integer and scale > 0):
+        return None
+    return s.name, int(scale), int(offset)
+
+
 def input_lines(graph: Graph) -> list[P.Line]:
     lines: list[P.Line] = []
     ranges = {s.name: s for s in graph.symbols}
@@ -62,8 +78,15 @@ def input_lines(graph: Graph) -> list[P.Line]:
                 lines.append(P.BindSize(e.name, k, d))
                 r = ranges[e.name]
                 checks.append(P.CheckRange(e.name, k, inp.name, d, r.min, r.max))
-            else:
-                checks.append(P.CheckSize(k, inp.name, d, e))
+                continue
+            derived = _derived(e, bound)  # scale * s + offset, s in no input dim before
+            if derived is not None:
+                s, scale, offset = derived
+                bound.add(s)
+                lines.append(P.BindSize(s, k, d, scale, offset))
+                r = ranges[s]
+                checks.append(P.CheckRange(s, k, inp.name, d, r.min, r.max))
+            checks.append(P.CheckSize(k, inp.name, d, e))
     where = {}
     for k, inp in enumerate(graph.user_inputs):
         if inp.symbol:
@@ -71,6 +94,9 @@ def input_lines(graph: Graph) -> list[P.Line]:
         for d, e in enumerate(inp.type.shape):
             if sympy.sympify(e).is_Symbol:
                 where.setdefault(str(e), f"input {k} ({inp.name}) dim {d}")
+            elif _derived(sympy.sympify(e), set()) is not None:
+                where.setdefault(_derived(sympy.sympify(e), set())[0],
+                                 f"input {k} ({inp.name}) dim {d} = {e}")
     for lhs, rhs, equal, what in graph.meta.get("relations", ()):
         names = sorted({s.name for s in (lhs - rhs).free_symbols})
         if set(names) <= bound:

@@ -114,6 +114,10 @@ class SizeCheckPrinter:
         if x.dim is None:  # an int input: a 0-d int64 host tensor (checked by CheckInput)
             self.emit(f"const int64_t {x.symbol} = *kr::data_of<int64_t>(inputs[{x.input}]);")
             return
+        if x.scale != 1 or x.offset:  # a derived dim: checked exactly by a CheckSize line
+            self.emit(f"const int64_t {x.symbol} = (inputs[{x.input}]->shape[{x.dim}] - "
+                      f"{x.offset}) / {x.scale};")
+            return
         self.emit(f"const int64_t {x.symbol} = inputs[{x.input}]->shape[{x.dim}];")
 
     def _CheckSize(self, x: P.CheckSize) -> None:

@@ -144,7 +144,7 @@ def _check_input(prog: P.Program, x: P.CheckInput) -> list[str]:
 def _bind_size(prog: P.Program, x: P.BindSize) -> list[str]:
     if x.dim is None:
         return [f"{x.symbol} = int(inputs[{x.input}])"]
-    return [f"{x.symbol} = inputs[{x.input}].shape[{x.dim}]"]
+    return [f"{x.symbol} = (inputs[{x.input}].shape[{x.dim}] - {x.offset}) // {x.scale}"]
 
 
 def _check_size(prog: P.Program, x: P.CheckSize) -> list[str]:
