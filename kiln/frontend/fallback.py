@@ -68,6 +68,9 @@ def _encode(b, n, name: str, t, value, inputs: list[str]) -> L.AtenArg:
         if isinstance(value, (bool, int, float)):  # a wrapped number: a 0-d tensor
             inputs.append(b.tensor(value))
             return L.AtenOperand(len(inputs) - 1)
+        if isinstance(value, complex):  # the importer rewrites the op (scalar_ops.py)
+            raise ScalarArgument(f"{where}: a Python complex number where ATen expects a "
+                                 "tensor", n.target)
         if not isinstance(value, torch.fx.Node):
             raise UnsupportedError(f"{where}: a {type(value).__name__} where ATen expects a "
                                    "tensor")
