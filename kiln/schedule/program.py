@@ -64,6 +64,8 @@ def input_lines(graph: Graph) -> list[P.Line]:
     for k, inp in enumerate(graph.user_inputs):
         lines.append(P.CheckInput(k, inp.name, inp.type.dtype, inp.type.rank,
                                   host=bool(inp.symbol)))
+    plain = {str(e) for inp in graph.user_inputs for e in inp.type.shape
+             if sympy.sympify(e).is_Symbol}  # bound from a dim of their own where they have one
     for k, inp in enumerate(graph.user_inputs):
         if inp.symbol:  # an int input: its value is the symbol
             bound.add(inp.symbol)
@@ -79,7 +81,7 @@ def input_lines(graph: Graph) -> list[P.Line]:
                 r = ranges[e.name]
                 checks.append(P.CheckRange(e.name, k, inp.name, d, r.min, r.max))
                 continue
-            derived = _derived(e, bound)  # scale * s + offset, s in no input dim before
+            derived = _derived(e, bound | plain)  # scale * s + offset, s in no input dim alone
             if derived is not None:
                 s, scale, offset = derived
                 bound.add(s)
