@@ -110,7 +110,8 @@ def _manifest(built: Built, opts: Options, report: dict) -> dict[str, Any]:
                     **({"python_int": True, "symbol": i.symbol} if i.symbol else {})}
                    for i in g.user_inputs],
         "outputs": [{"name": o, "dtype": types[o].dtype.name, "shape": _shape_json(types[o].shape),
-                     **({"python_int": True} if k in g.meta.get("int_outputs", ()) else {}),
+                     **({("python_int" if types[o].dtype.name == "int64" else "python_number"):
+                         True} if k in g.meta.get("int_outputs", ()) else {}),
                      **({"alias": dict(a)} if (a := _alias(g, k)) else {})}
                     for k, o in enumerate(g.outputs)],
         "constant_inputs": [dict(c) for c in g.meta.get("constant_inputs", ())],

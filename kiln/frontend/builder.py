@@ -108,8 +108,8 @@ class Builder:
                 name = self.fresh(name)
         if shape_of is not None:
             t = TensorType(t.dtype, self.shape(shape_of))
-        if shape is not None:
-            t = TensorType(t.dtype, tuple(sympy.sympify(s) for s in shape))
+        if shape is not None:  # ints, sizes (SymInt) or FX nodes computing sizes
+            t = TensorType(t.dtype, tuple(sympy.sympify(self.int_or_sym(s)) for s in shape))
         if dtype is not None:
             t = TensorType(dtype, t.shape)
         source = ref.name if ref is not None else ""

@@ -6,6 +6,7 @@ kiln ops through `aten_table.TABLE`, and records the pytree specs and `Dim` rang
 
 from __future__ import annotations
 
+import contextlib
 import operator
 import sys
 import warnings
@@ -18,7 +19,7 @@ from torch.export.graph_signature import InputKind, OutputKind
 from torch.utils import _pytree as pytree
 
 from kiln.errors import UnsupportedError
-from kiln.frontend import fallback, user_triton
+from kiln.frontend import fallback, sym_values, user_triton
 from kiln.frontend.aliasing import output_aliases
 from kiln.frontend.custom_ops import custom_rewrites
 from kiln.frontend.scalar_ops import ScalarArgument, rewrite_table
@@ -69,6 +70,12 @@ def _weights_and_inputs(ep: ExportedProgram, syms: SymbolTable, b: Builder):
                     syms.add(d.node.expr)
         elif kinds[n.name].kind == InputKind.USER_INPUT and _int_input(v):
             syms.add(v.node.expr)
+    for n in ordered:  # then symbols found only in a derived dim (`2 * Dim("h")`)
+        v = n.meta.get("val")
+        if kinds[n.name].kind == InputKind.USER_INPUT and isinstance(v, torch.Tensor):
+            for d in v.shape:
+                if isinstance(d, torch.SymInt) and _linear_in_new(d.node.expr, syms):
+                    syms.add(next(iter(d.node.expr.free_symbols)))
     for position, n in enumerate(n for n in placeholders
                                  if kinds[n.name].kind == InputKind.USER_INPUT):
         v = n.meta.get("val")
@@ -121,6 +128,20 @@ def _int_input(v) -> bool:
     return isinstance(v, torch.SymInt) and v.node.expr.is_Symbol
 
 
+def _linear_in_new(e, syms: SymbolTable) -> bool:
+    """Whether size `e` is a * s + b (integers a > 0, b) of one symbol s not yet in `syms`."""
+    free = e.free_symbols
+    if len(free) != 1 or next(iter(free)) in syms.rename:
+        return False
+    s = next(iter(free))
+    try:
+        poly = sympy.Poly(e, s)
+    except sympy.PolynomialError:
+        return False
+    a, *rest = poly.all_coeffs()
+    return poly.degree() == 1 and a.is_Integer and a > 0 and rest[0].is_Integer
+
+
 def _bound(v, default: int) -> int:
     """An export range bound as an int; unbounded (torch's int_oo, which claims to be finite)
     gives `default`."""
@@ -138,6 +159,12 @@ def _symbol_ranges(ep: ExportedProgram, syms: SymbolTable) -> tuple[SymbolRange,
             for d in n.meta["val"].shape:
                 if isinstance(d, torch.SymInt) and d.node.expr.is_Symbol:
                     hints[d.node.expr] = d.node.hint
+                elif isinstance(d, torch.SymInt) and len(d.node.expr.free_symbols) == 1 \
+                        and d.node.hint is not None:  # a derived dim: its symbol's example
+                    s = next(iter(d.node.expr.free_symbols))
+                    sol = sympy.solve(d.node.expr - d.node.hint, s)
+                    if len(sol) == 1 and sol[0].is_Integer:
+                        hints.setdefault(s, int(sol[0]))
         elif n.op == "placeholder" and _int_input(n.meta.get("val")):
             hints[n.meta["val"].node.expr] = n.meta["val"].node.hint
     out = []
@@ -204,14 +231,26 @@ def import_program(ep: ExportedProgram, fold: bool = True, aten_fallback: bool =
     # triton_op custom ops decompose into the Triton kernel HOP (frontend/user_triton.py)
     rewritten: list = []  # ops the ATen fallback met with Scalar arguments (scalar_ops.py)
     first: ScalarArgument | None = None
+    views_as_reshape = False
     while True:
         table = rewrite_table(rewritten) if rewritten else None
         try:
-            with warnings.catch_warnings():  # torch's deepcopy of its own pytree specs warns
-                warnings.filterwarnings(  # on every compile (a deprecation inside torch)
+            with warnings.catch_warnings(), _views_as_reshape(ep, views_as_reshape):
+                warnings.filterwarnings(  # torch's deepcopy of its own pytree specs warns on
+                    # every compile (a deprecation inside torch)
                     "ignore", r"`isinstance\(treespec, LeafSpec\)` is deprecated", FutureWarning)
                 decomposed = _decompose(ep, table)
             return _import(decomposed, *args)
+        except (ValueError, RuntimeError) as e:
+            # torch re-traces the program to decompose it, and a decomposed op (the math of
+            # scaled_dot_product_attention, ...) may give its result other strides than the
+            # export saw: a later `view` of it then fails in torch ("Cannot view a tensor
+            # with shape [s72, s70, 128] and strides ..."). kiln's views are index maps over
+            # values, so the program is decomposed again with view as reshape (a copy where
+            # the strides need one, the same values)
+            if views_as_reshape or "Cannot view a tensor with shape" not in str(e):
+                raise
+            views_as_reshape = True
         except ScalarArgument as e:
             first = first or e
             if e.op in rewritten or rewrite_table([*rewritten, e.op]) is None:
@@ -246,6 +285,22 @@ def _decompose(ep: ExportedProgram, table: dict | None) -> ExportedProgram:
             raise failed from None
 
 
+@contextlib.contextmanager
+def _views_as_reshape(ep: ExportedProgram, on: bool):
+    """With `on`, the program's aten.view nodes read as aten.reshape while torch decomposes
+    it (a reshape copies where the re-traced strides need it); restored afterwards."""
+    nodes = [n for n in ep.graph.nodes if on and n.target is torch.ops.aten.view.default]
+    for n in nodes:
+        n.target = torch.ops.aten.reshape.default
+    try:
+        yield
+    finally:
+        for n in nodes:
+            n.target = torch.ops.aten.view.default
+        if nodes:
+            ep.graph_module.recompile()
+
+
 SIZE_ASSERTS = {"aten._assert_scalar.default", "aten.sym_constrain_range_for_size.default",
                 "aten.sym_constrain_range.default"}
 
@@ -265,6 +320,12 @@ def _complex(n) -> bool:
     vals = [n.meta.get("val")] + [a.meta.get("val") for a in n.all_input_nodes]
     vals = [x for v in vals for x in (v if isinstance(v, (tuple, list)) else [v])]
     return any(isinstance(v, torch.Tensor) and v.is_complex() for v in vals)
+
+
+def _data_dependent_number(v, syms: SymbolTable) -> bool:
+    """Whether int `v` is computed from a tensor's data (`y.item()`), not from sizes."""
+    return isinstance(v, torch.SymInt) and any(s not in syms.rename
+                                               for s in v.node.expr.free_symbols)
 
 
 def _new_size(n, syms: SymbolTable) -> bool:
@@ -405,16 +466,21 @@ def _import(ep: ExportedProgram, fold: bool, aten_fallback: bool = False, seed: 
                                    "supported yet")
         name = getattr(spec.arg, "name", None)
         node = next((n for n in ep.graph.nodes if n.name == name), None)
-        if name not in b.env and node is not None and isinstance(node.meta.get("val"),
-                                                                  (torch.SymInt, int)):
+        val = node.meta.get("val") if node is not None else None
+        number = isinstance(val, (torch.SymInt, torch.SymFloat, torch.SymBool, int, float))
+        if name not in b.env and isinstance(val, (torch.SymInt, int)) and \
+                not isinstance(val, bool) and not _data_dependent_number(val, b.syms):
             # a size returned as a Python int: a 0-d int64 output the loader turns into an int
-            value = b.syms.convert(node.meta["val"])
+            value = b.syms.convert(val)
             b.env[name] = b.fresh(f"{name}_int")
             t = TensorType(dtypes.int64, ())
             b.nodes.append(Node(b.env[name], "full", (), t, (("value", value),), name))
             b.types[b.env[name]] = t
-            int_outputs.append(len(outputs))
-        if name in b.value_ints:  # an int computed as a value: returned as a Python int
+        elif name not in b.env and number:
+            # a float / bool computed from sizes, or `y.item()`: a 0-d output (int64,
+            # float64 or bool) the loader turns into a Python number
+            b.env[name] = sym_values.sym_value(b, node)
+        if number or name in b.value_ints:  # returned as a Python number
             int_outputs.append(len(outputs))
         if name is None or name not in b.env:
             raise UnsupportedError(f"output {spec.arg} is not a tensor")

@@ -8,7 +8,8 @@ an op that mutates its inputs are refused with an `UnsupportedError` that names 
 reason; a Scalar argument raises `scalar_ops.ScalarArgument`, on which the importer rewrites
 the op without Scalars (scalar_ops.py) and imports again. One Graph IR node is made per result. A result size that depends on data
 (torch's unbacked symbol, e.g. the row count of `nonzero`) becomes a size symbol `u0, u1, ...`
-bound when the call returns; memory is planned for its upper bound (`_bound`)."""
+bound when the call returns; memory is planned for its upper bound (`_bound`), or, when it has
+none, the buffers it sizes are allocated at run time once it is known."""
 
 from __future__ import annotations
 
@@ -28,18 +29,18 @@ BOUNDED_BY_NUMEL = {"aten::nonzero", "aten::masked_select", "aten::index", "aten
 
 
 def _bound(b, n, schema, s, inputs: list[str]):
-    """An upper bound, over input sizes, of the unbacked size `s` of node `n`'s results."""
+    """An upper bound, over input sizes, of the unbacked size `s` of node `n`'s results;
+    None when there is none (the buffers it sizes are then allocated at run time)."""
 
     if schema.name in BOUNDED_BY_NUMEL and inputs:
         return sympy.Mul(*b.types[inputs[0]].shape)
     vr = getattr(b, "ranges", {}).get(s)
     upper = getattr(vr, "upper", None)
     try:
-        return sympy.Integer(int(upper))
-    except (TypeError, ValueError, OverflowError):
-        raise UnsupportedError(f"operator {n.target} (node {n.name}): its result size {s} "
-                               "depends on data and has no upper bound kiln can plan memory "
-                               "for") from None
+        value = int(upper)
+    except (TypeError, ValueError, OverflowError, AttributeError):
+        return None
+    return None if value >= 2**62 else sympy.Integer(value)  # torch's int_oo: no bound
 
 
 def _binds(b, n, schema, vals, inputs: list[str]) -> list[list[tuple]]:
@@ -50,8 +51,8 @@ def _binds(b, n, schema, vals, inputs: list[str]) -> list[list[tuple]]:
         for d, size in enumerate(v.shape):
             e = size.node.expr if isinstance(size, torch.SymInt) else None
             if e is not None and e.is_Symbol and e not in b.syms.rename:
-                bound = _bound(b, n, schema, e, inputs)
-                binds.append((d, b.syms.add_unbacked(e, bound).name, bound))
+                s = b.syms.add_unbacked(e, _bound(b, n, schema, e, inputs))
+                binds.append((d, s.name, b.syms.unbacked[s.name]))
         out.append(binds)
     return out
 
@@ -67,6 +68,9 @@ def _encode(b, n, name: str, t, value, inputs: list[str]) -> L.AtenArg:
         if isinstance(value, (bool, int, float)):  # a wrapped number: a 0-d tensor
             inputs.append(b.tensor(value))
             return L.AtenOperand(len(inputs) - 1)
+        if isinstance(value, complex):  # the importer rewrites the op (scalar_ops.py)
+            raise ScalarArgument(f"{where}: a Python complex number where ATen expects a "
+                                 "tensor", n.target)
         if not isinstance(value, torch.fx.Node):
             raise UnsupportedError(f"{where}: a {type(value).__name__} where ATen expects a "
                                    "tensor")
@@ -103,21 +107,24 @@ def _encode(b, n, name: str, t, value, inputs: list[str]) -> L.AtenArg:
 
 def read_size(b, n) -> str:
     """`x.item()` that becomes a size (torch's unbacked symbol): a `read_size` node that binds
-    it at run time, checked against the range the export assumed (`torch._check`)."""
-
-
+    it at run time, checked against the range the export assumed (`torch._check`). Without
+    an upper bound (no `torch._check(value <= N)`) the buffers it sizes are allocated at run
+    time; a negative value is refused at run time."""
     s = n.meta["val"].node.expr
     vr = getattr(b, "ranges", {}).get(s)
     try:
-        lo, hi = int(vr.lower), int(vr.upper)
+        lo = int(vr.lower)
     except (AttributeError, TypeError, ValueError, OverflowError):
-        raise UnsupportedError(f"{n.name} = {n.args[0]}.item() is used as a size with no upper "
-                               "bound to plan memory for: add torch._check(value <= N) before "
-                               "using it") from None
-
-    name = b.syms.add_unbacked(s, sympy.Integer(hi)).name
+        lo = 0
+    try:
+        hi = int(vr.upper)
+        hi = None if hi >= 2**62 else sympy.Integer(hi)
+    except (AttributeError, TypeError, ValueError, OverflowError):
+        hi = None
+    name = b.syms.add_unbacked(s, hi).name
+    bound = b.syms.unbacked[name]
     t = TensorType(dtypes.int64, ())
-    attrs = (("binds", ((0, name, sympy.Integer(hi)),)), ("lo", max(lo, 0)))
+    attrs = (("binds", ((0, name, bound),)), ("lo", max(lo, 0)))
     b.nodes.append(Node(n.name, "read_size", (b.tensor(n.args[0]),), t, attrs, n.name))
     b.types[n.name] = t
     return n.name

@@ -60,11 +60,17 @@ def _histc(x, bins=100, min=0, max=0):
 
 def _complex_add(sign: int):
     def rewrite(x, y, alpha=1):
-        if not (x.is_complex() or y.is_complex()):
+        if not (x.is_complex() or (y.is_complex() if isinstance(y, torch.Tensor) else
+                                   isinstance(y, complex))):
             return NotImplemented  # real values: kiln's own add
         # x + alpha * y as the sum over a stacked pair: mul, stack and sum carry no Scalar
         # (both cast to the result type first: kiln only moves complex values, ATen casts)
         dt = torch.result_type(x, y)
+        if not isinstance(y, torch.Tensor):  # a Python number (`z + 1`): real 0-d values
+            # (kiln's own `full`) made complex by ATen
+            re, im = (torch.full((), v, dtype=dt.to_real()) for v in (complex(y).real,
+                                                                        complex(y).imag))
+            y = torch.complex(re, im)
         pair = torch.broadcast_tensors(x.to(dt), y.to(dt) * (sign * alpha))
         return torch.stack(pair).sum(0)
     return rewrite

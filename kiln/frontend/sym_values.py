@@ -55,6 +55,11 @@ def sym_value(b, x) -> str:
             pass  # an expression kiln's sizes do not model: built from its operator below
     t = x.target
     out_dt = _kind(v)
+    if str(t) == "aten._local_scalar_dense.default":  # `y.item()`: y's one element
+        src = b.tensor(x.args[0])
+        if b.types[src].shape:
+            src = b.emit("view", [src], None, like=x.args[0], shape=())
+        return _cast(b, x, src, out_dt)
     if t in (torch.sym_float, float):
         return _cast(b, x, sym_value(b, x.args[0]), dtypes.float64)
     if t is torch.sym_not:

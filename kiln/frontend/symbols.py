@@ -16,11 +16,13 @@ class SymbolTable:
         self.rename: dict[sympy.Symbol, sympy.Symbol] = {}
         self.unbacked: dict[str, sympy.Expr] = {}  # u0 -> upper bound over input symbols
 
-    def add_unbacked(self, s: sympy.Symbol, bound: sympy.Expr) -> sympy.Symbol:
-        """A data-dependent size (torch's unbacked symbol) and its upper bound."""
+    def add_unbacked(self, s: sympy.Symbol, bound: sympy.Expr | None) -> sympy.Symbol:
+        """A data-dependent size (torch's unbacked symbol) and its upper bound; without one
+        (`None`) the bound is the symbol itself: buffers sized by it are allocated at run time
+        once it is known (sym.unbounded)."""
         if s not in self.rename:
             self.rename[s] = sym.unbacked_symbol(f"u{len(self.unbacked)}")
-            self.unbacked[self.rename[s].name] = bound
+            self.unbacked[self.rename[s].name] = self.rename[s] if bound is None else bound
         return self.rename[s]
 
     def add(self, s: sympy.Symbol) -> sympy.Symbol:

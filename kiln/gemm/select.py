@@ -24,7 +24,7 @@ from kiln.gemm.problem import GemmProblem, problem_of
 from kiln.gemm.profile import run_candidate
 from kiln.errors import UnsupportedError
 from kiln.ir import loop as L
-from kiln.ir.sym import evaluate, product
+from kiln.ir.sym import UNBOUNDED_NOMINAL, evaluate, product
 from kiln.options import BACKEND_DEVICES, GemmBackend, Options
 from kiln.toolchain.cuda import default_archs
 from kiln.schedule.program import unbacked_bounds
@@ -186,7 +186,9 @@ def choose_gemms(steps, symbols, opts: Options, device: str = "cpu", tc=None,
     env = {s.name: s.example for s in symbols}
     hi = {s.name: s.max for s in symbols}
     for name, bound in unbacked_bounds(steps):  # data-dependent sizes: 0 up to their bounds,
-        ranges[name] = (0, evaluate(bound, hi))  # profiled at the bound for the example sizes
+        hi.setdefault(name, UNBOUNDED_NOMINAL)   # profiled at the bound for the example sizes
+        env.setdefault(name, UNBOUNDED_NOMINAL)  # (a nominal size where there is none)
+        ranges[name] = (0, evaluate(bound, hi))
         env[name] = evaluate(bound, env)
     dev = device.split(":")[0]
     dev_id = cpu_device_id(opts) if dev == "cpu" else device

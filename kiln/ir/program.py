@@ -66,6 +66,10 @@ class BindSize:
     symbol: str
     input: int
     dim: int | None  # None: the input's value (an int input)
+    # a dim declared as scale * symbol + offset (a derived Dim, `2 * Dim("h")`): the symbol is
+    # (dim - offset) / scale, and a CheckSize line checks the dim is exactly that
+    scale: int = 1
+    offset: int = 0
 
 
 @dataclass(frozen=True)
@@ -113,6 +117,9 @@ class Alloc:
     numel: sympy.Expr
     offset: int | None = None
     reuse: str | None = None  # in place: takes over this dying temp's bytes
+    # sized by a data-dependent size without an upper bound: allocated at run time outside
+    # the arena (freed at its Free, or when the run ends)
+    heap: bool = False
 
     @property
     def nbytes(self) -> sympy.Expr:
@@ -152,6 +159,10 @@ class CallAten:
     """The ATen fallback: one op called through libtorch (see `loop.AtenCall`)."""
 
     call: AtenCall
+    # its results sized by the data-dependent sizes it binds without an upper bound: their
+    # Alloc (heap) / AllocOutput lines, made once the call has returned and before its
+    # results are copied out (the printers declare their pointers before the call)
+    allocs: tuple = ()
 
 
 @dataclass(frozen=True)
@@ -296,6 +307,8 @@ def _fmt(line: Line) -> str:
         return f"check_input {line.index} ({line.name}): {line.dtype.name} rank {line.rank}"
     if isinstance(line, BindSize):
         where = "value" if line.dim is None else f"shape[{line.dim}]"
+        if line.scale != 1 or line.offset:
+            where = f"({where} - {line.offset}) / {line.scale}"
         return f"{line.symbol} = input {line.input}.{where}"
     if isinstance(line, CheckSize):
         return f"check input {line.input} ({line.name}).shape[{line.dim}] == {line.expr}"
@@ -460,6 +473,9 @@ def _verify_lines(p: Program, lines, planned: bool, bound: set[str], live: set[s
         elif isinstance(line, (CallAten, ReadSizeLine)):
             binds = line.call.all_binds() if isinstance(line, CallAten) else line.node.binds
             bound |= {name for _, name, _ in binds}
+            if isinstance(line, CallAten) and line.allocs:  # sized by the call: made in it
+                _verify_lines(p, line.allocs, planned, bound, live, freed, temps, flags,
+                              loop_live)
         elif isinstance(line, (CheckSize, CheckRelation, AllocOutput, Alloc, SetFlag, CopyBuf)):
             exprs = [line.expr] if isinstance(line, CheckSize) else [line.lhs, line.rhs] if \
                 isinstance(line, CheckRelation) else (
@@ -474,7 +490,8 @@ def _verify_lines(p: Program, lines, planned: bool, bound: set[str], live: set[s
                 if line.buf in live:
                     raise ProgramError(f"{where}: {line.buf} allocated twice")
                 live.add(line.buf)
-            if planned and isinstance(line, Alloc) and line.offset is None and not p.dynamic:
+            if planned and isinstance(line, Alloc) and line.offset is None and not p.dynamic \
+                    and not line.heap:
                 raise ProgramError(f"{where}: no arena offset")
             if isinstance(line, SetFlag):
                 flags.add(line.flag)

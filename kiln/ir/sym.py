@@ -24,6 +24,24 @@ def unbacked_symbol(name: str) -> sympy.Symbol:
     return sympy.Symbol(name, integer=True, nonnegative=True)
 
 
+# a data-dependent size without an upper bound has itself as its bound (frontend/symbols.py):
+# buffers whose size still mentions one after bounds are substituted are allocated at run time,
+# outside the arena; compile-time heuristics (GEMM profiling, step reordering) assume this size
+UNBOUNDED_NOMINAL = 1024
+
+
+def data_dependent_symbols(e) -> set[sympy.Symbol]:
+    """The data-dependent size symbols (u0, u1, ...) in size expression `e`."""
+    return {s for s in sympy.sympify(e).free_symbols
+            if s.name[:1] == "u" and s.name[1:].isdigit()}
+
+
+def unbounded(name: str, bound) -> bool:
+    """Whether data-dependent size `name` has no upper bound (its bound mentions a
+    data-dependent size, itself or an earlier unbounded one)."""
+    return bool(data_dependent_symbols(bound))
+
+
 def index_var(prefix: str, k: int) -> sympy.Symbol:
     return sympy.Symbol(f"{prefix}{k}", integer=True, nonnegative=True)
 

@@ -179,7 +179,7 @@ def lower_index_put(ctx: LowerCtx, node: Node, args: list[Lazy]) -> Lazy:
     positions = tuple(node.attr("positions"))
     base = node.source or node.name
     if len(indices) == 1 and indices[0].dtype.name == "bool":
-        return _mask_put(node, self_, values, indices[0], positions[0])
+        return _mask_put(ctx, node, self_, values, indices[0], positions[0])
     for t in indices:
         if t.dtype.name == "bool":
             raise UnsupportedError(f"index_put with a boolean mask among other indices (node "
@@ -211,16 +211,22 @@ def lower_index_put(ctx: LowerCtx, node: Node, args: list[Lazy]) -> Lazy:
     return _put(ctx, node, self_, varg, index_args, dims, mode, True, wrap=True)
 
 
-def _mask_put(node: Node, self_: Lazy, values: Lazy, mask: Lazy, p: int) -> Lazy:
+def _mask_put(ctx: LowerCtx, node: Node, self_: Lazy, values: Lazy, mask: Lazy,
+              p: int) -> Lazy:
     """x[mask] = v (or += v) where v does not vary along the selected elements (torch's result
     dim of the mask, which has a data-dependent size, is broadcast in v): a pointwise select,
-    out[i] = mask[i_p..] ? v : x[i]. A v with one value per selected element is refused."""
+    out[i] = mask[i_p..] ? v : x[i]. With one value per selected element and the mask over
+    x's leading dims, x[mask] = v is masked_scatter(x, mask broadcast over x, v)."""
     dt, m, rank = node.type.dtype, mask.rank, self_.rank
     res_rank = rank - m + 1
     j = p - (res_rank - values.rank)  # the dim of v along the selected elements
     if j >= 0 and values.shape[j] != 1:
+        if p == 0 and j == 0 and not node.attr("accumulate"):
+            return _mask_scatter(ctx, node, self_, values, mask)
         raise UnsupportedError(f"index_put with a boolean mask and one value per selected "
-                               f"element (node {node.name}): the count is data-dependent")
+                               f"element (node {node.name}) is supported for x[mask] = v with "
+                               f"the mask over x's leading dims (here dim {p} on), without "
+                               "accumulate")
 
     def fn(idx):
         res = list(idx[:p]) + [sympy.Integer(0)] + list(idx[p + m:])
@@ -233,6 +239,27 @@ def _mask_put(node: Node, self_: Lazy, values: Lazy, mask: Lazy, p: int) -> Lazy
         return op("where", mask.load(tuple(idx[p:p + m])), v, x)
 
     return pointwise(dt, node.type.shape, fn)
+
+
+def _mask_scatter(ctx: LowerCtx, node: Node, self_: Lazy, values: Lazy, mask: Lazy) -> Lazy:
+    """x[mask] = v, v[k, ...] the k-th selected element's trailing block (row-major order of
+    the selection, as masked_scatter fills): masked_scatter(x, mask over x's shape, v)."""
+    dt, m, shape = node.type.dtype, mask.rank, node.type.shape
+    base = node.source or node.name
+    full = pointwise(dtypes.bool_, shape, lambda idx: mask.load(tuple(idx[:m])), mask)
+    src_shape = (values.shape[0], *shape[m:])
+
+    def src(idx):  # v broadcast over x's trailing dims
+        vidx = tuple(sympy.Integer(0) if k and values.shape[k] == 1 else idx[k]
+                     for k in range(values.rank))
+        return cast(values.load(vidx), dt)
+
+    source = _viewed(ctx, pointwise(dt, src_shape, src, values), base + "_source", node)
+    self_ = _viewed(ctx, self_, base + "_self", node, dt)
+    full = _viewed(ctx, full, base + "_mask", node)
+    names = _emit(ctx, node, "masked_scatter", [("", dt, shape)],
+                  [_arg(self_, shape=shape), _arg(full, shape=shape), _arg(source)], [])
+    return ctx.buffer_lazy(names[0], dt, shape)
 
 
 def lower_masked_scatter(ctx: LowerCtx, node: Node, args: list[Lazy]) -> Lazy:

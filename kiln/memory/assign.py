@@ -2,7 +2,8 @@
 
 Input: a Program whose Alloc lines have no offsets. Output: the same Program with every static
 Alloc at an arena offset (`arena_bytes` set), the `Plan` and the `Interval`s it was made from.
-Invariants: an in-place Alloc (`reuse=src`) joins `src`'s storage: the chain a -> b -> c of
+Allocs marked `heap` (sized by a data-dependent size without an upper bound) are not in the
+arena: the generated code allocates them at run time. Invariants: an in-place Alloc (`reuse=src`) joins `src`'s storage: the chain a -> b -> c of
 reuses is one interval (named after its first buffer, from its Alloc to the last Free of the
 chain) and every Alloc of the chain gets that interval's offset. Intervals are listed in name
 order, which is the order the generated C++ feeds `kiln_rt::plan_greedy` (its last tie-break is
@@ -63,10 +64,10 @@ def intervals(prog: P.Program, env: dict[str, int] | None = None,
     for line in P.walk(prog.lines):  # nested blocks in their linear order (ir/program.py)
         if isinstance(line, P.STEPS):
             step += 1
-        elif isinstance(line, P.Alloc) and line.reuse is None:
+        elif isinstance(line, P.Alloc) and line.reuse is None and not line.heap:
             start[line.buf] = step + 1
             size[line.buf] = evaluate(line.nbytes, env or {})
-        elif isinstance(line, P.Free):
+        elif isinstance(line, P.Free) and line.buf in root and root[line.buf] in start:
             r = root[line.buf]
             end[r] = max(end.get(r, step), step, start[r])
     return [Interval(r, size[r], start[r], end[r]) for r in sorted(end)]
@@ -154,7 +155,7 @@ def assign_offsets(prog: P.Program, verify: bool = True, budget_s: float = 0.5
         return replace(prog, arena_bytes=None), plan, ivs
     root = roots(prog)
     lines = P.map_lines(prog.lines, lambda x: replace(x, offset=plan.offsets[root[x.buf]])
-                        if isinstance(x, P.Alloc) else x)
+                        if isinstance(x, P.Alloc) and not x.heap else x)
     return replace(prog, lines=lines, arena_bytes=plan.arena_bytes), plan, ivs
 
 

@@ -11,6 +11,14 @@ import sympy
 from kiln.ir.graph import Graph
 
 
+def _attr_symbols(v) -> set[str]:
+    if isinstance(v, sympy.Basic):
+        return {s.name for s in v.free_symbols}
+    if isinstance(v, (tuple, list)):
+        return {name for x in v for name in _attr_symbols(x)}
+    return set()
+
+
 def dce(g: Graph) -> Graph:
     live = set(g.outputs) | {value for _, value in g.mutations} | {s for s, _ in g.mutations}
     types = g.types()
@@ -23,5 +31,6 @@ def dce(g: Graph) -> Graph:
             kept.append(n)
             live.update(n.inputs)
             sizes |= {s.name for d in n.type.shape for s in sympy.sympify(d).free_symbols}
+            sizes |= _attr_symbols(n.attrs)  # a size used as a value (`full` of u0, ...)
     inputs = tuple(i for i in g.inputs if i.kind in ("user", "state") or i.name in live)
     return replace(g, nodes=tuple(reversed(kept)), inputs=inputs)

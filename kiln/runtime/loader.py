@@ -271,7 +271,8 @@ class Runner:
                 raise KilnError(last_error())
         self._constants = {int(c["index"]): c for c in m.get("constant_inputs", [])}
         self._int_outputs = [k for k, o in enumerate(m.get("outputs", []))
-                             if isinstance(o, dict) and o.get("python_int")]
+                             if isinstance(o, dict) and (o.get("python_int") or
+                                                         o.get("python_number"))]
         # ints marked dynamic at export: passed to the model as 0-d int64 host tensors
         self._int_inputs = {k for k, i in enumerate(m.get("inputs", []))
                             if isinstance(i, dict) and i.get("python_int")}
@@ -648,8 +649,8 @@ class Runner:
             free.append(s)
         if self._aliases:
             _share_storage(self._aliases, results, args)
-        for k in self._int_outputs:  # sizes the program returns as Python ints
-            results[k] = int(results[k].item())
+        for k in self._int_outputs:  # numbers the program returns (Python ints, ...)
+            results[k] = results[k].item()  # int, float or bool
         return self._unflatten(results)
 
     def _call_general(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
@@ -677,8 +678,8 @@ class Runner:
         results = _adopt_outputs(outputs, self._n_out)
         if self._aliases:
             _share_storage(self._aliases, results, flat)
-        for k in self._int_outputs:  # sizes the program returns as Python ints
-            results[k] = int(results[k].item())
+        for k in self._int_outputs:  # numbers the program returns (Python ints, ...)
+            results[k] = results[k].item()  # int, float or bool
         return self._unflatten(results)
 
 

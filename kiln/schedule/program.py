@@ -34,10 +34,26 @@ from kiln.errors import UnsupportedError
 from kiln.ir import loop as L
 from kiln.ir import program as P
 from kiln.ir.graph import Graph
-from kiln.ir.sym import unbacked_symbol
+from kiln.ir.sym import data_dependent_symbols, unbacked_symbol
 from kiln.memory.inplace import choose_reuse
 from kiln.schedule import Kernel, Step
 from kiln.schedule.steps import CutlassGemm, GemmKernel
+
+
+def _derived(e: sympy.Expr, bound: set[str]) -> tuple[str, int, int] | None:
+    """(s, scale, offset) when size `e` is scale * s + offset for one symbol s not bound yet
+    (integer scale > 0): a derived Dim."""
+    free = [s for s in e.free_symbols if s.name not in bound]
+    if len(free) != 1 or e.free_symbols != set(free):
+        return None
+    s = free[0]
+    poly = sympy.Poly(e, s) if e.is_polynomial(s) else None
+    if poly is None or poly.degree() != 1:
+        return None
+    scale, offset = poly.all_coeffs()
+    if not (scale.is_Integer and offset.is_Integer and scale > 0):
+        return None
+    return s.name, int(scale), int(offset)
 
 
 def input_lines(graph: Graph) -> list[P.Line]:
@@ -48,6 +64,8 @@ def input_lines(graph: Graph) -> list[P.Line]:
     for k, inp in enumerate(graph.user_inputs):
         lines.append(P.CheckInput(k, inp.name, inp.type.dtype, inp.type.rank,
                                   host=bool(inp.symbol)))
+    plain = {str(e) for inp in graph.user_inputs for e in inp.type.shape
+             if sympy.sympify(e).is_Symbol}  # bound from a dim of their own where they have one
     for k, inp in enumerate(graph.user_inputs):
         if inp.symbol:  # an int input: its value is the symbol
             bound.add(inp.symbol)
@@ -62,8 +80,15 @@ def input_lines(graph: Graph) -> list[P.Line]:
                 lines.append(P.BindSize(e.name, k, d))
                 r = ranges[e.name]
                 checks.append(P.CheckRange(e.name, k, inp.name, d, r.min, r.max))
-            else:
-                checks.append(P.CheckSize(k, inp.name, d, e))
+                continue
+            derived = _derived(e, bound | plain)  # scale * s + offset, s in no input dim alone
+            if derived is not None:
+                s, scale, offset = derived
+                bound.add(s)
+                lines.append(P.BindSize(s, k, d, scale, offset))
+                r = ranges[s]
+                checks.append(P.CheckRange(s, k, inp.name, d, r.min, r.max))
+            checks.append(P.CheckSize(k, inp.name, d, e))
     where = {}
     for k, inp in enumerate(graph.user_inputs):
         if inp.symbol:
@@ -71,6 +96,9 @@ def input_lines(graph: Graph) -> list[P.Line]:
         for d, e in enumerate(inp.type.shape):
             if sympy.sympify(e).is_Symbol:
                 where.setdefault(str(e), f"input {k} ({inp.name}) dim {d}")
+            elif _derived(sympy.sympify(e), set()) is not None:
+                where.setdefault(_derived(sympy.sympify(e), set())[0],
+                                 f"input {k} ({inp.name}) dim {d} = {e}")
     for lhs, rhs, equal, what in graph.meta.get("relations", ()):
         names = sorted({s.name for s in (lhs - rhs).free_symbols})
         if set(names) <= bound:
@@ -111,13 +139,22 @@ def build_program(graph: Graph, prog: L.LoopProgram, steps: tuple[Step, ...],
     lines = input_lines(graph)
     bounds = unbacked_bounds(steps)
     cap = {unbacked_symbol(n): b for n, b in bounds}
+    rw = [_reads_writes(s, buffers) for s in steps]
+    first_write: dict[str, int] = {}
+    for i, (_, writes) in enumerate(rw):
+        for b in writes:
+            first_write.setdefault(b, i)
+    late: dict[int, list[P.Line]] = {}  # step -> outputs allocated just before it
     for k, name in enumerate(prog.outputs):
         b = buffers[name]
         shape = tuple(prog.output_shapes[k])
         capacity = tuple(sympy.sympify(d).subs(cap) for d in shape)
+        if data_dependent_symbols(sympy.Mul(*capacity)) and name in first_write:
+            # no upper bound: allocated at its exact shape once the sizes are known
+            late.setdefault(first_write[name], []).append(P.AllocOutput(k, name, b.dtype, shape))
+            continue
         lines.append(P.AllocOutput(k, name, b.dtype, shape,
                                    capacity if capacity != shape else None))
-    rw = [_reads_writes(s, buffers) for s in steps]
     first: dict[str, int] = {}
     last: dict[str, int] = {}
     for i, (reads, writes) in enumerate(rw):
@@ -129,13 +166,20 @@ def build_program(graph: Graph, prog: L.LoopProgram, steps: tuple[Step, ...],
     for _, src in prog.mutations:  # new state values stay alive until they are copied back
         last[src] = len(steps)
     temps = {b for b in first if buffers[b].kind == "temp"}
+    numel = {b: sympy.sympify(buffers[b].numel).subs(cap) for b in temps}
+    heap = {b for b in temps if data_dependent_symbols(numel[b])}  # no upper bound
     reuse = choose_reuse(steps, buffers, first, last) if inplace else {}
+    reuse = {b: r for b, r in reuse.items() if b not in heap and r not in heap}
     for i, step in enumerate(steps):
+        made = list(late.get(i, ()))
         for b in sorted(temps):
             if first[b] == i:
-                lines.append(P.Alloc(b, buffers[b].dtype,
-                                     sympy.sympify(buffers[b].numel).subs(cap),
-                                     reuse=reuse.get(b)))
+                made.append(P.Alloc(b, buffers[b].dtype, numel[b], reuse=reuse.get(b),
+                                    heap=b in heap))
+        # results of an ATen call sized by the sizes it binds: allocated inside the call
+        binds = {n for _, n, _ in step.all_binds()} if isinstance(step, L.AtenCall) else set()
+        in_call = tuple(x for x in made if binds and _sized_by(x, binds))
+        lines += [x for x in made if x not in in_call]
         if isinstance(step, L.Gemm):
             lines.append(P.CallGemm(step))
         elif isinstance(step, CutlassGemm):
@@ -145,7 +189,7 @@ def build_program(graph: Graph, prog: L.LoopProgram, steps: tuple[Step, ...],
             lines.append(P.CallKernel(step.name, tuple(step.params()), step.status, members,
                                       step.source))
         elif isinstance(step, L.AtenCall):
-            lines.append(P.CallAten(step))
+            lines.append(P.CallAten(step, in_call))
         elif isinstance(step, L.ReadSize):
             lines.append(P.ReadSizeLine(step))
         elif isinstance(step, L.CONTROL):
@@ -172,6 +216,11 @@ def build_program(graph: Graph, prog: L.LoopProgram, steps: tuple[Step, ...],
     dtypes = {b.name: b.dtype for b in prog.buffers}
     return P.Program(tuple(lines), inputs, tuple(weights), graph.symbols, dtypes,
                      unbacked=bounds)
+
+
+def _sized_by(x: P.Line, names: set[str]) -> bool:
+    size = x.numel if isinstance(x, P.Alloc) else sympy.Mul(*x.shape)
+    return any(s.name in names for s in data_dependent_symbols(size))
 
 
 def unbacked_bounds(steps) -> tuple[tuple[str, sympy.Expr], ...]:

@@ -11,10 +11,13 @@ one is kept, so the pass never makes the plan's lower bound worse."""
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Mapping, Sequence
 
+import sympy
+
 from kiln.ir import loop as L
-from kiln.ir.sym import evaluate
+from kiln.ir.sym import data_dependent_symbols, evaluate
 from kiln.schedule import Kernel, Step
 
 
@@ -26,6 +29,26 @@ def _io(step: Step) -> tuple[set[str], set[str]]:
     writes = {m.name for m in step.members}
     reads = {ld.buf for m in step.members for ld in L.loads(m.body)} - writes
     return reads, writes
+
+
+def _binds(step: Step) -> set[str]:
+    if isinstance(step, L.AtenCall):
+        return {name for _, name, _ in step.all_binds()}
+    if isinstance(step, L.ReadSize):
+        return {name for _, name, _ in step.binds}
+    return set()
+
+
+def _data_sizes(x, seen=None) -> set[str]:
+    """The data-dependent size symbols (u0, ...) anywhere in step `x` (shapes, indexing,
+    values), found by walking its fields."""
+    if isinstance(x, sympy.Basic):
+        return {s.name for s in data_dependent_symbols(x)}
+    if isinstance(x, (tuple, list)):
+        return {u for v in x for u in _data_sizes(v)}
+    if dataclasses.is_dataclass(x) and not isinstance(x, type):
+        return {u for f in dataclasses.fields(x) for u in _data_sizes(getattr(x, f.name))}
+    return set()
 
 
 def _peak(order: Sequence[int], io, sizes: Mapping[str, int], temps: set[str]) -> int:
@@ -56,6 +79,10 @@ def reorder_for_memory(steps: tuple[Step, ...], prog: L.LoopProgram,
     producer = {b: k for k, (_, w) in enumerate(io) for b in w}
     deps = [{producer[b] for b in r if b in producer and producer[b] != k}
             for k, (r, _) in enumerate(io)]
+    binder = {name: k for k, st in enumerate(steps) for name in _binds(st)}
+    for k, st in enumerate(steps if binder else ()):  # a step using a data-dependent size
+        # runs after the step that binds it
+        deps[k] |= {binder[u] for u in _data_sizes(st) if u in binder and binder[u] != k}
     readers: dict[str, int] = {}
     for r, _ in io:
         for b in r:

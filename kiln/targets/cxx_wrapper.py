@@ -8,7 +8,7 @@ import sympy
 
 from kiln.ir import loop as L
 from kiln.ir import program as P
-from kiln.ir.sym import to_c
+from kiln.ir.sym import to_c, unbounded
 from kiln.memory.assign import intervals
 
 
@@ -114,6 +114,10 @@ class SizeCheckPrinter:
         if x.dim is None:  # an int input: a 0-d int64 host tensor (checked by CheckInput)
             self.emit(f"const int64_t {x.symbol} = *kr::data_of<int64_t>(inputs[{x.input}]);")
             return
+        if x.scale != 1 or x.offset:  # a derived dim: checked exactly by a CheckSize line
+            self.emit(f"const int64_t {x.symbol} = (inputs[{x.input}]->shape[{x.dim}] - "
+                      f"{x.offset}) / {x.scale};")
+            return
         self.emit(f"const int64_t {x.symbol} = inputs[{x.input}]->shape[{x.dim}];")
 
     def _CheckSize(self, x: P.CheckSize) -> None:
@@ -133,6 +137,14 @@ class SizeCheckPrinter:
         self.emit(f"if ({x.symbol} < {x.lo} || {x.symbol} > {x.hi}) return e.fail(\"input "
                   f"{x.input} ({x.name}): {what} is %lld, expected a value in "
                   f"[{x.lo}, {x.hi}] (symbol {x.symbol})\", (long long){x.symbol});")
+
+    def declare_late(self, x: P.Line) -> None:
+        """Declares the pointer of a buffer an ATen call sizes (P.CallAten.allocs)."""
+        raise NotImplementedError("run-time allocation of ATen results on this target")
+
+    def make_late(self, x: P.Line) -> None:
+        """Allocates it, once the call's data-dependent sizes are bound."""
+        raise NotImplementedError("run-time allocation of ATen results on this target")
 
     # -- ATen fallback calls (kiln_aten.h); `aten_ptr` / `aten_device` differ per device ----
     aten_device = ""  # a line that moves the call to the run's device, if not the CPU
@@ -179,6 +191,8 @@ class SizeCheckPrinter:
         taken = ", ".join(f"result {r.result} -> {r.name}" if c.n_results > 1 else r.name
                           for r in res)
         self.emit(f"// aten fallback {c.op}.{ov} ({taken})  <- {', '.join(c.source)}")
+        for a in x.allocs:  # results sized by what the call returns: allocated below
+            self.declare_late(a)
         self.emit(f"{{ kr_aten::Call c(e, {_cstr(c.op)}, {_cstr(c.overload)});")
         if self.aten_device:
             self.emit(f"  {self.aten_device}")
@@ -190,9 +204,15 @@ class SizeCheckPrinter:
         for r in res:
             for d, name, _ in r.binds:  # data-dependent sizes: known now, checked
                 self.emit(f"  {name} = c.result_size({r.result}, {d});")
+                if unbounded(name, bounds[name]):
+                    continue
                 self.emit(f"  if ({name} < 0 || {name} > {to_c(bounds[name])}) {{ e.fail("
                           f"\"ATen fallback {c.op}: data-dependent size {name} = %lld exceeds "
                           f"its bound {bounds[name]}\", (long long){name}); goto fail; }}")
+        self.depth += 1
+        for a in x.allocs:
+            self.make_late(a)
+        self.depth -= 1
         for k, r in enumerate(res):
             shape = ", ".join(to_c(d) for d in r.shape) or "0"
             self.emit(f"  {{ const int64_t out_sz[] = {{{shape}}};")

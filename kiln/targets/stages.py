@@ -31,7 +31,7 @@ from kiln.frontend.export import import_program
 from kiln.ir.graph import print_graph, verify_graph
 from kiln.ir.loop_text import print_loop, verify_loop
 from kiln.ir.program import WeightSpec, print_program, verify_program
-from kiln.ir.sym import evaluate
+from kiln.ir.sym import UNBOUNDED_NOMINAL, evaluate
 from kiln.lowering import lower
 from kiln.memory.assign import assign_offsets
 from kiln.options import Options
@@ -231,7 +231,7 @@ def reorder_steps(state: Build) -> Build:
     """Independent steps in the order that lowers peak memory (never worse)."""
     env = {s.name: s.example for s in state.graph.symbols}
     for name, bound in unbacked_bounds(state.steps):  # data-dependent sizes at their bounds
-        env[name] = evaluate(bound, env)
+        env[name] = evaluate(bound, {name: UNBOUNDED_NOMINAL, **env})  # (or a nominal size)
     steps, before, after = reorder_for_memory(state.steps, state.loop, env)
     return replace(state, steps=steps, reorder=(before, after))
 

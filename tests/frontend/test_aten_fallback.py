@@ -309,14 +309,16 @@ def test_item_as_a_size_runs_natively_and_is_range_checked(tmp_path):
     _check(runner, take_first, (torch.randn(8, 3), torch.tensor(2)), rtol=1e-5, atol=1e-5)
 
 
-def test_item_size_needs_an_upper_bound(tmp_path):
+def test_item_size_without_an_upper_bound_is_allocated_at_run_time(tmp_path):
     def fn(x, n):
         k = n.item()
         torch._check(k >= 1)
         return torch.ones(k) * x.sum()
 
-    with pytest.raises(kiln.errors.UnsupportedError, match=r"torch._check\(value <= N\)"):
-        _compile(tmp_path, fn, (torch.randn(3), torch.tensor(2)))
+    _, path = _compile(tmp_path, fn, (torch.randn(3), torch.tensor(2)))
+    runner = kiln.load(path)
+    for k in (1, 2, 500):  # tests/frontend/test_unbounded_sizes.py has more
+        _check(runner, fn, (torch.randn(3), torch.tensor(k)), rtol=1e-5, atol=1e-5)
 
 
 def sizes_from_an_item(x, c):

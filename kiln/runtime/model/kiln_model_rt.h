@@ -242,6 +242,29 @@ struct Arena {
   ~Arena() { std::free(base); }
 };
 
+/* Buffers sized by a data-dependent size without an upper bound (`x.item()` with no
+ * torch._check(x <= N), repeat_interleave's length): allocated during a run once the size is
+ * known, outside the arena, and freed at their last use or when the run returns (any path). */
+struct HeapBuffers {
+  void *held[64] = {};
+  int n = 0;
+  void *alloc(Err &e, const char *name, int64_t bytes) {
+    size_t rounded = (static_cast<size_t>(bytes > 0 ? bytes : 0) + 63) / 64 * 64;
+    void *p = std::aligned_alloc(64, rounded ? rounded : 64);
+    if (!p) { e.fail("out of memory allocating %s (%lld bytes)", name, (long long)bytes); return nullptr; }
+    for (int i = 0; i < n; ++i)
+      if (!held[i]) { held[i] = p; return p; }
+    if (n == 64) { std::free(p); e.fail("more than 64 run-time buffers live at once (%s)", name); return nullptr; }
+    held[n++] = p;
+    return p;
+  }
+  void release(void *p) {
+    for (int i = 0; i < n; ++i)
+      if (held[i] == p) { std::free(p); held[i] = nullptr; return; }
+  }
+  ~HeapBuffers() { for (int i = 0; i < n; ++i) std::free(held[i]); }
+};
+
 /* One row-major GEMM operand layout (transpose flag, leading dimension) for BLAS and cuBLAS:
  * false when it is not expressible. */
 inline bool blas_layout(int64_t rows, int64_t cols, int64_t rs, int64_t cs, bool *trans,

@@ -12,7 +12,7 @@ from kiln.targets.cpu.quant import call_comment as qgemm_comment
 from kiln.targets.cpu.gemm import function_name
 from kiln.ir import loop as L
 from kiln.ir import program as P
-from kiln.ir.sym import free_size_symbols, to_c
+from kiln.ir.sym import free_size_symbols, to_c, unbounded
 from kiln.memory.assign import intervals
 from kiln.options import GemmBackend
 from kiln.schedule.analysis import aten_fallback_ops
@@ -79,6 +79,17 @@ def declare_kernel(name: str, params, status: bool, dtypes) -> str:
 
 
 
+def heap_buffers(prog: P.Program) -> set[str]:
+    """Buffers allocated at run time outside the arena (P.Alloc.heap)."""
+    out = set()
+    for x in P.walk(prog.lines):
+        for a in ((x,) if isinstance(x, P.Alloc) else
+                  x.allocs if isinstance(x, P.CallAten) else ()):
+            if isinstance(a, P.Alloc) and a.heap:
+                out.add(a.buf)
+    return out
+
+
 def written_buffers(x: P.Line) -> list[str]:
     """Buffers a step line writes."""
     if isinstance(x, P.CallKernel):
@@ -104,6 +115,7 @@ class _Printer(SizeCheckPrinter):
                            if isinstance(x, P.Alloc)})
         self.dynamic_bufs = [iv.name for iv in intervals(prog, {s.name: s.example
                                                                 for s in prog.symbols})]
+        self.heap_bufs = heap_buffers(prog)
 
 
     def _SetFlag(self, x: P.SetFlag) -> None:
@@ -137,7 +149,7 @@ class _Printer(SizeCheckPrinter):
         self.emit(f"const {x.dtype.c_type}* buf_{x.name} = "
                   f"kr::data_of<{x.dtype.c_type}>(inputs[{x.index}]);")
 
-    def _AllocOutput(self, x: P.AllocOutput) -> None:
+    def _AllocOutput(self, x: P.AllocOutput, declared: bool = False) -> None:
         code, bits = _dl(x.dtype)
         if x.capacity is not None:
             self.emit(f"// output {x.index} has data-dependent sizes {list(x.shape)}: allocated "
@@ -147,10 +159,27 @@ class _Printer(SizeCheckPrinter):
         self.emit(f"  outs[{x.index}] = kr::new_output(e, {code}, {bits}, {len(x.shape)}, "
                   "shape); }")
         self.emit(f"if (!outs[{x.index}]) goto fail;")
-        self.emit(f"{x.dtype.c_type}* buf_{x.buf} = static_cast<{x.dtype.c_type}*>("
-                  f"outs[{x.index}]->dl_tensor.data);")
+        self.emit(f"{'' if declared else x.dtype.c_type + '* '}buf_{x.buf} = "
+                  f"static_cast<{x.dtype.c_type}*>(outs[{x.index}]->dl_tensor.data);")
 
-    def _Alloc(self, x: P.Alloc) -> None:
+    def declare_late(self, x: P.Line) -> None:
+        self.emit(f"{x.dtype.c_type}* buf_{x.buf} = nullptr;  // allocated once the call "
+                  "returns its sizes")
+
+    def make_late(self, x: P.Line) -> None:
+        if isinstance(x, P.AllocOutput):
+            self._AllocOutput(x, declared=True)
+        else:
+            self._Alloc(x, declared=True)
+
+    def _Alloc(self, x: P.Alloc, declared: bool = False) -> None:
+        if x.heap:  # sized by a data-dependent size without a bound: outside the arena
+            T = x.dtype.c_type
+            self.emit(f"{'' if declared else T + '* '}buf_{x.buf} = static_cast<{T}*>(heap.alloc("
+                      f"e, {_cstr(x.buf)}, {to_c(x.nbytes)}));  // {x.numel} elements, "
+                      "allocated now: no upper bound")
+            self.emit(f"if (!buf_{x.buf}) goto fail;")
+            return
         if x.reuse is not None:  # in place: the same bytes as the dying temp (same dtype)
             self.emit(f"{x.dtype.c_type}* buf_{x.buf} = buf_{x.reuse};  // in place of "
                       f"{x.reuse}, {x.numel} elements")
@@ -163,6 +192,9 @@ class _Printer(SizeCheckPrinter):
                   f"self->arena.base + {off});  // {x.numel} elements")
 
     def _Free(self, x: P.Free) -> None:
+        if x.buf in self.heap_bufs:
+            self.emit(f"heap.release(buf_{x.buf}); buf_{x.buf} = nullptr;  // {x.buf} dead")
+            return
         self.emit(f"buf_{x.buf} = nullptr;  // {x.buf} dead: its bytes may be reused")
 
     def _CallKernel(self, x: P.CallKernel) -> None:
@@ -204,9 +236,15 @@ class _Printer(SizeCheckPrinter):
         self.emit(f"// {n.symbol} = {n.src}.item(): a data-dependent size  <- "
                   f"{', '.join(n.source)}")
         self.emit(f"{n.symbol} = static_cast<int64_t>(buf_{n.src}[0]);")
-        self.emit(f"if ({n.symbol} < {n.lo} || {n.symbol} > {to_c(n.hi)}) {{ e.fail(\"{n.src}"
-                  f".item() is %lld, outside [{n.lo}, {n.hi}], the range the export assumed for "
-                  f"size {n.symbol}\", (long long){n.symbol}); goto fail; }}")
+        if unbounded(n.symbol, n.hi):
+            self.emit(f"if ({n.symbol} < {n.lo}) {{ e.fail(\"{n.src}.item() is %lld, below "
+                      f"{n.lo}, the least value the export assumed for size {n.symbol}\", "
+                      f"(long long){n.symbol}); goto fail; }}")
+        else:
+            self.emit(f"if ({n.symbol} < {n.lo} || {n.symbol} > {to_c(n.hi)}) {{ e.fail("
+                      f"\"{n.src}.item() is %lld, outside [{n.lo}, {n.hi}], the range the "
+                      f"export assumed for size {n.symbol}\", (long long){n.symbol}); "
+                      "goto fail; }")
         self.emit(f"buf_{n.name}[0] = {n.symbol};")
 
     def _CallLib(self, x: P.CallLib) -> None:
@@ -319,6 +357,8 @@ def print_wrapper(prog: P.Program, kernel_decls: list[str],
         f"  DLManagedTensor* outs[{max(n_out, 1)}] = {{}};",
         "  int32_t status = 0;",
         "  (void)status;",
+        *(["  kr::HeapBuffers heap;  // buffers sized by unbounded data-dependent sizes"]
+          if pr.heap_bufs else []),
     ]
     for k, w in enumerate(prog.weights):
         if w.mutable:
@@ -334,7 +374,8 @@ def print_wrapper(prog: P.Program, kernel_decls: list[str],
         pr.line(x)
     _plan_block(pr, prog)
     for name, bound in prog.unbacked:
-        pr.emit(f"int64_t {name} = 0;  // data-dependent size, at most {bound}")
+        pr.emit(f"int64_t {name} = 0;  // data-dependent size, " + (
+            "no upper bound" if unbounded(name, bound) else f"at most {bound}"))
     pr.emit("{")
     for x in rest:
         pr.line(x)

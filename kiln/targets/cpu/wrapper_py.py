@@ -54,7 +54,7 @@ def _aten_arg(a: L.AtenArg) -> str:
     raise TypeError(a)
 
 
-def _aten(c: L.AtenCall, bounds) -> list[str]:
+def _aten(c: L.AtenCall, bounds, allocs=()) -> list[str]:
     name = c.op.split("::", 1)[1]
     ov = c.overload or "default"
     n_pos = len(c.args) - len(c.keywords)
@@ -70,6 +70,10 @@ def _aten(c: L.AtenCall, bounds) -> list[str]:
             out += [f"{sym} = {got}.shape[{d}]",
                     f"_expect({sym} <= {to_py(bounds[sym])}, 'data-dependent size {sym} exceeds "
                     f"its bound')"]
+    for a in allocs:  # results sized by the call: allocated now
+        out += (_alloc_output if isinstance(a, P.AllocOutput) else _alloc)(None, a)
+    for r in res:
+        got = f"_r[{r.result}]" if c.n_results > 1 else "_r"
         shape = "".join(f"{to_py(d)}, " for d in r.shape)
         numel = " * ".join(to_py(d) for d in r.shape) or "1"
         out.append(f"buf_{r.name}.view(-1)[:{numel}].view(({shape})).copy_({got})")
@@ -140,7 +144,7 @@ def _check_input(prog: P.Program, x: P.CheckInput) -> list[str]:
 def _bind_size(prog: P.Program, x: P.BindSize) -> list[str]:
     if x.dim is None:
         return [f"{x.symbol} = int(inputs[{x.input}])"]
-    return [f"{x.symbol} = inputs[{x.input}].shape[{x.dim}]"]
+    return [f"{x.symbol} = (inputs[{x.input}].shape[{x.dim}] - {x.offset}) // {x.scale}"]
 
 
 def _check_size(prog: P.Program, x: P.CheckSize) -> list[str]:
@@ -216,7 +220,7 @@ _LINES = {
     P.Free: lambda prog, x: [f"del buf_{x.buf}"],
     P.CallKernel: _call_kernel,
     P.CallGemm: lambda prog, x: _gemm(x.gemm),
-    P.CallAten: lambda prog, x: _aten(x.call, dict(prog.unbacked)),
+    P.CallAten: lambda prog, x: _aten(x.call, dict(prog.unbacked), x.allocs),
     P.ReadSizeLine: _read_size,
     P.CallLib: lambda prog, x: _lib(x.call),
     P.CopyState: _copy_state, P.Return: _return,

@@ -31,7 +31,7 @@ from kiln.gemm import choose_gemms
 from kiln.gemm.cutlass_link import build_objects, cudart_static
 from kiln.gemm.fuse import fuse_gemms
 from kiln.ir import loop as L
-from kiln.ir.sym import evaluate
+from kiln.ir.sym import evaluate, unbounded
 from kiln.gemm.configs import BlasLtConfig
 from kiln.options import GemmBackend, Options
 from kiln.passes.mixed_gemm import mixed_gemms
@@ -167,11 +167,22 @@ def fuse_gemm_epilogues(state: Build) -> Build:
 
 
 def check_routines(state: Build) -> Build:
-    """Library routines (regions' included) that have no CUDA version are refused."""
+    """Library routines (regions' included) that have no CUDA version are refused, and so are
+    data-dependent sizes without an upper bound."""
     for s in L.flat_steps(state.steps):
         if isinstance(s, L.Extern) and s.routine not in CUDA_ROUTINES:
             raise UnsupportedError(f"library routine {s.routine} (for {', '.join(s.source)}) "
                                    "has no CUDA version yet; compile for the CPU")
+    for s in L.flat_steps(state.steps):  # run-time allocation is the CPU wrapper's for now
+        if isinstance(s, (L.AtenCall, L.ReadSize)):
+            binds = s.all_binds() if isinstance(s, L.AtenCall) else s.binds
+            for _, name, bound in binds:
+                if unbounded(name, bound):
+                    raise UnsupportedError(
+                        f"data-dependent size {name} (from {', '.join(s.source)}) has no upper "
+                        "bound; CUDA packages plan memory for a bound: add torch._check(value "
+                        "<= N) in the model, or compile for the CPU, which allocates such "
+                        "buffers at run time")
     return state
 
 

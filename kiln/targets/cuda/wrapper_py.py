@@ -221,7 +221,7 @@ def run_program(prog: P.Program, kernels: dict, module, weights: dict, inputs: l
         elif isinstance(x, P.BindSize) and x.dim is None:
             env[x.symbol] = int(inputs[x.input])
         elif isinstance(x, P.BindSize):
-            env[x.symbol] = int(inputs[x.input].shape[x.dim])
+            env[x.symbol] = (int(inputs[x.input].shape[x.dim]) - x.offset) // x.scale
         elif isinstance(x, P.AllocOutput):  # data-dependent dims at their bounds
             shape = [evaluate(d, env) for d in (x.capacity or x.shape)]
             bufs[x.buf] = torch.empty(shape, dtype=x.dtype.torch, device=device)
