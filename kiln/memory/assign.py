@@ -46,6 +46,11 @@ def roots(prog: P.Program) -> dict[str, str]:
     return out
 
 
+def _outside(prog: P.Program) -> set[str]:
+    """Buffers not in the arena: a state's own storage (Alloc `state`)."""
+    return {x.buf for x in P.walk(prog.lines) if isinstance(x, P.Alloc) and x.state is not None}
+
+
 def intervals(prog: P.Program, env: dict[str, int] | None = None,
               inplace: bool = True) -> list[Interval]:
     """Lifetimes of the program's arena storages (one per in-place chain), in name order,
@@ -60,13 +65,16 @@ def intervals(prog: P.Program, env: dict[str, int] | None = None,
     start: dict[str, int] = {}
     end: dict[str, int] = {}
     size: dict[str, int] = {}
+    outside = _outside(prog)
     for line in P.walk(prog.lines):  # nested blocks in their linear order (ir/program.py)
         if isinstance(line, P.STEPS):
             step += 1
+        elif isinstance(line, P.Alloc) and line.buf in outside:
+            continue
         elif isinstance(line, P.Alloc) and line.reuse is None:
             start[line.buf] = step + 1
             size[line.buf] = evaluate(line.nbytes, env or {})
-        elif isinstance(line, P.Free):
+        elif isinstance(line, P.Free) and line.buf not in outside:
             r = root[line.buf]
             end[r] = max(end.get(r, step), step, start[r])
     return [Interval(r, size[r], start[r], end[r]) for r in sorted(end)]
@@ -154,7 +162,7 @@ def assign_offsets(prog: P.Program, verify: bool = True, budget_s: float = 0.5
         return replace(prog, arena_bytes=None), plan, ivs
     root = roots(prog)
     lines = P.map_lines(prog.lines, lambda x: replace(x, offset=plan.offsets[root[x.buf]])
-                        if isinstance(x, P.Alloc) else x)
+                        if isinstance(x, P.Alloc) and x.state is None else x)
     return replace(prog, lines=lines, arena_bytes=plan.arena_bytes), plan, ivs
 
 

@@ -7,7 +7,8 @@ name `<node>_f32`, then cast back to the half type under the node's own name (so
 outputs and mutations keep their names). Casts round on store, after each aten op, like eager
 on the CPU, which computes most half ops in float32 and rounds each op's result; the steps of
 one aten op (the nodes its converter emitted, sharing `source`) stay float32 between them.
-Ops that only move data (views) keep the half type: their loads and stores copy 16-bit values.
+Ops that only move data (views; index_put without accumulate) keep the half type: their loads
+and stores copy 16-bit values.
 GEMMs and convolutions thereby run in float32 on converted operands.
 
 Pure: returns a new Graph."""
@@ -50,7 +51,7 @@ def widen_half(g: Graph) -> Graph:
 
     inner = _internal(g)
     for n in g.nodes:
-        if n.op in MOVES:
+        if n.op in MOVES or _storing_put(n, types):
             nodes.append(n)
             continue
         ins = tuple(as_f32(x, n.source) if dtypes.is_narrow(types[x].dtype) else x
@@ -68,6 +69,14 @@ def widen_half(g: Graph) -> Graph:
                              type=TensorType(dtypes.float32, n.type.shape)))
         nodes.append(Node(n.name, "cast", (wide,), n.type, (), n.source))
     return replace(g, nodes=tuple(nodes))
+
+
+def _storing_put(n: Node, types) -> bool:
+    """index_put without accumulate, its values of its own dtype: it only stores elements
+    (a KV cache's index_copy_), so it keeps a half type (the state is then updated in place,
+    memory/inplace.py, not widened, scattered and narrowed whole)."""
+    return (n.op == "index_put" and not n.attr("accumulate") and dtypes.is_narrow(n.type.dtype)
+            and types[n.inputs[1]].dtype == n.type.dtype)
 
 
 def _internal(g: Graph) -> set[str]:

@@ -35,7 +35,7 @@ from kiln.ir import loop as L
 from kiln.ir import program as P
 from kiln.ir.graph import Graph
 from kiln.ir.sym import unbacked_symbol
-from kiln.memory.inplace import choose_reuse
+from kiln.memory.inplace import choose_reuse, state_updates
 from kiln.schedule import Kernel, Step
 from kiln.schedule.steps import CutlassGemm, GemmKernel
 
@@ -130,12 +130,13 @@ def build_program(graph: Graph, prog: L.LoopProgram, steps: tuple[Step, ...],
         last[src] = len(steps)
     temps = {b for b in first if buffers[b].kind == "temp"}
     reuse = choose_reuse(steps, buffers, first, last) if inplace else {}
+    in_state = state_updates(steps, buffers, prog.mutations, first, last) if inplace else {}
     for i, step in enumerate(steps):
         for b in sorted(temps):
             if first[b] == i:
                 lines.append(P.Alloc(b, buffers[b].dtype,
                                      sympy.sympify(buffers[b].numel).subs(cap),
-                                     reuse=reuse.get(b)))
+                                     reuse=reuse.get(b), state=in_state.get(b)))
         if isinstance(step, L.Gemm):
             lines.append(P.CallGemm(step))
         elif isinstance(step, CutlassGemm):
@@ -165,7 +166,8 @@ def build_program(graph: Graph, prog: L.LoopProgram, steps: tuple[Step, ...],
             if last[b] == i:
                 lines.append(P.Free(b))
     for dst, src in prog.mutations:
-        lines.append(P.CopyState(dst, src, buffers[dst].numel, buffers[dst].dtype))
+        if in_state.get(src) != dst:  # else updated in place (memory/inplace.py)
+            lines.append(P.CopyState(dst, src, buffers[dst].numel, buffers[dst].dtype))
     lines += [P.Free(b) for b in sorted(temps) if last[b] == len(steps)]
     lines.append(P.Return(tuple(prog.outputs)))
     inputs = tuple((i.name, i.type.dtype, i.type.shape) for i in graph.user_inputs)

@@ -150,6 +150,10 @@ class _Printer(SizeCheckPrinter):
                   f"outs[{x.index}]->dl_tensor.data);")
 
     def _Alloc(self, x: P.Alloc) -> None:
+        if x.state is not None:  # the state's own storage: updated in place
+            self.emit(f"{x.dtype.c_type}* buf_{x.buf} = buf_{x.state};  // state {x.state}, "
+                      f"updated in place ({x.numel} elements)")
+            return
         if x.reuse is not None:  # in place: the same bytes as the dying temp (same dtype)
             self.emit(f"{x.dtype.c_type}* buf_{x.buf} = buf_{x.reuse};  // in place of "
                       f"{x.reuse}, {x.numel} elements")
