@@ -109,3 +109,40 @@ def test_half_caches(family, dtype):
             assert int(k.argmax()) == int(e.argmax()), f"step {step}"
     copied, inplace = _cache_updates(compiled)
     assert copied == [] and len(inplace) == 2 * model.config.num_hidden_layers
+
+
+class Gqa(torch.nn.Module):
+    """repeat_kv + scaled scores as sdpa's math decomposition exports them: the key cache
+    expanded over the heads of its group and reshaped to one batch dim, times a constant."""
+
+    def __init__(self, rep: int, scale: float) -> None:
+        super().__init__()
+        self.rep, self.scale = rep, scale
+
+    def forward(self, q, k, v):
+        b, kv, s, e = k.shape
+        kk = k[:, :, None].expand(b, kv, self.rep, s, e).reshape(b * kv * self.rep, s, e)
+        vv = v[:, :, None].expand(b, kv, self.rep, s, e).reshape(b * kv * self.rep, s, e)
+        scores = torch.bmm(q, (kk * self.scale).transpose(1, 2))
+        return torch.bmm(scores.softmax(-1), vv)
+
+
+@pytest.mark.parametrize("kv,rep,s,e", [(2, 4, 16, 8), (3, 2, 7, 4), (1, 5, 9, 16)])
+def test_gqa_operands_in_place(kv, rep, s, e):
+    """The repeated key and value are read in place (a GEMM with batch dims (kv, rep), the
+    repeat a stride of 0; the constant applied to the scores), not copied per head; the
+    result matches eager in float64."""
+    g = torch.Generator().manual_seed(kv * 100 + rep)
+    q = torch.randn(kv * rep, 3, e, generator=g)
+    k, v = (torch.randn(1, kv, s, e, generator=g) for _ in range(2))
+    module = Gqa(rep, 0.37)
+    compiled = kiln.compile(module, (q, k, v), options=kiln.Options(num_threads=2))
+    got = compiled.load()(q, k, v)
+    want = module(q.double(), k.double(), v.double()).float()
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    gemms = [x.gemm for x in P.walk(compiled.built.program.lines) if isinstance(x, P.CallGemm)]
+    names = {i.name for i in compiled.built.graph.user_inputs}
+    assert len(gemms) == 2
+    for gm in gemms:  # B is the key / value input itself: batch dims (kv, rep), or (rep,)
+        assert gm.b.buf in names and gm.b.batch_strides[-1] == 0, gm
+        assert len(gm.batch) == (2 if kv > 1 else 1), gm
