@@ -20,7 +20,7 @@ Timing: `--rounds` rounds, each timing every system in turn (order rotated per r
 `--calls` calls after 2 warm-up calls; a round's figure is its median call, the reported one the
 median over rounds. `uptime` load is sampled every round.
 
-    python bench/llm_cpu.py [--size 8x1024|1b] [--dtypes fp32,bf16] [--threads 2]
+    python bench/llm_cpu.py [--size 8x1024|1b] [--dtypes fp32,bf16] [--threads 1,2]
         [--rounds 5] [--calls 10] [--markdown BENCHMARKS.md] [--json out.json]
 """
 
@@ -82,6 +82,7 @@ def time_calls(fn, calls: int) -> float:
 
 
 def build(size: str, dt: str, cache: int, threads: int, work: Path) -> dict:
+    """The model, its package (compiled for `threads`) and one call per system."""
     model = H.build_model("llama", DTYPES[dt], **SIZES[size], max_pos=max(2048, cache))
     nbytes = sum(p.numel() * p.element_size() for p in model.parameters())
     module = H.static_module(model, cache)
@@ -114,7 +115,7 @@ def build(size: str, dt: str, cache: int, threads: int, work: Path) -> dict:
     except Exception as e:  # noqa: BLE001 - reported in the table
         errors["torch.compile"] = f"{type(e).__name__}: {str(e).splitlines()[0][:120]}"
     return {"systems": systems, "nbytes": nbytes, "compile_s": compile_s, "errors": errors,
-            "pos": pos, "module": module, "runner": runner}
+            "pos": pos, "module": module, "runner": runner, "pkg": pkg, "ids": ids}
 
 
 def check(b: dict, pos: int) -> float:
@@ -132,35 +133,42 @@ def check(b: dict, pos: int) -> float:
 def run(args) -> dict:
     work = Path(args.work)
     work.mkdir(parents=True, exist_ok=True)
+    threads = [int(t) for t in str(args.threads).split(",")]
     results = {"size": args.size, "config": SIZES[args.size], "cache": args.cache,
-               "pos": args.pos, "threads": args.threads, "cpu": cpu_name(), "rows": []}
+               "pos": args.pos, "cpu": cpu_name(), "rows": []}
     for dt in args.dtypes.split(","):
-        b = build(args.size, dt, args.cache, args.threads, work)
-        torch.set_num_threads(args.threads)
+        b = build(args.size, dt, args.cache, max(threads), work)
+        torch.set_num_threads(max(threads))
         diff = check(b, min(args.pos, 8))
         b["pos"].fill_(args.pos)
-        names = list(b["systems"])
-        times = {n: [] for n in names}
-        bws, loads = [], []
-        for r in range(args.rounds):
-            bws.append(copy_gbs(args.threads))
-            loads.append(load_avg())
-            order = names[r % len(names):] + names[:r % len(names)]
-            for n in order:
-                torch.set_num_threads(args.threads)
-                times[n].append(time_calls(b["systems"][n], args.calls))
-        bw = statistics.median(bws)
-        roof_ms = b["nbytes"] / (bw * 1e9) * 1e3
-        row = {"dtype": dt, "weight_bytes": b["nbytes"], "copy_gbs": bw, "roofline_ms": roof_ms,
-               "kiln_vs_eager_max_abs_logit_diff": diff, "loads": loads,
-               "compile_s": b["compile_s"], "errors": b["errors"], "ms": {}}
-        for n in names:
-            ms = statistics.median(times[n]) * 1e3
-            row["ms"][n] = {"median": ms, "rounds": [t * 1e3 for t in times[n]],
-                            "pct_roofline": 100 * roof_ms / ms}
-        results["rows"].append(row)
-        print(json.dumps({k: v for k, v in row.items() if k != "loads"}, default=str),
-              flush=True)
+        for nt in threads:
+            runner = kiln.load(b["pkg"], num_threads=nt)
+            b["systems"]["kiln"] = lambda r=runner: r(input_ids=b["ids"],
+                                                      cache_position=b["pos"])
+            names = list(b["systems"])
+            times = {n: [] for n in names}
+            bws, loads = [], []
+            for r in range(args.rounds):
+                bws.append(copy_gbs(nt))
+                loads.append(load_avg())
+                order = names[r % len(names):] + names[:r % len(names)]
+                for n in order:
+                    torch.set_num_threads(nt)
+                    times[n].append(time_calls(b["systems"][n], args.calls))
+            runner.close()
+            bw = statistics.median(bws)
+            roof_ms = b["nbytes"] / (bw * 1e9) * 1e3
+            row = {"dtype": dt, "threads": nt, "weight_bytes": b["nbytes"], "copy_gbs": bw,
+                   "roofline_ms": roof_ms, "kiln_vs_eager_max_abs_logit_diff": diff,
+                   "loads": loads, "compile_s": b["compile_s"], "errors": b["errors"],
+                   "ms": {}}
+            for n in names:
+                ms = statistics.median(times[n]) * 1e3
+                row["ms"][n] = {"median": ms, "rounds": [t * 1e3 for t in times[n]],
+                                "pct_roofline": 100 * roof_ms / ms}
+            results["rows"].append(row)
+            print(json.dumps({k: v for k, v in row.items() if k != "loads"}, default=str),
+                  flush=True)
         b["runner"].close()
     return results
 
@@ -170,17 +178,17 @@ def markdown(res: dict, command: str) -> str:
     lines = [f"Llama-shaped decoder `{res['size']}` (hidden {c['hidden']}, {c['layers']} layers, "
              f"{c['heads']} heads / {c['kv_heads']} KV heads, MLP {c['intermediate']}, vocab "
              f"{c['vocab']}), HF static cache of {res['cache']} positions, one token decoded at "
-             f"position {res['pos']}, {res['threads']} threads, {res['cpu']}. "
+             f"position {res['pos']}, {res['cpu']}. "
              f"Command: `{command}`.", "",
-             "| dtype | weights | copy GB/s | roofline ms | kiln ms | eager ms | torch.compile ms "
+             "| dtype | threads | weights | copy GB/s | roofline ms | kiln ms | eager ms | torch.compile ms "
              "| kiln % roofline | eager % | kiln / eager | load (1/5/15 min) |",
-             "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+             "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
     for r in res["rows"]:
         ms = r["ms"]
         tc = (f"{ms['torch.compile']['median']:.1f}" if "torch.compile" in ms
               else r["errors"].get("torch.compile", "-").replace("|", "/"))
         lines.append(
-            f"| {r['dtype']} | {r['weight_bytes'] / 2**20:.0f} MiB | {r['copy_gbs']:.1f} | "
+            f"| {r['dtype']} | {r['threads']} | {r['weight_bytes'] / 2**20:.0f} MiB | {r['copy_gbs']:.1f} | "
             f"{r['roofline_ms']:.1f} | {ms['kiln']['median']:.1f} | {ms['eager']['median']:.1f} "
             f"| {tc} | {ms['kiln']['pct_roofline']:.0f}% | {ms['eager']['pct_roofline']:.0f}% | "
             f"{ms['eager']['median'] / ms['kiln']['median']:.2f}x | "
@@ -193,7 +201,7 @@ def main() -> None:
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--size", default="8x1024", choices=sorted(SIZES))
     ap.add_argument("--dtypes", default="fp32,bf16")
-    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--threads", default="2", help="thread counts, comma-separated")
     ap.add_argument("--cache", type=int, default=512)
     ap.add_argument("--pos", type=int, default=128)
     ap.add_argument("--rounds", type=int, default=5)

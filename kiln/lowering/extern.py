@@ -66,7 +66,8 @@ def _probe(lz: Lazy, batch, split) -> tuple[L.Operand, object] | None:
     if any(c.free_symbols & set(iv) for c in coeffs) or off.free_symbols & set(iv) or \
             sympy.expand(index - off - sum(c * v for c, v in zip(coeffs, iv))) != 0:
         return None
-    if not _blas_ok(coeffs[-2:]):
+    if not _blas_ok(coeffs[-2:]) or any(sympy.sympify(c).is_nonnegative is not True
+                                        for c in (off, *coeffs)):
         return None
     return L.Operand(e.buf, off, tuple(coeffs[:-2]), coeffs[-2], coeffs[-1]), scale
 
