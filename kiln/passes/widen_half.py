@@ -20,8 +20,10 @@ from dataclasses import replace
 from kiln.ir import dtypes
 from kiln.ir.graph import Graph, Node, TensorType
 
-# ops that only move elements: they never compute on a value, so they keep half types
-MOVES = frozenset({"view", "permute", "expand", "slice", "select", "cast"})
+# ops that only move elements: they never compute on a value, so they keep half types (a
+# gather from a half embedding table reads its rows, not a float32 copy of the whole table)
+MOVES = frozenset({"view", "permute", "expand", "slice", "select", "cast", "embedding",
+                   "gather", "index"})
 
 
 def widen_half(g: Graph) -> Graph:
