@@ -21,10 +21,40 @@ def _blas_ok(strides) -> bool:
     return strides[-1] == 1 or strides[-2] == 1
 
 
+def _reads_transposed(lz: Lazy) -> bool:
+    """Whether `lz`'s element (..., r, c) reads its sources column by column: every load's
+    index steps further along c than along r (a converted Linear weight, cast(W).t())."""
+    if lz.rank < 2:
+        return False
+    iv = ivars(lz.rank)
+    lds = L.loads(lz.load(iv))
+    if not lds:
+        return False
+    for ld in lds:
+        idx = sympy.expand(ld.index)
+        cr, cc = idx.coeff(iv[-2], 1), idx.coeff(iv[-1], 1)
+        if not (cr.is_Integer and cc.is_Integer and abs(cc) > abs(cr)):
+            return False
+    return True
+
+
 def operand(ctx: LowerCtx, lz: Lazy, name: str, source) -> tuple[L.Operand, Lazy]:
-    """A GEMM operand for `lz` ([..., rows, cols]); materialise it when not BLAS-compatible."""
+    """A GEMM operand for `lz` ([..., rows, cols]); materialise it when not BLAS-compatible,
+    in its sources' order: an operand read column by column (a bf16 Linear weight converted,
+    then transposed) is stored transposed and passed as a transposed view, so the copy reads
+    and writes memory in order."""
     if lz.view is None or not _blas_ok(lz.view.strides):
-        lz = ctx.realize(lz.origin or name, lz, source)
+        if lz.view is None and _reads_transposed(lz):
+            src = lz
+            shape = (*lz.shape[:-2], lz.shape[-1], lz.shape[-2])
+            t = ctx.realize(lz.origin or name, pointwise(
+                lz.dtype, shape, lambda idx: src.load((*idx[:-2], idx[-1], idx[-2])), src),
+                source)
+            st = t.view.strides
+            lz = from_view(lz.dtype, lz.shape, View(t.view.buf, t.view.offset,
+                                                    (*st[:-2], st[-1], st[-2])))
+        else:
+            lz = ctx.realize(lz.origin or name, lz, source)
     v = lz.view
     return L.Operand(v.buf, v.offset, tuple(v.strides[:-2]), v.strides[-2], v.strides[-1]), lz
 
