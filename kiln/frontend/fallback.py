@@ -6,7 +6,8 @@ The converter reads the op's schema and encodes every argument in schema order a
 op whose arguments or results the stable interface cannot carry (Generator, Device, ...), and
 an op that mutates its inputs are refused with an `UnsupportedError` that names the op and the
 reason; a Scalar argument raises `scalar_ops.ScalarArgument`, on which the importer rewrites
-the op without Scalars (scalar_ops.py) and imports again. One Graph IR node is made per result. A result size that depends on data
+the op without Scalars (scalar_ops.py) and imports again. One Graph IR node is made per
+result. A result size that depends on data
 (torch's unbacked symbol, e.g. the row count of `nonzero`) becomes a size symbol `u0, u1, ...`
 bound when the call returns; memory is planned for its upper bound (`_bound`), or, when it has
 none, the buffers it sizes are allocated at run time once it is known."""

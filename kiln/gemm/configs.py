@@ -4,8 +4,8 @@
 - `BlasLtConfig`   "blas" on CUDA: the cuBLASLt heuristic's `algo`-th algorithm
                    (kiln/gemm/blaslt.py); JSON {"algo": i}
 - `CppConfig`      "cpp": kiln's register-blocked CPU GEMM, an MR x (NV vectors) register tile,
-                   K blocked by KC, N by NC (kiln/gemm/cpu.py); JSON {"mr", "nv", "kc", "nc"} and "packed": true for a
-                   B packed at compile time
+                   K blocked by KC, N by NC (kiln/gemm/cpu.py); JSON {"mr", "nv", "kc", "nc"}
+                   and "packed": true for a B packed at compile time
 - `TritonConfig`   "triton": the template's tile sizes, group size, pipeline stages, warps and
                    TMA loads (kiln/gemm/triton_gemm.py); JSON {"name", "block_m", "block_n",
                    "block_k", "group_m", "num_stages", "num_warps"} and "tma": true for TMA

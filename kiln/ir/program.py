@@ -14,7 +14,10 @@ Lines, in the order a run executes them:
                (None while unplanned, or when planned at run time for dynamic sizes). An
                Alloc with `reuse=src` is in place: the buffer takes over the bytes of `src`,
                a live temp of the same dtype and size that the very next step (a kernel that
-               writes this buffer) reads for the last time; `src` is freed right after it
+               writes this buffer) reads for the last time; `src` is freed right after it.
+               An Alloc with `state=S` is not in the arena: the buffer is state S's own
+               storage, which its one writer (a library put) updates in place, so no
+               CopyState into S follows
   CallKernel   a generated kernel; CallGemm a BLAS call; CallAten an ATen fallback call;
                CallLib a kiln runtime routine (sort, scan, scatter, ...: `kiln_lib.h`), which
                may fail on bad indices; CallUser a user-written Triton kernel (CUDA)
@@ -120,6 +123,9 @@ class Alloc:
     # sized by a data-dependent size without an upper bound: allocated at run time outside
     # the arena (freed at its Free, or when the run ends)
     heap: bool = False
+    #: the storage of this state buffer (not the arena): the one step that writes the temp
+    #: updates the state in place, and no CopyState follows (memory/inplace.py state_updates)
+    state: str | None = None
 
     @property
     def nbytes(self) -> sympy.Expr:
@@ -322,6 +328,8 @@ def _fmt(line: Line) -> str:
         where = "runtime" if line.offset is None else f"arena+{line.offset}"
         if line.reuse is not None:
             where = f"in place of %{line.reuse} ({where})"
+        if line.state is not None:
+            where = f"state %{line.state}, updated in place"
         return f"%{line.buf} = alloc {line.dtype.name}[{line.numel}] @ {where}"
     if isinstance(line, Free):
         return f"free %{line.buf}"
@@ -449,6 +457,23 @@ def _check_reuse(p: Program, k: int, line: Alloc, temps: dict[str, Alloc], live:
                        f"last reader")
 
 
+def _check_state(p: Program, k: int, line: Alloc, lines) -> None:
+    """An Alloc in a state's storage: the state exists with this dtype and size, the temp
+    reuses nothing else, and no CopyState into the state follows (it is updated in place)."""
+    where = f"line {k} ({_fmt(line)})"
+    w = next((w for w in p.weights if w.name == line.state and w.mutable), None)
+    if w is None:
+        raise ProgramError(f"{where}: {line.state} is not a state buffer")
+    numel = 1
+    for d in w.shape:
+        numel *= int(d)
+    if w.dtype != line.dtype or sympy.expand(line.numel - numel) != 0 or line.reuse:
+        raise ProgramError(f"{where}: {line.state} is {w.dtype.name}[{numel}], a different "
+                           f"dtype or size")
+    if any(isinstance(x, CopyState) and x.dst == line.state for x in walk(p.lines)):
+        raise ProgramError(f"{where}: {line.state} is updated in place and copied into")
+
+
 def verify_program(p: Program, planned: bool = False) -> None:
     bound: set[str] = set()
     live: set[str] = {name for name, _, _ in p.inputs} | {w.name for w in p.weights}
@@ -466,6 +491,8 @@ def _verify_lines(p: Program, lines, planned: bool, bound: set[str], live: set[s
         where = f"line {k} ({_fmt(line)})"
         if isinstance(line, Alloc) and line.reuse is not None:
             _check_reuse(p, k, line, temps, live, planned, lines)
+        if isinstance(line, Alloc) and line.state is not None:
+            _check_state(p, k, line, lines)
         if isinstance(line, Alloc):
             temps[line.buf] = line
         if isinstance(line, BindSize):
@@ -491,7 +518,7 @@ def _verify_lines(p: Program, lines, planned: bool, bound: set[str], live: set[s
                     raise ProgramError(f"{where}: {line.buf} allocated twice")
                 live.add(line.buf)
             if planned and isinstance(line, Alloc) and line.offset is None and not p.dynamic \
-                    and not line.heap:
+                    and not line.heap and line.state is None:
                 raise ProgramError(f"{where}: no arena offset")
             if isinstance(line, SetFlag):
                 flags.add(line.flag)

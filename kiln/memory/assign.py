@@ -3,7 +3,8 @@
 Input: a Program whose Alloc lines have no offsets. Output: the same Program with every static
 Alloc at an arena offset (`arena_bytes` set), the `Plan` and the `Interval`s it was made from.
 Allocs marked `heap` (sized by a data-dependent size without an upper bound) are not in the
-arena: the generated code allocates them at run time. Invariants: an in-place Alloc (`reuse=src`) joins `src`'s storage: the chain a -> b -> c of
+arena: the generated code allocates them at run time. Invariants: an in-place Alloc
+(`reuse=src`) joins `src`'s storage: the chain a -> b -> c of
 reuses is one interval (named after its first buffer, from its Alloc to the last Free of the
 chain) and every Alloc of the chain gets that interval's offset. Intervals are listed in name
 order, which is the order the generated C++ feeds `kiln_rt::plan_greedy` (its last tie-break is
@@ -47,6 +48,11 @@ def roots(prog: P.Program) -> dict[str, str]:
     return out
 
 
+def _outside(prog: P.Program) -> set[str]:
+    """Buffers not in the arena: a state's own storage (Alloc `state`)."""
+    return {x.buf for x in P.walk(prog.lines) if isinstance(x, P.Alloc) and x.state is not None}
+
+
 def intervals(prog: P.Program, env: dict[str, int] | None = None,
               inplace: bool = True) -> list[Interval]:
     """Lifetimes of the program's arena storages (one per in-place chain), in name order,
@@ -61,13 +67,17 @@ def intervals(prog: P.Program, env: dict[str, int] | None = None,
     start: dict[str, int] = {}
     end: dict[str, int] = {}
     size: dict[str, int] = {}
+    outside = _outside(prog)
     for line in P.walk(prog.lines):  # nested blocks in their linear order (ir/program.py)
         if isinstance(line, P.STEPS):
             step += 1
+        elif isinstance(line, P.Alloc) and line.buf in outside:
+            continue
         elif isinstance(line, P.Alloc) and line.reuse is None and not line.heap:
             start[line.buf] = step + 1
             size[line.buf] = evaluate(line.nbytes, env or {})
-        elif isinstance(line, P.Free) and line.buf in root and root[line.buf] in start:
+        elif isinstance(line, P.Free) and line.buf not in outside and line.buf in root \
+                and root[line.buf] in start:
             r = root[line.buf]
             end[r] = max(end.get(r, step), step, start[r])
     return [Interval(r, size[r], start[r], end[r]) for r in sorted(end)]
@@ -155,7 +165,7 @@ def assign_offsets(prog: P.Program, verify: bool = True, budget_s: float = 0.5
         return replace(prog, arena_bytes=None), plan, ivs
     root = roots(prog)
     lines = P.map_lines(prog.lines, lambda x: replace(x, offset=plan.offsets[root[x.buf]])
-                        if isinstance(x, P.Alloc) and not x.heap else x)
+                        if isinstance(x, P.Alloc) and not x.heap and x.state is None else x)
     return replace(prog, lines=lines, arena_bytes=plan.arena_bytes), plan, ivs
 
 

@@ -30,6 +30,18 @@ Legality of (out, src) in a kernel K with outer loop nest of k dims (o = the out
       chains (a -> b -> c) share one storage, each link dying where the next is born.
 Under (1)-(5) the two pointers alias only as described, so codegen drops `__restrict__` on
 exactly those two parameters and keeps it everywhere else.
+
+State updates in place (`state_updates`: a KV cache's `index_copy_` / `index_put_`): a
+program that mutates state S computes S's new value into a temp O, which is copied into S after
+the last step (Program IR CopyState): a copy of the whole state per run, on top of the one the
+scatter makes (out = self, then the updates). O may be S's own storage, with neither copy, when
+  (a) O is the new value of S (the mutation (S, O)), a temp of S's dtype and element count;
+  (b) O's one writer, step i, is the library routine `put` (index_put / scatter / index_copy,
+      mode set or sum, one output) whose `self` operand is the whole of S, contiguous from
+      offset 0, and whose other operands (values, indices) do not read S;
+  (c) no step after i reads S (they would see the new value; reads of O see it anyway).
+`put` writes out[p] = self[p] for every p before its updates; with out == self (contiguous)
+that copy is the identity and the routine skips it (kiln_lib.h), leaving only the updates.
 """
 from __future__ import annotations
 
@@ -171,4 +183,42 @@ def program_aliases(prog) -> dict[str, frozenset[str]]:
         if isinstance(x, P.CallKernel):
             names = {n for kind, n in x.args if kind == "out" and n in reuse}
             out[x.kernel] = frozenset(names | {reuse[n] for n in names})
+    return out
+
+
+def _whole(arg: L.LibArg, buf: L.Buffer) -> bool:
+    """`arg` is the whole of `buf`, contiguous from offset 0 (unit dims' strides ignored)."""
+    if arg.buf != buf.name or sympy.sympify(arg.offset) != 0 or \
+            len(arg.shape) != len(buf.shape):
+        return False
+    for size, want, (st, cst) in zip(arg.shape, buf.shape,
+                                      zip(arg.strides, contiguous_strides(buf.shape))):
+        if sympy.expand(sympy.sympify(size) - want) != 0:
+            return False
+        if sympy.sympify(size) != 1 and sympy.expand(sympy.sympify(st) - cst) != 0:
+            return False
+    return True
+
+
+def state_updates(steps: Sequence, buffers: Mapping[str, L.Buffer],
+                  mutations: Sequence[tuple[str, str]], first: Mapping[str, int],
+                  last: Mapping[str, int]) -> dict[str, str]:
+    """new-value temp -> state, for every mutation (S, O) that may update S in place
+    (conditions (a)-(c) of the module docstring). `first` / `last`: each buffer's first writer
+    and last reader step (reads of states included)."""
+    out: dict[str, str] = {}
+    for state, new in mutations:
+        s, o = buffers.get(state), buffers.get(new)
+        i = first.get(new)
+        if s is None or o is None or o.kind != "temp" or i is None or new in out:
+            continue
+        step = steps[i]
+        if not (isinstance(step, L.Extern) and step.routine == "put" and step.outs == (new,)
+                and step.args and _whole(step.args[0], s)):
+            continue
+        if s.dtype != o.dtype or sympy.expand(s.numel - o.numel) != 0:
+            continue
+        if any(a.buf == state for a in step.args[1:]) or last.get(state, i) > i:
+            continue
+        out[new] = state
     return out

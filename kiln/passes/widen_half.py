@@ -7,7 +7,8 @@ name `<node>_f32`, then cast back to the half type under the node's own name (so
 outputs and mutations keep their names). Casts round on store, after each aten op, like eager
 on the CPU, which computes most half ops in float32 and rounds each op's result; the steps of
 one aten op (the nodes its converter emitted, sharing `source`) stay float32 between them.
-Ops that only move data (views) keep the half type: their loads and stores copy 16-bit values.
+Ops that only move data (views; index_put without accumulate) keep the half type: their loads
+and stores copy 16-bit values.
 GEMMs and convolutions thereby run in float32 on converted operands.
 
 Pure: returns a new Graph."""
@@ -19,11 +20,12 @@ from dataclasses import replace
 from kiln.ir import dtypes
 from kiln.ir.graph import Graph, Node, TensorType
 
-# ops that only move elements: they never compute on a value, so they keep half types
-MOVES = frozenset({"view", "permute", "expand", "slice", "select", "cast"})
-# ops that read and write half types themselves: kiln_qgemm.h's bf16 GEMM, and the embedding
-# lookup (a gather: widening its operand would convert the whole table on every run)
-NATIVE = frozenset({"qgemm", "embedding"})
+# ops that only move elements: they never compute on a value, so they keep half types (a
+# gather from a half embedding table reads its rows, not a float32 copy of the whole table)
+MOVES = frozenset({"view", "permute", "expand", "slice", "select", "cast", "embedding",
+                   "gather", "index"})
+# ops that read and write half types themselves: kiln_qgemm.h's bf16 GEMM
+NATIVE = frozenset({"qgemm"})
 
 
 def widen_half(g: Graph) -> Graph:
@@ -53,7 +55,7 @@ def widen_half(g: Graph) -> Graph:
 
     inner = _internal(g)
     for n in g.nodes:
-        if n.op in MOVES or n.op in NATIVE:
+        if n.op in MOVES or n.op in NATIVE or _storing_put(n, types):
             nodes.append(n)
             continue
         ins = tuple(as_f32(x, n.source) if dtypes.is_narrow(types[x].dtype) else x
@@ -71,6 +73,14 @@ def widen_half(g: Graph) -> Graph:
                              type=TensorType(dtypes.float32, n.type.shape)))
         nodes.append(Node(n.name, "cast", (wide,), n.type, (), n.source))
     return replace(g, nodes=tuple(nodes))
+
+
+def _storing_put(n: Node, types) -> bool:
+    """index_put without accumulate, its values of its own dtype: it only stores elements
+    (a KV cache's index_copy_), so it keeps a half type (the state is then updated in place,
+    memory/inplace.py, not widened, scattered and narrowed whole)."""
+    return (n.op == "index_put" and not n.attr("accumulate") and dtypes.is_narrow(n.type.dtype)
+            and types[n.inputs[1]].dtype == n.type.dtype)
 
 
 def _internal(g: Graph) -> set[str]:

@@ -447,8 +447,9 @@ class Runner:
         for i, key, rec in slots:
             t = state.get(rec.get("fqn"), state.get(key)) if rec.get("fqn") else state.get(key)
             if t is None:
+                names = ", ".join(r.get("fqn") or k for _, k, r in slots)
                 raise InputError(f"load_state: missing state buffer {rec.get('fqn') or key!r} "
-                                 f"(the model's: {', '.join(r.get('fqn') or k for _, k, r in slots)})")
+                                 f"(the model's: {names})")
             if not isinstance(t, torch.Tensor):
                 raise InputError(f"load_state: {key!r}: expected a tensor, got "
                                  f"{type(t).__name__}")

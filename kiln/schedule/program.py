@@ -35,7 +35,7 @@ from kiln.ir import loop as L
 from kiln.ir import program as P
 from kiln.ir.graph import Graph
 from kiln.ir.sym import data_dependent_symbols, unbacked_symbol
-from kiln.memory.inplace import choose_reuse
+from kiln.memory.inplace import choose_reuse, state_updates
 from kiln.schedule import Kernel, Step
 from kiln.schedule.steps import CutlassGemm, GemmKernel
 
@@ -170,12 +170,14 @@ def build_program(graph: Graph, prog: L.LoopProgram, steps: tuple[Step, ...],
     heap = {b for b in temps if data_dependent_symbols(numel[b])}  # no upper bound
     reuse = choose_reuse(steps, buffers, first, last) if inplace else {}
     reuse = {b: r for b, r in reuse.items() if b not in heap and r not in heap}
+    in_state = state_updates(steps, buffers, prog.mutations, first, last) if inplace else {}
+    in_state = {b: s for b, s in in_state.items() if b not in heap}
     for i, step in enumerate(steps):
         made = list(late.get(i, ()))
         for b in sorted(temps):
             if first[b] == i:
                 made.append(P.Alloc(b, buffers[b].dtype, numel[b], reuse=reuse.get(b),
-                                    heap=b in heap))
+                                    heap=b in heap, state=in_state.get(b)))
         # results of an ATen call sized by the sizes it binds: allocated inside the call
         binds = {n for _, n, _ in step.all_binds()} if isinstance(step, L.AtenCall) else set()
         in_call = tuple(x for x in made if binds and _sized_by(x, binds))
@@ -209,7 +211,8 @@ def build_program(graph: Graph, prog: L.LoopProgram, steps: tuple[Step, ...],
             if last[b] == i:
                 lines.append(P.Free(b))
     for dst, src in prog.mutations:
-        lines.append(P.CopyState(dst, src, buffers[dst].numel, buffers[dst].dtype))
+        if in_state.get(src) != dst:  # else updated in place (memory/inplace.py)
+            lines.append(P.CopyState(dst, src, buffers[dst].numel, buffers[dst].dtype))
     lines += [P.Free(b) for b in sorted(temps) if last[b] == len(steps)]
     lines.append(P.Return(tuple(prog.outputs)))
     inputs = tuple((i.name, i.type.dtype, i.type.shape) for i in graph.user_inputs)

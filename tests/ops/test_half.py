@@ -152,3 +152,41 @@ def test_half_input_dtype_checked(check):
         runner(torch.ones(3, dtype=torch.bfloat16))
     with pytest.raises(Exception, match="bfloat16|float16"):
         runner(torch.ones(3))
+
+
+class Lookups(nn.Module):
+    """Half tables read by embedding, gather and advanced indexing (moves: exact), then
+    computed on (rounded like eager)."""
+
+    def __init__(self, dtype) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(50, 8).to(dtype)
+
+    def forward(self, ids, table, idx):
+        e = self.emb(ids)
+        g = torch.gather(table, 1, idx)
+        r = table[ids.reshape(-1) % table.shape[0]]
+        return e, g, r, e * 2 + 1
+
+
+@pytest.mark.parametrize("dtype", HALVES, ids=_ids)
+def test_half_lookups_read_half(dtype):
+    """Gathers keep the half type (passes/widen_half.py MOVES): equal to eager bit for bit,
+    and no float32 copy of a table is made (no float32 buffer the size of one)."""
+    from kiln.ir import program as P  # noqa: PLC0415 - test-local
+
+    g = gen("half-lookups", dtype)
+    torch.manual_seed(1)
+    m = Lookups(dtype).eval()
+    ids = torch.randint(0, 50, (3, 4), generator=g)
+    table = rand((6, 9), dtype, g)
+    idx = torch.randint(0, 9, (6, 5), generator=g)
+    compiled = kiln.compile(m, (ids, table, idx))
+    got = compiled.load()(ids, table, idx)
+    with torch.no_grad():
+        want = m(ids, table, idx)
+    for a, b in zip(got, want):
+        assert a.dtype == b.dtype and torch.equal(a, b)
+    big = [x for x in P.walk(compiled.built.program.lines) if isinstance(x, P.Alloc)
+           and x.dtype.name == "float32" and int(x.numel) >= 50 * 8]
+    assert big == [], big

@@ -1,6 +1,7 @@
 """GEMMs that autotuning gave to kiln's register-blocked kernel (backend "cpp"): one
 `extern "C" int gemm_<node>(...)` per GEMM in `gemm.cpp`, instantiating `kr::gemm_cpp` with the
-chosen tile, or `kr::gemm_cpp_packed` when B is a weight stored prepacked (L.Gemm.packed_b). The file is compiled with the kernels' flags (-O3), not the wrapper's."""
+chosen tile, or `kr::gemm_cpp_packed` when B is a weight stored prepacked (L.Gemm.packed_b).
+The file is compiled with the kernels' flags (-O3), not the wrapper's."""
 
 from __future__ import annotations
 

@@ -173,6 +173,10 @@ class _Printer(SizeCheckPrinter):
             self._Alloc(x, declared=True)
 
     def _Alloc(self, x: P.Alloc, declared: bool = False) -> None:
+        if x.state is not None:  # the state's own storage: updated in place
+            self.emit(f"{x.dtype.c_type}* buf_{x.buf} = buf_{x.state};  // state {x.state}, "
+                      f"updated in place ({x.numel} elements)")
+            return
         if x.heap:  # sized by a data-dependent size without a bound: outside the arena
             T = x.dtype.c_type
             self.emit(f"{'' if declared else T + '* '}buf_{x.buf} = static_cast<{T}*>(heap.alloc("

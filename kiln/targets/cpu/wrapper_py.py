@@ -172,6 +172,8 @@ def _alloc_output(prog: P.Program, x: P.AllocOutput) -> list[str]:
 
 def _alloc(prog: P.Program, x: P.Alloc) -> list[str]:
     dt = x.dtype.torch
+    if x.state is not None:  # the state's own storage: updated in place
+        return [f"buf_{x.buf} = buf_{x.state}.view(-1)"]
     if x.offset is None:
         return [f"buf_{x.buf} = torch.empty({to_py(x.numel)}, dtype={dt})"]
     return [f"buf_{x.buf} = arena[{x.offset}:{x.offset} + {to_py(x.nbytes)}].view({dt})"]

@@ -203,22 +203,34 @@ int scan_extreme(kr::Err &, const char *, T *vals, int64_t *idx, bool is_max, Vi
 
 enum PutMode : int64_t { kSet = 0, kAdd = 1, kMul = 2, kMean = 3, kMax = 4, kMin = 5 };
 
+// 16-bit float storage types (a put of a half KV cache): combined in float, stored rounded
+template <class T> constexpr bool is_half_storage =
+    std::is_same_v<T, kr::half> || std::is_same_v<T, kr::bfloat16>;
+
 template <class T> inline T put_identity(int64_t mode) {
-  switch (mode) {
-    case kMul: return T(1);
-    case kMax: return kr::lowest<T>();
-    case kMin: return kr::highest<T>();
-    default: return T(0);
+  if constexpr (is_half_storage<T>) {
+    return T(put_identity<float>(mode));
+  } else {
+    switch (mode) {
+      case kMul: return T(1);
+      case kMax: return kr::lowest<T>();
+      case kMin: return kr::highest<T>();
+      default: return T(0);
+    }
   }
 }
 
 template <class T> inline T put_combine(int64_t mode, T old, T v) {
-  switch (mode) {
-    case kAdd: case kMean: return static_cast<T>(old + v);
-    case kMul: return static_cast<T>(old * v);
-    case kMax: return is_nan(v) || is_nan(old) ? static_cast<T>(old + v) : std::max(old, v);
-    case kMin: return is_nan(v) || is_nan(old) ? static_cast<T>(old + v) : std::min(old, v);
-    default: return v;
+  if constexpr (is_half_storage<T>) {
+    return mode == kSet ? v : T(put_combine<float>(mode, float(old), float(v)));
+  } else {
+    switch (mode) {
+      case kAdd: case kMean: return static_cast<T>(old + v);
+      case kMul: return static_cast<T>(old * v);
+      case kMax: return is_nan(v) || is_nan(old) ? static_cast<T>(old + v) : std::max(old, v);
+      case kMin: return is_nan(v) || is_nan(old) ? static_cast<T>(old + v) : std::min(old, v);
+      default: return v;
+    }
   }
 }
 
@@ -237,8 +249,16 @@ int put_counted(kr::Err &e, const char *where, T *out, int64_t *counts, int64_t 
   const std::vector<int64_t> dims(dims_il);
   const int R = self.rank, K = values.rank;
   const int64_t total = self.numel(), iters = values.numel();
-#pragma omp parallel for schedule(static) if (total > 65536)
-  for (int64_t p = 0; p < total; ++p) {
+  // out == self, contiguous: a state buffer updated in place (memory/inplace.py
+  // state_updates), whose elements are already in place: no copy of the whole tensor
+  bool same = out == self.data && !counts;
+  int64_t st = 1;
+  for (int d = R - 1; same && d >= 0; --d) {
+    same = self.size(d) == 1 || self.stride(d) == st;
+    st *= self.size(d);
+  }
+#pragma omp parallel for schedule(static) if (total > 65536 && !same)
+  for (int64_t p = 0; p < (same ? 0 : total); ++p) {
     out[p] = self.at(p);
     if (counts) counts[p] = include_self ? 1 : 0;
   }
