@@ -180,7 +180,8 @@ def markdown(res: dict, command: str) -> str:
              f"{c['vocab']}), HF static cache of {res['cache']} positions, one token decoded at "
              f"position {res['pos']}, {res['cpu']}. "
              f"Command: `{command}`.", "",
-             "| dtype | threads | weights | copy GB/s | roofline ms | kiln ms | eager ms | torch.compile ms "
+             "| dtype | threads | weights | copy GB/s | roofline ms | kiln ms | eager ms "
+             "| torch.compile ms "
              "| kiln % roofline | eager % | kiln / eager | load (1/5/15 min) |",
              "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
     for r in res["rows"]:
@@ -188,7 +189,8 @@ def markdown(res: dict, command: str) -> str:
         tc = (f"{ms['torch.compile']['median']:.1f}" if "torch.compile" in ms
               else r["errors"].get("torch.compile", "-").replace("|", "/"))
         lines.append(
-            f"| {r['dtype']} | {r['threads']} | {r['weight_bytes'] / 2**20:.0f} MiB | {r['copy_gbs']:.1f} | "
+            f"| {r['dtype']} | {r['threads']} | {r['weight_bytes'] / 2**20:.0f} MiB "
+            f"| {r['copy_gbs']:.1f} | "
             f"{r['roofline_ms']:.1f} | {ms['kiln']['median']:.1f} | {ms['eager']['median']:.1f} "
             f"| {tc} | {ms['kiln']['pct_roofline']:.0f}% | {ms['eager']['pct_roofline']:.0f}% | "
             f"{ms['eager']['median'] / ms['kiln']['median']:.2f}x | "

@@ -10,7 +10,6 @@ import subprocess
 import sys
 
 import pytest
-import torch
 
 import kiln
 from kiln.models import hf_decoder

@@ -33,7 +33,8 @@ def _load(tmp_path, fn, args, dynamic=None, name="m"):
 def _histc_inputs(n, dt, lo, hi, g):
     x = (torch.rand(n, generator=g, dtype=torch.float64) * (hi - lo) * 1.4 + lo - 0.2 *
          (hi - lo)).to(dt)
-    if lo != hi and n >= 10:  # values exactly on the bin edges (eager's edges: linspace in x's dtype)
+    # values exactly on the bin edges (eager's edges: linspace in x's dtype)
+    if lo != hi and n >= 10:
         edges = torch.linspace(lo, hi, 8, dtype=dt)
         x[: len(edges)] = edges
     x[-1] = float("nan")

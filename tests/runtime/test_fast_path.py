@@ -2,7 +2,8 @@
 kiln/runtime/loader.py Runner._call_fast) against its general path (Runner._call_general): the
 same results bit for bit, and the same error type and message for every wrong input (dtype,
 rank, size, device, layout, conj/neg views, subclasses, too many dimensions, not a tensor);
-non-contiguous inputs give eager's values on both. Also that plain inputs do take the fast path, odd ones fall back, and a runner
+non-contiguous inputs give eager's values on both. Also that plain inputs do take the fast path,
+odd ones fall back, and a runner
 shared by threads (each call its own scratch buffer) stays correct.
 
     .venv/bin/python -m pytest tests/runtime/test_fast_path.py -q
