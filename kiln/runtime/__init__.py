@@ -4,8 +4,9 @@
 """
 from __future__ import annotations
 
-from kiln.runtime.build import build_libkiln, include_dir
+from kiln.runtime.build import build_libkiln, include_dir, libkiln_path
 from kiln.runtime.comm import nccl_unique_id
 from kiln.runtime.loader import Runner, cpu_supports, load
 
-__all__ = ["Runner", "build_libkiln", "cpu_supports", "include_dir", "load", "nccl_unique_id"]
+__all__ = ["Runner", "build_libkiln", "cpu_supports", "include_dir", "libkiln_path", "load",
+           "nccl_unique_id"]
