@@ -190,13 +190,15 @@ def _store(d: Path, c: Cubin) -> None:
         shutil.rmtree(tmp, ignore_errors=True)
 
 
-def prewarm(tasks: list[tuple[str, object, int]], cache: Path, workers: int) -> int:
+def prewarm(tasks: list[tuple[str, object, int]], cache: Path, workers: int,
+            launchers: bool = False) -> int:
     """Compiles each (module text, TritonKernel, arch) of `tasks` in up to `workers` worker
     processes (kiln/toolchain/triton_warm.py, which imports Triton only), so that compiling
     them again in this process reads Triton's on-disk cache. Processes rather than threads:
     the work holds the GIL, and CPython 3.11's AST converter fails when two threads run it at
-    once. A worker's failure is ignored (the in-process compile reports it). Returns the
-    number of workers started (none for fewer than 2 x PER_WORKER tasks)."""
+    once. `launchers`: the workers build Triton's host launchers too (for kernels this
+    process will launch). A worker's failure is ignored (the in-process compile reports it).
+    Returns the number of workers started (none for fewer than 2 x PER_WORKER tasks)."""
     n = min(workers, len(tasks) // PER_WORKER)
     if n < 2:
         return 0
@@ -212,7 +214,7 @@ def prewarm(tasks: list[tuple[str, object, int]], cache: Path, workers: int) -> 
     for i in range(n):
         fd, path = tempfile.mkstemp(prefix="kiln_warm_", suffix=".json")
         with os.fdopen(fd, "w") as f:
-            json.dump({"tasks": rows[i::n]}, f)
+            json.dump({"tasks": rows[i::n], "launchers": launchers}, f)
         files.append(path)
         procs.append(subprocess.Popen([sys.executable, script, path],
                                       stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))

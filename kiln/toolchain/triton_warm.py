@@ -3,11 +3,12 @@ script (`python .../triton_warm.py TASKS`) so that it imports only Triton, not k
 starts in well under a second.
 
 TASKS is a JSON file: {"tasks": [[module path, module name, kernel name, signature,
-constexprs, options, arch], ...], "out": directory or absent}. Each kernel is compiled with
-exactly the arguments `triton_aot.compile_kernel` uses. With "out", task i's cubin and
-metadata (`metadata`) are written there as `i.cubin` and `i.json` (the JSON last: a task is
-done when it exists); without, Triton's on-disk cache then holds what the parent's compile asks
-for. A failure is skipped: the parent's own compile reports it."""
+constexprs, options, arch], ...], "out": directory or absent, "launchers": bool}. Each kernel
+is compiled with exactly the arguments `triton_aot.compile_kernel` uses. With "out", task i's
+cubin and metadata (`metadata`) are written there as `i.cubin` and `i.json` (the JSON last: a
+task is done when it exists); without, Triton's on-disk cache then holds what the parent's
+compile asks for; with "launchers", Triton's host launcher of each kernel is built too
+(`_launcher`). A failure is skipped: the parent's own compile reports it."""
 
 from __future__ import annotations
 
@@ -60,8 +61,21 @@ def main(path: str) -> None:
                 with open(os.path.join(out, f"{i}.json.tmp"), "w") as f:
                     json.dump(metadata(ck), f)
                 os.replace(os.path.join(out, f"{i}.json.tmp"), os.path.join(out, f"{i}.json"))
+            if job.get("launchers"):
+                _launcher(triton, src, ck)
         except Exception:  # noqa: BLE001 - the parent's compile reports it
             continue
+
+
+def _launcher(triton, src, ck) -> None:
+    """Builds Triton's host launcher of `ck` (a C extension compiled with the system's C
+    compiler, one per kernel signature, on the first launch of a kernel), so that the parent's
+    first launch finds it in Triton's cache: the launch-config tuner launches every candidate.
+    Needs the CUDA driver library; without it nothing is built (the parent builds it)."""
+    try:
+        triton.runtime.driver.active.launcher_cls(src, ck.metadata)
+    except Exception:  # noqa: BLE001 - no driver here: the parent's first launch builds it
+        pass
 
 
 if __name__ == "__main__":
