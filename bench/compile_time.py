@@ -11,7 +11,9 @@ What is timed: `compile_s`, the compile call inside the child (kiln: `kiln.compi
 module, torch.export included, its stage timings kept; AOTInductor: torch.export plus
 `torch._inductor.aoti_compile_and_package`, in its own child: kiln never imports it);
 `process_s`, the child's whole wall time (Python, torch and Triton imports, exit);
-`load_s`, the first `kiln.load` in a fresh process whose kiln cache is empty. Without a GPU
+`cpu_s`, the CPU time of the child and everything it started (workers, compilers: less
+sensitive to a shared machine's load than wall time); `load_s`, the first `kiln.load` in a
+fresh process whose kiln cache is empty. Without a GPU
 kiln compiles CUDA packages for sm_90 and skips what needs the device (launch-config tuning,
 GEMM profiling with max_autotune): those figures are a lower bound of a GPU machine's.
 
@@ -25,6 +27,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import resource
 import statistics
 import subprocess
 import sys
@@ -100,18 +103,24 @@ def _fresh_env(tree: Path, tmp: Path) -> dict:
     return env
 
 
+def _cpu() -> float:
+    r = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return r.ru_utime + r.ru_stime
+
+
 def _child(code: str, args: list[str], env: dict, timeout: float, tag: str, cwd: Path):
-    t0 = time.perf_counter()
+    """(the tagged result line, an error, wall s, CPU s of the child and its children)."""
+    t0, c0 = time.perf_counter(), _cpu()
     try:
         p = subprocess.run([sys.executable, "-c", code, *args], env=env, capture_output=True,
                            text=True, timeout=timeout, cwd=cwd)
     except subprocess.TimeoutExpired:
-        return None, f"timeout {timeout:.0f} s", time.perf_counter() - t0
-    wall = time.perf_counter() - t0
+        return None, f"timeout {timeout:.0f} s", time.perf_counter() - t0, 0.0
+    wall, cpu = time.perf_counter() - t0, _cpu() - c0
     for line in p.stdout.splitlines():
         if line.startswith(tag + " "):
-            return line[len(tag) + 1:], None, wall
-    return None, (p.stderr.strip().splitlines() or ["failed"])[-1][:160], wall
+            return line[len(tag) + 1:], None, wall, cpu
+    return None, (p.stderr.strip().splitlines() or ["failed"])[-1][:160], wall, cpu
 
 
 def run_one(system: str, model: str, tree: Path, timeout: float) -> dict:
@@ -120,20 +129,21 @@ def run_one(system: str, model: str, tree: Path, timeout: float) -> dict:
         tmp = Path(d)
         env = _fresh_env(tree, tmp)
         if system == "aoti":
-            out, err, wall = _child(_AOTI, [model, str(tmp / "m.pt2")], env, timeout,
-                                    "AOTI_RESULT", tmp)
-            return {"error": err} if out is None else {**json.loads(out), "process_s": wall}
+            out, err, wall, cpu = _child(_AOTI, [model, str(tmp / "m.pt2")], env, timeout,
+                                         "AOTI_RESULT", tmp)
+            return {"error": err} if out is None else {**json.loads(out), "process_s": wall,
+                                                       "cpu_s": cpu}
         pkg = tmp / "m.kiln"
-        out, err, wall = _child(_KILN, [system, model, str(pkg)], env, timeout,
-                                "KILN_RESULT", tmp)
+        out, err, wall, cpu = _child(_KILN, [system, model, str(pkg)], env, timeout,
+                                     "KILN_RESULT", tmp)
         if out is None:
             return {"error": err}
-        res = {**json.loads(out), "process_s": wall}
+        res = {**json.loads(out), "process_s": wall, "cpu_s": cpu}
         import torch
         if system == "kiln-cpu" or torch.cuda.is_available():
             env = _fresh_env(tree, tmp / "load")  # another empty kiln cache
             dev = "cpu" if system == "kiln-cpu" else "cuda:0"
-            lo, lerr, _ = _child(_LOAD, [str(pkg), dev], env, timeout, "LOAD_RESULT", tmp)
+            lo, lerr, _, _ = _child(_LOAD, [str(pkg), dev], env, timeout, "LOAD_RESULT", tmp)
             res["load_s"] = float(lo) if lo is not None else None
             if lerr:
                 res["load_error"] = lerr
@@ -147,15 +157,19 @@ def _top(stages: dict, n: int = 3) -> str:
 
 
 def table(rows: list[dict]) -> str:
-    out = ["| model | system | tree | compile s (median) | process s | first load s | "
-           "largest stages (s) |", "|---|---|---|---|---|---|---|"]
+    out = ["| model | system | tree | compile s (median) | export s | process s | "
+           "process CPU s | first load s | largest stages (s) |",
+           "|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         if r.get("error"):
-            out.append(f"| {r['model']} | {r['system']} | {r['tree']} | {r['error']} | | | |")
+            out.append(f"| {r['model']} | {r['system']} | {r['tree']} | {r['error']} "
+                       "| | | | | |")
             continue
         load = f"{r['load_s']:.2f}" if r.get("load_s") is not None else "-"
+        export = f"{r['export_s']:.1f}" if r.get("export_s") is not None else "-"
         out.append(f"| {r['model']} | {r['system']} | {r['tree']} | {r['compile_s']:.1f} | "
-                   f"{r['process_s']:.1f} | {load} | {_top(r.get('stages', {}))} |")
+                   f"{export} | {r['process_s']:.1f} | {r.get('cpu_s', 0):.1f} | {load} | "
+                   f"{_top(r.get('stages', {}))} |")
     return "\n".join(out)
 
 
