@@ -72,6 +72,14 @@ def triton_version() -> str:
     return triton.__version__
 
 
+def _triton_key() -> str:
+    """Triton's own cache key of its installation (a hash of its sources and of libtriton,
+    about 400 MB: computed once per process, then handed to the compile workers)."""
+    # deferred: Triton is optional (GPU builds only)
+    from triton.runtime.cache import triton_key
+    return triton_key()
+
+
 def module_path(text: str, cache: Path) -> tuple[Path, str]:
     """Where `import_module` keeps the module of `text`, and the module's name."""
     key = hashlib.sha256(text.encode()).hexdigest()[:24]
@@ -214,7 +222,8 @@ def prewarm(tasks: list[tuple[str, object, int]], cache: Path, workers: int,
     for i in range(n):
         fd, path = tempfile.mkstemp(prefix="kiln_warm_", suffix=".json")
         with os.fdopen(fd, "w") as f:
-            json.dump({"tasks": rows[i::n], "launchers": launchers}, f)
+            json.dump({"tasks": rows[i::n], "launchers": launchers,
+                       "triton_key": _triton_key()}, f)
         files.append(path)
         procs.append(subprocess.Popen([sys.executable, script, path],
                                       stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))
@@ -342,7 +351,8 @@ def _start_worker(module_text: str, share: list, cache: Path, outdir: Path):
         sig, consts, options = _plain(k)
         rows.append([str(path), name, k.name, sig, consts, options, a])
     outdir.mkdir(parents=True)
-    (outdir / "tasks.json").write_text(json.dumps({"tasks": rows, "out": str(outdir)}))
+    (outdir / "tasks.json").write_text(json.dumps({"tasks": rows, "out": str(outdir),
+                                                   "triton_key": _triton_key()}))
     script = str(Path(__file__).with_name("triton_warm.py"))
     proc = subprocess.Popen([sys.executable, script, str(outdir / "tasks.json")],
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)

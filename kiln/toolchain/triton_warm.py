@@ -3,7 +3,8 @@ script (`python .../triton_warm.py TASKS`) so that it imports only Triton, not k
 starts in well under a second.
 
 TASKS is a JSON file: {"tasks": [[module path, module name, kernel name, signature,
-constexprs, options, arch], ...], "out": directory or absent, "launchers": bool}. Each kernel
+constexprs, options, arch], ...], "out": directory or absent, "launchers": bool,
+"triton_key": the parent's `triton.runtime.cache.triton_key()`}. Each kernel
 is compiled with exactly the arguments `triton_aot.compile_kernel` uses. With "out", task i's
 cubin and metadata (`metadata`) are written there as `i.cubin` and `i.json` (the JSON last: a
 task is done when it exists); without, Triton's on-disk cache then holds what the parent's
@@ -42,6 +43,10 @@ def main(path: str) -> None:
     from triton.backends.compiler import GPUTarget
     with open(path) as f:
         job = json.load(f)
+    if job.get("triton_key"):  # the parent's: hashing libtriton (400 MB) again costs ~0.5 s
+        # deferred: Triton is optional (GPU builds only)
+        import triton.runtime.cache as tc
+        tc.triton_key = lambda: job["triton_key"]
     out = job.get("out")
     mods: dict = {}
     for i, (mpath, mname, kname, sig, consts, options, arch) in enumerate(job["tasks"]):
