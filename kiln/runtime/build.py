@@ -2,7 +2,7 @@
 
 A user's process never compiles libkiln while loading a package (a C++ compile here takes
 seconds: 8.5 s on a 2-core box). `find_libkiln` looks, running no compiler, in order:
-  1. the installed copy, ``kiln/runtime/lib/libkiln-<key>.so``, built at install time
+  1. the installed copy, ``kiln/runtime/lib/<key>/libkiln.so``, built at install time
      (``python -m kiln.runtime``; ``make setup`` runs it);
   2. the cache, ``<cache>/runtime/<key>/libkiln.so``;
   3. the package being loaded: every package carries the libkiln of the kiln that compiled it
@@ -136,7 +136,7 @@ def find_libkiln(package: str | os.PathLike[str] | None = None) -> pathlib.Path 
     """An existing libkiln of these sources (installed, cached, or carried by `package`,
     which is then extracted into the cache); None where there is none. Runs no compiler."""
     key = runtime_key()
-    for lib in (PREBUILT / f"libkiln-{key}.so", _cached(key)):
+    for lib in (PREBUILT / key / "libkiln.so", _cached(key)):
         if lib.is_file():
             return lib
     return _from_package(package, key) if package is not None else None
@@ -236,14 +236,14 @@ def shipped(cxx: str | None = None) -> dict[str, bytes]:
 
 
 def install(cxx: str | None = None) -> pathlib.Path:
-    """Builds libkiln into the installed package (`PREBUILT`), where every process finds it
-    without a compiler or a cache; older builds there are removed."""
+    """Builds libkiln into the installed package (`PREBUILT/<key>/libkiln.so`: the name C
+    programs link with -lkiln), where every process finds it without a compiler or a cache;
+    older builds there are removed."""
     key = runtime_key()
-    dest = PREBUILT / f"libkiln-{key}.so"
+    dest = PREBUILT / key / "libkiln.so"
     if not dest.is_file():
         _write_atomic(dest, build_libkiln(cxx).read_bytes())
-    for old in PREBUILT.glob("libkiln-*.so"):
+    for old in PREBUILT.glob("*/libkiln.so"):
         if old != dest:
-            old.unlink(missing_ok=True)
+            shutil.rmtree(old.parent, ignore_errors=True)
     return dest
-

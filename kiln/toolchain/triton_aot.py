@@ -49,6 +49,10 @@ import sys
 # source file's mtime, so without it two builds of one model (serial or parallel) differed
 SOURCE_MTIME = 315532800  # 1980-01-01, as zip files
 
+# `compile_cubins` gives each compiling process at least this many kernels: a worker costs
+# about 0.5 s (Python, then Triton's import) before its first compile, about one kernel's
+PER_PROCESS = 2
+
 # `prewarm` starts a worker process only for at least this many kernels per worker: a worker
 # costs a fraction of a second (Python, then Triton's import) before its first compile
 PER_WORKER = 3
@@ -274,7 +278,7 @@ def compile_cubins(module_text: str, kernels: list, archs: tuple[int, ...], cach
 
     Kernels that compile to the same code (`canonical`) are compiled once: the others get
     that cubin, whose entry keeps the first kernel's name. What the cache lacks is compiled
-    by up to `workers` processes: this one and `workers - 1` workers
+    by up to `workers` processes (at least PER_PROCESS kernels each): this one and workers
     (kiln/toolchain/triton_warm.py), each given its share of the kernels (largest first,
     dealt round-robin), which return cubins and metadata, so nothing compiles twice. Not
     threads: Triton's front end builds Python ASTs, CPython 3.11's AST converter keeps its
@@ -325,7 +329,7 @@ def _compile_parallel(module_text: str, todo: list, cache: Path, workers: int
         return {}, 0
     mod = import_module(module_text, cache)
     order = sorted(range(len(todo)), key=lambda i: -len(todo[i][0].source))
-    n = max(1, min(workers, len(todo)))
+    n = max(1, min(workers, len(todo) // PER_PROCESS))
     shares = [[todo[i] for i in order[j::n]] for j in range(n)]
     procs = []
     with tempfile.TemporaryDirectory(prefix="kiln_triton_") as tmp:
