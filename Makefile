@@ -25,6 +25,7 @@ $(PY):
 $(STAMP): pyproject.toml | $(PY)
 	$(PIP) install "$(TORCH_SPEC)"
 	$(PIP) install -e ".[dev]"
+	$(PY) -m kiln.runtime  # libkiln built now, never while a package loads
 	@touch $@
 
 setup: $(STAMP)

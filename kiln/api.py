@@ -31,6 +31,7 @@ from kiln.schedule.steps import CutlassGemm, GemmKernel
 from kiln.schedule.analysis import aten_fallback_ops
 from kiln.toolchain.cxx import compiler_identity
 from kiln.runtime import load
+from kiln.runtime.build import build_in_background, shipped
 from kiln.runtime.ab_time import time_ab
 from kiln.targets.cpu.never_lose import differing
 
@@ -170,6 +171,7 @@ def _package_files(built: Built) -> dict[str, bytes]:
     files["lib/model.so"] = Path(built.library).read_bytes()
     for lv, arc in _level_libraries(built):
         files[arc] = Path(lv.library).read_bytes()
+    files.update(shipped())  # libkiln: loading needs no compiler (kiln/runtime/build.py)
     return files
 
 
@@ -391,6 +393,7 @@ def compile(model, example_args=None, *, example_kwargs=None, dynamic_shapes=Non
     target_of(device)  # refuses a device no target compiles for
     opts = options or Options()
     t0 = time.perf_counter()
+    build_in_background(opts.cxx)  # the package carries libkiln; built meanwhile if missing
     ep = export(model, example_args, example_kwargs, dynamic_shapes)
     t_export = time.perf_counter() - t0
     try:

@@ -25,6 +25,7 @@ import os
 import pathlib
 import re
 import struct
+import threading
 from collections.abc import Mapping
 from typing import Any
 
@@ -37,7 +38,7 @@ from kiln.package import read_package
 from kiln.package.entries import DEFAULT_ENTRY, entry_manifest, entry_names
 from kiln.runtime import dlpack_ctypes as dl
 from kiln.runtime import comm
-from kiln.runtime.build import build_libkiln
+from kiln.runtime.build import libkiln_path
 from kiln.runtime.weights import checked_tensors, write_weights_file
 
 KILN_ABI_VERSION = 1
@@ -77,10 +78,23 @@ _capsule_name = ctypes.PYFUNCTYPE(ctypes.c_char_p, ctypes.py_object)(
     ("PyCapsule_GetName", ctypes.pythonapi))
 
 
-@functools.lru_cache(maxsize=None)
-def libkiln() -> ctypes.CDLL:
-    """libkiln.so, built if needed and loaded once per process."""
-    lib = ctypes.CDLL(str(build_libkiln()))
+_LIBKILN: list[ctypes.CDLL] = []  # the process's one libkiln, once loaded
+_LIBKILN_LOCK = threading.Lock()
+
+
+def libkiln(package: str | os.PathLike[str] | None = None) -> ctypes.CDLL:
+    """libkiln.so, loaded once per process: the installed or cached copy, else the one
+    `package` carries (kiln/runtime/build.py; no compiler runs unless none exists)."""
+    if _LIBKILN:
+        return _LIBKILN[0]
+    with _LIBKILN_LOCK:
+        if not _LIBKILN:
+            _LIBKILN.append(_open_libkiln(libkiln_path(package)))
+    return _LIBKILN[0]
+
+
+def _open_libkiln(path: pathlib.Path) -> ctypes.CDLL:
+    lib = ctypes.CDLL(str(path))
     vp, i64 = ctypes.c_void_p, ctypes.c_int64
     lib.kiln_abi_version.restype = ctypes.c_int
     lib.kiln_abi_version.argtypes = []
@@ -239,7 +253,7 @@ class Runner:
             _preload_cublas()
         self._manifest = read_package(self._path).manifest
         self._entries: dict[str, _Entry] = {}
-        self._lib = libkiln()
+        self._lib = libkiln(self._path)
         handle = ctypes.c_void_p()
         if self._lib.kiln_model_load(os.fsencode(self._path), str(self._device).encode(),
                                      ctypes.byref(handle)) != 0:

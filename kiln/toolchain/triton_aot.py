@@ -28,6 +28,7 @@ imported from a file (Triton reads the source of @triton.jit functions back thro
 
 from __future__ import annotations
 
+import ast
 import hashlib
 import importlib.util
 import json
@@ -35,13 +36,22 @@ import os
 import shutil
 import tempfile
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
+from typing import Any
 
 from kiln.errors import CompileError
-from kiln.toolchain.triton_warm import compile_args
+from kiln.toolchain.triton_warm import compile_args, metadata
 import subprocess
 import sys
+
+# The modification time given to every module file: the cubins' line tables record the
+# source file's mtime, so without it two builds of one model (serial or parallel) differed
+SOURCE_MTIME = 315532800  # 1980-01-01, as zip files
+
+# `compile_cubins` gives each compiling process at least this many kernels: a worker costs
+# about 0.5 s (Python, then Triton's import) before its first compile, about one kernel's
+PER_PROCESS = 2
 
 # `prewarm` starts a worker process only for at least this many kernels per worker: a worker
 # costs a fraction of a second (Python, then Triton's import) before its first compile
@@ -66,6 +76,14 @@ def triton_version() -> str:
     return triton.__version__
 
 
+def _triton_key() -> str:
+    """Triton's own cache key of its installation (a hash of its sources and of libtriton,
+    about 400 MB: computed once per process, then handed to the compile workers)."""
+    # deferred: Triton is optional (GPU builds only)
+    from triton.runtime.cache import triton_key
+    return triton_key()
+
+
 def module_path(text: str, cache: Path) -> tuple[Path, str]:
     """Where `import_module` keeps the module of `text`, and the module's name."""
     key = hashlib.sha256(text.encode()).hexdigest()[:24]
@@ -79,6 +97,7 @@ def import_module(text: str, cache: Path):
         fd, tmp = tempfile.mkstemp(dir=path.parent, suffix=".tmp")
         with os.fdopen(fd, "w") as f:
             f.write(text)
+        os.utime(tmp, (SOURCE_MTIME, SOURCE_MTIME))
         os.replace(tmp, path)
     spec = importlib.util.spec_from_file_location(name, path)
     mod = importlib.util.module_from_spec(spec)
@@ -139,20 +158,23 @@ def store_compiled(ck, kernel, arch: int, prelude_hash: str, cache: Path) -> Non
 
 
 def _to_cubin(ck, kernel, arch: int) -> Cubin:
-    md = ck.metadata
-    if getattr(md, "profile_scratch_size", 0):
+    return _from_meta(metadata(ck), bytes(ck.asm["cubin"]), kernel, arch)
+
+
+def _from_meta(md: dict, cubin: bytes, kernel, arch: int) -> Cubin:
+    if md["profile_scratch_size"]:
         raise CompileError(f"{kernel.name}: Triton asked for profiling scratch memory, which "
                            "kiln's launcher does not provide")
-    scratch = getattr(md, "global_scratch_size", 0)
+    scratch = md["global_scratch_size"]
     if scratch and getattr(kernel, "tiles", None) is None:
         raise CompileError(f"{kernel.name}: Triton asked for global scratch memory, which kiln "
                            "provides only to persistent kernels (grid at most the SM count)")
-    align = max(getattr(md, "global_scratch_align", 1), 1)
+    align = max(md["global_scratch_align"] or 1, 1)
     if align > 256:  # the block comes from cuMemAlloc, 256-byte aligned
         raise CompileError(f"{kernel.name}: global scratch aligned to {align} bytes")
     args = tuple(t for t in kernel.signature.values() if t != "constexpr") + ("*scratch",) * 2
-    return Cubin(kernel.name, arch, md.name, bytes(ck.asm["cubin"]), md.num_warps, md.shared,
-                 args, scratch)
+    return Cubin(kernel.name, arch, md["name"], cubin, md["num_warps"], md["shared"], args,
+                 scratch)
 
 
 def _load_cached(d: Path, kernel, arch: int) -> Cubin | None:
@@ -180,13 +202,15 @@ def _store(d: Path, c: Cubin) -> None:
         shutil.rmtree(tmp, ignore_errors=True)
 
 
-def prewarm(tasks: list[tuple[str, object, int]], cache: Path, workers: int) -> int:
+def prewarm(tasks: list[tuple[str, object, int]], cache: Path, workers: int,
+            launchers: bool = False) -> int:
     """Compiles each (module text, TritonKernel, arch) of `tasks` in up to `workers` worker
     processes (kiln/toolchain/triton_warm.py, which imports Triton only), so that compiling
     them again in this process reads Triton's on-disk cache. Processes rather than threads:
     the work holds the GIL, and CPython 3.11's AST converter fails when two threads run it at
-    once. A worker's failure is ignored (the in-process compile reports it). Returns the
-    number of workers started (none for fewer than 2 x PER_WORKER tasks)."""
+    once. `launchers`: the workers build Triton's host launchers too (for kernels this
+    process will launch). A worker's failure is ignored (the in-process compile reports it).
+    Returns the number of workers started (none for fewer than 2 x PER_WORKER tasks)."""
     n = min(workers, len(tasks) // PER_WORKER)
     if n < 2:
         return 0
@@ -202,7 +226,8 @@ def prewarm(tasks: list[tuple[str, object, int]], cache: Path, workers: int) -> 
     for i in range(n):
         fd, path = tempfile.mkstemp(prefix="kiln_warm_", suffix=".json")
         with os.fdopen(fd, "w") as f:
-            json.dump({"tasks": rows[i::n]}, f)
+            json.dump({"tasks": rows[i::n], "launchers": launchers,
+                       "triton_key": _triton_key()}, f)
         files.append(path)
         procs.append(subprocess.Popen([sys.executable, script, path],
                                       stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))
@@ -218,39 +243,128 @@ def prewarm(tasks: list[tuple[str, object, int]], cache: Path, workers: int) -> 
     return n
 
 
+def canonical(kernel) -> str:
+    """A hash of what Triton compiles for `kernel`, independent of the names kiln gives it:
+    the kernel's own name, its parameters and its local variables renamed by position,
+    comments dropped (ast.unparse), plus the parameter types, constexprs and config. Two
+    kernels of one build with the same hash compile to the same code but for the entry name
+    (e.g. the same LayerNorm in every transformer block), so one cubin serves both."""
+    tree = ast.parse(kernel.source)
+    fn = next(n for n in tree.body if isinstance(n, ast.FunctionDef))
+    local = {a.arg for a in fn.args.args} | {
+        n.id for n in ast.walk(fn) if isinstance(n, ast.Name) and isinstance(n.ctx, ast.Store)}
+    names: dict[str, str] = {}
+
+    def rename(name: str) -> str:
+        return names.setdefault(name, f"_v{len(names)}")
+
+    fn.name = "_kernel"
+    for a in fn.args.args:
+        a.arg = rename(a.arg)
+    for n in ast.walk(fn):
+        if isinstance(n, ast.Name) and n.id in local:
+            n.id = rename(n.id)
+    blob = json.dumps([ast.unparse(tree), list(kernel.signature.values()), kernel.config.xblock,
+                       kernel.config.rblock, kernel.config.num_warps, kernel.config.num_stages,
+                       list(kernel.constexprs), kernel.num_stages])
+    return hashlib.sha256(blob.encode()).hexdigest()
+
+
 def compile_cubins(module_text: str, kernels: list, archs: tuple[int, ...], cache: Path,
                    workers: int = 1, *, prelude: str
                    ) -> tuple[dict[tuple[str, int], Cubin], dict[str, float]]:
     """Every kernel of the module for every arch; returns {(kernel, arch): Cubin} and timings.
     `prelude`: the helper functions the module starts with (part of each kernel's cache key).
 
-    Kernels compile one after another in this thread. Triton's front end builds Python ASTs,
-    and CPython 3.11's AST converter keeps its recursion counter per interpreter, not per
-    thread: two threads compiling at once can fail with "AST constructor recursion depth
-    mismatch" (seen in CI). Threads also bought nothing, the work holds the GIL: resnet18's
-    CUDA kernels took 2.4-3.4 s with one thread or two. With `workers` > 1 and enough kernels
-    to compile, `prewarm` compiles them in worker processes first."""
+    Kernels that compile to the same code (`canonical`) are compiled once: the others get
+    that cubin, whose entry keeps the first kernel's name. What the cache lacks is compiled
+    by up to `workers` processes (at least PER_PROCESS kernels each): this one and workers
+    (kiln/toolchain/triton_warm.py), each given its share of the kernels (largest first,
+    dealt round-robin), which return cubins and metadata, so nothing compiles twice. Not
+    threads: Triton's front end builds Python ASTs, CPython 3.11's AST converter keeps its
+    recursion counter per interpreter (two threads compiling at once can fail with "AST
+    constructor recursion depth mismatch"), and the work holds the GIL."""
     t0 = time.perf_counter()
     root = cache / "triton"
     prelude_hash = hashlib.sha256(prelude.encode()).hexdigest()
     out: dict[tuple[str, int], Cubin] = {}
-    todo = []
+    todo, same = [], {}  # kernels to compile; (kernel, arch) -> the kernel compiled for it
+    first: dict[tuple[str, int], Any] = {}  # (canonical, arch) -> the kernel compiled
+    cached: dict[tuple[str, int], Cubin] = {}  # (canonical, arch) -> a cubin the cache had
     for k in kernels:
+        canon = canonical(k)
         for a in archs:
             d = root / _key(k, a, prelude_hash)
-            hit = _load_cached(d, k, a)
+            hit = _load_cached(d, k, a) or (
+                replace(cached[(canon, a)], kernel=k.name) if (canon, a) in cached else None)
             if hit is not None:
+                cached.setdefault((canon, a), hit)
                 out[(k.name, a)] = hit
-            else:
+                continue
+            rep = first.setdefault((canon, a), k)
+            same[(k.name, a)] = (rep, d)
+            if rep is k:
                 todo.append((k, a, d))
     hits = len(out)
-    warmed = prewarm([(module_text, k, a) for k, a, _ in todo], cache, workers) if todo else 0
-    if todo:
-        mod = import_module(module_text, cache)
-        for k, a, d in todo:
-            c = _compile_one(mod, k, a)
+    done, started = _compile_parallel(module_text, todo, cache, workers)
+    for k, a, d in todo:
+        _store(d, done[(k.name, a)])
+    for (name, a), (rep, d) in same.items():
+        c = done[(rep.name, a)]
+        if rep.name != name:
+            c = replace(c, kernel=name)
             _store(d, c)
-            out[(k.name, a)] = c
+        out[(name, a)] = c
     return out, {"triton": time.perf_counter() - t0, "cache_hits": float(hits),
-                 "compiled": float(len(todo)), "workers": float(warmed)}
+                 "compiled": float(len(todo)), "shared": float(len(same) - len(todo)),
+                 "workers": float(started)}
 
+
+def _compile_parallel(module_text: str, todo: list, cache: Path, workers: int
+                      ) -> tuple[dict[tuple[str, int], Cubin], int]:
+    """{(kernel, arch): Cubin} for each (kernel, arch, _) of `todo`, compiled by this process
+    and up to `workers - 1` worker processes; the number of workers started. A kernel a
+    worker did not return (it failed there) is compiled here, which reports the failure."""
+    if not todo:
+        return {}, 0
+    mod = import_module(module_text, cache)
+    order = sorted(range(len(todo)), key=lambda i: -len(todo[i][0].source))
+    n = max(1, min(workers, len(todo) // PER_PROCESS))
+    shares = [[todo[i] for i in order[j::n]] for j in range(n)]
+    procs = []
+    with tempfile.TemporaryDirectory(prefix="kiln_triton_") as tmp:
+        for j, share in enumerate(shares[1:], 1):
+            procs.append(_start_worker(module_text, share, cache, Path(tmp) / str(j)))
+        done = {(k.name, a): _compile_one(mod, k, a) for k, a, _ in shares[0]}
+        for (proc, outdir), share in zip(procs, shares[1:]):
+            try:
+                proc.wait(timeout=600)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+            for i, (k, a, _) in enumerate(share):
+                c = _read_result(outdir, i, k, a)
+                done[(k.name, a)] = c if c is not None else _compile_one(mod, k, a)
+    return done, len(procs)
+
+
+def _start_worker(module_text: str, share: list, cache: Path, outdir: Path):
+    path, name = module_path(module_text, cache)
+    rows = []
+    for k, a, _ in share:
+        sig, consts, options = _plain(k)
+        rows.append([str(path), name, k.name, sig, consts, options, a])
+    outdir.mkdir(parents=True)
+    (outdir / "tasks.json").write_text(json.dumps({"tasks": rows, "out": str(outdir),
+                                                   "triton_key": _triton_key()}))
+    script = str(Path(__file__).with_name("triton_warm.py"))
+    proc = subprocess.Popen([sys.executable, script, str(outdir / "tasks.json")],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    return proc, outdir
+
+
+def _read_result(outdir: Path, i: int, kernel, arch: int) -> Cubin | None:
+    meta, data = outdir / f"{i}.json", outdir / f"{i}.cubin"
+    if not (meta.exists() and data.exists()):
+        return None
+    return _from_meta(json.loads(meta.read_text()), data.read_bytes(), kernel, arch)

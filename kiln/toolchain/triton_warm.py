@@ -1,15 +1,21 @@
-"""A worker of `triton_aot.prewarm`, run as a script (`python .../triton_warm.py TASKS`) so that
-it imports only Triton, not kiln or torch: it starts in well under a second.
+"""A Triton compile worker of `triton_aot.compile_cubins` and `triton_aot.prewarm`, run as a
+script (`python .../triton_warm.py TASKS`) so that it imports only Triton, not kiln or torch: it
+starts in well under a second.
 
 TASKS is a JSON file: {"tasks": [[module path, module name, kernel name, signature,
-constexprs, options, arch], ...]}. Each kernel is compiled with exactly the arguments
-`triton_aot.compile_kernel` uses, so Triton's on-disk cache then holds what the parent's
-compile asks for. A failure is skipped: the parent's own compile reports it."""
+constexprs, options, arch], ...], "out": directory or absent, "launchers": bool,
+"triton_key": the parent's `triton.runtime.cache.triton_key()`}. Each kernel
+is compiled with exactly the arguments `triton_aot.compile_kernel` uses. With "out", task i's
+cubin and metadata (`metadata`) are written there as `i.cubin` and `i.json` (the JSON last: a
+task is done when it exists); without, Triton's on-disk cache then holds what the parent's
+compile asks for; with "launchers", Triton's host launcher of each kernel is built too
+(`_launcher`). A failure is skipped: the parent's own compile reports it."""
 
 from __future__ import annotations
 
 import importlib.util
 import json
+import os
 import sys
 
 
@@ -21,15 +27,29 @@ def compile_args(sig: dict, consts: dict) -> tuple[dict, dict, dict]:
     return dict(sig), dict(consts), attrs
 
 
+def metadata(ck) -> dict:
+    """What kiln reads of a Triton CompiledKernel's metadata, as plain data."""
+    md = ck.metadata
+    return {"name": md.name, "num_warps": md.num_warps, "shared": md.shared,
+            "profile_scratch_size": getattr(md, "profile_scratch_size", 0),
+            "global_scratch_size": getattr(md, "global_scratch_size", 0),
+            "global_scratch_align": getattr(md, "global_scratch_align", 1)}
+
+
 def main(path: str) -> None:
     # deferred: Triton is optional (GPU builds only)
     import triton
     # deferred: Triton is optional (GPU builds only)
     from triton.backends.compiler import GPUTarget
     with open(path) as f:
-        tasks = json.load(f)["tasks"]
+        job = json.load(f)
+    if job.get("triton_key"):  # the parent's: hashing libtriton (400 MB) again costs ~0.5 s
+        # deferred: Triton is optional (GPU builds only)
+        import triton.runtime.cache as tc
+        tc.triton_key = lambda: job["triton_key"]
+    out = job.get("out")
     mods: dict = {}
-    for mpath, mname, kname, sig, consts, options, arch in tasks:
+    for i, (mpath, mname, kname, sig, consts, options, arch) in enumerate(job["tasks"]):
         try:
             if mpath not in mods:
                 spec = importlib.util.spec_from_file_location(mname, mpath)
@@ -39,9 +59,28 @@ def main(path: str) -> None:
             sig_, consts_, attrs = compile_args(sig, consts)
             src = triton.compiler.ASTSource(fn=getattr(mods[mpath], kname), signature=sig_,
                                             constexprs=consts_, attrs=attrs)
-            triton.compile(src, target=GPUTarget("cuda", arch, 32), options=options)
+            ck = triton.compile(src, target=GPUTarget("cuda", arch, 32), options=options)
+            if out:
+                with open(os.path.join(out, f"{i}.cubin"), "wb") as f:
+                    f.write(bytes(ck.asm["cubin"]))
+                with open(os.path.join(out, f"{i}.json.tmp"), "w") as f:
+                    json.dump(metadata(ck), f)
+                os.replace(os.path.join(out, f"{i}.json.tmp"), os.path.join(out, f"{i}.json"))
+            if job.get("launchers"):
+                _launcher(triton, src, ck)
         except Exception:  # noqa: BLE001 - the parent's compile reports it
             continue
+
+
+def _launcher(triton, src, ck) -> None:
+    """Builds Triton's host launcher of `ck` (a C extension compiled with the system's C
+    compiler, one per kernel signature, on the first launch of a kernel), so that the parent's
+    first launch finds it in Triton's cache: the launch-config tuner launches every candidate.
+    Needs the CUDA driver library; without it nothing is built (the parent builds it)."""
+    try:
+        triton.runtime.driver.active.launcher_cls(src, ck.metadata)
+    except Exception:  # noqa: BLE001 - no driver here: the parent's first launch builds it
+        pass
 
 
 if __name__ == "__main__":

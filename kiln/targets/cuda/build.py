@@ -295,7 +295,10 @@ def compile_library(state: CudaBuild) -> CudaBuild:
     if state.objects:
         tc = dataclasses.replace(tc, ldflags=(*tc.ldflags, *map(str, state.objects),
                                               *cudart_static()))
-    lib, times = build_shared(tc, {"model_cuda.cpp": state.sources["model_cuda.cpp"]})
+    # the wrapper is host glue around launches (replayed as a CUDA graph where it can be):
+    # -O1 compiles it in about 2/3 of -O3's time, as the CPU target's wrapper
+    lib, times = build_shared(tc, {"model_cuda.cpp": state.sources["model_cuda.cpp"]},
+                              {"model_cuda.cpp": ("-O1",)})
     return replace(state, library=lib, times=times)
 
 

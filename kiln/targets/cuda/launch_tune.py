@@ -4,20 +4,22 @@ Input: the schedule's kernels, the Loop IR buffers, the size hints (the export's
 sizes), the heuristic config of each kernel (`choose_config`), the cache directory. Output:
 kernel name -> the fastest config measured (kernels not tuned keep their heuristic config).
 
-Method: only kernels with at least MIN_ELEMENTS elements of work at the example sizes are
-tuned (below that a kernel runs in microseconds and latency, which CUDA graphs hide,
-dominates). Each gets up to seven candidates around its heuristic config (num_warps halved and
-doubled, XBLOCK halved and doubled, RBLOCK halved, one tile covering a wide row); each is
-printed (the source depends on RBLOCK), compiled for the device in parallel threads and timed
-with CUDA events on buffers of the example sizes (floats drawn from a normal distribution,
-integers zero: data-dependent indices stay in range); a neighbour Triton cannot compile is
-skipped; the fastest wins (ties: the heuristic). A winner's cubin is stored in the cubin cache
-(`triton_aot`), so the build does not compile it again.
+Method: only reductions with at least MIN_ELEMENTS elements of work at the example sizes, and
+pointwise kernels with at least POINTWISE_MIN_ELEMENTS, are tuned (`worth_tuning`; below that a
+kernel runs in microseconds and latency, which CUDA graphs hide, dominates); kernels of the
+same code up to names at the same sizes (every block of a transformer) are tuned once. Each
+gets up to seven candidates around its heuristic config (num_warps halved and doubled, XBLOCK
+halved and doubled, RBLOCK halved, one tile covering a wide row); each is printed (the source
+depends on RBLOCK), compiled for the device (in worker processes: `triton_aot.prewarm`) and
+timed with CUDA events on buffers of the example sizes (floats drawn from a normal
+distribution, integers zero: data-dependent indices stay in range); a neighbour Triton cannot
+compile is skipped; the fastest wins (ties: the heuristic). A winner's cubin is stored in the
+cubin cache (`triton_aot`), so the build does not compile it again.
 
 Invariants: results are cached on disk in `<cache>/autotune/<sha256>.json`, the hash covering
-the kernel's heuristic source and signature, the candidates, the sizes, the device name and
-the Triton version: a second build on the same device measures nothing. Nothing here runs
-without a CUDA device visible to torch (the caller checks `device_available`)."""
+the kernel's heuristic source up to names (`triton_aot.canonical`), the candidates, the sizes,
+the device name and the Triton version: a second build on the same device measures nothing.
+Nothing here runs without a CUDA device visible to torch (the caller checks `device_available`)."""
 
 from __future__ import annotations
 
@@ -36,6 +38,7 @@ from kiln.targets.cuda.attention import attention_candidates, print_attention_ke
 import torch
 
 MIN_ELEMENTS = 2**18
+POINTWISE_MIN_ELEMENTS = 2**22
 
 
 def device_available() -> bool:
@@ -76,17 +79,23 @@ def _shape(kernel, hints) -> tuple[int, int]:
 
 
 def _cache_key(tk, cands, sizes, device: str, version: str) -> str:
-    blob = json.dumps([tk.source, tk.signature, [list(c.__dict__.values()) for c in cands],
+    blob = json.dumps([triton_aot.canonical(tk), [list(c.__dict__.values()) for c in cands],
                        sizes, device, version])
     return hashlib.sha256(blob.encode()).hexdigest()
+
+
+def _sizes(tk, hints) -> list[int]:
+    """The kernel's size arguments at the example sizes, in parameter order."""
+    return [int(hints[n]) for kind, n in tk.params if kind == "size"]
 
 
 def _cached(root: Path, tks, cands, hints, device: str, version: str
             ) -> tuple[Path, Config | None]:
     """The cache file of one kernel's candidate set at these sizes, and the config it holds
-    (None when this set was never timed here)."""
-    sizes = {n: int(hints[n]) for kind, n in tks[0].params if kind == "size"}
-    path = root / f"{_cache_key(tks[0], cands, sizes, device, version)}.json"
+    (None when this set was never timed here). The key is the kernel's code up to names
+    (triton_aot.canonical): the same LayerNorm in another block, or another model, at the
+    same sizes, reads the same entry."""
+    path = root / f"{_cache_key(tks[0], cands, _sizes(tks[0], hints), device, version)}.json"
     if not path.exists():
         return path, None
     hit = json.loads(path.read_text())
@@ -102,6 +111,27 @@ def _store(path: Path, cfg: Config, kernel: str, device: str, ms: dict) -> None:
                    "num_stages": cfg.num_stages, "kernel": kernel, "device": device,
                    "ms": ms}, f)
     os.replace(tmp, path)
+
+
+def worth_tuning(kernel, hints) -> bool:
+    """Whether measuring a kernel's launch configs pays for its compiles: reductions of at
+    least MIN_ELEMENTS elements of work (norms, softmax, sums: the row tiling matters), and
+    pointwise kernels of at least POINTWISE_MIN_ELEMENTS (below that the heuristic's tile of
+    about 2048 elements is within a few percent of a kernel that runs in microseconds)."""
+    rows, width = _shape(kernel, hints)
+    reduces = any(m.reduce is not None for m in kernel.members)
+    return rows * width >= (MIN_ELEMENTS if reduces else POINTWISE_MIN_ELEMENTS)
+
+
+def _add(todo: list, copies: dict, step, tks, path: Path) -> None:
+    """Queues `step` for tuning, unless a queued one has the same cache file (the same code up
+    to names, candidates and sizes): `step` then takes that one's result (`copies`)."""
+    for other, _, other_path in todo:
+        if other_path == path:
+            copies[other.name].append(step.name)
+            return
+    todo.append((step, tks, path))
+    copies[step.name] = []
 
 
 def _args(tk, buffers, hints, torch):
@@ -147,7 +177,8 @@ def _compile_candidates(todo, cache: Path, arch: int, workers: int = 1) -> dict:
     n_mod = max(len(t) for _, t, _ in todo)
     texts = [print_triton_module([t[i] for _, t, _ in todo if i < len(t)]) for i in range(n_mod)]
     cands = [(i, j, tk) for i, (_, tks, _) in enumerate(todo) for j, tk in enumerate(tks)]
-    triton_aot.prewarm([(texts[j], tk, arch) for _, j, tk in cands], cache, workers)
+    triton_aot.prewarm([(texts[j], tk, arch) for _, j, tk in cands], cache, workers,
+                       launchers=True)
     mods = [triton_aot.import_module(text, cache) for text in texts]
 
     def build(t):
@@ -173,17 +204,17 @@ def tune(kernels, buffers, hints: dict[str, int], base: dict[str, Config], arch:
     best: dict[str, Config] = {}
     report: dict = {}
     todo = []  # (kernel, [TritonKernel per candidate], cache file)
+    copies: dict[str, list[str]] = {}  # a kernel tuned -> the kernels of the same code
     for k in kernels:
-        rows, width = _shape(k, hints)
-        if rows * width < MIN_ELEMENTS:
+        if not worth_tuning(k, hints):
             continue
-        cands = candidates(base[k.name], width)
+        cands = candidates(base[k.name], _shape(k, hints)[1])
         tks = [print_triton_kernel(k, buffers, hints, c) for c in cands]
         path, hit = _cached(root, tks, cands, hints, device, triton.__version__)
         if hit is not None:
             best[k.name] = hit
             continue
-        todo.append((k, tks, path))
+        _add(todo, copies, k, tks, path)
     if not todo:
         return best, report
     compiled = _compile_candidates(todo, cache, arch, workers)
@@ -201,6 +232,7 @@ def tune(kernels, buffers, hints: dict[str, int], base: dict[str, Config], arch:
         win = min(times, key=lambda j: (times[j], j))
         c = tks[win].config
         best[k.name] = c
+        best.update({name: c for name in copies[k.name]})
         report[k.name] = {f"x{tks[j].config.xblock}r{tks[j].config.rblock}"
                           f"w{tks[j].config.num_warps}": round(ms, 5) for j, ms in times.items()}
         triton_aot.store_compiled(compiled[(i, win)], tks[win], arch, prelude, cache)
@@ -224,6 +256,7 @@ def tune_attention(calls, buffers, hints: dict[str, int], arch: int, cache: Path
     best: dict[str, Config] = {}
     report: dict = {}
     todo = []
+    copies: dict[str, list[str]] = {}
     for c in calls:
         cands = attention_candidates(c, buffers, hints)
         tks = [print_attention_kernel(c, buffers, hints, x) for x in cands]
@@ -231,7 +264,7 @@ def tune_attention(calls, buffers, hints: dict[str, int], arch: int, cache: Path
         if hit is not None:
             best[c.name] = hit
             continue
-        todo.append((c, tks, path))
+        _add(todo, copies, c, tks, path)
     if not todo:
         return best, report
     compiled = _compile_candidates(todo, cache, arch, workers)
@@ -254,6 +287,7 @@ def tune_attention(calls, buffers, hints: dict[str, int], arch: int, cache: Path
         win = min(times, key=lambda j: (times[j], j))
         cfg = tks[win].config
         best[c.name] = cfg
+        best.update({name: cfg for name in copies[c.name]})
         report[f"attn_{c.name}"] = {
             f"m{tks[j].config.xblock}n{tks[j].config.rblock}w{tks[j].config.num_warps}"
             f"s{tks[j].config.num_stages}": round(ms, 5) for j, ms in times.items()}

@@ -61,15 +61,19 @@ def _float(x: float) -> str:
 
 def cubin_blob(cubins: dict, names: list[str], archs: tuple[int, ...]
                ) -> tuple[bytes, dict[tuple[str, int], tuple[int, int]]]:
-    """All cubins in one byte string (each 64-byte aligned) and (offset, size) per entry."""
+    """All cubins in one byte string (each 64-byte aligned) and (offset, size) per entry;
+    kernels compiled to the same cubin (triton_aot.canonical) share one copy."""
     out = bytearray()
-    where = {}
+    where: dict = {}
+    seen: dict[bytes, tuple[int, int]] = {}
     for a in archs:
         for n in names:
-            out += b"\0" * (-len(out) % 64)
             c = cubins[(n, a)].cubin
-            where[(n, a)] = (len(out), len(c))
-            out += c
+            if c not in seen:
+                out += b"\0" * (-len(out) % 64)
+                seen[c] = (len(out), len(c))
+                out += c
+            where[(n, a)] = seen[c]
     return bytes(out), where
 
 

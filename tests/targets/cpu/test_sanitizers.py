@@ -31,7 +31,7 @@ CHILD = textwrap.dedent("""
     from torch.utils import _pytree as pytree
     from kiln.runtime import build, loader
     from kiln.errors import InputError
-    loader.build_libkiln = lambda: build.build_libkiln(sanitize=sys.argv[3])
+    loader.libkiln_path = lambda package=None: build.build_libkiln(sanitize=sys.argv[3])
     pkg, data = sys.argv[1], load_file(sys.argv[2])
     n_in = sum(1 for k in data if k.startswith("in"))
     args = [data[f"in{i}"] for i in range(n_in)]

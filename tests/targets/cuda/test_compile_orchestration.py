@@ -1,0 +1,185 @@
+"""How a CUDA compile spends its time, without a GPU (kiln/toolchain/triton_aot.py,
+kiln/targets/cuda/launch_tune.py): kernels of the same code up to names compile once and share
+a cubin; compiling in worker processes gives the same package as compiling in this process;
+launch-config tuning results are remembered (a second compile with the same cache measures
+nothing) and kernels of the same code are tuned once."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import zipfile
+from dataclasses import dataclass, replace
+
+import pytest
+import torch
+
+triton = pytest.importorskip("triton")
+
+import kiln  # noqa: E402
+from kiln.api import export  # noqa: E402
+from kiln.ir import loop as L  # noqa: E402
+from kiln.pipeline import target_of  # noqa: E402
+from kiln.targets.cuda import build as cuda_build  # noqa: E402
+from kiln.targets.cuda import launch_tune  # noqa: E402
+from kiln.toolchain import triton_aot  # noqa: E402
+
+
+class Block(torch.nn.Module):
+    def __init__(self, d: int) -> None:
+        super().__init__()
+        self.ln = torch.nn.LayerNorm(d)
+        self.fc = torch.nn.Linear(d, d)
+
+    def forward(self, x):
+        return x + torch.softmax(self.fc(self.ln(x)), -1) * 0.5
+
+
+class Blocks(torch.nn.Module):
+    """Three blocks of the same code on the same sizes (a GEMM between their kernels), then a
+    different tail: the kernel of block 1's tail with block 2's LayerNorm has the code of
+    block 2's tail with block 3's."""
+
+    def __init__(self, d: int) -> None:
+        super().__init__()
+        self.blocks = torch.nn.Sequential(Block(d), Block(d), Block(d))
+
+    def forward(self, x):
+        return torch.tanh(self.blocks(x)).sum(-1)
+
+
+def _model(rows=8, d=64):
+    torch.manual_seed(0)
+    return Blocks(d).eval(), (torch.randn(rows, d),)
+
+
+def _timeless(x):
+    """A manifest without what differs between two builds of one model: timings and the
+    `jobs` option."""
+    if isinstance(x, dict):
+        return {k: _timeless(v) for k, v in x.items()
+                if k != "jobs" and not k.endswith(("seconds", "_s"))}
+    if isinstance(x, list):
+        return [_timeless(v) for v in x]
+    return x
+
+
+def _entries(path) -> dict:
+    """The package's entries, the manifest without timings."""
+    with zipfile.ZipFile(path) as z:
+        out = {n: z.read(n) for n in z.namelist()}
+    out["manifest.json"] = _timeless(json.loads(out["manifest.json"]))
+    out.pop("manifest.sha256", None)
+    return out
+
+
+def test_same_code_compiles_once(tmp_path, monkeypatch):
+    monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path / "triton_home"))
+    model, args = _model()
+    cm = kiln.compile(model, args, device="cuda",
+                      options=kiln.Options(cuda_archs=(90,), cache_dir=str(tmp_path / "c")))
+    st = cm.report["stages"]
+    kernels = cm.manifest["cuda"]["kernels"]
+    assert st["cubins.shared"] >= 1
+    assert st["cubins.compiled"] + st["cubins.shared"] == len(kernels)
+    src = cm.sources["kernels_triton.py"]
+    assert all(f"def {k}(" in src for k in kernels)  # the package's source keeps every kernel
+
+
+def test_canonical_ignores_names_only():
+    @dataclass(frozen=True)
+    class K:
+        name: str
+        source: str
+        signature: dict
+        config: object = launch_tune.Config(4, 64, 2)
+        constexprs: tuple = ()
+        num_stages: int = 0
+
+    a = K("k1_ln", "@triton.jit\ndef k1_ln(buf_x, buf_y, s0, XBLOCK: tl.constexpr):\n"
+                   "    # k1_ln: from ln\n    acc_x = tl.load(buf_x + s0)\n"
+                   "    tl.store(buf_y, kiln_erf(acc_x))\n",
+          {"buf_x": "*fp32", "buf_y": "*fp32", "s0": "i64", "XBLOCK": "constexpr"})
+    b = K("k7_ln_1", a.source.replace("k1_ln", "k7_ln_1").replace("buf_x", "buf_h")
+          .replace("acc_x", "acc_h").replace("from ln", "from ln_1"),
+          {"buf_h": "*fp32", "buf_y": "*fp32", "s0": "i64", "XBLOCK": "constexpr"})
+    assert triton_aot.canonical(a) == triton_aot.canonical(b)
+    for other in (replace(a, source=a.source.replace("kiln_erf", "kiln_tanh")),  # a global
+                  replace(a, source=a.source.replace("s0)", "s0 + 1)")),
+                  replace(a, signature={**a.signature, "buf_x": "*bf16"}),
+                  replace(a, config=launch_tune.Config(8, 64, 2))):
+        assert triton_aot.canonical(other) != triton_aot.canonical(a)
+
+
+def test_parallel_compile_is_byte_identical_to_serial(tmp_path, monkeypatch):
+    model, args = _model()
+    cache = tmp_path / "c"
+    packages = []
+    monkeypatch.setattr(triton_aot, "PER_PROCESS", 1)  # a worker even for 3 kernels
+    for jobs in (1, 3):
+        shutil.rmtree(cache, ignore_errors=True)
+        monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path / f"triton_home{jobs}"))
+        cm = kiln.compile(model, args, device="cuda", options=kiln.Options(
+            cuda_archs=(90,), cache_dir=str(cache), jobs=jobs))
+        assert cm.report["stages"]["cubins.workers"] == min(jobs, 3) - 1
+        packages.append(cm.save(tmp_path / f"m{jobs}.kiln"))
+    serial, parallel = (_entries(p) for p in packages)
+    assert serial.keys() == parallel.keys()
+    for name in serial:
+        assert serial[name] == parallel[name], name
+
+
+def _tuning_state(tmp_path, rows: int, d: int):
+    """The CUDA pipeline's state after planning, for a model big enough to be tuned."""
+    model, args = _model(rows, d)
+    opts = kiln.Options(cuda_archs=(90,), cache_dir=str(tmp_path / "c"))
+    target = target_of("cuda")
+    st = target.state(options=opts, ep=export(model, args, None, None))
+    for s in target.stages:
+        if s.name == "check_routines":
+            break
+        if s.when(st):
+            st = s.run(st)
+    return st
+
+
+def test_tuning_is_remembered_and_shared(tmp_path, monkeypatch):
+    st = _tuning_state(tmp_path, 512, 1024)  # LayerNorm rows of 512 x 1024: worth tuning
+    kernels = cuda_build._kernels(st.steps)
+    hints = cuda_build._hints(st)
+    tuned = [k for k in kernels if launch_tune.worth_tuning(k, hints)]
+    assert len(tuned) >= 2
+    base = cuda_build._heuristic_configs(st)
+    compiled, timed = [], []
+
+    def fake_compile(todo, cache, arch, workers=1):
+        compiled.extend(step.name for step, _, _ in todo)
+        return {(i, j): tk.config for i, (_, tks, _) in enumerate(todo)
+                for j, tk in enumerate(tks)}
+
+    def fake_time(cfg, grid, args, torch, reps=20):
+        timed.append(cfg)
+        return 1.0 / (cfg.num_warps * cfg.xblock)  # a made-up winner: the most warps x rows
+
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda *a: "Fake GPU")
+    monkeypatch.setattr(launch_tune, "_compile_candidates", fake_compile)
+    monkeypatch.setattr(launch_tune, "_time_ms", fake_time)
+    monkeypatch.setattr(launch_tune, "_args", lambda *a: [])
+    monkeypatch.setattr(triton_aot, "store_compiled", lambda *a: None)
+    cache = tmp_path / "c"
+    buffers = L.all_buffers(st.loop)
+    best1, report1 = launch_tune.tune(kernels, buffers, hints, base, 90, cache)
+    assert set(best1) == {k.name for k in tuned}
+    # the two blocks' kernels share code and sizes: each pair is compiled and timed once
+    assert len(compiled) < len(tuned) and timed
+    assert set(report1) == set(compiled)
+
+    def no_compile(*a, **k):
+        raise AssertionError("a second compile with the same cache tuned again")
+
+    monkeypatch.setattr(launch_tune, "_compile_candidates", no_compile)
+    best2, report2 = launch_tune.tune(kernels, buffers, hints, base, 90, cache)
+    assert best2 == best1 and report2 == {}
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda *a: "Other GPU")
+    with pytest.raises(AssertionError, match="tuned again"):  # another device: not reused
+        launch_tune.tune(kernels, buffers, hints, base, 90, cache)
