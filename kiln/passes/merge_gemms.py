@@ -13,7 +13,11 @@ so one launch reads x once and streams all the weights; the slices are views (fr
 what read the separate products. At M = 1 (single-token decode) this removes launches that cost
 more than their arithmetic.
 
-Applies where each W_i is a static 2-D weight read only by that permute, and each permute only
+Applies to products of at most MAX_ROWS rows (M's upper bound; decode and small batches), where
+launches dominate: on larger products each separate GEMM keeps its own fused epilogue (bias,
+activation, residual in a CUTLASS visitor tree or the Triton template), which the merged GEMM,
+read through slices, cannot carry. Applies where each W_i is a static 2-D weight read only by
+that permute, and each permute only
 by its matmul (no weight is stored twice). The merged weight is a fold of the model's tensors
 (FQN `<folded ...>`), so the pass runs only with `Options.fold_constants`, and
 `update_weights` refuses such packages as it refuses other folds. A pure pass: returns a new
@@ -29,6 +33,23 @@ import torch
 from kiln.ir.graph import Graph, Input, Node, TensorType
 
 
+MAX_ROWS = 64
+
+
+def _rows_bound(g: Graph, rows) -> int | None:
+    """The largest value `rows` (a sympy size) takes over the graph's symbol ranges."""
+    rows = sympy.sympify(rows)
+    if rows.is_Integer:
+        return int(rows)
+    ranges = {s.name: s.max for s in g.symbols}
+    if not all(str(f) in ranges for f in rows.free_symbols):
+        return None
+    try:  # sizes are increasing in their symbols: the bound at every symbol's maximum
+        return int(rows.subs({f: ranges[str(f)] for f in rows.free_symbols}))
+    except TypeError:
+        return None
+
+
 def merge_gemms(g: Graph, weights: dict[str, torch.Tensor]
                 ) -> tuple[Graph, dict[str, torch.Tensor]]:
     readers: dict[str, int] = {}
@@ -42,6 +63,9 @@ def merge_gemms(g: Graph, weights: dict[str, torch.Tensor]
     groups: dict[tuple, list[tuple[Node, Node, Input]]] = {}
     for n in g.nodes:
         if n.op != "matmul" or len(n.inputs) != 2 or len(n.type.shape) != 2:
+            continue
+        bound = _rows_bound(g, n.type.shape[0])
+        if bound is None or bound > MAX_ROWS:
             continue
         x, p = n.inputs
         pn = nodes.get(p)

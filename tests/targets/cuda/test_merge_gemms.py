@@ -62,6 +62,9 @@ def test_linears_sharing_input_become_one_gemm():
     off = kiln.compile(ep, device="cuda", options=Options(cuda_archs=(90,),
                                                           fold_constants=False))
     assert len(_gemms(off)) == 7
+    # more rows than merge_gemms.MAX_ROWS: each GEMM stays separate, with its own epilogue
+    big = torch.export.export(Projections(), (torch.randn(4, 20, 24),))
+    assert len(_gemms(kiln.compile(big, device="cuda", options=OPTS))) == 7
 
 
 _INTERP = textwrap.dedent("""
