@@ -495,6 +495,7 @@ KILN_API int kiln_model_load(const char *package_path, const char *device, kiln_
     const CpuLevel &level = pick_level(info, package_path);
     m->cpu_level = level.march;
     void *lib = nullptr;
+    if (!want_cuda) kiln::set_openmp_spin_policy();  // before libgomp can load (cpu.h)
     m->abi = open_library(*m->package, level.library, &lib);
     if (!want_cuda) bind_openmp(m.get(), lib);
     if (want_cuda && (m->abi->device_type != kDLCUDA || !m->abi->create_on_device ||

@@ -186,7 +186,8 @@ def _member(m: L.Compute, k: int, locals_: dict[str, str], rows: dict | None = N
 
 
 # Elements of work below which a kernel runs on the calling thread: waking the OpenMP team
-# costs a few microseconds, more than a small loop takes.
+# and its closing barrier cost a few microseconds, more than a small loop takes
+# (bench/threads_cpu.py --calibrate measures both and prints the break-even size).
 PARALLEL_MIN_WORK = 16384
 
 
@@ -244,7 +245,15 @@ def print_kernel(kernel: Kernel, buffers: dict[str, L.Buffer], num_threads: int 
             f" if({to_c(work)} >= {PARALLEL_MIN_WORK})"
         if work.is_Integer and int(work) < PARALLEL_MIN_WORK:
             cond = " if(0)"  # too little work to pay for waking threads
-        lines.append(f"  #pragma omp parallel for collapse({k}) schedule(static)"
+            sched = "static"
+        else:
+            # iterations in chunks of ~1/4 of a thread's share, handed out as threads come
+            # free: a thread the OS deschedules holds the others up by one chunk only
+            team = f"kr::team_cap({num_threads})" if num_threads else "kr::team_size()"
+            total = to_c(sympy.Mul(*kernel.outer))
+            lines.append(f"  const int64_t kiln_chunk = kr::chunk({total}, {team});")
+            sched = "dynamic, kiln_chunk"
+        lines.append(f"  #pragma omp parallel for collapse({k}) schedule({sched})"
                      f"{cond}{threads}")
         for d, var in enumerate(outer_vars):
             lines.append("  " * (d + 1) + f"for (int64_t {var} = 0; {var} < "

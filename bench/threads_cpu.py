@@ -1,0 +1,206 @@
+"""kiln at 1 and at 2 threads on the CPU benchmark models (issue 14, item 3: 2 threads should
+run close to 2x faster than 1).
+
+For every model (bench/cpu_peers_models.py) one package is compiled with
+Options(num_threads=2) (bench/cpu_peers.py's prepare and compile steps, in their own
+processes); it is then timed with kiln.load(num_threads=1) and with num_threads=2, each in a
+fresh process, in R interleaved rounds (the order of 1 and 2 alternates per round, so both see
+the same load). A process warms up, times calls for --min-time seconds (at least --min-calls)
+and reports its median call and checks its output against eager. The figure per thread count
+is the median over rounds; speed-up = t(1 thread) / t(2 threads). `uptime` load is sampled
+every round. --taskset pins every timing process to the given CPUs; --env sets environment
+variables (e.g. OMP_WAIT_POLICY=PASSIVE) in the timing processes.
+
+    python bench/threads_cpu.py [--models mlp,resnet18] [--rounds 5] [--min-time 1.0]
+        [--taskset 0,1] [--env NAME=VALUE ...] [--json out.json] [--markdown BENCHMARKS.md]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from bench.cpu_peers import _load_arrays, _uptime, machine_info  # noqa: E402
+from bench.markdown import splice  # noqa: E402
+
+MODELS = ("mlp", "resnet18", "resnet18_b8", "mobilenet_v2", "gpt", "bert_like_b4",
+          "ln_softmax")
+BEGIN, END = "<!-- cpu-threads:begin -->", "<!-- cpu-threads:end -->"
+
+
+def w_time(d: Path, threads: int, warmup: int, min_calls: int, min_time: float) -> dict:
+    """Load the package with `threads` threads, warm up, time calls, check the output."""
+    import numpy as np
+    import torch
+
+    import kiln
+    from bench.cpu_peers import _flat_np
+
+    torch.set_num_threads(threads)
+    arrays = _load_arrays(d / "inputs.npz")
+    want = _load_arrays(d / "expected.npz")
+    meta = json.loads((d / "prepare.json").read_text())
+    args = tuple(torch.from_numpy(a) for a in arrays)
+    fn = kiln.load(str(d / "kiln.kiln"), num_threads=threads)
+    with torch.inference_mode():
+        for _ in range(warmup):
+            out = fn(*args)
+        times: list[float] = []
+        start = time.perf_counter()
+        while len(times) < min_calls or time.perf_counter() - start < min_time:
+            t = time.perf_counter()
+            out = fn(*args)
+            times.append(time.perf_counter() - t)
+    got = [np.asarray(g, dtype=np.float64) for g in _flat_np(out)]
+    err = max((float(np.max(np.abs(g - w))) for g, w in zip(got, want) if w.size), default=0.0)
+    scale = max((float(np.max(np.abs(w))) for w in want if w.size), default=0.0)
+    return {"latency_s": statistics.median(times), "calls": len(times),
+            "matches": bool(err <= meta["atol"] + meta["rtol"] * scale), "max_abs_err": err}
+
+
+def _worker(a: argparse.Namespace) -> None:
+    from bench.cpu_peers import w_compile, w_prepare
+
+    d = Path(a.dir)
+    try:
+        if a.worker == "prepare":
+            res = w_prepare(a.model, d)
+            (d / "prepare.json").write_text(json.dumps(res))
+        elif a.worker == "compile":
+            res = w_compile(a.model, "kiln", d)
+        else:
+            res = w_time(d, a.threads, a.warmup, a.min_calls, a.min_time)
+    except BaseException as e:  # reported in the table
+        lines = str(e).strip().splitlines()
+        res = {"error": f"{type(e).__name__}: {lines[0] if lines else ''}"}
+    Path(a.worker_out).write_text(json.dumps(res, default=str))
+
+
+def _run(a: argparse.Namespace, step: str, model: str, d: Path, threads: int = 2,
+         pin: bool = False) -> dict:
+    out = d / f"{step}-{threads}.json"
+    cmd = [sys.executable, __file__, "--worker", step, "--model", model, "--dir", str(d),
+           "--threads", str(threads), "--warmup", str(a.warmup), "--min-calls",
+           str(a.min_calls), "--min-time", str(a.min_time), "--worker-out", str(out)]
+    if pin and a.taskset:
+        cmd = ["taskset", "-c", a.taskset, *cmd]
+    env = dict(os.environ, PYTHONPATH=str(ROOT), KILN_CACHE_DIR=str(d / "kiln-cache"))
+    if step == "time":
+        env.update(kv.split("=", 1) for kv in a.env)
+    try:
+        subprocess.run(cmd, env=env, timeout=a.timeout, check=False,
+                       stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    except subprocess.TimeoutExpired:
+        return {"error": f"timeout ({a.timeout:.0f} s)"}
+    return json.loads(out.read_text()) if out.exists() else {"error": "worker died"}
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--models", default=",".join(MODELS))
+    ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--min-time", type=float, default=1.0)
+    ap.add_argument("--min-calls", type=int, default=5)
+    ap.add_argument("--warmup", type=int, default=3)
+    ap.add_argument("--taskset", default=None, help="CPUs for the timing processes, e.g. 0,1")
+    ap.add_argument("--env", action="append", default=[], help="NAME=VALUE for timing runs")
+    ap.add_argument("--timeout", type=float, default=900.0)
+    ap.add_argument("--json", default=None)
+    ap.add_argument("--markdown", default=None)
+    ap.add_argument("--keep", default=None, help="directory for the packages (kept)")
+    # worker arguments
+    ap.add_argument("--worker", default=None)
+    ap.add_argument("--model", default=None)
+    ap.add_argument("--dir", default=None)
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--worker-out", default=None)
+    a = ap.parse_args(argv)
+    if a.worker:
+        _worker(a)
+        return 0
+    models = [m for m in a.models.split(",") if m]
+    base = Path(a.keep) if a.keep else Path(tempfile.mkdtemp(prefix="kiln-threads-"))
+    load_start = _uptime()
+    print(f"# {load_start}", flush=True)
+    dirs: dict[str, Path] = {}
+    errors: dict[str, str] = {}
+    for m in models:  # prepare + compile (a package already in --keep is reused)
+        d = base / m
+        d.mkdir(parents=True, exist_ok=True)
+        dirs[m] = d
+        if (d / "kiln.kiln").exists() and (d / "prepare.json").exists():
+            continue
+        for step in ("prepare", "compile"):
+            r = _run(a, step, m, d)
+            if "error" in r:
+                errors[m] = f"{step}: {r['error']}"
+                print(f"{m}: {errors[m]}", flush=True)
+                break
+    times: dict[str, dict[int, list[float]]] = {m: {1: [], 2: []} for m in models}
+    bad: dict[str, str] = {}
+    loads: list[float] = []
+    for rnd in range(a.rounds):
+        loads.append(os.getloadavg()[0])
+        for m in models:
+            if m in errors:
+                continue
+            for t in ((1, 2) if rnd % 2 == 0 else (2, 1)):
+                r = _run(a, "time", m, dirs[m], t, pin=True)
+                if "error" in r:
+                    bad[m] = r["error"]
+                    continue
+                if not r["matches"]:
+                    bad[m] = f"MISMATCH (max abs err {r['max_abs_err']:.3g})"
+                times[m][t].append(r["latency_s"])
+        print(f"round {rnd + 1}/{a.rounds} done (load {loads[-1]:.2f})", flush=True)
+    load_end = _uptime()
+    rows = []
+    for m in models:
+        t1 = statistics.median(times[m][1]) if times[m][1] else math.nan
+        t2 = statistics.median(times[m][2]) if times[m][2] else math.nan
+        rows.append({"model": m, "t1_ms": t1 * 1e3, "t2_ms": t2 * 1e3, "speedup": t1 / t2,
+                     "rounds_1": [x * 1e3 for x in times[m][1]],
+                     "rounds_2": [x * 1e3 for x in times[m][2]],
+                     "error": errors.get(m) or bad.get(m)})
+    sp = [r["speedup"] for r in rows if r["speedup"] == r["speedup"]]
+    geo = math.exp(statistics.fmean(math.log(x) for x in sp)) if sp else math.nan
+    command = "python bench/threads_cpu.py " + " ".join(
+        x for x in (argv if argv is not None else sys.argv[1:]))
+    info = machine_info(a.taskset)
+    lines = [f"{info['date']}, {info['cpu']}, {info['cores']} cores, torch {info['torch']}; "
+             f"`{command.strip()}`" + (f"; env {' '.join(a.env)}" if a.env else ""),
+             f"load before: `{load_start}`; after: `{load_end}`; load1 per round "
+             f"{', '.join(f'{x:.2f}' for x in loads)}", "",
+             "| model | 1 thread (ms) | 2 threads (ms) | speed-up | note |",
+             "|---|---|---|---|---|"]
+    for r in rows:
+        lines.append(f"| {r['model']} | {r['t1_ms']:.3g} | {r['t2_ms']:.3g} | "
+                     f"{r['speedup']:.2f}x | {r['error'] or ''} |")
+    lines += ["", f"Geometric mean speed-up: {geo:.2f}x"]
+    md = "\n".join(lines)
+    print(md, flush=True)
+    if a.json:
+        Path(a.json).write_text(json.dumps({"rows": rows, "info": info, "loads": loads,
+                                            "env": a.env}, indent=1))
+    if a.markdown:
+        splice(Path(a.markdown), BEGIN, END, md,
+               heading="## CPU: 1 thread against 2 threads (issue 14, item 3)")
+    if not a.keep:
+        shutil.rmtree(base, ignore_errors=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
