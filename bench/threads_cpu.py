@@ -11,8 +11,18 @@ is the median over rounds; speed-up = t(1 thread) / t(2 threads). `uptime` load 
 every round. --taskset pins every timing process to the given CPUs; --env sets environment
 variables (e.g. OMP_WAIT_POLICY=PASSIVE) in the timing processes.
 
+--calibrate instead measures what the parallel thresholds are derived from (a C++ program built
+with the compiler and flags of CPU packages, run with GOMP_SPINCOUNT as libkiln sets it): the
+cost F of one parallel region of a 2-thread team (fork, an empty body, the closing barrier;
+back to back, as a run's kernels are), the cost of one element of a pointwise kernel and of one
+vector FMA at 1 thread, and the least work W = 4F / (cost per unit) worth a second thread: from
+there, halving the work saves at least one more region cost than the region costs (T/2 + F <=
+T - F). The thresholds (kernel.py PARALLEL_MIN_WORK, kiln_conv.h kMinParallelFmas,
+kiln_model_rt.h kGemmMinParallelMacs) are set from these figures.
+
     python bench/threads_cpu.py [--models mlp,resnet18] [--rounds 5] [--min-time 1.0]
         [--taskset 0,1] [--env NAME=VALUE ...] [--json out.json] [--markdown BENCHMARKS.md]
+    python bench/threads_cpu.py --calibrate
 """
 
 from __future__ import annotations
@@ -70,6 +80,95 @@ def w_time(d: Path, threads: int, warmup: int, min_calls: int, min_time: float) 
             "matches": bool(err <= meta["atol"] + meta["rtol"] * scale), "max_abs_err": err}
 
 
+CALIBRATE_CPP = r"""
+#include <omp.h>
+#include <algorithm>
+#include <chrono>
+#include <cstdio>
+#include <vector>
+#include <immintrin.h>
+static double now() {
+  return std::chrono::duration<double>(std::chrono::steady_clock::now().time_since_epoch()).count();
+}
+template <class F> double best_of(int reps, int inner, F f) {  // min over reps, s per call
+  double best = 1e9;
+  for (int r = 0; r < reps; ++r) {
+    const double t = now();
+    for (int i = 0; i < inner; ++i) f();
+    best = std::min(best, (now() - t) / inner);
+  }
+  return best;
+}
+int main() {
+  omp_set_num_threads(2);
+  volatile int sink = 0;
+  std::vector<double> regions;  // each region timed alone: min (an idle machine) and median
+  for (int i = 0; i < 20000; ++i) {
+    const double t = now();
+#pragma omp parallel num_threads(2)
+    { if (omp_get_thread_num() == 7) sink = 1; }
+    regions.push_back(now() - t);
+  }
+  std::sort(regions.begin(), regions.end());
+  const double region = regions[regions.size() / 100], region_med = regions[regions.size() / 2];
+  const int n = 1 << 16;  // pointwise: y = relu(x * 2 + 1), in L2
+  std::vector<float> x(n, 0.5f), y(n);
+  const double pw = best_of(15, 200, [&] {
+#pragma omp simd
+    for (int i = 0; i < n; ++i) { const float v = x[i] * 2.0f + 1.0f; y[i] = v > 0 ? v : 0; }
+    asm volatile("" : : "r"(y.data()) : "memory");
+  }) / n;
+#ifdef __AVX512F__
+  typedef __m512 V; const int lanes = 16;
+#define FMA _mm512_fmadd_ps
+#define SET _mm512_set1_ps
+#else
+  typedef __m256 V; const int lanes = 8;
+#define FMA _mm256_fmadd_ps
+#define SET _mm256_set1_ps
+#endif
+  const int iters = 1 << 14;  // 12 independent accumulators, as the conv / GEMM tiles
+  V acc[12]; for (auto &a : acc) a = SET(0.f);
+  const V w = SET(1.0001f), b = SET(0.5f);
+  const double fma = best_of(15, 20, [&] {
+    for (int i = 0; i < iters; ++i)
+      for (int j = 0; j < 12; ++j) acc[j] = FMA(w, acc[j], b);
+    asm volatile("" : : "x"(acc[0]), "x"(acc[5]), "x"(acc[11]) : "memory");
+  }) / (iters * 12.0);
+  std::printf("%g %g %g %g %d\n", region, region_med, pw, fma, lanes);
+}
+"""
+
+
+def calibrate() -> int:
+    """Builds and runs CALIBRATE_CPP; prints F (1st percentile and median of 20000 regions,
+    each timed alone), the unit costs and the break-even sizes."""
+    from kiln.config import cxx
+
+    work = Path(tempfile.mkdtemp(prefix="kiln-calibrate-"))
+    src, exe = work / "calibrate.cpp", work / "calibrate"
+    src.write_text(CALIBRATE_CPP)
+    cxx = cxx()
+    subprocess.run([cxx, "-O3", "-march=native", "-fopenmp", str(src), "-o", str(exe)],
+                   check=True)
+    env = dict(os.environ)
+    if "OMP_WAIT_POLICY" not in env:
+        env.setdefault("GOMP_SPINCOUNT", "1000")  # as libkiln sets it (runtime/src/cpu.h)
+    out = subprocess.run([str(exe)], env=env, capture_output=True, text=True, check=True)
+    vals = out.stdout.split()
+    region, median, pw, fma, lanes = (*map(float, vals[:4]), int(vals[4]))
+    print(f"# {_uptime()}")
+    for label, f in (("1st percentile (a quiet machine)", region), ("median", median)):
+        print(f"parallel region, 2 threads, back to back, {label}: {f * 1e6:.2f} us -> "
+              f"worth splitting from {4 * f / pw:.0f} pointwise elements (PARALLEL_MIN_WORK), "
+              f"{4 * f / fma:.0f} vector FMAs (kMinParallelFmas), "
+              f"{4 * f / fma * lanes:.0f} multiply-adds (kGemmMinParallelMacs)")
+    print(f"unit costs at 1 thread: pointwise element {pw * 1e9:.3f} ns, vector FMA "
+          f"({lanes} lanes) {fma * 1e9:.3f} ns")
+    shutil.rmtree(work, ignore_errors=True)
+    return 0
+
+
 def _worker(a: argparse.Namespace) -> None:
     from bench.cpu_peers import w_compile, w_prepare
 
@@ -120,6 +219,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--json", default=None)
     ap.add_argument("--markdown", default=None)
     ap.add_argument("--keep", default=None, help="directory for the packages (kept)")
+    ap.add_argument("--calibrate", action="store_true", help="measure the parallel thresholds")
     # worker arguments
     ap.add_argument("--worker", default=None)
     ap.add_argument("--model", default=None)
@@ -130,6 +230,8 @@ def main(argv: list[str] | None = None) -> int:
     if a.worker:
         _worker(a)
         return 0
+    if a.calibrate:
+        return calibrate()
     models = [m for m in a.models.split(",") if m]
     base = Path(a.keep) if a.keep else Path(tempfile.mkdtemp(prefix="kiln-threads-"))
     load_start = _uptime()

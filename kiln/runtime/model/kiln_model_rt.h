@@ -288,9 +288,11 @@ inline void blas_single_threaded() { scipy_openblas_set_num_threads(1); }
 /* C[b][m][n] = A[b][m][k] * B[b][k][n] over up to two batch dims, C contiguous. Work is split
  * over OpenMP threads by batch when there are enough batches, else by rows of C, else by
  * columns; `block(M', N', K, a, ar, ac, b, br, bc, c, ldc)` computes one single-threaded part. */
-/* Multiply-adds below which a GEMM runs on the calling thread (~10 us of one core's work at
- * ~25 GFLOP/s: a few times what waking the team and its closing barrier cost). */
-constexpr double kGemmMinParallelMacs = 262144.0;
+/* Multiply-adds below which a GEMM runs on the calling thread: 4F / (cost of one
+ * multiply-add), F the cost of one parallel region of a 2-thread team (bench/threads_cpu.py
+ * --calibrate: F ~1.1-1.2 us, a 16-lane FMA ~0.63 ns on the development VM's EPYC -> ~110000
+ * to 121000; from there 2 threads save at least F). */
+constexpr double kGemmMinParallelMacs = 131072.0;
 
 template <class T, class Block>
 inline void gemm_split(int64_t nb0, int64_t nb1, int64_t M, int64_t N, int64_t K, const T *A,

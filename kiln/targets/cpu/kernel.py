@@ -185,9 +185,11 @@ def _member(m: L.Compute, k: int, locals_: dict[str, str], rows: dict | None = N
     return ["{"] + ["  " + s for s in lines] + ["}"]
 
 
-# Elements of work below which a kernel runs on the calling thread: waking the OpenMP team
-# and its closing barrier cost a few microseconds, more than a small loop takes
-# (bench/threads_cpu.py --calibrate measures both and prints the break-even size).
+# Elements of work below which a kernel runs on the calling thread: one parallel region of a
+# 2-thread team costs F ~1.1-1.2 us (bench/threads_cpu.py --calibrate, development VM); 2
+# threads save at least F from 4F / (cost of an element): ~56000 elements of the cheapest
+# kernel (a multiply-add and a max, 0.08 ns an element), a few thousand of one with exp or
+# division; this sits between, as kernel_work does not weigh the ops.
 PARALLEL_MIN_WORK = 16384
 
 

@@ -9,6 +9,7 @@ among the tasks, compiled for up to 3 threads and run with budgets 1, 2 and 3 ag
 
 from __future__ import annotations
 
+import ctypes
 import os
 import subprocess
 import sys
@@ -178,3 +179,18 @@ def test_spin_count_left_to_the_user_and_to_a_loaded_pool(tiny_package):
     # libgomp already loaded (e.g. by torch): its settings were read; kiln sets nothing
     assert _child_spin(tiny_package, "preload") == "-"
 
+
+
+def test_openblas_single_threaded_inside_kiln_pool(tmp_path):
+    """A BLAS GEMM runs on each OpenMP thread's part of the problem: OpenBLAS's own pool
+    must stay at one thread, or its threads and kiln's would compete for the cores."""
+    blas = pytest.importorskip("scipy_openblas32")
+    lib = ctypes.CDLL(os.path.join(blas.get_lib_dir(), f"lib{blas.get_library()}.so"))
+    lib.scipy_openblas_set_num_threads(2)  # as a process that uses OpenBLAS itself may
+    x = torch.randn(389, 300, generator=_gen(5))
+    m = Linears(300, 1000, 24).eval()  # N = 24: the BLAS backend (heuristic)
+    c = kiln.compile(m, (x,), options=kiln.Options(num_threads=2))
+    assert "[blas" in c.sources["model.cpp"]
+    with kiln.load(c.save(tmp_path / "b.kiln"), num_threads=2) as r:
+        torch.testing.assert_close(r(x), m(x), rtol=1e-4, atol=1e-4)
+    assert lib.scipy_openblas_get_num_threads() == 1

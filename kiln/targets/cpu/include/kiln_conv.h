@@ -237,11 +237,13 @@ inline void dense_row(const Shape &s, const float *x, const float *w, int64_t ws
   }
 }
 
-/* Least work worth a second thread (waking the team and its closing barrier cost a few
- * microseconds, bench/threads_cpu.py --calibrate): dense, vector FMAs (one vector of B output
- * channels x one input channel x one pixel); depthwise, vector taps. */
-constexpr int64_t kMinParallelFmas = 16384;
-constexpr int64_t kMinParallelTaps = 16384;
+/* Least work worth a second thread: 4F / (cost of one unit at 1 thread), F the cost of one
+ * parallel region of a 2-thread team (bench/threads_cpu.py --calibrate: F ~1.1-1.2 us and a
+ * vector FMA ~0.63 ns on the development VM's EPYC -> ~7000-7600). Dense: vector FMAs (one
+ * vector of B output channels x one input channel x one pixel); depthwise: vector taps (an
+ * FMA and a load each). */
+constexpr int64_t kMinParallelFmas = 8192;
+constexpr int64_t kMinParallelTaps = 8192;
 
 inline int team(int64_t threads) {
 #ifdef _OPENMP
