@@ -9,7 +9,10 @@ the same load). A process warms up, times calls for --min-time seconds (at least
 and reports its median call and checks its output against eager. The figure per thread count
 is the median over rounds; speed-up = t(1 thread) / t(2 threads). `uptime` load is sampled
 every round. --taskset pins every timing process to the given CPUs; --env sets environment
-variables (e.g. OMP_WAIT_POLICY=PASSIVE) in the timing processes.
+variables (e.g. OMP_WAIT_POLICY=PASSIVE) in the timing processes; each --variant NAME=VALUE adds
+a column: 2 threads with that variable set (interleaved with the others in every round), e.g.
+GOMP_SPINCOUNT=1000, the spin count libkiln gives the OpenMP pool a package starts itself (a
+Python process that imported torch shares torch's pool, whose settings were read at import).
 
 --calibrate instead measures what the parallel thresholds are derived from (a C++ program built
 with the compiler and flags of CPU packages, run with GOMP_SPINCOUNT as libkiln sets it): the
@@ -21,7 +24,8 @@ T - F). The thresholds (kernel.py PARALLEL_MIN_WORK, kiln_conv.h kMinParallelFma
 kiln_model_rt.h kGemmMinParallelMacs) are set from these figures.
 
     python bench/threads_cpu.py [--models mlp,resnet18] [--rounds 5] [--min-time 1.0]
-        [--taskset 0,1] [--env NAME=VALUE ...] [--json out.json] [--markdown BENCHMARKS.md]
+        [--taskset 0,1] [--env NAME=VALUE ...] [--variant NAME=VALUE ...] [--json out.json]
+        [--markdown BENCHMARKS.md]
     python bench/threads_cpu.py --calibrate
 """
 
@@ -188,7 +192,7 @@ def _worker(a: argparse.Namespace) -> None:
 
 
 def _run(a: argparse.Namespace, step: str, model: str, d: Path, threads: int = 2,
-         pin: bool = False) -> dict:
+         pin: bool = False, variant: str | None = None) -> dict:
     out = d / f"{step}-{threads}.json"
     cmd = [sys.executable, __file__, "--worker", step, "--model", model, "--dir", str(d),
            "--threads", str(threads), "--warmup", str(a.warmup), "--min-calls",
@@ -197,13 +201,18 @@ def _run(a: argparse.Namespace, step: str, model: str, d: Path, threads: int = 2
         cmd = ["taskset", "-c", a.taskset, *cmd]
     env = dict(os.environ, PYTHONPATH=str(ROOT), KILN_CACHE_DIR=str(d / "kiln-cache"))
     if step == "time":
-        env.update(kv.split("=", 1) for kv in a.env)
+        env.update(kv.split("=", 1) for kv in a.env + ([variant] if variant else []))
     try:
         subprocess.run(cmd, env=env, timeout=a.timeout, check=False,
                        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     except subprocess.TimeoutExpired:
         return {"error": f"timeout ({a.timeout:.0f} s)"}
     return json.loads(out.read_text()) if out.exists() else {"error": "worker died"}
+
+
+def _geo(xs: list[float]) -> float:
+    xs = [x for x in xs if x == x]
+    return math.exp(statistics.fmean(math.log(x) for x in xs)) if xs else math.nan
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -215,6 +224,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--taskset", default=None, help="CPUs for the timing processes, e.g. 0,1")
     ap.add_argument("--env", action="append", default=[], help="NAME=VALUE for timing runs")
+    ap.add_argument("--variant", action="append", default=[],
+                    help="NAME=VALUE: a further 2-thread column with this variable set")
     ap.add_argument("--timeout", type=float, default=900.0)
     ap.add_argument("--json", default=None)
     ap.add_argument("--markdown", default=None)
@@ -250,7 +261,8 @@ def main(argv: list[str] | None = None) -> int:
                 errors[m] = f"{step}: {r['error']}"
                 print(f"{m}: {errors[m]}", flush=True)
                 break
-    times: dict[str, dict[int, list[float]]] = {m: {1: [], 2: []} for m in models}
+    cols: list[tuple[int, str | None]] = [(1, None), (2, None)] + [(2, v) for v in a.variant]
+    times: dict[str, dict[tuple, list[float]]] = {m: {c: [] for c in cols} for m in models}
     bad: dict[str, str] = {}
     loads: list[float] = []
     for rnd in range(a.rounds):
@@ -258,26 +270,29 @@ def main(argv: list[str] | None = None) -> int:
         for m in models:
             if m in errors:
                 continue
-            for t in ((1, 2) if rnd % 2 == 0 else (2, 1)):
-                r = _run(a, "time", m, dirs[m], t, pin=True)
+            for c in (cols if rnd % 2 == 0 else cols[::-1]):
+                r = _run(a, "time", m, dirs[m], c[0], pin=True, variant=c[1])
                 if "error" in r:
                     bad[m] = r["error"]
                     continue
                 if not r["matches"]:
                     bad[m] = f"MISMATCH (max abs err {r['max_abs_err']:.3g})"
-                times[m][t].append(r["latency_s"])
+                times[m][c].append(r["latency_s"])
         print(f"round {rnd + 1}/{a.rounds} done (load {loads[-1]:.2f})", flush=True)
     load_end = _uptime()
+
+    def med(xs: list[float]) -> float:
+        return statistics.median(xs) * 1e3 if xs else math.nan
+
     rows = []
     for m in models:
-        t1 = statistics.median(times[m][1]) if times[m][1] else math.nan
-        t2 = statistics.median(times[m][2]) if times[m][2] else math.nan
-        rows.append({"model": m, "t1_ms": t1 * 1e3, "t2_ms": t2 * 1e3, "speedup": t1 / t2,
-                     "rounds_1": [x * 1e3 for x in times[m][1]],
-                     "rounds_2": [x * 1e3 for x in times[m][2]],
+        t1, t2 = med(times[m][cols[0]]), med(times[m][cols[1]])
+        rows.append({"model": m, "t1_ms": t1, "t2_ms": t2, "speedup": t1 / t2,
+                     "variants": {v: med(times[m][(2, v)]) for v in a.variant},
+                     "rounds": {f"{c[0]}{' ' + c[1] if c[1] else ''}": [x * 1e3 for x in xs]
+                                for c, xs in times[m].items()},
                      "error": errors.get(m) or bad.get(m)})
-    sp = [r["speedup"] for r in rows if r["speedup"] == r["speedup"]]
-    geo = math.exp(statistics.fmean(math.log(x) for x in sp)) if sp else math.nan
+    geo = _geo([r["speedup"] for r in rows])
     command = "python bench/threads_cpu.py " + " ".join(
         x for x in (argv if argv is not None else sys.argv[1:]))
     info = machine_info(a.taskset)
@@ -285,12 +300,17 @@ def main(argv: list[str] | None = None) -> int:
              f"`{command.strip()}`" + (f"; env {' '.join(a.env)}" if a.env else ""),
              f"load before: `{load_start}`; after: `{load_end}`; load1 per round "
              f"{', '.join(f'{x:.2f}' for x in loads)}", "",
-             "| model | 1 thread (ms) | 2 threads (ms) | speed-up | note |",
-             "|---|---|---|---|---|"]
+             "| model | 1 thread (ms) | 2 threads (ms) | speed-up | "
+             + "".join(f"2 threads, {v} (ms) | speed-up | " for v in a.variant) + "note |",
+             "|---|---|---|---|" + "---|---|" * len(a.variant) + "---|"]
     for r in rows:
         lines.append(f"| {r['model']} | {r['t1_ms']:.3g} | {r['t2_ms']:.3g} | "
-                     f"{r['speedup']:.2f}x | {r['error'] or ''} |")
-    lines += ["", f"Geometric mean speed-up: {geo:.2f}x"]
+                     f"{r['speedup']:.2f}x | "
+                     + "".join(f"{r['variants'][v]:.3g} | {r['t1_ms'] / r['variants'][v]:.2f}x | "
+                               for v in a.variant) + f"{r['error'] or ''} |")
+    lines += ["", f"Geometric mean speed-up: {geo:.2f}x"
+              + "".join(f"; with {v}: {_geo([r['t1_ms'] / r['variants'][v] for r in rows]):.2f}x"
+                        for v in a.variant)]
     md = "\n".join(lines)
     print(md, flush=True)
     if a.json:
