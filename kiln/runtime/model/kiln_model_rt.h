@@ -337,9 +337,12 @@ inline int gemm_cpp(int64_t nb0, int64_t nb1, int64_t M, int64_t N, int64_t K, c
 /* The "cpp" backend with a prepacked constant B (kiln_gemm.h, `packed_block`): `Bp` holds
  * the panels of the one B every batch element shares. Work is split over OpenMP threads by
  * ranges of panels of N (each task streams its panels of B once), or by ranges of row blocks of
- * C when N has too few panels to go round and M has enough row blocks; about 4 tasks per thread
- * (whole panels / row blocks each), handed out as threads come free (schedule(dynamic)), so a
- * thread the OS deschedules holds the others up by one task, not by half the GEMM. */
+ * C when N has too few panels to go round and M has enough row blocks; up to 4 tasks per
+ * thread (whole row blocks, or at least kPackedPanelsPerTask whole panels each), handed out as
+ * threads come free (schedule(dynamic)), so a thread the OS deschedules holds the others up by
+ * one task, not by half the GEMM. */
+constexpr int64_t kPackedPanelsPerTask = 4;
+
 template <class T, int NR, int MR, int KC>
 inline int gemm_cpp_packed(int64_t nb0, int64_t nb1, int64_t M, int64_t N, int64_t K,
                            const T *A, int64_t as0, int64_t as1, int64_t ar, int64_t ac,
@@ -351,8 +354,12 @@ inline int gemm_cpp_packed(int64_t nb0, int64_t nb1, int64_t M, int64_t N, int64
 #endif
   const bool by_rows = P < 2 * threads && M >= 2 * MR * threads;
   const int64_t units = by_rows ? blocks : P;  // whole row blocks / whole panels per task
-  const int64_t tasks = std::max<int64_t>(1, std::min<int64_t>(threads > 1 ? 4 * threads : 1,
-                                                               units));
+  // a panel task packs its rows of A again (M x K) for its panels: at least
+  // kPackedPanelsPerTask panels each keeps that a small share (with 1 panel a task, A packing
+  // took ~40% of the GPT block's GEMM time, perf); row-block tasks pack only their rows
+  const int64_t most = by_rows ? units : units / kPackedPanelsPerTask;
+  const int64_t tasks = threads <= 1 ? 1 : std::max<int64_t>(1, std::min<int64_t>(
+      units, std::max<int64_t>(threads, std::min<int64_t>(4 * threads, most))));
 #pragma omp parallel for schedule(dynamic, 1) if (threads > 1 && tasks > 1) num_threads(threads)
   for (int64_t t = 0; t < tasks; ++t) {
     static thread_local std::vector<T> apack;
