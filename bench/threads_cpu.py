@@ -20,8 +20,8 @@ cost F of one parallel region of a 2-thread team (fork, an empty body, the closi
 back to back, as a run's kernels are), the cost of one element of a pointwise kernel and of one
 vector FMA at 1 thread, and the least work W = 4F / (cost per unit) worth a second thread: from
 there, halving the work saves at least one more region cost than the region costs (T/2 + F <=
-T - F). The thresholds (kernel.py PARALLEL_MIN_WORK, kiln_conv.h kMinParallelFmas,
-kiln_model_rt.h kGemmMinParallelMacs) are set from these figures.
+T - F), to compare with the thresholds in use (kernel.py PARALLEL_MIN_WORK, kiln_conv.h's
+16384 vector FMAs, kiln_model_rt.h's 262144 multiply-adds).
 
     python bench/threads_cpu.py [--models mlp,resnet18] [--rounds 5] [--min-time 1.0]
         [--taskset 0,1] [--env NAME=VALUE ...] [--variant NAME=VALUE ...] [--json out.json]

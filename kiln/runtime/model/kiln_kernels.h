@@ -46,19 +46,6 @@ inline int team_cap(int n) {
   return n;
 #endif
 }
-/* This run's thread budget (1 without OpenMP). */
-inline int team_size() {
-#ifdef _OPENMP
-  return omp_get_max_threads();
-#else
-  return 1;
-#endif
-}
-/* Chunk of a kernel's dynamically scheduled outer loop: ~4 chunks per thread of the team. */
-inline int64_t chunk(int64_t iterations, int team) {
-  const int64_t c = iterations / (4 * static_cast<int64_t>(team > 0 ? team : 1));
-  return c > 0 ? c : 1;
-}
 inline void flag(int32_t *status) { __atomic_store_n(status, 1, __ATOMIC_RELAXED); }
 
 inline float bits_to_float(int32_t b) { float f; std::memcpy(&f, &b, 4); return f; }

@@ -288,12 +288,6 @@ inline void blas_single_threaded() { scipy_openblas_set_num_threads(1); }
 /* C[b][m][n] = A[b][m][k] * B[b][k][n] over up to two batch dims, C contiguous. Work is split
  * over OpenMP threads by batch when there are enough batches, else by rows of C, else by
  * columns; `block(M', N', K, a, ar, ac, b, br, bc, c, ldc)` computes one single-threaded part. */
-/* Multiply-adds below which a GEMM runs on the calling thread: 4F / (cost of one
- * multiply-add), F the cost of one parallel region of a 2-thread team (bench/threads_cpu.py
- * --calibrate: F ~1.1-1.2 us, a 16-lane FMA ~0.63 ns on the development VM's EPYC -> ~110000
- * to 121000; from there 2 threads save at least F). */
-constexpr double kGemmMinParallelMacs = 131072.0;
-
 template <class T, class Block>
 inline void gemm_split(int64_t nb0, int64_t nb1, int64_t M, int64_t N, int64_t K, const T *A,
                        int64_t as0, int64_t as1, int64_t ar, int64_t ac, const T *B, int64_t bs0,
@@ -301,7 +295,7 @@ inline void gemm_split(int64_t nb0, int64_t nb1, int64_t M, int64_t N, int64_t K
   const int64_t nb = nb0 * nb1;
   int threads = 1;
 #ifdef _OPENMP
-  if (static_cast<double>(nb) * M * N * K >= kGemmMinParallelMacs) threads = omp_get_max_threads();
+  if (static_cast<double>(nb) * M * N * K >= 262144.0) threads = omp_get_max_threads();
 #endif
   // element (m, k) of A sits at m*ar + k*ac in either layout, so sub-blocks are pointer offsets
   const bool by_rows = M >= N;
@@ -336,44 +330,35 @@ inline int gemm_cpp(int64_t nb0, int64_t nb1, int64_t M, int64_t N, int64_t K, c
 
 /* The "cpp" backend with a prepacked constant B (kiln_gemm.h, `packed_block`): `Bp` holds
  * the panels of the one B every batch element shares. Work is split over OpenMP threads by
- * ranges of panels of N (each task streams its panels of B once), or by ranges of row blocks of
- * C when N has too few panels to go round and M has enough row blocks; up to 4 tasks per
- * thread (whole row blocks, or at least kPackedPanelsPerTask whole panels each), handed out as
- * threads come free (schedule(dynamic)), so a thread the OS deschedules holds the others up by
- * one task, not by half the GEMM. */
-constexpr int64_t kPackedPanelsPerTask = 4;
-
+ * panels of N (each thread streams its share of B once), or by rows of C when N has too few
+ * panels to go round and M has enough row blocks. */
 template <class T, int NR, int MR, int KC>
 inline int gemm_cpp_packed(int64_t nb0, int64_t nb1, int64_t M, int64_t N, int64_t K,
                            const T *A, int64_t as0, int64_t as1, int64_t ar, int64_t ac,
                            const T *Bp, T *C) {
-  const int64_t nb = nb0 * nb1, P = (N + NR - 1) / NR, blocks = (M + MR - 1) / MR;
+  const int64_t nb = nb0 * nb1, P = (N + NR - 1) / NR;
   int threads = 1;
 #ifdef _OPENMP
-  if (static_cast<double>(nb) * M * N * K >= kGemmMinParallelMacs) threads = omp_get_max_threads();
+  if (static_cast<double>(nb) * M * N * K >= 262144.0) threads = omp_get_max_threads();
 #endif
   const bool by_rows = P < 2 * threads && M >= 2 * MR * threads;
-  const int64_t units = by_rows ? blocks : P;  // whole row blocks / whole panels per task
-  // a panel task packs its rows of A again (M x K) for its panels: at least
-  // kPackedPanelsPerTask panels each keeps that a small share (with 1 panel a task, A packing
-  // took ~40% of the GPT block's GEMM time, perf); row-block tasks pack only their rows
-  const int64_t most = by_rows ? units : units / kPackedPanelsPerTask;
-  const int64_t tasks = threads <= 1 ? 1 : std::max<int64_t>(1, std::min<int64_t>(
-      units, std::max<int64_t>(threads, std::min<int64_t>(4 * threads, most))));
-#pragma omp parallel for schedule(dynamic, 1) if (threads > 1 && tasks > 1) num_threads(threads)
-  for (int64_t t = 0; t < tasks; ++t) {
+  const int64_t parts = std::max<int64_t>(1, std::min<int64_t>(threads, by_rows ? (M + MR - 1) / MR : P));
+#pragma omp parallel for schedule(static) if (parts > 1) num_threads(parts)
+  for (int64_t t = 0; t < parts; ++t) {
     static thread_local std::vector<T> apack;
     apack.resize(static_cast<size_t>(packed_apack_size<MR, KC>(M, K)));
-    const int64_t u0 = units * t / tasks, u1 = units * (t + 1) / tasks;
     for (int64_t bi = 0; bi < nb; ++bi) {
       const T *a = A + (bi / nb1) * as0 + (bi % nb1) * as1;
       T *c = C + bi * M * N;
       if (by_rows) {
-        const int64_t lo = std::min(M, u0 * MR), hi = std::min(M, u1 * MR);
+        const int64_t blocks = (M + MR - 1) / MR;
+        const int64_t lo = std::min(M, blocks * t / parts * MR),
+                      hi = std::min(M, blocks * (t + 1) / parts * MR);
         packed_block<T, NR, MR, KC>(hi - lo, N, K, a + lo * ar, ar, ac, Bp, 0, P, c + lo * N, N,
                                     apack.data());
       } else {
-        packed_block<T, NR, MR, KC>(M, N, K, a, ar, ac, Bp, u0, u1, c, N, apack.data());
+        packed_block<T, NR, MR, KC>(M, N, K, a, ar, ac, Bp, P * t / parts, P * (t + 1) / parts,
+                                    c, N, apack.data());
       }
     }
   }

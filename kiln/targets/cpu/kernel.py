@@ -185,11 +185,8 @@ def _member(m: L.Compute, k: int, locals_: dict[str, str], rows: dict | None = N
     return ["{"] + ["  " + s for s in lines] + ["}"]
 
 
-# Elements of work below which a kernel runs on the calling thread: one parallel region of a
-# 2-thread team costs F ~1.1-1.2 us (bench/threads_cpu.py --calibrate, development VM); 2
-# threads save at least F from 4F / (cost of an element): ~56000 elements of the cheapest
-# kernel (a multiply-add and a max, 0.08 ns an element), a few thousand of one with exp or
-# division; this sits between, as kernel_work does not weigh the ops.
+# Elements of work below which a kernel runs on the calling thread: waking the OpenMP team
+# costs a few microseconds, more than a small loop takes.
 PARALLEL_MIN_WORK = 16384
 
 
@@ -247,15 +244,7 @@ def print_kernel(kernel: Kernel, buffers: dict[str, L.Buffer], num_threads: int 
             f" if({to_c(work)} >= {PARALLEL_MIN_WORK})"
         if work.is_Integer and int(work) < PARALLEL_MIN_WORK:
             cond = " if(0)"  # too little work to pay for waking threads
-            sched = "static"
-        else:
-            # iterations in chunks of ~1/4 of a thread's share, handed out as threads come
-            # free: a thread the OS deschedules holds the others up by one chunk only
-            team = f"kr::team_cap({num_threads})" if num_threads else "kr::team_size()"
-            total = to_c(sympy.Mul(*kernel.outer))
-            lines.append(f"  const int64_t kiln_chunk = kr::chunk({total}, {team});")
-            sched = "dynamic, kiln_chunk"
-        lines.append(f"  #pragma omp parallel for collapse({k}) schedule({sched})"
+        lines.append(f"  #pragma omp parallel for collapse({k}) schedule(static)"
                      f"{cond}{threads}")
         for d, var in enumerate(outer_vars):
             lines.append("  " * (d + 1) + f"for (int64_t {var} = 0; {var} < "

@@ -1,8 +1,7 @@
 """How CPU kernels split their work over OpenMP threads (issue 14, item 3): the direct
-convolution (dense tasks of output-channel groups x row blocks, depthwise rows in dynamic
-chunks, the flat 1x1 row split by pixels), the prepacked GEMM (tasks of panel ranges, or of
-row-block ranges when N has few panels) and the generated kernels (dynamic chunks of the outer
-loop), each above the size at which it goes parallel and with sizes that do not divide evenly
+convolution (dense tasks of output-channel groups x row blocks, depthwise rows, the flat 1x1
+row split by pixels), the prepacked GEMM (panel ranges, or row-block ranges when N has few
+panels) and the generated kernels (the outer loop), each above the size at which it goes parallel and with sizes that do not divide evenly
 among the tasks, compiled for up to 3 threads and run with budgets 1, 2 and 3 against eager
 (float64 references). Also: the wait policy libkiln sets for the OpenMP pool a package starts
 (GOMP_SPINCOUNT, only in a process without libgomp and without the user's own setting)."""
@@ -73,7 +72,7 @@ class Linears(nn.Module):
 
 
 class Pointwise(nn.Module):
-    """Generated kernels: a pointwise chain and a row reduction (dynamic chunks)."""
+    """Generated kernels: a pointwise chain and a row reduction."""
 
     def forward(self, x):
         y = torch.sigmoid(x) * 3 - x
@@ -124,17 +123,6 @@ def test_packed_gemm_at_1_2_3_threads(tmp_path, m):
 def test_generated_kernels_at_1_2_3_threads(tmp_path, shape):
     x = torch.randn(*shape, generator=_gen(4))
     _run_all(tmp_path, Pointwise(), (x,), rtol=1e-5, atol=1e-6)
-
-
-def test_kernels_schedule_dynamically(tmp_path):
-    x = torch.randn(512, 1024)
-    c = kiln.compile(Pointwise(), (x,), options=kiln.Options(num_threads=2))
-    src = "\n".join(v for k, v in c.sources.items() if k.startswith("kernels"))
-    assert "schedule(dynamic, kiln_chunk)" in src
-    assert "kr::chunk(" in src
-    tiny = kiln.compile(Pointwise(), (torch.randn(4, 8),))
-    src = "\n".join(v for k, v in tiny.sources.items() if k.startswith("kernels"))
-    assert "if(0)" in src and "kiln_chunk" not in src  # too small to split: no chunking
 
 
 _CHILD = textwrap.dedent("""

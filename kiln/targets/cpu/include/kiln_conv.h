@@ -237,14 +237,6 @@ inline void dense_row(const Shape &s, const float *x, const float *w, int64_t ws
   }
 }
 
-/* Least work worth a second thread: 4F / (cost of one unit at 1 thread), F the cost of one
- * parallel region of a 2-thread team (bench/threads_cpu.py --calibrate: F ~1.1-1.2 us and a
- * vector FMA ~0.63 ns on the development VM's EPYC -> ~7000-7600). Dense: vector FMAs (one
- * vector of B output channels x one input channel x one pixel); depthwise: vector taps (an
- * FMA and a load each). */
-constexpr int64_t kMinParallelFmas = 8192;
-constexpr int64_t kMinParallelTaps = 8192;
-
 inline int team(int64_t threads) {
 #ifdef _OPENMP
   const int budget = omp_get_max_threads();
@@ -302,9 +294,9 @@ void dense(const Shape &s, const float *x, const float *w, const float *bias, co
   const int64_t nr = (s.oh + rblk - 1) / rblk;
   const int64_t tasks = base * nr * cseg;
   const int64_t cw = (s.ow + cseg - 1) / cseg;
+  // vector FMAs: below ~4 us of one core's work, waking a second thread costs more than it saves
   const int64_t work = s.n * s.ocb * s.oh * s.ow * s.icb * s.icn * s.kh * s.kw;
-#pragma omp parallel for schedule(dynamic, 1) num_threads(nt) \
-    if (tasks > 1 && work >= kMinParallelFmas)
+#pragma omp parallel for schedule(dynamic, 1) num_threads(nt) if (tasks > 1 && work >= 16384)
   for (int64_t t = 0; t < tasks; ++t) {
     const int64_t cs = t % cseg, rest = t / cseg;
     const int64_t r = rest % nr, gi = (rest / nr) % ng, n = rest / nr / ng;
@@ -402,11 +394,7 @@ void depthwise(const Shape &s, const float *x, const float *w, const float *bias
   hi = std::min(hi, s.ow);
   const int64_t rows = s.n * s.ocb * s.oh;
   const int nt = team(threads);
-  // rows in chunks of ~1/8 of a thread's share, handed out as threads come free: a thread
-  // the OS deschedules holds up the others by one chunk, not by its whole static share
-  const int64_t chunk = std::max<int64_t>(1, rows / (8 * int64_t(nt)));
-#pragma omp parallel for schedule(dynamic, chunk) num_threads(nt) \
-    if (rows * s.ow * s.kh * s.kw >= kMinParallelTaps)
+#pragma omp parallel for schedule(static) num_threads(nt) if (rows * s.ow * s.kh * s.kw >= 16384)
   for (int64_t t = 0; t < rows; ++t) {
     const int64_t oh = t % s.oh, cb = (t / s.oh) % s.ocb, n = t / s.oh / s.ocb;
     const float *xc = x + (n * s.icb + cb) * s.ih * s.iw * B;
