@@ -52,6 +52,7 @@ _FAST_RANK = 8  # the fast path's most dimensions per input (more: the general p
 _DLT_HEAD = "=QiiiBBHQQQ"
 _SLOT = struct.calcsize(_DLT_HEAD) + 16 * _FAST_RANK
 assert struct.calcsize(_DLT_HEAD) == ctypes.sizeof(dl.DLTensor)
+_PTR_FMT = struct.Struct("=Q").pack_into  # a slot's data pointer (its DLTensor's first field)
 _SLOT_FMT = [struct.Struct(f"{_DLT_HEAD}{r}q{8 * (_FAST_RANK - r)}x{r}q").pack_into
              for r in range(_FAST_RANK + 1)]
 
@@ -324,8 +325,11 @@ class Runner:
             self._run_raw = self._lib["kiln_model_run_on_stream"]  # a fresh function object
             self._run_raw.argtypes = [vp, vp, i64, vp, i64, vp]
         else:
+            # called with ctypes objects built once (this handle, the counts; the scratch's
+            # pointers): no per-call argument conversion
             self._run_raw = self._lib["kiln_model_run"]
-            self._run_raw.argtypes = [vp, vp, i64, vp, i64]
+            self._run_args = (ctypes.c_void_p(handle.value), ctypes.c_int64(self._n_in),
+                              ctypes.c_int64(self._n_out))
         self._run_raw.restype = ctypes.c_int
 
     @property
@@ -631,8 +635,8 @@ class Runner:
         except IndexError:  # first call, or every scratch in use by a concurrent call
             s = _Scratch(self._n_in, self._n_out)
         try:
-            buf, base, off = s.buf, s.base, 0
-            for t in args:
+            buf, base, off, last = s.buf, s.base, 0, s.last
+            for i, t in enumerate(args):
                 if type(t) is not torch.Tensor or t.layout is not torch.strided or t.is_neg():
                     return _MISS
                 if t.is_cpu:
@@ -641,13 +645,20 @@ class Runner:
                     return _MISS
                 else:
                     f = _fields(t)
-                shape = t.shape
+                shape, stride = t.shape, t.stride()
+                key = (f, shape, stride)
+                if key == last[i]:  # this slot holds the same DLTensor but for its data
+                    _PTR_FMT(buf, off, t.data_ptr())
+                    off += _SLOT
+                    continue
                 n = len(shape)
                 if f is None or n > _FAST_RANK:
                     return _MISS
                 a = base + off + 48
+                last[i] = None  # (a failed pack leaves no stale key)
                 _SLOT_FMT[n](buf, off, t.data_ptr(), f[0], f[1], n, f[2], f[3], f[4], a,
-                             a + 8 * _FAST_RANK, 0, *shape, *t.stride())
+                             a + 8 * _FAST_RANK, 0, *shape, *stride)
+                last[i] = key
                 off += _SLOT
             if self._cuda:
                 stream = (_raw_stream(self._device.index) if _raw_stream is not None else
@@ -655,7 +666,8 @@ class Runner:
                 rc = self._run_raw(self._handle, s.inputs, self._n_in, s.outputs, self._n_out,
                                    stream)
             else:
-                rc = self._run_raw(self._handle, s.inputs, self._n_in, s.outputs, self._n_out)
+                h, n_in, n_out = self._run_args
+                rc = self._run_raw(h, s.inputs_arg, n_in, s.outputs_arg, n_out)
             if rc:
                 msg = last_error()
                 raise (InputError if msg.startswith("input ") else KilnError)(msg)
@@ -829,7 +841,8 @@ class _Scratch:
     """One fast-path call's memory: _SLOT bytes per input (its DLTensor, sizes, strides), the
     array of pointers to those DLTensors, the model's output pointers."""
 
-    __slots__ = ("buf", "base", "inputs", "outputs", "out_off", "read_outputs")
+    __slots__ = ("buf", "base", "inputs", "outputs", "out_off", "read_outputs", "inputs_arg",
+                 "outputs_arg", "last")
 
     def __init__(self, n_in: int, n_out: int) -> None:
         ptrs = n_in * _SLOT
@@ -841,6 +854,11 @@ class _Scratch:
         struct.pack_into(f"={n_in}Q", self.buf, ptrs,
                          *[self.base + i * _SLOT for i in range(n_in)])
         self.read_outputs = struct.Struct(f"={n_out}Q").unpack_from
+        self.inputs_arg = ctypes.c_void_p(self.inputs)
+        self.outputs_arg = ctypes.c_void_p(self.outputs)
+        # per input slot: (fields, shape, strides) of the DLTensor written there last; a call
+        # with the same ones rewrites only the data pointer
+        self.last: list = [None] * n_in
 
 
 # numpy dtype -> (DLDataTypeCode, bits), for numpy inputs (numpy has no bfloat16 / float8)

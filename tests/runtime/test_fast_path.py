@@ -159,3 +159,30 @@ def test_shared_runner_across_threads(runners):
     for t in threads:
         t.join()
     assert not errors, errors[0]
+
+
+def test_reused_slot_rewritten_when_anything_but_data_changes(runners):
+    """A scratch slot whose dtype, sizes and strides match the last call's only gets the new
+    data pointer; any other change rewrites it, and bad inputs after good ones (and good ones
+    after bad ones) still get the model's checks: the same error, naming the input."""
+    r1, r2 = runners
+    x, y = torch.randn(3, 4), torch.randn(3, 4)
+    for _ in range(3):  # same tensors: the pointer-only update
+        _same(_outcome(lambda: r2(x, y)), _outcome(lambda: r2._call_general((x, y), {})))
+    x2, y2 = torch.randn(3, 4), torch.randn(3, 4)  # same layout, other memory
+    torch.testing.assert_close(r2(x2, y2), _two(x2, y2))
+    bad = [x.double(), torch.randn(4, 3), torch.randn(3, 5), torch.randn(3, 4, 1),
+           torch.randn(4, 3).t(), torch.randn(3, 8)[:, ::2], torch.randn(4)]
+    for b in bad:  # after a good call the slot holds the good layout
+        r2(x, y)
+        got = _outcome(lambda: r2(b, y))
+        _same(got, _outcome(lambda: r2._call_general((b, y), {})))
+        if got[0] != "ok":
+            assert "x" in got[1] or "input 0" in got[1], got
+        else:  # a transposed / strided view of the right shape: eager's values
+            torch.testing.assert_close(got[1][0], _two(b, y)[0])
+        torch.testing.assert_close(r2(x, y), _two(x, y))  # and back
+    _same(_outcome(lambda: r1(torch.randn(4, dtype=torch.float64))),
+          _outcome(lambda: r1._call_general((torch.randn(4, dtype=torch.float64),), {})))
+    z = torch.randn(4)
+    torch.testing.assert_close(r1(z), z + 1)

@@ -633,6 +633,7 @@ KILN_API int kiln_model_load(const char *package_path, const char *device, kiln_
       const CpuLevel &level = pick_level(ent, package_path);
       if (e == 0) m->cpu_level = level.march;
       void *lib = nullptr;
+      if (!want_cuda && e == 0) kiln::set_openmp_spin_policy();  // before libgomp can load
       ent.abi = open_library(*m->package, level.library, &lib);
       if (!want_cuda && e == 0) bind_openmp(m.get(), lib);
       if (want_cuda && (ent.abi->device_type != kDLCUDA || !ent.abi->create_on_device ||

@@ -2,7 +2,11 @@
 // and register per feature; each AVX-class feature also needs the OS to save its state.
 #include "cpu.h"
 
+#include <dlfcn.h>
+
+#include <cstdlib>
 #include <cstring>
+#include <mutex>
 
 #if defined(__x86_64__) || defined(__i386__)
 #include <cpuid.h>
@@ -86,6 +90,20 @@ int cpu_supports(const char *name) {
 #endif
   }
   return -1;
+}
+
+bool set_openmp_spin_policy() {
+  static std::once_flag once;
+  static bool set = false;
+  std::call_once(once, [] {
+    if (std::getenv("OMP_WAIT_POLICY") || std::getenv("GOMP_SPINCOUNT")) return;
+    if (void *gomp = ::dlopen("libgomp.so.1", RTLD_LAZY | RTLD_NOLOAD)) {
+      ::dlclose(gomp);  // (drops the reference NOLOAD took) already initialised: keep it
+      return;
+    }
+    set = ::setenv("GOMP_SPINCOUNT", kSpinCount, 0) == 0;
+  });
+  return set;
 }
 
 }  // namespace kiln
