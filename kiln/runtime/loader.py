@@ -313,6 +313,11 @@ class Runner:
         self._free: list[_Scratch] = []  # idle scratch buffers (one per call in flight)
         vp, i64 = ctypes.c_void_p, ctypes.c_int64
         self._cuda = self._device.type == "cuda"
+        # ctypes objects built once (this handle, the counts; the scratch's pointers): no
+        # per-call argument conversion (kiln_model_run has no argtypes: every argument of
+        # every call must be a ctypes object of the C type)
+        self._run_args = (ctypes.c_void_p(handle.value), ctypes.c_int64(self._n_in),
+                          ctypes.c_int64(self._n_out))
         if entry is not None:  # kiln_model_run_entry(_on_stream) with the entry's name
             fn = self._lib["kiln_model_run_entry_on_stream" if self._cuda else
                            "kiln_model_run_entry"]
@@ -325,11 +330,7 @@ class Runner:
             self._run_raw = self._lib["kiln_model_run_on_stream"]  # a fresh function object
             self._run_raw.argtypes = [vp, vp, i64, vp, i64, vp]
         else:
-            # called with ctypes objects built once (this handle, the counts; the scratch's
-            # pointers): no per-call argument conversion
             self._run_raw = self._lib["kiln_model_run"]
-            self._run_args = (ctypes.c_void_p(handle.value), ctypes.c_int64(self._n_in),
-                              ctypes.c_int64(self._n_out))
         self._run_raw.restype = ctypes.c_int
 
     @property
@@ -691,8 +692,9 @@ class Runner:
         structs = [self._dltensor(i, t, keep) for i, t in enumerate(flat)]
         inputs = self._inputs_t(*[ctypes.pointer(s) for s in structs])
         outputs = self._outputs_t()
-        args = (self._handle, ctypes.addressof(inputs), self._n_in, ctypes.addressof(outputs),
-                self._n_out)
+        h, n_in, n_out = self._run_args
+        args = (h, ctypes.c_void_p(ctypes.addressof(inputs)), n_in,
+                ctypes.c_void_p(ctypes.addressof(outputs)), n_out)
         if self._device.type == "cuda":
             stream = (_raw_stream(self._device.index) if _raw_stream is not None else
                       torch.cuda.current_stream(self._device).cuda_stream)
