@@ -6,6 +6,25 @@ from __future__ import annotations
 import statistics
 
 
+def sync_ms(fn, repeat: int, warmup: int = 3) -> float:
+    """Wall time of one call followed by a device synchronise (median over `repeat` calls):
+    what one request waits for, host overhead included."""
+    import time
+
+    import torch
+
+    for _ in range(warmup):
+        fn()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(repeat):
+        t0 = time.perf_counter()
+        fn()
+        torch.cuda.synchronize()
+        times.append((time.perf_counter() - t0) * 1e3)
+    return statistics.median(times)
+
+
 def events_ms(fn, repeat: int, warmup: int = 3) -> float:
     return stream_ms(fn, 1, repeat, warmup)
 

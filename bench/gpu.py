@@ -28,7 +28,6 @@ from __future__ import annotations
 import argparse
 import copy
 import gc
-import statistics
 import sys
 import tempfile
 import time
@@ -41,7 +40,7 @@ sys.path.insert(0, str(ROOT))
 import torch  # noqa: E402
 from torch.utils import _pytree as pytree  # noqa: E402
 
-from bench.cuda_timing import stream_ms  # noqa: E402
+from bench.cuda_timing import stream_ms, sync_ms  # noqa: E402
 from bench.markdown import splice  # noqa: E402
 
 BEGIN, END = "<!-- gpu:begin -->", "<!-- gpu:end -->"
@@ -49,16 +48,7 @@ DT = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
 def _median_ms(fn, repeat: int) -> float:
-    for _ in range(5):
-        fn()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(repeat):
-        t0 = time.perf_counter()
-        fn()
-        torch.cuda.synchronize()
-        times.append((time.perf_counter() - t0) * 1e3)
-    return statistics.median(times)
+    return sync_ms(fn, repeat, warmup=5)
 
 
 def _cuda(x):

@@ -28,7 +28,6 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import statistics
 import subprocess
 import sys
 import tempfile
@@ -41,7 +40,7 @@ sys.path.insert(0, str(ROOT))
 
 import torch  # noqa: E402
 
-from bench.cuda_timing import stream_ms  # noqa: E402
+from bench.cuda_timing import stream_ms, sync_ms  # noqa: E402
 from bench.markdown import splice  # noqa: E402
 
 BEGIN, END = "<!-- gpu-peers:begin -->", "<!-- gpu-peers:end -->"
@@ -52,22 +51,12 @@ DEFAULT_MODELS = ("mlp,gpt,bert_like_b4,resnet18,mobilenet_v2,ln_softmax,hf_llam
 MODE_KEYS = {"default": "tc", "reduce-overhead": "ro", "max-autotune": "ma"}
 
 
-def _sync_ms(fn, repeat: int) -> float:
-    times = []
-    for _ in range(repeat):
-        t0 = time.perf_counter()
-        fn()
-        torch.cuda.synchronize()
-        times.append((time.perf_counter() - t0) * 1e3)
-    return statistics.median(times)
-
-
 def _timed(row: dict, key: str, fn, a) -> None:
     for _ in range(3):
         fn()
     torch.cuda.synchronize()
     row[f"{key}_ms"] = stream_ms(fn, a.calls, a.repeat)
-    row[f"{key}_sync_ms"] = _sync_ms(fn, a.repeat)
+    row[f"{key}_sync_ms"] = sync_ms(fn, a.repeat, warmup=0)
 
 
 def _inputs(case_args: tuple, batch: int, dtype: torch.dtype) -> tuple:

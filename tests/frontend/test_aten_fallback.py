@@ -11,18 +11,11 @@ import subprocess
 import pytest
 import torch
 
+from difftest import Fn
+
 import kiln
 import kiln.backend
 from kiln.runtime.cbin import read_tensor_bin, write_tensor_bin
-
-
-class Fn(torch.nn.Module):
-    def __init__(self, fn):
-        super().__init__()
-        self.fn = fn
-
-    def forward(self, *args):
-        return self.fn(*args)
 
 
 def _compile(tmp_path, fn, args, dynamic_shapes=None, **opts):

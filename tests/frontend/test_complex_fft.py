@@ -5,16 +5,9 @@ from __future__ import annotations
 
 import torch
 
+from difftest import Fn
+
 import kiln
-
-
-class Fn(torch.nn.Module):
-    def __init__(self, fn):
-        super().__init__()
-        self.fn = fn
-
-    def forward(self, *args):
-        return self.fn(*args)
 
 
 def _check(tmp_path, fn, make):

@@ -9,16 +9,9 @@ import pytest
 import torch
 from torch.export import Dim
 
+from difftest import Fn
+
 import kiln
-
-
-class Fn(torch.nn.Module):
-    def __init__(self, fn):
-        super().__init__()
-        self.fn = fn
-
-    def forward(self, *args):
-        return self.fn(*args)
 
 
 def _compile(tmp_path, fn, args, shapes):

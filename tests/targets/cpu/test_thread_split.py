@@ -1,10 +1,11 @@
-"""How CPU kernels split their work over OpenMP threads (issue 14, item 3): the direct
-convolution (dense tasks of output-channel groups x row blocks, depthwise rows, the flat 1x1
-row split by pixels), the prepacked GEMM (panel ranges, or row-block ranges when N has few
-panels) and the generated kernels (the outer loop), each above the size at which it goes parallel and with sizes that do not divide evenly
-among the tasks, compiled for up to 3 threads and run with budgets 1, 2 and 3 against eager
-(float64 references). Also: the wait policy libkiln sets for the OpenMP pool a package starts
-(GOMP_SPINCOUNT, only in a process without libgomp and without the user's own setting)."""
+"""How CPU kernels split their work over OpenMP threads (issue 14, item 3): the direct convolution
+(dense tasks of output-channel groups x row blocks, depthwise rows, the flat 1x1 row split by
+pixels), the prepacked GEMM (panel ranges, or row-block ranges when N has few panels) and the
+generated kernels (the outer loop), each above the size at which it goes parallel and with sizes
+that do not divide evenly among the tasks, compiled for up to 3 threads and run with budgets 1,
+2 and 3 against eager (float64 references). Also: the wait policy libkiln sets for the OpenMP
+pool a package starts (GOMP_SPINCOUNT, only in a process without libgomp and without the user's
+own setting)."""
 
 from __future__ import annotations
 
