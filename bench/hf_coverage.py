@@ -164,9 +164,13 @@ def _worker(model_type: str, device: str, dynamic: bool) -> dict:
         shapes = None
         if dynamic:
             auto = torch.export.Dim.AUTO
-            shapes = {k: {0: auto, 1: auto} if kind != "image" else {0: auto}
-                      for k in example}
-        ep = torch.export.export(wrapped, (), example, dynamic_shapes=shapes)
+            shapes = {k: {0: auto, 1: auto} if kind != "image" else {0: auto} for k in example}
+        # the model itself (export cannot name the dims of a wrapper's **kwargs), its outputs
+        # a tuple (return_dict off)
+        target = model if dynamic else wrapped
+        if dynamic:
+            model.config.return_dict = False
+        ep = torch.export.export(target, (), example, dynamic_shapes=shapes)
         row["export_s"] = time.perf_counter() - t0
         stage = "compile"
         t0 = time.perf_counter()
