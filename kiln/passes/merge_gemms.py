@@ -52,12 +52,7 @@ def _rows_bound(g: Graph, rows) -> int | None:
 
 def merge_gemms(g: Graph, weights: dict[str, torch.Tensor]
                 ) -> tuple[Graph, dict[str, torch.Tensor]]:
-    readers: dict[str, int] = {}
-    for n in g.nodes:
-        for x in n.inputs:
-            readers[x] = readers.get(x, 0) + 1
-    for o in g.outputs:
-        readers[o] = readers.get(o, 0) + 1
+    readers = g.users()
     nodes = {n.name: n for n in g.nodes}
     wins = {i.name: i for i in g.inputs if i.kind == "weight" and not i.permuted}
     groups: dict[tuple, list[tuple[Node, Node, Input]]] = {}

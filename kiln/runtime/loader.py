@@ -14,10 +14,15 @@ here, exactly once. Runs on one Runner are serialised by libkiln. A CUDA runner
 (``device="cuda:N"``) passes CUDA tensors as kDLCUDA DLTensors and runs on torch's current
 stream of its device (``kiln_model_run_on_stream``); its outputs are CUDA tensors ordered on
 that stream, as torch's own results would be.
+
+Size: about 800 lines, kept in one module on purpose. The Runner's two call paths (the fast
+path's preallocated DLTensor slots and capsule adoption, the general path's ctypes structs)
+share the slot layout, the capsule prototypes and the output adoption; split apart they would
+import each other's private details. Output aliasing (aliases.py) and call-structure errors
+(call_structure.py) have their own modules.
 """
 from __future__ import annotations
 
-import ast
 import ctypes
 import functools
 import operator
@@ -38,6 +43,8 @@ from kiln.package import read_package
 from kiln.package.entries import DEFAULT_ENTRY, entry_manifest, entry_names
 from kiln.runtime import dlpack_ctypes as dl
 from kiln.runtime import comm
+from kiln.runtime.aliases import alias_plan, share_storage
+from kiln.runtime.call_structure import spec_children, structure_error
 from kiln.runtime.build import libkiln_path
 from kiln.runtime.weights import checked_tensors, write_weights_file
 
@@ -163,85 +170,6 @@ def cpu_supports(feature: str) -> bool | None:
     return None if r < 0 else bool(r)
 
 
-class _Leaf:
-    def __repr__(self) -> str:
-        return "*"
-
-
-def _describe(spec: pytree.TreeSpec) -> str:
-    """A readable picture of a (args, kwargs) structure, tensors shown as *."""
-    return repr(pytree.tree_unflatten([_Leaf()] * spec.num_leaves, spec))
-
-
-def _children(spec: pytree.TreeSpec) -> list[pytree.TreeSpec]:
-    children = getattr(spec, "children", None)
-    return list(children()) if callable(children) else list(spec.children_specs)
-
-
-def _short(x: Any) -> str:
-    """What a call passed, in a few words (a long list is not dumped)."""
-    if isinstance(x, torch.Tensor):
-        return f"a tensor of shape {tuple(x.shape)}"
-    if isinstance(x, (list, tuple, dict)):
-        return f"a {type(x).__name__} of {len(x)} item{'s' * (len(x) != 1)}"
-    return f"{type(x).__name__} {x!r}"[:60]
-
-
-def structure_error(in_spec: pytree.TreeSpec, leaf_names: list[str], args: tuple,
-                    kwargs: dict) -> str:
-    """Which argument of a call is missing, extra or of another structure than the export's,
-    by name (`leaf_names`: the exported inputs' names, one per leaf of `in_spec`)."""
-    try:
-        args_spec, kw_spec = _children(in_spec)
-        arg_specs = _children(args_spec)
-        kw_names = list(kw_spec.context or ())
-    except (AttributeError, ValueError, TypeError):
-        return (f"inputs do not match the exported structure: expected (args, kwargs) like "
-                f"{_describe(in_spec)}, got {_short(args)} and {_short(kwargs)}")
-    pos_names, k = [], 0
-    for child in arg_specs:  # a positional argument is named by its (first) leaf
-        pos_names.append(leaf_names[k] if k < len(leaf_names) else f"arg{len(pos_names)}")
-        k += child.num_leaves
-    quoted = ", ".join(f"`{n}`" for n in pos_names) or "none"
-    problems = []
-    if len(args) < len(arg_specs):
-        missing = ", ".join(f"`{n}`" for n in pos_names[len(args):])
-        problems.append(f"missing positional argument{'s' * (len(arg_specs) - len(args) > 1)} "
-                        f"{missing} (the model takes {len(arg_specs)}: {quoted}; got "
-                        f"{len(args)})")
-    elif len(args) > len(arg_specs):
-        problems.append(f"{len(args) - len(arg_specs)} extra positional argument"
-                        f"{'s' * (len(args) - len(arg_specs) > 1)} (the model takes "
-                        f"{len(arg_specs)}: {quoted}; got {len(args)})")
-    missing_kw = [n for n in kw_names if n not in kwargs]
-    extra_kw = [n for n in kwargs if n not in kw_names]
-    if missing_kw:
-        problems.append("missing keyword argument" + "s" * (len(missing_kw) > 1) + " "
-                        + ", ".join(f"`{n}`" for n in missing_kw))
-    if extra_kw:
-        problems.append("unexpected keyword argument" + "s" * (len(extra_kw) > 1) + " "
-                        + ", ".join(f"`{n}`" for n in extra_kw) + " (the model takes "
-                        + (", ".join(f"`{n}`" for n in kw_names) or "none") + ")")
-    if not problems:
-        for i, (child, given) in enumerate(zip(arg_specs, args)):
-            if pytree.tree_flatten(given)[1] != child:
-                problems.append(f"argument {i} (`{pos_names[i]}`): expected "
-                                f"{_describe_value(child)}, got {_short(given)}")
-        for name, child in zip(kw_names, _children(kw_spec)):
-            if name in kwargs and pytree.tree_flatten(kwargs[name])[1] != child:
-                problems.append(f"keyword argument `{name}`: expected "
-                                f"{_describe_value(child)}, got {_short(kwargs[name])}")
-    return "inputs do not match the exported structure: " + ("; ".join(problems) or (
-        f"expected (args, kwargs) like {_describe(in_spec)}"))
-
-
-def _describe_value(spec: pytree.TreeSpec) -> str:
-    if spec.num_leaves == 1 and not _children(spec):
-        return "a tensor or scalar"
-    text = repr(pytree.tree_unflatten([_Leaf()] * spec.num_leaves, spec))
-    return text if len(text) <= 80 else text[:77] + "..."
-
-
 class Runner:
     """A loaded model. Call it with the exported program's arguments."""
 
@@ -303,7 +231,7 @@ class Runner:
             raise PackageError(f"package '{self._path}': out_spec has {self._out_spec.num_leaves}"
                                f" leaves, the model {self._n_out} outputs")
         self._unflatten = _output_builder(self._out_spec)
-        self._aliases = _alias_plan(m)  # outputs returned as views, as eager shares storage
+        self._aliases = alias_plan(m)  # outputs returned as views, as eager shares storage
         self._inputs_t = ctypes.POINTER(dl.DLTensor) * max(self._n_in, 1)
         self._outputs_t = ctypes.c_void_p * max(self._n_out, 1)
         # the fast path (_call_fast): positional tensors written straight into preallocated
@@ -513,7 +441,7 @@ class Runner:
         flat, spec = pytree.tree_flatten((args, kwargs))
         if spec != self._in_spec and kwargs:  # same keywords in another order
             try:
-                order = _children(self._in_spec)[1].context
+                order = spec_children(self._in_spec)[1].context
                 if sorted(order) == sorted(kwargs):
                     flat, spec = pytree.tree_flatten((args, {k: kwargs[k] for k in order}))
             except (AttributeError, IndexError, TypeError):
@@ -676,7 +604,7 @@ class Runner:
         finally:
             free.append(s)
         if self._aliases:
-            _share_storage(self._aliases, results, args)
+            share_storage(self._aliases, results, args)
         for k in self._int_outputs:  # numbers the program returns (Python ints, ...)
             results[k] = results[k].item()  # int, float or bool
         return self._unflatten(results)
@@ -706,7 +634,7 @@ class Runner:
             raise (InputError if msg.startswith("input ") else KilnError)(msg)
         results = _adopt_outputs(outputs, self._n_out)
         if self._aliases:
-            _share_storage(self._aliases, results, flat)
+            share_storage(self._aliases, results, flat)
         for k in self._int_outputs:  # numbers the program returns (Python ints, ...)
             results[k] = results[k].item()  # int, float or bool
         return self._unflatten(results)
@@ -736,107 +664,6 @@ class _Entry(Runner):
 
     def __repr__(self) -> str:
         return f"<kiln entry point {self._entry_name!r} of {self._path}>"
-
-
-class _Alias:
-    """Output `out` is a view of input or output `index` (manifest outputs[out].alias):
-    `strides` and `offset` evaluate the recorded expressions on the input sizes."""
-
-    __slots__ = ("out", "of_input", "index", "strides", "offset")
-
-    def __init__(self, out: int, of_input: bool, index: int, strides, offset) -> None:
-        self.out, self.of_input, self.index = out, of_input, index
-        self.strides, self.offset = strides, offset
-
-
-_EXPR_OPS = {ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mul,
-             ast.Pow: operator.pow}
-
-
-def _size_expr(text: int | str, where: dict[str, tuple[int, int | None]]):
-    """A recorded size expression (an int, or a polynomial over input size symbols as text:
-    "3*s0 - 3") -> a function of the flat inputs; None when it is not of that form."""
-    if isinstance(text, int) and not isinstance(text, bool):
-        return lambda flat: text
-    try:
-        tree = ast.parse(str(text), mode="eval").body
-    except SyntaxError:
-        return None
-
-    def build(n):
-        if isinstance(n, ast.Constant) and type(n.value) is int:
-            v = n.value
-            return lambda flat: v
-        if isinstance(n, ast.Name) and n.id in where:
-            i, d = where[n.id]
-            if d is None:  # an int input: its 0-d tensor
-                return lambda flat: int(flat[i])
-            return lambda flat: int(flat[i].shape[d])
-        if isinstance(n, ast.UnaryOp) and isinstance(n.op, ast.USub):
-            f = build(n.operand)
-            return None if f is None else (lambda flat: -f(flat))
-        if isinstance(n, ast.BinOp) and type(n.op) in _EXPR_OPS:
-            a, b, op = build(n.left), build(n.right), _EXPR_OPS[type(n.op)]
-            return None if a is None or b is None else (lambda flat: op(a(flat), b(flat)))
-        return None
-
-    return build(tree)
-
-
-def _alias_plan(m: Mapping[str, Any]) -> list[_Alias]:
-    """The manifest's output aliases whose expressions this runner can evaluate."""
-    where: dict[str, tuple[int, int | None]] = {}  # size symbol -> (input, dim or None: an int)
-    for i, rec in enumerate(m.get("inputs", [])):
-        if isinstance(rec, dict) and rec.get("python_int") and "symbol" in rec:
-            where.setdefault(str(rec["symbol"]), (i, None))
-        for d, size in enumerate(rec.get("shape", []) if isinstance(rec, dict) else []):
-            if isinstance(size, str) and size.isidentifier():
-                where.setdefault(size, (i, d))
-    plan = []
-    for j, rec in enumerate(m.get("outputs", [])):
-        a = rec.get("alias") if isinstance(rec, dict) else None
-        if not isinstance(a, dict) or a.get("of") not in ("input", "output"):
-            continue
-        strides = [_size_expr(x, where) for x in a.get("strides", [])]
-        offset = _size_expr(a.get("offset", 0), where)
-        if offset is not None and None not in strides and isinstance(a.get("index"), int):
-            plan.append(_Alias(j, a["of"] == "input", a["index"], strides, offset))
-    return plan
-
-
-def _share_storage(plan: list[_Alias], results: list[Any], flat: Any) -> None:
-    """Replaces each aliasing output by the view of its base that eager returns: the base
-    itself when the view is the whole of it (`return x, x`), else an as_strided view of a
-    compact base. A base with other strides (an input given transposed: its copy-in was
-    compact, the recorded strides are not its strides) keeps the output's own copy."""
-    for a in plan:
-        base = flat[a.index] if a.of_input else results[a.index]
-        if isinstance(base, np.ndarray):
-            if any(st < 0 for st in base.strides) or not base.dtype.isnative:
-                continue
-            try:
-                base = torch.from_numpy(base)
-            except (TypeError, ValueError):
-                continue
-        out = results[a.out]
-        if not isinstance(base, torch.Tensor) or not isinstance(out, torch.Tensor) or \
-                base.dtype != out.dtype or base.device != out.device:
-            continue
-        strides, offset = [f(flat) for f in a.strides], a.offset(flat)
-        if offset == 0 and base.shape == out.shape and \
-                (out.numel() <= 1 or strides == list(_compact_strides(out.shape))) and \
-                (not a.of_input or base.layout == torch.strided):
-            results[a.out] = base
-        elif base.layout == torch.strided and base.is_contiguous() and len(strides) == out.dim():
-            results[a.out] = base.as_strided(out.shape, strides, base.storage_offset() + offset)
-
-
-def _compact_strides(shape) -> tuple[int, ...]:
-    out, step = [], 1
-    for n in reversed(shape):
-        out.append(step)
-        step *= n
-    return tuple(reversed(out))
 
 
 class _Scratch:

@@ -1,0 +1,117 @@
+"""Outputs that eager returns as views of an input or of another output (the manifest's
+`outputs[j].alias`, recorded by kiln/frontend/aliasing.py): the plan read from the manifest
+once per runner, and the views made after each call, so kiln's results share storage where
+eager's do."""
+
+from __future__ import annotations
+
+import ast
+import operator
+from collections.abc import Mapping
+from typing import Any
+
+import numpy as np
+import torch
+
+__all__ = ["alias_plan", "share_storage"]
+
+
+class _Alias:
+    """Output `out` is a view of input or output `index` (manifest outputs[out].alias):
+    `strides` and `offset` evaluate the recorded expressions on the input sizes."""
+
+    __slots__ = ("out", "of_input", "index", "strides", "offset")
+
+    def __init__(self, out: int, of_input: bool, index: int, strides, offset) -> None:
+        self.out, self.of_input, self.index = out, of_input, index
+        self.strides, self.offset = strides, offset
+
+
+_EXPR_OPS = {ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mul,
+             ast.Pow: operator.pow}
+
+
+def _size_expr(text: int | str, where: dict[str, tuple[int, int | None]]):
+    """A recorded size expression (an int, or a polynomial over input size symbols as text:
+    "3*s0 - 3") -> a function of the flat inputs; None when it is not of that form."""
+    if isinstance(text, int) and not isinstance(text, bool):
+        return lambda flat: text
+    try:
+        tree = ast.parse(str(text), mode="eval").body
+    except SyntaxError:
+        return None
+
+    def build(n):
+        if isinstance(n, ast.Constant) and type(n.value) is int:
+            v = n.value
+            return lambda flat: v
+        if isinstance(n, ast.Name) and n.id in where:
+            i, d = where[n.id]
+            if d is None:  # an int input: its 0-d tensor
+                return lambda flat: int(flat[i])
+            return lambda flat: int(flat[i].shape[d])
+        if isinstance(n, ast.UnaryOp) and isinstance(n.op, ast.USub):
+            f = build(n.operand)
+            return None if f is None else (lambda flat: -f(flat))
+        if isinstance(n, ast.BinOp) and type(n.op) in _EXPR_OPS:
+            a, b, op = build(n.left), build(n.right), _EXPR_OPS[type(n.op)]
+            return None if a is None or b is None else (lambda flat: op(a(flat), b(flat)))
+        return None
+
+    return build(tree)
+
+
+def alias_plan(m: Mapping[str, Any]) -> list[_Alias]:
+    """The manifest's output aliases whose expressions this runner can evaluate."""
+    where: dict[str, tuple[int, int | None]] = {}  # size symbol -> (input, dim or None: an int)
+    for i, rec in enumerate(m.get("inputs", [])):
+        if isinstance(rec, dict) and rec.get("python_int") and "symbol" in rec:
+            where.setdefault(str(rec["symbol"]), (i, None))
+        for d, size in enumerate(rec.get("shape", []) if isinstance(rec, dict) else []):
+            if isinstance(size, str) and size.isidentifier():
+                where.setdefault(size, (i, d))
+    plan = []
+    for j, rec in enumerate(m.get("outputs", [])):
+        a = rec.get("alias") if isinstance(rec, dict) else None
+        if not isinstance(a, dict) or a.get("of") not in ("input", "output"):
+            continue
+        strides = [_size_expr(x, where) for x in a.get("strides", [])]
+        offset = _size_expr(a.get("offset", 0), where)
+        if offset is not None and None not in strides and isinstance(a.get("index"), int):
+            plan.append(_Alias(j, a["of"] == "input", a["index"], strides, offset))
+    return plan
+
+
+def share_storage(plan: list[_Alias], results: list[Any], flat: Any) -> None:
+    """Replaces each aliasing output by the view of its base that eager returns: the base
+    itself when the view is the whole of it (`return x, x`), else an as_strided view of a
+    compact base. A base with other strides (an input given transposed: its copy-in was
+    compact, the recorded strides are not its strides) keeps the output's own copy."""
+    for a in plan:
+        base = flat[a.index] if a.of_input else results[a.index]
+        if isinstance(base, np.ndarray):
+            if any(st < 0 for st in base.strides) or not base.dtype.isnative:
+                continue
+            try:
+                base = torch.from_numpy(base)
+            except (TypeError, ValueError):
+                continue
+        out = results[a.out]
+        if not isinstance(base, torch.Tensor) or not isinstance(out, torch.Tensor) or \
+                base.dtype != out.dtype or base.device != out.device:
+            continue
+        strides, offset = [f(flat) for f in a.strides], a.offset(flat)
+        if offset == 0 and base.shape == out.shape and \
+                (out.numel() <= 1 or strides == list(_compact_strides(out.shape))) and \
+                (not a.of_input or base.layout == torch.strided):
+            results[a.out] = base
+        elif base.layout == torch.strided and base.is_contiguous() and len(strides) == out.dim():
+            results[a.out] = base.as_strided(out.shape, strides, base.storage_offset() + offset)
+
+
+def _compact_strides(shape) -> tuple[int, ...]:
+    out, step = [], 1
+    for n in reversed(shape):
+        out.append(step)
+        step *= n
+    return tuple(reversed(out))
