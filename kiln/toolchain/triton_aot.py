@@ -203,15 +203,18 @@ def _store(d: Path, c: Cubin) -> None:
 
 
 def prewarm(tasks: list[tuple[str, object, int]], cache: Path, workers: int,
-            launchers: bool = False) -> int:
+            launchers: bool = False, per_worker: int = PER_WORKER) -> int:
     """Compiles each (module text, TritonKernel, arch) of `tasks` in up to `workers` worker
     processes (kiln/toolchain/triton_warm.py, which imports Triton only), so that compiling
     them again in this process reads Triton's on-disk cache. Processes rather than threads:
     the work holds the GIL, and CPython 3.11's AST converter fails when two threads run it at
     once. `launchers`: the workers build Triton's host launchers too (for kernels this
     process will launch). A worker's failure is ignored (the in-process compile reports it).
-    Returns the number of workers started (none for fewer than 2 x PER_WORKER tasks)."""
-    n = min(workers, len(tasks) // PER_WORKER)
+    `per_worker`: the fewest tasks worth a worker (launch-config tuning passes 1: its
+    candidates are few and each compiles for seconds, so one worker each finishes in about one
+    compile's time where cores allow).
+    Returns the number of workers started (none for fewer than 2 x `per_worker` tasks)."""
+    n = min(workers, len(tasks) // max(1, per_worker))
     if n < 2:
         return 0
     rows = []

@@ -178,7 +178,7 @@ def _compile_candidates(todo, cache: Path, arch: int, workers: int = 1) -> dict:
     texts = [print_triton_module([t[i] for _, t, _ in todo if i < len(t)]) for i in range(n_mod)]
     cands = [(i, j, tk) for i, (_, tks, _) in enumerate(todo) for j, tk in enumerate(tks)]
     triton_aot.prewarm([(texts[j], tk, arch) for _, j, tk in cands], cache, workers,
-                       launchers=True)
+                       launchers=True, per_worker=1)
     mods = [triton_aot.import_module(text, cache) for text in texts]
 
     def build(t):
