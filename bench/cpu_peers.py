@@ -300,6 +300,11 @@ class Driver:
     def __init__(self, a: argparse.Namespace) -> None:
         self.a = a
         self.prefix = ["taskset", "-c", a.taskset] if a.taskset else []
+        # compiles may take more CPUs than the timing (AOTInductor's C++ builds on 2 pinned
+        # cores take minutes per model); kiln's max_autotune still times its candidates with
+        # the package's 2 threads
+        cpus = getattr(a, "compile_taskset", None)
+        self.compile_prefix = ["taskset", "-c", cpus] if cpus else self.prefix
 
     def env(self, d: Path, system: str | None) -> dict[str, str]:
         env = dict(os.environ, OMP_NUM_THREADS=str(THREADS), MKL_NUM_THREADS=str(THREADS),
@@ -313,7 +318,8 @@ class Driver:
 
     def run(self, step: str, model: str, system: str | None, d: Path, timeout: float) -> dict:
         out = d / f"{step}-{system}-{time.monotonic_ns()}.json"
-        cmd = [*self.prefix, sys.executable, str(Path(__file__).resolve()), "--worker", step,
+        prefix = self.compile_prefix if step in ("prepare", "compile") else self.prefix
+        cmd = [*prefix, sys.executable, str(Path(__file__).resolve()), "--worker", step,
                "--model", model, "--dir", str(d), "--worker-out", str(out)]
         if system:
             cmd += ["--system", system]
@@ -557,6 +563,8 @@ def markdown(rows: list[dict], systems: list[str], info: dict, command: str,
     rat = ratios(rows)
     lines = [f"Measured {info['date']} on {info['cpu']} ({info['cores']} cores"
              + (f", each process pinned to CPUs {info['taskset']}" if info.get("taskset") else "")
+             + (f" (export and compiles on CPUs {info['compile_taskset']})"
+                if info.get("compile_taskset") else "")
              + f"), {info['threads']} threads per system, torch {info.get('torch')}, "
              f"onnxruntime {info.get('onnxruntime')}, OpenVINO {info.get('openvino')}, "
              f"transformers {info.get('transformers')}, Python {info['python']}.", "",
@@ -629,6 +637,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--quick", action="store_true",
                    help="smoke run: 2 rounds of 0.2 s / 3 calls, 1 warm-up (explicit options win)")
     p.add_argument("--taskset", metavar="CPUS", help="pin every process (taskset -c CPUS)")
+    p.add_argument("--compile-taskset", metavar="CPUS",
+                   help="pin the export and compile processes to these CPUs instead")
     p.add_argument("--keep", action="store_true", help="keep the work directories")
     p.add_argument("--json", metavar="PATH", help="write all results as JSON")
     p.add_argument("--from-json", metavar="PATH",
@@ -671,6 +681,7 @@ def main(argv: list[str] | None = None) -> int:
     load_start = _uptime()
     log(load_start)
     info = machine_info(a.taskset)
+    info["compile_taskset"] = a.compile_taskset
     drv = Driver(a)
     work = Path(tempfile.mkdtemp(prefix="kiln-peers-c-"))
     exe = _build_per_call(work) if "kiln" in systems else None
