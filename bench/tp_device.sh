@@ -11,14 +11,14 @@
 #    all_reduce with independent GEMMs (overlapped vs KILN_NCCL_SERIAL=1), all-reduce bus
 #    bandwidth 1..256 MiB, kiln vs NCCL through torch.distributed; its time limit is what is
 #    left of the budget.
-# Env: PY (python3), BUDGET_S (520: the whole script's seconds), BENCH_ARGS, SKIP_TESTS=1,
-# SKIP_BENCH=1.
+# Env: PY (python3), BUDGET_S (525: the whole script's seconds), TEST_TIMEOUT (300 s each
+# pytest), BENCH_ARGS, SKIP_TESTS=1, SKIP_BENCH=1.
 set -u
 cd "$(dirname "$0")/.."
 OUT=${OUT:-tp_out}
 mkdir -p "$OUT"
 PY=${PY:-python3}
-BUDGET_S=${BUDGET_S:-520}
+BUDGET_S=${BUDGET_S:-525}
 if ls .whl/*.whl >/dev/null 2>&1; then
   $PY -m pip install -q --no-index --no-deps --target /tmp/site .whl/*.whl >"$OUT/pip.log" 2>&1 \
     || echo "pip install of .whl/ failed (see $OUT/pip.log)"
@@ -38,15 +38,15 @@ cat "$OUT/env.log"
 rc=0
 if [ -z "${SKIP_TESTS:-}" ]; then
   t0=$SECONDS
-  timeout 240 $PY -m pytest -q -p no:cacheprovider -o addopts="" tests/runtime/test_tp.py -rs \
+  timeout ${TEST_TIMEOUT:-300} $PY -m pytest -q -p no:cacheprovider -o addopts="" tests/runtime/test_tp.py -rs \
     >"$OUT/pytest_cpu.log" 2>&1 &
   cpu_pid=$!
-  timeout 250 $PY -m pytest -q -p no:cacheprovider -o addopts="" -m gpu \
+  timeout ${TEST_TIMEOUT:-300} $PY -m pytest -q -p no:cacheprovider -o addopts="" -m gpu \
     tests/targets/cuda/test_tp_cuda.py -rs >"$OUT/pytest_gpu.log" 2>&1
   grc=$?
   wait $cpu_pid
   crc=$?
-  echo "tests: $((SECONDS - t0)) s (cpu rc $crc, gpu rc $grc)"
+  echo "tests: $((SECONDS - t0)) s (cpu rc $crc, gpu rc $grc; 124: timed out)" | tee "$OUT/tests_rc.log"
   [ $grc -ne 0 ] && rc=$grc
   [ $crc -ne 0 ] && rc=$crc
 fi
@@ -64,8 +64,13 @@ if [ -z "${SKIP_BENCH:-}" ]; then
     [ $rc -eq 0 ] && rc=$brc
   fi
 fi
-tail_of() { grep -E '(passed|failed|error|skipped|no tests ran)' "$1" 2>/dev/null | tail -1; }
+tail_of() {  # pytest's last line, or why there is none
+  local t
+  t=$(grep -E '(passed|failed|error|skipped|no tests ran)' "$1" 2>/dev/null | tail -1)
+  echo "${t:-no result line (timed out or crashed; last lines: $(tail -c 300 "$1" 2>/dev/null | tr '\n' ' '))}"
+}
 { echo "== summary ($SECONDS s)"
+  cat "$OUT/tests_rc.log" 2>/dev/null
   echo "pytest cpu (MPI) tests/runtime/test_tp.py: $(tail_of "$OUT/pytest_cpu.log")"
   grep -E '^(FAILED|ERROR)' "$OUT/pytest_cpu.log" 2>/dev/null | head -5
   echo "pytest gpu tests/targets/cuda/test_tp_cuda.py: $(tail_of "$OUT/pytest_gpu.log")"
