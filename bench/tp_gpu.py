@@ -7,8 +7,12 @@ kiln's all-reduce against NCCL's all-reduce through torch.distributed's NCCL pro
                            [--prefill 512] [--iters 30] [--sizes-mib 1,2,4,...,256]
 
 Prints one table: decode latency (1 new token, the whole sequence of `--context` tokens
-recomputed: no KV cache; batch 1), prefill tokens/s (`--prefill` tokens), and all-reduce bus
-bandwidth per size (busbw = bytes / time * 2 (n - 1) / n, as nccl-tests report it). Medians;
+recomputed: no KV cache; batch 1), prefill tokens/s (`--prefill` tokens), all-reduce bus
+bandwidth per size (busbw = bytes / time * 2 (n - 1) / n, as nccl-tests report it), and the
+overlap of a collective with independent compute: y = all_reduce(a @ w1) while
+z = relu(b @ w2) @ w3 runs, out = y + z (bfloat16, `--overlap-m` x `--overlap-k`), one package
+timed with its collectives on the communication stream (overlapped) and with
+KILN_NCCL_SERIAL=1 (on the compute stream: serial), interleaved, each its own communicator. Medians;
 ranks run as one process per GPU (`--worker` is one rank), the NCCL ids made by the parent.
 Each section that fails prints one line (its traceback goes to OUT/tracebacks.log) and the
 others still run; a section whose package was not built is skipped with one line."""
@@ -51,6 +55,10 @@ def _args(argv=None):
     p.add_argument("--prefill", type=int, default=512)
     p.add_argument("--iters", type=int, default=30)
     p.add_argument("--sizes-mib", default="1,2,4,8,16,32,64,128,256")
+    p.add_argument("--overlap-m", type=int, default=4096)
+    p.add_argument("--overlap-k", type=int, default=4096)
+    p.add_argument("--skip", default="", help="comma-separated sections to skip: model, "
+                   "bandwidth, overlap")
     p.add_argument("--out", default="")
     p.add_argument("--autotune", action="store_true",
                    help="autotune launch configs at compile time (slower compiles; the same "
@@ -128,7 +136,8 @@ def worker(a) -> None:
                       comm_id=bytes.fromhex(ids["model"]))
         return {"decode_ms": _median_ms(lambda: r(ctx), a.iters),
                 "prefill_ms": _median_ms(lambda: r(pre), max(a.iters // 3, 5))}
-    _section(res, "kiln_tp", kiln_tp, (work / f"rank{rank}.kiln",))
+    if "model" not in a.skip:
+        _section(res, "kiln_tp", kiln_tp, (work / f"rank{rank}.kiln",))
 
     def eager_tp():
         dist.init_process_group("nccl", init_method=f"file://{work / 'pg'}", rank=rank,
@@ -140,7 +149,8 @@ def worker(a) -> None:
             out = {"decode_ms": _median_ms(lambda: m(ctx), a.iters),
                    "prefill_ms": _median_ms(lambda: m(pre), max(a.iters // 3, 5))}
         return out
-    _section(res, "eager_tp", eager_tp, (work / "model.pt",))
+    if "model" not in a.skip:
+        _section(res, "eager_tp", eager_tp, (work / "model.pt",))
 
     def bandwidth():
         r = kiln.load(work / "allreduce.kiln", dev, rank=rank, world_size=world,
@@ -161,7 +171,33 @@ def worker(a) -> None:
                          "kiln_busbw": mib * 2**20 / (t_kiln / 1e3) * bus / 1e9,
                          "nccl_busbw": mib * 2**20 / (t_nccl / 1e3) * bus / 1e9})
         return rows
-    _section(res, "bandwidth", bandwidth, (work / "allreduce.kiln",))
+    if "bandwidth" not in a.skip:
+        _section(res, "bandwidth", bandwidth, (work / "allreduce.kiln",))
+
+    def overlap():
+        g = torch.Generator().manual_seed(rank)
+        m, k = a.overlap_m, a.overlap_k
+        xa = torch.randn(m, k, generator=g).to(torch.bfloat16).to(dev)
+        xb = torch.randn(m, k, generator=g).to(torch.bfloat16).to(dev)
+        runs = {}
+        for mode, serial in (("serial", "1"), ("overlapped", "0")):
+            os.environ["KILN_NCCL_SERIAL"] = serial  # read when the communicator is attached
+            runs[mode] = kiln.load(work / "overlap.kiln", dev, rank=rank, world_size=world,
+                                   comm_id=bytes.fromhex(ids["overlap_" + mode]))
+        os.environ.pop("KILN_NCCL_SERIAL")
+        outs = {mode: r(xa, xb) for mode, r in runs.items()}
+        torch.cuda.synchronize()
+        diff = (outs["serial"].float() - outs["overlapped"].float()).abs().max().item()
+        times: dict[str, list[float]] = {mode: [] for mode in runs}
+        for _ in range(5):  # interleaved A/B rounds
+            for mode, r in runs.items():
+                times[mode].append(_median_ms(lambda: r(xa, xb), max(a.iters // 2, 10)))
+        out = {mode: statistics.median(t) for mode, t in times.items()}
+        out["max_diff"] = diff
+        out["bytes"] = m * k * 2
+        return out
+    if "overlap" not in a.skip:
+        _section(res, "overlap", overlap, (work / "overlap.kiln",))
     if rank == 0:
         (work / "rank0.json").write_text(json.dumps(res))
 
@@ -173,6 +209,39 @@ def _cfg(a) -> tp.LlamaConfig:
 class AllReduce(torch.nn.Module):
     def forward(self, x):
         return fc.all_reduce(x, "sum", dist.group.WORLD)
+
+
+class Overlap(torch.nn.Module):
+    """y = all_reduce(a @ w1) and, independent of it, z = relu(b @ w2) @ w3; out = y + z."""
+
+    def __init__(self, k: int) -> None:
+        super().__init__()
+        g = torch.Generator().manual_seed(0)
+        for i in (1, 2, 3):
+            w = (torch.randn(k, k, generator=g) / k ** 0.5).to(torch.bfloat16)
+            setattr(self, f"w{i}", torch.nn.Parameter(w, requires_grad=False))
+
+    def forward(self, a, b):
+        y = fc.all_reduce(a @ self.w1, "sum", dist.group.WORLD)
+        return y + torch.relu(b @ self.w2) @ self.w3
+
+
+def _compile_overlap(a, work: pathlib.Path) -> dict:
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=a.world)
+    try:
+        x = torch.zeros(a.overlap_m, a.overlap_k, dtype=torch.bfloat16)
+        ep = torch.export.export(Overlap(a.overlap_k), (x, x))
+        cm = kiln.compile(ep, device="cuda", options=Options(autotune=a.autotune))
+        cm.save(work / "overlap.kiln")
+    finally:
+        dist.destroy_process_group()
+    prog = cm.built.program.lines
+    k = next(i for i, x in enumerate(prog) if getattr(getattr(x, "call", None), "routine",
+                                                      "") == "all_reduce")
+    w = next(i for i, x in enumerate(prog) if getattr(getattr(x, "call", None), "routine",
+                                                      "") == "collective_wait")
+    gemms = sum(type(x).__name__ == "CallGemm" for x in prog[k + 1:w])
+    return {"gemms_in_window": gemms}
 
 
 def _seq_range(a) -> tuple[int, int]:
@@ -255,19 +324,26 @@ def main(argv=None) -> int:
     work.mkdir(parents=True, exist_ok=True)
     res: dict = {}
     (work / "model.pt").unlink(missing_ok=True)
-    for f in ("one.kiln", "allreduce.kiln", *[f"rank{r}.kiln" for r in range(a.world)]):
+    for f in ("one.kiln", "allreduce.kiln", "overlap.kiln",
+              *[f"rank{r}.kiln" for r in range(a.world)]):
         (work / f).unlink(missing_ok=True)  # no stale package from an earlier run
     tb = work / "tracebacks.log"
     tb.unlink(missing_ok=True)
-    _section(res, "compile_one", lambda: _compile_one(a, work), log=tb)
-    _section(res, "compile_tp", lambda: _compile_tp(a, work), log=tb)
-    _section(res, "compile_allreduce", lambda: _compile_allreduce(a, work), log=tb)
-    _section(res, "kiln_1gpu", lambda: _kiln_1gpu(a, work), (work / "one.kiln",))
-    _section(res, "eager_1gpu", lambda: _eager_1gpu(a, work), (work / "model.pt",))
+    if "model" not in a.skip:
+        _section(res, "compile_one", lambda: _compile_one(a, work), log=tb)
+        _section(res, "compile_tp", lambda: _compile_tp(a, work), log=tb)
+    if "bandwidth" not in a.skip:
+        _section(res, "compile_allreduce", lambda: _compile_allreduce(a, work), log=tb)
+    if "overlap" not in a.skip:
+        _section(res, "compile_overlap", lambda: _compile_overlap(a, work), log=tb)
+    if "model" not in a.skip:
+        _section(res, "kiln_1gpu", lambda: _kiln_1gpu(a, work), (work / "one.kiln",))
+        _section(res, "eager_1gpu", lambda: _eager_1gpu(a, work), (work / "model.pt",))
     (work / "pg").unlink(missing_ok=True)  # torch's file rendezvous of the eager TP run
     (work / "rank0.json").unlink(missing_ok=True)
     (work / "ids.json").write_text(json.dumps({k: nccl_unique_id().hex() for k in
-                                               ("model", "allreduce")}))
+                                               ("model", "allreduce", "overlap_serial",
+                                                "overlap_overlapped")}))
     argv_w = [sys.executable, __file__, "--worker", "--out", str(work),
               *[x for x in (argv or sys.argv[1:]) if x != "--worker"]]
     procs = [subprocess.Popen([*argv_w, "--rank", str(r)]) for r in range(a.world)]
@@ -289,23 +365,42 @@ def _report(a, res: dict, ranks: dict) -> None:
     print(f"\nGPU: {a.world} x {name}; torch {torch.__version__}; model: Llama-shaped, "
           f"{a.layers} layers, hidden {a.hidden}, {a.heads} heads ({a.kv_heads} kv), "
           f"{a.dtype}")
-    for key in ("compile_one", "compile_tp", "compile_allreduce"):
+    for key in ("compile_one", "compile_tp", "compile_allreduce", "compile_overlap"):
+        if key not in res:
+            continue
         d = res.get(key, {})
         print(f"{key}: " + (f"FAILED: {d['error']}" if "error" in d else
                              (", ".join(f"{k} {v}" for k, v in d.items()) or "ok")))
     lost = {"error": ranks.get("error", "?")}  # the workers wrote nothing
-    rows = [("kiln, 1 GPU", res.get("kiln_1gpu", {"error": "?"})),
+    rows = [] if "model" in a.skip else [("kiln, 1 GPU", res.get("kiln_1gpu", {"error": "?"})),
             (f"kiln TP, {a.world} GPUs", ranks.get("kiln_tp", lost)),
             ("eager, 1 GPU", res.get("eager_1gpu", {"error": "?"})),
             (f"eager TP, {a.world} GPUs", ranks.get("eager_tp", lost))]
-    print(f"\n| run | decode ms ({a.context} tokens, batch 1) | prefill ms ({a.prefill} tokens) "
-          "| prefill tokens/s |")
-    print("| --- | ---: | ---: | ---: |")
+    if rows:
+        print(f"\n| run | decode ms ({a.context} tokens, batch 1) | prefill ms ({a.prefill} "
+              "tokens) | prefill tokens/s |")
+        print("| --- | ---: | ---: | ---: |")
     for label, d in rows:
         print(f"| {label} | {_fmt(d, 'decode_ms')} | {_fmt(d, 'prefill_ms')} | "
               f"{_fmt(d, 'prefill_ms', a.prefill)} |")
         if isinstance(d, dict) and "error" in d:
             print(f"|   error: {d['error']} | | | |")
+    ov = ranks.get("overlap")
+    if ov is not None:
+        print(f"\noverlap: all_reduce of {a.overlap_m}x{a.overlap_k} bfloat16 "
+              f"({a.overlap_m * a.overlap_k * 2 / 2**20:.0f} MiB) beside 2 independent "
+              f"{a.overlap_m}x{a.overlap_k}x{a.overlap_k} GEMMs, rank 0, median of 5 "
+              "interleaved rounds")
+        print("| collectives | ms | vs serial |")
+        print("| --- | ---: | ---: |")
+        if "error" in ov:
+            print(f"| failed: {ov['error']} | | |")
+        else:
+            print(f"| serial (KILN_NCCL_SERIAL=1, compute stream) | {ov['serial']:.3f} | 1.00 |")
+            print(f"| overlapped (communication stream) | {ov['overlapped']:.3f} | "
+                  f"{ov['serial'] / ov['overlapped']:.2f}x |")
+            print(f"(max |serial - overlapped| = {ov['max_diff']:.3g}; saved "
+                  f"{ov['serial'] - ov['overlapped']:.3f} ms)")
     bw = ranks.get("bandwidth")
     print(f"\nall-reduce (float32, sum), {a.world} ranks: bus bandwidth GB/s")
     print("| MiB | kiln ms | NCCL ms | kiln busbw | NCCL busbw | kiln / NCCL |")

@@ -428,6 +428,11 @@ def _uses(line: Line) -> list[str]:
     return []
 
 
+def line_buffers(line: Line) -> list[str]:
+    """The buffers one (non-nested) line reads or writes."""
+    return _uses(line)
+
+
 def _check_reuse(p: Program, k: int, line: Alloc, temps: dict[str, Alloc], live: set[str],
                  planned: bool, lines=None) -> None:
     """An in-place Alloc at line k: see the module docstring for what it must satisfy."""

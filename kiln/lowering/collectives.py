@@ -11,9 +11,9 @@ export; 0: any, for all_reduce of a group gone before compiling). A package runs
 communicator: collectives on two different process groups are refused.
 
 `collective_wait` lowers to its operand's value: the collective step is complete when it
-returns on the CPU (MPI, blocking) and ordered on the instance's stream on CUDA (NCCL), so
-readers of the wait read the collective's buffer, after it in program order. The Graph IR
-keeps the wait node, which is where an overlapping schedule would place the completion."""
+returns on the CPU (MPI, blocking), so readers of the wait read the collective's buffer, after
+it in program order. On CUDA the Program IR gets a wait line back, as late as the data allows
+(targets/collectives.py `async_waits`): NCCL runs on the communication stream meanwhile."""
 
 from __future__ import annotations
 

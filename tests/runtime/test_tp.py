@@ -22,6 +22,7 @@ import zipfile
 
 import numpy as np
 import pytest
+import safetensors.torch
 import torch
 import torch.distributed as dist
 import torch.distributed._functional_collectives as fc
@@ -33,6 +34,7 @@ from kiln.ir import program as P
 from kiln.frontend.export import import_program
 from kiln.lowering import lower
 from kiln.models import tp
+from kiln.package.reader import read_package
 
 WORKER = pathlib.Path(__file__).with_name("tp_worker.py")
 HAVE_MPI = shutil.which("mpirun") is not None and ctypes.util.find_library("mpi") is not None
@@ -148,6 +150,81 @@ def _greedy(model, tokens, steps: int):
     return tokens
 
 
+def _unpacked(stored: torch.Tensor, rec: dict) -> torch.Tensor:
+    """The [k, n] matrix a prepacked weight holds (kiln/ir/packing.py's panels [n / nr, k, nr],
+    read back without pack_panels)."""
+    k, n = int(rec["k"]), int(rec["n"])
+    return stored.permute(1, 0, 2).reshape(k, -1)[:, :n]
+
+
+def _b_operand(w: torch.Tensor, rec: dict) -> torch.Tensor:
+    """The [k, n] operand a GEMM reads from weight `w` as the packing record describes it."""
+    flat = w.clone().reshape(-1)  # a fresh tensor: storage offset 0
+    return flat.as_strided((int(rec["k"]), int(rec["n"])), (int(rec["rows"]), int(rec["cols"])),
+                           int(rec["offset"]))
+
+
+def _rank_weight_errors(paths, model, n: int) -> list[str]:
+    """Every weight each rank's package stores against that rank's shard of `model` (a
+    prepacked one unpacked first); one line per weight that differs, naming the rank whose
+    shard it holds instead, if any (test_tp [2] failed on the 2-GPU machine's torch 2.11 run
+    because pack_panels packed a row-shard view from its storage start: rank 1 held rank 0's
+    gate_proj / up_proj, fixed in 1f61673)."""
+    shards = [tp.shard_state(model, n, r) for r in range(n)]
+    bad = []
+    for r, path in enumerate(paths):
+        pkg = read_package(path)
+        stored = safetensors.torch.load(pkg.read("weights.safetensors"))
+        for spec in pkg.manifest["weights"]:
+            fqn = spec["fqn"]
+            if fqn not in shards[r]:
+                continue
+            got = stored[spec["name"]]
+            rec = spec.get("packed")
+
+            def view(w):
+                return _b_operand(w, rec) if rec else w
+            if rec:
+                got = _unpacked(got, rec)
+            if torch.equal(got, view(shards[r][fqn])):
+                continue
+            other = [q for q in range(n) if q != r and torch.equal(got, view(shards[q][fqn]))]
+            bad.append(f"rank {r}: {fqn} ({'packed ' + str(rec) if rec else 'not packed'}) "
+                       f"differs from its shard by {(got - view(shards[r][fqn])).abs().max():.3g}"
+                       + (f"; it holds rank {other}'s shard" if other else ""))
+    return bad
+
+
+def _diagnose(model, paths, n: int, got: dict, ref: torch.Tensor, prompt, tmp) -> str:
+    """What to print when the TP logits are wrong: the environment, which ranks agree, the
+    error per vocabulary shard (rank r's lm_head columns), the packages' prepacked weights,
+    and whether a single-device kiln package of the same model is right."""
+    lines = [f"torch {torch.__version__}, {os.cpu_count()} CPUs, OMP_NUM_THREADS="
+             f"{os.environ.get('OMP_NUM_THREADS')}, kiln {pathlib.Path(kiln.__file__).parent}"]
+    per_rank = [torch.load(tmp / f"out{r}.pt") for r in range(n)]
+    for r, d in enumerate(per_rank):
+        err = (d["logits"].double() - ref).abs()
+        lines.append(f"rank {r}: max |logits - eager| {err.max():.3g}, mean {err.mean():.3g}; "
+                     f"after update_weights equal: {torch.equal(d['logits'], d['again'])}; "
+                     f"same logits as rank 0: {torch.equal(d['logits'], per_rank[0]['logits'])}")
+    v = ref.shape[-1] // n
+    err = (got["logits"].double() - ref).abs()
+    lines.append("max error per vocabulary shard (columns of rank r's lm_head): " + ", ".join(
+        f"r{r} {err[..., r * v:(r + 1) * v].max():.3g}" for r in range(n)))
+    man = read_package(paths[0]).manifest
+    packed = [w["fqn"] for w in man["weights"] if w.get("packed")]
+    lines.append(f"prepacked weights ({len(packed)}): {packed}")
+    lines += _rank_weight_errors(paths, model, n) or ["every rank's stored weights match its "
+                                                      "shard"]
+    try:  # the same model on one device, no collectives
+        one = kiln.compile(tp.export_llama(model.float(), prompt, (1, 32))).load(tmp / "one.kiln")
+        e1 = (one(prompt).double() - ref).abs().max()
+        lines.append(f"single-device kiln package: max |logits - eager| {e1:.3g}")
+    except Exception as e:  # noqa: BLE001 - a diagnostic only
+        lines.append(f"single-device kiln package failed: {type(e).__name__}: {e}"[:300])
+    return "\n".join(lines)
+
+
 @needs_mpi
 @pytest.mark.parametrize("n", [2, 4])
 def test_tp_llama_matches_single_device(n, tmp_path):
@@ -155,19 +232,27 @@ def test_tp_llama_matches_single_device(n, tmp_path):
     prompt = torch.randint(0, CFG.vocab_size, (2, 7), generator=torch.Generator().manual_seed(n))
     steps = 4
     paths = tp.export_tp(model, n, tmp_path, prompt, dynamic_seq=(1, 32))
+    # each rank's package holds its own shard (prepacked GEMM weights unpacked to compare)
+    assert not (bad := _rank_weight_errors(paths, model, n)), "\n".join(bad)
     torch.save(prompt, tmp_path / "prompt.pt")
     for r, path in enumerate(paths):  # each rank's weights alone, for update_weights
         with zipfile.ZipFile(path) as z:
             (tmp_path / f"rank{r}.safetensors").write_bytes(z.read("weights.safetensors"))
-    mpirun(n, "llama", str(tmp_path), str(tmp_path / "out.pt"), "--steps", str(steps),
+    mpirun(n, "llama", str(tmp_path), str(tmp_path / "out{rank}.pt"), "--steps", str(steps),
            "--update")
-    got = torch.load(tmp_path / "out.pt")
+    got = torch.load(tmp_path / "out0.pt")
     with torch.no_grad():
         ref = model.double()(prompt)
         tokens = _greedy(model.float(), prompt, steps)
     assert got["logits"].shape == ref.shape
-    torch.testing.assert_close(got["logits"].double(), ref, rtol=1e-4, atol=1e-4)
-    assert torch.equal(got["tokens"], tokens)
+    try:
+        torch.testing.assert_close(got["logits"].double(), ref, rtol=1e-4, atol=1e-4)
+        assert torch.equal(got["tokens"], tokens), (got["tokens"], tokens)
+    except AssertionError as e:
+        with torch.no_grad():
+            raise AssertionError(f"{e}\n-- diagnosis:\n"
+                                 f"{_diagnose(model, paths, n, got, ref, prompt, tmp_path)}") \
+                from None
 
 
 def test_shard_state_splits_linears():

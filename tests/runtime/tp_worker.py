@@ -3,7 +3,7 @@ test_tp_cuda.py, bench/tp_gpu.py): loads its package with kiln.load(rank=, world
 comm_id=), runs it and saves what it got for the parent to compare.
 
     tp_worker.py collectives PKG INPUTS.pt OUT{rank}.pt [--device D] [--rank R --world N --id HEX]
-    tp_worker.py llama PKG_DIR OUT.pt [--steps K] [...]
+    tp_worker.py llama PKG_DIR OUT.pt|OUT{rank}.pt [--steps K] [--update] [...]
 
 Rank and world size come from mpirun's environment (OMPI_COMM_WORLD_RANK / _SIZE) unless
 given; `--id` is the NCCL unique id in hex (CUDA packages)."""
@@ -28,6 +28,7 @@ def _args():
     p.add_argument("--id", default="")
     p.add_argument("--steps", type=int, default=4)
     p.add_argument("--update", action="store_true", help="update_weights, then run again")
+    p.add_argument("--repeat", type=int, default=1, help="collectives: run K times, all equal")
     return p.parse_args()
 
 
@@ -44,6 +45,12 @@ def main() -> None:
         r = kiln.load(pkg, device, rank=rank, world_size=world, comm_id=comm_id)
         xs = [x.to(device) for x in torch.load(inputs)[rank]]
         got = [y.cpu() for y in r(*xs)]
+        for k in range(1, a.repeat):  # CUDA: run 2 captures the graph, later runs replay it
+            again = [y.cpu() for y in r(*xs)]
+            for i, (g, y) in enumerate(zip(got, again)):
+                if not torch.equal(g, y):
+                    raise SystemExit(f"rank {rank}: run {k + 1}, output {i} differs from run 1 "
+                                     f"(max |diff| {(g.double() - y.double()).abs().max():.3g})")
         torch.save(got, out.format(rank=rank))
         return
     pkg_dir, out = a.paths
@@ -51,17 +58,21 @@ def main() -> None:
                   world_size=world, comm_id=comm_id)
     tokens = torch.load(os.path.join(pkg_dir, "prompt.pt")).to(device)
     logits = r(tokens)
+    again = logits
     if a.update:  # new weights (the same values): the fresh instance keeps the communicator
         r.update_weights(os.path.join(pkg_dir, f"rank{rank}.safetensors"))
         again = r(tokens)
         if not torch.equal(again, logits):
-            raise SystemExit(f"rank {rank}: the run after update_weights differs")
+            d = (again.double() - logits.double()).abs().max().item()
+            raise SystemExit(f"rank {rank}: the run after update_weights differs (max |diff| "
+                             f"{d:.3g})")
     for _ in range(a.steps):  # greedy decoding, the whole sequence each step
         nxt = r(tokens)[:, -1].argmax(-1, keepdim=True)
         tokens = torch.cat([tokens, nxt], dim=1)
-    if rank == 0:
-        torch.save({"logits": logits.cpu(), "tokens": tokens.cpu()}, out)
-
+    # OUT with "{rank}": every rank saves its own (the parent compares ranks); else rank 0
+    if rank == 0 or "{rank}" in out:
+        torch.save({"logits": logits.cpu(), "again": again.cpu(), "tokens": tokens.cpu()},
+                   out.format(rank=rank))
 
 if __name__ == "__main__":
     main()

@@ -15,6 +15,8 @@
     fuse_gemms        GEMMs absorb their epilogue (Triton template, CUTLASS visitor tree)
     program           Program IR, no in-place reuse (threads of a Triton program do not run
                       in lock step)
+    async_collectives (collectives) each collective's wait as late as the data allows, its
+                      operand kept until then (targets/collectives.py)
     plan              the arena plan
     check_routines    library routines without a CUDA version refused
     launch_autotune   (Options.autotune, a local GPU) kernels' launch configs measured
@@ -35,9 +37,11 @@ from kiln.targets.cuda.build import (CudaBuild, check_routines, codegen_triton, 
                                      has_user_kernels, launch_autotune, libraries,
                                      launch_autotune_attention, mixed_gemm, triton_allowed,
                                      tunes_attention, tunes_kernels, user_kernel_configs)
+from kiln.targets.collectives import async_collectives, has_collectives
 from kiln.targets.stages import (DCE, FREEZE, LOWER, MERGE_GEMMS, PLAN, REORDER, SCHEDULE,
-                                 Stage, Target, check_graph, graph_text, import_stage,
-                                 program_stage, source_files, steps_text)
+                                 Stage, Target, check_graph, check_program, graph_text,
+                                 import_stage, program_stage, program_text, source_files,
+                                 steps_text)
 
 TARGET = Target("cuda", (
     import_stage(library_routines=False, fused_attention=True),
@@ -51,6 +55,8 @@ TARGET = Target("cuda", (
     Stage("gemm_autotune", gemm_autotune),
     Stage("fuse_gemms", fuse_gemm_epilogues, dump=steps_text),
     program_stage(inplace=False),
+    Stage("async_collectives", async_collectives, dump=program_text, verify=check_program,
+          when=has_collectives),
     PLAN,
     Stage("check_routines", check_routines),
     Stage("launch_autotune", launch_autotune, when=tunes_kernels),

@@ -266,8 +266,14 @@ class _Printer(SizeCheckPrinter):
                       f"{', '.join(c.source)}")
             self._launch(f"attn_{c.name}")
             return
-        if collectives.is_collective(x):  # NCCL on the run's stream (kiln_comm_nccl.h)
-            for s in collectives.collective_lines(c, self.p.buffer_dtypes[c.name], "nccl"):
+        if collectives.is_collective(x):  # NCCL on the communication stream (kiln_comm_nccl.h)
+            k = collectives.collective_index(self.p)[c.name]
+            for s in collectives.collective_lines(c, self.p.buffer_dtypes[c.name], "nccl",
+                                                  index=k):
+                self.emit(s)
+            return
+        if c.routine == collectives.WAIT:  # the compute stream waits for it here
+            for s in collectives.wait_lines(c):
                 self.emit(s)
             return
         raise UnsupportedError(f"library routine {x.call.routine} (for {', '.join(x.call.source)})"

@@ -55,7 +55,8 @@ def _with_comm(prog: P.Program, src: list[str]) -> list[str]:
     return out + collectives.comm_table_lines(prog, "nccl", [
         "kc::CtxGuard g(self->ctx);",
         f"return kcn::attach(e, self->comm, self->ctx, rank, world_size, "
-        f"{collectives.group_size(prog)}, comm_id, comm_id_len);"])
+        f"{collectives.group_size(prog)}, comm_id, comm_id_len, "
+        f"{len(collectives.collective_steps(prog))});"])
 
 
 def _tables(prog: P.Program, kernels: dict, cubins: dict, archs: tuple[int, ...],
