@@ -25,6 +25,7 @@ from torch.testing._internal.distributed.fake_pg import FakeStore
 import kiln
 from kiln.models import tp
 from kiln.options import Options
+from kiln.frontend.export import import_program
 from kiln.ir import program as P
 from kiln.runtime import nccl_unique_id
 from kiln.targets import collectives
@@ -133,6 +134,34 @@ def test_async_window_keeps_independent_work_between_collective_and_wait():
         assert a + nbytes[src] <= b or b + nbytes[g] <= a, (src, g)
     src_text = cm.sources["model_cuda.cpp"]
     assert src_text.index("kcn::all_reduce<") < src_text.index("kcn::wait(e, self->comm, 0")
+
+
+class LateWait(Overlap):
+    """The raw functional ops with the wait placed late by the program itself."""
+
+    def forward(self, a, b):
+        group = dist.group.WORLD.group_name
+        h = torch.ops._c10d_functional.all_reduce(a @ self.w1, "sum", group)
+        z = torch.relu(b @ self.w2) @ self.w3
+        return torch.ops._c10d_functional.wait_tensor(h) + z
+
+
+def test_a_late_wait_in_the_export_keeps_its_window():
+    """A program that waits late itself: the Graph IR keeps the wait after the independent
+    GEMMs (the exported order), and the Program IR's window holds them."""
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=2)
+    try:
+        ep = torch.export.export(LateWait(), (torch.zeros(32, 64), torch.zeros(32, 64)))
+        graph = import_program(ep).graph
+        cm = kiln.compile(ep, device="cuda", options=OPTS)
+    finally:
+        dist.destroy_process_group()
+    ops = [n.op for n in graph.nodes]
+    c, w = ops.index("collective"), ops.index("collective_wait")
+    assert ops[c + 1:w].count("matmul") == 2, ops
+    ((k, w),) = _check_waits(cm.built.program)
+    lines = list(P.walk(cm.built.program.lines))
+    assert sum(isinstance(x, P.CallGemm) for x in lines[k + 1:w]) == 2
 
 
 def test_every_collective_waits_before_its_readers():

@@ -16,7 +16,8 @@
  * targets/collectives.py) makes the compute stream wait for that event. The kernels between a
  * collective and its wait run concurrently with it. Forked and joined by events, the two
  * streams are captured together when a run replays as a CUDA graph. Two events per collective
- * of the program, made with the stream when the communicator is attached. KILN_NCCL_SERIAL=1
+ * of the program, made with the stream (at the context's highest priority) when the
+ * communicator is attached. KILN_NCCL_SERIAL=1
  * (read at attach) enqueues the collectives on the compute stream instead (no overlap: the
  * serial baseline). Device pointers are CUdeviceptr (bytes). */
 #ifndef KILN_COMM_NCCL_H
@@ -101,6 +102,8 @@ struct Events {
   CUresult (*Destroy)(CUevent) = nullptr;
   CUresult (*Record)(CUevent, CUstream) = nullptr;
   CUresult (*StreamWait)(CUstream, CUevent, unsigned) = nullptr;
+  CUresult (*PriorityRange)(int *, int *) = nullptr;  // optional: the stream's priority
+  CUresult (*CreateWithPriority)(CUstream *, unsigned, int) = nullptr;
 };
 
 inline const Events &events() {
@@ -112,6 +115,9 @@ inline const Events &events() {
         !kc::sym(h, "cuStreamWaitEvent", &v.StreamWait))
       v.error = "libcuda.so.1 lacks the event functions (cuEventCreate, cuEventRecord, "
                 "cuStreamWaitEvent)";
+    if (h && !(kc::sym(h, "cuCtxGetStreamPriorityRange", &v.PriorityRange) &&
+               kc::sym(h, "cuStreamCreateWithPriority", &v.CreateWithPriority)))
+      v.PriorityRange = nullptr, v.CreateWithPriority = nullptr;
     return v;
   }();
   return t;
@@ -171,7 +177,13 @@ inline int make_stream(Err &e, Comm &c, int n) {
     return e.fail("%d collectives in one program: at most %d", n, kMaxCollectives);
   const Events &ev = events();
   if (ev.error) return e.fail("%s", ev.error);
-  if (kc::check(e, kc::driver().cuStreamCreate(&c.stream, CU_STREAM_NON_BLOCKING),
+  // the highest priority the context offers: NCCL's blocks are scheduled ahead of the
+  // compute kernels' waiting blocks, so the collective is not starved by the overlapped work
+  int least = 0, greatest = 0;
+  const bool prio = ev.PriorityRange && ev.CreateWithPriority &&
+                    ev.PriorityRange(&least, &greatest) == CUDA_SUCCESS;
+  if (kc::check(e, prio ? ev.CreateWithPriority(&c.stream, CU_STREAM_NON_BLOCKING, greatest)
+                        : kc::driver().cuStreamCreate(&c.stream, CU_STREAM_NON_BLOCKING),
                 "creating the communication stream")) return 1;
   for (int i = 0; i < n; ++i) {
     if (kc::check(e, ev.Create(&c.ready[i], CU_EVENT_DISABLE_TIMING), "creating an event") ||
