@@ -7,6 +7,8 @@
     merge_gemms       (Options.fold_constants) GEMMs sharing their input and reading weights
                       become one GEMM on the weights concatenated (merged q/k/v, gate/up)
     freeze            (Options.freeze) weights stored in the layout their GEMMs read
+    conv_nhwc         (Options.cuda_conv "implicit") 2-D convolutions as channels-last kiln
+                      kernels, batch norm folded, epilogues fused (passes/conv_nhwc.py)
     mixed_gemm        (Triton GEMMs allowed) GEMMs of int8 tensors converted to float read int8
     lower             Graph IR -> Loop IR
     schedule          Loop IR -> kernels (Triton kernels keep tiles: no per-thread rows)
@@ -33,7 +35,8 @@ from kiln.targets.cuda.build import (CudaBuild, check_routines, codegen_triton, 
                                      compile_library, cubins, cubins_user, cutlass,
                                      fuse_gemm_epilogues, gemm_autotune, has_cutlass,
                                      has_user_kernels, launch_autotune, libraries,
-                                     launch_autotune_attention, mixed_gemm, triton_allowed,
+                                     launch_autotune_attention, mixed_gemm, nhwc_conv,
+                                     nhwc_conv_enabled, triton_allowed,
                                      tunes_attention, tunes_kernels, user_kernel_configs)
 from kiln.targets.stages import (DCE, FREEZE, LOWER, MERGE_GEMMS, PLAN, REORDER, SCHEDULE,
                                  Stage, Target, check_graph, graph_text, import_stage,
@@ -44,6 +47,7 @@ TARGET = Target("cuda", (
     DCE,
     MERGE_GEMMS,
     FREEZE,
+    Stage("conv_nhwc", nhwc_conv, dump=graph_text, verify=check_graph, when=nhwc_conv_enabled),
     Stage("mixed_gemm", mixed_gemm, dump=graph_text, verify=check_graph, when=triton_allowed),
     LOWER,
     SCHEDULE,
