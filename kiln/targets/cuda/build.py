@@ -285,13 +285,19 @@ def codegen_wrapper(state: CudaBuild) -> CudaBuild:
     if chosen:
         sources.update(state.cutlass_sources)
     attn = {f"attn_{a.name}" for a in attention_steps(state.steps)}
+    convs = {f"conv_{c.name}" for c in conv_steps(state.steps)}
     info = {"archs": list(archs), "cubin_bytes": len(blob), "autotuned": dict(state.tuned),
             "cutlass_objects": [p.name for p in state.objects],
             "graphs": o.cuda_graphs and capturable(program), "kernels": {
         k.name: {"xblock": k.config.xblock, "rblock": k.config.rblock,
                  "num_warps": k.config.num_warps,
                  "shared": {str(a): cubins[(k.name, a)].shared for a in archs}}
-        for k in tks if k.name not in attn}, "attention": {
+        for k in tks if k.name not in attn | convs}, "conv": {
+        k.name: {"block_m": k.config.xblock, "block_n": k.config.rblock,
+                 "num_warps": k.config.num_warps, "num_stages": k.config.num_stages,
+                 "source_ops": list(k.source_ops),
+                 "shared": {str(a): cubins[(k.name, a)].shared for a in archs}}
+        for k in tks if k.name in convs}, "attention": {
         k.name: {"block_m": k.config.xblock, "block_n": k.config.rblock,
                  "num_warps": k.config.num_warps, "num_stages": k.config.num_stages,
                  "source_ops": list(k.source_ops),
