@@ -1,6 +1,7 @@
 """Lowering rules for the channels-last ops of the CUDA convolution (passes/conv_nhwc.py):
 
-    conv_nhwc      1x1 stride-1 unpadded dense: a plain `Gemm` on the NHWC matrix
+    conv_nhwc      attribute "gemm" (1x1 stride-1 unpadded dense, Options.max_autotune):
+                   a plain `Gemm` on the NHWC matrix
                    [N*H*W, C] @ W[C, OC] (cuBLAS, the Triton template or CUTLASS by the GEMM
                    autotuner), its epilogue act(acc + bias [+ residual]) a pointwise value
                    realised under the node's name (the GEMM absorbs it: gemm/fuse.py);
@@ -12,8 +13,6 @@
     max_pool_nhwc  2-D max pooling from NHWC into NHWC (padding never wins)"""
 
 from __future__ import annotations
-
-import sympy
 
 from kiln.ir import dtypes
 from kiln.ir import loop as L
@@ -90,10 +89,8 @@ def _gemm_conv(ctx: LowerCtx, node: Node, args: list[Lazy], src) -> Lazy:
     n, h, wd, c = x.shape
     oc = node.type.shape[3]
     m = n * h * wd
-    a = _operand(ctx, x, node.inputs[0], src)
-    amat = ctx.buffer_lazy(a.buf, dt, (m, c)) if sympy.sympify(a.offset) == 0 else None
-    if amat is None:
-        raise AssertionError("an NHWC operand at an offset")
+    a = _operand(ctx, x, node.inputs[0], src)  # contiguous, at offset 0
+    amat = ctx.buffer_lazy(a.buf, dt, (m, c))
     wmat = ctx.buffer_lazy(_operand(ctx, w, node.inputs[1], src).buf, dt, (c, oc))
     prod = gemm(ctx, node.name + "_gemm", amat, wmat, (), src, dt)
     shape = node.type.shape
@@ -110,7 +107,7 @@ def _gemm_conv(ctx: LowerCtx, node: Node, args: list[Lazy], src) -> Lazy:
 
 def lower_conv_nhwc(ctx: LowerCtx, node: Node, args: list[Lazy]) -> Lazy:
     src = tuple(node.attr("fused")) or (node.source or node.name,)
-    if is_pointwise_gemm(node):
+    if node.attr("gemm") and is_pointwise_gemm(node):
         return _gemm_conv(ctx, node, args, src)
     ops = [_operand(ctx, a, n, src) for a, n in zip(args, node.inputs)]
     out = ctx.unique(node.name)

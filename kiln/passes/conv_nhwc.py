@@ -15,8 +15,9 @@ in the convolution's dtype, computed in float64 (batch norm folded) and rounded 
     depthwise         [KH, KW, C]             (groups == C == OC)
     bias              [OC] float32            (zeros when there is none)
 Depthwise: groups == in channels == out channels. The kernels are the CUDA target's
-(targets/cuda/conv_template.py); 1x1 stride-1 unpadded dense convolutions lower to a plain
-GEMM on the NHWC matrix [N*H*W, C] (lowering/conv_nhwc.py).
+(targets/cuda/conv_template.py); with Options.max_autotune, 1x1 stride-1 unpadded dense
+convolutions lower to a plain GEMM on the NHWC matrix [N*H*W, C] (lowering/conv_nhwc.py),
+timed like every GEMM.
 
 Layout regions: a value is converted only where the layout changes. A convolution reads its
 input and residual in NHWC: the `<v>_nhwc` output of the convolution (or max pooling) that
@@ -98,8 +99,14 @@ def _nhwc_type(t: TensorType) -> TensorType:
     return TensorType(t.dtype, (n, h, w, c))
 
 
-def conv_nhwc(g: Graph, weights: dict[str, torch.Tensor]) -> tuple[Graph, dict[str, torch.Tensor]]:
-    """Rewrite the supported convolutions of `g` (see the module docstring)."""
+def conv_nhwc(g: Graph, weights: dict[str, torch.Tensor], gemm_1x1: bool = False
+              ) -> tuple[Graph, dict[str, torch.Tensor]]:
+    """Rewrite the supported convolutions of `g` (see the module docstring). `gemm_1x1`:
+    1x1 stride-1 unpadded dense convolutions lower to plain GEMMs (node attribute "gemm"),
+    which the GEMM autotuner gives a backend (Options.max_autotune: cuBLAS, the Triton
+    template or CUTLASS, the latter two with the epilogue fused); otherwise they run as the
+    NHWC kernel like the others (the epilogue always fused: the GEMM heuristic's cuBLAS would
+    leave it a kernel of its own)."""
     types = dict(g.types())
     weights_in = {i.name: i for i in g.inputs if i.kind == "weight" and i.name in weights}
     by_name = {n.name: n for n in g.nodes}
@@ -191,7 +198,9 @@ def conv_nhwc(g: Graph, weights: dict[str, torch.Tensor]) -> tuple[Graph, dict[s
         attrs = (("stride", tuple(conv.attr("stride"))), ("padding", tuple(conv.attr("padding"))),
                  ("dilation", tuple(conv.attr("dilation"))), ("groups", conv.attr("groups")),
                  ("kernel", (kh, kw)), ("depthwise", dw), ("act", f.act), ("lo", f.lo),
-                 ("hi", f.hi), ("fused", f.absorbed), ("epilogue", _describe(f)))
+                 ("hi", f.hi), ("fused", f.absorbed), ("epilogue", _describe(f)),
+                 ("gemm", gemm_1x1 and not dw and (kh, kw) == (1, 1) and conv.attr("groups") == 1
+                  and set(conv.attr("stride")) == {1} and not any(conv.attr("padding"))))
         ins = (xin, win.name, bin_.name) + ((res,) if res else ())
         nodes.append(Node(name, "conv_nhwc", ins, _nhwc_type(conv.type), attrs, conv.source))
         types[name] = nodes[-1].type

@@ -41,6 +41,7 @@ from kiln.targets.cuda import user_triton
 from kiln.targets.cuda.attention import choose_attention_config, print_attention_kernel
 from kiln.targets.cuda.conv_template import ROUTINE as CONV_ROUTINE
 from kiln.targets.cuda.conv_template import choose_conv_config, print_conv_kernel
+from kiln.targets.cuda.conv_tune import tune_conv
 from kiln.passes.conv_nhwc import conv_nhwc
 from kiln.targets.cuda.gemm_candidates import build as build_candidates
 from kiln.targets.cuda.gemm_template import print_gemm_kernel
@@ -142,6 +143,10 @@ def tunes_attention(state: Build) -> bool:
                 _local(state.options))
 
 
+def tunes_conv(state: Build) -> bool:
+    return bool(state.options.autotune and conv_steps(state.steps) and _local(state.options))
+
+
 def has_user_kernels(state: Build) -> bool:
     return bool(_user_kernels(state.steps))
 
@@ -160,7 +165,8 @@ def nhwc_conv_enabled(state: Build) -> bool:
 
 def nhwc_conv(state: Build) -> Build:
     """2-D convolutions as channels-last kiln kernels, batch norm folded, epilogues fused."""
-    graph, weights = conv_nhwc(state.graph, dict(state.weights))
+    graph, weights = conv_nhwc(state.graph, dict(state.weights),
+                               gemm_1x1=bool(state.options.max_autotune))
     return replace(state, graph=graph, weights=weights)
 
 
@@ -216,6 +222,14 @@ def launch_autotune_attention(state: CudaBuild) -> CudaBuild:
     o = state.options
     best, tuned = tune_attention(attention_steps(state.steps), L.all_buffers(state.loop),
                                  _hints(state), default_archs()[0], _cache(o), _workers(o))
+    return replace(state, configs={**state.configs, **best}, tuned={**state.tuned, **tuned})
+
+
+def launch_autotune_conv(state: CudaBuild) -> CudaBuild:
+    """NHWC convolution kernels' tiles measured on the local GPU (conv_tune.py)."""
+    o = state.options
+    best, tuned = tune_conv(conv_steps(state.steps), L.all_buffers(state.loop), _hints(state),
+                            default_archs()[0], _cache(o), _workers(o))
     return replace(state, configs={**state.configs, **best}, tuned={**state.tuned, **tuned})
 
 

@@ -21,6 +21,7 @@
     check_routines    library routines without a CUDA version refused
     launch_autotune   (Options.autotune, a local GPU) kernels' launch configs measured
     launch_autotune_attention   (likewise) attention block sizes measured
+    launch_autotune_conv        (likewise) NHWC convolution tiles measured
     codegen_triton    kernels_triton.py
     cubins            cubins per architecture (parts timed as cubins.<part>)
     user_kernel_configs  (user Triton kernels) a config each
@@ -35,7 +36,8 @@ from kiln.targets.cuda.build import (CudaBuild, check_routines, codegen_triton, 
                                      compile_library, cubins, cubins_user, cutlass,
                                      fuse_gemm_epilogues, gemm_autotune, has_cutlass,
                                      has_user_kernels, launch_autotune, libraries,
-                                     launch_autotune_attention, mixed_gemm, nhwc_conv,
+                                     launch_autotune_attention, launch_autotune_conv,
+                                     mixed_gemm, nhwc_conv, tunes_conv,
                                      nhwc_conv_enabled, triton_allowed,
                                      tunes_attention, tunes_kernels, user_kernel_configs)
 from kiln.targets.stages import (DCE, FREEZE, LOWER, MERGE_GEMMS, PLAN, REORDER, SCHEDULE,
@@ -59,6 +61,7 @@ TARGET = Target("cuda", (
     Stage("check_routines", check_routines),
     Stage("launch_autotune", launch_autotune, when=tunes_kernels),
     Stage("launch_autotune_attention", launch_autotune_attention, when=tunes_attention),
+    Stage("launch_autotune_conv", launch_autotune_conv, when=tunes_conv),
     Stage("codegen_triton", codegen_triton),
     Stage("cubins", cubins),
     Stage("user_kernel_configs", user_kernel_configs, when=has_user_kernels),

@@ -141,6 +141,21 @@ def test_im2col_option_keeps_the_old_path():
         Options(cuda_conv="winograd")
 
 
+def test_1x1_is_a_plain_gemm_with_max_autotune():
+    """With max_autotune, a 1x1 stride-1 convolution is a GEMM on the NHWC matrix (timed like
+    every GEMM); by default it is the NHWC kernel with its epilogue fused."""
+    m, x = case_module({"k": 1, "pad": 0, "residual": True}, (2, 16, 5, 5))
+    ep = torch.export.export(m, (x,))
+    tuned = kiln.compile(ep, device="cuda", options=Options(cuda_archs=(90,), autotune=False,
+                                                            max_autotune=True))
+    plain = kiln.compile(ep, device="cuda", options=OPTS)
+    gemms = [k for k in tuned.manifest["kernels"] if k["kind"].endswith("_gemm")]
+    assert len(gemms) == 1, tuned.manifest["kernels"]
+    assert tuned.sources["kernels_triton.py"].count("def conv_") == 1  # the 3x3
+    assert plain.sources["kernels_triton.py"].count("def conv_") == 2
+    assert not [k for k in plain.manifest["kernels"] if k["kind"].endswith("_gemm")]
+
+
 def test_depthwise_and_grouped_kernels_are_not_gemms():
     m, x = case_module(dict(CASES[8][1]), CASES[8][2])
     cm = kiln.compile(torch.export.export(m, (x,)), device="cuda", options=OPTS)
@@ -159,9 +174,9 @@ _INTERP = textwrap.dedent("""
     from kiln.targets.cuda.build import triton_kernels
     bad = []
 
-    def check(tag, m, x, tol, dyn=None, runs=()):
+    def check(tag, m, x, tol, dyn=None, runs=(), opts=OPTS):
         cm = kiln.compile(torch.export.export(m, (x,), dynamic_shapes=dyn), device="cuda",
-                          options=OPTS)
+                          options=opts)
         b = cm.built
         mod = import_triton_module(b.sources["kernels_triton.py"])
         bufs = {v.name: v for v in b.loop.buffers}
@@ -183,6 +198,9 @@ _INTERP = textwrap.dedent("""
     if "all" not in names:
         print("BAD" if bad else "ALL OK", *bad, sep="\\n")
         sys.exit(1 if bad else 0)
+    m, x = case_module({"k": 1, "pad": 0, "residual": True}, (2, 16, 5, 5))
+    check("1x1_plain_gemm", m, x, 1e-5, opts=kiln.Options(cuda_archs=(90,), autotune=False,
+                                                           max_autotune=True))
     m, x = case_module({"cin": 32, "cout": 32, "groups": 32}, (2, 32, 6, 6))
     batch = torch.export.Dim("batch", min=1, max=8)
     check("depthwise_dynamic_batch", m, x, 1e-5, ({0: batch},),

@@ -1,0 +1,77 @@
+"""Compile-time tiles of the NHWC convolution kernels (targets/cuda/conv_template.py), measured on
+the local GPU: every candidate of `conv_candidates` (the heuristic's first) printed, compiled
+for the device in worker processes, timed with CUDA events at the example sizes on random
+operands, the fastest kept (ties: the heuristic). A candidate Triton cannot compile or the
+device cannot launch is skipped. Calls of the same code up to names at the same sizes (the
+repeated blocks of a ResNet stage) are timed once; results are cached on disk with the
+launch autotuner's (launch_tune.py: the key covers the code up to names, candidates, sizes,
+device and Triton version), so a second build measures nothing.
+
+Not among the candidates yet: im2col + GEMM (a different lowering of the whole node) and
+cuDNN (see the module docstring of passes/conv_nhwc.py)."""
+
+from __future__ import annotations
+
+import hashlib
+from pathlib import Path
+
+import torch
+
+from kiln.ir.sym import evaluate
+from kiln.targets.cuda.conv_template import conv_candidates, print_conv_kernel
+from kiln.targets.cuda.kernel import Config
+from kiln.targets.cuda.launch_tune import (_add, _args, _cached, _compile_candidates, _store,
+                                           _time_ms)
+from kiln.targets.cuda.ops import PRELUDE
+from kiln.toolchain import triton_aot
+
+
+def tune_conv(calls, buffers, hints: dict[str, int], arch: int, cache: Path,
+              workers: int = 1) -> tuple[dict[str, Config], dict]:
+    """({call name: best config}, {kernel name: {config text: ms}} of what ran)."""
+    # deferred: Triton is optional (GPU builds only)
+    import triton
+
+    device = torch.cuda.get_device_name()
+    root = cache / "autotune"
+    best: dict[str, Config] = {}
+    report: dict = {}
+    todo = []
+    copies: dict[str, list[str]] = {}
+    for c in calls:
+        cands = conv_candidates(c, buffers, hints)
+        tks = [print_conv_kernel(c, buffers, hints, x) for x in cands]
+        path, hit = _cached(root, tks, cands, hints, device, triton.__version__)
+        if hit is not None:
+            best[c.name] = hit
+            continue
+        _add(todo, copies, c, tks, path)
+    if not todo:
+        return best, report
+    compiled = _compile_candidates(todo, cache, arch, workers)
+    prelude = hashlib.sha256(PRELUDE.encode()).hexdigest()
+    for i, (c, tks, path) in enumerate(todo):
+        args = _args(tks[0], buffers, hints, torch)
+        times = {}
+        for j, tk in enumerate(tks):
+            if (i, j) not in compiled:
+                continue
+            rows = max(1, evaluate(tk.rows, hints))  # depends on the tile
+            grid = (-(-rows // tk.config.xblock), 1, 1)
+            try:
+                times[j] = _time_ms(compiled[(i, j)], grid,
+                                    args + [tk.config.xblock, tk.config.rblock], torch)
+            except Exception:  # noqa: BLE001 - e.g. out of shared memory: not a candidate
+                if j == 0:
+                    raise
+        win = min(times, key=lambda j: (times[j], j))
+        cfg = tks[win].config
+        best[c.name] = cfg
+        best.update({name: cfg for name in copies[c.name]})
+        report[f"conv_{c.name}"] = {
+            f"m{tks[j].config.xblock}n{tks[j].config.rblock}w{tks[j].config.num_warps}"
+            f"s{tks[j].config.num_stages}": round(ms, 5) for j, ms in times.items()}
+        triton_aot.store_compiled(compiled[(i, win)], tks[win], arch, prelude, cache)
+        _store(path, cfg, f"conv_{c.name}", device, report[f"conv_{c.name}"])
+        del args
+    return best, report
