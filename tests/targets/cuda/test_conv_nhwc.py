@@ -19,7 +19,12 @@ import torch
 triton = pytest.importorskip("triton")
 
 import kiln  # noqa: E402
+from kiln.frontend.export import import_program  # noqa: E402
 from kiln.ir.graph import Graph  # noqa: E402
+from kiln.ir.interp import run_loop  # noqa: E402
+from kiln.lowering import lower  # noqa: E402
+from kiln.passes.conv_nhwc import conv_nhwc  # noqa: E402
+from kiln.passes.dce import dce  # noqa: E402
 from kiln.options import Options  # noqa: E402
 from tests.difftest import run_interpreted  # noqa: E402
 
@@ -164,6 +169,30 @@ def test_depthwise_and_grouped_kernels_are_not_gemms():
     dw = src[src.index("depthwise"):]
     dw = dw[:dw.index("tl.store(")]
     assert "tl.dot(" not in dw
+
+
+@pytest.mark.parametrize("case", CASES + [("stem", None, (2, 3, 20, 20))],
+                         ids=[c[0] for c in CASES] + ["stem"])
+def test_loop_interpreter_twin_matches_eager(case):
+    """The pass and the lowering, run by the Loop IR interpreter (the numpy twin of
+    conv2d_nhwc in kiln.ir.interp): the packed weights, folded batch norm and regions."""
+    name, kw, shape = case
+    if kw is None:
+        torch.manual_seed(0)
+        m, x = Stem().eval(), torch.randn(*shape)
+    else:
+        m, x = case_module(kw, shape)
+    imp = import_program(torch.export.export(m, (x,)), fused_attention=True)
+    graph, weights = conv_nhwc(dce(imp.graph), dict(imp.weights))
+    assert any(n.op == "conv_nhwc" for n in graph.nodes)
+    prog = lower(graph)
+    feeds = {i.name: x.numpy() for i in graph.user_inputs}
+    feeds.update({k: v.numpy() for k, v in weights.items()})
+    (got,) = run_loop(prog, feeds, {})
+    with torch.no_grad():
+        want = m.double()(x.double())
+    torch.testing.assert_close(torch.tensor(got).double().reshape(want.shape), want,
+                               rtol=1e-5, atol=1e-5)
 
 
 _INTERP = textwrap.dedent("""
