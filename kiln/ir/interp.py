@@ -488,11 +488,13 @@ def _lib_conv2d_nchwc(outs, attrs, x, w, b, res=None):
     return [out]
 
 
-def _lib_conv2d_nhwc(outs, attrs, x, w, b, res=None):
+def _lib_conv2d_nhwc(outs, attrs, x, w, b=None, res=None):
     """The CUDA NHWC convolution (targets/cuda/conv_template.py): x [N, H, W, C], packed w
-    ([G, KH * KW * Cg, OCg], or [KH, KW, C] depthwise), float32 bias, in float64."""
+    ([G, KH * KW * Cg, OCg], or [KH, KW, C] depthwise), float32 bias, in float64. Split-K
+    (attribute split S > 1): S partial sums [S, N, OH, OW, OC] without the epilogue (here
+    the whole sum in the first, zeros in the others)."""
     a = attrs
-    n, oh, ow, oc = outs[0][1]
+    n, oh, ow, oc = outs[0][1][-4:]
     kh, kw, g = a["kh"], a["kw"], a["groups"]
     x = x.astype(np.float64)
     c = x.shape[3]
@@ -513,6 +515,10 @@ def _lib_conv2d_nhwc(outs, attrs, x, w, b, res=None):
                 out[..., gi * ocg:(gi + 1) * ocg] += np.einsum(
                     "nhwc,oc->nhwo", win[..., gi * cg:(gi + 1) * cg],
                     wf[gi * ocg:(gi + 1) * ocg, :, ky, kx])
+    if a.get("split", 1) > 1:
+        parts = np.zeros((a["split"], n, oh, ow, oc))
+        parts[0] = out
+        return [parts]
     out += b.astype(np.float64)
     if res is not None:
         out = out + res.astype(np.float64)

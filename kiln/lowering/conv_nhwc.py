@@ -73,7 +73,7 @@ def epilogue(v: L.Expr, bias: L.Expr, res: L.Expr | None, node: Node) -> L.Expr:
     if act == "relu":
         y = op("relu", y)
     elif act == "silu":
-        y = op("silu", y)
+        y = op("mul", y, op("sigmoid", y))
     elif act == "clamp":
         if node.attr("lo") != float("-inf"):
             y = op("maximum", y, const(node.attr("lo"), F32))
@@ -109,18 +109,47 @@ def lower_conv_nhwc(ctx: LowerCtx, node: Node, args: list[Lazy]) -> Lazy:
     src = tuple(node.attr("fused")) or (node.source or node.name,)
     if node.attr("gemm") and is_pointwise_gemm(node):
         return _gemm_conv(ctx, node, args, src)
+    split = int(node.attr("split", 1))
+    if split > 1:
+        return _split_conv(ctx, node, args, src, split)
     ops = [_operand(ctx, a, n, src) for a, n in zip(args, node.inputs)]
     out = ctx.unique(node.name)
     shape = node.type.shape
     ctx.declare(out, node.type.dtype, shape, "temp")
+    ctx.nodes.append(L.Extern(ROUTINE, (out,), tuple(ops), _attrs(node), src))
+    return ctx.buffer_lazy(out, node.type.dtype, shape)
+
+
+def _attrs(node: Node, split: int = 1) -> tuple:
     (sh, sw), (ph, pw), (dh, dw) = (node.attr(k) for k in ("stride", "padding", "dilation"))
     kh, kw = node.attr("kernel")
-    attrs = (("kh", kh), ("kw", kw), ("sh", sh), ("sw", sw), ("ph", ph), ("pw", pw),
-             ("dh", dh), ("dw", dw), ("groups", int(node.attr("groups"))),
-             ("depthwise", bool(node.attr("depthwise"))), ("act", ACTS[node.attr("act")]),
-             ("lo", float(node.attr("lo"))), ("hi", float(node.attr("hi"))))
-    ctx.nodes.append(L.Extern(ROUTINE, (out,), tuple(ops), attrs, src))
-    return ctx.buffer_lazy(out, node.type.dtype, shape)
+    return (("kh", kh), ("kw", kw), ("sh", sh), ("sw", sw), ("ph", ph), ("pw", pw),
+            ("dh", dh), ("dw", dw), ("groups", int(node.attr("groups"))),
+            ("depthwise", bool(node.attr("depthwise"))), ("act", ACTS[node.attr("act")]),
+            ("lo", float(node.attr("lo"))), ("hi", float(node.attr("hi"))), ("split", split))
+
+
+def _split_conv(ctx: LowerCtx, node: Node, args: list[Lazy], src, split: int) -> Lazy:
+    """Split-K: the kernel writes `split` float32 partial sums [S, N, OH, OW, OC] (its
+    operands x and w only); a reduction over S adds them, and the epilogue act(sum + bias
+    [+ residual]) is a pointwise value realised under the node's name."""
+    x, w, b = args[:3]
+    res = args[3] if len(args) > 3 else None
+    ops = [_operand(ctx, a, n, src) for a, n in zip(args[:2], node.inputs[:2])]
+    shape = node.type.shape
+    part = ctx.unique(node.name + "_partial")
+    ctx.declare(part, F32, (split, *shape), "temp")
+    ctx.nodes.append(L.Extern(ROUTINE, (part,), tuple(ops), _attrs(node, split), src))
+    parts = ctx.buffer_lazy(part, F32, (split, *shape))
+    total = ctx.reduction(node.name + "_sum", F32, shape, "sum", (split,),
+                          parts.load((rvars(1)[0], *ivars(4))), src)
+
+    def fn(idx):
+        r = res.load(idx) if res is not None else None
+        return cast(epilogue(total.load(idx), b.load((idx[3],)), r, node), node.type.dtype)
+
+    deps = [total, b] + ([res] if res is not None else [])
+    return ctx.realize(node.name, pointwise(node.type.dtype, shape, fn, *deps), src)
 
 
 RULES = {"to_nhwc": lower_to_nhwc, "from_nhwc": lower_from_nhwc,

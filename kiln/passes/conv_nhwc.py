@@ -19,6 +19,11 @@ Depthwise: groups == in channels == out channels. The kernels are the CUDA targe
 convolutions lower to a plain GEMM on the NHWC matrix [N*H*W, C] (lowering/conv_nhwc.py),
 timed like every GEMM.
 
+Split-K (`split_k`, node attribute "split"): a dense convolution whose output tiles cannot fill
+the GPU at the example sizes but whose K loop is long (ResNet's last stages at batch 1) has S
+programs per output tile, each over 1/S of the K loop, writing float32 partial sums; a
+reduction over S then adds them and applies the epilogue (lowering/conv_nhwc.py).
+
 Layout regions: a value is converted only where the layout changes. A convolution reads its
 input and residual in NHWC: the `<v>_nhwc` output of the convolution (or max pooling) that
 made `v`, or else a `to_nhwc` node named `<v>_nhwc` (a materialised transpose, once per
@@ -40,6 +45,7 @@ import torch
 
 from kiln.ir import dtypes
 from kiln.ir.graph import Graph, Input, Node, TensorType
+from kiln.ir.sym import evaluate
 from kiln.passes.conv_nchwc import Fused, _chain, _describe
 from kiln.passes.dce import dce
 
@@ -94,6 +100,35 @@ def pack(f: Fused, w: torch.Tensor, bias, bn_tensors, dw: bool, dtype
     return wp.to(dtype.torch).contiguous(), b.to(torch.float32).contiguous()
 
 
+SMS = 132  # H100 SXM: programs that fill the GPU once
+
+
+def split_k(conv: Node, types, env: dict[str, int], dw: bool) -> int:
+    """How many programs share one output tile's K loop (split-K: partial sums in float32,
+    added by a reduction that also applies the epilogue): more than one only for a dense
+    convolution whose output tiles (64 x 64 at the example sizes) would leave half the SMs
+    idle while its K loop is long (at least 16 steps of 64 channels, 32 for float32: the deep
+    3x3 layers of a ResNet at batch 1), at most 8 and at least 8 K steps each."""
+    if dw:
+        return 1
+    x, w = types[conv.inputs[0]], types[conv.inputs[1]]
+    g = conv.attr("groups")
+    cg, kh, kw = int(w.shape[1]), int(w.shape[2]), int(w.shape[3])
+    ocg = int(conv.type.shape[1]) // g
+    if cg % 16:
+        return 1
+    try:
+        m = int(evaluate(conv.type.shape[0] * conv.type.shape[2] * conv.type.shape[3], env))
+    except Exception:  # noqa: BLE001 - no example size: no split
+        return 1
+    bk = 32 if x.dtype.itemsize == 4 else 64
+    steps = kh * kw * -(-cg // bk)
+    tiles = -(-m // 64) * -(-ocg // 64) * g
+    if tiles >= SMS // 2 or steps < 16:
+        return 1
+    return max(1, min(steps // 8, -(-SMS // tiles), 8))
+
+
 def _nhwc_type(t: TensorType) -> TensorType:
     n, c, h, w = t.shape
     return TensorType(t.dtype, (n, h, w, c))
@@ -108,6 +143,7 @@ def conv_nhwc(g: Graph, weights: dict[str, torch.Tensor], gemm_1x1: bool = False
     NHWC kernel like the others (the epilogue always fused: the GEMM heuristic's cuBLAS would
     leave it a kernel of its own)."""
     types = dict(g.types())
+    env = {s.name: s.example for s in g.symbols}
     weights_in = {i.name: i for i in g.inputs if i.kind == "weight" and i.name in weights}
     by_name = {n.name: n for n in g.nodes}
     users: dict[str, list[Node]] = {}
@@ -195,12 +231,13 @@ def conv_nhwc(g: Graph, weights: dict[str, torch.Tensor], gemm_1x1: bool = False
         new_inputs += [win, bin_]
         new_weights[win.name], new_weights[bin_.name] = wp, bp
         kh, kw = (int(k) for k in types[conv.inputs[1]].shape[2:])
+        gemm = gemm_1x1 and not dw and (kh, kw) == (1, 1) and conv.attr("groups") == 1 \
+            and set(conv.attr("stride")) == {1} and not any(conv.attr("padding"))
         attrs = (("stride", tuple(conv.attr("stride"))), ("padding", tuple(conv.attr("padding"))),
                  ("dilation", tuple(conv.attr("dilation"))), ("groups", conv.attr("groups")),
                  ("kernel", (kh, kw)), ("depthwise", dw), ("act", f.act), ("lo", f.lo),
                  ("hi", f.hi), ("fused", f.absorbed), ("epilogue", _describe(f)),
-                 ("gemm", gemm_1x1 and not dw and (kh, kw) == (1, 1) and conv.attr("groups") == 1
-                  and set(conv.attr("stride")) == {1} and not any(conv.attr("padding"))))
+                 ("gemm", gemm), ("split", 1 if gemm else split_k(conv, types, env, dw)))
         ins = (xin, win.name, bin_.name) + ((res,) if res else ())
         nodes.append(Node(name, "conv_nhwc", ins, _nhwc_type(conv.type), attrs, conv.source))
         types[name] = nodes[-1].type

@@ -74,8 +74,12 @@ def geometry(call: L.Extern) -> dict:
 
 
 def _out_hw(call: L.Extern, buffers) -> tuple[sympy.Expr, sympy.Expr]:
-    shape = buffers[call.name].shape
-    return shape[1], shape[2]
+    shape = buffers[call.name].shape  # [N, OH, OW, OC], split-K: [S, N, OH, OW, OC]
+    return shape[-3], shape[-2]
+
+
+def _split(call: L.Extern) -> int:
+    return int(dict(call.attrs).get("split", 1))
 
 
 def _taps(gm: dict) -> bool:
@@ -93,7 +97,7 @@ def choose_conv_config(call: L.Extern, buffers, hints: dict[str, int]) -> Config
 def _m(call: L.Extern, buffers, hints) -> int:
     oh, ow = _out_hw(call, buffers)
     try:
-        return max(1, evaluate(_c(buffers[call.name].shape[0] * oh * ow), hints))
+        return max(1, evaluate(_c(buffers[call.name].shape[-4] * oh * ow), hints))
     except Exception:  # noqa: BLE001 - no hints (a printer called without sizes)
         return 4096
 
@@ -126,7 +130,7 @@ def conv_candidates(call: L.Extern, buffers, hints: dict[str, int]) -> list[Conf
         c = Config(bm2, bn2, w, s)
         if c in [x for x, _ in scored]:
             continue
-        tiles = -(-m // bm2) * -(-gm["ocg"] // bn2) * gm["g"]
+        tiles = -(-m // bm2) * -(-gm["ocg"] // bn2) * gm["g"] * _split(call)
         scored.append((c, tiles))
     first = next((c for c, t in scored if t >= SMS), max(scored, key=lambda ct: ct[1])[0])
     return [first] + [c for c, _ in scored if c != first]
@@ -157,6 +161,7 @@ def _print(call: L.Extern, buffers, cfg: Config, body) -> TritonKernel:
     sig.update({s: "i64" for s in syms})
     sig["XBLOCK"] = sig["RBLOCK"] = "constexpr"
     dt = buffers[call.name].dtype
+    xdt = buffers[call.args[0].buf].dtype
     big = any(not sympy.sympify(buffers[b].numel).is_Integer or
               int(buffers[b].numel) >= 2**31 - 2**20 for b in bufs)
     kind = "depthwise" if a["depthwise"] else (
@@ -170,9 +175,12 @@ def _print(call: L.Extern, buffers, cfg: Config, body) -> TritonKernel:
         f"    #   from graph nodes: {', '.join(call.source)}",
         f"    #   kernel {a['kh']}x{a['kw']}, stride {a['sh']}x{a['sw']}, padding "
         f"{a['ph']}x{a['pw']}, dilation {a['dh']}x{a['dw']}, groups {a['groups']}, "
-        f"{dt.name}; epilogue: bias" + (f" + residual {call.args[3].buf}"
-                                         if len(call.args) > 3 else "")
-        + {0: "", 1: ", relu", 2: f", clamp({a['lo']:g}, {a['hi']:g})", 3: ", silu"}[a["act"]],
+        f"{xdt.name}; " + (
+            f"split-K {_split(call)}: float32 partial sums, the epilogue in the reduction"
+            if _split(call) > 1 else "epilogue: bias" + (
+                f" + residual {call.args[3].buf}" if len(call.args) > 3 else "")
+            + {0: "", 1: ", relu", 2: f", clamp({a['lo']:g}, {a['hi']:g})", 3: ", silu"}[
+                a["act"]]),
         "    pid = tl.program_id(1).to(tl.int64) * tl.num_programs(0) + tl.program_id(0)",
         f"    H = {to_tl(_c(gm['h']))}",
         f"    W = {to_tl(_c(gm['w']))}",
@@ -182,7 +190,14 @@ def _print(call: L.Extern, buffers, cfg: Config, body) -> TritonKernel:
     ]
     blines, rows = body(call, buffers, cfg, gm, big)
     lines += blines
-    lines += _epilogue(call, dt, gm)
+    if _split(call) > 1:
+        lines += ["    # a partial sum of K steps [k_lo, k_hi): the reduction over splits adds them and",
+                  "    # applies the epilogue",
+                  "    mask = m_ok[:, None] & n_ok[None, :]",
+                  f"    tl.store(buf_{call.name} + (ks_split * M + rm)[:, None] * {gm['oc']} + "
+                  "oc[None, :], acc, mask=mask)"]
+    else:
+        lines += _epilogue(call, dt, gm)
     return TritonKernel(name, "\n".join(lines) + "\n", params, sig, cfg, rows, call.source)
 
 
@@ -210,7 +225,7 @@ def _pixel_lines(gm, big: bool, var: str = "rm") -> list[str]:
 def _dense_body(call: L.Extern, buffers, cfg: Config, gm: dict, big: bool):
     a = dict(call.attrs)
     x, w = call.args[0], call.args[1]
-    dt = buffers[call.name].dtype.name
+    dt = buffers[x.buf].dtype.name  # the operands' (a split-K output is float32)
     prec = f', input_precision="{DOT_PRECISION[dt]}"' if dt in DOT_PRECISION else ""
     bk = _block_k((cfg.xblock, cfg.rblock, 64), call, buffers)
     cg, ocg, g = gm["cg"], gm["ocg"], gm["g"]
@@ -220,6 +235,8 @@ def _dense_body(call: L.Extern, buffers, cfg: Config, gm: dict, big: bool):
         f"    num_m = tl.cdiv(M, XBLOCK)",
         f"    num_n = {-(-ocg // cfg.rblock)}",
         "    per_group = num_m * num_n",
+        *([f"    ks_split = pid // (per_group * {g})  # split-K: this program's share of K",
+           f"    pid = pid % (per_group * {g})"] if _split(call) > 1 else []),
         "    grp = pid // per_group  # the convolution's group",
         "    t = pid % per_group",
         f"    per_band = {GROUP_M} * num_n  # grouped order: programs side by side share rows",
@@ -246,8 +263,15 @@ def _dense_body(call: L.Extern, buffers, cfg: Config, gm: dict, big: bool):
     if _taps(gm):
         nc = -(-cg // bk)
         cmask = cg % bk != 0
+        steps = a["kh"] * a["kw"] * nc
+        rng = f"0, {steps}"
+        if _split(call) > 1:
+            per = -(-steps // _split(call))
+            lines += [f"    k_lo = ks_split * {per}",
+                      f"    k_hi = tl.minimum(k_lo + {per}, {steps})"]
+            rng = "k_lo, k_hi"
         lines += [
-            f"    for ks in range(0, {a['kh'] * a['kw'] * nc}):",
+            f"    for ks in range({rng}):",
             f"        tap = ks // {nc}",
             f"        cc = (ks % {nc}) * BLOCK_K + rk",
             f"        ih = ih0 + (tap // {a['kw']}) * {a['dh']}",
@@ -287,7 +311,7 @@ def _dense_body(call: L.Extern, buffers, cfg: Config, gm: dict, big: bool):
     lines.append(f"    oc = grp * {ocg} + rn")
     m_pad = FloorDiv(_c(gm["n"] * _out_hw(call, buffers)[0] * _out_hw(call, buffers)[1])
                      + cfg.xblock - 1, cfg.xblock) * cfg.xblock
-    rows = sympy.expand(m_pad * (-(-ocg // cfg.rblock)) * g)
+    rows = sympy.expand(m_pad * (-(-ocg // cfg.rblock)) * g * _split(call))
     return lines, rows
 
 

@@ -102,6 +102,7 @@ CASES = [
     ("1x1_gemm", {"k": 1, "pad": 0}, (2, 16, 7, 7)),
     ("1x1_s2", {"k": 1, "pad": 0, "stride": 2, "cout": 32}, (2, 16, 9, 9)),
     ("residual", {"residual": True}, (2, 16, 8, 8)),
+    ("splitk_c128", {"cin": 128, "cout": 128}, (1, 128, 6, 6)),
     ("residual_1x1", {"k": 1, "pad": 0, "residual": True, "act": "none"}, (1, 16, 5, 5)),
 ]
 
@@ -195,15 +196,45 @@ def test_loop_interpreter_twin_matches_eager(case):
                                rtol=1e-5, atol=1e-5)
 
 
+def interp_checks(names: list[str]) -> list[tuple]:
+    """(tag, module, export input, dynamic_shapes, more inputs, options) of the interpreter
+    runs: the named CASES; with "all", also a 1x1 as a plain GEMM (max_autotune), dynamic
+    batches and the stem."""
+    out = []
+    for name, kw, shape in CASES:
+        if name in names:
+            m, x = case_module(kw, shape)
+            out.append((name, m, x, None, (), OPTS))
+    if "all" not in names:
+        return out
+    m, x = case_module({"k": 1, "pad": 0, "residual": True}, (2, 16, 5, 5))
+    out.append(("1x1_plain_gemm", m, x, None, (), Options(cuda_archs=(90,), autotune=False,
+                                                          max_autotune=True)))
+    batch = torch.export.Dim("batch", min=1, max=8)
+    g = torch.Generator().manual_seed(5)
+    m, x = case_module({"cin": 32, "cout": 32, "groups": 32}, (2, 32, 6, 6))
+    out.append(("depthwise_dynamic_batch", m, x, ({0: batch},),
+                (torch.randn(3, 32, 6, 6, generator=g), torch.randn(1, 32, 6, 6, generator=g)),
+                OPTS))
+    m, x = case_module({"stride": 2}, (2, 16, 9, 9))
+    out.append(("3x3_s2_dynamic_batch", m, x, ({0: batch},),
+                (torch.randn(5, 16, 9, 9, generator=g),), OPTS))
+    m, x = case_module({"cin": 128, "cout": 128}, (2, 128, 5, 5))
+    out.append(("splitk_dynamic_batch", m, x, ({0: batch},),
+                (torch.randn(1, 128, 5, 5, generator=g),), OPTS))
+    torch.manual_seed(0)
+    out.append(("stem", Stem().eval(), torch.randn(2, 3, 20, 20), None, (), OPTS))
+    return out
+
+
 _INTERP = textwrap.dedent("""
     import sys, torch, kiln
     sys.path.insert(0, sys.argv[1])
-    from test_conv_nhwc import CASES, Stem, case_module, OPTS
+    from test_conv_nhwc import interp_checks
     from kiln.targets.cuda.wrapper_py import import_triton_module, run_program
     from kiln.targets.cuda.build import triton_kernels
     bad = []
-
-    def check(tag, m, x, tol, dyn=None, runs=(), opts=OPTS):
+    for tag, m, x, dyn, runs, opts in interp_checks(sys.argv[2].split(",")):
         cm = kiln.compile(torch.export.export(m, (x,), dynamic_shapes=dyn), device="cuda",
                           options=opts)
         b = cm.built
@@ -216,47 +247,26 @@ _INTERP = textwrap.dedent("""
             err = (got.double().reshape(want.shape) - want).abs().max().item()
             scale = want.abs().max().item()
             print(tag, tuple(xx.shape), "error", err, "scale", scale, flush=True)
-            if not err <= tol * max(1.0, scale):
+            if not err <= 1e-5 * max(1.0, scale):
                 bad.append(f"{tag}: error {err} (scale {scale})")
-
-    names = sys.argv[2].split(",")
-    for name, kw, shape in CASES:
-        if name in names:
-            m, x = case_module(kw, shape)
-            check(name, m, x, 1e-5)
-    if "all" not in names:
-        print("BAD" if bad else "ALL OK", *bad, sep="\\n")
-        sys.exit(1 if bad else 0)
-    m, x = case_module({"k": 1, "pad": 0, "residual": True}, (2, 16, 5, 5))
-    check("1x1_plain_gemm", m, x, 1e-5, opts=kiln.Options(cuda_archs=(90,), autotune=False,
-                                                           max_autotune=True))
-    m, x = case_module({"cin": 32, "cout": 32, "groups": 32}, (2, 32, 6, 6))
-    batch = torch.export.Dim("batch", min=1, max=8)
-    check("depthwise_dynamic_batch", m, x, 1e-5, ({0: batch},),
-          (torch.randn(3, 32, 6, 6), torch.randn(1, 32, 6, 6)))
-    m, x = case_module({"stride": 2}, (2, 16, 9, 9))
-    check("3x3_s2_dynamic_batch", m, x, 1e-5, ({0: batch},), (torch.randn(5, 16, 9, 9),))
-    torch.manual_seed(0)
-    check("stem", Stem().eval(), torch.randn(2, 3, 20, 20), 1e-5)
     print("BAD" if bad else "ALL OK", *bad, sep="\\n")
     sys.exit(1 if bad else 0)
 """)
 
 
 def _interpreted(names: list[str]) -> None:
-    """The cases compiled here (the AOT compiler cannot run in interpreter mode), then run by
+    """The checks compiled here (the AOT compiler cannot run in interpreter mode), then run by
     Triton's interpreter in a child process; float32 to 1e-5 of the output's scale (the
     interpreter's tf32x3 dot is a float32 dot)."""
-    for name, kw, shape in CASES:
-        if name in names or "all" in names:
-            m, x = case_module(kw, shape)
-            kiln.compile(torch.export.export(m, (x,)), device="cuda", options=OPTS)
+    for _, m, x, dyn, _, opts in interp_checks(names):
+        kiln.compile(torch.export.export(m, (x,), dynamic_shapes=dyn), device="cuda",
+                     options=opts)
     run_interpreted(_INTERP, str(pathlib.Path(__file__).parent), ",".join(names), timeout=1500)
 
 
 def test_conv_kernels_match_eager_in_interpreter():
     """A few cases covering both K loops, depthwise, grouped, 1x1 as a GEMM and a residual."""
-    _interpreted(["7x7_c3_s2", "depthwise_s2", "grouped_g2", "residual_1x1"])
+    _interpreted(["7x7_c3_s2", "depthwise_s2", "grouped_g2", "residual_1x1", "splitk_c128"])
 
 
 @pytest.mark.slow
