@@ -8,7 +8,8 @@ launch autotuner's (launch_tune.py: the key covers the code up to names, candida
 device and Triton version), so a second build measures nothing.
 
 Not among the candidates yet: im2col + GEMM (a different lowering of the whole node) and
-cuDNN (see the module docstring of passes/conv_nhwc.py)."""
+cuDNN (packages do not load it); the report records cuDNN's time for the same convolution
+(torch, channels-last, without the epilogue) beside the candidates', as a reference."""
 
 from __future__ import annotations
 
@@ -24,6 +25,46 @@ from kiln.targets.cuda.launch_tune import (_add, _args, _cached, _compile_candid
                                            _time_ms)
 from kiln.targets.cuda.ops import PRELUDE
 from kiln.toolchain import triton_aot
+
+
+def cudnn_ms(call, buffers, hints: dict[str, int]) -> float | None:
+    """The same convolution (without its epilogue) through torch's cuDNN in channels-last,
+    timed like the candidates: a reference figure for the report (float32 without TF32, as
+    kiln computes it); None where torch cannot run it."""
+    try:
+        a = dict(call.attrs)
+        x, w = call.args[0], call.args[1]
+        dt = buffers[x.buf].dtype.torch
+        n, h, wd, c = (int(evaluate(d, hints)) for d in x.shape)
+        g = a["groups"]
+        if a["depthwise"]:
+            oc = c
+        else:
+            oc = int(w.shape[0]) * int(w.shape[2])
+        xt = torch.randn(n, c, h, wd, device="cuda", dtype=dt).to(
+            memory_format=torch.channels_last)
+        wt = torch.randn(oc, c // g, a["kh"], a["kw"], device="cuda", dtype=dt).to(
+            memory_format=torch.channels_last)
+        old = torch.backends.cudnn.allow_tf32
+        torch.backends.cudnn.allow_tf32 = False
+        try:
+            def run():
+                torch.nn.functional.conv2d(xt, wt, None, (a["sh"], a["sw"]), (a["ph"], a["pw"]),
+                                           (a["dh"], a["dw"]), g)
+            for _ in range(3):
+                run()
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(
+                enable_timing=True)
+            start.record()
+            for _ in range(20):
+                run()
+            end.record()
+            end.synchronize()
+            return start.elapsed_time(end) / 20
+        finally:
+            torch.backends.cudnn.allow_tf32 = old
+    except Exception:  # noqa: BLE001 - a reference only
+        return None
 
 
 def tune_conv(calls, buffers, hints: dict[str, int], arch: int, cache: Path,
@@ -71,6 +112,9 @@ def tune_conv(calls, buffers, hints: dict[str, int], arch: int, cache: Path,
         report[f"conv_{c.name}"] = {
             f"m{tks[j].config.xblock}n{tks[j].config.rblock}w{tks[j].config.num_warps}"
             f"s{tks[j].config.num_stages}": round(ms, 5) for j, ms in times.items()}
+        peer = cudnn_ms(c, buffers, hints)
+        if peer is not None:  # for the report only: packages do not call cuDNN
+            report[f"conv_{c.name}"]["cudnn_reference"] = round(peer, 5)
         triton_aot.store_compiled(compiled[(i, win)], tks[win], arch, prelude, cache)
         _store(path, cfg, f"conv_{c.name}", device, report[f"conv_{c.name}"])
         del args
