@@ -490,7 +490,7 @@ def _lib_conv2d_nchwc(outs, attrs, x, w, b, res=None):
 
 def _lib_conv2d_nhwc(outs, attrs, x, w, b=None, res=None):
     """The CUDA NHWC convolution (targets/cuda/conv_template.py): x [N, H, W, C], packed w
-    ([G, KH * KW * Cg, OCg], or [KH, KW, C] depthwise), float32 bias, in float64. Split-K
+    ([G, KH * KW * Cg, OCg], or [KH, KW, C] depthwise), float32 [scale; shift], in float64. Split-K
     (attribute split S > 1): S partial sums [S, N, OH, OW, OC] without the epilogue (here
     the whole sum in the first, zeros in the others)."""
     a = attrs
@@ -519,7 +519,8 @@ def _lib_conv2d_nhwc(outs, attrs, x, w, b=None, res=None):
         parts = np.zeros((a["split"], n, oh, ow, oc))
         parts[0] = out
         return [parts]
-    out += b.astype(np.float64)
+    b = b.astype(np.float64)
+    out = out * b[:oc] + b[oc:]
     if res is not None:
         out = out + res.astype(np.float64)
     act = a["act"]

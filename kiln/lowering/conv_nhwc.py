@@ -3,7 +3,7 @@
     conv_nhwc      attribute "gemm" (1x1 stride-1 unpadded dense, Options.max_autotune):
                    a plain `Gemm` on the NHWC matrix
                    [N*H*W, C] @ W[C, OC] (cuBLAS, the Triton template or CUTLASS by the GEMM
-                   autotuner), its epilogue act(acc + bias [+ residual]) a pointwise value
+                   autotuner), its epilogue act(acc * scale + shift [+ residual]) a pointwise value
                    realised under the node's name (the GEMM absorbs it: gemm/fuse.py);
                    otherwise one `Extern` step, routine "conv2d_nhwc" (an implicit-GEMM or,
                    for depthwise, a direct Triton kernel: targets/cuda/conv_template.py;
@@ -64,9 +64,11 @@ def is_pointwise_gemm(node: Node) -> bool:
             and not any(node.attr("padding")) and node.attr("groups") == 1)
 
 
-def epilogue(v: L.Expr, bias: L.Expr, res: L.Expr | None, node: Node) -> L.Expr:
-    """act(v + bias [+ res]) in float32 (v, res of the convolution's dtype)."""
-    y = op("add", cast(v, F32), bias)
+def epilogue(v: L.Expr, b: Lazy, oc, res: L.Expr | None, node: Node) -> L.Expr:
+    """act(v * scale + shift [+ res]) in float32 (v, res of the convolution's dtype; b the
+    [2 * OC] scale and shift)."""
+    n_oc = node.type.shape[3]
+    y = op("add", op("mul", cast(v, F32), b.load((oc,))), b.load((oc + n_oc,)))
     if res is not None:
         y = op("add", y, cast(res, F32))
     act = node.attr("act")
@@ -99,7 +101,7 @@ def _gemm_conv(ctx: LowerCtx, node: Node, args: list[Lazy], src) -> Lazy:
         row = ((idx[0] * h + idx[1]) * wd + idx[2])
         v = prod.load((row, idx[3]))
         r = res.load(idx) if res is not None else None
-        return cast(epilogue(v, b.load((idx[3],)), r, node), dt)
+        return cast(epilogue(v, b, idx[3], r, node), dt)
 
     deps = [prod, b] + ([res] if res is not None else [])
     return ctx.realize(node.name, pointwise(dt, shape, fn, *deps), src)
@@ -131,8 +133,8 @@ def _attrs(node: Node, split: int = 1) -> tuple:
 
 def _split_conv(ctx: LowerCtx, node: Node, args: list[Lazy], src, split: int) -> Lazy:
     """Split-K: the kernel writes `split` float32 partial sums [S, N, OH, OW, OC] (its
-    operands x and w only); a reduction over S adds them, and the epilogue act(sum + bias
-    [+ residual]) is a pointwise value realised under the node's name."""
+    operands x and w only); a reduction over S adds them, and the epilogue act(sum * scale
+    + shift [+ residual]) is a pointwise value realised under the node's name."""
     x, w, b = args[:3]
     res = args[3] if len(args) > 3 else None
     ops = [_operand(ctx, a, n, src) for a, n in zip(args[:2], node.inputs[:2])]
@@ -146,7 +148,7 @@ def _split_conv(ctx: LowerCtx, node: Node, args: list[Lazy], src, split: int) ->
 
     def fn(idx):
         r = res.load(idx) if res is not None else None
-        return cast(epilogue(total.load(idx), b.load((idx[3],)), r, node), node.type.dtype)
+        return cast(epilogue(total.load(idx), b, idx[3], r, node), node.type.dtype)
 
     deps = [total, b] + ([res] if res is not None else [])
     return ctx.realize(node.name, pointwise(node.type.dtype, shape, fn, *deps), src)

@@ -6,14 +6,16 @@ does (passes/conv_nchwc.py: the same chain matcher `_chain`).
 For each supported `conv` (2-D, not transposed, float32 / float16 / bfloat16, a constant
 weight, static channel and kernel sizes; batch and spatial sizes may be dynamic) the chain of
 single-use nodes after it is absorbed as far as it matches (bias add, eval batch_norm folded
-into weight and bias, residual add, relu | clamp | silu), and the chain becomes one
-`conv_nhwc` node named `<last>_nhwc`: out = act(W * x + bias [+ residual]). Weights are stored
-in the convolution's dtype, computed in float64 (batch norm folded) and rounded once:
+into a per-channel scale and shift, residual add, relu | clamp | silu), and the chain becomes
+one `conv_nhwc` node named `<last>_nhwc`: out = act((W * x) * scale + shift [+ residual]).
+Weights are stored in the convolution's dtype, as the model has them, repacked:
     dense / grouped   [G, KH * KW * Cg, OCg]  the implicit GEMM's B per group: K ordered
                                               (kh, kw, c) so a K step reads contiguous
                                               channels of one input pixel; OC contiguous
     depthwise         [KH, KW, C]             (groups == C == OC)
-    bias              [OC] float32            (zeros when there is none)
+    scale, shift      [2 * OC] float32        (batch norm's gamma / sqrt(var + eps), and
+                                              (bias - mean) * scale + beta; 1 and the bias
+                                              without one), computed in float64
 Depthwise: groups == in channels == out channels. The kernels are the CUDA target's
 (targets/cuda/conv_template.py); with Options.max_autotune, 1x1 stride-1 unpadded dense
 convolutions lower to a plain GEMM on the NHWC matrix [N*H*W, C] (lowering/conv_nhwc.py),
@@ -79,17 +81,19 @@ def depthwise(conv: Node, types) -> bool:
 
 def pack(f: Fused, w: torch.Tensor, bias, bn_tensors, dw: bool, dtype
          ) -> tuple[torch.Tensor, torch.Tensor]:
-    """(packed weight in `dtype`, float32 bias) of fused convolution `f` (module docstring)."""
+    """(packed weight in `dtype`, float32 [scale; shift]) of fused convolution `f` (module
+    docstring). Batch norm stays out of the weights: rounding the folded weights to 16 bits
+    would add an error eager does not make; its scale multiplies the float32 accumulator."""
     w = w.detach().to(torch.float64)
     oc, cg, kh, kw = w.shape
     b = torch.zeros(oc, dtype=torch.float64) if bias is None else \
         bias.detach().to(torch.float64).reshape(oc)
-    if f.bn is not None:  # y = (z - mean) * rsqrt(var + eps) * gamma + beta
+    scale = torch.ones(oc, dtype=torch.float64)
+    if f.bn is not None:  # y = (z + b - mean) * rsqrt(var + eps) * gamma + beta
         mean, var, *rest = (t.detach().to(torch.float64).reshape(oc) for t in bn_tensors)
         gamma = rest.pop(0) if f.bn.attr("has_weight") else torch.ones(oc, dtype=torch.float64)
         beta = rest.pop(0) if f.bn.attr("has_bias") else torch.zeros(oc, dtype=torch.float64)
         scale = gamma / torch.sqrt(var + f.bn.attr("eps"))
-        w = w * scale.reshape(oc, 1, 1, 1)
         b = (b - mean) * scale + beta
     if dw:  # [C, 1, KH, KW] -> [KH, KW, C]
         wp = w[:, 0].permute(1, 2, 0)
@@ -97,7 +101,7 @@ def pack(f: Fused, w: torch.Tensor, bias, bn_tensors, dw: bool, dtype
         g = f.conv.attr("groups")
         wp = w.reshape(g, oc // g, cg, kh, kw).permute(0, 3, 4, 2, 1).reshape(
             g, kh * kw * cg, oc // g)
-    return wp.to(dtype.torch).contiguous(), b.to(torch.float32).contiguous()
+    return wp.to(dtype.torch).contiguous(), torch.cat([scale, b]).to(torch.float32)
 
 
 SMS = 132  # H100 SXM: programs that fill the GPU once
@@ -227,7 +231,7 @@ def conv_nhwc(g: Graph, weights: dict[str, torch.Tensor], gemm_1x1: bool = False
         win = Input(f"{name}_w", TensorType(dt, tuple(map(sympy.Integer, wp.shape))),
                     "weight", f"<folded {fqns}: packed for the NHWC convolution {name}>")
         bin_ = Input(f"{name}_b", TensorType(dtypes.float32, (sympy.Integer(bp.numel()),)),
-                     "weight", f"<folded {fqns}: bias of the NHWC convolution {name}>")
+                     "weight", f"<folded {fqns}: scale and shift of the NHWC convolution {name}>")
         new_inputs += [win, bin_]
         new_weights[win.name], new_weights[bin_.name] = wp, bp
         kh, kw = (int(k) for k in types[conv.inputs[1]].shape[2:])

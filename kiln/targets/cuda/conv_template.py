@@ -1,9 +1,9 @@
 """`conv2d_nhwc` Extern steps (lowering/conv_nhwc.py, passes/conv_nhwc.py) -> Triton kernels for
 CUDA builds: an implicit-GEMM convolution (dense and grouped) and a direct depthwise
-convolution, both channels-last, with the fused epilogue act(acc + bias [+ residual]) in
-their store.
+convolution, both channels-last, with the fused epilogue act(acc * scale + shift
+[+ residual]) in their store (scale: batch norm's, 1 without one; shift: bias and batch norm).
 
-Input: the Extern (args x [N, H, W, C], packed weight, float32 bias [OC], optional residual
+Input: the Extern (args x [N, H, W, C], packed weight, float32 [scale; shift] [2 * OC], optional residual
 [N, OH, OW, OC], as strided operands; attrs kh, kw, sh, sw, ph, pw, dh, dw, groups,
 depthwise, act, lo, hi), the Loop IR buffers, size hints and a `Config`. Output: a
 `TritonKernel` named `conv_<output buffer>` that the CUDA wrapper launches like the attention
@@ -177,7 +177,7 @@ def _print(call: L.Extern, buffers, cfg: Config, body) -> TritonKernel:
         f"{a['ph']}x{a['pw']}, dilation {a['dh']}x{a['dw']}, groups {a['groups']}, "
         f"{xdt.name}; " + (
             f"split-K {_split(call)}: float32 partial sums, the epilogue in the reduction"
-            if _split(call) > 1 else "epilogue: bias" + (
+            if _split(call) > 1 else "epilogue: scale, shift" + (
                 f" + residual {call.args[3].buf}" if len(call.args) > 3 else "")
             + {0: "", 1: ", relu", 2: f", clamp({a['lo']:g}, {a['hi']:g})", 3: ", silu"}[
                 a["act"]]),
@@ -352,14 +352,17 @@ def _depthwise_body(call: L.Extern, buffers, cfg: Config, gm: dict, big: bool):
 
 
 def _epilogue(call: L.Extern, dt, gm: dict) -> list[str]:
-    """act(acc + bias [+ residual]) in float32, rounded once, stored at [m, oc] of the
+    """act(acc * scale + shift [+ residual]) in float32, rounded once, stored at [m, oc] of the
     contiguous NHWC output."""
     a = dict(call.attrs)
     b = call.args[2]
+    sb = f"buf_{b.buf}" + (f" + {to_tl(_c(b.offset))}" if _c(b.offset) != 0 else "")
     lines = [
         "    mask = m_ok[:, None] & n_ok[None, :]",
-        f"    acc = acc + tl.load(buf_{b.buf} + {to_tl(_c(b.offset))} + oc, mask=n_ok, "
-        "other=0.0)[None, :]",
+        "    # batch norm's scale (1 without one) and the shift (bias, batch norm), float32",
+        f"    scale = tl.load({sb} + oc, mask=n_ok, other=0.0)",
+        f"    shift = tl.load({sb} + {gm['oc']} + oc, mask=n_ok, other=0.0)",
+        "    acc = acc * scale[None, :] + shift[None, :]",
     ]
     if len(call.args) > 3:
         r = call.args[3]

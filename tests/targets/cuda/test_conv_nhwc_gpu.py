@@ -6,8 +6,8 @@ the ResNet-18 / MobileNetV2 zoo models, against eager.
 
 Tolerances: float32 to 1e-4 of the output's scale (3xTF32 products; eager without TF32);
 16-bit against a float64 reference of the same 16-bit weights and inputs: kiln's error at most
-three times eager's in the same dtype plus 2e-3 of the output's scale (kiln folds batch norm
-into weights rounded to 16 bits and rounds once, eager rounds after every op)."""
+three times eager's in the same dtype plus 2e-3 of the output's scale (kiln applies the
+epilogue in float32 and rounds once; eager rounds after every op)."""
 
 from __future__ import annotations
 
