@@ -3,11 +3,11 @@ CUDA builds: an implicit-GEMM convolution (dense and grouped) and a direct depth
 convolution, both channels-last, with the fused epilogue act(acc * scale + shift
 [+ residual]) in their store (scale: batch norm's, 1 without one; shift: bias and batch norm).
 
-Input: the Extern (args x [N, H, W, C], packed weight, float32 [scale; shift] [2 * OC], optional residual
-[N, OH, OW, OC], as strided operands; attrs kh, kw, sh, sw, ph, pw, dh, dw, groups,
-depthwise, act, lo, hi), the Loop IR buffers, size hints and a `Config`. Output: a
-`TritonKernel` named `conv_<output buffer>` that the CUDA wrapper launches like the attention
-kernel (a 1-D grid of ceil(rows / XBLOCK) programs; XBLOCK and RBLOCK are its constexprs).
+Input: the Extern (args x [N, H, W, C], packed weight, float32 [scale; shift] [2 * OC],
+optional residual [N, OH, OW, OC], as strided operands; attrs kh, kw, sh, sw, ph, pw, dh,
+dw, groups, depthwise, act, lo, hi, split), the Loop IR buffers, size hints and a `Config`.
+Output: a `TritonKernel` named `conv_<output buffer>` that the CUDA wrapper launches like the
+attention kernel (a 1-D grid of ceil(rows / XBLOCK) programs; XBLOCK and RBLOCK are its constexprs).
 
 Implicit GEMM (dense / grouped): out[m, g * OCg + n] = sum_k A[m, k] * B[g][k, n] with
 m = (n_, oh, ow) an output pixel, k = (kh, kw, c) and A[m, k] = x[n_, oh * sh - ph + kh * dh,
@@ -191,7 +191,8 @@ def _print(call: L.Extern, buffers, cfg: Config, body) -> TritonKernel:
     blines, rows = body(call, buffers, cfg, gm, big)
     lines += blines
     if _split(call) > 1:
-        lines += ["    # a partial sum of K steps [k_lo, k_hi): the reduction over splits adds them and",
+        lines += ["    # a partial sum over this split's K steps: the reduction over splits adds "
+                  "them and",
                   "    # applies the epilogue",
                   "    mask = m_ok[:, None] & n_ok[None, :]",
                   f"    tl.store(buf_{call.name} + (ks_split * M + rm)[:, None] * {gm['oc']} + "
@@ -232,7 +233,7 @@ def _dense_body(call: L.Extern, buffers, cfg: Config, gm: dict, big: bool):
     ktot = a["kh"] * a["kw"] * cg
     lines = [
         f"    BLOCK_K: tl.constexpr = {bk}",
-        f"    num_m = tl.cdiv(M, XBLOCK)",
+        "    num_m = tl.cdiv(M, XBLOCK)",
         f"    num_n = {-(-ocg // cfg.rblock)}",
         "    per_group = num_m * num_n",
         *([f"    ks_split = pid // (per_group * {g})  # split-K: this program's share of K",
@@ -264,22 +265,27 @@ def _dense_body(call: L.Extern, buffers, cfg: Config, gm: dict, big: bool):
         nc = -(-cg // bk)
         cmask = cg % bk != 0
         steps = a["kh"] * a["kw"] * nc
-        rng = f"0, {steps}"
-        if _split(call) > 1:
-            per = -(-steps // _split(call))
-            lines += [f"    k_lo = ks_split * {per}",
-                      f"    k_hi = tl.minimum(k_lo + {per}, {steps})"]
-            rng = "k_lo, k_hi"
+        split = _split(call)
+        per = -(-steps // split)
+        tail = split > 1 and per * split != steps  # the last split has fewer steps
+        if split > 1:  # static bounds: Triton pipelines the loop
+            lines += [f"    for kq in range(0, {per}):  # K steps [ks_split * {per}, +{per})",
+                      f"        ks = ks_split * {per} + kq"]
+            if tail:
+                lines.append(f"        k_ok = ks < {steps}")
+        else:
+            lines.append(f"    for ks in range(0, {steps}):")
         lines += [
-            f"    for ks in range({rng}):",
             f"        tap = ks // {nc}",
             f"        cc = (ks % {nc}) * BLOCK_K + rk",
             f"        ih = ih0 + (tap // {a['kw']}) * {a['dh']}",
             f"        iw = iw0 + (tap % {a['kw']}) * {a['dw']}",
         ]
-        ok = "m_ok" + (" & (ih >= 0) & (ih < H) & (iw >= 0) & (iw < W)" if pad else "")
+        ok = "m_ok" + (" & (ih >= 0) & (ih < H) & (iw >= 0) & (iw < W)" if pad else "") + (
+            " & k_ok" if tail else "")
         amask = f"({ok})[:, None]" + (f" & (cc[None, :] < {cg})" if cmask else "")
-        bmask = "n_ok[None, :]" + (f" & (cc[:, None] < {cg})" if cmask else "")
+        bmask = "n_ok[None, :]" + (f" & (cc[:, None] < {cg})" if cmask else "") + (
+            " & k_ok" if tail else "")
         lines += [
             f"        a = tl.load((xb + {off('ih', sxh)} + {off('iw', sxw)})[:, None] + "
             f"{off('cc', sxc)}[None, :], mask={amask}, other=0.0)",
