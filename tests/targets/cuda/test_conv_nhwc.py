@@ -273,3 +273,32 @@ def test_conv_kernels_match_eager_in_interpreter():
 def test_all_conv_cases_match_eager_in_interpreter():
     """Every case, dynamic batches, and the stem with its max pooling in NHWC."""
     _interpreted(["all"] + [c[0] for c in CASES])
+
+
+@pytest.mark.parametrize("kw,shape,dtype", [
+    ({"cin": 64, "cout": 64}, (8, 64, 56, 56), torch.bfloat16),
+    ({"cin": 64, "cout": 64}, (8, 64, 56, 56), torch.float32),
+    ({"cin": 96, "cout": 96, "groups": 96, "stride": 2}, (1, 96, 56, 56), torch.bfloat16),
+], ids=["dense_bf16", "dense_fp32", "depthwise_bf16"])
+def test_every_tuner_candidate_compiles_for_sm90(kw, shape, dtype):
+    """What the compile-time tuner may pick on a GPU compiles here for sm_90 and fits in an
+    sm_90 block's shared memory (the heuristic's config first)."""
+    from kiln.targets.cuda.attention import SHARED_LIMIT
+    from kiln.targets.cuda.build import conv_steps
+    from kiln.targets.cuda.conv_template import conv_candidates, print_conv_kernel
+    from kiln.toolchain import triton_aot
+    m, x = case_module(kw, shape, dtype)
+    cm = kiln.compile(torch.export.export(m, (x,)), device="cuda", options=OPTS)
+    b = cm.built
+    bufs = {v.name: v for v in b.loop.buffers}
+    call = conv_steps(b.steps)[0]
+    cands = conv_candidates(call, bufs, {})
+    assert len(cands) >= 5
+    tks = [print_conv_kernel(call, bufs, {}, c) for c in cands]
+    for tk in tks:
+        mod = triton_aot.import_module("import triton\nimport triton.language as tl\n\n\n"
+                                       + tk.source, kiln.config.cache_dir())
+        ck = triton_aot.compile_kernel(mod, tk, 90)
+        assert ck.metadata.shared <= SHARED_LIMIT, (tk.config, ck.metadata.shared)
+        if "tl.dot(" in tk.source and tk.config.xblock >= 64:
+            assert "wgmma" in ck.asm["ptx"], tk.config  # Hopper's warp-group MMA
