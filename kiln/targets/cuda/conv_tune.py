@@ -67,6 +67,26 @@ def cudnn_ms(call, buffers, hints: dict[str, int]) -> float | None:
         return None
 
 
+MIN_MACS = 2**22  # below this a convolution runs in a few microseconds whatever its tile
+
+
+def worth_tuning(call, buffers, hints: dict[str, int]) -> bool:
+    """Whether a call's multiply-adds at the example sizes (depthwise: its reads) pay for
+    compiling its candidates: the small late layers of a network at batch 1 keep the
+    heuristic's tile, which is sized to their few output tiles."""
+    try:
+        a = dict(call.attrs)
+        out = buffers[call.name].shape
+        pixels = evaluate(out[-4] * out[-3] * out[-2], hints)
+        oc = int(out[-1])
+        if a["depthwise"]:
+            return pixels * oc * a["kh"] * a["kw"] >= MIN_MACS // 4
+        c = int(call.args[0].shape[3])
+        return pixels * oc * c // a["groups"] * a["kh"] * a["kw"] >= MIN_MACS
+    except Exception:  # noqa: BLE001 - sizes unknown: tune
+        return True
+
+
 def tune_conv(calls, buffers, hints: dict[str, int], arch: int, cache: Path,
               workers: int = 1) -> tuple[dict[str, Config], dict]:
     """({call name: best config}, {kernel name: {config text: ms}} of what ran)."""
@@ -80,6 +100,8 @@ def tune_conv(calls, buffers, hints: dict[str, int], arch: int, cache: Path,
     todo = []
     copies: dict[str, list[str]] = {}
     for c in calls:
+        if not worth_tuning(c, buffers, hints):
+            continue
         cands = conv_candidates(c, buffers, hints)
         tks = [print_conv_kernel(c, buffers, hints, x) for x in cands]
         path, hit = _cached(root, tks, cands, hints, device, triton.__version__)

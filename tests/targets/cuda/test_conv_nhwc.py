@@ -240,7 +240,8 @@ _INTERP = textwrap.dedent("""
         b = cm.built
         mod = import_triton_module(b.sources["kernels_triton.py"])
         bufs = {v.name: v for v in b.loop.buffers}
-        ks = {k.name: k for k in triton_kernels(b.steps, bufs, {})}
+        hints = {s.name: s.example for s in b.graph.symbols}
+        ks = {k.name: k for k in triton_kernels(b.steps, bufs, hints)}
         for xx in (x, *runs):
             (got,) = run_program(b.program, ks, mod, b.weights, [xx])
             want = m.double()(xx.double())
