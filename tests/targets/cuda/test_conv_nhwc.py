@@ -14,6 +14,7 @@ import pathlib
 import textwrap
 
 import pytest
+import sympy
 import torch
 
 triton = pytest.importorskip("triton")
@@ -303,3 +304,26 @@ def test_every_tuner_candidate_compiles_for_sm90(kw, shape, dtype):
         assert ck.metadata.shared <= SHARED_LIMIT, (tk.config, ck.metadata.shared)
         if "tl.dot(" in tk.source and tk.config.xblock >= 64:
             assert "wgmma" in ck.asm["ptx"], tk.config  # Hopper's warp-group MMA
+
+
+def test_split_k_only_where_tiles_cannot_fill_the_gpu():
+    """ResNet-18's last stage at batch 1 (7x7 pixels, 512 channels, K = 4608) splits K; its
+    first stage (56x56) and any depthwise convolution do not."""
+    from kiln.ir import dtypes
+    from kiln.ir.graph import Node, TensorType
+    from kiln.passes.conv_nhwc import split_k
+
+    def conv(n, c, hw, oc, groups=1, dt=dtypes.bfloat16):
+        types = {"x": TensorType(dt, tuple(map(sympy.Integer, (n, c, hw, hw)))),
+                 "w": TensorType(dt, tuple(map(sympy.Integer, (oc, c // groups, 3, 3))))}
+        node = Node("y", "conv", ("x", "w"), TensorType(dt, tuple(map(sympy.Integer, (
+            n, oc, hw, hw)))), (("groups", groups),))
+        return node, types
+
+    deep, types = conv(1, 512, 7, 512)
+    assert split_k(deep, types, {}, False) == 8
+    first, types1 = conv(8, 64, 56, 64)
+    assert split_k(first, types1, {}, False) == 1
+    assert split_k(deep, types, {}, True) == 1  # depthwise
+    b8, types8 = conv(8, 512, 7, 512)
+    assert 1 < split_k(b8, types8, {}, False) < 8
