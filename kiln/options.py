@@ -24,6 +24,8 @@ BACKEND_DEVICES = {GemmBackend.BLAS: ("cpu", "cuda"), GemmBackend.CPP: ("cpu",),
 
 #: Options.cpu_conv values
 CPU_CONV = ("direct", "im2col")
+#: Options.cuda_conv values
+CUDA_CONV = ("implicit", "im2col")
 #: Options.weight_quant / weight_quant_kernel values
 WEIGHT_QUANT = ("none", "int8", "int4")
 WEIGHT_QUANT_KERNELS = ("dequant", "vnni")
@@ -156,6 +158,12 @@ class Options:
     #: (yet): a supported convolution always runs direct.
     cpu_conv: str = "direct"
 
+    #: CUDA builds: how 2-D convolutions run. "implicit": channels-last (NHWC) kiln Triton
+    #: kernels, an implicit GEMM (no im2col buffer) and a direct depthwise kernel, 1x1 as plain
+    #: GEMMs, with batch norm folded and bias / residual / activation in the store
+    #: (passes/conv_nhwc.py; needs fold_constants). "im2col": im2col + batched GEMM.
+    cuda_conv: str = "implicit"
+
     #: CPU builds: weight-only quantisation of the constant B operands of float32 GEMMs (nn.Linear
     #: weights, 2-D matmuls with a weight). "int8": int8 per output channel (symmetric, an fp32
     #: scale per column); "int4": int4 group-wise along K (`weight_quant_group` values share
@@ -206,6 +214,9 @@ class Options:
         if not isinstance(g, int) or isinstance(g, bool) or g <= 0 or g % 8:
             raise ValueError(f"Options.weight_quant_group: expected a positive multiple of 8, "
                              f"got {g!r}")
+        if self.cuda_conv not in CUDA_CONV:
+            raise ValueError(f"Options.cuda_conv: expected one of {CUDA_CONV}, got "
+                             f"{self.cuda_conv!r}")
         if self.cpu_conv not in CPU_CONV:
             raise ValueError(f"Options.cpu_conv: expected one of {CPU_CONV}, got "
                              f"{self.cpu_conv!r}")

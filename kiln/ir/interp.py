@@ -488,11 +488,57 @@ def _lib_conv2d_nchwc(outs, attrs, x, w, b, res=None):
     return [out]
 
 
+def _lib_conv2d_nhwc(outs, attrs, x, w, b=None, res=None):
+    """The CUDA NHWC convolution (targets/cuda/conv_template.py): x [N, H, W, C], packed w
+    ([G, KH * KW * Cg, OCg], or [KH, KW, C] depthwise), float32 [scale; shift], in float64. Split-K
+    (attribute split S > 1): S partial sums [S, N, OH, OW, OC] without the epilogue (here
+    the whole sum in the first, zeros in the others)."""
+    a = attrs
+    n, oh, ow, oc = outs[0][1][-4:]
+    kh, kw, g = a["kh"], a["kw"], a["groups"]
+    x = x.astype(np.float64)
+    c = x.shape[3]
+    if a["depthwise"]:  # [KH, KW, C] -> [C, 1, KH, KW]
+        wf = w.astype(np.float64).transpose(2, 0, 1)[:, None]
+    else:  # [G, (KH, KW, Cg), OCg] -> [G * OCg, Cg, KH, KW]
+        wf = w.astype(np.float64).reshape(g, kh, kw, c // g, oc // g).transpose(0, 4, 3, 1, 2)
+        wf = wf.reshape(oc, c // g, kh, kw)
+    xp = np.pad(x, ((0, 0), (a["ph"], a["ph"]), (a["pw"], a["pw"]), (0, 0)))
+    out = np.zeros((n, oh, ow, oc))
+    cg, ocg = c // g, oc // g
+    for ky in range(kh):
+        for kx in range(kw):
+            y0, x0 = ky * a["dh"], kx * a["dw"]
+            win = xp[:, y0:y0 + a["sh"] * (oh - 1) + 1:a["sh"],
+                     x0:x0 + a["sw"] * (ow - 1) + 1:a["sw"], :]
+            for gi in range(g):
+                out[..., gi * ocg:(gi + 1) * ocg] += np.einsum(
+                    "nhwc,oc->nhwo", win[..., gi * cg:(gi + 1) * cg],
+                    wf[gi * ocg:(gi + 1) * ocg, :, ky, kx])
+    if a.get("split", 1) > 1:
+        parts = np.zeros((a["split"], n, oh, ow, oc))
+        parts[0] = out
+        return [parts]
+    b = b.astype(np.float64)
+    out = out * b[:oc] + b[oc:]
+    if res is not None:
+        out = out + res.astype(np.float64)
+    act = a["act"]
+    if act == 1:
+        out = np.maximum(out, 0)
+    elif act == 2:
+        out = np.minimum(np.maximum(out, a["lo"]), a["hi"])
+    elif act == 3:
+        out = out / (1 + np.exp(-out))
+    return [out]
+
+
 # routine -> numpy twin: (outs [(dtype name, shape)], attrs, *operands) -> one array per out
 ROUTINES = {"sort": _lib_sort, "topk": _lib_topk, "scan": _lib_scan,
             "scan_extreme": _lib_scan_extreme, "put": _lib_put, "put_mean": _lib_put,
             "masked_scatter": _lib_masked_scatter, "embedding_bag": _lib_embedding_bag,
             "attention": _lib_attention, "conv2d_nchwc": _lib_conv2d_nchwc,
+            "conv2d_nhwc": _lib_conv2d_nhwc,
             "qgemm": quant_routine}
 
 

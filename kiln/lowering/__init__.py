@@ -15,8 +15,8 @@ from kiln.ir.graph import Graph, Node
 from kiln.ir.sym import contiguous_strides, ivars
 from kiln.lowering import collectives
 from kiln.lowering import quant as quant_rules
-from kiln.lowering import (attention, control, conv_nchwc, extern, fallback, indexing, library,
-                           lowp, mixed, pointwise, random, reductions, spatial, user_triton, views)
+from kiln.lowering import (attention, control, conv_nchwc, conv_nhwc, extern, fallback,
+                           indexing, library, lowp, mixed, pointwise, random, reductions, spatial, user_triton, views)
 from kiln.lowering.core import Lazy, LowerCtx, View, from_view
 from kiln.ops import ROWS
 from kiln.errors import UnsupportedError
@@ -70,6 +70,7 @@ RULES = {
     **library.RULES,
     **collectives.RULES,  # functional collectives (MPI / NCCL)
     **conv_nchwc.RULES,  # the CPU direct convolution (passes/conv_nchwc.py)
+    **conv_nhwc.RULES,  # the CUDA channels-last convolution (passes/conv_nhwc.py)
     **quant_rules.RULES,  # CPU quantised / bf16 weight GEMMs (passes/quant_weights.py)
 }
 

@@ -39,6 +39,10 @@ from kiln.schedule import Kernel
 from kiln.schedule.steps import GemmKernel
 from kiln.targets.cuda import user_triton
 from kiln.targets.cuda.attention import choose_attention_config, print_attention_kernel
+from kiln.targets.cuda.conv_template import ROUTINE as CONV_ROUTINE
+from kiln.targets.cuda.conv_template import choose_conv_config, print_conv_kernel
+from kiln.targets.cuda.conv_tune import tune_conv
+from kiln.passes.conv_nhwc import conv_nhwc
 from kiln.targets.cuda.gemm_candidates import build as build_candidates
 from kiln.targets.cuda.gemm_template import print_gemm_kernel
 from kiln.targets.cuda.kernel import choose_config, print_triton_kernel, print_triton_module
@@ -52,8 +56,9 @@ from kiln.toolchain.cuda import cuda_toolchain, default_archs
 from kiln.toolchain.cxx import build_shared
 from kiln.toolchain.triton_aot import compile_cubins
 
-# Extern routines CUDA builds run: attention (a generated Triton kernel), the collectives (NCCL)
-CUDA_ROUTINES = ("attention", *COLLECTIVES)
+# Extern routines CUDA builds run: attention and the NHWC convolution (generated Triton kernels),
+# the collectives (NCCL)
+CUDA_ROUTINES = ("attention", CONV_ROUTINE, *COLLECTIVES)
 
 
 @dataclass(frozen=True)
@@ -115,6 +120,8 @@ def _heuristic_configs(state: Build) -> dict:
                for k in _kernels(state.steps)}
     configs.update({a.name: choose_attention_config(a, buffers, hints)
                     for a in attention_steps(state.steps)})
+    configs.update({c.name: choose_conv_config(c, buffers, hints)
+                    for c in conv_steps(state.steps)})
     return configs
 
 
@@ -136,6 +143,10 @@ def tunes_attention(state: Build) -> bool:
                 _local(state.options))
 
 
+def tunes_conv(state: Build) -> bool:
+    return bool(state.options.autotune and conv_steps(state.steps) and _local(state.options))
+
+
 def has_user_kernels(state: Build) -> bool:
     return bool(_user_kernels(state.steps))
 
@@ -145,6 +156,18 @@ def has_cutlass(state: Build) -> bool:
 
 
 # -- stages ----------------------------------------------------------------------------------
+
+
+def nhwc_conv_enabled(state: Build) -> bool:
+    o = state.options
+    return o.cuda_conv == "implicit" and o.fold_constants
+
+
+def nhwc_conv(state: Build) -> Build:
+    """2-D convolutions as channels-last kiln kernels, batch norm folded, epilogues fused."""
+    graph, weights = conv_nhwc(state.graph, dict(state.weights),
+                               gemm_1x1=bool(state.options.max_autotune))
+    return replace(state, graph=graph, weights=weights)
 
 
 def mixed_gemm(state: Build) -> Build:
@@ -202,12 +225,20 @@ def launch_autotune_attention(state: CudaBuild) -> CudaBuild:
     return replace(state, configs={**state.configs, **best}, tuned={**state.tuned, **tuned})
 
 
+def launch_autotune_conv(state: CudaBuild) -> CudaBuild:
+    """NHWC convolution kernels' tiles measured on the local GPU (conv_tune.py)."""
+    o = state.options
+    best, tuned = tune_conv(conv_steps(state.steps), L.all_buffers(state.loop), _hints(state),
+                            default_archs()[0], _cache(o), _workers(o))
+    return replace(state, configs={**state.configs, **best}, tuned={**state.tuned, **tuned})
+
+
 def codegen_triton(state: CudaBuild) -> CudaBuild:
     """Every kernel, GEMM template kernel and attention call as Triton, in one module."""
     configs = {**_heuristic_configs(state), **state.configs}
     launched = [s for s in L.flat_steps(state.steps) if isinstance(s, (Kernel, GemmKernel))]
-    tks = triton_kernels(launched + attention_steps(state.steps), L.all_buffers(state.loop),
-                         _hints(state), configs)
+    tks = triton_kernels(launched + attention_steps(state.steps) + conv_steps(state.steps),
+                         L.all_buffers(state.loop), _hints(state), configs)
     return replace(state, triton=tuple(tks),
                    sources={"kernels_triton.py": print_triton_module(tks)})
 
@@ -268,13 +299,19 @@ def codegen_wrapper(state: CudaBuild) -> CudaBuild:
     if chosen:
         sources.update(state.cutlass_sources)
     attn = {f"attn_{a.name}" for a in attention_steps(state.steps)}
+    convs = {f"conv_{c.name}" for c in conv_steps(state.steps)}
     info = {"archs": list(archs), "cubin_bytes": len(blob), "autotuned": dict(state.tuned),
             "cutlass_objects": [p.name for p in state.objects],
             "graphs": o.cuda_graphs and capturable(program), "kernels": {
         k.name: {"xblock": k.config.xblock, "rblock": k.config.rblock,
                  "num_warps": k.config.num_warps,
                  "shared": {str(a): cubins[(k.name, a)].shared for a in archs}}
-        for k in tks if k.name not in attn}, "attention": {
+        for k in tks if k.name not in attn | convs}, "conv": {
+        k.name: {"block_m": k.config.xblock, "block_n": k.config.rblock,
+                 "num_warps": k.config.num_warps, "num_stages": k.config.num_stages,
+                 "source_ops": list(k.source_ops),
+                 "shared": {str(a): cubins[(k.name, a)].shared for a in archs}}
+        for k in tks if k.name in convs}, "attention": {
         k.name: {"block_m": k.config.xblock, "block_n": k.config.rblock,
                  "num_warps": k.config.num_warps, "num_stages": k.config.num_stages,
                  "source_ops": list(k.source_ops),
@@ -331,6 +368,12 @@ def attention_steps(steps) -> list[L.Extern]:
             s.routine == "attention"]
 
 
+def conv_steps(steps) -> list[L.Extern]:
+    """The NHWC convolution calls of `steps` (regions' too), in program order."""
+    return [s for s in L.flat_steps(steps) if isinstance(s, L.Extern) and
+            s.routine == CONV_ROUTINE]
+
+
 def triton_kernels(steps, buffers, hints: dict[str, int], configs: dict | None = None) -> list:
     """The TritonKernel of every schedule kernel, GEMM template kernel and attention call in
     `steps` (configs by step name; the heuristic where none is given)."""
@@ -343,6 +386,8 @@ def triton_kernels(steps, buffers, hints: dict[str, int], configs: dict | None =
             out.append(print_triton_kernel(s, buffers, hints, configs.get(s.name)))
         elif isinstance(s, L.Extern) and s.routine == "attention":
             out.append(print_attention_kernel(s, buffers, hints, configs.get(s.name)))
+        elif isinstance(s, L.Extern) and s.routine == CONV_ROUTINE:
+            out.append(print_conv_kernel(s, buffers, hints, configs.get(s.name)))
     return out
 
 

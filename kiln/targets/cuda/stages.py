@@ -7,6 +7,8 @@
     merge_gemms       (Options.fold_constants) GEMMs sharing their input and reading weights
                       become one GEMM on the weights concatenated (merged q/k/v, gate/up)
     freeze            (Options.freeze) weights stored in the layout their GEMMs read
+    conv_nhwc         (Options.cuda_conv "implicit") 2-D convolutions as channels-last kiln
+                      kernels, batch norm folded, epilogues fused (passes/conv_nhwc.py)
     mixed_gemm        (Triton GEMMs allowed) GEMMs of int8 tensors converted to float read int8
     lower             Graph IR -> Loop IR
     schedule          Loop IR -> kernels (Triton kernels keep tiles: no per-thread rows)
@@ -21,6 +23,7 @@
     check_routines    library routines without a CUDA version refused
     launch_autotune   (Options.autotune, a local GPU) kernels' launch configs measured
     launch_autotune_attention   (likewise) attention block sizes measured
+    launch_autotune_conv        (likewise) NHWC convolution tiles measured
     codegen_triton    kernels_triton.py
     cubins            cubins per architecture (parts timed as cubins.<part>)
     user_kernel_configs  (user Triton kernels) a config each
@@ -35,7 +38,9 @@ from kiln.targets.cuda.build import (CudaBuild, check_routines, codegen_triton, 
                                      compile_library, cubins, cubins_user, cutlass,
                                      fuse_gemm_epilogues, gemm_autotune, has_cutlass,
                                      has_user_kernels, launch_autotune, libraries,
-                                     launch_autotune_attention, mixed_gemm, triton_allowed,
+                                     launch_autotune_attention, launch_autotune_conv,
+                                     mixed_gemm, nhwc_conv, tunes_conv,
+                                     nhwc_conv_enabled, triton_allowed,
                                      tunes_attention, tunes_kernels, user_kernel_configs)
 from kiln.targets.collectives import async_collectives, has_collectives
 from kiln.targets.stages import (DCE, FREEZE, LOWER, MERGE_GEMMS, PLAN, REORDER, SCHEDULE,
@@ -48,6 +53,7 @@ TARGET = Target("cuda", (
     DCE,
     MERGE_GEMMS,
     FREEZE,
+    Stage("conv_nhwc", nhwc_conv, dump=graph_text, verify=check_graph, when=nhwc_conv_enabled),
     Stage("mixed_gemm", mixed_gemm, dump=graph_text, verify=check_graph, when=triton_allowed),
     LOWER,
     SCHEDULE,
@@ -61,6 +67,7 @@ TARGET = Target("cuda", (
     Stage("check_routines", check_routines),
     Stage("launch_autotune", launch_autotune, when=tunes_kernels),
     Stage("launch_autotune_attention", launch_autotune_attention, when=tunes_attention),
+    Stage("launch_autotune_conv", launch_autotune_conv, when=tunes_conv),
     Stage("codegen_triton", codegen_triton),
     Stage("cubins", cubins),
     Stage("user_kernel_configs", user_kernel_configs, when=has_user_kernels),

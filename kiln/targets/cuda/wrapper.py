@@ -266,6 +266,12 @@ class _Printer(SizeCheckPrinter):
                       f"{', '.join(c.source)}")
             self._launch(f"attn_{c.name}")
             return
+        if c.routine == "conv2d_nhwc":  # the generated NHWC convolution (conv_template.py)
+            ops = ", ".join(a.buf for a in c.args)
+            self.emit(f"{{  // conv_{c.name}: {c.name} = conv2d_nhwc({ops})  <- "
+                      f"{', '.join(c.source)}")
+            self._launch(f"conv_{c.name}")
+            return
         if collectives.is_collective(x):  # NCCL on the communication stream (kiln_comm_nccl.h)
             k = collectives.collective_index(self.p)[c.name]
             for s in collectives.collective_lines(c, self.p.buffer_dtypes[c.name], "nccl",

@@ -236,6 +236,8 @@ def run_program(prog: P.Program, kernels: dict, module, weights: dict, inputs: l
                 raise IndexError(x.index_error)
         elif isinstance(x, P.CallLib) and x.call.routine == "attention":
             launch_kernel(module, kernels[f"attn_{x.call.name}"], env, bufs, status, device)
+        elif isinstance(x, P.CallLib) and x.call.routine == "conv2d_nhwc":
+            launch_kernel(module, kernels[f"conv_{x.call.name}"], env, bufs, status, device)
         elif isinstance(x, P.CallUser):
             _run_user(kernels[x.call.name], x, bufs, env)
         elif isinstance(x, P.CallAten):
