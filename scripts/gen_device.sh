@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # GPU run for generation on CUDA (issue 17, branch s3gen): the GPU tests of the device sampler,
-# the CUDA generation loop (Python, CLI, examples/c/generate.c), one weight upload per package
+# the CUDA generation loop (Python, CLI, examples/c/generate.c), one weight upload per package,
+# the int8 / int4 weight-only GEMMs (against the dequantised model, KL report)
 # and the CUDA LLM tests, then bench/gen_gpu.py (decode ms/token and tokens/s of
 # `kiln generate` on CUDA; bf16, int8, int4 weights). Logs under $OUT, a short table last.
 # On the device machine, from the worktree root (< 8 minutes):
@@ -20,7 +21,8 @@ t0=$(date +%s)
 rc=0
 if [ -z "${SKIP_TESTS:-}" ]; then
   timeout ${TEST_TIMEOUT:-240} $PY -m pytest -m gpu -q -p no:cacheprovider -o addopts="" \
-    tests/targets/cuda/test_generate_cuda.py tests/targets/cuda/test_llm_cuda.py \
+    tests/targets/cuda/test_generate_cuda.py tests/targets/cuda/test_quant_cuda.py \
+    tests/targets/cuda/test_llm_cuda.py \
     ${GEN_TESTS:-} 2>&1 | grep -v "^DEBUG" | tee "$OUT/pytest_gpu.log" | tail -30
   rc=${PIPESTATUS[0]}
 fi

@@ -571,7 +571,7 @@ Instances create_all(kiln_model *m, const unsigned char *data, uint64_t size,
       if (m->share_weights) {
         for (int64_t k = 0; k < abi->n_weights; ++k) {
           const std::string name = key_of(k);
-          if (uploaded.count(name)) {
+          if (uploaded.count(name) && abi->weight_nbytes[k] > 0) {
             w[k] = nullptr;
             skipped[k] = 1;
           }

@@ -6,6 +6,8 @@
     dce               dead nodes and unused weights dropped
     merge_gemms       (Options.fold_constants) GEMMs sharing their input and reading weights
                       become one GEMM on the weights concatenated (merged q/k/v, gate/up)
+    quant_weights     (Options.weight_quant) constant GEMM weights stored int8 / int4, the
+                      GEMMs calls of quantised GEMV / GEMM Triton kernels (targets/cuda/quant.py)
     freeze            (Options.freeze) weights stored in the layout their GEMMs read
     mixed_gemm        (Triton GEMMs allowed) GEMMs of int8 tensors converted to float read int8
     lower             Graph IR -> Loop IR
@@ -35,6 +37,7 @@ from kiln.targets.cuda.build import (CudaBuild, check_routines, codegen_triton, 
                                      has_user_kernels, launch_autotune, libraries,
                                      launch_autotune_attention, mixed_gemm, triton_allowed,
                                      tunes_attention, tunes_kernels, user_kernel_configs)
+from kiln.targets.cuda.quant import quant_enabled, quant_weights
 from kiln.targets.stages import (DCE, FREEZE, LOWER, MERGE_GEMMS, PLAN, REORDER, SCHEDULE,
                                  Stage, Target, check_graph, graph_text, import_stage,
                                  program_stage, source_files, steps_text)
@@ -43,6 +46,8 @@ TARGET = Target("cuda", (
     import_stage(library_routines=False, fused_attention=True),
     DCE,
     MERGE_GEMMS,
+    Stage("quant_weights", quant_weights, dump=graph_text, verify=check_graph,
+          when=quant_enabled),
     FREEZE,
     Stage("mixed_gemm", mixed_gemm, dump=graph_text, verify=check_graph, when=triton_allowed),
     LOWER,
