@@ -13,6 +13,7 @@ the second is reported (the first captures the CUDA graphs).
     python bench/gen_gpu.py [--layers 16] [--hidden 2048] [--inter 5632] [--heads 32]
         [--kv-heads 4] [--vocab 32000] [--cache 512] [--new 128] [--dtype bf16]
         [--weight-quant none,int8,int4] [--json out.json] [--c-exe path/to/generate]
+        [--autotune 1]
 """
 
 from __future__ import annotations
@@ -60,6 +61,8 @@ def main() -> None:
     p.add_argument("--weight-quant", default="none")
     p.add_argument("--json", default=None)
     p.add_argument("--c-exe", default=None, help="examples/c/generate built: run it too")
+    p.add_argument("--autotune", type=int, default=1,
+                   help="Options.autotune (GEMM backends, quantised kernels' configs)")
     a = p.parse_args()
     dt = DT[a.dtype]
     t0 = time.perf_counter()
@@ -81,7 +84,7 @@ def main() -> None:
     for wq in a.weight_quant.split(","):
         row = {"weights": wq}
         rows.append(row)
-        opts = kiln.Options() if wq == "none" else kiln.Options(weight_quant=wq)
+        opts = kiln.Options(autotune=bool(a.autotune), weight_quant=wq)
         t0 = time.perf_counter()
         try:
             path = kiln.compile(progs, device="cuda", options=opts).save(tmp / f"{wq}.kiln")

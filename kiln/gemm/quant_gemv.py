@@ -18,7 +18,7 @@ BLOCK_M rows (grid (ceil(N / BLOCK_N), ceil(M / BLOCK_M))):
   BLOCK_M > 1 (prefill): tiles of x times the dequantised weight tile on tensor cores
   (tl.dot, float32 accumulation; int4: the even and odd k of a group as two products).
 The scale multiplies the float32 sum of each output channel (int4: of each group), and the
-result is rounded once to x's dtype.
+result is rounded once to x's dtype. float32 tiles multiply as 3xTF32 (`PRECISION`).
 
 `configs(mode, m, n, k, group)` lists the launch configurations kiln's user-kernel autotuning
 times on the compile machine's GPU (Options.autotune), first the heuristic's choice used
@@ -33,7 +33,8 @@ import triton.language as tl
 
 @triton.jit
 def qlinear_int8_kernel(x_ptr, q_ptr, s_ptr, out_ptr, M, N, K: tl.constexpr,
-                        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+                        PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                        BLOCK_K: tl.constexpr):
     pid_n = tl.program_id(0)
     pid_m = tl.program_id(1)
     rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -62,7 +63,7 @@ def qlinear_int8_kernel(x_ptr, q_ptr, s_ptr, out_ptr, M, N, K: tl.constexpr,
                          mask=mmask[:, None] & kmask[None, :], other=0.0)
             wt = tl.load(q_ptr + rn[None, :] * K + kk[:, None],
                          mask=kmask[:, None] & nmask[None, :], other=0).to(xt.dtype)
-            acc2 = tl.dot(xt, wt, acc2)
+            acc2 = tl.dot(xt, wt, acc2, input_precision=PRECISION)
         y2 = acc2 * scale[None, :]
         tl.store(out_ptr + rm[:, None] * N + rn[None, :], y2.to(out_ptr.dtype.element_ty),
                  mask=mmask[:, None] & nmask[None, :])
@@ -70,8 +71,8 @@ def qlinear_int8_kernel(x_ptr, q_ptr, s_ptr, out_ptr, M, N, K: tl.constexpr,
 
 @triton.jit
 def qlinear_int4_kernel(x_ptr, p_ptr, s_ptr, out_ptr, M, N, K: tl.constexpr,
-                        G: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                        GPI: tl.constexpr):
+                        G: tl.constexpr, PRECISION: tl.constexpr, BLOCK_M: tl.constexpr,
+                        BLOCK_N: tl.constexpr, GPI: tl.constexpr):
     pid_n = tl.program_id(0)
     pid_m = tl.program_id(1)
     rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -112,7 +113,8 @@ def qlinear_int4_kernel(x_ptr, p_ptr, s_ptr, out_ptr, M, N, K: tl.constexpr,
                         mask=nmask[None, :], other=136).to(tl.int32)
             lo = ((b & 15) - 8).to(xe.dtype)
             hi = ((b >> 4) - 8).to(xe.dtype)
-            part = tl.dot(xe, lo) + tl.dot(xo, hi)
+            part = tl.dot(xe, lo, input_precision=PRECISION) + tl.dot(
+                xo, hi, input_precision=PRECISION)
             sc = tl.load(s_ptr + rn * NG + g, mask=nmask, other=0.0)
             acc2 += part * sc[None, :]
         tl.store(out_ptr + rm[:, None] * N + rn[None, :], acc2.to(out_ptr.dtype.element_ty),
@@ -120,6 +122,9 @@ def qlinear_int4_kernel(x_ptr, p_ptr, s_ptr, out_ptr, M, N, K: tl.constexpr,
 
 
 KERNELS = {"int8": qlinear_int8_kernel, "int4": qlinear_int4_kernel}
+#: tl.dot's input precision by activation dtype (PRECISION): float32 as 3xTF32 (float32-level
+#: error on tensor cores, as targets/cuda/attention.py), 16-bit floats as they are
+PRECISION = {torch.float32: "tf32x3", torch.float16: "tf32", torch.bfloat16: "tf32"}
 
 
 def quantize_int8(w: torch.Tensor) -> dict[str, torch.Tensor]:
@@ -169,23 +174,23 @@ def configs(mode: str, m: int | None, n: int, k: int, group: int = 0) -> list[di
     out = []
     if m == 1:
         kp = max(triton.next_power_of_2(k), 16)
-        # (BLOCK_N, bytes of each row per step): 2 .. 32 KiB per program and step
-        tiles = [(8, 1024), (4, 2048), (16, 512), (8, 512), (4, 1024), (16, 1024), (32, 256),
-                 (32, 512), (8, 2048), (16, 256), (4, 512), (8, 256)]
+        # (BLOCK_N, bytes of each row per step, warps, pipeline stages): 8 KiB of weights per
+        # program and step first; each config costs a Triton compile when autotuned
+        tiles = [(8, 1024, 4, 1), (4, 2048, 4, 1), (16, 512, 4, 1), (32, 256, 4, 1),
+                 (8, 1024, 8, 1), (16, 512, 8, 1), (8, 1024, 4, 3), (4, 1024, 4, 1)]
         if n > 8192:  # many outputs (a vocabulary): wider blocks first
             tiles = tiles[2:3] + tiles[:2] + tiles[3:]
-        for bn, nbytes in tiles:
-            for warps, stages in ((4, 1), (8, 1), (4, 3), (8, 3)):
-                if mode == "int8":
-                    st = {"BLOCK_K": min(nbytes, kp)}
-                else:  # a step of GPI groups: G / 2 bytes each
-                    ng = triton.next_power_of_2(max(k // group, 1))
-                    st = {"GPI": max(1, min(2 * nbytes // group, ng))}
-                c = ({"BLOCK_M": 1, "BLOCK_N": bn, **st}, warps, stages)
-                if c not in out:
-                    out.append(c)
+        for bn, nbytes, warps, stages in tiles:
+            if mode == "int8":
+                st = {"BLOCK_K": min(nbytes, kp)}
+            else:  # a step of GPI groups: G / 2 bytes each
+                ng = triton.next_power_of_2(max(k // group, 1))
+                st = {"GPI": max(1, min(nbytes // group, ng))}  # half the bytes: registers
+            c = ({"BLOCK_M": 1, "BLOCK_N": bn, **st}, warps, stages)
+            if c not in out:
+                out.append(c)
         return out
-    for bm, bn, warps in ((16, 64, 4), (32, 64, 4), (64, 64, 4), (64, 128, 8)):
+    for bm, bn, warps in ((32, 64, 4), (64, 128, 8), (16, 64, 4)):
         if mode == "int8":
             out.append(({"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": 64}, warps, 3))
         else:

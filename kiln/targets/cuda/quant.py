@@ -55,7 +55,7 @@ def _static_int(e) -> int | None:
     return int(e) if isinstance(e, sympy.Integer) else None
 
 
-def _spec(mode: str, m, n: int, k: int, group: int) -> UserKernelSpec:
+def _spec(mode: str, m, n: int, k: int, group: int, dtype) -> UserKernelSpec:
     """The user-kernel call of one quantised GEMM (operands: x, q, s, out)."""
     fn = QG.KERNELS[mode]
     m_static = _static_int(m)
@@ -66,6 +66,7 @@ def _spec(mode: str, m, n: int, k: int, group: int) -> UserKernelSpec:
             ("K", L.UserConstexpr(k))]
     if mode == "int4":
         args.append(("G", L.UserConstexpr(group)))
+    args.append(("PRECISION", L.UserConstexpr(QG.PRECISION[dtype.torch])))
     tunable = ("BLOCK_M", "BLOCK_N", "BLOCK_K") if mode == "int8" else ("BLOCK_M", "BLOCK_N",
                                                                          "GPI")
     args += [(p, L.UserConfigured()) for p in tunable]
@@ -130,7 +131,7 @@ def quantize_gemms(g: Graph, weights: dict[str, torch.Tensor], mode: str, group:
         m = shape[0]
         out = _fresh(f"{n.name}_out", names)
         call = _fresh(f"{n.name}_{SUFFIX[mode]}", names)
-        spec = _spec(mode, m, nn_, k, group)
+        spec = _spec(mode, m, nn_, k, group, n.type.dtype)
         src = n.source or n.name
         out_nodes += [
             Node(out, "full", (), n.type, (("value", 0),), src),

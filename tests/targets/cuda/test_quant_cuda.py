@@ -91,7 +91,8 @@ _KERNELS = textwrap.dedent("""
                 for consts, warps, stages in cfgs[:2] + cfgs[2::5]:  # a sample: each tile
                     out = torch.empty(m, n, dtype=dt)
                     grid = (triton.cdiv(n, consts["BLOCK_N"]), triton.cdiv(m, consts["BLOCK_M"]))
-                    kw = dict(consts, **({"G": group} if mode == "int4" else {}))
+                    kw = dict(consts, PRECISION=QG.PRECISION[dt],
+                              **({"G": group} if mode == "int4" else {}))
                     QG.KERNELS[mode][grid](x, parts["q"], parts["s"], out, m, n, k, **kw,
                                             num_warps=warps)
                     err = (out.double() - want).abs().max().item()
@@ -167,7 +168,7 @@ def test_quantised_step_on_gpu_matches_dequantised_eager(tmp_path, mode, dtype):
     ref = fake_quant(model, mode, group).to("cuda", dtype)
     w, ep = hf_decoder.export_step(model, 32, device="cuda", dtype=dtype)
     rw, _ = hf_decoder.export_step(ref, 32, device="cuda", dtype=dtype)
-    cm = kiln.compile(ep, device="cuda", options=Options(weight_quant=mode,
+    cm = kiln.compile(ep, device="cuda", options=Options(weight_quant=mode, autotune=False,
                                                          weight_quant_group=group))
     r = cm.load(tmp_path / "q.kiln", device="cuda")
     prompt = [3, 17, 42, 5, 99]
@@ -195,7 +196,7 @@ def test_quantised_generation_on_gpu(tmp_path, mode):
     progs = hf_decoder.export_decoder(model, max_cache_len=64, max_prompt=16,
                                       sampler=device_sampler.export_sampler)
     path = kiln.compile(progs, device="cuda", options=Options(
-        weight_quant=mode, weight_quant_group=64)).save(tmp_path / "g.kiln")
+        weight_quant=mode, weight_quant_group=64, autotune=False)).save(tmp_path / "g.kiln")
     r = kiln.load(path, device="cuda")
     prompt = [3, 17, 42, 5, 99, 7, 1, 2]
     want = hf_decoder.eager_generate(ref, prompt, 16, max_cache_len=64)
@@ -209,7 +210,9 @@ def test_kl_report_on_cuda():
     model = QR.small_llama(hidden_size=128, intermediate_size=256, vocab_size=256,
                            num_attention_heads=4, num_key_value_heads=2)
     tokens = QR.token_stream(256, 64)
-    rep = QR.kl_report(model, tokens, 32, QR.default_modes(64, device="cuda"), device="cuda")
+    base = Options(autotune=False)
+    rep = QR.kl_report(model, tokens, 32, QR.default_modes(64, base, device="cuda"), base,
+                       device="cuda")
     assert set(rep) == {"int8", "int4_g64"} and rep["int8"]["positions"] == 64
     assert 0 < rep["int8"]["kl_mean"] < rep["int4_g64"]["kl_mean"]
     assert rep["int8"]["kl_max"] < 1e-2 and rep["int4_g64"]["kl_max"] < 0.5
