@@ -46,7 +46,8 @@ def cmd_generate(args: argparse.Namespace) -> int:
         return 0
     print("tokens:", ",".join(map(str, g.tokens)))
     per = f"{g.decode_seconds / g.decode_steps * 1e3:.2f} ms/token, " if g.decode_steps else ""
-    print(f"sampling on the {g.sampling}; prefill: {len(prompt)} tokens in {g.prefill_seconds * 1e3:.2f} ms; decode: "
+    print(f"sampling on the {g.sampling}; prefill: {len(prompt)} tokens in "
+          f"{g.prefill_seconds * 1e3:.2f} ms; decode: "
           f"{g.decode_steps} tokens, {per}{g.decode_tokens_per_s:.1f} tokens/s; overall "
           f"{g.tokens_per_s:.1f} tokens/s")
     return 0

@@ -167,7 +167,7 @@ def test_quantised_step_on_gpu_matches_dequantised_eager(tmp_path, mode, dtype):
     model = hf_decoder.llama(layers=2, hidden=256, heads=8, kv_heads=4, vocab=512, inter=512)
     ref = fake_quant(model, mode, group).to("cuda", dtype)
     w, ep = hf_decoder.export_step(model, 32, device="cuda", dtype=dtype)
-    rw, _ = hf_decoder.export_step(ref, 32, device="cuda", dtype=dtype)
+    rw = hf_decoder.static_cache_module(ref, 32)
     cm = kiln.compile(ep, device="cuda", options=Options(weight_quant=mode, autotune=False,
                                                          weight_quant_group=group))
     r = cm.load(tmp_path / "q.kiln", device="cuda")
