@@ -154,8 +154,8 @@ def export_decoder(model: torch.nn.Module, max_cache_len: int = 128,
                      "cache_position": torch.tensor([2], device=dev)}, strict=True)
     out = {"prefill": prefill, "decode": decode}
     if sampler is not None:
-        logits = next(n for n in decode.graph.nodes if n.op == "output").args[0][0]
-        val = logits.meta["val"]
+        name = decode.graph_signature.user_outputs[0]  # after any buffer mutations
+        val = next(n for n in decode.graph.nodes if n.name == name).meta["val"]
         out["sample"] = sampler(int(val.shape[-1]), val.dtype, top)
     return out
 
