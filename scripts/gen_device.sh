@@ -20,7 +20,7 @@ PY=${PY:-python3}
 t0=$(date +%s)
 rc=0
 if [ -z "${SKIP_TESTS:-}" ]; then
-  timeout ${TEST_TIMEOUT:-180} $PY -m pytest -m gpu -q -p no:cacheprovider -o addopts="" \
+  timeout ${TEST_TIMEOUT:-200} $PY -m pytest -m gpu -q -p no:cacheprovider -o addopts="" \
     tests/targets/cuda/test_generate_cuda.py tests/targets/cuda/test_quant_cuda.py \
     tests/targets/cuda/test_llm_cuda.py \
     ${GEN_TESTS:-} 2>&1 | grep -v "^DEBUG" | tee "$OUT/pytest_gpu.log" | tail -30
@@ -32,7 +32,7 @@ if [ -z "${SKIP_BENCH:-}" ]; then
     -L"$($PY -c 'from kiln.runtime.build import build_libkiln; print(build_libkiln().parent)')" \
     -lkiln -Wl,-rpath,"$($PY -c 'from kiln.runtime.build import build_libkiln; print(build_libkiln().parent)')" \
     -ldl -o "$OUT/generate" 2>&1 | tee "$OUT/cc.log"
-  timeout ${BENCH_TIMEOUT:-250} $PY bench/gen_gpu.py --weight-quant "${WQ:-none,int8,int4}" \
+  timeout ${BENCH_TIMEOUT:-240} $PY bench/gen_gpu.py --weight-quant "${WQ:-none,int8,int4}" \
     --json "$OUT/gen_gpu.json" --c-exe "$OUT/generate" ${BENCH_ARGS:-} 2>&1 \
     | grep -v "^DEBUG" | tee "$OUT/bench_gen.log" | tail -25
 fi
