@@ -102,7 +102,9 @@ def _manifest(built: Built, opts: Options, report: dict) -> dict[str, Any]:
         "kiln_version": __version__,
         "torch_version": torch.__version__,
         "abi_version": 1,
-        "state_abi": 1,  # the model table has the state functions (kiln_model_abi.h)
+        # the model table has the state functions (kiln_model_abi.h); 2: and weight_buffer /
+        # share_weight (device models: one upload of the weights per loaded package)
+        "state_abi": 2 if built.device == "cuda" else 1,
         "device": built.device,
         **({built.device: dict(built.info)} if built.info else {}),
         "options": opts.to_json(),

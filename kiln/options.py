@@ -170,6 +170,10 @@ class Options:
     #: an fp32 scale), two values a byte. The package stores only the quantised tensors (FQN
     #: `<quantised MODE of FQN>`; update_weights refuses them), and kiln_qgemm.h's kernels
     #: dequantise in registers (passes/quant_weights.py, targets/cpu/quant.py).
+    #: CUDA builds: the same for float32 / bfloat16 / float16 GEMMs, the weights stored [N, K]
+    #: (int4: a power-of-two group >= 32 dividing K, else the GEMM stays unquantised) and
+    #: multiplied by quantised GEMV (M = 1) / tensor-core Triton kernels (gemm/quant_gemv.py,
+    #: targets/cuda/quant.py).
     weight_quant: str = "none"
     #: weight_quant="int4": values of K per scale (a positive multiple of 8).
     weight_quant_group: int = 128

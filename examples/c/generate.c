@@ -3,7 +3,7 @@
  * weights and the KV cache of one loaded model.
  *
  * Usage: generate [-n MAX_NEW] [-T TEMPERATURE] [-k TOP_K] [-p TOP_P] [-s SEED] [-t THREADS]
- *                 <package.kiln> <id,id,...>
+ *                 [-d DEVICE] <package.kiln> <id,id,...>
  *
  * The loop: prefill runs the whole prompt (input_ids int64 [1, T], cache_position int64 [T] =
  * 0..T-1) and fills the cache; every decode step runs one token (input_ids [1, 1],
@@ -15,8 +15,17 @@
  *     prefill: <T> tokens in <ms> ms; decode: <n> tokens, <ms> ms/token, <x> tokens/s
  * Exit status: 0 on success, 1 when kiln reports an error (kiln_last_error() on stderr), 2 on
  * usage errors.
+ *
+ * -d cuda[:N] runs a CUDA package on GPU N. Its inputs live in device memory (allocated here
+ * through the CUDA driver, opened with dlopen: nothing to link), and a package with a "sample"
+ * entry point (hf_decoder.export_decoder(..., sampler=device_sampler.export_sampler)) samples
+ * on the device: its outputs, the next input_ids [1, 1] and cache_position [1], are the next
+ * decode's inputs, so no step waits for the host; the tokens are copied back at the end. The
+ * sampler is a counter-based one of its own (kiln/models/device_sampler.py): greedy gives the
+ * host's tokens, a seed gives the same tokens on every run (not the host sampler's).
  */
 #define _POSIX_C_SOURCE 199309L
+#include <dlfcn.h>
 #include <stdint.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -33,7 +42,7 @@ static double now_s(void) {
 
 static int usage(void) {
   fprintf(stderr, "usage: generate [-n MAX_NEW] [-T TEMPERATURE] [-k TOP_K] [-p TOP_P] "
-                  "[-s SEED] [-t THREADS] <package.kiln> <id,id,...>\n");
+                  "[-s SEED] [-t THREADS] [-d DEVICE] <package.kiln> <id,id,...>\n");
   return 2;
 }
 
@@ -82,11 +91,151 @@ static int step(kiln_model *m, const char *name, int64_t *ids, int64_t *pos, int
   return rc;
 }
 
+/* The few CUDA driver functions the device loop needs (libcuda.so.1, opened at run time). */
+typedef unsigned long long CUdeviceptr_;
+struct Cuda {
+  int (*init)(unsigned);
+  int (*device_get)(int *, int);
+  int (*retain)(void **, int);
+  int (*set_current)(void *);
+  int (*alloc)(CUdeviceptr_ *, size_t);
+  int (*free)(CUdeviceptr_);
+  int (*htod)(CUdeviceptr_, const void *, size_t);
+  int (*dtoh)(void *, CUdeviceptr_, size_t);
+  int (*sync)(void);
+};
+
+static int cuda_open(struct Cuda *c, int device) {
+  void *h = dlopen("libcuda.so.1", RTLD_NOW | RTLD_LOCAL);
+  const char *names[] = {"cuInit", "cuDeviceGet", "cuDevicePrimaryCtxRetain", "cuCtxSetCurrent",
+                         "cuMemAlloc_v2", "cuMemFree_v2", "cuMemcpyHtoD_v2", "cuMemcpyDtoH_v2",
+                         "cuCtxSynchronize"};
+  void **fn = (void **)c;
+  if (!h) return -1;
+  for (size_t k = 0; k < sizeof names / sizeof names[0]; ++k)
+    if (!(fn[k] = dlsym(h, names[k]))) return -1;
+  int dev = 0;
+  void *ctx = NULL;
+  if (c->init(0) || c->device_get(&dev, device) || c->retain(&ctx, dev) ||
+      c->set_current(ctx))
+    return -1;
+  return 0;
+}
+
+/* A device int64 / float32 tensor over data (contiguous). */
+static DLTensor device_tensor(CUdeviceptr_ data, int device, uint8_t code, int32_t ndim,
+                              int64_t *shape) {
+  DLTensor t;
+  memset(&t, 0, sizeof t);
+  t.data = (void *)(uintptr_t)data;
+  t.device.device_type = kDLCUDA;
+  t.device.device_id = device;
+  t.ndim = ndim;
+  t.dtype.code = code;
+  t.dtype.bits = code == kDLInt ? 64 : 32;
+  t.dtype.lanes = 1;
+  t.shape = shape;
+  return t;
+}
+
+static void drop(DLManagedTensor **t) {
+  if (*t && (*t)->deleter) (*t)->deleter(*t);
+  *t = NULL;
+}
+
+/* The whole loop on GPU `device` with the package's "sample" entry point; tokens[0..*n). */
+static int generate_cuda(kiln_model *m, int device, const int64_t *prompt, int64_t n_prompt,
+                         long max_new, float temperature, int64_t top_k, float top_p,
+                         uint64_t seed, int64_t *tokens, long *n, double *t_prefill,
+                         double *t_decode) {
+  struct Cuda c;
+  if (cuda_open(&c, device) != 0) {
+    fprintf(stderr, "generate: cannot open the CUDA driver (libcuda.so.1) for cuda:%d\n",
+            device);
+    return -1;
+  }
+  if (kiln_model_entry_num_inputs(m, "sample") != 4) {
+    fprintf(stderr, "generate: the package has no \"sample\" entry point taking (logits, "
+                    "cache_position, fparams, iparams): export it with hf_decoder.export_decoder"
+                    "(..., sampler=device_sampler.export_sampler)\n");
+    return -1;
+  }
+  int rc = -1;
+  CUdeviceptr_ d_ids = 0, d_pos = 0, d_fp = 0, d_ip = 0;
+  DLManagedTensor **ids = calloc((size_t)max_new, sizeof *ids);
+  DLManagedTensor *logits = NULL, *pos = NULL;
+  int64_t *host_pos = malloc((size_t)n_prompt * sizeof(int64_t));
+  float fp[2] = {temperature, top_p};
+  int64_t ip[2] = {top_k, (int64_t)seed};
+  int64_t s_ids[2] = {1, n_prompt}, s_pos[1] = {n_prompt}, s_two[1] = {2};
+  if (!ids || !host_pos) goto out;
+  for (int64_t k = 0; k < n_prompt; ++k) host_pos[k] = k;
+  if (c.alloc(&d_ids, (size_t)n_prompt * 8) || c.alloc(&d_pos, (size_t)n_prompt * 8) ||
+      c.alloc(&d_fp, sizeof fp) || c.alloc(&d_ip, sizeof ip) ||
+      c.htod(d_ids, prompt, (size_t)n_prompt * 8) ||
+      c.htod(d_pos, host_pos, (size_t)n_prompt * 8) || c.htod(d_fp, fp, sizeof fp) ||
+      c.htod(d_ip, ip, sizeof ip)) {
+    fprintf(stderr, "generate: CUDA allocation or copy failed\n");
+    goto out;
+  }
+  DLTensor a = device_tensor(d_ids, device, kDLInt, 2, s_ids);
+  DLTensor b = device_tensor(d_pos, device, kDLInt, 1, s_pos);
+  DLTensor f = device_tensor(d_fp, device, kDLFloat, 1, s_two);
+  DLTensor g = device_tensor(d_ip, device, kDLInt, 1, s_two);
+  double t0 = now_s();
+  const DLTensor *pre_in[2] = {&a, &b};
+  if (kiln_model_run_entry(m, "prefill", pre_in, 2, &logits, 1) != 0) goto fail;
+  const DLTensor *s_in[4] = {&logits->dl_tensor, &b, &f, &g};
+  DLManagedTensor *s_out[2] = {NULL, NULL};
+  if (kiln_model_run_entry(m, "sample", s_in, 4, s_out, 2) != 0) goto fail;
+  drop(&logits);
+  ids[0] = s_out[0];
+  pos = s_out[1];
+  if (c.sync()) goto cuda_fail;
+  double t1 = now_s();
+  long k = 1;
+  for (; k < max_new; ++k) {
+    const DLTensor *d_in[2] = {&ids[k - 1]->dl_tensor, &pos->dl_tensor};
+    if (kiln_model_run_entry(m, "decode", d_in, 2, &logits, 1) != 0) goto fail;
+    const DLTensor *in[4] = {&logits->dl_tensor, &pos->dl_tensor, &f, &g};
+    if (kiln_model_run_entry(m, "sample", in, 4, s_out, 2) != 0) goto fail;
+    drop(&logits);
+    drop(&pos);
+    ids[k] = s_out[0];
+    pos = s_out[1];
+  }
+  if (c.sync()) goto cuda_fail;
+  *t_prefill = t1 - t0;
+  *t_decode = now_s() - t1;
+  for (long j = 0; j < k; ++j)
+    if (c.dtoh(&tokens[j], (CUdeviceptr_)(uintptr_t)ids[j]->dl_tensor.data, 8)) goto cuda_fail;
+  *n = k;
+  rc = 0;
+  goto out;
+cuda_fail:
+  fprintf(stderr, "generate: a CUDA synchronise or copy failed\n");
+  goto out;
+fail:
+  fprintf(stderr, "generate: %s\n", kiln_last_error());
+out:
+  drop(&logits);
+  drop(&pos);
+  for (long j = 0; ids && j < max_new; ++j) drop(&ids[j]);
+  free(ids);
+  free(host_pos);
+  if (d_ids) c.free(d_ids);
+  if (d_pos) c.free(d_pos);
+  if (d_fp) c.free(d_fp);
+  if (d_ip) c.free(d_ip);
+  return rc;
+}
+
 int main(int argc, char **argv) {
   long max_new = 32, threads = 0;
   float temperature = 0.0f, top_p = 1.0f;
   long long top_k = 0;
   unsigned long long seed = 0;
+  const char *device = "cpu";
   int i = 1;
   for (; i < argc && argv[i][0] == '-' && argv[i][1] && !argv[i][2]; i += 2) {
     if (i + 1 >= argc) return usage();
@@ -98,6 +247,7 @@ int main(int argc, char **argv) {
       case 'p': top_p = strtof(v, NULL); break;
       case 's': seed = strtoull(v, NULL, 10); break;
       case 't': threads = strtol(v, NULL, 10); break;
+      case 'd': device = v; break;
       default: return usage();
     }
   }
@@ -119,21 +269,33 @@ int main(int argc, char **argv) {
   int64_t *pos = malloc((size_t)n_prompt * sizeof(int64_t));
   int status = 1;
   if (!tokens || !pos) goto done;
-  if (kiln_model_load(argv[i], "cpu", &m) != 0) goto fail;
+  if (kiln_model_load(argv[i], device, &m) != 0) goto fail;
   if (threads > 0 && kiln_model_set_num_threads(m, (int)threads) != 0) goto fail;
   if (kiln_model_reset_state(m) != 0) goto fail; /* a fresh KV cache */
+  long n = 1;
+  double t0 = 0, t1 = 0, t2 = 0;
+  if (strncmp(device, "cuda", 4) == 0) {
+    int dev = device[4] == ':' ? atoi(device + 5) : 0;
+    double tp = 0, td = 0;
+    if (generate_cuda(m, dev, prompt, n_prompt, max_new, temperature, top_k, top_p, seed,
+                      tokens, &n, &tp, &td) != 0)
+      goto done;
+    t1 = tp;
+    t2 = tp + td;
+    goto print;
+  }
   uint64_t rng = seed;
   for (int64_t k = 0; k < n_prompt; ++k) pos[k] = k;
-  double t0 = now_s();
+  t0 = now_s();
   if (step(m, "prefill", prompt, pos, n_prompt, temperature, top_k, top_p, &rng, &tokens[0]))
     goto fail;
-  double t1 = now_s();
-  long n = 1;
+  t1 = now_s();
   for (; n < max_new; ++n) {
     int64_t id = tokens[n - 1], p = n_prompt + n - 1;
     if (step(m, "decode", &id, &p, 1, temperature, top_k, top_p, &rng, &tokens[n])) goto fail;
   }
-  double t2 = now_s();
+  t2 = now_s();
+print:
   printf("tokens: ");
   for (long k = 0; k < n; ++k) printf("%s%lld", k ? "," : "", (long long)tokens[k]);
   printf("\nprefill: %lld tokens in %.2f ms; decode: %ld tokens, %.2f ms/token, %.1f tokens/s\n",

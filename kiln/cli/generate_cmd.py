@@ -1,6 +1,7 @@
 """``kiln generate PKG --prompt-ids 1,2,3 --max-new-tokens N``: prefill the prompt, decode
 token by token (kiln.runtime.generate: libkiln's kiln_sample, as examples/c/generate.c),
-print the tokens and the speed."""
+print the tokens and the speed. `--device cuda` runs a CUDA package, sampling on the device
+when the package has a `sample` entry point (kiln/models/device_sampler.py)."""
 
 from __future__ import annotations
 
@@ -24,10 +25,14 @@ def parse_ids(text: str) -> list[int]:
 
 def cmd_generate(args: argparse.Namespace) -> int:
     prompt = parse_ids(args.prompt_ids)
-    runner = load(args.package, num_threads=args.threads)
+    if args.repeat < 1:
+        raise InputError(f"--repeat must be >= 1, got {args.repeat}")
+    runner = load(args.package, device=args.device, num_threads=args.threads)
     try:
-        g = generate(runner, prompt, args.max_new_tokens, temperature=args.temperature,
-                     top_k=args.top_k, top_p=args.top_p, seed=args.seed, stop=args.stop)
+        for _ in range(args.repeat):
+            g = generate(runner, prompt, args.max_new_tokens, temperature=args.temperature,
+                         top_k=args.top_k, top_p=args.top_p, seed=args.seed, stop=args.stop,
+                         device_sampling=False if args.host_sampling else None)
     finally:
         runner.close()
     if args.json:
@@ -36,11 +41,13 @@ def cmd_generate(args: argparse.Namespace) -> int:
                           "decode_ms_per_token": (g.decode_seconds / g.decode_steps * 1e3
                                                   if g.decode_steps else None),
                           "decode_tokens_per_s": g.decode_tokens_per_s,
-                          "tokens_per_s": g.tokens_per_s}))
+                          "tokens_per_s": g.tokens_per_s, "device": args.device,
+                          "sampling": g.sampling}))
         return 0
     print("tokens:", ",".join(map(str, g.tokens)))
     per = f"{g.decode_seconds / g.decode_steps * 1e3:.2f} ms/token, " if g.decode_steps else ""
-    print(f"prefill: {len(prompt)} tokens in {g.prefill_seconds * 1e3:.2f} ms; decode: "
+    print(f"sampling on the {g.sampling}; prefill: {len(prompt)} tokens in "
+          f"{g.prefill_seconds * 1e3:.2f} ms; decode: "
           f"{g.decode_steps} tokens, {per}{g.decode_tokens_per_s:.1f} tokens/s; overall "
           f"{g.tokens_per_s:.1f} tokens/s")
     return 0

@@ -88,6 +88,12 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--seed", type=int, default=0, help="the sampler's seed")
     g.add_argument("--stop", type=int, default=None, metavar="ID", help="stop at this token")
     g.add_argument("--threads", type=int, default=None, help="OpenMP threads per run")
+    g.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N (a CUDA package)")
+    g.add_argument("--host-sampling", action="store_true",
+                   help="on CUDA: sample on the host even when the package has a sample entry")
+    g.add_argument("--repeat", type=int, default=1,
+                   help="generate this many times, report the last (on CUDA the first run "
+                        "captures the CUDA graphs)")
     g.add_argument("--json", action="store_true", help="tokens and timings as JSON")
     g.set_defaults(func=lambda a: _lazy("kiln.cli.generate_cmd", "cmd_generate")(a))
 

@@ -10,6 +10,7 @@ positions whose argmax agrees, and the max |logit difference|. `small_llama()` i
 Llama-shaped decoder of kiln/models/tp.py at a size that compiles in seconds.
 
     PYTHONPATH=$PWD python -m kiln.models.quant_report [--seq 32] [--windows 4] [--group 128]
+        [--device cuda]
 """
 
 from __future__ import annotations
@@ -36,11 +37,11 @@ def token_stream(vocab: int, n: int, seed: int = 0) -> torch.Tensor:
     return torch.randint(0, vocab, (n,), generator=torch.Generator().manual_seed(seed))
 
 
-def _logits(runner, tokens: torch.Tensor, seq: int) -> torch.Tensor:
+def _logits(runner, tokens: torch.Tensor, seq: int, device: str = "cpu") -> torch.Tensor:
     out = []
     for w in range(tokens.numel() // seq):
-        y = runner(tokens[w * seq:(w + 1) * seq][None])
-        out.append((y[0] if isinstance(y, (tuple, list)) else y)[0].double())
+        y = runner(tokens[w * seq:(w + 1) * seq][None].to(device))
+        out.append((y[0] if isinstance(y, (tuple, list)) else y)[0].double().cpu())
     return torch.cat(out)  # [positions, vocab]
 
 
@@ -55,24 +56,32 @@ def kl_stats(ref: torch.Tensor, got: torch.Tensor) -> dict[str, float]:
 
 
 def kl_report(model: torch.nn.Module, tokens: torch.Tensor, seq: int,
-              modes: dict[str, Options], base: Options | None = None) -> dict[str, dict]:
-    """{mode name: kl_stats} of each quantised build against the unquantised `base` build."""
+              modes: dict[str, Options], base: Options | None = None,
+              device: str = "cpu") -> dict[str, dict]:
+    """{mode name: kl_stats} of each quantised build against the unquantised `base` build,
+    every build for and run on `device` ("cpu" or "cuda": the CUDA target's quantised
+    kernels, targets/cuda/quant.py)."""
     base = base or Options()
     example = (tokens[:seq][None],)
-    ref = _logits(kiln_compile(model, example, options=replace(base, weight_quant="none"))
-                  .load(), tokens, seq)
-    out = {}
-    for name, opts in modes.items():
-        got = _logits(kiln_compile(model, example, options=opts).load(), tokens, seq)
-        out[name] = kl_stats(ref, got)
-    return out
+
+    def run(opts: Options) -> torch.Tensor:
+        cm = kiln_compile(model, example, options=opts, device=device)
+        return _logits(cm.load(device=device), tokens, seq, device)
+
+    ref = run(replace(base, weight_quant="none"))
+    return {name: kl_stats(ref, run(opts)) for name, opts in modes.items()}
 
 
-def default_modes(group: int = 128, base: Options | None = None) -> dict[str, Options]:
+def default_modes(group: int = 128, base: Options | None = None,
+                  device: str = "cpu") -> dict[str, Options]:
+    """The quantised builds to report (on CUDA no VNNI kernel: int8 and int4)."""
     base = base or Options()
-    return {"int8": replace(base, weight_quant="int8"),
-            "int8_vnni": replace(base, weight_quant="int8", weight_quant_kernel="vnni"),
-            f"int4_g{group}": replace(base, weight_quant="int4", weight_quant_group=group)}
+    modes = {"int8": replace(base, weight_quant="int8"),
+             "int8_vnni": replace(base, weight_quant="int8", weight_quant_kernel="vnni"),
+             f"int4_g{group}": replace(base, weight_quant="int4", weight_quant_group=group)}
+    if device != "cpu":
+        del modes["int8_vnni"]
+    return modes
 
 
 def main(argv=None) -> None:
@@ -80,10 +89,13 @@ def main(argv=None) -> None:
     ap.add_argument("--seq", type=int, default=32)
     ap.add_argument("--windows", type=int, default=4)
     ap.add_argument("--group", type=int, default=128)
+    ap.add_argument("--device", default="cpu", help="cpu or cuda")
     a = ap.parse_args(argv)
     model = small_llama()
     tokens = token_stream(model.cfg.vocab_size, a.seq * a.windows)
-    print(json.dumps(kl_report(model, tokens, a.seq, default_modes(a.group)), indent=1))
+    print(json.dumps(kl_report(model, tokens, a.seq,
+                               default_modes(a.group, device=a.device), device=a.device),
+                     indent=1))
 
 
 if __name__ == "__main__":

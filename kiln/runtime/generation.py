@@ -4,7 +4,14 @@
 function examples/c/generate.c calls, so both give the same tokens for the same seed.
 
 Each entry takes `input_ids` (int64 [1, T]) and `cache_position` (int64 [T]) and returns
-logits [1, T, vocab]; the KV cache is the runner's state (reset before each generation)."""
+logits [1, T, vocab]; the KV cache is the runner's state (reset before each generation).
+
+On CUDA, a package with a `sample` entry point (kiln/models/device_sampler.py) samples on the
+device: its output (the next ids [1, 1] and position [1], device tensors) is the next decode's
+input, so a step is a decode (its CUDA graph) and a one-program sampling kernel with no host
+synchronisation; the tokens are read back once at the end (each step only when `stop` is
+given). Greedy tokens are the host sampler's; a seed gives the same tokens on every run (its
+own generator, not the host's)."""
 
 from __future__ import annotations
 
@@ -25,6 +32,7 @@ class Generation:
     prefill_seconds: float   # the prompt's run, its token chosen
     decode_seconds: float    # every decode step
     decode_steps: int
+    sampling: str = "host"   # where the tokens were chosen: "host" (kiln_sample) or "device"
 
     @property
     def decode_tokens_per_s(self) -> float:
@@ -65,9 +73,11 @@ class Sampler:
 
 def generate(runner: Runner, prompt: list[int], max_new_tokens: int, *,
              temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0, seed: int = 0,
-             stop: int | None = None) -> Generation:
+             stop: int | None = None, device_sampling: bool | None = None) -> Generation:
     """Prefill the prompt, then decode up to max_new_tokens tokens (fewer when `stop` is
-    generated). The runner's state (the KV cache) is reset first."""
+    generated). The runner's state (the KV cache) is reset first. `device_sampling`: None
+    samples on the device when the runner is on CUDA and the package has a `sample` entry
+    point, False always on the host, True requires the device sampler."""
     if not prompt:
         raise InputError("generate: the prompt is empty (give at least one token id)")
     if max_new_tokens < 1:
@@ -77,19 +87,71 @@ def generate(runner: Runner, prompt: list[int], max_new_tokens: int, *,
         raise KilnError(f"generate: the package has no entry point {missing[0]!r} (its entry "
                         f"points: {', '.join(runner.entries)}); compile it with "
                         "kiln.models.hf_decoder.export_decoder")
-    sample = Sampler(temperature, top_k, top_p, seed)
+    _check_params(temperature, top_k, top_p)
     prefill, decode = _call(runner.entry("prefill")), _call(runner.entry("decode"))
+    dev = getattr(runner, "_device", torch.device("cpu"))
+    on_device = dev.type == "cuda" and "sample" in runner.entries
+    if device_sampling and not on_device:
+        raise KilnError("generate: device sampling needs a CUDA runner of a package with a "
+                        "'sample' entry point (hf_decoder.export_decoder(..., sampler="
+                        f"device_sampler.export_sampler)); this one is on {dev} with entry "
+                        f"points {', '.join(runner.entries)}")
+    if on_device and device_sampling is not False:
+        return _generate_on_device(runner, prefill, decode, prompt, max_new_tokens, dev,
+                                   temperature, top_k, top_p, seed, stop)
+    sample = Sampler(temperature, top_k, top_p, seed)
     runner.reset_state()
     t0 = time.perf_counter()
-    logits = prefill(torch.tensor([prompt], dtype=torch.long), torch.arange(len(prompt)))
+    logits = prefill(torch.tensor([prompt], dtype=torch.long, device=dev),
+                     torch.arange(len(prompt), device=dev))
     tokens = [sample(logits)]
     t1 = time.perf_counter()
-    ids, pos = torch.zeros(1, 1, dtype=torch.long), torch.zeros(1, dtype=torch.long)
+    ids = torch.zeros(1, 1, dtype=torch.long, device=dev)
+    pos = torch.zeros(1, dtype=torch.long, device=dev)
     while len(tokens) < max_new_tokens and tokens[-1] != stop:
         ids[0, 0], pos[0] = tokens[-1], len(prompt) + len(tokens) - 1
         tokens.append(sample(decode(ids, pos)))
     t2 = time.perf_counter()
     return Generation(tokens, t1 - t0, t2 - t1, len(tokens) - 1)
+
+
+def _check_params(temperature: float, top_k: int, top_p: float) -> None:
+    if temperature != temperature:
+        raise InputError("generate: temperature is NaN")
+    if top_k < 0:
+        raise InputError(f"generate: top_k must be >= 0 (0: all), got {top_k}")
+    if not 0.0 <= top_p <= 1.0:  # NaN too
+        raise InputError(f"generate: top_p must be in [0, 1] (0 or 1: all), got {top_p}")
+
+
+def _generate_on_device(runner: Runner, prefill, decode, prompt: list[int],
+                        max_new_tokens: int, dev: torch.device, temperature: float, top_k: int,
+                        top_p: float, seed: int, stop: int | None) -> Generation:
+    """The loop with the package's `sample` entry point: nothing leaves the device per step
+    (one int64 when `stop` is given)."""
+    sample = runner.entry("sample")
+    s = int(seed) & (2**64 - 1)
+    fp = torch.tensor([float(temperature), float(top_p)], dtype=torch.float32, device=dev)
+    ip = torch.tensor([int(top_k), s - 2**64 if s >= 2**63 else s], dtype=torch.int64,
+                      device=dev)
+    runner.reset_state()
+    sync = torch.cuda.synchronize
+    sync(dev)
+    t0 = time.perf_counter()
+    pos = torch.arange(len(prompt), device=dev)
+    logits = prefill(torch.tensor([prompt], dtype=torch.long, device=dev), pos)
+    ids, pos = sample(logits, pos, fp, ip)
+    out = [ids]
+    stopped = stop is not None and int(ids) == stop
+    sync(dev)
+    t1 = time.perf_counter()
+    while len(out) < max_new_tokens and not stopped:
+        ids, pos = sample(decode(ids, pos), pos, fp, ip)
+        out.append(ids)
+        stopped = stop is not None and int(ids) == stop  # one read back per step
+    tokens = torch.cat(out).reshape(-1).tolist()  # synchronises
+    t2 = time.perf_counter()
+    return Generation(tokens, t1 - t0, t2 - t1, len(tokens) - 1, "device")
 
 
 def _call(entry: Runner):

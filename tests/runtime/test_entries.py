@@ -269,7 +269,8 @@ def test_update_weights_reaches_every_entry_and_resets_state(package, toy):
 
 def test_cuda_package_of_entries_builds(tmp_path):
     """Compile-only (no GPU here): a CUDA package of two entries sharing a state buffer has
-    the state functions in each library and the entries in its manifest."""
+    the state and weight-sharing functions in each library and the entries in its manifest
+    (on a GPU: tests/targets/cuda/test_generate_cuda.py)."""
     pytest.importorskip("triton")
     import zipfile
 
@@ -278,9 +279,12 @@ def test_cuda_package_of_entries_builds(tmp_path):
                       "b": (_Counter(4), (torch.ones(4),))}, device="cuda", options=opts)
     path = c.save(tmp_path / "c.kiln")
     assert [e["name"] for e in c.manifest["entries"]] == ["a", "b"]
-    assert c.manifest["device"] == "cuda" and c.manifest["state_abi"] == 1
+    # 2: the tables also have weight_buffer / share_weight (one upload of the weights)
+    assert c.manifest["device"] == "cuda" and c.manifest["state_abi"] == 2
     with zipfile.ZipFile(path) as z:
         for src in ("src/model_cuda.cpp", "entries/b/src/model_cuda.cpp"):
             text = z.read(src).decode()
             assert "int share_state(" in text and "state_buffer, share_state" in text
+            assert "int share_weight(" in text and "weight_buffer, share_weight};" in text
+            assert "if (!weights[i]) continue;" in text  # a shared weight is not uploaded
         assert {"lib/model.so", "entries/b/lib/model.so"} <= set(z.namelist())

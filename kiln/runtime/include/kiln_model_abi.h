@@ -68,6 +68,19 @@ typedef struct kiln_model_abi {
   int (*share_state)(void *instance, int64_t k, void *buffer, char *err, size_t errlen);
   int (*read_state)(void *instance, int64_t k, void *host, char *err, size_t errlen);
   int (*write_state)(void *instance, int64_t k, const void *host, char *err, size_t errlen);
+  /* Added for one upload of the weights per loaded package on a device (read by libkiln only
+   * for device models whose manifest has "state_abi" >= 2; older tables end at write_state,
+   * CPU tables leave them NULL). create_on_device then accepts NULL in `weights`: weight k is
+   * neither allocated nor uploaded, and the caller gives the instance another instance's
+   * device copy with share_weight before the first run (libkiln: the entry points of one
+   * package share every weight stored under one key, each uploaded by the first entry that
+   * has it, which libkiln destroys last).
+   *  - weight_buffer: the device address of weight k (NULL when not uploaded or k is out of
+   *    range).
+   *  - share_weight: the instance reads weight k from `buffer` (weight_buffer of another
+   *    instance, same bytes) from now on; the buffer stays its owner's. */
+  void *(*weight_buffer)(void *instance, int64_t k);
+  int (*share_weight)(void *instance, int64_t k, void *buffer, char *err, size_t errlen);
 } kiln_model_abi;
 
 typedef const kiln_model_abi *(*kiln_model_abi_fn)(void);

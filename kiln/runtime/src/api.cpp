@@ -31,6 +31,7 @@
 #include <cstdlib>
 #include <cstring>
 #include <map>
+#include <set>
 #include <memory>
 #include <mutex>
 #include <new>
@@ -132,6 +133,9 @@ struct kiln_model {
   std::unique_ptr<kiln::FileMap> weights_file;  // set once weights were replaced
   std::vector<kiln::ModelEntry> entries;  // [0]: the default entry (kiln_model_run)
   bool state_abi = false;  // the tables have the state functions (manifest "state_abi")
+  // device models: one upload of each weight key per loaded package (manifest "state_abi" >= 2)
+  bool share_weights = false;
+  std::set<std::string> state_keys;  // weights blob keys of the state buffers
   std::vector<kiln::StateSlot> state;  // under mu
   int32_t device_type = kDLCPU;  // kDLCUDA: the table's device fields are valid
   int32_t device_id = 0;
@@ -217,6 +221,8 @@ struct ManifestInfo {
   // build: its library, requires.cpu_features, build.march
   std::vector<ModelEntry> entries;
   bool state_abi = false;
+  bool share_weights = false;  // "state_abi" >= 2: weight_buffer / share_weight (devices)
+  std::set<std::string> state_keys;  // weights records with "state": true
 };
 
 // A list of strings (`key` of `obj`; absent: empty, as in packages from before it).
@@ -373,6 +379,16 @@ ManifestInfo check_manifest(const kiln::ZipReader &zip) {
   info.weight_shapes = weight_shapes(man);
   const kiln::Json *sa = man.get("state_abi");
   info.state_abi = sa && sa->is_int && sa->integer >= 1;
+  info.share_weights = sa && sa->is_int && sa->integer >= 2;
+  if (const kiln::Json *ws = man.get("weights"); ws && ws->type == kiln::Json::Array) {
+    for (const kiln::Json &w : ws->items) {
+      const kiln::Json *name = w.get("name");
+      const kiln::Json *st = w.get("state");
+      if (name && name->type == kiln::Json::String && st && st->type == kiln::Json::Bool &&
+          st->boolean)
+        info.state_keys.insert(name->str);
+    }
+  }
   const std::string march = string_field(man.get("build"), "march");
   const kiln::Json *es = man.get("entries");
   if (!es) {  // one entry point: the package's top level
@@ -533,6 +549,8 @@ void destroy_all(const kiln_model *m, const std::vector<void *> &inst) {
 Instances create_all(kiln_model *m, const unsigned char *data, uint64_t size,
                      const std::string &what) {
   Instances out;
+  // device models: the first entry that has a weight key uploads it, later ones share it
+  std::map<std::string, std::pair<size_t, int64_t>> uploaded;  // key -> (entry, weight k)
   try {
     for (size_t e = 0; e < m->entries.size(); ++e) {
       const ModelEntry &ent = m->entries[e];
@@ -545,6 +563,20 @@ Instances create_all(kiln_model *m, const unsigned char *data, uint64_t size,
       std::vector<const void *> w = abi->n_weights > 0
           ? bind_blob(data, size, abi, what, m->weight_shapes, ent.keys)
           : std::vector<const void *>();
+      auto key_of = [&](int64_t k) {
+        auto key = ent.keys.find(abi->weight_names[k]);
+        return key == ent.keys.end() ? std::string(abi->weight_names[k]) : key->second;
+      };
+      std::vector<char> skipped(w.size(), 0);  // not uploaded: shared after create
+      if (m->share_weights) {
+        for (int64_t k = 0; k < abi->n_weights; ++k) {
+          const std::string name = key_of(k);
+          if (uploaded.count(name) && abi->weight_nbytes[k] > 0) {
+            w[k] = nullptr;
+            skipped[k] = 1;
+          }
+        }
+      }
       char err[1024] = {0};
       void *inst = create_instance(m, abi, w, err, sizeof err);
       err[sizeof err - 1] = '\0';
@@ -554,12 +586,30 @@ Instances create_all(kiln_model *m, const unsigned char *data, uint64_t size,
                    m->entries.size() > 1 ? ent.name.c_str() : "", err[0] ? err : "(no message)");
       }
       out.inst.push_back(inst);
+      if (m->share_weights) {
+        for (int64_t k = 0; k < abi->n_weights; ++k) {
+          const std::string name = key_of(k);
+          auto up = uploaded.find(name);
+          if (up == uploaded.end()) {
+            uploaded[name] = {e, k};
+            continue;
+          }
+          if (!skipped[k] || m->state_keys.count(name)) continue;  // state: share_state below
+          const ModelEntry &owner = m->entries[up->second.first];
+          void *buf = owner.abi->weight_buffer(out.inst[up->second.first], up->second.second);
+          if (!buf || abi->share_weight(inst, k, buf, err, sizeof err) != 0) {
+            err[sizeof err - 1] = '\0';
+            kiln::fail("%s: entry point %s cannot share weight '%s': %s", what.c_str(),
+                       ent.name.c_str(), name.c_str(), buf ? err : "its owner has no copy");
+          }
+        }
+      }
       if (!m->state_abi || !abi->state_buffer) continue;
       for (int64_t k = 0; k < abi->n_weights; ++k) {
         void *buf = abi->state_buffer(inst, k);
-        if (!buf) continue;
-        auto key = ent.keys.find(abi->weight_names[k]);
-        const std::string name = key == ent.keys.end() ? abi->weight_names[k] : key->second;
+        if (!buf && !skipped[k]) continue;  // skipped state: not uploaded, shared below
+        const std::string name = key_of(k);
+        if (!buf && !m->state_keys.count(name)) continue;
         auto slot = std::find_if(out.state.begin(), out.state.end(),
                                  [&](const kiln::StateSlot &s) { return s.key == name; });
         if (slot == out.state.end()) {
@@ -620,6 +670,8 @@ KILN_API int kiln_model_load(const char *package_path, const char *device, kiln_
     const std::string &built_for = info.device;
     m->weight_shapes = info.weight_shapes;
     m->state_abi = info.state_abi;
+    m->share_weights = info.share_weights && m->device_type == kDLCUDA;
+    m->state_keys = info.state_keys;
     const bool want_cuda = m->device_type == kDLCUDA;
     if (built_for != (want_cuda ? "cuda" : "cpu")) {
       kiln::fail("kiln_model_load: package '%s' was compiled for device \"%s\", cannot load it "
@@ -642,7 +694,9 @@ KILN_API int kiln_model_load(const char *package_path, const char *device, kiln_
                    package_path, level.library.c_str());
       }
       if (m->state_abi && (!ent.abi->state_buffer || !ent.abi->share_state ||
-                           !ent.abi->read_state || !ent.abi->write_state)) {
+                           !ent.abi->read_state || !ent.abi->write_state ||
+                           (m->share_weights && (!ent.abi->weight_buffer ||
+                                                 !ent.abi->share_weight)))) {
         kiln::fail("kiln: package '%s': %s lacks the state functions its manifest promises",
                    package_path, level.library.c_str());
       }

@@ -6,6 +6,8 @@
     dce               dead nodes and unused weights dropped
     merge_gemms       (Options.fold_constants) GEMMs sharing their input and reading weights
                       become one GEMM on the weights concatenated (merged q/k/v, gate/up)
+    quant_weights     (Options.weight_quant) constant GEMM weights stored int8 / int4, the
+                      GEMMs calls of quantised GEMV / GEMM Triton kernels (targets/cuda/quant.py)
     freeze            (Options.freeze) weights stored in the layout their GEMMs read
     conv_nhwc         (Options.cuda_conv "implicit") 2-D convolutions as channels-last kiln
                       kernels, batch norm folded, epilogues fused (passes/conv_nhwc.py)
@@ -43,6 +45,7 @@ from kiln.targets.cuda.build import (CudaBuild, check_routines, codegen_triton, 
                                      nhwc_conv_enabled, triton_allowed,
                                      tunes_attention, tunes_kernels, user_kernel_configs)
 from kiln.targets.collectives import async_collectives, has_collectives
+from kiln.targets.cuda.quant import quant_enabled, quant_weights
 from kiln.targets.stages import (DCE, FREEZE, LOWER, MERGE_GEMMS, PLAN, REORDER, SCHEDULE,
                                  Stage, Target, check_graph, check_program, graph_text,
                                  import_stage, program_stage, program_text, source_files,
@@ -52,6 +55,8 @@ TARGET = Target("cuda", (
     import_stage(library_routines=False, fused_attention=True),
     DCE,
     MERGE_GEMMS,
+    Stage("quant_weights", quant_weights, dump=graph_text, verify=check_graph,
+          when=quant_enabled),
     FREEZE,
     Stage("conv_nhwc", nhwc_conv, dump=graph_text, verify=check_graph, when=nhwc_conv_enabled),
     Stage("mixed_gemm", mixed_gemm, dump=graph_text, verify=check_graph, when=triton_allowed),

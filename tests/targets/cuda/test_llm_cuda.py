@@ -23,7 +23,8 @@ pytest.importorskip("transformers")
 import kiln  # noqa: E402
 from kiln.options import Options  # noqa: E402
 
-from kiln.models.llm import eager_step, greedy, static_cache_module, llama  # noqa: E402
+from kiln.models.hf_decoder import eager_step, greedy, llama  # noqa: E402
+from kiln.models.hf_decoder import export_step as static_cache_module  # noqa: E402
 
 OPTS = Options(cuda_archs=(90,))
 
@@ -53,7 +54,7 @@ _INTERP = textwrap.dedent("""
     import sys, torch, kiln
     sys.path.insert(0, sys.argv[1])
     from test_llm_cuda import OPTS, _OneIndex
-    from kiln.models.llm import eager_step, static_cache_module, llama
+    from kiln.models.hf_decoder import eager_step, llama, export_step as static_cache_module
     from kiln.targets.cuda.wrapper_py import import_triton_module, run_program
     from kiln.targets.cuda.build import triton_kernels
 

@@ -1,0 +1,141 @@
+"""Token generation on the GPU (issue 17): a Llama-shaped decoder compiled as one CUDA package of
+three entry points (prefill, decode, sample: kiln/models/hf_decoder.py with the device sampler),
+generated with `kiln.runtime.generate` (the loop of `kiln generate --device cuda`): decode
+ms/token and tokens/s with sampling on the device (no host synchronisation per step) and on
+the host (kiln_sample, one logits copy per step), greedy and sampled; whether greedy tokens
+equal eager's; the roofline (weight bytes / copy bandwidth measured in the same run).
+`--weight-quant int8,int4` adds packages with weight-only quantised GEMMs (where the CUDA
+target supports them; a refusal is reported, not fatal).
+
+Random weights (std 0.02) at the given shapes, no downloads. Each generation runs twice and
+the second is reported (the first captures the CUDA graphs).
+
+    python bench/gen_gpu.py [--layers 16] [--hidden 2048] [--inter 5632] [--heads 32]
+        [--kv-heads 4] [--vocab 32000] [--cache 512] [--new 128] [--dtype bf16]
+        [--weight-quant none,int8,int4] [--json out.json] [--c-exe path/to/generate]
+        [--autotune 1]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+import torch  # noqa: E402
+
+from bench.cuda_timing import stream_ms  # noqa: E402
+
+DT = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+PROMPT = [1, 450, 4996, 17354, 1701, 29916, 432, 17204, 975, 278, 17366, 11203]
+
+
+def copy_gbs() -> float:
+    src = torch.empty(2**28, dtype=torch.float32, device="cuda")  # 1 GiB
+    dst = torch.empty_like(src)
+    ms = stream_ms(lambda: dst.copy_(src), 10, 10)
+    return 2 * src.numel() * 4 / ms / 1e6
+
+
+def main() -> None:
+    import kiln
+    from kiln.models import device_sampler, hf_decoder
+
+    p = argparse.ArgumentParser()
+    p.add_argument("--layers", type=int, default=16)
+    p.add_argument("--hidden", type=int, default=2048)
+    p.add_argument("--inter", type=int, default=5632)
+    p.add_argument("--heads", type=int, default=32)
+    p.add_argument("--kv-heads", type=int, default=4)
+    p.add_argument("--vocab", type=int, default=32000)
+    p.add_argument("--cache", type=int, default=512)
+    p.add_argument("--new", type=int, default=128)
+    p.add_argument("--dtype", default="bf16")
+    p.add_argument("--weight-quant", default="none")
+    p.add_argument("--json", default=None)
+    p.add_argument("--c-exe", default=None, help="examples/c/generate built: run it too")
+    p.add_argument("--autotune", type=int, default=1,
+                   help="Options.autotune (GEMM backends, quantised kernels' configs)")
+    a = p.parse_args()
+    dt = DT[a.dtype]
+    t0 = time.perf_counter()
+    model = hf_decoder.build("llama", 0, dt, init=0.02, layers=a.layers, hidden=a.hidden,
+                             heads=a.heads, kv_heads=a.kv_heads, intermediate=a.inter,
+                             vocab=a.vocab, max_pos=max(2048, a.cache))
+    weight_bytes = sum(t.numel() * t.element_size() for t in model.parameters())
+    progs = hf_decoder.export_decoder(model, max_cache_len=a.cache, max_prompt=64,
+                                      sampler=device_sampler.export_sampler)
+    export_s = time.perf_counter() - t0
+    bw = copy_gbs()
+    print(f"model: llama {a.layers}x{a.hidden} {a.dtype}, {weight_bytes / 2**30:.2f} GiB of "
+          f"weights; copy bandwidth {bw:.0f} GB/s; roofline {weight_bytes / bw / 1e6:.3f} "
+          f"ms/token; built and exported in {export_s:.0f} s", flush=True)
+    want = hf_decoder.eager_generate(model.to("cuda"), PROMPT, 32, max_cache_len=a.cache)
+    model.to("cpu")
+    rows = []
+    tmp = Path(tempfile.mkdtemp())
+    for wq in a.weight_quant.split(","):
+        row = {"weights": wq}
+        rows.append(row)
+        opts = kiln.Options(autotune=bool(a.autotune), weight_quant=wq)
+        t0 = time.perf_counter()
+        try:
+            path = kiln.compile(progs, device="cuda", options=opts).save(tmp / f"{wq}.kiln")
+        except Exception as e:  # noqa: BLE001 - reported in the table
+            row["error"] = f"{type(e).__name__}: {e}"[:300]
+            print(f"{wq}: compile failed: {row['error']}", flush=True)
+            continue
+        row["compile_s"] = time.perf_counter() - t0
+        row["package_mib"] = path.stat().st_size / 2**20
+        r = kiln.load(path, device="cuda")
+        for name, kw in [("device greedy", {}),
+                         ("host greedy", dict(device_sampling=False)),
+                         ("device sampled", dict(temperature=0.8, top_k=40, top_p=0.95,
+                                                 seed=1))]:
+            for _ in range(2):
+                g = kiln.runtime.generate(r, PROMPT, a.new, **kw)
+            row[name] = g.decode_seconds / g.decode_steps * 1e3
+            row[name + " tok/s"] = g.decode_tokens_per_s
+            if name == "device greedy":
+                row["prefill_ms"] = g.prefill_seconds * 1e3
+                row["tokens = eager (32)"] = g.tokens[:32] == want
+        row["roofline_ms"] = weight_bytes / bw / 1e6 if wq == "none" else None
+        r.close()
+        if a.c_exe:
+            c = subprocess.run([a.c_exe, "-n", str(a.new), "-d", "cuda", str(path),
+                                ",".join(map(str, PROMPT))], capture_output=True, text=True,
+                               timeout=300)
+            row["c"] = (c.stdout.strip().splitlines() or [c.stderr.strip()])[-1]
+        print(json.dumps(row), flush=True)
+    if a.json:
+        Path(a.json).write_text(json.dumps({"model": vars(a), "rows": rows}, indent=1))
+    print(f"\nGPU: {torch.cuda.get_device_name(0)}, torch {torch.__version__}; decode ms/token "
+          f"(tokens/s) over {a.new} new tokens, the second generation of two\n")
+    print("| weights | device greedy | host greedy | device sampled | prefill ms | "
+          "tokens = eager | roofline ms | compile s |")
+    print("|---|---|---|---|---|---|---|---|")
+    for row in rows:
+        if "error" in row:
+            print(f"| {row['weights']} | {row['error'][:120]} | | | | | | |")
+            continue
+
+        def f(k):
+            return f"{row[k]:.3f} ({row[k + ' tok/s']:.0f})"
+        roof = f"{row['roofline_ms']:.3f}" if row["roofline_ms"] else "-"
+        print(f"| {row['weights']} | {f('device greedy')} | {f('host greedy')} | "
+              f"{f('device sampled')} | {row['prefill_ms']:.2f} | "
+              f"{row['tokens = eager (32)']} | {roof} | {row['compile_s']:.0f} |")
+    for row in rows:
+        if "c" in row:
+            print(f"C generate ({row['weights']}): {row['c']}")
+
+
+if __name__ == "__main__":
+    main()

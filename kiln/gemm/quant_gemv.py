@@ -1,0 +1,198 @@
+"""Weight-only quantised linear layers on CUDA (Options.weight_quant; issue 17): the Triton
+kernels, their launch configurations and the weight packing.
+
+y[M, N] = x[M, K] @ W^T for a constant W [N, K] (nn.Linear's layout) stored quantised:
+
+    int8   q[N, K] int8, per output channel: s[n] = max_k |W[n, k]| / 127 (float32),
+           q = round(W / s) in [-127, 127]
+    int4   p[N, K / 2] uint8, two values a byte along K (k even: low nibble, k odd: high),
+           each q + 8 with q = round(W / s) in [-7, 7]; group-wise along K:
+           s[n, k // G] = max |W| over the group / 7 (float32); K a multiple of G
+
+Rows of q / p are contiguous along K: a program streams whole 16-byte vectors of each row.
+
+Kernels (`qlinear_int8_kernel`, `qlinear_int4_kernel`), one program per BLOCK_N outputs of
+BLOCK_M rows (grid (ceil(N / BLOCK_N), ceil(M / BLOCK_M))):
+  BLOCK_M == 1 (decode, M = 1 at compile time): a GEMV, FMA and a row sum in float32 per
+  BLOCK_K (int4: GPI groups) slice of K; the weights are read once, converted in registers.
+  BLOCK_M > 1 (prefill): tiles of x times the dequantised weight tile on tensor cores
+  (tl.dot, float32 accumulation; int4: the even and odd k of a group as two products).
+The scale multiplies the float32 sum of each output channel (int4: of each group), and the
+result is rounded once to x's dtype. float32 tiles multiply as 3xTF32 (`PRECISION`).
+
+`configs(mode, m, n, k, group)` lists the launch configurations kiln's user-kernel autotuning
+times on the compile machine's GPU (Options.autotune), first the heuristic's choice used
+without a GPU. Needs Triton (kiln[cuda])."""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def qlinear_int8_kernel(x_ptr, q_ptr, s_ptr, out_ptr, M, N, K: tl.constexpr,
+                        PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                        BLOCK_K: tl.constexpr):
+    pid_n = tl.program_id(0)
+    pid_m = tl.program_id(1)
+    rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    rk = tl.arange(0, BLOCK_K)
+    nmask = rn < N
+    scale = tl.load(s_ptr + rn, mask=nmask, other=0.0)
+    if BLOCK_M == 1:
+        acc = tl.zeros([BLOCK_N, BLOCK_K], tl.float32)  # reduced across threads once, at the end
+        for k0 in tl.range(0, K, BLOCK_K):
+            kk = k0 + rk
+            kmask = kk < K
+            xv = tl.load(x_ptr + pid_m * K + kk, mask=kmask, other=0.0).to(tl.float32)
+            w = tl.load(q_ptr + rn[:, None] * K + kk[None, :],
+                        mask=nmask[:, None] & kmask[None, :], other=0).to(tl.float32)
+            acc += w * xv[None, :]
+        y = tl.sum(acc, axis=1) * scale
+        tl.store(out_ptr + pid_m * N + rn, y.to(out_ptr.dtype.element_ty), mask=nmask)
+    else:
+        rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+        mmask = rm < M
+        acc2 = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+        for k0 in tl.range(0, K, BLOCK_K):
+            kk = k0 + rk
+            kmask = kk < K
+            xt = tl.load(x_ptr + rm[:, None] * K + kk[None, :],
+                         mask=mmask[:, None] & kmask[None, :], other=0.0)
+            wt = tl.load(q_ptr + rn[None, :] * K + kk[:, None],
+                         mask=kmask[:, None] & nmask[None, :], other=0).to(xt.dtype)
+            acc2 = tl.dot(xt, wt, acc2, input_precision=PRECISION)
+        y2 = acc2 * scale[None, :]
+        tl.store(out_ptr + rm[:, None] * N + rn[None, :], y2.to(out_ptr.dtype.element_ty),
+                 mask=mmask[:, None] & nmask[None, :])
+
+
+@triton.jit
+def qlinear_int4_kernel(x_ptr, p_ptr, s_ptr, out_ptr, M, N, K: tl.constexpr,
+                        G: tl.constexpr, PRECISION: tl.constexpr, BLOCK_M: tl.constexpr,
+                        BLOCK_N: tl.constexpr, GPI: tl.constexpr):
+    pid_n = tl.program_id(0)
+    pid_m = tl.program_id(1)
+    rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    nmask = rn < N
+    HALF: tl.constexpr = G // 2
+    NG: tl.constexpr = K // G
+    if BLOCK_M == 1:
+        # GPI groups per step: bytes [BLOCK_N, GPI * HALF], x's even / odd values of them
+        rj = tl.arange(0, GPI * HALF)
+        acc = tl.zeros([BLOCK_N, GPI * HALF], tl.float32)  # reduced once, at the end
+        for g0 in tl.range(0, NG, GPI):
+            rg = g0 + rj // HALF  # the group of each byte
+            gmask = rg < NG
+            m2 = nmask[:, None] & gmask[None, :]
+            b = tl.load(p_ptr + rn[:, None] * (K // 2) + g0 * HALF + rj[None, :], mask=m2,
+                        other=136).to(tl.int32)
+            xe = tl.load(x_ptr + pid_m * K + g0 * G + 2 * rj, mask=gmask,
+                         other=0.0).to(tl.float32)
+            xo = tl.load(x_ptr + pid_m * K + g0 * G + 2 * rj + 1, mask=gmask,
+                         other=0.0).to(tl.float32)
+            sc = tl.load(s_ptr + rn[:, None] * NG + rg[None, :], mask=m2, other=0.0)
+            lo = ((b & 15) - 8).to(tl.float32)
+            hi = ((b >> 4) - 8).to(tl.float32)
+            acc += (lo * xe[None, :] + hi * xo[None, :]) * sc
+        y = tl.sum(acc, axis=1)
+        tl.store(out_ptr + pid_m * N + rn, y.to(out_ptr.dtype.element_ty), mask=nmask)
+    else:
+        rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+        mmask = rm < M
+        rh = tl.arange(0, HALF)
+        acc2 = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+        for g in tl.range(0, NG):
+            xe = tl.load(x_ptr + rm[:, None] * K + g * G + 2 * rh[None, :],
+                         mask=mmask[:, None], other=0.0)
+            xo = tl.load(x_ptr + rm[:, None] * K + g * G + 2 * rh[None, :] + 1,
+                         mask=mmask[:, None], other=0.0)
+            b = tl.load(p_ptr + rn[None, :] * (K // 2) + g * HALF + rh[:, None],
+                        mask=nmask[None, :], other=136).to(tl.int32)
+            lo = ((b & 15) - 8).to(xe.dtype)
+            hi = ((b >> 4) - 8).to(xe.dtype)
+            part = tl.dot(xe, lo, input_precision=PRECISION) + tl.dot(
+                xo, hi, input_precision=PRECISION)
+            sc = tl.load(s_ptr + rn * NG + g, mask=nmask, other=0.0)
+            acc2 += part * sc[None, :]
+        tl.store(out_ptr + rm[:, None] * N + rn[None, :], acc2.to(out_ptr.dtype.element_ty),
+                 mask=mmask[:, None] & nmask[None, :])
+
+
+KERNELS = {"int8": qlinear_int8_kernel, "int4": qlinear_int4_kernel}
+#: tl.dot's input precision by activation dtype (PRECISION): float32 as 3xTF32 (float32-level
+#: error on tensor cores, as targets/cuda/attention.py), 16-bit floats as they are
+PRECISION = {torch.float32: "tf32x3", torch.float16: "tf32", torch.bfloat16: "tf32"}
+
+
+def quantize_int8(w: torch.Tensor) -> dict[str, torch.Tensor]:
+    """W [N, K] float -> {"q": int8 [N, K], "s": float32 [N]} (per output channel)."""
+    w = w.detach().double()
+    s = w.abs().amax(dim=1) / 127
+    s = torch.where(s > 0, s, torch.ones_like(s))
+    q = torch.round(w / s[:, None]).clamp(-127, 127).to(torch.int8)
+    return {"q": q.contiguous(), "s": s.float().contiguous()}
+
+
+def quantize_int4(w: torch.Tensor, group: int) -> dict[str, torch.Tensor]:
+    """W [N, K] float, K a multiple of `group` -> {"q": uint8 [N, K / 2], "s": float32
+    [N, K / group]}."""
+    n, k = w.shape
+    g = w.detach().double().reshape(n, k // group, group)
+    s = g.abs().amax(dim=2) / 7
+    s = torch.where(s > 0, s, torch.ones_like(s))
+    q = (torch.round(g / s[:, :, None]).clamp(-7, 7) + 8).to(torch.uint8).reshape(n, k)
+    packed = q[:, 0::2] | (q[:, 1::2] << 4)
+    return {"q": packed.contiguous(), "s": s.float().contiguous()}
+
+
+def dequantize(mode: str, parts: dict[str, torch.Tensor], group: int = 0) -> torch.Tensor:
+    """The float64 W [N, K] a stored form stands for (the tests' reference)."""
+    if mode == "int8":
+        return parts["q"].double() * parts["s"].double()[:, None]
+    p = parts["q"].to(torch.int16)
+    n = p.shape[0]
+    q = torch.stack([(p & 15) - 8, (p >> 4) - 8], dim=2).reshape(n, -1).double()
+    return (q.reshape(n, -1, group) * parts["s"].double()[:, :, None]).reshape(n, -1)
+
+
+def supported(mode: str, k: int, group: int) -> bool:
+    """Whether a GEMM of inner size K can be stored in `mode` (int4: K a multiple of the group,
+    the group a power of two >= 32: tl.dot needs 16 values of each half)."""
+    if mode == "int8":
+        return k >= 16
+    return group >= 32 and group & (group - 1) == 0 and k % group == 0
+
+
+def configs(mode: str, m: int | None, n: int, k: int, group: int = 0) -> list[dict]:
+    """Launch configurations ({constexprs}, num_warps, num_stages), the heuristic's first:
+    `m` = 1 a GEMV (BLOCK_M 1), else (a dynamic or larger M) tensor-core tiles. GEMV: small
+    BLOCK_N so that N / BLOCK_N programs fill the GPU (an H100 has 132 SMs), long K slices
+    (16-byte loads per row)."""
+    out = []
+    if m == 1:
+        kp = max(triton.next_power_of_2(k), 16)
+        # (BLOCK_N, bytes of each row per step, warps, pipeline stages): 8 KiB of weights per
+        # program and step first; each config costs a Triton compile when autotuned
+        tiles = [(8, 1024, 4, 1), (4, 2048, 4, 1), (16, 512, 4, 1), (32, 256, 4, 1),
+                 (8, 1024, 8, 1), (16, 512, 8, 1), (8, 1024, 4, 3), (4, 1024, 4, 1)]
+        if n > 8192:  # many outputs (a vocabulary): wider blocks first
+            tiles = tiles[2:3] + tiles[:2] + tiles[3:]
+        for bn, nbytes, warps, stages in tiles:
+            if mode == "int8":
+                st = {"BLOCK_K": min(nbytes, kp)}
+            else:  # a step of GPI groups: G / 2 bytes each
+                ng = triton.next_power_of_2(max(k // group, 1))
+                st = {"GPI": max(1, min(nbytes // group, ng))}  # half the bytes: registers
+            c = ({"BLOCK_M": 1, "BLOCK_N": bn, **st}, warps, stages)
+            if c not in out:
+                out.append(c)
+        return out
+    for bm, bn, warps in ((32, 64, 4), (64, 128, 8), (16, 64, 4)):
+        if mode == "int8":
+            out.append(({"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": 64}, warps, 3))
+        else:
+            out.append(({"BLOCK_M": bm, "BLOCK_N": bn, "GPI": 1}, warps, 3))
+    return out

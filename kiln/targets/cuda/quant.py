@@ -1,0 +1,146 @@
+"""Weight-only quantised GEMMs, the CUDA target's half (Options.weight_quant "int8" / "int4";
+the CPU's is targets/cpu/quant.py): the stage that stores constant GEMM weights quantised and
+calls kiln/gemm/quant_gemv.py's Triton kernels for them.
+
+A `matmul(x, B)` node (2-D, K and N static, M static or a size symbol; float32, bfloat16 or
+float16 throughout) whose B is a weight [K, N], or `permute(W, (1, 0))` of a weight W [N, K]
+(nn.Linear), becomes a user Triton kernel call, the path of user-written kernels
+(frontend/user_triton.py: a `user_kernel` node and its `user_result`, named as the matmul was):
+
+    qlinear_<mode>_kernel(x, q, s, out, M, N, K[, G])    out: a fresh [M, N] of x's dtype
+
+with q, s new weights (quant_gemv.py's layouts, rows along K) named `<weight>_q8` / `_q4` and
+`<weight>_s`, FQN `<quantised MODE of FQN>` (update_weights refuses them). M = 1 at compile time
+(decode) launches the GEMV configurations, others the tensor-core tiles; kiln's user-kernel
+autotuning picks one per GEMM on the compile machine's GPU (Options.autotune), else the
+heuristic's first. GEMMs kept as they were: int4 where K is not a multiple of the group (or the
+group not a power of two >= 32), GEMMs in control-flow regions, batched GEMMs. The stage runs
+after merge_gemms (merged q/k/v and gate/up weights are quantised as one) and before freeze.
+A pure pass: returns a new graph and weight table."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import sympy
+import torch
+
+from kiln.frontend.user_triton import UserConfig, UserKernelSpec
+from kiln.gemm import quant_gemv as QG
+from kiln.ir import dtypes
+from kiln.ir import loop as L
+from kiln.ir.graph import Graph, Input, Node, TensorType
+from kiln.ir.sym import FloorDiv
+from kiln.passes.dce import dce
+from kiln.passes.quant_weights import _weight_b
+from kiln.targets.stages import Build
+
+SUFFIX = {"int8": "q8", "int4": "q4"}
+FLOATS = (dtypes.float32, dtypes.bfloat16, dtypes.float16)
+
+
+def quant_enabled(state: Build) -> bool:
+    return state.options.weight_quant in ("int8", "int4")
+
+
+def quant_weights(state: Build) -> Build:
+    o = state.options
+    graph, weights = quantize_gemms(state.graph, dict(state.weights), o.weight_quant,
+                                    o.weight_quant_group)
+    return replace(state, graph=graph, weights=weights)
+
+
+def _static_int(e) -> int | None:
+    e = sympy.sympify(e)
+    return int(e) if isinstance(e, sympy.Integer) else None
+
+
+def _spec(mode: str, m, n: int, k: int, group: int, dtype) -> UserKernelSpec:
+    """The user-kernel call of one quantised GEMM (operands: x, q, s, out)."""
+    fn = QG.KERNELS[mode]
+    m_static = _static_int(m)
+    args = [("x_ptr", L.UserOperand(0)), ("q_ptr" if mode == "int8" else "p_ptr",
+                                          L.UserOperand(1)),
+            ("s_ptr", L.UserOperand(2)), ("out_ptr", L.UserOperand(3)),
+            ("M", L.UserInt(sympy.sympify(m))), ("N", L.UserInt(sympy.Integer(n))),
+            ("K", L.UserConstexpr(k))]
+    if mode == "int4":
+        args.append(("G", L.UserConstexpr(group)))
+    args.append(("PRECISION", L.UserConstexpr(QG.PRECISION[dtype.torch])))
+    tunable = ("BLOCK_M", "BLOCK_N", "BLOCK_K") if mode == "int8" else ("BLOCK_M", "BLOCK_N",
+                                                                         "GPI")
+    args += [(p, L.UserConfigured()) for p in tunable]
+    configs = []
+    for consts, warps, stages in QG.configs(mode, m_static, n, k, group):
+        bm, bn = consts["BLOCK_M"], consts["BLOCK_N"]
+        grid = (sympy.Integer(-(-n // bn)), FloorDiv(sympy.sympify(m) + bm - 1, bm),
+                sympy.Integer(1))
+        configs.append(UserConfig(tuple(sorted(consts.items())), warps, stages, grid))
+    return UserKernelSpec(fn.__name__, fn, tuple(args), tuple(configs), ("M", "N", "K"),
+                          ("out_ptr",), frozenset({"out_ptr"}))
+
+
+def _fresh(base: str, names: set[str]) -> str:
+    name, j = base, 1
+    while name in names:
+        j += 1
+        name = f"{base}_{j}"
+    names.add(name)
+    return name
+
+
+def quantize_gemms(g: Graph, weights: dict[str, torch.Tensor], mode: str, group: int
+                   ) -> tuple[Graph, dict[str, torch.Tensor]]:
+    if mode not in QG.KERNELS:
+        return g, weights
+    types = g.types()
+    nodes = {n.name: n for n in g.nodes}
+    weights_in = {i.name: i for i in g.inputs if i.kind == "weight" and not i.permuted}
+    names = set(types)
+    new_weights = dict(weights)
+    added: list[Input] = []
+    done: dict[tuple[str, bool], tuple[str, str]] = {}  # (weight, transposed) -> (q, s)
+    out_nodes: list[Node] = []
+    for n in g.nodes:
+        shape = types[n.inputs[0]].shape if n.op == "matmul" and n.inputs else ()
+        ok = (n.op == "matmul" and len(n.type.shape) == 2 and len(shape) == 2
+              and n.type.dtype in FLOATS and types[n.inputs[0]].dtype == n.type.dtype)
+        wb = _weight_b(n, g, nodes, weights_in) if ok else None
+        k = _static_int(shape[1]) if wb else None
+        nn_ = _static_int(n.type.shape[1]) if wb else None
+        if wb is None or k is None or nn_ is None or not QG.supported(mode, k, group) or \
+                weights_in[wb[0]].type.dtype != n.type.dtype:
+            out_nodes.append(n)
+            continue
+        wname, transposed = wb
+        if (wname, transposed) not in done:
+            w = weights[wname] if transposed else weights[wname].t()  # [N, K]
+            parts = QG.quantize_int8(w) if mode == "int8" else QG.quantize_int4(w, group)
+            fqn = f"<quantised {mode} of {weights_in[wname].fqn or wname}>"
+            ins = []
+            for part, t in parts.items():
+                name = _fresh(f"{wname}_{SUFFIX[mode] if part == 'q' else part}", names)
+                dt = dtypes.DTYPES[str(t.dtype).removeprefix("torch.")]
+                added.append(Input(name, TensorType(dt, tuple(sympy.Integer(d)
+                                                              for d in t.shape)),
+                                   "weight", fqn))
+                new_weights[name] = t
+                ins.append(name)
+            done[(wname, transposed)] = (ins[0], ins[1])
+        q, s = done[(wname, transposed)]
+        m = shape[0]
+        out = _fresh(f"{n.name}_out", names)
+        call = _fresh(f"{n.name}_{SUFFIX[mode]}", names)
+        spec = _spec(mode, m, nn_, k, group, n.type.dtype)
+        src = n.source or n.name
+        out_nodes += [
+            Node(out, "full", (), n.type, (("value", 0),), src),
+            Node(call, "user_kernel", (n.inputs[0], q, s, out), TensorType(dtypes.bool_, ()),
+                 (("spec", spec),), src),
+            Node(n.name, "user_result", (call,), n.type, (("index", 0),), src),
+        ]
+    if not done:
+        return g, weights
+    res = dce(replace(g, inputs=g.inputs + tuple(added), nodes=tuple(out_nodes)))
+    live = {i.name for i in res.inputs}
+    return res, {k: v for k, v in new_weights.items() if k in live}
