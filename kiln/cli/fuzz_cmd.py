@@ -2,7 +2,8 @@
 
 Program k of a run is generated from seed ``S * 1_000_003 + k``, so one failing program is
 rerun with ``--seed S --start k --n 1``. Every mismatch or crash is minimised and written to
-``--out`` as a pytest file. The last line is ``N programs, M mismatches, K errors`` (errors:
+``--out`` as a pytest file. ``--time-limit S`` stops starting programs after S seconds. The
+last line is ``N programs, M mismatches, K errors`` (errors:
 kiln raised UnsupportedError; crashes count as mismatches); the exit status is 1 when M > 0.
 """
 
@@ -30,7 +31,13 @@ def cmd_fuzz(args: argparse.Namespace) -> int:
     counts: collections.Counter = collections.Counter()
     seen: dict[str, str] = {}  # failure key -> first program that showed it
     t0 = time.perf_counter()
+    limit = getattr(args, "time_limit", None)
+    ran = 0
     for k in range(args.start, args.start + args.n):
+        if limit is not None and time.perf_counter() - t0 > limit:
+            print(f"time limit of {limit:.0f} s reached after {ran} programs", flush=True)
+            break
+        ran += 1
         ps = program_seed(args.seed, k)
         spec = generate(ps, max_ops=args.max_ops, bounded_dims=args.bounded_dims)
         out = check(spec, interp=not args.no_interp)
@@ -52,5 +59,5 @@ def cmd_fuzz(args: argparse.Namespace) -> int:
     secs = time.perf_counter() - t0
     print(f"({counts['ok']} ok, {counts['mismatch']} wrong results, {counts['crash']} crashes, "
           f"{counts['invalid']} refused by torch.export; {secs:.0f} s)")
-    print(f"{args.n} programs, {mism} mismatches, {counts['error']} errors")
+    print(f"{ran} programs, {mism} mismatches, {counts['error']} errors")
     return 1 if mism else 0

@@ -114,6 +114,8 @@ def build_parser() -> argparse.ArgumentParser:
     f.add_argument("--no-interp", action="store_true", help="skip the Loop IR interpreter")
     f.add_argument("--bounded-dims", action="store_true",
                    help="declare every Dim with min and max (avoids known compile crashes)")
+    f.add_argument("--time-limit", type=float, default=None, metavar="S",
+                   help="stop starting programs after S seconds (the summary counts those run)")
     f.add_argument("--verbose", "-v", action="store_true")
     f.set_defaults(func=lambda a: _lazy("kiln.cli.fuzz_cmd", "cmd_fuzz")(a))
     return p

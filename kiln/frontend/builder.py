@@ -19,12 +19,21 @@ def torch_dtype_name(dt: torch.dtype) -> str:
     return str(dt).removeprefix("torch.")
 
 
+# dtypes kiln refuses with a reason beyond "not yet"
+_WHY = {name: "eager on the CPU computes little on it (conversions and mul; no add); kiln "
+              "stores float8_e4m3fn and float8_e5m2: convert the tensor to one of those (or to "
+              "float16) outside the program"
+        for name in ("float8_e4m3fnuz", "float8_e5m2fnuz", "float8_e8m0fnu")}
+
+
 def to_dtype(dt: torch.dtype) -> dtypes.DType:
     try:
         return dtypes.from_torch(dt)
     except KeyError:
-        raise UnsupportedError(f"dtype {torch_dtype_name(dt)} is not supported yet (supported: "
-                               f"{sorted(dtypes.DTYPES)})") from None
+        name = torch_dtype_name(dt)
+        why = f" ({_WHY[name]})" if name in _WHY else ""
+        raise UnsupportedError(f"dtype {name} is not supported{why}; supported: "
+                               f"{', '.join(sorted(dtypes.DTYPES))}") from None
 
 
 class Builder:

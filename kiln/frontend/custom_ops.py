@@ -9,11 +9,15 @@ compiles (applied by the importer's decomposition step, export.py `_decompose`).
   the group's weight and a reduction over K (kiln fuses the gather into the reduction, so the
   gathered S x K x N operand is never materialised). Each row reads its group's weight, so
   this streams S x K x N weight elements: right for decoding (few rows), slower than a
-  grouped GEMM kernel for long prompts."""
+  grouped GEMM kernel for long prompts.
+- quantized ops (`quantized::linear_dynamic_fp16_unpacked_weight`, PT2E's
+  `quantized_decomposed::` Q/DQ ops): `quant_ops.py`."""
 
 from __future__ import annotations
 
 import torch
+
+from kiln.frontend.quant_ops import REWRITES as QUANT_REWRITES
 
 
 def _grouped_rows(x: torch.Tensor, weight: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
@@ -43,7 +47,8 @@ def _aten_grouped_mm(self, mat2, offs=None, bias=None, out_dtype=None):
 
 # op name (str(OpOverload)) -> rewrite
 REWRITES = {"transformers.grouped_mm_fallback.default": _hf_grouped_mm,
-            "aten._grouped_mm.default": _aten_grouped_mm}
+            "aten._grouped_mm.default": _aten_grouped_mm,
+            **QUANT_REWRITES}  # quantized:: and quantized_decomposed:: ops (quant_ops.py)
 
 
 def custom_rewrites(ops) -> dict:

@@ -102,6 +102,10 @@ def _weights_and_inputs(ep: ExportedProgram, syms: SymbolTable, b: Builder):
             data = ep.state_dict.get(fqn)
             if data is None:
                 data = ep.constants[fqn]
+            if data.dtype == torch.complex32:  # safetensors cannot store it
+                raise UnsupportedError(f"weight {fqn} is complex32, which a package cannot "
+                                       "store (safetensors has no complex32); keep it "
+                                       "complex64 and cast in forward (`w.to(torch.chalf)`)")
             weights[n.name] = data.detach().contiguous()
             kind = "weight"
         elif spec.kind == InputKind.TOKEN:
@@ -310,7 +314,8 @@ COMPLEX_MOVES = {"aten.view.default", "aten.reshape.default", "aten._unsafe_view
                  "aten.permute.default", "aten.t.default", "aten.transpose.int",
                  "aten.slice.Tensor", "aten.select.int", "aten.expand.default",
                  "aten.clone.default", "aten.alias.default", "aten.unsqueeze.default",
-                 "aten.squeeze.dim", "aten.squeeze.dims", "aten.cat.default"}
+                 "aten.squeeze.dim", "aten.squeeze.dims", "aten.cat.default",
+                 "aten._assert_tensor_metadata.default"}  # (a check of metadata, no values)
 
 
 def _complex(n) -> bool:

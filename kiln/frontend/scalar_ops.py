@@ -66,6 +66,11 @@ def _complex_add(sign: int):
         # x + alpha * y as the sum over a stacked pair: mul, stack and sum carry no Scalar
         # (both cast to the result type first: kiln only moves complex values, ATen casts)
         dt = torch.result_type(x, y)
+        if dt == torch.complex32:  # ATen has no complex32 sum: in complex64 (eager's math
+            # type for complex32), rounded once as eager does
+            wide = rewrite(x.to(torch.complex64), y.to(torch.complex64) if isinstance(
+                y, torch.Tensor) else y, alpha)
+            return wide.to(torch.complex32)
         if not isinstance(y, torch.Tensor):  # a Python number (`z + 1`): real 0-d values
             # (kiln's own `full`) made complex by ATen
             re, im = (torch.full((), v, dtype=dt.to_real()) for v in (complex(y).real,

@@ -16,7 +16,8 @@ import math
 import random
 
 from kiln.fuzz.program import B_MIN, UNARY, V
-from kiln.fuzz import gen_heavy
+from kiln.fuzz.program import bshape as _bshape
+from kiln.fuzz import gen_coverage, gen_heavy
 
 SMOOTH = [k for k in UNARY if k not in ("floor", "ceil", "round", "sign", "trunc")]
 DISCONT = ["floor", "ceil", "round", "sign", "trunc"]
@@ -63,7 +64,8 @@ class _Gen:
         return len(self.vals) - 1
 
     def pick(self, pred=lambda v: True) -> int:
-        ids = [i for i, v in enumerate(self.vals) if pred(v)]
+        # ragged and complex values are gen_coverage's only (outputs, or reduced there)
+        ids = [i for i, v in enumerate(self.vals) if pred(v) and not gen_coverage.special(v)]
         if not ids:
             raise Skip
         if self.r.random() < 0.6:
@@ -279,21 +281,6 @@ class _Gen:
         self.emit("cat", args, {"dim": d}, V(tuple(s), v.dtype, v.exact))
 
 
-def _bshape(a: tuple, b: tuple) -> tuple:
-    n = max(len(a), len(b))
-    a = (1,) * (n - len(a)) + tuple(a)
-    b = (1,) * (n - len(b)) + tuple(b)
-    out = []
-    for x, y in zip(a, b):
-        if x == y or y == 1:
-            out.append(x)
-        elif x == 1:
-            out.append(y)
-        else:
-            raise ValueError(f"shapes {a} and {b} do not broadcast")
-    return tuple(out)
-
-
 def _reduces_two(v: V, dims) -> bool:
     n = 1
     for d in dims:
@@ -332,7 +319,7 @@ def generate(seed: int, dynamic: bool | None = None, max_ops: int = 8,
         g.new_input(g.rand_shape() if r.random() < 0.95 else (), dt)
     families = [(g.op_unary, 5), (g.op_binary, 5), (g.op_where, 1), (g.op_cast, 1),
                 (g.op_reduce, 3), (g.op_view, 6), (g.op_cat, 1)]
-    families += [(lambda f=f: f(g), w) for f, w in gen_heavy.FAMILIES]
+    families += [(lambda f=f: f(g), w) for f, w in gen_heavy.FAMILIES + gen_coverage.FAMILIES]
     fns, weights = zip(*families)
     n_ops = r.randint(1, max_ops)
     tries = 0
@@ -344,18 +331,19 @@ def generate(seed: int, dynamic: bool | None = None, max_ops: int = 8,
             pass
     if not g.spec["ops"]:
         g.op_unary()
-    return _finish(g, r)
+    return _finish(g, r, gen_coverage.alias_outputs(g))
 
 
-def _finish(g: _Gen, r: random.Random) -> dict:
-    """Pick outputs (the last value plus up to two values nothing reads) and renumber: inputs
-    first, then ops, in creation order."""
+def _finish(g: _Gen, r: random.Random, extra: list[int] = ()) -> dict:
+    """Pick outputs (the last value plus up to two values nothing reads, then `extra`: views
+    of outputs and inputs) and renumber: inputs first, then ops, in creation order."""
     used = {i for _, args, _ in g.spec["ops"] for i in args}
     ops_ids = [i for i in range(len(g.vals)) if i not in g.inputs]
     leaves = [i for i in ops_ids[:-1] if i not in used]
     outs = [ops_ids[-1]] + r.sample(leaves, min(len(leaves), r.randint(0, 2)))
     if r.random() < 0.1:  # the same value twice, or a value that is also read by others
         outs.append(r.choice(ops_ids))
+    outs += extra
     new = {old: k for k, old in enumerate(g.inputs + ops_ids)}
     for op in g.spec["ops"]:
         op[1] = [new[i] for i in op[1]]

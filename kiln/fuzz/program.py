@@ -147,6 +147,32 @@ def _apply(op: str, xs: list, a: dict, p, ref64: bool):
             m = torch.zeros(m.shape, dtype=x.dtype).masked_fill(~m, float("-inf"))
         return F.scaled_dot_product_attention(x, xs[1], xs[2], attn_mask=m,
                                               is_causal=a.get("causal", False))
+    if op == "repeat_interleave":  # a length known only from the data, without a bound
+        return torch.repeat_interleave(x, xs[1])
+    if op == "item_rows":  # k = repeats.sum().item() rows, checked only k >= 0
+        k = x.sum().item()
+        torch._check(k >= 0)
+        return torch.ones(k, xs[1].shape[0], dtype=xs[1].dtype) * xs[1]
+    if op == "ragged_scale":
+        return torch.tanh(x) * 2 + 1
+    if op == "ragged_sum":
+        return x.sum(0)
+    if op == "complex":
+        za = torch.complex(x, xs[1]) if x.shape == xs[1].shape else torch.complex(
+            *torch.broadcast_tensors(x, xs[1]))
+        zb = torch.complex(za.imag, za.real)
+        fn = a["fn"]
+        if fn == "mul_abs":
+            return (za * zb).abs()
+        if fn == "conj_mul_real":
+            return (za * zb.conj()).real
+        if fn == "exp_imag":
+            return torch.exp(za * 0.25).imag
+        if fn == "add_real":
+            return (za + zb * 2).real
+        if fn == "fft_abs":
+            return torch.fft.fft(za, dim=-1).abs()
+        return za * 2  # "keep": a complex output
     raise ValueError(f"unknown fuzz op {op!r}")
 
 
@@ -186,6 +212,22 @@ class FuzzModule(nn.Module):
         for op, args, attrs in self.spec["ops"]:
             vals.append(_apply(op, [vals[i] for i in args], attrs, self.p, self.ref64))
         return tuple(vals[i] for i in self.spec["outputs"])
+
+
+def bshape(a: tuple, b: tuple) -> tuple:
+    """The broadcast of shapes a and b ("B" a dim like any other); ValueError if none."""
+    n = max(len(a), len(b))
+    a = (1,) * (n - len(a)) + tuple(a)
+    b = (1,) * (n - len(b)) + tuple(b)
+    out = []
+    for x, y in zip(a, b):
+        if x == y or y == 1:
+            out.append(x)
+        elif x == 1:
+            out.append(y)
+        else:
+            raise ValueError(f"shapes {a} and {b} do not broadcast")
+    return tuple(out)
 
 
 def concrete(shape, b: int) -> tuple[int, ...]:

@@ -59,7 +59,13 @@ def compare(got, want, ref, f32: bool, what: str) -> str | None:
             return f"{where}: dtype {g.dtype} != {w.dtype}"
         if tuple(g.shape) != tuple(w.shape):
             return f"{where}: shape {tuple(g.shape)} != {tuple(w.shape)}"
-        if w.is_floating_point():
+        if w.is_complex():  # as pairs of reals, with the tolerance of their type
+            rtol, atol = _tol(torch.float64 if w.dtype == torch.complex128 else torch.float32,
+                              f32, torch.view_as_real(r.resolve_conj()))
+            gd = torch.view_as_real(g.resolve_conj()).double()
+            rd = torch.view_as_real(r.resolve_conj()).double()
+            bad = ~torch.isclose(gd, rd, rtol=rtol, atol=atol, equal_nan=True)
+        elif w.is_floating_point():
             rtol, atol = _tol(w.dtype, f32, r)
             gd, rd = g.double(), r.double()
             bad = ~torch.isclose(gd, rd, rtol=rtol, atol=atol, equal_nan=True)
@@ -89,15 +95,29 @@ def _interp(compiled, args: tuple) -> list[np.ndarray]:
     return run_loop(built.loop, feeds, env)
 
 
-def relaid(args: tuple) -> tuple:
-    """The same values with other strides: rank >= 2 transposed in memory (the last two
-    dims), rank 1 every other element of a buffer twice as long."""
+LAYOUTS = ("transposed", "step", "offset", "channels_last")
+
+
+def relaid(args: tuple, layout: str = "transposed") -> tuple:
+    """The same values with other strides. "transposed": rank >= 2 transposed in memory (the
+    last two dims), rank 1 every other element of a buffer twice as long; "step": every other
+    element along dim 0 of a buffer twice as long; "offset": a view 3 elements into a larger
+    buffer (a storage offset; 16-byte aligned or not); "channels_last": rank 4 in NHWC memory
+    order, others transposed."""
     out = []
     for a in args:
-        if a.dim() >= 2:
+        if a.dim() == 0:
+            pass
+        elif layout == "channels_last" and a.dim() == 4:
+            a = a.contiguous(memory_format=torch.channels_last)
+        elif layout in ("transposed", "channels_last") and a.dim() >= 2:
             a = a.transpose(-1, -2).contiguous().transpose(-1, -2)
-        elif a.dim() == 1:
-            big = torch.zeros(2 * a.shape[0], dtype=a.dtype)
+        elif layout == "offset":
+            big = torch.zeros(a.numel() + 3, dtype=a.dtype)
+            big[3:] = a.reshape(-1)
+            a = big[3:].view(a.shape)
+        else:  # "step", and rank 1 when transposed
+            big = torch.zeros((2 * a.shape[0],) + tuple(a.shape[1:]), dtype=a.dtype)
             big[::2] = a
             a = big[::2]
         out.append(a)
@@ -123,9 +143,29 @@ def shared_storage(got, want, inputs, what: str) -> str | None:
     return None
 
 
+def lost_alias(got, want, inputs, what: str) -> str | None:
+    """None unless eager returns an output sharing storage with another output or with an
+    input and kiln's does not, in the cases kiln keeps (kiln/frontend/aliasing.py): one of the
+    two owns the storage (an input, or an output that is no view), and the inputs are compact
+    (kiln copies others in, so views of them are copies)."""
+    if not all(x.is_contiguous() for x in inputs if isinstance(x, torch.Tensor)):
+        return None
+    gs = [_storage(g) for g in got] + [_storage(x) for x in inputs]
+    ws = [_storage(w) for w in want] + [_storage(x) for x in inputs]
+    owns = [isinstance(w, torch.Tensor) and w._base is None for w in want] + \
+        [True] * len(inputs)
+    for i in range(len(got)):
+        for j in range(i + 1, len(gs)):
+            if ws[i] is not None and ws[i] == ws[j] and gs[i] != gs[j] and (owns[i] or owns[j]):
+                return f"{what}: output {i} shares storage with " + (
+                    f"output {j}" if j < len(got) else f"input {j - len(got)}") + \
+                    " in eager, kiln's does not"
+    return None
+
+
 def run_sizes(spec: dict) -> list[int]:
     if not spec.get("dynamic"):
-        return [B_EXAMPLE, B_EXAMPLE]
+        return [B_EXAMPLE, B_EXAMPLE, B_EXAMPLE]
     return [B_MIN, B_MAX, (spec["seed"] % (B_MAX - B_MIN + 1)) + B_MIN]
 
 
@@ -151,15 +191,17 @@ def check(spec: dict, workdir: str | Path | None = None, interp: bool = True) ->
         for k, b in enumerate(run_sizes(spec)):
             stage = f"run (B={b})"
             fresh = make_inputs(spec, spec["seed"] * 7919 + k + 1, b)
-            if k == 1:  # the same values in other layouts: kiln copies them in
-                fresh = relaid(fresh)
+            if k >= 1:  # the same values in other layouts: kiln copies them in
+                fresh = relaid(fresh, "transposed" if k == 1 else
+                               LAYOUTS[spec["seed"] % len(LAYOUTS)])
             with torch.no_grad():
                 want = module(*fresh)
                 want64 = ref(*to_ref64(fresh))
             got = runner(*fresh)
             bad = compare(got, want, [r if w.is_floating_point() else w
                                       for w, r in zip(want, want64)], f32, f"eager, B={b}") \
-                or shared_storage(got, want, fresh, f"eager, B={b}")
+                or shared_storage(got, want, fresh, f"eager, B={b}") \
+                or lost_alias(got, want, fresh, f"eager, B={b}")
             if bad:
                 return Outcome("mismatch", bad)
             if interp:

@@ -77,6 +77,9 @@ _ROWS = [
     DType("int8", "int8_t", 1, 0, "I8", 1, False),
     DType("uint8", "uint8_t", 1, 1, "U8", 0, False, is_signed=False),
     DType("bool", "bool", 1, 6, "BOOL", 11, False, is_signed=False),
+    # complex32 (torch.chalf: two float16): stored and moved like the others; ATen computes on
+    # it as eager does (in complex<float>, rounded per op); safetensors has no spelling for it
+    DType("complex32", "kr_complex32", 4, 5, "C32", 8, False, is_complex=True),
     DType("complex64", "kr_complex64", 8, 5, "C64", 9, False, is_complex=True),
     DType("complex128", "kr_complex128", 16, 5, "C128", 10, False, is_complex=True),
 ]
@@ -97,6 +100,7 @@ int16 = DTYPES["int16"]
 int8 = DTYPES["int8"]
 uint8 = DTYPES["uint8"]
 bool_ = DTYPES["bool"]
+complex32 = DTYPES["complex32"]
 complex64 = DTYPES["complex64"]
 complex128 = DTYPES["complex128"]
 

@@ -247,7 +247,8 @@ def _aten(c: L.AtenCall, bufs, env) -> dict[str, np.ndarray]:
     for r, t in call_aten(c, tensor, env):
         for d, sym, _ in r.binds:  # data-dependent sizes are known from here on
             env[sym] = int(t.shape[d])
-        got[r.name] = t.contiguous().numpy().astype(r.dtype.numpy).reshape(-1)
+        got[r.name] = t.resolve_conj().resolve_neg().contiguous().numpy().astype(
+            r.dtype.numpy).reshape(-1)
     return got
 
 

@@ -53,6 +53,7 @@ DTYPE_TO_DL: dict[torch.dtype, tuple[int, int]] = {
     torch.int8: (KDL_INT, 8),
     torch.uint8: (KDL_UINT, 8),
     torch.bool: (KDL_BOOL, 8),
+    torch.complex32: (KDL_COMPLEX, 32),
     torch.complex64: (KDL_COMPLEX, 64),
     torch.complex128: (KDL_COMPLEX, 128),
     torch.float8_e4m3fn: (KDL_FLOAT8_E4M3FN, 8),

@@ -46,3 +46,54 @@ def test_cli_summary_line(tmp_path, capsys):
     assert main(["fuzz", "--n", "1", "--seed", str(SEED), "--out", str(tmp_path),
                  "--bounded-dims"]) == 0
     assert capsys.readouterr().out.strip().splitlines()[-1] == "1 programs, 0 mismatches, 0 errors"
+
+
+# programs of seed 5 that carry the issue-16 families (kiln/fuzz/gen_coverage.py): an unbounded
+# repeat_interleave, k = repeats.sum().item() rows, a complex output, an FFT of complex values
+COVERAGE = {"repeat_interleave": 255, "item_rows": 55, "complex_output": 58, "fft": 344}
+
+
+@pytest.mark.parametrize("family", sorted(COVERAGE))
+def test_coverage_families(tmp_path, family):
+    warnings.filterwarnings("ignore")
+    k = COVERAGE[family]
+    spec = generate(program_seed(5, k), bounded_dims=True)
+    ops = {a.get("fn", op) if op == "complex" else op for op, _, a in spec["ops"]}
+    assert {"complex_output": "keep", "fft": "fft_abs"}.get(family, family) in ops, ops
+    out = check(spec, tmp_path)
+    assert out.status == "ok", f"kiln fuzz --seed 5 --start {k} --n 1 --bounded-dims: " \
+                               f"{out.detail}"
+
+
+def test_relaid_layouts_keep_values():
+    import torch
+
+    from kiln.fuzz.runner import LAYOUTS, relaid
+
+    args = (torch.randn(2, 3, 4, 5), torch.randn(7), torch.randint(0, 9, (3, 4)), torch.tensor(2.))
+    for layout in LAYOUTS:
+        got = relaid(args, layout)
+        for a, g in zip(args, got):
+            assert torch.equal(a, g)
+        assert not got[1].is_contiguous() or layout == "offset"
+        assert got[1].storage_offset() == (3 if layout == "offset" else 0)
+    assert relaid(args, "channels_last")[0].is_contiguous(memory_format=torch.channels_last)
+
+
+def test_lost_alias_is_reported():
+    import torch
+
+    from kiln.fuzz.runner import lost_alias
+
+    x = torch.randn(4, 3)
+    base = torch.randn(4, 3)
+    want = (base, base[1:], x.t())  # eager: a view of an output, a view of an input
+    assert lost_alias(want, want, (x,), "w") is None
+    got = (base, base[1:].clone(), x.t())
+    assert "output 0 shares storage with output 1 in eager" in lost_alias(got, want, (x,), "w")
+    got = (base, base[1:], x.t().clone())
+    assert "output 2 shares storage with input 0 in eager" in lost_alias(got, want, (x,), "w")
+    # views of a value no output returns: kiln may copy (kiln/frontend/aliasing.py)
+    tmp = torch.randn(4, 3)
+    want = (tmp[1:], tmp[:2])
+    assert lost_alias((tmp[1:].clone(), tmp[:2].clone()), want, (x,), "w") is None

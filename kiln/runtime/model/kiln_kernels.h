@@ -19,6 +19,7 @@
 // reals with torch's layout is all kernels need.
 #ifndef KILN_COMPLEX_TYPES
 #define KILN_COMPLEX_TYPES
+struct kr_complex32 { unsigned short re, im; };  // two float16 bit patterns (torch.chalf)
 struct kr_complex64 { float re, im; };
 struct kr_complex128 { double re, im; };
 #endif

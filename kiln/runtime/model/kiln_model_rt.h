@@ -18,6 +18,7 @@
 
 #ifndef KILN_COMPLEX_TYPES  // also in kiln_kernels.h: complex elements, stored and moved only
 #define KILN_COMPLEX_TYPES
+struct kr_complex32 { unsigned short re, im; };  // two float16 bit patterns (torch.chalf)
 struct kr_complex64 { float re, im; };
 struct kr_complex128 { double re, im; };
 #endif

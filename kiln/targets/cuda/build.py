@@ -31,7 +31,7 @@ from kiln.gemm import choose_gemms
 from kiln.gemm.cutlass_link import build_objects, cudart_static
 from kiln.gemm.fuse import fuse_gemms
 from kiln.ir import loop as L
-from kiln.ir.sym import evaluate, unbounded
+from kiln.ir.sym import UNBOUNDED_NOMINAL, evaluate, unbounded
 from kiln.gemm.configs import BlasLtConfig
 from kiln.options import GemmBackend, Options
 from kiln.passes.mixed_gemm import mixed_gemms
@@ -48,7 +48,7 @@ from kiln.targets.cuda.gemm_template import print_gemm_kernel
 from kiln.targets.cuda.kernel import choose_config, print_triton_kernel, print_triton_module
 from kiln.targets.cuda.launch_tune import device_available, tune, tune_attention
 from kiln.targets.cuda.ops import PRELUDE
-from kiln.targets.cuda.wrapper import (blaslt_choices, capturable, cubin_blob,
+from kiln.targets.cuda.wrapper import (blaslt_choices, capturable, cubin_blob, not_capturable,
                                        print_cuda_wrapper)
 from kiln.targets.collectives import COLLECTIVES
 from kiln.targets.stages import Build
@@ -109,8 +109,8 @@ def _user_kernels(steps) -> list[L.UserKernel]:
 def _hints(state: Build) -> dict[str, int]:
     """Example sizes; data-dependent sizes at their bounds (launch configs for the bounds)."""
     hints = {s.name: s.example for s in state.graph.symbols}
-    for name, bound in state.program.unbacked:
-        hints[name] = evaluate(bound, hints)
+    for name, bound in state.program.unbacked:  # (a nominal size where there is no bound)
+        hints[name] = UNBOUNDED_NOMINAL if unbounded(name, bound) else evaluate(bound, hints)
     return hints
 
 
@@ -190,22 +190,11 @@ def fuse_gemm_epilogues(state: Build) -> Build:
 
 
 def check_routines(state: Build) -> Build:
-    """Library routines (regions' included) that have no CUDA version are refused, and so are
-    data-dependent sizes without an upper bound."""
+    """Library routines (regions' included) that have no CUDA version are refused."""
     for s in L.flat_steps(state.steps):
         if isinstance(s, L.Extern) and s.routine not in CUDA_ROUTINES:
             raise UnsupportedError(f"library routine {s.routine} (for {', '.join(s.source)}) "
                                    "has no CUDA version yet; compile for the CPU")
-    for s in L.flat_steps(state.steps):  # run-time allocation is the CPU wrapper's for now
-        if isinstance(s, (L.AtenCall, L.ReadSize)):
-            binds = s.all_binds() if isinstance(s, L.AtenCall) else s.binds
-            for _, name, bound in binds:
-                if unbounded(name, bound):
-                    raise UnsupportedError(
-                        f"data-dependent size {name} (from {', '.join(s.source)}) has no upper "
-                        "bound; CUDA packages plan memory for a bound: add torch._check(value "
-                        "<= N) in the model, or compile for the CPU, which allocates such "
-                        "buffers at run time")
     return state
 
 
@@ -302,7 +291,9 @@ def codegen_wrapper(state: CudaBuild) -> CudaBuild:
     convs = {f"conv_{c.name}" for c in conv_steps(state.steps)}
     info = {"archs": list(archs), "cubin_bytes": len(blob), "autotuned": dict(state.tuned),
             "cutlass_objects": [p.name for p in state.objects],
-            "graphs": o.cuda_graphs and capturable(program), "kernels": {
+            "graphs": o.cuda_graphs and capturable(program),
+            **({"graphs_off": not_capturable(program)} if o.cuda_graphs and
+               not capturable(program) else {}), "kernels": {
         k.name: {"xblock": k.config.xblock, "rblock": k.config.rblock,
                  "num_warps": k.config.num_warps,
                  "shared": {str(a): cubins[(k.name, a)].shared for a in archs}}

@@ -20,18 +20,20 @@ from __future__ import annotations
 
 import math
 
+import sympy
+
 from kiln.ir import dtypes
 from kiln.ir import loop as L
 from kiln.ir import program as P
 from kiln.ir.dtypes import DTYPES
-from kiln.ir.sym import to_c
+from kiln.ir.sym import data_dependent_symbols, to_c, unbounded
 from kiln.targets import collectives
 from kiln.targets.cxx_wrapper import SizeCheckPrinter, _cstr, condition, runtime_plan_lines
 from kiln.memory.assign import intervals
 from kiln.gemm.configs import BlasLtConfig
 from kiln.gemm.cutlass_evt import Evt, from_epilogue
 from kiln.gemm.cutlass_link import entry, workspace_entry
-from kiln.ir.sym import evaluate
+from kiln.ir.sym import UNBOUNDED_NOMINAL, evaluate
 from kiln.targets.cuda.wrapper_parts import print_cuda_model
 from kiln.errors import UnsupportedError
 from kiln.gemm.problem import layout
@@ -91,6 +93,7 @@ class _Printer(SizeCheckPrinter):
         env = {s.name: s.example for s in prog.symbols}
         self.dynamic_bufs = [iv.name for iv in intervals(prog, env)]
         self.lt_gemms: list[str] = []  # cuBLASLt GEMMs, in order: each has an LtPlan
+        self.heap_bufs = heap_buffers(prog)
 
     def lt_index(self, name: str) -> int:
         if name not in self.lt_gemms:
@@ -154,10 +157,37 @@ class _Printer(SizeCheckPrinter):
         self.emit(f"out_ptr[{x.index}] = kc::dptr(&outs[{x.index}]->dl_tensor);")
         self.emit(f"out_bytes[{x.index}] = kc::nbytes(&outs[{x.index}]->dl_tensor);")
 
-    def _AllocOutput(self, x: P.AllocOutput) -> None:
-        self.emit(f"CUdeviceptr buf_{x.buf} = out[{x.index}];  // output {x.index}")
+    def _AllocOutput(self, x: P.AllocOutput, declared: bool = False) -> None:
+        if not late_output(x):
+            self.emit(f"CUdeviceptr buf_{x.buf} = out[{x.index}];  // output {x.index}")
+            return
+        # sized by a data-dependent size without an upper bound: allocated now, at its shape
+        shape = ", ".join(to_c(d) for d in x.shape) or "0"
+        self.emit(f"// output {x.index}: shape {list(x.shape)} known only now (no upper bound)")
+        self.emit(f"{{ const int64_t shape[] = {{{shape}}};")
+        self.emit(f"  outs[{x.index}] = kc::new_output(e, self->pool, self->ctx, stream, "
+                  f"self->device_id, {x.dtype.dl_code}, {x.dtype.itemsize * 8}, "
+                  f"{len(x.shape)}, shape); }}")
+        self.emit(f"if (!outs[{x.index}]) goto fail;")
+        self.emit(f"{'' if declared else 'CUdeviceptr '}buf_{x.buf} = "
+                  f"kc::dptr(&outs[{x.index}]->dl_tensor);")
 
-    def _Alloc(self, x: P.Alloc) -> None:
+    def declare_late(self, x: P.Line) -> None:
+        self.emit(f"CUdeviceptr buf_{x.buf} = 0;  // allocated once the call returns its sizes")
+
+    def make_late(self, x: P.Line) -> None:
+        if isinstance(x, P.AllocOutput):
+            self._AllocOutput(x, declared=True)
+        else:
+            self._Alloc(x, declared=True)
+
+    def _Alloc(self, x: P.Alloc, declared: bool = False) -> None:
+        if x.heap:  # sized by a data-dependent size without a bound: outside the arena
+            self.emit(f"{'' if declared else 'CUdeviceptr '}buf_{x.buf} = heap.alloc(e, "
+                      f"{_cstr(x.buf)}, {to_c(x.nbytes)}, stream);  // {x.numel} "
+                      f"{x.dtype.name}, allocated now: no upper bound")
+            self.emit(f"if (!buf_{x.buf}) goto fail;")
+            return
         if x.reuse is not None:
             self.emit(f"CUdeviceptr buf_{x.buf} = buf_{x.reuse};  // in place of {x.reuse}")
             return
@@ -167,6 +197,9 @@ class _Printer(SizeCheckPrinter):
                   f"{x.dtype.name}")
 
     def _Free(self, x: P.Free) -> None:
+        if x.buf in self.heap_bufs:
+            self.emit(f"heap.release(buf_{x.buf}, stream); buf_{x.buf} = 0;  // {x.buf} dead")
+            return
         self.emit(f"buf_{x.buf} = 0;  // {x.buf} dead: its bytes may be reused")
 
     def _CallKernel(self, x: P.CallKernel) -> None:
@@ -247,9 +280,15 @@ class _Printer(SizeCheckPrinter):
         self.emit(f"      kc::check(e, kc::driver().cuStreamSynchronize(stream), {what})) "
                   "goto fail;")
         self.emit(f"  {n.symbol} = static_cast<int64_t>(v); }}")
-        self.emit(f"if ({n.symbol} < {n.lo} || {n.symbol} > {to_c(n.hi)}) {{ e.fail(\"{n.src}"
-                  f".item() is %lld, outside [{n.lo}, {n.hi}], the range the export assumed for "
-                  f"size {n.symbol}\", (long long){n.symbol}); goto fail; }}")
+        if unbounded(n.symbol, n.hi):
+            self.emit(f"if ({n.symbol} < {n.lo}) {{ e.fail(\"{n.src}.item() is %lld, below "
+                      f"{n.lo}, the least value the export assumed for size {n.symbol}\", "
+                      f"(long long){n.symbol}); goto fail; }}")
+        else:
+            self.emit(f"if ({n.symbol} < {n.lo} || {n.symbol} > {to_c(n.hi)}) {{ e.fail("
+                      f"\"{n.src}.item() is %lld, outside [{n.lo}, {n.hi}], the range the "
+                      f"export assumed for size {n.symbol}\", (long long){n.symbol}); "
+                      "goto fail; }")
         # the int64 scalar as a value for kernels: its two 32-bit words, set on the stream
         self.emit(f"if (kc::check(e, kc::driver().cuMemsetD32Async(buf_{n.name}, "
                   f"static_cast<unsigned>(static_cast<uint64_t>({n.symbol}) & 0xffffffffu), 1, "
@@ -412,13 +451,41 @@ class _Printer(SizeCheckPrinter):
         self.emit("return 0;")
 
 
+def late_output(x: P.AllocOutput) -> bool:
+    """Whether an output is sized by a data-dependent size without an upper bound: allocated
+    during the run, once its shape is known (not before the run, at its bounds)."""
+    return bool(data_dependent_symbols(sympy.Mul(*(x.capacity or x.shape))))
+
+
+def heap_buffers(prog: P.Program) -> set[str]:
+    """Temporaries allocated on the device at run time, outside the arena (P.Alloc.heap)."""
+    return {a.buf for x in P.walk(prog.lines)
+            for a in ((x,) if isinstance(x, P.Alloc) else
+                      x.allocs if isinstance(x, P.CallAten) else ())
+            if isinstance(a, P.Alloc) and a.heap}
+
+
+def not_capturable(prog: P.Program) -> str | None:
+    """Why a run cannot replay as one CUDA graph (None when it can): a branch or loop reads
+    its predicate on the host (a stream sync), an ATen call runs torch's allocator and
+    dispatcher, and a data-dependent size (`.item()` read on the host, or bound by an ATen
+    call) changes the launches after it within the run, and without an upper bound also the
+    buffers it sizes (allocated mid-run)."""
+    if any(isinstance(x, (P.If, P.While)) for x in P.walk(prog.lines)):
+        return "torch.cond / while_loop: the predicate is read on the host"
+    if any(isinstance(x, P.CallAten) for x in P.walk(prog.lines)):
+        return "ATen fallback calls: torch's dispatcher and allocator run inside the run"
+    if prog.unbacked or any(isinstance(x, P.ReadSizeLine) for x in P.walk(prog.lines)):
+        names = ", ".join(n for n, _ in prog.unbacked)
+        heap = " (some without an upper bound: their buffers are allocated mid-run)" if any(
+            unbounded(n, b) for n, b in prog.unbacked) else ""
+        return f"data-dependent sizes {names} are read on the host mid-run{heap}"
+    return None
+
+
 def capturable(prog: P.Program) -> bool:
-    """Whether a run can replay as one CUDA graph: a branch or loop reads its predicate on the
-    host (a stream sync), an ATen call runs torch's allocator and dispatcher, and a
-    data-dependent size (`.item()` read on the host, or bound by an ATen call) changes the
-    launches after it within the run."""
-    return not prog.unbacked and not any(
-        isinstance(x, (P.If, P.While, P.CallAten, P.ReadSizeLine)) for x in P.walk(prog.lines))
+    """Whether a run can replay as one CUDA graph (see `not_capturable`)."""
+    return not_capturable(prog) is None
 
 
 def _plan_block(pr: _Printer, prog: P.Program) -> None:
@@ -444,8 +511,9 @@ def _cutlass_parts(prog: P.Program, cutlass: dict) -> tuple[list[str], list[str]
     (the largest any of them needs at the maxima of the Dim ranges)."""
     decls, init = [], []
     hi = {s.name: s.max for s in prog.symbols}
-    for name, bound in prog.unbacked:  # data-dependent sizes at their bounds
-        hi[name] = evaluate(bound, hi)
+    for name, bound in prog.unbacked:  # data-dependent sizes at their bounds (a nominal
+        # size where there is none: the run checks the workspace it needs)
+        hi[name] = UNBOUNDED_NOMINAL if unbounded(name, bound) else evaluate(bound, hi)
     calls = {x.gemm.name: x for x in P.walk(prog.lines) if isinstance(x, P.CallGemm)}
     gemms = {n: x.gemm for n, x in calls.items()}
     keys = {n: (lambda e: e.key if e is not None else "")(_evt_of(x.gemm, x.epilogue))
@@ -489,6 +557,9 @@ def print_cuda_wrapper(prog: P.Program, kernels: dict, cubins: dict, archs: tupl
     checks = [x for x in prog.lines if isinstance(x, P.CHECKS)]
     n_in = len(prog.inputs)
     outs = [x for x in prog.lines if isinstance(x, P.AllocOutput)]
+    if prog.unbacked or any(isinstance(x, (P.ReadSizeLine, P.If, P.While))
+                            for x in P.walk(prog.lines)):  # host reads mid-run
+        pr.emit(f"if (kc::refuse_capture(e, stream, {_cstr(not_capturable(prog))})) return 1;")
     pr.emit(f"CUdeviceptr in_ptr[{max(n_in, 1)}] = {{}};")
     pr.emit(f"size_t in_bytes[{max(n_in, 1)}] = {{}};")
     for x in checks:
@@ -498,9 +569,14 @@ def print_cuda_wrapper(prog: P.Program, kernels: dict, cubins: dict, archs: tupl
     pr.emit(f"CUdeviceptr out_ptr[{max(len(outs), 1)}] = {{}};")
     pr.emit(f"size_t out_bytes[{max(len(outs), 1)}] = {{}};")
     for name, bound in prog.unbacked:  # bound mid-run (by `body`), read by `Return`
-        pr.emit(f"int64_t {name} = 0;  // data-dependent size, at most {bound}")
+        pr.emit(f"int64_t {name} = 0;  // data-dependent size, " + (
+            "no upper bound" if unbounded(name, bound) else f"at most {bound}"))
+    if pr.heap_bufs:
+        pr.emit("kc::DeviceHeap heap(self->pool, stream);  // buffers sized by unbounded "
+                "data-dependent sizes")
     for x in outs:
-        pr.alloc_output(x)
+        if not late_output(x):
+            pr.alloc_output(x)
     pr.emit("auto body = [&](CUstream stream, const CUdeviceptr* in, const CUdeviceptr* out) "
             "-> int {")
     body_start = len(pr.out)

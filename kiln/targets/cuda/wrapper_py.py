@@ -28,7 +28,7 @@ import torch
 from kiln.gemm.printed import strided_operand
 from kiln.ir import loop as L
 from kiln.ir import program as P
-from kiln.ir.sym import evaluate
+from kiln.ir.sym import evaluate, unbounded
 from kiln.gemm.cutlass_evt import evaluate_torch, from_epilogue
 from kiln.ir.interp import call_aten
 from kiln.errors import UnsupportedError
@@ -174,32 +174,47 @@ def _run_user(u, x: P.CallUser, bufs: dict, env: dict) -> None:
     u.call.spec.fn[grid](**kw, num_warps=u.num_warps, num_stages=u.num_stages)
 
 
-def _run_aten(c, bufs: dict, env: dict, bounds: dict) -> None:
+def _run_aten(c, bufs: dict, env: dict, bounds: dict, allocs=(), device="cpu") -> None:
     """An ATen fallback call (`loop.AtenCall`, run by ir/interp.py's `call_aten` on strided
     views of the buffers): every result it writes copied into its buffer, its data-dependent
-    sizes bound and checked against their bounds."""
+    sizes bound and checked against their bounds; `allocs` (P.CallAten.allocs): the buffers
+    sized by sizes it binds with no upper bound, allocated once they are bound."""
 
     def tensor(a: L.AtenTensor):
         t = bufs[a.buf]
         return torch.as_strided(t, [evaluate(d, env) for d in a.shape],
                                 [evaluate(d, env) for d in a.strides],
                                 t.storage_offset() + evaluate(a.offset, env))
-    for r, got in call_aten(c, tensor, env):
+    results = list(call_aten(c, tensor, env))
+    for r, got in results:
         for d, sym, _ in r.binds:
             env[sym] = int(got.shape[d])
             hi = evaluate(bounds[sym], env)
             if not 0 <= env[sym] <= hi:
                 raise ValueError(f"ATen fallback {c.op}: data-dependent size {sym} = {env[sym]} "
                                  f"exceeds its bound {bounds[sym]} = {hi}")
+    for a in allocs:
+        _alloc(a, bufs, env, device)
+    for r, got in results:
         shape = [evaluate(d, env) for d in r.shape]
         n = math.prod(shape)
         bufs[r.name].reshape(-1)[:n].view(shape).copy_(got)
 
 
+def _alloc(x, bufs: dict, env: dict, device) -> None:
+    """An output (data-dependent dims at their bounds) or a temporary, as a fresh tensor."""
+    if isinstance(x, P.AllocOutput):
+        shape = [evaluate(d, env) for d in (x.capacity or x.shape)]
+        bufs[x.buf] = torch.empty(shape, dtype=x.dtype.torch, device=device)
+    else:
+        n = evaluate(x.numel, env)
+        bufs[x.buf] = torch.empty(max(n, 1), dtype=x.dtype.torch, device=device)
+
+
 def _read_size(n, bufs: dict, env: dict) -> None:
     """`x.item()` as a size (`loop.ReadSize`): read, range-checked, stored as int64."""
     v = int(bufs[n.src].reshape(-1)[0])
-    hi = evaluate(n.hi, env)
+    hi = v if unbounded(n.symbol, n.hi) else evaluate(n.hi, env)
     if not n.lo <= v <= hi:
         raise ValueError(f"{n.src}.item() is {v}, outside [{n.lo}, {n.hi}], the range the "
                          f"export assumed for size {n.symbol}")
@@ -222,12 +237,8 @@ def run_program(prog: P.Program, kernels: dict, module, weights: dict, inputs: l
             env[x.symbol] = int(inputs[x.input])
         elif isinstance(x, P.BindSize):
             env[x.symbol] = (int(inputs[x.input].shape[x.dim]) - x.offset) // x.scale
-        elif isinstance(x, P.AllocOutput):  # data-dependent dims at their bounds
-            shape = [evaluate(d, env) for d in (x.capacity or x.shape)]
-            bufs[x.buf] = torch.empty(shape, dtype=x.dtype.torch, device=device)
-        elif isinstance(x, P.Alloc):
-            n = evaluate(x.numel, env)
-            bufs[x.buf] = torch.empty(max(n, 1), dtype=x.dtype.torch, device=device)
+        elif isinstance(x, (P.AllocOutput, P.Alloc)):
+            _alloc(x, bufs, env, device)
         elif isinstance(x, P.Free):
             bufs.pop(x.buf, None)
         elif isinstance(x, P.CallKernel):
@@ -241,7 +252,7 @@ def run_program(prog: P.Program, kernels: dict, module, weights: dict, inputs: l
         elif isinstance(x, P.CallUser):
             _run_user(kernels[x.call.name], x, bufs, env)
         elif isinstance(x, P.CallAten):
-            _run_aten(x.call, bufs, env, dict(prog.unbacked))
+            _run_aten(x.call, bufs, env, dict(prog.unbacked), x.allocs, device)
         elif isinstance(x, P.ReadSizeLine):
             _read_size(x.node, bufs, env)
         elif isinstance(x, (P.If, P.While)):

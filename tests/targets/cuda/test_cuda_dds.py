@@ -233,13 +233,13 @@ _INTERP = textwrap.dedent("""
 
 def triton_kernels_of(cm) -> dict:
     """The TritonKernels of a CUDA build by name, with the configs the pipeline chose."""
-    from kiln.ir.sym import evaluate
+    from kiln.ir.sym import UNBOUNDED_NOMINAL, evaluate, unbounded
     from kiln.targets.cuda.build import triton_kernels
 
     b = cm.built
     hints = {s.name: s.example for s in b.graph.symbols}
     for name, bound in b.program.unbacked:  # as the pipeline picks configs
-        hints[name] = evaluate(bound, hints)
+        hints[name] = UNBOUNDED_NOMINAL if unbounded(name, bound) else evaluate(bound, hints)
     return {k.name: k for k in triton_kernels(b.steps, {x.name: x for x in b.loop.buffers},
                                               hints)}
 

@@ -43,7 +43,7 @@ struct Driver {
   KC_FN(cuMemAllocFromPoolAsync); KC_FN(cuMemFreeAsync); KC_FN(cuMemcpyDtoDAsync);
   KC_FN(cuStreamCreate); KC_FN(cuStreamDestroy); KC_FN(cuStreamBeginCapture);
   KC_FN(cuStreamEndCapture); KC_FN(cuGraphInstantiate); KC_FN(cuGraphLaunch);
-  KC_FN(cuGraphDestroy); KC_FN(cuGraphExecDestroy);
+  KC_FN(cuGraphDestroy); KC_FN(cuGraphExecDestroy); KC_FN(cuStreamIsCapturing);
 };
 #undef KC_FN
 
@@ -85,6 +85,7 @@ inline const Driver &driver() {
     KC_SYM(cuGraphInstantiate, "cuGraphInstantiateWithFlags")
     KC_SYM(cuGraphLaunch, "cuGraphLaunch") KC_SYM(cuGraphDestroy, "cuGraphDestroy")
     KC_SYM(cuGraphExecDestroy, "cuGraphExecDestroy")
+    KC_SYM(cuStreamIsCapturing, "cuStreamIsCapturing")
 #undef KC_SYM
     return t;
   }();
@@ -268,6 +269,64 @@ inline DLManagedTensor *new_output(Err &e, CUmemoryPool pool, CUcontext ctx, CUs
   box->managed.deleter = free_output;
   return &box->managed;
 }
+
+/* A run that cannot be captured (it reads values on the host mid-run: `why`) fails clearly
+ * when the caller's stream is capturing a CUDA graph, instead of a driver error mid-run. */
+inline int refuse_capture(Err &e, CUstream stream, const char *why) {
+  CUstreamCaptureStatus cs = CU_STREAM_CAPTURE_STATUS_NONE;
+  if (driver().cuStreamIsCapturing(stream, &cs) != CUDA_SUCCESS ||
+      cs == CU_STREAM_CAPTURE_STATUS_NONE)
+    return 0;
+  return e.fail("this package cannot run while its stream is capturing a CUDA graph (%s); "
+                "call it outside the capture", why);
+}
+
+/* Buffers sized by a data-dependent size without an upper bound (`x.item()` with no
+ * torch._check(x <= N), repeat_interleave's length): allocated on the device during a run once
+ * the size is known, outside the arena, stream-ordered from the output pool
+ * (cuMemAllocFromPoolAsync: no device-wide synchronisation, memory the pool keeps is reused by
+ * the next run) and freed stream-ordered at their last use or when the run returns (any path).
+ * The CPU twin is kr::HeapBuffers. Programs with such sizes never replay as CUDA graphs (the
+ * host reads the size mid-run), so every allocation is a plain stream-ordered one. */
+struct DeviceHeap {
+  CUmemoryPool pool;
+  CUstream stream;  /* the run's stream: frees at the end of the run are ordered on it */
+  CUdeviceptr held[64] = {};
+  int n = 0;
+  DeviceHeap(CUmemoryPool p, CUstream s) : pool(p), stream(s) {}
+  DeviceHeap(const DeviceHeap &) = delete;
+  DeviceHeap &operator=(const DeviceHeap &) = delete;
+  CUdeviceptr alloc(Err &e, const char *name, int64_t bytes, CUstream s) {
+    size_t rounded = (static_cast<size_t>(bytes > 0 ? bytes : 0) + 255) / 256 * 256;
+    int slot = -1;
+    for (int i = 0; i < n && slot < 0; ++i)
+      if (!held[i]) slot = i;
+    if (slot < 0 && n == 64) {
+      e.fail("more than 64 run-time device buffers live at once (%s)", name);
+      return 0;
+    }
+    CUdeviceptr p = 0;
+    CUresult r = driver().cuMemAllocFromPoolAsync(&p, rounded ? rounded : 256, pool, s);
+    if (r != CUDA_SUCCESS) {
+      const char *msg = nullptr;
+      if (driver().cuGetErrorString) driver().cuGetErrorString(r, &msg);
+      e.fail("allocating %s (%lld bytes, sized at run time): CUDA error %d (%s)", name,
+             (long long)bytes, static_cast<int>(r), msg ? msg : "unknown");
+      return 0;
+    }
+    if (slot < 0) slot = n++;
+    held[slot] = p;
+    return p;
+  }
+  void release(CUdeviceptr p, CUstream s) {
+    for (int i = 0; i < n; ++i)
+      if (held[i] == p && p) { driver().cuMemFreeAsync(p, s); held[i] = 0; return; }
+  }
+  ~DeviceHeap() {
+    for (int i = 0; i < n; ++i)
+      if (held[i]) driver().cuMemFreeAsync(held[i], stream);
+  }
+};
 
 /* The device arena: one allocation, grown (never shrunk) when a larger plan needs it. */
 struct Arena {
