@@ -29,7 +29,7 @@ import kiln.frontend.aten_library  # noqa: F401  (registers library-call convert
 import kiln.frontend.aten_lowp  # noqa: F401  (registers _scaled_mm, _int_mm)
 import kiln.frontend.aten_collectives  # noqa: F401  (registers the functional collectives)
 from kiln.frontend.aten_high import Fallback
-from kiln.frontend.aten_library import CPU_ONLY_OPS
+from kiln.frontend.aten_library import cpu_only
 from kiln.frontend.aten_table import TABLE
 from kiln.frontend.fold import fold_constants
 from kiln.frontend.control import CONTROL, convert_int_value
@@ -387,7 +387,7 @@ def convert_node(b: Builder, n: torch.fx.Node, gm: torch.fx.GraphModule) -> None
     mark, known = len(b.nodes), set(b.types)
     try:
         result = conv(b, n)
-        if not b.library_routines and any(x.op in CPU_ONLY_OPS for x in b.nodes[mark:]):
+        if not b.library_routines and any(cpu_only(x, b.types) for x in b.nodes[mark:]):
             raise UnsupportedError(f"operator {n.target} (node {n.name}) is lowered to a CPU "
                                    "library routine, which CUDA programs cannot call: enable "
                                    "aten_fallback to run it through ATen")

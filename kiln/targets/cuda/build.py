@@ -42,6 +42,7 @@ from kiln.targets.cuda.attention import choose_attention_config, print_attention
 from kiln.targets.cuda.gemm_candidates import build as build_candidates
 from kiln.targets.cuda.gemm_template import print_gemm_kernel
 from kiln.targets.cuda.kernel import choose_config, print_triton_kernel, print_triton_module
+from kiln.targets.cuda.put import print_put_kernels
 from kiln.targets.cuda.launch_tune import device_available, tune, tune_attention
 from kiln.targets.cuda.ops import PRELUDE
 from kiln.targets.cuda.wrapper import (blaslt_choices, capturable, cubin_blob,
@@ -53,7 +54,7 @@ from kiln.toolchain.cxx import build_shared
 from kiln.toolchain.triton_aot import compile_cubins
 
 # Extern routines CUDA builds run: attention (a generated Triton kernel), the collectives (NCCL)
-CUDA_ROUTINES = ("attention", *COLLECTIVES)
+CUDA_ROUTINES = ("attention", "put", *COLLECTIVES)
 
 
 @dataclass(frozen=True)
@@ -173,6 +174,10 @@ def check_routines(state: Build) -> Build:
         if isinstance(s, L.Extern) and s.routine not in CUDA_ROUTINES:
             raise UnsupportedError(f"library routine {s.routine} (for {', '.join(s.source)}) "
                                    "has no CUDA version yet; compile for the CPU")
+        if isinstance(s, L.Extern) and s.routine == "put" and s.attr("mode") != 0:
+            raise UnsupportedError(f"index_put / scatter with accumulation (for "
+                                   f"{', '.join(s.source)}) has no CUDA routine yet; enable "
+                                   "aten_fallback or compile for the CPU")
     for s in L.flat_steps(state.steps):  # run-time allocation is the CPU wrapper's for now
         if isinstance(s, (L.AtenCall, L.ReadSize)):
             binds = s.all_binds() if isinstance(s, L.AtenCall) else s.binds
@@ -206,7 +211,8 @@ def codegen_triton(state: CudaBuild) -> CudaBuild:
     """Every kernel, GEMM template kernel and attention call as Triton, in one module."""
     configs = {**_heuristic_configs(state), **state.configs}
     launched = [s for s in L.flat_steps(state.steps) if isinstance(s, (Kernel, GemmKernel))]
-    tks = triton_kernels(launched + attention_steps(state.steps), L.all_buffers(state.loop),
+    tks = triton_kernels(launched + attention_steps(state.steps) + put_steps(state.steps),
+                         L.all_buffers(state.loop),
                          _hints(state), configs)
     return replace(state, triton=tuple(tks),
                    sources={"kernels_triton.py": print_triton_module(tks)})
@@ -331,6 +337,11 @@ def attention_steps(steps) -> list[L.Extern]:
             s.routine == "attention"]
 
 
+def put_steps(steps) -> list[L.Extern]:
+    """The index_put calls of `steps` (regions' too) that CUDA prints (targets/cuda/put.py)."""
+    return [s for s in L.flat_steps(steps) if isinstance(s, L.Extern) and s.routine == "put"]
+
+
 def triton_kernels(steps, buffers, hints: dict[str, int], configs: dict | None = None) -> list:
     """The TritonKernel of every schedule kernel, GEMM template kernel and attention call in
     `steps` (configs by step name; the heuristic where none is given)."""
@@ -343,6 +354,8 @@ def triton_kernels(steps, buffers, hints: dict[str, int], configs: dict | None =
             out.append(print_triton_kernel(s, buffers, hints, configs.get(s.name)))
         elif isinstance(s, L.Extern) and s.routine == "attention":
             out.append(print_attention_kernel(s, buffers, hints, configs.get(s.name)))
+        elif isinstance(s, L.Extern) and s.routine == "put":
+            out.extend(print_put_kernels(s, buffers))
     return out
 
 

@@ -50,7 +50,7 @@ TARGET = Target("cuda", (
     REORDER,
     Stage("gemm_autotune", gemm_autotune),
     Stage("fuse_gemms", fuse_gemm_epilogues, dump=steps_text),
-    program_stage(inplace=False),
+    program_stage(inplace=False, state_inplace=True),
     PLAN,
     Stage("check_routines", check_routines),
     Stage("launch_autotune", launch_autotune, when=tunes_kernels),

@@ -32,6 +32,7 @@ from kiln.gemm.configs import BlasLtConfig
 from kiln.gemm.cutlass_evt import Evt, from_epilogue
 from kiln.gemm.cutlass_link import entry, workspace_entry
 from kiln.ir.sym import evaluate
+from kiln.targets.cuda.put import put_kernel_names
 from kiln.targets.cuda.wrapper_parts import print_cuda_model
 from kiln.errors import UnsupportedError
 from kiln.gemm.problem import layout
@@ -158,6 +159,10 @@ class _Printer(SizeCheckPrinter):
         self.emit(f"CUdeviceptr buf_{x.buf} = out[{x.index}];  // output {x.index}")
 
     def _Alloc(self, x: P.Alloc) -> None:
+        if x.state is not None:  # the state's own storage: updated in place
+            self.emit(f"CUdeviceptr buf_{x.buf} = buf_{x.state};  // state {x.state}, updated "
+                      "in place")
+            return
         if x.reuse is not None:
             self.emit(f"CUdeviceptr buf_{x.buf} = buf_{x.reuse};  // in place of {x.reuse}")
             return
@@ -265,6 +270,15 @@ class _Printer(SizeCheckPrinter):
             self.emit(f"{{  // attn_{c.name}: {c.name} = attention({ops})  <- "
                       f"{', '.join(c.source)}")
             self._launch(f"attn_{c.name}")
+            return
+        if c.routine == "put":  # index_put (targets/cuda/put.py): in place on a state
+            copy, scatter = put_kernel_names(c)
+            self.emit(f"// {c.name} = index_put({', '.join(a.buf for a in c.args)})  <- "
+                      f"{', '.join(c.source)}")
+            self.emit(f"if (buf_{c.name} != buf_{c.args[0].buf}) {{  // not in place: out = self")
+            self._launch(copy)
+            self.emit("{")
+            self._launch(scatter)
             return
         if collectives.is_collective(x):  # NCCL on the run's stream (kiln_comm_nccl.h)
             for s in collectives.collective_lines(c, self.p.buffer_dtypes[c.name], "nccl"):
