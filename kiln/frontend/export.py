@@ -232,8 +232,15 @@ def import_program(ep: ExportedProgram, fold: bool = True, aten_fallback: bool =
     rewritten: list = []  # ops the ATen fallback met with Scalar arguments (scalar_ops.py)
     first: ScalarArgument | None = None
     views_as_reshape = False
+    # a target with the fused attention step keeps scaled_dot_product_attention whole (torch
+    # would decompose it into its math on a CPU export); if its converter declines the call,
+    # the program is decomposed again with torch's table
+    keep_sdpa = fused_attention
     while True:
         table = rewrite_table(rewritten) if rewritten else None
+        if keep_sdpa:
+            table = dict(torch.export.default_decompositions() if table is None else table)
+            table.pop(torch.ops.aten.scaled_dot_product_attention.default, None)
         try:
             with warnings.catch_warnings(), _views_as_reshape(ep, views_as_reshape):
                 warnings.filterwarnings(  # torch's deepcopy of its own pytree specs warns on
@@ -251,6 +258,10 @@ def import_program(ep: ExportedProgram, fold: bool = True, aten_fallback: bool =
             if views_as_reshape or "Cannot view a tensor with shape" not in str(e):
                 raise
             views_as_reshape = True
+        except Fallback:
+            if not keep_sdpa:
+                raise
+            keep_sdpa = False
         except ScalarArgument as e:
             first = first or e
             if e.op in rewritten or rewrite_table([*rewritten, e.op]) is None:

@@ -42,6 +42,8 @@ from kiln.targets.cuda.attention import choose_attention_config, print_attention
 from kiln.targets.cuda.gemm_candidates import build as build_candidates
 from kiln.targets.cuda.gemm_template import print_gemm_kernel
 from kiln.targets.cuda.kernel import choose_config, print_triton_kernel, print_triton_module
+from kiln.passes.dce import dce
+from kiln.passes.gqa_attention import fold_repeat_kv
 from kiln.targets.cuda.put import print_put_kernels
 from kiln.targets.cuda.launch_tune import device_available, tune, tune_attention
 from kiln.targets.cuda.ops import PRELUDE
@@ -160,6 +162,16 @@ def gemm_autotune(state: Build) -> Build:
                          outputs=_kept(state.loop), buffers=L.all_buffers(state.loop),
                          printer=build_candidates)
     return replace(state, gemms=gemms)
+
+
+def gqa_attention(state: Build) -> Build:
+    """Fused attention reads the kv heads of grouped-query attention in place, not their
+    repeat_kv copies (passes/gqa_attention.py); the dead views are dropped."""
+    return replace(state, graph=dce(fold_repeat_kv(state.graph)))
+
+
+def has_attention(state: Build) -> bool:
+    return any(n.op == "attention" for n in state.graph.nodes)
 
 
 def fuse_gemm_epilogues(state: Build) -> Build:

@@ -4,6 +4,8 @@
                       call ATen; scaled_dot_product_attention stays one `attention` node
                       (Options.fused_attention)
     dce               dead nodes and unused weights dropped
+    gqa_attention     (attention nodes) grouped-query attention reads the kv heads in place,
+                      not repeat_kv copies (passes/gqa_attention.py)
     merge_gemms       (Options.fold_constants) GEMMs sharing their input and reading weights
                       become one GEMM on the weights concatenated (merged q/k/v, gate/up)
     freeze            (Options.freeze) weights stored in the layout their GEMMs read
@@ -16,7 +18,8 @@
     program           Program IR, no in-place reuse (threads of a Triton program do not run
                       in lock step)
     plan              the arena plan
-    check_routines    library routines without a CUDA version refused
+    check_routines    library routines without a CUDA version refused (CUDA has attention,
+                      put: index_put without accumulate, targets/cuda/put.py; collectives)
     launch_autotune   (Options.autotune, a local GPU) kernels' launch configs measured
     launch_autotune_attention   (likewise) attention block sizes measured
     codegen_triton    kernels_triton.py
@@ -31,7 +34,8 @@ from __future__ import annotations
 
 from kiln.targets.cuda.build import (CudaBuild, check_routines, codegen_triton, codegen_wrapper,
                                      compile_library, cubins, cubins_user, cutlass,
-                                     fuse_gemm_epilogues, gemm_autotune, has_cutlass,
+                                     fuse_gemm_epilogues, gemm_autotune, gqa_attention,
+                                     has_attention, has_cutlass,
                                      has_user_kernels, launch_autotune, libraries,
                                      launch_autotune_attention, mixed_gemm, triton_allowed,
                                      tunes_attention, tunes_kernels, user_kernel_configs)
@@ -42,6 +46,8 @@ from kiln.targets.stages import (DCE, FREEZE, LOWER, MERGE_GEMMS, PLAN, REORDER,
 TARGET = Target("cuda", (
     import_stage(library_routines=False, fused_attention=True),
     DCE,
+    Stage("gqa_attention", gqa_attention, dump=graph_text, verify=check_graph,
+          when=has_attention),
     MERGE_GEMMS,
     FREEZE,
     Stage("mixed_gemm", mixed_gemm, dump=graph_text, verify=check_graph, when=triton_allowed),
