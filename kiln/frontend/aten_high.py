@@ -68,9 +68,13 @@ def _sdpa(b, n):
     dropout = args[4] if args[4] is not None else n.kwargs.get("dropout_p", 0.0)
     causal = args[5] if args[5] is not None else n.kwargs.get("is_causal", False)
     scale = args[6] if args[6] is not None else n.kwargs.get("scale")
+    group = 1
     if n.kwargs.get("enable_gqa"):
-        raise Fallback("attention with grouped queries")
-    return _attention(b, n, args[:3], mask, dropout, causal, scale, None)[0]
+        h, hkv = _shape(b, args[0])[1], _shape(b, args[1])[1]
+        if not (h.is_Integer and hkv.is_Integer and int(h) % int(hkv) == 0):
+            raise Fallback("attention with grouped queries and dynamic head counts")
+        group = int(h) // int(hkv)
+    return _attention(b, n, args[:3], mask, dropout, causal, scale, None, group=group)[0]
 
 
 @register("aten._scaled_dot_product_flash_attention_for_cpu.default")
@@ -133,7 +137,7 @@ def _used_result(n, k: int) -> bool:
     return any(u.target is operator.getitem and u.args[1] == k and u.users for u in n.users)
 
 
-def _attention(b, n, qkv, mask, dropout, causal, scale, result, need_scores=False):
+def _attention(b, n, qkv, mask, dropout, causal, scale, result, need_scores=False, group=1):
     """(output, scores) of softmax(q k^T * scale + mask) v; `result`: the output's index in a
     multi-result op (None for a one-result op). `scores` is None when the fused step computes
     the call (CUDA; never with `need_scores`)."""
@@ -141,7 +145,13 @@ def _attention(b, n, qkv, mask, dropout, causal, scale, result, need_scores=Fals
     if dropout:
         raise Fallback("attention with dropout")
     qs, ks, vs = _shape(b, q), _shape(b, k), _shape(b, v)
-    if len(qs) != 4 or qs[:2] != ks[:2] or ks[:2] != vs[:2]:
+    if group > 1:  # enable_gqa: query head h reads kv head h // group
+        if len(qs) != 4 or len(ks) != 4 or ks[:2] != vs[:2] or qs[0] != ks[0] or \
+                sympy.expand(qs[1] - group * ks[1]) != 0:
+            raise Fallback("attention with grouped queries of unexpected shapes")
+        if not (b.fused_attention and not need_scores and _fusable(b, n, q, k, v, mask)):
+            raise Fallback("attention with grouped queries (fused kernel not applicable)")
+    elif len(qs) != 4 or qs[:2] != ks[:2] or ks[:2] != vs[:2]:
         raise Fallback("attention with broadcast or non-4D operands")
     lq, s, e = qs[2], ks[2], qs[3]
     if scale is None:
@@ -154,8 +164,9 @@ def _attention(b, n, qkv, mask, dropout, causal, scale, result, need_scores=Fals
             else "float"
         ins = [b.tensor(q), b.tensor(k), b.tensor(v)] + ([b.tensor(mask)] if kind != "none"
                                                          else [])
+        extra = {"group": group} if group > 1 else {}
         return b.emit("attention", ins, node, like=n, result=result, causal=bool(causal),
-                      scale=float(scale), mask=kind), None
+                      scale=float(scale), mask=kind, **extra), None
     shape = (*qs[:2], lq, s)
     dt = b.meta_dtype(q)
     kt = b.emit("permute", [b.tensor(k)], None, like=n, shape=(*ks[:2], ks[3], ks[2]),

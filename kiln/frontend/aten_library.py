@@ -20,6 +20,16 @@ CPU_ONLY_OPS = frozenset({"sort", "topk", "scan", "scan_extreme", "scatter", "in
                           "masked_scatter", "embedding_bag"})
 
 
+def cpu_only(node, types) -> bool:
+    """Whether Graph IR `node` lowers to a routine only the CPU library has. index_put that
+    sets (no accumulate) through integer indices is the `put` routine, which CUDA builds print
+    as a Triton kernel (targets/cuda/put.py: a KV cache updated in place); `types`: the
+    builder's value types, by name."""
+    if node.op == "index_put" and not node.attr("accumulate"):
+        return any(types[i].dtype.name == "bool" for i in node.inputs[2:])
+    return node.op in CPU_ONLY_OPS
+
+
 def _arg(n, pos: int, name: str, default=None):
     if len(n.args) > pos:
         return n.args[pos]

@@ -29,7 +29,7 @@ import kiln.frontend.aten_library  # noqa: F401  (registers library-call convert
 import kiln.frontend.aten_lowp  # noqa: F401  (registers _scaled_mm, _int_mm)
 import kiln.frontend.aten_collectives  # noqa: F401  (registers the functional collectives)
 from kiln.frontend.aten_high import Fallback
-from kiln.frontend.aten_library import CPU_ONLY_OPS
+from kiln.frontend.aten_library import cpu_only
 from kiln.frontend.aten_table import TABLE
 from kiln.frontend.fold import fold_constants
 from kiln.frontend.control import CONTROL, convert_int_value
@@ -236,8 +236,15 @@ def import_program(ep: ExportedProgram, fold: bool = True, aten_fallback: bool =
     rewritten: list = []  # ops the ATen fallback met with Scalar arguments (scalar_ops.py)
     first: ScalarArgument | None = None
     views_as_reshape = False
+    # a target with the fused attention step keeps scaled_dot_product_attention whole (torch
+    # would decompose it into its math on a CPU export); if its converter declines the call,
+    # the program is decomposed again with torch's table
+    keep_sdpa = fused_attention
     while True:
         table = rewrite_table(rewritten) if rewritten else None
+        if keep_sdpa:
+            table = dict(torch.export.default_decompositions() if table is None else table)
+            table.pop(torch.ops.aten.scaled_dot_product_attention.default, None)
         try:
             with warnings.catch_warnings(), _views_as_reshape(ep, views_as_reshape):
                 warnings.filterwarnings(  # torch's deepcopy of its own pytree specs warns on
@@ -255,6 +262,10 @@ def import_program(ep: ExportedProgram, fold: bool = True, aten_fallback: bool =
             if views_as_reshape or "Cannot view a tensor with shape" not in str(e):
                 raise
             views_as_reshape = True
+        except Fallback:
+            if not keep_sdpa:
+                raise
+            keep_sdpa = False
         except ScalarArgument as e:
             first = first or e
             if e.op in rewritten or rewrite_table([*rewritten, e.op]) is None:
@@ -392,7 +403,7 @@ def convert_node(b: Builder, n: torch.fx.Node, gm: torch.fx.GraphModule) -> None
     mark, known = len(b.nodes), set(b.types)
     try:
         result = conv(b, n)
-        if not b.library_routines and any(x.op in CPU_ONLY_OPS for x in b.nodes[mark:]):
+        if not b.library_routines and any(cpu_only(x, b.types) for x in b.nodes[mark:]):
             raise UnsupportedError(f"operator {n.target} (node {n.name}) is lowered to a CPU "
                                    "library routine, which CUDA programs cannot call: enable "
                                    "aten_fallback to run it through ATen")

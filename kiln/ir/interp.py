@@ -431,6 +431,8 @@ def _lib_attention(outs, attrs, q, k, v, mask=None):
     (dt, shape), = outs
     out = np.zeros(shape, dtype=np.float64)
     lq, s = q.shape[2], k.shape[2]
+    g = attrs.get("group", 1)  # grouped queries: head h reads kv head h // g
+    k, v = np.repeat(k, g, axis=1), np.repeat(v, g, axis=1)
     keep = np.tril(np.ones((lq, s), dtype=bool)) if attrs["causal"] else np.ones((lq, s), bool)
     for b in range(q.shape[0]):
         for h in range(q.shape[1]):

@@ -7,7 +7,8 @@ projection are read in place; a value that is not a view of a buffer is material
 The mask is broadcast to [B, H, L, S] with stride 0 along its broadcast dims. The output is a
 contiguous [B, H, L, Ev] buffer of q's dtype. Attributes: causal (top-left aligned: key j is
 kept for query i when j <= i), scale, mask kind (MASK_KINDS: none / bool, keep where true /
-float, added). CUDA builds run it as a generated Triton flash-attention kernel
+float, added), group (grouped-query attention, passes/gqa_attention.py: k and v have H / group
+heads, query head h reads kv head h // group). CUDA builds run it as a generated Triton flash-attention kernel
 (targets/cuda/attention.py); `ir/interp.py` has its numpy twin."""
 
 from __future__ import annotations
@@ -22,7 +23,8 @@ MASK_KINDS = {"none": 0, "bool": 1, "float": 2}
 
 def lower_attention(ctx: LowerCtx, node: Node, args: list[Lazy]) -> Lazy:
     q, k, v = (_viewed(ctx, a, f"{node.name}_{n}", node) for a, n in zip(args[:3], "qkv"))
-    b, h, lq, _ = q.shape
+    b, _, lq, _ = q.shape
+    h = q.shape[1]
     s = k.shape[2]
     ops = [_arg(q), _arg(k), _arg(v)]
     kind = node.attr("mask")
@@ -31,6 +33,8 @@ def lower_attention(ctx: LowerCtx, node: Node, args: list[Lazy]) -> Lazy:
         ops.append(_arg(m, shape=(b, h, lq, s)))
     attrs = (("causal", bool(node.attr("causal"))), ("scale", float(node.attr("scale"))),
              ("mask", MASK_KINDS[kind]))
+    if node.attr("group", 1) > 1:  # grouped queries: head h reads kv head h // group
+        attrs += (("group", int(node.attr("group"))),)
     shape = node.type.shape
     (out,) = _emit(ctx, node, "attention", [("", node.type.dtype, shape)], ops, attrs)
     return ctx.buffer_lazy(out, node.type.dtype, shape)

@@ -19,7 +19,7 @@ from kiln.errors import UnsupportedError
 from kiln.ir import dtypes
 from kiln.ir import loop as L
 from kiln.ir.graph import Node
-from kiln.ir.sym import contiguous_strides
+from kiln.ir.sym import contiguous_strides, ivars
 from kiln.lowering.core import Lazy, LowerCtx, View, from_view, pointwise
 from kiln.lowering.indexing import _broadcast_shapes
 from kiln.ops.build import cast, op
@@ -36,13 +36,64 @@ def _src(node: Node) -> tuple[str, ...]:
 
 def _viewed(ctx: LowerCtx, lz: Lazy, name: str, node: Node, dtype=None) -> Lazy:
     """`lz` as a view of a buffer (cast to `dtype` first when given): materialised unless it
-    already is one."""
+    already is one, once per value and dtype (a KV cache's keys and values share their index:
+    one buffer)."""
+    key = ("viewed", id(lz), dtype)
+    hit = ctx.shared.get(key)
+    if hit is not None and hit[0] is lz:  # (the entry keeps `lz` alive: its id stays its own)
+        return hit[1]
+    given = lz
     if dtype is not None and lz.dtype != dtype:
         src = lz
         lz = pointwise(dtype, src.shape, lambda idx: cast(src.load(idx), dtype), src)
     if lz.view is None:
-        lz = ctx.realize(name, lz, _src(node))
+        lz = as_view(lz) or ctx.realize(name, lz, _src(node))
+    if lz is not given:
+        ctx.shared[key] = (given, lz)
     return lz
+
+
+def _unit_free(e: L.Expr, zero: dict) -> L.Expr:
+    """`e` with the index variables of size-1 dims set to 0 and `idx(0) + x` folded to x."""
+    if isinstance(e, L.Load) and not e.indirect:
+        return L.Load(e.buf, sympy.sympify(e.index).xreplace(zero), e.dtype)
+    if isinstance(e, L.Index):
+        return L.Index(sympy.sympify(e.expr).xreplace(zero), e.dtype)
+    if isinstance(e, L.Op):
+        args = tuple(_unit_free(a, zero) for a in e.args)
+        if e.op == "add" and len(args) == 2:
+            for a, b in (args, args[::-1]):
+                if isinstance(a, L.Index) and sympy.sympify(a.expr) == 0 and \
+                        b.dtype == e.dtype:
+                    return b
+        return L.Op(e.op, args, e.dtype)
+    return e
+
+
+def as_view(lz: Lazy) -> Lazy | None:
+    """`lz` as a view when each element is one direct load of a buffer at an index affine in
+    the element's indices (size-1 dims read at 0): e.g. a one-token step's KV-cache position
+    `arange(1) + cache_position[0]`, which then costs no kernel. None otherwise."""
+    iv = ivars(lz.rank)
+    zero = {v: sympy.Integer(0) for v, n in zip(iv, lz.shape) if sympy.sympify(n) == 1}
+    e = _unit_free(lz.load(iv), zero)
+    if not isinstance(e, L.Load) or e.indirect or e.dtype != lz.dtype:
+        return None
+    idx = sympy.expand(sympy.sympify(e.index))
+    strides = []
+    try:
+        for v in iv:
+            c = sympy.Integer(0) if v in zero else sympy.expand(sympy.diff(idx, v))
+            if c.free_symbols & set(iv):
+                return None
+            strides.append(c)
+    except (TypeError, ValueError, NotImplementedError):
+        return None
+    off = sympy.expand(idx.xreplace({v: sympy.Integer(0) for v in iv}))
+    if sympy.expand(off + sum(c * v for c, v in zip(strides, iv)) - idx) != 0 or \
+            off.free_symbols & set(iv):
+        return None
+    return from_view(lz.dtype, lz.shape, View(e.buf, off, tuple(strides)))
 
 
 def _arg(lz: Lazy, perm=None, shape=None) -> L.LibArg:

@@ -96,6 +96,11 @@ def _worth(outer, old_outer) -> bool:
     if tuple(outer) == tuple(old_outer):
         return True
     n = product(outer)
+    if sympy.expand(n - product(old_outer)) == 0:
+        # the same parallel extent without size-1 dims (a one-token decode step: a residual
+        # add over [1, 1, C] and the RMSNorm reduction after it, outer () vs (1, 1)): merging
+        # loses no parallelism and saves a launch and a round trip through memory
+        return True
     return len(outer) > 0 and not (n.is_Integer and int(n) < 32)
 
 

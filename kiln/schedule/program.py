@@ -134,7 +134,8 @@ def index_site(graph: Graph, kernel: Kernel) -> str:
 
 
 def build_program(graph: Graph, prog: L.LoopProgram, steps: tuple[Step, ...],
-                  weights, inplace: bool = True) -> P.Program:
+                  weights, inplace: bool = True, state_inplace: bool | None = None
+                  ) -> P.Program:
     buffers = {b.name: b for b in prog.buffers}
     lines = input_lines(graph)
     bounds = unbacked_bounds(steps)
@@ -170,7 +171,11 @@ def build_program(graph: Graph, prog: L.LoopProgram, steps: tuple[Step, ...],
     heap = {b for b in temps if data_dependent_symbols(numel[b])}  # no upper bound
     reuse = choose_reuse(steps, buffers, first, last) if inplace else {}
     reuse = {b: r for b, r in reuse.items() if b not in heap and r not in heap}
-    in_state = state_updates(steps, buffers, prog.mutations, first, last) if inplace else {}
+    # state updates in place (memory/inplace.py) apart from temps' reuse: CUDA builds keep
+    # the first and not the second
+    state_inplace = inplace if state_inplace is None else state_inplace
+    in_state = state_updates(steps, buffers, prog.mutations, first, last) \
+        if state_inplace else {}
     in_state = {b: s for b, s in in_state.items() if b not in heap}
     for i, step in enumerate(steps):
         made = list(late.get(i, ()))

@@ -236,7 +236,7 @@ def reorder_steps(state: Build) -> Build:
     return replace(state, steps=steps, reorder=(before, after))
 
 
-def build_program_ir(state: Build, inplace: bool) -> Build:
+def build_program_ir(state: Build, inplace: bool, state_inplace: bool | None = None) -> Build:
     """Kernels -> Program IR (input checks, liveness-based Alloc/Free; with `inplace`, a
     buffer may reuse a dead operand's bytes). Keeps only the weights the graph reads."""
     graph = state.graph
@@ -245,12 +245,15 @@ def build_program_ir(state: Build, inplace: bool) -> Build:
                         weights[i.name].numel() * weights[i.name].element_size(),
                         mutable=i.kind == "state", permuted=i.permuted)
              for i in graph.weights]
-    program = build_program(graph, state.loop, state.steps, specs, inplace)
+    program = build_program(graph, state.loop, state.steps, specs, inplace, state_inplace)
     return replace(state, weights=weights, program=program)
 
 
-def program_stage(inplace: bool) -> Stage:
-    return Stage("program", partial(build_program_ir, inplace=inplace), dump=program_text,
+def program_stage(inplace: bool, state_inplace: bool | None = None) -> Stage:
+    """`inplace`: temps may reuse dying temps' bytes; `state_inplace` (default `inplace`): a
+    state's update (index_put) may write the state's own storage (memory/inplace.py)."""
+    return Stage("program", partial(build_program_ir, inplace=inplace,
+                                    state_inplace=state_inplace), dump=program_text,
                  verify=check_program)
 
 

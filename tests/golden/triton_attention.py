@@ -27,7 +27,18 @@ def attn_scaled_dot_product_attention(buf_scaled_dot_product_attention, buf_q, b
     # keys below the block's first query are kept for every row: no causal mask
     lo = tl.minimum(33 // RBLOCK * RBLOCK, first // RBLOCK * RBLOCK)
     hi = tl.minimum(33, first + XBLOCK)
-    for start in range(0, lo, RBLOCK):
+    lo_live = 33
+    hi_live = 0
+    for pi in range(0, (33 + 63) // 64):
+        pc = pi * 64 + tl.arange(0, 64)
+        alive = tl.max((row_ok[:, None] & (pc[None, :] < 33) & (tl.load(m_ptr + pc[None, :], mask=row_ok[:, None] & (pc[None, :] < 33), other=0) != 0)).to(tl.int32), 0) > 0
+        lo_live = tl.minimum(lo_live, tl.min(tl.where(alive, pc, 33)))
+        hi_live = tl.maximum(hi_live, tl.max(tl.where(alive, pc + 1, 0)))
+    first_t = lo_live // RBLOCK * RBLOCK
+    end_t = (hi_live + RBLOCK - 1) // RBLOCK * RBLOCK
+    whole_lo = first_t
+    whole_hi = tl.minimum(lo, end_t)
+    for start in range(whole_lo, whole_hi, RBLOCK):
         cols = start + tl.arange(0, RBLOCK)
         kt = tl.load(k_ptr + cols[None, :] * 240 + d[:, None], mask=(d[:, None] < 80), other=0.0)
         s = tl.dot(q, kt) * qk_scale
@@ -40,7 +51,9 @@ def attn_scaled_dot_product_attention(buf_scaled_dot_product_attention, buf_q, b
         vt = tl.load(v_ptr + cols[:, None] * 240 + dv[None, :], mask=(dv[None, :] < 80), other=0.0)
         acc = tl.dot(p.to(vt.dtype), vt, acc * alpha[:, None])
         m_i = m_new
-    for start in range(lo, hi, RBLOCK):  # the tail: bounds (and causal) masks
+    tail_lo = tl.maximum(lo, first_t)
+    tail_hi = tl.minimum(hi, end_t)
+    for start in range(tail_lo, tail_hi, RBLOCK):  # the tail: bounds (and causal) masks
         cols = start + tl.arange(0, RBLOCK)
         col_ok = cols < 33
         kt = tl.load(k_ptr + cols[None, :] * 240 + d[:, None], mask=col_ok[None, :] & (d[:, None] < 80), other=0.0)

@@ -148,10 +148,12 @@ def print_attention_kernel(call: L.Extern, buffers, hints: dict[str, int],
         st = _c(stride)
         return [] if st == 0 else [var] if st == 1 else [f"{var} * {t(st)}"]
 
-    def base(a: L.LibArg) -> str:
+    group = int(call.attr("group", 1))
+
+    def base(a: L.LibArg, head: str = "h") -> str:
         off = [] if _c(a.offset) == 0 else [t(_c(a.offset))]
         return " + ".join([f"buf_{a.buf}", *off, *term("b", a.strides[0]),
-                           *term("h", a.strides[1])])
+                           *term(head, a.strides[1])])
 
     def tile(ptr: str, rvar: str, rstride, cvar: str, cstride) -> str:
         """ptr + a 2-D tile of offsets (a zero stride keeps its index: the tile's shape)."""
@@ -189,9 +191,11 @@ def print_attention_kernel(call: L.Extern, buffers, hints: dict[str, int],
         "    m_i = tl.full([XBLOCK], float(\"-inf\"), tl.float32)",
         "    l_i = tl.zeros([XBLOCK], tl.float32)",
         f"    acc = tl.zeros([XBLOCK, {evp}], tl.float32)",
-        f"    k_ptr = {base(k)}",
-        f"    v_ptr = {base(v)}",
     ]
+    if group > 1:  # grouped queries (passes/gqa_attention.py): kv head h // group
+        lines.append(f"    hk = h // {group}")
+    lines += [f"    k_ptr = {base(k, 'hk' if group > 1 else 'h')}",
+              f"    v_ptr = {base(v, 'hk' if group > 1 else 'h')}"]
     if mask is not None:
         ms = mask.strides
         lines.append(f"    m_ptr = {tile(base(mask), 'rows[:, None]', ms[2], '', 0)}")
@@ -204,6 +208,11 @@ def print_attention_kernel(call: L.Extern, buffers, hints: dict[str, int],
         out = ["        cols = start + tl.arange(0, RBLOCK)"]
         if tail:
             out.append(f"        col_ok = cols < {S_}")
+        mld = None
+        if mask is not None:
+            bounds = "row_ok[:, None] & col_ok[None, :]" if tail else "row_ok[:, None]"
+            mld = (f"tl.load({tile('m_ptr', 'cols[None, :]', mask.strides[3], '', 0)}, "
+                   f"mask={bounds}, other=0)")
         out += [
             f"        kt = tl.load({tile('k_ptr', 'cols[None, :]', ks[2], 'd[:, None]', ks[3])}"
             + (f", mask={km}, other=0.0)" if km else ")"),
@@ -213,9 +222,6 @@ def print_attention_kernel(call: L.Extern, buffers, hints: dict[str, int],
         if causal and tail:
             keep.append("(cols[None, :] <= rows[:, None])")
         if mask is not None:
-            bounds = "row_ok[:, None] & col_ok[None, :]" if tail else "row_ok[:, None]"
-            mld = (f"tl.load({tile('m_ptr', 'cols[None, :]', mask.strides[3], '', 0)}, "
-                   f"mask={bounds}, other=0)")
             if kind == 1:
                 keep.append(f"({mld} != 0)")
             else:
@@ -248,9 +254,42 @@ def print_attention_kernel(call: L.Extern, buffers, hints: dict[str, int],
     else:
         lines += [f"    lo = {S_} // RBLOCK * RBLOCK  # whole key tiles: no bounds masks",
                   f"    hi = {S_}"]
-    lines.append("    for start in range(0, lo, RBLOCK):")
+    first_t, end_t = "0", None
+    if mask is not None and _c(Lq).is_Integer and int(_c(Lq)) <= config.xblock:
+        # one query block (decode): the keys the mask keeps for some row span [lo_live,
+        # hi_live); only those tiles are read (a decode step's mask hides the cache past the
+        # current position). A tile left out adds nothing to the online softmax (p = 0).
+        pb = max(config.rblock, 2048 // config.xblock)
+        ld = (f"tl.load({tile('m_ptr', 'pc[None, :]', mask.strides[3], '', 0)}, "
+              "mask=row_ok[:, None] & (pc[None, :] < " + S_ + "), other=0)")
+        alive = f"({ld} != 0)" if kind == 1 else \
+            f"({ld}.to(tl.float32) * {LOG2E!r} > float(\"-inf\"))"
+        lines += [
+            f"    lo_live = {S_}",
+            "    hi_live = 0",
+            f"    for pi in range(0, ({S_} + {pb - 1}) // {pb}):",
+            f"        pc = pi * {pb} + tl.arange(0, {pb})",
+            f"        alive = tl.max((row_ok[:, None] & (pc[None, :] < {S_}) & {alive})"
+            ".to(tl.int32), 0) > 0",
+            f"        lo_live = tl.minimum(lo_live, tl.min(tl.where(alive, pc, {S_})))",
+            "        hi_live = tl.maximum(hi_live, tl.max(tl.where(alive, pc + 1, 0)))",
+            "    first_t = lo_live // RBLOCK * RBLOCK",
+            "    end_t = (hi_live + RBLOCK - 1) // RBLOCK * RBLOCK",
+        ]
+        first_t, end_t = "first_t", "end_t"
+    if end_t is None:
+        lines.append("    for start in range(0, lo, RBLOCK):")
+    else:
+        lines += ["    whole_lo = first_t", "    whole_hi = tl.minimum(lo, end_t)",
+                  "    for start in range(whole_lo, whole_hi, RBLOCK):"]
     lines += _step(False)
-    lines.append("    for start in range(lo, hi, RBLOCK):  # the tail: bounds (and causal) masks")
+    if end_t is None:
+        lines.append("    for start in range(lo, hi, RBLOCK):  # the tail: bounds (and causal) "
+                     "masks")
+    else:
+        lines += ["    tail_lo = tl.maximum(lo, first_t)", "    tail_hi = tl.minimum(hi, end_t)",
+                  "    for start in range(tail_lo, tail_hi, RBLOCK):  # the tail: bounds (and "
+                  "causal) masks"]
     lines += _step(True)
     lines += [
         "    # rows whose keys were all masked: zeros (l_i == 0), as eager gives",

@@ -46,6 +46,9 @@ from kiln.passes.conv_nhwc import conv_nhwc
 from kiln.targets.cuda.gemm_candidates import build as build_candidates
 from kiln.targets.cuda.gemm_template import print_gemm_kernel
 from kiln.targets.cuda.kernel import choose_config, print_triton_kernel, print_triton_module
+from kiln.passes.dce import dce
+from kiln.passes.gqa_attention import fold_repeat_kv
+from kiln.targets.cuda.put import print_put_kernels
 from kiln.targets.cuda.launch_tune import device_available, tune, tune_attention
 from kiln.targets.cuda.ops import PRELUDE
 from kiln.targets.cuda.wrapper import (blaslt_choices, capturable, cubin_blob, not_capturable,
@@ -56,9 +59,9 @@ from kiln.toolchain.cuda import cuda_toolchain, default_archs
 from kiln.toolchain.cxx import build_shared
 from kiln.toolchain.triton_aot import compile_cubins
 
-# Extern routines CUDA builds run: attention and the NHWC convolution (generated Triton kernels),
-# the collectives (NCCL)
-CUDA_ROUTINES = ("attention", CONV_ROUTINE, *COLLECTIVES)
+# Extern routines CUDA builds run: attention, the NHWC convolution and index_put (generated
+# Triton kernels), the collectives (NCCL)
+CUDA_ROUTINES = ("attention", CONV_ROUTINE, "put", *COLLECTIVES)
 
 
 @dataclass(frozen=True)
@@ -184,6 +187,16 @@ def gemm_autotune(state: Build) -> Build:
     return replace(state, gemms=gemms)
 
 
+def gqa_attention(state: Build) -> Build:
+    """Fused attention reads the kv heads of grouped-query attention in place, not their
+    repeat_kv copies (passes/gqa_attention.py); the dead views are dropped."""
+    return replace(state, graph=dce(fold_repeat_kv(state.graph)))
+
+
+def has_attention(state: Build) -> bool:
+    return any(n.op == "attention" for n in state.graph.nodes)
+
+
 def fuse_gemm_epilogues(state: Build) -> Build:
     """Triton (and CUTLASS visitor-tree) GEMMs absorb their epilogue."""
     return replace(state, steps=fuse_gemms(state.steps, state.gemms, _kept(state.loop)))
@@ -195,6 +208,10 @@ def check_routines(state: Build) -> Build:
         if isinstance(s, L.Extern) and s.routine not in CUDA_ROUTINES:
             raise UnsupportedError(f"library routine {s.routine} (for {', '.join(s.source)}) "
                                    "has no CUDA version yet; compile for the CPU")
+        if isinstance(s, L.Extern) and s.routine == "put" and s.attr("mode") != 0:
+            raise UnsupportedError(f"index_put / scatter with accumulation (for "
+                                   f"{', '.join(s.source)}) has no CUDA routine yet; enable "
+                                   "aten_fallback or compile for the CPU")
     return state
 
 
@@ -226,8 +243,9 @@ def codegen_triton(state: CudaBuild) -> CudaBuild:
     """Every kernel, GEMM template kernel and attention call as Triton, in one module."""
     configs = {**_heuristic_configs(state), **state.configs}
     launched = [s for s in L.flat_steps(state.steps) if isinstance(s, (Kernel, GemmKernel))]
-    tks = triton_kernels(launched + attention_steps(state.steps) + conv_steps(state.steps),
-                         L.all_buffers(state.loop), _hints(state), configs)
+    tks = triton_kernels(launched + attention_steps(state.steps) + conv_steps(state.steps)
+                         + put_steps(state.steps), L.all_buffers(state.loop), _hints(state),
+                         configs)
     return replace(state, triton=tuple(tks),
                    sources={"kernels_triton.py": print_triton_module(tks)})
 
@@ -365,6 +383,11 @@ def conv_steps(steps) -> list[L.Extern]:
             s.routine == CONV_ROUTINE]
 
 
+def put_steps(steps) -> list[L.Extern]:
+    """The index_put calls of `steps` (regions' too) that CUDA prints (targets/cuda/put.py)."""
+    return [s for s in L.flat_steps(steps) if isinstance(s, L.Extern) and s.routine == "put"]
+
+
 def triton_kernels(steps, buffers, hints: dict[str, int], configs: dict | None = None) -> list:
     """The TritonKernel of every schedule kernel, GEMM template kernel and attention call in
     `steps` (configs by step name; the heuristic where none is given)."""
@@ -379,6 +402,8 @@ def triton_kernels(steps, buffers, hints: dict[str, int], configs: dict | None =
             out.append(print_attention_kernel(s, buffers, hints, configs.get(s.name)))
         elif isinstance(s, L.Extern) and s.routine == CONV_ROUTINE:
             out.append(print_conv_kernel(s, buffers, hints, configs.get(s.name)))
+        elif isinstance(s, L.Extern) and s.routine == "put":
+            out.extend(print_put_kernels(s, buffers))
     return out
 
 

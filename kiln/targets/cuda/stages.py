@@ -4,6 +4,8 @@
                       call ATen; scaled_dot_product_attention stays one `attention` node
                       (Options.fused_attention)
     dce               dead nodes and unused weights dropped
+    gqa_attention     (attention nodes) grouped-query attention reads the kv heads in place,
+                      not repeat_kv copies (passes/gqa_attention.py)
     merge_gemms       (Options.fold_constants) GEMMs sharing their input and reading weights
                       become one GEMM on the weights concatenated (merged q/k/v, gate/up)
     quant_weights     (Options.weight_quant) constant GEMM weights stored int8 / int4, the
@@ -22,7 +24,8 @@
     async_collectives (collectives) each collective's wait as late as the data allows, its
                       operand kept until then (targets/collectives.py)
     plan              the arena plan
-    check_routines    library routines without a CUDA version refused
+    check_routines    library routines without a CUDA version refused (CUDA has attention,
+                      put: index_put without accumulate, targets/cuda/put.py; collectives)
     launch_autotune   (Options.autotune, a local GPU) kernels' launch configs measured
     launch_autotune_attention   (likewise) attention block sizes measured
     launch_autotune_conv        (likewise) NHWC convolution tiles measured
@@ -38,7 +41,8 @@ from __future__ import annotations
 
 from kiln.targets.cuda.build import (CudaBuild, check_routines, codegen_triton, codegen_wrapper,
                                      compile_library, cubins, cubins_user, cutlass,
-                                     fuse_gemm_epilogues, gemm_autotune, has_cutlass,
+                                     fuse_gemm_epilogues, gemm_autotune, gqa_attention,
+                                     has_attention, has_cutlass,
                                      has_user_kernels, launch_autotune, libraries,
                                      launch_autotune_attention, launch_autotune_conv,
                                      mixed_gemm, nhwc_conv, tunes_conv,
@@ -54,6 +58,8 @@ from kiln.targets.stages import (DCE, FREEZE, LOWER, MERGE_GEMMS, PLAN, REORDER,
 TARGET = Target("cuda", (
     import_stage(library_routines=False, fused_attention=True),
     DCE,
+    Stage("gqa_attention", gqa_attention, dump=graph_text, verify=check_graph,
+          when=has_attention),
     MERGE_GEMMS,
     Stage("quant_weights", quant_weights, dump=graph_text, verify=check_graph,
           when=quant_enabled),
@@ -65,7 +71,7 @@ TARGET = Target("cuda", (
     REORDER,
     Stage("gemm_autotune", gemm_autotune),
     Stage("fuse_gemms", fuse_gemm_epilogues, dump=steps_text),
-    program_stage(inplace=False),
+    program_stage(inplace=False, state_inplace=True),
     Stage("async_collectives", async_collectives, dump=program_text, verify=check_program,
           when=has_collectives),
     PLAN,

@@ -34,6 +34,7 @@ from kiln.gemm.configs import BlasLtConfig
 from kiln.gemm.cutlass_evt import Evt, from_epilogue
 from kiln.gemm.cutlass_link import entry, workspace_entry
 from kiln.ir.sym import UNBOUNDED_NOMINAL, evaluate
+from kiln.targets.cuda.put import put_kernel_names
 from kiln.targets.cuda.wrapper_parts import print_cuda_model
 from kiln.errors import UnsupportedError
 from kiln.gemm.problem import layout
@@ -188,6 +189,10 @@ class _Printer(SizeCheckPrinter):
                       f"{x.dtype.name}, allocated now: no upper bound")
             self.emit(f"if (!buf_{x.buf}) goto fail;")
             return
+        if x.state is not None:  # the state's own storage: updated in place
+            self.emit(f"CUdeviceptr buf_{x.buf} = buf_{x.state};  // state {x.state}, updated "
+                      "in place")
+            return
         if x.reuse is not None:
             self.emit(f"CUdeviceptr buf_{x.buf} = buf_{x.reuse};  // in place of {x.reuse}")
             return
@@ -310,6 +315,15 @@ class _Printer(SizeCheckPrinter):
             self.emit(f"{{  // conv_{c.name}: {c.name} = conv2d_nhwc({ops})  <- "
                       f"{', '.join(c.source)}")
             self._launch(f"conv_{c.name}")
+            return
+        if c.routine == "put":  # index_put (targets/cuda/put.py): in place on a state
+            copy, scatter = put_kernel_names(c)
+            self.emit(f"// {c.name} = index_put({', '.join(a.buf for a in c.args)})  <- "
+                      f"{', '.join(c.source)}")
+            self.emit(f"if (buf_{c.name} != buf_{c.args[0].buf}) {{  // not in place: out = self")
+            self._launch(copy)
+            self.emit("{")
+            self._launch(scatter)
             return
         if collectives.is_collective(x):  # NCCL on the communication stream (kiln_comm_nccl.h)
             k = collectives.collective_index(self.p)[c.name]

@@ -32,6 +32,7 @@ from kiln.ir.sym import evaluate, unbounded
 from kiln.gemm.cutlass_evt import evaluate_torch, from_epilogue
 from kiln.ir.interp import call_aten
 from kiln.errors import UnsupportedError
+from kiln.targets.cuda.put import put_kernel_names
 import numpy as np
 
 
@@ -237,6 +238,8 @@ def run_program(prog: P.Program, kernels: dict, module, weights: dict, inputs: l
             env[x.symbol] = int(inputs[x.input])
         elif isinstance(x, P.BindSize):
             env[x.symbol] = (int(inputs[x.input].shape[x.dim]) - x.offset) // x.scale
+        elif isinstance(x, P.Alloc) and x.state is not None:  # updated in place
+            bufs[x.buf] = bufs[x.state]
         elif isinstance(x, (P.AllocOutput, P.Alloc)):
             _alloc(x, bufs, env, device)
         elif isinstance(x, P.Free):
@@ -249,6 +252,13 @@ def run_program(prog: P.Program, kernels: dict, module, weights: dict, inputs: l
             launch_kernel(module, kernels[f"attn_{x.call.name}"], env, bufs, status, device)
         elif isinstance(x, P.CallLib) and x.call.routine == "conv2d_nhwc":
             launch_kernel(module, kernels[f"conv_{x.call.name}"], env, bufs, status, device)
+        elif isinstance(x, P.CallLib) and x.call.routine == "put":
+            copy, scatter = put_kernel_names(x.call)
+            if bufs[x.call.name] is not bufs[x.call.args[0].buf]:
+                launch_kernel(module, kernels[copy], env, bufs, status, device)
+            launch_kernel(module, kernels[scatter], env, bufs, status, device)
+            if int(status.item()):
+                raise IndexError(f"index out of range in {', '.join(x.call.source)}")
         elif isinstance(x, P.CallUser):
             _run_user(kernels[x.call.name], x, bufs, env)
         elif isinstance(x, P.CallAten):

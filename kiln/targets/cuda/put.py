@@ -1,0 +1,153 @@
+"""`put` Extern steps (index_put without accumulate, lowering/library.py `_put`: a KV cache's
+`index_copy_`) -> Triton kernels for CUDA builds, so that the update runs in place on the
+state (memory/inplace.py `state_updates`) inside the run's CUDA graph, never as an ATen call
+(which copies the whole cache twice and keeps the run out of a graph).
+
+Input: the Extern (operands self, values, index tensors, as strided `LibArg`s; attributes
+mode (only "set", 0), dims (per dim of self: k >= 0 the k-th iteration dim, -(j+1) index
+tensor j), wrap), the Loop IR buffers. Output: two `TritonKernel`s:
+- `put_copy_<out>`: out = self, element by element (self strided, out contiguous); the wrapper
+  launches it only when out is not self's own storage (an in-place state update skips it);
+- `put_<out>`: for every element i of the iteration space (values' shape, row-major), the
+  destination out[..., index_j[i], ..., i_k, ...] (negative indices count from the end with
+  wrap) takes values[i]. An index outside its dim stores nothing and sets the run's index
+  status (`kiln_status`), which the wrapper turns into an "index out of range" error, as the
+  CPU routine raises. Duplicate destinations keep one of the values (torch leaves which one
+  unspecified on CUDA too).
+
+Sizes and strides are printed as expressions of the size symbols (kernel parameters); one
+program stores XBLOCK elements."""
+
+from __future__ import annotations
+
+import sympy
+
+from kiln.ir import loop as L
+from kiln.ir.sym import contiguous_strides, product
+from kiln.targets.cuda.kernel import Config, TritonKernel
+from kiln.targets.cuda.ops import SIG_PTR, to_tl
+
+XBLOCK = 256
+NUM_WARPS = 4
+
+
+def put_kernel_names(call: L.Extern) -> tuple[str, str]:
+    """(the copy kernel, the scatter kernel) of `call`."""
+    return f"put_copy_{call.name}", f"put_{call.name}"
+
+
+def _c(e) -> sympy.Expr:
+    return sympy.expand(sympy.sympify(e))
+
+
+def _syms(exprs) -> list[str]:
+    return sorted({str(s) for x in exprs for s in sympy.sympify(x).free_symbols})
+
+
+def _unravel(var: str, shape) -> list[str]:
+    """Row-major coordinates of flat index `var` over `shape` (size-1 dims: 0)."""
+    out, inner = [], sympy.Integer(1)
+    for n in reversed(shape):
+        n = _c(n)
+        if n == 1:
+            out.append("0")
+        else:
+            q = var if inner == 1 else f"({var} // {to_tl(inner)})"
+            out.append(f"({q} % {to_tl(n)})")
+        inner = inner * n
+    return out[::-1]
+
+
+def _offset(arg: L.LibArg, coords: list[str]) -> str:
+    parts = [] if _c(arg.offset) == 0 else [to_tl(_c(arg.offset))]
+    for c, st in zip(coords, arg.strides):
+        st = _c(st)
+        if st != 0 and c != "0":
+            parts.append(c if st == 1 else f"{c} * {to_tl(st)}")
+    if not any(c != "0" and _c(st) != 0 for c, st in zip(coords, arg.strides)):
+        parts.append("i * 0")  # one element for every lane: still a block of pointers
+    return " + ".join(parts)
+
+
+def _kernel(name: str, call: L.Extern, buffers, bufs: list[str], exprs, status: bool,
+            body: list[str], rows) -> TritonKernel:
+    syms = _syms(exprs)
+    params = (("out", call.name), *(("in", b) for b in bufs[1:]), *(("size", s) for s in syms))
+    if status:
+        params += (("status", "kiln_status"),)
+    sig = {f"buf_{b}": SIG_PTR[buffers[b].dtype] for b in bufs}
+    sig.update({s: "i64" for s in syms})
+    if status:
+        sig["kiln_status"] = "*i32"
+    sig["XBLOCK"] = sig["RBLOCK"] = "constexpr"
+    head = [
+        "@triton.jit",
+        f"def {name}({', '.join(a for a in sig if a not in ('XBLOCK', 'RBLOCK'))}, "
+        "XBLOCK: tl.constexpr, RBLOCK: tl.constexpr):",
+        f"    # {name}: {call.name} = index_put(self, values, indices) (routine put)",
+        f"    #   from graph nodes: {', '.join(call.source)}",
+        "    pid = tl.program_id(1).to(tl.int64) * tl.num_programs(0) + tl.program_id(0)",
+        "    i = pid * XBLOCK + tl.arange(0, XBLOCK)",
+        f"    ok = i < {to_tl(_c(rows))}",
+    ]
+    src = "\n".join(head + body) + "\n"
+    return TritonKernel(name, src, params, sig, Config(XBLOCK, 1, NUM_WARPS), _c(rows),
+                        call.source)
+
+
+def print_put_kernels(call: L.Extern, buffers) -> tuple[TritonKernel, TritonKernel]:
+    """The copy and scatter kernels of one `put` call (mode "set")."""
+    if call.attr("mode") != 0 or not call.attr("include_self", True):
+        raise ValueError(f"put {call.name}: the CUDA kernel only sets (mode 0), got "
+                         f"mode {call.attr('mode')}")
+    self_, values, *index = call.args
+    out = buffers[call.name]
+    dims = tuple(call.attr("dims"))
+    wrap = bool(call.attr("wrap"))
+    copy_name, put_name = put_kernel_names(call)
+
+    # out = self (self strided, out contiguous of self's shape)
+    n = product(self_.shape)
+    cbufs = [call.name] + ([self_.buf] if self_.buf != call.name else [])
+    coords = _unravel("i", self_.shape)
+    copy = _kernel(copy_name, call, buffers, cbufs, [n, self_.offset, *self_.shape,
+                                                     *self_.strides], False, [
+        f"    x = tl.load(buf_{self_.buf} + {_offset(self_, coords)}, mask=ok)",
+        f"    tl.store(buf_{call.name} + i, x, mask=ok)",
+    ], n)
+
+    # out[dest(i)] = values[i] over the iteration space
+    iters = values.shape
+    m = product(iters)
+    bufs = [call.name]
+    for a in (values, *index):
+        if a.buf not in bufs:
+            bufs.append(a.buf)
+    it = _unravel("i", iters)
+    body = [f"    v = tl.load(buf_{values.buf} + {_offset(values, it)}, mask=ok)",
+            "    bad = i < 0  # an index outside its dim"]
+    dest = []
+    ostrides = contiguous_strides(out.shape)
+    exprs = [m, *out.shape, values.offset, *iters, *values.strides]
+    for d, k in enumerate(dims):
+        size = _c(out.shape[d])
+        if k >= 0:
+            c = it[k]
+        else:
+            a = index[-k - 1]
+            exprs += [a.offset, *a.strides]
+            c = f"c{d}"
+            body.append(f"    {c} = tl.load(buf_{a.buf} + {_offset(a, it)}, mask=ok, "
+                        "other=0).to(tl.int64)")
+            if wrap:
+                body.append(f"    {c} = tl.where({c} < 0, {c} + {to_tl(size)}, {c})")
+            body.append(f"    bad = bad | ({c} < 0) | ({c} >= {to_tl(size)})")
+        st = _c(ostrides[d])
+        if c != "0" and size != 1 or k < 0:
+            dest.append(c if st == 1 else f"{c} * {to_tl(st)}")
+    body += [
+        f"    tl.store(buf_{call.name} + {' + '.join(dest) or '0'}, v, mask=ok & ~bad)",
+        "    tl.store(kiln_status + i.to(tl.int32) * 0, 1, mask=ok & bad)",
+    ]
+    scatter = _kernel(put_name, call, buffers, bufs, exprs, True, body, m)
+    return copy, scatter

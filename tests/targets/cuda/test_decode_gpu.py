@@ -1,0 +1,75 @@
+"""One-token (and few-token) decode steps of Llama decoders on a GPU (skipped without CUDA;
+issue 17): HF's static-cache module exported on the GPU (bf16 / fp16 programs carry cuDNN
+attention, fp32 the efficient op) and compiled by kiln, stepped token by token from cache
+position 0 to the last one next to eager; the logits at every position (0, the middle, the
+last) against a float32 eager reference of the same weights, kiln's error at most twice eager's
+own in that dtype plus a small fraction of the logits' scale; GQA (4 heads / 2 kv heads) and
+MHA; steps of 1 and 4 tokens. The package updates the cache in place (no ATen call) and runs
+as one CUDA graph."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+pytest.importorskip("transformers")
+
+import kiln  # noqa: E402
+from kiln.models.llm import eager_step, llama  # noqa: E402
+from transformers.integrations.executorch import (  # noqa: E402
+    TorchExportableModuleForDecoderOnlyLM)
+
+pytestmark = [pytest.mark.gpu,
+              pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
+
+CACHE = 16
+
+
+def _module(dtype, kv_heads, chunk):
+    m = llama(layers=2, hidden=128, heads=4, kv_heads=kv_heads, vocab=256, inter=256,
+              device="cuda").to(dtype)
+    w = TorchExportableModuleForDecoderOnlyLM(m, batch_size=1, max_cache_len=CACHE,
+                                             device="cuda")
+    ep = w.export(input_ids=torch.zeros(1, chunk, dtype=torch.long, device="cuda"),
+                  cache_position=torch.arange(chunk, device="cuda"))
+    return w, ep
+
+
+@pytest.mark.parametrize("chunk", [1, 4])
+@pytest.mark.parametrize("kv_heads", [2, 4], ids=["gqa", "mha"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32],
+                         ids=["bf16", "fp16", "fp32"])
+def test_decode_steps_match_eager(tmp_path, dtype, kv_heads, chunk):
+    w, ep = _module(dtype, kv_heads, chunk)
+    cm = kiln.compile(ep, device="cuda")
+    text = str(cm.manifest["kernels"])
+    assert "aten" not in text, text  # the KV-cache update is kiln's put kernel
+    assert cm.manifest["cuda"]["graphs"] is True
+    runner = cm.load(tmp_path / "d.kiln", device="cuda:0")
+    ref_w, _ = _module(torch.float32, kv_heads, chunk)  # the same weights (seed 0) in fp32
+    eager, ref = eager_step(w), eager_step(ref_w)
+    g = torch.Generator().manual_seed(0)
+    tokens = torch.randint(0, 256, (CACHE,), generator=g).cuda()
+    with torch.no_grad():
+        for start in range(0, CACHE, chunk):
+            ids = tokens[start:start + chunk][None]
+            pos = torch.arange(start, start + chunk, device="cuda")
+            want = ref(ids, pos).double()
+            mine = eager(ids, pos).double()
+            got = runner(input_ids=ids, cache_position=pos).double().reshape(want.shape)
+            scale = want.abs().max().item()
+            err, eager_err = (got - want).abs().max().item(), (mine - want).abs().max().item()
+            bound = 1e-4 * scale if dtype == torch.float32 else 2 * eager_err + 1e-2 * scale
+            assert err <= bound, (start, err, eager_err, scale)
+
+
+def test_decode_package_has_no_whole_cache_copy(tmp_path):
+    """The kernels a bf16 GQA step launches: no ATen call and no state copy (the caches are
+    written in place), attention reading the kv heads (no repeat_kv copy)."""
+    _, ep = _module(torch.bfloat16, 2, 1)
+    cm = kiln.compile(ep, device="cuda")
+    kinds = [k["kind"] for k in cm.manifest["kernels"]]
+    assert "aten" not in str(kinds)
+    src = cm.sources["kernels_triton.py"]
+    assert src.count("def put_index_put") == 2 * 2  # k and v per layer
+    assert "hk = h // 2" in src
