@@ -38,3 +38,18 @@ if [ -z "${SKIP_BENCH:-}" ]; then
 fi
 t2=$(date +%s)
 echo "== summary: pytest -m gpu rc=$rc ($((t1 - t0)) s): $(tail -1 "$OUT/pytest_gpu.log" 2>/dev/null); bench $((t2 - t1)) s"
+# the rows the bench finished (each printed as JSON when done, also after a timeout)
+$PY - "$OUT/bench_gen.log" <<'PYEOF' 2>/dev/null
+import json, sys
+rows = [json.loads(x) for x in open(sys.argv[1]) if x.startswith('{"weights"')]
+print("weights | decode ms/token device greedy (tok/s) | host greedy | device sampled | "
+      "prefill ms | roofline ms | compile s")
+for r in rows:
+    if "error" in r:
+        print(r["weights"], "|", r["error"][:100])
+        continue
+    f = lambda k: f"{r[k]:.3f} ({r[k + ' tok/s']:.0f})"
+    roof = f"{r['roofline_ms']:.3f}" if r.get("roofline_ms") else "-"
+    print(f"{r['weights']} | {f('device greedy')} | {f('host greedy')} | "
+          f"{f('device sampled')} | {r['prefill_ms']:.2f} | {roof} | {r['compile_s']:.0f}")
+PYEOF

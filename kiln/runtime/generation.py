@@ -88,7 +88,6 @@ def generate(runner: Runner, prompt: list[int], max_new_tokens: int, *,
                         f"points: {', '.join(runner.entries)}); compile it with "
                         "kiln.models.hf_decoder.export_decoder")
     _check_params(temperature, top_k, top_p)
-    prefill, decode = _call(runner.entry("prefill")), _call(runner.entry("decode"))
     dev = getattr(runner, "_device", torch.device("cpu"))
     on_device = dev.type == "cuda" and "sample" in runner.entries
     if device_sampling and not on_device:
@@ -96,6 +95,7 @@ def generate(runner: Runner, prompt: list[int], max_new_tokens: int, *,
                         "'sample' entry point (hf_decoder.export_decoder(..., sampler="
                         f"device_sampler.export_sampler)); this one is on {dev} with entry "
                         f"points {', '.join(runner.entries)}")
+    prefill, decode = _call(runner.entry("prefill")), _call(runner.entry("decode"))
     if on_device and device_sampling is not False:
         return _generate_on_device(runner, prefill, decode, prompt, max_new_tokens, dev,
                                    temperature, top_k, top_p, seed, stop)

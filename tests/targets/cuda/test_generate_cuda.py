@@ -138,6 +138,9 @@ def test_generate_rejects_bad_sampling_parameters():
                     (dict(temperature=float("nan")), "temperature")]:
         with pytest.raises(kiln.errors.InputError, match=msg):
             kiln.runtime.generate(R(), [1, 2], 4, **kw)
+    with pytest.raises(kiln.errors.KilnError, match="device sampling needs a CUDA runner.*"
+                                                    "on cpu with entry points prefill, decode"):
+        kiln.runtime.generate(R(), [1, 2], 4, device_sampling=True)
 
 
 # ---------------------------------------------------------------- GPU

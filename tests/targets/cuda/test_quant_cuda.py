@@ -211,8 +211,8 @@ def test_kl_report_on_cuda():
                            num_attention_heads=4, num_key_value_heads=2)
     tokens = QR.token_stream(256, 64)
     base = Options(autotune=False)
-    rep = QR.kl_report(model, tokens, 32, QR.default_modes(64, base, device="cuda"), base,
+    rep = QR.kl_report(model, tokens, 32, QR.default_modes(32, base, device="cuda"), base,
                        device="cuda")
-    assert set(rep) == {"int8", "int4_g64"} and rep["int8"]["positions"] == 64
-    assert 0 < rep["int8"]["kl_mean"] < rep["int4_g64"]["kl_mean"]
-    assert rep["int8"]["kl_max"] < 1e-2 and rep["int4_g64"]["kl_max"] < 0.5
+    assert set(rep) == {"int8", "int4_g32"} and rep["int8"]["positions"] == 64
+    assert 0 < rep["int8"]["kl_mean"] < rep["int4_g32"]["kl_mean"]
+    assert rep["int8"]["kl_max"] < 1e-2 and rep["int4_g32"]["kl_max"] < 0.5
