@@ -55,7 +55,7 @@ def _kernels(manifest: dict[str, Any], profile: dict[str, Any] | None) -> str:
     for i, k in enumerate(entries(manifest.get("kernels"))):
         name = str(k.get("name", ""))
         t = times.get(name)
-        share = t["median_s"] / total if t else 0.0
+        share = t.get("share", t["median_s"] / total) if t else 0.0
         rows.append([str(i), f"<code>{_e(name)}</code>", _e(k.get("kind", "")),
                      _e(", ".join(map(str, k.get("members", [])))),
                      _e(", ".join(map(str, k.get("source_ops", [])))),
