@@ -36,13 +36,18 @@ int main(int argc, char **argv) {
   for (int64_t i = 0; i < shape[0] * shape[1]; ++i) x[i] = (float)(i % 7) * 0.25f - 0.5f;
   DLTensor t = {x, {kDLCPU, 0}, 2, {kDLFloat, 32, 1}, shape, NULL, 0};
   kiln_model *m = NULL;
-  if (kiln_model_load(argv[1], "cpu", &m)) { fprintf(stderr, "%s\n", kiln_last_error()); return 1; }
-  if (api && kiln_model_set_profiling(m, 1)) { fprintf(stderr, "%s\n", kiln_last_error()); return 1; }
+  if (kiln_model_load(argv[1], "cpu", &m) || (api && kiln_model_set_profiling(m, 1))) {
+    fprintf(stderr, "%s\n", kiln_last_error());
+    return 1;
+  }
   const DLTensor *in[1] = {&t};
   int64_t n_out = kiln_model_num_outputs(m);
   DLManagedTensor *out[8] = {NULL};
   for (int r = 0; r < runs; ++r) {
-    if (kiln_model_run(m, in, 1, out, n_out)) { fprintf(stderr, "%s\n", kiln_last_error()); return 1; }
+    if (kiln_model_run(m, in, 1, out, n_out)) {
+      fprintf(stderr, "%s\n", kiln_last_error());
+      return 1;
+    }
     for (int64_t k = 0; k < n_out; ++k) out[k]->deleter(out[k]);
   }
   if (api) {
