@@ -40,7 +40,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, Callable
 
-from kiln.errors import CompileError
+from kiln.errors import CompileError, UnsupportedError
 from kiln.toolchain.triton_warm import compile_args, metadata
 import subprocess
 import sys
@@ -71,8 +71,14 @@ class Cubin:
 
 
 def triton_version() -> str:
-    # deferred: Triton is optional (GPU builds only)
-    import triton
+    """Triton's version; an UnsupportedError naming the extra to install when it is absent
+    (the CPU install, `pip install kiln`, has no Triton)."""
+    try:
+        # deferred: Triton is optional (GPU builds only)
+        import triton
+    except ImportError as e:
+        raise UnsupportedError("CUDA builds compile their kernels with Triton, which is not "
+                               f"installed here ({e}): pip install 'kiln[cuda]'") from None
     return triton.__version__
 
 

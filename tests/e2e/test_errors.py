@@ -91,6 +91,40 @@ def test_index_out_of_range_names_the_op_and_input(tmp_path):
     assert want in c.sources["model.py"]
 
 
+class _EmbedLinearGather(torch.nn.Module):
+    """The lookups inlined into other nodes' kernels: the embedding into linear's view of
+    it, the gather into the add that reads it."""
+
+    def __init__(self):
+        super().__init__()
+        self.emb = torch.nn.Embedding(10, 8)
+        self.fc = torch.nn.Linear(8, 4)
+
+    def forward(self, ids, table, pick):
+        return self.fc(self.emb(ids)), torch.gather(table, 1, pick) + 1.0
+
+
+@pytest.mark.parametrize("bad_input, want", [
+    ("ids", "index out of range in embedding (node `embedding`, input `ids`)"),
+    ("pick", "index out of range in gather (node `gather`, input `pick`)"),
+])
+def test_index_error_names_the_lookup_fused_into_another_node(tmp_path, bad_input, want):
+    torch.manual_seed(0)
+    m = _EmbedLinearGather().eval()
+    args = (torch.randint(0, 10, (2, 3)), torch.randn(4, 6), torch.randint(0, 6, (4, 2)))
+    c = kiln.compile(m, args)
+    r = c.load(tmp_path / "m.kiln")
+    for a, b in zip(r(*args), m(*args)):
+        torch.testing.assert_close(a, b)
+    bad = list(args)
+    k = ("ids", "table", "pick").index(bad_input)
+    bad[k] = bad[k].clone()
+    bad[k][1, 1] = 40
+    with pytest.raises(KilnError, match=re.escape(want)):
+        r(*bad)
+    assert want in c.sources["model.py"]  # the Python wrapper says the same
+
+
 def test_call_structure_errors_name_the_argument():
     class M(torch.nn.Module):
         def forward(self, x, y, *, mask):
