@@ -122,6 +122,10 @@ def _summary(manifest: dict[str, Any], path: Path, profile: dict[str, Any] | Non
         rows.append(["package run (median)",
                      f"{profile['package_run_median_s'] * 1e3:.3f} ms over {profile['repeat']} "
                      f"runs after {profile['warmup']} warm-up, {profile['threads']} threads"])
+        if "other_s" in profile:  # the run's time outside its steps
+            rows.append(["wrapper's own work (other)",
+                         f"{profile['other_s'] * 1e6:,.1f} µs: input checks, output "
+                         "allocation, the call"])
     return _table(["", ""], rows, "summary")
 
 
