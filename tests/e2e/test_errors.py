@@ -40,13 +40,38 @@ def test_function_dynamic_shapes_per_argument():
 
 
 def _crashing():
-    def f(x):  # a size used as a value: lowering reads a graph node where it wants an int
+    def f(x):  # a size used as a value (the issue's example of a crash, compiled since)
         return x + torch.full((1,), x.shape[1])
     return f
 
 
+def _inject_bug(monkeypatch):
+    """A compiler bug, injected: lowering `full` fails the way it used to for that example."""
+    from kiln import lowering
+
+    def buggy(ctx, node, args):
+        return int(node)  # TypeError: a graph node where an int is wanted
+
+    monkeypatch.setitem(lowering.RULES, "full", buggy)
+
+
+def test_size_as_a_fill_value_matches_eager():
+    def f(x):
+        return x + torch.full((1,), x.shape[1]), torch.full((2, 3), x.shape[0] * 2 + 1.0)
+
+    c = kiln.compile(f, (torch.randn(3, 4),),
+                     dynamic_shapes=({0: Dim("b", min=2, max=16), 1: Dim("n", max=64)},))
+    r = c.load()
+    for shape in ((3, 4), (2, 9), (16, 64)):
+        x = torch.randn(*shape)
+        for a, b in zip(r(x), f(x)):
+            assert a.dtype == b.dtype
+            torch.testing.assert_close(a, b)
+
+
 def test_compiler_crash_is_a_compile_error_with_a_reproducer(monkeypatch):
     monkeypatch.delenv("KILN_DEBUG", raising=False)
+    _inject_bug(monkeypatch)
     with pytest.raises(CompileError) as info:
         kiln.compile(_crashing(), (torch.randn(3, 4),), dynamic_shapes=({1: Dim("n")},))
     text = str(info.value)
@@ -61,6 +86,7 @@ def test_compiler_crash_is_a_compile_error_with_a_reproducer(monkeypatch):
 
 def test_kiln_debug_lets_the_crash_through(monkeypatch):
     monkeypatch.setenv("KILN_DEBUG", "1")
+    _inject_bug(monkeypatch)
     with pytest.raises(TypeError):
         kiln.compile(_crashing(), (torch.randn(3, 4),), dynamic_shapes=({1: Dim("n")},))
 
