@@ -378,10 +378,12 @@ def _crash(e: Exception, ep: torch.export.ExportedProgram, device: str) -> Compi
 
 def compile(model, example_args=None, *, example_kwargs=None, dynamic_shapes=None,
             device: str = "cpu", options: Options | None = None,
-            progress: Callable[[str, int, int], None] | None = None) -> CompiledModel:
+            progress: Callable[[str, int, int], None] | None = None,
+            detail: Callable[[str, str, int, int], None] | None = None) -> CompiledModel:
     """Compile an ExportedProgram (or an nn.Module, a function or an op overload, with example
-    inputs) ahead of time. `progress(stage, k, n)` is told each stage as it starts (the CLI
-    draws it; see kiln.pipeline.build).
+    inputs) ahead of time. `progress(stage, k, n)` is told each stage as it starts, and
+    `detail(stage, what, done, total)` the counts inside long stages (kernel builds,
+    autotuning); the CLI draws both (see kiln.pipeline.build).
 
     Several entry points in one package: `model` a dict {name: ExportedProgram or (module,
     example_args[, dynamic_shapes[, example_kwargs]])}, e.g. {"prefill": ..., "decode": ...};
@@ -391,7 +393,7 @@ def compile(model, example_args=None, *, example_kwargs=None, dynamic_shapes=Non
         if example_args is not None or example_kwargs is not None or dynamic_shapes is not None:
             raise KilnError("kiln.compile: with a dict of entry points, give each entry's "
                             "example_args and dynamic_shapes in its tuple, not as arguments")
-        return _compile_entries(model, device, options, progress)
+        return _compile_entries(model, device, options, progress, detail)
     target_of(device)  # refuses a device no target compiles for
     opts = options or Options()
     t0 = time.perf_counter()
@@ -399,7 +401,7 @@ def compile(model, example_args=None, *, example_kwargs=None, dynamic_shapes=Non
     ep = export(model, example_args, example_kwargs, dynamic_shapes)
     t_export = time.perf_counter() - t0
     try:
-        built = build(ep, opts, device, progress)
+        built = build(ep, opts, device, progress, detail)
     except KilnError:
         raise
     except Exception as e:  # a compiler bug: say where, and keep what reproduces it
@@ -475,15 +477,19 @@ def _entry_args(name: str, spec) -> tuple:
 
 
 def _compile_entries(specs: dict, device: str, options: Options | None,
-                     progress: Callable[[str, int, int], None] | None) -> CompiledPackage:
+                     progress: Callable[[str, int, int], None] | None,
+                     detail: Callable[[str, str, int, int], None] | None = None
+                     ) -> CompiledPackage:
     package_entries.check_entry_names(list(specs))
     compiled: dict[str, CompiledModel] = {}
     for name, spec in specs.items():
         model, args, dyn, kwargs = _entry_args(name, spec)
         tell = None if progress is None else \
             (lambda stage, k, n, _name=name: progress(f"{_name}: {stage}", k, n))
+        counts = None if detail is None else \
+            (lambda stage, *rest, _name=name: detail(f"{_name}: {stage}", *rest))
         compiled[name] = compile(model, args, example_kwargs=kwargs, dynamic_shapes=dyn,
-                                 device=device, options=options, progress=tell)
+                                 device=device, options=options, progress=tell, detail=counts)
     manifest, files, weights = package_entries.merge(
         [(name, c.manifest, _package_files(c.built), c.built.weights)
          for name, c in compiled.items()])

@@ -15,6 +15,7 @@ from __future__ import annotations
 import re
 import time
 from dataclasses import dataclass, field, replace
+from functools import partial
 from pathlib import Path
 from typing import Any, Callable
 
@@ -65,8 +66,11 @@ def target_of(device: str) -> Target:
     return target
 
 
-def _run(stage: Stage, state: Build, timings: dict[str, float], opts: Options) -> Build:
+def _run(stage: Stage, state: Build, timings: dict[str, float], opts: Options,
+         detail: Callable[[str, str, int, int], None] | None = None) -> Build:
     t0 = time.perf_counter()
+    if detail is not None:  # the stage's counts (Build.progress), told with its name
+        state = replace(state, progress=partial(detail, stage.name))
     state = stage.run(state)
     timings[stage.name] = time.perf_counter() - t0
     if stage.verify is not None and opts.verify:
@@ -79,13 +83,16 @@ def _run(stage: Stage, state: Build, timings: dict[str, float], opts: Options) -
         for name, text in (stage.dump_files(state) if stage.dump_files else {}).items():
             (d / name).write_text(text)
     timings.update({f"{stage.name}.{k}": v for k, v in state.times.items()})
-    return replace(state, times={})
+    return replace(state, times={}, progress=None)
 
 
 def build(ep: torch.export.ExportedProgram, opts: Options, device: str = "cpu",
-          progress: Callable[[str, int, int], None] | None = None) -> Built:
+          progress: Callable[[str, int, int], None] | None = None,
+          detail: Callable[[str, str, int, int], None] | None = None) -> Built:
     """`progress(stage, k, n)`, when given, is called before each of the target's n stages
-    (k from 0; a skipped stage too) and once after the last with ("done", n, n): the CLI's
+    (k from 0; a skipped stage too) and once after the last with ("done", n, n); `detail(stage,
+    what, done, total)` with the counts a long stage reports as it goes (Build.progress: C++
+    files and Triton kernels built, GEMM candidates and launch configs timed): the CLI's
     progress display; nothing here prints."""
     target = target_of(device)
     timings: dict[str, float] = {}
@@ -95,7 +102,7 @@ def build(ep: torch.export.ExportedProgram, opts: Options, device: str = "cpu",
         if progress is not None:
             progress(stage.name, k, n)
         if stage.when(state):
-            state = _run(stage, state, timings, opts)
+            state = _run(stage, state, timings, opts, detail)
     if progress is not None:
         progress("done", n, n)
     return Built(state.graph, state.loop, state.steps, state.program, state.plan,

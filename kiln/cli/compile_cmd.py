@@ -1,5 +1,7 @@
 """``kiln compile TARGET -o OUT``: export (for module targets), compile with per-stage
-progress, save, and print the compile report."""
+progress (and, inside long stages, the counts they report: C++ files and Triton kernels built,
+GEMM candidates and launch configs timed), save, and print the compile report. The progress
+display is drawn on a terminal only; piped or redirected output gets the report alone."""
 
 from __future__ import annotations
 
@@ -62,7 +64,24 @@ def _report_table(report: dict[str, Any], title: str) -> Table:
 
 def _progress() -> Progress:
     return Progress(SpinnerColumn(), TextColumn("{task.description}"), BarColumn(),
-                    MofNCompleteColumn(), TimeElapsedColumn(), console=console, transient=True)
+                    MofNCompleteColumn(), TimeElapsedColumn(), console=console, transient=True,
+                    disable=not console.is_terminal)
+
+
+class _Counts:
+    """The progress display's second line: the counts the running stage reports
+    (kiln.compile's `detail`), hidden between stages."""
+
+    def __init__(self, progress: Progress) -> None:
+        self.progress = progress
+        self.task = progress.add_task("", total=None, visible=False)
+
+    def __call__(self, stage: str, what: str, done: int, total: int) -> None:
+        self.progress.update(self.task, description=f"  {stage}: {what}", completed=done,
+                             total=max(total, 1), visible=True)
+
+    def hide(self) -> None:
+        self.progress.update(self.task, visible=False)
 
 
 def cmd_compile(args: argparse.Namespace) -> int:
@@ -88,12 +107,15 @@ def cmd_compile(args: argparse.Namespace) -> int:
         t_export = time.perf_counter() - t_start
         progress.remove_task(step)
         stages = progress.add_task("compiling", total=None)
+        counts = _Counts(progress)
 
         def on_stage(name: str, k: int, n: int) -> None:
+            counts.hide()
             progress.update(stages, description=f"compiling: {name}", completed=k, total=n)
 
         compiled = kiln.compile(program, device=args.device, options=options,
-                                progress=on_stage)
+                                progress=on_stage, detail=counts)
+        counts.hide()
         progress.update(stages, description=f"saving {out}")
         out.parent.mkdir(parents=True, exist_ok=True)
         compiled.save(str(out))

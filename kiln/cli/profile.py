@@ -1,7 +1,14 @@
 """``kiln profile PKG``: time each step of a package (CPU, or CUDA on a GPU).
 
-The package's own run (the C++ wrapper in lib/model.so, through libkiln) is timed end to end.
-Per step, kiln runs the package's Python wrapper (src/model.py: the same Program IR printed
+The package's own run (the C++ wrapper in lib/model.so, through libkiln) is timed end to end
+with profiling off. Per step, a CPU package times itself: its C++ wrapper has profiling hooks
+around every step (kiln/targets/cpu/wrapper_prof.py), turned on through libkiln
+(kiln.runtime.profiling; from C kiln_model_set_profiling or KILN_PROFILE=1), and each step's
+median over the profiled runs is reported with its share of the end-to-end median (the rest,
+"other", is the wrapper's own work: input checks, output allocation, the call from Python).
+
+A package compiled before the hooks is timed the old way: kiln runs the package's Python
+wrapper (src/model.py: the same Program IR printed
 as Python, calling the same kernels of lib/model.so through ctypes) under a line tracer that
 times each generated line: one line is one step (a kernel, a GEMM, a library routine). The
 Python wrapper runs GEMMs through torch.matmul (the package links the backend the manifest
@@ -33,7 +40,7 @@ from torch.profiler import ProfilerActivity, profile
 from kiln.cli.manifest_view import entries, random_inputs
 from kiln.errors import UnsupportedError
 from kiln.package.reader import read_package
-from kiln.runtime import load
+from kiln.runtime import load, profiling
 
 __all__ = ["profile_package"]
 
@@ -101,15 +108,24 @@ def profile_package(path: str | Path, repeat: int = 20, warmup: int = 3,
         return _profile_cuda(path, manifest, repeat, warmup, seed)
     args, kwargs = random_inputs(manifest, seed)
     runner = load(path)
-    with torch.no_grad():
-        for _ in range(warmup):
-            runner(*args, **kwargs)
-        totals = []
-        for _ in range(max(repeat, 1)):
-            t = time.perf_counter()
-            runner(*args, **kwargs)
-            totals.append(time.perf_counter() - t)
-    runner.close()
+    try:
+        with torch.no_grad():
+            for _ in range(warmup):
+                runner(*args, **kwargs)
+            totals = []
+            for _ in range(max(repeat, 1)):
+                t = time.perf_counter()
+                runner(*args, **kwargs)
+                totals.append(time.perf_counter() - t)
+            hooked = profiling.available(runner)
+            runs = _hooked_runs(runner, args, kwargs, repeat) if hooked else []
+    finally:
+        runner.close()
+    head = {"package": str(path), "device": "cpu", "threads": torch.get_num_threads(),
+            "repeat": max(repeat, 1), "warmup": warmup,
+            "package_run_median_s": statistics.median(totals), "package_run_min_s": min(totals)}
+    if hooked:
+        return {**head, **_hooked_steps(manifest, runs, head["package_run_median_s"])}
     flat = [*args, *kwargs.values()]
     with tempfile.TemporaryDirectory(prefix="kiln-profile-") as d:
         module, model = _load_wrapper(pkg, Path(d))
@@ -136,6 +152,42 @@ def profile_package(path: str | Path, repeat: int = 20, warmup: int = 3,
             "method": "end to end: the package (lib/model.so's C++ wrapper); per step: "
                       "src/model.py's lines under a tracer (the same kernels, called "
                       "through ctypes)"}
+
+
+def _hooked_runs(runner, args, kwargs, repeat: int) -> list[list]:
+    """`repeat` runs with the package's own profiling hooks on: the steps of each."""
+    profiling.enable(runner)
+    try:
+        out = []
+        for _ in range(max(repeat, 1)):
+            runner(*args, **kwargs)
+            out.append(profiling.steps(runner))
+        return out
+    finally:
+        profiling.enable(runner, False)
+
+
+def _hooked_steps(manifest: dict[str, Any], runs: list[list], total_s: float) -> dict:
+    """Per-step medians over the profiled runs, in the manifest's kernel order (steps it does
+    not list, e.g. ATen fallback calls, after), each with its share of the end-to-end
+    median."""
+    kernels = {str(k.get("name")): i for i, k in enumerate(entries(manifest.get("kernels")))}
+    first = runs[0]
+    order = sorted(range(len(first)), key=lambda i: (kernels.get(first[i].name, len(kernels)), i))
+    steps = []
+    for i in order:
+        med = statistics.median(r[i].last_s for r in runs)
+        steps.append({"name": first[i].name, "kind": first[i].kind,
+                      "source_ops": list(first[i].source_ops), "median_s": med,
+                      "share": med / total_s if total_s > 0 else 0.0,
+                      "timed_as": "package (C++ hooks)"})
+    other = total_s - sum(s["median_s"] for s in steps)
+    return {"steps": steps, "other_s": max(other, 0.0),
+            "method": "end to end: the package's run (lib/model.so through libkiln), profiling "
+                      "off; per step: the package's own profiling hooks (a clock read before "
+                      "and after each step in the C++ wrapper), median over the profiled runs; "
+                      "share: of the end-to-end median; other: the wrapper's own work "
+                      "(checks, output allocation, the call)"}
 
 
 def _source(module) -> tuple[list[str], int]:

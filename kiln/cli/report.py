@@ -55,7 +55,7 @@ def _kernels(manifest: dict[str, Any], profile: dict[str, Any] | None) -> str:
     for i, k in enumerate(entries(manifest.get("kernels"))):
         name = str(k.get("name", ""))
         t = times.get(name)
-        share = t["median_s"] / total if t else 0.0
+        share = t.get("share", t["median_s"] / total) if t else 0.0
         rows.append([str(i), f"<code>{_e(name)}</code>", _e(k.get("kind", "")),
                      _e(", ".join(map(str, k.get("members", [])))),
                      _e(", ".join(map(str, k.get("source_ops", [])))),
@@ -122,6 +122,10 @@ def _summary(manifest: dict[str, Any], path: Path, profile: dict[str, Any] | Non
         rows.append(["package run (median)",
                      f"{profile['package_run_median_s'] * 1e3:.3f} ms over {profile['repeat']} "
                      f"runs after {profile['warmup']} warm-up, {profile['threads']} threads"])
+        if "other_s" in profile:  # the run's time outside its steps
+            rows.append(["wrapper's own work (other)",
+                         f"{profile['other_s'] * 1e6:,.1f} µs: input checks, output "
+                         "allocation, the call"])
     return _table(["", ""], rows, "summary")
 
 

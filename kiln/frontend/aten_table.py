@@ -8,6 +8,9 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
+import sympy
+import torch
+
 from kiln.errors import UnsupportedError
 from kiln.ops import ROWS
 
@@ -156,6 +159,13 @@ def _full(b, n):
         value = n.args[1]
     else:
         value = n.args[2]
+    if isinstance(value, torch.fx.Node):  # a fill value computed from sizes
+        sym = b.int_or_sym(value)
+        if isinstance(sym, (int, sympy.Expr)):  # an int size expression
+            return b.emit("full", [], n, value=sym)
+        v = b.tensor(value)  # a float / bool of sizes: a 0-d value, broadcast and cast
+        v = b.emit("expand", [v], None, like=n, dtype=b.types[v].dtype)
+        return b.emit("cast", [v], n)
     return b.emit("full", [], n, value=value)
 
 

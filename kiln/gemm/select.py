@@ -15,7 +15,9 @@ import dataclasses
 import platform
 import time
 from dataclasses import dataclass, field
+from functools import partial
 from pathlib import Path
+from typing import Callable
 
 from kiln.gemm import cache as acache
 from kiln.gemm import cpu
@@ -136,7 +138,8 @@ def _store(root: Path, problem: GemmProblem, dev_id: str, choice: Choice,
         "results": _results_json(results), "tune_seconds": choice.tune_seconds})
 
 
-def _profile_cpu(problem: GemmProblem, sizes, allowed, opts: Options, tc) -> tuple[Choice, list]:
+def _profile_cpu(problem: GemmProblem, sizes, allowed, opts: Options, tc,
+                 tick=None) -> tuple[Choice, list]:
     t0 = time.perf_counter()
     nb, m, n, k = sizes
     configs = cpu.cpp_configs(opts.march) if GemmBackend.CPP in allowed else []
@@ -148,7 +151,9 @@ def _profile_cpu(problem: GemmProblem, sizes, allowed, opts: Options, tc) -> tup
              else []) + [(c.name, GemmBackend.CPP, c, i) for i, c in enumerate(configs, 1)]
     env = {"OMP_NUM_THREADS": str(opts.num_threads)} if opts.num_threads else {}
     results, dropped = [], []
-    for name, backend, cfg, idx in cands:
+    for j, (name, backend, cfg, idx) in enumerate(cands):
+        if tick is not None:
+            tick(j, len(cands))
         r = run_candidate([str(exe), str(idx), str(nb), str(m), str(n), str(k), problem.layout_a,
                            problem.layout_b, "0.02", "c" if problem.const_b else "-"],
                           opts.autotune_timeout_s, env)
@@ -156,6 +161,8 @@ def _profile_cpu(problem: GemmProblem, sizes, allowed, opts: Options, tc) -> tup
             dropped.append((name, r.reason))
         else:
             results.append((name, backend, cfg, r.seconds))
+    if tick is not None:
+        tick(len(cands), len(cands))
     if not results:
         raise UnsupportedError(f"GEMM {problem.describe()}: every candidate failed: {dropped}")
     choice = _from_results(results, allowed, "profiled", problem, dropped,
@@ -166,7 +173,8 @@ def _profile_cpu(problem: GemmProblem, sizes, allowed, opts: Options, tc) -> tup
 def choose_gemms(steps, symbols, opts: Options, device: str = "cpu", tc=None,
                  outputs: set[str] | None = None, buffers: dict | None = None,
                  printer=None, cached: bool = True,
-                 packable: set[str] = frozenset()) -> dict[str, Choice]:
+                 packable: set[str] = frozenset(),
+                 progress: Callable[[str, int, int], None] | None = None) -> dict[str, Choice]:
     """Gemm name -> Choice for every `L.Gemm` in `steps`. `symbols`: the graph's symbols (name,
     min, max, example); `tc`: the C++ toolchain (CPU profiling builds its driver with it);
     `outputs` (CUDA): the buffers that must be stored, to find each GEMM's absorbed epilogue
@@ -179,7 +187,9 @@ def choose_gemms(steps, symbols, opts: Options, device: str = "cpu", tc=None,
     `cached=False` (CPU, max_autotune off): the heuristic alone, ignoring the autotuning
     cache (the default choices a tuned CPU package is timed against).
     `packable` (CPU): the GEMMs whose constant B may be packed at compile time
-    (`cpu.packable`); their problems have `const_b` and packed candidates."""
+    (`cpu.packable`); their problems have `const_b` and packed candidates.
+    `progress(what, done, total)`, when given, is told the autotuning's counts (max_autotune:
+    the CPU's candidates of each GEMM, the GEMMs profiled on CUDA)."""
 
     allowed = allowed_backends(opts, device)
     ranges = {s.name: (s.min, s.max) for s in symbols}
@@ -196,9 +206,13 @@ def choose_gemms(steps, symbols, opts: Options, device: str = "cpu", tc=None,
     if root is None:
         root = config.cache_dir()
     out: dict[str, Choice] = {}
+    n_gemms = sum(isinstance(g, L.Gemm) for g in steps)
+    tell = progress if opts.max_autotune else None  # otherwise no choice takes long
     for i, g in enumerate(steps):
         if not isinstance(g, L.Gemm):
             continue
+        if tell is not None and dev != "cpu":
+            tell("GEMMs autotuned", len(out), n_gemms)
         if g.lowp is not None:  # 8-bit float / int8 operands: cuBLASLt is the one backend
             out[g.name] = Choice(GemmBackend.BLAS, BlasConfig(),
                                  "cuBLASLt: the only low-precision GEMM backend",
@@ -221,7 +235,9 @@ def choose_gemms(steps, symbols, opts: Options, device: str = "cpu", tc=None,
             problem = dataclasses.replace(problem, const_b=True)
         choice = None
         if opts.max_autotune and tc is not None:
-            choice, results = _profile_cpu(problem, sizes, allowed, opts, tc)
+            tick = None if tell is None else partial(
+                tell, f"GEMM {len(out) + 1}/{n_gemms} ({g.name}): candidates timed")
+            choice, results = _profile_cpu(problem, sizes, allowed, opts, tc, tick)
             _store(root, problem, dev_id, choice, results)
         elif cached:
             hit = acache.load(root, problem, dev_id)
@@ -231,6 +247,8 @@ def choose_gemms(steps, symbols, opts: Options, device: str = "cpu", tc=None,
             backend, cfg = cpu.heuristic(problem, allowed, opts.march)
             choice = Choice(backend, cfg, "heuristic", problem.describe())
         out[g.name] = choice
+    if tell is not None and dev != "cpu":
+        tell("GEMMs autotuned", n_gemms, n_gemms)
     return out
 
 

@@ -15,7 +15,7 @@ written before it is read."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Union
 
 import sympy
@@ -40,6 +40,9 @@ class Indirect:
     value: "Expr"
     bound: sympy.Expr
     wrap: bool = True  # negative values count from the end (index.Tensor); else an error
+    #: the graph node whose indexing this is (embedding, index, gather): what a run-time
+    #: "index out of range" names once the lookup is fused into another node's kernel
+    site: str = field(default="", compare=False)
 
 
 @dataclass(frozen=True)

@@ -63,8 +63,8 @@ def simplify_body(e: L.Expr, ranges, memo=None) -> L.Expr:
         return memo[e]
     out = e
     if isinstance(e, L.Load):
-        ind = tuple(L.Indirect(i.var, simplify_body(i.value, ranges, memo), i.bound, i.wrap)
-                    for i in e.indirect)
+        ind = tuple(L.Indirect(i.var, simplify_body(i.value, ranges, memo), i.bound, i.wrap,
+                               i.site) for i in e.indirect)
         index = simplify_index(e.index, ranges) if e.index.has(FloorDiv, ModIdx) else e.index
         out = L.Load(e.buf, index, e.dtype, ind)
     elif isinstance(e, L.Index) and e.expr.has(FloorDiv, ModIdx):

@@ -20,14 +20,15 @@ def _base(ctx: LowerCtx, x: Lazy, name: str) -> Lazy:
 
 
 def indirect_load(ctx: LowerCtx, x: Lazy, src_index: list, replace: dict[int, L.Expr],
-                  wrap: bool = True) -> L.Expr:
+                  wrap: bool = True, site: str = "") -> L.Expr:
     """Load x at `src_index`, where dims in `replace` take a data-dependent index (each a
-    fresh variable of this lowering: `ctx.index_var`)."""
+    fresh variable of this lowering: `ctx.index_var`). `site`: the node lowered (what an
+    index out of range names, wherever the load is fused)."""
     inds = []
     idx = list(src_index)
     for d, value in replace.items():
         v = ctx.index_var()
-        inds.append(L.Indirect(v, cast(value, dtypes.int64), x.shape[d], wrap))
+        inds.append(L.Indirect(v, cast(value, dtypes.int64), x.shape[d], wrap, site))
         idx[d] = v
     ld = x.load(tuple(idx))
     assert isinstance(ld, L.Load)
@@ -40,7 +41,8 @@ def lower_embedding(ctx: LowerCtx, node: Node, args: list[Lazy]) -> Lazy:
     k = ids.rank
 
     def fn(idx: Index) -> L.Expr:
-        return indirect_load(ctx, w, [None, idx[k]], {0: ids.load(tuple(idx[:k]))}, wrap=False)
+        return indirect_load(ctx, w, [None, idx[k]], {0: ids.load(tuple(idx[:k]))}, wrap=False,
+                             site=node.name)
 
     return Lazy(w.dtype, node.type.shape, fn, None, 1)
 
@@ -64,7 +66,8 @@ def lower_index(ctx: LowerCtx, node: Node, args: list[Lazy]) -> Lazy:
             src.append(None if d in positions else next(it))
         repl = {d: t.load(broadcast_index(bidx, t.shape, bshape))
                 for d, t in zip(positions, indices)}
-        return indirect_load(ctx, x, src, repl, wrap=not node.attr("select", False))
+        return indirect_load(ctx, x, src, repl, wrap=not node.attr("select", False),
+                             site=node.name)
 
     if len(out_shape) != x.rank - len(positions) + nb:
         raise UnsupportedError(f"index pattern of node {node.name} (shape {out_shape})")
@@ -91,6 +94,6 @@ def lower_gather(ctx: LowerCtx, node: Node, args: list[Lazy]) -> Lazy:
 
     def fn(idx: Index) -> L.Expr:
         src = list(idx)
-        return indirect_load(ctx, x, src, {dim: ids.load(idx)}, wrap=False)
+        return indirect_load(ctx, x, src, {dim: ids.load(idx)}, wrap=False, site=node.name)
 
     return Lazy(x.dtype, node.type.shape, fn, None, 1)

@@ -43,16 +43,15 @@ def indexes_through_data(kernel: Kernel) -> bool:
 def index_sites(kernel: Kernel) -> tuple[tuple[str, tuple[str, ...]], ...]:
     """(member, buffers its data-dependent indices are read from) for every member that
     indexes through data: what a run-time "index out of range" names (the node the user
-    wrote and the input the bad index came from), not only the kernel it was fused into."""
-    out = []
+    wrote and the input the bad index came from), not only the kernel it was fused into: the
+    node the indexing was lowered from (`Indirect.site`) where known, else the member."""
+    sites: dict[str, list[str]] = {}
     for m in kernel.members:
-        bufs: list[str] = []
         for ld in L.loads(m.body):
             for ind in ld.indirect:
+                bufs = sites.setdefault(ind.site or m.name, [])
                 bufs += [x.buf for x in L.loads(ind.value) if x.buf not in bufs]
-        if bufs:
-            out.append((m.name, tuple(bufs)))
-    return tuple(out)
+    return tuple((site, tuple(bufs)) for site, bufs in sites.items() if bufs)
 
 
 def read_after_store(kernel: Kernel) -> set[str]:

@@ -94,6 +94,18 @@ class Build:
     #: (the CPU's "default" GEMM choices when max_autotune tuned them: never_lose.py)
     variants: Mapping[str, Variant] = field(default_factory=dict)
     times: Mapping[str, float] = field(default_factory=dict)  # the last stage's timed parts
+    #: the running stage's counts, `progress(what, done, total)` (e.g. ("C++ files", 3, 8)),
+    #: set by the driver around each stage when its caller listens (pipeline.build's
+    #: `detail`), else None; stages hand it to their long loops through `ticker`
+    progress: Callable[[str, int, int], None] | None = None
+
+
+def ticker(state: Build, what: str) -> Callable[[int, int], None] | None:
+    """`tick(done, total)` for one of the running stage's long loops (kernel builds,
+    autotuning), told to the driver's listener as `what`; None when nobody listens."""
+    if state.progress is None:
+        return None
+    return partial(state.progress, what)
 
 
 def always(state: Build) -> bool:

@@ -12,10 +12,11 @@ import hashlib
 import os
 import subprocess
 import tempfile
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import ThreadPoolExecutor, as_completed
 from dataclasses import dataclass
 from functools import lru_cache
 from pathlib import Path
+from typing import Callable
 
 from kiln.errors import CompileError
 import time
@@ -126,14 +127,21 @@ def compile_object(tc: Toolchain, name: str, source: str, headers: str,
 
 
 def compile_objects(jobs: list[tuple[Toolchain, str, str, tuple[str, ...]]],
-                    workers: int) -> list[Path]:
+                    workers: int, progress: Callable[[int, int], None] | None = None
+                    ) -> list[Path]:
     """Compile (toolchain, file name, text, extra flags) jobs in parallel (`workers`
     compiler processes); the object files, in the order of `jobs`. Jobs of several toolchains
-    (e.g. one per -march level of a portable build) share one pool."""
+    (e.g. one per -march level of a portable build) share one pool. `progress(done, total)`,
+    when given, is called from this thread as files finish (cache hits included)."""
     digests = {dirs: _headers_digest(dirs) for dirs in {tc.include_dirs for tc, *_ in jobs}}
     with ThreadPoolExecutor(max_workers=max(1, workers)) as pool:
-        return list(pool.map(lambda j: compile_object(j[0], j[1], j[2], digests[j[0].include_dirs],
-                                                      j[3]), jobs))
+        futures = [pool.submit(compile_object, tc, name, text, digests[tc.include_dirs], extra)
+                   for tc, name, text, extra in jobs]
+        if progress is not None:
+            progress(0, len(futures))
+            for done, _ in enumerate(as_completed(futures), 1):
+                progress(done, len(futures))
+        return [f.result() for f in futures]
 
 
 def link_shared(tc: Toolchain, objs: list[Path], name: str = "model.so") -> Path:
@@ -155,13 +163,15 @@ def link_shared(tc: Toolchain, objs: list[Path], name: str = "model.so") -> Path
 
 
 def build_shared(tc: Toolchain, sources: dict[str, str],
-                 extra_flags: dict[str, tuple[str, ...]] | None = None
+                 extra_flags: dict[str, tuple[str, ...]] | None = None,
+                 progress: Callable[[int, int], None] | None = None
                  ) -> tuple[Path, dict[str, float]]:
-    """Compile `sources` (file name -> text) and link them; returns the library path."""
+    """Compile `sources` (file name -> text) and link them; returns the library path.
+    `progress`: see compile_objects."""
     extra_flags = extra_flags or {}
     t0 = time.perf_counter()
     objs = compile_objects([(tc, name, text, extra_flags.get(name, ()))
-                            for name, text in sorted(sources.items())], tc.jobs)
+                            for name, text in sorted(sources.items())], tc.jobs, progress)
     t1 = time.perf_counter()
     lib = link_shared(tc, objs)
     return lib, {"compile": t1 - t0, "link": time.perf_counter() - t1}

@@ -38,9 +38,9 @@ import tempfile
 import time
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
-from kiln.errors import CompileError
+from kiln.errors import CompileError, UnsupportedError
 from kiln.toolchain.triton_warm import compile_args, metadata
 import subprocess
 import sys
@@ -71,8 +71,14 @@ class Cubin:
 
 
 def triton_version() -> str:
-    # deferred: Triton is optional (GPU builds only)
-    import triton
+    """Triton's version; an UnsupportedError naming the extra to install when it is absent
+    (the CPU install, `pip install kiln`, has no Triton)."""
+    try:
+        # deferred: Triton is optional (GPU builds only)
+        import triton
+    except ImportError as e:
+        raise UnsupportedError("CUDA builds compile their kernels with Triton, which is not "
+                               f"installed here ({e}): pip install 'kiln[cuda]'") from None
     return triton.__version__
 
 
@@ -274,7 +280,8 @@ def canonical(kernel) -> str:
 
 
 def compile_cubins(module_text: str, kernels: list, archs: tuple[int, ...], cache: Path,
-                   workers: int = 1, *, prelude: str
+                   workers: int = 1, *, prelude: str,
+                   progress: Callable[[int, int], None] | None = None
                    ) -> tuple[dict[tuple[str, int], Cubin], dict[str, float]]:
     """Every kernel of the module for every arch; returns {(kernel, arch): Cubin} and timings.
     `prelude`: the helper functions the module starts with (part of each kernel's cache key).
@@ -286,7 +293,9 @@ def compile_cubins(module_text: str, kernels: list, archs: tuple[int, ...], cach
     dealt round-robin), which return cubins and metadata, so nothing compiles twice. Not
     threads: Triton's front end builds Python ASTs, CPython 3.11's AST converter keeps its
     recursion counter per interpreter (two threads compiling at once can fail with "AST
-    constructor recursion depth mismatch"), and the work holds the GIL."""
+    constructor recursion depth mismatch"), and the work holds the GIL. `progress(done,
+    total)`, when given, counts the (kernel, arch) pairs ready (cache hits and kernels
+    compiled in this process as they finish, the workers' as their results appear)."""
     t0 = time.perf_counter()
     root = cache / "triton"
     prelude_hash = hashlib.sha256(prelude.encode()).hexdigest()
@@ -309,7 +318,11 @@ def compile_cubins(module_text: str, kernels: list, archs: tuple[int, ...], cach
             if rep is k:
                 todo.append((k, a, d))
     hits = len(out)
-    done, started = _compile_parallel(module_text, todo, cache, workers)
+    tick = None if progress is None else \
+        (lambda n: progress(min(hits + n, len(todo) + hits), len(todo) + hits))
+    if tick is not None:
+        tick(0)
+    done, started = _compile_parallel(module_text, todo, cache, workers, tick)
     for k, a, d in todo:
         _store(d, done[(k.name, a)])
     for (name, a), (rep, d) in same.items():
@@ -323,7 +336,8 @@ def compile_cubins(module_text: str, kernels: list, archs: tuple[int, ...], cach
                  "workers": float(started)}
 
 
-def _compile_parallel(module_text: str, todo: list, cache: Path, workers: int
+def _compile_parallel(module_text: str, todo: list, cache: Path, workers: int,
+                      tick: Callable[[int], None] | None = None
                       ) -> tuple[dict[tuple[str, int], Cubin], int]:
     """{(kernel, arch): Cubin} for each (kernel, arch, _) of `todo`, compiled by this process
     and up to `workers - 1` worker processes; the number of workers started. A kernel a
@@ -338,7 +352,11 @@ def _compile_parallel(module_text: str, todo: list, cache: Path, workers: int
     with tempfile.TemporaryDirectory(prefix="kiln_triton_") as tmp:
         for j, share in enumerate(shares[1:], 1):
             procs.append(_start_worker(module_text, share, cache, Path(tmp) / str(j)))
-        done = {(k.name, a): _compile_one(mod, k, a) for k, a, _ in shares[0]}
+        done = {}
+        for k, a, _ in shares[0]:
+            done[(k.name, a)] = _compile_one(mod, k, a)
+            if tick is not None:  # the workers' results written so far count too
+                tick(len(done) + sum(len(list(d.glob("*.cubin"))) for _, d in procs))
         for (proc, outdir), share in zip(procs, shares[1:]):
             try:
                 proc.wait(timeout=600)
@@ -348,6 +366,8 @@ def _compile_parallel(module_text: str, todo: list, cache: Path, workers: int
             for i, (k, a, _) in enumerate(share):
                 c = _read_result(outdir, i, k, a)
                 done[(k.name, a)] = c if c is not None else _compile_one(mod, k, a)
+            if tick is not None:
+                tick(len(done))
     return done, len(procs)
 
 

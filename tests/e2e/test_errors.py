@@ -40,13 +40,38 @@ def test_function_dynamic_shapes_per_argument():
 
 
 def _crashing():
-    def f(x):  # a size used as a value: lowering reads a graph node where it wants an int
+    def f(x):  # a size used as a value (the issue's example of a crash, compiled since)
         return x + torch.full((1,), x.shape[1])
     return f
 
 
+def _inject_bug(monkeypatch):
+    """A compiler bug, injected: lowering `full` fails the way it used to for that example."""
+    from kiln import lowering
+
+    def buggy(ctx, node, args):
+        return int(node)  # TypeError: a graph node where an int is wanted
+
+    monkeypatch.setitem(lowering.RULES, "full", buggy)
+
+
+def test_size_as_a_fill_value_matches_eager():
+    def f(x):
+        return x + torch.full((1,), x.shape[1]), torch.full((2, 3), x.shape[0] * 2 + 1.0)
+
+    c = kiln.compile(f, (torch.randn(3, 4),),
+                     dynamic_shapes=({0: Dim("b", min=2, max=16), 1: Dim("n", max=64)},))
+    r = c.load()
+    for shape in ((3, 4), (2, 9), (16, 64)):
+        x = torch.randn(*shape)
+        for a, b in zip(r(x), f(x)):
+            assert a.dtype == b.dtype
+            torch.testing.assert_close(a, b)
+
+
 def test_compiler_crash_is_a_compile_error_with_a_reproducer(monkeypatch):
     monkeypatch.delenv("KILN_DEBUG", raising=False)
+    _inject_bug(monkeypatch)
     with pytest.raises(CompileError) as info:
         kiln.compile(_crashing(), (torch.randn(3, 4),), dynamic_shapes=({1: Dim("n")},))
     text = str(info.value)
@@ -61,6 +86,7 @@ def test_compiler_crash_is_a_compile_error_with_a_reproducer(monkeypatch):
 
 def test_kiln_debug_lets_the_crash_through(monkeypatch):
     monkeypatch.setenv("KILN_DEBUG", "1")
+    _inject_bug(monkeypatch)
     with pytest.raises(TypeError):
         kiln.compile(_crashing(), (torch.randn(3, 4),), dynamic_shapes=({1: Dim("n")},))
 
@@ -89,6 +115,40 @@ def test_index_out_of_range_names_the_op_and_input(tmp_path):
         r(bad)
     # the Python printer's wrapper (the torch.compile backend's path) says the same
     assert want in c.sources["model.py"]
+
+
+class _EmbedLinearGather(torch.nn.Module):
+    """The lookups inlined into other nodes' kernels: the embedding into linear's view of
+    it, the gather into the add that reads it."""
+
+    def __init__(self):
+        super().__init__()
+        self.emb = torch.nn.Embedding(10, 8)
+        self.fc = torch.nn.Linear(8, 4)
+
+    def forward(self, ids, table, pick):
+        return self.fc(self.emb(ids)), torch.gather(table, 1, pick) + 1.0
+
+
+@pytest.mark.parametrize("bad_input, want", [
+    ("ids", "index out of range in embedding (node `embedding`, input `ids`)"),
+    ("pick", "index out of range in gather (node `gather`, input `pick`)"),
+])
+def test_index_error_names_the_lookup_fused_into_another_node(tmp_path, bad_input, want):
+    torch.manual_seed(0)
+    m = _EmbedLinearGather().eval()
+    args = (torch.randint(0, 10, (2, 3)), torch.randn(4, 6), torch.randint(0, 6, (4, 2)))
+    c = kiln.compile(m, args)
+    r = c.load(tmp_path / "m.kiln")
+    for a, b in zip(r(*args), m(*args)):
+        torch.testing.assert_close(a, b)
+    bad = list(args)
+    k = ("ids", "table", "pick").index(bad_input)
+    bad[k] = bad[k].clone()
+    bad[k][1, 1] = 40
+    with pytest.raises(KilnError, match=re.escape(want)):
+        r(*bad)
+    assert want in c.sources["model.py"]  # the Python wrapper says the same
 
 
 def test_call_structure_errors_name_the_argument():

@@ -271,7 +271,11 @@ def test_libkiln_exports_only_api(libkiln_path: pathlib.Path) -> None:
                      "kiln_model_run_entry", "kiln_model_run_entry_on_stream",
                      "kiln_model_reset_state", "kiln_model_num_state", "kiln_model_state_name",
                      "kiln_model_state_nbytes", "kiln_model_read_state",
-                     "kiln_model_write_state", "kiln_model_copy_state", "kiln_sample"}
+                     "kiln_model_write_state", "kiln_model_copy_state", "kiln_sample",
+                     # minor 6: per-step profiling
+                     "kiln_model_set_profiling", "kiln_model_profile_num_steps",
+                     "kiln_model_profile_runs", "kiln_model_profile_step",
+                     "kiln_model_profile_write"}
 
 
 # --- C level, in subprocesses (a crash fails the test instead of killing pytest) ----------------

@@ -48,8 +48,10 @@
  *    kiln_model_entry_num_outputs, kiln_model_run_entry, kiln_model_run_entry_on_stream),
  *    state (kiln_model_reset_state, kiln_model_num_state, kiln_model_state_name,
  *    kiln_model_state_nbytes, kiln_model_read_state, kiln_model_write_state,
- *    kiln_model_copy_state) and kiln_sample */
-#define KILN_ABI_MINOR 5
+ *    kiln_model_copy_state) and kiln_sample
+ * 6: per-step profiling (kiln_model_set_profiling, kiln_model_profile_num_steps,
+ *    kiln_model_profile_runs, kiln_model_profile_step, kiln_model_profile_write) */
+#define KILN_ABI_MINOR 6
 
 #if defined(_WIN32)
 #define KILN_API
@@ -227,6 +229,39 @@ KILN_API int kiln_model_copy_state(kiln_model *dst, kiln_model *src);
  * Returns 0, or non-zero with kiln_last_error() set (bad arguments, NaN logits). */
 KILN_API int kiln_sample(const DLTensor *logits, float temperature, int64_t top_k, float top_p,
                          uint64_t *rng_state, int64_t *token);
+
+/* Per-step profiling of CPU models (minor 6). Every CPU package's compiled wrapper times each
+ * of its steps (a fused kernel, a GEMM, a library routine, an ATen fallback call) when
+ * profiling is on for its model: two clock reads around the step, in the C++ itself. Off (the
+ * default) a run pays one predictable branch per step and reads no clock.
+ *  - kiln_model_set_profiling(m, 1) turns it on for every later run of every entry point of m
+ *    (and clears the counters when it was off); 0 turns it off (the counters stay readable).
+ *    Fails for a CUDA model (its kernels are timed on the device: `kiln profile`).
+ *  - The environment variable KILN_PROFILE, set (not "0") when kiln_model_load runs, turns it
+ *    on at load, and kiln_model_free writes the summary (kiln_model_profile_write): to stderr
+ *    for KILN_PROFILE=1, else appended to the file KILN_PROFILE names.
+ *  - kiln_model_profile_num_steps: the steps of the entry point (NULL: the default one), in
+ *    program order; 0 for a package without the hooks (CUDA, or compiled before them); -1 on
+ *    error. kiln_model_profile_runs: the profiled runs that succeeded since profiling was
+ *    turned on.
+ *  - kiln_model_profile_step: step i's name (the manifest's "kernels" name), kind ("cpp",
+ *    "blas_gemm", "cpp_gemm", "lib.<routine>", "aten.<op>"), source ops (the graph nodes it
+ *    computes, comma-separated), its seconds in the last profiled run and summed over the
+ *    profiled runs (a step run several times in one run, e.g. in a loop, counts each time).
+ *    Any output pointer may be NULL. Strings stay valid until kiln_model_free.
+ *  - kiln_model_profile_write: every entry point's summary as text (a '#' header, then one
+ *    tab-separated row per step, slowest first: name, kind, total ms, mean us per run, share
+ *    of the steps' total, source ops), to stderr when path is NULL or "-", else appended to
+ *    the file at path.
+ * These wait for a run in flight on m. */
+KILN_API int kiln_model_set_profiling(kiln_model *m, int on);
+KILN_API int64_t kiln_model_profile_num_steps(kiln_model *m, const char *entry);
+KILN_API int64_t kiln_model_profile_runs(kiln_model *m, const char *entry);
+KILN_API int kiln_model_profile_step(kiln_model *m, const char *entry, int64_t i,
+                                     const char **name, const char **kind,
+                                     const char **source_ops, double *last_seconds,
+                                     double *total_seconds);
+KILN_API int kiln_model_profile_write(kiln_model *m, const char *path);
 
 /* Releases a model (its weights mapping and instance). NULL is allowed and does nothing.
  * Outputs produced earlier stay valid. Must not be called while a run on m is in progress. */

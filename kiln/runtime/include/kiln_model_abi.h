@@ -105,6 +105,27 @@ typedef struct kiln_model_comm {
 typedef const kiln_model_comm *(*kiln_model_comm_fn)(void);
 #define KILN_MODEL_COMM_SYMBOL "kiln_model_comm_v1"
 
+/* Models printed with per-step profiling hooks (CPU packages) also export
+ * `kiln_model_prof_v1`, returning this table; libkiln looks it up with dlsym (kiln.h,
+ * kiln_model_set_profiling). Step i of a run is one call of the program: a fused kernel, a
+ * GEMM, a library routine or an ATen fallback call, named as the manifest's "kernels" name it,
+ * with its kind and its graph's source ops (comma-separated). attach(instance, ns) makes the
+ * instance's later runs add each step's wall time, in nanoseconds, to ns[i] (n_steps slots,
+ * owned by the caller; a step run several times in one run, e.g. inside a loop, adds each
+ * time); attach(instance, NULL) stops it. Detached (the default), a run pays one predictable
+ * branch per step and reads no clock. */
+typedef struct kiln_model_prof {
+  uint32_t version;                  /* 1 */
+  int64_t n_steps;
+  const char *const *step_names;
+  const char *const *step_kinds;
+  const char *const *step_sources;
+  void (*attach)(void *instance, uint64_t *ns);
+} kiln_model_prof;
+
+typedef const kiln_model_prof *(*kiln_model_prof_fn)(void);
+#define KILN_MODEL_PROF_SYMBOL "kiln_model_prof_v1"
+
 #ifdef __cplusplus
 }
 #endif

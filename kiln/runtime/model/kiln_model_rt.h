@@ -9,6 +9,7 @@
 #include <cstdio>
 #include <algorithm>
 #include <cstdlib>
+#include <ctime>
 #include <mutex>
 #include <new>
 #include <utility>
@@ -36,6 +37,13 @@ extern "C" {
 #endif
 
 namespace kr {
+
+// The clock of the per-step profiling hooks (kiln_model_prof in kiln_model_abi.h), in ns.
+inline uint64_t prof_now() {
+  timespec ts;
+  clock_gettime(CLOCK_MONOTONIC, &ts);
+  return static_cast<uint64_t>(ts.tv_sec) * 1000000000u + static_cast<uint64_t>(ts.tv_nsec);
+}
 
 struct Err {
   char *buf;

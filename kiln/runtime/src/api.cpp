@@ -29,6 +29,7 @@
 #include <cerrno>
 #include <cstddef>
 #include <cstdlib>
+#include <cstdio>
 #include <cstring>
 #include <map>
 #include <set>
@@ -47,6 +48,7 @@
 #include "copy_in.h"
 #include "error.h"
 #include "json.h"
+#include "profile.h"
 #include "safetensors.h"
 #include "sha256.h"
 #include "zip_reader.h"
@@ -115,6 +117,7 @@ struct ModelEntry {
   bool portable = false;
   const kiln_model_abi *abi = nullptr;
   void *instance = nullptr;
+  Profile prof;  // per-step times (kiln_model_set_profiling; under the model's mutex)
 };
 
 // A state buffer (a weight the programs update: a KV cache), one per loaded model, shared by
@@ -147,6 +150,8 @@ struct kiln_model {
   std::atomic<int> num_threads{0};  // kiln_model_set_num_threads; 0: automatic
   std::string cpu_level;  // the -march of the loaded code (kiln_model_cpu_level)
   kiln::CopyIn copy_in;  // CPU inputs with other strides, copied compact (under mu)
+  bool profiling = false;  // kiln_model_set_profiling, or KILN_PROFILE (under mu)
+  std::string profile_to;  // KILN_PROFILE: "1" stderr, else a file the summary is appended to
 };
 
 namespace {
@@ -693,6 +698,10 @@ KILN_API int kiln_model_load(const char *package_path, const char *device, kiln_
         kiln::fail("kiln: package '%s': its manifest says cuda but %s is not a CUDA model",
                    package_path, level.library.c_str());
       }
+      if (!want_cuda) {  // per-step profiling hooks (kiln_model_prof_v1), when printed
+        ent.prof.table = kiln::prof_table(ent.abi);
+        ent.prof.reset();
+      }
       if (m->state_abi && (!ent.abi->state_buffer || !ent.abi->share_state ||
                            !ent.abi->read_state || !ent.abi->write_state ||
                            (m->share_weights && (!ent.abi->weight_buffer ||
@@ -706,6 +715,11 @@ KILN_API int kiln_model_load(const char *package_path, const char *device, kiln_
     Instances made = create_all(m.get(), blob.data, blob.size, what);
     for (size_t e = 0; e < m->entries.size(); ++e) m->entries[e].instance = made.inst[e];
     m->state = std::move(made.state);
+    const char *prof = std::getenv("KILN_PROFILE");  // profile every run, summary at free
+    if (prof && *prof && std::strcmp(prof, "0") != 0) {
+      m->profiling = true;
+      m->profile_to = prof;
+    }
     *out = m.release();
   });
 }
@@ -758,7 +772,7 @@ static int run_impl(kiln_model *m, const char *entry, const DLTensor *const *inp
       kiln::fail("kiln_model_run_on_stream: this model runs on the cpu; a stream applies only "
                  "to cuda models (pass NULL)");
     }
-    const ModelEntry &ent = m->entries[entry ? find_entry(m, entry, fn) : 0];
+    ModelEntry &ent = m->entries[entry ? find_entry(m, entry, fn) : 0];
     const kiln_model_abi *abi = ent.abi;
     const std::string at = entry ? kiln::format("%s(%s)", fn, entry) : std::string(fn);
     if (n_inputs != abi->n_inputs) {
@@ -781,11 +795,14 @@ static int run_impl(kiln_model *m, const char *entry, const DLTensor *const *inp
       std::lock_guard<std::mutex> lock(m->mu);
       std::optional<ThreadBudget> budget;
       if (m->device_type != kDLCUDA) budget.emplace(m);
+      const bool profiled = m->profiling && ent.prof.table;
+      if (profiled) ent.prof.begin(ent.instance);
       rc = m->device_type == kDLCUDA
                ? abi->run_on_stream(ent.instance, inputs, n_inputs, outputs, n_outputs, stream,
                                     err, sizeof err)
                : abi->run(ent.instance, m->copy_in.bind(inputs, n_inputs), n_inputs, outputs,
                           n_outputs, err, sizeof err);
+      if (profiled) ent.prof.end(ent.instance, rc == 0);
     }
     err[sizeof err - 1] = '\0';
     if (rc != 0) {
@@ -1066,8 +1083,105 @@ KILN_API int kiln_model_set_comm(kiln_model *m, int rank, int world_size, const 
 
 KILN_API const char *kiln_last_error(void) { return kiln::last_error(); }
 
+namespace {
+// The profile summaries of every entry point (kiln_model_profile_write, KILN_PROFILE).
+std::string profile_text(kiln_model *m) {
+  std::lock_guard<std::mutex> lock(m->mu);
+  std::string text;
+  for (const ModelEntry &e : m->entries) {
+    text += kiln::prof_summary(e.prof, m->package->path(), e.name);
+  }
+  return text;
+}
+
+void write_text(const std::string &text, const char *path) {
+  const bool err = !path || !*path || std::strcmp(path, "-") == 0 || std::strcmp(path, "1") == 0;
+  FILE *f = err ? stderr : std::fopen(path, "a");
+  if (!f) kiln::fail("kiln_model_profile_write: cannot open '%s': %s", path, std::strerror(errno));
+  const bool ok = std::fwrite(text.data(), 1, text.size(), f) == text.size();
+  if (!err && std::fclose(f) != 0) kiln::fail("kiln_model_profile_write: cannot write '%s'", path);
+  if (!ok) kiln::fail("kiln_model_profile_write: short write to '%s'", err ? "stderr" : path);
+}
+
+kiln::Profile &profile_of(kiln_model *m, const char *entry, const char *fn) {
+  if (!m) kiln::fail("%s: model is NULL", fn);
+  return m->entries[entry ? find_entry(m, entry, fn) : 0].prof;
+}
+}  // namespace
+
+KILN_API int kiln_model_set_profiling(kiln_model *m, int on) {
+  return guarded([&] {
+    if (!m) kiln::fail("kiln_model_set_profiling: model is NULL");
+    std::lock_guard<std::mutex> lock(m->mu);
+    if (on && m->device_type == kDLCUDA) {
+      kiln::fail("kiln_model_set_profiling: package '%s' is a CUDA package; its kernels are "
+                 "timed on the device (kiln profile, CUPTI), not by the host", m->package->path().c_str());
+    }
+    if (on && !m->profiling) {
+      for (ModelEntry &e : m->entries) e.prof.reset();
+    }
+    m->profiling = on != 0;
+  });
+}
+
+KILN_API int64_t kiln_model_profile_num_steps(kiln_model *m, const char *entry) {
+  int64_t n = -1;
+  if (guarded([&] {
+        const kiln::Profile &p = profile_of(m, entry, "kiln_model_profile_num_steps");
+        n = p.table ? p.table->n_steps : 0;
+      }) != 0) {
+    return -1;
+  }
+  return n;
+}
+
+KILN_API int64_t kiln_model_profile_runs(kiln_model *m, const char *entry) {
+  int64_t n = -1;
+  if (guarded([&] {
+        const kiln::Profile &p = profile_of(m, entry, "kiln_model_profile_runs");
+        std::lock_guard<std::mutex> lock(m->mu);
+        n = p.runs;
+      }) != 0) {
+    return -1;
+  }
+  return n;
+}
+
+KILN_API int kiln_model_profile_step(kiln_model *m, const char *entry, int64_t i,
+                                     const char **name, const char **kind,
+                                     const char **source_ops, double *last_seconds,
+                                     double *total_seconds) {
+  return guarded([&] {
+    const char *fn = "kiln_model_profile_step";
+    const kiln::Profile &p = profile_of(m, entry, fn);
+    const int64_t n = p.table ? p.table->n_steps : 0;
+    if (i < 0 || i >= n) {
+      kiln::fail("%s: step %lld out of range (the entry point has %lld profiled steps%s)", fn,
+                 static_cast<long long>(i), static_cast<long long>(n),
+                 p.table ? "" : ": a CUDA package or one compiled before profiling hooks");
+    }
+    std::lock_guard<std::mutex> lock(m->mu);
+    const size_t k = static_cast<size_t>(i);
+    if (name) *name = p.table->step_names[k];
+    if (kind) *kind = p.table->step_kinds[k];
+    if (source_ops) *source_ops = p.table->step_sources[k];
+    if (last_seconds) *last_seconds = k < p.last.size() ? p.last[k] * 1e-9 : 0.0;
+    if (total_seconds) *total_seconds = k < p.total.size() ? p.total[k] * 1e-9 : 0.0;
+  });
+}
+
+KILN_API int kiln_model_profile_write(kiln_model *m, const char *path) {
+  return guarded([&] {
+    if (!m) kiln::fail("kiln_model_profile_write: model is NULL");
+    write_text(profile_text(m), path);
+  });
+}
+
 KILN_API void kiln_model_free(kiln_model *m) {
   if (!m) return;
+  if (!m->profile_to.empty()) {  // KILN_PROFILE: the summary, best effort
+    guarded([&] { write_text(profile_text(m), m->profile_to.c_str()); });
+  }
   std::vector<void *> inst;
   for (const ModelEntry &e : m->entries) inst.push_back(e.instance);
   destroy_all(m, inst);

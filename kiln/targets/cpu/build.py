@@ -37,7 +37,7 @@ from kiln.targets.cpu.kernel import print_kernel
 from kiln.targets.cpu.quant import qgemm_source
 from kiln.targets.cpu.wrapper import declare_kernel, print_wrapper
 from kiln.targets.cpu.wrapper_py import print_python_wrapper
-from kiln.targets.stages import Build, CpuLevel
+from kiln.targets.stages import Build, CpuLevel, ticker
 from kiln.toolchain.cxx import (INCLUDE_DIRS, Toolchain, build_shared, compile_objects,
                                 cpu_features, link_shared)
 
@@ -160,7 +160,8 @@ def gemm_autotune(state: Build) -> Build:
     """GEMM backends: profiled (max_autotune), cached, or by heuristic (kiln/gemm)."""
     opts = gemm_options(state.options)
     gemms = choose_gemms(state.steps, state.graph.symbols, opts, "cpu", toolchain(opts),
-                         packable=packable_gemms(state))
+                         packable=packable_gemms(state),
+                         progress=state.progress)
     return replace(state, gemms=gemms)
 
 
@@ -212,7 +213,8 @@ def compile_library(state: Build) -> Build:
     cpp = {k: v for k, v in state.sources.items() if k.endswith(".cpp")}
     # the wrapper is straight-line glue around kernels and BLAS calls: -O1 compiles it faster
     tc = toolchain(state.options)
-    lib, times = build_shared(tc, cpp, {"model.cpp": ("-O1",)})
+    lib, times = build_shared(tc, cpp, {"model.cpp": ("-O1",)},
+                              progress=ticker(state, "C++ files built"))
     march = tuple(f for f in tc.cflags if f.startswith("-march="))
     # what the code may execute: the loader refuses a CPU without it (before mapping the code)
     features = cpu_features(tc.cxx, march)
@@ -256,7 +258,8 @@ def compile_levels(state: Build) -> Build:
     jobs = [(tcs[lv], name, text, ()) for lv in levels for name, text in per_level[lv]]
     jobs.append((tcs[levels[-1]], "model.cpp", wrapper, ("-O1",)))
     t0 = time.perf_counter()
-    objs = compile_objects(jobs, max(1, opts.jobs or config.cpu_count()))
+    objs = compile_objects(jobs, max(1, opts.jobs or config.cpu_count()),
+                           ticker(state, "C++ files built"))
     t1 = time.perf_counter()
     out, k = [], 0
     for lv in levels:

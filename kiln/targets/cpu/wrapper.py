@@ -17,6 +17,7 @@ from kiln.memory.assign import intervals
 from kiln.options import GemmBackend
 from kiln.schedule.analysis import aten_fallback_ops
 from kiln.targets import collectives, state_abi
+from kiln.targets.cpu import wrapper_prof
 from kiln.targets.cxx_wrapper import SizeCheckPrinter, _cstr, _dl, condition, run_prologue, \
     runtime_plan_lines
 
@@ -116,6 +117,9 @@ class _Printer(SizeCheckPrinter):
         self.dynamic_bufs = [iv.name for iv in intervals(prog, {s.name: s.example
                                                                 for s in prog.symbols})]
         self.heap_bufs = heap_buffers(prog)
+        # step name -> its index in the profile (wrapper_prof.py)
+        self.prof_steps = wrapper_prof.steps(prog, self.gemm_choices)
+        self.prof_index = {s[0]: i for i, s in enumerate(self.prof_steps)}
 
 
     def _SetFlag(self, x: P.SetFlag) -> None:
@@ -129,7 +133,12 @@ class _Printer(SizeCheckPrinter):
                   f"* {x.dtype.itemsize});  // {x.dst} <- {x.src}")
 
     def line(self, x: P.Line) -> None:
+        step = wrapper_prof.step_of(x, self.gemm_choices)
+        if step is not None:  # profiling hooks: a branch when off (wrapper_prof.py)
+            self.emit(wrapper_prof.BEGIN)
         getattr(self, "_" + type(x).__name__)(x)
+        if step is not None:
+            self.emit(wrapper_prof.end(self.prof_index[step[0]]))
         if self.check_finite:  # Options(check_finite=True): stop at the first inf / nan
             for b in written_buffers(x):
                 dt, numel = self.sizes.get(b, (None, 0))
@@ -333,6 +342,7 @@ def print_wrapper(prog: P.Program, kernel_decls: list[str],
         "  int64_t arena_bytes = 0;",
         f"  int64_t offsets[{n_dyn}];",
         *(["  kc::Comm comm;  // MPI: kiln_model_comm_v1 attaches it"] if comm else []),
+        wrapper_prof.INSTANCE_FIELD,
         "};",
         "",
         "void* create(const void* const* weights, char* err, size_t errlen) {",
@@ -361,6 +371,7 @@ def print_wrapper(prog: P.Program, kernel_decls: list[str],
         f"  DLManagedTensor* outs[{max(n_out, 1)}] = {{}};",
         "  int32_t status = 0;",
         "  (void)status;",
+        *wrapper_prof.RUN_LOCALS,
         *(["  kr::HeapBuffers heap;  // buffers sized by unbounded data-dependent sizes"]
           if pr.heap_bufs else []),
     ]
@@ -403,6 +414,7 @@ def print_wrapper(prog: P.Program, kernel_decls: list[str],
         "}",
         "",
     ]
+    tail += wrapper_prof.table_lines(pr.prof_steps)
     if comm:
         tail += collectives.comm_table_lines(prog, "mpi", [
             f"return kc::attach(e, self->comm, rank, world_size, {collectives.group_size(prog)}, "

@@ -54,7 +54,7 @@ from kiln.targets.cuda.ops import PRELUDE
 from kiln.targets.cuda.wrapper import (blaslt_choices, capturable, cubin_blob, not_capturable,
                                        print_cuda_wrapper)
 from kiln.targets.collectives import COLLECTIVES
-from kiln.targets.stages import Build
+from kiln.targets.stages import Build, ticker
 from kiln.toolchain.cuda import cuda_toolchain, default_archs
 from kiln.toolchain.cxx import build_shared
 from kiln.toolchain.triton_aot import compile_cubins
@@ -183,7 +183,7 @@ def gemm_autotune(state: Build) -> Build:
     """GEMM backends (kiln/gemm), candidates printed as the package would print them."""
     gemms = choose_gemms(state.steps, state.graph.symbols, state.options, "cuda",
                          outputs=_kept(state.loop), buffers=L.all_buffers(state.loop),
-                         printer=build_candidates)
+                         printer=build_candidates, progress=state.progress)
     return replace(state, gemms=gemms)
 
 
@@ -219,7 +219,8 @@ def launch_autotune(state: CudaBuild) -> CudaBuild:
     """Kernels' launch configs measured on the local GPU, for its architecture."""
     o = state.options
     best, tuned = tune(_kernels(state.steps), L.all_buffers(state.loop), _hints(state),
-                       _heuristic_configs(state), default_archs()[0], _cache(o), _workers(o))
+                       _heuristic_configs(state), default_archs()[0], _cache(o), _workers(o),
+                       progress=ticker(state, "kernels' launch configs timed"))
     return replace(state, configs={**state.configs, **best}, tuned={**state.tuned, **tuned})
 
 
@@ -254,7 +255,8 @@ def cubins(state: CudaBuild) -> CudaBuild:
     """The Triton module compiled for every architecture (parts timed by kernel)."""
     o = state.options
     out, times = compile_cubins(state.sources["kernels_triton.py"], list(state.triton),
-                                _archs(o), _cache(o), _workers(o), prelude=PRELUDE)
+                                _archs(o), _cache(o), _workers(o), prelude=PRELUDE,
+                                progress=ticker(state, "Triton kernels built"))
     return replace(state, cubins=out, times=times)
 
 

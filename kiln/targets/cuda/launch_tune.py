@@ -194,8 +194,9 @@ def _compile_candidates(todo, cache: Path, arch: int, workers: int = 1) -> dict:
 
 
 def tune(kernels, buffers, hints: dict[str, int], base: dict[str, Config], arch: int,
-         cache: Path, workers: int = 1) -> tuple[dict[str, Config], dict]:
-    """Returns ({kernel name: best config}, {kernel name: {config text: ms}} of what ran)."""
+         cache: Path, workers: int = 1, progress=None) -> tuple[dict[str, Config], dict]:
+    """Returns ({kernel name: best config}, {kernel name: {config text: ms}} of what ran).
+    `progress(done, total)`, when given, counts the kernels whose candidates were timed."""
     # deferred: Triton is optional (GPU builds only)
     import triton
 
@@ -220,6 +221,8 @@ def tune(kernels, buffers, hints: dict[str, int], base: dict[str, Config], arch:
     compiled = _compile_candidates(todo, cache, arch, workers)
     prelude = hashlib.sha256(PRELUDE.encode()).hexdigest()
     for i, (k, tks, path) in enumerate(todo):
+        if progress is not None:
+            progress(i, len(todo))
         args = _args(tks[0], buffers, hints, torch)
         rows = max(1, evaluate(tks[0].rows, hints))
         times = {}
@@ -238,6 +241,8 @@ def tune(kernels, buffers, hints: dict[str, int], base: dict[str, Config], arch:
         triton_aot.store_compiled(compiled[(i, win)], tks[win], arch, prelude, cache)
         _store(path, c, k.name, device, report[k.name])
         del args
+    if progress is not None:
+        progress(len(todo), len(todo))
     return best, report
 
 
