@@ -2,7 +2,8 @@
 # Decode on the GPU (issue 17, branch s3dec), one device run of < 9 minutes: the decode GPU
 # tests, the per-kernel profile of the 16 x 2048 Llama step (scripts/prof_decode.py) and
 # bench/llm_gpu.py; logs under $OUT, a short table last.
-#   OUT=... scripts/dec_device.sh            (SKIP_TESTS=1 / SKIP_PROF=1 / SKIP_BENCH=1)
+#   OUT=... scripts/dec_device.sh   (SKIP_TESTS=1 / SKIP_PROF=1 / SKIP_BENCH=1; AT=1: the bench
+#                                    also times a max_autotune package, a longer compile)
 set -u
 OUT=${OUT:-dec_out}
 mkdir -p "$OUT"
@@ -23,19 +24,19 @@ if [ -z "${SKIP_TESTS:-}" ]; then
   rc=${PIPESTATUS[0]}
 fi
 t1=$(date +%s)
-if [ -z "${SKIP_PROF:-}" ]; then
-  timeout ${PROF_TIMEOUT:-150} python3 scripts/prof_decode.py 2>&1 | grep -v Warning \
-    | tee "$OUT/prof_decode.log"
+if [ -z "${SKIP_BENCH:-}" ]; then
+  timeout ${BENCH_TIMEOUT:-210} python3 bench/llm_gpu.py --repeat 50 ${AT:+--max-autotune} 2>&1 | grep -v Warning \
+    | tee "$OUT/llm_gpu.log"
 fi
 t2=$(date +%s)
-if [ -z "${SKIP_BENCH:-}" ]; then
-  timeout ${BENCH_TIMEOUT:-200} python3 bench/llm_gpu.py --repeat 50 2>&1 | grep -v Warning \
-    | tee "$OUT/llm_gpu.log"
+if [ -z "${SKIP_PROF:-}" ]; then
+  timeout ${PROF_TIMEOUT:-100} python3 scripts/prof_decode.py 2>&1 | grep -v Warning \
+    | tee "$OUT/prof_decode.log"
 fi
 t3=$(date +%s)
 { echo "== summary ($(cat "$OUT/env.log" | head -1))"
   echo "pytest -m gpu (decode, llm, attention): rc=$rc ($((t1 - t0)) s): $(tail -1 "$OUT/pytest_gpu.log" 2>/dev/null)"
-  echo "profile ($((t2 - t1)) s): $(grep -E '^compile s|^kernels/token' "$OUT/prof_decode.log" 2>/dev/null | tr '\n' ' ')"
-  echo "bench ($((t3 - t2)) s):"; sed -n '/^GPU:/,$p' "$OUT/llm_gpu.log" 2>/dev/null
+  echo "profile ($((t3 - t2)) s): $(grep -E '^compile s|^kernels/token' "$OUT/prof_decode.log" 2>/dev/null | tr '\n' ' ')"
+  echo "bench ($((t2 - t1)) s):"; sed -n '/^GPU:/,$p' "$OUT/llm_gpu.log" 2>/dev/null
 } | tee "$OUT/summary.txt"
 exit $rc

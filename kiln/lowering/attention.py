@@ -7,9 +7,10 @@ projection are read in place; a value that is not a view of a buffer is material
 The mask is broadcast to [B, H, L, S] with stride 0 along its broadcast dims. The output is a
 contiguous [B, H, L, Ev] buffer of q's dtype. Attributes: causal (top-left aligned: key j is
 kept for query i when j <= i), scale, mask kind (MASK_KINDS: none / bool, keep where true /
-float, added), group (grouped-query attention, passes/gqa_attention.py: k and v have H / group
-heads, query head h reads kv head h // group). CUDA builds run it as a generated Triton flash-attention kernel
-(targets/cuda/attention.py); `ir/interp.py` has its numpy twin."""
+float, added), group (grouped-query attention, passes/gqa_attention.py: k and v have
+H / group heads, query head h reads kv head h // group). CUDA builds run it as a generated
+Triton flash-attention kernel (targets/cuda/attention.py); `ir/interp.py` has its numpy
+twin."""
 
 from __future__ import annotations
 

@@ -254,7 +254,7 @@ def print_attention_kernel(call: L.Extern, buffers, hints: dict[str, int],
     else:
         lines += [f"    lo = {S_} // RBLOCK * RBLOCK  # whole key tiles: no bounds masks",
                   f"    hi = {S_}"]
-    first_t, end_t = "0", None
+    end_t = None
     if mask is not None and _c(Lq).is_Integer and int(_c(Lq)) <= config.xblock:
         # one query block (decode): the keys the mask keeps for some row span [lo_live,
         # hi_live); only those tiles are read (a decode step's mask hides the cache past the
@@ -276,7 +276,7 @@ def print_attention_kernel(call: L.Extern, buffers, hints: dict[str, int],
             "    first_t = lo_live // RBLOCK * RBLOCK",
             "    end_t = (hi_live + RBLOCK - 1) // RBLOCK * RBLOCK",
         ]
-        first_t, end_t = "first_t", "end_t"
+        end_t = "end_t"
     if end_t is None:
         lines.append("    for start in range(0, lo, RBLOCK):")
     else:
