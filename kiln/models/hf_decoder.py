@@ -32,7 +32,8 @@ from typing import Any, Callable
 import torch
 import transformers
 from torch.export import Dim
-from transformers.integrations.executorch import TorchExportableModuleWithStaticCache
+from transformers.integrations.executorch import (TorchExportableModuleForDecoderOnlyLM,
+                                                  TorchExportableModuleWithStaticCache)
 
 from kiln.errors import KilnError
 
@@ -93,9 +94,12 @@ def llama(layers: int = 1, hidden: int = 64, heads: int = 4, kv_heads: int = 2,
           vocab: int = 96, inter: int = 128, init: float = 0.1, device="cpu"):
     """A Llama of these sizes (seed 0, weights of standard deviation `init`: larger spreads
     the logits), in float32 on `device`. The defaults are a tiny one for tests."""
-    return build("llama", 0, torch.float32, init=float(init), device=device, layers=layers,
-                 hidden=hidden, heads=heads, kv_heads=kv_heads, vocab=vocab,
-                 intermediate=inter, max_pos=256)
+    model = build("llama", 0, torch.float32, init=float(init), device=device, layers=layers,
+                  hidden=hidden, heads=heads, kv_heads=kv_heads, vocab=vocab,
+                  intermediate=inter, max_pos=256)
+    # set for a static cache: callers wrap it in transformers' static-cache module themselves
+    model.generation_config.cache_implementation = "static"
+    return model
 
 
 def static_cache_module(model: torch.nn.Module, max_cache_len: int) -> torch.nn.Module:
@@ -162,7 +166,10 @@ def export_decoder(model: torch.nn.Module, max_cache_len: int = 128,
 
 def eager_step(module: torch.nn.Module) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor]:
     """The eager one-token step of a static-cache module: (input_ids, cache_position) ->
-    logits."""
+    logits. Of transformers' decoder-only export wrapper, its inner static-cache module: the
+    outer forward of some transformers releases drops cache_position."""
+    if isinstance(module, TorchExportableModuleForDecoderOnlyLM):
+        module = module.model
     return lambda ids, pos: module(input_ids=ids, cache_position=pos)
 
 

@@ -84,13 +84,13 @@ def pack(f: Fused, w: torch.Tensor, bias, bn_tensors, dw: bool, dtype
     """(packed weight in `dtype`, float32 [scale; shift]) of fused convolution `f` (module
     docstring). Batch norm stays out of the weights: rounding the folded weights to 16 bits
     would add an error eager does not make; its scale multiplies the float32 accumulator."""
-    w = w.detach().to(torch.float64)
+    w = w.detach().to("cpu", torch.float64)  # (a program exported on the GPU holds GPU weights)
     oc, cg, kh, kw = w.shape
     b = torch.zeros(oc, dtype=torch.float64) if bias is None else \
-        bias.detach().to(torch.float64).reshape(oc)
+        bias.detach().to("cpu", torch.float64).reshape(oc)
     scale = torch.ones(oc, dtype=torch.float64)
     if f.bn is not None:  # y = (z + b - mean) * rsqrt(var + eps) * gamma + beta
-        mean, var, *rest = (t.detach().to(torch.float64).reshape(oc) for t in bn_tensors)
+        mean, var, *rest = (t.detach().to("cpu", torch.float64).reshape(oc) for t in bn_tensors)
         gamma = rest.pop(0) if f.bn.attr("has_weight") else torch.ones(oc, dtype=torch.float64)
         beta = rest.pop(0) if f.bn.attr("has_bias") else torch.zeros(oc, dtype=torch.float64)
         scale = gamma / torch.sqrt(var + f.bn.attr("eps"))
