@@ -176,7 +176,10 @@ def test_quantised_step_on_gpu_matches_dequantised_eager(tmp_path, mode, dtype):
                                          prompt, 8, "cuda")
     with torch.no_grad():
         want_t, want = hf_decoder.greedy_steps(hf_decoder.eager_step(rw), prompt, 8, "cuda")
-    for a, b in zip(got, want):
+    # 16-bit near-ties may pick another token: compare the steps whose inputs were the same
+    # (up to the step that chose the first differing token)
+    d = next((j for j, (x, y) in enumerate(zip(got_t, want_t)) if x != y), len(got_t))
+    for a, b in zip(got[:len(prompt) + d], want[:len(prompt) + d]):
         scale = b.double().abs().max().item()
         tol = 1e-3 if dtype == torch.float32 else 3e-2
         assert (a.double() - b.double()).abs().max().item() <= tol * scale + 1e-3
