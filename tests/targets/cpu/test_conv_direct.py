@@ -119,6 +119,36 @@ def test_conv_direct_matches_eager(check, cfg, cin, hw, batch):
     assert "im2col" not in _sources(compiled)
 
 
+# the work splits of kiln_conv.h: a spatial share per thread (activations outweigh weights;
+# shares that cross image boundaries, flat 1x1 rows split in pixel tiles), the dynamic split
+# over output-channel groups (weights outweigh activations), depthwise row bands; wide rows
+# so the interior depthwise tiles (stride 1 and 2, 3x3 and 5x5) run
+SPLITS = [
+    ("1x1_flat_spatial", dict(cout=24, k=1, bias=False, bn=True, act="relu6"), 16, (20, 23)),
+    ("3x3_rows_spatial", dict(cout=40, k=3, padding=1, residual=True, act="relu"), 16,
+     (13, 17)),
+    ("1x1_weights_heavy", dict(cout=96, k=1, bn=True, act="relu"), 256, (5, 5)),
+    ("3x3_s2_weights_heavy", dict(cout=72, k=3, stride=2, padding=1), 128, (7, 6)),
+    ("dw3x3_s2_wide", dict(cout=40, k=3, stride=2, padding=1, groups=40, bn=True,
+                           act="relu6"), 40, (9, 37)),
+    ("dw3x3_s1_wide_res", dict(cout=32, k=3, padding=1, groups=32, residual=True), 32,
+     (7, 29)),
+    ("dw5x5_s1_wide", dict(cout=24, k=5, padding=2, groups=24, act="silu"), 24, (6, 27)),
+]
+
+
+@pytest.mark.parametrize("threads", [2, 3])
+@pytest.mark.parametrize(("cfg", "cin", "hw"), [c[1:] for c in SPLITS],
+                         ids=[c[0] for c in SPLITS])
+def test_conv_work_splits(check, cfg, cin, hw, threads):
+    m = ConvBlock(cin, seed=threads, **cfg)
+    g = gen("conv_split", str(cfg), threads)
+    x = rand((3, cin, *hw), F32, g, -2, 2)
+    compiled = check(m, [x], tol=TOL, options=kiln.Options(num_threads=threads),
+                     more=[(rand((3, cin, *hw), F32, g, -2, 2),)])
+    assert _direct_calls(compiled) == 1 + bool(cfg.get("residual"))
+
+
 def test_residual_is_the_input(check):
     """y = relu(bn(conv(x)) + x): the residual is the convolution's own (blocked) input."""
     g = torch.Generator().manual_seed(3)
