@@ -1,13 +1,15 @@
-"""Per-layer times of a CPU package's direct convolutions at 1 and 2 threads (issue 14, items 1
-and 3: where a convolution network's 2-thread time goes).
+"""Per-layer times of a CPU package's direct convolutions (and NCHWc max pooling) at 1 and 2
+threads (issue 14, items 1 and 3: where a convolution network's 2-thread time goes).
 
-The package's wrapper (src/model.cpp) is read; every `kl::conv2d_nchwc` call block is copied
-verbatim into a C++ program (its buffers become arrays of the sizes its views reach, filled
-with small random values), which runs the calls in the package's order, `--reps` times per
-thread count, timing each call with omp_get_wtime, and compiles kiln_conv.h exactly as a
-package's conv.cpp does (-O3 -march=native -fopenmp). Calls run back to back as in a package
-run, so caches hold what they would. GOMP_SPINCOUNT=1000, as libkiln sets it. Per layer: the
-median call at each thread count, the speed-up, GFLOPS at 1 thread.
+The package's wrapper (src/model.cpp) is read; every `kl::conv2d_nchwc` (and
+`kl::max_pool2d_nchwc`) call block is copied verbatim into a C++ program (its buffers become
+arrays of the sizes its views reach, filled with small random values), which runs the calls
+in the package's order, `--reps` times per thread count, timing each call with
+omp_get_wtime, and compiles kiln_conv.h as a package's conv.cpp does (-O3 -march=native
+-fopenmp). Calls run back to back as in a package run, so caches hold what they would.
+GOMP_SPINCOUNT=1000, as libkiln sets it. Per layer: the median (or --stat p10: the 10th
+percentile, a quiet machine's time on a loaded one) call at each thread count, the speed-up,
+GFLOPS at 1 thread.
 
     python bench/conv_layers.py PKG.kiln [--threads 1,2] [--reps 50] [--taskset 0,1] [--top 20]
     python bench/conv_layers.py --model mobilenet_v2 [...]    (bench/conv_cpu.py's models)
@@ -29,10 +31,10 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-BLOCK = re.compile(r"^  \{  // lib\.conv2d_nchwc -> (\w+).*?^  \}\n", re.S | re.M)
+BLOCK = re.compile(r"^  \{  // lib\.(conv2d|max_pool2d)_nchwc -> (\w+).*?^  \}\n", re.S | re.M)
 DIMS = re.compile(r"const int64_t (d\d+)\[\] = \{([^}]*)\};")
 VIEW = re.compile(r"kl::view\((buf_\w+) \+ 0, (\d+), (d\d+)\)")
-OUT = re.compile(r"kl::conv2d_nchwc\(e, \"[^\"]*\", (buf_\w+),")
+OUT = re.compile(r"kl::(?:conv2d|max_pool2d)_nchwc\(e, \"[^\"]*\", (buf_\w+),")
 ARG = re.compile(r"/\*(\w+)=\*/(?:int64_t\()?([-\w.]+)\)?")
 
 
@@ -47,6 +49,16 @@ def layers(model_cpp: str) -> list[dict]:
         dims = {k: [int(v) for v in vals.split(",")] for k, vals in DIMS.findall(text)}
         views = [(buf, int(rank), dims[d]) for buf, rank, d in VIEW.findall(text)]
         args = dict(ARG.findall(text))
+        name = m.group(2)
+        if m.group(1) == "max_pool2d":  # kiln_conv.h's max pooling: count a max as a MAC
+            x = views[0][2]
+            oh, ow, kh, kw = (int(args[k]) for k in ("oh", "ow", "kh", "kw"))
+            out.append(dict(name=name, text=text, views=views, out=OUT.search(text).group(1),
+                            out_size=x[0] * x[1] * oh * ow * x[4],
+                            macs=x[0] * x[1] * x[4] * oh * ow * kh * kw,
+                            desc=(f"maxpool {kh}x{kw}/{args['sh']} {x[1] * x[4]} "
+                                  f"{x[2]}x{x[3]}->{oh}x{ow} n{x[0]}")))
+            continue
         x, w = views[0][2], views[1][2]
         dw = args["depthwise"] == "true"
         blk = w[len(w) // 2 - 1]
@@ -58,7 +70,7 @@ def layers(model_cpp: str) -> list[dict]:
         else:
             kh, kw, icn, icb = w[2], w[3], w[4], w[1]
         macs = n * ocb * blk * oh * ow * kh * kw * icb * icn
-        out.append(dict(name=m.group(1), text=text, views=views, out=OUT.search(text).group(1),
+        out.append(dict(name=name, text=text, views=views, out=OUT.search(text).group(1),
                         out_size=n * ocb * oh * ow * blk, macs=macs,
                         desc=(f"{'dw' if dw else 'conv'} {kh}x{kw}/{args['sh']} "
                               f"{(icb * icn) if not dw else ocb * blk}->{ocb * blk} "
@@ -77,7 +89,8 @@ def program(ls: list[dict], threads: list[int], reps: int) -> str:
     for i, lay in enumerate(ls):
         body = re.sub(r"/\*threads=\*/int64_t\(\d+\)", "/*threads=*/int64_t(T)", lay["text"])
         body = body.replace("goto fail;", "return 1;")
-        calls.append(f"  t0 = omp_get_wtime();\n{body}  ms[{i}][r] = 1e3 * (omp_get_wtime() - t0);\n")
+        calls.append(f"  t0 = omp_get_wtime();\n{body}"
+                     f"  ms[{i}][r] = 1e3 * (omp_get_wtime() - t0);\n")
     return f"""#define KILN_CONV_IMPL
 #define KILN_CONV_B16
 #define KILN_CONV_B8

@@ -488,11 +488,30 @@ def _lib_conv2d_nchwc(outs, attrs, x, w, b, res=None):
     return [out]
 
 
+def _lib_max_pool2d_nchwc(outs, attrs, x):
+    """kiln_conv.h's max pooling of an NCHWc x [N, Cb, H, W, B]: the window clipped to the
+    input, NaN propagating."""
+    a = attrs
+    n, cb, oh, ow, blk = outs[0][1]
+    pad = ((0, 0), (0, 0), (a["ph"], a["ph"] + a["sh"] * oh), (a["pw"], a["pw"] + a["sw"] * ow),
+           (0, 0))
+    xp = np.pad(x.astype(np.float32), pad, constant_values=-np.inf)
+    out = np.full((n, cb, oh, ow, blk), -np.inf, np.float32)
+    for ky in range(a["kh"]):
+        for kx in range(a["kw"]):
+            y0, x0 = ky * a["dh"], kx * a["dw"]
+            win = xp[:, :, y0:y0 + a["sh"] * (oh - 1) + 1:a["sh"],
+                     x0:x0 + a["sw"] * (ow - 1) + 1:a["sw"]]
+            out = np.where((win > out) | np.isnan(win), win, out)
+    return [out]
+
+
 # routine -> numpy twin: (outs [(dtype name, shape)], attrs, *operands) -> one array per out
 ROUTINES = {"sort": _lib_sort, "topk": _lib_topk, "scan": _lib_scan,
             "scan_extreme": _lib_scan_extreme, "put": _lib_put, "put_mean": _lib_put,
             "masked_scatter": _lib_masked_scatter, "embedding_bag": _lib_embedding_bag,
             "attention": _lib_attention, "conv2d_nchwc": _lib_conv2d_nchwc,
+            "max_pool2d_nchwc": _lib_max_pool2d_nchwc,
             "qgemm": quant_routine}
 
 

@@ -302,30 +302,51 @@ def test_plain_x86_64_build(check):
     block 8; results unchanged."""
     g = torch.Generator().manual_seed(13)
     m = nn.Sequential(nn.Conv2d(3, 24, 3, 2, 1, bias=False), _bn(24, g), nn.ReLU(),
-                      InvertedResidual(24, 24, 1, 2, g)).eval()
+                      nn.MaxPool2d(3, 1, 1), InvertedResidual(24, 24, 1, 2, g)).eval()
     x = rand((2, 3, 12, 12), F32, gen("x86"), -2, 2)
     compiled = check(m, [x], tol=TOL, options=kiln.Options(march="x86-64"))
     assert _direct_calls(compiled) == 4
+    assert "kl::max_pool2d_nchwc(" in compiled.sources["model.cpp"]
     assert re.search(r"kl::view\(buf_\w+_w \+ 0, 6, d1\)", compiled.sources["model.cpp"])
     assert "#define KILN_CONV_B8" in compiled.sources["conv.cpp"]
     assert "avx" not in compiled.manifest["requires"].get("cpu_features", [])
 
 
-@pytest.mark.parametrize(("kernel", "stride", "padding", "ceil"), [
-    (3, 2, 1, False), (2, 2, 0, True), (3, 1, 0, False)])
-def test_max_pool_inside_a_region(check, kernel, stride, padding, ceil):
-    """conv -> relu -> max pool -> conv: the pooling reads and writes NCHWc (no conversion
-    between the convolutions); channel count 24 (a padded block)."""
+@pytest.mark.parametrize(("kernel", "stride", "padding", "ceil", "dilation", "hw", "batch"), [
+    (3, 2, 1, False, 1, (15, 13), 2), (2, 2, 0, True, 1, (15, 13), 2),
+    (3, 1, 0, False, 1, (15, 13), 2), (3, 2, 1, True, 2, (16, 19), 1),
+    ((3, 2), (1, 2), (1, 0), False, 1, (9, 11), 3), (3, 2, 1, False, 1, (40, 45), 3)])
+def test_max_pool_inside_a_region(check, kernel, stride, padding, ceil, dilation, hw, batch):
+    """conv -> relu -> max pool -> conv: the pooling (kiln_conv.h's max_pool2d_nchwc, a vector
+    of channels at a time) reads and writes NCHWc (no conversion between the convolutions);
+    channel count 24 (a padded block); rectangular windows, dilation, ceil mode, a size that
+    splits over threads."""
     g = torch.Generator().manual_seed(17)
     m = nn.Sequential(nn.Conv2d(3, 24, 3, padding=1, bias=False), _bn(24, g), nn.ReLU(),
-                      nn.MaxPool2d(kernel, stride, padding, ceil_mode=ceil),
+                      nn.MaxPool2d(kernel, stride, padding, dilation, ceil_mode=ceil),
                       nn.Conv2d(24, 16, 3, padding=1)).eval()
-    x = rand((2, 3, 15, 13), F32, gen("pool", kernel, stride), -2, 2)
+    x = rand((batch, 3, *hw), F32, gen("pool", kernel, stride, hw), -2, 2)
     compiled = check(m, [x], tol=TOL)
     src = compiled.sources["model.cpp"]
     assert _direct_calls(compiled) == 2
-    assert "max_pool2d_nchwc" in src
+    assert src.count("kl::max_pool2d_nchwc(") == 1
+    assert re.search(r"// max pool \(\d+x\d+, stride \d+x\d+, padding \d+x\d+, NCHWc", src)
     assert not re.search(r"buf_max_pool2d\b", src)  # never materialised in NCHW
+
+
+def test_max_pool_propagates_nan(check):
+    """A NaN input pixel: NaN in exactly the pooled outputs whose window holds it (as eager);
+    1x1 convolutions around the pooling keep it in its pixel."""
+    m = nn.Sequential(nn.Conv2d(8, 16, 1), nn.MaxPool2d(3, 2, 1), nn.Conv2d(16, 8, 1)).eval()
+    x = rand((2, 8, 12, 12), F32, gen("pool_nan"), -2, 2)
+    x[1, :, 5, 6] = float("nan")
+    compiled, runner = check.compile(m, [x])
+    assert "kl::max_pool2d_nchwc(" in compiled.sources["model.cpp"]
+    got = runner(x)
+    with torch.no_grad():
+        want = m(x)
+    assert torch.equal(got.isnan(), want.isnan()) and want.isnan().any()
+    torch.testing.assert_close(got, want, **TOL, equal_nan=True)
 
 
 def test_interpreter_twin_matches_eager(check):
@@ -343,6 +364,8 @@ def test_interpreter_twin_matches_eager(check):
     (got,) = run_loop(built.loop, feeds, {})
     assert sum(isinstance(s, L.Extern) and s.routine == "conv2d_nchwc"
                for s in built.loop.nodes) == 4
+    assert sum(isinstance(s, L.Extern) and s.routine == "max_pool2d_nchwc"
+               for s in built.loop.nodes) == 1
     with torch.no_grad():
         want = m.double()(x.double())
     torch.testing.assert_close(torch.tensor(got).double(), want, **TOL)

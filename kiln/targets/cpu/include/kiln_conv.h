@@ -48,6 +48,13 @@ int conv2d_nchwc(kr::Err &e, const char *where, float *out, int64_t oh, int64_t 
                  int64_t act, double lo, double hi, int64_t threads, View<float> x,
                  View<float> w, View<float> b, View<float> res);
 
+/* 2-D max pooling of an NCHWc value x [N, Cb, H, W, B] into out [N, Cb, oh, ow, B]: the
+ * window (kh x kw, stride, padding, dilation; padding never wins) of each output pixel, B
+ * channels per vector; NaN propagates (as torch's max_pool2d). */
+int max_pool2d_nchwc(kr::Err &e, const char *where, float *out, int64_t oh, int64_t ow,
+                     int64_t kh, int64_t kw, int64_t sh, int64_t sw, int64_t ph, int64_t pw,
+                     int64_t dh, int64_t dw, int64_t threads, View<float> x);
+
 }  // namespace kl
 
 #ifdef KILN_CONV_IMPL
@@ -592,6 +599,77 @@ int conv2d_nchwc(kr::Err &e, const char *where, float *out, int64_t oh, int64_t 
                  View<float> w, View<float> b, View<float> res) {
   return conv::dispatch(e, where, out, oh, ow, sh, sw, ph, pw, dh, dw, depthwise, act, lo, hi,
                         threads, x, w, b, res.data);
+}
+
+namespace conv {
+
+/* One output row of max pooling: B channels per vector, the window's rows and columns clipped
+ * to the input; max(a, v) keeps a NaN of either side (v > a is false for a NaN, v != v is true
+ * for one). */
+template <int B>
+inline void pool_row(const float *xc, float *orow, int64_t ih, int64_t iw, int64_t ow,
+                     int64_t oh_, int64_t kh, int64_t kw, int64_t sh, int64_t sw, int64_t ph,
+                     int64_t pw, int64_t dh, int64_t dw) {
+  typedef typename V<B>::type vec;
+  const vec lowest = splat<B>(-__builtin_inff());
+  for (int64_t o = 0; o < ow; ++o) {
+    vec acc = lowest;
+    for (int64_t ky = 0; ky < kh; ++ky) {
+      const int64_t iy = oh_ * sh + ky * dh - ph;
+      if (iy < 0 || iy >= ih) continue;
+      const float *xr = xc + iy * iw * B;
+      for (int64_t kx = 0; kx < kw; ++kx) {
+        const int64_t ix = o * sw + kx * dw - pw;
+        if (ix < 0 || ix >= iw) continue;
+        const vec v = load<B>(xr + ix * B);
+        acc = (v > acc) | (v != v) ? v : acc;
+      }
+    }
+    store<B>(orow + o * B, acc);
+  }
+}
+
+template <int B>
+int max_pool(kr::Err &e, const char *where, float *out, int64_t oh, int64_t ow, int64_t kh,
+             int64_t kw, int64_t sh, int64_t sw, int64_t ph, int64_t pw, int64_t dh, int64_t dw,
+             int64_t threads, const View<float> &x) {
+  const int64_t n = x.size(0), cb = x.size(1), ih = x.size(2), iw = x.size(3);
+  (void)e, (void)where;
+  // the same (image, row) shares as the convolutions around it (kiln_conv.h's spatial split)
+  const int64_t units = n * oh;
+  const int nt = team(threads);
+#pragma omp parallel num_threads(nt) if (nt > 1 && units >= nt && units * cb * ow * kh * kw >= 16384)
+  {
+#ifdef _OPENMP
+    const int t = omp_get_thread_num(), m = omp_get_num_threads();
+#else
+    const int t = 0, m = 1;
+#endif
+    for (int64_t u = units * t / m; u < units * (t + 1) / m; ++u) {
+      const int64_t i = u / oh, r = u % oh;
+      for (int64_t c = 0; c < cb; ++c)
+        pool_row<B>(x.data + (i * cb + c) * ih * iw * B, out + ((i * cb + c) * oh + r) * ow * B,
+                    ih, iw, ow, r, kh, kw, sh, sw, ph, pw, dh, dw);
+    }
+  }
+  return 0;
+}
+
+}  // namespace conv
+
+int max_pool2d_nchwc(kr::Err &e, const char *where, float *out, int64_t oh, int64_t ow,
+                     int64_t kh, int64_t kw, int64_t sh, int64_t sw, int64_t ph, int64_t pw,
+                     int64_t dh, int64_t dw, int64_t threads, View<float> x) {
+  const int64_t blk = x.size(x.rank - 1);
+#ifdef KILN_CONV_B16
+  if (blk == 16)
+    return conv::max_pool<16>(e, where, out, oh, ow, kh, kw, sh, sw, ph, pw, dh, dw, threads, x);
+#endif
+#ifdef KILN_CONV_B8
+  if (blk == 8)
+    return conv::max_pool<8>(e, where, out, oh, ow, kh, kw, sh, sw, ph, pw, dh, dw, threads, x);
+#endif
+  return e.fail("%s: channel block of %lld floats (expected 8 or 16)", where, (long long)blk);
 }
 
 }  // namespace kl
