@@ -250,6 +250,9 @@ inline void dense_row(const Shape &s, const float *x, const float *w, int64_t ws
   }
 }
 
+// whether `units` equal pieces of work split over nt threads within ~12% of even
+inline bool even_split(int64_t units, int nt) { return units % nt == 0 || units >= 8 * nt; }
+
 inline int team(int64_t threads) {
 #ifdef _OPENMP
   const int budget = omp_get_max_threads();
@@ -361,7 +364,7 @@ void dense(const Shape &s, const float *x, const float *w, const float *bias, co
   const int64_t wbytes = s.ocb * s.icb * s.kh * s.kw * s.icn * B;
   const int64_t abytes = s.n * (s.icb * s.icn * s.ih * s.iw + s.ocb * B * s.oh * s.ow);
   const int64_t units = s.n * (s.oh == 1 ? s.ow / tile_px<B, 4>() : s.oh);
-  if (par && abytes >= wbytes && units >= 2 * nt) {
+  if (par && abytes >= wbytes && units >= 2 * nt && even_split(units, nt)) {
 #pragma omp parallel num_threads(nt)
     {
 #ifdef _OPENMP
@@ -500,7 +503,8 @@ void dw_row(const Shape &s, const float *x, const float *w, const float *bias, c
 
 /* Thread t of nt: the t-th contiguous share of the (image, output row) units, every channel
  * block (block by block, its rows in order: the input rows a row shares with the next stay in
- * L1). The share of the image dense_spatial_share gives the same thread. */
+ * L1). The share of the image dense_spatial_share gives the same thread. Where the rows do not
+ * split evenly (e.g. 7 rows on 2 threads), the shares are of (image, block, row) instead. */
 template <int B>
 void depthwise(const Shape &s, const float *x, const float *w, const float *bias,
                const float *res, float *out, const Epi &ep, int64_t threads) {
@@ -508,9 +512,10 @@ void depthwise(const Shape &s, const float *x, const float *w, const float *bias
   const int64_t lo = s.pw > 0 ? (s.pw + s.sw - 1) / s.sw : 0;
   int64_t hi = s.iw - span + s.pw <= 0 ? 0 : (s.iw - span + s.pw - 1) / s.sw + 1;
   hi = std::min(hi, s.ow);
-  const int64_t units = s.n * s.oh;
   const int nt = team(threads);
-  const bool par = nt > 1 && units >= nt && units * s.ocb * s.ow * s.kh * s.kw >= 16384;
+  const bool by_rows = even_split(s.n * s.oh, nt);
+  const int64_t units = s.n * s.oh * (by_rows ? 1 : s.ocb);
+  const bool par = nt > 1 && units >= nt && s.n * s.oh * s.ocb * s.ow * s.kh * s.kw >= 16384;
 #pragma omp parallel num_threads(nt) if (par)
   {
 #ifdef _OPENMP
@@ -519,12 +524,23 @@ void depthwise(const Shape &s, const float *x, const float *w, const float *bias
     const int t = 0, m = 1;
 #endif
     const int64_t u0 = units * t / m, u1 = units * (t + 1) / m;
-    for (int64_t u = u0; u < u1;) {
-      const int64_t n = u / s.oh, r0 = u % s.oh, r1 = std::min(s.oh, r0 + (u1 - u));
-      for (int64_t cb = 0; cb < s.ocb; ++cb)
-        for (int64_t oh = r0; oh < r1; ++oh)
-          dw_row<B>(s, x, w, bias, res, out, ep, n, cb, oh, lo, hi);
-      u += r1 - r0;
+    // rows [r0, r1) of image n, block cb
+    auto rows = [&](int64_t n, int64_t cb, int64_t r0, int64_t r1) {
+      for (int64_t oh = r0; oh < r1; ++oh)
+        dw_row<B>(s, x, w, bias, res, out, ep, n, cb, oh, lo, hi);
+    };
+    if (by_rows) {
+      for (int64_t u = u0; u < u1;) {
+        const int64_t n = u / s.oh, r0 = u % s.oh, r1 = std::min(s.oh, r0 + (u1 - u));
+        for (int64_t cb = 0; cb < s.ocb; ++cb) rows(n, cb, r0, r1);
+        u += r1 - r0;
+      }
+    } else {
+      for (int64_t u = u0; u < u1;) {  // runs of rows of one (image, block)
+        const int64_t r0 = u % s.oh, r1 = std::min(s.oh, r0 + (u1 - u));
+        rows(u / s.oh / s.ocb, (u / s.oh) % s.ocb, r0, r1);
+        u += r1 - r0;
+      }
     }
   }
 }
