@@ -14,7 +14,8 @@ GFLOPS at 1 thread.
     python bench/conv_layers.py PKG.kiln [--threads 1,2] [--reps 50] [--taskset 0,1] [--top 20]
     python bench/conv_layers.py --model mobilenet_v2 [...]    (bench/conv_cpu.py's models)
 
---headers DIR compiles kiln_conv.h (and kiln_lib.h) from DIR instead: an A/B of a saved copy.
+--headers DIR compiles kiln_conv.h (and kiln_lib.h) from DIR instead: an A/B of a saved copy
+(with --convs-only for a copy from before kl::max_pool2d_nchwc).
 """
 
 from __future__ import annotations
@@ -42,10 +43,12 @@ def extent(dims: list[int], rank: int) -> int:
     return 1 + sum((dims[i] - 1) * dims[rank + i] for i in range(rank))
 
 
-def layers(model_cpp: str) -> list[dict]:
+def layers(model_cpp: str, pools: bool = True) -> list[dict]:
     out = []
     for m in BLOCK.finditer(model_cpp):
         text = m.group(0)
+        if m.group(1) == "max_pool2d" and not pools:
+            continue
         dims = {k: [int(v) for v in vals.split(",")] for k, vals in DIMS.findall(text)}
         views = [(buf, int(rank), dims[d]) for buf, rank, d in VIEW.findall(text)]
         args = dict(ARG.findall(text))
@@ -138,6 +141,8 @@ def main() -> None:
     ap.add_argument("--stat", choices=("median", "p10"), default="median",
                     help="p10: the 10th percentile call (a quiet machine's time, under load)")
     ap.add_argument("--headers", help="kiln_conv.h from this folder (an A/B against a copy)")
+    ap.add_argument("--convs-only", action="store_true",
+                    help="leave the pools out (headers from before max_pool2d_nchwc)")
     ap.add_argument("--cxx", default=os.environ.get("CXX", "g++"))
     a = ap.parse_args()
     work = Path(tempfile.mkdtemp(prefix="kiln-conv-layers-"))
@@ -149,7 +154,7 @@ def main() -> None:
         pkg = kiln.compile(module, (x,), options=kiln.Options(num_threads=2)).save(
             work / f"{a.model}.kiln")
     src = zipfile.ZipFile(pkg).read("src/model.cpp").decode()
-    ls = layers(src)
+    ls = layers(src, pools=not a.convs_only)
     threads = [int(t) for t in a.threads.split(",")]
     (work / "layers.cpp").write_text(program(ls, threads, a.reps))
     inc = Path(a.headers) if a.headers else ROOT / "kiln" / "targets" / "cpu" / "include"
