@@ -452,7 +452,8 @@ def _lib_attention(outs, attrs, q, k, v, mask=None):
 def _lib_conv2d_nchwc(outs, attrs, x, w, b, res=None):
     """kiln_conv.h's direct convolution: NCHWc (or NCHW) x, packed w, in float64."""
     a = attrs
-    n, ocb, oh, ow, blk = outs[0][1]
+    # sizes from the operands (the package's model.py passes its flat buffer as the output)
+    n, ocb, oh, ow, blk = x.shape[0], w.shape[0], a["oh"], a["ow"], w.shape[-1]
     x = x.astype(np.float64)
     if x.ndim == 5:  # [N, Cb, H, W, B] -> [N, C, H, W]
         x = x.transpose(0, 1, 4, 2, 3).reshape(x.shape[0], -1, x.shape[2], x.shape[3])
@@ -492,7 +493,7 @@ def _lib_max_pool2d_nchwc(outs, attrs, x):
     """kiln_conv.h's max pooling of an NCHWc x [N, Cb, H, W, B]: the window clipped to the
     input, NaN propagating."""
     a = attrs
-    n, cb, oh, ow, blk = outs[0][1]
+    n, cb, oh, ow, blk = x.shape[0], x.shape[1], a["oh"], a["ow"], x.shape[4]
     pad = ((0, 0), (0, 0), (a["ph"], a["ph"] + a["sh"] * oh), (a["pw"], a["pw"] + a["sw"] * ow),
            (0, 0))
     xp = np.pad(x.astype(np.float32), pad, constant_values=-np.inf)
