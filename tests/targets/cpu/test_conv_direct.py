@@ -369,3 +369,25 @@ def test_interpreter_twin_matches_eager(check):
     with torch.no_grad():
         want = m.double()(x.double())
     torch.testing.assert_close(torch.tensor(got).double(), want, **TOL)
+
+
+def test_profile_runs_a_direct_conv_package(check, tmp_path):
+    """`kiln profile` runs the package's model.py, whose library calls (conv2d_nchwc,
+    max_pool2d_nchwc) go to the numpy twins with the flat output buffer: the twins take their
+    sizes from the operands, and model.py's result matches eager."""
+    # deferred: the CLI's profiler imports torch.profiler, only this test needs it
+    from kiln.cli.profile import _load_wrapper
+    from kiln.package.reader import read_package
+
+    g = torch.Generator().manual_seed(23)
+    m = nn.Sequential(nn.Conv2d(3, 24, 3, 2, 1, bias=False), _bn(24, g), nn.ReLU(),
+                      nn.MaxPool2d(3, 2, 1), InvertedResidual(24, 24, 1, 2, g)).eval()
+    x = rand((2, 3, 16, 16), F32, gen("profile"), -2, 2)
+    compiled, runner = check.compile(m, [x])
+    path = tmp_path / "p.kiln"
+    compiled.save(path)
+    _, model = _load_wrapper(read_package(path), tmp_path)
+    with torch.no_grad():
+        got, want = model(x), m(x)
+    got = got[0] if isinstance(got, (tuple, list)) else got
+    torch.testing.assert_close(got, want, **TOL)
