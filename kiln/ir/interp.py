@@ -455,7 +455,8 @@ def _lib_attention(outs, attrs, q, k, v, mask=None):
 def _lib_conv2d_nchwc(outs, attrs, x, w, b, res=None):
     """kiln_conv.h's direct convolution: NCHWc (or NCHW) x, packed w, in float64."""
     a = attrs
-    n, ocb, oh, ow, blk = outs[0][1]
+    # sizes from the operands (the package's model.py passes its flat buffer as the output)
+    n, ocb, oh, ow, blk = x.shape[0], w.shape[0], a["oh"], a["ow"], w.shape[-1]
     x = x.astype(np.float64)
     if x.ndim == 5:  # [N, Cb, H, W, B] -> [N, C, H, W]
         x = x.transpose(0, 1, 4, 2, 3).reshape(x.shape[0], -1, x.shape[2], x.shape[3])
@@ -536,12 +537,31 @@ def _lib_conv2d_nhwc(outs, attrs, x, w, b=None, res=None):
     return [out]
 
 
+def _lib_max_pool2d_nchwc(outs, attrs, x):
+    """kiln_conv.h's max pooling of an NCHWc x [N, Cb, H, W, B]: the window clipped to the
+    input, NaN propagating."""
+    a = attrs
+    n, cb, oh, ow, blk = x.shape[0], x.shape[1], a["oh"], a["ow"], x.shape[4]
+    pad = ((0, 0), (0, 0), (a["ph"], a["ph"] + a["sh"] * oh), (a["pw"], a["pw"] + a["sw"] * ow),
+           (0, 0))
+    xp = np.pad(x.astype(np.float32), pad, constant_values=-np.inf)
+    out = np.full((n, cb, oh, ow, blk), -np.inf, np.float32)
+    for ky in range(a["kh"]):
+        for kx in range(a["kw"]):
+            y0, x0 = ky * a["dh"], kx * a["dw"]
+            win = xp[:, :, y0:y0 + a["sh"] * (oh - 1) + 1:a["sh"],
+                     x0:x0 + a["sw"] * (ow - 1) + 1:a["sw"]]
+            out = np.where((win > out) | np.isnan(win), win, out)
+    return [out]
+
+
 # routine -> numpy twin: (outs [(dtype name, shape)], attrs, *operands) -> one array per out
 ROUTINES = {"sort": _lib_sort, "topk": _lib_topk, "scan": _lib_scan,
             "scan_extreme": _lib_scan_extreme, "put": _lib_put, "put_mean": _lib_put,
             "masked_scatter": _lib_masked_scatter, "embedding_bag": _lib_embedding_bag,
             "attention": _lib_attention, "conv2d_nchwc": _lib_conv2d_nchwc,
             "conv2d_nhwc": _lib_conv2d_nhwc,
+            "max_pool2d_nchwc": _lib_max_pool2d_nchwc,
             "qgemm": quant_routine}
 
 

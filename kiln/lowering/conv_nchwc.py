@@ -1,6 +1,7 @@
 """Lowering rules for the blocked-layout ops of the CPU direct convolution
 (passes/conv_nchwc.py): `conv_nchwc` is one `Extern` step (routine "conv2d_nchwc",
-kiln/targets/cpu/include/kiln_conv.h; numpy twin in ir/interp.py), `to_nchwc` and
+kiln/targets/cpu/include/kiln_conv.h; numpy twin in ir/interp.py), `max_pool_nchwc` another
+("max_pool2d_nchwc"), `to_nchwc` and
 `from_nchwc` are index maps: NCHW -> NCHWc is always materialised (a buffer named
 `<value>_nchwc`, however many convolutions read it), NCHWc -> NCHW is a pointwise value that
 fuses into the ops that read it."""
@@ -12,9 +13,8 @@ import sympy
 from kiln.ir import dtypes
 from kiln.ir import loop as L
 from kiln.ir.graph import Node
-from kiln.ir.sym import FloorDiv, ModIdx, contiguous_strides, ivars, rvars
+from kiln.ir.sym import FloorDiv, ModIdx, contiguous_strides
 from kiln.lowering.core import Lazy, LowerCtx, pointwise
-from kiln.lowering.spatial import _window, lowest
 from kiln.ops.build import const, op
 
 ACTS = {"none": 0, "relu": 1, "clamp": 2, "silu": 3}  # kiln_conv.h's activation codes
@@ -74,19 +74,22 @@ def lower_conv_nchwc(ctx: LowerCtx, node: Node, args: list[Lazy]) -> Lazy:
 
 
 def lower_max_pool_nchwc(ctx: LowerCtx, node: Node, args: list[Lazy]) -> Lazy:
-    """2-D max pooling of an NCHWc value into NCHWc: a max over the window, the B channels of
-    a block contiguous (padding never wins)."""
+    """2-D max pooling of an NCHWc value into NCHWc: one `Extern` step (routine
+    "max_pool2d_nchwc", kiln_conv.h: B channels per vector; numpy twin in ir/interp.py), the
+    window clipped to the input (padding never wins)."""
     (y,) = args
-    kernel, stride, padding = node.attr("kernel"), node.attr("stride"), node.attr("padding")
-    dilation, ceil = node.attr("dilation"), node.attr("ceil_mode")
-    iv, rv = ivars(5), rvars(2)
-    src, cond = _window(y, 2, iv[2:4], rv, kernel, stride, padding, dilation, ceil)
-    dt = node.type.dtype
-    body = y.load((iv[0], iv[1], src[0], src[1], iv[4]))
-    if cond is not None:
-        body = op("where", cond, body, const(lowest(dt), dt))
-    return ctx.reduction(node.name, dt, node.type.shape, "max", tuple(kernel), body,
-                         (node.source or node.name,))
+    src = (node.source or node.name,)
+    x = _operand(ctx, y, node.inputs[0], src)
+    out = ctx.unique(node.name)
+    shape = node.type.shape
+    ctx.declare(out, node.type.dtype, shape, "temp")
+    (kh, kw), (sh, sw) = node.attr("kernel"), node.attr("stride")
+    (ph, pw), (dh, dw) = node.attr("padding"), node.attr("dilation")
+    attrs = (("oh", int(shape[2])), ("ow", int(shape[3])), ("kh", kh), ("kw", kw), ("sh", sh),
+             ("sw", sw), ("ph", ph), ("pw", pw), ("dh", dh), ("dw", dw),
+             ("threads", int(node.attr("threads"))))
+    ctx.nodes.append(L.Extern("max_pool2d_nchwc", (out,), (x,), attrs, src))
+    return ctx.buffer_lazy(out, node.type.dtype, shape)
 
 
 RULES = {"to_nchwc": lower_to_nchwc, "from_nchwc": lower_from_nchwc,

@@ -239,7 +239,7 @@ def conv_nchwc(g: Graph, weights: dict[str, torch.Tensor], block: int, threads: 
             x = types[blocked[node.inputs[0]]]
             nodes.append(Node(name, "max_pool_nchwc", (blocked[node.inputs[0]],), TensorType(
                 node.type.dtype, (x.shape[0], x.shape[1], *node.type.shape[2:], x.shape[4])),
-                node.attrs, node.source))
+                (*node.attrs, ("threads", threads)), node.source))
             types[name] = nodes[-1].type
             blocked[node.name] = name
             if needs_nchw(node.name):

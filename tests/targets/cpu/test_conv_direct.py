@@ -119,6 +119,36 @@ def test_conv_direct_matches_eager(check, cfg, cin, hw, batch):
     assert "im2col" not in _sources(compiled)
 
 
+# the work splits of kiln_conv.h: a spatial share per thread (activations outweigh weights;
+# shares that cross image boundaries, flat 1x1 rows split in pixel tiles), the dynamic split
+# over output-channel groups (weights outweigh activations), depthwise row bands; wide rows
+# so the interior depthwise tiles (stride 1 and 2, 3x3 and 5x5) run
+SPLITS = [
+    ("1x1_flat_spatial", dict(cout=24, k=1, bias=False, bn=True, act="relu6"), 16, (20, 23)),
+    ("3x3_rows_spatial", dict(cout=40, k=3, padding=1, residual=True, act="relu"), 16,
+     (13, 17)),
+    ("1x1_weights_heavy", dict(cout=96, k=1, bn=True, act="relu"), 256, (5, 5)),
+    ("3x3_s2_weights_heavy", dict(cout=72, k=3, stride=2, padding=1), 128, (7, 6)),
+    ("dw3x3_s2_wide", dict(cout=40, k=3, stride=2, padding=1, groups=40, bn=True,
+                           act="relu6"), 40, (9, 37)),
+    ("dw3x3_s1_wide_res", dict(cout=32, k=3, padding=1, groups=32, residual=True), 32,
+     (7, 29)),
+    ("dw5x5_s1_wide", dict(cout=24, k=5, padding=2, groups=24, act="silu"), 24, (6, 27)),
+]
+
+
+@pytest.mark.parametrize("threads", [2, 3])
+@pytest.mark.parametrize(("cfg", "cin", "hw"), [c[1:] for c in SPLITS],
+                         ids=[c[0] for c in SPLITS])
+def test_conv_work_splits(check, cfg, cin, hw, threads):
+    m = ConvBlock(cin, seed=threads, **cfg)
+    g = gen("conv_split", str(cfg), threads)
+    x = rand((3, cin, *hw), F32, g, -2, 2)
+    compiled = check(m, [x], tol=TOL, options=kiln.Options(num_threads=threads),
+                     more=[(rand((3, cin, *hw), F32, g, -2, 2),)])
+    assert _direct_calls(compiled) == 1 + bool(cfg.get("residual"))
+
+
 def test_residual_is_the_input(check):
     """y = relu(bn(conv(x)) + x): the residual is the convolution's own (blocked) input."""
     g = torch.Generator().manual_seed(3)
@@ -272,30 +302,51 @@ def test_plain_x86_64_build(check):
     block 8; results unchanged."""
     g = torch.Generator().manual_seed(13)
     m = nn.Sequential(nn.Conv2d(3, 24, 3, 2, 1, bias=False), _bn(24, g), nn.ReLU(),
-                      InvertedResidual(24, 24, 1, 2, g)).eval()
+                      nn.MaxPool2d(3, 1, 1), InvertedResidual(24, 24, 1, 2, g)).eval()
     x = rand((2, 3, 12, 12), F32, gen("x86"), -2, 2)
     compiled = check(m, [x], tol=TOL, options=kiln.Options(march="x86-64"))
     assert _direct_calls(compiled) == 4
+    assert "kl::max_pool2d_nchwc(" in compiled.sources["model.cpp"]
     assert re.search(r"kl::view\(buf_\w+_w \+ 0, 6, d1\)", compiled.sources["model.cpp"])
     assert "#define KILN_CONV_B8" in compiled.sources["conv.cpp"]
     assert "avx" not in compiled.manifest["requires"].get("cpu_features", [])
 
 
-@pytest.mark.parametrize(("kernel", "stride", "padding", "ceil"), [
-    (3, 2, 1, False), (2, 2, 0, True), (3, 1, 0, False)])
-def test_max_pool_inside_a_region(check, kernel, stride, padding, ceil):
-    """conv -> relu -> max pool -> conv: the pooling reads and writes NCHWc (no conversion
-    between the convolutions); channel count 24 (a padded block)."""
+@pytest.mark.parametrize(("kernel", "stride", "padding", "ceil", "dilation", "hw", "batch"), [
+    (3, 2, 1, False, 1, (15, 13), 2), (2, 2, 0, True, 1, (15, 13), 2),
+    (3, 1, 0, False, 1, (15, 13), 2), (3, 2, 1, True, 2, (16, 19), 1),
+    ((3, 2), (1, 2), (1, 0), False, 1, (9, 11), 3), (3, 2, 1, False, 1, (40, 45), 3)])
+def test_max_pool_inside_a_region(check, kernel, stride, padding, ceil, dilation, hw, batch):
+    """conv -> relu -> max pool -> conv: the pooling (kiln_conv.h's max_pool2d_nchwc, a vector
+    of channels at a time) reads and writes NCHWc (no conversion between the convolutions);
+    channel count 24 (a padded block); rectangular windows, dilation, ceil mode, a size that
+    splits over threads."""
     g = torch.Generator().manual_seed(17)
     m = nn.Sequential(nn.Conv2d(3, 24, 3, padding=1, bias=False), _bn(24, g), nn.ReLU(),
-                      nn.MaxPool2d(kernel, stride, padding, ceil_mode=ceil),
+                      nn.MaxPool2d(kernel, stride, padding, dilation, ceil_mode=ceil),
                       nn.Conv2d(24, 16, 3, padding=1)).eval()
-    x = rand((2, 3, 15, 13), F32, gen("pool", kernel, stride), -2, 2)
+    x = rand((batch, 3, *hw), F32, gen("pool", kernel, stride, hw), -2, 2)
     compiled = check(m, [x], tol=TOL)
     src = compiled.sources["model.cpp"]
     assert _direct_calls(compiled) == 2
-    assert "max_pool2d_nchwc" in src
+    assert src.count("kl::max_pool2d_nchwc(") == 1
+    assert re.search(r"// max pool \(\d+x\d+, stride \d+x\d+, padding \d+x\d+, NCHWc", src)
     assert not re.search(r"buf_max_pool2d\b", src)  # never materialised in NCHW
+
+
+def test_max_pool_propagates_nan(check):
+    """A NaN input pixel: NaN in exactly the pooled outputs whose window holds it (as eager);
+    1x1 convolutions around the pooling keep it in its pixel."""
+    m = nn.Sequential(nn.Conv2d(8, 16, 1), nn.MaxPool2d(3, 2, 1), nn.Conv2d(16, 8, 1)).eval()
+    x = rand((2, 8, 12, 12), F32, gen("pool_nan"), -2, 2)
+    x[1, :, 5, 6] = float("nan")
+    compiled, runner = check.compile(m, [x])
+    assert "kl::max_pool2d_nchwc(" in compiled.sources["model.cpp"]
+    got = runner(x)
+    with torch.no_grad():
+        want = m(x)
+    assert torch.equal(got.isnan(), want.isnan()) and want.isnan().any()
+    torch.testing.assert_close(got, want, **TOL, equal_nan=True)
 
 
 def test_interpreter_twin_matches_eager(check):
@@ -313,6 +364,30 @@ def test_interpreter_twin_matches_eager(check):
     (got,) = run_loop(built.loop, feeds, {})
     assert sum(isinstance(s, L.Extern) and s.routine == "conv2d_nchwc"
                for s in built.loop.nodes) == 4
+    assert sum(isinstance(s, L.Extern) and s.routine == "max_pool2d_nchwc"
+               for s in built.loop.nodes) == 1
     with torch.no_grad():
         want = m.double()(x.double())
     torch.testing.assert_close(torch.tensor(got).double(), want, **TOL)
+
+
+def test_profile_runs_a_direct_conv_package(check, tmp_path):
+    """`kiln profile` runs the package's model.py, whose library calls (conv2d_nchwc,
+    max_pool2d_nchwc) go to the numpy twins with the flat output buffer: the twins take their
+    sizes from the operands, and model.py's result matches eager."""
+    # deferred: the CLI's profiler imports torch.profiler, only this test needs it
+    from kiln.cli.profile import _load_wrapper
+    from kiln.package.reader import read_package
+
+    g = torch.Generator().manual_seed(23)
+    m = nn.Sequential(nn.Conv2d(3, 24, 3, 2, 1, bias=False), _bn(24, g), nn.ReLU(),
+                      nn.MaxPool2d(3, 2, 1), InvertedResidual(24, 24, 1, 2, g)).eval()
+    x = rand((2, 3, 16, 16), F32, gen("profile"), -2, 2)
+    compiled, runner = check.compile(m, [x])
+    path = tmp_path / "p.kiln"
+    compiled.save(path)
+    _, model = _load_wrapper(read_package(path), tmp_path)
+    with torch.no_grad():
+        got, want = model(x), m(x)
+    got = got[0] if isinstance(got, (tuple, list)) else got
+    torch.testing.assert_close(got, want, **TOL)

@@ -11,6 +11,12 @@
  * Epilogue, in the store: out = act(acc + bias [+ residual]), act 0 none, 1 relu,
  * 2 clamp(lo, hi) (relu6, hardtanh), 3 silu.
  *
+ * Threads: where a convolution's activations outweigh its weights (the early, wide layers),
+ * thread t computes every output channel of the t-th contiguous share of the (image, row)
+ * units, and depthwise convolutions split the same way, so consecutive kernels hand each
+ * thread the part of the image it wrote itself (in its own core's L2); otherwise (the late,
+ * weight-heavy layers) the tasks below go to the threads dynamically.
+ *
  * Dense kernel: a task is (batch, group of OB output-channel blocks, block of output rows);
  * input channel blocks are walked in chunks whose weights stay in L2, and for each chunk every
  * output row of the task is swept in tiles of PX pixels with OB x PX vector accumulators in
@@ -41,6 +47,13 @@ int conv2d_nchwc(kr::Err &e, const char *where, float *out, int64_t oh, int64_t 
                  int64_t sw, int64_t ph, int64_t pw, int64_t dh, int64_t dw, bool depthwise,
                  int64_t act, double lo, double hi, int64_t threads, View<float> x,
                  View<float> w, View<float> b, View<float> res);
+
+/* 2-D max pooling of an NCHWc value x [N, Cb, H, W, B] into out [N, Cb, oh, ow, B]: the
+ * window (kh x kw, stride, padding, dilation; padding never wins) of each output pixel, B
+ * channels per vector; NaN propagates (as torch's max_pool2d). */
+int max_pool2d_nchwc(kr::Err &e, const char *where, float *out, int64_t oh, int64_t ow,
+                     int64_t kh, int64_t kw, int64_t sh, int64_t sw, int64_t ph, int64_t pw,
+                     int64_t dh, int64_t dw, int64_t threads, View<float> x);
 
 }  // namespace kl
 
@@ -237,6 +250,9 @@ inline void dense_row(const Shape &s, const float *x, const float *w, int64_t ws
   }
 }
 
+// whether `units` equal pieces of work split over nt threads within ~12% of even
+inline bool even_split(int64_t units, int nt) { return units % nt == 0 || units >= 8 * nt; }
+
 inline int team(int64_t threads) {
 #ifdef _OPENMP
   const int budget = omp_get_max_threads();
@@ -273,16 +289,92 @@ void dense_group(const Shape &s, const float *x, const float *w, const float *bi
   }
 }
 
+// the output-channel groups of a dense convolution: 4 blocks at a time, the remainder as a 2
+// and / or a 1; rows of at most 14 pixels take groups of 2 (one tile of up to 14 pixels per
+// row, no narrow tail)
+template <int B> struct Groups {
+  int64_t gw, n4, rem, ng;
+  explicit Groups(const Shape &s) {
+    gw = s.ow <= tile_px<B, 2>() ? 2 : 4;
+    n4 = s.ocb / gw, rem = s.ocb % gw;
+    ng = n4 + (rem >= 2) + (rem % 2);
+  }
+  // group gi: first block g0, gn blocks
+  void at(int64_t gi, int64_t &g0, int64_t &gn) const {
+    g0 = gw * gi, gn = gw;
+    if (gi >= n4) {
+      g0 = gw * n4 + (gi > n4 && rem >= 2 ? 2 : 0);
+      gn = gi == n4 && rem >= 2 ? 2 : 1;
+    }
+  }
+};
+
+template <int B>
+inline void dense_any(const Shape &s, const float *x, const float *w, const float *bias,
+                      const float *res, float *out, int64_t n, int64_t g0, int64_t gn,
+                      int64_t r0, int64_t r1, int64_t c0, int64_t c1, const Epi &ep) {
+  switch (gn) {
+    case 4: dense_group<B, 4>(s, x, w, bias, res, out, n, g0, r0, r1, c0, c1, ep); break;
+    case 2: dense_group<B, 2>(s, x, w, bias, res, out, n, g0, r0, r1, c0, c1, ep); break;
+    default: dense_group<B, 1>(s, x, w, bias, res, out, n, g0, r0, r1, c0, c1, ep); break;
+  }
+}
+
+/* Spatial split: thread t of nt computes every output channel of the t-th contiguous share of
+ * the (image, row) units, or of the (image, pixel) units of a flat 1x1 row (split at multiples
+ * of the tile width). A network's consecutive convolutions (and depthwise ones, split the same
+ * way) give each thread the same share of the image, so what it reads is mostly what it wrote
+ * one kernel earlier, in its own core's cache. Taken where the activations outweigh the
+ * weights (every thread reads all the weights). */
+template <int B>
+void dense_spatial_share(const Shape &s, const float *x, const float *w, const float *bias,
+                         const float *res, float *out, const Epi &ep, int t, int nt) {
+  const Groups<B> gs(s);
+  const bool flat = s.oh == 1;
+  const int64_t per = flat ? s.ow : s.oh;  // units per image
+  const int64_t q = flat ? tile_px<B, 4>() : 1;  // split granularity (pixels or rows)
+  const int64_t chunks = (per + q - 1) / q;
+  const int64_t total = s.n * chunks;
+  const int64_t u0 = total * t / nt, u1 = total * (t + 1) / nt;
+  for (int64_t u = u0; u < u1;) {
+    const int64_t n = u / chunks, k0 = u % chunks;
+    const int64_t k1 = std::min(chunks, k0 + (u1 - u));
+    const int64_t a = k0 * q, b = std::min(per, k1 * q);
+    for (int64_t gi = 0; gi < gs.ng; ++gi) {
+      int64_t g0, gn;
+      gs.at(gi, g0, gn);
+      if (flat)
+        dense_any<B>(s, x, w, bias, res, out, n, g0, gn, 0, 1, a, b, ep);
+      else
+        dense_any<B>(s, x, w, bias, res, out, n, g0, gn, a, b, 0, s.ow, ep);
+    }
+    u += k1 - k0;
+  }
+}
+
 template <int B>
 void dense(const Shape &s, const float *x, const float *w, const float *bias, const float *res,
            float *out, const Epi &ep, int64_t threads) {
-  // groups of output blocks: 4 at a time, the remainder as a 2 and / or a 1; rows of at
-  // most 14 pixels take groups of 2 (one tile of up to 14 pixels per row, no narrow tail)
-  const int64_t gw = s.ow <= tile_px<B, 2>() ? 2 : 4;
-  const int64_t n4 = s.ocb / gw, rem = s.ocb % gw;
-  const int64_t ng = n4 + (rem >= 2) + (rem % 2);
-  // tasks: (batch, group, block of rows, column segment), at least ~4 per thread
+  const Groups<B> gs(s);
+  const int64_t ng = gs.ng;
   const int nt = team(threads);
+  // vector FMAs: below ~4 us of one core's work, waking a second thread costs more than it saves
+  const int64_t work = s.n * s.ocb * s.oh * s.ow * s.icb * s.icn * s.kh * s.kw;
+  const bool par = nt > 1 && work >= 16384;
+  const int64_t wbytes = s.ocb * s.icb * s.kh * s.kw * s.icn * B;
+  const int64_t abytes = s.n * (s.icb * s.icn * s.ih * s.iw + s.ocb * B * s.oh * s.ow);
+  const int64_t units = s.n * (s.oh == 1 ? s.ow / tile_px<B, 4>() : s.oh);
+  if (par && abytes >= wbytes && units >= 2 * nt && even_split(units, nt)) {
+#pragma omp parallel num_threads(nt)
+    {
+#ifdef _OPENMP
+      dense_spatial_share<B>(s, x, w, bias, res, out, ep, omp_get_thread_num(),
+                             omp_get_num_threads());
+#endif
+    }
+    return;
+  }
+  // tasks: (batch, group, block of rows, column segment), at least ~4 per thread
   const int64_t base = s.n * ng, want = 4 * int64_t(nt);
   int64_t rblk = s.oh, cseg = 1;
   if (base < want) {
@@ -294,25 +386,16 @@ void dense(const Shape &s, const float *x, const float *w, const float *bias, co
   const int64_t nr = (s.oh + rblk - 1) / rblk;
   const int64_t tasks = base * nr * cseg;
   const int64_t cw = (s.ow + cseg - 1) / cseg;
-  // vector FMAs: below ~4 us of one core's work, waking a second thread costs more than it saves
-  const int64_t work = s.n * s.ocb * s.oh * s.ow * s.icb * s.icn * s.kh * s.kw;
-#pragma omp parallel for schedule(dynamic, 1) num_threads(nt) if (tasks > 1 && work >= 16384)
+#pragma omp parallel for schedule(dynamic, 1) num_threads(nt) if (tasks > 1 && par)
   for (int64_t t = 0; t < tasks; ++t) {
     const int64_t cs = t % cseg, rest = t / cseg;
     const int64_t r = rest % nr, gi = (rest / nr) % ng, n = rest / nr / ng;
     const int64_t r0 = r * rblk, r1 = std::min(s.oh, r0 + rblk);
     const int64_t c0 = cs * cw, c1 = std::min(s.ow, c0 + cw);
     if (c0 >= c1) continue;
-    int64_t g0 = gw * gi, gn = gw;
-    if (gi >= n4) {
-      g0 = gw * n4 + (gi > n4 && rem >= 2 ? 2 : 0);
-      gn = gi == n4 && rem >= 2 ? 2 : 1;
-    }
-    switch (gn) {
-      case 4: dense_group<B, 4>(s, x, w, bias, res, out, n, g0, r0, r1, c0, c1, ep); break;
-      case 2: dense_group<B, 2>(s, x, w, bias, res, out, n, g0, r0, r1, c0, c1, ep); break;
-      default: dense_group<B, 1>(s, x, w, bias, res, out, n, g0, r0, r1, c0, c1, ep); break;
-    }
+    int64_t g0, gn;
+    gs.at(gi, g0, gn);
+    dense_any<B>(s, x, w, bias, res, out, n, g0, gn, r0, r1, c0, c1, ep);
   }
 }
 
@@ -346,8 +429,9 @@ inline void dw_tile(const Shape &s, const float *xc, const float *wc, const floa
   }
 }
 
-/* An interior depthwise tile for a static kernel width and stride (dilation 1): the input
- * vectors of one kernel row are loaded once and shared by the KW taps of the P pixels. */
+/* An interior depthwise tile for a static kernel width and stride (dilation 1). Stride 1: the
+ * input vectors of one kernel row are loaded once and shared by the KW taps of the P pixels;
+ * strided: each tap loads its input vector (an FMA's memory operand). */
 template <int B, int P, int KW, int SW>
 inline void dw_fast(const Shape &s, const float *xc, const float *wc, const float *bc,
                     const float *rrow, float *orow, int64_t oh, int64_t ow0, const Epi &ep) {
@@ -360,11 +444,18 @@ inline void dw_fast(const Shape &s, const float *xc, const float *wc, const floa
     const int64_t iy = oh * s.sh + ky * s.dh - s.ph;
     if (iy < 0 || iy >= s.ih) continue;
     const float *xr = xc + (iy * s.iw + ow0 * SW - s.pw) * B;
-    vec xv[NX];
-    for (int j = 0; j < NX; ++j) xv[j] = load<B>(xr + j * B);
-    for (int kx = 0; kx < KW; ++kx) {
-      const vec wv = load<B>(wc + (ky * KW + kx) * B);
-      for (int p = 0; p < P; ++p) acc[p] = fma<B>(wv, xv[p * SW + kx], acc[p]);
+    if constexpr (SW == 1) {
+      vec xv[NX];
+      for (int j = 0; j < NX; ++j) xv[j] = load<B>(xr + j * B);
+      for (int kx = 0; kx < KW; ++kx) {
+        const vec wv = load<B>(wc + (ky * KW + kx) * B);
+        for (int p = 0; p < P; ++p) acc[p] = fma<B>(wv, xv[p + kx], acc[p]);
+      }
+    } else {  // the 2P+1 vectors of a strided row would be copied to the stack (a memcpy call)
+      for (int kx = 0; kx < KW; ++kx) {
+        const vec wv = load<B>(wc + (ky * KW + kx) * B);
+        for (int p = 0; p < P; ++p) acc[p] = fma<B>(wv, load<B>(xr + (p * SW + kx) * B), acc[p]);
+      }
     }
   }
   for (int p = 0; p < P; ++p) {
@@ -385,36 +476,71 @@ inline void dw_tail(const Shape &s, const float *xc, const float *wc, const floa
 }
 
 template <int B>
+void dw_row(const Shape &s, const float *x, const float *w, const float *bias, const float *res,
+            float *out, const Epi &ep, int64_t n, int64_t cb, int64_t oh, int64_t lo,
+            int64_t hi) {
+  constexpr int P = B == 16 ? 8 : 4;
+  const float *xc = x + (n * s.icb + cb) * s.ih * s.iw * B;
+  const float *wc = w + cb * s.kh * s.kw * B;
+  const float *bc = bias + cb * B;
+  float *orow = out + ((n * s.ocb + cb) * s.oh + oh) * s.ow * B;
+  const float *rrow = res ? res + ((n * s.ocb + cb) * s.oh + oh) * s.ow * B : nullptr;
+  int64_t o = 0;
+  for (; o < s.ow && o < lo; ++o) dw_tile<B, 1, true>(s, xc, wc, bc, rrow, orow, oh, o, ep);
+  if (s.dw == 1 && s.kw == 3 && s.sw == 1)
+    for (; o + P <= hi; o += P) dw_fast<B, P, 3, 1>(s, xc, wc, bc, rrow, orow, oh, o, ep);
+  else if (s.dw == 1 && s.kw == 3 && s.sw == 2)
+    for (; o + P <= hi; o += P) dw_fast<B, P, 3, 2>(s, xc, wc, bc, rrow, orow, oh, o, ep);
+  else if (s.dw == 1 && s.kw == 5 && s.sw == 1)
+    for (; o + P <= hi; o += P) dw_fast<B, P, 5, 1>(s, xc, wc, bc, rrow, orow, oh, o, ep);
+  for (; o + P <= hi; o += P) dw_tile<B, P, false>(s, xc, wc, bc, rrow, orow, oh, o, ep);
+  for (; o < s.ow;) {
+    const int64_t np = std::min<int64_t>(P, s.ow - o);
+    dw_tail<B, P>(s, xc, wc, bc, rrow, orow, oh, o, np, ep);
+    o += np;
+  }
+}
+
+/* Thread t of nt: the t-th contiguous share of the (image, output row) units, every channel
+ * block (block by block, its rows in order: the input rows a row shares with the next stay in
+ * L1). The share of the image dense_spatial_share gives the same thread. Where the rows do not
+ * split evenly (e.g. 7 rows on 2 threads), the shares are of (image, block, row) instead. */
+template <int B>
 void depthwise(const Shape &s, const float *x, const float *w, const float *bias,
                const float *res, float *out, const Epi &ep, int64_t threads) {
-  constexpr int P = B == 16 ? 8 : 4;  // with stride 2: 2P + 1 input vectors in registers
   const int64_t span = (s.kw - 1) * s.dw;
   const int64_t lo = s.pw > 0 ? (s.pw + s.sw - 1) / s.sw : 0;
   int64_t hi = s.iw - span + s.pw <= 0 ? 0 : (s.iw - span + s.pw - 1) / s.sw + 1;
   hi = std::min(hi, s.ow);
-  const int64_t rows = s.n * s.ocb * s.oh;
   const int nt = team(threads);
-#pragma omp parallel for schedule(static) num_threads(nt) if (rows * s.ow * s.kh * s.kw >= 16384)
-  for (int64_t t = 0; t < rows; ++t) {
-    const int64_t oh = t % s.oh, cb = (t / s.oh) % s.ocb, n = t / s.oh / s.ocb;
-    const float *xc = x + (n * s.icb + cb) * s.ih * s.iw * B;
-    const float *wc = w + cb * s.kh * s.kw * B;
-    const float *bc = bias + cb * B;
-    float *orow = out + ((n * s.ocb + cb) * s.oh + oh) * s.ow * B;
-    const float *rrow = res ? res + ((n * s.ocb + cb) * s.oh + oh) * s.ow * B : nullptr;
-    int64_t o = 0;
-    for (; o < s.ow && o < lo; ++o) dw_tile<B, 1, true>(s, xc, wc, bc, rrow, orow, oh, o, ep);
-    if (s.dw == 1 && s.kw == 3 && s.sw == 1)
-      for (; o + P <= hi; o += P) dw_fast<B, P, 3, 1>(s, xc, wc, bc, rrow, orow, oh, o, ep);
-    else if (s.dw == 1 && s.kw == 3 && s.sw == 2)
-      for (; o + P <= hi; o += P) dw_fast<B, P, 3, 2>(s, xc, wc, bc, rrow, orow, oh, o, ep);
-    else if (s.dw == 1 && s.kw == 5 && s.sw == 1)
-      for (; o + P <= hi; o += P) dw_fast<B, P, 5, 1>(s, xc, wc, bc, rrow, orow, oh, o, ep);
-    for (; o + P <= hi; o += P) dw_tile<B, P, false>(s, xc, wc, bc, rrow, orow, oh, o, ep);
-    for (; o < s.ow;) {
-      const int64_t np = std::min<int64_t>(P, s.ow - o);
-      dw_tail<B, P>(s, xc, wc, bc, rrow, orow, oh, o, np, ep);
-      o += np;
+  const bool by_rows = even_split(s.n * s.oh, nt);
+  const int64_t units = s.n * s.oh * (by_rows ? 1 : s.ocb);
+  const bool par = nt > 1 && units >= nt && s.n * s.oh * s.ocb * s.ow * s.kh * s.kw >= 16384;
+#pragma omp parallel num_threads(nt) if (par)
+  {
+#ifdef _OPENMP
+    const int t = omp_get_thread_num(), m = omp_get_num_threads();
+#else
+    const int t = 0, m = 1;
+#endif
+    const int64_t u0 = units * t / m, u1 = units * (t + 1) / m;
+    // rows [r0, r1) of image n, block cb
+    auto rows = [&](int64_t n, int64_t cb, int64_t r0, int64_t r1) {
+      for (int64_t oh = r0; oh < r1; ++oh)
+        dw_row<B>(s, x, w, bias, res, out, ep, n, cb, oh, lo, hi);
+    };
+    if (by_rows) {
+      for (int64_t u = u0; u < u1;) {
+        const int64_t n = u / s.oh, r0 = u % s.oh, r1 = std::min(s.oh, r0 + (u1 - u));
+        for (int64_t cb = 0; cb < s.ocb; ++cb) rows(n, cb, r0, r1);
+        u += r1 - r0;
+      }
+    } else {
+      for (int64_t u = u0; u < u1;) {  // runs of rows of one (image, block)
+        const int64_t r0 = u % s.oh, r1 = std::min(s.oh, r0 + (u1 - u));
+        rows(u / s.oh / s.ocb, (u / s.oh) % s.ocb, r0, r1);
+        u += r1 - r0;
+      }
     }
   }
 }
@@ -489,6 +615,77 @@ int conv2d_nchwc(kr::Err &e, const char *where, float *out, int64_t oh, int64_t 
                  View<float> w, View<float> b, View<float> res) {
   return conv::dispatch(e, where, out, oh, ow, sh, sw, ph, pw, dh, dw, depthwise, act, lo, hi,
                         threads, x, w, b, res.data);
+}
+
+namespace conv {
+
+/* One output row of max pooling: B channels per vector, the window's rows and columns clipped
+ * to the input; max(a, v) keeps a NaN of either side (v > a is false for a NaN, v != v is true
+ * for one). */
+template <int B>
+inline void pool_row(const float *xc, float *orow, int64_t ih, int64_t iw, int64_t ow,
+                     int64_t oh_, int64_t kh, int64_t kw, int64_t sh, int64_t sw, int64_t ph,
+                     int64_t pw, int64_t dh, int64_t dw) {
+  typedef typename V<B>::type vec;
+  const vec lowest = splat<B>(-__builtin_inff());
+  for (int64_t o = 0; o < ow; ++o) {
+    vec acc = lowest;
+    for (int64_t ky = 0; ky < kh; ++ky) {
+      const int64_t iy = oh_ * sh + ky * dh - ph;
+      if (iy < 0 || iy >= ih) continue;
+      const float *xr = xc + iy * iw * B;
+      for (int64_t kx = 0; kx < kw; ++kx) {
+        const int64_t ix = o * sw + kx * dw - pw;
+        if (ix < 0 || ix >= iw) continue;
+        const vec v = load<B>(xr + ix * B);
+        acc = (v > acc) | (v != v) ? v : acc;
+      }
+    }
+    store<B>(orow + o * B, acc);
+  }
+}
+
+template <int B>
+int max_pool(kr::Err &e, const char *where, float *out, int64_t oh, int64_t ow, int64_t kh,
+             int64_t kw, int64_t sh, int64_t sw, int64_t ph, int64_t pw, int64_t dh, int64_t dw,
+             int64_t threads, const View<float> &x) {
+  const int64_t n = x.size(0), cb = x.size(1), ih = x.size(2), iw = x.size(3);
+  (void)e, (void)where;
+  // the same (image, row) shares as the convolutions around it (kiln_conv.h's spatial split)
+  const int64_t units = n * oh;
+  const int nt = team(threads);
+#pragma omp parallel num_threads(nt) if (nt > 1 && units >= nt && units * cb * ow * kh * kw >= 16384)
+  {
+#ifdef _OPENMP
+    const int t = omp_get_thread_num(), m = omp_get_num_threads();
+#else
+    const int t = 0, m = 1;
+#endif
+    for (int64_t u = units * t / m; u < units * (t + 1) / m; ++u) {
+      const int64_t i = u / oh, r = u % oh;
+      for (int64_t c = 0; c < cb; ++c)
+        pool_row<B>(x.data + (i * cb + c) * ih * iw * B, out + ((i * cb + c) * oh + r) * ow * B,
+                    ih, iw, ow, r, kh, kw, sh, sw, ph, pw, dh, dw);
+    }
+  }
+  return 0;
+}
+
+}  // namespace conv
+
+int max_pool2d_nchwc(kr::Err &e, const char *where, float *out, int64_t oh, int64_t ow,
+                     int64_t kh, int64_t kw, int64_t sh, int64_t sw, int64_t ph, int64_t pw,
+                     int64_t dh, int64_t dw, int64_t threads, View<float> x) {
+  const int64_t blk = x.size(x.rank - 1);
+#ifdef KILN_CONV_B16
+  if (blk == 16)
+    return conv::max_pool<16>(e, where, out, oh, ow, kh, kw, sh, sw, ph, pw, dh, dw, threads, x);
+#endif
+#ifdef KILN_CONV_B8
+  if (blk == 8)
+    return conv::max_pool<8>(e, where, out, oh, ow, kh, kw, sh, sw, ph, pw, dh, dw, threads, x);
+#endif
+  return e.fail("%s: channel block of %lld floats (expected 8 or 16)", where, (long long)blk);
 }
 
 }  // namespace kl
