@@ -31,9 +31,9 @@ input and residual in NHWC: the `<v>_nhwc` output of the convolution (or max poo
 made `v`, or else a `to_nhwc` node named `<v>_nhwc` (a materialised transpose, once per
 value); a dense convolution with a channel count per group off the 16 grid (an RGB stem,
 whose K loop gathers element by element) reads an NCHW value through a `permute` view
-instead, with no copy. Where a result is also read by anything else (or is a graph output), a `from_nhwc`
-node under the original name gives the NCHW value back (an index map that fuses into its
-readers), so every other node keeps its operands. A 2-D max pooling (values only) of a value
+instead, with no copy. Where a result is also read by anything else (or is a graph output),
+a `from_nhwc` node under the original name gives the NCHW value back (an index map that
+fuses into its readers), so every other node keeps its operands. A 2-D max pooling (values only) of a value
 already in NHWC stays in the layout (`max_pool_nhwc`): the ResNet stem's conv -> relu -> max
 pool -> block chain never leaves NHWC.
 
