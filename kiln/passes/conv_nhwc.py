@@ -33,9 +33,9 @@ value); a dense convolution with a channel count per group off the 16 grid (an R
 whose K loop gathers element by element) reads an NCHW value through a `permute` view
 instead, with no copy. Where a result is also read by anything else (or is a graph output),
 a `from_nhwc` node under the original name gives the NCHW value back (an index map that
-fuses into its readers), so every other node keeps its operands. A 2-D max pooling (values only) of a value
-already in NHWC stays in the layout (`max_pool_nhwc`): the ResNet stem's conv -> relu -> max
-pool -> block chain never leaves NHWC.
+fuses into its readers), so every other node keeps its operands. A 2-D max pooling (values
+only) of a value already in NHWC stays in the layout (`max_pool_nhwc`): the ResNet stem's
+conv -> relu -> max pool -> block chain never leaves NHWC.
 
 Folded weights have FQN `<folded ...>`, so update_weights(state_dict) refuses them; with
 fold_constants=False the pass is off (im2col + GEMM). A pure pass: a new graph and weights."""
