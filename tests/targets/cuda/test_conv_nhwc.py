@@ -223,6 +223,11 @@ def interp_checks(names: list[str]) -> list[tuple]:
     m, x = case_module({"stride": 2}, (2, 16, 9, 9))
     out.append(("3x3_s2_dynamic_batch", m, x, ({0: batch},),
                 (torch.randn(5, 16, 9, 9, generator=g),), OPTS))
+    m, x = case_module({"stride": 2}, (2, 16, 12, 12))
+    hd, wd = torch.export.Dim("h", min=6, max=64), torch.export.Dim("w", min=6, max=64)
+    out.append(("3x3_s2_dynamic_image", m, x, ({2: hd, 3: wd},),
+                (torch.randn(2, 16, 9, 13, generator=g), torch.randn(2, 16, 20, 7, generator=g)),
+                OPTS))
     m, x = case_module({"cin": 128, "cout": 128}, (2, 128, 5, 5))
     out.append(("splitk_dynamic_batch", m, x, ({0: batch},),
                 (torch.randn(1, 128, 5, 5, generator=g),), OPTS))
