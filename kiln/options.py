@@ -159,8 +159,10 @@ class Options:
     cpu_conv: str = "direct"
 
     #: CUDA builds: how 2-D convolutions run. "implicit": channels-last (NHWC) kiln Triton
-    #: kernels, an implicit GEMM (no im2col buffer) and a direct depthwise kernel, 1x1 as plain
-    #: GEMMs, with batch norm folded and bias / residual / activation in the store
+    #: kernels, an implicit GEMM (no im2col buffer; split-K where tiles cannot fill the GPU)
+    #: and a direct depthwise kernel, with batch norm, bias, residual and activation in the
+    #: store, tiles measured on a local GPU (Options.autotune); with max_autotune, 1x1
+    #: stride-1 convolutions are plain GEMMs on NHWC timed like every GEMM
     #: (passes/conv_nhwc.py; needs fold_constants). "im2col": im2col + batched GEMM.
     cuda_conv: str = "implicit"
 

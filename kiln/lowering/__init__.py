@@ -16,8 +16,8 @@ from kiln.ir.sym import contiguous_strides, ivars
 from kiln.lowering import collectives
 from kiln.lowering import quant as quant_rules
 from kiln.lowering import (attention, control, conv_nchwc, conv_nhwc, extern, fallback,
-                           indexing, library, lowp, mixed, pointwise, random, reductions, spatial,
-                           user_triton, views)
+                           indexing, library, lowp, mixed, pointwise, random, reductions,
+                           spatial, user_triton, views)
 from kiln.lowering.core import Lazy, LowerCtx, View, from_view
 from kiln.ops import ROWS
 from kiln.errors import UnsupportedError

@@ -84,6 +84,15 @@ def epilogue(v: L.Expr, b: Lazy, oc, res: L.Expr | None, node: Node) -> L.Expr:
     return y
 
 
+def _input(ctx: LowerCtx, x: Lazy, name: str, source) -> L.LibArg:
+    """The convolution's input as the kernel reads it: a strided view as it is (an NHWC view
+    of an NCHW value: the kernels take any strides), else a contiguous buffer."""
+    v = x.view
+    if v is not None and x.cost == 0:
+        return L.LibArg(v.buf, v.offset, tuple(x.shape), tuple(v.strides))
+    return _operand(ctx, x, name, source)
+
+
 def _gemm_conv(ctx: LowerCtx, node: Node, args: list[Lazy], src) -> Lazy:
     x, w, b = args[:3]
     res = args[3] if len(args) > 3 else None
@@ -114,7 +123,8 @@ def lower_conv_nhwc(ctx: LowerCtx, node: Node, args: list[Lazy]) -> Lazy:
     split = int(node.attr("split", 1))
     if split > 1:
         return _split_conv(ctx, node, args, src, split)
-    ops = [_operand(ctx, a, n, src) for a, n in zip(args, node.inputs)]
+    ops = [_input(ctx, args[0], node.inputs[0], src)] + [
+        _operand(ctx, a, n, src) for a, n in zip(args[1:], node.inputs[1:])]
     out = ctx.unique(node.name)
     shape = node.type.shape
     ctx.declare(out, node.type.dtype, shape, "temp")
@@ -137,7 +147,8 @@ def _split_conv(ctx: LowerCtx, node: Node, args: list[Lazy], src, split: int) ->
     + shift [+ residual]) is a pointwise value realised under the node's name."""
     x, w, b = args[:3]
     res = args[3] if len(args) > 3 else None
-    ops = [_operand(ctx, a, n, src) for a, n in zip(args[:2], node.inputs[:2])]
+    ops = [_input(ctx, args[0], node.inputs[0], src),
+           _operand(ctx, args[1], node.inputs[1], src)]
     shape = node.type.shape
     part = ctx.unique(node.name + "_partial")
     ctx.declare(part, F32, (split, *shape), "temp")

@@ -29,11 +29,13 @@ reduction over S then adds them and applies the epilogue (lowering/conv_nhwc.py)
 Layout regions: a value is converted only where the layout changes. A convolution reads its
 input and residual in NHWC: the `<v>_nhwc` output of the convolution (or max pooling) that
 made `v`, or else a `to_nhwc` node named `<v>_nhwc` (a materialised transpose, once per
-value). Where a result is also read by anything else (or is a graph output), a `from_nhwc`
-node under the original name gives the NCHW value back (an index map that fuses into its
-readers), so every other node keeps its operands. A 2-D max pooling (values only) of a value
-already in NHWC stays in the layout (`max_pool_nhwc`): the ResNet stem's conv -> relu -> max
-pool -> block chain never leaves NHWC.
+value); a dense convolution with a channel count per group off the 16 grid (an RGB stem,
+whose K loop gathers element by element) reads an NCHW value through a `permute` view
+instead, with no copy. Where a result is also read by anything else (or is a graph output),
+a `from_nhwc` node under the original name gives the NCHW value back (an index map that
+fuses into its readers), so every other node keeps its operands. A 2-D max pooling (values
+only) of a value already in NHWC stays in the layout (`max_pool_nhwc`): the ResNet stem's
+conv -> relu -> max pool -> block chain never leaves NHWC.
 
 Folded weights have FQN `<folded ...>`, so update_weights(state_dict) refuses them; with
 fold_constants=False the pass is off (im2col + GEMM). A pure pass: a new graph and weights."""
@@ -197,6 +199,20 @@ def conv_nhwc(g: Graph, weights: dict[str, torch.Tensor], gemm_1x1: bool = False
             types[name] = nodes[-1].type
         return nhwc[v]
 
+    views: dict[str, str] = {}  # value -> an NHWC view of it (a permute, no copy)
+
+    def nhwc_view(v: str) -> str:
+        if v in nhwc:
+            return nhwc[v]
+        if v not in views:
+            name = f"{v}_nhwc_view"
+            nodes.append(Node(name, "permute", (v,), _nhwc_type(types[v]),
+                              (("dims", (0, 2, 3, 1)),), by_name[v].source if v in by_name
+                              else v))
+            views[v] = name
+            types[name] = nodes[-1].type
+        return views[v]
+
     def back(name: str, node: Node, t: TensorType) -> None:
         if needs_nchw(node.name):
             nodes.append(Node(node.name, "from_nhwc", (name,), t, (), node.source))
@@ -218,7 +234,11 @@ def conv_nhwc(g: Graph, weights: dict[str, torch.Tensor], gemm_1x1: bool = False
         f = fused[node.name]
         conv = f.conv
         dt = conv.type.dtype
-        xin = to_nhwc(conv.inputs[0])
+        # a few input channels (an RGB stem: the K loop gathers element by element anyway)
+        # are read through an NHWC view of the NCHW value, with no transposed copy
+        few = int(types[conv.inputs[0]].shape[1]) // conv.attr("groups") % 16 != 0 and \
+            not depthwise(conv, types)
+        xin = nhwc_view(conv.inputs[0]) if few else to_nhwc(conv.inputs[0])
         res = to_nhwc(f.residual) if f.residual else None
         dw = depthwise(conv, types)
         bn_t = [weights[i] for i in f.bn.inputs[1:]] if f.bn is not None else None

@@ -167,7 +167,8 @@ def nhwc_conv_enabled(state: Build) -> bool:
 
 
 def nhwc_conv(state: Build) -> Build:
-    """2-D convolutions as channels-last kiln kernels, batch norm folded, epilogues fused."""
+    """2-D convolutions as channels-last kiln kernels, epilogues (batch norm, bias, residual,
+    activation) fused."""
     graph, weights = conv_nhwc(state.graph, dict(state.weights),
                                gemm_1x1=bool(state.options.max_autotune))
     return replace(state, graph=graph, weights=weights)

@@ -288,7 +288,7 @@ def _dense_body(call: L.Extern, buffers, cfg: Config, gm: dict, big: bool):
             " & k_ok" if tail else "")
         lines += [
             f"        a = tl.load((xb + {off('ih', sxh)} + {off('iw', sxw)})[:, None] + "
-            f"{off('cc', sxc)}[None, :], mask={amask}, other=0.0)",
+            f"({off('cc', sxc)})[None, :], mask={amask}, other=0.0)",
             f"        b = tl.load(wb + (tap * {cg} + cc)[:, None] * {ocg} + rn[None, :], "
             f"mask={bmask}, other=0.0)",
             f"        acc = tl.dot(a, b, acc{prec})",
@@ -309,7 +309,7 @@ def _dense_body(call: L.Extern, buffers, cfg: Config, gm: dict, big: bool):
             " & (ih >= 0) & (ih < H) & (iw >= 0) & (iw < W)" if pad else "")
         lines += [
             f"        a = tl.load(xb[:, None] + {off('ih', sxh)} + {off('iw', sxw)} + "
-            f"{off('cc', sxc)}[None, :], mask={ok}, other=0.0)",
+            f"({off('cc', sxc)})[None, :], mask={ok}, other=0.0)",
             f"        b = tl.load(wb + kk[:, None] * {ocg} + rn[None, :], "
             "mask=k_ok[:, None] & n_ok[None, :], other=0.0)",
             f"        acc = tl.dot(a, b, acc{prec})",
@@ -345,7 +345,7 @@ def _depthwise_body(call: L.Extern, buffers, cfg: Config, gm: dict, big: bool):
         "            ok = m_ok & (ih >= 0) & (ih < H) & (iw >= 0) & (iw < W)",
         f"            v = tl.load((xb + {'ih' if sxh == 1 else f'ih * {to_tl(sxh)}'} + "
         f"{'iw' if sxw == 1 else f'iw * {to_tl(sxw)}'})[:, None] + "
-        f"{'rn' if sxc == 1 else f'rn * {to_tl(sxc)}'}[None, :], "
+        f"{'rn' if sxc == 1 else f'(rn * {to_tl(sxc)})'}[None, :], "
         "mask=ok[:, None] & n_ok[None, :], other=0.0)",
         f"            wv = tl.load(buf_{w.buf} + {to_tl(_c(w.offset))} + "
         f"(ky * {a['kw']} + kx) * {c} + rn, mask=n_ok, other=0.0)",
@@ -378,7 +378,7 @@ def _epilogue(call: L.Extern, dt, gm: dict) -> list[str]:
             return [] if st == 0 else [var if st == 1 else f"{var} * {to_tl(st)}"]
         rows = " + ".join(term("n_", sn) + term("oh_", sh) + term("ow_", sw)) or "0"
         base = f"buf_{r.buf}" + (f" + {to_tl(_c(r.offset))}" if _c(r.offset) != 0 else "")
-        cols = "oc" if sc == 1 else f"oc * {to_tl(sc)}"
+        cols = "oc" if sc == 1 else f"(oc * {to_tl(sc)})"
         lines.append(f"    acc = acc + tl.load({base} + ({rows})[:, None] + {cols}[None, :], "
                      "mask=mask, other=0.0).to(tl.float32)  # the residual")
     if a["act"] == 1:
