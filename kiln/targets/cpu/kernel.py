@@ -17,7 +17,7 @@ from typing import Collection
 import sympy
 
 from kiln.targets.float8 import cpp_cast
-from kiln.targets.cpu.ops import CPP_OPS, REDUCTIONS
+from kiln.targets.cpu.ops import ACC_TYPES, CPP_OPS, REDUCTIONS
 from kiln.ir import dtypes
 from kiln.ir import loop as L
 from kiln.ir.sym import contiguous_strides, ivars, linear_index, rvars, to_c
@@ -159,7 +159,7 @@ def _member(m: L.Compute, k: int, locals_: dict[str, str], rows: dict | None = N
         lines.append(f"{locals_.get(m.name, dest)} = besti;")  # a local when fused away
     else:
         ident, combine, clause = REDUCTIONS[kind]
-        lines.append(f"{T} {acc} = {ident.format(T=T)};")
+        lines.append(f"{ACC_TYPES.get(kind, T)} {acc} = {ident.format(T=T)};")
         uses_nan = "{nan}" in combine
         if uses_nan:
             lines.append(f"int {nan} = 0;")
