@@ -15,8 +15,11 @@
 #include <cstdint>
 #include <cstring>
 #include <algorithm>
+#include <type_traits>
 #if defined(__AVX2__) || defined(__AVX512F__) || defined(__FMA__)
 #include <immintrin.h>
+#elif defined(__SSE__)
+#include <xmmintrin.h>
 #endif
 
 namespace kr {
@@ -375,6 +378,30 @@ inline void pack_a_rows(int64_t mr, int64_t h, int64_t kc, const T *a, int64_t a
     std::memcpy(dst, a, sizeof(T) * kc);
     return;
   }
+#if defined(__SSE__)
+  if constexpr (std::is_same_v<T, float>) {
+    // 4 x 4 blocks (4 rows, 4 k) transposed in registers: a quarter of the loads and stores
+    // of the element loop below
+    if (ac == 1 && mr % 4 == 0 && h == mr) {
+      const int64_t k4 = kc / 4 * 4;
+      for (int64_t i = 0; i < mr; i += 4) {
+        const float *r0 = a + i * ar, *r1 = r0 + ar, *r2 = r1 + ar, *r3 = r2 + ar;
+        for (int64_t k = 0; k < k4; k += 4) {
+          __m128 x0 = _mm_loadu_ps(r0 + k), x1 = _mm_loadu_ps(r1 + k),
+                 x2 = _mm_loadu_ps(r2 + k), x3 = _mm_loadu_ps(r3 + k);
+          _MM_TRANSPOSE4_PS(x0, x1, x2, x3);
+          _mm_storeu_ps(dst + k * h + i, x0);
+          _mm_storeu_ps(dst + (k + 1) * h + i, x1);
+          _mm_storeu_ps(dst + (k + 2) * h + i, x2);
+          _mm_storeu_ps(dst + (k + 3) * h + i, x3);
+        }
+        for (int64_t k = k4; k < kc; ++k)
+          for (int64_t r = 0; r < 4; ++r) dst[k * h + i + r] = a[(i + r) * ar + k];
+      }
+      return;
+    }
+  }
+#endif
   // row by row: reading the rows k by k would touch mr lines at the row stride per k, lines
   // that share L1 sets when the stride is a multiple of 4 KiB (the reason A is packed)
   for (int64_t i = 0; i < mr; ++i) {
