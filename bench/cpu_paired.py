@@ -3,9 +3,9 @@ one or more kiln packages of the same model run in turn, in short bursts (--burs
 each), for --rounds rounds; each burst's figure is the process CPU time per call (time
 the process was descheduled does not count, cache and memory contention from other cores
 still does; with --wall, or --threads above 1, wall-clock time per call instead: CPU time
-would sum the threads). Printed: per system the median over rounds, the lowest round, and the median of
-the per-round ratios to the first system (each ratio compares bursts a fraction of a second
-apart).
+would sum the threads). Printed: per system the median over rounds, the lowest round, and
+the median of the per-round ratios to the first system (each ratio compares bursts a
+fraction of a second apart).
 
 Artifacts come from a `bench/cpu_peers.py --keep` work directory (model.onnx, ov.xml,
 inputs.npz); kiln packages are paths (e.g. the directory's kiln.kiln, or one built from
