@@ -55,7 +55,7 @@ sys.path.insert(0, str(ROOT))
 from bench.machine import cpu_name  # noqa: E402
 from bench.markdown import splice  # noqa: E402
 
-THREADS = 2
+THREADS = int(os.environ.get("KILN_BENCH_THREADS", "2"))  # --threads sets it for the workers
 SYSTEMS = ("eager", "aoti", "ort", "openvino", "kiln", "kiln_autotune")
 TORCH_SYSTEMS = {"eager", "aoti", "kiln", "kiln_autotune"}
 LABELS = {"eager": "eager", "aoti": "AOTInductor", "ort": "ORT", "openvino": "OpenVINO",
@@ -622,6 +622,7 @@ def markdown(rows: list[dict], systems: list[str], info: dict, command: str,
 # ================================================================================== main
 
 def main(argv: list[str] | None = None) -> int:
+    global THREADS
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--models", help="comma-separated (default: all); see cpu_peers_models.py")
     p.add_argument("--systems", default=",".join(SYSTEMS),
@@ -639,6 +640,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--taskset", metavar="CPUS", help="pin every process (taskset -c CPUS)")
     p.add_argument("--compile-taskset", metavar="CPUS",
                    help="pin the export and compile processes to these CPUs instead")
+    p.add_argument("--threads", type=int, help=f"threads per system ({THREADS})")
     p.add_argument("--keep", action="store_true", help="keep the work directories")
     p.add_argument("--json", metavar="PATH", help="write all results as JSON")
     p.add_argument("--from-json", metavar="PATH",
@@ -648,6 +650,9 @@ def main(argv: list[str] | None = None) -> int:
     for hidden in ("--worker", "--worker-out", "--model", "--system", "--dir"):
         p.add_argument(hidden, help=argparse.SUPPRESS)
     a = p.parse_args(argv)
+    if a.threads:  # read by every worker process at import (KILN_BENCH_THREADS)
+        THREADS = a.threads
+        os.environ["KILN_BENCH_THREADS"] = str(a.threads)
     if a.worker:
         worker_main(a)
         return 0

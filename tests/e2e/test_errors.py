@@ -151,6 +151,37 @@ def test_index_error_names_the_lookup_fused_into_another_node(tmp_path, bad_inpu
     assert want in c.sources["model.py"]  # the Python wrapper says the same
 
 
+class _EmbedNorm(torch.nn.Module):
+    """Embedding sums feeding a LayerNorm: the gathers sit inside the norm's vectorised
+    reduction loops (their index tests are branch-free there, flagged after the loop)."""
+
+    def __init__(self):
+        super().__init__()
+        self.tok = torch.nn.Embedding(50, 64)
+        self.typ = torch.nn.Embedding(2, 64)
+        self.norm = torch.nn.LayerNorm(64)
+
+    def forward(self, ids, types):
+        return self.norm(self.tok(ids) + self.typ(types))
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+def test_index_out_of_range_inside_vectorised_reduction(tmp_path, threads):
+    torch.manual_seed(0)
+    m = _EmbedNorm().eval()
+    ids, types = torch.randint(0, 50, (4, 33)), torch.randint(0, 2, (4, 33))
+    c = kiln.compile(m, (ids, types), options=kiln.Options(num_threads=threads))
+    assert "reduction(|:kiln_bad)" in c.sources["kernels_0.cpp"]
+    r = c.load(tmp_path / "m.kiln")
+    torch.testing.assert_close(r(ids, types), m(ids, types), rtol=1e-5, atol=1e-5)
+    for which, pos, value in ((0, (3, 32), 50), (0, (0, 0), -51), (1, (2, 7), 2)):
+        bad = [ids.clone(), types.clone()]
+        bad[which][pos] = value
+        with pytest.raises(KilnError, match="index out of range in "):
+            r(*bad)
+        torch.testing.assert_close(r(ids, types), m(ids, types), rtol=1e-5, atol=1e-5)
+
+
 def test_call_structure_errors_name_the_argument():
     class M(torch.nn.Module):
         def forward(self, x, y, *, mask):

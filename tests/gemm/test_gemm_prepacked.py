@@ -206,3 +206,46 @@ def test_max_autotune_times_packed_candidates(check, tmp_path):
     (choice,) = compiled.built.gemms.values()
     assert choice.how == "profiled" and "const_b" in choice.problem
     assert any(n.startswith("cpp_packed_") for n, _ in choice.timings["cpp"]), choice.timings
+
+
+class ReadA(torch.nn.Module):
+    """A packed GEMM's A in the layouts kr::packed_row_block meets: a compact input (row
+    stride K), the left half of a computed [M, 2K] buffer (row stride 2K, a view at offset 0)
+    and its right half (an offset view), and a transposed computed buffer (k strided)."""
+
+    def __init__(self, k, dtype):
+        super().__init__()
+        self.fcs = torch.nn.ModuleList(torch.nn.Linear(k, 96, dtype=dtype) for _ in range(4))
+        self.k = k
+
+    def forward(self, x):
+        wide = torch.cat([x, 2 * x], dim=1)  # [M, 2K], computed
+        xt = (x + 1).t().contiguous().t()  # [M, K] with strides (1, M)
+        a, b, c, d = self.fcs
+        return a(x), b(wide[:, :self.k]), c(wide[:, self.k:]), d(xt)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("k", [256, 384, 512, 768, 1024])
+def test_packed_a_read_in_place_or_packed(check, dtype, k):
+    """Full row tiles read A in place unless its rows share L1 sets (row strides of 2 KiB or a
+    multiple of 4 KiB: K = 512, 1024 floats, 256, 512, 768, 1024 doubles, and every 2K view
+    of those), else packed; row counts with and without a partial last tile (M = 12, 24: none
+    at MR 12; 37, 200: one), at dynamic M."""
+    torch.manual_seed(k)
+    x = rand((37, k), dtype)
+    opts = kiln.Options(gemm_backends=("cpp",))
+    compiled = check(ReadA(k, dtype), (x,), dynamic_shapes=({0: torch.export.Dim("m", min=1,
+                                                                                  max=256)},),
+                     options=opts, more=[(rand((m, k), dtype),) for m in (12, 24, 200, 1)])
+    assert len(_packed_gemms(compiled)) == 4, compiled.built.gemms
+
+
+@pytest.mark.parametrize("k", [256, 1024])
+def test_packed_a_direct_single_thread_and_split(check, k):
+    """The same at 1 and 2 threads (the split by row blocks hands each thread whole tiles)."""
+    torch.manual_seed(k + 1)
+    for threads in (1, 2):
+        x = rand((200, k), torch.float32)
+        check(ReadA(k, torch.float32), (x,), options=kiln.Options(gemm_backends=("cpp",),
+                                                                     num_threads=threads))

@@ -15,8 +15,11 @@
 #include <cstdint>
 #include <cstring>
 #include <algorithm>
+#include <type_traits>
 #if defined(__AVX2__) || defined(__AVX512F__) || defined(__FMA__)
 #include <immintrin.h>
+#elif defined(__SSE__)
+#include <xmmintrin.h>
 #endif
 
 namespace kr {
@@ -263,13 +266,14 @@ constexpr int panels_per_tile() {
   return np > 4 ? 4 : np;
 }
 
-/* c[0:mrows][0:ncols] (+)= a (MR rows x kc, element (i, k) at a[k * MR + i]: packed, rows
- * past mrows zero) times NP consecutive K-blocks of panels (panel q's block at
- * b + q * pstride, row k at + k * NR); `ncols` (<= NP * NR) columns of c are stored. */
-template <class T, int NR, int MR, int NP>
+/* c[0:mrows][0:ncols] (+)= a (MR rows x kc) times NP consecutive K-blocks of panels (panel
+ * q's block at b + q * pstride, row k at + k * NR); `ncols` (<= NP * NR) columns of c are
+ * stored. Element (i, k) of a is a[k * MR + i] (packed, rows past mrows zero), or with
+ * DirectA A itself, a[i * ars + k] (rows of contiguous k, read in place). */
+template <class T, int NR, int MR, int NP, bool DirectA = false>
 inline void packed_tile(int64_t kc, const T *__restrict__ a, const T *__restrict__ b,
                         int64_t pstride, T *__restrict__ c, int64_t ldc, int64_t mrows,
-                        int64_t ncols, bool accumulate) {
+                        int64_t ncols, bool accumulate, int64_t ars = 0) {
   typedef PanelVec<T, NR> P;
   typedef typename P::type V;
   constexpr int L = P::lanes, NV = P::per_row;
@@ -278,6 +282,14 @@ inline void packed_tile(int64_t kc, const T *__restrict__ a, const T *__restrict
   for (int i = 0; i < MR; ++i)
 #pragma GCC unroll 32
     for (int v = 0; v < NP * NV; ++v) acc[i][v] = V{};
+  // DirectA: rows in groups of 3, each group's first row a pointer stepped along k and the
+  // others at +1 and +2 row strides (addressing [base + stride * 1 | 2]): 12 row pointers
+  // would not fit the general registers next to the loop's own
+  constexpr int NG = (MR + 2) / 3;
+  const char *rows[NG];
+  const int64_t rs = ars * int64_t(sizeof(T));
+#pragma GCC unroll 8
+  for (int g = 0; g < NG; ++g) rows[g] = reinterpret_cast<const char *>(a) + 3 * g * rs;
   for (int64_t k = 0; k < kc; ++k) {
 #pragma GCC unroll 4
     for (int q = 0; q < NP; ++q) {
@@ -287,10 +299,19 @@ inline void packed_tile(int64_t kc, const T *__restrict__ a, const T *__restrict
         bv[v] = *reinterpret_cast<const V *>(b + q * pstride + k * NR + v * L);
 #pragma GCC unroll 32
       for (int i = 0; i < MR; ++i) {
-        const V av = P::splat(a[k * MR + i]);
+        T ai;
+        if constexpr (DirectA)
+          std::memcpy(&ai, rows[i / 3] + (i % 3) * rs, sizeof(T));
+        else
+          ai = a[k * MR + i];
+        const V av = P::splat(ai);
 #pragma GCC unroll 8
         for (int v = 0; v < NV; ++v) acc[i][q * NV + v] = P::fma(av, bv[v], acc[i][q * NV + v]);
       }
+    }
+    if constexpr (DirectA) {
+#pragma GCC unroll 8
+      for (int g = 0; g < NG; ++g) rows[g] += sizeof(T);
     }
   }
 #pragma GCC unroll 32
@@ -313,21 +334,38 @@ inline void packed_tile(int64_t kc, const T *__restrict__ a, const T *__restrict
   }
 }
 
-/* Rows [0, mrows) (<= MR; A packed for MR rows) of one K block over panels [p0, p1): groups
- * of panels_per_tile panels, then single panels. */
-template <class T, int NR, int MR>
+/* Rows [0, mrows) (<= MR; A packed for MR rows, or with DirectA MR rows of A read in place
+ * at row stride ars) of one K block over panels [p0, p1): groups of panels_per_tile panels,
+ * then single panels. */
+template <class T, int NR, int MR, bool DirectA = false>
 inline void packed_rows(int64_t kc, const T *a, const T *bk, int64_t pstride, int64_t p0,
                         int64_t p1, int64_t N, T *c, int64_t ldc, int64_t mrows,
-                        bool accumulate) {
+                        bool accumulate, int64_t ars = 0) {
   constexpr int NP = panels_per_tile<T, NR, MR>();
   int64_t p = p0;
   if constexpr (NP > 1)
     for (; p + NP <= p1; p += NP)
-      packed_tile<T, NR, MR, NP>(kc, a, bk + p * pstride, pstride, c + p * NR, ldc, mrows,
-                                 std::min<int64_t>(NP * NR, N - p * NR), accumulate);
+      packed_tile<T, NR, MR, NP, DirectA>(kc, a, bk + p * pstride, pstride, c + p * NR, ldc,
+                                          mrows, std::min<int64_t>(NP * NR, N - p * NR),
+                                          accumulate, ars);
   for (; p < p1; ++p)
-    packed_tile<T, NR, MR, 1>(kc, a, bk + p * pstride, pstride, c + p * NR, ldc, mrows,
-                              std::min<int64_t>(NR, N - p * NR), accumulate);
+    packed_tile<T, NR, MR, 1, DirectA>(kc, a, bk + p * pstride, pstride, c + p * NR, ldc, mrows,
+                                       std::min<int64_t>(NR, N - p * NR), accumulate, ars);
+}
+
+/* Whether a full tile of MR rows of A (row stride `ar` elements, k contiguous) may be read in
+ * place by its broadcasts: its rows must spread over at least 4 sets of a 64-set L1 (32 KiB
+ * 8-way, 48 KiB 12-way), else they evict each other (a row stride of 2 KiB or a multiple of
+ * 4 KiB: K = 512, 1024, 3072 floats) and A is packed into one stream first. Packing costs a
+ * pass over A per K block, about 16 / N of the products' time (8% at N = 256). */
+template <class T>
+inline bool direct_a_ok(int64_t ar, int64_t ac) {
+  if (ac != 1) return false;
+  const int64_t bytes = ar * int64_t(sizeof(T));
+  if (bytes % 64) return true;
+  int64_t s = (bytes / 64) % 64, g = 64;  // line stride mod the sets; gcd(s, 64)
+  while (s) { const int64_t t = g % s; g = s; s = t; }
+  return g <= 16;
 }
 
 /* Pack rows [0, mr) x cols [0, kc) of A k-major for a tile of h >= mr rows, rows past mr
@@ -340,18 +378,50 @@ inline void pack_a_rows(int64_t mr, int64_t h, int64_t kc, const T *a, int64_t a
     std::memcpy(dst, a, sizeof(T) * kc);
     return;
   }
-  for (int64_t k = 0; k < kc; ++k) {
-    for (int64_t i = 0; i < mr; ++i) dst[k * h + i] = a[i * ar + k * ac];
-    for (int64_t i = mr; i < h; ++i) dst[k * h + i] = T(0);
+#if defined(__SSE__)
+  if constexpr (std::is_same_v<T, float>) {
+    // 4 x 4 blocks (4 rows, 4 k) transposed in registers: a quarter of the loads and stores
+    // of the element loop below
+    if (ac == 1 && mr % 4 == 0 && h == mr) {
+      const int64_t k4 = kc / 4 * 4;
+      for (int64_t i = 0; i < mr; i += 4) {
+        const float *r0 = a + i * ar, *r1 = r0 + ar, *r2 = r1 + ar, *r3 = r2 + ar;
+        for (int64_t k = 0; k < k4; k += 4) {
+          __m128 x0 = _mm_loadu_ps(r0 + k), x1 = _mm_loadu_ps(r1 + k),
+                 x2 = _mm_loadu_ps(r2 + k), x3 = _mm_loadu_ps(r3 + k);
+          _MM_TRANSPOSE4_PS(x0, x1, x2, x3);
+          _mm_storeu_ps(dst + k * h + i, x0);
+          _mm_storeu_ps(dst + (k + 1) * h + i, x1);
+          _mm_storeu_ps(dst + (k + 2) * h + i, x2);
+          _mm_storeu_ps(dst + (k + 3) * h + i, x3);
+        }
+        for (int64_t k = k4; k < kc; ++k)
+          for (int64_t r = 0; r < 4; ++r) dst[k * h + i + r] = a[(i + r) * ar + k];
+      }
+      return;
+    }
   }
+#endif
+  // row by row: reading the rows k by k would touch mr lines at the row stride per k, lines
+  // that share L1 sets when the stride is a multiple of 4 KiB (the reason A is packed)
+  for (int64_t i = 0; i < mr; ++i) {
+    const T *src = a + i * ar;
+    for (int64_t k = 0; k < kc; ++k) dst[k * h + i] = src[k * ac];
+  }
+  for (int64_t i = mr; i < h; ++i)
+    for (int64_t k = 0; k < kc; ++k) dst[k * h + i] = T(0);
 }
 
-/* mr rows (<= MR) of one K block, A packed first: a tile of 1, 2, 4 or 8 rows when mr fits
- * one (small M: B is swept once whatever M), else of MR rows, zero-padded. */
+/* mr rows (<= MR) of one K block: a full tile of MR rows reads A in place where its rows do
+ * not alias in L1 (direct_a_ok), else A is packed first: a tile of 1, 2, 4 or 8 rows when mr
+ * fits one (small M: B is swept once whatever M), else of MR rows, zero-padded. */
 template <class T, int NR, int MR>
 inline void packed_row_block(int64_t mr, int64_t kc, const T *a, int64_t ar, int64_t ac,
                              const T *bk, int64_t pstride, int64_t p0, int64_t p1, int64_t N,
                              T *c, int64_t ldc, bool accumulate, T *apack) {
+  if (mr == MR && MR > 1 && direct_a_ok<T>(ar, ac))
+    return packed_rows<T, NR, MR, true>(kc, a, bk, pstride, p0, p1, N, c, ldc, mr, accumulate,
+                                        ar);
   const int64_t h = mr == MR ? MR : mr <= 1 ? 1 : mr <= 2 ? 2 : mr <= 4 ? 4 : mr <= 8 && MR > 8 ? 8 : MR;
   pack_a_rows<T>(mr, h, kc, a, ar, ac, apack);
   if (h == MR)

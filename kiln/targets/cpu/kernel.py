@@ -17,7 +17,7 @@ from typing import Collection
 import sympy
 
 from kiln.targets.float8 import cpp_cast
-from kiln.targets.cpu.ops import CPP_OPS, REDUCTIONS
+from kiln.targets.cpu.ops import ACC_TYPES, CPP_OPS, REDUCTIONS
 from kiln.ir import dtypes
 from kiln.ir import loop as L
 from kiln.ir.sym import contiguous_strides, ivars, linear_index, rvars, to_c
@@ -96,12 +96,30 @@ class ExprPrinter:
             self.lines.append(f"int64_t {var} = {v};")
             if ind.wrap:
                 self.lines.append(f"if ({var} < 0) {var} += {b};")
-            self.lines.append(f"if (KILN_UNLIKELY(static_cast<uint64_t>({var}) >= "
-                              f"static_cast<uint64_t>({b}))) "
-                              f"{{ kr::flag(kiln_status); {var} = 0; }}")
+            # branch-free, so a simd loop with a gather still vectorises: the member ORs the
+            # out-of-range tests into kiln_bad and flags the status once (_checked)
+            self.lines.append(f"const bool bad_{var} = static_cast<uint64_t>({var}) >= "
+                              f"static_cast<uint64_t>({b});")
+            self.lines.append(f"{BAD} |= bad_{var};")
+            self.lines.append(f"{var} = bad_{var} ? 0 : {var};")
         if e.buf in self.rows:
             return f"row_{e.buf}[{to_c(sympy.expand(e.index - self.rows[e.buf]))}]"
         return f"buf_{e.buf}[{to_c(e.index)}]"
+
+
+#: a member's count of out-of-range indices read through data (ExprPrinter._load)
+BAD = "kiln_bad"
+
+
+def _checked(block: list[str]) -> list[str]:
+    """A member's block ("{", ..., "}") whose gathers test their indices (ExprPrinter._load):
+    `kiln_bad` declared first, OR-reduced by its simd loops, the status flagged at the end;
+    other blocks unchanged."""
+    if not any(f"{BAD} |=" in s for s in block):
+        return block
+    body = [s + f" reduction(|:{BAD})" if s.lstrip().startswith("#pragma omp simd") else s
+            for s in block[1:-1]]
+    return ["{", f"  int {BAD} = 0;", *body, f"  if ({BAD}) kr::flag(kiln_status);", "}"]
 
 
 def _loop(var: str, size, pragma: str | None = None) -> list[str]:
@@ -112,6 +130,11 @@ def _loop(var: str, size, pragma: str | None = None) -> list[str]:
 def _member(m: L.Compute, k: int, locals_: dict[str, str], rows: dict | None = None
             ) -> list[str]:
     """Statements of one member inside the outer loops (outer vars i0..i{k-1} are bound)."""
+    return _checked(_member_block(m, k, locals_, rows))
+
+
+def _member_block(m: L.Compute, k: int, locals_: dict[str, str], rows: dict | None = None
+                  ) -> list[str]:
     rows = rows or {}
     lines = [f"// {m.name} <- {', '.join(m.source)}"]
     iv = ivars(len(m.shape))
@@ -159,7 +182,7 @@ def _member(m: L.Compute, k: int, locals_: dict[str, str], rows: dict | None = N
         lines.append(f"{locals_.get(m.name, dest)} = besti;")  # a local when fused away
     else:
         ident, combine, clause = REDUCTIONS[kind]
-        lines.append(f"{T} {acc} = {ident.format(T=T)};")
+        lines.append(f"{ACC_TYPES.get(kind, T)} {acc} = {ident.format(T=T)};")
         uses_nan = "{nan}" in combine
         if uses_nan:
             lines.append(f"int {nan} = 0;")

@@ -87,6 +87,11 @@ REDUCTIONS: dict[str, tuple[str, str, str | None]] = {
             "max"),
     "min": ("kr::highest<{T}>()", "{acc} = {acc} < {x} ? {acc} : {x}; {nan} |= ({x} != {x});",
             "min"),
-    "any": ("false", "{acc} = {acc} || {x};", "||"),
-    "all": ("true", "{acc} = {acc} && {x};", "&&"),
+    # any / all accumulate in an int (ACC_TYPES): GCC does not vectorise an omp simd
+    # reduction over a bool with || or && (a masked softmax's all-masked-row test ran scalar)
+    "any": ("0", "{acc} |= ({x}) ? 1 : 0;", "|"),
+    "all": ("1", "{acc} &= ({x}) ? 1 : 0;", "&"),
 }
+
+# reduction kind -> the accumulator's C++ type where it is not the result's
+ACC_TYPES: dict[str, str] = {"any": "int", "all": "int"}

@@ -1,0 +1,102 @@
+"""Paired CPU timing in one process, for a shared, noisy machine: ONNX Runtime, OpenVINO and
+one or more kiln packages of the same model run in turn, in short bursts (--burst seconds
+each), for --rounds rounds; each burst's figure is the process CPU time per call (time
+the process was descheduled does not count, cache and memory contention from other cores
+still does; with --wall, or --threads above 1, wall-clock time per call instead: CPU time
+would sum the threads). Printed: per system the median over rounds, the lowest round, and
+the median of the per-round ratios to the first system (each ratio compares bursts a
+fraction of a second apart).
+
+Artifacts come from a `bench/cpu_peers.py --keep` work directory (model.onnx, ov.xml,
+inputs.npz); kiln packages are paths (e.g. the directory's kiln.kiln, or one built from
+another tree with `kiln compile`). Pin it to the cores it may use (`taskset -c 1` for one
+thread; give each system that many threads with --threads).
+
+    taskset -c 1 python bench/cpu_paired.py /tmp/kiln-peers-gpt-XXXX ort,openvino,A.kiln,B.kiln
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import time
+
+import numpy as np
+
+
+def systems(d: str, names: list[str], threads: int) -> dict:
+    with np.load(os.path.join(d, "inputs.npz")) as z:
+        arrays = [z[f"arr_{i}"] for i in range(len(z.files))]
+    fns = {}
+    for s in names:
+        if s == "ort":
+            import onnxruntime as ort
+
+            so = ort.SessionOptions()
+            so.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
+            so.execution_mode = ort.ExecutionMode.ORT_SEQUENTIAL
+            so.intra_op_num_threads, so.inter_op_num_threads = threads, 1
+            sess = ort.InferenceSession(os.path.join(d, "model.onnx"), so,
+                                        providers=["CPUExecutionProvider"])
+            feeds = dict(zip([i.name for i in sess.get_inputs()], arrays))
+            fns[s] = lambda sess=sess, feeds=feeds: sess.run(None, feeds)
+        elif s == "openvino":
+            import openvino as ov
+
+            cm = ov.Core().compile_model(os.path.join(d, "ov.xml"), "CPU", {
+                "PERFORMANCE_HINT": "LATENCY", "INFERENCE_NUM_THREADS": threads,
+                "INFERENCE_PRECISION_HINT": "f32"})
+            req = cm.create_infer_request()
+            fns[s] = lambda req=req: req.infer(arrays, share_inputs=True)
+        else:
+            import torch
+
+            import kiln
+
+            torch.set_num_threads(threads)
+            runner = kiln.load(s, num_threads=threads)
+            args = tuple(torch.from_numpy(a) for a in arrays)
+            fns[s] = lambda r=runner, args=args: r(*args)
+    return fns
+
+
+def paired(fns: dict, rounds: int, burst: float, wall: bool = False
+           ) -> dict[str, tuple[float, float, float]]:
+    """name -> (median s per call, lowest round, median ratio to the first system); process
+    CPU time, or wall-clock time with `wall`."""
+    clock = time.perf_counter if wall else time.process_time
+    for f in fns.values():
+        for _ in range(2):
+            f()
+    per: dict[str, list[float]] = {k: [] for k in fns}
+    for _ in range(rounds):
+        for k, f in fns.items():
+            n, c0, w0 = 0, clock(), time.perf_counter()
+            while time.perf_counter() - w0 < burst or n < 3:
+                f()
+                n += 1
+            per[k].append((clock() - c0) / n)
+    base = per[next(iter(fns))]
+    return {k: (statistics.median(v), min(v),
+                statistics.median([a / b for a, b in zip(v, base)])) for k, v in per.items()}
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("dir", help="a bench/cpu_peers.py --keep work directory")
+    p.add_argument("systems", help="comma-separated: ort, openvino, kiln package paths")
+    p.add_argument("--rounds", type=int, default=10)
+    p.add_argument("--burst", type=float, default=0.15, help="seconds per system per round")
+    p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--wall", action="store_true", help="wall-clock time (default with threads > 1)")
+    a = p.parse_args()
+    res = paired(systems(a.dir, a.systems.split(","), a.threads), a.rounds, a.burst,
+                 a.wall or a.threads > 1)
+    print(f"load: {os.getloadavg()}")
+    for k, (med, low, ratio) in res.items():
+        print(f"{k:40s} {med * 1e3:9.3f} ms (lowest {low * 1e3:9.3f})  x{ratio:.3f}")
+
+
+if __name__ == "__main__":
+    main()
