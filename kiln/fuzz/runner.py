@@ -146,14 +146,15 @@ def shared_storage(got, want, inputs, what: str) -> str | None:
 def lost_alias(got, want, inputs, what: str) -> str | None:
     """None unless eager returns an output sharing storage with another output or with an
     input and kiln's does not, in the cases kiln keeps (kiln/frontend/aliasing.py): one of the
-    two owns the storage (an input, or an output that is no view), and the inputs are compact
+    two owns the storage (an input, or an output that is no view and that eager lays out
+    compactly: kiln's views assume a compact base), and the inputs are compact
     (kiln copies others in, so views of them are copies)."""
     if not all(x.is_contiguous() for x in inputs if isinstance(x, torch.Tensor)):
         return None
     gs = [_storage(g) for g in got] + [_storage(x) for x in inputs]
     ws = [_storage(w) for w in want] + [_storage(x) for x in inputs]
-    owns = [isinstance(w, torch.Tensor) and w._base is None for w in want] + \
-        [True] * len(inputs)
+    owns = [isinstance(w, torch.Tensor) and w._base is None and w.is_contiguous()
+            for w in want] + [True] * len(inputs)
     for i in range(len(got)):
         for j in range(i + 1, len(gs)):
             if ws[i] is not None and ws[i] == ws[j] and gs[i] != gs[j] and (owns[i] or owns[j]):

@@ -61,6 +61,12 @@ TINY = {"hidden_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4,
         "conv_stride": (2, 2), "num_conv_pos_embeddings": 16, "num_conv_pos_embedding_groups": 4,
         "global_attn_every_n_layers": 1}
 
+#: per model type, set after TINY (attributes TINY would set to values the model cannot use)
+OVERRIDES: dict[str, dict] = {
+    # EfficientNet-B0 widths (TINY's hidden_dim must equal the scaled last width) at 64x64
+    "efficientnet": {"width_coefficient": 1.0, "depth_coefficient": 1.0, "hidden_dim": 1280},
+}
+
 #: the input names of each kind, in the order `Flat.forward` takes them
 INPUT_NAMES: dict[str, tuple[str, ...]] = {
     "text": ("input_ids",), "s2s": ("input_ids", "decoder_input_ids"),
@@ -80,6 +86,8 @@ def config(model_type: str, tiny: bool = True):
                 setattr(cfg, k, list(v) if isinstance(v, tuple) else v)
             except AttributeError:  # a derived property (Falcon's head_dim)
                 pass
+    for k, v in OVERRIDES.get(model_type, {}).items() if tiny else ():
+        setattr(cfg, k, v)
     if getattr(cfg, "layer_types", None) is not None:  # per-layer kinds must match the depth
         n = getattr(cfg, "num_hidden_layers", 2)
         cfg.layer_types = list(cfg.layer_types)[:n] + [cfg.layer_types[-1]] * max(

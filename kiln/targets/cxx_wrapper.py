@@ -219,3 +219,15 @@ class SizeCheckPrinter:
             self.emit(f"    if (!c.copy_out({r.result}, {self.aten_ptr(r.name, 0, r.dtype.name)}"
                       f", {len(r.shape)}, out_sz, {r.dtype.scalar_type})) goto fail; }}"
                       + (" }" if k == len(res) - 1 else ""))
+
+
+def heap_buffers(prog: P.Program) -> set[str]:
+    """Buffers allocated at run time outside the arena (P.Alloc.heap), both targets: by the
+    program, or inside an ATen call once it returned (P.CallAten.allocs)."""
+    out = set()
+    for x in P.walk(prog.lines):
+        for a in ((x,) if isinstance(x, P.Alloc) else
+                  x.allocs if isinstance(x, P.CallAten) else ()):
+            if isinstance(a, P.Alloc) and a.heap:
+                out.add(a.buf)
+    return out

@@ -18,8 +18,8 @@ from kiln.options import GemmBackend
 from kiln.schedule.analysis import aten_fallback_ops
 from kiln.targets import collectives, state_abi
 from kiln.targets.cpu import wrapper_prof
-from kiln.targets.cxx_wrapper import SizeCheckPrinter, _cstr, _dl, condition, run_prologue, \
-    runtime_plan_lines
+from kiln.targets.cxx_wrapper import SizeCheckPrinter, _cstr, _dl, condition, heap_buffers, \
+    run_prologue, runtime_plan_lines
 
 
 
@@ -78,17 +78,6 @@ def declare_kernel(name: str, params, status: bool, dtypes) -> str:
 
 
 
-
-
-def heap_buffers(prog: P.Program) -> set[str]:
-    """Buffers allocated at run time outside the arena (P.Alloc.heap)."""
-    out = set()
-    for x in P.walk(prog.lines):
-        for a in ((x,) if isinstance(x, P.Alloc) else
-                  x.allocs if isinstance(x, P.CallAten) else ()):
-            if isinstance(a, P.Alloc) and a.heap:
-                out.add(a.buf)
-    return out
 
 
 def written_buffers(x: P.Line) -> list[str]:

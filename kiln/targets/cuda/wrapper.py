@@ -28,7 +28,8 @@ from kiln.ir import program as P
 from kiln.ir.dtypes import DTYPES
 from kiln.ir.sym import data_dependent_symbols, to_c, unbounded
 from kiln.targets import collectives
-from kiln.targets.cxx_wrapper import SizeCheckPrinter, _cstr, condition, runtime_plan_lines
+from kiln.targets.cxx_wrapper import SizeCheckPrinter, _cstr, condition, heap_buffers, \
+    runtime_plan_lines
 from kiln.memory.assign import intervals
 from kiln.gemm.configs import BlasLtConfig
 from kiln.gemm.cutlass_evt import Evt, from_epilogue
@@ -469,14 +470,6 @@ def late_output(x: P.AllocOutput) -> bool:
     """Whether an output is sized by a data-dependent size without an upper bound: allocated
     during the run, once its shape is known (not before the run, at its bounds)."""
     return bool(data_dependent_symbols(sympy.Mul(*(x.capacity or x.shape))))
-
-
-def heap_buffers(prog: P.Program) -> set[str]:
-    """Temporaries allocated on the device at run time, outside the arena (P.Alloc.heap)."""
-    return {a.buf for x in P.walk(prog.lines)
-            for a in ((x,) if isinstance(x, P.Alloc) else
-                      x.allocs if isinstance(x, P.CallAten) else ())
-            if isinstance(a, P.Alloc) and a.heap}
 
 
 def not_capturable(prog: P.Program) -> str | None:
