@@ -69,6 +69,20 @@ class CacheAttn(torch.nn.Module):
         return out
 
 
+class PutFn(torch.nn.Module):
+    """index_put on a temp (not a state: the copy kernel runs first), two index tensors on
+    dims 0 and 1 (negative ones count from the end), values broadcast over the last dim."""
+
+    def forward(self, x, i, j, v):
+        return (x * 2).index_put((i, j), v) + 1
+
+
+def _put_args(dt=torch.float32):
+    g = torch.Generator().manual_seed(3)
+    return (torch.randn(5, 6, 3, generator=g).to(dt), torch.tensor([0, -1, 2, 4]),
+            torch.tensor([5, 1, -6, 3]), torch.randn(4, 1, generator=g).to(dt))
+
+
 class SwiGlu(torch.nn.Module):
     """SiLU(gate) * up of a one-token MLP, [1, 5000]: one row of 5000 elements."""
 
@@ -146,6 +160,13 @@ def test_cuda_package_updates_cache_in_place_and_replays_a_graph():
         .split("run_graph")[0]
 
 
+def test_put_on_a_temp_copies_first():
+    cm = kiln.compile(PutFn(), _put_args(), device="cuda", options=OPTS)
+    cpp = cm.sources["model_cuda.cpp"]
+    assert "put_copy_" in cpp and "not in place: out = self" in cpp
+    assert cm.manifest["cuda"]["graphs"] is True
+
+
 def test_put_out_of_range_index_is_an_error_not_a_write():
     """Runs the scatter kernel's source through Triton's interpreter: an index past the cache
     sets the status and writes nothing (checked in the interpreter run below)."""
@@ -157,7 +178,7 @@ def test_put_out_of_range_index_is_an_error_not_a_write():
 _INTERP = """
 import sys, torch, kiln
 sys.path.insert(0, sys.argv[1])
-from test_decode_cuda import CacheAttn, SwiGlu, _args, OPTS
+from test_decode_cuda import CacheAttn, PutFn, SwiGlu, _args, _put_args, OPTS
 from kiln.targets.cuda.wrapper_py import import_triton_module, run_program
 from kiln.targets.cuda.build import triton_kernels
 
@@ -186,6 +207,14 @@ for dt in (torch.float32, torch.float16):
                 if not (err <= tol and cerr <= tol):
                     bad.append(f"{tag}: out error {err}, cache error {cerr}")
                 print(tag, err, cerr, flush=True)
+for dt in (torch.float32, torch.float16):  # put on a temp: copy, then scatter
+    args = _put_args(dt)
+    got = run(PutFn(), args)[0]
+    want = PutFn()(*[a.double() if a.is_floating_point() else a for a in args])
+    err = (got.double().reshape(want.shape) - want).abs().max().item()
+    print("put on a temp", dt, err)
+    if not err <= (1e-6 if dt == torch.float32 else 4e-3):  # fp16: half an ulp near 8
+        bad.append(f"put on a temp {dt}: max error {err}")
 for dt in (torch.float32, torch.float16):  # a wide pointwise kernel spread over its elements
     x = torch.randn(1, 10000).to(dt)
     got = run(SwiGlu(), (x,))[0]
@@ -219,5 +248,6 @@ def test_decode_kernels_match_eager_in_triton_interpreter():
                                  options=OPTS)
     for dt in (torch.float32, torch.float16):
         kiln.compile(SwiGlu(), (torch.randn(1, 10000).to(dt),), device="cuda", options=OPTS)
+        kiln.compile(PutFn(), _put_args(dt), device="cuda", options=OPTS)
     import pathlib
     run_interpreted(_INTERP, str(pathlib.Path(__file__).parent))
