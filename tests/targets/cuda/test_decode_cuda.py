@@ -251,3 +251,35 @@ def test_decode_kernels_match_eager_in_triton_interpreter():
         kiln.compile(PutFn(), _put_args(dt), device="cuda", options=OPTS)
     import pathlib
     run_interpreted(_INTERP, str(pathlib.Path(__file__).parent))
+
+
+class Position(torch.nn.Module):
+    """A static cache's position counter: the new value computed from the inputs alone
+    (`cumulative_length = cache_position + 1`), optionally after reading the old one."""
+
+    def __init__(self, read_old: bool):
+        super().__init__()
+        self.read_old = read_old
+        self.register_buffer("pos", torch.zeros(1, dtype=torch.long))
+
+    def forward(self, x, p):
+        old = self.pos * 1
+        self.pos.copy_(p + 1)
+        y = x * self.pos
+        return (y + old) if self.read_old else y
+
+
+@pytest.mark.parametrize("read_old", [False, True])
+@pytest.mark.parametrize("device", ["cpu", "cuda"])
+def test_counter_state_written_in_place_when_nothing_reads_the_old_value(tmp_path, device,
+                                                                         read_old):
+    args = (torch.randn(3), torch.tensor([4]))
+    cm = kiln.compile(Position(read_old), args, device=device,
+                      options=OPTS if device == "cuda" else Options())
+    text = print_program(cm.built.program)
+    assert ("state %b_pos = " in text) == read_old, text  # a copy back only when read
+    if device == "cpu":  # runs here: three steps against eager
+        runner, eager = cm.load(tmp_path / "p.kiln"), Position(read_old)
+        for k in (4, 7, 2):
+            a = (torch.randn(3), torch.tensor([k]))
+            torch.testing.assert_close(runner(*a), eager(*a))
