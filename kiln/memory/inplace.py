@@ -40,6 +40,9 @@ scatter makes (out = self, then the updates). O may be S's own storage, with nei
       mode set or sum, one output) whose `self` operand is the whole of S, contiguous from
       offset 0, and whose other operands (values, indices) do not read S;
   (c) no step after i reads S (they would see the new value; reads of O see it anyway).
+Or (d): O's writer, step i, is a kernel member (pointwise, stored) and no member of that kernel
+reads S, nor does any step at or after i (a static cache's position counter, `cumulative_length
++ 1` computed from the inputs): the kernel stores the new value straight into S, with no copy.
 `put` writes out[p] = self[p] for every p before its updates; with out == self (contiguous)
 that copy is the identity and the routine skips it (kiln_lib.h), leaving only the updates.
 """
@@ -200,6 +203,19 @@ def _whole(arg: L.LibArg, buf: L.Buffer) -> bool:
     return True
 
 
+def _computed_apart(step, new: str, state: str) -> bool:
+    """`step` is a kernel whose member `new` stores the whole new value (a pointwise member, not
+    a register local) and no member of which reads `state`."""
+    members = getattr(step, "members", None)
+    if members is None or new in getattr(step, "locals", ()) or new in getattr(
+            step, "row_locals", ()):
+        return False
+    m = next((m for m in members if m.name == new), None)
+    if m is None or m.reduce is not None:
+        return False
+    return all(ld.buf != state for x in members for ld in L.loads(x.body))
+
+
 def state_updates(steps: Sequence, buffers: Mapping[str, L.Buffer],
                   mutations: Sequence[tuple[str, str]], first: Mapping[str, int],
                   last: Mapping[str, int]) -> dict[str, str]:
@@ -213,10 +229,13 @@ def state_updates(steps: Sequence, buffers: Mapping[str, L.Buffer],
         if s is None or o is None or o.kind != "temp" or i is None or new in out:
             continue
         step = steps[i]
+        if s.dtype != o.dtype or sympy.expand(s.numel - o.numel) != 0:
+            continue
+        if _computed_apart(step, new, state) and last.get(state, -1) < i:
+            out[new] = state  # (d): a kernel member computes it without reading the state
+            continue
         if not (isinstance(step, L.Extern) and step.routine == "put" and step.outs == (new,)
                 and step.args and _whole(step.args[0], s)):
-            continue
-        if s.dtype != o.dtype or sympy.expand(s.numel - o.numel) != 0:
             continue
         if any(a.buf == state for a in step.args[1:]) or last.get(state, i) > i:
             continue

@@ -38,7 +38,8 @@ def _cache_updates(compiled) -> tuple[list[str], list[str]]:
     """(caches copied into after the run, caches updated in place) of the compiled program."""
     lines = list(P.walk(compiled.built.program.lines))
     copied = [x.dst for x in lines if isinstance(x, P.CopyState) and "cache" in x.dst]
-    inplace = [x.state for x in lines if isinstance(x, P.Alloc) and x.state is not None]
+    inplace = [x.state for x in lines if isinstance(x, P.Alloc) and x.state is not None
+               and "cache" in x.state]  # (position counters may be written in place too)
     return copied, inplace
 
 

@@ -21,6 +21,14 @@ last query). Head dims are padded to a power of two (at least 16, tl.dot's minim
 loads. Strides, offsets and sizes are printed as expressions of the size symbols, which are
 kernel parameters, so one kernel serves every run size.
 
+Grouped-query attention (attribute `group`, passes/gqa_attention.py): k and v have H / group
+heads and query head h reads kv head h // group, in place (no repeat_kv copy).
+
+Decode (a mask and one query block, L <= XBLOCK, static): a first pass over the mask finds the
+key range [lo_live, hi_live) the mask keeps for some row, and the two loops visit only its
+tiles: a step over a static cache reads the filled part, not the whole cache. A tile outside
+the range would add nothing (p = 0 for every row, so m, l and acc keep their values).
+
 Precision: scores and the accumulator are float32. 16-bit inputs multiply on tensor cores with
 float32 accumulation (probabilities are rounded to the input type for the second product, as
 flash-attention kernels do); float32 inputs use 3xTF32 products (`DOT_PRECISION`: float32-level

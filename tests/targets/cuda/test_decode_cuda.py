@@ -22,6 +22,7 @@ from kiln.lowering import lower  # noqa: E402
 from kiln.options import Options  # noqa: E402
 from kiln.passes.dce import dce  # noqa: E402
 from kiln.passes.gqa_attention import fold_repeat_kv  # noqa: E402
+from kiln.schedule import Kernel  # noqa: E402
 from tests.difftest import run_interpreted  # noqa: E402
 
 OPTS = Options(cuda_archs=(90,))
@@ -66,6 +67,36 @@ class CacheAttn(torch.nn.Module):
         if self.caches:  # the updated caches too (read after the update: still in place)
             return out, self.k_cache * 1, self.v_cache * 1
         return out
+
+
+class PutFn(torch.nn.Module):
+    """index_put on a temp (not a state: the copy kernel runs first), two index tensors on
+    dims 0 and 1 (negative ones count from the end), values broadcast over the last dim."""
+
+    def forward(self, x, i, j, v):
+        return (x * 2).index_put((i, j), v) + 1
+
+
+def _put_args(dt=torch.float32):
+    g = torch.Generator().manual_seed(3)
+    return (torch.randn(5, 6, 3, generator=g).to(dt), torch.tensor([0, -1, 2, 4]),
+            torch.tensor([5, 1, -6, 3]), torch.randn(4, 1, generator=g).to(dt))
+
+
+class SwiGlu(torch.nn.Module):
+    """SiLU(gate) * up of a one-token MLP, [1, 5000]: one row of 5000 elements."""
+
+    def forward(self, x):
+        return F.silu(x[:, :5000]) * x[:, 5000:]
+
+
+def test_wide_pointwise_kernel_spreads_over_its_elements():
+    x = torch.randn(1, 10000)
+    cm = kiln.compile(SwiGlu(), (x,), device="cuda", options=OPTS)
+    (k,) = [s for s in cm.built.steps if isinstance(s, Kernel)]
+    assert [int(d) for d in k.outer] == [1, 5000]
+    (info,) = cm.manifest["cuda"]["kernels"].values()
+    assert 5000 // info["xblock"] >= 264  # many programs
 
 
 def _args(lq, start, heads=4, kv=2, dim=16, dtype=torch.float32, seed=0):
@@ -129,6 +160,13 @@ def test_cuda_package_updates_cache_in_place_and_replays_a_graph():
         .split("run_graph")[0]
 
 
+def test_put_on_a_temp_copies_first():
+    cm = kiln.compile(PutFn(), _put_args(), device="cuda", options=OPTS)
+    cpp = cm.sources["model_cuda.cpp"]
+    assert "put_copy_" in cpp and "not in place: out = self" in cpp
+    assert cm.manifest["cuda"]["graphs"] is True
+
+
 def test_put_out_of_range_index_is_an_error_not_a_write():
     """Runs the scatter kernel's source through Triton's interpreter: an index past the cache
     sets the status and writes nothing (checked in the interpreter run below)."""
@@ -140,7 +178,7 @@ def test_put_out_of_range_index_is_an_error_not_a_write():
 _INTERP = """
 import sys, torch, kiln
 sys.path.insert(0, sys.argv[1])
-from test_decode_cuda import CacheAttn, _args, OPTS
+from test_decode_cuda import CacheAttn, PutFn, SwiGlu, _args, _put_args, OPTS
 from kiln.targets.cuda.wrapper_py import import_triton_module, run_program
 from kiln.targets.cuda.build import triton_kernels
 
@@ -169,6 +207,22 @@ for dt in (torch.float32, torch.float16):
                 if not (err <= tol and cerr <= tol):
                     bad.append(f"{tag}: out error {err}, cache error {cerr}")
                 print(tag, err, cerr, flush=True)
+for dt in (torch.float32, torch.float16):  # put on a temp: copy, then scatter
+    args = _put_args(dt)
+    got = run(PutFn(), args)[0]
+    want = PutFn()(*[a.double() if a.is_floating_point() else a for a in args])
+    err = (got.double().reshape(want.shape) - want).abs().max().item()
+    print("put on a temp", dt, err)
+    if not err <= (1e-6 if dt == torch.float32 else 4e-3):  # fp16: half an ulp near 8
+        bad.append(f"put on a temp {dt}: max error {err}")
+for dt in (torch.float32, torch.float16):  # a wide pointwise kernel spread over its elements
+    x = torch.randn(1, 10000).to(dt)
+    got = run(SwiGlu(), (x,))[0]
+    want = SwiGlu()(x.double())
+    err = (got.double().reshape(want.shape) - want).abs().max().item()
+    print("swiglu", dt, err)
+    if not err <= (1e-5 if dt == torch.float32 else 3e-3):
+        bad.append(f"swiglu {dt}: max error {err}")
 try:  # an index past the cache: an error, and the cache untouched
     m = CacheAttn(caches=True)
     args = _args(1, 0)
@@ -192,5 +246,40 @@ def test_decode_kernels_match_eager_in_triton_interpreter():
                                            caches=True),
                                  _args(lq, start, heads=heads, kv=kv, dtype=dt), device="cuda",
                                  options=OPTS)
+    for dt in (torch.float32, torch.float16):
+        kiln.compile(SwiGlu(), (torch.randn(1, 10000).to(dt),), device="cuda", options=OPTS)
+        kiln.compile(PutFn(), _put_args(dt), device="cuda", options=OPTS)
     import pathlib
     run_interpreted(_INTERP, str(pathlib.Path(__file__).parent))
+
+
+class Position(torch.nn.Module):
+    """A static cache's position counter: the new value computed from the inputs alone
+    (`cumulative_length = cache_position + 1`), optionally after reading the old one."""
+
+    def __init__(self, read_old: bool):
+        super().__init__()
+        self.read_old = read_old
+        self.register_buffer("pos", torch.zeros(1, dtype=torch.long))
+
+    def forward(self, x, p):
+        old = self.pos * 1
+        self.pos.copy_(p + 1)
+        y = x * self.pos
+        return (y + old) if self.read_old else y
+
+
+@pytest.mark.parametrize("read_old", [False, True])
+@pytest.mark.parametrize("device", ["cpu", "cuda"])
+def test_counter_state_written_in_place_when_nothing_reads_the_old_value(tmp_path, device,
+                                                                         read_old):
+    args = (torch.randn(3), torch.tensor([4]))
+    cm = kiln.compile(Position(read_old), args, device=device,
+                      options=OPTS if device == "cuda" else Options())
+    text = print_program(cm.built.program)
+    assert ("state %b_pos = " in text) == read_old, text  # a copy back only when read
+    if device == "cpu":  # runs here: three steps against eager
+        runner, eager = cm.load(tmp_path / "p.kiln"), Position(read_old)
+        for k in (4, 7, 2):
+            a = (torch.randn(3), torch.tensor([k]))
+            torch.testing.assert_close(runner(*a), eager(*a))
