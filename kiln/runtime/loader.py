@@ -693,6 +693,8 @@ class _Scratch:
 # numpy dtype -> (DLDataTypeCode, bits), for numpy inputs (numpy has no bfloat16 / float8)
 _NP_TO_DL: dict = {}
 for _t, _code in dl.DTYPE_TO_DL.items():
+    if _t == torch.complex32:  # numpy has no complex32 (and torch warns on an empty one)
+        continue
     try:
         _NP_TO_DL[np.dtype(torch.empty(0, dtype=_t).numpy().dtype)] = _code
     except (TypeError, RuntimeError):
