@@ -196,35 +196,6 @@ def schedule(prog: L.LoopProgram, fuse: bool = True) -> tuple[Step, ...]:
     return tuple(steps)
 
 
-def spread_rows(steps: tuple[Step, ...], prog: L.LoopProgram, few: int = 32,
-                many: int = 4096) -> tuple[Step, ...]:
-    """Pointwise kernels whose outer index space has fewer than `few` rows but whose members
-    cover at least `many` elements (a one-token step's SiLU * up over [1, 5632], its logits
-    copy over [1, 1, 32000]) iterate over all their dims as rows instead: the GPU spreads them
-    over many programs rather than one. Only where every member has the same shape and reads
-    what another member wrote at its own element (legal as one row per element)."""
-    buffers = {b.name: b for b in prog.buffers}
-    out: list[Step] = []
-    for s in steps:
-        if isinstance(s, L.CONTROL):
-            out.append(_map_regions(s, spread_rows))
-            continue
-        if not isinstance(s, Kernel) or any(m.reduce is not None for m in s.members):
-            out.append(s)
-            continue
-        shape = tuple(s.members[0].shape)
-        rows, total = product(s.outer), product(shape)
-        same = all(len(m.shape) == len(shape) and all(
-            sympy.expand(a - b) == 0 for a, b in zip(m.shape, shape)) for m in s.members)
-        if not (same and rows.is_Integer and int(rows) < few and total.is_Integer
-                and int(total) >= many and len(shape) > len(s.outer)
-                and _legal(list(s.members), shape, buffers)):
-            out.append(s)
-            continue
-        out.append(replace(s, outer=shape))
-    return tuple(out)
-
-
 def _schedule_regions(node, fuse: bool):
 
     names = ("then", "orelse") if isinstance(node, L.Branch) else ("cond", "body")

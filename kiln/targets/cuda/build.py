@@ -35,7 +35,7 @@ from kiln.ir.sym import UNBOUNDED_NOMINAL, evaluate, unbounded
 from kiln.gemm.configs import BlasLtConfig
 from kiln.options import GemmBackend, Options
 from kiln.passes.mixed_gemm import mixed_gemms
-from kiln.schedule import Kernel, spread_rows
+from kiln.schedule import Kernel
 from kiln.schedule.steps import GemmKernel
 from kiln.targets.cuda import user_triton
 from kiln.targets.cuda.attention import choose_attention_config, print_attention_kernel
@@ -192,12 +192,6 @@ def gqa_attention(state: Build) -> Build:
     """Fused attention reads the kv heads of grouped-query attention in place, not their
     repeat_kv copies (passes/gqa_attention.py); the dead views are dropped."""
     return replace(state, graph=dce(fold_repeat_kv(state.graph)))
-
-
-def spread_small_rows(state: Build) -> Build:
-    """Wide pointwise kernels with few rows run over all their elements as rows
-    (schedule.spread_rows): many programs, not one."""
-    return replace(state, steps=spread_rows(state.steps, state.loop))
 
 
 def has_attention(state: Build) -> bool:

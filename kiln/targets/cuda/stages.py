@@ -16,8 +16,6 @@
     mixed_gemm        (Triton GEMMs allowed) GEMMs of int8 tensors converted to float read int8
     lower             Graph IR -> Loop IR
     schedule          Loop IR -> kernels (Triton kernels keep tiles: no per-thread rows)
-    spread_rows       wide pointwise kernels with few rows iterate over every element as a row
-                      (a decode step's [1, C] ops: many programs, not one)
     reorder           (Options.reorder_for_memory) the order of lowest peak memory
     gemm_autotune     each GEMM's backend (cuBLAS / cuBLASLt, Triton template, CUTLASS)
     fuse_gemms        GEMMs absorb their epilogue (Triton template, CUTLASS visitor tree)
@@ -44,7 +42,7 @@ from __future__ import annotations
 from kiln.targets.cuda.build import (CudaBuild, check_routines, codegen_triton, codegen_wrapper,
                                      compile_library, cubins, cubins_user, cutlass,
                                      fuse_gemm_epilogues, gemm_autotune, gqa_attention,
-                                     has_attention, has_cutlass, spread_small_rows,
+                                     has_attention, has_cutlass,
                                      has_user_kernels, launch_autotune, libraries,
                                      launch_autotune_attention, launch_autotune_conv,
                                      mixed_gemm, nhwc_conv, tunes_conv,
@@ -70,7 +68,6 @@ TARGET = Target("cuda", (
     Stage("mixed_gemm", mixed_gemm, dump=graph_text, verify=check_graph, when=triton_allowed),
     LOWER,
     SCHEDULE,
-    Stage("spread_rows", spread_small_rows, dump=steps_text),
     REORDER,
     Stage("gemm_autotune", gemm_autotune),
     Stage("fuse_gemms", fuse_gemm_epilogues, dump=steps_text),
