@@ -27,104 +27,117 @@ without a GPU. Needs Triton (kiln[cuda])."""
 from __future__ import annotations
 
 import torch
-import triton
-import triton.language as tl
+
+try:  # the kernels need Triton (kiln[cuda]); a CPU-only install imports this module without
+    import triton
+    import triton.language as tl
+except ImportError:
+    triton = tl = None
 
 
-@triton.jit
-def qlinear_int8_kernel(x_ptr, q_ptr, s_ptr, out_ptr, M, N, K: tl.constexpr,
-                        PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                        BLOCK_K: tl.constexpr):
-    pid_n = tl.program_id(0)
-    pid_m = tl.program_id(1)
-    rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    rk = tl.arange(0, BLOCK_K)
-    nmask = rn < N
-    scale = tl.load(s_ptr + rn, mask=nmask, other=0.0)
-    if BLOCK_M == 1:
-        acc = tl.zeros([BLOCK_N, BLOCK_K], tl.float32)  # reduced across threads once, at the end
-        for k0 in tl.range(0, K, BLOCK_K):
-            kk = k0 + rk
-            kmask = kk < K
-            xv = tl.load(x_ptr + pid_m * K + kk, mask=kmask, other=0.0).to(tl.float32)
-            w = tl.load(q_ptr + rn[:, None] * K + kk[None, :],
-                        mask=nmask[:, None] & kmask[None, :], other=0).to(tl.float32)
-            acc += w * xv[None, :]
-        y = tl.sum(acc, axis=1) * scale
-        tl.store(out_ptr + pid_m * N + rn, y.to(out_ptr.dtype.element_ty), mask=nmask)
-    else:
-        rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-        mmask = rm < M
-        acc2 = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
-        for k0 in tl.range(0, K, BLOCK_K):
-            kk = k0 + rk
-            kmask = kk < K
-            xt = tl.load(x_ptr + rm[:, None] * K + kk[None, :],
-                         mask=mmask[:, None] & kmask[None, :], other=0.0)
-            wt = tl.load(q_ptr + rn[None, :] * K + kk[:, None],
-                         mask=kmask[:, None] & nmask[None, :], other=0).to(xt.dtype)
-            acc2 = tl.dot(xt, wt, acc2, input_precision=PRECISION)
-        y2 = acc2 * scale[None, :]
-        tl.store(out_ptr + rm[:, None] * N + rn[None, :], y2.to(out_ptr.dtype.element_ty),
-                 mask=mmask[:, None] & nmask[None, :])
+if triton is not None:
+    @triton.jit
+    def qlinear_int8_kernel(x_ptr, q_ptr, s_ptr, out_ptr, M, N, K: tl.constexpr,
+                            PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                            BLOCK_K: tl.constexpr):
+        pid_n = tl.program_id(0)
+        pid_m = tl.program_id(1)
+        rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        rk = tl.arange(0, BLOCK_K)
+        nmask = rn < N
+        scale = tl.load(s_ptr + rn, mask=nmask, other=0.0)
+        if BLOCK_M == 1:
+            # reduced across threads once, at the end
+            acc = tl.zeros([BLOCK_N, BLOCK_K], tl.float32)
+            for k0 in tl.range(0, K, BLOCK_K):
+                kk = k0 + rk
+                kmask = kk < K
+                xv = tl.load(x_ptr + pid_m * K + kk, mask=kmask, other=0.0).to(tl.float32)
+                w = tl.load(q_ptr + rn[:, None] * K + kk[None, :],
+                            mask=nmask[:, None] & kmask[None, :], other=0).to(tl.float32)
+                acc += w * xv[None, :]
+            y = tl.sum(acc, axis=1) * scale
+            tl.store(out_ptr + pid_m * N + rn, y.to(out_ptr.dtype.element_ty), mask=nmask)
+        else:
+            rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+            mmask = rm < M
+            acc2 = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+            for k0 in tl.range(0, K, BLOCK_K):
+                kk = k0 + rk
+                kmask = kk < K
+                xt = tl.load(x_ptr + rm[:, None] * K + kk[None, :],
+                             mask=mmask[:, None] & kmask[None, :], other=0.0)
+                wt = tl.load(q_ptr + rn[None, :] * K + kk[:, None],
+                             mask=kmask[:, None] & nmask[None, :], other=0).to(xt.dtype)
+                acc2 = tl.dot(xt, wt, acc2, input_precision=PRECISION)
+            y2 = acc2 * scale[None, :]
+            tl.store(out_ptr + rm[:, None] * N + rn[None, :], y2.to(out_ptr.dtype.element_ty),
+                     mask=mmask[:, None] & nmask[None, :])
 
 
-@triton.jit
-def qlinear_int4_kernel(x_ptr, p_ptr, s_ptr, out_ptr, M, N, K: tl.constexpr,
-                        G: tl.constexpr, PRECISION: tl.constexpr, BLOCK_M: tl.constexpr,
-                        BLOCK_N: tl.constexpr, GPI: tl.constexpr):
-    pid_n = tl.program_id(0)
-    pid_m = tl.program_id(1)
-    rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    nmask = rn < N
-    HALF: tl.constexpr = G // 2
-    NG: tl.constexpr = K // G
-    if BLOCK_M == 1:
-        # GPI groups per step: bytes [BLOCK_N, GPI * HALF], x's even / odd values of them
-        rj = tl.arange(0, GPI * HALF)
-        acc = tl.zeros([BLOCK_N, GPI * HALF], tl.float32)  # reduced once, at the end
-        for g0 in tl.range(0, NG, GPI):
-            rg = g0 + rj // HALF  # the group of each byte
-            gmask = rg < NG
-            m2 = nmask[:, None] & gmask[None, :]
-            b = tl.load(p_ptr + rn[:, None] * (K // 2) + g0 * HALF + rj[None, :], mask=m2,
-                        other=136).to(tl.int32)
-            xe = tl.load(x_ptr + pid_m * K + g0 * G + 2 * rj, mask=gmask,
-                         other=0.0).to(tl.float32)
-            xo = tl.load(x_ptr + pid_m * K + g0 * G + 2 * rj + 1, mask=gmask,
-                         other=0.0).to(tl.float32)
-            sc = tl.load(s_ptr + rn[:, None] * NG + rg[None, :], mask=m2, other=0.0)
-            lo = ((b & 15) - 8).to(tl.float32)
-            hi = ((b >> 4) - 8).to(tl.float32)
-            acc += (lo * xe[None, :] + hi * xo[None, :]) * sc
-        y = tl.sum(acc, axis=1)
-        tl.store(out_ptr + pid_m * N + rn, y.to(out_ptr.dtype.element_ty), mask=nmask)
-    else:
-        rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-        mmask = rm < M
-        rh = tl.arange(0, HALF)
-        acc2 = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
-        for g in tl.range(0, NG):
-            xe = tl.load(x_ptr + rm[:, None] * K + g * G + 2 * rh[None, :],
-                         mask=mmask[:, None], other=0.0)
-            xo = tl.load(x_ptr + rm[:, None] * K + g * G + 2 * rh[None, :] + 1,
-                         mask=mmask[:, None], other=0.0)
-            b = tl.load(p_ptr + rn[None, :] * (K // 2) + g * HALF + rh[:, None],
-                        mask=nmask[None, :], other=136).to(tl.int32)
-            lo = ((b & 15) - 8).to(xe.dtype)
-            hi = ((b >> 4) - 8).to(xe.dtype)
-            part = tl.dot(xe, lo, input_precision=PRECISION) + tl.dot(
-                xo, hi, input_precision=PRECISION)
-            sc = tl.load(s_ptr + rn * NG + g, mask=nmask, other=0.0)
-            acc2 += part * sc[None, :]
-        tl.store(out_ptr + rm[:, None] * N + rn[None, :], acc2.to(out_ptr.dtype.element_ty),
-                 mask=mmask[:, None] & nmask[None, :])
+    @triton.jit
+    def qlinear_int4_kernel(x_ptr, p_ptr, s_ptr, out_ptr, M, N, K: tl.constexpr,
+                            G: tl.constexpr, PRECISION: tl.constexpr, BLOCK_M: tl.constexpr,
+                            BLOCK_N: tl.constexpr, GPI: tl.constexpr):
+        pid_n = tl.program_id(0)
+        pid_m = tl.program_id(1)
+        rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        nmask = rn < N
+        HALF: tl.constexpr = G // 2
+        NG: tl.constexpr = K // G
+        if BLOCK_M == 1:
+            # GPI groups per step: bytes [BLOCK_N, GPI * HALF], x's even / odd values of them
+            rj = tl.arange(0, GPI * HALF)
+            acc = tl.zeros([BLOCK_N, GPI * HALF], tl.float32)  # reduced once, at the end
+            for g0 in tl.range(0, NG, GPI):
+                rg = g0 + rj // HALF  # the group of each byte
+                gmask = rg < NG
+                m2 = nmask[:, None] & gmask[None, :]
+                b = tl.load(p_ptr + rn[:, None] * (K // 2) + g0 * HALF + rj[None, :], mask=m2,
+                            other=136).to(tl.int32)
+                xe = tl.load(x_ptr + pid_m * K + g0 * G + 2 * rj, mask=gmask,
+                             other=0.0).to(tl.float32)
+                xo = tl.load(x_ptr + pid_m * K + g0 * G + 2 * rj + 1, mask=gmask,
+                             other=0.0).to(tl.float32)
+                sc = tl.load(s_ptr + rn[:, None] * NG + rg[None, :], mask=m2, other=0.0)
+                lo = ((b & 15) - 8).to(tl.float32)
+                hi = ((b >> 4) - 8).to(tl.float32)
+                acc += (lo * xe[None, :] + hi * xo[None, :]) * sc
+            y = tl.sum(acc, axis=1)
+            tl.store(out_ptr + pid_m * N + rn, y.to(out_ptr.dtype.element_ty), mask=nmask)
+        else:
+            rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+            mmask = rm < M
+            rh = tl.arange(0, HALF)
+            acc2 = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+            for g in tl.range(0, NG):
+                xe = tl.load(x_ptr + rm[:, None] * K + g * G + 2 * rh[None, :],
+                             mask=mmask[:, None], other=0.0)
+                xo = tl.load(x_ptr + rm[:, None] * K + g * G + 2 * rh[None, :] + 1,
+                             mask=mmask[:, None], other=0.0)
+                b = tl.load(p_ptr + rn[None, :] * (K // 2) + g * HALF + rh[:, None],
+                            mask=nmask[None, :], other=136).to(tl.int32)
+                lo = ((b & 15) - 8).to(xe.dtype)
+                hi = ((b >> 4) - 8).to(xe.dtype)
+                part = tl.dot(xe, lo, input_precision=PRECISION) + tl.dot(
+                    xo, hi, input_precision=PRECISION)
+                sc = tl.load(s_ptr + rn * NG + g, mask=nmask, other=0.0)
+                acc2 += part * sc[None, :]
+            tl.store(out_ptr + rm[:, None] * N + rn[None, :], acc2.to(out_ptr.dtype.element_ty),
+                     mask=mmask[:, None] & nmask[None, :])
 
+    KERNELS = {"int8": qlinear_int8_kernel, "int4": qlinear_int4_kernel}
+else:  # CUDA builds with weight_quant refuse without Triton (targets/cuda/quant.py)
+    KERNELS = {}
 
-KERNELS = {"int8": qlinear_int8_kernel, "int4": qlinear_int4_kernel}
 #: tl.dot's input precision by activation dtype (PRECISION): float32 as 3xTF32 (float32-level
 #: error on tensor cores, as targets/cuda/attention.py), 16-bit floats as they are
 PRECISION = {torch.float32: "tf32x3", torch.float16: "tf32", torch.bfloat16: "tf32"}
+
+
+def _pow2(n: int) -> int:
+    """The smallest power of two >= n (>= 1)."""
+    return 1 << max(0, int(n) - 1).bit_length()
 
 
 def quantize_int8(w: torch.Tensor) -> dict[str, torch.Tensor]:
@@ -173,7 +186,7 @@ def configs(mode: str, m: int | None, n: int, k: int, group: int = 0) -> list[di
     (16-byte loads per row)."""
     out = []
     if m == 1:
-        kp = max(triton.next_power_of_2(k), 16)
+        kp = max(_pow2(k), 16)
         # (BLOCK_N, bytes of each row per step, warps, pipeline stages): 8 KiB of weights per
         # program and step first; each config costs a Triton compile when autotuned
         tiles = [(8, 1024, 4, 1), (4, 2048, 4, 1), (16, 512, 4, 1), (32, 256, 4, 1),
@@ -184,7 +197,7 @@ def configs(mode: str, m: int | None, n: int, k: int, group: int = 0) -> list[di
             if mode == "int8":
                 st = {"BLOCK_K": min(nbytes, kp)}
             else:  # a step of GPI groups: G / 2 bytes each
-                ng = triton.next_power_of_2(max(k // group, 1))
+                ng = _pow2(max(k // group, 1))
                 st = {"GPI": max(1, min(nbytes // group, ng))}  # half the bytes: registers
             c = ({"BLOCK_M": 1, "BLOCK_N": bn, **st}, warps, stages)
             if c not in out:
