@@ -48,12 +48,12 @@ def _histc(x, bins=100, min=0, max=0):
         same = lo == hi
         lo, hi = torch.where(same, lo - 1, lo), torch.where(same, hi + 1, hi)
     else:
-        lo = torch.full((), min, dtype=x.dtype)
-        hi = torch.full((), max, dtype=x.dtype)
+        lo = torch.full((), min, dtype=x.dtype, device=x.device)
+        hi = torch.full((), max, dtype=x.dtype, device=x.device)
     pos = ((flat - lo) * bins / (hi - lo)).to(torch.int64)
     pos = torch.where(pos == bins, bins - 1, pos)
     inside = torch.logical_and(flat >= lo, flat <= hi)
-    hit = torch.logical_and(pos.unsqueeze(0) == torch.arange(bins).unsqueeze(1),
+    hit = torch.logical_and(pos.unsqueeze(0) == torch.arange(bins, device=x.device).unsqueeze(1),
                             inside.unsqueeze(0))
     return hit.sum(1).to(x.dtype)
 
@@ -73,8 +73,8 @@ def _complex_add(sign: int):
             return wide.to(torch.complex32)
         if not isinstance(y, torch.Tensor):  # a Python number (`z + 1`): real 0-d values
             # (kiln's own `full`) made complex by ATen
-            re, im = (torch.full((), v, dtype=dt.to_real()) for v in (complex(y).real,
-                                                                        complex(y).imag))
+            re, im = (torch.full((), v, dtype=dt.to_real(), device=x.device)
+                      for v in (complex(y).real, complex(y).imag))
             y = torch.complex(re, im)
         pair = torch.broadcast_tensors(x.to(dt), y.to(dt) * (sign * alpha))
         return torch.stack(pair).sum(0)
@@ -110,7 +110,9 @@ def _tensor_overload(op):
                     v = bound[n]
                     dt = torch.result_type(tensors[0], v) if tensors else \
                         torch.tensor(v).dtype
-                    bound[n] = torch.full((), v, dtype=dt)  # functional, unlike torch.tensor
+                    dev = tensors[0].device if tensors else None
+                    bound[n] = torch.full((), v, dtype=dt, device=dev)  # (unlike torch.tensor:
+                    # functional)
                 return _other(**bound)
             return rewrite
     return None

@@ -7,10 +7,11 @@ are passed as DLTensors pointing at the tensors' own memory with their own strid
 validates dtype/device/shape; libkiln copies a CPU input whose strides are not compact into a
 scratch buffer of the handle, so transposed, sliced, expanded and channels-last tensors are
 valid inputs). Torch tensors and numpy arrays (any strides, negative ones included) are taken;
-a CUDA input that is not contiguous is made contiguous here, on torch's current stream, since
-libkiln cannot copy device memory; every DLManagedTensor returned by the model is either handed to
-``torch.from_dlpack`` (which then owns it and calls its deleter when the tensor dies) or deleted
-here, exactly once. Runs on one Runner are serialised by libkiln. A CUDA runner
+a CUDA input that is not contiguous or not 16-byte aligned (a slice at an offset) is copied
+here, on torch's current stream, since libkiln cannot copy device memory; every
+DLManagedTensor returned by the model is either handed to ``torch.from_dlpack`` (which then owns
+it and calls its deleter when the tensor dies) or deleted here, exactly once. Runs on one Runner
+are serialised by libkiln. A CUDA runner
 (``device="cuda:N"``) passes CUDA tensors as kDLCUDA DLTensors and runs on torch's current
 stream of its device (``kiln_model_run_on_stream``); its outputs are CUDA tensors ordered on
 that stream, as torch's own results would be.
@@ -499,8 +500,10 @@ class Runner:
         if f is None:
             raise InputError(f"input {i} ({self._name(i)}): unsupported dtype/device "
                              f"{t.dtype}/{t.device}")
-        if not t.is_cpu and not t.is_contiguous():  # libkiln copies only host memory
-            t = t.contiguous()
+        if not t.is_cpu and (not t.is_contiguous() or t.data_ptr() % 16):
+            # libkiln copies only host memory, and CUDA kernels read 16-byte aligned inputs: a
+            # strided or offset view (a slice of a token stream) is copied here
+            t = t.clone(memory_format=torch.contiguous_format)
         n = t.dim()
         arr = _i64_array(n)
         shape, strides = arr(*t.shape), arr(*t.stride())
@@ -570,7 +573,8 @@ class Runner:
                     return _MISS
                 if t.is_cpu:
                     f = _CPU_FIELDS.get(t.dtype)  # no complex dtypes: no conj views
-                elif t.is_conj() or not t.is_contiguous():  # the general path copies it
+                elif t.is_conj() or not t.is_contiguous() or t.data_ptr() & 15:
+                    # the general path copies it
                     return _MISS
                 else:
                     f = _fields(t)

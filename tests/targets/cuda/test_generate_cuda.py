@@ -238,13 +238,19 @@ def test_entries_share_one_upload_of_the_weights(cuda_pkg):
     _, path = cuda_pkg
     blob = _weight_bytes(path)
     kiln.load(path, device="cuda").close()  # the context, cuBLAS, the output pool: warm
-    torch.cuda.synchronize()
-    free0 = torch.cuda.mem_get_info()[0]
-    r = kiln.load(path, device="cuda")
-    used = free0 - torch.cuda.mem_get_info()[0]
+    # free memory is device-wide: other processes on the GPU (parallel test workers) move it,
+    # so the least of three loads counts
+    uses = []
+    for _ in range(3):
+        torch.cuda.synchronize()
+        free0 = torch.cuda.mem_get_info()[0]
+        r = kiln.load(path, device="cuda")
+        uses.append(free0 - torch.cuda.mem_get_info()[0])
+        r.close()
     # prefill and decode read the same weights: one copy (before: one per entry point), plus
     # per-instance arenas and workspaces (cuBLAS: 32 MiB each)
-    assert used < blob + 120 * 2**20, (used, blob)
+    assert min(uses) < blob + 120 * 2**20, (uses, blob)
+    r = kiln.load(path, device="cuda")
     assert kiln.runtime.generate(r, PROMPT, 4).tokens  # and the shared copy works
 
 

@@ -162,28 +162,35 @@ def _gpu():
 @pytest.mark.parametrize("mode", ["int8", "int4"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_quantised_step_on_gpu_matches_dequantised_eager(tmp_path, mode, dtype):
+    """Each step's logits against the dequantised model in fp32 on the same token stream
+    (kiln's own greedy tokens fed to every model): fp32 within 1e-3 of the logit scale with the
+    same tokens; bf16 within twice eager bf16's own error plus 1% of the scale."""
     _gpu()
     group = 64
     model = hf_decoder.llama(layers=2, hidden=256, heads=8, kv_heads=4, vocab=512, inter=512)
-    ref = fake_quant(model, mode, group).to("cuda", dtype)
+    deq = fake_quant(model, mode, group)
     w, ep = hf_decoder.export_step(model, 32, device="cuda", dtype=dtype)
-    rw = hf_decoder.static_cache_module(ref, 32)
     cm = kiln.compile(ep, device="cuda", options=Options(weight_quant=mode, autotune=False,
                                                          weight_quant_group=group))
     r = cm.load(tmp_path / "q.kiln", device="cuda")
     prompt = [3, 17, 42, 5, 99]
     got_t, got = hf_decoder.greedy_steps(lambda i, c: r(input_ids=i, cache_position=c),
                                          prompt, 8, "cuda")
+    fed = prompt + got_t[:-1]  # the token stream kiln was fed
     with torch.no_grad():
-        want_t, want = hf_decoder.greedy_steps(hf_decoder.eager_step(rw), prompt, 8, "cuda")
-    # 16-bit near-ties may pick another token: compare the steps whose inputs were the same
-    # (up to the step that chose the first differing token)
-    d = next((j for j, (x, y) in enumerate(zip(got_t, want_t)) if x != y), len(got_t))
-    for a, b in zip(got[:len(prompt) + d], want[:len(prompt) + d]):
-        scale = b.double().abs().max().item()
-        tol = 1e-3 if dtype == torch.float32 else 3e-2
-        assert (a.double() - b.double()).abs().max().item() <= tol * scale + 1e-3
+        ref = hf_decoder.greedy_steps(hf_decoder.eager_step(hf_decoder.static_cache_module(
+            deq.to("cuda", torch.float32), 32)), fed, 1, "cuda")[1]
+        mine = hf_decoder.greedy_steps(hf_decoder.eager_step(hf_decoder.static_cache_module(
+            copy.deepcopy(deq).to("cuda", dtype), 32)), fed, 1, "cuda")[1]
+    assert len(got) == len(ref) == len(mine)
+    for step, (a, b, e) in enumerate(zip(got, ref, mine)):
+        b = b.double()
+        scale = b.abs().max().item()
+        err, eager_err = (a.double() - b).abs().max().item(), (e.double() - b).abs().max().item()
+        bound = 1e-3 * scale if dtype == torch.float32 else 2 * eager_err + 1e-2 * scale
+        assert err <= bound, (step, err, eager_err, scale)
     if dtype == torch.float32:
+        want_t = [int(x.argmax()) for x in ref[len(prompt) - 1:]]
         assert got_t == want_t
 
 
