@@ -168,7 +168,29 @@ def lower_matmul(ctx: LowerCtx, node: Node, args: list[Lazy]) -> Lazy:
         return int_matmul(ctx, node, a, b)
     if node.type.dtype.name not in ("float32", "float64", "float16", "bfloat16"):
         raise UnsupportedError(f"matmul of dtype {node.type.dtype} (node {node.name})")
+    if a.shape[-1] == 1 and len(a.shape) == len(b.shape) == len(node.type.shape):
+        return outer_product(node, a, b)
     return gemm(ctx, node.name, a, b, batch, (node.source or node.name,), node.type.dtype)
+
+
+def outer_product(node: Node, a: Lazy, b: Lazy) -> Lazy:
+    """A float matmul over K = 1 (rotary frequencies times positions, a rank-1 update): each
+    element is one product, a pointwise op that fuses into its neighbours instead of a library
+    call. 16-bit operands multiply in float32 and round once, as a GEMM's float32 accumulator
+    does; batch dims of size 1 broadcast as matmul's do."""
+    dt, shape = node.type.dtype, tuple(node.type.shape)
+    nb = len(shape) - 2
+    wide = dtypes.float32 if dt.name in ("float16", "bfloat16") else dt
+
+    def at(lz: Lazy, idx, last):
+        batch = [i if lz.shape[d] == shape[d] else sympy.Integer(0)
+                 for d, i in enumerate(idx[:nb])]
+        return cast(lz.load((*batch, *last)), wide)
+
+    def fn(idx):
+        zero = sympy.Integer(0)
+        return cast(op("mul", at(a, idx, (idx[nb], zero)), at(b, idx, (zero, idx[nb + 1]))), dt)
+    return pointwise(dt, shape, fn, a, b)
 
 
 def int_matmul(ctx: LowerCtx, node: Node, a: Lazy, b: Lazy) -> Lazy:
@@ -185,4 +207,4 @@ def int_matmul(ctx: LowerCtx, node: Node, a: Lazy, b: Lazy) -> Lazy:
                          (node.source or node.name,))
 
 
-__all__ = ["lower_matmul", "int_matmul", "gemm", "ivars"]
+__all__ = ["lower_matmul", "int_matmul", "outer_product", "gemm", "ivars"]

@@ -168,8 +168,9 @@ def test_quantised_step_on_gpu_matches_dequantised_eager(tmp_path, mode, dtype):
     _gpu()
     group = 64
     model = hf_decoder.llama(layers=2, hidden=256, heads=8, kv_heads=4, vocab=512, inter=512)
-    deq = fake_quant(model, mode, group)
     w, ep = hf_decoder.export_step(model, 32, device="cuda", dtype=dtype)
+    # the reference quantises the weights kiln quantises: those of the package's dtype
+    deq = fake_quant(copy.deepcopy(model).float(), mode, group)
     cm = kiln.compile(ep, device="cuda", options=Options(weight_quant=mode, autotune=False,
                                                          weight_quant_group=group))
     r = cm.load(tmp_path / "q.kiln", device="cuda")
