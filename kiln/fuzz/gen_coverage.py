@@ -32,7 +32,8 @@ def special(v: V) -> bool:
 def _float_1d(g, most: int = 12) -> int:
     """A rank-1 static float value (an existing one, or a new input)."""
     i = g.pick(lambda v: len(v.shape) == 1 and isinstance(v.shape[0], int)
-               and v.shape[0] <= most and v.dtype.startswith("float")) if g.r.random() < 0.5 else None
+               and v.shape[0] <= most and v.dtype.startswith("float")) \
+        if g.r.random() < 0.5 else None
     if i is None:
         i = g.new_input((g.r.randint(1, most),), g.r.choice(["float32"] * 3 + ["float64"]))
     return i

@@ -100,7 +100,8 @@ def choose_attention_config(call: L.Extern, buffers, hints: dict[str, int]) -> C
 
 def attention_candidates(call: L.Extern, buffers, hints: dict[str, int]) -> list[Config]:
     """The heuristic config first, then a small space around it: BLOCK_M in {64, 128}, BLOCK_N
-    in {32, 64, 128}, 4 or 8 warps, 2-4 stages, kept where the estimated shared memory fits."""
+    in {32, 64, 128}, 4 or 8 warps (8 only with at least 128 query rows), 2-4 stages, kept where
+    the estimated shared memory fits."""
     base = choose_attention_config(call, buffers, hints)
     e, ev = head_dims(call)
     size = _itemsize(call, buffers)
@@ -110,6 +111,11 @@ def attention_candidates(call: L.Extern, buffers, hints: dict[str, int]) -> list
     for bm, bn, w, st in ((128, 64, 4, 3), (128, 64, 8, 3), (128, 128, 8, 3), (128, 32, 4, 4),
                           (64, 64, 4, 3), (64, 32, 4, 2), (128, 64, 8, 4), (64, 64, 8, 2)):
         c = Config(min(bm, _pow2(lq)), min(bn, _pow2(s)), w, st)
+        # 8 warps need 16 query rows each: a 64 x 16 float32 tile on 8 warps faulted (illegal
+        # address, H200, Triton 3.6: segformer's 4-key attention), and a fault while timing
+        # leaves the process's CUDA context unusable
+        if w > max(4, c.xblock // 16):
+            continue
         if c not in out and _shared_estimate(c, _pow2(e), _pow2(ev), size) <= SHARED_LIMIT:
             out.append(c)
     return out
