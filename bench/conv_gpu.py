@@ -68,6 +68,8 @@ def one(model: str, dtype: str, batch: int, a) -> None:
           f"{med['kiln_implicit']:.3f} | {med['kiln_implicit'] / med['kiln_im2col']:.2f} | "
           f"{err['implicit']:.1e} / {err['im2col']:.1e} | {s_imp:.0f} / {s_old:.0f} |",
           flush=True)
+    slow = sorted(imp.report["stages"].items(), key=lambda kv: -kv[1])[:6]
+    print("    implicit compile, slowest stages: " + ", ".join(f"{k} {v:.1f} s" for k, v in slow))
     if a.per_conv:
         tuned = imp.manifest["cuda"].get("autotuned", {})
         for name, cfg in imp.manifest["cuda"]["conv"].items():
