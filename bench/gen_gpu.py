@@ -31,17 +31,9 @@ sys.path.insert(0, str(ROOT))
 
 import torch  # noqa: E402
 
-from bench.cuda_timing import stream_ms  # noqa: E402
+from bench.llm_gpu import DT, add_model_args, copy_gbs, weight_bytes  # noqa: E402
 
-DT = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 PROMPT = [1, 450, 4996, 17354, 1701, 29916, 432, 17204, 975, 278, 17366, 11203]
-
-
-def copy_gbs() -> float:
-    src = torch.empty(2**28, dtype=torch.float32, device="cuda")  # 1 GiB
-    dst = torch.empty_like(src)
-    ms = stream_ms(lambda: dst.copy_(src), 10, 10)
-    return 2 * src.numel() * 4 / ms / 1e6
 
 
 def main() -> None:
@@ -49,15 +41,8 @@ def main() -> None:
     from kiln.models import device_sampler, hf_decoder
 
     p = argparse.ArgumentParser()
-    p.add_argument("--layers", type=int, default=16)
-    p.add_argument("--hidden", type=int, default=2048)
-    p.add_argument("--inter", type=int, default=5632)
-    p.add_argument("--heads", type=int, default=32)
-    p.add_argument("--kv-heads", type=int, default=4)
-    p.add_argument("--vocab", type=int, default=32000)
-    p.add_argument("--cache", type=int, default=512)
+    add_model_args(p, cache=512)
     p.add_argument("--new", type=int, default=128)
-    p.add_argument("--dtype", default="bf16")
     p.add_argument("--weight-quant", default="none")
     p.add_argument("--json", default=None)
     p.add_argument("--c-exe", default=None, help="examples/c/generate built: run it too")
@@ -69,13 +54,13 @@ def main() -> None:
     model = hf_decoder.build("llama", 0, dt, init=0.02, layers=a.layers, hidden=a.hidden,
                              heads=a.heads, kv_heads=a.kv_heads, intermediate=a.inter,
                              vocab=a.vocab, max_pos=max(2048, a.cache))
-    weight_bytes = sum(t.numel() * t.element_size() for t in model.parameters())
+    wbytes = weight_bytes(model)
     progs = hf_decoder.export_decoder(model, max_cache_len=a.cache, max_prompt=64,
                                       sampler=device_sampler.export_sampler)
     export_s = time.perf_counter() - t0
     bw = copy_gbs()
-    print(f"model: llama {a.layers}x{a.hidden} {a.dtype}, {weight_bytes / 2**30:.2f} GiB of "
-          f"weights; copy bandwidth {bw:.0f} GB/s; roofline {weight_bytes / bw / 1e6:.3f} "
+    print(f"model: llama {a.layers}x{a.hidden} {a.dtype}, {wbytes / 2**30:.2f} GiB of "
+          f"weights; copy bandwidth {bw:.0f} GB/s; roofline {wbytes / bw / 1e6:.3f} "
           f"ms/token; built and exported in {export_s:.0f} s", flush=True)
     want = hf_decoder.eager_generate(model.to("cuda"), PROMPT, 32, max_cache_len=a.cache)
     model.to("cpu")
@@ -106,7 +91,7 @@ def main() -> None:
             if name == "device greedy":
                 row["prefill_ms"] = g.prefill_seconds * 1e3
                 row["tokens = eager (32)"] = g.tokens[:32] == want
-        row["roofline_ms"] = weight_bytes / bw / 1e6 if wq == "none" else None
+        row["roofline_ms"] = wbytes / bw / 1e6 if wq == "none" else None
         r.close()
         if a.c_exe:
             c = subprocess.run([a.c_exe, "-n", str(a.new), "-d", "cuda", str(path),

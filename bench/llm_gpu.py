@@ -36,13 +36,30 @@ from bench.cuda_timing import stream_ms, sync_ms  # noqa: E402
 DT = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
-
-
 def copy_gbs() -> float:
+    """The device-to-device copy bandwidth (bytes read + written per second, in GB/s) of a
+    1 GiB copy: the roofline's denominator (also bench/gen_gpu.py's)."""
     src = torch.empty(2**28, dtype=torch.float32, device="cuda")  # 1 GiB
     dst = torch.empty_like(src)
     ms = stream_ms(lambda: dst.copy_(src), 10, 10)
     return 2 * src.numel() * 4 / ms / 1e6
+
+
+def add_model_args(p: argparse.ArgumentParser, cache: int) -> None:
+    """The Llama-shaped decoder's options (also bench/gen_gpu.py's); `cache`: the default
+    static-cache length."""
+    p.add_argument("--layers", type=int, default=16)
+    p.add_argument("--hidden", type=int, default=2048)
+    p.add_argument("--inter", type=int, default=5632)
+    p.add_argument("--heads", type=int, default=32)
+    p.add_argument("--kv-heads", type=int, default=4)
+    p.add_argument("--vocab", type=int, default=32000)
+    p.add_argument("--cache", type=int, default=cache)
+    p.add_argument("--dtype", default="bf16")
+
+
+def weight_bytes(model: torch.nn.Module) -> int:
+    return sum(t.numel() * t.element_size() for t in model.parameters())
 
 
 def main() -> None:
@@ -50,14 +67,7 @@ def main() -> None:
     from kiln.models.llm import eager_step, greedy, llama, static_cache_module
 
     p = argparse.ArgumentParser()
-    p.add_argument("--layers", type=int, default=16)
-    p.add_argument("--hidden", type=int, default=2048)
-    p.add_argument("--inter", type=int, default=5632)
-    p.add_argument("--heads", type=int, default=32)
-    p.add_argument("--kv-heads", type=int, default=4)
-    p.add_argument("--vocab", type=int, default=32000)
-    p.add_argument("--cache", type=int, default=256)
-    p.add_argument("--dtype", default="bf16")
+    add_model_args(p, cache=256)
     p.add_argument("--repeat", type=int, default=50)
     p.add_argument("--no-compile", action="store_true")
     p.add_argument("--max-autotune", action="store_true")
@@ -67,14 +77,14 @@ def main() -> None:
     model = llama(layers=a.layers, hidden=a.hidden, heads=a.heads, kv_heads=a.kv_heads,
                   vocab=a.vocab, inter=a.inter, init=0.02, device="cuda")
     w, ep = static_cache_module(model, a.cache, device="cuda", dtype=dt)
-    weight_bytes = sum(t.numel() * t.element_size() for t in model.parameters())
+    wbytes = weight_bytes(model)
     bw = copy_gbs()
-    rows["roofline_ms"] = weight_bytes / bw / 1e6
+    rows["roofline_ms"] = wbytes / bw / 1e6
     ids = torch.tensor([[11]], device="cuda")
     pos = torch.tensor([a.cache // 2], device="cuda")  # half the cache filled
     attn = sorted({str(n.target) for n in ep.run_decompositions().graph.nodes
                    if "attention" in str(n.target)})
-    print(f"model: {a.layers} layers x {a.hidden}, {weight_bytes / 2**30:.2f} GiB of {a.dtype} "
+    print(f"model: {a.layers} layers x {a.hidden}, {wbytes / 2**30:.2f} GiB of {a.dtype} "
           f"weights; copy bandwidth {bw:.0f} GB/s; attention ops {attn}", flush=True)
 
     t0 = time.perf_counter()

@@ -5,13 +5,10 @@ that follow a convolution are folded into its store (its "epilogue").
 
 For each supported `conv` (2-D, not transposed, float32, static sizes, a constant weight;
 groups 1, or depthwise: groups == in channels == out channels) the chain of single-use
-nodes after it is absorbed, in this order, as far as it matches:
-    add of the bias (the frontend's `add(conv, view(bias))`)
-    batch_norm with constant statistics (eval mode): folded into weight and bias
-    add of a residual of the output's shape
-    relu | clamp (relu6, hardtanh) | silu
-and the whole chain becomes one `conv_nchwc` node named `<last>_nchwc`: out = act(W * x +
-bias [+ residual]). Weights are stored packed, in float32 computed from float64:
+nodes after it (bias add, eval batch_norm folded into weight and bias, residual add,
+relu | clamp | silu: passes/conv_epilogue.py) is absorbed, and the whole chain
+becomes one `conv_nchwc` node named `<last>_nchwc`: out = act(W * x + bias [+ residual]).
+Weights are stored packed, in float32 computed from float64:
     dense      [OC/B, IC/B, KH, KW, B, B]   (in-channel, then out-channel innermost)
                [OC/B, 1, KH, KW, IC, B]     when IC < B and the input is a plain NCHW tensor
                                             (a stem convolution reads it unconverted)
@@ -37,37 +34,19 @@ GEMM). A pure pass: returns a new graph and weight table."""
 
 from __future__ import annotations
 
-import math
-from dataclasses import dataclass, replace
+from dataclasses import replace
 
 import sympy
 import torch
 
 from kiln.ir import dtypes
 from kiln.ir.graph import Graph, Input, Node, TensorType
+from kiln.passes.conv_epilogue import Fused, chains, describe, folded_fqns, scale_shift, users_of
 from kiln.passes.dce import dce
-
-@dataclass(frozen=True)
-class Fused:
-    """One convolution and the chain folded into it."""
-
-    conv: Node
-    last: str  # the chain's last node (its value is the fused result)
-    absorbed: tuple[str, ...]  # every node of the chain, conv first
-    bias: str | None = None  # weight input of the bias
-    bn: Node | None = None
-    residual: str | None = None
-    act: str = "none"
-    lo: float = 0.0
-    hi: float = 0.0
 
 
 def _static(shape) -> bool:
     return all(sympy.sympify(d).is_Integer for d in shape)
-
-
-def _ints(shape) -> tuple[int, ...]:
-    return tuple(int(d) for d in shape)
 
 
 def supported(n: Node, types, weights_in) -> bool:
@@ -86,51 +65,6 @@ def supported(n: Node, types, weights_in) -> bool:
     return g == 1 or (g == c == oc and int(w.shape[1]) == 1)
 
 
-def _chain(conv: Node, g: Graph, users, types, weights_in, by_name, taken) -> Fused:
-    """The longest chain after `conv` that its epilogue computes (`taken`: nodes already in
-    another chain)."""
-    f = Fused(conv, conv.name, (conv.name,))
-    outputs = set(g.outputs)
-    oc = int(conv.type.shape[1])
-
-    def sole_user(name):
-        us = users.get(name, [])
-        if len(us) != 1 or name in outputs or us[0].name in taken:
-            return None
-        return us[0]
-
-    def const(name) -> bool:
-        return name in weights_in
-
-    nxt = sole_user(f.last)
-    # the bias: add(conv, view(bias [OC] -> [OC, 1, 1]))
-    if nxt is not None and nxt.op == "add" and nxt.type == conv.type and nxt.inputs[0] == f.last:
-        v = by_name.get(nxt.inputs[1])
-        if v is not None and v.op == "view" and const(v.inputs[0]) and \
-                _ints(types[v.inputs[0]].shape) == (oc,):
-            f = replace(f, last=nxt.name, absorbed=f.absorbed + (nxt.name,), bias=v.inputs[0])
-            nxt = sole_user(f.last)
-    if nxt is not None and nxt.op == "batch_norm" and nxt.inputs[0] == f.last and \
-            all(const(i) for i in nxt.inputs[1:]) and nxt.type == conv.type:
-        f = replace(f, last=nxt.name, absorbed=f.absorbed + (nxt.name,), bn=nxt)
-        nxt = sole_user(f.last)
-    if nxt is not None and nxt.op == "add" and nxt.type == conv.type and f.last in nxt.inputs \
-            and nxt.inputs[0] != nxt.inputs[1]:  # (x + x is not a residual)
-        other = nxt.inputs[1] if nxt.inputs[0] == f.last else nxt.inputs[0]
-        if types[other] == conv.type:
-            f = replace(f, last=nxt.name, absorbed=f.absorbed + (nxt.name,), residual=other)
-            nxt = sole_user(f.last)
-    if nxt is not None and nxt.inputs[:1] == (f.last,) and nxt.type == conv.type:
-        if nxt.op in ("relu", "silu"):
-            f = replace(f, last=nxt.name, absorbed=f.absorbed + (nxt.name,), act=nxt.op)
-        elif nxt.op == "clamp" and (nxt.attr("min") is not None or nxt.attr("max") is not None):
-            lo, hi = nxt.attr("min"), nxt.attr("max")
-            f = replace(f, last=nxt.name, absorbed=f.absorbed + (nxt.name,), act="clamp",
-                        lo=-math.inf if lo is None else float(lo),
-                        hi=math.inf if hi is None else float(hi))
-    return f
-
-
 def _padded(c: int, block: int) -> int:
     return -(-c // block) * block
 
@@ -138,17 +72,11 @@ def _padded(c: int, block: int) -> int:
 def pack(f: Fused, w: torch.Tensor, bias, bn_tensors, block: int, unblocked_input: bool,
          ) -> tuple[torch.Tensor, torch.Tensor]:
     """(packed weight, packed bias) of fused convolution `f` (see the module docstring)."""
-    w = w.detach().to(torch.float64)
+    w = w.detach().to("cpu", torch.float64)  # (as scale_shift's: a GPU export's weights)
     oc, icg, kh, kw = w.shape
-    b = torch.zeros(oc, dtype=torch.float64) if bias is None else \
-        bias.detach().to(torch.float64).reshape(oc)
-    if f.bn is not None:  # y = (z - mean) * rsqrt(var + eps) * gamma + beta
-        mean, var, *rest = (t.detach().to(torch.float64).reshape(oc) for t in bn_tensors)
-        gamma = rest.pop(0) if f.bn.attr("has_weight") else torch.ones(oc, dtype=torch.float64)
-        beta = rest.pop(0) if f.bn.attr("has_bias") else torch.zeros(oc, dtype=torch.float64)
-        scale = gamma / torch.sqrt(var + f.bn.attr("eps"))
+    scale, b = scale_shift(f, bias, bn_tensors, oc)
+    if f.bn is not None:  # batch norm folded into the weights
         w = w * scale.reshape(oc, 1, 1, 1)
-        b = (b - mean) * scale + beta
     ocp = _padded(oc, block)
     bias_p = torch.zeros(ocp, dtype=torch.float64)
     bias_p[:oc] = b
@@ -166,22 +94,6 @@ def pack(f: Fused, w: torch.Tensor, bias, bn_tensors, block: int, unblocked_inpu
     return (wp.to(torch.float32).contiguous(), bias_p.to(torch.float32).contiguous())
 
 
-def _describe(f: Fused) -> str:
-    """The epilogue in words (the node's `epilogue` attribute, shown in graph dumps)."""
-    parts = []
-    if f.bias:
-        parts.append("bias")
-    if f.bn is not None:
-        parts.append(f"{f.bn.name} folded")
-    if f.residual:
-        parts.append(f"+ {f.residual}")
-    if f.act == "clamp":
-        parts.append(f"clamp({f.lo:g}, {f.hi:g})")
-    elif f.act != "none":
-        parts.append(f.act)
-    return ", ".join(parts) or "none"
-
-
 def conv_nchwc(g: Graph, weights: dict[str, torch.Tensor], block: int, threads: int = 0
                ) -> tuple[Graph, dict[str, torch.Tensor]]:
     """Rewrite the supported convolutions of `g` (see the module docstring); `block`: floats
@@ -189,21 +101,12 @@ def conv_nchwc(g: Graph, weights: dict[str, torch.Tensor], block: int, threads: 
     types = dict(g.types())
     weights_in = {i.name: i for i in g.inputs if i.kind == "weight" and i.name in weights}
     by_name = {n.name: n for n in g.nodes}
-    users: dict[str, list[Node]] = {}
-    for n in g.nodes:
-        for x in dict.fromkeys(n.inputs):
-            users.setdefault(x, []).append(n)
-    fused: dict[str, Fused] = {}  # last node -> chain
-    absorbed: set[str] = set()
-    for n in g.nodes:
-        if n.name in absorbed or not supported(n, types, weights_in):
-            continue
-        f = _chain(n, g, users, types, weights_in, by_name, absorbed)
-        fused[f.last] = f
-        absorbed.update(f.absorbed)
+    users = users_of(g)
+    fused = chains(g, types, users, weights_in, by_name, supported)  # last node -> chain
     if not fused:
         return g, weights
     chain_of = {a: f for f in fused.values() for a in f.absorbed}
+    absorbed = set(chain_of)
     outputs = set(g.outputs)
 
     def needs_nchw(v: str) -> bool:
@@ -260,9 +163,7 @@ def conv_nchwc(g: Graph, weights: dict[str, torch.Tensor], block: int, threads: 
         wp, bp = pack(f, weights[conv.inputs[1]], weights[f.bias] if f.bias else None, bn_t,
                       block, unblocked)
         name = f"{f.last}_nchwc"
-        srcs = [conv.inputs[1]] + ([f.bias] if f.bias else []) + (
-            list(f.bn.inputs[1:]) if f.bn is not None else [])
-        fqns = ", ".join(weights_in[s].fqn or s for s in srcs)
+        fqns = folded_fqns(f, weights_in)
         win = Input(f"{name}_w", TensorType(dtypes.float32, tuple(map(sympy.Integer, wp.shape))),
                     "weight", f"<folded {fqns}: packed for the NCHWc convolution {name}>")
         bin_ = Input(f"{name}_b", TensorType(dtypes.float32, (sympy.Integer(bp.numel()),)),
@@ -276,7 +177,7 @@ def conv_nchwc(g: Graph, weights: dict[str, torch.Tensor], block: int, threads: 
                  ("dilation", tuple(conv.attr("dilation"))),
                  ("depthwise", conv.attr("groups") != 1), ("act", f.act), ("lo", f.lo),
                  ("hi", f.hi), ("channels", int(oc)), ("block", block), ("threads", threads),
-                 ("fused", f.absorbed), ("epilogue", _describe(f)))
+                 ("fused", f.absorbed), ("epilogue", describe(f)))
         ins = (xin, win.name, bin_.name) + ((res,) if res else ())
         nodes.append(Node(name, "conv_nchwc", ins, TensorType(dtypes.float32, (
             nb, sympy.Integer(ocb), oh, ow, sympy.Integer(block))), attrs, conv.source))

@@ -1,13 +1,13 @@
 """CUDA convolution in channels-last (Options.cuda_conv == "implicit"): 2-D convolutions become
 `conv_nhwc` nodes that read and write NHWC ([N, H, W, C], channels contiguous), with the ops
 that follow a convolution folded into its store (its epilogue), as the CPU direct convolution
-does (passes/conv_nchwc.py: the same chain matcher `_chain`).
+(passes/conv_nchwc.py) does: the chain matcher is passes/conv_epilogue.py's.
 
 For each supported `conv` (2-D, not transposed, float32 / float16 / bfloat16, a constant
-weight, static channel and kernel sizes; batch and spatial sizes may be dynamic) the chain of
-single-use nodes after it is absorbed as far as it matches (bias add, eval batch_norm folded
-into a per-channel scale and shift, residual add, relu | clamp | silu), and the chain becomes
-one `conv_nhwc` node named `<last>_nhwc`: out = act((W * x) * scale + shift [+ residual]).
+weight, static channel and kernel sizes; batch and spatial sizes may be dynamic) its epilogue
+chain (bias add, eval batch_norm as a per-channel scale and shift, a residual add of its dtype,
+relu | clamp | silu) becomes one `conv_nhwc` node named `<last>_nhwc`:
+out = act((W * x) * scale + shift [+ residual]).
 Weights are stored in the convolution's dtype, as the model has them, repacked:
     dense / grouped   [G, KH * KW * Cg, OCg]  the implicit GEMM's B per group: K ordered
                                               (kh, kw, c) so a K step reads contiguous
@@ -50,7 +50,7 @@ import torch
 from kiln.ir import dtypes
 from kiln.ir.graph import Graph, Input, Node, TensorType
 from kiln.ir.sym import evaluate
-from kiln.passes.conv_nchwc import Fused, _chain, _describe
+from kiln.passes.conv_epilogue import Fused, chains, describe, folded_fqns, scale_shift, users_of
 from kiln.passes.dce import dce
 
 DTYPES = (dtypes.float32, dtypes.float16, dtypes.bfloat16)
@@ -88,15 +88,7 @@ def pack(f: Fused, w: torch.Tensor, bias, bn_tensors, dw: bool, dtype
     would add an error eager does not make; its scale multiplies the float32 accumulator."""
     w = w.detach().to("cpu", torch.float64)  # (a program exported on the GPU holds GPU weights)
     oc, cg, kh, kw = w.shape
-    b = torch.zeros(oc, dtype=torch.float64) if bias is None else \
-        bias.detach().to("cpu", torch.float64).reshape(oc)
-    scale = torch.ones(oc, dtype=torch.float64)
-    if f.bn is not None:  # y = (z + b - mean) * rsqrt(var + eps) * gamma + beta
-        mean, var, *rest = (t.detach().to("cpu", torch.float64).reshape(oc) for t in bn_tensors)
-        gamma = rest.pop(0) if f.bn.attr("has_weight") else torch.ones(oc, dtype=torch.float64)
-        beta = rest.pop(0) if f.bn.attr("has_bias") else torch.zeros(oc, dtype=torch.float64)
-        scale = gamma / torch.sqrt(var + f.bn.attr("eps"))
-        b = (b - mean) * scale + beta
+    scale, b = scale_shift(f, bias, bn_tensors, oc)
     if dw:  # [C, 1, KH, KW] -> [KH, KW, C]
         wp = w[:, 0].permute(1, 2, 0)
     else:  # [G * OCg, Cg, KH, KW] -> [G, KH, KW, Cg, OCg] -> [G, KH * KW * Cg, OCg]
@@ -152,23 +144,12 @@ def conv_nhwc(g: Graph, weights: dict[str, torch.Tensor], gemm_1x1: bool = False
     env = {s.name: s.example for s in g.symbols}
     weights_in = {i.name: i for i in g.inputs if i.kind == "weight" and i.name in weights}
     by_name = {n.name: n for n in g.nodes}
-    users: dict[str, list[Node]] = {}
-    for n in g.nodes:
-        for x in dict.fromkeys(n.inputs):
-            users.setdefault(x, []).append(n)
-    fused: dict[str, Fused] = {}  # last node -> chain
-    absorbed: set[str] = set()
-    for n in g.nodes:
-        if n.name in absorbed or not supported(n, types, weights_in):
-            continue
-        f = _chain(n, g, users, types, weights_in, by_name, absorbed)
-        if f.residual is not None and types[f.residual].dtype != n.type.dtype:
-            continue
-        fused[f.last] = f
-        absorbed.update(f.absorbed)
+    users = users_of(g)
+    fused = chains(g, types, users, weights_in, by_name, supported)  # last node -> chain
     if not fused:
         return g, weights
     chain_of = {a: f for f in fused.values() for a in f.absorbed}
+    absorbed = set(chain_of)
     outputs = set(g.outputs)
 
     def needs_nchw(v: str) -> bool:
@@ -245,9 +226,7 @@ def conv_nhwc(g: Graph, weights: dict[str, torch.Tensor], gemm_1x1: bool = False
         wp, bp = pack(f, weights[conv.inputs[1]], weights[f.bias] if f.bias else None, bn_t,
                       dw, dt)
         name = f"{f.last}_nhwc"
-        srcs = [conv.inputs[1]] + ([f.bias] if f.bias else []) + (
-            list(f.bn.inputs[1:]) if f.bn is not None else [])
-        fqns = ", ".join(weights_in[s].fqn or s for s in srcs)
+        fqns = folded_fqns(f, weights_in)
         win = Input(f"{name}_w", TensorType(dt, tuple(map(sympy.Integer, wp.shape))),
                     "weight", f"<folded {fqns}: packed for the NHWC convolution {name}>")
         bin_ = Input(f"{name}_b", TensorType(dtypes.float32, (sympy.Integer(bp.numel()),)),
@@ -260,7 +239,7 @@ def conv_nhwc(g: Graph, weights: dict[str, torch.Tensor], gemm_1x1: bool = False
         attrs = (("stride", tuple(conv.attr("stride"))), ("padding", tuple(conv.attr("padding"))),
                  ("dilation", tuple(conv.attr("dilation"))), ("groups", conv.attr("groups")),
                  ("kernel", (kh, kw)), ("depthwise", dw), ("act", f.act), ("lo", f.lo),
-                 ("hi", f.hi), ("fused", f.absorbed), ("epilogue", _describe(f)),
+                 ("hi", f.hi), ("fused", f.absorbed), ("epilogue", describe(f)),
                  ("gemm", gemm), ("split", 1 if gemm else split_k(conv, types, env, dw)))
         ins = (xin, win.name, bin_.name) + ((res,) if res else ())
         nodes.append(Node(name, "conv_nhwc", ins, _nhwc_type(conv.type), attrs, conv.source))

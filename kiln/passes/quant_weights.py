@@ -44,9 +44,19 @@ def _static(*dims) -> bool:
     return all(isinstance(sympy.sympify(d), sympy.Integer) and int(d) > 0 for d in dims)
 
 
-def _weight_b(n: Node, g: Graph, nodes: dict, weights_in: dict) -> tuple[str, bool] | None:
-    """(weight name, transposed) when matmul `n`'s B is a constant weight [K, N] or the
-    (1, 0) permute of one [N, K]."""
+def quantisable_weights(g: Graph) -> dict[str, Input]:
+    """The weights a GEMM may read quantised, by name: the graph's weight inputs, but those
+    stored permuted (their tensor is not the value the graph reads)."""
+    return {i.name: i for i in g.inputs if i.kind == "weight" and not i.permuted}
+
+
+def weight_b(n: Node, types, nodes: dict, weights_in: dict) -> tuple[str, bool] | None:
+    """(weight name, transposed) when `n` is a 2-D matmul `x @ B` (x 2-D) whose B is a
+    weight of `weights_in` (`quantisable_weights`) [K, N] or the (1, 0) permute of one
+    [N, K] (nn.Linear); else None. The GEMMs a weight-only quantisation may rewrite, on
+    every target (the CPU's here; the CUDA target's targets/cuda/quant.py)."""
+    if n.op != "matmul" or len(n.type.shape) != 2 or len(types[n.inputs[0]].shape) != 2:
+        return None
     b = n.inputs[1]
     if b in weights_in:
         return (b, False) if len(weights_in[b].type.shape) == 2 else None
@@ -57,6 +67,32 @@ def _weight_b(n: Node, g: Graph, nodes: dict, weights_in: dict) -> tuple[str, bo
     return None
 
 
+def quantised_inputs(wname: str, mode: str, suffix: str, parts: dict[str, torch.Tensor],
+                     weights_in: dict, names: set[str]) -> list[tuple[Input, torch.Tensor]]:
+    """The weight inputs that store weight `wname` quantised as `mode`, one a part of `parts`
+    ({"q": values, "s": scales, ...}): named `<weight>_<suffix>` (the values) or
+    `<weight>_<part>`, with `_2`, `_3`... where the name is taken (`names` gets the new
+    ones); FQN `<quantised MODE of FQN>`, which update_weights refuses."""
+    fqn = f"<quantised {mode} of {weights_in[wname].fqn or wname}>"
+    out = []
+    for part, t in parts.items():
+        name = fresh_name(f"{wname}_{suffix if part == 'q' else part}", names)
+        dt = dtypes.DTYPES[str(t.dtype).removeprefix("torch.")]
+        out.append((Input(name, TensorType(dt, tuple(sympy.Integer(d) for d in t.shape)),
+                          "weight", fqn), t))
+    return out
+
+
+def fresh_name(base: str, names: set[str]) -> str:
+    """`base`, or `base_2`, `base_3`... the first not in `names`; added to `names`."""
+    name, j = base, 1
+    while name in names:
+        j += 1
+        name = f"{base}_{j}"
+    names.add(name)
+    return name
+
+
 def quantize_weights(g: Graph, weights: dict[str, torch.Tensor], weight_quant: str,
                      group: int, kernel: str = "dequant", bf16: bool = True
                      ) -> tuple[Graph, dict[str, torch.Tensor]]:
@@ -64,7 +100,7 @@ def quantize_weights(g: Graph, weights: dict[str, torch.Tensor], weight_quant: s
         return g, weights
     types = g.types()
     nodes = {n.name: n for n in g.nodes}
-    weights_in = {i.name: i for i in g.inputs if i.kind == "weight" and not i.permuted}
+    weights_in = quantisable_weights(g)
     names = set(types)
     new_weights = dict(weights)
     added: list[Input] = []
@@ -78,9 +114,9 @@ def quantize_weights(g: Graph, weights: dict[str, torch.Tensor], weight_quant: s
     for n in g.nodes:
         if n.name in fused:
             continue
-        mode = _mode(n, types, weight_quant, kernel, bf16)
-        wb = _weight_b(n, g, nodes, weights_in) if mode else None
-        if wb is None:
+        wb = weight_b(n, types, nodes, weights_in)
+        mode = _mode(n, types, weight_quant, kernel, bf16) if wb else None
+        if mode is None:
             out_nodes.append(n)
             continue
         wname, transposed = wb
@@ -96,21 +132,10 @@ def quantize_weights(g: Graph, weights: dict[str, torch.Tensor], weight_quant: s
                 parts = Q.quantize_int8(w)
                 if mode == "int8":
                     parts.pop("wsum")
-            fqn = f"<quantised {mode} of {weights_in[wname].fqn or wname}>"
-            ins = []
-            for part, t in parts.items():
-                base = f"{wname}_{SUFFIX[mode] if part == 'q' else part}"
-                name, j = base, 1
-                while name in names:
-                    j += 1
-                    name = f"{base}_{j}"
-                names.add(name)
-                dt = dtypes.DTYPES[str(t.dtype).removeprefix("torch.")]
-                added.append(Input(name, TensorType(dt, tuple(sympy.Integer(d) for d in t.shape)),
-                                   "weight", fqn))
-                new_weights[name] = t
-                ins.append(name)
-            done[key] = tuple(ins)
+            new = quantised_inputs(wname, mode, SUFFIX[mode], parts, weights_in, names)
+            added += [i for i, _ in new]
+            new_weights.update((i.name, t) for i, t in new)
+            done[key] = tuple(i.name for i, _ in new)
         attrs = (("mode", Q.MODES[mode]), ("k", k), ("n", nn_),
                  ("group", group if mode == "int4" else 0))
         add = _bias_add(n, users, weights_in, g)
@@ -147,9 +172,7 @@ def _bias_add(n: Node, users: dict, weights_in: dict, g: Graph) -> Node | None:
 
 
 def _mode(n: Node, types, weight_quant: str, kernel: str, bf16: bool) -> str | None:
-    """The qgemm mode for matmul `n`, or None when it stays a matmul."""
-    if n.op != "matmul" or len(n.type.shape) != 2 or len(types[n.inputs[0]].shape) != 2:
-        return None
+    """The qgemm mode for 2-D matmul `n` (`weight_b`), or None when it stays a matmul."""
     if not _static(*types[n.inputs[1]].shape):  # K and N static; M may be a size symbol
         return None
     dt, xt, bt = n.type.dtype, types[n.inputs[0]].dtype, types[n.inputs[1]].dtype

@@ -13,7 +13,6 @@ cuDNN (packages do not load it); the report records cuDNN's time for the same co
 
 from __future__ import annotations
 
-import hashlib
 from pathlib import Path
 
 import torch
@@ -21,10 +20,7 @@ import torch
 from kiln.ir.sym import evaluate
 from kiln.targets.cuda.conv_template import conv_candidates, print_conv_kernel
 from kiln.targets.cuda.kernel import Config
-from kiln.targets.cuda.launch_tune import (_add, _args, _cached, _compile_candidates, _store,
-                                           _time_ms)
-from kiln.targets.cuda.ops import PRELUDE
-from kiln.toolchain import triton_aot
+from kiln.targets.cuda.launch_tune import event_ms, time_candidates
 
 
 def cudnn_ms(call, buffers, hints: dict[str, int]) -> float | None:
@@ -48,19 +44,8 @@ def cudnn_ms(call, buffers, hints: dict[str, int]) -> float | None:
         old = torch.backends.cudnn.allow_tf32
         torch.backends.cudnn.allow_tf32 = False
         try:
-            def run():
-                torch.nn.functional.conv2d(xt, wt, None, (a["sh"], a["sw"]), (a["ph"], a["pw"]),
-                                           (a["dh"], a["dw"]), g)
-            for _ in range(3):
-                run()
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(
-                enable_timing=True)
-            start.record()
-            for _ in range(20):
-                run()
-            end.record()
-            end.synchronize()
-            return start.elapsed_time(end) / 20
+            return event_ms(lambda: torch.nn.functional.conv2d(
+                xt, wt, None, (a["sh"], a["sw"]), (a["ph"], a["pw"]), (a["dh"], a["dw"]), g))
         finally:
             torch.backends.cudnn.allow_tf32 = old
     except Exception:  # noqa: BLE001 - a reference only
@@ -89,55 +74,14 @@ def worth_tuning(call, buffers, hints: dict[str, int]) -> bool:
 
 def tune_conv(calls, buffers, hints: dict[str, int], arch: int, cache: Path,
               workers: int = 1) -> tuple[dict[str, Config], dict]:
-    """({call name: best config}, {kernel name: {config text: ms}} of what ran)."""
-    # deferred: Triton is optional (GPU builds only)
-    import triton
+    """({call name: best config}, {kernel name: {config text: ms}} of what ran): the calls
+    worth it timed by launch_tune.time_candidates (report keys `conv_<call>`, with cuDNN's
+    time as "cudnn_reference" where torch runs it)."""
 
-    device = torch.cuda.get_device_name()
-    root = cache / "autotune"
-    best: dict[str, Config] = {}
-    report: dict = {}
-    todo = []
-    copies: dict[str, list[str]] = {}
-    for c in calls:
-        if not worth_tuning(c, buffers, hints):
-            continue
-        cands = conv_candidates(c, buffers, hints)
-        tks = [print_conv_kernel(c, buffers, hints, x) for x in cands]
-        path, hit = _cached(root, tks, cands, hints, device, triton.__version__)
-        if hit is not None:
-            best[c.name] = hit
-            continue
-        _add(todo, copies, c, tks, path)
-    if not todo:
-        return best, report
-    compiled = _compile_candidates(todo, cache, arch, workers)
-    prelude = hashlib.sha256(PRELUDE.encode()).hexdigest()
-    for i, (c, tks, path) in enumerate(todo):
-        args = _args(tks[0], buffers, hints, torch)
-        times = {}
-        for j, tk in enumerate(tks):
-            if (i, j) not in compiled:
-                continue
-            rows = max(1, evaluate(tk.rows, hints))  # depends on the tile
-            grid = (-(-rows // tk.config.xblock), 1, 1)
-            try:
-                times[j] = _time_ms(compiled[(i, j)], grid,
-                                    args + [tk.config.xblock, tk.config.rblock], torch)
-            except Exception:  # noqa: BLE001 - e.g. out of shared memory: not a candidate
-                if j == 0:
-                    raise
-        win = min(times, key=lambda j: (times[j], j))
-        cfg = tks[win].config
-        best[c.name] = cfg
-        best.update({name: cfg for name in copies[c.name]})
-        report[f"conv_{c.name}"] = {
-            f"m{tks[j].config.xblock}n{tks[j].config.rblock}w{tks[j].config.num_warps}"
-            f"s{tks[j].config.num_stages}": round(ms, 5) for j, ms in times.items()}
-        peer = cudnn_ms(c, buffers, hints)
-        if peer is not None:  # for the report only: packages do not call cuDNN
-            report[f"conv_{c.name}"]["cudnn_reference"] = round(peer, 5)
-        triton_aot.store_compiled(compiled[(i, win)], tks[win], arch, prelude, cache)
-        _store(path, cfg, f"conv_{c.name}", device, report[f"conv_{c.name}"])
-        del args
-    return best, report
+    def reference(c) -> dict[str, float]:
+        peer = cudnn_ms(c, buffers, hints)  # for the report only: packages do not call cuDNN
+        return {} if peer is None else {"cudnn_reference": round(peer, 5)}
+
+    return time_candidates([c for c in calls if worth_tuning(c, buffers, hints)],
+                           conv_candidates, print_conv_kernel, buffers, hints, arch, cache,
+                           workers, label="conv", reference=reference)

@@ -14,7 +14,9 @@ depends on RBLOCK), compiled for the device (in worker processes: `triton_aot.pr
 timed with CUDA events on buffers of the example sizes (floats drawn from a normal
 distribution, integers zero: data-dependent indices stay in range); a neighbour Triton cannot
 compile is skipped; the fastest wins (ties: the heuristic). A winner's cubin is stored in the
-cubin cache (`triton_aot`), so the build does not compile it again.
+cubin cache (`triton_aot`), so the build does not compile it again. Template kernels, one a
+call with a grid that depends on the tile (flash attention; convolution: conv_tune.py), are
+timed the same way over their own candidates by `time_candidates`.
 
 Invariants: results are cached on disk in `<cache>/autotune/<sha256>.json`, the hash covering
 the kernel's heuristic source up to names (`triton_aot.canonical`), the candidates, the sizes,
@@ -154,17 +156,23 @@ def _args(tk, buffers, hints, torch):
     return args
 
 
-def _time_ms(ck, grid, args, torch, reps: int = 20) -> float:
-    run = ck[grid]
+def event_ms(run, reps: int = 20) -> float:
+    """Milliseconds a call of `run()` takes on the device: three calls to warm up, then the
+    mean of `reps` calls enqueued back to back, timed with CUDA events."""
     for _ in range(3):
-        run(*args)
+        run()
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     start.record()
     for _ in range(reps):
-        run(*args)
+        run()
     end.record()
     end.synchronize()
     return start.elapsed_time(end) / reps
+
+
+def _time_ms(ck, grid, args, torch, reps: int = 20) -> float:
+    run = ck[grid]
+    return event_ms(lambda: run(*args), reps)
 
 
 def _compile_candidates(todo, cache: Path, arch: int, workers: int = 1) -> dict:
@@ -193,33 +201,57 @@ def _compile_candidates(todo, cache: Path, arch: int, workers: int = 1) -> dict:
     return {(i, j): ck for (i, j, _), ck in zip(cands, cks) if ck is not None}
 
 
-def tune(kernels, buffers, hints: dict[str, int], base: dict[str, Config], arch: int,
-         cache: Path, workers: int = 1, progress=None) -> tuple[dict[str, Config], dict]:
-    """Returns ({kernel name: best config}, {kernel name: {config text: ms}} of what ran).
-    `progress(done, total)`, when given, counts the kernels whose candidates were timed."""
+def _pending(items, kernels_of, hints, cache: Path, best: dict
+             ) -> tuple[list, dict[str, list[str]], str]:
+    """The items (kernels, or template calls) that still need timing: (todo, copies, device)
+    for `_compile_candidates` and `_keep`. `kernels_of(item)` gives (configs, printed kernels),
+    the heuristic's first; an item whose candidate set was timed on this device before takes
+    the cached config into `best`; one of the same code as a queued item, that item's result
+    (`copies`)."""
     # deferred: Triton is optional (GPU builds only)
     import triton
 
     device = torch.cuda.get_device_name()
-    root = cache / "autotune"
+    todo: list = []  # (item, [TritonKernel per candidate], cache file)
+    copies: dict[str, list[str]] = {}  # an item tuned -> the items of the same code
+    for it in items:
+        cands, tks = kernels_of(it)
+        path, hit = _cached(cache / "autotune", tks, cands, hints, device, triton.__version__)
+        if hit is not None:
+            best[it.name] = hit
+            continue
+        _add(todo, copies, it, tks, path)
+    return todo, copies, device
+
+
+def _keep(best: dict, copies: dict, item, tks, win: int, ck, path: Path, arch: int,
+          cache: Path, device: str, name: str, times: dict) -> None:
+    """Records candidate `win` of `item` as the best (for it and the items of the same code),
+    its cubin in the cubin cache and the result in the autotune cache (as `name`)."""
+    c = tks[win].config
+    best[item.name] = c
+    best.update({other: c for other in copies[item.name]})
+    prelude = hashlib.sha256(PRELUDE.encode()).hexdigest()
+    triton_aot.store_compiled(ck, tks[win], arch, prelude, cache)
+    _store(path, c, name, device, times)
+
+
+def tune(kernels, buffers, hints: dict[str, int], base: dict[str, Config], arch: int,
+         cache: Path, workers: int = 1, progress=None) -> tuple[dict[str, Config], dict]:
+    """Returns ({kernel name: best config}, {kernel name: {config text: ms}} of what ran).
+    `progress(done, total)`, when given, counts the kernels whose candidates were timed."""
+
+    def kernels_of(k):
+        cands = candidates(base[k.name], _shape(k, hints)[1])
+        return cands, [print_triton_kernel(k, buffers, hints, c) for c in cands]
+
     best: dict[str, Config] = {}
     report: dict = {}
-    todo = []  # (kernel, [TritonKernel per candidate], cache file)
-    copies: dict[str, list[str]] = {}  # a kernel tuned -> the kernels of the same code
-    for k in kernels:
-        if not worth_tuning(k, hints):
-            continue
-        cands = candidates(base[k.name], _shape(k, hints)[1])
-        tks = [print_triton_kernel(k, buffers, hints, c) for c in cands]
-        path, hit = _cached(root, tks, cands, hints, device, triton.__version__)
-        if hit is not None:
-            best[k.name] = hit
-            continue
-        _add(todo, copies, k, tks, path)
+    todo, copies, device = _pending([k for k in kernels if worth_tuning(k, hints)],
+                                    kernels_of, hints, cache, best)
     if not todo:
         return best, report
     compiled = _compile_candidates(todo, cache, arch, workers)
-    prelude = hashlib.sha256(PRELUDE.encode()).hexdigest()
     for i, (k, tks, path) in enumerate(todo):
         if progress is not None:
             progress(i, len(todo))
@@ -233,47 +265,40 @@ def tune(kernels, buffers, hints: dict[str, int], base: dict[str, Config], arch:
             consts = [tk.config.xblock, tk.config.rblock]  # the launcher takes them too
             times[j] = _time_ms(compiled[(i, j)], grid, args + consts, torch)
         win = min(times, key=lambda j: (times[j], j))
-        c = tks[win].config
-        best[k.name] = c
-        best.update({name: c for name in copies[k.name]})
         report[k.name] = {f"x{tks[j].config.xblock}r{tks[j].config.rblock}"
                           f"w{tks[j].config.num_warps}": round(ms, 5) for j, ms in times.items()}
-        triton_aot.store_compiled(compiled[(i, win)], tks[win], arch, prelude, cache)
-        _store(path, c, k.name, device, report[k.name])
+        _keep(best, copies, k, tks, win, compiled[(i, win)], path, arch, cache, device, k.name,
+              report[k.name])
         del args
     if progress is not None:
         progress(len(todo), len(todo))
     return best, report
 
 
-def tune_attention(calls, buffers, hints: dict[str, int], arch: int, cache: Path,
-                   workers: int = 1) -> tuple[dict[str, Config], dict]:
-    """The flash-attention kernels (targets/cuda/attention.py) of `calls`: every candidate of
-    `attention_candidates` compiled, timed at the example sizes, the fastest kept
-    (ties: the heuristic, listed first); a candidate Triton cannot compile or the device cannot
-    launch (shared memory) is skipped. Cached on disk like `tune`. Bool masks are all true
-    while timing (an all-false mask would time the fully masked path)."""
-    # deferred: Triton is optional (GPU builds only)
-    import triton
+def time_candidates(calls, candidates_of, print_kernel, buffers, hints: dict[str, int],
+                    arch: int, cache: Path, workers: int = 1, *, label: str,
+                    reference=None) -> tuple[dict[str, Config], dict]:
+    """The template kernels of `calls` (one kernel a call, its grid depending on the
+    candidate's tile: attention, convolution) tuned on the local GPU: every candidate of
+    `candidates_of(call, buffers, hints)` (the heuristic's first) printed with
+    `print_kernel(call, buffers, hints, config)`, compiled, timed at the example sizes, the
+    fastest kept (ties: the heuristic); a candidate Triton cannot compile or the device cannot
+    launch (shared memory) is skipped. Cached on disk like `tune`. Bool operands are all true
+    while timing (an all-false attention mask would time the fully masked path).
 
-    device = torch.cuda.get_device_name()
-    root = cache / "autotune"
+    Returns ({call name: best config}, {"<label>_<call name>": {config text: ms}} of what
+    ran); `reference(call)`, when given, adds entries to a call's report (a peer's time)."""
     best: dict[str, Config] = {}
     report: dict = {}
-    todo = []
-    copies: dict[str, list[str]] = {}
-    for c in calls:
-        cands = attention_candidates(c, buffers, hints)
-        tks = [print_attention_kernel(c, buffers, hints, x) for x in cands]
-        path, hit = _cached(root, tks, cands, hints, device, triton.__version__)
-        if hit is not None:
-            best[c.name] = hit
-            continue
-        _add(todo, copies, c, tks, path)
+
+    def kernels_of(c):
+        cands = candidates_of(c, buffers, hints)
+        return cands, [print_kernel(c, buffers, hints, x) for x in cands]
+
+    todo, copies, device = _pending(calls, kernels_of, hints, cache, best)
     if not todo:
         return best, report
     compiled = _compile_candidates(todo, cache, arch, workers)
-    prelude = hashlib.sha256(PRELUDE.encode()).hexdigest()
     for i, (c, tks, path) in enumerate(todo):
         args = [a.fill_(True) if getattr(a, "dtype", None) == torch.bool else a
                 for a in _args(tks[0], buffers, hints, torch)]
@@ -281,7 +306,7 @@ def tune_attention(calls, buffers, hints: dict[str, int], arch: int, cache: Path
         for j, tk in enumerate(tks):
             if (i, j) not in compiled:
                 continue
-            rows = max(1, evaluate(tk.rows, hints))  # depends on BLOCK_M
+            rows = max(1, evaluate(tk.rows, hints))  # depends on the tile
             grid = (-(-rows // tk.config.xblock), 1, 1)
             try:
                 times[j] = _time_ms(compiled[(i, j)], grid,
@@ -290,13 +315,21 @@ def tune_attention(calls, buffers, hints: dict[str, int], arch: int, cache: Path
                 if j == 0:
                     raise
         win = min(times, key=lambda j: (times[j], j))
-        cfg = tks[win].config
-        best[c.name] = cfg
-        best.update({name: cfg for name in copies[c.name]})
-        report[f"attn_{c.name}"] = {
+        name = f"{label}_{c.name}"
+        report[name] = {
             f"m{tks[j].config.xblock}n{tks[j].config.rblock}w{tks[j].config.num_warps}"
             f"s{tks[j].config.num_stages}": round(ms, 5) for j, ms in times.items()}
-        triton_aot.store_compiled(compiled[(i, win)], tks[win], arch, prelude, cache)
-        _store(path, cfg, f"attn_{c.name}", device, report[f"attn_{c.name}"])
+        if reference is not None:
+            report[name].update(reference(c))
+        _keep(best, copies, c, tks, win, compiled[(i, win)], path, arch, cache, device, name,
+              report[name])
         del args
     return best, report
+
+
+def tune_attention(calls, buffers, hints: dict[str, int], arch: int, cache: Path,
+                   workers: int = 1) -> tuple[dict[str, Config], dict]:
+    """The flash-attention kernels (targets/cuda/attention.py) of `calls`: the candidates of
+    `attention_candidates` timed (`time_candidates`; report keys `attn_<call>`)."""
+    return time_candidates(calls, attention_candidates, print_attention_kernel, buffers, hints,
+                           arch, cache, workers, label="attn")

@@ -32,7 +32,7 @@ from kiln.ir import loop as L
 from kiln.ir.graph import Graph, Input, Node, TensorType
 from kiln.ir.sym import FloorDiv
 from kiln.passes.dce import dce
-from kiln.passes.quant_weights import _weight_b
+from kiln.passes.quant_weights import fresh_name, quantisable_weights, quantised_inputs, weight_b
 from kiln.targets.stages import Build
 
 SUFFIX = {"int8": "q8", "int4": "q4"}
@@ -80,57 +80,40 @@ def _spec(mode: str, m, n: int, k: int, group: int, dtype) -> UserKernelSpec:
                           ("out_ptr",), frozenset({"out_ptr"}))
 
 
-def _fresh(base: str, names: set[str]) -> str:
-    name, j = base, 1
-    while name in names:
-        j += 1
-        name = f"{base}_{j}"
-    names.add(name)
-    return name
-
-
 def quantize_gemms(g: Graph, weights: dict[str, torch.Tensor], mode: str, group: int
                    ) -> tuple[Graph, dict[str, torch.Tensor]]:
     if mode not in QG.KERNELS:
         return g, weights
     types = g.types()
     nodes = {n.name: n for n in g.nodes}
-    weights_in = {i.name: i for i in g.inputs if i.kind == "weight" and not i.permuted}
+    weights_in = quantisable_weights(g)
     names = set(types)
     new_weights = dict(weights)
     added: list[Input] = []
     done: dict[tuple[str, bool], tuple[str, str]] = {}  # (weight, transposed) -> (q, s)
     out_nodes: list[Node] = []
     for n in g.nodes:
-        shape = types[n.inputs[0]].shape if n.op == "matmul" and n.inputs else ()
-        ok = (n.op == "matmul" and len(n.type.shape) == 2 and len(shape) == 2
-              and n.type.dtype in FLOATS and types[n.inputs[0]].dtype == n.type.dtype)
-        wb = _weight_b(n, g, nodes, weights_in) if ok else None
+        wb = weight_b(n, types, nodes, weights_in)
+        shape = types[n.inputs[0]].shape if wb else ()
         k = _static_int(shape[1]) if wb else None
         nn_ = _static_int(n.type.shape[1]) if wb else None
         if wb is None or k is None or nn_ is None or not QG.supported(mode, k, group) or \
-                weights_in[wb[0]].type.dtype != n.type.dtype:
+                n.type.dtype not in FLOATS or \
+                not types[n.inputs[0]].dtype == weights_in[wb[0]].type.dtype == n.type.dtype:
             out_nodes.append(n)
             continue
         wname, transposed = wb
         if (wname, transposed) not in done:
             w = weights[wname] if transposed else weights[wname].t()  # [N, K]
             parts = QG.quantize_int8(w) if mode == "int8" else QG.quantize_int4(w, group)
-            fqn = f"<quantised {mode} of {weights_in[wname].fqn or wname}>"
-            ins = []
-            for part, t in parts.items():
-                name = _fresh(f"{wname}_{SUFFIX[mode] if part == 'q' else part}", names)
-                dt = dtypes.DTYPES[str(t.dtype).removeprefix("torch.")]
-                added.append(Input(name, TensorType(dt, tuple(sympy.Integer(d)
-                                                              for d in t.shape)),
-                                   "weight", fqn))
-                new_weights[name] = t
-                ins.append(name)
-            done[(wname, transposed)] = (ins[0], ins[1])
+            new = quantised_inputs(wname, mode, SUFFIX[mode], parts, weights_in, names)
+            added += [i for i, _ in new]
+            new_weights.update((i.name, t) for i, t in new)
+            done[(wname, transposed)] = (new[0][0].name, new[1][0].name)
         q, s = done[(wname, transposed)]
         m = shape[0]
-        out = _fresh(f"{n.name}_out", names)
-        call = _fresh(f"{n.name}_{SUFFIX[mode]}", names)
+        out = fresh_name(f"{n.name}_out", names)
+        call = fresh_name(f"{n.name}_{SUFFIX[mode]}", names)
         spec = _spec(mode, m, nn_, k, group, n.type.dtype)
         src = n.source or n.name
         out_nodes += [
