@@ -23,8 +23,9 @@ timed like every GEMM.
 
 Split-K (`split_k`, node attribute "split"): a dense convolution whose output tiles cannot fill
 the GPU at the example sizes but whose K loop is long (ResNet's last stages at batch 1) has S
-programs per output tile, each over 1/S of the K loop, writing float32 partial sums; a
-reduction over S then adds them and applies the epilogue (lowering/conv_nhwc.py).
+programs per output tile, each over 1/S of the K loop, writing float32 partial sums; the
+epilogue's pointwise kernel then adds the S partials of its element and applies the epilogue
+(lowering/conv_nhwc.py).
 
 Layout regions: a value is converted only where the layout changes. A convolution reads its
 input and residual in NHWC: the `<v>_nhwc` output of the convolution (or max pooling) that
