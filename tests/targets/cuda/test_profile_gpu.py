@@ -4,6 +4,10 @@ under their own names; on a machine without a GPU the command refuses with a cle
 
 from __future__ import annotations
 
+import re
+import subprocess
+import sys
+
 import pytest
 import torch
 
@@ -51,3 +55,21 @@ def test_cuda_profile_times_every_kernel(tmp_path, graphs):
         assert timed[name]["median_s"] > 0 and timed[name]["source_ops"]
     assert set(timed) - triton, "the two GEMMs (library or template kernels) are missing"
     assert 0 < prof["device_total_median_s"]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_cuda_report_has_a_device_time_for_every_kernel(tmp_path):
+    """`kiln report` on a CUDA package: the HTML page lists every Triton kernel with its
+    device time from the profiling run (CUPTI), the GEMMs and the memory timeline."""
+    cm, path = _package(tmp_path, True)
+    out = subprocess.run([sys.executable, "-m", "kiln.cli.main", "report", str(path), "-o",
+                          str(tmp_path / "r.html"), "--repeat", "3"],
+                         capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr
+    page = (tmp_path / "r.html").read_text()
+    for k in cm.manifest["kernels"]:
+        if k["kind"] == "triton":
+            row = re.search(rf"<code>{re.escape(k['name'])}</code>.*?</tr>", page, re.S)
+            assert row and re.search(r'<td class="num">[\d,.]+</td>', row.group(0)), k["name"]
+    assert '<table class="gemms">' in page and "<svg" in page
