@@ -7,8 +7,9 @@ Order of decisions for a GEMM:
 2. otherwise the autotuning cache, when it holds the problem for this device (best allowed
    candidate it recorded);
 3. otherwise the heuristic of the device's module (`cpu.heuristic`); on CUDA first the GEMV
-   template (gemm/gemv.py) for an M = 1 float16 / bfloat16 GEMM streaming nn.Linear's weight
-   rows when it fuses a prologue (gemm/prologue.py) or an epilogue (gemm/fuse.py).
+   template (gemm/gemv.py) for an M = 1 GEMM streaming nn.Linear's weight rows: float16 /
+   bfloat16 when it fuses a prologue (gemm/prologue.py) or an epilogue (gemm/fuse.py), any
+   dtype when cuBLAS is not allowed.
 Profiling happens at the example sizes; every candidate is valid for the whole Dim range."""
 
 from __future__ import annotations
@@ -364,8 +365,11 @@ def _choose_cuda_backend(g: L.Gemm, problem: GemmProblem, sizes, backends, allow
         choice = _from_results(_cached_results(hit, backends), backends, "cache", problem)
         if choice is not None:
             return choice
-    if gemv and GemmBackend.TRITON in backends and problem.dtype in ("float16", "bfloat16") \
-            and GV.streams_rows(g):  # the GEMV template, fusing what cuBLAS leaves apart
+    # the GEMV template: with cuBLAS allowed, for 16-bit GEMMs where it fuses what cuBLAS
+    # leaves apart; without cuBLAS, for every GEMV (rather than the GEMM template's tiles)
+    if gemv is not None and GemmBackend.TRITON in backends and GV.streams_rows(g) and (
+            GemmBackend.BLAS not in backends or
+            (gemv and problem.dtype in ("float16", "bfloat16"))):
         cfg = GV.configs(sizes[2], sizes[3], g.dtype.itemsize)[0]
         return Choice(GemmBackend.TRITON, cfg, "heuristic", problem.describe())
     backend, cfg = gpu.heuristic(problem, backends, sizes, opts, evt)

@@ -79,7 +79,9 @@ class GemmKernel:
     def reads(self) -> list[str]:
         if self.prologue is not None:  # A recomputed from what its producer reads
             out = [self.gemm.b.buf]
-            out += [ld.buf for ld in self.prologue.loads() if ld.buf not in out]
+            for ld in self.prologue.loads():
+                if ld.buf not in out:
+                    out.append(ld.buf)
         else:
             out = [self.gemm.a.buf] + ([self.gemm.b.buf] if self.gemm.b.buf != self.gemm.a.buf
                                        else [])
