@@ -9,6 +9,7 @@ prologues (the manifest's kernel list), and its logits match eager in the interp
 
 from __future__ import annotations
 
+import copy
 import os
 import pathlib
 import subprocess
@@ -173,3 +174,147 @@ def test_gemv_programs_match_float64_in_triton_interpreter():
     out = subprocess.run([sys.executable, "-c", _INTERP, str(pathlib.Path(__file__).parent)],
                          env=env, capture_output=True, text=True, timeout=600)
     assert out.returncode == 0 and "ALL OK" in out.stdout, out.stdout + out.stderr[-3000:]
+
+
+def _decode_step(dtype=torch.bfloat16):
+    pytest.importorskip("transformers")
+    from kiln.models.hf_decoder import export_step, llama
+    model = llama(layers=2, hidden=128, heads=4, kv_heads=2, vocab=256, inter=256)
+    return export_step(model, 16, dtype=dtype)
+
+
+def test_decode_step_kernels_fuse_norms_into_gemvs():
+    """The bf16 decode step (autotune off): per layer the q/k/v and gate/up GEMVs recompute
+    their RMSNorm (a mean of squares and the scaling) and the down GEMV silu(gate) * up; the
+    norm and silu*mul kernels are gone, the o projection (nothing to fuse: the residual sum is
+    recomputed by its readers) stays cuBLAS, the head's GEMV takes the final norm."""
+    _, ep = _decode_step()
+    cm = kiln.compile(ep, device="cuda", options=OPTS)
+    ks = cm.manifest["kernels"]
+    kinds = [k["kind"] for k in ks]
+    gv = [k for k in ks if k["kind"] == "triton_gemv"]
+    assert len(gv) == 3 * 2 + 1 and kinds.count("blas_gemm") == 2, kinds
+    norms = [k for k in gv if any(s.startswith("mean") for s in k["source_ops"])]
+    assert len(norms) == 2 * 2 + 1, [k["source_ops"] for k in gv]  # qkv, gate/up, head
+    assert all(k["gemm"]["config"]["gemv"] and k["gemm"]["how"] == "heuristic" for k in gv)
+    # no row kernel computes a mean any more: each norm lives in the GEMVs that read it
+    rows = [k for k in ks if k["kind"] == "triton"]
+    assert not [k for k in rows if any(s.startswith("mean") for s in k["source_ops"])], rows
+    blas = kiln.compile(ep, device="cuda", options=Options(
+        cuda_archs=(90,), autotune=False, gemm_backends=("blas",)))
+    assert len(ks) <= len(blas.manifest["kernels"]) - 4, (len(ks), len(blas.manifest["kernels"]))
+
+
+_DECODE = textwrap.dedent("""
+    import sys, torch
+    sys.path.insert(0, sys.argv[1])
+    from test_gemv import TRITON_ONLY, _decode_step
+    import kiln
+    from kiln.models.hf_decoder import eager_step
+    from kiln.targets.cuda.wrapper_py import import_triton_module, run_program
+    from kiln.targets.cuda.build import triton_kernels
+
+    w, ep = _decode_step(torch.float32)
+    b = kiln.compile(ep, device="cuda", options=TRITON_ONLY).built
+    assert sum(type(s).__name__ == "GemmKernel" and s.prologue is not None
+               for s in b.steps) == 2 * 3 + 1
+    mod = import_triton_module(b.sources["kernels_triton.py"])
+    bufs = {x.name: x for x in b.loop.buffers}
+    hints = {s.name: s.example for s in b.graph.symbols}
+    ks = {k.name: k for k in triton_kernels(b.steps, bufs, hints)}
+    ids, cp = torch.tensor([[7]]), torch.tensor([0])
+    got = run_program(b.program, ks, mod, b.weights, [ids, cp])[0].double()
+    with torch.no_grad():
+        want = eager_step(w)(ids, cp).double()
+    got = got.reshape(want.shape)
+    err, bound = (got - want).abs().max().item(), 1e-4 * want.abs().max().item()
+    print(f"err {err:.3g} bound {bound:.3g}")
+    print("ALL OK" if err <= bound else "BAD")
+""")
+
+
+@pytest.mark.slow
+def test_decode_step_with_gemvs_matches_eager_in_triton_interpreter():
+    """The float32 decode step with every GEMM a GEMV (Triton only): q/k/v, gate/up and the
+    head recompute their RMSNorm, down silu(gate) * up (7 prologues), one step from an empty
+    cache against eager. (The bfloat16 step computes other logits than eager in the
+    interpreter with cuBLAS GEMMs as well: not a GEMV matter; the GPU test checks bf16.)"""
+    _, ep = _decode_step(torch.float32)
+    kiln.compile(ep, device="cuda", options=TRITON_ONLY)  # cubins first (not interpreted)
+    env = dict(os.environ, TRITON_INTERPRET="1")
+    out = subprocess.run([sys.executable, "-c", _DECODE, str(pathlib.Path(__file__).parent)],
+                         env=env, capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0 and "ALL OK" in out.stdout, out.stdout + out.stderr[-3000:]
+
+
+# -- on a GPU (-m gpu) --------------------------------------------------------------------------
+
+@pytest.mark.parametrize("case", [c[0] for c in cases()] + ["norm_big", "glu_big", "res_big"])
+@pytest.mark.gpu
+def test_gemv_modules_match_float64_on_gpu(tmp_path, case):
+    """The interpreter's cases, and decoder-sized ones (K 2048 / 5632, N 3072 / 2048: BLOCK_N
+    > 1, several K steps), compiled for the local GPU (autotune on: GEMV configs measured
+    where max_autotune is) against float64 math, 2x eager's own error + 1e-2 of the scale."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+    big = {"norm_big": ("norm_big", NormLin(2048, 3072), [(1, 2048)], torch.bfloat16, None,
+                        {"mean"}),
+           "glu_big": ("glu_big", GluLin(2048, 5632, 2048), [(1, 2048)], torch.bfloat16, None,
+                       set()),
+           "res_big": ("res_big", ResLin(5632, 2048), [(1, 5632), (1, 2048)], torch.float16,
+                       None, {"add"})}
+    name, m, shapes, dtype, opts, ops = big.get(case) or next(c for c in cases()
+                                                                if c[0] == case)
+    opts = Options(gemm_backends=("triton",)) if opts is TRITON_ONLY else Options()
+    torch.manual_seed(0)
+    m = m.to("cuda", dtype).eval()
+    args = tuple(torch.randn(s, device="cuda").to(dtype) for s in shapes)
+    cm = kiln.compile(torch.export.export(m, args), device="cuda", options=opts)
+    assert gemv_kernels(cm), [k["kind"] for k in cm.manifest["kernels"]]
+    runner = cm.load(tmp_path / "g.kiln", device="cuda:0")
+    ref_m = copy.deepcopy(m).double()
+    for seed in (1, 2):
+        g = torch.Generator(device="cuda").manual_seed(seed)
+        xs = [torch.randn(s, device="cuda", generator=g).to(dtype) for s in shapes]
+        with torch.no_grad():
+            ref = ref_m(*[x.double() for x in xs])
+            mine = m(*xs).double()
+        got = runner(*xs).double().reshape(ref.shape)
+        scale = ref.abs().max().item()
+        err, eager = (got - ref).abs().max().item(), (mine - ref).abs().max().item()
+        bound = 1e-4 * scale if dtype == torch.float32 else 2 * eager + 1e-2 * scale
+        assert err <= bound, (case, seed, err, eager, scale)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+def test_decode_steps_with_gemvs_match_eager_on_gpu(tmp_path, dtype):
+    """A Llama of hidden 256 (GQA, 2 layers) stepped token by token on the GPU: the package's
+    GEMVs (norm / silu*mul prologues) against a float32 eager reference, kiln's error at most
+    twice eager's own plus 1e-2 of the logits' scale (test_decode_gpu.py's bound)."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+    pytest.importorskip("transformers")
+    from kiln.models.hf_decoder import eager_step, export_step, llama
+    cache = 16
+
+    def make(dt):
+        return export_step(llama(layers=2, hidden=256, heads=4, kv_heads=2, vocab=512,
+                                 inter=688, device="cuda"), cache, device="cuda", dtype=dt)
+    w, ep = make(dtype)
+    ref_w, _ = make(torch.float32)
+    cm = kiln.compile(ep, device="cuda")
+    kinds = [k["kind"] for k in cm.manifest["kernels"]]
+    assert kinds.count("triton_gemv") == 3 * 2 + 1, kinds
+    runner = cm.load(tmp_path / "d.kiln", device="cuda:0")
+    eager, ref = eager_step(w), eager_step(ref_w)
+    tokens = torch.randint(0, 512, (cache,), generator=torch.Generator().manual_seed(0)).cuda()
+    with torch.no_grad():
+        for start in range(cache):
+            ids, pos = tokens[start:start + 1][None], torch.tensor([start], device="cuda")
+            want = ref(ids, pos).double()
+            mine = eager(ids, pos).double()
+            got = runner(input_ids=ids, cache_position=pos).double().reshape(want.shape)
+            scale = want.abs().max().item()
+            err, eager_err = (got - want).abs().max().item(), (mine - want).abs().max().item()
+            assert err <= 2 * eager_err + 1e-2 * scale, (start, err, eager_err, scale)
