@@ -21,7 +21,6 @@ import sympy
 
 from kiln.gemm.configs import GemvConfig
 from kiln.ir import loop as L
-from kiln.ir.sym import product
 
 DTYPES = ("float16", "bfloat16", "float32")
 SMS = 132  # an H100's multiprocessors: the heuristic keeps >= 2 programs per SM when it can
@@ -33,12 +32,12 @@ def _int(e) -> int | None:
 
 
 def applies(g: L.Gemm) -> bool:
-    """`g` is a GEMV the template computes: M = 1 at compile time, no batch (or a batch of
-    one), a float16 / bfloat16 / float32 GEMM of operands of its dtype (no int8 / 8-bit
-    operands), K and N static."""
+    """`g` is a GEMV the template computes: M = 1 at compile time, no batch dims, a float16 /
+    bfloat16 / float32 GEMM of operands of its dtype (no int8 / 8-bit operands), K and N
+    static."""
     if g.lowp is not None or g.mixed is not None or g.dtype.name not in DTYPES:
         return False
-    if _int(g.m) != 1 or _int(product(g.batch)) != 1:
+    if _int(g.m) != 1 or g.batch:
         return False
     return _int(g.n) is not None and _int(g.k) is not None and _int(g.n) > 0
 

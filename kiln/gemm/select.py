@@ -361,8 +361,10 @@ def _choose_cuda_backend(g: L.Gemm, problem: GemmProblem, sizes, backends, allow
             _store(root, problem, dev_id, choice, results)
             return choice
     hit = acache.load(root, problem, dev_id)
-    if hit is not None:
-        choice = _from_results(_cached_results(hit, backends), backends, "cache", problem)
+    if hit is not None:  # (GEMV results only for a GEMM the GEMV template computes)
+        cached = [r for r in _cached_results(hit, backends)
+                  if gemv is not None or not getattr(r[2], "gemv", False)]
+        choice = _from_results(cached, backends, "cache", problem)
         if choice is not None:
             return choice
     # the GEMV template: with cuBLAS allowed, for 16-bit GEMMs where it fuses what cuBLAS

@@ -21,6 +21,8 @@ from __future__ import annotations
 
 import sympy
 
+from kiln.errors import UnsupportedError
+from kiln.gemm.gemv import applies
 from kiln.ir import loop as L
 from kiln.ir.sym import contiguous_strides, linear_index, product, unravel
 from kiln.schedule.steps import GemmKernel
@@ -80,6 +82,11 @@ def print_gemv_kernel(gk: GemmKernel, buffers: dict[str, L.Buffer],
     """`name`: the function's name (default `gk.name`)."""
     g, epi, cfg, pro = gk.gemm, gk.epilogue, gk.config, gk.prologue
     name = name or gk.name
+    if not applies(g):  # (a cached choice of another GEMM with the same problem key)
+        raise UnsupportedError(f"GEMM {g.name} ({', '.join(g.source)}): the GEMV template "
+                               f"takes M = 1 without batch dims, static N and K, float16 / "
+                               f"bfloat16 / float32; got M = {g.m}, batch {g.batch}, "
+                               f"{g.dtype.name}")
     out = gk.out
     params = gk.params()
     if gk.status:
