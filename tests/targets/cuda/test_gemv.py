@@ -159,6 +159,35 @@ def test_gemv_choices_and_fusions():
     assert [k["kind"] for k in blas.manifest["kernels"]] == ["triton", "blas_gemm"]
 
 
+class NormLinOut(NormLin):
+    """The normed row is also returned (an output) or also added to another input (a second
+    reader): no prologue (it must be stored anyway), so no GEMV by the heuristic."""
+
+    def __init__(self, k, n, returned):
+        super().__init__(k, n)
+        self.returned = returned
+
+    def forward(self, x, r):
+        h = x.float()
+        h = (self.w * (h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + 1e-6)).to(x.dtype))
+        y = self.lin(h)
+        return (y, h) if self.returned else (y, h + r)
+
+
+@pytest.mark.parametrize("returned", [True, False], ids=["output", "second_reader"])
+def test_prologue_refused_when_the_row_is_needed_elsewhere(returned):
+    torch.manual_seed(0)
+    m = NormLinOut(64, 40, returned).to(torch.bfloat16)
+    args = (torch.randn(1, 64).to(torch.bfloat16), torch.randn(1, 64).to(torch.bfloat16))
+    cm = kiln.compile(torch.export.export(m, args), device="cuda", options=OPTS)
+    kinds = [k["kind"] for k in cm.manifest["kernels"]]
+    assert "triton_gemv" not in kinds and "blas_gemm" in kinds, kinds
+    # Triton only: a GEMV, but reading the stored row (no prologue)
+    cm = kiln.compile(torch.export.export(m, args), device="cuda", options=TRITON_ONLY)
+    gv = gemv_kernels(cm)
+    assert len(gv) == 1 and "prologue" not in cm.sources["kernels_triton.py"], kinds
+
+
 def test_gemv_not_chosen_for_larger_m():
     torch.manual_seed(0)
     m = NormLin(64, 32).to(torch.bfloat16)
