@@ -5,7 +5,8 @@ member (and disappears when nothing is left).
 Rule, in Loop IR terms. GEMM `g` at step i with M = 1 (gemm/gemv.py `applies`) whose A
 operand is the contiguous row of buffer X (offset 0, column stride 1): X is a pointwise
 member `row` of a schedule `Kernel` at step p < i (however that kernel walks it: the member's
-body is evaluated at A's K positions), `row` has K elements, X is no output and nothing but `g` reads X (no later step, no other member).
+body is evaluated at A's K positions), `row` has K elements, X is no output and nothing but
+`g` reads X (no later step, no other member).
 What `row` loads is one of:
   - a whole-row "sum" reduction R of the same kernel (one element; typically a norm's
     mean of squares): recomputed in the prologue, first, over its own loads;
