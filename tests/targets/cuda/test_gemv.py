@@ -347,3 +347,21 @@ def test_decode_steps_with_gemvs_match_eager_on_gpu(tmp_path, dtype):
             scale = want.abs().max().item()
             err, eager_err = (got - want).abs().max().item(), (mine - want).abs().max().item()
             assert err <= 2 * eager_err + 1e-2 * scale, (start, err, eager_err, scale)
+
+
+def test_gemv_configs_and_json():
+    """The heuristic's config keeps >= 2 programs per H100 SM where it can, reads about 1 KiB
+    of each weight row a step; configs round-trip through the manifest's / cache's JSON."""
+    from kiln.gemm import gemv as GV
+    from kiln.gemm.configs import GemvConfig, TritonConfig, config_from_json
+    for n, k, item in ((2560, 2048, 2), (2048, 5632, 2), (11264, 2048, 2), (32000, 2048, 2),
+                       (37, 100, 4)):
+        cs = GV.configs(n, k, item)
+        first = cs[0]
+        assert -(-n // first.block_n) >= 2 * GV.SMS or first.block_n == 1, (n, first)
+        assert first.block_k * item <= 1024 and len(set(cs)) == len(cs) >= 4
+        for c in cs:
+            assert config_from_json("triton", c.to_json()) == c
+    t = TritonConfig(64, 64, 32)
+    assert config_from_json("triton", t.to_json()) == t
+    assert isinstance(config_from_json("triton", GemvConfig(8, 512).to_json()), GemvConfig)
