@@ -21,7 +21,7 @@ PY=${PY:-python3}
 t0=$(date +%s)
 rc=0
 if [ -z "${SKIP_TESTS:-}" ]; then
-  timeout ${TEST_TIMEOUT:-150} $PY -m pytest -m gpu -q -p no:cacheprovider -o addopts="" \
+  timeout ${TEST_TIMEOUT:-120} $PY -m pytest -m gpu -q -p no:cacheprovider -o addopts="" \
     tests/targets/cuda/test_gemv.py tests/targets/cuda/test_decode_gpu.py \
     -k "gemv or whole_cache or (steps_match_eager and (bf16 or fp16))" 2>&1 | grep -v "^DEBUG" | tee "$OUT/pytest_gpu.log" | tail -30
   rc=${PIPESTATUS[0]}
@@ -30,7 +30,7 @@ t1=$(date +%s)
 if [ -z "${SKIP_BENCH:-}" ]; then
   timeout ${BENCH_TIMEOUT:-120} $PY bench/llm_gpu.py --no-compile --repeat 30 ${BENCH_ARGS:-} \
     2>&1 | grep -v "^DEBUG" | tee "$OUT/bench_llm.log" | tail -8
-  timeout ${GEMV_TIMEOUT:-150} $PY scripts/gemv_bench.py ${GEMV_ARGS:-} 2>&1 \
+  timeout ${GEMV_TIMEOUT:-120} $PY scripts/gemv_bench.py ${GEMV_ARGS:-} 2>&1 \
     | grep -v "^DEBUG" | tee "$OUT/bench_gemv.log" | tail -16
 fi
 t2=$(date +%s)
