@@ -145,7 +145,6 @@ def main() -> None:
               ("down", h, a.inter), ("head", a.vocab, h)]
     torch.manual_seed(0)
     rows = bench_shapes(shapes, torch.bfloat16)
-    ab = None if a.no_decode else decode_ab(a, torch.bfloat16)
     print(f"\nGPU: {torch.cuda.get_device_name(0)}; bf16, M = 1; GB/s of weights streamed "
           "(device time, CUDA graphs)\n")
     print("| GEMM | N x K | cuBLAS GB/s | GEMV best GB/s (config) | GEMV heuristic GB/s "
@@ -154,6 +153,8 @@ def main() -> None:
     for label, n, k, gb_b, gb_g, name, gb_f, fname, err in rows:
         print(f"| {label} | {n} x {k} | {gb_b:.0f} | {gb_g:.0f} ({name}) | {gb_f:.0f} "
               f"({fname}) | {gb_g / gb_b:.2f} | {err:.2g} |")
+    # the decode A/B after the table (printed first: it survives a timeout of what follows)
+    ab = None if a.no_decode else decode_ab(a, torch.bfloat16)
     if ab:
         print(f"\ndecode step {a.layers}x{a.hidden} bf16 (device ms/token, 20 steps back to "
               f"back, 3 interleaved rounds): max logit diff GEMV vs cuBLAS "
