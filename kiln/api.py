@@ -54,7 +54,7 @@ def _kernels_json(built: Built) -> list[dict]:
                         "kernel": s.kernel, "source_ops": list(s.source)})
         elif isinstance(s, GemmKernel):  # the Triton GEMM template, epilogue fused
             choice = built.gemms.get(s.gemm.name)
-            out.append({"name": s.name, "kind": "triton_gemm",
+            out.append({"name": s.name, "kind": s.kind,  # triton_gemm / triton_gemv
                         "members": [s.gemm.name] + ([s.epilogue.name] if s.epilogue else []),
                         "source_ops": list(s.source),
                         **({"gemm": choice.to_json()} if choice is not None else {})})

@@ -3,7 +3,7 @@
 - `problem.py`  the problem a choice is valid for (dtype, sizes or Dim ranges, layouts,
                 alignment, epilogue) and its cache key (with the device)
 - `configs.py`  a choice's configuration, one type per backend (BlasConfig, BlasLtConfig,
-                CppConfig, TritonConfig, CutlassConfig), and its JSON
+                CppConfig, TritonConfig, GemvConfig, CutlassConfig), and its JSON
 - `cache.py`    the on-disk autotuning cache (one JSON file per problem and device)
 - `profile.py`  runs one candidate in a child process with a timeout; a crash, a hang or a
                 wrong answer drops the candidate, never the compile
@@ -22,7 +22,11 @@
 - `triton_gemm.py`  the Triton GEMM template's config space and TMA rule (the template is
                 printed by kiln/targets/cuda/gemm_template.py)
 - `printed.py`  the template's candidates as the package prints them, for the profiling child
-- `fuse.py`     GEMMs that absorb their epilogue (Triton template, CUTLASS visitor trees)
+- `gemv.py`     the GEMV template's scope (M = 1 on CUDA), configs (`GemvConfig`) and rule
+                (printed by kiln/targets/cuda/gemv_template.py)
+- `prologue.py` a GEMV's prologue: the row-wise producer of its A row, recomputed per program
+- `fuse.py`     GEMMs that absorb their epilogue (Triton template, CUTLASS visitor trees) and
+                GEMVs their prologue
 - `select.py`   the pipeline stage: one `Choice` per GEMM (profiled, cached or heuristic)
 """
 

@@ -9,6 +9,9 @@
 - `TritonConfig`   "triton": the template's tile sizes, group size, pipeline stages, warps and
                    TMA loads (kiln/gemm/triton_gemm.py); JSON {"name", "block_m", "block_n",
                    "block_k", "group_m", "num_stages", "num_warps"} and "tma": true for TMA
+- `GemvConfig`     "triton" at M = 1: the GEMV template's BLOCK_N outputs a program, BLOCK_K
+                   of K a step, warps, stages (kiln/gemm/gemv.py); JSON {"name", "gemv": true,
+                   "block_n", "block_k", "num_warps", "num_stages"}
 - `CutlassConfig`  "cutlass": the cutlass_library kernel's name and, for a kernel fusing the
                    GEMM's epilogue, the visitor tree's key (kiln/gemm/cutlass_evt.py); JSON
                    {"name"} and "evt"
@@ -108,6 +111,33 @@ class TritonConfig:
 
 
 @dataclass(frozen=True)
+class GemvConfig:
+    """The GEMV template (M = 1): one program per BLOCK_N outputs, streaming their weight rows
+    BLOCK_K elements a step (targets/cuda/gemv_template.py)."""
+
+    block_n: int
+    block_k: int
+    num_warps: int = 4
+    num_stages: int = 1
+    gemv: ClassVar[bool] = True
+    backend: ClassVar[GemmBackend] = GemmBackend.TRITON
+
+    @property
+    def name(self) -> str:
+        return f"gemv_{self.block_n}x{self.block_k}_s{self.num_stages}_w{self.num_warps}"
+
+    def to_json(self) -> dict:
+        return {"name": self.name, "gemv": True, "block_n": self.block_n,
+                "block_k": self.block_k, "num_warps": self.num_warps,
+                "num_stages": self.num_stages}
+
+    @classmethod
+    def from_json(cls, d: dict) -> GemvConfig:
+        return cls(int(d["block_n"]), int(d["block_k"]), int(d.get("num_warps", 4)),
+                   int(d.get("num_stages", 1)))
+
+
+@dataclass(frozen=True)
 class CutlassConfig:
     name: str  # the cutlass_library kernel's procedural name
     evt: str | None = None  # the fused epilogue visitor tree's key (cutlass_evt.Evt.key)
@@ -121,7 +151,8 @@ class CutlassConfig:
         return cls(str(d["name"]), d.get("evt"))
 
 
-GemmConfig = Union[BlasConfig, BlasLtConfig, CppConfig, TritonConfig, CutlassConfig]
+GemmConfig = Union[BlasConfig, BlasLtConfig, CppConfig, TritonConfig, GemvConfig,
+                   CutlassConfig]
 
 
 def config_from_json(backend: str, d: dict) -> GemmConfig:
@@ -132,5 +163,5 @@ def config_from_json(backend: str, d: dict) -> GemmConfig:
     if b is GemmBackend.CPP:
         return CppConfig.from_json(d)
     if b is GemmBackend.TRITON:
-        return TritonConfig.from_json(d)
+        return GemvConfig.from_json(d) if d.get("gemv") else TritonConfig.from_json(d)
     return CutlassConfig.from_json(d)

@@ -15,7 +15,11 @@ the GEMM (not by a step in between, nor by an earlier member of its kernel): tho
 live at the GEMM already (they are read later), so no lifetime shrinks but the GEMM result's,
 which disappears, and the member's own result, which starts earlier. The GEMM result must
 have no other reader (nor be an output or a new state value), else it would have to be
-stored as well."""
+stored as well.
+
+A "triton" choice whose config is a `GemvConfig` (M = 1, gemm/gemv.py) also absorbs the
+row-wise producer of its A row as its prologue (gemm/prologue.py), recomputed in every
+program."""
 
 from __future__ import annotations
 
@@ -24,7 +28,8 @@ import sympy
 from kiln.ir import loop as L
 from kiln.ir.sym import contiguous_strides, ivars, \
     linear_index, product
-from kiln.gemm.configs import CutlassConfig
+from kiln.gemm.configs import CutlassConfig, GemvConfig
+from kiln.gemm.prologue import prologue_of
 from kiln.gemm.cutlass_evt import Evt, from_epilogue
 from kiln.ir.simplify import fold_divmod
 from kiln.options import GemmBackend
@@ -126,6 +131,7 @@ def fuse_gemms(steps: tuple, choices: dict, outputs: set[str]) -> tuple:
         if c is None or c.backend not in (GemmBackend.TRITON, GemmBackend.CUTLASS):
             i += 1
             continue
+        pro = prologue_of(steps, i, outputs) if isinstance(c.config, GemvConfig) else None
         found = _find_epilogue(steps, i, outputs)
         epi = None if found is None else steps[found[0]].members[found[1]]
         if c.backend is GemmBackend.CUTLASS and not _fused_evt(s, epi, c.config):
@@ -139,7 +145,14 @@ def fuse_gemms(steps: tuple, choices: dict, outputs: set[str]) -> tuple:
                 steps[j] = Kernel(k.name, k.outer, rest, k.locals, k.row_locals)
             else:
                 del steps[j]
-        steps[i] = GemmKernel(s, epi, c.config) if c.backend is GemmBackend.TRITON else \
-            CutlassGemm(s, epi, c.config)
+        steps[i] = GemmKernel(s, epi, c.config, pro[1] if pro else None) \
+            if c.backend is GemmBackend.TRITON else CutlassGemm(s, epi, c.config)
+        if pro is not None:  # the producer's kernel before the GEMM loses the row
+            p, _, left = pro
+            if left is None:
+                del steps[p]
+                i -= 1
+            else:
+                steps[p] = left
         i += 1
     return tuple(steps)

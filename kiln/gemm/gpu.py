@@ -48,6 +48,7 @@ from kiln.gemm.configs import (BlasConfig, CutlassConfig, GemmConfig, TritonConf
 from kiln.gemm.printed import EPILOGUE
 from kiln.gemm.problem import GemmProblem
 from kiln.gemm import cutlass
+from kiln.gemm import gemv as GV
 from kiln.options import GemmBackend
 
 TRITON_DTYPES = ("float16", "bfloat16", "float32")
@@ -147,13 +148,16 @@ def heuristic(problem: GemmProblem, backends: list[GemmBackend], sizes, opts, ev
 
 
 def candidates(problem: GemmProblem, backends: list[GemmBackend], sizes, opts, work: Path,
-               evt=None, tma: bool = False) -> tuple[list[Candidate], list]:
+               evt=None, tma: bool = False, gemv: bool = False
+               ) -> tuple[list[Candidate], list]:
     """The candidates to profile, and (name, reason) of those that could not be built (a
     CUTLASS kernel nvcc rejected). With `evt`, the CUTLASS candidates fuse it (their config
     holds its key, and `profile` runs them with the tree's operands). `tma`: the GEMM's
     operands allow TMA loads, so the template's TMA configs are candidates too (the
     template's candidates are printed as the package would by select.py through
-    kiln/gemm/printed.py)."""
+    kiln/gemm/printed.py). `gemv`: the GEMM is an M = 1 GEMV (gemm/gemv.py `applies`), so
+    the GEMV template's configs are "triton" candidates too (timed with the epilogue, without
+    the prologue it may fuse in the package)."""
     out, dropped = [], []
     if GemmBackend.BLAS in backends:
         out.append(Candidate("blas", GemmBackend.BLAS, BlasConfig()))
@@ -166,6 +170,10 @@ def candidates(problem: GemmProblem, backends: list[GemmBackend], sizes, opts, w
                 dropped += [(name, f"helper library: {str(e)[-200:]}") for name, _ in lt]
     if GemmBackend.TRITON in backends:
         out += [Candidate(c.name, GemmBackend.TRITON, c) for c in triton_configs(sizes, tma)]
+        if gemv:
+            item = {"float32": 4}.get(problem.dtype, 2)
+            out += [Candidate(c.name, GemmBackend.TRITON, c)
+                    for c in GV.configs(sizes[2], sizes[3], item)]
     if GemmBackend.CUTLASS in backends:
         cands = cutlass_candidates(problem, opts, evt)
         built = cutlass.compile_all({c.name: cutlass.render(c) for c in cands}, work,

@@ -6,7 +6,10 @@ Order of decisions for a GEMM:
    the right answer, write the autotuning cache;
 2. otherwise the autotuning cache, when it holds the problem for this device (best allowed
    candidate it recorded);
-3. otherwise the heuristic of the device's module (`cpu.heuristic`).
+3. otherwise the heuristic of the device's module (`cpu.heuristic`); on CUDA first the GEMV
+   template (gemm/gemv.py) for an M = 1 GEMM streaming nn.Linear's weight rows: float16 /
+   bfloat16 when it fuses a prologue (gemm/prologue.py) or an epilogue (gemm/fuse.py), any
+   dtype when cuBLAS is not allowed.
 Profiling happens at the example sizes; every candidate is valid for the whole Dim range."""
 
 from __future__ import annotations
@@ -34,6 +37,8 @@ from kiln.gemm.fuse import epilogue_member
 from kiln.gemm.cutlass_evt import from_epilogue
 from kiln.gemm.cutlass_evt import Evt
 from kiln.gemm import gpu
+from kiln.gemm import gemv as GV
+from kiln.gemm.prologue import prologue_of
 from kiln.gemm import printed as PR
 from kiln import config
 from kiln.gemm.printed import epilogue_key
@@ -224,11 +229,13 @@ def choose_gemms(steps, symbols, opts: Options, device: str = "cpu", tc=None,
         if dev != "cpu":
             epi = _epilogue(steps, i, outputs)
             evt = _evt(g, epi)
+            fuses = _gemv_fuses(g, steps, i, outputs, epi)
             if buffers is None:  # the template's candidates are profiled without it
                 epi = None
             problem = problem_of(g, ranges, _epilogue_key(evt, epi, allowed))
             printed = (epi, buffers, env, printer)
-            out[g.name] = _choose_cuda(g, problem, sizes, allowed, opts, root, evt, printed)
+            out[g.name] = _choose_cuda(g, problem, sizes, allowed, opts, root, evt, printed,
+                                       fuses)
             continue
         problem = problem_of(g, ranges)
         if g.name in packable:
@@ -270,6 +277,16 @@ def _epilogue(steps, i: int, outputs: set[str] | None):
     return epilogue_member(steps, i, outputs)
 
 
+def _gemv_fuses(g: L.Gemm, steps, i: int, outputs: set[str] | None, epi) -> str | None:
+    """None when the GEMV template does not apply to `g` (gemm/gemv.py: M = 1, ...); else what
+    it would fuse ("prologue", "epilogue", both joined by " and ", or "" for nothing)."""
+    if outputs is None or not GV.applies(g):
+        return None
+    parts = (["prologue"] if prologue_of(steps, i, outputs) is not None else []) + \
+        (["epilogue"] if epi is not None else [])
+    return " and ".join(parts)
+
+
 def _evt(g: L.Gemm, epi):
     """The visitor tree of GEMM `g`'s absorbed epilogue `epi` (cutlass_evt.Evt), why it has
     none (cutlass_evt.EvtRefusal), or None when it absorbs no epilogue."""
@@ -302,7 +319,10 @@ def _epilogue_note(evt, backends, cands=None) -> str:
 
 
 def _choose_cuda(g: L.Gemm, problem: GemmProblem, sizes, allowed, opts: Options, root: Path,
-                 evt=None, printed: tuple = (None, None, {}, None)) -> Choice:
+                 evt=None, printed: tuple = (None, None, {}, None),
+                 gemv: str | None = None) -> Choice:
+    """`gemv`: what the GEMV template would fuse (`_gemv_fuses`), None where it does not
+    apply."""
     backends = gpu.eligible(problem, allowed, opts)
     if not backends and problem.mixed:
         raise UnsupportedError(
@@ -318,18 +338,19 @@ def _choose_cuda(g: L.Gemm, problem: GemmProblem, sizes, allowed, opts: Options,
     note = _epilogue_note(evt, backends, gpu.cutlass_candidates(problem, opts, fuse)
                           if fuse is not None and GemmBackend.CUTLASS in backends else None)
     choice = _choose_cuda_backend(g, problem, sizes, backends, allowed, opts, root, fuse,
-                                  printed)
+                                  printed, gemv)
     return dataclasses.replace(choice, epilogue=note)
 
 
 def _choose_cuda_backend(g: L.Gemm, problem: GemmProblem, sizes, backends, allowed,
-                         opts: Options, root: Path, evt, printed) -> Choice:
+                         opts: Options, root: Path, evt, printed, gemv=None) -> Choice:
     arch, here = _cuda_arch(opts)
     dev_id = gpu.device_id(arch)
     if opts.max_autotune and here:
         t0 = time.perf_counter()
         cands, dropped = gpu.candidates(problem, backends, sizes, opts,
-                                        root / "autotune_cutlass", evt, tma_refusal(g) is None)
+                                        root / "autotune_cutlass", evt, tma_refusal(g) is None,
+                                        gemv is not None)
         path = _print_candidates(g, cands, printed, root / "autotune_printed" /
                                  f"{problem.key(dev_id)}.pkl")
         results, more = gpu.profile(problem, sizes, cands, opts.autotune_timeout_s, path)
@@ -340,10 +361,19 @@ def _choose_cuda_backend(g: L.Gemm, problem: GemmProblem, sizes, backends, allow
             _store(root, problem, dev_id, choice, results)
             return choice
     hit = acache.load(root, problem, dev_id)
-    if hit is not None:
-        choice = _from_results(_cached_results(hit, backends), backends, "cache", problem)
+    if hit is not None:  # (GEMV results only for a GEMM the GEMV template computes)
+        cached = [r for r in _cached_results(hit, backends)
+                  if gemv is not None or not getattr(r[2], "gemv", False)]
+        choice = _from_results(cached, backends, "cache", problem)
         if choice is not None:
             return choice
+    # the GEMV template: with cuBLAS allowed, for 16-bit GEMMs where it fuses what cuBLAS
+    # leaves apart; without cuBLAS, for every GEMV (rather than the GEMM template's tiles)
+    if gemv is not None and GemmBackend.TRITON in backends and GV.streams_rows(g) and (
+            GemmBackend.BLAS not in backends or
+            (gemv and problem.dtype in ("float16", "bfloat16"))):
+        cfg = GV.configs(sizes[2], sizes[3], g.dtype.itemsize)[0]
+        return Choice(GemmBackend.TRITON, cfg, "heuristic", problem.describe())
     backend, cfg = gpu.heuristic(problem, backends, sizes, opts, evt)
     if backend is None:
         raise UnsupportedError(f"GEMM {g.name} ({', '.join(g.source)}, {problem.describe()}): "

@@ -1,5 +1,7 @@
 """Steps the GEMM backends add to a schedule: a GEMM computed by a generated kernel together
-with the pointwise member it absorbs as its epilogue (`kiln/gemm/fuse.py` builds them)."""
+with the pointwise member it absorbs as its epilogue, and (a GEMV, M = 1) the row-wise producer
+of its A row it recomputes as its prologue (`kiln/gemm/fuse.py`, `kiln/gemm/prologue.py` build
+them)."""
 
 from __future__ import annotations
 
@@ -12,6 +14,29 @@ from kiln.ir.sym import free_size_symbols
 
 
 @dataclass(frozen=True)
+class Prologue:
+    """The producer of a GEMV's A row [1, K], recomputed by every program of the GEMV instead
+    of stored: `row`, a pointwise Compute of K elements (row-major = A's k), and
+    `reductions`, the whole-row reductions (one element each) `row` reads, computed first in
+    registers. Every other buffer they read exists before the GEMV (gemm/prologue.py)."""
+
+    row: L.Compute
+    reductions: tuple[L.Compute, ...] = ()
+
+    def loads(self) -> list[L.Load]:
+        own = {r.name for r in self.reductions}
+        return [ld for m in (*self.reductions, self.row) for ld in L.loads(m.body)
+                if ld.buf not in own]
+
+    @property
+    def source(self) -> tuple[str, ...]:
+        out: list[str] = []
+        for m in (*self.reductions, self.row):
+            out += [s for s in m.source if s not in out]
+        return tuple(out)
+
+
+@dataclass(frozen=True)
 class GemmKernel:
     """A GEMM computed by the Triton template; `epilogue` (a pointwise Compute over the GEMM's
     shape reading the GEMM's result at its own element) is applied to each tile before the
@@ -20,10 +45,17 @@ class GemmKernel:
     gemm: L.Gemm
     epilogue: L.Compute | None
     config: object
+    #: (a GEMV config) the A row's producer, recomputed in the kernel; A is then not read
+    prologue: Prologue | None = None
 
     @property
     def name(self) -> str:
         return f"gemm_{self.gemm.name}"
+
+    @property
+    def kind(self) -> str:
+        """The manifest's kind: "triton_gemv" for the M = 1 template, else "triton_gemm"."""
+        return "triton_gemv" if getattr(self.config, "gemv", False) else "triton_gemm"
 
     @property
     def out(self) -> str:
@@ -32,19 +64,27 @@ class GemmKernel:
     @property
     def status(self) -> bool:
         """The epilogue indexes through data: the kernel reports an index out of range."""
-        return self.epilogue is not None and any(ld.indirect
-                                                 for ld in L.loads(self.epilogue.body))
+        return (self.epilogue is not None and any(ld.indirect
+                                                  for ld in L.loads(self.epilogue.body))) or \
+            (self.prologue is not None and any(ld.indirect for ld in self.prologue.loads()))
 
     @property
     def source(self) -> tuple[str, ...]:
-        src = list(self.gemm.source)
+        src = list(self.prologue.source) if self.prologue is not None else []
+        src += [s for s in self.gemm.source if s not in src]
         if self.epilogue is not None:
             src += [s for s in self.epilogue.source if s not in src]
         return tuple(src)
 
     def reads(self) -> list[str]:
-        out = [self.gemm.a.buf] + ([self.gemm.b.buf] if self.gemm.b.buf != self.gemm.a.buf
-                                   else [])
+        if self.prologue is not None:  # A recomputed from what its producer reads
+            out = [self.gemm.b.buf]
+            for ld in self.prologue.loads():
+                if ld.buf not in out:
+                    out.append(ld.buf)
+        else:
+            out = [self.gemm.a.buf] + ([self.gemm.b.buf] if self.gemm.b.buf != self.gemm.a.buf
+                                       else [])
         out += [b for b in self.gemm.extra_reads() if b not in out]  # a mixed GEMM's scale
         if self.epilogue is not None:
             for ld in L.loads(self.epilogue.body):
@@ -62,6 +102,8 @@ class GemmKernel:
             exprs += [sc.offset, sc.rows, sc.cols, *sc.batch_strides]
         if self.epilogue is not None:
             exprs += [ld.index for ld in L.loads(self.epilogue.body)] + list(self.epilogue.shape)
+        if self.prologue is not None:
+            exprs += [ld.index for ld in self.prologue.loads()] + list(self.prologue.row.shape)
         syms: set = set()
         for e in exprs:
             syms |= free_size_symbols(sympy.sympify(e))

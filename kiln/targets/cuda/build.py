@@ -44,7 +44,7 @@ from kiln.targets.cuda.conv_template import choose_conv_config, print_conv_kerne
 from kiln.targets.cuda.conv_tune import tune_conv
 from kiln.passes.conv_nhwc import conv_nhwc
 from kiln.targets.cuda.gemm_candidates import build as build_candidates
-from kiln.targets.cuda.gemm_template import print_gemm_kernel
+from kiln.targets.cuda.gemv_template import print_template_kernel
 from kiln.targets.cuda.kernel import choose_config, print_triton_kernel, print_triton_module
 from kiln.passes.dce import dce
 from kiln.passes.gqa_attention import fold_repeat_kv
@@ -398,7 +398,7 @@ def triton_kernels(steps, buffers, hints: dict[str, int], configs: dict | None =
     out = []
     for s in steps:
         if isinstance(s, GemmKernel):  # the GEMM template with its epilogue
-            out.append(print_gemm_kernel(s, buffers))
+            out.append(print_template_kernel(s, buffers))  # GEMM or GEMV template
         elif isinstance(s, Kernel):
             out.append(print_triton_kernel(s, buffers, hints, configs.get(s.name)))
         elif isinstance(s, L.Extern) and s.routine == "attention":

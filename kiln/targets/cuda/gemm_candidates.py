@@ -11,7 +11,7 @@ from kiln.gemm.printed import Printed
 from kiln.ir import loop as L
 from kiln.schedule import Kernel, outer_of
 from kiln.schedule.steps import GemmKernel
-from kiln.targets.cuda.gemm_template import print_gemm_kernel
+from kiln.targets.cuda.gemv_template import print_template_kernel
 from kiln.targets.cuda.kernel import TritonKernel, print_triton_kernel, print_triton_module
 from kiln.targets.cuda.wrapper_py import import_triton_module, launch_kernel
 
@@ -33,7 +33,7 @@ def build(g: L.Gemm, epi: L.Compute | None, buffers: dict[str, L.Buffer],
     kernels: dict[str, TritonKernel] = {}
     for i, (name, cfg) in enumerate(configs.items()):
         gk = GemmKernel(g, epi, cfg)
-        kernels[name] = print_gemm_kernel(gk, buffers, f"{gk.name}__{i}")
+        kernels[name] = print_template_kernel(gk, buffers, f"{gk.name}__{i}")
     ek = None
     if epi is not None:
         ek = print_triton_kernel(Kernel(f"epilogue_{epi.name}", outer_of(epi), (epi,),

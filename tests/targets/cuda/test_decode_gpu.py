@@ -105,7 +105,12 @@ def test_decode_package_has_no_whole_cache_copy(tmp_path):
     # 4 GEMMs a layer (merged qkv, o, merged gate/up, down) and the head: no ATen call (the
     # manifest lists one as a GEMM kind) and the package replays as one graph
     names = " ".join(f"{k['kind']}:{k['name']}" for k in cm.manifest["kernels"])
-    assert sum(k.endswith("_gemm") for k in kinds) == 4 * 2 + 1, names
+    assert sum(k.endswith(("_gemm", "_gemv")) for k in kinds) == 4 * 2 + 1, names
+    # the GEMV template (M = 1) takes q/k/v, gate/up and the head with their RMSNorm as
+    # prologue, down with silu(gate) * up (kiln/gemm/prologue.py); o stays cuBLAS
+    assert kinds.count("triton_gemv") == 3 * 2 + 1, names
+    assert not [k for k in cm.manifest["kernels"] if k["kind"] == "triton" and
+                any(s.startswith("mean") for s in k["source_ops"])], names
     assert cm.manifest["cuda"]["graphs"] is True
     src = cm.sources["kernels_triton.py"]
     assert src.count("def put_index_put") == 2 * 2  # k and v per layer

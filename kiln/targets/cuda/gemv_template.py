@@ -1,0 +1,176 @@
+"""A `GemmKernel` whose config is a `GemvConfig` (M = 1; kiln/gemm/gemv.py) -> one Triton
+function: the GEMV template, with its prologue (the A row's producer, recomputed; kiln/gemm/
+prologue.py) and its epilogue (as the GEMM template's, gemm_template.py) printed in.
+
+Input: the GemmKernel, the Loop IR buffers. Output: a row-style `TritonKernel` (no SM count:
+its grid is ceil(N / XBLOCK) programs, XBLOCK = BLOCK_N outputs a program, RBLOCK = BLOCK_K
+elements of K a step), parameters the buffers (output first) and the size symbols.
+
+Mapping: program p computes outputs rn = [p * XBLOCK, (p + 1) * XBLOCK) as an [XBLOCK, 1]
+column. Each step loads the [XBLOCK, RBLOCK] tile of B at (k, n) = (kk, rn) (contiguous along
+kk for nn.Linear's W [N, K]: 16-byte loads) and the [1, RBLOCK] slice of the A row, multiplies
+in float32 and accumulates lane-wise; the lanes are reduced once after the loop. With a
+prologue, the A slice is the producer's member computed at those K positions (the scope
+printer of row kernels, `_Scope`, its index variables unravelled from kk), rounded to A's
+dtype as the stored row would be; the whole-row reductions it reads are computed first by
+an RBLOCK-wide loop over the row, kept as [1, 1] registers. Masked lanes of the row are
+zeroed (the producer may give NaN outside the row). The epilogue's index variables are bound
+to (row 0, column rn); its read of the GEMM result to the sum rounded to the GEMM's dtype."""
+
+from __future__ import annotations
+
+import sympy
+
+from kiln.errors import UnsupportedError
+from kiln.gemm.gemv import applies
+from kiln.ir import loop as L
+from kiln.ir.sym import contiguous_strides, linear_index, product, unravel
+from kiln.schedule.steps import GemmKernel
+from kiln.targets.cuda.cse import render, text
+from kiln.targets.cuda.gemm_template import _epilogue_names, _small, print_gemm_kernel
+from kiln.targets.cuda.kernel import Config, TritonKernel, _Scope
+from kiln.targets.cuda.ops import COMPUTE, SIG_PTR, TL_DTYPE, tl_compute, to_tl
+
+
+def _rounded(v: str, dtype) -> str:
+    """A float32 value as a buffer of `dtype` would hold it."""
+    return f"{v}.to({TL_DTYPE[dtype]}).to(tl.float32)" if dtype.name in COMPUTE else v
+
+
+def _unravel_lines(prefix: str, flat: str, shape, sym: str, p: str) -> tuple[dict, list[str]]:
+    """Index variables `<sym><d>` of a space of `shape` at flat positions `flat`: names for
+    `_Scope` (dims of size 1 are "0") and the lines that define them."""
+    names, lines = {}, []
+    for d, e in enumerate(unravel(sympy.Symbol("FLAT"), shape)):
+        if sympy.sympify(shape[d]) == 1:
+            names[f"{sym}{d}"] = "0"
+            continue
+        var = f"{prefix}{sym}{d}"
+        names[f"{sym}{d}"] = var
+        lines.append(f"{p}{var} = {to_tl(e, {'FLAT': flat})}")
+    return names, lines
+
+
+def _prologue_lines(gk: GemmKernel, counter: list[int]) -> tuple[list[str], dict[str, str]]:
+    """The whole-row reductions, each an RBLOCK-wide loop; their registers by name."""
+    pro = gk.prologue
+    lines: list[str] = []
+    regs: dict[str, str] = {}
+    for j, r in enumerate(pro.reductions):
+        n = product(r.reduce.sizes)
+        acc = f"acc_{r.name}"
+        lines += [f"    # prologue: {r.name} <- {', '.join(r.source)} (whole row, in registers)",
+                  f"    {acc} = tl.zeros([1, RBLOCK], dtype={tl_compute(r.dtype.name)})",
+                  f"    for qs{j} in range(0, {to_tl(n)}, RBLOCK):",
+                  f"        q{j} = qs{j} + rk",
+                  f"        qmask{j} = q{j} < {to_tl(n)}"]
+        names, defs = _unravel_lines(f"p{j}_", f"q{j}", r.reduce.sizes, "r", "        ")
+        names.update({f"i{d}": "0" for d in range(len(r.shape))})
+        lines += defs
+        sc = _Scope(names, f"qmask{j}", dict(regs), counter)
+        v = text(sc.value(r.body))
+        lines += render(sc.lines, "        ")
+        lines.append(f"        {acc} = {acc} + tl.where(qmask{j}, {v}, 0)")
+        regs[r.name] = f"v_{r.name}"
+        lines.append(f"    v_{r.name} = "
+                     f"{_rounded(f'tl.sum({acc}, 1, keep_dims=True)', r.dtype)}")
+    return lines, regs
+
+
+def print_gemv_kernel(gk: GemmKernel, buffers: dict[str, L.Buffer],
+                      name: str | None = None) -> TritonKernel:
+    """`name`: the function's name (default `gk.name`)."""
+    g, epi, cfg, pro = gk.gemm, gk.epilogue, gk.config, gk.prologue
+    name = name or gk.name
+    if not applies(g):  # (a cached choice of another GEMM with the same problem key)
+        raise UnsupportedError(f"GEMM {g.name} ({', '.join(g.source)}): the GEMV template "
+                               f"takes M = 1 without batch dims, static N and K, float16 / "
+                               f"bfloat16 / float32; got M = {g.m}, batch {g.batch}, "
+                               f"{g.dtype.name}")
+    out = gk.out
+    params = gk.params()
+    if gk.status:
+        params.append(("status", "kiln_status"))
+    sig: dict[str, str] = {}
+    for kind, n in params:
+        sig[n if kind in ("size", "status") else f"buf_{n}"] = \
+            "i64" if kind == "size" else "*i32" if kind == "status" else SIG_PTR[buffers[n].dtype]
+    i64 = not _small(gk, buffers)
+    cast = ".to(tl.int64)" if i64 else ""
+    what = [f"{g.name} = {g.a.buf if pro is None else pro.row.name} @ {g.b.buf} (M = 1)"]
+    if pro is not None:
+        what.append(f"prologue {', '.join([*(r.name for r in pro.reductions), pro.row.name])}")
+    if epi is not None:
+        what.append(f"epilogue {epi.name}")
+    lines = [
+        "@triton.jit",
+        f"def {name}({', '.join(sig)}, XBLOCK: tl.constexpr, RBLOCK: tl.constexpr):",
+        f"    # {gk.name} (GEMV): {', '.join(what)}",
+        f"    #   from graph nodes: {', '.join(gk.source)}",
+        "    # XBLOCK outputs a program, RBLOCK of K a step",
+        f"    N = {to_tl(g.n)}",
+        f"    K = {to_tl(g.k)}",
+        f"    rn = (tl.program_id(0) * XBLOCK + tl.arange(0, XBLOCK)[:, None]){cast}",
+        "    nmask = rn < N",
+        f"    rk = tl.arange(0, RBLOCK)[None, :]{cast}",
+        "    xidx = rk * 0  # the row's shape, for loads of scalars",
+    ]
+    counter = [0]
+    regs: dict[str, str] = {}
+    if pro is not None:
+        more, regs = _prologue_lines(gk, counter)
+        lines += more
+    rows = sympy.sympify(g.b.rows)
+    kstep = "kk" if rows == 1 else f"kk * {to_tl(rows)}"
+    lines += [
+        f"    pb = buf_{g.b.buf} + {to_tl(g.b.offset)} + rn * {to_tl(g.b.cols)}",
+        "    acc = tl.zeros((XBLOCK, RBLOCK), dtype=tl.float32)",
+        "    for k0 in range(0, K, RBLOCK):",
+        "        kk = k0 + rk",
+        "        kmask = kk < K",
+    ]
+    if pro is None:
+        lines.append(f"        x = tl.load(buf_{g.a.buf} + {to_tl(g.a.offset)} + kk * "
+                     f"{to_tl(g.a.cols)}, mask=kmask, other=0.0).to(tl.float32)")
+    else:
+        row = pro.row
+        lines.append(f"        # prologue: {row.name} <- {', '.join(row.source)} at K positions kk")
+        names, defs = _unravel_lines("a_", "kk", row.shape, "i", "        ")
+        lines += defs
+        sc = _Scope(names, "kmask", regs, counter)
+        v = text(sc.value(row.body))
+        lines += render(sc.lines, "        ")
+        lines.append(f"        x = tl.where(kmask, {_rounded(v, row.dtype)}, 0.0)")
+    lines += [
+        f"        w = tl.load(pb + {kstep}, mask=nmask & kmask, other=0.0).to(tl.float32)",
+        "        acc += w * x",
+        "    i_m = rn * 0",
+        "    i_n = rn",
+        "    mask = nmask",
+    ]
+    flat = linear_index([sympy.Symbol("i_m"), sympy.Symbol("i_n")],
+                        contiguous_strides(g.shape))
+    if epi is None:
+        value = f"tl.sum(acc, 1, keep_dims=True).to({TL_DTYPE[g.dtype]})"
+    else:
+        names = _epilogue_names(g, epi, flat)
+        lines.append("    xidx = rn * 0  # the outputs' shape, for loads of scalars")
+        rounded = _rounded("tl.sum(acc, 1, keep_dims=True)", g.dtype)
+        lines.append(f"    v_{g.name} = {rounded}  # the GEMM result, as its buffer would hold it")
+        lines.append(f"    # epilogue {epi.name} <- {', '.join(epi.source)}")
+        sc = _Scope(names, "mask", {g.name: f"v_{g.name}"}, counter)
+        value = text(sc.value(epi.body))
+        lines += render(sc.lines, "    ")
+    lines.append(f"    tl.store(buf_{out} + {to_tl(flat)}, {value}, mask=mask)")
+    sig["XBLOCK"] = sig["RBLOCK"] = "constexpr"
+    return TritonKernel(name, "\n".join(lines) + "\n", tuple(params), sig,
+                        Config(cfg.block_n, cfg.block_k, cfg.num_warps, cfg.num_stages),
+                        g.n, gk.source)
+
+
+def print_template_kernel(gk: GemmKernel, buffers: dict[str, L.Buffer],
+                          name: str | None = None) -> TritonKernel:
+    """The GEMV template's kernel for a `GemvConfig`, else the GEMM template's."""
+    if getattr(gk.config, "gemv", False):
+        return print_gemv_kernel(gk, buffers, name)
+    return print_gemm_kernel(gk, buffers, name)
