@@ -391,3 +391,79 @@ def test_profile_runs_a_direct_conv_package(check, tmp_path):
         got, want = model(x), m(x)
     got = got[0] if isinstance(got, (tuple, list)) else got
     torch.testing.assert_close(got, want, **TOL)
+
+
+def _block_calls(compiled) -> int:
+    return compiled.sources["model.cpp"].count("kl::conv2d_block_nchwc(")
+
+
+class _Block(nn.Module):
+    """expand 1x1 (bn, act) -> depthwise kxk (bn, act) -> project 1x1 (bn) [+ x]: an inverted
+    residual block with any kernel, stride, padding, dilation and activations."""
+
+    def __init__(self, cin, hid, cout, k, stride, pad, dil, acts, g) -> None:
+        super().__init__()
+        self.e = nn.Conv2d(cin, hid, 1, bias=False)
+        self.d = nn.Conv2d(hid, hid, k, stride, pad, dil, groups=hid, bias=True)
+        self.p = nn.Conv2d(hid, cout, 1, bias=False)
+        self.bns = nn.ModuleList([_bn(hid, g), _bn(hid, g), _bn(cout, g)])
+        self.acts = acts
+        self.skip = stride == 1 and cin == cout and k == 2 * pad // dil + 1
+        for c in (self.e, self.d, self.p):
+            with torch.no_grad():
+                c.weight.copy_(torch.randn(c.weight.shape, generator=g) * 0.3)
+
+    def forward(self, x):
+        a1, a2 = self.acts
+        y = a2(self.bns[1](self.d(a1(self.bns[0](self.e(x))))))
+        y = self.bns[2](self.p(y))
+        return x + y if self.skip else y
+
+
+@pytest.mark.parametrize(("cin", "hid", "cout", "k", "stride", "pad", "dil", "acts", "hw",
+                          "batch", "threads"), [
+    (24, 144, 24, 3, 1, 1, 1, "relu6", (23, 25), 1, 1),   # residual, 9 padded hidden channels
+    (16, 96, 24, 3, 2, 1, 1, "relu6", (41, 37), 2, 2),    # stride 2, odd sizes, 2 threads
+    (20, 120, 20, 5, 1, 2, 1, "silu", (26, 24), 3, 2),    # 5x5, channels not a block multiple
+    (32, 192, 40, 3, 1, 2, 2, "relu", (19, 21), 2, 1),    # dilation 2, padding 2
+    (24, 144, 32, 3, 2, 0, 1, "relu6", (24, 27), 1, 2),   # no padding, stride 2
+])
+def test_inverted_residual_block(check, cin, hid, cout, k, stride, pad, dil, acts, hw, batch,
+                                 threads):
+    """expand -> depthwise -> project [+ residual] as one conv2d_block_nchwc call (row bands:
+    sizes past one band), against eager with a float64 reference: kernel 3 and 5, stride 1 and
+    2, padding 0-2, dilation 2, hidden and output channels not a multiple of the block, batch
+    1-3, 1 and 2 threads, each stage's epilogue (bn folded, bias, relu6/relu/silu)."""
+    g = torch.Generator().manual_seed(29)
+    act = {"relu6": nn.ReLU6(), "relu": nn.ReLU(), "silu": nn.SiLU()}[acts]
+    m = _Block(cin, hid, cout, k, stride, pad, dil, (act, act), g).eval()
+    x = rand((batch, cin, *hw), F32, gen("conv_block", cin, hid, k, stride, hw), -2, 2)
+    compiled = check(m, [x], tol=TOL, options=kiln.Options(num_threads=threads),
+                     more=[[rand((batch, cin, *hw), F32, gen("conv_block2", hid), -2, 2)]])
+    assert _block_calls(compiled) == 1 and _direct_calls(compiled) == 0
+    src = compiled.sources["model.cpp"]
+    assert re.search(r"// inverted residual block \(expand 1x1 \+ \w+.*; depthwise "
+                     rf"{k}x{k} stride {stride}x{stride}.*project 1x1.*\) of \w+", src)
+
+
+def test_inverted_residual_block_not_fused(check):
+    """The expand's result also read elsewhere (a second output): three direct calls; a
+    small expanded tensor (the threshold) neither."""
+    g = torch.Generator().manual_seed(31)
+    m = _Block(16, 96, 16, 3, 1, 1, 1, (nn.ReLU6(), nn.ReLU6()), g).eval()
+
+    class Both(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.m = m
+
+        def forward(self, x):
+            h = F.relu6(self.m.bns[0](self.m.e(x)))
+            y = self.m.bns[2](self.m.p(F.relu6(self.m.bns[1](self.m.d(h)))))
+            return x + y, h
+
+    x = rand((1, 16, 30, 30), F32, gen("conv_block_nf"), -2, 2)
+    compiled = check(Both().eval(), [x], tol=TOL)
+    assert _block_calls(compiled) == 0
+    small = check(m, [rand((1, 16, 12, 12), F32, gen("conv_block_small"), -2, 2)], tol=TOL)
+    assert _block_calls(small) == 0 and _direct_calls(small) == 3
