@@ -743,6 +743,56 @@ void block_share(const Block &k, float *ebuf, float *dbuf, int t, int nt) {
   }
 }
 
+/* Thread t of nt, where the rows do not split evenly (small maps, e.g. 7 rows on 2 threads):
+ * first the t-th share of the (image, group of hidden blocks) units, each group expanded
+ * whole into ebuf [4][H][W][B] (the depthwise of a hidden block reads that block only) and
+ * its depthwise stored into dall [N][HCb][oh][ow][B]; then, after a barrier, the t-th share of
+ * the (image, group of output blocks) units of the project. */
+template <int B>
+void block_channels(const Block &k, float *ebuf, float *dall, int t, int nt) {
+  const int64_t span = (k.kw - 1) * k.dw;
+  const int64_t lo = k.pw > 0 ? (k.pw + k.sw - 1) / k.sw : 0;
+  int64_t hi = k.w - span + k.pw <= 0 ? 0 : (k.w - span + k.pw - 1) / k.sw + 1;
+  hi = std::min(hi, k.ow);
+  const int64_t eblk = k.h * k.w * B, dimg = k.hcb * k.oh * k.ow * B;
+  Shape se{};
+  se.n = 1, se.icb = k.icb, se.icn = B, se.ih = 1, se.iw = k.h * k.w;
+  se.ocb = k.hcb, se.oh = 1, se.ow = se.iw, se.kh = se.kw = se.sh = se.sw = se.dh = se.dw = 1;
+  se.xs_pix = B, se.xs_ch = 1, se.xs_row = se.iw * B, se.xs_blk = eblk, se.os_blk = eblk;
+  Shape sd{};
+  sd.n = 1, sd.icb = sd.ocb = k.hcb, sd.icn = B, sd.ih = k.h, sd.iw = k.w;
+  sd.oh = k.oh, sd.ow = k.ow, sd.kh = k.kh, sd.kw = k.kw, sd.sh = k.sh, sd.sw = k.sw;
+  sd.ph = k.ph, sd.pw = k.pw, sd.dh = k.dh, sd.dw = k.dw, sd.xs_blk = eblk;
+  const Groups<B> ge(se);
+  const int64_t u1s = k.n * ge.ng;
+  for (int64_t u = u1s * t / nt; u < u1s * (t + 1) / nt; ++u) {
+    const int64_t n = u / ge.ng;
+    int64_t g0, gn;
+    ge.at(u % ge.ng, g0, gn);
+    // the group's hidden blocks g0.. land at ebuf (the weights and bias offset by g0)
+    dense_any<B>(se, k.x + n * k.icb * eblk, k.w1 + g0 * k.icb * B * B, k.b1 + g0 * B, nullptr,
+                 ebuf, 0, 0, gn, 0, 1, 0, se.ow, k.e1);
+    for (int64_t j = 0; j < gn; ++j)
+      for (int64_t r = 0; r < k.oh; ++r)
+        dw_row<B>(sd, ebuf, k.w2 + g0 * k.kh * k.kw * B, k.b2 + g0 * B, nullptr,
+                  dall + n * dimg + g0 * k.oh * k.ow * B, k.e2, 0, j, r, lo, hi);
+  }
+#pragma omp barrier
+  Shape sp{};
+  sp.n = 1, sp.icb = k.hcb, sp.icn = B, sp.ih = 1, sp.iw = k.oh * k.ow;
+  sp.ocb = k.ocb, sp.oh = 1, sp.ow = sp.iw, sp.kh = sp.kw = sp.sh = sp.sw = sp.dh = sp.dw = 1;
+  sp.xs_pix = B, sp.xs_ch = 1, sp.xs_row = sp.iw * B, sp.xs_blk = k.oh * k.ow * B;
+  const Groups<B> gp(sp);
+  const int64_t u2s = k.n * gp.ng;
+  for (int64_t u = u2s * t / nt; u < u2s * (t + 1) / nt; ++u) {
+    const int64_t n = u / gp.ng, off = n * k.ocb * k.oh * k.ow * B;
+    int64_t g0, gn;
+    gp.at(u % gp.ng, g0, gn);
+    dense_any<B>(sp, dall + n * dimg, k.w3, k.b3, k.res ? k.res + off : nullptr, k.out + off, 0,
+                 g0, gn, 0, 1, 0, sp.ow, k.e3);
+  }
+}
+
 template <int B>
 int run_block(kr::Err &e, const char *where, Block &k, int64_t threads) {
   band_rows(k);
@@ -751,6 +801,21 @@ int run_block(kr::Err &e, const char *where, Block &k, int64_t threads) {
   // MACs of the block (expand, depthwise, project): below ~4 us of one core, one thread
   const int64_t work = k.n * (k.h * k.w * k.icb + k.oh * k.ow * (k.kh * k.kw + k.ocb)) * k.hcb * B;
   const int nt = nt0 > 1 && units >= nt0 && work >= 16384 * 16 ? nt0 : 1;
+  if (nt > 1 && !even_split(units, nt)) {  // rows that do not split: by channel groups
+    const int64_t per = 4 * k.h * k.w * B, dall = k.n * k.hcb * k.oh * k.ow * B;
+    const size_t bytes = ((size_t(per * nt + dall) * sizeof(float)) + 63) / 64 * 64;
+    float *buf = static_cast<float *>(std::aligned_alloc(64, bytes));
+    if (!buf) return e.fail("%s: cannot allocate the %zu-byte block buffers", where, bytes);
+#pragma omp parallel num_threads(nt)
+    {
+#ifdef _OPENMP
+      block_channels<B>(k, buf + dall + per * omp_get_thread_num(), buf, omp_get_thread_num(),
+                        omp_get_num_threads());
+#endif
+    }
+    std::free(buf);
+    return 0;
+  }
   const int64_t per = k.hcb * (k.in_rows * k.w + k.rows * k.ow) * B;  // floats per thread
   const size_t bytes = ((size_t(per) * nt * sizeof(float)) + 63) / 64 * 64;
   float *buf = static_cast<float *>(std::aligned_alloc(64, bytes));
