@@ -352,8 +352,8 @@ def test_max_pool_propagates_nan(check):
 
 def test_interpreter_twin_matches_eager(check):
     """The numpy twin of conv2d_nchwc (kiln.ir.interp, also behind the package's model.py)
-    runs the compiled Loop IR: dense (NCHWc and NCHW input), depthwise, residual, relu6,
-    max pooling in NCHWc."""
+    runs the compiled Loop IR: dense (NCHW input), the inverted residual block (expand,
+    depthwise, project + residual, relu6), max pooling in NCHWc."""
     g = torch.Generator().manual_seed(19)
     m = nn.Sequential(nn.Conv2d(3, 24, 3, 2, 1, bias=False), _bn(24, g), nn.ReLU6(),
                       nn.MaxPool2d(2), InvertedResidual(24, 24, 1, 2, g)).eval()
@@ -364,7 +364,9 @@ def test_interpreter_twin_matches_eager(check):
     feeds.update({k: v.numpy() for k, v in built.weights.items()})
     (got,) = run_loop(built.loop, feeds, {})
     assert sum(isinstance(s, L.Extern) and s.routine == "conv2d_nchwc"
-               for s in built.loop.nodes) == 4
+               for s in built.loop.nodes) == 1
+    assert sum(isinstance(s, L.Extern) and s.routine == "conv2d_block_nchwc"
+               for s in built.loop.nodes) == 1
     assert sum(isinstance(s, L.Extern) and s.routine == "max_pool2d_nchwc"
                for s in built.loop.nodes) == 1
     with torch.no_grad():

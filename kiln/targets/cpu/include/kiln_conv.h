@@ -167,9 +167,31 @@ struct Shape {
   int64_t os_blk, y0, o0;
 };
 
+/* One kernel tap (ky, kx) of an OB x P tile, for its pixels [L, P - R) (the first L and last R
+ * pixels' windows leave the input at this tap): per input channel, OB weight vectors and one
+ * broadcast per pixel; no per-pixel test in the channel loop. */
+template <int B, int OB, int P, int L, int R>
+__attribute__((always_inline)) inline void dense_tap(typename V<B>::type (&acc)[OB][P],
+                                                     const float *wk, int64_t wstride,
+                                                     const float *xp, int64_t step, int64_t icn,
+                                                     int64_t xs_ch) {
+  typedef typename V<B>::type vec;
+  for (int64_t c = 0; c < icn; ++c) {
+    vec wv[OB];
+    for (int o = 0; o < OB; ++o) wv[o] = load<B>(wk + o * wstride + c * B);
+    const float *xc = xp + c * xs_ch;
+    for (int p = L; p < P - R; ++p) {
+      const vec xv = splat_at<B>(xc + p * step);
+      for (int o = 0; o < OB; ++o) acc[o][p] = fma<B>(wv[o], xv, acc[o][p]);
+    }
+  }
+}
+
 /* Accumulate the OB x P tile at output (row oh, columns ow0..ow0+P) over input channel blocks
  * [ib0, ib1) into `out` (first: start from zero; last: apply the epilogue). CHECK: some
- * window positions leave the input along the width. */
+ * window positions leave the input along the width: those pixels are a prefix and / or a
+ * suffix of the tile at each tap (L and R of them); one pixel each side (3x3, padding 1, the
+ * rows of small maps that are one tile) take branch-free taps, others a test per pixel. */
 template <int B, int OB, int P, bool CHECK>
 inline void dense_tile(const Shape &s, const float *x, const float *w, int64_t wstride,
                        float *out, int64_t ostride, const float *bias, const float *res,
@@ -202,6 +224,25 @@ inline void dense_tile(const Shape &s, const float *x, const float *w, int64_t w
         }
         const float *xp = xrow + ix0 * s.xs_pix;
         const int64_t step = s.sw * s.xs_pix;
+        if constexpr (CHECK) {
+          int nl = 0, nr = 0;  // pixels left of / right of the input at this tap
+          for (int p = 0; p < P; ++p) {
+            nl += !ok[p] && ix0 + p * s.sw < 0;
+            nr += !ok[p] && ix0 + p * s.sw >= 0;
+          }
+          if (nl + nr >= P) continue;
+          if (nl <= 1 && nr <= 1) {
+            if (nl == 0 && nr == 0)
+              dense_tap<B, OB, P, 0, 0>(acc, wk, wstride, xp, step, icn, s.xs_ch);
+            else if (nl == 1 && nr == 0)
+              dense_tap<B, OB, P, 1, 0>(acc, wk, wstride, xp, step, icn, s.xs_ch);
+            else if (nl == 0)
+              dense_tap<B, OB, P, 0, 1>(acc, wk, wstride, xp, step, icn, s.xs_ch);
+            else if constexpr (P > 2)
+              dense_tap<B, OB, P, 1, 1>(acc, wk, wstride, xp, step, icn, s.xs_ch);
+            continue;
+          }
+        }
         for (int64_t c = 0; c < icn; ++c) {
           vec wv[OB];
           for (int o = 0; o < OB; ++o) wv[o] = load<B>(wk + o * wstride + c * B);
