@@ -103,6 +103,12 @@ CASES = [
     ("3x3_bn_residual_relu", dict(cout=32, k=3, stride=2, padding=1, bias=False, bn=True,
                                   residual=True, act="relu"), 24, (10, 10)),
     ("1x1_residual", dict(cout=24, k=1, bias=False, bn=True, residual=True), 40, (5, 6)),
+    # 7-pixel rows (ResNet's 7x7 maps): one 4 x 7 tile per row (AVX-512), with the padding
+    # taps branch-free (a pixel left or right of the input), and without padding
+    ("3x3_7wide_p1", dict(cout=80, k=3, padding=1, bn=True, act="relu"), 24, (7, 7)),
+    ("3x3_s2_7wide_residual", dict(cout=64, k=3, stride=2, padding=1, residual=True,
+                                   act="relu"), 32, (13, 14)),
+    ("3x3_p0_7wide", dict(cout=72, k=3), 16, (9, 9)),
 ]
 
 

@@ -307,6 +307,13 @@ inline void dense_row(const Shape &s, const float *x, const float *w, int64_t ws
   int64_t lo = s.pw > 0 ? (s.pw + s.sw - 1) / s.sw : 0;
   int64_t hi = s.iw - span + s.pw <= 0 ? 0 : (s.iw - span + s.pw - 1) / s.sw + 1;  // exclusive
   hi = std::min(hi, s.ow);
+  if constexpr (B == 16 && OB == 4) {
+    if (c1 - c0 == 7) {  // a 7-pixel row (7x7 maps): one 4 x 7 tile (28 accumulators)
+      dense_tail<B, 4, 7>(s, x, w, wstride, out, ostride, bias, res, oh, c0, 7, ib0, ib1, first,
+                          last, ep, c0 < lo || c1 > hi);
+      return;
+    }
+  }
   for (int64_t o = c0; o < c1;) {
     const int64_t np = std::min<int64_t>(P, c1 - o);
     const bool check = o < lo || o + np > hi;
@@ -357,11 +364,12 @@ void dense_group(const Shape &s, const float *x, const float *w, const float *bi
 
 // the output-channel groups of a dense convolution: 4 blocks at a time, the remainder as a 2
 // and / or a 1; rows of at most 14 pixels take groups of 2 (one tile of up to 14 pixels per
-// row, no narrow tail)
+// row, no narrow tail), except 7-pixel rows with B = 16 (one 4 x 7 tile: 28 accumulators, 4
+// weight vectors per 7 broadcasts)
 template <int B> struct Groups {
   int64_t gw, n4, rem, ng;
   explicit Groups(const Shape &s) {
-    gw = s.ow <= tile_px<B, 2>() ? 2 : 4;
+    gw = s.ow <= tile_px<B, 2>() && !(B == 16 && s.ow == 7) ? 2 : 4;
     n4 = s.ocb / gw, rem = s.ocb % gw;
     ng = n4 + (rem >= 2) + (rem % 2);
   }
