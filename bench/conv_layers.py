@@ -32,10 +32,11 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-BLOCK = re.compile(r"^  \{  // lib\.(conv2d|max_pool2d)_nchwc -> (\w+).*?^  \}\n", re.S | re.M)
+BLOCK = re.compile(r"^  \{  // lib\.(conv2d|conv2d_block|max_pool2d)_nchwc -> (\w+).*?^  \}\n",
+                   re.S | re.M)
 DIMS = re.compile(r"const int64_t (d\d+)\[\] = \{([^}]*)\};")
 VIEW = re.compile(r"kl::view\((buf_\w+) \+ 0, (\d+), (d\d+)\)")
-OUT = re.compile(r"kl::(?:conv2d|max_pool2d)_nchwc\(e, \"[^\"]*\", (buf_\w+),")
+OUT = re.compile(r"kl::(?:conv2d|conv2d_block|max_pool2d)_nchwc\(e, \"[^\"]*\", (buf_\w+),")
 ARG = re.compile(r"/\*(\w+)=\*/(?:int64_t\()?([-\w.]+)\)?")
 
 
@@ -61,6 +62,16 @@ def layers(model_cpp: str, pools: bool = True) -> list[dict]:
                             macs=x[0] * x[1] * x[4] * oh * ow * kh * kw,
                             desc=(f"maxpool {kh}x{kw}/{args['sh']} {x[1] * x[4]} "
                                   f"{x[2]}x{x[3]}->{oh}x{ow} n{x[0]}")))
+            continue
+        if m.group(1) == "conv2d_block":  # inverted residual: expand, depthwise, project
+            x, w1, w2, w3 = (views[i][2] for i in (0, 1, 3, 5))
+            oh, ow, blk = int(args["oh"]), int(args["ow"]), w2[3]
+            hid, kh, kw = w2[0] * blk, w2[1], w2[2]
+            macs = x[0] * hid * (x[2] * x[3] * x[1] * blk + oh * ow * (kh * kw + w3[0] * blk))
+            out.append(dict(name=name, text=text, views=views, out=OUT.search(text).group(1),
+                            out_size=x[0] * w3[0] * oh * ow * blk, macs=macs,
+                            desc=(f"block {x[1] * blk}->{hid}->{w3[0] * blk} dw {kh}x{kw}/"
+                                  f"{args['sh']} {x[2]}x{x[3]}->{oh}x{ow} n{x[0]}")))
             continue
         x, w = views[0][2], views[1][2]
         dw = args["depthwise"] == "true"

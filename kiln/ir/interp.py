@@ -492,6 +492,22 @@ def _lib_conv2d_nchwc(outs, attrs, x, w, b, res=None):
     return [out]
 
 
+def _lib_conv2d_block_nchwc(outs, attrs, x, w1, b1, w2, b2, w3, b3, res=None):
+    """kiln_conv.h's inverted residual block: expand 1x1 -> depthwise -> project 1x1
+    [+ res], each stage's epilogue (act{i}, lo{i}, hi{i}), in float64."""
+    a = attrs
+    h, w = x.shape[2], x.shape[3]
+
+    def stage(i, **geo):
+        return {"act": a[f"act{i}"], "lo": a[f"lo{i}"], "hi": a[f"hi{i}"], "ph": 0, "pw": 0,
+                "sh": 1, "sw": 1, "dh": 1, "dw": 1, "depthwise": False, **geo}
+
+    (e,) = _lib_conv2d_nchwc(outs, stage(1, oh=h, ow=w), x, w1, b1)
+    geo = {k: a[k] for k in ("oh", "ow", "sh", "sw", "ph", "pw", "dh", "dw")}
+    (d,) = _lib_conv2d_nchwc(outs, stage(2, depthwise=True, **geo), e, w2, b2)
+    return _lib_conv2d_nchwc(outs, stage(3, oh=a["oh"], ow=a["ow"]), d, w3, b3, res)
+
+
 def _lib_conv2d_nhwc(outs, attrs, x, w, b=None, res=None):
     """The CUDA NHWC convolution (targets/cuda/conv_template.py): x [N, H, W, C], packed w
     ([G, KH * KW * Cg, OCg], or [KH, KW, C] depthwise), float32 [scale; shift], in float64. Split-K
@@ -560,6 +576,7 @@ ROUTINES = {"sort": _lib_sort, "topk": _lib_topk, "scan": _lib_scan,
             "scan_extreme": _lib_scan_extreme, "put": _lib_put, "put_mean": _lib_put,
             "masked_scatter": _lib_masked_scatter, "embedding_bag": _lib_embedding_bag,
             "attention": _lib_attention, "conv2d_nchwc": _lib_conv2d_nchwc,
+            "conv2d_block_nchwc": _lib_conv2d_block_nchwc,
             "conv2d_nhwc": _lib_conv2d_nhwc,
             "max_pool2d_nchwc": _lib_max_pool2d_nchwc,
             "qgemm": quant_routine}

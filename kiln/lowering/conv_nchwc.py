@@ -1,7 +1,8 @@
 """Lowering rules for the blocked-layout ops of the CPU direct convolution
 (passes/conv_nchwc.py): `conv_nchwc` is one `Extern` step (routine "conv2d_nchwc",
 kiln/targets/cpu/include/kiln_conv.h; numpy twin in ir/interp.py), `max_pool_nchwc` another
-("max_pool2d_nchwc"), `to_nchwc` and
+("max_pool2d_nchwc"), `conv_block_nchwc` (passes/conv_block.py) a third
+("conv2d_block_nchwc"), `to_nchwc` and
 `from_nchwc` are index maps: NCHW -> NCHWc is always materialised (a buffer named
 `<value>_nchwc`, however many convolutions read it), NCHWc -> NCHW is a pointwise value that
 fuses into the ops that read it."""
@@ -73,6 +74,24 @@ def lower_conv_nchwc(ctx: LowerCtx, node: Node, args: list[Lazy]) -> Lazy:
     return ctx.buffer_lazy(out, node.type.dtype, shape)
 
 
+def lower_conv_block_nchwc(ctx: LowerCtx, node: Node, args: list[Lazy]) -> Lazy:
+    """An inverted residual block (expand 1x1 -> depthwise -> project 1x1 [+ residual]): one
+    `Extern` step (routine "conv2d_block_nchwc"), the three stages' epilogues as attributes."""
+    src = tuple(node.attr("fused")) or (node.source or node.name,)
+    ops = [_operand(ctx, a, n, src) for a, n in zip(args, node.inputs)]
+    out = ctx.unique(node.name)
+    shape = node.type.shape
+    ctx.declare(out, node.type.dtype, shape, "temp")
+    (sh, sw), (ph, pw), (dh, dw) = (node.attr(k) for k in ("stride", "padding", "dilation"))
+    attrs = [("oh", int(shape[2])), ("ow", int(shape[3])), ("sh", sh), ("sw", sw), ("ph", ph),
+             ("pw", pw), ("dh", dh), ("dw", dw)]
+    for i, (act, lo, hi) in enumerate(zip(*(node.attr(k) for k in ("acts", "los", "his"))), 1):
+        attrs += [(f"act{i}", ACTS[act]), (f"lo{i}", float(lo)), (f"hi{i}", float(hi))]
+    attrs.append(("threads", int(node.attr("threads"))))
+    ctx.nodes.append(L.Extern("conv2d_block_nchwc", (out,), tuple(ops), tuple(attrs), src))
+    return ctx.buffer_lazy(out, node.type.dtype, shape)
+
+
 def lower_max_pool_nchwc(ctx: LowerCtx, node: Node, args: list[Lazy]) -> Lazy:
     """2-D max pooling of an NCHWc value into NCHWc: one `Extern` step (routine
     "max_pool2d_nchwc", kiln_conv.h: B channels per vector; numpy twin in ir/interp.py), the
@@ -93,4 +112,5 @@ def lower_max_pool_nchwc(ctx: LowerCtx, node: Node, args: list[Lazy]) -> Lazy:
 
 
 RULES = {"to_nchwc": lower_to_nchwc, "from_nchwc": lower_from_nchwc,
-         "conv_nchwc": lower_conv_nchwc, "max_pool_nchwc": lower_max_pool_nchwc}
+         "conv_nchwc": lower_conv_nchwc, "max_pool_nchwc": lower_max_pool_nchwc,
+         "conv_block_nchwc": lower_conv_block_nchwc}

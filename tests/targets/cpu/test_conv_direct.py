@@ -103,6 +103,12 @@ CASES = [
     ("3x3_bn_residual_relu", dict(cout=32, k=3, stride=2, padding=1, bias=False, bn=True,
                                   residual=True, act="relu"), 24, (10, 10)),
     ("1x1_residual", dict(cout=24, k=1, bias=False, bn=True, residual=True), 40, (5, 6)),
+    # 7-pixel rows (ResNet's 7x7 maps): one 4 x 7 tile per row (AVX-512), with the padding
+    # taps branch-free (a pixel left or right of the input), and without padding
+    ("3x3_7wide_p1", dict(cout=80, k=3, padding=1, bn=True, act="relu"), 24, (7, 7)),
+    ("3x3_s2_7wide_residual", dict(cout=64, k=3, stride=2, padding=1, residual=True,
+                                   act="relu"), 32, (13, 14)),
+    ("3x3_p0_7wide", dict(cout=72, k=3), 16, (9, 9)),
 ]
 
 
@@ -284,7 +290,8 @@ def test_mobilenet_v2_chain(check):
                       nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(64, 10)).eval()
     x = rand((2, 3, 32, 32), F32, gen("mbv2"), -2, 2)
     compiled = check(m, [x], tol={"rtol": 1e-3, "atol": 1e-3})
-    assert _direct_calls(compiled) == 13
+    # the stem, the block without expansion (2), the last 1x1; three expanding blocks fused
+    assert _direct_calls(compiled) == 4 and _block_calls(compiled) == 3
     assert "im2col" not in _sources(compiled)
 
 
@@ -305,7 +312,7 @@ def test_plain_x86_64_build(check):
                       nn.MaxPool2d(3, 1, 1), InvertedResidual(24, 24, 1, 2, g)).eval()
     x = rand((2, 3, 12, 12), F32, gen("x86"), -2, 2)
     compiled = check(m, [x], tol=TOL, options=kiln.Options(march="x86-64"))
-    assert _direct_calls(compiled) == 4
+    assert _direct_calls(compiled) == 1 and _block_calls(compiled) == 1
     assert "kl::max_pool2d_nchwc(" in compiled.sources["model.cpp"]
     assert re.search(r"kl::view\(buf_\w+_w \+ 0, 6, d1\)", compiled.sources["model.cpp"])
     assert "#define KILN_CONV_B8" in compiled.sources["conv.cpp"]
@@ -351,8 +358,8 @@ def test_max_pool_propagates_nan(check):
 
 def test_interpreter_twin_matches_eager(check):
     """The numpy twin of conv2d_nchwc (kiln.ir.interp, also behind the package's model.py)
-    runs the compiled Loop IR: dense (NCHWc and NCHW input), depthwise, residual, relu6,
-    max pooling in NCHWc."""
+    runs the compiled Loop IR: dense (NCHW input), the inverted residual block (expand,
+    depthwise, project + residual, relu6), max pooling in NCHWc."""
     g = torch.Generator().manual_seed(19)
     m = nn.Sequential(nn.Conv2d(3, 24, 3, 2, 1, bias=False), _bn(24, g), nn.ReLU6(),
                       nn.MaxPool2d(2), InvertedResidual(24, 24, 1, 2, g)).eval()
@@ -363,7 +370,9 @@ def test_interpreter_twin_matches_eager(check):
     feeds.update({k: v.numpy() for k, v in built.weights.items()})
     (got,) = run_loop(built.loop, feeds, {})
     assert sum(isinstance(s, L.Extern) and s.routine == "conv2d_nchwc"
-               for s in built.loop.nodes) == 4
+               for s in built.loop.nodes) == 1
+    assert sum(isinstance(s, L.Extern) and s.routine == "conv2d_block_nchwc"
+               for s in built.loop.nodes) == 1
     assert sum(isinstance(s, L.Extern) and s.routine == "max_pool2d_nchwc"
                for s in built.loop.nodes) == 1
     with torch.no_grad():
@@ -391,3 +400,80 @@ def test_profile_runs_a_direct_conv_package(check, tmp_path):
         got, want = model(x), m(x)
     got = got[0] if isinstance(got, (tuple, list)) else got
     torch.testing.assert_close(got, want, **TOL)
+
+
+def _block_calls(compiled) -> int:
+    return compiled.sources["model.cpp"].count("kl::conv2d_block_nchwc(")
+
+
+class _Block(nn.Module):
+    """expand 1x1 (bn, act) -> depthwise kxk (bn, act) -> project 1x1 (bn) [+ x]: an inverted
+    residual block with any kernel, stride, padding, dilation and activations."""
+
+    def __init__(self, cin, hid, cout, k, stride, pad, dil, acts, g) -> None:
+        super().__init__()
+        self.e = nn.Conv2d(cin, hid, 1, bias=False)
+        self.d = nn.Conv2d(hid, hid, k, stride, pad, dil, groups=hid, bias=True)
+        self.p = nn.Conv2d(hid, cout, 1, bias=False)
+        self.bns = nn.ModuleList([_bn(hid, g), _bn(hid, g), _bn(cout, g)])
+        self.acts = acts
+        self.skip = stride == 1 and cin == cout and k == 2 * pad // dil + 1
+        for c in (self.e, self.d, self.p):
+            with torch.no_grad():
+                c.weight.copy_(torch.randn(c.weight.shape, generator=g) * 0.3)
+
+    def forward(self, x):
+        a1, a2 = self.acts
+        y = a2(self.bns[1](self.d(a1(self.bns[0](self.e(x))))))
+        y = self.bns[2](self.p(y))
+        return x + y if self.skip else y
+
+
+@pytest.mark.parametrize(("cin", "hid", "cout", "k", "stride", "pad", "dil", "acts", "hw",
+                          "batch", "threads"), [
+    (24, 144, 24, 3, 1, 1, 1, "relu6", (23, 25), 1, 1),   # residual, 9 padded hidden channels
+    (16, 96, 24, 3, 2, 1, 1, "relu6", (41, 37), 2, 2),    # stride 2, odd sizes, 2 threads
+    (20, 120, 20, 5, 1, 2, 1, "silu", (26, 24), 3, 2),    # 5x5, channels not a block multiple
+    (32, 192, 40, 3, 1, 2, 2, "relu", (19, 21), 2, 1),    # dilation 2, padding 2
+    (24, 144, 32, 3, 2, 0, 1, "relu6", (24, 27), 1, 2),   # no padding, stride 2
+    # rows that do not split over 2 threads: by channel groups, one barrier
+    (32, 192, 40, 3, 1, 1, 1, "relu6", (7, 23), 1, 2),    # 7 rows
+    (24, 120, 24, 3, 2, 1, 1, "relu6", (9, 31), 3, 2),    # batch 3 x 5 rows, stride 2
+    (40, 240, 40, 5, 1, 2, 1, "silu", (7, 7), 1, 2),      # 5x5, residual
+])
+def test_inverted_residual_block(check, cin, hid, cout, k, stride, pad, dil, acts, hw, batch,
+                                 threads):
+    """expand -> depthwise -> project [+ residual] as one conv2d_block_nchwc call (row bands:
+    sizes past one band), against eager with a float64 reference: kernel 3 and 5, stride 1 and
+    2, padding 0-2, dilation 2, hidden and output channels not a multiple of the block, batch
+    1-3, 1 and 2 threads, each stage's epilogue (bn folded, bias, relu6/relu/silu)."""
+    g = torch.Generator().manual_seed(29)
+    act = {"relu6": nn.ReLU6(), "relu": nn.ReLU(), "silu": nn.SiLU()}[acts]
+    m = _Block(cin, hid, cout, k, stride, pad, dil, (act, act), g).eval()
+    x = rand((batch, cin, *hw), F32, gen("conv_block", cin, hid, k, stride, hw), -2, 2)
+    compiled = check(m, [x], tol=TOL, options=kiln.Options(num_threads=threads),
+                     more=[[rand((batch, cin, *hw), F32, gen("conv_block2", hid), -2, 2)]])
+    assert _block_calls(compiled) == 1 and _direct_calls(compiled) == 0
+    src = compiled.sources["model.cpp"]
+    assert re.search(r"// inverted residual block \(expand 1x1 \+ \w+.*; depthwise "
+                     rf"{k}x{k} stride {stride}x{stride}.*project 1x1.*\) of \w+", src)
+
+
+def test_inverted_residual_block_not_fused(check):
+    """The expand's result also read elsewhere (a second output): three direct calls."""
+    g = torch.Generator().manual_seed(31)
+    m = _Block(16, 96, 16, 3, 1, 1, 1, (nn.ReLU6(), nn.ReLU6()), g).eval()
+
+    class Both(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.m = m
+
+        def forward(self, x):
+            h = F.relu6(self.m.bns[0](self.m.e(x)))
+            y = self.m.bns[2](self.m.p(F.relu6(self.m.bns[1](self.m.d(h)))))
+            return x + y, h
+
+    x = rand((1, 16, 30, 30), F32, gen("conv_block_nf"), -2, 2)
+    compiled = check(Both().eval(), [x], tol=TOL)
+    assert _block_calls(compiled) == 0 and _direct_calls(compiled) == 3

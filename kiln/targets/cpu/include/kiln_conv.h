@@ -48,6 +48,26 @@ int conv2d_nchwc(kr::Err &e, const char *where, float *out, int64_t oh, int64_t 
                  int64_t act, double lo, double hi, int64_t threads, View<float> x,
                  View<float> w, View<float> b, View<float> res);
 
+/* MobileNetV2's inverted residual block as one call: out = project(depthwise(expand(x)))
+ * [+ res], each stage a direct convolution with its own epilogue (act code, lo, hi as
+ * conv2d_nchwc's): expand a 1x1 stride-1 dense convolution x [N, ICb, H, W, B] -> [N, HCb, H,
+ * W, B] (w1 [HCb, ICb, 1, 1, B, B]), depthwise w2 [HCb, KH, KW, B] (stride, padding,
+ * dilation below) -> [N, HCb, oh, ow, B], project a 1x1 dense convolution (w3 [OCb, HCb, 1, 1,
+ * B, B]) -> out [N, OCb, oh, ow, B]. Computed in bands of output rows whose expanded and
+ * depthwise rows stay in per-thread buffers (L2): the expanded tensor is never stored whole. */
+int conv2d_block_nchwc(kr::Err &e, const char *where, float *out, int64_t oh, int64_t ow,
+                       int64_t sh, int64_t sw, int64_t ph, int64_t pw, int64_t dh, int64_t dw,
+                       int64_t act1, double lo1, double hi1, int64_t act2, double lo2,
+                       double hi2, int64_t act3, double lo3, double hi3, int64_t threads,
+                       View<float> x, View<float> w1, View<float> b1, View<float> w2,
+                       View<float> b2, View<float> w3, View<float> b3);
+int conv2d_block_nchwc(kr::Err &e, const char *where, float *out, int64_t oh, int64_t ow,
+                       int64_t sh, int64_t sw, int64_t ph, int64_t pw, int64_t dh, int64_t dw,
+                       int64_t act1, double lo1, double hi1, int64_t act2, double lo2,
+                       double hi2, int64_t act3, double lo3, double hi3, int64_t threads,
+                       View<float> x, View<float> w1, View<float> b1, View<float> w2,
+                       View<float> b2, View<float> w3, View<float> b3, View<float> res);
+
 /* 2-D max pooling of an NCHWc value x [N, Cb, H, W, B] into out [N, Cb, oh, ow, B]: the
  * window (kh x kw, stride, padding, dilation; padding never wins) of each output pixel, B
  * channels per vector; NaN propagates (as torch's max_pool2d). */
@@ -64,6 +84,7 @@ int max_pool2d_nchwc(kr::Err &e, const char *where, float *out, int64_t oh, int6
 // accumulators (a store per FMA: half speed)
 #pragma GCC optimize("no-version-loops-for-strides")
 #include <algorithm>
+#include <cstdlib>
 #include <cmath>
 #include <cstring>
 #ifdef _OPENMP
@@ -140,11 +161,37 @@ struct Shape {
   int64_t n, icb, ih, iw, icn;  // icn: input channels per block (B, or IC for NCHW input)
   int64_t ocb, oh, ow, kh, kw, sh, sw, ph, pw, dh, dw;
   int64_t xs_blk, xs_row, xs_pix, xs_ch, xs_img;  // input strides: block, row, pixel, channel
+  // a band of a larger tensor (conv2d_block_nchwc's row bands; 0: the whole tensor): the
+  // output's block stride (dense and depthwise), the depthwise input's block stride, and the
+  // first input / output row the depthwise pointers hold
+  int64_t os_blk, y0, o0;
 };
+
+/* One kernel tap (ky, kx) of an OB x P tile, for its pixels [L, P - R) (the first L and last R
+ * pixels' windows leave the input at this tap): per input channel, OB weight vectors and one
+ * broadcast per pixel; no per-pixel test in the channel loop. */
+template <int B, int OB, int P, int L, int R>
+__attribute__((always_inline)) inline void dense_tap(typename V<B>::type (&acc)[OB][P],
+                                                     const float *wk, int64_t wstride,
+                                                     const float *xp, int64_t step, int64_t icn,
+                                                     int64_t xs_ch) {
+  typedef typename V<B>::type vec;
+  for (int64_t c = 0; c < icn; ++c) {
+    vec wv[OB];
+    for (int o = 0; o < OB; ++o) wv[o] = load<B>(wk + o * wstride + c * B);
+    const float *xc = xp + c * xs_ch;
+    for (int p = L; p < P - R; ++p) {
+      const vec xv = splat_at<B>(xc + p * step);
+      for (int o = 0; o < OB; ++o) acc[o][p] = fma<B>(wv[o], xv, acc[o][p]);
+    }
+  }
+}
 
 /* Accumulate the OB x P tile at output (row oh, columns ow0..ow0+P) over input channel blocks
  * [ib0, ib1) into `out` (first: start from zero; last: apply the epilogue). CHECK: some
- * window positions leave the input along the width. */
+ * window positions leave the input along the width: those pixels are a prefix and / or a
+ * suffix of the tile at each tap (L and R of them); one pixel each side (3x3, padding 1, the
+ * rows of small maps that are one tile) take branch-free taps, others a test per pixel. */
 template <int B, int OB, int P, bool CHECK>
 inline void dense_tile(const Shape &s, const float *x, const float *w, int64_t wstride,
                        float *out, int64_t ostride, const float *bias, const float *res,
@@ -177,6 +224,25 @@ inline void dense_tile(const Shape &s, const float *x, const float *w, int64_t w
         }
         const float *xp = xrow + ix0 * s.xs_pix;
         const int64_t step = s.sw * s.xs_pix;
+        if constexpr (CHECK) {
+          int nl = 0, nr = 0;  // pixels left of / right of the input at this tap
+          for (int p = 0; p < P; ++p) {
+            nl += !ok[p] && ix0 + p * s.sw < 0;
+            nr += !ok[p] && ix0 + p * s.sw >= 0;
+          }
+          if (nl + nr >= P) continue;
+          if (nl <= 1 && nr <= 1) {
+            if (nl == 0 && nr == 0)
+              dense_tap<B, OB, P, 0, 0>(acc, wk, wstride, xp, step, icn, s.xs_ch);
+            else if (nl == 1 && nr == 0)
+              dense_tap<B, OB, P, 1, 0>(acc, wk, wstride, xp, step, icn, s.xs_ch);
+            else if (nl == 0)
+              dense_tap<B, OB, P, 0, 1>(acc, wk, wstride, xp, step, icn, s.xs_ch);
+            else if constexpr (P > 2)
+              dense_tap<B, OB, P, 1, 1>(acc, wk, wstride, xp, step, icn, s.xs_ch);
+            continue;
+          }
+        }
         for (int64_t c = 0; c < icn; ++c) {
           vec wv[OB];
           for (int o = 0; o < OB; ++o) wv[o] = load<B>(wk + o * wstride + c * B);
@@ -241,6 +307,13 @@ inline void dense_row(const Shape &s, const float *x, const float *w, int64_t ws
   int64_t lo = s.pw > 0 ? (s.pw + s.sw - 1) / s.sw : 0;
   int64_t hi = s.iw - span + s.pw <= 0 ? 0 : (s.iw - span + s.pw - 1) / s.sw + 1;  // exclusive
   hi = std::min(hi, s.ow);
+  if constexpr (B == 16 && OB == 4) {
+    if (c1 - c0 == 7) {  // a 7-pixel row (7x7 maps): one 4 x 7 tile (28 accumulators)
+      dense_tail<B, 4, 7>(s, x, w, wstride, out, ostride, bias, res, oh, c0, 7, ib0, ib1, first,
+                          last, ep, c0 < lo || c1 > hi);
+      return;
+    }
+  }
   for (int64_t o = c0; o < c1;) {
     const int64_t np = std::min<int64_t>(P, c1 - o);
     const bool check = o < lo || o + np > hi;
@@ -268,7 +341,7 @@ void dense_group(const Shape &s, const float *x, const float *w, const float *bi
                  const float *res, float *out, int64_t n, int64_t ob0, int64_t r0, int64_t r1,
                  int64_t c0, int64_t c1, const Epi &ep) {
   const int64_t wstride = s.icb * s.kh * s.kw * s.icn * B;  // one output block's weights
-  const int64_t ostride = s.oh * s.ow * B;
+  const int64_t ostride = s.os_blk ? s.os_blk : s.oh * s.ow * B;
   // input channel blocks per chunk: OB blocks' weights of one chunk within ~256 KiB (L2)
   const int64_t per_block = OB * s.kh * s.kw * s.icn * B * 4;
 #ifndef KILN_CONV_CHUNK_BYTES
@@ -291,11 +364,12 @@ void dense_group(const Shape &s, const float *x, const float *w, const float *bi
 
 // the output-channel groups of a dense convolution: 4 blocks at a time, the remainder as a 2
 // and / or a 1; rows of at most 14 pixels take groups of 2 (one tile of up to 14 pixels per
-// row, no narrow tail)
+// row, no narrow tail), except 7-pixel rows with B = 16 (one 4 x 7 tile: 28 accumulators, 4
+// weight vectors per 7 broadcasts)
 template <int B> struct Groups {
   int64_t gw, n4, rem, ng;
   explicit Groups(const Shape &s) {
-    gw = s.ow <= tile_px<B, 2>() ? 2 : 4;
+    gw = s.ow <= tile_px<B, 2>() && !(B == 16 && s.ow == 7) ? 2 : 4;
     n4 = s.ocb / gw, rem = s.ocb % gw;
     ng = n4 + (rem >= 2) + (rem % 2);
   }
@@ -411,7 +485,7 @@ inline void dw_tile(const Shape &s, const float *xc, const float *wc, const floa
   for (int64_t ky = 0; ky < s.kh; ++ky) {
     const int64_t iy = oh * s.sh + ky * s.dh - s.ph;
     if (iy < 0 || iy >= s.ih) continue;
-    const float *xrow = xc + iy * s.iw * B;
+    const float *xrow = xc + (iy - s.y0) * s.iw * B;
     for (int64_t kx = 0; kx < s.kw; ++kx) {
       const vec wv = load<B>(wc + (ky * s.kw + kx) * B);
       const int64_t ix0 = ow0 * s.sw + kx * s.dw - s.pw;
@@ -443,7 +517,7 @@ inline void dw_fast(const Shape &s, const float *xc, const float *wc, const floa
   for (int64_t ky = 0; ky < s.kh; ++ky) {
     const int64_t iy = oh * s.sh + ky * s.dh - s.ph;
     if (iy < 0 || iy >= s.ih) continue;
-    const float *xr = xc + (iy * s.iw + ow0 * SW - s.pw) * B;
+    const float *xr = xc + ((iy - s.y0) * s.iw + ow0 * SW - s.pw) * B;
     if constexpr (SW == 1) {
       vec xv[NX];
       for (int j = 0; j < NX; ++j) xv[j] = load<B>(xr + j * B);
@@ -480,11 +554,14 @@ void dw_row(const Shape &s, const float *x, const float *w, const float *bias, c
             float *out, const Epi &ep, int64_t n, int64_t cb, int64_t oh, int64_t lo,
             int64_t hi) {
   constexpr int P = B == 16 ? 8 : 4;
-  const float *xc = x + (n * s.icb + cb) * s.ih * s.iw * B;
+  const int64_t xblk = s.xs_blk ? s.xs_blk : s.ih * s.iw * B;
+  const int64_t oblk = s.os_blk ? s.os_blk : s.oh * s.ow * B;
+  const float *xc = x + (n * s.icb + cb) * xblk;
   const float *wc = w + cb * s.kh * s.kw * B;
   const float *bc = bias + cb * B;
-  float *orow = out + ((n * s.ocb + cb) * s.oh + oh) * s.ow * B;
-  const float *rrow = res ? res + ((n * s.ocb + cb) * s.oh + oh) * s.ow * B : nullptr;
+  const int64_t ooff = (n * s.ocb + cb) * oblk + (oh - s.o0) * s.ow * B;
+  float *orow = out + ooff;
+  const float *rrow = res ? res + ooff : nullptr;
   int64_t o = 0;
   for (; o < s.ow && o < lo; ++o) dw_tile<B, 1, true>(s, xc, wc, bc, rrow, orow, oh, o, ep);
   if (s.dw == 1 && s.kw == 3 && s.sw == 1)
@@ -615,6 +692,252 @@ int conv2d_nchwc(kr::Err &e, const char *where, float *out, int64_t oh, int64_t 
                  View<float> w, View<float> b, View<float> res) {
   return conv::dispatch(e, where, out, oh, ow, sh, sw, ph, pw, dh, dw, depthwise, act, lo, hi,
                         threads, x, w, b, res.data);
+}
+
+namespace conv {
+
+// one inverted residual block (conv2d_block_nchwc): sizes, operands, the stages' epilogues
+struct Block {
+  int64_t n, icb, h, w, hcb, ocb, oh, ow, kh, kw, sh, sw, ph, pw, dh, dw;
+  int64_t rows, in_rows;  // output rows per band; expanded rows a band's windows span at most
+  const float *x, *w1, *b1, *w2, *b2, *w3, *b3, *res;
+  float *out;
+  Epi e1, e2, e3;
+};
+
+// output rows per band: the band's expanded rows and depthwise rows within ~384 KiB (L2,
+// beside the project weights), at least one row
+inline void band_rows(Block &k) {
+#ifndef KILN_CONV_BAND_BYTES
+#define KILN_CONV_BAND_BYTES (384 << 10)
+#endif
+  const int64_t erow = k.hcb * k.w * 16 * 4, drow = k.hcb * k.ow * 16 * 4;  // bytes (B <= 16)
+  auto in_rows = [&](int64_t r) { return std::min(k.h, (r - 1) * k.sh + (k.kh - 1) * k.dh + 1); };
+  int64_t r = 1;
+  while (r < k.oh && in_rows(r + 1) * erow + (r + 1) * drow <= KILN_CONV_BAND_BYTES) ++r;
+  k.rows = r, k.in_rows = in_rows(r);
+}
+
+/* Thread t of nt: the t-th contiguous share of the (image, output row) units, in bands of
+ * k.rows rows. ebuf [HCb][in_rows][W][B] holds expanded rows [ylo, yhi) of image `img` (the
+ * rows a band shares with the previous one are moved to the front, not recomputed); dbuf
+ * [HCb][rows][ow][B] the band's depthwise rows. */
+template <int B>
+void block_share(const Block &k, float *ebuf, float *dbuf, int t, int nt) {
+  const int64_t eblk = k.in_rows * k.w * B, dblk = k.rows * k.ow * B;
+  // the depthwise stage's columns whose windows stay inside the width (kiln_conv.h's dw_row)
+  const int64_t span = (k.kw - 1) * k.dw;
+  const int64_t lo = k.pw > 0 ? (k.pw + k.sw - 1) / k.sw : 0;
+  int64_t hi = k.w - span + k.pw <= 0 ? 0 : (k.w - span + k.pw - 1) / k.sw + 1;
+  hi = std::min(hi, k.ow);
+  const int64_t units = k.n * k.oh;
+  const int64_t u0 = units * t / nt, u1 = units * (t + 1) / nt;
+  int64_t img = -1, ylo = 0, yhi = 0;
+  for (int64_t u = u0; u < u1;) {
+    const int64_t n = u / k.oh, r0 = u % k.oh;
+    const int64_t r1 = std::min({k.oh, r0 + k.rows, r0 + (u1 - u)});
+    const int64_t need_lo = std::max<int64_t>(0, r0 * k.sh - k.ph);
+    const int64_t need_hi = std::max(need_lo, std::min(k.h, (r1 - 1) * k.sh - k.ph +
+                                                                (k.kh - 1) * k.dh + 1));
+    if (n != img || need_lo >= yhi || need_lo < ylo) {
+      img = n, ylo = yhi = need_lo;
+    } else if (need_lo > ylo) {  // keep the rows this band shares with the last
+      for (int64_t hb = 0; hb < k.hcb; ++hb)
+        std::memmove(ebuf + hb * eblk, ebuf + hb * eblk + (need_lo - ylo) * k.w * B,
+                     (yhi - need_lo) * k.w * B * sizeof(float));
+      ylo = need_lo;
+    }
+    if (need_hi > yhi) {  // expand: input rows [yhi, need_hi) as one flat 1x1 row
+      Shape se{};
+      se.n = 1, se.icb = k.icb, se.icn = B, se.ih = 1, se.iw = (need_hi - yhi) * k.w;
+      se.ocb = k.hcb, se.oh = 1, se.ow = se.iw, se.kh = se.kw = se.sh = se.sw = se.dh = se.dw = 1;
+      se.xs_pix = B, se.xs_ch = 1, se.xs_row = se.iw * B, se.xs_blk = k.h * k.w * B;
+      se.os_blk = eblk;
+      const float *xp = k.x + (n * k.icb * k.h + yhi) * k.w * B;
+      float *ep = ebuf + (yhi - ylo) * k.w * B;
+      const Groups<B> gs(se);
+      for (int64_t gi = 0; gi < gs.ng; ++gi) {
+        int64_t g0, gn;
+        gs.at(gi, g0, gn);
+        dense_any<B>(se, xp, k.w1, k.b1, nullptr, ep, 0, g0, gn, 0, 1, 0, se.ow, k.e1);
+      }
+      yhi = need_hi;
+    }
+    {  // depthwise: output rows [r0, r1) from the expanded rows [ylo, yhi)
+      Shape sd{};
+      sd.n = 1, sd.icb = sd.ocb = k.hcb, sd.icn = B, sd.ih = k.h, sd.iw = k.w;
+      sd.oh = k.oh, sd.ow = k.ow, sd.kh = k.kh, sd.kw = k.kw, sd.sh = k.sh, sd.sw = k.sw;
+      sd.ph = k.ph, sd.pw = k.pw, sd.dh = k.dh, sd.dw = k.dw;
+      sd.xs_blk = eblk, sd.os_blk = dblk, sd.y0 = ylo, sd.o0 = r0;
+      for (int64_t cb = 0; cb < k.hcb; ++cb)
+        for (int64_t r = r0; r < r1; ++r)
+          dw_row<B>(sd, ebuf, k.w2, k.b2, nullptr, dbuf, k.e2, 0, cb, r, lo, hi);
+    }
+    {  // project: the band's depthwise rows as one flat 1x1 row, into out (+ res)
+      Shape sp{};
+      sp.n = 1, sp.icb = k.hcb, sp.icn = B, sp.ih = 1, sp.iw = (r1 - r0) * k.ow;
+      sp.ocb = k.ocb, sp.oh = 1, sp.ow = sp.iw, sp.kh = sp.kw = sp.sh = sp.sw = sp.dh = sp.dw = 1;
+      sp.xs_pix = B, sp.xs_ch = 1, sp.xs_row = sp.iw * B, sp.xs_blk = dblk;
+      sp.os_blk = k.oh * k.ow * B;
+      const int64_t off = (n * k.ocb * k.oh + r0) * k.ow * B;
+      const Groups<B> gs(sp);
+      for (int64_t gi = 0; gi < gs.ng; ++gi) {
+        int64_t g0, gn;
+        gs.at(gi, g0, gn);
+        dense_any<B>(sp, dbuf, k.w3, k.b3, k.res ? k.res + off : nullptr, k.out + off, 0, g0,
+                     gn, 0, 1, 0, sp.ow, k.e3);
+      }
+    }
+    u += r1 - r0;
+  }
+}
+
+/* Thread t of nt, where the rows do not split evenly (small maps, e.g. 7 rows on 2 threads):
+ * first the t-th share of the (image, group of hidden blocks) units, each group expanded
+ * whole into ebuf [4][H][W][B] (the depthwise of a hidden block reads that block only) and
+ * its depthwise stored into dall [N][HCb][oh][ow][B]; then, after a barrier, the t-th share of
+ * the (image, group of output blocks) units of the project. */
+template <int B>
+void block_channels(const Block &k, float *ebuf, float *dall, int t, int nt) {
+  const int64_t span = (k.kw - 1) * k.dw;
+  const int64_t lo = k.pw > 0 ? (k.pw + k.sw - 1) / k.sw : 0;
+  int64_t hi = k.w - span + k.pw <= 0 ? 0 : (k.w - span + k.pw - 1) / k.sw + 1;
+  hi = std::min(hi, k.ow);
+  const int64_t eblk = k.h * k.w * B, dimg = k.hcb * k.oh * k.ow * B;
+  Shape se{};
+  se.n = 1, se.icb = k.icb, se.icn = B, se.ih = 1, se.iw = k.h * k.w;
+  se.ocb = k.hcb, se.oh = 1, se.ow = se.iw, se.kh = se.kw = se.sh = se.sw = se.dh = se.dw = 1;
+  se.xs_pix = B, se.xs_ch = 1, se.xs_row = se.iw * B, se.xs_blk = eblk, se.os_blk = eblk;
+  Shape sd{};
+  sd.n = 1, sd.icb = sd.ocb = k.hcb, sd.icn = B, sd.ih = k.h, sd.iw = k.w;
+  sd.oh = k.oh, sd.ow = k.ow, sd.kh = k.kh, sd.kw = k.kw, sd.sh = k.sh, sd.sw = k.sw;
+  sd.ph = k.ph, sd.pw = k.pw, sd.dh = k.dh, sd.dw = k.dw, sd.xs_blk = eblk;
+  const Groups<B> ge(se);
+  const int64_t u1s = k.n * ge.ng;
+  for (int64_t u = u1s * t / nt; u < u1s * (t + 1) / nt; ++u) {
+    const int64_t n = u / ge.ng;
+    int64_t g0, gn;
+    ge.at(u % ge.ng, g0, gn);
+    // the group's hidden blocks g0.. land at ebuf (the weights and bias offset by g0)
+    dense_any<B>(se, k.x + n * k.icb * eblk, k.w1 + g0 * k.icb * B * B, k.b1 + g0 * B, nullptr,
+                 ebuf, 0, 0, gn, 0, 1, 0, se.ow, k.e1);
+    for (int64_t j = 0; j < gn; ++j)
+      for (int64_t r = 0; r < k.oh; ++r)
+        dw_row<B>(sd, ebuf, k.w2 + g0 * k.kh * k.kw * B, k.b2 + g0 * B, nullptr,
+                  dall + n * dimg + g0 * k.oh * k.ow * B, k.e2, 0, j, r, lo, hi);
+  }
+#pragma omp barrier
+  Shape sp{};
+  sp.n = 1, sp.icb = k.hcb, sp.icn = B, sp.ih = 1, sp.iw = k.oh * k.ow;
+  sp.ocb = k.ocb, sp.oh = 1, sp.ow = sp.iw, sp.kh = sp.kw = sp.sh = sp.sw = sp.dh = sp.dw = 1;
+  sp.xs_pix = B, sp.xs_ch = 1, sp.xs_row = sp.iw * B, sp.xs_blk = k.oh * k.ow * B;
+  const Groups<B> gp(sp);
+  const int64_t u2s = k.n * gp.ng;
+  for (int64_t u = u2s * t / nt; u < u2s * (t + 1) / nt; ++u) {
+    const int64_t n = u / gp.ng, off = n * k.ocb * k.oh * k.ow * B;
+    int64_t g0, gn;
+    gp.at(u % gp.ng, g0, gn);
+    dense_any<B>(sp, dall + n * dimg, k.w3, k.b3, k.res ? k.res + off : nullptr, k.out + off, 0,
+                 g0, gn, 0, 1, 0, sp.ow, k.e3);
+  }
+}
+
+template <int B>
+int run_block(kr::Err &e, const char *where, Block &k, int64_t threads) {
+  band_rows(k);
+  const int nt0 = team(threads);
+  const int64_t units = k.n * k.oh;
+  // MACs of the block (expand, depthwise, project): below ~4 us of one core, one thread
+  const int64_t work = k.n * (k.h * k.w * k.icb + k.oh * k.ow * (k.kh * k.kw + k.ocb)) * k.hcb * B;
+  const int nt = nt0 > 1 && units >= nt0 && work >= 16384 * 16 ? nt0 : 1;
+  if (nt > 1 && !even_split(units, nt)) {  // rows that do not split: by channel groups
+    const int64_t per = 4 * k.h * k.w * B, dall = k.n * k.hcb * k.oh * k.ow * B;
+    const size_t bytes = ((size_t(per * nt + dall) * sizeof(float)) + 63) / 64 * 64;
+    float *buf = static_cast<float *>(std::aligned_alloc(64, bytes));
+    if (!buf) return e.fail("%s: cannot allocate the %zu-byte block buffers", where, bytes);
+#pragma omp parallel num_threads(nt)
+    {
+#ifdef _OPENMP
+      block_channels<B>(k, buf + dall + per * omp_get_thread_num(), buf, omp_get_thread_num(),
+                        omp_get_num_threads());
+#endif
+    }
+    std::free(buf);
+    return 0;
+  }
+  const int64_t per = k.hcb * (k.in_rows * k.w + k.rows * k.ow) * B;  // floats per thread
+  const size_t bytes = ((size_t(per) * nt * sizeof(float)) + 63) / 64 * 64;
+  float *buf = static_cast<float *>(std::aligned_alloc(64, bytes));
+  if (!buf) return e.fail("%s: cannot allocate the %zu-byte band buffers", where, bytes);
+#pragma omp parallel num_threads(nt) if (nt > 1)
+  {
+#ifdef _OPENMP
+    const int t = omp_get_thread_num(), m = omp_get_num_threads();
+#else
+    const int t = 0, m = 1;
+#endif
+    float *eb = buf + per * t;
+    block_share<B>(k, eb, eb + k.hcb * k.in_rows * k.w * B, t, m);
+  }
+  std::free(buf);
+  return 0;
+}
+
+inline int block_dispatch(kr::Err &e, const char *where, float *out, int64_t oh, int64_t ow,
+                          int64_t sh, int64_t sw, int64_t ph, int64_t pw, int64_t dh,
+                          int64_t dw, const Epi (&eps)[3], int64_t threads,
+                          const View<float> &x, const View<float> &w1, const View<float> &b1,
+                          const View<float> &w2, const View<float> &b2, const View<float> &w3,
+                          const View<float> &b3, const float *res) {
+  const int64_t blk = w2.size(w2.rank - 1);
+  if (x.rank != 5 || w1.rank != 6 || w2.rank != 4 || w3.rank != 6 || x.size(4) != blk ||
+      w1.size(1) != x.size(1) || w1.size(0) != w2.size(0) || w3.size(1) != w2.size(0) ||
+      w1.size(2) * w1.size(3) * w3.size(2) * w3.size(3) != 1)
+    return e.fail("%s: inverted residual block of x [rank %d], expand weight [rank %d], "
+                  "depthwise weight [rank %d], project weight [rank %d] whose blocks do not "
+                  "chain", where, x.rank, w1.rank, w2.rank, w3.rank);
+  Block k{};
+  k.n = x.size(0), k.icb = x.size(1), k.h = x.size(2), k.w = x.size(3);
+  k.hcb = w2.size(0), k.kh = w2.size(1), k.kw = w2.size(2), k.ocb = w3.size(0);
+  k.oh = oh, k.ow = ow, k.sh = sh, k.sw = sw, k.ph = ph, k.pw = pw, k.dh = dh, k.dw = dw;
+  k.x = x.data, k.w1 = w1.data, k.b1 = b1.data, k.w2 = w2.data, k.b2 = b2.data;
+  k.w3 = w3.data, k.b3 = b3.data, k.res = res, k.out = out;
+  k.e1 = eps[0], k.e2 = eps[1], k.e3 = eps[2];
+#ifdef KILN_CONV_B16
+  if (blk == 16) return run_block<16>(e, where, k, threads);
+#endif
+#ifdef KILN_CONV_B8
+  if (blk == 8) return run_block<8>(e, where, k, threads);
+#endif
+  return e.fail("%s: channel block of %lld floats (expected 8 or 16)", where, (long long)blk);
+}
+
+}  // namespace conv
+
+int conv2d_block_nchwc(kr::Err &e, const char *where, float *out, int64_t oh, int64_t ow,
+                       int64_t sh, int64_t sw, int64_t ph, int64_t pw, int64_t dh, int64_t dw,
+                       int64_t act1, double lo1, double hi1, int64_t act2, double lo2,
+                       double hi2, int64_t act3, double lo3, double hi3, int64_t threads,
+                       View<float> x, View<float> w1, View<float> b1, View<float> w2,
+                       View<float> b2, View<float> w3, View<float> b3) {
+  const conv::Epi eps[3] = {{int(act1), float(lo1), float(hi1)},
+                            {int(act2), float(lo2), float(hi2)},
+                            {int(act3), float(lo3), float(hi3)}};
+  return conv::block_dispatch(e, where, out, oh, ow, sh, sw, ph, pw, dh, dw, eps, threads, x,
+                              w1, b1, w2, b2, w3, b3, nullptr);
+}
+
+int conv2d_block_nchwc(kr::Err &e, const char *where, float *out, int64_t oh, int64_t ow,
+                       int64_t sh, int64_t sw, int64_t ph, int64_t pw, int64_t dh, int64_t dw,
+                       int64_t act1, double lo1, double hi1, int64_t act2, double lo2,
+                       double hi2, int64_t act3, double lo3, double hi3, int64_t threads,
+                       View<float> x, View<float> w1, View<float> b1, View<float> w2,
+                       View<float> b2, View<float> w3, View<float> b3, View<float> res) {
+  const conv::Epi eps[3] = {{int(act1), float(lo1), float(hi1)},
+                            {int(act2), float(lo2), float(hi2)},
+                            {int(act3), float(lo3), float(hi3)}};
+  return conv::block_dispatch(e, where, out, oh, ow, sh, sw, ph, pw, dh, dw, eps, threads, x,
+                              w1, b1, w2, b2, w3, b3, res.data);
 }
 
 namespace conv {
