@@ -172,3 +172,13 @@ def test_fnuz_cuda_compile_is_refused_naming_the_input(dtype):
     with pytest.raises(UnsupportedError,
                        match=rf"input \w+ is {_ids(dtype)}: .*no CUDA support"):
         kiln.compile(ep, device="cuda", options=kiln.Options(cuda_archs=(90,)))
+
+
+def test_fnuz_other_overflow_rule_is_refused(monkeypatch):
+    """A torch whose fnuz conversion differed from kiln's rule (probed, not assumed) is refused
+    rather than silently mismatched."""
+    from kiln.targets import float8
+    monkeypatch.setattr(float8, "fnuz_rule_matches", lambda name: False)
+    with pytest.raises(UnsupportedError, match=r"converts float32 to float8_e5m2fnuz with "
+                                               r"another overflow rule"):
+        kiln.compile(Fn(lambda x: (x * 2).to(torch.float8_e5m2fnuz)), (torch.randn(4, 3),))
