@@ -172,6 +172,10 @@ def test_fnuz_cuda_compile_is_refused_naming_the_input(dtype):
     with pytest.raises(UnsupportedError,
                        match=rf"input \w+ is {_ids(dtype)}: .*no CUDA support"):
         kiln.compile(ep, device="cuda", options=kiln.Options(cuda_archs=(90,)))
+    # a value made inside the program (here the output) is refused, naming it
+    with pytest.raises(UnsupportedError, match=rf"value \w+ \(for .*\) is {_ids(dtype)}: "):
+        kiln.compile(Fn(lambda x: (x * 2).to(dtype)), (torch.randn(4, 3),), device="cuda",
+                     options=kiln.Options(cuda_archs=(90,)))
 
 
 def test_fnuz_other_overflow_rule_is_refused(monkeypatch):

@@ -215,9 +215,9 @@ def _check_fnuz(g) -> None:
                                    "for the CPU or convert it to float8_e4m3fn / float8_e5m2")
     for n in g.nodes:
         if n.type.dtype.name in dtypes.FNUZ:
-            raise UnsupportedError(f"{n.name} (for {n.source}) is {n.type.dtype.name}: the fnuz "
-                                   "float8 types have no Triton type on NVIDIA GPUs, so no CUDA "
-                                   "support; compile for the CPU or use float8_e4m3fn / "
+            raise UnsupportedError(f"value {n.name} (for {n.source}) is {n.type.dtype.name}: the "
+                                   "fnuz float8 types have no Triton type on NVIDIA GPUs, so no "
+                                   "CUDA support; compile for the CPU or use float8_e4m3fn / "
                                    "float8_e5m2")
 
 
