@@ -73,7 +73,7 @@ _ROWS = [
     DType("float8_e4m3fn", "kr::float8_e4m3fn", 1, 10, "F8_E4M3", 24, True),
     DType("float8_e5m2", "kr::float8_e5m2", 1, 12, "F8_E5M2", 23, True),
     # the "fnuz" variants (finite, no negative zero: biases 8 and 16, no infinities, one NaN
-    # 0x80, no -0); safetensors >= 0.6 spells them F8_E4M3FNUZ / F8_E5M2FNUZ
+    # 0x80, no -0); safetensors (0.8 here) spells them F8_E4M3FNUZ / F8_E5M2FNUZ
     DType("float8_e4m3fnuz", "kr::float8_e4m3fnuz", 1, 11, "F8_E4M3FNUZ", 26, True),
     DType("float8_e5m2fnuz", "kr::float8_e5m2fnuz", 1, 13, "F8_E5M2FNUZ", 25, True),
     DType("int64", "int64_t", 8, 0, "I64", 4, False),
