@@ -165,6 +165,28 @@ def test_fnuz_weights_inputs_outputs(check, dtype):
 
 
 @pytest.mark.parametrize("dtype", FNUZ, ids=_ids)
+def test_fnuz_constants_and_folded_weight(check, dtype):
+    """fnuz literals in the program (-0.0 -> +0, a rounded 0.3) and a fnuz weight whose
+    dequantisation constant folding computes at compile time."""
+    def consts(x):
+        return (torch.full((3,), -0.0, dtype=dtype), torch.full((2,), 0.3, dtype=dtype),
+                (x + torch.ones(3, dtype=dtype).float()).to(dtype))
+
+    _, runner = check.compile(Fn(consts), (torch.randn(3),))
+    x = torch.randn(3) * 100
+    for k, (g, w) in enumerate(zip(runner(x), consts(x))):
+        _bits_equal(g, w, f"output {k}")
+    torch.manual_seed(1)
+    net = FnuzNet(dtype)
+    x, q, s = torch.randn(3, 8), (torch.randn(4, 5) * 8).to(dtype), torch.tensor(0.25)
+    _, runner = check.compile(net, (x, q, s))
+    got, want = runner(x, q, s), net(x, q, s)
+    torch.testing.assert_close(got[0], want[0], rtol=1e-5, atol=1e-5)
+    _bits_equal(got[1], want[1])
+    _bits_equal(got[3], want[3])
+
+
+@pytest.mark.parametrize("dtype", FNUZ, ids=_ids)
 def test_fnuz_cuda_compile_is_refused_naming_the_input(dtype):
     """Triton 3.6 has fp8e4b8 / fp8e5b16 only on AMD: a CUDA compile refuses them clearly."""
     pytest.importorskip("triton")
