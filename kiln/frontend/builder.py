@@ -20,10 +20,9 @@ def torch_dtype_name(dt: torch.dtype) -> str:
 
 
 # dtypes kiln refuses with a reason beyond "not yet"
-_WHY = {name: "eager on the CPU computes little on it (conversions and mul; no add); kiln "
-              "stores float8_e4m3fn and float8_e5m2: convert the tensor to one of those (or to "
-              "float16) outside the program"
-        for name in ("float8_e4m3fnuz", "float8_e5m2fnuz", "float8_e8m0fnu")}
+_WHY = {"float8_e8m0fnu": "eager on the CPU computes little on it (conversions and mul; no add); "
+                          "kiln stores float8_e4m3fn, float8_e5m2 and their fnuz variants: "
+                          "convert the tensor to one of those (or to float16) outside the program"}
 
 
 def to_dtype(dt: torch.dtype) -> dtypes.DType:

@@ -21,7 +21,8 @@ class DType:
     c_type: str
     itemsize: int
     # DLPack type code: 0 int, 1 uint, 2 float, 4 bfloat, 5 complex, 6 bool, 10 float8_e4m3fn,
-    # 12 float8_e5m2 (dlpack.h v1.1: kDLFloat8_e4m3fn, kDLFloat8_e5m2)
+    # 11 float8_e4m3fnuz, 12 float8_e5m2, 13 float8_e5m2fnuz (dlpack.h v1.1: kDLFloat8_e4m3fn,
+    # kDLFloat8_e4m3fnuz, kDLFloat8_e5m2, kDLFloat8_e5m2fnuz)
     dl_code: int
     safetensors: str
     # torch's ScalarType number (part of its stable C interface; the ATen fallback passes it)
@@ -71,6 +72,10 @@ _ROWS = [
     # 8-bit floats: storage only, like the 16-bit ones (eager computes on them only by casting)
     DType("float8_e4m3fn", "kr::float8_e4m3fn", 1, 10, "F8_E4M3", 24, True),
     DType("float8_e5m2", "kr::float8_e5m2", 1, 12, "F8_E5M2", 23, True),
+    # the "fnuz" variants (finite, no negative zero: biases 8 and 16, no infinities, one NaN
+    # 0x80, no -0); safetensors (0.8 here) spells them F8_E4M3FNUZ / F8_E5M2FNUZ
+    DType("float8_e4m3fnuz", "kr::float8_e4m3fnuz", 1, 11, "F8_E4M3FNUZ", 26, True),
+    DType("float8_e5m2fnuz", "kr::float8_e5m2fnuz", 1, 13, "F8_E5M2FNUZ", 25, True),
     DType("int64", "int64_t", 8, 0, "I64", 4, False),
     DType("int32", "int32_t", 4, 0, "I32", 3, False),
     DType("int16", "int16_t", 2, 0, "I16", 2, False),
@@ -94,6 +99,8 @@ float16 = DTYPES["float16"]
 bfloat16 = DTYPES["bfloat16"]
 float8_e4m3fn = DTYPES["float8_e4m3fn"]
 float8_e5m2 = DTYPES["float8_e5m2"]
+float8_e4m3fnuz = DTYPES["float8_e4m3fnuz"]
+float8_e5m2fnuz = DTYPES["float8_e5m2fnuz"]
 int64 = DTYPES["int64"]
 int32 = DTYPES["int32"]
 int16 = DTYPES["int16"]
@@ -106,7 +113,8 @@ complex128 = DTYPES["complex128"]
 
 
 HALF = frozenset({"float16", "bfloat16"})
-FLOAT8 = frozenset({"float8_e4m3fn", "float8_e5m2"})
+FLOAT8 = frozenset({"float8_e4m3fn", "float8_e5m2", "float8_e4m3fnuz", "float8_e5m2fnuz"})
+FNUZ = frozenset({"float8_e4m3fnuz", "float8_e5m2fnuz"})  # finite, no negative zero
 NARROW = HALF | FLOAT8  # floats stored narrow and computed in float32
 
 

@@ -1,5 +1,5 @@
-"""Narrow floats (float16, bfloat16, float8_e4m3fn, float8_e5m2) are storage types: no kernel
-computes in them ("half" below stands for all four).
+"""Narrow floats (float16, bfloat16, float8_e4m3fn, float8_e5m2 and the two fnuz variants) are
+storage types: no kernel computes in them ("half" below stands for all of them).
 
 This pass rewrites the graph so that every op that computes reads float32 and writes float32:
 a half operand is cast to float32 first, and a half result is computed in float32 under the

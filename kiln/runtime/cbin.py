@@ -4,7 +4,8 @@ Layout (all little-endian), version 1:
 
     offset 0   4 bytes  magic b"KLT1"
     offset 4   uint8    DLPack type code (0 int, 1 uint, 2 float, 4 bfloat, 5 complex, 6 bool,
-                        10 float8_e4m3fn, 12 float8_e5m2)
+                        10 float8_e4m3fn, 11 float8_e4m3fnuz, 12 float8_e5m2,
+                        13 float8_e5m2fnuz)
     offset 5   uint8    bits per element (8, 16, 32, 64, 128)
     offset 6   uint16   lanes (always 1)
     offset 8   uint32   ndim

@@ -13,6 +13,7 @@ import torch
 KDL_CPU, KDL_CUDA, KDL_METAL, KDL_ROCM = 1, 2, 8, 10
 KDL_INT, KDL_UINT, KDL_FLOAT, KDL_BFLOAT, KDL_COMPLEX, KDL_BOOL = 0, 1, 2, 4, 5, 6
 KDL_FLOAT8_E4M3FN, KDL_FLOAT8_E5M2 = 10, 12  # DLPack v1.1
+KDL_FLOAT8_E4M3FNUZ, KDL_FLOAT8_E5M2FNUZ = 11, 13
 
 
 class DLDevice(ctypes.Structure):
@@ -58,6 +59,8 @@ DTYPE_TO_DL: dict[torch.dtype, tuple[int, int]] = {
     torch.complex128: (KDL_COMPLEX, 128),
     torch.float8_e4m3fn: (KDL_FLOAT8_E4M3FN, 8),
     torch.float8_e5m2: (KDL_FLOAT8_E5M2, 8),
+    torch.float8_e4m3fnuz: (KDL_FLOAT8_E4M3FNUZ, 8),
+    torch.float8_e5m2fnuz: (KDL_FLOAT8_E5M2FNUZ, 8),
 }
 for _name, _bits in (("uint16", 16), ("uint32", 32), ("uint64", 64)):
     if isinstance(getattr(torch, _name, None), torch.dtype):

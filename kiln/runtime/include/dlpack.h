@@ -58,7 +58,9 @@ typedef enum {
   kDLBool = 6,
   /* 8-bit floats, from DLPack v1.1 (the codes kiln uses; bits = 8) */
   kDLFloat8_e4m3fn = 10,
-  kDLFloat8_e5m2 = 12
+  kDLFloat8_e4m3fnuz = 11,
+  kDLFloat8_e5m2 = 12,
+  kDLFloat8_e5m2fnuz = 13
 } DLDataTypeCode;
 
 /* Element type: code (a DLDataTypeCode), bits per lane, number of lanes (1 for scalars). */

@@ -160,6 +160,61 @@ struct float8_e5m2 {
 };
 static_assert(sizeof(float8_e4m3fn) == 1 && sizeof(float8_e5m2) == 1, "8-bit storage types");
 
+/* The "fnuz" variants (finite, no negative zero), torch's float8_e4m3fnuz (bias 8) and
+ * float8_e5m2fnuz (bias 16): every pattern but 0x80 is finite, 0x80 (negative zero's place) is
+ * the one NaN, read as eager reads it (float bits 0x7F800001). From float: nearest-even,
+ * subnormals kept; NaN, +-inf and magnitudes from the halfway point past the largest finite
+ * value (248 for e4m3fnuz, 61440 for e5m2fnuz) become NaN (eager does not saturate them); a
+ * value that rounds to zero is +0, whatever its sign. */
+template <int E, int M> inline float f8fnuz_to_float(uint8_t v) {
+  constexpr int bias = 1 << (E - 1);
+  if (v == 0x80u) return float_of_bits(0x7F800001u);
+  const uint32_t sign = static_cast<uint32_t>(v & 0x80u) << 24;
+  const uint32_t e = (v >> M) & ((1u << E) - 1), m = v & ((1u << M) - 1);
+  if (e == 0)  // subnormal (or +0): m * 2^(1 - bias - M), exact in float
+    return float_of_bits(sign | float_bits(static_cast<float>(m) *
+                                           float_of_bits((127u + 1 - bias - M) << 23)));
+  return float_of_bits(sign | ((e + 127 - bias) << 23) | (m << (23 - M)));
+}
+template <int E, int M> inline uint8_t float_to_f8fnuz(float f) {
+  constexpr int bias = 1 << (E - 1);
+  const uint32_t w = float_bits(f);
+  const uint8_t sign = static_cast<uint8_t>((w >> 24) & 0x80u);
+  const uint32_t a = w & 0x7FFFFFFFu;
+  // halfway past the largest finite value (2 - 2^-M) * 2^(2^E - 1 - bias): 248, 61440
+  constexpr uint32_t over = (static_cast<uint32_t>(127 + (1 << E) - 1 - bias) << 23) |
+                            (((1u << (M + 1)) - 1) << (22 - M));
+  if (a >= over) return 0x80;  // overflow, +-inf and NaN
+  uint8_t r;
+  if (a < static_cast<uint32_t>(127 + 1 - bias) << 23) {
+    // subnormal range: round(|f| * 2^(bias - 1 + M)) to nearest-even (exact scaling; adding
+    // and subtracting 2^23 rounds); 2^M is the smallest normal's encoding
+    const float t = float_of_bits(a) * float_of_bits((127u + bias - 1 + M) << 23);
+    const float big = 8388608.0f;
+    r = static_cast<uint8_t>(static_cast<uint32_t>((t + big) - big));
+  } else {
+    constexpr int shift = 23 - M;
+    const uint32_t n = a + ((1u << (shift - 1)) - 1) + ((a >> shift) & 1u);  // nearest-even
+    r = static_cast<uint8_t>((n >> shift) - (static_cast<uint32_t>(127 - bias) << M));
+  }
+  return r == 0 ? 0 : static_cast<uint8_t>(sign | r);  // no negative zero
+}
+struct float8_e4m3fnuz {
+  uint8_t bits;
+  float8_e4m3fnuz() = default;
+  template <class T>
+  explicit float8_e4m3fnuz(T v) : bits(float_to_f8fnuz<4, 3>(static_cast<float>(v))) {}
+  operator float() const { return f8fnuz_to_float<4, 3>(bits); }
+};
+struct float8_e5m2fnuz {
+  uint8_t bits;
+  float8_e5m2fnuz() = default;
+  template <class T>
+  explicit float8_e5m2fnuz(T v) : bits(float_to_f8fnuz<5, 2>(static_cast<float>(v))) {}
+  operator float() const { return f8fnuz_to_float<5, 2>(bits); }
+};
+static_assert(sizeof(float8_e4m3fnuz) == 1 && sizeof(float8_e5m2fnuz) == 1, "8-bit storage types");
+
 inline float exp(float x) {
   const float xc = x < -87.5f ? -87.5f : (x > 88.5f ? 88.5f : x);
   const float k = std::floor(xc * 1.44269504088896341f + 0.5f);

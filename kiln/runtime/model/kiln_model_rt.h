@@ -71,6 +71,8 @@ inline const char *dtype_name(DLDataType t) {
     case kDLBfloat: return "bfloat16";
     case kDLFloat8_e4m3fn: return t.bits == 8 ? "float8_e4m3fn" : "float8?";
     case kDLFloat8_e5m2: return t.bits == 8 ? "float8_e5m2" : "float8?";
+    case kDLFloat8_e4m3fnuz: return t.bits == 8 ? "float8_e4m3fnuz" : "float8?";
+    case kDLFloat8_e5m2fnuz: return t.bits == 8 ? "float8_e5m2fnuz" : "float8?";
     case kDLComplex: return t.bits == 64 ? "complex64" : t.bits == 128 ? "complex128" : "complex?";
     default: return "unknown";
   }

@@ -10,7 +10,9 @@ uint64_t safetensors_dtype_size(const std::string &dt) {
   if (dt == "F64" || dt == "I64" || dt == "U64" || dt == "C64") return 8;
   if (dt == "F32" || dt == "I32" || dt == "U32") return 4;
   if (dt == "F16" || dt == "BF16" || dt == "I16" || dt == "U16") return 2;
-  if (dt == "I8" || dt == "U8" || dt == "BOOL" || dt == "F8_E4M3" || dt == "F8_E5M2") return 1;
+  if (dt == "I8" || dt == "U8" || dt == "BOOL" || dt == "F8_E4M3" || dt == "F8_E5M2" ||
+      dt == "F8_E4M3FNUZ" || dt == "F8_E5M2FNUZ")
+    return 1;
   return 0;
 }
 
