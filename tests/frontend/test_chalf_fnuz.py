@@ -7,7 +7,8 @@ complex64 (eager's math type for complex32) and is rounded once, as eager rounds
 A complex32 weight is refused (safetensors cannot store it), naming the weight.
 
 float8_e8m0fnu is refused with an error naming the dtype and what to do (eager on the CPU only
-converts it and multiplies it); the fnuz variants are storage types (tests/ops/test_float8_fnuz.py)."""
+converts it and multiplies it); the fnuz variants are storage types
+(tests/ops/test_float8_fnuz.py)."""
 
 from __future__ import annotations
 
