@@ -9,7 +9,7 @@ rewritten instead, by `ExportedProgram.run_decompositions`, into ops without Sca
 kiln lowers or passes to ATen:
 
 - `REWRITES`: kiln's own exact rewrites (histc as eager's linear-interpolation binning, complex
-  add / sub with alpha as the sum of two products);
+  add / sub with alpha as the sum of two products, complex addmm with alpha / beta);
 - otherwise the overload of the same op taking a Tensor for each Scalar (special_zeta with a
   number -> special_zeta of two tensors), the number as a 0-d tensor of eager's result type;
 - otherwise torch's registered decomposition of the op (`torch._decomp.decomposition_table`:
@@ -58,6 +58,30 @@ def _histc(x, bins=100, min=0, max=0):
     return hit.sum(1).to(x.dtype)
 
 
+def _complex_number(v, dt: torch.dtype, device) -> torch.Tensor:
+    """A Python number as a 0-d complex tensor of type dt: real 0-d values (kiln's own `full`)
+    made complex by ATen."""
+    re, im = (torch.full((), p, dtype=dt.to_real(), device=device)
+              for p in (complex(v).real, complex(v).imag))
+    return torch.complex(re, im)
+
+
+def _complex_addmm(x, a, b, beta=1, alpha=1):
+    """Complex addmm(x, a, b, beta=, alpha=) = beta * x + alpha * (a @ b) (beta == 0 ignores
+    x, NaN included, as eager does): mm, products with 0-d tensors and a sum over a stacked
+    pair carry no Scalar. torch's own decomposition leaves prims.mul behind."""
+    if not (x.is_complex() or a.is_complex()):
+        return NotImplemented  # real values: kiln's own GEMM
+    dt = torch.result_type(x, a)
+    prod = torch.mm(a, b)
+    if alpha != 1:
+        prod = prod * _complex_number(alpha, dt, a.device)
+    if beta == 0:
+        return prod
+    x = x.to(dt) if beta == 1 else x.to(dt) * _complex_number(beta, dt, x.device)
+    return torch.stack(torch.broadcast_tensors(prod, x)).sum(0)
+
+
 def _complex_add(sign: int):
     def rewrite(x, y, alpha=1):
         if not (x.is_complex() or (y.is_complex() if isinstance(y, torch.Tensor) else
@@ -71,18 +95,15 @@ def _complex_add(sign: int):
             wide = rewrite(x.to(torch.complex64), y.to(torch.complex64) if isinstance(
                 y, torch.Tensor) else y, alpha)
             return wide.to(torch.complex32)
-        if not isinstance(y, torch.Tensor):  # a Python number (`z + 1`): real 0-d values
-            # (kiln's own `full`) made complex by ATen
-            re, im = (torch.full((), v, dtype=dt.to_real(), device=x.device)
-                      for v in (complex(y).real, complex(y).imag))
-            y = torch.complex(re, im)
+        if not isinstance(y, torch.Tensor):  # a Python number (`z + 1`)
+            y = _complex_number(y, dt, x.device)
         pair = torch.broadcast_tensors(x.to(dt), y.to(dt) * (sign * alpha))
         return torch.stack(pair).sum(0)
     return rewrite
 
 
 REWRITES = {aten.histc.default: _histc, aten.add.Tensor: _complex_add(1),
-            aten.sub.Tensor: _complex_add(-1)}
+            aten.sub.Tensor: _complex_add(-1), aten.addmm.default: _complex_addmm}
 
 
 def _tensor_overload(op):

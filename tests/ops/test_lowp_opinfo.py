@@ -41,3 +41,36 @@ def test_group_norm_rounds_once(check, dtype):
                 rand((4,), dtype, g, -1, 1), x3)
     _run(check, Fn(_group_norms), inputs(0), dtype, "group_norm",
          more=[inputs(k) for k in range(1, 6)])
+
+
+def _addmms(x1, a1, b1, x2, a2, b2, xn):
+    return {"ab": torch.addmm(x1, a1, b1, alpha=2 + 3j, beta=1 + 2j),
+            "row_bias": torch.addmm(x2, a2, b2, alpha=0.5, beta=-1j),
+            "scalar_bias": torch.addmm(x2[:1], a2, b2, alpha=1j),
+            "beta0_nan": torch.addmm(xn, a2, b2, beta=0, alpha=-2),  # x ignored, NaN too
+            "plain": torch.addmm(x1, a1, b1)}
+
+
+@pytest.mark.parametrize("dtype", (torch.complex64, torch.complex128), ids=_ids)
+def test_complex_addmm_scalars(check, dtype):
+    """Complex addmm with alpha / beta (Python complex numbers the ATen fallback cannot pass):
+    rewritten as beta * x + alpha * (a @ b) (scalar_ops.py; torch's decomposition left
+    prims.mul behind and the op was refused). Compared with eager and complex128."""
+    def inputs(seed):
+        g = gen("addmm", dtype, seed)
+        r = lambda *s: torch.randn(*s, dtype=dtype, generator=g)  # noqa: E731
+        xn = r(4, 5)
+        xn[0, 0] = complex("nan")
+        return (r(2, 3), r(2, 2), r(3, 2).t(), r(5), r(6, 4).t(), r(6, 5), xn)
+    _, runner = check.compile(Fn(_addmms), inputs(0))
+    for seed in range(3):
+        args = inputs(seed)
+        got, want = runner(*args), _addmms(*args)
+        ref = _addmms(*[a.to(torch.complex128) for a in args])
+        for k in want:
+            assert got[k].dtype == want[k].dtype and got[k].shape == want[k].shape, k
+            err_k = (got[k].to(torch.complex128) - ref[k]).abs()
+            err_e = (want[k].to(torch.complex128) - ref[k]).abs()
+            eps = torch.finfo(dtype).eps
+            assert bool((err_k <= 2 * err_e + 8 * eps * (ref[k].abs() + 1)).all()), \
+                (k, seed, float(err_k.max()), float(err_e.max()))
