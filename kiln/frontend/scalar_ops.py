@@ -9,7 +9,8 @@ rewritten instead, by `ExportedProgram.run_decompositions`, into ops without Sca
 kiln lowers or passes to ATen:
 
 - `REWRITES`: kiln's own exact rewrites (histc as eager's linear-interpolation binning, complex
-  add / sub with alpha as the sum of two products, complex addmm with alpha / beta);
+  add / sub with alpha as the sum of two products, complex addmm with alpha / beta, complex
+  full / full_like / scalar_tensor / constant_pad_nd as two real ops joined by `complex`);
 - otherwise the overload of the same op taking a Tensor for each Scalar (special_zeta with a
   number -> special_zeta of two tensors), the number as a 0-d tensor of eager's result type;
 - otherwise torch's registered decomposition of the op (`torch._decomp.decomposition_table`:
@@ -66,6 +67,46 @@ def _complex_number(v, dt: torch.dtype, device) -> torch.Tensor:
     return torch.complex(re, im)
 
 
+def _complex_filled(shape, v, dt: torch.dtype, device) -> torch.Tensor:
+    """A tensor of `shape` filled with the number v, of complex type dt: two real fills."""
+    re, im = (torch.full(shape, p, dtype=dt.to_real(), device=device)
+              for p in (complex(v).real, complex(v).imag))
+    return torch.complex(re, im)
+
+
+def _complex_full(size, fill_value, *, dtype=None, layout=None, device=None, pin_memory=None):
+    """Complex full / scalar_tensor: the real and imaginary parts filled by kiln, joined by
+    ATen (a complex fill value has no encoding in torch's stable C interface)."""
+    if dtype is None and isinstance(fill_value, complex):
+        dtype = torch.complex128 if torch.get_default_dtype() == torch.float64 \
+            else torch.complex64
+    if dtype is None or not dtype.is_complex:
+        return NotImplemented
+    return _complex_filled(tuple(size), fill_value, dtype, device)
+
+
+def _complex_scalar_tensor(s, *, dtype=None, layout=None, device=None, pin_memory=None):
+    return _complex_full((), s, dtype=dtype, layout=layout, device=device)
+
+
+def _complex_full_like(x, fill_value, *, dtype=None, layout=None, device=None,
+                       pin_memory=None, memory_format=None):
+    dt = dtype or x.dtype
+    if not dt.is_complex:
+        return NotImplemented
+    return _complex_filled(x.shape, fill_value, dt, device or x.device)
+
+
+def _complex_pad(x, pad, value=0):
+    """Complex constant_pad_nd: the real and imaginary parts padded (by kiln) with the value's
+    parts, joined by ATen; torch's decomposition writes in place (prims.copy_to)."""
+    if not x.is_complex():
+        return NotImplemented
+    v = complex(value)
+    return torch.complex(torch.constant_pad_nd(x.real, pad, v.real),
+                         torch.constant_pad_nd(x.imag, pad, v.imag))
+
+
 def _complex_addmm(x, a, b, beta=1, alpha=1):
     """Complex addmm(x, a, b, beta=, alpha=) = beta * x + alpha * (a @ b) (beta == 0 ignores
     x, NaN included, as eager does): mm, products with 0-d tensors and a sum over a stacked
@@ -103,7 +144,10 @@ def _complex_add(sign: int):
 
 
 REWRITES = {aten.histc.default: _histc, aten.add.Tensor: _complex_add(1),
-            aten.sub.Tensor: _complex_add(-1), aten.addmm.default: _complex_addmm}
+            aten.sub.Tensor: _complex_add(-1), aten.addmm.default: _complex_addmm,
+            aten.full.default: _complex_full, aten.full_like.default: _complex_full_like,
+            aten.scalar_tensor.default: _complex_scalar_tensor,
+            aten.constant_pad_nd.default: _complex_pad}
 
 
 def _tensor_overload(op):
