@@ -10,7 +10,8 @@ kiln lowers or passes to ATen:
 
 - `REWRITES`: kiln's own exact rewrites (histc as eager's linear-interpolation binning, complex
   add / sub with alpha as the sum of two products, complex addmm with alpha / beta, complex
-  full / full_like / scalar_tensor / constant_pad_nd as two real ops joined by `complex`);
+  full / full_like / scalar_tensor / constant_pad_nd as two real ops joined by `complex`,
+  complex var as the sum of the parts' variances);
 - otherwise the overload of the same op taking a Tensor for each Scalar (special_zeta with a
   number -> special_zeta of two tensors), the number as a 0-d tensor of eager's result type;
 - otherwise torch's registered decomposition of the op (`torch._decomp.decomposition_table`:
@@ -107,6 +108,15 @@ def _complex_pad(x, pad, value=0):
                          torch.constant_pad_nd(x.imag, pad, v.imag))
 
 
+def _complex_var(x, dim=None, *, correction=None, keepdim=False):
+    """Complex var = var(real) + var(imag) (the squared modulus of the deviation splits into
+    the parts'), each a real var kiln computes itself."""
+    if not x.is_complex():
+        return NotImplemented
+    return (torch.var(x.real, dim, correction=correction, keepdim=keepdim) +
+            torch.var(x.imag, dim, correction=correction, keepdim=keepdim))
+
+
 def _complex_addmm(x, a, b, beta=1, alpha=1):
     """Complex addmm(x, a, b, beta=, alpha=) = beta * x + alpha * (a @ b) (beta == 0 ignores
     x, NaN included, as eager does): mm, products with 0-d tensors and a sum over a stacked
@@ -147,7 +157,7 @@ REWRITES = {aten.histc.default: _histc, aten.add.Tensor: _complex_add(1),
             aten.sub.Tensor: _complex_add(-1), aten.addmm.default: _complex_addmm,
             aten.full.default: _complex_full, aten.full_like.default: _complex_full_like,
             aten.scalar_tensor.default: _complex_scalar_tensor,
-            aten.constant_pad_nd.default: _complex_pad}
+            aten.constant_pad_nd.default: _complex_pad, aten.var.correction: _complex_var}
 
 
 def _tensor_overload(op):
