@@ -8,6 +8,7 @@ Registered into the same `TABLE` as aten_table.py; like those, converters only t
 from __future__ import annotations
 
 import sympy
+import torch
 
 from kiln.errors import UnsupportedError
 from kiln.frontend.aten_high import Fallback
@@ -216,22 +217,33 @@ def _native_layer_norm(b, n):
 @register("aten.native_group_norm.default")
 def _native_group_norm(b, n):
     """x [N, C, *] -> view [N, G, C/G * prod(*)] -> layer_norm over the last dim -> view back,
-    then the per-channel affine (weight/bias viewed as [C, 1, ...]); mean and rstd [N, G]."""
+    then the per-channel affine (weight/bias viewed as [C, 1, ...]); mean and rstd [N, G].
+    A 16-bit x is normalised in float32 and rounded once at the end, like eager (the views
+    between the steps would otherwise round the normalised value before the affine)."""
     x, w, bias, _n, _c, _hw, groups, eps = n.args
     shape = b.shape(x)
     inner = shape[1] // groups
     for d in shape[2:]:
         inner = inner * d
     grouped = (shape[0], groups, inner)
-    v = b.emit("view", [b.tensor(x)], None, like=n, result=0, shape=grouped)
-    ln = b.emit("layer_norm", [v], None, like=n, result=0, shape=grouped, norm_rank=1,
-                eps=float(eps), has_weight=False, has_bias=False)
-    y = b.emit("view", [ln], None, like=n, result=0)
+    xt = b.tensor(x)
+    narrow = dtypes.is_narrow(b.types[xt].dtype)
+    wide = dtypes.float32 if narrow else None
+
+    def f32(name: str) -> str:
+        return b.cast_to(name, torch.float32, n) if narrow else name
+
+    v = b.emit("view", [xt], None, like=n, result=0, shape=grouped)
+    ln = b.emit("layer_norm", [f32(v)], None, like=n, result=0, shape=grouped, norm_rank=1,
+                eps=float(eps), has_weight=False, has_bias=False, dtype=wide)
+    y = b.emit("view", [ln], None, like=n, result=0, dtype=wide)
     for t, op in ((w, "mul"), (bias, "add")):
         if t is not None:
-            tv = b.emit("view", [b.tensor(t)], None, like=n, result=0,
-                        shape=(shape[1],) + (1,) * (len(shape) - 2))
-            y = b.emit(op, [y, tv], None, like=n, result=0)
+            tv = b.emit("view", [f32(b.tensor(t))], None, like=n, result=0,
+                        shape=(shape[1],) + (1,) * (len(shape) - 2), dtype=wide)
+            y = b.emit(op, [y, tv], None, like=n, result=0, dtype=wide)
+    if narrow:
+        y = b.cast_to(y, b.meta_dtype(x), n)
     mean, rstd = _stats(b, n, v, (2,), float(eps), keepdim=False)
     return [y, mean, rstd]
 

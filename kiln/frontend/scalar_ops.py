@@ -9,7 +9,9 @@ rewritten instead, by `ExportedProgram.run_decompositions`, into ops without Sca
 kiln lowers or passes to ATen:
 
 - `REWRITES`: kiln's own exact rewrites (histc as eager's linear-interpolation binning, complex
-  add / sub with alpha as the sum of two products);
+  add / sub with alpha as the sum of two products, complex addmm with alpha / beta, complex
+  full / full_like / scalar_tensor / constant_pad_nd as two real ops joined by `complex`,
+  complex var as the sum of the parts' variances);
 - otherwise the overload of the same op taking a Tensor for each Scalar (special_zeta with a
   number -> special_zeta of two tensors), the number as a 0-d tensor of eager's result type;
 - otherwise torch's registered decomposition of the op (`torch._decomp.decomposition_table`:
@@ -58,6 +60,79 @@ def _histc(x, bins=100, min=0, max=0):
     return hit.sum(1).to(x.dtype)
 
 
+def _complex_number(v, dt: torch.dtype, device) -> torch.Tensor:
+    """A Python number as a 0-d complex tensor of type dt: real 0-d values (kiln's own `full`)
+    made complex by ATen."""
+    re, im = (torch.full((), p, dtype=dt.to_real(), device=device)
+              for p in (complex(v).real, complex(v).imag))
+    return torch.complex(re, im)
+
+
+def _complex_filled(shape, v, dt: torch.dtype, device) -> torch.Tensor:
+    """A tensor of `shape` filled with the number v, of complex type dt: two real fills."""
+    re, im = (torch.full(shape, p, dtype=dt.to_real(), device=device)
+              for p in (complex(v).real, complex(v).imag))
+    return torch.complex(re, im)
+
+
+def _complex_full(size, fill_value, *, dtype=None, layout=None, device=None, pin_memory=None):
+    """Complex full / scalar_tensor: the real and imaginary parts filled by kiln, joined by
+    ATen (a complex fill value has no encoding in torch's stable C interface)."""
+    if dtype is None and isinstance(fill_value, complex):
+        dtype = torch.complex128 if torch.get_default_dtype() == torch.float64 \
+            else torch.complex64
+    if dtype is None or not dtype.is_complex:
+        return NotImplemented
+    return _complex_filled(tuple(size), fill_value, dtype, device)
+
+
+def _complex_scalar_tensor(s, *, dtype=None, layout=None, device=None, pin_memory=None):
+    return _complex_full((), s, dtype=dtype, layout=layout, device=device)
+
+
+def _complex_full_like(x, fill_value, *, dtype=None, layout=None, device=None,
+                       pin_memory=None, memory_format=None):
+    dt = dtype or x.dtype
+    if not dt.is_complex:
+        return NotImplemented
+    return _complex_filled(x.shape, fill_value, dt, device or x.device)
+
+
+def _complex_pad(x, pad, value=0):
+    """Complex constant_pad_nd: the real and imaginary parts padded (by kiln) with the value's
+    parts, joined by ATen; torch's decomposition writes in place (prims.copy_to)."""
+    if not x.is_complex():
+        return NotImplemented
+    v = complex(value)
+    return torch.complex(torch.constant_pad_nd(x.real, pad, v.real),
+                         torch.constant_pad_nd(x.imag, pad, v.imag))
+
+
+def _complex_var(x, dim=None, *, correction=None, keepdim=False):
+    """Complex var = var(real) + var(imag) (the squared modulus of the deviation splits into
+    the parts'), each a real var kiln computes itself."""
+    if not x.is_complex():
+        return NotImplemented
+    return (torch.var(x.real, dim, correction=correction, keepdim=keepdim) +
+            torch.var(x.imag, dim, correction=correction, keepdim=keepdim))
+
+
+def _complex_addmm(x, a, b, beta=1, alpha=1):
+    """Complex addmm(x, a, b, beta=, alpha=) = beta * x + alpha * (a @ b) (beta == 0 ignores
+    x, NaN included, as eager does): mm, products with 0-d tensors and a sum over a stacked
+    pair carry no Scalar. torch's own decomposition leaves prims.mul behind."""
+    if not (x.is_complex() or a.is_complex()):
+        return NotImplemented  # real values: kiln's own GEMM
+    dt = torch.result_type(x, a)
+    prod = torch.mm(a, b)
+    if alpha != 1:
+        prod = prod * _complex_number(alpha, dt, a.device)
+    if beta == 0:
+        return prod
+    x = x.to(dt) if beta == 1 else x.to(dt) * _complex_number(beta, dt, x.device)
+    return torch.stack(torch.broadcast_tensors(prod, x)).sum(0)
+
+
 def _complex_add(sign: int):
     def rewrite(x, y, alpha=1):
         if not (x.is_complex() or (y.is_complex() if isinstance(y, torch.Tensor) else
@@ -71,18 +146,18 @@ def _complex_add(sign: int):
             wide = rewrite(x.to(torch.complex64), y.to(torch.complex64) if isinstance(
                 y, torch.Tensor) else y, alpha)
             return wide.to(torch.complex32)
-        if not isinstance(y, torch.Tensor):  # a Python number (`z + 1`): real 0-d values
-            # (kiln's own `full`) made complex by ATen
-            re, im = (torch.full((), v, dtype=dt.to_real(), device=x.device)
-                      for v in (complex(y).real, complex(y).imag))
-            y = torch.complex(re, im)
+        if not isinstance(y, torch.Tensor):  # a Python number (`z + 1`)
+            y = _complex_number(y, dt, x.device)
         pair = torch.broadcast_tensors(x.to(dt), y.to(dt) * (sign * alpha))
         return torch.stack(pair).sum(0)
     return rewrite
 
 
 REWRITES = {aten.histc.default: _histc, aten.add.Tensor: _complex_add(1),
-            aten.sub.Tensor: _complex_add(-1)}
+            aten.sub.Tensor: _complex_add(-1), aten.addmm.default: _complex_addmm,
+            aten.full.default: _complex_full, aten.full_like.default: _complex_full_like,
+            aten.scalar_tensor.default: _complex_scalar_tensor,
+            aten.constant_pad_nd.default: _complex_pad, aten.var.correction: _complex_var}
 
 
 def _tensor_overload(op):
