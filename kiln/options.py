@@ -158,6 +158,12 @@ class Options:
     #: (yet): a supported convolution always runs direct.
     cpu_conv: str = "direct"
 
+    #: CPU builds: a pointwise consumer of a GEMM's result (bias, activation, residual add,
+    #: scale) reading it only at the element it stores, of the GEMM's dtype, runs inside the
+    #: GEMM on each part of the result once final, and the result buffer disappears
+    #: (kiln/gemm/fuse_cpu.py). False keeps it a separate kernel.
+    cpu_gemm_epilogue: bool = True
+
     #: CUDA builds: how 2-D convolutions run. "implicit": channels-last (NHWC) kiln Triton
     #: kernels, an implicit GEMM (no im2col buffer; split-K where tiles cannot fill the GPU)
     #: and a direct depthwise kernel, with batch norm, bias, residual and activation in the

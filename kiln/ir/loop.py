@@ -178,15 +178,23 @@ class Gemm:
     #: `b` describes it). Panel p holds B[0:K, p*NR:(p+1)*NR] k-major, zero-padded past N
     #: (passes/pack_cpu.py); `b`'s strides describe the weight as it was before packing.
     packed_b: int = 0
+    #: CPU: a pointwise Compute fused into the GEMM (kiln/gemm/fuse_cpu.py), applied in place
+    #: to the stored result: its loads of `name` read the GEMM's own element, its others are
+    #: extra reads; the GEMM then carries the Compute's name (its buffer is the result)
+    epilogue: Compute | None = None
 
     @property
     def shape(self) -> tuple[sympy.Expr, ...]:
         return (*self.batch, self.m, self.n)
 
     def extra_reads(self) -> list[str]:
-        """Buffers read besides the operands (scales, bias)."""
-        return (self.lowp.reads() if self.lowp else []) + (
+        """Buffers read besides the operands (scales, bias, a fused epilogue's inputs)."""
+        out = (self.lowp.reads() if self.lowp else []) + (
             self.mixed.reads() if self.mixed else [])
+        if self.epilogue is not None:
+            out += [b for b in dict.fromkeys(ld.buf for ld in loads(self.epilogue.body))
+                    if b != self.name and b not in out]
+        return out
 
 
 # -- ATen fallback arguments ----------------------------------------------------------------

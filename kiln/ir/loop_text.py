@@ -96,6 +96,8 @@ def node_text(n: L.LoopNode) -> str:
             kind = "mixed_gemm"
             extra = f", {n.mixed.side}={n.mixed.qdtype.name}" + "".join(
                 f", scale=%{b}" for b in n.mixed.reads())
+        if n.epilogue is not None:  # CPU: fused, in place (gemm/fuse_cpu.py)
+            extra += f", epilogue={expr_text(n.epilogue.body)}"
         return (f"%{n.name}: {n.dtype.name}{list(n.shape)} = {kind}(%{n.a.buf}, %{n.b.buf}"
                 f"{extra})  # {', '.join(n.source)}")
     red = ""

@@ -69,7 +69,11 @@ def _check(model, args, compiled, tol=1e-4):
 
 @pytest.fixture(scope="module")
 def opts(tmp_path_factory) -> Options:
-    return Options(cache_dir=str(tmp_path_factory.mktemp("kiln_cache")), verify=True)
+    # GEMM epilogues unfused: these tests exercise the planner's in-place reuse of kernels
+    # (a GEMM's pointwise consumer in place of its output); fused, the GEMM stores in place
+    # itself (tests/gemm/test_gemm_epilogue_cpu.py)
+    return Options(cache_dir=str(tmp_path_factory.mktemp("kiln_cache")), verify=True,
+                   cpu_gemm_epilogue=False)
 
 
 def test_long_chain_needs_reuse_and_matches_eager(opts):

@@ -254,6 +254,12 @@ inline void pack_b_panels(int64_t K, int64_t N, const T *b, int64_t br, int64_t 
   }
 }
 
+/* The epilogue of a GEMM without one (kiln/gemm/fuse_cpu.py fuses pointwise consumers as
+ * `epi(r0, r1, c0, c1)`: rows [r0, r1), columns [c0, c1) of C are final, rewrite them). */
+struct NoEpilogue {
+  void operator()(int64_t, int64_t, int64_t, int64_t) const {}
+};
+
 /* Accumulator vectors a register tile may hold (the rest: B vectors and the broadcast). */
 constexpr int kTileAccs = kVecBytes == 64 ? 24 : 12;
 
@@ -443,22 +449,27 @@ inline void packed_row_block(int64_t mr, int64_t kc, const T *a, int64_t ar, int
  * more than one row block (each K block of the panels is reused by every row block while it is
  * in L2), else the whole K at once (C written once, B streamed once). `apack`: MR * K
  * elements (`packed_apack_size`). */
-template <class T, int NR, int MR, int KC>
+template <class T, int NR, int MR, int KC, class RowEpi = NoEpilogue>
 inline void packed_block(int64_t M, int64_t N, int64_t K, const T *a, int64_t ar, int64_t ac,
-                         const T *bp, int64_t p0, int64_t p1, T *c, int64_t ldc, T *apack) {
+                         const T *bp, int64_t p0, int64_t p1, T *c, int64_t ldc, T *apack,
+                         RowEpi epi = {}) {
   if (M == 0 || p0 >= p1) return;
+  const int64_t j0 = p0 * NR, j1 = std::min<int64_t>(N, p1 * NR);
   if (K == 0) {
     for (int64_t i = 0; i < M; ++i)
-      for (int64_t j = p0 * NR; j < std::min<int64_t>(N, p1 * NR); ++j) c[i * ldc + j] = T(0);
+      for (int64_t j = j0; j < j1; ++j) c[i * ldc + j] = T(0);
+    epi(int64_t(0), M, j0, j1);
     return;
   }
   const int64_t kcb = M <= MR ? K : KC, pstride = K * NR;
   for (int64_t pc = 0; pc < K; pc += kcb) {
     const int64_t kc = std::min<int64_t>(kcb, K - pc);
-    for (int64_t ir = 0; ir < M; ir += MR)
-      packed_row_block<T, NR, MR>(std::min<int64_t>(MR, M - ir), kc, a + ir * ar + pc * ac, ar,
-                                  ac, bp + pc * NR, pstride, p0, p1, N, c + ir * ldc, ldc,
-                                  pc > 0, apack);
+    for (int64_t ir = 0; ir < M; ir += MR) {
+      const int64_t mr = std::min<int64_t>(MR, M - ir);
+      packed_row_block<T, NR, MR>(mr, kc, a + ir * ar + pc * ac, ar, ac, bp + pc * NR, pstride,
+                                  p0, p1, N, c + ir * ldc, ldc, pc > 0, apack);
+      if (pc + kc == K) epi(ir, ir + mr, j0, j1);  // these rows are final: epilogue in cache
+    }
   }
 }
 

@@ -321,11 +321,13 @@ inline void blas_single_threaded() { scipy_openblas_set_num_threads(1); }
 
 /* C[b][m][n] = A[b][m][k] * B[b][k][n] over up to two batch dims, C contiguous. Work is split
  * over OpenMP threads by batch when there are enough batches, else by rows of C, else by
- * columns; `block(M', N', K, a, ar, ac, b, br, bc, c, ldc)` computes one single-threaded part. */
-template <class T, class Block>
+ * columns; `block(M', N', K, a, ar, ac, b, br, bc, c, ldc)` computes one single-threaded part.
+ * `epi(r0, r1, c0, c1)` (a fused epilogue, kiln/gemm/fuse_cpu.py) then rewrites that part in
+ * place while it is in cache: rows [r0, r1) of C seen as [nb * M][N], columns [c0, c1). */
+template <class T, class Block, class Epi = NoEpilogue>
 inline void gemm_split(int64_t nb0, int64_t nb1, int64_t M, int64_t N, int64_t K, const T *A,
                        int64_t as0, int64_t as1, int64_t ar, int64_t ac, const T *B, int64_t bs0,
-                       int64_t bs1, int64_t br, int64_t bc, T *C, Block block) {
+                       int64_t bs1, int64_t br, int64_t bc, T *C, Block block, Epi epi = {}) {
   const int64_t nb = nb0 * nb1;
   int threads = 1;
 #ifdef _OPENMP
@@ -344,21 +346,24 @@ inline void gemm_split(int64_t nb0, int64_t nb1, int64_t M, int64_t N, int64_t K
       T *c = C + bi * M * N;
       const int64_t len = by_rows ? M : N;
       const int64_t lo = len * p / parts_mn, hi = len * (p + 1) / parts_mn;
-      if (by_rows)
+      if (by_rows) {
         block(hi - lo, N, K, a + lo * ar, ar, ac, bb, br, bc, c + lo * N, N);
-      else
+        epi(bi * M + lo, bi * M + hi, int64_t(0), N);
+      } else {
         block(M, hi - lo, K, a, ar, ac, bb + lo * bc, br, bc, c + lo, N);
+        epi(bi * M, bi * M + M, lo, hi);
+      }
     }
 }
 
 /* The "cpp" backend: kiln's register-blocked GEMM (kiln_gemm.h) with the tile the autotuner
  * chose; takes any operand strides. */
-template <class T, int MR, int NV, int KC, int NC>
+template <class T, int MR, int NV, int KC, int NC, class Epi = NoEpilogue>
 inline int gemm_cpp(int64_t nb0, int64_t nb1, int64_t M, int64_t N, int64_t K, const T *A,
                     int64_t as0, int64_t as1, int64_t ar, int64_t ac, const T *B, int64_t bs0,
-                    int64_t bs1, int64_t br, int64_t bc, T *C) {
+                    int64_t bs1, int64_t br, int64_t bc, T *C, Epi epi = {}) {
   gemm_split<T>(nb0, nb1, M, N, K, A, as0, as1, ar, ac, B, bs0, bs1, br, bc, C,
-                ukr_gemm_block<T, MR, NV, KC, NC>);
+                ukr_gemm_block<T, MR, NV, KC, NC>, epi);
   return 0;
 }
 
@@ -366,10 +371,10 @@ inline int gemm_cpp(int64_t nb0, int64_t nb1, int64_t M, int64_t N, int64_t K, c
  * the panels of the one B every batch element shares. Work is split over OpenMP threads by
  * panels of N (each thread streams its share of B once), or by rows of C when N has too few
  * panels to go round and M has enough row blocks. */
-template <class T, int NR, int MR, int KC>
+template <class T, int NR, int MR, int KC, class Epi = NoEpilogue>
 inline int gemm_cpp_packed(int64_t nb0, int64_t nb1, int64_t M, int64_t N, int64_t K,
                            const T *A, int64_t as0, int64_t as1, int64_t ar, int64_t ac,
-                           const T *Bp, T *C) {
+                           const T *Bp, T *C, Epi epi = {}) {
   const int64_t nb = nb0 * nb1, P = (N + NR - 1) / NR;
   int threads = 1;
 #ifdef _OPENMP
@@ -388,11 +393,15 @@ inline int gemm_cpp_packed(int64_t nb0, int64_t nb1, int64_t M, int64_t N, int64
         const int64_t blocks = (M + MR - 1) / MR;
         const int64_t lo = std::min(M, blocks * t / parts * MR),
                       hi = std::min(M, blocks * (t + 1) / parts * MR);
+        const int64_t r0 = bi * M + lo;
         packed_block<T, NR, MR, KC>(hi - lo, N, K, a + lo * ar, ar, ac, Bp, 0, P, c + lo * N, N,
-                                    apack.data());
+                                    apack.data(), [&](int64_t i0, int64_t i1, int64_t j0,
+                                                      int64_t j1) { epi(r0 + i0, r0 + i1, j0, j1); });
       } else {
+        const int64_t r0 = bi * M;
         packed_block<T, NR, MR, KC>(M, N, K, a, ar, ac, Bp, P * t / parts, P * (t + 1) / parts,
-                                    c, N, apack.data());
+                                    c, N, apack.data(), [&](int64_t i0, int64_t i1, int64_t j0,
+                                                            int64_t j1) { epi(r0 + i0, r0 + i1, j0, j1); });
       }
     }
   }

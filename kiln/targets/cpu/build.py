@@ -24,6 +24,7 @@ from kiln.errors import UnsupportedError
 from kiln.gemm import choose_gemms
 from kiln.gemm.configs import CppConfig
 from kiln.gemm.cpu import cpp_configs, packable, packed_nr, vector_registers
+from kiln.gemm.fuse_cpu import fuse_epilogues
 from kiln.ir import loop as L
 from kiln.memory.inplace import program_aliases
 from kiln.options import GemmBackend, Options
@@ -32,7 +33,7 @@ from kiln.passes.pack_cpu import pack_weights
 from kiln.passes.widen_half import widen_half
 from kiln.schedule import Kernel, localize_rows
 from kiln.targets.cpu.conv import conv_source
-from kiln.targets.cpu.gemm import declaration, print_gemm_file
+from kiln.targets.cpu.gemm import declaration, epilogue_declaration, print_gemm_file
 from kiln.targets.cpu.kernel import print_kernel
 from kiln.targets.cpu.quant import qgemm_source
 from kiln.targets.cpu.wrapper import declare_kernel, print_wrapper
@@ -135,6 +136,16 @@ def widen_half_types(state: Build) -> Build:
     return replace(state, graph=widen_half(state.graph))
 
 
+def gemm_epilogues_enabled(state: Build) -> bool:
+    return state.options.cpu_gemm_epilogue
+
+
+def fuse_gemm_epilogues(state: Build) -> Build:
+    """Pointwise consumers of GEMM results fused into the GEMMs (kiln/gemm/fuse_cpu.py)."""
+    kept = set(state.loop.outputs) | {src for _, src in state.loop.mutations}
+    return replace(state, steps=fuse_epilogues(state.steps, kept))
+
+
 def localize(state: Build) -> Build:
     """Fused intermediates as per-thread rows."""
     return replace(state, steps=localize_rows(state.steps, state.loop))
@@ -193,6 +204,8 @@ def codegen(state: CpuBuild) -> CpuBuild:
         sources["gemm.cpp"] = gemm_file
         decls += [declaration(s) for s in steps
                   if isinstance(s, L.Gemm) and gemms[s.name].backend is GemmBackend.CPP]
+        decls += [epilogue_declaration(s) for s in steps
+                  if isinstance(s, L.Gemm) and s.epilogue is not None]
     return replace(state, sources=sources, decls=tuple(decls))
 
 

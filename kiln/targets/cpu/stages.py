@@ -12,6 +12,8 @@
     widen_half        float16 / bfloat16 as storage types, computed in float32
     lower             Graph IR -> Loop IR
     schedule          Loop IR -> kernels
+    gemm_epilogues    (Options.cpu_gemm_epilogue) pointwise consumers fused into their GEMMs
+                      (gemm/fuse_cpu.py)
     localize          fused intermediates as per-thread rows
     reorder           (Options.reorder_for_memory) the order of lowest peak memory
     program           Program IR, with in-place reuse
@@ -27,7 +29,8 @@
 from __future__ import annotations
 
 from kiln.targets.cpu.build import (CpuBuild, check_user_kernels, codegen, codegen_wrapper,
-                                    compile_library, expand_low_precision, gemm_autotune,
+                                    compile_library, expand_low_precision,
+                                    fuse_gemm_epilogues, gemm_autotune, gemm_epilogues_enabled,
                                     libraries, localize, pack_constant_b,
                                     widen_half_types)
 from kiln.targets.cpu.never_lose import default_variant, tuned
@@ -35,7 +38,7 @@ from kiln.targets.cpu.conv import direct_conv, direct_conv_enabled
 from kiln.targets.cpu.quant import quant_enabled, quant_weights
 from kiln.targets.stages import (DCE, FREEZE, LOWER, PLAN, REORDER, SCHEDULE, Stage, Target,
                                  check_graph, graph_text, import_stage, program_stage,
-                                 source_files)
+                                 source_files, steps_text)
 
 TARGET = Target("cpu", (
     import_stage(library_routines=True, fused_attention=False),
@@ -50,6 +53,7 @@ TARGET = Target("cpu", (
     Stage("widen_half", widen_half_types, dump=graph_text, verify=check_graph),
     LOWER,
     SCHEDULE,
+    Stage("gemm_epilogues", fuse_gemm_epilogues, dump=steps_text, when=gemm_epilogues_enabled),
     Stage("localize", localize),
     REORDER,
     program_stage(inplace=True),

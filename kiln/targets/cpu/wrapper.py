@@ -9,7 +9,7 @@ import sympy
 
 from kiln.targets.cpu.conv import call_comment
 from kiln.targets.cpu.quant import call_comment as qgemm_comment
-from kiln.targets.cpu.gemm import function_name
+from kiln.targets.cpu.gemm import epilogue_args, epilogue_function, function_name
 from kiln.ir import loop as L
 from kiln.ir import program as P
 from kiln.ir.sym import free_size_symbols, to_c, unbounded
@@ -220,18 +220,28 @@ class _Printer(SizeCheckPrinter):
         backend = choice.backend if choice is not None else GemmBackend.BLAS
         self.emit(f"// gemm {g.name} = {g.a.buf} @ {g.b.buf}  <- {', '.join(g.source)}  "
                   f"[{backend.value}{', ' + choice.how if choice is not None else ''}]")
+        if g.epilogue is not None and backend is GemmBackend.CPP:
+            self.emit(f"// epilogue fused into the GEMM: {g.epilogue.name} <- "
+                      f"{', '.join(g.epilogue.source)}")
         call = (f"{function_name(g.name)}(" if backend is GemmBackend.CPP else
                 f"kr::gemm<{T}>(e, {_cstr(g.name)}, ")
         self.emit(f"if ({call}{to_c(b[0])}, {to_c(b[1])}, "
                   f"{to_c(g.m)}, {to_c(g.n)}, {to_c(g.k)},")
         self.emit(f"    buf_{g.a.buf} + {to_c(g.a.offset)}, {to_c(sa[0])}, {to_c(sa[1])}, "
                   f"{to_c(g.a.rows)}, {to_c(g.a.cols)},")
+        # a fused epilogue (kiln/gemm/fuse_cpu.py): its inputs follow C ("cpp"), or it runs
+        # over the result after the BLAS call
+        epi = [f"buf_{n}" if k == "in" else n for k, n, _ in epilogue_args(g)]
+        fused = "".join(f", {a}" for a in epi) if backend is GemmBackend.CPP else ""
         if g.packed_b:  # the weight holds B's panels (passes/pack_cpu.py)
             self.emit(f"    buf_{g.b.buf} /* prepacked, {g.packed_b}-column panels */, "
-                      f"buf_{g.name})) goto fail;")
-            return
-        self.emit(f"    buf_{g.b.buf} + {to_c(g.b.offset)}, {to_c(sb[0])}, {to_c(sb[1])}, "
-                  f"{to_c(g.b.rows)}, {to_c(g.b.cols)}, buf_{g.name})) goto fail;")
+                      f"buf_{g.name}{fused})) goto fail;")
+        else:
+            self.emit(f"    buf_{g.b.buf} + {to_c(g.b.offset)}, {to_c(sb[0])}, {to_c(sb[1])}, "
+                      f"{to_c(g.b.rows)}, {to_c(g.b.cols)}, buf_{g.name}{fused})) goto fail;")
+        if g.epilogue is not None and backend is not GemmBackend.CPP:
+            self.emit(f"{epilogue_function(g.name)}({', '.join([f'buf_{g.name}', *epi])});  "
+                      f"// epilogue {g.epilogue.name} <- {', '.join(g.epilogue.source)}")
 
     def _ReadSizeLine(self, x: P.ReadSizeLine) -> None:
         n = x.node

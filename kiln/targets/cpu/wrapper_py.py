@@ -9,6 +9,7 @@ from __future__ import annotations
 from kiln.ir import loop as L
 from kiln.ir import program as P
 from kiln.ir.sym import to_py
+from kiln.targets.cpu.gemm import epilogue_args, epilogue_function
 from kiln.targets.cxx_wrapper import condition
 
 
@@ -23,9 +24,14 @@ def _gemm(g: L.Gemm) -> list[str]:
     b = view(g.b, g.k, g.n)
     if g.packed_b:  # B's panels [P, K, NR] (passes/pack_cpu.py) read back as K x N
         b = (f"buf_{g.b.buf}.permute(1, 0, 2).reshape({to_py(g.k)}, -1)[:, :{to_py(g.n)}]")
-    return [f"# gemm {g.name} = {g.a.buf} @ {g.b.buf}  <- {', '.join(g.source)}",
-            f"torch.matmul({view(g.a, g.m, g.k)}, {b}, "
-            f"out=buf_{g.name}.view({', '.join(out)},))"]
+    lines = [f"# gemm {g.name} = {g.a.buf} @ {g.b.buf}  <- {', '.join(g.source)}",
+             f"torch.matmul({view(g.a, g.m, g.k)}, {b}, "
+             f"out=buf_{g.name}.view({', '.join(out)},))"]
+    if g.epilogue is not None:  # fused into the GEMM in model.so; here its own pass, in place
+        args = [f"_ptr(buf_{n})" if k == "in" else f"_i64({n})" for k, n, _ in epilogue_args(g)]
+        lines.append(f"lib.{epilogue_function(g.name)}({', '.join([f'_ptr(buf_{g.name})', *args])})"
+                     f"  # epilogue {g.epilogue.name} <- {', '.join(g.epilogue.source)}")
+    return lines
 
 
 def _aten_arg(a: L.AtenArg) -> str:
