@@ -50,6 +50,7 @@ def test_cpp_files_counted(tmp_path):
     assert {s for s, *_ in events} == {"compile"}  # max_autotune off: nothing else is long
 
 
+@pytest.mark.slow  # times real GEMM candidates (~26 s); the terminal-drawing test covers the counts
 def test_gemm_candidates_counted_per_gemm(tmp_path, monkeypatch):
     timed = []
 
