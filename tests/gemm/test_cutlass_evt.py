@@ -404,7 +404,7 @@ def _compile(kinds, tmp: Path):
         assert "kiln_cutlass_run" in syms and "kiln_cutlass_workspace" in syms
 
 
-@pytest.mark.slow  # nvcc compile of the CUTLASS visitor tree, ~60 s: the GPU suite builds and runs it
+@pytest.mark.slow  # nvcc compile of the CUTLASS visitor tree (~60 s): the GPU suite runs it
 @pytest.mark.skipif(shutil.which("nvcc") is None, reason="nvcc not installed")
 def test_visitor_tree_compiles_with_nvcc(tmp_path):
     """One kernel whose tree has every node kind and the kinds of issue 6 (fp16 GEMM,

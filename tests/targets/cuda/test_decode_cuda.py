@@ -210,7 +210,7 @@ print("BAD" if bad else "ALL OK", *bad, sep="\\n")
 """
 
 
-@pytest.mark.slow  # ~45 s in the Triton interpreter; the GPU decode tests run these kernels on the device
+@pytest.mark.slow  # ~45 s in the Triton interpreter; the GPU decode tests run these kernels
 def test_decode_kernels_match_eager_in_triton_interpreter():
     """The put, attention (GQA in place, masked tiles skipped) and other kernels of the step,
     each run by Triton's interpreter; the caches after the step match eager's too."""
