@@ -13,9 +13,11 @@ Rule: follow output j's views back to the first value that is not a view (the ro
 root is a user input, or the value of another output (the first such; for an output listed
 twice, an earlier position), j aliases it, provided eager lays the root out compactly (then its
 view's strides and storage offset, in the export's metadata, hold for kiln's compact buffers
-too). Other cases keep separate storage (the values are the same): a root eager lays out
-otherwise (a pointwise op on a transposed input), outputs that share a root no output returns,
-and sizes that are not polynomials over the input symbols."""
+too). A root no output returns is stood in for by the first output that views all of it
+compactly (a matmul's result: a view of its bmm). Other cases keep separate storage (the values
+are the same): a root eager lays out otherwise (a pointwise op on a transposed input), outputs
+that share a root no output returns nor views whole, and sizes that are not polynomials over
+the input symbols."""
 
 from __future__ import annotations
 
@@ -73,6 +75,18 @@ def _compact(val: torch.Tensor) -> bool:
         return False
 
 
+def _whole(val, root_val) -> bool:
+    """Whether `val` views all of `root_val` compactly from its first element: kiln's compact
+    buffer for it then holds the root's elements in the root's own order."""
+    try:
+        return isinstance(val, torch.Tensor) and isinstance(root_val, torch.Tensor) and \
+            val.dtype == root_val.dtype and _compact(val) and _compact(root_val) and \
+            bool(val.numel() == root_val.numel()) and \
+            bool(val.storage_offset() == root_val.storage_offset())
+    except Exception:  # a guard on symbolic sizes that cannot be decided: not provably whole
+        return False
+
+
 def _record(val, root_val, syms: SymbolTable, of: str, index: int) -> dict | None:
     try:
         parts = [syms.convert(d) for d in val.shape], [syms.convert(s) for s in val.stride()], \
@@ -99,6 +113,12 @@ def output_aliases(ep: torch.export.ExportedProgram, user_inputs: list[str],
         roots.append(n)
         if name is not None and name in nodes and not _is_view(nodes[name]):
             first_output.setdefault(name, j)  # an output that owns (or is) its root
+    for j, name in enumerate(outputs):  # a root no output returns: the first output that views
+        root = roots[j]  # all of it compactly stands in for it (matmul's view of its bmm)
+        if root is None or root.name in first_output or root.name in user_inputs:
+            continue
+        if _whole(nodes[name].meta.get("val"), root.meta.get("val")):
+            first_output[root.name] = j
     out: list[dict | None] = []
     for j, name in enumerate(outputs):
         root, val = roots[j], nodes[name].meta.get("val") if name in nodes else None
