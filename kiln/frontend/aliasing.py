@@ -21,6 +21,8 @@ the input symbols."""
 
 from __future__ import annotations
 
+import operator
+
 import sympy
 import torch
 
@@ -38,6 +40,29 @@ def _is_view(n: torch.fx.Node) -> bool:
         not first.is_write and set(out.before_set) == set(first.before_set) and \
         isinstance(n.args[0], torch.fx.Node) and len(schema.returns) == 1 and \
         _shares_storage(n.meta.get("val"), n.args[0].meta.get("val"))
+
+
+def _view_source(n: torch.fx.Node) -> torch.fx.Node | None:
+    """The node whose storage `n` views: the first argument of a view op, or the input of a
+    view op with several results (split, chunk, unbind) that `n` takes one of; None when `n`
+    is no view."""
+    if _is_view(n):
+        return n.args[0]
+    if n.op == "call_function" and n.target is operator.getitem and \
+            isinstance(n.args[0], torch.fx.Node):
+        parent = n.args[0]
+        schema = getattr(parent.target, "_schema", None)
+        if parent.op != "call_function" or schema is None or len(schema.returns) != 1 or \
+                not schema.arguments or not isinstance(parent.args[0], torch.fx.Node):
+            return None
+        # `Tensor(a -> *) self -> Tensor(a)[]`: the list's elements may alias self; the
+        # traced values say whether this one does
+        first = schema.arguments[0].alias_info
+        if first is not None and not first.is_write and \
+                str(schema.returns[0].type) == "List[Tensor]" and \
+                _shares_storage(n.meta.get("val"), parent.args[0].meta.get("val")):
+            return parent.args[0]
+    return None
 
 
 def _shares_storage(val, arg) -> bool:
@@ -108,10 +133,10 @@ def output_aliases(ep: torch.export.ExportedProgram, user_inputs: list[str],
     roots = []
     for j, name in enumerate(outputs):
         n = nodes.get(name) if name is not None else None
-        while n is not None and _is_view(n):
-            n = n.args[0]
+        while n is not None and _view_source(n) is not None:
+            n = _view_source(n)
         roots.append(n)
-        if name is not None and name in nodes and not _is_view(nodes[name]):
+        if name is not None and name in nodes and _view_source(nodes[name]) is None:
             first_output.setdefault(name, j)  # an output that owns (or is) its root
     for j, name in enumerate(outputs):  # a root no output returns: the first output that views
         root = roots[j]  # all of it compactly stands in for it (matmul's view of its bmm)
