@@ -112,6 +112,16 @@ class Graph:
         return tuple(self.meta.get("mutations", ()))
 
 
+def fresh_name(base: str, names: set[str]) -> str:
+    """`base`, or `base_2`, `base_3`... the first not in `names`; added to `names`."""
+    name, j = base, 1
+    while name in names:
+        j += 1
+        name = f"{base}_{j}"
+    names.add(name)
+    return name
+
+
 def _fmt_attr(v: Any) -> str:
     if isinstance(v, Graph):
         return f"<region: {len(v.inputs)} inputs, {len(v.nodes)} nodes>"

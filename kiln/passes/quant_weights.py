@@ -34,7 +34,7 @@ import torch
 
 from kiln.ir import dtypes
 from kiln.ir import quant as Q
-from kiln.ir.graph import Graph, Input, Node, TensorType
+from kiln.ir.graph import Graph, Input, Node, TensorType, fresh_name
 from kiln.passes.dce import dce
 
 SUFFIX = {"int8": "q8", "int8_vnni": "q8", "int4": "q4", "bf16": "bf16"}
@@ -81,16 +81,6 @@ def quantised_inputs(wname: str, mode: str, suffix: str, parts: dict[str, torch.
         out.append((Input(name, TensorType(dt, tuple(sympy.Integer(d) for d in t.shape)),
                           "weight", fqn), t))
     return out
-
-
-def fresh_name(base: str, names: set[str]) -> str:
-    """`base`, or `base_2`, `base_3`... the first not in `names`; added to `names`."""
-    name, j = base, 1
-    while name in names:
-        j += 1
-        name = f"{base}_{j}"
-    names.add(name)
-    return name
 
 
 def quantize_weights(g: Graph, weights: dict[str, torch.Tensor], weight_quant: str,

@@ -18,7 +18,7 @@ from __future__ import annotations
 from dataclasses import replace
 
 from kiln.ir import dtypes
-from kiln.ir.graph import Graph, Node, TensorType
+from kiln.ir.graph import Graph, Node, TensorType, fresh_name
 
 # ops that only move elements: they never compute on a value, so they keep half types (a
 # gather from a half embedding table reads its rows, not a float32 copy of the whole table)
@@ -36,17 +36,9 @@ def widen_half(g: Graph) -> Graph:
     widened: dict[str, str] = {}  # half value -> its float32 cast
     names = set(types)
 
-    def fresh(base: str) -> str:
-        name, k = base, 1
-        while name in names:
-            k += 1
-            name = f"{base}_{k}"
-        names.add(name)
-        return name
-
     def as_f32(x: str, source: str) -> str:
         if x not in widened:
-            name = fresh(f"{x}_f32")
+            name = fresh_name(f"{x}_f32", names)
             t = types[x]
             nodes.append(Node(name, "cast", (x,), TensorType(dtypes.float32, t.shape), (),
                               source))
@@ -68,7 +60,7 @@ def widen_half(g: Graph) -> Graph:
             types[n.name] = t
             nodes.append(replace(n, inputs=ins, type=t))
             continue
-        wide = fresh(f"{n.name}_f32")
+        wide = fresh_name(f"{n.name}_f32", names)
         nodes.append(replace(n, name=wide, inputs=ins,
                              type=TensorType(dtypes.float32, n.type.shape)))
         nodes.append(Node(n.name, "cast", (wide,), n.type, (), n.source))

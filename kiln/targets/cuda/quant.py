@@ -29,10 +29,10 @@ from kiln.frontend.user_triton import UserConfig, UserKernelSpec
 from kiln.gemm import quant_gemv as QG
 from kiln.ir import dtypes
 from kiln.ir import loop as L
-from kiln.ir.graph import Graph, Input, Node, TensorType
+from kiln.ir.graph import Graph, Input, Node, TensorType, fresh_name
 from kiln.ir.sym import FloorDiv
 from kiln.passes.dce import dce
-from kiln.passes.quant_weights import fresh_name, quantisable_weights, quantised_inputs, weight_b
+from kiln.passes.quant_weights import quantisable_weights, quantised_inputs, weight_b
 from kiln.targets.stages import Build
 
 SUFFIX = {"int8": "q8", "int4": "q4"}
