@@ -1,17 +1,17 @@
 #!/usr/bin/env bash
-# Tensor parallelism on the 2-GPU device machine (issue 18), under 9 minutes, from the
+# Tensor parallelism on the 2- or 4-GPU device machine (issue 18), under 9 minutes, from the
 # repository root (the device tool's working directory):
 #   bash bench/tp_device.sh          # logs under $OUT (default tp_out), the short table last
 # 1. wheels from .whl/ (if any) into /tmp/site (no network);
 # 2. in parallel: the CPU (MPI) TP tests, tests/runtime/test_tp.py (2 and 4 ranks; skipped
-#    without Open MPI), and the CUDA TP tests, -m gpu tests/targets/cuda/test_tp_cuda.py
+#    without Open MPI), and the CUDA TP tests, -m gpu tests/targets/cuda/test_tp_cuda.py (2 and 4 GPUs where present)
 #    (every NCCL collective vs numpy with graph replays, the overlapped all_reduce vs float64
 #    overlapped and serial, the TP Llama on 2 GPUs vs 1);
 # 3. bench/tp_gpu.py: decode / prefill on 1 vs 2 GPUs (kiln, eager), the overlap of an
 #    all_reduce with independent GEMMs (overlapped vs KILN_NCCL_SERIAL=1), all-reduce bus
 #    bandwidth 1..256 MiB, kiln vs NCCL through torch.distributed; its time limit is what is
 #    left of the budget.
-# Env: PY (python3), BUDGET_S (525: the whole script's seconds), TEST_TIMEOUT (300 s each
+# Env: PY (python3), WORLDS ("2": the GPU counts bench/tp_gpu.py runs, e.g. "4 2"), BUDGET_S (525: the whole script's seconds), TEST_TIMEOUT (300 s each
 # pytest), BENCH_ARGS, SKIP_TESTS=1, SKIP_BENCH=1.
 set -u
 cd "$(dirname "$0")/.."
@@ -51,18 +51,21 @@ if [ -z "${SKIP_TESTS:-}" ]; then
   [ $crc -ne 0 ] && rc=$crc
 fi
 if [ -z "${SKIP_BENCH:-}" ]; then
-  left=$((BUDGET_S - SECONDS - 10))
-  [ $left -gt 330 ] && left=330
-  if [ $left -lt 60 ]; then
-    echo "bench skipped: only ${left} s of the budget left" | tee "$OUT/bench_tp.log"
-  else
+  for world in ${WORLDS:-2}; do
+    left=$((BUDGET_S - SECONDS - 10))
+    [ $left -gt 330 ] && left=330
+    if [ $left -lt 60 ]; then
+      echo "bench (world $world) skipped: only ${left} s of the budget left" \
+        | tee -a "$OUT/bench_tp.log"
+      continue
+    fi
     t0=$SECONDS
-    timeout $left $PY bench/tp_gpu.py --out "$OUT/bench_work" ${BENCH_ARGS:-} \
-      >"$OUT/bench_tp.log" 2>&1
+    timeout $left $PY bench/tp_gpu.py --world "$world" --out "$OUT/bench_work$world" \
+      ${BENCH_ARGS:-} >>"$OUT/bench_tp.log" 2>&1
     brc=$?
-    echo "bench: $((SECONDS - t0)) s (rc $brc, limit $left s)"
+    echo "bench world $world: $((SECONDS - t0)) s (rc $brc, limit $left s)"
     [ $rc -eq 0 ] && rc=$brc
-  fi
+  done
 fi
 tail_of() {  # pytest's last line, or why there is none
   local t
@@ -75,7 +78,7 @@ tail_of() {  # pytest's last line, or why there is none
   grep -E '^(FAILED|ERROR)' "$OUT/pytest_cpu.log" 2>/dev/null | head -5
   echo "pytest gpu tests/targets/cuda/test_tp_cuda.py: $(tail_of "$OUT/pytest_gpu.log")"
   grep -E '^(FAILED|ERROR)' "$OUT/pytest_gpu.log" 2>/dev/null | head -5
-  sed -n '/^GPU:/,$p' "$OUT/bench_tp.log" 2>/dev/null
+  sed -n '/^GPU:/,$p' "$OUT/bench_tp.log" | grep -v '^tp_gpu: ' 2>/dev/null
   grep -E '^tp_gpu: ' "$OUT/bench_tp.log" 2>/dev/null | head -5
 } >"$OUT/summary.txt"
 cat "$OUT/summary.txt"

@@ -3,7 +3,7 @@
 Without a GPU (CI): the program with every collective compiles to a CUDA package whose
 wrapper (compiled here against cuda.h, libnccl opened at run time) enqueues each collective
 on the run's stream and exports the kiln_model_comm_v1 table.
-With 2 GPUs (`-m gpu`; tests/runtime/tp_worker.py is one rank, one process per GPU, the
+With 2 or 4 GPUs (`-m gpu`; tests/runtime/tp_worker.py is one rank, one process per GPU, the
 ncclUniqueId made here and passed on the command line): every collective against numpy, and
 the tensor-parallel Llama decoder (kiln.models.tp) against the single-GPU package: logits
 within float32 tolerance, the same greedy tokens."""
@@ -198,12 +198,16 @@ def spawn(n: int, *args: str, timeout: int = 600, env: dict | None = None) -> No
         assert p.returncode == 0, f"rank {r} failed:\n{log[-4000:]}"
 
 
+def _gpus(n: int):
+    return pytest.param(n, id=f"{n}gpus", marks=pytest.mark.skipif(
+        torch.cuda.device_count() < n, reason=f"needs {n} CUDA GPUs"))
+
+
 @pytest.mark.gpu
-@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA GPUs")
+@pytest.mark.parametrize("n", [_gpus(2), _gpus(4)])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.int64],
                          ids=lambda d: str(d).removeprefix("torch."))
-def test_nccl_collectives_match_numpy(dtype, tmp_path):
-    n = 2
+def test_nccl_collectives_match_numpy(dtype, n, tmp_path):
     _, pkg, xshape, yshape = _collectives_package(dtype, n, tmp_path, "cuda")
     for seed in (0, 1):
         xs, ys = _rank_inputs(dtype, xshape, yshape, n, seed)
@@ -220,9 +224,9 @@ def test_nccl_collectives_match_numpy(dtype, tmp_path):
 
 
 @pytest.mark.gpu
-@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA GPUs")
-def test_tp_llama_on_two_gpus_matches_one(tmp_path):
-    n, steps = 2, 4
+@pytest.mark.parametrize("n", [_gpus(2), _gpus(4)])
+def test_tp_llama_on_several_gpus_matches_one(n, tmp_path):
+    steps = 4
     model = tp.random_llama(CFG, seed=3)
     prompt = torch.randint(0, CFG.vocab_size, (2, 7), generator=torch.Generator().manual_seed(0))
     tp.export_tp(model, n, tmp_path, prompt, dynamic_seq=(1, 32), device="cuda")
@@ -242,13 +246,13 @@ def test_tp_llama_on_two_gpus_matches_one(tmp_path):
 
 
 @pytest.mark.gpu
-@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA GPUs")
+@pytest.mark.parametrize("n", [_gpus(2), _gpus(4)])
 @pytest.mark.parametrize("serial", ["0", "1"], ids=["overlapped", "serial"])
-def test_overlapped_collective_matches_numpy(serial, tmp_path):
+def test_overlapped_collective_matches_numpy(serial, n, tmp_path):
     """The all_reduce on the communication stream while the GEMMs on b run, joined at the add:
     float64 reference, and runs 2 (graph capture) and 3 (replay) equal to run 1 (direct);
     KILN_NCCL_SERIAL=1 (collectives on the compute stream) alike."""
-    n, k, m = 2, 256, 128
+    k, m = 256, 128
     model = Overlap(k)
     dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=n)
     try:
