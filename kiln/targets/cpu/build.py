@@ -52,8 +52,13 @@ class CpuBuild(Build):
 
 
 def _blas() -> tuple[Path, Path]:
-    # deferred: OpenBLAS's wheel is needed by CPU builds only (a GPU-only install may lack it)
-    import scipy_openblas32 as blas
+    try:
+        # deferred: OpenBLAS's wheel is needed by CPU builds only (a GPU-only install may lack it)
+        import scipy_openblas32 as blas
+    except ImportError as e:
+        raise UnsupportedError(
+            "a CPU package links OpenBLAS from the scipy-openblas32 wheel, a dependency of "
+            "kiln that this Python lacks: pip install scipy-openblas32") from e
     return Path(blas.get_include_dir()), Path(blas.get_lib_dir())
 
 
