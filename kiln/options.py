@@ -96,6 +96,12 @@ class Options:
     #: (captured on the second run with those sizes, replayed afterwards; inputs and outputs
     #: go through static device buffers). False launches every kernel and GEMM each run.
     cuda_graphs: bool = True
+    #: CUDA builds whose kernels look data up by index (embedding, gather, index_put): a run
+    #: reports an index out of range of the run before it (on the next run), as CUDA reports
+    #: asynchronous errors, so that no run waits for the device. True: every run waits for
+    #: its own kernels and reports its own bad index (a host-device sync per run). The C
+    #: API's stream-less kiln_model_run always checks its own run.
+    cuda_sync_checks: bool = False
     #: CUDA builds on a machine whose GPU is one of the target architectures: time candidate
     #: launch configs of each large kernel on it and keep the fastest (kiln/toolchain/
     #: autotune.py; cached on disk per kernel source and device), and the triton.autotune

@@ -321,7 +321,8 @@ def codegen_wrapper(state: CudaBuild) -> CudaBuild:
     by_name = {**{k.name: k for k in tks}, **{u.name: u for u in launches}}
     chosen = {n: c for n, c in state.gemms.items() if c.backend is GemmBackend.CUTLASS}
     wrapper = print_cuda_wrapper(program, by_name, cubins, archs, str(blob_path), where,
-                                 o.cuda_graphs, chosen, blaslt_choices(state.gemms))
+                                 o.cuda_graphs, chosen, blaslt_choices(state.gemms),
+                                 o.cuda_sync_checks)
     sources = {"kernels_triton.py": state.sources["kernels_triton.py"],
                "model_cuda.cpp": wrapper}
     if launches:

@@ -91,6 +91,11 @@ class _Printer(SizeCheckPrinter):
         self.blaslt = blaslt or {}  # GEMM name -> cuBLASLt heuristic index (BlasLtConfig)
         self.blaslt_gemms: list[str] = []  # those GEMMs, in order: each has an LtGemmPlan
         self.index = {name: i for i, name in enumerate(kernels)}
+        self.sync_checks = False  # each run waits for its own index status (see Return)
+        #: the source ops of the kernels that report indices out of range, for the message
+        self.status_ops = ", ".join(sorted({s for k in kernels.values()
+                                            if getattr(k, "status", False)
+                                            for s in k.source_ops}))
         self.out: list[str] = []
         env = {s.name: s.example for s in prog.symbols}
         self.dynamic_bufs = [iv.name for iv in intervals(prog, env)]
@@ -450,14 +455,13 @@ class _Printer(SizeCheckPrinter):
                   f"{_cstr('state ' + x.dst)})) return 1;")
 
     def _Return(self, x: P.Return) -> None:
-        if any(getattr(k, "status", False) for k in self.kernels.values()):
-            self.emit("if (kc::check(e, kc::driver().cuMemcpyDtoHAsync(&status, self->status, "
-                      "4, stream), \"reading the index status\") ||")
-            self.emit("    kc::check(e, kc::driver().cuStreamSynchronize(stream), \"run\")) "
-                      "goto fail;")
-            srcs = sorted({s for k in self.kernels.values() if k.status for s in k.source_ops})
-            self.emit(f"if (status) {{ e.fail(\"index out of range in {', '.join(srcs)}\"); "
-                      "goto fail; }")
+        if self.status_ops:
+            self.emit("if (kc::check(e, kc::driver().cuMemcpyDtoHAsync("
+                      "const_cast<int32_t*>(self->status_host), self->status, 4, stream), "
+                      "\"reading the index status\") ||")
+            wait = "true" if self.sync_checks else "stream_ == nullptr"
+            self.emit(f"    kc::index_status(e, self->status, self->status_host, stream, {wait}, "
+                      f"{_cstr(self.status_ops)})) goto fail;")
         for out in (y for y in self.p.lines if isinstance(y, P.AllocOutput) and y.capacity):
             for d, size in enumerate(out.shape):  # data-dependent dims: known now
                 if size != out.capacity[d]:
@@ -548,7 +552,8 @@ def _cutlass_parts(prog: P.Program, cutlass: dict) -> tuple[list[str], list[str]
 
 def print_cuda_wrapper(prog: P.Program, kernels: dict, cubins: dict, archs: tuple[int, ...],
                        blob_path: str, where: dict, graphs: bool = True,
-                       cutlass: dict | None = None, blaslt: dict | None = None) -> str:
+                       cutlass: dict | None = None, blaslt: dict | None = None,
+                       sync_checks: bool = False) -> str:
     """`kernels`: name -> TritonKernel with `source_ops` set (see pipeline); `where`: the
     (offset, size) of each (kernel, arch) cubin inside the blob at `blob_path`; `graphs`: run
     through CUDA graphs (kc::run_graph) rather than launching every kernel each run;
@@ -557,10 +562,15 @@ def print_cuda_wrapper(prog: P.Program, kernels: dict, cubins: dict, archs: tupl
 
     The run: input checks and size binding, the arena plan, the outputs allocated, then
     `body` (a lambda: every kernel, GEMM and state copy, on the stream and input/output
-    pointers it is given, so that it can be captured into a graph), then the status check."""
+    pointers it is given, so that it can be captured into a graph), then the index status
+    (`kc::index_status`: read at the start of the next run unless `sync_checks`)."""
     graphs = graphs and capturable(prog)
     scratch = frozenset(n for (n, _), c in cubins.items() if getattr(c, "scratch", 0))
     pr = _Printer(prog, kernels, cutlass, blaslt, scratch)
+    pr.sync_checks = sync_checks
+    if pr.status_ops:  # an earlier run's index status (see kc::index_status)
+        pr.emit("if (kc::index_status(e, self->status, self->status_host, stream, false, "
+                f"{_cstr(pr.status_ops)})) return 1;")
     checks = [x for x in prog.lines if isinstance(x, P.CHECKS)]
     n_in = len(prog.inputs)
     outs = [x for x in prog.lines if isinstance(x, P.AllocOutput)]
@@ -590,9 +600,6 @@ def print_cuda_wrapper(prog: P.Program, kernels: dict, cubins: dict, archs: tupl
     pr.emit("(void)in; (void)out;")
     pr.emit("if (kc::blas_bind(e, self->blas, stream, self->workspace, kc::kWorkspaceBytes)) "
             "return 1;")
-    if any(k.status for k in kernels.values()):
-        pr.emit("if (kc::check(e, kc::driver().cuMemsetD32Async(self->status, 0, 1, stream), "
-                "\"clearing the index status\")) return 1;")
     for x in prog.lines:
         if isinstance(x, P.CheckInput) and not x.host:
             pr.emit(f"CUdeviceptr buf_{x.name} = in[{x.index}];  // input {x.index}")

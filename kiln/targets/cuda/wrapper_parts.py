@@ -122,7 +122,8 @@ def _instance(prog: P.Program, nk: int, n_w: int, n_dyn: int, lt: int, blaslt: i
         f"  CUdeviceptr w[{max(n_w, 1)}] = {{}};",
         "  CUmemoryPool pool = nullptr;  // shared by the library's instances, never destroyed",
         "  kc::Arena arena;",
-        "  CUdeviceptr status = 0;",
+        "  CUdeviceptr status = 0;  // index status: sticky, set by kernels, cleared when reported",
+        "  volatile int32_t* status_host = nullptr;  // pinned: the status after the last run",
         "  int32_t sms = 1;  // multiprocessors: the grid of persistent (GEMM template) kernels",
         "  kc::cublasHandle_t blas = nullptr;",
         "  kc::cublasLtHandle_t lt = nullptr;  // cuBLASLt: 8-bit / profiled-algorithm GEMMs",
@@ -186,6 +187,7 @@ DESTROY = [
     "    if (self->weights) d.cuMemFree(self->weights);",
     "    if (self->arena.base) d.cuMemFree(self->arena.base);",
     "    if (self->status) d.cuMemFree(self->status);",
+    "    if (self->status_host) d.cuMemFreeHost(const_cast<int32_t*>(self->status_host));",
     "  }",
     "  if (self->ctx) d.cuDevicePrimaryCtxRelease(self->dev);",
     "  delete self;",
@@ -263,8 +265,15 @@ def _init(archs: tuple[int, ...], n_w: int, aten_ops: list[str], status: bool, g
         "    }",
         "  }",
         "  if (kc::output_pool(e, device_id, &self->pool)) return 1;",
-        ("  if (kc::check(e, d.cuMemAlloc(&self->status, 16), \"status\")) return 1;"
-         if status else ""),
+        *([
+            "  if (kc::check(e, d.cuMemAlloc(&self->status, 16), \"status\")) return 1;",
+            "  { void* h = nullptr;",
+            "    if (kc::check(e, d.cuMemAllocHost(&h, 16), \"pinned status\")) return 1;",
+            "    self->status_host = static_cast<volatile int32_t*>(h);",
+            "    *self->status_host = 0; }",
+            "  if (kc::check(e, d.cuMemsetD32Async(self->status, 0, 1, nullptr), \"status\") ||",
+            "      kc::check(e, d.cuStreamSynchronize(nullptr), \"status\")) return 1;",
+        ] if status else []),
     ]
     if gemms:
         src += [

@@ -92,9 +92,49 @@ def test_index_out_of_range_is_an_error(zoo):
     (idx,) = spec.make_inputs(1)
     idx = idx.clone()
     idx[0, 0] = 10_000
-    with pytest.raises(KilnError, match="index out of range"):
-        runner(idx.cuda())
-    _check(spec, runner, spec.make_inputs(2))  # still usable afterwards
+    runner(idx.cuda())  # reported by the next run (no host wait per run)
+    good = spec.make_inputs(2)
+    with pytest.raises(KilnError, match="index out of range.*earlier run"):
+        runner(*_to(good, "cuda:0"))
+    _check(spec, runner, good)  # still usable afterwards, the flag cleared
+    _check(spec, runner, good)
+
+
+class _Embed(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.e = torch.nn.Embedding(50, 16)
+
+    def forward(self, i):
+        return self.e(i) * 2
+
+
+@pytest.mark.parametrize("sync", [False, True], ids=["deferred", "sync_checks"])
+def test_index_status_with_graphs_and_streams(sync, tmp_path):
+    """The index status across graph replays: a bad run inside a run of good ones is reported
+    by the run after it (or, with cuda_sync_checks, by itself), exactly once; runs on another
+    stream see it too."""
+    m = _Embed()
+    ids = torch.randint(0, 50, (2, 5))
+    cm = kiln.compile(torch.export.export(m, (ids,)), device="cuda",
+                      options=Options(cuda_sync_checks=sync))
+    r = cm.load(tmp_path / "e.kiln", device="cuda:0")
+    for _ in range(3):  # the second run captures the graph, the third replays it
+        torch.testing.assert_close(r(ids.cuda()).cpu(), m(ids), rtol=0, atol=0)
+    bad = ids.clone()
+    bad[1, 4] = 50
+    if sync:
+        with pytest.raises(KilnError, match="index out of range"):
+            r(bad.cuda())
+    else:
+        r(bad.cuda())
+        side = torch.cuda.Stream()
+        with torch.cuda.stream(side), pytest.raises(KilnError, match="earlier run"):
+            r(ids.cuda())
+        side.synchronize()
+    for _ in range(2):  # reported once, then clean
+        torch.testing.assert_close(r(ids.cuda()).cpu(), m(ids), rtol=0, atol=0)
+    torch.cuda.synchronize()
 
 
 HALF = [("mlp", torch.bfloat16), ("mlp", torch.float16), ("gpt", torch.bfloat16),

@@ -44,6 +44,7 @@ struct Driver {
   KC_FN(cuStreamCreate); KC_FN(cuStreamDestroy); KC_FN(cuStreamBeginCapture);
   KC_FN(cuStreamEndCapture); KC_FN(cuGraphInstantiate); KC_FN(cuGraphLaunch);
   KC_FN(cuGraphDestroy); KC_FN(cuGraphExecDestroy); KC_FN(cuStreamIsCapturing);
+  KC_FN(cuMemAllocHost); KC_FN(cuMemFreeHost); KC_FN(cuCtxSynchronize);
 };
 #undef KC_FN
 
@@ -72,6 +73,8 @@ inline const Driver &driver() {
     KC_SYM(cuMemFree, "cuMemFree_v2") KC_SYM(cuMemcpyHtoD, "cuMemcpyHtoD_v2")
     KC_SYM(cuMemcpyDtoHAsync, "cuMemcpyDtoHAsync_v2") KC_SYM(cuMemsetD8Async, "cuMemsetD8Async")
     KC_SYM(cuMemsetD32Async, "cuMemsetD32Async")
+    KC_SYM(cuMemAllocHost, "cuMemAllocHost_v2") KC_SYM(cuMemFreeHost, "cuMemFreeHost")
+    KC_SYM(cuCtxSynchronize, "cuCtxSynchronize")
     KC_SYM(cuStreamSynchronize, "cuStreamSynchronize")
     KC_SYM(cuGetErrorString, "cuGetErrorString") KC_SYM(cuMemPoolCreate, "cuMemPoolCreate")
     KC_SYM(cuMemPoolDestroy, "cuMemPoolDestroy")
@@ -855,6 +858,31 @@ struct Graphs {
     return g;
   }
 };
+
+/* The index status of a model whose kernels look data up by index (embedding, gather, ...): a
+ * kernel that meets an index out of range stores 1 into the device word `status`, which stays
+ * set until reported. Each run ends by copying it into pinned host memory (`host`) on its
+ * stream, without waiting. `wait` (the run waits for its own copy: the C API's stream-less
+ * run, or Options(cuda_sync_checks=True)) reports this run's lookups; otherwise the host copy
+ * is read at the start of the next run, and a set flag is reported then as an earlier run's,
+ * as CUDA reports its own asynchronous errors, while the runs stay free of host waits.
+ * Reporting waits for all work in flight on the context, so that no later copy sets the host
+ * word again, then clears both words: the model stays usable. */
+inline int index_status(Err &e, CUdeviceptr status, volatile int32_t *host, CUstream stream,
+                        bool wait, const char *ops) {
+  const Driver &d = driver();
+  if (wait && check(e, d.cuStreamSynchronize(stream), "run")) return 1;
+  if (!*host) return 0;
+  if (check(e, d.cuCtxSynchronize(), "run") ||
+      check(e, d.cuMemsetD32Async(status, 0, 1, stream), "clearing the index status") ||
+      check(e, d.cuStreamSynchronize(stream), "clearing the index status")) return 1;
+  *host = 0;
+  if (wait) return e.fail("index out of range in %s", ops);
+  return e.fail("index out of range in %s, in an earlier run of this model (CUDA runs are "
+                "asynchronous: a run reports a bad index of the one before it; that run's "
+                "outputs are not valid; Options(cuda_sync_checks=True) makes every run check "
+                "its own)", ops);
+}
 
 inline size_t io_round(size_t n) { return (n + 255) / 256 * 256; }
 
