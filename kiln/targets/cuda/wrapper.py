@@ -459,7 +459,7 @@ class _Printer(SizeCheckPrinter):
             self.emit("if (kc::check(e, kc::driver().cuMemcpyDtoHAsync("
                       "const_cast<int32_t*>(self->status_host), self->status, 4, stream), "
                       "\"reading the index status\") ||")
-            wait = "true" if self.sync_checks else "stream_ == nullptr"
+            wait = "true" if self.sync_checks else "wait_"
             self.emit(f"    kc::index_status(e, self->status, self->status_host, stream, {wait}, "
                       f"{_cstr(self.status_ops)})) goto fail;")
         for out in (y for y in self.p.lines if isinstance(y, P.AllocOutput) and y.capacity):

@@ -309,9 +309,11 @@ def _entry_points(prog: P.Program, n_in: int, n_out: int, n_w: int, body: list[s
         "  return create_on_device(0, weights, err, errlen);",
         "}",
         "",
-        "int run_on_stream(void* instance, const DLTensor* const* inputs, int64_t n_inputs,",
-        "                  DLManagedTensor** outputs, int64_t n_outputs, void* stream_, "
+        "// wait_: the run waits for its own index status (kc::index_status)",
+        "int run_any(void* instance, const DLTensor* const* inputs, int64_t n_inputs,",
+        "            DLManagedTensor** outputs, int64_t n_outputs, void* stream_, bool wait_, "
         "char* err, size_t errlen) {",
+        "  (void)wait_;",
         *run_prologue(n_in, n_out),
         "  CUstream stream = static_cast<CUstream>(stream_);",
         "  kc::CtxGuard guard(self->ctx);",
@@ -329,9 +331,16 @@ def _entry_points(prog: P.Program, n_in: int, n_out: int, n_w: int, body: list[s
         "  return 1;",
         "}",
         "",
+        "int run_on_stream(void* instance, const DLTensor* const* inputs, int64_t n_inputs,",
+        "                  DLManagedTensor** outputs, int64_t n_outputs, void* stream_, "
+        "char* err, size_t errlen) {",
+        "  return run_any(instance, inputs, n_inputs, outputs, n_outputs, stream_, false, err, "
+        "errlen);",
+        "}",
+        "",
         "int run(void* instance, const DLTensor* const* inputs, int64_t n_inputs,",
         "        DLManagedTensor** outputs, int64_t n_outputs, char* err, size_t errlen) {",
-        "  return run_on_stream(instance, inputs, n_inputs, outputs, n_outputs, nullptr, err, "
+        "  return run_any(instance, inputs, n_inputs, outputs, n_outputs, nullptr, true, err, "
         "errlen);",
         "}",
         "}  // namespace",
