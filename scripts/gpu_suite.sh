@@ -6,7 +6,9 @@
 #   python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/*.whl
 #   export PYTHONPATH=/tmp/site:$PWD; bash scripts/gpu_suite.sh
 # Knobs: LANE_TIMEOUT (s, default 480), LANE_N (pytest -n for every lane; default per lane, NW),
-#        MARK (default "gpu and not slow"), LANES (lane names to run, default all).
+#        MARK (default "gpu and not slow"), LANES (lane names to run, default all),
+#        GPUS (e.g. "1 2 3": lane i runs on GPU i mod n through CUDA_VISIBLE_DEVICES; default:
+#        every lane sees every GPU).
 set -u
 OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT"
@@ -25,7 +27,11 @@ declare -A LANE=(
 declare -A NW=([conv]=3 [cuda]=2 [attn]=2 [misc]=1 [state]=1 [hf]=2)
 nvidia-smi --query-gpu=name,driver_version --format=csv,noheader > "$OUT/env.log" 2>&1
 $PY -c 'import torch, triton; print("torch", torch.__version__, "triton", triton.__version__)' >> "$OUT/env.log" 2>&1
+gpus=(${GPUS:-})
+i=0
 for name in ${LANES:-conv cuda attn misc state hf}; do
+  if [ ${#gpus[@]} -gt 0 ]; then export CUDA_VISIBLE_DEVICES=${gpus[$((i % ${#gpus[@]}))]}; fi
+  i=$((i + 1))
   ( timeout ${LANE_TIMEOUT:-480} $PY -m pytest -m "${MARK:-gpu and not slow}" -p no:cacheprovider \
       -o addopts="" -n ${LANE_N:-${NW[$name]}} -rfE --tb=short --durations=5 ${LANE[$name]} \
       > "$OUT/lane_$name.log" 2>&1; echo "rc=$?" >> "$OUT/lane_$name.log" ) &
