@@ -13,7 +13,9 @@ Rule: follow output j's views back to the first value that is not a view (the ro
 root is a user input, or the value of another output (the first such; for an output listed
 twice, an earlier position), j aliases it, provided eager lays the root out compactly (then its
 view's strides and storage offset, in the export's metadata, hold for kiln's compact buffers
-too). A root no output returns is stood in for by the first output that views all of it
+too). An output that is the input or the earlier output itself (no view between: `return x`,
+`return y, y`) is marked ``"same": true``, in any layout: the runner returns that very object,
+and a new view object of the base for any other record (as eager's `x[:]`). A root no output returns is stood in for by the first output that views all of it
 compactly (a matmul's result: a view of its bmm). Other cases keep separate storage (the values
 are the same): a root eager lays out otherwise (a pointwise op on a transposed input), outputs
 that share a root no output returns nor views whole, and sizes that are not polynomials over
@@ -156,8 +158,12 @@ def output_aliases(ep: torch.export.ExportedProgram, user_inputs: list[str],
                 of, index = "output", first_output[root.name]
             else:
                 of = None
+            same = of is not None and name == (user_inputs[index] if of == "input"
+                                               else outputs[index])
             if of is not None and isinstance(root_val, torch.Tensor) and \
                     root_val.dtype == val.dtype and _compact(root_val):
                 record = _record(val, root_val, syms, of, index)
+            if same:  # the very tensor (`return x`, `return y, y`): in any layout
+                record = {**(record or {"of": of, "index": index}), "same": True}
         out.append(record)
     return tuple(out)
