@@ -29,8 +29,9 @@ class Nested(torch.nn.Module):
 
 
 class NotAliased(torch.nn.Module):
-    """Eager shares storage here too, but not with anything kiln returns compactly: the root
-    of y.t() and y[0] is not returned, and w is laid out transposed by eager."""
+    """Eager shares storage here too: the root of y.t() and y[0] is not returned (kiln keeps
+    copies); w is laid out transposed by eager and compactly by kiln, so w[1] is the view
+    `select` makes of a compact w (the chain replayed, not the metadata's strides)."""
 
     def forward(self, x):
         y = x + 1
@@ -126,12 +127,18 @@ def test_nested_outputs_and_int_symbols(tmp_path):
 
 def test_outputs_eager_lays_out_otherwise_keep_their_storage(tmp_path):
     c, runner = _compile(tmp_path, NotAliased(), (torch.randn(4, 5),), ({0: B},))
-    assert all("alias" not in o for o in c.manifest["outputs"])
-    x = torch.randn(7, 5)
-    got, want = runner(x), NotAliased()(x)
-    for g, w in zip(got, want):
-        torch.testing.assert_close(g, w, rtol=0, atol=0)
-    assert len({_storage(g) for g in got}) == len(got)
+    aliases = [o.get("alias") for o in c.manifest["outputs"]]
+    assert aliases[:3] == [None, None, None]
+    assert aliases[3] == {"of": "output", "index": 2, "sizes": ["s0"], "strides": [1],
+                          "offset": "s0"}  # w[1] of a compact (5, s0) w
+    for n in (3, 7):
+        x = torch.randn(n, 5)
+        got, want = runner(x), NotAliased()(x)
+        for g, w in zip(got, want):
+            torch.testing.assert_close(g, w, rtol=0, atol=0)
+        assert len({_storage(g) for g in got[:3]}) == 3 and _storage(got[3]) == _storage(got[2])
+        got[2][1, 0] = 5.0  # a write through w shows in w[1], as in eager
+        assert got[3][0] == 5.0
 
 
 def test_views_of_inputs_in_other_layouts(tmp_path):
@@ -256,5 +263,32 @@ def test_the_same_tensor_twice_in_any_layout(tmp_path, exported):
     for x in (torch.randn(4, 6), torch.randn(6, 4).t()):
         got, want = runner(x), SameInOtherLayouts()(x)
         assert got[1] is got[0] and got[2] is x and got[3] is x
+        for g, w in zip(got, want):
+            torch.testing.assert_close(g, w, rtol=0, atol=0)
+
+
+class ExportedStrided(torch.nn.Module):
+    def forward(self, x):
+        return x.t()[1:], x * 2, x[::2]
+
+
+@pytest.mark.parametrize("layout", ["step", "transposed"])
+def test_views_of_an_input_exported_with_other_strides(tmp_path, layout):
+    """An input exported as a step-2 slice or transposed: eager's views of it share its
+    storage; kiln's record is the chain replayed on a compact input, so a compact input at run
+    time gets views of itself (as eager), and one in another layout is copied in (copies)."""
+    x0 = torch.randn(8, 6)
+    x0 = torch.randn(16, 6)[::2] if layout == "step" else x0.t().contiguous().t()
+    c, runner = _compile(tmp_path, ExportedStrided(), (x0,), None)
+    aliases = [o.get("alias") for o in c.manifest["outputs"]]
+    assert aliases[0] == {"of": "input", "index": 0, "sizes": [5, 8], "strides": [1, 6],
+                          "offset": 1} and aliases[1] is None
+    assert aliases[2] == {"of": "input", "index": 0, "sizes": [4, 6], "strides": [12, 1],
+                          "offset": 0}
+    x = torch.randn(8, 6)
+    got, want = runner(x), ExportedStrided()(x)
+    _same_sharing(got, want, [x])
+    for other in (torch.randn(16, 6)[::2], torch.randn(6, 8).t()):
+        got, want = runner(other), ExportedStrided()(other)
         for g, w in zip(got, want):
             torch.testing.assert_close(g, w, rtol=0, atol=0)
