@@ -10,9 +10,10 @@ float64 outputs with float64 eager, ints and bools exactly.
 
 A spec with "device": "cuda" (`kiln fuzz --device cuda`) is compiled for CUDA, loaded on
 cuda:0 and run on inputs copied there in the same layout; eager and the float64 reference
-run on the CPU; the Loop IR interpreter is not run (the CPU run of a program checks it). A spec with "export_layout" (one of `LAYOUTS`) is exported with inputs in that
-layout, so kiln specialises to the strides the export records; it runs first on inputs in
-that layout, then contiguous ones, then another layout."""
+run on the CPU; the Loop IR interpreter is not run (the CPU run of a program checks it). A
+spec with "export_layout" (one of `LAYOUTS`) is exported with inputs in that layout, so kiln
+specialises to the strides the export records; it runs first on inputs in that layout, then
+contiguous ones, then another layout."""
 
 from __future__ import annotations
 

@@ -30,7 +30,6 @@ from kiln.errors import UnsupportedError
 from kiln.gemm import choose_gemms
 from kiln.gemm.cutlass_link import build_objects, cudart_static
 from kiln.gemm.fuse import fuse_gemms
-from kiln.ir import dtypes
 from kiln.ir import loop as L
 from kiln.ir.sym import UNBOUNDED_NOMINAL, evaluate, unbounded
 from kiln.gemm.configs import BlasLtConfig
