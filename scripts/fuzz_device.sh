@@ -7,7 +7,12 @@
 # crashed (and programs torch.export itself refused).
 #   [N_CPU=10000] [N_CUDA=1000] [TIME_LIMIT=540] [SEED=16] [CUDA_SEED=17] [CUDA_PROCS=2]
 #   [PY=python3] [MAX_OPS=8] scripts/fuzz_device.sh
-# Without a GPU (torch sees none) the CUDA programs are compiled only (--compile-only).
+# Without a GPU (torch sees none) the CUDA programs are compiled only (--compile-only). CUDA
+# processes are spread over the GPUs torch sees (CUDA_VISIBLE_DEVICES per process); compiling
+# dominates both kinds (about 4 s a CPU program and 2-4 s a CUDA one per core on the 2-core
+# dev box), so 10,000 CPU programs take about 40,000 core-seconds: size CPU_PROCS, CUDA_PROCS
+# and TIME_LIMIT to the machine (a time limit stops starting programs; the table counts those
+# run).
 # Rerun one program: kiln fuzz --seed S --start K --n 1 [--device cuda] --out DIR (minimises
 # it and writes a pytest reproducer). Programs are numbered per device from 0; shard s of P
 # runs programs [s*ceil(N/P), (s+1)*ceil(N/P)).
@@ -27,14 +32,15 @@ export KILN_CACHE_DIR=${KILN_CACHE_DIR:-/tmp/kiln_cache_fuzz}
 CPU_PROCS=${CPU_PROCS:-$(( $(nproc) - 2 ))}
 [ "$CPU_PROCS" -ge 1 ] || CPU_PROCS=1
 cuda_mode=""
-if ! $PY -c 'import sys, torch; sys.exit(0 if torch.cuda.is_available() else 1)' 2>/dev/null; then
+NGPU=$($PY -c 'import torch; print(torch.cuda.device_count())' 2>/dev/null || echo 0)
+if [ "${NGPU:-0}" -lt 1 ]; then
   cuda_mode="--compile-only"
 fi
 { date -u; nproc; nvidia-smi --query-gpu=name,driver_version --format=csv,noheader 2>&1 | head -2
   $PY -c 'import torch, triton; print("torch", torch.__version__, "triton", triton.__version__)' 2>&1
   git rev-parse --short HEAD 2>/dev/null
   echo "cpu: $N_CPU programs, seed $SEED, $CPU_PROCS processes; cuda: $N_CUDA programs, seed" \
-       "$CUDA_SEED, $CUDA_PROCS processes ${cuda_mode:-(run on cuda:0)}; time limit $TIME_LIMIT s"
+       "$CUDA_SEED, $CUDA_PROCS processes on ${NGPU:-0} GPU(s) ${cuda_mode}; time limit $TIME_LIMIT s"
 } > "$OUT/env.log" 2>&1
 cat "$OUT/env.log"
 
@@ -48,7 +54,9 @@ shard() {
     [ $start -lt "$n" ] || break
     [ $((start + count)) -le "$n" ] || count=$((n - start))
     # --time-limit stops starting programs; timeout ends one that hangs past it
-    timeout $((TIME_LIMIT + 120)) $PY -m kiln.cli.main fuzz --seed "$seed" --start $start \
+    local gpu=""
+    [ "$dev" = cuda ] && [ "${NGPU:-0}" -ge 1 ] && gpu="CUDA_VISIBLE_DEVICES=$((s % NGPU))"
+    env $gpu timeout $((TIME_LIMIT + 120)) $PY -m kiln.cli.main fuzz --seed "$seed" --start $start \
       --n $count --device "$dev" --max-ops "$MAX_OPS" --no-minimise --verbose \
       --time-limit "$TIME_LIMIT" --out "$OUT/repro_$dev" "$@" \
       > "$OUT/logs/${dev}_$s.log" 2>&1 &
