@@ -196,3 +196,28 @@ class Affine(torch.nn.Module):
         out = torch.empty_like(x)
         affine_into(x, out, 3, True)
         return out * 2
+
+
+class UnbackedGrid(torch.nn.Module):
+    """A grid from a data-dependent size with no upper bound (`k.item()`): cdiv(k, 64)
+    programs of add_relu_kernel over x's n elements; blocks past k stay 0 (torch.zeros_like),
+    so a grid evaluated for any other value gives other numbers."""
+
+    def forward(self, x, y, k):
+        out = torch.zeros_like(x)
+        m = k.item()
+        n = x.numel()
+        wrap_triton(add_relu_kernel)[lambda meta: (triton.cdiv(m, meta["BLOCK_SIZE"]),)](
+            x, y, out, n, BLOCK_SIZE=64)
+        return out * 2
+
+
+class UnbackedSized(torch.nn.Module):
+    """A triton_op on tensors of a data-dependent size with no upper bound: buffers allocated
+    at run time, the grid cdiv(u0, 128)."""
+
+    def forward(self, x, k):
+        m = k.item()
+        torch._check_is_size(m)
+        a = torch.arange(m, dtype=torch.float32, device=x.device) * x.sum() - 3
+        return add_relu(a, torch.ones(m, device=x.device) * x[0]) * 2

@@ -5,6 +5,8 @@ rerun with ``--seed S --start k --n 1``. Every mismatch or crash is minimised an
 ``--out`` as a pytest file. ``--time-limit S`` stops starting programs after S seconds. The
 last line is ``N programs, M mismatches, K errors`` (errors:
 kiln raised UnsupportedError; crashes count as mismatches); the exit status is 1 when M > 0.
+``--device cuda`` compiles CUDA packages and runs them on cuda:0 (needs a GPU unless
+``--compile-only``); a reproducer keeps the device in its spec.
 """
 
 from __future__ import annotations
@@ -13,6 +15,10 @@ import argparse
 import collections
 import time
 import warnings
+
+import torch
+
+from kiln.errors import KilnError
 from kiln.fuzz.generator import generate
 from kiln.fuzz.minimise import _key, minimise
 from kiln.fuzz.report import write_repro
@@ -32,6 +38,11 @@ def cmd_fuzz(args: argparse.Namespace) -> int:
     seen: dict[str, str] = {}  # failure key -> first program that showed it
     t0 = time.perf_counter()
     limit = getattr(args, "time_limit", None)
+    device = getattr(args, "device", "cpu")
+    run = not getattr(args, "compile_only", False)
+    if device == "cuda" and run and not torch.cuda.is_available():
+        raise KilnError("kiln fuzz --device cuda: torch sees no CUDA GPU here; add "
+                        "--compile-only to check CUDA compiles without running them")
     ran = 0
     for k in range(args.start, args.start + args.n):
         if limit is not None and time.perf_counter() - t0 > limit:
@@ -40,7 +51,9 @@ def cmd_fuzz(args: argparse.Namespace) -> int:
         ran += 1
         ps = program_seed(args.seed, k)
         spec = generate(ps, max_ops=args.max_ops, bounded_dims=args.bounded_dims)
-        out = check(spec, interp=not args.no_interp)
+        if device != "cpu":
+            spec["device"] = device
+        out = check(spec, interp=not args.no_interp, run=run)
         counts[out.status] += 1
         if args.verbose or out.status != "ok":
             first = out.detail.splitlines()[0][:160] if out.detail else ""
@@ -52,8 +65,11 @@ def cmd_fuzz(args: argparse.Namespace) -> int:
             seen[_key(out)] = f"program {k}"
             if not args.no_minimise:
                 spec, out = minimise(spec, out, log=print,
-                                     check=lambda s: check(s, interp=not args.no_interp))
-            path = write_repro(spec, out, args.out, f"--seed {args.seed} --start {k} --n 1")
+                                     check=lambda s: check(s, interp=not args.no_interp,
+                                                           run=run))
+            dev = f" --device {device}" if device != "cpu" else ""
+            path = write_repro(spec, out, args.out,
+                               f"--seed {args.seed} --start {k} --n 1{dev}")
             print(f"    reproducer: {path}", flush=True)
     mism = counts["mismatch"] + counts["crash"]
     secs = time.perf_counter() - t0

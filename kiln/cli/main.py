@@ -116,6 +116,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="declare every Dim with min and max (avoids known compile crashes)")
     f.add_argument("--time-limit", type=float, default=None, metavar="S",
                    help="stop starting programs after S seconds (the summary counts those run)")
+    f.add_argument("--device", default="cpu", choices=["cpu", "cuda"],
+                   help="compile CUDA packages and run them on cuda:0 (eager on the CPU)")
+    f.add_argument("--compile-only", action="store_true",
+                   help="export, compile and save only (a CUDA package without a GPU)")
     f.add_argument("--verbose", "-v", action="store_true")
     f.set_defaults(func=lambda a: _lazy("kiln.cli.fuzz_cmd", "cmd_fuzz")(a))
     return p

@@ -11,13 +11,17 @@ polynomials over the input size symbols written as text ("3*s0"); the runner eva
 
 Rule: follow output j's views back to the first value that is not a view (the root). When the
 root is a user input, or the value of another output (the first such; for an output listed
-twice, an earlier position), j aliases it, provided eager lays the root out compactly (then its
-view's strides and storage offset, in the export's metadata, hold for kiln's compact buffers
-too). A root no output returns is stood in for by the first output that views all of it
+twice, an earlier position), j aliases it. When eager lays the root out compactly, the view's
+strides and storage offset in the export's metadata hold for kiln's compact buffers too; when
+it lays it out otherwise (a pointwise op on a transposed input, an input exported with other
+strides), the view chain is replayed on a compact base of the root's shape (`_replay`), since
+kiln's base is compact. An output that is the input or the earlier output itself (no view
+between: `return x`, `return y, y`) is marked ``"same": true``, in any layout: the runner
+returns that very object, and a new view object of the base for any other record (as eager's
+`x[:]`). A root no output returns is stood in for by the first output that views all of it
 compactly (a matmul's result: a view of its bmm). Other cases keep separate storage (the values
-are the same): a root eager lays out otherwise (a pointwise op on a transposed input), outputs
-that share a root no output returns nor views whole, and sizes that are not polynomials over
-the input symbols."""
+are the same): outputs that share a root no output returns nor views whole, view chains the
+compact layout cannot make, and sizes that are not polynomials over the input symbols."""
 
 from __future__ import annotations
 
@@ -125,6 +129,44 @@ def _record(val, root_val, syms: SymbolTable, of: str, index: int) -> dict | Non
     return {"of": of, "index": index, "sizes": sizes, "strides": strides, "offset": offset}
 
 
+def _replay(n: torch.fx.Node, root: torch.fx.Node):
+    """(compact base, view): the view ops from `root` to `n` applied again to a compactly laid
+    out tensor of root's shape (fake, symbolic sizes); None when one of them cannot make a view
+    of it (a `view` whose dims the compact layout cannot merge) or anything fails."""
+    chain = []
+    while n is not root:
+        chain.append(n)
+        n = _view_source(n)
+        if n is None:
+            return None
+    root_val = root.meta["val"]
+    mode = getattr(root_val, "fake_mode", None)
+    if mode is None:
+        return None
+
+    def val(a):
+        return a.meta.get("val") if isinstance(a, torch.fx.Node) else a
+
+    try:
+        with mode:
+            base = torch.empty(root_val.shape, dtype=root_val.dtype, device=root_val.device)
+            x = base
+            for v in reversed(chain):
+                if v.target is operator.getitem:
+                    op = v.args[0]
+                    rest = [val(a) for a in op.args[1:]]
+                    x = op.target(x, *rest, **{k: val(a) for k, a in op.kwargs.items()})[
+                        v.args[1]]
+                else:
+                    rest = [val(a) for a in v.args[1:]]
+                    x = v.target(x, *rest, **{k: val(a) for k, a in v.kwargs.items()})
+            if not torch._C._is_alias_of(x, base):
+                return None
+            return base, x
+    except Exception:  # a guard it cannot decide, a view the compact layout cannot make
+        return None
+
+
 def output_aliases(ep: torch.export.ExportedProgram, user_inputs: list[str],
                    outputs: list[str | None], syms: SymbolTable) -> tuple[dict | None, ...]:
     """`outputs`: the FX node name of each user output (None: not a tensor node)."""
@@ -156,8 +198,18 @@ def output_aliases(ep: torch.export.ExportedProgram, user_inputs: list[str],
                 of, index = "output", first_output[root.name]
             else:
                 of = None
+            same = of is not None and name == (user_inputs[index] if of == "input"
+                                               else outputs[index])
             if of is not None and isinstance(root_val, torch.Tensor) and \
-                    root_val.dtype == val.dtype and _compact(root_val):
-                record = _record(val, root_val, syms, of, index)
+                    root_val.dtype == val.dtype:
+                if _compact(root_val):
+                    record = _record(val, root_val, syms, of, index)
+                else:  # kiln's base is compact (an output; an input given compact): the view
+                    # on it is the view chain replayed on a compact base, not the metadata's
+                    replayed = _replay(nodes[name], root)
+                    if replayed is not None:
+                        record = _record(replayed[1], replayed[0], syms, of, index)
+            if same:  # the very tensor (`return x`, `return y, y`): in any layout
+                record = {**(record or {"of": of, "index": index}), "same": True}
         out.append(record)
     return tuple(out)

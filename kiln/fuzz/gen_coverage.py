@@ -1,7 +1,9 @@
 """Generator families for the capabilities of issue 16: data-dependent sizes without an upper
 bound, complex values, and outputs that alias (another output, or an input). Strided inputs
 come from the runner, which runs every program on inputs in other layouts too
-(`runner.relaid`).
+(`runner.relaid`), and from `export_layout`: one program in five is exported with its inputs in
+another layout (a transposed weight, a step-2 slice as the input itself, a storage offset,
+channels-last), so kiln specialises to the strides the export records.
 
 Values these families make that other families must not take (a data-dependent dim "U", a
 complex dtype) are "special" (`special`): `_Gen.pick` skips them, and they end as outputs or
@@ -19,7 +21,9 @@ are reduced to an ordinary value here.
 
 from __future__ import annotations
 
-from kiln.fuzz.program import V, bshape
+import random
+
+from kiln.fuzz.program import LAYOUTS, V, bshape
 
 U = "U"  # a data-dependent dim without an upper bound
 
@@ -27,6 +31,13 @@ U = "U"  # a data-dependent dim without an upper bound
 def special(v: V) -> bool:
     """A value only these families handle: a ragged dim, or complex elements."""
     return U in v.shape or v.dtype.startswith("complex")
+
+
+def export_layout(seed: int) -> str | None:
+    """The layout of program `seed`'s export inputs (None: contiguous). Drawn from a stream of
+    its own so that the rest of each program stays what it was before this family."""
+    r = random.Random(seed ^ 0x1A70)
+    return r.choice(LAYOUTS) if r.random() < 0.2 else None
 
 
 def _float_1d(g, most: int = 12) -> int:

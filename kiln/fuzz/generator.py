@@ -333,7 +333,11 @@ def generate(seed: int, dynamic: bool | None = None, max_ops: int = 8,
             pass
     if not g.spec["ops"]:
         g.op_unary()
-    return _finish(g, r, gen_coverage.alias_outputs(g))
+    spec = _finish(g, r, gen_coverage.alias_outputs(g))
+    layout = gen_coverage.export_layout(seed)
+    if layout:
+        spec["export_layout"] = layout
+    return spec
 
 
 def _finish(g: _Gen, r: random.Random, extra: list[int] = ()) -> dict:

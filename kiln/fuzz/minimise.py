@@ -103,6 +103,8 @@ def _structure(spec: dict) -> Iterator[dict]:
 
 
 def _static(spec: dict) -> Iterator[dict]:
+    if spec.get("export_layout"):  # exported with contiguous inputs
+        yield {k: v for k, v in clone(spec).items() if k != "export_layout"}
     if spec.get("dynamic"):
         s = {**clone(spec), "dynamic": False}
         for i in s["inputs"]:  # the dynamic dim becomes a plain size, free to shrink

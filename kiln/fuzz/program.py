@@ -26,6 +26,9 @@ from torch import nn
 from kiln.ir import dtypes
 
 B_MIN, B_MAX, B_EXAMPLE = 2, 9, 3
+# input layouts the runner gives programs besides the contiguous one (`runner.relaid`), and
+# that gen_coverage.export_layout exports some programs with
+LAYOUTS = ("transposed", "step", "offset", "channels_last")
 
 UNARY = {
     "neg": torch.neg, "abs": torch.abs, "relu": torch.relu, "tanh": torch.tanh,

@@ -17,7 +17,7 @@ Found by `kiln fuzz` ({origin}); minimised to {n_ops} op(s). Failure when found:
 """
 
 from kiln.fuzz.runner import check
-
+{gpu}
 SPEC = {spec}
 
 
@@ -27,10 +27,19 @@ def test_fuzz_{key}(tmp_path):
 '''
 
 
+GPU = '''import pytest
+import torch
+
+pytestmark = [pytest.mark.gpu,
+              pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
+'''
+
+
 def write_repro(spec: dict, outcome: Outcome, out_dir: str | Path, origin: str) -> Path:
     key = hashlib.sha256(json.dumps(spec, sort_keys=True).encode()).hexdigest()[:10]
     detail = "\n".join("    " + line for line in outcome.detail.splitlines()[:6])
-    text = TEMPLATE.format(title=outcome.signature()[:80], origin=origin,
+    gpu = "" if spec.get("device", "cpu") == "cpu" else GPU
+    text = TEMPLATE.format(gpu=gpu, title=outcome.signature()[:80], origin=origin,
                            n_ops=len(spec["ops"]), detail=detail, key=key,
                            spec=pprint.pformat(spec, width=96, sort_dicts=True))
     path = Path(out_dir) / f"test_fuzz_{key}.py"

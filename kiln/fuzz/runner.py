@@ -6,7 +6,14 @@ Outcome statuses: "ok"; "invalid" (torch.export refused the program: not kiln's 
 "error" (kiln raised UnsupportedError: counted, not a failure); "mismatch" (wrong values,
 dtype or shape against eager or the interpreter); "crash" (any other exception from kiln,
 including its interpreter). Float32 outputs are compared with a float64 eager reference,
-float64 outputs with float64 eager, ints and bools exactly."""
+float64 outputs with float64 eager, ints and bools exactly.
+
+A spec with "device": "cuda" (`kiln fuzz --device cuda`) is compiled for CUDA, loaded on
+cuda:0 and run on inputs copied there in the same layout; eager and the float64 reference
+run on the CPU; the Loop IR interpreter is not run (the CPU run of a program checks it). A
+spec with "export_layout" (one of `LAYOUTS`) is exported with inputs in that layout, so kiln
+specialises to the strides the export records; it runs first on inputs in that layout, then
+contiguous ones, then another layout."""
 
 from __future__ import annotations
 
@@ -21,12 +28,15 @@ import torch
 
 import kiln
 from kiln.errors import UnsupportedError
-from kiln.fuzz.program import (B_EXAMPLE, B_MAX, B_MIN, FuzzModule, dynamic_shapes,
+from kiln.fuzz.program import (B_EXAMPLE, B_MAX, B_MIN, LAYOUTS, FuzzModule, dynamic_shapes,
                                make_inputs, to_ref64, uses_float32)
 from kiln.ir.interp import run_loop
 
 FAILURES = ("mismatch", "crash")
 OPTIONS = kiln.Options(plan_budget_s=0.02, jobs=1)
+# CUDA: the first launch config of each kernel (timing candidates costs more than the check),
+# no CUDA graph (each program runs three times)
+CUDA_OPTIONS = kiln.Options(plan_budget_s=0.02, jobs=1, autotune=False, cuda_graphs=False)
 
 
 @dataclass
@@ -95,9 +105,6 @@ def _interp(compiled, args: tuple) -> list[np.ndarray]:
     return run_loop(built.loop, feeds, env)
 
 
-LAYOUTS = ("transposed", "step", "offset", "channels_last")
-
-
 def relaid(args: tuple, layout: str = "transposed") -> tuple:
     """The same values with other strides. "transposed": rank >= 2 transposed in memory (the
     last two dims), rank 1 every other element of a buffer twice as long; "step": every other
@@ -124,15 +131,26 @@ def relaid(args: tuple, layout: str = "transposed") -> tuple:
     return tuple(out)
 
 
+def to_device(a, device: str):
+    """`a` on `device` with the same sizes, strides and storage offset (a step-2 slice stays
+    one: its whole storage is copied)."""
+    if not isinstance(a, torch.Tensor) or device == "cpu":
+        return a
+    st = a.untyped_storage()
+    base = torch.empty(0, dtype=a.dtype).set_(st, 0, (st.nbytes() // a.element_size(),), (1,))
+    return base.to(device).as_strided(a.shape, a.stride(), a.storage_offset())
+
+
 def _storage(t) -> int | None:
     return t.untyped_storage().data_ptr() if isinstance(t, torch.Tensor) and t.numel() else None
 
 
-def shared_storage(got, want, inputs, what: str) -> str | None:
+def shared_storage(got, want, inputs, what: str, got_inputs=None) -> str | None:
     """None unless kiln returns outputs sharing storage (with each other or an input) where
     eager's do not: a write through one would change the other (eager may share where kiln
-    keeps copies: kiln/frontend/aliasing.py lists those cases)."""
-    gs = [_storage(g) for g in got] + [_storage(x) for x in inputs]
+    keeps copies: kiln/frontend/aliasing.py lists those cases). `got_inputs`: the inputs kiln
+    was given, when not `inputs` (copies on the GPU)."""
+    gs = [_storage(g) for g in got] + [_storage(x) for x in (got_inputs or inputs)]
     ws = [_storage(w) for w in want] + [_storage(x) for x in inputs]
     for i in range(len(got)):
         for j in range(i + 1, len(gs)):
@@ -143,7 +161,7 @@ def shared_storage(got, want, inputs, what: str) -> str | None:
     return None
 
 
-def lost_alias(got, want, inputs, what: str) -> str | None:
+def lost_alias(got, want, inputs, what: str, got_inputs=None) -> str | None:
     """None unless eager returns an output sharing storage with another output or with an
     input and kiln's does not, in the cases kiln keeps (kiln/frontend/aliasing.py): one of the
     two owns the storage (an input, or an output that is no view and that eager lays out
@@ -151,7 +169,7 @@ def lost_alias(got, want, inputs, what: str) -> str | None:
     (kiln copies others in, so views of them are copies)."""
     if not all(x.is_contiguous() for x in inputs if isinstance(x, torch.Tensor)):
         return None
-    gs = [_storage(g) for g in got] + [_storage(x) for x in inputs]
+    gs = [_storage(g) for g in got] + [_storage(x) for x in (got_inputs or inputs)]
     ws = [_storage(w) for w in want] + [_storage(x) for x in inputs]
     owns = [isinstance(w, torch.Tensor) and w._base is None and w.is_contiguous()
             for w in want] + [True] * len(inputs)
@@ -170,13 +188,19 @@ def run_sizes(spec: dict) -> list[int]:
     return [B_MIN, B_MAX, (spec["seed"] % (B_MAX - B_MIN + 1)) + B_MIN]
 
 
-def check(spec: dict, workdir: str | Path | None = None, interp: bool = True) -> Outcome:
-    """Run the whole differential check of one program spec."""
+def check(spec: dict, workdir: str | Path | None = None, interp: bool = True,
+          run: bool = True) -> Outcome:
+    """Run the whole differential check of one program spec (`run=False`: export, compile
+    and save only, e.g. a CUDA package on a machine without a GPU)."""
     if workdir is None:
         with tempfile.TemporaryDirectory(prefix="kiln-fuzz-") as d:
-            return check(spec, d, interp)
+            return check(spec, d, interp, run)
     module, ref = FuzzModule(spec), FuzzModule(spec, ref64=True)
+    device = spec.get("device", "cpu")
+    layout = spec.get("export_layout")
     args = make_inputs(spec, spec["seed"])
+    if layout:
+        args = relaid(args, layout)
     try:
         with torch.no_grad():
             ep = torch.export.export(module, args, dynamic_shapes=dynamic_shapes(spec))
@@ -184,28 +208,38 @@ def check(spec: dict, workdir: str | Path | None = None, interp: bool = True) ->
         return Outcome("invalid", f"torch.export: {type(e).__name__}: {str(e)[:200]}")
     stage = "compile"
     try:
-        compiled = kiln.compile(ep, options=OPTIONS)
+        compiled = kiln.compile(ep, device=device,
+                                options=CUDA_OPTIONS if device != "cpu" else OPTIONS)
         stage = "load"
         path = Path(workdir) / f"fuzz_{spec['seed'] & 0xFFFFFFFF}.kiln"
-        runner = kiln.load(compiled.save(path))
+        if not run:
+            compiled.save(path)
+            return Outcome("ok")
+        runner = kiln.load(compiled.save(path), device="cuda:0" if device != "cpu" else "cpu")
         f32 = uses_float32(spec)
         for k, b in enumerate(run_sizes(spec)):
             stage = f"run (B={b})"
             fresh = make_inputs(spec, spec["seed"] * 7919 + k + 1, b)
-            if k >= 1:  # the same values in other layouts: kiln copies them in
+            if layout and k != 1:  # the export's layout first, then contiguous, then another
+                fresh = relaid(fresh, layout if k == 0 else
+                               LAYOUTS[(LAYOUTS.index(layout) + 1) % len(LAYOUTS)])
+            elif k >= 1 and not layout:  # the same values in other layouts: kiln copies them in
                 fresh = relaid(fresh, "transposed" if k == 1 else
                                LAYOUTS[spec["seed"] % len(LAYOUTS)])
             with torch.no_grad():
                 want = module(*fresh)
                 want64 = ref(*to_ref64(fresh))
-            got = runner(*fresh)
+            given = tuple(to_device(a, device) for a in fresh)
+            out = runner(*given)
+            got = [g.cpu() if isinstance(g, torch.Tensor) else g for g in out]
+            where = f"eager, B={b}" + (f", {device}" if device != "cpu" else "")
             bad = compare(got, want, [r if w.is_floating_point() else w
-                                      for w, r in zip(want, want64)], f32, f"eager, B={b}") \
-                or shared_storage(got, want, fresh, f"eager, B={b}") \
-                or lost_alias(got, want, fresh, f"eager, B={b}")
+                                      for w, r in zip(want, want64)], f32, where) \
+                or shared_storage(out, want, fresh, where, given) \
+                or lost_alias(out, want, fresh, where, given)
             if bad:
                 return Outcome("mismatch", bad)
-            if interp:
+            if interp and device == "cpu":  # (the CPU run of a program checks kiln's IR)
                 stage = f"interpreter (B={b})"
                 ref_i = [torch.from_numpy(np.ascontiguousarray(x)) for x in _interp(compiled,
                                                                                    fresh)]

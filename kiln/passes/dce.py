@@ -4,7 +4,7 @@ calling convention."""
 
 from __future__ import annotations
 
-from dataclasses import replace
+from dataclasses import fields, is_dataclass, replace
 
 import sympy
 
@@ -16,6 +16,9 @@ def _attr_symbols(v) -> set[str]:
         return {s.name for s in v.free_symbols}
     if isinstance(v, (tuple, list)):
         return {name for x in v for name in _attr_symbols(x)}
+    if is_dataclass(v) and not isinstance(v, type):  # an ATen argument (`AtenInt` of u0), a
+        # user Triton kernel's spec (its grid and int arguments)
+        return {name for f in fields(v) for name in _attr_symbols(getattr(v, f.name))}
     return set()
 
 

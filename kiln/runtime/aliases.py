@@ -20,11 +20,12 @@ class _Alias:
     """Output `out` is a view of input or output `index` (manifest outputs[out].alias):
     `strides` and `offset` evaluate the recorded expressions on the input sizes."""
 
-    __slots__ = ("out", "of_input", "index", "strides", "offset")
+    __slots__ = ("out", "of_input", "index", "strides", "offset", "same")
 
-    def __init__(self, out: int, of_input: bool, index: int, strides, offset) -> None:
+    def __init__(self, out: int, of_input: bool, index: int, strides, offset,
+                 same: bool = False) -> None:
         self.out, self.of_input, self.index = out, of_input, index
-        self.strides, self.offset = strides, offset
+        self.strides, self.offset, self.same = strides, offset, same
 
 
 _EXPR_OPS = {ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mul,
@@ -75,18 +76,25 @@ def alias_plan(m: Mapping[str, Any]) -> list[_Alias]:
         a = rec.get("alias") if isinstance(rec, dict) else None
         if not isinstance(a, dict) or a.get("of") not in ("input", "output"):
             continue
+        if not isinstance(a.get("index"), int):
+            continue
+        if a.get("same") is True:  # the base itself: no strides to evaluate
+            plan.append(_Alias(j, a["of"] == "input", a["index"], [], lambda flat: 0, True))
+            continue
         strides = [_size_expr(x, where) for x in a.get("strides", [])]
         offset = _size_expr(a.get("offset", 0), where)
-        if offset is not None and None not in strides and isinstance(a.get("index"), int):
+        if offset is not None and None not in strides:
             plan.append(_Alias(j, a["of"] == "input", a["index"], strides, offset))
     return plan
 
 
 def share_storage(plan: list[_Alias], results: list[Any], flat: Any) -> None:
     """Replaces each aliasing output by the view of its base that eager returns: the base
-    itself when the view is the whole of it (`return x, x`), else an as_strided view of a
-    compact base. A base with other strides (an input given transposed: its copy-in was
-    compact, the recorded strides are not its strides) keeps the output's own copy."""
+    object itself when the output is the base (`return x, x`: "same"), a new view object of all
+    of the base when the view is the whole of it (`x[:]`, `chunk(x, 1)[0]`, `x.view(x.shape)`:
+    eager's is a new tensor on the same storage too), else an as_strided view of a compact
+    base. A base with other strides (an input given transposed: its copy-in was compact, the
+    recorded strides are not its strides) keeps the output's own copy."""
     for a in plan:
         base = flat[a.index] if a.of_input else results[a.index]
         if isinstance(base, np.ndarray):
@@ -100,11 +108,15 @@ def share_storage(plan: list[_Alias], results: list[Any], flat: Any) -> None:
         if not isinstance(base, torch.Tensor) or not isinstance(out, torch.Tensor) or \
                 base.dtype != out.dtype or base.device != out.device:
             continue
+        if a.same:
+            if base.shape == out.shape:
+                results[a.out] = base
+            continue
         strides, offset = [f(flat) for f in a.strides], a.offset(flat)
         if offset == 0 and base.shape == out.shape and \
                 (out.numel() <= 1 or strides == list(_compact_strides(out.shape))) and \
                 (not a.of_input or base.layout == torch.strided):
-            results[a.out] = base
+            results[a.out] = base.as_strided(base.shape, base.stride(), base.storage_offset())
         elif base.layout == torch.strided and base.is_contiguous() and len(strides) == out.dim():
             results[a.out] = base.as_strided(out.shape, strides, base.storage_offset() + offset)
 

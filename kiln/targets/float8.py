@@ -37,13 +37,18 @@ def fnuz_rule_matches(dtype_name: str) -> bool:
     return got == [0x7F, 0x7F, 0x80, 0x80, 0x80, 0x80, 0x80, 0x80, 0, 0]
 
 
-def cpp_cast(c_type: str, dtype_name: str, text: str) -> str:
-    """C++ conversion of `text` to the storage type `c_type`."""
+def check_fnuz_rule(dtype_name: str) -> None:
+    """Refuses a fnuz conversion when the compiling torch's rule is not kiln's."""
     if dtype_name.endswith("fnuz") and not fnuz_rule_matches(dtype_name):
         raise UnsupportedError(f"this torch ({torch.__version__}) converts float32 to "
                                f"{dtype_name} with another overflow rule than kiln's (NaN from "
                                "the halfway point past the largest finite value); convert to "
                                f"{dtype_name} outside the program")
+
+
+def cpp_cast(c_type: str, dtype_name: str, text: str) -> str:
+    """C++ conversion of `text` to the storage type `c_type`."""
+    check_fnuz_rule(dtype_name)
     if dtype_name == "float8_e4m3fn" and not e4m3fn_saturates():
         return f"kr::float8_e4m3fn::overflow_nan({text})"
     return f"static_cast<{c_type}>({text})"

@@ -97,3 +97,43 @@ def test_lost_alias_is_reported():
     tmp = torch.randn(4, 3)
     want = (tmp[1:], tmp[:2])
     assert lost_alias((tmp[1:].clone(), tmp[:2].clone()), want, (x,), "w") is None
+
+
+def test_device_copies_keep_the_layout():
+    """`--device cuda` hands kiln copies of the inputs on the device with the same sizes,
+    strides and storage offset (checked on the meta device: no GPU needed)."""
+    import torch
+    from kiln.fuzz.program import LAYOUTS
+    from kiln.fuzz.runner import relaid, to_device
+
+    args = (torch.randn(4, 6), torch.randn(5), torch.randn(2, 3, 4, 5))
+    for layout in LAYOUTS:
+        for a in relaid(args, layout):
+            d = to_device(a, "meta")
+            assert d.device.type == "meta" and d.shape == a.shape
+            assert d.stride() == a.stride() and d.storage_offset() == a.storage_offset()
+            assert to_device(a, "cpu") is a
+
+
+def test_export_layout_family_and_cuda_compile_only(tmp_path, capsys):
+    """One program in five is exported with inputs in another layout (its own random stream:
+    the rest of every program is unchanged); `--device cuda --compile-only` compiles CUDA
+    packages without a GPU, and without --compile-only a machine without one is refused."""
+    import torch
+    from kiln.cli.main import main
+    from kiln.fuzz.program import LAYOUTS
+
+    layouts = [generate(program_seed(SEED, k)).get("export_layout") for k in range(200)]
+    assert 20 <= sum(x is not None for x in layouts) <= 60
+    assert {x for x in layouts if x} == set(LAYOUTS)
+    k = layouts.index("step")
+    spec = generate(program_seed(SEED, k), bounded_dims=True)
+    assert spec["export_layout"] == "step"
+    out = check(spec, tmp_path)
+    assert not out.failed, out.detail
+    assert main(["fuzz", "--n", "2", "--seed", str(SEED), "--out", str(tmp_path),
+                 "--bounded-dims", "--device", "cuda", "--compile-only"]) == 0
+    assert capsys.readouterr().out.strip().splitlines()[-1] == "2 programs, 0 mismatches, 0 errors"
+    if not torch.cuda.is_available():
+        assert main(["fuzz", "--n", "1", "--device", "cuda", "--out", str(tmp_path)]) != 0
+        assert "torch sees no CUDA GPU" in capsys.readouterr().err

@@ -29,8 +29,9 @@ class Nested(torch.nn.Module):
 
 
 class NotAliased(torch.nn.Module):
-    """Eager shares storage here too, but not with anything kiln returns compactly: the root
-    of y.t() and y[0] is not returned, and w is laid out transposed by eager."""
+    """Eager shares storage here too: the root of y.t() and y[0] is not returned (kiln keeps
+    copies); w is laid out transposed by eager and compactly by kiln, so w[1] is the view
+    `select` makes of a compact w (the chain replayed, not the metadata's strides)."""
 
     def forward(self, x):
         y = x + 1
@@ -95,7 +96,7 @@ def test_views_of_outputs_and_inputs(tmp_path, dtype):
     aliases = [o.get("alias") for o in c.manifest["outputs"]]
     assert aliases[0]["of"] == "input" and aliases[1]["of"] == "input"
     assert aliases[2] is None and aliases[3] == {"of": "output", "index": 2, "sizes": ["s0", 6],
-                                                  "strides": [6, 1], "offset": 0}
+                                                  "strides": [6, 1], "offset": 0, "same": True}
     assert aliases[4]["offset"] == 6 and aliases[9] is None
     for n in (3, 4, 17):
         x = make(n, 6).to(dtype)
@@ -126,12 +127,18 @@ def test_nested_outputs_and_int_symbols(tmp_path):
 
 def test_outputs_eager_lays_out_otherwise_keep_their_storage(tmp_path):
     c, runner = _compile(tmp_path, NotAliased(), (torch.randn(4, 5),), ({0: B},))
-    assert all("alias" not in o for o in c.manifest["outputs"])
-    x = torch.randn(7, 5)
-    got, want = runner(x), NotAliased()(x)
-    for g, w in zip(got, want):
-        torch.testing.assert_close(g, w, rtol=0, atol=0)
-    assert len({_storage(g) for g in got}) == len(got)
+    aliases = [o.get("alias") for o in c.manifest["outputs"]]
+    assert aliases[:3] == [None, None, None]
+    assert aliases[3] == {"of": "output", "index": 2, "sizes": ["s0"], "strides": [1],
+                          "offset": "s0"}  # w[1] of a compact (5, s0) w
+    for n in (3, 7):
+        x = torch.randn(n, 5)
+        got, want = runner(x), NotAliased()(x)
+        for g, w in zip(got, want):
+            torch.testing.assert_close(g, w, rtol=0, atol=0)
+        assert len({_storage(g) for g in got[:3]}) == 3 and _storage(got[3]) == _storage(got[2])
+        got[2][1, 0] = 5.0  # a write through w shows in w[1], as in eager
+        assert got[3][0] == 5.0
 
 
 def test_views_of_inputs_in_other_layouts(tmp_path):
@@ -190,10 +197,98 @@ def test_views_through_ops_with_several_results(tmp_path):
     for n in (3, 8):
         x = torch.randn(n, 6)
         got, want = runner(x), SplitViews()(x)
-        for g, w in zip(got, want):  # (a whole view of x comes back as x itself: identity
-            # is the one difference from eager, whose chunk returns a new view object)
-            torch.testing.assert_close(g, w, rtol=0, atol=0)
+        _same_sharing(got, want, [x])  # chunk(x, 1)[0]: a new view object of x, as eager's
+        for g, w in zip(got, want):
             assert g.stride() == w.stride() and g.storage_offset() == w.storage_offset()
+        assert got[0] is not x and got[0].data_ptr() == x.data_ptr()
         assert [_storage(g) for g in got] == [_storage(x)] * 2 + [_storage(got[2])] * 2
         got[2][0, 2] = 7.0  # a write through y shows in its unbind view
         assert got[3][0] == 7.0
+
+
+class WholeViews(torch.nn.Module):
+    """Views of all of a tensor (eager: new tensor objects on the same storage) beside the
+    tensor itself (eager: the very object)."""
+
+    def forward(self, x):
+        y = x * 3
+        return (x[:], torch.chunk(x, 1, 1)[0], x.view(x.shape), x, y, y[:], y.view(y.shape), y,
+                x.reshape(x.shape))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.int32])
+def test_whole_views_are_new_objects_on_the_same_storage(tmp_path, dtype):
+    make = (lambda *s: torch.randn(*s, dtype=dtype)) if dtype.is_floating_point else \
+        (lambda *s: torch.randint(-50, 50, s, dtype=dtype))
+    c, runner = _compile(tmp_path, WholeViews(), (make(4, 6),), ({0: B},))
+    aliases = [o.get("alias") for o in c.manifest["outputs"]]
+    assert [bool(a and a.get("same")) for a in aliases] == [False, False, False, True, False,
+                                                            False, False, True, False]
+    for n in (3, 5, 17):
+        x = make(n, 6)
+        got, want = runner(x), WholeViews()(x)
+        _same_sharing(got, want, [x])
+        for g, w in zip(got, want):
+            assert g.data_ptr() == w.data_ptr() or w.untyped_storage().data_ptr() != \
+                x.untyped_storage().data_ptr()
+            assert (g is x) == (w is x)
+            assert g.stride() == w.stride() and g.storage_offset() == w.storage_offset()
+        assert got[3] is x and got[7] is got[4]
+        assert all(got[k] is not x and got[k].data_ptr() == x.data_ptr() for k in (0, 1, 2, 8))
+        assert all(got[k] is not got[4] and got[k].data_ptr() == got[4].data_ptr()
+                   for k in (5, 6))
+        got[0][0, 0] = 9  # a write through a whole view reaches x and the other views
+        want[0][0, 0] = 9
+        for g, w in zip(got, want):
+            torch.testing.assert_close(g, w, rtol=0, atol=0)
+
+
+class SameInOtherLayouts(torch.nn.Module):
+    """The same tensor twice, where eager lays it out transposed (a pointwise op on x.t()),
+    and an input returned as it is."""
+
+    def forward(self, x):
+        w = x.t() * 3
+        return w, w, x, x
+
+
+@pytest.mark.parametrize("exported", ["contiguous", "transposed"])
+def test_the_same_tensor_twice_in_any_layout(tmp_path, exported):
+    x0 = torch.randn(4, 6)
+    x0 = x0.t().contiguous().t() if exported == "transposed" else x0
+    c, runner = _compile(tmp_path, SameInOtherLayouts(), (x0,), None)
+    aliases = [o.get("alias") for o in c.manifest["outputs"]]
+    assert aliases[0] is None and aliases[1]["same"] and aliases[1]["index"] == 0
+    assert aliases[2]["same"] and aliases[2]["of"] == "input"
+    for x in (torch.randn(4, 6), torch.randn(6, 4).t()):
+        got, want = runner(x), SameInOtherLayouts()(x)
+        assert got[1] is got[0] and got[2] is x and got[3] is x
+        for g, w in zip(got, want):
+            torch.testing.assert_close(g, w, rtol=0, atol=0)
+
+
+class ExportedStrided(torch.nn.Module):
+    def forward(self, x):
+        return x.t()[1:], x * 2, x[::2]
+
+
+@pytest.mark.parametrize("layout", ["step", "transposed"])
+def test_views_of_an_input_exported_with_other_strides(tmp_path, layout):
+    """An input exported as a step-2 slice or transposed: eager's views of it share its
+    storage; kiln's record is the chain replayed on a compact input, so a compact input at run
+    time gets views of itself (as eager), and one in another layout is copied in (copies)."""
+    x0 = torch.randn(8, 6)
+    x0 = torch.randn(16, 6)[::2] if layout == "step" else x0.t().contiguous().t()
+    c, runner = _compile(tmp_path, ExportedStrided(), (x0,), None)
+    aliases = [o.get("alias") for o in c.manifest["outputs"]]
+    assert aliases[0] == {"of": "input", "index": 0, "sizes": [5, 8], "strides": [1, 6],
+                          "offset": 1} and aliases[1] is None
+    assert aliases[2] == {"of": "input", "index": 0, "sizes": [4, 6], "strides": [12, 1],
+                          "offset": 0}
+    x = torch.randn(8, 6)
+    got, want = runner(x), ExportedStrided()(x)
+    _same_sharing(got, want, [x])
+    for other in (torch.randn(16, 6)[::2], torch.randn(6, 8).t()):
+        got, want = runner(other), ExportedStrided()(other)
+        for g, w in zip(got, want):
+            torch.testing.assert_close(g, w, rtol=0, atol=0)

@@ -115,3 +115,23 @@ def test_python_numbers_as_outputs(tmp_path):
         got = runner(x)
         _same(got, numbers(x))
         assert isinstance(got[1], float) and isinstance(got[2], bool) and isinstance(got[3], int)
+
+
+def sliced_by_an_item(x, y, n):
+    k = n.item()
+    return (x[:k] * 1.0 + y[:k]) * 2
+
+
+def test_item_read_only_as_an_aten_argument(tmp_path):
+    """`x[:k]` with k = n.item(): the slice runs through the ATen fallback with k as its end,
+    and only its results' sizes (new symbols) size buffers; the read of k must stay (dead code
+    elimination follows the symbols inside ATen arguments; it dropped k and the C++ failed)."""
+    cm, runner = _compile(tmp_path, sliced_by_an_item,
+                          (torch.randn(64), torch.randn(64), torch.tensor(37)),
+                          aten_fallback=True)
+    assert "u0 = static_cast<int64_t>" in cm.sources["model.cpp"]
+    for k in (37, 0, 64, 5, 100):  # past the end: slice semantics
+        x, y = torch.randn(64), torch.randn(64)
+        _same(runner(x, y, torch.tensor(k)), sliced_by_an_item(x, y, torch.tensor(k)))
+    with pytest.raises(kiln.errors.KilnError, match=r"\.item\(\) is -3, below 0"):
+        runner(torch.randn(64), torch.randn(64), torch.tensor(-3))  # the export assumed >= 0

@@ -30,7 +30,6 @@ from kiln.errors import UnsupportedError
 from kiln.gemm import choose_gemms
 from kiln.gemm.cutlass_link import build_objects, cudart_static
 from kiln.gemm.fuse import fuse_gemms
-from kiln.ir import dtypes
 from kiln.ir import loop as L
 from kiln.ir.sym import UNBOUNDED_NOMINAL, evaluate, unbounded
 from kiln.gemm.configs import BlasLtConfig
@@ -204,27 +203,9 @@ def fuse_gemm_epilogues(state: Build) -> Build:
     return replace(state, steps=fuse_gemms(state.steps, state.gemms, _kept(state.loop)))
 
 
-def _check_fnuz(g) -> None:
-    """float8_e4m3fnuz / float8_e5m2fnuz have no Triton type on NVIDIA (Triton's fp8e4b8 /
-    fp8e5b16 are AMD's): refused, naming the first input, weight or value that has one."""
-    for i in g.inputs:
-        if i.type.dtype.name in dtypes.FNUZ:
-            what = f"weight {i.fqn or i.name}" if i.kind != "user" else f"input {i.name}"
-            raise UnsupportedError(f"{what} is {i.type.dtype.name}: the fnuz float8 types have "
-                                   "no Triton type on NVIDIA GPUs, so no CUDA support; compile "
-                                   "for the CPU or convert it to float8_e4m3fn / float8_e5m2")
-    for n in g.nodes:
-        if n.type.dtype.name in dtypes.FNUZ:
-            raise UnsupportedError(f"value {n.name} (for {n.source}) is {n.type.dtype.name}: the "
-                                   "fnuz float8 types have no Triton type on NVIDIA GPUs, so no "
-                                   "CUDA support; compile for the CPU or use float8_e4m3fn / "
-                                   "float8_e5m2")
-
-
 def check_routines(state: Build) -> Build:
-    """Library routines (regions' included) that have no CUDA version are refused; so are the
-    fnuz float8 types."""
-    _check_fnuz(state.graph)
+    """Library routines (regions' included) that have no CUDA version are refused. (The fnuz
+    float8 types are bytes converted by kiln's own Triton helpers: targets/cuda/ops.py.)"""
     for s in L.flat_steps(state.steps):
         if isinstance(s, L.Extern) and s.routine not in CUDA_ROUTINES:
             raise UnsupportedError(f"library routine {s.routine} (for {', '.join(s.source)}) "

@@ -30,10 +30,10 @@ from dataclasses import dataclass, field
 import sympy
 
 from kiln.schedule.analysis import indexes_through_data, kernel_params, read_after_store
-from kiln.targets.float8 import triton_round
+from kiln.targets.float8 import check_fnuz_rule, triton_round
 from kiln.targets.cuda.cse import Assign, Code, Line, Ref, Stmt, Store, code, render, value_number
-from kiln.targets.cuda.ops import (COMPUTE, INT_LIMITS, REDUCTIONS, ROUND8, SIG_PTR, TL_DTYPE,
-                                     literal, op_spelling, tl_compute, to_tl)
+from kiln.targets.cuda.ops import (COMPUTE, FNUZ, INT_LIMITS, REDUCTIONS, ROUND8, SIG_PTR,
+                                   TL_DTYPE, literal, op_spelling, tl_compute, to_tl)
 from kiln.ir import loop as L
 from kiln.ir.sym import evaluate, ivars, product, rvars, unravel
 from kiln.schedule import Kernel
@@ -118,6 +118,10 @@ class _Scope:
             text = code("({} != 0)", x) if e.dtype.name == "bool" else code("{}.to({})", x, T)
             if e.dtype.name in ROUND8 and e.args[0].dtype != e.dtype:  # round to 8 bits
                 text = code("{}({}).to({})", triton_round(e.dtype.name), x, T)
+            elif e.dtype.name in FNUZ and e.args[0].dtype != e.dtype:  # round to fnuz bits
+                check_fnuz_rule(e.dtype.name)
+                dec, enc = FNUZ[e.dtype.name]
+                text = code("{}({}({}))", dec, enc, x)
             elif e.dtype.name in COMPUTE and e.args[0].dtype != e.dtype:  # round to 16 bits
                 text = code("{}.to({}).to({})", x, TL_DTYPE[e.dtype], T)
         else:
@@ -157,6 +161,9 @@ class _Scope:
             idx = code("{} + xidx * 0", idx)  # a block pointer: the mask is a block
         up = f".to({tl_compute(e.dtype.name)})" if e.dtype.name in COMPUTE else ""
         other = "0.0" if e.dtype.name in ROUND8 else "0"  # Triton casts no int to 8-bit floats
+        if e.dtype.name in FNUZ:  # bytes, decoded to float32
+            return code("{}(tl.load(buf_{} + {}, mask={}, other=0))", FNUZ[e.dtype.name][0],
+                        e.buf, idx, mask)
         return code("tl.load(buf_{} + {}, mask={}, other={}){}", e.buf, idx, mask, other, up)
 
 
@@ -347,6 +354,9 @@ class _KernelPrinter:
 def _stored(v: Code, dt) -> Code:
     """The value a store writes: 8-bit floats converted explicitly with eager's rounding (an
     implicit conversion would saturate e5m2's infinities); others convert on store."""
+    if dt.name in FNUZ:  # float32 -> the fnuz byte
+        check_fnuz_rule(dt.name)
+        return code("{}({})", FNUZ[dt.name][1], v)
     return code("{}({})", triton_round(dt.name), v) if dt.name in ROUND8 else v
 
 

@@ -24,19 +24,26 @@ TL_DTYPE = {dtypes.float32: "tl.float32", dtypes.float64: "tl.float64",
             dtypes.float16: "tl.float16", dtypes.bfloat16: "tl.bfloat16",
             dtypes.int64: "tl.int64", dtypes.int32: "tl.int32", dtypes.int16: "tl.int16",
             dtypes.int8: "tl.int8", dtypes.uint8: "tl.uint8", dtypes.bool_: "tl.int1",
-            dtypes.float8_e4m3fn: "tl.float8e4nv", dtypes.float8_e5m2: "tl.float8e5"}
+            dtypes.float8_e4m3fn: "tl.float8e4nv", dtypes.float8_e5m2: "tl.float8e5",
+            # fnuz float8: Triton's fp8e4b8 / fp8e5b16 are AMD's only; stored as bytes here,
+            # converted by the `_kl_*fnuz*` helpers (bit arithmetic, eager's rules)
+            dtypes.float8_e4m3fnuz: "tl.uint8", dtypes.float8_e5m2fnuz: "tl.uint8"}
 SIG_PTR = {dtypes.float32: "*fp32", dtypes.float64: "*fp64", dtypes.float16: "*fp16",
            dtypes.bfloat16: "*bf16", dtypes.int64: "*i64", dtypes.int32: "*i32",
            dtypes.int16: "*i16", dtypes.int8: "*i8", dtypes.uint8: "*u8", dtypes.bool_: "*i1",
-           dtypes.float8_e4m3fn: "*fp8e4nv", dtypes.float8_e5m2: "*fp8e5"}
+           dtypes.float8_e4m3fn: "*fp8e4nv", dtypes.float8_e5m2: "*fp8e5",
+           dtypes.float8_e4m3fnuz: "*u8", dtypes.float8_e5m2fnuz: "*u8"}
 # The type values of each dtype are held in while computing: 16-bit floats are loaded into
 # float32, every operator and accumulator works in float32, and a value is rounded to 16 bits
 # only where it is stored or explicitly cast (as eager's CUDA kernels do per operator).
 # 8-bit floats likewise, rounded by the `_kl_f8*` helpers (eager's overflow rules:
 # kiln/targets/float8.py picks the helper of the compiling torch).
 COMPUTE = {"float16": "float32", "bfloat16": "float32", "float8_e4m3fn": "float32",
-           "float8_e5m2": "float32"}
+           "float8_e5m2": "float32", "float8_e4m3fnuz": "float32", "float8_e5m2fnuz": "float32"}
 ROUND8 = frozenset({"float8_e4m3fn", "float8_e5m2"})
+# fnuz dtype -> (decoding helper: byte -> float32, encoding helper: float32 -> byte)
+FNUZ = {"float8_e4m3fnuz": ("_kl_e4m3fnuz_f32", "_kl_f32_e4m3fnuz"),
+        "float8_e5m2fnuz": ("_kl_e5m2fnuz_f32", "_kl_f32_e5m2fnuz")}
 
 
 def tl_compute(name: str) -> str:
@@ -197,6 +204,62 @@ def _kl_f8e5m2(x):
     inf = tl.where(x < 0, 0xFC, 0x7C).to(tl.uint8)
     y = tl.where(tl.abs(x) >= 61440.0, inf, y)
     return y.to(tl.float8e5, bitcast=True)
+
+
+@triton.jit
+def _kl_fnuz_f32(b, MB: tl.constexpr, BIAS: tl.constexpr, SUB: tl.constexpr):
+    # a fnuz float8 byte (MB mantissa bits, exponent bias BIAS; SUB = 2^(1 - BIAS - MB), the
+    # smallest subnormal) -> float32, exactly; 0x80 is the one NaN (eager's payload 0x7f800001)
+    b = b.to(tl.int32) & 0xFF
+    e = (b & 0x7F) >> MB
+    m = b & ((1 << MB) - 1)
+    normal = (((e + (127 - BIAS)) << 23) | (m << (23 - MB))).to(tl.float32, bitcast=True)
+    v = tl.where(e == 0, m.to(tl.float32) * SUB, normal)
+    v = tl.where(b >= 0x80, -v, v)
+    nan = (b * 0 + 0x7F800001).to(tl.float32, bitcast=True)
+    return tl.where(b == 0x80, nan, v)
+
+
+@triton.jit
+def _kl_f32_fnuz(x, MB: tl.constexpr, BIAS: tl.constexpr, OVF: tl.constexpr,
+                 INV_SUB: tl.constexpr):
+    # float32 -> fnuz float8 byte as eager's CPU cast: nearest-even; magnitudes from OVF
+    # (halfway past the largest finite value), +-inf and NaN -> 0x80; no negative zero
+    x = x.to(tl.float32)
+    u = x.to(tl.int32, bitcast=True)
+    a = u & 0x7FFFFFFF
+    # normal targets: round the float32 bits to MB mantissa bits, rebias the exponent
+    half = (1 << (22 - MB)) - 1
+    r = (a + half + ((a >> (23 - MB)) & 1)) >> (23 - MB)
+    normal = r - ((127 - BIAS) << MB)
+    # subnormal targets (|x| < 2^(1 - BIAS)): |x| / 2^(1 - BIAS - MB) rounded to an integer
+    # by the float32 adder (exact scaling; 2^23 forces the rounding to nearest-even)
+    y = tl.where(a < ((128 - BIAS) << 23), a, 0).to(tl.float32, bitcast=True) * INV_SUB
+    sub = ((y + 8388608.0) - 8388608.0).to(tl.int32)
+    mag = tl.where(a < ((128 - BIAS) << 23), sub, normal)  # (normal is garbage there: unused)
+    out = tl.where(mag == 0, 0, mag | tl.where(u < 0, 0x80, 0))
+    bad = (a > 0x7F800000) | (a.to(tl.float32, bitcast=True) >= OVF)
+    return tl.where(bad, 0x80, out).to(tl.uint8)
+
+
+@triton.jit
+def _kl_e4m3fnuz_f32(b):
+    return _kl_fnuz_f32(b, 3, 8, 0.0009765625)
+
+
+@triton.jit
+def _kl_f32_e4m3fnuz(x):
+    return _kl_f32_fnuz(x, 3, 8, 248.0, 1024.0)
+
+
+@triton.jit
+def _kl_e5m2fnuz_f32(b):
+    return _kl_fnuz_f32(b, 2, 16, 7.62939453125e-06)
+
+
+@triton.jit
+def _kl_f32_e5m2fnuz(x):
+    return _kl_f32_fnuz(x, 2, 16, 61440.0, 131072.0)
 
 
 @triton.jit

@@ -120,6 +120,15 @@ def _with_scratch_allocator(launch, device) -> None:
     launch()
 
 
+_FNUZ = (torch.float8_e4m3fnuz, torch.float8_e5m2fnuz)
+
+
+def _bytes_if_fnuz(t: torch.Tensor) -> torch.Tensor:
+    """fnuz float8 buffers go to kernels as bytes (their Triton types are AMD's; kiln's
+    kernels convert them: targets/cuda/ops.py)."""
+    return t.view(torch.uint8) if t.dtype in _FNUZ else t
+
+
 def launch_kernel(module, k, env, bufs, status, device) -> None:
     """Launch TritonKernel `k`: over its rows, or (the GEMM template) persistently over
     min(tiles, #SMs) programs; nothing for an empty grid."""
@@ -130,7 +139,7 @@ def launch_kernel(module, k, env, bufs, status, device) -> None:
     args = []
     for kind, n in k.params:
         args.append(env[n] if kind == "size" else status if kind == "status"
-                    else sms if kind == "sms" else bufs[n].reshape(-1))
+                    else sms if kind == "sms" else _bytes_if_fnuz(bufs[n].reshape(-1)))
     if k.tiles is not None:
         def launch():
             getattr(module, k.name)[(min(rows, sms),)](

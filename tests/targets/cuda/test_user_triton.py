@@ -128,6 +128,34 @@ def test_triton_op_writing_its_argument_with_scalar_args_in_float16():
                                 "BLOCK": "constexpr"}
 
 
+def test_grid_from_an_unbounded_data_dependent_size():
+    """A grid cdiv(k.item(), 64) with k unbounded, over static tensors: the size is read on
+    the host before the launch and the grid evaluated from it at run time (no buffer is sized
+    by it: dead code elimination used to drop the read, and the C++ did not compile)."""
+    cm = _compile(K.UnbackedGrid(), (torch.randn(300), torch.randn(300), torch.tensor(100)))
+    src = cm.sources["model_cuda.cpp"]
+    assert "int64_t u0 = 0;  // data-dependent size, no upper bound" in src
+    block = _user_block(cm, "add_relu_kernel")
+    assert "(((63 + u0) / 64)), (1), (1)" in block
+    assert "int32_t a3 = static_cast<int32_t>(300);  // n" in block
+    assert src.index("u0 = static_cast<int64_t>(v);") < src.index("// user Triton kernel")
+    assert "cuMemcpyDtoDAsync(buf_add_relu_kernel_out_ptr" in block  # zeros_like: a copy in
+    assert "user_kernels" in cm.manifest["cuda"]
+
+
+def test_triton_op_on_tensors_of_an_unbounded_size():
+    """A triton_op on tensors sized by an unbounded k.item(): its buffers are allocated once
+    k is known (outside the arena) and its grid is cdiv(u0, 128), its `n` argument u0."""
+    cm = _compile(K.UnbackedSized(), (torch.randn(4), torch.tensor(37)))
+    block = _user_block(cm, "add_relu_kernel")
+    assert "(((127 + u0) / 128)), (1), (1)" in block
+    assert "int64_t a3 = static_cast<int64_t>(u0);  // n" in block
+    src = cm.sources["model_cuda.cpp"]
+    assert re.search(r"buf_add_relu_kernel_out_ptr = heap\.alloc\(e, \"add_relu_kernel_out_ptr\""
+                     r", \(4 \* u0\), stream\);", src), src
+    assert src.index("u0 = static_cast<int64_t>(v);") < src.index("heap.alloc(")
+
+
 def test_fused_between_kiln_ops():
     b = Dim("b")
     cm = _compile(K.Fused(), (torch.randn(4, 16), torch.randn(4, 32)), ({0: b}, {0: b}))

@@ -101,3 +101,23 @@ def test_python_printer_launches_user_kernels(compiled):
     outs = run_program(b.program, ks, mod, b.weights, args, device="cuda")
     for o, w in zip(outs, _outs(module(*[a.clone() for a in args]))):
         torch.testing.assert_close(o.reshape(w.shape), w, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("make,args", [
+    (K.UnbackedGrid, lambda k: (torch.randn(300), torch.randn(300), torch.tensor(k))),
+    (K.UnbackedSized, lambda k: (torch.randn(4), torch.tensor(k)))],
+    ids=["grid_from_item", "sized_by_item"])
+def test_unbounded_data_dependent_size_in_the_grid(make, args, tmp_path):
+    """Grids (and tensor sizes) from k.item() with no upper bound: evaluated at run time for
+    each k, far above the example value too (the output differs for any other grid)."""
+    module = make()
+    cm = kiln.compile(torch.export.export(module, args(100)), device="cuda", options=Options())
+    runner = kiln.load(cm.save(tmp_path / "m.kiln"), device="cuda:0")
+    for seed, k in enumerate([100, 0, 1, 63, 64, 65, 299, 300, 5000]):
+        torch.manual_seed(200 + seed)
+        a = [t.cuda() for t in args(k)]
+        want = _outs(module(*[t.clone() for t in a]))
+        got = _outs(runner(*a))
+        for g, w in zip(got, want):
+            assert g.shape == w.shape, k
+            torch.testing.assert_close(g, w, rtol=1e-4, atol=1e-4)

@@ -1,0 +1,97 @@
+#!/usr/bin/env bash
+# The fuzzer at scale (issue 16): N_CPU programs compiled for the CPU over (nproc - 2)
+# processes and, at the same time, N_CUDA programs compiled for CUDA and run on cuda:0
+# (CUDA_PROCS processes on the two cores left), each stopped after TIME_LIMIT seconds.
+# Run from the repository root; logs, reproducers and a summary go to $OUT (default
+# ./fuzz_out); the last lines are a table per device: programs, passed, refused, wrong,
+# crashed (and programs torch.export itself refused).
+#   [N_CPU=10000] [N_CUDA=1000] [TIME_LIMIT=540] [SEED=16] [CUDA_SEED=17] [CUDA_PROCS=2]
+#   [PY=python3] [MAX_OPS=8] scripts/fuzz_device.sh
+# Without a GPU (torch sees none) the CUDA programs are compiled only (--compile-only). CUDA
+# processes are spread over the GPUs torch sees (CUDA_VISIBLE_DEVICES per process); compiling
+# dominates both kinds (about 4 s a CPU program and 2-4 s a CUDA one per core on the 2-core
+# dev box), so 10,000 CPU programs take about 40,000 core-seconds: size CPU_PROCS, CUDA_PROCS
+# and TIME_LIMIT to the machine (a time limit stops starting programs; the table counts those
+# run).
+# Rerun one program: kiln fuzz --seed S --start K --n 1 [--device cuda] --out DIR (minimises
+# it and writes a pytest reproducer). Programs are numbered per device from 0; shard s of P
+# runs programs [s*ceil(N/P), (s+1)*ceil(N/P)).
+set -u
+OUT=${OUT:-fuzz_out}
+N_CPU=${N_CPU:-10000}
+N_CUDA=${N_CUDA:-1000}
+TIME_LIMIT=${TIME_LIMIT:-540}
+SEED=${SEED:-16}
+CUDA_SEED=${CUDA_SEED:-$((SEED + 1))}
+CUDA_PROCS=${CUDA_PROCS:-2}
+MAX_OPS=${MAX_OPS:-8}
+PY=${PY:-python3}
+mkdir -p "$OUT/logs"
+export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1 OMP_NUM_THREADS=1
+export KILN_CACHE_DIR=${KILN_CACHE_DIR:-/tmp/kiln_cache_fuzz}
+CPU_PROCS=${CPU_PROCS:-$(( $(nproc) - 2 ))}
+[ "$CPU_PROCS" -ge 1 ] || CPU_PROCS=1
+cuda_mode=""
+NGPU=$($PY -c 'import torch; print(torch.cuda.device_count())' 2>/dev/null || echo 0)
+if [ "${NGPU:-0}" -lt 1 ]; then
+  cuda_mode="--compile-only"
+fi
+{ date -u; nproc; nvidia-smi --query-gpu=name,driver_version --format=csv,noheader 2>&1 | head -2
+  $PY -c 'import torch, triton; print("torch", torch.__version__, "triton", triton.__version__)' 2>&1
+  git rev-parse --short HEAD 2>/dev/null
+  echo "cpu: $N_CPU programs, seed $SEED, $CPU_PROCS processes; cuda: $N_CUDA programs, seed" \
+       "$CUDA_SEED, $CUDA_PROCS processes on ${NGPU:-0} GPU(s) ${cuda_mode}; time limit $TIME_LIMIT s"
+} > "$OUT/env.log" 2>&1
+cat "$OUT/env.log"
+
+# shard DEVICE SEED N PROCS EXTRA...: start PROCS `kiln fuzz` processes over programs [0, N)
+shard() {
+  local dev=$1 seed=$2 n=$3 procs=$4; shift 4
+  [ "$n" -gt 0 ] || return 0
+  local per=$(( (n + procs - 1) / procs ))
+  for s in $(seq 0 $((procs - 1))); do
+    local start=$((s * per)) count=$per
+    [ $start -lt "$n" ] || break
+    [ $((start + count)) -le "$n" ] || count=$((n - start))
+    # --time-limit stops starting programs; timeout ends one that hangs past it
+    local gpu=""
+    [ "$dev" = cuda ] && [ "${NGPU:-0}" -ge 1 ] && gpu="CUDA_VISIBLE_DEVICES=$((s % NGPU))"
+    env $gpu timeout $((TIME_LIMIT + 120)) $PY -m kiln.cli.main fuzz --seed "$seed" --start $start \
+      --n $count --device "$dev" --max-ops "$MAX_OPS" --no-minimise --verbose \
+      --time-limit "$TIME_LIMIT" --out "$OUT/repro_$dev" "$@" \
+      > "$OUT/logs/${dev}_$s.log" 2>&1 &
+  done
+}
+
+t0=$(date +%s)
+shard cpu "$SEED" "$N_CPU" "$CPU_PROCS"
+shard cuda "$CUDA_SEED" "$N_CUDA" "$CUDA_PROCS" --no-interp $cuda_mode
+wait
+t1=$(date +%s)
+
+# one line per program: "[k] seed S: n ops, STATUS detail"
+count() {  # count DEVICE STATUS
+  cat "$OUT"/logs/"$1"_*.log 2>/dev/null | grep -Ec "^\[[0-9]+\] seed -?[0-9]+: [0-9]+ ops, $2( |$)"
+}
+{
+  echo "== failures (first line of each; reproduce with the seed and --start shown)"
+  for dev in cpu cuda; do
+    grep -HE "^\[[0-9]+\] seed -?[0-9]+: [0-9]+ ops, (mismatch|crash)" "$OUT"/logs/${dev}_*.log \
+      2>/dev/null | cut -c1-300
+  done
+  echo "== kiln refusals, by message (most common first)"
+  cat "$OUT"/logs/*.log 2>/dev/null | grep -E "ops, error " | sed -E 's/^.*ops, error //' |
+    sed -E 's/[0-9]+/N/g' | cut -c1-140 | sort | uniq -c | sort -rn | head -15
+  echo "== $(( t1 - t0 )) s wall, $(date -u)"
+  echo "| device | programs | passed | refused | wrong | crashed | invalid (torch.export) |"
+  echo "| --- | --- | --- | --- | --- | --- | --- |"
+  for dev in cpu cuda; do
+    ok=$(count $dev ok); err=$(count $dev error); bad=$(count $dev mismatch)
+    crash=$(count $dev crash); inv=$(count $dev invalid)
+    label=$dev
+    [ "$dev" = cuda ] && [ -n "$cuda_mode" ] && label="cuda (compile only: no GPU)"
+    echo "| $label | $((ok + err + bad + crash + inv)) | $ok | $err | $bad | $crash | $inv |"
+  done
+} | tee "$OUT/summary.txt"
+wrong=$(( $(count cpu mismatch) + $(count cpu crash) + $(count cuda mismatch) + $(count cuda crash) ))
+[ "$wrong" -eq 0 ]
