@@ -252,6 +252,77 @@ def prewarm(tasks: list[tuple[str, object, int]], cache: Path, workers: int,
     return n
 
 
+class Pool:
+    """Worker processes (kiln/toolchain/triton_warm.py) compiling (module text, TritonKernel,
+    arch) tasks, started at once and left running while the caller works: up to `workers`
+    processes (one per task at most; none for fewer than 2 tasks: the caller then compiles
+    them itself), the tasks dealt round-robin in their order, so the first tasks finish
+    first. `wait(t)` returns once task t's worker is past it (compiled, failed, or the
+    worker gone): compiling it in this process then reads Triton's on-disk cache; `cubin(t,
+    kernel, arch)` is its result (None where it failed); `close()` waits for the rest and
+    removes the workers' files. `launchers`: the workers build Triton's host launchers too
+    (for kernels this process will launch), before marking a task done."""
+
+    def __init__(self, tasks: list[tuple[str, object, int]], cache: Path, workers: int,
+                 launchers: bool = False) -> None:
+        self.procs: list = []
+        self.where: dict[int, tuple[int, Path, int]] = {}  # task -> (worker, out dir, index)
+        self.tmp: str | None = None
+        n = min(workers, len(tasks))
+        if n < 2:
+            return
+        rows = []
+        for text, kernel, arch in tasks:
+            path, name = module_path(text, cache)
+            if not path.exists():  # the workers import the module from its file
+                import_module(text, cache)
+            sig, consts, options = _plain(kernel)
+            rows.append([str(path), name, kernel.name, sig, consts, options, arch])
+        self.tmp = tempfile.mkdtemp(prefix="kiln_pool_")
+        script = str(Path(__file__).with_name("triton_warm.py"))
+        key = _triton_key()
+        for w in range(n):
+            mine = list(range(w, len(tasks), n))
+            out = Path(self.tmp) / str(w)
+            out.mkdir()
+            (out / "tasks.json").write_text(json.dumps({
+                "tasks": [rows[t] for t in mine], "out": str(out), "launchers": launchers,
+                "triton_key": key}))
+            self.procs.append(subprocess.Popen([sys.executable, script, str(out / "tasks.json")],
+                                               stdout=subprocess.DEVNULL,
+                                               stderr=subprocess.DEVNULL))
+            self.where.update({t: (w, out, i) for i, t in enumerate(mine)})
+
+    def wait(self, t: int) -> None:
+        if t not in self.where:
+            return
+        w, out, i = self.where[t]
+        proc = self.procs[w]
+        while not ((out / f"{i}.json").exists() or (out / f"{i}.failed").exists()):
+            if proc.poll() is not None:
+                return
+            time.sleep(0.005)
+
+    def cubin(self, t: int, kernel, arch: int) -> Cubin | None:
+        if t not in self.where:
+            return None
+        self.wait(t)
+        _, out, i = self.where[t]
+        return _read_result(out, i, kernel, arch)
+
+    def close(self) -> None:
+        for p in self.procs:
+            try:
+                p.wait(timeout=600)
+            except subprocess.TimeoutExpired:
+                p.kill()
+                p.wait()
+        self.procs = []
+        if self.tmp is not None:
+            shutil.rmtree(self.tmp, ignore_errors=True)
+            self.tmp = None
+
+
 def canonical(kernel) -> str:
     """A hash of what Triton compiles for `kernel`, independent of the names kiln gives it:
     the kernel's own name, its parameters and its local variables renamed by position,

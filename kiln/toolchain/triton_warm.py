@@ -7,9 +7,10 @@ constexprs, options, arch], ...], "out": directory or absent, "launchers": bool,
 "triton_key": the parent's `triton.runtime.cache.triton_key()`}. Each kernel
 is compiled with exactly the arguments `triton_aot.compile_kernel` uses. With "out", task i's
 cubin and metadata (`metadata`) are written there as `i.cubin` and `i.json` (the JSON last: a
-task is done when it exists); without, Triton's on-disk cache then holds what the parent's
-compile asks for; with "launchers", Triton's host launcher of each kernel is built too
-(`_launcher`). A failure is skipped: the parent's own compile reports it."""
+task is done when it exists; a failed task leaves `i.failed` instead); without, Triton's
+on-disk cache then holds what the parent's compile asks for; with "launchers", Triton's host
+launcher of each kernel is built too (`_launcher`), before the task's files. A failure is
+skipped: the parent's own compile reports it."""
 
 from __future__ import annotations
 
@@ -60,15 +61,17 @@ def main(path: str) -> None:
             src = triton.compiler.ASTSource(fn=getattr(mods[mpath], kname), signature=sig_,
                                             constexprs=consts_, attrs=attrs)
             ck = triton.compile(src, target=GPUTarget("cuda", arch, 32), options=options)
+            if job.get("launchers"):  # before the task is marked done: the parent launches it
+                _launcher(triton, src, ck)
             if out:
                 with open(os.path.join(out, f"{i}.cubin"), "wb") as f:
                     f.write(bytes(ck.asm["cubin"]))
                 with open(os.path.join(out, f"{i}.json.tmp"), "w") as f:
                     json.dump(metadata(ck), f)
                 os.replace(os.path.join(out, f"{i}.json.tmp"), os.path.join(out, f"{i}.json"))
-            if job.get("launchers"):
-                _launcher(triton, src, ck)
         except Exception:  # noqa: BLE001 - the parent's compile reports it
+            if out:  # done, without a result (a parent waiting on the task goes on)
+                open(os.path.join(out, f"{i}.failed"), "w").close()
             continue
 
 
