@@ -163,6 +163,14 @@ def store_compiled(ck, kernel, arch: int, prelude_hash: str, cache: Path) -> Non
     _store(cache / "triton" / _key(kernel, arch, prelude_hash), _to_cubin(ck, kernel, arch))
 
 
+def store_cubin(cubin: Cubin, kernel, arch: int, prelude_hash: str, cache: Path) -> None:
+    """Puts a cubin compiled elsewhere (a worker of `Pool`) into the cubin cache, where
+    `compile_cubins` finds it."""
+    d = cache / "triton" / _key(kernel, arch, prelude_hash)
+    if not (d / "meta.json").exists():
+        _store(d, cubin)
+
+
 def _to_cubin(ck, kernel, arch: int) -> Cubin:
     return _from_meta(metadata(ck), bytes(ck.asm["cubin"]), kernel, arch)
 
@@ -260,24 +268,26 @@ class Pool:
     first. `wait(t)` returns once task t's worker is past it (compiled, failed, or the
     worker gone): compiling it in this process then reads Triton's on-disk cache; `cubin(t,
     kernel, arch)` is its result (None where it failed); `close()` waits for the rest and
-    removes the workers' files. `launchers`: the workers build Triton's host launchers too
-    (for kernels this process will launch), before marking a task done."""
+    removes the workers' files. `launchers` (one flag, or one per task): the workers build
+    Triton's host launchers too (for kernels this process will launch), before marking a task
+    done."""
 
     def __init__(self, tasks: list[tuple[str, object, int]], cache: Path, workers: int,
-                 launchers: bool = False) -> None:
+                 launchers: bool | list[bool] = False) -> None:
         self.procs: list = []
         self.where: dict[int, tuple[int, Path, int]] = {}  # task -> (worker, out dir, index)
         self.tmp: str | None = None
         n = min(workers, len(tasks))
         if n < 2:
             return
+        flags = launchers if isinstance(launchers, list) else [launchers] * len(tasks)
         rows = []
-        for text, kernel, arch in tasks:
+        for (text, kernel, arch), flag in zip(tasks, flags):
             path, name = module_path(text, cache)
             if not path.exists():  # the workers import the module from its file
                 import_module(text, cache)
             sig, consts, options = _plain(kernel)
-            rows.append([str(path), name, kernel.name, sig, consts, options, arch])
+            rows.append([str(path), name, kernel.name, sig, consts, options, arch, bool(flag)])
         self.tmp = tempfile.mkdtemp(prefix="kiln_pool_")
         script = str(Path(__file__).with_name("triton_warm.py"))
         key = _triton_key()

@@ -271,10 +271,28 @@ def tuning_families(state: Build, reference=None) -> list:
     return [f for f in fams if f.items]
 
 
+def _launched(steps) -> list:
+    """The steps codegen_triton prints, in its order."""
+    return ([s for s in L.flat_steps(steps) if isinstance(s, (Kernel, GemmKernel))] +
+            attention_steps(steps) + conv_steps(steps) + put_steps(steps))
+
+
+def untuned_kernels(state: Build, families) -> list:
+    """The TritonKernels of the build's steps that `families` do not tune, with their
+    heuristic configs: what codegen_triton prints for them whatever the tuning finds, so the
+    tuner's workers compile them (into the cubin cache) while it times."""
+    tuned = {s.name for f in families for s in f.items}
+    return triton_kernels([s for s in _launched(state.steps) if s.name not in tuned],
+                          L.all_buffers(state.loop), _hints(state), _heuristic_configs(state))
+
+
 def launch_autotune(state: CudaBuild) -> CudaBuild:
     """Kernels' launch configs, attention block sizes and convolution tiles measured on the
     local GPU, for its architecture: every candidate compiled by one set of worker processes
-    while this one times those ready (launch_tune.tune_all)."""
+    while this one times those ready (launch_tune.tune_all). Timed as launch_autotune, with
+    the counts launch_autotune.steps / .timed / .candidates / .workers / .prebuilt (the
+    untuned kernels the same workers compiled for the cubins stage) and the seconds
+    launch_autotune.wait spent waiting for compiles."""
     o = state.options
     buffers, hints = L.all_buffers(state.loop), _hints(state)
 
@@ -282,18 +300,19 @@ def launch_autotune(state: CudaBuild) -> CudaBuild:
         peer = cudnn_ms(c, buffers, hints)  # for the report only: packages do not call cuDNN
         return {} if peer is None else {"cudnn_reference": round(peer, 5)}
 
-    best, tuned = tune_all(tuning_families(state, reference), buffers, hints,
-                           default_archs()[0], _cache(o), _workers(o),
-                           progress=ticker(state, "kernels' launch configs timed"))
-    return replace(state, configs={**state.configs, **best}, tuned={**state.tuned, **tuned})
+    stats: dict[str, float] = {}
+    fams = tuning_families(state, reference)
+    best, tuned = tune_all(fams, buffers, hints, default_archs()[0], _cache(o), _workers(o),
+                           progress=ticker(state, "kernels' launch configs timed"), stats=stats,
+                           extra=untuned_kernels(state, fams))
+    return replace(state, configs={**state.configs, **best}, tuned={**state.tuned, **tuned},
+                   times=stats)
 
 
 def codegen_triton(state: CudaBuild) -> CudaBuild:
     """Every kernel, GEMM template kernel and attention call as Triton, in one module."""
     configs = {**_heuristic_configs(state), **state.configs}
-    launched = [s for s in L.flat_steps(state.steps) if isinstance(s, (Kernel, GemmKernel))]
-    tks = triton_kernels(launched + attention_steps(state.steps) + conv_steps(state.steps)
-                         + put_steps(state.steps), L.all_buffers(state.loop), _hints(state),
+    tks = triton_kernels(_launched(state.steps), L.all_buffers(state.loop), _hints(state),
                          configs)
     return replace(state, triton=tuple(tks),
                    sources={"kernels_triton.py": print_triton_module(tks)})

@@ -29,6 +29,7 @@ import hashlib
 import json
 import os
 import tempfile
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
@@ -188,21 +189,30 @@ class _Compiling:
     in item order, so the first items' candidates finish first. One module per candidate index
     keeps the kernel names those the build uses."""
 
-    def __init__(self, todo, cache: Path, arch: int, workers: int = 1) -> None:
+    def __init__(self, todo, cache: Path, arch: int, workers: int = 1, extra=()) -> None:
         n_mod = max(len(t) for _, t, _ in todo)
         self.texts = [print_triton_module([t[i] for _, t, _ in todo if i < len(t)])
                       for i in range(n_mod)]
         self.todo, self.cache, self.arch = todo, cache, arch
         cands = [(i, j, tk) for i, (_, tks, _) in enumerate(todo) for j, tk in enumerate(tks)]
-        self.pool = triton_aot.Pool([(self.texts[j], tk, arch) for _, j, tk in cands], cache,
-                                    workers, launchers=True)
+        self.extra = list(extra)
+        tasks = [(self.texts[j], tk, arch) for _, j, tk in cands]
+        if self.extra:
+            text = print_triton_module(self.extra)
+            tasks += [(text, tk, arch) for tk in self.extra]
+        self.pool = triton_aot.Pool(tasks, cache, workers,
+                                    launchers=[True] * len(cands) + [False] * len(self.extra))
+        self.first_extra = len(cands)
         self.task = {(i, j): n for n, (i, j, _) in enumerate(cands)}
         self.mods: dict[int, object] = {}
         self.done: dict[tuple[int, int], object] = {}
+        self.waited = 0.0  # seconds spent waiting for the workers
 
     def _get(self, key):
         if key not in self.done:
+            t0 = time.perf_counter()
             self.pool.wait(self.task[key])
+            self.waited += time.perf_counter() - t0
             j = key[1]
             if j not in self.mods:
                 self.mods[j] = triton_aot.import_module(self.texts[j], self.cache)
@@ -224,15 +234,30 @@ class _Compiling:
             raise KeyError(key)
         return ck
 
+    def store_extra(self) -> int:
+        """The `extra` kernels the workers compiled, put into the cubin cache (where the
+        build's cubins stage finds them); the number stored. One a worker failed on is left to
+        that stage, which reports the failure."""
+        prelude = hashlib.sha256(PRELUDE.encode()).hexdigest()
+        n = 0
+        for t, tk in enumerate(self.extra, self.first_extra):
+            c = self.pool.cubin(t, tk, self.arch)
+            if c is not None:
+                triton_aot.store_cubin(c, tk, self.arch, prelude, self.cache)
+                n += 1
+        return n
+
     def close(self) -> None:
         self.pool.close()
 
 
-def _compile_candidates(todo, cache: Path, arch: int, workers: int = 1) -> _Compiling:
+def _compile_candidates(todo, cache: Path, arch: int, workers: int = 1,
+                        extra=()) -> _Compiling:
     """Every candidate of every (step, kernels, cache path) in `todo`, compiled for `arch`
     (`_Compiling`: in worker processes, each candidate ready as soon as its worker is past
-    it)."""
-    return _Compiling(todo, cache, arch, workers)
+    it); then the TritonKernels of `extra` (the build's kernels that are not tuned, for its
+    cubins stage: `store_extra`)."""
+    return _Compiling(todo, cache, arch, workers, extra)
 
 
 def _keep(best: dict, copies: dict, item, tks, win: int, ck, path: Path, arch: int,
@@ -320,23 +345,34 @@ def _config_text(c: Config, template: bool) -> str:
 
 
 def tune_all(families, buffers, hints: dict[str, int], arch: int, cache: Path,
-             workers: int = 1, progress=None) -> tuple[dict[str, Config], dict]:
+             workers: int = 1, progress=None, stats: dict | None = None, extra=()
+             ) -> tuple[dict[str, Config], dict]:
     """Every family's steps tuned on the local GPU in one pass: the candidates of all of them
     (`plan`) compiled by one set of worker processes (`_compile_candidates`) while this
     process times, in order, the steps whose candidates are ready (CUDA events at the example
     sizes, floats drawn from a normal distribution, integers zero); the fastest is kept (ties:
     the heuristic), its cubin stored in the cubin cache and the result in the autotune cache.
     Returns ({step name: best config}, {report key: {config text: ms}} of what ran);
-    `progress(done, total)`, when given, counts the steps timed."""
+    `progress(done, total)`, when given, counts the steps timed; `stats`, when given, gets
+    the counts (steps to tune, steps timed, candidates compiled, compile workers, extra
+    kernels compiled) and the seconds spent waiting for compiles ("wait"). `extra`: the
+    TritonKernels of the build that are not tuned (their heuristic configs), compiled by the
+    same workers after the candidates, while this process times, into the cubin cache."""
     # deferred: Triton is optional (GPU builds only)
     import triton
 
     device = torch.cuda.get_device_name()
     todo, copies, family, best = plan(families, hints, cache, device, triton.__version__)
     report: dict = {}
+    if stats is not None:
+        stats.update(steps=float(sum(len(f.items) for f in families)), timed=float(len(todo)),
+                     candidates=float(sum(len(t) for _, t, _ in todo)), workers=0.0, wait=0.0,
+                     prebuilt=0.0)
     if not todo:
         return best, report
-    compiled = _compile_candidates(todo, cache, arch, workers)
+    compiled = _compile_candidates(todo, cache, arch, workers, extra)
+    if stats is not None and hasattr(compiled, "pool"):
+        stats["workers"] = float(len(compiled.pool.procs))
     try:
         for i, (it, tks, path) in enumerate(todo):
             if progress is not None:
@@ -365,9 +401,15 @@ def tune_all(families, buffers, hints: dict[str, int], arch: int, cache: Path,
             _keep(best, copies, it, tks, win, compiled[(i, win)], path, arch, cache, device,
                   name, report[name])
             del args
+        if hasattr(compiled, "store_extra"):
+            n = compiled.store_extra()
+            if stats is not None:
+                stats["prebuilt"] = float(n)
     finally:
         if hasattr(compiled, "close"):
             compiled.close()
+        if stats is not None and hasattr(compiled, "waited"):
+            stats["wait"] = compiled.waited
     if progress is not None:
         progress(len(todo), len(todo))
     return best, report

@@ -164,7 +164,7 @@ def test_one_compile_pass_for_every_family(resnet18_bf16, tmp_path, monkeypatch)
     assert {f.label for f in fams} == {"", "conv"}
     passes, timed = [], []
 
-    def fake_compile(todo, cache, arch, workers=1):
+    def fake_compile(todo, cache, arch, workers=1, extra=()):
         passes.append([s.name for s, _, _ in todo])
         return {(i, j): tk.config for i, (_, tks, _) in enumerate(todo)
                 for j, tk in enumerate(tks)}
@@ -249,3 +249,34 @@ def test_compiling_waits_per_candidate(tmp_path, monkeypatch):
             (0, 0) in compiled
     finally:
         compiled.close()
+
+
+def test_untuned_kernels_are_what_the_build_prints(resnet18_bf16, tmp_path):
+    """The kernels the tuner's workers compile beside the candidates are, byte for byte, the
+    build's own kernels of the steps it does not tune (so the cubins stage finds them)."""
+    st = _state(*resnet18_bf16, cache_dir=str(tmp_path))
+    fams = cuda_build.tuning_families(st)
+    extra = cuda_build.untuned_kernels(st, fams)
+    printed = {tk.name: tk for tk in cuda_build.codegen_triton(st).triton}
+    tuned = {s.name for f in fams for s in f.items}
+    assert extra and len(extra) + len(tuned) == len(printed)
+    for tk in extra:
+        assert printed[tk.name] == tk
+
+
+def test_extra_kernels_land_in_the_cubin_cache(tmp_path, monkeypatch):
+    from kiln.targets.cuda.ops import PRELUDE
+    monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path / "triton_home"))
+    cands = [_kernel("k_a", "* 2.0", 64), _kernel("k_a", "* 2.0", 128)]
+    extra = [_kernel("k_b", "+ 1.0"), _kernel("k_c", "+ undefined_name")]
+    todo = [(dataclasses.make_dataclass("S", ["name"])("a"), cands, tmp_path / "p.json")]
+    compiled = launch_tune._compile_candidates(todo, tmp_path / "c", 90, workers=2, extra=extra)
+    try:
+        assert (0, 1) in compiled
+        assert compiled.store_extra() == 1  # k_c failed: the cubins stage reports it
+    finally:
+        compiled.close()
+    from kiln.targets.cuda.kernel import print_triton_module
+    out, times = triton_aot.compile_cubins(print_triton_module(extra[:1]), extra[:1], (90,),
+                                           tmp_path / "c", prelude=PRELUDE)
+    assert times["cache_hits"] == 1 and times["compiled"] == 0 and out[("k_b", 90)].cubin
