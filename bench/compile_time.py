@@ -366,6 +366,8 @@ def main() -> None:
                 row["error"] = runs[-1]["error"]
             rows.append(row)
             print(table([row]).splitlines()[-1], flush=True)
+            if a.json:  # after every row: a run cut short keeps what it measured
+                Path(a.json).write_text(json.dumps(rows, indent=1))
     load = os.getloadavg()
     head = (f"{'GPU: ' + torch.cuda.get_device_name() if gpu else 'no GPU (CUDA for sm_90)'}; "
             f"{os.cpu_count()} CPUs; load average {load[0]:.1f} {load[1]:.1f} {load[2]:.1f} "
