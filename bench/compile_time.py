@@ -113,8 +113,13 @@ if dev.startswith("cuda"):  # the parts kiln.load goes through, each timed on it
     ctypes.CDLL("libcuda.so.1").cuInit(0)  # the driver's start alone (not kiln's code)
     parts["cuinit_s"] = time.perf_counter() - t
 t = time.perf_counter()
-loader.libkiln(pkg)
+import warnings
+from kiln.runtime.build import RuntimeBuildWarning
+with warnings.catch_warnings(record=True) as seen:
+    warnings.simplefilter("always")
+    loader.libkiln(pkg)
 parts["libkiln_s"] = time.perf_counter() - t
+parts["libkiln_built"] = any(issubclass(w.category, RuntimeBuildWarning) for w in seen)
 t = time.perf_counter()
 r = kiln.load(pkg, device=dev)
 parts["model_s"] = time.perf_counter() - t
@@ -232,7 +237,9 @@ def _load(r: dict) -> str:
     worst = max(parts, key=lambda x: x["load_s"]) if parts else {}
     if "cuinit_s" in worst:
         text += (f" (slowest: cuInit {worst['cuinit_s']:.2f}, cuBLAS {worst['cublas_s']:.2f}, "
-                 f"libkiln {worst['libkiln_s']:.2f}, model {worst['model_s']:.2f})")
+                 f"libkiln {worst['libkiln_s']:.2f}"
+                 f"{' COMPILED' if worst.get('libkiln_built') else ''}, "
+                 f"model {worst['model_s']:.2f})")
     return text
 
 

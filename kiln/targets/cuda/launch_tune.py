@@ -200,8 +200,12 @@ class _Compiling:
         if self.extra:
             text = print_triton_module(self.extra)
             tasks += [(text, tk, arch) for tk in self.extra]
+        # Triton's host launcher depends on the kernel's signature, which a step's candidates
+        # share: the worker of its first candidate (timed first) builds it; the others would
+        # build the same C extension again (a C compile, about a second each)
         self.pool = triton_aot.Pool(tasks, cache, workers,
-                                    launchers=[True] * len(cands) + [False] * len(self.extra))
+                                    launchers=[j == 0 for _, j, _ in cands] +
+                                    [False] * len(self.extra))
         self.first_extra = len(cands)
         self.task = {(i, j): n for n, (i, j, _) in enumerate(cands)}
         self.mods: dict[int, object] = {}
