@@ -275,9 +275,29 @@ def ratios(rows: list[dict]) -> str:
     return ("\n\nkiln / AOTInductor compile time:\n" + "\n".join(out)) if out else ""
 
 
-def plan(models: list[str], dtypes: list[str]) -> str:
-    """What launch_autotune would compile per model and dtype (no GPU, nothing compiled):
-    steps tuned / distinct steps timed / candidates, pruned and full."""
+def _compile_plan(todo, extra, workers: int) -> tuple[float, int]:
+    """(wall seconds, candidates compiled) of launch_autotune's compile pass over `todo` and
+    the untuned kernels `extra`, for sm_90, with `workers` processes and a fresh Triton
+    cache, without timing anything (no GPU needed)."""
+    from kiln.targets.cuda import launch_tune
+    os.environ["TRITON_CACHE_DIR"] = tempfile.mkdtemp(prefix="kiln_plan_triton_")
+    cache = Path(tempfile.mkdtemp(prefix="kiln_plan_cache_"))
+    t0 = time.perf_counter()
+    compiled = launch_tune._compile_candidates(todo, cache, 90, workers, extra)
+    try:
+        n = sum((i, j) in compiled for i, (_, tks, _) in enumerate(todo)
+                for j in range(len(tks)))
+        compiled.store_extra()
+    finally:
+        compiled.close()
+    return time.perf_counter() - t0, n
+
+
+def plan(models: list[str], dtypes: list[str], compile_workers: int = 0) -> str:
+    """What launch_autotune would compile per model and dtype (no GPU): steps tuned /
+    distinct steps timed / candidates, pruned and full; with `compile_workers`, also the
+    seconds its compile pass takes (candidates, then the untuned kernels) with that many
+    worker processes."""
     ns: dict = {}
     exec(_MODEL, ns)
     import kiln
@@ -312,6 +332,10 @@ def plan(models: list[str], dtypes: list[str]) -> str:
                 cells.append(f"{sum(len(f.items) for f in fams)} / {len(todo)} / "
                              f"{sum(len(t) for _, t, _ in todo)}" + (f" ({kinds})" if kinds
                                                                      else ""))
+                if compile_workers and todo:
+                    extra = B.untuned_kernels(st, fams)
+                    sec, ok = _compile_plan(todo, extra, compile_workers)
+                    cells[-1] += f"; compiled {ok} + {len(extra)} untuned in {sec:.1f} s"
             n = len(B.triton_kernels(B._launched(st.steps), L.all_buffers(st.loop),
                                      B._hints(st), B._heuristic_configs(st)))
             out.append(f"| {model} | {dtype} | {n} | {cells[0]} | {cells[1]} |")
@@ -335,12 +359,14 @@ def main() -> None:
                     help="kiln Options as JSON, e.g. '{\"tune_prune\": false}'")
     ap.add_argument("--plan", action="store_true",
                     help="print what launch_autotune would compile (no GPU, no compile)")
+    ap.add_argument("--plan-compile", type=int, default=0, metavar="WORKERS",
+                    help="with --plan: also time its compile pass with WORKERS processes")
     ap.add_argument("--timeout", type=float, default=600)
     ap.add_argument("--json")
     ap.add_argument("--markdown")
     a = ap.parse_args()
     if a.plan:
-        text = plan(a.models.split(","), a.dtypes.split(","))
+        text = plan(a.models.split(","), a.dtypes.split(","), a.plan_compile)
         if a.markdown:
             splice(a.markdown, BEGIN, END, text)
         return
