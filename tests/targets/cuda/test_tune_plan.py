@@ -111,15 +111,22 @@ def resnet18_bf16():
     return spec.module.to(torch.bfloat16), (spec.example_args[0].to(torch.bfloat16),)
 
 
+@pytest.fixture(scope="module")
+def resnet18_states(resnet18_bf16, tmp_path_factory):
+    """ResNet-18 bf16 where launch_autotune would run: pruned (the default) and full."""
+    d = tmp_path_factory.mktemp("resnet18")
+    return {"pruned": _state(*resnet18_bf16, cache_dir=str(d)),
+            "full": _state(*resnet18_bf16, cache_dir=str(d), tune_prune=False)}
+
+
 def _counts(st):
     fams = cuda_build.tuning_families(st)
     todo, copies, family, _ = launch_tune.plan(fams, cuda_build._hints(st))
     return fams, todo, family
 
 
-def test_pruning_cuts_resnet18_candidates(resnet18_bf16, tmp_path):
-    full = _state(*resnet18_bf16, cache_dir=str(tmp_path), tune_prune=False)
-    pruned = _state(*resnet18_bf16, cache_dir=str(tmp_path))
+def test_pruning_cuts_resnet18_candidates(resnet18_bf16, resnet18_states, tmp_path):
+    full, pruned = resnet18_states["full"], resnet18_states["pruned"]
     _, todo_full, fam_full = _counts(full)
     fams, todo, family = _counts(pruned)
     n_full = sum(len(t) for _, t, _ in todo_full)
@@ -158,8 +165,8 @@ def test_small_attention_is_not_tuned(tmp_path):
 # -- one pass over every family ----------------------------------------------------------------
 
 
-def test_one_compile_pass_for_every_family(resnet18_bf16, tmp_path, monkeypatch):
-    st = _state(*resnet18_bf16, cache_dir=str(tmp_path / "c"), tune_prune=False)
+def test_one_compile_pass_for_every_family(resnet18_states, tmp_path, monkeypatch):
+    st = resnet18_states["full"]
     fams = cuda_build.tuning_families(st)
     assert {f.label for f in fams} == {"", "conv"}
     passes, timed = [], []
@@ -251,10 +258,10 @@ def test_compiling_waits_per_candidate(tmp_path, monkeypatch):
         compiled.close()
 
 
-def test_untuned_kernels_are_what_the_build_prints(resnet18_bf16, tmp_path):
+def test_untuned_kernels_are_what_the_build_prints(resnet18_states):
     """The kernels the tuner's workers compile beside the candidates are, byte for byte, the
     build's own kernels of the steps it does not tune (so the cubins stage finds them)."""
-    st = _state(*resnet18_bf16, cache_dir=str(tmp_path))
+    st = resnet18_states["pruned"]
     fams = cuda_build.tuning_families(st)
     extra = cuda_build.untuned_kernels(st, fams)
     printed = {tk.name: tk for tk in cuda_build.codegen_triton(st).triton}
