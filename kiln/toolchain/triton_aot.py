@@ -35,6 +35,7 @@ import json
 import os
 import shutil
 import tempfile
+import threading
 import time
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -82,12 +83,29 @@ def triton_version() -> str:
     return triton.__version__
 
 
+_KEY_LOCK = threading.Lock()  # one computation of Triton's key at a time (`warm_key`)
+
+
 def _triton_key() -> str:
     """Triton's own cache key of its installation (a hash of its sources and of libtriton,
     about 400 MB: computed once per process, then handed to the compile workers)."""
     # deferred: Triton is optional (GPU builds only)
     from triton.runtime.cache import triton_key
-    return triton_key()
+    with _KEY_LOCK:
+        return triton_key()
+
+
+def warm_key() -> None:
+    """Starts computing `_triton_key` in a thread (about 0.5 s, mostly hashing, which releases
+    the GIL), so that the caller's next work overlaps it (a CUDA build's front end): the
+    compile workers, which need the key, then start without waiting for it."""
+    def run() -> None:
+        try:
+            _triton_key()
+        except Exception:  # noqa: BLE001 - no Triton here: the compile reports it later
+            pass
+
+    threading.Thread(target=run, name="kiln-triton-key", daemon=True).start()
 
 
 def module_path(text: str, cache: Path) -> tuple[Path, str]:

@@ -64,7 +64,7 @@ from kiln.targets.collectives import COLLECTIVES
 from kiln.targets.stages import Build, ticker
 from kiln.toolchain.cuda import cuda_toolchain, default_archs
 from kiln.toolchain.cxx import build_shared
-from kiln.toolchain.triton_aot import compile_cubins
+from kiln.toolchain.triton_aot import compile_cubins, warm_key
 
 # Extern routines CUDA builds run: attention, the NHWC convolution and index_put (generated
 # Triton kernels), the collectives (NCCL)
@@ -159,6 +159,14 @@ def has_cutlass(state: Build) -> bool:
 
 
 # -- stages ----------------------------------------------------------------------------------
+
+
+def triton_key(state: Build) -> Build:
+    """Triton's cache key of its installation (a hash of libtriton, about 0.5 s) computed in a
+    thread while the front end runs: the compile workers of launch_autotune and cubins need
+    it before they start (triton_aot.warm_key)."""
+    warm_key()
+    return state
 
 
 def nhwc_conv_enabled(state: Build) -> bool:

@@ -3,6 +3,8 @@
     import            torch.export -> Graph IR; ops kiln would lower to CPU library routines
                       call ATen; scaled_dot_product_attention stays one `attention` node
                       (Options.fused_attention)
+    triton_key        Triton's cache key hashed in a thread while the front end runs (the
+                      compile workers need it)
     dce               dead nodes and unused weights dropped
     gqa_attention     (attention nodes) grouped-query attention reads the kv heads in place,
                       not repeat_kv copies (passes/gqa_attention.py)
@@ -45,7 +47,8 @@ from kiln.targets.cuda.build import (CudaBuild, check_routines, codegen_triton, 
                                      has_attention, has_cutlass,
                                      has_user_kernels, launch_autotune, libraries,
                                      mixed_gemm, nhwc_conv, nhwc_conv_enabled,
-                                     triton_allowed, tunes, user_kernel_configs)
+                                     triton_allowed, triton_key, tunes,
+                                     user_kernel_configs)
 from kiln.targets.collectives import async_collectives, has_collectives
 from kiln.targets.cuda.quant import quant_enabled, quant_weights
 from kiln.targets.stages import (DCE, FREEZE, LOWER, MERGE_GEMMS, PLAN, REORDER, SCHEDULE,
@@ -55,6 +58,7 @@ from kiln.targets.stages import (DCE, FREEZE, LOWER, MERGE_GEMMS, PLAN, REORDER,
 
 TARGET = Target("cuda", (
     import_stage(library_routines=False, fused_attention=True),
+    Stage("triton_key", triton_key),
     DCE,
     Stage("gqa_attention", gqa_attention, dump=graph_text, verify=check_graph,
           when=has_attention),
