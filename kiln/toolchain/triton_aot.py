@@ -338,8 +338,11 @@ class Pool:
         _, out, i = self.where[t]
         return _read_result(out, i, kernel, arch)
 
-    def close(self) -> None:
+    def close(self, kill: bool = False) -> None:
+        """Waits for the workers (`kill`: stops them: the caller failed and needs no more)."""
         for p in self.procs:
+            if kill:
+                p.kill()
             try:
                 p.wait(timeout=600)
             except subprocess.TimeoutExpired:

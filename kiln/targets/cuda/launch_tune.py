@@ -251,8 +251,8 @@ class _Compiling:
                 n += 1
         return n
 
-    def close(self) -> None:
-        self.pool.close()
+    def close(self, kill: bool = False) -> None:
+        self.pool.close(kill)
 
 
 def _compile_candidates(todo, cache: Path, arch: int, workers: int = 1,
@@ -409,9 +409,14 @@ def tune_all(families, buffers, hints: dict[str, int], arch: int, cache: Path,
             n = compiled.store_extra()
             if stats is not None:
                 stats["prebuilt"] = float(n)
-    finally:
+    except BaseException:
+        if hasattr(compiled, "close"):
+            compiled.close(kill=True)  # the build fails: the workers' queues are not needed
+        raise
+    else:
         if hasattr(compiled, "close"):
             compiled.close()
+    finally:
         if stats is not None and hasattr(compiled, "waited"):
             stats["wait"] = compiled.waited
     if progress is not None:
