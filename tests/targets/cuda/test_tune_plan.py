@@ -287,3 +287,40 @@ def test_extra_kernels_land_in_the_cubin_cache(tmp_path, monkeypatch):
     out, times = triton_aot.compile_cubins(print_triton_module(extra[:1]), extra[:1], (90,),
                                            tmp_path / "c", prelude=PRELUDE)
     assert times["cache_hits"] == 1 and times["compiled"] == 0 and out[("k_b", 90)].cubin
+
+
+class _ConvBlock(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv = torch.nn.Conv2d(64, 64, 3, padding=1, bias=False)
+        self.bn = torch.nn.BatchNorm2d(64)
+
+    def forward(self, x):
+        return torch.relu(self.bn(self.conv(x))).mean((2, 3))
+
+
+def test_tune_all_with_real_compiles(tmp_path, monkeypatch):
+    """The whole pass without a GPU, launches faked: the pool compiles a convolution's kept
+    candidates and the build's untuned kernels; the winner and the untuned kernels land in the
+    cubin cache, so the cubins stage compiles nothing."""
+    monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path / "triton_home"))
+    torch.manual_seed(0)
+    m = _ConvBlock().eval().to(torch.bfloat16)
+    st = _state(m, (torch.randn(1, 64, 56, 56, dtype=torch.bfloat16),),
+                cache_dir=str(tmp_path / "c"))
+    fams = cuda_build.tuning_families(st)
+    assert [f.label for f in fams] == ["conv"]
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda *a: "Fake GPU")
+    monkeypatch.setattr(launch_tune, "_time_ms", lambda ck, grid, args, torch, reps=20:
+                        1.0 / ck.metadata.num_warps)
+    monkeypatch.setattr(launch_tune, "_args", lambda *a: [])
+    bufs, hints = L.all_buffers(st.loop), cuda_build._hints(st)
+    stats: dict = {}
+    best, report = launch_tune.tune_all(fams, bufs, hints, 90, tmp_path / "c", workers=2,
+                                        stats=stats, extra=cuda_build.untuned_kernels(st, fams))
+    (call,) = fams[0].items
+    assert call.name in best and stats["workers"] == 2 and stats["prebuilt"] >= 1
+    assert stats["candidates"] == len(report[f"conv_{call.name}"]) <= TP.CONV_KEEP
+    st = cuda_build.codegen_triton(dataclasses.replace(st, configs=best))
+    st = cuda_build.cubins(st)
+    assert st.times["compiled"] == 0 and st.times["cache_hits"] == len(st.triton)
