@@ -104,8 +104,8 @@ class Options:
     autotune: bool = True
     #: CUDA builds with autotune: time only what the cost model says can matter
     #: (targets/cuda/tune_plan.py: kernels and attention calls predicted at KERNEL_MIN_US or
-    #: more, convolutions at CONV_MIN_US or more, each convolution's heuristic tile and the
-    #: best others by a tile model, CONV_KEEP in all). False (or max_autotune) times every
+    #: more, convolutions at CONV_LOW_US or more, each convolution's heuristic tile and the
+    #: best others by a tile model, `conv_keep` in all). False (or max_autotune) times every
     #: candidate of every kernel the size thresholds admit, as before (the A/B of the pruning).
     tune_prune: bool = True
     #: CUDA builds: run scaled_dot_product_attention as kiln's flash-attention Triton kernel

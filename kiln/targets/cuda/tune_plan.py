@@ -15,7 +15,8 @@ less than a microsecond, while its candidates cost seconds of compiles; such ker
 heuristic (bytes / bandwidth, or the serial part when there are fewer programs than SMs, decides,
 so a long reduction over few rows is still tuned). Convolution candidates are ranked by a tile
 model (waves of output tiles over the SMs, each tile's K loop bound by operand traffic or tensor
-math) and the CONV_KEEP best are timed, the heuristic always among them: the kept set can only
+math) and the best few are timed (`conv_keep`: none under CONV_LOW_US, 2 under CONV_MIN_US, else
+CONV_KEEP), the heuristic always among them: the kept set can only
 match or beat the heuristic, and it loses to the full search only where the model misranks the
 winner out of the top few. `Options.max_autotune` skips every pruning rule here (the full search,
 as before).
@@ -41,8 +42,11 @@ STEP_US = 0.06  # one pipelined K step's latency (loads in flight, the dot's iss
 #: kernels (and attention calls) predicted faster than this keep the heuristic config
 KERNEL_MIN_US = 4.0
 #: convolutions predicted faster than this keep the heuristic tile
+CONV_LOW_US = 2.5
+#: convolutions predicted at least this fast but faster than CONV_MIN_US time CONV_KEEP_LOW
+#: candidates (the heuristic and the tile model's best other), slower ones CONV_KEEP
 CONV_MIN_US = 3.0
-#: convolution candidates timed: the heuristic and the best others by the tile model
+CONV_KEEP_LOW = 2
 CONV_KEEP = 4
 
 
@@ -144,9 +148,18 @@ def conv_us(call, buffers, hints: dict[str, int], config: Config) -> float:
                          bk, size)
 
 
+def conv_keep(predicted_us: float) -> int:
+    """How many tile candidates a convolution predicted at `predicted_us` (with the heuristic
+    tile) times: none below CONV_LOW_US (a microsecond-scale kernel, mostly launch latency),
+    CONV_KEEP_LOW up to CONV_MIN_US, CONV_KEEP above."""
+    if predicted_us < CONV_LOW_US:
+        return 0
+    return CONV_KEEP_LOW if predicted_us < CONV_MIN_US else CONV_KEEP
+
+
 def tune_conv(predicted_us: float) -> bool:
     """Whether a convolution's tiles are worth compiling and timing."""
-    return predicted_us >= CONV_MIN_US
+    return conv_keep(predicted_us) > 0
 
 
 def keep_best(candidates: list, predicted: list[float], keep: int) -> list:
@@ -159,9 +172,11 @@ def keep_best(candidates: list, predicted: list[float], keep: int) -> list:
 
 
 def keep_conv(call, buffers, hints: dict[str, int], candidates: list[Config],
-              keep: int = CONV_KEEP) -> list[Config]:
-    """The convolution candidates worth timing: `keep_best` over the tile model."""
-    return keep_best(candidates, [conv_us(call, buffers, hints, c) for c in candidates], keep)
+              keep: int | None = None) -> list[Config]:
+    """The convolution candidates worth timing: `keep_best` over the tile model, `keep` of
+    them (default `conv_keep` of the heuristic's predicted time; the heuristic is first)."""
+    us = [conv_us(call, buffers, hints, c) for c in candidates]
+    return keep_best(candidates, us, conv_keep(us[0]) if keep is None else keep)
 
 
 def attention_us(batch_heads: int, lq: int, s: int, e: int, ev: int, itemsize: int,

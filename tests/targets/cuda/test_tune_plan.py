@@ -41,7 +41,10 @@ def test_roofline_counts_bytes_and_serial_programs():
 
 def test_tune_thresholds():
     assert not TP.tune_kernel(TP.KERNEL_MIN_US - 0.01) and TP.tune_kernel(TP.KERNEL_MIN_US)
-    assert not TP.tune_conv(TP.CONV_MIN_US - 0.01) and TP.tune_conv(TP.CONV_MIN_US)
+    assert not TP.tune_conv(TP.CONV_LOW_US - 0.01) and TP.tune_conv(TP.CONV_LOW_US)
+    assert [TP.conv_keep(us) for us in (TP.CONV_LOW_US - 0.01, TP.CONV_LOW_US,
+                                        TP.CONV_MIN_US - 0.01, TP.CONV_MIN_US, 100.0)] == \
+        [0, TP.CONV_KEEP_LOW, TP.CONV_KEEP_LOW, TP.CONV_KEEP, TP.CONV_KEEP]
     # a 2 MB pointwise kernel (ResNet-18's max pool at batch 1) is not worth its compiles,
     # a 32 MB LayerNorm is
     assert not TP.tune_kernel(TP.roofline_us(2 << 20, 3136, (2 << 20) / 3136))
@@ -140,9 +143,10 @@ def test_pruning_cuts_resnet18_candidates(resnet18_bf16, resnet18_states, tmp_pa
     for call, tks, _ in todo:
         cands = conv_candidates(call, bufs, hints)
         kept = [tk.config for tk in tks]
-        assert len(kept) <= TP.CONV_KEEP and kept[0] == cands[0]  # the heuristic first
+        us = TP.conv_us(call, bufs, hints, cands[0])
+        assert len(kept) == min(len(cands), TP.conv_keep(us)) and kept[0] == cands[0]
         assert kept == TP.keep_conv(call, bufs, hints, cands)
-        assert TP.tune_conv(TP.conv_us(call, bufs, hints, cands[0]))
+        assert TP.tune_conv(us)
     # max_autotune searches as widely as tune_prune=False
     wide = _state(*resnet18_bf16, cache_dir=str(tmp_path), max_autotune=True)
     assert sum(len(t) for _, t, _ in _counts(wide)[1]) >= n_full - 6  # (1x1 convs: GEMMs)
