@@ -2,8 +2,8 @@
 kiln/targets/cuda/tune_plan.py) against the full search (Options(tune_prune=False): every
 candidate the size thresholds admit), on one GPU.
 
-Per model and dtype: two compiles, each with its own empty kiln cache (so both tune from
-scratch; their seconds and tuning counts are printed), then both packages timed back to back
+Per model and dtype: two compiles, each with its own empty kiln and Triton caches (so both tune
+from scratch; their seconds and tuning counts are printed), then both packages timed back to back
 (`bench/cuda_timing.stream_ms`, device time, medians over --repeat batches), interleaved over
 --rounds rounds, and checked against each other. The pruning keeps run time when `pruned /
 full` stays within a few percent of 1.
@@ -15,6 +15,7 @@ full` stays within a few percent of 1.
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
 import sys
 import tempfile
@@ -36,6 +37,7 @@ exec(_MODEL, _NS)
 def _compile(module, args, dyn, prune: bool, tmp: Path):
     import kiln
     cache = tmp / f"cache_{prune}"
+    os.environ["TRITON_CACHE_DIR"] = str(tmp / f"triton_{prune}")  # cold for each compile
     t0 = time.perf_counter()
     cm = kiln.compile(module, args, dynamic_shapes=dyn, device="cuda",
                       options=kiln.Options(tune_prune=prune, cache_dir=str(cache)))
