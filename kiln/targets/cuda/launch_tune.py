@@ -1,27 +1,31 @@
-"""Compile-time autotuning of Triton launch configs (XBLOCK, RBLOCK, num_warps) on the local GPU.
+"""Compile-time autotuning of Triton launch configs (XBLOCK, RBLOCK, num_warps) and template
+tiles (attention, convolution) on the local GPU.
 
-Input: the schedule's kernels, the Loop IR buffers, the size hints (the export's example
-sizes), the heuristic config of each kernel (`choose_config`), the cache directory. Output:
-kernel name -> the fastest config measured (kernels not tuned keep their heuristic config).
+Input: families of steps to tune (`Family`: schedule kernels with their heuristic configs, or
+template calls), each step's candidates (the heuristic's first), the Loop IR buffers, the size
+hints (the export's example sizes), the cache directory. Output: step name -> the fastest config
+measured (steps not tuned keep their heuristic config).
 
-Method: only reductions with at least MIN_ELEMENTS elements of work at the example sizes, and
-pointwise kernels with at least POINTWISE_MIN_ELEMENTS, are tuned (`worth_tuning`; below that a
-kernel runs in microseconds and latency, which CUDA graphs hide, dominates); kernels of the
-same code up to names at the same sizes (every block of a transformer) are tuned once. Each
-gets up to seven candidates around its heuristic config (num_warps halved and doubled, XBLOCK
-halved and doubled, RBLOCK halved, one tile covering a wide row); each is printed (the source
-depends on RBLOCK), compiled for the device (in worker processes: `triton_aot.prewarm`) and
-timed with CUDA events on buffers of the example sizes (floats drawn from a normal
-distribution, integers zero: data-dependent indices stay in range); a neighbour Triton cannot
-compile is skipped; the fastest wins (ties: the heuristic). A winner's cubin is stored in the
-cubin cache (`triton_aot`), so the build does not compile it again. Template kernels, one a
-call with a grid that depends on the tile (flash attention; convolution: conv_tune.py), are
-timed the same way over their own candidates by `time_candidates`.
+Method: which steps and candidates are worth it is decided by the caller (targets/cuda/build.py
+`tuning_families` with the cost model of tune_plan.py; without it, `worth_tuning`: reductions
+with at least MIN_ELEMENTS elements of work, pointwise kernels with POINTWISE_MIN_ELEMENTS).
+A schedule kernel gets up to seven candidates around its heuristic config (num_warps halved and
+doubled, XBLOCK halved and doubled, RBLOCK halved, one tile covering a wide row). `plan` lists
+what is still to time (steps of the same code up to names at the same sizes, e.g. every block of
+a transformer, are timed once; steps the autotune cache holds are not timed); `tune_all` has one
+pool of worker processes (`triton_aot.Pool`, one per core up to the task count) compile every
+candidate of every family, then the build's untuned kernels (into the cubin cache, for the
+cubins stage), while this process times each step as soon as its candidates are compiled: CUDA
+events on buffers of the example sizes (floats drawn from a normal distribution, integers zero:
+data-dependent indices stay in range); a neighbour Triton cannot compile (or, for a template, the
+device cannot launch) is skipped; the fastest wins (ties: the heuristic). A winner's cubin is
+stored in the cubin cache (`triton_aot`), so the build does not compile it again.
 
 Invariants: results are cached on disk in `<cache>/autotune/<sha256>.json`, the hash covering
 the kernel's heuristic source up to names (`triton_aot.canonical`), the candidates, the sizes,
 the device name and the Triton version: a second build on the same device measures nothing.
-Nothing here runs without a CUDA device visible to torch (the caller checks `device_available`)."""
+Nothing here times without a CUDA device visible to torch (the caller checks
+`device_available`); `plan` runs anywhere."""
 
 from __future__ import annotations
 
