@@ -10,7 +10,10 @@ tuner measured: the best tile, its time, and cuDNN's time for the same convoluti
 epilogue (torch, channels-last; float32 without TF32, as kiln computes it).
 
     python bench/conv_gpu.py [--models resnet18,mobilenet_v2] [--dtypes bf16,fp32]
-                             [--batches 1,8] [--repeat 20] [--per-conv]
+                             [--batches 1,8] [--repeat 20] [--per-conv] [--full-search]
+
+cuDNN's per-convolution reference (--per-conv) is measured only with --full-search (the
+default compile times the tiles the cost model keeps, kiln/targets/cuda/tune_plan.py).
 """
 
 from __future__ import annotations
@@ -32,11 +35,11 @@ from bench.cuda_timing import stream_ms  # noqa: E402
 DT = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
-def _compile(module, x, conv: str, tmp: Path):
+def _compile(module, x, conv: str, tmp: Path, full: bool = False):
     import kiln
     t0 = time.perf_counter()
     cm = kiln.compile(torch.export.export(module, (x,)), device="cuda",
-                      options=kiln.Options(cuda_conv=conv))
+                      options=kiln.Options(cuda_conv=conv, tune_prune=not full))
     runner = cm.load(tmp / f"{conv}.kiln", device="cuda:0")
     return cm, runner, time.perf_counter() - t0
 
@@ -53,7 +56,7 @@ def one(model: str, dtype: str, batch: int, a) -> None:
         want = m(x).float()
         cl = m.to(memory_format=torch.channels_last)
         xcl = x.to(memory_format=torch.channels_last)
-        imp, r_imp, s_imp = _compile(m, x, "implicit", tmp)
+        imp, r_imp, s_imp = _compile(m, x, "implicit", tmp, a.full_search)
         old, r_old, s_old = _compile(m, x, "im2col", tmp)
         err = {k: float((r(x).float() - want).abs().max() / want.abs().max())
                for k, r in (("implicit", r_imp), ("im2col", r_old))}
@@ -93,6 +96,9 @@ def main(argv=None) -> int:
     p.add_argument("--batches", default="1,8")
     p.add_argument("--repeat", type=int, default=20)
     p.add_argument("--per-conv", action="store_true")
+    p.add_argument("--full-search", action="store_true",
+                   help="Options(tune_prune=False): every tile candidate timed, with cuDNN's "
+                        "time per convolution (the --per-conv reference)")
     a = p.parse_args(argv)
     if not torch.cuda.is_available():
         print("conv_gpu: needs a CUDA GPU")

@@ -108,6 +108,12 @@ class Options:
     #: configs of user Triton kernels (targets/cuda/user_triton.py). Off, or without a GPU: the
     #: size heuristic alone, and a user kernel's first config.
     autotune: bool = True
+    #: CUDA builds with autotune: time only what the cost model says can matter
+    #: (targets/cuda/tune_plan.py: kernels and attention calls predicted at KERNEL_MIN_US or
+    #: more, convolutions at CONV_LOW_US or more, each convolution's heuristic tile and the
+    #: best others by a tile model, `conv_keep` in all). False (or max_autotune) times every
+    #: candidate of every kernel the size thresholds admit, as before (the A/B of the pruning).
+    tune_prune: bool = True
     #: CUDA builds: run scaled_dot_product_attention as kiln's flash-attention Triton kernel
     #: (targets/cuda/attention.py; one step, no L x S score matrix) for float16, bfloat16
     #: and float32 (products as 3xTF32, which measured more accurate than eager's float32

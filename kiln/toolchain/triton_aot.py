@@ -35,6 +35,7 @@ import json
 import os
 import shutil
 import tempfile
+import threading
 import time
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -82,12 +83,29 @@ def triton_version() -> str:
     return triton.__version__
 
 
+_KEY_LOCK = threading.Lock()  # one computation of Triton's key at a time (`warm_key`)
+
+
 def _triton_key() -> str:
     """Triton's own cache key of its installation (a hash of its sources and of libtriton,
     about 400 MB: computed once per process, then handed to the compile workers)."""
     # deferred: Triton is optional (GPU builds only)
     from triton.runtime.cache import triton_key
-    return triton_key()
+    with _KEY_LOCK:
+        return triton_key()
+
+
+def warm_key() -> None:
+    """Starts computing `_triton_key` in a thread (about 0.5 s, mostly hashing, which releases
+    the GIL), so that the caller's next work overlaps it (a CUDA build's front end): the
+    compile workers, which need the key, then start without waiting for it."""
+    def run() -> None:
+        try:
+            _triton_key()
+        except Exception:  # noqa: BLE001 - no Triton here: the compile reports it later
+            pass
+
+    threading.Thread(target=run, name="kiln-triton-key", daemon=True).start()
 
 
 def module_path(text: str, cache: Path) -> tuple[Path, str]:
@@ -161,6 +179,14 @@ def _compile_one(mod, kernel, arch: int) -> Cubin:
 def store_compiled(ck, kernel, arch: int, prelude_hash: str, cache: Path) -> None:
     """Puts an already compiled kernel (the autotuner's winner) into the cubin cache."""
     _store(cache / "triton" / _key(kernel, arch, prelude_hash), _to_cubin(ck, kernel, arch))
+
+
+def store_cubin(cubin: Cubin, kernel, arch: int, prelude_hash: str, cache: Path) -> None:
+    """Puts a cubin compiled elsewhere (a worker of `Pool`) into the cubin cache, where
+    `compile_cubins` finds it."""
+    d = cache / "triton" / _key(kernel, arch, prelude_hash)
+    if not (d / "meta.json").exists():
+        _store(d, cubin)
 
 
 def _to_cubin(ck, kernel, arch: int) -> Cubin:
@@ -250,6 +276,82 @@ def prewarm(tasks: list[tuple[str, object, int]], cache: Path, workers: int,
         for path in files:
             os.unlink(path)
     return n
+
+
+class Pool:
+    """Worker processes (kiln/toolchain/triton_warm.py) compiling (module text, TritonKernel,
+    arch) tasks, started at once and left running while the caller works: up to `workers`
+    processes (one per task at most; none for fewer than 2 tasks: the caller then compiles
+    them itself), the tasks dealt round-robin in their order, so the first tasks finish
+    first. `wait(t)` returns once task t's worker is past it (compiled, failed, or the
+    worker gone): compiling it in this process then reads Triton's on-disk cache; `cubin(t,
+    kernel, arch)` is its result (None where it failed); `close()` waits for the rest and
+    removes the workers' files. `launchers` (one flag, or one per task): the workers build
+    Triton's host launchers too (for kernels this process will launch), before marking a task
+    done."""
+
+    def __init__(self, tasks: list[tuple[str, object, int]], cache: Path, workers: int,
+                 launchers: bool | list[bool] = False) -> None:
+        self.procs: list = []
+        self.where: dict[int, tuple[int, Path, int]] = {}  # task -> (worker, out dir, index)
+        self.tmp: str | None = None
+        n = min(workers, len(tasks))
+        if n < 2:
+            return
+        flags = launchers if isinstance(launchers, list) else [launchers] * len(tasks)
+        rows = []
+        for (text, kernel, arch), flag in zip(tasks, flags):
+            path, name = module_path(text, cache)
+            if not path.exists():  # the workers import the module from its file
+                import_module(text, cache)
+            sig, consts, options = _plain(kernel)
+            rows.append([str(path), name, kernel.name, sig, consts, options, arch, bool(flag)])
+        self.tmp = tempfile.mkdtemp(prefix="kiln_pool_")
+        script = str(Path(__file__).with_name("triton_warm.py"))
+        key = _triton_key()
+        for w in range(n):
+            mine = list(range(w, len(tasks), n))
+            out = Path(self.tmp) / str(w)
+            out.mkdir()
+            (out / "tasks.json").write_text(json.dumps({
+                "tasks": [rows[t] for t in mine], "out": str(out), "launchers": launchers,
+                "triton_key": key}))
+            self.procs.append(subprocess.Popen([sys.executable, script, str(out / "tasks.json")],
+                                               stdout=subprocess.DEVNULL,
+                                               stderr=subprocess.DEVNULL))
+            self.where.update({t: (w, out, i) for i, t in enumerate(mine)})
+
+    def wait(self, t: int) -> None:
+        if t not in self.where:
+            return
+        w, out, i = self.where[t]
+        proc = self.procs[w]
+        while not ((out / f"{i}.json").exists() or (out / f"{i}.failed").exists()):
+            if proc.poll() is not None:
+                return
+            time.sleep(0.005)
+
+    def cubin(self, t: int, kernel, arch: int) -> Cubin | None:
+        if t not in self.where:
+            return None
+        self.wait(t)
+        _, out, i = self.where[t]
+        return _read_result(out, i, kernel, arch)
+
+    def close(self, kill: bool = False) -> None:
+        """Waits for the workers (`kill`: stops them: the caller failed and needs no more)."""
+        for p in self.procs:
+            if kill:
+                p.kill()
+            try:
+                p.wait(timeout=600)
+            except subprocess.TimeoutExpired:
+                p.kill()
+                p.wait()
+        self.procs = []
+        if self.tmp is not None:
+            shutil.rmtree(self.tmp, ignore_errors=True)
+            self.tmp = None
 
 
 def canonical(kernel) -> str:

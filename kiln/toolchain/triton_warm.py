@@ -3,13 +3,15 @@ script (`python .../triton_warm.py TASKS`) so that it imports only Triton, not k
 starts in well under a second.
 
 TASKS is a JSON file: {"tasks": [[module path, module name, kernel name, signature,
-constexprs, options, arch], ...], "out": directory or absent, "launchers": bool,
+constexprs, options, arch(, launcher)], ...], "out": directory or absent, "launchers": bool
+(for the tasks without their own launcher flag),
 "triton_key": the parent's `triton.runtime.cache.triton_key()`}. Each kernel
 is compiled with exactly the arguments `triton_aot.compile_kernel` uses. With "out", task i's
 cubin and metadata (`metadata`) are written there as `i.cubin` and `i.json` (the JSON last: a
-task is done when it exists); without, Triton's on-disk cache then holds what the parent's
-compile asks for; with "launchers", Triton's host launcher of each kernel is built too
-(`_launcher`). A failure is skipped: the parent's own compile reports it."""
+task is done when it exists; a failed task leaves `i.failed` instead); without, Triton's
+on-disk cache then holds what the parent's compile asks for; with "launchers", Triton's host
+launcher of each kernel is built too (`_launcher`), before the task's files. A failure is
+skipped: the parent's own compile reports it."""
 
 from __future__ import annotations
 
@@ -49,7 +51,8 @@ def main(path: str) -> None:
         tc.triton_key = lambda: job["triton_key"]
     out = job.get("out")
     mods: dict = {}
-    for i, (mpath, mname, kname, sig, consts, options, arch) in enumerate(job["tasks"]):
+    for i, (mpath, mname, kname, sig, consts, options, arch, *own) in enumerate(job["tasks"]):
+        launcher = own[0] if own else job.get("launchers")  # a task's own flag first
         try:
             if mpath not in mods:
                 spec = importlib.util.spec_from_file_location(mname, mpath)
@@ -60,15 +63,17 @@ def main(path: str) -> None:
             src = triton.compiler.ASTSource(fn=getattr(mods[mpath], kname), signature=sig_,
                                             constexprs=consts_, attrs=attrs)
             ck = triton.compile(src, target=GPUTarget("cuda", arch, 32), options=options)
+            if launcher:  # before the task is marked done: the parent launches it
+                _launcher(triton, src, ck)
             if out:
                 with open(os.path.join(out, f"{i}.cubin"), "wb") as f:
                     f.write(bytes(ck.asm["cubin"]))
                 with open(os.path.join(out, f"{i}.json.tmp"), "w") as f:
                     json.dump(metadata(ck), f)
                 os.replace(os.path.join(out, f"{i}.json.tmp"), os.path.join(out, f"{i}.json"))
-            if job.get("launchers"):
-                _launcher(triton, src, ck)
         except Exception:  # noqa: BLE001 - the parent's compile reports it
+            if out:  # done, without a result (a parent waiting on the task goes on)
+                open(os.path.join(out, f"{i}.failed"), "w").close()
             continue
 
 

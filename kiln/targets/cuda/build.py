@@ -4,8 +4,9 @@ Stages (listed in targets/cuda/stages.py): GEMMs of int8 tensors converted to fl
 int8 tensor (passes/mixed_gemm.py); the GEMM choice (cuBLAS / cuBLASLt, the Triton template,
 CUTLASS; profiled on the local GPU) and the fusion of epilogues into the GEMMs that absorb
 them; the refusal of library routines CUDA has no version of; the launch configs (each
-kernel's heuristic, measured on a local GPU of a target architecture with Options.autotune:
-`launch_autotune`, `launch_autotune_attention`); Triton codegen (every kernel, GEMM template
+kernel's heuristic; with Options.autotune, those the cost model says can matter measured on a
+local GPU of a target architecture, with attention block sizes and convolution tiles, all
+compiled in one pass: `launch_autotune`); Triton codegen (every kernel, GEMM template
 and attention call as Triton: `kernels_triton.py`); cubins (parallel, cached by content
 hash); user Triton kernels (a config each, then cubins: targets/cuda/user_triton.py; their
 source is kept as `user_triton.py`); CUTLASS objects (nvcc); wrapper codegen
@@ -38,10 +39,14 @@ from kiln.passes.mixed_gemm import mixed_gemms
 from kiln.schedule import Kernel
 from kiln.schedule.steps import GemmKernel
 from kiln.targets.cuda import user_triton
-from kiln.targets.cuda.attention import choose_attention_config, print_attention_kernel
+from kiln.targets.cuda.attention import (attention_candidates, choose_attention_config,
+                                         print_attention_kernel)
 from kiln.targets.cuda.conv_template import ROUTINE as CONV_ROUTINE
-from kiln.targets.cuda.conv_template import choose_conv_config, print_conv_kernel
-from kiln.targets.cuda.conv_tune import tune_conv
+from kiln.targets.cuda.conv_template import (choose_conv_config, conv_candidates,
+                                             print_conv_kernel)
+from kiln.targets.cuda.conv_tune import cudnn_ms
+from kiln.targets.cuda.conv_tune import worth_tuning as conv_worth_tuning
+from kiln.targets.cuda import tune_plan as TP
 from kiln.passes.conv_nhwc import conv_nhwc
 from kiln.targets.cuda.gemm_candidates import build as build_candidates
 from kiln.targets.cuda.gemv_template import print_template_kernel
@@ -49,7 +54,8 @@ from kiln.targets.cuda.kernel import choose_config, print_triton_kernel, print_t
 from kiln.passes.dce import dce
 from kiln.passes.gqa_attention import fold_repeat_kv
 from kiln.targets.cuda.put import print_put_kernels
-from kiln.targets.cuda.launch_tune import device_available, tune, tune_attention
+from kiln.targets.cuda.launch_tune import (device_available, kernel_family, template_family,
+                                           tune_all)
 from kiln.targets.cuda.ops import PRELUDE
 from kiln.targets.cuda.wrapper import (blaslt_choices, capturable, cubin_blob, not_capturable,
                                        print_cuda_wrapper)
@@ -57,7 +63,7 @@ from kiln.targets.collectives import COLLECTIVES
 from kiln.targets.stages import Build, ticker
 from kiln.toolchain.cuda import cuda_toolchain, default_archs
 from kiln.toolchain.cxx import build_shared
-from kiln.toolchain.triton_aot import compile_cubins
+from kiln.toolchain.triton_aot import compile_cubins, warm_key
 
 # Extern routines CUDA builds run: attention, the NHWC convolution and index_put (generated
 # Triton kernels), the collectives (NCCL)
@@ -135,19 +141,12 @@ def triton_allowed(state: Build) -> bool:
     return GemmBackend.TRITON in state.options.gemm_backends
 
 
-def tunes_kernels(state: Build) -> bool:
+def tunes(state: Build) -> bool:
+    """Options.autotune, a local GPU of a target architecture, and something to tune."""
     o = state.options
-    return bool(o.autotune and not o.triton_num_warps and _kernels(state.steps) and
-                _local(o))
-
-
-def tunes_attention(state: Build) -> bool:
-    return bool(state.options.autotune and attention_steps(state.steps) and
-                _local(state.options))
-
-
-def tunes_conv(state: Build) -> bool:
-    return bool(state.options.autotune and conv_steps(state.steps) and _local(state.options))
+    return bool(o.autotune and ((_kernels(state.steps) and not o.triton_num_warps) or
+                                attention_steps(state.steps) or conv_steps(state.steps))
+                and _local(o))
 
 
 def has_user_kernels(state: Build) -> bool:
@@ -159,6 +158,14 @@ def has_cutlass(state: Build) -> bool:
 
 
 # -- stages ----------------------------------------------------------------------------------
+
+
+def triton_key(state: Build) -> Build:
+    """Triton's cache key of its installation (a hash of libtriton, about 0.5 s) computed in a
+    thread while the front end runs: the compile workers of launch_autotune and cubins need
+    it before they start (triton_aot.warm_key)."""
+    warm_key()
+    return state
 
 
 def nhwc_conv_enabled(state: Build) -> bool:
@@ -217,37 +224,84 @@ def check_routines(state: Build) -> Build:
     return state
 
 
+def tuning_families(state: Build, reference=None) -> list:
+    """What launch_autotune tunes, as launch_tune.Family lists (pure: no GPU; the counts of
+    bench/compile_time.py --plan): the schedule kernels, attention calls and convolutions the
+    pruning rules keep (targets/cuda/tune_plan.py), each with its candidates; with
+    Options.max_autotune or tune_prune=False, every kernel past the size thresholds with every
+    candidate (the full search). `reference(call)`: report entries beside a convolution's
+    candidates (cuDNN's time), timed with the full search only."""
+    o, buffers, hints = state.options, L.all_buffers(state.loop), _hints(state)
+    full = bool(o.max_autotune or not o.tune_prune)
+    fams = []
+    if not o.triton_num_warps and _kernels(state.steps):
+        base = _heuristic_configs(state)
+        select = None if full else (lambda k: TP.tune_kernel(
+            TP.kernel_us(k, buffers, hints, base[k.name])))
+        fams.append(kernel_family(_kernels(state.steps), buffers, hints, base, select))
+    calls = attention_steps(state.steps)
+    if calls:
+        if not full:
+            calls = [c for c in calls if TP.tune_kernel(TP.attention_call_us(c, buffers, hints))]
+        fams.append(template_family(calls, attention_candidates, print_attention_kernel,
+                                    buffers, hints, "attn"))
+    convs = [c for c in conv_steps(state.steps) if conv_worth_tuning(c, buffers, hints)]
+    if convs:
+        if full:
+            cands = conv_candidates
+        else:
+            convs = [c for c in convs if TP.tune_conv(TP.conv_us(
+                c, buffers, hints, choose_conv_config(c, buffers, hints)))]
+
+            def cands(c, b, h):
+                return TP.keep_conv(c, b, h, conv_candidates(c, b, h))
+        fams.append(template_family(convs, cands, print_conv_kernel, buffers, hints, "conv",
+                                    reference if full else None))
+    return [f for f in fams if f.items]
+
+
+def _launched(steps) -> list:
+    """The steps codegen_triton prints, in its order."""
+    return ([s for s in L.flat_steps(steps) if isinstance(s, (Kernel, GemmKernel))] +
+            attention_steps(steps) + conv_steps(steps) + put_steps(steps))
+
+
+def untuned_kernels(state: Build, families) -> list:
+    """The TritonKernels of the build's steps that `families` do not tune, with their
+    heuristic configs: what codegen_triton prints for them whatever the tuning finds, so the
+    tuner's workers compile them (into the cubin cache) while it times."""
+    tuned = {s.name for f in families for s in f.items}
+    return triton_kernels([s for s in _launched(state.steps) if s.name not in tuned],
+                          L.all_buffers(state.loop), _hints(state), _heuristic_configs(state))
+
+
 def launch_autotune(state: CudaBuild) -> CudaBuild:
-    """Kernels' launch configs measured on the local GPU, for its architecture."""
+    """Kernels' launch configs, attention block sizes and convolution tiles measured on the
+    local GPU, for its architecture: every candidate compiled by one set of worker processes
+    while this one times those ready (launch_tune.tune_all). Timed as launch_autotune, with
+    the counts launch_autotune.steps / .timed / .candidates / .workers / .prebuilt (the
+    untuned kernels the same workers compiled for the cubins stage) and the seconds
+    launch_autotune.wait spent waiting for compiles."""
     o = state.options
-    best, tuned = tune(_kernels(state.steps), L.all_buffers(state.loop), _hints(state),
-                       _heuristic_configs(state), default_archs()[0], _cache(o), _workers(o),
-                       progress=ticker(state, "kernels' launch configs timed"))
-    return replace(state, configs={**state.configs, **best}, tuned={**state.tuned, **tuned})
+    buffers, hints = L.all_buffers(state.loop), _hints(state)
 
+    def reference(c) -> dict[str, float]:
+        peer = cudnn_ms(c, buffers, hints)  # for the report only: packages do not call cuDNN
+        return {} if peer is None else {"cudnn_reference": round(peer, 5)}
 
-def launch_autotune_attention(state: CudaBuild) -> CudaBuild:
-    """Attention calls' block sizes measured on the local GPU."""
-    o = state.options
-    best, tuned = tune_attention(attention_steps(state.steps), L.all_buffers(state.loop),
-                                 _hints(state), default_archs()[0], _cache(o), _workers(o))
-    return replace(state, configs={**state.configs, **best}, tuned={**state.tuned, **tuned})
-
-
-def launch_autotune_conv(state: CudaBuild) -> CudaBuild:
-    """NHWC convolution kernels' tiles measured on the local GPU (conv_tune.py)."""
-    o = state.options
-    best, tuned = tune_conv(conv_steps(state.steps), L.all_buffers(state.loop), _hints(state),
-                            default_archs()[0], _cache(o), _workers(o))
-    return replace(state, configs={**state.configs, **best}, tuned={**state.tuned, **tuned})
+    stats: dict[str, float] = {}
+    fams = tuning_families(state, reference)
+    best, tuned = tune_all(fams, buffers, hints, default_archs()[0], _cache(o), _workers(o),
+                           progress=ticker(state, "kernels' launch configs timed"), stats=stats,
+                           extra=untuned_kernels(state, fams))
+    return replace(state, configs={**state.configs, **best}, tuned={**state.tuned, **tuned},
+                   times=stats)
 
 
 def codegen_triton(state: CudaBuild) -> CudaBuild:
     """Every kernel, GEMM template kernel and attention call as Triton, in one module."""
     configs = {**_heuristic_configs(state), **state.configs}
-    launched = [s for s in L.flat_steps(state.steps) if isinstance(s, (Kernel, GemmKernel))]
-    tks = triton_kernels(launched + attention_steps(state.steps) + conv_steps(state.steps)
-                         + put_steps(state.steps), L.all_buffers(state.loop), _hints(state),
+    tks = triton_kernels(_launched(state.steps), L.all_buffers(state.loop), _hints(state),
                          configs)
     return replace(state, triton=tuple(tks),
                    sources={"kernels_triton.py": print_triton_module(tks)})

@@ -114,7 +114,7 @@ def _block_k(cfg, call, buffers) -> int:
 
 def conv_candidates(call: L.Extern, buffers, hints: dict[str, int]) -> list[Config]:
     """The heuristic config first, then the rest of the space (distinct after clipping to the
-    problem): what a local GPU times (launch_autotune_conv)."""
+    problem): what a local GPU times (launch_autotune; targets/cuda/tune_plan.py prunes it)."""
     gm = geometry(call)
     m = _m(call, buffers, hints)
     out: list[Config] = []

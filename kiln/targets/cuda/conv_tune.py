@@ -9,7 +9,12 @@ device and Triton version), so a second build measures nothing.
 
 Not among the candidates yet: im2col + GEMM (a different lowering of the whole node) and
 cuDNN (packages do not load it); the report records cuDNN's time for the same convolution
-(torch, channels-last, without the epilogue) beside the candidates', as a reference."""
+(torch, channels-last, without the epilogue) beside the candidates', as a reference.
+
+A build's stage (targets/cuda/build.py `launch_autotune`) uses `worth_tuning` and `cudnn_ms`
+here, the cost model of tune_plan.py on top (which convolutions, which tiles), and times the
+convolutions with every other tuned step in one pass (launch_tune.tune_all); `tune_conv` is
+the convolutions alone with every candidate."""
 
 from __future__ import annotations
 

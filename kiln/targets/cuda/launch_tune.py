@@ -1,27 +1,31 @@
-"""Compile-time autotuning of Triton launch configs (XBLOCK, RBLOCK, num_warps) on the local GPU.
+"""Compile-time autotuning of Triton launch configs (XBLOCK, RBLOCK, num_warps) and template
+tiles (attention, convolution) on the local GPU.
 
-Input: the schedule's kernels, the Loop IR buffers, the size hints (the export's example
-sizes), the heuristic config of each kernel (`choose_config`), the cache directory. Output:
-kernel name -> the fastest config measured (kernels not tuned keep their heuristic config).
+Input: families of steps to tune (`Family`: schedule kernels with their heuristic configs, or
+template calls), each step's candidates (the heuristic's first), the Loop IR buffers, the size
+hints (the export's example sizes), the cache directory. Output: step name -> the fastest config
+measured (steps not tuned keep their heuristic config).
 
-Method: only reductions with at least MIN_ELEMENTS elements of work at the example sizes, and
-pointwise kernels with at least POINTWISE_MIN_ELEMENTS, are tuned (`worth_tuning`; below that a
-kernel runs in microseconds and latency, which CUDA graphs hide, dominates); kernels of the
-same code up to names at the same sizes (every block of a transformer) are tuned once. Each
-gets up to seven candidates around its heuristic config (num_warps halved and doubled, XBLOCK
-halved and doubled, RBLOCK halved, one tile covering a wide row); each is printed (the source
-depends on RBLOCK), compiled for the device (in worker processes: `triton_aot.prewarm`) and
-timed with CUDA events on buffers of the example sizes (floats drawn from a normal
-distribution, integers zero: data-dependent indices stay in range); a neighbour Triton cannot
-compile is skipped; the fastest wins (ties: the heuristic). A winner's cubin is stored in the
-cubin cache (`triton_aot`), so the build does not compile it again. Template kernels, one a
-call with a grid that depends on the tile (flash attention; convolution: conv_tune.py), are
-timed the same way over their own candidates by `time_candidates`.
+Method: which steps and candidates are worth it is decided by the caller (targets/cuda/build.py
+`tuning_families` with the cost model of tune_plan.py; without it, `worth_tuning`: reductions
+with at least MIN_ELEMENTS elements of work, pointwise kernels with POINTWISE_MIN_ELEMENTS).
+A schedule kernel gets up to seven candidates around its heuristic config (num_warps halved and
+doubled, XBLOCK halved and doubled, RBLOCK halved, one tile covering a wide row). `plan` lists
+what is still to time (steps of the same code up to names at the same sizes, e.g. every block of
+a transformer, are timed once; steps the autotune cache holds are not timed); `tune_all` has one
+pool of worker processes (`triton_aot.Pool`, one per core up to the task count) compile every
+candidate of every family, then the build's untuned kernels (into the cubin cache, for the
+cubins stage), while this process times each step as soon as its candidates are compiled: CUDA
+events on buffers of the example sizes (floats drawn from a normal distribution, integers zero:
+data-dependent indices stay in range); a neighbour Triton cannot compile (or, for a template, the
+device cannot launch) is skipped; the fastest wins (ties: the heuristic). A winner's cubin is
+stored in the cubin cache (`triton_aot`), so the build does not compile it again.
 
 Invariants: results are cached on disk in `<cache>/autotune/<sha256>.json`, the hash covering
 the kernel's heuristic source up to names (`triton_aot.canonical`), the candidates, the sizes,
 the device name and the Triton version: a second build on the same device measures nothing.
-Nothing here runs without a CUDA device visible to torch (the caller checks `device_available`)."""
+Nothing here times without a CUDA device visible to torch (the caller checks
+`device_available`); `plan` runs anywhere."""
 
 from __future__ import annotations
 
@@ -29,7 +33,10 @@ import hashlib
 import json
 import os
 import tempfile
+import time
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Callable
 
 from kiln.targets.cuda.kernel import Config, print_triton_kernel, print_triton_module
 from kiln.targets.cuda.ops import PRELUDE
@@ -91,14 +98,14 @@ def _sizes(tk, hints) -> list[int]:
     return [int(hints[n]) for kind, n in tk.params if kind == "size"]
 
 
-def _cached(root: Path, tks, cands, hints, device: str, version: str
+def _cached(root: Path, tks, cands, hints, device: str, version: str, look: bool = True
             ) -> tuple[Path, Config | None]:
     """The cache file of one kernel's candidate set at these sizes, and the config it holds
     (None when this set was never timed here). The key is the kernel's code up to names
     (triton_aot.canonical): the same LayerNorm in another block, or another model, at the
     same sizes, reads the same entry."""
     path = root / f"{_cache_key(tks[0], cands, _sizes(tks[0], hints), device, version)}.json"
-    if not path.exists():
+    if not look or not path.exists():
         return path, None
     hit = json.loads(path.read_text())
     return path, Config(hit["xblock"], hit["rblock"], hit["num_warps"], hit.get("num_stages", 0))
@@ -175,53 +182,90 @@ def _time_ms(ck, grid, args, torch, reps: int = 20) -> float:
     return event_ms(lambda: run(*args), reps)
 
 
-def _compile_candidates(todo, cache: Path, arch: int, workers: int = 1) -> dict:
-    """Every candidate of every (step, kernels, cache path) in `todo`, compiled for `arch` one
-    after another (see triton_aot.compile_cubins for why not in threads): {(step index,
-    candidate index): compiled kernel}. One module per candidate
-    index keeps the kernel names those the build uses; a neighbour Triton cannot compile (e.g.
-    too many registers) is skipped, the heuristic config (index 0) must compile."""
+class _Compiling:
+    """The candidates of every (step, kernels, cache path) of `todo`, being compiled for
+    `arch` by worker processes (kiln/toolchain/triton_warm.py, one per core up to the number of
+    candidates; with their host launchers) while this process times the ones already done:
+    `compiled[(i, j)]` (candidate j of item i) waits until that candidate's worker is past it,
+    then compiles it here (a hit in Triton's on-disk cache) and returns Triton's compiled kernel;
+    `(i, j) in compiled` is false for a neighbour Triton cannot compile (e.g. too many
+    registers). The heuristic config (j = 0) must compile. Candidates are dealt to the workers
+    in item order, so the first items' candidates finish first. One module per candidate index
+    keeps the kernel names those the build uses."""
 
-    n_mod = max(len(t) for _, t, _ in todo)
-    texts = [print_triton_module([t[i] for _, t, _ in todo if i < len(t)]) for i in range(n_mod)]
-    cands = [(i, j, tk) for i, (_, tks, _) in enumerate(todo) for j, tk in enumerate(tks)]
-    triton_aot.prewarm([(texts[j], tk, arch) for _, j, tk in cands], cache, workers,
-                       launchers=True, per_worker=1)
-    mods = [triton_aot.import_module(text, cache) for text in texts]
+    def __init__(self, todo, cache: Path, arch: int, workers: int = 1, extra=()) -> None:
+        n_mod = max(len(t) for _, t, _ in todo)
+        self.texts = [print_triton_module([t[i] for _, t, _ in todo if i < len(t)])
+                      for i in range(n_mod)]
+        self.todo, self.cache, self.arch = todo, cache, arch
+        cands = [(i, j, tk) for i, (_, tks, _) in enumerate(todo) for j, tk in enumerate(tks)]
+        self.extra = list(extra)
+        tasks = [(self.texts[j], tk, arch) for _, j, tk in cands]
+        if self.extra:
+            text = print_triton_module(self.extra)
+            tasks += [(text, tk, arch) for tk in self.extra]
+        # Triton's host launcher depends on the kernel's signature, which a step's candidates
+        # share: the worker of its first candidate (timed first) builds it; the others would
+        # build the same C extension again (a C compile, about a second each)
+        self.pool = triton_aot.Pool(tasks, cache, workers,
+                                    launchers=[j == 0 for _, j, _ in cands] +
+                                    [False] * len(self.extra))
+        self.first_extra = len(cands)
+        self.task = {(i, j): n for n, (i, j, _) in enumerate(cands)}
+        self.mods: dict[int, object] = {}
+        self.done: dict[tuple[int, int], object] = {}
+        self.waited = 0.0  # seconds spent waiting for the workers
 
-    def build(t):
-        try:
-            return triton_aot.compile_kernel(mods[t[1]], t[2], arch)
-        except CompileError:
-            if t[1] == 0:  # the build needs the heuristic config anyway
-                raise
-            return None
+    def _get(self, key):
+        if key not in self.done:
+            t0 = time.perf_counter()
+            self.pool.wait(self.task[key])
+            self.waited += time.perf_counter() - t0
+            j = key[1]
+            if j not in self.mods:
+                self.mods[j] = triton_aot.import_module(self.texts[j], self.cache)
+            try:
+                self.done[key] = triton_aot.compile_kernel(self.mods[j],
+                                                           self.todo[key[0]][1][j], self.arch)
+            except CompileError:
+                if j == 0:  # the build needs the heuristic config anyway
+                    raise
+                self.done[key] = None
+        return self.done[key]
 
-    cks = [build(t) for t in cands]
-    return {(i, j): ck for (i, j, _), ck in zip(cands, cks) if ck is not None}
+    def __contains__(self, key) -> bool:
+        return key in self.task and self._get(key) is not None
+
+    def __getitem__(self, key):
+        ck = self._get(key)
+        if ck is None:
+            raise KeyError(key)
+        return ck
+
+    def store_extra(self) -> int:
+        """The `extra` kernels the workers compiled, put into the cubin cache (where the
+        build's cubins stage finds them); the number stored. One a worker failed on is left to
+        that stage, which reports the failure."""
+        prelude = hashlib.sha256(PRELUDE.encode()).hexdigest()
+        n = 0
+        for t, tk in enumerate(self.extra, self.first_extra):
+            c = self.pool.cubin(t, tk, self.arch)
+            if c is not None:
+                triton_aot.store_cubin(c, tk, self.arch, prelude, self.cache)
+                n += 1
+        return n
+
+    def close(self, kill: bool = False) -> None:
+        self.pool.close(kill)
 
 
-def _pending(items, kernels_of, hints, cache: Path, best: dict
-             ) -> tuple[list, dict[str, list[str]], str]:
-    """The items (kernels, or template calls) that still need timing: (todo, copies, device)
-    for `_compile_candidates` and `_keep`. `kernels_of(item)` gives (configs, printed kernels),
-    the heuristic's first; an item whose candidate set was timed on this device before takes
-    the cached config into `best`; one of the same code as a queued item, that item's result
-    (`copies`)."""
-    # deferred: Triton is optional (GPU builds only)
-    import triton
-
-    device = torch.cuda.get_device_name()
-    todo: list = []  # (item, [TritonKernel per candidate], cache file)
-    copies: dict[str, list[str]] = {}  # an item tuned -> the items of the same code
-    for it in items:
-        cands, tks = kernels_of(it)
-        path, hit = _cached(cache / "autotune", tks, cands, hints, device, triton.__version__)
-        if hit is not None:
-            best[it.name] = hit
-            continue
-        _add(todo, copies, it, tks, path)
-    return todo, copies, device
+def _compile_candidates(todo, cache: Path, arch: int, workers: int = 1,
+                        extra=()) -> _Compiling:
+    """Every candidate of every (step, kernels, cache path) in `todo`, compiled for `arch`
+    (`_Compiling`: in worker processes, each candidate ready as soon as its worker is past
+    it); then the TritonKernels of `extra` (the build's kernels that are not tuned, for its
+    cubins stage: `store_extra`)."""
+    return _Compiling(todo, cache, arch, workers, extra)
 
 
 def _keep(best: dict, copies: dict, item, tks, win: int, ck, path: Path, arch: int,
@@ -236,95 +280,178 @@ def _keep(best: dict, copies: dict, item, tks, win: int, ck, path: Path, arch: i
     _store(path, c, name, device, times)
 
 
-def tune(kernels, buffers, hints: dict[str, int], base: dict[str, Config], arch: int,
-         cache: Path, workers: int = 1, progress=None) -> tuple[dict[str, Config], dict]:
-    """Returns ({kernel name: best config}, {kernel name: {config text: ms}} of what ran).
-    `progress(done, total)`, when given, counts the kernels whose candidates were timed."""
+@dataclass(frozen=True)
+class Family:
+    """One kind of tuned step: which steps, how their candidates are listed and printed, how
+    they launch and how the report names them."""
+
+    items: tuple  # the steps to tune (schedule kernels, or template calls)
+    kernels_of: Callable  # step -> (configs, printed TritonKernels), the heuristic's first
+    #: "" for schedule kernels (report key: the kernel's name, configs "x..r..w.."); else a
+    #: template call (one kernel a call, its grid from each candidate's tile; a candidate the
+    #: device cannot launch is skipped; bool operands all true; report key "<label>_<name>",
+    #: configs "m..n..w..s..")
+    label: str = ""
+    reference: Callable | None = None  # call -> report entries of a peer (cuDNN's time)
+
+
+def kernel_family(kernels, buffers, hints: dict[str, int], base: dict[str, Config],
+                  select: Callable | None = None) -> Family:
+    """The schedule kernels `select(kernel)` keeps (default `worth_tuning`), each with the
+    `candidates` of its heuristic config `base[name]`."""
+    select = select or (lambda k: worth_tuning(k, hints))
 
     def kernels_of(k):
         cands = candidates(base[k.name], _shape(k, hints)[1])
         return cands, [print_triton_kernel(k, buffers, hints, c) for c in cands]
 
-    best: dict[str, Config] = {}
+    return Family(tuple(k for k in kernels if select(k)), kernels_of)
+
+
+def template_family(calls, candidates_of, print_kernel, buffers, hints: dict[str, int],
+                    label: str, reference=None) -> Family:
+    """Template calls (attention, convolution): each with `candidates_of(call, buffers,
+    hints)`, printed by `print_kernel(call, buffers, hints, config)`."""
+
+    def kernels_of(c):
+        cands = candidates_of(c, buffers, hints)
+        return cands, [print_kernel(c, buffers, hints, x) for x in cands]
+
+    return Family(tuple(calls), kernels_of, label, reference)
+
+
+def plan(families, hints: dict[str, int], cache: Path | None = None, device: str = "",
+         version: str = "") -> tuple[list, dict[str, list[str]], dict, dict]:
+    """What `tune_all` compiles and times: (todo, copies, family of each queued step, the
+    configs the autotune cache already holds). `todo` lists (step, printed candidates, cache
+    file) of the steps still to time: a step of the same code up to names, candidates and
+    sizes as a queued one (another block of a transformer, a repeated ResNet layer) takes
+    that one's result (`copies`); one whose candidate set was timed on `device` before (with
+    `cache`) takes the cached config. Without a cache it runs without a GPU: the counts of
+    bench/compile_time.py --plan."""
+    todo: list = []  # (step, [TritonKernel per candidate], cache file)
+    copies: dict[str, list[str]] = {}  # a step tuned -> the steps of the same code
+    family: dict[str, Family] = {}
+    hits: dict[str, Config] = {}
+    root = (cache or Path(".")) / "autotune"
+    for fam in families:
+        for it in fam.items:
+            cands, tks = fam.kernels_of(it)
+            path, hit = _cached(root, tks, cands, hints, device, version, look=cache is not None)
+            if hit is not None:
+                hits[it.name] = hit
+                continue
+            _add(todo, copies, it, tks, path)
+            family[it.name] = fam
+    return todo, copies, family, hits
+
+
+def _config_text(c: Config, template: bool) -> str:
+    if template:
+        return f"m{c.xblock}n{c.rblock}w{c.num_warps}s{c.num_stages}"
+    return f"x{c.xblock}r{c.rblock}w{c.num_warps}"
+
+
+def tune_all(families, buffers, hints: dict[str, int], arch: int, cache: Path,
+             workers: int = 1, progress=None, stats: dict | None = None, extra=()
+             ) -> tuple[dict[str, Config], dict]:
+    """Every family's steps tuned on the local GPU in one pass: the candidates of all of them
+    (`plan`) compiled by one set of worker processes (`_compile_candidates`) while this
+    process times, in order, the steps whose candidates are ready (CUDA events at the example
+    sizes, floats drawn from a normal distribution, integers zero); the fastest is kept (ties:
+    the heuristic), its cubin stored in the cubin cache and the result in the autotune cache.
+    Returns ({step name: best config}, {report key: {config text: ms}} of what ran);
+    `progress(done, total)`, when given, counts the steps timed; `stats`, when given, gets
+    the counts (steps to tune, steps timed, candidates compiled, compile workers, extra
+    kernels compiled) and the seconds spent waiting for compiles ("wait"). `extra`: the
+    TritonKernels of the build that are not tuned (their heuristic configs), compiled by the
+    same workers after the candidates, while this process times, into the cubin cache."""
+    # deferred: Triton is optional (GPU builds only)
+    import triton
+
+    device = torch.cuda.get_device_name()
+    todo, copies, family, best = plan(families, hints, cache, device, triton.__version__)
     report: dict = {}
-    todo, copies, device = _pending([k for k in kernels if worth_tuning(k, hints)],
-                                    kernels_of, hints, cache, best)
+    if stats is not None:
+        stats.update(steps=float(sum(len(f.items) for f in families)), timed=float(len(todo)),
+                     candidates=float(sum(len(t) for _, t, _ in todo)), workers=0.0, wait=0.0,
+                     prebuilt=0.0)
     if not todo:
         return best, report
-    compiled = _compile_candidates(todo, cache, arch, workers)
-    for i, (k, tks, path) in enumerate(todo):
-        if progress is not None:
-            progress(i, len(todo))
-        args = _args(tks[0], buffers, hints, torch)
-        rows = max(1, evaluate(tks[0].rows, hints))
-        times = {}
-        for j, tk in enumerate(tks):
-            if (i, j) not in compiled:
-                continue
-            grid = (-(-rows // tk.config.xblock), 1, 1)
-            consts = [tk.config.xblock, tk.config.rblock]  # the launcher takes them too
-            times[j] = _time_ms(compiled[(i, j)], grid, args + consts, torch)
-        win = min(times, key=lambda j: (times[j], j))
-        report[k.name] = {f"x{tks[j].config.xblock}r{tks[j].config.rblock}"
-                          f"w{tks[j].config.num_warps}": round(ms, 5) for j, ms in times.items()}
-        _keep(best, copies, k, tks, win, compiled[(i, win)], path, arch, cache, device, k.name,
-              report[k.name])
-        del args
+    compiled = _compile_candidates(todo, cache, arch, workers, extra)
+    if stats is not None and hasattr(compiled, "pool"):
+        stats["workers"] = float(len(compiled.pool.procs))
+    try:
+        for i, (it, tks, path) in enumerate(todo):
+            if progress is not None:
+                progress(i, len(todo))
+            fam = family[it.name]
+            args = [a.fill_(True) if fam.label and getattr(a, "dtype", None) == torch.bool
+                    else a for a in _args(tks[0], buffers, hints, torch)]
+            times = {}
+            for j, tk in enumerate(tks):
+                if (i, j) not in compiled:
+                    continue
+                rows = max(1, evaluate(tk.rows, hints))  # a template's depends on the tile
+                grid = (-(-rows // tk.config.xblock), 1, 1)
+                consts = [tk.config.xblock, tk.config.rblock]  # the launcher takes them too
+                try:
+                    times[j] = _time_ms(compiled[(i, j)], grid, args + consts, torch)
+                except Exception:  # noqa: BLE001 - e.g. out of shared memory: not a candidate
+                    if j == 0 or not fam.label:
+                        raise
+            win = min(times, key=lambda j: (times[j], j))
+            name = f"{fam.label}_{it.name}" if fam.label else it.name
+            report[name] = {_config_text(tks[j].config, bool(fam.label)): round(ms, 5)
+                            for j, ms in times.items()}
+            if fam.reference is not None:
+                report[name].update(fam.reference(it))
+            _keep(best, copies, it, tks, win, compiled[(i, win)], path, arch, cache, device,
+                  name, report[name])
+            del args
+        if hasattr(compiled, "store_extra"):
+            n = compiled.store_extra()
+            if stats is not None:
+                stats["prebuilt"] = float(n)
+    except BaseException:
+        if hasattr(compiled, "close"):
+            compiled.close(kill=True)  # the build fails: the workers' queues are not needed
+        raise
+    else:
+        if hasattr(compiled, "close"):
+            compiled.close()
+    finally:
+        if stats is not None and hasattr(compiled, "waited"):
+            stats["wait"] = compiled.waited
     if progress is not None:
         progress(len(todo), len(todo))
     return best, report
+
+
+def tune(kernels, buffers, hints: dict[str, int], base: dict[str, Config], arch: int,
+         cache: Path, workers: int = 1, progress=None, select=None
+         ) -> tuple[dict[str, Config], dict]:
+    """The schedule kernels `select` keeps (default `worth_tuning`) tuned (`tune_all`):
+    ({kernel name: best config}, {kernel name: {config text: ms}} of what ran)."""
+    return tune_all([kernel_family(kernels, buffers, hints, base, select)], buffers, hints,
+                    arch, cache, workers, progress)
 
 
 def time_candidates(calls, candidates_of, print_kernel, buffers, hints: dict[str, int],
                     arch: int, cache: Path, workers: int = 1, *, label: str,
                     reference=None) -> tuple[dict[str, Config], dict]:
     """The template kernels of `calls` (one kernel a call, its grid depending on the
-    candidate's tile: attention, convolution) tuned on the local GPU: every candidate of
-    `candidates_of(call, buffers, hints)` (the heuristic's first) printed with
+    candidate's tile: attention, convolution) tuned on the local GPU (`tune_all`): every
+    candidate of `candidates_of(call, buffers, hints)` (the heuristic's first) printed with
     `print_kernel(call, buffers, hints, config)`, compiled, timed at the example sizes, the
     fastest kept (ties: the heuristic); a candidate Triton cannot compile or the device cannot
-    launch (shared memory) is skipped. Cached on disk like `tune`. Bool operands are all true
-    while timing (an all-false attention mask would time the fully masked path).
+    launch (shared memory) is skipped. Bool operands are all true while timing (an all-false
+    attention mask would time the fully masked path).
 
     Returns ({call name: best config}, {"<label>_<call name>": {config text: ms}} of what
     ran); `reference(call)`, when given, adds entries to a call's report (a peer's time)."""
-    best: dict[str, Config] = {}
-    report: dict = {}
-
-    def kernels_of(c):
-        cands = candidates_of(c, buffers, hints)
-        return cands, [print_kernel(c, buffers, hints, x) for x in cands]
-
-    todo, copies, device = _pending(calls, kernels_of, hints, cache, best)
-    if not todo:
-        return best, report
-    compiled = _compile_candidates(todo, cache, arch, workers)
-    for i, (c, tks, path) in enumerate(todo):
-        args = [a.fill_(True) if getattr(a, "dtype", None) == torch.bool else a
-                for a in _args(tks[0], buffers, hints, torch)]
-        times = {}
-        for j, tk in enumerate(tks):
-            if (i, j) not in compiled:
-                continue
-            rows = max(1, evaluate(tk.rows, hints))  # depends on the tile
-            grid = (-(-rows // tk.config.xblock), 1, 1)
-            try:
-                times[j] = _time_ms(compiled[(i, j)], grid,
-                                    args + [tk.config.xblock, tk.config.rblock], torch)
-            except Exception:  # noqa: BLE001 - e.g. out of shared memory: not a candidate
-                if j == 0:
-                    raise
-        win = min(times, key=lambda j: (times[j], j))
-        name = f"{label}_{c.name}"
-        report[name] = {
-            f"m{tks[j].config.xblock}n{tks[j].config.rblock}w{tks[j].config.num_warps}"
-            f"s{tks[j].config.num_stages}": round(ms, 5) for j, ms in times.items()}
-        if reference is not None:
-            report[name].update(reference(c))
-        _keep(best, copies, c, tks, win, compiled[(i, win)], path, arch, cache, device, name,
-              report[name])
-        del args
-    return best, report
+    fam = template_family(calls, candidates_of, print_kernel, buffers, hints, label, reference)
+    return tune_all([fam], buffers, hints, arch, cache, workers)
 
 
 def tune_attention(calls, buffers, hints: dict[str, int], arch: int, cache: Path,

@@ -3,6 +3,8 @@
     import            torch.export -> Graph IR; ops kiln would lower to CPU library routines
                       call ATen; scaled_dot_product_attention stays one `attention` node
                       (Options.fused_attention)
+    triton_key        Triton's cache key hashed in a thread while the front end runs (the
+                      compile workers need it)
     dce               dead nodes and unused weights dropped
     gqa_attention     (attention nodes) grouped-query attention reads the kv heads in place,
                       not repeat_kv copies (passes/gqa_attention.py)
@@ -26,9 +28,9 @@
     plan              the arena plan
     check_routines    library routines without a CUDA version refused (CUDA has attention,
                       put: index_put without accumulate, targets/cuda/put.py; collectives)
-    launch_autotune   (Options.autotune, a local GPU) kernels' launch configs measured
-    launch_autotune_attention   (likewise) attention block sizes measured
-    launch_autotune_conv        (likewise) NHWC convolution tiles measured
+    launch_autotune   (Options.autotune, a local GPU) kernels' launch configs, attention
+                      block sizes and NHWC convolution tiles measured, what the cost model
+                      says can matter (targets/cuda/tune_plan.py), all compiled in one pass
     codegen_triton    kernels_triton.py
     cubins            cubins per architecture (parts timed as cubins.<part>)
     user_kernel_configs  (user Triton kernels) a config each
@@ -44,10 +46,9 @@ from kiln.targets.cuda.build import (CudaBuild, check_routines, codegen_triton, 
                                      fuse_gemm_epilogues, gemm_autotune, gqa_attention,
                                      has_attention, has_cutlass,
                                      has_user_kernels, launch_autotune, libraries,
-                                     launch_autotune_attention, launch_autotune_conv,
-                                     mixed_gemm, nhwc_conv, tunes_conv,
-                                     nhwc_conv_enabled, triton_allowed,
-                                     tunes_attention, tunes_kernels, user_kernel_configs)
+                                     mixed_gemm, nhwc_conv, nhwc_conv_enabled,
+                                     triton_allowed, triton_key, tunes,
+                                     user_kernel_configs)
 from kiln.targets.collectives import async_collectives, has_collectives
 from kiln.targets.cuda.quant import quant_enabled, quant_weights
 from kiln.targets.stages import (DCE, FREEZE, LOWER, MERGE_GEMMS, PLAN, REORDER, SCHEDULE,
@@ -57,6 +58,7 @@ from kiln.targets.stages import (DCE, FREEZE, LOWER, MERGE_GEMMS, PLAN, REORDER,
 
 TARGET = Target("cuda", (
     import_stage(library_routines=False, fused_attention=True),
+    Stage("triton_key", triton_key),
     DCE,
     Stage("gqa_attention", gqa_attention, dump=graph_text, verify=check_graph,
           when=has_attention),
@@ -76,9 +78,7 @@ TARGET = Target("cuda", (
           when=has_collectives),
     PLAN,
     Stage("check_routines", check_routines),
-    Stage("launch_autotune", launch_autotune, when=tunes_kernels),
-    Stage("launch_autotune_attention", launch_autotune_attention, when=tunes_attention),
-    Stage("launch_autotune_conv", launch_autotune_conv, when=tunes_conv),
+    Stage("launch_autotune", launch_autotune, when=tunes),
     Stage("codegen_triton", codegen_triton),
     Stage("cubins", cubins),
     Stage("user_kernel_configs", user_kernel_configs, when=has_user_kernels),
