@@ -154,11 +154,11 @@ def _args(tk, buffers, hints, torch):
             b = buffers[n]
             dt = b.dtype.torch
             numel = max(1, evaluate(b.numel, hints))
-            t = torch.empty(numel, dtype=dt, device="cuda")
-            if dt.is_floating_point:
-                t.normal_()
+            if dt.is_floating_point and dt.itemsize == 1:  # float8: torch draws no samples
+                t = torch.randint(0, 256, (numel,), dtype=torch.uint8, device="cuda").view(dt)
             else:
-                t.zero_()
+                t = torch.empty(numel, dtype=dt, device="cuda")
+                t.normal_() if dt.is_floating_point else t.zero_()
             args.append(t)
     return args
 
