@@ -3,7 +3,9 @@ same package run at budgets 1, 2 and 3 gives the 1-thread results (generated ker
 the direct convolution, sort / topk, quantised GEMV / GEMM) and eager's; packages link no
 libgomp; two runners with different budgets in one process, also from two Python threads at
 once; a process that imported torch first (torch's libgomp loaded) runs the package on the
-pool's workers; a forked child runs a package its parent had run on several threads."""
+pool's workers; a forked child runs a package its parent had run on several threads; the
+pool's primitives on their own (a C++ driver): coverage, barrier, critical, nested regions,
+exceptions."""
 
 from __future__ import annotations
 
@@ -199,3 +201,81 @@ def test_forked_child_runs_the_model(mixed):
                           text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert proc.stdout.strip().splitlines()[-1] == "exit 0", proc.stdout
+
+
+_POOL_CPP = r"""
+#include "kiln_pool.h"
+#include <cstdio>
+#include <stdexcept>
+#include <vector>
+#define CHECK(c) do { if (!(c)) { std::printf("FAIL line %d: %s\n", __LINE__, #c); return 1; } } while (0)
+int main(int argc, char **argv) {
+  const int nt = std::atoi(argv[1]);
+  kr::Pool pool;
+  kr::tls().requested = nt;  // as libkiln's kiln_pool_set_num_threads
+  kr::RunScope scope(&pool);
+  CHECK(kr::max_threads() == nt);
+  for (int64_t n : {0, 1, 2, 3, 7, 1000, 100003}) {  // every index once, static and dynamic
+    std::vector<int> hits(size_t(n), 0);
+    kr::parallel_for(n, nt, [&](int64_t lo, int64_t hi) { for (int64_t i = lo; i < hi; ++i) ++hits[i]; });
+    for (int h : hits) CHECK(h == 1);
+    kr::parallel_for_dynamic(n, nt, [&](int64_t i) { ++hits[i]; });
+    for (int h : hits) CHECK(h == 2);
+  }
+  // team ids, sizes, a barrier between two phases, a critical section
+  std::vector<int> a(64, 0);
+  long sum = 0;
+  int size_seen = 0;
+  kr::parallel(nt, [&](int t, int m) {
+    size_seen = m;
+    for (int i = t; i < 64; i += m) a[i] = i;
+    kr::barrier();
+    long part = 0;
+    for (int i = (t + 1) % m; i < 64; i += m) part += a[i];  // another member's writes
+    std::lock_guard<std::mutex> g(kr::team_critical());
+    sum += part;
+  });
+  CHECK(size_seen == nt);
+  CHECK(sum == 63 * 64 / 2);
+  // nested regions run serially on the member that meets them
+  int inner_sizes = 0;
+  kr::parallel(nt, [&](int, int) {
+    kr::parallel(nt, [&](int, int m) { std::lock_guard<std::mutex> g(kr::team_critical()); inner_sizes += m; });
+  });
+  CHECK(inner_sizes == nt);
+  // an exception in a member: no hang (others leave the barrier), rethrown on the caller
+  for (int who = 0; who < nt; ++who) {
+    bool caught = false;
+    try {
+      kr::parallel(nt, [&](int t, int) {
+        if (t == who) throw std::runtime_error("boom");
+        kr::barrier();
+        kr::barrier();
+      });
+    } catch (const std::runtime_error &) { caught = true; }
+    CHECK(caught);
+  }
+  // the pool still works after the failures
+  std::vector<int> hits(5000, 0);
+  kr::parallel_for(5000, nt, [&](int64_t lo, int64_t hi) { for (int64_t i = lo; i < hi; ++i) ++hits[i]; });
+  for (int h : hits) CHECK(h == 1);
+  std::printf("OK %d\n", pool.workers());
+  return 0;
+}
+"""
+
+
+@pytest.mark.parametrize("nt", [1, 2, 3, 5])
+def test_pool_primitives(tmp_path, nt):
+    """kiln_pool.h on its own: chunks and dynamic tasks cover a range once, team ids, barrier,
+    critical, nested regions serial, an exception in any member rethrown without a hang."""
+    from kiln.config import cxx
+
+    src, exe = tmp_path / "pool.cpp", tmp_path / "pool"
+    src.write_text(_POOL_CPP)
+    inc = os.path.join(ROOT, "kiln", "runtime", "model")
+    subprocess.run([cxx(), "-std=c++17", "-O1", "-pthread", f"-I{inc}", str(src), "-o",
+                    str(exe)], check=True)
+    out = subprocess.run([str(exe), str(nt)], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert out.stdout.strip() == f"OK {nt - 1}", out.stdout
