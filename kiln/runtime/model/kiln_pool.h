@@ -16,8 +16,8 @@
  *   default_threads(): OMP_NUM_THREADS when set (kept for compatibility), else the CPUs this
  *   process may run on.
  * - The calling thread is member 0 of every team. Waiting threads (workers between regions,
- *   the caller at a region's end, a barrier) spin for spin_ns (KILN_SPIN_US, default 5 us:
- *   BENCHMARKS.md, bench/threads_cpu.py --variant KILN_SPIN_US=...) and then sleep on a futex.
+ *   the caller at a region's end, a barrier) spin for spin_ns (KILN_SPIN_US, default 20 us;
+ *   bench/threads_cpu.py --variant KILN_SPIN_US=...) and then sleep on a futex.
  * - A region inside a region (nested) runs serially on the thread that meets it.
  * - An exception in a team member is caught, the team's barriers are released (the others
  *   leave them with TeamAborted), the region ends and the first exception is rethrown on the
@@ -121,7 +121,7 @@ inline uint64_t spin_ns_from_env() {
     const long v = std::strtol(s, &end, 10);
     if (end != s && v >= 0 && v <= 1000000) return uint64_t(v) * 1000u;
   }
-  return 5000;  // 5 us: catches the next kernel of a run (~1 us later), frees a loaded core
+  return 20000;  // 20 us
 }
 
 }  // namespace pool_detail
