@@ -22,6 +22,7 @@ import torch
 from torch import nn
 
 import kiln
+from kiln.config import cxx
 
 ROOT = os.path.abspath(os.path.join(os.path.dirname(__file__), "../../../"))
 BUDGETS = (1, 2, 3)
@@ -269,8 +270,6 @@ int main(int argc, char **argv) {
 def test_pool_primitives(tmp_path, nt):
     """kiln_pool.h on its own: chunks and dynamic tasks cover a range once, team ids, barrier,
     critical, nested regions serial, an exception in any member rethrown without a hang."""
-    from kiln.config import cxx
-
     src, exe = tmp_path / "pool.cpp", tmp_path / "pool"
     src.write_text(_POOL_CPP)
     inc = os.path.join(ROOT, "kiln", "runtime", "model")
