@@ -15,7 +15,7 @@ GOMP_SPINCOUNT=1000, the spin count libkiln gives the OpenMP pool a package star
 Python process that imported torch shares torch's pool, whose settings were read at import).
 
 --calibrate instead measures what the parallel thresholds are derived from (a C++ program built
-with the compiler and flags of CPU packages, run with GOMP_SPINCOUNT as libkiln sets it): the
+with the compiler and flags of CPU packages, on kiln's thread pool, kiln_pool.h): the
 cost F of one parallel region of a 2-thread team (fork, an empty body, the closing barrier;
 back to back, as a run's kernels are), the cost of one element of a pointwise kernel and of one
 vector FMA at 1 thread, and the least work W = 4F / (cost per unit) worth a second thread: from
@@ -85,7 +85,7 @@ def w_time(d: Path, threads: int, warmup: int, min_calls: int, min_time: float) 
 
 
 CALIBRATE_CPP = r"""
-#include <omp.h>
+#include "kiln_pool.h"
 #include <algorithm>
 #include <chrono>
 #include <cstdio>
@@ -104,13 +104,14 @@ template <class F> double best_of(int reps, int inner, F f) {  // min over reps,
   return best;
 }
 int main() {
-  omp_set_num_threads(2);
+  kr::Pool pool;  // kiln's pool, as a package run has it (kiln_pool.h)
+  kr::tls().requested = 2;  // as libkiln's kiln_pool_set_num_threads(2)
+  kr::RunScope scope(&pool);
   volatile int sink = 0;
   std::vector<double> regions;  // each region timed alone: min (an idle machine) and median
   for (int i = 0; i < 20000; ++i) {
     const double t = now();
-#pragma omp parallel num_threads(2)
-    { if (omp_get_thread_num() == 7) sink = 1; }
+    kr::parallel(2, [&](int t, int) { if (t == 7) sink = 1; });
     regions.push_back(now() - t);
   }
   std::sort(regions.begin(), regions.end());
@@ -153,11 +154,10 @@ def calibrate() -> int:
     src, exe = work / "calibrate.cpp", work / "calibrate"
     src.write_text(CALIBRATE_CPP)
     cxx = cxx()
-    subprocess.run([cxx, "-O3", "-march=native", "-fopenmp", str(src), "-o", str(exe)],
+    subprocess.run([cxx, "-std=c++17", "-O3", "-march=native", "-fopenmp-simd", "-pthread",
+                    f"-I{ROOT / 'kiln' / 'runtime' / 'model'}", str(src), "-o", str(exe)],
                    check=True)
-    env = dict(os.environ)
-    if "OMP_WAIT_POLICY" not in env:
-        env.setdefault("GOMP_SPINCOUNT", "1000")  # as libkiln sets it (runtime/src/cpu.h)
+    env = dict(os.environ)  # KILN_SPIN_US: the pool's spin before sleeping (default 20)
     out = subprocess.run([str(exe)], env=env, capture_output=True, text=True, check=True)
     vals = out.stdout.split()
     region, median, pw, fma, lanes = (*map(float, vals[:4]), int(vals[4]))

@@ -70,9 +70,11 @@ class Options:
     #: build machine has; a "cpp" GEMM tile too large for a level's register file is replaced by
     #: that level's default tile in its GEMM file. Ignored unless march is "portable".
     cpu_levels: tuple[str, ...] = ("x86-64-v4", "x86-64-v3", "x86-64")
-    #: Parallelise the outer loop of every kernel with OpenMP.
+    #: Parallelise kernels over kiln's own thread pool (kiln_pool.h; the name is historical:
+    #: packages no longer link OpenMP's runtime). False: every kernel runs on the caller.
     openmp: bool = True
-    #: Threads used by kernels and BLAS at run time; 0 keeps the OpenMP/BLAS default.
+    #: Caps the team of every kernel at run time; 0: the run's budget (kiln_model_set_num_threads,
+    #: else OMP_NUM_THREADS, else the CPUs the process may use).
     num_threads: int = 0
     #: Parallel compiler processes; 0 means one per CPU.
     jobs: int = 0

@@ -191,6 +191,8 @@ int main(int argc, char **argv) {
   const double min_s = std::atof(argv[8]);
   const bool const_b = argc == 10 && argv[9][0] == 'c';
   kr::blas_single_threaded();
+  kr::Pool pool;  // as a package run: kiln's pool, OMP_NUM_THREADS (or all CPUs) threads
+  kr::RunScope pool_scope(&pool);
   const int64_t sb = const_b ? 0 : K * N;
   std::vector<T> A(nb * M * K + 1), B((const_b ? 1 : nb) * K * N + 1), C(nb * M * N + 1),
       Bp(@PACKED_SIZE@);

@@ -285,8 +285,9 @@ class Runner:
 
     @property
     def num_threads(self) -> int:
-        """This handle's OpenMP thread budget per run; 0 (the default) is automatic: the
-        caller's OpenMP thread count divided by the number of kiln runs in flight."""
+        """This handle's thread budget per run (the threads of the model's own pool); 0 (the
+        default) is automatic: OMP_NUM_THREADS, else the CPUs the process may use, divided
+        by the number of kiln runs in flight."""
         if self._handle is None:
             raise KilnError(f"kiln: runner for '{self._path}' is closed")
         return int(self._lib.kiln_model_num_threads(self._handle))
@@ -808,8 +809,8 @@ def load(path: str | os.PathLike[str], device: str = "cpu",
          world_size: int | None = None, comm_id: bytes | None = None) -> Runner:
     """Opens the package at ``path`` for ``device`` ("cpu", "cuda", "cuda:N"; the package must
     have been compiled for that kind of device) and returns a callable Runner. ``num_threads``:
-    OpenMP threads per run of this handle (CPU); None or 0 is automatic (the caller's OpenMP
-    thread count divided by the kiln runs in flight in the process).
+    threads per run of this handle (CPU: the model's own pool); None or 0 is automatic
+    (OMP_NUM_THREADS, else the CPUs the process may use, divided by the kiln runs in flight).
     ``rank``, ``world_size``, ``comm_id``: for a package whose program runs collectives, this
     process's rank among ``world_size`` ranks joined by ``comm_id`` (CUDA: NCCL, a
     `kiln.runtime.nccl_unique_id()` shared by the ranks; CPU: MPI under mpirun, comm_id

@@ -26,11 +26,12 @@
  *    runs on different models proceed in parallel.
  *  - The ABI is versioned by KILN_ABI_VERSION; functions are only ever added, never changed.
  *    KILN_ABI_MINOR counts the additions (kiln_abi_minor() >= N: the functions of minor N exist).
- *  - Threads (CPU models): a run uses the calling thread's OpenMP team size, divided between
- *    the runs in flight in the process: max(1, omp_get_max_threads() / active runs), so that
- *    several handles used from several threads share the cores instead of oversubscribing them.
- *    kiln_model_set_num_threads gives one handle a fixed budget instead. The calling thread's
- *    OpenMP setting is restored when the run returns.
+ *  - Threads (CPU models): a run's kernels use the model instance's own thread pool (no
+ *    OpenMP runtime), with a team of max(1, T / active runs), T = OMP_NUM_THREADS when set,
+ *    else the CPUs the process may run on, so that several handles used from several threads
+ *    share the cores instead of oversubscribing them. kiln_model_set_num_threads gives one
+ *    handle a fixed budget instead. (Packages compiled before the pool use their OpenMP: T is
+ *    then the calling thread's omp_get_max_threads(), restored when the run returns.)
  */
 #ifndef KILN_H
 #define KILN_H
@@ -129,8 +130,8 @@ KILN_API int kiln_model_update_weights(kiln_model *m, const char *safetensors_pa
 KILN_API const char *kiln_last_error(void);
 
 /* Thread budget of one handle (minor 1). num_threads > 0: every later run on m uses that many
- * OpenMP threads, whatever else runs in the process; 0 (the default): automatic, i.e.
- * max(1, omp_get_max_threads() of the calling thread / CPU runs in flight in the process).
+ * threads (the model's pool caps a team at 256), whatever else runs in the process; 0 (the
+ * default): automatic, i.e. max(1, T / CPU runs in flight in the process), T as above.
  * Fails on a NULL model or num_threads outside [0, 4096]. May be called at any time, also
  * while other threads run m: runs that already started keep their team size. No effect on a
  * CUDA model. */

@@ -11,9 +11,7 @@
 #include <cstring>
 #include <limits>
 #include <type_traits>
-#ifdef _OPENMP
-#include <omp.h>
-#endif
+#include "kiln_pool.h"  // kr::parallel_for, kr::team_cap: kiln's own thread pool
 
 // Complex elements: kiln only stores and moves them (ATen computes on them), so a pair of
 // reals with torch's layout is all kernels need.
@@ -36,16 +34,6 @@ template <class T> inline T lowest() {
 template <class T> inline T highest() {
   return std::numeric_limits<T>::has_infinity ? std::numeric_limits<T>::infinity()
                                               : std::numeric_limits<T>::max();
-}
-/* Team size of a kernel compiled with Options.num_threads = n: n, lowered to this run's
- * thread budget (omp_get_max_threads(), which libkiln sets per run) when that is smaller. */
-inline int team_cap(int n) {
-#ifdef _OPENMP
-  const int budget = omp_get_max_threads();
-  return budget < n ? budget : n;
-#else
-  return n;
-#endif
 }
 inline void flag(int32_t *status) { __atomic_store_n(status, 1, __ATOMIC_RELAXED); }
 

@@ -32,9 +32,7 @@ extern "C" {
 #include <cblas.h>
 }
 #endif
-#ifdef _OPENMP
-#include <omp.h>
-#endif
+#include "kiln_pool.h"  // kiln's own thread pool (no OpenMP runtime)
 
 namespace kr {
 
@@ -314,8 +312,8 @@ inline void gemm_block(bool ta, bool tb, int64_t M, int64_t N, int64_t K, const 
                       (int)M, (int)N, (int)K, 1.0, a, (int)lda, b, (int)ldb, 0.0, c, (int)ldc);
 }
 
-/* BLAS runs single-threaded inside kiln's one OpenMP pool: a second thread pool (OpenBLAS's
- * own) competing for the same cores made GEMMs several times slower. Called once per model. */
+/* BLAS runs single-threaded inside kiln's thread pool (kiln_pool.h): a second thread pool
+ * (OpenBLAS's own) competing for the same cores made GEMMs several times slower. Called once per model. */
 inline void blas_single_threaded() { scipy_openblas_set_num_threads(1); }
 #endif
 
@@ -330,16 +328,16 @@ inline void gemm_split(int64_t nb0, int64_t nb1, int64_t M, int64_t N, int64_t K
                        int64_t bs1, int64_t br, int64_t bc, T *C, Block block, Epi epi = {}) {
   const int64_t nb = nb0 * nb1;
   int threads = 1;
-#ifdef _OPENMP
-  if (static_cast<double>(nb) * M * N * K >= 262144.0) threads = omp_get_max_threads();
-#endif
+  if (static_cast<double>(nb) * M * N * K >= 262144.0) threads = max_threads();
   // element (m, k) of A sits at m*ar + k*ac in either layout, so sub-blocks are pointer offsets
   const bool by_rows = M >= N;
   const int64_t parts_mn = nb < threads ? std::max<int64_t>(1, std::min<int64_t>(
                                               threads, by_rows ? M : N)) : 1;
-#pragma omp parallel for collapse(2) schedule(static) if (threads > 1)
-  for (int64_t bi = 0; bi < nb; ++bi)
-    for (int64_t p = 0; p < parts_mn; ++p) {
+  // (batch, part) pairs flattened, static schedule over the team
+  parallel_for(nb * parts_mn, threads, [&](int64_t f0, int64_t f1) {
+  for (int64_t f = f0; f < f1; ++f) {
+    {
+      const int64_t bi = f / parts_mn, p = f % parts_mn;
       const int64_t b0 = bi / nb1, b1 = bi % nb1;
       const T *a = A + b0 * as0 + b1 * as1;
       const T *bb = B + b0 * bs0 + b1 * bs1;
@@ -354,6 +352,8 @@ inline void gemm_split(int64_t nb0, int64_t nb1, int64_t M, int64_t N, int64_t K
         epi(bi * M, bi * M + M, lo, hi);
       }
     }
+  }
+  });
 }
 
 /* The "cpp" backend: kiln's register-blocked GEMM (kiln_gemm.h) with the tile the autotuner
@@ -377,13 +377,11 @@ inline int gemm_cpp_packed(int64_t nb0, int64_t nb1, int64_t M, int64_t N, int64
                            const T *Bp, T *C, Epi epi = {}) {
   const int64_t nb = nb0 * nb1, P = (N + NR - 1) / NR;
   int threads = 1;
-#ifdef _OPENMP
-  if (static_cast<double>(nb) * M * N * K >= 262144.0) threads = omp_get_max_threads();
-#endif
+  if (static_cast<double>(nb) * M * N * K >= 262144.0) threads = max_threads();
   const bool by_rows = P < 2 * threads && M >= 2 * MR * threads;
   const int64_t parts = std::max<int64_t>(1, std::min<int64_t>(threads, by_rows ? (M + MR - 1) / MR : P));
-#pragma omp parallel for schedule(static) if (parts > 1) num_threads(parts)
-  for (int64_t t = 0; t < parts; ++t) {
+  parallel_for(parts, int(parts), [&](int64_t t0, int64_t t1) {
+  for (int64_t t = t0; t < t1; ++t) {
     static thread_local std::vector<T> apack;
     apack.resize(static_cast<size_t>(packed_apack_size<MR, KC>(M, K)));
     for (int64_t bi = 0; bi < nb; ++bi) {
@@ -405,6 +403,7 @@ inline int gemm_cpp_packed(int64_t nb0, int64_t nb1, int64_t M, int64_t N, int64
       }
     }
   }
+  });
   return 0;
 }
 

@@ -11,13 +11,15 @@
 // Invariants: no exception and no NULL dereference crosses this file's boundary; each failure
 // sets the thread-local error; a model library is never dlclose'd (output deleters live in it).
 //
-// Thread budget (CPU models): a run sets the calling thread's OpenMP team size (nthreads-var,
-// through the model library's own omp_set_num_threads) for its duration and restores it after.
-// The size is the handle's budget (kiln_model_set_num_threads), else max(1, T / active) where
-// T is the caller's omp_get_max_threads() and active the number of CPU runs in flight in the
-// process (all handles, all models), counted while they hold their model's mutex. Concurrent
-// runs thus share the cores instead of each forking a full team whose threads spin-wait while
-// the other team runs on the same cores.
+// Thread budget (CPU models): a run sets the calling thread's team size for its duration and
+// restores it after, through the model library's kiln_pool_set_num_threads (kiln's own pool,
+// runtime/model/kiln_pool.h: a per-thread setting read when the run starts; packages built
+// before the pool: the omp_set_num_threads of their libgomp). The size is the handle's budget
+// (kiln_model_set_num_threads), else max(1, T / active) where T is the library's
+// kiln_pool_get_max_threads() for the calling thread (OMP_NUM_THREADS, else the CPUs the
+// process may use) and active the number of CPU runs in flight in the process (all handles,
+// all models), counted while they hold their model's mutex. Concurrent runs thus share the
+// cores instead of each waking a full team whose threads spin while the other team runs.
 #include <dlfcn.h>
 #include <fcntl.h>
 #include <sys/mman.h>
@@ -144,9 +146,11 @@ struct kiln_model {
   int32_t device_id = 0;
   std::map<std::string, std::vector<int64_t>> weight_shapes;  // from the manifest, by name
   std::mutex mu;
-  // OpenMP of the model library (NULL when it has none, e.g. CUDA or openmp=False models)
-  int (*omp_get_max_threads)(void) = nullptr;
-  void (*omp_set_num_threads)(int) = nullptr;
+  // the team-size setting of the model library: its kiln pool's (kiln_pool_get_max_threads /
+  // kiln_pool_set_num_threads), or, in packages built before the pool, its OpenMP's; NULL
+  // when it has neither (CUDA models)
+  int (*get_max_threads)(void) = nullptr;
+  void (*set_num_threads)(int) = nullptr;
   std::atomic<int> num_threads{0};  // kiln_model_set_num_threads; 0: automatic
   std::string cpu_level;  // the -march of the loaded code (kiln_model_cpu_level)
   kiln::CopyIn copy_in;  // CPU inputs with other strides, copied compact (under mu)
@@ -162,21 +166,21 @@ constexpr int kMaxThreads = 4096;  // kiln_model_set_num_threads refuses more
 // CPU runs in flight in this process (inside their model's mutex), for the automatic budget.
 std::atomic<int> g_active_runs{0};
 
-// Sets the calling thread's OpenMP team size for one run and restores it (and the count of
+// Sets the calling thread's team size for one run and restores it (and the count of
 // active runs) when the run ends, however it ends.
 class ThreadBudget {
  public:
   explicit ThreadBudget(kiln_model *m) : m_(m) {
     const int active = g_active_runs.fetch_add(1) + 1;
-    if (!m->omp_get_max_threads || !m->omp_set_num_threads) return;
-    saved_ = m->omp_get_max_threads();
+    if (!m->get_max_threads || !m->set_num_threads) return;
+    saved_ = m->get_max_threads();
     const int fixed = m->num_threads.load(std::memory_order_relaxed);
     const int n = fixed > 0 ? fixed : std::max(1, saved_ / active);
-    if (n != saved_) m->omp_set_num_threads(n);
+    if (n != saved_) m->set_num_threads(n);
     else saved_ = 0;  // nothing to restore
   }
   ~ThreadBudget() {
-    if (saved_ > 0) m_->omp_set_num_threads(saved_);
+    if (saved_ > 0) m_->set_num_threads(saved_);
     g_active_runs.fetch_sub(1);
   }
   ThreadBudget(const ThreadBudget &) = delete;
@@ -187,14 +191,19 @@ class ThreadBudget {
   int saved_ = 0;
 };
 
-// Binds the OpenMP entry points the model library itself uses (its libgomp/libomp: the
-// process may hold another copy, e.g. torch's), or leaves them NULL.
-void bind_openmp(kiln_model *m, void *lib) {
-  void *get = ::dlsym(lib, "omp_get_max_threads");
-  void *set = ::dlsym(lib, "omp_set_num_threads");
+// Binds the team-size entry points of the model library: its kiln pool's, else (a package
+// built before the pool) those of the OpenMP it links (its libgomp: the process may hold
+// another copy, e.g. torch's), or leaves them NULL.
+void bind_threads(kiln_model *m, void *lib) {
+  void *get = ::dlsym(lib, "kiln_pool_get_max_threads");
+  void *set = ::dlsym(lib, "kiln_pool_set_num_threads");
+  if (!get || !set) {
+    get = ::dlsym(lib, "omp_get_max_threads");
+    set = ::dlsym(lib, "omp_set_num_threads");
+  }
   if (!get || !set) return;
-  std::memcpy(&m->omp_get_max_threads, &get, sizeof get);
-  std::memcpy(&m->omp_set_num_threads, &set, sizeof set);
+  std::memcpy(&m->get_max_threads, &get, sizeof get);
+  std::memcpy(&m->set_num_threads, &set, sizeof set);
 }
 
 template <class F>
@@ -227,6 +236,7 @@ struct ManifestInfo {
   std::vector<ModelEntry> entries;
   bool state_abi = false;
   bool share_weights = false;  // "state_abi" >= 2: weight_buffer / share_weight (devices)
+  bool links_openmp = false;  // requires.shared_libraries names libgomp (built before the pool)
   std::set<std::string> state_keys;  // weights records with "state": true
 };
 
@@ -384,6 +394,8 @@ ManifestInfo check_manifest(const kiln::ZipReader &zip) {
   info.weight_shapes = weight_shapes(man);
   const kiln::Json *sa = man.get("state_abi");
   info.state_abi = sa && sa->is_int && sa->integer >= 1;
+  for (const std::string &lib : strings(man.get("requires"), "shared_libraries", "manifest"))
+    if (lib.find("libgomp") != std::string::npos) info.links_openmp = true;
   info.share_weights = sa && sa->is_int && sa->integer >= 2;
   if (const kiln::Json *ws = man.get("weights"); ws && ws->type == kiln::Json::Array) {
     for (const kiln::Json &w : ws->items) {
@@ -690,9 +702,10 @@ KILN_API int kiln_model_load(const char *package_path, const char *device, kiln_
       const CpuLevel &level = pick_level(ent, package_path);
       if (e == 0) m->cpu_level = level.march;
       void *lib = nullptr;
-      if (!want_cuda && e == 0) kiln::set_openmp_spin_policy();  // before libgomp can load
+      // a package built before kiln's pool links libgomp: its spin count, before it loads
+      if (!want_cuda && e == 0 && info.links_openmp) kiln::set_openmp_spin_policy();
       ent.abi = open_library(*m->package, level.library, &lib);
-      if (!want_cuda && e == 0) bind_openmp(m.get(), lib);
+      if (!want_cuda && e == 0) bind_threads(m.get(), lib);
       if (want_cuda && (ent.abi->device_type != kDLCUDA || !ent.abi->create_on_device ||
                         !ent.abi->run_on_stream)) {
         kiln::fail("kiln: package '%s': its manifest says cuda but %s is not a CUDA model",

@@ -10,7 +10,8 @@ namespace kiln {
 // registers: XGETBV); 0: they do not; -1: `name` is not a feature this libkiln knows.
 int cpu_supports(const char *name);
 
-// The spin-wait of the OpenMP pool a CPU package's code starts (GNU libgomp), decided before
+// Packages compiled before kiln's own pool (kiln_pool.h) only, whose manifest names libgomp:
+// the spin-wait of the OpenMP pool a CPU package's code starts (GNU libgomp), decided before
 // the package's library is first loaded: idle team threads spin GOMP_SPINCOUNT pause
 // iterations before they sleep. libgomp's default (300000, ~7 ms at ~24 ns a pause on the
 // development VM's AMD EPYC) keeps a finished thread on its core while a team member that the

@@ -88,9 +88,12 @@ def toolchain(opts: Options, march: str | None = None) -> Toolchain:
     if march:
         cflags.append(f"-march={march}")
     ldflags = [f"-L{lib}", "-lscipy_openblas", f"-Wl,-rpath,{lib}"]
-    if opts.openmp:
-        cflags.append("-fopenmp")
-        ldflags.append("-fopenmp")
+    # `#pragma omp simd` only: threads come from kiln's own pool (kiln_pool.h), no libgomp.
+    # Options.openmp=False builds serial code (KILN_SERIAL: every region on the caller).
+    cflags += ["-fopenmp-simd", "-pthread"]
+    ldflags.append("-pthread")
+    if not opts.openmp:
+        cflags.append("-DKILN_SERIAL")
     if opts.sanitize:  # ASan/UBSan builds (Options.sanitize)
         cflags += [f"-fsanitize={opts.sanitize}", "-fno-omit-frame-pointer"]
         ldflags.append(f"-fsanitize={opts.sanitize}")
@@ -293,4 +296,4 @@ def compile_levels(state: Build) -> Build:
 
 def libraries(steps, gemms) -> list[str]:
     """The shared libraries a CPU package loads besides libkiln (the manifest's `requires`)."""
-    return ["libscipy_openblas.so (scipy-openblas32)", "libgomp.so (OpenMP)"]
+    return ["libscipy_openblas.so (scipy-openblas32)"]

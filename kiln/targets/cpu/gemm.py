@@ -120,9 +120,11 @@ def print_epilogue(g: L.Gemm) -> list[str]:
             f"// {e.name} over the whole result (after a BLAS GEMM; the Python wrapper)",
             f'extern "C" KILN_KERNEL void {epilogue_function(g.name)}({sig}) {{',
             f"  const int64_t rows = {rows}, cols = {cols};",
-            "  #pragma omp parallel for schedule(static) if (rows * cols >= 16384)",
-            "  for (int64_t r = 0; r < rows; ++r)",
-            f"    epi_rows_{g.name}(r, r + 1, 0, cols, {names});",
+            "  // rows over kiln's thread pool (kiln_pool.h), static bands",
+            "  kr::parallel_for(rows, rows * cols >= 16384 ? kr::max_threads() : 1, "
+            "[&](int64_t r0, int64_t r1) {",
+            f"    epi_rows_{g.name}(r0, r1, 0, cols, {names});",
+            "  });",
             "}", ""]
 
 

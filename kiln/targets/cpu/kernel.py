@@ -208,8 +208,8 @@ def _member_block(m: L.Compute, k: int, locals_: dict[str, str], rows: dict | No
     return ["{"] + ["  " + s for s in lines] + ["}"]
 
 
-# Elements of work below which a kernel runs on the calling thread: waking the OpenMP team
-# costs a few microseconds, more than a small loop takes.
+# Elements of work below which a kernel runs on the calling thread: waking the pool's team
+# (kiln_pool.h) costs a few microseconds, more than a small loop takes.
 PARALLEL_MIN_WORK = 16384
 
 
@@ -220,6 +220,49 @@ def kernel_work(kernel: Kernel) -> sympy.Expr:
         size = sympy.Mul(*m.shape) * sympy.Mul(*(m.reduce.sizes if m.reduce else ()))
         best = size if best == 1 else sympy.Max(best, size)
     return sympy.simplify(best) if not best.is_Integer else best
+
+
+def _chunk_loop(kernel: Kernel, body: list[str], outer_vars: list[str]) -> list[str]:
+    """Body of `<kernel>_chunk(kr_lo, kr_hi, ...)`: outer iterations [kr_lo, kr_hi) of the
+    row-major outer space, the innermost outer loop kept as a plain (vectorisable) loop."""
+    k = len(outer_vars)
+    sizes = [f"n_{v}" for v in outer_vars]
+    out = [f"  const int64_t {n} = {to_c(kernel.outer[d])};" for d, n in enumerate(sizes)]
+    last, n_last = outer_vars[-1], sizes[-1]
+    if k == 1:
+        out.append(f"  for (int64_t {last} = kr_lo; {last} < kr_hi; ++{last}) {{")
+        out += ["    " + s for s in body]
+        return out + ["  }"]
+    # the chunk's first outer index, then runs of the innermost outer loop, carrying
+    out += [f"  int64_t kr_q = kr_lo / {n_last};", f"  int64_t {last} = kr_lo % {n_last};"]
+    for d in reversed(range(1, k - 1)):
+        out += [f"  int64_t {outer_vars[d]} = kr_q % {sizes[d]};", f"  kr_q /= {sizes[d]};"]
+    out.append(f"  int64_t {outer_vars[0]} = kr_q;")
+    out.append("  for (int64_t kr_f = kr_lo; kr_f < kr_hi;) {")
+    out.append(f"    const int64_t kr_end = {n_last} - {last} < kr_hi - kr_f ? {n_last} : "
+               f"{last} + (kr_hi - kr_f);")
+    out.append(f"    kr_f += kr_end - {last};")
+    out.append(f"    for (; {last} < kr_end; ++{last}) {{")
+    out += ["      " + s for s in body]
+    out += ["    }", f"    {last} = 0;"]
+    carry = ""
+    for d in reversed(range(1, k - 1)):
+        carry += f"if (++{outer_vars[d]} == {sizes[d]}) {{ {outer_vars[d]} = 0; "
+    carry += f"++{outer_vars[0]};" + " }" * (k - 2)
+    return out + [f"    {carry}", "  }"]
+
+
+def _team(kernel: Kernel, num_threads: int) -> str:
+    """The team size expression of the kernel's parallel_for: the run's budget (capped by
+    Options.num_threads), 1 below PARALLEL_MIN_WORK elements of work (the former OpenMP `if`
+    clause)."""
+    work = kernel_work(kernel)
+    if work.is_Integer and int(work) < PARALLEL_MIN_WORK:
+        return "1"  # too little work to pay for waking threads
+    team = f"kr::team_cap({num_threads})" if num_threads else "kr::max_threads()"
+    if work.is_Integer:
+        return team
+    return f"{to_c(work)} >= {PARALLEL_MIN_WORK} ? {team} : 1"
 
 
 def print_kernel(kernel: Kernel, buffers: dict[str, L.Buffer], num_threads: int = 0,
@@ -255,28 +298,23 @@ def print_kernel(kernel: Kernel, buffers: dict[str, L.Buffer], num_threads: int 
     status = indexes_through_data(kernel)
     if status:
         sig.append("int32_t* __restrict__ kiln_status")
-    lines = [f"// {kernel.name}: {', '.join(m.name for m in kernel.members)}",
-             f"//   from graph nodes: {', '.join(kernel.source)}",
-             f'extern "C" KILN_KERNEL void {kernel.name}({", ".join(sig)}) {{']
+    head = [f"// {kernel.name}: {', '.join(m.name for m in kernel.members)}",
+            f"//   from graph nodes: {', '.join(kernel.source)}"]
+    entry = f'extern "C" KILN_KERNEL void {kernel.name}({", ".join(sig)}) {{'
     outer_vars = [f"i{d}" for d in range(k)]
     if k:
-        work = kernel_work(kernel)
-        # Options.num_threads caps the team; the run's budget (libkiln) may lower it
-        threads = f" num_threads(kr::team_cap({num_threads}))" if num_threads else ""
-        cond = "" if work.is_Integer and int(work) >= PARALLEL_MIN_WORK else \
-            f" if({to_c(work)} >= {PARALLEL_MIN_WORK})"
-        if work.is_Integer and int(work) < PARALLEL_MIN_WORK:
-            cond = " if(0)"  # too little work to pay for waking threads
-        lines.append(f"  #pragma omp parallel for collapse({k}) schedule(static)"
-                     f"{cond}{threads}")
-        for d, var in enumerate(outer_vars):
-            lines.append("  " * (d + 1) + f"for (int64_t {var} = 0; {var} < "
-                         f"{to_c(kernel.outer[d])}; ++{var}) {{")
-        ind = "  " * (k + 1)
-        lines += [ind + s for s in body]
-        for d in reversed(range(k)):
-            lines.append("  " * (d + 1) + "}")
+        # the outer space as one flat range over kiln's thread pool (kiln_pool.h, static
+        # schedule); each chunk runs in its own function, whose parameters keep __restrict__
+        sizes = [f"({to_c(n)})" for n in kernel.outer]
+        args = ", ".join(name if kind == "size" else f"buf_{name}" for kind, name in params)
+        args += ", kiln_status" if status else ""
+        lines = [*head, f"static __attribute__((noinline)) void {kernel.name}_chunk("
+                 f"int64_t kr_lo, int64_t kr_hi, {', '.join(sig)}) {{",
+                 *_chunk_loop(kernel, body, outer_vars), "}", entry,
+                 f"  kr::parallel_for({' * '.join(sizes)}, {_team(kernel, num_threads)}, "
+                 "[&](int64_t kr_lo, int64_t kr_hi) {",
+                 f"    {kernel.name}_chunk(kr_lo, kr_hi, {args});", "  });"]
     else:
-        lines += ["  " + s for s in body]
+        lines = [*head, entry, *("  " + s for s in body)]
     lines.append("}")
     return "\n".join(lines), params, status

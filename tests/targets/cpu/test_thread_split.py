@@ -1,11 +1,10 @@
-"""How CPU kernels split their work over OpenMP threads (issue 14, item 3): the direct convolution
+"""How CPU kernels split their work over threads (kiln_pool.h) (issue 14, item 3): the direct convolution
 (dense tasks of output-channel groups x row blocks, depthwise rows, the flat 1x1 row split by
 pixels), the prepacked GEMM (panel ranges, or row-block ranges when N has few panels) and the
 generated kernels (the outer loop), each above the size at which it goes parallel and with sizes
 that do not divide evenly among the tasks, compiled for up to 3 threads and run with budgets 1,
-2 and 3 against eager (float64 references). Also: the wait policy libkiln sets for the OpenMP
-pool a package starts (GOMP_SPINCOUNT, only in a process without libgomp and without the user's
-own setting)."""
+2 and 3 against eager (float64 references). Also: libkiln sets no OpenMP wait policy for a
+package with kiln's own pool (kiln_pool.h)."""
 
 from __future__ import annotations
 
@@ -157,16 +156,12 @@ def _child_spin(package, mode: str, **env: str) -> str:
     return out.stdout.strip()
 
 
-def test_spin_count_set_for_the_packages_own_pool(tiny_package):
-    # no torch, no libgomp yet: the package's pool gets kiln's spin count
-    assert _child_spin(tiny_package, "fresh") == "1000"
-
-
-def test_spin_count_left_to_the_user_and_to_a_loaded_pool(tiny_package):
-    assert _child_spin(tiny_package, "fresh", GOMP_SPINCOUNT="77") == "77"
-    assert _child_spin(tiny_package, "fresh", OMP_WAIT_POLICY="ACTIVE") == "-"
-    # libgomp already loaded (e.g. by torch): its settings were read; kiln sets nothing
+def test_no_openmp_settings_for_a_package_with_kilns_pool(tiny_package):
+    # the package has its own pool (kiln_pool.h), no libgomp: libkiln leaves GOMP_SPINCOUNT
+    # (which would reach a libgomp the process loads later, e.g. torch's) alone
+    assert _child_spin(tiny_package, "fresh") == "-"
     assert _child_spin(tiny_package, "preload") == "-"
+    assert _child_spin(tiny_package, "fresh", GOMP_SPINCOUNT="77") == "77"
 
 
 

@@ -87,9 +87,7 @@ int max_pool2d_nchwc(kr::Err &e, const char *where, float *out, int64_t oh, int6
 #include <cstdlib>
 #include <cmath>
 #include <cstring>
-#ifdef _OPENMP
-#include <omp.h>
-#endif
+#include "kiln_pool.h"
 #if defined(__AVX512F__) || defined(__AVX__)
 #include <immintrin.h>
 #endif
@@ -327,13 +325,8 @@ inline void dense_row(const Shape &s, const float *x, const float *w, int64_t ws
 inline bool even_split(int64_t units, int nt) { return units % nt == 0 || units >= 8 * nt; }
 
 inline int team(int64_t threads) {
-#ifdef _OPENMP
-  const int budget = omp_get_max_threads();
+  const int budget = kr::max_threads();
   return threads > 0 && threads < budget ? int(threads) : budget;
-#else
-  (void)threads;
-  return 1;
-#endif
 }
 
 template <int B, int OB>
@@ -439,13 +432,9 @@ void dense(const Shape &s, const float *x, const float *w, const float *bias, co
   const int64_t abytes = s.n * (s.icb * s.icn * s.ih * s.iw + s.ocb * B * s.oh * s.ow);
   const int64_t units = s.n * (s.oh == 1 ? s.ow / tile_px<B, 4>() : s.oh);
   if (par && abytes >= wbytes && units >= 2 * nt && even_split(units, nt)) {
-#pragma omp parallel num_threads(nt)
-    {
-#ifdef _OPENMP
-      dense_spatial_share<B>(s, x, w, bias, res, out, ep, omp_get_thread_num(),
-                             omp_get_num_threads());
-#endif
-    }
+    kr::parallel(nt, [&](int t, int m) {
+      dense_spatial_share<B>(s, x, w, bias, res, out, ep, t, m);
+    });
     return;
   }
   // tasks: (batch, group, block of rows, column segment), at least ~4 per thread
@@ -460,17 +449,17 @@ void dense(const Shape &s, const float *x, const float *w, const float *bias, co
   const int64_t nr = (s.oh + rblk - 1) / rblk;
   const int64_t tasks = base * nr * cseg;
   const int64_t cw = (s.ow + cseg - 1) / cseg;
-#pragma omp parallel for schedule(dynamic, 1) num_threads(nt) if (tasks > 1 && par)
-  for (int64_t t = 0; t < tasks; ++t) {
+  // tasks handed out one at a time (OpenMP's schedule(dynamic, 1))
+  kr::parallel_for_dynamic(tasks, tasks > 1 && par ? nt : 1, [&](int64_t t) {
     const int64_t cs = t % cseg, rest = t / cseg;
     const int64_t r = rest % nr, gi = (rest / nr) % ng, n = rest / nr / ng;
     const int64_t r0 = r * rblk, r1 = std::min(s.oh, r0 + rblk);
     const int64_t c0 = cs * cw, c1 = std::min(s.ow, c0 + cw);
-    if (c0 >= c1) continue;
+    if (c0 >= c1) return;
     int64_t g0, gn;
     gs.at(gi, g0, gn);
     dense_any<B>(s, x, w, bias, res, out, n, g0, gn, r0, r1, c0, c1, ep);
-  }
+  });
 }
 
 /* Depthwise: out[n, cb, oh, ow, :] = act(bias + sum over (ky, kx) of w[cb, ky, kx, :] *
@@ -593,13 +582,7 @@ void depthwise(const Shape &s, const float *x, const float *w, const float *bias
   const bool by_rows = even_split(s.n * s.oh, nt);
   const int64_t units = s.n * s.oh * (by_rows ? 1 : s.ocb);
   const bool par = nt > 1 && units >= nt && s.n * s.oh * s.ocb * s.ow * s.kh * s.kw >= 16384;
-#pragma omp parallel num_threads(nt) if (par)
-  {
-#ifdef _OPENMP
-    const int t = omp_get_thread_num(), m = omp_get_num_threads();
-#else
-    const int t = 0, m = 1;
-#endif
+  kr::parallel(par ? nt : 1, [&](int t, int m) {
     const int64_t u0 = units * t / m, u1 = units * (t + 1) / m;
     // rows [r0, r1) of image n, block cb
     auto rows = [&](int64_t n, int64_t cb, int64_t r0, int64_t r1) {
@@ -619,7 +602,7 @@ void depthwise(const Shape &s, const float *x, const float *w, const float *bias
         u += r1 - r0;
       }
     }
-  }
+  });
 }
 
 template <int B>
@@ -826,7 +809,7 @@ void block_channels(const Block &k, float *ebuf, float *dall, int t, int nt) {
         dw_row<B>(sd, ebuf, k.w2 + g0 * k.kh * k.kw * B, k.b2 + g0 * B, nullptr,
                   dall + n * dimg + g0 * k.oh * k.ow * B, k.e2, 0, j, r, lo, hi);
   }
-#pragma omp barrier
+  kr::barrier();  // the expanded and depthwise blocks are all written
   Shape sp{};
   sp.n = 1, sp.icb = k.hcb, sp.icn = B, sp.ih = 1, sp.iw = k.oh * k.ow;
   sp.ocb = k.ocb, sp.oh = 1, sp.ow = sp.iw, sp.kh = sp.kw = sp.sh = sp.sw = sp.dh = sp.dw = 1;
@@ -855,13 +838,7 @@ int run_block(kr::Err &e, const char *where, Block &k, int64_t threads) {
     const size_t bytes = ((size_t(per * nt + dall) * sizeof(float)) + 63) / 64 * 64;
     float *buf = static_cast<float *>(std::aligned_alloc(64, bytes));
     if (!buf) return e.fail("%s: cannot allocate the %zu-byte block buffers", where, bytes);
-#pragma omp parallel num_threads(nt)
-    {
-#ifdef _OPENMP
-      block_channels<B>(k, buf + dall + per * omp_get_thread_num(), buf, omp_get_thread_num(),
-                        omp_get_num_threads());
-#endif
-    }
+    kr::parallel(nt, [&](int t, int m) { block_channels<B>(k, buf + dall + per * t, buf, t, m); });
     std::free(buf);
     return 0;
   }
@@ -869,16 +846,10 @@ int run_block(kr::Err &e, const char *where, Block &k, int64_t threads) {
   const size_t bytes = ((size_t(per) * nt * sizeof(float)) + 63) / 64 * 64;
   float *buf = static_cast<float *>(std::aligned_alloc(64, bytes));
   if (!buf) return e.fail("%s: cannot allocate the %zu-byte band buffers", where, bytes);
-#pragma omp parallel num_threads(nt) if (nt > 1)
-  {
-#ifdef _OPENMP
-    const int t = omp_get_thread_num(), m = omp_get_num_threads();
-#else
-    const int t = 0, m = 1;
-#endif
+  kr::parallel(nt, [&](int t, int m) {
     float *eb = buf + per * t;
     block_share<B>(k, eb, eb + k.hcb * k.in_rows * k.w * B, t, m);
-  }
+  });
   std::free(buf);
   return 0;
 }
@@ -977,20 +948,15 @@ int max_pool(kr::Err &e, const char *where, float *out, int64_t oh, int64_t ow, 
   // the same (image, row) shares as the convolutions around it (kiln_conv.h's spatial split)
   const int64_t units = n * oh;
   const int nt = team(threads);
-#pragma omp parallel num_threads(nt) if (nt > 1 && units >= nt && units * cb * ow * kh * kw >= 16384)
-  {
-#ifdef _OPENMP
-    const int t = omp_get_thread_num(), m = omp_get_num_threads();
-#else
-    const int t = 0, m = 1;
-#endif
+  kr::parallel(nt > 1 && units >= nt && units * cb * ow * kh * kw >= 16384 ? nt : 1,
+               [&](int t, int m) {
     for (int64_t u = units * t / m; u < units * (t + 1) / m; ++u) {
       const int64_t i = u / oh, r = u % oh;
       for (int64_t c = 0; c < cb; ++c)
         pool_row<B>(x.data + (i * cb + c) * ih * iw * B, out + ((i * cb + c) * oh + r) * ow * B,
                     ih, iw, ow, r, kh, kw, sh, sw, ph, pw, dh, dw);
     }
-  }
+  });
   return 0;
 }
 

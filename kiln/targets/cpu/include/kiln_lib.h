@@ -18,6 +18,7 @@
 #include <cstdint>
 #include <initializer_list>
 #include <limits>
+#include <mutex>
 #include <type_traits>
 #include <utility>
 #include <vector>
@@ -83,11 +84,11 @@ template <class T>
 int sort(kr::Err &, const char *, T *vals, int64_t *idx, bool descending, bool stable,
          View<T> x) {
   const int64_t rows = rows_of(x), n = row_len(x), s = row_stride(x);
-#pragma omp parallel if (rows > 1 && rows * n > 4096)
-  {
+  // rows in static bands over the team; each member sorts with its own scratch
+  kr::parallel_for(rows, rows > 1 && rows * n > 4096 ? kr::max_threads() : 1,
+                   [&](int64_t r0, int64_t r1) {
     std::vector<std::pair<T, int64_t>> pairs(stable ? 0 : static_cast<size_t>(n));
-#pragma omp for schedule(static)
-    for (int64_t r = 0; r < rows; ++r) {
+    for (int64_t r = r0; r < r1; ++r) {
       const T *row = x.data + x.offset(r, x.rank - 1);
       int64_t *ix = idx + r * n;
       if (stable) {
@@ -110,7 +111,7 @@ int sort(kr::Err &, const char *, T *vals, int64_t *idx, bool descending, bool s
         ix[j] = pairs[j].second;
       }
     }
-  }
+  });
   return 0;
 }
 
@@ -127,11 +128,10 @@ int topk(kr::Err &, const char *, T *vals, int64_t *idx, int64_t k, bool largest
   auto first = [largest](const P &a, const P &b) {
     return largest ? less(b.first, a.first) : less(a.first, b.first);
   };
-#pragma omp parallel if (rows > 1 && rows * n > 4096)
-  {
+  kr::parallel_for(rows, rows > 1 && rows * n > 4096 ? kr::max_threads() : 1,
+                   [&](int64_t r0, int64_t r1) {
     std::vector<P> q(static_cast<size_t>(n));
-#pragma omp for schedule(static)
-    for (int64_t r = 0; r < rows; ++r) {
+    for (int64_t r = r0; r < r1; ++r) {
       const T *row = x.data + x.offset(r, x.rank - 1);
       for (int64_t j = 0; j < n; ++j) q[j] = {row[j * s], j};
       if (k > 0 && k * 64 <= n) {
@@ -145,7 +145,7 @@ int topk(kr::Err &, const char *, T *vals, int64_t *idx, int64_t k, bool largest
         idx[r * k + j] = q[j].second;
       }
     }
-  }
+  });
   return 0;
 }
 
@@ -163,8 +163,8 @@ template <class Out, class In>
 int scan(kr::Err &, const char *, Out *out, int64_t kind, View<In> x) {
   using A = acc_t<Out>;
   const int64_t rows = rows_of(x), n = row_len(x), s = row_stride(x);
-#pragma omp parallel for schedule(static) if (rows > 1 && rows * n > 4096)
-  for (int64_t r = 0; r < rows; ++r) {
+  kr::parallel_for(rows, rows > 1 && rows * n > 4096 ? kr::max_threads() : 1, [&](int64_t r0_, int64_t r1_) {
+  for (int64_t r = r0_; r < r1_; ++r) {
     const In *row = x.data + x.offset(r, x.rank - 1);
     A acc = kind == kScanProd ? A(1) : kind == kScanSum ? A(0) : A(-INFINITY);
     for (int64_t j = 0; j < n; ++j) {
@@ -175,6 +175,7 @@ int scan(kr::Err &, const char *, Out *out, int64_t kind, View<In> x) {
       out[r * n + j] = static_cast<Out>(acc);
     }
   }
+  });
   return 0;
 }
 
@@ -183,8 +184,8 @@ int scan(kr::Err &, const char *, Out *out, int64_t kind, View<In> x) {
 template <class T>
 int scan_extreme(kr::Err &, const char *, T *vals, int64_t *idx, bool is_max, View<T> x) {
   const int64_t rows = rows_of(x), n = row_len(x), s = row_stride(x);
-#pragma omp parallel for schedule(static) if (rows > 1 && rows * n > 4096)
-  for (int64_t r = 0; r < rows; ++r) {
+  kr::parallel_for(rows, rows > 1 && rows * n > 4096 ? kr::max_threads() : 1, [&](int64_t r0_, int64_t r1_) {
+  for (int64_t r = r0_; r < r1_; ++r) {
     const T *row = x.data + x.offset(r, x.rank - 1);
     T best = n ? row[0] : T();
     int64_t at = 0;
@@ -198,6 +199,7 @@ int scan_extreme(kr::Err &, const char *, T *vals, int64_t *idx, bool is_max, Vi
       idx[r * n + j] = at;
     }
   }
+  });
   return 0;
 }
 
@@ -257,11 +259,12 @@ int put_counted(kr::Err &e, const char *where, T *out, int64_t *counts, int64_t 
     same = self.size(d) == 1 || self.stride(d) == st;
     st *= self.size(d);
   }
-#pragma omp parallel for schedule(static) if (total > 65536 && !same)
-  for (int64_t p = 0; p < (same ? 0 : total); ++p) {
+  kr::parallel_for((same ? 0 : total), total > 65536 && !same ? kr::max_threads() : 1, [&](int64_t p0_, int64_t p1_) {
+  for (int64_t p = p0_; p < p1_; ++p) {
     out[p] = self.at(p);
     if (counts) counts[p] = include_self ? 1 : 0;
   }
+  });
   // An update-space dim that is also a destination coordinate (`par`) splits the updates into
   // ranges of it that write disjoint places: threads take one range each and walk the update
   // space in row-major order within it (updates of one place keep their order, memory is
@@ -286,7 +289,7 @@ int put_counted(kr::Err &e, const char *where, T *out, int64_t *counts, int64_t 
         const int64_t n = self.size(d);
         if (wrap && c < 0 && c >= -n) c += n;
         if (c < 0 || c >= n) {
-#pragma omp critical(kl_put_error)
+          std::lock_guard<std::mutex> lock(kr::team_critical());  // first error only
           if (!failed) {
             failed = 1;
             e.fail("index out of range in %s: index %lld is out of bounds for dim %d of size "
@@ -324,15 +327,9 @@ int put_counted(kr::Err &e, const char *where, T *out, int64_t *counts, int64_t 
   };
   for (int pass = include_self ? 1 : 0; pass < 2 && !failed; ++pass) {
     if (par >= 0 && slices > 1 && iters > 65536) {
-#pragma omp parallel
-      {
-        int64_t t = 0, nt = 1;
-#ifdef _OPENMP
-        t = omp_get_thread_num();
-        nt = omp_get_num_threads();
-#endif
+      kr::parallel(kr::max_threads(), [&](int t, int nt) {
         range(slices * t / nt, slices * (t + 1) / nt, pass == 1);
-      }
+      });
     } else {
       range(0, slices, pass == 1);
     }
@@ -410,8 +407,8 @@ int embedding_bag_weighted(kr::Err &e, const char *where, T *out, int64_t mode,
       return e.fail("%s: offsets[%lld] = %lld is not in [offsets[%lld], %lld]", where,
                     (long long)b, (long long)o, (long long)(b > 0 ? b - 1 : 0), (long long)n);
   }
-#pragma omp parallel for schedule(static) if (bags * D > 4096)
-  for (int64_t b = 0; b < bags; ++b) {
+  kr::parallel_for(bags, bags * D > 4096 ? kr::max_threads() : 1, [&](int64_t b0_, int64_t b1_) {
+  for (int64_t b = b0_; b < b1_; ++b) {
     const int64_t lo = static_cast<int64_t>(offsets.at(b));
     const int64_t hi = b + 1 < offsets.numel() ? static_cast<int64_t>(offsets.at(b + 1)) : n;
     T *o = out + b * D;
@@ -433,6 +430,7 @@ int embedding_bag_weighted(kr::Err &e, const char *where, T *out, int64_t mode,
     else if (mode == kBagMean)
       for (int64_t c = 0; c < D; ++c) o[c] /= static_cast<T>(used);
   }
+  });
   return 0;
 }
 

@@ -60,7 +60,7 @@ int qgemm(kr::Err &e, const char *where, kr::bfloat16 *out, int64_t mode, int64_
 #include <vector>
 
 #include <immintrin.h>
-#include <omp.h>
+#include "kiln_pool.h"
 
 namespace kl {
 namespace qg {
@@ -73,7 +73,7 @@ constexpr int CHUNK = 8;    // panels per dequantised chunk (128 columns)
 inline int64_t cdiv(int64_t a, int64_t b) { return (a + b - 1) / b; }
 
 inline int nthreads(int64_t threads, int64_t tasks) {
-  int64_t nt = threads > 0 ? threads : omp_get_max_threads();
+  int64_t nt = threads > 0 ? threads : kr::max_threads();
   if (nt > tasks) nt = tasks;
   return nt < 1 ? 1 : static_cast<int>(nt);
 }
@@ -401,11 +401,9 @@ inline int weight_only(kr::Err &e, const char *where, float *out, int64_t mode, 
 #ifdef KILN_WITH_BLAS
   if (M >= QGEMM_BLAS_M) {
     const int64_t chunks = cdiv(P, CHUNK);
-#pragma omp parallel num_threads(nthreads(threads, chunks))
-    {
+    kr::parallel_for(chunks, nthreads(threads, chunks), [&](int64_t c0, int64_t c1) {
       std::vector<float> buf(static_cast<size_t>(kp * CHUNK * NB));
-#pragma omp for schedule(static)
-      for (int64_t c = 0; c < chunks; ++c) {
+      for (int64_t c = c0; c < c1; ++c) {
         const int64_t p0 = c * CHUNK, np = std::min<int64_t>(CHUNK, P - p0);
         dequant_chunk(mode, Q, S, kp, group, p0, np, buf.data());
         const int64_t cols = std::min<int64_t>(np * NB, n - p0 * NB);
@@ -414,12 +412,12 @@ inline int weight_only(kr::Err &e, const char *where, float *out, int64_t mode, 
                           (int)n);
         add_bias(out + p0 * NB, n, M, cols, bias ? bias + p0 * NB : nullptr);
       }
-    }
+    });
     return 0;
   }
 #endif
-#pragma omp parallel for schedule(static) num_threads(nthreads(threads, P))
-  for (int64_t p = 0; p < P; ++p) {
+  kr::parallel_for(P, nthreads(threads, P), [&](int64_t p0_, int64_t p1_) {
+  for (int64_t p = p0_; p < p1_; ++p) {
     const int nv = static_cast<int>(std::min<int64_t>(NB, n - p * NB));
     row_blocks(M, [&](auto r, int64_t m0) {
       constexpr int R = decltype(r)::value;
@@ -432,6 +430,7 @@ inline int weight_only(kr::Err &e, const char *where, float *out, int64_t mode, 
     });
     add_bias(out + p * NB, n, M, nv, bias ? bias + p * NB : nullptr);
   }
+  });
   return 0;
 }
 
@@ -471,8 +470,8 @@ inline int vnni(kr::Err &e, const char *where, float *out, int64_t mode, int64_t
   const int8_t *Q = q.data;
   const float *S = s.data;
   const int32_t *W = wsum.data;
-#pragma omp parallel for schedule(static) num_threads(nthreads(threads, P))
-  for (int64_t p = 0; p < P; ++p) {
+  kr::parallel_for(P, nthreads(threads, P), [&](int64_t p0_, int64_t p1_) {
+  for (int64_t p = p0_; p < p1_; ++p) {
     const int nv = static_cast<int>(std::min<int64_t>(NB, n - p * NB));
     row_blocks(M, [&](auto r, int64_t m0) {
       constexpr int R = decltype(r)::value;
@@ -481,6 +480,7 @@ inline int vnni(kr::Err &e, const char *where, float *out, int64_t mode, int64_t
     });
     add_bias(out + p * NB, n, M, nv, bias ? bias + p * NB : nullptr);
   }
+  });
   return 0;
 }
 
@@ -494,8 +494,8 @@ inline int bf16(kr::Err &e, const char *where, kr::bfloat16 *out, int64_t mode, 
   const std::vector<kr::bfloat16> xp = padded_rows(x, M, k, kp);
   const uint16_t *X = reinterpret_cast<const uint16_t *>(xp.data());
   const uint16_t *Q = reinterpret_cast<const uint16_t *>(q.data);
-#pragma omp parallel for schedule(static) num_threads(nthreads(threads, P))
-  for (int64_t p = 0; p < P; ++p) {
+  kr::parallel_for(P, nthreads(threads, P), [&](int64_t p0_, int64_t p1_) {
+  for (int64_t p = p0_; p < p1_; ++p) {
     const int nv = static_cast<int>(std::min<int64_t>(NB, n - p * NB));
     row_blocks(M, [&](auto r, int64_t m0) {
       constexpr int R = decltype(r)::value;
@@ -503,6 +503,7 @@ inline int bf16(kr::Err &e, const char *where, kr::bfloat16 *out, int64_t mode, 
                     bias ? bias + p * NB : nullptr);
     });
   }
+  });
   return 0;
 }
 

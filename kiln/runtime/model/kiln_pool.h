@@ -1,0 +1,450 @@
+/* kiln_pool.h - kiln's own thread pool, compiled into every generated CPU model.so (namespace
+ * kr). CPU packages parallelise through it instead of OpenMP: no libgomp is linked (packages
+ * are compiled with -fopenmp-simd, which keeps `#pragma omp simd` and nothing else), so the
+ * spin-wait of idle threads is kiln's own and does not depend on who loaded libgomp first
+ * (BENCHMARKS.md, "CPU: kiln's own thread pool (issue 14 item 3)").
+ *
+ * - One Pool per model instance (the wrapper's Instance holds it): its worker threads are
+ *   started on the first region that needs them (up to the largest team asked for), and
+ *   joined when the instance is destroyed. libkiln serialises runs of one instance, so one
+ *   pool serves one run at a time.
+ * - A run's entry point opens a RunScope: on the calling thread, kernels then reach the
+ *   instance's pool and the run's thread budget through a thread_local (tls()). Without a
+ *   scope (a kernel called from the debugging model.py, a test driver) regions run serially.
+ * - The budget: kiln_pool_set_num_threads(n) (exported, per calling thread, as OpenMP's
+ *   nthreads-var: libkiln sets it around each run, runtime/src/api.cpp), else
+ *   default_threads(): OMP_NUM_THREADS when set (kept for compatibility), else the CPUs this
+ *   process may run on.
+ * - The calling thread is member 0 of every team. Waiting threads (workers between regions,
+ *   the caller at a region's end, a barrier) spin for spin_ns (KILN_SPIN_US, default 20 us;
+ *   bench/threads_cpu.py --variant KILN_SPIN_US=...) and then sleep on a futex.
+ * - A region inside a region (nested) runs serially on the thread that meets it.
+ * - An exception in a team member is caught, the team's barriers are released (the others
+ *   leave them with TeamAborted), the region ends and the first exception is rethrown on the
+ *   calling thread: nothing hangs.
+ * - fork: a child process has only the forking thread. A pthread_atfork handler bumps an
+ *   epoch; a pool whose workers were started in an older epoch forgets them (it cannot join
+ *   threads that do not exist in the child) and starts fresh ones on its next region, so a
+ *   child can run the model it inherited. (The pool must not be in a region at fork time,
+ *   which holds because the forking thread is then not in a run of that instance.)
+ */
+#ifndef KILN_POOL_H
+#define KILN_POOL_H
+
+#include <linux/futex.h>
+#include <pthread.h>
+#include <sched.h>
+#include <sys/syscall.h>
+#include <time.h>
+#include <unistd.h>
+
+#include <atomic>
+#include <climits>
+#include <cstdint>
+#include <cstdlib>
+#include <exception>
+#include <memory>
+#include <mutex>
+#include <new>
+#include <type_traits>
+#include <utility>
+#include <vector>
+
+#if defined(__x86_64__) || defined(__i386__)
+#include <immintrin.h>
+#define KR_POOL_PAUSE() _mm_pause()
+#elif defined(__aarch64__)
+#define KR_POOL_PAUSE() asm volatile("yield" ::: "memory")
+#else
+#define KR_POOL_PAUSE() asm volatile("" ::: "memory")
+#endif
+
+namespace kr {
+
+namespace pool_detail {
+
+inline void futex_wait(std::atomic<uint32_t> *a, uint32_t v) {
+  ::syscall(SYS_futex, reinterpret_cast<uint32_t *>(a), FUTEX_WAIT_PRIVATE, v, nullptr,
+            nullptr, 0);
+}
+inline void futex_wake_all(std::atomic<uint32_t> *a) {
+  ::syscall(SYS_futex, reinterpret_cast<uint32_t *>(a), FUTEX_WAKE_PRIVATE, INT_MAX, nullptr,
+            nullptr, 0);
+}
+inline uint64_t now_ns() {
+  timespec ts;
+  ::clock_gettime(CLOCK_MONOTONIC, &ts);
+  return uint64_t(ts.tv_sec) * 1000000000u + uint64_t(ts.tv_nsec);
+}
+
+/* Waits until *a != v: spins spin_ns, then sleeps on the futex (`sleepers` counts the
+ * sleepers so that wakers skip the system call when nobody sleeps). `abort` (may be NULL)
+ * ends the wait early when it becomes non-zero (checked by the waker's wake too). */
+inline void wait_change(std::atomic<uint32_t> &a, uint32_t v, std::atomic<uint32_t> &sleepers,
+                        uint64_t spin_ns, const std::atomic<uint32_t> *abort = nullptr) {
+  uint64_t deadline = 0;
+  for (uint32_t i = 0;; ++i) {
+    if (a.load(std::memory_order_acquire) != v) return;
+    if (abort && abort->load(std::memory_order_acquire)) return;
+    if ((i & 63) == 0) {
+      const uint64_t t = now_ns();
+      if (!deadline) deadline = t + spin_ns;
+      else if (t >= deadline) break;
+    }
+    KR_POOL_PAUSE();
+  }
+  sleepers.fetch_add(1, std::memory_order_seq_cst);
+  while (a.load(std::memory_order_seq_cst) == v &&
+         !(abort && abort->load(std::memory_order_seq_cst)))
+    futex_wait(&a, v);
+  sleepers.fetch_sub(1, std::memory_order_relaxed);
+}
+/* After changing `a` (seq_cst): wakes its sleepers, if any. */
+inline void wake(std::atomic<uint32_t> &a, std::atomic<uint32_t> &sleepers) {
+  if (sleepers.load(std::memory_order_seq_cst)) futex_wake_all(&a);
+}
+
+inline std::atomic<uint32_t> &fork_epoch() {
+  static std::atomic<uint32_t> epoch{0};  // bumped in every forked child (pthread_atfork)
+  return epoch;
+}
+inline void on_fork_child() { fork_epoch().fetch_add(1, std::memory_order_relaxed); }
+inline void watch_forks() {
+  static std::once_flag once;
+  std::call_once(once, [] { ::pthread_atfork(nullptr, nullptr, on_fork_child); });
+}
+
+inline uint64_t spin_ns_from_env() {
+  const char *s = std::getenv("KILN_SPIN_US");
+  if (s && *s) {
+    char *end = nullptr;
+    const long v = std::strtol(s, &end, 10);
+    if (end != s && v >= 0 && v <= 1000000) return uint64_t(v) * 1000u;
+  }
+  return 20000;  // 20 us
+}
+
+}  // namespace pool_detail
+
+/* Thrown in the members of a team left at a barrier by a member that failed. */
+struct TeamAborted {};
+
+/* The team of one region, shared by its members. */
+struct Team {
+  int size = 1;
+  uint64_t spin_ns = 0;
+  std::atomic<uint32_t> arrived{0};
+  std::atomic<uint32_t> phase{0};
+  std::atomic<uint32_t> sleepers{0};
+  std::atomic<uint32_t> failed{0};
+  std::mutex mu;  // team_critical
+  std::mutex error_mu;
+  std::exception_ptr error;  // the first exception of a member (under error_mu)
+
+  void fail(std::exception_ptr e) {
+    {
+      std::lock_guard<std::mutex> g(error_mu);
+      if (!error) error = std::move(e);
+    }
+    failed.store(1, std::memory_order_seq_cst);
+    phase.fetch_add(1, std::memory_order_seq_cst);  // releases the barrier's waiters
+    pool_detail::futex_wake_all(&phase);
+  }
+  void barrier() {
+    if (size <= 1) return;
+    const uint32_t ph = phase.load(std::memory_order_acquire);
+    if (failed.load(std::memory_order_acquire)) throw TeamAborted{};
+    if (arrived.fetch_add(1, std::memory_order_acq_rel) + 1 == uint32_t(size)) {
+      arrived.store(0, std::memory_order_relaxed);
+      phase.fetch_add(1, std::memory_order_seq_cst);
+      pool_detail::wake(phase, sleepers);
+    } else {
+      pool_detail::wait_change(phase, ph, sleepers, spin_ns, &failed);
+    }
+    if (failed.load(std::memory_order_acquire)) throw TeamAborted{};
+  }
+};
+
+class Pool;
+
+/* Per-thread state: the pool and budget of the run this thread is in (RunScope), the team of
+ * the region it is in, and the budget libkiln asked for (kiln_pool_set_num_threads). */
+struct PoolThread {
+  Pool *pool = nullptr;
+  int budget = 1;
+  Team *team = nullptr;
+  int requested = 0;  // 0: default_threads()
+};
+inline PoolThread &tls() {
+  static thread_local PoolThread t;
+  return t;
+}
+
+/* Threads of a run without a set budget: OMP_NUM_THREADS (its first number) when set, else the
+ * CPUs this process may run on (sched_getaffinity), read once. */
+inline int default_threads() {
+  static const int n = [] {
+    if (const char *s = std::getenv("OMP_NUM_THREADS")) {
+      char *end = nullptr;
+      const long v = std::strtol(s, &end, 10);
+      if (end != s && v > 0 && v <= 4096) return int(v);
+    }
+    cpu_set_t set;
+    if (::sched_getaffinity(0, sizeof set, &set) == 0 && CPU_COUNT(&set) > 0)
+      return CPU_COUNT(&set);
+    const long c = ::sysconf(_SC_NPROCESSORS_ONLN);
+    return c > 0 ? int(c) : 1;
+  }();
+  return n;
+}
+inline int requested_threads() {
+  const int r = tls().requested;
+  return r > 0 ? r : default_threads();
+}
+
+class Pool {
+ public:
+  static constexpr int kMaxTeam = 256;  // larger budgets (up to libkiln's 4096) are capped
+
+  Pool() : spin_ns_(pool_detail::spin_ns_from_env()) { pool_detail::watch_forks(); }
+  ~Pool() { stop(); }
+  Pool(const Pool &) = delete;
+  Pool &operator=(const Pool &) = delete;
+
+  uint64_t spin_ns() const { return spin_ns_; }
+  int workers() const { return int(workers_.size()); }
+
+  /* Runs fn(ctx, t, nt) for t in [0, nt): t = 0 on the calling thread, the others on workers
+   * (started when first needed). Returns when all are done; rethrows the first exception. */
+  void run(int nt, void (*fn)(void *, int, int), void *ctx) {
+    if (nt > kMaxTeam) nt = kMaxTeam;
+    if (epoch_ != pool_detail::fork_epoch().load(std::memory_order_relaxed)) forget_workers();
+    if (nt > int(workers_.size()) + 1) grow(nt - 1);
+    nt = std::min(nt, int(workers_.size()) + 1);  // fewer when a thread could not start
+    Team team;
+    team.size = nt;
+    team.spin_ns = spin_ns_;
+    fn_ = fn;
+    ctx_ = ctx;
+    team_ = &team;
+    pending_.store(uint32_t(nt - 1), std::memory_order_relaxed);
+    for (int w = 0; w < nt - 1; ++w) {
+      Worker &k = *workers_[w];
+      k.go.fetch_add(1, std::memory_order_seq_cst);
+      pool_detail::wake(k.go, k.sleepers);
+    }
+    member(&team, fn, ctx, 0);
+    // wait for the others
+    for (;;) {
+      const uint32_t p = pending_.load(std::memory_order_acquire);
+      if (p == 0) break;
+      pool_detail::wait_change(pending_, p, done_sleepers_, spin_ns_);
+    }
+    if (team.error) std::rethrow_exception(team.error);
+  }
+
+ private:
+  struct alignas(64) Worker {
+    std::atomic<uint32_t> go{0};
+    std::atomic<uint32_t> sleepers{0};
+    pthread_t thread{};
+    Pool *pool = nullptr;
+    int id = 0;  // team member id (1..)
+  };
+
+  static void member(Team *team, void (*fn)(void *, int, int), void *ctx, int t) {
+    PoolThread &me = tls();
+    PoolThread saved = me;
+    me.team = team;
+    try {
+      fn(ctx, t, team->size);
+    } catch (const TeamAborted &) {
+      // another member failed first; its exception is the region's
+    } catch (...) {
+      team->fail(std::current_exception());
+    }
+    me.pool = saved.pool;
+    me.team = saved.team;
+  }
+
+  static void *main(void *arg) {
+    Worker &k = *static_cast<Worker *>(arg);
+    Pool &p = *k.pool;
+    PoolThread &me = tls();
+    me.pool = nullptr;  // regions met inside a member run serially
+    me.budget = 1;
+    uint32_t seen = 0;
+    for (;;) {
+      pool_detail::wait_change(k.go, seen, k.sleepers, p.spin_ns_);
+      seen = k.go.load(std::memory_order_acquire);
+      if (p.stopping_.load(std::memory_order_acquire)) return nullptr;
+      member(p.team_, p.fn_, p.ctx_, k.id);
+      if (p.pending_.fetch_sub(1, std::memory_order_seq_cst) == 1)
+        pool_detail::wake(p.pending_, p.done_sleepers_);
+    }
+  }
+
+  void grow(int n) {
+    workers_.reserve(size_t(n));
+    while (int(workers_.size()) < n) {
+      std::unique_ptr<Worker> k(new Worker);
+      k->pool = this;
+      k->id = int(workers_.size()) + 1;
+      if (::pthread_create(&k->thread, nullptr, &Pool::main, k.get()) != 0) break;
+      workers_.push_back(std::move(k));
+    }
+    epoch_ = pool_detail::fork_epoch().load(std::memory_order_relaxed);
+  }
+
+  void stop() {
+    if (epoch_ != pool_detail::fork_epoch().load(std::memory_order_relaxed)) {
+      forget_workers();
+      return;
+    }
+    stopping_.store(true, std::memory_order_seq_cst);
+    for (auto &k : workers_) {
+      k->go.fetch_add(1, std::memory_order_seq_cst);
+      pool_detail::futex_wake_all(&k->go);
+    }
+    for (auto &k : workers_) ::pthread_join(k->thread, nullptr);
+    workers_.clear();
+  }
+
+  // In a forked child: the workers are the parent's; their records (not the threads, which do
+  // not exist here) are dropped without joining.
+  void forget_workers() {
+    for (auto &k : workers_) (void)k.release();  // leaked on purpose: a dead thread's slot
+    workers_.clear();
+    epoch_ = pool_detail::fork_epoch().load(std::memory_order_relaxed);
+  }
+
+  std::vector<std::unique_ptr<Worker>> workers_;
+  uint32_t epoch_ = 0;
+  uint64_t spin_ns_;
+  // the region in progress (written by the caller before it signals the workers)
+  void (*fn_)(void *, int, int) = nullptr;
+  void *ctx_ = nullptr;
+  Team *team_ = nullptr;
+  alignas(64) std::atomic<uint32_t> pending_{0};
+  std::atomic<uint32_t> done_sleepers_{0};
+  std::atomic<bool> stopping_{false};
+};
+
+/* Opened by a run's entry point (the generated wrapper): kernels called on this thread until
+ * it closes use `pool` with the budget requested for this thread (libkiln's per-run budget). */
+class RunScope {
+ public:
+  explicit RunScope(Pool *pool) : saved_(tls()) {
+    PoolThread &me = tls();
+    me.pool = pool;
+    me.budget = requested_threads();
+    me.team = nullptr;
+  }
+  ~RunScope() {
+    PoolThread &me = tls();
+    me.pool = saved_.pool;
+    me.budget = saved_.budget;
+    me.team = saved_.team;
+  }
+  RunScope(const RunScope &) = delete;
+  RunScope &operator=(const RunScope &) = delete;
+
+ private:
+  PoolThread saved_;
+};
+
+/* Team size a region started here may have: the run's budget, or 1 inside a region or
+ * outside a run (and in builds with KILN_SERIAL, Options.openmp=False). */
+inline int max_threads() {
+#ifdef KILN_SERIAL
+  return 1;
+#else
+  const PoolThread &me = tls();
+  return me.pool && !me.team ? me.budget : 1;
+#endif
+}
+
+/* Team size of a kernel compiled with Options.num_threads = n: n, lowered to this run's
+ * thread budget when that is smaller. */
+inline int team_cap(int n) {
+  const int budget = max_threads();
+  return budget < n ? budget : n;
+}
+
+/* Runs f(t, m) on a team of m = nt threads (t = 0 on the calling thread); serially, f(0, 1),
+ * when nt <= 1, nested or outside a run. The team's members may call barrier() and
+ * team_critical(). A team larger than the budget is allowed (an explicit num_threads). */
+template <class F>
+inline void parallel(int nt, F &&f) {
+  PoolThread &me = tls();
+#ifdef KILN_SERIAL
+  nt = 1;
+#endif
+  if (nt <= 1 || !me.pool || me.team) {
+    Team solo;  // barrier() and team_critical() work (trivially) in a serial region too
+    Team *saved = me.team;
+    me.team = &solo;
+    struct Restore { PoolThread &me; Team *saved; ~Restore() { me.team = saved; } } r{me, saved};
+    f(0, 1);
+    return;
+  }
+  using Fn = typename std::remove_reference<F>::type;
+  me.pool->run(nt, [](void *ctx, int t, int m) { (*static_cast<Fn *>(ctx))(t, m); },
+               const_cast<void *>(static_cast<const void *>(&f)));
+}
+
+/* The barrier of the calling thread's team (no-op outside a region). */
+inline void barrier() {
+  if (Team *t = tls().team) t->barrier();
+}
+
+/* The mutex of the calling thread's team (OpenMP's `critical`); one per region. */
+inline std::mutex &team_critical() {
+  static thread_local std::mutex solo;
+  Team *t = tls().team;
+  return t ? t->mu : solo;
+}
+
+/* Static schedule: [0, n) cut into nt contiguous chunks, f(lo, hi) for each non-empty one
+ * (chunk t is [n t / nt, n (t+1) / nt)); nt is lowered to n. Serial (f(0, n)) when nt <= 1. */
+template <class F>
+inline void parallel_for(int64_t n, int nt, F &&f) {
+  if (n <= 0) return;
+  if (int64_t(nt) > n) nt = int(n);
+  const PoolThread &me = tls();
+  if (nt <= 1 || !me.pool || me.team) {  // serial: one chunk
+    f(int64_t(0), n);
+    return;
+  }
+  parallel(nt, [&](int t, int m) {
+    const int64_t lo = n * t / m, hi = n * (t + 1) / m;
+    if (lo < hi) f(lo, hi);
+  });
+}
+
+/* Dynamic schedule with chunks of one: f(i) for every i in [0, n), each taken by the next
+ * free member of a team of nt. */
+template <class F>
+inline void parallel_for_dynamic(int64_t n, int nt, F &&f) {
+  if (n <= 0) return;
+  if (int64_t(nt) > n) nt = int(n);
+  std::atomic<int64_t> next{0};
+  parallel(nt, [&](int, int) {
+    for (int64_t i; (i = next.fetch_add(1, std::memory_order_relaxed)) < n;) f(i);
+  });
+}
+
+}  // namespace kr
+
+/* The budget entry points libkiln looks up in a model library (dlsym; runtime/src/api.cpp):
+ * per calling thread, as OpenMP's omp_set_num_threads / omp_get_max_threads. Printed once per
+ * model library (its wrapper). */
+#define KILN_POOL_ENTRY_POINTS                                                            \
+  extern "C" __attribute__((visibility("default"))) int kiln_pool_get_max_threads(void) { \
+    return kr::requested_threads();                                                       \
+  }                                                                                       \
+  extern "C" __attribute__((visibility("default"))) void kiln_pool_set_num_threads(int n) { \
+    kr::tls().requested = n > 0 ? n : 0;                                                  \
+  }
+
+#endif

@@ -1,0 +1,280 @@
+"""kiln's own thread pool in CPU packages (runtime/model/kiln_pool.h; issue 14 item 3): the
+same package run at budgets 1, 2 and 3 gives the 1-thread results (generated kernels, GEMMs,
+the direct convolution, sort / topk, quantised GEMV / GEMM) and eager's; packages link no
+libgomp; two runners with different budgets in one process, also from two Python threads at
+once; a process that imported torch first (torch's libgomp loaded) runs the package on the
+pool's workers; a forked child runs a package its parent had run on several threads; the
+pool's primitives on their own (a C++ driver): coverage, barrier, critical, nested regions,
+exceptions."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+import threading
+import zipfile
+
+import pytest
+import torch
+from torch import nn
+
+import kiln
+from kiln.config import cxx
+
+ROOT = os.path.abspath(os.path.join(os.path.dirname(__file__), "../../../"))
+BUDGETS = (1, 2, 3)
+
+
+class Mixed(nn.Module):
+    """A GEMM, a dense and a depthwise convolution with a max pool, pointwise kernels with a
+    row reduction over a 3-d outer space, and sort / topk (library routines)."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(300, 257)
+        self.conv = nn.Conv2d(16, 32, 3, padding=1)
+        self.dw = nn.Conv2d(32, 32, 3, padding=1, groups=32)
+
+    def forward(self, x, img, z):
+        y = torch.tanh(self.fc(x)) * 2 + 1
+        c = torch.relu(self.dw(torch.relu(self.conv(img))))
+        p = torch.nn.functional.max_pool2d(c, 2)
+        w = torch.sigmoid(z) * z
+        return y, y.sum(-1), p, w, w.amax(-1), torch.sort(y, -1)[0], torch.topk(y, 5, -1)[0]
+
+
+def _args(seed: int):
+    g = torch.Generator().manual_seed(seed)
+    return (torch.randn(389, 300, generator=g), torch.randn(3, 16, 23, 21, generator=g),
+            torch.randn(5, 7, 1031, generator=g))
+
+
+@pytest.fixture(scope="module")
+def mixed(tmp_path_factory):
+    m = Mixed().eval()
+    return m, kiln.compile(m, _args(0)).save(tmp_path_factory.mktemp("pool") / "mixed.kiln")
+
+
+def _run(path, n, args):
+    with kiln.load(path, num_threads=n) as r:
+        out = r(*args)
+        return [t.clone() for t in (out if isinstance(out, (tuple, list)) else (out,))]
+
+
+def test_budgets_give_the_serial_results(mixed):
+    m, path = mixed
+    for seed in (1, 2):
+        args = _args(seed)
+        serial = _run(path, 1, args)
+        with torch.no_grad():
+            want = m(*args)
+        for g, w in zip(serial, want):
+            torch.testing.assert_close(g, w, rtol=1e-4, atol=1e-4)
+        for n in BUDGETS[1:]:
+            for g, s in zip(_run(path, n, args), serial):
+                torch.testing.assert_close(g, s, rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("mode", ["int8", "int4"])
+def test_quantised_gemv_and_gemm_at_every_budget(tmp_path, mode):
+    m = nn.Linear(200, 1000).eval()  # 63 panels of 16 columns
+    cm = kiln.compile(m, (torch.randn(8, 200),),
+                      dynamic_shapes=({0: torch.export.Dim("b", min=1, max=64)},),
+                      options=kiln.Options(weight_quant=mode, weight_quant_group=24 if
+                                           mode == "int4" else 32))
+    assert "qgemm" in "".join(cm.sources)
+    path = cm.save(tmp_path / "q.kiln")
+    for rows in (1, 5, 40):  # GEMV, register blocks, dequantised panels for BLAS
+        x = torch.randn(rows, 200, generator=torch.Generator().manual_seed(rows))
+        serial = _run(path, 1, (x,))
+        tol = 0.05 if mode == "int8" else 0.5  # the grid's rounding (test_qgemm.py bounds it)
+        torch.testing.assert_close(serial[0], m(x).detach(), rtol=tol, atol=tol)
+        for n in BUDGETS[1:]:
+            torch.testing.assert_close(_run(path, n, (x,))[0], serial[0], rtol=1e-6, atol=1e-6)
+
+
+def test_package_links_no_libgomp(mixed, tmp_path):
+    _, path = mixed
+    with zipfile.ZipFile(path) as z:
+        man = json.loads(z.read("manifest.json"))
+        z.extract("lib/model.so", tmp_path)
+    assert not any("gomp" in s or "OpenMP" in s for s in man["requires"]["shared_libraries"])
+    ldd = subprocess.run(["ldd", str(tmp_path / "lib/model.so")], capture_output=True,
+                         text=True, check=True).stdout
+    assert "libscipy_openblas" in ldd  # the check can see dependencies
+    assert "gomp" not in ldd and "libomp" not in ldd and "libiomp" not in ldd, ldd
+    nm = subprocess.run(["nm", "-D", "--defined-only", str(tmp_path / "lib/model.so")],
+                        capture_output=True, text=True, check=True).stdout
+    assert "kiln_pool_set_num_threads" in nm and "kiln_pool_get_max_threads" in nm
+
+
+def test_two_runners_with_different_budgets(mixed):
+    m, path = mixed
+    args = [_args(10 + k) for k in range(3)]
+    want = [_run(path, 1, a) for a in args]
+    errors: list[str] = []
+    with kiln.load(path, num_threads=1) as r1, kiln.load(path, num_threads=3) as r3:
+        for k, a in enumerate(args):  # alternately in one thread
+            for r in (r1, r3, r1):
+                for g, w in zip(r(*a), want[k]):
+                    torch.testing.assert_close(g, w, rtol=1e-6, atol=1e-6)
+
+        def work(r, t):
+            for i in range(6):
+                k = (t + i) % len(args)
+                for g, w in zip(r(*args[k]), want[k]):
+                    if not torch.allclose(g, w, rtol=1e-6, atol=1e-6):
+                        errors.append(f"thread {t} run {i}: wrong result")
+
+        ths = [threading.Thread(target=work, args=(r, t)) for t, r in enumerate((r1, r3, r3))]
+        for th in ths:
+            th.start()
+        for th in ths:
+            th.join()
+    assert not errors, errors[:5]
+
+
+_TORCH_FIRST = textwrap.dedent("""
+    import json, os, sys
+    import torch
+    torch.set_num_threads(2)
+    torch.randn(512, 512) @ torch.randn(512, 512)  # torch's OpenMP pool is started
+    import kiln
+    maps = open("/proc/self/maps").read()
+    def tasks():
+        return len(os.listdir("/proc/self/task"))
+    x = (torch.randn(389, 300), torch.randn(3, 16, 23, 21), torch.randn(5, 7, 1031))
+    res = {"gomp_in_process": "libgomp" in maps}
+    with kiln.load(sys.argv[1], num_threads=3) as r:
+        base = tasks()
+        r(*x)
+        res["workers"] = tasks() - base
+        libs = [l.split()[-1] for l in open("/proc/self/maps") if "model.so" in l]
+    res["model_libs"] = sorted(set(libs))
+    print(json.dumps(res))
+""")
+
+
+def test_torch_imported_first_runs_on_kilns_pool(mixed):
+    """torch's libgomp is loaded and started before kiln: the package still runs on its own
+    pool (two workers at budget 3), whose spin policy is kiln's (no GOMP_SPINCOUNT to miss)."""
+    _, path = mixed
+    env = {k: v for k, v in os.environ.items() if k not in ("GOMP_SPINCOUNT", "OMP_WAIT_POLICY")}
+    env["PYTHONPATH"] = ROOT
+    proc = subprocess.run([sys.executable, "-c", _TORCH_FIRST, str(path)], env=env,
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    got = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert got["gomp_in_process"]
+    assert got["workers"] == 2, got
+    for lib in got["model_libs"]:
+        ldd = subprocess.run(["ldd", lib], capture_output=True, text=True).stdout
+        assert "gomp" not in ldd, (lib, ldd)
+
+
+_FORK = textwrap.dedent("""
+    import faulthandler, os, sys
+    import torch
+    import kiln
+    x = (torch.randn(389, 300), torch.randn(3, 16, 23, 21), torch.randn(5, 7, 1031))
+    with kiln.load(sys.argv[1], num_threads=2) as r:
+        want = [t.clone().numpy() for t in r(*x)]  # the parent's pool has a worker
+        pid = os.fork()
+        if pid == 0:  # the child: the worker does not exist here
+            faulthandler.dump_traceback_later(60, exit=True)
+            # compared with numpy: torch's own OpenMP (libgomp) may hang in a forked child
+            ok = all((g.numpy() == w).all() for g, w in zip(r(*x), want))
+            ok = ok and all((g.numpy() == w).all() for g, w in zip(r(*x), want))
+            os._exit(0 if ok else 3)
+        _, status = os.waitpid(pid, 0)
+        assert all((g.numpy() == w).all() for g, w in zip(r(*x), want))  # the parent's too
+    print("exit", os.waitstatus_to_exitcode(status))
+""")
+
+
+def test_forked_child_runs_the_model(mixed):
+    _, path = mixed
+    proc = subprocess.run([sys.executable, "-c", _FORK, str(path)],
+                          env={**os.environ, "PYTHONPATH": ROOT}, capture_output=True,
+                          text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.stdout.strip().splitlines()[-1] == "exit 0", proc.stdout
+
+
+_POOL_CPP = r"""
+#include "kiln_pool.h"
+#include <cstdio>
+#include <stdexcept>
+#include <vector>
+#define CHECK(c) do { if (!(c)) { std::printf("FAIL line %d: %s\n", __LINE__, #c); return 1; } } while (0)
+int main(int argc, char **argv) {
+  const int nt = std::atoi(argv[1]);
+  kr::Pool pool;
+  kr::tls().requested = nt;  // as libkiln's kiln_pool_set_num_threads
+  kr::RunScope scope(&pool);
+  CHECK(kr::max_threads() == nt);
+  for (int64_t n : {0, 1, 2, 3, 7, 1000, 100003}) {  // every index once, static and dynamic
+    std::vector<int> hits(size_t(n), 0);
+    kr::parallel_for(n, nt, [&](int64_t lo, int64_t hi) { for (int64_t i = lo; i < hi; ++i) ++hits[i]; });
+    for (int h : hits) CHECK(h == 1);
+    kr::parallel_for_dynamic(n, nt, [&](int64_t i) { ++hits[i]; });
+    for (int h : hits) CHECK(h == 2);
+  }
+  // team ids, sizes, a barrier between two phases, a critical section
+  std::vector<int> a(64, 0);
+  long sum = 0;
+  int size_seen = 0;
+  kr::parallel(nt, [&](int t, int m) {
+    size_seen = m;
+    for (int i = t; i < 64; i += m) a[i] = i;
+    kr::barrier();
+    long part = 0;
+    for (int i = (t + 1) % m; i < 64; i += m) part += a[i];  // another member's writes
+    std::lock_guard<std::mutex> g(kr::team_critical());
+    sum += part;
+  });
+  CHECK(size_seen == nt);
+  CHECK(sum == 63 * 64 / 2);
+  // nested regions run serially on the member that meets them
+  int inner_sizes = 0;
+  kr::parallel(nt, [&](int, int) {
+    kr::parallel(nt, [&](int, int m) { std::lock_guard<std::mutex> g(kr::team_critical()); inner_sizes += m; });
+  });
+  CHECK(inner_sizes == nt);
+  // an exception in a member: no hang (others leave the barrier), rethrown on the caller
+  for (int who = 0; who < nt; ++who) {
+    bool caught = false;
+    try {
+      kr::parallel(nt, [&](int t, int) {
+        if (t == who) throw std::runtime_error("boom");
+        kr::barrier();
+        kr::barrier();
+      });
+    } catch (const std::runtime_error &) { caught = true; }
+    CHECK(caught);
+  }
+  // the pool still works after the failures
+  std::vector<int> hits(5000, 0);
+  kr::parallel_for(5000, nt, [&](int64_t lo, int64_t hi) { for (int64_t i = lo; i < hi; ++i) ++hits[i]; });
+  for (int h : hits) CHECK(h == 1);
+  std::printf("OK %d\n", pool.workers());
+  return 0;
+}
+"""
+
+
+@pytest.mark.parametrize("nt", [1, 2, 3, 5])
+def test_pool_primitives(tmp_path, nt):
+    """kiln_pool.h on its own: chunks and dynamic tasks cover a range once, team ids, barrier,
+    critical, nested regions serial, an exception in any member rethrown without a hang."""
+    src, exe = tmp_path / "pool.cpp", tmp_path / "pool"
+    src.write_text(_POOL_CPP)
+    inc = os.path.join(ROOT, "kiln", "runtime", "model")
+    subprocess.run([cxx(), "-std=c++17", "-O1", "-pthread", f"-I{inc}", str(src), "-o",
+                    str(exe)], check=True)
+    out = subprocess.run([str(exe), str(nt)], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert out.stdout.strip() == f"OK {nt - 1}", out.stdout
