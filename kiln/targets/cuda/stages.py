@@ -14,8 +14,10 @@
     conv_nhwc         (Options.cuda_conv "implicit") 2-D convolutions as channels-last kiln
                       kernels, batch norm folded, epilogues fused (passes/conv_nhwc.py)
     mixed_gemm        (Triton GEMMs allowed) GEMMs of int8 tensors converted to float read int8
-    lower             Graph IR -> Loop IR
-    schedule          Loop IR -> kernels (Triton kernels keep tiles: no per-thread rows)
+    lower             Graph IR -> Loop IR; sums of a GEMM's result read several times
+                      stored once, for the GEMM's epilogue (passes/store_once.py)
+    schedule          Loop IR -> kernels (Triton kernels keep tiles: no per-thread rows);
+                      tiny members gathered into fewer launches (schedule's `tiny`)
     reorder           (Options.reorder_for_memory) the order of lowest peak memory
     gemm_autotune     each GEMM's backend (cuBLAS / cuBLASLt, Triton template, CUTLASS)
     fuse_gemms        GEMMs absorb their epilogue (Triton template, CUTLASS visitor tree)
@@ -50,7 +52,7 @@ from kiln.targets.cuda.build import (CudaBuild, check_routines, codegen_triton, 
                                      tunes_attention, tunes_kernels, user_kernel_configs)
 from kiln.targets.collectives import async_collectives, has_collectives
 from kiln.targets.cuda.quant import quant_enabled, quant_weights
-from kiln.targets.stages import (DCE, FREEZE, LOWER, MERGE_GEMMS, PLAN, REORDER, SCHEDULE,
+from kiln.targets.stages import (DCE, FREEZE, LOWER_STORING_SUMS, MERGE_GEMMS, PLAN, REORDER, SCHEDULE_TINY,
                                  Stage, Target, check_graph, check_program, graph_text,
                                  import_stage, program_stage, program_text, source_files,
                                  steps_text)
@@ -66,8 +68,8 @@ TARGET = Target("cuda", (
     FREEZE,
     Stage("conv_nhwc", nhwc_conv, dump=graph_text, verify=check_graph, when=nhwc_conv_enabled),
     Stage("mixed_gemm", mixed_gemm, dump=graph_text, verify=check_graph, when=triton_allowed),
-    LOWER,
-    SCHEDULE,
+    LOWER_STORING_SUMS,
+    SCHEDULE_TINY,
     REORDER,
     Stage("gemm_autotune", gemm_autotune),
     Stage("fuse_gemms", fuse_gemm_epilogues, dump=steps_text),
