@@ -37,7 +37,8 @@ from kiln.gemm.configs import BlasLtConfig
 from kiln.options import GemmBackend, Options
 from kiln.passes.mixed_gemm import mixed_gemms
 from kiln.schedule import Kernel
-from kiln.schedule.steps import GemmKernel
+from kiln.schedule.puts import fuse_puts
+from kiln.schedule.steps import GemmKernel, PutKernel
 from kiln.targets.cuda import user_triton
 from kiln.targets.cuda.attention import choose_attention_config, print_attention_kernel
 from kiln.targets.cuda.conv_template import ROUTINE as CONV_ROUTINE
@@ -49,7 +50,7 @@ from kiln.targets.cuda.gemv_template import print_template_kernel
 from kiln.targets.cuda.kernel import choose_config, print_triton_kernel, print_triton_module
 from kiln.passes.dce import dce
 from kiln.passes.gqa_attention import fold_repeat_kv
-from kiln.targets.cuda.put import print_put_kernels
+from kiln.targets.cuda.put import print_fused_puts, print_put_kernels
 from kiln.targets.cuda.launch_tune import device_available, tune, tune_attention
 from kiln.targets.cuda.ops import PRELUDE
 from kiln.targets.cuda.wrapper import (blaslt_choices, capturable, cubin_blob, not_capturable,
@@ -204,6 +205,12 @@ def fuse_gemm_epilogues(state: Build) -> Build:
     return replace(state, steps=fuse_gemms(state.steps, state.gemms, _kept(state.loop)))
 
 
+def fuse_put_calls(state: Build) -> Build:
+    """KV-cache writes (small `put` calls) in one launch with the one-row kernel before them
+    (schedule/puts.py)."""
+    return replace(state, steps=fuse_puts(state.steps))
+
+
 def _check_fnuz(g) -> None:
     """float8_e4m3fnuz / float8_e5m2fnuz have no Triton type on NVIDIA (Triton's fp8e4b8 /
     fp8e5b16 are AMD's): refused, naming the first input, weight or value that has one."""
@@ -264,7 +271,8 @@ def launch_autotune_conv(state: CudaBuild) -> CudaBuild:
 def codegen_triton(state: CudaBuild) -> CudaBuild:
     """Every kernel, GEMM template kernel and attention call as Triton, in one module."""
     configs = {**_heuristic_configs(state), **state.configs}
-    launched = [s for s in L.flat_steps(state.steps) if isinstance(s, (Kernel, GemmKernel))]
+    launched = [s for s in L.flat_steps(state.steps)
+                if isinstance(s, (Kernel, GemmKernel, PutKernel))]
     tks = triton_kernels(launched + attention_steps(state.steps) + conv_steps(state.steps)
                          + put_steps(state.steps), L.all_buffers(state.loop), _hints(state),
                          configs)
@@ -421,6 +429,9 @@ def triton_kernels(steps, buffers, hints: dict[str, int], configs: dict | None =
             out.append(print_template_kernel(s, buffers))  # GEMM or GEMV template
         elif isinstance(s, Kernel):
             out.append(print_triton_kernel(s, buffers, hints, configs.get(s.name)))
+        elif isinstance(s, PutKernel):  # one program: a kernel, then the scatters
+            out.append(print_fused_puts(s, buffers, hints, configs.get(s.name)))
+            out.extend(print_put_kernels(p, buffers)[0] for p in s.puts)  # copies
         elif isinstance(s, L.Extern) and s.routine == "attention":
             out.append(print_attention_kernel(s, buffers, hints, configs.get(s.name)))
         elif isinstance(s, L.Extern) and s.routine == CONV_ROUTINE:

@@ -6,8 +6,11 @@
 - tiny members gathered (schedule's `tiny`, CUDA): a small pointwise node joins the last
   kernel across GEMMs / library calls it does not read, even where the kernel's outer shrinks
   (a decode step's query rotary embedding joins the keys' one, across the cache writes);
+- KV-cache writes fused (schedule/puts.py): the small `put` calls after a one-row kernel
+  run in its program, after a barrier;
 - the Llama decode step's kernels per layer: at most `PER_LAYER` (was 10: the residual sum's
-  row kernel, the o projection on cuBLAS, the queries' rotary kernel are gone), counted from
+  row kernel, the o projection on cuBLAS, the queries' rotary kernel and the two cache
+  writes' launches are gone), counted from
   the manifest at 2 and 3 layers (the difference is one layer), and the whole step at most
   PER_LAYER * layers + 3 (rotary tables, head, position counters).
 
@@ -40,10 +43,10 @@ from kiln.schedule import Kernel, schedule  # noqa: E402
 OPTS = Options(cuda_archs=(90,), autotune=False)
 TRITON_ONLY = Options(cuda_archs=(90,), autotune=False, gemm_backends=("triton",))
 
-#: kernels per Llama layer in a decode step: q/k/v GEMV (RMSNorm prologue), rotary of q and k,
-#: the two cache writes, attention, o GEMV (+ residual), gate/up GEMV (RMSNorm prologue),
-#: down GEMV (silu*mul prologue, + residual)
-PER_LAYER = 8
+#: kernels per Llama layer in a decode step: q/k/v GEMV (RMSNorm prologue), rotary of q and k
+#: with the two cache writes (one program), attention, o GEMV (+ residual), gate/up GEMV
+#: (RMSNorm prologue), down GEMV (silu*mul prologue, + residual)
+PER_LAYER = 6
 
 
 class ResTwice(torch.nn.Module):
@@ -80,6 +83,25 @@ class TinyAcross(torch.nn.Module):
         c = torch.cos(y) + 1  # independent of b: joins a's kernel before the GEMM
         d = b * 3  # reads the GEMM: stays after it
         return b, c, d
+
+
+class TwoWrites(torch.nn.Module):
+    """A static cache written at two positions, the second write reading the first's
+    output as its `self` (chained puts on one state: the second may not join the first's
+    launch), then the row after both writes; and a second cache written once (joins)."""
+
+    def __init__(self, dtype=torch.float32):
+        super().__init__()
+        g = torch.Generator().manual_seed(2)
+        self.register_buffer("c", torch.randn(2, 8, 4, generator=g).to(dtype))
+        self.register_buffer("d", torch.randn(2, 8, 4, generator=g).to(dtype))
+
+    def forward(self, a, b, p, q):
+        a = torch.sin(a)
+        self.d[:, p] = a * 3
+        self.c[:, p] = a
+        self.c[:, q] = b
+        return self.c * 1, self.d * 1
 
 
 def _graph(m, args):
@@ -166,6 +188,24 @@ def test_large_members_are_not_gathered():
     assert isinstance(steps[2], Kernel) and steps[2].source == ("add",), steps[2].source
 
 
+def _two_writes_args(dtype=torch.float32, p=1, q=5):
+    g = torch.Generator().manual_seed(4)
+    return (torch.randn(2, 1, 4, generator=g).to(dtype), torch.randn(2, 1, 4, generator=g)
+            .to(dtype), torch.tensor([p]), torch.tensor([q]))
+
+
+def test_chained_puts_are_not_fused_together():
+    cm = kiln.compile(torch.export.export(TwoWrites(), _two_writes_args()), device="cuda",
+                      options=OPTS)
+    ks = cm.manifest["kernels"]
+    fused = [k for k in ks if k["kind"] == "triton_put"]
+    plain = [k for k in ks if k["kind"] == "lib.put"]
+    # sin(a) * 3 -> d and a -> c after the kernel computing them; c's second write reads the
+    # first's output as `self`: a launch of its own
+    assert len(fused) == 1 and len(plain) == 1, [(k["kind"], k["source_ops"]) for k in ks]
+    assert sum(s.startswith("index_put") for s in fused[0]["source_ops"]) == 2
+
+
 def _decode_kernels(layers, dtype=torch.bfloat16, opts=OPTS):
     pytest.importorskip("transformers")
     from kiln.models.hf_decoder import export_step, llama
@@ -183,11 +223,13 @@ def test_decode_step_kernels_per_layer():
     assert len(k3) <= PER_LAYER * 3 + 3, len(k3)
     kinds = [k["kind"] for k in k3]
     assert kinds.count("blas_gemm") == 0 and kinds.count("triton_gemv") == 4 * 3 + 1, kinds
-    # one row kernel per layer: the rotary embedding of the queries and of the keys together
-    rows = [k for k in k3 if k["kind"] == "triton"]
-    rot = [k for k in rows if any("attention" in s for s in k["source_ops"])
-           and any(s.startswith("index_put") for s in k["source_ops"])]
-    assert len(rot) == 3, [k["source_ops"] for k in rows]
+    # one row kernel per layer: the rotary embedding of the queries and of the keys, then
+    # the key and value rows written into the cache, in one program (schedule/puts.py)
+    assert kinds.count("triton_put") == 3 and "lib.put" not in kinds, kinds
+    for k in (k for k in k3 if k["kind"] == "triton_put"):
+        src = k["source_ops"]
+        assert sum(s.startswith("index_put") for s in src) == 2, src
+        assert any("attention" in s for s in src), src
 
 
 def _print_decode_kernels(layers=16, hidden=2048):  # the lead's listing (not a test)
@@ -214,6 +256,33 @@ _INTERP = textwrap.dedent("""
                 ("tiny_fp32", TinyAcross(), [(1, 64), (1, 16)], torch.float32, TRITON_ONLY)]
 
     bad = []
+    from test_decode_kernels import TwoWrites, _two_writes_args
+    for dt, (p, q) in ((torch.float32, (1, 5)), (torch.float32, (7, -1)), (torch.float16, (0, 3))):
+        args = _two_writes_args(dt, p, q)
+        b = kiln.compile(torch.export.export(TwoWrites(dt), args), device="cuda",
+                         options=OPTS).built
+        mod = import_triton_module(b.sources["kernels_triton.py"])
+        bufs = {x.name: x for x in b.loop.buffers}
+        ks = {k.name: k for k in triton_kernels(b.steps, bufs, {})}
+        got = run_program(b.program, ks, mod, b.weights, list(args))
+        want = TwoWrites(dt).double()(*[a.double() if a.is_floating_point() else a
+                                       for a in args])
+        for o, r in zip(got, want):
+            err = (o.double().reshape(r.shape) - r).abs().max().item()
+            print("two writes", dt, p, q, err)
+            if not err <= (1e-6 if dt == torch.float32 else 3e-3):
+                bad.append(f"two writes {dt} {p} {q}: {err}")
+    try:  # a write past the cache: an error from the fused launch
+        args = _two_writes_args(torch.float32, 9, 1)
+        b = kiln.compile(torch.export.export(TwoWrites(), _two_writes_args()), device="cuda",
+                         options=OPTS).built
+        mod = import_triton_module(b.sources["kernels_triton.py"])
+        bufs = {x.name: x for x in b.loop.buffers}
+        ks = {k.name: k for k in triton_kernels(b.steps, bufs, {})}
+        run_program(b.program, ks, mod, b.weights, list(args))
+        bad.append("position 9 of an 8-long cache was accepted")
+    except IndexError as e:
+        print("out of range:", e)
     for name, m, shapes, dtype, opts in cases():
         torch.manual_seed(0)
         m = m.to(dtype).eval()
@@ -243,6 +312,11 @@ _INTERP = textwrap.dedent("""
 
 
 def test_fused_programs_match_float64_in_triton_interpreter():
+    """Residual GEMV epilogues, tiny kernels across a GEMM, fused cache writes (chained and
+    joined ones, negative and out-of-range positions) against float64 torch."""
+    for dt in (torch.float32, torch.float16):
+        kiln.compile(torch.export.export(TwoWrites(dt), _two_writes_args(dt)), device="cuda",
+                     options=OPTS)
     for m, shapes, dtype, opts in ((ResTwice(300, 70), [(1, 70), (1, 300)], torch.bfloat16,
                                     OPTS),
                                    (ResTwice(100, 33), [(1, 33), (1, 100)], torch.float32,
