@@ -207,7 +207,12 @@ def schedule(prog: L.LoopProgram, fuse: bool = True, tiny: bool = False) -> tupl
             back = cur if cur is not None else _open_across_calls(groups, node)
             if back is not None and all(_tiny(m) for m in back[1]):
                 outer = _common_prefix(back[0], outer_of(node))
-                if _legal(back[1] + [node], outer, buffers):
+                # a shrunken outer only for pointwise members (a reduction keeps its rows:
+                # the printers walk extra non-reduced dims of a reduction one by one)
+                keeps = len(outer) == len(back[0]) and (node.reduce is None or
+                                                        len(outer) == len(outer_of(node)))
+                pointwise = node.reduce is None and all(m.reduce is None for m in back[1])
+                if (keeps or pointwise) and _legal(back[1] + [node], outer, buffers):
                     back[0] = outer
                     back[1].append(node)
                     continue
