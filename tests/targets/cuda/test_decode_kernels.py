@@ -39,6 +39,7 @@ from kiln.options import Options  # noqa: E402
 from kiln.passes.dce import dce  # noqa: E402
 from kiln.passes.store_once import gemm_sums  # noqa: E402
 from kiln.schedule import Kernel, schedule  # noqa: E402
+from kiln.schedule.steps import GemmKernel  # noqa: E402
 
 OPTS = Options(cuda_archs=(90,), autotune=False)
 TRITON_ONLY = Options(cuda_archs=(90,), autotune=False, gemm_backends=("triton",))
@@ -144,6 +145,29 @@ def test_gemm_sums_refuses_a_gemm_read_elsewhere_and_single_users():
     assert gemm_sums(_graph(Once(), (torch.randn(1, 8), torch.randn(1, 8)))) == frozenset()
 
 
+class Act(torch.nn.Module):
+    """Activations that read the GEMM's biased result several times, all meeting again in
+    one pointwise value (the whole expression is the GEMM's epilogue: nothing to store)."""
+
+    def __init__(self, act):
+        super().__init__()
+        self.fc1, self.fc2 = torch.nn.Linear(16, 32), torch.nn.Linear(32, 8)
+        self.act = act
+
+    def forward(self, x):
+        t = self.fc1(x)
+        h = {"where": lambda t: torch.where(t > 0, t, t * 0.1),
+             "gelu": lambda t: torch.nn.functional.gelu(t, approximate="tanh"),
+             "silu": lambda t: t * torch.sigmoid(t)}[self.act](t)
+        return self.fc2(h)
+
+
+@pytest.mark.parametrize("act", ["where", "gelu", "silu"])
+def test_gemm_sums_leaves_activation_epilogues_whole(act):
+    g = _graph(Act(act), (torch.randn(4, 16),))
+    assert gemm_sums(g) == frozenset()
+
+
 def test_residual_sum_is_the_gemv_epilogue():
     m = ResTwice(300, 70).to(torch.bfloat16)
     cm = kiln.compile(torch.export.export(m, _bf16((1, 70), (1, 300))), device="cuda",
@@ -232,13 +256,55 @@ def test_decode_step_kernels_per_layer():
         assert any("attention" in s for s in src), src
 
 
-def _print_decode_kernels(layers=16, hidden=2048):  # the lead's listing (not a test)
+def scheduled_steps(ep, opts=OPTS) -> list:
+    """The CUDA steps of `ep` after the last fusion stage (the stages before "program": no
+    Triton compile), each as (kind, name, source ops); kinds as the manifest's."""
+    from kiln.pipeline import target_of
+    target = target_of("cuda")
+    st = target.state(options=opts, ep=ep)
+    for stage in target.stages:
+        if stage.name == "program":
+            break
+        if stage.when(st):
+            st = stage.run(st)
+    out = []
+    for s in L.flat_steps(st.steps):
+        kind = {"Kernel": "triton", "PutKernel": "triton_put"}.get(type(s).__name__)
+        if isinstance(s, GemmKernel):
+            kind = s.kind
+        elif isinstance(s, L.Extern):
+            kind = f"lib.{s.routine}"
+        elif isinstance(s, L.Gemm):
+            c = st.gemms.get(s.name)
+            kind = f"{c.backend.value if c is not None else 'blas'}_gemm"
+        out.append((kind or type(s).__name__, s.name, tuple(s.source)))
+    return out
+
+
+def _llama_16x2048():
+    pytest.importorskip("transformers")
     from kiln.models.hf_decoder import export_step, llama
-    model = llama(layers=layers, hidden=hidden, heads=32, kv_heads=4, vocab=32000, inter=5632,
+    model = llama(layers=16, hidden=2048, heads=32, kv_heads=4, vocab=32000, inter=5632,
                   init=0.02)
-    _, ep = export_step(model, 256, dtype=torch.bfloat16)
-    for k in kiln.compile(ep, device="cuda", options=OPTS).manifest["kernels"]:
-        print(f"{k['kind']:14s} {k['name']:42s} {','.join(k['source_ops'])}")
+    return export_step(model, 256, dtype=torch.bfloat16)[1]
+
+
+@pytest.mark.slow  # a 1.1 B-parameter export on the CPU (about a minute)
+def test_llama_16x2048_decode_step_kernel_count():
+    """bench/llm_gpu.py's model (16 layers x 2048, bf16, cache 256): 168 kernels per step
+    before (10.5 per layer), now at most PER_LAYER * 16 + 3 (99)."""
+    steps = scheduled_steps(_llama_16x2048())
+    kinds = [k for k, _, _ in steps]
+    assert len(steps) <= PER_LAYER * 16 + 3, (len(steps), kinds)
+    assert kinds.count("triton_put") == 16 and kinds.count("lib.attention") == 16, kinds
+    assert "blas_gemm" not in kinds and "lib.put" not in kinds, kinds
+
+
+def _print_decode_kernels():  # the listing in the report (not a test)
+    steps = scheduled_steps(_llama_16x2048())
+    print(f"{len(steps)} kernels per decode step")
+    for kind, name, src in steps:
+        print(f"{kind:14s} {name:42s} {','.join(src)}")
 
 
 _INTERP = textwrap.dedent("""
@@ -333,5 +399,5 @@ def test_fused_programs_match_float64_in_triton_interpreter():
     assert out.returncode == 0 and "ALL OK" in out.stdout, out.stdout + out.stderr[-3000:]
 
 
-if __name__ == "__main__":  # python tests/targets/cuda/test_decode_kernels.py [layers hidden]
-    _print_decode_kernels(*map(int, sys.argv[1:3]))
+if __name__ == "__main__":  # PYTHONPATH=$PWD python tests/targets/cuda/test_decode_kernels.py
+    _print_decode_kernels()
