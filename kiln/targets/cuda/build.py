@@ -205,6 +205,10 @@ def fuse_gemm_epilogues(state: Build) -> Build:
     return replace(state, steps=fuse_gemms(state.steps, state.gemms, _kept(state.loop)))
 
 
+def fusing(state: Build) -> bool:
+    return bool(state.options.fuse)
+
+
 def fuse_put_calls(state: Build) -> Build:
     """KV-cache writes (small `put` calls) in one launch with the one-row kernel before them
     (schedule/puts.py)."""

@@ -21,8 +21,8 @@
     reorder           (Options.reorder_for_memory) the order of lowest peak memory
     gemm_autotune     each GEMM's backend (cuBLAS / cuBLASLt, Triton template, CUTLASS)
     fuse_gemms        GEMMs absorb their epilogue (Triton template, CUTLASS visitor tree)
-    fuse_puts         small KV-cache writes (put) in one launch with the one-row kernel
-                      before them (schedule/puts.py)
+    fuse_puts         (Options.fuse) small KV-cache writes (put) in one launch with the
+                      one-row kernel before them (schedule/puts.py)
     program           Program IR, no in-place reuse (threads of a Triton program do not run
                       in lock step)
     async_collectives (collectives) each collective's wait as late as the data allows, its
@@ -45,7 +45,8 @@ from __future__ import annotations
 
 from kiln.targets.cuda.build import (CudaBuild, check_routines, codegen_triton, codegen_wrapper,
                                      compile_library, cubins, cubins_user, cutlass,
-                                     fuse_gemm_epilogues, fuse_put_calls, gemm_autotune,
+                                     fuse_gemm_epilogues, fuse_put_calls, fusing,
+                                     gemm_autotune,
                                      gqa_attention,
                                      has_attention, has_cutlass,
                                      has_user_kernels, launch_autotune, libraries,
@@ -76,7 +77,7 @@ TARGET = Target("cuda", (
     REORDER,
     Stage("gemm_autotune", gemm_autotune),
     Stage("fuse_gemms", fuse_gemm_epilogues, dump=steps_text),
-    Stage("fuse_puts", fuse_put_calls, dump=steps_text),
+    Stage("fuse_puts", fuse_put_calls, dump=steps_text, when=fusing),
     program_stage(inplace=False, state_inplace=True),
     Stage("async_collectives", async_collectives, dump=program_text, verify=check_program,
           when=has_collectives),
