@@ -168,9 +168,12 @@ def test_gemm_sums_leaves_activation_epilogues_whole(act):
     assert gemm_sums(g) == frozenset()
 
 
-def test_residual_sum_is_the_gemv_epilogue():
+@pytest.mark.parametrize("rows", [(1,), (1, 1)], ids=["2d", "3d"])
+def test_residual_sum_is_the_gemv_epilogue(rows):
+    """Also for a [1, 1, C] row (a decode step's hidden state: the epilogue's index has the
+    size-1 dims' variables, gemm/fuse.py `epilogue_of`)."""
     m = ResTwice(300, 70).to(torch.bfloat16)
-    cm = kiln.compile(torch.export.export(m, _bf16((1, 70), (1, 300))), device="cuda",
+    cm = kiln.compile(torch.export.export(m, _bf16((*rows, 70), (*rows, 300))), device="cuda",
                       options=OPTS)
     ks = cm.manifest["kernels"]
     (gv,) = [k for k in ks if k["kind"] == "triton_gemv"]
@@ -317,6 +320,8 @@ _INTERP = textwrap.dedent("""
 
     def cases():
         return [("res_bf16", ResTwice(300, 70), [(1, 70), (1, 300)], torch.bfloat16, OPTS),
+                ("res3_bf16", ResTwice(300, 70), [(1, 1, 70), (1, 1, 300)], torch.bfloat16,
+                 OPTS),
                 ("res_fp32", ResTwice(100, 33), [(1, 33), (1, 100)], torch.float32,
                  TRITON_ONLY),
                 ("tiny_fp32", TinyAcross(), [(1, 64), (1, 16)], torch.float32, TRITON_ONLY)]
@@ -385,6 +390,8 @@ def test_fused_programs_match_float64_in_triton_interpreter():
                      options=OPTS)
     for m, shapes, dtype, opts in ((ResTwice(300, 70), [(1, 70), (1, 300)], torch.bfloat16,
                                     OPTS),
+                                   (ResTwice(300, 70), [(1, 1, 70), (1, 1, 300)],
+                                    torch.bfloat16, OPTS),
                                    (ResTwice(100, 33), [(1, 33), (1, 100)], torch.float32,
                                     TRITON_ONLY),
                                    (TinyAcross(), [(1, 64), (1, 16)], torch.float32,
