@@ -94,8 +94,13 @@ def main() -> None:
     kstep = lambda: runner(input_ids=ids, cache_position=pos)  # noqa: E731
     rows["kiln_ms"] = sync_ms(kstep, a.repeat)
     rows["kiln_stream_ms"] = stream_ms(kstep, 20, 10)
+    kinds: dict[str, int] = {}
+    for k in cm.manifest["kernels"]:
+        kinds[k["kind"]] = kinds.get(k["kind"], 0) + 1
     print(f"kiln: {rows['kiln_ms']:.3f} ms/token (compile {rows['kiln_compile_s']:.0f} s; "
-          f"{cm.report['kernels']} kernels, {cm.report['extern_calls']} GEMMs)", flush=True)
+          f"{cm.report['kernels']} kernels, {cm.report['extern_calls']} GEMMs; "
+          f"{len(cm.manifest['kernels'])} launches/token by kind {kinds}; "
+          f"{100 * rows['roofline_ms'] / rows['kiln_ms']:.0f}% of the roofline)", flush=True)
 
     if a.max_autotune:
         t0 = time.perf_counter()

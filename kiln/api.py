@@ -27,7 +27,7 @@ from kiln.package import write_package
 from kiln.package import entries as package_entries
 from kiln.pipeline import Built, build, target_of
 from kiln.schedule import Kernel
-from kiln.schedule.steps import CutlassGemm, GemmKernel
+from kiln.schedule.steps import CutlassGemm, GemmKernel, PutKernel
 from kiln.schedule.analysis import aten_fallback_ops
 from kiln.toolchain.cxx import compiler_identity
 from kiln.runtime import load
@@ -58,6 +58,9 @@ def _kernels_json(built: Built) -> list[dict]:
                         "members": [s.gemm.name] + ([s.epilogue.name] if s.epilogue else []),
                         "source_ops": list(s.source),
                         **({"gemm": choice.to_json()} if choice is not None else {})})
+        elif isinstance(s, PutKernel):  # a one-row kernel and KV-cache writes, one launch
+            out.append({"name": s.name, "kind": f"{kind}_put", "members": list(s.members),
+                        "source_ops": list(s.source)})
         elif isinstance(s, CutlassGemm):  # a CUTLASS kernel, epilogue fused (visitor tree)
             choice = built.gemms.get(s.gemm.name)
             out.append({"name": s.name, "kind": "cutlass_gemm",

@@ -52,12 +52,15 @@ def epilogue_of(g: L.Gemm, m: L.Compute) -> bool:
     if m.reduce is not None or sympy.simplify(product(m.shape) - product(g.shape)) != 0:
         return False
     ident = linear_index(ivars(len(m.shape)), contiguous_strides(m.shape))
+    # the variables of size-1 dims are 0 (lowering prints a [1, 1, C] row's index as
+    # i0 + i1 + i2)
+    ones = {v: 0 for v, d in zip(ivars(len(m.shape)), m.shape) if sympy.sympify(d) == 1}
     seen = False
     for ld in L.loads(m.body):
         if ld.buf == g.name:
             if ld.indirect:
                 return False
-            if sympy.simplify(fold_divmod(ld.index) - sympy.expand(ident)) != 0:
+            if sympy.simplify((fold_divmod(ld.index) - sympy.expand(ident)).subs(ones)) != 0:
                 return False
             seen = True
     return seen

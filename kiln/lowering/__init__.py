@@ -87,8 +87,9 @@ def _should_realize(node: Node, lz: Lazy, users: int) -> bool:
     return users > 1 and lz.cost > CHEAP
 
 
-def lower(graph: Graph) -> L.LoopProgram:
-
+def lower(graph: Graph, realize: frozenset[str] = frozenset()) -> L.LoopProgram:
+    """`realize`: nodes materialised whatever their cost (passes/store_once.py: sums a GEMM
+    takes as its epilogue)."""
     ctx = LowerCtx(lower)
     env: dict[str, Lazy] = {}
     for i in graph.inputs:
@@ -103,7 +104,8 @@ def lower(graph: Graph) -> L.LoopProgram:
         lz = rule(ctx, node, [env[x] for x in node.inputs])
         if lz.view is None:
             lz = replace(lz, origin=node.name)
-        if _should_realize(node, lz, users.get(node.name, 0)):
+        if _should_realize(node, lz, users.get(node.name, 0)) or (
+                node.name in realize and lz.view is None):
             lz = ctx.realize(node.name, lz, (node.source or node.name,))
         env[node.name] = lz
     outputs = []

@@ -229,6 +229,8 @@ def state_updates(steps: Sequence, buffers: Mapping[str, L.Buffer],
         if s is None or o is None or o.kind != "temp" or i is None or new in out:
             continue
         step = steps[i]
+        if getattr(step, "puts", None):  # puts fused into one launch (schedule/steps.py)
+            step = next((p for p in step.puts if p.outs == (new,)), step)
         if s.dtype != o.dtype or sympy.expand(s.numel - o.numel) != 0:
             continue
         if _computed_apart(step, new, state) and last.get(state, -1) < i:

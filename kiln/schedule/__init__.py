@@ -161,7 +161,37 @@ def _reindex(e: L.Expr, sub: dict, ranges: dict) -> L.Expr:
     return e
 
 
-def schedule(prog: L.LoopProgram, fuse: bool = True) -> tuple[Step, ...]:
+#: tiny kernels (`schedule(..., tiny=True)`): a member of at most this many elements (static)
+TINY = 4096
+
+
+def _tiny(node: L.Compute) -> bool:
+    n = sympy.sympify(product(node.shape) * (product(node.reduce.sizes) if node.reduce else 1))
+    return n.is_Integer and int(n) <= TINY
+
+
+def _open_across_calls(groups: list, node: L.Compute) -> list | None:
+    """The last kernel group when only `Gemm` / `Extern` calls come after it and `node` reads
+    nothing they write: `node` may run before them, in that kernel (its result is a new
+    buffer, which those calls, earlier in program order, do not read)."""
+    written: set[str] = set()
+    for g in reversed(groups):
+        head = g[0]
+        if isinstance(head, (L.Gemm, L.Extern)):
+            written |= set(L.node_writes(head))
+            continue
+        if isinstance(head, (*L.CALLS, *L.CONTROL)) or head is None:
+            return None
+        return g if not ({ld.buf for ld in L.loads(node.body)} & written) else None
+    return None
+
+
+def schedule(prog: L.LoopProgram, fuse: bool = True, tiny: bool = False) -> tuple[Step, ...]:
+    """`tiny` (CUDA, where each launch costs microseconds): a member of at most `TINY`
+    elements also joins a kernel of such members whose outer it shrinks (their parallelism
+    was a few programs anyway), and joins the last kernel across the GEMMs and library calls
+    after it when it reads nothing they write (a decode step's rotary embedding of the
+    queries with that of the keys, across the KV-cache writes)."""
     buffers = {b.name: b for b in prog.buffers}
     groups: list[list] = []  # [outer, members] or [gemm]
     for node in prog.nodes:
@@ -173,6 +203,19 @@ def schedule(prog: L.LoopProgram, fuse: bool = True) -> tuple[Step, ...]:
             continue
         cur = groups[-1] if groups and not isinstance(groups[-1][0], (*L.CALLS, *L.CONTROL)) \
             else None
+        if fuse and tiny and _tiny(node):
+            back = cur if cur is not None else _open_across_calls(groups, node)
+            if back is not None and all(_tiny(m) for m in back[1]):
+                outer = _common_prefix(back[0], outer_of(node))
+                # a shrunken outer only for pointwise members (a reduction keeps its rows:
+                # the printers walk extra non-reduced dims of a reduction one by one)
+                keeps = len(outer) == len(back[0]) and (node.reduce is None or
+                                                        len(outer) == len(outer_of(node)))
+                pointwise = node.reduce is None and all(m.reduce is None for m in back[1])
+                if (keeps or pointwise) and _legal(back[1] + [node], outer, buffers):
+                    back[0] = outer
+                    back[1].append(node)
+                    continue
         if fuse and cur is not None:
             outer = _common_prefix(cur[0], outer_of(node))
             if _worth(outer, cur[0]) and _legal(cur[1] + [node], outer, buffers):

@@ -27,6 +27,8 @@ carries.
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import sympy
 
 from kiln.schedule.analysis import index_sites, indexes_through_data, kernel_params
@@ -37,7 +39,7 @@ from kiln.ir.graph import Graph
 from kiln.ir.sym import data_dependent_symbols, unbacked_symbol
 from kiln.memory.inplace import choose_reuse, state_updates
 from kiln.schedule import Kernel, Step
-from kiln.schedule.steps import CutlassGemm, GemmKernel
+from kiln.schedule.steps import CutlassGemm, GemmKernel, PutKernel
 
 
 def _derived(e: sympy.Expr, bound: set[str]) -> tuple[str, int, int] | None:
@@ -114,6 +116,8 @@ def input_lines(graph: Graph) -> list[P.Line]:
 def _reads_writes(step: Step, buffers) -> tuple[list[str], list[str]]:
     if isinstance(step, (GemmKernel, CutlassGemm)):
         return step.reads(), [step.out]
+    if isinstance(step, PutKernel):
+        return step.reads(), step.writes()
     if isinstance(step, L.CONTROL):
         return list(step.reads), list(step.writes)
     if isinstance(step, L.CALLS):
@@ -201,6 +205,12 @@ def build_program(graph: Graph, prog: L.LoopProgram, steps: tuple[Step, ...],
             lines.append(P.ReadSizeLine(step))
         elif isinstance(step, L.CONTROL):
             lines += control_lines(step, inplace)
+        elif isinstance(step, PutKernel):
+            # each put's copy (out = self) where it is not in place, then the one launch
+            lines += [P.CallLib(replace(p, attrs=p.attrs + (("copy_only", True),)))
+                      for p in step.puts]
+            lines.append(P.CallKernel(step.name, tuple(step.params(buffers)), True,
+                                      step.members, step.source))
         elif isinstance(step, L.Extern):
             lines.append(P.CallLib(step))
         elif isinstance(step, L.UserKernel):

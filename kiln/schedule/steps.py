@@ -11,6 +11,8 @@ import sympy
 
 from kiln.ir import loop as L
 from kiln.ir.sym import free_size_symbols
+from kiln.schedule import Kernel
+from kiln.schedule.analysis import kernel_params
 
 
 @dataclass(frozen=True)
@@ -142,3 +144,67 @@ class CutlassGemm:
             if ld.buf != self.gemm.name and ld.buf not in out:
                 out.append(ld.buf)
         return out
+
+
+@dataclass(frozen=True)
+class PutKernel:
+    """`put` calls (index_put without accumulation, mode set: a KV cache's update) launched as
+    one program after `kernel` (a schedule Kernel whose outer is one row, or None): the
+    program runs the kernel's members, then each put's scatter in order
+    (kiln/schedule/puts.py builds it, targets/cuda/put.py prints it). A put whose output is
+    not its state's own storage is copied (out = self) by its copy kernel, launched before."""
+
+    kernel: Kernel | None
+    puts: tuple[L.Extern, ...]
+
+    @property
+    def name(self) -> str:
+        return f"puts_{self.puts[-1].name}"
+
+    @property
+    def source(self) -> tuple[str, ...]:
+        out = list(self.kernel.source) if self.kernel is not None else []
+        for p in self.puts:
+            out += [s for s in p.source if s not in out]
+        return tuple(out)
+
+    @property
+    def members(self) -> tuple[str, ...]:
+        """The buffers it computes: the kernel's members', then the puts' outputs."""
+        own = tuple(m.name for m in self.kernel.members) if self.kernel is not None else ()
+        return own + tuple(p.name for p in self.puts)
+
+    def reads(self) -> list[str]:
+        """Buffers read: the kernel's inputs, then each put's self, values and indices (self
+        by its copy kernel)."""
+        own = set(self.members)
+        out: list[str] = []
+        if self.kernel is not None:
+            out += [ld.buf for m in self.kernel.members for ld in L.loads(m.body)
+                    if ld.buf not in own]
+        out += [a.buf for p in self.puts for a in p.args if a.buf not in own]
+        return list(dict.fromkeys(out))
+
+    def writes(self) -> list[str]:
+        private = (self.kernel.locals | self.kernel.row_locals) if self.kernel else frozenset()
+        return [b for b in self.members if b not in private]
+
+    def params(self, buffers) -> list[tuple[str, str]]:
+        """(kind, name): the buffers written, the buffers read (a put's self only by its
+        copy: not a parameter), the size symbols (the printer adds the status flag: the scatters
+        check their indices)."""
+        kp = kernel_params(self.kernel, buffers) if self.kernel is not None else []
+        outs = [n for k, n in kp if k == "out"] + [p.name for p in self.puts]
+        ins = [n for k, n in kp if k == "in"]
+        syms = {n for k, n in kp if k == "size"}
+        for p in self.puts:
+            for a in p.args[1:]:
+                if a.buf not in outs and a.buf not in ins:
+                    ins.append(a.buf)
+            for a in p.args:
+                for e in (a.offset, *a.shape, *a.strides):
+                    syms |= {s.name for s in free_size_symbols(sympy.sympify(e))}
+            for e in buffers[p.name].shape:
+                syms |= {s.name for s in free_size_symbols(sympy.sympify(e))}
+        return [("out", b) for b in outs] + [("in", b) for b in ins] + \
+            [("size", s) for s in sorted(syms)]

@@ -33,6 +33,7 @@ from kiln.ir.loop_text import print_loop, verify_loop
 from kiln.ir.program import WeightSpec, print_program, verify_program
 from kiln.ir.sym import UNBOUNDED_NOMINAL, evaluate
 from kiln.lowering import lower
+from kiln.passes.store_once import gemm_sums
 from kiln.memory.assign import assign_offsets
 from kiln.options import Options
 from kiln.passes.dce import dce
@@ -234,9 +235,21 @@ def lower_graph(state: Build) -> Build:
     return replace(state, loop=lower(state.graph))
 
 
+def lower_graph_storing_sums(state: Build) -> Build:
+    """Graph IR -> Loop IR, sums of a GEMM's result read several times stored once, so the
+    GEMM takes them as its epilogue (passes/store_once.py; CUDA)."""
+    return replace(state, loop=lower(state.graph, gemm_sums(state.graph)))
+
+
 def schedule_loop(state: Build) -> Build:
     """Loop IR -> kernels (fusion by shared outer loops)."""
     return replace(state, steps=schedule(state.loop, state.options.fuse))
+
+
+def schedule_loop_tiny(state: Build) -> Build:
+    """Loop IR -> kernels, tiny members gathered into fewer launches (CUDA: schedule's
+    `tiny`)."""
+    return replace(state, steps=schedule(state.loop, state.options.fuse, tiny=True))
 
 
 def reorder_steps(state: Build) -> Build:
@@ -281,6 +294,8 @@ MERGE_GEMMS = Stage("merge_gemms", merge_projections, dump=graph_text, verify=ch
                     when=merging_gemms)
 FREEZE = Stage("freeze", freeze_weights, dump=graph_text, verify=check_graph, when=freezing)
 LOWER = Stage("lower", lower_graph, dump=loop_text, verify=check_loop)
+LOWER_STORING_SUMS = Stage("lower", lower_graph_storing_sums, dump=loop_text, verify=check_loop)
 SCHEDULE = Stage("schedule", schedule_loop, dump=steps_text)
+SCHEDULE_TINY = Stage("schedule", schedule_loop_tiny, dump=steps_text)
 REORDER = Stage("reorder", reorder_steps, when=reordering)
 PLAN = Stage("plan", plan_memory, dump=program_text, verify=check_planned)

@@ -198,3 +198,28 @@ def test_python_wrapper_applies_epilogues(tmp_path):
     got = runner(*[a.contiguous() for a in args])
     for g, w in zip(got, want):
         assert math.isclose((g - w).abs().max().item(), 0.0, abs_tol=1e-4)
+
+
+class _RowRes(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.l = nn.Linear(48, 24)
+
+    def forward(self, x, r):
+        return torch.relu(r + self.l(x)) * 2
+
+
+@pytest.mark.parametrize("rows", [(1, 1), (1,), (2, 1), (1, 3)])
+def test_epilogue_of_rows_with_size1_dims(tmp_path, rows):
+    """A [1, 1, C] consumer (a decode step's hidden state) reads the GEMM's [1, C] result at
+    i0 + i1 + i2 (the size-1 dims' variables are 0): fused (gemm/fuse.py `epilogue_of`), and
+    the package matches eager on fresh inputs."""
+    torch.manual_seed(0)
+    m = _RowRes().eval()
+    x, r = torch.randn(*rows, 48), torch.randn(*rows, 24)
+    cm = kiln.compile(torch.export.export(m, (x, r)))
+    assert [k["kind"] for k in cm.manifest["kernels"]] == ["blas_gemm"], cm.manifest["kernels"]
+    run = cm.load(tmp_path / "m.kiln")
+    for _ in range(2):
+        x, r = torch.randn(*rows, 48), torch.randn(*rows, 24)
+        torch.testing.assert_close(run(x, r), m(x, r), rtol=1e-5, atol=1e-5)

@@ -37,7 +37,8 @@ from kiln.gemm.configs import BlasLtConfig
 from kiln.options import GemmBackend, Options
 from kiln.passes.mixed_gemm import mixed_gemms
 from kiln.schedule import Kernel
-from kiln.schedule.steps import GemmKernel
+from kiln.schedule.puts import fuse_puts
+from kiln.schedule.steps import GemmKernel, PutKernel
 from kiln.targets.cuda import user_triton
 from kiln.targets.cuda.attention import (attention_candidates, choose_attention_config,
                                          print_attention_kernel)
@@ -53,7 +54,7 @@ from kiln.targets.cuda.gemv_template import print_template_kernel
 from kiln.targets.cuda.kernel import choose_config, print_triton_kernel, print_triton_module
 from kiln.passes.dce import dce
 from kiln.passes.gqa_attention import fold_repeat_kv
-from kiln.targets.cuda.put import print_put_kernels
+from kiln.targets.cuda.put import print_fused_puts, print_put_kernels
 from kiln.targets.cuda.launch_tune import (device_available, kernel_family, template_family,
                                            tune_all)
 from kiln.targets.cuda.ops import PRELUDE
@@ -210,6 +211,16 @@ def fuse_gemm_epilogues(state: Build) -> Build:
     return replace(state, steps=fuse_gemms(state.steps, state.gemms, _kept(state.loop)))
 
 
+def fusing(state: Build) -> bool:
+    return bool(state.options.fuse)
+
+
+def fuse_put_calls(state: Build) -> Build:
+    """KV-cache writes (small `put` calls) in one launch with the one-row kernel before them
+    (schedule/puts.py)."""
+    return replace(state, steps=fuse_puts(state.steps))
+
+
 def check_routines(state: Build) -> Build:
     """Library routines (regions' included) that have no CUDA version are refused. (The fnuz
     float8 types are bytes converted by kiln's own Triton helpers: targets/cuda/ops.py.)"""
@@ -262,7 +273,7 @@ def tuning_families(state: Build, reference=None) -> list:
 
 def _launched(steps) -> list:
     """The steps codegen_triton prints, in its order."""
-    return ([s for s in L.flat_steps(steps) if isinstance(s, (Kernel, GemmKernel))] +
+    return ([s for s in L.flat_steps(steps) if isinstance(s, (Kernel, GemmKernel, PutKernel))] +
             attention_steps(steps) + conv_steps(steps) + put_steps(steps))
 
 
@@ -457,6 +468,9 @@ def triton_kernels(steps, buffers, hints: dict[str, int], configs: dict | None =
             out.append(print_template_kernel(s, buffers))  # GEMM or GEMV template
         elif isinstance(s, Kernel):
             out.append(print_triton_kernel(s, buffers, hints, configs.get(s.name)))
+        elif isinstance(s, PutKernel):  # one program: a kernel, then the scatters
+            out.append(print_fused_puts(s, buffers, hints, configs.get(s.name)))
+            out.extend(print_put_kernels(p, buffers)[0] for p in s.puts)  # copies
         elif isinstance(s, L.Extern) and s.routine == "attention":
             out.append(print_attention_kernel(s, buffers, hints, configs.get(s.name)))
         elif isinstance(s, L.Extern) and s.routine == CONV_ROUTINE:

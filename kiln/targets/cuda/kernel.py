@@ -386,13 +386,20 @@ def kernel_body(kernel: Kernel, buffers: dict[str, L.Buffer], config: Config) ->
 
 
 def print_triton_kernel(kernel: Kernel, buffers: dict[str, L.Buffer], hints: dict[str, int],
-                        config: Config | None = None) -> TritonKernel:
+                        config: Config | None = None, *, name: str | None = None,
+                        params: list | None = None, tail: tuple[str, ...] = (),
+                        source: tuple[str, ...] | None = None) -> TritonKernel:
+    """`name`, `params` (a superset of the kernel's, with the status flag where one is
+    taken), `tail` (lines run after the members, a barrier before them) and `source`: a
+    kernel followed by more work in the same program (targets/cuda/put.py's fused puts)."""
     config = config or choose_config(kernel, hints)
     idx_t = "tl.int32" if _small_indices(kernel, buffers) else "tl.int64"
     body = kernel_body(kernel, buffers, config)
-    params = list(kernel_params(kernel, buffers))
-    if indexes_through_data(kernel):
-        params.append(("status", "kiln_status"))
+    if params is None:
+        params = list(kernel_params(kernel, buffers))
+        if indexes_through_data(kernel):
+            params.append(("status", "kiln_status"))
+    kname, ksource = name or kernel.name, source or kernel.source
     sig: dict[str, str] = {}
     for kind, n in params:
         if kind == "size":
@@ -405,10 +412,10 @@ def print_triton_kernel(kernel: Kernel, buffers: dict[str, L.Buffer], hints: dic
     rows = product(kernel.outer)
     head = [
         "@triton.jit",
-        f"def {kernel.name}({', '.join(a for a in sig if a not in ('XBLOCK', 'RBLOCK'))}"
+        f"def {kname}({', '.join(a for a in sig if a not in ('XBLOCK', 'RBLOCK'))}"
         f"{', ' if len(sig) > 2 else ''}XBLOCK: tl.constexpr, RBLOCK: tl.constexpr):",
-        f"    # {kernel.name}: {', '.join(m.name for m in kernel.members)}",
-        f"    #   from graph nodes: {', '.join(kernel.source)}",
+        f"    # {kname}: {', '.join(m.name for m in kernel.members)}",
+        f"    #   from graph nodes: {', '.join(ksource)}",
     ]
     if idx_t == "tl.int64":
         head.append("    pid = tl.program_id(1).to(tl.int64) * tl.num_programs(0) + "
@@ -419,8 +426,10 @@ def print_triton_kernel(kernel: Kernel, buffers: dict[str, L.Buffer], hints: dic
     head.append(f"    xmask = xidx < {to_tl(rows)}")
     for s, e in zip(ivars(len(kernel.outer)), unravel(sympy.Symbol("xidx"), kernel.outer)):
         head.append(f"    {s.name} = {to_tl(e)}")
-    src = "\n".join(head + render(value_number(body))) + "\n"
-    return TritonKernel(kernel.name, src, tuple(params), sig, config, rows, kernel.source)
+    tail = ["    tl.debug_barrier()  # what follows reads what the members stored",
+            *tail] if tail else []
+    src = "\n".join(head + render(value_number(body)) + tail) + "\n"
+    return TritonKernel(kname, src, tuple(params), sig, config, rows, ksource)
 
 
 def print_triton_module(kernels: list[TritonKernel]) -> str:

@@ -24,7 +24,7 @@ import sympy
 
 from kiln.ir import loop as L
 from kiln.ir.sym import contiguous_strides, product
-from kiln.targets.cuda.kernel import Config, TritonKernel
+from kiln.targets.cuda.kernel import Config, TritonKernel, print_triton_kernel
 from kiln.targets.cuda.ops import SIG_PTR, to_tl
 
 XBLOCK = 256
@@ -58,14 +58,14 @@ def _unravel(var: str, shape) -> list[str]:
     return out[::-1]
 
 
-def _offset(arg: L.LibArg, coords: list[str]) -> str:
+def _offset(arg: L.LibArg, coords: list[str], i: str = "i") -> str:
     parts = [] if _c(arg.offset) == 0 else [to_tl(_c(arg.offset))]
     for c, st in zip(coords, arg.strides):
         st = _c(st)
         if st != 0 and c != "0":
             parts.append(c if st == 1 else f"{c} * {to_tl(st)}")
     if not any(c != "0" and _c(st) != 0 for c, st in zip(coords, arg.strides)):
-        parts.append("i * 0")  # one element for every lane: still a block of pointers
+        parts.append(f"{i} * 0")  # one element for every lane: still a block of pointers
     return " + ".join(parts)
 
 
@@ -95,15 +95,57 @@ def _kernel(name: str, call: L.Extern, buffers, bufs: list[str], exprs, status: 
                         call.source)
 
 
+def scatter_lines(call: L.Extern, buffers, p: str = "", indent: str = "    "
+                  ) -> tuple[list[str], list[str], list, sympy.Expr]:
+    """(the scatter's lines, the buffers it names (out first), the size expressions it
+    prints, its element count) of one `put` call: out[dest(i)] = values[i] for the flat
+    index `{p}i` (masked by `{p}ok`, both defined by the caller); variables prefixed `p`."""
+    self_, values, *index = call.args
+    out = buffers[call.name]
+    dims = tuple(call.attr("dims"))
+    wrap = bool(call.attr("wrap"))
+    iters = values.shape
+    m = product(iters)
+    bufs = [call.name]
+    for a in (values, *index):
+        if a.buf not in bufs:
+            bufs.append(a.buf)
+    i, ok, bad = f"{p}i", f"{p}ok", f"{p}bad"
+    it = _unravel(i, iters)
+    body = [f"{p}v = tl.load(buf_{values.buf} + {_offset(values, it, i)}, mask={ok})",
+            f"{bad} = {i} < 0  # an index outside its dim"]
+    dest = []
+    ostrides = contiguous_strides(out.shape)
+    exprs = [m, *out.shape, values.offset, *iters, *values.strides]
+    for d, k in enumerate(dims):
+        size = _c(out.shape[d])
+        if k >= 0:
+            c = it[k]
+        else:
+            a = index[-k - 1]
+            exprs += [a.offset, *a.strides]
+            c = f"{p}c{d}"
+            body.append(f"{c} = tl.load(buf_{a.buf} + {_offset(a, it, i)}, mask={ok}, "
+                        "other=0).to(tl.int64)")
+            if wrap:
+                body.append(f"{c} = tl.where({c} < 0, {c} + {to_tl(size)}, {c})")
+            body.append(f"{bad} = {bad} | ({c} < 0) | ({c} >= {to_tl(size)})")
+        st = _c(ostrides[d])
+        if c != "0" and size != 1 or k < 0:
+            dest.append(c if st == 1 else f"{c} * {to_tl(st)}")
+    body += [
+        f"tl.store(buf_{call.name} + {' + '.join(dest) or '0'}, {p}v, mask={ok} & ~{bad})",
+        f"tl.store(kiln_status + {i}.to(tl.int32) * 0, 1, mask={ok} & {bad})",
+    ]
+    return [indent + x for x in body], bufs, exprs, m
+
+
 def print_put_kernels(call: L.Extern, buffers) -> tuple[TritonKernel, TritonKernel]:
     """The copy and scatter kernels of one `put` call (mode "set")."""
     if call.attr("mode") != 0 or not call.attr("include_self", True):
         raise ValueError(f"put {call.name}: the CUDA kernel only sets (mode 0), got "
                          f"mode {call.attr('mode')}")
-    self_, values, *index = call.args
-    out = buffers[call.name]
-    dims = tuple(call.attr("dims"))
-    wrap = bool(call.attr("wrap"))
+    self_ = call.args[0]
     copy_name, put_name = put_kernel_names(call)
 
     # out = self (self strided, out contiguous of self's shape)
@@ -117,37 +159,44 @@ def print_put_kernels(call: L.Extern, buffers) -> tuple[TritonKernel, TritonKern
     ], n)
 
     # out[dest(i)] = values[i] over the iteration space
-    iters = values.shape
-    m = product(iters)
-    bufs = [call.name]
-    for a in (values, *index):
-        if a.buf not in bufs:
-            bufs.append(a.buf)
-    it = _unravel("i", iters)
-    body = [f"    v = tl.load(buf_{values.buf} + {_offset(values, it)}, mask=ok)",
-            "    bad = i < 0  # an index outside its dim"]
-    dest = []
-    ostrides = contiguous_strides(out.shape)
-    exprs = [m, *out.shape, values.offset, *iters, *values.strides]
-    for d, k in enumerate(dims):
-        size = _c(out.shape[d])
-        if k >= 0:
-            c = it[k]
-        else:
-            a = index[-k - 1]
-            exprs += [a.offset, *a.strides]
-            c = f"c{d}"
-            body.append(f"    {c} = tl.load(buf_{a.buf} + {_offset(a, it)}, mask=ok, "
-                        "other=0).to(tl.int64)")
-            if wrap:
-                body.append(f"    {c} = tl.where({c} < 0, {c} + {to_tl(size)}, {c})")
-            body.append(f"    bad = bad | ({c} < 0) | ({c} >= {to_tl(size)})")
-        st = _c(ostrides[d])
-        if c != "0" and size != 1 or k < 0:
-            dest.append(c if st == 1 else f"{c} * {to_tl(st)}")
-    body += [
-        f"    tl.store(buf_{call.name} + {' + '.join(dest) or '0'}, v, mask=ok & ~bad)",
-        "    tl.store(kiln_status + i.to(tl.int32) * 0, 1, mask=ok & bad)",
-    ]
+    body, bufs, exprs, m = scatter_lines(call, buffers)
     scatter = _kernel(put_name, call, buffers, bufs, exprs, True, body, m)
     return copy, scatter
+
+
+def _pow2(n: int) -> int:
+    return 1 << max(0, int(n) - 1).bit_length()
+
+
+def print_fused_puts(step, buffers, hints, config: Config | None = None) -> TritonKernel:
+    """One program for a `PutKernel` (schedule/puts.py): its kernel's members (printed by
+    the row-kernel printer), a barrier, then each put's scatter over its (static, small)
+    iteration space in one block. Not in place, a put's copy kernel runs before."""
+    params = list(step.params(buffers)) + [("status", "kiln_status")]
+    tail: list[str] = []
+    for j, call in enumerate(step.puts):
+        if call.attr("mode") != 0 or not call.attr("include_self", True):
+            raise ValueError(f"put {call.name}: the CUDA kernel only sets (mode 0)")
+        p = f"p{j}_"
+        m = int(_c(product(call.args[1].shape)))
+        tail += [f"    # {call.name} = index_put({', '.join(a.buf for a in call.args)})  <- "
+                 f"{', '.join(call.source)}",
+                 f"    {p}i = tl.arange(0, {_pow2(max(m, 16))})",
+                 f"    {p}ok = {p}i < {m}"]
+        tail += scatter_lines(call, buffers, p)[0]
+    if step.kernel is not None:
+        return print_triton_kernel(step.kernel, buffers, hints, config, name=step.name,
+                                   params=params, tail=tuple(tail), source=step.source)
+    sig = {}
+    for kind, n in params:
+        sig[n if kind in ("size", "status") else f"buf_{n}"] = \
+            "i64" if kind == "size" else "*i32" if kind == "status" else SIG_PTR[buffers[n].dtype]
+    sig["XBLOCK"] = sig["RBLOCK"] = "constexpr"
+    head = ["@triton.jit",
+            f"def {step.name}({', '.join(a for a in sig if a not in ('XBLOCK', 'RBLOCK'))}, "
+            "XBLOCK: tl.constexpr, RBLOCK: tl.constexpr):",
+            f"    # {step.name}: {', '.join(step.members)}",
+            f"    #   from graph nodes: {', '.join(step.source)}"]
+    src = "\n".join(head + tail) + "\n"
+    return TritonKernel(step.name, src, tuple(params), sig, Config(1, 1, NUM_WARPS), 1,
+                        step.source)

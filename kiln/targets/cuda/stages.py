@@ -16,11 +16,15 @@
     conv_nhwc         (Options.cuda_conv "implicit") 2-D convolutions as channels-last kiln
                       kernels, batch norm folded, epilogues fused (passes/conv_nhwc.py)
     mixed_gemm        (Triton GEMMs allowed) GEMMs of int8 tensors converted to float read int8
-    lower             Graph IR -> Loop IR
-    schedule          Loop IR -> kernels (Triton kernels keep tiles: no per-thread rows)
+    lower             Graph IR -> Loop IR; sums of a GEMM's result read several times
+                      stored once, for the GEMM's epilogue (passes/store_once.py)
+    schedule          Loop IR -> kernels (Triton kernels keep tiles: no per-thread rows);
+                      tiny members gathered into fewer launches (schedule's `tiny`)
     reorder           (Options.reorder_for_memory) the order of lowest peak memory
     gemm_autotune     each GEMM's backend (cuBLAS / cuBLASLt, Triton template, CUTLASS)
     fuse_gemms        GEMMs absorb their epilogue (Triton template, CUTLASS visitor tree)
+    fuse_puts         (Options.fuse) small KV-cache writes (put) in one launch with the
+                      one-row kernel before them (schedule/puts.py)
     program           Program IR, no in-place reuse (threads of a Triton program do not run
                       in lock step)
     async_collectives (collectives) each collective's wait as late as the data allows, its
@@ -43,7 +47,9 @@ from __future__ import annotations
 
 from kiln.targets.cuda.build import (CudaBuild, check_routines, codegen_triton, codegen_wrapper,
                                      compile_library, cubins, cubins_user, cutlass,
-                                     fuse_gemm_epilogues, gemm_autotune, gqa_attention,
+                                     fuse_gemm_epilogues, fuse_put_calls, fusing,
+                                     gemm_autotune,
+                                     gqa_attention,
                                      has_attention, has_cutlass,
                                      has_user_kernels, launch_autotune, libraries,
                                      mixed_gemm, nhwc_conv, nhwc_conv_enabled,
@@ -51,9 +57,9 @@ from kiln.targets.cuda.build import (CudaBuild, check_routines, codegen_triton, 
                                      user_kernel_configs)
 from kiln.targets.collectives import async_collectives, has_collectives
 from kiln.targets.cuda.quant import quant_enabled, quant_weights
-from kiln.targets.stages import (DCE, FREEZE, LOWER, MERGE_GEMMS, PLAN, REORDER, SCHEDULE,
-                                 Stage, Target, check_graph, check_program, graph_text,
-                                 import_stage, program_stage, program_text, source_files,
+from kiln.targets.stages import (DCE, FREEZE, LOWER_STORING_SUMS, MERGE_GEMMS, PLAN, REORDER,
+                                 SCHEDULE_TINY, Stage, Target, check_graph, check_program,
+                                 graph_text, import_stage, program_stage, program_text, source_files,
                                  steps_text)
 
 TARGET = Target("cuda", (
@@ -68,11 +74,12 @@ TARGET = Target("cuda", (
     FREEZE,
     Stage("conv_nhwc", nhwc_conv, dump=graph_text, verify=check_graph, when=nhwc_conv_enabled),
     Stage("mixed_gemm", mixed_gemm, dump=graph_text, verify=check_graph, when=triton_allowed),
-    LOWER,
-    SCHEDULE,
+    LOWER_STORING_SUMS,
+    SCHEDULE_TINY,
     REORDER,
     Stage("gemm_autotune", gemm_autotune),
     Stage("fuse_gemms", fuse_gemm_epilogues, dump=steps_text),
+    Stage("fuse_puts", fuse_put_calls, dump=steps_text, when=fusing),
     program_stage(inplace=False, state_inplace=True),
     Stage("async_collectives", async_collectives, dump=program_text, verify=check_program,
           when=has_collectives),

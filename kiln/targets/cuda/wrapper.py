@@ -328,6 +328,8 @@ class _Printer(SizeCheckPrinter):
                       f"{', '.join(c.source)}")
             self.emit(f"if (buf_{c.name} != buf_{c.args[0].buf}) {{  // not in place: out = self")
             self._launch(copy)
+            if c.attr("copy_only"):  # its scatter is in a fused launch (schedule/puts.py)
+                return
             self.emit("{")
             self._launch(scatter)
             return

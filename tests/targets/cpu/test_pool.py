@@ -209,7 +209,8 @@ _POOL_CPP = r"""
 #include <cstdio>
 #include <stdexcept>
 #include <vector>
-#define CHECK(c) do { if (!(c)) { std::printf("FAIL line %d: %s\n", __LINE__, #c); return 1; } } while (0)
+#define CHECK(c) \
+  do { if (!(c)) { std::printf("FAIL line %d: %s\n", __LINE__, #c); return 1; } } while (0)
 int main(int argc, char **argv) {
   const int nt = std::atoi(argv[1]);
   kr::Pool pool;
@@ -218,7 +219,9 @@ int main(int argc, char **argv) {
   CHECK(kr::max_threads() == nt);
   for (int64_t n : {0, 1, 2, 3, 7, 1000, 100003}) {  // every index once, static and dynamic
     std::vector<int> hits(size_t(n), 0);
-    kr::parallel_for(n, nt, [&](int64_t lo, int64_t hi) { for (int64_t i = lo; i < hi; ++i) ++hits[i]; });
+    kr::parallel_for(n, nt, [&](int64_t lo, int64_t hi) {
+      for (int64_t i = lo; i < hi; ++i) ++hits[i];
+    });
     for (int h : hits) CHECK(h == 1);
     kr::parallel_for_dynamic(n, nt, [&](int64_t i) { ++hits[i]; });
     for (int h : hits) CHECK(h == 2);
@@ -241,7 +244,10 @@ int main(int argc, char **argv) {
   // nested regions run serially on the member that meets them
   int inner_sizes = 0;
   kr::parallel(nt, [&](int, int) {
-    kr::parallel(nt, [&](int, int m) { std::lock_guard<std::mutex> g(kr::team_critical()); inner_sizes += m; });
+    kr::parallel(nt, [&](int, int m) {
+      std::lock_guard<std::mutex> g(kr::team_critical());
+      inner_sizes += m;
+    });
   });
   CHECK(inner_sizes == nt);
   // an exception in a member: no hang (others leave the barrier), rethrown on the caller
@@ -258,7 +264,9 @@ int main(int argc, char **argv) {
   }
   // the pool still works after the failures
   std::vector<int> hits(5000, 0);
-  kr::parallel_for(5000, nt, [&](int64_t lo, int64_t hi) { for (int64_t i = lo; i < hi; ++i) ++hits[i]; });
+  kr::parallel_for(5000, nt, [&](int64_t lo, int64_t hi) {
+    for (int64_t i = lo; i < hi; ++i) ++hits[i];
+  });
   for (int h : hits) CHECK(h == 1);
   std::printf("OK %d\n", pool.workers());
   return 0;

@@ -1,4 +1,5 @@
-"""How CPU kernels split their work over threads (kiln_pool.h) (issue 14, item 3): the direct convolution
+"""How CPU kernels split their work over threads (kiln_pool.h) (issue 14, item 3): the direct
+convolution
 (dense tasks of output-channel groups x row blocks, depthwise rows, the flat 1x1 row split by
 pixels), the prepacked GEMM (panel ranges, or row-block ranges when N has few panels) and the
 generated kernels (the outer loop), each above the size at which it goes parallel and with sizes

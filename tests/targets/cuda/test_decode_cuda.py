@@ -137,7 +137,9 @@ def test_cuda_package_updates_cache_in_place_and_replays_a_graph():
     assert "updated in place" in text
     assert cm.manifest["cuda"]["graphs"] is True
     src = cm.sources["kernels_triton.py"]
-    assert "def put_index_put" in src and "hk = h // 2" in src and "hi_live" in src
+    # the key and value writes: one launch (schedule/puts.py), after the copies' guards
+    assert "def puts_index_put" in src and "hk = h // 2" in src and "hi_live" in src
+    assert [k["kind"] for k in cm.manifest["kernels"]].count("triton_put") == 1
     cpp = cm.sources["model_cuda.cpp"]
     assert "kc::run_graph" in cpp and "cuMemcpyDtoDAsync" not in cpp.split("auto body")[1] \
         .split("run_graph")[0]
@@ -155,7 +157,7 @@ def test_put_out_of_range_index_is_an_error_not_a_write():
     sets the status and writes nothing (checked in the interpreter run below)."""
     cm = kiln.compile(CacheAttn(), _args(1, 5), device="cuda", options=OPTS)
     src = cm.sources["kernels_triton.py"]
-    assert "kiln_status" in src.split("def put_index_put")[1].split("@triton.jit")[0]
+    assert "kiln_status" in src.split("def puts_index_put")[1].split("@triton.jit")[0]
 
 
 _INTERP = """
