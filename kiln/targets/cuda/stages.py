@@ -59,8 +59,8 @@ from kiln.targets.collectives import async_collectives, has_collectives
 from kiln.targets.cuda.quant import quant_enabled, quant_weights
 from kiln.targets.stages import (DCE, FREEZE, LOWER_STORING_SUMS, MERGE_GEMMS, PLAN, REORDER,
                                  SCHEDULE_TINY, Stage, Target, check_graph, check_program,
-                                 graph_text, import_stage, program_stage, program_text, source_files,
-                                 steps_text)
+                                 graph_text, import_stage, program_stage, program_text,
+                                 source_files, steps_text)
 
 TARGET = Target("cuda", (
     import_stage(library_routines=False, fused_attention=True),
