@@ -111,8 +111,9 @@ def test_dynamic_sizes(tmp_path):
 def test_autotuned_attention(tmp_path):
     module = Sdpa(is_causal=True)
     args = _inputs(2, 8, 512, 512, 64, 64, torch.bfloat16, None)
+    # tune_prune=False: this attention (about 3 us) is below the default plan's threshold
     cm, runner = _compile(module, args, tmp_path,
-                          opts=Options(cache_dir=str(tmp_path / "cache")))
+                          opts=Options(cache_dir=str(tmp_path / "cache"), tune_prune=False))
     tuned = cm.manifest["cuda"]["autotuned"]
     print("attention autotuned:", tuned, file=sys.stderr)
     assert any(k.startswith("attn_") and len(v) >= 2 for k, v in tuned.items())
