@@ -8,7 +8,8 @@
 # Knobs: LANE_TIMEOUT (s, default 480), LANE_N (pytest -n for every lane; default per lane, NW),
 #        MARK (default "gpu and not slow"), LANES (lane names to run, default all),
 #        GPUS (e.g. "1 2 3": lane i runs on GPU i mod n through CUDA_VISIBLE_DEVICES; default:
-#        every lane sees every GPU).
+#        every lane sees every GPU). Not in a lane: tests/gemm/test_autotune_gpu.py (max_autotune
+#        with CUTLASS candidates: nvcc builds, minutes per test; run it on its own).
 set -u
 OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT"
@@ -20,7 +21,7 @@ declare -A LANE=(
   [conv]="$T/test_conv_nhwc_gpu.py"
   [cuda]="$T/test_cuda.py"
   [attn]="$T/test_user_triton_gpu.py $T/test_decode_gpu.py $T/test_attention_gpu.py $T/test_gemv.py"
-  [misc]="tests/gemm/test_blas_lt.py tests/gemm/test_gemm_tma.py tests/gemm/test_gemm_mixed.py $T/test_lowp_gpu.py $T/test_quant_cuda.py $T/test_cuda_dds.py $T/test_float8_fnuz_cuda.py tests/gemm/test_autotune_gpu.py tests/ops/test_ops_random.py tests/frontend/test_control_flow.py"
+  [misc]="tests/gemm/test_blas_lt.py tests/gemm/test_gemm_tma.py tests/gemm/test_gemm_mixed.py $T/test_lowp_gpu.py $T/test_quant_cuda.py $T/test_cuda_dds.py $T/test_float8_fnuz_cuda.py tests/ops/test_ops_random.py tests/frontend/test_control_flow.py"
   [state]="$T/test_cuda_unbounded.py $T/test_tp_cuda.py $T/test_generate_cuda.py $T/test_cuda_multi.py $T/test_profile_gpu.py $T/test_llm_cuda.py"
   [hf]="tests/e2e/test_hf_corpus.py"
 )
