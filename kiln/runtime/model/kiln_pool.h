@@ -43,16 +43,13 @@
 #include <cstdint>
 #include <cstdlib>
 #include <exception>
-#include <memory>
-#include <mutex>
 #include <new>
 #include <type_traits>
 #include <utility>
-#include <vector>
 
 #if defined(__x86_64__) || defined(__i386__)
-#include <immintrin.h>
-#define KR_POOL_PAUSE() _mm_pause()
+/* the builtin, not <immintrin.h>: that header alone costs ~0.45 s of every kernel file's compile */
+#define KR_POOL_PAUSE() __builtin_ia32_pause()
 #elif defined(__aarch64__)
 #define KR_POOL_PAUSE() asm volatile("yield" ::: "memory")
 #else
@@ -110,8 +107,8 @@ inline std::atomic<uint32_t> &fork_epoch() {
 }
 inline void on_fork_child() { fork_epoch().fetch_add(1, std::memory_order_relaxed); }
 inline void watch_forks() {
-  static std::once_flag once;
-  std::call_once(once, [] { ::pthread_atfork(nullptr, nullptr, on_fork_child); });
+  static const int once = ::pthread_atfork(nullptr, nullptr, on_fork_child);  // thread-safe
+  (void)once;
 }
 
 inline uint64_t spin_ns_from_env() {
@@ -126,6 +123,31 @@ inline uint64_t spin_ns_from_env() {
 
 }  // namespace pool_detail
 
+/* A mutex and its guard on pthreads: <mutex> would add ~0.2 s to every kernel file's compile. */
+class Mutex {
+ public:
+  Mutex() = default;
+  Mutex(const Mutex &) = delete;
+  Mutex &operator=(const Mutex &) = delete;
+  ~Mutex() { ::pthread_mutex_destroy(&m_); }
+  void lock() { ::pthread_mutex_lock(&m_); }
+  void unlock() { ::pthread_mutex_unlock(&m_); }
+
+ private:
+  pthread_mutex_t m_ = PTHREAD_MUTEX_INITIALIZER;
+};
+
+class Lock {
+ public:
+  explicit Lock(Mutex &m) : m_(m) { m_.lock(); }
+  Lock(const Lock &) = delete;
+  Lock &operator=(const Lock &) = delete;
+  ~Lock() { m_.unlock(); }
+
+ private:
+  Mutex &m_;
+};
+
 /* Thrown in the members of a team left at a barrier by a member that failed. */
 struct TeamAborted {};
 
@@ -137,13 +159,13 @@ struct Team {
   std::atomic<uint32_t> phase{0};
   std::atomic<uint32_t> sleepers{0};
   std::atomic<uint32_t> failed{0};
-  std::mutex mu;  // team_critical
-  std::mutex error_mu;
+  Mutex mu;  // team_critical
+  Mutex error_mu;
   std::exception_ptr error;  // the first exception of a member (under error_mu)
 
   void fail(std::exception_ptr e) {
     {
-      std::lock_guard<std::mutex> g(error_mu);
+      Lock g(error_mu);
       if (!error) error = std::move(e);
     }
     failed.store(1, std::memory_order_seq_cst);
@@ -212,15 +234,15 @@ class Pool {
   Pool &operator=(const Pool &) = delete;
 
   uint64_t spin_ns() const { return spin_ns_; }
-  int workers() const { return int(workers_.size()); }
+  int workers() const { return n_workers_; }
 
   /* Runs fn(ctx, t, nt) for t in [0, nt): t = 0 on the calling thread, the others on workers
    * (started when first needed). Returns when all are done; rethrows the first exception. */
   void run(int nt, void (*fn)(void *, int, int), void *ctx) {
     if (nt > kMaxTeam) nt = kMaxTeam;
     if (epoch_ != pool_detail::fork_epoch().load(std::memory_order_relaxed)) forget_workers();
-    if (nt > int(workers_.size()) + 1) grow(nt - 1);
-    nt = std::min(nt, int(workers_.size()) + 1);  // fewer when a thread could not start
+    if (nt > n_workers_ + 1) grow(nt - 1);
+    if (nt > n_workers_ + 1) nt = n_workers_ + 1;  // fewer when a thread could not start
     Team team;
     team.size = nt;
     team.spin_ns = spin_ns_;
@@ -285,13 +307,16 @@ class Pool {
   }
 
   void grow(int n) {
-    workers_.reserve(size_t(n));
-    while (int(workers_.size()) < n) {
-      std::unique_ptr<Worker> k(new Worker);
+    if (n > kMaxWorkers) n = kMaxWorkers;
+    while (n_workers_ < n) {
+      Worker *k = new Worker;
       k->pool = this;
-      k->id = int(workers_.size()) + 1;
-      if (::pthread_create(&k->thread, nullptr, &Pool::main, k.get()) != 0) break;
-      workers_.push_back(std::move(k));
+      k->id = n_workers_ + 1;
+      if (::pthread_create(&k->thread, nullptr, &Pool::main, k) != 0) {
+        delete k;
+        break;
+      }
+      workers_[n_workers_++] = k;
     }
     epoch_ = pool_detail::fork_epoch().load(std::memory_order_relaxed);
   }
@@ -302,23 +327,27 @@ class Pool {
       return;
     }
     stopping_.store(true, std::memory_order_seq_cst);
-    for (auto &k : workers_) {
-      k->go.fetch_add(1, std::memory_order_seq_cst);
-      pool_detail::futex_wake_all(&k->go);
+    for (int i = 0; i < n_workers_; ++i) {
+      workers_[i]->go.fetch_add(1, std::memory_order_seq_cst);
+      pool_detail::futex_wake_all(&workers_[i]->go);
     }
-    for (auto &k : workers_) ::pthread_join(k->thread, nullptr);
-    workers_.clear();
+    for (int i = 0; i < n_workers_; ++i) {
+      ::pthread_join(workers_[i]->thread, nullptr);
+      delete workers_[i];
+    }
+    n_workers_ = 0;
   }
 
   // In a forked child: the workers are the parent's; their records (not the threads, which do
   // not exist here) are dropped without joining.
   void forget_workers() {
-    for (auto &k : workers_) (void)k.release();  // leaked on purpose: a dead thread's slot
-    workers_.clear();
+    n_workers_ = 0;  // the records are leaked on purpose: each is a dead thread's slot
     epoch_ = pool_detail::fork_epoch().load(std::memory_order_relaxed);
   }
 
-  std::vector<std::unique_ptr<Worker>> workers_;
+  static constexpr int kMaxWorkers = 255;  // a team is capped at 256 members
+  Worker *workers_[kMaxWorkers] = {};
+  int n_workers_ = 0;
   uint32_t epoch_ = 0;
   uint64_t spin_ns_;
   // the region in progress (written by the caller before it signals the workers)
@@ -399,8 +428,8 @@ inline void barrier() {
 }
 
 /* The mutex of the calling thread's team (OpenMP's `critical`); one per region. */
-inline std::mutex &team_critical() {
-  static thread_local std::mutex solo;
+inline Mutex &team_critical() {
+  static thread_local Mutex solo;
   Team *t = tls().team;
   return t ? t->mu : solo;
 }

@@ -236,7 +236,7 @@ int main(int argc, char **argv) {
     kr::barrier();
     long part = 0;
     for (int i = (t + 1) % m; i < 64; i += m) part += a[i];  // another member's writes
-    std::lock_guard<std::mutex> g(kr::team_critical());
+    kr::Lock g(kr::team_critical());
     sum += part;
   });
   CHECK(size_seen == nt);
@@ -245,7 +245,7 @@ int main(int argc, char **argv) {
   int inner_sizes = 0;
   kr::parallel(nt, [&](int, int) {
     kr::parallel(nt, [&](int, int m) {
-      std::lock_guard<std::mutex> g(kr::team_critical());
+      kr::Lock g(kr::team_critical());
       inner_sizes += m;
     });
   });

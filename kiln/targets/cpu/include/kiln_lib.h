@@ -18,7 +18,6 @@
 #include <cstdint>
 #include <initializer_list>
 #include <limits>
-#include <mutex>
 #include <type_traits>
 #include <utility>
 #include <vector>
@@ -289,7 +288,7 @@ int put_counted(kr::Err &e, const char *where, T *out, int64_t *counts, int64_t 
         const int64_t n = self.size(d);
         if (wrap && c < 0 && c >= -n) c += n;
         if (c < 0 || c >= n) {
-          std::lock_guard<std::mutex> lock(kr::team_critical());  // first error only
+          kr::Lock lock(kr::team_critical());  // first error only
           if (!failed) {
             failed = 1;
             e.fail("index out of range in %s: index %lld is out of bounds for dim %d of size "
