@@ -381,6 +381,7 @@ _INTERP = textwrap.dedent("""
 """)
 
 
+@pytest.mark.slow  # ~13 s in the Triton interpreter; the GPU decode tests run these kernels
 def test_fused_programs_match_float64_in_triton_interpreter():
     """Residual GEMV epilogues, tiny kernels across a GEMM, fused cache writes (chained and
     joined ones, negative and out-of-range positions) against float64 torch."""

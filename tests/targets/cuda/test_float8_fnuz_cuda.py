@@ -162,6 +162,7 @@ _PROGRAMS = textwrap.dedent('''
 ''')
 
 
+@pytest.mark.slow  # ~16 s in the Triton interpreter; the GPU tests run the same programs
 def test_fnuz_programs_through_the_interpreter():
     """The CPU tests' fnuz programs compiled for CUDA, their Triton run in the interpreter by
     the Python printer: bit for bit as eager (math in float32 rounded once, moves, a fnuz
