@@ -50,7 +50,8 @@ from kiln.targets.cuda.conv_tune import worth_tuning as conv_worth_tuning
 from kiln.targets.cuda import tune_plan as TP
 from kiln.passes.conv_nhwc import conv_nhwc
 from kiln.targets.cuda.gemm_candidates import build as build_candidates
-from kiln.targets.cuda.gemv_template import print_template_kernel
+from kiln.targets.cuda.gemv_template import (gemv_candidates, gemv_steps, print_gemv_candidate,
+                                              print_template_kernel)
 from kiln.targets.cuda.kernel import choose_config, print_triton_kernel, print_triton_module
 from kiln.passes.dce import dce
 from kiln.passes.gqa_attention import fold_repeat_kv
@@ -146,7 +147,8 @@ def tunes(state: Build) -> bool:
     """Options.autotune, a local GPU of a target architecture, and something to tune."""
     o = state.options
     return bool(o.autotune and ((_kernels(state.steps) and not o.triton_num_warps) or
-                                attention_steps(state.steps) or conv_steps(state.steps))
+                                attention_steps(state.steps) or conv_steps(state.steps) or
+                                gemv_steps(state.steps))
                 and _local(o))
 
 
@@ -256,6 +258,12 @@ def tuning_families(state: Build, reference=None) -> list:
             calls = [c for c in calls if TP.tune_kernel(TP.attention_call_us(c, buffers, hints))]
         fams.append(template_family(calls, attention_candidates, print_attention_kernel,
                                     buffers, hints, "attn"))
+    gemvs = gemv_steps(state.steps)
+    if not full:
+        gemvs = [g for g in gemvs if TP.tune_kernel(TP.gemv_us(g, hints))]
+    if gemvs:  # the GEMV template's BLOCK_N / BLOCK_K / warps (decode's weight streaming)
+        fams.append(template_family(gemvs, gemv_candidates, print_gemv_candidate, buffers,
+                                    hints, "gemv"))
     convs = [c for c in conv_steps(state.steps) if conv_worth_tuning(c, buffers, hints)]
     if convs:
         if full:
@@ -464,8 +472,10 @@ def triton_kernels(steps, buffers, hints: dict[str, int], configs: dict | None =
     configs = configs or {}
     out = []
     for s in steps:
-        if isinstance(s, GemmKernel):  # the GEMM template with its epilogue
-            out.append(print_template_kernel(s, buffers))  # GEMM or GEMV template
+        if isinstance(s, GemmKernel) and getattr(s.config, "gemv", False):
+            out.append(print_gemv_candidate(s, buffers, hints, configs.get(s.name)))
+        elif isinstance(s, GemmKernel):  # the GEMM template with its epilogue
+            out.append(print_template_kernel(s, buffers))
         elif isinstance(s, Kernel):
             out.append(print_triton_kernel(s, buffers, hints, configs.get(s.name)))
         elif isinstance(s, PutKernel):  # one program: a kernel, then the scatters

@@ -19,10 +19,13 @@ to (row 0, column rn); its read of the GEMM result to the sum rounded to the GEM
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import sympy
 
 from kiln.errors import UnsupportedError
-from kiln.gemm.gemv import applies
+from kiln.gemm.configs import GemvConfig
+from kiln.gemm.gemv import applies, configs
 from kiln.ir import loop as L
 from kiln.ir.sym import contiguous_strides, linear_index, product, unravel
 from kiln.schedule.steps import GemmKernel
@@ -174,3 +177,36 @@ def print_template_kernel(gk: GemmKernel, buffers: dict[str, L.Buffer],
     if getattr(gk.config, "gemv", False):
         return print_gemv_kernel(gk, buffers, name)
     return print_gemm_kernel(gk, buffers, name)
+
+
+def gemv_steps(steps) -> list[GemmKernel]:
+    """The GEMV template's kernels among `steps` (regions' too)."""
+    return [s for s in L.flat_steps(steps)
+            if isinstance(s, GemmKernel) and getattr(s.config, "gemv", False)]
+
+
+def _as_gemv(c: Config) -> GemvConfig:
+    return GemvConfig(c.xblock, c.rblock, c.num_warps, c.num_stages)
+
+
+def gemv_candidates(gk: GemmKernel, buffers=None, hints=None) -> list[Config]:
+    """Launch configs the compile-time tuner times for a GEMV kernel (launch_tune's template
+    family "gemv"): the kernel's own config first (the heuristic's, or a profiled choice),
+    then kiln/gemm/gemv.py's variations, as `Config(BLOCK_N, BLOCK_K, warps, stages)`."""
+    g = gk.gemm
+    own = gk.config
+    out = [Config(own.block_n, own.block_k, own.num_warps, own.num_stages)]
+    for c in configs(int(sympy.sympify(g.n)), int(sympy.sympify(g.k)), g.dtype.itemsize):
+        cand = Config(c.block_n, c.block_k, c.num_warps, c.num_stages)
+        if cand not in out:
+            out.append(cand)
+    return out
+
+
+def print_gemv_candidate(gk: GemmKernel, buffers: dict[str, L.Buffer], hints=None,
+                         config: Config | None = None) -> TritonKernel:
+    """The GEMV kernel of `gk` launched with `config` (a tuning candidate or the tuner's pick;
+    None: its own config)."""
+    if config is not None:
+        gk = replace(gk, config=_as_gemv(config))
+    return print_gemv_kernel(gk, buffers)

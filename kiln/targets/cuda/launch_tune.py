@@ -6,6 +6,11 @@ template calls), each step's candidates (the heuristic's first), the Loop IR buf
 hints (the export's example sizes), the cache directory. Output: step name -> the fastest config
 measured (steps not tuned keep their heuristic config).
 
+GEMV template kernels (M = 1, decode's weight streaming) are a template family ("gemv") timed
+with cold operands: each call reads another copy of its weights (`_cold_sets`, twice the L2
+in all), as a decode step reads each weight once; repeated on one copy, a GEMV of up to 50 MB
+of weights would be timed from the L2 and the tuner would pick for the wrong memory.
+
 Method: which steps and candidates are worth it is decided by the caller (targets/cuda/build.py
 `tuning_families` with the cost model of tune_plan.py; without it, `worth_tuning`: reductions
 with at least MIN_ELEMENTS elements of work, pointwise kernels with POINTWISE_MIN_ELEMENTS).
@@ -47,6 +52,8 @@ from kiln.targets.cuda.attention import attention_candidates, print_attention_ke
 import torch
 
 MIN_ELEMENTS = 2**18
+#: template families timed with cold operands (`_cold_sets`): weight-streaming kernels
+COLD_FAMILIES = ("gemv",)
 POINTWISE_MIN_ELEMENTS = 2**22
 
 
@@ -180,6 +187,29 @@ def event_ms(run, reps: int = 20) -> float:
 def _time_ms(ck, grid, args, torch, reps: int = 20) -> float:
     run = ck[grid]
     return event_ms(lambda: run(*args), reps)
+
+
+#: bytes of operands a "cold" family's timing cycles through: twice an H100's / H200's L2
+#: (50 / 60 MiB), so every call streams its operands from HBM as in the model
+COLD_BYTES = 128 << 20
+
+
+def _cold_sets(args, torch) -> list:
+    """Copies of `args` (tensors cloned, scalars shared) whose tensors together exceed
+    COLD_BYTES (at most 64 copies): timing a weight-streaming kernel (a GEMV) over them in
+    turn reads its weights from memory, not from the L2 cache they would sit in when the same
+    call repeats."""
+    nbytes = sum(a.numel() * a.element_size() for a in args if isinstance(a, torch.Tensor))
+    n = min(64, max(1, -(-COLD_BYTES // max(1, nbytes))))
+    return [args] + [[a.clone() if isinstance(a, torch.Tensor) else a for a in args]
+                     for _ in range(n - 1)]
+
+
+def _time_cold_ms(ck, grid, sets, consts, torch, reps: int = 20) -> float:
+    """`_time_ms` with the call's operands taken from `sets` in turn (`_cold_sets`)."""
+    run = ck[grid]
+    it = iter(range(1 << 62))
+    return event_ms(lambda: run(*sets[next(it) % len(sets)], *consts), max(reps, len(sets)))
 
 
 class _Compiling:
@@ -388,6 +418,7 @@ def tune_all(families, buffers, hints: dict[str, int], arch: int, cache: Path,
             fam = family[it.name]
             args = [a.fill_(True) if fam.label and getattr(a, "dtype", None) == torch.bool
                     else a for a in _args(tks[0], buffers, hints, torch)]
+            sets = _cold_sets(args, torch) if fam.label in COLD_FAMILIES else None
             times = {}
             for j, tk in enumerate(tks):
                 if (i, j) not in compiled:
@@ -396,7 +427,9 @@ def tune_all(families, buffers, hints: dict[str, int], arch: int, cache: Path,
                 grid = (-(-rows // tk.config.xblock), 1, 1)
                 consts = [tk.config.xblock, tk.config.rblock]  # the launcher takes them too
                 try:
-                    times[j] = _time_ms(compiled[(i, j)], grid, args + consts, torch)
+                    times[j] = (_time_ms(compiled[(i, j)], grid, args + consts, torch)
+                                if sets is None else
+                                _time_cold_ms(compiled[(i, j)], grid, sets, consts, torch))
                 except Exception:  # noqa: BLE001 - e.g. out of shared memory: not a candidate
                     if j == 0 or not fam.label:
                         raise
@@ -408,7 +441,7 @@ def tune_all(families, buffers, hints: dict[str, int], arch: int, cache: Path,
                 report[name].update(fam.reference(it))
             _keep(best, copies, it, tks, win, compiled[(i, win)], path, arch, cache, device,
                   name, report[name])
-            del args
+            del args, sets
         if hasattr(compiled, "store_extra"):
             n = compiled.store_extra()
             if stats is not None:

@@ -95,6 +95,16 @@ def kernel_us(kernel, buffers, hints: dict[str, int], config: Config) -> float:
     return roofline_us(nbytes, programs, nbytes / programs)
 
 
+def gemv_us(gk, hints: dict[str, int]) -> float:
+    """`roofline_us` of a GEMV template kernel (M = 1): its weight bytes streamed once, over
+    its programs (N / BLOCK_N)."""
+    g, cfg = gk.gemm, gk.config
+    n, k = _n(g.n, hints), _n(g.k, hints)
+    nbytes = n * k * g.dtype.itemsize
+    programs = -(-n // max(1, cfg.block_n))
+    return roofline_us(nbytes, programs, nbytes / programs)
+
+
 def tune_kernel(predicted_us: float) -> bool:
     """Whether a kernel's launch configs are worth compiling and timing."""
     return predicted_us >= KERNEL_MIN_US

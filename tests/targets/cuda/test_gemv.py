@@ -370,3 +370,58 @@ def test_gemv_configs_and_json():
     t = TritonConfig(64, 64, 32)
     assert config_from_json("triton", t.to_json()) == t
     assert isinstance(config_from_json("triton", GemvConfig(8, 512).to_json()), GemvConfig)
+
+
+def test_gemv_launch_configs_are_a_tuning_family():
+    """With tuning on, the GEMV kernels are a template family of the launch tuner ("gemv"):
+    each with its own config first, then kiln/gemm/gemv.py's variations, all printed as the
+    same kernel; the pruned plan leaves GEMVs predicted under a few microseconds (this tiny
+    decoder's) alone; a decoder-sized GEMV is tuned; the tuner's pick reaches the printed
+    kernel."""
+    import dataclasses
+    import types
+
+    from kiln.ir import loop as L
+    from kiln.targets.cuda import build as B
+    from kiln.targets.cuda import tune_plan as TP
+    from kiln.targets.cuda.kernel import Config
+    from kiln.pipeline import target_of
+    target = target_of("cuda")
+    b = target.state(options=OPTS, ep=_decode_step()[1])
+    for s in target.stages:  # up to where launch_autotune would run
+        if s.name == "check_routines":
+            break
+        if s.when(b):
+            b = s.run(b)
+    full = dataclasses.replace(b, options=dataclasses.replace(b.options, tune_prune=False))
+    fams = [f for f in B.tuning_families(full) if f.label == "gemv"]
+    assert len(fams) == 1 and len(fams[0].items) == 4 * 2 + 1, fams
+    bufs, hints = L.all_buffers(b.loop), B._hints(b)
+    for gk in fams[0].items:
+        cands, tks = fams[0].kernels_of(gk)
+        c0 = gk.config
+        assert cands[0] == Config(c0.block_n, c0.block_k, c0.num_warps, c0.num_stages)
+        assert len(set(cands)) == len(cands) >= 6
+        assert {tk.name for tk in tks} == {gk.name}
+        assert [tk.config for tk in tks] == cands
+        picked = B.triton_kernels([gk], bufs, hints, {gk.name: cands[-1]})[0]
+        assert picked.config == cands[-1] and picked.source == tks[-1].source
+    assert not [f for f in B.tuning_families(b) if f.label == "gemv"]  # tiny: pruned
+    big = types.SimpleNamespace(gemm=types.SimpleNamespace(n=11264, k=2048,
+                                                           dtype=torch.bfloat16),
+                                config=types.SimpleNamespace(block_n=16))
+    assert TP.tune_kernel(TP.gemv_us(big, {}))  # 46 MB of weights: ~15 us
+
+
+def test_cold_operand_sets_exceed_the_l2():
+    """A GEMV is timed over copies of its operands that together exceed twice an L2 cache, so
+    that the candidates stream weights from memory as in the model; scalars are shared."""
+    from kiln.targets.cuda.launch_tune import COLD_BYTES, _cold_sets
+    w = torch.randn(1 << 20)  # 4 MiB
+    sets = _cold_sets([w, 7], torch)
+    assert len(sets) == COLD_BYTES // (4 << 20) and sets[0][0] is w
+    assert all(s[1] == 7 for s in sets)
+    assert len({s[0].data_ptr() for s in sets}) == len(sets)
+    assert torch.equal(sets[-1][0], w)
+    assert len(_cold_sets([torch.zeros(4)], torch)) == 64  # at most 64 copies
+    assert len(_cold_sets([torch.zeros(COLD_BYTES)], torch)) == 1

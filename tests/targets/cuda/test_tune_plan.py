@@ -172,7 +172,8 @@ def test_small_attention_is_not_tuned(tmp_path):
 def test_one_compile_pass_for_every_family(resnet18_states, tmp_path, monkeypatch):
     st = resnet18_states["full"]
     fams = cuda_build.tuning_families(st)
-    assert {f.label for f in fams} == {"", "conv"}
+    # the fc layer at batch 1 is a GEMV (M = 1): its launch configs are a family too
+    assert {f.label for f in fams} == {"", "conv", "gemv"}
     passes, timed = [], []
 
     def fake_compile(todo, cache, arch, workers=1, extra=()):
@@ -187,6 +188,8 @@ def test_one_compile_pass_for_every_family(resnet18_states, tmp_path, monkeypatc
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda *a: "Fake GPU")
     monkeypatch.setattr(launch_tune, "_compile_candidates", fake_compile)
     monkeypatch.setattr(launch_tune, "_time_ms", fake_time)
+    monkeypatch.setattr(launch_tune, "_time_cold_ms",  # the GEMV: cold operands
+                        lambda cfg, grid, sets, consts, torch: fake_time(cfg, grid, sets, torch))
     monkeypatch.setattr(launch_tune, "_args", lambda *a: [])
     monkeypatch.setattr(triton_aot, "store_compiled", lambda *a: None)
     bufs, hints = L.all_buffers(st.loop), cuda_build._hints(st)
@@ -194,7 +197,8 @@ def test_one_compile_pass_for_every_family(resnet18_states, tmp_path, monkeypatc
     assert len(passes) == 1  # kernels and convolutions compiled together
     assert set(best) == {s.name for f in fams for s in f.items}
     assert any(k.startswith("conv_") for k in report) and \
-        any(not k.startswith("conv_") for k in report)
+        any(k.startswith("gemv_") for k in report) and \
+        any(not k.startswith(("conv_", "gemv_")) for k in report)
     assert len(timed) == sum(len(v) for v in report.values())
     again, report2 = launch_tune.tune_all(fams, bufs, hints, 90, tmp_path / "c")
     assert again == best and report2 == {} and len(passes) == 1  # remembered
