@@ -161,7 +161,8 @@ def main() -> None:
           f"({f('kiln_stream_ms')}) | {f('kiln_ms_again')} | {f('eager_ms')} | {f('ro_ms')} "
           f"({f('ro_stream_ms')}) | {f('roofline_ms')} | "
           f"{kiln_best / rows['roofline_ms']:.2f} | "
-          f"{(ro / kiln_best) if isinstance(ro, float) else '-'} | {rows['tokens_equal']} | "
+          f"{format(ro / kiln_best, '.2f') if isinstance(ro, float) else '-'} | "
+          f"{rows['tokens_equal']} | "
           f"{rows['kiln_compile_s']:.0f} |")
     if "kiln_at_ms" in rows:
         print(f"| kiln max-autotune | {f('kiln_at_ms')} ({f('kiln_at_stream_ms')}) | "
