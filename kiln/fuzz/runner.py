@@ -69,6 +69,11 @@ def compare(got, want, ref, f32: bool, what: str) -> str | None:
             return f"{where}: dtype {g.dtype} != {w.dtype}"
         if tuple(g.shape) != tuple(w.shape):
             return f"{where}: shape {tuple(g.shape)} != {tuple(w.shape)}"
+        if r.numel() != w.numel():
+            return f"{where}: the reference has {r.numel()} elements, eager {w.numel()}"
+        # the reference in eager's shape (the Loop IR keeps a 0-dim output as [1]; torch 2.11's
+        # isclose cannot broadcast [] against [1])
+        r = torch.as_tensor(r).reshape(w.shape)
         if w.is_complex():  # as pairs of reals, with the tolerance of their type
             rtol, atol = _tol(torch.float64 if w.dtype == torch.complex128 else torch.float32,
                               f32, torch.view_as_real(r.resolve_conj()))

@@ -159,3 +159,15 @@ def test_real_pipeline_fault_shrinks(monkeypatch):
     small, small_out = minimise(spec, out, budget=60)
     assert small_out.status == "mismatch" and _has_sin(small)
     assert size(small)[0] <= 3 and size(small)[1] <= 4, small
+
+
+def test_compare_takes_a_reference_in_another_shape_of_the_same_size():
+    """The Loop IR interpreter returns a 0-dim output as [1]: the comparison reads it in eager's
+    shape (torch 2.11's isclose raised 'output with shape [] doesn't match the broadcast shape
+    [1]' on it: 563 false crashes in a 7,300-program device run); a reference with another
+    element count is a mismatch, never broadcast."""
+    x = torch.tensor(1.5)
+    assert compare([x], [x], [x.reshape(1)], True, "interpreter") is None
+    bad = compare([x], [x], [torch.tensor([1.5, 1.5])], True, "interpreter")
+    assert bad is not None and "2 elements" in bad
+    assert compare([x], [x], [torch.tensor([2.5])], True, "interpreter") is not None
