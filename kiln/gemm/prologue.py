@@ -29,6 +29,7 @@ import sympy
 
 from kiln.gemm.gemv import applies
 from kiln.ir import loop as L
+from kiln.ir.dtypes import float32 as _F32
 from kiln.ir.sym import product
 from kiln.schedule import Kernel
 from kiln.schedule.steps import CutlassGemm, GemmKernel, Prologue
@@ -112,3 +113,60 @@ def prologue_of(steps, i: int, outputs: set[str]
     left = Kernel(kern.name, kern.outer, rest, kern.locals - gone, kern.row_locals - gone) \
         if rest else None
     return p, pro, left
+
+
+def _k_free(e: L.Expr, regs: set[str]) -> bool:
+    """`e` reads nothing but the whole-row reductions `regs` and constants: one value for the
+    whole row (no Index, no other load)."""
+    if isinstance(e, L.Const):
+        return True
+    if isinstance(e, L.Load):
+        return e.buf in regs and not e.indirect
+    if isinstance(e, L.Op):
+        return all(_k_free(a, regs) for a in e.args)
+    return False
+
+
+def factor_row(body: L.Expr, regs: set[str]) -> tuple[L.Expr, L.Expr] | None:
+    """(scale, rest) with `body` = scale * rest, where `scale` reads only the whole-row
+    reductions `regs` (and constants) and `rest` none of them; None when `body` is not such a
+    product (LayerNorm's x - mean, a reduction under a non-linear op of the row).
+
+    The GEMV then multiplies its dot product of `rest` by `scale` once per output instead of
+    computing the reductions before its K loop (sum_k W[n, k] * s * r[k] = s * sum_k W[n, k] *
+    r[k]), so the reductions accumulate in the same loop as the dot product, and the weight
+    loads start at once. RMSNorm's row, w[k] * cast(x[k] * rsqrt(mean(x^2) + eps)), factors as
+    rsqrt(...) times w[k] * cast(x[k]). A float-to-float cast is moved onto `rest`: the row's
+    elements are then rounded without the scale (a different rounding of the same product,
+    one rounding error of the row's dtype per element, as before)."""
+
+    def split(e):
+        if not any(ld.buf in regs for ld in L.loads(e)):
+            return None, e
+        if _k_free(e, regs):
+            return e, None
+        if isinstance(e, L.Op) and e.op == "mul":
+            a, b = split(e.args[0]), split(e.args[1])
+            if a is None or b is None:
+                return None
+            scales = [s for s in (a[0], b[0]) if s is not None]
+            rests = [r for r in (a[1], b[1]) if r is not None]
+            scale = scales[0] if len(scales) == 1 else L.Op("mul", tuple(scales), _F32)
+            rest = rests[0] if len(rests) == 1 else (
+                L.Op("mul", tuple(rests), e.dtype) if rests else None)
+            return scale, rest
+        if isinstance(e, L.Op) and e.op == "cast" and e.dtype.is_float and \
+                e.args[0].dtype.is_float:
+            s = split(e.args[0])
+            if s is None or s[1] is None:
+                return None
+            return s[0], L.Op("cast", (s[1],), e.dtype)
+        return None
+
+    out = split(body)
+    if out is None or out[0] is None or out[1] is None:
+        return None
+    scale, rest = out
+    if scale.dtype != _F32:
+        scale = L.Op("cast", (scale,), _F32)
+    return scale, rest

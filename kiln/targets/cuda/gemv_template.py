@@ -26,6 +26,7 @@ import sympy
 from kiln.errors import UnsupportedError
 from kiln.gemm.configs import GemvConfig
 from kiln.gemm.gemv import applies, configs
+from kiln.gemm.prologue import factor_row
 from kiln.ir import loop as L
 from kiln.ir.sym import contiguous_strides, linear_index, product, unravel
 from kiln.schedule.steps import GemmKernel
@@ -80,6 +81,37 @@ def _prologue_lines(gk: GemmKernel, counter: list[int]) -> tuple[list[str], dict
     return lines, regs
 
 
+def _factored(gk: GemmKernel):
+    """(scale, rest) of the prologue's row (gemm/prologue.py `factor_row`) when its whole-row
+    reductions can accumulate in the GEMV's own K loop: each a sum over exactly K elements
+    (its flat position is the row's k); None otherwise (the reductions then run first)."""
+    pro = gk.prologue
+    if pro is None or not pro.reductions:
+        return None
+    k = sympy.sympify(gk.gemm.k)
+    if not k.is_Integer or any(r.reduce is None or r.reduce.kind != "sum" or
+                               sympy.sympify(product(r.reduce.sizes)) != k
+                               for r in pro.reductions):
+        return None
+    return factor_row(pro.row.body, {r.name for r in pro.reductions})
+
+
+def _fused_reduction_lines(gk: GemmKernel, counter: list[int]) -> list[str]:
+    """The prologue's whole-row reductions accumulated at the K loop's positions kk."""
+    lines = []
+    for j, r in enumerate(gk.prologue.reductions):
+        lines.append(f"        # prologue: {r.name} <- {', '.join(r.source)} "
+                     f"(whole row, accumulated in the K loop)")
+        names, defs = _unravel_lines(f"p{j}_", "kk", r.reduce.sizes, "r", "        ")
+        names.update({f"i{d}": "0" for d in range(len(r.shape))})
+        lines += defs
+        sc = _Scope(names, "kmask", {}, counter)
+        v = text(sc.value(r.body))
+        lines += render(sc.lines, "        ")
+        lines.append(f"        acc_{r.name} = acc_{r.name} + tl.where(kmask, {v}, 0)")
+    return lines
+
+
 def print_gemv_kernel(gk: GemmKernel, buffers: dict[str, L.Buffer],
                       name: str | None = None) -> TritonKernel:
     """`name`: the function's name (default `gk.name`)."""
@@ -120,7 +152,8 @@ def print_gemv_kernel(gk: GemmKernel, buffers: dict[str, L.Buffer],
     ]
     counter = [0]
     regs: dict[str, str] = {}
-    if pro is not None:
+    factored = _factored(gk)
+    if pro is not None and factored is None:
         more, regs = _prologue_lines(gk, counter)
         lines += more
     rows = sympy.sympify(g.b.rows)
@@ -128,11 +161,27 @@ def print_gemv_kernel(gk: GemmKernel, buffers: dict[str, L.Buffer],
     lines += [
         f"    pb = buf_{g.b.buf} + {to_tl(g.b.offset)} + rn * {to_tl(g.b.cols)}",
         "    acc = tl.zeros((XBLOCK, RBLOCK), dtype=tl.float32)",
+    ]
+    if factored is not None:
+        lines += [f"    acc_{r.name} = tl.zeros([1, RBLOCK], dtype=tl.float32)"
+                  for r in pro.reductions]
+    lines += [
         "    for k0 in range(0, K, RBLOCK):",
         "        kk = k0 + rk",
         "        kmask = kk < K",
     ]
-    if pro is None:
+    if factored is not None:
+        lines += _fused_reduction_lines(gk, counter)
+        row = pro.row
+        lines.append(f"        # prologue: {row.name} <- {', '.join(row.source)} at K positions "
+                     f"kk, without its whole-row factor (applied to the dot product)")
+        names, defs = _unravel_lines("a_", "kk", row.shape, "i", "        ")
+        lines += defs
+        sc = _Scope(names, "kmask", {}, counter)
+        v = text(sc.value(factored[1]))
+        lines += render(sc.lines, "        ")
+        lines.append(f"        x = tl.where(kmask, {_rounded(v, row.dtype)}, 0.0)")
+    elif pro is None:
         lines.append(f"        x = tl.load(buf_{g.a.buf} + {to_tl(g.a.offset)} + kk * "
                      f"{to_tl(g.a.cols)}, mask=kmask, other=0.0).to(tl.float32)")
     else:
@@ -147,6 +196,20 @@ def print_gemv_kernel(gk: GemmKernel, buffers: dict[str, L.Buffer],
     lines += [
         f"        w = tl.load(pb + {kstep}, mask=nmask & kmask, other=0.0).to(tl.float32)",
         "        acc += w * x",
+    ]
+    dot = "tl.sum(acc, 1, keep_dims=True)"
+    if factored is not None:
+        for r in pro.reductions:
+            regs[r.name] = f"v_{r.name}"
+            lines.append(f"    v_{r.name} = "
+                         f"{_rounded(f'tl.sum(acc_{r.name}, 1, keep_dims=True)', r.dtype)}")
+        lines.append(f"    # the row's whole-row factor, from {', '.join(regs)}")
+        sc = _Scope({}, "nmask", dict(regs), counter)
+        scale = text(sc.value(factored[0]))
+        lines += render(sc.lines, "    ")
+        lines.append(f"    dot = tl.sum(acc, 1, keep_dims=True) * {scale}")
+        dot = "dot"
+    lines += [
         "    i_m = rn * 0",
         "    i_n = rn",
         "    mask = nmask",
@@ -154,11 +217,11 @@ def print_gemv_kernel(gk: GemmKernel, buffers: dict[str, L.Buffer],
     flat = linear_index([sympy.Symbol("i_m"), sympy.Symbol("i_n")],
                         contiguous_strides(g.shape))
     if epi is None:
-        value = f"tl.sum(acc, 1, keep_dims=True).to({TL_DTYPE[g.dtype]})"
+        value = f"{dot}.to({TL_DTYPE[g.dtype]})"
     else:
         names = _epilogue_names(g, epi, flat)
         lines.append("    xidx = rn * 0  # the outputs' shape, for loads of scalars")
-        rounded = _rounded("tl.sum(acc, 1, keep_dims=True)", g.dtype)
+        rounded = _rounded(dot, g.dtype)
         lines.append(f"    v_{g.name} = {rounded}  # the GEMM result, as its buffer would hold it")
         lines.append(f"    # epilogue {epi.name} <- {', '.join(epi.source)}")
         sc = _Scope(names, "mask", {g.name: f"v_{g.name}"}, counter)

@@ -17,6 +17,7 @@ import sys
 import textwrap
 
 import pytest
+import sympy
 import torch
 
 pytest.importorskip("triton")
@@ -425,3 +426,37 @@ def test_cold_operand_sets_exceed_the_l2():
     assert torch.equal(sets[-1][0], w)
     assert len(_cold_sets([torch.zeros(4)], torch)) == 64  # at most 64 copies
     assert len(_cold_sets([torch.zeros(COLD_BYTES)], torch)) == 1
+
+
+def test_rmsnorm_factor_leaves_the_k_loop():
+    """RMSNorm's row factors as rsqrt(mean + eps) times w[k] * cast(x[k]) (gemm/prologue.py
+    `factor_row`): its sum of squares accumulates in the GEMV's own K loop and the factor
+    scales the dot product; LayerNorm's x - mean does not factor; a row without reductions
+    has nothing to factor. In the decode step every norm prologue (q/k/v, gate/up, head) is
+    factored; the programs match float64 in the interpreter
+    (test_gemv_programs_match_float64_in_triton_interpreter, NormLin)."""
+    from kiln.gemm.prologue import factor_row
+    from kiln.ir import dtypes as D
+    from kiln.ir import loop as L
+    f32, bf16 = D.float32, D.DTYPES["bfloat16"]
+    k = sympy.Symbol("r0")
+    x = L.Load("x", k, f32)
+    mean = L.Op("div", (L.Load("ss", sympy.Integer(0), f32), L.Const(64.0, f32)), f32)
+    r = L.Op("rsqrt", (L.Op("add", (mean, L.Const(1e-6, f32)), f32),), f32)
+    w = L.Load("w", k, bf16)
+    rms = L.Op("mul", (w, L.Op("cast", (L.Op("mul", (x, r), f32),), bf16)), bf16)
+    scale, rest = factor_row(rms, {"ss"})
+    assert scale == r and not any(ld.buf == "ss" for ld in L.loads(rest))
+    assert rest == L.Op("mul", (w, L.Op("cast", (x,), bf16)), bf16)
+    ln = L.Op("mul", (L.Op("sub", (x, mean), f32), r), f32)
+    assert factor_row(ln, {"ss"}) is None
+    assert factor_row(L.Op("exp", (rms,), bf16), {"ss"}) is None
+    assert factor_row(L.Op("mul", (w, x), f32), {"ss"}) is None
+    _, ep = _decode_step()
+    src = kiln.compile(ep, device="cuda", options=OPTS).built.sources["kernels_triton.py"]
+    gemvs = [b for b in src.split("@triton.jit") if "(GEMV)" in b]
+    normed = [b for b in gemvs if "prologue mean" in b]
+    assert len(normed) == 2 * 2 + 1, len(normed)
+    assert all("accumulated in the K loop" in b and "* t" in b.split("dot = ")[1].split("\n")[0]
+               for b in normed)
+    assert not any("(whole row, in registers)" in b for b in gemvs)
