@@ -68,7 +68,9 @@ def configs(n: int, k: int, itemsize: int) -> list[GemvConfig]:
             (bn * 2, max(16, bk // 2), 4, 1), (bn, bk, 8, 1), (bn, bk, 4, 3),
             (bn * 2, bk, 8, 1), (max(1, bn // 2), bk, 2, 1),
             # pipelined loops (more weight bytes in flight a program)
-            (bn * 2, max(16, bk // 2), 4, 3), (max(1, bn // 2), min(2 * bk, kp), 4, 3)):
+            (bn * 2, max(16, bk // 2), 4, 3), (max(1, bn // 2), min(2 * bk, kp), 4, 3),
+            # smaller steps, deeper pipelines: fewer registers a program, more programs an SM
+            (bn, max(16, bk // 4), 4, 4), (bn * 2, max(16, bk // 4), 4, 4)):
         c = GemvConfig(cand_bn, cand_bk, warps, stages)
         if c not in out:
             out.append(c)
