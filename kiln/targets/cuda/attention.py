@@ -349,9 +349,11 @@ def _ceil_div(x: sympy.Expr, n: int) -> sympy.Expr:
 # rows (tl.dot's minimum), so a K / V tile is read once per kv head, not once per query head.
 # XBLOCK is the number of key splits (flash-decoding): program (b, hk, split) walks keys
 # [split * span, (split + 1) * span), span = ceil(S / XBLOCK) rounded up to RBLOCK, in
-# RBLOCK-wide tiles. With a mask (or causal), a tile whose keys no row keeps is skipped before
-# K and V are loaded (the mask tile is read first): a step over a static cache reads the
-# filled part; causal (top-left: key j <= query i) stops at key L.
+# RBLOCK-wide tiles. With a bool mask (or causal), a tile whose keys no row keeps is skipped
+# before K and V are loaded (the mask tile is read first): a step over a static cache reads the
+# filled part; causal (top-left: key j <= query i) stops at key L. A float mask's tile of
+# -inf entries only is skipped alike; in the tiles read it is added to the scores as on the
+# other path (-inf gives p = 0, a NaN score stays NaN).
 #
 # XBLOCK == 1: the program normalises and stores its rows. XBLOCK > 1: each program stores
 # its partial state (running maximum m in base 2, running sum l, the unnormalised [Ev]
@@ -507,8 +509,9 @@ def print_decode_kernel(call: L.Extern, buffers, hints: dict[str, int],
         f"    {hk_k} = bhk % {hkv}",
         f"    r = tl.arange(0, {mb})",
         f"    row_ok = r < {g * lq}",
-        f"    h = {hk_k} * {g} + r // {lq}" if g > 1 else f"    h = {hk_k} + r * 0",
-        f"    lq = r % {lq}",
+        f"    h = {hk_k} * {g} + r" + (f" // {lq}" if lq > 1 else "") if g > 1 else
+        f"    h = {hk_k} + r * 0",
+        f"    lq = r % {lq}" if lq > 1 else "    lq = r * 0",
         f"    d = tl.arange(0, {ep})",
         f"    dv = tl.arange(0, {evp})",
         f"    q = tl.load({ptr(q, ('h[:, None]', qs[1]), ('lq[:, None]', qs[2]), ('d[None, :]', qs[3]))}, "
@@ -546,12 +549,13 @@ def print_decode_kernel(call: L.Extern, buffers, hints: dict[str, int],
                      "other=0)")
         if kind == 1:
             lines.append("        keep = keep & (mt != 0)")
-        else:
+        else:  # added to the scores as on the other path (a NaN score stays NaN)
             lines += ["        madd = mt.to(tl.float32) * " + repr(LOG2E),
-                      "        keep = keep & (madd > float(\"-inf\"))"]
+                      "        live = keep & (madd > float(\"-inf\"))"]
     if mask is not None or causal:
+        live = "live" if kind == 2 else "keep"
         lines.append("        # a tile no row keeps adds nothing: its keys and values are not read")
-        lines.append("        if tl.max(keep.to(tl.int32)) > 0:")
+        lines.append(f"        if tl.max({live}.to(tl.int32)) > 0:")
         ind = "            "
     body = [
         f"kt = tl.load(k_ptr + {_cols_expr('cols[None, :]', ks[2], 'd[:, None]', ks[3])}, "
