@@ -83,10 +83,11 @@ def _shared_estimate(cfg: Config, e_pad: int, ev_pad: int, size: int) -> int:
 
 
 def choose_attention_config(call: L.Extern, buffers, hints: dict[str, int]) -> Config:
-    """The decode path's config (`decode_config`) for few query rows, else: BLOCK_M 128 (64 for head dims above 128), BLOCK_N 64 (32 for float32 operands with head
-    dims above 64: their tiles are twice as large), 4 warps up to head dim 64 and 8 above,
-    3 pipeline stages (2 above head dim 128); both blocks shrink to the run's query / key count
-    (at least 16) when the example is shorter."""
+    """The decode path's config (`decode_config`) for few query rows, else: BLOCK_M 128 (64
+    for head dims above 128), BLOCK_N 64 (32 for float32 operands with head dims above 64:
+    their tiles are twice as large), 4 warps up to head dim 64 and 8 above, 3 pipeline stages
+    (2 above head dim 128); both blocks shrink to the run's query / key count (at least 16)
+    when the example is shorter."""
     e, ev = head_dims(call)
     width = max(_pow2(e), _pow2(ev))
     size = _itemsize(call, buffers)
@@ -386,46 +387,65 @@ def _decode_rows(call: L.Extern) -> tuple[int, int, int]:
     return g, lq, _pow2(g * lq)
 
 
-def _decode_fits(call: L.Extern, buffers, cfg: Config) -> bool:
+#: the decode path's tiles: MB x RBLOCK float32 scores at most (registers), RBLOCK x (E + Ev)
+#: key / value elements of a step at most DECODE_TILE_BYTES (shared memory)
+DECODE_SCORES = 8192
+DECODE_TILE_BYTES = 65536
+
+
+def _decode_fits(call: L.Extern, buffers, cfg: Config, limit: int = SHARED_LIMIT) -> bool:
     e, ev = head_dims(call)
     _, _, mb = _decode_rows(call)
     return (_shared_estimate(Config(mb, cfg.rblock, cfg.num_warps, cfg.num_stages), _pow2(e),
-                             _pow2(ev), _itemsize(call, buffers)) <= SHARED_LIMIT)
+                             _pow2(ev), _itemsize(call, buffers)) <= limit)
+
+
+def _decode_warps(mb: int, bn: int, width: int) -> int:
+    return 4 if mb * max(bn, width) <= DECODE_SCORES else 8
 
 
 def decode_config(call: L.Extern, buffers, hints: dict[str, int]) -> Config:
     """XBLOCK key splits: as many as keep DECODE_KEYS_PER_SPLIT keys a split and B * Hkv *
     splits within DECODE_TARGET_PROGRAMS (at most the call's `splits`, the scratch it has);
-    RBLOCK 64 keys a step (32 for head dims above 128 or float32 above 64, at most the key
-    count's power of two), 4 warps (8 when the program's MB x max(E, Ev) tile exceeds 8192
-    elements), 3 pipeline stages (2 above head dim 128)."""
+    RBLOCK the widest power of two up to 256 that covers no more than a split's keys, keeps
+    MB x RBLOCK scores within DECODE_SCORES and a step's keys and values within
+    DECODE_TILE_BYTES: a decode step's program walks one or two tiles, whose loads are all in
+    flight at once (a walk over many narrow tiles pays a memory latency per tile); 4 warps (8
+    for tiles above DECODE_SCORES elements), 2 stages."""
     e, ev = head_dims(call)
-    width = max(_pow2(e), _pow2(ev))
+    ep, evp = _pow2(e), _pow2(ev)
     size = _itemsize(call, buffers)
     g, _, mb = _decode_rows(call)
     s = max(1, evaluate(call.args[1].shape[2], hints))
-    bn = min(32 if width > 128 or (size == 4 and width > 64) else 64, _pow2(s))
     programs = max(1, evaluate(call.args[0].shape[0], hints) *
                    evaluate(call.args[0].shape[1], hints) // g)
     split = max(1, min(int(call.attr("splits", 1)), -(-s // DECODE_KEYS_PER_SPLIT),
                        DECODE_TARGET_PROGRAMS // programs))
-    return Config(split, bn, 8 if mb * width > 8192 else 4, 2 if width > 128 else 3)
+    span = _pow2(-(-s // split))
+    bn = 256
+    while bn > 16 and (bn > span or mb * bn > DECODE_SCORES or
+                       bn * (ep + evp) * size > DECODE_TILE_BYTES):
+        bn //= 2
+    return Config(split, bn, _decode_warps(mb, bn, max(ep, evp)), 2)
 
 
 def decode_candidates(call: L.Extern, buffers, hints: dict[str, int]) -> list[Config]:
     """The heuristic first, then splits in {1, half, the heuristic's, twice, the scratch's
-    most} x RBLOCK in {32, 64, 128 (head dims up to 64)}, kept where shared memory fits."""
+    most} x RBLOCK in {32 .. 256} (at most the keys' power of two, MB x RBLOCK within twice
+    DECODE_SCORES), kept where shared memory fits."""
     base = decode_config(call, buffers, hints)
     e, ev = head_dims(call)
+    _, _, mb = _decode_rows(call)
     most = int(call.attr("splits", 1))
     s = max(1, evaluate(call.args[1].shape[2], hints))
     splits = sorted({x for x in (1, base.xblock // 2, base.xblock, base.xblock * 2, most)
                      if 1 <= x <= most})
-    bns = sorted({min(b, _pow2(s)) for b in ((32, 64, 128) if max(e, ev) <= 64 else (32, 64))})
+    bns = sorted({min(b, _pow2(s)) for b in (32, 64, 128, 256)
+                  if mb * b <= 2 * DECODE_SCORES})
     out = [base]
     for sp in splits:
         for bn in bns:
-            c = Config(sp, bn, base.num_warps, base.num_stages)
+            c = Config(sp, bn, _decode_warps(mb, bn, max(_pow2(e), _pow2(ev))), 2)
             if c not in out and _decode_fits(call, buffers, c):
                 out.append(c)
     return out
@@ -490,6 +510,7 @@ def print_decode_kernel(call: L.Extern, buffers, hints: dict[str, int],
     kmask = f" & (d[:, None] < {e})" if ep != e else ""
     vmask = f" & (dv[None, :] < {ev})" if evp != ev else ""
     hk_k = "hk" if g > 1 else "h_kv"
+    q_ptr = ptr(q, ("h[:, None]", qs[1]), ("lq[:, None]", qs[2]), ("d[None, :]", qs[3]))
     lines = [
         "@triton.jit",
         f"def {name}({', '.join(a for a in sig if a not in ('XBLOCK', 'RBLOCK'))}, "
@@ -514,8 +535,7 @@ def print_decode_kernel(call: L.Extern, buffers, hints: dict[str, int],
         f"    lq = r % {lq}" if lq > 1 else "    lq = r * 0",
         f"    d = tl.arange(0, {ep})",
         f"    dv = tl.arange(0, {evp})",
-        f"    q = tl.load({ptr(q, ('h[:, None]', qs[1]), ('lq[:, None]', qs[2]), ('d[None, :]', qs[3]))}, "
-        f"mask=row_ok[:, None]{dmask}, other=0.0)",
+        f"    q = tl.load({q_ptr}, mask=row_ok[:, None]{dmask}, other=0.0)",
         f"    k_ptr = {ptr(k, (hk_k, ks[1]))}",
         f"    v_ptr = {ptr(v, (hk_k, vs[1]))}",
     ]
@@ -534,7 +554,7 @@ def print_decode_kernel(call: L.Extern, buffers, hints: dict[str, int],
         f"    hi = tl.minimum({S_}, lo + span)",
     ]
     if causal:
-        lines.append(f"    hi = tl.minimum(hi, {lq})  # causal (top-left): keys j <= query i < {lq}")
+        lines.append(f"    hi = tl.minimum(hi, {lq})  # causal (top-left): key j <= query i")
     lines += [
         "    for start in range(lo, hi, RBLOCK):",
         "        cols = start + tl.arange(0, RBLOCK)",

@@ -60,8 +60,8 @@ def case_inputs(c: dict) -> list[torch.Tensor]:
     """Inputs of case `c` (keys b, hkv, g, lq, s, e, ev, dt, mask, pos, seed, qt): mask "bool"
     is a static cache's [B, 1, L, S] (query i at position pos + i keeps keys j <= pos + i;
     pos "first" / "middle" / "last"), batch 1 (or query row 1) fully masked; "bool2d" a
-    random [L, S] mask; "float" a [B, 1, L, S] float mask with -inf entries and a fully masked
-    row."""
+    random [L, S] mask (query row 1 fully masked); "float" a [B, 1, L, S] float mask with -inf
+    entries, batch 1 (or the last query row) fully masked."""
     g = torch.Generator().manual_seed(c.get("seed", 0))
     dt = DT[c["dt"]]
     b, h, lq, s, e, ev = c["b"], c["hkv"] * c["g"], c["lq"], c["s"], c["e"], c.get("ev", c["e"])
@@ -89,7 +89,10 @@ def case_inputs(c: dict) -> list[torch.Tensor]:
         m = torch.randn(b, 1, lq, s, generator=g)
         m[..., ::3] = float("-inf")
         m[..., 1::7] = float("-inf")
-        m[:, :, lq - 1] = float("-inf")  # the last query row fully masked
+        if b > 1:
+            m[1] = float("-inf")  # a whole batch entry fully masked
+        elif lq > 1:
+            m[:, :, lq - 1] = float("-inf")  # the last query row fully masked
         out.append(m.to(dt))
     return out
 
@@ -174,7 +177,7 @@ def test_decode_call_declares_its_split_scratch():
     part = buffers[call.outs[1]]
     assert part.dtype.name == "float32" and [int(d) for d in part.shape] == [32, 32, 66]
     cfg = choose_attention_config(call, buffers, {})
-    assert cfg.xblock == 8 and cfg.rblock == 64  # 2048 keys / 256 a split
+    assert cfg.xblock == 8 and cfg.rblock == 256  # 2048 keys / 256 a split: one tile each
     main, comb = attention_kernels(call, buffers, {}, cfg)
     assert comb.name == main.name + "_combine"
     assert int(main.rows) == 4 * 8 * 8 and int(comb.rows) == 32  # programs x XBLOCK; rows
