@@ -24,10 +24,19 @@ kernel parameters, so one kernel serves every run size.
 Grouped-query attention (attribute `group`, passes/gqa_attention.py): k and v have H / group
 heads and query head h reads kv head h // group, in place (no repeat_kv copy).
 
-Decode (a mask and one query block, L <= XBLOCK, static): a first pass over the mask finds the
-key range [lo_live, hi_live) the mask keeps for some row, and the two loops visit only its
-tiles: a step over a static cache reads the filled part, not the whole cache. A tile outside
-the range would add nothing (p = 0 for every row, so m, l and acc keep their values).
+The decode path (L static, at most DECODE_MAX_L = 16 query rows: `print_decode_kernel`, see
+the comment above it) is a kernel of its own, for calls whose few programs (B x H) would each
+walk every key with a tile meant for many query rows: one program per (batch, kv head, key
+split) holds all G x L query rows of a kv head (GQA packing: each key / value tile read once
+per kv head), the keys are split among programs (flash-decoding: XBLOCK is the number of
+splits, partial states in the call's float32 scratch, `attn_<call>_combine` merges them), and
+a key tile that a bool mask (or causality) hides for every row is skipped before its keys and
+values are loaded: a step over a static cache reads the filled part, whatever the model.
+
+Longer static query blocks with a mask (16 < L <= XBLOCK, one query block): a first pass over
+the mask finds the key range [lo_live, hi_live) the mask keeps for some row, and the two loops
+visit only its tiles. A tile outside the range would add nothing (p = 0 for every row, so m,
+l and acc keep their values).
 
 Precision: scores and the accumulator are float32. 16-bit inputs multiply on tensor cores with
 float32 accumulation (probabilities are rounded to the input type for the second product, as
@@ -35,9 +44,12 @@ flash-attention kernels do); float32 inputs use 3xTF32 products (`DOT_PRECISION`
 error on tensor cores, never the single-TF32 product Triton defaults to). A row whose keys are
 all masked outputs zeros, as eager's scaled_dot_product_attention does.
 
-Config: XBLOCK = BLOCK_M (queries per program), RBLOCK = BLOCK_N (keys per step), num_warps,
-num_stages (software pipelining of the key / value loads). `choose_attention_config` is the
-heuristic; targets/cuda/launch_tune.py times `attention_candidates` on the local GPU."""
+Config: XBLOCK = BLOCK_M (queries per program; the decode path: key splits), RBLOCK = BLOCK_N
+(keys per step), num_warps, num_stages (software pipelining of the key / value loads).
+`choose_attention_config` is the heuristic; targets/cuda/launch_tune.py times
+`attention_candidates` on the local GPU (the decode path's candidates vary the split; the
+tuner times the attention kernel, not the combine after it). `attention_kernels` lists what
+the wrappers launch for a call: the attention kernel, then the combine when split."""
 
 from __future__ import annotations
 
