@@ -161,6 +161,34 @@ def run_case(c: dict, configs: str = "heuristic") -> list[tuple[str, float, bool
     return out
 
 
+def compile_case(c: dict, opts: Options | None = None):
+    """The CUDA package (cubins for sm_90) of case `c` compiled here, and its inputs."""
+    args = case_inputs(c)
+    return kiln.compile(torch.export.export(module(c), tuple(args)), device="cuda",
+                        options=opts or Options(cuda_archs=(90,), autotune=False)), args
+
+
+def run_package_case(c: dict) -> list[tuple[str, float, bool]]:
+    """Case `c`'s whole package program run by the Python wrapper (`run_program`: the
+    attention kernel, then the combine, the scratch allocated as planned), on the current
+    Triton (the cubins must be cached: `compile_case` in a normal-mode process first)."""
+    # deferred: only the interpreter subprocess launches kernels
+    from kiln.targets.cuda.build import triton_kernels
+    from kiln.targets.cuda.wrapper_py import import_triton_module, run_program
+    cm, args = compile_case(c)
+    b = cm.built
+    mod = import_triton_module(b.sources["kernels_triton.py"])
+    bufs = {x.name: x for x in b.loop.buffers}
+    ks = {k.name: k for k in triton_kernels(b.steps, bufs, {})}
+    (got,) = run_program(b.program, ks, mod, b.weights, args)
+    ref = want(c, args)
+    got = got.double().reshape(ref.shape)
+    dead = ref.abs().amax(-1) == 0
+    combine = any(n.endswith("_combine") for n in ks)
+    return [(f"package{' +combine' if combine else ''}", (got - ref).abs().max().item(),
+             bool((got[dead] == 0).all()))]
+
+
 # -- without a GPU: lowering, configs, sources, the numpy twin -------------------------------
 
 LLAMA = {"b": 1, "hkv": 4, "g": 8, "lq": 1, "s": 256, "e": 64, "dt": "bfloat16",
@@ -242,10 +270,7 @@ def test_loop_interpreter_twin_matches_eager(c):
 
 
 def test_cuda_package_launches_the_combine(tmp_path):
-    c = dict(LLAMA, s=2048, dt="float16")
-    args = case_inputs(c)
-    cm = kiln.compile(torch.export.export(module(c), tuple(args)), device="cuda",
-                      options=Options(cuda_archs=(90,)))
+    cm, _ = compile_case(dict(LLAMA, s=2048, dt="float16"))
     (name, info), = cm.manifest["cuda"]["attention"].items()
     assert info["block_m"] == 8  # the decode path's XBLOCK: its key splits
     cpp = cm.sources["model_cuda.cpp"]
@@ -284,10 +309,11 @@ _DRIVER = textwrap.dedent("""
         return _dot(self, a, b, d, input_precision, max_num_imprecise_acc)
 
     ti.InterpreterBuilder.create_dot = create_dot
-    from test_attention_decode import run_case, tolerance
+    from test_attention_decode import run_case, run_package_case, tolerance
     bad = []
     for c, configs in json.loads(sys.argv[2]):
-        for cfg, err, zeros in run_case(c, configs):
+        got = run_package_case(c) if configs == "package" else run_case(c, configs)
+        for cfg, err, zeros in got:
             ok = err <= tolerance(c["dt"]) and zeros
             print(json.dumps(c), cfg, err, "zeros" if zeros else "NONZERO", flush=True)
             if not ok:
@@ -318,8 +344,14 @@ FAST = [  # (case, configs): a few of every dimension, in one subprocess
 ]
 
 
+PACKAGES = [(dict(LLAMA, s=1000, dt="float16", b=2, hkv=2), "package"),  # split: + combine
+            (dict(B, lq=3, g=4, s=37, mask="float", dt="float32"), "package")]
+
+
 def test_decode_kernels_match_eager_in_interpreter():
-    _interpret(FAST)
+    for c, _ in PACKAGES:  # cubins first: the AOT compiler cannot run in interpreter mode
+        compile_case(c)
+    _interpret(FAST + PACKAGES)
 
 
 def _grid() -> list[tuple[dict, str]]:
