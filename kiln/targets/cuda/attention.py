@@ -55,6 +55,7 @@ from __future__ import annotations
 
 import sympy
 
+from kiln.errors import CompileError
 from kiln.targets.cuda.kernel import Config, TritonKernel
 from kiln.targets.cuda.ops import SIG_PTR, TL_DTYPE, to_tl
 from kiln.ir import loop as L
@@ -500,8 +501,8 @@ def print_decode_kernel(call: L.Extern, buffers, hints: dict[str, int],
     split = config.xblock
     part = _scratch(call) if split > 1 else None
     if split > 1 and (part is None or split > int(call.attr("splits", 1))):
-        raise ValueError(f"{name}: {split} key splits, but the call's scratch holds "
-                         f"{call.attr('splits', 1)}")
+        raise CompileError(f"{name}: a launch config of {split} key splits (XBLOCK), but the "
+                           f"call's scratch {part or '(none)'} holds {call.attr('splits', 1)}")
     bufs = [("out", call.name)] + ([("out", part)] if part else [])
     for a in call.args:
         if a.buf not in [b for _, b in bufs]:

@@ -23,6 +23,7 @@ import torch.nn.functional as F
 triton = pytest.importorskip("triton")
 
 import kiln  # noqa: E402
+from kiln.errors import CompileError  # noqa: E402
 from kiln.frontend.export import import_program  # noqa: E402
 from kiln.ir.interp import run_loop  # noqa: E402
 from kiln.lowering import lower  # noqa: E402
@@ -212,6 +213,13 @@ def test_decode_call_declares_its_split_scratch():
     assert "hk * 8 + r" in main.source and "tl.dot(q, kt" in main.source
     assert "if tl.max(keep.to(tl.int32)) > 0:" in main.source  # masked tiles skipped
     assert f"buf_{call.outs[1]}" in main.source and f"buf_{call.outs[1]}" in comb.source
+
+
+def test_split_beyond_the_scratch_is_refused():
+    c = dict(LLAMA, s=256)
+    _, prog, call = loop_of(c, case_inputs(c))
+    with pytest.raises(CompileError, match=r"8 key splits.*holds 4"):
+        attention_kernels(call, {b.name: b for b in prog.buffers}, {}, Config(8, 64, 4, 2))
 
 
 @pytest.mark.parametrize("s, b, hkv, split", [(256, 1, 4, 1), (1000, 1, 4, 4),
