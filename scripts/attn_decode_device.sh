@@ -1,15 +1,18 @@
 #!/usr/bin/env bash
 # GPU run for the attention template's decode path (issue 17, branch s6att): GQA heads packed
 # per kv head, keys split among programs with a combine kernel, masked key tiles skipped.
-# 1. pytest -m gpu: every attention GPU test (the decode path against a float64 reference at
-#    Llama's shapes, S 37 .. 8192, the tuned split) and the decode-step tests (tiny Llama /
-#    other families stepped over their caches, the Llama-shaped 32 / 4-head step over 256);
+# 1. pytest -m gpu on the attention and decode-step GPU files, -k $TESTS (default: the decode
+#    path against a float64 reference at Llama's shapes, S 37 .. 8192, the tuned split; the
+#    flash path's variants and fully masked rows; the bf16 tiny-Llama steps and the
+#    Llama-shaped 32 / 4-head step over a 256 cache; TESTS="" runs both files whole, about
+#    twice the time);
 # 2. bench/attention_gpu.py --decode: the attention alone, CUDA-graph replays, against eager
 #    SDPA with the mask and on the filled keys, and the memory floor;
 # 3. scripts/prof_decode.py 16: the 16 x 2048 Llama step's per-kernel device time (the
 #    attention line was 16 x 7.43 us).
-# Logs under $OUT, a summary last. On the device machine, from the worktree root (< 8 min):
-#   bash scripts/attn_decode_device.sh     (SKIP_TESTS=1 / SKIP_BENCH=1 / SKIP_PROF=1)
+# Logs under $OUT, a summary last. On the device machine, from the worktree root; in two
+# calls of under 10 minutes: SKIP_BENCH=1 SKIP_PROF=1, then SKIP_TESTS=1:
+#   bash scripts/attn_decode_device.sh   (TESTS=..., SKIP_TESTS=1 / SKIP_BENCH=1 / SKIP_PROF=1)
 set -u
 cd "$(dirname "$0")/.."
 OUT=${OUT:-/tmp/out}
@@ -23,7 +26,8 @@ PY=${PY:-python3}
 rc=0
 if [ -z "${SKIP_TESTS:-}" ]; then
   timeout ${TEST_TIMEOUT:-300} $PY -m pytest -m gpu -q -p no:cacheprovider -o addopts="" \
-    tests/targets/cuda/test_attention_gpu.py tests/targets/cuda/test_decode_gpu.py 2>&1 \
+    tests/targets/cuda/test_attention_gpu.py tests/targets/cuda/test_decode_gpu.py \
+    -k "${TESTS-decode_path or variant or fully_masked or llama_shaped or whole_cache or (steps_match_eager and bf16)}" 2>&1 \
     | grep -v "^DEBUG" | tee "$OUT/pytest_gpu.log" | tail -30
   rc=${PIPESTATUS[0]}
 fi
@@ -32,7 +36,7 @@ if [ -z "${SKIP_BENCH:-}" ]; then
     | grep -v "^DEBUG" | tee "$OUT/bench_attn_decode.log" | tail -14
 fi
 if [ -z "${SKIP_PROF:-}" ]; then
-  timeout ${PROF_TIMEOUT:-150} $PY scripts/prof_decode.py 16 2>&1 | grep -v "^DEBUG" \
+  timeout ${PROF_TIMEOUT:-240} $PY scripts/prof_decode.py 16 2>&1 | grep -v "^DEBUG" \
     | tee "$OUT/prof_decode.log" | head -20
 fi
 echo "== summary: pytest -m gpu rc=$rc: $(tail -1 "$OUT/pytest_gpu.log" 2>/dev/null)"
