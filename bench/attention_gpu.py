@@ -11,7 +11,16 @@ causal). Table 2: the gpt zoo model (bf16 and fp32, batch 4 x seq 256) with the 
 (default) and with attention decomposed (Options(fused_attention=False), the previous CUDA
 lowering): median latency of one package call.
 
-    python bench/attention_gpu.py [--quick] [--repeat 30]
+Table 3 (--decode: only this one): the decode path (few query rows: a kv head's query heads
+in one program, keys split among programs, masked key tiles skipped), bf16, L = 1, 32 query
+heads / 4 kv heads, head dim 64 / 128, S in {256, 2048, 8192}, a static cache's bool mask
+filled to half (and whole). Each side captured in a CUDA graph and timed by events over
+replays (microseconds a call): kiln's kernels (attention, then the combine when split, from
+the package's Triton source, the package's configs), eager's SDPA with the mask (what HF
+runs), eager's SDPA on the filled keys only without a mask (flash-decoding's peer), and the
+memory floor of the filled keys and values at 3.35 TB/s.
+
+    python bench/attention_gpu.py [--quick] [--repeat 30] [--decode]
 """
 
 from __future__ import annotations
@@ -121,12 +130,103 @@ def gpt_table(repeat):
         print(f"| {name} | {t[0]:.4f} | {t[1]:.4f} | {t[1] / t[0]:.2f}x |", flush=True)
 
 
+class Gqa(torch.nn.Module):
+    """SDPA over Hugging Face's repeat_kv copies (what kiln folds into the grouped kernel)."""
+
+    def forward(self, q, k, v, m):
+        b, hkv, s, e = k.shape
+        g = q.shape[1] // hkv
+        k = k[:, :, None].expand(b, hkv, g, s, e).reshape(b, hkv * g, s, e)
+        v = v[:, :, None].expand(b, hkv, g, s, e).reshape(b, hkv * g, s, e)
+        return F.scaled_dot_product_attention(q, k, v, m)
+
+
+def _graph_us(fn, repeat):
+    """Microseconds one replay of `fn` captured in a CUDA graph takes (events over 20 x
+    `repeat` replays, after warm-up)."""
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        for _ in range(3):
+            fn()
+    torch.cuda.current_stream().wait_stream(s)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        fn()
+    for _ in range(10):
+        g.replay()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(20 * repeat):
+        g.replay()
+    end.record()
+    torch.cuda.synchronize()
+    return start.elapsed_time(end) * 1000 / (20 * repeat)
+
+
+def decode_table(repeat, quick):
+    from kiln.targets.cuda.attention import attention_kernels
+    from kiln.targets.cuda.kernel import Config
+    from kiln.targets.cuda.wrapper_py import import_triton_module, launch_kernel
+    dt, hkv, h = torch.bfloat16, 4, 32
+    print("\n| E | S | filled | kiln us | config | eager SDPA + mask us | eager SDPA filled us "
+          "| floor us | kiln / eager+mask | max err |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
+    for e in (64, 128):
+        for s in ((256, 8192) if quick else (256, 2048, 8192)):
+            ex = (torch.randn(1, h, 1, e, dtype=dt), torch.randn(1, hkv, s, e, dtype=dt),
+                  torch.randn(1, hkv, s, e, dtype=dt), torch.ones(1, 1, 1, s, dtype=torch.bool))
+            cm = kiln.compile(torch.export.export(Gqa(), ex), device="cuda")
+            b = cm.built
+            mod = import_triton_module(cm.sources["kernels_triton.py"])
+            bufs_ir = {x.name: x for x in b.loop.buffers}
+            (call,) = [x for x in b.steps if getattr(x, "routine", None) == "attention"]
+            info = cm.manifest["cuda"]["attention"][f"attn_{call.name}"]
+            ks = attention_kernels(call, bufs_ir, {}, Config(
+                info["block_m"], info["block_n"], info["num_warps"], info["num_stages"]))
+            names = [i.name for i in b.graph.user_inputs]
+            for filled in (s // 2, s):
+                q, k, v = (torch.randn(*x.shape, dtype=dt, device="cuda") for x in ex[:3])
+                m = torch.zeros(1, 1, 1, s, dtype=torch.bool, device="cuda")
+                m[..., :filled] = True
+                bufs = {n: t.reshape(-1) for n, t in zip(names, (q, k, v, m))}
+                for k_ in ks:  # outputs and the split scratch
+                    for kind, n in k_.params:
+                        if kind == "out" and n not in bufs:
+                            bb = bufs_ir[n]
+                            bufs[n] = torch.empty(int(bb.numel), dtype=bb.dtype.torch,
+                                                  device="cuda")
+                status = torch.zeros(1, dtype=torch.int32, device="cuda")
+
+                def run_kiln():
+                    for k_ in ks:
+                        launch_kernel(mod, k_, {}, bufs, status, "cuda")
+                t_kiln = _graph_us(run_kiln, repeat)
+                want = Gqa()(q.double(), k.double(), v.double(), m)
+                got = bufs[ks[0].params[0][1]].reshape(want.shape)
+                err = (got.double() - want).abs().max().item()
+                t_mask = _graph_us(lambda: Gqa()(q, k, v, m), repeat)
+                kf, vf = k[:, :, :filled], v[:, :, :filled]
+                t_filled = _graph_us(lambda: F.scaled_dot_product_attention(
+                    q, kf, vf, enable_gqa=True), repeat)
+                floor = 2 * hkv * filled * e * 2 / 3.35e6
+                cfg = ks[0].config
+                print(f"| {e} | {s} | {filled} | {t_kiln:.2f} | splits {cfg.xblock} keys/step "
+                      f"{cfg.rblock} w{cfg.num_warps}{' +combine' if len(ks) > 1 else ''} | "
+                      f"{t_mask:.2f} | {t_filled:.2f} | {floor:.2f} | {t_kiln / t_mask:.2f} | "
+                      f"{err:.2g} |", flush=True)
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--repeat", type=int, default=30)
     ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--decode", action="store_true", help="only the decode table")
     a = ap.parse_args()
     print("GPU:", torch.cuda.get_device_name(), "torch", torch.__version__)
+    if a.decode:
+        decode_table(a.repeat, a.quick)
+        return
     gpt_table(a.repeat)
     attention_table(a.repeat, a.quick)
 

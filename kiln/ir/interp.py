@@ -427,8 +427,10 @@ def _lib_embedding_bag(outs, attrs, weight, indices, offsets, psw=None):
 
 def _lib_attention(outs, attrs, q, k, v, mask=None):
     """softmax(scale * q @ k^T (+ mask / where mask, causal: key <= query)) @ v in float64,
-    one (batch, head) at a time; a row whose keys are all masked gives zeros, as eager does."""
-    (dt, shape), = outs
+    one (batch, head) at a time; a row whose keys are all masked gives zeros, as eager does.
+    A second output (the CUDA decode path's split-K scratch, lowering/attention.py) holds no
+    result: zeros."""
+    (dt, shape), *scratch = outs
     out = np.zeros(shape, dtype=np.float64)
     lq, s = q.shape[2], k.shape[2]
     g = attrs.get("group", 1)  # grouped queries: head h reads kv head h // g
@@ -449,7 +451,7 @@ def _lib_attention(outs, attrs, q, k, v, mask=None):
             total = p.sum(axis=1, keepdims=True)
             out[b, h] = np.where(total > 0, p / np.where(total > 0, total, 1.0), 0.0) @ \
                 v[b, h].astype(np.float64)
-    return [out]
+    return [out, *(np.zeros(sh, np.float32) for _, sh in scratch)]
 
 
 def _lib_conv2d_nchwc(outs, attrs, x, w, b, res=None):

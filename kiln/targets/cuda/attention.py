@@ -24,10 +24,19 @@ kernel parameters, so one kernel serves every run size.
 Grouped-query attention (attribute `group`, passes/gqa_attention.py): k and v have H / group
 heads and query head h reads kv head h // group, in place (no repeat_kv copy).
 
-Decode (a mask and one query block, L <= XBLOCK, static): a first pass over the mask finds the
-key range [lo_live, hi_live) the mask keeps for some row, and the two loops visit only its
-tiles: a step over a static cache reads the filled part, not the whole cache. A tile outside
-the range would add nothing (p = 0 for every row, so m, l and acc keep their values).
+The decode path (L static, at most DECODE_MAX_L = 16 query rows: `print_decode_kernel`, see
+the comment above it) is a kernel of its own, for calls whose few programs (B x H) would each
+walk every key with a tile meant for many query rows: one program per (batch, kv head, key
+split) holds all G x L query rows of a kv head (GQA packing: each key / value tile read once
+per kv head), the keys are split among programs (flash-decoding: XBLOCK is the number of
+splits, partial states in the call's float32 scratch, `attn_<call>_combine` merges them), and
+a key tile that a bool mask (or causality) hides for every row is skipped before its keys and
+values are loaded: a step over a static cache reads the filled part, whatever the model.
+
+Longer static query blocks with a mask (16 < L <= XBLOCK, one query block): a first pass over
+the mask finds the key range [lo_live, hi_live) the mask keeps for some row, and the two loops
+visit only its tiles. A tile outside the range would add nothing (p = 0 for every row, so m,
+l and acc keep their values).
 
 Precision: scores and the accumulator are float32. 16-bit inputs multiply on tensor cores with
 float32 accumulation (probabilities are rounded to the input type for the second product, as
@@ -35,19 +44,24 @@ flash-attention kernels do); float32 inputs use 3xTF32 products (`DOT_PRECISION`
 error on tensor cores, never the single-TF32 product Triton defaults to). A row whose keys are
 all masked outputs zeros, as eager's scaled_dot_product_attention does.
 
-Config: XBLOCK = BLOCK_M (queries per program), RBLOCK = BLOCK_N (keys per step), num_warps,
-num_stages (software pipelining of the key / value loads). `choose_attention_config` is the
-heuristic; targets/cuda/launch_tune.py times `attention_candidates` on the local GPU."""
+Config: XBLOCK = BLOCK_M (queries per program; the decode path: key splits), RBLOCK = BLOCK_N
+(keys per step), num_warps, num_stages (software pipelining of the key / value loads).
+`choose_attention_config` is the heuristic; targets/cuda/launch_tune.py times
+`attention_candidates` on the local GPU (the decode path's candidates vary the split; the
+tuner times the attention kernel, not the combine after it). `attention_kernels` lists what
+the wrappers launch for a call: the attention kernel, then the combine when split."""
 
 from __future__ import annotations
 
 import sympy
 
+from kiln.errors import CompileError
 from kiln.targets.cuda.kernel import Config, TritonKernel
 from kiln.targets.cuda.ops import SIG_PTR, TL_DTYPE, to_tl
 from kiln.ir import loop as L
 from kiln.ir.sym import evaluate
 from kiln.ir.sym import FloorDiv
+from kiln.lowering.attention import DECODE_MAX_L
 
 LOG2E = 1.4426950408889634
 SHARED_LIMIT = 232448  # bytes of shared memory one sm_90 block may use (227 KiB)
@@ -82,10 +96,11 @@ def _shared_estimate(cfg: Config, e_pad: int, ev_pad: int, size: int) -> int:
 
 
 def choose_attention_config(call: L.Extern, buffers, hints: dict[str, int]) -> Config:
-    """BLOCK_M 128 (64 for head dims above 128), BLOCK_N 64 (32 for float32 operands with head
-    dims above 64: their tiles are twice as large), 4 warps up to head dim 64 and 8 above,
-    3 pipeline stages (2 above head dim 128); both blocks shrink to the run's query / key count
-    (at least 16) when the example is shorter."""
+    """The decode path's config (`decode_config`) for few query rows, else: BLOCK_M 128 (64
+    for head dims above 128), BLOCK_N 64 (32 for float32 operands with head dims above 64:
+    their tiles are twice as large), 4 warps up to head dim 64 and 8 above, 3 pipeline stages
+    (2 above head dim 128); both blocks shrink to the run's query / key count (at least 16)
+    when the example is shorter."""
     e, ev = head_dims(call)
     width = max(_pow2(e), _pow2(ev))
     size = _itemsize(call, buffers)
@@ -93,6 +108,8 @@ def choose_attention_config(call: L.Extern, buffers, hints: dict[str, int]) -> C
     bn = 32 if width > 128 or (size == 4 and width > 64) else 64
     warps = 4 if width <= 64 else 8
     stages = 2 if width > 128 else 3
+    if is_decode(call):
+        return decode_config(call, buffers, hints)
     lq = evaluate(call.args[0].shape[2], hints)
     s = evaluate(call.args[1].shape[2], hints)
     return Config(min(bm, _pow2(lq)), min(bn, _pow2(s)), warps, stages)
@@ -101,7 +118,9 @@ def choose_attention_config(call: L.Extern, buffers, hints: dict[str, int]) -> C
 def attention_candidates(call: L.Extern, buffers, hints: dict[str, int]) -> list[Config]:
     """The heuristic config first, then a small space around it: BLOCK_M in {64, 128}, BLOCK_N
     in {32, 64, 128}, 4 or 8 warps (8 only with at least 128 query rows), 2-4 stages, kept where
-    the estimated shared memory fits."""
+    the estimated shared memory fits. The decode path has its own (`decode_candidates`)."""
+    if is_decode(call):
+        return decode_candidates(call, buffers, hints)
     base = choose_attention_config(call, buffers, hints)
     e, ev = head_dims(call)
     size = _itemsize(call, buffers)
@@ -125,9 +144,22 @@ def _c(e) -> sympy.Expr:
     return sympy.expand(sympy.sympify(e))
 
 
+def attention_kernels(call: L.Extern, buffers, hints: dict[str, int],
+                      config: Config | None = None) -> list[TritonKernel]:
+    """The kernels the wrapper launches for `call`, in order: the attention kernel, then (the
+    decode path split over the keys) `attn_<call>_combine`."""
+    config = config or choose_attention_config(call, buffers, hints)
+    main = print_attention_kernel(call, buffers, hints, config)
+    if is_decode(call) and config.xblock > 1:
+        return [main, print_decode_combine(call, buffers, config)]
+    return [main]
+
+
 def print_attention_kernel(call: L.Extern, buffers, hints: dict[str, int],
                            config: Config | None = None) -> TritonKernel:
     config = config or choose_attention_config(call, buffers, hints)
+    if is_decode(call):
+        return print_decode_kernel(call, buffers, hints, config)
     q, k, v = call.args[:3]
     mask = call.args[3] if len(call.args) > 3 else None
     kind = call.attr("mask", 0)
@@ -322,3 +354,335 @@ def _ceil_div(x: sympy.Expr, n: int) -> sympy.Expr:
     if x.is_Integer:
         return sympy.Integer(-(-int(x) // n))
     return FloorDiv(x + n - 1, n)
+
+
+# -- the decode path: few query rows (L static, at most DECODE_MAX_L) ------------------------
+#
+# One program handles all G x L query rows of one (batch, kv head) (G = group, the query heads
+# that read one kv head: row r is query head hk * G + r // L, query r % L), padded to MB >= 16
+# rows (tl.dot's minimum), so a K / V tile is read once per kv head, not once per query head.
+# XBLOCK is the number of key splits (flash-decoding): program (b, hk, split) walks keys
+# [split * span, (split + 1) * span), span = ceil(S / XBLOCK) rounded up to RBLOCK, in
+# RBLOCK-wide tiles. With a bool mask (or causal), a tile whose keys no row keeps is skipped
+# before K and V are loaded (the mask tile is read first): a step over a static cache reads the
+# filled part; causal (top-left: key j <= query i) stops at key L. A float mask's tile of
+# -inf entries only is skipped alike; in the tiles read it is added to the scores as on the
+# other path (-inf gives p = 0, a NaN score stays NaN).
+#
+# XBLOCK == 1: the program normalises and stores its rows. XBLOCK > 1: each program stores
+# its partial state (running maximum m in base 2, running sum l, the unnormalised [Ev]
+# accumulator) in the call's float32 scratch (`<call>_part`, [B * H * L, splits, Ev + 2],
+# declared by lowering/attention.py and planned in the arena like any temp), and a second small
+# kernel, `attn_<call>_combine` (one program per output row), merges the splits: M = max m,
+# o = sum(2^(m - M) acc) / sum(2^(m - M) l). A second launch rather than an in-kernel
+# "last program reduces" step: the latter needs a per-row arrival counter that is zero before
+# every call (the arena's bytes are not, and a memset is a launch as well), and its atomics
+# and fences serialise the splits' tails; the combine reads B * H * L * splits * (Ev + 2)
+# floats (tens of KB), a microsecond-scale launch that a CUDA graph queues back to back.
+# A row that no split kept (fully masked) gets zeros, as on the other path.
+
+#: key splits: the heuristic wants at least this many keys a split ...
+DECODE_KEYS_PER_SPLIT = 256
+#: ... and no more programs than two waves of an H100's 132 SMs
+DECODE_TARGET_PROGRAMS = 264
+
+
+def is_decode(call: L.Extern) -> bool:
+    """Whether `call` takes the decode path: L static, at most DECODE_MAX_L."""
+    lq = _c(call.args[0].shape[2])
+    return lq.is_Integer and int(lq) <= DECODE_MAX_L
+
+
+def _decode_rows(call: L.Extern) -> tuple[int, int, int]:
+    """(G, L, MB): the group, the query rows per head and the padded rows of one program."""
+    g = int(call.attr("group", 1))
+    lq = int(_c(call.args[0].shape[2]))
+    return g, lq, _pow2(g * lq)
+
+
+#: the decode path's tiles: MB x RBLOCK float32 scores at most (registers), RBLOCK x (E + Ev)
+#: key / value elements of a step at most DECODE_TILE_BYTES (shared memory)
+DECODE_SCORES = 8192
+DECODE_TILE_BYTES = 65536
+
+
+def _decode_fits(call: L.Extern, buffers, cfg: Config, limit: int = SHARED_LIMIT) -> bool:
+    e, ev = head_dims(call)
+    _, _, mb = _decode_rows(call)
+    return (_shared_estimate(Config(mb, cfg.rblock, cfg.num_warps, cfg.num_stages), _pow2(e),
+                             _pow2(ev), _itemsize(call, buffers)) <= limit)
+
+
+def _decode_warps(mb: int, bn: int, width: int) -> int:
+    return 4 if mb * max(bn, width) <= DECODE_SCORES else 8
+
+
+def decode_config(call: L.Extern, buffers, hints: dict[str, int]) -> Config:
+    """XBLOCK key splits: as many as keep DECODE_KEYS_PER_SPLIT keys a split and B * Hkv *
+    splits within DECODE_TARGET_PROGRAMS (at most the call's `splits`, the scratch it has);
+    RBLOCK the widest power of two up to 256 that covers no more than a split's keys, keeps
+    MB x RBLOCK scores within DECODE_SCORES and a step's keys and values within
+    DECODE_TILE_BYTES: a decode step's program walks one or two tiles, whose loads are all in
+    flight at once (a walk over many narrow tiles pays a memory latency per tile); 4 warps (8
+    for tiles above DECODE_SCORES elements), 2 stages."""
+    e, ev = head_dims(call)
+    ep, evp = _pow2(e), _pow2(ev)
+    size = _itemsize(call, buffers)
+    g, _, mb = _decode_rows(call)
+    s = max(1, evaluate(call.args[1].shape[2], hints))
+    programs = max(1, evaluate(call.args[0].shape[0], hints) *
+                   evaluate(call.args[0].shape[1], hints) // g)
+    split = max(1, min(int(call.attr("splits", 1)), -(-s // DECODE_KEYS_PER_SPLIT),
+                       DECODE_TARGET_PROGRAMS // programs))
+    span = _pow2(-(-s // split))
+    bn = 256
+    while bn > 16 and (bn > span or mb * bn > DECODE_SCORES or
+                       bn * (ep + evp) * size > DECODE_TILE_BYTES):
+        bn //= 2
+    return Config(split, bn, _decode_warps(mb, bn, max(ep, evp)), 2)
+
+
+def decode_candidates(call: L.Extern, buffers, hints: dict[str, int]) -> list[Config]:
+    """The heuristic first, then splits in {1, half, the heuristic's, twice, the scratch's
+    most} x RBLOCK in {32 .. 256} (at most the keys' power of two, MB x RBLOCK within twice
+    DECODE_SCORES), kept where shared memory fits."""
+    base = decode_config(call, buffers, hints)
+    e, ev = head_dims(call)
+    _, _, mb = _decode_rows(call)
+    most = int(call.attr("splits", 1))
+    s = max(1, evaluate(call.args[1].shape[2], hints))
+    splits = sorted({x for x in (1, base.xblock // 2, base.xblock, base.xblock * 2, most)
+                     if 1 <= x <= most})
+    bns = sorted({min(b, _pow2(s)) for b in (32, 64, 128, 256)
+                  if mb * b <= 2 * DECODE_SCORES})
+    out = [base]
+    for sp in splits:
+        for bn in bns:
+            c = Config(sp, bn, _decode_warps(mb, bn, max(_pow2(e), _pow2(ev))), 2)
+            if c not in out and _decode_fits(call, buffers, c):
+                out.append(c)
+    return out
+
+
+def _term(var: str, stride) -> list[str]:
+    st = _c(stride)
+    return [] if st == 0 else [var] if st == 1 else [f"{var} * {to_tl(st)}"]
+
+
+def _signature(call: L.Extern, buffers, exprs, bufs: list[tuple[str, str]]):
+    syms = sorted({str(x) for e in exprs for x in sympy.sympify(e).free_symbols})
+    params = (*bufs, *(("size", x) for x in syms))
+    sig = {f"buf_{b}": SIG_PTR[buffers[b].dtype] for _, b in bufs}
+    sig.update({x: "i64" for x in syms})
+    sig["XBLOCK"] = sig["RBLOCK"] = "constexpr"
+    return params, sig
+
+
+def _scratch(call: L.Extern) -> str | None:
+    return call.outs[1] if len(call.outs) > 1 else None
+
+
+def print_decode_kernel(call: L.Extern, buffers, hints: dict[str, int],
+                        config: Config) -> TritonKernel:
+    """The decode path's attention kernel (see the comment above)."""
+    t = to_tl
+    q, k, v = call.args[:3]
+    mask = call.args[3] if len(call.args) > 3 else None
+    kind = call.attr("mask", 0)
+    causal = bool(call.attr("causal"))
+    scale = float(call.attr("scale"))
+    name = f"attn_{call.name}"
+    out = buffers[call.name]
+    dt = buffers[q.buf].dtype.name
+    e, ev = head_dims(call)
+    ep, evp = _pow2(e), _pow2(ev)
+    g, lq, mb = _decode_rows(call)
+    B, H, S = q.shape[0], q.shape[1], k.shape[2]
+    split = config.xblock
+    part = _scratch(call) if split > 1 else None
+    if split > 1 and (part is None or split > int(call.attr("splits", 1))):
+        raise CompileError(f"{name}: a launch config of {split} key splits (XBLOCK), but the "
+                           f"call's scratch {part or '(none)'} holds {call.attr('splits', 1)}")
+    bufs = [("out", call.name)] + ([("out", part)] if part else [])
+    for a in call.args:
+        if a.buf not in [b for _, b in bufs]:
+            bufs.append(("in", a.buf))
+    exprs = [B, H, S] + [x for a in call.args for x in (a.offset, *a.strides)]
+    params, sig = _signature(call, buffers, exprs, bufs)
+    prec = f', input_precision="{DOT_PRECISION[dt]}"' if dt in DOT_PRECISION else ""
+    S_, H_ = t(_c(S)), t(_c(H))
+    hkv = H_ if g == 1 else f"({H_} // {g})"
+
+    def ptr(a: L.LibArg, *idx: tuple[str, object]) -> str:
+        off = [] if _c(a.offset) == 0 else [t(_c(a.offset))]
+        terms = [x for var, st in (("b", a.strides[0]), *idx) for x in _term(var, st)]
+        return " + ".join([f"buf_{a.buf}", *off, *terms])
+
+    qs, ks, vs = q.strides, k.strides, v.strides
+    dmask = f" & (d[None, :] < {e})" if ep != e else ""
+    kmask = f" & (d[:, None] < {e})" if ep != e else ""
+    vmask = f" & (dv[None, :] < {ev})" if evp != ev else ""
+    hk_k = "hk" if g > 1 else "h_kv"
+    q_ptr = ptr(q, ("h[:, None]", qs[1]), ("lq[:, None]", qs[2]), ("d[None, :]", qs[3]))
+    lines = [
+        "@triton.jit",
+        f"def {name}({', '.join(a for a in sig if a not in ('XBLOCK', 'RBLOCK'))}, "
+        "XBLOCK: tl.constexpr, RBLOCK: tl.constexpr):",
+        f"    # {name}: attention, decode path (GQA packed, split over the keys) -> "
+        f"{call.name}",
+        f"    #   from graph nodes: {', '.join(call.source)}",
+        f"    #   {dt}, head dims {e} / {ev} (padded to {ep} / {evp}), "
+        f"{'causal' if causal else 'not causal'}, "
+        f"mask {['none', 'bool (keep where true)', 'float (added)'][kind]}, scale {scale!r}",
+        f"    #   one program: the {g} x {lq} query rows (padded to {mb}) of one kv head and "
+        "one of XBLOCK key splits, keys in RBLOCK-wide tiles",
+        "    pid = tl.program_id(1).to(tl.int64) * tl.num_programs(0) + tl.program_id(0)",
+        "    split = pid % XBLOCK",
+        "    bhk = pid // XBLOCK",
+        f"    b = bhk // {hkv}",
+        f"    {hk_k} = bhk % {hkv}",
+        f"    r = tl.arange(0, {mb})",
+        f"    row_ok = r < {g * lq}",
+        f"    h = {hk_k} * {g} + r" + (f" // {lq}" if lq > 1 else "") if g > 1 else
+        f"    h = {hk_k} + r * 0",
+        f"    lq = r % {lq}" if lq > 1 else "    lq = r * 0",
+        f"    d = tl.arange(0, {ep})",
+        f"    dv = tl.arange(0, {evp})",
+        f"    q = tl.load({q_ptr}, mask=row_ok[:, None]{dmask}, other=0.0)",
+        f"    k_ptr = {ptr(k, (hk_k, ks[1]))}",
+        f"    v_ptr = {ptr(v, (hk_k, vs[1]))}",
+    ]
+    if mask is not None:
+        ms = mask.strides
+        lines.append(f"    m_ptr = {ptr(mask, ('h[:, None]', ms[1]), ('lq[:, None]', ms[2]))}")
+    lines += [
+        f"    m_i = tl.full([{mb}], float(\"-inf\"), tl.float32)",
+        f"    l_i = tl.zeros([{mb}], tl.float32)",
+        f"    acc = tl.zeros([{mb}, {evp}], tl.float32)",
+        "    # base-2 softmax: scores scaled by scale * log2(e), exp2 instead of exp",
+        f"    qk_scale = {scale * LOG2E!r}",
+        f"    span = ({S_} + XBLOCK - 1) // XBLOCK",
+        "    span = (span + RBLOCK - 1) // RBLOCK * RBLOCK",
+        "    lo = split * span",
+        f"    hi = tl.minimum({S_}, lo + span)",
+    ]
+    if causal:
+        lines.append(f"    hi = tl.minimum(hi, {lq})  # causal (top-left): key j <= query i")
+    lines += [
+        "    for start in range(lo, hi, RBLOCK):",
+        "        cols = start + tl.arange(0, RBLOCK)",
+        "        col_ok = cols < hi",
+        "        keep = row_ok[:, None] & col_ok[None, :]",
+    ]
+    if causal:
+        lines.append("        keep = keep & (cols[None, :] <= lq[:, None])")
+    ind = "        "
+    if mask is not None:
+        lines.append(f"        mt = tl.load({_tile_cols('m_ptr', mask.strides[3])}, mask=keep, "
+                     "other=0)")
+        if kind == 1:
+            lines.append("        keep = keep & (mt != 0)")
+        else:  # added to the scores as on the other path (a NaN score stays NaN)
+            lines += ["        madd = mt.to(tl.float32) * " + repr(LOG2E),
+                      "        live = keep & (madd > float(\"-inf\"))"]
+    if mask is not None or causal:
+        live = "live" if kind == 2 else "keep"
+        lines.append("        # a tile no row keeps adds nothing: its keys and values are not read")
+        lines.append(f"        if tl.max({live}.to(tl.int32)) > 0:")
+        ind = "            "
+    body = [
+        f"kt = tl.load(k_ptr + {_cols_expr('cols[None, :]', ks[2], 'd[:, None]', ks[3])}, "
+        f"mask=col_ok[None, :]{kmask}, other=0.0)",
+        f"vt = tl.load(v_ptr + {_cols_expr('cols[:, None]', vs[2], 'dv[None, :]', vs[3])}, "
+        f"mask=col_ok[:, None]{vmask}, other=0.0)",
+        f"s = tl.dot(q, kt{prec}) * qk_scale",
+    ]
+    if mask is not None and kind == 2:
+        body.append("s = s + madd")
+    body += [
+        "s = tl.where(keep, s, float(\"-inf\"))",
+        "m_new = tl.maximum(m_i, tl.max(s, 1))",
+        "m_use = tl.where(m_new == float(\"-inf\"), 0.0, m_new)  # all masked so far",
+        "p = tl.exp2(s - m_use[:, None])",
+        "alpha = tl.exp2(m_i - m_use)",
+        "l_i = l_i * alpha + tl.sum(p, 1)",
+        f"acc = tl.dot(p.to(vt.dtype), vt, acc * alpha[:, None]{prec})",
+        "m_i = m_new",
+    ]
+    lines += [ind + x for x in body]
+    orow = f"bhk * {g * lq} + r"
+    if part is None:
+        lines += [
+            "    # rows whose keys were all masked: zeros (l_i == 0), as eager gives",
+            "    o = tl.where(l_i[:, None] > 0, acc / tl.where(l_i > 0, l_i, 1.0)[:, None], 0.0)",
+            f"    tl.store(buf_{call.name} + ({orow})[:, None] * {ev} + dv[None, :], "
+            f"o.to({TL_DTYPE[out.dtype]}), mask=row_ok[:, None]{vmask})",
+        ]
+    else:
+        most = int(call.attr("splits"))
+        lines += [
+            f"    # this split's partial state -> {part}[row, split, :]: m, l, acc "
+            f"(attn_{call.name}_combine merges the splits)",
+            f"    p_ptr = buf_{part} + (({orow}) * {most} + split) * {ev + 2}",
+            "    tl.store(p_ptr, m_i, mask=row_ok)",
+            "    tl.store(p_ptr + 1, l_i, mask=row_ok)",
+            f"    tl.store(p_ptr[:, None] + 2 + dv[None, :], acc, mask=row_ok[:, None]{vmask})",
+        ]
+    src = "\n".join(lines) + "\n"
+    heads = _c(H) if g == 1 else sympy.Integer(int(_c(H)) // g) if _c(H).is_Integer else \
+        FloorDiv(_c(H), g)
+    rows = sympy.expand(_c(B) * heads * split * split)  # programs x XBLOCK
+    return TritonKernel(name, src, params, sig, config, rows, call.source)
+
+
+def _tile_cols(p: str, stride) -> str:
+    return " + ".join([p, *(_term("cols[None, :]", stride) or ["cols[None, :] * 0"])])
+
+
+def _cols_expr(cvar: str, cstride, dvar: str, dstride) -> str:
+    parts = []
+    for var, st in ((cvar, cstride), (dvar, dstride)):
+        parts += _term(var, st) or [f"{var} * 0"]
+    return " + ".join(parts)
+
+
+def print_decode_combine(call: L.Extern, buffers, config: Config) -> TritonKernel:
+    """`attn_<call>_combine`: one program per output row merges the XBLOCK splits' partial
+    states of `print_decode_kernel` (see the comment above)."""
+    part = _scratch(call)
+    split, most = config.xblock, int(call.attr("splits", 1))
+    ev = head_dims(call)[1]
+    evp, sp2 = _pow2(ev), _pow2(split, 1)
+    out = buffers[call.name]
+    name = f"attn_{call.name}_combine"
+    B, H, Lq = (call.args[0].shape[i] for i in range(3))
+    params, sig = _signature(call, buffers, [B, H, Lq], [("out", call.name), ("in", part)])
+    vmask = f" & (dv[None, :] < {ev})" if evp != ev else ""
+    lines = [
+        "@triton.jit",
+        f"def {name}({', '.join(a for a in sig if a not in ('XBLOCK', 'RBLOCK'))}, "
+        "XBLOCK: tl.constexpr, RBLOCK: tl.constexpr):",
+        f"    # {name}: the {split} key splits of attn_{call.name} merged -> {call.name}",
+        f"    #   from graph nodes: {', '.join(call.source)}",
+        "    row = tl.program_id(1).to(tl.int64) * tl.num_programs(0) + tl.program_id(0)",
+        f"    sp = tl.arange(0, {sp2})",
+        f"    sp_ok = sp < {split}",
+        f"    dv = tl.arange(0, {evp})",
+        f"    p_ptr = buf_{part} + (row * {most} + sp) * {ev + 2}",
+        "    m = tl.load(p_ptr, mask=sp_ok, other=float(\"-inf\"))",
+        "    l = tl.load(p_ptr + 1, mask=sp_ok, other=0.0)",
+        "    top = tl.max(m, 0)",
+        "    top = tl.where(top == float(\"-inf\"), 0.0, top)  # no split kept a key",
+        "    w = tl.exp2(m - top)",
+        "    total = tl.sum(w * l, 0)",
+        f"    acc = tl.load(p_ptr[:, None] + 2 + dv[None, :], mask=sp_ok[:, None]{vmask}, "
+        "other=0.0)",
+        "    o = tl.sum(w[:, None] * acc, 0)",
+        "    # rows whose keys were all masked: zeros (total == 0), as eager gives",
+        "    o = tl.where(total > 0, o / tl.where(total > 0, total, 1.0), 0.0)",
+        f"    tl.store(buf_{call.name} + row * {ev} + dv, o.to({TL_DTYPE[out.dtype]})"
+        + (f", mask=dv < {ev})" if evp != ev else ")"),
+    ]
+    rows = sympy.expand(_c(B * H * Lq))
+    return TritonKernel(name, "\n".join(lines) + "\n", params, sig,
+                        Config(1, sp2, 4 if split * evp > 4096 else 1, 0), rows, call.source)

@@ -40,8 +40,8 @@ from kiln.schedule import Kernel
 from kiln.schedule.puts import fuse_puts
 from kiln.schedule.steps import GemmKernel, PutKernel
 from kiln.targets.cuda import user_triton
-from kiln.targets.cuda.attention import (attention_candidates, choose_attention_config,
-                                         print_attention_kernel)
+from kiln.targets.cuda.attention import (attention_candidates, attention_kernels,
+                                         choose_attention_config, print_attention_kernel)
 from kiln.targets.cuda.conv_template import ROUTINE as CONV_ROUTINE
 from kiln.targets.cuda.conv_template import (choose_conv_config, conv_candidates,
                                              print_conv_kernel)
@@ -482,7 +482,7 @@ def triton_kernels(steps, buffers, hints: dict[str, int], configs: dict | None =
             out.append(print_fused_puts(s, buffers, hints, configs.get(s.name)))
             out.extend(print_put_kernels(p, buffers)[0] for p in s.puts)  # copies
         elif isinstance(s, L.Extern) and s.routine == "attention":
-            out.append(print_attention_kernel(s, buffers, hints, configs.get(s.name)))
+            out.extend(attention_kernels(s, buffers, hints, configs.get(s.name)))
         elif isinstance(s, L.Extern) and s.routine == CONV_ROUTINE:
             out.append(print_conv_kernel(s, buffers, hints, configs.get(s.name)))
         elif isinstance(s, L.Extern) and s.routine == "put":

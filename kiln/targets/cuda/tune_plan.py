@@ -28,6 +28,7 @@ from __future__ import annotations
 
 from kiln.ir import loop as L
 from kiln.ir.sym import evaluate, product
+from kiln.targets.cuda.attention import choose_attention_config, is_decode
 from kiln.targets.cuda.conv_template import _block_k, _m, _split, _taps, geometry
 from kiln.targets.cuda.kernel import Config
 
@@ -190,20 +191,37 @@ def keep_conv(call, buffers, hints: dict[str, int], candidates: list[Config],
 
 
 def attention_us(batch_heads: int, lq: int, s: int, e: int, ev: int, itemsize: int,
-                 causal: bool) -> float:
+                 causal: bool, group: int = 1, splits: int | None = None) -> float:
     """Predicted microseconds of a flash-attention call: the longer of its two products on
     the tensor cores (half the score matrix when causal) and its q, k, v and output bytes,
-    plus LAUNCH_US."""
-    macs = batch_heads * lq * s * (e + ev) * (0.5 if causal else 1.0)
-    nbytes = batch_heads * (lq * (e + ev) + s * (e + ev)) * itemsize
-    return LAUNCH_US + max(macs / (MAC_PER_US_SM.get(itemsize, MAC_PER_US_SM[4]) * SMS),
-                           nbytes / HBM_B_PER_US)
+    plus LAUNCH_US. The decode path (`splits` given: targets/cuda/attention.py) reads each kv
+    head's keys and values once for its `group` query heads, in batch_heads / group x splits
+    programs: `roofline_us` of those bytes (a program's share at one SM's bandwidth when they
+    are few), plus its serial key steps' latency, plus half a launch for the combine kernel
+    when split."""
+    if splits is None:
+        macs = batch_heads * lq * s * (e + ev) * (0.5 if causal else 1.0)
+        nbytes = batch_heads * (lq * (e + ev) + s * (e + ev)) * itemsize
+        return LAUNCH_US + max(macs / (MAC_PER_US_SM.get(itemsize, MAC_PER_US_SM[4]) * SMS),
+                               nbytes / HBM_B_PER_US)
+    kv = max(1, batch_heads // max(1, group))
+    span = -(-s // splits)
+    nbytes = kv * s * (e + ev) * itemsize + batch_heads * lq * (e + ev) * itemsize
+    if splits > 1:  # the partial states, written then read by the combine
+        nbytes += 2 * batch_heads * lq * splits * (ev + 2) * 4
+    us = roofline_us(nbytes, kv * splits, span * (e + ev) * itemsize)
+    return us + -(-span // 64) * STEP_US + (LAUNCH_US / 2 if splits > 1 else 0.0)
 
 
-def attention_call_us(call, buffers, hints: dict[str, int]) -> float:
-    """`attention_us` of an attention call at the example sizes."""
+def attention_call_us(call, buffers, hints: dict[str, int], config: Config | None = None
+                      ) -> float:
+    """`attention_us` of an attention call at the example sizes (the decode path with
+    `config`'s key splits, the heuristic's when none is given)."""
     q, k, v = call.args[:3]
     bh = _n(q.shape[0] * q.shape[1], hints)
+    splits = None
+    if is_decode(call):
+        splits = (config or choose_attention_config(call, buffers, hints)).xblock
     return attention_us(bh, _n(q.shape[2], hints), _n(k.shape[2], hints), int(q.shape[3]),
                         int(v.shape[3]), buffers[q.buf].dtype.itemsize,
-                        bool(call.attr("causal")))
+                        bool(call.attr("causal")), int(call.attr("group", 1)), splits)

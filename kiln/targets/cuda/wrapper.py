@@ -315,6 +315,10 @@ class _Printer(SizeCheckPrinter):
             self.emit(f"{{  // attn_{c.name}: {c.name} = attention({ops})  <- "
                       f"{', '.join(c.source)}")
             self._launch(f"attn_{c.name}")
+            if f"attn_{c.name}_combine" in self.kernels:  # the decode path's key splits
+                self.emit(f"{{  // attn_{c.name}_combine: the key splits of attn_{c.name} "
+                          f"(in {c.outs[1]}) merged -> {c.name}")
+                self._launch(f"attn_{c.name}_combine")
             return
         if c.routine == "conv2d_nhwc":  # the generated NHWC convolution (conv_template.py)
             ops = ", ".join(a.buf for a in c.args)

@@ -259,6 +259,9 @@ def run_program(prog: P.Program, kernels: dict, module, weights: dict, inputs: l
                 raise IndexError(x.index_error)
         elif isinstance(x, P.CallLib) and x.call.routine == "attention":
             launch_kernel(module, kernels[f"attn_{x.call.name}"], env, bufs, status, device)
+            if f"attn_{x.call.name}_combine" in kernels:  # the decode path's key splits merged
+                launch_kernel(module, kernels[f"attn_{x.call.name}_combine"], env, bufs, status,
+                              device)
         elif isinstance(x, P.CallLib) and x.call.routine == "conv2d_nhwc":
             launch_kernel(module, kernels[f"conv_{x.call.name}"], env, bufs, status, device)
         elif isinstance(x, P.CallLib) and x.call.routine == "put":

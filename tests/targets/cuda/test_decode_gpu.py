@@ -4,8 +4,9 @@ attention, fp32 the efficient op) and compiled by kiln, stepped token by token f
 position 0 to the last one next to eager; the logits at every position (0, the middle, the
 last) against a float32 eager reference of the same weights, kiln's error at most twice eager's
 own in that dtype plus a small fraction of the logits' scale; GQA (4 heads / 2 kv heads) and
-MHA; steps of 1 and 4 tokens. The package updates the cache in place (no ATen call) and runs
-as one CUDA graph."""
+MHA; steps of 1 and 4 tokens; Llama's attention geometry (32 / 4 heads of dim 64) over a
+256-token cache (the attention's decode path). The package updates the cache in place (no
+ATen call) and runs as one CUDA graph."""
 
 from __future__ import annotations
 
@@ -15,7 +16,7 @@ import torch
 pytest.importorskip("transformers")
 
 import kiln  # noqa: E402
-from kiln.models.llm import eager_step, llama  # noqa: E402
+from kiln.models.llm import eager_step, llama, static_cache_module  # noqa: E402
 from transformers.integrations.executorch import (  # noqa: E402
     TorchExportableModuleForDecoderOnlyLM)
 
@@ -79,11 +80,16 @@ def _check_steps(tmp_path, dtype, kv_heads, chunk, family):
     assert cm.manifest["cuda"]["graphs"] is True  # no ATen call (which a graph cannot hold)
     runner = cm.load(tmp_path / "d.kiln", device="cuda:0")
     ref_w, _ = _module(torch.float32, kv_heads, chunk, family)  # same weights (seed 0), fp32
-    eager, ref = eager_step(w), eager_step(ref_w)
+    _compare_steps(runner, eager_step(w), eager_step(ref_w), CACHE, chunk, dtype)
+
+
+def _compare_steps(runner, eager, ref, cache, chunk, dtype, vocab=256):
+    """Steps of `chunk` tokens from position 0 to the cache's end: kiln's logits against
+    `ref`'s (float32) within twice `eager`'s own error (16-bit) plus 1e-2 of their scale."""
     g = torch.Generator().manual_seed(0)
-    tokens = torch.randint(0, 256, (CACHE,), generator=g).cuda()
+    tokens = torch.randint(0, vocab, (cache,), generator=g).cuda()
     with torch.no_grad():
-        for start in range(0, CACHE, chunk):
+        for start in range(0, cache, chunk):
             ids = tokens[start:start + chunk][None]
             pos = torch.arange(start, start + chunk, device="cuda")
             want = ref(ids, pos).double()
@@ -93,6 +99,26 @@ def _check_steps(tmp_path, dtype, kv_heads, chunk, family):
             err, eager_err = (got - want).abs().max().item(), (mine - want).abs().max().item()
             bound = 1e-4 * scale if dtype == torch.float32 else 2 * eager_err + 1e-2 * scale
             assert err <= bound, (start, err, eager_err, scale)
+
+
+def test_llama_shaped_decode_steps_match_eager(tmp_path):
+    """Llama's attention geometry (32 query heads, 4 kv heads of dim 64, hidden 2048; 2
+    layers, a static cache of 256), bf16, stepped over the whole cache: the attention's decode
+    path (a kv head's 8 query heads in one program, the cache's unfilled tiles skipped)
+    against a float32 eager reference of the same weights, at every position."""
+    def make(dtype):
+        m = llama(layers=2, hidden=2048, heads=32, kv_heads=4, vocab=256, inter=1024,
+                  init=0.02, device="cuda")
+        return static_cache_module(m, 256, device="cuda", dtype=dtype)
+
+    w, ep = make(torch.bfloat16)
+    cm = kiln.compile(ep, device="cuda")
+    src = cm.sources["kernels_triton.py"]
+    assert "decode path" in src and "hk * 8 + r" in src
+    assert cm.manifest["cuda"]["graphs"] is True
+    runner = cm.load(tmp_path / "l.kiln", device="cuda:0")
+    ref_w, _ = make(torch.float32)
+    _compare_steps(runner, eager_step(w), eager_step(ref_w), 256, 1, torch.bfloat16)
 
 
 def test_decode_package_has_no_whole_cache_copy(tmp_path):
@@ -118,4 +144,4 @@ def test_decode_package_has_no_whole_cache_copy(tmp_path):
     assert cm.manifest["cuda"]["graphs"] is True
     src = cm.sources["kernels_triton.py"]
     assert src.count("def puts_index_put") == 2  # k and v per layer, in one program
-    assert "hk = h // 2" in src
+    assert "hk * 2 + r" in src  # the decode path: a kv head's query heads in one program
