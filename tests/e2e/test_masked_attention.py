@@ -39,6 +39,8 @@ class Sdpa(torch.nn.Module):
     def forward(self, q, k, v, m):
         if self.kind == "float":  # the same mask as 0 / -inf, added
             m = torch.zeros(m.shape, dtype=q.dtype).masked_fill(~m, float("-inf"))
+        elif self.kind == "finfo":  # HF's masks: the dtype's lowest finite value, added
+            m = torch.zeros(m.shape, dtype=q.dtype).masked_fill(~m, torch.finfo(q.dtype).min)
         elif self.kind == "both":  # a float mask with some -inf, then rows emptied by a bool
             m = torch.where(m, torch.randn_like(m, dtype=q.dtype) * 0 + 0.5, float("-inf"))
         return F.scaled_dot_product_attention(q, k, v, attn_mask=m, scale=self.scale)
@@ -77,6 +79,21 @@ def test_sdpa_fully_masked_rows_are_zero(kind, dt, tmp_path):
         assert torch.equal(want[:, :, list(empty)], torch.zeros_like(want[:, :, list(empty)]))
         _check(got, want, want64, dt)
         assert torch.isfinite(got).all()
+
+
+@pytest.mark.parametrize("dt", [torch.float32, torch.bfloat16])
+def test_sdpa_rows_masked_by_finfo_min_average_the_values(dt, tmp_path):
+    """A row masked by finfo.min (finite) is uniform over its keys in eager: the mean of V,
+    not an empty row (the fused CUDA kernels scale the mask by log2(e), which overflowed
+    finfo.min to -inf: checked in the interpreter test below)."""
+    model = Sdpa("finfo")
+    args = _inputs(2, 2, 5, 4, 8, dt, (2, 1, 5, 4), 0)
+    runner = kiln.load(kiln.compile(model, args).save(tmp_path / "f.kiln"))
+    q, k, v, m = _inputs(2, 2, 5, 4, 8, dt, (2, 1, 5, 4), 1, (0, 3))
+    got, want = runner(q, k, v, m), model(q, k, v, m)
+    mean_v = v.double().mean(2)
+    torch.testing.assert_close(want[:, :, 3].double(), mean_v, rtol=2e-2, atol=2e-2)
+    _check(got, want, model(q.double(), k.double(), v.double(), m), dt)
 
 
 def test_nan_scores_stay_nan(tmp_path):
@@ -161,27 +178,28 @@ _INTERP = textwrap.dedent("""
     from kiln.targets.cuda.wrapper_py import import_triton_module, run_program
     from kiln.targets.cuda.build import triton_kernels
     bad = []
-    for fused in (True, False):
-        for kind in ("bool", "float"):
-            model = Sdpa(kind)
-            args = _inputs(2, 2, 5, 4, 16, torch.float32, (2, 1, 5, 4), 0, (1, 3))
-            opts = kiln.Options(cuda_archs=(90,), fused_attention=fused)
-            b = kiln.compile(torch.export.export(model, args), device="cuda",
-                             options=opts).built
-            kinds = {s.routine for s in b.steps if hasattr(s, "routine")}
-            assert ("attention" in kinds) == fused, kinds
-            mod = import_triton_module(b.sources["kernels_triton.py"])
-            hints = {s.name: s.example for s in b.graph.symbols}
-            bufs = {x.name: x for x in b.loop.buffers}
-            ks = {k.name: k for k in triton_kernels(b.steps, bufs, hints)}
-            args = _inputs(2, 2, 5, 4, 16, torch.float32, (2, 1, 5, 4), 7, (1, 3))
-            out = run_program(b.program, ks, mod, b.weights, list(args))[0]
-            want = model(*args)
-            out = out.reshape(want.shape)
-            if not torch.allclose(out, want, rtol=1e-4, atol=1e-4, equal_nan=True) or \\
-                    not torch.isfinite(out).all():
-                bad.append(f"fused={fused} {kind}: {out[0, 0, 1]} vs {want[0, 0, 1]}")
-            print(fused, kind, "checked", flush=True)
+    for fused, kind, lq in ((True, "bool", 5), (True, "float", 5), (True, "finfo", 5),
+                            (True, "finfo", 20), (False, "bool", 5), (False, "float", 5),
+                            (False, "finfo", 5)):
+        model = Sdpa(kind)
+        args = _inputs(2, 2, lq, 4, 16, torch.float32, (2, 1, lq, 4), 0, (1, 3))
+        opts = kiln.Options(cuda_archs=(90,), fused_attention=fused)
+        b = kiln.compile(torch.export.export(model, args), device="cuda",
+                         options=opts).built
+        kinds = {s.routine for s in b.steps if hasattr(s, "routine")}
+        assert ("attention" in kinds) == fused, kinds
+        mod = import_triton_module(b.sources["kernels_triton.py"])
+        hints = {s.name: s.example for s in b.graph.symbols}
+        bufs = {x.name: x for x in b.loop.buffers}
+        ks = {k.name: k for k in triton_kernels(b.steps, bufs, hints)}
+        args = _inputs(2, 2, lq, 4, 16, torch.float32, (2, 1, lq, 4), 7, (1, 3))
+        out = run_program(b.program, ks, mod, b.weights, list(args))[0]
+        want = model(*args)
+        out = out.reshape(want.shape)
+        if not torch.allclose(out, want, rtol=1e-4, atol=1e-4, equal_nan=True) or \\
+                not torch.isfinite(out).all():
+            bad.append(f"fused={fused} {kind}: {out[0, 0, 1]} vs {want[0, 0, 1]}")
+        print(fused, kind, "checked", flush=True)
     print("BAD" if bad else "ALL OK", *bad, sep="\\n")
 """)
 
@@ -189,11 +207,12 @@ _INTERP = textwrap.dedent("""
 @pytest.mark.slow
 def test_cuda_kernels_in_triton_interpreter():
     pytest.importorskip("triton")
-    for fused in (True, False):  # cubins built here: the interpreted child only runs them
-        for kind in ("bool", "float"):
-            args = _inputs(2, 2, 5, 4, 16, torch.float32, (2, 1, 5, 4), 0, (1, 3))
-            kiln.compile(torch.export.export(Sdpa(kind), args), device="cuda",
-                         options=kiln.Options(cuda_archs=(90,), fused_attention=fused))
+    for fused, kind, lq in ((True, "bool", 5), (True, "float", 5), (True, "finfo", 5),
+                            (True, "finfo", 20), (False, "bool", 5), (False, "float", 5),
+                            (False, "finfo", 5)):  # cubins built here: the child runs them
+        args = _inputs(2, 2, lq, 4, 16, torch.float32, (2, 1, lq, 4), 0, (1, 3))
+        kiln.compile(torch.export.export(Sdpa(kind), args), device="cuda",
+                     options=kiln.Options(cuda_archs=(90,), fused_attention=fused))
     run_interpreted(_INTERP, str(pathlib.Path(__file__).parent))
 
 

@@ -64,6 +64,15 @@ from kiln.ir.sym import FloorDiv
 from kiln.lowering.attention import DECODE_MAX_L
 
 LOG2E = 1.4426950408889634
+F32_MAX = 3.4028234663852886e38
+
+
+def _finite_log2(m: str) -> str:
+    """Triton text of float mask `m` in base-2 units (times LOG2E): a finite value stays finite
+    (HF's masks use finfo.min, which times LOG2E overflows to -inf: a row masked that way is
+    then uniform over its keys, eager's mean of V, not an empty row), -inf and NaN stay."""
+    return (f"tl.where(({m} > float(\"-inf\")) & ({m} * {LOG2E!r} == float(\"-inf\")), "
+            f"-{F32_MAX!r}, {m} * {LOG2E!r})")
 SHARED_LIMIT = 232448  # bytes of shared memory one sm_90 block may use (227 KiB)
 
 
@@ -271,7 +280,8 @@ def print_attention_kernel(call: L.Extern, buffers, hints: dict[str, int],
             if kind == 1:
                 keep.append(f"({mld} != 0)")
             else:
-                out.append(f"        s = s + {mld}.to(tl.float32) * {LOG2E!r}")
+                out += [f"        mf = {mld}.to(tl.float32)",
+                        f"        s = s + {_finite_log2('mf')}"]
         if keep:
             out.append(f"        s = tl.where({' & '.join(keep)}, s, float(\"-inf\"))")
         out += [
@@ -309,7 +319,7 @@ def print_attention_kernel(call: L.Extern, buffers, hints: dict[str, int],
         ld = (f"tl.load({tile('m_ptr', 'pc[None, :]', mask.strides[3], '', 0)}, "
               "mask=row_ok[:, None] & (pc[None, :] < " + S_ + "), other=0)")
         alive = f"({ld} != 0)" if kind == 1 else \
-            f"({ld}.to(tl.float32) * {LOG2E!r} > float(\"-inf\"))"
+            f"({ld}.to(tl.float32) > float(\"-inf\"))"
         lines += [
             f"    lo_live = {S_}",
             "    hi_live = 0",
@@ -583,7 +593,8 @@ def print_decode_kernel(call: L.Extern, buffers, hints: dict[str, int],
         if kind == 1:
             lines.append("        keep = keep & (mt != 0)")
         else:  # added to the scores as on the other path (a NaN score stays NaN)
-            lines += ["        madd = mt.to(tl.float32) * " + repr(LOG2E),
+            lines += ["        mf = mt.to(tl.float32)",
+                      f"        madd = {_finite_log2('mf')}",
                       "        live = keep & (madd > float(\"-inf\"))"]
     if mask is not None or causal:
         live = "live" if kind == 2 else "keep"
