@@ -158,7 +158,8 @@ def op_index(g) -> None:
 
 def op_attention(g) -> None:
     """scaled_dot_product_attention on q (a rank-4 float value, or a new input), new k and v
-    inputs and a bool mask input (kept where true) or its float form (0 / -inf), or causal.
+    inputs and a bool mask input (kept where true) or its float form (0 / -inf, or 0 / the
+    dtype's lowest finite value as Hugging Face builds masks), or causal.
     Few keys (S in 1..5) so that random masks often leave a query row no key at all, and with
     `empty_row` the program itself masks every key of query row 0: eager gives zeros there,
     which kiln must match."""
@@ -176,10 +177,10 @@ def op_attention(g) -> None:
     s, ev = r.choice([1, 2, 3, 5]), r.choice([1, 4, 8])
     k = g.new_input((n, h, s, e), "float32")
     v = g.new_input((n, h, s, ev), "float32")
-    kind = r.choice(["bool", "bool", "float", "none", "causal"])
+    kind = r.choice(["bool", "bool", "float", "finfo", "none", "causal"])
     args, attrs = [i, k, v], {"mask": "none" if kind == "causal" else kind,
                               "causal": kind == "causal", "empty_row": r.random() < 0.5}
-    if kind in ("bool", "float"):
+    if kind in ("bool", "float", "finfo"):
         shape = (lq, s) if r.random() < 0.5 else (n, 1, lq, s)
         args.append(g.new_input(shape, "bool"))
     g.emit("attention", args, attrs, V((n, h, lq, ev), "float32", False))

@@ -148,6 +148,8 @@ def _apply(op: str, xs: list, a: dict, p, ref64: bool):
             m = torch.logical_and(m, (torch.arange(m.shape[-2]) != 0).unsqueeze(-1))
         if m is not None and a["mask"] == "float":  # the same mask as 0 / -inf, added
             m = torch.zeros(m.shape, dtype=x.dtype).masked_fill(~m, float("-inf"))
+        elif m is not None and a["mask"] == "finfo":  # HF's form: the lowest finite value
+            m = torch.zeros(m.shape, dtype=x.dtype).masked_fill(~m, torch.finfo(x.dtype).min)
         return F.scaled_dot_product_attention(x, xs[1], xs[2], attn_mask=m,
                                               is_causal=a.get("causal", False))
     if op == "repeat_interleave":  # a length known only from the data, without a bound
