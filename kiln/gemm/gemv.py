@@ -25,6 +25,8 @@ for a GEMM."""
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import sympy
 
 from kiln.gemm.configs import GemvConfig
@@ -106,7 +108,9 @@ def configs(n: int, k: int, itemsize: float, min_k: int = 16) -> list[GemvConfig
             (bn * 2, bk, 8, 1), (max(1, bn // 2), bk, 2, 1),
             # pipelined loops (more weight bytes in flight a program)
             (bn * 2, max(16, bk // 2), 4, 3), (max(1, bn // 2), min(2 * bk, kp), 4, 3)):
-        c = GemvConfig(cand_bn, max(cand_bk, min_k), warps, stages)
+        c = GemvConfig(cand_bn, cand_bk, warps, stages)
         if c not in out:
             out.append(c)
+    if min_k > 16:  # whole int4 groups a step
+        out = list(dict.fromkeys(replace(c, block_k=max(c.block_k, min_k)) for c in out))
     return out

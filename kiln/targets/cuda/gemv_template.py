@@ -37,8 +37,9 @@ from dataclasses import replace
 import sympy
 
 from kiln.errors import UnsupportedError
+from kiln.gemm import gemv as GV
 from kiln.gemm.configs import GemvConfig
-from kiln.gemm.gemv import applies, configs, min_block_k, weight_bytes
+from kiln.gemm.gemv import applies, configs
 from kiln.ir import loop as L
 from kiln.ir.sym import contiguous_strides, linear_index, product, unravel
 from kiln.schedule.steps import GemmKernel
@@ -370,8 +371,8 @@ def gemv_candidates(gk: GemmKernel, buffers=None, hints=None) -> list[Config]:
     g = gk.gemm
     own = gk.config
     out = [Config(own.block_n, own.block_k, own.num_warps, own.num_stages)]
-    for c in configs(int(sympy.sympify(g.n)), int(sympy.sympify(g.k)), weight_bytes(g),
-                     min_block_k(g)):
+    for c in configs(int(sympy.sympify(g.n)), int(sympy.sympify(g.k)), GV.weight_bytes(g),
+                     GV.min_block_k(g)):
         cand = Config(c.block_n, c.block_k, c.num_warps, c.num_stages)
         if cand not in out:
             out.append(cand)
