@@ -5,20 +5,26 @@ ms/token and tokens/s with sampling on the device (no host synchronisation per s
 the host (kiln_sample, one logits copy per step), greedy and sampled; whether greedy tokens
 equal eager's; the roofline (weight bytes / copy bandwidth measured in the same run).
 `--weight-quant int8,int4` adds packages with weight-only quantised GEMMs (where the CUDA
-target supports them; a refusal is reported, not fatal).
+target supports them; a refusal is reported, not fatal): decode GEMVs of kiln's template
+reading the quantised weights (norm / silu*mul prologues, residual epilogues fused);
+`int8-calls` / `int4-calls` are the same without the Triton GEMM backend, so every quantised
+GEMM is a call of quant_gemv.py's kernels (the path before the GEMV template took them; no
+fusions). The last column is each package's decode speed over the unquantised one's ("none",
+device greedy) in the same run.
 
 Random weights (std 0.02) at the given shapes, no downloads. Each generation runs twice and
 the second is reported (the first captures the CUDA graphs).
 
     python bench/gen_gpu.py [--layers 16] [--hidden 2048] [--inter 5632] [--heads 32]
         [--kv-heads 4] [--vocab 32000] [--cache 512] [--new 128] [--dtype bf16]
-        [--weight-quant none,int8,int4] [--json out.json] [--c-exe path/to/generate]
-        [--autotune 1]
+        [--weight-quant none,int8,int4,int8-calls,int4-calls] [--group 128]
+        [--json out.json] [--c-exe path/to/generate] [--autotune 1]
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import subprocess
 import sys
@@ -44,6 +50,7 @@ def main() -> None:
     add_model_args(p, cache=512)
     p.add_argument("--new", type=int, default=128)
     p.add_argument("--weight-quant", default="none")
+    p.add_argument("--group", type=int, default=128, help="Options.weight_quant_group (int4)")
     p.add_argument("--json", default=None)
     p.add_argument("--c-exe", default=None, help="examples/c/generate built: run it too")
     p.add_argument("--autotune", type=int, default=1,
@@ -69,16 +76,23 @@ def main() -> None:
     for wq in a.weight_quant.split(","):
         row = {"weights": wq}
         rows.append(row)
-        opts = kiln.Options(autotune=bool(a.autotune), weight_quant=wq)
+        mode = wq.removesuffix("-calls")
+        opts = kiln.Options(autotune=bool(a.autotune), weight_quant=mode,
+                            weight_quant_group=a.group)
+        if wq.endswith("-calls"):  # no Triton GEMMs: quant_gemv.py's kernel calls at M = 1
+            opts = dataclasses.replace(opts, gemm_backends=tuple(
+                b for b in opts.gemm_backends if b != "triton"))
         t0 = time.perf_counter()
         try:
-            path = kiln.compile(progs, device="cuda", options=opts).save(tmp / f"{wq}.kiln")
+            pkg = kiln.compile(progs, device="cuda", options=opts)
+            path = pkg.save(tmp / f"{wq}.kiln")
         except Exception as e:  # noqa: BLE001 - reported in the table
             row["error"] = f"{type(e).__name__}: {e}"[:300]
             print(f"{wq}: compile failed: {row['error']}", flush=True)
             continue
         row["compile_s"] = time.perf_counter() - t0
         row["package_mib"] = path.stat().st_size / 2**20
+        row["decode_kernels"] = len(pkg.entries["decode"].manifest["kernels"])
         r = kiln.load(path, device="cuda")
         for name, kw in [("device greedy", {}),
                          ("host greedy", dict(device_sampling=False)),
@@ -104,19 +118,23 @@ def main() -> None:
     print(f"\nGPU: {torch.cuda.get_device_name(0)}, torch {torch.__version__}; decode ms/token "
           f"(tokens/s) over {a.new} new tokens, the second generation of two\n")
     print("| weights | device greedy | host greedy | device sampled | prefill ms | "
-          "tokens = eager | roofline ms | compile s |")
-    print("|---|---|---|---|---|---|---|---|")
+          "tokens = eager | roofline ms | compile s | decode kernels | speed / none |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
+    base = next((r["device greedy"] for r in rows if r["weights"] == "none" and
+                 "error" not in r), None)
     for row in rows:
         if "error" in row:
-            print(f"| {row['weights']} | {row['error'][:120]} | | | | | | |")
+            print(f"| {row['weights']} | {row['error'][:120]} | | | | | | | | |")
             continue
+        speed = f"{base / row['device greedy']:.2f}x" if base else "-"
 
         def f(k):
             return f"{row[k]:.3f} ({row[k + ' tok/s']:.0f})"
         roof = f"{row['roofline_ms']:.3f}" if row["roofline_ms"] else "-"
         print(f"| {row['weights']} | {f('device greedy')} | {f('host greedy')} | "
               f"{f('device sampled')} | {row['prefill_ms']:.2f} | "
-              f"{row['tokens = eager (32)']} | {roof} | {row['compile_s']:.0f} |")
+              f"{row['tokens = eager (32)']} | {roof} | {row['compile_s']:.0f} | "
+              f"{row['decode_kernels']} | {speed} |")
     for row in rows:
         if "c" in row:
             print(f"C generate ({row['weights']}): {row['c']}")

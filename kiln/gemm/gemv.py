@@ -12,10 +12,20 @@ N >= 1024 of a decoder's projections at BLOCK_N <= 8). The weights are read once
 (K elements, a few KiB, from L2) once per program. Epilogue (gemm/fuse.py) and prologue
 (gemm/prologue.py) fuse as in the template.
 
-`configs(n, k, dtype)` lists the launch configurations the GEMM autotuner profiles, the
-heuristic's first (about 8 KiB of weights per program and step, enough programs for the SMs)."""
+Quantised weights (weight-only int8 / int4, targets/cuda/quant.py; a `Gemm` whose `mixed` is
+side "b"): the weight rows are int8 / uint8 (converted exactly in registers, the per-output-
+channel scale multiplying each row's float32 sum at the end) or int4, two values a byte along
+K with one scale per (n, k // group) multiplying each group's partial sum (`MixedGemm.group`);
+a step then covers whole groups (BLOCK_K a multiple of the group).
+
+`configs(n, k, bytes)` lists the launch configurations the GEMM autotuner profiles and the
+launch tuner times, the heuristic's first (about 1 KiB of each weight row per program and
+step, enough programs for the SMs); `weight_bytes(g)` and `min_block_k(g)` give its arguments
+for a GEMM."""
 
 from __future__ import annotations
+
+from dataclasses import replace
 
 import sympy
 
@@ -23,6 +33,7 @@ from kiln.gemm.configs import GemvConfig
 from kiln.ir import loop as L
 
 DTYPES = ("float16", "bfloat16", "float32")
+QDTYPES = ("int8", "uint8")  # a quantised B's storage (int4: uint8, two values a byte)
 SMS = 132  # an H100's multiprocessors: the heuristic keeps >= 2 programs per SM when it can
 
 
@@ -33,13 +44,35 @@ def _int(e) -> int | None:
 
 def applies(g: L.Gemm) -> bool:
     """`g` is a GEMV the template computes: M = 1 at compile time, no batch dims, a float16 /
-    bfloat16 / float32 GEMM of operands of its dtype (no int8 / 8-bit operands), K and N
-    static."""
-    if g.lowp is not None or g.mixed is not None or g.dtype.name not in DTYPES:
+    bfloat16 / float32 GEMM of operands of its dtype or of such an A and a quantised B (int8 /
+    uint8, or int4 in groups of a power of two >= 32 dividing K; no 8-bit float or
+    low-precision operands), K and N static."""
+    mx = g.mixed
+    if g.lowp is not None or g.dtype.name not in DTYPES:
+        return False
+    if mx is not None and (mx.side != "b" or mx.qdtype.name not in QDTYPES):
         return False
     if _int(g.m) != 1 or g.batch:
         return False
-    return _int(g.n) is not None and _int(g.k) is not None and _int(g.n) > 0
+    n, k = _int(g.n), _int(g.k)
+    if mx is not None and mx.group and (mx.group < 32 or mx.group & (mx.group - 1) or
+                                        k is None or k % mx.group or mx.scale is None):
+        return False
+    return n is not None and k is not None and n > 0
+
+
+def weight_bytes(g: L.Gemm) -> float:
+    """Bytes of memory one weight element takes: the GEMM dtype's, 1 for an int8 / uint8 B,
+    0.5 for an int4 one."""
+    mx = g.mixed
+    if mx is None:
+        return g.dtype.itemsize
+    return 0.5 if mx.group else mx.qdtype.itemsize
+
+
+def min_block_k(g: L.Gemm) -> int:
+    """The smallest BLOCK_K: 16, or an int4 weight's group (a step covers whole groups)."""
+    return g.mixed.group if g.mixed is not None and g.mixed.group else 16
 
 
 def streams_rows(g: L.Gemm) -> bool:
@@ -53,16 +86,22 @@ def _pow2(n: int) -> int:
     return 1 << max(0, int(n) - 1).bit_length()
 
 
-def configs(n: int, k: int, itemsize: int) -> list[GemvConfig]:
+def configs(n: int, k: int, itemsize: float, min_k: int = 16) -> list[GemvConfig]:
     """Launch configurations, the heuristic's first: BLOCK_N the largest of 16, 8, 4, 2, 1
     leaving at least 2 programs per SM (else 1), BLOCK_K covering about 1 KiB of each row a
-    step (at most K rounded up to a power of two), then variations of both and of the warps."""
-    kp = max(_pow2(k), 16)
-    bk = min(max(1024 // itemsize, 16), kp)
+    step (`itemsize` bytes an element: 1024 elements of int8, 2048 of int4; at most K rounded
+    up to a power of two, at least `min_k`), then variations of both and of the warps.
+    Quantised weights (itemsize < 2) keep the float32 accumulator at <= 64 registers a thread
+    in the first config (8 warps where 4 would hold more)."""
+    kp = max(_pow2(k), 16, min_k)
+    bk = min(max(int(1024 / itemsize), 16), kp)
     bn = 16
     while bn > 1 and -(-n // bn) < 2 * SMS:
         bn //= 2
-    out = [GemvConfig(bn, bk, 4, 1)]
+    warps = 4
+    if itemsize < 2 and bn * bk * min(itemsize, 1) > 64 * 32 * 4:  # int4: one lane a byte
+        warps = 8
+    out = [GemvConfig(bn, bk, warps, 1)]
     for cand_bn, cand_bk, warps, stages in (
             (bn, min(2 * bk, kp), 4, 1), (max(1, bn // 2), min(2 * bk, kp), 4, 1),
             (bn * 2, max(16, bk // 2), 4, 1), (bn, bk, 8, 1), (bn, bk, 4, 3),
@@ -74,4 +113,6 @@ def configs(n: int, k: int, itemsize: int) -> list[GemvConfig]:
         c = GemvConfig(cand_bn, cand_bk, warps, stages)
         if c not in out:
             out.append(c)
+    if min_k > 16:  # whole int4 groups a step
+        out = list(dict.fromkeys(replace(c, block_k=max(c.block_k, min_k)) for c in out))
     return out

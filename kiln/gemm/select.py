@@ -10,6 +10,9 @@ Order of decisions for a GEMM:
    template (gemm/gemv.py) for an M = 1 GEMM streaming nn.Linear's weight rows: float16 /
    bfloat16 when it fuses a prologue (gemm/prologue.py) or an epilogue (gemm/fuse.py), any
    dtype when cuBLAS is not allowed.
+An M = 1 GEMM of a quantised weight (weight-only int8 / int4: `mixed` side "b", streaming
+the weight's rows) takes the GEMV template first, whatever the options: no profiling or cache
+(its launch config is the launch tuner's, template family "gemv"); an int4 weight only has it.
 Profiling happens at the example sizes; every candidate is valid for the whole Dim range."""
 
 from __future__ import annotations
@@ -344,6 +347,16 @@ def _choose_cuda(g: L.Gemm, problem: GemmProblem, sizes, allowed, opts: Options,
 
 def _choose_cuda_backend(g: L.Gemm, problem: GemmProblem, sizes, backends, allowed,
                          opts: Options, root: Path, evt, printed, gemv=None) -> Choice:
+    if g.mixed is not None and g.mixed.side == "b" and (g.mixed.group or (
+            gemv is not None and GV.streams_rows(g))):
+        if gemv is None or GemmBackend.TRITON not in backends:
+            raise UnsupportedError(
+                f"GEMM {g.name} ({', '.join(g.source)}, {problem.describe()}): an int4 weight "
+                f"is read by the GEMV template only (M = 1, static N and K, groups of a power "
+                f"of two >= 32 dividing K, Triton allowed); got M = {g.m}, K = {g.k}, group "
+                f"{g.mixed.group}, Options.gemm_backends={_names(allowed)!r}")
+        cfg = GV.configs(sizes[2], sizes[3], GV.weight_bytes(g), GV.min_block_k(g))[0]
+        return Choice(GemmBackend.TRITON, cfg, "heuristic", problem.describe())
     arch, here = _cuda_arch(opts)
     dev_id = gpu.device_id(arch)
     if opts.max_autotune and here:

@@ -193,6 +193,12 @@ def _gemm(g: L.Gemm, bufs, env) -> np.ndarray:
 
     m, n, k = (evaluate(x, env) for x in (g.m, g.n, g.k))
     a = view(g.a, m, k).astype(np.float64)
+    if g.mixed is not None and g.mixed.group:  # int4: two nibbles a byte, per-group scales
+        p = view(g.b, k // 2, n).astype(np.int64)
+        q = np.stack([(p & 15) - 8, (p >> 4) - 8], axis=-2).reshape(p.shape[:-2] + (k, n))
+        s = view(g.mixed.scale, k // g.mixed.group, n).astype(np.float64)
+        out = np.matmul(a, q * np.repeat(s, g.mixed.group, axis=-2))
+        return out.astype(g.dtype.numpy).reshape(-1)
     b = view(g.b, k, n).astype(np.float64)
     out = np.matmul(a, b)
     if g.mixed is not None and g.mixed.scale is not None:  # int8 operands convert exactly

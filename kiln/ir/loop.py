@@ -146,12 +146,19 @@ class MixedGemm:
     accumulator before it is rounded: a strided view broadcast over the output
     [*batch, M, N] (stride 0 along a broadcast dim; it never varies along K, which is what
     lets it leave the dot product: a per-output-channel or scalar dequantisation scale).
-    Written by lowering/mixed.py from passes/mixed_gemm.py's `mixed_mm` node."""
+    Written by lowering/mixed.py from passes/mixed_gemm.py's `mixed_mm` node.
+
+    `group` > 0: int4 weights (weight-only quantisation, targets/cuda/quant.py; side "b",
+    qdtype uint8, the GEMV template only): B[k, n] = nibble - 8 of the byte at
+    b.offset + (k // 2) * b.rows + n * b.cols (k even: its low nibble, odd: its high one), and
+    `scale` is the [K // group, N] matrix of per-group scales, (j, n) at
+    offset + j * rows + n * cols, each multiplying its group's partial sum."""
 
     side: str  # "a" | "b"
     qdtype: DType
     scale: Operand | None = None
     scale_dtype: DType | None = None
+    group: int = 0
 
     def reads(self) -> list[str]:
         return [self.scale.buf] if self.scale is not None else []

@@ -94,7 +94,8 @@ def node_text(n: L.LoopNode) -> str:
         kind = f"{n.lowp.kind}_gemm" if n.lowp else "gemm"
         if n.mixed:
             kind = "mixed_gemm"
-            extra = f", {n.mixed.side}={n.mixed.qdtype.name}" + "".join(
+            extra = f", {n.mixed.side}={n.mixed.qdtype.name}" + (
+                f", int4 group={n.mixed.group}" if n.mixed.group else "") + "".join(
                 f", scale=%{b}" for b in n.mixed.reads())
         if n.epilogue is not None:  # CPU: fused, in place (gemm/fuse_cpu.py)
             extra += f", epilogue={expr_text(n.epilogue.body)}"

@@ -1,7 +1,10 @@
 """Lowering of `mixed_mm` (passes/mixed_gemm.py; CUDA builds only): one `Gemm` with `mixed`
 set. The int8 operand is passed as it is (a strided view of the int8 weight, or a contiguous
 int8 copy when its strides are not a matrix's); the scale becomes a strided view broadcast
-over the output [*batch, M, N] (materialised first when it is computed, e.g. a constant)."""
+over the output [*batch, M, N] (materialised first when it is computed, e.g. a constant).
+With attr `group` (int4 weights, targets/cuda/quant.py): B is the [K / 2, N] view of the
+packed bytes and the scale the [K / group, N] view of the per-group scales (ir/loop.py's
+MixedGemm)."""
 
 from __future__ import annotations
 
@@ -32,8 +35,10 @@ def lower_mixed_mm(ctx: LowerCtx, node: Node, args: list[Lazy]) -> Lazy:
     oa, a = operand(ctx, a, node.name + "_lhs", source)
     ob, b = operand(ctx, b, node.name + "_rhs", source)
     q = a if side == "a" else b
-    so = _scale(ctx, scale[0], shape, node.name + "_scale", source) if scale else None
-    mixed = L.MixedGemm(side, q.dtype, so, scale[0].dtype if scale else None)
+    group = node.attr("group", 0)
+    sshape = (scale[0].shape if group else shape) if scale else shape
+    so = _scale(ctx, scale[0], sshape, node.name + "_scale", source) if scale else None
+    mixed = L.MixedGemm(side, q.dtype, so, scale[0].dtype if scale else None, group)
     out = ctx.unique(node.name)
     ctx.declare(out, dt, shape, "temp")
     ctx.nodes.append(L.Gemm(out, dt, tuple(batch), a.shape[-2], b.shape[-1], a.shape[-1], oa,

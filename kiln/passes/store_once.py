@@ -9,7 +9,7 @@ several kernels, each recomputing `x + y`: the GEMM cannot absorb the add as its
 is recomputed by every reader and the GEMM's result is stored besides.
 
 Rule, in Graph IR terms: a pointwise node P (an op of kiln/ops ROWS) with two or more users
-that reads the result of a `matmul` M, directly or through `view`s, where P (through those
+that reads the result of a `matmul` (or `mixed_mm`) M, directly or through `view`s, where P (through those
 views) is the only reader of M, and whose uses do not meet again in one pointwise node, is
 materialised. Uses meet again when following each user of P along nodes of one user each
 (pointwise ops and views, stopping before any other op and at graph outputs) ends at the same
@@ -30,6 +30,8 @@ from kiln.ir.graph import Graph
 from kiln.ops import ROWS
 
 VIEWS = ("view",)
+GEMMS = ("matmul", "mixed_mm")  # (mixed_mm: GEMMs of int8 / int4 weights, passes/mixed_gemm.py,
+#                                targets/cuda/quant.py)
 
 
 def gemm_sums(g: Graph) -> frozenset[str]:
@@ -48,7 +50,7 @@ def gemm_sums(g: Graph) -> frozenset[str]:
                 return None
             if readers.get(name, []) != [via] or name in g.outputs:
                 return None
-            if n.op == "matmul":
+            if n.op in GEMMS:
                 return name
             if n.op not in VIEWS:
                 return None

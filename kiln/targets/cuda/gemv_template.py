@@ -15,7 +15,20 @@ printer of row kernels, `_Scope`, its index variables unravelled from kk), round
 dtype as the stored row would be; the whole-row reductions it reads are computed first by
 an RBLOCK-wide loop over the row, kept as [1, 1] registers. Masked lanes of the row are
 zeroed (the producer may give NaN outside the row). The epilogue's index variables are bound
-to (row 0, column rn); its read of the GEMM result to the sum rounded to the GEMM's dtype."""
+to (row 0, column rn); its read of the GEMM result to the sum rounded to the GEMM's dtype.
+
+Quantised weights (weight-only, a `MixedGemm` on side "b"; kiln/gemm/gemv.py):
+  int8 / uint8  the [XBLOCK, RBLOCK] tile loads bytes (16-byte vectors), converted exactly in
+                registers without an int-to-float instruction: the byte's bits under the
+                exponent of 2^23 are the float 2^23 + byte (+ 128 for int8, sign bit
+                flipped), less that constant; the row sums are multiplied by the scale
+                (per output channel) at the end.
+  int4          each step covers RBLOCK // G whole groups of G values: the tile is
+                [XBLOCK, groups, G / 2] bytes, the A slice [1, groups, G] split into its
+                even and odd K positions (low and high nibbles: nibble - 8 converted as
+                above), each group's products times its scale [XBLOCK, groups, 1]; the
+                row index (rk, the prologue) is then [1, groups, G], the outputs
+                [XBLOCK, 1, 1]."""
 
 from __future__ import annotations
 
@@ -24,6 +37,7 @@ from dataclasses import replace
 import sympy
 
 from kiln.errors import UnsupportedError
+from kiln.gemm import gemv as GV
 from kiln.gemm.configs import GemvConfig
 from kiln.gemm.gemv import applies, configs
 from kiln.gemm.prologue import factor_row
@@ -55,8 +69,11 @@ def _unravel_lines(prefix: str, flat: str, shape, sym: str, p: str) -> tuple[dic
     return names, lines
 
 
-def _prologue_lines(gk: GemmKernel, counter: list[int]) -> tuple[list[str], dict[str, str]]:
-    """The whole-row reductions, each an RBLOCK-wide loop; their registers by name."""
+def _prologue_lines(gk: GemmKernel, counter: list[int], row: str = "[1, RBLOCK]",
+                    total: str = "tl.sum({}, 1, keep_dims=True)"
+                    ) -> tuple[list[str], dict[str, str]]:
+    """The whole-row reductions, each an RBLOCK-wide loop; their registers by name. `row`:
+    the shape of rk, `total`: the sum of a tile of that shape kept as [1, 1(, 1)]."""
     pro = gk.prologue
     lines: list[str] = []
     regs: dict[str, str] = {}
@@ -64,7 +81,7 @@ def _prologue_lines(gk: GemmKernel, counter: list[int]) -> tuple[list[str], dict
         n = product(r.reduce.sizes)
         acc = f"acc_{r.name}"
         lines += [f"    # prologue: {r.name} <- {', '.join(r.source)} (whole row, in registers)",
-                  f"    {acc} = tl.zeros([1, RBLOCK], dtype={tl_compute(r.dtype.name)})",
+                  f"    {acc} = tl.zeros({row}, dtype={tl_compute(r.dtype.name)})",
                   f"    for qs{j} in range(0, {to_tl(n)}, RBLOCK):",
                   f"        q{j} = qs{j} + rk",
                   f"        qmask{j} = q{j} < {to_tl(n)}"]
@@ -76,8 +93,7 @@ def _prologue_lines(gk: GemmKernel, counter: list[int]) -> tuple[list[str], dict
         lines += render(sc.lines, "        ")
         lines.append(f"        {acc} = {acc} + tl.where(qmask{j}, {v}, 0)")
         regs[r.name] = f"v_{r.name}"
-        lines.append(f"    v_{r.name} = "
-                     f"{_rounded(f'tl.sum({acc}, 1, keep_dims=True)', r.dtype)}")
+        lines.append(f"    v_{r.name} = {_rounded(total.format(acc), r.dtype)}")
     return lines, regs
 
 
@@ -120,8 +136,11 @@ def print_gemv_kernel(gk: GemmKernel, buffers: dict[str, L.Buffer],
     if not applies(g):  # (a cached choice of another GEMM with the same problem key)
         raise UnsupportedError(f"GEMM {g.name} ({', '.join(g.source)}): the GEMV template "
                                f"takes M = 1 without batch dims, static N and K, float16 / "
-                               f"bfloat16 / float32; got M = {g.m}, batch {g.batch}, "
-                               f"{g.dtype.name}")
+                               f"bfloat16 / float32 (B also int8 / int4 weights); got M = "
+                               f"{g.m}, batch {g.batch}, {g.dtype.name}"
+                               + (f", {g.mixed}" if g.mixed is not None else ""))
+    if g.mixed is not None:
+        return _print_quant_gemv(gk, buffers, name)
     out = gk.out
     params = gk.params()
     if gk.status:
@@ -234,11 +253,167 @@ def print_gemv_kernel(gk: GemmKernel, buffers: dict[str, L.Buffer],
                         g.n, gk.source)
 
 
+#: float32 bits of 2^23 (a byte ORed under them gives the float 2^23 + byte, exactly)
+_EXP23 = "0x4B000000"
+
+
+def _quant_sig(gk: GemmKernel, buffers) -> tuple[list, dict[str, str]]:
+    params = gk.params()
+    if gk.status:
+        params.append(("status", "kiln_status"))
+    sig: dict[str, str] = {}
+    for kind, n in params:
+        sig[n if kind in ("size", "status") else f"buf_{n}"] = \
+            "i64" if kind == "size" else "*i32" if kind == "status" else SIG_PTR[buffers[n].dtype]
+    return params, sig
+
+
+def _print_quant_gemv(gk: GemmKernel, buffers: dict[str, L.Buffer], name: str) -> TritonKernel:
+    """The GEMV of a quantised B (module docstring): int8 / uint8 rows, or int4 groups."""
+    g, epi, cfg, pro, mx = gk.gemm, gk.epilogue, gk.config, gk.prologue, gk.gemm.mixed
+    out = gk.out
+    params, sig = _quant_sig(gk, buffers)
+    i64 = not _small(gk, buffers)
+    cast = ".to(tl.int64)" if i64 else ""
+    gs = mx.group
+    if gs and (cfg.block_k % gs or cfg.block_k < gs):
+        raise UnsupportedError(f"GEMV {gk.name}: BLOCK_K {cfg.block_k} is no multiple of the "
+                               f"int4 group {gs}")
+    what = [f"{g.name} = {g.a.buf if pro is None else pro.row.name} @ {g.b.buf} (M = 1)",
+            f"B {'int4 in groups of ' + str(gs) if gs else mx.qdtype.name}"
+            + (f", scales {mx.scale.buf}" if mx.scale is not None else "")]
+    if pro is not None:
+        what.append(f"prologue {', '.join([*(r.name for r in pro.reductions), pro.row.name])}")
+    if epi is not None:
+        what.append(f"epilogue {epi.name}")
+    lines = [
+        "@triton.jit",
+        f"def {name}({', '.join(sig)}, XBLOCK: tl.constexpr, RBLOCK: tl.constexpr):",
+        f"    # {gk.name} (GEMV): {', '.join(what)}",
+        f"    #   from graph nodes: {', '.join(gk.source)}",
+        "    # XBLOCK outputs a program, RBLOCK of K a step",
+        f"    N = {to_tl(g.n)}",
+        f"    K = {to_tl(g.k)}",
+    ]
+    if gs:
+        lines += [
+            f"    # int4: RBLOCK // {gs} groups of {gs} a step; the row's positions as "
+            f"[1, groups, {gs}]",
+            f"    rn = (tl.program_id(0) * XBLOCK + tl.arange(0, XBLOCK)[:, None, None]){cast}",
+            "    nmask = rn < N",
+            f"    rg = tl.arange(0, RBLOCK // {gs})[None, :, None]{cast}",
+            f"    rk = rg * {gs} + tl.arange(0, {gs})[None, None, :]{cast}",
+            "    xidx = rk * 0  # the row's shape, for loads of scalars",
+        ]
+        row, total = f"[1, RBLOCK // {gs}, {gs}]", \
+            "tl.sum(tl.sum({}, 2, keep_dims=True), 1, keep_dims=True)"
+    else:
+        lines += [
+            f"    rn = (tl.program_id(0) * XBLOCK + tl.arange(0, XBLOCK)[:, None]){cast}",
+            "    nmask = rn < N",
+            f"    rk = tl.arange(0, RBLOCK)[None, :]{cast}",
+            "    xidx = rk * 0  # the row's shape, for loads of scalars",
+        ]
+        row, total = "[1, RBLOCK]", "tl.sum({}, 1, keep_dims=True)"
+    counter = [0]
+    regs: dict[str, str] = {}
+    if pro is not None:
+        more, regs = _prologue_lines(gk, counter, row, total)
+        lines += more
+    lines.append(f"    pb = buf_{g.b.buf} + {to_tl(g.b.offset)} + rn * {to_tl(g.b.cols)}")
+    sc = mx.scale
+    if gs:
+        lines += [
+            f"    ps = buf_{sc.buf} + {to_tl(sc.offset)} + rn * {to_tl(sc.cols)}",
+            f"    rj = tl.arange(0, {gs // 2})[None, None, :]{cast}",
+            f"    acc = tl.zeros((XBLOCK, RBLOCK // {gs}, {gs // 2}), dtype=tl.float32)",
+        ]
+    else:
+        lines.append("    acc = tl.zeros((XBLOCK, RBLOCK), dtype=tl.float32)")
+    lines += [
+        "    for k0 in range(0, K, RBLOCK):",
+        "        kk = k0 + rk",
+        "        kmask = kk < K",
+    ]
+    if pro is None:
+        lines.append(f"        x = tl.load(buf_{g.a.buf} + {to_tl(g.a.offset)} + kk * "
+                     f"{to_tl(g.a.cols)}, mask=kmask, other=0.0).to(tl.float32)")
+    else:
+        prow = pro.row
+        lines.append(f"        # prologue: {prow.name} <- {', '.join(prow.source)} at K positions "
+                     f"kk")
+        names, defs = _unravel_lines("a_", "kk", prow.shape, "i", "        ")
+        lines += defs
+        scope = _Scope(names, "kmask", regs, counter)
+        v = text(scope.value(prow.body))
+        lines += render(scope.lines, "        ")
+        lines.append(f"        x = tl.where(kmask, {_rounded(v, prow.dtype)}, 0.0)")
+    rows = to_tl(g.b.rows)
+    if gs:
+        lines += [
+            f"        xe, xo = tl.split(tl.reshape(x, [1, RBLOCK // {gs}, {gs // 2}, 2]))",
+            f"        gi = k0 // {gs} + rg  # the step's groups",
+            f"        gmask = nmask & (gi < {to_tl(g.k)} // {gs})",
+            f"        b = tl.load(pb + (gi * {gs // 2} + rj) * {rows}, mask=gmask, "
+            f"other=136).to(tl.int32)  # {mx.qdtype.name}: two nibbles (+ 8) a byte",
+            f"        lo = ((b & 15) | {_EXP23}).to(tl.float32, bitcast=True) - 8388616.0",
+            f"        hi = ((b >> 4) | {_EXP23}).to(tl.float32, bitcast=True) - 8388616.0",
+            f"        s = tl.load(ps + gi * {to_tl(sc.rows)}, mask=gmask, other=0.0)"
+            f".to(tl.float32)",
+            "        acc += (lo * xe + hi * xo) * s",
+        ]
+        tot = "tl.sum(tl.sum(acc, 2, keep_dims=True), 1, keep_dims=True)"
+    else:
+        kstep = "kk" if sympy.sympify(g.b.rows) == 1 else f"kk * {rows}"
+        if mx.qdtype.name == "int8":
+            conv = (f"(q.to(tl.uint8, bitcast=True).to(tl.int32) ^ 0x4B000080).to(tl.float32, "
+                    f"bitcast=True) - 8388736.0")
+        else:
+            conv = f"(q.to(tl.int32) | {_EXP23}).to(tl.float32, bitcast=True) - 8388608.0"
+        lines += [
+            f"        q = tl.load(pb + {kstep}, mask=nmask & kmask, other=0)",
+            f"        w = {conv}  # {mx.qdtype.name} -> float32, exact",
+            "        acc += w * x",
+        ]
+        tot = "tl.sum(acc, 1, keep_dims=True)"
+        if sc is not None:
+            idx = f" + rn * {to_tl(sc.cols)}" if sympy.sympify(sc.cols) != 0 else " + rn * 0"
+            tot += (f" * tl.load(buf_{sc.buf} + {to_tl(sc.offset)}{idx}, mask=nmask, "
+                    f"other=0.0).to(tl.float32)")
+    lines += [
+        f"    tot = {tot}",
+        "    i_m = rn * 0",
+        "    i_n = rn",
+        "    mask = nmask",
+    ]
+    flat = linear_index([sympy.Symbol("i_m"), sympy.Symbol("i_n")],
+                        contiguous_strides(g.shape))
+    if epi is None:
+        value = f"tot.to({TL_DTYPE[g.dtype]})"
+    else:
+        names = _epilogue_names(g, epi, flat)
+        lines.append("    xidx = rn * 0  # the outputs' shape, for loads of scalars")
+        lines.append(f"    v_{g.name} = {_rounded('tot', g.dtype)}  # the GEMM result, as its "
+                     f"buffer would hold it")
+        lines.append(f"    # epilogue {epi.name} <- {', '.join(epi.source)}")
+        scope = _Scope(names, "mask", {g.name: f"v_{g.name}"}, counter)
+        value = text(scope.value(epi.body))
+        lines += render(scope.lines, "    ")
+    lines.append(f"    tl.store(buf_{out} + {to_tl(flat)}, {value}, mask=mask)")
+    sig["XBLOCK"] = sig["RBLOCK"] = "constexpr"
+    return TritonKernel(name, "\n".join(lines) + "\n", tuple(params), sig,
+                        Config(cfg.block_n, cfg.block_k, cfg.num_warps, cfg.num_stages),
+                        g.n, gk.source)
+
+
 def print_template_kernel(gk: GemmKernel, buffers: dict[str, L.Buffer],
                           name: str | None = None) -> TritonKernel:
     """The GEMV template's kernel for a `GemvConfig`, else the GEMM template's."""
     if getattr(gk.config, "gemv", False):
         return print_gemv_kernel(gk, buffers, name)
+    if gk.gemm.mixed is not None and gk.gemm.mixed.group:
+        raise UnsupportedError(f"GEMM {gk.gemm.name} ({', '.join(gk.gemm.source)}): its int4 "
+                               f"weight is read by the GEMV template only")
     return print_gemm_kernel(gk, buffers, name)
 
 
@@ -259,7 +434,8 @@ def gemv_candidates(gk: GemmKernel, buffers=None, hints=None) -> list[Config]:
     g = gk.gemm
     own = gk.config
     out = [Config(own.block_n, own.block_k, own.num_warps, own.num_stages)]
-    for c in configs(int(sympy.sympify(g.n)), int(sympy.sympify(g.k)), g.dtype.itemsize):
+    for c in configs(int(sympy.sympify(g.n)), int(sympy.sympify(g.k)), GV.weight_bytes(g),
+                     GV.min_block_k(g)):
         cand = Config(c.block_n, c.block_k, c.num_warps, c.num_stages)
         if cand not in out:
             out.append(cand)

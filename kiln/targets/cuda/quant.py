@@ -1,10 +1,20 @@
 """Weight-only quantised GEMMs, the CUDA target's half (Options.weight_quant "int8" / "int4";
-the CPU's is targets/cpu/quant.py): the stage that stores constant GEMM weights quantised and
-calls kiln/gemm/quant_gemv.py's Triton kernels for them.
+the CPU's is targets/cpu/quant.py): the stage that stores constant GEMM weights quantised, as kiln's GEMV template reads them
+(M = 1, decode) or calling kiln/gemm/quant_gemv.py's Triton kernels (other M).
 
 A `matmul(x, B)` node (2-D, K and N static, M static or a size symbol; float32, bfloat16 or
 float16 throughout) whose B is a weight [K, N], or `permute(W, (1, 0))` of a weight W [N, K]
-(nn.Linear), becomes a user Triton kernel call, the path of user-written kernels
+(nn.Linear), with M = 1 at compile time (decode) becomes, where the Triton GEMM backend is allowed, a
+GEMM that reads the quantised weight itself, its rows along K (lowering/mixed.py: a `Gemm`
+with `mixed` side "b", ir/loop.py's MixedGemm):
+
+    int8   mixed_mm(x, permute(q, (1, 0)), s)                  s[n] scales row n's sum
+    int4   mixed_mm(x, permute(p, (1, 0)), permute(s, (1, 0))) attr group: s[n, k // G]
+
+which the GEMV template computes (gemm/select.py, gemm/gemv.py, targets/cuda/
+gemv_template.py) with every fusion of a float GEMV: the RMSNorm or silu * mul producing x
+recomputed in its prologue, bias / residual epilogues. Other M (prefill) become
+a user Triton kernel call, the path of user-written kernels
 (frontend/user_triton.py: a `user_kernel` node and its `user_result`, named as the matmul was):
 
     qlinear_<mode>_kernel(x, q, s, out, M, N, K[, G])    out: a fresh [M, N] of x's dtype
@@ -31,6 +41,7 @@ from kiln.ir import dtypes
 from kiln.ir import loop as L
 from kiln.ir.graph import Graph, Input, Node, TensorType, fresh_name
 from kiln.ir.sym import FloorDiv
+from kiln.options import GemmBackend
 from kiln.passes.dce import dce
 from kiln.passes.quant_weights import quantisable_weights, quantised_inputs, weight_b
 from kiln.targets.stages import Build
@@ -46,7 +57,8 @@ def quant_enabled(state: Build) -> bool:
 def quant_weights(state: Build) -> Build:
     o = state.options
     graph, weights = quantize_gemms(state.graph, dict(state.weights), o.weight_quant,
-                                    o.weight_quant_group)
+                                    o.weight_quant_group,
+                                    gemv=GemmBackend.TRITON in o.gemm_backends)
     return replace(state, graph=graph, weights=weights)
 
 
@@ -80,8 +92,30 @@ def _spec(mode: str, m, n: int, k: int, group: int, dtype) -> UserKernelSpec:
                           ("out_ptr",), frozenset({"out_ptr"}))
 
 
-def quantize_gemms(g: Graph, weights: dict[str, torch.Tensor], mode: str, group: int
-                   ) -> tuple[Graph, dict[str, torch.Tensor]]:
+def _gemv_nodes(n: Node, mode: str, group: int, q: str, s: str, types, names: set[str],
+                views: dict[str, str]) -> list[Node]:
+    """The decode GEMM of quantised weight (q, s) as a `mixed_mm` the GEMV template reads:
+    the views of q (and int4's s) it takes, made once per weight (`views`), then the GEMM."""
+    src = n.source or n.name
+    out: list[Node] = []
+
+    def transposed(x: str) -> str:
+        if x not in views:
+            t = types[x]
+            views[x] = fresh_name(f"{x}_t", names)
+            out.append(Node(views[x], "permute", (x,), TensorType(
+                t.dtype, (t.shape[1], t.shape[0])), (("dims", (1, 0)),), src))
+        return views[x]
+
+    ins = (n.inputs[0], transposed(q), s if mode == "int8" else transposed(s))
+    attrs = (("side", "b"), ("scaled", True)) + ((("group", group),) if mode == "int4" else ())
+    return out + [Node(n.name, "mixed_mm", ins, n.type, attrs, src)]
+
+
+def quantize_gemms(g: Graph, weights: dict[str, torch.Tensor], mode: str, group: int,
+                   gemv: bool = False) -> tuple[Graph, dict[str, torch.Tensor]]:
+    """`gemv`: M = 1 GEMMs become GEMMs of the quantised weight (the GEMV template's; needs
+    the Triton GEMM backend), not kernel calls."""
     if mode not in QG.KERNELS:
         return g, weights
     types = g.types()
@@ -91,6 +125,7 @@ def quantize_gemms(g: Graph, weights: dict[str, torch.Tensor], mode: str, group:
     new_weights = dict(weights)
     added: list[Input] = []
     done: dict[tuple[str, bool], tuple[str, str]] = {}  # (weight, transposed) -> (q, s)
+    views: dict[str, str] = {}  # quantised weight -> its permute (the GEMV's B / scales)
     out_nodes: list[Node] = []
     for n in g.nodes:
         wb = weight_b(n, types, nodes, weights_in)
@@ -112,6 +147,10 @@ def quantize_gemms(g: Graph, weights: dict[str, torch.Tensor], mode: str, group:
             done[(wname, transposed)] = (new[0][0].name, new[1][0].name)
         q, s = done[(wname, transposed)]
         m = shape[0]
+        if gemv and _static_int(m) == 1:
+            new_types = {**types, **{i.name: i.type for i in added}}
+            out_nodes += _gemv_nodes(n, mode, group, q, s, new_types, names, views)
+            continue
         out = fresh_name(f"{n.name}_out", names)
         call = fresh_name(f"{n.name}_{SUFFIX[mode]}", names)
         spec = _spec(mode, m, nn_, k, group, n.type.dtype)

@@ -10,8 +10,9 @@
                       not repeat_kv copies (passes/gqa_attention.py)
     merge_gemms       (Options.fold_constants) GEMMs sharing their input and reading weights
                       become one GEMM on the weights concatenated (merged q/k/v, gate/up)
-    quant_weights     (Options.weight_quant) constant GEMM weights stored int8 / int4, the
-                      GEMMs calls of quantised GEMV / GEMM Triton kernels (targets/cuda/quant.py)
+    quant_weights     (Options.weight_quant) constant GEMM weights stored int8 / int4: M = 1
+                      GEMMs read them in kiln's GEMV template (its fusions kept), others call
+                      quantised GEMM Triton kernels (targets/cuda/quant.py)
     freeze            (Options.freeze) weights stored in the layout their GEMMs read
     conv_nhwc         (Options.cuda_conv "implicit") 2-D convolutions as channels-last kiln
                       kernels, batch norm folded, epilogues fused (passes/conv_nhwc.py)

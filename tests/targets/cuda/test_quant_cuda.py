@@ -118,15 +118,21 @@ def test_quantised_linear_kernels_in_triton_interpreter():
 
 
 def test_quantised_llama_step_compiles_to_the_kernels():
-    """Every linear layer of a Llama step becomes a quantised kernel call, its weight stored
-    quantised only (the numbers: test_quantised_step_on_gpu_matches_dequantised_eager; Triton's
-    interpreter cannot run a package's user kernels)."""
+    """Every linear layer of a Llama step reads its weight stored quantised only: a GEMV of
+    kiln's template at M = 1 (tests/targets/cuda/test_quant_gemv.py), or, without the Triton
+    GEMM backend, a quantised kernel call (the numbers: test_quantised_step_on_gpu_matches_
+    dequantised_eager; Triton's interpreter cannot run a package's user kernels)."""
     from dataclasses import replace
     for mode, group in (("int8", 0), ("int4", 32)):
         model = hf_decoder.llama(layers=1, hidden=64, vocab=96, inter=128)
         _, ep = hf_decoder.export_step(model, 16)
-        cm = kiln.compile(ep, device="cuda",
-                          options=replace(OPTS, weight_quant=mode, weight_quant_group=group or 128))
+        opts = replace(OPTS, weight_quant=mode, weight_quant_group=group or 128)
+        gemv = kiln.compile(ep, device="cuda", options=opts)
+        gv = [k for k in gemv.manifest["kernels"] if k["kind"] == "triton_gemv"]
+        assert len(gv) == 4 + 1 and not [k for k in gemv.manifest["kernels"]
+                                         if k["kind"] == "user_triton"]
+        assert all("mixed=b:" in k["gemm"]["problem"] for k in gv)
+        cm = kiln.compile(ep, device="cuda", options=replace(opts, gemm_backends=("blas",)))
         kinds = [k.get("kernel") for k in cm.manifest["kernels"] if k["kind"] == "user_triton"]
         assert kinds == [f"qlinear_{mode}_kernel"] * 5, kinds
         names = {w["name"]: w for w in cm.manifest["weights"]}
@@ -145,9 +151,13 @@ def test_gemms_the_kernels_cannot_take_stay_gemms():
     _, ep = hf_decoder.export_step(model, 8)
     cm = kiln.compile(ep, device="cuda", options=replace(OPTS, weight_quant="int4",
                                                          weight_quant_group=64))
-    kinds = [k for k in cm.manifest["kernels"] if k["kind"] == "user_triton"]
-    # K = 96 (q/k/v, gate/up, o, lm_head) is no multiple of 64: only down_proj (K = 192)
-    assert [k["source_ops"] for k in kinds] == [["mm_5"]] or len(kinds) == 1, kinds
+    kinds = [k for k in cm.manifest["kernels"] if "mixed=" in k.get("gemm", {}).get("problem",
+                                                                                   "")]
+    # K = 96 (q/k/v, gate/up, o, lm_head) is no multiple of 64: only down_proj (K = 192), a
+    # GEMV of the int4 weight (M = 1)
+    assert len(kinds) == 1 and "int4g64" in kinds[0]["gemm"]["problem"], kinds
+    assert kinds[0]["kind"] == "triton_gemv" and " 1x96x192 " in kinds[0]["gemm"]["problem"], \
+        kinds  # M x N x K
 
 
 # ---------------------------------------------------------------- GPU
