@@ -366,8 +366,8 @@ def _print_quant_gemv(gk: GemmKernel, buffers: dict[str, L.Buffer], name: str) -
     else:
         kstep = "kk" if sympy.sympify(g.b.rows) == 1 else f"kk * {rows}"
         if mx.qdtype.name == "int8":
-            conv = (f"(q.to(tl.uint8, bitcast=True).to(tl.int32) ^ 0x4B000080).to(tl.float32, "
-                    f"bitcast=True) - 8388736.0")
+            conv = ("(q.to(tl.uint8, bitcast=True).to(tl.int32) ^ 0x4B000080).to(tl.float32, "
+                    "bitcast=True) - 8388736.0")
         else:
             conv = f"(q.to(tl.int32) | {_EXP23}).to(tl.float32, bitcast=True) - 8388608.0"
         lines += [

@@ -1,12 +1,13 @@
 """Weight-only quantised GEMMs, the CUDA target's half (Options.weight_quant "int8" / "int4";
-the CPU's is targets/cpu/quant.py): the stage that stores constant GEMM weights quantised, as kiln's GEMV template reads them
-(M = 1, decode) or calling kiln/gemm/quant_gemv.py's Triton kernels (other M).
+the CPU's is targets/cpu/quant.py): the stage that stores constant GEMM weights quantised, as
+kiln's GEMV template reads them (M = 1, decode) or calling kiln/gemm/quant_gemv.py's Triton
+kernels (other M).
 
 A `matmul(x, B)` node (2-D, K and N static, M static or a size symbol; float32, bfloat16 or
 float16 throughout) whose B is a weight [K, N], or `permute(W, (1, 0))` of a weight W [N, K]
-(nn.Linear), with M = 1 at compile time (decode) becomes, where the Triton GEMM backend is allowed, a
-GEMM that reads the quantised weight itself, its rows along K (lowering/mixed.py: a `Gemm`
-with `mixed` side "b", ir/loop.py's MixedGemm):
+(nn.Linear), with M = 1 at compile time (decode) becomes, where the Triton GEMM backend is
+allowed, a GEMM that reads the quantised weight itself, its rows along K (lowering/mixed.py:
+a `Gemm` with `mixed` side "b", ir/loop.py's MixedGemm):
 
     int8   mixed_mm(x, permute(q, (1, 0)), s)                  s[n] scales row n's sum
     int4   mixed_mm(x, permute(p, (1, 0)), permute(s, (1, 0))) attr group: s[n, k // G]
