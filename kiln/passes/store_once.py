@@ -11,15 +11,16 @@ is recomputed by every reader and the GEMM's result is stored besides.
 Rule, in Graph IR terms: a pointwise node P (an op of kiln/ops ROWS) with two or more users
 that reads the result of a `matmul` (or `mixed_mm`) M, directly or through `view`s, where P
 (through those views) is the only reader of M, and whose uses do not meet again in one
-pointwise node, is materialised. Uses meet again when following each user of P along nodes
-of one user each (pointwise ops and views, stopping before any other op and at graph
-outputs) ends at the same node for all of them: then lowering inlines P into that one node, which the GEMM takes whole
-as its epilogue (`where(t > 0, t, 0.1 * t)` of `t = x W + b`, a decomposed GELU or SiLU).
-Where they do not (a residual sum read by the next norm's reduction and by the next residual
-add), the GEMM's one reader is P's Compute, which reads the GEMM at its own element: P becomes
-the GEMM's epilogue (a GEMV with a residual add at M = 1), stored once, and P's users read it.
-Nothing is recomputed in more places than before (P's users load P instead of its terms), and
-no GEMM result is stored in addition, so the rule costs at most one store of P where no GEMM fuses.
+pointwise node, is materialised. Uses meet again when following each user of P along nodes of
+one user each (pointwise ops and views, stopping before any other op and at graph outputs)
+ends at the same node for all of them: then lowering inlines P into that one node, which the
+GEMM takes whole as its epilogue (`where(t > 0, t, 0.1 * t)` of `t = x W + b`, a decomposed
+GELU or SiLU). Where they do not (a residual sum read by the next norm's reduction and by the
+next residual add), the GEMM's one reader is P's Compute, which reads the GEMM at its own
+element: P becomes the GEMM's epilogue (a GEMV with a residual add at M = 1), stored once, and
+P's users read it. Nothing is recomputed in more places than before (P's users load P instead
+of its terms), and no GEMM result is stored in addition, so the rule costs at most one store
+of P where no GEMM fuses.
 
 `gemm_sums(graph)` is pure: the names of the nodes to materialise; `lower(graph, realize=)`
 takes them."""
