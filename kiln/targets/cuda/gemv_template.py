@@ -317,9 +317,13 @@ def _print_quant_gemv(gk: GemmKernel, buffers: dict[str, L.Buffer], name: str) -
         row, total = "[1, RBLOCK]", "tl.sum({}, 1, keep_dims=True)"
     counter = [0]
     regs: dict[str, str] = {}
-    if pro is not None:
+    factored = _factored(gk)
+    if pro is not None and factored is None:
         more, regs = _prologue_lines(gk, counter, row, total)
         lines += more
+    elif factored is not None:
+        lines += [f"    acc_{r.name} = tl.zeros({row}, dtype=tl.float32)"
+                  for r in pro.reductions]
     lines.append(f"    pb = buf_{g.b.buf} + {to_tl(g.b.offset)} + rn * {to_tl(g.b.cols)}")
     sc = mx.scale
     if gs:
@@ -340,12 +344,14 @@ def _print_quant_gemv(gk: GemmKernel, buffers: dict[str, L.Buffer], name: str) -
                      f"{to_tl(g.a.cols)}, mask=kmask, other=0.0).to(tl.float32)")
     else:
         prow = pro.row
+        if factored is not None:
+            lines += _fused_reduction_lines(gk, counter)
         lines.append(f"        # prologue: {prow.name} <- {', '.join(prow.source)} at K positions "
-                     f"kk")
+                     f"kk" + (", without its whole-row factor" if factored is not None else ""))
         names, defs = _unravel_lines("a_", "kk", prow.shape, "i", "        ")
         lines += defs
-        scope = _Scope(names, "kmask", regs, counter)
-        v = text(scope.value(prow.body))
+        scope = _Scope(names, "kmask", {} if factored is not None else regs, counter)
+        v = text(scope.value(prow.body if factored is None else factored[1]))
         lines += render(scope.lines, "        ")
         lines.append(f"        x = tl.where(kmask, {_rounded(v, prow.dtype)}, 0.0)")
     rows = to_tl(g.b.rows)
@@ -380,6 +386,15 @@ def _print_quant_gemv(gk: GemmKernel, buffers: dict[str, L.Buffer], name: str) -
             idx = f" + rn * {to_tl(sc.cols)}" if sympy.sympify(sc.cols) != 0 else " + rn * 0"
             tot += (f" * tl.load(buf_{sc.buf} + {to_tl(sc.offset)}{idx}, mask=nmask, "
                     f"other=0.0).to(tl.float32)")
+    if factored is not None:
+        for r in pro.reductions:
+            regs[r.name] = f"v_{r.name}"
+            lines.append(f"    v_{r.name} = {_rounded(total.format(f'acc_{r.name}'), r.dtype)}")
+        lines.append(f"    # the row's whole-row factor, from {', '.join(regs)}")
+        scope = _Scope({}, "nmask", dict(regs), counter)
+        factor = text(scope.value(factored[0]))
+        lines += render(scope.lines, "    ")
+        tot = f"{tot} * {factor}"
     lines += [
         f"    tot = {tot}",
         "    i_m = rn * 0",
