@@ -262,6 +262,29 @@ def table(rows: list[dict]) -> str:
     return "\n".join(out)
 
 
+def stage_table(rows: list[dict], least: float = 0.05) -> str:
+    """Per kiln row: compile seconds split into export, each stage that took at least `least`
+    seconds in some row (in pipeline order), and `rest` (the compile call's time outside
+    export and the stages: importing kiln's compiler on the first `kiln.compile`, the
+    manifest)."""
+    kiln = [r for r in rows if r["system"] != "aoti" and not r.get("error")]
+    if not kiln:
+        return ""
+    names: list[str] = []
+    for r in kiln:
+        names += [k for k, v in r["stages"].items() if "." not in k and k not in names and
+                  any(x["stages"].get(k, 0) >= least for x in kiln)]
+    out = ["| model | dtype | tree | compile | export | " + " | ".join(names) + " | rest |",
+           "|---|---|---|---:|---:|" + "---:|" * (len(names) + 1)]
+    for r in kiln:
+        st = r["stages"]
+        rest = r["compile_s"] - r["export_s"] - sum(v for k, v in st.items() if "." not in k)
+        out.append(f"| {r['model']} | {r.get('dtype', 'fp32')} | {r['tree']} | "
+                   f"{r['compile_s']:.2f} | {r['export_s']:.2f} | " +
+                   " | ".join(f"{st.get(k, 0):.2f}" for k in names) + f" | {rest:.2f} |")
+    return "\n".join(out)
+
+
 def ratios(rows: list[dict]) -> str:
     """Per model and dtype: kiln's CUDA compile seconds over AOTInductor's (the target: at
     most 0.2), where both ran."""
@@ -405,7 +428,9 @@ def main() -> None:
     head = (f"{'GPU: ' + torch.cuda.get_device_name() if gpu else 'no GPU (CUDA for sm_90)'}; "
             f"{os.cpu_count()} CPUs; load average {load[0]:.1f} {load[1]:.1f} {load[2]:.1f} "
             f"at the end; {a.rounds} round(s)")
-    text = head + "\n\n" + table(rows) + ratios(rows)
+    stages = stage_table(rows)
+    text = head + "\n\n" + table(rows) + ratios(rows) + (
+        "\n\nSeconds per stage (kiln):\n\n" + stages if stages else "")
     print("\n" + text)
     if a.json:
         Path(a.json).write_text(json.dumps(rows, indent=1))

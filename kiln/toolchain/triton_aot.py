@@ -308,10 +308,12 @@ class Workers:
             key = _triton_key()
         except Exception:  # noqa: BLE001 - no Triton: the compile reports it
             key = ""
-        with self._lock:
-            for p in self.procs:
-                _write(p, {"triton_key": key})
-        self._ready.set()
+        try:
+            with self._lock:
+                for p in self.procs:
+                    _write(p, {"triton_key": key})
+        finally:
+            self._ready.set()
 
     def alive(self) -> list[int]:
         """The indices of the workers still running."""
