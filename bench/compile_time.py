@@ -301,18 +301,25 @@ def ratios(rows: list[dict]) -> str:
 def _compile_plan(todo, extra, workers: int) -> tuple[float, int]:
     """(wall seconds, candidates compiled) of launch_autotune's compile pass over `todo` and
     the untuned kernels `extra`, for sm_90, with `workers` processes and a fresh Triton
-    cache, without timing anything (no GPU needed)."""
+    cache, without timing anything (no GPU needed). The workers are started first, as a
+    build's `workers` stage starts them, and their start is timed (a build hides it behind
+    its front end)."""
     from kiln.targets.cuda import launch_tune
+    from kiln.toolchain.triton_aot import Workers
     os.environ["TRITON_CACHE_DIR"] = tempfile.mkdtemp(prefix="kiln_plan_triton_")
     cache = Path(tempfile.mkdtemp(prefix="kiln_plan_cache_"))
     t0 = time.perf_counter()
-    compiled = launch_tune._compile_candidates(todo, cache, 90, workers, extra)
+    started = Workers(workers)
     try:
-        n = sum((i, j) in compiled for i, (_, tks, _) in enumerate(todo)
-                for j in range(len(tks)))
-        compiled.store_extra()
+        compiled = launch_tune._compile_candidates(todo, cache, 90, workers, extra, started)
+        try:
+            n = sum((i, j) in compiled for i, (_, tks, _) in enumerate(todo)
+                    for j in range(len(tks)))
+            compiled.store_extra()
+        finally:
+            compiled.close()
     finally:
-        compiled.close()
+        started.close()
     return time.perf_counter() - t0, n
 
 

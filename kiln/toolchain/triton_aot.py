@@ -285,25 +285,35 @@ class Workers:
     start (Python, Triton's import: about half a second each) is over when the tasks come;
     `Pool` and `compile_cubins` then hand them jobs instead of starting processes of their
     own, launch-config tuning and the cubins stage the same processes. `n` processes (none
-    where Triton is not installed); Triton's cache key (`_triton_key`, which the workers
-    need) is sent to them by a thread once this process has it. `close()` (or the object's
+    where Triton is not installed), spawned by a thread (tens of ms each from a process as
+    large as one that imported torch), which then sends them Triton's cache key
+    (`_triton_key`, which they need) once this process has it. `close()` (or the object's
     collection, or the interpreter's exit) ends them: they exit when their stdin closes."""
 
     def __init__(self, n: int) -> None:
         self.procs: list = []
+        self._spawned = threading.Event()  # self.procs is complete
         self._ready = threading.Event()  # the key went out: jobs may follow it
         self._lock = threading.Lock()
         if n < 1 or importlib.util.find_spec("triton") is None:
+            self._spawned.set()
+            self._ready.set()
             return
-        script = str(Path(__file__).with_name("triton_warm.py"))
-        self.procs = [subprocess.Popen([sys.executable, script, "--serve"],
-                                       stdin=subprocess.PIPE, stdout=subprocess.DEVNULL,
-                                       stderr=subprocess.DEVNULL, text=True)
-                      for _ in range(n)]
-        self._finalizer = weakref.finalize(self, _end, list(self.procs), True)
-        threading.Thread(target=self._send_key, name="kiln-workers-key", daemon=True).start()
+        self._finalizer = weakref.finalize(self, _end, self.procs, True)
+        threading.Thread(target=self._start, args=(n,), name="kiln-workers",
+                         daemon=True).start()
 
-    def _send_key(self) -> None:
+    def _start(self, n: int) -> None:
+        script = str(Path(__file__).with_name("triton_warm.py"))
+        try:
+            for _ in range(n):
+                self.procs.append(subprocess.Popen(
+                    [sys.executable, script, "--serve"], stdin=subprocess.PIPE,
+                    stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, text=True))
+        except OSError:  # (out of processes: the stages start their own or compile here)
+            pass
+        finally:
+            self._spawned.set()
         try:
             key = _triton_key()
         except Exception:  # noqa: BLE001 - no Triton: the compile reports it
@@ -317,19 +327,22 @@ class Workers:
 
     def alive(self) -> list[int]:
         """The indices of the workers still running."""
+        self._spawned.wait()
         return [w for w, p in enumerate(self.procs) if p.poll() is None]
 
     def send(self, w: int, job: dict) -> bool:
-        """Queues `job` ({"tasks": rows, "out": directory, "launchers": flag}, as
-        triton_warm.py reads it) on worker `w`; False where the worker is gone."""
+        """Queues `job` ({"tasks": rows, "out": directory}, as triton_warm.py reads it) on
+        worker `w`; False where the worker is gone."""
         self._ready.wait()
         with self._lock:
             return _write(self.procs[w], job)
 
     def close(self, kill: bool = False) -> None:
         """Ends the workers once their queued jobs are done (`kill`: at once)."""
+        self._spawned.wait()
         if self.procs:
-            _end(self.procs, kill)
+            with self._lock:  # (not while the key is being written)
+                _end(self.procs, kill)
             self._finalizer.detach()
             self.procs = []
 
