@@ -110,6 +110,25 @@ def warm_key() -> None:
     threading.Thread(target=run, name="kiln-triton-key", daemon=True).start()
 
 
+def warm_driver() -> threading.Thread:
+    """Starts, in a thread, what this process's first launch of a Triton kernel would build:
+    Triton's CUDA driver object and its utilities (`cuda_utils`, a C extension compiled with
+    the system's C compiler on a cold Triton cache, about half a second, in a process of its
+    own, which releases the GIL), so that launch-config tuning finds them ready. Without a
+    CUDA driver the thread ends quietly (the first launch reports it)."""
+    def run() -> None:
+        try:
+            # deferred: Triton is optional (GPU builds only)
+            import triton
+            triton.runtime.driver.active.utils  # noqa: B018 - built on first access
+        except Exception:  # noqa: BLE001 - no driver or no Triton: reported at launch
+            pass
+
+    t = threading.Thread(target=run, name="kiln-triton-driver", daemon=True)
+    t.start()
+    return t
+
+
 def module_path(text: str, cache: Path) -> tuple[Path, str]:
     """Where `import_module` keeps the module of `text`, and the module's name."""
     key = hashlib.sha256(text.encode()).hexdigest()[:24]

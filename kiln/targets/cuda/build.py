@@ -64,7 +64,7 @@ from kiln.targets.collectives import COLLECTIVES
 from kiln.targets.stages import Build, ticker
 from kiln.toolchain.cuda import cuda_toolchain, default_archs
 from kiln.toolchain.cxx import build_shared
-from kiln.toolchain.triton_aot import Workers, compile_cubins, warm_key
+from kiln.toolchain.triton_aot import Workers, compile_cubins, warm_driver, warm_key
 
 # Extern routines CUDA builds run: attention, the NHWC convolution and index_put (generated
 # Triton kernels), the collectives (NCCL)
@@ -293,9 +293,12 @@ def start_workers(state: CudaBuild) -> CudaBuild:
     Python, then Triton's import): as many as launch_autotune uses where it will run (a local
     GPU, Options.autotune), else one fewer than the cubins stage's processes (it compiles too)
     and about one per 4 graph nodes (a kernel fuses a few; a small graph's kernels compile in
-    this process), none for fewer than 8 nodes (the stages then start their own)."""
+    this process), none for fewer than 8 nodes (the stages then start their own). Where
+    launch_autotune will run, Triton's CUDA driver utilities are built meanwhile too
+    (triton_aot.warm_driver)."""
     o, nodes = state.options, len(state.graph.nodes)
     if o.autotune and _local(o):
+        warm_driver()  # the first launch's C extension, built meanwhile
         n = _workers(o) if _workers(o) >= 2 else 0  # (one: tuning compiles in this process)
     else:
         n = min(_workers(o) - 1, nodes // 4) if nodes >= 8 else 0

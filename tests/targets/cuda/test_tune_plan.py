@@ -329,6 +329,20 @@ print("TORCH" if "torch" in sys.modules else "NO_TORCH", ck.metadata.name)
     assert out.stdout.split() == ["NO_TORCH", "k_a"]
 
 
+def test_warm_driver_builds_in_a_thread_and_ends_quietly(tmp_path, monkeypatch):
+    """triton_aot.warm_driver: Triton's CUDA driver utilities built in a thread (a GPU
+    build's tuning then finds them); without a CUDA driver here the thread ends without
+    raising (the first launch reports it), and a compile in this process still works."""
+    monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path / "triton_home"))
+    t = triton_aot.warm_driver()
+    t.join(timeout=120)
+    assert not t.is_alive()
+    k = _kernel("k_a", "* 2.0")
+    mod = triton_aot.import_module("import triton\nimport triton.language as tl\n\n\n" +
+                                   k.source, tmp_path / "c")
+    assert triton_aot.compile_kernel(mod, k, 90).asm["cubin"]
+
+
 def test_compiling_waits_per_candidate(tmp_path, monkeypatch):
     """launch_tune's view of the pool: candidate (i, j) is there once compiled; a neighbour
     that fails is absent; the heuristic (j = 0) failing is an error."""
