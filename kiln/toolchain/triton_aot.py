@@ -427,6 +427,7 @@ class Pool:
         self.tmp: str | None = None
         self.started = started
         ready = started.alive() if started is not None else []
+        ready = ready if len(ready) >= 2 else []  # (one left running: a pool of its own)
         n = min(min(workers, len(ready)) if ready else workers, len(tasks))
         if n < 2:
             return
