@@ -407,10 +407,12 @@ class _ConvBlock(torch.nn.Module):
         return torch.relu(self.bn(self.conv(x))).mean((2, 3))
 
 
-def test_tune_all_with_real_compiles(tmp_path, monkeypatch):
-    """The whole pass without a GPU, launches faked: the pool compiles a convolution's kept
-    candidates and the build's untuned kernels; the winner and the untuned kernels land in the
-    cubin cache, so the cubins stage compiles nothing."""
+@pytest.mark.parametrize("ahead", [False, True], ids=["own_pool", "workers_ahead"])
+def test_tune_all_with_real_compiles(tmp_path, monkeypatch, ahead):
+    """The whole pass without a GPU, launches faked: the pool (its own processes, or the
+    build's workers started ahead) compiles a convolution's kept candidates and the build's
+    untuned kernels; the winner and the untuned kernels land in the cubin cache, so the
+    cubins stage compiles nothing."""
     monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path / "triton_home"))
     torch.manual_seed(0)
     m = _ConvBlock().eval().to(torch.bfloat16)
@@ -424,8 +426,16 @@ def test_tune_all_with_real_compiles(tmp_path, monkeypatch):
     monkeypatch.setattr(launch_tune, "_args", lambda *a: [])
     bufs, hints = L.all_buffers(st.loop), cuda_build._hints(st)
     stats: dict = {}
-    best, report = launch_tune.tune_all(fams, bufs, hints, 90, tmp_path / "c", workers=2,
-                                        stats=stats, extra=cuda_build.untuned_kernels(st, fams))
+    started = triton_aot.Workers(2) if ahead else None
+    try:
+        best, report = launch_tune.tune_all(fams, bufs, hints, 90, tmp_path / "c", workers=2,
+                                            stats=stats, started=started,
+                                            extra=cuda_build.untuned_kernels(st, fams))
+        if ahead:  # the pool handed its tasks to them: still running, for the cubins stage
+            assert len(started.alive()) == 2
+    finally:
+        if started is not None:
+            started.close()
     (call,) = fams[0].items
     assert call.name in best and stats["workers"] == 2 and stats["prebuilt"] >= 1
     assert stats["candidates"] == len(report[f"conv_{call.name}"]) <= TP.CONV_KEEP
