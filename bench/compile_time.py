@@ -262,6 +262,29 @@ def table(rows: list[dict]) -> str:
     return "\n".join(out)
 
 
+def stage_table(rows: list[dict], least: float = 0.05) -> str:
+    """Per kiln row: compile seconds split into export, each stage that took at least `least`
+    seconds in some row (in pipeline order), and `rest` (the compile call's time outside
+    export and the stages: importing kiln's compiler on the first `kiln.compile`, the
+    manifest)."""
+    kiln = [r for r in rows if r["system"] != "aoti" and not r.get("error")]
+    if not kiln:
+        return ""
+    names: list[str] = []
+    for r in kiln:
+        names += [k for k, v in r["stages"].items() if "." not in k and k not in names and
+                  any(x["stages"].get(k, 0) >= least for x in kiln)]
+    out = ["| model | dtype | tree | compile | export | " + " | ".join(names) + " | rest |",
+           "|---|---|---|---:|---:|" + "---:|" * (len(names) + 1)]
+    for r in kiln:
+        st = r["stages"]
+        rest = r["compile_s"] - r["export_s"] - sum(v for k, v in st.items() if "." not in k)
+        out.append(f"| {r['model']} | {r.get('dtype', 'fp32')} | {r['tree']} | "
+                   f"{r['compile_s']:.2f} | {r['export_s']:.2f} | " +
+                   " | ".join(f"{st.get(k, 0):.2f}" for k in names) + f" | {rest:.2f} |")
+    return "\n".join(out)
+
+
 def ratios(rows: list[dict]) -> str:
     """Per model and dtype: kiln's CUDA compile seconds over AOTInductor's (the target: at
     most 0.2), where both ran."""
@@ -278,18 +301,25 @@ def ratios(rows: list[dict]) -> str:
 def _compile_plan(todo, extra, workers: int) -> tuple[float, int]:
     """(wall seconds, candidates compiled) of launch_autotune's compile pass over `todo` and
     the untuned kernels `extra`, for sm_90, with `workers` processes and a fresh Triton
-    cache, without timing anything (no GPU needed)."""
+    cache, without timing anything (no GPU needed). The workers are started first, as a
+    build's `workers` stage starts them, and their start is timed (a build hides it behind
+    its front end)."""
     from kiln.targets.cuda import launch_tune
+    from kiln.toolchain.triton_aot import Workers
     os.environ["TRITON_CACHE_DIR"] = tempfile.mkdtemp(prefix="kiln_plan_triton_")
     cache = Path(tempfile.mkdtemp(prefix="kiln_plan_cache_"))
     t0 = time.perf_counter()
-    compiled = launch_tune._compile_candidates(todo, cache, 90, workers, extra)
+    started = Workers(workers)
     try:
-        n = sum((i, j) in compiled for i, (_, tks, _) in enumerate(todo)
-                for j in range(len(tks)))
-        compiled.store_extra()
+        compiled = launch_tune._compile_candidates(todo, cache, 90, workers, extra, started)
+        try:
+            n = sum((i, j) in compiled for i, (_, tks, _) in enumerate(todo)
+                    for j in range(len(tks)))
+            compiled.store_extra()
+        finally:
+            compiled.close()
     finally:
-        compiled.close()
+        started.close()
     return time.perf_counter() - t0, n
 
 
@@ -405,7 +435,9 @@ def main() -> None:
     head = (f"{'GPU: ' + torch.cuda.get_device_name() if gpu else 'no GPU (CUDA for sm_90)'}; "
             f"{os.cpu_count()} CPUs; load average {load[0]:.1f} {load[1]:.1f} {load[2]:.1f} "
             f"at the end; {a.rounds} round(s)")
-    text = head + "\n\n" + table(rows) + ratios(rows)
+    stages = stage_table(rows)
+    text = head + "\n\n" + table(rows) + ratios(rows) + (
+        "\n\nSeconds per stage (kiln):\n\n" + stages if stages else "")
     print("\n" + text)
     if a.json:
         Path(a.json).write_text(json.dumps(rows, indent=1))

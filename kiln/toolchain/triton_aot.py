@@ -20,9 +20,10 @@ scratch (instrumentation) is rejected; so is global scratch for any other kernel
 Invariants: results are cached under `<cache>/triton/<sha256>/` where the hash covers the
 kernel's source, signature, constexprs, num_warps, the architecture and the Triton version,
 written to a temporary directory and renamed into place (concurrent builds never see half a
-result). Kernels compile in this thread (see `compile_cubins`), after `prewarm` has compiled
-them in worker processes when there are enough of them: each worker leaves its results in
-Triton's own on-disk cache, which the in-process compile then reads back. The module is
+result). Kernels compile in this process and in worker processes (`compile_cubins`; those of
+`Workers` where a build started them ahead, else their own), which hand back cubins and
+metadata; `Pool` (launch-config tuning) and `prewarm` leave results in Triton's own on-disk
+cache too, which a compile in this process then reads back. The module is
 imported from a file (Triton reads the source of @triton.jit functions back through
 `inspect`)."""
 
@@ -37,6 +38,7 @@ import shutil
 import tempfile
 import threading
 import time
+import weakref
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, Callable
@@ -108,6 +110,25 @@ def warm_key() -> None:
     threading.Thread(target=run, name="kiln-triton-key", daemon=True).start()
 
 
+def warm_driver() -> threading.Thread:
+    """Starts, in a thread, what this process's first launch of a Triton kernel would build:
+    Triton's CUDA driver object and its utilities (`cuda_utils`, a C extension compiled with
+    the system's C compiler on a cold Triton cache, about half a second, in a process of its
+    own, which releases the GIL), so that launch-config tuning finds them ready. Without a
+    CUDA driver the thread ends quietly (the first launch reports it)."""
+    def run() -> None:
+        try:
+            # deferred: Triton is optional (GPU builds only)
+            import triton
+            triton.runtime.driver.active.utils  # noqa: B018 - built on first access
+        except Exception:  # noqa: BLE001 - no driver or no Triton: reported at launch
+            pass
+
+    t = threading.Thread(target=run, name="kiln-triton-driver", daemon=True)
+    t.start()
+    return t
+
+
 def module_path(text: str, cache: Path) -> tuple[Path, str]:
     """Where `import_module` keeps the module of `text`, and the module's name."""
     key = hashlib.sha256(text.encode()).hexdigest()[:24]
@@ -158,8 +179,7 @@ def compile_kernel(mod, kernel, arch: int):
     import triton
     # deferred: Triton is optional (GPU builds only)
     from triton.backends.compiler import GPUTarget
-
-
+    _triton_key()  # the key `warm_key` is hashing: waited for, not hashed a second time
     fn = getattr(mod, kernel.name)
     sig, consts, options = _plain(kernel)
     sig, consts, attrs = compile_args(sig, consts)
@@ -278,47 +298,157 @@ def prewarm(tasks: list[tuple[str, object, int]], cache: Path, workers: int,
     return n
 
 
+class Workers:
+    """Compile worker processes (kiln/toolchain/triton_warm.py `--serve`) started ahead of
+    their tasks, e.g. at the start of a CUDA build while its front end runs, so that their
+    start (Python, Triton's import: about half a second each) is over when the tasks come;
+    `Pool` and `compile_cubins` then hand them jobs instead of starting processes of their
+    own, launch-config tuning and the cubins stage the same processes. `n` processes (none
+    where Triton is not installed), spawned by a thread (tens of ms each from a process as
+    large as one that imported torch), which then sends them Triton's cache key
+    (`_triton_key`, which they need) once this process has it. `close()` (or the object's
+    collection, or the interpreter's exit) ends them: they exit when their stdin closes."""
+
+    def __init__(self, n: int) -> None:
+        self.procs: list = []
+        self._spawned = threading.Event()  # self.procs is complete
+        self._ready = threading.Event()  # the key went out: jobs may follow it
+        self._lock = threading.Lock()
+        if n < 1 or importlib.util.find_spec("triton") is None:
+            self._spawned.set()
+            self._ready.set()
+            return
+        self._finalizer = weakref.finalize(self, _end, self.procs, True)
+        threading.Thread(target=self._start, args=(n,), name="kiln-workers",
+                         daemon=True).start()
+
+    def _start(self, n: int) -> None:
+        script = str(Path(__file__).with_name("triton_warm.py"))
+        try:
+            for _ in range(n):
+                self.procs.append(subprocess.Popen(
+                    [sys.executable, script, "--serve"], stdin=subprocess.PIPE,
+                    stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, text=True))
+        except OSError:  # (out of processes: the stages start their own or compile here)
+            pass
+        finally:
+            self._spawned.set()
+        try:
+            key = _triton_key()
+        except Exception:  # noqa: BLE001 - no Triton: the compile reports it
+            key = ""
+        try:
+            with self._lock:
+                for p in self.procs:
+                    _write(p, {"triton_key": key})
+        finally:
+            self._ready.set()
+
+    def alive(self) -> list[int]:
+        """The indices of the workers still running."""
+        self._spawned.wait()
+        return [w for w, p in enumerate(self.procs) if p.poll() is None]
+
+    def send(self, w: int, job: dict) -> bool:
+        """Queues `job` ({"tasks": rows, "out": directory}, as triton_warm.py reads it) on
+        worker `w`; False where the worker is gone."""
+        self._ready.wait()
+        with self._lock:
+            return _write(self.procs[w], job)
+
+    def close(self, kill: bool = False) -> None:
+        """Ends the workers once their queued jobs are done (`kill`: at once)."""
+        self._spawned.wait()
+        if self.procs:
+            with self._lock:  # (not while the key is being written)
+                _end(self.procs, kill)
+            self._finalizer.detach()
+            self.procs = []
+
+
+def _write(proc, job: dict) -> bool:
+    try:
+        proc.stdin.write(json.dumps(job) + "\n")
+        proc.stdin.flush()
+        return True
+    except (OSError, ValueError):  # the worker is gone (or its pipe closed)
+        return False
+
+
+def _end(procs: list, kill: bool = False) -> None:
+    for p in procs:
+        if kill:
+            p.kill()
+        try:
+            p.stdin.close()
+        except OSError:
+            pass
+    for p in procs:
+        try:
+            p.wait(timeout=600)
+        except subprocess.TimeoutExpired:
+            p.kill()
+            p.wait()
+
+
+def _rows(tasks: list, cache: Path, flags: list | None = None) -> list:
+    """triton_warm.py's rows of (module text, TritonKernel, arch) tasks (each module written
+    to its file first: the workers import it from there)."""
+    rows = []
+    for n, (text, kernel, arch) in enumerate(tasks):
+        path, name = module_path(text, cache)
+        if not path.exists():
+            import_module(text, cache)
+        sig, consts, options = _plain(kernel)
+        row = [str(path), name, kernel.name, sig, consts, options, arch]
+        if flags is not None:
+            row.append(bool(flags[n]))
+        rows.append(row)
+    return rows
+
+
 class Pool:
     """Worker processes (kiln/toolchain/triton_warm.py) compiling (module text, TritonKernel,
-    arch) tasks, started at once and left running while the caller works: up to `workers`
+    arch) tasks, started at once (or, given `started`, the `Workers` already running, which
+    this pool then only hands jobs) and left running while the caller works: up to `workers`
     processes (one per task at most; none for fewer than 2 tasks: the caller then compiles
     them itself), the tasks dealt round-robin in their order, so the first tasks finish
     first. `wait(t)` returns once task t's worker is past it (compiled, failed, or the
     worker gone): compiling it in this process then reads Triton's on-disk cache; `cubin(t,
     kernel, arch)` is its result (None where it failed); `close()` waits for the rest and
-    removes the workers' files. `launchers` (one flag, or one per task): the workers build
-    Triton's host launchers too (for kernels this process will launch), before marking a task
-    done."""
+    removes the workers' files (processes of `started` keep running). `launchers` (one flag,
+    or one per task): the workers build Triton's host launchers too (for kernels this process
+    will launch), before marking a task done."""
 
     def __init__(self, tasks: list[tuple[str, object, int]], cache: Path, workers: int,
-                 launchers: bool | list[bool] = False) -> None:
+                 launchers: bool | list[bool] = False, started: Workers | None = None) -> None:
         self.procs: list = []
         self.where: dict[int, tuple[int, Path, int]] = {}  # task -> (worker, out dir, index)
         self.tmp: str | None = None
-        n = min(workers, len(tasks))
+        self.started = started
+        ready = started.alive() if started is not None else []
+        ready = ready if len(ready) >= 2 else []  # (one left running: a pool of its own)
+        n = min(min(workers, len(ready)) if ready else workers, len(tasks))
         if n < 2:
             return
         flags = launchers if isinstance(launchers, list) else [launchers] * len(tasks)
-        rows = []
-        for (text, kernel, arch), flag in zip(tasks, flags):
-            path, name = module_path(text, cache)
-            if not path.exists():  # the workers import the module from its file
-                import_module(text, cache)
-            sig, consts, options = _plain(kernel)
-            rows.append([str(path), name, kernel.name, sig, consts, options, arch, bool(flag)])
+        rows = _rows(tasks, cache, flags)
         self.tmp = tempfile.mkdtemp(prefix="kiln_pool_")
         script = str(Path(__file__).with_name("triton_warm.py"))
-        key = _triton_key()
+        key = None if ready else _triton_key()
         for w in range(n):
             mine = list(range(w, len(tasks), n))
             out = Path(self.tmp) / str(w)
             out.mkdir()
-            (out / "tasks.json").write_text(json.dumps({
-                "tasks": [rows[t] for t in mine], "out": str(out), "launchers": launchers,
-                "triton_key": key}))
-            self.procs.append(subprocess.Popen([sys.executable, script, str(out / "tasks.json")],
-                                               stdout=subprocess.DEVNULL,
-                                               stderr=subprocess.DEVNULL))
+            job = {"tasks": [rows[t] for t in mine], "out": str(out)}
+            if ready and started.send(ready[w], job):
+                self.procs.append(started.procs[ready[w]])
+            else:  # no worker running (or it just ended): one of this pool's own
+                (out / "tasks.json").write_text(json.dumps(
+                    {**job, "triton_key": key if key is not None else _triton_key()}))
+                self.procs.append(subprocess.Popen(
+                    [sys.executable, script, str(out / "tasks.json")],
+                    stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))
             self.where.update({t: (w, out, i) for i, t in enumerate(mine)})
 
     def wait(self, t: int) -> None:
@@ -339,15 +469,24 @@ class Pool:
         return _read_result(out, i, kernel, arch)
 
     def close(self, kill: bool = False) -> None:
-        """Waits for the workers (`kill`: stops them: the caller failed and needs no more)."""
+        """Waits for the workers' tasks (`kill`: stops the workers, shared ones too: the
+        caller failed and needs no more)."""
+        shared = {id(p) for p in (self.started.procs if self.started is not None else ())}
+        if kill and shared and self.started is not None:
+            self.started.close(kill=True)
         for p in self.procs:
             if kill:
                 p.kill()
+            if id(p) in shared and not kill:
+                continue
             try:
                 p.wait(timeout=600)
             except subprocess.TimeoutExpired:
                 p.kill()
                 p.wait()
+        if not kill:
+            for t in self.where:  # the shared workers' tasks (their processes go on)
+                self.wait(t)
         self.procs = []
         if self.tmp is not None:
             shutil.rmtree(self.tmp, ignore_errors=True)
@@ -383,7 +522,8 @@ def canonical(kernel) -> str:
 
 def compile_cubins(module_text: str, kernels: list, archs: tuple[int, ...], cache: Path,
                    workers: int = 1, *, prelude: str,
-                   progress: Callable[[int, int], None] | None = None
+                   progress: Callable[[int, int], None] | None = None,
+                   started: Workers | None = None
                    ) -> tuple[dict[tuple[str, int], Cubin], dict[str, float]]:
     """Every kernel of the module for every arch; returns {(kernel, arch): Cubin} and timings.
     `prelude`: the helper functions the module starts with (part of each kernel's cache key).
@@ -424,7 +564,7 @@ def compile_cubins(module_text: str, kernels: list, archs: tuple[int, ...], cach
         (lambda n: progress(min(hits + n, len(todo) + hits), len(todo) + hits))
     if tick is not None:
         tick(0)
-    done, started = _compile_parallel(module_text, todo, cache, workers, tick)
+    done, used = _compile_parallel(module_text, todo, cache, workers, tick, started)
     for k, a, d in todo:
         _store(d, done[(k.name, a)])
     for (name, a), (rep, d) in same.items():
@@ -435,42 +575,71 @@ def compile_cubins(module_text: str, kernels: list, archs: tuple[int, ...], cach
         out[(name, a)] = c
     return out, {"triton": time.perf_counter() - t0, "cache_hits": float(hits),
                  "compiled": float(len(todo)), "shared": float(len(same) - len(todo)),
-                 "workers": float(started)}
+                 "workers": float(used)}
 
 
 def _compile_parallel(module_text: str, todo: list, cache: Path, workers: int,
-                      tick: Callable[[int], None] | None = None
+                      tick: Callable[[int], None] | None = None,
+                      started: Workers | None = None
                       ) -> tuple[dict[tuple[str, int], Cubin], int]:
     """{(kernel, arch): Cubin} for each (kernel, arch, _) of `todo`, compiled by this process
-    and up to `workers - 1` worker processes; the number of workers started. A kernel a
-    worker did not return (it failed there) is compiled here, which reports the failure."""
+    and up to `workers - 1` worker processes: those of `started` that are running (one kernel
+    each at least: they have started already), else ones started here (PER_PROCESS kernels
+    each at least); the number of workers used. A kernel a worker did not return (it failed
+    there) is compiled here, which reports the failure."""
     if not todo:
         return {}, 0
     mod = import_module(module_text, cache)
     order = sorted(range(len(todo)), key=lambda i: -len(todo[i][0].source))
-    n = max(1, min(workers, len(todo) // PER_PROCESS))
+    ready = (started.alive() if started is not None else [])[:max(0, workers - 1)]
+    n = min(1 + len(ready), len(todo)) if ready else \
+        max(1, min(workers, len(todo) // PER_PROCESS))
     shares = [[todo[i] for i in order[j::n]] for j in range(n)]
     procs = []
     with tempfile.TemporaryDirectory(prefix="kiln_triton_") as tmp:
         for j, share in enumerate(shares[1:], 1):
-            procs.append(_start_worker(module_text, share, cache, Path(tmp) / str(j)))
+            outdir = Path(tmp) / str(j)
+            if ready:
+                outdir.mkdir(parents=True)
+                job = {"tasks": _rows([(module_text, k, a) for k, a, _ in share], cache),
+                       "out": str(outdir)}
+                if started.send(ready[j - 1], job):
+                    procs.append((started.procs[ready[j - 1]], outdir))
+                    continue
+                outdir = Path(tmp) / f"{j}.own"  # that worker just ended: one of our own
+            procs.append(_start_worker(module_text, share, cache, outdir))
         done = {}
         for k, a, _ in shares[0]:
             done[(k.name, a)] = _compile_one(mod, k, a)
             if tick is not None:  # the workers' results written so far count too
                 tick(len(done) + sum(len(list(d.glob("*.cubin"))) for _, d in procs))
         for (proc, outdir), share in zip(procs, shares[1:]):
-            try:
-                proc.wait(timeout=600)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
+            _wait_files(proc, outdir, len(share))
             for i, (k, a, _) in enumerate(share):
                 c = _read_result(outdir, i, k, a)
                 done[(k.name, a)] = c if c is not None else _compile_one(mod, k, a)
             if tick is not None:
                 tick(len(done))
     return done, len(procs)
+
+
+def _wait_files(proc, outdir: Path, n: int, timeout: float = 600) -> None:
+    """Until tasks 0..n-1 of a worker's job in `outdir` are done (a result or `.failed`), the
+    worker has ended, or `timeout` seconds have passed (the worker is then stopped, unless
+    it is a shared one: `Workers` ends those)."""
+    end = time.monotonic() + timeout
+    for i in range(n):
+        while not ((outdir / f"{i}.json").exists() or (outdir / f"{i}.failed").exists()):
+            if proc.poll() is not None:
+                return
+            if time.monotonic() > end:
+                if proc.stdin is None:  # one of this call's own
+                    proc.kill()
+                    proc.wait()
+                return
+            time.sleep(0.005)
+    if proc.stdin is None:  # one of this call's own: it exits after its last task
+        proc.wait()
 
 
 def _start_worker(module_text: str, share: list, cache: Path, outdir: Path):

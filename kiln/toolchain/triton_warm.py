@@ -1,6 +1,8 @@
-"""A Triton compile worker of `triton_aot.compile_cubins` and `triton_aot.prewarm`, run as a
-script (`python .../triton_warm.py TASKS`) so that it imports only Triton, not kiln or torch: it
-starts in well under a second.
+"""A Triton compile worker of `triton_aot.compile_cubins`, `triton_aot.Pool` and
+`triton_aot.prewarm`, run as a script (`python .../triton_warm.py TASKS`, or `... --serve`:
+started ahead of its tasks, which then come on stdin, `triton_aot.Workers`) so that it imports
+only Triton, not kiln or torch (building launchers too: `_launcher`): it starts in well under a
+second.
 
 TASKS is a JSON file: {"tasks": [[module path, module name, kernel name, signature,
 constexprs, options, arch(, launcher)], ...], "out": directory or absent, "launchers": bool
@@ -41,17 +43,36 @@ def metadata(ck) -> dict:
 def main(path: str) -> None:
     # deferred: Triton is optional (GPU builds only)
     import triton
-    # deferred: Triton is optional (GPU builds only)
-    from triton.backends.compiler import GPUTarget
     with open(path) as f:
         job = json.load(f)
+    _run(triton, job, {})
+
+
+def serve() -> None:
+    """A worker started ahead of its tasks (`triton_aot.Workers`): Triton imported, then
+    jobs read from stdin, one JSON object a line (the first holds only "triton_key"), each
+    run as `main` runs its file's, until stdin closes."""
+    # deferred: Triton is optional (GPU builds only)
+    import triton
+    # deferred: Triton is optional (GPU builds only)
+    import triton.backends.nvidia.compiler  # noqa: F401 - the first compile's imports, early
+    mods: dict = {}
+    for line in sys.stdin:
+        if line.strip():
+            _run(triton, json.loads(line), mods)
+
+
+def _run(triton, job: dict, mods: dict) -> None:
+    # deferred: Triton is optional (GPU builds only)
+    from triton.backends.compiler import GPUTarget
     if job.get("triton_key"):  # the parent's: hashing libtriton (400 MB) again costs ~0.5 s
         # deferred: Triton is optional (GPU builds only)
         import triton.runtime.cache as tc
-        tc.triton_key = lambda: job["triton_key"]
+        key = job["triton_key"]
+        tc.triton_key = lambda: key
     out = job.get("out")
-    mods: dict = {}
-    for i, (mpath, mname, kname, sig, consts, options, arch, *own) in enumerate(job["tasks"]):
+    for i, (mpath, mname, kname, sig, consts, options, arch, *own) in enumerate(
+            job.get("tasks", ())):
         launcher = own[0] if own else job.get("launchers")  # a task's own flag first
         try:
             if mpath not in mods:
@@ -64,7 +85,7 @@ def main(path: str) -> None:
                                             constexprs=consts_, attrs=attrs)
             ck = triton.compile(src, target=GPUTarget("cuda", arch, 32), options=options)
             if launcher:  # before the task is marked done: the parent launches it
-                _launcher(triton, src, ck)
+                _launcher(src, ck)
             if out:
                 with open(os.path.join(out, f"{i}.cubin"), "wb") as f:
                     f.write(bytes(ck.asm["cubin"]))
@@ -77,16 +98,24 @@ def main(path: str) -> None:
             continue
 
 
-def _launcher(triton, src, ck) -> None:
+def _launcher(src, ck) -> None:
     """Builds Triton's host launcher of `ck` (a C extension compiled with the system's C
-    compiler, one per kernel signature, on the first launch of a kernel), so that the parent's
-    first launch finds it in Triton's cache: the launch-config tuner launches every candidate.
-    Needs the CUDA driver library; without it nothing is built (the parent builds it)."""
+    compiler, one per kernel signature, on the first launch of a kernel) and, once per
+    process, Triton's CUDA utilities (`cuda_utils`, another C extension, which the parent's
+    first launch loads), so that the parent finds both in Triton's cache: the launch-config
+    tuner launches every candidate. Through Triton's NVIDIA driver classes directly, not
+    `triton.runtime.driver.active`, whose choice of backend imports torch (2-3 s, longer than
+    the compiles it waits for). Needs the CUDA driver library; without it nothing is built (the
+    parent builds them)."""
     try:
-        triton.runtime.driver.active.launcher_cls(src, ck.metadata)
+        # deferred: Triton is optional (GPU builds only)
+        from triton.backends.nvidia.driver import CudaLauncher, CudaUtils
+        if not hasattr(CudaUtils, "instance"):  # (its __init__ compiles again each call)
+            CudaUtils()
+        CudaLauncher(src, ck.metadata)
     except Exception:  # noqa: BLE001 - no driver here: the parent's first launch builds it
         pass
 
 
 if __name__ == "__main__":
-    main(sys.argv[1])
+    serve() if sys.argv[1] == "--serve" else main(sys.argv[1])

@@ -65,7 +65,7 @@ from kiln.targets.collectives import COLLECTIVES
 from kiln.targets.stages import Build, ticker
 from kiln.toolchain.cuda import cuda_toolchain, default_archs
 from kiln.toolchain.cxx import build_shared
-from kiln.toolchain.triton_aot import compile_cubins, warm_key
+from kiln.toolchain.triton_aot import Workers, compile_cubins, warm_driver, warm_key
 
 # Extern routines CUDA builds run: attention, the NHWC convolution and index_put (generated
 # Triton kernels), the collectives (NCCL)
@@ -82,6 +82,7 @@ class CudaBuild(Build):
     measured: Mapping[str, Any] = field(default_factory=dict)  # user kernel -> ms by config
     objects: tuple[Path, ...] = ()  # CUTLASS objects linked into model.so
     cutlass_sources: Mapping[str, str] = field(default_factory=dict)
+    workers: Any = None  # compile workers started ahead (triton_aot.Workers), until cubins
 
 
 # -- facts the stages derive from the state --------------------------------------------------
@@ -294,6 +295,24 @@ def untuned_kernels(state: Build, families) -> list:
                           L.all_buffers(state.loop), _hints(state), _heuristic_configs(state))
 
 
+def start_workers(state: CudaBuild) -> CudaBuild:
+    """Triton compile workers (triton_aot.Workers) started while the front end runs, so that
+    launch_autotune and cubins find them running (each takes about half a second to start:
+    Python, then Triton's import): as many as launch_autotune uses where it will run (a local
+    GPU, Options.autotune), else one fewer than the cubins stage's processes (it compiles too)
+    and about one per 4 graph nodes (a kernel fuses a few; a small graph's kernels compile in
+    this process), none for fewer than 8 nodes (the stages then start their own). Where
+    launch_autotune will run, Triton's CUDA driver utilities are built meanwhile too
+    (triton_aot.warm_driver)."""
+    o, nodes = state.options, len(state.graph.nodes)
+    if o.autotune and _local(o):
+        warm_driver()  # the first launch's C extension, built meanwhile
+        n = _workers(o) if _workers(o) >= 2 else 0  # (one: tuning compiles in this process)
+    else:
+        n = min(_workers(o) - 1, nodes // 4) if nodes >= 8 else 0
+    return replace(state, workers=Workers(n)) if n >= 1 else state
+
+
 def launch_autotune(state: CudaBuild) -> CudaBuild:
     """Kernels' launch configs, attention block sizes and convolution tiles measured on the
     local GPU, for its architecture: every candidate compiled by one set of worker processes
@@ -312,7 +331,7 @@ def launch_autotune(state: CudaBuild) -> CudaBuild:
     fams = tuning_families(state, reference)
     best, tuned = tune_all(fams, buffers, hints, default_archs()[0], _cache(o), _workers(o),
                            progress=ticker(state, "kernels' launch configs timed"), stats=stats,
-                           extra=untuned_kernels(state, fams))
+                           extra=untuned_kernels(state, fams), started=state.workers)
     return replace(state, configs={**state.configs, **best}, tuned={**state.tuned, **tuned},
                    times=stats)
 
@@ -329,10 +348,15 @@ def codegen_triton(state: CudaBuild) -> CudaBuild:
 def cubins(state: CudaBuild) -> CudaBuild:
     """The Triton module compiled for every architecture (parts timed by kernel)."""
     o = state.options
-    out, times = compile_cubins(state.sources["kernels_triton.py"], list(state.triton),
-                                _archs(o), _cache(o), _workers(o), prelude=PRELUDE,
-                                progress=ticker(state, "Triton kernels built"))
-    return replace(state, cubins=out, times=times)
+    try:
+        out, times = compile_cubins(state.sources["kernels_triton.py"], list(state.triton),
+                                    _archs(o), _cache(o), _workers(o), prelude=PRELUDE,
+                                    progress=ticker(state, "Triton kernels built"),
+                                    started=state.workers)
+    finally:
+        if state.workers is not None:  # their last use: they exit as their stdin closes
+            state.workers.close()
+    return replace(state, cubins=out, times=times, workers=None)
 
 
 def user_kernel_configs(state: CudaBuild) -> CudaBuild:

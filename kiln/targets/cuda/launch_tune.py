@@ -223,7 +223,8 @@ class _Compiling:
     in item order, so the first items' candidates finish first. One module per candidate index
     keeps the kernel names those the build uses."""
 
-    def __init__(self, todo, cache: Path, arch: int, workers: int = 1, extra=()) -> None:
+    def __init__(self, todo, cache: Path, arch: int, workers: int = 1, extra=(),
+                 started=None) -> None:
         n_mod = max(len(t) for _, t, _ in todo)
         self.texts = [print_triton_module([t[i] for _, t, _ in todo if i < len(t)])
                       for i in range(n_mod)]
@@ -239,7 +240,7 @@ class _Compiling:
         # build the same C extension again (a C compile, about a second each)
         self.pool = triton_aot.Pool(tasks, cache, workers,
                                     launchers=[j == 0 for _, j, _ in cands] +
-                                    [False] * len(self.extra))
+                                    [False] * len(self.extra), started=started)
         self.first_extra = len(cands)
         self.task = {(i, j): n for n, (i, j, _) in enumerate(cands)}
         self.mods: dict[int, object] = {}
@@ -290,12 +291,13 @@ class _Compiling:
 
 
 def _compile_candidates(todo, cache: Path, arch: int, workers: int = 1,
-                        extra=()) -> _Compiling:
+                        extra=(), started=None) -> _Compiling:
     """Every candidate of every (step, kernels, cache path) in `todo`, compiled for `arch`
-    (`_Compiling`: in worker processes, each candidate ready as soon as its worker is past
-    it); then the TritonKernels of `extra` (the build's kernels that are not tuned, for its
-    cubins stage: `store_extra`)."""
-    return _Compiling(todo, cache, arch, workers, extra)
+    (`_Compiling`: in worker processes, those of `started` (triton_aot.Workers) where they
+    are running, each candidate ready as soon as its worker is past it); then the
+    TritonKernels of `extra` (the build's kernels that are not tuned, for its cubins stage:
+    `store_extra`)."""
+    return _Compiling(todo, cache, arch, workers, extra, started)
 
 
 def _keep(best: dict, copies: dict, item, tks, win: int, ck, path: Path, arch: int,
@@ -383,8 +385,8 @@ def _config_text(c: Config, template: bool) -> str:
 
 
 def tune_all(families, buffers, hints: dict[str, int], arch: int, cache: Path,
-             workers: int = 1, progress=None, stats: dict | None = None, extra=()
-             ) -> tuple[dict[str, Config], dict]:
+             workers: int = 1, progress=None, stats: dict | None = None, extra=(),
+             started=None) -> tuple[dict[str, Config], dict]:
     """Every family's steps tuned on the local GPU in one pass: the candidates of all of them
     (`plan`) compiled by one set of worker processes (`_compile_candidates`) while this
     process times, in order, the steps whose candidates are ready (CUDA events at the example
@@ -395,7 +397,9 @@ def tune_all(families, buffers, hints: dict[str, int], arch: int, cache: Path,
     the counts (steps to tune, steps timed, candidates compiled, compile workers, extra
     kernels compiled) and the seconds spent waiting for compiles ("wait"). `extra`: the
     TritonKernels of the build that are not tuned (their heuristic configs), compiled by the
-    same workers after the candidates, while this process times, into the cubin cache."""
+    same workers after the candidates, while this process times, into the cubin cache.
+    `started`: worker processes already running (triton_aot.Workers), used instead of new
+    ones."""
     # deferred: Triton is optional (GPU builds only)
     import triton
 
@@ -408,7 +412,7 @@ def tune_all(families, buffers, hints: dict[str, int], arch: int, cache: Path,
                      prebuilt=0.0)
     if not todo:
         return best, report
-    compiled = _compile_candidates(todo, cache, arch, workers, extra)
+    compiled = _compile_candidates(todo, cache, arch, workers, extra, started)
     if stats is not None and hasattr(compiled, "pool"):
         stats["workers"] = float(len(compiled.pool.procs))
     try:

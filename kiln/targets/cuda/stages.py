@@ -5,6 +5,8 @@
                       (Options.fused_attention)
     triton_key        Triton's cache key hashed in a thread while the front end runs (the
                       compile workers need it)
+    workers           Triton compile worker processes started while the front end runs,
+                      used by launch_autotune and cubins (triton_aot.Workers)
     dce               dead nodes and unused weights dropped
     gqa_attention     (attention nodes) grouped-query attention reads the kv heads in place,
                       not repeat_kv copies (passes/gqa_attention.py)
@@ -53,6 +55,7 @@ from kiln.targets.cuda.build import (CudaBuild, check_routines, codegen_triton, 
                                      gqa_attention,
                                      has_attention, has_cutlass,
                                      has_user_kernels, launch_autotune, libraries,
+                                     start_workers,
                                      mixed_gemm, nhwc_conv, nhwc_conv_enabled,
                                      triton_allowed, triton_key, tunes,
                                      user_kernel_configs)
@@ -66,6 +69,7 @@ from kiln.targets.stages import (DCE, FREEZE, LOWER_STORING_SUMS, MERGE_GEMMS, P
 TARGET = Target("cuda", (
     import_stage(library_routines=False, fused_attention=True),
     Stage("triton_key", triton_key),
+    Stage("workers", start_workers),
     DCE,
     Stage("gqa_attention", gqa_attention, dump=graph_text, verify=check_graph,
           when=has_attention),

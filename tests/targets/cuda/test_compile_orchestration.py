@@ -152,7 +152,7 @@ def test_tuning_is_remembered_and_shared(tmp_path, monkeypatch):
     base = cuda_build._heuristic_configs(st)
     compiled, timed = [], []
 
-    def fake_compile(todo, cache, arch, workers=1, extra=()):
+    def fake_compile(todo, cache, arch, workers=1, extra=(), started=None):
         compiled.extend(step.name for step, _, _ in todo)
         return {(i, j): tk.config for i, (_, tks, _) in enumerate(todo)
                 for j, tk in enumerate(tks)}

@@ -7,6 +7,7 @@ over as they finish."""
 from __future__ import annotations
 
 import dataclasses
+import shutil
 
 import pytest
 import sympy
@@ -176,7 +177,7 @@ def test_one_compile_pass_for_every_family(resnet18_states, tmp_path, monkeypatc
     assert {f.label for f in fams} == {"", "conv", "gemv"}
     passes, timed = [], []
 
-    def fake_compile(todo, cache, arch, workers=1, extra=()):
+    def fake_compile(todo, cache, arch, workers=1, extra=(), started=None):
         passes.append([s.name for s, _, _ in todo])
         return {(i, j): tk.config for i, (_, tks, _) in enumerate(todo)
                 for j, tk in enumerate(tks)}
@@ -243,6 +244,109 @@ def test_pool_hands_over_each_task_as_it_is_done(tmp_path, monkeypatch):
     single.close()
 
 
+def test_workers_started_ahead_serve_the_pool_and_the_cubins_stage(tmp_path, monkeypatch):
+    """triton_aot.Workers: processes started before their tasks (a CUDA build's `workers`
+    stage) take the tuning pool's tasks and then the cubins stage's, and give the cubins a
+    compile in this process gives; a worker that has ended is passed over; close() ends
+    them."""
+    from kiln.targets.cuda.kernel import print_triton_module
+    from kiln.targets.cuda.ops import PRELUDE
+    monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path / "triton_home"))
+    ks = [_kernel("k_a", "* 2.0"), _kernel("k_b", "+ 1.0"), _kernel("k_c", "+ undefined_name")]
+    text = print_triton_module(ks)
+    workers = triton_aot.Workers(3)
+    try:
+        assert len(workers.alive()) == 3
+        pool = triton_aot.Pool([(text, k, 90) for k in ks], tmp_path / "c", workers=2,
+                               started=workers)
+        assert pool.procs == workers.procs[:2]  # no process of its own
+        assert [pool.cubin(t, k, 90) is not None for t, k in enumerate(ks)] == \
+            [True, True, False]
+        pool.close()
+        assert len(workers.alive()) == 3  # the pool's end is not the workers'
+        more = [_kernel(f"k_{i}", f"* {i}.0", 32 << (i % 3)) for i in range(5)]
+        text2 = print_triton_module(more)
+        workers.procs[0].kill()
+        workers.procs[0].wait()
+        monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path / "triton_home2"))  # (this one's)
+        here, _ = triton_aot.compile_cubins(text2, more, (90,), tmp_path / "d", workers=1,
+                                            prelude=PRELUDE)
+        shutil.rmtree(tmp_path / "d")  # (the same path: line tables name the module's file)
+        out, times = triton_aot.compile_cubins(text2, more, (90,), tmp_path / "d", workers=8,
+                                               prelude=PRELUDE, started=workers)
+        assert times["workers"] == 2 and times["compiled"] == 5  # the two running
+    finally:
+        workers.close()
+    assert not workers.procs
+    assert here == out  # cubins, symbols, shared memory, argument types: the same
+
+
+def test_workers_stage_starts_workers_the_cubins_stage_ends(tmp_path):
+    """A CUDA build without a GPU: the `workers` stage starts one fewer than the cubins
+    stage's processes (it compiles too), the cubins stage uses and ends them; a small graph
+    starts none."""
+    widths = (32, 48, 64, 80, 96)  # every block's kernels of other sizes: compiled apart
+    model = torch.nn.Sequential(*[m for a, b in zip(widths, widths[1:]) for m in (
+        torch.nn.Linear(a, b), torch.nn.LayerNorm(b), torch.nn.GELU())])
+    st = _state(model.eval(), (torch.randn(8, 32),), cache_dir=str(tmp_path / "c"), jobs=3)
+    assert len(st.graph.nodes) >= 12 and st.workers is not None
+    procs = list(st.workers.procs)
+    assert len(procs) == 2 and all(p.poll() is None for p in procs)
+    st = cuda_build.cubins(cuda_build.codegen_triton(st))
+    assert st.workers is None and st.times["workers"] == 2 and st.times["compiled"] >= 4
+    assert all(p.poll() is not None for p in procs)  # ended with the stage
+    small = _state(torch.nn.Linear(32, 32).eval(), (torch.randn(8, 32),),
+                   cache_dir=str(tmp_path / "c"), jobs=3)
+    assert small.workers is None
+
+
+def test_worker_launchers_do_not_import_torch(tmp_path):
+    """A tuning worker builds Triton's host launcher and CUDA utilities through the NVIDIA
+    driver classes: `triton.runtime.driver.active` would import torch (seconds) to choose
+    the backend. Without a CUDA driver here the build itself fails quietly."""
+    import subprocess
+    import sys
+    from pathlib import Path
+    warm = Path(triton_aot.__file__).with_name("triton_warm.py")
+    k = _kernel("k_a", "* 2.0")
+    mod = tmp_path / "m.py"
+    mod.write_text("import triton\nimport triton.language as tl\n\n\n" + k.source)
+    code = f"""
+import importlib.util, sys
+spec = importlib.util.spec_from_file_location("triton_warm", {str(warm)!r})
+w = importlib.util.module_from_spec(spec); spec.loader.exec_module(w)
+import triton
+from triton.backends.compiler import GPUTarget
+spec = importlib.util.spec_from_file_location("m", {str(mod)!r})
+m = importlib.util.module_from_spec(spec); spec.loader.exec_module(m)
+sig, consts, attrs = w.compile_args({dict(k.signature)!r}, {{"XBLOCK": 64, "RBLOCK": 1}})
+src = triton.compiler.ASTSource(fn=m.k_a, signature=sig, constexprs=consts, attrs=attrs)
+ck = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={{"num_warps": 1}})
+w._launcher(src, ck)
+print("TORCH" if "torch" in sys.modules else "NO_TORCH", ck.metadata.name)
+"""
+    env = {k: v for k, v in __import__("os").environ.items()}
+    env["TRITON_CACHE_DIR"] = str(tmp_path / "triton_home")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         env=env, timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.split() == ["NO_TORCH", "k_a"]
+
+
+def test_warm_driver_builds_in_a_thread_and_ends_quietly(tmp_path, monkeypatch):
+    """triton_aot.warm_driver: Triton's CUDA driver utilities built in a thread (a GPU
+    build's tuning then finds them); without a CUDA driver here the thread ends without
+    raising (the first launch reports it), and a compile in this process still works."""
+    monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path / "triton_home"))
+    t = triton_aot.warm_driver()
+    t.join(timeout=120)
+    assert not t.is_alive()
+    k = _kernel("k_a", "* 2.0")
+    mod = triton_aot.import_module("import triton\nimport triton.language as tl\n\n\n" +
+                                   k.source, tmp_path / "c")
+    assert triton_aot.compile_kernel(mod, k, 90).asm["cubin"]
+
+
 def test_compiling_waits_per_candidate(tmp_path, monkeypatch):
     """launch_tune's view of the pool: candidate (i, j) is there once compiled; a neighbour
     that fails is absent; the heuristic (j = 0) failing is an error."""
@@ -307,10 +411,12 @@ class _ConvBlock(torch.nn.Module):
         return torch.relu(self.bn(self.conv(x))).mean((2, 3))
 
 
-def test_tune_all_with_real_compiles(tmp_path, monkeypatch):
-    """The whole pass without a GPU, launches faked: the pool compiles a convolution's kept
-    candidates and the build's untuned kernels; the winner and the untuned kernels land in the
-    cubin cache, so the cubins stage compiles nothing."""
+@pytest.mark.parametrize("ahead", [False, True], ids=["own_pool", "workers_ahead"])
+def test_tune_all_with_real_compiles(tmp_path, monkeypatch, ahead):
+    """The whole pass without a GPU, launches faked: the pool (its own processes, or the
+    build's workers started ahead) compiles a convolution's kept candidates and the build's
+    untuned kernels; the winner and the untuned kernels land in the cubin cache, so the
+    cubins stage compiles nothing."""
     monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path / "triton_home"))
     torch.manual_seed(0)
     m = _ConvBlock().eval().to(torch.bfloat16)
@@ -324,8 +430,16 @@ def test_tune_all_with_real_compiles(tmp_path, monkeypatch):
     monkeypatch.setattr(launch_tune, "_args", lambda *a: [])
     bufs, hints = L.all_buffers(st.loop), cuda_build._hints(st)
     stats: dict = {}
-    best, report = launch_tune.tune_all(fams, bufs, hints, 90, tmp_path / "c", workers=2,
-                                        stats=stats, extra=cuda_build.untuned_kernels(st, fams))
+    started = triton_aot.Workers(2) if ahead else None
+    try:
+        best, report = launch_tune.tune_all(fams, bufs, hints, 90, tmp_path / "c", workers=2,
+                                            stats=stats, started=started,
+                                            extra=cuda_build.untuned_kernels(st, fams))
+        if ahead:  # the pool handed its tasks to them: still running, for the cubins stage
+            assert len(started.alive()) == 2
+    finally:
+        if started is not None:
+            started.close()
     (call,) = fams[0].items
     assert call.name in best and stats["workers"] == 2 and stats["prebuilt"] >= 1
     assert stats["candidates"] == len(report[f"conv_{call.name}"]) <= TP.CONV_KEEP
