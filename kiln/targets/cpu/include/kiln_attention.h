@@ -8,14 +8,16 @@
  * attention, passes/gqa_attention.py). A query row with no allowed key gives zeros (eager's
  * _safe_softmax, the decomposed path of aten_high.py); a NaN score gives NaN, as in eager.
  *
- * Flash-style: a task is (batch, head, chunk of QC query rows); it walks the keys in blocks of
- * BN, packs the block's keys transposed ([E, BN]) and values ([BN, Ev padded to the vector])
- * into its own scratch, computes the [QC, BN] scores with a register-tiled micro-kernel (query
- * values broadcast, BN keys across the vector lanes), applies causal / mask, updates each row's
- * running maximum and sum (online softmax: earlier contributions rescaled by exp(m_old -
- * m_new)) and accumulates P @ V into a [QC, Ev] float accumulator. The [L, S] scores are never
- * stored; a causal chunk stops at its last row's key. Tasks are cut into one contiguous share
- * per thread of kr::parallel_for (kiln's pool), each share allocating its scratch once.
+ * Flash-style: a task is (batch, head, part of the query rows; parts only where the heads are
+ * fewer than twice the threads). It packs the keys it needs once, transposed in blocks of BN
+ * ([E, BN] each: BN keys across the vector lanes), and the values ([S, Ev padded to the
+ * vector]), then for each chunk of QC query rows walks the key blocks: the [QC, BN] scores
+ * with a register-tiled micro-kernel (RM query rows x CV vectors of keys, query values
+ * broadcast), causal / mask applied, each row's running maximum and sum updated (online
+ * softmax: earlier contributions rescaled by exp(m_old - m_new)), P @ V accumulated into a
+ * [QC, Ev] float accumulator. The [L, S] scores are never stored; causal tiles stop at their
+ * last row's key. Tasks are cut into one contiguous share per thread of kr::parallel_for
+ * (kiln's pool), each share allocating its scratch once.
  *
  * Operands are float32 strided views (q/k/v sliced and transposed out of a QKV projection are
  * read in place); float16 / bfloat16 attention is widened to float32 by the compiler
