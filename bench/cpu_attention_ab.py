@@ -1,7 +1,7 @@
 """Fused CPU attention (kiln_attention.h) against the decomposed path (bmm, softmax, bmm), as
 two kiln packages of one `bench/cpu_peers.py --keep` work directory, for bench/cpu_paired.py:
 
-    python bench/cpu_attention_ab.py DIR [--threads 1]   # writes DIR/fused.kiln, DIR/decomposed.kiln
+    python bench/cpu_attention_ab.py DIR [--threads 1]  # DIR/fused.kiln, DIR/decomposed.kiln
     taskset -c 1 python bench/cpu_paired.py DIR ort,openvino,DIR/decomposed.kiln,DIR/fused.kiln
 
 The only difference between the two is Options.fused_attention."""

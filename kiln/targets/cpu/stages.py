@@ -32,10 +32,10 @@
 from __future__ import annotations
 
 from kiln.targets.cpu.build import (CpuBuild, check_user_kernels, codegen, codegen_wrapper,
-                                    compile_library, expand_low_precision, gqa_attention, has_attention,
+                                    compile_library, expand_low_precision,
                                     fuse_gemm_epilogues, gemm_autotune, gemm_epilogues_enabled,
-                                    libraries, localize, pack_constant_b,
-                                    widen_half_types)
+                                    gqa_attention, has_attention, libraries, localize,
+                                    pack_constant_b, widen_half_types)
 from kiln.targets.cpu.never_lose import default_variant, tuned
 from kiln.targets.cpu.conv import direct_conv, direct_conv_enabled
 from kiln.targets.cpu.quant import quant_enabled, quant_weights

@@ -1,7 +1,8 @@
 /* kiln_attention.h - fused scaled-dot-product attention on the CPU (the `attention` Extern of
  * kiln/lowering/attention.py; the CUDA target runs the same step as a Triton kernel):
  *
- *   out[b, h, i, :] = softmax_j(scale * q[b, h, i] . k[b, h / G, j] + mask[b, h, i, j]) @ v[b, h / G]
+ *   out[b, h, i, :] = softmax_j(scale * q[b, h, i] . k[b, h / G, j] + mask[b, h, i, j])
+ *                     @ v[b, h / G]
  *
  * with causal (top-left aligned: key j kept for query i when j <= i), a bool mask (key kept
  * where true) or a float mask (added), and G query heads per key/value head (grouped-query
@@ -22,8 +23,8 @@
  * Operands are float32 strided views (q/k/v sliced and transposed out of a QKV projection are
  * read in place); float16 / bfloat16 attention is widened to float32 by the compiler
  * (passes/widen_half.py) and so computed in float32. The output is a contiguous [B, H, L, Ev]
- * float32 buffer. Vectors are GCC vector extensions of W floats (16 with AVX-512, else 8).
- * The definitions compile only where KILN_ATTENTION_IMPL is defined (the generated
+ * float32 buffer. Vectors are GCC vector extensions of W floats (16 with AVX-512, 8 with
+ * AVX, else 4). The definitions compile only where KILN_ATTENTION_IMPL is defined (the generated
  * attention.cpp, with the kernels' flags); the wrapper sees the declarations. The numpy twin
  * is kiln/ir/interp.py's `_lib_attention`. */
 #ifndef KILN_ATTENTION_H
@@ -59,17 +60,17 @@ int attention(kr::Err &e, const char *where, float *out, bool causal, double sca
 #include <limits>
 
 #include "kiln_pool.h"
-#if defined(__AVX512F__) || defined(__AVX__)
 #include <immintrin.h>
-#endif
 
 namespace kl {
 namespace attn {
 
 #if defined(__AVX512F__)
 constexpr int W = 16;
-#else
+#elif defined(__AVX__)
 constexpr int W = 8;
+#else
+constexpr int W = 4;  // SSE
 #endif
 typedef float vec __attribute__((vector_size(W * 4), aligned(4), may_alias));
 typedef int32_t ivec __attribute__((vector_size(W * 4), aligned(4), may_alias));
@@ -88,14 +89,13 @@ inline vec splat(float x) {
 #elif defined(__AVX__)
   return (vec)_mm256_set1_ps(x);
 #else
-  vec v = {};
-  return v + x;
+  return (vec)_mm_set1_ps(x);
 #endif
 }
 
 /* keeps a loaded vector in a register: without it GCC folds the load into each row's FMA,
  * loading it RM times (the loads, not the FMAs, would bound the micro-kernels) */
-inline void in_register(vec &x) { asm("" : "+v"(x)); }
+inline void in_register(vec &x) { asm("" : "+x"(x)); }
 
 /* exp of each lane (Cephes' expf polynomial, about 1 ulp): 0 below -87.3 (so -inf gives 0),
  * NaN for NaN, +inf above 88.7. */
