@@ -49,6 +49,8 @@ def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--seqs", default="128,197,512")
     p.add_argument("--kinds", default="none,causal,bool")
+    p.add_argument("--queries", type=int, default=0,
+                   help="query rows (default: the sequence length; 1: a decode step)")
     p.add_argument("--batch", type=int, default=2)
     p.add_argument("--heads", type=int, default=4)
     p.add_argument("--head-dim", type=int, default=64)
@@ -61,9 +63,9 @@ def main() -> None:
     print(f"{'kind':7s} {'seq':>5s} {'decomposed ms':>14s} {'fused ms':>9s} {'fused/dec':>9s}")
     for kind in a.kinds.split(","):
         for s in map(int, a.seqs.split(",")):
-            b, h, e = a.batch, a.heads, a.head_dim
-            args = (torch.randn(b, h, s, e), torch.randn(b, h, s, e), torch.randn(b, h, s, e),
-                    torch.rand(b, 1, s, s) > 0.1)
+            b, h, e, lq = a.batch, a.heads, a.head_dim, a.queries or s
+            args = (torch.randn(b, h, lq, e), torch.randn(b, h, s, e), torch.randn(b, h, s, e),
+                    torch.rand(b, 1, lq, s) > 0.1)
             runs = {}
             for name, fused in (("decomposed", False), ("fused", True)):
                 c = kiln.compile(Sdpa(kind), args, options=kiln.Options(

@@ -2,9 +2,10 @@
 scaled_dot_product_attention in float64: shapes with L != S, S = 1, odd sizes, head sizes 32 /
 64 / 80 / 128; bool masks with fully masked rows (zeros, as eager), float masks (with -inf),
 causal (top-left aligned, also with L != S); grouped-query attention (enable_gqa and the
-repeat_kv pattern passes/gqa_attention.py folds); q / k / v read in place as transposed slices
-of a fused QKV projection; bfloat16 (computed in float32). Each package takes several shapes
-through dynamic dims, and each test checks that the fused step is what ran."""
+repeat_kv pattern passes/gqa_attention.py folds); q / k / v split out of a QKV projection, and
+read in place as transposed slices of one packed tensor (values with a strided last dim); up to
+4 query rows (the unpacked row path) and more; bfloat16 (computed in float32). Each package
+takes several shapes through dynamic dims, and each test checks that the fused step ran."""
 
 from __future__ import annotations
 
@@ -100,8 +101,8 @@ def test_float_mask_and_causal(causal, tmp_path):
     c, runner = _compile(model, args, tmp_path, f"float{causal}",
                          dynamic_shapes=({2: lq}, {2: s}, {2: s}, {0: lq, 1: s}))
     assert len(_attention_steps(c)) == 1
-    for seed, (lq_, s_) in enumerate([(11, 13), (1, 1), (64, 64), (130, 70), (70, 130),
-                                      (512, 512)]):
+    for seed, (lq_, s_) in enumerate([(11, 13), (1, 1), (2, 300), (4, 4), (64, 64),
+                                      (130, 70), (70, 130), (512, 512)]):
         g = torch.Generator().manual_seed(10 + seed)
         empty = (lq_ // 3,) if lq_ > 1 else ()
         a = (*_qkv(g, 2, 2, lq_, s_, 64, torch.float32), _mask(g, (lq_, s_), empty))
@@ -131,7 +132,8 @@ def test_gqa_enable_gqa(tmp_path):
     c, runner = _compile(model, args, tmp_path, "gqa",
                          dynamic_shapes=({2: lq}, {2: s}, {2: s}, {2: lq, 3: s}))
     assert [dict(s.attrs).get("group") for s in _attention_steps(c)] == [3]
-    for seed, (lq_, s_) in enumerate([(7, 9), (1, 33), (65, 129)]):
+    for seed, (lq_, s_) in enumerate([(7, 9), (1, 33), (3, 300), (4, 65), (5, 65),
+                                      (65, 129)]):
         g = torch.Generator().manual_seed(30 + seed)
         a = (*_qkv(g, 2, 6, lq_, s_, 64, torch.float32, hk=2), _mask(g, (2, 1, lq_, s_), (0,)))
         _check(runner(*a), model, a, torch.float32)
@@ -203,15 +205,16 @@ def test_strided_operands_read_in_place(tmp_path):
     model = StridedOperands()
     g = torch.Generator().manual_seed(8)
     args = (torch.randn(2, 19, 3, 4, 80, generator=g), torch.randn(2, 4, 80, 19, generator=g))
-    c, runner = _compile(model, args, tmp_path, "strided")
+    t = Dim("T", min=1, max=600)
+    c, runner = _compile(model, args, tmp_path, "strided",
+                         dynamic_shapes=({1: t}, {3: t}))
     (step,) = _attention_steps(c)
     q, k, v = step.args[:3]
     assert q.buf == k.buf == "qkv" and k.offset == 4 * 80 and v.buf == "vt"
-    assert tuple(q.strides) == (19 * 3 * 4 * 80, 80, 3 * 4 * 80, 1)
-    assert tuple(v.strides)[2:] == (1, 19)
-    for seed in range(3):
+    assert tuple(q.strides)[1:] == (80, 3 * 4 * 80, 1) and v.strides[2] == 1
+    for seed, n in enumerate((19, 1, 3, 130)):  # 1 and 3 rows: the unpacked row path
         g = torch.Generator().manual_seed(80 + seed)
-        a = (torch.randn(2, 19, 3, 4, 80, generator=g), torch.randn(2, 4, 80, 19, generator=g))
+        a = (torch.randn(2, n, 3, 4, 80, generator=g), torch.randn(2, 4, 80, n, generator=g))
         _check(runner(*a), model, a, torch.float32)
 
 

@@ -18,7 +18,12 @@
  * softmax: earlier contributions rescaled by exp(m_old - m_new)), P @ V accumulated into a
  * [QC, Ev] float accumulator. The [L, S] scores are never stored; causal tiles stop at their
  * last row's key. Tasks are cut into one contiguous share per thread of kr::parallel_for
- * (kiln's pool), each share allocating its scratch once.
+ * (kiln's pool), each share allocating its scratch once. Up to ROWS_DIRECT query rows (a
+ * decode step) packing would cost more than the products: `run_rows` takes one (batch, head,
+ * row) per task and reads the keys and values in place (dot products along E, 4 keys at a
+ * time; the output in registers while the keys are walked), its [S] scores in scratch
+ * (bench/cpu_attention_shapes.py --queries 1, 8 heads: packed, 2-5x slower than the decomposed
+ * path; this way 0.2-0.8x with a mask or at S = 2048, 1.24-1.31x unmasked at S = 128 / 512).
  *
  * Operands are float32 strided views (q/k/v sliced and transposed out of a QKV projection are
  * read in place); float16 / bfloat16 attention is widened to float32 by the compiler
@@ -55,6 +60,7 @@ int attention(kr::Err &e, const char *where, float *out, bool causal, double sca
 
 #ifdef KILN_ATTENTION_IMPL
 #pragma GCC diagnostic ignored "-Wpsabi"
+#include <atomic>
 #include <cstdlib>
 #include <cstring>
 #include <limits>
@@ -80,6 +86,7 @@ constexpr int BN = 64;           // keys per block (a multiple of W)
 constexpr int RM = W == 16 ? 6 : 2;  // rows of a micro-kernel tile
 constexpr int QC = W == 16 ? 48 : 32;  // query rows of a chunk (a multiple of RM)
 constexpr int CV = 4;            // vectors of a micro-kernel tile
+constexpr int64_t ROWS_DIRECT = 4;  // up to this many query rows: run_rows (no packing)
 
 inline vec load(const float *p) { return *reinterpret_cast<const vec *>(p); }
 inline void store(float *p, vec x) { *reinterpret_cast<vec *>(p) = x; }
@@ -225,8 +232,9 @@ inline float mask_row(float *s, int64_t i, int64_t j0, int64_t nb, bool causal, 
 }
 
 template <class M>
-void run(const Shape &sh, float *out, bool causal, float scale, const View<float> &q,
+bool run(const Shape &sh, float *out, bool causal, float scale, const View<float> &q,
          const View<float> &k, const View<float> &v, int kind, const Mask<M> &mask) {
+  std::atomic<bool> failed{false};
   const int64_t E = sh.E, Ev = sh.Ev, evp = (Ev + W - 1) / W * W, L = sh.L, S = sh.S;
   const int64_t chunks = (L + QC - 1) / QC, heads = sh.B * sh.H;
   const double work = double(heads) * double(L) * double(S) * double(E + Ev);
@@ -243,6 +251,10 @@ void run(const Shape &sh, float *out, bool causal, float scale, const View<float
     // P [QC, BN], O [QC, evp], row maxima and sums
     const size_t n = size_t(blocks * BN * (E + evp) + QC * E + QC * BN + QC * evp + 2 * QC);
     float *buf = static_cast<float *>(std::aligned_alloc(64, (n * 4 + 63) / 64 * 64));
+    if (!buf) {
+      failed = true;
+      return;
+    }
     float *kt = buf, *vp = kt + blocks * BN * E, *qp = vp + blocks * BN * evp,
           *pp = qp + QC * E, *o = pp + QC * BN, *mx = o + QC * evp, *sum = mx + QC;
     for (int64_t t = t0; t < t1; ++t) {
@@ -338,6 +350,111 @@ void run(const Shape &sh, float *out, bool causal, float scale, const View<float
     }
     std::free(buf);
   });
+  return !failed;
+}
+
+/* Few query rows (a decode step): packing the keys would cost more than the products, so each
+ * task is one (batch, head, query row): its scores against every key (dot products along E,
+ * the keys read in place) in an [S] row of scratch, softmax, then the rows of v summed with
+ * their weights. Same results as `run` (no key kept: zeros; NaN stays NaN). */
+template <class M>
+bool run_rows(const Shape &sh, float *out, bool causal, float scale, const View<float> &q,
+              const View<float> &k, const View<float> &v, int kind, const Mask<M> &mask) {
+  std::atomic<bool> failed{false};
+  const int64_t E = sh.E, Ev = sh.Ev, L = sh.L, S = sh.S, spad = (S + W - 1) / W * W;
+  const int64_t tasks = sh.B * sh.H * L;
+  const double work = double(tasks) * double(S) * double(E + Ev);
+  const int nt = work > 65536.0 ? kr::max_threads() : 1;
+  const float ninf = -std::numeric_limits<float>::infinity();
+  const int64_t ks = k.stride(3), vs = v.stride(3), qs = q.stride(3);
+  kr::parallel_for(tasks, nt, [&](int64_t t0, int64_t t1) {
+    // scratch: the row's scores [spad], the scaled query [E], the output accumulator [Ev]
+    const size_t n = size_t(spad + E + Ev);
+    float *buf = static_cast<float *>(std::aligned_alloc(64, (n * 4 + 63) / 64 * 64));
+    if (!buf) {
+      failed = true;
+      return;
+    }
+    float *sc = buf, *qv = sc + spad, *acc = qv + E;
+    for (int64_t t = t0; t < t1; ++t) {
+      const int64_t i = t % L, bh = t / L, b = bh / sh.H, h = bh % sh.H, hk = h / sh.G;
+      const float *qr = q.data + b * q.stride(0) + h * q.stride(1) + i * q.stride(2);
+      const float *kb = k.data + b * k.stride(0) + hk * k.stride(1);
+      const float *vb = v.data + b * v.stride(0) + hk * v.stride(1);
+      for (int64_t e = 0; e < E; ++e) qv[e] = qr[e * qs] * scale;
+      const int64_t lim = causal ? (i + 1 < S ? i + 1 : S) : S;
+      int64_t j = 0;
+      if (ks == 1 && E % W == 0) {  // 4 keys at a time, vectors along E
+        for (; j + 4 <= lim; j += 4) {
+          const float *k0 = kb + j * k.stride(2), *k1 = k0 + k.stride(2),
+                      *k2 = k1 + k.stride(2), *k3 = k2 + k.stride(2);
+          vec a0 = splat(0.0f), a1 = a0, a2 = a0, a3 = a0;
+          for (int64_t e = 0; e < E; e += W) {
+            const vec x = load(qv + e);
+            a0 += x * load(k0 + e);
+            a1 += x * load(k1 + e);
+            a2 += x * load(k2 + e);
+            a3 += x * load(k3 + e);
+          }
+          float d0 = 0.0f, d1 = 0.0f, d2 = 0.0f, d3 = 0.0f;
+          for (int l = 0; l < W; ++l) d0 += a0[l], d1 += a1[l], d2 += a2[l], d3 += a3[l];
+          sc[j] = d0, sc[j + 1] = d1, sc[j + 2] = d2, sc[j + 3] = d3;
+        }
+      }
+      for (; j < lim; ++j) {
+        const float *kr_ = kb + j * k.stride(2);
+        float d = 0.0f;
+        for (int64_t e = 0; e < E; ++e) d += qv[e] * kr_[e * ks];
+        sc[j] = d;
+      }
+      float top = ninf;
+      for (int64_t j0 = 0; j0 < spad; j0 += BN) {  // mask and maximum, BN keys at a time
+        const int64_t nb = lim - j0 < BN ? lim - j0 : BN;
+        float blk[BN];
+        const int64_t len = spad - j0 < BN ? spad - j0 : BN;
+        for (int64_t c = 0; c < BN; ++c) blk[c] = c < nb ? sc[j0 + c] : ninf;
+        const M *mr = kind ? mask.data + b * mask.st[0] + h * mask.st[1] + i * mask.st[2] +
+                                 j0 * mask.st[3] : nullptr;
+        const float m = mask_row(blk, i, j0, nb < 0 ? 0 : nb, false, kind, mr, mask.st[3]);
+        for (int64_t c = 0; c < len; ++c) sc[j0 + c] = blk[c];
+        top = (m > top || m != m) ? m : top;
+      }
+      for (int64_t d = 0; d < Ev; ++d) acc[d] = 0.0f;
+      float total = 0.0f;
+      if (top != ninf) {
+        const vec mv = splat(top);
+        vec tv = splat(0.0f);
+        for (int64_t j = 0; j < spad; j += W) {
+          const vec p = exp_v(load(sc + j) - mv);
+          store(sc + j, p);
+          tv += p;
+        }
+        for (int l = 0; l < W; ++l) total += tv[l];
+        int64_t d0 = 0;
+        if (vs == 1)  // CV vectors of the output in registers, the keys walked for each
+          for (; d0 + CV * W <= Ev; d0 += CV * W) {
+            vec a[CV];
+            for (int c = 0; c < CV; ++c) a[c] = splat(0.0f);
+            for (int64_t j = 0; j < lim; ++j) {
+              const float *vr = vb + j * v.stride(2) + d0;
+              const vec p = splat(sc[j]);
+              for (int c = 0; c < CV; ++c) a[c] += p * load(vr + c * W);
+            }
+            for (int c = 0; c < CV; ++c) store(acc + d0 + c * W, a[c]);
+          }
+        for (int64_t j = 0; j < lim && d0 < Ev; ++j) {  // the rest of the columns
+          const float p = sc[j];
+          const float *vr = vb + j * v.stride(2);
+          for (int64_t d = d0; d < Ev; ++d) acc[d] += p * vr[d * vs];
+        }
+      }
+      float *o = out + t * Ev;
+      const float inv = total == 0.0f ? 0.0f : 1.0f / total;
+      for (int64_t d = 0; d < Ev; ++d) o[d] = acc[d] * inv;
+    }
+    std::free(buf);
+  });
+  return !failed;
 }
 
 template <class M>
@@ -357,7 +474,10 @@ int call(kr::Err &e, const char *where, float *out, bool causal, double scale, i
                   (long long)k.size(3), (long long)sh.G);
   const int64_t zero[4] = {0, 0, 0, 0};
   const Mask<M> mk{m ? m->data : nullptr, m ? m->dims + 4 : zero};
-  run<M>(sh, out, causal, float(scale), q, k, v, m ? int(kind) : 0, mk);
+  const bool ok = sh.L <= ROWS_DIRECT
+                      ? run_rows<M>(sh, out, causal, float(scale), q, k, v, m ? int(kind) : 0, mk)
+                      : run<M>(sh, out, causal, float(scale), q, k, v, m ? int(kind) : 0, mk);
+  if (!ok) return e.fail("%s: out of memory for the attention's scratch", where);
   return 0;
 }
 
