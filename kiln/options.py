@@ -121,7 +121,9 @@ class Options:
     #: and float32 (products as 3xTF32, which measured more accurate than eager's float32
     #: attention and faster than the decomposition: H100, gpt fp32 0.202 ms vs 0.236 ms, max
     #: error vs float64 1.1e-6 vs eager's 1.5e-6); False decomposes it into matmul / softmax
-    #: / matmul as CPU builds always do.
+    #: / matmul. CPU builds: the same step as kiln_attention.h's flash-style C++ routine
+    #: (float32; 16-bit types widened to float32), faster than the decomposition at seq 128,
+    #: 197 and 512 (bench/cpu_attention_shapes.py).
     fused_attention: bool = True
     #: Warps per Triton kernel; 0 picks by tile size (1-8). Applies to every kernel.
     triton_num_warps: int = 0

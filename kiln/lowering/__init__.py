@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import sympy
 from dataclasses import replace
+from functools import partial
 
 from kiln.ir import loop as L
 from kiln.ir.graph import Graph, Node
@@ -87,10 +88,14 @@ def _should_realize(node: Node, lz: Lazy, users: int) -> bool:
     return users > 1 and lz.cost > CHEAP
 
 
-def lower(graph: Graph, realize: frozenset[str] = frozenset()) -> L.LoopProgram:
+def lower(graph: Graph, realize: frozenset[str] = frozenset(),
+          attention_splits: bool = False) -> L.LoopProgram:
     """`realize`: nodes materialised whatever their cost (passes/store_once.py: sums a GEMM
-    takes as its epilogue)."""
-    ctx = LowerCtx(lower)
+    takes as its epilogue). `attention_splits`: few-row attention calls may split their keys
+    among programs and get a scratch output for the partial states (the CUDA kernel's decode
+    path, lowering/attention.py); the CPU routine takes no scratch."""
+    ctx = LowerCtx(partial(lower, attention_splits=attention_splits),
+                   attention_splits=attention_splits)
     env: dict[str, Lazy] = {}
     for i in graph.inputs:
         kind = {"user": "input", "weight": "weight", "state": "state"}[i.kind]

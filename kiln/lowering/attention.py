@@ -1,5 +1,6 @@
-"""Lowering of the fused `attention` op (CUDA targets only: frontend/aten_high.py emits it for
-scaled_dot_product_attention when `Builder.fused_attention` is set) to one `Extern` step,
+"""Lowering of the fused `attention` op (frontend/aten_high.py emits it for
+scaled_dot_product_attention when `Builder.fused_attention` is set: CUDA and CPU targets, with
+Options.fused_attention) to one `Extern` step,
 routine "attention": out[b, h, l, :] = softmax(scale * q[b, h, l] . k[b, h, :]^T + mask) @ v[b, h].
 
 Operands are strided views (`LibArg`), so q / k / v sliced and transposed out of a QKV
@@ -9,7 +10,8 @@ contiguous [B, H, L, Ev] buffer of q's dtype. Attributes: causal (top-left align
 kept for query i when j <= i), scale, mask kind (MASK_KINDS: none / bool, keep where true /
 float, added), group (grouped-query attention, passes/gqa_attention.py: k and v have
 H / group heads, query head h reads kv head h // group). CUDA builds run it as a generated
-Triton flash-attention kernel (targets/cuda/attention.py); `ir/interp.py` has its numpy
+Triton flash-attention kernel (targets/cuda/attention.py), CPU builds as `kl::attention`
+(targets/cpu/include/kiln_attention.h, float32 operands); `ir/interp.py` has its numpy
 twin.
 
 Decode scratch: a call with few query rows (L static, at most DECODE_MAX_L) and a static batch
@@ -72,7 +74,7 @@ def lower_attention(ctx: LowerCtx, node: Node, args: list[Lazy]) -> Lazy:
     shape = node.type.shape
     outs = [("", node.type.dtype, shape)]
     hkv = int(h) // group if sympy.sympify(h).is_Integer else 0
-    splits = decode_splits(b, int(hkv), lq, s) if hkv else 1
+    splits = decode_splits(b, int(hkv), lq, s) if hkv and ctx.attention_splits else 1
     if splits > 1:  # the split programs' partial states (see the docstring)
         attrs += (("splits", splits),)
         outs.append(("part", dtypes.float32, (b * h * lq, sympy.Integer(splits),

@@ -96,6 +96,8 @@ class LowerCtx:
     # nodes already emitted for one multi-result op (library calls: sort values + indices)
     shared: dict = field(default_factory=dict)
     indirect: list = field(default_factory=lambda: [0])  # index variables made so far
+    #: attention calls may split their keys with a scratch output (CUDA; lowering.lower)
+    attention_splits: bool = False
 
     def index_var(self) -> sympy.Symbol:
         """A fresh data-dependent index variable (x1, x2, ... per lowering: the same program

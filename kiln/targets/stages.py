@@ -237,8 +237,9 @@ def lower_graph(state: Build) -> Build:
 
 def lower_graph_storing_sums(state: Build) -> Build:
     """Graph IR -> Loop IR, sums of a GEMM's result read several times stored once, so the
-    GEMM takes them as its epilogue (passes/store_once.py; CUDA)."""
-    return replace(state, loop=lower(state.graph, gemm_sums(state.graph)))
+    GEMM takes them as its epilogue (passes/store_once.py; CUDA), and few-row attention calls
+    with a scratch for split keys (the CUDA decode path)."""
+    return replace(state, loop=lower(state.graph, gemm_sums(state.graph), attention_splits=True))
 
 
 def schedule_loop(state: Build) -> Build:

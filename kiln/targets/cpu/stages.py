@@ -1,7 +1,10 @@
 """The CPU target's compiler: its stages, in order (the driver is kiln/pipeline.py).
 
-    import            torch.export -> Graph IR; library routines allowed, attention decomposed
+    import            torch.export -> Graph IR; library routines allowed; attention as one
+                      `attention` step (kiln_attention.h; Options.fused_attention)
     dce               dead nodes and unused weights dropped
+    gqa_attention     (attention nodes) grouped-query attention reads the kv heads in place,
+                      not repeat_kv copies (passes/gqa_attention.py)
     check_user_kernels  user Triton kernels refused (a package cannot run them on the CPU)
     conv_nchwc        (Options.cpu_conv "direct") convolutions as NCHWc direct convolutions,
                       weights packed, epilogues fused (passes/conv_nchwc.py)
@@ -31,8 +34,8 @@ from __future__ import annotations
 from kiln.targets.cpu.build import (CpuBuild, check_user_kernels, codegen, codegen_wrapper,
                                     compile_library, expand_low_precision,
                                     fuse_gemm_epilogues, gemm_autotune, gemm_epilogues_enabled,
-                                    libraries, localize, pack_constant_b,
-                                    widen_half_types)
+                                    gqa_attention, has_attention, libraries, localize,
+                                    pack_constant_b, widen_half_types)
 from kiln.targets.cpu.never_lose import default_variant, tuned
 from kiln.targets.cpu.conv import direct_conv, direct_conv_enabled
 from kiln.targets.cpu.quant import quant_enabled, quant_weights
@@ -41,8 +44,10 @@ from kiln.targets.stages import (DCE, FREEZE, LOWER, PLAN, REORDER, SCHEDULE, St
                                  source_files, steps_text)
 
 TARGET = Target("cpu", (
-    import_stage(library_routines=True, fused_attention=False),
+    import_stage(library_routines=True, fused_attention=True),
     DCE,
+    Stage("gqa_attention", gqa_attention, dump=graph_text, verify=check_graph,
+          when=has_attention),
     Stage("check_user_kernels", check_user_kernels),
     Stage("conv_nchwc", direct_conv, dump=graph_text, verify=check_graph,
           when=direct_conv_enabled),

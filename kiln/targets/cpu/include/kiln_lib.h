@@ -452,5 +452,6 @@ int embedding_bag(kr::Err &e, const char *where, T *out, int64_t mode, bool incl
 
 #include "kiln_conv.h"  // the direct convolution (declarations; conv.cpp compiles the code)
 #include "kiln_qgemm.h"  // quantised / bf16 weight GEMMs (declarations; qgemm.cpp compiles them)
+#include "kiln_attention.h"  // fused attention (declarations; attention.cpp compiles them)
 
 #endif
