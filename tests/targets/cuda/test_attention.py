@@ -131,8 +131,15 @@ def test_fused_attention_option_off_decomposes():
     assert [k["kind"] for k in cm.manifest["kernels"]].count("blas_gemm") == 2
 
 
-def test_cpu_keeps_the_decomposition():
-    cm = kiln.compile(Sdpa(is_causal=True), tuple(inputs(8, 8, 16, 16, torch.float32, None)))
+def test_cpu_fuses_unless_asked_not_to():
+    """CPU builds run the fused routine (kiln_attention.h) without a split scratch;
+    Options(fused_attention=False) keeps the decomposition."""
+    args = tuple(inputs(8, 8, 16, 16, torch.float32, None))
+    cm = kiln.compile(Sdpa(is_causal=True), args)
+    assert any(n.op == "attention" for n in cm.built.graph.nodes)
+    calls = [s for s in cm.built.loop.nodes if getattr(s, "routine", None) == "attention"]
+    assert len(calls) == 1 and len(calls[0].outs) == 1  # no scratch output on the CPU
+    cm = kiln.compile(Sdpa(is_causal=True), args, options=kiln.Options(fused_attention=False))
     assert all(n.op != "attention" for n in cm.built.graph.nodes)
     assert "softmax" in {n.op for n in cm.built.graph.nodes}
 

@@ -116,7 +116,7 @@ def loop_of(c: dict, args):
     """(graph, Loop program, the attention Extern) of case `c`."""
     ep = torch.export.export(module(c), tuple(args))
     graph = dce(fold_repeat_kv(import_program(ep, fused_attention=True).graph))
-    prog = lower(graph)
+    prog = lower(graph, attention_splits=True)
     (call,) = [n for n in prog.nodes if getattr(n, "routine", None) == "attention"]
     return graph, prog, call
 
@@ -252,7 +252,8 @@ def test_dynamic_batch_has_no_scratch_but_packs_heads():
     args = case_inputs(c)
     bd = {0: torch.export.Dim("B", min=1, max=64)}
     ep = torch.export.export(module(c), tuple(args), dynamic_shapes=(bd, bd, bd, (bd,)))
-    prog = lower(dce(fold_repeat_kv(import_program(ep, fused_attention=True).graph)))
+    prog = lower(dce(fold_repeat_kv(import_program(ep, fused_attention=True).graph)),
+                 attention_splits=True)
     (call,) = [n for n in prog.nodes if getattr(n, "routine", None) == "attention"]
     buffers = {b.name: b for b in prog.buffers}
     assert is_decode(call) and len(call.outs) == 1 and call.attr("splits") is None
