@@ -18,7 +18,12 @@ strides), the view chain is replayed on a compact base of the root's shape (`_re
 kiln's base is compact. An output that is the input or the earlier output itself (no view
 between: `return x`, `return y, y`) is marked ``"same": true``, in any layout: the runner
 returns that very object, and a new view object of the base for any other record (as eager's
-`x[:]`). A root no output returns is stood in for by the first output that views all of it
+`x[:]`). An input exported compact that is an output itself is also marked ``"contiguous":
+true``: `x.contiguous()` is a no-op on the export's example, so the graph of `return
+x.contiguous()` is that of `return x`; the runner returns the input itself only when it is
+contiguous at run time (eager's `contiguous()` returns `self` then) and kiln's compact copy
+otherwise (eager's copy; for `return x` that is a copy where eager shares, the direction
+kiln allows: views of an input given in another layout are copies too). A root no output returns is stood in for by the first output that views all of it
 compactly (a matmul's result: a view of its bmm). Other cases keep separate storage (the values
 are the same): outputs that share a root no output returns nor views whole, view chains the
 compact layout cannot make, and sizes that are not polynomials over the input symbols."""
@@ -211,5 +216,7 @@ def output_aliases(ep: torch.export.ExportedProgram, user_inputs: list[str],
                         record = _record(replayed[1], replayed[0], syms, of, index)
             if same:  # the very tensor (`return x`, `return y, y`): in any layout
                 record = {**(record or {"of": of, "index": index}), "same": True}
+                if of == "input" and _compact(root_val):  # also eager's `x.contiguous()`
+                    record["contiguous"] = True
         out.append(record)
     return tuple(out)
