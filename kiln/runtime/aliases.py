@@ -88,7 +88,8 @@ def alias_plan(m: Mapping[str, Any]) -> list[_Alias]:
         strides = [_size_expr(x, where) for x in a.get("strides", [])]
         offset = _size_expr(a.get("offset", 0), where)
         if offset is not None and None not in strides:
-            plan.append(_Alias(j, a["of"] == "input", a["index"], strides, offset))
+            plan.append(_Alias(j, a["of"] == "input", a["index"], strides, offset,
+                               contiguous=a.get("contiguous") is True))
     return plan
 
 
@@ -119,12 +120,16 @@ def share_storage(plan: list[_Alias], results: list[Any], flat: Any) -> None:
                 results[a.out] = base
             continue
         strides, offset = [f(flat) for f in a.strides], a.offset(flat)
+        view = None
         if offset == 0 and base.shape == out.shape and \
                 (out.numel() <= 1 or strides == list(_compact_strides(out.shape))) and \
                 (not a.of_input or base.layout == torch.strided):
-            results[a.out] = base.as_strided(base.shape, base.stride(), base.storage_offset())
+            view = base.as_strided(base.shape, base.stride(), base.storage_offset())
         elif base.layout == torch.strided and base.is_contiguous() and len(strides) == out.dim():
-            results[a.out] = base.as_strided(out.shape, strides, base.storage_offset() + offset)
+            view = base.as_strided(out.shape, strides, base.storage_offset() + offset)
+        # `v.contiguous()` of a view v of an input: v itself only when v is contiguous
+        if view is not None and (not a.contiguous or view.is_contiguous()):
+            results[a.out] = view
 
 
 def _compact_strides(shape) -> tuple[int, ...]:
