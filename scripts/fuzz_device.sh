@@ -5,11 +5,12 @@
 # ./fuzz_out); the last lines are the table per device: programs, passed, refused, wrong,
 # crashed (and programs torch.export itself refused).
 #   [N_CPU=10000] [N_CUDA=1000] [TIME_LIMIT=480] [SEED=16] [CUDA_SEED=17] [MAX_OPS=8]
-#   [CUDA_PROCS=2 per GPU] [CPU_PROCS=nproc - CUDA_PROCS] [PY=python3] scripts/fuzz_device.sh
+#   [CUDA_PROCS=3 per GPU] [CPU_PROCS=nproc - CUDA_PROCS] [PY=python3] scripts/fuzz_device.sh
 # Sizing: a CPU program costs about 1.6 core-seconds (compile dominates; C++ files built with
 # precompiled headers, KILN_PCH=1; 2.3 without, on the 2-core dev box), a CUDA one 2-4, so on
-# a 64-core, 4-GPU machine: 8 CUDA processes (2 per GPU, CUDA_VISIBLE_DEVICES each) and 56
-# CPU processes; 10,000 CPU programs need about 16,000 core-seconds, under 5 minutes there.
+# a 64-core, 4-GPU machine: 12 CUDA processes (3 per GPU, CUDA_VISIBLE_DEVICES each) and 52
+# CPU processes; 10,000 CPU programs need about 16,000 core-seconds (about 5 minutes there),
+# 1,000 CUDA ones about 3,000 (about 4 minutes).
 # TIME_LIMIT stops starting programs (the table counts those run); a process still busy 60 s
 # after it is killed (the summary names it and the program it was running), so the script
 # ends within TIME_LIMIT + 60 s plus start-up: the default fits a 10-minute command. Without a
@@ -32,7 +33,7 @@ export KILN_CACHE_DIR=${KILN_CACHE_DIR:-/tmp/kiln_cache_fuzz} KILN_PCH=${KILN_PC
 NGPU=$($PY -c 'import torch; print(torch.cuda.device_count())' 2>/dev/null || echo 0)
 cuda_mode=""
 [ "${NGPU:-0}" -ge 1 ] || cuda_mode="--compile-only"
-CUDA_PROCS=${CUDA_PROCS:-$(( NGPU >= 1 ? 2 * NGPU : 2 ))}
+CUDA_PROCS=${CUDA_PROCS:-$(( NGPU >= 1 ? 3 * NGPU : 2 ))}
 [ "$N_CUDA" -gt 0 ] || CUDA_PROCS=0
 CPU_PROCS=${CPU_PROCS:-$(( $(nproc) - CUDA_PROCS ))}
 [ "$CPU_PROCS" -ge 1 ] || CPU_PROCS=1
