@@ -7,12 +7,17 @@ last line is ``N programs, M mismatches, K errors`` (errors:
 kiln raised UnsupportedError; crashes count as mismatches); the exit status is 1 when M > 0.
 ``--device cuda`` compiles CUDA packages and runs them on cuda:0 (needs a GPU unless
 ``--compile-only``); a reproducer keeps the device in its spec.
+
+C++ files compile with precompiled headers (KILN_PCH=1 unless the environment sets it:
+kiln/toolchain/cxx.py; the same object code) so that many small packages do not each parse
+the runtime's headers again.
 """
 
 from __future__ import annotations
 
 import argparse
 import collections
+import os
 import time
 import warnings
 
@@ -32,6 +37,16 @@ def program_seed(seed: int, k: int) -> int:
 
 
 def cmd_fuzz(args: argparse.Namespace) -> int:
+    pch = os.environ.get("KILN_PCH")
+    os.environ["KILN_PCH"] = pch if pch is not None else "1"
+    try:
+        return _fuzz(args)
+    finally:
+        if pch is None:
+            del os.environ["KILN_PCH"]
+
+
+def _fuzz(args: argparse.Namespace) -> int:
     warnings.filterwarnings("ignore")
 
     counts: collections.Counter = collections.Counter()

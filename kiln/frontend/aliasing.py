@@ -18,7 +18,15 @@ strides), the view chain is replayed on a compact base of the root's shape (`_re
 kiln's base is compact. An output that is the input or the earlier output itself (no view
 between: `return x`, `return y, y`) is marked ``"same": true``, in any layout: the runner
 returns that very object, and a new view object of the base for any other record (as eager's
-`x[:]`). A root no output returns is stood in for by the first output that views all of it
+`x[:]`). An input exported compact that is an output itself is also marked ``"contiguous":
+true``: `x.contiguous()` is a no-op on the export's example, so the graph of `return
+x.contiguous()` is that of `return x`; the runner returns the input itself only when it is
+contiguous at run time (eager's `contiguous()` returns `self` then) and kiln's compact copy
+otherwise (eager's copy; for `return x` that is a copy where eager shares, the direction
+kiln allows: views of an input given in another layout are copies too). Conversely, an output
+that is eager's `v.contiguous()` of an input or a view of one (a copy in the graph: v was not
+contiguous at export) is recorded as v marked ``"contiguous": true``: the runner returns v
+when it is contiguous at run time (`_contiguous_record`). A root no output returns is stood in for by the first output that views all of it
 compactly (a matmul's result: a view of its bmm). Other cases keep separate storage (the values
 are the same): outputs that share a root no output returns nor views whole, view chains the
 compact layout cannot make, and sizes that are not polynomials over the input symbols."""
@@ -167,6 +175,63 @@ def _replay(n: torch.fx.Node, root: torch.fx.Node):
         return None
 
 
+def _view_record(n: torch.fx.Node, root: torch.fx.Node, syms: SymbolTable, of: str,
+                 index: int, same: bool) -> dict | None:
+    """The record of `n`, a view of `root` (input or output `index`; `same`: root itself)."""
+    val, root_val = n.meta.get("val"), root.meta.get("val")
+    record = None
+    if isinstance(root_val, torch.Tensor) and isinstance(val, torch.Tensor) and \
+            root_val.dtype == val.dtype:
+        if _compact(root_val):
+            record = _record(val, root_val, syms, of, index)
+        else:  # kiln's base is compact (an output; an input given compact): the view
+            # on it is the view chain replayed on a compact base, not the metadata's
+            replayed = _replay(n, root)
+            if replayed is not None:
+                record = _record(replayed[1], replayed[0], syms, of, index)
+    if same:  # the very tensor (`return x`, `return y, y`): in any layout
+        record = {**(record or {"of": of, "index": index}), "same": True}
+        if of == "input" and _compact(root_val):  # also eager's `x.contiguous()`
+            record["contiguous"] = True
+    return record
+
+
+def _contiguous_of(n: torch.fx.Node) -> torch.fx.Node | None:
+    """The argument of eager's `v.contiguous()` (v itself when v is contiguous, else a compact
+    copy): `aten.contiguous`, or the clone torch's decomposition makes of it (its `from_node`
+    provenance names aten.contiguous; an explicit clone always copies); None otherwise."""
+    if n.op != "call_function" or not n.args or not isinstance(n.args[0], torch.fx.Node):
+        return None
+    if n.target is torch.ops.aten.contiguous.default:
+        fmt = n.args[1] if len(n.args) > 1 else n.kwargs.get("memory_format")
+    elif n.target is torch.ops.aten.clone.default and any(
+            getattr(f, "target", None) == "aten.contiguous.default"
+            for f in n.meta.get("from_node") or ()):
+        fmt = n.kwargs.get("memory_format")
+    else:
+        return None
+    return n.args[0] if fmt in (None, torch.contiguous_format) else None
+
+
+def _contiguous_record(n: torch.fx.Node, user_inputs: list[str], syms: SymbolTable
+                       ) -> dict | None:
+    """`v.contiguous()` where v is a user input or a view of one, not contiguous at export
+    (else the export records no op): the record of v, marked "contiguous": the runner returns
+    v (a view of the input as given) when it is contiguous at run time, as eager does. Only
+    of inputs, whose run-time layout is eager's too (an output's base is kiln's compact
+    buffer, which eager may lay out otherwise)."""
+    v = root = _contiguous_of(n)
+    while _view_source(root) is not None:
+        root = _view_source(root)
+    val = n.meta.get("val")
+    if root.name not in user_inputs or not isinstance(val, torch.Tensor) or \
+            not isinstance(v.meta.get("val"), torch.Tensor) or v.meta["val"].dtype != val.dtype:
+        return None
+    index = user_inputs.index(root.name)
+    record = _view_record(v, root, syms, "input", index, v is root)
+    return None if record is None else {**record, "contiguous": True}
+
+
 def output_aliases(ep: torch.export.ExportedProgram, user_inputs: list[str],
                    outputs: list[str | None], syms: SymbolTable) -> tuple[dict | None, ...]:
     """`outputs`: the FX node name of each user output (None: not a tensor node)."""
@@ -191,25 +256,16 @@ def output_aliases(ep: torch.export.ExportedProgram, user_inputs: list[str],
         root, val = roots[j], nodes[name].meta.get("val") if name in nodes else None
         record = None
         if root is not None and isinstance(val, torch.Tensor):
-            root_val = root.meta.get("val")
             if root.name in user_inputs:
                 of, index = "input", user_inputs.index(root.name)
             elif first_output.get(root.name, j) != j:
                 of, index = "output", first_output[root.name]
             else:
                 of = None
-            same = of is not None and name == (user_inputs[index] if of == "input"
-                                               else outputs[index])
-            if of is not None and isinstance(root_val, torch.Tensor) and \
-                    root_val.dtype == val.dtype:
-                if _compact(root_val):
-                    record = _record(val, root_val, syms, of, index)
-                else:  # kiln's base is compact (an output; an input given compact): the view
-                    # on it is the view chain replayed on a compact base, not the metadata's
-                    replayed = _replay(nodes[name], root)
-                    if replayed is not None:
-                        record = _record(replayed[1], replayed[0], syms, of, index)
-            if same:  # the very tensor (`return x`, `return y, y`): in any layout
-                record = {**(record or {"of": of, "index": index}), "same": True}
+            if of is not None:
+                same = name == (user_inputs[index] if of == "input" else outputs[index])
+                record = _view_record(nodes[name], root, syms, of, index, same)
+            elif _contiguous_of(nodes[name]) is not None:
+                record = _contiguous_record(nodes[name], user_inputs, syms)
         out.append(record)
     return tuple(out)

@@ -262,9 +262,8 @@ class _Gen:
             s[-1] += lo + hi
             self.emit("pad", [i], {"pad": [lo, hi], "value": r.choice([0.0, 1.5])},
                       V(tuple(s), v.dtype, v.exact))
-        elif kind == "contiguous" and i not in self.inputs:
-            # (of an input: the export cannot tell `x.contiguous()` from `x`, which kiln
-            # returns as the input itself, and eager copies an input in other layouts)
+        elif kind == "contiguous":  # of an input too: the export cannot tell it from `x`;
+            # kiln returns the input itself only when it is contiguous (docs/reliability.md 8)
             self.emit("contiguous", [i], {}, V(v.shape, v.dtype, v.exact))
 
     def op_cat(self) -> None:

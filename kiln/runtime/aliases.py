@@ -18,14 +18,17 @@ __all__ = ["alias_plan", "share_storage"]
 
 class _Alias:
     """Output `out` is a view of input or output `index` (manifest outputs[out].alias):
-    `strides` and `offset` evaluate the recorded expressions on the input sizes."""
+    `strides` and `offset` evaluate the recorded expressions on the input sizes. `same`: the
+    output is the base itself; `contiguous` (with `same`): the base itself only when it is
+    contiguous at run time (the graph is also eager's `x.contiguous()`)."""
 
-    __slots__ = ("out", "of_input", "index", "strides", "offset", "same")
+    __slots__ = ("out", "of_input", "index", "strides", "offset", "same", "contiguous")
 
     def __init__(self, out: int, of_input: bool, index: int, strides, offset,
-                 same: bool = False) -> None:
+                 same: bool = False, contiguous: bool = False) -> None:
         self.out, self.of_input, self.index = out, of_input, index
         self.strides, self.offset, self.same = strides, offset, same
+        self.contiguous = contiguous
 
 
 _EXPR_OPS = {ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mul,
@@ -79,12 +82,14 @@ def alias_plan(m: Mapping[str, Any]) -> list[_Alias]:
         if not isinstance(a.get("index"), int):
             continue
         if a.get("same") is True:  # the base itself: no strides to evaluate
-            plan.append(_Alias(j, a["of"] == "input", a["index"], [], lambda flat: 0, True))
+            plan.append(_Alias(j, a["of"] == "input", a["index"], [], lambda flat: 0, True,
+                               a.get("contiguous") is True))
             continue
         strides = [_size_expr(x, where) for x in a.get("strides", [])]
         offset = _size_expr(a.get("offset", 0), where)
         if offset is not None and None not in strides:
-            plan.append(_Alias(j, a["of"] == "input", a["index"], strides, offset))
+            plan.append(_Alias(j, a["of"] == "input", a["index"], strides, offset,
+                               contiguous=a.get("contiguous") is True))
     return plan
 
 
@@ -93,7 +98,9 @@ def share_storage(plan: list[_Alias], results: list[Any], flat: Any) -> None:
     object itself when the output is the base (`return x, x`: "same"), a new view object of all
     of the base when the view is the whole of it (`x[:]`, `chunk(x, 1)[0]`, `x.view(x.shape)`:
     eager's is a new tensor on the same storage too), else an as_strided view of a compact
-    base. A base with other strides (an input given transposed: its copy-in was compact, the
+    base. An input that is an output and was exported compact ("contiguous": the graph is also
+    `return x.contiguous()`) is returned itself only when it is contiguous now, as eager's
+    `contiguous()` returns `self`; otherwise kiln's own compact copy stays, as eager's copy. A base with other strides (an input given transposed: its copy-in was compact, the
     recorded strides are not its strides) keeps the output's own copy."""
     for a in plan:
         base = flat[a.index] if a.of_input else results[a.index]
@@ -109,16 +116,20 @@ def share_storage(plan: list[_Alias], results: list[Any], flat: Any) -> None:
                 base.dtype != out.dtype or base.device != out.device:
             continue
         if a.same:
-            if base.shape == out.shape:
+            if base.shape == out.shape and not (a.contiguous and not base.is_contiguous()):
                 results[a.out] = base
             continue
         strides, offset = [f(flat) for f in a.strides], a.offset(flat)
+        view = None
         if offset == 0 and base.shape == out.shape and \
                 (out.numel() <= 1 or strides == list(_compact_strides(out.shape))) and \
                 (not a.of_input or base.layout == torch.strided):
-            results[a.out] = base.as_strided(base.shape, base.stride(), base.storage_offset())
+            view = base.as_strided(base.shape, base.stride(), base.storage_offset())
         elif base.layout == torch.strided and base.is_contiguous() and len(strides) == out.dim():
-            results[a.out] = base.as_strided(out.shape, strides, base.storage_offset() + offset)
+            view = base.as_strided(out.shape, strides, base.storage_offset() + offset)
+        # `v.contiguous()` of a view v of an input: v itself only when v is contiguous
+        if view is not None and (not a.contiguous or view.is_contiguous()):
+            results[a.out] = view
 
 
 def _compact_strides(shape) -> tuple[int, ...]:

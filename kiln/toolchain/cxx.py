@@ -4,12 +4,22 @@ Each source becomes an object file cached under `<cache>/obj/<sha256>.o`, the ha
 the source text, the flags, the compiler's identity and the content of every header in the
 include dirs; the link result is cached the same way. Sources compile in parallel (one compiler
 process per source, up to `jobs`). Writes go to a temporary name and are renamed into place, so
-concurrent builds of the same model never see half-written files."""
+concurrent builds of the same model never see half-written files.
+
+With KILN_PCH=1 (kiln/config.py; GCC only) a file's leading `#include` lines (after comments
+and blank lines, before anything else) are compiled once into a precompiled header under
+`<cache>/pch/<sha256>/` (keyed like an object file, flags included) and the file is compiled
+with `-include` of it and those lines commented out: the same translation unit, the same
+object code (tests/runtime/test_pch.py compares it), without re-parsing kiln_model_rt.h's
+standard headers in every file. A file whose precompiled header another process is still
+building compiles without one. Objects are cached under the same key either way."""
 
 from __future__ import annotations
 
+import fcntl
 import hashlib
 import os
+import re
 import subprocess
 import tempfile
 from concurrent.futures import ThreadPoolExecutor, as_completed
@@ -18,6 +28,7 @@ from functools import lru_cache
 from pathlib import Path
 from typing import Callable
 
+from kiln import config
 from kiln.errors import CompileError
 import time
 
@@ -100,6 +111,67 @@ def _run(cmd: list[str], what: str) -> None:
         raise CompileError(f"{what} failed ({' '.join(cmd[:3])} ...):\n{proc.stderr[-4000:]}")
 
 
+def _write_once(path: Path, text: str) -> None:
+    if not path.exists():
+        tmp = _atomic_output(path)
+        tmp.write_text(text)
+        tmp.replace(path)
+
+
+def split_prelude(source: str) -> tuple[list[str], str]:
+    """The leading `#include <...>` / `#include "..."` and `#define` lines of `source` (only
+    comments and blank lines may come before or between them; an include's trailing comment
+    dropped), and the source with each of them commented out (line numbers kept). None:
+    ([], source)."""
+    lines = source.split("\n")
+    prelude = []
+    for k, line in enumerate(lines):
+        s = line.strip()
+        m = _PRELUDE.match(s)
+        if m:
+            prelude.append(m.group(1))
+            lines[k] = f"// (precompiled) {line}"
+        elif s and not s.startswith("//"):
+            break
+    return prelude, "\n".join(lines) if prelude else source
+
+
+_PRELUDE = re.compile(r'(#include\s*(?:<[^>]*>|"[^"]*")|#define\s+\w+(?:[ \t][^/]*)?)\s*(?://.*)?$')
+
+
+def precompiled_header(tc: Toolchain, includes: list[str], flags: tuple[str, ...],
+                       headers: str) -> Path | None:
+    """The header (its `.gch` beside it) holding `includes`, compiled with `flags`; None
+    while another process builds it."""
+    text = "\n".join(includes) + "\n"
+    key = hashlib.sha256("\0".join([text, " ".join(flags), compiler_identity(tc.cxx),
+                                     headers]).encode()).hexdigest()
+    d = tc.cache / "pch" / key
+    header, gch = d / "prelude.h", d / "prelude.h.gch"
+    if gch.exists():
+        return header
+    d.mkdir(parents=True, exist_ok=True)
+    _write_once(header, text)
+    with open(d / "lock", "w") as lock:
+        try:
+            fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:  # another process is building it
+            return None
+        if not gch.exists():
+            tmp = _atomic_output(d / "prelude.gch.tmp")
+            try:
+                _run([tc.cxx, *flags, *[f"-I{i}" for i in tc.include_dirs], "-x", "c++-header",
+                      str(header), "-o", str(tmp)], "precompiling the header of " + text[:60])
+                tmp.replace(gch)
+            finally:
+                tmp.unlink(missing_ok=True)
+    return header
+
+
+def _use_pch(tc: Toolchain) -> bool:
+    return config.pch() and "clang" not in compiler_identity(tc.cxx).lower()
+
+
 def compile_object(tc: Toolchain, name: str, source: str, headers: str,
                    extra: tuple[str, ...] = ()) -> Path:
     flags = (*tc.cflags, *extra)  # later flags win (e.g. -O1 for glue code)
@@ -110,13 +182,16 @@ def compile_object(tc: Toolchain, name: str, source: str, headers: str,
         return obj
     src_dir = tc.cache / "src"
     src_dir.mkdir(parents=True, exist_ok=True)
+    pch = []
+    if _use_pch(tc):
+        includes, rest = split_prelude(source)
+        header = precompiled_header(tc, includes, flags, headers) if includes else None
+        if header is not None:
+            pch, source, name = ["-include", str(header)], rest, f"pch_{name}"
     src = src_dir / f"{key}_{name}"
-    if not src.exists():
-        tmp = _atomic_output(src)
-        tmp.write_text(source)
-        tmp.replace(src)
+    _write_once(src, source)
     tmp = _atomic_output(obj)
-    cmd = [tc.cxx, *flags, *[f"-I{d}" for d in tc.include_dirs], "-c", str(src), "-o",
+    cmd = [tc.cxx, *flags, *[f"-I{d}" for d in tc.include_dirs], *pch, "-c", str(src), "-o",
            str(tmp)]
     try:
         _run(cmd, f"compiling {name}")

@@ -142,12 +142,13 @@ def test_outputs_eager_lays_out_otherwise_keep_their_storage(tmp_path):
 
 
 def test_views_of_inputs_in_other_layouts(tmp_path):
-    """A transposed input is copied in compact: its view stays a copy with eager's values; a
+    """A transposed input is copied in compact: its view stays a copy with eager's values, and
+    `return x` (exported compact: also the graph of `x.contiguous()`) is that compact copy; a
     numpy input's view shares the array's memory."""
     _, runner = _compile(tmp_path, Views(), (torch.randn(4, 6),), ({0: B},))
     xt = torch.randn(6, 5).t()
     got, want = runner(xt), Views()(xt.contiguous())  # eager's x.view(-1) refuses xt
-    assert got[0] is xt
+    assert got[0] is not xt and got[0].is_contiguous() and _storage(got[0]) != _storage(xt)
     for g, w in zip(got, want):
         torch.testing.assert_close(g, w, rtol=0, atol=0)
     a = np.random.default_rng(0).standard_normal((5, 6), dtype=np.float32)
@@ -260,11 +261,71 @@ def test_the_same_tensor_twice_in_any_layout(tmp_path, exported):
     aliases = [o.get("alias") for o in c.manifest["outputs"]]
     assert aliases[0] is None and aliases[1]["same"] and aliases[1]["index"] == 0
     assert aliases[2]["same"] and aliases[2]["of"] == "input"
+    # exported compact, `return x` is also the graph of `return x.contiguous()`: x itself
+    # when x is contiguous, else kiln's compact copies (eager's contiguous() copies; its
+    # `return x` shares: kiln shares less, never more); exported transposed, x itself always
+    assert aliases[2].get("contiguous", False) == (exported == "contiguous")
     for x in (torch.randn(4, 6), torch.randn(6, 4).t()):
         got, want = runner(x), SameInOtherLayouts()(x)
-        assert got[1] is got[0] and got[2] is x and got[3] is x
+        assert got[1] is got[0]
+        if exported == "contiguous" and not x.is_contiguous():
+            assert got[2] is not x and got[3] is not x
+            for g in got[2:]:
+                assert g.is_contiguous() and _storage(g) != _storage(x)
+        else:
+            assert got[2] is x and got[3] is x
         for g, w in zip(got, want):
             torch.testing.assert_close(g, w, rtol=0, atol=0)
+
+
+class ContiguousOfInput(torch.nn.Module):
+    """`x.contiguous()` of an input (a no-op on the compact example: the graph returns x) and
+    of a value eager lays out transposed (a copy in the graph), beside a view of the input
+    and a computed value."""
+
+    def forward(self, x):
+        return x.contiguous(), x.t().contiguous(), x[1:], x * 2
+
+
+def _relaid(x, layout):
+    if layout == "transposed":
+        return x.t().contiguous().t()
+    if layout == "step":
+        big = torch.zeros(2 * x.shape[0], x.shape[1], dtype=x.dtype)
+        big[::2] = x
+        return big[::2]
+    if layout == "offset":  # contiguous, 3 elements into its storage: eager returns it
+        big = torch.zeros(x.numel() + 3, dtype=x.dtype)
+        big[3:] = x.reshape(-1)
+        return big[3:].view(x.shape)
+    return x
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.int32])
+@pytest.mark.parametrize("dynamic", [False, True])
+def test_contiguous_of_an_input(tmp_path, dtype, dynamic):
+    """Eager's `x.contiguous()` returns x itself when x is contiguous (any storage offset)
+    and a compact copy otherwise; kiln's result does the same (docs/reliability.md item 8)."""
+    make = (lambda *s: torch.randn(*s).to(dtype)) if dtype.is_floating_point else \
+        (lambda *s: torch.randint(-50, 50, s, dtype=dtype))
+    c, runner = _compile(tmp_path, ContiguousOfInput(), (make(5, 6),),
+                         ({0: B},) if dynamic else None)
+    alias = c.manifest["outputs"][0]["alias"]
+    assert alias["same"] and alias["contiguous"] and alias["of"] == "input"
+    for n, layout in [(5, "contiguous"), (5, "offset"), (5, "transposed"), (5, "step")] + (
+            [(3, "transposed"), (9, "contiguous"), (12, "offset")] if dynamic else []):
+        x = _relaid(make(n, 6), layout)
+        got, want = runner(x), ContiguousOfInput()(x)
+        for k, (g, w) in enumerate(zip(got, want)):  # (x[1:], x * 2: compact in kiln)
+            assert g.dtype == w.dtype and (k >= 2 or g.stride() == w.stride())
+            torch.testing.assert_close(g, w, rtol=0, atol=0)
+        assert (got[0] is x) == (want[0] is x) == x.is_contiguous()
+        if x.is_contiguous():
+            _same_sharing(got, want, [x])
+        else:  # copies: a write through the result leaves x alone, as in eager
+            assert _storage(got[0]) != _storage(x) and got[0].is_contiguous()
+            got[0][0, 0] += 1
+            torch.testing.assert_close(x, want[0], rtol=0, atol=0)
 
 
 class ExportedStrided(torch.nn.Module):
