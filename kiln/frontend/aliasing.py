@@ -26,7 +26,8 @@ otherwise (eager's copy; for `return x` that is a copy where eager shares, the d
 kiln allows: views of an input given in another layout are copies too). Conversely, an output
 that is eager's `v.contiguous()` of an input or a view of one (a copy in the graph: v was not
 contiguous at export) is recorded as v marked ``"contiguous": true``: the runner returns v
-when it is contiguous at run time (`_contiguous_record`). A root no output returns is stood in for by the first output that views all of it
+when it is contiguous at run time (`_contiguous_record`). A root no output returns is stood in
+for by the first output that views all of it
 compactly (a matmul's result: a view of its bmm). Other cases keep separate storage (the values
 are the same): outputs that share a root no output returns nor views whole, view chains the
 compact layout cannot make, and sizes that are not polynomials over the input symbols."""

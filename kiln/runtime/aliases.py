@@ -100,7 +100,8 @@ def share_storage(plan: list[_Alias], results: list[Any], flat: Any) -> None:
     eager's is a new tensor on the same storage too), else an as_strided view of a compact
     base. An input that is an output and was exported compact ("contiguous": the graph is also
     `return x.contiguous()`) is returned itself only when it is contiguous now, as eager's
-    `contiguous()` returns `self`; otherwise kiln's own compact copy stays, as eager's copy. A base with other strides (an input given transposed: its copy-in was compact, the
+    `contiguous()` returns `self`; otherwise kiln's own compact copy stays, as eager's copy. A
+    base with other strides (an input given transposed: its copy-in was compact, the
     recorded strides are not its strides) keeps the output's own copy."""
     for a in plan:
         base = flat[a.index] if a.of_input else results[a.index]
