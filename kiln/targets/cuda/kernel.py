@@ -92,6 +92,9 @@ class _Scope:
     lines: list[Stmt] = field(default_factory=list)
     memo: dict = field(default_factory=dict)
     depth: int = 0  # of the statements, in loops
+    #: the variables that are blocks, the others being scalars (None: every variable `names`
+    #: gives is a block, as in the GEMM and GEMV templates' epilogues)
+    blocks: set[str] | None = None
 
     def fresh(self, base: str = "t") -> str:
         self.counter[0] += 1
@@ -107,7 +110,8 @@ class _Scope:
             return (Ref(self.locals[e.buf]),)
         if isinstance(e, L.Index):
             expr = sympy.sympify(e.expr)  # symbols of size-1 dims print as 0: a constant
-            expr = expr.subs({s: 0 for s in expr.free_symbols if self.names.get(str(s)) == "0"})
+            expr = expr.subs({s: int(self.names[str(s)]) for s in expr.free_symbols
+                              if self.names.get(str(s), "x").lstrip("-").isdigit()})
             if not expr.free_symbols:
                 return code("tl.full([], {}, {})", str(int(expr)), T)
             text = code("({}).to({})", _index(e.expr, self.names), T)
@@ -156,8 +160,10 @@ class _Scope:
                                         "mask={bad})", bad=Ref(bad)), d))
             self.lines.append(Assign(var, code("tl.where({}, 0, {})", Ref(bad), x), d))
             names[ind.var.name] = var
+            if self.blocks is not None:
+                self.blocks.add(var)  # (a tl.where over the mask)
         idx = _index(e.index, names)
-        if not any(names.get(str(v), "0") != "0" for v in sympy.sympify(e.index).free_symbols):
+        if not _is_block(e.index, names, self.blocks):
             idx = code("{} + xidx * 0", idx)  # a block pointer: the mask is a block
         up = f".to({tl_compute(e.dtype.name)})" if e.dtype.name in COMPUTE else ""
         other = "0.0" if e.dtype.name in ROUND8 else "0"  # Triton casts no int to 8-bit floats
@@ -230,11 +236,18 @@ class _Member:
         return dict(self.kp.outer_names)
 
     def inner_defs(self, names, depth, flat: str, dims, first: int, prefix: str) -> list[Stmt]:
+        """The indices of `dims` unravelled from the flat position `flat`: blocks where `flat`
+        is one (a tile), scalars where it is a loop counter; "0" for a constant index."""
         out: list[Stmt] = []
         syms = (ivars if prefix == "i" else rvars)(first + len(dims))[first:]
         for s, e in zip(syms, unravel(sympy.Symbol("FLAT"), dims)):
+            if not sympy.sympify(e).free_symbols:  # a dim of size 1: a constant, no variable
+                names[s.name] = str(int(e))
+                continue
             name = f"{s.name}_m{self.j}"
             names[s.name] = name
+            if flat in self.kp.blocks:
+                self.kp.blocks.add(name)
             out.append(Assign(name, _index(e, {"FLAT": flat}), depth))
         return out
 
@@ -246,9 +259,21 @@ class _KernelPrinter:
         self.locals = {n: f"v_{n}" for n in kernel.locals}
         self.counter = [0]
         self.outer_names = {f"i{d}": f"i{d}" for d in range(self.k)}
+        # row indices are [XBLOCK, 1] blocks, except constant ones (dims of size 1)
+        self.blocks = set()
+        for s, e in zip(ivars(self.k), unravel(sympy.Symbol("xidx"), kernel.outer)):
+            if sympy.sympify(e).free_symbols:
+                self.blocks.add(s.name)
+            else:
+                self.outer_names[s.name] = str(int(e))
 
     def scope(self, names, mask, depth: int) -> _Scope:
-        return _Scope(names, mask, self.locals, self.counter, depth=depth)
+        return _Scope(names, mask, self.locals, self.counter, depth=depth, blocks=self.blocks)
+
+    def tile_var(self, j: int) -> str:
+        """The name of member j's tile positions (a [1, RBLOCK] block)."""
+        self.blocks.add(f"r_m{j}")
+        return f"r_m{j}"
 
     def pointwise(self, j: int, m: L.Compute, body: list[Stmt]) -> None:
         mem = _Member(self, j, m)
@@ -261,7 +286,7 @@ class _KernelPrinter:
             sc = self.scope(names, "xmask", 0)
             v = _stored(sc.value(m.body), m.dtype)
             body += sc.lines
-            body.append(Store(m.name, _store_offset(out_idx, names, self.k), v,
+            body.append(Store(m.name, _store_offset(out_idx, names, self.blocks), v,
                               (Ref("xmask"),)))
             return
 
@@ -271,9 +296,9 @@ class _KernelPrinter:
             sc = self.scope(names, f"mask_m{j}", depth)
             v = _stored(sc.value(m.body), m.dtype)
             body.extend(sc.lines)
-            body.append(Store(m.name, _store_offset(out_idx, names, self.k), v,
+            body.append(Store(m.name, _store_offset(out_idx, names, self.blocks), v,
                               (Ref(f"mask_m{j}"),), depth))
-        _tile(body, f"r_m{j}", product(dims), f"mask_m{j}", self.idx_t, 0, self.config.rblock,
+        _tile(body, self.tile_var(j), product(dims), f"mask_m{j}", self.idx_t, 0, self.config.rblock,
               tile_body)
 
     def reduction(self, j: int, m: L.Compute, body: list[Stmt]) -> None:
@@ -334,7 +359,7 @@ class _KernelPrinter:
                 nan = ", propagate_nan=tl.PropagateNan.ALL" if m.dtype.is_float else ""
                 comb = f"{fn}({{acc}}, {{x}}{nan})"
             body.append(Assign(acc, code(comb, acc=Ref(acc), x=masked), d2))
-        _tile(body, f"r_m{j}", product(m.reduce.sizes), f"mask_m{j}", self.idx_t, depth,
+        _tile(body, self.tile_var(j), product(m.reduce.sizes), f"mask_m{j}", self.idx_t, depth,
               self.config.rblock, tile_body)
         if kind in ("argmax", "argmin"):
             fn = "_kl_argmax" if kind == "argmax" else "_kl_argmin"
@@ -347,7 +372,8 @@ class _KernelPrinter:
         if m.name in self.locals:
             body.append(Assign(self.locals[m.name], (Ref(res),), depth))
         else:
-            body.append(Store(m.name, _store_offset(_out_index(m), names, self.k), (Ref(res),),
+            body.append(Store(m.name, _store_offset(_out_index(m), names, self.blocks),
+                              (Ref(res),),
                               (Ref("xmask"),), depth))
 
 
@@ -360,10 +386,20 @@ def _stored(v: Code, dt) -> Code:
     return code("{}({})", triton_round(dt.name), v) if dt.name in ROUND8 else v
 
 
-def _store_offset(idx: sympy.Expr, names: dict[str, str], k: int) -> Code:
-    """The store's offset, shaped like the row mask even when `idx` ignores the rows."""
-    row = any(v in sympy.sympify(idx).free_symbols for v in ivars(k))
-    return _index(idx, names) if row else code("{} + xidx * 0", _index(idx, names))
+def _is_block(idx: sympy.Expr, names: dict[str, str], blocks: set[str] | None) -> bool:
+    """Whether the printed `idx` is a block: it reads a variable that is one (else it is a
+    scalar: constants, size symbols, loop counters and indices computed from them only)."""
+    used = [names.get(str(v)) for v in sympy.sympify(idx).free_symbols]
+    if blocks is None:
+        return any(n is not None and n.isidentifier() for n in used)
+    return any(n in blocks for n in used)
+
+
+def _store_offset(idx: sympy.Expr, names: dict[str, str], blocks: set[str]) -> Code:
+    """The store's offset, a block like the mask even when `idx` is a scalar (a pointer that
+    is not a block takes no block mask)."""
+    return _index(idx, names) if _is_block(idx, names, blocks) \
+        else code("{} + xidx * 0", _index(idx, names))
 
 
 def _out_index(m: L.Compute) -> sympy.Expr:
