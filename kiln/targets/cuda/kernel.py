@@ -32,8 +32,10 @@ import sympy
 from kiln.schedule.analysis import indexes_through_data, kernel_params, read_after_store
 from kiln.targets.float8 import check_fnuz_rule, triton_round
 from kiln.targets.cuda.cse import Assign, Code, Line, Ref, Stmt, Store, code, render, value_number
-from kiln.targets.cuda.ops import (COMPUTE, FNUZ, INT_LIMITS, REDUCTIONS, ROUND8, SIG_PTR,
-                                   TL_DTYPE, literal, op_spelling, tl_compute, to_tl)
+from kiln.errors import UnsupportedError
+from kiln.targets.cuda.ops import (COMPLEX_PART, COMPUTE, FNUZ, INT_LIMITS, REDUCTIONS, ROUND8,
+                                   SIG_PTR, TL_DTYPE, literal, op_spelling, part_literal,
+                                   tl_compute, to_tl)
 from kiln.ir import loop as L
 from kiln.ir.sym import evaluate, ivars, product, rvars, unravel
 from kiln.schedule import Kernel
@@ -103,6 +105,11 @@ class _Scope:
     def value(self, e: L.Expr) -> Code:
         if e in self.memo:
             return self.memo[e]
+        if e.dtype.is_complex or any(a.dtype.is_complex for a in getattr(e, "args", ())):
+            raise UnsupportedError(f"{getattr(e, 'op', type(e).__name__)} on "
+                                   f"{e.dtype.name if e.dtype.is_complex else e.args[0].dtype.name}"
+                                   " values in a Triton kernel (kiln only moves complex values "
+                                   "on the GPU: copies, views, cat)")
         T = tl_compute(e.dtype.name)
         if isinstance(e, L.Const):
             return code("tl.full([], {}, {})", literal(e.value, e.dtype), T)
@@ -141,7 +148,35 @@ class _Scope:
         self.memo[e] = (Ref(name),)
         return self.memo[e]
 
-    def _load(self, e: L.Load) -> Code:
+    def part(self, e: L.Expr, part: int) -> Code:
+        """Part `part` (0 real, 1 imaginary) of complex value `e`, as its bits: complex
+        buffers are pairs of parts (`SIG_PTR`), and kiln's kernels only move complex values
+        (loads, `where` between them, constants, casts to their own type)."""
+        key = (e, part)
+        if key in self.memo:
+            return self.memo[key]
+        T = COMPLEX_PART[e.dtype.name][0]
+        if isinstance(e, L.Const):
+            return code("tl.full([], {}, {})", part_literal(e.value, e.dtype, part), T)
+        if isinstance(e, L.Load) and not e.indirect and e.buf in self.locals:
+            raise UnsupportedError(f"a complex value kept in registers ({e.buf})")
+        if isinstance(e, L.Load):
+            text = self._load(e, part)
+        elif isinstance(e, L.Op) and e.op == "where" and e.args[1].dtype == e.args[2].dtype \
+                == e.dtype:
+            text = code("tl.where({}, {}, {})", self.value(e.args[0]),
+                        self.part(e.args[1], part), self.part(e.args[2], part))
+        elif isinstance(e, L.Op) and e.op == "cast" and e.args[0].dtype == e.dtype:
+            return self.part(e.args[0], part)
+        else:
+            return self.value(e)  # (raises: an operator computing on complex values)
+        name = self.fresh()
+        self.lines.append(Assign(name, text, self.depth,
+                                 e.buf if isinstance(e, L.Load) else None))
+        self.memo[key] = (Ref(name),)
+        return self.memo[key]
+
+    def _load(self, e: L.Load, part: int | None = None) -> Code:
         names = dict(self.names)
         d, mask = self.depth, Ref(self.mask)
         for ind in e.indirect:
@@ -162,9 +197,12 @@ class _Scope:
             names[ind.var.name] = var
             if self.blocks is not None:
                 self.blocks.add(var)  # (a tl.where over the mask)
-        idx = _index(e.index, names)
-        if not _is_block(e.index, names, self.blocks):
+        index = e.index if part is None else 2 * e.index + part  # a complex value's part
+        idx = _index(index, names)
+        if not _is_block(index, names, self.blocks):
             idx = code("{} + xidx * 0", idx)  # a block pointer: the mask is a block
+        if part is not None:
+            return code("tl.load(buf_{} + {}, mask={}, other=0)", e.buf, idx, mask)
         up = f".to({tl_compute(e.dtype.name)})" if e.dtype.name in COMPUTE else ""
         other = "0.0" if e.dtype.name in ROUND8 else "0"  # Triton casts no int to 8-bit floats
         if e.dtype.name in FNUZ:  # bytes, decoded to float32
@@ -205,7 +243,8 @@ def _small_indices(kernel: Kernel, buffers: dict[str, L.Buffer]) -> bool:
     names = {m.name for m in kernel.members}
     for m in kernel.members:
         names |= {ld.buf for ld in L.loads(m.body)}
-    sizes = [buffers[n].numel for n in names] + [product(kernel.outer)]
+    sizes = [buffers[n].numel * (2 if buffers[n].dtype.is_complex else 1) for n in names]
+    sizes.append(product(kernel.outer))
     return all(sympy.sympify(s).is_Integer and int(s) < 2**31 - 2**20 for s in sizes)
 
 
@@ -284,20 +323,22 @@ class _KernelPrinter:
             for d in range(self.k, len(m.shape)):
                 names[f"i{d}"] = "0"
             sc = self.scope(names, "xmask", 0)
-            v = _stored(sc.value(m.body), m.dtype)
-            body += sc.lines
-            body.append(Store(m.name, _store_offset(out_idx, names, self.blocks), v,
-                              (Ref("xmask"),)))
+            for idx, v in _values(sc, m, out_idx):
+                body += sc.lines
+                sc.lines = []
+                body.append(Store(m.name, _store_offset(idx, names, self.blocks), v,
+                                  (Ref("xmask"),)))
             return
 
         def tile_body(depth):
             names = mem.names()
             body.extend(mem.inner_defs(names, depth, f"r_m{j}", dims, self.k, "i"))
             sc = self.scope(names, f"mask_m{j}", depth)
-            v = _stored(sc.value(m.body), m.dtype)
-            body.extend(sc.lines)
-            body.append(Store(m.name, _store_offset(out_idx, names, self.blocks), v,
-                              (Ref(f"mask_m{j}"),), depth))
+            for idx, v in _values(sc, m, out_idx):
+                body.extend(sc.lines)
+                sc.lines = []
+                body.append(Store(m.name, _store_offset(idx, names, self.blocks), v,
+                                  (Ref(f"mask_m{j}"),), depth))
         _tile(body, self.tile_var(j), product(dims), f"mask_m{j}", self.idx_t, 0, self.config.rblock,
               tile_body)
 
@@ -375,6 +416,16 @@ class _KernelPrinter:
             body.append(Store(m.name, _store_offset(_out_index(m), names, self.blocks),
                               (Ref(res),),
                               (Ref("xmask"),), depth))
+
+
+def _values(sc: _Scope, m: L.Compute, out_idx: sympy.Expr):
+    """(offset, value) of each store of pointwise member `m`: one, or a complex value's two
+    parts (its buffer holds pairs of parts)."""
+    if not m.dtype.is_complex:
+        yield out_idx, _stored(sc.value(m.body), m.dtype)
+        return
+    for part in (0, 1):
+        yield 2 * out_idx + part, sc.part(m.body, part)
 
 
 def _stored(v: Code, dt) -> Code:
