@@ -124,7 +124,14 @@ REDUCTIONS: dict[str, tuple[str, str, str, str]] = {
 INT_LIMITS = {d.name: d.int_range for d in dtypes.DTYPES.values() if d.int_range is not None}
 
 
+# float64 spellings where FLOAT_OPS's take float32 only (`tl.sqrt_rn`; float64 `tl.sqrt` is
+# sqrt.rn.f64, correctly rounded)
+FLOAT64_OPS = {"sqrt": "tl.sqrt({0})"}
+
+
 def op_spelling(op: str, arg_dtype: DType) -> str:
+    if arg_dtype.name == "float64" and op in FLOAT64_OPS:
+        return FLOAT64_OPS[op]
     table = FLOAT_OPS if arg_dtype.is_float else INT_OPS
     try:
         return table[op]
