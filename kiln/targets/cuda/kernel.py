@@ -339,8 +339,8 @@ class _KernelPrinter:
                 sc.lines = []
                 body.append(Store(m.name, _store_offset(idx, names, self.blocks), v,
                                   (Ref(f"mask_m{j}"),), depth))
-        _tile(body, self.tile_var(j), product(dims), f"mask_m{j}", self.idx_t, 0, self.config.rblock,
-              tile_body)
+        _tile(body, self.tile_var(j), product(dims), f"mask_m{j}", self.idx_t, 0,
+              self.config.rblock, tile_body)
 
     def reduction(self, j: int, m: L.Compute, body: list[Stmt]) -> None:
         mem = _Member(self, j, m)
