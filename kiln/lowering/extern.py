@@ -17,8 +17,18 @@ from kiln.ops.build import cast, op
 from kiln.errors import UnsupportedError
 
 
-def _blas_ok(strides) -> bool:
-    return strides[-1] == 1 or strides[-2] == 1
+def _blas_ok(strides, shape) -> bool:
+    """Whether a [rows, cols] matrix with these strides is one BLAS takes, as the run time's
+    `kr::blas_layout` decides (kiln_model_rt.h): unit stride along one dim and a leading
+    dimension covering the other (an expanded operand, row stride 0, is not one); where a
+    size is symbolic, only when that holds for every size."""
+    rs, cs = (sympy.sympify(x) for x in strides[-2:])
+    rows, cols = (sympy.sympify(x) for x in shape[-2:])
+
+    def covers(ld, n) -> bool:
+        return n == 1 or (ld - n).is_nonnegative is True
+    return ((cs == 1 or cols == 1) and (rows == 1 or covers(rs, cols))) or \
+        ((rs == 1 or rows == 1) and (cols == 1 or covers(cs, rows)))
 
 
 def _reads_transposed(lz: Lazy) -> bool:
@@ -43,7 +53,7 @@ def operand(ctx: LowerCtx, lz: Lazy, name: str, source) -> tuple[L.Operand, Lazy
     in its sources' order: an operand read column by column (a bf16 Linear weight converted,
     then transposed) is stored transposed and passed as a transposed view, so the copy reads
     and writes memory in order."""
-    if lz.view is None or not _blas_ok(lz.view.strides):
+    if lz.view is None or not _blas_ok(lz.view.strides, lz.shape):
         if lz.view is None and _reads_transposed(lz):
             src = lz
             shape = (*lz.shape[:-2], lz.shape[-1], lz.shape[-2])
@@ -96,7 +106,7 @@ def _probe(lz: Lazy, batch, split) -> tuple[L.Operand, object] | None:
     if any(c.free_symbols & set(iv) for c in coeffs) or off.free_symbols & set(iv) or \
             sympy.expand(index - off - sum(c * v for c, v in zip(coeffs, iv))) != 0:
         return None
-    if not _blas_ok(coeffs[-2:]) or any(sympy.sympify(c).is_nonnegative is not True
+    if not _blas_ok(coeffs[-2:], shape[-2:]) or any(sympy.sympify(c).is_nonnegative is not True
                                         for c in (off, *coeffs)):
         return None
     return L.Operand(e.buf, off, tuple(coeffs[:-2]), coeffs[-2], coeffs[-1]), scale
@@ -108,7 +118,7 @@ def _in_place(ctx: LowerCtx, a: Lazy, b: Lazy, batch, name: str, source):
     is materialised (a fused expression: the query); both operands then take the first split
     that suits both: none, else a static batch dim split into two (the CPU GEMM's limit of two
     batch dims), smallest factor first."""
-    if all(x.view is not None and _blas_ok(x.view.strides) for x in (a, b)):
+    if all(x.view is not None and _blas_ok(x.view.strides, x.shape) for x in (a, b)):
         return None
     splits = [None]
     if len(batch) == 1 and isinstance(sympy.sympify(batch[0]), sympy.Integer):
@@ -119,13 +129,13 @@ def _in_place(ctx: LowerCtx, a: Lazy, b: Lazy, batch, name: str, source):
         got = {split: _probe(x, batch, split) for split in splits}
         probes.append(got)
     nonview = [j for j, x in enumerate((a, b))
-               if not (x.view is not None and _blas_ok(x.view.strides))]
+               if not (x.view is not None and _blas_ok(x.view.strides, x.shape))]
     if not any(p is not None for j in nonview for p in probes[j].values()):
         return None
     ops = [a, b]
     for j, x in enumerate((a, b)):
         if all(p is None for p in probes[j].values()):
-            if x.view is not None and _blas_ok(x.view.strides):
+            if x.view is not None and _blas_ok(x.view.strides, x.shape):
                 continue
             ops[j] = ctx.realize(x.origin or f"{name}_{'lhs' if j == 0 else 'rhs'}", x, source)
             probes[j] = {split: _probe(ops[j], batch, split) for split in splits}

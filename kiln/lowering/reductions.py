@@ -152,8 +152,9 @@ def lower_layer_norm(ctx: LowerCtx, node: Node, args: list[Lazy]) -> Lazy:
         tail = idx[x.rank - k:]
         if w is not None:
             y = op("mul", y, cast(w.load(tail), dt))
-        if b is not None:
-            y = op("add", y, cast(b.load(tail), dt))
+        # no bias: + 0 all the same, as eager's CPU kernel adds a bias of 0 (an exact zero
+        # comes out +0 there, never -0, whatever the weight's sign)
+        y = op("add", y, cast(b.load(tail), dt) if b is not None else const(0.0, dt))
         return cast(y, out_dt)
 
     return pointwise(out_dt, x.shape, fn, x)
@@ -171,9 +172,8 @@ def lower_batch_norm(ctx: LowerCtx, node: Node, args: list[Lazy]) -> Lazy:
                op("rsqrt", op("add", cast(var.load(c), dt), const(eps, dt))))
         if w is not None:
             y = op("mul", y, cast(w.load(c), dt))
-        if b is not None:
-            y = op("add", y, cast(b.load(c), dt))
-        return y
+        # no bias: + 0 (an exact zero is +0, as eager's x * alpha + beta gives)
+        return op("add", y, cast(b.load(c), dt) if b is not None else const(0.0, dt))
 
     return pointwise(dt, x.shape, fn, x)
 

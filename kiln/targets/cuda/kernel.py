@@ -32,8 +32,10 @@ import sympy
 from kiln.schedule.analysis import indexes_through_data, kernel_params, read_after_store
 from kiln.targets.float8 import check_fnuz_rule, triton_round
 from kiln.targets.cuda.cse import Assign, Code, Line, Ref, Stmt, Store, code, render, value_number
-from kiln.targets.cuda.ops import (COMPUTE, FNUZ, INT_LIMITS, REDUCTIONS, ROUND8, SIG_PTR,
-                                   TL_DTYPE, literal, op_spelling, tl_compute, to_tl)
+from kiln.errors import UnsupportedError
+from kiln.targets.cuda.ops import (COMPLEX_PART, COMPUTE, FNUZ, INT_LIMITS, REDUCTIONS, ROUND8,
+                                   SIG_PTR, TL_DTYPE, literal, op_spelling, part_literal,
+                                   tl_compute, to_tl)
 from kiln.ir import loop as L
 from kiln.ir.sym import evaluate, ivars, product, rvars, unravel
 from kiln.schedule import Kernel
@@ -92,6 +94,9 @@ class _Scope:
     lines: list[Stmt] = field(default_factory=list)
     memo: dict = field(default_factory=dict)
     depth: int = 0  # of the statements, in loops
+    #: the variables that are blocks, the others being scalars (None: every variable `names`
+    #: gives is a block, as in the GEMM and GEMV templates' epilogues)
+    blocks: set[str] | None = None
 
     def fresh(self, base: str = "t") -> str:
         self.counter[0] += 1
@@ -100,6 +105,11 @@ class _Scope:
     def value(self, e: L.Expr) -> Code:
         if e in self.memo:
             return self.memo[e]
+        if e.dtype.is_complex or any(a.dtype.is_complex for a in getattr(e, "args", ())):
+            raise UnsupportedError(f"{getattr(e, 'op', type(e).__name__)} on "
+                                   f"{e.dtype.name if e.dtype.is_complex else e.args[0].dtype.name}"
+                                   " values in a Triton kernel (kiln only moves complex values "
+                                   "on the GPU: copies, views, cat)")
         T = tl_compute(e.dtype.name)
         if isinstance(e, L.Const):
             return code("tl.full([], {}, {})", literal(e.value, e.dtype), T)
@@ -107,7 +117,8 @@ class _Scope:
             return (Ref(self.locals[e.buf]),)
         if isinstance(e, L.Index):
             expr = sympy.sympify(e.expr)  # symbols of size-1 dims print as 0: a constant
-            expr = expr.subs({s: 0 for s in expr.free_symbols if self.names.get(str(s)) == "0"})
+            expr = expr.subs({s: int(self.names[str(s)]) for s in expr.free_symbols
+                              if self.names.get(str(s), "x").lstrip("-").isdigit()})
             if not expr.free_symbols:
                 return code("tl.full([], {}, {})", str(int(expr)), T)
             text = code("({}).to({})", _index(e.expr, self.names), T)
@@ -137,7 +148,35 @@ class _Scope:
         self.memo[e] = (Ref(name),)
         return self.memo[e]
 
-    def _load(self, e: L.Load) -> Code:
+    def part(self, e: L.Expr, part: int) -> Code:
+        """Part `part` (0 real, 1 imaginary) of complex value `e`, as its bits: complex
+        buffers are pairs of parts (`SIG_PTR`), and kiln's kernels only move complex values
+        (loads, `where` between them, constants, casts to their own type)."""
+        key = (e, part)
+        if key in self.memo:
+            return self.memo[key]
+        T = COMPLEX_PART[e.dtype.name][0]
+        if isinstance(e, L.Const):
+            return code("tl.full([], {}, {})", part_literal(e.value, e.dtype, part), T)
+        if isinstance(e, L.Load) and not e.indirect and e.buf in self.locals:
+            raise UnsupportedError(f"a complex value kept in registers ({e.buf})")
+        if isinstance(e, L.Load):
+            text = self._load(e, part)
+        elif isinstance(e, L.Op) and e.op == "where" and e.args[1].dtype == e.args[2].dtype \
+                == e.dtype:
+            text = code("tl.where({}, {}, {})", self.value(e.args[0]),
+                        self.part(e.args[1], part), self.part(e.args[2], part))
+        elif isinstance(e, L.Op) and e.op == "cast" and e.args[0].dtype == e.dtype:
+            return self.part(e.args[0], part)
+        else:
+            return self.value(e)  # (raises: an operator computing on complex values)
+        name = self.fresh()
+        self.lines.append(Assign(name, text, self.depth,
+                                 e.buf if isinstance(e, L.Load) else None))
+        self.memo[key] = (Ref(name),)
+        return self.memo[key]
+
+    def _load(self, e: L.Load, part: int | None = None) -> Code:
         names = dict(self.names)
         d, mask = self.depth, Ref(self.mask)
         for ind in e.indirect:
@@ -156,9 +195,14 @@ class _Scope:
                                         "mask={bad})", bad=Ref(bad)), d))
             self.lines.append(Assign(var, code("tl.where({}, 0, {})", Ref(bad), x), d))
             names[ind.var.name] = var
-        idx = _index(e.index, names)
-        if not any(names.get(str(v), "0") != "0" for v in sympy.sympify(e.index).free_symbols):
+            if self.blocks is not None:
+                self.blocks.add(var)  # (a tl.where over the mask)
+        index = e.index if part is None else 2 * e.index + part  # a complex value's part
+        idx = _index(index, names)
+        if not _is_block(index, names, self.blocks):
             idx = code("{} + xidx * 0", idx)  # a block pointer: the mask is a block
+        if part is not None:
+            return code("tl.load(buf_{} + {}, mask={}, other=0)", e.buf, idx, mask)
         up = f".to({tl_compute(e.dtype.name)})" if e.dtype.name in COMPUTE else ""
         other = "0.0" if e.dtype.name in ROUND8 else "0"  # Triton casts no int to 8-bit floats
         if e.dtype.name in FNUZ:  # bytes, decoded to float32
@@ -199,7 +243,8 @@ def _small_indices(kernel: Kernel, buffers: dict[str, L.Buffer]) -> bool:
     names = {m.name for m in kernel.members}
     for m in kernel.members:
         names |= {ld.buf for ld in L.loads(m.body)}
-    sizes = [buffers[n].numel for n in names] + [product(kernel.outer)]
+    sizes = [buffers[n].numel * (2 if buffers[n].dtype.is_complex else 1) for n in names]
+    sizes.append(product(kernel.outer))
     return all(sympy.sympify(s).is_Integer and int(s) < 2**31 - 2**20 for s in sizes)
 
 
@@ -230,11 +275,18 @@ class _Member:
         return dict(self.kp.outer_names)
 
     def inner_defs(self, names, depth, flat: str, dims, first: int, prefix: str) -> list[Stmt]:
+        """The indices of `dims` unravelled from the flat position `flat`: blocks where `flat`
+        is one (a tile), scalars where it is a loop counter; "0" for a constant index."""
         out: list[Stmt] = []
         syms = (ivars if prefix == "i" else rvars)(first + len(dims))[first:]
         for s, e in zip(syms, unravel(sympy.Symbol("FLAT"), dims)):
+            if not sympy.sympify(e).free_symbols:  # a dim of size 1: a constant, no variable
+                names[s.name] = str(int(e))
+                continue
             name = f"{s.name}_m{self.j}"
             names[s.name] = name
+            if flat in self.kp.blocks:
+                self.kp.blocks.add(name)
             out.append(Assign(name, _index(e, {"FLAT": flat}), depth))
         return out
 
@@ -246,9 +298,21 @@ class _KernelPrinter:
         self.locals = {n: f"v_{n}" for n in kernel.locals}
         self.counter = [0]
         self.outer_names = {f"i{d}": f"i{d}" for d in range(self.k)}
+        # row indices are [XBLOCK, 1] blocks, except constant ones (dims of size 1)
+        self.blocks = set()
+        for s, e in zip(ivars(self.k), unravel(sympy.Symbol("xidx"), kernel.outer)):
+            if sympy.sympify(e).free_symbols:
+                self.blocks.add(s.name)
+            else:
+                self.outer_names[s.name] = str(int(e))
 
     def scope(self, names, mask, depth: int) -> _Scope:
-        return _Scope(names, mask, self.locals, self.counter, depth=depth)
+        return _Scope(names, mask, self.locals, self.counter, depth=depth, blocks=self.blocks)
+
+    def tile_var(self, j: int) -> str:
+        """The name of member j's tile positions (a [1, RBLOCK] block)."""
+        self.blocks.add(f"r_m{j}")
+        return f"r_m{j}"
 
     def pointwise(self, j: int, m: L.Compute, body: list[Stmt]) -> None:
         mem = _Member(self, j, m)
@@ -259,22 +323,24 @@ class _KernelPrinter:
             for d in range(self.k, len(m.shape)):
                 names[f"i{d}"] = "0"
             sc = self.scope(names, "xmask", 0)
-            v = _stored(sc.value(m.body), m.dtype)
-            body += sc.lines
-            body.append(Store(m.name, _store_offset(out_idx, names, self.k), v,
-                              (Ref("xmask"),)))
+            for idx, v in _values(sc, m, out_idx):
+                body += sc.lines
+                sc.lines = []
+                body.append(Store(m.name, _store_offset(idx, names, self.blocks), v,
+                                  (Ref("xmask"),)))
             return
 
         def tile_body(depth):
             names = mem.names()
             body.extend(mem.inner_defs(names, depth, f"r_m{j}", dims, self.k, "i"))
             sc = self.scope(names, f"mask_m{j}", depth)
-            v = _stored(sc.value(m.body), m.dtype)
-            body.extend(sc.lines)
-            body.append(Store(m.name, _store_offset(out_idx, names, self.k), v,
-                              (Ref(f"mask_m{j}"),), depth))
-        _tile(body, f"r_m{j}", product(dims), f"mask_m{j}", self.idx_t, 0, self.config.rblock,
-              tile_body)
+            for idx, v in _values(sc, m, out_idx):
+                body.extend(sc.lines)
+                sc.lines = []
+                body.append(Store(m.name, _store_offset(idx, names, self.blocks), v,
+                                  (Ref(f"mask_m{j}"),), depth))
+        _tile(body, self.tile_var(j), product(dims), f"mask_m{j}", self.idx_t, 0,
+              self.config.rblock, tile_body)
 
     def reduction(self, j: int, m: L.Compute, body: list[Stmt]) -> None:
         mem = _Member(self, j, m)
@@ -334,7 +400,7 @@ class _KernelPrinter:
                 nan = ", propagate_nan=tl.PropagateNan.ALL" if m.dtype.is_float else ""
                 comb = f"{fn}({{acc}}, {{x}}{nan})"
             body.append(Assign(acc, code(comb, acc=Ref(acc), x=masked), d2))
-        _tile(body, f"r_m{j}", product(m.reduce.sizes), f"mask_m{j}", self.idx_t, depth,
+        _tile(body, self.tile_var(j), product(m.reduce.sizes), f"mask_m{j}", self.idx_t, depth,
               self.config.rblock, tile_body)
         if kind in ("argmax", "argmin"):
             fn = "_kl_argmax" if kind == "argmax" else "_kl_argmin"
@@ -347,8 +413,19 @@ class _KernelPrinter:
         if m.name in self.locals:
             body.append(Assign(self.locals[m.name], (Ref(res),), depth))
         else:
-            body.append(Store(m.name, _store_offset(_out_index(m), names, self.k), (Ref(res),),
+            body.append(Store(m.name, _store_offset(_out_index(m), names, self.blocks),
+                              (Ref(res),),
                               (Ref("xmask"),), depth))
+
+
+def _values(sc: _Scope, m: L.Compute, out_idx: sympy.Expr):
+    """(offset, value) of each store of pointwise member `m`: one, or a complex value's two
+    parts (its buffer holds pairs of parts)."""
+    if not m.dtype.is_complex:
+        yield out_idx, _stored(sc.value(m.body), m.dtype)
+        return
+    for part in (0, 1):
+        yield 2 * out_idx + part, sc.part(m.body, part)
 
 
 def _stored(v: Code, dt) -> Code:
@@ -360,10 +437,20 @@ def _stored(v: Code, dt) -> Code:
     return code("{}({})", triton_round(dt.name), v) if dt.name in ROUND8 else v
 
 
-def _store_offset(idx: sympy.Expr, names: dict[str, str], k: int) -> Code:
-    """The store's offset, shaped like the row mask even when `idx` ignores the rows."""
-    row = any(v in sympy.sympify(idx).free_symbols for v in ivars(k))
-    return _index(idx, names) if row else code("{} + xidx * 0", _index(idx, names))
+def _is_block(idx: sympy.Expr, names: dict[str, str], blocks: set[str] | None) -> bool:
+    """Whether the printed `idx` is a block: it reads a variable that is one (else it is a
+    scalar: constants, size symbols, loop counters and indices computed from them only)."""
+    used = [names.get(str(v)) for v in sympy.sympify(idx).free_symbols]
+    if blocks is None:
+        return any(n is not None and n.isidentifier() for n in used)
+    return any(n in blocks for n in used)
+
+
+def _store_offset(idx: sympy.Expr, names: dict[str, str], blocks: set[str]) -> Code:
+    """The store's offset, a block like the mask even when `idx` is a scalar (a pointer that
+    is not a block takes no block mask)."""
+    return _index(idx, names) if _is_block(idx, names, blocks) \
+        else code("{} + xidx * 0", _index(idx, names))
 
 
 def _out_index(m: L.Compute) -> sympy.Expr:

@@ -11,6 +11,8 @@ helpers named `_kl_*` are `@triton.jit` functions defined in `PRELUDE`."""
 
 from __future__ import annotations
 
+import struct
+
 import sympy
 
 from kiln.ir import dtypes
@@ -32,7 +34,13 @@ SIG_PTR = {dtypes.float32: "*fp32", dtypes.float64: "*fp64", dtypes.float16: "*f
            dtypes.bfloat16: "*bf16", dtypes.int64: "*i64", dtypes.int32: "*i32",
            dtypes.int16: "*i16", dtypes.int8: "*i8", dtypes.uint8: "*u8", dtypes.bool_: "*i1",
            dtypes.float8_e4m3fn: "*fp8e4nv", dtypes.float8_e5m2: "*fp8e5",
-           dtypes.float8_e4m3fnuz: "*u8", dtypes.float8_e5m2fnuz: "*u8"}
+           dtypes.float8_e4m3fnuz: "*u8", dtypes.float8_e5m2fnuz: "*u8",
+           # complex: pairs of parts (real, imaginary), moved as their bit patterns
+           dtypes.complex32: "*i16", dtypes.complex64: "*i32", dtypes.complex128: "*i64"}
+# complex dtype -> the Triton type of one part's bits (kiln only moves complex values on the
+# GPU: copies, views, `where` of cat; ATen computes on them)
+COMPLEX_PART = {"complex32": ("tl.int16", "<e", "<h"), "complex64": ("tl.int32", "<f", "<i"),
+                "complex128": ("tl.int64", "<d", "<q")}
 # The type values of each dtype are held in while computing: 16-bit floats are loaded into
 # float32, every operator and accumulator works in float32, and a value is rounded to 16 bits
 # only where it is stored or explicitly cast (as eager's CUDA kernels do per operator).
@@ -116,7 +124,14 @@ REDUCTIONS: dict[str, tuple[str, str, str, str]] = {
 INT_LIMITS = {d.name: d.int_range for d in dtypes.DTYPES.values() if d.int_range is not None}
 
 
+# float64 spellings where FLOAT_OPS's take float32 only (`tl.sqrt_rn`; float64 `tl.sqrt` is
+# sqrt.rn.f64, correctly rounded)
+FLOAT64_OPS = {"sqrt": "tl.sqrt({0})"}
+
+
 def op_spelling(op: str, arg_dtype: DType) -> str:
+    if arg_dtype.name == "float64" and op in FLOAT64_OPS:
+        return FLOAT64_OPS[op]
     table = FLOAT_OPS if arg_dtype.is_float else INT_OPS
     try:
         return table[op]
@@ -153,6 +168,14 @@ def to_tl(e, names: dict[str, str] | None = None) -> str:
             out = f"{fn}({out}, {to_tl(a, names)})"
         return out
     raise ValueError(f"cannot print index expression {e!r} for Triton")
+
+
+def part_literal(value, dt, part: int) -> str:
+    """The bits of part `part` (0 real, 1 imaginary) of complex constant `value` of dtype
+    `dt`, as an integer literal."""
+    _, f, i = COMPLEX_PART[dt.name]
+    v = complex(value)
+    return str(struct.unpack(i, struct.pack(f, v.imag if part else v.real))[0])
 
 
 def literal(value, dt) -> str:

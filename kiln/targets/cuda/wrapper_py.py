@@ -123,9 +123,15 @@ def _with_scratch_allocator(launch, device) -> None:
 _FNUZ = (torch.float8_e4m3fnuz, torch.float8_e5m2fnuz)
 
 
+_PARTS = {torch.complex32: torch.int16, torch.complex64: torch.int32,
+          torch.complex128: torch.int64}
+
+
 def _bytes_if_fnuz(t: torch.Tensor) -> torch.Tensor:
     """fnuz float8 buffers go to kernels as bytes (their Triton types are AMD's; kiln's
-    kernels convert them: targets/cuda/ops.py)."""
+    kernels convert them: targets/cuda/ops.py); complex ones as their parts' bits."""
+    if t.dtype in _PARTS:
+        return t.view(_PARTS[t.dtype])
     return t.view(torch.uint8) if t.dtype in _FNUZ else t
 
 
