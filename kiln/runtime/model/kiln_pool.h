@@ -22,6 +22,14 @@
  * - An exception in a team member is caught, the team's barriers are released (the others
  *   leave them with TeamAborted), the region ends and the first exception is rethrown on the
  *   calling thread: nothing hangs.
+ * - KILN_POOL_STATS=1 in the environment (read when a pool is made): every region's members
+ *   measure the CPU time of their share (CLOCK_THREAD_CPUTIME_ID), runs the CPU time of their
+ *   calling thread; the pool prints a summary on stderr when destroyed: per region body (its
+ *   code address, for bench/threads_steps.py --pool to name), the regions, the summed and the
+ *   largest member's CPU time, and over all runs the serial CPU time (outside regions) and the
+ *   critical path (serial + the largest member of every region): the time the runs would take
+ *   with a core per member, however loaded the machine is (bench/threads_steps.py --pool).
+ *   Off: one predictable branch per region.
  * - fork: a child process has only the forking thread. A pthread_atfork handler bumps an
  *   epoch; a pool whose workers were started in an older epoch forgets them (it cannot join
  *   threads that do not exist in the child) and starts fresh ones on its next region, so a
@@ -31,6 +39,7 @@
 #ifndef KILN_POOL_H
 #define KILN_POOL_H
 
+#include <dlfcn.h>
 #include <linux/futex.h>
 #include <pthread.h>
 #include <sched.h>
@@ -41,6 +50,7 @@
 #include <atomic>
 #include <climits>
 #include <cstdint>
+#include <cstdio>
 #include <cstdlib>
 #include <exception>
 #include <new>
@@ -111,6 +121,58 @@ inline void watch_forks() {
   (void)once;
 }
 
+inline uint64_t thread_cpu_ns() {
+  timespec ts;
+  ::clock_gettime(CLOCK_THREAD_CPUTIME_ID, &ts);
+  return uint64_t(ts.tv_sec) * 1000000000u + uint64_t(ts.tv_nsec);
+}
+
+inline bool stats_from_env() {
+  const char *s = std::getenv("KILN_POOL_STATS");
+  return s && *s && *s != '0';
+}
+
+/* KILN_POOL_STATS: per region body (its code address), summed over its regions. */
+struct RegionStats {
+  const void *fn = nullptr;
+  int team = 0;
+  uint64_t regions = 0, cpu_sum_ns = 0, cpu_max_ns = 0, wall_ns = 0;
+};
+struct Stats {
+  static constexpr int kSlots = 128;
+  RegionStats slot[kSlots];
+  int used = 0;
+  uint64_t runs = 0, run_cpu_ns = 0, region_caller_cpu_ns = 0, run_wall_ns = 0;
+  uint64_t member_cpu_ns[256] = {};  // the region in progress, per member
+  RegionStats &at(const void *fn, int team) {
+    for (int i = 0; i < used; ++i)
+      if (slot[i].fn == fn && slot[i].team == team) return slot[i];
+    RegionStats &r = slot[used < kSlots ? used++ : kSlots - 1];
+    if (!r.fn) r.fn = fn, r.team = team;
+    return r;
+  }
+  void print() const {
+    uint64_t path = 0, sum = 0, serial = run_cpu_ns - region_caller_cpu_ns;
+    for (int i = 0; i < used; ++i) path += slot[i].cpu_max_ns, sum += slot[i].cpu_sum_ns;
+    std::fprintf(stderr,
+                 "kiln pool stats: runs %llu, wall %.6f s, caller cpu %.6f s, serial cpu %.6f s, "
+                 "regions' member cpu %.6f s, critical path %.6f s\n",
+                 (unsigned long long)runs, run_wall_ns * 1e-9, run_cpu_ns * 1e-9, serial * 1e-9,
+                 sum * 1e-9, (serial + path) * 1e-9);
+    for (int i = 0; i < used; ++i) {
+      const RegionStats &r = slot[i];
+      Dl_info info;
+      const bool named = ::dladdr(r.fn, &info) && info.dli_fname;
+      std::fprintf(stderr, "kiln pool region: %s+0x%llx team %d regions %llu cpu_sum %llu "
+                   "cpu_max %llu wall %llu\n", named ? info.dli_fname : "?",
+                   (unsigned long long)(named ? (const char *)r.fn - (const char *)info.dli_fbase
+                                              : (uintptr_t)r.fn),
+                   r.team, (unsigned long long)r.regions, (unsigned long long)r.cpu_sum_ns,
+                   (unsigned long long)r.cpu_max_ns, (unsigned long long)r.wall_ns);
+    }
+  }
+};
+
 inline uint64_t spin_ns_from_env() {
   const char *s = std::getenv("KILN_SPIN_US");
   if (s && *s) {
@@ -159,6 +221,7 @@ struct Team {
   std::atomic<uint32_t> phase{0};
   std::atomic<uint32_t> sleepers{0};
   std::atomic<uint32_t> failed{0};
+  uint64_t *member_cpu = nullptr;  // KILN_POOL_STATS: each member's CPU time in this region
   Mutex mu;  // team_critical
   Mutex error_mu;
   std::exception_ptr error;  // the first exception of a member (under error_mu)
@@ -228,8 +291,18 @@ class Pool {
  public:
   static constexpr int kMaxTeam = 256;  // larger budgets (up to libkiln's 4096) are capped
 
-  Pool() : spin_ns_(pool_detail::spin_ns_from_env()) { pool_detail::watch_forks(); }
-  ~Pool() { stop(); }
+  Pool() : spin_ns_(pool_detail::spin_ns_from_env()) {
+    pool_detail::watch_forks();
+    if (pool_detail::stats_from_env()) stats_ = new pool_detail::Stats;
+  }
+  ~Pool() {
+    stop();
+    if (stats_) {
+      stats_->print();
+      delete stats_;
+    }
+  }
+  pool_detail::Stats *stats() { return stats_; }
   Pool(const Pool &) = delete;
   Pool &operator=(const Pool &) = delete;
 
@@ -246,6 +319,12 @@ class Pool {
     Team team;
     team.size = nt;
     team.spin_ns = spin_ns_;
+    uint64_t wall0 = 0, cpu0 = 0;
+    if (stats_) {
+      team.member_cpu = stats_->member_cpu_ns;
+      wall0 = pool_detail::now_ns();
+      cpu0 = pool_detail::thread_cpu_ns();
+    }
     fn_ = fn;
     ctx_ = ctx;
     team_ = &team;
@@ -261,6 +340,18 @@ class Pool {
       const uint32_t p = pending_.load(std::memory_order_acquire);
       if (p == 0) break;
       pool_detail::wait_change(pending_, p, done_sleepers_, spin_ns_);
+    }
+    if (stats_) {
+      pool_detail::RegionStats &r = stats_->at(reinterpret_cast<const void *>(fn), nt);
+      uint64_t mx = 0;
+      for (int i = 0; i < nt; ++i) {
+        r.cpu_sum_ns += stats_->member_cpu_ns[i];
+        if (stats_->member_cpu_ns[i] > mx) mx = stats_->member_cpu_ns[i];
+      }
+      r.cpu_max_ns += mx;
+      r.regions += 1;
+      r.wall_ns += pool_detail::now_ns() - wall0;
+      stats_->region_caller_cpu_ns += pool_detail::thread_cpu_ns() - cpu0;
     }
     if (team.error) std::rethrow_exception(team.error);
   }
@@ -278,6 +369,7 @@ class Pool {
     PoolThread &me = tls();
     PoolThread saved = me;
     me.team = team;
+    const uint64_t c0 = team->member_cpu ? pool_detail::thread_cpu_ns() : 0;
     try {
       fn(ctx, t, team->size);
     } catch (const TeamAborted &) {
@@ -285,6 +377,7 @@ class Pool {
     } catch (...) {
       team->fail(std::current_exception());
     }
+    if (team->member_cpu) team->member_cpu[t] = pool_detail::thread_cpu_ns() - c0;
     me.pool = saved.pool;
     me.team = saved.team;
   }
@@ -357,6 +450,7 @@ class Pool {
   alignas(64) std::atomic<uint32_t> pending_{0};
   std::atomic<uint32_t> done_sleepers_{0};
   std::atomic<bool> stopping_{false};
+  pool_detail::Stats *stats_ = nullptr;  // KILN_POOL_STATS
 };
 
 /* Opened by a run's entry point (the generated wrapper): kernels called on this thread until
@@ -368,8 +462,18 @@ class RunScope {
     me.pool = pool;
     me.budget = requested_threads();
     me.team = nullptr;
+    if (pool && pool->stats()) {
+      stats_ = pool->stats();
+      wall0_ = pool_detail::now_ns();
+      cpu0_ = pool_detail::thread_cpu_ns();
+    }
   }
   ~RunScope() {
+    if (stats_) {
+      stats_->runs += 1;
+      stats_->run_cpu_ns += pool_detail::thread_cpu_ns() - cpu0_;
+      stats_->run_wall_ns += pool_detail::now_ns() - wall0_;
+    }
     PoolThread &me = tls();
     me.pool = saved_.pool;
     me.budget = saved_.budget;
@@ -380,6 +484,8 @@ class RunScope {
 
  private:
   PoolThread saved_;
+  pool_detail::Stats *stats_ = nullptr;  // KILN_POOL_STATS
+  uint64_t wall0_ = 0, cpu0_ = 0;
 };
 
 /* Team size a region started here may have: the run's budget, or 1 inside a region or

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 import textwrap
@@ -286,3 +287,54 @@ def test_pool_primitives(tmp_path, nt):
     out = subprocess.run([str(exe), str(nt)], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stdout + out.stderr
     assert out.stdout.strip() == f"OK {nt - 1}", out.stdout
+
+
+_STATS_CPP = r"""
+#include "kiln_pool.h"
+#include <cstdio>
+static void burn_cpu(uint64_t ns) {  // busy for `ns` of this thread's CPU time
+  const uint64_t t0 = kr::pool_detail::thread_cpu_ns();
+  while (kr::pool_detail::thread_cpu_ns() - t0 < ns) {}
+}
+int main() {
+  kr::Pool pool;
+  kr::tls().requested = 2;
+  {
+    kr::RunScope scope(&pool);
+    burn_cpu(20000000);  // 20 ms serial
+    for (int r = 0; r < 3; ++r)  // 3 regions: member 0 burns 30 ms, member 1 10 ms
+      kr::parallel(2, [&](int t, int) { burn_cpu(t == 0 ? 30000000 : 10000000); });
+  }
+  std::printf("OK\n");
+  return 0;
+}
+"""
+
+
+def test_pool_stats_measure_each_members_cpu_time(tmp_path):
+    """KILN_POOL_STATS=1 (bench/threads_steps.py --pool): the summary the pool prints when it
+    is destroyed charges each member the CPU time of its share (not the wait for a core), the
+    serial CPU time outside regions, and the critical path serial + largest members."""
+    src, exe = tmp_path / "stats.cpp", tmp_path / "stats"
+    src.write_text(_STATS_CPP)
+    inc = os.path.join(ROOT, "kiln", "runtime", "model")
+    subprocess.run([cxx(), "-std=c++17", "-O1", "-pthread", f"-I{inc}", str(src), "-o",
+                    str(exe)], check=True)
+    out = subprocess.run([str(exe)], capture_output=True, text=True, timeout=120,
+                         env={**os.environ, "KILN_POOL_STATS": "1"})
+    assert out.returncode == 0 and out.stdout.strip() == "OK", out.stdout + out.stderr
+    head = next(ln for ln in out.stderr.splitlines() if ln.startswith("kiln pool stats:"))
+    tot = {k: float(v) for k, v in re.findall(
+        r"(runs|serial cpu|regions' member cpu|critical path) ([0-9.]+)", head)}
+    assert tot["runs"] == 1
+    assert tot["serial cpu"] == pytest.approx(0.020, abs=0.004)
+    assert tot["regions' member cpu"] == pytest.approx(0.120, abs=0.01)
+    assert tot["critical path"] == pytest.approx(0.020 + 0.090, abs=0.01)
+    (reg,) = [ln for ln in out.stderr.splitlines() if ln.startswith("kiln pool region:")]
+    f = dict(re.findall(r"(team|regions|cpu_sum|cpu_max) (\d+)", reg))
+    assert (f["team"], f["regions"]) == ("2", "3")
+    assert int(f["cpu_max"]) * 1e-9 == pytest.approx(0.090, abs=0.01)
+    # without the variable: no summary
+    quiet = subprocess.run([str(exe)], capture_output=True, text=True, timeout=120,
+                           env={k: v for k, v in os.environ.items() if k != "KILN_POOL_STATS"})
+    assert "kiln pool" not in quiet.stderr
