@@ -540,8 +540,38 @@ inline Mutex &team_critical() {
   return t ? t->mu : solo;
 }
 
-/* Static schedule: [0, n) cut into nt contiguous chunks, f(lo, hi) for each non-empty one
- * (chunk t is [n t / nt, n (t+1) / nt)); nt is lowered to n. Serial (f(0, n)) when nt <= 1. */
+namespace pool_detail {
+/* One member's share of a parallel_for, [lo, hi) packed in one word (lo | hi << 32): the owner
+ * takes pieces from the front, a member done with its own share takes them from the back. */
+struct alignas(64) Share {
+  std::atomic<uint64_t> r{0};
+  bool take(int64_t g, bool front, int64_t &lo, int64_t &hi) {
+    uint64_t v = r.load(std::memory_order_acquire);
+    for (;;) {
+      const int64_t l = int64_t(v & 0xffffffffu), h = int64_t(v >> 32);
+      if (l >= h) return false;
+      const int64_t a = front ? l : (h - g > l ? h - g : l), b = front ? (l + g < h ? l + g : h) : h;
+      const uint64_t nv = front ? (uint64_t(h) << 32) | uint64_t(b)
+                                : (uint64_t(a) << 32) | uint64_t(l);
+      if (r.compare_exchange_weak(v, nv, std::memory_order_acq_rel,
+                                  std::memory_order_acquire)) {
+        lo = a, hi = b;
+        return true;
+      }
+    }
+  }
+};
+}  // namespace pool_detail
+
+/* [0, n) over a team of nt (lowered to n): member t owns the static share [n t / nt,
+ * n (t+1) / nt) and runs it front to back in pieces of about an eighth; a member done with its
+ * own share then takes pieces from the back of the others'. On an idle machine every member
+ * runs its own share (a static schedule: what a thread reads is what it wrote one kernel
+ * earlier); a member the OS deschedules (a loaded machine) has its share finished by the
+ * others instead of holding the region up. f(lo, hi) may so be called several times per member,
+ * on disjoint pieces that together cover [0, n) once; every index's work is the same
+ * whichever member runs it, so results do not depend on the schedule. Serial (f(0, n)) when
+ * nt <= 1. */
 template <class F>
 inline void parallel_for(int64_t n, int nt, F &&f) {
   if (n <= 0) return;
@@ -551,9 +581,32 @@ inline void parallel_for(int64_t n, int nt, F &&f) {
     f(int64_t(0), n);
     return;
   }
+  constexpr int kMaxShares = 16;
+  if (nt > kMaxShares || n >= (int64_t(1) << 31)) {  // large teams, huge ranges: static
+    parallel(nt, [&](int t, int m) {
+      const int64_t lo = n * t / m, hi = n * (t + 1) / m;
+      if (lo < hi) f(lo, hi);
+    });
+    return;
+  }
+  pool_detail::Share shares[kMaxShares];
+  const int m0 = nt;
+  for (int t = 0; t < m0; ++t)
+    shares[t].r.store((uint64_t(n * (t + 1) / m0) << 32) | uint64_t(n * t / m0),
+                      std::memory_order_relaxed);
+  const int64_t g = (n / m0 + 7) / 8 > 1 ? (n / m0 + 7) / 8 : 1;  // pieces: ~1/8 of a share
   parallel(nt, [&](int t, int m) {
-    const int64_t lo = n * t / m, hi = n * (t + 1) / m;
-    if (lo < hi) f(lo, hi);
+    int64_t lo, hi;
+    if (m != m0) {  // a smaller team than asked (a thread could not start): shares of absent members
+      for (int v = 0; v < m0; ++v)
+        if (v % m == t)
+          while (shares[v].take(g, true, lo, hi)) f(lo, hi);
+    }
+    while (shares[t].take(g, true, lo, hi)) f(lo, hi);
+    for (int k = 1; k < m0; ++k) {
+      pool_detail::Share &v = shares[(t + k) % m0];
+      while (v.take(g, false, lo, hi)) f(lo, hi);
+    }
   });
 }
 

@@ -207,6 +207,7 @@ def test_forked_child_runs_the_model(mixed):
 
 _POOL_CPP = r"""
 #include "kiln_pool.h"
+#include <unistd.h>
 #include <cstdio>
 #include <stdexcept>
 #include <vector>
@@ -263,6 +264,32 @@ int main(int argc, char **argv) {
     } catch (const std::runtime_error &) { caught = true; }
     CHECK(caught);
   }
+  // a member that is late (descheduled; here: asleep 200 ms in the first piece a worker
+  // runs) has the rest of its share taken by the others: it runs that one piece (about an
+  // eighth of a share) and nothing else; every index still runs once
+  if (nt > 1) {
+    const pthread_t caller = pthread_self();
+    std::vector<int> hits(4000, 0), by_late(4000, 0);
+    std::atomic<int> slept{0};
+    static thread_local bool late = false;
+    static thread_local bool first = true;
+    kr::parallel_for(4000, nt, [&](int64_t lo, int64_t hi) {
+      if (!pthread_equal(pthread_self(), caller)) {
+        if (slept.fetch_add(1) == 0) {
+          late = true;
+          usleep(200000);
+        }
+      } else if (first) {  // the caller's first piece: wait (up to 10 s) for a worker to start
+        first = false;
+        for (int i = 0; i < 100000 && slept.load() == 0; ++i) usleep(100);
+      }
+      for (int64_t i = lo; i < hi; ++i) ++hits[i], by_late[i] = late;
+    });
+    for (int h : hits) CHECK(h == 1);
+    int ran = 0;
+    for (int b : by_late) ran += b;
+    CHECK(ran > 0 && ran <= (4000 / nt + 7) / 8 + 1);
+  }
   // the pool still works after the failures
   std::vector<int> hits(5000, 0);
   kr::parallel_for(5000, nt, [&](int64_t lo, int64_t hi) {
@@ -278,7 +305,8 @@ int main(int argc, char **argv) {
 @pytest.mark.parametrize("nt", [1, 2, 3, 5])
 def test_pool_primitives(tmp_path, nt):
     """kiln_pool.h on its own: chunks and dynamic tasks cover a range once, team ids, barrier,
-    critical, nested regions serial, an exception in any member rethrown without a hang."""
+    critical, nested regions serial, an exception in any member rethrown without a hang, a late
+    member's share of a parallel_for finished by the others."""
     src, exe = tmp_path / "pool.cpp", tmp_path / "pool"
     src.write_text(_POOL_CPP)
     inc = os.path.join(ROOT, "kiln", "runtime", "model")
