@@ -18,7 +18,11 @@ the members' summed CPU time, the critical path (serial + the largest member of 
 and the speed-up a core per thread would give, (serial + summed) / critical path; then the
 region bodies (named from the package library's symbols) that lose most to imbalance,
 largest member - summed / team. (Cache effects of the second thread are in the CPU times; the
-wake-up of the team is not: add regions x bench/threads_cpu.py --calibrate's F.)
+wake-up of the team is not: add regions x bench/threads_cpu.py --calibrate's F.) A region whose
+members share work out as they run (kr::parallel_for_dynamic; kr::parallel_for once a member
+has finished its own share) gives a descheduled member's work to the running one, so on a
+loaded machine its balance shows the load, not the split; the summed CPU time is the work
+either way.
 
     python bench/threads_steps.py --keep DIR [--models mlp,resnet18] [--rounds 3]
         [--calls 200] [--top 12] [--taskset 0,1] [--json out.json]
