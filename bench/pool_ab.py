@@ -9,7 +9,8 @@ starts one fresh process per cell, in an order that alternates per round: kiln b
 1 and 2 threads (bench/threads_cpu.py's timing worker of that tree: torch imported first,
 torch.set_num_threads(n), kiln.load(num_threads=n), default environment otherwise) and ORT at 2
 threads (bench/cpu_peers.py's worker). A cell's figure is the median over rounds of each
-process's median call; ratios are of those medians. `uptime` is sampled every round.
+process's median call (--stat min: its fastest call); ratios are of those medians. --ort1 adds
+ORT at 1 thread; --labels names the before/after columns. `uptime` is sampled every round.
 
     python bench/pool_ab.py --before /work/main [--models mlp,resnet18,mobilenet_v2,gpt]
         [--rounds 5] [--min-time 1.0] [--env NAME=VALUE] [--json out.json] [--markdown B.md]
@@ -65,6 +66,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--timeout", type=float, default=900.0)
     ap.add_argument("--env", action="append", default=[], help="NAME=VALUE for kiln timings")
     ap.add_argument("--keep", default=None)
+    ap.add_argument("--stat", choices=("median", "min"), default="median",
+                    help="a process's figure: its median call or its fastest")
+    ap.add_argument("--ort1", action="store_true", help="ORT at 1 thread too")
+    ap.add_argument("--labels", default="OpenMP,pool", help="names of the before/after columns")
     ap.add_argument("--json", default=None)
     ap.add_argument("--markdown", default=None)
     a = ap.parse_args(argv)
@@ -98,6 +103,8 @@ def main(argv: list[str] | None = None) -> int:
         if "error" in r:
             errors[m] = f"ort: {r['error']}"
     cells = [("before", 1), ("before", 2), ("after", 1), ("after", 2), ("ort", 2)]
+    if a.ort1:
+        cells.append(("ort", 1))
     times = {m: {c: [] for c in cells} for m in models}
     bad: dict[str, str] = {}
     loads = []
@@ -112,8 +119,8 @@ def main(argv: list[str] | None = None) -> int:
                     r = _worker(ROOT, "cpu_peers.py", ["--worker", "time", "--model", m,
                                                        "--system", "ort", *timing,
                                                        "--max-calls", "20000"],
-                                dirs[m]["after"], {"OMP_NUM_THREADS": "2",
-                                                   "KILN_BENCH_THREADS": "2"}, a.timeout)
+                                dirs[m]["after"], {"OMP_NUM_THREADS": str(n),
+                                                   "KILN_BENCH_THREADS": str(n)}, a.timeout)
                 else:
                     tree = ROOT if which == "after" else before
                     r = _worker(tree, "threads_cpu.py", ["--worker", "time", "--model", m,
@@ -124,7 +131,7 @@ def main(argv: list[str] | None = None) -> int:
                     continue
                 if r.get("matches") is False:
                     bad[m] = f"{which} {n}: MISMATCH"
-                times[m][c].append(r["latency_s"])
+                times[m][c].append(r["min_s" if a.stat == "min" else "latency_s"])
         print(f"round {rnd + 1}/{a.rounds} (load {loads[-1]:.2f})", flush=True)
     load_end = _uptime()
 
@@ -133,24 +140,30 @@ def main(argv: list[str] | None = None) -> int:
 
     info = machine_info(None)
     command = "python bench/pool_ab.py " + " ".join(argv if argv is not None else sys.argv[1:])
+    B, A = a.labels.split(",")
     lines = [f"{info['date']}, {info['cpu']}, {info['cores']} cores, torch {info['torch']}; "
              f"`{command.strip()}`" + (f"; env {' '.join(a.env)}" if a.env else ""),
              f"load before: `{load_start}`; after: `{load_end}`; load1 per round "
              f"{', '.join(f'{x:.2f}' for x in loads)}", "",
-             "| model | OpenMP 1 thr (ms) | OpenMP 2 thr (ms) | pool 1 thr (ms) | "
-             "pool 2 thr (ms) | ORT 2 thr (ms) | pool/OpenMP 1 thr | pool/OpenMP 2 thr | "
-             "OpenMP 2 thr / ORT | pool 2 thr / ORT | pool 1/2 thr speed-up | note |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+             f"| model | {B} 1 thr (ms) | {B} 2 thr (ms) | {A} 1 thr (ms) | "
+             f"{A} 2 thr (ms) | ORT 2 thr (ms) | {A}/{B} 1 thr | {A}/{B} 2 thr | "
+             f"{B} 2 thr / ORT | {A} 2 thr / ORT | {B} 1/2 thr speed-up | "
+             f"{A} 1/2 thr speed-up | " + ("ORT 1 thr (ms) | ORT 1/2 thr speed-up | "
+                                          if a.ort1 else "") + "note |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|" + "---|---|" * a.ort1]
     rows = []
     for m in models:
-        b1, b2, a1, a2, o2 = (med(times[m][c]) for c in cells)
+        b1, b2, a1, a2, o2 = (med(times[m][c]) for c in cells[:5])
+        o1 = med(times[m][("ort", 1)]) if a.ort1 else float("nan")
         rows.append({"model": m, "before_1": b1, "before_2": b2, "after_1": a1, "after_2": a2,
-                     "ort_2": o2, "rounds": {f"{c[0]} {c[1]}": [x * 1e3 for x in xs]
+                     "ort_2": o2, "ort_1": o1, "rounds": {f"{c[0]} {c[1]}": [x * 1e3 for x in xs]
                                              for c, xs in times[m].items()},
                      "error": errors.get(m) or bad.get(m)})
         lines.append(f"| {m} | {b1:.3g} | {b2:.3g} | {a1:.3g} | {a2:.3g} | {o2:.3g} | "
                      f"{a1 / b1:.2f}x | {a2 / b2:.2f}x | {b2 / o2:.2f}x | {a2 / o2:.2f}x | "
-                     f"{a1 / a2:.2f}x | {errors.get(m) or bad.get(m) or ''} |")
+                     f"{b1 / b2:.2f}x | {a1 / a2:.2f}x | "
+                     + (f"{o1:.3g} | {o1 / o2:.2f}x | " if a.ort1 else "")
+                     + f"{errors.get(m) or bad.get(m) or ''} |")
     md = "\n".join(lines)
     print(md, flush=True)
     if a.json:

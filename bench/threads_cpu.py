@@ -6,10 +6,13 @@ Options(num_threads=2) (bench/cpu_peers.py's prepare and compile steps, in their
 processes); it is then timed with kiln.load(num_threads=1) and with num_threads=2, each in a
 fresh process, in R interleaved rounds (the order of 1 and 2 alternates per round, so both see
 the same load). A process warms up, times calls for --min-time seconds (at least --min-calls)
-and reports its median call and checks its output against eager. The figure per thread count
+and reports its median call (--stat min: its fastest call) and checks its output against eager.
+The figure per thread count
 is the median over rounds; speed-up = t(1 thread) / t(2 threads). `uptime` load is sampled
 every round. --taskset pins every timing process to the given CPUs; --env sets environment
-variables (e.g. OMP_WAIT_POLICY=PASSIVE) in the timing processes; each --variant NAME=VALUE adds
+variables (e.g. OMP_WAIT_POLICY=PASSIVE) in the timing processes; --ort adds ONNX Runtime at 1
+and 2 threads (bench/cpu_peers.py's compile and timing workers, intra_op_num_threads=n) to the
+same interleaved rounds, for its own speed-up beside kiln's; each --variant NAME=VALUE adds
 a column: 2 threads with that variable set (interleaved with the others in every round), e.g.
 GOMP_SPINCOUNT=1000, the spin count libkiln gives the OpenMP pool a package starts itself (a
 Python process that imported torch shares torch's pool, whose settings were read at import).
@@ -80,7 +83,7 @@ def w_time(d: Path, threads: int, warmup: int, min_calls: int, min_time: float) 
     got = [np.asarray(g, dtype=np.float64) for g in _flat_np(out)]
     err = max((float(np.max(np.abs(g - w))) for g, w in zip(got, want) if w.size), default=0.0)
     scale = max((float(np.max(np.abs(w))) for w in want if w.size), default=0.0)
-    return {"latency_s": statistics.median(times), "calls": len(times),
+    return {"latency_s": statistics.median(times), "min_s": min(times), "calls": len(times),
             "matches": bool(err <= meta["atol"] + meta["rtol"] * scale), "max_abs_err": err}
 
 
@@ -173,6 +176,27 @@ def calibrate() -> int:
     return 0
 
 
+def _ort(a: argparse.Namespace, step: str, model: str, d: Path, threads: int = 2) -> dict:
+    """bench/cpu_peers.py's ORT worker (compile: the ONNX export; time: at `threads`)."""
+    out = d / f"ort-{step}-{threads}.json"
+    cmd = [sys.executable, str(ROOT / "bench" / "cpu_peers.py"), "--worker", step, "--model",
+           model, "--system", "ort", "--dir", str(d), "--worker-out", str(out)]
+    if step == "time":
+        cmd += ["--warmup", str(a.warmup), "--min-calls", str(a.min_calls), "--min-time",
+                str(a.min_time), "--max-calls", "20000"]
+        if a.taskset:
+            cmd = ["taskset", "-c", a.taskset, *cmd]
+    env = dict(os.environ, PYTHONPATH=str(ROOT), KILN_BENCH_THREADS=str(threads),
+               OMP_NUM_THREADS=str(threads))
+    env.update(kv.split("=", 1) for kv in a.env)
+    try:
+        subprocess.run(cmd, env=env, timeout=a.timeout, check=False,
+                       stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    except subprocess.TimeoutExpired:
+        return {"error": f"timeout ({a.timeout:.0f} s)"}
+    return json.loads(out.read_text()) if out.exists() else {"error": "worker died"}
+
+
 def _worker(a: argparse.Namespace) -> None:
     from bench.cpu_peers import w_compile, w_prepare
 
@@ -226,6 +250,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--env", action="append", default=[], help="NAME=VALUE for timing runs")
     ap.add_argument("--variant", action="append", default=[],
                     help="NAME=VALUE: a further 2-thread column with this variable set")
+    ap.add_argument("--stat", choices=("median", "min"), default="median",
+                    help="a process's figure: its median call, or its fastest (min: on a "
+                         "loaded shared machine, the calls in which every thread had a core)")
+    ap.add_argument("--ort", action="store_true", help="ONNX Runtime at 1 and 2 threads too")
     ap.add_argument("--timeout", type=float, default=900.0)
     ap.add_argument("--json", default=None)
     ap.add_argument("--markdown", default=None)
@@ -253,15 +281,20 @@ def main(argv: list[str] | None = None) -> int:
         d = base / m
         d.mkdir(parents=True, exist_ok=True)
         dirs[m] = d
-        if (d / "kiln.kiln").exists() and (d / "prepare.json").exists():
-            continue
-        for step in ("prepare", "compile"):
-            r = _run(a, step, m, d)
+        if not ((d / "kiln.kiln").exists() and (d / "prepare.json").exists()):
+            for step in ("prepare", "compile"):
+                r = _run(a, step, m, d)
+                if "error" in r:
+                    errors[m] = f"{step}: {r['error']}"
+                    print(f"{m}: {errors[m]}", flush=True)
+                    break
+        if a.ort and m not in errors and not (d / "model.onnx").exists():
+            r = _ort(a, "compile", m, d)
             if "error" in r:
-                errors[m] = f"{step}: {r['error']}"
-                print(f"{m}: {errors[m]}", flush=True)
-                break
+                errors[m] = f"ort compile: {r['error']}"
     cols: list[tuple[int, str | None]] = [(1, None), (2, None)] + [(2, v) for v in a.variant]
+    if a.ort:
+        cols += [(1, "ort"), (2, "ort")]
     times: dict[str, dict[tuple, list[float]]] = {m: {c: [] for c in cols} for m in models}
     bad: dict[str, str] = {}
     loads: list[float] = []
@@ -271,13 +304,16 @@ def main(argv: list[str] | None = None) -> int:
             if m in errors:
                 continue
             for c in (cols if rnd % 2 == 0 else cols[::-1]):
-                r = _run(a, "time", m, dirs[m], c[0], pin=True, variant=c[1])
+                if c[1] == "ort":
+                    r = _ort(a, "time", m, dirs[m], c[0])
+                else:
+                    r = _run(a, "time", m, dirs[m], c[0], pin=True, variant=c[1])
                 if "error" in r:
                     bad[m] = r["error"]
                     continue
                 if not r["matches"]:
                     bad[m] = f"MISMATCH (max abs err {r['max_abs_err']:.3g})"
-                times[m][c].append(r["latency_s"])
+                times[m][c].append(r["min_s" if a.stat == "min" else "latency_s"])
         print(f"round {rnd + 1}/{a.rounds} done (load {loads[-1]:.2f})", flush=True)
     load_end = _uptime()
 
@@ -289,6 +325,8 @@ def main(argv: list[str] | None = None) -> int:
         t1, t2 = med(times[m][cols[0]]), med(times[m][cols[1]])
         rows.append({"model": m, "t1_ms": t1, "t2_ms": t2, "speedup": t1 / t2,
                      "variants": {v: med(times[m][(2, v)]) for v in a.variant},
+                     "ort_1_ms": med(times[m].get((1, "ort"), [])),
+                     "ort_2_ms": med(times[m].get((2, "ort"), [])),
                      "rounds": {f"{c[0]}{' ' + c[1] if c[1] else ''}": [x * 1e3 for x in xs]
                                 for c, xs in times[m].items()},
                      "error": errors.get(m) or bad.get(m)})
@@ -301,14 +339,22 @@ def main(argv: list[str] | None = None) -> int:
              f"load before: `{load_start}`; after: `{load_end}`; load1 per round "
              f"{', '.join(f'{x:.2f}' for x in loads)}", "",
              "| model | 1 thread (ms) | 2 threads (ms) | speed-up | "
-             + "".join(f"2 threads, {v} (ms) | speed-up | " for v in a.variant) + "note |",
-             "|---|---|---|---|" + "---|---|" * len(a.variant) + "---|"]
+             + "".join(f"2 threads, {v} (ms) | speed-up | " for v in a.variant)
+             + ("ORT 1 thread (ms) | ORT 2 threads (ms) | ORT speed-up | " if a.ort else "")
+             + "note |",
+             "|---|---|---|---|" + "---|---|" * len(a.variant) + "---|---|---|" * a.ort
+             + "---|"]
     for r in rows:
         lines.append(f"| {r['model']} | {r['t1_ms']:.3g} | {r['t2_ms']:.3g} | "
                      f"{r['speedup']:.2f}x | "
                      + "".join(f"{r['variants'][v]:.3g} | {r['t1_ms'] / r['variants'][v]:.2f}x | "
-                               for v in a.variant) + f"{r['error'] or ''} |")
+                               for v in a.variant)
+                     + (f"{r['ort_1_ms']:.3g} | {r['ort_2_ms']:.3g} | "
+                        f"{r['ort_1_ms'] / r['ort_2_ms']:.2f}x | " if a.ort else "")
+                     + f"{r['error'] or ''} |")
     lines += ["", f"Geometric mean speed-up: {geo:.2f}x"
+              + (f"; ORT: {_geo([r['ort_1_ms'] / r['ort_2_ms'] for r in rows]):.2f}x"
+                 if a.ort else "")
               + "".join(f"; with {v}: {_geo([r['t1_ms'] / r['variants'][v] for r in rows]):.2f}x"
                         for v in a.variant)]
     md = "\n".join(lines)

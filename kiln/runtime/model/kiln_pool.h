@@ -22,6 +22,14 @@
  * - An exception in a team member is caught, the team's barriers are released (the others
  *   leave them with TeamAborted), the region ends and the first exception is rethrown on the
  *   calling thread: nothing hangs.
+ * - KILN_POOL_STATS=1 in the environment (read when a pool is made): every region's members
+ *   measure the CPU time of their share (CLOCK_THREAD_CPUTIME_ID), runs the CPU time of their
+ *   calling thread; the pool prints a summary on stderr when destroyed: per region body (its
+ *   code address, for bench/threads_steps.py --pool to name), the regions, the summed and the
+ *   largest member's CPU time, and over all runs the serial CPU time (outside regions) and the
+ *   critical path (serial + the largest member of every region): the time the runs would take
+ *   with a core per member, however loaded the machine is (bench/threads_steps.py --pool).
+ *   Off: one predictable branch per region.
  * - fork: a child process has only the forking thread. A pthread_atfork handler bumps an
  *   epoch; a pool whose workers were started in an older epoch forgets them (it cannot join
  *   threads that do not exist in the child) and starts fresh ones on its next region, so a
@@ -31,6 +39,7 @@
 #ifndef KILN_POOL_H
 #define KILN_POOL_H
 
+#include <dlfcn.h>
 #include <linux/futex.h>
 #include <pthread.h>
 #include <sched.h>
@@ -41,6 +50,7 @@
 #include <atomic>
 #include <climits>
 #include <cstdint>
+#include <cstdio>
 #include <cstdlib>
 #include <exception>
 #include <new>
@@ -111,6 +121,58 @@ inline void watch_forks() {
   (void)once;
 }
 
+inline uint64_t thread_cpu_ns() {
+  timespec ts;
+  ::clock_gettime(CLOCK_THREAD_CPUTIME_ID, &ts);
+  return uint64_t(ts.tv_sec) * 1000000000u + uint64_t(ts.tv_nsec);
+}
+
+inline bool stats_from_env() {
+  const char *s = std::getenv("KILN_POOL_STATS");
+  return s && *s && *s != '0';
+}
+
+/* KILN_POOL_STATS: per region body (its code address), summed over its regions. */
+struct RegionStats {
+  const void *fn = nullptr;
+  int team = 0;
+  uint64_t regions = 0, cpu_sum_ns = 0, cpu_max_ns = 0, wall_ns = 0;
+};
+struct Stats {
+  static constexpr int kSlots = 128;
+  RegionStats slot[kSlots];
+  int used = 0;
+  uint64_t runs = 0, run_cpu_ns = 0, region_caller_cpu_ns = 0, run_wall_ns = 0;
+  uint64_t member_cpu_ns[256] = {};  // the region in progress, per member
+  RegionStats &at(const void *fn, int team) {
+    for (int i = 0; i < used; ++i)
+      if (slot[i].fn == fn && slot[i].team == team) return slot[i];
+    RegionStats &r = slot[used < kSlots ? used++ : kSlots - 1];
+    if (!r.fn) r.fn = fn, r.team = team;
+    return r;
+  }
+  void print() const {
+    uint64_t path = 0, sum = 0, serial = run_cpu_ns - region_caller_cpu_ns;
+    for (int i = 0; i < used; ++i) path += slot[i].cpu_max_ns, sum += slot[i].cpu_sum_ns;
+    std::fprintf(stderr,
+                 "kiln pool stats: runs %llu, wall %.6f s, caller cpu %.6f s, serial cpu %.6f s, "
+                 "regions' member cpu %.6f s, critical path %.6f s\n",
+                 (unsigned long long)runs, run_wall_ns * 1e-9, run_cpu_ns * 1e-9, serial * 1e-9,
+                 sum * 1e-9, (serial + path) * 1e-9);
+    for (int i = 0; i < used; ++i) {
+      const RegionStats &r = slot[i];
+      Dl_info info;
+      const bool named = ::dladdr(r.fn, &info) && info.dli_fname;
+      std::fprintf(stderr, "kiln pool region: %s+0x%llx team %d regions %llu cpu_sum %llu "
+                   "cpu_max %llu wall %llu\n", named ? info.dli_fname : "?",
+                   (unsigned long long)(named ? (const char *)r.fn - (const char *)info.dli_fbase
+                                              : (uintptr_t)r.fn),
+                   r.team, (unsigned long long)r.regions, (unsigned long long)r.cpu_sum_ns,
+                   (unsigned long long)r.cpu_max_ns, (unsigned long long)r.wall_ns);
+    }
+  }
+};
+
 inline uint64_t spin_ns_from_env() {
   const char *s = std::getenv("KILN_SPIN_US");
   if (s && *s) {
@@ -159,6 +221,7 @@ struct Team {
   std::atomic<uint32_t> phase{0};
   std::atomic<uint32_t> sleepers{0};
   std::atomic<uint32_t> failed{0};
+  uint64_t *member_cpu = nullptr;  // KILN_POOL_STATS: each member's CPU time in this region
   Mutex mu;  // team_critical
   Mutex error_mu;
   std::exception_ptr error;  // the first exception of a member (under error_mu)
@@ -228,8 +291,18 @@ class Pool {
  public:
   static constexpr int kMaxTeam = 256;  // larger budgets (up to libkiln's 4096) are capped
 
-  Pool() : spin_ns_(pool_detail::spin_ns_from_env()) { pool_detail::watch_forks(); }
-  ~Pool() { stop(); }
+  Pool() : spin_ns_(pool_detail::spin_ns_from_env()) {
+    pool_detail::watch_forks();
+    if (pool_detail::stats_from_env()) stats_ = new pool_detail::Stats;
+  }
+  ~Pool() {
+    stop();
+    if (stats_) {
+      stats_->print();
+      delete stats_;
+    }
+  }
+  pool_detail::Stats *stats() { return stats_; }
   Pool(const Pool &) = delete;
   Pool &operator=(const Pool &) = delete;
 
@@ -246,6 +319,12 @@ class Pool {
     Team team;
     team.size = nt;
     team.spin_ns = spin_ns_;
+    uint64_t wall0 = 0, cpu0 = 0;
+    if (stats_) {
+      team.member_cpu = stats_->member_cpu_ns;
+      wall0 = pool_detail::now_ns();
+      cpu0 = pool_detail::thread_cpu_ns();
+    }
     fn_ = fn;
     ctx_ = ctx;
     team_ = &team;
@@ -261,6 +340,18 @@ class Pool {
       const uint32_t p = pending_.load(std::memory_order_acquire);
       if (p == 0) break;
       pool_detail::wait_change(pending_, p, done_sleepers_, spin_ns_);
+    }
+    if (stats_) {
+      pool_detail::RegionStats &r = stats_->at(reinterpret_cast<const void *>(fn), nt);
+      uint64_t mx = 0;
+      for (int i = 0; i < nt; ++i) {
+        r.cpu_sum_ns += stats_->member_cpu_ns[i];
+        if (stats_->member_cpu_ns[i] > mx) mx = stats_->member_cpu_ns[i];
+      }
+      r.cpu_max_ns += mx;
+      r.regions += 1;
+      r.wall_ns += pool_detail::now_ns() - wall0;
+      stats_->region_caller_cpu_ns += pool_detail::thread_cpu_ns() - cpu0;
     }
     if (team.error) std::rethrow_exception(team.error);
   }
@@ -278,6 +369,7 @@ class Pool {
     PoolThread &me = tls();
     PoolThread saved = me;
     me.team = team;
+    const uint64_t c0 = team->member_cpu ? pool_detail::thread_cpu_ns() : 0;
     try {
       fn(ctx, t, team->size);
     } catch (const TeamAborted &) {
@@ -285,6 +377,7 @@ class Pool {
     } catch (...) {
       team->fail(std::current_exception());
     }
+    if (team->member_cpu) team->member_cpu[t] = pool_detail::thread_cpu_ns() - c0;
     me.pool = saved.pool;
     me.team = saved.team;
   }
@@ -357,6 +450,7 @@ class Pool {
   alignas(64) std::atomic<uint32_t> pending_{0};
   std::atomic<uint32_t> done_sleepers_{0};
   std::atomic<bool> stopping_{false};
+  pool_detail::Stats *stats_ = nullptr;  // KILN_POOL_STATS
 };
 
 /* Opened by a run's entry point (the generated wrapper): kernels called on this thread until
@@ -368,8 +462,18 @@ class RunScope {
     me.pool = pool;
     me.budget = requested_threads();
     me.team = nullptr;
+    if (pool && pool->stats()) {
+      stats_ = pool->stats();
+      wall0_ = pool_detail::now_ns();
+      cpu0_ = pool_detail::thread_cpu_ns();
+    }
   }
   ~RunScope() {
+    if (stats_) {
+      stats_->runs += 1;
+      stats_->run_cpu_ns += pool_detail::thread_cpu_ns() - cpu0_;
+      stats_->run_wall_ns += pool_detail::now_ns() - wall0_;
+    }
     PoolThread &me = tls();
     me.pool = saved_.pool;
     me.budget = saved_.budget;
@@ -380,6 +484,8 @@ class RunScope {
 
  private:
   PoolThread saved_;
+  pool_detail::Stats *stats_ = nullptr;  // KILN_POOL_STATS
+  uint64_t wall0_ = 0, cpu0_ = 0;
 };
 
 /* Team size a region started here may have: the run's budget, or 1 inside a region or
@@ -434,8 +540,38 @@ inline Mutex &team_critical() {
   return t ? t->mu : solo;
 }
 
-/* Static schedule: [0, n) cut into nt contiguous chunks, f(lo, hi) for each non-empty one
- * (chunk t is [n t / nt, n (t+1) / nt)); nt is lowered to n. Serial (f(0, n)) when nt <= 1. */
+namespace pool_detail {
+/* One member's share of a parallel_for, [lo, hi) packed in one word (lo | hi << 32): the owner
+ * takes pieces from the front, a member done with its own share takes them from the back. */
+struct alignas(64) Share {
+  std::atomic<uint64_t> r{0};
+  bool take(int64_t g, bool front, int64_t &lo, int64_t &hi) {
+    uint64_t v = r.load(std::memory_order_acquire);
+    for (;;) {
+      const int64_t l = int64_t(v & 0xffffffffu), h = int64_t(v >> 32);
+      if (l >= h) return false;
+      const int64_t a = front ? l : (h - g > l ? h - g : l), b = front ? (l + g < h ? l + g : h) : h;
+      const uint64_t nv = front ? (uint64_t(h) << 32) | uint64_t(b)
+                                : (uint64_t(a) << 32) | uint64_t(l);
+      if (r.compare_exchange_weak(v, nv, std::memory_order_acq_rel,
+                                  std::memory_order_acquire)) {
+        lo = a, hi = b;
+        return true;
+      }
+    }
+  }
+};
+}  // namespace pool_detail
+
+/* [0, n) over a team of nt (lowered to n): member t owns the static share [n t / nt,
+ * n (t+1) / nt) and runs it front to back in pieces of about an eighth; a member done with its
+ * own share then takes pieces from the back of the others'. On an idle machine every member
+ * runs its own share (a static schedule: what a thread reads is what it wrote one kernel
+ * earlier); a member the OS deschedules (a loaded machine) has its share finished by the
+ * others instead of holding the region up. f(lo, hi) may so be called several times per member,
+ * on disjoint pieces that together cover [0, n) once; every index's work is the same
+ * whichever member runs it, so results do not depend on the schedule. Serial (f(0, n)) when
+ * nt <= 1. */
 template <class F>
 inline void parallel_for(int64_t n, int nt, F &&f) {
   if (n <= 0) return;
@@ -445,9 +581,32 @@ inline void parallel_for(int64_t n, int nt, F &&f) {
     f(int64_t(0), n);
     return;
   }
+  constexpr int kMaxShares = 16;
+  if (nt > kMaxShares || n >= (int64_t(1) << 31)) {  // large teams, huge ranges: static
+    parallel(nt, [&](int t, int m) {
+      const int64_t lo = n * t / m, hi = n * (t + 1) / m;
+      if (lo < hi) f(lo, hi);
+    });
+    return;
+  }
+  pool_detail::Share shares[kMaxShares];
+  const int m0 = nt;
+  for (int t = 0; t < m0; ++t)
+    shares[t].r.store((uint64_t(n * (t + 1) / m0) << 32) | uint64_t(n * t / m0),
+                      std::memory_order_relaxed);
+  const int64_t g = (n / m0 + 7) / 8 > 1 ? (n / m0 + 7) / 8 : 1;  // pieces: ~1/8 of a share
   parallel(nt, [&](int t, int m) {
-    const int64_t lo = n * t / m, hi = n * (t + 1) / m;
-    if (lo < hi) f(lo, hi);
+    int64_t lo, hi;
+    if (m != m0) {  // a smaller team than asked (a thread could not start): shares of absent members
+      for (int v = 0; v < m0; ++v)
+        if (v % m == t)
+          while (shares[v].take(g, true, lo, hi)) f(lo, hi);
+    }
+    while (shares[t].take(g, true, lo, hi)) f(lo, hi);
+    for (int k = 1; k < m0; ++k) {
+      pool_detail::Share &v = shares[(t + k) % m0];
+      while (v.take(g, false, lo, hi)) f(lo, hi);
+    }
   });
 }
 

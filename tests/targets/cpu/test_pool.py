@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 import textwrap
@@ -206,6 +207,7 @@ def test_forked_child_runs_the_model(mixed):
 
 _POOL_CPP = r"""
 #include "kiln_pool.h"
+#include <unistd.h>
 #include <cstdio>
 #include <stdexcept>
 #include <vector>
@@ -262,6 +264,32 @@ int main(int argc, char **argv) {
     } catch (const std::runtime_error &) { caught = true; }
     CHECK(caught);
   }
+  // a member that is late (descheduled; here: asleep 200 ms in the first piece a worker
+  // runs) has the rest of its share taken by the others: it runs that one piece (about an
+  // eighth of a share) and nothing else; every index still runs once
+  if (nt > 1) {
+    const pthread_t caller = pthread_self();
+    std::vector<int> hits(4000, 0), by_late(4000, 0);
+    std::atomic<int> slept{0};
+    static thread_local bool late = false;
+    static thread_local bool first = true;
+    kr::parallel_for(4000, nt, [&](int64_t lo, int64_t hi) {
+      if (!pthread_equal(pthread_self(), caller)) {
+        if (slept.fetch_add(1) == 0) {
+          late = true;
+          usleep(200000);
+        }
+      } else if (first) {  // the caller's first piece: wait (up to 10 s) for a worker to start
+        first = false;
+        for (int i = 0; i < 100000 && slept.load() == 0; ++i) usleep(100);
+      }
+      for (int64_t i = lo; i < hi; ++i) ++hits[i], by_late[i] = late;
+    });
+    for (int h : hits) CHECK(h == 1);
+    int ran = 0;
+    for (int b : by_late) ran += b;
+    CHECK(ran > 0 && ran <= (4000 / nt + 7) / 8 + 1);
+  }
   // the pool still works after the failures
   std::vector<int> hits(5000, 0);
   kr::parallel_for(5000, nt, [&](int64_t lo, int64_t hi) {
@@ -277,7 +305,8 @@ int main(int argc, char **argv) {
 @pytest.mark.parametrize("nt", [1, 2, 3, 5])
 def test_pool_primitives(tmp_path, nt):
     """kiln_pool.h on its own: chunks and dynamic tasks cover a range once, team ids, barrier,
-    critical, nested regions serial, an exception in any member rethrown without a hang."""
+    critical, nested regions serial, an exception in any member rethrown without a hang, a late
+    member's share of a parallel_for finished by the others."""
     src, exe = tmp_path / "pool.cpp", tmp_path / "pool"
     src.write_text(_POOL_CPP)
     inc = os.path.join(ROOT, "kiln", "runtime", "model")
@@ -286,3 +315,54 @@ def test_pool_primitives(tmp_path, nt):
     out = subprocess.run([str(exe), str(nt)], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stdout + out.stderr
     assert out.stdout.strip() == f"OK {nt - 1}", out.stdout
+
+
+_STATS_CPP = r"""
+#include "kiln_pool.h"
+#include <cstdio>
+static void burn_cpu(uint64_t ns) {  // busy for `ns` of this thread's CPU time
+  const uint64_t t0 = kr::pool_detail::thread_cpu_ns();
+  while (kr::pool_detail::thread_cpu_ns() - t0 < ns) {}
+}
+int main() {
+  kr::Pool pool;
+  kr::tls().requested = 2;
+  {
+    kr::RunScope scope(&pool);
+    burn_cpu(20000000);  // 20 ms serial
+    for (int r = 0; r < 3; ++r)  // 3 regions: member 0 burns 30 ms, member 1 10 ms
+      kr::parallel(2, [&](int t, int) { burn_cpu(t == 0 ? 30000000 : 10000000); });
+  }
+  std::printf("OK\n");
+  return 0;
+}
+"""
+
+
+def test_pool_stats_measure_each_members_cpu_time(tmp_path):
+    """KILN_POOL_STATS=1 (bench/threads_steps.py --pool): the summary the pool prints when it
+    is destroyed charges each member the CPU time of its share (not the wait for a core), the
+    serial CPU time outside regions, and the critical path serial + largest members."""
+    src, exe = tmp_path / "stats.cpp", tmp_path / "stats"
+    src.write_text(_STATS_CPP)
+    inc = os.path.join(ROOT, "kiln", "runtime", "model")
+    subprocess.run([cxx(), "-std=c++17", "-O1", "-pthread", f"-I{inc}", str(src), "-o",
+                    str(exe)], check=True)
+    out = subprocess.run([str(exe)], capture_output=True, text=True, timeout=120,
+                         env={**os.environ, "KILN_POOL_STATS": "1"})
+    assert out.returncode == 0 and out.stdout.strip() == "OK", out.stdout + out.stderr
+    head = next(ln for ln in out.stderr.splitlines() if ln.startswith("kiln pool stats:"))
+    tot = {k: float(v) for k, v in re.findall(
+        r"(runs|serial cpu|regions' member cpu|critical path) ([0-9.]+)", head)}
+    assert tot["runs"] == 1
+    assert tot["serial cpu"] == pytest.approx(0.020, abs=0.004)
+    assert tot["regions' member cpu"] == pytest.approx(0.120, abs=0.01)
+    assert tot["critical path"] == pytest.approx(0.020 + 0.090, abs=0.01)
+    (reg,) = [ln for ln in out.stderr.splitlines() if ln.startswith("kiln pool region:")]
+    f = dict(re.findall(r"(team|regions|cpu_sum|cpu_max) (\d+)", reg))
+    assert (f["team"], f["regions"]) == ("2", "3")
+    assert int(f["cpu_max"]) * 1e-9 == pytest.approx(0.090, abs=0.01)
+    # without the variable: no summary
+    quiet = subprocess.run([str(exe)], capture_output=True, text=True, timeout=120,
+                           env={k: v for k, v in os.environ.items() if k != "KILN_POOL_STATS"})
+    assert "kiln pool" not in quiet.stderr

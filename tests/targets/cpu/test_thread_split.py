@@ -179,3 +179,65 @@ def test_openblas_single_threaded_inside_kiln_pool(tmp_path):
     with kiln.load(c.save(tmp_path / "b.kiln"), num_threads=2) as r:
         torch.testing.assert_close(r(x), m(x), rtol=1e-4, atol=1e-4)
     assert lib.scipy_openblas_get_num_threads() == 1
+
+
+class Attn(nn.Module):
+    """Batched GEMMs of two activations (the BLAS backend) around a softmax."""
+
+    def forward(self, q, k, v):
+        return torch.softmax(q @ k.transpose(-1, -2) * 0.125, -1) @ v
+
+
+_BUSY_THREADS = r"""
+import ctypes, os, sys, time
+import torch
+import kiln
+import scipy_openblas32 as blas
+lib = ctypes.CDLL(os.path.join(blas.get_lib_dir(), f"lib{blas.get_library()}.so"))
+lib.scipy_openblas_set_num_threads(4)  # as a process that uses OpenBLAS itself may
+torch.set_num_threads(1)
+path, budget = sys.argv[1], int(sys.argv[2])
+g = torch.Generator().manual_seed(3)
+args = [torch.randn(2, 4, 128, 64, generator=g) for _ in range(3)]
+
+def cpu():
+    out = {}
+    for tid in os.listdir("/proc/self/task"):
+        with open(f"/proc/self/task/{tid}/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+        out[tid] = int(fields[11]) + int(fields[12])  # utime + stime, clock ticks
+    return out
+
+with kiln.load(path, num_threads=budget) as r:
+    r(*args)
+    before, t = cpu(), time.time()
+    while time.time() - t < 1.5:
+        r(*args)
+    after = cpu()
+busy = sorted((after[k] - before.get(k, 0) for k in after), reverse=True)
+print(" ".join(map(str, busy)))
+"""
+
+
+@pytest.mark.parametrize("budget", [1, 2])
+def test_no_oversubscription_with_blas_gemms(tmp_path, budget):
+    """Issue 14 item 3: while a package runs at a budget of n threads, only n threads of the
+    process use the CPU (the caller and kiln's pool workers), even with BLAS GEMMs in it and
+    OpenBLAS set to 4 threads by the process beforehand."""
+    pytest.importorskip("scipy_openblas32")
+    g = _gen(4)
+    args = tuple(torch.randn(2, 4, 128, 64, generator=g) for _ in range(3))
+    c = kiln.compile(Attn(), args, options=kiln.Options(num_threads=2))
+    assert "[blas" in c.sources["model.cpp"]
+    path = c.save(tmp_path / "attn.kiln")
+    with kiln.load(path, num_threads=budget) as r:  # the results first, at this budget
+        torch.testing.assert_close(r(*args), Attn()(*args), rtol=1e-4, atol=1e-5)
+    out = subprocess.run([sys.executable, "-c", _BUSY_THREADS, str(path), str(budget)],
+                         capture_output=True, text=True, timeout=300,
+                         env={**os.environ, "OMP_NUM_THREADS": "4"})
+    assert out.returncode == 0, out.stderr[-3000:]
+    busy = [int(x) for x in out.stdout.split()]
+    total = sum(busy)
+    assert total > 0
+    # threads beyond the budget: no more than a few clock ticks between them
+    assert sum(busy[budget:]) <= max(3, total // 20), busy

@@ -387,22 +387,29 @@ inline void dense_any(const Shape &s, const float *x, const float *w, const floa
   }
 }
 
-/* Spatial split: thread t of nt computes every output channel of the t-th contiguous share of
- * the (image, row) units, or of the (image, pixel) units of a flat 1x1 row (split at multiples
- * of the tile width). A network's consecutive convolutions (and depthwise ones, split the same
+/* Spatial split: a member computes every output channel of a contiguous range [u0, u1) of
+ * the (image, row) units, or of the (image, pixel-chunk) units of a flat 1x1 row (chunks of the
+ * tile width); kr::parallel_for gives member t the t-th share (the others take what a
+ * descheduled member has not started). A network's consecutive convolutions (and depthwise ones, split the same
  * way) give each thread the same share of the image, so what it reads is mostly what it wrote
  * one kernel earlier, in its own core's cache. Taken where the activations outweigh the
  * weights (every thread reads all the weights). */
 template <int B>
-void dense_spatial_share(const Shape &s, const float *x, const float *w, const float *bias,
-                         const float *res, float *out, const Epi &ep, int t, int nt) {
+inline int64_t spatial_units(const Shape &s) {
+  const bool flat = s.oh == 1;
+  const int64_t per = flat ? s.ow : s.oh;  // units per image
+  const int64_t q = flat ? tile_px<B, 4>() : 1;  // split granularity (pixels or rows)
+  return s.n * ((per + q - 1) / q);
+}
+
+template <int B>
+void dense_spatial_range(const Shape &s, const float *x, const float *w, const float *bias,
+                         const float *res, float *out, const Epi &ep, int64_t u0, int64_t u1) {
   const Groups<B> gs(s);
   const bool flat = s.oh == 1;
   const int64_t per = flat ? s.ow : s.oh;  // units per image
   const int64_t q = flat ? tile_px<B, 4>() : 1;  // split granularity (pixels or rows)
   const int64_t chunks = (per + q - 1) / q;
-  const int64_t total = s.n * chunks;
-  const int64_t u0 = total * t / nt, u1 = total * (t + 1) / nt;
   for (int64_t u = u0; u < u1;) {
     const int64_t n = u / chunks, k0 = u % chunks;
     const int64_t k1 = std::min(chunks, k0 + (u1 - u));
@@ -432,8 +439,8 @@ void dense(const Shape &s, const float *x, const float *w, const float *bias, co
   const int64_t abytes = s.n * (s.icb * s.icn * s.ih * s.iw + s.ocb * B * s.oh * s.ow);
   const int64_t units = s.n * (s.oh == 1 ? s.ow / tile_px<B, 4>() : s.oh);
   if (par && abytes >= wbytes && units >= 2 * nt && even_split(units, nt)) {
-    kr::parallel(nt, [&](int t, int m) {
-      dense_spatial_share<B>(s, x, w, bias, res, out, ep, t, m);
+    kr::parallel_for(spatial_units<B>(s), nt, [&](int64_t u0, int64_t u1) {
+      dense_spatial_range<B>(s, x, w, bias, res, out, ep, u0, u1);
     });
     return;
   }
@@ -567,9 +574,9 @@ void dw_row(const Shape &s, const float *x, const float *w, const float *bias, c
   }
 }
 
-/* Thread t of nt: the t-th contiguous share of the (image, output row) units, every channel
- * block (block by block, its rows in order: the input rows a row shares with the next stay in
- * L1). The share of the image dense_spatial_share gives the same thread. Where the rows do not
+/* Member t of nt: the t-th contiguous share of the (image, output row) units (kr::parallel_for:
+ * the others take what a descheduled member has not started), every channel block (block by
+ * block, its rows in order: the input rows a row shares with the next stay in L1). The share of the image dense_spatial_range gives the same thread. Where the rows do not
  * split evenly (e.g. 7 rows on 2 threads), the shares are of (image, block, row) instead. */
 template <int B>
 void depthwise(const Shape &s, const float *x, const float *w, const float *bias,
@@ -582,8 +589,7 @@ void depthwise(const Shape &s, const float *x, const float *w, const float *bias
   const bool by_rows = even_split(s.n * s.oh, nt);
   const int64_t units = s.n * s.oh * (by_rows ? 1 : s.ocb);
   const bool par = nt > 1 && units >= nt && s.n * s.oh * s.ocb * s.ow * s.kh * s.kw >= 16384;
-  kr::parallel(par ? nt : 1, [&](int t, int m) {
-    const int64_t u0 = units * t / m, u1 = units * (t + 1) / m;
+  kr::parallel_for(units, par ? nt : 1, [&](int64_t u0, int64_t u1) {
     // rows [r0, r1) of image n, block cb
     auto rows = [&](int64_t n, int64_t cb, int64_t r0, int64_t r1) {
       for (int64_t oh = r0; oh < r1; ++oh)
@@ -948,9 +954,9 @@ int max_pool(kr::Err &e, const char *where, float *out, int64_t oh, int64_t ow, 
   // the same (image, row) shares as the convolutions around it (kiln_conv.h's spatial split)
   const int64_t units = n * oh;
   const int nt = team(threads);
-  kr::parallel(nt > 1 && units >= nt && units * cb * ow * kh * kw >= 16384 ? nt : 1,
-               [&](int t, int m) {
-    for (int64_t u = units * t / m; u < units * (t + 1) / m; ++u) {
+  kr::parallel_for(units, nt > 1 && units >= nt && units * cb * ow * kh * kw >= 16384 ? nt : 1,
+                   [&](int64_t u0, int64_t u1) {
+    for (int64_t u = u0; u < u1; ++u) {
       const int64_t i = u / oh, r = u % oh;
       for (int64_t c = 0; c < cb; ++c)
         pool_row<B>(x.data + (i * cb + c) * ih * iw * B, out + ((i * cb + c) * oh + r) * ow * B,
