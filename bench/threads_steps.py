@@ -5,7 +5,8 @@ inputs.npz), fresh processes load it at 1 and at 2 threads (pinned with --taskse
 turn the package's own per-step profiling hooks on (kiln/runtime/profiling.py, the wrapper's
 clock reads around every step) and run --calls times; a process reports each step's minimum
 over its calls (--stat min, the default: on a loaded shared machine the calls in which both
-threads had a core; or the median), and the same of the whole call. Rounds alternate the order of 1 and 2. Per step the figure is the median over rounds;
+threads had a core; or the median), and the same of the whole call. Rounds alternate the order
+of 1 and 2. Per step the figure is the median over rounds;
 "lost" = t(2) - t(1)/2, the time by which the step misses a perfect 2x, and the table lists the
 steps that lose most (serial steps, too-fine splits, imbalance, the wake-up of a region), with
 their kind and source ops, and the totals per kind.
@@ -233,7 +234,8 @@ def main(argv: list[str] | None = None) -> int:
             for n in ((1, 2) if rnd % 2 == 0 else (2, 1)):
                 out = d / f"steps-{n}.json"
                 cmd = [sys.executable, __file__, "--worker", "--dir", str(d), "--threads",
-                       str(n), "--calls", str(a.calls), "--stat", a.stat, "--out", str(out), "--keep", "-"]
+                       str(n), "--calls", str(a.calls), "--stat", a.stat, "--out", str(out),
+                       "--keep", "-"]
                 if a.taskset:
                     cmd = ["taskset", "-c", a.taskset, *cmd]
                 subprocess.run(cmd, env=dict(os.environ, PYTHONPATH=str(ROOT)), check=True)
