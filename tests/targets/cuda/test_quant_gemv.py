@@ -189,6 +189,7 @@ def _interpret(src: str, *args: str) -> str:
     return out.stdout
 
 
+@pytest.mark.slow  # the same cases run on a GPU: test_quantised_gemvs_match_float64_on_gpu
 def test_quantised_gemv_programs_match_float64_in_triton_interpreter():
     for c in cases():  # cubins first: the AOT compiler cannot run in interpreter mode
         build(*c[:6])
