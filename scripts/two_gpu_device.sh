@@ -1,7 +1,11 @@
 #!/usr/bin/env bash
-# session 6, final GPU call (2-GPU kind): GPU tests of the merged work on GPU 1 (cores 16-31)
-# beside the benchmarks on GPU 0 (cores 0-15): cold compile, decode bf16 + profile, int8/int4,
-# reduce-overhead last.
+# One device call on a 2-GPU machine (< 9 minutes): the GPU tests of the decode, GEMV,
+# quantised-GEMV, attention and LLM files on GPU 1 (cores 16-31), beside the benchmarks on GPU 0
+# (cores 0-15): cold compile of ln_softmax / resnet18 / mobilenet_v2 (bf16), the Llama 16x2048
+# decode (bench/llm_gpu.py) and its per-kernel profile (scripts/prof_decode.py), bf16 / int8 /
+# int4 generation (bench/gen_gpu.py), then reduce-overhead next to kiln while CALL_S (520 s)
+# lasts. From the repository root with the wheels in .whl2/ (carry it); logs under $OUT, a
+# summary last:   bash scripts/two_gpu_device.sh
 set -u
 python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl2/*.whl 2>&1 | tail -2
 export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1
