@@ -128,6 +128,26 @@ def _fused_reduction_lines(gk: GemmKernel, counter: list[int]) -> list[str]:
     return lines
 
 
+def _head(gk: GemmKernel, name: str, sig: dict, what: list[str]) -> list[str]:
+    """The GEMV function's first lines: its signature, what it computes (`what`, then the
+    prologue and epilogue) and the static N and K."""
+    g, pro, epi = gk.gemm, gk.prologue, gk.epilogue
+    what = list(what)
+    if pro is not None:
+        what.append(f"prologue {', '.join([*(r.name for r in pro.reductions), pro.row.name])}")
+    if epi is not None:
+        what.append(f"epilogue {epi.name}")
+    return [
+        "@triton.jit",
+        f"def {name}({', '.join(sig)}, XBLOCK: tl.constexpr, RBLOCK: tl.constexpr):",
+        f"    # {gk.name} (GEMV): {', '.join(what)}",
+        f"    #   from graph nodes: {', '.join(gk.source)}",
+        "    # XBLOCK outputs a program, RBLOCK of K a step",
+        f"    N = {to_tl(g.n)}",
+        f"    K = {to_tl(g.k)}",
+    ]
+
+
 def print_gemv_kernel(gk: GemmKernel, buffers: dict[str, L.Buffer],
                       name: str | None = None) -> TritonKernel:
     """`name`: the function's name (default `gk.name`)."""
@@ -152,18 +172,7 @@ def print_gemv_kernel(gk: GemmKernel, buffers: dict[str, L.Buffer],
     i64 = not _small(gk, buffers)
     cast = ".to(tl.int64)" if i64 else ""
     what = [f"{g.name} = {g.a.buf if pro is None else pro.row.name} @ {g.b.buf} (M = 1)"]
-    if pro is not None:
-        what.append(f"prologue {', '.join([*(r.name for r in pro.reductions), pro.row.name])}")
-    if epi is not None:
-        what.append(f"epilogue {epi.name}")
-    lines = [
-        "@triton.jit",
-        f"def {name}({', '.join(sig)}, XBLOCK: tl.constexpr, RBLOCK: tl.constexpr):",
-        f"    # {gk.name} (GEMV): {', '.join(what)}",
-        f"    #   from graph nodes: {', '.join(gk.source)}",
-        "    # XBLOCK outputs a program, RBLOCK of K a step",
-        f"    N = {to_tl(g.n)}",
-        f"    K = {to_tl(g.k)}",
+    lines = _head(gk, name, sig, what) + [
         f"    rn = (tl.program_id(0) * XBLOCK + tl.arange(0, XBLOCK)[:, None]){cast}",
         "    nmask = rn < N",
         f"    rk = tl.arange(0, RBLOCK)[None, :]{cast}",
@@ -282,19 +291,7 @@ def _print_quant_gemv(gk: GemmKernel, buffers: dict[str, L.Buffer], name: str) -
     what = [f"{g.name} = {g.a.buf if pro is None else pro.row.name} @ {g.b.buf} (M = 1)",
             f"B {'int4 in groups of ' + str(gs) if gs else mx.qdtype.name}"
             + (f", scales {mx.scale.buf}" if mx.scale is not None else "")]
-    if pro is not None:
-        what.append(f"prologue {', '.join([*(r.name for r in pro.reductions), pro.row.name])}")
-    if epi is not None:
-        what.append(f"epilogue {epi.name}")
-    lines = [
-        "@triton.jit",
-        f"def {name}({', '.join(sig)}, XBLOCK: tl.constexpr, RBLOCK: tl.constexpr):",
-        f"    # {gk.name} (GEMV): {', '.join(what)}",
-        f"    #   from graph nodes: {', '.join(gk.source)}",
-        "    # XBLOCK outputs a program, RBLOCK of K a step",
-        f"    N = {to_tl(g.n)}",
-        f"    K = {to_tl(g.k)}",
-    ]
+    lines = _head(gk, name, sig, what)
     if gs:
         lines += [
             f"    # int4: RBLOCK // {gs} groups of {gs} a step; the row's positions as "
