@@ -290,8 +290,8 @@ def test_workers_stage_starts_workers_the_cubins_stage_ends(tmp_path):
         torch.nn.Linear(a, b), torch.nn.LayerNorm(b), torch.nn.GELU())])
     st = _state(model.eval(), (torch.randn(8, 32),), cache_dir=str(tmp_path / "c"), jobs=3)
     assert len(st.graph.nodes) >= 12 and st.workers is not None
+    assert st.workers.alive() == [0, 1]  # (waits for the spawning thread: a loaded box lags)
     procs = list(st.workers.procs)
-    assert len(procs) == 2 and all(p.poll() is None for p in procs)
     st = cuda_build.cubins(cuda_build.codegen_triton(st))
     assert st.workers is None and st.times["workers"] == 2 and st.times["compiled"] >= 4
     assert all(p.poll() is not None for p in procs)  # ended with the stage
