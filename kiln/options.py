@@ -24,6 +24,8 @@ BACKEND_DEVICES = {GemmBackend.BLAS: ("cpu", "cuda"), GemmBackend.CPP: ("cpu",),
 
 #: Options.cpu_conv values
 CPU_CONV = ("direct", "im2col")
+#: Options.cpu_conv_backends values
+CPU_CONV_BACKENDS = ("direct", "onednn")
 #: Options.cuda_conv values
 CUDA_CONV = ("implicit", "im2col")
 #: Options.weight_quant / weight_quant_kernel values
@@ -174,6 +176,15 @@ class Options:
     #: (yet): a supported convolution always runs direct.
     cpu_conv: str = "direct"
 
+    #: CPU builds: who may run a direct convolution (cpu_conv "direct"; not the fused
+    #: inverted residual blocks). "direct": kiln_conv.h; "onednn": oneDNN (libdnnl.so.3 from
+    #: the onednn-cpu-gomp wheel, the `perf` extra), the weights reordered to its layout once
+    #: when the package is loaded (kiln/targets/cpu/dnnl.py). Both (the default): oneDNN is a
+    #: candidate only with max_autotune and oneDNN installed at compile time, each convolution
+    #: shape timed both ways and the faster kept; otherwise kiln's own, and the package never
+    #: needs oneDNN. ("onednn",) alone: every direct convolution on oneDNN.
+    cpu_conv_backends: tuple[str, ...] = ("direct", "onednn")
+
     #: CPU builds: a pointwise consumer of a GEMM's result (bias, activation, residual add,
     #: scale) reading it only at the element it stores, of the GEMM's dtype, runs inside the
     #: GEMM on each part of the result once final, and the result buffer disappears
@@ -218,6 +229,8 @@ class Options:
     def __post_init__(self) -> None:
         if isinstance(self.cpu_levels, list):  # as Options.to_json writes it
             object.__setattr__(self, "cpu_levels", tuple(self.cpu_levels))
+        if isinstance(self.cpu_conv_backends, list):
+            object.__setattr__(self, "cpu_conv_backends", tuple(self.cpu_conv_backends))
         if self.march == "portable":
             lv = self.cpu_levels
             if not isinstance(lv, tuple) or not lv or len(set(lv)) != len(lv) or any(
@@ -245,6 +258,10 @@ class Options:
         if self.cuda_conv not in CUDA_CONV:
             raise ValueError(f"Options.cuda_conv: expected one of {CUDA_CONV}, got "
                              f"{self.cuda_conv!r}")
+        cb = self.cpu_conv_backends
+        if not cb or not isinstance(cb, tuple) or any(b not in CPU_CONV_BACKENDS for b in cb):
+            raise ValueError(f"Options.cpu_conv_backends: expected a non-empty tuple of "
+                             f"{CPU_CONV_BACKENDS}, got {cb!r}")
         if self.cpu_conv not in CPU_CONV:
             raise ValueError(f"Options.cpu_conv: expected one of {CPU_CONV}, got "
                              f"{self.cpu_conv!r}")

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import ctypes
 import functools
+import importlib.metadata
 import operator
 import os
 import pathlib
@@ -182,6 +183,9 @@ class Runner:
         if self._device.type == "cuda":
             _preload_cublas()
         self._manifest = read_package(self._path).manifest
+        if any("libdnnl" in str(lib) for lib in self._manifest.get("requires", {}).get(
+                "shared_libraries", ())):
+            _preload_dnnl()
         self._entries: dict[str, _Entry] = {}
         self._lib = libkiln(self._path)
         handle = ctypes.c_void_p()
@@ -774,6 +778,28 @@ def _delete(ptr: int) -> None:
 def _adopt_outputs(outputs: ctypes.Array, n: int) -> list[torch.Tensor]:
     """Turns the model's DLManagedTensors into torch tensors; frees the rest on failure."""
     return _adopt_pointers(tuple(outputs[:n]))
+
+
+@functools.lru_cache(maxsize=None)
+def _preload_dnnl() -> str | None:
+    """Loads oneDNN (libdnnl.so.3) from its installed wheel (onednn-cpu-gomp, ...: the
+    library is a wheel data file in the environment's lib/) into the process, so a package
+    whose convolutions use it (kiln_dnnl.h) opens it by soname. Returns the path, or None when
+    no wheel has it (the package then tries the standard paths and the build machine's path,
+    and fails to load with an error naming libdnnl.so.3)."""
+    for name in ("onednn-cpu-gomp", "onednn-cpu-iomp", "onednn", "onednn-cpu-tbb"):
+        try:
+            dist = importlib.metadata.distribution(name)
+        except importlib.metadata.PackageNotFoundError:
+            continue
+        for f in dist.files or ():
+            if f.name == "libdnnl.so.3":
+                try:
+                    ctypes.CDLL(str(dist.locate_file(f)), mode=ctypes.RTLD_GLOBAL)
+                    return str(dist.locate_file(f))
+                except OSError:
+                    continue
+    return None
 
 
 @functools.lru_cache(maxsize=None)

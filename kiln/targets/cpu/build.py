@@ -23,6 +23,7 @@ from kiln import config
 from kiln.errors import UnsupportedError
 from kiln.gemm import choose_gemms
 from kiln.gemm.configs import CppConfig
+from kiln.gemm.select import cpu_device_id
 from kiln.gemm.cpu import cpp_configs, packable, packed_nr, vector_registers
 from kiln.gemm.fuse_cpu import fuse_epilogues
 from kiln.ir import loop as L
@@ -35,6 +36,7 @@ from kiln.passes.pack_cpu import pack_weights
 from kiln.passes.widen_half import widen_half
 from kiln.schedule import Kernel, localize_rows
 from kiln.targets.cpu.conv import conv_source
+from kiln.targets.cpu import dnnl
 from kiln.targets.cpu.gemm import declaration, epilogue_declaration, print_gemm_file
 from kiln.targets.cpu.kernel import print_kernel
 from kiln.targets.cpu.quant import qgemm_source
@@ -165,6 +167,17 @@ def gemm_options(opts: Options) -> Options:
     """The options GEMMs are chosen with: a portable build's for the level the build machine
     runs."""
     return replace(opts, march=host_level(opts)) if opts.march == "portable" else opts
+
+
+def conv_backends(state: Build) -> Build:
+    """Each direct convolution's backend: kiln_conv.h, or oneDNN where Options.cpu_conv_backends
+    allows it and (with max_autotune) it was measured faster (targets/cpu/dnnl.py)."""
+    opts = gemm_options(state.options)
+    if dnnl.ONEDNN not in opts.cpu_conv_backends:
+        return state
+    steps, _ = dnnl.choose(list(state.steps), opts, lambda: toolchain(opts),
+                           cpu_device_id(opts), progress=state.progress)
+    return replace(state, steps=type(state.steps)(steps))
 
 
 def packable_gemms(state: Build) -> set[str]:
@@ -314,4 +327,7 @@ def compile_levels(state: Build) -> Build:
 
 def libraries(steps, gemms) -> list[str]:
     """The shared libraries a CPU package loads besides libkiln (the manifest's `requires`)."""
-    return ["libscipy_openblas.so (scipy-openblas32)"]
+    libs = ["libscipy_openblas.so (scipy-openblas32)"]
+    if dnnl.dnnl_steps(steps):  # opened with dlopen when an instance is created (kiln_dnnl.h)
+        libs.append(dnnl.LIBRARY)
+    return libs

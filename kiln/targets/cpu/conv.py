@@ -18,6 +18,7 @@ from kiln.toolchain.cxx import cpu_features
 ROUTINE = "conv2d_nchwc"
 POOL = "max_pool2d_nchwc"  # kiln_conv.h's max pooling in NCHWc
 BLOCK = "conv2d_block_nchwc"  # kiln_conv.h's inverted residual block (passes/conv_block.py)
+ONEDNN = "onednn"  # a conv2d_nchwc step's ("backend", ONEDNN): run on oneDNN (targets/cpu/dnnl.py)
 ACT_NAMES = {0: "", 1: "relu", 2: "clamp", 3: "silu"}
 
 
@@ -93,5 +94,6 @@ def call_comment(x: L.Extern) -> str | None:
     if act == "clamp":
         act = f"clamp({a['lo']:g}, {a['hi']:g})"
     epi += [act] if act else []
-    return (f"// direct conv ({kind} {k}, stride {a['sh']}x{a['sw']}, NCHWc) of "
+    on = " on oneDNN" if a.get("backend") == ONEDNN else ""
+    return (f"// direct conv ({kind} {k}, stride {a['sh']}x{a['sw']}, NCHWc){on} of "
             f"{', '.join(x.source)}; epilogue: {', '.join(epi)}")

@@ -18,6 +18,9 @@
     gemm_epilogues    (Options.cpu_gemm_epilogue) pointwise consumers fused into their GEMMs
                       (gemm/fuse_cpu.py)
     localize          fused intermediates as per-thread rows
+    conv_backends     (direct convolutions) each one's backend: kiln_conv.h, or oneDNN where
+                      Options.cpu_conv_backends allows it and max_autotune measured it faster
+                      (targets/cpu/dnnl.py)
     reorder           (Options.reorder_for_memory) the order of lowest peak memory
     program           Program IR, with in-place reuse
     plan              the arena plan
@@ -32,7 +35,7 @@
 from __future__ import annotations
 
 from kiln.targets.cpu.build import (CpuBuild, check_user_kernels, codegen, codegen_wrapper,
-                                    compile_library, expand_low_precision,
+                                    compile_library, conv_backends, expand_low_precision,
                                     fuse_gemm_epilogues, gemm_autotune, gemm_epilogues_enabled,
                                     gqa_attention, has_attention, libraries, localize,
                                     pack_constant_b, widen_half_types)
@@ -60,6 +63,7 @@ TARGET = Target("cpu", (
     SCHEDULE,
     Stage("gemm_epilogues", fuse_gemm_epilogues, dump=steps_text, when=gemm_epilogues_enabled),
     Stage("localize", localize),
+    Stage("conv_backends", conv_backends, dump=steps_text, when=direct_conv_enabled),
     REORDER,
     program_stage(inplace=True),
     PLAN,

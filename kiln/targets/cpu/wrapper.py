@@ -7,7 +7,8 @@ from __future__ import annotations
 
 import sympy
 
-from kiln.targets.cpu.conv import call_comment
+from kiln.targets.cpu import dnnl
+from kiln.targets.cpu.conv import ONEDNN, call_comment
 from kiln.targets.cpu.quant import call_comment as qgemm_comment
 from kiln.targets.cpu.gemm import epilogue_args, epilogue_function, function_name
 from kiln.ir import loop as L
@@ -46,9 +47,12 @@ def c_attr(v) -> str:
 
 def lib_call_lines(x: L.Extern, ptr: str = "buf_{}") -> list[str]:
     """The C++ block calling `kl::<routine>` (kiln_lib.h) for one Extern: each operand's sizes
-    and strides as a local array, outputs, attributes, operands (kiln_lib.h's convention)."""
+    and strides as a local array, outputs, attributes, operands (kiln_lib.h's convention).
+    A convolution given to oneDNN calls the Instance's kl::dnnl::Conv (targets/cpu/dnnl.py)."""
     comment = call_comment(x) or qgemm_comment(x)
     lines = [comment] if comment else []
+    if x.attr("backend") == ONEDNN:
+        return lines + dnnl.call_lines(x, _cstr(", ".join(x.source) or x.name))
     lines.append(f"{{  // lib.{x.routine} -> {', '.join(x.outs)}  <- {', '.join(x.source)}")
     args = []
     for k, a in enumerate(x.args):
@@ -318,6 +322,7 @@ def print_wrapper(prog: P.Program, kernel_decls: list[str],
         *(['#include "kiln_lib.h"'] if any(isinstance(x, P.CallLib) for x in P.walk(prog.lines))
           else []),
         *(['#include "kiln_comm_mpi.h"  // collectives through MPI'] if comm else []),
+        *(dnnl.include_lines() if dnnl.dnnl_steps(prog.lines) else []),
         "",
         *kernel_decls,
         "",
@@ -343,6 +348,7 @@ def print_wrapper(prog: P.Program, kernel_decls: list[str],
         *(["  kc::Comm comm;  // MPI: kiln_model_comm_v1 attaches it"] if comm else []),
         "  kr::Pool pool;  // this instance's threads (kiln_pool.h), joined when it is destroyed",
         wrapper_prof.INSTANCE_FIELD,
+        *dnnl.instance_fields(prog.lines),
         "};",
         "",
         "void* create(const void* const* weights, char* err, size_t errlen) {",
@@ -359,6 +365,7 @@ def print_wrapper(prog: P.Program, kernel_decls: list[str],
             f"  std::memcpy(self->owned[{k}], weights[{k}], {w.nbytes});",
             f"  self->w[{k}] = self->owned[{k}];  // state {w.fqn}: updated by every run")],
         "  kr::blas_single_threaded();",
+        *dnnl.create_lines(prog.lines, {w.name: k for k, w in enumerate(prog.weights)}),
         "  return self;",
         "}",
         "",
