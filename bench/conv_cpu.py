@@ -12,8 +12,20 @@ ORT_ENABLE_ALL) use intra_op_num_threads; eager uses torch.set_num_threads. The 
 
     python bench/conv_cpu.py [--models resnet18,resnet18_b8,mobilenet_v2] [--threads 2,1]
                              [--rounds 5] [--calls 10] [--markdown BENCHMARKS.md]
+                             [--kiln-modes im2col,direct,onednn,autotuned] [--no-eager]
 
 --markdown FILE replaces the section between <!-- conv-cpu:begin --> and <!-- conv-cpu:end -->.
+kiln modes: "im2col" and "direct" (Options.cpu_conv), "onednn" (every direct convolution on
+oneDNN: cpu_conv_backends=("onednn",)), "autotuned" (max_autotune with both convolution
+backends: each shape timed kiln vs oneDNN, the faster kept; kiln/targets/cpu/dnnl.py).
+
+    python bench/conv_cpu.py --per-shape [--models resnet18,mobilenet_v2] [--markdown FILE]
+
+times every distinct convolution shape of the models (input recorded by forward hooks; batch
+norm folded, the following ReLU / ReLU6 as the epilogue; residual adds not included) with the
+autotuner's own driver: kiln_conv.h against oneDNN, interleaved, on kiln's pool at
+OMP_NUM_THREADS threads (run it under `taskset -c 1` with OMP_NUM_THREADS=1 for one core).
+--markdown replaces <!-- conv-onednn:begin --> ... <!-- conv-onednn:end -->.
 """
 
 from __future__ import annotations
@@ -38,6 +50,11 @@ from kiln import runtime as kr  # noqa: E402
 from kiln.models.zoo import resnet18  # noqa: E402
 
 BEGIN, END = "<!-- conv-cpu:begin -->", "<!-- conv-cpu:end -->"
+SHAPES_BEGIN, SHAPES_END = "<!-- conv-onednn:begin -->", "<!-- conv-onednn:end -->"
+MODELS_BEGIN, MODELS_END = "<!-- conv-onednn-models:begin -->", "<!-- conv-onednn-models:end -->"
+#: kiln mode -> Options
+MODES = {"im2col": dict(cpu_conv="im2col"), "direct": {},
+         "onednn": dict(cpu_conv_backends=("onednn",)), "autotuned": dict(max_autotune=True)}
 
 
 # -- MobileNetV2 (Sandler et al. 2018), width 1.0 ------------------------------------------------
@@ -143,7 +160,13 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--calls", type=int, default=10)
     ap.add_argument("--markdown", default=None)
+    ap.add_argument("--kiln-modes", default="im2col,direct")
+    ap.add_argument("--no-eager", action="store_true")
+    ap.add_argument("--per-shape", action="store_true")
     a = ap.parse_args()
+    if a.per_shape:
+        return per_shape(a)
+    modes = a.kiln_modes.split(",")
     work = Path(tempfile.mkdtemp(prefix="kiln-conv-bench-"))
     threads = [int(t) for t in a.threads.split(",")]
     all_models = models()
@@ -153,11 +176,14 @@ def main() -> None:
         with torch.no_grad():
             want = module(x)
         paths, compile_s = {}, {}
-        for mode in ("im2col", "direct"):
+        for mode in modes:
             t = time.perf_counter()
-            paths[mode] = kiln.compile(module, (x,), options=kiln.Options(cpu_conv=mode)).save(
+            opts = kiln.Options(**MODES[mode], **({"num_threads": threads[0]}
+                                                  if mode == "autotuned" else {}))
+            paths[mode] = kiln.compile(module, (x,), options=opts).save(
                 work / f"{name}_{mode}.kiln")
             compile_s[mode] = time.perf_counter() - t
+            print(f"compiled {name} {mode} in {compile_s[mode]:.1f} s", flush=True)
         for nt in threads:
             impls = {mode: kr.load(paths[mode], num_threads=nt) for mode in paths}
             errs = {}
@@ -167,7 +193,8 @@ def main() -> None:
             ort_fn = _ort_session(module, x, nt, work / f"{name}.onnx")
             if ort_fn is not None:
                 fns["ort"] = ort_fn
-            fns["eager"] = _eager(module, x, nt)
+            if not a.no_eager:
+                fns["eager"] = _eager(module, x, nt)
             for fn in fns.values():  # warm-up
                 fn(), fn()
             ms: dict[str, list[float]] = {k: [] for k in fns}
@@ -180,6 +207,8 @@ def main() -> None:
                   flush=True)
             for r in impls.values():
                 r.close()
+    if modes != ["im2col", "direct"] or a.no_eager:
+        return _generic_table(a, rows, modes)
     load = os.getloadavg()
     out = [f"CPU convolution networks, median ms per call ({a.rounds} rounds x {a.calls} calls, "
            f"interleaved); `uptime` load {load[0]:.2f} {load[1]:.2f} {load[2]:.2f}; "
@@ -198,6 +227,134 @@ def main() -> None:
     print(text)
     if a.markdown:
         splice(a.markdown, BEGIN, END, text, "## CPU convolution (bench/conv_cpu.py)")
+
+
+def _generic_table(a, rows, modes) -> None:
+    load = os.getloadavg()
+    peers = [k for k in ("ort", "eager") if any(k in r[3] for r in rows)]
+    names = {"im2col": "kiln im2col", "direct": "kiln direct (default)",
+             "onednn": "kiln, every conv on oneDNN", "autotuned": "kiln max_autotune "
+             "(conv: kiln vs oneDNN per shape)", "ort": "ONNX Runtime", "eager": "eager"}
+    cols = modes + peers
+    out = [f"CPU convolution networks, median ms per call ({a.rounds} rounds x {a.calls} calls, "
+           f"interleaved); `uptime` load {load[0]:.2f} {load[1]:.2f} {load[2]:.2f}; "
+           f"{os.cpu_count()} CPUs; torch {torch.__version__}.",
+           "",
+           "| model | batch | threads | " + " | ".join(names[c] for c in cols)
+           + "".join(f" | {m} / direct" for m in cols if m != "direct")
+           + " | max abs err |",
+           "| --- " * (3 + 2 * len(cols) - ("direct" in cols) + 1) + "|"]
+    for name, b, nt, med, errs, _ in rows:
+        cells = [f"{med[c]:.1f}" if c in med else "-" for c in cols]
+        ratios = [f"{med[c] / med['direct']:.2f}" if c in med and "direct" in med else "-"
+                  for c in cols if c != "direct"]
+        err = ", ".join(f"{k} {v:.1e}" for k, v in errs.items())
+        out.append(f"| {name.removesuffix('_b8')} | {b} | {nt} | " + " | ".join(cells + ratios)
+                   + f" | {err} |")
+    text = "\n".join(out)
+    print(text)
+    if a.markdown:
+        splice(a.markdown, MODELS_BEGIN, MODELS_END, text,
+               "## CPU convolution: kiln with oneDNN, whole models (bench/conv_cpu.py)")
+
+
+# -- per convolution shape: kiln_conv.h against oneDNN ------------------------------------------
+def _conv_shapes(module, x) -> list[tuple]:
+    """(Geometry, count) of every Conv2d call of `module` at input `x`, in first-use order:
+    channels padded to the channel block as the package stores them, the activation that
+    follows (ReLU -> relu, ReLU6 -> clamp 0..6) as the epilogue."""
+    from kiln.targets.cpu import dnnl  # deferred: a benchmark of an optional backend
+    from kiln.targets.cpu.conv import channel_block
+    from kiln import config
+    block = channel_block(kiln.Options(), config.cxx())
+    seen: dict = {}
+    mods = list(module.modules())
+    nxt = {id(m): mods[i + 1] if i + 1 < len(mods) else None for i, m in enumerate(mods)}
+    if any(isinstance(m, nn.BatchNorm2d) for m in mods):  # conv -> bn -> act
+        nxt = {k: (nxt.get(id(v)) if isinstance(v, nn.BatchNorm2d) else v)
+               for k, v in nxt.items()}
+
+    def hook(m, args, out):
+        xin = args[0]
+        n, c, h, w = xin.shape
+        dwise = m.groups > 1
+        if m.groups not in (1, c):
+            return
+        plain = not dwise and c < block
+        pad = lambda v: -(-v // block) * block  # noqa: E731
+        act, lo, hi = 0, 0.0, 0.0
+        f = nxt.get(id(m))
+        if isinstance(f, nn.ReLU6):
+            act, lo, hi = 2, 0.0, 6.0
+        elif isinstance(f, nn.ReLU):
+            act = 1
+        g = dnnl.Geometry(n, c if plain else pad(c), h, w, pad(m.out_channels), out.shape[2],
+                          out.shape[3], *m.kernel_size, *m.stride, *m.padding, *m.dilation,
+                          dwise, plain, block, act, lo, hi, False, 1)
+        seen[g] = seen.get(g, 0) + 1
+
+    hs = [m.register_forward_hook(hook) for m in mods if isinstance(m, nn.Conv2d)]
+    with torch.no_grad():
+        module(x)
+    for h in hs:
+        h.remove()
+    return list(seen.items())
+
+
+def per_shape(a) -> None:
+    import subprocess
+    from kiln.targets.cpu import dnnl  # deferred: a benchmark of an optional backend
+    from kiln.targets.cpu.build import toolchain
+    from kiln.toolchain.onednn import find_library
+    found = find_library()
+    if found is None:
+        sys.exit("oneDNN is not installed: pip install onednn-cpu-gomp")
+    all_models = models()
+    load0 = os.popen("uptime").read().strip()
+    rows = []
+    for name in a.models.split(","):
+        module, x = all_models[name]
+        shapes = _conv_shapes(module, x)
+        exe = dnnl.build_driver(toolchain(kiln.Options()), str(found[0]), shapes[0][0].block)
+        for g, count in shapes:
+            p = subprocess.run([str(exe), *g.args(), "0.2"], capture_output=True, text=True)
+            line = next((ln.split() for ln in p.stdout.splitlines()
+                         if ln.startswith("KILN_CONV_PROFILE")), None)
+            if line is None:
+                print(name, g.describe(), "failed:", p.stderr.strip()[-200:], flush=True)
+                continue
+            kiln_s, dnnl_s, err, tol = map(float, line[1:5])
+            flops = 2 * g.n * g.ocp * g.oh * g.ow * g.kh * g.kw * (1 if g.depthwise else g.icp)
+            rows.append((name, g, count, kiln_s, dnnl_s, line[5], err <= tol, flops))
+            print(name, g.describe(), f"x{count}", f"kiln {kiln_s * 1e6:.1f} us",
+                  f"oneDNN {dnnl_s * 1e6:.1f} us ({line[5]})", flush=True)
+    load1 = os.popen("uptime").read().strip()
+    out = [f"Per convolution shape, batch 1, microseconds per call (best of interleaved "
+           f"rounds, the autotuner's driver; OMP_NUM_THREADS={os.environ.get('OMP_NUM_THREADS', '')}"
+           f", affinity {sorted(os.sched_getaffinity(0))}); oneDNN "
+           f"{found[1]} ({found[0].name}); load before `{load0}`, after `{load1}`.",
+           "",
+           "| model | convolution | calls | kiln us | oneDNN us | kiln GFLOPS | oneDNN GFLOPS "
+           "| oneDNN / kiln | oneDNN impl | agree |",
+           "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+    tot: dict = {}
+    for name, g, count, ks, ds, impl, ok, fl in rows:
+        out.append(f"| {name} | {g.describe()} | {count} | {ks * 1e6:.1f} | {ds * 1e6:.1f} | "
+                   f"{fl / ks / 1e9:.0f} | {fl / ds / 1e9:.0f} | {ds / ks:.2f} | {impl} | "
+                   f"{'yes' if ok else 'NO'} |")
+        t = tot.setdefault(name, [0.0, 0.0, 0.0])
+        t[0] += ks * count
+        t[1] += ds * count
+        t[2] += min(ks, ds) * count
+    out.append("")
+    for name, (k, d, best) in tot.items():
+        out.append(f"{name}: sum over its convolutions kiln {k * 1e3:.2f} ms, oneDNN "
+                   f"{d * 1e3:.2f} ms, the faster per shape {best * 1e3:.2f} ms.")
+    text = "\n".join(out)
+    print(text)
+    if a.markdown:
+        splice(a.markdown, SHAPES_BEGIN, SHAPES_END, text,
+               "## CPU convolution: kiln_conv.h against oneDNN per shape (bench/conv_cpu.py)")
 
 
 if __name__ == "__main__":
