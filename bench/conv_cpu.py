@@ -329,9 +329,9 @@ def per_shape(a) -> None:
             print(name, g.describe(), f"x{count}", f"kiln {kiln_s * 1e6:.1f} us",
                   f"oneDNN {dnnl_s * 1e6:.1f} us ({line[5]})", flush=True)
     load1 = os.popen("uptime").read().strip()
+    omp = os.environ.get("OMP_NUM_THREADS", "")
     out = [f"Per convolution shape, batch 1, microseconds per call (best of interleaved "
-           f"rounds, the autotuner's driver; OMP_NUM_THREADS={os.environ.get('OMP_NUM_THREADS', '')}"
-           f", affinity {sorted(os.sched_getaffinity(0))}); oneDNN "
+           f"rounds, the autotuner's driver; OMP_NUM_THREADS={omp}, affinity {sorted(os.sched_getaffinity(0))}); oneDNN "
            f"{found[1]} ({found[0].name}); load before `{load0}`, after `{load1}`.",
            "",
            "| model | convolution | calls | kiln us | oneDNN us | kiln GFLOPS | oneDNN GFLOPS "

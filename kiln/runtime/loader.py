@@ -782,12 +782,20 @@ def _adopt_outputs(outputs: ctypes.Array, n: int) -> list[torch.Tensor]:
 
 @functools.lru_cache(maxsize=None)
 def _preload_dnnl() -> str | None:
-    """Loads oneDNN (libdnnl.so.3) from its installed wheel (onednn-cpu-gomp, ...: the
-    library is a wheel data file in the environment's lib/) into the process, so a package
+    """Loads oneDNN (libdnnl.so.3) from its installed OpenMP wheel (onednn-cpu-gomp or -iomp:
+    the library is a wheel data file in the environment's lib/) into the process, so a package
     whose convolutions use it (kiln_dnnl.h) opens it by soname. Returns the path, or None when
     no wheel has it (the package then tries the standard paths and the build machine's path,
-    and fails to load with an error naming libdnnl.so.3)."""
-    for name in ("onednn-cpu-gomp", "onednn-cpu-iomp", "onednn", "onednn-cpu-tbb"):
+    and fails to load with an error naming libdnnl.so.3). As libkiln does before opening a
+    model that links libgomp (runtime/src/cpu.cpp), OpenMP's idle spinning is bounded first
+    (GOMP_SPINCOUNT, unless set or libgomp is already loaded): oneDNN's idle threads must
+    not hold cores that kiln's pool needs."""
+    if not (os.environ.get("OMP_WAIT_POLICY") or os.environ.get("GOMP_SPINCOUNT")):
+        try:
+            ctypes.CDLL("libgomp.so.1", mode=os.RTLD_NOLOAD)
+        except OSError:  # not loaded yet: libgomp reads it when libdnnl brings it in
+            os.environ["GOMP_SPINCOUNT"] = "1000"  # runtime/src/cpu.h kSpinCount
+    for name in ("onednn-cpu-gomp", "onednn-cpu-iomp"):
         try:
             dist = importlib.metadata.distribution(name)
         except importlib.metadata.PackageNotFoundError:

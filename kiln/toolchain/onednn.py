@@ -2,19 +2,21 @@
 convolution's optional oneDNN backend (kiln/targets/cpu/dnnl.py, include/kiln_dnnl.h).
 
 The wheels put the library in the environment's lib/ (a wheel "data" file); the installed
-distribution's file list says where. `onednn-cpu-gomp` (GNU OpenMP runtime, no further
-dependencies) comes first: it is the build whose threads kiln can bound (omp_set_num_threads).
-PyPI's `onednn` is a SYCL / TBB build (with ~600 MB of Intel runtime wheels): kiln_dnnl.h
-refuses its CPU runtime with an error naming the OpenMP wheel. Nothing here loads the
-library; the model opens it with dlopen (kiln_dnnl.h)."""
+distribution's file list says where. Only the OpenMP builds count: `onednn-cpu-gomp` (GNU
+OpenMP, one 39 MB wheel, no dependencies) and `onednn-cpu-iomp`, whose threads kiln bounds to
+its run's budget (omp_set_num_threads). PyPI's `onednn` (2026.x) is a SYCL build (CPU runtime
+SYCL over TBB, needing ~600 MB of Intel runtime wheels: intel-sycl-rt, intel-opencl-rt,
+tbb, ...) whose threads oneDNN's C API cannot bound, and `onednn-cpu-tbb` a TBB one: not used
+(kiln_dnnl.h also refuses such a library at run time). Nothing here loads the library; the
+model opens it with dlopen (kiln_dnnl.h)."""
 
 from __future__ import annotations
 
 import importlib.metadata
 from pathlib import Path
 
-#: the PyPI distributions that ship libdnnl.so.3, the ones kiln can use first
-DISTRIBUTIONS = ("onednn-cpu-gomp", "onednn-cpu-iomp", "onednn", "onednn-cpu-tbb")
+#: the PyPI distributions whose libdnnl.so.3 kiln uses (OpenMP builds), in order
+DISTRIBUTIONS = ("onednn-cpu-gomp", "onednn-cpu-iomp")
 SONAME = "libdnnl.so.3"
 
 

@@ -127,7 +127,8 @@ def choose(steps, opts: Options, tc, dev_id: str, progress=None) -> tuple[list, 
         if forced:
             raise UnsupportedError(
                 "Options.cpu_conv_backends=('onednn',) needs oneDNN's libdnnl.so.3, which no "
-                "installed wheel provides: pip install onednn-cpu-gomp")
+                "installed wheel provides: pip install onednn-cpu-gomp (PyPI's `onednn` is a "
+                "SYCL / TBB build whose threads kiln cannot hold to its budget)")
         return steps, {}
     if not forced and not opts.max_autotune:
         return steps, {}
@@ -262,7 +263,10 @@ int main(int argc, char **argv) {
   std::vector<float> x(n * icp * ih * iw), w(dwise ? ocp * kh * kw : ocp * icp * kh * kw),
       b(ocp), res(n * ocp * oh * ow), o1(res.size()), o2(res.size());
   uint64_t s = 88172645463325252ull;
-  auto rnd = [&]() { s ^= s << 13; s ^= s >> 7; s ^= s << 17; return float((s >> 11) * 0x1p-53 - 0.5); };
+  auto rnd = [&]() {
+    s ^= s << 13; s ^= s >> 7; s ^= s << 17;
+    return float((s >> 11) * 0x1p-53 - 0.5);
+  };
   for (auto *a : {&x, &w, &b, &res}) for (auto &e : *a) e = rnd();
   char msg[512] = "";
   kr::Err e{msg, sizeof msg};
