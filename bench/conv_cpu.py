@@ -331,7 +331,8 @@ def per_shape(a) -> None:
     load1 = os.popen("uptime").read().strip()
     omp = os.environ.get("OMP_NUM_THREADS", "")
     out = [f"Per convolution shape, batch 1, microseconds per call (best of interleaved "
-           f"rounds, the autotuner's driver; OMP_NUM_THREADS={omp}, affinity {sorted(os.sched_getaffinity(0))}); oneDNN "
+           f"rounds, the autotuner's driver; OMP_NUM_THREADS={omp}, affinity "
+           f"{sorted(os.sched_getaffinity(0))}); oneDNN "
            f"{found[1]} ({found[0].name}); load before `{load0}`, after `{load1}`.",
            "",
            "| model | convolution | calls | kiln us | oneDNN us | kiln GFLOPS | oneDNN GFLOPS "
