@@ -178,3 +178,34 @@ def test_autotuner_keeps_the_faster_per_shape(check, tmp_path):
         assert r["kiln_s"] > 0 and r["onednn_s"] > 0
         assert r["backend"] == ("onednn" if r["onednn_s"] < r["kiln_s"] else "direct")
     assert _counts(compiled) == (4 - won, won)
+
+
+THREADS = """
+import os, sys, torch
+import kiln.runtime as kr
+x = torch.randn(3, 3, 19, 17)
+before = len(os.listdir("/proc/self/task"))
+r = kr.load(sys.argv[1], num_threads=int(sys.argv[2]))
+for _ in range(3):
+    r(x)
+print(len(os.listdir("/proc/self/task")) - before)
+"""
+
+
+@needs_onednn
+@pytest.mark.parametrize("threads", [1, 2])
+def test_thread_budget(tmp_path, threads):
+    """A run of budget N gives oneDNN N threads, the caller among them: at 1 thread OpenMP
+    starts none (the weight reorder at load runs on the caller too), at N at most N - 1,
+    which sleep while kiln's pool works (as its workers do while oneDNN runs). Counted against
+    the same model on kiln's own convolution (whose pool has its N - 1 workers)."""
+    extra = {}
+    for name in ("direct", "onednn"):
+        pkg = tmp_path / f"{name}.kiln"
+        kiln.compile(Chain().eval(), (torch.randn(3, 3, 19, 17),),
+                     options=kiln.Options(cpu_conv_backends=(name,))).save(pkg)
+        out = subprocess.run([sys.executable, "-c", THREADS, str(pkg), str(threads)],
+                             capture_output=True, text=True, timeout=120)
+        assert out.returncode == 0, out.stderr
+        extra[name] = int(out.stdout.split()[-1])
+    assert extra["onednn"] <= extra["direct"] + threads - 1, extra

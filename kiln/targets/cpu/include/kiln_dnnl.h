@@ -99,6 +99,7 @@ struct Api {
   int (*prim_execute)(handle, handle, int, const ExecArg *);
   int (*prim_destroy)(handle);
   void (*omp_set_num_threads)(int) = nullptr;
+  int (*omp_get_max_threads)() = nullptr;
   char error[512] = "";
 };
 
@@ -165,7 +166,8 @@ inline const Api &api() {
     }
     if (v->cpu_runtime == kRuntimeOmp) {
       bind(lib, "omp_set_num_threads", a.omp_set_num_threads);
-      if (!a.omp_set_num_threads) {
+      bind(lib, "omp_get_max_threads", a.omp_get_max_threads);
+      if (!a.omp_set_num_threads || !a.omp_get_max_threads) {
         std::snprintf(a.error, sizeof a.error, "oneDNN %d.%d is an OpenMP build but "
                       "omp_set_num_threads is not found", v->major, v->minor);
         return;
@@ -182,6 +184,24 @@ inline const Api &api() {
   });
   return a;
 }
+
+/* OpenMP's thread count of the calling thread set to `n` for a scope (the caller's own setting
+ * restored after), in an OpenMP build of oneDNN. */
+class Threads {
+ public:
+  Threads(const Api &a, int n) : a_(a) {
+    if (!a_.omp_set_num_threads) return;
+    saved_ = a_.omp_get_max_threads();
+    a_.omp_set_num_threads(n);
+  }
+  ~Threads() {
+    if (a_.omp_set_num_threads) a_.omp_set_num_threads(saved_);
+  }
+
+ private:
+  const Api &a_;
+  int saved_ = 0;
+};
 
 /* One convolution (see the file comment). Geometry as kiln_conv.h's: n images, icp (padded;
  * for a plain NCHW stem input: the real count) input and ocp (padded) output channels. */
@@ -219,6 +239,7 @@ struct Conv {
            const float *w, const float *bias) {
     const Api &a = api();
     if (!a.lib) return e.fail("%s: %s", where, a.error);
+    Threads serial(a, 1);  // the weight reorder at load: on the caller alone
     threads = nthreads;
     const bool b16 = block == 16;
     int st = a.engine_create(&engine, kCpu, 0);
@@ -323,7 +344,7 @@ struct Conv {
     const Api &a = api();
     const int budget = kr::max_threads();
     const int nt = threads > 0 && threads < budget ? int(threads) : budget;
-    if (a.omp_set_num_threads) a.omp_set_num_threads(nt);
+    Threads team(a, nt);
     a.memory_set(m_src, const_cast<float *>(x));
     a.memory_set(m_dst, out);
     ExecArg args[6] = {{kArgSrc, m_src}, {kArgWeights, m_wei}, {kArgBias, m_bias},
