@@ -163,6 +163,7 @@ def main() -> None:
     ap.add_argument("--kiln-modes", default="im2col,direct")
     ap.add_argument("--no-eager", action="store_true")
     ap.add_argument("--per-shape", action="store_true")
+    ap.add_argument("--seconds", default="1.0", help="--per-shape: timing per candidate")
     a = ap.parse_args()
     if a.per_shape:
         return per_shape(a)
@@ -317,7 +318,7 @@ def per_shape(a) -> None:
         shapes = _conv_shapes(module, x)
         exe = dnnl.build_driver(toolchain(kiln.Options()), str(found[0]), shapes[0][0].block)
         for g, count in shapes:
-            p = subprocess.run([str(exe), *g.args(), "0.2"], capture_output=True, text=True)
+            p = subprocess.run([str(exe), *g.args(), a.seconds], capture_output=True, text=True)
             line = next((ln.split() for ln in p.stdout.splitlines()
                          if ln.startswith("KILN_CONV_PROFILE")), None)
             if line is None:

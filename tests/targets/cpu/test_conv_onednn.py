@@ -176,7 +176,8 @@ def test_autotuner_keeps_the_faster_per_shape(check, tmp_path):
     for e in entries:
         r = e["result"]
         assert r["kiln_s"] > 0 and r["onednn_s"] > 0
-        assert r["backend"] == ("onednn" if r["onednn_s"] < r["kiln_s"] else "direct")
+        assert r["backend"] == ("onednn" if r["onednn_s"] < dnnl.MARGIN * r["kiln_s"]
+                                else "direct")
     assert _counts(compiled) == (4 - won, won)
 
 
