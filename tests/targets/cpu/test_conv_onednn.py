@@ -52,9 +52,16 @@ def _requires(path) -> list[str]:
         return json.loads(z.read("manifest.json"))["requires"]["shared_libraries"]
 
 
+# the cases of the default suite (one per layout, stride, dilation and epilogue kind); the
+# others of test_conv_direct.py's CASES run with -m slow
+FAST = {"3x3_s1_p1", "3x3_s2_p1", "7x7_s2_p3_stem", "1x1_s2", "dw3x3_s2", "3x3_d2",
+        "dw3x3_d2", "5x3_rect_p0", "3x3_bias_silu", "3x3_bn_residual_relu"}
+
+
 @needs_onednn
-@pytest.mark.parametrize(("cfg", "cin", "hw"), [c[1:] for c in CASES],
-                         ids=[c[0] for c in CASES])
+@pytest.mark.parametrize(("cfg", "cin", "hw"), [
+    pytest.param(*c[1:], id=c[0], marks=() if c[0] in FAST else pytest.mark.slow)
+    for c in CASES])
 def test_onednn_matches_eager(check, cfg, cin, hw):
     m = ConvBlock(cin, seed=2, **cfg)
     g = gen("conv_onednn", str(cfg))
