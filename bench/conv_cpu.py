@@ -144,12 +144,15 @@ def _eager(module, x, threads: int):
     return run
 
 
-def _median_ms(fn, calls: int) -> float:
+def _median_ms(fn, calls: int, fastest: list | None = None) -> float:
+    """Median ms of `calls` calls; the fastest call is appended to `fastest` when given."""
     ts = []
     for _ in range(calls):
         t = time.perf_counter()
         fn()
         ts.append(time.perf_counter() - t)
+    if fastest is not None:
+        fastest.append(min(ts) * 1e3)
     return statistics.median(ts) * 1e3
 
 
@@ -199,10 +202,12 @@ def main() -> None:
             for fn in fns.values():  # warm-up
                 fn(), fn()
             ms: dict[str, list[float]] = {k: [] for k in fns}
+            best: dict[str, list[float]] = {k: [] for k in fns}
             for _ in range(a.rounds):
                 for k, fn in fns.items():
-                    ms[k].append(_median_ms(fn, a.calls))
+                    ms[k].append(_median_ms(fn, a.calls, best[k]))
             med = {k: statistics.median(v) for k, v in ms.items()}
+            med.update({f"{k}:min": min(v) for k, v in best.items()})
             rows.append((name, int(x.shape[0]), nt, med, errs, compile_s))
             print(name, nt, {k: round(v, 2) for k, v in med.items()}, "max err", errs,
                   flush=True)
@@ -238,17 +243,18 @@ def _generic_table(a, rows, modes) -> None:
              "(conv: kiln vs oneDNN per shape)", "ort": "ONNX Runtime", "eager": "eager"}
     cols = modes + peers
     out = [f"CPU convolution networks, median ms per call ({a.rounds} rounds x {a.calls} calls, "
-           f"interleaved); `uptime` load {load[0]:.2f} {load[1]:.2f} {load[2]:.2f}; "
-           f"{os.cpu_count()} CPUs; torch {torch.__version__}.",
+           f"interleaved), in brackets the fastest call; `uptime` load {load[0]:.2f} "
+           f"{load[1]:.2f} {load[2]:.2f}; {os.cpu_count()} CPUs; torch {torch.__version__}; "
+           f"affinity {sorted(os.sched_getaffinity(0))}.",
            "",
            "| model | batch | threads | " + " | ".join(names[c] for c in cols)
            + "".join(f" | {m} / direct" for m in cols if m != "direct")
            + " | max abs err |",
            "| --- " * (3 + 2 * len(cols) - ("direct" in cols) + 1) + "|"]
     for name, b, nt, med, errs, _ in rows:
-        cells = [f"{med[c]:.1f}" if c in med else "-" for c in cols]
-        ratios = [f"{med[c] / med['direct']:.2f}" if c in med and "direct" in med else "-"
-                  for c in cols if c != "direct"]
+        cells = [f"{med[c]:.1f} ({med[c + ':min']:.1f})" if c in med else "-" for c in cols]
+        ratios = [f"{med[c] / med['direct']:.2f} ({med[c + ':min'] / med['direct:min']:.2f})"
+                  if c in med and "direct" in med else "-" for c in cols if c != "direct"]
         err = ", ".join(f"{k} {v:.1e}" for k, v in errs.items())
         out.append(f"| {name.removesuffix('_b8')} | {b} | {nt} | " + " | ".join(cells + ratios)
                    + f" | {err} |")
