@@ -21,10 +21,13 @@ backends: each shape timed kiln vs oneDNN, the faster kept; kiln/targets/cpu/dnn
 
     python bench/conv_cpu.py --per-shape [--models resnet18,mobilenet_v2] [--markdown FILE]
 
-times every distinct convolution shape of the models (input recorded by forward hooks; batch
-norm folded, the following ReLU / ReLU6 as the epilogue; residual adds not included) with the
-autotuner's own driver: kiln_conv.h against oneDNN, interleaved, on kiln's pool at
+times every distinct convolution shape of the models with the autotuner's own driver:
+kiln_conv.h against oneDNN, calls alternating, each one's fastest call kept, on kiln's pool at
 OMP_NUM_THREADS threads (run it under `taskset -c 1` with OMP_NUM_THREADS=1 for one core).
+The standalone convolution steps of kiln's package (the autotuner's candidates) exactly, with
+their fused epilogue and residual; then the convolutions inside MobileNetV2's fused inverted
+residual blocks (recorded by forward hooks, the following ReLU6 as the epilogue), which run
+as one kiln_conv.h call and are not candidates.
 --markdown replaces <!-- conv-onednn:begin --> ... <!-- conv-onednn:end -->.
 """
 
@@ -308,6 +311,24 @@ def _conv_shapes(module, x) -> list[tuple]:
     return list(seen.items())
 
 
+def _package_shapes(module, x) -> list[tuple]:
+    """(Geometry, count) of the convolution steps kiln's package runs standalone (candidates
+    of the autotuner), exact: epilogue, residual and all, read from the create() lines of a
+    build with every such step on oneDNN."""
+    import re
+    from kiln.targets.cpu import dnnl  # deferred: a benchmark of an optional backend
+    compiled = kiln.compile(module, (x,), options=kiln.Options(
+        cpu_conv_backends=("onednn",), num_threads=1))
+    seen: dict = {}
+    conv = {"true": True, "false": False, "INFINITY": float("inf"), "-INFINITY": float("-inf")}
+    for m in re.finditer(r'\.init\(e, "[^"]*", ([^\n]*),\n', compiled.sources["model.cpp"]):
+        vals = [conv[v] if v in conv else (float(v) if "." in v else int(v))
+                for v in m.group(1).split(", ")]
+        g = dnnl.Geometry(*vals)
+        seen[g] = seen.get(g, 0) + 1
+    return list(seen.items())
+
+
 def per_shape(a) -> None:
     import subprocess
     from kiln.targets.cpu import dnnl  # deferred: a benchmark of an optional backend
@@ -321,9 +342,16 @@ def per_shape(a) -> None:
     rows = []
     for name in a.models.split(","):
         module, x = all_models[name]
-        shapes = _conv_shapes(module, x)
+        standalone = _package_shapes(module, x)
+        key = lambda g: (g.icp, g.ih, g.iw, g.ocp, g.kh, g.kw, g.sh, g.depthwise)  # noqa: E731
+        keys = {key(g) for g, _ in standalone}
+        # the rest (MobileNetV2's expand / depthwise / project inside a fused block): shown,
+        # not candidates (the block runs as one kiln_conv.h call)
+        shapes = [(g, c, "") for g, c in standalone] + [
+            (g, c, " (in a fused block)") for g, c in _conv_shapes(module, x)
+            if key(g) not in keys]
         exe = dnnl.build_driver(toolchain(kiln.Options()), str(found[0]), shapes[0][0].block)
-        for g, count in shapes:
+        for g, count, note in shapes:
             p = subprocess.run([str(exe), *g.args(), a.seconds], capture_output=True, text=True)
             line = next((ln.split() for ln in p.stdout.splitlines()
                          if ln.startswith("KILN_CONV_PROFILE")), None)
@@ -332,7 +360,7 @@ def per_shape(a) -> None:
                 continue
             kiln_s, dnnl_s, err, tol = map(float, line[1:5])
             flops = 2 * g.n * g.ocp * g.oh * g.ow * g.kh * g.kw * (1 if g.depthwise else g.icp)
-            rows.append((name, g, count, kiln_s, dnnl_s, line[5], err <= tol, flops))
+            rows.append((name, g, count, kiln_s, dnnl_s, line[5], err <= tol, flops, note))
             print(name, g.describe(), f"x{count}", f"kiln {kiln_s * 1e6:.1f} us",
                   f"oneDNN {dnnl_s * 1e6:.1f} us ({line[5]})", flush=True)
     load1 = os.popen("uptime").read().strip()
@@ -346,17 +374,19 @@ def per_shape(a) -> None:
            "| oneDNN / kiln | oneDNN impl | agree |",
            "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
     tot: dict = {}
-    for name, g, count, ks, ds, impl, ok, fl in rows:
-        out.append(f"| {name} | {g.describe()} | {count} | {ks * 1e6:.1f} | {ds * 1e6:.1f} | "
+    for name, g, count, ks, ds, impl, ok, fl, note in rows:
+        out.append(f"| {name} | {g.describe()}{note} | {count} | {ks * 1e6:.1f} | {ds * 1e6:.1f} | "
                    f"{fl / ks / 1e9:.0f} | {fl / ds / 1e9:.0f} | {ds / ks:.2f} | {impl} | "
                    f"{'yes' if ok else 'NO'} |")
+        if note:
+            continue
         t = tot.setdefault(name, [0.0, 0.0, 0.0])
         t[0] += ks * count
         t[1] += ds * count
         t[2] += min(ks, ds) * count
     out.append("")
     for name, (k, d, best) in tot.items():
-        out.append(f"{name}: sum over its convolutions kiln {k * 1e3:.2f} ms, oneDNN "
+        out.append(f"{name}: sum over its standalone convolutions kiln {k * 1e3:.2f} ms, oneDNN "
                    f"{d * 1e3:.2f} ms, the faster per shape {best * 1e3:.2f} ms.")
     text = "\n".join(out)
     print(text)
