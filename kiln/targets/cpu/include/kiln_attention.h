@@ -25,8 +25,8 @@
  * (bench/cpu_attention_shapes.py --queries 1, 8 heads: packed, 2-5x slower than the decomposed
  * path; this way 0.2-0.8x with a mask or at S = 2048). Unmasked, the four dot products are
  * summed across lanes by a shuffle tree (`sum4`) and the row's maximum taken without the mask
- * pass: 1.01x of the decomposed path at S = 128 and 512 (bench/cpu_attention_decode.py, one
- * thread; 1.19x / 1.26x with per-lane scalar sums).
+ * pass: 1.01-1.05x of the decomposed path at S = 128 and 512 (bench/cpu_attention_decode.py,
+ * one thread, loaded box; 1.19x / 1.25x with per-lane scalar sums).
  *
  * Operands are float32 strided views (q/k/v sliced and transposed out of a QKV projection are
  * read in place); float16 / bfloat16 attention is widened to float32 by the compiler
