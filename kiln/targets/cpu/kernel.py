@@ -3,7 +3,8 @@
 One `Kernel` becomes one `extern "C"` function: an OpenMP parallel loop over the kernel's outer
 index space; inside it each member runs its inner loops in order, the innermost one marked
 `omp simd` so the compiler vectorises it. Expressions are printed once per distinct subtree
-(common subexpressions become `const` temporaries). Buffers are `buf_<name>` pointers with
+(common subexpressions become `const` temporaries); statements that no loop of the member
+changes are printed before its loops (loops of static, non-zero size only). Buffers are `buf_<name>` pointers with
 `__restrict__` (the memory plan never lets two live buffers overlap), except the two parameters
 of an in-place pair (an output stored into its dying input's bytes, see kiln/memory/inplace.py):
 `aliased` names them (Program IR's `Alloc.reuse`); when the caller gives none, every pair that
@@ -58,6 +59,26 @@ class ExprPrinter:
     lines: list[str] = field(default_factory=list)
     memo: dict = field(default_factory=dict)
     counter: int = 0
+    #: the variables of the loops the statements go inside; a statement that depends on none
+    #: of them goes to `hoisted` (printed before the loops) instead of `lines`, so an
+    #: embedding row looked up through data is found once per row, not gathered per element
+    inner: frozenset = frozenset()
+    hoisted: list[str] = field(default_factory=list)
+    varies: dict = field(default_factory=dict)  # expression -> depends on `inner` (memo)
+
+    def _varies(self, e: L.Expr) -> bool:
+        if isinstance(e, L.Const):
+            return False
+        if e not in self.varies:
+            if isinstance(e, L.Index):
+                v = bool(sympy.sympify(e.expr).free_symbols & self.inner)
+            elif isinstance(e, L.Load):
+                v = bool(sympy.sympify(e.index).free_symbols & self.inner) or any(
+                    self._varies(ind.value) for ind in e.indirect)
+            else:
+                v = any(self._varies(a) for a in e.args)
+            self.varies[e] = v
+        return self.varies[e]
 
     def fresh(self) -> str:
         self.counter += 1
@@ -69,6 +90,13 @@ class ExprPrinter:
         key = e
         if key in self.memo:
             return self.memo[key]
+        if self.inner and not self._varies(e):  # loop-invariant: printed before the loops
+            inner, lines = self.inner, self.lines
+            self.inner, self.lines = frozenset(), self.hoisted
+            try:
+                return self.value(e)
+            finally:
+                self.inner, self.lines = inner, lines
         if isinstance(e, L.Index):
             text = f"static_cast<{e.dtype.c_type}>({to_c(e.expr)})"
         elif isinstance(e, L.Load):
@@ -93,15 +121,18 @@ class ExprPrinter:
             v = self.value(ind.value)
             var = ind.var.name
             b = to_c(ind.bound)
-            self.lines.append(f"int64_t {var} = {v};")
+            # an index the loops do not change is tested once, before them (its row of the
+            # table is then read contiguously, not gathered)
+            out = self.hoisted if self.inner and not self._varies(ind.value) else self.lines
+            out.append(f"int64_t {var} = {v};")
             if ind.wrap:
-                self.lines.append(f"if ({var} < 0) {var} += {b};")
+                out.append(f"if ({var} < 0) {var} += {b};")
             # branch-free, so a simd loop with a gather still vectorises: the member ORs the
             # out-of-range tests into kiln_bad and flags the status once (_checked)
-            self.lines.append(f"const bool bad_{var} = static_cast<uint64_t>({var}) >= "
-                              f"static_cast<uint64_t>({b});")
-            self.lines.append(f"{BAD} |= bad_{var};")
-            self.lines.append(f"{var} = bad_{var} ? 0 : {var};")
+            out.append(f"const bool bad_{var} = static_cast<uint64_t>({var}) >= "
+                       f"static_cast<uint64_t>({b});")
+            out.append(f"{BAD} |= bad_{var};")
+            out.append(f"{var} = bad_{var} ? 0 : {var};")
         if e.buf in self.rows:
             return f"row_{e.buf}[{to_c(sympy.expand(e.index - self.rows[e.buf]))}]"
         return f"buf_{e.buf}[{to_c(e.index)}]"
@@ -127,6 +158,15 @@ def _loop(var: str, size, pragma: str | None = None) -> list[str]:
     return head + [f"for (int64_t {var} = 0; {var} < {to_c(size)}; ++{var}) {{"]
 
 
+def _hoist_over(loop_vars, sizes) -> frozenset:
+    """The loop variables whose loops an ExprPrinter may hoist invariant statements out of:
+    all of them when every loop runs at least once (static sizes >= 1; a load hoisted out of a
+    loop that runs zero times could read past a buffer), else none."""
+    if all(sympy.sympify(n).is_Integer and int(n) >= 1 for n in sizes):
+        return frozenset(loop_vars)
+    return frozenset()
+
+
 def _member(m: L.Compute, k: int, locals_: dict[str, str], rows: dict | None = None
             ) -> list[str]:
     """Statements of one member inside the outer loops (outer vars i0..i{k-1} are bound)."""
@@ -146,12 +186,13 @@ def _member_block(m: L.Compute, k: int, locals_: dict[str, str], rows: dict | No
     opened = 0
     body_indent = []
     if m.reduce is None:
+        p = ExprPrinter(locals_, rows, inner=_hoist_over(iv[k:], m.shape[k:]))
+        v = p.value(m.body)
+        lines += p.hoisted
         for j, d in enumerate(inner):
             pragma = "#pragma omp simd" if j == len(inner) - 1 else None
             lines += _loop(f"i{d}", m.shape[d], pragma)
             opened += 1
-        p = ExprPrinter(locals_, rows)
-        v = p.value(m.body)
         body_indent = p.lines + [f"{dest} = {v};"]
         lines += ["  " + s for s in body_indent]
         lines += ["}"] * opened
@@ -170,10 +211,11 @@ def _member_block(m: L.Compute, k: int, locals_: dict[str, str], rows: dict | No
         cmp = ">" if kind == "argmax" else "<"
         lines += [f"{src_t} best = kr::{'lowest' if kind == 'argmax' else 'highest'}<{src_t}>();",
                   "int64_t besti = 0; bool first = true;"]
+        p = ExprPrinter(locals_, rows, inner=_hoist_over(rv, m.reduce.sizes))
+        x = p.value(m.body)
+        lines += p.hoisted
         for j, r in enumerate(rv):
             lines += _loop(r.name, m.reduce.sizes[j])
-        p = ExprPrinter(locals_, rows)
-        x = p.value(m.body)
         flat = to_c(linear_index(rv, contiguous_strides(m.reduce.sizes)))
         lines += ["  " + s for s in p.lines]
         lines += [f"  if (first || ({x} {cmp} best) || ({x} != {x} && best == best)) "
@@ -186,6 +228,9 @@ def _member_block(m: L.Compute, k: int, locals_: dict[str, str], rows: dict | No
         uses_nan = "{nan}" in combine
         if uses_nan:
             lines.append(f"int {nan} = 0;")
+        p = ExprPrinter(locals_, rows, inner=_hoist_over(rv, m.reduce.sizes))
+        x = p.value(m.body)
+        lines += p.hoisted
         for j, r in enumerate(rv):
             pragma = None
             if j == len(rv) - 1 and clause:
@@ -193,8 +238,6 @@ def _member_block(m: L.Compute, k: int, locals_: dict[str, str], rows: dict | No
                 if uses_nan:
                     pragma += f" reduction(|:{nan})"
             lines += _loop(r.name, m.reduce.sizes[j], pragma)
-        p = ExprPrinter(locals_, rows)
-        x = p.value(m.body)
         lines += ["  " + s for s in p.lines]
         lines.append("  " + combine.format(acc=acc, x=x, nan=nan))
         lines += ["}"] * len(rv)

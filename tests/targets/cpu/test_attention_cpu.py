@@ -252,3 +252,27 @@ def test_nan_scores_stay_nan_and_decomposed_path_agrees(tmp_path):
     torch.testing.assert_close(got, want, equal_nan=True, rtol=2e-5, atol=2e-5)
     torch.testing.assert_close(got, other, equal_nan=True, rtol=2e-5, atol=2e-5)
     assert torch.equal(got[:, :, 3], torch.zeros_like(got[:, :, 3]))
+
+
+@pytest.mark.parametrize("e", [64, 40])
+def test_decode_rows_without_mask(e, tmp_path):
+    """Up to 4 query rows, no mask (the row path's unmasked branch: scores 4 keys at a time
+    summed by a shuffle tree where E is a multiple of the vector, the row's maximum without
+    the mask pass): S below, at and past a vector / a key block, odd S; a NaN query row stays
+    NaN and leaves the others alone."""
+    model = Sdpa()
+    g = torch.Generator().manual_seed(30 + e)
+    lq, s = Dim("L", min=1, max=600), Dim("S", min=1, max=600)
+    args = _qkv(g, 2, 3, 2, 9, e, torch.float32)
+    c, runner = _compile(model, args, tmp_path, f"decode{e}",
+                         dynamic_shapes=({2: lq}, {2: s}, {2: s}))
+    assert len(_attention_steps(c)) == 1
+    for seed, (lq_, s_) in enumerate([(1, 1), (1, 3), (1, 16), (1, 37), (2, 64), (3, 130),
+                                      (4, 513), (1, 128)]):
+        a = _qkv(torch.Generator().manual_seed(40 + seed), 2, 3, lq_, s_, e, torch.float32)
+        _check(runner(*a), model, a, torch.float32)
+    q, k, v = _qkv(torch.Generator().manual_seed(50), 2, 3, 1, 70, e, torch.float32)
+    q[1, 2, 0, 5] = float("nan")
+    got, want = runner(q, k, v), model(q, k, v)
+    assert torch.isnan(got[1, 2]).all() and not torch.isnan(got[0]).any()
+    torch.testing.assert_close(got, want, equal_nan=True, rtol=2e-5, atol=2e-5)

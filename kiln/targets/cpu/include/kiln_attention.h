@@ -23,7 +23,10 @@
  * row) per task and reads the keys and values in place (dot products along E, 4 keys at a
  * time; the output in registers while the keys are walked), its [S] scores in scratch
  * (bench/cpu_attention_shapes.py --queries 1, 8 heads: packed, 2-5x slower than the decomposed
- * path; this way 0.2-0.8x with a mask or at S = 2048, 1.24-1.31x unmasked at S = 128 / 512).
+ * path; this way 0.2-0.8x with a mask or at S = 2048). Unmasked, the four dot products are
+ * summed across lanes by a shuffle tree (`sum4`) and the row's maximum taken without the mask
+ * pass: 1.01-1.05x of the decomposed path at S = 128 and 512 (bench/cpu_attention_decode.py,
+ * one thread, loaded box; 1.19x / 1.25x with per-lane scalar sums).
  *
  * Operands are float32 strided views (q/k/v sliced and transposed out of a QKV projection are
  * read in place); float16 / bfloat16 attention is widened to float32 by the compiler
@@ -138,6 +141,23 @@ template <class M> struct Mask {
   const int64_t *st;  // strides of the [B, H, L, S] view
 };
 
+/* the maximum of s[0, n) (n a multiple of W); NaN when some element is NaN */
+inline float row_max(const float *s, int64_t n) {
+  const float ninf = -std::numeric_limits<float>::infinity();
+  vec top = splat(ninf), nan = splat(0.0f);
+  for (int64_t c = 0; c < n; c += W) {
+    const vec x = load(s + c);
+    top = x > top ? x : top;
+    nan = x != x ? x : nan;
+  }
+  float t = ninf;
+  for (int l = 0; l < W; ++l) {
+    if (nan[l] != nan[l]) return nan[l];
+    t = top[l] > t ? top[l] : t;
+  }
+  return t;
+}
+
 /* s[rows][BN] = Qp[rows][E] . Kt[E][BN] for a tile of RM rows (and CV * W keys a pass) */
 inline void scores_tile(const float *qp, int64_t E, const float *kt, float *s) {
   for (int c0 = 0; c0 < BN; c0 += CV * W) {
@@ -217,18 +237,7 @@ inline float mask_row(float *s, int64_t i, int64_t j0, int64_t nb, bool causal, 
     for (int64_t c = 0; c < lim; ++c) s[c] += float(mr[c * ms]);
   }
   for (int64_t c = lim; c < BN; ++c) s[c] = ninf;
-  vec top = splat(ninf), nan = splat(0.0f);
-  for (int c = 0; c < BN; c += W) {
-    const vec x = load(s + c);
-    top = x > top ? x : top;
-    nan = x != x ? x : nan;
-  }
-  float t = ninf;
-  for (int l = 0; l < W; ++l) {
-    if (nan[l] != nan[l]) return nan[l];
-    t = top[l] > t ? top[l] : t;
-  }
-  return t;
+  return row_max(s, BN);
 }
 
 template <class M>
@@ -353,6 +362,35 @@ bool run(const Shape &sh, float *out, bool causal, float scale, const View<float
   return !failed;
 }
 
+/* out[0..3] = the sums of the lanes of a0..a3: two steps that fold two vectors' halves into
+ * one vector, then log2(W / 4) steps within it (the W = 16 tree: 6 shuffles, 6 adds; a scalar
+ * loop over the lanes took 4 * W adds and lane extractions, most of a decode row's time). */
+inline void sum4(vec a0, vec a1, vec a2, vec a3, float *out) {
+  ivec lo, hi;  // lo = x[0, W/2) ++ y[0, W/2); hi = x[W/2, W) ++ y[W/2, W)
+  for (int l = 0; l < W; ++l) {
+    const int h = W / 2;
+    lo[l] = l < h ? l : W + (l - h);
+    hi[l] = l < h ? h + l : W + h + (l - h);
+  }
+  const vec t01 = __builtin_shuffle(a0, a1, lo) + __builtin_shuffle(a0, a1, hi);
+  const vec t23 = __builtin_shuffle(a2, a3, lo) + __builtin_shuffle(a2, a3, hi);
+  // quarters: lanes [q*r, q*(r+1)) of u hold W/4 partial sums of a_r
+  ivec lo2, hi2;
+  for (int l = 0; l < W; ++l) {
+    const int q = W / 4, r = l / q, c = l % q;  // r: which accumulator, c: its lane
+    const int base = (r & 1) * (W / 2) + (r >> 1) * W;  // its half in t01 ++ t23
+    lo2[l] = base + c;
+    hi2[l] = base + q + c;
+  }
+  vec u = __builtin_shuffle(t01, t23, lo2) + __builtin_shuffle(t01, t23, hi2);
+  for (int w = W / 8; w >= 1; w /= 2) {  // fold each group of W/4 lanes to its first lane
+    ivec m;
+    for (int l = 0; l < W; ++l) m[l] = l ^ w;
+    u += __builtin_shuffle(u, m);
+  }
+  for (int r = 0; r < 4; ++r) out[r] = u[r * (W / 4)];
+}
+
 /* Few query rows (a decode step): packing the keys would cost more than the products, so each
  * task is one (batch, head, query row): its scores against every key (dot products along E,
  * the keys read in place) in an [S] row of scratch, softmax, then the rows of v summed with
@@ -385,9 +423,9 @@ bool run_rows(const Shape &sh, float *out, bool causal, float scale, const View<
       const int64_t lim = causal ? (i + 1 < S ? i + 1 : S) : S;
       int64_t j = 0;
       if (ks == 1 && E % W == 0) {  // 4 keys at a time, vectors along E
+        const int64_t kst = k.stride(2);
         for (; j + 4 <= lim; j += 4) {
-          const float *k0 = kb + j * k.stride(2), *k1 = k0 + k.stride(2),
-                      *k2 = k1 + k.stride(2), *k3 = k2 + k.stride(2);
+          const float *k0 = kb + j * kst, *k1 = k0 + kst, *k2 = k1 + kst, *k3 = k2 + kst;
           vec a0 = splat(0.0f), a1 = a0, a2 = a0, a3 = a0;
           for (int64_t e = 0; e < E; e += W) {
             const vec x = load(qv + e);
@@ -396,9 +434,7 @@ bool run_rows(const Shape &sh, float *out, bool causal, float scale, const View<
             a2 += x * load(k2 + e);
             a3 += x * load(k3 + e);
           }
-          float d0 = 0.0f, d1 = 0.0f, d2 = 0.0f, d3 = 0.0f;
-          for (int l = 0; l < W; ++l) d0 += a0[l], d1 += a1[l], d2 += a2[l], d3 += a3[l];
-          sc[j] = d0, sc[j + 1] = d1, sc[j + 2] = d2, sc[j + 3] = d3;
+          sum4(a0, a1, a2, a3, sc + j);
         }
       }
       for (; j < lim; ++j) {
@@ -408,16 +444,21 @@ bool run_rows(const Shape &sh, float *out, bool causal, float scale, const View<
         sc[j] = d;
       }
       float top = ninf;
-      for (int64_t j0 = 0; j0 < spad; j0 += BN) {  // mask and maximum, BN keys at a time
-        const int64_t nb = lim - j0 < BN ? lim - j0 : BN;
-        float blk[BN];
-        const int64_t len = spad - j0 < BN ? spad - j0 : BN;
-        for (int64_t c = 0; c < BN; ++c) blk[c] = c < nb ? sc[j0 + c] : ninf;
-        const M *mr = kind ? mask.data + b * mask.st[0] + h * mask.st[1] + i * mask.st[2] +
-                                 j0 * mask.st[3] : nullptr;
-        const float m = mask_row(blk, i, j0, nb < 0 ? 0 : nb, false, kind, mr, mask.st[3]);
-        for (int64_t c = 0; c < len; ++c) sc[j0 + c] = blk[c];
-        top = (m > top || m != m) ? m : top;
+      if (!kind) {  // no mask: the maximum of the kept keys, the rest of the row -inf
+        for (int64_t j = lim; j < spad; ++j) sc[j] = ninf;
+        top = row_max(sc, spad);
+      } else {
+        for (int64_t j0 = 0; j0 < spad; j0 += BN) {  // mask and maximum, BN keys at a time
+          const int64_t nb = lim - j0 < BN ? lim - j0 : BN;
+          float blk[BN];
+          const int64_t len = spad - j0 < BN ? spad - j0 : BN;
+          for (int64_t c = 0; c < BN; ++c) blk[c] = c < nb ? sc[j0 + c] : ninf;
+          const M *mr = mask.data + b * mask.st[0] + h * mask.st[1] + i * mask.st[2] +
+                        j0 * mask.st[3];
+          const float m = mask_row(blk, i, j0, nb < 0 ? 0 : nb, false, kind, mr, mask.st[3]);
+          for (int64_t c = 0; c < len; ++c) sc[j0 + c] = blk[c];
+          top = (m > top || m != m) ? m : top;
+        }
       }
       for (int64_t d = 0; d < Ev; ++d) acc[d] = 0.0f;
       float total = 0.0f;
