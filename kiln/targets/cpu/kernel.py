@@ -1,14 +1,15 @@
 """Schedule -> C++ kernel functions.
 
 One `Kernel` becomes one `extern "C"` function: an OpenMP parallel loop over the kernel's outer
-index space; inside it each member runs its inner loops in order, the innermost one marked
-`omp simd` so the compiler vectorises it. Expressions are printed once per distinct subtree
-(common subexpressions become `const` temporaries); statements that no loop of the member
-changes are printed before its loops (loops of static, non-zero size only). Buffers are `buf_<name>` pointers with
-`__restrict__` (the memory plan never lets two live buffers overlap), except the two parameters
-of an in-place pair (an output stored into its dying input's bytes, see kiln/memory/inplace.py):
-`aliased` names them (Program IR's `Alloc.reuse`); when the caller gives none, every pair that
-the kernel alone allows to alias loses it (`alias_pairs`, a safe superset)."""
+index space; inside it each member runs its inner loops in order, the innermost one marked `omp
+simd` so the compiler vectorises it. Expressions are printed once per distinct subtree (common
+subexpressions become `const` temporaries); statements that no loop of the member changes are
+printed before its loops (loops of static, non-zero size only). Buffers are `buf_<name>`
+pointers with `__restrict__` (the memory plan never lets two live buffers overlap), except the
+two parameters of an in-place pair (an output stored into its dying input's bytes, see
+kiln/memory/inplace.py): `aliased` names them (Program IR's `Alloc.reuse`); when the caller
+gives none, every pair that the kernel alone allows to alias loses it (`alias_pairs`, a safe
+superset)."""
 
 from __future__ import annotations
 
