@@ -126,27 +126,39 @@ def test_dequantize_is_within_half_a_step_of_the_weights():
                        w.bfloat16().double())
 
 
-def test_vnni_kernel_matches_integer_products_of_row_quantised_activations():
+def _vnni_reference(mode: str, st: dict, x: torch.Tensor, k: int, n: int) -> torch.Tensor:
+    """ir/quant.py's float64 twin of the VNNI kernel of `mode` ("int8" / "int4")."""
+    if mode == "int8":
+        return torch.from_numpy(Q.routine(None, {"mode": 2, "k": k, "n": n}, x.numpy(),
+                                          st["q"].numpy(), st["s"].numpy(),
+                                          st["wsum"].numpy())[0])
+    return torch.from_numpy(Q.routine(None, {"mode": 4, "k": k, "n": n, "group": GROUP},
+                                      x.numpy(), st["q"].numpy(), st["s"].numpy())[0])
+
+
+@pytest.mark.parametrize("mode", ["int8", "int4"])
+def test_vnni_kernel_matches_integer_products_of_row_quantised_activations(mode):
     torch.manual_seed(0)
     model = Net(bias=False).eval()
-    cm = _compile(model, weight_quant="int8", weight_quant_kernel="vnni")
+    cm = _compile(model, weight_quant=mode, weight_quant_kernel="vnni", weight_quant_group=GROUP)
+    assert cm.sources["model.cpp"].count(f"{mode}_vnni weight GEMM") == len(SHAPES)
     runner = cm.load()
-    for rows in (1, 5, 12, 17):
+    for rows in (1, 2, 5, 12, 17):
         xs = _inputs(rows)
         got = runner(*xs)
         for i, ((k, n), x, y) in enumerate(zip(SHAPES, xs, got)):
-            st = _stored(cm, i, "int8_vnni")
-            y64 = torch.from_numpy(Q.routine(None, {"mode": 2, "k": k, "n": n}, x.numpy(),
-                                             st["q"].numpy(), st["s"].numpy(),
-                                             st["wsum"].numpy())[0])
+            st = _stored(cm, i, f"{mode}_vnni")
+            y64 = _vnni_reference(mode, st, x, k, n)
             xq, sx = Q.quantize_rows(x.numpy())
-            deq = Q.dequantize("int8", st, k, n)
+            deq = Q.dequantize(mode, st, k, n, GROUP)
             mag = torch.from_numpy(abs(xq) * sx).double() @ deq.abs()
             err = (y.double() - y64).abs()
             assert (err <= 1e-5 * mag + 1e-6).all(), (rows, i, err.max().item())
-            with torch.no_grad():  # and near the float model: activation and weight grids
-                y32 = model.fcs[i](x).double()
-            assert (y.double() - y32).abs().max() <= 0.05 * y32.abs().max() + 1e-3
+            with torch.no_grad():  # and near the float model, within both grids' bound:
+                y32 = model.fcs[i](x).double()  # |x - xq sx| <= sx / 2, |w - deq| <= s / 2
+            bound = (torch.from_numpy(sx).double() / 2 * deq.abs().sum(0) + 1e-5 * mag + 1e-6
+                     + _grid_bound(model.fcs[i].weight.detach(), x, mode, GROUP))
+            assert ((y.double() - y32).abs() <= bound).all(), (rows, i)
 
 
 @pytest.mark.parametrize("shapes", [((70, 37), (64, 48), (133, 16), (40, 1)),
@@ -222,7 +234,7 @@ class Mixed(torch.nn.Module):
         return self.fc(x), self.fc16(x16)
 
 
-@pytest.mark.parametrize("mode,kernel", [("int4", "dequant"), ("int8", "vnni")])
+@pytest.mark.parametrize("mode,kernel", [("int4", "dequant"), ("int8", "vnni"), ("int4", "vnni")])
 def test_portable_package_runs_each_level(mode, kernel):
     """march="portable": qgemm.cpp is compiled per level (AVX-512 paths, and VNNI / bf16
     only where the level has them; portable loops for x86-64-v3 and x86-64); each level's
@@ -234,13 +246,11 @@ def test_portable_package_runs_each_level(mode, kernel):
     cm = kiln.compile(model, xs, options=kiln.Options(
         march="portable", weight_quant=mode, weight_quant_kernel=kernel,
         weight_quant_group=GROUP))
-    qmode = "int8_vnni" if kernel == "vnni" else mode
+    qmode = f"{mode}_vnni" if kernel == "vnni" else mode
     fq = f"<quantised {qmode} of fc.weight>"
     st = _parts(cm, fq)
     if kernel == "vnni":
-        want = torch.from_numpy(Q.routine(None, {"mode": 2, "k": 70, "n": 37}, xs[0].numpy(),
-                                          st["q"].numpy(), st["s"].numpy(),
-                                          st["wsum"].numpy())[0])
+        want = _vnni_reference(mode, st, xs[0], 70, 37)
     else:
         want = xs[0].double() @ Q.dequantize(mode, st, 70, 37, GROUP)
     want = want + model.fc.bias.double()
