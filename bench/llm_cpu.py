@@ -28,14 +28,20 @@ system) in turn (order rotated per round) for `--calls` calls after 2 warm-up ca
 figure is its median call, the reported one the median over rounds. `uptime` load is sampled
 every round. "speed vs kiln bf16" = kiln bf16 ms / this row's kiln ms, same run.
 
+`--profile N` then profiles N kiln calls of each format per step (the package's own hooks,
+kiln.runtime.profiling): each step's lowest time over the calls (a step's median on a shared
+machine includes the time it was descheduled), summed by group (GEMMs, attention, other),
+and the slowest steps, with GB/s of the GEMMs' stored weights (parsed from the wrapper).
+
     python bench/llm_cpu.py [--size 8x1024|1b] [--dtypes fp32,bf16,int8,int4] [--threads 1,2]
-        [--rounds 5] [--calls 10] [--markdown BENCHMARKS.md] [--json out.json]
+        [--rounds 5] [--calls 10] [--profile 20] [--markdown BENCHMARKS.md] [--json out.json]
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import re
 import statistics
 import struct
 import sys
@@ -52,6 +58,7 @@ import torch  # noqa: E402
 import kiln  # noqa: E402
 from bench.machine import cpu_name  # noqa: E402
 from bench.markdown import splice  # noqa: E402
+from kiln.runtime import profiling  # noqa: E402
 import hf_decoders as H  # noqa: E402
 
 SIZES = {  # Llama-shaped decoders: (hidden, layers, heads, kv_heads, intermediate, vocab)
@@ -176,6 +183,56 @@ def check(b: dict, pos: int) -> float:
     return (outs[0] - outs[1]).abs().max().item()
 
 
+#: bytes a stored weight value takes, by kiln_qgemm.h mode (int4: two a byte; scales apart)
+QGEMM_BYTES = {0: 1.0, 1: 0.5, 2: 1.0, 3: 2.0, 4: 0.5}
+QGEMM_CALL = re.compile(r'kl::qgemm\(e, "(\w+)".*?/\*mode=\*/int64_t\((\d+)\), /\*k=\*/int64_t'
+                        r'\((\d+)\), /\*n=\*/int64_t\((\d+)\), /\*group=\*/int64_t\((\d+)\)')
+
+
+def qgemm_bytes(pkg: Path) -> dict[str, float]:
+    """Weight bytes each qgemm step of the package streams (values, and the fp32 scales of
+    int8 / int4), from its wrapper source."""
+    with zipfile.ZipFile(pkg) as z:
+        src = z.read("src/model.cpp").decode()
+    out = {}
+    for name, mode, k, n, group in QGEMM_CALL.findall(src):
+        mode, k, n, group = int(mode), int(k), int(n), int(group)
+        scales = 4 * n * (-(-k // group) if group else 1) if mode != 3 else 0
+        out[name] = QGEMM_BYTES[mode] * k * n + scales
+    return out
+
+
+def profile(pkg: Path, call, runner, calls: int, top: int = 6) -> dict:
+    """Per-step times of one decode step (kiln.runtime.profiling, the package's own hooks):
+    each step's lowest time over `calls` calls (closest to its cost undisturbed on a shared
+    machine), by group (qgemm / attention / other) and the `top` steps, with the GB/s of the
+    GEMM steps' weights."""
+    nbytes = qgemm_bytes(pkg)
+    profiling.enable(runner)
+    low: dict[str, float] = {}
+    kind: dict[str, str] = {}
+    for _ in range(calls):
+        call()
+        for st in profiling.steps(runner):
+            low[st.name] = min(low.get(st.name, float("inf")), st.last_s)
+            kind[st.name] = st.kind
+    profiling.enable(runner, False)
+    groups: dict[str, list[float]] = {}
+    for n, t in low.items():
+        g = ("gemm" if n in nbytes else "attention" if kind[n] == "lib.attention"
+             else "other")
+        acc = groups.setdefault(g, [0.0, 0.0])
+        acc[0] += t
+        acc[1] += nbytes.get(n, 0.0)
+    steps = sorted(low, key=lambda n: -low[n])[:top]
+    return {"sum_ms": 1e3 * sum(low.values()),
+            "groups": {g: {"ms": 1e3 * t, "gbs": b / t / 1e9 if b else None}
+                       for g, (t, b) in groups.items()},
+            "top": [{"step": n, "kind": kind[n], "ms": 1e3 * low[n],
+                     "gbs": nbytes[n] / low[n] / 1e9 if n in nbytes else None}
+                    for n in steps]}
+
+
 def run(args) -> dict:
     work = Path(args.work)
     work.mkdir(parents=True, exist_ok=True)
@@ -214,13 +271,18 @@ def run(args) -> dict:
                 torch.set_num_threads(nt)
                 times[k].append(time_calls(calls[k], args.calls))
         cbw, rbw = statistics.median(cbws), statistics.median(rbws)
+        profiles = {}
+        if args.profile:
+            for fmt, b in builds.items():
+                profiles[fmt] = profile(b["pkg"], calls[(fmt, "kiln")], b["runner"],
+                                        args.profile)
         for fmt, b in builds.items():
             roof_ms = b["stream_bytes"] / (rbw * 1e9) * 1e3
             row = {"dtype": fmt, "threads": nt, "weight_bytes": b["nbytes"],
                    "stream_bytes": b["stream_bytes"], "copy_gbs": cbw, "read_gbs": rbw,
                    "roofline_ms": roof_ms, "kiln_vs_eager_max_abs_logit_diff": b["diff"],
                    "loads": loads, "compile_s": b["compile_s"], "errors": b["errors"],
-                   "ms": {}}
+                   "profile": profiles.get(fmt), "ms": {}}
             for n in b["systems"]:
                 ms = statistics.median(times[(fmt, n)]) * 1e3
                 row["ms"][n] = {"median": ms, "rounds": [t * 1e3 for t in times[(fmt, n)]],
@@ -264,6 +326,24 @@ def markdown(res: dict, command: str) -> str:
             f"| {ms['kiln']['pct_roofline']:.0f}% | {eg_x} | {tc_x} | {vs} "
             f"| {r['kiln_vs_eager_max_abs_logit_diff']:.2g} "
             f"| {r['loads'][0]} ... {r['loads'][-1]} |")
+    profiled = [r for r in res["rows"] if r.get("profile")]
+    if profiled:
+        lines += ["", "Per-step profile of one kiln decode step (`--profile N`: each step's "
+                  "lowest time over N profiled calls; GB/s of the GEMM steps' stored weights):",
+                  "", "| format | threads | steps sum ms | GEMMs ms (GB/s) | attention ms "
+                  "| other ms | slowest steps: ms (GB/s) |", "| --- | --- | --- | --- | --- "
+                  "| --- | --- |"]
+        for r in profiled:
+            p = r["profile"]
+            g = p["groups"]
+
+            def ms(name):
+                return f"{g[name]['ms']:.2f}" if name in g else "-"
+            gemm = (f"{g['gemm']['ms']:.2f} ({g['gemm']['gbs']:.1f})" if "gemm" in g else "-")
+            top = ", ".join(f"{t['step']} {t['ms']:.2f}" +
+                            (f" ({t['gbs']:.0f})" if t["gbs"] else "") for t in p["top"])
+            lines.append(f"| {r['dtype']} | {r['threads']} | {p['sum_ms']:.2f} | {gemm} "
+                         f"| {ms('attention')} | {ms('other')} | {top} |")
     return "\n".join(lines)
 
 
@@ -278,6 +358,8 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--calls", type=int, default=10)
     ap.add_argument("--work", default="/tmp/kiln-llm-cpu")
+    ap.add_argument("--profile", type=int, default=0,
+                    help="also profile N kiln calls a format per step (kiln.runtime.profiling)")
     ap.add_argument("--json")
     ap.add_argument("--markdown")
     args = ap.parse_args()

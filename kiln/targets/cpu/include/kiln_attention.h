@@ -479,14 +479,24 @@ bool run_rows(const Shape &sh, float *out, bool causal, float scale, const View<
         int64_t d0 = 0;
         if (vs == 1)  // CV vectors of the output in registers, the keys walked for each
           for (; d0 + CV * W <= Ev; d0 += CV * W) {
-            vec a[CV];
-            for (int c = 0; c < CV; ++c) a[c] = splat(0.0f);
-            for (int64_t j = 0; j < lim; ++j) {
+            // even and odd keys in their own accumulators: 2 CV independent FMA chains
+            vec a[CV], a1[CV];
+            for (int c = 0; c < CV; ++c) a[c] = a1[c] = splat(0.0f);
+            int64_t j = 0;
+            for (; j + 2 <= lim; j += 2) {
+              const T *vr = vb + j * v.stride(2) + d0, *vr1 = vr + v.stride(2);
+              const vec p = splat(sc[j]), p1 = splat(sc[j + 1]);
+              for (int c = 0; c < CV; ++c) {
+                a[c] += p * load_kv(vr + c * W);
+                a1[c] += p1 * load_kv(vr1 + c * W);
+              }
+            }
+            for (; j < lim; ++j) {
               const T *vr = vb + j * v.stride(2) + d0;
               const vec p = splat(sc[j]);
               for (int c = 0; c < CV; ++c) a[c] += p * load_kv(vr + c * W);
             }
-            for (int c = 0; c < CV; ++c) store(acc + d0 + c * W, a[c]);
+            for (int c = 0; c < CV; ++c) store(acc + d0 + c * W, a[c] + a1[c]);
           }
         for (int64_t j = 0; j < lim && d0 < Ev; ++j) {  // the rest of the columns
           const float p = sc[j];
