@@ -304,7 +304,8 @@ def markdown(res: dict, command: str) -> str:
              f"Command: `{command}`.", "",
              "| format | threads | params | streamed | read GB/s | roofline ms | kiln ms "
              "| eager ms | torch.compile ms | kiln % roofline | kiln / eager "
-             "| kiln / torch.compile | speed vs kiln bf16 | max abs logit diff | load (1/5/15 min) |",
+             "| kiln / torch.compile | speed vs kiln bf16 | max abs logit diff "
+             "| load (1/5/15 min) |",
              "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- "
              "| --- | --- |"]
     bf16 = {r["threads"]: r["ms"]["kiln"]["median"] for r in res["rows"] if r["dtype"] == "bf16"}
