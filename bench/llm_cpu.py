@@ -202,11 +202,12 @@ def qgemm_bytes(pkg: Path) -> dict[str, float]:
     return out
 
 
-def profile(pkg: Path, call, runner, calls: int, top: int = 6) -> dict:
+def profile(pkg: Path, call, runner, calls: int, stream_bytes: int, top: int = 6) -> dict:
     """Per-step times of one decode step (kiln.runtime.profiling, the package's own hooks):
     each step's lowest time over `calls` calls (closest to its cost undisturbed on a shared
-    machine), by group (qgemm / attention / other) and the `top` steps, with the GB/s of the
-    GEMM steps' weights."""
+    machine), by group (GEMMs: qgemm and float GEMM steps, their GB/s the streamed bytes over
+    their time; attention; other) and the `top` steps, with the GB/s of each qgemm step's
+    weights."""
     nbytes = qgemm_bytes(pkg)
     profiling.enable(runner)
     low: dict[str, float] = {}
@@ -219,15 +220,13 @@ def profile(pkg: Path, call, runner, calls: int, top: int = 6) -> dict:
     profiling.enable(runner, False)
     groups: dict[str, list[float]] = {}
     for n, t in low.items():
-        g = ("gemm" if n in nbytes else "attention" if kind[n] == "lib.attention"
-             else "other")
-        acc = groups.setdefault(g, [0.0, 0.0])
-        acc[0] += t
-        acc[1] += nbytes.get(n, 0.0)
+        g = ("gemm" if n in nbytes or kind[n].endswith("_gemm") else
+             "attention" if kind[n] == "lib.attention" else "other")
+        groups[g] = groups.get(g, 0.0) + t
     steps = sorted(low, key=lambda n: -low[n])[:top]
     return {"sum_ms": 1e3 * sum(low.values()),
-            "groups": {g: {"ms": 1e3 * t, "gbs": b / t / 1e9 if b else None}
-                       for g, (t, b) in groups.items()},
+            "groups": {g: {"ms": 1e3 * t, "gbs": stream_bytes / t / 1e9 if g == "gemm" else None}
+                       for g, t in groups.items()},
             "top": [{"step": n, "kind": kind[n], "ms": 1e3 * low[n],
                      "gbs": nbytes[n] / low[n] / 1e9 if n in nbytes else None}
                     for n in steps]}
@@ -275,7 +274,7 @@ def run(args) -> dict:
         if args.profile:
             for fmt, b in builds.items():
                 profiles[fmt] = profile(b["pkg"], calls[(fmt, "kiln")], b["runner"],
-                                        args.profile)
+                                        args.profile, b["stream_bytes"])
         for fmt, b in builds.items():
             roof_ms = b["stream_bytes"] / (rbw * 1e9) * 1e3
             row = {"dtype": fmt, "threads": nt, "weight_bytes": b["nbytes"],
@@ -330,7 +329,8 @@ def markdown(res: dict, command: str) -> str:
     profiled = [r for r in res["rows"] if r.get("profile")]
     if profiled:
         lines += ["", "Per-step profile of one kiln decode step (`--profile N`: each step's "
-                  "lowest time over N profiled calls; GB/s of the GEMM steps' stored weights):",
+                  "lowest time over N profiled calls; GEMMs' GB/s: streamed bytes over their "
+                  "time; a qgemm step's: its stored weights over its time):",
                   "", "| format | threads | steps sum ms | GEMMs ms (GB/s) | attention ms "
                   "| other ms | slowest steps: ms (GB/s) |", "| --- | --- | --- | --- | --- "
                   "| --- | --- |"]
