@@ -271,8 +271,9 @@ def _kv_types(compiled) -> list[str]:
 @pytest.mark.parametrize("e", [64, 72])
 def test_bfloat16_keys_and_values_read_in_place(march, e, tmp_path):
     """A bf16 KV cache: kiln_attention.h reads bf16 k / v as stored (no float32 copy), for the
-    decode row path (L <= 4, a bool mask whose dropped keys get no dot product; grouped
-    queries) and the packed path (L > 4); head size 72 is no multiple of the vector width."""
+    decode row path (L <= 4, a bool mask whose dropped keys are skipped: no dot product, no
+    value row read, so a NaN value there changes nothing; grouped queries) and the packed path
+    (L > 4); head size 72 is no multiple of the vector width."""
     model = Sdpa("bool", gqa=True)
     g = torch.Generator().manual_seed(8)
     lq, s = Dim("L", min=1, max=600), Dim("S", min=1, max=600)
@@ -290,3 +291,8 @@ def test_bfloat16_keys_and_values_read_in_place(march, e, tmp_path):
         got = runner(*a)
         assert got.dtype == torch.bfloat16
         _check(got, model, a, torch.bfloat16)
+        dropped = (~a[3][0, 0]).all(0).nonzero()
+        if lq_ <= 4 and len(dropped):  # the row path reads no value row of a dropped key
+            v = a[2].clone()
+            v[:, :, dropped[0, 0]] = float("nan")
+            torch.testing.assert_close(runner(a[0], a[1], v, a[3]), got, rtol=0, atol=0)

@@ -30,7 +30,9 @@
  * not widened whole each decode step; passes/widen_half.py keeps them bf16): `run_rows`
  * widens each vector as it loads it, `run` packs float32 copies. q and other float16 /
  * bfloat16 operands are widened to float32 by the compiler, so all is computed in float32.
- * With a bool mask, `run_rows` skips the dot products of the keys it drops. The output is a contiguous [B, H, L, Ev]
+ * With a bool mask, `run_rows` skips the keys it drops: no dot product, no value row read
+ * (a NaN / inf value of a dropped key does not reach the output there; eager's 0 * inf
+ * would give NaN). The output is a contiguous [B, H, L, Ev]
  * float32 buffer. Vectors are GCC vector extensions of W floats (16 with AVX-512, 8 with
  * AVX, else 4). The definitions compile only where KILN_ATTENTION_IMPL is defined (the generated
  * attention.cpp, with the kernels' flags); the wrapper sees the declarations. The numpy twin
@@ -404,14 +406,16 @@ bool run_rows(const Shape &sh, float *out, bool causal, float scale, const View<
   const float ninf = -std::numeric_limits<float>::infinity();
   const int64_t ks = k.stride(3), vs = v.stride(3), qs = q.stride(3);
   kr::parallel_for(tasks, nt, [&](int64_t t0, int64_t t1) {
-    // scratch: the row's scores [spad], the scaled query [E], the output accumulator [Ev]
-    const size_t n = size_t(spad + E + Ev);
+    // scratch: the row's scores [spad], the scaled query [E], the output accumulator [Ev],
+    // the keys a bool mask keeps [spad] (int32)
+    const size_t n = size_t(2 * spad + E + Ev);
     float *buf = static_cast<float *>(std::aligned_alloc(64, (n * 4 + 63) / 64 * 64));
     if (!buf) {
       failed = true;
       return;
     }
     float *sc = buf, *qv = sc + spad, *acc = qv + E;
+    int32_t *kept = reinterpret_cast<int32_t *>(acc + Ev);
     for (int64_t t = t0; t < t1; ++t) {
       const int64_t i = t % L, bh = t / L, b = bh / sh.H, h = bh % sh.H, hk = h / sh.G;
       const float *qr = q.data + b * q.stride(0) + h * q.stride(1) + i * q.stride(2);
@@ -476,29 +480,43 @@ bool run_rows(const Shape &sh, float *out, bool causal, float scale, const View<
           tv += p;
         }
         for (int l = 0; l < W; ++l) total += tv[l];
+        // the keys P @ V sums: those a bool mask keeps (a dropped key's weight is 0; its
+        // value row is not read, so a non-finite value there does not reach the output,
+        // where eager's 0 * inf gives NaN), else all of [0, lim)
+        int64_t nk = lim;
+        const bool listed = std::is_same<M, bool>::value && mrow != nullptr;
+        if (listed) {
+          nk = 0;
+          for (int64_t j = 0; j < lim; ++j)
+            if (mrow[j * mst]) kept[nk++] = int32_t(j);
+        }
+        auto key = [&](int64_t jj) { return listed ? int64_t(kept[jj]) : jj; };
         int64_t d0 = 0;
         if (vs == 1)  // CV vectors of the output in registers, the keys walked for each
           for (; d0 + CV * W <= Ev; d0 += CV * W) {
-            // even and odd keys in their own accumulators: 2 CV independent FMA chains
+            // two keys at a time in their own accumulators: 2 CV independent FMA chains
             vec a[CV], a1[CV];
             for (int c = 0; c < CV; ++c) a[c] = a1[c] = splat(0.0f);
-            int64_t j = 0;
-            for (; j + 2 <= lim; j += 2) {
-              const T *vr = vb + j * v.stride(2) + d0, *vr1 = vr + v.stride(2);
-              const vec p = splat(sc[j]), p1 = splat(sc[j + 1]);
+            int64_t jj = 0;
+            for (; jj + 2 <= nk; jj += 2) {
+              const int64_t j = key(jj), j1 = key(jj + 1);
+              const T *vr = vb + j * v.stride(2) + d0, *vr1 = vb + j1 * v.stride(2) + d0;
+              const vec p = splat(sc[j]), p1 = splat(sc[j1]);
               for (int c = 0; c < CV; ++c) {
                 a[c] += p * load_kv(vr + c * W);
                 a1[c] += p1 * load_kv(vr1 + c * W);
               }
             }
-            for (; j < lim; ++j) {
+            for (; jj < nk; ++jj) {
+              const int64_t j = key(jj);
               const T *vr = vb + j * v.stride(2) + d0;
               const vec p = splat(sc[j]);
               for (int c = 0; c < CV; ++c) a[c] += p * load_kv(vr + c * W);
             }
             for (int c = 0; c < CV; ++c) store(acc + d0 + c * W, a[c] + a1[c]);
           }
-        for (int64_t j = 0; j < lim && d0 < Ev; ++j) {  // the rest of the columns
+        for (int64_t jj = 0; jj < nk && d0 < Ev; ++jj) {  // the rest of the columns
+          const int64_t j = key(jj);
           const float p = sc[j];
           const T *vr = vb + j * v.stride(2);
           for (int64_t d = d0; d < Ev; ++d) acc[d] += p * float(vr[d * vs]);

@@ -553,8 +553,13 @@ inline int weight_only(kr::Err &e, const char *where, float *out, int64_t mode, 
 // row m of x [M, k] quantised to int8 (symmetric, round half to even, the VNNI kernels'
 // rounding): q[i], returned scale
 inline float quantise_row(const float *xm, int64_t k, int8_t *q) {
+  float lanes[16] = {};  // 16 running maxima (one vector), then theirs
+  int64_t i = 0;
+  for (; i + 16 <= k; i += 16)
+    for (int l = 0; l < 16; ++l) lanes[l] = std::max(lanes[l], std::fabs(xm[i + l]));
   float amax = 0.f;
-  for (int64_t i = 0; i < k; ++i) amax = std::max(amax, std::fabs(xm[i]));
+  for (; i < k; ++i) amax = std::max(amax, std::fabs(xm[i]));
+  for (int l = 0; l < 16; ++l) amax = std::max(amax, lanes[l]);
   const float sc = amax > 0.f ? amax / 127.f : 1.f;
   for (int64_t i = 0; i < k; ++i) {
     float v = std::nearbyint(xm[i] / sc);
@@ -577,9 +582,12 @@ inline int int4_vnni(kr::Err &e, const char *where, float *out, int64_t k, int64
   for (int64_t m = 0; m < M; ++m) {
     sx[m] = quantise_row(x.data + m * x.stride(0), k, row.data());
     int8_t *am = xa.data() + m * kp;
-    for (int64_t i = 0; i < k; ++i) {
-      am[(i / 8) * 8 + (i % 2) * 4 + (i % 8) / 2] = row[i];
-      xsum[m * groups + i / group] += row[i];
+    for (int64_t i = 0; i < k; ++i) am[(i / 8) * 8 + (i % 2) * 4 + (i % 8) / 2] = row[i];
+    for (int64_t g = 0; g < groups; ++g) {  // (no division by the run-time group per value)
+      int32_t sum = 0;
+      const int64_t end = std::min(k, (g + 1) * group);
+      for (int64_t i = g * group; i < end; ++i) sum += row[i];
+      xsum[m * groups + g] = sum;
     }
   }
   const int8_t *Q = q.data;
@@ -621,17 +629,11 @@ inline int vnni(kr::Err &e, const char *where, float *out, int64_t mode, int64_t
   // each row quantised: symmetric int8 (round half to even), offset to uint8
   std::vector<uint8_t> xu(static_cast<size_t>(M * kp), 128);
   std::vector<float> sx(static_cast<size_t>(M));
+  std::vector<int8_t> row(static_cast<size_t>(k));
   for (int64_t m = 0; m < M; ++m) {
-    const float *xm = x.data + m * x.stride(0);
-    float amax = 0.f;
-    for (int64_t i = 0; i < k; ++i) amax = std::max(amax, std::fabs(xm[i]));
-    const float sc = amax > 0.f ? amax / 127.f : 1.f;
-    sx[m] = sc;
-    for (int64_t i = 0; i < k; ++i) {
-      float v = std::nearbyint(xm[i] / sc);
-      v = std::min(127.f, std::max(-127.f, v));
-      xu[m * kp + i] = static_cast<uint8_t>(static_cast<int>(v) + 128);
-    }
+    sx[m] = quantise_row(x.data + m * x.stride(0), k, row.data());
+    for (int64_t i = 0; i < k; ++i)
+      xu[m * kp + i] = static_cast<uint8_t>(static_cast<int>(row[i]) + 128);
   }
   const int8_t *Q = q.data;
   const float *S = s.data;
