@@ -136,11 +136,14 @@ def _vnni_reference(mode: str, st: dict, x: torch.Tensor, k: int, n: int) -> tor
                                       x.numpy(), st["q"].numpy(), st["s"].numpy())[0])
 
 
-@pytest.mark.parametrize("mode", ["int8", "int4"])
-def test_vnni_kernel_matches_integer_products_of_row_quantised_activations(mode):
+@pytest.mark.parametrize("mode,march", [("int8", "native"), ("int4", "native"),
+                                        # int4: vpmaddubsw + vpmaddwd without AVX-512 VNNI
+                                        ("int4", "x86-64-v4")])
+def test_vnni_kernel_matches_integer_products_of_row_quantised_activations(mode, march):
     torch.manual_seed(0)
     model = Net(bias=False).eval()
-    cm = _compile(model, weight_quant=mode, weight_quant_kernel="vnni", weight_quant_group=GROUP)
+    cm = _compile(model, weight_quant=mode, weight_quant_kernel="vnni", weight_quant_group=GROUP,
+                  march=march)
     assert cm.sources["model.cpp"].count(f"{mode}_vnni weight GEMM") == len(SHAPES)
     runner = cm.load()
     for rows in (1, 2, 5, 12, 17):
@@ -161,19 +164,21 @@ def test_vnni_kernel_matches_integer_products_of_row_quantised_activations(mode)
             assert ((y.double() - y32).abs() <= bound).all(), (rows, i)
 
 
-@pytest.mark.parametrize("shapes", [((70, 37), (64, 48), (133, 16), (40, 1)),
-                                    ((31, 65), (128, 17))])
-def test_bf16_gemm_matches_float64(shapes):
+@pytest.mark.parametrize("shapes,march", [
+    (((70, 37), (64, 48), (133, 16), (40, 1)), "native"), (((31, 65), (128, 17)), "native"),
+    # AVX-512 without avx512_bf16's vdpbf16ps: the FMA path, every row count of the sweep
+    (((70, 37), (133, 16), (31, 65), (9, 3)), "x86-64-v4")])
+def test_bf16_gemm_matches_float64(shapes, march):
     torch.manual_seed(0)
     model = Net(shapes).eval().to(torch.bfloat16)
     xs = _inputs(8, shapes, torch.bfloat16)
     batch = Dim("batch", min=1, max=64)
     cm = kiln.compile(model, xs, dynamic_shapes={"xs": tuple({0: batch} for _ in xs)},
-                      options=kiln.Options())
+                      options=kiln.Options(march=march))
     assert all(w["fqn"].startswith("<quantised bf16") for w in cm.manifest["weights"]
                if w["fqn"].endswith(".weight>") or w["fqn"].endswith(".weight"))
     runner = cm.load()
-    for rows in (1, 2, 5, 11, 33):
+    for rows in (1, 2, 3, 5, 11, 33):
         xs = _inputs(rows, shapes, torch.bfloat16)
         got = runner(*xs)
         for fc, x, y in zip(model.fcs, xs, got):
