@@ -4,7 +4,8 @@ kernels (kiln_qgemm.h) against kiln's fp32 GEMM and eager, at LLM shapes.
 1. GEMV (M = 1) and small-M GEMM (M = 8) for (K, N) in (2048, 2048), (2048, 5632),
    (5632, 2048): a bias-free Linear compiled per weight format: fp32 (kiln default), bf16
    (bf16 model, Options.cpu_bf16_gemm: vdpbf16ps), bf16 widened (cpu_bf16_gemm=False),
-   int8 (weight-only), int8_vnni (activations quantised per row, vpdpbusd), int4 (group 128);
+   int8 (weight-only), int8_vnni (activations quantised per row, vpdpbusd), int4 (group 128),
+   int4_vnni (int4 weights, activations quantised per row, vpdpbusd per group);
    eager F.linear fp32 as the peer. Median time per call (interleaved rounds), GB/s of weight
    bytes streamed (values + scales), and that over the copy bandwidth measured in the same run
    (a 256 MiB torch copy, read + write bytes per second, as bench/gemm_cpu.py).
@@ -53,6 +54,8 @@ def formats(threads: int) -> dict[str, tuple[kiln.Options, torch.dtype]]:
         "int8_vnni": (replace(base, weight_quant="int8", weight_quant_kernel="vnni"),
                       torch.float32),
         "int4": (replace(base, weight_quant="int4", weight_quant_group=GROUP), torch.float32),
+        "int4_vnni": (replace(base, weight_quant="int4", weight_quant_group=GROUP,
+                              weight_quant_kernel="vnni"), torch.float32),
     }
 
 

@@ -212,10 +212,10 @@ class Options:
     weight_quant: str = "none"
     #: weight_quant="int4": values of K per scale (a positive multiple of 8).
     weight_quant_group: int = 128
-    #: weight_quant="int8": "dequant" multiplies fp32 activations by the converted weights;
-    #: "vnni" also quantises each activation row to int8 (symmetric, per row) and multiplies
-    #: integers (AVX-512 VNNI vpdpbusd where the -march has it, exact integer loops elsewhere):
-    #: faster, less accurate (measure with kiln.models.quant_report).
+    #: weight_quant="int8" / "int4": "dequant" multiplies fp32 activations by the converted
+    #: weights; "vnni" also quantises each activation row to int8 (symmetric, per row) and
+    #: multiplies integers (AVX-512 VNNI vpdpbusd where the -march has it, exact integer loops
+    #: elsewhere): faster, less accurate (measure with kiln.models.quant_report).
     weight_quant_kernel: str = "dequant"
     #: CPU builds: bfloat16 GEMMs with a constant bf16 weight run kiln_qgemm.h's bf16 kernel
     #: (vdpbf16ps where the -march has avx512_bf16; fp32 products elsewhere), the weight stored

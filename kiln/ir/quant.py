@@ -16,6 +16,9 @@ vpdpbusd and avx512_bf16's vdpbf16ps read as B, and that a GEMV streams once, fr
            padded to a multiple of G (zero weights)
     bf16   b[p, k // 2, n % 16, k % 2]          bfloat16 as given (no rounding), KSTEP 2
 
+The "_vnni" modes store int8 / int4 as above; their kernels also quantise each activation row
+(`quantize_rows`) and multiply integers.
+
 K is zero-padded to a multiple of KSTEP (of G for int4)."""
 
 from __future__ import annotations
@@ -25,7 +28,7 @@ import torch
 
 NB = 16  # columns per panel
 KSTEP = {"int8": 4, "int4": 8, "bf16": 2}
-MODES = {"int8": 0, "int4": 1, "int8_vnni": 2, "bf16": 3}  # kiln_qgemm.h's mode codes
+MODES = {"int8": 0, "int4": 1, "int8_vnni": 2, "bf16": 3, "int4_vnni": 4}  # kiln_qgemm.h's codes
 
 
 def _cdiv(a: int, b: int) -> int:
@@ -97,7 +100,7 @@ def dequantize(mode: str, parts: dict, k: int, n: int, group: int = 0) -> torch.
     if mode in ("int8", "int8_vnni"):
         w = _unpanel(q.reshape(np_ // NB, kp // 4, NB, 4), kp, np_).to(torch.float64)
         w = w * torch.as_tensor(parts["s"]).to(torch.float64)[None]
-    elif mode == "int4":
+    elif mode in ("int4", "int4_vnni"):
         b = q.view(torch.uint8).to(torch.int32).reshape(np_ // NB, kp // 8, NB, 4)
         nib = torch.stack([b & 0xF, b >> 4], -1).reshape(np_ // NB, kp // 8, NB, 8)
         nib = torch.where(nib >= 8, nib - 16, nib)
@@ -122,7 +125,7 @@ def routine(outs, attrs, x, *parts) -> list[np.ndarray]:
     """numpy twin of kl::qgemm: out [M, N] = x [M, K] @ dequantised B [+ bias] (float64)."""
     mode = {v: k for k, v in MODES.items()}[attrs["mode"]]
     k, n, group = attrs["k"], attrs["n"], attrs.get("group", 0)
-    if len(parts) > {"int8": 2, "int4": 2, "int8_vnni": 3, "bf16": 1}[mode]:  # a bias last
+    if len(parts) > {"int8": 2, "int4": 2, "int8_vnni": 3, "bf16": 1, "int4_vnni": 2}[mode]:
         *parts, bias = parts
         return [y + np.asarray(bias, np.float64)[None] for y in routine(outs, attrs, x, *parts)]
     names = ("q", "s", "wsum")[:len(parts)]
@@ -135,4 +138,7 @@ def routine(outs, attrs, x, *parts) -> list[np.ndarray]:
                                 "s": torch.ones(_cdiv(n, NB) * NB)}, k, n).numpy()
         return [(xq.astype(np.float64) @ q) * sx.astype(np.float64) *
                 np.asarray(parts[1], np.float64)[:n][None]]
+    if mode == "int4_vnni":  # the row-quantised x times the dequantised int4 weights
+        xq, sx = quantize_rows(x)
+        return [(xq.astype(np.float64) @ w) * sx.astype(np.float64)]
     return [x @ w]

@@ -78,9 +78,11 @@ def default_modes(group: int = 128, base: Options | None = None,
     base = base or Options()
     modes = {"int8": replace(base, weight_quant="int8"),
              "int8_vnni": replace(base, weight_quant="int8", weight_quant_kernel="vnni"),
-             f"int4_g{group}": replace(base, weight_quant="int4", weight_quant_group=group)}
+             f"int4_g{group}": replace(base, weight_quant="int4", weight_quant_group=group),
+             f"int4_g{group}_vnni": replace(base, weight_quant="int4", weight_quant_group=group,
+                                            weight_quant_kernel="vnni")}
     if device != "cpu":
-        del modes["int8_vnni"]
+        del modes["int8_vnni"], modes[f"int4_g{group}_vnni"]
     return modes
 
 

@@ -12,7 +12,8 @@ with q, s (and wsum) new weights in ir/quant.py's panel layout:
                          (per row, symmetric int8) and multiplies integers (vpdpbusd where the
                          CPU has AVX-512 VNNI): the node's mode is then "int8_vnni"
   `weight_quant` "int4"  float32 GEMMs: int4 group-wise along K (`group` values a scale),
-                         two values a byte
+                         two values a byte; `kernel` "vnni": the activation rows quantised
+                         too, integer products per group (mode "int4_vnni")
   `bf16`                 bfloat16 GEMMs (x, B and the result bfloat16), whatever
                          weight_quant says: B repacked, not rounded (vdpbf16ps where the CPU
                          has avx512_bf16); products summed in fp32, the result rounded once
@@ -37,7 +38,7 @@ from kiln.ir import quant as Q
 from kiln.ir.graph import Graph, Input, Node, TensorType, fresh_name
 from kiln.passes.dce import dce
 
-SUFFIX = {"int8": "q8", "int8_vnni": "q8", "int4": "q4", "bf16": "bf16"}
+SUFFIX = {"int8": "q8", "int8_vnni": "q8", "int4": "q4", "int4_vnni": "q4", "bf16": "bf16"}
 
 
 def _static(*dims) -> bool:
@@ -116,7 +117,7 @@ def quantize_weights(g: Graph, weights: dict[str, torch.Tensor], weight_quant: s
             w = weights[wname].t() if transposed else weights[wname]
             if mode == "bf16":
                 parts = Q.pack_bf16(w)
-            elif mode == "int4":
+            elif mode in ("int4", "int4_vnni"):
                 parts = Q.quantize_int4(w, group)
             else:
                 parts = Q.quantize_int8(w)
@@ -127,7 +128,7 @@ def quantize_weights(g: Graph, weights: dict[str, torch.Tensor], weight_quant: s
             new_weights.update((i.name, t) for i, t in new)
             done[key] = tuple(i.name for i, _ in new)
         attrs = (("mode", Q.MODES[mode]), ("k", k), ("n", nn_),
-                 ("group", group if mode == "int4" else 0))
+                 ("group", group if mode.startswith("int4") else 0))
         add = _bias_add(n, users, weights_in, g)
         if add is None:
             out_nodes.append(Node(n.name, "qgemm", (n.inputs[0], *done[key]), n.type, attrs,
@@ -169,5 +170,5 @@ def _mode(n: Node, types, weight_quant: str, kernel: str, bf16: bool) -> str | N
     if dt == xt == bt == dtypes.bfloat16 and bf16:
         return "bf16"
     if dt == xt == bt == dtypes.float32 and weight_quant in ("int8", "int4"):
-        return "int8_vnni" if weight_quant == "int8" and kernel == "vnni" else weight_quant
+        return f"{weight_quant}_vnni" if kernel == "vnni" else weight_quant
     return None

@@ -28,6 +28,16 @@ MOVES = frozenset({"view", "permute", "expand", "slice", "select", "cast", "embe
 NATIVE = frozenset({"qgemm"})
 
 
+def _half_operands(n: Node, types) -> frozenset[int]:
+    """Operands `n` reads in their half type: fused attention's bfloat16 keys and values
+    (kiln_attention.h converts them as it loads them, so a bf16 KV cache is not widened whole
+    on every decode step); q, the mask and the result are float32 as for other ops."""
+    if (n.op == "attention" and len(n.inputs) >= 3
+            and types[n.inputs[1]].dtype == types[n.inputs[2]].dtype == dtypes.bfloat16):
+        return frozenset((1, 2))
+    return frozenset()
+
+
 def widen_half(g: Graph) -> Graph:
     types = g.types()
     if not any(dtypes.is_narrow(t.dtype) for t in types.values()):
@@ -50,8 +60,9 @@ def widen_half(g: Graph) -> Graph:
         if n.op in MOVES or n.op in NATIVE or _storing_put(n, types):
             nodes.append(n)
             continue
-        ins = tuple(as_f32(x, n.source) if dtypes.is_narrow(types[x].dtype) else x
-                    for x in n.inputs)
+        keep = _half_operands(n, types)
+        ins = tuple(as_f32(x, n.source) if dtypes.is_narrow(types[x].dtype) and i not in keep
+                    else x for i, x in enumerate(n.inputs))
         if not dtypes.is_narrow(n.type.dtype):
             nodes.append(replace(n, inputs=ins))
             continue

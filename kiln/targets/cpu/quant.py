@@ -44,6 +44,6 @@ def call_comment(x: L.Extern) -> str | None:
         return None
     a = dict(x.attrs)
     mode = MODE_NAMES[a["mode"]]
-    group = f", groups of {a['group']} along K" if mode == "int4" else ""
+    group = f", groups of {a['group']} along K" if mode.startswith("int4") else ""
     return (f"// {mode} weight GEMM of {', '.join(x.source)}: [M, {a['k']}] x "
             f"{x.args[1].buf} [{a['k']}, {a['n']}]{group}")

@@ -276,3 +276,47 @@ def test_decode_rows_without_mask(e, tmp_path):
     got, want = runner(q, k, v), model(q, k, v)
     assert torch.isnan(got[1, 2]).all() and not torch.isnan(got[0]).any()
     torch.testing.assert_close(got, want, equal_nan=True, rtol=2e-5, atol=2e-5)
+
+
+def _kv_types(compiled) -> list[str]:
+    """The C++ element types of the k and v buffers each attention call reads."""
+    src = compiled.sources["model.cpp"]
+    out = []
+    for line in src.splitlines():
+        if "kl::attention(" in line:
+            bufs = [a.split("+")[0].strip() for a in line.split("kl::view(")[1:]]
+            for b in bufs[1:3]:
+                decl = next(x for x in src.splitlines() if f"* {b} =" in x)
+                out.append(decl.split("*")[0].split()[-1])
+    return out
+
+
+@pytest.mark.parametrize("march", ["native", "x86-64-v3"])
+@pytest.mark.parametrize("e", [64, 72])
+def test_bfloat16_keys_and_values_read_in_place(march, e, tmp_path):
+    """A bf16 KV cache: kiln_attention.h reads bf16 k / v as stored (no float32 copy), for the
+    decode row path (L <= 4, a bool mask whose dropped keys are skipped: no dot product, no
+    value row read, so a NaN value there changes nothing; grouped queries) and the packed path
+    (L > 4); head size 72 is no multiple of the vector width."""
+    model = Sdpa("bool", gqa=True)
+    g = torch.Generator().manual_seed(8)
+    lq, s = Dim("L", min=1, max=600), Dim("S", min=1, max=600)
+    args = (*_qkv(g, 1, 8, 3, 9, e, torch.bfloat16, hk=2), _mask(g, (1, 1, 3, 9), (1,)))
+    c = kiln.compile(model, args, dynamic_shapes=({2: lq}, {2: s}, {2: s}, {2: lq, 3: s}),
+                     options=kiln.Options(march=march))
+    runner = kiln.load(c.save(tmp_path / f"bf16kv_{march}_{e}.kiln"))
+    assert [dict(x.attrs).get("group") for x in _attention_steps(c)] == [4]
+    assert _kv_types(c) == ["kr::bfloat16", "kr::bfloat16"]
+    for seed, (lq_, s_) in enumerate([(1, 1), (1, 130), (2, 7), (4, 67), (5, 33), (40, 100)]):
+        g = torch.Generator().manual_seed(80 + seed)
+        a = (*_qkv(g, 1, 8, lq_, s_, e, torch.bfloat16, hk=2),
+             _mask(g, (1, 1, lq_, s_), (0,) if lq_ > 1 else ()))
+        a[3][..., : s_ // 2] &= torch.rand(s_ // 2, generator=g) > 0.8  # runs of dropped keys
+        got = runner(*a)
+        assert got.dtype == torch.bfloat16
+        _check(got, model, a, torch.bfloat16)
+        dropped = (~a[3][0, 0]).all(0).nonzero()
+        if lq_ <= 4 and len(dropped):  # the row path reads no value row of a dropped key
+            v = a[2].clone()
+            v[:, :, dropped[0, 0]] = float("nan")
+            torch.testing.assert_close(runner(a[0], a[1], v, a[3]), got, rtol=0, atol=0)

@@ -29,8 +29,13 @@
  * one thread, loaded box; 1.19x / 1.25x with per-lane scalar sums).
  *
  * Operands are float32 strided views (q/k/v sliced and transposed out of a QKV projection are
- * read in place); float16 / bfloat16 attention is widened to float32 by the compiler
- * (passes/widen_half.py) and so computed in float32. The output is a contiguous [B, H, L, Ev]
+ * read in place); bfloat16 keys and values are read as they are stored (a bf16 KV cache is
+ * not widened whole each decode step; passes/widen_half.py keeps them bf16): `run_rows`
+ * widens each vector as it loads it, `run` packs float32 copies. q and other float16 /
+ * bfloat16 operands are widened to float32 by the compiler, so all is computed in float32.
+ * With a bool mask, `run_rows` skips the keys it drops: no dot product, no value row read
+ * (a NaN / inf value of a dropped key does not reach the output there; eager's 0 * inf
+ * would give NaN). The output is a contiguous [B, H, L, Ev]
  * float32 buffer. Vectors are GCC vector extensions of W floats (16 with AVX-512, 8 with
  * AVX, else 4). The definitions compile only where KILN_ATTENTION_IMPL is defined (the generated
  * attention.cpp, with the kernels' flags); the wrapper sees the declarations. The numpy twin
@@ -59,6 +64,26 @@ int attention(kr::Err &e, const char *where, float *out, bool causal, double sca
               int64_t mask, int64_t group, View<float> q, View<float> k, View<float> v,
               View<float> m);
 
+// bfloat16 keys and values (a bf16 KV cache read in place, converted as they are loaded;
+// q and the output float32)
+int attention(kr::Err &e, const char *where, float *out, bool causal, double scale,
+              int64_t mask, View<float> q, View<kr::bfloat16> k, View<kr::bfloat16> v);
+int attention(kr::Err &e, const char *where, float *out, bool causal, double scale,
+              int64_t mask, View<float> q, View<kr::bfloat16> k, View<kr::bfloat16> v,
+              View<bool> m);
+int attention(kr::Err &e, const char *where, float *out, bool causal, double scale,
+              int64_t mask, View<float> q, View<kr::bfloat16> k, View<kr::bfloat16> v,
+              View<float> m);
+int attention(kr::Err &e, const char *where, float *out, bool causal, double scale,
+              int64_t mask, int64_t group, View<float> q, View<kr::bfloat16> k,
+              View<kr::bfloat16> v);
+int attention(kr::Err &e, const char *where, float *out, bool causal, double scale,
+              int64_t mask, int64_t group, View<float> q, View<kr::bfloat16> k,
+              View<kr::bfloat16> v, View<bool> m);
+int attention(kr::Err &e, const char *where, float *out, bool causal, double scale,
+              int64_t mask, int64_t group, View<float> q, View<kr::bfloat16> k,
+              View<kr::bfloat16> v, View<float> m);
+
 }  // namespace kl
 
 #ifdef KILN_ATTENTION_IMPL
@@ -67,6 +92,8 @@ int attention(kr::Err &e, const char *where, float *out, bool causal, double sca
 #include <cstdlib>
 #include <cstring>
 #include <limits>
+#include <type_traits>
+#include <vector>
 
 #include "kiln_pool.h"
 #include <immintrin.h>
@@ -106,6 +133,17 @@ inline vec splat(float x) {
 /* keeps a loaded vector in a register: without it GCC folds the load into each row's FMA,
  * loading it RM times (the loads, not the FMAs, would bound the micro-kernels) */
 inline void in_register(vec &x) { asm("" : "+x"(x)); }
+
+// W keys / values as floats: float32 loaded, bfloat16 widened in registers (bits << 16)
+inline vec load_kv(const float *p) { return load(p); }
+inline vec load_kv(const kr::bfloat16 *p) {
+  typedef uint16_t hvec __attribute__((vector_size(W * 2), aligned(2), may_alias));
+  typedef uint32_t uvec __attribute__((vector_size(W * 4)));
+  const uvec u = __builtin_convertvector(*reinterpret_cast<const hvec *>(p), uvec) << 16;
+  vec r;
+  std::memcpy(&r, &u, sizeof r);
+  return r;
+}
 
 /* exp of each lane (Cephes' expf polynomial, about 1 ulp): 0 below -87.3 (so -inf gives 0),
  * NaN for NaN, +inf above 88.7. */
@@ -395,9 +433,9 @@ inline void sum4(vec a0, vec a1, vec a2, vec a3, float *out) {
  * task is one (batch, head, query row): its scores against every key (dot products along E,
  * the keys read in place) in an [S] row of scratch, softmax, then the rows of v summed with
  * their weights. Same results as `run` (no key kept: zeros; NaN stays NaN). */
-template <class M>
+template <class M, class T>
 bool run_rows(const Shape &sh, float *out, bool causal, float scale, const View<float> &q,
-              const View<float> &k, const View<float> &v, int kind, const Mask<M> &mask) {
+              const View<T> &k, const View<T> &v, int kind, const Mask<M> &mask) {
   std::atomic<bool> failed{false};
   const int64_t E = sh.E, Ev = sh.Ev, L = sh.L, S = sh.S, spad = (S + W - 1) / W * W;
   const int64_t tasks = sh.B * sh.H * L;
@@ -406,41 +444,53 @@ bool run_rows(const Shape &sh, float *out, bool causal, float scale, const View<
   const float ninf = -std::numeric_limits<float>::infinity();
   const int64_t ks = k.stride(3), vs = v.stride(3), qs = q.stride(3);
   kr::parallel_for(tasks, nt, [&](int64_t t0, int64_t t1) {
-    // scratch: the row's scores [spad], the scaled query [E], the output accumulator [Ev]
-    const size_t n = size_t(spad + E + Ev);
+    // scratch: the row's scores [spad], the scaled query [E], the output accumulator [Ev],
+    // the keys a bool mask keeps [spad] (int32)
+    const size_t n = size_t(2 * spad + E + Ev);
     float *buf = static_cast<float *>(std::aligned_alloc(64, (n * 4 + 63) / 64 * 64));
     if (!buf) {
       failed = true;
       return;
     }
     float *sc = buf, *qv = sc + spad, *acc = qv + E;
+    int32_t *kept = reinterpret_cast<int32_t *>(acc + Ev);
     for (int64_t t = t0; t < t1; ++t) {
       const int64_t i = t % L, bh = t / L, b = bh / sh.H, h = bh % sh.H, hk = h / sh.G;
       const float *qr = q.data + b * q.stride(0) + h * q.stride(1) + i * q.stride(2);
-      const float *kb = k.data + b * k.stride(0) + hk * k.stride(1);
-      const float *vb = v.data + b * v.stride(0) + hk * v.stride(1);
+      const T *kb = k.data + b * k.stride(0) + hk * k.stride(1);
+      const T *vb = v.data + b * v.stride(0) + hk * v.stride(1);
+      // a bool mask: keys it drops get no dot product (their score becomes -inf either way)
+      const M *mrow = kind == 1 ? mask.data + b * mask.st[0] + h * mask.st[1] + i * mask.st[2]
+                                : nullptr;
+      const int64_t mst = mask.st[3];
       for (int64_t e = 0; e < E; ++e) qv[e] = qr[e * qs] * scale;
       const int64_t lim = causal ? (i + 1 < S ? i + 1 : S) : S;
       int64_t j = 0;
       if (ks == 1 && E % W == 0) {  // 4 keys at a time, vectors along E
         const int64_t kst = k.stride(2);
         for (; j + 4 <= lim; j += 4) {
-          const float *k0 = kb + j * kst, *k1 = k0 + kst, *k2 = k1 + kst, *k3 = k2 + kst;
+          if (std::is_same<M, bool>::value && mrow && !mrow[j * mst] && !mrow[(j + 1) * mst] &&
+              !mrow[(j + 2) * mst] && !mrow[(j + 3) * mst]) {
+            sc[j] = sc[j + 1] = sc[j + 2] = sc[j + 3] = 0.0f;
+            continue;
+          }
+          const T *k0 = kb + j * kst, *k1 = k0 + kst, *k2 = k1 + kst, *k3 = k2 + kst;
           vec a0 = splat(0.0f), a1 = a0, a2 = a0, a3 = a0;
           for (int64_t e = 0; e < E; e += W) {
             const vec x = load(qv + e);
-            a0 += x * load(k0 + e);
-            a1 += x * load(k1 + e);
-            a2 += x * load(k2 + e);
-            a3 += x * load(k3 + e);
+            a0 += x * load_kv(k0 + e);
+            a1 += x * load_kv(k1 + e);
+            a2 += x * load_kv(k2 + e);
+            a3 += x * load_kv(k3 + e);
           }
           sum4(a0, a1, a2, a3, sc + j);
         }
       }
       for (; j < lim; ++j) {
-        const float *kr_ = kb + j * k.stride(2);
+        const T *kr_ = kb + j * k.stride(2);
         float d = 0.0f;
-        for (int64_t e = 0; e < E; ++e) d += qv[e] * kr_[e * ks];
+        if (!(std::is_same<M, bool>::value && mrow && !mrow[j * mst]))
+          for (int64_t e = 0; e < E; ++e) d += qv[e] * float(kr_[e * ks]);
         sc[j] = d;
       }
       float top = ninf;
@@ -471,22 +521,46 @@ bool run_rows(const Shape &sh, float *out, bool causal, float scale, const View<
           tv += p;
         }
         for (int l = 0; l < W; ++l) total += tv[l];
+        // the keys P @ V sums: those a bool mask keeps (a dropped key's weight is 0; its
+        // value row is not read, so a non-finite value there does not reach the output,
+        // where eager's 0 * inf gives NaN), else all of [0, lim)
+        int64_t nk = lim;
+        const bool listed = std::is_same<M, bool>::value && mrow != nullptr;
+        if (listed) {
+          nk = 0;
+          for (int64_t j = 0; j < lim; ++j)
+            if (mrow[j * mst]) kept[nk++] = int32_t(j);
+        }
+        auto key = [&](int64_t jj) { return listed ? int64_t(kept[jj]) : jj; };
         int64_t d0 = 0;
         if (vs == 1)  // CV vectors of the output in registers, the keys walked for each
           for (; d0 + CV * W <= Ev; d0 += CV * W) {
-            vec a[CV];
-            for (int c = 0; c < CV; ++c) a[c] = splat(0.0f);
-            for (int64_t j = 0; j < lim; ++j) {
-              const float *vr = vb + j * v.stride(2) + d0;
-              const vec p = splat(sc[j]);
-              for (int c = 0; c < CV; ++c) a[c] += p * load(vr + c * W);
+            // two keys at a time in their own accumulators: 2 CV independent FMA chains
+            vec a[CV], a1[CV];
+            for (int c = 0; c < CV; ++c) a[c] = a1[c] = splat(0.0f);
+            int64_t jj = 0;
+            for (; jj + 2 <= nk; jj += 2) {
+              const int64_t j = key(jj), j1 = key(jj + 1);
+              const T *vr = vb + j * v.stride(2) + d0, *vr1 = vb + j1 * v.stride(2) + d0;
+              const vec p = splat(sc[j]), p1 = splat(sc[j1]);
+              for (int c = 0; c < CV; ++c) {
+                a[c] += p * load_kv(vr + c * W);
+                a1[c] += p1 * load_kv(vr1 + c * W);
+              }
             }
-            for (int c = 0; c < CV; ++c) store(acc + d0 + c * W, a[c]);
+            for (; jj < nk; ++jj) {
+              const int64_t j = key(jj);
+              const T *vr = vb + j * v.stride(2) + d0;
+              const vec p = splat(sc[j]);
+              for (int c = 0; c < CV; ++c) a[c] += p * load_kv(vr + c * W);
+            }
+            for (int c = 0; c < CV; ++c) store(acc + d0 + c * W, a[c] + a1[c]);
           }
-        for (int64_t j = 0; j < lim && d0 < Ev; ++j) {  // the rest of the columns
+        for (int64_t jj = 0; jj < nk && d0 < Ev; ++jj) {  // the rest of the columns
+          const int64_t j = key(jj);
           const float p = sc[j];
-          const float *vr = vb + j * v.stride(2);
-          for (int64_t d = d0; d < Ev; ++d) acc[d] += p * vr[d * vs];
+          const T *vr = vb + j * v.stride(2);
+          for (int64_t d = d0; d < Ev; ++d) acc[d] += p * float(vr[d * vs]);
         }
       }
       float *o = out + t * Ev;
@@ -498,9 +572,24 @@ bool run_rows(const Shape &sh, float *out, bool causal, float scale, const View<
   return !failed;
 }
 
-template <class M>
+// k, v [B, Hk, S, E] of any strides -> float32 copies, contiguous (`dims` their sizes and
+// strides): the packed path's operands when the keys and values are bfloat16
+template <class T>
+View<float> widened(const View<T> &x, std::vector<float> &buf, int64_t *dims) {
+  buf.resize(size_t(x.numel()));
+  for (int64_t f = 0; f < x.numel(); ++f) buf[size_t(f)] = float(x.at(f));
+  int64_t st = 1;
+  for (int d = 3; d >= 0; --d) {
+    dims[d] = x.size(d);
+    dims[4 + d] = st;
+    st *= x.size(d);
+  }
+  return View<float>{buf.data(), 4, dims};
+}
+
+template <class M, class T>
 int call(kr::Err &e, const char *where, float *out, bool causal, double scale, int64_t kind,
-         int64_t group, const View<float> &q, const View<float> &k, const View<float> &v,
+         int64_t group, const View<float> &q, const View<T> &k, const View<T> &v,
          const View<M> *m) {
   if (q.rank != 4 || k.rank != 4 || v.rank != 4 || (m && m->rank != 4))
     return e.fail("%s: attention takes 4-D q, k, v (and mask) views", where);
@@ -515,9 +604,17 @@ int call(kr::Err &e, const char *where, float *out, bool causal, double scale, i
                   (long long)k.size(3), (long long)sh.G);
   const int64_t zero[4] = {0, 0, 0, 0};
   const Mask<M> mk{m ? m->data : nullptr, m ? m->dims + 4 : zero};
-  const bool ok = sh.L <= ROWS_DIRECT
-                      ? run_rows<M>(sh, out, causal, float(scale), q, k, v, m ? int(kind) : 0, mk)
-                      : run<M>(sh, out, causal, float(scale), q, k, v, m ? int(kind) : 0, mk);
+  bool ok;
+  if (sh.L <= ROWS_DIRECT) {
+    ok = run_rows<M, T>(sh, out, causal, float(scale), q, k, v, m ? int(kind) : 0, mk);
+  } else if constexpr (std::is_same<T, float>::value) {
+    ok = run<M>(sh, out, causal, float(scale), q, k, v, m ? int(kind) : 0, mk);
+  } else {  // many query rows: the keys are packed as float32 anyway, from float32 copies
+    std::vector<float> kf, vf;
+    int64_t kd[8], vd[8];
+    ok = run<M>(sh, out, causal, float(scale), q, widened(k, kf, kd), widened(v, vf, vd),
+                m ? int(kind) : 0, mk);
+  }
   if (!ok) return e.fail("%s: out of memory for the attention's scratch", where);
   return 0;
 }
@@ -547,6 +644,34 @@ int attention(kr::Err &e, const char *where, float *out, bool causal, double sca
 }
 int attention(kr::Err &e, const char *where, float *out, bool causal, double scale,
               int64_t mask, int64_t group, View<float> q, View<float> k, View<float> v,
+              View<float> m) {
+  return attn::call<float>(e, where, out, causal, scale, mask, group, q, k, v, &m);
+}
+
+using bf16 = kr::bfloat16;
+int attention(kr::Err &e, const char *where, float *out, bool causal, double scale,
+              int64_t mask, View<float> q, View<bf16> k, View<bf16> v) {
+  return attn::call<float>(e, where, out, causal, scale, mask, 1, q, k, v, nullptr);
+}
+int attention(kr::Err &e, const char *where, float *out, bool causal, double scale,
+              int64_t mask, View<float> q, View<bf16> k, View<bf16> v, View<bool> m) {
+  return attn::call<bool>(e, where, out, causal, scale, mask, 1, q, k, v, &m);
+}
+int attention(kr::Err &e, const char *where, float *out, bool causal, double scale,
+              int64_t mask, View<float> q, View<bf16> k, View<bf16> v, View<float> m) {
+  return attn::call<float>(e, where, out, causal, scale, mask, 1, q, k, v, &m);
+}
+int attention(kr::Err &e, const char *where, float *out, bool causal, double scale,
+              int64_t mask, int64_t group, View<float> q, View<bf16> k, View<bf16> v) {
+  return attn::call<float>(e, where, out, causal, scale, mask, group, q, k, v, nullptr);
+}
+int attention(kr::Err &e, const char *where, float *out, bool causal, double scale,
+              int64_t mask, int64_t group, View<float> q, View<bf16> k, View<bf16> v,
+              View<bool> m) {
+  return attn::call<bool>(e, where, out, causal, scale, mask, group, q, k, v, &m);
+}
+int attention(kr::Err &e, const char *where, float *out, bool causal, double scale,
+              int64_t mask, int64_t group, View<float> q, View<bf16> k, View<bf16> v,
               View<float> m) {
   return attn::call<float>(e, where, out, causal, scale, mask, group, q, k, v, &m);
 }

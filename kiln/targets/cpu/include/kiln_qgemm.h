@@ -253,48 +253,164 @@ inline void panel_vnni(const uint8_t *xu, int64_t kp, const float *sx, const int
   store_rows(y, ys, R, nv, out);
 }
 
-/* -- bf16: x bf16 bits padded to Kp (even) -- */
+/* -- int4 x int8 (mode 4): x quantised per row to int8, each step of 8 values stored as
+ * (x0, x2, x4, x6, x1, x3, x5, x7) to meet the lanes' low nibbles (even k) and high nibbles
+ * (odd k); the nibbles flipped to unsigned w + 8 (nibble ^ 8), so u8 weights times s8 x;
+ * xsum[m, g] = sum of row m's quantised x over group g (the offset's correction) -- */
+
+#if defined(__AVX512BW__)
+// 16 int32 sums of 4 u8 x s8 products each, added to acc (vpdpbusd, or its AVX-512BW twin:
+// u8 <= 15 and |s8| <= 127, so the 16-bit pair sums of vpmaddubsw cannot saturate)
+inline __m512i dot4(__m512i acc, __m512i u8, __m512i s8) {
+#if defined(__AVX512VNNI__)
+  return _mm512_dpbusd_epi32(acc, u8, s8);
+#else
+  return _mm512_add_epi32(acc, _mm512_madd_epi16(_mm512_maddubs_epi16(u8, s8),
+                                                 _mm512_set1_epi16(1)));
+#endif
+}
+#endif
 
 template <int R>
-inline void panel_bf16(const uint16_t *x, int64_t kp, const uint16_t *w, kr::bfloat16 *y,
-                       int64_t ys, int nv, const kr::bfloat16 *bias) {
+inline void panel_i4_vnni(const int8_t *xa, int64_t kp, int64_t group, const int32_t *xsum,
+                          const float *sx, const int8_t *w, const float *s, float *y,
+                          int64_t ys, int nv) {
   float out[MB][NB];
+  const int64_t groups = kp / group, steps = group / 8;
+#if defined(__AVX512BW__)
+  const __m512i flip = _mm512_set1_epi8(static_cast<char>(0x88));
+  const __m512i low4 = _mm512_set1_epi8(0x0F);
+  __m512 facc[R];
+  for (int m = 0; m < R; ++m) facc[m] = _mm512_setzero_ps();
+  // low and high nibbles in their own sums; a single row also splits even and odd steps
+  // (4 independent vpdpbusd chains, not 2 bound by its latency)
+  constexpr int A = R == 1 ? 2 : 1;
+  for (int64_t g = 0; g < groups; ++g) {
+    __m512i even[R][A], odd[R][A];
+    for (int m = 0; m < R; ++m)
+      for (int a = 0; a < A; ++a) even[m][a] = odd[m][a] = _mm512_setzero_si512();
+    auto step = [&](int64_t kk, int a) {
+      const __m512i v = _mm512_xor_si512(_mm512_loadu_si512(w + kk * 64), flip);
+      const __m512i lo = _mm512_and_si512(v, low4);
+      const __m512i hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), low4);
+      for (int m = 0; m < R; ++m) {
+        int32_t xe, xo;
+        std::memcpy(&xe, xa + m * kp + kk * 8, 4);
+        std::memcpy(&xo, xa + m * kp + kk * 8 + 4, 4);
+        even[m][a] = dot4(even[m][a], lo, _mm512_set1_epi32(xe));
+        odd[m][a] = dot4(odd[m][a], hi, _mm512_set1_epi32(xo));
+      }
+    };
+    int64_t t = 0;
+    for (; t + A <= steps; t += A)
+      for (int a = 0; a < A; ++a) step(g * steps + t + a, a);
+    for (; t < steps; ++t) step(g * steps + t, 0);
+    const __m512 sv = _mm512_loadu_ps(s + g * NB);
+    for (int m = 0; m < R; ++m) {
+      __m512i a = _mm512_add_epi32(even[m][0], odd[m][0]);
+      for (int b = 1; b < A; ++b)
+        a = _mm512_add_epi32(a, _mm512_add_epi32(even[m][b], odd[m][b]));
+      a = _mm512_sub_epi32(a, _mm512_set1_epi32(8 * xsum[m * groups + g]));
+      facc[m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(a), sv, facc[m]);
+    }
+  }
+  for (int m = 0; m < R; ++m) _mm512_storeu_ps(out[m], _mm512_mul_ps(facc[m], _mm512_set1_ps(sx[m])));
+#else
+  float facc[R][NB] = {};
+  for (int64_t g = 0; g < groups; ++g) {
+    int32_t acc[R][NB] = {};
+    for (int64_t t = 0; t < steps; ++t) {
+      const int64_t kk = g * steps + t;
+      const uint8_t *wk = reinterpret_cast<const uint8_t *>(w + kk * 64);
+      for (int j = 0; j < 8; ++j) {  // value j of the step: byte j / 2, nibble j % 2
+        const int pos = (j % 2) * 4 + j / 2;  // where xa holds it
+        for (int m = 0; m < R; ++m) {
+          const int32_t xv = xa[m * kp + kk * 8 + pos];
+          for (int l = 0; l < NB; ++l) {
+            const uint8_t byte = wk[l * 4 + j / 2];
+            const int32_t u = ((j % 2 ? byte >> 4 : byte) & 0xF) ^ 8;
+            acc[m][l] += u * xv;
+          }
+        }
+      }
+    }
+    for (int m = 0; m < R; ++m)
+      for (int l = 0; l < NB; ++l)
+        facc[m][l] += static_cast<float>(acc[m][l] - 8 * xsum[m * groups + g]) * s[g * NB + l];
+  }
+  for (int m = 0; m < R; ++m)
+    for (int l = 0; l < NB; ++l) out[m][l] = facc[m][l] * sx[m];
+#endif
+  store_rows(y, ys, R, nv, out);
+}
+
+/* -- bf16: x bf16 bits padded to Kp (even), and the same rows widened to float (xf, read by
+ * the paths without vdpbf16ps: one broadcast a product, no conversion in the loop) -- */
+
+template <int R>
+inline void panel_bf16(const uint16_t *x, const float *xf, int64_t kp, const uint16_t *w,
+                       kr::bfloat16 *y, int64_t ys, int nv, const kr::bfloat16 *bias) {
+  float out[MB][NB];
+  // A independent accumulators a row: with one or two rows, a single chain of dependent
+  // vdpbf16ps / FMAs would be bound by their latency, not by the weights' stream
+  constexpr int A = R == 1 ? 4 : R == 2 ? 2 : 1;
+  const int64_t steps = kp / 2;
 #if defined(__AVX512BF16__) && defined(__AVX512F__)
-  __m512 acc[R];
-  for (int m = 0; m < R; ++m) acc[m] = _mm512_setzero_ps();
-  for (int64_t kk = 0; kk < kp / 2; ++kk) {
+  (void)xf;
+  __m512 acc[R][A];
+  for (int m = 0; m < R; ++m)
+    for (int a = 0; a < A; ++a) acc[m][a] = _mm512_setzero_ps();
+  auto step = [&](int64_t kk, int a) {
     const __m512i v = _mm512_loadu_si512(w + kk * 32);
     for (int m = 0; m < R; ++m) {
       int32_t pair;
       std::memcpy(&pair, x + m * kp + kk * 2, 4);
-      acc[m] = _mm512_dpbf16_ps(acc[m], (__m512bh)_mm512_set1_epi32(pair), (__m512bh)v);
+      acc[m][a] = _mm512_dpbf16_ps(acc[m][a], (__m512bh)_mm512_set1_epi32(pair), (__m512bh)v);
     }
+  };
+  int64_t kk = 0;
+  for (; kk + A <= steps; kk += A)
+    for (int a = 0; a < A; ++a) step(kk + a, a);
+  for (; kk < steps; ++kk) step(kk, 0);
+  for (int m = 0; m < R; ++m) {
+    for (int a = 1; a < A; ++a) acc[m][0] = _mm512_add_ps(acc[m][0], acc[m][a]);
+    _mm512_storeu_ps(out[m], acc[m][0]);
   }
-  for (int m = 0; m < R; ++m) _mm512_storeu_ps(out[m], acc[m]);
 #elif defined(__AVX512F__)
-  __m512 acc[R];
-  for (int m = 0; m < R; ++m) acc[m] = _mm512_setzero_ps();
+  (void)x;
+  constexpr int A2 = A < 2 ? 2 : A;  // the even and odd products in their own chains
+  __m512 acc[R][A2];
+  for (int m = 0; m < R; ++m)
+    for (int a = 0; a < A2; ++a) acc[m][a] = _mm512_setzero_ps();
   const __m512i hi_mask = _mm512_set1_epi32(static_cast<int32_t>(0xFFFF0000u));
-  for (int64_t kk = 0; kk < kp / 2; ++kk) {
+  auto step = [&](int64_t kk, int a) {  // a: even chain; a + 1: odd chain
     const __m512i v = _mm512_loadu_si512(w + kk * 32);
     const __m512 w0 = _mm512_castsi512_ps(_mm512_slli_epi32(v, 16));
     const __m512 w1 = _mm512_castsi512_ps(_mm512_and_si512(v, hi_mask));
     for (int m = 0; m < R; ++m) {
-      const uint16_t *xm = x + m * kp + kk * 2;
-      acc[m] = _mm512_fmadd_ps(_mm512_set1_ps(kr::bf16_to_float(xm[0])), w0, acc[m]);
-      acc[m] = _mm512_fmadd_ps(_mm512_set1_ps(kr::bf16_to_float(xm[1])), w1, acc[m]);
+      const float *xm = xf + m * kp + kk * 2;
+      acc[m][a] = _mm512_fmadd_ps(_mm512_set1_ps(xm[0]), w0, acc[m][a]);
+      acc[m][a + 1] = _mm512_fmadd_ps(_mm512_set1_ps(xm[1]), w1, acc[m][a + 1]);
     }
+  };
+  int64_t kk = 0;
+  for (; kk + A2 / 2 <= steps; kk += A2 / 2)
+    for (int a = 0; a < A2 / 2; ++a) step(kk + a, 2 * a);
+  for (; kk < steps; ++kk) step(kk, 0);
+  for (int m = 0; m < R; ++m) {
+    for (int a = 1; a < A2; ++a) acc[m][0] = _mm512_add_ps(acc[m][0], acc[m][a]);
+    _mm512_storeu_ps(out[m], acc[m][0]);
   }
-  for (int m = 0; m < R; ++m) _mm512_storeu_ps(out[m], acc[m]);
 #else
+  (void)x;
   float acc[R][NB] = {};
-  for (int64_t kk = 0; kk < kp / 2; ++kk) {
+  for (int64_t kk = 0; kk < steps; ++kk) {
     const uint16_t *wk = w + kk * 32;
     for (int j = 0; j < 2; ++j) {
       float wj[NB];
       for (int l = 0; l < NB; ++l) wj[l] = kr::bf16_to_float(wk[l * 2 + j]);
       for (int m = 0; m < R; ++m) {
-        const float xv = kr::bf16_to_float(x[m * kp + kk * 2 + j]);
+        const float xv = xf[m * kp + kk * 2 + j];
         for (int l = 0; l < NB; ++l) acc[m][l] += xv * wj[l];
       }
     }
@@ -434,14 +550,72 @@ inline int weight_only(kr::Err &e, const char *where, float *out, int64_t mode, 
   return 0;
 }
 
+// row m of x [M, k] quantised to int8 (symmetric, round half to even, the VNNI kernels'
+// rounding): q[i], returned scale
+inline float quantise_row(const float *xm, int64_t k, int8_t *q) {
+  float lanes[16] = {};  // 16 running maxima (one vector), then theirs
+  int64_t i = 0;
+  for (; i + 16 <= k; i += 16)
+    for (int l = 0; l < 16; ++l) lanes[l] = std::max(lanes[l], std::fabs(xm[i + l]));
+  float amax = 0.f;
+  for (; i < k; ++i) amax = std::max(amax, std::fabs(xm[i]));
+  for (int l = 0; l < 16; ++l) amax = std::max(amax, lanes[l]);
+  const float sc = amax > 0.f ? amax / 127.f : 1.f;
+  for (int64_t i = 0; i < k; ++i) {
+    float v = std::nearbyint(xm[i] / sc);
+    q[i] = static_cast<int8_t>(std::min(127.f, std::max(-127.f, v)));
+  }
+  return sc;
+}
+
+inline int int4_vnni(kr::Err &e, const char *where, float *out, int64_t k, int64_t n,
+                     int64_t group, int64_t threads, View<float> x, View<int8_t> q,
+                     View<float> s, const float *bias) {
+  const int64_t kp = cdiv(k, group) * group, P = cdiv(n, NB), M = x.size(0);
+  const int64_t groups = kp / group;
+  if (check(e, where, k, n, kp, x.size(1), x.stride(1), q.numel(), P * kp * NB / 2)) return 1;
+  if (M == 0) return 0;
+  // x rows quantised, zero-padded to kp, each step of 8 reordered (evens, then odds)
+  std::vector<int8_t> xa(static_cast<size_t>(M * kp), 0), row(static_cast<size_t>(kp), 0);
+  std::vector<float> sx(static_cast<size_t>(M));
+  std::vector<int32_t> xsum(static_cast<size_t>(M * groups), 0);
+  for (int64_t m = 0; m < M; ++m) {
+    sx[m] = quantise_row(x.data + m * x.stride(0), k, row.data());
+    int8_t *am = xa.data() + m * kp;
+    for (int64_t i = 0; i < k; ++i) am[(i / 8) * 8 + (i % 2) * 4 + (i % 8) / 2] = row[i];
+    for (int64_t g = 0; g < groups; ++g) {  // (no division by the run-time group per value)
+      int32_t sum = 0;
+      const int64_t end = std::min(k, (g + 1) * group);
+      for (int64_t i = g * group; i < end; ++i) sum += row[i];
+      xsum[m * groups + g] = sum;
+    }
+  }
+  const int8_t *Q = q.data;
+  const float *S = s.data;
+  kr::parallel_for(P, nthreads(threads, P), [&](int64_t p0_, int64_t p1_) {
+  for (int64_t p = p0_; p < p1_; ++p) {
+    const int nv = static_cast<int>(std::min<int64_t>(NB, n - p * NB));
+    row_blocks(M, [&](auto r, int64_t m0) {
+      constexpr int R = decltype(r)::value;
+      panel_i4_vnni<R>(xa.data() + m0 * kp, kp, group, xsum.data() + m0 * groups,
+                       sx.data() + m0, Q + p * (kp * NB / 2), S + p * groups * NB,
+                       out + m0 * n + p * NB, n, nv);
+    });
+    add_bias(out + p * NB, n, M, nv, bias ? bias + p * NB : nullptr);
+  }
+  });
+  return 0;
+}
+
 inline int int8_int4(kr::Err &e, const char *where, float *out, int64_t mode, int64_t k,
                      int64_t n, int64_t group, int64_t threads, View<float> x, View<int8_t> q,
                      View<float> s, const float *bias) {
-  if (mode != 0 && mode != 1)
+  if (mode != 0 && mode != 1 && mode != 4)
     return e.fail("%s: qgemm mode %lld takes other operands", where, (long long)mode);
-  if (mode == 1 && (group <= 0 || group % 8))
+  if (mode != 0 && (group <= 0 || group % 8))
     return e.fail("%s: int4 group size %lld is not a positive multiple of 8", where,
                   (long long)group);
+  if (mode == 4) return int4_vnni(e, where, out, k, n, group, threads, x, q, s, bias);
   return weight_only(e, where, out, mode, k, n, group, threads, x, q, s, bias);
 }
 
@@ -455,17 +629,11 @@ inline int vnni(kr::Err &e, const char *where, float *out, int64_t mode, int64_t
   // each row quantised: symmetric int8 (round half to even), offset to uint8
   std::vector<uint8_t> xu(static_cast<size_t>(M * kp), 128);
   std::vector<float> sx(static_cast<size_t>(M));
+  std::vector<int8_t> row(static_cast<size_t>(k));
   for (int64_t m = 0; m < M; ++m) {
-    const float *xm = x.data + m * x.stride(0);
-    float amax = 0.f;
-    for (int64_t i = 0; i < k; ++i) amax = std::max(amax, std::fabs(xm[i]));
-    const float sc = amax > 0.f ? amax / 127.f : 1.f;
-    sx[m] = sc;
-    for (int64_t i = 0; i < k; ++i) {
-      float v = std::nearbyint(xm[i] / sc);
-      v = std::min(127.f, std::max(-127.f, v));
-      xu[m * kp + i] = static_cast<uint8_t>(static_cast<int>(v) + 128);
-    }
+    sx[m] = quantise_row(x.data + m * x.stride(0), k, row.data());
+    for (int64_t i = 0; i < k; ++i)
+      xu[m * kp + i] = static_cast<uint8_t>(static_cast<int>(row[i]) + 128);
   }
   const int8_t *Q = q.data;
   const float *S = s.data;
@@ -493,14 +661,21 @@ inline int bf16(kr::Err &e, const char *where, kr::bfloat16 *out, int64_t mode, 
   if (M == 0) return 0;
   const std::vector<kr::bfloat16> xp = padded_rows(x, M, k, kp);
   const uint16_t *X = reinterpret_cast<const uint16_t *>(xp.data());
+#if defined(__AVX512BF16__) && defined(__AVX512F__)
+  const std::vector<float> xw;  // vdpbf16ps reads the bf16 rows
+#else
+  std::vector<float> xw(xp.size());
+  for (size_t i = 0; i < xp.size(); ++i) xw[i] = kr::bf16_to_float(X[i]);
+#endif
+  const float *XF = xw.data();
   const uint16_t *Q = reinterpret_cast<const uint16_t *>(q.data);
   kr::parallel_for(P, nthreads(threads, P), [&](int64_t p0_, int64_t p1_) {
   for (int64_t p = p0_; p < p1_; ++p) {
     const int nv = static_cast<int>(std::min<int64_t>(NB, n - p * NB));
     row_blocks(M, [&](auto r, int64_t m0) {
       constexpr int R = decltype(r)::value;
-      panel_bf16<R>(X + m0 * kp, kp, Q + p * kp * NB, out + m0 * n + p * NB, n, nv,
-                    bias ? bias + p * NB : nullptr);
+      panel_bf16<R>(X + m0 * kp, XF ? XF + m0 * kp : nullptr, kp, Q + p * kp * NB,
+                    out + m0 * n + p * NB, n, nv, bias ? bias + p * NB : nullptr);
     });
   }
   });
