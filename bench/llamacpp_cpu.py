@@ -26,11 +26,13 @@ cache is in the model's dtype.
 
 Position: both decode one token at position `--pos` (128) after a prompt of `--pos` random
 tokens. kiln: the package's one-token program (bench/llm_cpu.py's build: HF static cache of
-`--cache` positions), the prompt fed token by token, then every timed call decodes at `--pos`
-(the same slot rewritten). llama.cpp: `Llama(n_ctx=--cache, logits_all=True)`, the prompt
-evaluated as one batch, then every timed call is `Llama.eval([token])` with `n_tokens` reset
-to `--pos` (llama.cpp drops the cache cells from `--pos` on and decodes at `--pos`; the full
-vocabulary's logits are copied out, as kiln returns them).
+`--cache` positions), the prompt fed token by token (the agreement check), then every timed
+call decodes at `--pos` (the same slot rewritten; at a further thread count a freshly loaded
+package, whose zero cache costs the same work). llama.cpp: `Llama(n_ctx=--cache,
+logits_all=True)`, the prompt evaluated as one batch, then every timed call is
+`Llama.eval([token])` with `n_tokens` reset to `--pos` (llama.cpp drops the cache cells from
+`--pos` on and decodes at `--pos`; the full vocabulary's logits are copied out, as kiln
+returns them).
 
 Agreement: the logits at the prompt's last position against eager fp32 (the HF model on the
 whole prompt): max |diff| and whether the argmax agrees, kiln's and llama.cpp's, every format.
@@ -226,10 +228,9 @@ def run(args) -> dict:
         print(json.dumps({"format": fmt, **res["agreement"][fmt]}), flush=True)
         ids, pos = torch.tensor([[token]]), torch.tensor([args.pos])
         for nt in threads:
-            runner.close()
-            runner = kiln.load(pkg, num_threads=nt)
-            for p, tok in enumerate(prompt):  # the same cache contents as llama.cpp's
-                runner(input_ids=torch.tensor([[tok]]), cache_position=torch.tensor([p]))
+            if nt != max(threads):  # a fresh cache: the same work (every position < pos read)
+                runner.close()
+                runner = kiln.load(pkg, num_threads=nt)
             llama_cpp.llama_set_n_threads(llm.ctx, nt, nt)
 
             def llamacpp_step(m=llm):
@@ -258,29 +259,42 @@ def run(args) -> dict:
     return res
 
 
-def markdown(res: dict, command: str) -> str:
+def markdown(runs: list[tuple[dict, str]]) -> str:
+    """The tables of one or more runs (result, command): e.g. 1 thread and 2 threads, each
+    under its own `taskset`."""
+    res = runs[0][0]
     c = res["config"]
     lines = [f"Llama-shaped decoder `{res['size']}` (hidden {c['hidden']}, {c['layers']} layers, "
              f"{c['heads']} heads / {c['kv_heads']} KV heads, MLP {c['intermediate']}, vocab "
              f"{c['vocab']}), one token decoded at position {res['pos']} after a "
              f"{res['pos']}-token prompt, context {res['cache']}, {res['cpu']}, llama-cpp-python "
-             f"{res['llama_cpp']}, CPU affinity {res['affinity']}. Command: `{command}`.", "",
+             f"{res['llama_cpp']}. Commands (CPU affinity of each process):", ""]
+    lines += [f"    {cmd}    # CPU affinity {r['affinity']}" for r, cmd in runs]
+    lines += ["",
              "| format (kiln) | llama.cpp | threads | kiln ms/token | llama.cpp ms/token "
              "| llama.cpp / kiln | load (1/5/15 min) |",
              "| --- | --- | --- | --- | --- | --- | --- |"]
-    for r in res["rows"]:
-        k, lc = r["ms"]["kiln"]["median"], r["ms"]["llama.cpp"]["median"]
-        name = f"int4 (g{res['group']})" if r["format"] == "int4" else r["format"]
-        lines.append(f"| {name} | {r['gguf']} | {r['threads']} | {k:.1f} | {lc:.1f} "
-                     f"| {lc / k:.2f}x | {r['loads'][0]} ... {r['loads'][-1]} |")
+    def name(run: dict, fmt: str) -> str:
+        return f"int4 (g{run['group']})" if fmt == "int4" else fmt
+
+    for run, _ in runs:
+        for r in run["rows"]:
+            k, lc = r["ms"]["kiln"]["median"], r["ms"]["llama.cpp"]["median"]
+            lines.append(f"| {name(run, r['format'])} | {r['gguf']} | {r['threads']} | {k:.1f} "
+                         f"| {lc:.1f} | {lc / k:.2f}x | {r['loads'][0]} ... {r['loads'][-1]} |")
     lines += ["", "Logits at the prompt's last position against eager fp32 (max |diff|, "
               "argmax agrees):", "",
               "| format | GGUF | GGUF MiB | kiln | llama.cpp |", "| --- | --- | --- | --- | --- |"]
-    for fmt, a in res["agreement"].items():
-        cell = [f"{a[s]['max_abs_diff']:.2e}, {'yes' if a[s]['argmax_agrees'] else 'no'}"
-                for s in ("kiln", "llama.cpp")]
-        lines.append(f"| {fmt} | {a['gguf']} | {a['gguf_bytes'] / 2**20:.0f} | {cell[0]} "
-                     f"| {cell[1]} |")
+    seen = set()
+    for run, _ in runs:  # the same model and prompt in every run: each format once
+        for fmt, a in run["agreement"].items():
+            if name(run, fmt) in seen:
+                continue
+            seen.add(name(run, fmt))
+            cell = [f"{a[s]['max_abs_diff']:.2e}, {'yes' if a[s]['argmax_agrees'] else 'no'}"
+                    for s in ("kiln", "llama.cpp")]
+            lines.append(f"| {name(run, fmt)} | {a['gguf']} | {a['gguf_bytes'] / 2**20:.0f} "
+                         f"| {cell[0]} | {cell[1]} |")
     return "\n".join(lines)
 
 
@@ -299,15 +313,20 @@ def main() -> None:
     ap.add_argument("--work", default="/tmp/kiln-llamacpp-cpu")
     ap.add_argument("--json")
     ap.add_argument("--markdown")
+    ap.add_argument("--combine", nargs="+", metavar="JSON",
+                    help="run nothing: write --markdown from these --json results (one table)")
     args = ap.parse_args()
-    res = run(args)
-    if args.json:
-        Path(args.json).write_text(json.dumps(res, indent=1, default=str))
+    if args.combine:
+        runs = [(d := json.loads(Path(p).read_text()), d["command"]) for p in args.combine]
+    else:
+        res = run(args)
+        res["command"] = "python bench/llamacpp_cpu.py " + " ".join(sys.argv[1:])
+        if args.json:
+            Path(args.json).write_text(json.dumps(res, indent=1, default=str))
+        runs = [(res, res["command"])]
     if args.markdown:
-        command = "python bench/llamacpp_cpu.py " + " ".join(sys.argv[1:])
         splice(args.markdown, "<!-- llamacpp-cpu:begin -->", "<!-- llamacpp-cpu:end -->",
-               markdown(res, command),
-               heading="## CPU decode: kiln against llama.cpp (issue 17)")
+               markdown(runs), heading="## CPU decode: kiln against llama.cpp (issue 17)")
 
 
 if __name__ == "__main__":
