@@ -88,6 +88,9 @@ FORMATS = {
                   "Q8_0"),
     "int4": (torch.float32, {"weight_quant": "int4"}, "Q4_0"),
 }
+#: the environment of llama.cpp's OpenMP pool (libgomp; kiln's packages run their own pool),
+#: recorded with each run
+OPENMP_ENV = ("GOMP_SPINCOUNT", "OMP_WAIT_POLICY", "OMP_NUM_THREADS", "OMP_PROC_BIND")
 #: ggml.h's GGML_TYPE_BF16 (llama_cpp.py names F32 and F16 but not this one)
 GGML_TYPE_BF16 = 30
 
@@ -209,7 +212,8 @@ def run(args) -> dict:
     token = prompt[-1]
     res = {"size": args.size, "config": sizes, "cache": args.cache, "pos": args.pos,
            "group": args.group, "cpu": cpu_name(), "llama_cpp": llama_cpp.__version__,
-           "affinity": sorted(os.sched_getaffinity(0)), "rows": [], "agreement": {}}
+           "affinity": sorted(os.sched_getaffinity(0)), "rows": [], "agreement": {},
+           "env": {k: os.environ[k] for k in OPENMP_ENV if k in os.environ}}
     for fmt in formats:
         gguf_type = FORMATS[fmt][2]
         gguf_path = convert(hf_dir, work, gguf_type, args.llama_cpp_src, llama_cpp)
@@ -269,18 +273,21 @@ def markdown(runs: list[tuple[dict, str]]) -> str:
              f"{c['vocab']}), one token decoded at position {res['pos']} after a "
              f"{res['pos']}-token prompt, context {res['cache']}, {res['cpu']}, llama-cpp-python "
              f"{res['llama_cpp']}. Commands (CPU affinity of each process):", ""]
-    lines += [f"    {cmd}    # CPU affinity {r['affinity']}" for r, cmd in runs]
+    lines += ["    " + "".join(f"{k}={v} " for k, v in r.get("env", {}).items())
+              + f"{cmd}    # CPU affinity {r['affinity']}" for r, cmd in runs]
     lines += ["",
-             "| format (kiln) | llama.cpp | threads | kiln ms/token | llama.cpp ms/token "
-             "| llama.cpp / kiln | load (1/5/15 min) |",
-             "| --- | --- | --- | --- | --- | --- | --- |"]
+             "| format (kiln) | llama.cpp | threads | OpenMP env | kiln ms/token "
+             "| llama.cpp ms/token | llama.cpp / kiln | load (1/5/15 min) |",
+             "| --- | --- | --- | --- | --- | --- | --- | --- |"]
     def name(run: dict, fmt: str) -> str:
         return f"int4 (g{run['group']})" if fmt == "int4" else fmt
 
     for run, _ in runs:
         for r in run["rows"]:
             k, lc = r["ms"]["kiln"]["median"], r["ms"]["llama.cpp"]["median"]
-            lines.append(f"| {name(run, r['format'])} | {r['gguf']} | {r['threads']} | {k:.1f} "
+            env = " ".join(f"{k}={v}" for k, v in run.get("env", {}).items()) or "default"
+            lines.append(f"| {name(run, r['format'])} | {r['gguf']} | {r['threads']} | {env} "
+                         f"| {k:.1f} "
                          f"| {lc:.1f} | {lc / k:.2f}x | {r['loads'][0]} ... {r['loads'][-1]} |")
     lines += ["", "Logits at the prompt's last position against eager fp32 (max |diff|, "
               "argmax agrees):", "",
