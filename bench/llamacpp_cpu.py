@@ -126,7 +126,7 @@ def import_converter(src: str | None):
 
 def convert(hf_dir: Path, out: Path, gguf_type: str, src: str | None, llama_cpp) -> Path:
     """The GGUF of `gguf_type` of the saved HF model (cached under `out`)."""
-    path = out / f"model-{gguf_type.lower()}.gguf"
+    path = out / f"{hf_dir.name}-{gguf_type.lower()}.gguf"
     if path.exists():
         return path
     if gguf_type in ("F32", "BF16"):
@@ -194,6 +194,9 @@ def run(args) -> dict:
     for f in formats:
         if f not in FORMATS:
             sys.exit(f"--formats: unknown format {f!r} (known: {', '.join(FORMATS)})")
+    if not all((work / f"hf_{args.size}-{FORMATS[f][2].lower()}.gguf").exists()
+               for f in formats):
+        import_converter(args.llama_cpp_src)  # fail before building anything
     sizes = SIZES[args.size]
     tag = args.size
     hf_dir = work / f"hf_{tag}"
