@@ -30,7 +30,18 @@ when it is contiguous at run time (`_contiguous_record`). A root no output retur
 for by the first output that views all of it
 compactly (a matmul's result: a view of its bmm). Other cases keep separate storage (the values
 are the same): outputs that share a root no output returns nor views whole, view chains the
-compact layout cannot make, and sizes that are not polynomials over the input symbols."""
+compact layout cannot make, and sizes that are not polynomials over the input symbols.
+
+The graph is eager's at the export's strides only: `contiguous()` of a value compact there
+leaves no trace, and a reshape that viewed may copy other strides. So a record whose output is
+compact at export is marked ``"contiguous": true`` (of an input: a view only where it is
+contiguous at run time); a chain that a base whose dims cannot be merged would not view (a
+reshape merging dims) ``"compact_only": true`` (of an input: views of a compact input only);
+and a record of an output that rests on eager's layout (either output compact at export, or
+such a reshape) carries ``"when_strides"``: the user inputs' strides at export; the runner
+keeps the sharing only for inputs with those strides (else eager's layout may be another,
+where it copies). Kiln then never shares where eager does not; it may share less for inputs
+in another layout than the export's."""
 
 from __future__ import annotations
 
@@ -138,10 +149,12 @@ def _record(val, root_val, syms: SymbolTable, of: str, index: int) -> dict | Non
     return {"of": of, "index": index, "sizes": sizes, "strides": strides, "offset": offset}
 
 
-def _replay(n: torch.fx.Node, root: torch.fx.Node):
+def _replay(n: torch.fx.Node, root: torch.fx.Node, generic: bool = False):
     """(compact base, view): the view ops from `root` to `n` applied again to a compactly laid
     out tensor of root's shape (fake, symbolic sizes); None when one of them cannot make a view
-    of it (a `view` whose dims the compact layout cannot merge) or anything fails."""
+    of it (a `view` whose dims the compact layout cannot merge) or anything fails. `generic`:
+    on a base whose dims no view can merge (each stride that of a buffer one longer in every
+    dim) instead: a chain that still views it views a base in any layout."""
     chain = []
     while n is not root:
         chain.append(n)
@@ -158,7 +171,16 @@ def _replay(n: torch.fx.Node, root: torch.fx.Node):
 
     try:
         with mode:
-            base = torch.empty(root_val.shape, dtype=root_val.dtype, device=root_val.device)
+            if generic:
+                strides, step = [], 1
+                for d in reversed(root_val.shape):
+                    strides.append(step)
+                    step = step * (d + 1)
+                base = torch.empty_strided(root_val.shape, tuple(reversed(strides)),
+                                           dtype=root_val.dtype, device=root_val.device)
+            else:
+                base = torch.empty(root_val.shape, dtype=root_val.dtype,
+                                   device=root_val.device)
             x = base
             for v in reversed(chain):
                 if v.target is operator.getitem:
@@ -177,8 +199,11 @@ def _replay(n: torch.fx.Node, root: torch.fx.Node):
 
 
 def _view_record(n: torch.fx.Node, root: torch.fx.Node, syms: SymbolTable, of: str,
-                 index: int, same: bool) -> dict | None:
-    """The record of `n`, a view of `root` (input or output `index`; `same`: root itself)."""
+                 index: int, same: bool, base: torch.fx.Node | None = None,
+                 when: list | None = None) -> dict | None:
+    """The record of `n`, a view of `root` (input or output `index`; `same`: root itself).
+    `base`: output `index`'s node when `of` is "output" (root or a whole view of it); `when`:
+    the user inputs' strides at export (texts; None where one cannot be written)."""
     val, root_val = n.meta.get("val"), root.meta.get("val")
     record = None
     if isinstance(root_val, torch.Tensor) and isinstance(val, torch.Tensor) and \
@@ -192,9 +217,46 @@ def _view_record(n: torch.fx.Node, root: torch.fx.Node, syms: SymbolTable, of: s
                 record = _record(replayed[1], replayed[0], syms, of, index)
     if same:  # the very tensor (`return x`, `return y, y`): in any layout
         record = {**(record or {"of": of, "index": index}), "same": True}
-        if of == "input" and _compact(root_val):  # also eager's `x.contiguous()`
+    if record is None:
+        return None
+    generic = _replay(n, root, generic=True) is not None
+    if of == "input":
+        # compact at export, the output may be eager's `v.contiguous()` (a no-op there, so
+        # not in the graph): v only where v is contiguous at run time
+        if _compact(val):
             record["contiguous"] = True
+        if not generic:  # a reshape that views only some layouts: of a compact input only
+            record["compact_only"] = True
+        return record
+    # of an output: eager's layout of the root is its run-time decision; where the sharing
+    # rests on it (either output compact at export: possibly an elided `contiguous()`; a
+    # reshape on the way), it holds when the inputs come with the export's strides
+    base_val = base.meta.get("val") if base is not None else None
+    if _compact(val) or not isinstance(base_val, torch.Tensor) or _compact(base_val) or \
+            not generic or (base is not root and _replay(base, root, generic=True) is None):
+        if when is None:
+            return None
+        record["when_strides"] = when
     return record
+
+
+def _input_strides(nodes: dict, user_inputs: list[str], syms: SymbolTable) -> list | None:
+    """Each user input's strides at export as texts (None for a number input); None when one
+    is not a polynomial over the input size symbols."""
+    out: list = []
+    for name in user_inputs:
+        val = nodes[name].meta.get("val") if name in nodes else None
+        if not isinstance(val, torch.Tensor):
+            out.append(None)
+            continue
+        try:
+            texts = [_text(syms.convert(st)) for st in val.stride()]
+        except (UnsupportedError, TypeError):
+            return None
+        if None in texts:
+            return None
+        out.append(texts)
+    return out
 
 
 def _contiguous_of(n: torch.fx.Node) -> torch.fx.Node | None:
@@ -253,6 +315,7 @@ def output_aliases(ep: torch.export.ExportedProgram, user_inputs: list[str],
         if _whole(nodes[name].meta.get("val"), root.meta.get("val")):
             first_output[root.name] = j
     out: list[dict | None] = []
+    when = _input_strides(nodes, user_inputs, syms)
     for j, name in enumerate(outputs):
         root, val = roots[j], nodes[name].meta.get("val") if name in nodes else None
         record = None
@@ -265,7 +328,9 @@ def output_aliases(ep: torch.export.ExportedProgram, user_inputs: list[str],
                 of = None
             if of is not None:
                 same = name == (user_inputs[index] if of == "input" else outputs[index])
-                record = _view_record(nodes[name], root, syms, of, index, same)
+                record = _view_record(nodes[name], root, syms, of, index, same,
+                                      nodes.get(outputs[index]) if of == "output" else None,
+                                      when)
             elif _contiguous_of(nodes[name]) is not None:
                 record = _contiguous_record(nodes[name], user_inputs, syms)
         out.append(record)

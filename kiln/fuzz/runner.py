@@ -186,13 +186,16 @@ def shared_storage(got, want, inputs, what: str, got_inputs=None) -> str | None:
     return None
 
 
-def lost_alias(got, want, inputs, what: str, got_inputs=None) -> str | None:
+def lost_alias(got, want, inputs, what: str, got_inputs=None,
+               exported_compact: bool = True) -> str | None:
     """None unless eager returns an output sharing storage with another output or with an
     input and kiln's does not, in the cases kiln keeps (kiln/frontend/aliasing.py): one of the
     two owns the storage (an input, or an output that is no view and that eager lays out
-    compactly: kiln's views assume a compact base), and the inputs are compact
-    (kiln copies others in, so views of them are copies)."""
-    if not all(x.is_contiguous() for x in inputs if isinstance(x, torch.Tensor)):
+    compactly: kiln's views assume a compact base), and the inputs are compact, as they were
+    at export (kiln copies others in, so views of them are copies; and in another layout than
+    the export's, the graph cannot tell `v` from eager's `v.contiguous()`, a copy there)."""
+    if not exported_compact or \
+            not all(x.is_contiguous() for x in inputs if isinstance(x, torch.Tensor)):
         return None
     gs = [_storage(g) for g in got] + [_storage(x) for x in (got_inputs or inputs)]
     ws = [_storage(w) for w in want] + [_storage(x) for x in inputs]
@@ -226,6 +229,7 @@ def check(spec: dict, workdir: str | Path | None = None, interp: bool = True,
     args = make_inputs(spec, spec["seed"])
     if layout:
         args = relaid(args, layout)
+    exported_compact = all(a.is_contiguous() for a in args if isinstance(a, torch.Tensor))
     try:
         with torch.no_grad():
             ep = torch.export.export(module, args, dynamic_shapes=dynamic_shapes(spec))
@@ -263,7 +267,7 @@ def check(spec: dict, workdir: str | Path | None = None, interp: bool = True,
             bad = compare(got, want, [r if w.is_floating_point() else w
                                       for w, r in zip(want, want64)], f32, where, sens) \
                 or shared_storage(out, want, fresh, where, given) \
-                or lost_alias(out, want, fresh, where, given)
+                or lost_alias(out, want, fresh, where, given, exported_compact)
             if bad:
                 return Outcome("mismatch", bad)
             if interp and device == "cpu":  # (the CPU run of a program checks kiln's IR)

@@ -95,8 +95,11 @@ def test_views_of_outputs_and_inputs(tmp_path, dtype):
     c, runner = _compile(tmp_path, Views(), (make(4, 6).to(dtype),), ({0: B},))
     aliases = [o.get("alias") for o in c.manifest["outputs"]]
     assert aliases[0]["of"] == "input" and aliases[1]["of"] == "input"
+    # y is compact at export: `return y, y` is also the graph of `return y, y.contiguous()`,
+    # so the sharing holds for the export's input strides (eager's y is compact then)
     assert aliases[2] is None and aliases[3] == {"of": "output", "index": 2, "sizes": ["s0", 6],
-                                                  "strides": [6, 1], "offset": 0, "same": True}
+                                                  "strides": [6, 1], "offset": 0, "same": True,
+                                                  "when_strides": [[6, 1]]}
     assert aliases[4]["offset"] == 6 and aliases[9] is None
     for n in (3, 4, 17):
         x = make(n, 6).to(dtype)
@@ -263,11 +266,17 @@ def test_the_same_tensor_twice_in_any_layout(tmp_path, exported):
     assert aliases[2]["same"] and aliases[2]["of"] == "input"
     # exported compact, `return x` is also the graph of `return x.contiguous()`: x itself
     # when x is contiguous, else kiln's compact copies (eager's contiguous() copies; its
-    # `return x` shares: kiln shares less, never more); exported transposed, x itself always
+    # `return x` shares: kiln shares less, never more); exported transposed, x itself always.
+    # Likewise `w, w` (w compact at export when x is transposed) is the graph of
+    # `w, w.contiguous()`: one object only for the export's input strides
     assert aliases[2].get("contiguous", False) == (exported == "contiguous")
+    assert ("when_strides" in aliases[1]) == (exported == "transposed")
     for x in (torch.randn(4, 6), torch.randn(6, 4).t()):
         got, want = runner(x), SameInOtherLayouts()(x)
-        assert got[1] is got[0]
+        if exported == "contiguous" or x.stride() == x0.stride():
+            assert got[1] is got[0]
+        else:
+            assert _storage(got[1]) != _storage(got[0])
         if exported == "contiguous" and not x.is_contiguous():
             assert got[2] is not x and got[3] is not x
             for g in got[2:]:
@@ -342,13 +351,21 @@ def test_views_of_an_input_exported_with_other_strides(tmp_path, layout):
     x0 = torch.randn(16, 6)[::2] if layout == "step" else x0.t().contiguous().t()
     c, runner = _compile(tmp_path, ExportedStrided(), (x0,), None)
     aliases = [o.get("alias") for o in c.manifest["outputs"]]
+    # exported transposed, x.t()[1:] is contiguous there: also the graph of
+    # `x.t()[1:].contiguous()`, so a view only where it is contiguous at run time
     assert aliases[0] == {"of": "input", "index": 0, "sizes": [5, 8], "strides": [1, 6],
-                          "offset": 1} and aliases[1] is None
+                          "offset": 1, **({"contiguous": True} if layout == "transposed"
+                                          else {})} and aliases[1] is None
     assert aliases[2] == {"of": "input", "index": 0, "sizes": [4, 6], "strides": [12, 1],
                           "offset": 0}
     x = torch.randn(8, 6)
     got, want = runner(x), ExportedStrided()(x)
-    _same_sharing(got, want, [x])
+    if layout == "step":
+        _same_sharing(got, want, [x])
+    else:  # x.t()[1:] is not contiguous: kiln's copy (eager's `.contiguous()` copies too)
+        _same_sharing(got[1:], want[1:], [x])
+        assert _storage(got[0]) != _storage(x)
+        torch.testing.assert_close(got[0], want[0], rtol=0, atol=0)
     for other in (torch.randn(16, 6)[::2], torch.randn(6, 8).t()):
         got, want = runner(other), ExportedStrided()(other)
         for g, w in zip(got, want):
