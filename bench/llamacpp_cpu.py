@@ -18,6 +18,8 @@ Formats (kiln's package of the same model; llama.cpp's GGUF):
              row, integer dot products                    | Q8_0
   int4       Options(weight_quant="int4", weight_quant_group=`--group`): int4 group-wise along
              K, an fp32 scale per group, fp32 activations  | Q4_0
+  int4_vnni  the same int4 weights, weight_quant_kernel="vnni": activations quantised to int8
+             per row, integer dot products (vpdpbusd)     | Q4_0
 
 Q8_0 and Q4_0 are llama.cpp's block formats: 32 values share one fp16 scale, and the
 activations are quantised to Q8_0 blocks for integer dot products (CPU "repack" layouts where
@@ -49,7 +51,7 @@ llama-cpp-python sdist (`pip download --no-deps --no-binary :all: llama-cpp-pyth
 `<dir>/vendor/llama.cpp`), given as `--llama-cpp-src` or $LLAMA_CPP_SRC.
 
     python bench/llamacpp_cpu.py --llama-cpp-src DIR [--size 8x1024] [--threads 1,2]
-        [--formats fp32,bf16,int8,int8_vnni,int4] [--rounds 5] [--calls 10] [--group 128]
+        [--formats fp32,bf16,int8,int8_vnni,int4,int4_vnni] [--rounds 5] [--calls 10] [--group 128]
         [--markdown BENCHMARKS.md] [--json out.json]
 """
 
@@ -87,6 +89,8 @@ FORMATS = {
     "int8_vnni": (torch.float32, {"weight_quant": "int8", "weight_quant_kernel": "vnni"},
                   "Q8_0"),
     "int4": (torch.float32, {"weight_quant": "int4"}, "Q4_0"),
+    "int4_vnni": (torch.float32, {"weight_quant": "int4", "weight_quant_kernel": "vnni"},
+                  "Q4_0"),
 }
 #: the environment of llama.cpp's OpenMP pool (libgomp; kiln's packages run their own pool),
 #: recorded with each run
@@ -161,9 +165,10 @@ def kiln_package(model: torch.nn.Module, fmt: str, cache: int, threads: int, gro
     """kiln's package of `model` in `fmt` (cached under `work`)."""
     dtype, fields, _ = FORMATS[fmt]
     opts = replace(kiln.Options(num_threads=threads), **fields)
-    if fmt == "int4":
+    grouped = fmt.startswith("int4")
+    if grouped:
         opts = replace(opts, weight_quant_group=group)
-    pkg = work / f"kiln_{tag}_{fmt}{'_g%d' % group if fmt == 'int4' else ''}_t{threads}.kiln"
+    pkg = work / f"kiln_{tag}_{fmt}{'_g%d' % group if grouped else ''}_t{threads}.kiln"
     if not pkg.exists():
         module = H.static_module(model.to(dtype), cache)
         t = time.perf_counter()
@@ -283,7 +288,7 @@ def markdown(runs: list[tuple[dict, str]]) -> str:
              "| llama.cpp ms/token | llama.cpp / kiln | load (1/5/15 min) |",
              "| --- | --- | --- | --- | --- | --- | --- | --- |"]
     def name(run: dict, fmt: str) -> str:
-        return f"int4 (g{run['group']})" if fmt == "int4" else fmt
+        return f"{fmt} (g{run['group']})" if fmt.startswith("int4") else fmt
 
     for run, _ in runs:
         for r in run["rows"]:
@@ -312,7 +317,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--size", default="8x1024", choices=sorted(SIZES))
-    ap.add_argument("--formats", default="fp32,bf16,int8,int8_vnni,int4")
+    ap.add_argument("--formats", default="fp32,bf16,int8,int8_vnni,int4,int4_vnni")
     ap.add_argument("--threads", default="1", help="thread counts, comma-separated")
     ap.add_argument("--cache", type=int, default=512)
     ap.add_argument("--pos", type=int, default=128)
