@@ -93,6 +93,7 @@ def test_unknown_model_is_refused() -> None:
     assert proc.returncode != 0 and "unknown model or system: nope" in proc.stderr
 
 
+@pytest.mark.slow  # a whole MobileNetV2 compile (about 20 s on a quiet 2-core box)
 def test_zoo_mobilenet_v2_through_kiln(tmp_path: Path) -> None:
     spec = get("mobilenet_v2")
     runner = kiln.load(kiln.compile(spec.export()).save(tmp_path / "m.kiln"))

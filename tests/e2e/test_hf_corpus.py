@@ -5,7 +5,7 @@ that errors show), exported with dynamic batch and sequence (images: batch), com
 CPU once and compared with eager at the example size and at two other sizes, every output.
 
 Each model takes 10 to 90 s to compile on 2 cores: the default suite runs three cheap ones
-(one text, one encoder-decoder, one vision model), `-m slow` the rest. A model whose shrunk
+(one text and one vision model), `-m slow` the rest. A model whose shrunk
 config eager cannot run uses the type's default config (`hf_corpus.build`)."""
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ pytest.importorskip("transformers")
 
 from kiln.models import hf_corpus as C  # noqa: E402 - needs transformers
 
-FAST = {"opt", "marian", "convnext"}  # the default suite's share: about a minute together
+FAST = {"opt", "convnext"}  # the default suite's share: about a minute together
 
 # (batch, sequence length) of the runs, the example (2, 16) first (automatic dynamic dims start
 # at 2); images: batch only

@@ -98,6 +98,7 @@ def _kiln_compile(tmp_path, tty: bool) -> str:
     return out.stdout
 
 
+@pytest.mark.slow  # two cold-cache CLI compiles (about 30 s on a quiet 2-core box)
 @pytest.mark.skipif(shutil.which("script") is None, reason="no script(1) for a pseudo-terminal")
 def test_cli_draws_counts_on_a_terminal_only(tmp_path):
     shown = _kiln_compile(tmp_path / "tty", tty=True)  # a fresh cache: the build takes seconds

@@ -82,7 +82,8 @@ SLOW = pytest.mark.slow
 @pytest.mark.parametrize("backends,dtype", [
     (("cpp",), torch.float32), (("blas",), torch.float32),
     pytest.param(("cpp", "blas"), torch.float32, marks=SLOW),
-    (("cpp",), torch.float64), pytest.param(("blas",), torch.float64, marks=SLOW)])
+    pytest.param(("cpp",), torch.float64, marks=SLOW),
+    pytest.param(("blas",), torch.float64, marks=SLOW)])
 def test_epilogues_vs_eager(check, backends, dtype):
     torch.manual_seed(0)
     opts = kiln.Options(gemm_backends=backends)

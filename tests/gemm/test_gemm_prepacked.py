@@ -225,8 +225,12 @@ class ReadA(torch.nn.Module):
         return a(x), b(wide[:, :self.k]), c(wide[:, self.k:]), d(xt)
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
-@pytest.mark.parametrize("k", [256, 384, 512, 768, 1024])
+# the default suite: one K whose float rows share L1 sets (512) and one whose double rows do
+# not (384); the other eight cases (about 1 min each on 2 cores) with -m slow
+@pytest.mark.parametrize("k,dtype", [
+    pytest.param(k, d, marks=() if (k, d) in {(512, torch.float32), (384, torch.float64)}
+                 else pytest.mark.slow, id=f"{k}-{str(d).removeprefix('torch.')}")
+    for d in (torch.float32, torch.float64) for k in (256, 384, 512, 768, 1024)])
 def test_packed_a_read_in_place_or_packed(check, dtype, k):
     """Full row tiles read A in place unless its rows share L1 sets (row strides of 2 KiB or a
     multiple of 4 KiB: K = 512, 1024 floats, 256, 512, 768, 1024 doubles, and every 2K view
@@ -241,7 +245,7 @@ def test_packed_a_read_in_place_or_packed(check, dtype, k):
     assert len(_packed_gemms(compiled)) == 4, compiled.built.gemms
 
 
-@pytest.mark.parametrize("k", [256, 1024])
+@pytest.mark.parametrize("k", [256, pytest.param(1024, marks=pytest.mark.slow)])
 def test_packed_a_direct_single_thread_and_split(check, k):
     """The same at 1 and 2 threads (the split by row blocks hands each thread whole tiles)."""
     torch.manual_seed(k + 1)

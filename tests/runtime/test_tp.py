@@ -116,7 +116,8 @@ def _rank_inputs(dtype, xshape, yshape, n: int, seed: int):
 
 
 @needs_mpi
-@pytest.mark.parametrize("dtype", [torch.float32, torch.int64,
+@pytest.mark.parametrize("dtype", [torch.float32,
+                                   pytest.param(torch.int64, marks=pytest.mark.slow),
                                    pytest.param(torch.float64, marks=pytest.mark.slow),
                                    pytest.param(torch.int32, marks=pytest.mark.slow)],
                          ids=lambda d: str(d).removeprefix("torch."))
@@ -226,7 +227,7 @@ def _diagnose(model, paths, n: int, got: dict, ref: torch.Tensor, prompt, tmp) -
 
 
 @needs_mpi
-@pytest.mark.parametrize("n", [2, 4])
+@pytest.mark.parametrize("n", [2, pytest.param(4, marks=pytest.mark.slow)])
 def test_tp_llama_matches_single_device(n, tmp_path):
     model = tp.random_llama(CFG, seed=3)
     prompt = torch.randint(0, CFG.vocab_size, (2, 7), generator=torch.Generator().manual_seed(n))

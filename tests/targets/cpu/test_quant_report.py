@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import math
 
+import pytest
 import torch
 
 import kiln
@@ -22,6 +23,7 @@ def test_kl_stats_of_known_distributions():
     assert kl_stats(ref, ref)["kl_max"] == 0.0
 
 
+@pytest.mark.slow  # two quantised decoder compiles; test_hf_decoders checks both formats
 def test_int8_diverges_less_than_int4_and_both_stay_close():
     model = small_llama(hidden_size=64, intermediate_size=160, vocab_size=128,
                         num_attention_heads=4, num_key_value_heads=2)
