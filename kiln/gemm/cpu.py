@@ -19,8 +19,6 @@ panels' width; BLAS keeps narrower ones (BENCHMARKS.md, "CPU GEMM with prepacked
 
 from __future__ import annotations
 
-import hashlib
-import subprocess
 from pathlib import Path
 
 import sympy
@@ -30,10 +28,9 @@ from kiln.gemm.problem import GemmProblem
 from kiln.ir import loop as L
 from kiln.ir.loop import node_reads
 from kiln.schedule import Kernel
-from kiln.errors import CompileError
 from kiln.ir import dtypes
 from kiln.options import GemmBackend
-from kiln.toolchain.cxx import _headers_digest, compiler_identity
+from kiln.toolchain.cxx import build_executable
 
 
 def vector_registers(march: str) -> int:
@@ -248,21 +245,5 @@ int main(int argc, char **argv) {
 
 def build_driver(tc, dtype: str, configs: list[CppConfig], nr: int = 0) -> Path:
     """Compile the driver with the model's own flags (cached by content hash)."""
-    src = driver_source(dtype, configs, nr)
-    key = hashlib.sha256("\0".join([src, " ".join(tc.cflags), " ".join(tc.ldflags),
-                                    compiler_identity(tc.cxx),
-                                    _headers_digest(tc.include_dirs)]).encode()).hexdigest()[:24]
-    exe = Path(tc.cache) / "autotune_bin" / f"gemm_{dtype}_{key}"
-    if exe.exists():
-        return exe
-    exe.parent.mkdir(parents=True, exist_ok=True)
-    cpp = exe.with_suffix(".cpp")
-    cpp.write_text(src)
-    tmp = exe.with_name(exe.name + ".tmp")
-    cmd = [tc.cxx, *tc.cflags, *[f"-I{d}" for d in tc.include_dirs], str(cpp), "-o", str(tmp),
-           *tc.ldflags]
-    proc = subprocess.run(cmd, capture_output=True, text=True)
-    if proc.returncode != 0:
-        raise CompileError(f"GEMM benchmark driver failed to compile:\n{proc.stderr[-3000:]}")
-    tmp.replace(exe)
-    return exe
+    return build_executable(tc, driver_source(dtype, configs, nr), f"gemm_{dtype}",
+                            "the GEMM benchmark driver's compile")

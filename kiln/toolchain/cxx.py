@@ -98,6 +98,28 @@ def _headers_digest(dirs: tuple[Path, ...]) -> str:
     return h.hexdigest()
 
 
+def build_executable(tc: Toolchain, source: str, name: str, what: str,
+                     libs: tuple[str, ...] = ()) -> Path:
+    """A standalone program (an autotuning driver) compiled from `source` with the toolchain's
+    flags and `libs` after them, cached under `<cache>/autotune_bin/<name>_<hash>` (the hash
+    covering the source, the flags, the compiler's identity and the headers), its source
+    beside it; written under a temporary name and renamed into place."""
+    key = hashlib.sha256("\0".join([source, " ".join(tc.cflags), " ".join(tc.ldflags),
+                                    " ".join(libs), compiler_identity(tc.cxx),
+                                    _headers_digest(tc.include_dirs)]).encode()).hexdigest()[:24]
+    exe = Path(tc.cache) / "autotune_bin" / f"{name}_{key}"
+    if exe.exists():
+        return exe
+    exe.parent.mkdir(parents=True, exist_ok=True)
+    cpp = exe.with_suffix(".cpp")
+    cpp.write_text(source)
+    tmp = _atomic_output(exe)
+    _run([tc.cxx, *tc.cflags, *[f"-I{d}" for d in tc.include_dirs], str(cpp), "-o", str(tmp),
+          *tc.ldflags, *libs], what)
+    tmp.replace(exe)
+    return exe
+
+
 def _atomic_output(final: Path) -> Path:
     final.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=final.parent, prefix=final.name + ".", suffix=".tmp")
