@@ -107,7 +107,7 @@ pkg, dev = sys.argv[1], sys.argv[2]
 parts = {}
 t0 = time.perf_counter()
 if dev.startswith("cuda"):  # the parts kiln.load goes through, each timed on its own
-    loader._preload_cublas()
+    loader.preload_cublas()
     parts["cublas_s"] = time.perf_counter() - t0
     t = time.perf_counter()
     ctypes.CDLL("libcuda.so.1").cuInit(0)  # the driver's start alone (not kiln's code)

@@ -1,14 +1,17 @@
 """Calls whose (args, kwargs) structure differs from the export's: which argument is missing,
-extra or of another structure, by name (the runner's error message; kiln/runtime/loader.py)."""
+extra or of another structure, by name (the runner's error message; kiln/runtime/loader.py),
+and the function that puts a call's results back into the exported output structure."""
 
 from __future__ import annotations
 
+import functools
+import operator
 from typing import Any
 
 import torch
 from torch.utils import _pytree as pytree
 
-__all__ = ["spec_children", "structure_error"]
+__all__ = ["output_builder", "spec_children", "structure_error"]
 
 
 class _Leaf:
@@ -88,3 +91,22 @@ def _describe_value(spec: pytree.TreeSpec) -> str:
         return "a tensor or scalar"
     text = repr(pytree.tree_unflatten([_Leaf()] * spec.num_leaves, spec))
     return text if len(text) <= 80 else text[:77] + "..."
+
+
+def output_builder(spec: pytree.TreeSpec | None):
+    """results (a list) -> the exported output structure; the common flat forms (one tensor, a
+    tuple or list of tensors) without the general pytree walk."""
+    if spec is None:
+        return tuple
+    n = spec.num_leaves
+    if spec.is_leaf():
+        return operator.itemgetter(0)
+    if spec == pytree.tree_flatten(tuple(range(n)))[1]:
+        return tuple
+    if spec == pytree.tree_flatten(list(range(n)))[1]:
+        return list
+    return functools.partial(_unflatten, spec=spec)
+
+
+def _unflatten(results: list, spec: pytree.TreeSpec):
+    return pytree.tree_unflatten(results, spec)

@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import ctypes
 import functools
-import importlib.metadata
 import operator
 import os
 import pathlib
@@ -46,7 +45,8 @@ from kiln.package.entries import DEFAULT_ENTRY, entry_manifest, entry_names
 from kiln.runtime import dlpack_ctypes as dl
 from kiln.runtime import comm
 from kiln.runtime.aliases import alias_plan, share_storage
-from kiln.runtime.call_structure import spec_children, structure_error
+from kiln.runtime.call_structure import output_builder, spec_children, structure_error
+from kiln.runtime.preload import preload_cublas, preload_dnnl
 from kiln.runtime.build import libkiln_path
 from kiln.runtime.weights import checked_tensors, write_weights_file
 
@@ -181,11 +181,11 @@ class Runner:
         self._path = pathlib.Path(path)
         self._device = _parse_device(device)
         if self._device.type == "cuda":
-            _preload_cublas()
+            preload_cublas()
         self._manifest = read_package(self._path).manifest
         if any("libdnnl" in str(lib) for lib in self._manifest.get("requires", {}).get(
                 "shared_libraries", ())):
-            _preload_dnnl()
+            preload_dnnl()
         self._entries: dict[str, _Entry] = {}
         self._lib = libkiln(self._path)
         handle = ctypes.c_void_p()
@@ -235,7 +235,7 @@ class Runner:
             self.close()
             raise PackageError(f"package '{self._path}': out_spec has {self._out_spec.num_leaves}"
                                f" leaves, the model {self._n_out} outputs")
-        self._unflatten = _output_builder(self._out_spec)
+        self._unflatten = output_builder(self._out_spec)
         self._aliases = alias_plan(m)  # outputs returned as views, as eager shares storage
         self._inputs_t = ctypes.POINTER(dl.DLTensor) * max(self._n_in, 1)
         self._outputs_t = ctypes.c_void_p * max(self._n_out, 1)
@@ -750,25 +750,6 @@ def _adopt_pointers(ptrs: tuple[int, ...]) -> list[torch.Tensor]:
     return results
 
 
-def _output_builder(spec: pytree.TreeSpec | None):
-    """results (a list) -> the exported output structure; the common flat forms (one tensor, a
-    tuple or list of tensors) without the general pytree walk."""
-    if spec is None:
-        return tuple
-    n = spec.num_leaves
-    if spec.is_leaf():
-        return operator.itemgetter(0)
-    if spec == pytree.tree_flatten(tuple(range(n)))[1]:
-        return tuple
-    if spec == pytree.tree_flatten(list(range(n)))[1]:
-        return list
-    return functools.partial(_unflatten, spec=spec)
-
-
-def _unflatten(results: list, spec: pytree.TreeSpec):
-    return pytree.tree_unflatten(results, spec)
-
-
 def _delete(ptr: int) -> None:
     managed = dl.DLManagedTensor.from_address(ptr)
     if managed.deleter:
@@ -778,56 +759,6 @@ def _delete(ptr: int) -> None:
 def _adopt_outputs(outputs: ctypes.Array, n: int) -> list[torch.Tensor]:
     """Turns the model's DLManagedTensors into torch tensors; frees the rest on failure."""
     return _adopt_pointers(tuple(outputs[:n]))
-
-
-@functools.lru_cache(maxsize=None)
-def _preload_dnnl() -> str | None:
-    """Loads oneDNN (libdnnl.so.3) from its installed OpenMP wheel (onednn-cpu-gomp or -iomp:
-    the library is a wheel data file in the environment's lib/) into the process, so a package
-    whose convolutions use it (kiln_dnnl.h) opens it by soname. Returns the path, or None when
-    no wheel has it (the package then tries the standard paths and the build machine's path,
-    and fails to load with an error naming libdnnl.so.3). As libkiln does before opening a
-    model that links libgomp (runtime/src/cpu.cpp), OpenMP's idle spinning is bounded first
-    (GOMP_SPINCOUNT, unless set or libgomp is already loaded): oneDNN's idle threads must
-    not hold cores that kiln's pool needs."""
-    if not (os.environ.get("OMP_WAIT_POLICY") or os.environ.get("GOMP_SPINCOUNT")):
-        try:
-            ctypes.CDLL("libgomp.so.1", mode=os.RTLD_NOLOAD)
-        except OSError:  # not loaded yet: libgomp reads it when libdnnl brings it in
-            os.environ["GOMP_SPINCOUNT"] = "1000"  # runtime/src/cpu.h kSpinCount
-    for name in ("onednn-cpu-gomp", "onednn-cpu-iomp"):
-        try:
-            dist = importlib.metadata.distribution(name)
-        except importlib.metadata.PackageNotFoundError:
-            continue
-        for f in dist.files or ():
-            if f.name == "libdnnl.so.3":
-                try:
-                    ctypes.CDLL(str(dist.locate_file(f)), mode=ctypes.RTLD_GLOBAL)
-                    return str(dist.locate_file(f))
-                except OSError:
-                    continue
-    return None
-
-
-@functools.lru_cache(maxsize=None)
-def _preload_cublas() -> str | None:
-    """Loads cuBLAS from the nvidia pip packages (torch's CUDA wheels) into the process, so a
-    CUDA model's dlopen("libcublas.so.N") finds it by soname. Returns the path, or None when
-    there is no such package (then the model searches the standard library paths)."""
-    try:
-        # deferred: NVIDIA's CUDA wheels are optional (CPU-only installs have none)
-        import nvidia  # namespace package of the nvidia-* wheels
-    except ImportError:
-        return None
-    for root in getattr(nvidia, "__path__", []):
-        for lib in sorted(pathlib.Path(root).glob("*/lib/libcublas.so*"), reverse=True):
-            try:
-                ctypes.CDLL(str(lib), mode=ctypes.RTLD_GLOBAL)
-                return str(lib)
-            except OSError:
-                continue
-    return None
 
 
 def _parse_device(device: str | torch.device) -> torch.device:

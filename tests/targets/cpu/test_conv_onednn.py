@@ -134,7 +134,7 @@ def test_forced_without_onednn_is_refused(monkeypatch):
 LOAD_WITHOUT = """
 import sys, torch
 import kiln.runtime.loader as ld
-ld._preload_dnnl = lambda: None  # a machine without the wheel
+ld.preload_dnnl = lambda: None  # a machine without the wheel
 try:
     kiln_runner = ld.Runner(sys.argv[1])
 except Exception as e:
