@@ -35,9 +35,10 @@ cuda_mode=""
 [ "${NGPU:-0}" -ge 1 ] || cuda_mode="--compile-only"
 CUDA_PROCS=${CUDA_PROCS:-$(( NGPU >= 1 ? 3 * NGPU : 2 ))}
 [ "$N_CUDA" -gt 0 ] || CUDA_PROCS=0
-CPU_PROCS=${CPU_PROCS:-$(( $(nproc) - CUDA_PROCS ))}
+# (nproc obeys OMP_NUM_THREADS, exported as 1 above: count the cores without it)
+CPU_PROCS=${CPU_PROCS:-$(( $(env -u OMP_NUM_THREADS nproc) - CUDA_PROCS ))}
 [ "$CPU_PROCS" -ge 1 ] || CPU_PROCS=1
-{ date -u; nproc; nvidia-smi --query-gpu=name,driver_version --format=csv,noheader 2>&1 | head -2
+{ date -u; env -u OMP_NUM_THREADS nproc; nvidia-smi --query-gpu=name,driver_version --format=csv,noheader 2>&1 | head -2
   $PY -c 'import torch, triton; print("torch", torch.__version__, "triton", triton.__version__)' 2>&1
   git rev-parse --short HEAD 2>/dev/null
   echo "cpu: $N_CPU programs, seed $SEED, $CPU_PROCS processes; cuda: $N_CUDA programs, seed" \

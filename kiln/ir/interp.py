@@ -176,6 +176,10 @@ def _compute(node: L.Compute, bufs, env) -> np.ndarray:
         flat = vals.reshape(out_shape + (-1,))
         return NP_REDUCE[kind](flat, axis=-1).astype(np.int64).reshape(-1)
     dt = node.dtype.numpy
+    if kind in ("sum", "prod") and vals.dtype.kind == "f" and vals.dtype.itemsize < 8:
+        # accumulated in float64 (as _gemm does): the reference's own rounding stays below
+        # any float32 summation order's, so a fused kernel's order is not reported as wrong
+        vals = vals.astype(np.float64)
     with np.errstate(all="ignore"):
         return np.asarray(NP_REDUCE[kind](vals, axis=axes)).astype(dt).reshape(-1)
 

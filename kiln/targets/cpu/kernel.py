@@ -225,7 +225,13 @@ def _member_block(m: L.Compute, k: int, locals_: dict[str, str], rows: dict | No
         lines.append(f"{locals_.get(m.name, dest)} = besti;")  # a local when fused away
     else:
         ident, combine, clause = REDUCTIONS[kind]
-        lines.append(f"{ACC_TYPES.get(kind, T)} {acc} = {ident.format(T=T)};")
+        # a float sum over several loops adds each run of the innermost one into a float
+        # partial, and the partials into a double (rounding grows with the longest run, not
+        # with all the elements, as one running float32 sum of a whole tensor would)
+        cascade = kind == "sum" and len(rv) > 1 and T in ("float", "double")
+        inner_acc = f"part_{m.name}" if cascade else acc
+        acc_t = "double" if cascade else ACC_TYPES.get(kind, T)
+        lines.append(f"{acc_t} {acc} = {ident.format(T=T)};")
         uses_nan = "{nan}" in combine
         if uses_nan:
             lines.append(f"int {nan} = 0;")
@@ -234,14 +240,20 @@ def _member_block(m: L.Compute, k: int, locals_: dict[str, str], rows: dict | No
         lines += p.hoisted
         for j, r in enumerate(rv):
             pragma = None
-            if j == len(rv) - 1 and clause:
-                pragma = f"#pragma omp simd reduction({clause}:{acc})"
-                if uses_nan:
-                    pragma += f" reduction(|:{nan})"
+            if j == len(rv) - 1:
+                if cascade:
+                    lines.append(f"  {T} {inner_acc} = 0;")
+                if clause:
+                    pragma = f"#pragma omp simd reduction({clause}:{inner_acc})"
+                    if uses_nan:
+                        pragma += f" reduction(|:{nan})"
             lines += _loop(r.name, m.reduce.sizes[j], pragma)
         lines += ["  " + s for s in p.lines]
-        lines.append("  " + combine.format(acc=acc, x=x, nan=nan))
-        lines += ["}"] * len(rv)
+        lines.append("  " + combine.format(acc=inner_acc, x=x, nan=nan))
+        lines.append("}")
+        if cascade:
+            lines.append(f"  {acc} += {inner_acc};")
+        lines += ["}"] * (len(rv) - 1)
         if uses_nan:
             lines.append(f"if ({nan}) {acc} = std::numeric_limits<{T}>::quiet_NaN();")
         if m.name in locals_:
