@@ -100,6 +100,11 @@ class Options:
     #: (captured on the second run with those sizes, replayed afterwards; inputs and outputs
     #: go through static device buffers). False launches every kernel and GEMM each run.
     cuda_graphs: bool = True
+    #: CUDA builds for sm_90 and later only: programmatic dependent launch. Each of kiln's
+    #: kernels is launched to start while the one before it finishes (its programs resident,
+    #: its launch latency hidden) and waits (griddepcontrol.wait) before touching any buffer;
+    #: on a device or driver without it (< CUDA 12.3) the launches are ordinary.
+    cuda_pdl: bool = True
     #: CUDA builds whose kernels look data up by index (embedding, gather, index_put): a run
     #: reports an index out of range of the run before it (on the next run), as CUDA reports
     #: asynchronous errors, so that no run waits for the device. True: every run waits for

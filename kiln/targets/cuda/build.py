@@ -52,7 +52,8 @@ from kiln.passes.conv_nhwc import conv_nhwc
 from kiln.targets.cuda.gemm_candidates import build as build_candidates
 from kiln.targets.cuda.gemv_template import (gemv_candidates, gemv_steps, print_gemv_candidate,
                                               print_template_kernel)
-from kiln.targets.cuda.kernel import choose_config, print_triton_kernel, print_triton_module
+from kiln.targets.cuda.kernel import (choose_config, print_triton_kernel, print_triton_module,
+                                      with_pdl)
 from kiln.passes.dce import dce
 from kiln.passes.gqa_attention import fold_repeat_kv
 from kiln.targets.cuda.put import print_fused_puts, print_put_kernels
@@ -90,6 +91,12 @@ class CudaBuild(Build):
 
 def _archs(opts: Options) -> tuple[int, ...]:
     return tuple(opts.cuda_archs) or default_archs()
+
+
+def _pdl(opts: Options) -> bool:
+    """Kernels launched with programmatic dependent launch (Options.cuda_pdl): only where
+    every target architecture has it (sm_90+)."""
+    return bool(opts.cuda_pdl) and min(_archs(opts)) >= 90
 
 
 def _cache(opts: Options) -> Path:
@@ -277,7 +284,17 @@ def tuning_families(state: Build, reference=None) -> list:
                 return TP.keep_conv(c, b, h, conv_candidates(c, b, h))
         fams.append(template_family(convs, cands, print_conv_kernel, buffers, hints, "conv",
                                     reference if full else None))
-    return [f for f in fams if f.items]
+    fams = [f for f in fams if f.items]
+    if _pdl(o):  # timed as built (the winner's cubin is kept under its source)
+        fams = [replace(f, kernels_of=_pdl_kernels(f.kernels_of)) for f in fams]
+    return fams
+
+
+def _pdl_kernels(kernels_of):
+    def of(step):
+        cands, tks = kernels_of(step)
+        return cands, [with_pdl(k) for k in tks]
+    return of
 
 
 def _launched(steps) -> list:
@@ -292,7 +309,8 @@ def untuned_kernels(state: Build, families) -> list:
     tuner's workers compile them (into the cubin cache) while it times."""
     tuned = {s.name for f in families for s in f.items}
     return triton_kernels([s for s in _launched(state.steps) if s.name not in tuned],
-                          L.all_buffers(state.loop), _hints(state), _heuristic_configs(state))
+                          L.all_buffers(state.loop), _hints(state), _heuristic_configs(state),
+                          _pdl(state.options))
 
 
 def start_workers(state: CudaBuild) -> CudaBuild:
@@ -340,7 +358,7 @@ def codegen_triton(state: CudaBuild) -> CudaBuild:
     """Every kernel, GEMM template kernel and attention call as Triton, in one module."""
     configs = {**_heuristic_configs(state), **state.configs}
     tks = triton_kernels(_launched(state.steps), L.all_buffers(state.loop), _hints(state),
-                         configs)
+                         configs, _pdl(state.options))
     return replace(state, triton=tuple(tks),
                    sources={"kernels_triton.py": print_triton_module(tks)})
 
@@ -490,9 +508,11 @@ def put_steps(steps) -> list[L.Extern]:
     return [s for s in L.flat_steps(steps) if isinstance(s, L.Extern) and s.routine == "put"]
 
 
-def triton_kernels(steps, buffers, hints: dict[str, int], configs: dict | None = None) -> list:
+def triton_kernels(steps, buffers, hints: dict[str, int], configs: dict | None = None,
+                   pdl: bool = False) -> list:
     """The TritonKernel of every schedule kernel, GEMM template kernel and attention call in
-    `steps` (configs by step name; the heuristic where none is given)."""
+    `steps` (configs by step name; the heuristic where none is given); `pdl`: each for a
+    programmatic dependent launch (kernel.with_pdl)."""
     configs = configs or {}
     out = []
     for s in steps:
@@ -511,7 +531,7 @@ def triton_kernels(steps, buffers, hints: dict[str, int], configs: dict | None =
             out.append(print_conv_kernel(s, buffers, hints, configs.get(s.name)))
         elif isinstance(s, L.Extern) and s.routine == "put":
             out.extend(print_put_kernels(s, buffers))
-    return out
+    return [with_pdl(k) for k in out] if pdl else out
 
 
 def libraries(steps, gemms) -> list[str]:

@@ -25,7 +25,7 @@ treats a name re-assigned in a loop as loop-carried). Pointers are assumed 16-by
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import sympy
 
@@ -69,10 +69,32 @@ class TritonKernel:
     #: the compile-time constants (XBLOCK/RBLOCK for row kernels) and cp.async stages
     constexprs: tuple[tuple[str, int], ...] = ()
     num_stages: int = 0  # 0: Triton's default
+    #: launched with programmatic stream serialisation: its source waits for the previous
+    #: kernel first (`with_pdl`)
+    pdl: bool = False
 
     @property
     def status(self) -> bool:
         return any(k == "status" for k, _ in self.params)
+
+
+#: the lines `with_pdl` puts first in a kernel's body
+PDL_LINES = ("    _kl_pdl()  # programmatic dependent launch: wait for the kernel before",)
+
+
+def with_pdl(k: TritonKernel) -> TritonKernel:
+    """`k` for a launch with programmatic stream serialisation (sm_90+, Options.cuda_pdl): its
+    body starts by letting the next kernel launch and then waits until the previous kernel
+    has finished and its writes are visible; nothing it reads or writes is touched before.
+    Every kernel launched this way waits, so each wait also covers all earlier kernels.
+    (On a launch without the attribute both instructions do nothing.)"""
+    if k.pdl:
+        return k
+    lines = k.source.split("\n")
+    start = next(i for i, ln in enumerate(lines) if ln.startswith("def "))
+    end = next(i for i in range(start, len(lines)) if lines[i].rstrip().endswith(":"))
+    source = "\n".join([*lines[:end + 1], *PDL_LINES, *lines[end + 1:]])
+    return replace(k, source=source, pdl=True)
 
 
 def _index(e, names: dict[str, str]) -> Code:

@@ -197,6 +197,21 @@ import triton
 import triton.language as tl
 from triton.language.extra import libdevice
 from triton.language.random import philox as _tl_philox
+import os as _os
+
+
+if _os.environ.get("TRITON_INTERPRET") == "1":  # (numpy has no grid dependency control)
+    @triton.jit
+    def _kl_pdl():
+        pass
+else:
+    @triton.jit
+    def _kl_pdl():
+        # programmatic dependent launch (sm_90+): the next kernel may start now; then wait
+        # until the previous kernel has finished and its writes are visible. Both do nothing
+        # in a launch without programmatic stream serialisation.
+        tl.extra.cuda.gdc_launch_dependents()
+        tl.extra.cuda.gdc_wait()
 
 
 @triton.jit

@@ -227,15 +227,16 @@ class _Printer(SizeCheckPrinter):
         # Triton's global scratch (TMA descriptors made on the device), then profiling scratch
         args += ["&self->global_scratch" if name in self.scratch else "&scratch", "&scratch"]
         self.emit(f"  void* args[] = {{{', '.join(args)}}};")
+        pdl = ", self->pdl" if k.pdl else ""  # (kernel.with_pdl: it waits for the one before)
         if k.tiles is not None:  # persistent: one program per SM, at most one per tile
             self.emit(f"  const int64_t tiles = {to_c(k.tiles)};")
             self.emit(f"  if (kc::launch(e, {_cstr(name)}, self->fn[{i}], tiles < self->sms "
                       f"? tiles : self->sms, 1, self->warps[{i}], self->shared[{i}], stream, "
-                      "args)) return 1;")
+                      f"args{pdl})) return 1;")
         else:
             self.emit(f"  if (kc::launch(e, {_cstr(name)}, self->fn[{i}], {to_c(k.rows)}, "
-                      f"{k.config.xblock}, self->warps[{i}], self->shared[{i}], stream, args)) "
-                      "return 1;")
+                      f"{k.config.xblock}, self->warps[{i}], self->shared[{i}], stream, "
+                      f"args{pdl})) return 1;")
         self.emit("}")
 
     def _CallUser(self, x: P.CallUser) -> None:

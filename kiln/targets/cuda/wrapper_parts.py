@@ -125,6 +125,7 @@ def _instance(prog: P.Program, nk: int, n_w: int, n_dyn: int, lt: int, blaslt: i
         "  CUdeviceptr status = 0;  // index status: sticky, set by kernels, cleared when reported",
         "  volatile int32_t* status_host = nullptr;  // pinned: the status after the last run",
         "  int32_t sms = 1;  // multiprocessors: the grid of persistent (GEMM template) kernels",
+        "  bool pdl = false;  // programmatic dependent launch (kc::pdl_supported on this device)",
         "  kc::cublasHandle_t blas = nullptr;",
         "  kc::cublasLtHandle_t lt = nullptr;  // cuBLASLt: 8-bit / profiled-algorithm GEMMs",
         f"  kc::LtPlan lt_plan[{max(lt, 1)}];  // per cuBLASLt GEMM: its algorithm",
@@ -219,6 +220,7 @@ def _init(archs: tuple[int, ...], n_w: int, aten_ops: list[str], status: bool, g
         "      kc::check(e, d.cuDeviceGetAttribute(&minor, "
         "CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MINOR, self->dev), \"arch\")) return 1;",
         "  const int cc = major * 10 + minor;",
+        "  self->pdl = kc::pdl_supported(cc);",
         "  int pick = -1;",
         "  for (int a = 0; a < kNumArchs; ++a)",
         "    if (kArchs[a] == cc || (kArchs[a] / 10 == major && kArchs[a] <= cc &&",

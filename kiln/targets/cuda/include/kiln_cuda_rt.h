@@ -45,6 +45,11 @@ struct Driver {
   KC_FN(cuStreamEndCapture); KC_FN(cuGraphInstantiate); KC_FN(cuGraphLaunch);
   KC_FN(cuGraphDestroy); KC_FN(cuGraphExecDestroy); KC_FN(cuStreamIsCapturing);
   KC_FN(cuMemAllocHost); KC_FN(cuMemFreeHost); KC_FN(cuCtxSynchronize);
+#if CUDA_VERSION >= 12000
+  /* optional (null on drivers without it): launches with programmatic stream serialisation */
+  KC_FN(cuLaunchKernelEx);
+#endif
+  int version = 0;  /* cuDriverGetVersion: 12030 = CUDA 12.3 */
 };
 #undef KC_FN
 
@@ -90,6 +95,11 @@ inline const Driver &driver() {
     KC_SYM(cuGraphExecDestroy, "cuGraphExecDestroy")
     KC_SYM(cuStreamIsCapturing, "cuStreamIsCapturing")
 #undef KC_SYM
+#if CUDA_VERSION >= 12000
+    sym(h, "cuLaunchKernelEx", &t.cuLaunchKernelEx);
+#endif
+    decltype(&::cuDriverGetVersion) version = nullptr;
+    if (sym(h, "cuDriverGetVersion", &version)) version(&t.version);
     return t;
   }();
   return d;
@@ -349,15 +359,51 @@ struct Arena {
   }
 };
 
+/* Programmatic dependent launch can be used on this device: compute capability >= 9.0 and a
+ * driver (>= 12.3) that has cuLaunchKernelEx and keeps the dependency in captured graphs. */
+inline bool pdl_supported(int cc) {
+#if CUDA_VERSION >= 12000
+  return cc >= 90 && driver().cuLaunchKernelEx != nullptr && driver().version >= 12030;
+#else
+  (void)cc;
+  return false;
+#endif
+}
+
 /* Launches a Triton kernel over `rows` rows, XBLOCK rows per program; programs beyond 2^31-1
- * continue in grid y (the kernel computes pid = y * gridDim.x + x). Zero rows: no launch. */
+ * continue in grid y (the kernel computes pid = y * gridDim.x + x). Zero rows: no launch.
+ * pdl: with programmatic stream serialisation (the kernel may start while the previous one
+ * finishes; kiln's kernels then wait for it, griddepcontrol.wait, before reading or writing
+ * any buffer: targets/cuda/kernel.py `with_pdl`); only where pdl_supported. */
 inline int launch(Err &e, const char *name, CUfunction f, int64_t rows, int64_t xblock,
-                  unsigned warps, unsigned shared, CUstream s, void **args) {
+                  unsigned warps, unsigned shared, CUstream s, void **args, bool pdl = false) {
   if (rows <= 0) return 0;
   const int64_t n = (rows + xblock - 1) / xblock;
   const int64_t gx = n < 2147483647 ? n : 2147483647;
   const int64_t gy = (n + gx - 1) / gx;
   if (gy > 65535) return e.fail("%s: grid of %lld programs is too large", name, (long long)n);
+#if CUDA_VERSION >= 12000
+  if (pdl) {
+    CUlaunchAttribute attr[1];
+    std::memset(attr, 0, sizeof attr);
+    attr[0].id = CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION;
+    attr[0].value.programmaticStreamSerializationAllowed = 1;
+    CUlaunchConfig c;
+    std::memset(&c, 0, sizeof c);
+    c.gridDimX = static_cast<unsigned>(gx);
+    c.gridDimY = static_cast<unsigned>(gy);
+    c.gridDimZ = 1;
+    c.blockDimX = 32 * warps;
+    c.blockDimY = c.blockDimZ = 1;
+    c.sharedMemBytes = shared;
+    c.hStream = s;
+    c.attrs = attr;
+    c.numAttrs = 1;
+    return check(e, driver().cuLaunchKernelEx(&c, f, args, nullptr), name);
+  }
+#else
+  (void)pdl;
+#endif
   CUresult r = driver().cuLaunchKernel(f, static_cast<unsigned>(gx), static_cast<unsigned>(gy),
                                        1, 32 * warps, 1, 1, shared, s, args, nullptr);
   return check(e, r, name);
