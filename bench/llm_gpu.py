@@ -71,6 +71,8 @@ def main() -> None:
     p.add_argument("--repeat", type=int, default=50)
     p.add_argument("--no-compile", action="store_true")
     p.add_argument("--max-autotune", action="store_true")
+    p.add_argument("--pdl-ab", action="store_true",
+                   help="also time a package built with Options(cuda_pdl=False), interleaved")
     a = p.parse_args()
     dt = DT[a.dtype]
     rows: dict[str, float | str] = {}
@@ -101,6 +103,20 @@ def main() -> None:
           f"{cm.report['kernels']} kernels, {cm.report['extern_calls']} GEMMs; "
           f"{len(cm.manifest['kernels'])} launches/token by kind {kinds}; "
           f"{100 * rows['roofline_ms'] / rows['kiln_ms']:.0f}% of the roofline)", flush=True)
+
+    if a.pdl_ab:  # the same package without programmatic dependent launch, interleaved
+        cm_np = kiln.compile(ep, device="cuda", options=kiln.Options(cuda_pdl=False))
+        r_np = cm_np.load(Path(tempfile.mkdtemp()) / "llm_np.kiln", device="cuda:0")
+        np_step = lambda: r_np(input_ids=ids, cache_position=pos)  # noqa: E731
+        ab = {"pdl": [], "no_pdl": []}
+        for _ in range(5):
+            ab["pdl"].append(stream_ms(kstep, 20, 5))
+            ab["no_pdl"].append(stream_ms(np_step, 20, 5))
+        med = {k: sorted(v)[2] for k, v in ab.items()}
+        rows["kiln_nopdl_stream_ms"] = med["no_pdl"]
+        print(f"PDL A/B (back-to-back device ms/token, median of 5 interleaved): with "
+              f"{med['pdl']:.3f}, without {med['no_pdl']:.3f} ({med['no_pdl'] / med['pdl']:.3f}x)",
+              flush=True)
 
     if a.max_autotune:
         t0 = time.perf_counter()

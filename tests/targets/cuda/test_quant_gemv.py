@@ -16,6 +16,8 @@ as without, and its logits match eager's (interpreter, float32)."""
 
 from __future__ import annotations
 
+import math
+
 import copy
 import os
 import pathlib
@@ -343,5 +345,11 @@ def test_quantised_decode_on_gpu_matches_the_kernel_call_path(tmp_path, mode):
     for a, b in zip(l_new, l_old):
         if t_new != t_old:
             break
+        # bf16 logits: the two paths round their intermediates at different places (a fused
+        # epilogue, a GEMV's own order), so single logits may differ by a few bf16 steps at
+        # the logits' scale (H100: 0.0625 = 2 steps at scale 5.25); on average far less
         scale = b.double().abs().max().item()
-        assert (a.double() - b.double()).abs().max().item() <= 1e-2 * scale + 1e-3
+        step = 2.0 ** (math.floor(math.log2(scale)) - 7)
+        diff = (a.double() - b.double()).abs()
+        assert diff.max().item() <= 3 * step, (diff.max().item(), step)
+        assert diff.mean().item() <= 1e-2 * scale, (diff.mean().item(), scale)
