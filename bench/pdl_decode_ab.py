@@ -2,10 +2,10 @@
 decoder of bench/llm_gpu.py compiled three ways and timed interleaved (back-to-back device
 time per token, CUDA graphs, median of --rounds rounds of 20 tokens):
 
-  early   Options(cuda_pdl=True): each kernel lets the next one launch as it starts, then
-          waits for the previous one (`_kl_pdl()`)
-  exit    each kernel only waits (`_kl_pdl_wait()`): the next one launches as this one's
-          programs exit, hiding the launch latency only
+  early   each kernel lets the next one launch as it starts (griddepcontrol.launch_dependents),
+          then waits for the previous one
+  exit    Options(cuda_pdl=True): each kernel only waits (`_kl_pdl()`), the next one
+          launching as this one's programs exit: the launch latency hidden
   off     Options(cuda_pdl=False)
 
     python bench/pdl_decode_ab.py [--layers 16] [--hidden 2048] [--rounds 7]
@@ -42,17 +42,16 @@ def main() -> None:
     _, ep = static_cache_module(model, a.cache, device="cuda", dtype=torch.bfloat16)
     ids = torch.tensor([[11]], device="cuda")
     pos = torch.tensor([a.cache // 2], device="cuda")
-    early = K.PDL_LINES
-    wait_only = ("    _kl_pdl_wait()  # programmatic dependent launch: wait for the kernel "
-                 "before",)
+    built = K.PDL_LINES
+    early = ("    tl.extra.cuda.gdc_launch_dependents()",) + built
     steps, outs = {}, {}
-    for name, lines, on in (("early", early, True), ("exit", wait_only, True),
-                            ("off", early, False)):
+    for name, lines, on in (("early", early, True), ("exit", built, True),
+                            ("off", built, False)):
         K.PDL_LINES = lines
         try:
             cm = kiln.compile(ep, device="cuda", options=kiln.Options(cuda_pdl=on))
         finally:
-            K.PDL_LINES = early
+            K.PDL_LINES = built
         r = cm.load(Path(tempfile.mkdtemp()) / f"{name}.kiln", device="cuda:0")
         steps[name] = (lambda r=r: r(input_ids=ids, cache_position=pos))
         o = steps[name]()

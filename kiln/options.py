@@ -101,9 +101,9 @@ class Options:
     #: go through static device buffers). False launches every kernel and GEMM each run.
     cuda_graphs: bool = True
     #: CUDA builds for sm_90 and later only: programmatic dependent launch. Each of kiln's
-    #: kernels is launched to start while the one before it finishes (its programs resident,
-    #: its launch latency hidden) and waits (griddepcontrol.wait) before touching any buffer;
-    #: on a device or driver without it (< CUDA 12.3) the launches are ordinary.
+    #: kernels is launched to start as the one before it ends (its launch latency hidden)
+    #: and waits (griddepcontrol.wait) before touching any buffer; on a device or driver
+    #: without it (< CUDA 12.3) the launches are ordinary.
     cuda_pdl: bool = True
     #: CUDA builds whose kernels look data up by index (embedding, gather, index_put): a run
     #: reports an index out of range of the run before it (on the next run), as CUDA reports

@@ -84,10 +84,11 @@ PDL_LINES = ("    _kl_pdl()  # programmatic dependent launch: wait for the kerne
 
 def with_pdl(k: TritonKernel) -> TritonKernel:
     """`k` for a launch with programmatic stream serialisation (sm_90+, Options.cuda_pdl): its
-    body starts by letting the next kernel launch and then waits until the previous kernel
-    has finished and its writes are visible; nothing it reads or writes is touched before.
-    Every kernel launched this way waits, so each wait also covers all earlier kernels.
-    (On a launch without the attribute both instructions do nothing.)"""
+    body starts by waiting until the previous kernel has finished and its writes are visible
+    (the launch itself may come before: as the previous kernel's programs exit); nothing it
+    reads or writes is touched before. Every kernel launched this way waits, so each wait
+    also covers all earlier kernels. (On a launch without the attribute the wait does
+    nothing.)"""
     if k.pdl:
         return k
     lines = k.source.split("\n")

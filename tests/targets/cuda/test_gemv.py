@@ -405,7 +405,7 @@ def test_gemv_launch_configs_are_a_tuning_family():
         assert len(set(cands)) == len(cands) >= 6
         assert {tk.name for tk in tks} == {gk.name}
         assert [tk.config for tk in tks] == cands
-        picked = B.triton_kernels([gk], bufs, hints, {gk.name: cands[-1]})[0]
+        picked = B.triton_kernels([gk], bufs, hints, {gk.name: cands[-1]}, B._pdl(b.options))[0]
         assert picked.config == cands[-1] and picked.source == tks[-1].source
     assert not [f for f in B.tuning_families(b) if f.label == "gemv"]  # tiny: pruned
     big = types.SimpleNamespace(gemm=types.SimpleNamespace(n=11264, k=2048,
