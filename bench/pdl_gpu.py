@@ -117,23 +117,30 @@ def main() -> None:
     p.add_argument("--heads", type=int, default=32)
     p.add_argument("--kv-heads", type=int, default=4)
     p.add_argument("--repeat", type=int, default=30)
+    p.add_argument("--configs", default="8x512",
+                   help="GEMV BLOCK_N x BLOCK_K configs to time (plain and pdl), e.g. 8x512,4x2048")
     a = p.parse_args()
     dev = "cuda"
     shapes = layer_shapes(a.hidden, a.inter, a.heads, a.kv_heads)
     ws, bufs = build(a.layers, shapes, dev)
     x0 = torch.randn(a.hidden, device=dev, dtype=torch.bfloat16)
     nbytes = sum(w.numel() * 2 for lw in ws for w in lw)
-    variants = {"plain": (False, False, True), "pdl": (True, False, True),
-                "pdl+pf": (True, True, True), "pdl, GEMVs trigger at exit": (True, False, False),
-                "pdl+pf, GEMVs trigger at exit": (True, True, False)}
+    variants = {}
+    for c in a.configs.split(","):
+        xb, rb = (int(v) for v in c.split("x"))
+        variants.update({
+            f"plain {c}": (False, False, True, xb, rb), f"pdl {c}": (True, False, True, xb, rb),
+            f"pdl+pf {c}": (True, True, True, xb, rb),
+            f"pdl, GEMVs trigger at exit {c}": (True, False, False, xb, rb)})
     graphs, outs = {}, {}
-    for name, (pdl, pf, trig) in variants.items():
-        chain(ws, bufs, shapes, x0, pdl, pf, trigger=trig)  # compile
+    for name, (pdl, pf, trig, xb, rb) in variants.items():
+        run = lambda: chain(ws, bufs, shapes, x0, pdl, pf, xb, rb, trig)  # noqa: E731
+        run()  # compile
         torch.cuda.synchronize()
-        outs[name] = chain(ws, bufs, shapes, x0, pdl, pf, trigger=trig).clone()
+        outs[name] = run().clone()
         g = torch.cuda.CUDAGraph()
         with torch.cuda.graph(g):
-            chain(ws, bufs, shapes, x0, pdl, pf, trigger=trig)
+            run()
         graphs[name] = g
     times = {k: [] for k in variants}
     for _ in range(a.repeat):  # interleaved
@@ -144,7 +151,7 @@ def main() -> None:
             e.record()
             e.synchronize()
             times[name].append(s.elapsed_time(e))
-    ref = outs["plain"]
+    ref = next(iter(outs.values()))
     print(f"GPU: {torch.cuda.get_device_name()}; {a.layers} layers, weights {nbytes / 2**20:.0f} "
           f"MiB, {len(shapes) * 2 * a.layers} kernels a replay")
     print("| variant | ms (median) | min | GB/s of weights | max diff vs plain |")

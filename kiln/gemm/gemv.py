@@ -109,7 +109,11 @@ def configs(n: int, k: int, itemsize: float, min_k: int = 16) -> list[GemvConfig
             # pipelined loops (more weight bytes in flight a program)
             (bn * 2, max(16, bk // 2), 4, 3), (max(1, bn // 2), min(2 * bk, kp), 4, 3),
             # smaller steps, deeper pipelines: fewer registers a program, more programs an SM
-            (bn, max(16, bk // 4), 4, 4), (bn * 2, max(16, bk // 4), 4, 4)):
+            (bn, max(16, bk // 4), 4, 4), (bn * 2, max(16, bk // 4), 4, 4),
+            # few rows, long steps (a whole 2048-wide row at once: 16 loads of 16 bytes a
+            # thread in flight; a chain of cold-weight GEMVs of a 2048-wide decoder ran 4-5%
+            # faster at 4 x 2048 and 2 x 2048 than at 8 x 512, bench/pdl_gpu.py on an H100)
+            (4, min(2048, kp), 4, 1), (2, min(2048, kp), 4, 1)):
         c = GemvConfig(cand_bn, cand_bk, warps, stages)
         if c not in out:
             out.append(c)
