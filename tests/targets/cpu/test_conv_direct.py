@@ -109,6 +109,22 @@ CASES = [
     ("3x3_s2_7wide_residual", dict(cout=64, k=3, stride=2, padding=1, residual=True,
                                    act="relu"), 32, (13, 14)),
     ("3x3_p0_7wide", dict(cout=72, k=3), 16, (9, 9)),
+    # 1x1 over more input blocks than one weight chunk (L2): the tile resumes from the stored
+    # partial sums, bias and residual added by the last chunk only
+    ("1x1_chunks_residual", dict(cout=64, k=1, bias=False, bn=True, residual=True,
+                                 act="relu"), 300, (5, 7)),
+    # stride-1 depthwise rows in register-resident tiles, the padded edges and the last
+    # narrow tile checked (zeros for the columns outside the input): ConvNeXt's 7x7 on wide,
+    # 7-wide and narrower-than-kernel rows, padding wider than the kernel's half (rows wider
+    # than the input), no padding; 5x5 stride 2 (interior tiles of the strided fast path)
+    ("dw7x7_s1_p3", dict(cout=40, k=7, padding=3, groups=40, act="relu"), 40, (9, 29)),
+    ("dw7x7_s1_7wide_res", dict(cout=24, k=7, padding=3, groups=24, residual=True), 24,
+     (7, 7)),
+    ("dw7x7_s1_narrow", dict(cout=16, k=7, padding=3, groups=16, bn=True), 16, (5, 3)),
+    ("dw3x3_s1_p2", dict(cout=24, k=3, padding=2, groups=24, act="relu6"), 24, (6, 19)),
+    ("dw3x3_s1_p0", dict(cout=32, k=3, groups=32), 32, (5, 21)),
+    ("dw5x5_s2_wide", dict(cout=24, k=5, stride=2, padding=2, groups=24, act="silu"), 24,
+     (9, 41)),
 ]
 
 
@@ -317,6 +333,20 @@ def test_plain_x86_64_build(check):
     assert re.search(r"kl::view\(buf_\w+_w \+ 0, 6, d1\)", compiled.sources["model.cpp"])
     assert "#define KILN_CONV_B8" in compiled.sources["conv.cpp"]
     assert "avx" not in compiled.manifest["requires"].get("cpu_features", [])
+
+
+def test_avx2_build(check):
+    """march="x86-64-v3" (AVX2 and FMA, no AVX-512): channel block 8, 4-pixel depthwise tiles
+    (the checked edges and last tiles of stride-1 3x3 and 7x7 rows, 13 and 11 pixels wide),
+    the 1x1 tiles of the inverted residual block; results unchanged."""
+    g = torch.Generator().manual_seed(17)
+    m = nn.Sequential(nn.Conv2d(3, 24, 3, 2, 1, bias=False), _bn(24, g), nn.ReLU(),
+                      nn.Conv2d(24, 24, 7, 1, 3, groups=24), nn.Conv2d(24, 40, 1), nn.ReLU6(),
+                      InvertedResidual(40, 40, 1, 3, g)).eval()
+    x = rand((2, 3, 25, 22), F32, gen("avx2"), -2, 2)
+    compiled = check(m, [x], tol=TOL, options=kiln.Options(march="x86-64-v3"))
+    assert _direct_calls(compiled) == 3 and _block_calls(compiled) == 1
+    assert "#define KILN_CONV_B8" in compiled.sources["conv.cpp"]
 
 
 @pytest.mark.parametrize(("kernel", "stride", "padding", "ceil", "dilation", "hw", "batch"), [
