@@ -109,6 +109,13 @@ CASES = [
     ("3x3_s2_7wide_residual", dict(cout=64, k=3, stride=2, padding=1, residual=True,
                                    act="relu"), 32, (13, 14)),
     ("3x3_p0_7wide", dict(cout=72, k=3), 16, (9, 9)),
+    # rows in 4 x 7 and 4 x 6 tiles (AVX-512, 4 output blocks): 20 = 7 + 7 + 6 pixels with
+    # both edge tiles checked, 28 (ResNet's stride-2 3x3 into 28x28), 29 (no exact split:
+    # 6-pixel tiles and a narrower one)
+    ("3x3_20wide_p1", dict(cout=64, k=3, padding=1, act="relu"), 16, (5, 20)),
+    ("3x3_s2_28wide_residual", dict(cout=64, k=3, stride=2, padding=1, bias=False, bn=True,
+                                    residual=True, act="relu"), 24, (6, 55)),
+    ("5x5_29wide", dict(cout=64, k=5, padding=2), 8, (4, 29)),
     # 1x1 over more input blocks than one weight chunk (L2): the tile resumes from the stored
     # partial sums, bias and residual added by the last chunk only
     ("1x1_chunks_residual", dict(cout=64, k=1, bias=False, bn=True, residual=True,
@@ -147,6 +154,7 @@ def test_conv_direct_matches_eager(check, cfg, cin, hw, batch):
 # so the interior depthwise tiles (stride 1 and 2, 3x3 and 5x5) run
 SPLITS = [
     ("1x1_flat_spatial", dict(cout=24, k=1, bias=False, bn=True, act="relu6"), 16, (20, 23)),
+    ("1x1_flat_spatial_4x7", dict(cout=64, k=1, act="relu6"), 24, (20, 23)),
     ("3x3_rows_spatial", dict(cout=40, k=3, padding=1, residual=True, act="relu"), 16,
      (13, 17)),
     ("1x1_weights_heavy", dict(cout=96, k=1, bn=True, act="relu"), 256, (5, 5)),

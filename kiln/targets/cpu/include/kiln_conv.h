@@ -361,14 +361,18 @@ inline void dense_row(const Shape &s, const float *x, const float *w, int64_t ws
   int64_t lo = s.pw > 0 ? (s.pw + s.sw - 1) / s.sw : 0;
   int64_t hi = s.iw - span + s.pw <= 0 ? 0 : (s.iw - span + s.pw - 1) / s.sw + 1;  // exclusive
   hi = std::min(hi, s.ow);
+  int64_t o = c0;
   if constexpr (B == 16 && OB == 4) {
-    if (c1 - c0 == 7) {  // a 7-pixel row (7x7 maps): one 4 x 7 tile (28 accumulators)
-      dense_tail<B, 4, 7>(s, x, w, wstride, out, ostride, bias, res, oh, c0, 7, ib0, ib1, first,
-                          last, ep, c0 < lo || c1 > hi);
-      return;
-    }
+    // 4 x 7 tiles (28 accumulators; the broadcasts FMA operands) where they and 4 x 6 ones
+    // cover the segment with no narrower tile: 7-pixel rows (7x7 maps), 28-pixel rows (a
+    // 4 x 4 tail after 4 x 6 tiles: 7-12% slower), 56, 112
+    int64_t n7 = (c1 - c0) / 7;
+    while (n7 > 0 && (c1 - c0 - 7 * n7) % 6 != 0) --n7;
+    for (; n7 > 0; --n7, o += 7)
+      dense_tail<B, 4, 7>(s, x, w, wstride, out, ostride, bias, res, oh, o, 7, ib0, ib1, first,
+                          last, ep, o < lo || o + 7 > hi);
   }
-  for (int64_t o = c0; o < c1;) {
+  for (; o < c1;) {
     const int64_t np = std::min<int64_t>(P, c1 - o);
     const bool check = o < lo || o + np > hi;
     dense_tail<B, OB, P>(s, x, w, wstride, out, ostride, bias, res, oh, o, np, ib0, ib1, first,
