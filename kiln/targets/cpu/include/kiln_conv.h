@@ -615,14 +615,14 @@ inline void dw_tail(const Shape &s, const float *xc, const float *wc, const floa
   }
 }
 
-// the last np (< P) pixels of a stride-1 row as one checked tile
-template <int B, int P, int KW>
-inline void dw_s1_tail(const Shape &s, const float *xc, const float *wc, const float *bc,
-                       const float *rrow, float *orow, int64_t oh, int64_t ow0, int64_t np,
-                       const Epi &ep) {
+// np (<= P) pixels as one dw_fast tile: a row's last pixels
+template <int B, int P, int KW, int SW, bool CHECK>
+inline void dw_fast_tail(const Shape &s, const float *xc, const float *wc, const float *bc,
+                         const float *rrow, float *orow, int64_t oh, int64_t ow0, int64_t np,
+                         const Epi &ep) {
   if constexpr (P > 0) {
-    if (np == P) return dw_fast<B, P, KW, 1, true>(s, xc, wc, bc, rrow, orow, oh, ow0, ep);
-    dw_s1_tail<B, P - 1, KW>(s, xc, wc, bc, rrow, orow, oh, ow0, np, ep);
+    if (np == P) return dw_fast<B, P, KW, SW, CHECK>(s, xc, wc, bc, rrow, orow, oh, ow0, ep);
+    dw_fast_tail<B, P - 1, KW, SW, CHECK>(s, xc, wc, bc, rrow, orow, oh, ow0, np, ep);
   }
 }
 
@@ -640,7 +640,8 @@ inline void dw_row_s1(const Shape &s, const float *xc, const float *wc, const fl
     else
       dw_fast<B, P, KW, 1, true>(s, xc, wc, bc, rrow, orow, oh, o, ep);
   }
-  if (o < s.ow) dw_s1_tail<B, P - 1, KW>(s, xc, wc, bc, rrow, orow, oh, o, s.ow - o, ep);
+  if (o < s.ow)
+    dw_fast_tail<B, P - 1, KW, 1, true>(s, xc, wc, bc, rrow, orow, oh, o, s.ow - o, ep);
 }
 
 template <int B>
@@ -664,10 +665,18 @@ void dw_row(const Shape &s, const float *x, const float *w, const float *bias, c
     return dw_row_s1<B, P, 7>(s, xc, wc, bc, rrow, orow, oh, lo, hi, ep);
   int64_t o = 0;
   for (; o < s.ow && o < lo; ++o) dw_tile<B, 1, true>(s, xc, wc, bc, rrow, orow, oh, o, ep);
-  if (s.dw == 1 && s.sw == 2 && s.kw == 3)
+  // strided: interior tiles, the interior pixels short of a tile as one narrower tile
+  if (s.dw == 1 && s.sw == 2 && s.kw == 3) {
     for (; o + P <= hi; o += P) dw_fast<B, P, 3, 2>(s, xc, wc, bc, rrow, orow, oh, o, ep);
-  else if (s.dw == 1 && s.sw == 2 && s.kw == 5)
+    if (o < hi)
+      dw_fast_tail<B, P - 1, 3, 2, false>(s, xc, wc, bc, rrow, orow, oh, o, hi - o, ep);
+    o = std::max(o, hi);
+  } else if (s.dw == 1 && s.sw == 2 && s.kw == 5) {
     for (; o + P <= hi; o += P) dw_fast<B, P, 5, 2>(s, xc, wc, bc, rrow, orow, oh, o, ep);
+    if (o < hi)
+      dw_fast_tail<B, P - 1, 5, 2, false>(s, xc, wc, bc, rrow, orow, oh, o, hi - o, ep);
+    o = std::max(o, hi);
+  }
   for (; o + P <= hi; o += P) dw_tile<B, P, false>(s, xc, wc, bc, rrow, orow, oh, o, ep);
   for (; o < s.ow;) {
     const int64_t np = std::min<int64_t>(P, s.ow - o);
