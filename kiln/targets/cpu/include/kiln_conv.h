@@ -21,7 +21,8 @@
  * input channel blocks are walked in chunks whose weights stay in L2, and for each chunk every
  * output row of the task is swept in tiles of PX pixels with OB x PX vector accumulators in
  * registers (each input value broadcast once per tile and channel, each weight vector loaded
- * once per tile). Tiles whose windows leave the input (padding) take a checked variant. A
+ * once per tile; with B = 16 and OB = 4, PX = 7 where 7- and 6-pixel tiles cover the row with
+ * no narrower one). Tiles whose windows leave the input (padding) take a checked variant. A
  * 1x1 stride-1 convolution without padding sees its pixels as one flat row (a GEMM over
  * channel blocks, no im2col). Depthwise: B channels per vector, PX pixels per tile; stride-1
  * rows of kernel width 3, 5, 7 keep each kernel row's input vectors in registers for its KW
