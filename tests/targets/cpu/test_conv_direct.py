@@ -23,6 +23,8 @@ from kiln.errors import InputError
 from kiln.ir import loop as L
 from kiln.ir.interp import run_loop
 from kiln.models.zoo import resnet18
+from kiln.runtime import cpu_supports
+from kiln.toolchain.cxx import CPU_FEATURES
 
 F32 = torch.float32
 TOL = {"rtol": 1e-4, "atol": 1e-4}
@@ -341,6 +343,30 @@ def test_plain_x86_64_build(check):
     assert re.search(r"kl::view\(buf_\w+_w \+ 0, 6, d1\)", compiled.sources["model.cpp"])
     assert "#define KILN_CONV_B8" in compiled.sources["conv.cpp"]
     assert "avx" not in compiled.manifest["requires"].get("cpu_features", [])
+
+
+@pytest.mark.slow
+def test_portable_levels(tmp_path):
+    """march="portable": kiln_conv.h compiled at every level with the build machine's channel
+    block (16 on an AVX-512 machine: a vector is two AVX2 or four SSE registers below it);
+    each level's code, run by marking the levels above it as needing a feature this CPU lacks,
+    matches eager on a stem, a 7x7 depthwise row (28 pixels: checked edge and last tiles)
+    and a 3x3 convolution over 28-pixel rows (4 x 7 tiles with AVX-512's block)."""
+    g = torch.Generator().manual_seed(19)
+    m = nn.Sequential(nn.Conv2d(3, 64, 3, 2, 1, bias=False), _bn(64, g), nn.ReLU6(),
+                      nn.Conv2d(64, 64, 7, 1, 3, groups=64), nn.Conv2d(64, 64, 3, 1, 1),
+                      nn.ReLU()).eval()
+    x = rand((1, 3, 56, 56), F32, gen("portable"), -2, 2)
+    cm = kiln.compile(m, (x,), options=kiln.Options(march="portable"))
+    missing = [f for f in CPU_FEATURES.values() if cpu_supports(f) is False]
+    levels = cm.manifest["requires"]["cpu_levels"]
+    for skip in range(len(levels) if missing else 1):
+        for lv in levels[:skip]:
+            lv["cpu_features"].append(missing[0])
+        runner = kiln.load(cm.save(tmp_path / f"p{skip}.kiln"))
+        assert runner.cpu_level == levels[skip]["march"] or skip == 0
+        with torch.no_grad():
+            torch.testing.assert_close(runner(x), m(x), **TOL)
 
 
 def test_avx2_build(check):
