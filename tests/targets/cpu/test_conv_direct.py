@@ -23,6 +23,8 @@ from kiln.errors import InputError
 from kiln.ir import loop as L
 from kiln.ir.interp import run_loop
 from kiln.models.zoo import resnet18
+from kiln.runtime import cpu_supports
+from kiln.toolchain.cxx import CPU_FEATURES
 
 F32 = torch.float32
 TOL = {"rtol": 1e-4, "atol": 1e-4}
@@ -109,6 +111,29 @@ CASES = [
     ("3x3_s2_7wide_residual", dict(cout=64, k=3, stride=2, padding=1, residual=True,
                                    act="relu"), 32, (13, 14)),
     ("3x3_p0_7wide", dict(cout=72, k=3), 16, (9, 9)),
+    # rows in 4 x 7 and 4 x 6 tiles (AVX-512, 4 output blocks): 20 = 7 + 7 + 6 pixels with
+    # both edge tiles checked, 28 (ResNet's stride-2 3x3 into 28x28), 29 (no exact split:
+    # 6-pixel tiles and a narrower one)
+    ("3x3_20wide_p1", dict(cout=64, k=3, padding=1, act="relu"), 16, (5, 20)),
+    ("3x3_s2_28wide_residual", dict(cout=64, k=3, stride=2, padding=1, bias=False, bn=True,
+                                    residual=True, act="relu"), 24, (6, 55)),
+    ("5x5_29wide", dict(cout=64, k=5, padding=2), 8, (4, 29)),
+    # 1x1 over more input blocks than one weight chunk (L2): the tile resumes from the stored
+    # partial sums, bias and residual added by the last chunk only
+    ("1x1_chunks_residual", dict(cout=64, k=1, bias=False, bn=True, residual=True,
+                                 act="relu"), 300, (5, 7)),
+    # stride-1 depthwise rows in register-resident tiles, the padded edges and the last
+    # narrow tile checked (zeros for the columns outside the input): ConvNeXt's 7x7 on wide,
+    # 7-wide and narrower-than-kernel rows, padding wider than the kernel's half (rows wider
+    # than the input), no padding; 5x5 stride 2 (interior tiles of the strided fast path)
+    ("dw7x7_s1_p3", dict(cout=40, k=7, padding=3, groups=40, act="relu"), 40, (9, 29)),
+    ("dw7x7_s1_7wide_res", dict(cout=24, k=7, padding=3, groups=24, residual=True), 24,
+     (7, 7)),
+    ("dw7x7_s1_narrow", dict(cout=16, k=7, padding=3, groups=16, bn=True), 16, (5, 3)),
+    ("dw3x3_s1_p2", dict(cout=24, k=3, padding=2, groups=24, act="relu6"), 24, (6, 19)),
+    ("dw3x3_s1_p0", dict(cout=32, k=3, groups=32), 32, (5, 21)),
+    ("dw5x5_s2_wide", dict(cout=24, k=5, stride=2, padding=2, groups=24, act="silu"), 24,
+     (9, 41)),
 ]
 
 
@@ -131,6 +156,7 @@ def test_conv_direct_matches_eager(check, cfg, cin, hw, batch):
 # so the interior depthwise tiles (stride 1 and 2, 3x3 and 5x5) run
 SPLITS = [
     ("1x1_flat_spatial", dict(cout=24, k=1, bias=False, bn=True, act="relu6"), 16, (20, 23)),
+    ("1x1_flat_spatial_4x7", dict(cout=64, k=1, act="relu6"), 24, (20, 23)),
     ("3x3_rows_spatial", dict(cout=40, k=3, padding=1, residual=True, act="relu"), 16,
      (13, 17)),
     ("1x1_weights_heavy", dict(cout=96, k=1, bn=True, act="relu"), 256, (5, 5)),
@@ -317,6 +343,44 @@ def test_plain_x86_64_build(check):
     assert re.search(r"kl::view\(buf_\w+_w \+ 0, 6, d1\)", compiled.sources["model.cpp"])
     assert "#define KILN_CONV_B8" in compiled.sources["conv.cpp"]
     assert "avx" not in compiled.manifest["requires"].get("cpu_features", [])
+
+
+@pytest.mark.slow
+def test_portable_levels(tmp_path):
+    """march="portable": kiln_conv.h compiled at every level with the build machine's channel
+    block (16 on an AVX-512 machine: a vector is two AVX2 or four SSE registers below it);
+    each level's code, run by marking the levels above it as needing a feature this CPU lacks,
+    matches eager on a stem, a 7x7 depthwise row (28 pixels: checked edge and last tiles)
+    and a 3x3 convolution over 28-pixel rows (4 x 7 tiles with AVX-512's block)."""
+    g = torch.Generator().manual_seed(19)
+    m = nn.Sequential(nn.Conv2d(3, 64, 3, 2, 1, bias=False), _bn(64, g), nn.ReLU6(),
+                      nn.Conv2d(64, 64, 7, 1, 3, groups=64), nn.Conv2d(64, 64, 3, 1, 1),
+                      nn.ReLU()).eval()
+    x = rand((1, 3, 56, 56), F32, gen("portable"), -2, 2)
+    cm = kiln.compile(m, (x,), options=kiln.Options(march="portable"))
+    missing = [f for f in CPU_FEATURES.values() if cpu_supports(f) is False]
+    levels = cm.manifest["requires"]["cpu_levels"]
+    for skip in range(len(levels) if missing else 1):
+        for lv in levels[:skip]:
+            lv["cpu_features"].append(missing[0])
+        runner = kiln.load(cm.save(tmp_path / f"p{skip}.kiln"))
+        assert runner.cpu_level == levels[skip]["march"] or skip == 0
+        with torch.no_grad():
+            torch.testing.assert_close(runner(x), m(x), **TOL)
+
+
+def test_avx2_build(check):
+    """march="x86-64-v3" (AVX2 and FMA, no AVX-512): channel block 8, 4-pixel depthwise tiles
+    (the checked edges and last tiles of stride-1 3x3 and 7x7 rows, 13 and 11 pixels wide),
+    the 1x1 tiles of the inverted residual block; results unchanged."""
+    g = torch.Generator().manual_seed(17)
+    m = nn.Sequential(nn.Conv2d(3, 24, 3, 2, 1, bias=False), _bn(24, g), nn.ReLU(),
+                      nn.Conv2d(24, 24, 7, 1, 3, groups=24), nn.Conv2d(24, 40, 1), nn.ReLU6(),
+                      InvertedResidual(40, 40, 1, 3, g)).eval()
+    x = rand((2, 3, 25, 22), F32, gen("avx2"), -2, 2)
+    compiled = check(m, [x], tol=TOL, options=kiln.Options(march="x86-64-v3"))
+    assert _direct_calls(compiled) == 3 and _block_calls(compiled) == 1
+    assert "#define KILN_CONV_B8" in compiled.sources["conv.cpp"]
 
 
 @pytest.mark.parametrize(("kernel", "stride", "padding", "ceil", "dilation", "hw", "batch"), [

@@ -21,9 +21,12 @@
  * input channel blocks are walked in chunks whose weights stay in L2, and for each chunk every
  * output row of the task is swept in tiles of PX pixels with OB x PX vector accumulators in
  * registers (each input value broadcast once per tile and channel, each weight vector loaded
- * once per tile). Tiles whose windows leave the input (padding) take a checked variant. A
+ * once per tile; with B = 16 and OB = 4, PX = 7 where 7- and 6-pixel tiles cover the row with
+ * no narrower one). Tiles whose windows leave the input (padding) take a checked variant. A
  * 1x1 stride-1 convolution without padding sees its pixels as one flat row (a GEMM over
- * channel blocks, no im2col). Depthwise: B channels per vector, PX pixels per tile.
+ * channel blocks, no im2col). Depthwise: B channels per vector, PX pixels per tile; stride-1
+ * rows of kernel width 3, 5, 7 keep each kernel row's input vectors in registers for its KW
+ * taps, edge tiles loading zeros for the columns outside the input.
  *
  * Vectors are GCC vector extensions of B floats, so the same source compiles for any -march
  * (without AVX a vector is split into SSE registers). The definitions are compiled only where
@@ -268,6 +271,57 @@ inline void dense_tile(const Shape &s, const float *x, const float *w, int64_t w
   }
 }
 
+/* The OB x P tile of a 1x1 convolution without padding over an NCHWc input (the flat rows of
+ * a stride-1 one, the rows of a strided one): no window leaves the input, so the loop is only
+ * (input block, its B channels), without dense_tile's per-tap window arithmetic around it
+ * (where GCC stored and reloaded the accumulators), and where the call covers every input
+ * block the accumulators start from the bias. */
+template <int B, int OB, int P>
+inline void dense_tile_1x1(const Shape &s, const float *x, const float *w, int64_t wstride,
+                           float *out, int64_t ostride, const float *bias, const float *res,
+                           int64_t oh, int64_t ow0, int64_t ib0, int64_t ib1, bool first,
+                           bool last, const Epi &ep) {
+  typedef typename V<B>::type vec;
+  vec acc[OB][P];
+  for (int o = 0; o < OB; ++o) {
+    const vec init = first && last ? load<B>(bias + o * B) : vec{};
+    for (int p = 0; p < P; ++p)
+      acc[o][p] = first ? init : load<B>(out + o * ostride + (ow0 + p) * B);
+  }
+  const int64_t step = s.sw * B;
+  const float *xr = x + oh * s.sh * s.xs_row + ow0 * step;
+  for (int64_t ib = ib0; ib < ib1; ++ib) {
+    const float *xb = xr + ib * s.xs_blk;
+    const float *wb = w + ib * B * B;
+    for (int c = 0; c < B; ++c) {
+      vec wv[OB];
+      for (int o = 0; o < OB; ++o) wv[o] = load<B>(wb + o * wstride + c * B);
+      for (int p = 0; p < P; ++p) {
+        const vec xv = splat_at<B>(xb + p * step + c);
+        for (int o = 0; o < OB; ++o) acc[o][p] = fma<B>(wv[o], xv, acc[o][p]);
+      }
+    }
+  }
+  for (int o = 0; o < OB; ++o) {
+    const vec bv = last && !first ? load<B>(bias + o * B) : vec{};
+    for (int p = 0; p < P; ++p) {
+      vec v = acc[o][p];
+      if (last) {
+        if (!first) v += bv;
+        if (res) v += load<B>(res + o * ostride + (ow0 + p) * B);
+        v = activate<B>(v, ep);
+      }
+      store<B>(out + o * ostride + (ow0 + p) * B, v);
+    }
+  }
+}
+
+// whether dense_tile_1x1 computes this convolution's tiles
+inline bool pointwise_1x1(const Shape &s, int64_t block) {
+  return s.kh == 1 && s.kw == 1 && s.ph == 0 && s.pw == 0 && s.icn == block &&
+         s.xs_pix == block && s.xs_ch == 1;
+}
+
 // widest tile (pixels) for OB output blocks: OB * P accumulators in registers
 template <int B, int OB> constexpr int tile_px() {
   return B == 16 ? (OB == 4 ? 6 : 14) : (OB == 4 ? 3 : OB == 2 ? 6 : 12);
@@ -280,7 +334,10 @@ inline void dense_tail(const Shape &s, const float *x, const float *w, int64_t w
                        bool first, bool last, const Epi &ep, bool check) {
   if constexpr (P > 0) {
     if (np == P) {
-      if (check)
+      if (!check && pointwise_1x1(s, B))
+        dense_tile_1x1<B, OB, P>(s, x, w, wstride, out, ostride, bias, res, oh, ow0, ib0, ib1,
+                                 first, last, ep);
+      else if (check)
         dense_tile<B, OB, P, true>(s, x, w, wstride, out, ostride, bias, res, oh, ow0, ib0, ib1,
                                    first, last, ep);
       else
@@ -305,14 +362,18 @@ inline void dense_row(const Shape &s, const float *x, const float *w, int64_t ws
   int64_t lo = s.pw > 0 ? (s.pw + s.sw - 1) / s.sw : 0;
   int64_t hi = s.iw - span + s.pw <= 0 ? 0 : (s.iw - span + s.pw - 1) / s.sw + 1;  // exclusive
   hi = std::min(hi, s.ow);
+  int64_t o = c0;
   if constexpr (B == 16 && OB == 4) {
-    if (c1 - c0 == 7) {  // a 7-pixel row (7x7 maps): one 4 x 7 tile (28 accumulators)
-      dense_tail<B, 4, 7>(s, x, w, wstride, out, ostride, bias, res, oh, c0, 7, ib0, ib1, first,
-                          last, ep, c0 < lo || c1 > hi);
-      return;
-    }
+    // 4 x 7 tiles (28 accumulators; the broadcasts FMA operands) where they and 4 x 6 ones
+    // cover the segment with no narrower tile: 7-pixel rows (7x7 maps), 28-pixel rows (a
+    // 4 x 4 tail after 4 x 6 tiles: 7-12% slower), 56, 112
+    int64_t n7 = (c1 - c0) / 7;
+    while (n7 > 0 && (c1 - c0 - 7 * n7) % 6 != 0) --n7;
+    for (; n7 > 0; --n7, o += 7)
+      dense_tail<B, 4, 7>(s, x, w, wstride, out, ostride, bias, res, oh, o, 7, ib0, ib1, first,
+                          last, ep, o < lo || o + 7 > hi);
   }
-  for (int64_t o = c0; o < c1;) {
+  for (; o < c1;) {
     const int64_t np = std::min<int64_t>(P, c1 - o);
     const bool check = o < lo || o + np > hi;
     dense_tail<B, OB, P>(s, x, w, wstride, out, ostride, bias, res, oh, o, np, ib0, ib1, first,
@@ -499,10 +560,12 @@ inline void dw_tile(const Shape &s, const float *xc, const float *wc, const floa
   }
 }
 
-/* An interior depthwise tile for a static kernel width and stride (dilation 1). Stride 1: the
- * input vectors of one kernel row are loaded once and shared by the KW taps of the P pixels;
- * strided: each tap loads its input vector (an FMA's memory operand). */
-template <int B, int P, int KW, int SW>
+/* A depthwise tile for a static kernel width and stride (dilation 1). Stride 1: the input
+ * vectors of one kernel row are loaded once and shared by the KW taps of the P pixels (CHECK:
+ * those left or right of the input row are zeros, so an edge tile of a padded row runs the
+ * same FMAs); strided (interior tiles only): each tap loads its input vector (an FMA's memory
+ * operand). */
+template <int B, int P, int KW, int SW, bool CHECK = false>
 inline void dw_fast(const Shape &s, const float *xc, const float *wc, const float *bc,
                     const float *rrow, float *orow, int64_t oh, int64_t ow0, const Epi &ep) {
   typedef typename V<B>::type vec;
@@ -513,10 +576,18 @@ inline void dw_fast(const Shape &s, const float *xc, const float *wc, const floa
   for (int64_t ky = 0; ky < s.kh; ++ky) {
     const int64_t iy = oh * s.sh + ky * s.dh - s.ph;
     if (iy < 0 || iy >= s.ih) continue;
-    const float *xr = xc + ((iy - s.y0) * s.iw + ow0 * SW - s.pw) * B;
+    const int64_t ix0 = ow0 * SW - s.pw;
+    const float *xrow = xc + (iy - s.y0) * s.iw * B;
+    const float *xr = xrow + ix0 * B;
+    static_assert(SW == 1 || !CHECK, "checked depthwise tiles are stride 1");
     if constexpr (SW == 1) {
       vec xv[NX];
-      for (int j = 0; j < NX; ++j) xv[j] = load<B>(xr + j * B);
+      for (int j = 0; j < NX; ++j) {
+        if (CHECK)
+          xv[j] = ix0 + j >= 0 && ix0 + j < s.iw ? load<B>(xrow + (ix0 + j) * B) : vec{};
+        else
+          xv[j] = load<B>(xr + j * B);
+      }
       for (int kx = 0; kx < KW; ++kx) {
         const vec wv = load<B>(wc + (ky * KW + kx) * B);
         for (int p = 0; p < P; ++p) acc[p] = fma<B>(wv, xv[p + kx], acc[p]);
@@ -545,6 +616,35 @@ inline void dw_tail(const Shape &s, const float *xc, const float *wc, const floa
   }
 }
 
+// np (<= P) pixels as one dw_fast tile: a row's last pixels
+template <int B, int P, int KW, int SW, bool CHECK>
+inline void dw_fast_tail(const Shape &s, const float *xc, const float *wc, const float *bc,
+                         const float *rrow, float *orow, int64_t oh, int64_t ow0, int64_t np,
+                         const Epi &ep) {
+  if constexpr (P > 0) {
+    if (np == P) return dw_fast<B, P, KW, SW, CHECK>(s, xc, wc, bc, rrow, orow, oh, ow0, ep);
+    dw_fast_tail<B, P - 1, KW, SW, CHECK>(s, xc, wc, bc, rrow, orow, oh, ow0, np, ep);
+  }
+}
+
+/* A whole stride-1 output row of kernel width KW (dilation 1) in tiles of P pixels: interior
+ * tiles unchecked, the tiles whose windows cross the padding (lo, hi: dw_row's) and the
+ * narrower last tile checked, so every pixel takes the register-resident row. */
+template <int B, int P, int KW>
+inline void dw_row_s1(const Shape &s, const float *xc, const float *wc, const float *bc,
+                      const float *rrow, float *orow, int64_t oh, int64_t lo, int64_t hi,
+                      const Epi &ep) {
+  int64_t o = 0;
+  for (; o + P <= s.ow; o += P) {
+    if (o >= lo && o + P <= hi)
+      dw_fast<B, P, KW, 1>(s, xc, wc, bc, rrow, orow, oh, o, ep);
+    else
+      dw_fast<B, P, KW, 1, true>(s, xc, wc, bc, rrow, orow, oh, o, ep);
+  }
+  if (o < s.ow)
+    dw_fast_tail<B, P - 1, KW, 1, true>(s, xc, wc, bc, rrow, orow, oh, o, s.ow - o, ep);
+}
+
 template <int B>
 void dw_row(const Shape &s, const float *x, const float *w, const float *bias, const float *res,
             float *out, const Epi &ep, int64_t n, int64_t cb, int64_t oh, int64_t lo,
@@ -558,14 +658,26 @@ void dw_row(const Shape &s, const float *x, const float *w, const float *bias, c
   const int64_t ooff = (n * s.ocb + cb) * oblk + (oh - s.o0) * s.ow * B;
   float *orow = out + ooff;
   const float *rrow = res ? res + ooff : nullptr;
+  if (s.dw == 1 && s.sw == 1 && s.kw == 3)
+    return dw_row_s1<B, P, 3>(s, xc, wc, bc, rrow, orow, oh, lo, hi, ep);
+  if (s.dw == 1 && s.sw == 1 && s.kw == 5)
+    return dw_row_s1<B, P, 5>(s, xc, wc, bc, rrow, orow, oh, lo, hi, ep);
+  if (s.dw == 1 && s.sw == 1 && s.kw == 7)  // ConvNeXt: 14 row vectors + 8 accumulators
+    return dw_row_s1<B, P, 7>(s, xc, wc, bc, rrow, orow, oh, lo, hi, ep);
   int64_t o = 0;
   for (; o < s.ow && o < lo; ++o) dw_tile<B, 1, true>(s, xc, wc, bc, rrow, orow, oh, o, ep);
-  if (s.dw == 1 && s.kw == 3 && s.sw == 1)
-    for (; o + P <= hi; o += P) dw_fast<B, P, 3, 1>(s, xc, wc, bc, rrow, orow, oh, o, ep);
-  else if (s.dw == 1 && s.kw == 3 && s.sw == 2)
+  // strided: interior tiles, the interior pixels short of a tile as one narrower tile
+  if (s.dw == 1 && s.sw == 2 && s.kw == 3) {
     for (; o + P <= hi; o += P) dw_fast<B, P, 3, 2>(s, xc, wc, bc, rrow, orow, oh, o, ep);
-  else if (s.dw == 1 && s.kw == 5 && s.sw == 1)
-    for (; o + P <= hi; o += P) dw_fast<B, P, 5, 1>(s, xc, wc, bc, rrow, orow, oh, o, ep);
+    if (o < hi)
+      dw_fast_tail<B, P - 1, 3, 2, false>(s, xc, wc, bc, rrow, orow, oh, o, hi - o, ep);
+    o = std::max(o, hi);
+  } else if (s.dw == 1 && s.sw == 2 && s.kw == 5) {
+    for (; o + P <= hi; o += P) dw_fast<B, P, 5, 2>(s, xc, wc, bc, rrow, orow, oh, o, ep);
+    if (o < hi)
+      dw_fast_tail<B, P - 1, 5, 2, false>(s, xc, wc, bc, rrow, orow, oh, o, hi - o, ep);
+    o = std::max(o, hi);
+  }
   for (; o + P <= hi; o += P) dw_tile<B, P, false>(s, xc, wc, bc, rrow, orow, oh, o, ep);
   for (; o < s.ow;) {
     const int64_t np = std::min<int64_t>(P, s.ow - o);
