@@ -73,10 +73,12 @@ def c_literal(value, dt) -> str:
 class ExprPrinter:
     """Prints expression trees as a list of `const` statements, sharing repeated subtrees.
 
-    No statement holds a 16- or 8-bit float storage struct (kr::bfloat16, kr::half, ...):
-    loads of them are printed where they are used, a value rounded to one and widened back
-    is `kr::round_as<S>(x)`, and a member's store of one `.bits = kr::to_bits<S>(x)`
-    (kiln_kernels.h says why: a struct temporary keeps an `omp simd` loop scalar)."""
+    16- and 8-bit float storage structs (kr::bfloat16, kr::half, ...) get no temporaries in
+    the usual shapes: a load of one is printed where it is used (not hoisted), a value rounded
+    to one and widened back is `kr::round_as<S>(x)`, and a member's store of a narrowed value
+    `.bits = kr::to_bits<S>(x)` (kiln_kernels.h says why: a struct temporary keeps an `omp
+    simd` loop scalar). Other uses (a storage value selected or cast to another storage type)
+    still print one."""
 
     locals: dict[str, str]  # reduction buffers held in registers: name -> variable
     rows: dict = field(default_factory=dict)  # row-local buffer -> base index of the row
