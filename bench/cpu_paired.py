@@ -61,17 +61,22 @@ def systems(d: str, names: list[str], threads: int) -> dict:
     return fns
 
 
-def paired(fns: dict, rounds: int, burst: float, wall: bool = False
+def paired(fns: dict, rounds: int, burst: float, wall: bool = False, rotate: bool = False
            ) -> dict[str, tuple[float, float, float]]:
     """name -> (median s per call, lowest round, median ratio to the first system); process
-    CPU time, or wall-clock time with `wall`."""
+    CPU time, or wall-clock time with `wall`. `rotate`: round r starts at the r-th system (in
+    one process another runtime's threads may still spin or sleep after its burst, which
+    favours or penalises whichever system always follows it)."""
     clock = time.perf_counter if wall else time.process_time
     for f in fns.values():
         for _ in range(2):
             f()
     per: dict[str, list[float]] = {k: [] for k in fns}
-    for _ in range(rounds):
-        for k, f in fns.items():
+    names = list(fns)
+    for r in range(rounds):
+        order = names[r % len(names):] + names[:r % len(names)] if rotate else names
+        for k in order:
+            f = fns[k]
             n, c0, w0 = 0, clock(), time.perf_counter()
             while time.perf_counter() - w0 < burst or n < 3:
                 f()
@@ -90,9 +95,11 @@ def main() -> None:
     p.add_argument("--burst", type=float, default=0.15, help="seconds per system per round")
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--wall", action="store_true", help="wall-clock time (default with threads > 1)")
+    p.add_argument("--rotate", action="store_true",
+                   help="start each round at the next system (no system always follows another)")
     a = p.parse_args()
     res = paired(systems(a.dir, a.systems.split(","), a.threads), a.rounds, a.burst,
-                 a.wall or a.threads > 1)
+                 a.wall or a.threads > 1, a.rotate)
     print(f"load: {os.getloadavg()}")
     for k, (med, low, ratio) in res.items():
         print(f"{k:40s} {med * 1e3:9.3f} ms (lowest {low * 1e3:9.3f})  x{ratio:.3f}")

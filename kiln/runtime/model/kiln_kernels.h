@@ -1,9 +1,12 @@
 /* kiln_kernels.h - scalar helpers used by generated kernels (namespace kr).
  *
- * float versions of exp/tanh/sigmoid/erf are written with plain arithmetic and selects so that
- * the compiler can vectorise loops that call them (std::exp does not vectorise without
+ * float versions of exp/tanh/sigmoid/erf are written with plain arithmetic, bit operations and
+ * selects (no branch, no library call, no floor: SSE2 has none) so that the compiler can
+ * vectorise loops that call them at every -march level (std::exp does not vectorise without
  * -ffast-math, which kiln does not use: it would break NaN and infinity semantics).
- * Accuracy: exp within 2 ulp over the float range; erf within 3.6e-7 absolute (every float). */
+ * Accuracy against float64 (every 61st float32 bit pattern; tests/targets/cpu/test_vector_math.py
+ * sweeps every 4099th): exp 1.0 ulp, sigmoid 2.3 ulp, tanh 1.85 ulp, subnormal results kept;
+ * erf within 3.6e-7 absolute (every float). */
 #ifndef KILN_KERNELS_H
 #define KILN_KERNELS_H
 #include <cmath>
@@ -69,8 +72,9 @@ inline uint16_t float_to_f16(float f) {
 inline float bf16_to_float(uint16_t h) { return float_of_bits(static_cast<uint32_t>(h) << 16); }
 inline uint16_t float_to_bf16(float f) {
   const uint32_t u = float_bits(f);
-  if (f != f) return static_cast<uint16_t>((u >> 16) | 0x0040u);  // quiet NaN, sign kept
-  return static_cast<uint16_t>((u + 0x7FFFu + ((u >> 16) & 1u)) >> 16);
+  const uint32_t nan = (u >> 16) | 0x0040u;  // quiet NaN, sign kept
+  const uint32_t rounded = (u + 0x7FFFu + ((u >> 16) & 1u)) >> 16;  // nearest-even
+  return static_cast<uint16_t>(f != f ? nan : rounded);  // a select: loops stay vectorisable
 }
 
 struct half {
@@ -203,21 +207,62 @@ struct float8_e5m2fnuz {
 };
 static_assert(sizeof(float8_e4m3fnuz) == 1 && sizeof(float8_e5m2fnuz) == 1, "8-bit storage types");
 
-inline float exp(float x) {
-  const float xc = x < -87.5f ? -87.5f : (x > 88.5f ? 88.5f : x);
-  const float k = std::floor(xc * 1.44269504088896341f + 0.5f);
-  const float r = xc - k * 0.693359375f + k * 2.12194440e-4f;
+/* Storage-type conversions for generated loops (kiln/targets/cpu/kernel.py): the struct lives
+ * only inside these functions, never as a temporary of the loop body. Under `#pragma omp simd`
+ * GCC turns every addressable local of the body (a struct whose constructor or conversion is
+ * called on it) into a per-lane array, and a struct copied through one keeps the whole loop
+ * scalar; a load printed as `static_cast<float>(buf[i])` and a store as
+ * `buf[i].bits = kr::to_bits<S>(x)` vectorise. */
+template <class S, class T> inline auto to_bits(T x) { return S(x).bits; }
+template <class S, class T> inline float round_as(T x) { return static_cast<float>(S(x)); }
+
+namespace math_detail {
+/* Cody-Waite reduction x = k ln2 + r, |r| <= ln2/2, for |x| <= 104: k rounded to nearest by
+ * adding 1.5 * 2^23 (no floor: SSE2 has no vector floor, so a floor call would keep the loop
+ * scalar on x86-64 builds); k's integer read from the sum's bits, no float -> int conversion.
+ * kiln compiles with -std=c++17 (no FMA contraction) and without -ffast-math, so the sum and
+ * difference are not reassociated away. */
+inline float reduce_ln2(float x, int32_t &k) {
+  const float magic = 12582912.0f;  // 1.5 * 2^23
+  const float s = x * 1.44269504088896341f + magic;
+  k = static_cast<int32_t>(float_bits(s) - float_bits(magic));
+  const float kf = s - magic;
+  return x - kf * 0.693359375f + kf * 2.12194440e-4f;
+}
+/* (exp(r) - 1 - r) / r^2 on |r| <= ln2/2 (the classic single-precision expf polynomial). */
+inline float exp_poly(float r) {
   float p = 1.9875691500e-4f;
   p = p * r + 1.3981999507e-3f;
   p = p * r + 8.3334519073e-3f;
   p = p * r + 4.1665795894e-2f;
   p = p * r + 1.6666665459e-1f;
-  p = p * r + 5.0000001201e-1f;
-  const float y = p * r * r + r + 1.0f;
-  const float scale = bits_to_float((static_cast<int32_t>(k) + 127) << 23);
-  float out = y * scale;
-  out = x < -87.3f ? 0.0f : out;
-  out = x > 88.7f ? std::numeric_limits<float>::infinity() : out;
+  return p * r + 5.0000001201e-1f;
+}
+/* 2^k as a float, k in [-126, 127]. */
+inline float pow2i(int32_t k) { return float_of_bits(static_cast<uint32_t>(k + 127) << 23); }
+/* exp(x) for x in [-104, 89] (callers clamp): y = exp(r) scaled by 2^k in two halves, each
+ * a normal float for k in [-150, 128], so results that underflow to subnormals round once
+ * (not flushed) and results past FLT_MAX become inf. */
+inline float exp_clamped(float x) {
+  int32_t k;
+  const float r = reduce_ln2(x, k);
+  const float y = exp_poly(r) * r * r + r + 1.0f;
+  const int32_t k1 = k >> 1;
+  return y * pow2i(k1) * pow2i(k - k1);
+}
+/* |x| and x's sign bit (bit operations: -0.0 and NaN keep theirs). */
+inline float fabs_bits(float x) { return float_of_bits(float_bits(x) & 0x7FFFFFFFu); }
+inline float with_sign_of(float mag, float x) {
+  return float_of_bits((float_bits(mag) & 0x7FFFFFFFu) | (float_bits(x) & 0x80000000u));
+}
+}  // namespace math_detail
+
+/* Branch-free (selects and bit operations only, no library calls) so loops over them vectorise
+ * at every -march level, SSE2 included; tests/targets/cpu/test_vector_math.py sweeps their
+ * error against float64 over every float exponent, subnormals, infinities and NaN. */
+inline float exp(float x) {
+  const float xc = x < -104.0f ? -104.0f : (x > 89.0f ? 89.0f : x);
+  const float out = math_detail::exp_clamped(xc);
   return x != x ? x : out;
 }
 template <class T> inline T exp(T x) { return std::exp(x); }
@@ -225,18 +270,37 @@ template <class T> inline T exp(T x) { return std::exp(x); }
 template <class T> inline T log(T x) { return std::log(x); }
 template <class T> inline T rsqrt(T x) { return T(1) / std::sqrt(x); }
 
-inline float sigmoid(float x) { return 1.0f / (1.0f + kr::exp(-x)); }
+/* sigmoid(x) = num / (1 + e) with e = exp(-|x|) in (0, 1] (never overflows): num = 1 for
+ * x >= 0, e for x < 0 (no 1 - small cancellation; subnormal results for x < -87.3 kept). One
+ * division. */
+inline float sigmoid(float x) {
+  const float ax = math_detail::fabs_bits(x);
+  const float e = math_detail::exp_clamped(ax > 104.0f ? -104.0f : -ax);
+  const float num = x < 0.0f ? e : 1.0f;
+  const float out = num / (1.0f + e);
+  return x != x ? x : out;
+}
 template <class T> inline T sigmoid(T x) { return T(1) / (T(1) + std::exp(-x)); }
 
+/* tanh(|x|) from e = exp(-2|x|) = 1 + u, u = expm1(-2|x|), computed without cancellation: with
+ * -2|x| = k ln2 + r, u = 2^k expm1(r) + (2^k - 1), expm1(r) = r + r^2 P(r). |x| < 0.55: -u / (2 + u) (no separate Taylor branch: u = -2|x| exactly for
+ * tiny x); above: 1 - 2e / (1 + e) (the quotient small, its rounding a fraction of an ulp of
+ * the result). One division either way (the two are selected operand-wise). |x| is clamped
+ * at 9.5, past which tanh rounds to 1; the sign is copied from x (-0.0 -> -0.0). */
 inline float tanh(float x) {
-  const float ax = x < 0 ? -x : x;
-  const float e = kr::exp(-2.0f * ax);
-  const float big = (1.0f - e) / (1.0f + e);
-  const float x2 = x * x;  // small |x|: odd Taylor polynomial avoids cancellation
-  const float small = x * (1.0f + x2 * (-0.333333333f + x2 * (0.133333333f +
-                                                             x2 * -0.0539682540f)));
-  const float out = x < 0 ? -big : big;
-  return ax < 0.0625f ? small : out;
+  const float ax = math_detail::fabs_bits(x);
+  const float y = -2.0f * (ax > 9.5f ? 9.5f : ax);
+  int32_t k;
+  const float r = math_detail::reduce_ln2(y, k);
+  const float em = math_detail::exp_poly(r) * r * r + r;
+  const float s = math_detail::pow2i(k);
+  const float se = s * em;  // exact (a power of two times em)
+  // -u = (1 - s) - se, 2e = 2 (s + se), 2 + u = 1 + e = (1 + s) + se: each one rounding
+  // (1 - s and 1 + s are exact for k >= -23)
+  const bool small = ax < 0.55f;
+  const float q = (small ? (1.0f - s) - se : 2.0f * (s + se)) / ((1.0f + s) + se);
+  const float t = small ? q : 1.0f - q;
+  return x != x ? x : math_detail::with_sign_of(t, x);
 }
 template <class T> inline T tanh(T x) { return std::tanh(x); }
 

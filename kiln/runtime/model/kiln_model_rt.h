@@ -368,9 +368,15 @@ inline int gemm_cpp(int64_t nb0, int64_t nb1, int64_t M, int64_t N, int64_t K, c
 }
 
 /* The "cpp" backend with a prepacked constant B (kiln_gemm.h, `packed_block`): `Bp` holds
- * the panels of the one B every batch element shares. Work is split over OpenMP threads by
- * panels of N (each thread streams its share of B once), or by rows of C when N has too few
- * panels to go round and M has enough row blocks. */
+ * the panels of the one B every batch element shares. Work is split over kiln's pool by panels
+ * of N (each thread streams its share of B once), or by rows of C when N has too few panels to
+ * go round and M has enough row blocks. Each part is further cut into row groups (tasks of
+ * parallel_for, which runs a member's own tasks in order and lets a member that finished take
+ * the tasks left at the back of another's share): when the OS deschedules one member (a
+ * loaded machine), the others finish its rows instead of waiting for it. Cutting rows costs
+ * nothing where one K block covers K (the row loop is the same); with several K blocks a
+ * group re-reads its panels' B, so rows are cut only while that share of B fits in L2
+ * (512 KiB), else a part stays whole (the schedule before). */
 template <class T, int NR, int MR, int KC, class Epi = NoEpilogue>
 inline int gemm_cpp_packed(int64_t nb0, int64_t nb1, int64_t M, int64_t N, int64_t K,
                            const T *A, int64_t as0, int64_t as1, int64_t ar, int64_t ac,
@@ -378,31 +384,35 @@ inline int gemm_cpp_packed(int64_t nb0, int64_t nb1, int64_t M, int64_t N, int64
   const int64_t nb = nb0 * nb1, P = (N + NR - 1) / NR;
   int threads = 1;
   if (static_cast<double>(nb) * M * N * K >= 262144.0) threads = max_threads();
+  const int64_t blocks = (M + MR - 1) / MR;
   const bool by_rows = P < 2 * threads && M >= 2 * MR * threads;
-  const int64_t parts = std::max<int64_t>(1, std::min<int64_t>(threads, by_rows ? (M + MR - 1) / MR : P));
-  parallel_for(parts, int(parts), [&](int64_t t0, int64_t t1) {
-  for (int64_t t = t0; t < t1; ++t) {
+  const int64_t parts = std::max<int64_t>(1, std::min<int64_t>(threads, by_rows ? blocks : P));
+  // row groups per (part, batch element): up to 8 for the split by panels, so that a share
+  // of parallel_for (one part) has pieces to take; by rows, the row blocks themselves
+  const int64_t share_b = (P + parts - 1) / parts * NR * K * int64_t(sizeof(T));
+  const bool cut = threads > 1 && (K <= KC || share_b <= (int64_t(512) << 10));
+  const int64_t groups = by_rows ? blocks : (cut ? std::min<int64_t>(blocks, 8) : 1);
+  const int64_t row_parts = by_rows ? 1 : parts;  // parts along N
+  const int64_t tasks = row_parts * nb * groups;
+  parallel_for(tasks, int(std::min<int64_t>(threads, tasks)), [&](int64_t t0, int64_t t1) {
     static thread_local std::vector<T> apack;
     apack.resize(static_cast<size_t>(packed_apack_size<MR, KC>(M, K)));
-    for (int64_t bi = 0; bi < nb; ++bi) {
+    for (int64_t t = t0; t < t1;) {
+      // the run of tasks [t, e) of one (part, batch element): contiguous row groups
+      const int64_t part = t / (nb * groups), bi = (t / groups) % nb, g0 = t % groups;
+      const int64_t e = std::min(t1, t - g0 + groups);
+      const int64_t lo = std::min(M, blocks * g0 / groups * MR),
+                    hi = std::min(M, blocks * (g0 + e - t) / groups * MR);
+      t = e;
+      if (lo >= hi) continue;
       const T *a = A + (bi / nb1) * as0 + (bi % nb1) * as1;
       T *c = C + bi * M * N;
-      if (by_rows) {
-        const int64_t blocks = (M + MR - 1) / MR;
-        const int64_t lo = std::min(M, blocks * t / parts * MR),
-                      hi = std::min(M, blocks * (t + 1) / parts * MR);
-        const int64_t r0 = bi * M + lo;
-        packed_block<T, NR, MR, KC>(hi - lo, N, K, a + lo * ar, ar, ac, Bp, 0, P, c + lo * N, N,
-                                    apack.data(), [&](int64_t i0, int64_t i1, int64_t j0,
-                                                      int64_t j1) { epi(r0 + i0, r0 + i1, j0, j1); });
-      } else {
-        const int64_t r0 = bi * M;
-        packed_block<T, NR, MR, KC>(M, N, K, a, ar, ac, Bp, P * t / parts, P * (t + 1) / parts,
-                                    c, N, apack.data(), [&](int64_t i0, int64_t i1, int64_t j0,
-                                                            int64_t j1) { epi(r0 + i0, r0 + i1, j0, j1); });
-      }
+      const int64_t r0 = bi * M + lo;
+      const int64_t p0 = by_rows ? 0 : P * part / parts, p1 = by_rows ? P : P * (part + 1) / parts;
+      packed_block<T, NR, MR, KC>(hi - lo, N, K, a + lo * ar, ar, ac, Bp, p0, p1, c + lo * N, N,
+                                  apack.data(), [&](int64_t i0, int64_t i1, int64_t j0,
+                                                    int64_t j1) { epi(r0 + i0, r0 + i1, j0, j1); });
     }
-  }
   });
   return 0;
 }

@@ -19,6 +19,14 @@
  *   the caller at a region's end, a barrier) spin for spin_ns (KILN_SPIN_US, default 20 us;
  *   bench/threads_cpu.py --variant KILN_SPIN_US=...) and then sleep on a futex.
  * - A region inside a region (nested) runs serially on the thread that meets it.
+ * - Members of a parallel_for (and parallel_for_dynamic) are optional: a worker claims its
+ *   place when it wakes (Worker::claim), and the caller, once it has run out of work (its
+ *   own share and whatever it could take from the others'), withdraws the places not yet
+ *   claimed and waits only for the members that started. A worker the OS has not scheduled
+ *   (a loaded machine) then does not hold the region up for a time slice: the caller does its
+ *   share instead. A withdrawn worker finds its place taken back when it wakes and waits for
+ *   the next region. parallel() members are all required (they may split work by member id
+ *   and meet at barriers).
  * - An exception in a team member is caught, the team's barriers are released (the others
  *   leave them with TeamAborted), the region ends and the first exception is rethrown on the
  *   calling thread: nothing hangs.
@@ -310,8 +318,11 @@ class Pool {
   int workers() const { return n_workers_; }
 
   /* Runs fn(ctx, t, nt) for t in [0, nt): t = 0 on the calling thread, the others on workers
-   * (started when first needed). Returns when all are done; rethrows the first exception. */
-  void run(int nt, void (*fn)(void *, int, int), void *ctx) {
+   * (started when first needed). Returns when all are done; rethrows the first exception.
+   * `optional`: members 1.. may be left out (fn(ctx, 0, nt) must then do all the work the
+   * absent members leave, as parallel_for's shares do): the places of workers that have not
+   * started when member 0 returns are withdrawn, and only the started ones are waited for. */
+  void run(int nt, void (*fn)(void *, int, int), void *ctx, bool optional = false) {
     if (nt > kMaxTeam) nt = kMaxTeam;
     if (epoch_ != pool_detail::fork_epoch().load(std::memory_order_relaxed)) forget_workers();
     if (nt > n_workers_ + 1) grow(nt - 1);
@@ -322,6 +333,7 @@ class Pool {
     uint64_t wall0 = 0, cpu0 = 0;
     if (stats_) {
       team.member_cpu = stats_->member_cpu_ns;
+      for (int i = 0; i < nt; ++i) stats_->member_cpu_ns[i] = 0;  // a withdrawn member: 0
       wall0 = pool_detail::now_ns();
       cpu0 = pool_detail::thread_cpu_ns();
     }
@@ -331,10 +343,19 @@ class Pool {
     pending_.store(uint32_t(nt - 1), std::memory_order_relaxed);
     for (int w = 0; w < nt - 1; ++w) {
       Worker &k = *workers_[w];
+      k.claim.store(kPosted, std::memory_order_release);  // after fn_, ctx_, team_
       k.go.fetch_add(1, std::memory_order_seq_cst);
       pool_detail::wake(k.go, k.sleepers);
     }
     member(&team, fn, ctx, 0);
+    if (optional) {
+      for (int w = 0; w < nt - 1; ++w) {
+        uint32_t posted = kPosted;
+        if (workers_[w]->claim.compare_exchange_strong(posted, kWithdrawn,
+                                                       std::memory_order_acq_rel))
+          pending_.fetch_sub(1, std::memory_order_acq_rel);
+      }
+    }
     // wait for the others
     for (;;) {
       const uint32_t p = pending_.load(std::memory_order_acquire);
@@ -357,8 +378,13 @@ class Pool {
   }
 
  private:
+  // Worker::claim: the worker's place in the region in progress
+  static constexpr uint32_t kPosted = 1, kRunning = 2, kWithdrawn = 3;
+
   struct alignas(64) Worker {
     std::atomic<uint32_t> go{0};
+    std::atomic<uint32_t> claim{0};  // kPosted by the caller; the worker takes it (kRunning)
+                                     // or, in an optional region, the caller withdraws it
     std::atomic<uint32_t> sleepers{0};
     pthread_t thread{};
     Pool *pool = nullptr;
@@ -393,6 +419,9 @@ class Pool {
       pool_detail::wait_change(k.go, seen, k.sleepers, p.spin_ns_);
       seen = k.go.load(std::memory_order_acquire);
       if (p.stopping_.load(std::memory_order_acquire)) return nullptr;
+      uint32_t posted = kPosted;
+      if (!k.claim.compare_exchange_strong(posted, kRunning, std::memory_order_acq_rel))
+        continue;  // withdrawn: that region ended without this member
       member(p.team_, p.fn_, p.ctx_, k.id);
       if (p.pending_.fetch_sub(1, std::memory_order_seq_cst) == 1)
         pool_detail::wake(p.pending_, p.done_sleepers_);
@@ -506,11 +535,9 @@ inline int team_cap(int n) {
   return budget < n ? budget : n;
 }
 
-/* Runs f(t, m) on a team of m = nt threads (t = 0 on the calling thread); serially, f(0, 1),
- * when nt <= 1, nested or outside a run. The team's members may call barrier() and
- * team_critical(). A team larger than the budget is allowed (an explicit num_threads). */
+namespace pool_detail {
 template <class F>
-inline void parallel(int nt, F &&f) {
+inline void parallel(int nt, F &&f, bool optional) {
   PoolThread &me = tls();
 #ifdef KILN_SERIAL
   nt = 1;
@@ -525,7 +552,16 @@ inline void parallel(int nt, F &&f) {
   }
   using Fn = typename std::remove_reference<F>::type;
   me.pool->run(nt, [](void *ctx, int t, int m) { (*static_cast<Fn *>(ctx))(t, m); },
-               const_cast<void *>(static_cast<const void *>(&f)));
+               const_cast<void *>(static_cast<const void *>(&f)), optional);
+}
+}  // namespace pool_detail
+
+/* Runs f(t, m) on a team of m = nt threads (t = 0 on the calling thread); serially, f(0, 1),
+ * when nt <= 1, nested or outside a run. The team's members may call barrier() and
+ * team_critical(). A team larger than the budget is allowed (an explicit num_threads). */
+template <class F>
+inline void parallel(int nt, F &&f) {
+  pool_detail::parallel(nt, std::forward<F>(f), false);
 }
 
 /* The barrier of the calling thread's team (no-op outside a region). */
@@ -595,7 +631,8 @@ inline void parallel_for(int64_t n, int nt, F &&f) {
     shares[t].r.store((uint64_t(n * (t + 1) / m0) << 32) | uint64_t(n * t / m0),
                       std::memory_order_relaxed);
   const int64_t g = (n / m0 + 7) / 8 > 1 ? (n / m0 + 7) / 8 : 1;  // pieces: ~1/8 of a share
-  parallel(nt, [&](int t, int m) {
+  // optional members: member 0 drains every share, so one that never starts leaves no work
+  pool_detail::parallel(nt, [&](int t, int m) {
     int64_t lo, hi;
     if (m != m0) {  // a smaller team than asked (a thread could not start): shares of absent members
       for (int v = 0; v < m0; ++v)
@@ -607,7 +644,7 @@ inline void parallel_for(int64_t n, int nt, F &&f) {
       pool_detail::Share &v = shares[(t + k) % m0];
       while (v.take(g, false, lo, hi)) f(lo, hi);
     }
-  });
+  }, true);
 }
 
 /* Dynamic schedule with chunks of one: f(i) for every i in [0, n), each taken by the next
@@ -617,9 +654,9 @@ inline void parallel_for_dynamic(int64_t n, int nt, F &&f) {
   if (n <= 0) return;
   if (int64_t(nt) > n) nt = int(n);
   std::atomic<int64_t> next{0};
-  parallel(nt, [&](int, int) {
+  pool_detail::parallel(nt, [&](int, int) {  // optional members: member 0 takes what is left
     for (int64_t i; (i = next.fetch_add(1, std::memory_order_relaxed)) < n;) f(i);
-  });
+  }, true);
 }
 
 }  // namespace kr

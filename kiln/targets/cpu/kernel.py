@@ -28,6 +28,24 @@ from kiln.schedule import Kernel
 from kiln.schedule.analysis import indexes_through_data, kernel_params
 
 
+def _storage(dt) -> bool:
+    """A 16- or 8-bit float storage type (a kr:: struct in C++: kr::bfloat16, kr::half, ...)."""
+    return dt.is_float and dt.itemsize <= 2
+
+
+def _plain_cast(dt) -> bool:
+    """Whether the conversion to `dt` is its struct's constructor (cpp_cast's static_cast; not
+    float8_e4m3fn's overflow-to-NaN variant), which kr::to_bits / kr::round_as apply."""
+    return cpp_cast(dt.c_type, dt.name, "x").startswith("static_cast<")
+
+
+def _narrowing(e: L.Expr) -> bool:
+    """A cast from a computed (non-storage) value to a storage type."""
+    return (isinstance(e, L.Expr) and not isinstance(e, (L.Const, L.Index, L.Load))
+            and e.op == "cast" and _storage(e.dtype) and not _storage(e.args[0].dtype)
+            and _plain_cast(e.dtype))
+
+
 def c_literal(value, dt) -> str:
     if dt.name == "bool":
         return "true" if value else "false"
@@ -53,7 +71,14 @@ def c_literal(value, dt) -> str:
 
 @dataclass
 class ExprPrinter:
-    """Prints expression trees as a list of `const` statements, sharing repeated subtrees."""
+    """Prints expression trees as a list of `const` statements, sharing repeated subtrees.
+
+    16- and 8-bit float storage structs (kr::bfloat16, kr::half, ...) get no temporaries in
+    the usual shapes: a load of one is printed where it is used (not hoisted), a value rounded
+    to one and widened back is `kr::round_as<S>(x)`, and a member's store of a narrowed value
+    `.bits = kr::to_bits<S>(x)` (kiln_kernels.h says why: a struct temporary keeps an `omp
+    simd` loop scalar). Other uses (a storage value selected or cast to another storage type)
+    still print one."""
 
     locals: dict[str, str]  # reduction buffers held in registers: name -> variable
     rows: dict = field(default_factory=dict)  # row-local buffer -> base index of the row
@@ -102,6 +127,13 @@ class ExprPrinter:
             text = f"static_cast<{e.dtype.c_type}>({to_c(e.expr)})"
         elif isinstance(e, L.Load):
             text = self._load(e)
+            if _storage(e.dtype):  # read where it is used, no struct temporary
+                self.memo[key] = text
+                return text
+        elif e.op == "cast" and not _storage(e.dtype) and _narrowing(e.args[0]):
+            inner = e.args[0]
+            rounded = f"kr::round_as<{inner.dtype.c_type}>({self.value(inner.args[0])})"
+            text = cpp_cast(e.dtype.c_type, e.dtype.name, rounded)
         elif e.op == "cast":
             text = cpp_cast(e.dtype.c_type, e.dtype.name, self.value(e.args[0]))
         else:
@@ -114,6 +146,12 @@ class ExprPrinter:
         self.lines.append(f"const {e.dtype.c_type} {name} = {text};")
         self.memo[key] = name
         return name
+
+    def store(self, dest: str, e: L.Expr) -> str:
+        """The statement storing the value of `e` into `dest` (e's statements printed)."""
+        if _narrowing(e):
+            return f"{dest}.bits = kr::to_bits<{e.dtype.c_type}>({self.value(e.args[0])});"
+        return f"{dest} = {self.value(e)};"
 
     def _load(self, e: L.Load) -> str:
         if e.buf in self.locals and not e.indirect:
@@ -188,13 +226,13 @@ def _member_block(m: L.Compute, k: int, locals_: dict[str, str], rows: dict | No
     body_indent = []
     if m.reduce is None:
         p = ExprPrinter(locals_, rows, inner=_hoist_over(iv[k:], m.shape[k:]))
-        v = p.value(m.body)
+        stored = p.store(dest, m.body)
         lines += p.hoisted
         for j, d in enumerate(inner):
             pragma = "#pragma omp simd" if j == len(inner) - 1 else None
             lines += _loop(f"i{d}", m.shape[d], pragma)
             opened += 1
-        body_indent = p.lines + [f"{dest} = {v};"]
+        body_indent = p.lines + [stored]
         lines += ["  " + s for s in body_indent]
         lines += ["}"] * opened
         return ["{"] + ["  " + s for s in lines] + ["}"]

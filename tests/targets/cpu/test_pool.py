@@ -366,3 +366,75 @@ def test_pool_stats_measure_each_members_cpu_time(tmp_path):
     quiet = subprocess.run([str(exe)], capture_output=True, text=True, timeout=120,
                            env={k: v for k, v in os.environ.items() if k != "KILN_POOL_STATS"})
     assert "kiln pool" not in quiet.stderr
+
+
+_ABSENT_CPP = r"""
+#include "kiln_pool.h"
+#include <signal.h>
+#include <time.h>
+#include <atomic>
+#include <cstdio>
+#include <vector>
+#define CHECK(c) \
+  do { if (!(c)) { std::printf("FAIL line %d: %s\n", __LINE__, #c); return 1; } } while (0)
+static std::atomic<int> held{0};
+static std::atomic<bool> release{false};
+static void hold(int) {  // a worker "descheduled": parked in this handler until released
+  held.fetch_add(1);
+  const timespec ms{0, 1000000};
+  while (!release.load()) nanosleep(&ms, nullptr);
+}
+int main(int argc, char **argv) {
+  const int nt = std::atoi(argv[1]);
+  kr::Pool pool;
+  kr::tls().requested = nt;
+  kr::RunScope scope(&pool);
+  signal(SIGUSR1, hold);
+  std::vector<pthread_t> workers(size_t(nt), pthread_self());
+  kr::parallel(nt, [&](int t, int) { workers[size_t(t)] = pthread_self(); });  // all start
+  for (int t = 1; t < nt; ++t) pthread_kill(workers[size_t(t)], SIGUSR1);
+  for (int i = 0; i < 10000 && held.load() < nt - 1; ++i) usleep(1000);
+  CHECK(held.load() == nt - 1);
+  // every worker is parked: a parallel_for and a parallel_for_dynamic return without them,
+  // all of the work done by the caller
+  for (int r = 0; r < 3; ++r) {
+    std::vector<int> hits(10007, 0);
+    kr::parallel_for(10007, nt, [&](int64_t lo, int64_t hi) {
+      if (!pthread_equal(pthread_self(), workers[0])) std::abort();
+      for (int64_t i = lo; i < hi; ++i) ++hits[size_t(i)];
+    });
+    for (int h : hits) CHECK(h == 1);
+    std::atomic<int> dyn{0};
+    kr::parallel_for_dynamic(100, nt, [&](int64_t) { dyn.fetch_add(1); });
+    CHECK(dyn.load() == 100);
+  }
+  CHECK(!release.load());  // nothing above waited for them
+  release.store(true);
+  // released, the workers find their places withdrawn and take part in later regions
+  std::atomic<int> members{0};
+  kr::parallel(nt, [&](int, int) { members.fetch_add(1); });
+  CHECK(members.load() == nt);
+  std::vector<int> hits(5000, 0);
+  kr::parallel_for(5000, nt, [&](int64_t lo, int64_t hi) {
+    for (int64_t i = lo; i < hi; ++i) ++hits[size_t(i)];
+  });
+  for (int h : hits) CHECK(h == 1);
+  std::printf("OK\n");
+  return 0;
+}
+"""
+
+
+@pytest.mark.parametrize("nt", [2, 3])
+def test_parallel_for_does_not_wait_for_workers_that_never_start(tmp_path, nt):
+    """Members of a parallel_for are optional (kiln_pool.h, Worker::claim): with every worker
+    parked in a signal handler (as if the OS had descheduled it), parallel_for and
+    parallel_for_dynamic finish on the caller alone instead of waiting for them; released, the
+    workers rejoin later regions (parallel() waits for all of its members)."""
+    src, exe = tmp_path / "absent.cpp", tmp_path / "absent"
+    src.write_text(_ABSENT_CPP)
+    inc = os.path.join(ROOT, "kiln", "runtime", "model")
+    subprocess.run([cxx(), "-std=c++17", "-O1", "-pthread", f"-I{inc}", str(src), "-o",
+                    str(exe)], check=True)
+    out = subprocess.run([str(exe), str(nt)], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0 and out.stdout.strip() == "OK", out.stdout + out.stderr
