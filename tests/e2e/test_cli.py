@@ -80,6 +80,7 @@ def test_compile_progress_callback_sees_every_stage():
     assert seen == [(s, k, n) for k, s in enumerate(stages)] + [("done", n, n)]
 
 
+@pytest.mark.slow  # (moved out of the default suite: it ran over 20 minutes)
 def test_demo_reports_interleaved_speed_up():
     out = _kiln("demo", "--repeat", "10")
     assert out.returncode == 0, out.stdout + out.stderr

@@ -390,6 +390,7 @@ class SortInLoop(torch.nn.Module):
         return while_loop(lambda i, x: i < n.sum(), body, (torch.zeros((), dtype=torch.int64), x))
 
 
+@pytest.mark.slow  # (moved out of the default suite: it ran over 20 minutes)
 def test_library_and_fallback_calls_inside_regions(check, tmp_path):
     x, idx = rand((4, 5)), torch.randint(0, 5, (4, 5))
     c = check(LibInBranches(), (x.abs() + 0.1, idx),

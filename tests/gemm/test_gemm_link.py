@@ -123,6 +123,7 @@ _INTERP = textwrap.dedent("""
 """)
 
 
+@pytest.mark.slow  # (moved out of the default suite: it ran over 20 minutes)
 def test_triton_gemm_kernels_match_eager_in_interpreter(tmp_path):
     _, ep = _export()  # compile in this process (normal mode) so the child hits the cache
     kiln.compile(ep, device="cuda", options=_opts(tmp_path, ("triton",)))

@@ -257,6 +257,7 @@ _INTERP = textwrap.dedent("""
 """)
 
 
+@pytest.mark.slow  # (moved out of the default suite: it ran over 20 minutes)
 def test_tma_kernels_match_eager_in_interpreter(built, tmp_path):
     """Triton's interpreter runs the descriptor loads (zero fill outside the shape), so the
     printed TMA kernels are checked against eager float32 on the CPU, at M = 1 and 70 (a

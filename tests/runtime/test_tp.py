@@ -400,6 +400,7 @@ def test_gathered_operands_are_contiguous_at_export(monkeypatch):
         dist.destroy_process_group()
 
 
+@pytest.mark.slow  # (moved out of the default suite: it ran over 20 minutes)
 def test_export_llama_retries_an_unprovable_seq_guard(monkeypatch, tmp_path):
     """A named seq Dim that this torch cannot prove a guard for (torch 2.11 on the Llama before
     its layout change) falls back to Dim.DYNAMIC over the same range, with a warning; the

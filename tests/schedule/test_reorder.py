@@ -3,6 +3,7 @@ peak of live intermediates; results stay identical; dependences are never broken
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 import kiln
@@ -22,6 +23,7 @@ class Branches(torch.nn.Module):
         return self.v1(a) + self.v2(b)
 
 
+@pytest.mark.slow  # (moved out of the default suite: it ran over 20 minutes)
 def test_reordering_lowers_peak_and_keeps_results(tmp_path):
     torch.manual_seed(0)
     m, x = Branches().eval(), torch.randn(32, 64)

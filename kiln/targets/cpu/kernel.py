@@ -288,7 +288,8 @@ def _member_block(m: L.Compute, k: int, locals_: dict[str, str], rows: dict | No
             lines += _loop(r.name, m.reduce.sizes[j], pragma)
         lines += ["  " + s for s in p.lines]
         lines.append("  " + combine.format(acc=inner_acc, x=x, nan=nan))
-        lines.append("}")
+        if rv:  # (a reduction over no dims, e.g. of a 0-d tensor, opens no loop)
+            lines.append("}")
         if cascade:
             lines.append(f"  {acc} += {inner_acc};")
         lines += ["}"] * (len(rv) - 1)

@@ -357,6 +357,7 @@ PACKAGES = [(dict(LLAMA, s=1000, dt="float16", b=2, hkv=2), "package"),  # split
             (dict(B, lq=3, g=4, s=37, mask="float", dt="float32"), "package")]
 
 
+@pytest.mark.slow  # (moved out of the default suite: it ran over 20 minutes)
 def test_decode_kernels_match_eager_in_interpreter():
     for c, _ in PACKAGES:  # cubins first: the AOT compiler cannot run in interpreter mode
         compile_case(c)

@@ -274,6 +274,7 @@ def _interpreted(names: list[str]) -> None:
     run_interpreted(_INTERP, str(pathlib.Path(__file__).parent), ",".join(names), timeout=1500)
 
 
+@pytest.mark.slow  # (moved out of the default suite: it ran over 20 minutes)
 def test_conv_kernels_match_eager_in_interpreter():
     """A few cases covering both K loops, depthwise, grouped, 1x1 as a GEMM and a residual."""
     _interpreted(["7x7_c3_s2", "depthwise_s2", "grouped_g2", "residual_1x1", "splitk_c128"])

@@ -244,6 +244,7 @@ def triton_kernels_of(cm) -> dict:
                                               hints)}
 
 
+@pytest.mark.slow  # (moved out of the default suite: it ran over 20 minutes)
 def test_triton_kernels_match_eager_in_interpreter(tmp_path):
     """Each build through the Python runner (kiln/targets/cuda/wrapper_py.py) in Triton's
     interpreter, in a subprocess (the interpreter is chosen when Triton is imported; the AOT

@@ -240,6 +240,7 @@ def _decode_kernels(layers, dtype=torch.bfloat16, opts=OPTS):
     return kiln.compile(ep, device="cuda", options=opts).manifest["kernels"]
 
 
+@pytest.mark.slow  # (moved out of the default suite: it ran over 20 minutes)
 def test_decode_step_kernels_per_layer():
     """The bound: PER_LAYER kernels per layer (the difference of the 3- and 2-layer steps),
     and what each layer's kernels compute."""

@@ -108,6 +108,7 @@ _INTERP = textwrap.dedent("""
 """)
 
 
+@pytest.mark.slow  # (moved out of the default suite: it ran over 20 minutes)
 def test_sampling_kernel_in_triton_interpreter():
     env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=str(ROOT))
     out = subprocess.run([sys.executable, "-c", _INTERP], env=env, capture_output=True,

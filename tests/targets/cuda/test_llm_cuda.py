@@ -83,6 +83,7 @@ _INTERP = textwrap.dedent("""
 """)
 
 
+@pytest.mark.slow  # (moved out of the default suite: it ran over 20 minutes)
 def test_kv_cache_step_matches_eager_in_triton_interpreter():
     """One decode step at position 0 (the cache starts zero in both): the KV-cache update,
     rotary embedding, masked attention and the logits, each Triton kernel run by Triton's

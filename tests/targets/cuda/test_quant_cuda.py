@@ -117,6 +117,7 @@ def test_quantised_linear_kernels_in_triton_interpreter():
     _interpret(_KERNELS)
 
 
+@pytest.mark.slow  # (moved out of the default suite: it ran over 20 minutes)
 def test_quantised_llama_step_compiles_to_the_kernels():
     """Every linear layer of a Llama step reads its weight stored quantised only: a GEMV of
     kiln's template at M = 1 (tests/targets/cuda/test_quant_gemv.py), or, without the Triton

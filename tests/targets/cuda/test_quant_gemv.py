@@ -89,6 +89,7 @@ def gemv_kernels(cm) -> list[dict]:
     return [k for k in cm.manifest["kernels"] if k["kind"] == "triton_gemv"]
 
 
+@pytest.mark.slow  # (moved out of the default suite: it ran over 20 minutes)
 def test_quantised_gemvs_fuse_as_float_ones():
     """Every linear layer is a GEMV of the quantised weight, fusing the norm / silu*mul /
     residual as the float GEMV does: the same kernel list as the float package; the weights
