@@ -21,6 +21,7 @@ epilogue) and times that package in the same run (row `kiln max-autotune`).
 from __future__ import annotations
 
 import argparse
+import statistics
 import sys
 import tempfile
 import time
@@ -112,7 +113,7 @@ def main() -> None:
         for _ in range(5):
             ab["pdl"].append(stream_ms(kstep, 20, 5))
             ab["no_pdl"].append(stream_ms(np_step, 20, 5))
-        med = {k: sorted(v)[2] for k, v in ab.items()}
+        med = {k: statistics.median(v) for k, v in ab.items()}
         rows["kiln_nopdl_stream_ms"] = med["no_pdl"]
         print(f"PDL A/B (back-to-back device ms/token, median of 5 interleaved): with "
               f"{med['pdl']:.3f}, without {med['no_pdl']:.3f} ({med['no_pdl'] / med['pdl']:.3f}x)",

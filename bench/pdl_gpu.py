@@ -23,10 +23,16 @@ from __future__ import annotations
 
 import argparse
 import statistics
+import sys
+from pathlib import Path
 
-import torch
-import triton
-import triton.language as tl
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+import torch  # noqa: E402
+import triton  # noqa: E402
+import triton.language as tl  # noqa: E402
+
+from bench.cuda_timing import events_ms  # noqa: E402
 
 
 @triton.jit
@@ -145,12 +151,7 @@ def main() -> None:
     times = {k: [] for k in variants}
     for _ in range(a.repeat):  # interleaved
         for name, g in graphs.items():
-            s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            s.record()
-            g.replay()
-            e.record()
-            e.synchronize()
-            times[name].append(s.elapsed_time(e))
+            times[name].append(events_ms(g.replay, 1, warmup=0))
     ref = next(iter(outs.values()))
     print(f"GPU: {torch.cuda.get_device_name()}; {a.layers} layers, weights {nbytes / 2**20:.0f} "
           f"MiB, {len(shapes) * 2 * a.layers} kernels a replay")

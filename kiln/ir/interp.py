@@ -176,12 +176,11 @@ def _compute(node: L.Compute, bufs, env) -> np.ndarray:
         flat = vals.reshape(out_shape + (-1,))
         return NP_REDUCE[kind](flat, axis=-1).astype(np.int64).reshape(-1)
     dt = node.dtype.numpy
-    if kind in ("sum", "prod") and vals.dtype.kind == "f" and vals.dtype.itemsize < 8:
-        # accumulated in float64 (as _gemm does): the reference's own rounding stays below
-        # any float32 summation order's, so a fused kernel's order is not reported as wrong
-        vals = vals.astype(np.float64)
+    # float sums and products accumulate in float64 (as _gemm does): the reference's own
+    # rounding stays below any float32 summation order's
+    wide = {"dtype": np.float64} if kind in ("sum", "prod") and vals.dtype.kind == "f" else {}
     with np.errstate(all="ignore"):
-        return np.asarray(NP_REDUCE[kind](vals, axis=axes)).astype(dt).reshape(-1)
+        return np.asarray(NP_REDUCE[kind](vals, axis=axes, **wide)).astype(dt).reshape(-1)
 
 
 def _gemm(g: L.Gemm, bufs, env) -> np.ndarray:

@@ -59,6 +59,17 @@ def mixed(tmp_path_factory):
     return m, kiln.compile(m, _args(0)).save(tmp_path_factory.mktemp("pool") / "mixed.kiln")
 
 
+
+def _build(tmp_path, name: str, text: str):
+    """The C++ test program `text` (kiln_pool.h and the runtime headers on its include path)
+    built as tmp_path / name."""
+    src, exe = tmp_path / f"{name}.cpp", tmp_path / name
+    src.write_text(text)
+    inc = os.path.join(ROOT, "kiln", "runtime", "model")
+    subprocess.run([cxx(), "-std=c++17", "-O1", "-pthread", f"-I{inc}", str(src), "-o",
+                    str(exe)], check=True)
+    return exe
+
 def _run(path, n, args):
     with kiln.load(path, num_threads=n) as r:
         out = r(*args)
@@ -307,11 +318,7 @@ def test_pool_primitives(tmp_path, nt):
     """kiln_pool.h on its own: chunks and dynamic tasks cover a range once, team ids, barrier,
     critical, nested regions serial, an exception in any member rethrown without a hang, a late
     member's share of a parallel_for finished by the others."""
-    src, exe = tmp_path / "pool.cpp", tmp_path / "pool"
-    src.write_text(_POOL_CPP)
-    inc = os.path.join(ROOT, "kiln", "runtime", "model")
-    subprocess.run([cxx(), "-std=c++17", "-O1", "-pthread", f"-I{inc}", str(src), "-o",
-                    str(exe)], check=True)
+    exe = _build(tmp_path, "pool", _POOL_CPP)
     out = subprocess.run([str(exe), str(nt)], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stdout + out.stderr
     assert out.stdout.strip() == f"OK {nt - 1}", out.stdout
@@ -343,11 +350,7 @@ def test_pool_stats_measure_each_members_cpu_time(tmp_path):
     """KILN_POOL_STATS=1 (bench/threads_steps.py --pool): the summary the pool prints when it
     is destroyed charges each member the CPU time of its share (not the wait for a core), the
     serial CPU time outside regions, and the critical path serial + largest members."""
-    src, exe = tmp_path / "stats.cpp", tmp_path / "stats"
-    src.write_text(_STATS_CPP)
-    inc = os.path.join(ROOT, "kiln", "runtime", "model")
-    subprocess.run([cxx(), "-std=c++17", "-O1", "-pthread", f"-I{inc}", str(src), "-o",
-                    str(exe)], check=True)
+    exe = _build(tmp_path, "stats", _STATS_CPP)
     out = subprocess.run([str(exe)], capture_output=True, text=True, timeout=120,
                          env={**os.environ, "KILN_POOL_STATS": "1"})
     assert out.returncode == 0 and out.stdout.strip() == "OK", out.stdout + out.stderr
@@ -431,10 +434,6 @@ def test_parallel_for_does_not_wait_for_workers_that_never_start(tmp_path, nt):
     parked in a signal handler (as if the OS had descheduled it), parallel_for and
     parallel_for_dynamic finish on the caller alone instead of waiting for them; released, the
     workers rejoin later regions (parallel() waits for all of its members)."""
-    src, exe = tmp_path / "absent.cpp", tmp_path / "absent"
-    src.write_text(_ABSENT_CPP)
-    inc = os.path.join(ROOT, "kiln", "runtime", "model")
-    subprocess.run([cxx(), "-std=c++17", "-O1", "-pthread", f"-I{inc}", str(src), "-o",
-                    str(exe)], check=True)
+    exe = _build(tmp_path, "absent", _ABSENT_CPP)
     out = subprocess.run([str(exe), str(nt)], capture_output=True, text=True, timeout=60)
     assert out.returncode == 0 and out.stdout.strip() == "OK", out.stdout + out.stderr
