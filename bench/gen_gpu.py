@@ -18,7 +18,11 @@ the second is reported (the first captures the CUDA graphs).
     python bench/gen_gpu.py [--layers 16] [--hidden 2048] [--inter 5632] [--heads 32]
         [--kv-heads 4] [--vocab 32000] [--cache 512] [--new 128] [--dtype bf16]
         [--weight-quant none,int8,int4,int8-calls,int4-calls] [--group 128]
-        [--json out.json] [--c-exe path/to/generate] [--autotune 1]
+        [--json out.json] [--c-exe path/to/generate] [--autotune 1] [--prefill-len 512]
+
+--prefill-len N (N <= --cache - --new) also times the prefill of an N-token prompt (the package's
+prefill entry point exported for prompts up to N; median of 3 after one warm-up) and eager's
+forward over the same N tokens: prefill tokens/s.
 """
 
 from __future__ import annotations
@@ -26,6 +30,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -37,6 +42,7 @@ sys.path.insert(0, str(ROOT))
 
 import torch  # noqa: E402
 
+from bench.cuda_timing import sync_ms  # noqa: E402
 from bench.llm_gpu import DT, add_model_args, copy_gbs, weight_bytes  # noqa: E402
 
 PROMPT = [1, 450, 4996, 17354, 1701, 29916, 432, 17204, 975, 278, 17366, 11203]
@@ -53,6 +59,8 @@ def main() -> None:
     p.add_argument("--group", type=int, default=128, help="Options.weight_quant_group (int4)")
     p.add_argument("--json", default=None)
     p.add_argument("--c-exe", default=None, help="examples/c/generate built: run it too")
+    p.add_argument("--prefill-len", type=int, default=0,
+                   help="also time a prompt of this many tokens (prefill tokens/s)")
     p.add_argument("--autotune", type=int, default=1,
                    help="Options.autotune (GEMM backends, quantised kernels' configs)")
     a = p.parse_args()
@@ -62,7 +70,8 @@ def main() -> None:
                              heads=a.heads, kv_heads=a.kv_heads, intermediate=a.inter,
                              vocab=a.vocab, max_pos=max(2048, a.cache))
     wbytes = weight_bytes(model)
-    progs = hf_decoder.export_decoder(model, max_cache_len=a.cache, max_prompt=64,
+    progs = hf_decoder.export_decoder(model, max_cache_len=a.cache,
+                                      max_prompt=max(64, a.prefill_len),
                                       sampler=device_sampler.export_sampler)
     export_s = time.perf_counter() - t0
     bw = copy_gbs()
@@ -70,6 +79,14 @@ def main() -> None:
           f"weights; copy bandwidth {bw:.0f} GB/s; roofline {wbytes / bw / 1e6:.3f} "
           f"ms/token; built and exported in {export_s:.0f} s", flush=True)
     want = hf_decoder.eager_generate(model.to("cuda"), PROMPT, 32, max_cache_len=a.cache)
+    long_prompt = [(7 * i + 3) % a.vocab for i in range(a.prefill_len)]
+    eager_prefill_ms = None
+    if a.prefill_len:  # eager's forward over the whole prompt (no cache: the same GEMMs)
+        ids = torch.tensor([long_prompt], device="cuda")
+        with torch.no_grad():
+            eager_prefill_ms = sync_ms(lambda: model(input_ids=ids, use_cache=False), 5)
+        print(f"eager prefill of {a.prefill_len} tokens: {eager_prefill_ms:.2f} ms "
+              f"({a.prefill_len / eager_prefill_ms * 1e3:.0f} tokens/s)", flush=True)
     model.to("cpu")
     rows = []
     tmp = Path(tempfile.mkdtemp())
@@ -106,6 +123,12 @@ def main() -> None:
                 row["prefill_ms"] = g.prefill_seconds * 1e3
                 row["tokens = eager (32)"] = g.tokens[:32] == want
         row["roofline_ms"] = wbytes / bw / 1e6 if wq == "none" else None
+        if a.prefill_len:
+            times = [kiln.runtime.generate(r, long_prompt, 1).prefill_seconds
+                     for _ in range(4)][1:]
+            row["prefill_long_ms"] = statistics.median(times) * 1e3
+            row["prefill tok/s"] = a.prefill_len / statistics.median(times)
+            row["eager prefill tok/s"] = a.prefill_len / eager_prefill_ms * 1e3
         r.close()
         if a.c_exe:
             c = subprocess.run([a.c_exe, "-n", str(a.new), "-d", "cuda", str(path),
@@ -135,6 +158,11 @@ def main() -> None:
               f"{f('device sampled')} | {row['prefill_ms']:.2f} | "
               f"{row['tokens = eager (32)']} | {roof} | {row['compile_s']:.0f} | "
               f"{row['decode_kernels']} | {speed} |")
+    for row in rows:
+        if "prefill tok/s" in row:
+            print(f"prefill of {a.prefill_len} tokens ({row['weights']}): "
+                  f"{row['prefill_long_ms']:.2f} ms, {row['prefill tok/s']:.0f} tokens/s; "
+                  f"eager {row['eager prefill tok/s']:.0f} tokens/s")
     for row in rows:
         if "c" in row:
             print(f"C generate ({row['weights']}): {row['c']}")

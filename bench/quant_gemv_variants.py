@@ -1,0 +1,272 @@
+"""Weight-only int8 / int4 GEMV kernel variants on the GPU (issue 17 item 4): which way of
+converting and accumulating quantised weights streams them closest to the copy bandwidth, at
+the decode GEMVs of a Llama-3-8B shape (q/k/v merged 6144 x 4096, o 4096 x 4096, gate/up
+merged 28672 x 4096, down 4096 x 14336, head 128256 x 4096), M = 1, bf16 activations.
+
+Each variant is a standalone Triton kernel of the shape kiln's GEMV template prints
+(kiln/targets/cuda/gemv_template.py; the weight layouts of kiln/gemm/quant_gemv.py), swept over
+launch configs. Weights are cold: each shape has enough copies (>= 400 MB) that a CUDA graph
+of one launch per copy never finds them in L2; the time per launch is the graph's / copies.
+
+Variants:
+  bf16        the template's float GEMV: lane-wise float32 accumulator [XBLOCK, RBLOCK]
+  i8_lane     the template's int8 GEMV today: bytes converted by the 2^23 bit trick, lane-wise
+              accumulator, scale on the row sum
+  i8_sub      int8, products summed in registers over each thread's 16 contiguous bytes
+              (accumulator [XBLOCK, RBLOCK / 16]: 16x fewer accumulator registers)
+  i4_lane     the template's int4 GEMV today: [XBLOCK, groups, G / 2] bytes, x split into
+              even / odd positions by reshape + split, every product times its group's scale
+  i4_grp      int4, each group's products summed (over G / 2 bytes) before its scale multiplies
+  i4_sub      int4, products summed over 16 bytes in registers, then the scale
+  i4_pair     int4, x read as 32-bit words (two bf16: even k low half, odd k high half), so
+              no reshape / split; the products summed over 16 bytes, then the scale
+
+    python bench/quant_gemv_variants.py [--quick]
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import math
+import statistics
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+import torch  # noqa: E402
+import triton  # noqa: E402
+import triton.language as tl  # noqa: E402
+
+from kiln.gemm.quant_gemv import quantize_int4, quantize_int8  # noqa: E402
+
+G = 128
+SHAPES = [("qkv", 6144, 4096), ("o", 4096, 4096), ("gate_up", 28672, 4096),
+          ("down", 4096, 14336), ("head", 128256, 4096)]
+PER_TOKEN = {"qkv": 32, "o": 32, "gate_up": 32, "down": 32, "head": 1}
+
+
+@triton.jit
+def gemv_bf16(x_ptr, w_ptr, out_ptr, N, K: tl.constexpr, XBLOCK: tl.constexpr,
+              RBLOCK: tl.constexpr):
+    rn = tl.program_id(0) * XBLOCK + tl.arange(0, XBLOCK)[:, None]
+    nmask = rn < N
+    rk = tl.arange(0, RBLOCK)[None, :]
+    acc = tl.zeros((XBLOCK, RBLOCK), dtype=tl.float32)
+    for k0 in range(0, K, RBLOCK):
+        kk = k0 + rk
+        x = tl.load(x_ptr + kk).to(tl.float32)
+        w = tl.load(w_ptr + rn * K + kk, mask=nmask, other=0.0).to(tl.float32)
+        acc += w * x
+    tot = tl.sum(acc, 1, keep_dims=True)
+    tl.store(out_ptr + rn, tot.to(tl.bfloat16), mask=nmask)
+
+
+@triton.jit
+def gemv_i8(x_ptr, q_ptr, s_ptr, out_ptr, N, K: tl.constexpr, XBLOCK: tl.constexpr,
+            RBLOCK: tl.constexpr, SUB: tl.constexpr):
+    rn = tl.program_id(0) * XBLOCK + tl.arange(0, XBLOCK)[:, None]
+    nmask = rn < N
+    rk = tl.arange(0, RBLOCK)[None, :]
+    if SUB == 1:
+        acc = tl.zeros((XBLOCK, RBLOCK), dtype=tl.float32)
+    else:
+        acc = tl.zeros((XBLOCK, RBLOCK // SUB), dtype=tl.float32)
+    for k0 in range(0, K, RBLOCK):
+        kk = k0 + rk
+        x = tl.load(x_ptr + kk).to(tl.float32)
+        q = tl.load(q_ptr + rn * K + kk, mask=nmask, other=0)
+        w = (q.to(tl.uint8, bitcast=True).to(tl.int32) ^ 0x4B000080).to(
+            tl.float32, bitcast=True) - 8388736.0
+        if SUB == 1:
+            acc += w * x
+        else:
+            acc += tl.sum(tl.reshape(w * x, [XBLOCK, RBLOCK // SUB, SUB]), 2)
+    tot = tl.sum(acc, 1, keep_dims=True) * tl.load(s_ptr + rn, mask=nmask, other=0.0)
+    tl.store(out_ptr + rn, tot.to(tl.bfloat16), mask=nmask)
+
+
+@triton.jit
+def gemv_i4(x_ptr, p_ptr, s_ptr, out_ptr, N, K: tl.constexpr, GS: tl.constexpr,
+            XBLOCK: tl.constexpr, RBLOCK: tl.constexpr, MODE: tl.constexpr,
+            SUB: tl.constexpr):
+    # MODE 0: lane (template today); 1: group sums; 2: 16-byte sums then scale;
+    # 3: x as 32-bit pairs + 16-byte sums
+    NG: tl.constexpr = RBLOCK // GS
+    HB: tl.constexpr = GS // 2
+    rn = tl.program_id(0) * XBLOCK + tl.arange(0, XBLOCK)[:, None, None]
+    nmask = rn < N
+    rg = tl.arange(0, NG)[None, :, None]
+    rj = tl.arange(0, HB)[None, None, :]
+    rk = rg * GS + tl.arange(0, GS)[None, None, :]
+    pb = p_ptr + rn * (K // 2)
+    ps = s_ptr + rn * (K // GS)
+    if MODE == 0:
+        acc = tl.zeros((XBLOCK, NG, HB), dtype=tl.float32)
+    elif MODE == 1:
+        acc = tl.zeros((XBLOCK, NG, 1), dtype=tl.float32)
+    else:
+        acc = tl.zeros((XBLOCK, NG, HB // SUB), dtype=tl.float32)
+    for k0 in range(0, K, RBLOCK):
+        gi = k0 // GS + rg
+        if MODE == 3:
+            xw = tl.load(x_ptr.to(tl.pointer_type(tl.int32), bitcast=True)
+                         + gi * HB + rj)
+            xe = (xw << 16).to(tl.float32, bitcast=True)
+            xo = (xw & -65536).to(tl.float32, bitcast=True)
+        else:
+            x = tl.load(x_ptr + k0 + rk).to(tl.float32)
+            xe, xo = tl.split(tl.reshape(x, [1, NG, HB, 2]))
+        b = tl.load(pb + gi * HB + rj, mask=nmask, other=136).to(tl.int32)
+        lo = ((b & 15) | 0x4B000000).to(tl.float32, bitcast=True) - 8388616.0
+        hi = ((b >> 4) | 0x4B000000).to(tl.float32, bitcast=True) - 8388616.0
+        s = tl.load(ps + gi, mask=nmask, other=0.0)
+        if MODE == 0:
+            acc += (lo * xe + hi * xo) * s
+        elif MODE == 1:
+            acc += tl.sum(lo * xe + hi * xo, 2, keep_dims=True) * s
+        else:
+            part = tl.sum(tl.reshape(lo * xe + hi * xo, [XBLOCK, NG, HB // SUB, SUB]), 3)
+            acc += part * s
+    tot = tl.sum(tl.sum(acc, 2, keep_dims=True), 1, keep_dims=True)
+    tl.store(out_ptr + rn, tot.to(tl.bfloat16), mask=nmask)
+
+
+def copy_gbs() -> float:
+    src = torch.empty(2**28, dtype=torch.float32, device="cuda")
+    dst = torch.empty_like(src)
+    for _ in range(3):
+        dst.copy_(src)
+    torch.cuda.synchronize()
+    a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    ts = []
+    for _ in range(10):
+        a.record()
+        dst.copy_(src)
+        b.record()
+        b.synchronize()
+        ts.append(a.elapsed_time(b))
+    return 2 * src.numel() * 4 / statistics.median(ts) / 1e6
+
+
+def graph_us(launches: list, repeat: int = 7) -> float:
+    """Per-launch device time of a CUDA graph of `launches` (callables), median of runs."""
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        for f in launches:  # compile + warm outside the capture
+            f()
+    torch.cuda.current_stream().wait_stream(s)
+    torch.cuda.synchronize()
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        for f in launches:
+            f()
+    g.replay()
+    torch.cuda.synchronize()
+    ts = []
+    for _ in range(repeat):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        g.replay()
+        b.record()
+        b.synchronize()
+        ts.append(a.elapsed_time(b) * 1e3 / len(launches))
+    return statistics.median(ts)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--quick", action="store_true", help="fewer configs (a smoke run)")
+    ap.add_argument("--shapes", default=",".join(s[0] for s in SHAPES))
+    a = ap.parse_args()
+    torch.manual_seed(0)
+    bw = copy_gbs()
+    print(f"GPU {torch.cuda.get_device_name(0)}, copy bandwidth {bw:.0f} GB/s", flush=True)
+    xb = [4, 8] if a.quick else [2, 4, 8, 16]
+    bytes_step = [1024] if a.quick else [512, 1024, 2048]
+    warps = [4] if a.quick else [4, 8]
+    best: dict[tuple[str, str], tuple[float, tuple]] = {}
+    for name, n, k in [s for s in SHAPES if s[0] in a.shapes.split(",")]:
+        w = torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * 0.02
+        x = torch.randn(k, device="cuda", dtype=torch.bfloat16)
+        q8 = quantize_int8(w.float().cpu())
+        q4 = quantize_int4(w.float().cpu(), G)
+        forms = {
+            "bf16": ([w], w.numel() * 2),
+            "i8": ([q8["q"].cuda(), q8["s"].cuda()], n * k + 4 * n),
+            "i4": ([q4["q"].cuda(), q4["s"].cuda()], n * k // 2 + 4 * n * (k // G)),
+        }
+        refs = {"bf16": w.double() @ x.double(),
+                "i8": (q8["q"].double() * q8["s"].double()[:, None]).cuda() @ x.double()}
+        p = q4["q"].to(torch.int16)
+        deq = torch.stack([(p & 15) - 8, (p >> 4) - 8], 2).reshape(n, -1).double()
+        refs["i4"] = ((deq.reshape(n, -1, G) * q4["s"].double()[:, :, None]).reshape(n, -1)
+                      ).cuda() @ x.double()
+        del p, deq
+        variants = {
+            "bf16": ("bf16", lambda o, t, c: gemv_bf16[(triton.cdiv(n, c[0]),)](
+                x, t[0], o, n, k, XBLOCK=c[0], RBLOCK=c[1], num_warps=c[2]), 2),
+            "i8_lane": ("i8", lambda o, t, c: gemv_i8[(triton.cdiv(n, c[0]),)](
+                x, t[0], t[1], o, n, k, XBLOCK=c[0], RBLOCK=c[1], SUB=1, num_warps=c[2]), 1),
+            "i8_sub": ("i8", lambda o, t, c: gemv_i8[(triton.cdiv(n, c[0]),)](
+                x, t[0], t[1], o, n, k, XBLOCK=c[0], RBLOCK=c[1], SUB=16, num_warps=c[2]), 1),
+        }
+        for vname, mode in (("i4_lane", 0), ("i4_grp", 1), ("i4_sub", 2), ("i4_pair", 3)):
+            variants[vname] = ("i4", lambda o, t, c, mode=mode: gemv_i4[(triton.cdiv(n, c[0]),)](
+                x, t[0], t[1], o, n, k, GS=G, XBLOCK=c[0], RBLOCK=c[1], MODE=mode, SUB=16,
+                num_warps=c[2]), 0.5)
+        for vname, (form, fn, itemsize) in variants.items():
+            tensors, nbytes = forms[form]
+            copies = max(2, math.ceil(400e6 / nbytes))
+            sets = [tensors] + [[t.clone() for t in tensors] for _ in range(copies - 1)]
+            out = torch.empty(n, device="cuda", dtype=torch.bfloat16)
+            for xblock, bs, nw in itertools.product(xb, bytes_step, warps):
+                rblock = min(int(bs / itemsize), k)
+                if form == "i4" and rblock < G:
+                    continue
+                cfg = (xblock, rblock, nw)
+                try:
+                    fn(out, sets[0], cfg)
+                    torch.cuda.synchronize()
+                    ref = refs[form]
+                    err = ((out.double() - ref).abs().max() / ref.abs().max()).item()
+                    if err > 2e-2:
+                        print(f"{name} {vname} {cfg}: WRONG (rel err {err:.3g})", flush=True)
+                        continue
+                    us = graph_us([lambda t=t: fn(out, t, cfg) for t in sets])
+                except Exception as e:  # noqa: BLE001 - a config that does not compile
+                    print(f"{name} {vname} {cfg}: {type(e).__name__}: {str(e)[:160]}",
+                          flush=True)
+                    continue
+                gbs = nbytes / us / 1e3
+                print(f"{name} {vname} {cfg}: {us:.2f} us, {gbs:.0f} GB/s "
+                      f"({100 * gbs / (bw / 2):.0f}% of read bw), err {err:.1e}", flush=True)
+                if (name, vname) not in best or us < best[name, vname][0]:
+                    best[name, vname] = (us, cfg, nbytes)
+            del sets
+        del forms, refs
+        torch.cuda.empty_cache()
+    names = [s[0] for s in SHAPES if s[0] in a.shapes.split(",")]
+    vnames = sorted({v for _, v in best}, key=lambda v: list(variants).index(v))
+    print(f"\nbest config per shape: us (% of the read bandwidth, {bw / 2:.0f} GB/s)\n")
+    print("| variant | " + " | ".join(names) + " | 8B GEMVs ms/token | vs bf16 |")
+    print("|---|" + "---|" * len(names) + "---|---|")
+    tot_bf16 = sum(best[s, "bf16"][0] * PER_TOKEN[s] for s in names if (s, "bf16") in best)
+    for v in vnames:
+        cells, tot = [], 0.0
+        for s in names:
+            if (s, v) in best:
+                us, cfg, nbytes = best[s, v]
+                cells.append(f"{us:.1f} ({100 * nbytes / us / 1e3 / (bw / 2):.0f}%) {cfg}")
+                tot += us * PER_TOKEN[s]
+            else:
+                cells.append("-")
+        print(f"| {v} | " + " | ".join(cells) + f" | {tot / 1e3:.3f} | "
+              f"{tot_bf16 / tot if tot else 0:.2f}x |")
+
+
+if __name__ == "__main__":
+    main()
