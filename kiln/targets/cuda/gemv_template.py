@@ -186,9 +186,10 @@ def print_gemv_kernel(gk: GemmKernel, buffers: dict[str, L.Buffer],
         lines += more
     rows = sympy.sympify(g.b.rows)
     kstep = "kk" if rows == 1 else f"kk * {to_tl(rows)}"
+    sub = _vector(cfg.block_k, g.dtype.itemsize)
     lines += [
         f"    pb = buf_{g.b.buf} + {to_tl(g.b.offset)} + rn * {to_tl(g.b.cols)}",
-        "    acc = tl.zeros((XBLOCK, RBLOCK), dtype=tl.float32)",
+        f"    acc = tl.zeros((XBLOCK, RBLOCK // {sub}), dtype=tl.float32)  # {_SUB_NOTE}",
     ]
     if factored is not None:
         lines += [f"    acc_{r.name} = tl.zeros([1, RBLOCK], dtype=tl.float32)"
@@ -223,7 +224,7 @@ def print_gemv_kernel(gk: GemmKernel, buffers: dict[str, L.Buffer],
         lines.append(f"        x = tl.where(kmask, {_rounded(v, row.dtype)}, 0.0)")
     lines += [
         f"        w = tl.load(pb + {kstep}, mask=nmask & kmask, other=0.0).to(tl.float32)",
-        "        acc += w * x",
+        f"        acc += {_presum('w * x', sub)}",
     ]
     dot = "tl.sum(acc, 1, keep_dims=True)"
     if factored is not None:
@@ -260,6 +261,29 @@ def print_gemv_kernel(gk: GemmKernel, buffers: dict[str, L.Buffer],
     return TritonKernel(name, "\n".join(lines) + "\n", tuple(params), sig,
                         Config(cfg.block_n, cfg.block_k, cfg.num_warps, cfg.num_stages),
                         g.n, gk.source)
+
+
+#: why the accumulators are narrower than the tile
+_SUB_NOTE = "each thread's 16 bytes of B summed in registers first"
+
+
+def _vector(elements: int, itemsize: int) -> int:
+    """Elements of B one thread loads as a 16-byte vector (at most `elements`, a power of
+    two): the products over them are summed in registers before they reach the accumulator,
+    so it holds RBLOCK / that many lanes a row, not RBLOCK (fewer registers: more rows and
+    longer steps fit, and the tuner can pick configs where the whole program spans K and
+    each thread computes the A row's prologue once for all XBLOCK rows)."""
+    v = max(1, 16 // itemsize)
+    while v > 1 and elements % v:
+        v //= 2
+    return v
+
+
+def _presum(value: str, sub: int) -> str:
+    """`value` ([XBLOCK, RBLOCK]) summed over runs of `sub` neighbouring K positions."""
+    if sub == 1:
+        return value
+    return f"tl.sum(tl.reshape({value}, [XBLOCK, RBLOCK // {sub}, {sub}]), 2)"
 
 
 #: float32 bits of 2^23 (a byte ORed under them gives the float 2^23 + byte, exactly)
@@ -323,14 +347,17 @@ def _print_quant_gemv(gk: GemmKernel, buffers: dict[str, L.Buffer], name: str) -
                   for r in pro.reductions]
     lines.append(f"    pb = buf_{g.b.buf} + {to_tl(g.b.offset)} + rn * {to_tl(g.b.cols)}")
     sc = mx.scale
+    sub = _vector(gs // 2 if gs else cfg.block_k, 1)  # 16 bytes of B a thread
     if gs:
         lines += [
             f"    ps = buf_{sc.buf} + {to_tl(sc.offset)} + rn * {to_tl(sc.cols)}",
             f"    rj = tl.arange(0, {gs // 2})[None, None, :]{cast}",
-            f"    acc = tl.zeros((XBLOCK, RBLOCK // {gs}, {gs // 2}), dtype=tl.float32)",
+            f"    acc = tl.zeros((XBLOCK, RBLOCK // {gs}, {gs // 2 // sub}), "
+            f"dtype=tl.float32)  # {_SUB_NOTE}",
         ]
     else:
-        lines.append("    acc = tl.zeros((XBLOCK, RBLOCK), dtype=tl.float32)")
+        lines.append(f"    acc = tl.zeros((XBLOCK, RBLOCK // {sub}), dtype=tl.float32)  "
+                     f"# {_SUB_NOTE}")
     lines += [
         "    for k0 in range(0, K, RBLOCK):",
         "        kk = k0 + rk",
@@ -363,7 +390,8 @@ def _print_quant_gemv(gk: GemmKernel, buffers: dict[str, L.Buffer], name: str) -
             f"        hi = ((b >> 4) | {_EXP23}).to(tl.float32, bitcast=True) - 8388616.0",
             f"        s = tl.load(ps + gi * {to_tl(sc.rows)}, mask=gmask, other=0.0)"
             f".to(tl.float32)",
-            "        acc += (lo * xe + hi * xo) * s",
+            f"        acc += tl.sum(tl.reshape(lo * xe + hi * xo, [XBLOCK, RBLOCK // {gs}, "
+            f"{gs // 2 // sub}, {sub}]), 3) * s",
         ]
         tot = "tl.sum(tl.sum(acc, 2, keep_dims=True), 1, keep_dims=True)"
     else:
@@ -376,7 +404,7 @@ def _print_quant_gemv(gk: GemmKernel, buffers: dict[str, L.Buffer], name: str) -
         lines += [
             f"        q = tl.load(pb + {kstep}, mask=nmask & kmask, other=0)",
             f"        w = {conv}  # {mx.qdtype.name} -> float32, exact",
-            "        acc += w * x",
+            f"        acc += {_presum('w * x', sub)}",
         ]
         tot = "tl.sum(acc, 1, keep_dims=True)"
         if sc is not None:
