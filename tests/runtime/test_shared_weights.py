@@ -1,0 +1,146 @@
+"""Weights shared by the entry points of a package are stored once (issue 17): a weight that one
+entry point reads whole and another reads as part of a larger tensor (decode's merged q/k/v
+and gate/up weights, passes/merge_gemms.py, against prefill's separate ones; their int8 /
+int4 forms) is stored once, the smaller as a view (kiln/package/entries.py): an offset into
+the larger one that libkiln binds, on a device into the one upload of it.
+
+Without a GPU: the views of a CPU package bind and run against eager, and CUDA packages of a
+Llama whose prefill merges no GEMMs (prompts above merge_gemms.MAX_ROWS) store the model's
+bytes once, float32 and int8. On a GPU (`-m gpu`): such a package gives eager's greedy tokens
+and loads one copy of the weights."""
+
+from __future__ import annotations
+
+import collections
+
+import pytest
+import torch
+
+import kiln
+from kiln.package.entries import VIEW_ALIGNMENT
+from kiln.passes.merge_gemms import MAX_ROWS
+
+
+class _Add(torch.nn.Module):
+    def __init__(self, w: torch.Tensor) -> None:
+        super().__init__()
+        self.w = torch.nn.Parameter(w.clone())
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x * 2.0 + self.w
+
+
+def _stored(pkg) -> dict[str, int]:
+    """Bytes per dtype of the package's stored tensors, state buffers left out."""
+    recs = {r["name"]: r for r in pkg.manifest["weights"]}
+    out: dict[str, int] = collections.Counter()
+    for k, t in pkg.weights.items():
+        if not recs[k].get("state"):
+            out[str(t.dtype).removeprefix("torch.")] += t.numel() * t.element_size()
+    return dict(out)
+
+
+def test_a_row_range_of_another_entrys_weight_is_a_view(tmp_path):
+    """Entry `a` reads rows 4..7 of `whole`'s weight (256 bytes in: a view), `unaligned` rows
+    1..4 (64 bytes in: stored apart, a view keeps VIEW_ALIGNMENT); the package runs as eager."""
+    torch.manual_seed(0)
+    big = torch.randn(8, 16)
+    models = {"a": _Add(big[4:8]), "whole": _Add(big), "unaligned": _Add(big[1:5])}
+    x4, x8 = torch.randn(4, 16), torch.randn(8, 16)
+    pkg = kiln.compile({"a": (models["a"], (x4,)), "whole": (models["whole"], (x8,)),
+                        "unaligned": (models["unaligned"], (x4,))})
+    (entry_a, entry_whole, entry_unaligned) = pkg.manifest["entries"]
+    (view,) = entry_a["weights"].values()
+    (key,) = entry_whole["weights"].values()
+    assert view == {"key": key, "offset": 4 * 16 * 4, "dtype": "float32", "shape": [4, 16]}
+    assert (4 * 16 * 4) % VIEW_ALIGNMENT == 0 and (16 * 4) % VIEW_ALIGNMENT != 0
+    (apart,) = entry_unaligned["weights"].values()
+    assert isinstance(apart, str) and apart != key
+    assert sorted(pkg.weights) == sorted([key, apart])
+    r = pkg.load(tmp_path / "views.kiln")
+    for name, x in (("a", x4), ("whole", x8), ("unaligned", x4)):
+        torch.testing.assert_close(getattr(r, name)(x), models[name](x).detach())
+
+
+def _llama():
+    from kiln.models import hf_decoder
+
+    return hf_decoder.build("llama", 0, torch.float32, layers=2, hidden=128, heads=4,
+                            kv_heads=2, intermediate=256, vocab=512)
+
+
+@pytest.mark.parametrize("quant", [None, "int8"])
+def test_cuda_decoder_package_stores_the_weights_once(quant):
+    """Compile only: prefill (prompts up to 2 * MAX_ROWS: its GEMMs stay apart) and decode (q/k/v
+    and gate/up merged) of a Llama store the model's bytes once: float32, the parameters' bytes
+    (and rotary's 64-byte inv_freq); int8, what decode reads, prefill's weights views into it."""
+    pytest.importorskip("triton")
+    pytest.importorskip("transformers")
+    from kiln.models import hf_decoder
+
+    model = _llama()
+    progs = hf_decoder.export_decoder(model, max_cache_len=4 * MAX_ROWS,
+                                      max_prompt=2 * MAX_ROWS)
+    opts = kiln.Options(cuda_archs=(90,), autotune=False, weight_quant=quant)
+    pkg = kiln.compile(progs, device="cuda", options=opts)
+    prefill, decode = pkg.manifest["entries"]
+    views = [v for v in prefill["weights"].values() if isinstance(v, dict)]
+    # q, k, v, gate and up of each layer (int8: and their scales)
+    assert len(views) == 2 * 5 * (2 if quant else 1), prefill["weights"]
+    assert all(isinstance(v, str) for v in decode["weights"].values())
+    assert {v["key"] for v in views} <= set(decode["weights"].values())
+    stored = _stored(pkg)
+    if quant is None:
+        params = sum(p.numel() * p.element_size() for p in model.parameters())
+        assert stored == {"float32": params + 64}, (stored, params)
+    else:  # every stored tensor is one decode reads
+        recs = {r["name"]: r for r in pkg.manifest["weights"]}
+        assert set(pkg.weights) == set(decode["weights"].values())
+        assert sum(stored.values()) == sum(t.numel() * t.element_size()
+                                           for k, t in pkg.weights.items()
+                                           if not recs[k].get("state"))
+        # int8 GEMM weights, float32 scales, embedding and norms: well under float32's bytes
+        params = sum(p.numel() * p.element_size() for p in model.parameters())
+        assert sum(stored.values()) < 0.45 * params, (stored, params)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("quant", [None, "int8"])
+def test_cuda_decoder_with_views_generates_as_eager(quant, tmp_path):
+    """On a GPU: the package whose prefill reads views into decode's merged weights gives
+    eager's greedy tokens (float32) and prefill logits near eager's (int8), and loading it
+    takes one copy of the weights."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs a GPU")
+    from kiln.models import hf_decoder
+
+    model = hf_decoder.llama(layers=2, hidden=256, heads=4, kv_heads=2, vocab=1000, inter=512)
+    progs = hf_decoder.export_decoder(model, max_cache_len=4 * MAX_ROWS,
+                                      max_prompt=2 * MAX_ROWS)
+    opts = kiln.Options(autotune=False, weight_quant=quant)
+    path = kiln.compile(progs, device="cuda", options=opts).save(tmp_path / "llama.kiln")
+    prompt = [(7 * i + 3) % 1000 for i in range(MAX_ROWS + 9)]  # prefill above MAX_ROWS
+    r = kiln.load(path, device="cuda")
+    if quant is None:
+        want = hf_decoder.eager_generate(model, prompt, 12, max_cache_len=4 * MAX_ROWS)
+        assert kiln.runtime.generate(r, prompt, 12).tokens == want
+    else:
+        module = hf_decoder.static_cache_module(model, 4 * MAX_ROWS)
+        ids = torch.tensor([prompt])
+        with torch.no_grad():
+            want = module(input_ids=ids, cache_position=torch.arange(len(prompt)))
+        got = r.prefill(ids.cuda(), torch.arange(len(prompt), device="cuda")).cpu()
+        cos = torch.nn.functional.cosine_similarity(got.flatten(), want.flatten(), dim=0)
+        assert cos > 0.99, cos
+    torch.cuda.synchronize()
+    r.close()
+    torch.cuda.empty_cache()
+    free0 = torch.cuda.mem_get_info()[0]
+    r = kiln.load(path, device="cuda")
+    used = free0 - torch.cuda.mem_get_info()[0]
+    blob = sum(t.numel() * t.element_size() for t in kiln.package.read_package(path)
+               .weights().values()) if hasattr(kiln.package.read_package(path), "weights") \
+        else None
+    r.close()
+    if blob is not None:
+        assert used < blob + (256 << 20), (used, blob)
