@@ -12,6 +12,7 @@ and loads one copy of the weights."""
 from __future__ import annotations
 
 import collections
+import zipfile
 
 import pytest
 import torch
@@ -62,50 +63,52 @@ def test_a_row_range_of_another_entrys_weight_is_a_view(tmp_path):
         torch.testing.assert_close(getattr(r, name)(x), models[name](x).detach())
 
 
-def _llama():
-    from kiln.models import hf_decoder
-
-    return hf_decoder.build("llama", 0, torch.float32, layers=2, hidden=128, heads=4,
-                            kv_heads=2, intermediate=256, vocab=512)
-
-
-@pytest.mark.parametrize("quant", [None, "int8"])
-def test_cuda_decoder_package_stores_the_weights_once(quant):
-    """Compile only: prefill (prompts up to 2 * MAX_ROWS: its GEMMs stay apart) and decode (q/k/v
-    and gate/up merged) of a Llama store the model's bytes once: float32, the parameters' bytes
-    (and rotary's 64-byte inv_freq); int8, what decode reads, prefill's weights views into it."""
-    pytest.importorskip("triton")
+@pytest.fixture(scope="module")
+def llama_programs():
+    """A Llama and its prefill (prompts up to 2 * MAX_ROWS) and decode programs."""
     pytest.importorskip("transformers")
     from kiln.models import hf_decoder
 
-    model = _llama()
-    progs = hf_decoder.export_decoder(model, max_cache_len=4 * MAX_ROWS,
-                                      max_prompt=2 * MAX_ROWS)
+    # q, k, v of 128, 64, 64 rows: every view's offset, scales' too, a multiple of 256 bytes
+    model = hf_decoder.build("llama", 0, torch.float32, layers=1, hidden=128, heads=4,
+                             kv_heads=2, intermediate=256, vocab=256)
+    return model, hf_decoder.export_decoder(model, max_cache_len=4 * MAX_ROWS,
+                                            max_prompt=2 * MAX_ROWS)
+
+
+@pytest.mark.parametrize("quant", ["none", "int8"])
+def test_cuda_decoder_package_stores_the_weights_once(quant, llama_programs):
+    """Compile only: prefill (prompts up to 2 * MAX_ROWS: its GEMMs stay apart) and decode (q/k/v
+    and gate/up merged) of a Llama store the model's bytes once: float32, the parameters' bytes
+    (and rotary's inv_freq); int8, what decode reads, prefill's weights views into it."""
+    pytest.importorskip("triton")
+    model, progs = llama_programs
     opts = kiln.Options(cuda_archs=(90,), autotune=False, weight_quant=quant)
     pkg = kiln.compile(progs, device="cuda", options=opts)
     prefill, decode = pkg.manifest["entries"]
     views = [v for v in prefill["weights"].values() if isinstance(v, dict)]
     # q, k, v, gate and up of each layer (int8: and their scales)
-    assert len(views) == 2 * 5 * (2 if quant else 1), prefill["weights"]
+    assert len(views) == 5 * (2 if quant == "int8" else 1), prefill["weights"]
     assert all(isinstance(v, str) for v in decode["weights"].values())
     assert {v["key"] for v in views} <= set(decode["weights"].values())
     stored = _stored(pkg)
-    if quant is None:
+    if quant == "none":
         params = sum(p.numel() * p.element_size() for p in model.parameters())
-        assert stored == {"float32": params + 64}, (stored, params)
+        inv_freq = model.model.rotary_emb.inv_freq
+        assert stored == {"float32": params + inv_freq.numel() * 4}, (stored, params)
     else:  # every stored tensor is one decode reads
         recs = {r["name"]: r for r in pkg.manifest["weights"]}
         assert set(pkg.weights) == set(decode["weights"].values())
         assert sum(stored.values()) == sum(t.numel() * t.element_size()
                                            for k, t in pkg.weights.items()
                                            if not recs[k].get("state"))
-        # int8 GEMM weights, float32 scales, embedding and norms: well under float32's bytes
+        # int8 GEMM weights and their float32 scales; the embedding and norms float32
         params = sum(p.numel() * p.element_size() for p in model.parameters())
-        assert sum(stored.values()) < 0.45 * params, (stored, params)
+        assert sum(stored.values()) < 0.6 * params, (stored, params)
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("quant", [None, "int8"])
+@pytest.mark.parametrize("quant", ["none", "int8"])
 def test_cuda_decoder_with_views_generates_as_eager(quant, tmp_path):
     """On a GPU: the package whose prefill reads views into decode's merged weights gives
     eager's greedy tokens (float32) and prefill logits near eager's (int8), and loading it
@@ -121,7 +124,7 @@ def test_cuda_decoder_with_views_generates_as_eager(quant, tmp_path):
     path = kiln.compile(progs, device="cuda", options=opts).save(tmp_path / "llama.kiln")
     prompt = [(7 * i + 3) % 1000 for i in range(MAX_ROWS + 9)]  # prefill above MAX_ROWS
     r = kiln.load(path, device="cuda")
-    if quant is None:
+    if quant == "none":
         want = hf_decoder.eager_generate(model, prompt, 12, max_cache_len=4 * MAX_ROWS)
         assert kiln.runtime.generate(r, prompt, 12).tokens == want
     else:
@@ -132,15 +135,14 @@ def test_cuda_decoder_with_views_generates_as_eager(quant, tmp_path):
         got = r.prefill(ids.cuda(), torch.arange(len(prompt), device="cuda")).cpu()
         cos = torch.nn.functional.cosine_similarity(got.flatten(), want.flatten(), dim=0)
         assert cos > 0.99, cos
-    torch.cuda.synchronize()
     r.close()
-    torch.cuda.empty_cache()
+    torch.cuda.synchronize()
     free0 = torch.cuda.mem_get_info()[0]
     r = kiln.load(path, device="cuda")
     used = free0 - torch.cuda.mem_get_info()[0]
-    blob = sum(t.numel() * t.element_size() for t in kiln.package.read_package(path)
-               .weights().values()) if hasattr(kiln.package.read_package(path), "weights") \
-        else None
     r.close()
-    if blob is not None:
-        assert used < blob + (256 << 20), (used, blob)
+    with zipfile.ZipFile(path) as z:
+        blob = z.getinfo("weights.safetensors").file_size
+    # one copy of the weights (and the KV cache) plus the entries' arenas and modules: not the
+    # 1.5x of prefill's q/k/v and gate/up uploaded apart
+    assert used < 1.25 * blob + (160 << 20), (used, blob)
