@@ -136,13 +136,44 @@ def test_cuda_decoder_with_views_generates_as_eager(quant, tmp_path):
         cos = torch.nn.functional.cosine_similarity(got.flatten(), want.flatten(), dim=0)
         assert cos > 0.99, cos
     r.close()
-    torch.cuda.synchronize()
-    free0 = torch.cuda.mem_get_info()[0]
-    r = kiln.load(path, device="cuda")
-    used = free0 - torch.cuda.mem_get_info()[0]
-    r.close()
-    with zipfile.ZipFile(path) as z:
+
+
+def _load_bytes(path) -> int:
+    """Device memory a load of `path` takes (the least of three: other processes move the
+    device's free memory; tests/targets/cuda/test_generate_cuda.py's measure)."""
+    kiln.load(path, device="cuda").close()  # the context, cuBLAS, the output pool: warm
+    uses = []
+    for _ in range(3):
+        torch.cuda.synchronize()
+        free0 = torch.cuda.mem_get_info()[0]
+        r = kiln.load(path, device="cuda")
+        uses.append(free0 - torch.cuda.mem_get_info()[0])
+        r.close()
+    return min(uses)
+
+
+@pytest.mark.gpu
+def test_views_share_the_one_upload_of_the_merged_weights(tmp_path):
+    """On a GPU: q/k/v and gate/up are 2/3 of this model's 480 MB; prefill reads them as views
+    into decode's merged weights, so the package takes about decode's memory alone plus the
+    other entries' arenas and modules (about 50 MiB each), not another 320 MB of weights."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs a GPU")
+    from kiln.models import hf_decoder
+    from kiln.models import device_sampler as S
+
+    model = hf_decoder.llama(layers=8, hidden=1024, heads=8, kv_heads=4, vocab=1000,
+                             inter=4096)
+    progs = hf_decoder.export_decoder(model, max_cache_len=4 * MAX_ROWS,
+                                      max_prompt=2 * MAX_ROWS, sampler=S.export_sampler)
+    opts = kiln.Options(autotune=False)
+    every = kiln.compile(progs, device="cuda", options=opts)
+    assert any(isinstance(v, dict) for v in every.manifest["entries"][0]["weights"].values())
+    every = every.save(tmp_path / "all.kiln")
+    one = kiln.compile({"decode": progs["decode"]}, device="cuda", options=opts).save(
+        tmp_path / "decode.kiln")
+    with zipfile.ZipFile(every) as z:
         blob = z.getinfo("weights.safetensors").file_size
-    # one copy of the weights (and the KV cache) plus the entries' arenas and modules: not the
-    # 1.5x of prefill's q/k/v and gate/up uploaded apart
-    assert used < 1.25 * blob + (160 << 20), (used, blob)
+    used_every, used_one = _load_bytes(every), _load_bytes(one)
+    assert used_one > 0.9 * blob, (used_one, blob)
+    assert used_every - used_one < blob / 2, (used_every, used_one, blob)
