@@ -63,6 +63,33 @@ def test_a_row_range_of_another_entrys_weight_is_a_view(tmp_path):
         torch.testing.assert_close(getattr(r, name)(x), models[name](x).detach())
 
 
+def _part(name: str, weights: dict[str, tuple[str, torch.Tensor]]):
+    """An entry's (name, manifest, files, weights) for package.entries.merge: {weight name:
+    (fqn, tensor)}."""
+    man = {"weights": [{"name": w, "fqn": fqn, "dtype": str(t.dtype).removeprefix("torch."),
+                        "shape": list(t.shape)} for w, (fqn, t) in weights.items()]}
+    return name, man, {}, {w: t for w, (_, t) in weights.items()}
+
+
+def test_views_compose_and_need_the_fqn_words():
+    """merge alone: a view of a view is a view of the stored tensor (offsets added); bytes
+    equal under an FQN that does not name the contained one's words stay stored apart."""
+    from kiln.package.entries import merge
+
+    torch.manual_seed(0)
+    big = torch.randn(16, 64)
+    manifest, _, blob = merge([
+        _part("a", {"wq": ("q", big[12:16].clone()), "other": ("z", big[0:4].clone())}),
+        _part("b", {"half": ("<folded p, q>", big[8:16].clone())}),
+        _part("c", {"whole": ("<folded o, p, q>", big.clone())})])
+    a, b, c = manifest["entries"]
+    assert sorted(blob) == ["other", "whole"]
+    assert a["weights"]["wq"] == {"key": "whole", "offset": 12 * 64 * 4, "dtype": "float32",
+                                  "shape": [4, 64]}
+    assert b["weights"]["half"]["offset"] == 8 * 64 * 4 and a["weights"]["other"] == "other"
+    assert [w["name"] for w in manifest["weights"]] == ["other", "whole"]
+
+
 @pytest.fixture(scope="module")
 def llama_programs():
     """A Llama and its prefill (prompts up to 2 * MAX_ROWS) and decode programs."""
