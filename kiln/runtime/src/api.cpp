@@ -110,8 +110,6 @@ struct CpuLevel {
   std::vector<std::string> features;
 };
 
-// An entry point of the package (manifest "entries"; a package without them has one, the
-// default, named "forward"): its library and its instance.
 // A weight an entry point reads as a row range of another stored weight (kiln/package/
 // entries.py: e.g. prefill's q/k/v in decode's merged q/k/v weight): not stored itself.
 struct WeightView {
@@ -119,6 +117,8 @@ struct WeightView {
   uint64_t offset = 0;  // bytes into it
 };
 
+// An entry point of the package (manifest "entries"; a package without them has one, the
+// default, named "forward"): its library and its instance.
 struct ModelEntry {
   std::string name;
   std::map<std::string, std::string> keys;  // library weight name -> weights blob key
