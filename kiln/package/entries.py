@@ -150,9 +150,12 @@ def _row_offset(big: torch.Tensor, small: torch.Tensor) -> int | None:
         return None
     n = s.shape[0]
     row_bytes = s[0].numel() * s.element_size()
-    starts = (b[:b.shape[0] - n + 1] == s[0]).reshape(b.shape[0] - n + 1, -1).all(1)
-    for r in starts.nonzero().flatten().tolist():
-        if (r * row_bytes) % VIEW_ALIGNMENT == 0 and torch.equal(b[r:r + n], s):
+    b2, s2 = b.reshape(b.shape[0], -1), s.reshape(n, -1)
+    # rows whose first element matches (a column: cheap), then the row, then the range
+    starts = (b2[:b.shape[0] - n + 1, 0] == s2[0, 0]).nonzero().flatten().tolist()
+    for r in starts:
+        if (r * row_bytes) % VIEW_ALIGNMENT == 0 and torch.equal(b2[r], s2[0]) and \
+                torch.equal(b2[r:r + n], s2):
             return r * row_bytes
     return None
 
