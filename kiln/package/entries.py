@@ -12,7 +12,17 @@ Weights: an entry's weight is stored once when an earlier entry already stored t
 with the same dtype, shape, layout (freezing, prepacking) and values; its key is then that
 earlier one. State buffers (weights the programs update: a KV cache) with the same FQN are one
 key, hence one buffer per loaded instance that every entry reads and writes (libkiln:
-kiln_model_abi's share_state); their dtype and shape must agree."""
+kiln_model_abi's share_state); their dtype and shape must agree.
+
+Views (issue 17): a weight whose bytes are a row range of another stored weight is not stored
+itself: the entry's `weights` record maps its name to {"key": the stored tensor's key,
+"offset": bytes into it, "dtype", "shape"} instead of a key. That is how an entry point that
+reads q, k and v (or gate and up) as separate GEMM weights shares the bytes of another entry
+point's merged q/k/v weight (passes/merge_gemms.py merges only GEMMs of few rows: decode, not
+prefill; the quantised weights of targets/cuda/quant.py alike): libkiln binds the view to its
+bytes in the stored tensor, and on a device to the one upload of that tensor (share_weight at
+the offset), so the package and the GPU hold each weight once. A view's offset is a multiple of
+VIEW_ALIGNMENT (what a weight of its own gets); other contained tensors stay stored apart."""
 
 from __future__ import annotations
 
@@ -30,6 +40,11 @@ DEFAULT_ENTRY = "forward"
 #: the keys of an entry's own manifest copied into its record
 ENTRY_KEYS = ("inputs", "outputs", "in_spec", "out_spec", "symbols", "constant_inputs",
               "requires", "kernels")
+#: a view's byte offset into its stored tensor is a multiple of this: CUDA uploads each weight
+#: 256-byte aligned (kernels assume 16), safetensors' data and the CPU's weights are 8-aligned
+VIEW_ALIGNMENT = 256
+#: the words of an FQN: a folded or quantised weight's FQN names those of its parts
+_WORDS = re.compile(r"[^\s,<>:()]+")
 
 
 def check_entry_names(names: Sequence[Any]) -> None:
@@ -102,6 +117,7 @@ def merge(parts: Sequence[tuple[str, Mapping[str, Any], Mapping[str, bytes],
         entries.append({"name": name, "library": prefix + "lib/model.so",
                         **{key: man[key] for key in ENTRY_KEYS if key in man},
                         "requires": req, "weights": keys})
+    _share_contained(blob, records, entries)
     first = parts[0][1]
     manifest = dict(first)
     manifest["weights"] = list(records.values())
@@ -109,6 +125,72 @@ def merge(parts: Sequence[tuple[str, Mapping[str, Any], Mapping[str, bytes],
     manifest["build"] = {**first.get("build", {}), "compile_seconds": sum(
         float(p[1].get("build", {}).get("compile_seconds", 0.0)) for p in parts)}
     return manifest, files, blob
+
+
+def _bits(t: torch.Tensor) -> torch.Tensor | None:
+    """`t`'s elements as integers of their size (a byte-exact comparison: -0.0 is not 0.0, a
+    NaN equals itself), or None for a dtype without one."""
+    ints = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+    if t.dtype.is_complex or t.element_size() not in ints:
+        return None
+    try:
+        return t.detach().contiguous().view(ints[t.element_size()])
+    except RuntimeError:
+        return None
+
+
+def _row_offset(big: torch.Tensor, small: torch.Tensor) -> int | None:
+    """The byte offset of `small` in `big` where `small` is rows r .. r + n of `big` (dims
+    after the first equal, same dtype), at a multiple of VIEW_ALIGNMENT; else None."""
+    if big.dtype != small.dtype or small.dim() != big.dim() or small.dim() == 0 or \
+            small.shape[1:] != big.shape[1:] or not 0 < small.shape[0] < big.shape[0]:
+        return None
+    b, s = _bits(big), _bits(small)
+    if b is None or s is None:
+        return None
+    n = s.shape[0]
+    row_bytes = s[0].numel() * s.element_size()
+    b2, s2 = b.reshape(b.shape[0], -1), s.reshape(n, -1)
+    # rows whose first element matches (a column: cheap), then the row, then the range
+    starts = (b2[:b.shape[0] - n + 1, 0] == s2[0, 0]).nonzero().flatten().tolist()
+    for r in starts:
+        if (r * row_bytes) % VIEW_ALIGNMENT == 0 and torch.equal(b2[r], s2[0]) and \
+                torch.equal(b2[r:r + n], s2):
+            return r * row_bytes
+    return None
+
+
+def _share_contained(blob: dict[str, torch.Tensor], records: dict[str, dict[str, Any]],
+                     entries: list[dict[str, Any]]) -> None:
+    """Stored weights that are a row range of another stored weight become views into it
+    (the module's docstring), in place: dropped from `blob` and `records`, and each entry's
+    `weights` record maps them to {"key", "offset", "dtype", "shape"}. Candidates: the same
+    dtype, more rows, and an FQN naming every word of the contained one's (a merged weight's
+    `<folded a, b, c: ...>` names a, b and c; so do their quantised forms)."""
+    plain = [k for k, r in records.items() if not r.get("state") and blob[k].numel() > 0]
+    order = sorted(plain, key=lambda k: blob[k].numel(), reverse=True)
+    words = {k: set(_WORDS.findall(records[k].get("fqn") or k)) for k in plain}
+    view: dict[str, tuple[str, int]] = {}  # contained key -> (stored key, byte offset)
+    for i, k in enumerate(order):
+        t = blob[k]
+        for big in order[:i]:
+            if blob[big].dtype != t.dtype or not words[k] <= words[big] or \
+                    blob[big].numel() <= t.numel():
+                continue
+            off = _row_offset(blob[big], t)
+            if off is not None:
+                base, off0 = view.get(big, (big, 0))
+                view[k] = (base, off0 + off)
+                break
+    if not view:
+        return
+    for e in entries:
+        e["weights"] = {w: ({"key": view[key][0], "offset": view[key][1],
+                             "dtype": records[key]["dtype"], "shape": list(records[key]["shape"])}
+                            if isinstance(key, str) and key in view else key)
+                        for w, key in e["weights"].items()}
+    for k in view:
+        del blob[k], records[k]
 
 
 def entry_names(manifest: Mapping[str, Any]) -> list[str]:

@@ -18,7 +18,10 @@ launches dominate: on larger products each separate GEMM keeps its own fused epi
 activation, residual in a CUTLASS visitor tree or the Triton template), which the merged GEMM,
 read through slices, cannot carry. Applies where each W_i is a static 2-D weight read only by
 that permute, and each permute only
-by its matmul (no weight is stored twice). The merged weight is a fold of the model's tensors
+by its matmul (no weight is stored twice). In a package of several entry points where one
+merges (decode) and another does not (prefill of more than MAX_ROWS rows), the separate
+weights are stored as views into the merged one (package/entries.py), not twice. The merged
+weight is a fold of the model's tensors
 (FQN `<folded ...>`), so the pass runs only with `Options.fold_constants`, and
 `update_weights` refuses such packages as it refuses other folds. A pure pass: returns a new
 graph and weight table."""

@@ -110,11 +110,19 @@ struct CpuLevel {
   std::vector<std::string> features;
 };
 
+// A weight an entry point reads as a row range of another stored weight (kiln/package/
+// entries.py: e.g. prefill's q/k/v in decode's merged q/k/v weight): not stored itself.
+struct WeightView {
+  std::string key;      // the stored tensor's key in the weights blob
+  uint64_t offset = 0;  // bytes into it
+};
+
 // An entry point of the package (manifest "entries"; a package without them has one, the
 // default, named "forward"): its library and its instance.
 struct ModelEntry {
   std::string name;
   std::map<std::string, std::string> keys;  // library weight name -> weights blob key
+  std::map<std::string, WeightView> views;  // library weight name -> its bytes in another
   std::vector<CpuLevel> levels;  // requires.cpu_levels, else the one build
   bool portable = false;
   const kiln_model_abi *abi = nullptr;
@@ -428,8 +436,19 @@ ManifestInfo check_manifest(const kiln::ZipReader &zip) {
     const kiln::Json *keys = j.get("weights");
     if (keys && keys->type == kiln::Json::Object) {
       for (const auto &kv : keys->members) {
+        if (kv.second.type == kiln::Json::Object) {  // a view: {"key", "offset", ...}
+          const kiln::Json *key = kv.second.get("key");
+          const kiln::Json *off = kv.second.get("offset");
+          if (!key || key->type != kiln::Json::String || !off || !off->is_int ||
+              off->integer < 0) {
+            kiln::fail("%s: entry '%s': weights[%s] is a view without a \"key\" string and "
+                       "an \"offset\" >= 0", what.c_str(), e.name.c_str(), kv.first.c_str());
+          }
+          e.views[kv.first] = {key->str, static_cast<uint64_t>(off->integer)};
+          continue;
+        }
         if (kv.second.type != kiln::Json::String) {
-          kiln::fail("%s: entry '%s': weights[%s] is not a string", what.c_str(),
+          kiln::fail("%s: entry '%s': weights[%s] is not a string or a view", what.c_str(),
                      e.name.c_str(), kv.first.c_str());
         }
         e.keys[kv.first] = kv.second.str;
@@ -504,7 +523,8 @@ const kiln_model_abi *open_library(const kiln::ZipReader &zip, const std::string
 std::vector<const void *> bind_blob(const unsigned char *data, uint64_t size,
                                     const kiln_model_abi *abi, const std::string &what,
                                     const std::map<std::string, std::vector<int64_t>> &shapes,
-                                    const std::map<std::string, std::string> &keys = {}) {
+                                    const std::map<std::string, std::string> &keys = {},
+                                    const std::map<std::string, kiln::WeightView> &views = {}) {
   std::vector<const void *> ptrs;
   auto tensors = kiln::parse_safetensors(data, size, what);
   for (int64_t i = 0; i < abi->n_weights; ++i) {
@@ -512,6 +532,29 @@ std::vector<const void *> bind_blob(const unsigned char *data, uint64_t size,
     const char *dtype = abi->weight_dtypes[i];
     if (!own || !dtype) kiln::fail("kiln: %s: model weight %lld has no name or dtype",
                                    what.c_str(), static_cast<long long>(i));
+    auto view = views.find(own);  // bytes inside another stored weight
+    if (view != views.end()) {
+      auto it = tensors.find(view->second.key);
+      if (it == tensors.end()) {
+        kiln::fail("%s: missing weight '%s' (weight '%s' is a view into it)", what.c_str(),
+                   view->second.key.c_str(), own);
+      }
+      const kiln::SafeTensor &t = it->second;
+      const uint64_t off = view->second.offset;
+      if (t.dtype != dtype) {
+        kiln::fail("%s: weight '%s' (a view into '%s') has dtype %s, the model expects %s",
+                   what.c_str(), own, view->second.key.c_str(), t.dtype.c_str(), dtype);
+      }
+      if (abi->weight_nbytes[i] < 0 || off > t.nbytes ||
+          static_cast<uint64_t>(abi->weight_nbytes[i]) > t.nbytes - off) {
+        kiln::fail("%s: weight '%s' is %lld bytes at offset %llu of '%s', which has %llu",
+                   what.c_str(), own, static_cast<long long>(abi->weight_nbytes[i]),
+                   static_cast<unsigned long long>(off), view->second.key.c_str(),
+                   static_cast<unsigned long long>(t.nbytes));
+      }
+      ptrs.push_back(t.data + off);
+      continue;
+    }
     auto key = keys.find(own);  // an entry point's weight may be stored under another key
     const char *name = key == keys.end() ? own : key->second.c_str();
     auto it = tensors.find(name);
@@ -568,6 +611,21 @@ Instances create_all(kiln_model *m, const unsigned char *data, uint64_t size,
   Instances out;
   // device models: the first entry that has a weight key uploads it, later ones share it
   std::map<std::string, std::pair<size_t, int64_t>> uploaded;  // key -> (entry, weight k)
+  // views into a key some entry reads whole: not uploaded, given that upload at their offset
+  // once every instance exists (the entry that uploads it may come later)
+  std::set<std::string> whole;
+  struct Pending { size_t entry; int64_t k; kiln::WeightView view; };
+  std::vector<Pending> pending;
+  if (m->share_weights) {
+    for (const ModelEntry &ent : m->entries) {
+      for (int64_t k = 0; k < ent.abi->n_weights; ++k) {
+        const char *own = ent.abi->weight_names[k];
+        if (!own || ent.views.count(own)) continue;
+        auto key = ent.keys.find(own);
+        whole.insert(key == ent.keys.end() ? std::string(own) : key->second);
+      }
+    }
+  }
   try {
     for (size_t e = 0; e < m->entries.size(); ++e) {
       const ModelEntry &ent = m->entries[e];
@@ -578,15 +636,25 @@ Instances create_all(kiln_model *m, const unsigned char *data, uint64_t size,
                    static_cast<long long>(abi->n_weights));
       }
       std::vector<const void *> w = abi->n_weights > 0
-          ? bind_blob(data, size, abi, what, m->weight_shapes, ent.keys)
+          ? bind_blob(data, size, abi, what, m->weight_shapes, ent.keys, ent.views)
           : std::vector<const void *>();
-      auto key_of = [&](int64_t k) {
+      auto key_of = [&](int64_t k) {  // "" for a view: it is no stored weight of its own
+        if (ent.views.count(abi->weight_names[k])) return std::string();
         auto key = ent.keys.find(abi->weight_names[k]);
         return key == ent.keys.end() ? std::string(abi->weight_names[k]) : key->second;
       };
       std::vector<char> skipped(w.size(), 0);  // not uploaded: shared after create
       if (m->share_weights) {
         for (int64_t k = 0; k < abi->n_weights; ++k) {
+          auto view = ent.views.find(abi->weight_names[k]);
+          if (view != ent.views.end()) {
+            if (whole.count(view->second.key) && abi->weight_nbytes[k] > 0) {
+              w[k] = nullptr;
+              skipped[k] = 1;
+              pending.push_back({e, k, view->second});
+            }
+            continue;
+          }
           const std::string name = key_of(k);
           if (uploaded.count(name) && abi->weight_nbytes[k] > 0) {
             w[k] = nullptr;
@@ -606,6 +674,7 @@ Instances create_all(kiln_model *m, const unsigned char *data, uint64_t size,
       if (m->share_weights) {
         for (int64_t k = 0; k < abi->n_weights; ++k) {
           const std::string name = key_of(k);
+          if (name.empty()) continue;  // a view: shared below, once its owner exists
           auto up = uploaded.find(name);
           if (up == uploaded.end()) {
             uploaded[name] = {e, k};
@@ -646,6 +715,22 @@ Instances create_all(kiln_model *m, const unsigned char *data, uint64_t size,
           kiln::fail("%s: entry point %s cannot share state buffer '%s': %s", what.c_str(),
                      ent.name.c_str(), name.c_str(), err);
         }
+      }
+    }
+    for (const Pending &p : pending) {  // views: the upload of their stored weight, offset
+      const ModelEntry &ent = m->entries[p.entry];
+      auto up = uploaded.find(p.view.key);
+      const ModelEntry *owner = up == uploaded.end() ? nullptr : &m->entries[up->second.first];
+      void *buf = owner ? owner->abi->weight_buffer(out.inst[up->second.first],
+                                                    up->second.second) : nullptr;
+      char err[1024] = {0};
+      if (!buf || ent.abi->share_weight(out.inst[p.entry], p.k,
+                                        static_cast<char *>(buf) + p.view.offset, err,
+                                        sizeof err) != 0) {
+        err[sizeof err - 1] = '\0';
+        kiln::fail("%s: entry point %s cannot share weight '%s' (a view into '%s'): %s",
+                   what.c_str(), ent.name.c_str(), ent.abi->weight_names[p.k],
+                   p.view.key.c_str(), buf ? err : "no copy of it was uploaded");
       }
     }
   } catch (...) {
