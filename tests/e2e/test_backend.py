@@ -134,6 +134,7 @@ def test_backend_falls_back_on_unsupported_graph_with_a_warning():
         "UnsupportedError": 1}, s
 
 
+@pytest.mark.slow  # heavy (cold cache: 15-100 s on 2 cores); make test-slow
 def test_attention_training_gradients_equal_eager():
     """AOTAutograd saves attention's logsumexp for the backward: whatever kiln compiles or
     refuses of that forward, the gradients are eager's (a forward whose outputs differ from the

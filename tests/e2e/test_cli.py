@@ -55,6 +55,7 @@ def test_compile_output_is_clean_and_counts_agree(compiled):
     assert json.loads(inspect.stdout)["kernels"] == total
 
 
+@pytest.mark.slow  # heavy (cold cache: 15-100 s on 2 cores); make test-slow
 def test_profile_lists_every_kernel(compiled):
     pkg, _ = compiled
     out = _kiln("profile", pkg, "--repeat", "3", "--json")

@@ -72,6 +72,7 @@ def test_compile_report_and_inspect_agree_on_kernels(package):
                                           + compiled.report["extern_calls"])
 
 
+@pytest.mark.slow  # heavy (cold cache: 15-100 s on 2 cores); make test-slow
 def test_report_html_is_self_contained(package, tmp_path):
     path, compiled = package
     out = _cli("report", path, "-o", tmp_path / "r.html", "--repeat", "2")

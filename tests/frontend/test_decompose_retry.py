@@ -5,6 +5,7 @@ decomposes keeping the ops it converts directly, and the program compiles and ma
 
 from __future__ import annotations
 
+import pytest
 import torch
 import torch.nn.functional as F
 
@@ -29,6 +30,7 @@ class AttnThenView(torch.nn.Module):
         return self.drop(o.view(-1, o.size(-1)) @ self.proj)  # a view, as GPT-2's Conv1D
 
 
+@pytest.mark.slow  # heavy (cold cache: 15-100 s on 2 cores); make test-slow
 def test_program_whose_full_decomposition_fails_compiles_and_matches(tmp_path):
     torch.manual_seed(0)
     m = AttnThenView().eval()

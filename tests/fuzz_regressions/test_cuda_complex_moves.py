@@ -110,6 +110,7 @@ _INTERP = textwrap.dedent("""
 """)
 
 
+@pytest.mark.slow  # heavy (cold cache: 15-100 s on 2 cores); make test-slow
 def test_complex_moves_match_eager_bit_for_bit_in_interpreter():
     for _, module, args in cases():  # compile here (the subprocess only interprets)
         kiln.compile(module, args, device="cuda", options=OPTS)

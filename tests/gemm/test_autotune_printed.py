@@ -112,6 +112,7 @@ _CHILD = textwrap.dedent("""
 
 @pytest.mark.parametrize("dtype", [torch.float32,
                                    pytest.param(torch.float16, marks=pytest.mark.slow)])
+@pytest.mark.slow  # heavy (cold cache: 15-100 s on 2 cores); make test-slow
 def test_printed_candidates_checked_against_product_and_epilogue(tmp_path, dtype):
     """In Triton's interpreter: both configs of the linear (bias, gelu, residual) and of the
     batched matmul (relu, batch loop) meet the tolerance; a wrong store does not."""

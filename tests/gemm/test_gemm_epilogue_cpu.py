@@ -171,6 +171,7 @@ def test_bfloat16_correct(check):
           more=[_inputs(m, torch.bfloat16) for m in (1, 64)])
 
 
+@pytest.mark.slow  # heavy (cold cache: 15-100 s on 2 cores); make test-slow
 def test_threads_1_2_3(tmp_path):
     # N = 101: 4 panels of 32 (AVX-512) or 7 of 16: M = 1 splits the panels over the threads,
     # M = 389 (33 row blocks of 12) splits rows when the panels are too few to go round

@@ -361,6 +361,7 @@ _INTERP = textwrap.dedent("""
 """)
 
 
+@pytest.mark.slow  # heavy (cold cache: 15-100 s on 2 cores); make test-slow
 def test_template_kernels_match_eager_in_triton_interpreter(cuda_build):
     """The package's Triton kernels (the GEMM template specialised to each mixed GEMM, with
     its epilogue) in Triton's interpreter, in a child process (TRITON_INTERPRET must hold

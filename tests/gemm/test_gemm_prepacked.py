@@ -73,6 +73,7 @@ def test_constant_b_packed_vs_eager(check, dtype):
     assert "packed" not in shapes["fc.bias"]
 
 
+@pytest.mark.slow  # heavy (cold cache: 15-100 s on 2 cores); make test-slow
 def test_frozen_weights_pack_alike(check):
     torch.manual_seed(1)
     model = Layers()
@@ -112,6 +113,7 @@ def test_weight_read_twice_is_not_packed(check):
     assert _packed_gemms(compiled) == []
 
 
+@pytest.mark.slow  # heavy (cold cache: 15-100 s on 2 cores); make test-slow
 def test_update_weights_packs_new_weights(check, tmp_path):
     torch.manual_seed(4)
     model = Layers(k=130).eval()
@@ -245,7 +247,8 @@ def test_packed_a_read_in_place_or_packed(check, dtype, k):
     assert len(_packed_gemms(compiled)) == 4, compiled.built.gemms
 
 
-@pytest.mark.parametrize("k", [256, pytest.param(1024, marks=pytest.mark.slow)])
+@pytest.mark.parametrize("k", [pytest.param(256, marks=pytest.mark.slow),
+                               pytest.param(1024, marks=pytest.mark.slow)])
 def test_packed_a_direct_single_thread_and_split(check, k):
     """The same at 1 and 2 threads (the split by row blocks hands each thread whole tiles)."""
     torch.manual_seed(k + 1)

@@ -12,6 +12,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 
 import kiln
 from kiln.layers import LAYERS
@@ -118,6 +120,7 @@ def test_function_level_imports_are_optional_dependencies_with_a_reason():
     assert not bad, "\n".join(bad)
 
 
+@pytest.mark.slow  # heavy (cold cache: 15-100 s on 2 cores); make test-slow
 def test_every_module_imports_first():
     """Each module imported first, in a fresh set of kiln modules: no import-time cycle inside
     a part (a module importing a half-initialised one) hides behind an import order."""

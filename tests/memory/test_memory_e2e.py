@@ -76,6 +76,7 @@ def opts(tmp_path_factory) -> Options:
                    cpu_gemm_epilogue=False)
 
 
+@pytest.mark.slow  # heavy (cold cache: 15-100 s on 2 cores); make test-slow
 def test_long_chain_needs_reuse_and_matches_eager(opts):
     model = Chain().eval()
     x = torch.randn(32, 64)
@@ -152,6 +153,7 @@ def test_dynamic_chain_many_sizes(opts):
     assert all(r["ratio"] <= 1.10 for r in plan_sizes(prog, verify=True))
 
 
+@pytest.mark.slow  # heavy (cold cache: 15-100 s on 2 cores); make test-slow
 def test_inspect_memory_json_and_png(opts, tmp_path, capsys):
     from kiln.cli.main import main
 

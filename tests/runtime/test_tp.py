@@ -227,7 +227,8 @@ def _diagnose(model, paths, n: int, got: dict, ref: torch.Tensor, prompt, tmp) -
 
 
 @needs_mpi
-@pytest.mark.parametrize("n", [2, pytest.param(4, marks=pytest.mark.slow)])
+@pytest.mark.parametrize("n", [pytest.param(2, marks=pytest.mark.slow),
+                               pytest.param(4, marks=pytest.mark.slow)])
 def test_tp_llama_matches_single_device(n, tmp_path):
     model = tp.random_llama(CFG, seed=3)
     prompt = torch.randint(0, CFG.vocab_size, (2, 7), generator=torch.Generator().manual_seed(n))

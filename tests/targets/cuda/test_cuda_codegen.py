@@ -242,6 +242,7 @@ def test_cuda_graphs_option_changes_the_wrapper():
     assert off.library.exists()  # the direct wrapper builds too
 
 
+@pytest.mark.slow  # heavy (cold cache: 15-100 s on 2 cores); make test-slow
 def test_triton_kernels_match_eager_in_interpreter():
     # compile here first (the AOT compiler cannot run in interpreter mode; the subprocess then
     # finds every cubin and library in the cache and only interprets the kernels)

@@ -95,6 +95,7 @@ _HELPERS = textwrap.dedent('''
 ''')
 
 
+@pytest.mark.slow  # heavy (cold cache: 15-100 s on 2 cores); make test-slow
 def test_fnuz_helpers_bit_exact_in_the_interpreter():
     """All 256 bytes -> float32 and ~734k float32 values -> fnuz (both types), bit for bit
     against torch's CPU casts."""

@@ -197,6 +197,7 @@ def test_gemv_not_chosen_for_larger_m():
     assert not gemv_kernels(cm)
 
 
+@pytest.mark.slow  # heavy (cold cache: 15-100 s on 2 cores); make test-slow
 def test_gemv_programs_match_float64_in_triton_interpreter():
     for c in cases():  # cubins first: the AOT compiler cannot run in interpreter mode
         build(*c[:5])
