@@ -272,12 +272,11 @@ def _mask_put(ctx: LowerCtx, node: Node, self_: Lazy, values: Lazy, mask: Lazy,
     res_rank = rank - m + 1
     j = p - (res_rank - values.rank)  # the dim of v along the selected elements
     if j >= 0 and values.shape[j] != 1:
-        if p == 0 and j == 0 and not node.attr("accumulate"):
-            return _mask_scatter(ctx, node, self_, values, mask)
-        raise UnsupportedError(f"index_put with a boolean mask and one value per selected "
-                               f"element (node {node.name}) is supported for x[mask] = v with "
-                               f"the mask over x's leading dims (here dim {p} on), without "
-                               "accumulate")
+        if not node.attr("accumulate"):
+            return _mask_scatter(ctx, node, self_, values, mask, p)
+        raise UnsupportedError(f"index_put with a boolean mask, one value per selected "
+                               f"element and accumulate=True (node {node.name}): only "
+                               f"x[mask] = v (no accumulate) takes one value per element")
 
     def fn(idx):
         res = list(idx[:p]) + [sympy.Integer(0)] + list(idx[p + m:])
@@ -292,16 +291,24 @@ def _mask_put(ctx: LowerCtx, node: Node, self_: Lazy, values: Lazy, mask: Lazy,
     return pointwise(dt, node.type.shape, fn)
 
 
-def _mask_scatter(ctx: LowerCtx, node: Node, self_: Lazy, values: Lazy, mask: Lazy) -> Lazy:
-    """x[mask] = v, v[k, ...] the k-th selected element's trailing block (row-major order of
-    the selection, as masked_scatter fills): masked_scatter(x, mask over x's shape, v)."""
+def _mask_scatter(ctx: LowerCtx, node: Node, self_: Lazy, values: Lazy, mask: Lazy,
+                  p: int) -> Lazy:
+    """x[..., mask, ...] = v with the mask over x's dims p .. p + m - 1 and v[..., k, ...]
+    (dim p of the result, aligned from the right) the k-th selected element's value:
+    masked_scatter(x, mask broadcast over x's shape, v broadcast to [x's dims before p,
+    selected, x's dims after the mask]). masked_scatter fills the selection in row-major
+    order of x's shape, which for every index of the dims before p runs through the mask's
+    selected positions in order, then the trailing dims: v's own row-major order."""
     dt, m, shape = node.type.dtype, mask.rank, node.type.shape
     base = node.source or node.name
-    full = pointwise(dtypes.bool_, shape, lambda idx: mask.load(tuple(idx[:m])), mask)
-    src_shape = (values.shape[0], *shape[m:])
+    full = pointwise(dtypes.bool_, shape, lambda idx: mask.load(tuple(idx[p:p + m])), mask)
+    res_rank = len(shape) - m + 1
+    off = res_rank - values.rank  # v's dims align with the result's from the right
+    j = p - off  # v's dim along the selected elements
+    src_shape = (*shape[:p], values.shape[j], *shape[p + m:])
 
-    def src(idx):  # v broadcast over x's trailing dims
-        vidx = tuple(sympy.Integer(0) if k and values.shape[k] == 1 else idx[k]
+    def src(idx):  # v broadcast over the result's other dims
+        vidx = tuple(sympy.Integer(0) if k != j and values.shape[k] == 1 else idx[k + off]
                      for k in range(values.rank))
         return cast(values.load(vidx), dt)
 

@@ -121,7 +121,43 @@ def put_columns(x, m, v):
     return y
 
 
-def test_index_put_with_a_mask_over_inner_dims_is_a_clear_error(tmp_path):
+def put_inner(x, m, v):
+    y = x * 1
+    y[:, :, m] = v  # a mask over two inner dims, v broadcast over dim 0
+    return y
+
+
+def accumulate_rows(x, m, v):
+    return torch.index_put(x, (m,), v, accumulate=True)
+
+
+@pytest.mark.parametrize("case", ["columns", "inner"])
+def test_index_put_with_a_mask_over_inner_dims(tmp_path, case):
+    """x[:, mask] = v and x[:, :, mask2d] = v with one value per selected element: the
+    selected elements' dim sits inside v, at a size only the data gives."""
+    count = Dim("count", min=0, max=64)
+    if case == "columns":
+        m = torch.tensor([True, False, True])
+        runner = _compile(tmp_path, put_columns, (torch.randn(2, 3), m, torch.randn(2, 2)),
+                          ((None, None, {1: count}),))
+        for m in ([1, 0, 1], [0, 0, 0], [1, 1, 1], [0, 1, 0]):
+            m = torch.tensor(m, dtype=torch.bool)
+            args = (torch.randn(2, 3), m, torch.randn(2, int(m.sum())))
+            _same(runner(*args), put_columns(*args))
+    else:
+        m = torch.rand(3, 4) > 0.5
+        runner = _compile(tmp_path, put_inner,
+                          (torch.randn(2, 5, 3, 4, 6), m, torch.randn(5, int(m.sum()), 6)),
+                          ((None, None, {1: count}),))
+        for seed in range(3):
+            g = torch.Generator().manual_seed(seed)
+            m = torch.rand(3, 4, generator=g) > 0.5
+            args = (torch.randn(2, 5, 3, 4, 6, generator=g), m,
+                    torch.randn(5, int(m.sum()), 6, generator=g))
+            _same(runner(*args), put_inner(*args))
+
+
+def test_index_put_accumulate_with_one_value_per_element_is_a_clear_error(tmp_path):
     m = torch.tensor([True, False, True])
-    with pytest.raises(kiln.errors.UnsupportedError, match=r"mask over x's leading dims"):
-        _compile(tmp_path, put_columns, (torch.randn(2, 3), m, torch.randn(2, 2)), None)
+    with pytest.raises(kiln.errors.UnsupportedError, match=r"accumulate=True"):
+        _compile(tmp_path, accumulate_rows, (torch.randn(3, 2), m, torch.randn(2, 2)), None)
