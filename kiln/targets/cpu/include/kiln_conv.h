@@ -166,7 +166,81 @@ struct Shape {
   // output's block stride (dense and depthwise), the depthwise input's block stride, and the
   // first input / output row the depthwise pointers hold
   int64_t os_blk, y0, o0;
+  // channels of the last input block that the 1x1 tile reads (0: all B): the channels above
+  // it carry a zero weight for every output (an input of 24 channels padded to 32), and
+  // kiln's layout keeps such padded input channels zero, so they add nothing
+  int64_t icl;
 };
+
+/* The 1x1 tile's s.icl for dense weights [OCb][ICb][KHW][B][B]: 1 + the highest channel of
+ * the last input block with a nonzero weight for some output, 0 where that is channel B - 1
+ * (the usual full block: found at the first nonzero). Scans only the all-zero channels. */
+template <int B>
+inline int64_t active_channels(const float *w, int64_t ocb, int64_t icb, int64_t khw) {
+  for (int64_t c = B - 1; c > 0; --c)
+    for (int64_t ob = 0; ob < ocb; ++ob)
+      for (int64_t k = 0; k < khw; ++k) {
+        const float *p = w + (((ob * icb + icb - 1) * khw + k) * B + c) * B;
+        for (int o = 0; o < B; ++o)
+          if (p[o] != 0.0f) return c + 1 == B ? 0 : c + 1;
+      }
+  return 1;
+}
+
+/* The store of an OB x P tile of accumulators (output block o at out + o * ostride, pixel p at
+ * p * B): with `bias` (the last input chunk) out = act(acc + bias [+ res]), else the partial
+ * sums as they are. The activation and the residual are template arguments and every loop
+ * is unrolled, so the accumulators stay in registers (a loop over a runtime activation code
+ * spilled all of them to the stack and splat the bounds once per vector). */
+template <int B, int OB, int P, int ACT, bool RES>
+__attribute__((always_inline)) inline void tile_store_as(typename V<B>::type (&acc)[OB][P],
+                                                         float *out, int64_t ostride,
+                                                         const float *bias, const float *res,
+                                                         const Epi &ep) {
+  typedef typename V<B>::type vec;
+  const vec z = {}, l = splat<B>(ep.lo), h = splat<B>(ep.hi);
+#pragma GCC unroll 8
+  for (int o = 0; o < OB; ++o) {
+    const vec bv = load<B>(bias + o * B);
+#pragma GCC unroll 16
+    for (int p = 0; p < P; ++p) {
+      vec v = acc[o][p] + bv;
+      if constexpr (RES) v += load<B>(res + o * ostride + p * B);
+      if constexpr (ACT == 1) v = v > z ? v : z;
+      if constexpr (ACT == 2) {
+        v = v < l ? l : v;
+        v = v > h ? h : v;
+      }
+      if constexpr (ACT == 3) v = activate<B>(v, ep);
+      store<B>(out + o * ostride + p * B, v);
+    }
+  }
+}
+
+template <int B, int OB, int P>
+__attribute__((always_inline)) inline void tile_store(typename V<B>::type (&acc)[OB][P],
+                                                      float *out, int64_t ostride,
+                                                      const float *bias, const float *res,
+                                                      const Epi &ep) {
+  if (!bias) {
+#pragma GCC unroll 8
+    for (int o = 0; o < OB; ++o)
+#pragma GCC unroll 16
+      for (int p = 0; p < P; ++p) store<B>(out + o * ostride + p * B, acc[o][p]);
+    return;
+  }
+  const int code = ep.act * 2 + (res != nullptr);
+  switch (code) {
+    case 0: return tile_store_as<B, OB, P, 0, false>(acc, out, ostride, bias, res, ep);
+    case 1: return tile_store_as<B, OB, P, 0, true>(acc, out, ostride, bias, res, ep);
+    case 2: return tile_store_as<B, OB, P, 1, false>(acc, out, ostride, bias, res, ep);
+    case 3: return tile_store_as<B, OB, P, 1, true>(acc, out, ostride, bias, res, ep);
+    case 4: return tile_store_as<B, OB, P, 2, false>(acc, out, ostride, bias, res, ep);
+    case 5: return tile_store_as<B, OB, P, 2, true>(acc, out, ostride, bias, res, ep);
+    case 6: return tile_store_as<B, OB, P, 3, false>(acc, out, ostride, bias, res, ep);
+    default: return tile_store_as<B, OB, P, 3, true>(acc, out, ostride, bias, res, ep);
+  }
+}
 
 /* One kernel tap (ky, kx) of an OB x P tile, for its pixels [L, P - R) (the first L and last R
  * pixels' windows leave the input at this tap): per input channel, OB weight vectors and one
@@ -257,18 +331,8 @@ inline void dense_tile(const Shape &s, const float *x, const float *w, int64_t w
       }
     }
   }
-  for (int o = 0; o < OB; ++o) {
-    const vec bv = last ? load<B>(bias + o * B) : vec{};
-    for (int p = 0; p < P; ++p) {
-      vec v = acc[o][p];
-      if (last) {
-        v += bv;
-        if (res) v += load<B>(res + o * ostride + (ow0 + p) * B);
-        v = activate<B>(v, ep);
-      }
-      store<B>(out + o * ostride + (ow0 + p) * B, v);
-    }
-  }
+  tile_store<B, OB, P>(acc, out + ow0 * B, ostride, last ? bias : nullptr,
+                       res ? res + ow0 * B : nullptr, ep);
 }
 
 /* The OB x P tile of a 1x1 convolution without padding over an NCHWc input (the flat rows of
@@ -283,14 +347,22 @@ inline void dense_tile_1x1(const Shape &s, const float *x, const float *w, int64
                            bool last, const Epi &ep) {
   typedef typename V<B>::type vec;
   vec acc[OB][P];
-  for (int o = 0; o < OB; ++o) {
-    const vec init = first && last ? load<B>(bias + o * B) : vec{};
-    for (int p = 0; p < P; ++p)
-      acc[o][p] = first ? init : load<B>(out + o * ostride + (ow0 + p) * B);
+  if (first) {  // zeros: the bias is added by the store
+#pragma GCC unroll 8
+    for (int o = 0; o < OB; ++o)
+#pragma GCC unroll 16
+      for (int p = 0; p < P; ++p) acc[o][p] = vec{};
+  } else {
+#pragma GCC unroll 8
+    for (int o = 0; o < OB; ++o)
+#pragma GCC unroll 16
+      for (int p = 0; p < P; ++p) acc[o][p] = load<B>(out + o * ostride + (ow0 + p) * B);
   }
   const int64_t step = s.sw * B;
   const float *xr = x + oh * s.sh * s.xs_row + ow0 * step;
-  for (int64_t ib = ib0; ib < ib1; ++ib) {
+  // the last input block with only s.icl channels in use (zero weights above) runs short
+  const bool part = s.icl && ib1 == s.icb;
+  for (int64_t ib = ib0; ib < ib1 - part; ++ib) {
     const float *xb = xr + ib * s.xs_blk;
     const float *wb = w + ib * B * B;
     for (int c = 0; c < B; ++c) {
@@ -302,18 +374,20 @@ inline void dense_tile_1x1(const Shape &s, const float *x, const float *w, int64
       }
     }
   }
-  for (int o = 0; o < OB; ++o) {
-    const vec bv = last && !first ? load<B>(bias + o * B) : vec{};
-    for (int p = 0; p < P; ++p) {
-      vec v = acc[o][p];
-      if (last) {
-        if (!first) v += bv;
-        if (res) v += load<B>(res + o * ostride + (ow0 + p) * B);
-        v = activate<B>(v, ep);
+  if (part && ib1 > ib0) {
+    const float *xb = xr + (ib1 - 1) * s.xs_blk;
+    const float *wb = w + (ib1 - 1) * B * B;
+    for (int64_t c = 0; c < s.icl; ++c) {
+      vec wv[OB];
+      for (int o = 0; o < OB; ++o) wv[o] = load<B>(wb + o * wstride + c * B);
+      for (int p = 0; p < P; ++p) {
+        const vec xv = splat_at<B>(xb + p * step + c);
+        for (int o = 0; o < OB; ++o) acc[o][p] = fma<B>(wv[o], xv, acc[o][p]);
       }
-      store<B>(out + o * ostride + (ow0 + p) * B, v);
     }
   }
+  tile_store<B, OB, P>(acc, out + ow0 * B, ostride, last ? bias : nullptr,
+                       res ? res + ow0 * B : nullptr, ep);
 }
 
 // whether dense_tile_1x1 computes this convolution's tiles
@@ -750,6 +824,7 @@ int run(kr::Err &e, const char *where, float *out, int64_t oh, int64_t ow, int64
     s.xs_pix = 1, s.xs_ch = s.ih * s.iw, s.xs_row = s.iw, s.xs_blk = s.icn * s.ih * s.iw;
   }
   s.xs_img = s.icb * s.xs_blk;
+  if (pointwise_1x1(s, B)) s.icl = active_channels<B>(w.data, s.ocb, s.icb, 1);
   if (s.kh == 1 && s.kw == 1 && sh == 1 && sw == 1 && ph == 0 && pw == 0 && s.ih == oh &&
       s.iw == ow) {  // 1x1: the pixels as one flat row
     s.iw = s.ih * s.iw, s.ow = s.iw, s.ih = 1, s.oh = 1, s.xs_row = s.iw * s.xs_pix;
@@ -801,6 +876,7 @@ namespace conv {
 struct Block {
   int64_t n, icb, h, w, hcb, ocb, oh, ow, kh, kw, sh, sw, ph, pw, dh, dw;
   int64_t rows, in_rows;  // output rows per band; expanded rows a band's windows span at most
+  int64_t icl;  // the expand's Shape::icl (active channels of x's last block; 0: all)
   const float *x, *w1, *b1, *w2, *b2, *w3, *b3, *res;
   float *out;
   Epi e1, e2, e3;
@@ -853,7 +929,7 @@ void block_share(const Block &k, float *ebuf, float *dbuf, int t, int nt) {
       se.n = 1, se.icb = k.icb, se.icn = B, se.ih = 1, se.iw = (need_hi - yhi) * k.w;
       se.ocb = k.hcb, se.oh = 1, se.ow = se.iw, se.kh = se.kw = se.sh = se.sw = se.dh = se.dw = 1;
       se.xs_pix = B, se.xs_ch = 1, se.xs_row = se.iw * B, se.xs_blk = k.h * k.w * B;
-      se.os_blk = eblk;
+      se.os_blk = eblk, se.icl = k.icl;
       const float *xp = k.x + (n * k.icb * k.h + yhi) * k.w * B;
       float *ep = ebuf + (yhi - ylo) * k.w * B;
       const Groups<B> gs(se);
@@ -909,6 +985,7 @@ void block_channels(const Block &k, float *ebuf, float *dall, int t, int nt) {
   se.n = 1, se.icb = k.icb, se.icn = B, se.ih = 1, se.iw = k.h * k.w;
   se.ocb = k.hcb, se.oh = 1, se.ow = se.iw, se.kh = se.kw = se.sh = se.sw = se.dh = se.dw = 1;
   se.xs_pix = B, se.xs_ch = 1, se.xs_row = se.iw * B, se.xs_blk = eblk, se.os_blk = eblk;
+  se.icl = k.icl;
   Shape sd{};
   sd.n = 1, sd.icb = sd.ocb = k.hcb, sd.icn = B, sd.ih = k.h, sd.iw = k.w;
   sd.oh = k.oh, sd.ow = k.ow, sd.kh = k.kh, sd.kw = k.kw, sd.sh = k.sh, sd.sw = k.sw;
@@ -993,10 +1070,16 @@ inline int block_dispatch(kr::Err &e, const char *where, float *out, int64_t oh,
   k.w3 = w3.data, k.b3 = b3.data, k.res = res, k.out = out;
   k.e1 = eps[0], k.e2 = eps[1], k.e3 = eps[2];
 #ifdef KILN_CONV_B16
-  if (blk == 16) return run_block<16>(e, where, k, threads);
+  if (blk == 16) {
+    k.icl = active_channels<16>(k.w1, k.hcb, k.icb, 1);
+    return run_block<16>(e, where, k, threads);
+  }
 #endif
 #ifdef KILN_CONV_B8
-  if (blk == 8) return run_block<8>(e, where, k, threads);
+  if (blk == 8) {
+    k.icl = active_channels<8>(k.w1, k.hcb, k.icb, 1);
+    return run_block<8>(e, where, k, threads);
+  }
 #endif
   return e.fail("%s: channel block of %lld floats (expected 8 or 16)", where, (long long)blk);
 }
