@@ -331,8 +331,18 @@ inline void dense_tile(const Shape &s, const float *x, const float *w, int64_t w
       }
     }
   }
-  tile_store<B, OB, P>(acc, out + ow0 * B, ostride, last ? bias : nullptr,
-                       res ? res + ow0 * B : nullptr, ep);
+  for (int o = 0; o < OB; ++o) {
+    const vec bv = last ? load<B>(bias + o * B) : vec{};
+    for (int p = 0; p < P; ++p) {
+      vec v = acc[o][p];
+      if (last) {
+        v += bv;
+        if (res) v += load<B>(res + o * ostride + (ow0 + p) * B);
+        v = activate<B>(v, ep);
+      }
+      store<B>(out + o * ostride + (ow0 + p) * B, v);
+    }
+  }
 }
 
 /* The OB x P tile of a 1x1 convolution without padding over an NCHWc input (the flat rows of
