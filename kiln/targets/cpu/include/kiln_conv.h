@@ -242,6 +242,43 @@ __attribute__((always_inline)) inline void tile_store(typename V<B>::type (&acc)
   }
 }
 
+/* A depthwise tile's store: out[p] = act(acc[p] [+ res[p]]), as tile_store_as (the bias is
+ * already in the accumulators). */
+template <int B, int P, int ACT, bool RES>
+__attribute__((always_inline)) inline void dw_store_as(typename V<B>::type (&acc)[P],
+                                                       float *out, const float *res,
+                                                       const Epi &ep) {
+  typedef typename V<B>::type vec;
+  const vec z = {}, l = splat<B>(ep.lo), h = splat<B>(ep.hi);
+#pragma GCC unroll 16
+  for (int p = 0; p < P; ++p) {
+    vec v = acc[p];
+    if constexpr (RES) v += load<B>(res + p * B);
+    if constexpr (ACT == 1) v = v > z ? v : z;
+    if constexpr (ACT == 2) {
+      v = v < l ? l : v;
+      v = v > h ? h : v;
+    }
+    if constexpr (ACT == 3) v = activate<B>(v, ep);
+    store<B>(out + p * B, v);
+  }
+}
+
+template <int B, int P>
+__attribute__((always_inline)) inline void dw_store(typename V<B>::type (&acc)[P], float *out,
+                                                    const float *res, const Epi &ep) {
+  switch (ep.act * 2 + (res != nullptr)) {
+    case 0: return dw_store_as<B, P, 0, false>(acc, out, res, ep);
+    case 1: return dw_store_as<B, P, 0, true>(acc, out, res, ep);
+    case 2: return dw_store_as<B, P, 1, false>(acc, out, res, ep);
+    case 3: return dw_store_as<B, P, 1, true>(acc, out, res, ep);
+    case 4: return dw_store_as<B, P, 2, false>(acc, out, res, ep);
+    case 5: return dw_store_as<B, P, 2, true>(acc, out, res, ep);
+    case 6: return dw_store_as<B, P, 3, false>(acc, out, res, ep);
+    default: return dw_store_as<B, P, 3, true>(acc, out, res, ep);
+  }
+}
+
 /* One kernel tap (ky, kx) of an OB x P tile, for its pixels [L, P - R) (the first L and last R
  * pixels' windows leave the input at this tap): per input channel, OB weight vectors and one
  * broadcast per pixel; no per-pixel test in the channel loop. */
@@ -683,11 +720,7 @@ inline void dw_fast(const Shape &s, const float *xc, const float *wc, const floa
       }
     }
   }
-  for (int p = 0; p < P; ++p) {
-    vec v = acc[p];
-    if (rrow) v += load<B>(rrow + (ow0 + p) * B);
-    store<B>(orow + (ow0 + p) * B, activate<B>(v, ep));
-  }
+  dw_store<B, P>(acc, orow + ow0 * B, rrow ? rrow + ow0 * B : nullptr, ep);
 }
 
 template <int B, int P>
