@@ -134,6 +134,15 @@ CASES = [
     ("dw3x3_s1_p0", dict(cout=32, k=3, groups=32), 32, (5, 21)),
     ("dw5x5_s2_wide", dict(cout=24, k=5, stride=2, padding=2, groups=24, act="silu"), 24,
      (9, 41)),
+    # 1x1 tiles whose last input block is partly padding (the tile reads only the channels
+    # with weights: 20 of 32, 40 of 48, 28 of 32, 19 of 32), through each unrolled
+    # epilogue (relu6, relu + residual, silu, none) and flat rows of 4 x 7, 4 x 6, 2 x 14 and
+    # narrower tiles; a strided 1x1 over odd sizes
+    ("1x1_partial_block_relu6", dict(cout=96, k=1, act="relu6"), 20, (9, 15)),
+    ("1x1_s2_partial_residual_relu", dict(cout=40, k=1, stride=2, residual=True, act="relu"),
+     40, (11, 13)),
+    ("1x1_partial_silu", dict(cout=24, k=1, act="silu"), 12 + 16, (6, 9)),
+    ("1x1_partial_odd_cout", dict(cout=37, k=1, bn=True), 19, (3, 29)),
 ]
 
 
@@ -179,6 +188,33 @@ def test_conv_work_splits(check, cfg, cin, hw, threads):
     compiled = check(m, [x], tol=TOL, options=kiln.Options(num_threads=threads),
                      more=[(rand((3, cin, *hw), F32, g, -2, 2),)])
     assert _direct_calls(compiled) == 1 + bool(cfg.get("residual"))
+
+
+def test_1x1_trailing_zero_weights(check):
+    """A 1x1 convolution whose top real input channels carry zero weights for every output
+    (24 channels, weights of 18..23 zeroed): the tile skips them with the padding, and the
+    result is still eager's (finite inputs)."""
+    m = ConvBlock(24, cout=48, k=1, act="relu6", seed=4)
+    with torch.no_grad():
+        m.conv.weight[:, 18:] = 0
+    g = gen("conv_zero_tail")
+    x = rand((2, 24, 7, 11), F32, g, -2, 2)
+    compiled = check(m, [x], tol=TOL, more=[(rand((2, 24, 7, 11), F32, g, -2, 2),)])
+    assert _direct_calls(compiled) == 1
+
+
+@pytest.mark.parametrize("march", ["x86-64-v3", "x86-64"])
+def test_1x1_partial_block_other_isas(check, march):
+    """The 1x1 tile's partial last input block and unrolled epilogues, and the depthwise
+    tiles' epilogue, with the channel block 8 (AVX2; plain x86-64: a vector in SSE
+    registers): 20 input channels (4 of the third block), relu6, a residual."""
+    m = nn.Sequential(nn.Conv2d(20, 44, 1), nn.ReLU6(), nn.Conv2d(44, 44, 3, 1, 1, groups=44),
+                      nn.ReLU6()).eval()
+    r = ConvBlock(20, cout=20, k=1, residual=True, act="relu", seed=5)
+    x = rand((2, 20, 9, 17), F32, gen("partial_isa", march), -2, 2)
+    compiled = check(nn.Sequential(r, m), [x], tol=TOL, options=kiln.Options(march=march))
+    assert "#define KILN_CONV_B8" in compiled.sources["conv.cpp"]
+    assert _direct_calls(compiled) == 4
 
 
 def test_residual_is_the_input(check):
