@@ -118,6 +118,11 @@ CASES = [
     ("3x3_s2_28wide_residual", dict(cout=64, k=3, stride=2, padding=1, bias=False, bn=True,
                                     residual=True, act="relu"), 24, (6, 55)),
     ("5x5_29wide", dict(cout=64, k=5, padding=2), 8, (4, 29)),
+    # 14-pixel rows (ResNet's 14x14 maps): two 4 x 7 tiles per row with AVX-512's block, the
+    # remainder groups of 2 and 1 blocks; stride 2 into 14 columns with a residual
+    ("3x3_14wide_p1", dict(cout=112, k=3, padding=1, act="relu"), 32, (5, 14)),
+    ("3x3_s2_14wide_residual", dict(cout=80, k=3, stride=2, padding=1, residual=True,
+                                    act="relu"), 48, (9, 28)),
     # 1x1 over more input blocks than one weight chunk (L2): the tile resumes from the stored
     # partial sums, bias and residual added by the last chunk only
     ("1x1_chunks_residual", dict(cout=64, k=1, bias=False, bn=True, residual=True,

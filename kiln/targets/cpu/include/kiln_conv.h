@@ -539,12 +539,13 @@ void dense_group(const Shape &s, const float *x, const float *w, const float *bi
 
 // the output-channel groups of a dense convolution: 4 blocks at a time, the remainder as a 2
 // and / or a 1; rows of at most 14 pixels take groups of 2 (one tile of up to 14 pixels per
-// row, no narrow tail), except 7-pixel rows with B = 16 (one 4 x 7 tile: 28 accumulators, 4
-// weight vectors per 7 broadcasts)
+// row, no narrow tail), except 7- and 14-pixel rows with B = 16 (one or two 4 x 7 tiles: 28
+// accumulators, 4 weight vectors per 7 broadcasts instead of 2 per 14; ResNet's 14x14 maps
+// 4-5% faster)
 template <int B> struct Groups {
   int64_t gw, n4, rem, ng;
   explicit Groups(const Shape &s) {
-    gw = s.ow <= tile_px<B, 2>() && !(B == 16 && s.ow == 7) ? 2 : 4;
+    gw = s.ow <= tile_px<B, 2>() && !(B == 16 && (s.ow == 7 || s.ow == 14)) ? 2 : 4;
     n4 = s.ocb / gw, rem = s.ocb % gw;
     ng = n4 + (rem >= 2) + (rem % 2);
   }
