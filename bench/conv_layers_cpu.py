@@ -279,7 +279,8 @@ def peer_round(system: str, names: list[str], seconds: float, work: Path) -> lis
             while time.perf_counter() - t0 < seconds:
                 rq.infer(feeds)
                 times += [p.real_time.total_seconds() for p in rq.get_profiling_info()
-                          if p.node_type == "Convolution" and p.real_time.total_seconds() > 0]
+                          if p.node_type in ("Convolution", "GroupConvolution")
+                          and p.real_time.total_seconds() > 0]
         res.append(min(times) if times else float("nan"))
     return res
 

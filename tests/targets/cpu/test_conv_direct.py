@@ -101,6 +101,8 @@ CASES = [
     ("dw3x3_d2", dict(cout=32, k=3, padding=2, dilation=2, groups=32), 32, (9, 9)),
     ("5x3_rect_p0", dict(cout=20, k=(5, 3), stride=(1, 2), padding=(0, 1)), 8, (11, 14)),
     ("3x3_bn_relu", dict(cout=40, k=3, padding=1, bn=True, act="relu"), 24, (8, 8)),
+    # ConvNeXt's patchify stem (an NCHW input, pixel step 4: a constant-step tap)
+    ("4x4_s4_stem", dict(cout=40, k=4, stride=4, act="relu"), 3, (17, 22)),
     ("3x3_bias_silu", dict(cout=16, k=3, padding=1, act="silu"), 3, (6, 7)),
     ("3x3_bn_residual_relu", dict(cout=32, k=3, stride=2, padding=1, bias=False, bn=True,
                                   residual=True, act="relu"), 24, (10, 10)),

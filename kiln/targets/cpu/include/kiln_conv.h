@@ -282,12 +282,15 @@ __attribute__((always_inline)) inline void dw_store(typename V<B>::type (&acc)[P
 /* One kernel tap (ky, kx) of an OB x P tile, for its pixels [L, P - R) (the first L and last R
  * pixels' windows leave the input at this tap): per input channel, OB weight vectors and one
  * broadcast per pixel; no per-pixel test in the channel loop. */
-template <int B, int OB, int P, int L, int R>
+template <int B, int OB, int P, int L, int R, int ST = 0>
 __attribute__((always_inline)) inline void dense_tap(typename V<B>::type (&acc)[OB][P],
                                                      const float *wk, int64_t wstride,
-                                                     const float *xp, int64_t step, int64_t icn,
+                                                     const float *xp, int64_t step_, int64_t icn,
                                                      int64_t xs_ch) {
   typedef typename V<B>::type vec;
+  // ST: the pixel step as a constant (the broadcasts' addresses then differ by immediate
+  // displacements, not P index registers that GCC spilled and reloaded)
+  const int64_t step = ST ? ST : step_;
   for (int64_t c = 0; c < icn; ++c) {
     vec wv[OB];
     for (int o = 0; o < OB; ++o) wv[o] = load<B>(wk + o * wstride + c * B);
@@ -354,6 +357,18 @@ inline void dense_tile(const Shape &s, const float *x, const float *w, int64_t w
               dense_tap<B, OB, P, 1, 1>(acc, wk, wstride, xp, step, icn, s.xs_ch);
             continue;
           }
+        }
+        if constexpr (!CHECK) {
+          switch (step) {
+            case 2: dense_tap<B, OB, P, 0, 0, 2>(acc, wk, wstride, xp, step, icn, s.xs_ch); break;
+            case 4: dense_tap<B, OB, P, 0, 0, 4>(acc, wk, wstride, xp, step, icn, s.xs_ch); break;
+            case B: dense_tap<B, OB, P, 0, 0, B>(acc, wk, wstride, xp, step, icn, s.xs_ch); break;
+            case 2 * B:
+              dense_tap<B, OB, P, 0, 0, 2 * B>(acc, wk, wstride, xp, step, icn, s.xs_ch);
+              break;
+            default: dense_tap<B, OB, P, 0, 0>(acc, wk, wstride, xp, step, icn, s.xs_ch);
+          }
+          continue;
         }
         for (int64_t c = 0; c < icn; ++c) {
           vec wv[OB];
