@@ -168,7 +168,9 @@ struct Shape {
   int64_t os_blk, y0, o0;
   // channels of the last input block that the 1x1 tile reads (0: all B): the channels above
   // it carry a zero weight for every output (an input of 24 channels padded to 32), and
-  // kiln's layout keeps such padded input channels zero, so they add nothing
+  // kiln's layout keeps such padded input channels zero, so they add nothing. (A real input
+  // channel whose weights are all zero is skipped too: an Inf / NaN there would not turn the
+  // outputs into NaN as 0 * Inf does in eager.)
   int64_t icl;
 };
 
