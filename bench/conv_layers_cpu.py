@@ -335,7 +335,8 @@ def main() -> None:
         if peers:
             bp = min(pbest[q][i] for q in peers)
             pc += "".join(f" {best[k][i] / bp:.3f} |" for k in range(len(trees)))
-        print(f"| {n} | {cells} |{ratio}{pc}" + (f" ERROR {[err[k][i] for k in bad]}" if bad else ""))
+        flag = f" ERROR {[err[k][i] for k in bad]}" if bad else ""
+        print(f"| {n} | {cells} |{ratio}{pc}" + flag)
 
 
 if __name__ == "__main__":
