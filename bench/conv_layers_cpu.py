@@ -20,6 +20,7 @@ rounds interleaved with kiln's.
     taskset -c 1 python bench/conv_layers_cpu.py [--trees /work/main,.] [--rounds 3]
                                                  [--only dw7x7,r18_] [--seconds 0.3]
                                                  [--peers ort,openvino]
+                                                 [--march x86-64-v3 --block 8]
 """
 
 from __future__ import annotations
@@ -191,9 +192,10 @@ int main(int argc, char **argv) {  // MIN_SECONDS then 13 numbers per shape
 '''
 
 
-def driver(tree: Path, block: int) -> Path:
-    """The timing driver compiled against `tree`'s kiln_conv.h (cached by content)."""
-    tc = toolchain(Options())
+def driver(tree: Path, block: int, march: str | None = None) -> Path:
+    """The timing driver compiled against `tree`'s kiln_conv.h (cached by content), for
+    -march=`march` (default: this machine's level)."""
+    tc = toolchain(Options(), march)
     inc = tuple(tree / "kiln" / p for p in ("runtime/include", "runtime/model", "runtime/src",
                                             "targets/cpu/include"))
     tc = dataclasses.replace(tc, include_dirs=inc)
@@ -293,11 +295,13 @@ def main() -> None:
     p.add_argument("--only", default="", help="comma-separated name prefixes")
     p.add_argument("--block", type=int, default=16, help="channel block (16: AVX-512, 8)")
     p.add_argument("--peers", default="", help="comma-separated: ort, openvino")
+    p.add_argument("--march", help="compile the drivers for this -march (x86-64-v3: the AVX2 "
+                                   "code, with --block 8)")
     a = p.parse_args()
     peers = [q for q in a.peers.split(",") if q]
     trees = [Path(t).resolve() for t in a.trees.split(",")]
     names = [n for n in SHAPES if not a.only or any(n.startswith(o) for o in a.only.split(","))]
-    exes = [driver(t, a.block) for t in trees]
+    exes = [driver(t, a.block, a.march) for t in trees]
     args = [str(a.seconds)] + [str(v) for n in names for v in SHAPES[n]]
     best = [[float("inf")] * len(names) for _ in trees]
     err = [[0.0] * len(names) for _ in trees]
