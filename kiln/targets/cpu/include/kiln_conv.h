@@ -385,6 +385,15 @@ inline void dense_tile(const Shape &s, const float *x, const float *w, int64_t w
       }
     }
   }
+#if !defined(__AVX512F__)
+  // 16 vector registers (AVX2 and below): with the loop below GCC kept the accumulators on
+  // the stack through the whole channel loop (a store after every FMA group: AVX2 3x3 layers
+  // at half speed); the unrolled store keeps them in registers. (With AVX-512 it is the other
+  // way round: the loop below is 1-8% faster there.)
+  tile_store<B, OB, P>(acc, out + ow0 * B, ostride, last ? bias : nullptr,
+                       res ? res + ow0 * B : nullptr, ep);
+  return;
+#endif
   for (int o = 0; o < OB; ++o) {
     const vec bv = last ? load<B>(bias + o * B) : vec{};
     for (int p = 0; p < P; ++p) {
