@@ -210,6 +210,25 @@ def test_1x1_trailing_zero_weights(check):
     assert _direct_calls(compiled) == 1
 
 
+def test_1x1_zero_weight_channel_keeps_eager_nan(tmp_path):
+    """The same skipped channels holding an Inf or a NaN: eager's 0 * Inf makes that pixel's
+    outputs NaN, so the tile must read them (`tail_finite`), at one pixel and not the others."""
+    m = nn.Conv2d(24, 48, 1).eval()
+    with torch.no_grad():
+        m.weight[:, 18:] = 0
+    g = gen("conv_zero_tail_nan")
+    x = rand((2, 24, 7, 11), F32, g, -2, 2)
+    runner = kiln.compile(torch.export.export(m, (x,))).load(tmp_path / "c.kiln")
+    for bad in (float("inf"), float("nan")):
+        y = x.clone()
+        y[1, 20, 3, 4] = bad
+        want = m(y)
+        got = runner(y)
+        assert got[1, :, 3, 4].isnan().all() and want[1, :, 3, 4].isnan().all()
+        torch.testing.assert_close(got, want, **TOL, equal_nan=True)
+    torch.testing.assert_close(runner(x), m(x), **TOL)  # finite again: skipped
+
+
 @pytest.mark.parametrize("march", ["x86-64-v3", "x86-64"])
 def test_1x1_partial_block_other_isas(check, march):
     """The 1x1 tile's partial last input block and unrolled epilogues, and the depthwise
