@@ -57,7 +57,9 @@ def conv_block(g: Graph) -> Graph:
                 or d.inputs[0] != e.name:
             continue
         p = sole_user(d.name)
-        if p is None or p.inputs[0] != d.name or not _pointwise_1x1(p, types[p.inputs[1]].shape):
+        # (the depthwise may end the chain: its sole user a from_nchwc with one input)
+        if p is None or p.op != "conv_nchwc" or len(p.inputs) < 3 or p.inputs[0] != d.name \
+                or not _pointwise_1x1(p, types[p.inputs[1]].shape):
             continue
         if p.name in gone or (len(p.inputs) > 3 and p.inputs[3] in (e.name, d.name)):
             continue

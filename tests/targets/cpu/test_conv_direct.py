@@ -101,6 +101,8 @@ CASES = [
     ("dw3x3_d2", dict(cout=32, k=3, padding=2, dilation=2, groups=32), 32, (9, 9)),
     ("5x3_rect_p0", dict(cout=20, k=(5, 3), stride=(1, 2), padding=(0, 1)), 8, (11, 14)),
     ("3x3_bn_relu", dict(cout=40, k=3, padding=1, bn=True, act="relu"), 24, (8, 8)),
+    # ConvNeXt's patchify stem (an NCHW input, pixel step 4: a constant-step tap)
+    ("4x4_s4_stem", dict(cout=40, k=4, stride=4, act="relu"), 3, (17, 22)),
     ("3x3_bias_silu", dict(cout=16, k=3, padding=1, act="silu"), 3, (6, 7)),
     ("3x3_bn_residual_relu", dict(cout=32, k=3, stride=2, padding=1, bias=False, bn=True,
                                   residual=True, act="relu"), 24, (10, 10)),
@@ -118,6 +120,11 @@ CASES = [
     ("3x3_s2_28wide_residual", dict(cout=64, k=3, stride=2, padding=1, bias=False, bn=True,
                                     residual=True, act="relu"), 24, (6, 55)),
     ("5x5_29wide", dict(cout=64, k=5, padding=2), 8, (4, 29)),
+    # 14-pixel rows (ResNet's 14x14 maps): two 4 x 7 tiles per row with AVX-512's block, the
+    # remainder groups of 2 and 1 blocks; stride 2 into 14 columns with a residual
+    ("3x3_14wide_p1", dict(cout=112, k=3, padding=1, act="relu"), 32, (5, 14)),
+    ("3x3_s2_14wide_residual", dict(cout=80, k=3, stride=2, padding=1, residual=True,
+                                    act="relu"), 48, (9, 28)),
     # 1x1 over more input blocks than one weight chunk (L2): the tile resumes from the stored
     # partial sums, bias and residual added by the last chunk only
     ("1x1_chunks_residual", dict(cout=64, k=1, bias=False, bn=True, residual=True,
@@ -134,6 +141,15 @@ CASES = [
     ("dw3x3_s1_p0", dict(cout=32, k=3, groups=32), 32, (5, 21)),
     ("dw5x5_s2_wide", dict(cout=24, k=5, stride=2, padding=2, groups=24, act="silu"), 24,
      (9, 41)),
+    # 1x1 tiles whose last input block is partly padding (the tile reads only the channels
+    # with weights: 20 of 32, 40 of 48, 28 of 32, 19 of 32), through each unrolled
+    # epilogue (relu6, relu + residual, silu, none) and flat rows of 4 x 7, 4 x 6, 2 x 14 and
+    # narrower tiles; a strided 1x1 over odd sizes
+    ("1x1_partial_block_relu6", dict(cout=96, k=1, act="relu6"), 20, (9, 15)),
+    ("1x1_s2_partial_residual_relu", dict(cout=40, k=1, stride=2, residual=True, act="relu"),
+     40, (11, 13)),
+    ("1x1_partial_silu", dict(cout=24, k=1, act="silu"), 12 + 16, (6, 9)),
+    ("1x1_partial_odd_cout", dict(cout=37, k=1, bn=True), 19, (3, 29)),
 ]
 
 
@@ -179,6 +195,52 @@ def test_conv_work_splits(check, cfg, cin, hw, threads):
     compiled = check(m, [x], tol=TOL, options=kiln.Options(num_threads=threads),
                      more=[(rand((3, cin, *hw), F32, g, -2, 2),)])
     assert _direct_calls(compiled) == 1 + bool(cfg.get("residual"))
+
+
+def test_1x1_trailing_zero_weights(check):
+    """A 1x1 convolution whose top real input channels carry zero weights for every output
+    (24 channels, weights of 18..23 zeroed): the tile skips them with the padding, and the
+    result is still eager's (finite inputs)."""
+    m = ConvBlock(24, cout=48, k=1, act="relu6", seed=4)
+    with torch.no_grad():
+        m.conv.weight[:, 18:] = 0
+    g = gen("conv_zero_tail")
+    x = rand((2, 24, 7, 11), F32, g, -2, 2)
+    compiled = check(m, [x], tol=TOL, more=[(rand((2, 24, 7, 11), F32, g, -2, 2),)])
+    assert _direct_calls(compiled) == 1
+
+
+def test_1x1_zero_weight_channel_keeps_eager_nan(tmp_path):
+    """The same skipped channels holding an Inf or a NaN: eager's 0 * Inf makes that pixel's
+    outputs NaN, so the tile must read them (`tail_finite`), at one pixel and not the others."""
+    m = nn.Conv2d(24, 48, 1).eval()
+    with torch.no_grad():
+        m.weight[:, 18:] = 0
+    g = gen("conv_zero_tail_nan")
+    x = rand((2, 24, 7, 11), F32, g, -2, 2)
+    runner = kiln.compile(torch.export.export(m, (x,))).load(tmp_path / "c.kiln")
+    for bad in (float("inf"), float("nan")):
+        y = x.clone()
+        y[1, 20, 3, 4] = bad
+        want = m(y)
+        got = runner(y)
+        assert got[1, :, 3, 4].isnan().all() and want[1, :, 3, 4].isnan().all()
+        torch.testing.assert_close(got, want, **TOL, equal_nan=True)
+    torch.testing.assert_close(runner(x), m(x), **TOL)  # finite again: skipped
+
+
+@pytest.mark.parametrize("march", ["x86-64-v3", "x86-64"])
+def test_1x1_partial_block_other_isas(check, march):
+    """The 1x1 tile's partial last input block and unrolled epilogues, and the depthwise
+    tiles' epilogue, with the channel block 8 (AVX2; plain x86-64: a vector in SSE
+    registers): 20 input channels (4 of the third block), relu6, a residual."""
+    m = nn.Sequential(nn.Conv2d(20, 44, 1), nn.ReLU6(), nn.Conv2d(44, 44, 3, 1, 1, groups=44),
+                      nn.ReLU6()).eval()
+    r = ConvBlock(20, cout=20, k=1, residual=True, act="relu", seed=5)
+    x = rand((2, 20, 9, 17), F32, gen("partial_isa", march), -2, 2)
+    compiled = check(nn.Sequential(r, m), [x], tol=TOL, options=kiln.Options(march=march))
+    assert "#define KILN_CONV_B8" in compiled.sources["conv.cpp"]
+    assert _direct_calls(compiled) == 4
 
 
 def test_residual_is_the_input(check):

@@ -166,17 +166,151 @@ struct Shape {
   // output's block stride (dense and depthwise), the depthwise input's block stride, and the
   // first input / output row the depthwise pointers hold
   int64_t os_blk, y0, o0;
+  // channels of the last input block that the 1x1 tile reads (0: all B): the channels above
+  // it carry a zero weight for every output (an input of 24 channels padded to 32), and
+  // kiln's layout keeps such padded input channels zero, so they add nothing. A real input
+  // channel whose weights are all zero is skipped only while its values are finite
+  // (`tail_finite`): an Inf / NaN there makes the outputs NaN, as 0 * Inf does in eager.
+  int64_t icl;
 };
+
+/* The 1x1 tile's s.icl for dense weights [OCb][ICb][KHW][B][B]: 1 + the highest channel of
+ * the last input block with a nonzero weight for some output, 0 where that is channel B - 1
+ * (the usual full block: found at the first nonzero). Scans only the all-zero channels. */
+template <int B>
+inline int64_t active_channels(const float *w, int64_t ocb, int64_t icb, int64_t khw) {
+  for (int64_t c = B - 1; c > 0; --c)
+    for (int64_t ob = 0; ob < ocb; ++ob)
+      for (int64_t k = 0; k < khw; ++k) {
+        const float *p = w + (((ob * icb + icb - 1) * khw + k) * B + c) * B;
+        for (int o = 0; o < B; ++o)
+          if (p[o] != 0.0f) return c + 1 == B ? 0 : c + 1;
+      }
+  return 1;
+}
+
+/* Whether channels [c0, B) of the last channel block of a contiguous NCHWc tensor
+ * [n][cb][hw][B] hold only finite values (bit tests: no float compare that fast-math could
+ * fold away); the 1x1 tile skips those channels (all-zero weights) only then. One pass over
+ * the block, vectorised: about 1% of a 1x1 layer's time. */
+template <int B>
+inline bool tail_finite(const float *x, int64_t n, int64_t cb, int64_t hw, int64_t c0) {
+  typedef uint32_t __attribute__((__may_alias__)) bits;  // the floats' bits, aliasing them
+  uint32_t bad = 0;
+  for (int64_t i = 0; i < n; ++i) {
+    const bits *p = reinterpret_cast<const bits *>(x + (i * cb + cb - 1) * hw * B);
+    for (int64_t q = 0; q < hw * B; ++q) {
+      const uint32_t tail = (q % B) >= c0, inf_nan = (p[q] & 0x7f800000u) == 0x7f800000u;
+      bad |= tail & inf_nan;
+    }
+  }
+  return bad == 0;
+}
+
+/* The store of an OB x P tile of accumulators (output block o at out + o * ostride, pixel p at
+ * p * B): with `bias` (the last input chunk) out = act(acc + bias [+ res]), else the partial
+ * sums as they are. The activation and the residual are template arguments and every loop
+ * is unrolled, so the accumulators stay in registers (a loop over a runtime activation code
+ * spilled all of them to the stack and splat the bounds once per vector). */
+template <int B, int OB, int P, int ACT, bool RES>
+__attribute__((always_inline)) inline void tile_store_as(typename V<B>::type (&acc)[OB][P],
+                                                         float *out, int64_t ostride,
+                                                         const float *bias, const float *res,
+                                                         const Epi &ep) {
+  typedef typename V<B>::type vec;
+  const vec z = {}, l = splat<B>(ep.lo), h = splat<B>(ep.hi);
+#pragma GCC unroll 8
+  for (int o = 0; o < OB; ++o) {
+    const vec bv = load<B>(bias + o * B);
+#pragma GCC unroll 16
+    for (int p = 0; p < P; ++p) {
+      vec v = acc[o][p] + bv;
+      if constexpr (RES) v += load<B>(res + o * ostride + p * B);
+      if constexpr (ACT == 1) v = v > z ? v : z;
+      if constexpr (ACT == 2) {
+        v = v < l ? l : v;
+        v = v > h ? h : v;
+      }
+      if constexpr (ACT == 3) v = activate<B>(v, ep);
+      store<B>(out + o * ostride + p * B, v);
+    }
+  }
+}
+
+template <int B, int OB, int P>
+__attribute__((always_inline)) inline void tile_store(typename V<B>::type (&acc)[OB][P],
+                                                      float *out, int64_t ostride,
+                                                      const float *bias, const float *res,
+                                                      const Epi &ep) {
+  if (!bias) {
+#pragma GCC unroll 8
+    for (int o = 0; o < OB; ++o)
+#pragma GCC unroll 16
+      for (int p = 0; p < P; ++p) store<B>(out + o * ostride + p * B, acc[o][p]);
+    return;
+  }
+  const int code = ep.act * 2 + (res != nullptr);
+  switch (code) {
+    case 0: return tile_store_as<B, OB, P, 0, false>(acc, out, ostride, bias, res, ep);
+    case 1: return tile_store_as<B, OB, P, 0, true>(acc, out, ostride, bias, res, ep);
+    case 2: return tile_store_as<B, OB, P, 1, false>(acc, out, ostride, bias, res, ep);
+    case 3: return tile_store_as<B, OB, P, 1, true>(acc, out, ostride, bias, res, ep);
+    case 4: return tile_store_as<B, OB, P, 2, false>(acc, out, ostride, bias, res, ep);
+    case 5: return tile_store_as<B, OB, P, 2, true>(acc, out, ostride, bias, res, ep);
+    case 6: return tile_store_as<B, OB, P, 3, false>(acc, out, ostride, bias, res, ep);
+    default: return tile_store_as<B, OB, P, 3, true>(acc, out, ostride, bias, res, ep);
+  }
+}
+
+/* A depthwise tile's store: out[p] = act(acc[p] [+ res[p]]), as tile_store_as (the bias is
+ * already in the accumulators). */
+template <int B, int P, int ACT, bool RES>
+__attribute__((always_inline)) inline void dw_store_as(typename V<B>::type (&acc)[P],
+                                                       float *out, const float *res,
+                                                       const Epi &ep) {
+  typedef typename V<B>::type vec;
+  const vec z = {}, l = splat<B>(ep.lo), h = splat<B>(ep.hi);
+#pragma GCC unroll 16
+  for (int p = 0; p < P; ++p) {
+    vec v = acc[p];
+    if constexpr (RES) v += load<B>(res + p * B);
+    if constexpr (ACT == 1) v = v > z ? v : z;
+    if constexpr (ACT == 2) {
+      v = v < l ? l : v;
+      v = v > h ? h : v;
+    }
+    if constexpr (ACT == 3) v = activate<B>(v, ep);
+    store<B>(out + p * B, v);
+  }
+}
+
+template <int B, int P>
+__attribute__((always_inline)) inline void dw_store(typename V<B>::type (&acc)[P], float *out,
+                                                    const float *res, const Epi &ep) {
+  switch (ep.act * 2 + (res != nullptr)) {
+    case 0: return dw_store_as<B, P, 0, false>(acc, out, res, ep);
+    case 1: return dw_store_as<B, P, 0, true>(acc, out, res, ep);
+    case 2: return dw_store_as<B, P, 1, false>(acc, out, res, ep);
+    case 3: return dw_store_as<B, P, 1, true>(acc, out, res, ep);
+    case 4: return dw_store_as<B, P, 2, false>(acc, out, res, ep);
+    case 5: return dw_store_as<B, P, 2, true>(acc, out, res, ep);
+    case 6: return dw_store_as<B, P, 3, false>(acc, out, res, ep);
+    default: return dw_store_as<B, P, 3, true>(acc, out, res, ep);
+  }
+}
 
 /* One kernel tap (ky, kx) of an OB x P tile, for its pixels [L, P - R) (the first L and last R
  * pixels' windows leave the input at this tap): per input channel, OB weight vectors and one
  * broadcast per pixel; no per-pixel test in the channel loop. */
-template <int B, int OB, int P, int L, int R>
+template <int B, int OB, int P, int L, int R, int ST = 0>
 __attribute__((always_inline)) inline void dense_tap(typename V<B>::type (&acc)[OB][P],
                                                      const float *wk, int64_t wstride,
-                                                     const float *xp, int64_t step, int64_t icn,
+                                                     const float *xp, int64_t step_, int64_t icn,
                                                      int64_t xs_ch) {
   typedef typename V<B>::type vec;
+  // ST: the pixel step as a constant (the broadcasts' addresses then differ by immediate
+  // displacements, not P index registers that GCC spilled and reloaded)
+  const int64_t step = ST ? ST : step_;
   for (int64_t c = 0; c < icn; ++c) {
     vec wv[OB];
     for (int o = 0; o < OB; ++o) wv[o] = load<B>(wk + o * wstride + c * B);
@@ -244,6 +378,18 @@ inline void dense_tile(const Shape &s, const float *x, const float *w, int64_t w
             continue;
           }
         }
+        if constexpr (!CHECK) {
+          switch (step) {
+            case 2: dense_tap<B, OB, P, 0, 0, 2>(acc, wk, wstride, xp, step, icn, s.xs_ch); break;
+            case 4: dense_tap<B, OB, P, 0, 0, 4>(acc, wk, wstride, xp, step, icn, s.xs_ch); break;
+            case B: dense_tap<B, OB, P, 0, 0, B>(acc, wk, wstride, xp, step, icn, s.xs_ch); break;
+            case 2 * B:
+              dense_tap<B, OB, P, 0, 0, 2 * B>(acc, wk, wstride, xp, step, icn, s.xs_ch);
+              break;
+            default: dense_tap<B, OB, P, 0, 0>(acc, wk, wstride, xp, step, icn, s.xs_ch);
+          }
+          continue;
+        }
         for (int64_t c = 0; c < icn; ++c) {
           vec wv[OB];
           for (int o = 0; o < OB; ++o) wv[o] = load<B>(wk + o * wstride + c * B);
@@ -257,6 +403,15 @@ inline void dense_tile(const Shape &s, const float *x, const float *w, int64_t w
       }
     }
   }
+#if !defined(__AVX512F__)
+  // 16 vector registers (AVX2 and below): with the loop below GCC kept the accumulators on
+  // the stack through the whole channel loop (a store after every FMA group: AVX2 3x3 layers
+  // at half speed); the unrolled store keeps them in registers. (With AVX-512 it is the other
+  // way round: the loop below is 1-8% faster there.)
+  tile_store<B, OB, P>(acc, out + ow0 * B, ostride, last ? bias : nullptr,
+                       res ? res + ow0 * B : nullptr, ep);
+  return;
+#endif
   for (int o = 0; o < OB; ++o) {
     const vec bv = last ? load<B>(bias + o * B) : vec{};
     for (int p = 0; p < P; ++p) {
@@ -283,14 +438,22 @@ inline void dense_tile_1x1(const Shape &s, const float *x, const float *w, int64
                            bool last, const Epi &ep) {
   typedef typename V<B>::type vec;
   vec acc[OB][P];
-  for (int o = 0; o < OB; ++o) {
-    const vec init = first && last ? load<B>(bias + o * B) : vec{};
-    for (int p = 0; p < P; ++p)
-      acc[o][p] = first ? init : load<B>(out + o * ostride + (ow0 + p) * B);
+  if (first) {  // zeros: the bias is added by the store
+#pragma GCC unroll 8
+    for (int o = 0; o < OB; ++o)
+#pragma GCC unroll 16
+      for (int p = 0; p < P; ++p) acc[o][p] = vec{};
+  } else {
+#pragma GCC unroll 8
+    for (int o = 0; o < OB; ++o)
+#pragma GCC unroll 16
+      for (int p = 0; p < P; ++p) acc[o][p] = load<B>(out + o * ostride + (ow0 + p) * B);
   }
   const int64_t step = s.sw * B;
   const float *xr = x + oh * s.sh * s.xs_row + ow0 * step;
-  for (int64_t ib = ib0; ib < ib1; ++ib) {
+  // the last input block with only s.icl channels in use (zero weights above) runs short
+  const bool part = s.icl && ib1 == s.icb;
+  for (int64_t ib = ib0; ib < ib1 - part; ++ib) {
     const float *xb = xr + ib * s.xs_blk;
     const float *wb = w + ib * B * B;
     for (int c = 0; c < B; ++c) {
@@ -302,18 +465,20 @@ inline void dense_tile_1x1(const Shape &s, const float *x, const float *w, int64
       }
     }
   }
-  for (int o = 0; o < OB; ++o) {
-    const vec bv = last && !first ? load<B>(bias + o * B) : vec{};
-    for (int p = 0; p < P; ++p) {
-      vec v = acc[o][p];
-      if (last) {
-        if (!first) v += bv;
-        if (res) v += load<B>(res + o * ostride + (ow0 + p) * B);
-        v = activate<B>(v, ep);
+  if (part && ib1 > ib0) {
+    const float *xb = xr + (ib1 - 1) * s.xs_blk;
+    const float *wb = w + (ib1 - 1) * B * B;
+    for (int64_t c = 0; c < s.icl; ++c) {
+      vec wv[OB];
+      for (int o = 0; o < OB; ++o) wv[o] = load<B>(wb + o * wstride + c * B);
+      for (int p = 0; p < P; ++p) {
+        const vec xv = splat_at<B>(xb + p * step + c);
+        for (int o = 0; o < OB; ++o) acc[o][p] = fma<B>(wv[o], xv, acc[o][p]);
       }
-      store<B>(out + o * ostride + (ow0 + p) * B, v);
     }
   }
+  tile_store<B, OB, P>(acc, out + ow0 * B, ostride, last ? bias : nullptr,
+                       res ? res + ow0 * B : nullptr, ep);
 }
 
 // whether dense_tile_1x1 computes this convolution's tiles
@@ -418,12 +583,13 @@ void dense_group(const Shape &s, const float *x, const float *w, const float *bi
 
 // the output-channel groups of a dense convolution: 4 blocks at a time, the remainder as a 2
 // and / or a 1; rows of at most 14 pixels take groups of 2 (one tile of up to 14 pixels per
-// row, no narrow tail), except 7-pixel rows with B = 16 (one 4 x 7 tile: 28 accumulators, 4
-// weight vectors per 7 broadcasts)
+// row, no narrow tail), except 7- and 14-pixel rows with B = 16 (one or two 4 x 7 tiles: 28
+// accumulators, 4 weight vectors per 7 broadcasts instead of 2 per 14; ResNet's 14x14 maps
+// 4-5% faster)
 template <int B> struct Groups {
   int64_t gw, n4, rem, ng;
   explicit Groups(const Shape &s) {
-    gw = s.ow <= tile_px<B, 2>() && !(B == 16 && s.ow == 7) ? 2 : 4;
+    gw = s.ow <= tile_px<B, 2>() && !(B == 16 && (s.ow == 7 || s.ow == 14)) ? 2 : 4;
     n4 = s.ocb / gw, rem = s.ocb % gw;
     ng = n4 + (rem >= 2) + (rem % 2);
   }
@@ -599,11 +765,7 @@ inline void dw_fast(const Shape &s, const float *xc, const float *wc, const floa
       }
     }
   }
-  for (int p = 0; p < P; ++p) {
-    vec v = acc[p];
-    if (rrow) v += load<B>(rrow + (ow0 + p) * B);
-    store<B>(orow + (ow0 + p) * B, activate<B>(v, ep));
-  }
+  dw_store<B, P>(acc, orow + ow0 * B, rrow ? rrow + ow0 * B : nullptr, ep);
 }
 
 template <int B, int P>
@@ -750,6 +912,10 @@ int run(kr::Err &e, const char *where, float *out, int64_t oh, int64_t ow, int64
     s.xs_pix = 1, s.xs_ch = s.ih * s.iw, s.xs_row = s.iw, s.xs_blk = s.icn * s.ih * s.iw;
   }
   s.xs_img = s.icb * s.xs_blk;
+  if (pointwise_1x1(s, B)) {
+    s.icl = active_channels<B>(w.data, s.ocb, s.icb, 1);
+    if (s.icl && !tail_finite<B>(x.data, s.n, s.icb, s.ih * s.iw, s.icl)) s.icl = 0;
+  }
   if (s.kh == 1 && s.kw == 1 && sh == 1 && sw == 1 && ph == 0 && pw == 0 && s.ih == oh &&
       s.iw == ow) {  // 1x1: the pixels as one flat row
     s.iw = s.ih * s.iw, s.ow = s.iw, s.ih = 1, s.oh = 1, s.xs_row = s.iw * s.xs_pix;
@@ -801,6 +967,7 @@ namespace conv {
 struct Block {
   int64_t n, icb, h, w, hcb, ocb, oh, ow, kh, kw, sh, sw, ph, pw, dh, dw;
   int64_t rows, in_rows;  // output rows per band; expanded rows a band's windows span at most
+  int64_t icl;  // the expand's Shape::icl (active channels of x's last block; 0: all)
   const float *x, *w1, *b1, *w2, *b2, *w3, *b3, *res;
   float *out;
   Epi e1, e2, e3;
@@ -853,7 +1020,7 @@ void block_share(const Block &k, float *ebuf, float *dbuf, int t, int nt) {
       se.n = 1, se.icb = k.icb, se.icn = B, se.ih = 1, se.iw = (need_hi - yhi) * k.w;
       se.ocb = k.hcb, se.oh = 1, se.ow = se.iw, se.kh = se.kw = se.sh = se.sw = se.dh = se.dw = 1;
       se.xs_pix = B, se.xs_ch = 1, se.xs_row = se.iw * B, se.xs_blk = k.h * k.w * B;
-      se.os_blk = eblk;
+      se.os_blk = eblk, se.icl = k.icl;
       const float *xp = k.x + (n * k.icb * k.h + yhi) * k.w * B;
       float *ep = ebuf + (yhi - ylo) * k.w * B;
       const Groups<B> gs(se);
@@ -909,6 +1076,7 @@ void block_channels(const Block &k, float *ebuf, float *dall, int t, int nt) {
   se.n = 1, se.icb = k.icb, se.icn = B, se.ih = 1, se.iw = k.h * k.w;
   se.ocb = k.hcb, se.oh = 1, se.ow = se.iw, se.kh = se.kw = se.sh = se.sw = se.dh = se.dw = 1;
   se.xs_pix = B, se.xs_ch = 1, se.xs_row = se.iw * B, se.xs_blk = eblk, se.os_blk = eblk;
+  se.icl = k.icl;
   Shape sd{};
   sd.n = 1, sd.icb = sd.ocb = k.hcb, sd.icn = B, sd.ih = k.h, sd.iw = k.w;
   sd.oh = k.oh, sd.ow = k.ow, sd.kh = k.kh, sd.kw = k.kw, sd.sh = k.sh, sd.sw = k.sw;
@@ -993,10 +1161,18 @@ inline int block_dispatch(kr::Err &e, const char *where, float *out, int64_t oh,
   k.w3 = w3.data, k.b3 = b3.data, k.res = res, k.out = out;
   k.e1 = eps[0], k.e2 = eps[1], k.e3 = eps[2];
 #ifdef KILN_CONV_B16
-  if (blk == 16) return run_block<16>(e, where, k, threads);
+  if (blk == 16) {
+    k.icl = active_channels<16>(k.w1, k.hcb, k.icb, 1);
+    if (k.icl && !tail_finite<16>(k.x, k.n, k.icb, k.h * k.w, k.icl)) k.icl = 0;
+    return run_block<16>(e, where, k, threads);
+  }
 #endif
 #ifdef KILN_CONV_B8
-  if (blk == 8) return run_block<8>(e, where, k, threads);
+  if (blk == 8) {
+    k.icl = active_channels<8>(k.w1, k.hcb, k.icb, 1);
+    if (k.icl && !tail_finite<8>(k.x, k.n, k.icb, k.h * k.w, k.icl)) k.icl = 0;
+    return run_block<8>(e, where, k, threads);
+  }
 #endif
   return e.fail("%s: channel block of %lld floats (expected 8 or 16)", where, (long long)blk);
 }
