@@ -18,6 +18,7 @@ import pytest
 import torch
 
 import kiln
+from device_memory import load_bytes
 from kiln.package.entries import VIEW_ALIGNMENT
 from kiln.passes.merge_gemms import MAX_ROWS
 
@@ -168,20 +169,6 @@ def test_cuda_decoder_with_views_generates_as_eager(quant, tmp_path):
     r.close()
 
 
-def _load_bytes(path) -> int:
-    """Device memory a load of `path` takes (the least of three: other processes move the
-    device's free memory; tests/targets/cuda/test_generate_cuda.py's measure)."""
-    kiln.load(path, device="cuda").close()  # the context, cuBLAS, the output pool: warm
-    uses = []
-    for _ in range(3):
-        torch.cuda.synchronize()
-        free0 = torch.cuda.mem_get_info()[0]
-        r = kiln.load(path, device="cuda")
-        uses.append(free0 - torch.cuda.mem_get_info()[0])
-        r.close()
-    return min(uses)
-
-
 @pytest.mark.gpu
 def test_views_share_the_one_upload_of_the_merged_weights(tmp_path):
     """On a GPU: q/k/v and gate/up are 2/3 of this model's 480 MB; prefill reads them as views
@@ -204,6 +191,6 @@ def test_views_share_the_one_upload_of_the_merged_weights(tmp_path):
         tmp_path / "decode.kiln")
     with zipfile.ZipFile(every) as z:
         blob = z.getinfo("weights.safetensors").file_size
-    used_every, used_one = _load_bytes(every), _load_bytes(one)
+    used_every, used_one = load_bytes(every), load_bytes(one)
     assert used_one > 0.9 * blob, (used_one, blob)
     assert used_every - used_one < blob / 2, (used_every, used_one, blob)

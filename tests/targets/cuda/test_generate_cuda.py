@@ -28,6 +28,7 @@ pytest.importorskip("triton")
 pytest.importorskip("transformers")
 
 import kiln  # noqa: E402
+from device_memory import load_bytes  # noqa: E402
 from kiln.models import device_sampler as S  # noqa: E402
 from kiln.models import hf_decoder  # noqa: E402
 from kiln.options import Options  # noqa: E402
@@ -234,20 +235,6 @@ def test_cli_and_c_generate_on_cuda(cuda_pkg, libkiln_path, tmp_path):
         assert "tokens/s" in c.stdout
 
 
-def _load_bytes(path) -> int:
-    """Device memory a load of `path` takes: free memory is device-wide, and other processes
-    on the GPU (parallel test workers) move it, so the least of three loads counts."""
-    kiln.load(path, device="cuda").close()  # the context, cuBLAS, the output pool: warm
-    uses = []
-    for _ in range(3):
-        torch.cuda.synchronize()
-        free0 = torch.cuda.mem_get_info()[0]
-        r = kiln.load(path, device="cuda")
-        uses.append(free0 - torch.cuda.mem_get_info()[0])
-        r.close()
-    return min(uses)
-
-
 @pytest.mark.gpu
 def test_entries_share_one_upload_of_the_weights(tmp_path):
     """prefill, decode and sample read the same weights: the three-entry package takes about
@@ -265,7 +252,7 @@ def test_entries_share_one_upload_of_the_weights(tmp_path):
     one = kiln.compile({"decode": progs["decode"]}, device="cuda", options=opts).save(
         tmp_path / "decode.kiln")
     blob = _weight_bytes(every)
-    used_every, used_one = _load_bytes(every), _load_bytes(one)
+    used_every, used_one = load_bytes(every), load_bytes(one)
     assert used_one > 0.9 * blob, (used_one, blob)  # the decode entry holds the weights
     assert used_every - used_one < blob / 2, (used_every, used_one, blob)
     r = kiln.load(every, device="cuda")
