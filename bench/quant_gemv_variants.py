@@ -29,7 +29,6 @@ from __future__ import annotations
 import argparse
 import itertools
 import math
-import statistics
 import sys
 from pathlib import Path
 
@@ -40,6 +39,8 @@ import torch  # noqa: E402
 import triton  # noqa: E402
 import triton.language as tl  # noqa: E402
 
+from bench.cuda_timing import events_ms  # noqa: E402
+from bench.llm_gpu import copy_gbs  # noqa: E402
 from kiln.gemm.quant_gemv import quantize_int4, quantize_int8  # noqa: E402
 
 G = 128
@@ -134,23 +135,6 @@ def gemv_i4(x_ptr, p_ptr, s_ptr, out_ptr, N, K: tl.constexpr, GS: tl.constexpr,
     tl.store(out_ptr + rn, tot.to(tl.bfloat16), mask=nmask)
 
 
-def copy_gbs() -> float:
-    src = torch.empty(2**28, dtype=torch.float32, device="cuda")
-    dst = torch.empty_like(src)
-    for _ in range(3):
-        dst.copy_(src)
-    torch.cuda.synchronize()
-    a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    ts = []
-    for _ in range(10):
-        a.record()
-        dst.copy_(src)
-        b.record()
-        b.synchronize()
-        ts.append(a.elapsed_time(b))
-    return 2 * src.numel() * 4 / statistics.median(ts) / 1e6
-
-
 def graph_us(launches: list, repeat: int = 7) -> float:
     """Per-launch device time of a CUDA graph of `launches` (callables), median of runs."""
     s = torch.cuda.Stream()
@@ -164,17 +148,7 @@ def graph_us(launches: list, repeat: int = 7) -> float:
     with torch.cuda.graph(g):
         for f in launches:
             f()
-    g.replay()
-    torch.cuda.synchronize()
-    ts = []
-    for _ in range(repeat):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        g.replay()
-        b.record()
-        b.synchronize()
-        ts.append(a.elapsed_time(b) * 1e3 / len(launches))
-    return statistics.median(ts)
+    return events_ms(g.replay, repeat) * 1e3 / len(launches)
 
 
 def main() -> None:
