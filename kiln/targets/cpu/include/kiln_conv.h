@@ -207,6 +207,26 @@ inline bool tail_finite(const float *x, int64_t n, int64_t cb, int64_t hw, int64
   return bad == 0;
 }
 
+/* The stores' activation as a template argument (0 none, 1 relu, 2 clamp to [l, h], 3 the
+ * runtime `activate`), so the unrolled stores keep the accumulators in registers. */
+template <int B, int ACT>
+__attribute__((always_inline)) inline typename V<B>::type act_as(typename V<B>::type v,
+                                                                 typename V<B>::type l,
+                                                                 typename V<B>::type h,
+                                                                 const Epi &ep) {
+  typedef typename V<B>::type vec;
+  if constexpr (ACT == 1) {
+    const vec z = {};
+    v = v > z ? v : z;
+  }
+  if constexpr (ACT == 2) {
+    v = v < l ? l : v;
+    v = v > h ? h : v;
+  }
+  if constexpr (ACT == 3) v = activate<B>(v, ep);
+  return v;
+}
+
 /* The store of an OB x P tile of accumulators (output block o at out + o * ostride, pixel p at
  * p * B): with `bias` (the last input chunk) out = act(acc + bias [+ res]), else the partial
  * sums as they are. The activation and the residual are template arguments and every loop
@@ -218,7 +238,7 @@ __attribute__((always_inline)) inline void tile_store_as(typename V<B>::type (&a
                                                          const float *bias, const float *res,
                                                          const Epi &ep) {
   typedef typename V<B>::type vec;
-  const vec z = {}, l = splat<B>(ep.lo), h = splat<B>(ep.hi);
+  const vec l = splat<B>(ep.lo), h = splat<B>(ep.hi);
 #pragma GCC unroll 8
   for (int o = 0; o < OB; ++o) {
     const vec bv = load<B>(bias + o * B);
@@ -226,13 +246,7 @@ __attribute__((always_inline)) inline void tile_store_as(typename V<B>::type (&a
     for (int p = 0; p < P; ++p) {
       vec v = acc[o][p] + bv;
       if constexpr (RES) v += load<B>(res + o * ostride + p * B);
-      if constexpr (ACT == 1) v = v > z ? v : z;
-      if constexpr (ACT == 2) {
-        v = v < l ? l : v;
-        v = v > h ? h : v;
-      }
-      if constexpr (ACT == 3) v = activate<B>(v, ep);
-      store<B>(out + o * ostride + p * B, v);
+      store<B>(out + o * ostride + p * B, act_as<B, ACT>(v, l, h, ep));
     }
   }
 }
@@ -269,18 +283,12 @@ __attribute__((always_inline)) inline void dw_store_as(typename V<B>::type (&acc
                                                        float *out, const float *res,
                                                        const Epi &ep) {
   typedef typename V<B>::type vec;
-  const vec z = {}, l = splat<B>(ep.lo), h = splat<B>(ep.hi);
+  const vec l = splat<B>(ep.lo), h = splat<B>(ep.hi);
 #pragma GCC unroll 16
   for (int p = 0; p < P; ++p) {
     vec v = acc[p];
     if constexpr (RES) v += load<B>(res + p * B);
-    if constexpr (ACT == 1) v = v > z ? v : z;
-    if constexpr (ACT == 2) {
-      v = v < l ? l : v;
-      v = v > h ? h : v;
-    }
-    if constexpr (ACT == 3) v = activate<B>(v, ep);
-    store<B>(out + p * B, v);
+    store<B>(out + p * B, act_as<B, ACT>(v, l, h, ep));
   }
 }
 
