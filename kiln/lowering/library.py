@@ -22,7 +22,7 @@ from kiln.ir.graph import Node
 from kiln.ir.sym import contiguous_strides, ivars
 from kiln.lowering.core import Lazy, LowerCtx, View, from_view, pointwise
 from kiln.lowering.indexing import _broadcast_shapes
-from kiln.ops.build import cast, op
+from kiln.ops.build import cast, const, op
 
 # kiln_lib.h enumerations (ScanKind, PutMode, BagMode)
 SCAN_KINDS = {"sum": 0, "prod": 1, "logsumexp": 2}
@@ -272,11 +272,7 @@ def _mask_put(ctx: LowerCtx, node: Node, self_: Lazy, values: Lazy, mask: Lazy,
     res_rank = rank - m + 1
     j = p - (res_rank - values.rank)  # the dim of v along the selected elements
     if j >= 0 and values.shape[j] != 1:
-        if not node.attr("accumulate"):
-            return _mask_scatter(ctx, node, self_, values, mask, p)
-        raise UnsupportedError(f"index_put with a boolean mask, one value per selected "
-                               f"element and accumulate=True (node {node.name}): only "
-                               f"x[mask] = v (no accumulate) takes one value per element")
+        return _mask_scatter(ctx, node, self_, values, mask, p)
 
     def fn(idx):
         res = list(idx[:p]) + [sympy.Integer(0)] + list(idx[p + m:])
@@ -298,7 +294,10 @@ def _mask_scatter(ctx: LowerCtx, node: Node, self_: Lazy, values: Lazy, mask: La
     masked_scatter(x, mask broadcast over x's shape, v broadcast to [x's dims before p,
     selected, x's dims after the mask]). masked_scatter fills the selection in row-major
     order of x's shape, which for every index of the dims before p runs through the mask's
-    selected positions in order, then the trailing dims: v's own row-major order."""
+    selected positions in order, then the trailing dims: v's own row-major order.
+    With accumulate (x[mask] += v) a mask selects each element at most once, so the values
+    are scattered into zeros and added where the mask is set (elsewhere x is kept as is, -0
+    and NaN included)."""
     dt, m, shape = node.type.dtype, mask.rank, node.type.shape
     base = node.source or node.name
     full = pointwise(dtypes.bool_, shape, lambda idx: mask.load(tuple(idx[p:p + m])), mask)
@@ -313,11 +312,22 @@ def _mask_scatter(ctx: LowerCtx, node: Node, self_: Lazy, values: Lazy, mask: La
         return cast(values.load(vidx), dt)
 
     source = _viewed(ctx, pointwise(dt, src_shape, src, values), base + "_source", node)
-    self_ = _viewed(ctx, self_, base + "_self", node, dt)
+    accumulate = bool(node.attr("accumulate"))
+    into = pointwise(dt, shape, lambda idx: const(0, dt)) if accumulate else self_
+    into = _viewed(ctx, into, base + ("_zeros" if accumulate else "_self"), node, dt)
     full = _viewed(ctx, full, base + "_mask", node)
     names = _emit(ctx, node, "masked_scatter", [("", dt, shape)],
-                  [_arg(self_, shape=shape), _arg(full, shape=shape), _arg(source)], [])
-    return ctx.buffer_lazy(names[0], dt, shape)
+                  [_arg(into, shape=shape), _arg(full, shape=shape), _arg(source)], [])
+    scattered = ctx.buffer_lazy(names[0], dt, shape)
+    if not accumulate:
+        return scattered
+
+    def add(idx):
+        x = self_.load(idx)
+        total = op("logical_or" if dt.name == "bool" else "add", x, scattered.load(idx))
+        return op("where", full.load(idx), total, x)
+
+    return pointwise(dt, shape, add)
 
 
 def lower_masked_scatter(ctx: LowerCtx, node: Node, args: list[Lazy]) -> Lazy:

@@ -157,7 +157,44 @@ def test_index_put_with_a_mask_over_inner_dims(tmp_path, case):
             _same(runner(*args), put_inner(*args))
 
 
-def test_index_put_accumulate_with_one_value_per_element_is_a_clear_error(tmp_path):
+def accumulate_columns(x, m, v):
+    return torch.ops.aten.index_put(x, [None, m], v, True)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.int64, torch.bool])
+def test_index_put_accumulate_with_one_value_per_element(tmp_path, dtype):
+    """x[mask] += v with one value per selected element: each element is selected at most
+    once, so the values add into the selected rows; the others keep x bit for bit (-0, NaN)."""
+    def make(shape, g):
+        if dtype == torch.bool:
+            return torch.rand(shape, generator=g) > 0.5
+        if dtype == torch.int64:
+            return torch.randint(-9, 9, shape, generator=g)
+        return torch.randn(shape, generator=g)
+
+    g = torch.Generator().manual_seed(0)
     m = torch.tensor([True, False, True])
-    with pytest.raises(kiln.errors.UnsupportedError, match=r"accumulate=True"):
-        _compile(tmp_path, accumulate_rows, (torch.randn(3, 2), m, torch.randn(2, 2)), None)
+    runner = _compile(tmp_path, accumulate_rows, (make((3, 2), g), m, make((2, 2), g)),
+                      ((None, None, {0: Dim("count", min=0, max=64)}),))
+    for rows in ([1, 0, 1], [0, 0, 0], [1, 1, 1], [0, 1, 1]):
+        m = torch.tensor(rows, dtype=torch.bool)
+        x = make((len(rows), 2), g)
+        if dtype == torch.float32:
+            x[0, 0], x[-1, 1] = -0.0, float("nan")
+        args = (x, m, make((int(m.sum()), 2), g))
+        _bits(runner(*args), accumulate_rows(*args))
+    runner = _compile(tmp_path / "columns", accumulate_columns,
+                      (make((2, 3), g), m[:3], make((2, int(m[:3].sum())), g)),
+                      ((None, None, {1: Dim("count", min=0, max=64)}),))
+    for cols in ([1, 0, 1], [0, 0, 0], [1, 1, 1]):
+        m = torch.tensor(cols, dtype=torch.bool)
+        args = (make((2, 3), g), m, make((2, int(m.sum())), g))
+        _bits(runner(*args), accumulate_columns(*args))
+
+
+def _bits(got, ref):
+    """Equal bit for bit (-0 and NaN included): one rounding per element on both sides."""
+    assert got.shape == ref.shape and got.dtype == ref.dtype
+    if got.dtype == torch.float32:
+        got, ref = got.view(torch.int32), ref.view(torch.int32)
+    assert torch.equal(got, ref), (got, ref)
