@@ -135,7 +135,9 @@ def module_path(text: str, cache: Path) -> tuple[Path, str]:
     return cache / "triton_src" / f"kiln_kernels_{key}.py", f"kiln_kernels_{key}"
 
 
-def import_module(text: str, cache: Path):
+def write_module(text: str, cache: Path) -> tuple[Path, str]:
+    """`text` written to its `module_path` file (once), without importing it: worker
+    processes import it from there; (path, module name)."""
     path, name = module_path(text, cache)
     if not path.exists():
         path.parent.mkdir(parents=True, exist_ok=True)
@@ -144,6 +146,20 @@ def import_module(text: str, cache: Path):
             f.write(text)
         os.utime(tmp, (SOURCE_MTIME, SOURCE_MTIME))
         os.replace(tmp, path)
+    return path, name
+
+
+def _written(tasks: list, cache: Path) -> list[tuple[Path, str]]:
+    """(path, module name) of each (module text, ...) task, each distinct text hashed and
+    written once (a tuning pass deals a few module texts, each holding many kernels, to
+    dozens of tasks)."""
+    seen: dict[int, tuple[Path, str]] = {}
+    return [seen.get(id(t[0])) or seen.setdefault(id(t[0]), write_module(t[0], cache))
+            for t in tasks]
+
+
+def import_module(text: str, cache: Path):
+    path, name = write_module(text, cache)
     spec = importlib.util.spec_from_file_location(name, path)
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
@@ -270,10 +286,7 @@ def prewarm(tasks: list[tuple[str, object, int]], cache: Path, workers: int,
     if n < 2:
         return 0
     rows = []
-    for text, kernel, arch in tasks:
-        path, name = module_path(text, cache)
-        if not path.exists():  # the workers import the module from its file
-            import_module(text, cache)
+    for (_, kernel, arch), (path, name) in zip(tasks, _written(tasks, cache), strict=True):
         sig, consts, options = _plain(kernel)
         rows.append([str(path), name, kernel.name, sig, consts, options, arch])
     script = str(Path(__file__).with_name("triton_warm.py"))
@@ -395,10 +408,8 @@ def _rows(tasks: list, cache: Path, flags: list | None = None) -> list:
     """triton_warm.py's rows of (module text, TritonKernel, arch) tasks (each module written
     to its file first: the workers import it from there)."""
     rows = []
-    for n, (text, kernel, arch) in enumerate(tasks):
-        path, name = module_path(text, cache)
-        if not path.exists():
-            import_module(text, cache)
+    for n, ((_, kernel, arch), (path, name)) in enumerate(
+            zip(tasks, _written(tasks, cache), strict=True)):
         sig, consts, options = _plain(kernel)
         row = [str(path), name, kernel.name, sig, consts, options, arch]
         if flags is not None:
