@@ -5,7 +5,11 @@ KILN_CACHE_DIR  where compiled objects and libraries are cached (default: $XDG_C
 KILN_CXX        the C++ compiler (default: $CXX, else c++)
 KILN_PCH        "1": compile generated C++ with a precompiled header of each file's leading
                 #include lines (GCC only; the same object code, built faster when many small
-                packages share one cache: `kiln fuzz` sets it; kiln/toolchain/cxx.py)"""
+                packages share one cache: `kiln fuzz` sets it; kiln/toolchain/cxx.py)
+KILN_CONV_EPIS  "all": the CPU direct convolution's conv.cpp specialises the stores of every
+                (activation, residual) pair, not only its package's, so the packages of one
+                target level share one conv.cpp object (many small convolution packages
+                built into one cache, as the test suite does; kiln/targets/cpu/conv.py)"""
 
 from __future__ import annotations
 
@@ -27,6 +31,10 @@ def cxx() -> str:
 
 def pch() -> bool:
     return os.environ.get("KILN_PCH", "") == "1"
+
+
+def conv_all_epilogues() -> bool:
+    return os.environ.get("KILN_CONV_EPIS", "") == "all"
 
 
 def cpu_count() -> int:

@@ -29,6 +29,10 @@ for _f in reversed(_FOLDERS):
         sys.path.insert(0, _f)
 os.environ["PYTHONPATH"] = os.pathsep.join(
     _FOLDERS + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p])
+# every conv package's conv.cpp specialises all epilogue pairs, so the suite's many small
+# convolution packages share one object per target level instead of compiling one each
+# (tests/targets/cpu/test_conv_direct.py checks the per-package selection without it)
+os.environ.setdefault("KILN_CONV_EPIS", "all")
 TOY_W = torch.tensor([1.0, -2.0, 0.5, 3.0])
 TOY_B = torch.tensor([0.25, 1.0, -1.5, 2.0])
 

@@ -243,6 +243,38 @@ def test_1x1_partial_block_other_isas(check, march):
     assert _direct_calls(compiled) == 4
 
 
+def test_epilogue_pairs_selected_and_the_plain_store(check, monkeypatch):
+    """Without KILN_CONV_EPIS=all (tests/conftest.py sets it), conv.cpp specialises only its
+    calls' (activation, residual) pairs; a pair it does not list stores through the plain
+    loop: here none is listed, and every store takes that loop, still eager's values."""
+    from kiln.targets.cpu import conv as conv_target
+
+    monkeypatch.delenv("KILN_CONV_EPIS")
+    seen = []
+    real = conv_target.epilogue_pairs
+    monkeypatch.setattr(conv_target, "epilogue_pairs",
+                        lambda steps: seen.append(real(steps)) or set())
+    g = torch.Generator().manual_seed(5)
+
+    class M(nn.Module):  # relu (pair 2), + residual and relu (3), a bare projection (0)
+        def __init__(self) -> None:
+            super().__init__()
+            self.c1, self.b1 = nn.Conv2d(16, 16, 3, padding=1, bias=False), _bn(16, g)
+            self.c2, self.b2 = nn.Conv2d(16, 16, 3, padding=1, bias=False), _bn(16, g)
+            self.c3 = nn.Conv2d(16, 32, 1, stride=2)
+
+        def forward(self, x):
+            y = F.relu(self.b1(self.c1(x)))
+            y = F.relu(self.b2(self.c2(y)) + x)
+            return self.c3(y)
+
+    x = rand((2, 16, 12, 12), F32, gen("conv_epi_pairs"), -2, 2)
+    compiled = check(M(), [x], tol=TOL)
+    assert seen == [{0, 2, 3}]
+    assert "#define KILN_CONV_EPIS 0x00" in compiled.sources["conv.cpp"]
+    assert _direct_calls(compiled) == 3
+
+
 def test_residual_is_the_input(check):
     """y = relu(bn(conv(x)) + x): the residual is the convolution's own (blocked) input."""
     g = torch.Generator().manual_seed(3)

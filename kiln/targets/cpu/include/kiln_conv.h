@@ -207,6 +207,17 @@ inline bool tail_finite(const float *x, int64_t n, int64_t cb, int64_t hw, int64
   return bad == 0;
 }
 
+/* KILN_CONV_EPIS: bit act * 2 + (residual) set for each (activation, residual) pair whose
+ * tile stores are specialised below (unrolled, the accumulators kept in registers). conv.cpp
+ * defines it to the pairs of its package's calls: each pair is one more copy of every tile's
+ * store, unrolled (ResNet's 3 pairs of 8 compile in 17-18 s instead of 29-36 s on a 2-core
+ * Zen 4); undefined, all 8 are. A pair outside it stores through a plain loop (correct,
+ * slower; a call whose pair conv.cpp did not list, which kiln does not generate). */
+#ifndef KILN_CONV_EPIS
+#define KILN_CONV_EPIS 0xff
+#endif
+constexpr bool epi_specialised(int code) { return (KILN_CONV_EPIS >> code) & 1; }
+
 /* The stores' activation as a template argument (0 none, 1 relu, 2 clamp to [l, h], 3 the
  * runtime `activate`), so the unrolled stores keep the accumulators in registers. */
 template <int B, int ACT>
@@ -263,17 +274,26 @@ __attribute__((always_inline)) inline void tile_store(typename V<B>::type (&acc)
       for (int p = 0; p < P; ++p) store<B>(out + o * ostride + p * B, acc[o][p]);
     return;
   }
-  const int code = ep.act * 2 + (res != nullptr);
-  switch (code) {
-    case 0: return tile_store_as<B, OB, P, 0, false>(acc, out, ostride, bias, res, ep);
-    case 1: return tile_store_as<B, OB, P, 0, true>(acc, out, ostride, bias, res, ep);
-    case 2: return tile_store_as<B, OB, P, 1, false>(acc, out, ostride, bias, res, ep);
-    case 3: return tile_store_as<B, OB, P, 1, true>(acc, out, ostride, bias, res, ep);
-    case 4: return tile_store_as<B, OB, P, 2, false>(acc, out, ostride, bias, res, ep);
-    case 5: return tile_store_as<B, OB, P, 2, true>(acc, out, ostride, bias, res, ep);
-    case 6: return tile_store_as<B, OB, P, 3, false>(acc, out, ostride, bias, res, ep);
-    default: return tile_store_as<B, OB, P, 3, true>(acc, out, ostride, bias, res, ep);
+  // only the (activation, residual) pairs of KILN_CONV_EPIS are specialised (unrolled);
+  // another pair (none in a build whose conv.cpp lists its calls' pairs) takes the loop
+#define KILN_EPI(code, ACT, RES)                                                        \
+  case code:                                                                              \
+    if constexpr (epi_specialised(code))                                                  \
+      return tile_store_as<B, OB, P, ACT, RES>(acc, out, ostride, bias, res, ep);        \
+    break;
+  switch (ep.act * 2 + (res != nullptr)) {
+    KILN_EPI(0, 0, false) KILN_EPI(1, 0, true) KILN_EPI(2, 1, false) KILN_EPI(3, 1, true)
+    KILN_EPI(4, 2, false) KILN_EPI(5, 2, true) KILN_EPI(6, 3, false) KILN_EPI(7, 3, true)
   }
+#undef KILN_EPI
+#pragma GCC unroll 1
+  for (int o = 0; o < OB; ++o)
+#pragma GCC unroll 1
+    for (int p = 0; p < P; ++p) {
+      typename V<B>::type v = acc[o][p] + load<B>(bias + o * B);
+      if (res) v += load<B>(res + o * ostride + p * B);
+      store<B>(out + o * ostride + p * B, activate<B>(v, ep));
+    }
 }
 
 /* A depthwise tile's store: out[p] = act(acc[p] [+ res[p]]), as tile_store_as (the bias is
@@ -295,15 +315,20 @@ __attribute__((always_inline)) inline void dw_store_as(typename V<B>::type (&acc
 template <int B, int P>
 __attribute__((always_inline)) inline void dw_store(typename V<B>::type (&acc)[P], float *out,
                                                     const float *res, const Epi &ep) {
+#define KILN_EPI(code, ACT, RES)                                                        \
+  case code:                                                                              \
+    if constexpr (epi_specialised(code)) return dw_store_as<B, P, ACT, RES>(acc, out, res, ep); \
+    break;
   switch (ep.act * 2 + (res != nullptr)) {
-    case 0: return dw_store_as<B, P, 0, false>(acc, out, res, ep);
-    case 1: return dw_store_as<B, P, 0, true>(acc, out, res, ep);
-    case 2: return dw_store_as<B, P, 1, false>(acc, out, res, ep);
-    case 3: return dw_store_as<B, P, 1, true>(acc, out, res, ep);
-    case 4: return dw_store_as<B, P, 2, false>(acc, out, res, ep);
-    case 5: return dw_store_as<B, P, 2, true>(acc, out, res, ep);
-    case 6: return dw_store_as<B, P, 3, false>(acc, out, res, ep);
-    default: return dw_store_as<B, P, 3, true>(acc, out, res, ep);
+    KILN_EPI(0, 0, false) KILN_EPI(1, 0, true) KILN_EPI(2, 1, false) KILN_EPI(3, 1, true)
+    KILN_EPI(4, 2, false) KILN_EPI(5, 2, true) KILN_EPI(6, 3, false) KILN_EPI(7, 3, true)
+  }
+#undef KILN_EPI
+#pragma GCC unroll 1
+  for (int p = 0; p < P; ++p) {
+    typename V<B>::type v = acc[p];
+    if (res) v += load<B>(res + p * B);
+    store<B>(out + p * B, activate<B>(v, ep));
   }
 }
 
