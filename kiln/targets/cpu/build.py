@@ -230,9 +230,7 @@ def codegen(state: CpuBuild) -> CpuBuild:
     steps, gemms = state.steps, state.gemms
     sources, decls = kernel_sources(steps, L.all_buffers(state.loop), state.options,
                                     program_aliases(state.program))
-    conv_file = conv_source(steps)
-    if conv_file is not None:  # the direct convolution (kiln_conv.h)
-        sources["conv.cpp"] = conv_file
+    sources.update(conv_source(steps))  # the direct convolution (kiln_conv.h), in parts
     qgemm_file = qgemm_source(steps)
     if qgemm_file is not None:  # quantised / bf16 weight GEMMs (kiln_qgemm.h)
         sources["qgemm.cpp"] = qgemm_file

@@ -614,6 +614,42 @@ void dense_group(const Shape &s, const float *x, const float *w, const float *bi
   }
 }
 
+/* conv.cpp is compiled as parts in parallel where KILN_CONV_PART is defined (kiln/targets/cpu/
+ * conv.py): part 0 the entry points, blocks and pooling; 1 dense_group<B, 2>; 2 dense_group<B, 4>
+ * and <B, 1>; 3 dw_row<B> (the tiles under them are the file's bulk). A part instantiates its
+ * own and declares the others' extern, so no part compiles another's tiles. */
+#ifdef KILN_CONV_PART
+#define KILN_CONV_DENSE_GROUP(B, OB)                                                         \
+  void dense_group<B, OB>(const Shape &, const float *, const float *, const float *,         \
+                          const float *, float *, int64_t, int64_t, int64_t, int64_t, int64_t,\
+                          int64_t, const Epi &)
+#if KILN_CONV_PART == 1
+#define KILN_CONV_PART1 template
+#else
+#define KILN_CONV_PART1 extern template
+#endif
+#if KILN_CONV_PART == 2
+#define KILN_CONV_PART2 template
+#else
+#define KILN_CONV_PART2 extern template
+#endif
+#if KILN_CONV_PART == 3
+#define KILN_CONV_PART3 template
+#else
+#define KILN_CONV_PART3 extern template
+#endif
+#ifdef KILN_CONV_B16
+KILN_CONV_PART1 KILN_CONV_DENSE_GROUP(16, 2);
+KILN_CONV_PART2 KILN_CONV_DENSE_GROUP(16, 4);
+KILN_CONV_PART2 KILN_CONV_DENSE_GROUP(16, 1);
+#endif
+#ifdef KILN_CONV_B8
+KILN_CONV_PART1 KILN_CONV_DENSE_GROUP(8, 2);
+KILN_CONV_PART2 KILN_CONV_DENSE_GROUP(8, 4);
+KILN_CONV_PART2 KILN_CONV_DENSE_GROUP(8, 1);
+#endif
+#endif
+
 // the output-channel groups of a dense convolution: 4 blocks at a time, the remainder as a 2
 // and / or a 1; rows of at most 14 pixels take groups of 2 (one tile of up to 14 pixels per
 // row, no narrow tail), except 7- and 14-pixel rows with B = 16 (one or two 4 x 7 tiles: 28
@@ -881,6 +917,18 @@ void dw_row(const Shape &s, const float *x, const float *w, const float *bias, c
   }
 }
 
+#ifdef KILN_CONV_PART
+#define KILN_CONV_DW_ROW(B)                                                                   \
+  void dw_row<B>(const Shape &, const float *, const float *, const float *, const float *,   \
+                 float *, const Epi &, int64_t, int64_t, int64_t, int64_t, int64_t)
+#ifdef KILN_CONV_B16
+KILN_CONV_PART3 KILN_CONV_DW_ROW(16);
+#endif
+#ifdef KILN_CONV_B8
+KILN_CONV_PART3 KILN_CONV_DW_ROW(8);
+#endif
+#endif
+
 /* Member t of nt: the t-th contiguous share of the (image, output row) units (kr::parallel_for:
  * the others take what a descheduled member has not started), every channel block (block by
  * block, its rows in order: the input rows a row shares with the next stay in L1). The share of the image dense_spatial_range gives the same thread. Where the rows do not
@@ -978,6 +1026,7 @@ inline int dispatch(kr::Err &e, const char *where, float *out, int64_t oh, int64
 
 }  // namespace conv
 
+#if !defined(KILN_CONV_PART) || KILN_CONV_PART == 0  // the entry points
 int conv2d_nchwc(kr::Err &e, const char *where, float *out, int64_t oh, int64_t ow, int64_t sh,
                  int64_t sw, int64_t ph, int64_t pw, int64_t dh, int64_t dw, bool depthwise,
                  int64_t act, double lo, double hi, int64_t threads, View<float> x,
@@ -1304,6 +1353,7 @@ int max_pool2d_nchwc(kr::Err &e, const char *where, float *out, int64_t oh, int6
   return e.fail("%s: channel block of %lld floats (expected 8 or 16)", where, (long long)blk);
 }
 
+#endif  // the entry points
 }  // namespace kl
 #endif  // KILN_CONV_IMPL
 #endif  // KILN_CONV_H
