@@ -20,6 +20,9 @@ Variants:
   i4_sub      int4, products summed over 16 bytes in registers, then the scale
   i4_pair     int4, x read as 32-bit words (two bf16: even k low half, odd k high half), so
               no reshape / split; the products summed over 16 bytes, then the scale
+  i4_nib      int4 as the template reads it now: 32-bit words of 8 nibbles, each nibble
+              masked in place and its bits (a subnormal float) turned into (q - 8) * 2^-23 by
+              one FMA, x read as [groups, words, 8], a word's 8 products summed in registers
 
     python bench/quant_gemv_variants.py [--quick]
 """
@@ -135,6 +138,34 @@ def gemv_i4(x_ptr, p_ptr, s_ptr, out_ptr, N, K: tl.constexpr, GS: tl.constexpr,
     tl.store(out_ptr + rn, tot.to(tl.bfloat16), mask=nmask)
 
 
+@triton.jit
+def gemv_i4_nib(x_ptr, p_ptr, s_ptr, out_ptr, N, K: tl.constexpr, GS: tl.constexpr,
+                XBLOCK: tl.constexpr, RBLOCK: tl.constexpr):
+    NG: tl.constexpr = RBLOCK // GS
+    WG: tl.constexpr = GS // 8
+    rn = tl.program_id(0) * XBLOCK + tl.arange(0, XBLOCK)[:, None, None]
+    nmask = rn < N
+    rg = tl.arange(0, NG)[None, :, None]
+    rw = rg * WG + tl.arange(0, WG)[None, None, :]
+    ri = tl.arange(0, 8)[None, None, None, :]
+    nsh = tl.where(ri >= 6, 16, 0)
+    place = ri - nsh // 4
+    nbits = 15 << (4 * place)
+    nmul = ((253 - 4 * place) << 23).to(tl.float32, bitcast=True)
+    pw = p_ptr.to(tl.pointer_type(tl.int32), bitcast=True) + rn * (K // 8)
+    ps = s_ptr + rn * (K // GS)
+    acc = tl.zeros((XBLOCK, NG, WG), dtype=tl.float32)
+    for k0 in range(0, K, RBLOCK):
+        w = tl.load(pw + k0 // 8 + rw, mask=nmask, other=-2004318072)
+        x = tl.load(x_ptr + (k0 // 8 + rw[:, :, :, None]) * 8 + ri).to(tl.float32)
+        v = ((w[:, :, :, None] >> nsh) & nbits).to(tl.float32, bitcast=True) * nmul \
+            - 9.5367431640625e-07
+        s = tl.load(ps + k0 // GS + rg, mask=nmask, other=0.0)
+        acc += tl.sum(v * x, 3) * s
+    tot = tl.sum(tl.sum(acc, 2, keep_dims=True), 1, keep_dims=True) * 8388608.0
+    tl.store(out_ptr + rn, tot.to(tl.bfloat16), mask=nmask)
+
+
 def graph_us(launches: list, repeat: int = 7) -> float:
     """Per-launch device time of a CUDA graph of `launches` (callables), median of runs."""
     s = torch.cuda.Stream()
@@ -192,6 +223,8 @@ def main() -> None:
             variants[vname] = ("i4", lambda o, t, c, mode=mode: gemv_i4[(triton.cdiv(n, c[0]),)](
                 x, t[0], t[1], o, n, k, GS=G, XBLOCK=c[0], RBLOCK=c[1], MODE=mode, SUB=16,
                 num_warps=c[2]), 0.5)
+        variants["i4_nib"] = ("i4", lambda o, t, c: gemv_i4_nib[(triton.cdiv(n, c[0]),)](
+            x, t[0], t[1], o, n, k, GS=G, XBLOCK=c[0], RBLOCK=c[1], num_warps=c[2]), 0.5)
         for vname, (form, fn, itemsize) in variants.items():
             tensors, nbytes = forms[form]
             copies = max(2, math.ceil(400e6 / nbytes))
