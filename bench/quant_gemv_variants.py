@@ -25,6 +25,10 @@ Variants:
               one FMA, x read as [groups, words, 8], a word's 8 products summed in registers
 
     python bench/quant_gemv_variants.py [--quick]
+    python bench/quant_gemv_variants.py --sass   # no GPU needed: the int4 variants' K loops
+        compiled for sm_90, SASS instructions per weight byte each thread issues (an H100
+        issues about 128 a clock per SM against about 13 bytes of copy bandwidth: ~10 a byte
+        keeps up with memory, fewer leave room to hide latency)
 """
 
 from __future__ import annotations
@@ -32,6 +36,7 @@ from __future__ import annotations
 import argparse
 import itertools
 import math
+import re
 import sys
 from pathlib import Path
 
@@ -182,11 +187,79 @@ def graph_us(launches: list, repeat: int = 7) -> float:
     return events_ms(g.replay, repeat) * 1e3 / len(launches)
 
 
+def _loop_sass(sass: str) -> list[str]:
+    """The instructions of the longest backward branch's body (the K loop) in nvdisasm's
+    output."""
+    labels, ins, cur = {}, [], None
+    for line in sass.splitlines():
+        m = re.match(r"\s*\.L_x_(\d+):", line)
+        if m:
+            cur = m.group(1)
+            continue
+        m = re.search(r"/\*([0-9a-f]{4})\*/\s+(.*?);", line)
+        if m:
+            addr = int(m.group(1), 16)
+            if cur is not None:
+                labels.setdefault(cur, addr)
+            ins.append((addr, m.group(2)))
+    best = (0, -1)
+    for addr, text in ins:
+        m = re.search(r"BRA.*\.L_x_(\d+)", text)
+        if m and labels.get(m.group(1), addr) < addr and addr - labels[m.group(1)] > \
+                best[1] - best[0]:
+            best = (labels[m.group(1)], addr)
+    return [t for a, t in ins if best[0] <= a <= best[1]]
+
+
+def sass_counts() -> None:
+    """Compile the int4 variants for sm_90 here (no GPU) and print their K loops' SASS
+    instructions per weight byte a thread streams, with the most frequent opcodes."""
+    import collections
+    import subprocess
+    import tempfile
+
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+    nvdisasm = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "nvdisasm"
+    ptrs = {"x_ptr": "*bf16", "p_ptr": "*u8", "s_ptr": "*fp32", "out_ptr": "*bf16",
+            "N": "i32"}
+    print("| variant | config (XBLOCK, RBLOCK, warps) | loop instructions / weight byte | "
+          "top opcodes |")
+    print("|---|---|---:|---|")
+    for vname, fn, extra in (("i4_lane", gemv_i4, {"MODE": 0, "SUB": 16}),
+                             ("i4_sub", gemv_i4, {"MODE": 2, "SUB": 16}),
+                             ("i4_pair", gemv_i4, {"MODE": 3, "SUB": 16}),
+                             ("i4_nib", gemv_i4_nib, {})):
+        for xb, rb, nw in ((8, 2048, 4), (16, 1024, 4), (8, 1024, 4)):
+            consts = {"K": 4096, "GS": G, "XBLOCK": xb, "RBLOCK": rb, **extra}
+            sig = {**ptrs, **{c: "constexpr" for c in consts}}
+            src = ASTSource(fn=fn, signature=sig, constexprs=consts,
+                            attrs={(i,): [["tt.divisibility", 16]] for i in range(5)})
+            k = triton.compile(src, target=GPUTarget("cuda", 90, 32),
+                               options={"num_warps": nw})
+            with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+                f.write(k.asm["cubin"])
+                f.flush()
+                sass = subprocess.run([str(nvdisasm), "-c", f.name], capture_output=True,
+                                      text=True, check=True).stdout
+            body = _loop_sass(sass)
+            ops = collections.Counter(re.sub(r"^@!?U?P\w+\s+", "", t).split()[0].split(".")[0]
+                                      for t in body)
+            per_byte = len(body) / (xb * rb / 2 / (32 * nw))
+            top = ", ".join(f"{o} {c}" for o, c in ops.most_common(6))
+            print(f"| {vname} | ({xb}, {rb}, {nw}) | {per_byte:.1f} | {top} |", flush=True)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--quick", action="store_true", help="fewer configs (a smoke run)")
+    ap.add_argument("--sass", action="store_true",
+                    help="no GPU: the int4 loops' SASS instructions per weight byte")
     ap.add_argument("--shapes", default=",".join(s[0] for s in SHAPES))
     a = ap.parse_args()
+    if a.sass:
+        sass_counts()
+        return
     torch.manual_seed(0)
     bw = copy_gbs()
     print(f"GPU {torch.cuda.get_device_name(0)}, copy bandwidth {bw:.0f} GB/s", flush=True)
