@@ -415,7 +415,7 @@ def _print_quant_gemv(gk: GemmKernel, buffers: dict[str, L.Buffer], name: str) -
             f".to(tl.float32)",
             "        acc += tl.sum(v * x, 3) * s",
         ]
-        tot = "tl.sum(tl.sum(acc, 2, keep_dims=True), 1, keep_dims=True) * 8388608.0  # 2^23"
+        tot = "tl.sum(tl.sum(acc, 2, keep_dims=True), 1, keep_dims=True) * 8388608.0"  # 2^23
     else:
         kstep = "kk" if sympy.sympify(g.b.rows) == 1 else f"kk * {rows}"
         if mx.qdtype.name == "int8":
