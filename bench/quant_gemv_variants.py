@@ -20,8 +20,15 @@ Variants:
   i4_sub      int4, products summed over 16 bytes in registers, then the scale
   i4_pair     int4, x read as 32-bit words (two bf16: even k low half, odd k high half), so
               no reshape / split; the products summed over 16 bytes, then the scale
+  i4_nib      int4 as the template reads it now: 32-bit words of 8 nibbles, each nibble
+              masked in place and its bits (a subnormal float) turned into (q - 8) * 2^-23 by
+              one FMA, x read as [groups, words, 8], a word's 8 products summed in registers
 
     python bench/quant_gemv_variants.py [--quick]
+    python bench/quant_gemv_variants.py --sass   # no GPU needed: the int4 variants' K loops
+        compiled for sm_90, SASS instructions per weight byte each thread issues (an H100
+        issues about 128 a clock per SM against about 13 bytes of copy bandwidth: ~10 a byte
+        keeps up with memory, fewer leave room to hide latency)
 """
 
 from __future__ import annotations
@@ -29,6 +36,7 @@ from __future__ import annotations
 import argparse
 import itertools
 import math
+import re
 import sys
 from pathlib import Path
 
@@ -135,6 +143,34 @@ def gemv_i4(x_ptr, p_ptr, s_ptr, out_ptr, N, K: tl.constexpr, GS: tl.constexpr,
     tl.store(out_ptr + rn, tot.to(tl.bfloat16), mask=nmask)
 
 
+@triton.jit
+def gemv_i4_nib(x_ptr, p_ptr, s_ptr, out_ptr, N, K: tl.constexpr, GS: tl.constexpr,
+                XBLOCK: tl.constexpr, RBLOCK: tl.constexpr):
+    NG: tl.constexpr = RBLOCK // GS
+    WG: tl.constexpr = GS // 8
+    rn = tl.program_id(0) * XBLOCK + tl.arange(0, XBLOCK)[:, None, None]
+    nmask = rn < N
+    rg = tl.arange(0, NG)[None, :, None]
+    rw = rg * WG + tl.arange(0, WG)[None, None, :]
+    ri = tl.arange(0, 8)[None, None, None, :]
+    nsh = tl.where(ri >= 6, 16, 0)
+    place = ri - nsh // 4
+    nbits = 15 << (4 * place)
+    nmul = ((253 - 4 * place) << 23).to(tl.float32, bitcast=True)
+    pw = p_ptr.to(tl.pointer_type(tl.int32), bitcast=True) + rn * (K // 8)
+    ps = s_ptr + rn * (K // GS)
+    acc = tl.zeros((XBLOCK, NG, WG), dtype=tl.float32)
+    for k0 in range(0, K, RBLOCK):
+        w = tl.load(pw + k0 // 8 + rw, mask=nmask, other=-2004318072)
+        x = tl.load(x_ptr + (k0 // 8 + rw[:, :, :, None]) * 8 + ri).to(tl.float32)
+        v = ((w[:, :, :, None] >> nsh) & nbits).to(tl.float32, bitcast=True) * nmul \
+            - 9.5367431640625e-07
+        s = tl.load(ps + k0 // GS + rg, mask=nmask, other=0.0)
+        acc += tl.sum(v * x, 3) * s
+    tot = tl.sum(tl.sum(acc, 2, keep_dims=True), 1, keep_dims=True) * 8388608.0
+    tl.store(out_ptr + rn, tot.to(tl.bfloat16), mask=nmask)
+
+
 def graph_us(launches: list, repeat: int = 7) -> float:
     """Per-launch device time of a CUDA graph of `launches` (callables), median of runs."""
     s = torch.cuda.Stream()
@@ -151,11 +187,79 @@ def graph_us(launches: list, repeat: int = 7) -> float:
     return events_ms(g.replay, repeat) * 1e3 / len(launches)
 
 
+def _loop_sass(sass: str) -> list[str]:
+    """The instructions of the longest backward branch's body (the K loop) in nvdisasm's
+    output."""
+    labels, ins, cur = {}, [], None
+    for line in sass.splitlines():
+        m = re.match(r"\s*\.L_x_(\d+):", line)
+        if m:
+            cur = m.group(1)
+            continue
+        m = re.search(r"/\*([0-9a-f]{4})\*/\s+(.*?);", line)
+        if m:
+            addr = int(m.group(1), 16)
+            if cur is not None:
+                labels.setdefault(cur, addr)
+            ins.append((addr, m.group(2)))
+    best = (0, -1)
+    for addr, text in ins:
+        m = re.search(r"BRA.*\.L_x_(\d+)", text)
+        if m and labels.get(m.group(1), addr) < addr and addr - labels[m.group(1)] > \
+                best[1] - best[0]:
+            best = (labels[m.group(1)], addr)
+    return [t for a, t in ins if best[0] <= a <= best[1]]
+
+
+def sass_counts() -> None:
+    """Compile the int4 variants for sm_90 here (no GPU) and print their K loops' SASS
+    instructions per weight byte a thread streams, with the most frequent opcodes."""
+    import collections
+    import subprocess
+    import tempfile
+
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+    nvdisasm = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "nvdisasm"
+    ptrs = {"x_ptr": "*bf16", "p_ptr": "*u8", "s_ptr": "*fp32", "out_ptr": "*bf16",
+            "N": "i32"}
+    print("| variant | config (XBLOCK, RBLOCK, warps) | loop instructions / weight byte | "
+          "top opcodes |")
+    print("|---|---|---:|---|")
+    for vname, fn, extra in (("i4_lane", gemv_i4, {"MODE": 0, "SUB": 16}),
+                             ("i4_sub", gemv_i4, {"MODE": 2, "SUB": 16}),
+                             ("i4_pair", gemv_i4, {"MODE": 3, "SUB": 16}),
+                             ("i4_nib", gemv_i4_nib, {})):
+        for xb, rb, nw in ((8, 2048, 4), (16, 1024, 4), (8, 1024, 4)):
+            consts = {"K": 4096, "GS": G, "XBLOCK": xb, "RBLOCK": rb, **extra}
+            sig = {**ptrs, **{c: "constexpr" for c in consts}}
+            src = ASTSource(fn=fn, signature=sig, constexprs=consts,
+                            attrs={(i,): [["tt.divisibility", 16]] for i in range(5)})
+            k = triton.compile(src, target=GPUTarget("cuda", 90, 32),
+                               options={"num_warps": nw})
+            with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+                f.write(k.asm["cubin"])
+                f.flush()
+                sass = subprocess.run([str(nvdisasm), "-c", f.name], capture_output=True,
+                                      text=True, check=True).stdout
+            body = _loop_sass(sass)
+            ops = collections.Counter(re.sub(r"^@!?U?P\w+\s+", "", t).split()[0].split(".")[0]
+                                      for t in body)
+            per_byte = len(body) / (xb * rb / 2 / (32 * nw))
+            top = ", ".join(f"{o} {c}" for o, c in ops.most_common(6))
+            print(f"| {vname} | ({xb}, {rb}, {nw}) | {per_byte:.1f} | {top} |", flush=True)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--quick", action="store_true", help="fewer configs (a smoke run)")
+    ap.add_argument("--sass", action="store_true",
+                    help="no GPU: the int4 loops' SASS instructions per weight byte")
     ap.add_argument("--shapes", default=",".join(s[0] for s in SHAPES))
     a = ap.parse_args()
+    if a.sass:
+        sass_counts()
+        return
     torch.manual_seed(0)
     bw = copy_gbs()
     print(f"GPU {torch.cuda.get_device_name(0)}, copy bandwidth {bw:.0f} GB/s", flush=True)
@@ -192,6 +296,8 @@ def main() -> None:
             variants[vname] = ("i4", lambda o, t, c, mode=mode: gemv_i4[(triton.cdiv(n, c[0]),)](
                 x, t[0], t[1], o, n, k, GS=G, XBLOCK=c[0], RBLOCK=c[1], MODE=mode, SUB=16,
                 num_warps=c[2]), 0.5)
+        variants["i4_nib"] = ("i4", lambda o, t, c: gemv_i4_nib[(triton.cdiv(n, c[0]),)](
+            x, t[0], t[1], o, n, k, GS=G, XBLOCK=c[0], RBLOCK=c[1], num_warps=c[2]), 0.5)
         for vname, (form, fn, itemsize) in variants.items():
             tensors, nbytes = forms[form]
             copies = max(2, math.ceil(400e6 / nbytes))

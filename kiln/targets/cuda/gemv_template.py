@@ -24,11 +24,16 @@ Quantised weights (weight-only, a `MixedGemm` on side "b"; kiln/gemm/gemv.py):
                 flipped), less that constant; the row sums are multiplied by the scale
                 (per output channel) at the end.
   int4          each step covers RBLOCK // G whole groups of G values: the tile is
-                [XBLOCK, groups, G / 2] bytes, the A slice [1, groups, G] split into its
-                even and odd K positions (low and high nibbles: nibble - 8 converted as
-                above), each group's products times its scale [XBLOCK, groups, 1]; the
-                row index (rk, the prologue) is then [1, groups, G], the outputs
-                [XBLOCK, 1, 1]."""
+                [XBLOCK, groups, G / 8] 32-bit words of 8 nibbles (nibble i of a word: k =
+                8 * word + i), the A slice [1, groups, G / 8, 8] (rk, the prologue: the row's
+                positions in that shape). Each nibble is masked in place and its bits read as
+                a float32: bits * 2^-149 (a subnormal, or at bits 20-23 the smallest normal
+                exponent, where the step is the same), so one FMA by 2^(126 - 4 * place) less
+                8 * 2^-23 gives (nibble - 8) * 2^-23 exactly (nibbles 6 and 7 are read from
+                the word >> 16); 3 instructions a weight (mask, that FMA, the product's FMA)
+                and no int-to-float convert. A word's 8 products are summed in registers,
+                each group's sums times its scale [XBLOCK, groups, 1], the 2^23 restored at
+                the end; the outputs are [XBLOCK, 1, 1]."""
 
 from __future__ import annotations
 
@@ -288,6 +293,9 @@ def _presum(value: str, sub: int) -> str:
 
 #: float32 bits of 2^23 (a byte ORed under them gives the float 2^23 + byte, exactly)
 _EXP23 = "0x4B000000"
+#: an int4 word of 8 nibbles 8 (zeros), as int32; 8 * 2^-23 (the nibbles' zero point, scaled)
+_NIB8 = "-2004318072"
+_EIGHT_EPS = "9.5367431640625e-07"
 
 
 def _quant_sig(gk: GemmKernel, buffers) -> tuple[list, dict[str, str]]:
@@ -317,17 +325,28 @@ def _print_quant_gemv(gk: GemmKernel, buffers: dict[str, L.Buffer], name: str) -
             + (f", scales {mx.scale.buf}" if mx.scale is not None else "")]
     lines = _head(gk, name, sig, what)
     if gs:
+        wg = gs // 8
         lines += [
-            f"    # int4: RBLOCK // {gs} groups of {gs} a step; the row's positions as "
-            f"[1, groups, {gs}]",
+            f"    # int4: RBLOCK // {gs} groups of {wg} words (8 nibbles each) a step; the "
+            f"row's positions as [1, groups, words, 8]",
             f"    rn = (tl.program_id(0) * XBLOCK + tl.arange(0, XBLOCK)[:, None, None]){cast}",
             "    nmask = rn < N",
             f"    rg = tl.arange(0, RBLOCK // {gs})[None, :, None]{cast}",
-            f"    rk = rg * {gs} + tl.arange(0, {gs})[None, None, :]{cast}",
+            f"    rw = rg * {wg} + tl.arange(0, {wg})[None, None, :]{cast}  # the step's words",
+            "    ri = tl.arange(0, 8)[None, None, None, :]  # a word's nibbles",
+            f"    rk = rw[:, :, :, None] * 8 + ri{cast}",
             "    xidx = rk * 0  # the row's shape, for loads of scalars",
+            "    # nibble i: bits 4i..4i+3 of the word (i < 6) or of the word >> 16 (place "
+            "i - 4); as a float32",
+            "    # (bits * 2^-149) times 2^(126 - 4 * place), less 8 * 2^-23: "
+            "(nibble - 8) * 2^-23, exact",
+            "    nsh = tl.where(ri >= 6, 16, 0)",
+            "    place = ri - nsh // 4",
+            "    nbits = 15 << (4 * place)",
+            "    nmul = ((253 - 4 * place) << 23).to(tl.float32, bitcast=True)",
         ]
-        row, total = f"[1, RBLOCK // {gs}, {gs}]", \
-            "tl.sum(tl.sum({}, 2, keep_dims=True), 1, keep_dims=True)"
+        row, total = f"[1, RBLOCK // {gs}, {wg}, 8]", \
+            "tl.sum(tl.sum(tl.sum({}, 3), 2, keep_dims=True), 1, keep_dims=True)"
     else:
         lines += [
             f"    rn = (tl.program_id(0) * XBLOCK + tl.arange(0, XBLOCK)[:, None]){cast}",
@@ -347,13 +366,18 @@ def _print_quant_gemv(gk: GemmKernel, buffers: dict[str, L.Buffer], name: str) -
                   for r in pro.reductions]
     lines.append(f"    pb = buf_{g.b.buf} + {to_tl(g.b.offset)} + rn * {to_tl(g.b.cols)}")
     sc = mx.scale
-    sub = _vector(gs // 2 if gs else cfg.block_k, 1)  # 16 bytes of B a thread
+    sub = _vector(cfg.block_k, 1)  # 16 bytes of B a thread
     if gs:
+        if sympy.sympify(g.b.rows) != 1 or any(
+                not (sympy.sympify(e) % 4).is_zero for e in (g.b.offset, g.b.cols)):
+            raise UnsupportedError(f"GEMV {gk.name}: the int4 weight's rows are read as "
+                                   f"32-bit words (contiguous along K, 4-byte aligned); got "
+                                   f"offset {g.b.offset}, strides {g.b.rows}, {g.b.cols}")
         lines += [
+            "    pw = pb.to(tl.pointer_type(tl.int32), bitcast=True)  # 8 nibbles a word",
             f"    ps = buf_{sc.buf} + {to_tl(sc.offset)} + rn * {to_tl(sc.cols)}",
-            f"    rj = tl.arange(0, {gs // 2})[None, None, :]{cast}",
-            f"    acc = tl.zeros((XBLOCK, RBLOCK // {gs}, {gs // 2 // sub}), "
-            f"dtype=tl.float32)  # {_SUB_NOTE}",
+            f"    acc = tl.zeros((XBLOCK, RBLOCK // {gs}, {gs // 8}), dtype=tl.float32)"
+            f"  # a word's 8 products summed in registers first",
         ]
     else:
         lines.append(f"    acc = tl.zeros((XBLOCK, RBLOCK // {sub}), dtype=tl.float32)  "
@@ -381,19 +405,17 @@ def _print_quant_gemv(gk: GemmKernel, buffers: dict[str, L.Buffer], name: str) -
     rows = to_tl(g.b.rows)
     if gs:
         lines += [
-            f"        xe, xo = tl.split(tl.reshape(x, [1, RBLOCK // {gs}, {gs // 2}, 2]))",
             f"        gi = k0 // {gs} + rg  # the step's groups",
             f"        gmask = nmask & (gi < {to_tl(g.k)} // {gs})",
-            f"        b = tl.load(pb + (gi * {gs // 2} + rj) * {rows}, mask=gmask, "
-            f"other=136).to(tl.int32)  # {mx.qdtype.name}: two nibbles (+ 8) a byte",
-            f"        lo = ((b & 15) | {_EXP23}).to(tl.float32, bitcast=True) - 8388616.0",
-            f"        hi = ((b >> 4) | {_EXP23}).to(tl.float32, bitcast=True) - 8388616.0",
+            f"        w = tl.load(pw + k0 // 8 + rw, mask=gmask, other={_NIB8})  "
+            f"# {mx.qdtype.name}: 8 nibbles (+ 8) a word",
+            "        v = ((w[:, :, :, None] >> nsh) & nbits).to(tl.float32, bitcast=True) * nmul"
+            f" - {_EIGHT_EPS}",
             f"        s = tl.load(ps + gi * {to_tl(sc.rows)}, mask=gmask, other=0.0)"
             f".to(tl.float32)",
-            f"        acc += tl.sum(tl.reshape(lo * xe + hi * xo, [XBLOCK, RBLOCK // {gs}, "
-            f"{gs // 2 // sub}, {sub}]), 3) * s",
+            "        acc += tl.sum(v * x, 3) * s",
         ]
-        tot = "tl.sum(tl.sum(acc, 2, keep_dims=True), 1, keep_dims=True)"
+        tot = "tl.sum(tl.sum(acc, 2, keep_dims=True), 1, keep_dims=True) * 8388608.0"  # 2^23
     else:
         kstep = "kk" if sympy.sympify(g.b.rows) == 1 else f"kk * {rows}"
         if mx.qdtype.name == "int8":
