@@ -473,11 +473,83 @@ inline void packed_block(int64_t M, int64_t N, int64_t K, const T *a, int64_t ar
   }
 }
 
-/* Elements of the A buffer `packed_block` needs. */
+/* Rows of A one K block of `packed_block_cols` packs at once (MR-row tiles): with KC = 256
+ * floats, 96 KiB of A, which stays in L2 beside the thread's K block of B panels. */
+template <int MR>
+constexpr int64_t packed_cols_mc() {
+  return int64_t((96 + MR - 1) / MR) * MR;
+}
+
+/* Height of the tile `packed_block_cols` gives the last mr (<= MR) rows of a chunk: MR, or
+ * 4 or 8 when that covers them (fewer zero rows multiplied). */
+template <int MR>
+constexpr int packed_cols_h(int64_t mr) {
+  return mr == MR ? MR : mr <= 4 && MR > 4 ? 4 : mr <= 8 && MR > 8 ? 8 : MR;
+}
+
+template <class T, int NR, int MR>
+inline void packed_cols_tail(int64_t mr, int64_t kc, const T *a, const T *bk, int64_t pstride,
+                             T *c, int64_t ldc, int64_t ncols, bool accumulate) {
+  const int h = packed_cols_h<MR>(mr);
+  if constexpr (MR > 4)
+    if (h == 4)
+      return packed_tile<T, NR, 4, 1>(kc, a, bk, pstride, c, ldc, mr, ncols, accumulate);
+  if constexpr (MR > 8)
+    if (h == 8)
+      return packed_tile<T, NR, 8, 1>(kc, a, bk, pstride, c, ldc, mr, ncols, accumulate);
+  packed_tile<T, NR, MR, 1>(kc, a, bk, pstride, c, ldc, mr, ncols, accumulate);
+}
+
+/* The same GEMM as `packed_block` for several row blocks, loops in the order of BLIS's
+ * macro-kernel: per K block and chunk of up to packed_cols_mc rows, A is packed once
+ * (k-major MR-row tiles, rows past M zero), then each panel's K block (KC x NR, 32 KiB) is
+ * swept by every row tile of the chunk while it stays in L1, and the tiles' A streams from
+ * L2. `packed_block`'s order (row tile outer) keeps a tile's A in L1 instead and streams the
+ * panels from L2 once per row tile: 2.7 times the L2 bytes per multiply-add for a 12 x 32
+ * tile (2 B vectors per k against 12 broadcasts). The epilogue runs per chunk and panel
+ * group once their last K block is done. `apack`: `packed_apack_size` elements. */
+template <class T, int NR, int MR, int KC, class RowEpi = NoEpilogue>
+inline void packed_block_cols(int64_t M, int64_t N, int64_t K, const T *a, int64_t ar,
+                              int64_t ac, const T *bp, int64_t p0, int64_t p1, T *c,
+                              int64_t ldc, T *apack, RowEpi epi = {}) {
+  constexpr int64_t MC = packed_cols_mc<MR>();
+  constexpr int PG = 4;  // panels per epilogue call
+  const int64_t pstride = K * NR;
+  for (int64_t pc = 0; pc < K; pc += KC) {
+    const int64_t kc = std::min<int64_t>(KC, K - pc);
+    const bool last = pc + kc == K;
+    for (int64_t ic = 0; ic < M; ic += MC) {
+      const int64_t mc = std::min<int64_t>(MC, M - ic);
+      for (int64_t ir = 0; ir < mc; ir += MR) {
+        const int64_t mr = std::min<int64_t>(MR, mc - ir);
+        pack_a_rows<T>(mr, packed_cols_h<MR>(mr), kc, a + (ic + ir) * ar + pc * ac, ar, ac,
+                       apack + ir * kc);
+      }
+      for (int64_t pg = p0; pg < p1; pg += PG) {
+        const int64_t pe = std::min<int64_t>(p1, pg + PG);
+        for (int64_t p = pg; p < pe; ++p) {
+          const T *bk = bp + p * pstride + pc * NR;
+          const int64_t ncols = std::min<int64_t>(NR, N - p * NR);
+          int64_t ir = 0;
+          for (; ir + MR <= mc; ir += MR)
+            packed_tile<T, NR, MR, 1>(kc, apack + ir * kc, bk, pstride,
+                                      c + (ic + ir) * ldc + p * NR, ldc, MR, ncols, pc > 0);
+          if (ir < mc)
+            packed_cols_tail<T, NR, MR>(mc - ir, kc, apack + ir * kc, bk, pstride,
+                                        c + (ic + ir) * ldc + p * NR, ldc, ncols, pc > 0);
+        }
+        if (last) epi(ic, ic + mc, pg * NR, std::min<int64_t>(N, pe * NR));
+      }
+    }
+  }
+}
+
+/* Elements of the A buffer `packed_block` (MR rows of the whole K) and `packed_block_cols`
+ * (a chunk of rows of one K block) need. */
 template <int MR, int KC>
 inline int64_t packed_apack_size(int64_t M, int64_t K) {
   (void)M;
-  return std::max<int64_t>(int64_t(MR) * K, 1);
+  return std::max<int64_t>(std::max<int64_t>(int64_t(MR) * K, packed_cols_mc<MR>() * KC), 1);
 }
 
 }  // namespace kr
