@@ -8,7 +8,6 @@ import statistics
 import time
 
 import numpy as np
-import onnx
 import onnxruntime as ort
 from onnx import TensorProto, helper, numpy_helper
 
