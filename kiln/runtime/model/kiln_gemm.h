@@ -529,6 +529,7 @@ inline void packed_cols_tile(int h, int64_t mr, int64_t kc, const T *a, const T 
   if constexpr (MR > 4)
     if (h == 4)
       return packed_tile<T, NR, 4, 1>(kc, a, bk, pstride, c, ldc, mr, ncols, accumulate);
+  __builtin_trap();  // not a height packed_cols_tiles gives: A was packed for h rows
 }
 
 /* The same GEMM as `packed_block` for several row blocks, loops in the order of BLIS's
