@@ -18,7 +18,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import kiln
-from difftest import Checker, dim, gen, rand
+from difftest import Cases, Checker, dim, gen, rand
 from kiln.errors import InputError
 from kiln.ir import loop as L
 from kiln.ir.interp import run_loop
@@ -153,15 +153,26 @@ CASES = [
 ]
 
 
+def _blocks(cases, seed, key, batch):
+    """The ConvBlocks of `cases` as one difftest.Cases program (one package for all of them:
+    each block keeps its own static shapes, weights and kernels), its inputs at two draws, and
+    the number of convolutions in it."""
+    mods, xs, more, convs = {}, [], [], 0
+    for name, cfg, cin, hw in cases:
+        mods[name] = (ConvBlock(cin, seed=seed, **cfg), 1)
+        g = gen(key, str(cfg), seed)
+        xs.append(rand((batch, cin, *hw), F32, g, -2, 2))
+        more.append(rand((batch, cin, *hw), F32, g, -2, 2))
+        convs += 1 + bool(cfg.get("residual"))
+    return Cases(mods), xs, [more], convs
+
+
 @pytest.mark.parametrize("batch", [1, 3])
-@pytest.mark.parametrize(("cfg", "cin", "hw"), [c[1:] for c in CASES],
-                         ids=[c[0] for c in CASES])
-def test_conv_direct_matches_eager(check, cfg, cin, hw, batch):
-    m = ConvBlock(cin, seed=batch, **cfg)
-    g = gen("conv_direct", str(cfg), batch)
-    x = rand((batch, cin, *hw), F32, g, -2, 2)
-    compiled = check(m, [x], tol=TOL, more=[(rand((batch, cin, *hw), F32, g, -2, 2),)])
-    convs = 1 + bool(cfg.get("residual"))
+def test_conv_direct_matches_eager(check, batch):
+    """Every case of CASES at `batch`, in one package (outputs named by case id): each
+    convolution is a direct one (as many kl::conv2d_nchwc calls as convolutions, no im2col)."""
+    m, xs, more, convs = _blocks(CASES, batch, "conv_direct", batch)
+    compiled = check(m, xs, tol=TOL, more=more)
     assert _direct_calls(compiled) == convs
     assert "im2col" not in _sources(compiled)
 
@@ -186,15 +197,11 @@ SPLITS = [
 
 
 @pytest.mark.parametrize("threads", [2, 3])
-@pytest.mark.parametrize(("cfg", "cin", "hw"), [c[1:] for c in SPLITS],
-                         ids=[c[0] for c in SPLITS])
-def test_conv_work_splits(check, cfg, cin, hw, threads):
-    m = ConvBlock(cin, seed=threads, **cfg)
-    g = gen("conv_split", str(cfg), threads)
-    x = rand((3, cin, *hw), F32, g, -2, 2)
-    compiled = check(m, [x], tol=TOL, options=kiln.Options(num_threads=threads),
-                     more=[(rand((3, cin, *hw), F32, g, -2, 2),)])
-    assert _direct_calls(compiled) == 1 + bool(cfg.get("residual"))
+def test_conv_work_splits(check, threads):
+    """Every case of SPLITS, batch 3, with `threads` threads, in one package."""
+    m, xs, more, convs = _blocks(SPLITS, threads, "conv_split", 3)
+    compiled = check(m, xs, tol=TOL, options=kiln.Options(num_threads=threads), more=more)
+    assert _direct_calls(compiled) == convs
 
 
 def test_1x1_trailing_zero_weights(check):
