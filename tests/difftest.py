@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import copy
 import itertools
+import re
 import zlib
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -53,6 +54,38 @@ class Fn(torch.nn.Module):
 
     def extra_repr(self) -> str:
         return self.label
+
+
+class Cases(torch.nn.Module):
+    """Several independent cases in one program, so one package (one C++ compile and link)
+    checks them all: case k reads its own `arity` inputs, in order, and its outputs (a dict) are
+    named "<k>__<output>" (a single tensor output: "<k>"). Every case keeps its own static
+    shapes, so its kernels are the ones a package of its own would have. Give each case its
+    own weights (a weight shared by two cases is read twice, which can change how kiln stores
+    it)."""
+
+    def __init__(self, cases: dict[str, tuple[torch.nn.Module, int]]) -> None:
+        super().__init__()
+        self.mods = torch.nn.ModuleDict({k: m for k, (m, _) in cases.items()})
+        self.arity = [n for _, n in cases.values()]
+
+    def forward(self, *args):
+        out, i = {}, 0
+        for (k, m), n in zip(self.mods.items(), self.arity):
+            r = m(*args[i:i + n])
+            if isinstance(r, torch.Tensor):
+                out[k] = r
+            else:
+                for name, v in r.items():
+                    out[f"{k}__{name}"] = v
+            i += n
+        assert i == len(args), (i, len(args))
+        return out
+
+
+def case_name(*parts) -> str:
+    """A ModuleDict-safe name for a case, e.g. case_name((2, 4, 9), "t") == "2_4_9_t"."""
+    return re.sub(r"\W+", "_", "_".join(map(str, parts))).strip("_")
 
 
 def layout_input(x: torch.Tensor, kind: str) -> torch.Tensor:

@@ -59,14 +59,16 @@ def _close_as_eager(got: dict, want: dict, ref: dict, dtype, what: str) -> None:
 
 
 def _run(check: Checker, module: nn.Module, args, dtype, what: str, more=(), **kw):
-    """Compile at `args`; compare at `args` and each of `more` with eager and float64."""
-    _, runner = check.compile(module, args, **kw)
+    """Compile at `args`; compare at `args` and each of `more` with eager and float64; returns
+    the compiled model."""
+    compiled, runner = check.compile(module, args, **kw)
     ref_module = copy.deepcopy(module).double()  # half weights convert to float64 exactly
     for a in [tuple(args), *more]:
         with torch.no_grad():
             want = module(*a)
             ref = ref_module(*[t.double() if t.is_floating_point() else t for t in a])
         _close_as_eager(runner(*a), want, ref, dtype, what)
+    return compiled
 
 
 def ops(x, y, w):
@@ -86,13 +88,25 @@ def ops(x, y, w):
     }
 
 
+OPS_SHAPES = [(7, 13), (1, 1), (33, 64)]
+
+
+def ops_at_each_shape(*args):
+    """`ops` on each (x, y, w) triple of `args` (one per shape of OPS_SHAPES), in one program:
+    one package instead of one per shape, same kernels (every shape static and separate)."""
+    return {f"{_ids(s)}:{k}": v for i, s in enumerate(OPS_SHAPES)
+            for k, v in ops(*args[3 * i:3 * i + 3]).items()}
+
+
 @pytest.mark.parametrize("dtype", HALVES, ids=_ids)
-@pytest.mark.parametrize("shape", [(7, 13), (1, 1), (33, 64)], ids=_ids)
-def test_half_ops(check, dtype, shape):
-    g = gen("half", dtype, shape)
-    x, y = rand(shape, dtype, g), rand(shape[::-1], dtype, g)
-    w = rand((shape[1], 5), dtype, g)
-    _run(check, Fn(ops), (x, y, w), dtype, f"ops {shape}")
+def test_half_ops(check, dtype):
+    """`ops` at (7, 13), (1, 1) and (33, 64); outputs named "<shape>:<op>"."""
+    args = []
+    for shape in OPS_SHAPES:
+        g = gen("half", dtype, shape)
+        x, y = rand(shape, dtype, g), rand(shape[::-1], dtype, g)
+        args += [x, y, rand((shape[1], 5), dtype, g)]
+    _run(check, Fn(ops_at_each_shape), args, dtype, "ops")
 
 
 class Net(nn.Module):
@@ -114,11 +128,12 @@ def test_half_weights(check, dtype, tmp_path):
     torch.manual_seed(0)
     net = Net().to(dtype).eval()
     x = rand((2, 3, 7, 6), dtype, gen("half-net", dtype))
-    compiled = kiln.compile(net, (x,))
+    # one (dynamic) package both stores the weights and is checked against eager
+    compiled = _run(check, net, (x,), dtype, "net",
+                    more=[(rand((1, 3, 9, 8), dtype, gen("n2", dtype)),)],
+                    dynamic_shapes=({0: dim("n", 1, 4), 2: dim("h", 4, 16), 3: dim("w", 4, 16)},))
     weights = {w["name"]: w["dtype"] for w in compiled.manifest["weights"]}
     assert set(weights.values()) == {dtype.__repr__().removeprefix("torch.")}, weights
-    _run(check, net, (x,), dtype, "net", more=[(rand((1, 3, 9, 8), dtype, gen("n2", dtype)),)],
-         dynamic_shapes=({0: dim("n", 1, 4), 2: dim("h", 4, 16), 3: dim("w", 4, 16)},))
 
 
 @pytest.mark.parametrize("dtype", HALVES, ids=_ids)

@@ -11,7 +11,7 @@ import kiln
 import torch.nn.functional as F
 from torch import nn
 
-from difftest import Checker, Fn, Layout, dim, gen, rand
+from difftest import Cases, Checker, Fn, Layout, case_name, dim, gen, rand
 from kiln.errors import KilnError, UnsupportedError
 
 F32, F64, I64, I32 = torch.float32, torch.float64, torch.int64, torch.int32
@@ -44,12 +44,18 @@ def _embed(key, dtype=F32) -> Embed:
     return m.to(dtype).eval()
 
 
-@pytest.mark.parametrize(("ids_shape", "ids_dtype", "dtype"), [
-    ((3, 5), I64, F32), ((1, 1), I64, F32), ((4, 7), I32, F32), ((3, 5), I64, F64),
-    ((64, 200), I64, F32)], ids=_ids)
-def test_embedding(check, ids_shape, ids_dtype, dtype):
-    ids = rand(ids_shape, ids_dtype, gen("ids", ids_shape), 0, 6)  # weight.t() has 6 rows
-    check(_embed(ids_shape, dtype), (ids,))
+EMBEDDINGS = [((3, 5), I64, F32), ((1, 1), I64, F32), ((4, 7), I32, F32), ((3, 5), I64, F64),
+              ((64, 200), I64, F32)]
+
+
+def test_embedding(check):
+    """Each (ids shape, ids dtype, table dtype) of EMBEDDINGS, all in one difftest.Cases
+    program (one package; each case its own table, static shapes and kernels)."""
+    cases, args = {}, []
+    for ids_shape, ids_dtype, dtype in EMBEDDINGS:
+        args.append(rand(ids_shape, ids_dtype, gen("ids", ids_shape), 0, 6))  # weight.t(): 6 rows
+        cases[case_name(ids_shape, _ids(ids_dtype), _ids(dtype))] = (_embed(ids_shape, dtype), 1)
+    check(Cases(cases), args)
 
 
 def indexing(x, i, j, k):
@@ -68,16 +74,23 @@ def indexing(x, i, j, k):
     }
 
 
-@pytest.mark.parametrize(("dtype", "idx_dtype", "layout"), [
-    (F32, I64, "contig"), (F32, I32, "contig"), (F32, I64, "t"), (F64, I64, "contig"),
-    (I64, I64, "contig")], ids=_ids)
-def test_tensor_indexing(check, dtype, idx_dtype, layout):
-    g = gen("index", dtype, idx_dtype, layout)
-    x = rand((5, 7, 6) if layout == "t" else (5, 6, 7), dtype, g)
-    i, j = rand((4,), idx_dtype, g, -5, 5), rand((3, 1), idx_dtype, g, -6, 6)
-    k = rand((2,), idx_dtype, g, -7, 7)
-    i[0], j[0, 0], k[0] = -1, -6, -7  # negative indices wrap like torch
-    check(Layout(Fn(indexing), layout), (x, i, j, k))
+INDEXINGS = [(F32, I64, "contig"), (F32, I32, "contig"), (F32, I64, "t"), (F64, I64, "contig"),
+             (I64, I64, "contig")]
+
+
+def test_tensor_indexing(check):
+    """`indexing` at each (dtype, index dtype, layout) of INDEXINGS, all in one difftest.Cases
+    program (one package; outputs compared per case with its dtype's tolerance)."""
+    cases, args = {}, []
+    for dtype, idx_dtype, layout in INDEXINGS:
+        g = gen("index", dtype, idx_dtype, layout)
+        x = rand((5, 7, 6) if layout == "t" else (5, 6, 7), dtype, g)
+        i, j = rand((4,), idx_dtype, g, -5, 5), rand((3, 1), idx_dtype, g, -6, 6)
+        k = rand((2,), idx_dtype, g, -7, 7)
+        i[0], j[0, 0], k[0] = -1, -6, -7  # negative indices wrap like torch
+        args += [x, i, j, k]
+        cases[case_name(_ids(dtype), _ids(idx_dtype), layout)] = (Layout(Fn(indexing), layout), 4)
+    check(Cases(cases), args)
 
 
 def test_large_gather_and_index(check):

@@ -9,7 +9,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from difftest import Checker, Fn, Layout, dim, gen, layout_shape, rand
+from difftest import Cases, Checker, Fn, Layout, case_name, dim, gen, layout_shape, rand
 
 F32, F64 = torch.float32, torch.float64
 
@@ -56,14 +56,21 @@ def norms(c: int, w: int) -> nn.Module:
         gn_one_group=nn.GroupNorm(1, c), ln_relu=nn.Sequential(nn.LayerNorm(w), nn.ReLU()))
 
 
-@pytest.mark.parametrize(("shape", "layout", "dtype"), [
-    ((3, 4, 10), "contig", F32), ((1, 4, 1), "contig", F32), ((5, 6, 7), "t", F32),
-    ((64, 8, 33), "contig", F32), ((3, 4, 10), "step", F32), ((3, 4, 10), "contig", F64)],
-    ids=_ids)
-def test_norms_3d(check, shape, layout, dtype):
-    n, c, w = shape
-    x = rand(layout_shape(shape, layout), dtype, gen("norms", shape, layout)) * 3 + 1
-    check(Layout(init(norms(c, w), shape, dtype), layout), (x,))
+# The (shape, layout) cases of each dtype are one program (difftest.Cases): one package each.
+NORMS_3D = {F32: [((3, 4, 10), "contig"), ((1, 4, 1), "contig"), ((5, 6, 7), "t"),
+                  ((64, 8, 33), "contig"), ((3, 4, 10), "step")],
+            F64: [((3, 4, 10), "contig")]}
+
+
+@pytest.mark.parametrize("dtype", [F32, F64], ids=_ids)
+def test_norms_3d(check, dtype):
+    cases, args = {}, []
+    for shape, layout in NORMS_3D[dtype]:
+        n, c, w = shape
+        args.append(rand(layout_shape(shape, layout), dtype, gen("norms", shape, layout)) * 3 + 1)
+        cases[case_name(shape, layout)] = (
+            Layout(init(norms(c, w), (shape, layout), dtype), layout), 1)
+    check(Cases(cases), args)
 
 
 def test_norms_4d_and_2d(check):
@@ -128,13 +135,20 @@ def convs(c: int) -> nn.Module:
         conv_relu=nn.Sequential(nn.Conv2d(c, 4, 3, padding=1), nn.ReLU(), nn.Conv2d(4, 4, 1)))
 
 
-@pytest.mark.parametrize(("shape", "layout", "dtype"), [
-    ((2, 4, 9, 11), "contig", F32), ((1, 4, 5, 5), "contig", F32),
-    ((2, 4, 40, 70), "contig", F32), ((2, 4, 9, 11), "t", F32), ((1, 4, 8, 7), "neg", F32),
-    ((2, 4, 9, 11), "contig", F64)], ids=_ids)
-def test_conv2d(check, shape, layout, dtype):
-    x = rand(layout_shape(shape, layout), dtype, gen("conv", shape, layout))
-    check(Layout(init(convs(shape[1]), "conv", dtype), layout), (x,))
+CONV2D = {F32: [((2, 4, 9, 11), "contig"), ((1, 4, 5, 5), "contig"), ((2, 4, 40, 70), "contig"),
+                ((2, 4, 9, 11), "t"), ((1, 4, 8, 7), "neg")],
+          F64: [((2, 4, 9, 11), "contig")]}
+
+
+@pytest.mark.parametrize("dtype", [F32, F64], ids=_ids)
+def test_conv2d(check, dtype):
+    """Each (shape, layout) case of `dtype` in one program, each with its own weights."""
+    cases, args = {}, []
+    for shape, layout in CONV2D[dtype]:
+        args.append(rand(layout_shape(shape, layout), dtype, gen("conv", shape, layout)))
+        cases[case_name(shape, layout)] = (
+            Layout(init(convs(shape[1]), ("conv", shape, layout), dtype), layout), 1)
+    check(Cases(cases), args)
 
 
 # -- pooling -----------------------------------------------------------------------------------
@@ -157,13 +171,18 @@ def pools(x):
     }
 
 
-@pytest.mark.parametrize(("shape", "layout", "dtype"), [
-    ((2, 3, 12, 10), "contig", F32), ((1, 1, 4, 4), "contig", F32),
-    ((2, 8, 48, 40), "contig", F32), ((2, 3, 12, 10), "t", F32), ((1, 2, 8, 6), "step", F32),
-    ((2, 3, 12, 10), "contig", F64)], ids=_ids)
-def test_pooling(check, shape, layout, dtype):
-    x = rand(layout_shape(shape, layout), dtype, gen("pool", shape, layout))
-    check(Layout(Fn(pools), layout), (x,))
+POOLING = {F32: [((2, 3, 12, 10), "contig"), ((1, 1, 4, 4), "contig"), ((2, 8, 48, 40), "contig"),
+                 ((2, 3, 12, 10), "t"), ((1, 2, 8, 6), "step")],
+           F64: [((2, 3, 12, 10), "contig")]}
+
+
+@pytest.mark.parametrize("dtype", [F32, F64], ids=_ids)
+def test_pooling(check, dtype):
+    cases, args = {}, []
+    for shape, layout in POOLING[dtype]:
+        args.append(rand(layout_shape(shape, layout), dtype, gen("pool", shape, layout)))
+        cases[case_name(shape, layout)] = (Layout(Fn(pools), layout), 1)
+    check(Cases(cases), args)
 
 
 def test_max_pool_padding_never_wins(check):
@@ -192,12 +211,17 @@ def attention(q, k, v):
     }
 
 
-@pytest.mark.parametrize(("shape", "dtype"), [((2, 3, 7, 8), F32), ((1, 1, 1, 4), F32),
-                                              ((2, 4, 64, 16), F32), ((1, 2, 5, 8), F64)],
-                         ids=_ids)
-def test_attention(check, shape, dtype):
-    g = gen("attn", shape, dtype)
-    check(Fn(attention), [rand(shape, dtype, g) for _ in range(3)])
+ATTENTION = {F32: [(2, 3, 7, 8), (1, 1, 1, 4), (2, 4, 64, 16)], F64: [(1, 2, 5, 8)]}
+
+
+@pytest.mark.parametrize("dtype", [F32, F64], ids=_ids)
+def test_attention(check, dtype):
+    cases, args = {}, []
+    for shape in ATTENTION[dtype]:
+        g = gen("attn", shape, dtype)
+        args += [rand(shape, dtype, g) for _ in range(3)]
+        cases[case_name(shape)] = (Fn(attention), 3)
+    check(Cases(cases), args)
 
 
 class HeadsFromProjection(nn.Module):
@@ -270,14 +294,19 @@ def norm_stats(x, w, b):
     return out
 
 
-@pytest.mark.parametrize(("shape", "layout", "dtype"), [
-    ((3, 4, 10), "contig", F32), ((2, 6, 7), "t", F32), ((5, 4, 33), "contig", F64),
-    ((2, 2, 2), "contig", F32)], ids=_ids)
-def test_norm_statistics_results(check, shape, layout, dtype):
-    g = gen("norm-stats", shape, layout, dtype)
-    x = rand(layout_shape(shape, layout), dtype, g) * 2 + 0.5
-    w, b = rand((64,), dtype, g), rand((64,), dtype, g)
-    check(Layout(Fn(norm_stats), layout), (x, w, b))
+NORM_STATS = {F32: [((3, 4, 10), "contig"), ((2, 6, 7), "t"), ((2, 2, 2), "contig")],
+              F64: [((5, 4, 33), "contig")]}
+
+
+@pytest.mark.parametrize("dtype", [F32, F64], ids=_ids)
+def test_norm_statistics_results(check, dtype):
+    cases, args = {}, []
+    for shape, layout in NORM_STATS[dtype]:
+        g = gen("norm-stats", shape, layout, dtype)
+        x = rand(layout_shape(shape, layout), dtype, g) * 2 + 0.5
+        args += [x, rand((64,), dtype, g), rand((64,), dtype, g)]
+        cases[case_name(shape, layout)] = (Layout(Fn(norm_stats), layout), 3)
+    check(Cases(cases), args)
 
 
 class _BatchNormStats(nn.Module):

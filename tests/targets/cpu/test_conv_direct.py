@@ -18,7 +18,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import kiln
-from difftest import Checker, dim, gen, rand
+from difftest import Cases, Checker, dim, gen, rand
 from kiln.errors import InputError
 from kiln.ir import loop as L
 from kiln.ir.interp import run_loop
@@ -153,15 +153,26 @@ CASES = [
 ]
 
 
+def _blocks(cases, seed, key, batch):
+    """The ConvBlocks of `cases` as one difftest.Cases program (one package for all of them:
+    each block keeps its own static shapes, weights and kernels), its inputs at two draws, and
+    the number of convolutions in it."""
+    mods, xs, more, convs = {}, [], [], 0
+    for name, cfg, cin, hw in cases:
+        mods[name] = (ConvBlock(cin, seed=seed, **cfg), 1)
+        g = gen(key, str(cfg), seed)
+        xs.append(rand((batch, cin, *hw), F32, g, -2, 2))
+        more.append(rand((batch, cin, *hw), F32, g, -2, 2))
+        convs += 1 + bool(cfg.get("residual"))
+    return Cases(mods), xs, [more], convs
+
+
 @pytest.mark.parametrize("batch", [1, 3])
-@pytest.mark.parametrize(("cfg", "cin", "hw"), [c[1:] for c in CASES],
-                         ids=[c[0] for c in CASES])
-def test_conv_direct_matches_eager(check, cfg, cin, hw, batch):
-    m = ConvBlock(cin, seed=batch, **cfg)
-    g = gen("conv_direct", str(cfg), batch)
-    x = rand((batch, cin, *hw), F32, g, -2, 2)
-    compiled = check(m, [x], tol=TOL, more=[(rand((batch, cin, *hw), F32, g, -2, 2),)])
-    convs = 1 + bool(cfg.get("residual"))
+def test_conv_direct_matches_eager(check, batch):
+    """Every case of CASES at `batch`, in one package (outputs named by case id): each
+    convolution is a direct one (as many kl::conv2d_nchwc calls as convolutions, no im2col)."""
+    m, xs, more, convs = _blocks(CASES, batch, "conv_direct", batch)
+    compiled = check(m, xs, tol=TOL, more=more)
     assert _direct_calls(compiled) == convs
     assert "im2col" not in _sources(compiled)
 
@@ -186,15 +197,11 @@ SPLITS = [
 
 
 @pytest.mark.parametrize("threads", [2, 3])
-@pytest.mark.parametrize(("cfg", "cin", "hw"), [c[1:] for c in SPLITS],
-                         ids=[c[0] for c in SPLITS])
-def test_conv_work_splits(check, cfg, cin, hw, threads):
-    m = ConvBlock(cin, seed=threads, **cfg)
-    g = gen("conv_split", str(cfg), threads)
-    x = rand((3, cin, *hw), F32, g, -2, 2)
-    compiled = check(m, [x], tol=TOL, options=kiln.Options(num_threads=threads),
-                     more=[(rand((3, cin, *hw), F32, g, -2, 2),)])
-    assert _direct_calls(compiled) == 1 + bool(cfg.get("residual"))
+def test_conv_work_splits(check, threads):
+    """Every case of SPLITS, batch 3, with `threads` threads, in one package."""
+    m, xs, more, convs = _blocks(SPLITS, threads, "conv_split", 3)
+    compiled = check(m, xs, tol=TOL, options=kiln.Options(num_threads=threads), more=more)
+    assert _direct_calls(compiled) == convs
 
 
 def test_1x1_trailing_zero_weights(check):
@@ -477,26 +484,35 @@ def test_avx2_build(check):
     assert "#define KILN_CONV_B8" in compiled.sources["conv.cpp"]
 
 
-@pytest.mark.parametrize(("kernel", "stride", "padding", "ceil", "dilation", "hw", "batch"), [
+POOLS = [  # (kernel, stride, padding, ceil, dilation, hw, batch)
     (3, 2, 1, False, 1, (15, 13), 2), (2, 2, 0, True, 1, (15, 13), 2),
     (3, 1, 0, False, 1, (15, 13), 2), (3, 2, 1, True, 2, (16, 19), 1),
-    ((3, 2), (1, 2), (1, 0), False, 1, (9, 11), 3), (3, 2, 1, False, 1, (40, 45), 3)])
-def test_max_pool_inside_a_region(check, kernel, stride, padding, ceil, dilation, hw, batch):
+    ((3, 2), (1, 2), (1, 0), False, 1, (9, 11), 3), (3, 2, 1, False, 1, (40, 45), 3)]
+
+
+def test_max_pool_inside_a_region(check):
     """conv -> relu -> max pool -> conv: the pooling (kiln_conv.h's max_pool2d_nchwc, a vector
     of channels at a time) reads and writes NCHWc (no conversion between the convolutions);
     channel count 24 (a padded block); rectangular windows, dilation, ceil mode, a size that
-    splits over threads."""
-    g = torch.Generator().manual_seed(17)
-    m = nn.Sequential(nn.Conv2d(3, 24, 3, padding=1, bias=False), _bn(24, g), nn.ReLU(),
-                      nn.MaxPool2d(kernel, stride, padding, dilation, ceil_mode=ceil),
-                      nn.Conv2d(24, 16, 3, padding=1)).eval()
-    x = rand((batch, 3, *hw), F32, gen("pool", kernel, stride, hw), -2, 2)
-    compiled = check(m, [x], tol=TOL)
+    splits over threads. The cases of POOLS are one difftest.Cases program (one package): two
+    direct convolutions and one NCHWc pooling per case, no pooling result in NCHW."""
+    mods, xs = {}, []
+    for i, (kernel, stride, padding, ceil, dilation, hw, batch) in enumerate(POOLS):
+        g = torch.Generator().manual_seed(17)
+        mods[f"pool{i}"] = (nn.Sequential(
+            nn.Conv2d(3, 24, 3, padding=1, bias=False), _bn(24, g), nn.ReLU(),
+            nn.MaxPool2d(kernel, stride, padding, dilation, ceil_mode=ceil),
+            nn.Conv2d(24, 16, 3, padding=1)).eval(), 1)
+        xs.append(rand((batch, 3, *hw), F32, gen("pool", kernel, stride, hw), -2, 2))
+    compiled = check(Cases(mods), xs, tol=TOL)
     src = compiled.sources["model.cpp"]
-    assert _direct_calls(compiled) == 2
-    assert src.count("kl::max_pool2d_nchwc(") == 1
-    assert re.search(r"// max pool \(\d+x\d+, stride \d+x\d+, padding \d+x\d+, NCHWc", src)
-    assert not re.search(r"buf_max_pool2d\b", src)  # never materialised in NCHW
+    assert _direct_calls(compiled) == 2 * len(POOLS)
+    assert src.count("kl::max_pool2d_nchwc(") == len(POOLS)
+    assert len(re.findall(r"// max pool \(\d+x\d+, stride \d+x\d+, padding \d+x\d+, NCHWc",
+                          src)) == len(POOLS)
+    # never materialised in NCHW (buf_max_pool2d, buf_max_pool2d_<k>; *_nchwc is the NCHWc one)
+    assert not re.search(r"buf_max_pool2d(_\d+)?\b", src)
+    assert re.search(r"buf_max_pool2d_\d+_nchwc\b", src)  # the names the check above assumes
 
 
 def test_max_pool_propagates_nan(check):
@@ -587,8 +603,8 @@ class _Block(nn.Module):
         return x + y if self.skip else y
 
 
-@pytest.mark.parametrize(("cin", "hid", "cout", "k", "stride", "pad", "dil", "acts", "hw",
-                          "batch", "threads"), [
+# (cin, hid, cout, k, stride, pad, dil, act, hw, batch, threads)
+BLOCKS = [
     (24, 144, 24, 3, 1, 1, 1, "relu6", (23, 25), 1, 1),   # residual, 9 padded hidden channels
     (16, 96, 24, 3, 2, 1, 1, "relu6", (41, 37), 2, 2),    # stride 2, odd sizes, 2 threads
     (20, 120, 20, 5, 1, 2, 1, "silu", (26, 24), 3, 2),    # 5x5, channels not a block multiple
@@ -598,23 +614,36 @@ class _Block(nn.Module):
     (32, 192, 40, 3, 1, 1, 1, "relu6", (7, 23), 1, 2),    # 7 rows
     (24, 120, 24, 3, 2, 1, 1, "relu6", (9, 31), 3, 2),    # batch 3 x 5 rows, stride 2
     (40, 240, 40, 5, 1, 2, 1, "silu", (7, 7), 1, 2),      # 5x5, residual
-])
-def test_inverted_residual_block(check, cin, hid, cout, k, stride, pad, dil, acts, hw, batch,
-                                 threads):
+]
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+def test_inverted_residual_block(check, threads):
     """expand -> depthwise -> project [+ residual] as one conv2d_block_nchwc call (row bands:
     sizes past one band), against eager with a float64 reference: kernel 3 and 5, stride 1 and
     2, padding 0-2, dilation 2, hidden and output channels not a multiple of the block, batch
-    1-3, 1 and 2 threads, each stage's epilogue (bn folded, bias, relu6/relu/silu)."""
-    g = torch.Generator().manual_seed(29)
-    act = {"relu6": nn.ReLU6(), "relu": nn.ReLU(), "silu": nn.SiLU()}[acts]
-    m = _Block(cin, hid, cout, k, stride, pad, dil, (act, act), g).eval()
-    x = rand((batch, cin, *hw), F32, gen("conv_block", cin, hid, k, stride, hw), -2, 2)
-    compiled = check(m, [x], tol=TOL, options=kiln.Options(num_threads=threads),
-                     more=[[rand((batch, cin, *hw), F32, gen("conv_block2", hid), -2, 2)]])
-    assert _block_calls(compiled) == 1 and _direct_calls(compiled) == 0
+    1-3, 1 and 2 threads, each stage's epilogue (bn folded, bias, relu6/relu/silu). The cases
+    of BLOCKS at `threads` threads are one difftest.Cases program (one package): one block call
+    per case, no direct call, and one block comment per case with its kernel and stride."""
+    mods, xs, more, want = {}, [], [], []
+    for i, (cin, hid, cout, k, stride, pad, dil, acts, hw, batch, th) in enumerate(BLOCKS):
+        if th != threads:
+            continue
+        g = torch.Generator().manual_seed(29)
+        act = {"relu6": nn.ReLU6(), "relu": nn.ReLU(), "silu": nn.SiLU()}[acts]
+        mods[f"block{i}"] = (_Block(cin, hid, cout, k, stride, pad, dil, (act, act), g).eval(),
+                             1)
+        xs.append(rand((batch, cin, *hw), F32, gen("conv_block", cin, hid, k, stride, hw), -2,
+                       2))
+        more.append(rand((batch, cin, *hw), F32, gen("conv_block2", hid), -2, 2))
+        want.append((str(k), str(stride)))
+    compiled = check(Cases(mods), xs, tol=TOL, options=kiln.Options(num_threads=threads),
+                     more=[more])
+    assert _block_calls(compiled) == len(mods) and _direct_calls(compiled) == 0
     src = compiled.sources["model.cpp"]
-    assert re.search(r"// inverted residual block \(expand 1x1 \+ \w+.*; depthwise "
-                     rf"{k}x{k} stride {stride}x{stride}.*project 1x1.*\) of \w+", src)
+    got = re.findall(r"// inverted residual block \(expand 1x1 \+ \w+.*; depthwise "
+                     r"(\d+)x\1 stride (\d+)x\2.*project 1x1.*\) of \w+", src)
+    assert sorted(got) == sorted(want), got
 
 
 def test_inverted_residual_block_not_fused(check):
