@@ -473,116 +473,11 @@ inline void packed_block(int64_t M, int64_t N, int64_t K, const T *a, int64_t ar
   }
 }
 
-/* Rows of A one K block of `packed_block_cols` packs at once (MR-row tiles): with KC = 256
- * floats, 96 KiB of A, which stays in L2 beside the thread's K block of B panels. */
-template <int MR>
-constexpr int64_t packed_cols_mc() {
-  return int64_t((96 + MR - 1) / MR) * MR;
-}
-
-/* The row tiles of a chunk of mc rows for `packed_block_cols`: `n` tiles, tile t of
- * rows [row[t], row[t] + rows[t]) run by the tile of height h[t] >= rows[t] (A packed for h
- * rows, the rows past rows[t] zero). Balanced where that keeps every tile within 2 rows of
- * MR: 64 rows at MR 12 as 11, 11, 11, 11, 10, 10 (no row computed twice or wasted) rather than
- * five tiles of 12 and one of 4, whose 8 accumulators cannot hide the FMA latency. Else tiles
- * of MR and a last one of 4 or 8 rows when that covers the rest, else MR. */
-struct PackedColsTiles {
-  int n = 0;
-  int row[128], rows[128], h[128];
-};
-
-template <int MR>
-inline void packed_cols_tiles(int64_t mc, PackedColsTiles &t) {
-  t.n = 0;
-  const int nt = int((mc + MR - 1) / MR), base = nt ? int(mc / nt) : 0, extra = nt ? int(mc % nt) : 0;
-  if (MR > 2 && nt > 1 && base >= MR - 2) {
-    for (int i = 0, r = 0; i < nt; ++i) {
-      const int hi = base + (i < extra);
-      t.row[i] = r, t.rows[i] = hi, t.h[i] = hi;
-      r += hi;
-    }
-    t.n = nt;
-    return;
-  }
-  for (int r = 0; r < mc; r += MR) {
-    const int mr = int(std::min<int64_t>(MR, mc - r));
-    t.row[t.n] = r, t.rows[t.n] = mr;
-    t.h[t.n++] = mr == MR ? MR : mr <= 4 && MR > 4 ? 4 : mr <= 8 && MR > 8 ? 8 : MR;
-  }
-}
-
-/* The tile of height h (one of packed_cols_tiles' heights) over one panel's K block. */
-template <class T, int NR, int MR>
-inline void packed_cols_tile(int h, int64_t mr, int64_t kc, const T *a, const T *bk,
-                             int64_t pstride, T *c, int64_t ldc, int64_t ncols, bool accumulate) {
-  if (h == MR)
-    return packed_tile<T, NR, MR, 1>(kc, a, bk, pstride, c, ldc, mr, ncols, accumulate);
-  if constexpr (MR > 2) {
-    if (h == MR - 1)
-      return packed_tile<T, NR, MR - 1, 1>(kc, a, bk, pstride, c, ldc, mr, ncols, accumulate);
-    if (h == MR - 2)
-      return packed_tile<T, NR, MR - 2, 1>(kc, a, bk, pstride, c, ldc, mr, ncols, accumulate);
-  }
-  if constexpr (MR > 8)
-    if (h == 8)
-      return packed_tile<T, NR, 8, 1>(kc, a, bk, pstride, c, ldc, mr, ncols, accumulate);
-  if constexpr (MR > 4)
-    if (h == 4)
-      return packed_tile<T, NR, 4, 1>(kc, a, bk, pstride, c, ldc, mr, ncols, accumulate);
-  __builtin_trap();  // not a height packed_cols_tiles gives: A was packed for h rows
-}
-
-/* The same GEMM as `packed_block` for several row blocks, loops in the order of BLIS's
- * macro-kernel: per K block and chunk of up to packed_cols_mc rows, A is packed once
- * (k-major row tiles of packed_cols_tiles), then each panel's K block (KC x NR, 32 KiB) is
- * swept by every row tile of the chunk while it stays in L1, and the tiles' A streams from
- * L2. `packed_block`'s order (row tile outer) keeps a tile's A in L1 instead and streams the
- * panels from L2 once per row tile: 2.7 times the L2 bytes per multiply-add for a 12 x 32
- * tile (2 B vectors per k against 12 broadcasts). The epilogue runs per chunk and panel
- * group once their last K block is done. `apack`: `packed_apack_size` elements. */
-template <class T, int NR, int MR, int KC, class RowEpi = NoEpilogue>
-inline void packed_block_cols(int64_t M, int64_t N, int64_t K, const T *a, int64_t ar,
-                              int64_t ac, const T *bp, int64_t p0, int64_t p1, T *c,
-                              int64_t ldc, T *apack, RowEpi epi = {}) {
-  constexpr int64_t MC = packed_cols_mc<MR>();
-  static_assert(MC <= 128, "PackedColsTiles holds 128 tiles");
-  constexpr int PG = 4;  // panels per epilogue call
-  const int64_t pstride = K * NR;
-  PackedColsTiles tiles;
-  for (int64_t pc = 0; pc < K; pc += KC) {
-    const int64_t kc = std::min<int64_t>(KC, K - pc);
-    const bool last = pc + kc == K;
-    for (int64_t ic = 0; ic < M; ic += MC) {
-      const int64_t mc = std::min<int64_t>(MC, M - ic);
-      packed_cols_tiles<MR>(mc, tiles);
-      for (int t = 0; t < tiles.n; ++t)  // tile t's A at apack + row[t] * kc (h[t] * kc)
-        pack_a_rows<T>(tiles.rows[t], tiles.h[t], kc, a + (ic + tiles.row[t]) * ar + pc * ac,
-                       ar, ac, apack + tiles.row[t] * kc);
-      for (int64_t pg = p0; pg < p1; pg += PG) {
-        const int64_t pe = std::min<int64_t>(p1, pg + PG);
-        for (int64_t p = pg; p < pe; ++p) {
-          const T *bk = bp + p * pstride + pc * NR;
-          const int64_t ncols = std::min<int64_t>(NR, N - p * NR);
-          for (int t = 0; t < tiles.n; ++t)
-            packed_cols_tile<T, NR, MR>(tiles.h[t], tiles.rows[t], kc,
-                                        apack + tiles.row[t] * kc, bk, pstride,
-                                        c + (ic + tiles.row[t]) * ldc + p * NR, ldc, ncols,
-                                        pc > 0);
-        }
-        if (last) epi(ic, ic + mc, pg * NR, std::min<int64_t>(N, pe * NR));
-      }
-    }
-  }
-}
-
-/* Elements of the A buffer `packed_block` (MR rows of the whole K) and `packed_block_cols`
- * (a chunk of rows of one K block) need. */
+/* Elements of the A buffer `packed_block` needs. */
 template <int MR, int KC>
 inline int64_t packed_apack_size(int64_t M, int64_t K) {
   (void)M;
-  // (+ MR * KC: the last tile of a chunk may be packed for more rows than it has)
-  return std::max<int64_t>(std::max<int64_t>(int64_t(MR) * K, (packed_cols_mc<MR>() + MR) * KC),
-                           1);
+  return std::max<int64_t>(int64_t(MR) * K, 1);
 }
 
 }  // namespace kr
