@@ -217,6 +217,10 @@ inline bool tail_finite(const float *x, int64_t n, int64_t cb, int64_t hw, int64
 #define KILN_CONV_EPIS 0xff
 #endif
 constexpr bool epi_specialised(int code) { return (KILN_CONV_EPIS >> code) & 1; }
+// the pairs as (code, ACT, RES), for the stores' switches
+#define KILN_CONV_EPI_PAIRS(X)                                                              \
+  X(0, 0, false) X(1, 0, true) X(2, 1, false) X(3, 1, true)                                \
+  X(4, 2, false) X(5, 2, true) X(6, 3, false) X(7, 3, true)
 
 /* The stores' activation as a template argument (0 none, 1 relu, 2 clamp to [l, h], 3 the
  * runtime `activate`), so the unrolled stores keep the accumulators in registers. */
@@ -281,10 +285,7 @@ __attribute__((always_inline)) inline void tile_store(typename V<B>::type (&acc)
     if constexpr (epi_specialised(code))                                                  \
       return tile_store_as<B, OB, P, ACT, RES>(acc, out, ostride, bias, res, ep);        \
     break;
-  switch (ep.act * 2 + (res != nullptr)) {
-    KILN_EPI(0, 0, false) KILN_EPI(1, 0, true) KILN_EPI(2, 1, false) KILN_EPI(3, 1, true)
-    KILN_EPI(4, 2, false) KILN_EPI(5, 2, true) KILN_EPI(6, 3, false) KILN_EPI(7, 3, true)
-  }
+  switch (ep.act * 2 + (res != nullptr)) { KILN_CONV_EPI_PAIRS(KILN_EPI) }
 #undef KILN_EPI
 #pragma GCC unroll 1
   for (int o = 0; o < OB; ++o)
@@ -319,10 +320,7 @@ __attribute__((always_inline)) inline void dw_store(typename V<B>::type (&acc)[P
   case code:                                                                              \
     if constexpr (epi_specialised(code)) return dw_store_as<B, P, ACT, RES>(acc, out, res, ep); \
     break;
-  switch (ep.act * 2 + (res != nullptr)) {
-    KILN_EPI(0, 0, false) KILN_EPI(1, 0, true) KILN_EPI(2, 1, false) KILN_EPI(3, 1, true)
-    KILN_EPI(4, 2, false) KILN_EPI(5, 2, true) KILN_EPI(6, 3, false) KILN_EPI(7, 3, true)
-  }
+  switch (ep.act * 2 + (res != nullptr)) { KILN_CONV_EPI_PAIRS(KILN_EPI) }
 #undef KILN_EPI
 #pragma GCC unroll 1
   for (int p = 0; p < P; ++p) {
