@@ -8,10 +8,12 @@ holds: runs it, times it into `Built.timings` (the report's `stages`; a stage's 
 (Options.dump_dir: `NN_<stage>.txt`, and files by name such as the generated sources). Timing,
 dumps and verification happen here, between stages, never inside them; nothing here depends
 on which target runs. A new target is a new folder with its stage list and one entry in
-`TARGETS`."""
+`TARGETS`. A target's modules are imported when a build names it: a CPU build never loads the
+CUDA target's (which import Triton, about 1.4 s)."""
 
 from __future__ import annotations
 
+import importlib
 import re
 import time
 from dataclasses import dataclass, field, replace
@@ -23,11 +25,14 @@ import torch
 
 from kiln.errors import UnsupportedError
 from kiln.options import Options
-from kiln.targets.cpu.stages import TARGET as CPU
-from kiln.targets.cuda.stages import TARGET as CUDA
 from kiln.targets.stages import Build, Stage, Target
 
-TARGETS: dict[str, Target] = {t.name: t for t in (CPU, CUDA)}
+#: the targets' names: kiln/targets/<name>/stages.py declares each one's `TARGET`
+TARGETS: tuple[str, ...] = ("cpu", "cuda")
+
+
+def _target(name: str) -> Target:
+    return importlib.import_module(f"kiln.targets.{name}.stages").TARGET
 
 
 @dataclass(frozen=True)
@@ -57,10 +62,11 @@ def target_of(device: str) -> Target:
     """The target a device string names: "<target>", or "<target>:N" for targets of several
     devices."""
     m = re.fullmatch(r"(\w+?)(:\d+)?", device)
-    target = TARGETS.get(m.group(1)) if m else None
+    target = _target(m.group(1)) if m and m.group(1) in TARGETS else None
     if target is None or (m.group(2) and not target.numbered):
-        names = [f"'{t.name}'" for t in TARGETS.values()]
-        names += [f"'{t.name}:N'" for t in TARGETS.values() if t.numbered]
+        targets = [_target(t) for t in TARGETS]
+        names = [f"'{t.name}'" for t in targets]
+        names += [f"'{t.name}:N'" for t in targets if t.numbered]
         raise UnsupportedError(f"device {device!r} is not supported (use "
                                f"{', '.join(names[:-1])} or {names[-1]})")
     return target

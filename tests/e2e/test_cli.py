@@ -71,12 +71,12 @@ def test_compile_progress_callback_sees_every_stage():
     import torch
 
     import kiln
-    from kiln.pipeline import TARGETS
+    from kiln.pipeline import target_of
 
     seen = []
     kiln.compile(torch.nn.Linear(4, 3), (torch.randn(2, 4),),
                  progress=lambda name, k, n: seen.append((name, k, n)))
-    stages = [s.name for s in TARGETS["cpu"].stages]
+    stages = [s.name for s in target_of("cpu").stages]
     n = len(stages)
     assert seen == [(s, k, n) for k, s in enumerate(stages)] + [("done", n, n)]
 
