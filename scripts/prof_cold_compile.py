@@ -5,6 +5,7 @@ and a first cuDNN convolution cost on their own (launch-config tuning and its cu
 pay them inside the compile).
 
     python scripts/prof_cold_compile.py resnet18 [bf16] [--top 30] [--options '{"k": v}']
+    python scripts/prof_cold_compile.py hf_resnet50 bf16    # bench/cpu_peers_models.py names too
 """
 
 from __future__ import annotations
@@ -49,6 +50,8 @@ def main() -> None:
     ap.add_argument("dtype", nargs="?", default="bf16")
     ap.add_argument("--top", type=int, default=30)
     ap.add_argument("--options", default="")
+    ap.add_argument("--on-cuda", action="store_true",
+                    help="export the module and inputs on the GPU, as bench/gpu_peers.py does")
     a = ap.parse_args()
     tmp = tempfile.mkdtemp(prefix="kiln-cold-")
     os.environ["KILN_CACHE_DIR"] = f"{tmp}/kiln"
@@ -62,11 +65,25 @@ def main() -> None:
     from kiln.models import zoo
     from kiln.options import Options
 
-    spec = zoo.get(a.model)
-    if a.dtype != "fp32":
-        spec = zoo.in_dtype(spec, {"bf16": torch.bfloat16, "fp16": torch.float16}[a.dtype])
+    dt = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[a.dtype]
+    if a.model in zoo.ALL_MODELS:
+        spec = zoo.get(a.model)
+        if a.dtype != "fp32":
+            spec = zoo.in_dtype(spec, dt)
+        module, args, dyn = spec.module, spec.example_args, spec.dynamic_shapes
+    else:  # a Hugging Face model built from its config (bench/cpu_peers_models.py)
+        from bench.cpu_peers_models import build
+
+        case = build(a.model)
+        module = case.module.to(dt)
+        args = tuple(x.to(dt) if torch.is_tensor(x) and x.is_floating_point() else x
+                     for x in case.args)
+        dyn = None
+    if a.on_cuda:
+        module = module.cuda()
+        args = tuple(x.cuda() if torch.is_tensor(x) else x for x in args)
     t = time.perf_counter()
-    ep = torch.export.export(spec.module, spec.example_args, dynamic_shapes=spec.dynamic_shapes)
+    ep = torch.export.export(module, args, dynamic_shapes=dyn)
     export_s = time.perf_counter() - t
     opts = Options(**json.loads(a.options)) if a.options else Options()
     prof = cProfile.Profile()

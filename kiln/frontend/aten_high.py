@@ -12,7 +12,7 @@ import operator
 import sympy
 
 from kiln.errors import UnsupportedError
-from kiln.frontend.aten_table import register
+from kiln.frontend.aten_table import TABLE, register
 from kiln.frontend.builder import to_dtype
 from kiln.ir import dtypes
 import torch
@@ -59,6 +59,79 @@ def _dropout(b, n):
     if train and p > 0:
         raise Fallback("dropout in training mode")
     return b.alias(n, b.tensor(n.args[0]))
+
+
+@register("aten.dropout_.default")
+def _dropout_inplace(b, n):
+    p, train = n.args[1], n.args[2]
+    if train and p > 0:
+        raise Fallback("dropout in training mode")
+    return b.alias(n, b.tensor(n.args[0]))  # no mutation when not training
+
+
+@register("aten.pad.default")
+def _pad_any(b, n):
+    mode = n.args[2] if len(n.args) > 2 else n.kwargs.get("mode", "constant")
+    if mode != "constant":
+        raise Fallback(f"pad mode {mode!r}")  # the decomposition's reflection / replication pads
+    value = n.args[3] if len(n.args) > 3 else n.kwargs.get("value")
+    return b.emit("pad", [b.tensor(n.args[0])], n, pad=tuple(n.args[1]),
+                  value=0 if value is None else value)
+
+
+def _alias_free(x: torch.fx.Node, n: torch.fx.Node) -> bool:
+    """In-place op `n` mutating `x` may read as its out-of-place form: `x` is the result of an
+    op that made a new tensor (not an input, a weight, a constant or a view or in-place result
+    aliasing another tensor), every tensor operand has `x`'s dtype (eager computes an in-place
+    op in the operands' common dtype, then casts), nothing reads `x` after `n` (export makes
+    later reads read n's result, the same tensor) and no view of `x` exists."""
+    if not isinstance(x, torch.fx.Node) or x.op != "call_function" or \
+            x.target is operator.getitem:
+        return False
+    schema = getattr(x.target, "_schema", None)
+    if str(x.target) in _INPLACE:  # x aliases the tensor an earlier in-place op mutated
+        if not _alias_free(x.args[0], x):
+            return False
+    elif schema is None or any(r.alias_info is not None for r in schema.returns):
+        return False
+    val = x.meta.get("val")
+    if not isinstance(val, torch.Tensor):
+        return False
+    for a in n.args[1:]:
+        v = a.meta.get("val") if isinstance(a, torch.fx.Node) else None
+        if isinstance(v, torch.Tensor) and v.dtype != val.dtype:
+            return False
+    if n.meta.get("val") is None or n.meta["val"].dtype != val.dtype:
+        return False
+    after = False
+    for m in x.graph.nodes:  # a user of x after n would see the mutated values, and a view
+        if m is n:  # of x made before n would show them wherever it is read
+            after = True
+        elif x in m.all_input_nodes:
+            m_schema = getattr(m.target, "_schema", None)
+            if after or m_schema is None or \
+                    any(r.alias_info is not None for r in m_schema.returns):
+                return False
+    return True
+
+
+def _inplace(out_of_place: str):
+    def conv(b, n):
+        if not _alias_free(n.args[0], n):
+            raise Fallback(f"{n.target} mutates a tensor read elsewhere")
+        return TABLE[out_of_place](b, n)
+    return conv
+
+
+# in-place pointwise ops as exported (HF ResNet's `hidden += residual`): without converters
+# here the whole program is re-traced by run_decompositions (about 3 s for a ResNet-50 held on
+# the GPU) only to functionalise them
+_INPLACE = {f"aten.{op}_.{ov}": f"aten.{op}.{ov}"
+            for op in ("add", "sub", "mul", "div") for ov in ("Tensor", "Scalar")}
+_INPLACE.update({f"aten.{op}_.default": f"aten.{op}.default"
+                 for op in ("relu", "sigmoid", "tanh", "neg", "hardtanh", "silu", "gelu")})
+for _name, _functional in _INPLACE.items():
+    register(_name)(_inplace(_functional))
 
 
 @register("aten.scaled_dot_product_attention.default")

@@ -78,6 +78,8 @@ for _name, _op in POINTWISE.items():
         for _ov in BINARY_OVERLOADS:
             register(f"aten.{_name}.{_ov}")(_binary(_op))
 register("aten.true_divide.Tensor")(_binary("div"))
+register("aten.min.other")(_binary("minimum"))  # torch.min(a, b): T5's position buckets
+register("aten.max.other")(_binary("maximum"))
 register("aten.rsub.Scalar", "aten.rsub.Tensor")(
     lambda b, n: b.emit("sub", list(reversed(b.promoted_operands(n, n.args[0], n.args[1]))), n))
 
@@ -126,7 +128,11 @@ def _masked_fill(b, n):
 
 
 @register("aten._to_copy.default", "aten.clone.default", "aten.alias.default",
-          "aten.lift_fresh_copy.default", "aten.contiguous.default", "aten.detach.default")
+          "aten.lift_fresh_copy.default", "aten.contiguous.default", "aten.detach.default",
+          # as exported (before decomposition): `x.to(...)` and HF's `detach_()`; the device
+          # is the target's
+          "aten.to.dtype", "aten.to.device", "aten.to.dtype_layout", "aten.to.other",
+          "aten.detach_.default")
 def _copy(b, n):
     src = n.args[0]
     if b.meta_dtype(n) != b.meta_dtype(src):
