@@ -61,6 +61,39 @@ def _dropout(b, n):
     return b.alias(n, b.tensor(n.args[0]))
 
 
+@register("aten.diff.default")
+def _diff(b, n):
+    """torch.diff: x with `prepend` / `append` joined along dim, then `n` times y[1:] - y[:-1]
+    (bool: y[1:] != y[:-1]), as eager computes it."""
+    args = list(n.args) + [None] * 5
+    kw = n.kwargs
+    order = args[1] if args[1] is not None else kw.get("n", 1)
+    dim = args[2] if args[2] is not None else kw.get("dim", -1)
+    pre = args[3] if args[3] is not None else kw.get("prepend")
+    post = args[4] if args[4] is not None else kw.get("append")
+    rank = b.rank(n.args[0])
+    dim %= rank
+    parts = [v for v in (pre, n.args[0], post) if v is not None]
+    if not isinstance(order, int) or order < 1 or any(
+            not isinstance(v, torch.fx.Node) or b.rank(v) != rank or
+            b.meta_dtype(v) != b.meta_dtype(n.args[0]) for v in parts):
+        raise Fallback("diff with a scalar, another rank or dtype to join, or a symbolic order")
+    shape = list(_shape(b, n.args[0]))
+    shape[dim] = sum((_shape(b, v)[dim] for v in parts), sympy.Integer(0))
+    y = b.tensor(n.args[0])
+    if len(parts) > 1:
+        y = b.emit("cat", [b.tensor(v) for v in parts], None, like=n, shape=shape, dim=dim)
+    op = "logical_xor" if b.meta_dtype(n) == torch.bool else "sub"
+    for k in range(order):
+        size = shape[dim]
+        shape[dim] = size - 1
+        hi = b.emit("slice", [y], None, like=n, shape=shape, dim=dim, start=1, end=size, step=1)
+        lo = b.emit("slice", [y], None, like=n, shape=shape, dim=dim, start=0, end=size - 1,
+                    step=1)
+        y = b.emit(op, [hi, lo], n if k == order - 1 else None, like=n, shape=shape)
+    return y
+
+
 @register("aten.dropout_.default")
 def _dropout_inplace(b, n):
     p, train = n.args[1], n.args[2]

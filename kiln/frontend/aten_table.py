@@ -39,6 +39,7 @@ POINTWISE = {
     "hypot": "hypot", "copysign": "copysign", "nextafter": "nextafter",
     "bitwise_left_shift": "shift_left", "__lshift__": "shift_left",
     "bitwise_right_shift": "shift_right", "__rshift__": "shift_right",
+    "__and__": "bitwise_and", "__or__": "bitwise_or", "__xor__": "bitwise_xor",
 }
 REDUCTIONS = {"sum": "sum", "amax": "max", "amin": "min", "prod": "prod", "any": "any",
               "all": "all", "mean": "mean"}
@@ -132,7 +133,7 @@ def _masked_fill(b, n):
           # as exported (before decomposition): `x.to(...)` and HF's `detach_()`; the device
           # is the target's
           "aten.to.dtype", "aten.to.device", "aten.to.dtype_layout", "aten.to.other",
-          "aten.detach_.default")
+          "aten.detach_.default", "aten.type_as.default")
 def _copy(b, n):
     src = n.args[0]
     if b.meta_dtype(n) != b.meta_dtype(src):

@@ -64,6 +64,39 @@ def test_block_imports_without_retrace_and_matches_eager(tmp_path, monkeypatch):
             torch.testing.assert_close(g, w, rtol=1e-5, atol=1e-5)
 
 
+class Masks(torch.nn.Module):
+    """What HF's mask helpers leave as exported: `&` on bool masks, `torch.diff` of positions,
+    `type_as`."""
+
+    def forward(self, x, pos, m1, m2):
+        return (torch.diff(x, dim=1), torch.diff(pos, prepend=pos[:, :1] - 1),
+                torch.diff(pos, n=2, append=pos[:, -2:]), torch.diff(m1, dim=0), m1 & m2,
+                (pos & 6) | 1, x.type_as(pos))
+
+
+def test_masks_and_diff_import_without_retrace_and_match_eager(tmp_path, monkeypatch):
+    from torch.export import Dim
+
+    m = Masks()
+    g = torch.Generator().manual_seed(1)
+
+    def args(rows, cols):
+        return (torch.randn(rows, cols, generator=g) * 4, torch.randint(-9, 9, (4, 6), generator=g),
+                torch.rand(5, 3, generator=g) > 0.5, torch.rand(5, 3, generator=g) > 0.5)
+    ep = torch.export.export(m, args(3, 5), dynamic_shapes=(
+        {0: Dim("a"), 1: Dim("b", min=3)}, None, None, None))
+
+    def no_retrace(*a, **k):
+        raise AssertionError("the import re-traced the program")
+    monkeypatch.setattr(E, "_decompose", no_retrace)
+    runner = kiln.compile(ep).load(tmp_path / "masks.kiln")
+    for rows, cols in [(3, 5), (6, 3), (2, 9)]:
+        a = args(rows, cols)
+        for got, want in zip(runner(*a), m(*a)):
+            assert got.dtype == want.dtype
+            torch.testing.assert_close(got, want, rtol=0, atol=0)
+
+
 class ViewReadAfter(torch.nn.Module):  # a view made before the op is read after it
     def forward(self, x):
         a = x * 2
