@@ -96,6 +96,11 @@ FLOAT_OPS: dict[str, str] = {
     "signbit": f"({LD}.signbit({{0}}) != 0)", "hypot": f"{LD}.hypot({{0}}, {{1}})",
     "copysign": f"{LD}.copysign({{0}}, {{1}})", "nextafter": f"{LD}.nextafter({{0}}, {{1}})",
     "shift_left": f"({{0}} * {LD}.exp2({{1}}))", "shift_right": f"({{0}} / {LD}.exp2({{1}}))",
+    # complex values as their parts' bits (kernel.py `part`): a part of a complex element
+    # read as a float ({0}: the part's bits), and part k of a complex element made of two
+    # floats stored as bits ({0}: operand k, {T}: the part's integer type)
+    "real": "{0}.to({T}, bitcast=True)", "imag": "{0}.to({T}, bitcast=True)",
+    "complex": "{0}.to({T}, bitcast=True)",
 }
 
 INT_OPS: dict[str, str] = {
