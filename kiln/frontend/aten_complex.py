@@ -11,10 +11,12 @@ is the one home of each complex formula:
   a real operand is (x, +0), a Python number its two parts;
 - div and reciprocal: Smith's algorithm as c10::complex's scalar division (numpy's too):
   scaled by the larger of |c|, |d|; x / 0 gives (a / 0, b / 0);
-- exp: exp(a) (cos b, sin b), with exp(a + 0i) = exp(a) + 0i exactly (C99; eager's
-  vectorised loop gives NaN for exp(inf + 0i));
-- log: (log |z|, atan2(b, a)); abs: hypot (no overflow); angle: atan2; sgn: z / |z|, 0 at 0;
-- sqrt: C99's csqrt (principal root, special values as C99), without overflow;
+- exp: exp(a) (cos b, sin b), with C99's special values: exp(a + 0i) = exp(a) + 0i
+  exactly (eager's vectorised loop gives NaN for exp(inf + 0i)), exp(+-inf + i b) for an
+  infinite or NaN b = (+inf, NaN) / (0, 0);
+- log: (log |z|, atan2(b, a)), log |z| without rounding |z| of subnormal parts; abs: hypot (no overflow); angle: atan2; sgn: z / |z|, 0 at 0;
+- sqrt: C99's csqrt (principal root, special values as C99), without overflow, tiny
+  parts scaled by a power of two;
 - conj / conj_physical / resolve_conj / resolve_neg, neg, polar, complex, view_as_complex,
   where, casts (complex -> real keeps the real part, -> bool tests both parts, real ->
   complex has imaginary part +0), sum / mean (of each part).
@@ -24,6 +26,8 @@ complex32 operands, and ops or forms not here (pow, trigonometry, alpha != 1, ma
 importer turns into a fallback call (frontend/export.py: convert_node)."""
 
 from __future__ import annotations
+
+import math
 
 import sympy
 import torch
@@ -238,15 +242,28 @@ def _exp(b, n):
     a, bi = p.parts(n.args[0])
     e = p.e
     m = e("exp", a)
-    im = e("where", e("eq", bi, p.const(0.0)), bi, e("mul", m, e("sin", bi)))
-    return p.join(e("mul", m, e("cos", bi)), im)
+    re, im = e("mul", m, e("cos", bi)), e("mul", m, e("sin", bi))
+    # C99's infinities: exp(+-inf + i b), b infinite or NaN, is (+inf, NaN) / (0, 0)
+    edge = e("logical_and", e("isinf", a), e("logical_or", e("isinf", bi), e("isnan", bi)))
+    pos = e("gt", a, p.const(0.0))
+    re = e("where", edge, e("where", pos, p.const(math.inf), p.const(0.0)), re)
+    im = e("where", edge, e("where", pos, p.const(math.nan), p.const(0.0)), im)
+    return p.join(re, e("where", e("eq", bi, p.const(0.0)), bi, im))
 
 
 @register("aten.log.default")
 def _log(b, n):
     p = _start(b, n)
     a, bi = p.parts(n.args[0])
-    return p.join(p.e("log", p.hypot(a, bi)), p.e("atan2", bi, a))
+    e = p.e
+    # log |z| = log m + log1p((s / m)^2) / 2 (m, s: the larger and smaller |part|): |z| of
+    # subnormal parts would be rounded to the subnormal grid first; 0, inf, NaN: log |z|
+    h = p.hypot(a, bi)
+    aa, ab = e("abs", a), e("abs", bi)
+    m, q = e("maximum", aa, ab), e("div", e("minimum", aa, ab), e("maximum", aa, ab))
+    fine = e("add", e("log", m), e("mul", p.const(0.5), e("log1p", e("mul", q, q))))
+    ok = e("logical_and", e("gt", h, p.const(0.0)), e("logical_not", e("isinf", h)))
+    return p.join(e("where", ok, fine, e("log", h)), e("atan2", bi, a))
 
 
 @register("aten.sqrt.default")
@@ -254,13 +271,21 @@ def _sqrt(b, n):
     """C99 csqrt: t = sqrt((|a| + |z|) / 2); a >= 0: (t, b / 2t), else (|b| / 2t, t sign b);
     0 -> (+0, b); an infinite b -> (inf, b)."""
     p = _start(b, n)
-    a, bi = p.parts(n.args[0])
+    a0, b0 = p.parts(n.args[0])
     e, half = p.e, p.const(0.5)
+    # parts below 2^-k (subnormal territory) scaled by 2^2k first, the root by 2^-k after
+    # (powers of two: exact), so |z| is not rounded to the subnormal grid
+    k = 50 if p.rdt == dtypes.float32 else 500
+    tiny = e("lt", e("maximum", e("abs", a0), e("abs", b0)), p.const(2.0 ** -k))
+    up = e("where", tiny, p.const(2.0 ** (2 * k)), p.const(1.0))
+    down = e("where", tiny, p.const(2.0 ** -k), p.const(1.0))
+    a, bi = e("mul", a0, up), e("mul", b0, up)
     t = e("sqrt", e("add", e("mul", half, e("abs", a)), e("mul", half, p.hypot(a, bi))))
     two_t = e("add", t, t)
     pos = e("ge", a, p.const(0.0))
-    re = e("where", pos, t, e("div", e("abs", bi), two_t))
-    im = e("where", pos, e("div", bi, two_t), e("copysign", t, bi))
+    re = e("mul", e("where", pos, t, e("div", e("abs", bi), two_t)), down)
+    im = e("mul", e("where", pos, e("div", bi, two_t), e("copysign", t, bi)), down)
+    a, bi = a0, b0
     zero = e("logical_and", e("eq", a, p.const(0.0)), e("eq", bi, p.const(0.0)))
     inf = p.const(float("inf"))
     big = e("isinf", bi)
