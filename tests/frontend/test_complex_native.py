@@ -22,6 +22,7 @@ from difftest import Cases, Fn, case_name, gen, layout_input
 import kiln
 
 C64, C128 = torch.complex64, torch.complex128
+OPTS_CUDA = kiln.Options(cuda_archs=(90,), autotune=False, cuda_graphs=False)
 REAL = {C64: torch.float32, C128: torch.float64}
 TOL = {C64: {"rtol": 2e-5, "atol": 2e-5}, C128: {"rtol": 1e-11, "atol": 1e-11}}
 
@@ -333,3 +334,58 @@ def test_ops_kiln_does_not_compute_still_use_the_fallback(tmp_path):
     for k, w in want.items():
         assert got[k].dtype == w.dtype, k
         torch.testing.assert_close(got[k].to(C64), w.to(C64), rtol=1e-5, atol=1e-5)
+
+
+# -- CUDA: the same lowering in Triton kernels, run by Triton's interpreter --------------------
+
+def cuda_program(xq, ang, a, b, r):
+    """RoPE and complex arithmetic without libdevice calls the interpreter lacks (hypot)."""
+    f = torch.polar(torch.ones_like(ang), ang)
+    q = torch.view_as_complex(xq.reshape(*xq.shape[:-1], -1, 2))
+    z = a / b + a.conj() * 2j - b.reciprocal() + torch.exp(a) - (-a)
+    return {"rope": torch.view_as_real(q * f).flatten(3), "z": z, "parts": z.real + z.imag,
+            "sum": a.sum(0) + a.mean(1, keepdim=True)[0], "cast": a.to(C128), "mixed": a * r}
+
+
+def cuda_args(seed: int):
+    g = torch.Generator().manual_seed(seed)
+    return (torch.randn(2, 3, 4, 8, generator=g), torch.randn(4, 4, generator=g),
+            torch.randn(3, 4, dtype=C64, generator=g), torch.randn(3, 4, dtype=C64, generator=g),
+            torch.randn(3, 4, generator=g))
+
+
+_CUDA_INTERP = """
+import sys, torch, kiln
+from torch.utils import _pytree as pytree
+sys.path.insert(0, sys.argv[1])
+from test_complex_native import cuda_program, cuda_args, OPTS_CUDA, Fn
+from kiln.targets.cuda.wrapper_py import import_triton_module, run_program
+from kiln.targets.cuda.build import triton_kernels
+b = kiln.compile(torch.export.export(Fn(cuda_program), cuda_args(0)), device="cuda",
+                 options=OPTS_CUDA).built
+mod = import_triton_module(b.sources["kernels_triton.py"])
+ks = {k.name: k for k in triton_kernels(b.steps, {x.name: x for x in b.loop.buffers}, {})}
+args = cuda_args(1)
+outs = run_program(b.program, ks, mod, b.weights, list(args))
+want = pytree.tree_leaves(cuda_program(*args))
+for o, w in zip(outs, want, strict=True):
+    torch.testing.assert_close(o.reshape(w.shape), w, rtol=1e-5, atol=1e-5)
+print("ALL OK")
+"""
+
+
+@pytest.mark.slow  # a CUDA build (cubins) and Triton's interpreter: ~30 s on 2 cores
+def test_cuda_kernels_compute_on_parts_in_interpreter():
+    import os
+    import pathlib
+    import subprocess
+    import sys
+    pytest.importorskip("triton")
+    cm = kiln.compile(torch.export.export(Fn(cuda_program), cuda_args(0)), device="cuda",
+                      options=OPTS_CUDA)  # (the interpreter cannot build cubins: built here)
+    assert cm.manifest["requires"]["aten_fallback_ops"] == []
+    assert ".to(tl.float32, bitcast=True)" in cm.sources["kernels_triton.py"]
+    env = dict(os.environ, TRITON_INTERPRET="1")
+    out = subprocess.run([sys.executable, "-c", _CUDA_INTERP, str(pathlib.Path(__file__).parent)],
+                         env=env, capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0 and "ALL OK" in out.stdout, out.stdout + out.stderr[-3000:]

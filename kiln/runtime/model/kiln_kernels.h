@@ -16,8 +16,8 @@
 #include <type_traits>
 #include "kiln_pool.h"  // kr::parallel_for, kr::team_cap: kiln's own thread pool
 
-// Complex elements: kiln only stores and moves them (ATen computes on them), so a pair of
-// reals with torch's layout is all kernels need.
+// Complex elements: a pair of reals with torch's layout. Kernels compute on the parts
+// (`x.re`, `x.im`: lowering/complex.py), so no complex arithmetic is needed here.
 #ifndef KILN_COMPLEX_TYPES
 #define KILN_COMPLEX_TYPES
 struct kr_complex32 { unsigned short re, im; };  // two float16 bit patterns (torch.chalf)

@@ -138,8 +138,8 @@ class _Scope:
         if e.dtype.is_complex or any(a.dtype.is_complex for a in getattr(e, "args", ())):
             raise UnsupportedError(f"{getattr(e, 'op', type(e).__name__)} on "
                                    f"{e.dtype.name if e.dtype.is_complex else e.args[0].dtype.name}"
-                                   " values in a Triton kernel (kiln only moves complex values "
-                                   "on the GPU: copies, views, cat)")
+                                   " values in a Triton kernel (kernels read and write complex "
+                                   "values as their parts: real, imag, complex)")
         T = tl_compute(e.dtype.name)
         if isinstance(e, L.Const):
             return code("tl.full([], {}, {})", literal(e.value, e.dtype), T)
@@ -180,8 +180,9 @@ class _Scope:
 
     def part(self, e: L.Expr, part: int) -> Code:
         """Part `part` (0 real, 1 imaginary) of complex value `e`, as its bits: complex
-        buffers are pairs of parts (`SIG_PTR`), and kiln's kernels only move complex values
-        (loads, `where` between them, constants, casts to their own type)."""
+        buffers are pairs of parts (`SIG_PTR`); a complex value is a load, a `where` between
+        them, a constant, a cast to its own type, or `complex` of two floats (whose part is
+        the float's bits: lowering/complex.py writes complex arithmetic on the parts)."""
         key = (e, part)
         if key in self.memo:
             return self.memo[key]

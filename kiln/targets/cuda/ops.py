@@ -37,8 +37,8 @@ SIG_PTR = {dtypes.float32: "*fp32", dtypes.float64: "*fp64", dtypes.float16: "*f
            dtypes.float8_e4m3fnuz: "*u8", dtypes.float8_e5m2fnuz: "*u8",
            # complex: pairs of parts (real, imaginary), moved as their bit patterns
            dtypes.complex32: "*i16", dtypes.complex64: "*i32", dtypes.complex128: "*i64"}
-# complex dtype -> the Triton type of one part's bits (kiln only moves complex values on the
-# GPU: copies, views, `where` of cat; ATen computes on them)
+# complex dtype -> the Triton type of one part's bits (kernels move parts as bits and compute
+# on them as floats: `real` / `imag` / `complex` in FLOAT_OPS)
 COMPLEX_PART = {"complex32": ("tl.int16", "<e", "<h"), "complex64": ("tl.int32", "<f", "<i"),
                 "complex128": ("tl.int64", "<d", "<q")}
 # The type values of each dtype are held in while computing: 16-bit floats are loaded into
