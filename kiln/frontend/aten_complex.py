@@ -27,6 +27,7 @@ importer turns into a fallback call (frontend/export.py: convert_node)."""
 
 from __future__ import annotations
 
+import functools
 import math
 
 import sympy
@@ -140,12 +141,11 @@ def _start(b, n) -> _Parts:
     """The emitter for complex op `n`, computing in the part dtype of its complex type (its
     result's, else its first complex operand's)."""
     dts = [b.meta_dtype(n)] + [b.meta_dtype(a) for a in n.all_input_nodes]
-    cdt = next(to_dtype(d) for d in dts if d.is_complex)
-    for d in dts:
-        if d.is_complex:
-            _check(to_dtype(d))
-    return _Parts(b, n, dtypes.complex_part(to_dtype(b.meta_dtype(n))
-                                            if b.meta_dtype(n).is_complex else cdt))
+    cdts = [d for d in dts if d.is_complex]
+    for d in cdts:
+        _check(to_dtype(d))
+    cdt = cdts[0] if dts[0].is_complex else functools.reduce(torch.promote_types, cdts)
+    return _Parts(b, n, dtypes.complex_part(to_dtype(cdt)))
 
 
 def _arg(n, k: int, name: str, default=None):
