@@ -54,10 +54,19 @@ from kiln.errors import UnsupportedError
 from kiln.frontend.symbols import SymbolTable
 
 
+# views whose elements mean something else than their base's (a conjugate or negative bit,
+# complex pairs read as reals and back, another dtype): the runner cannot rebuild them with
+# as_strided of the base, so kiln returns them as new tensors (a copy where eager shares)
+REINTERPRETING = {"aten._conj.default", "aten._neg_view.default", "aten.view_as_real.default",
+                  "aten.view_as_complex.default", "aten.view.dtype"}
+
+
 def _is_view(n: torch.fx.Node) -> bool:
     """Whether `n`'s result aliases its first argument (an ATen view op)."""
     schema = getattr(n.target, "_schema", None)
     if n.op != "call_function" or schema is None or not schema.returns or not schema.arguments:
+        return False
+    if str(n.target) in REINTERPRETING:
         return False
     out, first = schema.returns[0].alias_info, schema.arguments[0].alias_info
     return out is not None and not out.is_write and first is not None and \

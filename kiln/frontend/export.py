@@ -31,6 +31,7 @@ import kiln.frontend.aten_collectives  # noqa: F401  (registers the functional c
 from kiln.frontend.aten_high import Fallback
 from kiln.frontend.aten_library import cpu_only
 from kiln.frontend.aten_table import TABLE
+from kiln.frontend.aten_complex import COMPLEX
 from kiln.frontend.fold import fold_constants
 from kiln.frontend.control import CONTROL, convert_int_value
 from kiln.frontend.builder import RNG_FQN, RNG_STATE, Builder, to_dtype
@@ -395,10 +396,12 @@ def convert_node(b: Builder, n: torch.fx.Node, gm: torch.fx.GraphModule) -> None
         b.multi[n.name] = user_triton.convert_user_kernel(b, n, gm)
         return
     conv = TABLE.get(str(n.target))
-    if not b.aten_fallback and _complex(n):
-        raise UnsupportedError(f"operator {n.target} (node {n.name}) computes on complex "
-                               "values, which kiln leaves to ATen: enable aten_fallback")
-    if b.aten_fallback and (conv is None or _data_dependent(n, b.syms) or _complex(n)):
+    if _complex(n):  # complex arithmetic as real arithmetic on the parts, where kiln has it
+        conv = COMPLEX.get(str(n.target))
+        if conv is None and not b.aten_fallback:
+            raise UnsupportedError(f"operator {n.target} (node {n.name}) computes on complex "
+                                   "values in a way kiln leaves to ATen: enable aten_fallback")
+    if b.aten_fallback and (conv is None or _data_dependent(n, b.syms)):
         conv = fallback.aten_fallback
     if conv is None:
         raise UnsupportedError(f"operator {n.target} (node {n.name}) is not supported yet")

@@ -29,7 +29,8 @@ class DType:
     scalar_type: int
     is_float: bool
     is_signed: bool = True
-    # complex values are stored and moved by kiln, computed on by ATen (the fallback)
+    # complex values: pairs of real parts (complex_part) in torch's layout; kiln computes on
+    # complex64 / complex128 as arithmetic on the parts (frontend/aten_complex.py)
     is_complex: bool = False
 
     def __repr__(self) -> str:
@@ -134,6 +135,20 @@ def dtype(name: str) -> DType:
 def from_torch(t: torch.dtype) -> DType:
     """The kiln dtype of torch dtype `t` (KeyError, as `dtype`, if kiln does not support it)."""
     return dtype(str(t).removeprefix("torch."))
+
+
+#: complex dtype -> the dtype of each of its two parts
+_PART = {"complex32": "float16", "complex64": "float32", "complex128": "float64"}
+
+
+def complex_part(dt: DType) -> DType:
+    """The real dtype of each part (real, imaginary) of complex dtype `dt`."""
+    return DTYPES[_PART[dt.name]]
+
+
+def complex_of(dt: DType) -> DType:
+    """The complex dtype whose parts are real dtype `dt` (float16 / float32 / float64)."""
+    return DTYPES[{v: k for k, v in _PART.items()}[dt.name]]
 
 
 def acc_dtype(dt: DType) -> DType:

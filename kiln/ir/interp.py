@@ -39,6 +39,15 @@ def _floordiv(a, b):
     return np.floor(a / b)
 
 
+def _complex(re, im):
+    """The complex values with parts `re` and `im` (not re + 1j * im: inf * 1j has a NaN
+    real part)."""
+    re, im = np.broadcast_arrays(re, im)
+    out = np.empty(re.shape, np.result_type(re.dtype, np.complex64))
+    out.real, out.imag = re, im
+    return out
+
+
 def _maximum(a, b):
     return np.maximum(a, b)
 
@@ -102,6 +111,7 @@ NP_OPS = {
     "log10": np.log10, "i0": np.i0, "signbit": np.signbit, "hypot": np.hypot,
     "copysign": np.copysign, "nextafter": np.nextafter, "shift_left": _shift_left,
     "shift_right": _shift_right, "philox": _philox,
+    "real": np.real, "imag": np.imag, "complex": _complex,
 }
 NP_REDUCE = {"sum": np.sum, "prod": np.prod, "max": np.max, "min": np.min, "any": np.any,
              "all": np.all, "argmax": np.argmax, "argmin": np.argmin}

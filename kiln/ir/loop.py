@@ -82,6 +82,9 @@ OPS: dict[str, int] = {
         "logical_xor", "remainder", "fmod", "atan2", "bitwise_and", "bitwise_or",
         "bitwise_xor", "hypot", "copysign", "nextafter", "shift_left", "shift_right")},
     "where": 3,
+    # complex values as pairs of real parts (lowering/complex.py): a complex element's real /
+    # imaginary part, and the complex element made of two parts
+    "real": 1, "imag": 1, "complex": 2,
     # Philox4x32-10 (seed, run, stream, element index, lane): lane k of the 4 outputs, as an
     # int64 in [0, 2**32). Key = seed; counter = (index lo, index hi, stream, run).
     "philox": 5,

@@ -15,6 +15,7 @@ from kiln.ir import loop as L
 from kiln.ir.graph import Graph, Node
 from kiln.ir.sym import contiguous_strides, ivars
 from kiln.lowering import collectives
+from kiln.lowering import complex as complex_rules
 from kiln.lowering import quant as quant_rules
 from kiln.lowering import (attention, control, conv_nchwc, conv_nhwc, extern, fallback,
                            indexing, library, lowp, mixed, pointwise, random, reductions,
@@ -71,6 +72,7 @@ RULES = {
     "user_result": user_triton.lower_user_result,
     **library.RULES,
     **collectives.RULES,  # functional collectives (MPI / NCCL)
+    **complex_rules.RULES,  # complex values as pairs of real parts
     **conv_nchwc.RULES,  # the CPU direct convolution (passes/conv_nchwc.py)
     **conv_nhwc.RULES,  # the CUDA channels-last convolution (passes/conv_nhwc.py)
     **quant_rules.RULES,  # CPU quantised / bf16 weight GEMMs (passes/quant_weights.py)

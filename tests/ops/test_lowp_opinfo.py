@@ -146,7 +146,8 @@ def test_complex_moves(check, dtype, shape):
     x = torch.randn(shape, dtype=dtype, generator=g)
     y = torch.randn(shape, dtype=dtype, generator=g).t()  # strided
     compiled, runner = check.compile(Fn(_complex_moves), (x, y))
-    assert compiled.manifest["requires"]["aten_fallback_ops"] == ["aten::mul.Tensor"]
+    # (the complex `b * 2` is kiln's own too: tests/frontend/test_complex_native.py)
+    assert compiled.manifest["requires"]["aten_fallback_ops"] == []
     got, want = runner(x, y), _complex_moves(x, y)
     for k in want:
         assert got[k].dtype == want[k].dtype and torch.equal(got[k], want[k]), k

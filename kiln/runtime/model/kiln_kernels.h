@@ -16,8 +16,8 @@
 #include <type_traits>
 #include "kiln_pool.h"  // kr::parallel_for, kr::team_cap: kiln's own thread pool
 
-// Complex elements: kiln only stores and moves them (ATen computes on them), so a pair of
-// reals with torch's layout is all kernels need.
+// Complex elements: a pair of reals with torch's layout. Kernels compute on the parts
+// (`x.re`, `x.im`: lowering/complex.py), so no complex arithmetic is needed here.
 #ifndef KILN_COMPLEX_TYPES
 #define KILN_COMPLEX_TYPES
 struct kr_complex32 { unsigned short re, im; };  // two float16 bit patterns (torch.chalf)
@@ -335,7 +335,10 @@ inline float erf(float x) {
 template <class T> inline T erf(T x) { return std::erf(x); }
 
 template <class T> inline T relu(T x) { return x < T(0) ? T(0) : x; }
-template <class T> inline T abs(T x) { return x < T(0) ? -x : x; }
+template <class T> inline T abs(T x) {  // floats: the sign bit cleared (abs(-0.0) = +0.0, as eager)
+  if constexpr (std::is_floating_point_v<T>) return std::fabs(x);
+  else return x < T(0) ? -x : x;
+}
 template <class T> inline T sign(T x) { return T((T(0) < x) - (x < T(0))); }
 template <class T> inline bool isinf(T x) {
   if constexpr (std::is_floating_point_v<T>) return std::isinf(x); else return false;

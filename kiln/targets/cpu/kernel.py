@@ -127,7 +127,8 @@ class ExprPrinter:
             text = f"static_cast<{e.dtype.c_type}>({to_c(e.expr)})"
         elif isinstance(e, L.Load):
             text = self._load(e)
-            if _storage(e.dtype):  # read where it is used, no struct temporary
+            if _storage(e.dtype) or e.dtype.is_complex:  # read where it is used, no struct
+                # temporary (a complex element's parts are read as `.re` / `.im` of it)
                 self.memo[key] = text
                 return text
         elif e.op == "cast" and not _storage(e.dtype) and _narrowing(e.args[0]):
@@ -151,6 +152,9 @@ class ExprPrinter:
         """The statement storing the value of `e` into `dest` (e's statements printed)."""
         if _narrowing(e):
             return f"{dest}.bits = kr::to_bits<{e.dtype.c_type}>({self.value(e.args[0])});"
+        if isinstance(e, L.Op) and e.op == "complex":  # the parts stored apart: no struct
+            re, im = (self.value(a) for a in e.args)
+            return f"{dest}.re = {re}; {dest}.im = {im};"
         return f"{dest} = {self.value(e)};"
 
     def _load(self, e: L.Load) -> str:

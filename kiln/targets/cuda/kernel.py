@@ -33,9 +33,9 @@ from kiln.schedule.analysis import indexes_through_data, kernel_params, read_aft
 from kiln.targets.float8 import check_fnuz_rule, triton_round
 from kiln.targets.cuda.cse import Assign, Code, Line, Ref, Stmt, Store, code, render, value_number
 from kiln.errors import UnsupportedError
-from kiln.targets.cuda.ops import (COMPLEX_PART, COMPUTE, FNUZ, INT_LIMITS, REDUCTIONS, ROUND8,
-                                   SIG_PTR, TL_DTYPE, literal, op_spelling, part_literal,
-                                   tl_compute, to_tl)
+from kiln.targets.cuda.ops import (COMPLEX_PART, COMPUTE, FLOAT_OPS, FNUZ, INT_LIMITS,
+                                   REDUCTIONS, ROUND8, SIG_PTR, TL_DTYPE, literal, op_spelling,
+                                   part_literal, tl_compute, to_tl)
 from kiln.ir import loop as L
 from kiln.ir.sym import evaluate, ivars, product, rvars, unravel
 from kiln.schedule import Kernel
@@ -128,11 +128,18 @@ class _Scope:
     def value(self, e: L.Expr) -> Code:
         if e in self.memo:
             return self.memo[e]
+        if isinstance(e, L.Op) and e.op in ("real", "imag"):  # a part of a complex element
+            bits = self.part(e.args[0], 0 if e.op == "real" else 1)
+            name = self.fresh()
+            self.lines.append(Assign(name, code(FLOAT_OPS[e.op], bits,
+                                                T=tl_compute(e.dtype.name)), self.depth, None))
+            self.memo[e] = (Ref(name),)
+            return self.memo[e]
         if e.dtype.is_complex or any(a.dtype.is_complex for a in getattr(e, "args", ())):
             raise UnsupportedError(f"{getattr(e, 'op', type(e).__name__)} on "
                                    f"{e.dtype.name if e.dtype.is_complex else e.args[0].dtype.name}"
-                                   " values in a Triton kernel (kiln only moves complex values "
-                                   "on the GPU: copies, views, cat)")
+                                   " values in a Triton kernel (kernels read and write complex "
+                                   "values as their parts: real, imag, complex)")
         T = tl_compute(e.dtype.name)
         if isinstance(e, L.Const):
             return code("tl.full([], {}, {})", literal(e.value, e.dtype), T)
@@ -173,8 +180,9 @@ class _Scope:
 
     def part(self, e: L.Expr, part: int) -> Code:
         """Part `part` (0 real, 1 imaginary) of complex value `e`, as its bits: complex
-        buffers are pairs of parts (`SIG_PTR`), and kiln's kernels only move complex values
-        (loads, `where` between them, constants, casts to their own type)."""
+        buffers are pairs of parts (`SIG_PTR`); a complex value is a load, a `where` between
+        them, a constant, a cast to its own type, or `complex` of two floats (whose part is
+        the float's bits: lowering/complex.py writes complex arithmetic on the parts)."""
         key = (e, part)
         if key in self.memo:
             return self.memo[key]
@@ -191,6 +199,8 @@ class _Scope:
                         self.part(e.args[1], part), self.part(e.args[2], part))
         elif isinstance(e, L.Op) and e.op == "cast" and e.args[0].dtype == e.dtype:
             return self.part(e.args[0], part)
+        elif isinstance(e, L.Op) and e.op == "complex":  # made of two floats: one's bits
+            text = code(FLOAT_OPS["complex"], self.value(e.args[part]), T=T)
         else:
             return self.value(e)  # (raises: an operator computing on complex values)
         name = self.fresh()

@@ -37,8 +37,8 @@ SIG_PTR = {dtypes.float32: "*fp32", dtypes.float64: "*fp64", dtypes.float16: "*f
            dtypes.float8_e4m3fnuz: "*u8", dtypes.float8_e5m2fnuz: "*u8",
            # complex: pairs of parts (real, imaginary), moved as their bit patterns
            dtypes.complex32: "*i16", dtypes.complex64: "*i32", dtypes.complex128: "*i64"}
-# complex dtype -> the Triton type of one part's bits (kiln only moves complex values on the
-# GPU: copies, views, `where` of cat; ATen computes on them)
+# complex dtype -> the Triton type of one part's bits (kernels move parts as bits and compute
+# on them as floats: `real` / `imag` / `complex` in FLOAT_OPS)
 COMPLEX_PART = {"complex32": ("tl.int16", "<e", "<h"), "complex64": ("tl.int32", "<f", "<i"),
                 "complex128": ("tl.int64", "<d", "<q")}
 # The type values of each dtype are held in while computing: 16-bit floats are loaded into
@@ -96,6 +96,11 @@ FLOAT_OPS: dict[str, str] = {
     "signbit": f"({LD}.signbit({{0}}) != 0)", "hypot": f"{LD}.hypot({{0}}, {{1}})",
     "copysign": f"{LD}.copysign({{0}}, {{1}})", "nextafter": f"{LD}.nextafter({{0}}, {{1}})",
     "shift_left": f"({{0}} * {LD}.exp2({{1}}))", "shift_right": f"({{0}} / {LD}.exp2({{1}}))",
+    # complex values as their parts' bits (kernel.py `part`): a part of a complex element
+    # read as a float ({0}: the part's bits), and part k of a complex element made of two
+    # floats stored as bits ({0}: operand k, {T}: the part's integer type)
+    "real": "{0}.to({T}, bitcast=True)", "imag": "{0}.to({T}, bitcast=True)",
+    "complex": "{0}.to({T}, bitcast=True)",
 }
 
 INT_OPS: dict[str, str] = {

@@ -1,0 +1,384 @@
+"""Complex arithmetic as real arithmetic on the parts: aten op on complex64 / complex128 ->
+kiln Graph IR nodes.
+
+A complex operand is read as its two real parts (`view_as_real` then `select` of part 0 / 1:
+index maps, no copy), the op's formula is written with kiln's real pointwise ops and
+reductions in the part dtype (float32 / float64), and the result joined by `complex`
+(lowering/complex.py). Fused like any pointwise chain, printed by both targets. This module
+is the one home of each complex formula:
+
+- add / sub / mul: the textbook formulas (eager's: no C99 Annex G recovery of infinities);
+  a real operand is (x, +0), a Python number its two parts;
+- div and reciprocal: Smith's algorithm as c10::complex's scalar division (numpy's too):
+  scaled by the larger of |c|, |d|; x / 0 gives (a / 0, b / 0);
+- exp: exp(a) (cos b, sin b), with C99's special values: exp(a + 0i) = exp(a) + 0i
+  exactly (eager's vectorised loop gives NaN for exp(inf + 0i)), exp(+-inf + i b) for an
+  infinite or NaN b = (+inf, NaN) / (0, 0);
+- log: (log |z|, atan2(b, a)), log |z| without rounding |z| of subnormal parts; abs: hypot (no overflow); angle: atan2; sgn: z / |z|, 0 at 0;
+- sqrt: C99's csqrt (principal root, special values as C99), without overflow, tiny
+  parts scaled by a power of two;
+- conj / conj_physical / resolve_conj / resolve_neg, neg, polar, complex, view_as_complex,
+  where, casts (complex -> real keeps the real part, -> bool tests both parts, real ->
+  complex has imaginary part +0), sum / mean (of each part).
+
+complex32 operands, and ops or forms not here (pow, trigonometry, alpha != 1, matmul, fft,
+...), go to the ATen fallback: a converter that declines raises UnsupportedError, which the
+importer turns into a fallback call (frontend/export.py: convert_node)."""
+
+from __future__ import annotations
+
+import functools
+import math
+
+import sympy
+import torch
+
+from kiln.errors import UnsupportedError
+from kiln.frontend.builder import to_dtype
+from kiln.ir import dtypes
+
+Converter = object
+COMPLEX: dict[str, Converter] = {}
+_NATIVE = ("complex64", "complex128")
+
+
+def register(*names: str):
+    def deco(fn):
+        for name in names:
+            COMPLEX[name] = fn
+        return fn
+    return deco
+
+
+def _broadcast(*shapes) -> tuple[sympy.Expr, ...]:
+    rank = max((len(s) for s in shapes), default=0)
+    out = []
+    for k in range(rank):
+        dims = [s[len(s) - rank + k] for s in shapes if len(s) - rank + k >= 0]
+        big = [d for d in dims if d != 1]
+        out.append(big[0] if big else sympy.Integer(1))
+    return tuple(out)
+
+
+class _Parts:
+    """Emits the real nodes of one complex op `n`, computing in part dtype `rdt`."""
+
+    BOOL = {"eq", "ne", "lt", "le", "gt", "ge", "isinf", "isnan", "logical_and",
+            "logical_or", "logical_not"}
+
+    def __init__(self, b, n, rdt: dtypes.DType):
+        self.b, self.n, self.rdt = b, n, rdt
+
+    def shape(self, name: str):
+        return self.b.types[name].shape
+
+    def e(self, op: str, *args: str, **attrs) -> str:
+        shape = _broadcast(*(self.shape(a) for a in args))
+        dt = dtypes.bool_ if op in self.BOOL else (
+            self.b.types[args[1]].dtype if op == "where" else self.rdt)
+        return self.b.emit(op, list(args), None, like=self.n, shape=shape, dtype=dt, **attrs)
+
+    def const(self, v: float) -> str:
+        return self.b.scalar(v, self.rdt.torch)
+
+    def real(self, name: str) -> str:
+        return self.b.cast_to(name, self.rdt.torch, self.n)
+
+    def parts(self, x) -> tuple[str, str]:
+        """(real, imaginary) of operand `x` (an FX node or a Python number) in `rdt`."""
+        b = self.b
+        if not isinstance(x, torch.fx.Node):
+            if not isinstance(x, (bool, int, float, complex)):
+                raise UnsupportedError(f"operand {x!r} of a complex op")
+            v = complex(x)
+            return self.const(v.real), self.const(v.imag)
+        name = b.tensor(x)
+        t = b.types[name]
+        if not t.dtype.is_complex:
+            return self.real(name), self.const(0.0)
+        _check(t.dtype)
+        pd = dtypes.complex_part(t.dtype)
+        pairs = b.emit("view_as_real", [name], None, like=self.n, shape=t.shape + (2,),
+                       dtype=pd)
+        re, im = (b.emit("select", [pairs], None, like=self.n, shape=t.shape, dtype=pd,
+                         dim=len(t.shape), index=k) for k in (0, 1))
+        return self.real(re), self.real(im)
+
+    def join(self, re: str, im: str) -> str:
+        return self.b.emit("complex", [re, im], self.n)
+
+    # -- formulas shared by several ops ----------------------------------------------------
+    def div(self, a, b_, c, d) -> tuple[str, str]:
+        """(a + bi) / (c + di), Smith's algorithm as c10::complex's operator/."""
+        e = self.e
+        ac, ad = e("abs", c), e("abs", d)
+        c_big = e("ge", ac, ad)
+        zero = e("logical_and", e("eq", ac, self.const(0.0)), e("eq", ad, self.const(0.0)))
+        # |c| >= |d|: rat = d / c, scl = 1 / (c + d rat)
+        rat1 = e("div", d, c)
+        scl1 = e("reciprocal", e("add", c, e("mul", d, rat1)))
+        re1 = e("mul", e("add", a, e("mul", b_, rat1)), scl1)
+        im1 = e("mul", e("sub", b_, e("mul", a, rat1)), scl1)
+        # |c| < |d| (or NaN): rat = c / d, scl = 1 / (d + c rat)
+        rat2 = e("div", c, d)
+        scl2 = e("reciprocal", e("add", d, e("mul", c, rat2)))
+        re2 = e("mul", e("add", e("mul", a, rat2), b_), scl2)
+        im2 = e("mul", e("sub", e("mul", b_, rat2), a), scl2)
+        re = e("where", c_big, e("where", zero, e("div", a, ac), re1), re2)
+        im = e("where", c_big, e("where", zero, e("div", b_, ad), im1), im2)
+        return re, im
+
+    def hypot(self, a, b_) -> str:
+        return self.e("hypot", a, b_)
+
+
+def _check(dt: dtypes.DType) -> None:
+    if dt.name not in _NATIVE:
+        raise UnsupportedError(f"{dt.name} arithmetic is left to ATen")
+
+
+def _start(b, n) -> _Parts:
+    """The emitter for complex op `n`, computing in the part dtype of its complex type (its
+    result's, else its first complex operand's)."""
+    dts = [b.meta_dtype(n)] + [b.meta_dtype(a) for a in n.all_input_nodes]
+    cdts = [d for d in dts if d.is_complex]
+    for d in cdts:
+        _check(to_dtype(d))
+    cdt = cdts[0] if dts[0].is_complex else functools.reduce(torch.promote_types, cdts)
+    return _Parts(b, n, dtypes.complex_part(to_dtype(cdt)))
+
+
+def _arg(n, k: int, name: str, default=None):
+    return n.args[k] if len(n.args) > k else n.kwargs.get(name, default)
+
+
+@register(*(f"aten.{op}.{ov}" for op in ("add", "sub") for ov in ("Tensor", "Scalar")))
+def _add(b, n):
+    if _arg(n, 2, "alpha", 1) != 1:
+        raise UnsupportedError("complex add / sub with alpha")
+    p = _start(b, n)
+    (a, bi), (c, d) = p.parts(n.args[0]), p.parts(n.args[1])
+    op = "add" if ".add." in str(n.target) else "sub"
+    return p.join(p.e(op, a, c), p.e(op, bi, d))
+
+
+@register("aten.rsub.Scalar", "aten.rsub.Tensor")
+def _rsub(b, n):
+    if _arg(n, 2, "alpha", 1) != 1:
+        raise UnsupportedError("complex rsub with alpha")
+    p = _start(b, n)
+    (a, bi), (c, d) = p.parts(n.args[0]), p.parts(n.args[1])
+    return p.join(p.e("sub", c, a), p.e("sub", d, bi))
+
+
+@register("aten.mul.Tensor", "aten.mul.Scalar")
+def _mul(b, n):
+    p = _start(b, n)
+    x, y = n.args[0], n.args[1]
+    (a, bi), (c, d) = p.parts(x), p.parts(y)
+    e = p.e
+    return p.join(e("sub", e("mul", a, c), e("mul", bi, d)),
+                  e("add", e("mul", a, d), e("mul", bi, c)))
+
+
+@register("aten.div.Tensor", "aten.div.Scalar")
+def _div(b, n):
+    p = _start(b, n)
+    (a, bi), (c, d) = p.parts(n.args[0]), p.parts(n.args[1])
+    return p.join(*p.div(a, bi, c, d))
+
+
+@register("aten.reciprocal.default")
+def _reciprocal(b, n):
+    p = _start(b, n)
+    c, d = p.parts(n.args[0])
+    return p.join(*p.div(p.const(1.0), p.const(0.0), c, d))
+
+
+@register("aten.neg.default")
+def _neg(b, n):
+    p = _start(b, n)
+    a, bi = p.parts(n.args[0])
+    return p.join(p.e("neg", a), p.e("neg", bi))
+
+
+@register("aten._conj.default", "aten.conj_physical.default", "aten._conj_physical.default",
+          "aten.conj.default", "aten.resolve_conj.default", "aten.resolve_neg.default",
+          "aten._conj_copy.default")
+def _conj(b, n):
+    p = _start(b, n)
+    a, bi = p.parts(n.args[0])
+    if "resolve" in str(n.target):  # a functional graph holds no conjugate / negative bits
+        return p.join(a, bi)
+    return p.join(a, p.e("neg", bi))
+
+
+@register("aten.abs.default")
+def _abs(b, n):
+    p = _start(b, n)
+    return p.hypot(*p.parts(n.args[0]))
+
+
+@register("aten.angle.default")
+def _angle(b, n):
+    p = _start(b, n)
+    a, bi = p.parts(n.args[0])
+    return p.e("atan2", bi, a)
+
+
+@register("aten.sgn.default")
+def _sgn(b, n):
+    p = _start(b, n)
+    a, bi = p.parts(n.args[0])
+    h = p.hypot(a, bi)
+    zero = p.e("eq", h, p.const(0.0))
+    return p.join(p.e("where", zero, p.const(0.0), p.e("div", a, h)),
+                  p.e("where", zero, p.const(0.0), p.e("div", bi, h)))
+
+
+@register("aten.exp.default")
+def _exp(b, n):
+    p = _start(b, n)
+    a, bi = p.parts(n.args[0])
+    e = p.e
+    m = e("exp", a)
+    re, im = e("mul", m, e("cos", bi)), e("mul", m, e("sin", bi))
+    # C99's infinities: exp(+-inf + i b), b infinite or NaN, is (+inf, NaN) / (0, 0)
+    edge = e("logical_and", e("isinf", a), e("logical_or", e("isinf", bi), e("isnan", bi)))
+    pos = e("gt", a, p.const(0.0))
+    re = e("where", edge, e("where", pos, p.const(math.inf), p.const(0.0)), re)
+    im = e("where", edge, e("where", pos, p.const(math.nan), p.const(0.0)), im)
+    return p.join(re, e("where", e("eq", bi, p.const(0.0)), bi, im))
+
+
+@register("aten.log.default")
+def _log(b, n):
+    p = _start(b, n)
+    a, bi = p.parts(n.args[0])
+    e = p.e
+    # log |z| = log m + log1p((s / m)^2) / 2 (m, s: the larger and smaller |part|): |z| of
+    # subnormal parts would be rounded to the subnormal grid first; 0, inf, NaN: log |z|
+    h = p.hypot(a, bi)
+    aa, ab = e("abs", a), e("abs", bi)
+    m, q = e("maximum", aa, ab), e("div", e("minimum", aa, ab), e("maximum", aa, ab))
+    fine = e("add", e("log", m), e("mul", p.const(0.5), e("log1p", e("mul", q, q))))
+    ok = e("logical_and", e("gt", h, p.const(0.0)), e("logical_not", e("isinf", h)))
+    return p.join(e("where", ok, fine, e("log", h)), e("atan2", bi, a))
+
+
+@register("aten.sqrt.default")
+def _sqrt(b, n):
+    """C99 csqrt: t = sqrt((|a| + |z|) / 2); a >= 0: (t, b / 2t), else (|b| / 2t, t sign b);
+    0 -> (+0, b); an infinite b -> (inf, b)."""
+    p = _start(b, n)
+    a0, b0 = p.parts(n.args[0])
+    e, half = p.e, p.const(0.5)
+    # parts below 2^-k (subnormal territory) scaled by 2^2k first, the root by 2^-k after
+    # (powers of two: exact), so |z| is not rounded to the subnormal grid
+    k = 50 if p.rdt == dtypes.float32 else 500
+    tiny = e("lt", e("maximum", e("abs", a0), e("abs", b0)), p.const(2.0 ** -k))
+    up = e("where", tiny, p.const(2.0 ** (2 * k)), p.const(1.0))
+    down = e("where", tiny, p.const(2.0 ** -k), p.const(1.0))
+    a, bi = e("mul", a0, up), e("mul", b0, up)
+    t = e("sqrt", e("add", e("mul", half, e("abs", a)), e("mul", half, p.hypot(a, bi))))
+    two_t = e("add", t, t)
+    pos = e("ge", a, p.const(0.0))
+    re = e("mul", e("where", pos, t, e("div", e("abs", bi), two_t)), down)
+    im = e("mul", e("where", pos, e("div", bi, two_t), e("copysign", t, bi)), down)
+    a, bi = a0, b0
+    zero = e("logical_and", e("eq", a, p.const(0.0)), e("eq", bi, p.const(0.0)))
+    inf = p.const(float("inf"))
+    big = e("isinf", bi)
+    re = e("where", big, inf, e("where", zero, p.const(0.0), re))
+    im = e("where", e("logical_or", big, zero), bi, im)
+    return p.join(re, im)
+
+
+@register("aten.polar.default")
+def _polar(b, n):
+    p = _start(b, n)
+    r, th = p.real(b.tensor(n.args[0])), p.real(b.tensor(n.args[1]))
+    return p.join(p.e("mul", r, p.e("cos", th)), p.e("mul", r, p.e("sin", th)))
+
+
+@register("aten.complex.default")
+def _complex(b, n):
+    p = _start(b, n)
+    return p.join(p.real(b.tensor(n.args[0])), p.real(b.tensor(n.args[1])))
+
+
+@register("aten.view_as_complex.default")
+def _view_as_complex(b, n):
+    p = _start(b, n)
+    x = b.tensor(n.args[0])
+    shape = b.types[x].shape
+    re, im = (b.emit("select", [x], None, like=n, shape=shape[:-1], dtype=p.rdt,
+                     dim=len(shape) - 1, index=k) for k in (0, 1))
+    return p.join(re, im)
+
+
+@register("aten.view_as_real.default")
+def _view_as_real(b, n):
+    x = b.tensor(n.args[0])
+    _check(b.types[x].dtype)
+    return b.emit("view_as_real", [x], n)
+
+
+@register("aten.where.self", "aten.where.ScalarSelf", "aten.where.ScalarOther",
+          "aten.where.Scalar")
+def _where(b, n):
+    p = _start(b, n)
+    cond = b.tensor(n.args[0])
+    (a, bi), (c, d) = p.parts(n.args[1]), p.parts(n.args[2])
+    return p.join(p.e("where", cond, a, c), p.e("where", cond, bi, d))
+
+
+@register("aten.eq.Tensor", "aten.eq.Scalar", "aten.ne.Tensor", "aten.ne.Scalar")
+def _eq(b, n):
+    p = _start(b, n)
+    (a, bi), (c, d) = p.parts(n.args[0]), p.parts(n.args[1])
+    if ".eq." in str(n.target):
+        return b.emit("logical_and", [p.e("eq", a, c), p.e("eq", bi, d)], n)
+    return b.emit("logical_or", [p.e("ne", a, c), p.e("ne", bi, d)], n)
+
+
+@register("aten._to_copy.default")
+def _to_copy(b, n):
+    if set(n.kwargs) - {"dtype", "layout", "device", "memory_format"}:
+        raise UnsupportedError("complex _to_copy with other arguments")
+    src = n.args[0]
+    out = b.meta_dtype(n)
+    if out == b.meta_dtype(src):
+        return b.alias(n, b.tensor(src))
+    if not out.is_complex:  # eager's rule: the real part (bool: either part nonzero)
+        p = _start(b, n)
+        a, bi = p.parts(src)
+        if out == torch.bool:
+            return b.emit("logical_or", [p.e("ne", a, p.const(0.0)),
+                                         p.e("ne", bi, p.const(0.0))], n)
+        return b.emit("cast", [a], n)
+    p = _start(b, n)
+    return p.join(*p.parts(src))
+
+
+def _reduce(kind: str):
+    def conv(b, n):
+        p = _start(b, n)
+        if n.kwargs.get("dtype") is not None and not n.kwargs["dtype"].is_complex:
+            raise UnsupportedError("complex reduction to a real dtype")
+        rank = b.rank(n.args[0])
+        dims = _arg(n, 1, "dim")
+        dims = tuple(range(rank)) if dims in (None, []) else (
+            (dims,) if isinstance(dims, int) else tuple(dims))
+        dims = tuple(sorted(d % max(rank, 1) for d in dims))
+        keep = bool(_arg(n, 2, "keepdim", False))
+        shape = b.shape(n)
+        re, im = (b.emit("reduce", [x], None, like=n, shape=shape, dtype=p.rdt, kind=kind,
+                         dims=dims, keepdim=keep) for x in p.parts(n.args[0]))
+        return p.join(re, im)
+    return conv
+
+
+for _kind in ("sum", "mean"):
+    for _ov in ("default", "dim_IntList", "dim"):
+        register(f"aten.{_kind}.{_ov}")(_reduce(_kind))
