@@ -23,8 +23,9 @@ Variants:
   i4_nib      int4 as the template reads it now: 32-bit words of 8 nibbles, each nibble
               masked in place and its bits (a subnormal float) turned into (q - 8) * 2^-23 by
               one FMA, x read as [groups, words, 8], a word's 8 products summed in registers
-  i4_pl       int4 as the template reads it since s11: the place-major packing
-              (quant_gemv.py: nibble i of word b of a 16-byte chunk is k = 32 * chunk + 4i + b),
+  i4_pl       int4 in a place-major packing (`planes_from_pairs`: nibble i of word b of a
+              16-byte chunk is k = 32 * chunk + 4i + b; the template's was branch s11q4's
+              6f244f0, not kept: BENCHMARKS.md, eleventh session),
               the tile [groups, XBLOCK, words] and the loop unrolled over the 8 nibble
               places, x of place i loaded in the tile's shape (4 contiguous values a thread):
               x and the words share one layout, no shared-memory conversion
@@ -59,9 +60,22 @@ import triton.language as tl  # noqa: E402
 
 from bench.cuda_timing import events_ms  # noqa: E402
 from bench.llm_gpu import copy_gbs  # noqa: E402
-from kiln.gemm.quant_gemv import planes_from_pairs, quantize_int4, quantize_int8  # noqa: E402
+from kiln.gemm.quant_gemv import quantize_int4, quantize_int8  # noqa: E402
 
 G = 128
+
+
+def planes_from_pairs(p: torch.Tensor) -> torch.Tensor:
+    """quant_gemv.py's int4 rows (two values a byte in K order, k even: low nibble) repacked
+    place-major for i4_pl / i4_plx: in each 16 bytes (four little-endian 32-bit words), nibble
+    i of word b holds k = 32 * chunk + 4 * i + b. Same values and bytes, another order."""
+    n = p.shape[0]
+    p16 = p.to(torch.int16)
+    q = torch.stack([p16 & 15, p16 >> 4], dim=2).reshape(n, -1)  # K order
+    q = q.reshape(n, -1, 8, 4).transpose(2, 3).reshape(n, -1)  # position 8b + i: k = 4i + b
+    return (q[:, 0::2] | (q[:, 1::2] << 4)).to(torch.uint8).contiguous()
+
+
 SHAPES = [("qkv", 6144, 4096), ("o", 4096, 4096), ("gate_up", 28672, 4096),
           ("down", 4096, 14336), ("head", 128256, 4096)]
 PER_TOKEN = {"qkv": 32, "o": 32, "gate_up": 32, "down": 32, "head": 1}
@@ -184,7 +198,7 @@ def gemv_i4_nib(x_ptr, p_ptr, s_ptr, out_ptr, N, K: tl.constexpr, GS: tl.constex
 @triton.jit
 def gemv_i4_pl(x_ptr, p_ptr, s_ptr, out_ptr, N, K: tl.constexpr, GS: tl.constexpr,
                XBLOCK: tl.constexpr, RBLOCK: tl.constexpr):
-    # place-major packing (quant_gemv.py `pack_int4`): in each 16-byte chunk of 32 values,
+    # place-major packing (`planes_from_pairs`): in each 16-byte chunk of 32 values,
     # nibble i of word b is k = 32 * chunk + 4 * i + b, so x's 4 positions of one nibble
     # place are contiguous and the weight words stay in their 16-byte load layout
     # the tile is [groups, XBLOCK, words]: Triton's coalescing orders the non-contiguous dims
@@ -373,7 +387,7 @@ def main() -> None:
         w = torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * 0.02
         x = torch.randn(k, device="cuda", dtype=torch.bfloat16)
         q8 = quantize_int8(w.float().cpu())
-        q4 = quantize_int4(w.float().cpu(), G, packing="pairs")
+        q4 = quantize_int4(w.float().cpu(), G)
         forms = {
             "bf16": ([w], w.numel() * 2),
             "i8": ([q8["q"].cuda(), q8["s"].cuda()], n * k + 4 * n),

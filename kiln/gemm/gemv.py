@@ -89,19 +89,17 @@ def _pow2(n: int) -> int:
 def configs(n: int, k: int, itemsize: float, min_k: int = 16) -> list[GemvConfig]:
     """Launch configurations, the heuristic's first: BLOCK_N the largest of 16, 8, 4, 2, 1
     leaving at least 2 programs per SM (else 1), BLOCK_K covering about 1 KiB of each row a
-    step (`itemsize` bytes an element: 1024 elements of int8; at most K rounded up to a power
-    of two, at least `min_k`), then variations of both and of the warps. int8 keeps the
-    float32 accumulator at <= 64 registers a thread in the first config (8 warps where 4
-    would hold more). int4 (itemsize 0.5) has its own list (`_int4_configs`)."""
+    step (`itemsize` bytes an element: 1024 elements of int8, 2048 of int4; at most K rounded
+    up to a power of two, at least `min_k`), then variations of both and of the warps.
+    Quantised weights (itemsize < 2) keep the float32 accumulator at <= 64 registers a thread
+    in the first config (8 warps where 4 would hold more)."""
     kp = max(_pow2(k), 16, min_k)
+    bk = min(max(int(1024 / itemsize), 16), kp)
     bn = 16
     while bn > 1 and -(-n // bn) < 2 * SMS:
         bn //= 2
-    if itemsize == 0.5:
-        return _int4_configs(bn, kp, min_k)
-    bk = min(max(int(1024 / itemsize), 16), kp)
     warps = 4
-    if itemsize < 2 and bn * bk * min(itemsize, 1) > 64 * 32 * 4:
+    if itemsize < 2 and bn * bk * min(itemsize, 1) > 64 * 32 * 4:  # int4: one lane a byte
         warps = 8
     out = [GemvConfig(bn, bk, warps, 1)]
     for cand_bn, cand_bk, warps, stages in (
@@ -119,22 +117,6 @@ def configs(n: int, k: int, itemsize: float, min_k: int = 16) -> list[GemvConfig
         c = GemvConfig(cand_bn, cand_bk, warps, stages)
         if c not in out:
             out.append(c)
-    if min_k > 16:  # whole groups a step
+    if min_k > 16:  # whole int4 groups a step
         out = list(dict.fromkeys(replace(c, block_k=max(c.block_k, min_k)) for c in out))
-    return out
-
-
-def _int4_configs(bn: int, kp: int, group: int) -> list[GemvConfig]:
-    """int4 (the template's place-major loop, accumulator one float32 a word): 4 warps; 16
-    rows x 4096 values (32 KiB a program and step) where BLOCK_N is 16, else 8 x 2048 (the
-    best of bench/quant_gemv_variants.py's i4_pl sweep on an H100 at the 8B shapes: q/k/v,
-    gate/up and the head at 16 x 4096, o and down at 8 x 2048), then their neighbours; 8
-    warps ran 10-40% slower there. BLOCK_K a whole number of groups, at most K rounded up."""
-    first = (16, 4096) if bn >= 16 else (bn, 2048)
-    cands = [first, (16, 4096), (8, 2048), (8, 4096), (16, 2048), (4, 4096), (4, 2048)]
-    out = []
-    for cbn, cbk in cands:
-        c = GemvConfig(cbn, max(group, min(cbk, kp)), 4, 1)
-        if c not in out:
-            out.append(c)
     return out

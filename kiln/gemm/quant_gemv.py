@@ -5,14 +5,9 @@ y[M, N] = x[M, K] @ W^T for a constant W [N, K] (nn.Linear's layout) stored quan
 
     int8   q[N, K] int8, per output channel: s[n] = max_k |W[n, k]| / 127 (float32),
            q = round(W / s) in [-127, 127]
-    int4   p[N, K / 2] uint8, two values a byte, each q + 8 with q = round(W / s) in
-           [-7, 7]; group-wise along K: s[n, k // G] = max |W| over the group / 7 (float32);
-           K a multiple of G (G >= 32). Place-major packing: each 16 bytes of a row hold 32
-           values, as four little-endian 32-bit words of 8 nibbles; nibble i of word b
-           (bits 4i..4i+3) is k = 32 * chunk + 4 * i + b (byte 4b + j: low nibble
-           k = 32 * chunk + 8 * j + b, high nibble that k + 4). The 4 positions of one nibble
-           place are contiguous in x, so the GEMV template converts the words in their
-           16-byte load layout (targets/cuda/gemv_template.py).
+    int4   p[N, K / 2] uint8, two values a byte along K (k even: low nibble, k odd: high),
+           each q + 8 with q = round(W / s) in [-7, 7]; group-wise along K:
+           s[n, k // G] = max |W| over the group / 7 (float32); K a multiple of G
 
 Rows of q / p are contiguous along K: a program streams whole 16-byte vectors of each row.
 
@@ -41,12 +36,6 @@ except ImportError:
 
 
 if triton is not None:
-    @triton.jit
-    def _low_k(r):
-        """The position along K, from its 16-byte chunk's first, of the low nibble of byte r
-        (place-major packing: byte 4b + j of a chunk holds nibbles 2j, 2j + 1 of word b)."""
-        return (r // 16) * 32 + (r % 4) * 8 + (r // 4) % 4
-
     @triton.jit
     def qlinear_int8_kernel(x_ptr, q_ptr, s_ptr, out_ptr, M, N, K: tl.constexpr,
                             PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
@@ -106,9 +95,10 @@ if triton is not None:
                 m2 = nmask[:, None] & gmask[None, :]
                 b = tl.load(p_ptr + rn[:, None] * (K // 2) + g0 * HALF + rj[None, :], mask=m2,
                             other=136).to(tl.int32)
-                klo = g0 * G + _low_k(rj)  # the bytes' low nibbles' positions (+ 4: high)
-                xe = tl.load(x_ptr + pid_m * K + klo, mask=gmask, other=0.0).to(tl.float32)
-                xo = tl.load(x_ptr + pid_m * K + klo + 4, mask=gmask, other=0.0).to(tl.float32)
+                xe = tl.load(x_ptr + pid_m * K + g0 * G + 2 * rj, mask=gmask,
+                             other=0.0).to(tl.float32)
+                xo = tl.load(x_ptr + pid_m * K + g0 * G + 2 * rj + 1, mask=gmask,
+                             other=0.0).to(tl.float32)
                 sc = tl.load(s_ptr + rn[:, None] * NG + rg[None, :], mask=m2, other=0.0)
                 lo = ((b & 15) - 8).to(tl.float32)
                 hi = ((b >> 4) - 8).to(tl.float32)
@@ -120,11 +110,10 @@ if triton is not None:
             mmask = rm < M
             rh = tl.arange(0, HALF)
             acc2 = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
-            klo = _low_k(rh)  # each byte's low nibble's position in the group (+ 4: high)
             for g in tl.range(0, NG):
-                xe = tl.load(x_ptr + rm[:, None] * K + g * G + klo[None, :],
+                xe = tl.load(x_ptr + rm[:, None] * K + g * G + 2 * rh[None, :],
                              mask=mmask[:, None], other=0.0)
-                xo = tl.load(x_ptr + rm[:, None] * K + g * G + klo[None, :] + 4,
+                xo = tl.load(x_ptr + rm[:, None] * K + g * G + 2 * rh[None, :] + 1,
                              mask=mmask[:, None], other=0.0)
                 b = tl.load(p_ptr + rn[None, :] * (K // 2) + g * HALF + rh[:, None],
                             mask=nmask[None, :], other=136).to(tl.int32)
@@ -160,56 +149,25 @@ def quantize_int8(w: torch.Tensor) -> dict[str, torch.Tensor]:
     return {"q": q.contiguous(), "s": s.float().contiguous()}
 
 
-def planes(q: torch.Tensor) -> torch.Tensor:
-    """Values q [N, K] (K a multiple of 32) in place-major order: within each run of 32,
-    position 8b + i holds k = 4i + b (word b's nibble i once packed in pairs)."""
-    n, k = q.shape
-    return q.reshape(n, k // 32, 8, 4).transpose(2, 3).reshape(n, k)
-
-
-def unplanes(q: torch.Tensor) -> torch.Tensor:
-    """The inverse of `planes`."""
-    n, k = q.shape
-    return q.reshape(n, k // 32, 4, 8).transpose(2, 3).reshape(n, k)
-
-
-def _pairs(q: torch.Tensor) -> torch.Tensor:
-    """uint8 values [N, K] (0..15) two a byte: position 2j low nibble, 2j + 1 high."""
-    return (q[:, 0::2] | (q[:, 1::2] << 4)).contiguous()
-
-
-def _unpairs(p: torch.Tensor) -> torch.Tensor:
-    p = p.to(torch.int16)
-    return torch.stack([p & 15, p >> 4], dim=2).reshape(p.shape[0], -1)
-
-
-def planes_from_pairs(p: torch.Tensor) -> torch.Tensor:
-    """A p [N, K / 2] packed two values a byte in K order (k even low nibble) repacked
-    place-major (module docstring): the same values and bytes, another order."""
-    return _pairs(planes(_unpairs(p).to(torch.uint8)))
-
-
-def quantize_int4(w: torch.Tensor, group: int, packing: str = "planes"
-                  ) -> dict[str, torch.Tensor]:
+def quantize_int4(w: torch.Tensor, group: int) -> dict[str, torch.Tensor]:
     """W [N, K] float, K a multiple of `group` -> {"q": uint8 [N, K / 2], "s": float32
-    [N, K / group]}. `packing` "planes": kiln's (module docstring); "pairs": two values a
-    byte in K order (k even: low nibble), the layout before place-major packing (benches)."""
+    [N, K / group]}."""
     n, k = w.shape
     g = w.detach().double().reshape(n, k // group, group)
     s = g.abs().amax(dim=2) / 7
     s = torch.where(s > 0, s, torch.ones_like(s))
     q = (torch.round(g / s[:, :, None]).clamp(-7, 7) + 8).to(torch.uint8).reshape(n, k)
-    packed = _pairs(planes(q) if packing == "planes" else q)
+    packed = q[:, 0::2] | (q[:, 1::2] << 4)
     return {"q": packed.contiguous(), "s": s.float().contiguous()}
 
 
 def dequantize(mode: str, parts: dict[str, torch.Tensor], group: int = 0) -> torch.Tensor:
-    """The float64 W [N, K] a stored form stands for (the tests' reference; int4 place-major
-    packed)."""
+    """The float64 W [N, K] a stored form stands for (the tests' reference)."""
     if mode == "int8":
         return parts["q"].double() * parts["s"].double()[:, None]
-    q = unplanes(_unpairs(parts["q"])).double() - 8
-    n = q.shape[0]
+    p = parts["q"].to(torch.int16)
+    n = p.shape[0]
+    q = torch.stack([(p & 15) - 8, (p >> 4) - 8], dim=2).reshape(n, -1).double()
     return (q.reshape(n, -1, group) * parts["s"].double()[:, :, None]).reshape(n, -1)
 
 

@@ -24,23 +24,16 @@ Quantised weights (weight-only, a `MixedGemm` on side "b"; kiln/gemm/gemv.py):
                 flipped), less that constant; the row sums are multiplied by the scale
                 (per output channel) at the end.
   int4          each step covers RBLOCK // G whole groups of G values: the tile is
-                [groups, XBLOCK, G / 8] 32-bit words of 8 nibbles in quant_gemv.py's
-                place-major packing (in each 16 bytes, nibble i of word b: k = 32 * chunk +
-                4 * i + b), rows in the middle so that Triton's coalesced layout keeps
-                several rows a thread (their x values shared). The loop is unrolled over
-                the 8 nibble places: place i's x (or prologue) at K positions rkb + 4 i,
-                4 contiguous values a thread's 16-byte load of words, computed in the
-                tile's shape (+ rx) so that x and the words share one layout (no shared-
-                memory conversion). Each nibble is masked in place and its bits read as
+                [XBLOCK, groups, G / 8] 32-bit words of 8 nibbles (nibble i of a word: k =
+                8 * word + i), the A slice [1, groups, G / 8, 8] (rk, the prologue: the row's
+                positions in that shape). Each nibble is masked in place and its bits read as
                 a float32: bits * 2^-149 (a subnormal, or at bits 20-23 the smallest normal
                 exponent, where the step is the same), so one FMA by 2^(126 - 4 * place) less
                 8 * 2^-23 gives (nibble - 8) * 2^-23 exactly (nibbles 6 and 7 are read from
                 the word >> 16); 3 instructions a weight (mask, that FMA, the product's FMA)
                 and no int-to-float convert. A word's 8 products are summed in registers,
-                each group's sums times its scale [groups, XBLOCK, 1], the 2^23 restored at
-                the end; the outputs are [1, XBLOCK, 1]. The prologue's fused whole-row
-                reductions accumulate in the row's shape [groups, 1, words] (kr: once a
-                position, not once a row)."""
+                each group's sums times its scale [XBLOCK, groups, 1], the 2^23 restored at
+                the end; the outputs are [XBLOCK, 1, 1]."""
 
 from __future__ import annotations
 
@@ -71,17 +64,9 @@ def _unravel_lines(prefix: str, flat: str, shape, sym: str, p: str) -> tuple[dic
     """Index variables `<sym><d>` of a space of `shape` at flat positions `flat`: names for
     `_Scope` (dims of size 1 are "0") and the lines that define them."""
     names, lines = {}, []
-    sizes = [sympy.sympify(x) for x in shape]
-    # one dim of size > 1: its index is `flat` itself (flat < its size wherever the masks
-    # let a value through), no modulo (which hides the positions' contiguity from Triton:
-    # scalar instead of vector loads)
-    single = sum(1 for x in sizes if x != 1) == 1
     for d, e in enumerate(unravel(sympy.Symbol("FLAT"), shape)):
-        if sizes[d] == 1:
+        if sympy.sympify(shape[d]) == 1:
             names[f"{sym}{d}"] = "0"
-            continue
-        if single:
-            names[f"{sym}{d}"] = flat if flat.isidentifier() else f"({flat})"
             continue
         var = f"{prefix}{sym}{d}"
         names[f"{sym}{d}"] = var
@@ -90,11 +75,10 @@ def _unravel_lines(prefix: str, flat: str, shape, sym: str, p: str) -> tuple[dic
 
 
 def _prologue_lines(gk: GemmKernel, counter: list[int], row: str = "[1, RBLOCK]",
-                    total: str = "tl.sum({}, 1, keep_dims=True)", step: str = "RBLOCK"
+                    total: str = "tl.sum({}, 1, keep_dims=True)"
                     ) -> tuple[list[str], dict[str, str]]:
-    """The whole-row reductions, each a loop of `step` positions rk a step; their registers
-    by name. `row`: the shape of rk, `total`: the sum of a tile of that shape kept as
-    [1, 1(, 1)]."""
+    """The whole-row reductions, each an RBLOCK-wide loop; their registers by name. `row`:
+    the shape of rk, `total`: the sum of a tile of that shape kept as [1, 1(, 1)]."""
     pro = gk.prologue
     lines: list[str] = []
     regs: dict[str, str] = {}
@@ -103,7 +87,7 @@ def _prologue_lines(gk: GemmKernel, counter: list[int], row: str = "[1, RBLOCK]"
         acc = f"acc_{r.name}"
         lines += [f"    # prologue: {r.name} <- {', '.join(r.source)} (whole row, in registers)",
                   f"    {acc} = tl.zeros({row}, dtype={tl_compute(r.dtype.name)})",
-                  f"    for qs{j} in range(0, {to_tl(n)}, {step}):",
+                  f"    for qs{j} in range(0, {to_tl(n)}, RBLOCK):",
                   f"        q{j} = qs{j} + rk",
                   f"        qmask{j} = q{j} < {to_tl(n)}"]
         names, defs = _unravel_lines(f"p{j}_", f"q{j}", r.reduce.sizes, "r", "        ")
@@ -133,21 +117,19 @@ def _factored(gk: GemmKernel):
     return factor_row(pro.row.body, {r.name for r in pro.reductions})
 
 
-def _fused_reduction_lines(gk: GemmKernel, counter: list[int], flat: str = "kk",
-                           mask: str = "kmask") -> list[str]:
-    """The prologue's whole-row reductions accumulated at the K loop's positions `flat`
-    (masked by `mask`)."""
+def _fused_reduction_lines(gk: GemmKernel, counter: list[int]) -> list[str]:
+    """The prologue's whole-row reductions accumulated at the K loop's positions kk."""
     lines = []
     for j, r in enumerate(gk.prologue.reductions):
         lines.append(f"        # prologue: {r.name} <- {', '.join(r.source)} "
                      f"(whole row, accumulated in the K loop)")
-        names, defs = _unravel_lines(f"p{j}_", flat, r.reduce.sizes, "r", "        ")
+        names, defs = _unravel_lines(f"p{j}_", "kk", r.reduce.sizes, "r", "        ")
         names.update({f"i{d}": "0" for d in range(len(r.shape))})
         lines += defs
-        sc = _Scope(names, mask, {}, counter)
+        sc = _Scope(names, "kmask", {}, counter)
         v = text(sc.value(r.body))
         lines += render(sc.lines, "        ")
-        lines.append(f"        acc_{r.name} = acc_{r.name} + tl.where({mask}, {v}, 0)")
+        lines.append(f"        acc_{r.name} = acc_{r.name} + tl.where(kmask, {v}, 0)")
     return lines
 
 
@@ -345,22 +327,26 @@ def _print_quant_gemv(gk: GemmKernel, buffers: dict[str, L.Buffer], name: str) -
     if gs:
         wg = gs // 8
         lines += [
-            f"    # int4, place-major packing: RBLOCK // {gs} groups of {wg} words (8 nibbles "
-            f"each) a step, the tile [groups, XBLOCK, words]",
-            f"    rn = (tl.program_id(0) * XBLOCK + tl.arange(0, XBLOCK)[None, :, None]){cast}",
+            f"    # int4: RBLOCK // {gs} groups of {wg} words (8 nibbles each) a step; the "
+            f"row's positions as [1, groups, words, 8]",
+            f"    rn = (tl.program_id(0) * XBLOCK + tl.arange(0, XBLOCK)[:, None, None]){cast}",
             "    nmask = rn < N",
-            f"    rg = tl.arange(0, RBLOCK // {gs})[:, None, None]{cast}",
-            f"    rj = tl.arange(0, {wg})[None, None, :]{cast}",
-            "    rw = rg * " + str(wg) + " + rj  # the step's words",
-            f"    rkb = rg * {gs} + (rj // 4) * 32 + rj % 4  # nibble place 0's positions "
-            f"(place i: + 4 i)",
-            "    rx = rn * 0  # x in the tile's shape, so in its layout",
-            "    rk = rw  # the whole-row reductions' positions, RBLOCK // 8 a step",
+            f"    rg = tl.arange(0, RBLOCK // {gs})[None, :, None]{cast}",
+            f"    rw = rg * {wg} + tl.arange(0, {wg})[None, None, :]{cast}  # the step's words",
+            "    ri = tl.arange(0, 8)[None, None, None, :]  # a word's nibbles",
+            f"    rk = rw[:, :, :, None] * 8 + ri{cast}",
             "    xidx = rk * 0  # the row's shape, for loads of scalars",
+            "    # nibble i: bits 4i..4i+3 of the word (i < 6) or of the word >> 16 (place "
+            "i - 4); as a float32",
+            "    # (bits * 2^-149) times 2^(126 - 4 * place), less 8 * 2^-23: "
+            "(nibble - 8) * 2^-23, exact",
+            "    nsh = tl.where(ri >= 6, 16, 0)",
+            "    place = ri - nsh // 4",
+            "    nbits = 15 << (4 * place)",
+            "    nmul = ((253 - 4 * place) << 23).to(tl.float32, bitcast=True)",
         ]
-        row, total = f"[RBLOCK // {gs}, 1, {wg}]", \
-            "tl.sum(tl.sum({}, 2, keep_dims=True), 0, keep_dims=True)"
-        frow = row  # the fused reductions too: once a position
+        row, total = f"[1, RBLOCK // {gs}, {wg}, 8]", \
+            "tl.sum(tl.sum(tl.sum({}, 3), 2, keep_dims=True), 1, keep_dims=True)"
     else:
         lines += [
             f"    rn = (tl.program_id(0) * XBLOCK + tl.arange(0, XBLOCK)[:, None]){cast}",
@@ -369,16 +355,14 @@ def _print_quant_gemv(gk: GemmKernel, buffers: dict[str, L.Buffer], name: str) -
             "    xidx = rk * 0  # the row's shape, for loads of scalars",
         ]
         row, total = "[1, RBLOCK]", "tl.sum({}, 1, keep_dims=True)"
-        frow = row
     counter = [0]
     regs: dict[str, str] = {}
     factored = _factored(gk)
     if pro is not None and factored is None:
-        more, regs = _prologue_lines(gk, counter, row, total,
-                                     "RBLOCK // 8" if gs else "RBLOCK")
+        more, regs = _prologue_lines(gk, counter, row, total)
         lines += more
     elif factored is not None:
-        lines += [f"    acc_{r.name} = tl.zeros({frow}, dtype=tl.float32)"
+        lines += [f"    acc_{r.name} = tl.zeros({row}, dtype=tl.float32)"
                   for r in pro.reductions]
     lines.append(f"    pb = buf_{g.b.buf} + {to_tl(g.b.offset)} + rn * {to_tl(g.b.cols)}")
     sc = mx.scale
@@ -392,38 +376,32 @@ def _print_quant_gemv(gk: GemmKernel, buffers: dict[str, L.Buffer], name: str) -
         lines += [
             "    pw = pb.to(tl.pointer_type(tl.int32), bitcast=True)  # 8 nibbles a word",
             f"    ps = buf_{sc.buf} + {to_tl(sc.offset)} + rn * {to_tl(sc.cols)}",
-            f"    acc = tl.zeros((RBLOCK // {gs}, XBLOCK, {gs // 8}), dtype=tl.float32)"
+            f"    acc = tl.zeros((XBLOCK, RBLOCK // {gs}, {gs // 8}), dtype=tl.float32)"
             f"  # a word's 8 products summed in registers first",
         ]
     else:
         lines.append(f"    acc = tl.zeros((XBLOCK, RBLOCK // {sub}), dtype=tl.float32)  "
                      f"# {_SUB_NOTE}")
-    def x_lines(p: str) -> list[str]:
-        """x (float32) at K positions kk, masked by kmask, indented by `p`."""
-        if pro is None:
-            return [f"{p}x = tl.load(buf_{g.a.buf} + {to_tl(g.a.offset)} + kk * "
-                    f"{to_tl(g.a.cols)}, mask=kmask, other=0.0).to(tl.float32)"]
+    lines += [
+        "    for k0 in range(0, K, RBLOCK):",
+        "        kk = k0 + rk",
+        "        kmask = kk < K",
+    ]
+    if pro is None:
+        lines.append(f"        x = tl.load(buf_{g.a.buf} + {to_tl(g.a.offset)} + kk * "
+                     f"{to_tl(g.a.cols)}, mask=kmask, other=0.0).to(tl.float32)")
+    else:
         prow = pro.row
-        out = []
-        if factored is not None and gs:  # (in the row's shape: once a position, not a row)
-            out += ["        xidx = kr * 0",
-                    *_fused_reduction_lines(gk, counter, "kr", "krmask"),
-                    "        xidx = rkb * 0 + rx"]
-        elif factored is not None:
-            out += _fused_reduction_lines(gk, counter)
-        out.append(f"        # prologue: {prow.name} <- {', '.join(prow.source)} at K positions "
-                   f"kk" + (", without its whole-row factor" if factored is not None else ""))
+        if factored is not None:
+            lines += _fused_reduction_lines(gk, counter)
+        lines.append(f"        # prologue: {prow.name} <- {', '.join(prow.source)} at K positions "
+                     f"kk" + (", without its whole-row factor" if factored is not None else ""))
         names, defs = _unravel_lines("a_", "kk", prow.shape, "i", "        ")
-        out += defs
+        lines += defs
         scope = _Scope(names, "kmask", {} if factored is not None else regs, counter)
         v = text(scope.value(prow.body if factored is None else factored[1]))
-        out += render(scope.lines, "        ")
-        out.append(f"        x = tl.where(kmask, {_rounded(v, prow.dtype)}, 0.0)")
-        return out
-
-    if gs:
-        lines.append("    xidx = rkb * 0 + rx  # the tile's shape, for loads of scalars")
-    lines.append("    for k0 in range(0, K, RBLOCK):")
+        lines += render(scope.lines, "        ")
+        lines.append(f"        x = tl.where(kmask, {_rounded(v, prow.dtype)}, 0.0)")
     rows = to_tl(g.b.rows)
     if gs:
         lines += [
@@ -431,31 +409,14 @@ def _print_quant_gemv(gk: GemmKernel, buffers: dict[str, L.Buffer], name: str) -
             f"        gmask = nmask & (gi < {to_tl(g.k)} // {gs})",
             f"        w = tl.load(pw + k0 // 8 + rw, mask=gmask, other={_NIB8})  "
             f"# {mx.qdtype.name}: 8 nibbles (+ 8) a word",
+            "        v = ((w[:, :, :, None] >> nsh) & nbits).to(tl.float32, bitcast=True) * nmul"
+            f" - {_EIGHT_EPS}",
             f"        s = tl.load(ps + gi * {to_tl(sc.rows)}, mask=gmask, other=0.0)"
             f".to(tl.float32)",
+            "        acc += tl.sum(v * x, 3) * s",
         ]
-        for i in range(8):
-            # nibble i: bits 4i..4i+3 of the word (i < 6) or of the word >> 16 (place i - 4);
-            # as a float32 (bits * 2^-149) times 2^(126 - 4 * place), less 8 * 2^-23:
-            # (nibble - 8) * 2^-23, exact
-            place = i - 4 if i >= 6 else i
-            word = "(w >> 16)" if i >= 6 else "w"
-            lines += [
-                f"        # nibble place {i}: K positions rkb + {4 * i}",
-                f"        kr = k0 + rkb + {4 * i}  # [groups, 1, words]",
-                "        krmask = kr < K",
-                "        kk = kr + rx  # the tile's shape",
-                "        kmask = kk < K",
-            ]
-            lines += x_lines("        ")
-            lines.append(f"        v = ({word} & {15 << (4 * place)}).to(tl.float32, bitcast=True)"
-                         f" * {float(2.0 ** (126 - 4 * place))!r} - {_EIGHT_EPS}")
-            lines.append("        d = v * x" if i == 0 else "        d += v * x")
-        lines.append("        acc += d * s")
-        tot = "tl.sum(tl.sum(acc, 2, keep_dims=True), 0, keep_dims=True) * 8388608.0"  # 2^23
+        tot = "tl.sum(tl.sum(acc, 2, keep_dims=True), 1, keep_dims=True) * 8388608.0"  # 2^23
     else:
-        lines += ["        kk = k0 + rk", "        kmask = kk < K"]
-        lines += x_lines("        ")
         kstep = "kk" if sympy.sympify(g.b.rows) == 1 else f"kk * {rows}"
         if mx.qdtype.name == "int8":
             conv = ("(q.to(tl.uint8, bitcast=True).to(tl.int32) ^ 0x4B000080).to(tl.float32, "
