@@ -23,8 +23,19 @@ Variants:
   i4_nib      int4 as the template reads it now: 32-bit words of 8 nibbles, each nibble
               masked in place and its bits (a subnormal float) turned into (q - 8) * 2^-23 by
               one FMA, x read as [groups, words, 8], a word's 8 products summed in registers
+  i4_pl       int4 in a place-major packing (`planes_from_pairs`: nibble i of word b of a
+              16-byte chunk is k = 32 * chunk + 4i + b; the template's was branch s11q4's
+              6f244f0, not kept: BENCHMARKS.md, eleventh session),
+              the tile [groups, XBLOCK, words] and the loop unrolled over the 8 nibble
+              places, x of place i loaded in the tile's shape (4 contiguous values a thread):
+              x and the words share one layout, no shared-memory conversion
+  i4_plx      i4_pl with each place's multiplier moved onto x (x * 2^(126 - 4P - 40), the
+              zero point 8 * sum(x) taken off each word's sum): a weight is one LOP3 and one
+              FFMA, but x past 2^42 overflows (not in the template: 1% faster, see
+              BENCHMARKS.md, eleventh session)
 
-    python bench/quant_gemv_variants.py [--quick]
+    python bench/quant_gemv_variants.py [--quick] [--variants i4_nib,i4_pl] [--xblock 8,16]
+        [--bytes 1024,2048] [--warps 4]
     python bench/quant_gemv_variants.py --sass   # no GPU needed: the int4 variants' K loops
         compiled for sm_90, SASS instructions per weight byte each thread issues (an H100
         issues about 128 a clock per SM against about 13 bytes of copy bandwidth: ~10 a byte
@@ -52,6 +63,19 @@ from bench.llm_gpu import copy_gbs  # noqa: E402
 from kiln.gemm.quant_gemv import quantize_int4, quantize_int8  # noqa: E402
 
 G = 128
+
+
+def planes_from_pairs(p: torch.Tensor) -> torch.Tensor:
+    """quant_gemv.py's int4 rows (two values a byte in K order, k even: low nibble) repacked
+    place-major for i4_pl / i4_plx: in each 16 bytes (four little-endian 32-bit words), nibble
+    i of word b holds k = 32 * chunk + 4 * i + b. Same values and bytes, another order."""
+    n = p.shape[0]
+    p16 = p.to(torch.int16)
+    q = torch.stack([p16 & 15, p16 >> 4], dim=2).reshape(n, -1)  # K order
+    q = q.reshape(n, -1, 8, 4).transpose(2, 3).reshape(n, -1)  # position 8b + i: k = 4i + b
+    return (q[:, 0::2] | (q[:, 1::2] << 4)).to(torch.uint8).contiguous()
+
+
 SHAPES = [("qkv", 6144, 4096), ("o", 4096, 4096), ("gate_up", 28672, 4096),
           ("down", 4096, 14336), ("head", 128256, 4096)]
 PER_TOKEN = {"qkv": 32, "o": 32, "gate_up": 32, "down": 32, "head": 1}
@@ -171,6 +195,86 @@ def gemv_i4_nib(x_ptr, p_ptr, s_ptr, out_ptr, N, K: tl.constexpr, GS: tl.constex
     tl.store(out_ptr + rn, tot.to(tl.bfloat16), mask=nmask)
 
 
+@triton.jit
+def gemv_i4_pl(x_ptr, p_ptr, s_ptr, out_ptr, N, K: tl.constexpr, GS: tl.constexpr,
+               XBLOCK: tl.constexpr, RBLOCK: tl.constexpr):
+    # place-major packing (`planes_from_pairs`): in each 16-byte chunk of 32 values,
+    # nibble i of word b is k = 32 * chunk + 4 * i + b, so x's 4 positions of one nibble
+    # place are contiguous and the weight words stay in their 16-byte load layout
+    # the tile is [groups, XBLOCK, words]: Triton's coalescing orders the non-contiguous dims
+    # first to last, so the rows are the slowest: each thread holds several rows' words and
+    # reuses its x values across them
+    NG: tl.constexpr = RBLOCK // GS
+    WG: tl.constexpr = GS // 8
+    rn = tl.program_id(0) * XBLOCK + tl.arange(0, XBLOCK)[None, :, None]
+    nmask = rn < N
+    rg = tl.arange(0, NG)[:, None, None]
+    rj = tl.arange(0, WG)[None, None, :]
+    rw = rg * WG + rj  # the step's words
+    rkb = rg * GS + (rj // 4) * 32 + rj % 4  # place 0's positions
+    pw = p_ptr.to(tl.pointer_type(tl.int32), bitcast=True) + rn * (K // 8)
+    ps = s_ptr + rn * (K // GS)
+    acc = tl.zeros((NG, XBLOCK, WG), dtype=tl.float32)
+    for k0 in range(0, K, RBLOCK):
+        w = tl.load(pw + k0 // 8 + rw, mask=nmask, other=-2004318072)
+        s = tl.load(ps + k0 // GS + rg, mask=nmask, other=0.0)
+        d = tl.zeros((NG, XBLOCK, WG), dtype=tl.float32)
+        for i in tl.static_range(8):
+            x = tl.load(x_ptr + k0 + rkb + 4 * i + rn * 0).to(tl.float32)  # (w's shape: its layout)
+            if i >= 6:  # nibbles 6, 7: places 2, 3 of the word >> 16
+                v = ((w >> 16) & (15 << (4 * i - 16))).to(tl.float32, bitcast=True) * \
+                    (2.0 ** (142 - 4 * i)) - 9.5367431640625e-07
+            else:
+                v = (w & (15 << (4 * i))).to(tl.float32, bitcast=True) * \
+                    (2.0 ** (126 - 4 * i)) - 9.5367431640625e-07
+            d += v * x
+        acc += d * s
+    tot = tl.sum(tl.sum(acc, 2, keep_dims=True), 0, keep_dims=True) * 8388608.0
+    tl.store(out_ptr + rn, tot.to(tl.bfloat16), mask=nmask)
+
+
+@triton.jit
+def gemv_i4_plx(x_ptr, p_ptr, s_ptr, out_ptr, N, K: tl.constexpr, GS: tl.constexpr,
+                XBLOCK: tl.constexpr, RBLOCK: tl.constexpr):
+    # i4_pl with each nibble place's multiplier moved onto x: x'_i = x_i * 2^(126 - 4 P - E)
+    # (E = 40), so a weight is one LOP3 (its bits in place, a subnormal n * 2^(4P - 149)) and
+    # one FFMA (n * x * 2^(-23 - E)); the zero point 8 * sum(x) is taken off each word's sum
+    NG: tl.constexpr = RBLOCK // GS
+    WG: tl.constexpr = GS // 8
+    rn = tl.program_id(0) * XBLOCK + tl.arange(0, XBLOCK)[None, :, None]
+    nmask = rn < N
+    rg = tl.arange(0, NG)[:, None, None]
+    rj = tl.arange(0, WG)[None, None, :]
+    rw = rg * WG + rj  # the step's words
+    rkb = rg * GS + (rj // 4) * 32 + rj % 4  # place 0's positions
+    pw = p_ptr.to(tl.pointer_type(tl.int32), bitcast=True) + rn * (K // 8)
+    ps = s_ptr + rn * (K // GS)
+    acc = tl.zeros((NG, XBLOCK, WG), dtype=tl.float32)
+    for k0 in range(0, K, RBLOCK):
+        w = tl.load(pw + k0 // 8 + rw, mask=nmask, other=0)
+        s = tl.load(ps + k0 // GS + rg, mask=nmask, other=0.0)
+        wh = w >> 16
+        for i in tl.static_range(8):
+            x = tl.load(x_ptr + k0 + rkb + 4 * i + rn * 0).to(tl.float32)
+            if i == 0:
+                xs = x
+            else:
+                xs += x
+            if i >= 6:  # nibbles 6, 7: places 2, 3 of the word >> 16
+                t = (wh & (15 << (4 * i - 16))).to(tl.float32, bitcast=True) * \
+                    (x * (2.0 ** (142 - 4 * i - 40)))
+            else:
+                t = (w & (15 << (4 * i))).to(tl.float32, bitcast=True) * \
+                    (x * (2.0 ** (126 - 4 * i - 40)))
+            if i == 0:
+                d = t
+            else:
+                d += t
+        acc += (d - xs * (8.0 * 2.0 ** -63)) * s
+    tot = tl.sum(tl.sum(acc, 2, keep_dims=True), 0, keep_dims=True) * (2.0 ** 63)
+    tl.store(out_ptr + rn, tot.to(tl.bfloat16), mask=nmask)
+
+
 def graph_us(launches: list, repeat: int = 7) -> float:
     """Per-launch device time of a CUDA graph of `launches` (callables), median of runs."""
     s = torch.cuda.Stream()
@@ -229,8 +333,10 @@ def sass_counts() -> None:
     for vname, fn, extra in (("i4_lane", gemv_i4, {"MODE": 0, "SUB": 16}),
                              ("i4_sub", gemv_i4, {"MODE": 2, "SUB": 16}),
                              ("i4_pair", gemv_i4, {"MODE": 3, "SUB": 16}),
-                             ("i4_nib", gemv_i4_nib, {})):
-        for xb, rb, nw in ((8, 2048, 4), (16, 1024, 4), (8, 1024, 4)):
+                             ("i4_nib", gemv_i4_nib, {}),
+                             ("i4_pl", gemv_i4_pl, {}),
+                             ("i4_plx", gemv_i4_plx, {})):
+        for xb, rb, nw in ((8, 2048, 4), (16, 1024, 4), (8, 1024, 4), (32, 1024, 4)):
             consts = {"K": 4096, "GS": G, "XBLOCK": xb, "RBLOCK": rb, **extra}
             sig = {**ptrs, **{c: "constexpr" for c in consts}}
             src = ASTSource(fn=fn, signature=sig, constexprs=consts,
@@ -256,6 +362,10 @@ def main() -> None:
     ap.add_argument("--sass", action="store_true",
                     help="no GPU: the int4 loops' SASS instructions per weight byte")
     ap.add_argument("--shapes", default=",".join(s[0] for s in SHAPES))
+    ap.add_argument("--variants", default="", help="comma-separated variant names (all)")
+    ap.add_argument("--xblock", default="", help="comma-separated XBLOCKs (the sweep's)")
+    ap.add_argument("--warps", default="", help="comma-separated num_warps (the sweep's)")
+    ap.add_argument("--bytes", default="", help="comma-separated weight bytes a row and step")
     a = ap.parse_args()
     if a.sass:
         sass_counts()
@@ -266,6 +376,12 @@ def main() -> None:
     xb = [4, 8] if a.quick else [2, 4, 8, 16]
     bytes_step = [1024] if a.quick else [512, 1024, 2048]
     warps = [4] if a.quick else [4, 8]
+    if a.xblock:
+        xb = [int(v) for v in a.xblock.split(",")]
+    if a.warps:
+        warps = [int(v) for v in a.warps.split(",")]
+    if a.bytes:
+        bytes_step = [int(v) for v in a.bytes.split(",")]
     best: dict[tuple[str, str], tuple[float, tuple]] = {}
     for name, n, k in [s for s in SHAPES if s[0] in a.shapes.split(",")]:
         w = torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * 0.02
@@ -276,6 +392,8 @@ def main() -> None:
             "bf16": ([w], w.numel() * 2),
             "i8": ([q8["q"].cuda(), q8["s"].cuda()], n * k + 4 * n),
             "i4": ([q4["q"].cuda(), q4["s"].cuda()], n * k // 2 + 4 * n * (k // G)),
+            "i4pl": ([planes_from_pairs(q4["q"]).cuda(), q4["s"].cuda()],
+                     n * k // 2 + 4 * n * (k // G)),
         }
         refs = {"bf16": w.double() @ x.double(),
                 "i8": (q8["q"].double() * q8["s"].double()[:, None]).cuda() @ x.double()}
@@ -283,6 +401,7 @@ def main() -> None:
         deq = torch.stack([(p & 15) - 8, (p >> 4) - 8], 2).reshape(n, -1).double()
         refs["i4"] = ((deq.reshape(n, -1, G) * q4["s"].double()[:, :, None]).reshape(n, -1)
                       ).cuda() @ x.double()
+        refs["i4pl"] = refs["i4"]  # (the same values, repacked)
         del p, deq
         variants = {
             "bf16": ("bf16", lambda o, t, c: gemv_bf16[(triton.cdiv(n, c[0]),)](
@@ -298,6 +417,12 @@ def main() -> None:
                 num_warps=c[2]), 0.5)
         variants["i4_nib"] = ("i4", lambda o, t, c: gemv_i4_nib[(triton.cdiv(n, c[0]),)](
             x, t[0], t[1], o, n, k, GS=G, XBLOCK=c[0], RBLOCK=c[1], num_warps=c[2]), 0.5)
+        variants["i4_pl"] = ("i4pl", lambda o, t, c: gemv_i4_pl[(triton.cdiv(n, c[0]),)](
+            x, t[0], t[1], o, n, k, GS=G, XBLOCK=c[0], RBLOCK=c[1], num_warps=c[2]), 0.5)
+        variants["i4_plx"] = ("i4pl", lambda o, t, c: gemv_i4_plx[(triton.cdiv(n, c[0]),)](
+            x, t[0], t[1], o, n, k, GS=G, XBLOCK=c[0], RBLOCK=c[1], num_warps=c[2]), 0.5)
+        if a.variants:
+            variants = {v: f for v, f in variants.items() if v in a.variants.split(",")}
         for vname, (form, fn, itemsize) in variants.items():
             tensors, nbytes = forms[form]
             copies = max(2, math.ceil(400e6 / nbytes))
@@ -305,7 +430,7 @@ def main() -> None:
             out = torch.empty(n, device="cuda", dtype=torch.bfloat16)
             for xblock, bs, nw in itertools.product(xb, bytes_step, warps):
                 rblock = min(int(bs / itemsize), k)
-                if form == "i4" and (rblock < G or k % rblock):  # (no K mask in i4's loop)
+                if form.startswith("i4") and (rblock < G or k % rblock):  # (no K mask in i4's loop)
                     continue
                 cfg = (xblock, rblock, nw)
                 try:
