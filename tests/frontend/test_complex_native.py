@@ -389,3 +389,30 @@ def test_cuda_kernels_compute_on_parts_in_interpreter():
     out = subprocess.run([sys.executable, "-c", _CUDA_INTERP, str(pathlib.Path(__file__).parent)],
                          env=env, capture_output=True, text=True, timeout=600)
     assert out.returncode == 0 and "ALL OK" in out.stdout, out.stdout + out.stderr[-3000:]
+
+
+def gpu_program(xq, ang, a, b, r):
+    """cuda_program plus what needs libdevice on a real GPU (hypot, atan2, log, sqrt)."""
+    out = cuda_program(xq, ang, a, b, r)
+    out.update(abs=a.abs(), angle=torch.angle(b), log=torch.log(a), sqrt=torch.sqrt(b),
+               sgn=torch.sgn(a))
+    return out
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_cuda_package_computes_complex_on_the_gpu(tmp_path):
+    from torch.utils import _pytree as pytree
+
+    args = [x.cuda() for x in cuda_args(0)]
+    cm = kiln.compile(torch.export.export(Fn(gpu_program), tuple(args)), device="cuda")
+    assert cm.manifest["requires"]["aten_fallback_ops"] == []
+    runner = cm.load(tmp_path / "c.kiln", device="cuda:0")
+    for seed in (1, 2):
+        args = [x.cuda() for x in cuda_args(seed)]
+        got = pytree.tree_leaves(runner(*args))
+        want = pytree.tree_leaves(gpu_program(*[x.double() if not x.is_complex() else
+                                                x.to(torch.complex128) for x in args]))
+        for g, w in zip(got, want, strict=True):
+            torch.testing.assert_close(g.reshape(w.shape).cpu().to(w.dtype), w.cpu(),
+                                       rtol=1e-5, atol=1e-5)
