@@ -125,7 +125,8 @@ def run_model_exe(libkiln_path: pathlib.Path, tmp_path_factory: pytest.TempPathF
 # worker as before); files not listed follow in collection order.
 HEAVY_FIRST = [
     "ops/test_ops_nn.py", "gemm/test_gemm_prepacked.py", "targets/cpu/test_conv_direct.py",
-    "e2e/test_models.py", "ops/test_ops_library.py", "e2e/test_hf_decoders.py",
+    "e2e/test_models.py", "ops/test_ops_library.py", "ops/test_ops_pointwise.py",
+    "e2e/test_hf_decoders.py",
     "frontend/test_control_flow.py", "ops/test_float8_fnuz.py", "memory/test_memory_e2e.py",
     "ops/test_half.py", "gemm/test_gemm_epilogue_cpu.py", "e2e/test_fuzz.py",
     "frontend/test_fallback_scalars.py", "frontend/test_aten_fallback.py",
