@@ -115,3 +115,38 @@ def run_model_exe(libkiln_path: pathlib.Path, tmp_path_factory: pytest.TempPathF
                     str(TESTS.parent / "examples" / "c" / "run_model.c"), f"-L{libdir}",
                     "-lkiln", f"-Wl,-rpath,{libdir}", "-o", str(exe)], check=True)
     return exe
+
+
+# Test files by their cold-cache time in the default suite (a clean-clone run's --durations
+# summed per file), heaviest first. xdist's `load` scheduling hands tests out in collection
+# order, so a heavy file collected last (tests/targets/cuda/ sorts after everything) left one
+# worker compiling alone at the end; run first, its long tests overlap the other worker's many
+# short ones instead. A file's own tests keep their order (module fixtures are built once per
+# worker as before); files not listed follow in collection order.
+HEAVY_FIRST = [
+    "ops/test_ops_nn.py", "gemm/test_gemm_prepacked.py", "targets/cpu/test_conv_direct.py",
+    "e2e/test_models.py", "ops/test_ops_library.py", "ops/test_ops_pointwise.py",
+    "e2e/test_hf_decoders.py",
+    "frontend/test_control_flow.py", "ops/test_float8_fnuz.py", "memory/test_memory_e2e.py",
+    "ops/test_half.py", "gemm/test_gemm_epilogue_cpu.py", "e2e/test_fuzz.py",
+    "frontend/test_fallback_scalars.py", "frontend/test_aten_fallback.py",
+    "targets/cpu/test_attention_cpu.py", "e2e/test_backend.py", "ops/test_ops_spatial.py",
+    "gemm/test_autotune.py", "targets/cpu/test_qgemm.py", "e2e/test_hf_corpus.py",
+    "targets/cuda/test_quant_gemv.py", "targets/cuda/test_gemv.py",
+    "runtime/test_cpu_levels.py", "targets/cpu/test_thread_split.py", "e2e/test_cli.py",
+    "gemm/test_gemm_mixed.py", "runtime/test_concurrency.py", "e2e/test_errors.py",
+    "targets/cuda/test_merge_gemms.py", "ops/test_cuda_sdpa_ops.py",
+]
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    rank = {f: i for i, f in enumerate(HEAVY_FIRST)}
+
+    def key(item: pytest.Item) -> int:
+        try:
+            rel = item.path.relative_to(TESTS).as_posix()
+        except ValueError:
+            return len(rank)
+        return rank.get(rel, len(rank))
+
+    items.sort(key=key)  # stable: the rest keep pytest's order

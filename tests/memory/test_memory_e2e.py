@@ -68,12 +68,13 @@ def _check(model, args, compiled, tol=1e-4):
 
 
 @pytest.fixture(scope="module")
-def opts(tmp_path_factory) -> Options:
+def opts() -> Options:
     # GEMM epilogues unfused: these tests exercise the planner's in-place reuse of kernels
     # (a GEMM's pointwise consumer in place of its output); fused, the GEMM stores in place
-    # itself (tests/gemm/test_gemm_epilogue_cpu.py)
-    return Options(cache_dir=str(tmp_path_factory.mktemp("kiln_cache")), verify=True,
-                   cpu_gemm_epilogue=False)
+    # itself (tests/gemm/test_gemm_epilogue_cpu.py). The session's build cache (objects are
+    # keyed by their source and flags): a cache of its own made each worker precompile the
+    # runtime headers again for this file.
+    return Options(verify=True, cpu_gemm_epilogue=False)
 
 
 @pytest.mark.slow  # heavy (cold cache: 15-100 s on 2 cores); make test-slow

@@ -15,7 +15,7 @@ from torch import nn
 
 import kiln
 from kiln.errors import UnsupportedError
-from difftest import Checker, Fn, dim, gen
+from difftest import Cases, Checker, Fn, dim, gen
 
 FNUZ = [torch.float8_e4m3fnuz, torch.float8_e5m2fnuz]
 OTHERS = [torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.float8_e4m3fn,
@@ -61,15 +61,7 @@ def _sweep(dtype) -> torch.Tensor:
     return torch.cat([pos, -pos, torch.tensor([-0.0, -float("nan")])])
 
 
-@pytest.mark.parametrize("dtype", FNUZ, ids=_ids)
-def test_fnuz_conversions_exact(check, dtype):
-    """All 256 bytes -> float32 (bits, NaN payload too) and back; the float32 sweep, its
-    float64 and bfloat16 roundings -> fnuz; fnuz -> and <- every other dtype."""
-    every = torch.arange(256, dtype=torch.int32).to(torch.uint8).view(dtype)
-    wide = _sweep(dtype)
-    finite = every[every.float().abs() < 127]  # no NaN; fits int8
-    ints = torch.arange(-130, 300, dtype=torch.int64)
-
+def conversions_of(dtype):
     def fn(v, x, f, i):
         out = {"up": v.float(), "trip": v.float().to(dtype), "down": x.to(dtype),
                "f64": x.double().to(dtype), "bf16": x.bfloat16().to(dtype),
@@ -83,10 +75,25 @@ def test_fnuz_conversions_exact(check, dtype):
         for other in FNUZ:
             out[f"to_{_ids(other)}"] = v.to(other)
         return out
+    return fn
 
-    _, runner = check.compile(Fn(fn), (every, wide, finite, ints))
-    got = runner(every, wide, finite, ints)
-    want = fn(every, wide, finite, ints)
+
+def test_fnuz_conversions_exact(check):
+    """All 256 bytes -> float32 (bits, NaN payload too) and back; the float32 sweep, its
+    float64 and bfloat16 roundings -> fnuz; fnuz -> and <- every other dtype. Both fnuz types
+    in one difftest.Cases program (one package; outputs "<type>__<output>")."""
+    cases, args, wides = {}, [], {}
+    for dtype in FNUZ:
+        every = torch.arange(256, dtype=torch.int32).to(torch.uint8).view(dtype)
+        wide = wides[_ids(dtype)] = _sweep(dtype)
+        finite = every[every.float().abs() < 127]  # no NaN; fits int8
+        ints = torch.arange(-130, 300, dtype=torch.int64)
+        cases[_ids(dtype)] = (Fn(conversions_of(dtype)), 4)
+        args += [every, wide, finite, ints]
+    program = Cases(cases)
+    _, runner = check.compile(program, args)
+    got = runner(*args)
+    want = program(*args)
     assert set(got) == set(want)
     for k in want:
         if want[k].dtype in (torch.float16, torch.bfloat16):
@@ -96,8 +103,9 @@ def test_fnuz_conversions_exact(check, dtype):
             got[k], want[k] = got[k][~nan], want[k][~nan]
         _bits_equal(got[k], want[k], k)
     # the facts the conversions rest on, stated once against eager itself
-    assert got["down"][wide == 0].view(torch.uint8).eq(0).all()  # -0.0 -> +0
-    assert got["up"][128].view(torch.int32).item() == 0x7F800001
+    for name, wide in wides.items():
+        assert got[f"{name}__down"][wide == 0].view(torch.uint8).eq(0).all()  # -0.0 -> +0
+        assert got[f"{name}__up"][128].view(torch.int32).item() == 0x7F800001
 
 
 def fnuz_program(a, b, idx):
@@ -141,50 +149,89 @@ class FnuzNet(nn.Module):
         return y, (y * 2).to(self.w.dtype), q.float().sum(0), torch.cat([q, self.w[:2]])
 
 
-@pytest.mark.parametrize("dtype", FNUZ, ids=_ids)
-def test_fnuz_weights_inputs_outputs(check, dtype):
-    torch.manual_seed(0)
-    net = FnuzNet(dtype)
-    x, q, s = torch.randn(3, 8), (torch.randn(4, 5) * 8).to(dtype), torch.tensor(0.25)
-    compiled, runner = check.compile(net, (x, q, s), options=kiln.Options(fold_constants=False),
-                                     dynamic_shapes=({0: dim("n", 1, 16)}, None, None))
-    name = _ids(dtype)
+def test_fnuz_weights_inputs_outputs(check):
+    """FnuzNet of each fnuz type (its own weight, input, output and dynamic batch dim), both in
+    one difftest.Cases program (one package; case k's inputs are inputs 3k .. 3k + 2)."""
+    cases, args, shapes, nets = {}, [], [], {}
+    for k, dtype in enumerate(FNUZ):
+        torch.manual_seed(0)
+        net = nets[dtype] = FnuzNet(dtype)
+        x, q, s = torch.randn(3, 8), (torch.randn(4, 5) * 8).to(dtype), torch.tensor(0.25)
+        cases[_ids(dtype)] = (Outputs(net), 3)
+        args += [x, q, s]
+        shapes += [{0: dim(f"n{k}", 1, 16)}, None, None]
+    program = Cases(cases)
+    compiled, runner = check.compile(program, args, options=kiln.Options(fold_constants=False),
+                                     dynamic_shapes=(tuple(shapes),))  # forward(*args)
     weights = {w["fqn"]: w["dtype"] for w in compiled.manifest["weights"]}
-    assert weights["w"] == name, weights
-    assert name in str(compiled.manifest["inputs"]), compiled.manifest["inputs"]
-    for xx in (x, torch.randn(11, 8)):
-        got, want = runner(xx, q, s), net(xx, q, s)
-        torch.testing.assert_close(got[0], want[0], rtol=1e-5, atol=1e-5)
-        _bits_equal(got[1], want[1])
-        torch.testing.assert_close(got[2], want[2])
-        _bits_equal(got[3], want[3])
+    for k, dtype in enumerate(FNUZ):
+        name = _ids(dtype)
+        assert weights[f"mods.{name}.inner.w"] == name, weights
+        assert name in str(compiled.manifest["inputs"][3 * k + 1]), compiled.manifest["inputs"]
+    x2 = [torch.randn(11, 8) for _ in FNUZ]
+    for xs in ([args[0], args[3]], x2):
+        run = [xs[0], *args[1:3], xs[1], *args[4:6]]
+        got = runner(*run)
+        for k, dtype in enumerate(FNUZ):
+            name = _ids(dtype)
+            want = nets[dtype](*run[3 * k:3 * k + 3])
+            torch.testing.assert_close(got[f"{name}__o0"], want[0], rtol=1e-5, atol=1e-5)
+            _bits_equal(got[f"{name}__o1"], want[1], name)
+            torch.testing.assert_close(got[f"{name}__o2"], want[2])
+            _bits_equal(got[f"{name}__o3"], want[3], name)
     # the other fn / fnuz type of the same width is refused, naming both
-    other = {torch.float8_e4m3fnuz: torch.float8_e4m3fn,
-             torch.float8_e5m2fnuz: torch.float8_e5m2}[dtype]
-    with pytest.raises(Exception, match=f"input 1 .*expected dtype {name}, got {_ids(other)}"):
-        runner(x, q.to(other), s)
+    for k, dtype in enumerate(FNUZ):
+        name = _ids(dtype)
+        other = {torch.float8_e4m3fnuz: torch.float8_e4m3fn,
+                 torch.float8_e5m2fnuz: torch.float8_e5m2}[dtype]
+        bad = list(args)
+        bad[3 * k + 1] = args[3 * k + 1].to(other)
+        with pytest.raises(Exception,
+                           match=f"input {3 * k + 1} .*expected dtype {name}, got {_ids(other)}"):
+            runner(*bad)
 
 
-@pytest.mark.parametrize("dtype", FNUZ, ids=_ids)
-def test_fnuz_constants_and_folded_weight(check, dtype):
+class Outputs(nn.Module):
+    """`inner`'s tuple of outputs as a dict "o0", "o1", ... (a difftest.Cases case)."""
+
+    def __init__(self, inner: nn.Module) -> None:
+        super().__init__()
+        self.inner = inner
+
+    def forward(self, *args):
+        return {f"o{k}": v for k, v in enumerate(self.inner(*args))}
+
+
+def test_fnuz_constants_and_folded_weight(check):
     """fnuz literals in the program (-0.0 -> +0, a rounded 0.3) and a fnuz weight whose
-    dequantisation constant folding computes at compile time."""
-    def consts(x):
-        return (torch.full((3,), -0.0, dtype=dtype), torch.full((2,), 0.3, dtype=dtype),
-                (x + torch.ones(3, dtype=dtype).float()).to(dtype))
+    dequantisation constant folding computes at compile time; both fnuz types' literals and
+    nets in one difftest.Cases program (one package)."""
+    def consts_of(dtype):
+        def consts(x):
+            return (torch.full((3,), -0.0, dtype=dtype), torch.full((2,), 0.3, dtype=dtype),
+                    (x + torch.ones(3, dtype=dtype).float()).to(dtype))
+        return consts
 
-    _, runner = check.compile(Fn(consts), (torch.randn(3),))
-    x = torch.randn(3) * 100
-    for k, (g, w) in enumerate(zip(runner(x), consts(x))):
-        _bits_equal(g, w, f"output {k}")
-    torch.manual_seed(1)
-    net = FnuzNet(dtype)
-    x, q, s = torch.randn(3, 8), (torch.randn(4, 5) * 8).to(dtype), torch.tensor(0.25)
-    _, runner = check.compile(net, (x, q, s))
-    got, want = runner(x, q, s), net(x, q, s)
-    torch.testing.assert_close(got[0], want[0], rtol=1e-5, atol=1e-5)
-    _bits_equal(got[1], want[1])
-    _bits_equal(got[3], want[3])
+    cases, example, args = {}, [], []
+    for dtype in FNUZ:
+        cases[f"consts_{_ids(dtype)}"] = (Outputs(Fn(consts_of(dtype))), 1)
+        example.append(torch.randn(3))
+        args.append(torch.randn(3) * 100)
+        torch.manual_seed(1)
+        net = FnuzNet(dtype)
+        x, q, s = torch.randn(3, 8), (torch.randn(4, 5) * 8).to(dtype), torch.tensor(0.25)
+        cases[f"net_{_ids(dtype)}"] = (Outputs(net), 3)
+        example += [x, q, s]
+        args += [x, q, s]
+    program = Cases(cases)
+    _, runner = check.compile(program, example)
+    got, want = runner(*args), program(*args)
+    assert set(got) == set(want) and len(want) == 2 * (3 + 4), sorted(got)
+    for k in want:
+        if k.endswith(("__o0", "__o2")) and k.startswith("net_"):  # float32 results
+            torch.testing.assert_close(got[k], want[k], rtol=1e-5, atol=1e-5, msg=k)
+        else:
+            _bits_equal(got[k], want[k], k)
 
 
 def test_fnuz_other_overflow_rule_is_refused(monkeypatch):

@@ -10,7 +10,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from difftest import Checker, Fn, Layout, compare, gen, rand
+from difftest import Cases, Checker, Fn, Layout, case_name, compare, gen, rand
 from kiln.errors import KilnError
 from kiln.frontend.export import import_program
 from kiln.ir import loop as L
@@ -33,7 +33,20 @@ def slow(*values):
 
 
 def _ids(v) -> str:
+    if isinstance(v, tuple):
+        return "-".join(map(_ids, v))
     return str(v).replace(" ", "").removeprefix("torch.")
+
+
+def check_cases(check: Checker, cases: dict) -> None:
+    """`cases`: name -> (module, [its args at run 0, at run 1, ...]), the same number of runs
+    each; all checked as one difftest.Cases program (one package, each case its own static
+    shapes, kernels and per-dtype tolerance; outputs named "<name>__<output>")."""
+    runs = {len(r) for _, r in cases.values()}
+    assert len(runs) == 1, runs
+    mods = {case_name(k): (m, len(r[0])) for k, (m, r) in cases.items()}
+    args = [[a for _, r in cases.values() for a in r[j]] for j in range(runs.pop())]
+    check(Cases(mods), args[0], more=args[1:])
 
 
 def distinct(shape, dtype, key) -> torch.Tensor:
@@ -77,10 +90,12 @@ def sorting(x):
     }
 
 
-@pytest.mark.parametrize("dtype", [F32, I64, *slow(F64, I32)], ids=_ids)
-def test_sorting(check, dtype):
-    check(Fn(sorting), (distinct((4, 5, 6), dtype, "sorting"),),
-          more=[(distinct((4, 5, 6), dtype, "sorting2"),)])
+@pytest.mark.parametrize("dtypes", [(F32, I64), *slow((F64, I32))], ids=_ids)
+def test_sorting(check, dtypes):
+    """`sorting` at each of `dtypes`, in one program (check_cases)."""
+    check_cases(check, {_ids(dt): (Fn(sorting), [(distinct((4, 5, 6), dt, "sorting"),),
+                                                 (distinct((4, 5, 6), dt, "sorting2"),)])
+                        for dt in dtypes})
 
 
 def stable(x):
@@ -89,9 +104,11 @@ def stable(x):
             "last_desc": tuple(torch.sort(x, dim=-1, descending=True, stable=True))}
 
 
-@pytest.mark.parametrize("dtype", [F32, BOOL, *slow(I64)], ids=_ids)
-def test_stable_sort_keeps_tie_order(check, dtype):
-    check(Fn(stable), (ties((6, 40), dtype, "stable"),), more=[(ties((6, 40), dtype, "st2"),)])
+@pytest.mark.parametrize("dtypes", [(F32, BOOL), *slow((I64,))], ids=_ids)
+def test_stable_sort_keeps_tie_order(check, dtypes):
+    check_cases(check, {_ids(dt): (Fn(stable), [(ties((6, 40), dt, "stable"),),
+                                                (ties((6, 40), dt, "st2"),)])
+                        for dt in dtypes})
 
 
 def test_sort_nan_is_largest(check):
@@ -132,11 +149,14 @@ def scans(x):
     return out
 
 
-@pytest.mark.parametrize("dtype", [F32, I64, *slow(F64, I32)], ids=_ids)
-def test_scans(check, dtype):
-    x = ties((3, 7, 5), dtype, "scan") if not dtype.is_floating_point else \
-        rand((3, 7, 5), dtype, gen("scan"))
-    check(Fn(scans), (x,), more=[(x.flip(0),)])
+@pytest.mark.parametrize("dtypes", [(F32, I64), *slow((F64, I32))], ids=_ids)
+def test_scans(check, dtypes):
+    cases = {}
+    for dtype in dtypes:
+        x = ties((3, 7, 5), dtype, "scan") if not dtype.is_floating_point else \
+            rand((3, 7, 5), dtype, gen("scan"))
+        cases[_ids(dtype)] = (Fn(scans), [(x,), (x.flip(0),)])
+    check_cases(check, cases)
 
 
 def test_scan_dtype_promotion(check):
@@ -149,11 +169,14 @@ def test_scans_nan_and_zero_size(check):
     x = rand((4, 8), F32, gen("scan-nan"))
     x[1, 3] = float("nan")
     x[2, 0] = float("-inf")
-    check(Fn(lambda x: {"cummax": tuple(torch.cummax(x, 1)), "cummin": tuple(torch.cummin(x, 1)),
-                        "lse": torch.logcumsumexp(x, 1), "cumsum": torch.cumsum(x, 1)}), (x,))
     z = torch.zeros(0, 5)
-    check(Fn(lambda z: {"cumsum": torch.cumsum(z, 0), "sort": tuple(torch.sort(z, 1)),
-                        "cummax": tuple(torch.cummax(z, 0))}), (z,))
+    check_cases(check, {  # one program
+        "nan": (Fn(lambda x: {"cummax": tuple(torch.cummax(x, 1)),
+                              "cummin": tuple(torch.cummin(x, 1)),
+                              "lse": torch.logcumsumexp(x, 1), "cumsum": torch.cumsum(x, 1)}),
+                [(x,)]),
+        "zero_size": (Fn(lambda z: {"cumsum": torch.cumsum(z, 0), "sort": tuple(torch.sort(z, 1)),
+                                    "cummax": tuple(torch.cummax(z, 0))}), [(z,)])})
 
 
 # -- scatters ----------------------------------------------------------------------------------
@@ -170,15 +193,15 @@ def scatters(x, i0, i1, src):
     return out
 
 
-@pytest.mark.parametrize("dtype", [F32, I64, *slow(F64, I32)], ids=_ids)
-def test_scatters(check, dtype):
-    def args(key):
+@pytest.mark.parametrize("dtypes", [(F32, I64), *slow((F64, I32))], ids=_ids)
+def test_scatters(check, dtypes):
+    def args(dtype, key):
         return (ties((5, 6), dtype, ("x", key)) if not dtype.is_floating_point else
                 rand((5, 6), dtype, gen("x", key)),
                 torch.randint(0, 5, (4, 6), generator=gen("i0", key)),
                 torch.randint(0, 6, (5, 3), generator=gen("i1", key)),
                 ties((6, 7), dtype, ("s", key)) + (0.25 if dtype.is_floating_point else 0))
-    check(Fn(scatters), args(0), more=[args(1)])
+    check_cases(check, {_ids(dt): (Fn(scatters), [args(dt, 0), args(dt, 1)]) for dt in dtypes})
 
 
 def puts(x, i, j, v):
@@ -199,9 +222,9 @@ def puts(x, i, j, v):
     }
 
 
-@pytest.mark.parametrize("dtype", [F32, I64, *slow(F64)], ids=_ids)
-def test_index_put(check, dtype):
-    def args(key):
+@pytest.mark.parametrize("dtypes", [(F32, I64), *slow((F64,))], ids=_ids)
+def test_index_put(check, dtypes):
+    def args(dtype, key):
         x = rand((5, 6, 7), dtype, gen("x", key)) if dtype.is_floating_point else \
             ties((5, 6, 7), dtype, ("x", key))
         i = torch.tensor([1, -2, 1, 4]) if key == 0 else torch.randint(-5, 5, (4,),
@@ -210,7 +233,7 @@ def test_index_put(check, dtype):
         v = rand((4, 6, 7), dtype, gen("v", key)) if dtype.is_floating_point else \
             ties((4, 6, 7), dtype, ("v", key))
         return x, i, j, v
-    check(Fn(puts), args(0), more=[args(1)])
+    check_cases(check, {_ids(dt): (Fn(puts), [args(dt, 0), args(dt, 1)]) for dt in dtypes})
 
 
 def test_masked_scatter(check):
@@ -234,14 +257,17 @@ def bags(w, ids, offsets, psw):
     return out
 
 
-@pytest.mark.parametrize(("dtype", "idt"), [(F32, I64), (F64, I32)], ids=_ids)
-def test_embedding_bag(check, dtype, idt):
-    w = rand((10, 6), dtype, gen("bag-w", dtype))
-    ids = torch.tensor([3, 1, 3, 9, 0, 3, 5, 5, 2, 7], dtype=idt)
-    offs = torch.tensor([0, 2, 2, 7], dtype=idt)  # bag 1 is empty
-    psw = rand((10,), dtype, gen("bag-p"))
-    check(Fn(bags), (w, ids, offs, psw),
-          more=[(w, ids.flip(0), torch.tensor([0, 0, 5, 10], dtype=idt), psw)])
+def test_embedding_bag(check):
+    """`bags` at (float32 table, int64 ids) and (float64, int32), in one program."""
+    cases = {}
+    for dtype, idt in [(F32, I64), (F64, I32)]:
+        w = rand((10, 6), dtype, gen("bag-w", dtype))
+        ids = torch.tensor([3, 1, 3, 9, 0, 3, 5, 5, 2, 7], dtype=idt)
+        offs = torch.tensor([0, 2, 2, 7], dtype=idt)  # bag 1 is empty
+        psw = rand((10,), dtype, gen("bag-p"))
+        cases[_ids((dtype, idt))] = (Fn(bags), [
+            (w, ids, offs, psw), (w, ids.flip(0), torch.tensor([0, 0, 5, 10], dtype=idt), psw)])
+    check_cases(check, cases)
 
 
 def test_embedding_bag_module(check):

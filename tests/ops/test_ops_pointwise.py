@@ -8,7 +8,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from difftest import SHAPES, STRIDED, Checker, Fn, Layout, dim, gen, layout_shape, rand
+from difftest import (SHAPES, STRIDED, Cases, Checker, Fn, Layout, case_name, dim, gen,
+                      layout_shape, rand)
 
 F32, F64, I64, I32, BOOL = torch.float32, torch.float64, torch.int64, torch.int32, torch.bool
 
@@ -19,7 +20,18 @@ def check(tmp_path_factory) -> Checker:
 
 
 def _ids(v) -> str:
+    if isinstance(v, tuple) and not all(isinstance(d, int) for d in v):
+        return "-".join(map(_ids, v))
     return str(v).replace(" ", "").removeprefix("torch.")
+
+
+def check_cases(check: Checker, cases: dict, **kw) -> None:
+    """`cases`: name -> (module, args); all checked as one difftest.Cases program (one package,
+    each case its own static shapes, kernels and per-dtype tolerance; outputs named
+    "<name>__<output>"); `kw` as for Checker.__call__."""
+    mods = {case_name(k): (m, len(a)) for k, (m, a) in cases.items()}
+    assert len(mods) == len(cases), list(cases)
+    check(Cases(mods), [x for _, a in cases.values() for x in a], **kw)
 
 
 # -- unary -------------------------------------------------------------------------------------
@@ -47,10 +59,10 @@ UNARY_CASES = ([(s, "contig", F32) for s in SHAPES] + [(s, k, F32) for s, k in S
                + [((7, 13), "contig", F64), ((130, 97), "t", F64)])
 
 
-@pytest.mark.parametrize(("shape", "layout", "dtype"), UNARY_CASES, ids=_ids)
-def test_unary(check, shape, layout, dtype):
-    x = rand(layout_shape(shape, layout), dtype, gen("unary", shape, layout, dtype))
-    check(Layout(Fn(unary), layout), (x,))
+def test_unary(check):
+    """`unary` at each (shape, layout, dtype) of UNARY_CASES, in one program (check_cases)."""
+    check_cases(check, {_ids(c): (Layout(Fn(unary), c[1]), (
+        rand(layout_shape(c[0], c[1]), c[2], gen("unary", *c)),)) for c in UNARY_CASES})
 
 
 def test_unary_special_values(check):
@@ -130,10 +142,13 @@ def _nonzero(b):
     return torch.where(b == 0, torch.ones_like(b), b)
 
 
-@pytest.mark.parametrize(("sa", "sb"), BROADCAST, ids=str)
-def test_binary_float32_broadcast(check, sa, sb):
-    g = gen("bin", sa, sb)
-    check(Fn(float_arith), (rand(sa, F32, g), rand(sb, F32, g)))
+def test_binary_float32_broadcast(check):
+    """`float_arith` at each pair of BROADCAST shapes, in one program."""
+    cases = {}
+    for sa, sb in BROADCAST:
+        g = gen("bin", sa, sb)
+        cases[str((sa, sb))] = (Fn(float_arith), (rand(sa, F32, g), rand(sb, F32, g)))
+    check_cases(check, cases)
 
 
 def test_binary_float_division_semantics(check):
@@ -145,23 +160,31 @@ def test_binary_float_division_semantics(check):
     check(fn, (a.double(), b.double()), ref="same", tol={"rtol": 0, "atol": 0})
 
 
-@pytest.mark.parametrize(("dtype", "sa", "sb", "layout"), [
+BINARY_DTYPES = [
     (F64, (7, 13), (13,), "contig"), (F64, (6, 11), (11,), "neg"),
     (I64, (7, 13), (7, 13), "contig"), (I64, (4, 7, 13), (7, 1), "contig"),
     (I32, (7, 13), (13,), "contig"), (I32, (1,), (1,), "contig"),
     (torch.int16, (5, 6), (6,), "contig"), (torch.int8, (3, 4), (3, 1), "contig"),
-    (torch.uint8, (3, 4), (4,), "contig")], ids=_ids)
-def test_binary_dtypes(check, dtype, sa, sb, layout):
-    g = gen("bin", dtype, sa, sb)
-    if dtype.is_floating_point:
-        a, b = rand(layout_shape(sa, layout), dtype, g), rand(layout_shape(sb, layout), dtype, g)
-        check(Layout(Fn(float_arith), layout), (a, b))
-        return
-    lo, hi = (0, 12) if dtype == torch.uint8 else (-12, 12)
-    a, b = rand(sa, dtype, g, lo, hi), _nonzero(rand(sb, dtype, g, lo, hi))
-    fn = int_arith if dtype != torch.uint8 else lambda a, b: {**arith(a, b), "floordiv": a // b,
-                                                              "mod": a % b}
-    check(Fn(fn), (a, b))
+    (torch.uint8, (3, 4), (4,), "contig")]
+
+
+def test_binary_dtypes(check):
+    """Each (dtype, shapes, layout) of BINARY_DTYPES, in one program."""
+    cases = {}
+    for dtype, sa, sb, layout in BINARY_DTYPES:
+        g = gen("bin", dtype, sa, sb)
+        name = _ids((dtype, sa, sb, layout))
+        if dtype.is_floating_point:
+            a = rand(layout_shape(sa, layout), dtype, g)
+            b = rand(layout_shape(sb, layout), dtype, g)
+            cases[name] = (Layout(Fn(float_arith), layout), (a, b))
+            continue
+        lo, hi = (0, 12) if dtype == torch.uint8 else (-12, 12)
+        a, b = rand(sa, dtype, g, lo, hi), _nonzero(rand(sb, dtype, g, lo, hi))
+        fn = int_arith if dtype != torch.uint8 else \
+            lambda a, b: {**arith(a, b), "floordiv": a // b, "mod": a % b}
+        cases[name] = (Fn(fn), (a, b))
+    check_cases(check, cases)
 
 
 def test_strided_binary_operands(check):
@@ -208,16 +231,19 @@ def logical_ops(a, b):
             "not_and": torch.logical_not(b).logical_and(a)}
 
 
-@pytest.mark.parametrize("dtype", [F32, F64, I64, I32, BOOL], ids=_ids)
-def test_comparisons_and_logical(check, dtype):
-    g = gen("cmp", dtype)
-    a, b = rand((7, 13), dtype, g, -3, 3), rand((13,), dtype, g, -3, 3)
-    if dtype.is_floating_point:  # round so that ties (a == b) occur
-        a, b = torch.round(a * 2), torch.round(b * 2)
-    fn = (lambda a, b: {**compare_ops(a, b), **logical_ops(a, b)}) if dtype != BOOL else \
-        (lambda a, b: {**logical_ops(a, b), "&": a & b, "|": a | b, "^": a ^ b, "~": ~a,
-                       "eq": a == b, "lt": a < b})
-    check(Fn(fn), (a, b))
+def test_comparisons_and_logical(check):
+    """float32, float64, int64, int32 and bool, in one program."""
+    cases = {}
+    for dtype in (F32, F64, I64, I32, BOOL):
+        g = gen("cmp", dtype)
+        a, b = rand((7, 13), dtype, g, -3, 3), rand((13,), dtype, g, -3, 3)
+        if dtype.is_floating_point:  # round so that ties (a == b) occur
+            a, b = torch.round(a * 2), torch.round(b * 2)
+        fn = (lambda a, b: {**compare_ops(a, b), **logical_ops(a, b)}) if dtype != BOOL else \
+            (lambda a, b: {**logical_ops(a, b), "&": a & b, "|": a | b, "^": a ^ b, "~": ~a,
+                           "eq": a == b, "lt": a < b})
+        cases[_ids(dtype)] = (Fn(fn), (a, b))
+    check_cases(check, cases)
 
 
 def test_where_and_masked_fill(check):
@@ -249,12 +275,15 @@ def casts(x):
                 torch.int8).float()}
 
 
-@pytest.mark.parametrize(("shape", "layout", "dtype"), [
-    ((7, 13), "contig", F32), ((130, 97), "t", F32), ((1,), "contig", F32),
-    ((7, 13), "step", F64)], ids=_ids)
-def test_casts(check, shape, layout, dtype):
-    x = rand(layout_shape(shape, layout), dtype, gen("casts", shape, dtype))
-    check(Layout(Fn(casts), layout), (x,), ref="same")  # casts to integers truncate
+CASTS = [((7, 13), "contig", F32), ((130, 97), "t", F32), ((1,), "contig", F32),
+         ((7, 13), "step", F64)]
+
+
+def test_casts(check):
+    """`casts` at each (shape, layout, dtype) of CASTS, in one program."""
+    check_cases(check, {_ids(c): (Layout(Fn(casts), c[1]), (
+        rand(layout_shape(c[0], c[1]), c[2], gen("casts", c[0], c[2])),)) for c in CASTS},
+        ref="same")  # casts to integers truncate
 
 
 def test_type_promotion(check):
@@ -327,13 +356,19 @@ def more_math(x, y):
     }
 
 
-@pytest.mark.parametrize(("shape", "layout", "dtype"), [
-    ((7, 13), "contig", F32), ((1,), "contig", F32), ((130, 97), "contig", F32),
-    ((6, 11), "neg", F32), ((7, 13), "t", F64), ((3, 1, 5), "contig", F64)], ids=_ids)
-def test_more_math(check, shape, layout, dtype):
-    g = gen("more-math", shape, layout, dtype)
-    x, y = rand(layout_shape(shape, layout), dtype, g), rand(layout_shape(shape, layout), dtype, g)
-    check(Layout(Fn(more_math), layout), (x, y))
+MORE_MATH = [((7, 13), "contig", F32), ((1,), "contig", F32), ((130, 97), "contig", F32),
+             ((6, 11), "neg", F32), ((7, 13), "t", F64), ((3, 1, 5), "contig", F64)]
+
+
+def test_more_math(check):
+    """`more_math` at each (shape, layout, dtype) of MORE_MATH, in one program."""
+    cases = {}
+    for shape, layout, dtype in MORE_MATH:
+        g = gen("more-math", shape, layout, dtype)
+        x = rand(layout_shape(shape, layout), dtype, g)
+        y = rand(layout_shape(shape, layout), dtype, g)
+        cases[_ids((shape, layout, dtype))] = (Layout(Fn(more_math), layout), (x, y))
+    check_cases(check, cases)
 
 
 def test_round_decimals_and_special_values(check):
@@ -349,13 +384,17 @@ def test_round_decimals_and_special_values(check):
         "hypot_inf": torch.hypot(x, x), "i0": torch.i0(x)}), (x,), ref="same")
 
 
-@pytest.mark.parametrize("dtype", [I64, I32], ids=_ids)
-def test_integer_shifts_and_clamp(check, dtype):
+def test_integer_shifts_and_clamp(check):
+    """int64 and int32, in one program."""
+    check_cases(check, {_ids(dt): shifts_case(dt) for dt in (I64, I32)})
+
+
+def shifts_case(dtype):
     g = gen("shifts", dtype)
     bits = torch.iinfo(dtype).bits
     x = rand((9, 11), dtype, g, low=-1000, high=1000)
     s = rand((9, 11), dtype, g, low=0, high=bits)
-    check(Fn(lambda x, s: {
+    return (Fn(lambda x, s: {
         "shl": x << s, "shr": x >> s, "shl_scalar": x << 3, "shr_scalar": x >> 2,
         "bitwise_left_shift": torch.bitwise_left_shift(x, s % 7),
         "signbit": torch.signbit(x), "clamp_t": torch.clamp(x, s - 5, s * 10),

@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from difftest import Checker, Fn, Layout, dim, gen, layout_shape, rand
+from difftest import Cases, Checker, Fn, Layout, case_name, dim, gen, layout_shape, rand
 
 F32, F64, I64, I32, BOOL = torch.float32, torch.float64, torch.int64, torch.int32, torch.bool
 DIMS = [0, 1, 2, -1, (0, 2), (1, 2), (0, 1, 2)]
@@ -64,16 +64,26 @@ CASES = [((4, 6, 10), "contig", F32), ((1, 1, 1), "contig", F32), ((3, 1, 7), "c
          ((4, 6, 10), "perm", F64)]
 
 
-@pytest.mark.parametrize(("shape", "layout", "dtype"), CASES, ids=_ids)
-def test_sum_mean_prod_var(check, shape, layout, dtype):
-    x = rand(layout_shape(shape, layout), dtype, gen("sums", shape, layout, dtype))
-    check(Layout(Fn(sums), layout), (x,))
+def check_cases(check: Checker, fn, key: str, cases) -> None:
+    """`fn` at each (shape, layout, dtype) of `cases` (input seeded by `key` and the case), all
+    in one difftest.Cases program (one package; each case its own static shapes, kernels and
+    per-dtype tolerance; outputs named "<case>__<output>")."""
+    mods, args = {}, []
+    for shape, layout, dtype in cases:
+        mods[case_name(shape, layout, _ids(dtype))] = (Layout(Fn(fn), layout), 1)
+        args.append(rand(layout_shape(shape, layout), dtype, gen(key, shape, layout, dtype)))
+    assert len(mods) == len(cases)
+    check(Cases(mods), args)
 
 
-@pytest.mark.parametrize(("shape", "layout", "dtype"), CASES, ids=_ids)
-def test_extrema_and_arg(check, shape, layout, dtype):
-    x = rand(layout_shape(shape, layout), dtype, gen("extrema", shape, layout, dtype))
-    check(Layout(Fn(extrema), layout), (x,))
+def test_sum_mean_prod_var(check):
+    """`sums` at each case of CASES, in one program."""
+    check_cases(check, sums, "sums", CASES)
+
+
+def test_extrema_and_arg(check):
+    """`extrema` at each case of CASES, in one program."""
+    check_cases(check, extrema, "extrema", CASES)
 
 
 def int_reductions(i):
@@ -89,10 +99,15 @@ def int_reductions(i):
     return out
 
 
-@pytest.mark.parametrize(("shape", "dtype"), [((7, 13), I64), ((7, 13), I32), ((1, 1), I64),
-                                              ((3, 5), torch.int8), ((150, 80), I32)], ids=_ids)
-def test_integer_reductions(check, shape, dtype):
-    check(Fn(int_reductions), (rand(shape, dtype, gen("int-red", shape, dtype)),))
+INT_REDUCTIONS = [((7, 13), I64), ((7, 13), I32), ((1, 1), I64), ((3, 5), torch.int8),
+                  ((150, 80), I32)]
+
+
+def test_integer_reductions(check):
+    """`int_reductions` at each (shape, dtype) of INT_REDUCTIONS, in one program."""
+    check(Cases({case_name(shape, _ids(dtype)): (Fn(int_reductions), 1)
+                 for shape, dtype in INT_REDUCTIONS}),
+          [rand(shape, dtype, gen("int-red", shape, dtype)) for shape, dtype in INT_REDUCTIONS])
 
 
 def test_long_reductions(check):
@@ -137,13 +152,15 @@ def softmaxes(x):
     return out
 
 
-@pytest.mark.parametrize(("shape", "layout", "dtype"), [
-    ((4, 6, 10), "contig", F32), ((1, 1, 1), "contig", F32), ((3, 1, 7), "contig", F32),
-    ((8, 40, 50), "contig", F32), ((4, 6, 10), "t", F32), ((7, 13), "step", F32),
-    ((5, 9), "contig", F64), ((2, 3, 4, 5), "perm", F32)], ids=_ids)
-def test_softmax_every_dim(check, shape, layout, dtype):
-    x = rand(layout_shape(shape, layout), dtype, gen("softmax", shape, layout, dtype))
-    check(Layout(Fn(softmaxes), layout), (x,))
+SOFTMAX_CASES = [((4, 6, 10), "contig", F32), ((1, 1, 1), "contig", F32),
+                 ((3, 1, 7), "contig", F32), ((8, 40, 50), "contig", F32),
+                 ((4, 6, 10), "t", F32), ((7, 13), "step", F32), ((5, 9), "contig", F64),
+                 ((2, 3, 4, 5), "perm", F32)]
+
+
+def test_softmax_every_dim(check):
+    """`softmaxes` at each case of SOFTMAX_CASES, in one program."""
+    check_cases(check, softmaxes, "softmax", SOFTMAX_CASES)
 
 
 def test_softmax_fully_masked_row(check):

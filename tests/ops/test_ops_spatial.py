@@ -11,7 +11,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from difftest import Checker, Fn, Layout, dim, gen, layout_shape, rand
+from difftest import Cases, Checker, Fn, Layout, case_name, dim, gen, layout_shape, rand
 
 F32, F64, I64, I32 = torch.float32, torch.float64, torch.int64, torch.int32
 I = F.interpolate  # noqa: E741
@@ -24,7 +24,24 @@ def check(tmp_path_factory) -> Checker:
 
 
 def _ids(v) -> str:
+    if isinstance(v, tuple):
+        return "-".join(map(_ids, v))
     return str(v).replace(" ", "").removeprefix("torch.")
+
+
+def check_cases(check: Checker, cases: dict) -> None:
+    """`cases`: name -> (module, args); all checked as one difftest.Cases program (one package,
+    each case its own static shapes, kernels and per-dtype tolerance; outputs named
+    "<name>__<output>")."""
+    mods = {case_name(k): (m, len(a)) for k, (m, a) in cases.items()}
+    check(Cases(mods), [x for _, a in cases.values() for x in a])
+
+
+def groups(default, slow):
+    """Parameters: the default suite's cases as one group (one program), the slow ones as
+    another."""
+    return [pytest.param(tuple(default), id="default"),
+            pytest.param(tuple(slow), id="slow", marks=SLOW)]
 
 
 def _inputs(key, dtype, layout="contig", batch=2):
@@ -64,12 +81,12 @@ def pools(x1, x2, x3):
     return out
 
 
-@pytest.mark.parametrize(("dtype", "layout", "batch"), [
-    (F32, "contig", 2), (F32, "contig", 0), (I64, "contig", 2),
-    pytest.param(F64, "contig", 2, marks=SLOW), pytest.param(F32, "t", 1, marks=SLOW)],
-    ids=_ids)
-def test_pooling_nd(check, dtype, layout, batch):
-    check(Layout(Fn(pools), layout), _inputs("pool", dtype, layout, batch))
+@pytest.mark.parametrize("params", groups(
+    [(F32, "contig", 2), (F32, "contig", 0), (I64, "contig", 2)],
+    [(F64, "contig", 2), (F32, "t", 1)]))
+def test_pooling_nd(check, params):
+    """`pools` at each (dtype, layout, batch), in one program (check_cases)."""
+    check_cases(check, {_ids(c): (Layout(Fn(pools), c[1]), _inputs("pool", *c)) for c in params})
 
 
 def test_avg_pool_int(check):
@@ -120,15 +137,18 @@ class Convs(nn.Module):
         return {k: m(xs[len(m.kernel_size)]) for k, m in self.m.items()}
 
 
-@pytest.mark.parametrize(("dtype", "layout", "batch"), [
-    (F32, "contig", 2), (F32, "contig", 0), pytest.param(F64, "contig", 1, marks=SLOW),
-    pytest.param(F32, "t", 2, marks=SLOW)], ids=_ids)
-def test_conv_nd(check, dtype, layout, batch):
-    torch.manual_seed(0)
-    g = gen("conv", dtype, layout, batch)
-    shapes = [(batch, 4, 11), (batch, 4, 7, 8), (batch, 4, 4, 5, 6)]
-    xs = [rand(layout_shape(s, layout), dtype, g) for s in shapes]
-    check(Layout(Convs().to(dtype), layout), xs)
+@pytest.mark.parametrize("params", groups([(F32, "contig", 2), (F32, "contig", 0)],
+                                          [(F64, "contig", 1), (F32, "t", 2)]))
+def test_conv_nd(check, params):
+    """`Convs` at each (dtype, layout, batch), in one program (each case its own weights)."""
+    cases = {}
+    for dtype, layout, batch in params:
+        torch.manual_seed(0)
+        g = gen("conv", dtype, layout, batch)
+        shapes = [(batch, 4, 11), (batch, 4, 7, 8), (batch, 4, 4, 5, 6)]
+        xs = [rand(layout_shape(s, layout), dtype, g) for s in shapes]
+        cases[_ids((dtype, layout, batch))] = (Layout(Convs().to(dtype), layout), xs)
+    check_cases(check, cases)
 
 
 def test_conv_int_unsupported():
@@ -169,12 +189,13 @@ def upsamples(x1, x2, x3):
     return out
 
 
-@pytest.mark.parametrize(("dtype", "layout", "batch"), [
-    (F32, "contig", 2), (F32, "contig", 0), (torch.uint8, "contig", 1),
-    pytest.param(F64, "contig", 2, marks=SLOW), pytest.param(F32, "step", 1, marks=SLOW)],
-    ids=_ids)
-def test_upsample(check, dtype, layout, batch):
-    check(Layout(Fn(upsamples), layout), _inputs("up", dtype, layout, batch))
+@pytest.mark.parametrize("params", groups(
+    [(F32, "contig", 2), (F32, "contig", 0), (torch.uint8, "contig", 1)],
+    [(F64, "contig", 2), (F32, "step", 1)]))
+def test_upsample(check, params):
+    """`upsamples` at each (dtype, layout, batch), in one program."""
+    check_cases(check, {_ids(c): (Layout(Fn(upsamples), c[1]), _inputs("up", *c))
+                        for c in params})
 
 
 def test_upsample_dynamic(check):
@@ -198,26 +219,35 @@ def grid_samples(x, grid):
     return out
 
 
-@pytest.mark.parametrize(("dtype", "shape", "grid_hw"), [
-    (F32, (2, 3, 9, 10), (4, 6)), (F64, (1, 2, 5, 7), (3, 3)), (F32, (2, 1, 1, 4), (2, 5)),
-    (F32, (0, 3, 4, 4), (2, 2))], ids=_ids)
-def test_grid_sample(check, dtype, shape, grid_hw):
-    g = gen("grid", dtype, shape)
-    x = rand(shape, dtype, g)
-    # coordinates beyond [-1, 1] exercise every padding mode
-    grid = (torch.rand(shape[0], *grid_hw, 2, generator=g, dtype=F64) * 3 - 1.5).to(dtype)
-    check(Fn(grid_samples), (x, grid))
+GRID_SAMPLES = [(F32, (2, 3, 9, 10), (4, 6)), (F64, (1, 2, 5, 7), (3, 3)),
+                (F32, (2, 1, 1, 4), (2, 5)), (F32, (0, 3, 4, 4), (2, 2))]
+
+
+def test_grid_sample(check):
+    """`grid_samples` at each (dtype, input shape, grid size) of GRID_SAMPLES, in one
+    program."""
+    cases = {}
+    for dtype, shape, grid_hw in GRID_SAMPLES:
+        g = gen("grid", dtype, shape)
+        x = rand(shape, dtype, g)
+        # coordinates beyond [-1, 1] exercise every padding mode
+        grid = (torch.rand(shape[0], *grid_hw, 2, generator=g, dtype=F64) * 3 - 1.5).to(dtype)
+        cases[_ids((dtype, shape, grid_hw))] = (Fn(grid_samples), (x, grid))
+    check_cases(check, cases)
 
 
 # -- integer matmul ----------------------------------------------------------------------------
-@pytest.mark.parametrize("dtype", [I64, I32], ids=_ids)
-def test_int_matmul(check, dtype):
-    g = gen("imm", dtype)
-    a, b = rand((5, 7), dtype, g, -9, 9), rand((7, 3), dtype, g, -9, 9)
-    bias = rand((3,), dtype, g)
-    x, y = rand((2, 5, 7), dtype, g, -9, 9), rand((2, 7, 3), dtype, g, -9, 9)
-    big = rand((1, 3), dtype, g, 2**20, 2**21)  # wraps around in int32 like eager
-    check(Fn(lambda a, b, bias, x, y, big: {
-        "mm": a @ b, "addmm": torch.addmm(bias, a, b, beta=2, alpha=3), "bmm": torch.bmm(x, y),
-        "transposed": b.t() @ a.t(), "matmul_3d": x @ y, "wrap": big @ big.t() * 4096,
-        "vec": a @ b[:, 0]}), (a, b, bias, x, y, big))
+def test_int_matmul(check):
+    """int64 and int32 matmuls, in one program."""
+    cases = {}
+    for dtype in (I64, I32):
+        g = gen("imm", dtype)
+        a, b = rand((5, 7), dtype, g, -9, 9), rand((7, 3), dtype, g, -9, 9)
+        bias = rand((3,), dtype, g)
+        x, y = rand((2, 5, 7), dtype, g, -9, 9), rand((2, 7, 3), dtype, g, -9, 9)
+        big = rand((1, 3), dtype, g, 2**20, 2**21)  # wraps around in int32 like eager
+        cases[_ids(dtype)] = (Fn(lambda a, b, bias, x, y, big: {
+            "mm": a @ b, "addmm": torch.addmm(bias, a, b, beta=2, alpha=3),
+            "bmm": torch.bmm(x, y), "transposed": b.t() @ a.t(), "matmul_3d": x @ y,
+            "wrap": big @ big.t() * 4096, "vec": a @ b[:, 0]}), (a, b, bias, x, y, big))
+    check_cases(check, cases)
