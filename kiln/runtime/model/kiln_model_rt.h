@@ -377,7 +377,7 @@ inline int gemm_cpp(int64_t nb0, int64_t nb1, int64_t M, int64_t N, int64_t K, c
  * nothing where one K block covers K (the row loop is the same); with several K blocks a
  * group re-reads its panels' B, so rows are cut only while that share of B fits in L2
  * (512 KiB), else a part stays whole (the schedule before). */
-template <class T, int NR, int MR, int KC, class Epi = NoEpilogue>
+template <class T, int NR, int MR, int KC, int Order = 0, class Epi = NoEpilogue>
 inline int gemm_cpp_packed(int64_t nb0, int64_t nb1, int64_t M, int64_t N, int64_t K,
                            const T *A, int64_t as0, int64_t as1, int64_t ar, int64_t ac,
                            const T *Bp, T *C, Epi epi = {}) {
@@ -409,9 +409,16 @@ inline int gemm_cpp_packed(int64_t nb0, int64_t nb1, int64_t M, int64_t N, int64
       T *c = C + bi * M * N;
       const int64_t r0 = bi * M + lo;
       const int64_t p0 = by_rows ? 0 : P * part / parts, p1 = by_rows ? P : P * (part + 1) / parts;
-      packed_block<T, NR, MR, KC>(hi - lo, N, K, a + lo * ar, ar, ac, Bp, p0, p1, c + lo * N, N,
-                                  apack.data(), [&](int64_t i0, int64_t i1, int64_t j0,
-                                                    int64_t j1) { epi(r0 + i0, r0 + i1, j0, j1); });
+      auto rows_epi = [&](int64_t i0, int64_t i1, int64_t j0, int64_t j1) {
+        epi(r0 + i0, r0 + i1, j0, j1);
+      };
+      const bool cols = Order == 2 || (Order == 0 && hi - lo > MR);
+      if (cols)
+        packed_block_cols<T, NR, MR, KC>(hi - lo, N, K, a + lo * ar, ar, ac, Bp, p0, p1,
+                                         c + lo * N, N, apack.data(), rows_epi);
+      else
+        packed_block<T, NR, MR, KC>(hi - lo, N, K, a + lo * ar, ar, ac, Bp, p0, p1, c + lo * N,
+                                    N, apack.data(), rows_epi);
     }
   });
   return 0;
