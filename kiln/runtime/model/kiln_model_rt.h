@@ -412,9 +412,10 @@ inline int gemm_cpp_packed(int64_t nb0, int64_t nb1, int64_t M, int64_t N, int64
       T *c = C + bi * M * N;
       const int64_t r0 = bi * M + lo;
       const int64_t p0 = by_rows ? 0 : P * part / parts, p1 = by_rows ? P : P * (part + 1) / parts;
-      auto rows_epi = [&](int64_t i0, int64_t i1, int64_t j0, int64_t j1) {
-        epi(r0 + i0, r0 + i1, j0, j1);
-      };
+      // not inlined: the fused epilogue's body (e.g. an exact GELU) compiled once per GEMM,
+      // not once per loop order calling it
+      auto rows_epi = [&](int64_t i0, int64_t i1, int64_t j0, int64_t j1)
+                          __attribute__((noinline)) { epi(r0 + i0, r0 + i1, j0, j1); };
       // BLIS order (Order 0) from 4 row tiles up and where packed_block would pack A too
       // (direct_a_ok false: K = 1024, 3072 floats): at 16 rows (one 12-row tile and a 4-row
       // tail) it was 18-29% slower on Zen 4 in one A/B run (the tail's tile spans one panel
