@@ -1,10 +1,11 @@
-"""kr::gemm_cpp_packed's two loop orders (kiln_gemm.h): `packed_block` (row tile outer, for
-one row tile: GEMV and small M) and `packed_block_cols` (BLIS order: per K block a chunk of
-rows packed once, each panel swept by every row tile; MR-row tiles and a 4- or 8-row tail). A C++ program calls both at ragged
-M (chunk boundaries at 96 rows), N (partial panels), K (partial K blocks), a strided A (row
-stride past K), 1 and 2 threads, with an epilogue that must see each element of C exactly
-once and after its last K block; checked against a long double reference. Built for the
-host's best level (AVX-512 where it has it), x86-64-v3 (AVX2) and plain x86-64 (SSE2)."""
+"""kr::gemm_cpp_packed's two loop orders (kiln_gemm.h): `packed_block` (row tile outer: small
+M, and A read in place) and `packed_block_cols` (BLIS order: per K block a chunk of rows
+packed once, each panel swept by every row tile; MR-row tiles and a 4- or 8-row tail). A C++
+program calls both at ragged M (chunk boundaries at 96 rows), N (partial panels), K (partial
+K blocks, 3 K blocks, K = 0), a strided A (row stride past K), 1 and 2 threads, with an
+epilogue that must see each element of C exactly once and after its last K block; checked
+against a long double reference. Built for the host's best level (AVX-512 where it has it),
+x86-64-v3 (AVX2) and plain x86-64 (SSE2)."""
 
 from __future__ import annotations
 
@@ -71,7 +72,8 @@ template <class T, int NR, int MR, int KC>
 static int shapes() {
   int bad = 0;
   const int64_t Ms[] = {1, MR - 2, MR + 1, 2 * MR - 1, 23, 64, 97, 130};
-  const int64_t NKs[][2] = {{NR + 1, 5}, {3 * NR - 3, KC + 17}, {100, 2 * KC}, {2 * NR + 5, 3 * KC + 5}, {NR, 0}};
+  const int64_t NKs[][2] = {{NR + 1, 5}, {3 * NR - 3, KC + 17}, {100, 2 * KC},
+                            {2 * NR + 5, 3 * KC + 5}, {NR, 0}};
   for (int64_t M : Ms) {
     if (M < 1) continue;
     for (auto nk : NKs)
