@@ -14,7 +14,8 @@ is the one home of each complex formula:
 - exp: exp(a) (cos b, sin b), with C99's special values: exp(a + 0i) = exp(a) + 0i
   exactly (eager's vectorised loop gives NaN for exp(inf + 0i)), exp(+-inf + i b) for an
   infinite or NaN b = (+inf, NaN) / (0, 0);
-- log: (log |z|, atan2(b, a)), log |z| without rounding |z| of subnormal parts; abs: hypot (no overflow); angle: atan2; sgn: z / |z|, 0 at 0;
+- log: (log |z|, atan2(b, a)), log |z| without rounding |z| of subnormal parts; abs: hypot
+  (no overflow); angle: atan2; sgn: z / |z|, 0 at 0;
 - sqrt: C99's csqrt (principal root, special values as C99), without overflow, tiny
   parts scaled by a power of two;
 - conj / conj_physical / resolve_conj / resolve_neg, neg, polar, complex, view_as_complex,
