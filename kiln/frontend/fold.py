@@ -23,6 +23,13 @@ def _is_view(target) -> bool:
     return schema is not None and any(r.alias_info is not None for r in schema.returns)
 
 
+def _mutates(target) -> bool:
+    """An in-place op (`add_`, a running-stat update): evaluating it here would change the
+    weight it reads (a program imported as exported still holds them)."""
+    return any(a.alias_info is not None and a.alias_info.is_write
+               for a in target._schema.arguments)
+
+
 def _tensors(x) -> list[torch.Tensor]:
     if isinstance(x, torch.Tensor):
         return [x]
@@ -41,7 +48,7 @@ def _foldable(n, values) -> bool:
     if n.target is not operator.getitem and not isinstance(n.target, torch._ops.OpOverload):
         return False
     if isinstance(n.target, torch._ops.OpOverload) and (
-            torch.Tag.nondeterministic_seeded in n.target.tags):
+            torch.Tag.nondeterministic_seeded in n.target.tags or _mutates(n.target)):
         return False
     deps = n.all_input_nodes
     if not deps or any(d.name not in values for d in deps):

@@ -267,14 +267,14 @@ def test_frontend_gelu_choice_fuses_and_wrapper_passes_operands(tmp_path):
     assert c.to_json()["epilogue"] == c.epilogue
     fused = fuse_gemms(tuple(steps), got, keep)
     cg = [s for s in fused if isinstance(s, CutlassGemm)]
-    assert len(cg) == 1 and cg[0].out == "out0__to_copy"
+    assert len(cg) == 1 and cg[0].out == "out0_to"
     prog = build_program(b.graph, b.loop, fused, b.program.weights, False)
     cpp = print_cuda_wrapper(prog, {}, {}, (90,), "/dev/null", {}, True, got)
     kern, key = c.config.name, c.config.evt
     assert f"{workspace_entry(kern, key)}(256, 32, 64, 1)" in cpp
     call = cpp[cpp.index(f"const int rc = {entry(kern, key)}("):]
     call = call[:call.index(";")]
-    assert "(const void*)(buf_r + 2 * 0)" in call and "(void*)buf_out0__to_copy" in call
+    assert "(const void*)(buf_r + 2 * 0)" in call and "(void*)buf_out0_to" in call
     assert f"ext_{name}, " in call and "buf_addmm" not in call
     assert f"const void* ext_{name}[] = {{(const void*)(buf_p_l_bias + 2 * 0)}};" in cpp
     assert_host_compiles(tmp_path, cpp)
