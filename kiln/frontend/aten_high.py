@@ -53,7 +53,8 @@ def _layer_norm(b, n):
                   has_weight=w is not None, has_bias=bias is not None)
 
 
-@register("aten.dropout.default", "aten.feature_dropout.default")
+# (dropout_ mutates nothing when not training)
+@register("aten.dropout.default", "aten.feature_dropout.default", "aten.dropout_.default")
 def _dropout(b, n):
     p, train = n.args[1], n.args[2]
     if train and p > 0:
@@ -92,14 +93,6 @@ def _diff(b, n):
                     step=1)
         y = b.emit(op, [hi, lo], n if k == order - 1 else None, like=n, shape=shape)
     return y
-
-
-@register("aten.dropout_.default")
-def _dropout_inplace(b, n):
-    p, train = n.args[1], n.args[2]
-    if train and p > 0:
-        raise Fallback("dropout in training mode")
-    return b.alias(n, b.tensor(n.args[0]))  # no mutation when not training
 
 
 @register("aten.pad.default")
