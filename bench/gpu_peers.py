@@ -110,6 +110,10 @@ def worker(a) -> dict:
             cm = kiln.compile(ep, device="cuda")
             runner = cm.load(Path(tempfile.mkdtemp()) / f"{a.one}.kiln", device="cuda:0")
             row["kiln_compile_s"] = time.perf_counter() - t0
+            # where the compile went (the report's stages, the slowest ten), for compiles
+            # that take longer here than in a fresh process
+            stages = sorted(cm.report["stages"].items(), key=lambda kv: -kv[1])[:10]
+            row["kiln_stages"] = {k: round(v, 2) for k, v in stages}
             got = _first(runner(*args)).float()
             row["kiln_err"] = float((got - want).abs().max() / want.abs().max().clamp_min(1e-30))
             _timed(row, "kiln", lambda: runner(*args), a)

@@ -374,7 +374,27 @@ def cubins(state: CudaBuild) -> CudaBuild:
     finally:
         if state.workers is not None:  # their last use: they exit as their stdin closes
             state.workers.close()
+    _check_shared(out)
     return replace(state, cubins=out, times=times, workers=None)
+
+
+#: the most dynamic shared memory one block may use, per architecture (the CUDA programming
+#: guide's table: 227 KiB on sm_90 / sm_100, 163 KiB on sm_80 / sm_87, 99 KiB on sm_86 / sm_89
+#: / sm_120)
+SHARED_PER_BLOCK = {80: 166912, 86: 101376, 87: 166912, 89: 101376, 90: 232448, 100: 232448,
+                    120: 101376}
+
+
+def _check_shared(cubins: Mapping) -> None:
+    """A kernel whose compiled shared memory exceeds what a block of its architecture may use
+    would fail when the model instance is created ("invalid argument"): refused here, named."""
+    for (name, arch), c in cubins.items():
+        limit = SHARED_PER_BLOCK.get(arch)
+        if limit is not None and c.shared > limit:
+            raise UnsupportedError(
+                f"kernel {name} needs {c.shared} bytes of shared memory per block; sm_{arch} "
+                f"allows {limit}: its launch config is too large for this architecture "
+                f"(set Options.cuda_archs to the GPUs the package will run on)")
 
 
 def user_kernel_configs(state: CudaBuild) -> CudaBuild:

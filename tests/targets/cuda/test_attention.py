@@ -72,6 +72,9 @@ VARIANTS = [  # (name, dtype, E, Ev, L, S, causal, mask, scale)
     ("fp16_e16", torch.float16, 16, 16, 9, 9, False, None, None),
     ("bf16_e256", torch.bfloat16, 256, 256, 30, 30, True, None, None),
     ("fp32_e256", torch.float32, 256, 256, 30, 30, False, None, None),
+    # 128 query rows of float32 at head dim 128 with a mask: 3 stages compiled to 237,568 bytes
+    # of shared memory, over sm_90's 232,448 (Qwen2 in float32 failed at load on the H100)
+    ("bool_mask_fp32_e128_l128", torch.float32, 128, 128, 128, 128, False, "bool", None),
 ]
 
 
@@ -158,7 +161,8 @@ def test_attention_triton_source_golden():
     assert_golden(GOLDEN / "triton_attention.py", got)
 
 
-INTERP = [v for v in VARIANTS if v[1] != torch.bfloat16 and v[2] <= 128]  # numpy has no bf16
+# numpy has no bf16; long queries are slow in the interpreter
+INTERP = [v for v in VARIANTS if v[1] != torch.bfloat16 and v[2] <= 128 and v[4] <= 64]
 
 
 @pytest.mark.parametrize("v", INTERP, ids=[v[0] for v in INTERP])
