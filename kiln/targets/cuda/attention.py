@@ -104,6 +104,11 @@ def _shared_estimate(cfg: Config, e_pad: int, ev_pad: int, size: int) -> int:
     return stages * cfg.rblock * (e_pad + ev_pad) * size + cfg.xblock * e_pad * size
 
 
+#: programs that fill an H100's 132 SMs once: fewer query rows per program until a
+#: prefill call has this many (or its blocks are 16 rows)
+FILL_PROGRAMS = 132
+
+
 def _mask_itemsize(call: L.Extern, buffers) -> int:
     """The mask operand's element size (0 without a mask)."""
     return buffers[call.args[3].buf].dtype.itemsize if len(call.args) > 3 else 0
@@ -132,9 +137,11 @@ def choose_attention_config(call: L.Extern, buffers, hints: dict[str, int]) -> C
     for head dims above 128), BLOCK_N 64 (32 for float32 operands with head dims above 64:
     their tiles are twice as large), 4 warps up to head dim 64 and 8 above, 3 pipeline stages
     (2 above head dim 128); both blocks shrink to the run's query / key count (at least 16)
-    when the example is shorter; then, while the shared memory would not fit an sm_90 block,
-    fewer stages (down to 2), a narrower key tile, fewer query rows (float32 at head dim 128
-    with a mask: 2 stages)."""
+    when the example is shorter; BLOCK_M halves (down to 16, at most 4 warps under 64 rows)
+    while the batch x heads x query blocks are fewer than FILL_PROGRAMS (ViT-Base's 12 heads
+    x 197 queries made 24 programs of 128 rows on 132 SMs); then, while the shared memory would
+    not fit an sm_90 block, fewer stages (down to 2), a narrower key tile, fewer query rows
+    (float32 at head dim 128 with a mask: 2 stages)."""
     e, ev = head_dims(call)
     width = max(_pow2(e), _pow2(ev))
     size = _itemsize(call, buffers)
@@ -146,7 +153,11 @@ def choose_attention_config(call: L.Extern, buffers, hints: dict[str, int]) -> C
         return decode_config(call, buffers, hints)
     lq = evaluate(call.args[0].shape[2], hints)
     s = evaluate(call.args[1].shape[2], hints)
-    cfg = Config(min(bm, _pow2(lq)), min(bn, _pow2(s)), warps, stages)
+    bm = min(bm, _pow2(lq))
+    heads = evaluate(call.args[0].shape[0], hints) * evaluate(call.args[0].shape[1], hints)
+    while bm > 16 and heads * -(-lq // bm) < FILL_PROGRAMS:
+        bm //= 2
+    cfg = Config(bm, min(bn, _pow2(s)), min(warps, max(4, bm // 16)), stages)
     while not _fits(call, buffers, cfg):
         if cfg.num_stages > 2:
             cfg = Config(cfg.xblock, cfg.rblock, cfg.num_warps, cfg.num_stages - 1)
@@ -160,7 +171,7 @@ def choose_attention_config(call: L.Extern, buffers, hints: dict[str, int]) -> C
 
 
 def attention_candidates(call: L.Extern, buffers, hints: dict[str, int]) -> list[Config]:
-    """The heuristic config first, then a small space around it: BLOCK_M in {64, 128}, BLOCK_N
+    """The heuristic config first, then a small space around it: BLOCK_M in {16 .. 128}, BLOCK_N
     in {32, 64, 128}, 4 or 8 warps (8 only with at least 128 query rows), 2-4 stages, kept where
     the estimated shared memory fits. The decode path has its own (`decode_candidates`)."""
     if is_decode(call):
@@ -170,7 +181,8 @@ def attention_candidates(call: L.Extern, buffers, hints: dict[str, int]) -> list
     s = evaluate(call.args[1].shape[2], hints)
     out = [base]
     for bm, bn, w, st in ((128, 64, 4, 3), (128, 64, 8, 3), (128, 128, 8, 3), (128, 32, 4, 4),
-                          (64, 64, 4, 3), (64, 32, 4, 2), (128, 64, 8, 4), (64, 64, 8, 2)):
+                          (64, 64, 4, 3), (64, 32, 4, 2), (128, 64, 8, 4), (64, 64, 8, 2),
+                          (32, 64, 4, 3), (32, 32, 4, 2), (16, 64, 4, 3), (16, 32, 4, 2)):
         c = Config(min(bm, _pow2(lq)), min(bn, _pow2(s)), w, st)
         # 8 warps need 16 query rows each: a 64 x 16 float32 tile on 8 warps faulted (illegal
         # address, H200, Triton 3.6: segformer's 4-key attention), and a fault while timing
