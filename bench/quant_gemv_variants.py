@@ -36,6 +36,9 @@ Variants:
 
     python bench/quant_gemv_variants.py [--quick] [--variants i4_nib,i4_pl] [--xblock 8,16]
         [--bytes 1024,2048] [--warps 4]
+    python bench/quant_gemv_variants.py --sass-decode int4 [--configs 8x2048x4,16x2048x8]
+        # no GPU: the same count for kiln's own decode GEMVs (prologues and epilogues
+        included) of a 1-layer decoder at the 8B widths
     python bench/quant_gemv_variants.py --sass   # no GPU needed: the int4 variants' K loops
         compiled for sm_90, SASS instructions per weight byte each thread issues (an H100
         issues about 128 a clock per SM against about 13 bytes of copy bandwidth: ~10 a byte
@@ -356,6 +359,54 @@ def sass_counts() -> None:
             print(f"| {vname} | ({xb}, {rb}, {nw}) | {per_byte:.1f} | {top} |", flush=True)
 
 
+def decode_sass(mode: str, cfgs: list[tuple[int, int, int]]) -> None:
+    """No GPU: kiln's own decode GEMVs (the GEMV template with its prologues and epilogues) of a
+    1-layer decoder at the 8B widths (vocab 256), weights `mode`, compiled for sm_90 at each
+    config of `cfgs`; the K loop's SASS instructions per weight byte a thread streams."""
+    import collections
+    import subprocess
+    import tempfile
+    from dataclasses import replace
+
+    import kiln
+    from kiln.models.hf_decoder import export_step, llama
+    from kiln.options import Options
+    from kiln.targets.cuda.build import triton_kernels
+    from kiln.targets.cuda.kernel import Config
+    from kiln.targets.cuda.wrapper_py import import_triton_module
+    from kiln.toolchain.triton_aot import compile_kernel
+    torch.manual_seed(0)
+    model = llama(layers=1, hidden=4096, heads=32, kv_heads=8, vocab=256, inter=14336)
+    _, ep = export_step(model, 16, dtype=torch.bfloat16)
+    b = kiln.compile(ep, device="cuda", options=Options(
+        cuda_archs=(90,), autotune=False, weight_quant=mode, weight_quant_group=G)).built
+    mod = import_triton_module(b.sources["kernels_triton.py"])
+    bufs = {x.name: x for x in b.loop.buffers}
+    hints = {s.name: s.example for s in b.graph.symbols}
+    nvdisasm = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "nvdisasm"
+    per = {"int4": 0.5, "int8": 1, "none": 2}[mode]
+    print("| kernel | config (XBLOCK, RBLOCK, warps) | loop instructions / weight byte | "
+          "STL | top opcodes |")
+    print("|---|---|---:|---:|---|")
+    for k in triton_kernels(b.steps, bufs, hints):
+        if not k.name.startswith("gemm"):
+            continue
+        for xb, rb, nw in cfgs:
+            ck = compile_kernel(mod, replace(k, config=Config(xb, rb, nw, k.config.num_stages)),
+                                90)
+            with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+                f.write(ck.asm["cubin"])
+                f.flush()
+                sass = subprocess.run([str(nvdisasm), "-c", f.name], capture_output=True,
+                                      text=True, check=True).stdout
+            body = _loop_sass(sass)
+            ops = collections.Counter(re.sub(r"^@!?U?P\w+\s+", "", t).split()[0].split(".")[0]
+                                      for t in body)
+            top = ", ".join(f"{o} {c}" for o, c in ops.most_common(6))
+            print(f"| {k.name} | ({xb}, {rb}, {nw}) | {len(body) / (xb * rb * per / (32 * nw)):.1f}"
+                  f" | {sass.count('STL')} | {top} |", flush=True)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--quick", action="store_true", help="fewer configs (a smoke run)")
@@ -366,9 +417,18 @@ def main() -> None:
     ap.add_argument("--xblock", default="", help="comma-separated XBLOCKs (the sweep's)")
     ap.add_argument("--warps", default="", help="comma-separated num_warps (the sweep's)")
     ap.add_argument("--bytes", default="", help="comma-separated weight bytes a row and step")
+    ap.add_argument("--sass-decode", default="", metavar="MODE",
+                    help="no GPU: SASS a weight byte of kiln's decode GEMVs (int4 / int8 / none)"
+                    " at the --configs")
+    ap.add_argument("--configs", default="8x2048x4,16x2048x8,32x1024x4",
+                    help="XBLOCKxRBLOCKxwarps list for --sass-decode")
     a = ap.parse_args()
     if a.sass:
         sass_counts()
+        return
+    if a.sass_decode:
+        decode_sass(a.sass_decode, [tuple(int(v) for v in c.split("x"))
+                                    for c in a.configs.split(",")])
         return
     torch.manual_seed(0)
     bw = copy_gbs()
