@@ -23,6 +23,9 @@ Variants:
   i4_nib      int4 as the template reads it now: 32-bit words of 8 nibbles, each nibble
               masked in place and its bits (a subnormal float) turned into (q - 8) * 2^-23 by
               one FMA, x read as [groups, words, 8], a word's 8 products summed in registers
+  i4_nibx     i4_nib with each nibble place's multiplier moved onto x (as i4_plx; x past
+              2^41 would overflow): a weight is one LOP3 and one FFMA, each group's
+              8 * sum(x) * scale taken off at the end (twelfth session: SASS only)
   i4_pl       int4 in a place-major packing (`planes_from_pairs`: nibble i of word b of a
               16-byte chunk is k = 32 * chunk + 4i + b; the template's was branch s11q4's
               6f244f0, not kept: BENCHMARKS.md, eleventh session),
@@ -199,6 +202,41 @@ def gemv_i4_nib(x_ptr, p_ptr, s_ptr, out_ptr, N, K: tl.constexpr, GS: tl.constex
 
 
 @triton.jit
+def gemv_i4_nibx(x_ptr, p_ptr, s_ptr, out_ptr, N, K: tl.constexpr, GS: tl.constexpr,
+                 XBLOCK: tl.constexpr, RBLOCK: tl.constexpr):
+    # i4_nib with each nibble place's multiplier moved onto x (as i4_plx, in i4_nib's layout):
+    # x'_i = x_i * 2^(86 - 4 * place), once a program and position; a weight is one LOP3 (its
+    # bits in place: n * 2^(4 * place - 149)) and one FFMA (n * x * 2^-63). The zero point:
+    # 8 * sum(x) over the group, times the group's scale, taken off at the end
+    NG: tl.constexpr = RBLOCK // GS
+    WG: tl.constexpr = GS // 8
+    rn = tl.program_id(0) * XBLOCK + tl.arange(0, XBLOCK)[:, None, None]
+    nmask = rn < N
+    rg = tl.arange(0, NG)[None, :, None]
+    rw = rg * WG + tl.arange(0, WG)[None, None, :]
+    ri = tl.arange(0, 8)[None, None, None, :]
+    nsh = tl.where(ri >= 6, 16, 0)
+    place = ri - nsh // 4
+    nbits = 15 << (4 * place)
+    xmul = ((213 - 4 * place) << 23).to(tl.float32, bitcast=True)  # 2^(86 - 4 * place)
+    pw = p_ptr.to(tl.pointer_type(tl.int32), bitcast=True) + rn * (K // 8)
+    ps = s_ptr + rn * (K // GS)
+    acc = tl.zeros((XBLOCK, NG, WG), dtype=tl.float32)
+    accz = tl.zeros((XBLOCK, NG, 1), dtype=tl.float32)
+    for k0 in range(0, K, RBLOCK):
+        w = tl.load(pw + k0 // 8 + rw, mask=nmask, other=-2004318072)
+        x = tl.load(x_ptr + (k0 // 8 + rw[:, :, :, None]) * 8 + ri).to(tl.float32)
+        xs = tl.sum(tl.sum(x, 3), 2, keep_dims=True)  # [1, NG, 1]: each group's sum of x
+        v = ((w[:, :, :, None] >> nsh) & nbits).to(tl.float32, bitcast=True)
+        s = tl.load(ps + k0 // GS + rg, mask=nmask, other=0.0)
+        acc += tl.sum(v * (x * xmul), 3) * s
+        accz += xs * s
+    tot = tl.sum(tl.sum(acc, 2, keep_dims=True), 1, keep_dims=True) * (2.0 ** 63) - \
+        8.0 * tl.sum(accz, 1, keep_dims=True)
+    tl.store(out_ptr + rn, tot.to(tl.bfloat16), mask=nmask)
+
+
+@triton.jit
 def gemv_i4_pl(x_ptr, p_ptr, s_ptr, out_ptr, N, K: tl.constexpr, GS: tl.constexpr,
                XBLOCK: tl.constexpr, RBLOCK: tl.constexpr):
     # place-major packing (`planes_from_pairs`): in each 16-byte chunk of 32 values,
@@ -337,6 +375,7 @@ def sass_counts() -> None:
                              ("i4_sub", gemv_i4, {"MODE": 2, "SUB": 16}),
                              ("i4_pair", gemv_i4, {"MODE": 3, "SUB": 16}),
                              ("i4_nib", gemv_i4_nib, {}),
+                             ("i4_nibx", gemv_i4_nibx, {}),
                              ("i4_pl", gemv_i4_pl, {}),
                              ("i4_plx", gemv_i4_plx, {})):
         for xb, rb, nw in ((8, 2048, 4), (16, 1024, 4), (8, 1024, 4), (32, 1024, 4)):
@@ -476,6 +515,8 @@ def main() -> None:
                 x, t[0], t[1], o, n, k, GS=G, XBLOCK=c[0], RBLOCK=c[1], MODE=mode, SUB=16,
                 num_warps=c[2]), 0.5)
         variants["i4_nib"] = ("i4", lambda o, t, c: gemv_i4_nib[(triton.cdiv(n, c[0]),)](
+            x, t[0], t[1], o, n, k, GS=G, XBLOCK=c[0], RBLOCK=c[1], num_warps=c[2]), 0.5)
+        variants["i4_nibx"] = ("i4", lambda o, t, c: gemv_i4_nibx[(triton.cdiv(n, c[0]),)](
             x, t[0], t[1], o, n, k, GS=G, XBLOCK=c[0], RBLOCK=c[1], num_warps=c[2]), 0.5)
         variants["i4_pl"] = ("i4pl", lambda o, t, c: gemv_i4_pl[(triton.cdiv(n, c[0]),)](
             x, t[0], t[1], o, n, k, GS=G, XBLOCK=c[0], RBLOCK=c[1], num_warps=c[2]), 0.5)
