@@ -23,6 +23,9 @@ Variants:
   i4_nib      int4 as the template reads it now: 32-bit words of 8 nibbles, each nibble
               masked in place and its bits (a subnormal float) turned into (q - 8) * 2^-23 by
               one FMA, x read as [groups, words, 8], a word's 8 products summed in registers
+  i4_nibx     i4_nib with each nibble place's multiplier moved onto x (as i4_plx; x past
+              2^41 would overflow): a weight is one LOP3 and one FFMA, each group's
+              8 * sum(x) * scale taken off at the end (twelfth session: SASS only)
   i4_pl       int4 in a place-major packing (`planes_from_pairs`: nibble i of word b of a
               16-byte chunk is k = 32 * chunk + 4i + b; the template's was branch s11q4's
               6f244f0, not kept: BENCHMARKS.md, eleventh session),
@@ -36,6 +39,9 @@ Variants:
 
     python bench/quant_gemv_variants.py [--quick] [--variants i4_nib,i4_pl] [--xblock 8,16]
         [--bytes 1024,2048] [--warps 4]
+    python bench/quant_gemv_variants.py --sass-decode int4 [--configs 8x2048x4,16x2048x8]
+        # no GPU: the same count for kiln's own decode GEMVs (prologues and epilogues
+        included) of a 1-layer decoder at the 8B widths
     python bench/quant_gemv_variants.py --sass   # no GPU needed: the int4 variants' K loops
         compiled for sm_90, SASS instructions per weight byte each thread issues (an H100
         issues about 128 a clock per SM against about 13 bytes of copy bandwidth: ~10 a byte
@@ -196,6 +202,41 @@ def gemv_i4_nib(x_ptr, p_ptr, s_ptr, out_ptr, N, K: tl.constexpr, GS: tl.constex
 
 
 @triton.jit
+def gemv_i4_nibx(x_ptr, p_ptr, s_ptr, out_ptr, N, K: tl.constexpr, GS: tl.constexpr,
+                 XBLOCK: tl.constexpr, RBLOCK: tl.constexpr):
+    # i4_nib with each nibble place's multiplier moved onto x (as i4_plx, in i4_nib's layout):
+    # x'_i = x_i * 2^(86 - 4 * place), once a program and position; a weight is one LOP3 (its
+    # bits in place: n * 2^(4 * place - 149)) and one FFMA (n * x * 2^-63). The zero point:
+    # 8 * sum(x) over the group, times the group's scale, taken off at the end
+    NG: tl.constexpr = RBLOCK // GS
+    WG: tl.constexpr = GS // 8
+    rn = tl.program_id(0) * XBLOCK + tl.arange(0, XBLOCK)[:, None, None]
+    nmask = rn < N
+    rg = tl.arange(0, NG)[None, :, None]
+    rw = rg * WG + tl.arange(0, WG)[None, None, :]
+    ri = tl.arange(0, 8)[None, None, None, :]
+    nsh = tl.where(ri >= 6, 16, 0)
+    place = ri - nsh // 4
+    nbits = 15 << (4 * place)
+    xmul = ((213 - 4 * place) << 23).to(tl.float32, bitcast=True)  # 2^(86 - 4 * place)
+    pw = p_ptr.to(tl.pointer_type(tl.int32), bitcast=True) + rn * (K // 8)
+    ps = s_ptr + rn * (K // GS)
+    acc = tl.zeros((XBLOCK, NG, WG), dtype=tl.float32)
+    accz = tl.zeros((XBLOCK, NG, 1), dtype=tl.float32)
+    for k0 in range(0, K, RBLOCK):
+        w = tl.load(pw + k0 // 8 + rw, mask=nmask, other=-2004318072)
+        x = tl.load(x_ptr + (k0 // 8 + rw[:, :, :, None]) * 8 + ri).to(tl.float32)
+        xs = tl.sum(tl.sum(x, 3), 2, keep_dims=True)  # [1, NG, 1]: each group's sum of x
+        v = ((w[:, :, :, None] >> nsh) & nbits).to(tl.float32, bitcast=True)
+        s = tl.load(ps + k0 // GS + rg, mask=nmask, other=0.0)
+        acc += tl.sum(v * (x * xmul), 3) * s
+        accz += xs * s
+    tot = tl.sum(tl.sum(acc, 2, keep_dims=True), 1, keep_dims=True) * (2.0 ** 63) - \
+        8.0 * tl.sum(accz, 1, keep_dims=True)
+    tl.store(out_ptr + rn, tot.to(tl.bfloat16), mask=nmask)
+
+
+@triton.jit
 def gemv_i4_pl(x_ptr, p_ptr, s_ptr, out_ptr, N, K: tl.constexpr, GS: tl.constexpr,
                XBLOCK: tl.constexpr, RBLOCK: tl.constexpr):
     # place-major packing (`planes_from_pairs`): in each 16-byte chunk of 32 values,
@@ -334,6 +375,7 @@ def sass_counts() -> None:
                              ("i4_sub", gemv_i4, {"MODE": 2, "SUB": 16}),
                              ("i4_pair", gemv_i4, {"MODE": 3, "SUB": 16}),
                              ("i4_nib", gemv_i4_nib, {}),
+                             ("i4_nibx", gemv_i4_nibx, {}),
                              ("i4_pl", gemv_i4_pl, {}),
                              ("i4_plx", gemv_i4_plx, {})):
         for xb, rb, nw in ((8, 2048, 4), (16, 1024, 4), (8, 1024, 4), (32, 1024, 4)):
@@ -356,6 +398,54 @@ def sass_counts() -> None:
             print(f"| {vname} | ({xb}, {rb}, {nw}) | {per_byte:.1f} | {top} |", flush=True)
 
 
+def decode_sass(mode: str, cfgs: list[tuple[int, int, int]]) -> None:
+    """No GPU: kiln's own decode GEMVs (the GEMV template with its prologues and epilogues) of a
+    1-layer decoder at the 8B widths (vocab 256), weights `mode`, compiled for sm_90 at each
+    config of `cfgs`; the K loop's SASS instructions per weight byte a thread streams."""
+    import collections
+    import subprocess
+    import tempfile
+    from dataclasses import replace
+
+    import kiln
+    from kiln.models.hf_decoder import export_step, llama
+    from kiln.options import Options
+    from kiln.targets.cuda.build import triton_kernels
+    from kiln.targets.cuda.kernel import Config
+    from kiln.targets.cuda.wrapper_py import import_triton_module
+    from kiln.toolchain.triton_aot import compile_kernel
+    torch.manual_seed(0)
+    model = llama(layers=1, hidden=4096, heads=32, kv_heads=8, vocab=256, inter=14336)
+    _, ep = export_step(model, 16, dtype=torch.bfloat16)
+    b = kiln.compile(ep, device="cuda", options=Options(
+        cuda_archs=(90,), autotune=False, weight_quant=mode, weight_quant_group=G)).built
+    mod = import_triton_module(b.sources["kernels_triton.py"])
+    bufs = {x.name: x for x in b.loop.buffers}
+    hints = {s.name: s.example for s in b.graph.symbols}
+    nvdisasm = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "nvdisasm"
+    per = {"int4": 0.5, "int8": 1, "none": 2}[mode]
+    print("| kernel | config (XBLOCK, RBLOCK, warps) | loop instructions / weight byte | "
+          "STL | top opcodes |")
+    print("|---|---|---:|---:|---|")
+    for k in triton_kernels(b.steps, bufs, hints):
+        if not k.name.startswith("gemm"):
+            continue
+        for xb, rb, nw in cfgs:
+            ck = compile_kernel(mod, replace(k, config=Config(xb, rb, nw, k.config.num_stages)),
+                                90)
+            with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+                f.write(ck.asm["cubin"])
+                f.flush()
+                sass = subprocess.run([str(nvdisasm), "-c", f.name], capture_output=True,
+                                      text=True, check=True).stdout
+            body = _loop_sass(sass)
+            ops = collections.Counter(re.sub(r"^@!?U?P\w+\s+", "", t).split()[0].split(".")[0]
+                                      for t in body)
+            top = ", ".join(f"{o} {c}" for o, c in ops.most_common(6))
+            print(f"| {k.name} | ({xb}, {rb}, {nw}) | {len(body) / (xb * rb * per / (32 * nw)):.1f}"
+                  f" | {sass.count('STL')} | {top} |", flush=True)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--quick", action="store_true", help="fewer configs (a smoke run)")
@@ -366,9 +456,18 @@ def main() -> None:
     ap.add_argument("--xblock", default="", help="comma-separated XBLOCKs (the sweep's)")
     ap.add_argument("--warps", default="", help="comma-separated num_warps (the sweep's)")
     ap.add_argument("--bytes", default="", help="comma-separated weight bytes a row and step")
+    ap.add_argument("--sass-decode", default="", metavar="MODE",
+                    help="no GPU: SASS a weight byte of kiln's decode GEMVs (int4 / int8 / none)"
+                    " at the --configs")
+    ap.add_argument("--configs", default="8x2048x4,16x2048x8,32x1024x4",
+                    help="XBLOCKxRBLOCKxwarps list for --sass-decode")
     a = ap.parse_args()
     if a.sass:
         sass_counts()
+        return
+    if a.sass_decode:
+        decode_sass(a.sass_decode, [tuple(int(v) for v in c.split("x"))
+                                    for c in a.configs.split(",")])
         return
     torch.manual_seed(0)
     bw = copy_gbs()
@@ -416,6 +515,8 @@ def main() -> None:
                 x, t[0], t[1], o, n, k, GS=G, XBLOCK=c[0], RBLOCK=c[1], MODE=mode, SUB=16,
                 num_warps=c[2]), 0.5)
         variants["i4_nib"] = ("i4", lambda o, t, c: gemv_i4_nib[(triton.cdiv(n, c[0]),)](
+            x, t[0], t[1], o, n, k, GS=G, XBLOCK=c[0], RBLOCK=c[1], num_warps=c[2]), 0.5)
+        variants["i4_nibx"] = ("i4", lambda o, t, c: gemv_i4_nibx[(triton.cdiv(n, c[0]),)](
             x, t[0], t[1], o, n, k, GS=G, XBLOCK=c[0], RBLOCK=c[1], num_warps=c[2]), 0.5)
         variants["i4_pl"] = ("i4pl", lambda o, t, c: gemv_i4_pl[(triton.cdiv(n, c[0]),)](
             x, t[0], t[1], o, n, k, GS=G, XBLOCK=c[0], RBLOCK=c[1], num_warps=c[2]), 0.5)
