@@ -246,6 +246,7 @@ class _Compiling:
         self.mods: dict[int, object] = {}
         self.done: dict[tuple[int, int], object] = {}
         self.waited = 0.0  # seconds spent waiting for the workers
+        self.loaded = 0.0  # seconds spent loading compiled candidates here (module, cubin)
 
     def _get(self, key):
         if key not in self.done:
@@ -253,15 +254,18 @@ class _Compiling:
             self.pool.wait(self.task[key])
             self.waited += time.perf_counter() - t0
             j = key[1]
-            if j not in self.mods:
-                self.mods[j] = triton_aot.import_module(self.texts[j], self.cache)
+            t0 = time.perf_counter()
             try:
+                if j not in self.mods:
+                    self.mods[j] = triton_aot.import_module(self.texts[j], self.cache)
                 self.done[key] = triton_aot.compile_kernel(self.mods[j],
                                                            self.todo[key[0]][1][j], self.arch)
             except CompileError:
                 if j == 0:  # the build needs the heuristic config anyway
                     raise
                 self.done[key] = None
+            finally:
+                self.loaded += time.perf_counter() - t0
         return self.done[key]
 
     def __contains__(self, key) -> bool:
@@ -395,7 +399,8 @@ def tune_all(families, buffers, hints: dict[str, int], arch: int, cache: Path,
     Returns ({step name: best config}, {report key: {config text: ms}} of what ran);
     `progress(done, total)`, when given, counts the steps timed; `stats`, when given, gets
     the counts (steps to tune, steps timed, candidates compiled, compile workers, extra
-    kernels compiled) and the seconds spent waiting for compiles ("wait"). `extra`: the
+    kernels compiled), the seconds spent waiting for compiles ("wait") and loading them here
+    ("load": module import, Triton's cache lookup and cubin load). `extra`: the
     TritonKernels of the build that are not tuned (their heuristic configs), compiled by the
     same workers after the candidates, while this process times, into the cubin cache.
     `started`: worker processes already running (triton_aot.Workers), used instead of new
@@ -460,6 +465,7 @@ def tune_all(families, buffers, hints: dict[str, int], arch: int, cache: Path,
     finally:
         if stats is not None and hasattr(compiled, "waited"):
             stats["wait"] = compiled.waited
+            stats["load"] = compiled.loaded
     if progress is not None:
         progress(len(todo), len(todo))
     return best, report
