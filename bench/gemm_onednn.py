@@ -102,7 +102,7 @@ def main() -> None:
     for r in range(args.rounds):
         for lab, *_ in shapes:
             for t in threads:
-                env = {**os.environ, "OMP_NUM_THREADS": str(t)}
+                env = dnnl_gemm.driver_env(t)
                 p = subprocess.run([*pin, str(exes[lab]), str(args.seconds)], env=env,
                                    capture_output=True, text=True, timeout=600)
                 line = next((x for x in p.stdout.splitlines()

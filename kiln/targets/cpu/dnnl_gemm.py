@@ -344,8 +344,10 @@ def choose(steps, gemms: dict, constants: set[str], opts: Options, tc, dev_id: s
         m = measure(tc(), str(found[0]), g, cfg, gemms[g.name], opts, dev_id)
         notes[g.name] = {"shape": geometry(g).describe(), **m}
         if m.get("backend") == "onednn":
+            # the driver's two figures (with the epilogue), beside gemm_autotune's
             timings = {**gemms[g.name].timings,
-                       "onednn": [["onednn_matmul", m["onednn_s"]]]}
+                       "onednn": [("onednn_matmul", m["onednn_s"]),
+                                  ("kiln_choice_with_epilogue", m["kiln_s"])]}
             out[g.name] = _mark(gemms[g.name], cfg, m.get("how", "profiled"), timings)
     return out, notes
 
@@ -387,11 +389,22 @@ def measure(tc, lib: str, g: L.Gemm, cfg: DnnlGemmConfig, kiln: Choice, opts: Op
     return {**result, "how": "profiled"}
 
 
+def driver_env(threads: int | None) -> dict[str, str]:
+    """The driver's environment: OMP_NUM_THREADS for kiln's pool (and so oneDNN's team), and
+    OpenMP's idle spinning bounded as a package's run bounds it (runtime/preload.py: oneDNN's
+    idle threads must not hold the cores kiln's pool needs in the next call)."""
+    env = dict(os.environ)
+    if threads:
+        env["OMP_NUM_THREADS"] = str(threads)
+    if not (env.get("OMP_WAIT_POLICY") or env.get("GOMP_SPINCOUNT")):
+        env["GOMP_SPINCOUNT"] = "1000"  # runtime/src/cpu.h kSpinCount
+    return env
+
+
 def run_driver(exe: Path, opts: Options, seconds: float = SECONDS) -> dict:
     """Runs a timing driver: {"kiln_s", "onednn_s", "impl", "backend"} or {"backend":
     "kiln", "why"}."""
-    env = {**os.environ, **({"OMP_NUM_THREADS": str(opts.num_threads)}
-                            if opts.num_threads else {})}
+    env = driver_env(opts.num_threads)
     try:
         proc = subprocess.run([str(exe), str(seconds)], capture_output=True, text=True,
                               timeout=opts.autotune_timeout_s, env=env)

@@ -1,4 +1,5 @@
-/* kiln_dnnl.h - oneDNN (libdnnl.so.3) as a second backend of the CPU direct convolution.
+/* kiln_dnnl.h - oneDNN (libdnnl.so.3) as a second backend of the CPU direct convolution
+ * (`Conv`) and of the CPU GEMMs with a constant B (`Matmul`, below: kiln/targets/cpu/dnnl_gemm.py).
  *
  * A convolution the autotuner gave to oneDNN (kiln/targets/cpu/dnnl.py) reads and writes the
  * same buffers as kiln_conv.h's conv2d_nchwc: activations in NCHWc ([N, C/B, H, W, B], channels
