@@ -26,8 +26,8 @@ needs_dnnl = pytest.mark.skipif(find_library() is None,
 
 
 class Epilogues(nn.Module):
-    """One GEMM per epilogue kind, on inputs of M 1, 7 and 128 (x1, x7, x128: [M, K]);
-    r*: [M, N] residuals."""
+    """One GEMM per epilogue kind, on inputs of M 1, 7 and 128 (x1, x7, x128: [M, K]; xt:
+    [K, 7], read transposed); r*: [M, N] residuals."""
 
     def __init__(self) -> None:
         super().__init__()
@@ -40,12 +40,12 @@ class Epilogues(nn.Module):
             for p in self.parameters():
                 p.copy_(torch.randn(p.shape, generator=g) * 0.2)
 
-    def forward(self, x1, x7, x128, r1, r7, r128):
+    def forward(self, x1, x7, x128, xt, r1, r7, r128):
         f = self.fcs
         gelu = nn.functional.gelu
         return (torch.relu(f[0](x1)),
                 gelu(f[1](x7)),
-                gelu(f[2](x128), approximate="tanh"),
+                gelu(f[2](xt.t()), approximate="tanh"),           # A strided
                 nn.functional.silu(f[3](x7)),
                 torch.tanh(f[4](x1)) + r1,                     # activation, then residual
                 (f[5](x128) + r128) * self.scale,              # residual, broadcast scale
@@ -60,8 +60,9 @@ class Epilogues(nn.Module):
 def _inputs(seed: int = 1):
     g = torch.Generator().manual_seed(seed)
     xs = [torch.rand((m, K), generator=g) * 4 - 2 for m in MS]
+    xt = torch.rand((K, 7), generator=g) * 4 - 2
     rs = [torch.rand((m, N), generator=g) * 4 - 2 for m in MS]
-    return (*xs, *rs)
+    return (*xs, xt, *rs)
 
 
 @pytest.fixture(scope="module")

@@ -427,8 +427,9 @@ def run_driver(exe: Path, opts: Options, seconds: float = SECONDS) -> dict:
 
 
 def _canonical(g: L.Gemm) -> tuple[L.Gemm, dict[str, str]]:
-    """`g` with its result named C and its epilogue's inputs in0, in1, ... (so that GEMMs of
-    one shape and epilogue share one driver), and the renaming."""
+    """`g` with its result named C, its epilogue's inputs in0, in1, ... and no source ops (so
+    that GEMMs of one shape, epilogue and kiln choice share one driver and its timing: the
+    transformer layers of a model), and the renaming."""
     names = {g.name: "C"}
     for k, (kind, n, _) in enumerate(a for a in epilogue_args(g) if a[0] == "in"):
         names[n] = f"in{k}"
@@ -439,8 +440,9 @@ def _canonical(g: L.Gemm) -> tuple[L.Gemm, dict[str, str]]:
         if isinstance(e, L.Op):
             return replace(e, args=tuple(ren(a) for a in e.args))
         return e
-    epi = None if g.epilogue is None else replace(g.epilogue, name="C", body=ren(g.epilogue.body))
-    return replace(g, name="C", epilogue=epi), names
+    epi = None if g.epilogue is None else replace(g.epilogue, name="C", body=ren(g.epilogue.body),
+                                                  source=())
+    return replace(g, name="C", epilogue=epi, source=()), names
 
 
 def _f(v: float) -> str:
@@ -484,7 +486,6 @@ def driver_source(g: L.Gemm, cfg: DnnlGemmConfig, kcfg, march: str, lib: str) ->
         raise ValueError(f"kiln's choice {kcfg!r} has no driver")
     pack = f"kr::pack_b_panels<float, {nr}>(K, N, B, br, bc, Bp);" if nr else ""
     psize = f"(N + {nr} - 1) / {nr} * {nr} * K + 1" if nr else "1"
-    where = {v: k for k, v in names.items()}
     bias = f"buf_{names[cfg.bias]}" if cfg.bias else "nullptr"
     dins = ", ".join(f"buf_{names[o.input]}" for o in cfg.ops if o.binary) or "nullptr"
     text = (_DRIVER.replace("@LIB@", lib).replace("@EPILOGUE@", "\n".join(epi_code))
@@ -498,8 +499,7 @@ def driver_source(g: L.Gemm, cfg: DnnlGemmConfig, kcfg, march: str, lib: str) ->
             .replace("@OPS@", _op_arrays(cfg)).replace("@NOPS@", str(len(cfg.ops)))
             .replace("@HASBIAS@", "true" if cfg.bias else "false")
             .replace("@BIAS@", bias).replace("@DINS@", dins)
-            .replace("@WHAT@", f"{geo.describe()} {kcfg!r} " + ", ".join(
-                f"{n}={where.get(n, n)}" for n in ins)))
+            .replace("@WHAT@", f"{geo.describe()} {kcfg!r}"))
     return text
 
 
