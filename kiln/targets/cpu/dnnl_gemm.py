@@ -313,6 +313,8 @@ def choose(steps, gemms: dict, constants: set[str], opts: Options, tc, dev_id: s
     if "onednn" not in backends:
         return gemms, {}
     forced = "kiln" not in backends
+    if not forced and not opts.max_autotune:
+        return gemms, {}
     found = find_library()
     if found is None:
         if forced:
@@ -320,8 +322,6 @@ def choose(steps, gemms: dict, constants: set[str], opts: Options, tc, dev_id: s
                 "Options.cpu_gemm_backends=('onednn',) needs oneDNN's libdnnl.so.3, which no "
                 "installed wheel provides: pip install onednn-cpu-gomp (PyPI's `onednn` is a "
                 "SYCL / TBB build whose threads kiln cannot hold to its budget)")
-        return gemms, {}
-    if not forced and not opts.max_autotune:
         return gemms, {}
     notes: dict[str, dict] = {}
     cands = []
