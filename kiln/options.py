@@ -15,10 +15,13 @@ class GemmBackend(StrEnum):
     CPP = "cpp"  # kiln's register-blocked GEMM (CPU)
     TRITON = "triton"  # kiln's Triton GEMM template (CUDA)
     CUTLASS = "cutlass"  # CUTLASS 3.x kernels (CUDA)
+    #: oneDNN's matmul (CPU, constant B): chosen through Options.cpu_gemm_backends, never
+    #: through gemm_backends (kiln/targets/cpu/dnnl_gemm.py)
+    ONEDNN = "onednn"
 
 
 #: Every GEMM backend name `Options.gemm_backends` accepts, and the devices each applies to.
-GEMM_BACKENDS = tuple(b.value for b in GemmBackend)
+GEMM_BACKENDS = tuple(b.value for b in GemmBackend if b is not GemmBackend.ONEDNN)
 BACKEND_DEVICES = {GemmBackend.BLAS: ("cpu", "cuda"), GemmBackend.CPP: ("cpu",),
                    GemmBackend.TRITON: ("cuda",), GemmBackend.CUTLASS: ("cuda",)}
 
@@ -26,6 +29,8 @@ BACKEND_DEVICES = {GemmBackend.BLAS: ("cpu", "cuda"), GemmBackend.CPP: ("cpu",),
 CPU_CONV = ("direct", "im2col")
 #: Options.cpu_conv_backends values
 CPU_CONV_BACKENDS = ("direct", "onednn")
+#: Options.cpu_gemm_backends values
+CPU_GEMM_BACKENDS = ("kiln", "onednn")
 #: Options.cuda_conv values
 CUDA_CONV = ("implicit", "im2col")
 #: Options.weight_quant / weight_quant_kernel values
@@ -190,6 +195,16 @@ class Options:
     #: needs oneDNN. ("onednn",) alone: every direct convolution on oneDNN.
     cpu_conv_backends: tuple[str, ...] = ("direct", "onednn")
 
+    #: CPU builds: who may run a float32 GEMM whose B is a constant weight (a Linear layer),
+    #: as cpu_conv_backends for convolutions. "kiln": the backend gemm_backends and max_autotune
+    #: choose (kiln's "cpp" GEMM or OpenBLAS); "onednn": oneDNN's matmul, the weight reordered
+    #: to its layout once when the package is loaded, the fused epilogue as post-ops
+    #: (kiln/targets/cpu/dnnl_gemm.py). Both (the default): oneDNN is a candidate only with
+    #: max_autotune and oneDNN installed at compile time, each GEMM shape timed against kiln's
+    #: choice and the faster kept; otherwise kiln's own, and the package never needs oneDNN.
+    #: ("onednn",) alone: every such GEMM whose epilogue oneDNN can express on oneDNN.
+    cpu_gemm_backends: tuple[str, ...] = ("kiln", "onednn")
+
     #: CPU builds: a pointwise consumer of a GEMM's result (bias, activation, residual add,
     #: scale) reading it only at the element it stores, of the GEMM's dtype, runs inside the
     #: GEMM on each part of the result once final, and the result buffer disappears
@@ -236,6 +251,8 @@ class Options:
             object.__setattr__(self, "cpu_levels", tuple(self.cpu_levels))
         if isinstance(self.cpu_conv_backends, list):
             object.__setattr__(self, "cpu_conv_backends", tuple(self.cpu_conv_backends))
+        if isinstance(self.cpu_gemm_backends, list):
+            object.__setattr__(self, "cpu_gemm_backends", tuple(self.cpu_gemm_backends))
         if self.march == "portable":
             lv = self.cpu_levels
             if not isinstance(lv, tuple) or not lv or len(set(lv)) != len(lv) or any(
@@ -267,6 +284,10 @@ class Options:
         if not cb or not isinstance(cb, tuple) or any(b not in CPU_CONV_BACKENDS for b in cb):
             raise ValueError(f"Options.cpu_conv_backends: expected a non-empty tuple of "
                              f"{CPU_CONV_BACKENDS}, got {cb!r}")
+        gb = self.cpu_gemm_backends
+        if not gb or not isinstance(gb, tuple) or any(b not in CPU_GEMM_BACKENDS for b in gb):
+            raise ValueError(f"Options.cpu_gemm_backends: expected a non-empty tuple of "
+                             f"{CPU_GEMM_BACKENDS}, got {gb!r}")
         if self.cpu_conv not in CPU_CONV:
             raise ValueError(f"Options.cpu_conv: expected one of {CPU_CONV}, got "
                              f"{self.cpu_conv!r}")

@@ -1,5 +1,6 @@
 """oneDNN's shared library (libdnnl.so.3) from an installed PyPI wheel, for the CPU
-convolution's optional oneDNN backend (kiln/targets/cpu/dnnl.py, include/kiln_dnnl.h).
+convolution's and GEMM's optional oneDNN backend (kiln/targets/cpu/dnnl.py, dnnl_gemm.py,
+include/kiln_dnnl.h).
 
 The wheels put the library in the environment's lib/ (a wheel "data" file); the installed
 distribution's file list says where. Only the OpenMP builds count: `onednn-cpu-gomp` (GNU

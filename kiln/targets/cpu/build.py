@@ -36,7 +36,7 @@ from kiln.passes.pack_cpu import pack_weights
 from kiln.passes.widen_half import widen_half
 from kiln.schedule import Kernel, localize_rows
 from kiln.targets.cpu.conv import conv_source
-from kiln.targets.cpu import dnnl
+from kiln.targets.cpu import dnnl, dnnl_gemm
 from kiln.targets.cpu.gemm import declaration, epilogue_declaration, print_gemm_file
 from kiln.targets.cpu.kernel import print_kernel
 from kiln.targets.cpu.quant import qgemm_source
@@ -199,6 +199,22 @@ def gemm_autotune(state: Build) -> Build:
     return replace(state, gemms=gemms)
 
 
+def onednn_gemms_enabled(state: Build) -> bool:
+    return dnnl_gemm.ONEDNN.value in state.options.cpu_gemm_backends and bool(state.gemms)
+
+
+def onednn_gemms(state: Build) -> Build:
+    """GEMMs with a constant B given to oneDNN's matmul where Options.cpu_gemm_backends allows
+    it and (with max_autotune) it was measured faster than kiln's choice
+    (targets/cpu/dnnl_gemm.py)."""
+    opts = gemm_options(state.options)
+    constants = {w.name for w in state.program.weights if not w.mutable}
+    gemms, _ = dnnl_gemm.choose(state.steps, state.gemms, constants - set(state.graph.outputs),
+                                opts, lambda: toolchain(opts), cpu_device_id(opts),
+                                progress=state.progress)
+    return replace(state, gemms=gemms)
+
+
 def pack_constant_b(state: Build) -> Build:
     """The B weights of GEMMs given to the packed "cpp" kernel, packed (passes/pack_cpu.py)."""
     pack = {name: packed_nr(_gemm_dtype(state.steps, name), state.options.march)
@@ -326,6 +342,7 @@ def compile_levels(state: Build) -> Build:
 def libraries(steps, gemms) -> list[str]:
     """The shared libraries a CPU package loads besides libkiln (the manifest's `requires`)."""
     libs = ["libscipy_openblas.so (scipy-openblas32)"]
-    if dnnl.dnnl_steps(steps):  # opened with dlopen when an instance is created (kiln_dnnl.h)
+    # opened with dlopen when an instance is created (kiln_dnnl.h)
+    if dnnl.dnnl_steps(steps) or dnnl_gemm.uses_dnnl(gemms or {}):
         libs.append(dnnl.LIBRARY)
     return libs

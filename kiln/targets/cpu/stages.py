@@ -25,6 +25,9 @@
     program           Program IR, with in-place reuse
     plan              the arena plan
     gemm_autotune     each GEMM's backend (BLAS or kiln's "cpp" GEMM) and config
+    gemm_onednn       (Options.cpu_gemm_backends with "onednn") GEMMs with a constant B given
+                      to oneDNN's matmul where max_autotune measured it faster (or forced)
+                      (targets/cpu/dnnl_gemm.py)
     pack_weights      constant B operands of packed "cpp" GEMMs stored prepacked
     codegen           C++ kernel files, the GEMM file
     codegen_wrapper   the C++ wrapper (model.cpp) and the Python one (model.py)
@@ -38,7 +41,8 @@ from kiln.targets.cpu.build import (CpuBuild, check_user_kernels, codegen, codeg
                                     compile_library, conv_backends, expand_low_precision,
                                     fuse_gemm_epilogues, gemm_autotune, gemm_epilogues_enabled,
                                     gqa_attention, has_attention, libraries, localize,
-                                    pack_constant_b, widen_half_types)
+                                    onednn_gemms, onednn_gemms_enabled, pack_constant_b,
+                                    widen_half_types)
 from kiln.targets.cpu.never_lose import default_variant, tuned
 from kiln.targets.cpu.conv import direct_conv, direct_conv_enabled
 from kiln.targets.cpu.quant import quant_enabled, quant_weights
@@ -68,6 +72,7 @@ TARGET = Target("cpu", (
     program_stage(inplace=True),
     PLAN,
     Stage("gemm_autotune", gemm_autotune),
+    Stage("gemm_onednn", onednn_gemms, when=onednn_gemms_enabled),
     Stage("pack_weights", pack_constant_b),
     Stage("codegen", codegen),
     Stage("codegen_wrapper", codegen_wrapper, dump_files=source_files),

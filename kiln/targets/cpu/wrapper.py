@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import sympy
 
-from kiln.targets.cpu import dnnl
+from kiln.targets.cpu import dnnl, dnnl_gemm
 from kiln.targets.cpu.conv import ONEDNN, call_comment
 from kiln.targets.cpu.quant import call_comment as qgemm_comment
 from kiln.targets.cpu.gemm import epilogue_args, epilogue_function, function_name
@@ -224,6 +224,10 @@ class _Printer(SizeCheckPrinter):
         backend = choice.backend if choice is not None else GemmBackend.BLAS
         self.emit(f"// gemm {g.name} = {g.a.buf} @ {g.b.buf}  <- {', '.join(g.source)}  "
                   f"[{backend.value}{', ' + choice.how if choice is not None else ''}]")
+        if backend is GemmBackend.ONEDNN:  # oneDNN's matmul, epilogue as post-ops
+            for s in dnnl_gemm.call_lines(g, choice.config, _cstr(", ".join(g.source) or g.name)):
+                self.emit(s)
+            return
         if g.epilogue is not None and backend is GemmBackend.CPP:
             self.emit(f"// epilogue fused into the GEMM: {g.epilogue.name} <- "
                       f"{', '.join(g.epilogue.source)}")
@@ -322,7 +326,8 @@ def print_wrapper(prog: P.Program, kernel_decls: list[str],
         *(['#include "kiln_lib.h"'] if any(isinstance(x, P.CallLib) for x in P.walk(prog.lines))
           else []),
         *(['#include "kiln_comm_mpi.h"  // collectives through MPI'] if comm else []),
-        *(dnnl.include_lines() if dnnl.dnnl_steps(prog.lines) else []),
+        *(dnnl.include_lines() if dnnl.dnnl_steps(prog.lines) or
+          dnnl_gemm.dnnl_gemms(prog.lines, pr.gemm_choices) else []),
         "",
         *kernel_decls,
         "",
@@ -349,6 +354,7 @@ def print_wrapper(prog: P.Program, kernel_decls: list[str],
         "  kr::Pool pool;  // this instance's threads (kiln_pool.h), joined when it is destroyed",
         wrapper_prof.INSTANCE_FIELD,
         *dnnl.instance_fields(prog.lines),
+        *dnnl_gemm.instance_fields(prog.lines, pr.gemm_choices),
         "};",
         "",
         "void* create(const void* const* weights, char* err, size_t errlen) {",
@@ -366,6 +372,8 @@ def print_wrapper(prog: P.Program, kernel_decls: list[str],
             f"  self->w[{k}] = self->owned[{k}];  // state {w.fqn}: updated by every run")],
         "  kr::blas_single_threaded();",
         *dnnl.create_lines(prog.lines, {w.name: k for k, w in enumerate(prog.weights)}),
+        *dnnl_gemm.create_lines(prog.lines, pr.gemm_choices,
+                                {w.name: k for k, w in enumerate(prog.weights)}),
         "  return self;",
         "}",
         "",

@@ -1,4 +1,5 @@
-/* kiln_dnnl.h - oneDNN (libdnnl.so.3) as a second backend of the CPU direct convolution.
+/* kiln_dnnl.h - oneDNN (libdnnl.so.3) as a second backend of the CPU direct convolution
+ * (`Conv`) and of the CPU GEMMs with a constant B (`Matmul`, below: kiln/targets/cpu/dnnl_gemm.py).
  *
  * A convolution the autotuner gave to oneDNN (kiln/targets/cpu/dnnl.py) reads and writes the
  * same buffers as kiln_conv.h's conv2d_nchwc: activations in NCHWc ([N, C/B, H, W, B], channels
@@ -91,6 +92,7 @@ struct Api {
   int (*po_binary)(handle, int, handle);
   int (*conv_pd)(handle *, handle, int, int, handle, handle, handle, handle, const int64_t *,
                  const int64_t *, const int64_t *, const int64_t *, handle);
+  int (*matmul_pd)(handle *, handle, handle, handle, handle, handle, handle);
   int (*reorder_pd)(handle *, handle, handle, handle, handle, handle);
   handle (*pd_md)(handle, int, int);
   int (*pd_query)(handle, int, int, void *);
@@ -118,9 +120,9 @@ inline const Api &api() {
     if (!lib) {
       const char *d = ::dlerror();
       std::snprintf(a.error, sizeof a.error,
-                    "this package's convolutions use oneDNN (libdnnl.so.3), which cannot be "
-                    "opened (%s): pip install onednn-cpu-gomp, or compile without oneDNN "
-                    "(Options.cpu_conv_backends)", d ? d : "not found");
+                    "this package's convolutions or GEMMs use oneDNN (libdnnl.so.3), which "
+                    "cannot be opened (%s): pip install onednn-cpu-gomp, or compile without oneDNN "
+                    "(Options.cpu_conv_backends, cpu_gemm_backends)", d ? d : "not found");
       return;
     }
     bool ok = bind(lib, "dnnl_version", a.version) &&
@@ -146,6 +148,7 @@ inline const Api &api() {
               bind(lib, "dnnl_post_ops_append_eltwise", a.po_eltwise) &&
               bind(lib, "dnnl_post_ops_append_binary", a.po_binary) &&
               bind(lib, "dnnl_convolution_forward_primitive_desc_create", a.conv_pd) &&
+              bind(lib, "dnnl_matmul_primitive_desc_create", a.matmul_pd) &&
               bind(lib, "dnnl_reorder_primitive_desc_create", a.reorder_pd) &&
               bind(lib, "dnnl_primitive_desc_query_md", a.pd_md) &&
               bind(lib, "dnnl_primitive_desc_query", a.pd_query) &&
@@ -357,6 +360,176 @@ struct Conv {
     }
     if (check(e, where, "execution", a.prim_execute(prim, stream, na, args))) return 1;
     return check(e, where, "execution", a.stream_wait(stream));
+  }
+};
+
+/* Post-op kinds of a Matmul's epilogue (kiln/targets/cpu/dnnl_gemm.py writes them): eltwise
+ * ops on the value (alpha, beta as oneDNN's), then binary ops with a second operand, either one
+ * row of N broadcast over the M rows ("row") or a whole [M, N] one ("full"). */
+enum : int {
+  kPoRelu = 1, kPoGeluErf = 2, kPoGeluTanh = 3, kPoSwish = 4, kPoLogistic = 5, kPoTanh = 6,
+  kPoLinear = 7, kPoClip = 8,
+  kPoAddRow = 16, kPoAddFull = 17, kPoMulRow = 18, kPoMulFull = 19, kPoSubRow = 20,
+  kPoSubFull = 21,
+};
+enum : int {
+  kEltTanh = 33, kEltLinear = 38, kEltLogistic = 41, kEltGeluTanh = 43, kEltGeluErf = 49,
+  kBinaryMul = 131057, kBinarySub = 131061,
+};
+
+/* One GEMM with a constant B, C[M, N] = epilogue(A[M, K] @ B[K, N]), on oneDNN's matmul, of one
+ * loaded instance. A is read with strides (ar, ac), B (a package weight, not packed by kiln) with
+ * (br, bc); C is contiguous. `init` (from create(): at load) builds the primitive with B's layout
+ * left to oneDNN (format_tag any) and reorders the weight into it once; `bias`: the first
+ * epilogue op is a row add, given to the primitive as its bias; `kinds` / `alpha` / `beta`: the
+ * other ops, in order (the kPo* codes). `run` executes it: `ins` holds the binary ops' second
+ * operands in op order. */
+struct Matmul {
+  static constexpr int kMaxIns = 8;
+  handle engine = nullptr, stream = nullptr, prim = nullptr;
+  handle m_src = nullptr, m_wei = nullptr, m_bias = nullptr, m_dst = nullptr, m_scratch = nullptr;
+  handle m_in[kMaxIns] = {};
+  int in_arg[kMaxIns] = {};
+  int n_in = 0;
+  void *wei_owned = nullptr, *scratch = nullptr;
+  char impl[64] = "";
+
+  Matmul() = default;
+  Matmul(const Matmul &) = delete;
+  Matmul &operator=(const Matmul &) = delete;
+  ~Matmul() {
+    const Api &a = api();
+    if (!a.lib) return;
+    for (handle m : {m_src, m_wei, m_bias, m_dst, m_scratch})
+      if (m) a.memory_destroy(m);
+    for (int i = 0; i < n_in; ++i)
+      if (m_in[i]) a.memory_destroy(m_in[i]);
+    if (prim) a.prim_destroy(prim);
+    if (stream) a.stream_destroy(stream);
+    if (engine) a.engine_destroy(engine);
+    std::free(wei_owned);
+    std::free(scratch);
+  }
+
+  int init(kr::Err &e, const char *where, int64_t M, int64_t N, int64_t K, int64_t ar,
+           int64_t ac, int64_t br, int64_t bc, bool bias, int nops, const int *kinds,
+           const float *alpha, const float *beta, const float *w) {
+    const Api &a = api();
+    if (!a.lib) return e.fail("%s: %s", where, a.error);
+    if (!a.matmul_pd) return e.fail("%s: libdnnl.so.3 has no matmul", where);
+    Threads serial(a, 1);  // the weight reorder at load: on the caller alone
+    if (Conv::check(e, where, "engine creation", a.engine_create(&engine, kCpu, 0)) ||
+        Conv::check(e, where, "stream creation", a.stream_create(&stream, engine,
+                                                                 kStreamDefault)))
+      return 1;
+    dims sd = {M, K}, ss = {ar, ac}, wd = {K, N}, ws = {br, bc}, dd = {M, N}, ds = {N, 1},
+         rd = {1, N};
+    handle src_md = nullptr, wu_md = nullptr, wa_md = nullptr, dst_md = nullptr,
+           row_md = nullptr, attr = nullptr, po = nullptr, pd = nullptr;
+    bool ok = a.md_strides(&src_md, 2, sd, kF32, ss) == kSuccess &&
+              a.md_strides(&wu_md, 2, wd, kF32, ws) == kSuccess &&
+              a.md_tag(&wa_md, 2, wd, kF32, kTagAny) == kSuccess &&
+              a.md_strides(&dst_md, 2, dd, kF32, ds) == kSuccess &&
+              a.md_strides(&row_md, 2, rd, kF32, ds) == kSuccess &&
+              a.attr_create(&attr) == kSuccess && a.po_create(&po) == kSuccess;
+    for (int i = 0; ok && i < nops; ++i) {
+      const int k = kinds[i];
+      static const int elt[] = {0, kEltRelu, kEltGeluErf, kEltGeluTanh, kEltSwish,
+                                kEltLogistic, kEltTanh, kEltLinear, kEltClip};
+      if (k >= kPoRelu && k <= kPoClip) {
+        ok = a.po_eltwise(po, elt[k], alpha[i], beta[i]) == kSuccess;
+      } else if (k >= kPoAddRow && k <= kPoSubFull) {
+        if (n_in == kMaxIns) return e.fail("%s: more than %d binary post-ops", where, kMaxIns);
+        const int alg = k <= kPoAddFull ? kBinaryAdd : k <= kPoMulFull ? kBinaryMul : kBinarySub;
+        handle md = (k - kPoAddRow) % 2 ? dst_md : row_md;
+        ok = a.po_binary(po, alg, md) == kSuccess &&
+             a.memory_create(&m_in[n_in], md, engine, nullptr) == kSuccess;
+        in_arg[n_in++] = kArgPostOp0 * (i + 1) | kArgSrc1;
+      } else {
+        ok = false;
+      }
+    }
+    if (ok) ok = a.attr_post_ops(attr, po) == kSuccess &&
+                 a.attr_scratchpad(attr, kScratchpadUser) == kSuccess;
+    int st = kSuccess;
+    if (ok) st = a.matmul_pd(&pd, engine, src_md, wa_md, bias ? row_md : nullptr, dst_md, attr);
+    int rc = 0;
+    if (!ok) rc = e.fail("%s: oneDNN memory descriptors or attributes failed", where);
+    else if (st != kSuccess)
+      rc = e.fail("%s: oneDNN has no matmul for this GEMM (status %d)", where, st);
+    if (!rc) rc = finish(e, where, a, pd, src_md, wu_md, dst_md, bias ? row_md : nullptr, w);
+    if (pd) a.pd_destroy(pd);
+    for (handle m : {src_md, wu_md, wa_md, dst_md, row_md})
+      if (m) a.md_destroy(m);
+    if (po) a.po_destroy(po);
+    if (attr) a.attr_destroy(attr);
+    return rc;
+  }
+
+  int finish(kr::Err &e, const char *where, const Api &a, handle pd, handle src_md,
+             handle wu_md, handle dst_md, handle bias_md, const float *w) {
+    const char *info = nullptr;
+    if (a.pd_query(pd, kQueryImplInfo, 0, &info) == kSuccess && info)
+      std::snprintf(impl, sizeof impl, "%s", info);
+    handle wmd = a.pd_md(pd, kQueryWeightsMd, 0);
+    handle smd = a.pd_md(pd, kQueryScratchpadMd, 0);
+    if (Conv::check(e, where, "primitive creation", a.prim_create(&prim, pd)) ||
+        Conv::check(e, where, "memory", a.memory_create(&m_src, src_md, engine, nullptr)) ||
+        Conv::check(e, where, "memory", a.memory_create(&m_dst, dst_md, engine, nullptr)) ||
+        (bias_md &&
+         Conv::check(e, where, "memory", a.memory_create(&m_bias, bias_md, engine, nullptr))))
+      return 1;
+    const size_t sbytes = smd ? a.md_size(smd) : 0;
+    if (sbytes) {
+      scratch = std::aligned_alloc(64, (sbytes + 63) / 64 * 64);
+      if (!scratch) return e.fail("%s: out of memory (oneDNN scratchpad)", where);
+      if (Conv::check(e, where, "memory", a.memory_create(&m_scratch, smd, engine, scratch)))
+        return 1;
+    }
+    if (a.md_equal(wmd, wu_md))  // oneDNN reads the weight as the package stores it
+      return Conv::check(e, where, "memory", a.memory_create(&m_wei, wmd, engine,
+                                                             const_cast<float *>(w)));
+    const size_t wbytes = a.md_size(wmd);
+    wei_owned = std::aligned_alloc(64, (wbytes + 63) / 64 * 64);
+    if (!wei_owned) return e.fail("%s: out of memory (oneDNN weights)", where);
+    handle from = nullptr, rpd = nullptr, rprim = nullptr;
+    int rc = Conv::check(e, where, "memory", a.memory_create(&from, wu_md, engine,
+                                                             const_cast<float *>(w))) ||
+             Conv::check(e, where, "memory", a.memory_create(&m_wei, wmd, engine, wei_owned)) ||
+             Conv::check(e, where, "weight reorder", a.reorder_pd(&rpd, wu_md, engine, wmd,
+                                                                  engine, nullptr)) ||
+             Conv::check(e, where, "weight reorder", a.prim_create(&rprim, rpd));
+    if (!rc) {
+      const ExecArg args[] = {{kArgFrom, from}, {kArgTo, m_wei}};
+      rc = Conv::check(e, where, "weight reorder", a.prim_execute(rprim, stream, 2, args)) ||
+           Conv::check(e, where, "weight reorder", a.stream_wait(stream));
+    }
+    if (rprim) a.prim_destroy(rprim);
+    if (rpd) a.pd_destroy(rpd);
+    if (from) a.memory_destroy(from);
+    return rc;
+  }
+
+  /* Threads: the run's budget (kr::max_threads), as a convolution's. */
+  int run(kr::Err &e, const char *where, float *out, const float *x, const float *bias,
+          const float *const *ins) {
+    const Api &a = api();
+    Threads team(a, kr::max_threads());
+    a.memory_set(m_src, const_cast<float *>(x));
+    a.memory_set(m_dst, out);
+    ExecArg args[5 + kMaxIns] = {{kArgSrc, m_src}, {kArgWeights, m_wei}, {kArgDst, m_dst}};
+    int na = 3;
+    if (m_bias) {
+      a.memory_set(m_bias, const_cast<float *>(bias));
+      args[na++] = {kArgBias, m_bias};
+    }
+    if (m_scratch) args[na++] = {kArgScratchpad, m_scratch};
+    for (int i = 0; i < n_in; ++i) {
+      a.memory_set(m_in[i], const_cast<float *>(ins[i]));
+      args[na++] = {in_arg[i], m_in[i]};
+    }
+    if (Conv::check(e, where, "execution", a.prim_execute(prim, stream, na, args))) return 1;
+    return Conv::check(e, where, "execution", a.stream_wait(stream));
   }
 };
 
