@@ -93,20 +93,43 @@ class _Parts:
                 raise UnsupportedError(f"operand {x!r} of a complex op")
             v = complex(x)
             return self.const(v.real), self.const(v.imag)
-        name = b.tensor(x)
+        return self.parts_of(b.tensor(x))
+
+    def parts_of(self, name: str) -> tuple[str, str]:
+        """(real, imaginary) of the kiln value `name` in `rdt`."""
+        b = self.b
         t = b.types[name]
         if not t.dtype.is_complex:
             return self.real(name), self.const(0.0)
         _check(t.dtype)
         pd = dtypes.complex_part(t.dtype)
-        pairs = b.emit("view_as_real", [name], None, like=self.n, shape=t.shape + (2,),
-                       dtype=pd)
+        pairs = self.pairs(name)
         re, im = (b.emit("select", [pairs], None, like=self.n, shape=t.shape, dtype=pd,
                          dim=len(t.shape), index=k) for k in (0, 1))
         return self.real(re), self.real(im)
 
+    def pairs(self, name: str) -> str:
+        """The complex value `name` of shape S as the real S + [2] of its parts (no copy)."""
+        t = self.b.types[name]
+        return self.b.emit("view_as_real", [name], None, like=self.n, shape=t.shape + (2,),
+                           dtype=dtypes.complex_part(t.dtype))
+
     def join(self, re: str, im: str) -> str:
         return self.b.emit("complex", [re, im], self.n)
+
+    def join_as(self, re: str, im: str, shape, cdt: dtypes.DType) -> str:
+        """An intermediate complex value of `shape` and type `cdt` made of re, im."""
+        return self.b.emit("complex", [re, im], None, like=self.n, shape=shape, dtype=cdt)
+
+    def view(self, name: str, shape) -> str:
+        return self.b.emit("view", [name], None, like=self.n, shape=tuple(shape),
+                           dtype=self.b.types[name].dtype)
+
+    def mul(self, a, b_, c, d) -> tuple[str, str]:
+        """(a + bi)(c + di), the textbook formula (eager's)."""
+        e = self.e
+        return (e("sub", e("mul", a, c), e("mul", b_, d)),
+                e("add", e("mul", a, d), e("mul", b_, c)))
 
     # -- formulas shared by several ops ----------------------------------------------------
     def div(self, a, b_, c, d) -> tuple[str, str]:
@@ -383,3 +406,110 @@ def _reduce(kind: str):
 for _kind in ("sum", "mean"):
     for _ov in ("default", "dim_IntList", "dim"):
         register(f"aten.{_kind}.{_ov}")(_reduce(_kind))
+
+
+# -- the matmul family: one real GEMM on the parts ----------------------------------------------
+
+def _gemm(p: _Parts, x: str, y: str) -> tuple[str, str]:
+    """(real, imaginary) of x @ y (complex or real; shapes (..., M, K) and (..., K, N), equal
+    batch dims) as ONE real GEMM of the part dtype: x's own layout read as the real
+    (..., M, 2K) matrix of interleaved parts, times the real (..., 2K, 2N) matrix whose 2 x 2
+    block (k, n) is [[c, d], [-d, c]] (y[k, n] = c + di), gives (..., M, 2N): x @ y's
+    interleaved parts. Each part is a sum of 2K real products, accumulated by kiln's GEMM
+    backend, as a complex GEMM (eager's cgemm / zgemm) sums ac - bd: 4 real products per
+    complex one, not Gauss's 3 (whose (a + b)(c + d) - ac - bd cancels: its error in the
+    imaginary part grows with |a||d| + |b||c| over |ad + bc|, beyond eager's)."""
+    b = p.b
+    cdt = dtypes.complex_of(p.rdt)
+    x, y = (b.cast_to(v, cdt.torch, p.n) for v in (x, y))
+    xs, ys = b.types[x].shape, b.types[y].shape
+    *batch, m, k = xs
+    n_ = ys[-1]
+    r = len(batch)
+    xr = p.view(p.pairs(x), (*batch, m, 2 * k))
+    c, d = p.parts_of(y)
+    blk = (*batch, k, 1, n_, 1)
+    c4, d4, nd4 = (p.view(v, blk) for v in (c, d, p.e("neg", d)))
+
+    def cat(parts, dim, shape):
+        return b.emit("cat", parts, None, like=p.n, shape=shape, dtype=p.rdt, dim=dim)
+
+    rows = [cat([u, v], r + 3, (*batch, k, 1, n_, 2)) for u, v in ((c4, d4), (nd4, c4))]
+    yr = p.view(cat(rows, r + 1, (*batch, k, 2, n_, 2)), (*batch, 2 * k, 2 * n_))
+    out = b.emit("matmul", [xr, yr], None, like=p.n, shape=(*batch, m, 2 * n_), dtype=p.rdt)
+    out = p.view(out, (*batch, m, n_, 2))
+    re, im = (b.emit("select", [out], None, like=p.n, shape=(*batch, m, n_), dtype=p.rdt,
+                     dim=r + 2, index=j) for j in (0, 1))
+    return re, im
+
+
+def _scaled(p: _Parts, s, re: str, im: str) -> tuple[str, str]:
+    """The Python number s times (re, im), as eager's complex scalar product (1: as it is)."""
+    if s == 1:
+        return re, im
+    v = complex(s)
+    return p.mul(p.const(v.real), p.const(v.imag), re, im)
+
+
+@register("aten.mm.default", "aten.bmm.default")
+def _mm(b, n):
+    p = _start(b, n)
+    return p.join(*_gemm(p, b.tensor(n.args[0]), b.tensor(n.args[1])))
+
+
+@register("aten.matmul.default")
+def _matmul(b, n):
+    """2-D @ 2-D and batched @ batched of equal batch shape; other forms (vectors,
+    broadcasting) decompose to mm / bmm / mv, as for real operands."""
+    from kiln.frontend.aten_high import Fallback
+    x, y = n.args[0], n.args[1]
+    xs, ys = tuple(b.shape(x)), tuple(b.shape(y))
+    if len(xs) < 2 or len(ys) < 2 or len(xs) != len(ys) or xs[:-2] != ys[:-2]:
+        raise Fallback("complex matmul with broadcasting or vectors")
+    return _mm(b, n)
+
+
+@register("aten.mv.default", "aten.dot.default", "aten.vdot.default")
+def _mv(b, n):
+    """Matrix @ vector, vector . vector (vdot: the first one conjugated) as a GEMM with a
+    column (and a row)."""
+    p = _start(b, n)
+    x, y = b.tensor(n.args[0]), b.tensor(n.args[1])
+    if "vdot" in str(n.target):
+        xr, xi = p.parts_of(x)
+        x = p.join_as(xr, p.e("neg", xi), b.types[x].shape, dtypes.complex_of(p.rdt))
+    if len(b.types[x].shape) == 1:
+        x = p.view(x, (1,) + tuple(b.types[x].shape))
+    y = p.view(y, tuple(b.types[y].shape) + (1,))
+    re, im = _gemm(p, x, y)
+    return p.join(*(p.view(v, b.shape(n)) for v in (re, im)))
+
+
+@register("aten.linear.default")
+def _linear(b, n):
+    p = _start(b, n)
+    x, w = b.tensor(n.args[0]), b.tensor(n.args[1])
+    bias = _arg(n, 2, "bias")
+    xs, ws = b.types[x].shape, b.types[w].shape
+    rows = functools.reduce(lambda u, v: u * v, xs[:-1], sympy.Integer(1))
+    flat = p.view(x, (rows, xs[-1]))
+    wt = b.emit("permute", [w], None, like=n, shape=(ws[1], ws[0]), dims=(1, 0),
+                dtype=b.types[w].dtype)
+    re, im = _gemm(p, flat, wt)
+    if bias is not None:
+        br, bi = p.parts(bias)
+        re, im = p.e("add", re, br), p.e("add", im, bi)
+    return p.join(*(p.view(v, b.shape(n)) for v in (re, im)))
+
+
+@register("aten.addmm.default", "aten.baddbmm.default")
+def _addmm(b, n):
+    """beta * input + alpha * (x @ y); beta == 0 ignores input (NaN included), as eager."""
+    p = _start(b, n)
+    re, im = _scaled(p, n.kwargs.get("alpha", 1), *_gemm(p, b.tensor(n.args[1]),
+                                                          b.tensor(n.args[2])))
+    beta = n.kwargs.get("beta", 1)
+    if beta != 0:
+        cr, ci = _scaled(p, beta, *p.parts(n.args[0]))
+        re, im = p.e("add", re, cr), p.e("add", im, ci)
+    return p.join(re, im)
