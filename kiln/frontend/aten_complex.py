@@ -155,6 +155,10 @@ class _Parts:
     def hypot(self, a, b_) -> str:
         return self.e("hypot", a, b_)
 
+    def finite(self, x: str) -> str:
+        e = self.e
+        return e("logical_not", e("logical_or", e("isinf", x), e("isnan", x)))
+
 
 def _check(dt: dtypes.DType) -> None:
     if dt.name not in _NATIVE:
@@ -178,20 +182,25 @@ def _arg(n, k: int, name: str, default=None):
 
 @register(*(f"aten.{op}.{ov}" for op in ("add", "sub") for ov in ("Tensor", "Scalar")))
 def _add(b, n):
-    if _arg(n, 2, "alpha", 1) != 1:
-        raise UnsupportedError("complex add / sub with alpha")
+    """x + alpha y: alpha y as eager's product of the complex scalar alpha (a real alpha:
+    (alpha, +0)) and y, the textbook formula."""
     p = _start(b, n)
     (a, bi), (c, d) = p.parts(n.args[0]), p.parts(n.args[1])
+    alpha = _arg(n, 2, "alpha", 1)
+    if alpha != 1:
+        c, d = _scaled(p, alpha, c, d)
     op = "add" if ".add." in str(n.target) else "sub"
     return p.join(p.e(op, a, c), p.e(op, bi, d))
 
 
 @register("aten.rsub.Scalar", "aten.rsub.Tensor")
 def _rsub(b, n):
-    if _arg(n, 2, "alpha", 1) != 1:
-        raise UnsupportedError("complex rsub with alpha")
+    """other - alpha x."""
     p = _start(b, n)
     (a, bi), (c, d) = p.parts(n.args[0]), p.parts(n.args[1])
+    alpha = _arg(n, 2, "alpha", 1)
+    if alpha != 1:
+        a, bi = _scaled(p, alpha, a, bi)
     return p.join(p.e("sub", c, a), p.e("sub", d, bi))
 
 
@@ -260,10 +269,15 @@ def _sgn(b, n):
                   p.e("where", zero, p.const(0.0), p.e("div", bi, h)))
 
 
-@register("aten.exp.default")
-def _exp(b, n):
-    p = _start(b, n)
-    a, bi = p.parts(n.args[0])
+def _unary(formula):
+    """A converter of a one-operand complex op from `formula(p, a, b) -> (re, im)`."""
+    def conv(b, n):
+        p = _start(b, n)
+        return p.join(*formula(p, *p.parts(n.args[0])))
+    return conv
+
+
+def _exp_parts(p: _Parts, a: str, bi: str) -> tuple[str, str]:
     e = p.e
     m = e("exp", a)
     re, im = e("mul", m, e("cos", bi)), e("mul", m, e("sin", bi))
@@ -272,13 +286,10 @@ def _exp(b, n):
     pos = e("gt", a, p.const(0.0))
     re = e("where", edge, e("where", pos, p.const(math.inf), p.const(0.0)), re)
     im = e("where", edge, e("where", pos, p.const(math.nan), p.const(0.0)), im)
-    return p.join(re, e("where", e("eq", bi, p.const(0.0)), bi, im))
+    return re, e("where", e("eq", bi, p.const(0.0)), bi, im)
 
 
-@register("aten.log.default")
-def _log(b, n):
-    p = _start(b, n)
-    a, bi = p.parts(n.args[0])
+def _log_parts(p: _Parts, a: str, bi: str) -> tuple[str, str]:
     e = p.e
     # log |z| = log m + log1p((s / m)^2) / 2 (m, s: the larger and smaller |part|): |z| of
     # subnormal parts would be rounded to the subnormal grid first; 0, inf, NaN: log |z|
@@ -287,15 +298,12 @@ def _log(b, n):
     m, q = e("maximum", aa, ab), e("div", e("minimum", aa, ab), e("maximum", aa, ab))
     fine = e("add", e("log", m), e("mul", p.const(0.5), e("log1p", e("mul", q, q))))
     ok = e("logical_and", e("gt", h, p.const(0.0)), e("logical_not", e("isinf", h)))
-    return p.join(e("where", ok, fine, e("log", h)), e("atan2", bi, a))
+    return e("where", ok, fine, e("log", h)), e("atan2", bi, a)
 
 
-@register("aten.sqrt.default")
-def _sqrt(b, n):
+def _sqrt_parts(p: _Parts, a0: str, b0: str) -> tuple[str, str]:
     """C99 csqrt: t = sqrt((|a| + |z|) / 2); a >= 0: (t, b / 2t), else (|b| / 2t, t sign b);
     0 -> (+0, b); an infinite b -> (inf, b)."""
-    p = _start(b, n)
-    a0, b0 = p.parts(n.args[0])
     e, half = p.e, p.const(0.5)
     # parts below 2^-k (subnormal territory) scaled by 2^2k first, the root by 2^-k after
     # (powers of two: exact), so |z| is not rounded to the subnormal grid
@@ -315,7 +323,12 @@ def _sqrt(b, n):
     big = e("isinf", bi)
     re = e("where", big, inf, e("where", zero, p.const(0.0), re))
     im = e("where", e("logical_or", big, zero), bi, im)
-    return p.join(re, im)
+    return re, im
+
+
+register("aten.exp.default")(_unary(_exp_parts))
+register("aten.log.default")(_unary(_log_parts))
+register("aten.sqrt.default")(_unary(_sqrt_parts))
 
 
 @register("aten.polar.default")
@@ -512,4 +525,309 @@ def _addmm(b, n):
     if beta != 0:
         cr, ci = _scaled(p, beta, *p.parts(n.args[0]))
         re, im = p.e("add", re, cr), p.e("add", im, ci)
+    return p.join(re, im)
+
+
+# -- powers ------------------------------------------------------------------------------------
+
+def _pow_parts(p: _Parts, a, bi, c, d) -> tuple[str, str]:
+    """(a + bi) ** (c + di) = exp((c + di) log(a + bi)), as eager's std::pow (C99 cpow):
+    0 ** y is exp(y * (-inf + 0i)): 0 for Re y > 0, inf + NaN i for Re y < 0, NaN for
+    y == 0 (numpy gives 1 there)."""
+    return _exp_parts(p, *p.mul(c, d, *_log_parts(p, a, bi)))
+
+
+def _int_pow(p: _Parts, a, bi, k: int) -> tuple[str, str]:
+    """z ** k for k in (2, 3, -2) as eager's pow by a Scalar: z * z, z * z * z, 1 / (z * z)."""
+    re, im = p.mul(a, bi, a, bi)
+    if k == 3:
+        re, im = p.mul(re, im, a, bi)
+    if k == -2:
+        re, im = p.div(p.const(1.0), p.const(0.0), re, im)
+    return re, im
+
+
+@register("aten.pow.Tensor_Scalar")
+def _pow_scalar(b, n):
+    """z ** s for a Python number s, as eager's pow by a Scalar: s == 0 -> 1, 1 -> z,
+    0.5 -> sqrt, -0.5 -> 1 / sqrt, -1 -> reciprocal, 2 / 3 / -2 -> products, else
+    exp(s log z)."""
+    p = _start(b, n)
+    a, bi = p.parts(n.args[0])
+    s = complex(n.args[1])
+    zero = p.e("mul", a, p.const(0.0))  # a value of the result's shape
+    if s == 0:
+        return p.join(p.e("add", zero, p.const(1.0)), p.e("add", zero, p.const(0.0)))
+    if s == 1:
+        return p.join(a, bi)
+    if s in (0.5, -0.5):
+        a, bi = _sqrt_parts(p, a, bi)
+        if s == 0.5:
+            return p.join(a, bi)
+        return p.join(*p.div(p.const(1.0), p.const(0.0), a, bi))
+    if s == -1:
+        return p.join(*p.div(p.const(1.0), p.const(0.0), a, bi))
+    if s in (2, 3, -2):
+        return p.join(*_int_pow(p, a, bi, int(s.real)))
+    return p.join(*_pow_parts(p, a, bi, p.const(s.real), p.const(s.imag)))
+
+
+@register("aten.pow.Tensor_Tensor", "aten.pow.Scalar")
+def _pow(b, n):
+    """x ** y (either complex, the other real or complex; pow.Scalar: a number base, 1 ** y
+    is 1 as in eager)."""
+    p = _start(b, n)
+    x, y = n.args[0], n.args[1]
+    (a, bi), (c, d) = p.parts(x), p.parts(y)
+    if not isinstance(x, torch.fx.Node) and complex(x) == 1:
+        zero = p.e("mul", c, p.const(0.0))
+        return p.join(p.e("add", zero, p.const(1.0)), p.e("add", zero, p.const(0.0)))
+    return p.join(*_pow_parts(p, a, bi, c, d))
+
+
+@register("aten.rsqrt.default")
+def _rsqrt(b, n):
+    p = _start(b, n)
+    return p.join(*p.div(p.const(1.0), p.const(0.0), *_sqrt_parts(p, *p.parts(n.args[0]))))
+
+
+@register("aten.square.default")
+def _square(b, n):
+    p = _start(b, n)
+    return p.join(*_int_pow(p, *p.parts(n.args[0]), 2))
+
+
+@register("aten.sigmoid.default")
+def _sigmoid(b, n):
+    """1 / (1 + exp(-z)), as eager."""
+    p = _start(b, n)
+    a, bi = p.parts(n.args[0])
+    er, ei = _exp_parts(p, p.e("neg", a), p.e("neg", bi))
+    return p.join(*p.div(p.const(1.0), p.const(0.0), p.e("add", er, p.const(1.0)), ei))
+
+
+# -- exp / log relatives (c10/util/complex_math.h's formulas) -----------------------------------
+
+def _scale_parts(p: _Parts, s: float, re: str, im: str, op: str = "mul") -> tuple[str, str]:
+    """A real constant s times (or `op` div: over) both parts, as c10's real * complex."""
+    return p.e(op, re, p.const(s)), p.e(op, im, p.const(s))
+
+
+def _exp2(p, a, bi):
+    """2 ** z = exp(ln 2 * z), c10's exp2 (ln 2 times each part)."""
+    return _exp_parts(p, *_scale_parts(p, math.log(2.0), a, bi))
+
+
+def _log2(p, a, bi):
+    """log(z) / ln 2, each part (eager's vectorised loop; log10 likewise)."""
+    return _scale_parts(p, math.log(2.0), *_log_parts(p, a, bi), op="div")
+
+
+def _log10(p, a, bi):
+    return _scale_parts(p, math.log(10.0), *_log_parts(p, a, bi), op="div")
+
+
+def _log1p(p, a, bi):
+    """c10's log1p: theta = atan2(b, a + 1); |z| < 0.5: (log1p(a (2 + a) + b^2) / 2, theta)
+    ((a, theta) when that sum is 0); else (log(hypot(a + 1, b)), theta)."""
+    e = p.e
+    one = p.const(1.0)
+    a1 = e("add", a, one)
+    theta = e("atan2", bi, a1)
+    r = e("add", e("mul", a, e("add", p.const(2.0), a)), e("mul", bi, bi))
+    small_re = e("where", e("eq", r, p.const(0.0)), a, e("mul", p.const(0.5), e("log1p", r)))
+    big_re = e("log", p.hypot(a1, bi))
+    return e("where", e("lt", p.hypot(a, bi), p.const(0.5)), small_re, big_re), theta
+
+
+def _expm1(p, a, bi):
+    """c10's expm1: (expm1(a) cos b - 2 sin(b / 2)^2, exp(a) sin b)."""
+    e = p.e
+    s = e("sin", e("mul", bi, p.const(0.5)))
+    re = e("sub", e("mul", e("expm1", a), e("cos", bi)), e("mul", p.const(2.0), e("mul", s, s)))
+    return re, e("mul", e("exp", a), e("sin", bi))
+
+
+# -- hyperbolic and trigonometric functions (C99 Annex G's special values, as glibc) ------------
+
+def _sinh(p, a, bi):
+    """(sinh a cos b, cosh a sin b); b == 0 -> imaginary part b; a == 0 with b infinite or
+    NaN -> (a, NaN); a infinite with b infinite or NaN -> (a, NaN)."""
+    e = p.e
+    re = e("mul", e("sinh", a), e("cos", bi))
+    im = e("mul", e("cosh", a), e("sin", bi))
+    im = e("where", e("eq", bi, p.const(0.0)), bi, im)
+    odd = e("logical_and", e("logical_or", e("eq", a, p.const(0.0)), e("isinf", a)),
+            e("logical_not", p.finite(bi)))
+    return e("where", odd, a, re), e("where", odd, p.const(math.nan), im)
+
+
+def _cosh(p, a, bi):
+    """(cosh a cos b, sinh a sin b); b == 0 -> imaginary part b sign(a); a == 0 with b
+    infinite or NaN -> (NaN, 0); a infinite with b infinite or NaN -> (inf, NaN)."""
+    e = p.e
+    re = e("mul", e("cosh", a), e("cos", bi))
+    im = e("mul", e("sinh", a), e("sin", bi))
+    im = e("where", e("eq", bi, p.const(0.0)), e("mul", bi, e("copysign", p.const(1.0), a)), im)
+    wild = e("logical_not", p.finite(bi))
+    zero = e("logical_and", e("eq", a, p.const(0.0)), wild)
+    big = e("logical_and", e("isinf", a), wild)
+    re = e("where", big, p.const(math.inf), re)
+    im = e("where", big, p.const(math.nan), e("where", zero, p.const(0.0), im))
+    return re, im
+
+
+def _tanh(p, a, bi):
+    """Kahan's formula (FreeBSD's ctanh): t = tan b, beta = 1 + t^2, s = sinh a,
+    rho = sqrt(1 + s^2): (beta rho s, t) / (1 + beta s^2); |a| large: (sign a, 4 sin b cos b
+    exp(-2|a|)); a infinite: (sign a, +-0); a NaN: (NaN, b == 0 ? b : NaN); a == 0 with b
+    infinite or NaN: (a, NaN); else b infinite or NaN: (NaN, NaN)."""
+    e, one = p.e, p.const(1.0)
+    big_at = 11.0 if p.rdt == dtypes.float32 else 22.0
+    aa = e("abs", a)
+    small = e("lt", aa, p.const(big_at))
+    a_s = e("where", small, a, p.const(0.0))  # no overflow in the branch not taken
+    t = e("tan", bi)
+    beta = e("add", one, e("mul", t, t))
+    s = e("sinh", a_s)
+    ss = e("mul", s, s)
+    rho = e("sqrt", e("add", one, ss))
+    den = e("add", one, e("mul", beta, ss))
+    re_k = e("div", e("mul", e("mul", beta, rho), s), den)
+    im_k = e("div", t, den)
+    sgn = e("copysign", one, a)
+    em = e("exp", e("neg", aa))
+    im_b = e("mul", e("mul", p.const(4.0), e("mul", e("sin", bi), e("cos", bi))),
+             e("mul", em, em))
+    re = e("where", small, re_k, sgn)
+    im = e("where", small, im_k, im_b)
+    # a infinite: (sign a, 0 with the sign of sin(2b); b infinite or NaN: +-0 as b)
+    wild = e("logical_not", p.finite(bi))
+    ainf = e("isinf", a)
+    im_inf = e("where", wild, e("copysign", p.const(0.0), bi),
+               e("copysign", p.const(0.0), e("mul", e("sin", bi), e("cos", bi))))
+    im = e("where", ainf, im_inf, im)
+    # a NaN: (NaN, b == 0 ? b : NaN); a finite with b infinite or NaN: (a == 0 ? a : NaN, NaN)
+    anan = e("isnan", a)
+    nan = p.const(math.nan)
+    im = e("where", anan, e("where", e("eq", bi, p.const(0.0)), bi, nan), im)
+    fin_wild = e("logical_and", p.finite(a), wild)
+    re = e("where", fin_wild, e("where", e("eq", a, p.const(0.0)), a, nan), re)
+    im = e("where", fin_wild, nan, im)
+    return re, im
+
+
+def _rotated(fn, back: bool = True):
+    """f(z) = -i g(iz) (sin, tan from sinh, tanh) or g(iz) (cos from cosh): iz = (-b, a)."""
+    def formula(p, a, bi):
+        u, v = fn(p, p.e("neg", bi), a)
+        return (v, p.e("neg", u)) if back else (u, v)
+    return formula
+
+
+_UNARY = {"exp2": _exp2, "log2": _log2, "log10": _log10, "log1p": _log1p, "expm1": _expm1,
+          "sinh": _sinh, "cosh": _cosh, "tanh": _tanh, "sin": _rotated(_sinh),
+          "cos": _rotated(_cosh, back=False), "tan": _rotated(_tanh)}
+for _name, _f in _UNARY.items():
+    register(f"aten.{_name}.default")(_unary(_f))
+
+
+@register("aten.isnan.default", "aten.isinf.default", "aten.isfinite.default")
+def _isnan(b, n):
+    """isnan / isinf: either part; isfinite: both parts finite."""
+    p = _start(b, n)
+    a, bi = p.parts(n.args[0])
+    kind = str(n.target).split(".")[1]
+    if kind == "isfinite":
+        return b.emit("logical_and", [p.finite(a), p.finite(bi)], n)
+    return b.emit("logical_or", [p.e(kind, a), p.e(kind, bi)], n)
+
+
+# -- products and scans --------------------------------------------------------------------------
+
+def _halves(p: _Parts, re: str, im: str, dim: int) -> tuple[str, str]:
+    """The product along static `dim` by a pairwise tree: (first half) * (second half) until
+    one element is left (an odd element carried to the next level)."""
+    b = p.b
+    while True:
+        shape = list(b.types[re].shape)
+        size = shape[dim]
+        if not size.is_Integer:
+            raise UnsupportedError("complex prod / cumprod over a dynamic size")
+        size = int(size)
+        if size <= 1:
+            return re, im
+        h = size // 2
+
+        def cut(x, lo, hi):
+            return b.emit("slice", [x], None, like=p.n, shape=(*shape[:dim], hi - lo,
+                          *shape[dim + 1:]), dtype=p.rdt, dim=dim, start=lo, end=hi, step=1)
+
+        r2, i2 = p.mul(cut(re, 0, h), cut(im, 0, h), cut(re, h, 2 * h), cut(im, h, 2 * h))
+        if size % 2:
+            out = (*shape[:dim], h + 1, *shape[dim + 1:])
+            r2, i2 = (b.emit("cat", [x, cut(y, size - 1, size)], None, like=p.n, shape=out,
+                             dtype=p.rdt, dim=dim) for x, y in ((r2, re), (i2, im)))
+        re, im = r2, i2
+
+
+@register("aten.prod.default", "aten.prod.dim_int")
+def _prod(b, n):
+    """The product of complex values along one dimension (or all) as a pairwise tree of complex
+    products (log2 n levels of pointwise ops); eager multiplies in its own reduction order."""
+    p = _start(b, n)
+    if n.kwargs.get("dtype") is not None and not n.kwargs["dtype"].is_complex:
+        raise UnsupportedError("complex prod to a real dtype")
+    x = b.tensor(n.args[0])
+    shape = b.types[x].shape
+    if "dim_int" in str(n.target):
+        dim = n.args[1] % max(len(shape), 1)  # (keepdim: the final view's shape)
+    else:
+        x = p.view(x, (functools.reduce(lambda u, v: u * v, shape, sympy.Integer(1)),))
+        dim = 0
+    if len(b.types[x].shape) == 0:
+        return p.join(*p.parts_of(x))
+    re, im = _halves(p, *p.parts_of(x), dim)
+    return p.join(*(p.view(v, b.shape(n)) for v in (re, im)))
+
+
+@register("aten.cumsum.default")
+def _cumsum(b, n):
+    """A real scan of each part (kiln's CPU library scan, as for real cumsum)."""
+    p = _start(b, n)
+    if n.kwargs.get("dtype") is not None and not n.kwargs["dtype"].is_complex:
+        raise UnsupportedError("complex cumsum to a real dtype")
+    dim = n.args[1] % max(b.rank(n.args[0]), 1)
+    re, im = (b.emit("scan", [x], None, like=n, dtype=p.rdt, kind="sum", dim=dim)
+              for x in p.parts(n.args[0]))
+    return p.join(re, im)
+
+
+@register("aten.cumprod.default")
+def _cumprod(b, n):
+    """Prefix products by doubling (Hillis-Steele: log2 n levels, each one multiplying every
+    element by the one 2^k before it, 1 before the start): pointwise ops only, so both
+    targets compute it; eager multiplies left to right (other rounding, same products)."""
+    p = _start(b, n)
+    if n.kwargs.get("dtype") is not None and not n.kwargs["dtype"].is_complex:
+        raise UnsupportedError("complex cumprod to a real dtype")
+    re, im = p.parts(n.args[0])
+    shape = tuple(b.shape(n))
+    if not shape:
+        return p.join(re, im)
+    dim = n.args[1] % len(shape)
+    size = shape[dim]
+    if not size.is_Integer:
+        raise UnsupportedError("complex cumprod over a dynamic size")
+    size, k = int(size), 1
+    while k < size:
+        def shifted(x, fill):
+            head = b.emit("expand", [p.const(fill)], None, like=n,
+                          shape=(*shape[:dim], k, *shape[dim + 1:]), dtype=p.rdt)
+            body = b.emit("slice", [x], None, like=n, shape=(*shape[:dim], size - k,
+                          *shape[dim + 1:]), dtype=p.rdt, dim=dim, start=0, end=size - k,
+                          step=1)
+            return b.emit("cat", [head, body], None, like=n, shape=shape, dtype=p.rdt, dim=dim)
+        re, im = p.mul(re, im, shifted(re, 1.0), shifted(im, 0.0))
+        k *= 2
     return p.join(re, im)
