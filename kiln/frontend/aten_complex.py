@@ -131,6 +131,41 @@ class _Parts:
         return (e("sub", e("mul", a, c), e("mul", b_, d)),
                 e("add", e("mul", a, d), e("mul", b_, c)))
 
+    def mul_c99(self, a, b_, c, d) -> tuple[str, str]:
+        """(a + bi)(c + di) as C99 Annex G's product (libgcc's __muldc3, which C++'s
+        std::complex product and so eager's std::pow use): the textbook formula, then, where
+        both parts are NaN, infinities recovered (an infinite operand boxed to +-1 / +-0
+        parts, NaN parts of the other one to +-0, or every NaN part to +-0 after an
+        overflowing product), the product recomputed and scaled by inf."""
+        e, zero, one = self.e, self.const(0.0), self.const(1.0)
+        ac, bd, ad, bc = e("mul", a, c), e("mul", b_, d), e("mul", a, d), e("mul", b_, c)
+        x, y = e("sub", ac, bd), e("add", ad, bc)
+        both = e("logical_and", e("isnan", x), e("isnan", y))
+
+        def box(v):  # an infinite part -> +-1, else +-0
+            return e("copysign", e("where", e("isinf", v), one, zero), v)
+
+        def unnan(v, cond):
+            return e("where", e("logical_and", cond, e("isnan", v)), e("copysign", zero, v), v)
+
+        def any_inf(*vs):
+            return functools.reduce(lambda u, v: e("logical_or", u, v),
+                                    [e("isinf", v) for v in vs])
+
+        z_inf, w_inf = any_inf(a, b_), any_inf(c, d)
+        a1, b1 = (e("where", z_inf, box(v), v) for v in (a, b_))
+        c1, d1 = unnan(c, z_inf), unnan(d, z_inf)
+        c1, d1 = (e("where", w_inf, box(v), v) for v in (c1, d1))
+        a1, b1 = unnan(a1, w_inf), unnan(b1, w_inf)
+        over = e("logical_and", e("logical_not", e("logical_or", z_inf, w_inf)),
+                 any_inf(ac, bd, ad, bc))
+        a1, b1, c1, d1 = (unnan(v, over) for v in (a1, b1, c1, d1))
+        redo = e("logical_and", both, e("logical_or", e("logical_or", z_inf, w_inf), over))
+        inf = self.const(math.inf)
+        x1 = e("mul", inf, e("sub", e("mul", a1, c1), e("mul", b1, d1)))
+        y1 = e("mul", inf, e("add", e("mul", a1, d1), e("mul", b1, c1)))
+        return e("where", redo, x1, x), e("where", redo, y1, y)
+
     # -- formulas shared by several ops ----------------------------------------------------
     def div(self, a, b_, c, d) -> tuple[str, str]:
         """(a + bi) / (c + di), Smith's algorithm as c10::complex's operator/."""
@@ -281,6 +316,12 @@ def _exp_parts(p: _Parts, a: str, bi: str) -> tuple[str, str]:
     e = p.e
     m = e("exp", a)
     re, im = e("mul", m, e("cos", bi)), e("mul", m, e("sin", bi))
+    # exp(a) beyond the dtype's range: exp(a / 2) twice, so a part whose sine or cosine is
+    # small stays finite (glibc's cexp scales likewise)
+    big = e("gt", a, p.const(88.0 if p.rdt == dtypes.float32 else 709.0))
+    h = e("exp", e("mul", a, p.const(0.5)))
+    re = e("where", big, e("mul", e("mul", h, e("cos", bi)), h), re)
+    im = e("where", big, e("mul", e("mul", h, e("sin", bi)), h), im)
     # C99's infinities: exp(+-inf + i b), b infinite or NaN, is (+inf, NaN) / (0, 0)
     edge = e("logical_and", e("isinf", a), e("logical_or", e("isinf", bi), e("isnan", bi)))
     pos = e("gt", a, p.const(0.0))
@@ -531,10 +572,11 @@ def _addmm(b, n):
 # -- powers ------------------------------------------------------------------------------------
 
 def _pow_parts(p: _Parts, a, bi, c, d) -> tuple[str, str]:
-    """(a + bi) ** (c + di) = exp((c + di) log(a + bi)), as eager's std::pow (C99 cpow):
-    0 ** y is exp(y * (-inf + 0i)): 0 for Re y > 0, inf + NaN i for Re y < 0, NaN for
-    y == 0 (numpy gives 1 there)."""
-    return _exp_parts(p, *p.mul(c, d, *_log_parts(p, a, bi)))
+    """(a + bi) ** (c + di) = exp((c + di) log(a + bi)), as eager's std::pow (glibc's cpow,
+    the product C99's; a real exponent is (c, +0) there too: 2.5 * (inf + i pi/2) is
+    inf + NaN i): 0 ** y is exp(y * (-inf + 0i)): 0 for Re y > 0, inf + NaN i for Re y < 0,
+    NaN for y == 0 (numpy gives 1 there)."""
+    return _exp_parts(p, *p.mul_c99(c, d, *_log_parts(p, a, bi)))
 
 
 def _int_pow(p: _Parts, a, bi, k: int) -> tuple[str, str]:
@@ -652,14 +694,16 @@ def _expm1(p, a, bi):
 
 def _sinh(p, a, bi):
     """(sinh a cos b, cosh a sin b); b == 0 -> imaginary part b; a == 0 with b infinite or
-    NaN -> (a, NaN); a infinite with b infinite or NaN -> (a, NaN)."""
+    NaN -> (a, NaN); a infinite with b infinite or NaN -> (+inf, NaN) (glibc's sign)."""
     e = p.e
     re = e("mul", e("sinh", a), e("cos", bi))
     im = e("mul", e("cosh", a), e("sin", bi))
     im = e("where", e("eq", bi, p.const(0.0)), bi, im)
-    odd = e("logical_and", e("logical_or", e("eq", a, p.const(0.0)), e("isinf", a)),
-            e("logical_not", p.finite(bi)))
-    return e("where", odd, a, re), e("where", odd, p.const(math.nan), im)
+    wild = e("logical_not", p.finite(bi))
+    odd = e("logical_and", e("logical_or", e("eq", a, p.const(0.0)), e("isinf", a)), wild)
+    re = e("where", e("logical_and", e("isinf", a), wild), p.const(math.inf), re)
+    return e("where", e("logical_and", e("eq", a, p.const(0.0)), wild), a, re), e(
+        "where", odd, p.const(math.nan), im)
 
 
 def _cosh(p, a, bi):
@@ -668,7 +712,8 @@ def _cosh(p, a, bi):
     e = p.e
     re = e("mul", e("cosh", a), e("cos", bi))
     im = e("mul", e("sinh", a), e("sin", bi))
-    im = e("where", e("eq", bi, p.const(0.0)), e("mul", bi, e("copysign", p.const(1.0), a)), im)
+    im = e("where", e("eq", bi, p.const(0.0)),
+           e("where", e("isnan", a), bi, e("mul", bi, e("copysign", p.const(1.0), a))), im)
     wild = e("logical_not", p.finite(bi))
     zero = e("logical_and", e("eq", a, p.const(0.0)), wild)
     big = e("logical_and", e("isinf", a), wild)
@@ -711,6 +756,7 @@ def _tanh(p, a, bi):
     anan = e("isnan", a)
     nan = p.const(math.nan)
     im = e("where", anan, e("where", e("eq", bi, p.const(0.0)), bi, nan), im)
+    re = e("where", anan, nan, re)
     fin_wild = e("logical_and", p.finite(a), wild)
     re = e("where", fin_wild, e("where", e("eq", a, p.const(0.0)), a, nan), re)
     im = e("where", fin_wild, nan, im)
@@ -725,8 +771,16 @@ def _rotated(fn, back: bool = True):
     return formula
 
 
+def _sin(p, a, bi):
+    """-i sinh(iz); an infinite b with a infinite or NaN: (NaN, +inf), glibc's sign."""
+    re, im = _rotated(_sinh)(p, a, bi)
+    e = p.e
+    odd = e("logical_and", e("isinf", bi), e("logical_not", p.finite(a)))
+    return re, e("where", odd, p.const(math.inf), im)
+
+
 _UNARY = {"exp2": _exp2, "log2": _log2, "log10": _log10, "log1p": _log1p, "expm1": _expm1,
-          "sinh": _sinh, "cosh": _cosh, "tanh": _tanh, "sin": _rotated(_sinh),
+          "sinh": _sinh, "cosh": _cosh, "tanh": _tanh, "sin": _sin,
           "cos": _rotated(_cosh, back=False), "tan": _rotated(_tanh)}
 for _name, _f in _UNARY.items():
     register(f"aten.{_name}.default")(_unary(_f))

@@ -1,0 +1,283 @@
+"""Complex ops beyond arithmetic in kiln's own kernels (issue 16, item 5): the matmul family
+as one real GEMM of the parts, pow, trigonometric and hyperbolic functions, exp2 / log2 /
+log10 / log1p / expm1, isnan / isinf / isfinite, add / sub with alpha, prod, cumsum, cumprod
+(frontend/aten_complex.py); none of them calls ATen.
+
+As test_complex_native.py: each group is one compiled program (difftest.Cases), run on fresh
+inputs; complex64 results against eager's complex128 on the same values, complex128 against
+eager complex128. Special values are judged per element against numpy's complex128 math or
+eager's own result (which agree with glibc's C99 functions nearly everywhere); where the
+answer is ill-conditioned (pow: the phase Im(y log x) carries |y log x| rounding errors) the
+tolerance grows with the condition number."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+import torch
+
+from difftest import Cases, Fn, case_name, gen
+from test_complex_native import OPTS_CUDA, TOL, Strided, _compare, _reference, _special_grid
+
+import kiln
+
+C64, C128 = torch.complex64, torch.complex128
+REAL = {C64: torch.float32, C128: torch.float64}
+
+
+def pointwise(a, b, r):
+    """The new complex ops on complex a, b and real r (same shapes)."""
+    return {
+        "pow": a ** b, "pow_real_t": a ** r, "real_pow": r.abs() ** b, "rpow": 2 ** a,
+        "pow2": a ** 2, "pow3": a ** 3, "pow_m2": a ** -2, "pow_half": a ** 0.5,
+        "pow_m_half": a ** -0.5, "pow_m1": a ** -1, "pow0": a ** 0, "pow1": b ** 1,
+        "pow_25": a ** 2.5, "pow_j": a ** (1 - 0.5j), "square": torch.square(b),
+        "rsqrt": torch.rsqrt(a), "sigmoid": torch.sigmoid(b),
+        "sin": a.sin(), "cos": a.cos(), "tan": b.tan(), "sinh": a.sinh(), "cosh": b.cosh(),
+        "tanh": a.tanh(), "tanh_big": (a * 30).tanh(),
+        "exp2": a.exp2(), "log2": b.log2(), "log10": a.log10(), "log1p": a.log1p(),
+        "log1p_small": (b * 1e-3).log1p(), "expm1": b.expm1(), "expm1_small": (a * 1e-3).expm1(),
+        "isnan": (a / r).isnan(), "isinf": (a / (r > 0)).isinf(),
+        "isfinite": (b / (r > 0)).isfinite(),
+        "add_alpha": torch.add(a, b, alpha=2), "add_calpha": torch.add(a, b, alpha=1 - 2j),
+        "sub_alpha": torch.sub(a, b, alpha=-0.5), "rsub_alpha": torch.rsub(a, 3, alpha=2j),
+        "prod": a.prod(-1), "prod0_keep": b.prod(0, keepdim=True), "prod_all": (a * 0.5).prod(),
+        "cumsum": a.cumsum(-1), "cumsum0": b.cumsum(0), "cumprod": a.cumprod(-1),
+        "cumprod0": b.cumprod(0),
+        "chain": torch.sin(a * b) * a.cosh() - torch.tanh(b).log1p() + a.cumsum(-1),
+    }
+
+
+CASES = [(C64, (7, 13), "t", pointwise), (C128, (6, 11), "contig", pointwise),
+         (C64, (5, 9), "step", pointwise)]
+
+
+def _inputs(dt, shape, kind, run):
+    g = gen("complex_more", dt, shape, kind, run)
+    n = {"contig": shape, "t": shape[::-1], "step": shape[:-1] + (2 * shape[-1],)}[kind]
+    return (torch.randn(n, dtype=dt, generator=g), torch.randn(n, dtype=dt, generator=g),
+            torch.randn(n, dtype=REAL[dt], generator=g))
+
+
+def _check_group(model, got, args, nargs, tol=None):
+    want = model(*args)
+    i = 0
+    for name, mod in model.mods.items():
+        ref = _reference(mod, args[i:i + nargs])
+        i += nargs
+        for k, w in ref.items():
+            _compare(got[f"{name}__{k}"], want[f"{name}__{k}"], w, f"{name} {k}")
+
+
+@pytest.fixture(scope="module")
+def pointwise_package(tmp_path_factory):
+    model = Cases({case_name(str(dt)[6:], shape, kind): (Strided(Fn(fn), kind), 3)
+                   for dt, shape, kind, fn in CASES})
+    args = [x for dt, shape, kind, _ in CASES for x in _inputs(dt, shape, kind, 0)]
+    compiled = kiln.compile(model, tuple(args))
+    return compiled, compiled.load(tmp_path_factory.mktemp("cmore") / "m.kiln"), model
+
+
+@pytest.mark.parametrize("run", [0, 1])
+def test_pointwise_ops_match_eager(pointwise_package, run):
+    compiled, runner, model = pointwise_package
+    assert compiled.manifest["requires"]["aten_fallback_ops"] == []
+    assert compiled.manifest["requires"]["libtorch"] is False
+    args = [x for dt, shape, kind, _ in CASES for x in _inputs(dt, shape, kind, run)]
+    with torch.no_grad():
+        _check_group(model, runner(*args), args, 3)
+
+
+# -- the matmul family ---------------------------------------------------------------------------
+
+def matmuls(x, y, z, w, bias, v):
+    """x (B, M, K), y (B, K, N), z (M, N), w (N, K), bias (N,), v (K,)."""
+    x0, y0 = x[0], y[0]
+    return {"mm": x0 @ y0, "mm_t": y0.mT @ x0.mT, "bmm": torch.bmm(x, y), "matmul3": x @ y,
+            "matmul_bcast": x @ y0, "mv": x0 @ v, "vm": v @ y0, "dot": torch.dot(v, v.conj()),
+            "vdot": torch.vdot(v, y0[:, 0]), "linear": torch.nn.functional.linear(x, w, bias),
+            "linear_nobias": torch.nn.functional.linear(x0, w),
+            "addmm": torch.addmm(z, x0, y0), "addmm_ab": torch.addmm(z, x0, y0, beta=0.5 + 1j,
+                                                                     alpha=-2),
+            "addmm_b0": torch.addmm(z * math.nan, x0, y0, beta=0),
+            "baddbmm": torch.baddbmm(z, x, y, alpha=1j), "conj_mm": x0.conj() @ y0,
+            "chain": (x @ y).exp() @ y.mT}
+
+
+MM_CASES = [(C64, (2, 5, 16, 7), "contig"), (C128, (3, 4, 9, 6), "contig"),
+            (C64, (2, 6, 11, 5), "t")]
+
+
+def _mm_inputs(dt, dims, kind, run):
+    b, m, k, n = dims
+    g = gen("complex_mm", dt, dims, kind, run)
+
+    def t(*shape):
+        return torch.randn(shape, dtype=dt, generator=g)
+    x, y = t(b, m, k), t(b, k, n)
+    if kind == "t":  # contiguous inputs whose transposes the model reads
+        x, y = t(b, k, m), t(b, n, k)
+    return x, y, t(m, n), t(n, k), t(n), t(k)
+
+
+class _T(torch.nn.Module):
+    """Transposes the first two inputs (kind 't') before `inner`."""
+
+    def __init__(self, inner, kind):
+        super().__init__()
+        self.inner, self.kind = inner, kind
+
+    def forward(self, x, y, *rest):
+        if self.kind == "t":
+            x, y = x.mT, y.mT
+        return self.inner(x, y, *rest)
+
+
+def test_matmul_family_runs_as_real_gemms(tmp_path):
+    model = Cases({case_name(str(dt)[6:], dims, kind): (_T(Fn(matmuls), kind), 6)
+                   for dt, dims, kind in MM_CASES})
+    args = [a for c in MM_CASES for a in _mm_inputs(*c, 0)]
+    compiled = kiln.compile(model, tuple(args))
+    assert compiled.manifest["requires"]["aten_fallback_ops"] == []
+    runner = compiled.load(tmp_path / "mm.kiln")
+    for run in (0, 1):
+        args = [a for c in MM_CASES for a in _mm_inputs(*c, run)]
+        with torch.no_grad():
+            _check_group(model, runner(*args), args, 6)
+
+
+# -- special values ------------------------------------------------------------------------------
+
+def unary(a):
+    return {"sin": a.sin(), "cos": a.cos(), "tan": a.tan(), "sinh": a.sinh(),
+            "cosh": a.cosh(), "tanh": a.tanh(), "exp2": a.exp2(), "log2": a.log2(),
+            "log10": a.log10(), "log1p": a.log1p(), "expm1": a.expm1(), "rsqrt": a.rsqrt(),
+            "sigmoid": a.sigmoid(), "isnan": a.isnan(), "isinf": a.isinf(),
+            "isfinite": a.isfinite(), "pow2": a ** 2, "pow3": a ** 3, "pow_m2": a ** -2,
+            "pow_25": a ** 2.5, "pow_half": a ** 0.5, "square": a.square()}
+
+
+def _numpy_unary(a: np.ndarray) -> dict:
+    with np.errstate(all="ignore"):
+        return {"sin": np.sin(a), "cos": np.cos(a), "tan": np.tan(a), "sinh": np.sinh(a),
+                "cosh": np.cosh(a), "tanh": np.tanh(a), "exp2": np.exp2(a),
+                "log2": np.log2(a), "log10": np.log10(a), "log1p": np.log1p(a),
+                "expm1": np.expm1(a), "rsqrt": 1 / np.sqrt(a), "sigmoid": 1 / (1 + np.exp(-a)),
+                "isnan": np.isnan(a), "isinf": np.isinf(a), "isfinite": np.isfinite(a),
+                "pow2": a * a, "pow3": a * a * a, "pow_m2": 1 / (a * a), "pow_25": a ** 2.5,
+                "pow_half": np.sqrt(a), "square": a * a}
+
+
+def _agree(g: torch.Tensor, w: torch.Tensor, tol: torch.Tensor) -> torch.Tensor:
+    """Per element: each part equal (NaN == NaN, zeros with their sign) or both finite and
+    within tol * |w| (w's finite parts); where w's magnitude overflows the result's dtype,
+    any result with an infinite part."""
+    if not g.is_complex():
+        return (g == w) | (g.isnan() & w.isnan())
+    w = w.to(C128)
+    g64 = g.to(C128)
+    mag = torch.nan_to_num(w.abs(), posinf=0.0, nan=0.0)
+    ok = torch.ones(g.shape, dtype=torch.bool)
+    for x, y in zip(torch.view_as_real(g64).unbind(-1), torch.view_as_real(w).unbind(-1)):
+        same = ((x == y) & ((x != 0) | (torch.signbit(x) == torch.signbit(y)))) | (
+            x.isnan() & y.isnan())
+        near = x.isfinite() & y.isfinite() & ((x - y).abs() <= tol * mag + 1e-300)
+        ok &= same | near
+    big = w.abs() > torch.finfo(REAL[g.dtype]).max
+    return ok | (big & torch.isinf(torch.view_as_real(g64)).any(-1))
+
+
+def _judge(name, got, refs, tol, show):
+    ok = torch.isinf(tol)  # no digit left to compare
+    for r in refs:
+        ok |= _agree(got, r, tol)
+    if not bool(ok.all()):
+        bad = (~ok).nonzero()[:6].tolist()
+        raise AssertionError(f"{name}: " + "; ".join(
+            f"{show(i)} -> {got[tuple(i)].item()} (refs "
+            f"{[r[tuple(i)].item() for r in refs]})" for i in bad))
+
+
+@pytest.mark.parametrize("dt", [C64, C128], ids=["complex64", "complex128"])
+def test_special_values(tmp_path, dt):
+    """Unary ops on 100 special values (every pair of parts: zeros, signed zeros, 1, -2.5,
+    infinities, NaN, huge, tiny, subnormal); pow on every pair of them (100 x 100)."""
+    grid = _special_grid(dt)
+    a, b = grid[:, None].expand(100, 100).contiguous(), grid[None, :].expand(100, 100)
+    b = b.contiguous()
+
+    def fn(g, x, y):
+        return {"unary": unary(g), "pow": x ** y}
+    compiled = kiln.compile(Fn(fn), (grid, a, b))
+    assert compiled.manifest["requires"]["aten_fallback_ops"] == []
+    got = compiled.load(tmp_path / "sp.kiln")(grid, a, b)
+    with torch.no_grad():
+        eager = fn(grid, a, b)
+    rtol = 4e-6 if dt == C64 else 1e-13
+    ref = _numpy_unary(grid.to(C128).numpy())
+    tiny = grid.to(C128).abs() < 1e-100  # log1p(z) = z there: eager gives NaN for
+    # (-1e-150 + 5e-320i), numpy 0 + 5e-320i (log of 1 + z rounded to 1)
+    for k, w in eager["unary"].items():
+        refs = [torch.from_numpy(np.asarray(ref[k])), w]
+        if k == "log1p":
+            refs.append(torch.where(tiny, grid.to(C128), refs[0]))
+        _judge(f"{k} ({dt})", got["unary"][k], refs, torch.full(grid.shape, rtol),
+               lambda i: grid[tuple(i)].item())
+    # pow: the phase Im(y log x) is rounded to |y log x| ulps (|y log x| ulps of the result)
+    x, y = a.to(C128).numpy(), b.to(C128).numpy()
+    with np.errstate(all="ignore"):
+        want = torch.from_numpy(x ** y)
+        cond = torch.from_numpy(np.nan_to_num(np.abs(y * np.log(x)), nan=0.0, posinf=0.0))
+    tol = rtol * (4 + cond)
+    tol = torch.where(tol >= 0.1, torch.inf, tol)  # no digit of the phase is left
+    _judge(f"pow ({dt})", got["pow"], [want, eager["pow"]], tol,
+           lambda i: (a[tuple(i)].item(), b[tuple(i)].item()))
+
+
+# -- CUDA ----------------------------------------------------------------------------------------
+
+def cuda_program(x, y, a, b):
+    return {"mm": x @ y, "bmm": torch.bmm(x[None], y[None]) * 1j, "pow": a ** b,
+            "pow2": a ** 2, "trig": a.sin() + a.cos() * b.tan(), "hyp": a.sinh() - b.tanh(),
+            "logs": a.log1p() + b.log2() + a.expm1() + a.exp2(), "nan": a.isnan(),
+            "alpha": torch.add(a, b, alpha=2j), "prod": a.prod(-1), "cumprod": a.cumprod(0)}
+
+
+def cuda_args(seed: int, dt=C64):
+    g = torch.Generator().manual_seed(seed)
+    return tuple(torch.randn(s, dtype=dt, generator=g) for s in ((16, 32), (32, 16), (6, 5),
+                                                                  (6, 5)))
+
+
+@pytest.mark.slow  # CUDA builds (Triton kernels and cubins for sm_90): ~30 s on 2 cores
+@pytest.mark.parametrize("dt", [C64, C128], ids=["complex64", "complex128"])
+def test_cuda_kernels_build_without_aten(dt):
+    pytest.importorskip("triton")
+    cm = kiln.compile(torch.export.export(Fn(cuda_program), cuda_args(0, dt)), device="cuda",
+                      options=OPTS_CUDA)
+    assert cm.manifest["requires"]["aten_fallback_ops"] == []
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("dt", [C64, C128], ids=["complex64", "complex128"])
+def test_cuda_package_computes_on_the_gpu(tmp_path, dt):
+    from torch.utils import _pytree as pytree
+
+    args = [t.cuda() for t in cuda_args(0, dt)]
+    cm = kiln.compile(torch.export.export(Fn(cuda_program), tuple(args)), device="cuda")
+    assert cm.manifest["requires"]["aten_fallback_ops"] == []
+    runner = cm.load(tmp_path / "c.kiln", device="cuda:0")
+    tol = TOL[dt]
+    for seed in (1, 2):
+        args = [t.cuda() for t in cuda_args(seed, dt)]
+        got = pytree.tree_leaves(runner(*args))
+        want = pytree.tree_leaves(cuda_program(*[t.cpu().to(C128) for t in args]))
+        for g, w in zip(got, want, strict=True):
+            g = g.cpu()
+            if w.dtype == torch.bool:
+                assert torch.equal(g, w)
+            else:
+                torch.testing.assert_close(g.to(w.dtype), w, **tol)
