@@ -281,3 +281,52 @@ def test_cuda_package_computes_on_the_gpu(tmp_path, dt):
                 assert torch.equal(g, w)
             else:
                 torch.testing.assert_close(g.to(w.dtype), w, **tol)
+
+
+def interp_program(x, y, a, b):
+    """cuda_program's ops that need no libdevice function Triton's interpreter lacks (hypot:
+    log, pow by a non-integer, log1p, log2)."""
+    return {"mm": x @ y, "bmm": torch.bmm(x[None], y[None]) * 1j, "pow2": a ** 2,
+            "pow_m2": b ** -2, "trig": a.sin() + a.cos() * b.tan(), "hyp": a.sinh() - b.tanh(),
+            "exps": a.expm1() + a.exp2(), "nan": a.isnan(), "alpha": torch.add(a, b, alpha=2j),
+            "prod": a.prod(-1), "cumprod": a.cumprod(0)}
+
+
+_CUDA_INTERP = """
+import sys, torch, kiln
+from torch.utils import _pytree as pytree
+sys.path.insert(0, sys.argv[1])
+from test_complex_more import interp_program, cuda_args, OPTS_CUDA, Fn
+from kiln.targets.cuda.wrapper_py import import_triton_module, run_program
+from kiln.targets.cuda.build import triton_kernels
+dt = getattr(torch, sys.argv[2])
+b = kiln.compile(torch.export.export(Fn(interp_program), cuda_args(0, dt)), device="cuda",
+                 options=OPTS_CUDA).built
+mod = import_triton_module(b.sources["kernels_triton.py"])
+ks = {k.name: k for k in triton_kernels(b.steps, {x.name: x for x in b.loop.buffers}, {})}
+args = cuda_args(1, dt)
+outs = run_program(b.program, ks, mod, b.weights, list(args))
+want = pytree.tree_leaves(interp_program(*[t.to(torch.complex128) for t in args]))
+tol = 2e-5 if dt == torch.complex64 else 1e-11
+for o, w in zip(outs, want, strict=True):
+    o = o.reshape(w.shape)
+    if w.dtype == torch.bool:
+        assert torch.equal(o, w)
+    else:
+        torch.testing.assert_close(o.to(w.dtype), w, rtol=tol, atol=tol)
+print("ALL OK")
+"""
+
+
+@pytest.mark.slow  # a CUDA build and Triton's interpreter
+@pytest.mark.parametrize("dt", ["complex64", "complex128"])
+def test_cuda_kernels_compute_in_interpreter(dt):
+    import pathlib
+
+    from difftest import run_interpreted
+    pytest.importorskip("triton")
+    cm = kiln.compile(torch.export.export(Fn(interp_program), cuda_args(0, getattr(torch, dt))),
+                      device="cuda", options=OPTS_CUDA)  # (the interpreter cannot build cubins:
+    # built here, the child finds them in the cache)
+    assert cm.manifest["requires"]["aten_fallback_ops"] == []
+    run_interpreted(_CUDA_INTERP, str(pathlib.Path(__file__).parent), dt)
