@@ -40,7 +40,7 @@ from kiln.ir import dtypes
 
 Converter = object
 COMPLEX: dict[str, Converter] = {}
-_NATIVE = ("complex64", "complex128")
+_NATIVE = ("complex32", "complex64", "complex128")
 
 
 def register(*names: str):
@@ -113,6 +113,12 @@ class _Parts:
         t = self.b.types[name]
         return self.b.emit("view_as_real", [name], None, like=self.n, shape=t.shape + (2,),
                            dtype=dtypes.complex_part(t.dtype))
+
+    def out_real(self, x: str) -> str:
+        """A real result x (in `rdt`) as the node's value (complex32's: rounded to float16)."""
+        if self.b.types[x].dtype == to_dtype(self.b.meta_dtype(self.n)):
+            return x
+        return self.b.emit("cast", [x], self.n)
 
     def join(self, re: str, im: str) -> str:
         return self.b.emit("complex", [re, im], self.n)
@@ -208,6 +214,8 @@ def _start(b, n) -> _Parts:
     for d in cdts:
         _check(to_dtype(d))
     cdt = cdts[0] if dts[0].is_complex else functools.reduce(torch.promote_types, cdts)
+    if cdt == torch.complex32:  # in complex64, the result's parts rounded once (eager's
+        cdt = torch.complex64   # math type for complex32)
     return _Parts(b, n, dtypes.complex_part(to_dtype(cdt)))
 
 
@@ -284,14 +292,14 @@ def _conj(b, n):
 @register("aten.abs.default")
 def _abs(b, n):
     p = _start(b, n)
-    return p.hypot(*p.parts(n.args[0]))
+    return p.out_real(p.hypot(*p.parts(n.args[0])))
 
 
 @register("aten.angle.default")
 def _angle(b, n):
     p = _start(b, n)
     a, bi = p.parts(n.args[0])
-    return p.e("atan2", bi, a)
+    return p.out_real(p.e("atan2", bi, a))
 
 
 @register("aten.sgn.default")
@@ -390,8 +398,9 @@ def _view_as_complex(b, n):
     p = _start(b, n)
     x = b.tensor(n.args[0])
     shape = b.types[x].shape
-    re, im = (b.emit("select", [x], None, like=n, shape=shape[:-1], dtype=p.rdt,
-                     dim=len(shape) - 1, index=k) for k in (0, 1))
+    re, im = (p.real(b.emit("select", [x], None, like=n, shape=shape[:-1],
+                            dtype=b.types[x].dtype, dim=len(shape) - 1, index=k))
+              for k in (0, 1))
     return p.join(re, im)
 
 

@@ -236,6 +236,72 @@ def test_special_values(tmp_path, dt):
            lambda i: (a[tuple(i)].item(), b[tuple(i)].item()))
 
 
+# -- complex32 (torch.chalf): computed in complex64, each part rounded to float16 once ---------
+
+def chalf_eager_ops(h, g, r, c):
+    """The complex32 ops eager computes on the CPU (torch 2.x: few), on chalf h, g, float r
+    and complex64 c."""
+    return {"add": h + g, "sub": h - g, "mul": h * g, "neg": -h,
+            "conj": torch.conj_physical(h), "abs": h.abs(), "sgn": h.sgn(), "eq": h == g,
+            "ne": h != h, "where": torch.where(r > 0, h, g), "isnan": h.isnan(),
+            "isfinite": h.isfinite(), "to64": h.to(C64), "from64": c.to(torch.chalf),
+            "real": h.real * 1, "view_as_real": torch.view_as_real(h) * 1,
+            "complex": torch.complex(r.half(), r.half() * 2), "mul_scalar": h * 2,
+            "mul_cscalar": h * (1 - 1j), "add_alpha": torch.add(h, g, alpha=2),
+            "mixed": h * r.half(), "rsub": 1 - h, "chain": (h * g + h) * g.conj()}
+
+
+def chalf_more_ops(h, g, r, c):
+    """Complex32 ops eager computes on CUDA only (in complex64, rounded once)."""
+    return {"div": h / g, "exp": h.exp(), "log": g.log(), "sqrt": h.sqrt(), "pow2": h ** 2,
+            "sin": h.sin(), "tanh": g.tanh(), "reciprocal": g.reciprocal(),
+            "sum": h.sum(-1), "angle": h.angle()}
+
+
+def chalf_args(seed: int):
+    g = torch.Generator().manual_seed(seed)
+    h, k, c = (torch.randn(6, 7, dtype=C64, generator=g) for _ in range(3))
+    return h.to(torch.chalf), k.to(torch.chalf), torch.randn(6, 7, generator=g), c * 30
+
+
+def _as_c64(args):
+    return [t.to(C64) if t.dtype == torch.chalf else t.float() if t.dtype == torch.half else t
+            for t in args]
+
+
+def _chalf_close(got, want_c64, what):
+    """got (complex32) within one float16 rounding of want (complex64 math rounded)."""
+    assert got.dtype == torch.chalf, what
+    g, w = (torch.view_as_real(t.to(C64)) for t in (got, want_c64))
+    torch.testing.assert_close(g, w, rtol=1e-3, atol=1e-3, equal_nan=True,
+                               msg=lambda m: f"{what}: {m}")
+
+
+def _bits(t):
+    return torch.view_as_real(t) if t.is_complex() else t
+
+
+@pytest.mark.filterwarnings("ignore:ComplexHalf support is experimental")
+def test_complex32_matches_eager(tmp_path):
+    """Eager's CPU complex32 ops bit for bit; the others as complex64 math rounded."""
+    def fn(h, g, r, c):
+        return {**chalf_eager_ops(h, g, r, c), **chalf_more_ops(h, g, r, c)}
+    compiled = kiln.compile(Fn(fn), chalf_args(0))
+    assert compiled.manifest["requires"]["aten_fallback_ops"] == []
+    runner = compiled.load(tmp_path / "ch.kiln")
+    for seed in (1, 2):
+        args = chalf_args(seed)
+        got = runner(*args)
+        for k, w in chalf_eager_ops(*args).items():
+            assert got[k].dtype == w.dtype, k
+            assert torch.equal(_bits(got[k]), _bits(w)), k
+        for k, w in chalf_more_ops(*_as_c64(args)).items():
+            if w.is_complex():
+                _chalf_close(got[k], w.to(torch.chalf), k)
+            else:
+                torch.testing.assert_close(got[k].float(), w, rtol=1e-3, atol=1e-3)
+
+
 # -- CUDA ----------------------------------------------------------------------------------------
 
 def cuda_program(x, y, a, b):
@@ -330,3 +396,49 @@ def test_cuda_kernels_compute_in_interpreter(dt):
     # built here, the child finds them in the cache)
     assert cm.manifest["requires"]["aten_fallback_ops"] == []
     run_interpreted(_CUDA_INTERP, str(pathlib.Path(__file__).parent), dt)
+
+
+def chalf_interp_program(h, g, r, c):
+    """complex32 on CUDA (eager's CUDA ops on chalf) without libdevice calls the interpreter
+    lacks (hypot)."""
+    return {"mul": h * g + h, "conj": torch.conj_physical(h) - g, "div": h / g,
+            "exp": h.exp(), "pow2": h ** 2, "sin": h.sin(), "from64": c.to(torch.chalf),
+            "to64": h.to(C64) * 2, "where": torch.where(r > 0, h, g)}
+
+
+_CHALF_INTERP = """
+import sys, torch, kiln
+from torch.utils import _pytree as pytree
+sys.path.insert(0, sys.argv[1])
+from test_complex_more import (chalf_interp_program, chalf_args, OPTS_CUDA, Fn, _as_c64,
+                               _chalf_close)
+from kiln.targets.cuda.wrapper_py import import_triton_module, run_program
+from kiln.targets.cuda.build import triton_kernels
+b = kiln.compile(torch.export.export(Fn(chalf_interp_program), chalf_args(0)), device="cuda",
+                 options=OPTS_CUDA).built
+mod = import_triton_module(b.sources["kernels_triton.py"])
+ks = {k.name: k for k in triton_kernels(b.steps, {x.name: x for x in b.loop.buffers}, {})}
+args = chalf_args(1)
+outs = run_program(b.program, ks, mod, b.weights, list(args))
+want = chalf_interp_program(*_as_c64(args))
+for o, (k, w) in zip(outs, want.items(), strict=True):
+    o = o.reshape(w.shape)
+    if o.dtype == torch.chalf:
+        _chalf_close(o, w.to(torch.chalf), k)
+    else:
+        torch.testing.assert_close(o, w, rtol=1e-6, atol=1e-6)
+print("ALL OK")
+"""
+
+
+@pytest.mark.slow  # a CUDA build and Triton's interpreter
+@pytest.mark.filterwarnings("ignore:ComplexHalf support is experimental")
+def test_cuda_complex32_kernels_compute_in_interpreter():
+    import pathlib
+
+    from difftest import run_interpreted
+    pytest.importorskip("triton")
+    cm = kiln.compile(torch.export.export(Fn(chalf_interp_program), chalf_args(0)),
+                      device="cuda", options=OPTS_CUDA)
+    assert cm.manifest["requires"]["aten_fallback_ops"] == []
+    run_interpreted(_CHALF_INTERP, str(pathlib.Path(__file__).parent))
