@@ -136,6 +136,10 @@ class ExprPrinter:
             text = f"kr::half_of_bits({self.value(e.args[0])}.{e.op[:2]})"
             self.memo[key] = text
             return text
+        elif e.op == "complex" and e.dtype.name == "complex32":  # float16 parts: their bits
+            re, im = (f"kr::to_bits<kr::half>({self.value(a.args[0])})" if _narrowing(a)
+                      else f"({self.value(a)}).bits" for a in e.args)
+            text = f"kr_complex32{{{re}, {im}}}"
         elif e.op == "cast" and not _storage(e.dtype) and _narrowing(e.args[0]):
             inner = e.args[0]
             rounded = f"kr::round_as<{inner.dtype.c_type}>({self.value(inner.args[0])})"
