@@ -1,5 +1,5 @@
-"""Complex arithmetic as real arithmetic on the parts: aten op on complex64 / complex128 ->
-kiln Graph IR nodes.
+"""Complex arithmetic as real arithmetic on the parts: aten op on complex32 / complex64 /
+complex128 -> kiln Graph IR nodes.
 
 A complex operand is read as its two real parts (`view_as_real` then `select` of part 0 / 1:
 index maps, no copy), the op's formula is written with kiln's real pointwise ops and
@@ -20,10 +20,18 @@ is the one home of each complex formula:
   parts scaled by a power of two;
 - conj / conj_physical / resolve_conj / resolve_neg, neg, polar, complex, view_as_complex,
   where, casts (complex -> real keeps the real part, -> bool tests both parts, real ->
-  complex has imaginary part +0), sum / mean (of each part).
+  complex has imaginary part +0), sum / mean (of each part);
+- the matmul family (mm, bmm, matmul, mv, dot, vdot, linear, addmm, baddbmm): one real GEMM
+  per product (`_gemm`);
+- pow (eager's special cases by a Scalar, else exp(y log x) with C99's product, as glibc's
+  cpow), rsqrt, square, sigmoid; exp2 / log2 / log10 / log1p / expm1 as c10's formulas;
+  sinh / cosh / tanh with C99's special values as glibc, sin / cos / tan through them;
+  isnan / isinf / isfinite; add / sub / rsub with alpha; prod (pairwise tree), cumsum (real
+  scans), cumprod (doubling).
 
-complex32 operands, and ops or forms not here (pow, trigonometry, alpha != 1, matmul, fft,
-...), go to the ATen fallback: a converter that declines raises UnsupportedError, which the
+complex32 (torch.chalf) computes in complex64, each part rounded to float16 once (eager's math
+type and rounding). Ops or forms not here (fft, inverse trigonometry, ...) go to the ATen
+fallback: a converter that declines raises UnsupportedError, which the
 importer turns into a fallback call (frontend/export.py: convert_node)."""
 
 from __future__ import annotations
