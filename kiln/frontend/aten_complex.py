@@ -26,11 +26,12 @@ is the one home of each complex formula:
 - pow (eager's special cases by a Scalar, else exp(y log x) with C99's product, as glibc's
   cpow), rsqrt, square, sigmoid; exp2 / log2 / log10 / log1p / expm1 as c10's formulas;
   sinh / cosh / tanh with C99's special values as glibc, sin / cos / tan through them;
+  asin / acos / asinh / acosh (Hull, Fairgrieve and Tang), atanh / atan (Kahan);
   isnan / isinf / isfinite; add / sub / rsub with alpha; prod (pairwise tree), cumsum (real
   scans), cumprod (doubling).
 
 complex32 (torch.chalf) computes in complex64, each part rounded to float16 once (eager's math
-type and rounding). Ops or forms not here (fft, inverse trigonometry, ...) go to the ATen
+type and rounding). Ops or forms not here (fft, logcumsumexp, ...) go to the ATen
 fallback: a converter that declines raises UnsupportedError, which the
 importer turns into a fallback call (frontend/export.py: convert_node)."""
 
@@ -902,3 +903,114 @@ def _cumprod(b, n):
         re, im = p.mul(re, im, shifted(re, 1.0), shifted(im, 0.0))
         k *= 2
     return p.join(re, im)
+
+
+# -- inverse trigonometric and hyperbolic functions (Hull, Fairgrieve and Tang's algorithm) ------
+
+def _arc_core(p: _Parts, P: str, Q: str) -> tuple[str, str]:
+    """For P, Q >= 0 (asinh(P + iQ) = (L, atan2(Q, D))): L = log(A + sqrt(A^2 - 1)) and
+    D = sqrt(A^2 - Q^2), A = (hypot(P, Q + 1) + hypot(P, Q - 1)) / 2, each without
+    cancellation (Hull, Fairgrieve and Tang, ACM TOMS 1997: A - 1 and A - Q from their
+    parts) or overflow (log(2A) for large A, products of square roots). asin / acos / asinh /
+    acosh are these two numbers with signs and roles (C99's special values included)."""
+    e, one, half = p.e, p.const(1.0), p.const(0.5)
+    f32 = p.rdt == dtypes.float32
+    R = p.hypot(P, e("add", Q, one))
+    S = p.hypot(P, e("sub", Q, one))
+    A = e("mul", half, e("add", R, S))
+    r_part = e("mul", P, e("div", P, e("add", e("add", R, Q), one)))  # R - (Q + 1)
+    below = e("lt", Q, one)
+    s_small = e("mul", P, e("div", P, e("add", S, e("sub", one, Q))))  # S - (1 - Q), Q < 1
+    am1 = e("mul", half, e("add", r_part, e("where", below, s_small,
+                                             e("add", S, e("sub", Q, one)))))
+    l_small = e("log1p", e("add", am1, e("sqrt", e("mul", am1, e("add", A, one)))))
+    l_mid = e("log", e("add", A, e("sqrt", e("mul", e("sub", A, one), e("add", A, one)))))
+    l_big = e("add", e("log", A), p.const(math.log(2.0)))
+    tiny = e("logical_and", e("lt", P, p.const(1e-18 if f32 else 1e-150)), below)
+    l_tiny = e("div", P, e("sqrt", e("mul", e("sub", one, Q), e("add", one, Q))))
+    L = e("where", tiny, l_tiny, e("where", e("le", A, p.const(1.5)), l_small, e(
+        "where", e("gt", A, p.const(1e4 if f32 else 1e8)), l_big, l_mid)))
+    # D = sqrt((A + Q)(A - Q)); A - Q = (R - (Q + 1) + S + 1 - Q) / 2
+    d_low = e("mul", e("sqrt", e("mul", half, e("add", A, Q))),
+              e("sqrt", e("add", r_part, e("add", S, e("sub", one, Q)))))
+    d_high = e("mul", P, e("sqrt", e("mul", e("mul", half, e("add", A, Q)), e(
+        "add", e("reciprocal", e("add", e("add", R, Q), one)),
+        e("reciprocal", e("add", S, e("sub", Q, one)))))))
+    D = e("where", e("le", Q, one), d_low, d_high)
+    # infinities and NaN (C99's casinh): an infinite part -> L = inf; D: P infinite -> inf,
+    # Q infinite -> 1 (NaN if P is), P NaN with Q == 0 -> 1
+    p_inf, q_inf, p_nan = e("isinf", P), e("isinf", Q), e("isnan", P)
+    L = e("where", e("logical_or", p_inf, q_inf), p.const(math.inf), L)
+    D = e("where", p_inf, p.const(math.inf), e("where", q_inf, e("where", p_nan, p.const(
+        math.nan), one), e("where", e("logical_and", p_nan, e("eq", Q, p.const(0.0))),
+                           one, D)))
+    return L, D
+
+
+def _asinh(p, a, bi):
+    e = p.e
+    L, D = _arc_core(p, e("abs", a), e("abs", bi))
+    return e("copysign", L, a), e("copysign", e("atan2", e("abs", bi), D), bi)
+
+
+def _asin(p, a, bi):
+    e = p.e
+    L, D = _arc_core(p, e("abs", bi), e("abs", a))
+    return e("copysign", e("atan2", e("abs", a), D), a), e("copysign", L, bi)
+
+
+def _acos(p, a, bi):
+    e = p.e
+    L, D = _arc_core(p, e("abs", bi), e("abs", a))
+    return e("atan2", D, a), e("neg", e("copysign", L, bi))
+
+
+def _acosh(p, a, bi):
+    """i acos(z) or -i acos(z), whichever has a nonnegative real part: (L, +-Re acos z)."""
+    e = p.e
+    L, D = _arc_core(p, e("abs", bi), e("abs", a))
+    return L, e("copysign", e("atan2", D, a), bi)
+
+
+def _atanh(p, a, bi):
+    """Kahan's formulas on |a|, |b| (atanh is odd and commutes with conj): (log1p(4X / ((1 -
+    X)^2 + Y^2)) / 4, atan2(2Y, (1 - X)(1 + X) - Y^2) / 2); z near 1: the log of that
+    quotient from its parts; |z| huge: (X / |z| / |z|, pi/2);
+    C99's special values (an infinite part: (+0, pi/2); NaN with an infinite part: (+0,
+    NaN) / (0, pi/2))."""
+    e, one = p.e, p.const(1.0)
+    X, Y = e("abs", a), e("abs", bi)
+    omx = e("sub", one, X)
+    re = e("mul", p.const(0.25), e("log1p", e("div", e("mul", p.const(4.0), X), e(
+        "add", e("mul", omx, omx), e("mul", Y, Y)))))
+    im = e("mul", p.const(0.5), e("atan2", e("add", Y, Y), e(
+        "sub", e("mul", omx, e("add", one, X)), e("mul", Y, Y))))
+    # z near 1 (h = |1 - z| tiny, Y^2 may underflow): log1p(4X / h^2) = log(4X) - 2 log h
+    h1 = p.hypot(omx, Y)
+    near = e("lt", h1, p.const(1e-4 if p.rdt == dtypes.float32 else 1e-8))
+    re = e("where", near, e("mul", p.const(0.5), e("sub", e("mul", p.const(0.5), e(
+        "log", e("mul", p.const(4.0), X))), e("log", h1))), re)
+    h = p.hypot(X, Y)
+    big = e("gt", h, p.const(1e18 if p.rdt == dtypes.float32 else 1e150))
+    re = e("where", big, e("div", e("div", X, h), h), re)
+    im = e("where", big, p.const(math.pi / 2), im)
+    x_inf, y_inf, y_nan = e("isinf", X), e("isinf", Y), e("isnan", Y)
+    # an infinite part: (0, pi/2), or (0, NaN) when the other is NaN and X is infinite
+    re = e("where", e("logical_or", x_inf, y_inf), p.const(0.0), re)
+    im = e("where", y_inf, p.const(math.pi / 2), e("where", x_inf, e(
+        "where", y_nan, p.const(math.nan), p.const(math.pi / 2)), im))
+    # NaN real part with an infinite imaginary one: (+-0, pi/2) (above); X == 0 and Y NaN:
+    # (+0, NaN) (the formula's re is log1p(0 / NaN): NaN)
+    re = e("where", e("logical_and", e("eq", X, p.const(0.0)), y_nan), X, re)
+    return e("copysign", re, a), e("copysign", im, bi)
+
+
+def _atan(p, a, bi):
+    """-i atanh(iz)."""
+    u, v = _atanh(p, p.e("neg", bi), a)
+    return v, p.e("neg", u)
+
+
+for _name, _f in {"asinh": _asinh, "asin": _asin, "acos": _acos, "acosh": _acosh,
+                  "atanh": _atanh, "atan": _atan}.items():
+    register(f"aten.{_name}.default")(_unary(_f))

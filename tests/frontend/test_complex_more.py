@@ -1,5 +1,6 @@
 """Complex ops beyond arithmetic in kiln's own kernels (issue 16, item 5): the matmul family
-as one real GEMM of the parts, pow, trigonometric and hyperbolic functions, exp2 / log2 /
+as one real GEMM of the parts, pow, trigonometric and hyperbolic functions and their
+inverses, exp2 / log2 /
 log10 / log1p / expm1, isnan / isinf / isfinite, add / sub with alpha, prod, cumsum, cumprod
 (frontend/aten_complex.py); none of them calls ATen.
 
@@ -36,7 +37,8 @@ def pointwise(a, b, r):
         "pow_j": a ** (1 - 0.5j), "square": torch.square(b),
         "rsqrt": torch.rsqrt(a), "sigmoid": torch.sigmoid(b),
         "sin": a.sin(), "cos": a.cos(), "tan": b.tan(), "sinh": a.sinh(), "cosh": b.cosh(),
-        "tanh": a.tanh(), "tanh_big": (a * 30).tanh(),
+        "tanh": a.tanh(), "tanh_big": (a * 30).tanh(), "asin": b.asin(), "acos": a.acos(),
+        "atan": a.atan(), "asinh": b.asinh(), "acosh": a.acosh(), "atanh": b.atanh(),
         "exp2": a.exp2(), "log2": b.log2(), "log10": a.log10(), "log1p": a.log1p(),
         "log1p_small": (b * 1e-3).log1p(), "expm1": b.expm1(), "expm1_small": (a * 1e-3).expm1(),
         "isnan": (a / r).isnan(), "isinf": (a / (r > 0)).isinf(),
@@ -165,7 +167,18 @@ def unary(a):
             "log10": a.log10(), "log1p": a.log1p(), "expm1": a.expm1(), "rsqrt": a.rsqrt(),
             "sigmoid": a.sigmoid(), "isnan": a.isnan(), "isinf": a.isinf(),
             "isfinite": a.isfinite(), "pow2": a ** 2, "pow3": a ** 3, "pow_m2": a ** -2,
-            "pow_25": a ** 2.5, "pow_half": a ** 0.5, "square": a.square()}
+            "pow_25": a ** 2.5, "pow_half": a ** 0.5, "square": a.square(), **inverse(a)}
+
+
+def inverse(a):
+    return {"asin": a.asin(), "acos": a.acos(), "atan": a.atan(), "asinh": a.asinh(),
+            "acosh": a.acosh(), "atanh": a.atanh()}
+
+
+def _numpy_inverse(a: np.ndarray) -> dict:
+    with np.errstate(all="ignore"):
+        return {k: getattr(np, "arc" + k[1:])(a) for k in ("asin", "acos", "atan", "asinh",
+                                                          "acosh", "atanh")}
 
 
 def _numpy_unary(a: np.ndarray) -> dict:
@@ -176,7 +189,7 @@ def _numpy_unary(a: np.ndarray) -> dict:
                 "expm1": np.expm1(a), "rsqrt": 1 / np.sqrt(a), "sigmoid": 1 / (1 + np.exp(-a)),
                 "isnan": np.isnan(a), "isinf": np.isinf(a), "isfinite": np.isfinite(a),
                 "pow2": a * a, "pow3": a * a * a, "pow_m2": 1 / (a * a), "pow_25": a ** 2.5,
-                "pow_half": np.sqrt(a), "square": a * a}
+                "pow_half": np.sqrt(a), "square": a * a, **_numpy_inverse(a)}
 
 
 def _agree(g: torch.Tensor, w: torch.Tensor, tol: torch.Tensor) -> torch.Tensor:
@@ -216,15 +229,23 @@ def test_special_values(tmp_path, dt):
     grid = _special_grid(dt)
     a, b = grid[:, None].expand(100, 100).contiguous(), grid[None, :].expand(100, 100)
     b = b.contiguous()
+    # the inverse functions also on 1000 values of magnitudes 1e-8 .. 1e8 in all directions
+    g = gen("complex_wide", dt)
+    wide = (torch.randn(1000, dtype=C128, generator=g) * torch.exp(
+        torch.randn(1000, dtype=torch.float64, generator=g) * 3)).to(dt)
 
-    def fn(g, x, y):
-        return {"unary": unary(g), "pow": x ** y}
-    compiled = kiln.compile(Fn(fn), (grid, a, b))
+    def fn(g, x, y, w):
+        return {"unary": unary(g), "pow": x ** y, "wide": inverse(w)}
+    compiled = kiln.compile(Fn(fn), (grid, a, b, wide))
     assert compiled.manifest["requires"]["aten_fallback_ops"] == []
-    got = compiled.load(tmp_path / "sp.kiln")(grid, a, b)
+    got = compiled.load(tmp_path / "sp.kiln")(grid, a, b, wide)
     with torch.no_grad():
-        eager = fn(grid, a, b)
+        eager = fn(grid, a, b, wide)
     rtol = 4e-6 if dt == C64 else 1e-13
+    ref_w = _numpy_inverse(wide.to(C128).numpy())
+    for k, w in eager["wide"].items():
+        _judge(f"{k} ({dt}, wide)", got["wide"][k], [torch.from_numpy(ref_w[k]), w],
+               torch.full(wide.shape, rtol), lambda i: wide[tuple(i)].item())
     ref = _numpy_unary(grid.to(C128).numpy())
     tiny = grid.to(C128).abs() < 1e-100  # log1p(z) = z there: eager gives NaN for
     # (-1e-150 + 5e-320i), numpy 0 + 5e-320i (log of 1 + z rounded to 1)
@@ -317,7 +338,8 @@ def cuda_program(x, y, a, b):
     return {"mm": x @ y, "bmm": torch.bmm(x[None], y[None]) * 1j, "pow": a ** b,
             "pow2": a ** 2, "trig": a.sin() + a.cos() * b.tan(), "hyp": a.sinh() - b.tanh(),
             "logs": a.log1p() + b.log2() + a.expm1() + a.exp2(), "nan": a.isnan(),
-            "alpha": torch.add(a, b, alpha=2j), "prod": a.prod(-1), "cumprod": a.cumprod(0)}
+            "alpha": torch.add(a, b, alpha=2j), "prod": a.prod(-1), "cumprod": a.cumprod(0),
+            "inverse": a.asin() + a.acos() * b.atan() - a.asinh() + b.acosh() * a.atanh()}
 
 
 def cuda_args(seed: int, dt=C64):
