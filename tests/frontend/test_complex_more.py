@@ -386,7 +386,8 @@ def interp_program(x, y, a, b):
     return {"mm": x @ y, "bmm": torch.bmm(x[None], y[None]) * 1j, "pow2": a ** 2,
             "pow_m2": b ** -2, "trig": a.sin() + a.cos() * b.tan(), "hyp": a.sinh() - b.tanh(),
             "exps": a.expm1() + a.exp2(), "nan": a.isnan(), "alpha": torch.add(a, b, alpha=2j),
-            "prod": a.prod(-1), "cumprod": a.cumprod(0)}
+            "prod": a.prod(-1), "cumprod": a.cumprod(0), "fft": torch.fft.fft2(a),
+            "irfft": torch.fft.irfft(b, dim=0), "rfft": torch.fft.rfft(x.real)}
 
 
 _CUDA_INTERP = """
@@ -473,3 +474,65 @@ def test_cuda_complex32_kernels_compute_in_interpreter():
                       device="cuda", options=OPTS_CUDA)
     assert cm.manifest["requires"]["aten_fallback_ops"] == []
     run_interpreted(_CHALF_INTERP, str(pathlib.Path(__file__).parent))
+
+
+# -- torch.fft: a DFT as one GEMM, static sizes up to FFT_MAX ------------------------------------
+
+def ffts(x, y, r):
+    """x (B, N) and y (M, K) complex, r (B, N) real."""
+    return {"fft": torch.fft.fft(x), "ifft": torch.fft.ifft(x), "fft_ortho": torch.fft.fft(
+        x, norm="ortho"), "ifft_fwd": torch.fft.ifft(x, norm="forward"),
+        "fft_dim0": torch.fft.fft(y, dim=0), "fft2": torch.fft.fft2(y), "ifftn": torch.fft.ifftn(y),
+        "fft_pad": torch.fft.fft(y, n=y.shape[-1] + 3), "rfft": torch.fft.rfft(r),
+        "rfft2": torch.fft.rfft2(r, norm="ortho"), "irfft": torch.fft.irfft(x),
+        "irfft_odd": torch.fft.irfft(x, n=2 * x.shape[-1] - 1), "irfft2": torch.fft.irfft2(y),
+        "hfft": torch.fft.hfft(x), "ihfft": torch.fft.ihfft(r), "fft_real": torch.fft.fft(r)}
+
+
+FFT_CASES = [(C64, 2, 1, 6), (C64, 256, 9, 17), (C128, 64, 5, 12), (C128, 7, 16, 3)]
+
+
+def _fft_inputs(dt, n, m, k, run):
+    g = gen("complex_fft", dt, n, m, k, run)
+    return (torch.randn(3, n, dtype=dt, generator=g), torch.randn(m, k, dtype=dt, generator=g),
+            torch.randn(3, n, dtype=REAL[dt], generator=g))
+
+
+def _numpy_ffts(x, y, r) -> dict:
+    """numpy's (pocketfft) complex128 / float64 results: the reference."""
+    f = np.fft
+    n = x.shape[-1]
+    return {"fft": f.fft(x), "ifft": f.ifft(x), "fft_ortho": f.fft(x, norm="ortho"),
+            "ifft_fwd": f.ifft(x, norm="forward"), "fft_dim0": f.fft(y, axis=0),
+            "fft2": f.fft2(y), "ifftn": f.ifftn(y), "fft_pad": f.fft(y, n=y.shape[-1] + 3),
+            "rfft": f.rfft(r), "rfft2": f.rfft2(r, norm="ortho"), "irfft": f.irfft(x),
+            "irfft_odd": f.irfft(x, n=2 * n - 1), "irfft2": f.irfft2(y), "hfft": f.hfft(x),
+            "ihfft": f.ihfft(r), "fft_real": f.fft(r)}
+
+
+def test_fft_small_sizes_as_gemms(tmp_path):
+    """Every torch.fft form kiln computes (c2c, r2c, c2r; norms; several dims; padding), sizes
+    1 .. 510: kiln's error against numpy's complex128 FFT at most 4x eager's (FFTs round
+    O(log N) times, a DFT sums N products) plus 8 ulps; complex128 within 1e-13."""
+    model = Cases({case_name(str(dt)[6:], n, m, k): (Fn(ffts), 3) for dt, n, m, k in FFT_CASES})
+    args = [a for c in FFT_CASES for a in _fft_inputs(*c, 0)]
+    compiled = kiln.compile(model, tuple(args))
+    assert compiled.manifest["requires"]["aten_fallback_ops"] == []
+    runner = compiled.load(tmp_path / "fft.kiln")
+    for run in (0, 1):
+        args = [a for c in FFT_CASES for a in _fft_inputs(*c, run)]
+        got, want = runner(*args), model(*args)
+        for i, (dt, n, m, k) in enumerate(FFT_CASES):
+            name = case_name(str(dt)[6:], n, m, k)
+            ref = _numpy_ffts(*[a.to(C128 if a.is_complex() else torch.float64).numpy()
+                                for a in args[3 * i:3 * i + 3]])
+            eps = torch.finfo(REAL[dt]).eps
+            for key, r in ref.items():
+                g, w = got[f"{name}__{key}"], want[f"{name}__{key}"]
+                assert g.dtype == w.dtype and g.shape == w.shape, (name, key)
+                r = torch.from_numpy(np.asarray(r))
+                scale = r.abs().max().item() or 1.0
+                err = (g.to(r.dtype) - r).abs().max().item() / scale
+                err_eager = (w.to(r.dtype) - r).abs().max().item() / scale
+                bound = 1e-13 if dt == C128 else 4 * err_eager + 8 * eps
+                assert err <= bound, f"{name} {key}: kiln {err:.3g}, eager {err_eager:.3g}"
