@@ -1047,6 +1047,18 @@ def _twiddles(p: _Parts, n: int, cols: int, sign: float, rows: int | None = None
     c, s = (b.emit(f, [th], None, like=node, shape=shape, dtype=f64) for f in ("cos", "sin"))
     if sign < 0:
         s = b.emit("neg", [s], None, like=node, shape=shape, dtype=f64)
+    # exact at the quarter turns (cos pi is -1, sin pi 0): a real signal's DC and Nyquist
+    # outputs are then exactly real, as an FFT's (their angle is 0 or pi, not +-pi at random)
+    points = [(n // 2, -1.0, 0.0)] if n % 2 == 0 else []
+    if n % 4 == 0:
+        points += [(n // 4, 0.0, sign), (3 * n // 4, 0.0, -sign)]
+    for k, cv, sv in points:
+        at = b.emit("eq", [m, b.scalar(k, torch.int64)], None, like=node, shape=shape,
+                    dtype=dtypes.bool_)
+        c = b.emit("where", [at, b.scalar(cv, torch.float64), c], None, like=node,
+                   shape=shape, dtype=f64)
+        s = b.emit("where", [at, b.scalar(sv, torch.float64), s], None, like=node,
+                   shape=shape, dtype=f64)
     if weights is not None:
         wc, ws = weights(j)
         c, s = (b.emit("mul", [v, w], None, like=node, shape=shape, dtype=f64)
@@ -1062,8 +1074,9 @@ def _dft(p: _Parts, x: str, dim: int, forward: bool, cols: int | None = None) ->
     shape = list(b.types[x].shape)
     n = shape[dim]
     if not n.is_Integer or int(n) > FFT_MAX:
-        raise UnsupportedError(f"fft over a dim of size {n}: kiln computes static sizes up "
-                               f"to {FFT_MAX} (a DFT as a GEMM), larger ones are ATen's")
+        raise UnsupportedError(f"fft over a dim of size {n} computes on complex values in a "
+                               f"way kiln leaves to ATen (kiln's DFT takes static sizes up to "
+                               f"{FFT_MAX}): enable aten_fallback")
     n = int(n)
     cols = n if cols is None else cols
     cdt = dtypes.complex_of(p.rdt)
@@ -1141,8 +1154,9 @@ def _fft_c2r(b, n):
     dims = [d % rank for d in n.args[1]]
     norm, size = int(n.args[2]), b.int_or_sym(n.args[3])
     if not isinstance(size, int) or size > FFT_MAX:
-        raise UnsupportedError(f"irfft to a size {size}: kiln computes static sizes up to "
-                               f"{FFT_MAX}")
+        raise UnsupportedError(f"irfft to a size {size} computes on complex values in a way "
+                               f"kiln leaves to ATen (kiln's DFT takes static sizes up to "
+                               f"{FFT_MAX}): enable aten_fallback")
     sizes = [int(shape[d]) if shape[d].is_Integer else 0 for d in dims[:-1]] + [size]
     for d in dims[:-1]:
         x = _dft(p, x, d, False)
