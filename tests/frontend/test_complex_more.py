@@ -37,8 +37,7 @@ def pointwise(a, b, r):
         "pow_j": a ** (1 - 0.5j), "square": torch.square(b),
         "rsqrt": torch.rsqrt(a), "sigmoid": torch.sigmoid(b),
         "sin": a.sin(), "cos": a.cos(), "tan": b.tan(), "sinh": a.sinh(), "cosh": b.cosh(),
-        "tanh": a.tanh(), "tanh_big": (a * 30).tanh(), "asin": b.asin(), "acos": a.acos(),
-        "atan": a.atan(), "asinh": b.asinh(), "acosh": a.acosh(), "atanh": b.atanh(),
+        "tanh": a.tanh(), "tanh_big": (a * 30).tanh(), "acos": a.acos(), "atanh": b.atanh(),
         "exp2": a.exp2(), "log2": b.log2(), "log10": a.log10(), "log1p": a.log1p(),
         "log1p_small": (b * 1e-3).log1p(), "expm1": b.expm1(), "expm1_small": (a * 1e-3).expm1(),
         "isnan": (a / r).isnan(), "isinf": (a / (r > 0)).isinf(),
@@ -489,7 +488,7 @@ def ffts(x, y, r):
         "hfft": torch.fft.hfft(x), "ihfft": torch.fft.ihfft(r), "fft_real": torch.fft.fft(r)}
 
 
-FFT_CASES = [(C64, 2, 1, 6), (C64, 256, 9, 17), (C128, 64, 5, 12), (C128, 7, 16, 3)]
+FFT_CASES = [(C64, 2, 1, 6), (C64, 256, 9, 17), (C128, 64, 5, 12)]
 
 
 def _fft_inputs(dt, n, m, k, run):
