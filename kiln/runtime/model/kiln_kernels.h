@@ -215,6 +215,8 @@ static_assert(sizeof(float8_e4m3fnuz) == 1 && sizeof(float8_e5m2fnuz) == 1, "8-b
  * `buf[i].bits = kr::to_bits<S>(x)` vectorise. */
 template <class S, class T> inline auto to_bits(T x) { return S(x).bits; }
 template <class S, class T> inline float round_as(T x) { return static_cast<float>(S(x)); }
+// A part of a complex32 element (its float16 bits) as a value
+inline half half_of_bits(uint16_t b) { half h; h.bits = b; return h; }
 
 namespace math_detail {
 /* Cody-Waite reduction x = k ln2 + r, |r| <= ln2/2, for |x| <= 104: k rounded to nearest by

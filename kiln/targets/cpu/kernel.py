@@ -131,6 +131,15 @@ class ExprPrinter:
                 # temporary (a complex element's parts are read as `.re` / `.im` of it)
                 self.memo[key] = text
                 return text
+        elif e.op in ("real", "imag") and e.args[0].dtype.name == "complex32":
+            # float16 bits in the element: read where used (as loads of storage types)
+            text = f"kr::half_of_bits({self.value(e.args[0])}.{e.op[:2]})"
+            self.memo[key] = text
+            return text
+        elif e.op == "complex" and e.dtype.name == "complex32":  # float16 parts: their bits
+            re, im = (f"kr::to_bits<kr::half>({self.value(a.args[0])})" if _narrowing(a)
+                      else f"({self.value(a)}).bits" for a in e.args)
+            text = f"kr_complex32{{{re}, {im}}}"
         elif e.op == "cast" and not _storage(e.dtype) and _narrowing(e.args[0]):
             inner = e.args[0]
             rounded = f"kr::round_as<{inner.dtype.c_type}>({self.value(inner.args[0])})"
@@ -153,6 +162,10 @@ class ExprPrinter:
         if _narrowing(e):
             return f"{dest}.bits = kr::to_bits<{e.dtype.c_type}>({self.value(e.args[0])});"
         if isinstance(e, L.Op) and e.op == "complex":  # the parts stored apart: no struct
+            if e.dtype.name == "complex32":  # float16 parts: their bits
+                re, im = (f"kr::to_bits<kr::half>({self.value(a.args[0])})" if _narrowing(a)
+                          else f"({self.value(a)}).bits" for a in e.args)
+                return f"{dest}.re = {re}; {dest}.im = {im};"
             re, im = (self.value(a) for a in e.args)
             return f"{dest}.re = {re}; {dest}.im = {im};"
         return f"{dest} = {self.value(e)};"

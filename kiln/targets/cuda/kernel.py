@@ -131,8 +131,12 @@ class _Scope:
         if isinstance(e, L.Op) and e.op in ("real", "imag"):  # a part of a complex element
             bits = self.part(e.args[0], 0 if e.op == "real" else 1)
             name = self.fresh()
-            self.lines.append(Assign(name, code(FLOAT_OPS[e.op], bits,
-                                                T=tl_compute(e.dtype.name)), self.depth, None))
+            if e.args[0].dtype.name == "complex32":  # float16 bits, computed in float32
+                text = code("{}.to(tl.float16, bitcast=True).to({})", bits,
+                            tl_compute(e.dtype.name))
+            else:
+                text = code(FLOAT_OPS[e.op], bits, T=tl_compute(e.dtype.name))
+            self.lines.append(Assign(name, text, self.depth, None))
             self.memo[e] = (Ref(name),)
             return self.memo[e]
         if e.dtype.is_complex or any(a.dtype.is_complex for a in getattr(e, "args", ())):
@@ -202,6 +206,9 @@ class _Scope:
                         self.part(e.args[1], part), self.part(e.args[2], part))
         elif isinstance(e, L.Op) and e.op == "cast" and e.args[0].dtype == e.dtype:
             return self.part(e.args[0], part)
+        elif isinstance(e, L.Op) and e.op == "complex" and e.dtype.name == "complex32":
+            # float16 parts are computed in float32: rounded (exactly: they were) first
+            text = code("{}.to(tl.float16).to(tl.int16, bitcast=True)", self.value(e.args[part]))
         elif isinstance(e, L.Op) and e.op == "complex":  # made of two floats: one's bits
             text = code(FLOAT_OPS["complex"], self.value(e.args[part]), T=T)
         else:
