@@ -42,28 +42,42 @@ def _histc_inputs(n, dt, lo, hi, g):
     return x
 
 
-@pytest.mark.parametrize("dt", [torch.float32, torch.float64])
-@pytest.mark.parametrize(("bins", "lo", "hi"), [(7, -1.0, 2.0), (1, 0.0, 1.0), (100, -3.0, 0.5),
-                                                (7, 0.0, 0.0)])
-def test_histc_matches_eager(tmp_path, dt, bins, lo, hi):
-    g = torch.Generator().manual_seed(bins)
-    def fn(x):
-        return torch.histc(x, bins=bins, min=lo, max=hi)
+HISTC_CASES = [(bins, lo, hi, dt) for bins, lo, hi in [(7, -1.0, 2.0), (1, 0.0, 1.0),
+                                                      (100, -3.0, 0.5), (7, 0.0, 0.0)]
+               for dt in (torch.float32, torch.float64)]
 
-    x = _histc_inputs(50, dt, lo, hi, g)
-    if lo == hi:  # min == max: the data's range (no inf / nan then)
-        x = x[:-2].contiguous()
-    c, runner = _load(tmp_path, fn, (x,), ({0: N},))
+
+def test_histc_matches_eager(tmp_path):
+    """Every (bins, min, max, dtype) of HISTC_CASES in one program (each case its own input
+    and dynamic size; a case's inputs drawn from its own generator in the order a program of
+    its own drew them), at n = 4, 50 and 1000 (min == max: 2 fewer, no inf / nan), then
+    (min == max only) all elements equal: edges widened by one."""
+
+    def hist(bins, lo, hi):
+        return lambda x: torch.histc(x, bins=bins, min=lo, max=hi)
+
+    fns = [hist(bins, lo, hi) for bins, lo, hi, _ in HISTC_CASES]
+
+    def fn(*xs):
+        return tuple(f(x) for f, x in zip(fns, xs))
+
+    per_case = []  # per_case[case][r]: the example, then n = 4, 50, 1000
+    for bins, lo, hi, dt in HISTC_CASES:
+        g = torch.Generator().manual_seed(bins)
+        xs = [_histc_inputs(n, dt, lo, hi, g) for n in (50, 4, 50, 1000)]
+        per_case.append([x[:-2].contiguous() if lo == hi else x for x in xs])
+    runs = [list(r) for r in zip(*per_case)]  # runs[r][case]
+    # all elements equal (min == max cases; the others rerun their n = 4 input)
+    runs.append([torch.full((5,), 2.5, dtype=dt) if lo == hi else runs[1][k]
+                 for k, (_, lo, hi, dt) in enumerate(HISTC_CASES)])
+    dyn = tuple({0: torch.export.Dim(f"n{k}", min=2, max=4096)}
+                for k in range(len(HISTC_CASES)))
+    c, runner = _load(tmp_path, fn, tuple(runs[0]), dyn)
     assert "aten::histc" not in c.manifest["requires"]["aten_fallback_ops"]
-    for n in (4, 50, 1000):
-        x = _histc_inputs(n, dt, lo, hi, g)
-        if lo == hi:
-            x = x[:-2].contiguous()
-        got, want = runner(x), fn(x)
-        assert got.dtype == want.dtype and torch.equal(got, want), (got, want)
-    if lo == hi:  # all elements equal: edges widened by one
-        x = torch.full((5,), 2.5, dtype=dt)
-        assert torch.equal(runner(x), fn(x))
+    for r, xs in enumerate(runs[1:]):
+        for case, got, want, x in zip(HISTC_CASES, runner(*xs), fn(*xs), xs):
+            assert got.dtype == want.dtype and torch.equal(got, want), (case, len(x), r,
+                                                                        got, want)
 
 
 @pytest.mark.parametrize("dt", [torch.float32, torch.float64])
