@@ -59,10 +59,10 @@ class Fn(torch.nn.Module):
 class Cases(torch.nn.Module):
     """Several independent cases in one program, so one package (one C++ compile and link)
     checks them all: case k reads its own `arity` inputs, in order, and its outputs (a dict) are
-    named "<k>__<output>" (a single tensor output: "<k>"). Every case keeps its own static
-    shapes, so its kernels are the ones a package of its own would have. Give each case its
-    own weights (a weight shared by two cases is read twice, which can change how kiln stores
-    it)."""
+    named "<k>__<output>" (a single tensor output: "<k>"; a tuple's: "<k>__<position>"). Every
+    case keeps its own static shapes, so its kernels are the ones a package of its own would
+    have. Give each case its own weights (a weight shared by two cases is read twice, which can
+    change how kiln stores it)."""
 
     def __init__(self, cases: dict[str, tuple[torch.nn.Module, int]]) -> None:
         super().__init__()
@@ -75,8 +75,8 @@ class Cases(torch.nn.Module):
             r = m(*args[i:i + n])
             if isinstance(r, torch.Tensor):
                 out[k] = r
-            else:
-                for name, v in r.items():
+            else:  # a dict, or a tuple / list (outputs named by their position)
+                for name, v in (r.items() if isinstance(r, dict) else enumerate(r)):
                     out[f"{k}__{name}"] = v
             i += n
         assert i == len(args), (i, len(args))

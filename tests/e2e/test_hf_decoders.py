@@ -130,25 +130,41 @@ class Gqa(torch.nn.Module):
         return torch.bmm(scores.softmax(-1), vv)
 
 
-@pytest.mark.parametrize("kv,rep,s,e", [(2, 4, 16, 8), (3, 2, 7, 4), (1, 5, 9, 16)])
-def test_gqa_operands_in_place(kv, rep, s, e):
+GQA_CASES = [(2, 4, 16, 8), (3, 2, 7, 4), (1, 5, 9, 16)]  # (kv, rep, s, e)
+
+
+def test_gqa_operands_in_place():
     """The repeated key and value are read in place (a GEMM with batch dims (kv, rep), the
     repeat a stride of 0; the constant applied to the scores), not copied per head; the
-    result matches eager in float64."""
-    g = torch.Generator().manual_seed(kv * 100 + rep)
-    q = torch.randn(kv * rep, 3, e, generator=g)
-    k, v = (torch.randn(1, kv, s, e, generator=g) for _ in range(2))
-    module = Gqa(rep, 0.37)
-    compiled = kiln.compile(module, (q, k, v), options=kiln.Options(num_threads=2))
-    got = compiled.load()(q, k, v)
-    want = module(q.double(), k.double(), v.double()).float()
-    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    result matches eager in float64. The GQA_CASES in one program (difftest.Cases: each case
+    its own static shapes and GEMMs, outputs named by the case)."""
+    from difftest import Cases
+
+    mods, args = {}, []
+    for kv, rep, s, e in GQA_CASES:
+        g = torch.Generator().manual_seed(kv * 100 + rep)
+        q = torch.randn(kv * rep, 3, e, generator=g)
+        k, v = (torch.randn(1, kv, s, e, generator=g) for _ in range(2))
+        mods[f"kv{kv}_rep{rep}_s{s}_e{e}"] = (Gqa(rep, 0.37), 3)
+        args += [q, k, v]
+    module = Cases(mods)
+    compiled = kiln.compile(module, tuple(args), options=kiln.Options(num_threads=2))
+    got = compiled.load()(*args)
+    want = module(*(a.double() for a in args))
+    assert got.keys() == want.keys()
+    for name, w in want.items():
+        torch.testing.assert_close(got[name], w.float(), rtol=1e-5, atol=1e-5,
+                                   msg=lambda m: f"case {name}: {m}")
     gemms = [x.gemm for x in P.walk(compiled.built.program.lines) if isinstance(x, P.CallGemm)]
-    names = {i.name for i in compiled.built.graph.user_inputs}
-    assert len(gemms) == 2
+    names = [i.name for i in compiled.built.graph.user_inputs]  # q, k, v of each case in order
+    per_case = [0] * len(GQA_CASES)
     for gm in gemms:  # B is the key / value input itself: batch dims (kv, rep), or (rep,)
         assert gm.b.buf in names and gm.b.batch_strides[-1] == 0, gm
-        assert len(gm.batch) == (2 if kv > 1 else 1), gm
+        case = names.index(gm.b.buf) // 3
+        per_case[case] += 1
+        kv = GQA_CASES[case][0]
+        assert len(gm.batch) == (2 if kv > 1 else 1), (GQA_CASES[case], gm)
+    assert per_case == [2] * len(GQA_CASES), per_case
 
 
 def _dequantised_copy(model, compiled, group: int):
@@ -175,8 +191,13 @@ def _dequantised_copy(model, compiled, group: int):
     return ref
 
 
-@pytest.mark.parametrize("quant,kernel", [("int8", "dequant"), ("int4", "dequant"),
-                                          ("int8", "vnni"), ("int4", "vnni")])
+# the default suite: each mode and each kernel once on the decoder (int4 weight-only, int8
+# VNNI); int8 weight-only and int4 VNNI with -m slow (their kernels' own checks stay in the
+# default suite: tests/targets/cpu/test_qgemm.py, weight-only int8 and VNNI int4 at native and
+# x86-64-v4, and int4 VNNI at each portable level)
+@pytest.mark.parametrize("quant,kernel", [pytest.param("int8", "dequant", marks=pytest.mark.slow),
+                                          ("int4", "dequant"), ("int8", "vnni"),
+                                          pytest.param("int4", "vnni", marks=pytest.mark.slow)])
 def test_quantised_weights(quant, kernel):
     """Options(weight_quant=int8 / int4, weight_quant_kernel=dequant / vnni) on a Llama
     decoder: every Linear (lm_head included) runs a qgemm. Fed the same tokens (teacher

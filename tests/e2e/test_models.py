@@ -52,30 +52,39 @@ CHILD = textwrap.dedent("""
     import sys, torch, kiln
     from safetensors.torch import load_file
     from torch.utils import _pytree as pytree
-    pkg, data, n_in = sys.argv[1], sys.argv[2], int(sys.argv[3])
-    rtol, atol = map(float, sys.argv[4:6])
-    t = load_file(data)
-    runner = kiln.load(pkg)
-    out = pytree.tree_leaves(runner(*[t[f"in{i}"] for i in range(n_in)]))
-    for i, o in enumerate(out):
-        torch.testing.assert_close(o, t[f"out{i}"], rtol=rtol, atol=atol)
-    print("ok", len(out))
+    pkg, n_in = sys.argv[1], int(sys.argv[2])
+    rtol, atol = map(float, sys.argv[3:5])
+    for k, data in enumerate(sys.argv[5:]):
+        t = load_file(data)
+        runner = kiln.load(pkg)  # loaded afresh for each case, as by a process of its own
+        out = pytree.tree_leaves(runner(*[t[f"in{i}"] for i in range(n_in)]))
+        for i, o in enumerate(out):
+            torch.testing.assert_close(o, t[f"out{i}"], rtol=rtol, atol=atol,
+                                       msg=lambda m: f"case {k}, output {i}: {m}")
+        print("ok", k, len(out))
 """)
 
 
 @pytest.mark.parametrize("name", MODELS)
 def test_fresh_process_matches_eager(name, packages, tmp_path):
+    """One fresh process per model checks all its cases (each case its own kiln.load)."""
     spec = ALL_MODELS[name]()
-    for k, (args, ref) in enumerate(_cases(name)):
+    cases = _cases(name)
+    files = []
+    for k, (args, ref) in enumerate(cases):
         data = tmp_path / f"case{k}.safetensors"
         tensors = {f"in{i}": a.contiguous() for i, a in enumerate(args)}
         tensors.update({f"out{i}": r.contiguous() for i, r in enumerate(ref)})
         save_file(tensors, str(data))
-        proc = subprocess.run([sys.executable, "-c", CHILD, str(packages[name]), str(data),
-                               str(len(args)), str(spec.rtol), str(spec.atol)],
-                              capture_output=True, text=True, timeout=300)
-        assert proc.returncode == 0, f"case {k}: {proc.stderr[-3000:]}"
-        assert proc.stdout.startswith("ok")
+        files.append(str(data))
+    n_in = {len(args) for args, _ in cases}
+    assert len(n_in) == 1, n_in
+    proc = subprocess.run([sys.executable, "-c", CHILD, str(packages[name]), str(n_in.pop()),
+                           str(spec.rtol), str(spec.atol), *files],
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert [line.split()[:2] for line in proc.stdout.splitlines()] == \
+        [["ok", str(k)] for k in range(len(cases))], proc.stdout
 
 
 @pytest.mark.parametrize("name", MODELS)

@@ -7,7 +7,6 @@ range, NaN and inf included."""
 
 from __future__ import annotations
 
-import pytest
 import torch
 
 import kiln
@@ -42,75 +41,112 @@ def _histc_inputs(n, dt, lo, hi, g):
     return x
 
 
-@pytest.mark.parametrize("dt", [torch.float32, torch.float64])
-@pytest.mark.parametrize(("bins", "lo", "hi"), [(7, -1.0, 2.0), (1, 0.0, 1.0), (100, -3.0, 0.5),
-                                                (7, 0.0, 0.0)])
-def test_histc_matches_eager(tmp_path, dt, bins, lo, hi):
-    g = torch.Generator().manual_seed(bins)
-    def fn(x):
-        return torch.histc(x, bins=bins, min=lo, max=hi)
+HISTC_CASES = [(bins, lo, hi, dt) for bins, lo, hi in [(7, -1.0, 2.0), (1, 0.0, 1.0),
+                                                      (100, -3.0, 0.5), (7, 0.0, 0.0)]
+               for dt in (torch.float32, torch.float64)]
 
-    x = _histc_inputs(50, dt, lo, hi, g)
-    if lo == hi:  # min == max: the data's range (no inf / nan then)
-        x = x[:-2].contiguous()
-    c, runner = _load(tmp_path, fn, (x,), ({0: N},))
+
+def test_histc_matches_eager(tmp_path):
+    """Every (bins, min, max, dtype) of HISTC_CASES in one program (each case its own input
+    and dynamic size; a case's inputs drawn from its own generator in the order a program of
+    its own drew them), at n = 4, 50 and 1000 (min == max: 2 fewer, no inf / nan), then
+    (min == max only) all elements equal: edges widened by one."""
+
+    def hist(bins, lo, hi):
+        return lambda x: torch.histc(x, bins=bins, min=lo, max=hi)
+
+    fns = [hist(bins, lo, hi) for bins, lo, hi, _ in HISTC_CASES]
+
+    def fn(*xs):
+        return tuple(f(x) for f, x in zip(fns, xs))
+
+    per_case = []  # per_case[case][r]: the example, then n = 4, 50, 1000
+    for bins, lo, hi, dt in HISTC_CASES:
+        g = torch.Generator().manual_seed(bins)
+        xs = [_histc_inputs(n, dt, lo, hi, g) for n in (50, 4, 50, 1000)]
+        per_case.append([x[:-2].contiguous() if lo == hi else x for x in xs])
+    runs = [list(r) for r in zip(*per_case)]  # runs[r][case]
+    # all elements equal (min == max cases; the others rerun their n = 4 input)
+    runs.append([torch.full((5,), 2.5, dtype=dt) if lo == hi else runs[1][k]
+                 for k, (_, lo, hi, dt) in enumerate(HISTC_CASES)])
+    dyn = tuple({0: torch.export.Dim(f"n{k}", min=2, max=4096)}
+                for k in range(len(HISTC_CASES)))
+    c, runner = _load(tmp_path, fn, tuple(runs[0]), dyn)
     assert "aten::histc" not in c.manifest["requires"]["aten_fallback_ops"]
-    for n in (4, 50, 1000):
-        x = _histc_inputs(n, dt, lo, hi, g)
-        if lo == hi:
-            x = x[:-2].contiguous()
-        got, want = runner(x), fn(x)
-        assert got.dtype == want.dtype and torch.equal(got, want), (got, want)
-    if lo == hi:  # all elements equal: edges widened by one
-        x = torch.full((5,), 2.5, dtype=dt)
-        assert torch.equal(runner(x), fn(x))
+    for r, xs in enumerate(runs[1:]):
+        for case, got, want, x in zip(HISTC_CASES, runner(*xs), fn(*xs), xs):
+            assert got.dtype == want.dtype and torch.equal(got, want), (case, len(x), r,
+                                                                        got, want)
 
 
-@pytest.mark.parametrize("dt", [torch.float32, torch.float64])
-def test_linalg_vector_norm_matches_eager(tmp_path, dt):
+def test_linalg_vector_norm_matches_eager(tmp_path):
+    """float32 and float64 in one program (each dtype its own input, dynamic rows and
+    generator, drawn in the order a program of its own drew them), at 2, 5 and 33 rows."""
     cases = [(2, None, False), (3, 1, False), (0.5, (0, 1), True), (1, 0, True),
              (float("inf"), None, False), (float("-inf"), 1, True), (0, 1, False)]
     fns = [lambda x, o=o, d=d, k=k: torch.linalg.vector_norm(x, ord=o, dim=d, keepdim=k)
            for o, d, k in cases]
 
-    def fn(x):
+    def norms(x):
         return tuple(f(x) for f in fns) + (torch.linalg.vector_norm(x, 2.5, dtype=torch.float64),)
 
-    g = torch.Generator().manual_seed(1)
-    x = torch.randn(5, 7, generator=g, dtype=dt)
-    _, runner = _load(tmp_path, fn, (x,), ({0: N},))
-    tol = 1e-5 if dt == torch.float32 else 1e-12
-    for rows in (2, 5, 33):
-        x = torch.randn(rows, 7, generator=g, dtype=dt)
-        x[0, 3] = 0.0
-        got, want = runner(x), fn(x)
-        want64 = fn(x.double())
-        for a, w, r in zip(got, want, want64):
-            assert a.dtype == w.dtype and a.shape == w.shape
-            torch.testing.assert_close(a.double(), r.to(a.dtype).double(), rtol=tol, atol=tol)
+    def fn(*xs):
+        return tuple(o for x in xs for o in norms(x))
+
+    dts = (torch.float32, torch.float64)
+    per_dt = []  # per_dt[dtype][run]: the example, then 2, 5 and 33 rows
+    for dt in dts:
+        g = torch.Generator().manual_seed(1)
+        xs = [torch.randn(5, 7, generator=g, dtype=dt)]
+        for rows in (2, 5, 33):
+            x = torch.randn(rows, 7, generator=g, dtype=dt)
+            x[0, 3] = 0.0
+            xs.append(x)
+        per_dt.append(xs)
+    dyn = tuple({0: torch.export.Dim(f"n{k}", min=2, max=4096)} for k in range(len(dts)))
+    _, runner = _load(tmp_path, fn, tuple(xs[0] for xs in per_dt), dyn)
+    n_out = len(cases) + 1
+    for r in range(1, 4):
+        xs = [per_dt[k][r] for k in range(len(dts))]
+        got, want, want64 = runner(*xs), fn(*xs), fn(*(x.double() for x in xs))
+        assert len(got) == len(want) == n_out * len(dts)
+        for j, (a, w, r64) in enumerate(zip(got, want, want64)):
+            dt = dts[j // n_out]
+            tol = 1e-5 if dt == torch.float32 else 1e-12
+            assert a.dtype == w.dtype and a.shape == w.shape, (dt, j % n_out)
+            torch.testing.assert_close(a.double(), r64.to(a.dtype).double(), rtol=tol, atol=tol,
+                                       msg=lambda m: f"{dt}, output {j % n_out}: {m}")
 
 
-@pytest.mark.parametrize("dt", [torch.complex64, torch.complex128])
-def test_complex_add_and_sub_with_alpha(tmp_path, dt):
-    def fn(x, y, r):
+def test_complex_add_and_sub_with_alpha(tmp_path):
+    """complex64 and complex128 in one program (each dtype its own inputs, dynamic rows and
+    generator, drawn in the order a program of its own drew them)."""
+    def one(x, y, r):
         return (torch.add(x, y, alpha=2), torch.sub(x, y, alpha=-1.5), x + y, x - y,
                 torch.add(x, r, alpha=3), torch.add(r, r, alpha=0.5))
 
-    def make(n, g):
+    def fn(*args):
+        return one(*args[:3]) + one(*args[3:])
+
+    dts = (torch.complex64, torch.complex128)
+
+    def make(n, g, dt):
         return (torch.randn(n, 4, generator=g, dtype=dt), torch.randn(4, generator=g, dtype=dt),
                 torch.randn(n, 4, generator=g))
 
-    g = torch.Generator().manual_seed(2)
-    c, runner = _load(tmp_path, fn, make(3, g), ({0: N}, None, {0: N}))
+    gens = {dt: torch.Generator().manual_seed(2) for dt in dts}
+    runs = [tuple(t for dt in dts for t in make(n, gens[dt], dt)) for n in (3, 2, 3, 17)]
+    n0, n1 = (torch.export.Dim(f"n{k}", min=2, max=4096) for k in range(2))
+    c, runner = _load(tmp_path, fn, runs[0], ({0: n0}, None, {0: n0}, {0: n1}, None, {0: n1}))
     # the real add keeps kiln's own kernel
     assert "aten::add" not in c.manifest["requires"]["aten_fallback_ops"] or any(
         o["dtype"].startswith("complex") for o in c.manifest["outputs"])
-    for n in (2, 3, 17):
-        args = make(n, g)
-        for a, w in zip(runner(*args), fn(*args)):
-            assert a.dtype == w.dtype and a.shape == w.shape
+    for args in runs[1:]:
+        for j, (a, w) in enumerate(zip(runner(*args), fn(*args))):
+            assert a.dtype == w.dtype and a.shape == w.shape, j
             tol = 1e-12 if w.dtype == torch.complex128 else 1e-6
-            torch.testing.assert_close(a, w, rtol=tol, atol=tol)
+            torch.testing.assert_close(a, w, rtol=tol, atol=tol,
+                                       msg=lambda m: f"{w.dtype}, output {j % 6}: {m}")
 
 
 def test_scalar_rewrites_are_general(tmp_path):

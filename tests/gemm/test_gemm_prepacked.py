@@ -15,7 +15,7 @@ import torch
 import kiln
 from kiln.gemm import cpu
 from kiln.ir.packing import pack_panels
-from tests.difftest import Checker, rand
+from tests.difftest import Cases, Checker, rand
 
 M_SIZES = (1, 2, 7, 16, 64, 200)  # 7: the example size the package is compiled at
 
@@ -54,23 +54,39 @@ def _packed_gemms(compiled) -> list[str]:
             if getattr(c.config, "packed", False)]
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
-def test_constant_b_packed_vs_eager(check, dtype):
-    torch.manual_seed(0)
-    model = Layers(dtype=dtype)
+def _cases_dyn(n: int, per_case: tuple) -> tuple:
+    """dynamic_shapes of a Cases program of `n` cases with the same per-case specs (one
+    tuple for forward(*args), the cases' inputs in order)."""
+    return (per_case * n,)
+
+
+def test_constant_b_packed_vs_eager(check):
+    """float32 and float64 `Layers` in one program (difftest.Cases: one package; each case its
+    own weights and kernels, outputs named "<dtype>__<k>"; the same M for both at each run)."""
+    cases = {}
+    for dtype in (torch.float32, torch.float64):
+        torch.manual_seed(0)  # each dtype's model and inputs as when compiled alone
+        cases[str(dtype).removeprefix("torch.")] = (Layers(dtype=dtype), dtype)
+    model = Cases({k: (m, 2) for k, (m, _) in cases.items()})
     opts = kiln.Options(gemm_backends=("cpp",))  # every constant B packed, also N = 33
-    compiled = check(model, _inputs(7, dtype), dynamic_shapes=_dyn(), options=opts,
-                     more=[_inputs(m, dtype) for m in M_SIZES if m != 7])
-    assert len(_packed_gemms(compiled)) == 4, compiled.built.gemms
+
+    def inputs(m):
+        return tuple(t for _, dtype in cases.values() for t in _inputs(m, dtype))
+
+    compiled = check(model, inputs(7), dynamic_shapes=_cases_dyn(len(cases), _dyn()),
+                     options=opts, more=[inputs(m) for m in M_SIZES if m != 7])
+    assert len(_packed_gemms(compiled)) == 4 * len(cases), compiled.built.gemms
     src = compiled.built.sources["gemm.cpp"]
-    assert src.count("kr::gemm_cpp_packed<") == 4, src
+    assert src.count("kr::gemm_cpp_packed<") == 4 * len(cases), src
     model_cpp = compiled.built.sources["model.cpp"]
     assert "prepacked" in model_cpp
     shapes = {w["fqn"]: w for w in compiled.manifest["weights"]}
-    nr = cpu.packed_nr(str(dtype).removeprefix("torch."), "native")
-    assert shapes["fc.weight"]["shape"] == [-(-1000 // nr), 1023, nr]
-    assert shapes["fc.weight"]["packed"]["shape"] == [1000, 1023]
-    assert "packed" not in shapes["fc.bias"]
+    for name in cases:
+        nr = cpu.packed_nr(name, "native")
+        fc = shapes[f"mods.{name}.fc.weight"]
+        assert fc["shape"] == [-(-1000 // nr), 1023, nr], (name, fc)
+        assert fc["packed"]["shape"] == [1000, 1023], (name, fc)
+        assert "packed" not in shapes[f"mods.{name}.fc.bias"], name
 
 
 @pytest.mark.slow  # heavy (cold cache: 15-100 s on 2 cores); make test-slow
@@ -228,23 +244,50 @@ class ReadA(torch.nn.Module):
 
 
 # the default suite: one K whose float rows share L1 sets (512) and one whose double rows do
-# not (384); the other eight cases (about 1 min each on 2 cores) with -m slow
-@pytest.mark.parametrize("k,dtype", [
-    pytest.param(k, d, marks=() if (k, d) in {(512, torch.float32), (384, torch.float64)}
-                 else pytest.mark.slow, id=f"{k}-{str(d).removeprefix('torch.')}")
-    for d in (torch.float32, torch.float64) for k in (256, 384, 512, 768, 1024)])
-def test_packed_a_read_in_place_or_packed(check, dtype, k):
+# not (384), in one program (test_packed_a_read_in_place_or_packed_default); the other eight
+# cases (about 1 min each on 2 cores) with -m slow
+PACKED_A_DEFAULT = [(512, torch.float32), (384, torch.float64)]
+
+
+def _check_packed_a(check, cases):
+    """`ReadA` at each (K, dtype) of `cases` in one program (one case: the module itself),
+    each case's model and inputs as when compiled alone (seeded by K); dynamic M."""
+    models, xs = {}, {}
+    for k, dtype in cases:
+        torch.manual_seed(k)
+        xs[k, dtype] = rand((37, k), dtype)
+        models[f"{k}_{str(dtype).removeprefix('torch.')}"] = (ReadA(k, dtype), 1)
+    m = torch.export.Dim("m", min=1, max=256)
+    if len(cases) == 1:
+        model, dyn = next(iter(models.values()))[0], ({0: m},)
+    else:
+        model, dyn = Cases(models), _cases_dyn(len(cases), ({0: m},))
+
+    def more(rows):
+        return tuple(rand((rows, k), dtype) for k, dtype in cases)
+
+    opts = kiln.Options(gemm_backends=("cpp",))
+    compiled = check(model, tuple(xs.values()), dynamic_shapes=dyn, options=opts,
+                     more=[more(rows) for rows in (12, 24, 200, 1)])
+    assert len(_packed_gemms(compiled)) == 4 * len(cases), compiled.built.gemms
+
+
+def test_packed_a_read_in_place_or_packed_default(check):
     """Full row tiles read A in place unless its rows share L1 sets (row strides of 2 KiB or a
     multiple of 4 KiB: K = 512, 1024 floats, 256, 512, 768, 1024 doubles, and every 2K view
     of those), else packed; row counts with and without a partial last tile (M = 12, 24: none
-    at MR 12; 37, 200: one), at dynamic M."""
-    torch.manual_seed(k)
-    x = rand((37, k), dtype)
-    opts = kiln.Options(gemm_backends=("cpp",))
-    compiled = check(ReadA(k, dtype), (x,), dynamic_shapes=({0: torch.export.Dim("m", min=1,
-                                                                                  max=256)},),
-                     options=opts, more=[(rand((m, k), dtype),) for m in (12, 24, 200, 1)])
-    assert len(_packed_gemms(compiled)) == 4, compiled.built.gemms
+    at MR 12; 37, 200: one), at dynamic M: K = 512 float32 and 384 float64 in one program."""
+    _check_packed_a(check, PACKED_A_DEFAULT)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("k,dtype", [
+    pytest.param(k, d, id=f"{k}-{str(d).removeprefix('torch.')}")
+    for d in (torch.float32, torch.float64) for k in (256, 384, 512, 768, 1024)
+    if (k, d) not in PACKED_A_DEFAULT])
+def test_packed_a_read_in_place_or_packed(check, dtype, k):
+    """The same at the other (K, dtype) pairs, one program each."""
+    _check_packed_a(check, [(k, dtype)])
 
 
 @pytest.mark.parametrize("k", [pytest.param(256, marks=pytest.mark.slow),

@@ -8,7 +8,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from difftest import Checker, Fn, Layout, dim, gen, layout_shape, rand
+from difftest import Cases, Checker, Fn, Layout, case_name, dim, gen, layout_shape, rand
 
 F32, F64, I64, I32, BOOL = torch.float32, torch.float64, torch.int64, torch.int32, torch.bool
 
@@ -19,7 +19,18 @@ def check(tmp_path_factory) -> Checker:
 
 
 def _ids(v) -> str:
+    if isinstance(v, tuple) and not all(isinstance(d, int) for d in v):
+        return "-".join(map(_ids, v))
     return str(v).replace(" ", "").removeprefix("torch.")
+
+
+def check_cases(check: Checker, cases: dict, **kw) -> None:
+    """`cases`: name -> (module, args); all checked as one difftest.Cases program (one package,
+    each case its own static shapes, kernels and per-dtype tolerance; outputs named
+    "<name>__<output>", so a failure names its case); `kw` as for Checker.__call__."""
+    mods = {case_name(k): (m, len(a)) for k, (m, a) in cases.items()}
+    assert len(mods) == len(cases), list(cases)
+    check(Cases(mods), [x for _, a in cases.values() for x in a], **kw)
 
 
 def movement(x):
@@ -60,10 +71,10 @@ MOVE_CASES = [((4, 6, 10), "contig", F32), ((1, 1, 2), "contig", F32),
               ((2, 3, 4), "contig", BOOL), ((2, 3, 4), "contig", torch.uint8)]
 
 
-@pytest.mark.parametrize(("shape", "layout", "dtype"), MOVE_CASES, ids=_ids)
-def test_data_movement(check, shape, layout, dtype):
-    x = rand(layout_shape(shape, layout), dtype, gen("move", shape, layout, dtype))
-    check(Layout(Fn(movement), layout), (x,))
+def test_data_movement(check):
+    """`movement` at each (shape, layout, dtype) of MOVE_CASES, in one program (check_cases)."""
+    check_cases(check, {_ids(c): (Layout(Fn(movement), c[1]), (
+        rand(layout_shape(*c[:2]), c[2], gen("move", *c)),)) for c in MOVE_CASES})
 
 
 def fused(x, y):
@@ -82,12 +93,19 @@ def fused(x, y):
     }
 
 
-@pytest.mark.parametrize(("shape", "layout"), [((4, 6, 10), "contig"), ((2, 1, 2), "contig"),
-                                               ((16, 33, 24), "t"), ((3, 5, 8), "neg")], ids=_ids)
-def test_views_fused_with_math(check, shape, layout):
+FUSED_CASES = [((4, 6, 10), "contig"), ((2, 1, 2), "contig"), ((16, 33, 24), "t"),
+               ((3, 5, 8), "neg")]
+
+
+def _fused_args(shape, layout):
     g = gen("fused", shape, layout)
-    x, y = rand(layout_shape(shape, layout), F32, g), rand((64,), F32, g)
-    check(Layout(Fn(fused), layout), (x, y))
+    return rand(layout_shape(shape, layout), F32, g), rand((64,), F32, g)
+
+
+def test_views_fused_with_math(check):
+    """`fused` at each (shape, layout) of FUSED_CASES, in one program (check_cases)."""
+    check_cases(check, {_ids(c): (Layout(Fn(fused), c[1]), _fused_args(*c))
+                        for c in FUSED_CASES})
 
 
 def test_cat_many_inputs_and_dtypes(check):
@@ -177,13 +195,16 @@ def more_movement(x):
     }
 
 
-@pytest.mark.parametrize(("shape", "layout", "dtype"), [
+MORE_MOVE_CASES = [
     ((4, 6, 10), "contig", F32), ((2, 2, 2), "contig", F64), ((3, 5, 8), "t", F32),
     ((4, 6, 10), "neg", F32), ((4, 6, 10), "contig", I64), ((3, 4, 5), "contig", BOOL),
-    ((5, 7, 9), "step", F64)], ids=_ids)
-def test_flip_roll_diagonal_as_strided(check, shape, layout, dtype):
-    x = rand(layout_shape(shape, layout), dtype, gen("more-move", shape, layout, dtype))
-    check(Layout(Fn(more_movement), layout), (x,))
+    ((5, 7, 9), "step", F64)]
+
+
+def test_flip_roll_diagonal_as_strided(check):
+    """`more_movement` at each case of MORE_MOVE_CASES, in one program (check_cases)."""
+    check_cases(check, {_ids(c): (Layout(Fn(more_movement), c[1]), (
+        rand(layout_shape(*c[:2]), c[2], gen("more-move", *c)),)) for c in MORE_MOVE_CASES})
 
 
 def scatters(x, y):
@@ -207,14 +228,20 @@ def scatters(x, y):
     }
 
 
-@pytest.mark.parametrize(("shape", "layout", "dtype"), [
-    ((3, 4, 6), "contig", F32), ((2, 5, 7), "t", F64), ((4, 6, 9), "neg", F32),
-    ((3, 4, 6), "contig", F64)], ids=_ids)
-def test_scatter_into_views(check, shape, layout, dtype):
+SCATTER_CASES = [((3, 4, 6), "contig", F32), ((2, 5, 7), "t", F64), ((4, 6, 9), "neg", F32),
+                 ((3, 4, 6), "contig", F64)]
+
+
+def _scatter_args(shape, layout, dtype):
     g = gen("scatter-views", shape, layout, dtype)
-    x = rand(layout_shape(shape, layout), dtype, g)
-    y = rand(layout_shape(shape, layout), dtype, g)
-    check(Layout(Fn(scatters), layout), (x, y))
+    return (rand(layout_shape(shape, layout), dtype, g),
+            rand(layout_shape(shape, layout), dtype, g))
+
+
+def test_scatter_into_views(check):
+    """`scatters` at each case of SCATTER_CASES, in one program (check_cases)."""
+    check_cases(check, {_ids(c): (Layout(Fn(scatters), c[1]), _scatter_args(*c))
+                        for c in SCATTER_CASES})
 
 
 def test_scatter_into_views_integer(check):

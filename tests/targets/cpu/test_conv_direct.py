@@ -236,18 +236,62 @@ def test_1x1_zero_weight_channel_keeps_eager_nan(tmp_path):
     torch.testing.assert_close(runner(x), m(x), **TOL)  # finite again: skipped
 
 
-@pytest.mark.parametrize("march", ["x86-64-v3", "x86-64"])
-def test_1x1_partial_block_other_isas(check, march):
+def _partial_block(march):
     """The 1x1 tile's partial last input block and unrolled epilogues, and the depthwise
     tiles' epilogue, with the channel block 8 (AVX2; plain x86-64: a vector in SSE
-    registers): 20 input channels (4 of the third block), relu6, a residual."""
+    registers): 20 input channels (4 of the third block), relu6, a residual (4 direct
+    calls)."""
     m = nn.Sequential(nn.Conv2d(20, 44, 1), nn.ReLU6(), nn.Conv2d(44, 44, 3, 1, 1, groups=44),
                       nn.ReLU6()).eval()
     r = ConvBlock(20, cout=20, k=1, residual=True, act="relu", seed=5)
     x = rand((2, 20, 9, 17), F32, gen("partial_isa", march), -2, 2)
-    compiled = check(nn.Sequential(r, m), [x], tol=TOL, options=kiln.Options(march=march))
+    return nn.Sequential(r, m), x
+
+
+def _avx2_build():
+    """march="x86-64-v3" (AVX2 and FMA, no AVX-512): channel block 8, 4-pixel depthwise tiles
+    (the checked edges and last tiles of stride-1 3x3 and 7x7 rows, 13 and 11 pixels wide),
+    the 1x1 tiles of the inverted residual block (3 direct calls and a block)."""
+    g = torch.Generator().manual_seed(17)
+    m = nn.Sequential(nn.Conv2d(3, 24, 3, 2, 1, bias=False), _bn(24, g), nn.ReLU(),
+                      nn.Conv2d(24, 24, 7, 1, 3, groups=24), nn.Conv2d(24, 40, 1), nn.ReLU6(),
+                      InvertedResidual(40, 40, 1, 3, g)).eval()
+    return m, rand((2, 3, 25, 22), F32, gen("avx2"), -2, 2)
+
+
+def _plain_x86_64_build():
+    """march="x86-64" (SSE2 only): the header's vectors split into SSE registers, channel
+    block 8 (one direct call, a max pool, a block)."""
+    g = torch.Generator().manual_seed(13)
+    m = nn.Sequential(nn.Conv2d(3, 24, 3, 2, 1, bias=False), _bn(24, g), nn.ReLU(),
+                      nn.MaxPool2d(3, 1, 1), InvertedResidual(24, 24, 1, 2, g)).eval()
+    return m, rand((2, 3, 12, 12), F32, gen("x86"), -2, 2)
+
+
+@pytest.mark.parametrize("march", ["x86-64-v3", "x86-64"])
+def test_other_isa_builds(check, march, monkeypatch):
+    """At x86-64-v3 and x86-64 (channel block 8): `_partial_block` and that level's build
+    (`_avx2_build`, `_plain_x86_64_build`) in one program (difftest.Cases: each case its own
+    shapes and calls, outputs named by the case), results unchanged. Without
+    KILN_CONV_EPIS=all: conv.cpp specialises this program's (activation, residual) pairs only,
+    as a user's package does (one conv.cpp per level either way; the all-pairs file is built
+    at the native level by the other tests)."""
+    monkeypatch.delenv("KILN_CONV_EPIS")
+    v3 = march == "x86-64-v3"
+    torch.manual_seed(0)  # the Conv2d layers' default init
+    partial, xp = _partial_block(march)
+    build, xb = _avx2_build() if v3 else _plain_x86_64_build()
+    compiled = check(Cases({"partial": (partial, 1), "build": (build, 1)}), [xp, xb], tol=TOL,
+                     options=kiln.Options(march=march))
     assert "#define KILN_CONV_B8" in compiled.sources["conv.cpp"]
-    assert _direct_calls(compiled) == 4
+    assert "#define KILN_CONV_EPIS 0xff" not in compiled.sources["conv.cpp"]
+    assert _direct_calls(compiled) == 4 + (3 if v3 else 1)
+    assert _block_calls(compiled) == 1
+    if not v3:
+        src = compiled.sources["model.cpp"]
+        assert "kl::max_pool2d_nchwc(" in src
+        assert re.search(r"kl::view\(buf_\w+_w \+ 0, 6, d1\)", src)
+        assert "avx" not in compiled.manifest["requires"].get("cpu_features", [])
 
 
 def test_epilogue_pairs_selected_and_the_plain_store(check, monkeypatch):
@@ -431,21 +475,6 @@ def test_resnet18(check):
     assert "im2col" not in _sources(compiled)
 
 
-def test_plain_x86_64_build(check):
-    """march="x86-64" (SSE2 only): the header's vectors split into SSE registers, channel
-    block 8; results unchanged."""
-    g = torch.Generator().manual_seed(13)
-    m = nn.Sequential(nn.Conv2d(3, 24, 3, 2, 1, bias=False), _bn(24, g), nn.ReLU(),
-                      nn.MaxPool2d(3, 1, 1), InvertedResidual(24, 24, 1, 2, g)).eval()
-    x = rand((2, 3, 12, 12), F32, gen("x86"), -2, 2)
-    compiled = check(m, [x], tol=TOL, options=kiln.Options(march="x86-64"))
-    assert _direct_calls(compiled) == 1 and _block_calls(compiled) == 1
-    assert "kl::max_pool2d_nchwc(" in compiled.sources["model.cpp"]
-    assert re.search(r"kl::view\(buf_\w+_w \+ 0, 6, d1\)", compiled.sources["model.cpp"])
-    assert "#define KILN_CONV_B8" in compiled.sources["conv.cpp"]
-    assert "avx" not in compiled.manifest["requires"].get("cpu_features", [])
-
-
 @pytest.mark.slow
 def test_portable_levels(tmp_path):
     """march="portable": kiln_conv.h compiled at every level with the build machine's channel
@@ -468,20 +497,6 @@ def test_portable_levels(tmp_path):
         assert runner.cpu_level == levels[skip]["march"] or skip == 0
         with torch.no_grad():
             torch.testing.assert_close(runner(x), m(x), **TOL)
-
-
-def test_avx2_build(check):
-    """march="x86-64-v3" (AVX2 and FMA, no AVX-512): channel block 8, 4-pixel depthwise tiles
-    (the checked edges and last tiles of stride-1 3x3 and 7x7 rows, 13 and 11 pixels wide),
-    the 1x1 tiles of the inverted residual block; results unchanged."""
-    g = torch.Generator().manual_seed(17)
-    m = nn.Sequential(nn.Conv2d(3, 24, 3, 2, 1, bias=False), _bn(24, g), nn.ReLU(),
-                      nn.Conv2d(24, 24, 7, 1, 3, groups=24), nn.Conv2d(24, 40, 1), nn.ReLU6(),
-                      InvertedResidual(40, 40, 1, 3, g)).eval()
-    x = rand((2, 3, 25, 22), F32, gen("avx2"), -2, 2)
-    compiled = check(m, [x], tol=TOL, options=kiln.Options(march="x86-64-v3"))
-    assert _direct_calls(compiled) == 3 and _block_calls(compiled) == 1
-    assert "#define KILN_CONV_B8" in compiled.sources["conv.cpp"]
 
 
 POOLS = [  # (kernel, stride, padding, ceil, dilation, hw, batch)

@@ -18,8 +18,10 @@ import textwrap
 import pytest
 import torch
 from torch import nn
+from torch.utils import _pytree as pytree
 
 import kiln
+from difftest import Cases
 from kiln.runtime.build import build_libkiln
 
 THREADS = (1, 2, 3)
@@ -94,36 +96,43 @@ def _run_all(tmp_path, module: nn.Module, args, rtol=1e-4, atol=1e-4) -> None:
     want = _f64(module, args)
     path = kiln.compile(module, args, options=kiln.Options(num_threads=3)).save(
         tmp_path / "m.kiln")
+    w_paths = pytree.tree_flatten_with_path(want)[0]
     for t in THREADS:
         with kiln.load(path, num_threads=t) as r:
             for _ in range(3):  # a few runs: tasks land on different threads each time
-                got = r(*args)
-                gs = got if isinstance(got, tuple) else (got,)
-                ws = want if isinstance(want, tuple) else (want,)
-                for g, w in zip(gs, ws):
+                gs = pytree.tree_leaves(r(*args))
+                assert len(gs) == len(w_paths)
+                for g, (where, w) in zip(gs, w_paths):
                     scale = w.abs().max().item()
                     err = (g.double() - w).abs().max().item()
-                    assert err <= atol + rtol * scale, (t, err, scale)
+                    assert err <= atol + rtol * scale, (pytree.keystr(where), t, err, scale)
 
 
-@pytest.mark.parametrize("batch,hw", [(1, (27, 19)), (3, (14, 15))])
-def test_direct_conv_at_1_2_3_threads(tmp_path, batch, hw):
-    x = torch.randn(batch, 24, *hw, generator=_gen(2))
-    _run_all(tmp_path, Convs(), (x,))
+def _cases(make, inputs: dict) -> tuple[nn.Module, tuple]:
+    """The cases of `inputs` (name -> input), each a `make()` model of its own, in one
+    program (difftest.Cases; outputs named "<case>..." in the error)."""
+    mods = {k: (make(), 1) for k in inputs}
+    return Cases(mods), tuple(inputs.values())
 
 
-@pytest.mark.parametrize("m", [1, 389])
-def test_packed_gemm_at_1_2_3_threads(tmp_path, m):
+def test_direct_conv_at_1_2_3_threads(tmp_path):
+    """Batch 1 at 27x19 and batch 3 at 14x15, in one program."""
+    _run_all(tmp_path, *_cases(Convs, {
+        f"b{batch}_{hw[0]}x{hw[1]}": torch.randn(batch, 24, *hw, generator=_gen(2))
+        for batch, hw in [(1, (27, 19)), (3, (14, 15))]}))
+
+
+def test_packed_gemm_at_1_2_3_threads(tmp_path):
     # N = 1000: 32 panels of 32 columns, not a multiple of the tasks; N = 64: 2 panels, so
-    # M = 389 (33 row blocks of 12) is split by row blocks
-    x = torch.randn(m, 300, generator=_gen(3))
-    _run_all(tmp_path, Linears(300, 1000, 64), (x,))
+    # M = 389 (33 row blocks of 12) is split by row blocks; M = 1 and 389 in one program
+    _run_all(tmp_path, *_cases(lambda: Linears(300, 1000, 64), {
+        f"m{m}": torch.randn(m, 300, generator=_gen(3)) for m in (1, 389)}))
 
 
-@pytest.mark.parametrize("shape", [(37, 1031), (3, 5, 4099)])
-def test_generated_kernels_at_1_2_3_threads(tmp_path, shape):
-    x = torch.randn(*shape, generator=_gen(4))
-    _run_all(tmp_path, Pointwise(), (x,), rtol=1e-5, atol=1e-6)
+def test_generated_kernels_at_1_2_3_threads(tmp_path):
+    _run_all(tmp_path, *_cases(Pointwise, {
+        "x".join(map(str, shape)): torch.randn(*shape, generator=_gen(4))
+        for shape in [(37, 1031), (3, 5, 4099)]}), rtol=1e-5, atol=1e-6)
 
 
 _CHILD = textwrap.dedent("""
