@@ -4,7 +4,9 @@ Each source becomes an object file cached under `<cache>/obj/<sha256>.o`, the ha
 the source text, the flags, the compiler's identity and the content of every header in the
 include dirs; the link result is cached the same way. Sources compile in parallel (one compiler
 process per source, up to `jobs`). Writes go to a temporary name and are renamed into place, so
-concurrent builds of the same model never see half-written files.
+concurrent builds of the same model never see half-written files; an object is compiled by one
+process at a time (a lock file per key under `<cache>/obj_lock/`): another process that needs
+the same object waits for it instead of compiling it again.
 
 With KILN_PCH=1 (kiln/config.py; GCC only) a file's leading `#include` lines (after comments
 and blank lines, before anything else) are compiled once into a precompiled header under
@@ -202,6 +204,20 @@ def compile_object(tc: Toolchain, name: str, source: str, headers: str,
     obj = tc.cache / "obj" / f"{key}.o"
     if obj.exists():
         return obj
+    locks = tc.cache / "obj_lock"
+    locks.mkdir(parents=True, exist_ok=True)
+    # one compile of an object at a time across processes sharing the cache (parallel builds,
+    # test workers): a second process waits for the first one's object instead of compiling
+    # the same file beside it (conv.cpp: ~30 s of one core)
+    with open(locks / key, "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if obj.exists():
+            return obj
+        return _compile_object(tc, name, source, headers, flags, key, obj)
+
+
+def _compile_object(tc: Toolchain, name: str, source: str, headers: str,
+                    flags: tuple[str, ...], key: str, obj: Path) -> Path:
     src_dir = tc.cache / "src"
     src_dir.mkdir(parents=True, exist_ok=True)
     pch = []
