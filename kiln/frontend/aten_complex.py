@@ -46,6 +46,7 @@ import sympy
 import torch
 
 from kiln.errors import UnsupportedError
+from kiln.frontend.aten_high import Fallback
 from kiln.frontend.builder import to_dtype
 from kiln.ir import dtypes
 
@@ -535,7 +536,6 @@ def _mm(b, n):
 def _matmul(b, n):
     """2-D @ 2-D and batched @ batched of equal batch shape; other forms (vectors,
     broadcasting) decompose to mm / bmm / mv, as for real operands."""
-    from kiln.frontend.aten_high import Fallback
     x, y = n.args[0], n.args[1]
     xs, ys = tuple(b.shape(x)), tuple(b.shape(y))
     if len(xs) < 2 or len(ys) < 2 or len(xs) != len(ys) or xs[:-2] != ys[:-2]:
