@@ -167,17 +167,50 @@ def _cache_path(opts: Options, key: str) -> Path:
     return root / "autotune" / f"conv_dnnl_{key}.json"
 
 
+def read_cached(path: Path, schema: str) -> dict | None:
+    """The timing result cached at `path` (marked "how": "cache"), or None."""
+    try:
+        entry = json.loads(path.read_text())
+        if entry.get("schema") == schema:
+            return {**entry["result"], "how": "cache"}
+    except (OSError, ValueError, KeyError):
+        pass
+    return None
+
+
+def store_cached(path: Path, entry: dict) -> None:
+    """`entry` (with its schema and "result") written to `path`, atomically."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=path.name, suffix=".tmp")
+    with os.fdopen(fd, "w") as f:
+        json.dump(entry, f, indent=1)
+    Path(tmp).replace(path)
+
+
+def driver_result(stdout: str, marker: str, onednn: str, kiln: str,
+                  margin: float) -> dict | None:
+    """The winner from a timing driver's line `marker kiln_s onednn_s err tol [impl]`:
+    {"kiln_s", "onednn_s", "impl", "backend"} (backend `onednn` where it is faster than
+    `margin` x kiln's time, else `kiln`), {"backend": kiln, "why"} where the two results
+    differ beyond tol, None without such a line (the driver failed)."""
+    for line in stdout.splitlines():
+        p = line.split()
+        if len(p) >= 5 and p[0] == marker:
+            kiln_s, dnnl_s, err, tol = map(float, p[1:5])
+            if not err <= tol:
+                return {"backend": kiln, "why": f"oneDNN differs: {err:g} > {tol:g}"}
+            return {"kiln_s": kiln_s, "onednn_s": dnnl_s, "impl": p[5] if len(p) > 5 else "?",
+                    "backend": onednn if dnnl_s < margin * kiln_s else kiln}
+    return None
+
+
 def measure(exe: Path, g: Geometry, opts: Options, dev_id: str) -> dict:
     """kiln's and oneDNN's seconds per call for `g` (cached per shape, driver and CPU) and
     the winner: {"kiln_s", "onednn_s", "impl", "backend"} or {"backend": "direct", "why"}."""
     key = hashlib.sha256("\0".join([exe.name, dev_id, *g.args()]).encode()).hexdigest()[:24]
     path = _cache_path(opts, key)
-    try:
-        entry = json.loads(path.read_text())
-        if entry.get("schema") == SCHEMA:
-            return {**entry["result"], "how": "cache"}
-    except (OSError, ValueError, KeyError):
-        pass
+    if (cached := read_cached(path, SCHEMA)) is not None:
+        return cached
     env = {**os.environ, **({"OMP_NUM_THREADS": str(opts.num_threads)}
                             if opts.num_threads else {})}
     try:
@@ -185,26 +218,12 @@ def measure(exe: Path, g: Geometry, opts: Options, dev_id: str) -> dict:
                               timeout=opts.autotune_timeout_s, env=env)
     except subprocess.TimeoutExpired:
         return {"backend": "direct", "why": "timing timed out"}
-    result = None
-    for line in proc.stdout.splitlines():
-        p = line.split()
-        if len(p) >= 5 and p[0] == "KILN_CONV_PROFILE":
-            kiln_s, dnnl_s, err, tol = map(float, p[1:5])
-            impl = p[5] if len(p) > 5 else "?"
-            if not err <= tol:
-                result = {"backend": "direct", "why": f"oneDNN differs: {err:g} > {tol:g}"}
-            else:
-                result = {"kiln_s": kiln_s, "onednn_s": dnnl_s, "impl": impl,
-                          "backend": ONEDNN if dnnl_s < MARGIN * kiln_s else "direct"}
+    result = driver_result(proc.stdout, "KILN_CONV_PROFILE", ONEDNN, "direct", MARGIN)
     if result is None:
         return {"backend": "direct",
                 "why": f"driver failed: {(proc.stderr or proc.stdout).strip()[-300:]}"}
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=path.name, suffix=".tmp")
-    with os.fdopen(fd, "w") as f:
-        json.dump({"schema": SCHEMA, "device": dev_id, "shape": g.describe(), "result": result},
-                  f, indent=1)
-    Path(tmp).replace(path)
+    store_cached(path, {"schema": SCHEMA, "device": dev_id, "shape": g.describe(),
+                        "result": result})
     return {**result, "how": "profiled"}
 
 

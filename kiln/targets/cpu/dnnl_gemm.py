@@ -40,7 +40,6 @@ import hashlib
 import json
 import os
 import subprocess
-import tempfile
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import ClassVar
@@ -56,6 +55,7 @@ from kiln.ir import loop as L
 from kiln.ir import program as P
 from kiln.ir.sym import contiguous_strides, ivars, linear_index, to_c
 from kiln.options import GemmBackend, Options
+from kiln.targets.cpu.dnnl import driver_result, read_cached, store_cached
 from kiln.targets.cpu.gemm import epilogue_args, print_epilogue
 from kiln.toolchain.cxx import build_executable
 from kiln.toolchain.onednn import find_library
@@ -368,24 +368,16 @@ def measure(tc, lib: str, g: L.Gemm, cfg: DnnlGemmConfig, kiln: Choice, opts: Op
         return {"backend": "kiln", "why": str(e)}
     key = hashlib.sha256("\0".join([src, dev_id]).encode()).hexdigest()[:24]
     path = _cache_path(opts, key)
-    try:
-        entry = json.loads(path.read_text())
-        if entry.get("schema") == SCHEMA:
-            return {**entry["result"], "how": "cache"}
-    except (OSError, ValueError, KeyError):
-        pass
+    if (cached := read_cached(path, SCHEMA)) is not None:
+        return cached
     exe = build_executable(tc, src, "gemm_dnnl", "the oneDNN GEMM timing driver's compile",
                            libs=("-ldl",))
     result = run_driver(exe, opts)
     if "why" in result and result["why"].startswith("driver"):
         return result
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=path.name, suffix=".tmp")
-    with os.fdopen(fd, "w") as f:
-        json.dump({"schema": SCHEMA, "device": dev_id, "shape": geometry(g).describe(),
-                   "kiln": kiln.config.to_json() | {"backend": kiln.backend.value},
-                   "result": result}, f, indent=1)
-    Path(tmp).replace(path)
+    store_cached(path, {"schema": SCHEMA, "device": dev_id, "shape": geometry(g).describe(),
+                        "kiln": kiln.config.to_json() | {"backend": kiln.backend.value},
+                        "result": result})
     return {**result, "how": "profiled"}
 
 
@@ -410,17 +402,11 @@ def run_driver(exe: Path, opts: Options, seconds: float = SECONDS) -> dict:
                               timeout=opts.autotune_timeout_s, env=env)
     except subprocess.TimeoutExpired:
         return {"backend": "kiln", "why": "driver timed out"}
-    for line in proc.stdout.splitlines():
-        p = line.split()
-        if len(p) >= 5 and p[0] == "KILN_GEMM_DNNL":
-            kiln_s, dnnl_s, err, tol = map(float, p[1:5])
-            impl = p[5] if len(p) > 5 else "?"
-            if not err <= tol:
-                return {"backend": "kiln", "why": f"oneDNN differs: {err:g} > {tol:g}"}
-            return {"kiln_s": kiln_s, "onednn_s": dnnl_s, "impl": impl,
-                    "backend": "onednn" if dnnl_s < MARGIN * kiln_s else "kiln"}
-    return {"backend": "kiln",
-            "why": f"driver failed: {(proc.stderr or proc.stdout).strip()[-300:]}"}
+    result = driver_result(proc.stdout, "KILN_GEMM_DNNL", "onednn", "kiln", MARGIN)
+    if result is None:
+        return {"backend": "kiln",
+                "why": f"driver failed: {(proc.stderr or proc.stdout).strip()[-300:]}"}
+    return result
 
 
 # -- the timing driver ---------------------------------------------------------------------
