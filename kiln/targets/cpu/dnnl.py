@@ -305,19 +305,9 @@ int main(int argc, char **argv) {
   }
   const double k = double(dwise ? kh * kw : icp * kh * kw);
   const double tol = 1e-5 + 4 * k * 1.2e-7;
-  // calls timed one by one, kiln's and oneDNN's alternating; the fastest call of each is
-  // kept (a call preempted on a shared machine only lengthens its own time)
-  using clk = std::chrono::steady_clock;
-  double best[2] = {1e30, 1e30}, total = 0;
-  for (int rep = 0; rep < 100000 && (rep < 20 || total < min_s); ++rep) {
-    for (int c = 0; c < 2; ++c) {
-      const auto t0 = clk::now();
-      c ? dnnl() : kiln();
-      const double dt = std::chrono::duration<double>(clk::now() - t0).count();
-      total += dt;
-      best[c] = std::min(best[c], dt);
-    }
-  }
+  // calls timed one by one, kiln's and oneDNN's alternating; the fastest call of each kept
+  double best[2];
+  kl::dnnl::time_alternating(kiln, dnnl, min_s, best);
   std::printf("KILN_CONV_PROFILE %.9g %.9g %.9g %.9g %s\n", best[0], best[1], err, tol,
               conv.impl[0] ? conv.impl : "?");
   return 0;

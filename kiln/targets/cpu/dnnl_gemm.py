@@ -545,17 +545,8 @@ int main(int argc, char **argv) {
     mag = std::max(mag, std::fabs(double(c1[i])));
   }
   const double tol = (1e-5 + 4 * K * 1.2e-7) * std::max(1.0, mag);
-  using clk = std::chrono::steady_clock;
-  double best[2] = {1e30, 1e30}, total = 0;
-  for (int rep = 0; rep < 100000 && (rep < 20 || total < min_s); ++rep) {
-    for (int c = 0; c < 2; ++c) {
-      const auto t0 = clk::now();
-      c ? dnnl() : kiln();
-      const double dt = std::chrono::duration<double>(clk::now() - t0).count();
-      total += dt;
-      best[c] = std::min(best[c], dt);
-    }
-  }
+  double best[2];
+  kl::dnnl::time_alternating(kiln, dnnl, min_s, best);
   std::printf("KILN_GEMM_DNNL %.9g %.9g %.9g %.9g %s\n", best[0], best[1], err, tol,
               mm.impl[0] ? mm.impl : "?");
   return 0;

@@ -29,6 +29,8 @@
 #define KILN_DNNL_H
 #include <dlfcn.h>
 
+#include <algorithm>
+#include <chrono>
 #include <cmath>
 #include <cstdint>
 #include <cstdio>
@@ -532,6 +534,25 @@ struct Matmul {
     return Conv::check(e, where, "execution", a.stream_wait(stream));
   }
 };
+
+// The autotuners' timing drivers (targets/cpu/dnnl.py, dnnl_gemm.py): calls of `kiln` and
+// `dnnl` alternating, at least 20 each and until min_s seconds in all; the fastest call of
+// each in best[0] / best[1] (a call preempted on a shared machine only lengthens its own time)
+template <class Kiln, class Dnnl>
+inline void time_alternating(Kiln &&kiln, Dnnl &&dnnl, double min_s, double best[2]) {
+  using clk = std::chrono::steady_clock;
+  best[0] = best[1] = 1e30;
+  double total = 0;
+  for (int rep = 0; rep < 100000 && (rep < 20 || total < min_s); ++rep) {
+    for (int c = 0; c < 2; ++c) {
+      const auto t0 = clk::now();
+      c ? dnnl() : kiln();
+      const double dt = std::chrono::duration<double>(clk::now() - t0).count();
+      total += dt;
+      best[c] = std::min(best[c], dt);
+    }
+  }
+}
 
 }  // namespace dnnl
 }  // namespace kl
