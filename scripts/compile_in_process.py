@@ -20,7 +20,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import torch  # noqa: E402
 
-DT = {"fp32": torch.float32, "bf16": torch.bfloat16}
+from bench.gpu_peers import DT  # noqa: E402  (the benchmark's dtype names)
+
 
 
 def main() -> int:

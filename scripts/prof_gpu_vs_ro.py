@@ -23,9 +23,10 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 import torch  # noqa: E402
+
+from bench.gpu_peers import DT  # noqa: E402  (the benchmark's dtype names)
 from torch.profiler import ProfilerActivity, profile  # noqa: E402
 
-DT = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 GEMM = re.compile(r"gemm|sm90_|cutlass|cublas|nvjet|matmul|mm_|_mm\b|linear|addmm", re.I)
 ATTN = re.compile(r"attn|attention|flash|fmha|sdpa", re.I)
 
