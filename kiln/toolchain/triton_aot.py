@@ -208,6 +208,27 @@ def compile_kernel(mod, kernel, arch: int):
     return ck
 
 
+def load_compiled(mod, kernel, files: dict):
+    """Triton's CompiledKernel of `kernel` (defined in module `mod`) from the cache files a
+    worker's compile left (`Pool.compiled_files`), not looked up again by Triton's cache key:
+    the key this process computes can differ from the worker's. (torch.compile, run earlier in
+    the process, sets TRITON_PTXAS_PATH after Triton here cached the ptxas version it hashes
+    into every key; each lookup then missed and every tuning candidate was compiled a second
+    time here: 18-43 s of a compile on the H100.) None when a file is gone."""
+    # deferred: Triton is optional (GPU builds only)
+    import triton
+    from triton.compiler.compiler import CompiledKernel
+    group = files.get("files") or {}
+    if not any(k.endswith(".json") for k in group) or \
+            not all(Path(v).exists() for v in group.values()):
+        return None
+    sig, consts, _ = _plain(kernel)
+    sig, consts, attrs = compile_args(sig, consts)
+    src = triton.compiler.ASTSource(fn=getattr(mod, kernel.name), signature=sig,
+                                    constexprs=consts, attrs=attrs)
+    return CompiledKernel(src, group, files["hash"])
+
+
 def _compile_one(mod, kernel, arch: int) -> Cubin:
     return _to_cubin(compile_kernel(mod, kernel, arch), kernel, arch)
 
@@ -478,6 +499,16 @@ class Pool:
         self.wait(t)
         _, out, i = self.where[t]
         return _read_result(out, i, kernel, arch)
+
+    def compiled_files(self, t: int) -> dict | None:
+        """Where Triton's cache holds task t's compile ({"hash", "files"}: `load_compiled`),
+        None where the task failed or ran here."""
+        if t not in self.where:
+            return None
+        self.wait(t)
+        _, out, i = self.where[t]
+        meta = out / f"{i}.json"
+        return json.loads(meta.read_text()).get("triton") if meta.exists() else None
 
     def close(self, kill: bool = False) -> None:
         """Waits for the workers' tasks (`kill`: stops the workers, shared ones too: the

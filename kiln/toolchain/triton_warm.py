@@ -9,8 +9,9 @@ constexprs, options, arch(, launcher)], ...], "out": directory or absent, "launc
 (for the tasks without their own launcher flag),
 "triton_key": the parent's `triton.runtime.cache.triton_key()`}. Each kernel
 is compiled with exactly the arguments `triton_aot.compile_kernel` uses. With "out", task i's
-cubin and metadata (`metadata`) are written there as `i.cubin` and `i.json` (the JSON last: a
-task is done when it exists; a failed task leaves `i.failed` instead); without, Triton's
+cubin and metadata (`metadata`, plus Triton's hash and cache files of the compile) are written
+there as `i.cubin` and `i.json` (the JSON last: a task is done when it exists; a failed task
+leaves `i.failed` instead); without, Triton's
 on-disk cache then holds what the parent's compile asks for; with "launchers", Triton's host
 launcher of each kernel is built too (`_launcher`), before the task's files. A failure is
 skipped: the parent's own compile reports it."""
@@ -90,7 +91,9 @@ def _run(triton, job: dict, mods: dict) -> None:
                 with open(os.path.join(out, f"{i}.cubin"), "wb") as f:
                     f.write(bytes(ck.asm["cubin"]))
                 with open(os.path.join(out, f"{i}.json.tmp"), "w") as f:
-                    json.dump(metadata(ck), f)
+                    # where Triton's cache holds this compile (`triton_aot.load_compiled`)
+                    files = {k: str(v) for k, v in (ck.metadata_group or {}).items()}
+                    json.dump({**metadata(ck), "triton": {"hash": ck.hash, "files": files}}, f)
                 os.replace(os.path.join(out, f"{i}.json.tmp"), os.path.join(out, f"{i}.json"))
         except Exception:  # noqa: BLE001 - the parent's compile reports it
             if out:  # done, without a result (a parent waiting on the task goes on)

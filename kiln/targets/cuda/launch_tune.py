@@ -258,8 +258,11 @@ class _Compiling:
             try:
                 if j not in self.mods:
                     self.mods[j] = triton_aot.import_module(self.texts[j], self.cache)
-                self.done[key] = triton_aot.compile_kernel(self.mods[j],
-                                                           self.todo[key[0]][1][j], self.arch)
+                kernel = self.todo[key[0]][1][j]
+                files = self.pool.compiled_files(self.task[key])
+                ck = triton_aot.load_compiled(self.mods[j], kernel, files) if files else None
+                self.done[key] = (ck if ck is not None else
+                                  triton_aot.compile_kernel(self.mods[j], kernel, self.arch))
             except CompileError:
                 if j == 0:  # the build needs the heuristic config anyway
                     raise

@@ -22,6 +22,7 @@ from kiln.ir import loop as L  # noqa: E402
 from kiln.pipeline import target_of  # noqa: E402
 from kiln.targets.cuda import build as cuda_build  # noqa: E402
 from kiln.targets.cuda import launch_tune  # noqa: E402
+from kiln.targets.cuda.kernel import print_triton_kernel, print_triton_module  # noqa: E402
 from kiln.toolchain import triton_aot  # noqa: E402
 
 
@@ -183,3 +184,34 @@ def test_tuning_is_remembered_and_shared(tmp_path, monkeypatch):
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda *a: "Other GPU")
     with pytest.raises(AssertionError, match="tuned again"):  # another device: not reused
         launch_tune.tune(kernels, buffers, hints, base, 90, cache)
+
+
+def test_tuning_loads_the_workers_compile_whatever_key_this_process_computes(
+        tmp_path, monkeypatch):
+    """Launch tuning loads each candidate from the Triton cache files its worker wrote, not
+    by a new lookup: torch.compile, run earlier in a process, can make this process's Triton
+    cache keys differ from its workers' (TRITON_PTXAS_PATH set after the ptxas version was
+    cached), and every lookup then compiled the candidate again here (18-43 s a model)."""
+    st = _tuning_state(tmp_path, 512, 1024)
+    hints, base = cuda_build._hints(st), cuda_build._heuristic_configs(st)
+    k = next(k for k in cuda_build._kernels(st.steps) if launch_tune.worth_tuning(k, hints))
+    cands = launch_tune.candidates(base[k.name], launch_tune._shape(k, hints)[1])[:2]
+    kernels = [print_triton_kernel(k, L.all_buffers(st.loop), hints, c) for c in cands]
+    monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path / "triton"))
+    texts = [print_triton_module([tk]) for tk in kernels]  # a module each, as tuning does
+    pool = triton_aot.Pool([(x, tk, 90) for x, tk in zip(texts, kernels)], tmp_path / "c", 2)
+    assert len(pool.procs) == 2
+
+    def no_compile(*a, **k):
+        raise AssertionError("compiled again in this process")
+
+    monkeypatch.setattr(triton, "compile", no_compile)
+    for t, tk in enumerate(kernels):
+        mod = triton_aot.import_module(texts[t], tmp_path / "c")
+        files = pool.compiled_files(t)
+        ck = triton_aot.load_compiled(mod, tk, files)
+        assert ck is not None and ck.name == pool.cubin(t, tk, 90).symbol
+        assert bytes(ck.asm["cubin"]) == pool.cubin(t, tk, 90).cubin
+    pool.close()
+    gone = {**files, "files": {n: str(tmp_path / "gone" / n) for n in files["files"]}}
+    assert triton_aot.load_compiled(mod, kernels[-1], gone) is None  # then compiled here
