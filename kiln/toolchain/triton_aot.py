@@ -22,8 +22,8 @@ kernel's source, signature, constexprs, num_warps, the architecture and the Trit
 written to a temporary directory and renamed into place (concurrent builds never see half a
 result). Kernels compile in this process and in worker processes (`compile_cubins`; those of
 `Workers` where a build started them ahead, else their own), which hand back cubins and
-metadata; `Pool` (launch-config tuning) and `prewarm` leave results in Triton's own on-disk
-cache too, which a compile in this process then reads back. The module is
+metadata; `Pool` (launch-config tuning) also reports where Triton's own on-disk cache holds
+each compile, which this process loads from those files (`load_compiled`). The module is
 imported from a file (Triton reads the source of @triton.jit functions back through
 `inspect`)."""
 
@@ -55,11 +55,6 @@ SOURCE_MTIME = 315532800  # 1980-01-01, as zip files
 # `compile_cubins` gives each compiling process at least this many kernels: a worker costs
 # about 0.5 s (Python, then Triton's import) before its first compile, about one kernel's
 PER_PROCESS = 2
-
-# `prewarm` starts a worker process only for at least this many kernels per worker: a worker
-# costs a fraction of a second (Python, then Triton's import) before its first compile
-PER_WORKER = 3
-
 
 @dataclass(frozen=True)
 class Cubin:
@@ -289,47 +284,6 @@ def _store(d: Path, c: Cubin) -> None:
             pass
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
-
-
-def prewarm(tasks: list[tuple[str, object, int]], cache: Path, workers: int,
-            launchers: bool = False, per_worker: int = PER_WORKER) -> int:
-    """Compiles each (module text, TritonKernel, arch) of `tasks` in up to `workers` worker
-    processes (kiln/toolchain/triton_warm.py, which imports Triton only), so that compiling
-    them again in this process reads Triton's on-disk cache. Processes rather than threads:
-    the work holds the GIL, and CPython 3.11's AST converter fails when two threads run it at
-    once. `launchers`: the workers build Triton's host launchers too (for kernels this
-    process will launch). A worker's failure is ignored (the in-process compile reports it).
-    `per_worker`: the fewest tasks worth a worker (launch-config tuning passes 1: its
-    candidates are few and each compiles for seconds, so one worker each finishes in about one
-    compile's time where cores allow).
-    Returns the number of workers started (none for fewer than 2 x `per_worker` tasks)."""
-    n = min(workers, len(tasks) // max(1, per_worker))
-    if n < 2:
-        return 0
-    rows = []
-    for (_, kernel, arch), (path, name) in zip(tasks, _written(tasks, cache), strict=True):
-        sig, consts, options = _plain(kernel)
-        rows.append([str(path), name, kernel.name, sig, consts, options, arch])
-    script = str(Path(__file__).with_name("triton_warm.py"))
-    procs, files = [], []
-    for i in range(n):
-        fd, path = tempfile.mkstemp(prefix="kiln_warm_", suffix=".json")
-        with os.fdopen(fd, "w") as f:
-            json.dump({"tasks": rows[i::n], "launchers": launchers,
-                       "triton_key": _triton_key()}, f)
-        files.append(path)
-        procs.append(subprocess.Popen([sys.executable, script, path],
-                                      stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))
-    try:
-        for p in procs:
-            try:
-                p.wait(timeout=600)
-            except subprocess.TimeoutExpired:
-                p.kill()
-    finally:
-        for path in files:
-            os.unlink(path)
-    return n
 
 
 class Workers:

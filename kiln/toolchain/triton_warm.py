@@ -1,5 +1,5 @@
-"""A Triton compile worker of `triton_aot.compile_cubins`, `triton_aot.Pool` and
-`triton_aot.prewarm`, run as a script (`python .../triton_warm.py TASKS`, or `... --serve`:
+"""A Triton compile worker of `triton_aot.compile_cubins` and `triton_aot.Pool`, run as a
+script (`python .../triton_warm.py TASKS`, or `... --serve`:
 started ahead of its tasks, which then come on stdin, `triton_aot.Workers`) so that it imports
 only Triton, not kiln or torch (building launchers too: `_launcher`): it starts in well under a
 second.

@@ -104,7 +104,7 @@ def _cache(opts: Options) -> Path:
 
 
 def _workers(opts: Options) -> int:
-    return opts.jobs or config.cpu_count()  # Triton compile processes (triton_aot.prewarm)
+    return opts.jobs or config.cpu_count()  # Triton compile processes (triton_aot.Workers)
 
 
 def _local(opts: Options) -> bool:
