@@ -56,7 +56,7 @@ from kiln.ir.sym import contiguous_strides, linear_index, product, unravel
 from kiln.schedule.steps import GemmKernel
 from kiln.targets.cuda.cse import render, text
 from kiln.targets.cuda.gemm_template import _epilogue_names, _small, print_gemm_kernel
-from kiln.targets.cuda.kernel import Config, TritonKernel, _Scope
+from kiln.targets.cuda.kernel import PDL_MARK, Config, TritonKernel, _Scope
 from kiln.targets.cuda.ops import COMPUTE, SIG_PTR, TL_DTYPE, tl_compute, to_tl
 
 
@@ -312,6 +312,14 @@ def _prefetch() -> bool:
     return os.environ.get("KILN_GEMV_PREFETCH", "1") != "0"
 
 
+def _early_loads() -> bool:
+    """KILN_GEMV_EARLY_LOADS=1 (not measured yet, so off): with the prefetch, an int4 GEMV's
+    first weight words and scales are loaded before its programmatic-dependent-launch wait
+    (kernel.py `PDL_MARK`: they are package constants no kernel writes), so their latency
+    overlaps the previous kernel's last programs."""
+    return os.environ.get("KILN_GEMV_EARLY_LOADS", "0") == "1"
+
+
 def _renamed(line: str, names: dict[str, str]) -> str:
     """`line` with the whole-word names of `names` replaced."""
     return re.sub(r"\b(" + "|".join(map(re.escape, names)) + r")\b",
@@ -422,8 +430,9 @@ def _print_quant_gemv(gk: GemmKernel, buffers: dict[str, L.Buffer], name: str) -
         step += render(scope.lines, "        ")
         step.append(f"        x = tl.where(kmask, {_rounded(v, prow.dtype)}, 0.0)")
     rows = to_tl(g.b.rows)
+    wload: list[str] = []
     if gs:
-        step += [
+        wload = [
             f"        gi = k0 // {gs} + rg  # the step's groups",
             f"        gmask = nmask & (gi < {to_tl(g.k)} // {gs})",
             f"        w = tl.load(pw + k0 // 8 + rw, mask=gmask, other={_NIB8})  "
@@ -431,6 +440,7 @@ def _print_quant_gemv(gk: GemmKernel, buffers: dict[str, L.Buffer], name: str) -
             f"        s = tl.load(ps + gi * {to_tl(sc.rows)}, mask=gmask, other=0.0)"
             f".to(tl.float32)",
         ]
+        step += wload
         use = [
             "        v = ((w[:, :, :, None] >> nsh) & nbits).to(tl.float32, bitcast=True) * nmul"
             f" - {_EIGHT_EPS}",
@@ -462,7 +472,13 @@ def _print_quant_gemv(gk: GemmKernel, buffers: dict[str, L.Buffer], name: str) -
         # converted (no pipelining otherwise: a program waits for each step's loads)
         cur = {c: f"{c}_c" for c in carried}
         lines += ["    # the first step's operands"]
-        lines += [_renamed(t, {"k0": "0"})[4:] for t in step]
+        first = [_renamed(t, {"k0": "0"})[4:] for t in step]
+        if _early_loads() and not (pro is not None and factored is None and pro.reductions):
+            # the weights' and scales' loads before the PDL wait (not where the prologue's
+            # whole-row reductions, which read activations, run before the loop)
+            lines += first[:2] + first[-len(wload):] + [PDL_MARK] + first[2:-len(wload)]
+        else:
+            lines += first
         lines.append("    for k0 in range(RBLOCK, K, RBLOCK):  # k0: the next step")
         lines += [f"        {c} = {v}  # this step's" for v, c in cur.items()]
         lines += ["        # the next step's operands"] + step
