@@ -5,8 +5,11 @@ step spends its time.
 
     python scripts/prof_quant_decode.py [layers 2] [hidden 4096] [inter 14336] [heads 32]
                                         [kv_heads 8] [vocab 128256] [modes none,int8,int4]
+
+A mode may carry an environment variable for its compile, e.g. `int4:KILN_GEMV_PREFETCH=0`.
 """
 import collections
+import os
 import sys
 import tempfile
 import time
@@ -28,9 +31,16 @@ w, ep = static_cache_module(model, 256, device="cuda", dtype=torch.bfloat16)
 ids = torch.tensor([[11]], device="cuda")
 pos = torch.tensor([128], device="cuda")
 summary = []
-for mode in modes:
+for spec in modes:  # a mode, or mode:NAME=VALUE (an environment variable set for its compile)
+    mode, _, env = spec.partition(":")
+    name, _, value = env.partition("=")
+    old = os.environ.get(name) if name else None
+    if name:
+        os.environ[name] = value
     t0 = time.perf_counter()
     cm = kiln.compile(ep, device="cuda", options=kiln.Options(weight_quant=mode))
+    if name:
+        os.environ.pop(name) if old is None else os.environ.__setitem__(name, old)
     cs = time.perf_counter() - t0
     r = cm.load(Path(tempfile.mkdtemp()) / f"{mode}.kiln", device="cuda:0")
     for _ in range(10):
@@ -50,14 +60,14 @@ for mode in modes:
     tot = sum(v[1] for v in agg.values())
     cfg = cm.manifest.get("cuda", {}).get("kernels", {})
     launches = sum(v[0] for v in agg.values()) / 10
-    print(f"\n== {mode}: compile {cs:.0f} s; kernels/token {launches:.0f}; "
+    print(f"\n== {spec}: compile {cs:.0f} s; kernels/token {launches:.0f}; "
           f"device us/token {tot / 10:.0f}", flush=True)
     for k, v in sorted(agg.items(), key=lambda kv: -kv[1][1])[:24]:
         c = cfg.get(k, {})
         cs_ = f"[{c.get('xblock')}x{c.get('rblock')} w{c.get('num_warps')}]" if c else ""
         print(f"{v[0] / 10:5.1f} x {v[1] / v[0]:8.2f} us = {v[1] / 10:8.1f} us/token {cs_:18s} "
               f"{k[:90]}", flush=True)
-    summary.append((mode, tot / 10))
+    summary.append((spec, tot / 10))
     r.close()
 print("\n| weights | device us/token |")
 print("|---|---|")

@@ -117,6 +117,12 @@ def configs(n: int, k: int, itemsize: float, min_k: int = 16) -> list[GemvConfig
         c = GemvConfig(cand_bn, cand_bk, warps, stages)
         if c not in out:
             out.append(c)
+    if itemsize < 2:  # quantised: more rows a program, so a prologue (recomputed by each
+        # program: silu(gate) * up, a norm) costs 1 / BLOCK_N of its instructions per weight
+        for cand_bn, cand_bk, warps in ((bn * 4, bk, 8), (bn * 4, max(16, bk // 2), 4)):
+            c = GemvConfig(cand_bn, cand_bk, warps, 1)
+            if c not in out:
+                out.append(c)
     if min_k > 16:  # whole int4 groups a step
         out = list(dict.fromkeys(replace(c, block_k=max(c.block_k, min_k)) for c in out))
     return out

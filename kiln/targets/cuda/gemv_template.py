@@ -33,10 +33,15 @@ Quantised weights (weight-only, a `MixedGemm` on side "b"; kiln/gemm/gemv.py):
                 the word >> 16); 3 instructions a weight (mask, that FMA, the product's FMA)
                 and no int-to-float convert. A word's 8 products are summed in registers,
                 each group's sums times its scale [XBLOCK, groups, 1], the 2^23 restored at
-                the end; the outputs are [XBLOCK, 1, 1]."""
+                the end; the outputs are [XBLOCK, 1, 1]. The loop is software-pipelined by
+                hand: the next step's words, scales and x (the prologue) are loaded before
+                this step's products, so a step's weight loads are in flight while the
+                previous step is converted (`_prefetch`)."""
 
 from __future__ import annotations
 
+import os
+import re
 from dataclasses import replace
 
 import sympy
@@ -51,7 +56,7 @@ from kiln.ir.sym import contiguous_strides, linear_index, product, unravel
 from kiln.schedule.steps import GemmKernel
 from kiln.targets.cuda.cse import render, text
 from kiln.targets.cuda.gemm_template import _epilogue_names, _small, print_gemm_kernel
-from kiln.targets.cuda.kernel import Config, TritonKernel, _Scope
+from kiln.targets.cuda.kernel import PDL_MARK, Config, TritonKernel, _Scope
 from kiln.targets.cuda.ops import COMPUTE, SIG_PTR, TL_DTYPE, tl_compute, to_tl
 
 
@@ -298,6 +303,29 @@ _NIB8 = "-2004318072"
 _EIGHT_EPS = "9.5367431640625e-07"
 
 
+def _prefetch() -> bool:
+    """int4 GEMVs load the next step's operands before this step's products
+    (KILN_GEMV_PREFETCH=0: the plain loop, for A/B runs). Measured on an H100 (BENCHMARKS.md,
+    thirteenth session): int4's down, q/k/v and gate/up GEMVs 4-11% faster; int8's unchanged
+    or slower (its loop is short, already near the copy bandwidth), so int8 keeps the plain
+    loop."""
+    return os.environ.get("KILN_GEMV_PREFETCH", "1") != "0"
+
+
+def _early_loads() -> bool:
+    """KILN_GEMV_EARLY_LOADS=1 (not measured yet, so off): with the prefetch, an int4 GEMV's
+    first weight words and scales are loaded before its programmatic-dependent-launch wait
+    (kernel.py `PDL_MARK`: they are package constants no kernel writes), so their latency
+    overlaps the previous kernel's last programs."""
+    return os.environ.get("KILN_GEMV_EARLY_LOADS", "0") == "1"
+
+
+def _renamed(line: str, names: dict[str, str]) -> str:
+    """`line` with the whole-word names of `names` replaced."""
+    return re.sub(r"\b(" + "|".join(map(re.escape, names)) + r")\b",
+                  lambda m: names[m.group(1)], line)
+
+
 def _quant_sig(gk: GemmKernel, buffers) -> tuple[list, dict[str, str]]:
     params = gk.params()
     if gk.status:
@@ -382,39 +410,43 @@ def _print_quant_gemv(gk: GemmKernel, buffers: dict[str, L.Buffer], name: str) -
     else:
         lines.append(f"    acc = tl.zeros((XBLOCK, RBLOCK // {sub}), dtype=tl.float32)  "
                      f"# {_SUB_NOTE}")
-    lines += [
-        "    for k0 in range(0, K, RBLOCK):",
+    step: list[str] = [  # one step's operands at k0: x (the prologue's or loaded), B (, scales)
         "        kk = k0 + rk",
         "        kmask = kk < K",
     ]
     if pro is None:
-        lines.append(f"        x = tl.load(buf_{g.a.buf} + {to_tl(g.a.offset)} + kk * "
-                     f"{to_tl(g.a.cols)}, mask=kmask, other=0.0).to(tl.float32)")
+        step.append(f"        x = tl.load(buf_{g.a.buf} + {to_tl(g.a.offset)} + kk * "
+                    f"{to_tl(g.a.cols)}, mask=kmask, other=0.0).to(tl.float32)")
     else:
         prow = pro.row
         if factored is not None:
-            lines += _fused_reduction_lines(gk, counter)
-        lines.append(f"        # prologue: {prow.name} <- {', '.join(prow.source)} at K positions "
-                     f"kk" + (", without its whole-row factor" if factored is not None else ""))
+            step += _fused_reduction_lines(gk, counter)
+        step.append(f"        # prologue: {prow.name} <- {', '.join(prow.source)} at K positions "
+                    f"kk" + (", without its whole-row factor" if factored is not None else ""))
         names, defs = _unravel_lines("a_", "kk", prow.shape, "i", "        ")
-        lines += defs
+        step += defs
         scope = _Scope(names, "kmask", {} if factored is not None else regs, counter)
         v = text(scope.value(prow.body if factored is None else factored[1]))
-        lines += render(scope.lines, "        ")
-        lines.append(f"        x = tl.where(kmask, {_rounded(v, prow.dtype)}, 0.0)")
+        step += render(scope.lines, "        ")
+        step.append(f"        x = tl.where(kmask, {_rounded(v, prow.dtype)}, 0.0)")
     rows = to_tl(g.b.rows)
+    wload: list[str] = []
     if gs:
-        lines += [
+        wload = [
             f"        gi = k0 // {gs} + rg  # the step's groups",
             f"        gmask = nmask & (gi < {to_tl(g.k)} // {gs})",
             f"        w = tl.load(pw + k0 // 8 + rw, mask=gmask, other={_NIB8})  "
             f"# {mx.qdtype.name}: 8 nibbles (+ 8) a word",
-            "        v = ((w[:, :, :, None] >> nsh) & nbits).to(tl.float32, bitcast=True) * nmul"
-            f" - {_EIGHT_EPS}",
             f"        s = tl.load(ps + gi * {to_tl(sc.rows)}, mask=gmask, other=0.0)"
             f".to(tl.float32)",
+        ]
+        step += wload
+        use = [
+            "        v = ((w[:, :, :, None] >> nsh) & nbits).to(tl.float32, bitcast=True) * nmul"
+            f" - {_EIGHT_EPS}",
             "        acc += tl.sum(v * x, 3) * s",
         ]
+        carried = ("x", "w", "s")
         tot = "tl.sum(tl.sum(acc, 2, keep_dims=True), 1, keep_dims=True) * 8388608.0"  # 2^23
     else:
         kstep = "kk" if sympy.sympify(g.b.rows) == 1 else f"kk * {rows}"
@@ -423,16 +455,37 @@ def _print_quant_gemv(gk: GemmKernel, buffers: dict[str, L.Buffer], name: str) -
                     "bitcast=True) - 8388736.0")
         else:
             conv = f"(q.to(tl.int32) | {_EXP23}).to(tl.float32, bitcast=True) - 8388608.0"
-        lines += [
-            f"        q = tl.load(pb + {kstep}, mask=nmask & kmask, other=0)",
+        step.append(f"        q = tl.load(pb + {kstep}, mask=nmask & kmask, other=0)")
+        use = [
             f"        w = {conv}  # {mx.qdtype.name} -> float32, exact",
             f"        acc += {_presum('w * x', sub)}",
         ]
+        carried = ("x", "q")
         tot = "tl.sum(acc, 1, keep_dims=True)"
         if sc is not None:
             idx = f" + rn * {to_tl(sc.cols)}" if sympy.sympify(sc.cols) != 0 else " + rn * 0"
             tot += (f" * tl.load(buf_{sc.buf} + {to_tl(sc.offset)}{idx}, mask=nmask, "
                     f"other=0.0).to(tl.float32)")
+    if gs and _prefetch():
+        # the next step's operands are loaded (and the prologue computed) before this step's
+        # products: the weight loads of one step are in flight while the previous one's are
+        # converted (no pipelining otherwise: a program waits for each step's loads)
+        cur = {c: f"{c}_c" for c in carried}
+        lines += ["    # the first step's operands"]
+        first = [_renamed(t, {"k0": "0"})[4:] for t in step]
+        if _early_loads() and not (pro is not None and factored is None and pro.reductions):
+            # the weights' and scales' loads before the PDL wait (not where the prologue's
+            # whole-row reductions, which read activations, run before the loop)
+            lines += first[:2] + first[-len(wload):] + [PDL_MARK] + first[2:-len(wload)]
+        else:
+            lines += first
+        lines.append("    for k0 in range(RBLOCK, K, RBLOCK):  # k0: the next step")
+        lines += [f"        {c} = {v}  # this step's" for v, c in cur.items()]
+        lines += ["        # the next step's operands"] + step
+        lines += [_renamed(t, cur) for t in use]
+        lines += ["    # the last step"] + [t[4:] for t in use]
+    else:
+        lines += ["    for k0 in range(0, K, RBLOCK):"] + step + use
     if factored is not None:
         for r in pro.reductions:
             regs[r.name] = f"v_{r.name}"

@@ -80,6 +80,9 @@ class TritonKernel:
 
 #: the lines `with_pdl` puts first in a kernel's body
 PDL_LINES = ("    _kl_pdl()  # programmatic dependent launch: wait for the kernel before",)
+#: a line of a kernel's body where `with_pdl` puts the wait instead (what comes before it
+#: reads only buffers no kernel writes: a GEMV's first weight loads, gemv_template.py)
+PDL_MARK = "    # (the programmatic dependent launch's wait)"
 
 
 def with_pdl(k: TritonKernel) -> TritonKernel:
@@ -92,6 +95,10 @@ def with_pdl(k: TritonKernel) -> TritonKernel:
     if k.pdl:
         return k
     lines = k.source.split("\n")
+    if PDL_MARK in lines:
+        at = lines.index(PDL_MARK)
+        return replace(k, source="\n".join([*lines[:at], *PDL_LINES, *lines[at + 1:]]),
+                       pdl=True)
     start = next(i for i, ln in enumerate(lines) if ln.startswith("def "))
     end = next(i for i in range(start, len(lines)) if lines[i].rstrip().endswith(":"))
     source = "\n".join([*lines[:end + 1], *PDL_LINES, *lines[end + 1:]])
