@@ -4,13 +4,14 @@
 // and this tree's loop orders in ONE process, interleaved burst by burst (the variant order
 // rotates every round), so a drifting machine (turbo, neighbours, a VM's host) moves every
 // variant alike. Driven by bench/gemm_packed_ab.py, which builds it and prints the tables.
-//   gemm_packed_ab ROUNDS BURST_S THREADS(1,2,2p) MODES(hot,cold) COLD_MIB VARIANTS
-// Variants: main (base tree), rows (Order 1: row tile outer), blis (Order 2: BLIS order),
-// auto (Order 0: this tree's rule), blis128 (BLIS order, KC 128), blispf (Order 3: BLIS order,
-// the next panel's K block prefetched into L2), blispf132 (Order 4: blispf, chunks of 132 rows).
+//   gemm_packed_ab ROUNDS BURST_S THREADS(1,2,2p) MODES(hot,warm,cold) COLD_MIB VARIANTS WARM_MIB
+// Variants: main (base tree), rows (Order 1: row tile outer), blis (Order 2: BLIS order, no
+// prefetch), auto (Order 0: this tree's rule), blis128 (Order 2 at KC 128), blispf (Order 3:
+// BLIS order, the next panel's K block prefetched into L2).
 // Thread setting "2p": 2 threads, each pool member pinned to its own CPU of the allowed set.
 // Mode "cold": every call reads another copy of the packed weight (COLD_MIB of copies, past
-// the L3), as a model's GEMMs do; "hot": one weight, in L2 / L3 from the previous call.
+// the L3), as a model's GEMMs do; "warm": the same with WARM_MIB of copies (past the L2s, in
+// the L3: a small model's weights); "hot": one weight, in L2 / L3 from the previous call.
 // Prints per (threads, mode, shape, variant): the median and the lowest of the rounds' burst
 // medians, in us; then the pool's empty-region round trip.
 #include "kiln_model_rt.h"
@@ -43,7 +44,7 @@ struct BiasRelu {  // the epilogue of a Linear + ReLU
   }
 };
 
-static const char *kVariants[] = {"main", "rows", "blis", "auto", "blis128", "blispf", "blispf132"};
+static const char *kVariants[] = {"main", "rows", "blis", "auto", "blis128", "blispf"};
 
 static void call(int v, int64_t M, int64_t N, int64_t K, const float *A, const float *Bp,
                  float *C, BiasRelu e) {
@@ -54,7 +55,6 @@ static void call(int v, int64_t M, int64_t N, int64_t K, const float *A, const f
     case 3: kr::gemm_cpp_packed<float, NR, MR, 256, 0>(1, 1, M, N, K, A, 0, 0, K, 1, Bp, C, e); break;
     case 4: kr::gemm_cpp_packed<float, NR, MR, 128, 2>(1, 1, M, N, K, A, 0, 0, K, 1, Bp, C, e); break;
     case 5: kr::gemm_cpp_packed<float, NR, MR, 256, 3>(1, 1, M, N, K, A, 0, 0, K, 1, Bp, C, e); break;
-    case 6: kr::gemm_cpp_packed<float, NR, MR, 256, 4>(1, 1, M, N, K, A, 0, 0, K, 1, Bp, C, e); break;
   }
 }
 
@@ -102,6 +102,7 @@ int main(int argc, char **argv) {
   const auto threads = split(argc > 3 ? argv[3] : "1,2");
   const auto modes = split(argc > 4 ? argv[4] : "hot");
   const double cold_mib = argc > 5 ? atof(argv[5]) : 512;
+  const double warm_mib = argc > 7 ? atof(argv[7]) : 48;
   std::vector<int> vars;
   for (auto &n : split(argc > 6 ? argv[6] : "main,rows,blis,auto"))
     for (int i = 0; i < int(sizeof kVariants / sizeof *kVariants); ++i)
@@ -117,11 +118,12 @@ int main(int argc, char **argv) {
     kr::RunScope scope(&pool);
     if (pinned) pin_members(cpus, true);
     for (const auto &mode : modes) {
-      const bool cold = mode == "cold";
+      const bool cold = mode == "cold", warm = mode == "warm";
       for (auto &sh : shapes) {
         const int64_t M = sh[0], N = sh[1], K = sh[2];
         const int64_t pb = (N + NR - 1) / NR * NR * K;  // packed floats (a multiple of 32)
-        const int64_t copies = cold ? std::max<int64_t>(1, int64_t(cold_mib * (1 << 20) / (pb * 4.0))) : 1;
+        const double mib = cold ? cold_mib : warm ? warm_mib : 0;
+        const int64_t copies = std::max<int64_t>(1, int64_t(mib * (1 << 20) / (pb * 4.0)));
         std::vector<float> A(M * K), W(N * K), bias(N), C(M * N);
         float *Bp = static_cast<float *>(std::aligned_alloc(64, size_t(pb * 4 * copies)));
         uint64_t s = 88172645463325252ull;

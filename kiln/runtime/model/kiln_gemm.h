@@ -485,16 +485,13 @@ inline void packed_block(int64_t M, int64_t N, int64_t K, const T *a, int64_t ar
   }
 }
 
-/* Rows of A one K block of `packed_block_cols` packs at once (MR-row tiles): with KC = 256
- * floats, 96 KiB of A, which stays in L2 beside the thread's K block of B panels.
- * packed_cols_mc_max: the most a caller may ask for (`mc_rows`), 132 at MR 12 (M = 128 in one
- * chunk: each panel's K block then enters L1 once per K block, not twice). */
+/* Rows of A one K block of `packed_block_cols` packs at once (MR-row tiles): 132 at MR 12, so
+ * that M = 128 (a transformer's sequence) is one chunk and each panel's K block enters L1
+ * once per K block (with chunks of 96 it entered twice: 0.87-0.94 of the time at 2 threads
+ * on the device's Xeon, BENCHMARKS.md s13gemm). With KC = 256 floats, 132 KiB of A, which
+ * stays in L2 beside the thread's K block of B panels. */
 template <int MR>
 constexpr int64_t packed_cols_mc() {
-  return int64_t((96 + MR - 1) / MR) * MR;
-}
-template <int MR>
-constexpr int64_t packed_cols_mc_max() {
   return int64_t((128 + MR - 1) / MR) * MR;
 }
 
@@ -506,56 +503,55 @@ constexpr int packed_cols_h(int64_t mr) {
 }
 
 /* Rows [0, mc) of a chunk (A packed by `packed_cols_pack`) times the K block of panels
- * [pg, pe): per panel, every row tile while the panel's K block (KC x NR) stays in L1, the
- * tiles' A streaming from L2. Not inlined: compiled once per (T, NR, MR), not once per GEMM
- * and epilogue of a package (each fused epilogue is its own instantiation of the loop around
- * it). The call costs nothing next to its at least MR x NR x kc multiply-adds. */
+ * [pg, pe): per panel, every full row tile while the panel's K block (KC x NR) stays in L1,
+ * the tiles' A streaming from L2, and the last mr < MR rows, if any, in a tile of 8 or MR
+ * rows; a tail of 4 rows runs after the sweep, over groups of 3 panels (packed_block's 4-row
+ * tile: 8 accumulators a panel would wait on the FMA latency). Not inlined: compiled
+ * once per (T, NR, MR), not once per GEMM and epilogue of a package (each fused epilogue is
+ * its own instantiation of the loop around it). The call costs nothing next to its at least
+ * MR x NR x kc multiply-adds.
+ * prefetch: while the full tiles sweep panel p, the next panel's K block (kc x NR: 512 lines
+ * of 64 bytes at KC 256) is asked into L2 in even slices, one slice before each tile. Its K
+ * block starts a new run of 4 KiB pages (pstride away), which the L2 streamer only follows
+ * after its first misses in each page: without it the first tile of each panel waits for
+ * memory (a weight read once per call, from DRAM or L3 in a model). (A line asked per k
+ * inside the tile's loop instead was 13-20% slower with the weight cached.) */
 template <class T, int NR, int MR>
 __attribute__((noinline)) void packed_cols_panels(int64_t mc, int64_t kc, const T *apack,
                                                   const T *bk, int64_t pstride, int64_t pg,
                                                   int64_t pe, int64_t N, T *c, int64_t ldc,
-                                                  bool accumulate, bool prefetch = false) {
-  const int64_t P = (N + NR - 1) / NR;
-  // prefetch: while the row tiles sweep panel p, the next panel's K block (kc x NR, 512 lines
-  // of 64 bytes at KC 256) is asked into L2 in even slices, one before each tile; a panel's
-  // K block starts a new run of 4 KiB pages (pstride away), which the L2 streamer only
-  // follows after its first misses of each page
-  const int64_t tiles = (mc + MR - 1) / MR, lines = kc * NR * int64_t(sizeof(T)) / 64;
+                                                  bool accumulate, bool prefetch) {
+  const int64_t P = (N + NR - 1) / NR, full = mc / MR * MR, tiles = full / MR;
+  const int64_t lines = kc * NR * int64_t(sizeof(T)) / 64, mr = mc - full;
+  const int h = packed_cols_h<MR>(mr);
+  const T *ap = apack + full * kc;  // the last mr rows' tile
   for (int64_t p = pg; p < pe; ++p) {
     const T *b = bk + p * pstride;
     const int64_t ncols = std::min<int64_t>(NR, N - p * NR);
     T *cp = c + p * NR;
-    const char *next = p + 1 < P ? reinterpret_cast<const char *>(b + pstride) : nullptr;
-    int64_t ir = 0;
-    for (; ir + MR <= mc; ir += MR) {
-      if (prefetch && next) {
-        const int64_t t = ir / MR;
+    const char *next = prefetch && p + 1 < P ? reinterpret_cast<const char *>(b + pstride)
+                                             : nullptr;
+    for (int64_t t = 0; t < tiles; ++t) {
+      if (next)
         for (int64_t l = lines * t / tiles, e = lines * (t + 1) / tiles; l < e; ++l)
           __builtin_prefetch(next + l * 64, 0, 2);
-      }
-      packed_tile<T, NR, MR, 1>(kc, apack + ir * kc, b, pstride, cp + ir * ldc, ldc, MR, ncols,
-                                accumulate);
+      packed_tile<T, NR, MR, 1>(kc, apack + t * MR * kc, b, pstride, cp + t * MR * ldc, ldc,
+                                MR, ncols, accumulate);
     }
-    if (prefetch && next && ir < mc)
-      for (int64_t l = lines * (tiles - 1) / tiles; l < lines; ++l)
-        __builtin_prefetch(next + l * 64, 0, 2);
-    if (ir == mc) continue;
-    const int64_t mr = mc - ir;
-    const int h = packed_cols_h<MR>(mr);
-    const T *ap = apack + ir * kc;
-    if constexpr (MR > 4)
-      if (h == 4) {
-        packed_tile<T, NR, 4, 1>(kc, ap, b, pstride, cp + ir * ldc, ldc, mr, ncols, accumulate);
-        continue;
-      }
+    if (mr == 0 || (MR > 4 && h == 4)) continue;
     if constexpr (MR > 8)
       if (h == 8) {
-        packed_tile<T, NR, 8, 1>(kc, ap, b, pstride, cp + ir * ldc, ldc, mr, ncols, accumulate);
+        packed_tile<T, NR, 8, 1>(kc, ap, b, pstride, cp + full * ldc, ldc, mr, ncols,
+                                 accumulate);
         continue;
       }
     if (h != MR) __builtin_trap();  // a height packed_cols_h never gives
-    packed_tile<T, NR, MR, 1>(kc, ap, b, pstride, cp + ir * ldc, ldc, mr, ncols, accumulate);
+    packed_tile<T, NR, MR, 1>(kc, ap, b, pstride, cp + full * ldc, ldc, mr, ncols, accumulate);
   }
+  if constexpr (MR > 4)
+    if (mr > 0 && h == 4)  // 8 accumulators a panel: 3 panels at once, after the sweep
+      packed_rows<T, NR, 4>(kc, ap, bk, pstride, pg, pe, N, c + full * ldc, ldc, mr,
+                            accumulate);
 }
 
 /* Pack rows [0, mc) x one K block of A for `packed_cols_panels`: k-major tiles of MR rows,
@@ -581,12 +577,10 @@ inline void packed_cols_pack(int64_t mc, int64_t kc, const T *a, int64_t ar, int
 template <class T, int NR, int MR, int KC, class RowEpi = NoEpilogue>
 inline void packed_block_cols(int64_t M, int64_t N, int64_t K, const T *a, int64_t ar,
                               int64_t ac, const T *bp, int64_t p0, int64_t p1, T *c,
-                              int64_t ldc, T *apack, RowEpi epi = {}, bool prefetch = false,
-                              int64_t mc_rows = packed_cols_mc<MR>()) {
+                              int64_t ldc, T *apack, RowEpi epi = {}, bool prefetch = true) {
   if (K == 0)  // C = 0, then the epilogue
     return packed_block<T, NR, MR, KC>(M, N, K, a, ar, ac, bp, p0, p1, c, ldc, apack, epi);
-  const int64_t MC = std::min<int64_t>(std::max<int64_t>(mc_rows / MR, 1) * MR,
-                                       packed_cols_mc_max<MR>());
+  constexpr int64_t MC = packed_cols_mc<MR>();
   constexpr int PG = 4;  // panels per epilogue call
   const int64_t pstride = K * NR;
   for (int64_t pc = 0; pc < K; pc += KC) {
@@ -615,7 +609,7 @@ inline void packed_block_cols(int64_t M, int64_t N, int64_t K, const T *a, int64
 template <int MR, int KC>
 inline int64_t packed_apack_size(int64_t M, int64_t K) {
   (void)M;
-  return std::max<int64_t>(std::max<int64_t>(int64_t(MR) * K, packed_cols_mc_max<MR>() * KC), 1);
+  return std::max<int64_t>(std::max<int64_t>(int64_t(MR) * K, packed_cols_mc<MR>() * KC), 1);
 }
 
 }  // namespace kr

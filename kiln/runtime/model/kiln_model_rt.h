@@ -377,9 +377,9 @@ inline int gemm_cpp(int64_t nb0, int64_t nb1, int64_t M, int64_t N, int64_t K, c
  * nothing where one K block covers K (the row loop is the same); with several K blocks a
  * group re-reads its panels' B, so rows are cut only while that share of B fits in L2
  * (512 KiB), else a part stays whole (the schedule before). A part of 4 row tiles or more
- * whose A rows alias in L1 (packed either way) runs in BLIS order (`packed_block_cols`), others
- * row tile outer (`packed_block`);
- * Order 1 / 2 forces one of them (tests, bench/gemm_mlp_layer.cpp). */
+ * runs in BLIS order (`packed_block_cols`, the next panel's K block prefetched), others row
+ * tile outer (`packed_block`). Order forces one (tests, bench/gemm_packed_ab.cpp): 1 row tile
+ * outer, 2 BLIS order without the prefetch, 3 BLIS order. */
 template <class T, int NR, int MR, int KC, int Order = 0, class Epi = NoEpilogue>
 inline int gemm_cpp_packed(int64_t nb0, int64_t nb1, int64_t M, int64_t N, int64_t K,
                            const T *A, int64_t as0, int64_t as1, int64_t ar, int64_t ac,
@@ -416,17 +416,15 @@ inline int gemm_cpp_packed(int64_t nb0, int64_t nb1, int64_t M, int64_t N, int64
       // not once per loop order calling it
       auto rows_epi = [&](int64_t i0, int64_t i1, int64_t j0, int64_t j1)
                           __attribute__((noinline)) { epi(r0 + i0, r0 + i1, j0, j1); };
-      // BLIS order (Order 0) from 4 row tiles up and where packed_block would pack A too
-      // (direct_a_ok false: K = 1024, 3072 floats): at 16 rows (one 12-row tile and a 4-row
-      // tail) it was 18-29% slower on Zen 4 in one A/B run (the tail's tile spans one panel
-      // there, three in packed_block), at 128 x 768 x 768 (A read in place by packed_block)
-      // 2-7% slower in each of 5; packed_block for those
-      const bool cols = Order >= 2 || (Order == 0 && hi - lo >= 4 * MR && !direct_a_ok<T>(ar, ac));
+      // BLIS order with the next panel prefetched (Order 0) from 4 row tiles up: at 2 threads
+      // on the device's Xeon 0.87-0.95 of packed_block's time at M = 128, K = 768 / 3072 with
+      // the weight cached, 0.76-0.94 with it read from memory (BENCHMARKS.md, s13gemm); below
+      // that (a GEMV, M = 16 with its 4-row tail, the row groups cut for 2 threads)
+      // packed_block, which reads B once per row tile and its tail 3 panels at once
+      const bool cols = Order >= 2 || (Order == 0 && hi - lo >= 4 * MR);
       if (cols)
         packed_block_cols<T, NR, MR, KC>(hi - lo, N, K, a + lo * ar, ar, ac, Bp, p0, p1,
-                                         c + lo * N, N, apack.data(), rows_epi, Order >= 3,
-                                         Order == 4 ? packed_cols_mc_max<MR>()
-                                                    : packed_cols_mc<MR>());
+                                         c + lo * N, N, apack.data(), rows_epi, Order != 2);
       else
         packed_block<T, NR, MR, KC>(hi - lo, N, K, a + lo * ar, ar, ac, Bp, p0, p1, c + lo * N,
                                     N, apack.data(), rows_epi);
