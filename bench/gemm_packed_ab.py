@@ -117,6 +117,89 @@ def ort_times(threads: list[int], rounds: int, secs: float) -> dict[tuple[int, s
     return out
 
 
+FMA_SRC = r"""
+// Each thread, pinned to one CPU of argv[1] (comma-separated), runs 12 independent chains of
+// vector FMAs (the GEMM tile's 24 accumulators' worth of throughput) for argv[2] seconds, all
+// threads at once; prints each thread's GFLOP/s. Two CPUs that share a physical core (host
+// hyperthreads of a VM's vCPUs) each get about half of one CPU's rate alone.
+#include <immintrin.h>
+#include <pthread.h>
+#include <sched.h>
+#include <chrono>
+#include <cstdio>
+#include <cstdlib>
+#include <string>
+#include <thread>
+#include <vector>
+#if defined(__AVX512F__)
+typedef __m512 V;
+#define FMA _mm512_fmadd_ps
+#define SET1 _mm512_set1_ps
+#define FIRST _mm512_cvtss_f32
+constexpr int W = 16;
+#else
+typedef __m256 V;
+#define FMA _mm256_fmadd_ps
+#define SET1 _mm256_set1_ps
+#define FIRST _mm256_cvtss_f32
+constexpr int W = 8;
+#endif
+static double run(double secs) {
+  V a[12], b = SET1(0.999f), c = SET1(1e-3f);
+  for (int i = 0; i < 12; ++i) a[i] = SET1(float(i));
+  long it = 0;
+  const auto t0 = std::chrono::steady_clock::now();
+  double dt = 0;
+  do {
+    for (int r = 0; r < 1000; ++r)
+#pragma GCC unroll 12
+      for (int i = 0; i < 12; ++i) a[i] = FMA(a[i], b, c);
+    it += 1000;
+    dt = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  } while (dt < secs);
+  float s = 0;
+  for (int i = 0; i < 12; ++i) s += FIRST(a[i]);
+  if (s == 1234.5f) std::printf("!");
+  return it * 12.0 * W * 2 / dt * 1e-9;
+}
+int main(int argc, char **argv) {
+  std::vector<int> cpus;
+  for (std::string t, s = argv[1]; !s.empty();) {
+    const size_t q = s.find(',');
+    cpus.push_back(std::atoi(s.substr(0, q).c_str()));
+    s = q == std::string::npos ? "" : s.substr(q + 1);
+  }
+  const double secs = std::atof(argv[2]);
+  std::vector<double> g(cpus.size());
+  std::vector<std::thread> th;
+  for (size_t i = 0; i < cpus.size(); ++i)
+    th.emplace_back([&, i] {
+      cpu_set_t set;
+      CPU_ZERO(&set);
+      CPU_SET(cpus[i], &set);
+      pthread_setaffinity_np(pthread_self(), sizeof set, &set);
+      g[i] = run(secs);
+    });
+  for (auto &t : th) t.join();
+  std::printf("FMA cpus %s:", argv[1]);
+  for (double x : g) std::printf(" %.1f", x);
+  std::printf(" GFLOP/s\n");
+}
+"""
+
+
+def fma_pairs(sets: str, secs: float) -> None:
+    """Per-thread FMA throughput with threads pinned to each CPU set of `sets` (';'-separated,
+    e.g. "0;0,1;0,8"): whether two vCPUs share a physical core."""
+    tmp = Path(tempfile.mkdtemp(prefix="fma_"))
+    (tmp / "fma.cpp").write_text(FMA_SRC)
+    subprocess.run(["c++", "-O3", "-std=c++17", *cpu_flags(), "-pthread", str(tmp / "fma.cpp"),
+                    "-o", str(tmp / "fma")], check=True)
+    for s in sets.split(";"):
+        print(subprocess.run([str(tmp / "fma"), s, str(secs)], check=True, text=True,
+                             capture_output=True).stdout, end="", flush=True)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("base", help="the base tree (variant main)")
@@ -129,7 +212,11 @@ def main() -> None:
     ap.add_argument("--variants", default="main,rows,blis,auto")
     ap.add_argument("--ort", action="store_true", help="also time ONNX Runtime per shape")
     ap.add_argument("--json", help="write the raw results here")
+    ap.add_argument("--fma", help="only the FMA throughput of threads pinned to these CPU "
+                    "sets (';'-separated, e.g. '0;0,1;0,8'), then exit")
     args = ap.parse_args()
+    if args.fma:
+        return fma_pairs(args.fma, 0.3)
     tmp = Path(tempfile.mkdtemp(prefix="gemm_ab_"))
     exe = build(Path(args.base), tmp)
     proc = subprocess.run([str(exe), str(args.rounds), str(args.burst), args.threads, args.modes,
