@@ -487,9 +487,9 @@ inline void packed_block(int64_t M, int64_t N, int64_t K, const T *a, int64_t ar
 
 /* Rows of A one K block of `packed_block_cols` packs at once (MR-row tiles): 132 at MR 12, so
  * that M = 128 (a transformer's sequence) is one chunk and each panel's K block enters L1
- * once per K block (with chunks of 96 it entered twice: 0.87-0.94 of the time at 2 threads
- * on the device's Xeon, BENCHMARKS.md s13gemm). With KC = 256 floats, 132 KiB of A, which
- * stays in L2 beside the thread's K block of B panels. */
+ * once per K block (with chunks of 96 it entered twice; 132 took 0.92-0.96 of their time at
+ * 2 threads at M = 128 on the device's Xeon, BENCHMARKS.md s13gemm). With KC = 256 floats,
+ * 132 KiB of A, which stays in L2 beside the thread's K block of B panels. */
 template <int MR>
 constexpr int64_t packed_cols_mc() {
   return int64_t((128 + MR - 1) / MR) * MR;

@@ -417,8 +417,10 @@ inline int gemm_cpp_packed(int64_t nb0, int64_t nb1, int64_t M, int64_t N, int64
       auto rows_epi = [&](int64_t i0, int64_t i1, int64_t j0, int64_t j1)
                           __attribute__((noinline)) { epi(r0 + i0, r0 + i1, j0, j1); };
       // BLIS order with the next panel prefetched (Order 0) from 4 row tiles up: at 2 threads
-      // on the device's Xeon 0.87-0.95 of packed_block's time at M = 128, K = 768 / 3072 with
-      // the weight cached, 0.76-0.94 with it read from memory (BENCHMARKS.md, s13gemm); below
+      // on the device's Xeon 0.75-0.93 of packed_block's time at M = 64 / 128 with the weight
+      // read from L3 or memory (as in a model), 0.84-1.04 with one weight cached from the
+      // call before (BENCHMARKS.md, s13gemm; without the prefetch 0.94 at 64x1024x1024 cached
+      // but 0.91-1.05 from L3 / memory); below
       // that (a GEMV, M = 16 with its 4-row tail, the row groups cut for 2 threads)
       // packed_block, which reads B once per row tile and its tail 3 panels at once
       const bool cols = Order >= 2 || (Order == 0 && hi - lo >= 4 * MR);
