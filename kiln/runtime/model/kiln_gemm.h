@@ -272,14 +272,24 @@ constexpr int panels_per_tile() {
   return np > 4 ? 4 : np;
 }
 
-/* c[0:mrows][0:ncols] (+)= a (MR rows x kc) times NP consecutive K-blocks of panels (panel
+#if defined(__GNUC__) && !defined(__clang__)
+#define KILN_NOCLONE __attribute__((noclone))
+#else
+#define KILN_NOCLONE
+#endif
+
+/* (noclone: one body per instantiation; GCC's constant-propagation clones of it, one per
+ * caller's pattern of constant arguments, doubled the 12-row kernel and added 2 s of compile
+ * to every package once packed_cols_panels called it too.)
+ * c[0:mrows][0:ncols] (+)= a (MR rows x kc) times NP consecutive K-blocks of panels (panel
  * q's block at b + q * pstride, row k at + k * NR); `ncols` (<= NP * NR) columns of c are
  * stored. Element (i, k) of a is a[k * MR + i] (packed, rows past mrows zero), or with
  * DirectA A itself, a[i * ars + k] (rows of contiguous k, read in place). */
 template <class T, int NR, int MR, int NP, bool DirectA = false>
-inline void packed_tile(int64_t kc, const T *__restrict__ a, const T *__restrict__ b,
-                        int64_t pstride, T *__restrict__ c, int64_t ldc, int64_t mrows,
-                        int64_t ncols, bool accumulate, int64_t ars = 0) {
+KILN_NOCLONE inline void packed_tile(int64_t kc, const T *__restrict__ a,
+                                     const T *__restrict__ b, int64_t pstride,
+                                     T *__restrict__ c, int64_t ldc, int64_t mrows,
+                                     int64_t ncols, bool accumulate, int64_t ars = 0) {
   typedef PanelVec<T, NR> P;
   typedef typename P::type V;
   constexpr int L = P::lanes, NV = P::per_row;
@@ -418,13 +428,15 @@ inline void pack_a_rows(int64_t mr, int64_t h, int64_t kc, const T *a, int64_t a
     for (int64_t k = 0; k < kc; ++k) dst[k * h + i] = T(0);
 }
 
-/* mr rows (<= MR) of one K block: a full tile of MR rows reads A in place where its rows do
+/* (Not inlined: compiled once per (T, NR, MR), not into each GEMM's epilogue instantiation.)
+ * mr rows (<= MR) of one K block: a full tile of MR rows reads A in place where its rows do
  * not alias in L1 (direct_a_ok), else A is packed first: a tile of 1, 2, 4 or 8 rows when mr
  * fits one (small M: B is swept once whatever M), else of MR rows, zero-padded. */
 template <class T, int NR, int MR>
-inline void packed_row_block(int64_t mr, int64_t kc, const T *a, int64_t ar, int64_t ac,
-                             const T *bk, int64_t pstride, int64_t p0, int64_t p1, int64_t N,
-                             T *c, int64_t ldc, bool accumulate, T *apack) {
+__attribute__((noinline)) void packed_row_block(int64_t mr, int64_t kc, const T *a, int64_t ar,
+                                                int64_t ac, const T *bk, int64_t pstride,
+                                                int64_t p0, int64_t p1, int64_t N, T *c,
+                                                int64_t ldc, bool accumulate, T *apack) {
   if (mr == MR && MR > 1 && direct_a_ok<T>(ar, ac))
     return packed_rows<T, NR, MR, true>(kc, a, bk, pstride, p0, p1, N, c, ldc, mr, accumulate,
                                         ar);
@@ -473,11 +485,131 @@ inline void packed_block(int64_t M, int64_t N, int64_t K, const T *a, int64_t ar
   }
 }
 
-/* Elements of the A buffer `packed_block` needs. */
+/* Rows of A one K block of `packed_block_cols` packs at once (MR-row tiles): 132 at MR 12, so
+ * that M = 128 (a transformer's sequence) is one chunk and each panel's K block enters L1
+ * once per K block (with chunks of 96 it entered twice; 132 took 0.92-0.96 of their time at
+ * 2 threads at M = 128 on the device's Xeon, BENCHMARKS.md s13gemm). With KC = 256 floats,
+ * 132 KiB of A, which stays in L2 beside the thread's K block of B panels. */
+template <int MR>
+constexpr int64_t packed_cols_mc() {
+  return int64_t((128 + MR - 1) / MR) * MR;
+}
+
+/* Height of the tile `packed_block_cols` gives the last mr (<= MR) rows of a chunk: MR, or
+ * 4 or 8 when that covers them (fewer zero rows multiplied). */
+template <int MR>
+constexpr int packed_cols_h(int64_t mr) {
+  return mr == MR ? MR : mr <= 4 && MR > 4 ? 4 : mr <= 8 && MR > 8 ? 8 : MR;
+}
+
+/* Rows [0, mc) of a chunk (A packed by `packed_cols_pack`) times the K block of panels
+ * [pg, pe): per panel, every full row tile while the panel's K block (KC x NR) stays in L1,
+ * the tiles' A streaming from L2, and the last mr < MR rows, if any, in a tile of 8 or MR
+ * rows; a tail of 4 rows runs after the sweep, over groups of 3 panels (packed_block's 4-row
+ * tile: 8 accumulators a panel would wait on the FMA latency). Not inlined: compiled
+ * once per (T, NR, MR), not once per GEMM and epilogue of a package (each fused epilogue is
+ * its own instantiation of the loop around it). The call costs nothing next to its at least
+ * MR x NR x kc multiply-adds.
+ * prefetch: while the full tiles sweep panel p, the next panel's K block (kc x NR: 512 lines
+ * of 64 bytes at KC 256) is asked into L2 in even slices, one slice before each tile. Its K
+ * block starts a new run of 4 KiB pages (pstride away), which the L2 streamer only follows
+ * after its first misses in each page: without it the first tile of each panel waits for
+ * memory (a weight read once per call, from DRAM or L3 in a model). (A line asked per k
+ * inside the tile's loop instead was 13-20% slower with the weight cached.) */
+template <class T, int NR, int MR>
+__attribute__((noinline)) void packed_cols_panels(int64_t mc, int64_t kc, const T *apack,
+                                                  const T *bk, int64_t pstride, int64_t pg,
+                                                  int64_t pe, int64_t N, T *c, int64_t ldc,
+                                                  bool accumulate, bool prefetch) {
+  const int64_t P = (N + NR - 1) / NR, full = mc / MR * MR, tiles = full / MR;
+  const int64_t lines = kc * NR * int64_t(sizeof(T)) / 64, mr = mc - full;
+  const int h = packed_cols_h<MR>(mr);
+  const T *ap = apack + full * kc;  // the last mr rows' tile
+  for (int64_t p = pg; p < pe; ++p) {
+    const T *b = bk + p * pstride;
+    const int64_t ncols = std::min<int64_t>(NR, N - p * NR);
+    T *cp = c + p * NR;
+    const char *next = prefetch && p + 1 < P ? reinterpret_cast<const char *>(b + pstride)
+                                             : nullptr;
+    for (int64_t t = 0; t < tiles; ++t) {
+      if (next)
+        for (int64_t l = lines * t / tiles, e = lines * (t + 1) / tiles; l < e; ++l)
+          __builtin_prefetch(next + l * 64, 0, 2);
+      packed_tile<T, NR, MR, 1>(kc, apack + t * MR * kc, b, pstride, cp + t * MR * ldc, ldc,
+                                MR, ncols, accumulate);
+    }
+    if (mr == 0 || (MR > 4 && h == 4)) continue;
+    if constexpr (MR > 8)
+      if (h == 8) {
+        packed_tile<T, NR, 8, 1>(kc, ap, b, pstride, cp + full * ldc, ldc, mr, ncols,
+                                 accumulate);
+        continue;
+      }
+    if (h != MR) __builtin_trap();  // a height packed_cols_h never gives
+    packed_tile<T, NR, MR, 1>(kc, ap, b, pstride, cp + full * ldc, ldc, mr, ncols, accumulate);
+  }
+  if constexpr (MR > 4)
+    if (mr > 0 && h == 4)  // 8 accumulators a panel: 3 panels at once, after the sweep
+      packed_rows<T, NR, 4>(kc, ap, bk, pstride, pg, pe, N, c + full * ldc, ldc, mr,
+                            accumulate);
+}
+
+/* Pack rows [0, mc) x one K block of A for `packed_cols_panels`: k-major tiles of MR rows,
+ * the last one of packed_cols_h rows (rows past mc zero). */
+template <class T, int MR>
+inline void packed_cols_pack(int64_t mc, int64_t kc, const T *a, int64_t ar, int64_t ac,
+                             T *apack) {
+  for (int64_t ir = 0; ir < mc; ir += MR) {
+    const int64_t mr = std::min<int64_t>(MR, mc - ir);
+    pack_a_rows<T>(mr, packed_cols_h<MR>(mr), kc, a + ir * ar, ar, ac, apack + ir * kc);
+  }
+}
+
+/* The same GEMM as `packed_block` for several row blocks, loops in the order of BLIS's
+ * macro-kernel: per K block and chunk of up to packed_cols_mc rows, A is packed once
+ * (k-major MR-row tiles, rows past M zero), then each panel's K block (KC x NR, 32 KiB) is
+ * swept by every row tile of the chunk while it stays in L1, and the tiles' A streams from
+ * L2. `packed_block`'s order (row tile outer) keeps a tile's A in L1 instead and streams the
+ * panels from L2 once per row tile: 2.7 times the L2 bytes per multiply-add for a 12 x 32
+ * tile (2 B vectors per k against 12 broadcasts). The epilogue runs per chunk and panel
+ * group once their last K block is done. `apack`: `packed_apack_size` elements. Only this
+ * loop is instantiated per epilogue; the tiles are in `packed_cols_panels`. */
+template <class T, int NR, int MR, int KC, class RowEpi = NoEpilogue>
+inline void packed_block_cols(int64_t M, int64_t N, int64_t K, const T *a, int64_t ar,
+                              int64_t ac, const T *bp, int64_t p0, int64_t p1, T *c,
+                              int64_t ldc, T *apack, RowEpi epi = {}, bool prefetch = true) {
+  if (K == 0)  // C = 0, then the epilogue
+    return packed_block<T, NR, MR, KC>(M, N, K, a, ar, ac, bp, p0, p1, c, ldc, apack, epi);
+  constexpr int64_t MC = packed_cols_mc<MR>();
+  constexpr int PG = 4;  // panels per epilogue call
+  const int64_t pstride = K * NR;
+  for (int64_t pc = 0; pc < K; pc += KC) {
+    const int64_t kc = std::min<int64_t>(KC, K - pc);
+    const bool last = pc + kc == K;
+    for (int64_t ic = 0; ic < M; ic += MC) {
+      const int64_t mc = std::min<int64_t>(MC, M - ic);
+      packed_cols_pack<T, MR>(mc, kc, a + ic * ar + pc * ac, ar, ac, apack);
+      if (!last) {
+        packed_cols_panels<T, NR, MR>(mc, kc, apack, bp + pc * NR, pstride, p0, p1, N,
+                                      c + ic * ldc, ldc, pc > 0, prefetch);
+        continue;
+      }
+      for (int64_t pg = p0; pg < p1; pg += PG) {
+        const int64_t pe = std::min<int64_t>(p1, pg + PG);
+        packed_cols_panels<T, NR, MR>(mc, kc, apack, bp + pc * NR, pstride, pg, pe, N,
+                                      c + ic * ldc, ldc, pc > 0, prefetch);
+        epi(ic, ic + mc, pg * NR, std::min<int64_t>(N, pe * NR));
+      }
+    }
+  }
+}
+
+/* Elements of the A buffer `packed_block` (MR rows of the whole K) and `packed_block_cols`
+ * (a chunk of rows of one K block) need. */
 template <int MR, int KC>
 inline int64_t packed_apack_size(int64_t M, int64_t K) {
   (void)M;
-  return std::max<int64_t>(int64_t(MR) * K, 1);
+  return std::max<int64_t>(std::max<int64_t>(int64_t(MR) * K, packed_cols_mc<MR>() * KC), 1);
 }
 
 }  // namespace kr

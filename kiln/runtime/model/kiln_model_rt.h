@@ -376,8 +376,11 @@ inline int gemm_cpp(int64_t nb0, int64_t nb1, int64_t M, int64_t N, int64_t K, c
  * loaded machine), the others finish its rows instead of waiting for it. Cutting rows costs
  * nothing where one K block covers K (the row loop is the same); with several K blocks a
  * group re-reads its panels' B, so rows are cut only while that share of B fits in L2
- * (512 KiB), else a part stays whole (the schedule before). */
-template <class T, int NR, int MR, int KC, class Epi = NoEpilogue>
+ * (512 KiB), else a part stays whole (the schedule before). A part of 4 row tiles or more
+ * runs in BLIS order (`packed_block_cols`, the next panel's K block prefetched), others row
+ * tile outer (`packed_block`). Order forces one (tests, bench/gemm_packed_ab.cpp): 1 row tile
+ * outer, 2 BLIS order without the prefetch, 3 BLIS order. */
+template <class T, int NR, int MR, int KC, int Order = 0, class Epi = NoEpilogue>
 inline int gemm_cpp_packed(int64_t nb0, int64_t nb1, int64_t M, int64_t N, int64_t K,
                            const T *A, int64_t as0, int64_t as1, int64_t ar, int64_t ac,
                            const T *Bp, T *C, Epi epi = {}) {
@@ -409,9 +412,24 @@ inline int gemm_cpp_packed(int64_t nb0, int64_t nb1, int64_t M, int64_t N, int64
       T *c = C + bi * M * N;
       const int64_t r0 = bi * M + lo;
       const int64_t p0 = by_rows ? 0 : P * part / parts, p1 = by_rows ? P : P * (part + 1) / parts;
-      packed_block<T, NR, MR, KC>(hi - lo, N, K, a + lo * ar, ar, ac, Bp, p0, p1, c + lo * N, N,
-                                  apack.data(), [&](int64_t i0, int64_t i1, int64_t j0,
-                                                    int64_t j1) { epi(r0 + i0, r0 + i1, j0, j1); });
+      // not inlined: the fused epilogue's body (e.g. an exact GELU) compiled once per GEMM,
+      // not once per loop order calling it
+      auto rows_epi = [&](int64_t i0, int64_t i1, int64_t j0, int64_t j1)
+                          __attribute__((noinline)) { epi(r0 + i0, r0 + i1, j0, j1); };
+      // BLIS order with the next panel prefetched (Order 0) from 4 row tiles up: at 2 threads
+      // on the device's Xeon 0.75-0.93 of packed_block's time at M = 64 / 128 with the weight
+      // read from L3 or memory (as in a model), 0.84-1.04 with one weight cached from the
+      // call before (BENCHMARKS.md, s13gemm; without the prefetch 0.94 at 64x1024x1024 cached
+      // but 0.91-1.05 from L3 / memory); below
+      // that (a GEMV, M = 16 with its 4-row tail, the row groups cut for 2 threads)
+      // packed_block, which reads B once per row tile and its tail 3 panels at once
+      const bool cols = Order >= 2 || (Order == 0 && hi - lo >= 4 * MR);
+      if (cols)
+        packed_block_cols<T, NR, MR, KC>(hi - lo, N, K, a + lo * ar, ar, ac, Bp, p0, p1,
+                                         c + lo * N, N, apack.data(), rows_epi, Order != 2);
+      else
+        packed_block<T, NR, MR, KC>(hi - lo, N, K, a + lo * ar, ar, ac, Bp, p0, p1, c + lo * N,
+                                    N, apack.data(), rows_epi);
     }
   });
   return 0;
