@@ -496,3 +496,61 @@ def _reduce(kind: str):
 for _kind in ("sum", "mean"):
     for _ov in ("default", "dim_IntList", "dim"):
         register(f"aten.{_kind}.{_ov}")(_reduce(_kind))
+
+
+def _nonzero(p: _Parts, x) -> str:
+    """Whether complex (or real) operand x is nonzero: either part (NaN counts as nonzero)."""
+    a, bi = p.parts(x)
+    return p.e("logical_or", p.e("ne", a, p.const(0.0)), p.e("ne", bi, p.const(0.0)))
+
+
+@register("aten.logical_not.default", "aten.logical_and.default", "aten.logical_or.default",
+          "aten.logical_xor.default")
+def _logical(b, n):
+    """Eager's truth of a complex value: either part nonzero; the result is bool."""
+    p = _start(b, n)
+    op = str(n.target).split(".")[1]
+    x = _nonzero(p, n.args[0])
+    if op == "logical_not":
+        return b.emit("logical_not", [x], n)
+    y = _nonzero(p, n.args[1])
+    return b.emit("ne" if op == "logical_xor" else op, [x, y], n)
+
+
+@register("aten.var.correction", "aten.var.dim")
+def _var(b, n):
+    """var of complex values = var(real part) + var(imaginary part) (eager's rule: the squared
+    modulus of the deviation splits into the parts'), each kiln's real var; a real result."""
+    p = _start(b, n)
+    rank = b.rank(n.args[0])
+    dims = _arg(n, 1, "dim")
+    dims = tuple(range(rank)) if dims in (None, []) else (
+        (dims,) if isinstance(dims, int) else tuple(dims))
+    dims = tuple(sorted(d % max(rank, 1) for d in dims))
+    corr = n.kwargs.get("correction", 1)
+    if str(n.target).endswith("dim"):
+        corr = 1 if _arg(n, 2, "unbiased", True) else 0
+    corr = 1 if corr is None else corr
+    if float(corr) != int(corr):
+        raise UnsupportedError(f"complex var with fractional correction {corr}")
+    keep = bool(n.kwargs.get("keepdim", n.args[3] if len(n.args) > 3 else False))
+    re, im = (b.emit("var", [x], None, like=n, shape=b.shape(n), dtype=p.rdt, dims=dims,
+                     correction=int(corr), keepdim=keep) for x in p.parts(n.args[0]))
+    return p.out_real(p.e("add", re, im))
+
+
+@register("aten.constant_pad_nd.default", "aten.pad.default")
+def _pad(b, n):
+    """Constant padding: each part padded with the value's part (a complex value: its own);
+    other modes (reflect, replicate, circular) are moves torch's decomposition writes."""
+    mode = _arg(n, 2, "mode", "constant") if "pad.default" in str(n.target) else "constant"
+    if mode != "constant":
+        raise UnsupportedError(f"complex pad mode {mode!r}")
+    value = _arg(n, 3 if "pad.default" in str(n.target) else 2, "value", 0)
+    v = complex(0 if value is None else value)
+    p = _start(b, n)
+    pad = tuple(n.args[1])
+    shape = b.shape(n)
+    re, im = (b.emit("pad", [x], None, like=n, shape=shape, dtype=p.rdt, pad=pad, value=c)
+              for x, c in zip(p.parts(n.args[0]), (v.real, v.imag)))
+    return p.join(re, im)

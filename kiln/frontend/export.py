@@ -329,7 +329,7 @@ COMPLEX_MOVES = {"aten.view.default", "aten.reshape.default", "aten._unsafe_view
                  "aten.clone.default", "aten.alias.default", "aten.unsqueeze.default",
                  "aten.squeeze.dim", "aten.squeeze.dims", "aten.cat.default",
                  "aten.split_with_sizes.default", "aten.split.Tensor", "aten.as_strided.default",
-                 "aten.flip.default", "aten.diagonal.default",
+                 "aten.flip.default", "aten.diagonal.default", "aten.masked_scatter.default",
                  "aten._assert_tensor_metadata.default"}  # (a check of metadata, no values)
 
 
