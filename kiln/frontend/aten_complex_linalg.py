@@ -143,6 +143,25 @@ def _halves(p: _Parts, re: str, im: str, dim: int) -> tuple[str, str]:
         re, im = r2, i2
 
 
+def _last_product(p: _Parts, x: str, dim: int) -> tuple[str, str]:
+    """The product along dynamic `dim` of kiln value x: its prefix products by doubling, one
+    1 + 0i put before them (pad), the element at the size (the empty product is 1)."""
+    b, n = p.b, p.n
+    shape = tuple(b.types[x].shape)
+    rank = len(shape)
+    bound = _size_bound(b, n.args[0], dim) if tuple(b.shape(n.args[0])) == shape else \
+        2 ** SCAN_MAX_LEVELS  # (all dims flattened: no bound of the product kept)
+    re, im = _doubling(p, *p.parts_of(x), shape, dim, bound, p.mul, 1.0)
+    pad = [0] * (2 * (rank - dim))
+    pad[-2:] = [1, 0]
+    longer = tuple(s + 1 if d == dim else s for d, s in enumerate(shape))
+    re, im = (b.emit("pad", [v], None, like=n, shape=longer, dtype=p.rdt, pad=tuple(pad),
+                     value=c) for v, c in ((re, 1.0), (im, 0.0)))
+    out = tuple(s for d, s in enumerate(shape) if d != dim)
+    return tuple(b.emit("select", [v], None, like=n, shape=out, dtype=p.rdt, dim=dim,
+                        index=shape[dim]) for v in (re, im))
+
+
 @register("aten.prod.default", "aten.prod.dim_int")
 def _prod(b, n):
     """The product of complex values along one dimension (or all) as a pairwise tree of complex
@@ -159,27 +178,106 @@ def _prod(b, n):
         dim = 0
     if len(b.types[x].shape) == 0:
         return p.join(*p.parts_of(x))
+    size = b.types[x].shape[dim]
+    if not size.is_Integer:  # a dynamic size: the last prefix product (1 when empty)
+        return p.join(*(p.view(v, b.shape(n)) for v in _last_product(p, x, dim)))
     re, im = _halves(p, *p.parts_of(x), dim)
     return p.join(*(p.view(v, b.shape(n)) for v in (re, im)))
 
 
+SCAN_MAX_LEVELS = 40  # a dynamic size without an upper bound: 2^40 elements along the dim
+
+
+def _size_bound(b, x, dim: int) -> int:
+    """An upper bound of dim `dim` of FX node x's size: its value when static, else the size
+    expression at the export range's upper bounds of its symbols (2^SCAN_MAX_LEVELS when one
+    is unbounded)."""
+    size = x.meta["val"].shape[dim]
+    if isinstance(size, int):
+        return size
+    e = size.node.expr
+    cap = 2 ** SCAN_MAX_LEVELS
+    try:
+        ups = {s: int(b.ranges[s].upper) for s in e.free_symbols}
+        value = int(e.xreplace(ups))
+    except (KeyError, TypeError, ValueError, OverflowError, AttributeError):
+        return cap
+    return min(max(value, 1), cap)
+
+
+def _doubling(p: _Parts, re: str, im: str, shape, dim: int, bound: int, combine,
+              identity: float) -> tuple[str, str]:
+    """The inclusive scan of (re, im) along `dim` by doubling (Hillis-Steele): level k
+    combines each element with the partial result 2^k before it, where there is one (a
+    mask on the position: the first elements keep their value exactly; no identity
+    element is combined with the others). The first element is combine(identity + 0i, x_0),
+    as eager's loop starts from the identity (1 * (inf + 0i) is inf + NaN i there).
+    log2(bound) levels of pointwise ops (static or dynamic size: the shift is a pad, a level
+    past the size is a no-op), so both targets compute it; eager combines left to right
+    (other rounding, same terms)."""
+    b, n = p.b, p.n
+    shape = tuple(shape)
+    rank = len(shape)
+    re, im = (x if tuple(b.types[x].shape) == shape else
+              b.emit("expand", [x], None, like=n, shape=shape, dtype=p.rdt) for x in (re, im))
+    i64 = dtypes.int64
+    pos = b.emit("iota", [], None, like=n, shape=(shape[dim],), dtype=i64, start=0, step=1)
+    pos = b.emit("view", [pos], None, like=n, dtype=i64,
+                 shape=tuple(shape[d] if d == dim else 1 for d in range(rank)))
+    first = b.emit("eq", [pos, b.scalar(0, torch.int64)], None, like=n,
+                   shape=b.types[pos].shape, dtype=dtypes.bool_)
+    r0, i0 = combine(p.const(identity), p.const(0.0), re, im)
+    re, im = p.e("where", first, r0, re), p.e("where", first, i0, im)
+    k = 1
+    while k < bound:
+        pad = [0] * (2 * (rank - dim))
+        pad[-2:] = [k, -k]  # (torch's order: the last dim's pair first, `dim`'s last)
+        sr, si = (b.emit("pad", [x], None, like=n, shape=shape, dtype=p.rdt, pad=tuple(pad),
+                         value=0.0) for x in (re, im))
+        nr, ni = combine(sr, si, re, im)
+        keep = b.emit("ge", [pos, b.scalar(k, torch.int64)], None, like=n,
+                      shape=b.types[pos].shape, dtype=dtypes.bool_)
+        re, im = p.e("where", keep, nr, re), p.e("where", keep, ni, im)
+        k *= 2
+    return re, im
+
+
+def _add_parts(p: _Parts):
+    return lambda a, b_, c, d: (p.e("add", a, c), p.e("add", b_, d))
+
+
 @register("aten.cumsum.default")
 def _cumsum(b, n):
-    """A real scan of each part (kiln's CPU library scan, as for real cumsum)."""
+    """A real scan of each part: kiln's CPU library scan (as for real cumsum, accumulating in
+    float64 as eager's CPU loop); where the target has no library (CUDA) by doubling."""
     p = _start(b, n)
     if n.kwargs.get("dtype") is not None and not n.kwargs["dtype"].is_complex:
         raise UnsupportedError("complex cumsum to a real dtype")
     dim = n.args[1] % max(b.rank(n.args[0]), 1)
+    if b.rank(n.args[0]) == 0:
+        return p.join(*p.parts(n.args[0]))
+    if not b.library_routines:
+        return p.join(*_doubling(p, *p.parts(n.args[0]), b.shape(n), dim,
+                                 _size_bound(b, n.args[0], dim), _add_parts(p), 0.0))
     re, im = (b.emit("scan", [x], None, like=n, dtype=p.rdt, kind="sum", dim=dim)
               for x in p.parts(n.args[0]))
     return p.join(re, im)
 
 
+@register("aten.logcumsumexp.default")
+def _logcumsumexp(b, n):
+    """kiln's CPU library scan on the complex values themselves (kiln_lib.h `scan_complex`):
+    eager's sequential loop in complex128, so the imaginary part keeps eager's branch (each
+    step adds to the larger-real-part operand's angle: the result depends on the order).
+    Targets without the library (CUDA) leave it to ATen."""
+    _start(b, n)
+    x = b.tensor(n.args[0])
+    return b.emit("scan", [x], n, kind="logsumexp", dim=n.args[1] % max(b.rank(n.args[0]), 1))
+
+
 @register("aten.cumprod.default")
 def _cumprod(b, n):
-    """Prefix products by doubling (Hillis-Steele: log2 n levels, each one multiplying every
-    element by the one 2^k before it, 1 before the start): pointwise ops only, so both
-    targets compute it; eager multiplies left to right (other rounding, same products)."""
+    """Prefix products by doubling (`_doubling`, static or dynamic size)."""
     p = _start(b, n)
     if n.kwargs.get("dtype") is not None and not n.kwargs["dtype"].is_complex:
         raise UnsupportedError("complex cumprod to a real dtype")
@@ -188,21 +286,8 @@ def _cumprod(b, n):
     if not shape:
         return p.join(re, im)
     dim = n.args[1] % len(shape)
-    size = shape[dim]
-    if not size.is_Integer:
-        raise UnsupportedError("complex cumprod over a dynamic size")
-    size, k = int(size), 1
-    while k < size:
-        def shifted(x, fill):
-            head = b.emit("expand", [p.const(fill)], None, like=n,
-                          shape=(*shape[:dim], k, *shape[dim + 1:]), dtype=p.rdt)
-            body = b.emit("slice", [x], None, like=n, shape=(*shape[:dim], size - k,
-                          *shape[dim + 1:]), dtype=p.rdt, dim=dim, start=0, end=size - k,
-                          step=1)
-            return b.emit("cat", [head, body], None, like=n, shape=shape, dtype=p.rdt, dim=dim)
-        re, im = p.mul(re, im, shifted(re, 1.0), shifted(im, 0.0))
-        k *= 2
-    return p.join(re, im)
+    return p.join(*_doubling(p, re, im, shape, dim, _size_bound(b, n.args[0], dim), p.mul,
+                             1.0))
 
 
 # -- torch.fft on small static sizes: a DFT as a GEMM with twiddles from float64 ------------------
