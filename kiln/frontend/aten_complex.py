@@ -554,3 +554,70 @@ def _pad(b, n):
     re, im = (b.emit("pad", [x], None, like=n, shape=shape, dtype=p.rdt, pad=pad, value=c)
               for x, c in zip(p.parts(n.args[0]), (v.real, v.imag)))
     return p.join(re, im)
+
+
+@register("aten.any.default", "aten.any.dim", "aten.any.dims")
+def _any(b, n):
+    """Whether any complex value is nonzero (either part), over dims or all."""
+    p = _start(b, n)
+    rank = b.rank(n.args[0])
+    dims = _arg(n, 1, "dim")
+    dims = tuple(range(rank)) if dims in (None, []) else (
+        (dims,) if isinstance(dims, int) else tuple(dims))
+    dims = tuple(sorted(d % max(rank, 1) for d in dims))
+    return b.emit("reduce", [_nonzero(p, n.args[0])], n, kind="any", dims=dims,
+                  keepdim=bool(_arg(n, 2, "keepdim", False)))
+
+
+_SCATTER_MODES = {"add": "sum", "sum": "sum", "mean": "mean"}
+
+
+@register("aten.scatter.src", "aten.scatter.value", "aten.scatter.reduce",
+          "aten.scatter.value_reduce", "aten.scatter_add.default", "aten.scatter_reduce.two")
+def _scatter(b, n):
+    """Scatters that set, sum or average: the same scatter of each part (set and sum act on
+    the parts independently; a product does not: ATen's)."""
+    target = str(n.target)
+    x, dim, index, src = n.args[:4]
+    mode, include_self = "set", True
+    if target == "aten.scatter_add.default":
+        mode = "sum"
+    elif target == "aten.scatter_reduce.two":
+        mode = _SCATTER_MODES.get(n.args[4])
+        include_self = bool(_arg(n, 5, "include_self", True))
+    elif "reduce" in target:
+        mode = _SCATTER_MODES.get(_arg(n, 4, "reduce"))
+    if mode is None:
+        raise UnsupportedError(f"complex scatter with a product or extreme (node {n.name})")
+    p = _start(b, n)
+    shape = b.shape(n)
+    idx = b.tensor(index)
+    if isinstance(src, torch.fx.Node):
+        sparts = p.parts(src)
+    else:
+        sparts = tuple(b.emit("expand", [c], None, like=n, shape=b.shape(index), dtype=p.rdt)
+                       for c in p.parts(src))
+    re, im = (b.emit("scatter", [xp, idx, sp], None, like=n, shape=shape, dtype=p.rdt,
+                     dim=dim % max(len(shape), 1), mode=mode, include_self=include_self)
+              for xp, sp in zip(p.parts(x), sparts))
+    return p.join(re, im)
+
+
+@register("aten.index_put.default")
+def _index_put(b, n):
+    """x[indices] = values (or += with accumulate): the same index_put of each part."""
+    x, indices, values = n.args[:3]
+    accumulate = bool(_arg(n, 3, "accumulate", False))
+    present = tuple(i for i, t in enumerate(indices) if t is not None)
+    if not present:
+        raise UnsupportedError(f"complex index_put without index tensors (node {n.name})")
+    p = _start(b, n)
+    idx = [b.tensor(indices[i]) for i in present]
+    vshape = b.shape(values) if isinstance(values, torch.fx.Node) else ()
+    vparts = [v if tuple(b.types[v].shape) == tuple(vshape) else
+              b.emit("expand", [v], None, like=n, shape=vshape, dtype=p.rdt)
+              for v in p.parts(values)]
+    re, im = (b.emit("index_put", [xp, vp] + idx, None, like=n, shape=b.shape(n),
+                     dtype=p.rdt, positions=present, accumulate=accumulate)
+              for xp, vp in zip(p.parts(x), vparts))
+    return p.join(re, im)
