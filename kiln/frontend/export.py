@@ -32,7 +32,7 @@ from kiln.frontend.aten_high import Fallback
 from kiln.frontend.aten_library import cpu_only
 from kiln.frontend.aten_table import TABLE
 from kiln.frontend.aten_complex import COMPLEX
-from kiln.frontend import aten_complex_linalg, aten_complex_math  # noqa: F401 (register)
+from kiln.frontend import aten_complex_fft, aten_complex_linalg, aten_complex_math  # noqa: F401
 from kiln.frontend.fold import fold_constants
 from kiln.frontend.control import CONTROL, convert_int_value
 from kiln.frontend.builder import RNG_FQN, RNG_STATE, Builder, to_dtype
