@@ -588,7 +588,8 @@ def _scatter(b, n):
     elif "reduce" in target:
         mode = _SCATTER_MODES.get(_arg(n, 4, "reduce"))
     if mode is None:
-        raise UnsupportedError(f"complex scatter with a product or extreme (node {n.name})")
+        raise UnsupportedError(f"a scatter product (node {n.name}) computes on complex values "
+                               "in a way kiln leaves to ATen: enable aten_fallback")
     p = _start(b, n)
     shape = b.shape(n)
     idx = b.tensor(index)

@@ -331,7 +331,8 @@ COMPLEX_MOVES = {"aten.view.default", "aten.reshape.default", "aten._unsafe_view
                  "aten.split_with_sizes.default", "aten.split.Tensor", "aten.as_strided.default",
                  "aten.flip.default", "aten.diagonal.default", "aten.masked_scatter.default",
                  "aten.squeeze.default", "aten.repeat.default", "aten.index_select.default",
-                 "aten.gather.default", "aten.index.Tensor",
+                 "aten.gather.default", "aten.index.Tensor", "aten.roll.default",
+                 "aten.contiguous.default", "aten.detach.default", "aten.lift_fresh_copy.default",
                  "aten._assert_tensor_metadata.default"}  # (a check of metadata, no values)
 
 
