@@ -6,9 +6,10 @@ index maps, no copy), the op's formula is written with kiln's real pointwise ops
 reductions in the part dtype (float32 / float64), and the result joined by `complex`
 (lowering/complex.py). Fused like any pointwise chain, printed by both targets. This module,
 with frontend/aten_complex_math.py (pow, the exp / log relatives, the trigonometric and
-hyperbolic functions and their inverses, isnan / isinf / isfinite) and
-frontend/aten_complex_linalg.py (the matmul family, prod / cumsum / cumprod, fft), which
-register into its table, is the one home of each complex formula:
+hyperbolic functions and their inverses, isnan / isinf / isfinite),
+frontend/aten_complex_linalg.py (the matmul family, prod / cumsum / cumprod / logcumsumexp) and
+frontend/aten_complex_fft.py (torch.fft), which register into its table, is the one home of
+each complex formula:
 
 - add / sub / mul: the textbook formulas (eager's: no C99 Annex G recovery of infinities);
   a real operand is (x, +0), a Python number its two parts;
@@ -23,21 +24,25 @@ register into its table, is the one home of each complex formula:
   parts scaled by a power of two;
 - conj / conj_physical / resolve_conj / resolve_neg, neg, polar, complex, view_as_complex,
   where, casts (complex -> real keeps the real part, -> bool tests both parts, real ->
-  complex has imaginary part +0), sum / mean (of each part);
+  complex has imaginary part +0), sum / mean / var (of each part), logical_not / and / or /
+  xor and any (either part nonzero), constant pad, scatter / scatter_add / scatter_reduce
+  (set, sum, mean) and index_put (the same op on each part);
 - the matmul family (mm, bmm, matmul, mv, dot, vdot, linear, addmm, baddbmm): one real GEMM
   per product (`_gemm`);
 - pow (eager's special cases by a Scalar, else exp(y log x) with C99's product, as glibc's
   cpow), rsqrt, square, sigmoid; exp2 / log2 / log10 / log1p / expm1 as c10's formulas;
   sinh / cosh / tanh with C99's special values as glibc, sin / cos / tan through them;
   asin / acos / asinh / acosh (Hull, Fairgrieve and Tang), atanh / atan (Kahan);
-  isnan / isinf / isfinite; add / sub / rsub with alpha; prod (pairwise tree), cumsum (real
-  scans), cumprod (doubling);
-- torch.fft's _fft_c2c / _fft_r2c / _fft_c2r on static sizes up to FFT_MAX: a DFT as one
-  GEMM with twiddles computed in float64.
+  isnan / isinf / isfinite; add / sub / rsub with alpha; prod (pairwise tree; a dynamic
+  size: the last prefix product), cumsum (real scans; CUDA: doubling), cumprod (doubling, static
+  or dynamic sizes), logcumsumexp (CPU: kiln's library scan, eager's loop);
+- torch.fft's _fft_c2c / _fft_r2c / _fft_c2r: a DFT as one GEMM with twiddles computed in
+  float64 up to FFT_MAX points, four-step factorisations and Bluestein's chirp-z beyond, and
+  on dynamic sizes with an upper bound.
 
 complex32 (torch.chalf) computes in complex64, each part rounded to float16 once (eager's math
-type and rounding). Ops or forms not here (longer ffts, logcumsumexp, ...) go to the ATen
-fallback: a converter that declines raises UnsupportedError, which the
+type and rounding). Ops or forms not here (scatter products, ffts over unbounded dynamic
+sizes, logcumsumexp on CUDA, ...) go to the ATen fallback: a converter that declines raises UnsupportedError, which the
 importer turns into a fallback call (frontend/export.py: convert_node)."""
 
 from __future__ import annotations

@@ -145,7 +145,7 @@ def test_dynamic_sizes(tmp_path, dt):
     g = gen("complex_dynamic", dt)
     x, r = torch.randn(3, 9, dtype=dt, generator=g), torch.randn(3, 9, dtype=REAL[dt], generator=g)
     n = Dim("n", max=40)
-    ep = torch.export.export(Fn(dynamic), (x, r), dynamic_shapes=({1: n}, {1: n}))
+    ep = torch.export.export(Fn(dynamic), (x, r), dynamic_shapes=(({1: n}, {1: n}),))
     compiled = kiln.compile(ep)
     assert compiled.manifest["requires"]["aten_fallback_ops"] == []
     runner = compiled.load(tmp_path / "dyn.kiln")
