@@ -42,8 +42,9 @@ each complex formula:
 
 complex32 (torch.chalf) computes in complex64, each part rounded to float16 once (eager's math
 type and rounding). Ops or forms not here (scatter products, ffts over unbounded dynamic
-sizes, logcumsumexp on CUDA, ...) go to the ATen fallback: a converter that declines raises UnsupportedError, which the
-importer turns into a fallback call (frontend/export.py: convert_node)."""
+sizes, logcumsumexp on CUDA, ...) go to the ATen fallback: a converter that declines raises
+UnsupportedError, which the importer turns into a fallback call (frontend/export.py:
+convert_node)."""
 
 from __future__ import annotations
 
