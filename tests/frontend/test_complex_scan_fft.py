@@ -234,3 +234,20 @@ def test_cuda_scans_build_without_aten():
     cm = kiln.compile(torch.export.export(Fn(lambda x: torch.logcumsumexp(x, 1)), (x,)),
                       device="cuda", options=OPTS_CUDA)
     assert cm.manifest["requires"]["aten_fallback_ops"] == ["aten::logcumsumexp.default"]
+
+
+def test_interpreter_twin_of_the_complex_scan():
+    """kiln/ir/interp.py's numpy twin of kiln_lib.h's complex logcumsumexp agrees with eager
+    (infinities and NaN included): the Loop IR interpreter runs what the package runs."""
+    from kiln.ir.interp import _lib_scan
+
+    g = gen("complex_scan_twin")
+    for dt in (C64, C128):
+        x = torch.randn(4, 9, dtype=dt, generator=g) * 4
+        x[0, 3] = complex(-math.inf, 0.0)
+        x[1, 2] = complex(math.nan, 1.0)
+        x[2, 4], x[2, 5] = complex(math.inf, 2.0), complex(math.inf, -1.0)
+        (got,) = _lib_scan([(str(dt)[6:], x.shape)], {"kind": 2}, x.numpy())
+        want = torch.logcumsumexp(x, 1)
+        torch.testing.assert_close(torch.from_numpy(got), want, equal_nan=True,
+                                   rtol=1e-6 if dt == C64 else 1e-12, atol=1e-6)
