@@ -138,7 +138,8 @@ def _fft_close(g, w, r, dt, what):
     assert err <= bound, f"{what}: kiln {err:.3g}, eager {err_eager:.3g}"
 
 
-@pytest.mark.parametrize("dt", [C64, C128], ids=["complex64", "complex128"])
+@pytest.mark.parametrize("dt", [C64, pytest.param(C128, marks=pytest.mark.slow)],
+                         ids=["complex64", "complex128"])
 def test_dynamic_sizes(tmp_path, dt):
     """One package for every length 2 .. 40 of the last dim (export's Dim max 40: Bluestein's
     convolution of length 128), run at 3, 17 and 40."""
@@ -203,6 +204,7 @@ def _long_check(tmp_path, cases):
             _fft_close(got[what], want[what], ref, dt, what)
 
 
+@pytest.mark.slow  # ~40 s of CPU: the four-step and Bluestein programs compile many kernels
 def test_long_ffts(tmp_path):
     """600 = 24 x 25 (four-step; irfft's 1198 = 2 x 599: Bluestein), 521 (a prime:
     Bluestein, a convolution of 2048 = 32 x 64)."""
@@ -223,6 +225,7 @@ def cuda_scans(x):
             "fft": torch.fft.fft(x, n=600)}
 
 
+@pytest.mark.slow  # CUDA builds (Triton kernels and cubins for sm_90)
 def test_cuda_scans_build_without_aten():
     """CUDA programs (compiled here for sm_90, not run): complex cumsum without ATen, a long
     fft too; logcumsumexp stays ATen's there (kiln's complex scan is a CPU library routine)."""
