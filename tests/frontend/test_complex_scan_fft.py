@@ -239,6 +239,41 @@ def test_cuda_scans_build_without_aten():
     assert cm.manifest["requires"]["aten_fallback_ops"] == ["aten::logcumsumexp.default"]
 
 
+_CUDA_INTERP = """
+import sys, torch, kiln
+from torch.utils import _pytree as pytree
+sys.path.insert(0, sys.argv[1])
+from test_complex_scan_fft import cuda_scans, OPTS_CUDA, Fn
+from kiln.targets.cuda.wrapper_py import import_triton_module, run_program
+from kiln.targets.cuda.build import triton_kernels
+g = torch.Generator().manual_seed(0)
+x = torch.randn(4, 37, dtype=torch.complex64, generator=g)
+b = kiln.compile(torch.export.export(Fn(cuda_scans), (x,)), device="cuda",
+                 options=OPTS_CUDA).built
+mod = import_triton_module(b.sources["kernels_triton.py"])
+ks = {k.name: k for k in triton_kernels(b.steps, {x.name: x for x in b.loop.buffers}, {})}
+x = torch.randn(4, 37, dtype=torch.complex64, generator=g)
+outs = run_program(b.program, ks, mod, b.weights, [x])
+want = pytree.tree_leaves(cuda_scans(x.to(torch.complex128)))
+for o, w in zip(outs, want, strict=True):
+    torch.testing.assert_close(o.reshape(w.shape).to(w.dtype), w, rtol=2e-5, atol=2e-5)
+print("ALL OK")
+"""
+
+
+@pytest.mark.slow  # a CUDA build and Triton's interpreter
+def test_cuda_scans_compute_in_interpreter():
+    """The CUDA program's kernels (cumsum and cumprod by doubling, a 600-point fft) run by
+    Triton's interpreter on the CPU, against eager complex128."""
+    import pathlib
+
+    from difftest import run_interpreted
+    pytest.importorskip("triton")
+    x = torch.randn(4, 37, dtype=C64)
+    kiln.compile(torch.export.export(Fn(cuda_scans), (x,)), device="cuda", options=OPTS_CUDA)
+    run_interpreted(_CUDA_INTERP, str(pathlib.Path(__file__).parent))
+
+
 def test_interpreter_twin_of_the_complex_scan():
     """kiln/ir/interp.py's numpy twin of kiln_lib.h's complex logcumsumexp agrees with eager
     (infinities and NaN included): the Loop IR interpreter runs what the package runs."""
