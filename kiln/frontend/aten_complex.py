@@ -6,9 +6,10 @@ index maps, no copy), the op's formula is written with kiln's real pointwise ops
 reductions in the part dtype (float32 / float64), and the result joined by `complex`
 (lowering/complex.py). Fused like any pointwise chain, printed by both targets. This module,
 with frontend/aten_complex_math.py (pow, the exp / log relatives, the trigonometric and
-hyperbolic functions and their inverses, isnan / isinf / isfinite) and
-frontend/aten_complex_linalg.py (the matmul family, prod / cumsum / cumprod, fft), which
-register into its table, is the one home of each complex formula:
+hyperbolic functions and their inverses, isnan / isinf / isfinite),
+frontend/aten_complex_linalg.py (the matmul family, prod / cumsum / cumprod / logcumsumexp) and
+frontend/aten_complex_fft.py (torch.fft), which register into its table, is the one home of
+each complex formula:
 
 - add / sub / mul: the textbook formulas (eager's: no C99 Annex G recovery of infinities);
   a real operand is (x, +0), a Python number its two parts;
@@ -23,22 +24,27 @@ register into its table, is the one home of each complex formula:
   parts scaled by a power of two;
 - conj / conj_physical / resolve_conj / resolve_neg, neg, polar, complex, view_as_complex,
   where, casts (complex -> real keeps the real part, -> bool tests both parts, real ->
-  complex has imaginary part +0), sum / mean (of each part);
+  complex has imaginary part +0), sum / mean / var (of each part), logical_not / and / or /
+  xor and any (either part nonzero), constant pad, scatter / scatter_add / scatter_reduce
+  (set, sum, mean) and index_put (the same op on each part);
 - the matmul family (mm, bmm, matmul, mv, dot, vdot, linear, addmm, baddbmm): one real GEMM
   per product (`_gemm`);
 - pow (eager's special cases by a Scalar, else exp(y log x) with C99's product, as glibc's
   cpow), rsqrt, square, sigmoid; exp2 / log2 / log10 / log1p / expm1 as c10's formulas;
   sinh / cosh / tanh with C99's special values as glibc, sin / cos / tan through them;
   asin / acos / asinh / acosh (Hull, Fairgrieve and Tang), atanh / atan (Kahan);
-  isnan / isinf / isfinite; add / sub / rsub with alpha; prod (pairwise tree), cumsum (real
-  scans), cumprod (doubling);
-- torch.fft's _fft_c2c / _fft_r2c / _fft_c2r on static sizes up to FFT_MAX: a DFT as one
-  GEMM with twiddles computed in float64.
+  isnan / isinf / isfinite; add / sub / rsub with alpha; prod (pairwise tree; a dynamic
+  size: the last prefix product), cumsum (real scans; CUDA: doubling), cumprod (doubling, static
+  or dynamic sizes), logcumsumexp (CPU: kiln's library scan, eager's loop);
+- torch.fft's _fft_c2c / _fft_r2c / _fft_c2r: a DFT as one GEMM with twiddles computed in
+  float64 up to FFT_MAX points, four-step factorisations and Bluestein's chirp-z beyond, and
+  on dynamic sizes with an upper bound.
 
 complex32 (torch.chalf) computes in complex64, each part rounded to float16 once (eager's math
-type and rounding). Ops or forms not here (longer ffts, logcumsumexp, ...) go to the ATen
-fallback: a converter that declines raises UnsupportedError, which the
-importer turns into a fallback call (frontend/export.py: convert_node)."""
+type and rounding). Ops or forms not here (scatter products, ffts over unbounded dynamic
+sizes, logcumsumexp on CUDA, ...) go to the ATen fallback: a converter that declines raises
+UnsupportedError, which the importer turns into a fallback call (frontend/export.py:
+convert_node)."""
 
 from __future__ import annotations
 
@@ -496,3 +502,129 @@ def _reduce(kind: str):
 for _kind in ("sum", "mean"):
     for _ov in ("default", "dim_IntList", "dim"):
         register(f"aten.{_kind}.{_ov}")(_reduce(_kind))
+
+
+def _nonzero(p: _Parts, x) -> str:
+    """Whether complex (or real) operand x is nonzero: either part (NaN counts as nonzero)."""
+    a, bi = p.parts(x)
+    return p.e("logical_or", p.e("ne", a, p.const(0.0)), p.e("ne", bi, p.const(0.0)))
+
+
+@register("aten.logical_not.default", "aten.logical_and.default", "aten.logical_or.default",
+          "aten.logical_xor.default")
+def _logical(b, n):
+    """Eager's truth of a complex value: either part nonzero; the result is bool."""
+    p = _start(b, n)
+    op = str(n.target).split(".")[1]
+    x = _nonzero(p, n.args[0])
+    if op == "logical_not":
+        return b.emit("logical_not", [x], n)
+    y = _nonzero(p, n.args[1])
+    return b.emit("ne" if op == "logical_xor" else op, [x, y], n)
+
+
+@register("aten.var.correction", "aten.var.dim")
+def _var(b, n):
+    """var of complex values = var(real part) + var(imaginary part) (eager's rule: the squared
+    modulus of the deviation splits into the parts'), each kiln's real var; a real result."""
+    p = _start(b, n)
+    rank = b.rank(n.args[0])
+    dims = _arg(n, 1, "dim")
+    dims = tuple(range(rank)) if dims in (None, []) else (
+        (dims,) if isinstance(dims, int) else tuple(dims))
+    dims = tuple(sorted(d % max(rank, 1) for d in dims))
+    corr = n.kwargs.get("correction", 1)
+    if str(n.target).endswith("dim"):
+        corr = 1 if _arg(n, 2, "unbiased", True) else 0
+    corr = 1 if corr is None else corr
+    if float(corr) != int(corr):
+        raise UnsupportedError(f"complex var with fractional correction {corr}")
+    keep = bool(n.kwargs.get("keepdim", n.args[3] if len(n.args) > 3 else False))
+    re, im = (b.emit("var", [x], None, like=n, shape=b.shape(n), dtype=p.rdt, dims=dims,
+                     correction=int(corr), keepdim=keep) for x in p.parts(n.args[0]))
+    return p.out_real(p.e("add", re, im))
+
+
+@register("aten.constant_pad_nd.default", "aten.pad.default")
+def _pad(b, n):
+    """Constant padding: each part padded with the value's part (a complex value: its own);
+    other modes (reflect, replicate, circular) are moves torch's decomposition writes."""
+    mode = _arg(n, 2, "mode", "constant") if "pad.default" in str(n.target) else "constant"
+    if mode != "constant":
+        raise UnsupportedError(f"complex pad mode {mode!r}")
+    value = _arg(n, 3 if "pad.default" in str(n.target) else 2, "value", 0)
+    v = complex(0 if value is None else value)
+    p = _start(b, n)
+    pad = tuple(n.args[1])
+    shape = b.shape(n)
+    re, im = (b.emit("pad", [x], None, like=n, shape=shape, dtype=p.rdt, pad=pad, value=c)
+              for x, c in zip(p.parts(n.args[0]), (v.real, v.imag)))
+    return p.join(re, im)
+
+
+@register("aten.any.default", "aten.any.dim", "aten.any.dims")
+def _any(b, n):
+    """Whether any complex value is nonzero (either part), over dims or all."""
+    p = _start(b, n)
+    rank = b.rank(n.args[0])
+    dims = _arg(n, 1, "dim")
+    dims = tuple(range(rank)) if dims in (None, []) else (
+        (dims,) if isinstance(dims, int) else tuple(dims))
+    dims = tuple(sorted(d % max(rank, 1) for d in dims))
+    return b.emit("reduce", [_nonzero(p, n.args[0])], n, kind="any", dims=dims,
+                  keepdim=bool(_arg(n, 2, "keepdim", False)))
+
+
+_SCATTER_MODES = {"add": "sum", "sum": "sum", "mean": "mean"}
+
+
+@register("aten.scatter.src", "aten.scatter.value", "aten.scatter.reduce",
+          "aten.scatter.value_reduce", "aten.scatter_add.default", "aten.scatter_reduce.two")
+def _scatter(b, n):
+    """Scatters that set, sum or average: the same scatter of each part (set and sum act on
+    the parts independently; a product does not: ATen's)."""
+    target = str(n.target)
+    x, dim, index, src = n.args[:4]
+    mode, include_self = "set", True
+    if target == "aten.scatter_add.default":
+        mode = "sum"
+    elif target == "aten.scatter_reduce.two":
+        mode = _SCATTER_MODES.get(n.args[4])
+        include_self = bool(_arg(n, 5, "include_self", True))
+    elif "reduce" in target:
+        mode = _SCATTER_MODES.get(_arg(n, 4, "reduce"))
+    if mode is None:
+        raise UnsupportedError(f"a scatter product (node {n.name}) computes on complex values "
+                               "in a way kiln leaves to ATen: enable aten_fallback")
+    p = _start(b, n)
+    shape = b.shape(n)
+    idx = b.tensor(index)
+    if isinstance(src, torch.fx.Node):
+        sparts = p.parts(src)
+    else:
+        sparts = tuple(b.emit("expand", [c], None, like=n, shape=b.shape(index), dtype=p.rdt)
+                       for c in p.parts(src))
+    re, im = (b.emit("scatter", [xp, idx, sp], None, like=n, shape=shape, dtype=p.rdt,
+                     dim=dim % max(len(shape), 1), mode=mode, include_self=include_self)
+              for xp, sp in zip(p.parts(x), sparts))
+    return p.join(re, im)
+
+
+@register("aten.index_put.default")
+def _index_put(b, n):
+    """x[indices] = values (or += with accumulate): the same index_put of each part."""
+    x, indices, values = n.args[:3]
+    accumulate = bool(_arg(n, 3, "accumulate", False))
+    present = tuple(i for i, t in enumerate(indices) if t is not None)
+    if not present:
+        raise UnsupportedError(f"complex index_put without index tensors (node {n.name})")
+    p = _start(b, n)
+    idx = [b.tensor(indices[i]) for i in present]
+    vshape = b.shape(values) if isinstance(values, torch.fx.Node) else ()
+    vparts = [v if tuple(b.types[v].shape) == tuple(vshape) else
+              b.emit("expand", [v], None, like=n, shape=vshape, dtype=p.rdt)
+              for v in p.parts(values)]
+    re, im = (b.emit("index_put", [xp, vp] + idx, None, like=n, shape=b.shape(n),
+                     dtype=p.rdt, positions=present, accumulate=accumulate)
+              for xp, vp in zip(p.parts(x), vparts))
+    return p.join(re, im)

@@ -1,20 +1,19 @@
 """Complex products as real GEMMs (the matmul family: mm, bmm, matmul, mv, dot, vdot, linear,
-addmm, baddbmm: one real GEMM per product on the interleaved parts), prod / cumsum / cumprod,
-and torch.fft on small static sizes (a DFT as one GEMM with twiddles computed in float64):
-aten op on complex operands -> kiln Graph IR nodes. Split from frontend/aten_complex.py,
+addmm, baddbmm: one real GEMM per product on the interleaved parts), prod / cumsum / cumprod
+/ logcumsumexp (torch.fft: frontend/aten_complex_fft.py): aten op on complex operands -> kiln
+Graph IR nodes. Split from frontend/aten_complex.py,
 whose registry, part views (`_Parts`) and elementwise formulas these converters build on;
 importing this module registers them (frontend/export.py imports it)."""
 
 from __future__ import annotations
 
 import functools
-import math
 
 import sympy
 import torch
 
 from kiln.errors import UnsupportedError
-from kiln.frontend.aten_complex import _arg, _Parts, _scale_parts, _scaled, _start, register
+from kiln.frontend.aten_complex import _arg, _Parts, _scaled, _start, register
 from kiln.frontend.aten_high import Fallback
 from kiln.ir import dtypes
 # -- the matmul family: one real GEMM on the parts ----------------------------------------------
@@ -143,6 +142,25 @@ def _halves(p: _Parts, re: str, im: str, dim: int) -> tuple[str, str]:
         re, im = r2, i2
 
 
+def _last_product(p: _Parts, x: str, dim: int) -> tuple[str, str]:
+    """The product along dynamic `dim` of kiln value x: its prefix products by doubling, one
+    1 + 0i put before them (pad), the element at the size (the empty product is 1)."""
+    b, n = p.b, p.n
+    shape = tuple(b.types[x].shape)
+    rank = len(shape)
+    bound = _size_bound(b, n.args[0], dim) if tuple(b.shape(n.args[0])) == shape else \
+        2 ** SCAN_MAX_LEVELS  # (all dims flattened: no bound of the product kept)
+    re, im = _doubling(p, *p.parts_of(x), shape, dim, bound, p.mul, 1.0)
+    pad = [0] * (2 * (rank - dim))
+    pad[-2:] = [1, 0]
+    longer = tuple(s + 1 if d == dim else s for d, s in enumerate(shape))
+    re, im = (b.emit("pad", [v], None, like=n, shape=longer, dtype=p.rdt, pad=tuple(pad),
+                     value=c) for v, c in ((re, 1.0), (im, 0.0)))
+    out = tuple(s for d, s in enumerate(shape) if d != dim)
+    return tuple(b.emit("select", [v], None, like=n, shape=out, dtype=p.rdt, dim=dim,
+                        index=shape[dim]) for v in (re, im))
+
+
 @register("aten.prod.default", "aten.prod.dim_int")
 def _prod(b, n):
     """The product of complex values along one dimension (or all) as a pairwise tree of complex
@@ -159,27 +177,106 @@ def _prod(b, n):
         dim = 0
     if len(b.types[x].shape) == 0:
         return p.join(*p.parts_of(x))
+    size = b.types[x].shape[dim]
+    if not size.is_Integer:  # a dynamic size: the last prefix product (1 when empty)
+        return p.join(*(p.view(v, b.shape(n)) for v in _last_product(p, x, dim)))
     re, im = _halves(p, *p.parts_of(x), dim)
     return p.join(*(p.view(v, b.shape(n)) for v in (re, im)))
 
 
+SCAN_MAX_LEVELS = 40  # a dynamic size without an upper bound: 2^40 elements along the dim
+
+
+def _size_bound(b, x, dim: int) -> int:
+    """An upper bound of dim `dim` of FX node x's size: its value when static, else the size
+    expression at the export range's upper bounds of its symbols (2^SCAN_MAX_LEVELS when one
+    is unbounded)."""
+    size = x.meta["val"].shape[dim]
+    if isinstance(size, int):
+        return size
+    e = size.node.expr
+    cap = 2 ** SCAN_MAX_LEVELS
+    try:
+        ups = {s: int(b.ranges[s].upper) for s in e.free_symbols}
+        value = int(e.xreplace(ups))
+    except (KeyError, TypeError, ValueError, OverflowError, AttributeError):
+        return cap
+    return min(max(value, 1), cap)
+
+
+def _doubling(p: _Parts, re: str, im: str, shape, dim: int, bound: int, combine,
+              identity: float) -> tuple[str, str]:
+    """The inclusive scan of (re, im) along `dim` by doubling (Hillis-Steele): level k
+    combines each element with the partial result 2^k before it, where there is one (a
+    mask on the position: the first elements keep their value exactly; no identity
+    element is combined with the others). The first element is combine(identity + 0i, x_0),
+    as eager's loop starts from the identity (1 * (inf + 0i) is inf + NaN i there).
+    log2(bound) levels of pointwise ops (static or dynamic size: the shift is a pad, a level
+    past the size is a no-op), so both targets compute it; eager combines left to right
+    (other rounding, same terms)."""
+    b, n = p.b, p.n
+    shape = tuple(shape)
+    rank = len(shape)
+    re, im = (x if tuple(b.types[x].shape) == shape else
+              b.emit("expand", [x], None, like=n, shape=shape, dtype=p.rdt) for x in (re, im))
+    i64 = dtypes.int64
+    pos = b.emit("iota", [], None, like=n, shape=(shape[dim],), dtype=i64, start=0, step=1)
+    pos = b.emit("view", [pos], None, like=n, dtype=i64,
+                 shape=tuple(shape[d] if d == dim else 1 for d in range(rank)))
+    first = b.emit("eq", [pos, b.scalar(0, torch.int64)], None, like=n,
+                   shape=b.types[pos].shape, dtype=dtypes.bool_)
+    r0, i0 = combine(p.const(identity), p.const(0.0), re, im)
+    re, im = p.e("where", first, r0, re), p.e("where", first, i0, im)
+    k = 1
+    while k < bound:
+        pad = [0] * (2 * (rank - dim))
+        pad[-2:] = [k, -k]  # (torch's order: the last dim's pair first, `dim`'s last)
+        sr, si = (b.emit("pad", [x], None, like=n, shape=shape, dtype=p.rdt, pad=tuple(pad),
+                         value=0.0) for x in (re, im))
+        nr, ni = combine(sr, si, re, im)
+        keep = b.emit("ge", [pos, b.scalar(k, torch.int64)], None, like=n,
+                      shape=b.types[pos].shape, dtype=dtypes.bool_)
+        re, im = p.e("where", keep, nr, re), p.e("where", keep, ni, im)
+        k *= 2
+    return re, im
+
+
+def _add_parts(p: _Parts):
+    return lambda a, b_, c, d: (p.e("add", a, c), p.e("add", b_, d))
+
+
 @register("aten.cumsum.default")
 def _cumsum(b, n):
-    """A real scan of each part (kiln's CPU library scan, as for real cumsum)."""
+    """A real scan of each part: kiln's CPU library scan (as for real cumsum, accumulating in
+    float64 as eager's CPU loop); where the target has no library (CUDA) by doubling."""
     p = _start(b, n)
     if n.kwargs.get("dtype") is not None and not n.kwargs["dtype"].is_complex:
         raise UnsupportedError("complex cumsum to a real dtype")
     dim = n.args[1] % max(b.rank(n.args[0]), 1)
+    if b.rank(n.args[0]) == 0:
+        return p.join(*p.parts(n.args[0]))
+    if not b.library_routines:
+        return p.join(*_doubling(p, *p.parts(n.args[0]), b.shape(n), dim,
+                                 _size_bound(b, n.args[0], dim), _add_parts(p), 0.0))
     re, im = (b.emit("scan", [x], None, like=n, dtype=p.rdt, kind="sum", dim=dim)
               for x in p.parts(n.args[0]))
     return p.join(re, im)
 
 
+@register("aten.logcumsumexp.default")
+def _logcumsumexp(b, n):
+    """kiln's CPU library scan on the complex values themselves (kiln_lib.h `scan_complex`):
+    eager's sequential loop in complex128, so the imaginary part keeps eager's branch (each
+    step adds to the larger-real-part operand's angle: the result depends on the order).
+    Targets without the library (CUDA) leave it to ATen."""
+    _start(b, n)
+    x = b.tensor(n.args[0])
+    return b.emit("scan", [x], n, kind="logsumexp", dim=n.args[1] % max(b.rank(n.args[0]), 1))
+
+
 @register("aten.cumprod.default")
 def _cumprod(b, n):
-    """Prefix products by doubling (Hillis-Steele: log2 n levels, each one multiplying every
-    element by the one 2^k before it, 1 before the start): pointwise ops only, so both
-    targets compute it; eager multiplies left to right (other rounding, same products)."""
+    """Prefix products by doubling (`_doubling`, static or dynamic size)."""
     p = _start(b, n)
     if n.kwargs.get("dtype") is not None and not n.kwargs["dtype"].is_complex:
         raise UnsupportedError("complex cumprod to a real dtype")
@@ -188,210 +285,5 @@ def _cumprod(b, n):
     if not shape:
         return p.join(re, im)
     dim = n.args[1] % len(shape)
-    size = shape[dim]
-    if not size.is_Integer:
-        raise UnsupportedError("complex cumprod over a dynamic size")
-    size, k = int(size), 1
-    while k < size:
-        def shifted(x, fill):
-            head = b.emit("expand", [p.const(fill)], None, like=n,
-                          shape=(*shape[:dim], k, *shape[dim + 1:]), dtype=p.rdt)
-            body = b.emit("slice", [x], None, like=n, shape=(*shape[:dim], size - k,
-                          *shape[dim + 1:]), dtype=p.rdt, dim=dim, start=0, end=size - k,
-                          step=1)
-            return b.emit("cat", [head, body], None, like=n, shape=shape, dtype=p.rdt, dim=dim)
-        re, im = p.mul(re, im, shifted(re, 1.0), shifted(im, 0.0))
-        k *= 2
-    return p.join(re, im)
-
-
-# -- torch.fft on small static sizes: a DFT as a GEMM with twiddles from float64 ------------------
-
-FFT_MAX = 512  # the longest transformed dim kiln computes (a DFT costs N^2 per row)
-
-
-def _twiddles(p: _Parts, n: int, cols: int, sign: float, rows: int | None = None,
-              weights=None) -> tuple[str, str]:
-    """cos / sign * sin of 2 pi (j k mod n) / n for j < rows (n), k < cols: the angles
-    reduced exactly in int64, cos / sin in float64 (times `weights`, a function of the row
-    index giving (cos factor, sin factor) node names), rounded once to the part dtype."""
-    b, node = p.b, p.n
-    i64, f64 = dtypes.int64, dtypes.float64
-    rows = n if rows is None else rows
-
-    def iota(size, shape):
-        x = b.emit("iota", [], None, like=node, shape=(size,), dtype=i64, start=0, step=1)
-        return b.emit("view", [x], None, like=node, shape=shape, dtype=i64)
-
-    shape = (rows, cols)
-    j = iota(rows, (rows, 1))
-    jk = b.emit("mul", [j, iota(cols, (1, cols))], None, like=node, shape=shape, dtype=i64)
-    m = b.emit("remainder", [jk, b.scalar(n, torch.int64)], None, like=node, shape=shape,
-               dtype=i64)
-    th = b.emit("mul", [b.emit("cast", [m], None, like=node, shape=shape, dtype=f64),
-                        b.scalar(2 * math.pi / n, torch.float64)], None, like=node,
-                shape=shape, dtype=f64)
-    c, s = (b.emit(f, [th], None, like=node, shape=shape, dtype=f64) for f in ("cos", "sin"))
-    if sign < 0:
-        s = b.emit("neg", [s], None, like=node, shape=shape, dtype=f64)
-    # exact at the quarter turns (cos pi is -1, sin pi 0): a real signal's DC and Nyquist
-    # outputs are then exactly real, as an FFT's (their angle is 0 or pi, not +-pi at random)
-    points = [(n // 2, -1.0, 0.0)] if n % 2 == 0 else []
-    if n % 4 == 0:
-        points += [(n // 4, 0.0, sign), (3 * n // 4, 0.0, -sign)]
-    for k, cv, sv in points:
-        at = b.emit("eq", [m, b.scalar(k, torch.int64)], None, like=node, shape=shape,
-                    dtype=dtypes.bool_)
-        c = b.emit("where", [at, b.scalar(cv, torch.float64), c], None, like=node,
-                   shape=shape, dtype=f64)
-        s = b.emit("where", [at, b.scalar(sv, torch.float64), s], None, like=node,
-                   shape=shape, dtype=f64)
-    if weights is not None:
-        wc, ws = weights(j)
-        c, s = (b.emit("mul", [v, w], None, like=node, shape=shape, dtype=f64)
-                for v, w in ((c, wc), (s, ws)))
-    return p.real(c), p.real(s)
-
-
-def _dft(p: _Parts, x: str, dim: int, forward: bool, cols: int | None = None) -> str:
-    """The DFT of complex (or real) value x along static `dim` (cols: the first outputs
-    only, rfft's onesided half) as a GEMM of x (dim moved last, rows flattened) with the
-    N x cols twiddle matrix; a complex value of x's shape with `dim` of size cols."""
-    b = p.b
-    shape = list(b.types[x].shape)
-    n = shape[dim]
-    if not n.is_Integer or int(n) > FFT_MAX:
-        raise UnsupportedError(f"fft over a dim of size {n} computes on complex values in a "
-                               f"way kiln leaves to ATen (kiln's DFT takes static sizes up to "
-                               f"{FFT_MAX}): enable aten_fallback")
-    n = int(n)
-    cols = n if cols is None else cols
-    cdt = dtypes.complex_of(p.rdt)
-    x = b.cast_to(x, cdt.torch, p.n)
-    r = len(shape)
-    order = [d for d in range(r) if d != dim] + [dim]
-    moved = [shape[d] for d in order]
-    if dim != r - 1:
-        x = b.emit("permute", [x], None, like=p.n, shape=moved, dims=tuple(order), dtype=cdt)
-    rows = functools.reduce(lambda u, v: u * v, moved[:-1], sympy.Integer(1))
-    x2 = p.view(x, (rows, n))
-    w = p.join_as(*_twiddles(p, n, cols, -1.0 if forward else 1.0), (n, cols), cdt)
-    re, im = _gemm(p, x2, w)
-    out = p.view(p.join_as(re, im, (rows, cols), cdt), (*moved[:-1], cols))
-    if dim != r - 1:
-        back = [order.index(d) for d in range(r)]
-        out = b.emit("permute", [out], None, like=p.n, shape=[(*moved[:-1], cols)[k]
-                                                               for k in back],
-                     dims=tuple(back), dtype=cdt)
-    return out
-
-
-def _fft_scale(p: _Parts, x: str, dims, norm: int, sizes) -> tuple[str, str]:
-    """The parts of x scaled as ATen's fft_norm_mode: 0 none, 1 1 / sqrt(n), 2 1 / n (n: the
-    product of the transformed sizes, the signal's)."""
-    re, im = p.parts_of(x)
-    total = math.prod(sizes)
-    if norm == 0 or total == 1:
-        return re, im
-    s = 1.0 / math.sqrt(total) if norm == 1 else 1.0 / total
-    return _scale_parts(p, s, re, im)
-
-
-@register("aten._fft_c2c.default")
-def _fft_c2c(b, n):
-    p = _start(b, n)
-    x = b.tensor(n.args[0])
-    rank = len(b.types[x].shape)
-    dims = [d % rank for d in n.args[1]]
-    norm, forward = int(n.args[2]), bool(n.args[3])
-    sizes = [int(b.types[x].shape[d]) if b.types[x].shape[d].is_Integer else 0 for d in dims]
-    for d in dims:
-        x = _dft(p, x, d, forward)
-    return p.join(*_fft_scale(p, x, dims, norm, sizes))
-
-
-@register("aten._fft_r2c.default")
-def _fft_r2c(b, n):
-    """rfft (onesided: the last dim's first N // 2 + 1 outputs) then c2c over the others."""
-    p = _start(b, n)
-    x = b.tensor(n.args[0])
-    rank = len(b.types[x].shape)
-    dims = [d % rank for d in n.args[1]]
-    norm, onesided = int(n.args[2]), bool(n.args[3])
-    sizes = [int(b.types[x].shape[d]) if b.types[x].shape[d].is_Integer else 0 for d in dims]
-    last = dims[-1]
-    size = b.types[x].shape[last]
-    cols = int(size) // 2 + 1 if onesided and size.is_Integer else None
-    x = _dft(p, x, last, True, cols)
-    for d in dims[:-1]:
-        x = _dft(p, x, d, True)
-    return p.join(*_fft_scale(p, x, dims, norm, sizes))
-
-
-@register("aten._fft_c2r.default")
-def _fft_c2r(b, n):
-    """irfft: c2c (inverse) over all but the last dim, then the real signal of length
-    last_dim_size from the first n // 2 + 1 entries of the last: x_j = sum_k w_k (Re X_k
-    cos - Im X_k sin)(2 pi jk / n), w_0 = w_(n/2) = 1, else 2, the imaginary parts of X_0
-    and X_(n/2) ignored (as pocketfft / MKL): one real GEMM of the interleaved parts."""
-    p = _start(b, n)
-    x = b.tensor(n.args[0])
-    shape = b.types[x].shape
-    rank = len(shape)
-    dims = [d % rank for d in n.args[1]]
-    norm, size = int(n.args[2]), b.int_or_sym(n.args[3])
-    if not isinstance(size, int) or size > FFT_MAX:
-        raise UnsupportedError(f"irfft to a size {size} computes on complex values in a way "
-                               f"kiln leaves to ATen (kiln's DFT takes static sizes up to "
-                               f"{FFT_MAX}): enable aten_fallback")
-    sizes = [int(shape[d]) if shape[d].is_Integer else 0 for d in dims[:-1]] + [size]
-    for d in dims[:-1]:
-        x = _dft(p, x, d, False)
-    last = dims[-1]
-    cdt = dtypes.complex_of(p.rdt)
-    x = b.cast_to(x, cdt.torch, p.n)
-    shape = list(b.types[x].shape)
-    m = size // 2 + 1
-    if not shape[last].is_Integer or int(shape[last]) < m:
-        raise UnsupportedError("irfft with fewer than n // 2 + 1 inputs")
-    if int(shape[last]) != m:
-        shape[last] = sympy.Integer(m)
-        x = b.emit("slice", [x], None, like=n, shape=tuple(shape), dtype=cdt, dim=last,
-                   start=0, end=m, step=1)
-    order = [d for d in range(rank) if d != last] + [last]
-    moved = [shape[d] for d in order]
-    if last != rank - 1:
-        x = b.emit("permute", [x], None, like=n, shape=moved, dims=tuple(order), dtype=cdt)
-    rows = functools.reduce(lambda u, v: u * v, moved[:-1], sympy.Integer(1))
-    xr = p.view(p.pairs(p.view(x, (rows, m))), (rows, 2 * m))
-    f64 = dtypes.float64
-
-    def weights(j):  # (rows, 1) int64 -> cos weights w_k, sin weights (0 at k = 0, n / 2)
-        def is_(k):
-            return b.emit("eq", [j, b.scalar(k, torch.int64)], None, like=n, shape=(m, 1),
-                          dtype=dtypes.bool_)
-        edge = is_(0)
-        if size % 2 == 0:
-            edge = b.emit("logical_or", [edge, is_(size // 2)], None, like=n, shape=(m, 1),
-                          dtype=dtypes.bool_)
-        one, two, zero = (b.scalar(v, torch.float64) for v in (1.0, 2.0, 0.0))
-        wc = b.emit("where", [edge, one, two], None, like=n, shape=(m, 1), dtype=f64)
-        ws = b.emit("where", [edge, zero, two], None, like=n, shape=(m, 1), dtype=f64)
-        return wc, ws
-
-    c, s = _twiddles(p, size, size, 1.0, rows=m, weights=weights)
-    blk = (m, 1, size)
-    wmat = b.emit("cat", [p.view(c, blk), p.view(p.e("neg", s), blk)], None, like=n,
-                  shape=(m, 2, size), dtype=p.rdt, dim=1)
-    out = b.emit("matmul", [xr, p.view(wmat, (2 * m, size))], None, like=n,
-                 shape=(rows, size), dtype=p.rdt)
-    out = p.view(out, (*moved[:-1], size))
-    if last != rank - 1:
-        back = [order.index(d) for d in range(rank)]
-        out = b.emit("permute", [out], None, like=n, shape=[(*moved[:-1], size)[k]
-                                                             for k in back],
-                     dims=tuple(back), dtype=p.rdt)
-    total = math.prod(sizes)
-    if norm and total > 1:
-        out = p.e("mul", out, p.const(1.0 / math.sqrt(total) if norm == 1 else 1.0 / total))
-    return p.out_real(out)
+    return p.join(*_doubling(p, re, im, shape, dim, _size_bound(b, n.args[0], dim), p.mul,
+                             1.0))

@@ -32,7 +32,7 @@ from kiln.frontend.aten_high import Fallback
 from kiln.frontend.aten_library import cpu_only
 from kiln.frontend.aten_table import TABLE
 from kiln.frontend.aten_complex import COMPLEX
-from kiln.frontend import aten_complex_linalg, aten_complex_math  # noqa: F401 (register)
+from kiln.frontend import aten_complex_fft, aten_complex_linalg, aten_complex_math  # noqa: F401
 from kiln.frontend.fold import fold_constants
 from kiln.frontend.control import CONTROL, convert_int_value
 from kiln.frontend.builder import RNG_FQN, RNG_STATE, Builder, to_dtype
@@ -329,7 +329,10 @@ COMPLEX_MOVES = {"aten.view.default", "aten.reshape.default", "aten._unsafe_view
                  "aten.clone.default", "aten.alias.default", "aten.unsqueeze.default",
                  "aten.squeeze.dim", "aten.squeeze.dims", "aten.cat.default",
                  "aten.split_with_sizes.default", "aten.split.Tensor", "aten.as_strided.default",
-                 "aten.flip.default", "aten.diagonal.default",
+                 "aten.flip.default", "aten.diagonal.default", "aten.masked_scatter.default",
+                 "aten.squeeze.default", "aten.repeat.default", "aten.index_select.default",
+                 "aten.gather.default", "aten.index.Tensor", "aten.roll.default",
+                 "aten.contiguous.default", "aten.detach.default", "aten.lift_fresh_copy.default",
                  "aten._assert_tensor_metadata.default"}  # (a check of metadata, no values)
 
 

@@ -19,6 +19,7 @@ from kiln.ir import loop as L
 from kiln.ir.sym import evaluate, ivars, rvars
 from kiln.ir.quant import routine as quant_routine
 from kiln.errors import UnsupportedError
+import cmath
 import math
 import torch
 
@@ -339,8 +340,33 @@ def _lib_topk(outs, attrs, x):
     return [vals[:, :k], idx[:, :k]]
 
 
+def _log_add_exp_c(x: complex, y: complex) -> complex:
+    """kiln_lib.h's complex log_add_exp (ATen's _log_add_exp_helper) on Python complexes."""
+    def nan(z):
+        return z != z
+    mn, mx = (y, y) if nan(y) else (x, x) if nan(x) else (x, y) if x.real < y.real else (y, x)
+    if nan(mn):
+        return complex(math.nan, math.nan)
+    if not math.isfinite(mn.real) and mn.real == mx.real:
+        return mn if mn.real < 0 else cmath.log(cmath.exp(mn) + cmath.exp(mx))
+    z = cmath.exp(mn - mx)
+    u = z + 1
+    if u == 1:
+        return z + mx
+    lu = cmath.log(u)
+    return (lu if u - 1 == z else lu * (z / (u - 1))) + mx
+
+
 def _lib_scan(outs, attrs, x):
     dt = dtypes.dtype(outs[0][0]).numpy
+    if np.issubdtype(dt, np.complexfloating):
+        rows = _rows(x).astype(np.complex128)
+        out = np.empty_like(rows)
+        for r, row in enumerate(rows):
+            acc = complex(-math.inf, 0.0)
+            for j, v in enumerate(row):
+                acc = out[r, j] = _log_add_exp_c(complex(v), acc)
+        return [out.astype(dt)]
     rows = _rows(x).astype(dt)
     acc_dt = np.float64 if np.issubdtype(dt, np.floating) else np.int64
     kind = attrs["kind"]

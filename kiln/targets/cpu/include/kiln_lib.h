@@ -15,6 +15,7 @@
 #define KILN_LIB_H
 #include <algorithm>
 #include <cmath>
+#include <complex>
 #include <cstdint>
 #include <initializer_list>
 #include <limits>
@@ -360,6 +361,74 @@ int put_mean(kr::Err &e, const char *where, T *out, int64_t *counts, int64_t mod
              View<T> values, Idx... index) {
   return put_counted(e, where, out, counts, mode, include_self, wrap, dims, self, values,
                      index...);
+}
+
+/* scan of complex values: logcumsumexp only (the frontend writes complex cumsum / cumprod on
+ * the parts), eager's CPU loop exactly: in std::complex<double> (acc_type of complex64 and
+ * complex128), acc = log_add_exp(x_j, acc) from -inf + 0i, each result rounded to the
+ * output's parts. log_add_exp is ATen's _log_add_exp_helper (LogAddExp.h): the operand with
+ * the smaller real part is `min` (ties: the running value), NaN anywhere gives NaN + NaN i,
+ * two equal infinite real parts -inf: min, +inf: log(exp(min) + exp(max)), else
+ * log1p(exp(min - max)) + max with c10's CPU complex log1p (numpy's) and division (Smith's,
+ * numpy's); products and sums written out as c10's (textbook). */
+using cd = std::complex<double>;
+inline bool cnan(cd z) { return std::isnan(z.real()) || std::isnan(z.imag()); }
+inline cd cmul(cd x, cd y) {
+  return {x.real() * y.real() - x.imag() * y.imag(), x.real() * y.imag() + x.imag() * y.real()};
+}
+inline cd cdiv(cd x, cd y) {
+  const double a = x.real(), b = x.imag(), c = y.real(), d = y.imag();
+  if (std::abs(c) >= std::abs(d)) {
+    if (c == 0 && d == 0) return {a / std::abs(c), b / std::abs(d)};
+    const double rat = d / c, scl = 1.0 / (c + d * rat);
+    return {(a + b * rat) * scl, (b - a * rat) * scl};
+  }
+  const double rat = c / d, scl = 1.0 / (d + c * rat);
+  return {(a * rat + b) * scl, (b * rat - a) * scl};
+}
+inline cd clog1p(cd z) {
+  const cd u = {z.real() + 1.0, z.imag()};
+  if (u.real() == 1.0 && u.imag() == 0.0) return z;
+  const cd lu = std::log(u), um1 = {u.real() - 1.0, u.imag()};
+  if (um1 == z) return lu;
+  return cmul(lu, cdiv(z, um1));
+}
+inline cd log_add_exp(cd x, cd y) {
+  cd mn = y, mx = x;
+  if (cnan(y)) mx = y;
+  else if (cnan(x)) mn = x;
+  else if (x.real() < y.real()) mn = x, mx = y;
+  if (cnan(mn)) return {NAN, NAN};
+  if (!std::isfinite(mn.real()) && mn.real() == mx.real()) {
+    if (mn.real() < 0) return mn;
+    const cd a = std::exp(mn), b = std::exp(mx);
+    return std::log(cd{a.real() + b.real(), a.imag() + b.imag()});
+  }
+  const cd l = clog1p(std::exp(cd{mn.real() - mx.real(), mn.imag() - mx.imag()}));
+  return {l.real() + mx.real(), l.imag() + mx.imag()};
+}
+template <class C>
+int scan_complex(kr::Err &e, const char *where, C *out, int64_t kind, View<C> x) {
+  if (kind != kScanLogSumExp) return e.fail("%s: complex scan of kind %lld", where, (long long)kind);
+  const int64_t rows = rows_of(x), n = row_len(x), s = row_stride(x);
+  kr::parallel_for(rows, rows > 1 && rows * n > 4096 ? kr::max_threads() : 1, [&](int64_t r0_, int64_t r1_) {
+  for (int64_t r = r0_; r < r1_; ++r) {
+    const C *row = x.data + x.offset(r, x.rank - 1);
+    cd acc = {-INFINITY, 0.0};
+    for (int64_t j = 0; j < n; ++j) {
+      acc = log_add_exp(cd{double(row[j * s].re), double(row[j * s].im)}, acc);
+      out[r * n + j] = C{static_cast<decltype(C::re)>(acc.real()),
+                         static_cast<decltype(C::im)>(acc.imag())};
+    }
+  }
+  });
+  return 0;
+}
+inline int scan(kr::Err &e, const char *where, kr_complex64 *out, int64_t kind, View<kr_complex64> x) {
+  return scan_complex(e, where, out, kind, x);
+}
+inline int scan(kr::Err &e, const char *where, kr_complex128 *out, int64_t kind, View<kr_complex128> x) {
+  return scan_complex(e, where, out, kind, x);
 }
 
 /* masked_scatter: out = self; the positions where `mask` (broadcast to self's shape) is true
