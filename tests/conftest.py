@@ -150,3 +150,25 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         return rank.get(rel, len(rank))
 
     items.sort(key=key)  # stable: the rest keep pytest's order
+
+
+# KILN_TEST_TIMELINE=<file>: each test's worker, start and end time (setup to teardown) and
+# node id appended to <file>, to see how xdist spread the suite over its workers (what one
+# worker ran alone at the end).
+_TIMELINE = os.environ.get("KILN_TEST_TIMELINE")
+_STARTED: dict[str, float] = {}
+
+
+def pytest_runtest_logreport(report: pytest.TestReport) -> None:
+    if not _TIMELINE or hasattr(report, "node"):  # xdist's controller: the worker wrote it
+        return
+    import time
+
+    now = time.time()
+    if report.when == "setup":
+        _STARTED[report.nodeid] = now - report.duration
+    elif report.when == "teardown":
+        start = _STARTED.pop(report.nodeid, now)
+        with open(_TIMELINE, "a") as f:
+            f.write(f"{os.environ.get('PYTEST_XDIST_WORKER', 'main')} {start:.1f} {now:.1f} "
+                    f"{report.nodeid}\n")
