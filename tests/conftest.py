@@ -33,6 +33,11 @@ os.environ["PYTHONPATH"] = os.pathsep.join(
 # convolution packages share one object per target level instead of compiling one each
 # (tests/targets/cpu/test_conv_direct.py checks the per-package selection without it)
 os.environ.setdefault("KILN_CONV_EPIS", "all")
+# generated C++ compiles with a precompiled header of each file's leading #include lines
+# (kiln/toolchain/cxx.py; GCC): the same translation unit and object code
+# (tests/runtime/test_pch.py compares them), without re-parsing the runtime headers in each
+# of the suite's two thousand or so object files; `KILN_PCH=0 make test` runs it without
+os.environ.setdefault("KILN_PCH", "1")
 TOY_W = torch.tensor([1.0, -2.0, 0.5, 3.0])
 TOY_B = torch.tensor([0.25, 1.0, -1.5, 2.0])
 
