@@ -36,7 +36,8 @@ os.environ.setdefault("KILN_CONV_EPIS", "all")
 # generated C++ compiles with a precompiled header of each file's leading #include lines
 # (kiln/toolchain/cxx.py; GCC): the same translation unit and object code
 # (tests/runtime/test_pch.py compares them), without re-parsing the runtime headers in each
-# of the suite's two thousand or so object files; `KILN_PCH=0 make test` runs it without
+# of the suite's ~1,500 object files; `KILN_PCH=0 make test` runs it without (cold cache: 45
+# .gch files, 2.5 GB beside the cache's 360 MB)
 os.environ.setdefault("KILN_PCH", "1")
 TOY_W = torch.tensor([1.0, -2.0, 0.5, 3.0])
 TOY_B = torch.tensor([0.25, 1.0, -1.5, 2.0])
