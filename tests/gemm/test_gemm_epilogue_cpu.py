@@ -22,7 +22,7 @@ import kiln
 from kiln.cli.profile import _load_wrapper
 from kiln.ir import loop as L
 from kiln.package.reader import read_package
-from tests.difftest import Checker, rand
+from tests.difftest import Cases, Checker, case_name, rand
 
 M_SIZES = (1, 2, 13, 64, 200)  # 7: the example size the package is compiled at
 K, N = 77, 101  # odd: no multiple of any vector width
@@ -211,17 +211,31 @@ class _RowRes(nn.Module):
         return torch.relu(r + self.l(x)) * 2
 
 
-@pytest.mark.parametrize("rows", [(1, 1), (1,), (2, 1), (1, 3)])
-def test_epilogue_of_rows_with_size1_dims(tmp_path, rows):
+ROWS = [(1, 1), (1,), (2, 1), (1, 3)]
+
+
+def test_epilogue_of_rows_with_size1_dims(tmp_path):
     """A [1, 1, C] consumer (a decode step's hidden state) reads the GEMM's [1, C] result at
     i0 + i1 + i2 (the size-1 dims' variables are 0): fused (gemm/fuse.py `epilogue_of`), and
-    the package matches eager on fresh inputs."""
-    torch.manual_seed(0)
-    m = _RowRes().eval()
-    x, r = torch.randn(*rows, 48), torch.randn(*rows, 24)
-    cm = kiln.compile(torch.export.export(m, (x, r)))
-    assert [k["kind"] for k in cm.manifest["kernels"]] == ["blas_gemm"], cm.manifest["kernels"]
+    the package matches eager on fresh inputs. The leading dims of ROWS are the cases of one
+    difftest.Cases program (each its own model and inputs, drawn as a package of its own drew
+    them: torch.manual_seed(0), the model, the example, two runs); a failure names the case."""
+    mods, example, runs = {}, [], [[], []]
+    for rows in ROWS:
+        torch.manual_seed(0)
+        m = _RowRes().eval()
+        mods[case_name(rows)] = (m, 2)
+        example += [torch.randn(*rows, 48), torch.randn(*rows, 24)]
+        for run in runs:
+            run += [torch.randn(*rows, 48), torch.randn(*rows, 24)]
+    model = Cases(mods).eval()
+    cm = kiln.compile(torch.export.export(model, tuple(example)))
+    kinds = [k["kind"] for k in cm.manifest["kernels"]]
+    assert kinds == ["blas_gemm"] * len(ROWS), cm.manifest["kernels"]
     run = cm.load(tmp_path / "m.kiln")
-    for _ in range(2):
-        x, r = torch.randn(*rows, 48), torch.randn(*rows, 24)
-        torch.testing.assert_close(run(x, r), m(x, r), rtol=1e-5, atol=1e-5)
+    for args in runs:
+        got, want = run(*args), model(*args)
+        assert got.keys() == want.keys()
+        for k in want:
+            torch.testing.assert_close(got[k], want[k], rtol=1e-5, atol=1e-5,
+                                       msg=lambda m, k=k: f"rows {k}: {m}")

@@ -56,19 +56,20 @@ def norms(c: int, w: int) -> nn.Module:
         gn_one_group=nn.GroupNorm(1, c), ln_relu=nn.Sequential(nn.LayerNorm(w), nn.ReLU()))
 
 
-# The (shape, layout) cases of each dtype are one program (difftest.Cases): one package each.
+# The (shape, layout) cases of both dtypes are one program (difftest.Cases): one package.
 NORMS_3D = {F32: [((3, 4, 10), "contig"), ((1, 4, 1), "contig"), ((5, 6, 7), "t"),
                   ((64, 8, 33), "contig"), ((3, 4, 10), "step")],
             F64: [((3, 4, 10), "contig")]}
 
 
-@pytest.mark.parametrize("dtype", [F32, F64], ids=_ids)
-def test_norms_3d(check, dtype):
+def test_norms_3d(check):
+    """Every (dtype, shape, layout) case of NORMS_3D in one program, each with its own
+    weights; outputs named by their case (the dtype first)."""
     cases, args = {}, []
-    for shape, layout in NORMS_3D[dtype]:
+    for dtype, shape, layout in [(d, s, k) for d in (F32, F64) for s, k in NORMS_3D[d]]:
         n, c, w = shape
         args.append(rand(layout_shape(shape, layout), dtype, gen("norms", shape, layout)) * 3 + 1)
-        cases[case_name(shape, layout)] = (
+        cases[case_name(_ids(dtype), shape, layout)] = (
             Layout(init(norms(c, w), (shape, layout), dtype), layout), 1)
     check(Cases(cases), args)
 
@@ -106,11 +107,14 @@ class Matmuls(nn.Module):
         }
 
 
-@pytest.mark.parametrize("dtype", [F32, F64], ids=_ids)
-def test_matmuls(check, dtype):
-    g = gen("matmul", dtype)
-    args = [rand(s, dtype, g) for s in [(5, 13), (13, 6), (2, 5, 13), (2, 3, 13, 6)]]
-    check(init(Matmuls(), "mm", dtype), args)
+def test_matmuls(check):
+    """float32 and float64 in one program (each its own module and inputs)."""
+    cases, args = {}, []
+    for dtype in (F32, F64):
+        g = gen("matmul", dtype)
+        args += [rand(s, dtype, g) for s in [(5, 13), (13, 6), (2, 5, 13), (2, 3, 13, 6)]]
+        cases[_ids(dtype)] = (init(Matmuls(), "mm", dtype), 4)
+    check(Cases(cases), args)
 
 
 def test_matmul_large(check):
@@ -140,13 +144,12 @@ CONV2D = {F32: [((2, 4, 9, 11), "contig"), ((1, 4, 5, 5), "contig"), ((2, 4, 40,
           F64: [((2, 4, 9, 11), "contig")]}
 
 
-@pytest.mark.parametrize("dtype", [F32, F64], ids=_ids)
-def test_conv2d(check, dtype):
-    """Each (shape, layout) case of `dtype` in one program, each with its own weights."""
+def test_conv2d(check):
+    """Every (dtype, shape, layout) case of CONV2D in one program, each with its own weights."""
     cases, args = {}, []
-    for shape, layout in CONV2D[dtype]:
+    for dtype, shape, layout in [(d, s, k) for d in (F32, F64) for s, k in CONV2D[d]]:
         args.append(rand(layout_shape(shape, layout), dtype, gen("conv", shape, layout)))
-        cases[case_name(shape, layout)] = (
+        cases[case_name(_ids(dtype), shape, layout)] = (
             Layout(init(convs(shape[1]), ("conv", shape, layout), dtype), layout), 1)
     check(Cases(cases), args)
 
@@ -176,12 +179,12 @@ POOLING = {F32: [((2, 3, 12, 10), "contig"), ((1, 1, 4, 4), "contig"), ((2, 8, 4
            F64: [((2, 3, 12, 10), "contig")]}
 
 
-@pytest.mark.parametrize("dtype", [F32, F64], ids=_ids)
-def test_pooling(check, dtype):
+def test_pooling(check):
+    """Every (dtype, shape, layout) case of POOLING in one program."""
     cases, args = {}, []
-    for shape, layout in POOLING[dtype]:
+    for dtype, shape, layout in [(d, s, k) for d in (F32, F64) for s, k in POOLING[d]]:
         args.append(rand(layout_shape(shape, layout), dtype, gen("pool", shape, layout)))
-        cases[case_name(shape, layout)] = (Layout(Fn(pools), layout), 1)
+        cases[case_name(_ids(dtype), shape, layout)] = (Layout(Fn(pools), layout), 1)
     check(Cases(cases), args)
 
 
@@ -214,13 +217,13 @@ def attention(q, k, v):
 ATTENTION = {F32: [(2, 3, 7, 8), (1, 1, 1, 4), (2, 4, 64, 16)], F64: [(1, 2, 5, 8)]}
 
 
-@pytest.mark.parametrize("dtype", [F32, F64], ids=_ids)
-def test_attention(check, dtype):
+def test_attention(check):
+    """Every (dtype, shape) case of ATTENTION in one program."""
     cases, args = {}, []
-    for shape in ATTENTION[dtype]:
+    for dtype, shape in [(d, s) for d in (F32, F64) for s in ATTENTION[d]]:
         g = gen("attn", shape, dtype)
         args += [rand(shape, dtype, g) for _ in range(3)]
-        cases[case_name(shape)] = (Fn(attention), 3)
+        cases[case_name(_ids(dtype), shape)] = (Fn(attention), 3)
     check(Cases(cases), args)
 
 
@@ -298,14 +301,14 @@ NORM_STATS = {F32: [((3, 4, 10), "contig"), ((2, 6, 7), "t"), ((2, 2, 2), "conti
               F64: [((5, 4, 33), "contig")]}
 
 
-@pytest.mark.parametrize("dtype", [F32, F64], ids=_ids)
-def test_norm_statistics_results(check, dtype):
+def test_norm_statistics_results(check):
+    """Every (dtype, shape, layout) case of NORM_STATS in one program."""
     cases, args = {}, []
-    for shape, layout in NORM_STATS[dtype]:
+    for dtype, shape, layout in [(d, s, k) for d in (F32, F64) for s, k in NORM_STATS[d]]:
         g = gen("norm-stats", shape, layout, dtype)
         x = rand(layout_shape(shape, layout), dtype, g) * 2 + 0.5
         args += [x, rand((64,), dtype, g), rand((64,), dtype, g)]
-        cases[case_name(shape, layout)] = (Layout(Fn(norm_stats), layout), 3)
+        cases[case_name(_ids(dtype), shape, layout)] = (Layout(Fn(norm_stats), layout), 3)
     check(Cases(cases), args)
 
 

@@ -72,56 +72,127 @@ def _mask(g, shape, empty_rows=()):
     return m
 
 
-@pytest.mark.parametrize("e", [32, 80, 128])
-def test_bool_mask_shapes_and_empty_rows(e, tmp_path):
-    model = Sdpa("bool")
-    g = torch.Generator().manual_seed(e)
-    lq, s = Dim("L", min=1, max=600), Dim("S", min=1, max=600)
-    args = (*_qkv(g, 2, 3, 9, 7, e, torch.float32), _mask(g, (2, 1, 9, 7), (2,)))
-    c, runner = _compile(model, args, tmp_path, f"bool{e}",
-                         dynamic_shapes=({2: lq}, {2: s}, {2: s}, {2: lq, 3: s}))
-    assert len(_attention_steps(c)) == 1
+class Each(torch.nn.Module):
+    """Several attention programs in one package (one C++ compile and link): case k is
+    `models[k]` on its own `arity` inputs, in order; the outputs are a tuple, one per case.
+    Each case keeps its own inputs, dynamic dims and attention call."""
+
+    def __init__(self, models: list, arity: int) -> None:
+        super().__init__()
+        self.models, self.arity = torch.nn.ModuleList(models), arity
+
+    def forward(self, *args):
+        n = self.arity
+        return tuple(m(*args[k * n:(k + 1) * n]) for k, m in enumerate(self.models))
+
+
+def _compile_each(models, per_case, tmp_path, name, dyn):
+    """`per_case`: each case's example inputs; `dyn(k)`: case k's dynamic shapes (its own
+    Dims)."""
+    model = Each(models, len(per_case[0]))
+    flat = tuple(t for a in per_case for t in a)
+    shapes = (tuple(d for k in range(len(per_case)) for d in dyn(k)),)
+    return _compile(model, flat, tmp_path, name, dynamic_shapes=shapes)
+
+
+def _run_each(runner, models, per_case, dt, names):
+    """Runs the package on every case's inputs at once; checks each case's output against
+    its own model (a failure names the case); the outputs."""
+    outs = runner(*(t for a in per_case for t in a))
+    for got, model, a, name in zip(outs, models, per_case, names):
+        try:
+            _check(got, model, a, dt)
+        except AssertionError as err:
+            shapes = [tuple(t.shape) for t in a]
+            raise AssertionError(f"case {name} at {shapes}: {err}") from err
+    return outs
+
+
+def _dims(k, *names):
+    return [Dim(f"{n}{k}", min=1, max=600) for n in names]
+
+
+BOOL_E = (32, 80, 128)
+
+
+def test_bool_mask_shapes_and_empty_rows(tmp_path):
+    """Head sizes 32, 80 and 128: one package, one attention call each (its own inputs and
+    dynamic L / S, drawn as a package of its own drew them)."""
+    models = [Sdpa("bool") for _ in BOOL_E]
+    per_case = []
+    for e in BOOL_E:
+        g = torch.Generator().manual_seed(e)
+        per_case.append((*_qkv(g, 2, 3, 9, 7, e, torch.float32), _mask(g, (2, 1, 9, 7), (2,))))
+
+    def dyn(k):
+        lq, s = _dims(k, "L", "S")
+        return ({2: lq}, {2: s}, {2: s}, {2: lq, 3: s})
+
+    c, runner = _compile_each(models, per_case, tmp_path, "bool", dyn)
+    assert len(_attention_steps(c)) == len(BOOL_E)
     for seed, (lq_, s_) in enumerate([(9, 7), (1, 1), (5, 1), (67, 130), (131, 65),
                                       (197, 197)]):
         b = 2
-        g = torch.Generator().manual_seed(100 * e + seed)
         empty = tuple(r for r in (0, lq_ // 2, lq_ - 1) if r < lq_)
-        a = (*_qkv(g, b, 3, lq_, s_, e, torch.float32), _mask(g, (b, 1, lq_, s_), empty))
-        got = runner(*a)
-        _check(got, model, a, torch.float32)
-        assert torch.equal(got[:, :, list(empty)], torch.zeros_like(got[:, :, list(empty)]))
+        per_case = []
+        for e in BOOL_E:
+            g = torch.Generator().manual_seed(100 * e + seed)
+            per_case.append((*_qkv(g, b, 3, lq_, s_, e, torch.float32),
+                             _mask(g, (b, 1, lq_, s_), empty)))
+        outs = _run_each(runner, models, per_case, torch.float32, BOOL_E)
+        for e, got in zip(BOOL_E, outs):
+            assert torch.equal(got[:, :, list(empty)],
+                               torch.zeros_like(got[:, :, list(empty)])), (e, lq_, s_)
 
 
-@pytest.mark.parametrize("causal", [False, True])
-def test_float_mask_and_causal(causal, tmp_path):
-    model = Sdpa("float", causal=causal, scale=0.3 if causal else None)
-    g = torch.Generator().manual_seed(1)
-    lq, s = Dim("L", min=1, max=600), Dim("S", min=1, max=600)
-    args = (*_qkv(g, 2, 2, 11, 13, 64, torch.float32), _mask(g, (11, 13), (3,)))
-    c, runner = _compile(model, args, tmp_path, f"float{causal}",
-                         dynamic_shapes=({2: lq}, {2: s}, {2: s}, {0: lq, 1: s}))
-    assert len(_attention_steps(c)) == 1
+def test_float_mask_and_causal(tmp_path):
+    """A float mask without and with causal (scale 0.3): two attention calls of one
+    package, each its own inputs (the same draws as a package of its own) and L / S."""
+    causals = (False, True)
+    models = [Sdpa("float", causal=c, scale=0.3 if c else None) for c in causals]
+    per_case = []
+    for _ in causals:
+        g = torch.Generator().manual_seed(1)
+        per_case.append((*_qkv(g, 2, 2, 11, 13, 64, torch.float32), _mask(g, (11, 13), (3,))))
+
+    def dyn(k):
+        lq, s = _dims(k, "L", "S")
+        return ({2: lq}, {2: s}, {2: s}, {0: lq, 1: s})
+
+    c, runner = _compile_each(models, per_case, tmp_path, "float", dyn)
+    assert len(_attention_steps(c)) == len(causals)
     for seed, (lq_, s_) in enumerate([(11, 13), (1, 1), (2, 300), (4, 4), (64, 64),
                                       (130, 70), (70, 130), (512, 512)]):
-        g = torch.Generator().manual_seed(10 + seed)
         empty = (lq_ // 3,) if lq_ > 1 else ()
-        a = (*_qkv(g, 2, 2, lq_, s_, 64, torch.float32), _mask(g, (lq_, s_), empty))
-        _check(runner(*a), model, a, torch.float32)
+        per_case = []
+        for _ in causals:
+            g = torch.Generator().manual_seed(10 + seed)
+            per_case.append((*_qkv(g, 2, 2, lq_, s_, 64, torch.float32),
+                             _mask(g, (lq_, s_), empty)))
+        _run_each(runner, models, per_case, torch.float32, [f"causal={c}" for c in causals])
 
 
-@pytest.mark.parametrize("e", [64, 80])
-def test_causal_without_mask(e, tmp_path):
-    model = Sdpa(causal=True)
-    g = torch.Generator().manual_seed(2)
-    lq, s = Dim("L", min=1, max=600), Dim("S", min=1, max=600)
-    args = _qkv(g, 1, 4, 20, 20, e, torch.float32)
-    c, runner = _compile(model, args, tmp_path, f"causal{e}",
-                         dynamic_shapes=({2: lq}, {2: s}, {2: s}))
-    assert [dict(s.attrs)["causal"] for s in _attention_steps(c)] == [True]
+CAUSAL_E = (64, 80)
+
+
+def test_causal_without_mask(tmp_path):
+    """Head sizes 64 and 80: two attention calls of one package (each its own inputs, drawn
+    as a package of its own drew them, and L / S)."""
+    models = [Sdpa(causal=True) for _ in CAUSAL_E]
+    per_case = [_qkv(torch.Generator().manual_seed(2), 1, 4, 20, 20, e, torch.float32)
+                for e in CAUSAL_E]
+
+    def dyn(k):
+        lq, s = _dims(k, "L", "S")
+        return ({2: lq}, {2: s}, {2: s})
+
+    c, runner = _compile_each(models, per_case, tmp_path, "causal", dyn)
+    assert [dict(s.attrs)["causal"] for s in _attention_steps(c)] == [True] * len(CAUSAL_E)
     for seed, (lq_, s_) in enumerate([(20, 20), (1, 9), (9, 1), (49, 49), (128, 128),
                                       (197, 197), (100, 300), (300, 100)]):
-        a = _qkv(torch.Generator().manual_seed(20 + seed), 1, 4, lq_, s_, e, torch.float32)
-        _check(runner(*a), model, a, torch.float32)
+        per_case = [_qkv(torch.Generator().manual_seed(20 + seed), 1, 4, lq_, s_, e,
+                         torch.float32) for e in CAUSAL_E]
+        _run_each(runner, models, per_case, torch.float32, CAUSAL_E)
 
 
 def test_gqa_enable_gqa(tmp_path):
@@ -174,20 +245,26 @@ class FusedQkv(torch.nn.Module):
         return F.scaled_dot_product_attention(q, k, v, is_causal=self.causal)
 
 
-@pytest.mark.parametrize("causal", [False, True])
-def test_qkv_projection_split_into_heads(causal, tmp_path):
-    torch.manual_seed(5)
-    model = FusedQkv(4 * 80, 4, causal).eval()
-    x = torch.randn(2, 19, 4 * 80)
-    c, runner = _compile(model, (x,), tmp_path, f"qkv{causal}",
-                         dynamic_shapes=({1: Dim("T", min=2, max=600)},))
-    assert len(_attention_steps(c)) == 1
+def test_qkv_projection_split_into_heads(tmp_path):
+    """Not causal and causal: two models of one package, each with the weights and inputs a
+    package of its own had (torch.manual_seed(5), the model, the example, the runs)."""
+    causals, ts = (False, True), (19, 2, 128, 197)
+    models, example, runs = [], [], []
+    for causal in causals:
+        torch.manual_seed(5)
+        models.append(FusedQkv(4 * 80, 4, causal).eval())
+        example.append((torch.randn(2, 19, 4 * 80),))
+        runs.append([torch.randn(2, t, 4 * 80) for t in ts])
+    c, runner = _compile_each(models, example, tmp_path, "qkv",
+                              lambda k: ({1: Dim(f"T{k}", min=2, max=600)},))
+    assert len(_attention_steps(c)) == len(causals)
     with torch.no_grad():
-        for t in (19, 2, 128, 197):
-            xi = torch.randn(2, t, 4 * 80)
-            got = runner(xi)
-            want64 = copy.deepcopy(model).double()(xi.double())
-            torch.testing.assert_close(got.double(), want64, rtol=2e-5, atol=2e-5)
+        for j, t in enumerate(ts):
+            outs = runner(*(r[j] for r in runs))
+            for causal, model, got, r in zip(causals, models, outs, runs):
+                want64 = copy.deepcopy(model).double()(r[j].double())
+                torch.testing.assert_close(got.double(), want64, rtol=2e-5, atol=2e-5,
+                                           msg=lambda m, c=causal: f"causal={c}, T {t}: {m}")
 
 
 class StridedOperands(torch.nn.Module):
@@ -254,28 +331,41 @@ def test_nan_scores_stay_nan_and_decomposed_path_agrees(tmp_path):
     assert torch.equal(got[:, :, 3], torch.zeros_like(got[:, :, 3]))
 
 
-@pytest.mark.parametrize("e", [64, 40])
-def test_decode_rows_without_mask(e, tmp_path):
+DECODE_E = (64, 40)
+
+
+def test_decode_rows_without_mask(tmp_path):
     """Up to 4 query rows, no mask (the row path's unmasked branch: scores 4 keys at a time
     summed by a shuffle tree where E is a multiple of the vector, the row's maximum without
     the mask pass): S below, at and past a vector / a key block, odd S; a NaN query row stays
-    NaN and leaves the others alone."""
-    model = Sdpa()
-    g = torch.Generator().manual_seed(30 + e)
-    lq, s = Dim("L", min=1, max=600), Dim("S", min=1, max=600)
-    args = _qkv(g, 2, 3, 2, 9, e, torch.float32)
-    c, runner = _compile(model, args, tmp_path, f"decode{e}",
-                         dynamic_shapes=({2: lq}, {2: s}, {2: s}))
-    assert len(_attention_steps(c)) == 1
+    NaN and leaves the others alone. Head sizes 64 and 40 are two attention calls of one
+    package (each its own inputs, drawn as a package of its own drew them, and L / S)."""
+    models = [Sdpa() for _ in DECODE_E]
+    per_case = [_qkv(torch.Generator().manual_seed(30 + e), 2, 3, 2, 9, e, torch.float32)
+                for e in DECODE_E]
+
+    def dyn(k):
+        lq, s = _dims(k, "L", "S")
+        return ({2: lq}, {2: s}, {2: s})
+
+    c, runner = _compile_each(models, per_case, tmp_path, "decode", dyn)
+    assert len(_attention_steps(c)) == len(DECODE_E)
     for seed, (lq_, s_) in enumerate([(1, 1), (1, 3), (1, 16), (1, 37), (2, 64), (3, 130),
                                       (4, 513), (1, 128)]):
-        a = _qkv(torch.Generator().manual_seed(40 + seed), 2, 3, lq_, s_, e, torch.float32)
-        _check(runner(*a), model, a, torch.float32)
-    q, k, v = _qkv(torch.Generator().manual_seed(50), 2, 3, 1, 70, e, torch.float32)
-    q[1, 2, 0, 5] = float("nan")
-    got, want = runner(q, k, v), model(q, k, v)
-    assert torch.isnan(got[1, 2]).all() and not torch.isnan(got[0]).any()
-    torch.testing.assert_close(got, want, equal_nan=True, rtol=2e-5, atol=2e-5)
+        per_case = [_qkv(torch.Generator().manual_seed(40 + seed), 2, 3, lq_, s_, e,
+                         torch.float32) for e in DECODE_E]
+        _run_each(runner, models, per_case, torch.float32, DECODE_E)
+    per_case = []
+    for e in DECODE_E:
+        q, k, v = _qkv(torch.Generator().manual_seed(50), 2, 3, 1, 70, e, torch.float32)
+        q[1, 2, 0, 5] = float("nan")
+        per_case.append((q, k, v))
+    outs = runner(*(t for a in per_case for t in a))
+    for e, model, got, a in zip(DECODE_E, models, outs, per_case):
+        want = model(*a)
+        assert torch.isnan(got[1, 2]).all() and not torch.isnan(got[0]).any(), e
+        torch.testing.assert_close(got, want, equal_nan=True, rtol=2e-5, atol=2e-5,
+                                   msg=lambda m, e=e: f"head size {e}: {m}")
 
 
 def _kv_types(compiled) -> list[str]:
@@ -292,31 +382,48 @@ def _kv_types(compiled) -> list[str]:
 
 
 @pytest.mark.parametrize("march", ["native", "x86-64-v3"])
-@pytest.mark.parametrize("e", [64, 72])
-def test_bfloat16_keys_and_values_read_in_place(march, e, tmp_path):
+def test_bfloat16_keys_and_values_read_in_place(march, tmp_path):
     """A bf16 KV cache: kiln_attention.h reads bf16 k / v as stored (no float32 copy), for the
     decode row path (L <= 4, a bool mask whose dropped keys are skipped: no dot product, no
     value row read, so a NaN value there changes nothing; grouped queries) and the packed path
-    (L > 4); head size 72 is no multiple of the vector width."""
-    model = Sdpa("bool", gqa=True)
-    g = torch.Generator().manual_seed(8)
-    lq, s = Dim("L", min=1, max=600), Dim("S", min=1, max=600)
-    args = (*_qkv(g, 1, 8, 3, 9, e, torch.bfloat16, hk=2), _mask(g, (1, 1, 3, 9), (1,)))
-    c = kiln.compile(model, args, dynamic_shapes=({2: lq}, {2: s}, {2: s}, {2: lq, 3: s}),
-                     options=kiln.Options(march=march))
-    runner = kiln.load(c.save(tmp_path / f"bf16kv_{march}_{e}.kiln"))
-    assert [dict(x.attrs).get("group") for x in _attention_steps(c)] == [4]
-    assert _kv_types(c) == ["kr::bfloat16", "kr::bfloat16"]
+    (L > 4); head size 72 is no multiple of the vector width. Head sizes 64 and 72 are two
+    attention calls of one package (each its own inputs and dynamic L / S, drawn as a package
+    of its own drew them); a failure names the head size."""
+    sizes = (64, 72)
+    one = Sdpa("bool", gqa=True)
+    model = Each([Sdpa("bool", gqa=True) for _ in sizes], 4)
+    args, dyn = (), ()
+    for e in sizes:
+        g = torch.Generator().manual_seed(8)
+        args += (*_qkv(g, 1, 8, 3, 9, e, torch.bfloat16, hk=2), _mask(g, (1, 1, 3, 9), (1,)))
+        lq, s = Dim(f"L{e}", min=1, max=600), Dim(f"S{e}", min=1, max=600)
+        dyn += ({2: lq}, {2: s}, {2: s}, {2: lq, 3: s})
+    c = kiln.compile(model, args, dynamic_shapes=(dyn,), options=kiln.Options(march=march))
+    runner = kiln.load(c.save(tmp_path / f"bf16kv_{march}.kiln"))
+    assert [dict(x.attrs).get("group") for x in _attention_steps(c)] == [4] * len(sizes)
+    assert _kv_types(c) == ["kr::bfloat16", "kr::bfloat16"] * len(sizes)
     for seed, (lq_, s_) in enumerate([(1, 1), (1, 130), (2, 7), (4, 67), (5, 33), (40, 100)]):
-        g = torch.Generator().manual_seed(80 + seed)
-        a = (*_qkv(g, 1, 8, lq_, s_, e, torch.bfloat16, hk=2),
-             _mask(g, (1, 1, lq_, s_), (0,) if lq_ > 1 else ()))
-        a[3][..., : s_ // 2] &= torch.rand(s_ // 2, generator=g) > 0.8  # runs of dropped keys
-        got = runner(*a)
-        assert got.dtype == torch.bfloat16
-        _check(got, model, a, torch.bfloat16)
-        dropped = (~a[3][0, 0]).all(0).nonzero()
-        if lq_ <= 4 and len(dropped):  # the row path reads no value row of a dropped key
-            v = a[2].clone()
-            v[:, :, dropped[0, 0]] = float("nan")
-            torch.testing.assert_close(runner(a[0], a[1], v, a[3]), got, rtol=0, atol=0)
+        per_e = []
+        for e in sizes:
+            g = torch.Generator().manual_seed(80 + seed)
+            a = (*_qkv(g, 1, 8, lq_, s_, e, torch.bfloat16, hk=2),
+                 _mask(g, (1, 1, lq_, s_), (0,) if lq_ > 1 else ()))
+            a[3][..., : s_ // 2] &= torch.rand(s_ // 2, generator=g) > 0.8  # runs of dropped keys
+            per_e.append(a)
+        flat = tuple(t for a in per_e for t in a)
+        outs = runner(*flat)
+        for i, (e, a) in enumerate(zip(sizes, per_e)):
+            got = outs[i]
+            assert got.dtype == torch.bfloat16, e
+            try:
+                _check(got, one, a, torch.bfloat16)
+            except AssertionError as err:
+                raise AssertionError(f"head size {e}, L {lq_}, S {s_}: {err}") from err
+            dropped = (~a[3][0, 0]).all(0).nonzero()
+            if lq_ <= 4 and len(dropped):  # the row path reads no value row of a dropped key
+                v = a[2].clone()
+                v[:, :, dropped[0, 0]] = float("nan")
+                nan_args = list(flat)
+                nan_args[4 * i + 2] = v  # case i's value input
+                torch.testing.assert_close(runner(*nan_args)[i], got, rtol=0, atol=0,
+                                           msg=lambda m, e=e: f"head size {e}: {m}")
