@@ -55,6 +55,7 @@ import sympy
 import torch
 
 from kiln.errors import UnsupportedError
+from kiln.frontend.aten_table import _dims
 from kiln.frontend.builder import to_dtype
 from kiln.ir import dtypes
 
@@ -486,11 +487,7 @@ def _reduce(kind: str):
         p = _start(b, n)
         if n.kwargs.get("dtype") is not None and not n.kwargs["dtype"].is_complex:
             raise UnsupportedError("complex reduction to a real dtype")
-        rank = b.rank(n.args[0])
-        dims = _arg(n, 1, "dim")
-        dims = tuple(range(rank)) if dims in (None, []) else (
-            (dims,) if isinstance(dims, int) else tuple(dims))
-        dims = tuple(sorted(d % max(rank, 1) for d in dims))
+        dims = _dims(b, n, 1)
         keep = bool(_arg(n, 2, "keepdim", False))
         shape = b.shape(n)
         re, im = (b.emit("reduce", [x], None, like=n, shape=shape, dtype=p.rdt, kind=kind,
@@ -528,11 +525,7 @@ def _var(b, n):
     """var of complex values = var(real part) + var(imaginary part) (eager's rule: the squared
     modulus of the deviation splits into the parts'), each kiln's real var; a real result."""
     p = _start(b, n)
-    rank = b.rank(n.args[0])
-    dims = _arg(n, 1, "dim")
-    dims = tuple(range(rank)) if dims in (None, []) else (
-        (dims,) if isinstance(dims, int) else tuple(dims))
-    dims = tuple(sorted(d % max(rank, 1) for d in dims))
+    dims = _dims(b, n, 1)
     corr = n.kwargs.get("correction", 1)
     if str(n.target).endswith("dim"):
         corr = 1 if _arg(n, 2, "unbiased", True) else 0
@@ -566,11 +559,7 @@ def _pad(b, n):
 def _any(b, n):
     """Whether any complex value is nonzero (either part), over dims or all."""
     p = _start(b, n)
-    rank = b.rank(n.args[0])
-    dims = _arg(n, 1, "dim")
-    dims = tuple(range(rank)) if dims in (None, []) else (
-        (dims,) if isinstance(dims, int) else tuple(dims))
-    dims = tuple(sorted(d % max(rank, 1) for d in dims))
+    dims = _dims(b, n, 1)
     return b.emit("reduce", [_nonzero(p, n.args[0])], n, kind="any", dims=dims,
                   keepdim=bool(_arg(n, 2, "keepdim", False)))
 

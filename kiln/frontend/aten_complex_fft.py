@@ -16,7 +16,6 @@ A dynamic N without an upper bound is left to ATen (UnsupportedError: the fallba
 
 from __future__ import annotations
 
-import functools
 import math
 
 import sympy
@@ -26,6 +25,7 @@ from kiln.errors import UnsupportedError
 from kiln.frontend.aten_complex import _Parts, _scale_parts, _start, register
 from kiln.frontend.aten_complex_linalg import SCAN_MAX_LEVELS, _gemm, _size_bound
 from kiln.ir import dtypes
+from kiln.ir.sym import product
 
 FFT_MAX = 512  # the longest length one DFT GEMM computes (N^2 per row); longer: factorised
 BLUESTEIN_MAX = 2 ** 22  # the longest convolution length M a Bluestein transform uses
@@ -224,7 +224,7 @@ def _dft(p: _Parts, x: str, dim: int, forward: bool, cols=None, bound: int | Non
     moved = [shape[d] for d in order]
     if dim != r - 1:
         x = _permute(p, x, order)
-    rows = functools.reduce(lambda u, v: u * v, moved[:-1], sympy.Integer(1))
+    rows = product(moved[:-1])
     out = _rows_dft(p, p.view(x, (rows, n)), n, forward, cols, bound)
     out = p.view(out, (*moved[:-1], cols))
     if dim != r - 1:
@@ -260,8 +260,7 @@ def _fft_scale(p: _Parts, x: str, norm: int, total) -> tuple[str, str]:
 
 
 def _sizes(b, x: str, dims) -> sympy.Expr:
-    return functools.reduce(lambda u, v: u * v, [b.types[x].shape[d] for d in dims],
-                            sympy.Integer(1))
+    return product([b.types[x].shape[d] for d in dims])
 
 
 @register("aten._fft_c2c.default")
@@ -329,7 +328,7 @@ def _fft_c2r(b, n):
     moved = [shape[d] for d in order]
     if last != rank - 1:
         x = _permute(p, x, order)
-    rows = functools.reduce(lambda u, v: u * v, moved[:-1], sympy.Integer(1))
+    rows = product(moved[:-1])
     if size <= FFT_MAX:
         out = _c2r_gemm(p, p.view(x, (rows, m)), rows, m, size)
     else:

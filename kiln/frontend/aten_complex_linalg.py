@@ -7,15 +7,14 @@ importing this module registers them (frontend/export.py imports it)."""
 
 from __future__ import annotations
 
-import functools
 
-import sympy
 import torch
 
 from kiln.errors import UnsupportedError
 from kiln.frontend.aten_complex import _arg, _Parts, _scaled, _start, register
 from kiln.frontend.aten_high import Fallback
 from kiln.ir import dtypes
+from kiln.ir.sym import product
 # -- the matmul family: one real GEMM on the parts ----------------------------------------------
 
 def _gemm(p: _Parts, x: str, y: str) -> tuple[str, str]:
@@ -90,7 +89,7 @@ def _linear(b, n):
     x, w = b.tensor(n.args[0]), b.tensor(n.args[1])
     bias = _arg(n, 2, "bias")
     xs, ws = b.types[x].shape, b.types[w].shape
-    rows = functools.reduce(lambda u, v: u * v, xs[:-1], sympy.Integer(1))
+    rows = product(xs[:-1])
     flat = p.view(x, (rows, xs[-1]))
     wt = b.emit("permute", [w], None, like=n, shape=(ws[1], ws[0]), dims=(1, 0),
                 dtype=b.types[w].dtype)
@@ -173,7 +172,7 @@ def _prod(b, n):
     if "dim_int" in str(n.target):
         dim = n.args[1] % max(len(shape), 1)  # (keepdim: the final view's shape)
     else:
-        x = p.view(x, (functools.reduce(lambda u, v: u * v, shape, sympy.Integer(1)),))
+        x = p.view(x, (product(shape),))
         dim = 0
     if len(b.types[x].shape) == 0:
         return p.join(*p.parts_of(x))
