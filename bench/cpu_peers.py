@@ -170,7 +170,10 @@ def w_compile(model: str, system: str, d: Path) -> dict:
 
         onnx = d / "model.onnx"
         t = time.perf_counter()
-        if onnx.exists():
+        if onnx.exists() and not hasattr(ov, "convert_model"):
+            # a trimmed OpenVINO (no model conversion tools): its ONNX front end reads the file
+            m, res["source"] = ov.Core().read_model(str(onnx)), "ONNX (read_model)"
+        elif onnx.exists():
             m, res["source"] = ov.convert_model(str(onnx)), "ONNX"
         else:
             m, res["source"] = ov.convert_model(ep), "ExportedProgram"
