@@ -418,11 +418,18 @@ def _ceil_div(x: sympy.Expr, n: int) -> sympy.Expr:
 # rows (tl.dot's minimum), so a K / V tile is read once per kv head, not once per query head.
 # XBLOCK is the number of key splits (flash-decoding): program (b, hk, split) walks keys
 # [split * span, (split + 1) * span), span = ceil(S / XBLOCK) rounded up to RBLOCK, in
-# RBLOCK-wide tiles. With a bool mask (or causal), a tile whose keys no row keeps is skipped
-# before K and V are loaded (the mask tile is read first): a step over a static cache reads the
-# filled part; causal (top-left: key j <= query i) stops at key L. A float mask's tile of
-# -inf entries only is skipped alike; in the tiles read it is added to the scores as on the
-# other path (-inf gives p = 0, a NaN score stays NaN).
+# RBLOCK-wide tiles. With a bool mask (or causal), the mask tile is read first; a tile whose
+# keys no row keeps is skipped, and in the others K and V are loaded only at the keys some row
+# keeps (masked loads: no memory traffic for the rest): a step over a static cache reads its
+# filled part and nothing past it, whatever the model; causal (top-left: key j <= query i)
+# stops at key L. A float mask's -inf entries are kept out alike; elsewhere it is added to
+# the scores as on the other path (-inf gives p = 0, a NaN score stays NaN).
+#
+# The split (decode_config, fourteenth session): one 64-128 key tile a program where the
+# scratch allows (DECODE_KEYS_PER_SPLIT 64, up to DECODE_TARGET_PROGRAMS 512), so the filled
+# part of the cache is read by many SMs at once. Before, 256 keys a split and 264 programs
+# left a Llama-3-8B step (8 kv heads, cache 256-512) with 8-16 programs walking 2 tiles each
+# (8.5 us a layer on an H100 for 0.5 MB of K / V).
 #
 # XBLOCK == 1: the program normalises and stores its rows. XBLOCK > 1: each program stores
 # its partial state (running maximum m in base 2, running sum l, the unnormalised [Ev]
@@ -437,9 +444,26 @@ def _ceil_div(x: sympy.Expr, n: int) -> sympy.Expr:
 # A row that no split kept (fully masked) gets zeros, as on the other path.
 
 #: key splits: the heuristic wants at least this many keys a split ...
-DECODE_KEYS_PER_SPLIT = 256
-#: ... and no more programs than two waves of an H100's 132 SMs
-DECODE_TARGET_PROGRAMS = 264
+DECODE_KEYS_PER_SPLIT = 64
+#: ... and no more programs than this (about four of an H100's 132 SMs each: a program
+#: whose keys are past the filled part reads one mask tile and stores an empty state)
+DECODE_TARGET_PROGRAMS = 512
+#: the twelfth session's figures (256 keys, 264 programs): `KILN_DECODE_SPLIT=legacy` at
+#: compile time, for A/B runs (scripts/prof_decode.py); `KILN_DECODE_SPLIT=KEYS,PROGRAMS[,TILE
+#: BYTES]` sets the three
+_LEGACY = "256,264"
+
+
+def _split_limits() -> tuple[int, int, int]:
+    """(DECODE_KEYS_PER_SPLIT, DECODE_TARGET_PROGRAMS, DECODE_TILE_BYTES), or what the
+    environment's KILN_DECODE_SPLIT says (A/B runs)."""
+    import os
+    env = os.environ.get("KILN_DECODE_SPLIT", "")
+    env = _LEGACY if env == "legacy" else env
+    out = [DECODE_KEYS_PER_SPLIT, DECODE_TARGET_PROGRAMS, DECODE_TILE_BYTES]
+    for i, x in enumerate(env.split(",")[:3] if env else ()):
+        out[i] = int(x)
+    return out[0], out[1], out[2]
 
 
 def is_decode(call: L.Extern) -> bool:
@@ -479,7 +503,8 @@ def decode_config(call: L.Extern, buffers, hints: dict[str, int]) -> Config:
     MB x RBLOCK scores within DECODE_SCORES and a step's keys and values within
     DECODE_TILE_BYTES: a decode step's program walks one or two tiles, whose loads are all in
     flight at once (a walk over many narrow tiles pays a memory latency per tile); 4 warps (8
-    for tiles above DECODE_SCORES elements), 2 stages."""
+    for tiles above DECODE_SCORES elements), 2 stages. `KILN_DECODE_SPLIT` (compile time)
+    overrides the three limits for A/B runs (`_split_limits`)."""
     e, ev = head_dims(call)
     ep, evp = _pow2(e), _pow2(ev)
     size = _itemsize(call, buffers)
@@ -487,12 +512,12 @@ def decode_config(call: L.Extern, buffers, hints: dict[str, int]) -> Config:
     s = max(1, evaluate(call.args[1].shape[2], hints))
     programs = max(1, evaluate(call.args[0].shape[0], hints) *
                    evaluate(call.args[0].shape[1], hints) // g)
-    split = max(1, min(int(call.attr("splits", 1)), -(-s // DECODE_KEYS_PER_SPLIT),
-                       DECODE_TARGET_PROGRAMS // programs))
+    keys, target, tile_bytes = _split_limits()
+    split = max(1, min(int(call.attr("splits", 1)), -(-s // keys), target // programs))
     span = _pow2(-(-s // split))
     bn = 256
     while bn > 16 and (bn > span or mb * bn > DECODE_SCORES or
-                       bn * (ep + evp) * size > DECODE_TILE_BYTES):
+                       bn * (ep + evp) * size > tile_bytes):
         bn //= 2
     return Config(split, bn, _decode_warps(mb, bn, max(ep, evp)), 2)
 
@@ -641,16 +666,22 @@ def print_decode_kernel(call: L.Extern, buffers, hints: dict[str, int],
             lines += ["        mf = mt.to(tl.float32)",
                       f"        madd = {_finite_log2('mf')}",
                       "        live = keep & (madd > float(\"-inf\"))"]
+    cols_read = "col_ok"
     if mask is not None or causal:
         live = "live" if kind == 2 else "keep"
-        lines.append("        # a tile no row keeps adds nothing: its keys and values are not read")
-        lines.append(f"        if tl.max({live}.to(tl.int32)) > 0:")
+        lines += [
+            "        # the keys some row keeps: only their keys and values are read (a static",
+            "        # cache's filled part; a tile no row keeps is skipped, its p would be 0)",
+            f"        col_live = tl.max({live}.to(tl.int32), 0) > 0",
+            "        if tl.max(col_live.to(tl.int32)) > 0:",
+        ]
         ind = "            "
+        cols_read = "col_live"
     body = [
         f"kt = tl.load(k_ptr + {_cols_expr('cols[None, :]', ks[2], 'd[:, None]', ks[3])}, "
-        f"mask=col_ok[None, :]{kmask}, other=0.0)",
+        f"mask={cols_read}[None, :]{kmask}, other=0.0)",
         f"vt = tl.load(v_ptr + {_cols_expr('cols[:, None]', vs[2], 'dv[None, :]', vs[3])}, "
-        f"mask=col_ok[:, None]{vmask}, other=0.0)",
+        f"mask={cols_read}[:, None]{vmask}, other=0.0)",
         f"s = tl.dot(q, kt{prec}) * qk_scale",
     ]
     if mask is not None and kind == 2:
