@@ -544,6 +544,31 @@ def decode_candidates(call: L.Extern, buffers, hints: dict[str, int]) -> list[Co
     return out
 
 
+#: the splits of a live key range start at multiples of this many keys
+DECODE_SPAN_ALIGN = 16
+#: the mask row is read in chunks of at most this many keys (one chunk up to 8192 keys)
+DECODE_SCAN = 8192
+
+
+def _live_range(call: L.Extern) -> bool:
+    """Whether the decode kernel splits the mask's live key range rather than the cache: a
+    bool or float mask, one query row (L = 1) and one mask row for the group's heads (G = 1,
+    or the mask broadcast over heads). `KILN_DECODE_SPLIT` with a fourth field 0 turns it
+    off (A/B runs)."""
+    import os
+    env = os.environ.get("KILN_DECODE_SPLIT", "")
+    if env == "legacy" or env.count(",") >= 3 and env.split(",")[3] == "0":
+        return False
+    if len(call.args) < 4 or int(_c(call.args[0].shape[2])) != 1:
+        return False
+    return int(call.attr("group", 1)) == 1 or _c(call.args[3].strides[1]) == 0
+
+
+def _scan_width(call: L.Extern, hints: dict[str, int]) -> int:
+    s = max(1, evaluate(call.args[1].shape[2], hints))
+    return min(DECODE_SCAN, _pow2(s))
+
+
 def _term(var: str, stride) -> list[str]:
     st = _c(stride)
     return [] if st == 0 else [var] if st == 1 else [f"{var} * {to_tl(st)}"]
@@ -641,11 +666,38 @@ def print_decode_kernel(call: L.Extern, buffers, hints: dict[str, int],
         f"    acc = tl.zeros([{mb}, {evp}], tl.float32)",
         "    # base-2 softmax: scores scaled by scale * log2(e), exp2 instead of exp",
         f"    qk_scale = {scale * LOG2E!r}",
-        f"    span = ({S_} + XBLOCK - 1) // XBLOCK",
-        "    span = (span + RBLOCK - 1) // RBLOCK * RBLOCK",
-        "    lo = split * span",
-        f"    hi = tl.minimum({S_}, lo + span)",
     ]
+    if _live_range(call):
+        # one mask row serves every query row of the program (L = 1, the mask broadcast over
+        # the group's heads): the keys it keeps span [lo_live, hi_live), found by one read of
+        # the row, and the splits share that range, not the whole cache: a step over a
+        # static cache spreads its filled part over every program
+        sc = _scan_width(call, hints)
+        alive = "(mr != 0)" if kind == 1 else "(mr.to(tl.float32) > float(\"-inf\"))"
+        lines += [
+            f"    m_row = {ptr(mask, (hk_k, ms[1]))}",
+            f"    lo_live = {S_}",
+            "    hi_live = 0",
+            f"    for ci in range(0, ({S_} + {sc - 1}) // {sc}):",
+            f"        pc = ci * {sc} + tl.arange(0, {sc})",
+            f"        mr = tl.load({' + '.join(['m_row', *(_term('pc', ms[3]) or ['pc * 0'])])}, "
+            f"mask=pc < {S_}, other=0)",
+            f"        alive = {alive} & (pc < {S_})",
+            f"        lo_live = tl.minimum(lo_live, tl.min(tl.where(alive, pc, {S_})))",
+            "        hi_live = tl.maximum(hi_live, tl.max(tl.where(alive, pc + 1, 0)))",
+            "    span = (tl.maximum(hi_live - lo_live, 0) + XBLOCK - 1) // XBLOCK",
+            f"    span = (span + {DECODE_SPAN_ALIGN - 1}) // {DECODE_SPAN_ALIGN} * "
+            f"{DECODE_SPAN_ALIGN}",
+            "    lo = lo_live + split * span",
+            "    hi = tl.minimum(hi_live, lo + span)",
+        ]
+    else:
+        lines += [
+            f"    span = ({S_} + XBLOCK - 1) // XBLOCK",
+            "    span = (span + RBLOCK - 1) // RBLOCK * RBLOCK",
+            "    lo = split * span",
+            f"    hi = tl.minimum({S_}, lo + span)",
+        ]
     if causal:
         lines.append(f"    hi = tl.minimum(hi, {lq})  # causal (top-left): key j <= query i")
     lines += [

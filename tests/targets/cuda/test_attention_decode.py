@@ -356,6 +356,9 @@ FAST = [  # (case, configs): a few of every dimension, in one subprocess
     (dict(B, lq=3, g=4, s=1, e=128, dt="float32", causal=True, qt=True), "heuristic"),
     (dict(B, lq=16, g=4, s=256, e=64, dt="float16", causal=True, mask="bool2d"), "forced"),
     (dict(B, lq=1, g=1, s=256, e=128, ev=80, dt="float32", mask="bool", pos="last"), "all"),
+    # the live key range split among the programs: a float mask, a range inside one tile
+    (dict(LLAMA, s=300, mask="float", dt="float32"), "heuristic"),
+    (dict(LLAMA, hkv=2, s=1000, pos=70, dt="float16"), "all"),
 ]
 
 
