@@ -425,11 +425,17 @@ def _ceil_div(x: sympy.Expr, n: int) -> sympy.Expr:
 # stops at key L. A float mask's -inf entries are kept out alike; elsewhere it is added to
 # the scores as on the other path (-inf gives p = 0, a NaN score stays NaN).
 #
-# The split (decode_config, fourteenth session): one 64-128 key tile a program where the
-# scratch allows (DECODE_KEYS_PER_SPLIT 64, up to DECODE_TARGET_PROGRAMS 512), so the filled
-# part of the cache is read by many SMs at once. Before, 256 keys a split and 264 programs
-# left a Llama-3-8B step (8 kv heads, cache 256-512) with 8-16 programs walking 2 tiles each
-# (8.5 us a layer on an H100 for 0.5 MB of K / V).
+# The split (decode_config, fourteenth session): as many splits as the scratch allows
+# (DECODE_KEYS_PER_SPLIT 64 keys of the cache a split, up to DECODE_TARGET_PROGRAMS 512
+# programs), tiles of at most DECODE_TILE_BYTES. Where one mask row serves all of a
+# program's query rows (L = 1, the mask broadcast over the group: a decoder's step,
+# `_live_range`), each program first reads that row (one load of up to DECODE_SCAN keys) and
+# finds the range [lo_live, hi_live) of kept keys; the splits divide that range, not the
+# cache: 4096 filled keys of an 8192-key cache are 64 keys a program over 512 programs, 32
+# filled keys 16 a program over 2 splits a head, the other programs store an empty state.
+# Before, 256 keys a split and 264 programs over the whole cache left a Llama-3-8B step (8 kv
+# heads, cache 256-512) with 8-16 programs walking 2 tiles each (8.5 us a layer on an H100
+# for 0.5 MB of K / V). Other masks (per-head rows, several query rows) split the cache.
 #
 # XBLOCK == 1: the program normalises and stores its rows. XBLOCK > 1: each program stores
 # its partial state (running maximum m in base 2, running sum l, the unnormalised [Ev]
@@ -480,9 +486,12 @@ def _decode_rows(call: L.Extern) -> tuple[int, int, int]:
 
 
 #: the decode path's tiles: MB x RBLOCK float32 scores at most (registers), RBLOCK x (E + Ev)
-#: key / value elements of a step at most DECODE_TILE_BYTES (shared memory)
+#: key / value elements of a step at most DECODE_TILE_BYTES (shared memory: 32 KiB of keys
+#: and values take 36 KiB of an sm_90 block, so 6 programs fit an SM and 512 programs run in
+#: one wave on 132 SMs; 64 KiB took 68 KiB, 3 an SM: 2 waves. H200, Llama-3-8B attention,
+#: 8192-key cache, 4096 filled: 12.7 against 17.3 us; fourteenth session)
 DECODE_SCORES = 8192
-DECODE_TILE_BYTES = 65536
+DECODE_TILE_BYTES = 32768
 
 
 def _decode_fits(call: L.Extern, buffers, cfg: Config, limit: int = SHARED_LIMIT) -> bool:
