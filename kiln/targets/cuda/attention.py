@@ -418,11 +418,24 @@ def _ceil_div(x: sympy.Expr, n: int) -> sympy.Expr:
 # rows (tl.dot's minimum), so a K / V tile is read once per kv head, not once per query head.
 # XBLOCK is the number of key splits (flash-decoding): program (b, hk, split) walks keys
 # [split * span, (split + 1) * span), span = ceil(S / XBLOCK) rounded up to RBLOCK, in
-# RBLOCK-wide tiles. With a bool mask (or causal), a tile whose keys no row keeps is skipped
-# before K and V are loaded (the mask tile is read first): a step over a static cache reads the
-# filled part; causal (top-left: key j <= query i) stops at key L. A float mask's tile of
-# -inf entries only is skipped alike; in the tiles read it is added to the scores as on the
-# other path (-inf gives p = 0, a NaN score stays NaN).
+# RBLOCK-wide tiles. With a bool mask (or causal), the mask tile is read first; a tile whose
+# keys no row keeps is skipped, and in the others K and V are loaded only at the keys some row
+# keeps (masked loads: no memory traffic for the rest): a step over a static cache reads its
+# filled part and nothing past it, whatever the model; causal (top-left: key j <= query i)
+# stops at key L. A float mask's -inf entries are kept out alike; elsewhere it is added to
+# the scores as on the other path (-inf gives p = 0, a NaN score stays NaN).
+#
+# The split (decode_config, fourteenth session): as many splits as the scratch allows
+# (DECODE_KEYS_PER_SPLIT 64 keys of the cache a split, up to DECODE_TARGET_PROGRAMS 512
+# programs), tiles of at most DECODE_TILE_BYTES. Where one mask row serves all of a
+# program's query rows (L = 1, the mask broadcast over the group: a decoder's step,
+# `_live_range`), each program first reads that row (one load of up to DECODE_SCAN keys) and
+# finds the range [lo_live, hi_live) of kept keys; the splits divide that range, not the
+# cache: 4096 filled keys of an 8192-key cache are 64 keys a program over 512 programs, 32
+# filled keys 16 a program over 2 splits a head, the other programs store an empty state.
+# Before, 256 keys a split and 264 programs over the whole cache left a Llama-3-8B step (8 kv
+# heads, cache 256-512) with 8-16 programs walking 2 tiles each (8.5 us a layer on an H100
+# for 0.5 MB of K / V). Other masks (per-head rows, several query rows) split the cache.
 #
 # XBLOCK == 1: the program normalises and stores its rows. XBLOCK > 1: each program stores
 # its partial state (running maximum m in base 2, running sum l, the unnormalised [Ev]
@@ -437,9 +450,26 @@ def _ceil_div(x: sympy.Expr, n: int) -> sympy.Expr:
 # A row that no split kept (fully masked) gets zeros, as on the other path.
 
 #: key splits: the heuristic wants at least this many keys a split ...
-DECODE_KEYS_PER_SPLIT = 256
-#: ... and no more programs than two waves of an H100's 132 SMs
-DECODE_TARGET_PROGRAMS = 264
+DECODE_KEYS_PER_SPLIT = 64
+#: ... and no more programs than this (about four of an H100's 132 SMs each: a program
+#: whose keys are past the filled part reads one mask tile and stores an empty state)
+DECODE_TARGET_PROGRAMS = 512
+#: the twelfth session's figures (256 keys, 264 programs): `KILN_DECODE_SPLIT=legacy` at
+#: compile time, for A/B runs (scripts/prof_decode.py); `KILN_DECODE_SPLIT=KEYS,PROGRAMS[,TILE
+#: BYTES]` sets the three
+_LEGACY = "256,264"
+
+
+def _split_limits() -> tuple[int, int, int]:
+    """(DECODE_KEYS_PER_SPLIT, DECODE_TARGET_PROGRAMS, DECODE_TILE_BYTES), or what the
+    environment's KILN_DECODE_SPLIT says (A/B runs)."""
+    import os
+    env = os.environ.get("KILN_DECODE_SPLIT", "")
+    env = _LEGACY if env == "legacy" else env
+    out = [DECODE_KEYS_PER_SPLIT, DECODE_TARGET_PROGRAMS, DECODE_TILE_BYTES]
+    for i, x in enumerate(env.split(",")[:3] if env else ()):
+        out[i] = int(x)
+    return out[0], out[1], out[2]
 
 
 def is_decode(call: L.Extern) -> bool:
@@ -456,9 +486,12 @@ def _decode_rows(call: L.Extern) -> tuple[int, int, int]:
 
 
 #: the decode path's tiles: MB x RBLOCK float32 scores at most (registers), RBLOCK x (E + Ev)
-#: key / value elements of a step at most DECODE_TILE_BYTES (shared memory)
+#: key / value elements of a step at most DECODE_TILE_BYTES (shared memory: 32 KiB of keys
+#: and values take 36 KiB of an sm_90 block, so 6 programs fit an SM and 512 programs run in
+#: one wave on 132 SMs; 64 KiB took 68 KiB, 3 an SM: 2 waves. H200, Llama-3-8B attention,
+#: 8192-key cache, 4096 filled: 12.7 against 17.3 us; fourteenth session)
 DECODE_SCORES = 8192
-DECODE_TILE_BYTES = 65536
+DECODE_TILE_BYTES = 32768
 
 
 def _decode_fits(call: L.Extern, buffers, cfg: Config, limit: int = SHARED_LIMIT) -> bool:
@@ -479,7 +512,8 @@ def decode_config(call: L.Extern, buffers, hints: dict[str, int]) -> Config:
     MB x RBLOCK scores within DECODE_SCORES and a step's keys and values within
     DECODE_TILE_BYTES: a decode step's program walks one or two tiles, whose loads are all in
     flight at once (a walk over many narrow tiles pays a memory latency per tile); 4 warps (8
-    for tiles above DECODE_SCORES elements), 2 stages."""
+    for tiles above DECODE_SCORES elements), 2 stages. `KILN_DECODE_SPLIT` (compile time)
+    overrides the three limits for A/B runs (`_split_limits`)."""
     e, ev = head_dims(call)
     ep, evp = _pow2(e), _pow2(ev)
     size = _itemsize(call, buffers)
@@ -487,12 +521,12 @@ def decode_config(call: L.Extern, buffers, hints: dict[str, int]) -> Config:
     s = max(1, evaluate(call.args[1].shape[2], hints))
     programs = max(1, evaluate(call.args[0].shape[0], hints) *
                    evaluate(call.args[0].shape[1], hints) // g)
-    split = max(1, min(int(call.attr("splits", 1)), -(-s // DECODE_KEYS_PER_SPLIT),
-                       DECODE_TARGET_PROGRAMS // programs))
+    keys, target, tile_bytes = _split_limits()
+    split = max(1, min(int(call.attr("splits", 1)), -(-s // keys), target // programs))
     span = _pow2(-(-s // split))
     bn = 256
     while bn > 16 and (bn > span or mb * bn > DECODE_SCORES or
-                       bn * (ep + evp) * size > DECODE_TILE_BYTES):
+                       bn * (ep + evp) * size > tile_bytes):
         bn //= 2
     return Config(split, bn, _decode_warps(mb, bn, max(ep, evp)), 2)
 
@@ -517,6 +551,31 @@ def decode_candidates(call: L.Extern, buffers, hints: dict[str, int]) -> list[Co
             if c not in out and _decode_fits(call, buffers, c):
                 out.append(c)
     return out
+
+
+#: the splits of a live key range start at multiples of this many keys
+DECODE_SPAN_ALIGN = 16
+#: the mask row is read in chunks of at most this many keys (one chunk up to 8192 keys)
+DECODE_SCAN = 8192
+
+
+def _live_range(call: L.Extern) -> bool:
+    """Whether the decode kernel splits the mask's live key range rather than the cache: a
+    bool or float mask, one query row (L = 1) and one mask row for the group's heads (G = 1,
+    or the mask broadcast over heads). `KILN_DECODE_SPLIT` with a fourth field 0 turns it
+    off (A/B runs)."""
+    import os
+    env = os.environ.get("KILN_DECODE_SPLIT", "")
+    if env == "legacy" or env.count(",") >= 3 and env.split(",")[3] == "0":
+        return False
+    if len(call.args) < 4 or int(_c(call.args[0].shape[2])) != 1:
+        return False
+    return int(call.attr("group", 1)) == 1 or _c(call.args[3].strides[1]) == 0
+
+
+def _scan_width(call: L.Extern, hints: dict[str, int]) -> int:
+    s = max(1, evaluate(call.args[1].shape[2], hints))
+    return min(DECODE_SCAN, _pow2(s))
 
 
 def _term(var: str, stride) -> list[str]:
@@ -616,11 +675,38 @@ def print_decode_kernel(call: L.Extern, buffers, hints: dict[str, int],
         f"    acc = tl.zeros([{mb}, {evp}], tl.float32)",
         "    # base-2 softmax: scores scaled by scale * log2(e), exp2 instead of exp",
         f"    qk_scale = {scale * LOG2E!r}",
-        f"    span = ({S_} + XBLOCK - 1) // XBLOCK",
-        "    span = (span + RBLOCK - 1) // RBLOCK * RBLOCK",
-        "    lo = split * span",
-        f"    hi = tl.minimum({S_}, lo + span)",
     ]
+    if _live_range(call):
+        # one mask row serves every query row of the program (L = 1, the mask broadcast over
+        # the group's heads): the keys it keeps span [lo_live, hi_live), found by one read of
+        # the row, and the splits share that range, not the whole cache: a step over a
+        # static cache spreads its filled part over every program
+        sc = _scan_width(call, hints)
+        alive = "(mr != 0)" if kind == 1 else "(mr.to(tl.float32) > float(\"-inf\"))"
+        lines += [
+            f"    m_row = {ptr(mask, (hk_k, ms[1]))}",
+            f"    lo_live = {S_}",
+            "    hi_live = 0",
+            f"    for ci in range(0, ({S_} + {sc - 1}) // {sc}):",
+            f"        pc = ci * {sc} + tl.arange(0, {sc})",
+            f"        mr = tl.load({' + '.join(['m_row', *(_term('pc', ms[3]) or ['pc * 0'])])}, "
+            f"mask=pc < {S_}, other=0)",
+            f"        alive = {alive} & (pc < {S_})",
+            f"        lo_live = tl.minimum(lo_live, tl.min(tl.where(alive, pc, {S_})))",
+            "        hi_live = tl.maximum(hi_live, tl.max(tl.where(alive, pc + 1, 0)))",
+            "    span = (tl.maximum(hi_live - lo_live, 0) + XBLOCK - 1) // XBLOCK",
+            f"    span = (span + {DECODE_SPAN_ALIGN - 1}) // {DECODE_SPAN_ALIGN} * "
+            f"{DECODE_SPAN_ALIGN}",
+            "    lo = lo_live + split * span",
+            "    hi = tl.minimum(hi_live, lo + span)",
+        ]
+    else:
+        lines += [
+            f"    span = ({S_} + XBLOCK - 1) // XBLOCK",
+            "    span = (span + RBLOCK - 1) // RBLOCK * RBLOCK",
+            "    lo = split * span",
+            f"    hi = tl.minimum({S_}, lo + span)",
+        ]
     if causal:
         lines.append(f"    hi = tl.minimum(hi, {lq})  # causal (top-left): key j <= query i")
     lines += [
@@ -641,16 +727,22 @@ def print_decode_kernel(call: L.Extern, buffers, hints: dict[str, int],
             lines += ["        mf = mt.to(tl.float32)",
                       f"        madd = {_finite_log2('mf')}",
                       "        live = keep & (madd > float(\"-inf\"))"]
+    cols_read = "col_ok"
     if mask is not None or causal:
         live = "live" if kind == 2 else "keep"
-        lines.append("        # a tile no row keeps adds nothing: its keys and values are not read")
-        lines.append(f"        if tl.max({live}.to(tl.int32)) > 0:")
+        lines += [
+            "        # the keys some row keeps: only their keys and values are read (a static",
+            "        # cache's filled part; a tile no row keeps is skipped, its p would be 0)",
+            f"        col_live = tl.max({live}.to(tl.int32), 0) > 0",
+            "        if tl.max(col_live.to(tl.int32)) > 0:",
+        ]
         ind = "            "
+        cols_read = "col_live"
     body = [
         f"kt = tl.load(k_ptr + {_cols_expr('cols[None, :]', ks[2], 'd[:, None]', ks[3])}, "
-        f"mask=col_ok[None, :]{kmask}, other=0.0)",
+        f"mask={cols_read}[None, :]{kmask}, other=0.0)",
         f"vt = tl.load(v_ptr + {_cols_expr('cols[:, None]', vs[2], 'dv[None, :]', vs[3])}, "
-        f"mask=col_ok[:, None]{vmask}, other=0.0)",
+        f"mask={cols_read}[:, None]{vmask}, other=0.0)",
         f"s = tl.dot(q, kt{prec}) * qk_scale",
     ]
     if mask is not None and kind == 2:

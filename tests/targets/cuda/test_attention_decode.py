@@ -60,7 +60,7 @@ class Gqa(torch.nn.Module):
 def case_inputs(c: dict) -> list[torch.Tensor]:
     """Inputs of case `c` (keys b, hkv, g, lq, s, e, ev, dt, mask, pos, seed, qt): mask "bool"
     is a static cache's [B, 1, L, S] (query i at position pos + i keeps keys j <= pos + i;
-    pos "first" / "middle" / "last"), batch 1 (or query row 1) fully masked; "bool2d" a
+    pos "first" / "middle" / "last" or a number), batch 1 (or query row 1) fully masked; "bool2d" a
     random [L, S] mask (query row 1 fully masked); "float" a [B, 1, L, S] float mask with -inf
     entries, batch 1 (or the last query row) fully masked."""
     g = torch.Generator().manual_seed(c.get("seed", 0))
@@ -72,7 +72,8 @@ def case_inputs(c: dict) -> list[torch.Tensor]:
            torch.randn(b, c["hkv"], s, ev, generator=g).to(dt)]
     kind = c.get("mask")
     if kind == "bool":
-        pos = {"first": 0, "middle": max(0, (s - lq) // 2), "last": max(0, s - lq)}[c["pos"]]
+        pos = c["pos"] if isinstance(c["pos"], int) else \
+            {"first": 0, "middle": max(0, (s - lq) // 2), "last": max(0, s - lq)}[c["pos"]]
         j = torch.arange(s)
         keep = j[None, :] <= (pos + torch.arange(lq))[:, None]
         m = keep[None, None].expand(b, 1, lq, s).clone()
@@ -206,12 +207,17 @@ def test_decode_call_declares_its_split_scratch():
     part = buffers[call.outs[1]]
     assert part.dtype.name == "float32" and [int(d) for d in part.shape] == [32, 32, 66]
     cfg = choose_attention_config(call, buffers, {})
-    assert cfg.xblock == 8 and cfg.rblock == 256  # 2048 keys / 256 a split: one tile each
+    # every split the scratch holds: 2048 keys / 64 a split, one 64-key tile each, 4 x 32
+    # programs (the twelfth session's 256 keys a split made 4 x 8 programs of 256 keys)
+    assert cfg.xblock == 32 and cfg.rblock == 64
     main, comb = attention_kernels(call, buffers, {}, cfg)
     assert comb.name == main.name + "_combine"
-    assert int(main.rows) == 4 * 8 * 8 and int(comb.rows) == 32  # programs x XBLOCK; rows
+    assert int(main.rows) == 4 * 32 * 32 and int(comb.rows) == 32  # programs x XBLOCK; rows
     assert "hk * 8 + r" in main.source and "tl.dot(q, kt" in main.source
-    assert "if tl.max(keep.to(tl.int32)) > 0:" in main.source  # masked tiles skipped
+    # masked tiles skipped; in a tile, only the keys some row keeps are loaded
+    assert "col_live = tl.max(keep.to(tl.int32), 0) > 0" in main.source
+    assert "if tl.max(col_live.to(tl.int32)) > 0:" in main.source
+    assert "mask=col_live[None, :]" in main.source and "mask=col_live[:, None]" in main.source
     assert f"buf_{call.outs[1]}" in main.source and f"buf_{call.outs[1]}" in comb.source
 
 
@@ -222,8 +228,8 @@ def test_split_beyond_the_scratch_is_refused():
         attention_kernels(call, {b.name: b for b in prog.buffers}, {}, Config(8, 64, 4, 2))
 
 
-@pytest.mark.parametrize("s, b, hkv, split", [(256, 1, 4, 1), (1000, 1, 4, 4),
-                                              (8192, 1, 4, 32), (8192, 16, 8, 2),
+@pytest.mark.parametrize("s, b, hkv, split", [(256, 1, 4, 4), (1000, 1, 4, 16),
+                                              (8192, 1, 4, 64), (8192, 16, 8, 4),
                                               (2048, 128, 4, 1), (37, 1, 1, 1)])
 def test_heuristic_split_follows_the_sizes(s, b, hkv, split):
     c = dict(LLAMA, s=s, b=b, hkv=hkv, mask=None, e=16)
@@ -281,7 +287,7 @@ def test_loop_interpreter_twin_matches_eager(c):
 def test_cuda_package_launches_the_combine(tmp_path):
     cm, _ = compile_case(dict(LLAMA, s=2048, dt="float16"))
     (name, info), = cm.manifest["cuda"]["attention"].items()
-    assert info["block_m"] == 8  # the decode path's XBLOCK: its key splits
+    assert info["block_m"] == 32  # the decode path's XBLOCK: its key splits
     cpp = cm.sources["model_cuda.cpp"]
     assert f'"{name}"' in cpp and f'"{name}_combine"' in cpp
     assert cpp.index(f'"{name}"') < cpp.index(f'"{name}_combine"')
@@ -350,6 +356,9 @@ FAST = [  # (case, configs): a few of every dimension, in one subprocess
     (dict(B, lq=3, g=4, s=1, e=128, dt="float32", causal=True, qt=True), "heuristic"),
     (dict(B, lq=16, g=4, s=256, e=64, dt="float16", causal=True, mask="bool2d"), "forced"),
     (dict(B, lq=1, g=1, s=256, e=128, ev=80, dt="float32", mask="bool", pos="last"), "all"),
+    # the live key range split among the programs: a float mask, a range inside one tile
+    (dict(LLAMA, s=300, mask="float", dt="float32"), "heuristic"),
+    (dict(LLAMA, hkv=2, s=1000, pos=70, dt="float16"), "all"),
 ]
 
 

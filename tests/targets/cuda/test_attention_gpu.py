@@ -172,6 +172,17 @@ DECODE = [  # cases of test_attention_decode.case_inputs: Llama's 32 / 4 heads, 
     dict(b=1, hkv=2, g=8, lq=3, s=37, e=128, dt="float32", mask=None, causal=True),
     dict(b=1, hkv=4, g=8, lq=1, s=4096, e=64, dt="bfloat16", mask="float"),
     dict(b=1, hkv=4, g=8, lq=1, s=8192, e=128, dt="bfloat16", mask=None),
+    # Llama-3-8B's attention (32 / 8 heads, head dim 128): 32, 512 and 4096 filled positions
+    # of an 8192-key cache (64 splits of 128 keys), a 512-key cache (8 splits of 64), MHA
+    dict(b=1, hkv=8, g=4, lq=1, s=8192, e=128, dt="bfloat16", mask="bool", pos=31),
+    dict(b=1, hkv=8, g=4, lq=1, s=8192, e=128, dt="bfloat16", mask="bool", pos=511),
+    dict(b=1, hkv=8, g=4, lq=1, s=8192, e=128, dt="bfloat16", mask="bool", pos=4095),
+    dict(b=1, hkv=8, g=4, lq=1, s=8192, e=128, dt="float16", mask="bool", pos=4095),
+    dict(b=1, hkv=8, g=4, lq=1, s=8192, e=128, dt="float32", mask="bool", pos=4095),
+    dict(b=1, hkv=8, g=4, lq=1, s=512, e=128, dt="bfloat16", mask="bool", pos=12),
+    dict(b=1, hkv=8, g=4, lq=1, s=512, e=128, dt="float32", mask="bool", pos=300),
+    dict(b=1, hkv=32, g=1, lq=1, s=8192, e=128, dt="bfloat16", mask="bool", pos=4095),
+    dict(b=1, hkv=32, g=1, lq=1, s=512, e=128, dt="float16", mask="bool", pos=64),
 ]
 
 
@@ -226,3 +237,30 @@ def test_decode_path_autotuned_splits(tmp_path):
     err = (runner(*dev).double() - ref).abs().max().item()
     eager_err = (mod(*dev).double() - ref).abs().max().item()
     assert err <= 2 * eager_err + 1e-3 * ref.abs().max().item(), (err, eager_err)
+
+
+@pytest.mark.parametrize("dt", ["bfloat16", "float16", "float32"])
+@pytest.mark.parametrize("g", [4, 1])
+def test_decode_path_follows_the_cache_position(dt, g, tmp_path):
+    """One package, the cache position changed at run time (the mask is data): filled
+    lengths 1 .. 8192 of an 8192-key cache, tile and split edges included, against float64;
+    keys and values past the filled part are NaN, so a kernel that read them would show."""
+    c = dict(b=1, hkv=32 // g, g=g, lq=1, s=8192, e=128, dt=dt, mask="bool", pos=0)
+    mod = decode_module(c)
+    cm, runner = _compile(mod, case_inputs(c), tmp_path)
+    (_, info), = cm.manifest["cuda"]["attention"].items()
+    print(f"{dt} G{g}: splits {info['block_m']}, keys a tile {info['block_n']}", file=sys.stderr)
+    for pos in (0, 31, 63, 64, 127, 128, 511, 4095, 4096, 8190, 8191):
+        q, k, v, m = (a.cuda() for a in case_inputs(dict(c, pos=pos, seed=pos)))
+        k[:, :, pos + 1:] = float("nan")
+        v[:, :, pos + 1:] = float("nan")
+        got = runner(q, k, v, m)
+        ref = mod(q.double(), k[:, :, :pos + 1].double(), v[:, :, :pos + 1].double(),
+                  m[..., :pos + 1])
+        want = mod(q, k[:, :, :pos + 1], v[:, :, :pos + 1], m[..., :pos + 1])
+        assert not got.isnan().any(), pos
+        err = (got.double() - ref).abs().max().item()
+        eager_err = (want.double() - ref).abs().max().item()
+        scale = ref.abs().max().item()
+        bound = 1e-4 if dt == "float32" else 2 * eager_err + 1e-3 * scale
+        assert err <= bound, (pos, err, eager_err, scale)

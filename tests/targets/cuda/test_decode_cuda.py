@@ -141,7 +141,8 @@ def test_cuda_package_updates_cache_in_place_and_replays_a_graph():
     # attention's decode path: both query heads of a kv head in one program, masked key
     # tiles skipped (targets/cuda/attention.py)
     assert "def puts_index_put" in src and "hk * 2 + r" in src
-    assert "if tl.max(live.to(tl.int32)) > 0:" in src  # (a float mask)
+    assert "col_live = tl.max(live.to(tl.int32), 0) > 0" in src  # (a float mask)
+    assert "if tl.max(col_live.to(tl.int32)) > 0:" in src
     assert [k["kind"] for k in cm.manifest["kernels"]].count("triton_put") == 1
     cpp = cm.sources["model_cuda.cpp"]
     assert "kc::run_graph" in cpp and "cuMemcpyDtoDAsync" not in cpp.split("auto body")[1] \
