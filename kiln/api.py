@@ -33,7 +33,6 @@ from kiln.toolchain.cxx import compiler_identity
 from kiln.runtime import load
 from kiln.runtime.build import build_in_background, shipped
 from kiln.runtime.ab_time import time_ab
-from kiln.targets.cpu.never_lose import differing
 
 MANIFEST_SCHEMA = "kiln.manifest/1"
 
@@ -234,7 +233,7 @@ def _never_lose(built: Built, ep, opts: Options) -> tuple[Built, dict[str, Any],
     kept = "tuned" if res.a_wins(NEVER_LOSE_MARGIN) else "default"
     check = {"tuned_ms": res.a_s * 1e3, "default_ms": res.b_s * 1e3, "rounds": res.rounds,
              "margin": NEVER_LOSE_MARGIN, "kept": kept,
-             "differing_gemms": differing(tuned.gemms, default.gemms)}
+             "differing_gemms": _differing(tuned.gemms, default.gemms)}
     return (tuned if kept == "tuned" else default), manifests[kept], check
 
 
@@ -460,6 +459,13 @@ def compile(model, example_args=None, *, example_kwargs=None, dynamic_shapes=Non
     report["gemm_check"] = check
     manifest["build"] = {**manifest["build"], "compile_seconds": total, "gemm_check": check}
     return CompiledModel(built, manifest, report)
+
+
+def _differing(tuned: dict, default: dict) -> list:
+    # deferred: the CPU target's max_autotune check only (0.2 s of every first compile's
+    # imports otherwise)
+    from kiln.targets.cpu.never_lose import differing
+    return differing(tuned, default)
 
 
 def _first_import() -> float:
