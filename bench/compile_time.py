@@ -265,9 +265,9 @@ def table(rows: list[dict]) -> str:
 
 def stage_table(rows: list[dict], least: float = 0.05) -> str:
     """Per kiln row: compile seconds split into export, each stage that took at least `least`
-    seconds in some row (in pipeline order), and `rest` (the compile call's time outside
-    export and the stages: importing kiln's compiler on the first `kiln.compile`, the
-    manifest)."""
+    seconds in some row (in pipeline order; the report's `compiler_imports`, kiln's compiler
+    imported by the first `kiln.compile`, and `manifest` among them), and `rest` (the
+    compile call's time outside export and the named stages: the driver between stages)."""
     kiln = [r for r in rows if r["system"] != "aoti" and not r.get("error")]
     if not kiln:
         return ""
