@@ -14,6 +14,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from torch.utils import _pytree as pytree
 
 triton = pytest.importorskip("triton")
 
@@ -391,3 +392,26 @@ def test_conv_weights_pack_exactly_without_float64(src, dst, groups):
                                                    torch.int32),
                                            want.view(torch.int16 if dst.itemsize == 2 else
                                                      torch.int32))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_tuning_on_the_gpu_uses_the_prestarted_workers(tmp_path, monkeypatch):
+    """On a GPU, a cold compile that tunes launch configs gets its candidates compiled by the
+    workers kiln.compile started before the export (handed out to free workers), every
+    task's seconds are accounted, and the package computes what eager does."""
+    monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path / "triton_home"))
+    model, args = _model(512, 1024)  # LayerNorm rows worth tuning (see above)
+    cm = kiln.compile(model, args, device="cuda", options=kiln.Options(
+        cache_dir=str(tmp_path / "c"), jobs=4))
+    st = cm.report["stages"]
+    assert st["launch_autotune.candidates"] > 0 and st["launch_autotune.workers"] == 4
+    busiest = st["launch_autotune.worker_busiest"]
+    assert 0 < busiest <= st["launch_autotune.worker_compile"] + \
+        st["launch_autotune.worker_launcher"]
+    runner = kiln.load(cm.save(tmp_path / "m.kiln"), device="cuda:0")
+    got = pytree.tree_leaves(runner(args[0].cuda()))
+    want = pytree.tree_leaves(model(*args))
+    assert len(got) == len(want)
+    for g, w in zip(got, want):
+        torch.testing.assert_close(g.cpu(), w, rtol=1e-4, atol=1e-4)
