@@ -327,8 +327,8 @@ class Early:
     the compile workers started (one per core, triton_aot.Workers) with Triton's driver
     utilities built (triton_aot.warm_driver). Before, these started after the export; the
     first tuning compiles then waited for the workers and Triton's key (ResNet-18 on the
-    H100, under cProfile: 1.6 s of its tuning). `workers()` joins the thread: the Workers, or None where tuning will not
-    run (the `workers` stage then sizes them by the graph)."""
+    H100, under cProfile: 1.6 s of its tuning). `workers()` joins the thread: the Workers,
+    or None where tuning will not run (the `workers` stage then sizes them by the graph)."""
 
     def __init__(self, opts: Options) -> None:
         self.opts = opts
