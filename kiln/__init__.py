@@ -11,6 +11,8 @@ The public names are looked up on first use (PEP 562), so that `import kiln.erro
 from __future__ import annotations
 
 import importlib
+import sys
+import time
 from typing import TYPE_CHECKING, Any
 
 from kiln import errors
@@ -27,9 +29,19 @@ _PUBLIC = {"CompiledModel": "kiln.api", "compile": "kiln.api", "Options": "kiln.
            "load": "kiln.runtime"}
 
 
+#: seconds the deferred imports of `__getattr__` took, by module (the first kiln.compile of a
+#: process reports kiln.api's as its stage "compiler_imports")
+IMPORT_SECONDS: dict[str, float] = {}
+
+
 def __getattr__(name: str) -> Any:
     if name in _PUBLIC:
-        value = getattr(importlib.import_module(_PUBLIC[name]), name)
+        module = _PUBLIC[name]
+        t0 = time.perf_counter()
+        fresh = module not in sys.modules
+        value = getattr(importlib.import_module(module), name)
+        if fresh:
+            IMPORT_SECONDS[module] = time.perf_counter() - t0
     else:  # a submodule not imported yet (kiln.api, kiln.backend, ...)
         try:
             value = importlib.import_module(f"kiln.{name}")

@@ -94,15 +94,17 @@ def _run(stage: Stage, state: Build, timings: dict[str, float], opts: Options,
 
 def build(ep: torch.export.ExportedProgram, opts: Options, device: str = "cpu",
           progress: Callable[[str, int, int], None] | None = None,
-          detail: Callable[[str, str, int, int], None] | None = None) -> Built:
+          detail: Callable[[str, str, int, int], None] | None = None,
+          early: Any = None) -> Built:
     """`progress(stage, k, n)`, when given, is called before each of the target's n stages
     (k from 0; a skipped stage too) and once after the last with ("done", n, n); `detail(stage,
     what, done, total)` with the counts a long stage reports as it goes (Build.progress: C++
     files and Triton kernels built, GEMM candidates and launch configs timed): the CLI's
-    progress display; nothing here prints."""
+    progress display; nothing here prints. `early`: what the target's `prestart` started
+    before the export (kiln.compile), handed to the first state."""
     target = target_of(device)
     timings: dict[str, float] = {}
-    state = target.state(options=opts, ep=ep)
+    state = target.state(options=opts, ep=ep, **({"early": early} if early is not None else {}))
     n = len(target.stages)
     for k, stage in enumerate(target.stages):
         if progress is not None:

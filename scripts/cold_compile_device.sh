@@ -9,8 +9,10 @@
 #    per model: total seconds, the 3 slowest stages, launch_autotune's steps timed /
 #    candidates compiled (+ untuned kernels prebuilt by its workers, seconds waiting for
 #    compiles), Triton kernels compiled by the cubins stage; then a table of seconds per stage
-#    (export, each stage of at least 0.05 s, `rest`: the compile call outside them, mostly
-#    kiln's compiler imported by the first kiln.compile);
+#    (export, each stage of at least 0.05 s, `compiler_imports` (kiln's compiler imported by
+#    the first kiln.compile) among them, `rest`: the compile call outside them); kiln's
+#    bytecode is written first (compileall, as pip install does: the device machines set
+#    PYTHONDONTWRITEBYTECODE=1, so a source tree is otherwise compiled in every process);
 # 2. with the time left (AOTI_MIN_S, default 100 s), AOTInductor on AOTI_MODELS (bf16) for the
 #    kiln / AOTI ratio (the target: at most 0.2).
 # Env: PY (python3), MODELS (resnet18,mobilenet_v2,gpt,bert_like_b4,ln_softmax,mlp: the

@@ -50,6 +50,8 @@ def main() -> None:
     ap.add_argument("dtype", nargs="?", default="bf16")
     ap.add_argument("--top", type=int, default=30)
     ap.add_argument("--options", default="")
+    ap.add_argument("--tuned", default="",
+                    help="write the launch tuner's timings (ms per candidate config) as JSON")
     ap.add_argument("--on-cuda", action="store_true",
                     help="export the module and inputs on the GPU, as bench/gpu_peers.py does")
     a = ap.parse_args()
@@ -98,8 +100,12 @@ def main() -> None:
     for k, v in sorted(stages.items(), key=lambda kv: -kv[1]):
         if v >= 0.05:
             print(f"  {k:32s} {v:8.2f}")
-    print()
-    pstats.Stats(prof).sort_stats("cumulative").print_stats(a.top)
+    if a.tuned:
+        Path(a.tuned).write_text(json.dumps(cm.manifest.get("cuda", {}).get("autotuned", {}),
+                                            indent=1))
+    if a.top:
+        print()
+        pstats.Stats(prof).sort_stats("cumulative").print_stats(a.top)
 
 
 if __name__ == "__main__":

@@ -136,6 +136,11 @@ class Target:
     libraries: Callable[[tuple, dict], list[str]] = lambda steps, gemms: []
     #: how the manifest and users name the libtorch parts the ATen fallback needs
     torch_libraries: str = "libtorch_cpu.so"
+    #: work a build can start before its program is exported (threads, processes: the CUDA
+    #: target's compile workers), `prestart(options) -> handle`, called by kiln.compile
+    #: before torch.export; the handle is the first state's `early` field (the target's state
+    #: class has one) and has `close()`, called where the export fails
+    prestart: Callable[[Options], Any] | None = None
 
 
 # -- predicates on options -------------------------------------------------------------------

@@ -49,10 +49,11 @@ def cuda_include_dir(opts: Options) -> Path:
 def cuda_toolchain(opts: Options) -> Toolchain:
     """The C++ toolchain of CUDA packages' wrappers: the shared runtime headers, the CUDA
     target's (CUDA_INCLUDE) and cuda.h, no CUDA library linked (the driver is opened at
-    load)."""
+    load); a wrapper's includes precompiled ahead (targets/cuda/build.py `wrapper_header`)
+    are used where ready."""
     jobs = opts.jobs or config.cpu_count()
     cflags = ["-std=c++17", "-fPIC", "-fvisibility=hidden", *opts.opt_flags,
               f"-I{cuda_include_dir(opts)}"]
     cache = Path(opts.cache_dir) if opts.cache_dir else config.cache_dir()
     return Toolchain(opts.cxx or config.cxx(), cache / "build", tuple(cflags), ("-ldl",),
-                     (*INCLUDE_DIRS, CUDA_INCLUDE), jobs)
+                     (*INCLUDE_DIRS, CUDA_INCLUDE), jobs, pch_ready=True)

@@ -24,6 +24,7 @@ import os
 import re
 import subprocess
 import tempfile
+import threading
 from concurrent.futures import ThreadPoolExecutor, as_completed
 from dataclasses import dataclass
 from functools import lru_cache
@@ -48,6 +49,10 @@ class Toolchain:
     ldflags: tuple[str, ...]
     include_dirs: tuple[Path, ...]
     jobs: int
+    #: use a precompiled header of a source's leading includes where one is already built
+    #: (`prebuild_header`, started ahead by the caller), never building or waiting for one
+    #: here (KILN_PCH=1 builds them on demand for every toolchain)
+    pch_ready: bool = False
 
 
 @lru_cache(maxsize=8)
@@ -168,9 +173,7 @@ def precompiled_header(tc: Toolchain, includes: list[str], flags: tuple[str, ...
     """The header (its `.gch` beside it) holding `includes`, compiled with `flags`; None
     while another process builds it."""
     text = "\n".join(includes) + "\n"
-    key = hashlib.sha256("\0".join([text, " ".join(flags), compiler_identity(tc.cxx),
-                                     headers]).encode()).hexdigest()
-    d = tc.cache / "pch" / key
+    d = _pch_dir(tc, includes, flags, headers)
     header, gch = d / "prelude.h", d / "prelude.h.gch"
     if gch.exists():
         return header
@@ -194,6 +197,40 @@ def precompiled_header(tc: Toolchain, includes: list[str], flags: tuple[str, ...
 
 def _use_pch(tc: Toolchain) -> bool:
     return config.pch() and "clang" not in compiler_identity(tc.cxx).lower()
+
+
+def _pch_dir(tc: Toolchain, includes: list[str], flags: tuple[str, ...], headers: str) -> Path:
+    text = "\n".join(includes) + "\n"
+    key = hashlib.sha256("\0".join([text, " ".join(flags), compiler_identity(tc.cxx),
+                                     headers]).encode()).hexdigest()
+    return tc.cache / "pch" / key
+
+
+def prebuild_header(tc: Toolchain, includes: list[str], extra: tuple[str, ...] = ()
+                    ) -> threading.Thread:
+    """Starts precompiling `includes` (the leading includes of sources that `tc` will compile
+    with `extra` flags) in a thread (the compiler is its own process), so that a later
+    `compile_object` of such a source with `tc.pch_ready` finds the header built and compiles
+    only the rest (a CUDA wrapper: about half its compile). Failures are silent: that compile
+    then compiles the whole source, as without it."""
+    def run() -> None:
+        try:
+            if "clang" not in compiler_identity(tc.cxx).lower():
+                precompiled_header(tc, includes, (*tc.cflags, *extra),
+                                   _headers_digest(tc.include_dirs))
+        except (CompileError, OSError):
+            pass
+
+    t = threading.Thread(target=run, name="kiln-pch", daemon=True)
+    t.start()
+    return t
+
+
+def _ready_header(tc: Toolchain, includes: list[str], flags: tuple[str, ...],
+                  headers: str) -> Path | None:
+    """The precompiled header of `includes` where `prebuild_header` has built it, else None."""
+    d = _pch_dir(tc, includes, flags, headers)
+    return d / "prelude.h" if (d / "prelude.h.gch").exists() else None
 
 
 def compile_object(tc: Toolchain, name: str, source: str, headers: str,
@@ -221,11 +258,14 @@ def _compile_object(tc: Toolchain, name: str, source: str, headers: str,
     src_dir = tc.cache / "src"
     src_dir.mkdir(parents=True, exist_ok=True)
     pch = []
-    if _use_pch(tc):
+    if _use_pch(tc) or tc.pch_ready:
         includes, rest = split_prelude(source)
-        header = precompiled_header(tc, includes, flags, headers) if includes else None
-        if header is not None:
-            pch, source, name = ["-include", str(header)], rest, f"pch_{name}"
+        header = None if not includes else \
+            precompiled_header(tc, includes, flags, headers) if _use_pch(tc) else \
+            _ready_header(tc, includes, flags, headers)
+        if header is not None:  # (same file name: the object's bytes do not change)
+            pch, source, src_dir = ["-include", str(header)], rest, src_dir / "pch"
+            src_dir.mkdir(exist_ok=True)
     src = src_dir / f"{key}_{name}"
     _write_once(src, source)
     tmp = _atomic_output(obj)

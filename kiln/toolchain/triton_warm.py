@@ -5,7 +5,8 @@ only Triton, not kiln or torch (building launchers too: `_launcher`): it starts 
 second.
 
 TASKS is a JSON file: {"tasks": [[module path, module name, kernel name, signature,
-constexprs, options, arch(, launcher)], ...], "out": directory or absent, "launchers": bool
+constexprs, options, arch(, launcher)], ...], "out": directory or absent, "first": the
+number of the first task (0 if absent: its files' names count from it), "launchers": bool
 (for the tasks without their own launcher flag),
 "triton_key": the parent's `triton.runtime.cache.triton_key()`}. Each kernel
 is compiled with exactly the arguments `triton_aot.compile_kernel` uses. With "out", task i's
@@ -22,6 +23,7 @@ import importlib.util
 import json
 import os
 import sys
+import time
 
 
 def compile_args(sig: dict, consts: dict) -> tuple[dict, dict, dict]:
@@ -73,7 +75,7 @@ def _run(triton, job: dict, mods: dict) -> None:
         tc.triton_key = lambda: key
     out = job.get("out")
     for i, (mpath, mname, kname, sig, consts, options, arch, *own) in enumerate(
-            job.get("tasks", ())):
+            job.get("tasks", ()), job.get("first", 0)):
         launcher = own[0] if own else job.get("launchers")  # a task's own flag first
         try:
             if mpath not in mods:
@@ -84,16 +86,20 @@ def _run(triton, job: dict, mods: dict) -> None:
             sig_, consts_, attrs = compile_args(sig, consts)
             src = triton.compiler.ASTSource(fn=getattr(mods[mpath], kname), signature=sig_,
                                             constexprs=consts_, attrs=attrs)
+            t0 = time.perf_counter()
             ck = triton.compile(src, target=GPUTarget("cuda", arch, 32), options=options)
+            t1 = time.perf_counter()
             if launcher:  # before the task is marked done: the parent launches it
                 _launcher(src, ck)
+            seconds = {"compile": t1 - t0, "launcher": time.perf_counter() - t1}
             if out:
                 with open(os.path.join(out, f"{i}.cubin"), "wb") as f:
                     f.write(bytes(ck.asm["cubin"]))
                 with open(os.path.join(out, f"{i}.json.tmp"), "w") as f:
                     # where Triton's cache holds this compile (`triton_aot.load_compiled`)
                     files = {k: str(v) for k, v in (ck.metadata_group or {}).items()}
-                    json.dump({**metadata(ck), "triton": {"hash": ck.hash, "files": files}}, f)
+                    json.dump({**metadata(ck), "triton": {"hash": ck.hash, "files": files},
+                               "seconds": seconds}, f)
                 os.replace(os.path.join(out, f"{i}.json.tmp"), os.path.join(out, f"{i}.json"))
         except Exception:  # noqa: BLE001 - the parent's compile reports it
             if out:  # done, without a result (a parent waiting on the task goes on)

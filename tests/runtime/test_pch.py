@@ -61,13 +61,14 @@ def test_same_object_code(tmp_path, monkeypatch, extra):
     monkeypatch.setenv("KILN_PCH", "1")
     tcp = toolchain(kiln.Options(cache_dir=str(tmp_path / "pch")))
     pch = compile_object(tcp, "kernels_0.cpp", KERNEL, headers, extra)
-    assert list((tcp.cache / "src").glob("*_pch_kernels_0.cpp"))  # compiled with -include
+    assert list((tcp.cache / "src" / "pch").glob("*_kernels_0.cpp"))  # with -include
     assert "k0_add" in _code(plain)
     assert _code(pch) == _code(plain)
+    assert pch.read_bytes() == plain.read_bytes()  # (the same file name: the same bytes)
     # GCC read the .gch (`-H` marks a usable precompiled header with "!"), with these flags
     header = precompiled_header(tcp, ['#include "kiln_kernels.h"'], (*tcp.cflags, *extra),
                                 headers)
-    src = next((tcp.cache / "src").glob("*_pch_kernels_0.cpp"))
+    src = next((tcp.cache / "src" / "pch").glob("*_kernels_0.cpp"))
     out = subprocess.run([tcp.cxx, *tcp.cflags, *extra, *[f"-I{d}" for d in tcp.include_dirs],
                           "-H", "-include", str(header), "-fsyntax-only", str(src)],
                          capture_output=True, text=True, check=True)

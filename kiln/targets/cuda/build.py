@@ -22,6 +22,8 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import os
+import threading
+import time
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Mapping
@@ -65,7 +67,7 @@ from kiln.targets.cuda.wrapper import (blaslt_choices, capturable, cubin_blob, n
 from kiln.targets.collectives import COLLECTIVES
 from kiln.targets.stages import Build, ticker
 from kiln.toolchain.cuda import cuda_toolchain, default_archs
-from kiln.toolchain.cxx import build_shared
+from kiln.toolchain.cxx import build_shared, prebuild_header
 from kiln.toolchain.triton_aot import Workers, compile_cubins, warm_driver, warm_key
 
 # Extern routines CUDA builds run: attention, the NHWC convolution and index_put (generated
@@ -84,6 +86,8 @@ class CudaBuild(Build):
     objects: tuple[Path, ...] = ()  # CUTLASS objects linked into model.so
     cutlass_sources: Mapping[str, str] = field(default_factory=dict)
     workers: Any = None  # compile workers started ahead (triton_aot.Workers), until cubins
+    header: Any = None  # the thread precompiling the wrapper's includes (wrapper_header)
+    early: Any = None  # what `prestart` started before the export (Early), until workers
 
 
 # -- facts the stages derive from the state --------------------------------------------------
@@ -171,11 +175,12 @@ def has_cutlass(state: Build) -> bool:
 # -- stages ----------------------------------------------------------------------------------
 
 
-def triton_key(state: Build) -> Build:
+def triton_key(state: CudaBuild) -> CudaBuild:
     """Triton's cache key of its installation (a hash of libtriton, about 0.5 s) computed in a
     thread while the front end runs: the compile workers of launch_autotune and cubins need
-    it before they start (triton_aot.warm_key)."""
-    warm_key()
+    it before they start (triton_aot.warm_key); already started where `prestart` ran."""
+    if state.early is None:
+        warm_key()
     return state
 
 
@@ -313,6 +318,53 @@ def untuned_kernels(state: Build, families) -> list:
                           _pdl(state.options))
 
 
+class Early:
+    """What a CUDA build starts before its program is exported (`prestart`, kiln.compile), so
+    that it runs beside torch.export (seconds of Python on one core, most of them importing
+    torch's tracer): Triton's cache key hashed (triton_aot.warm_key), the wrapper's header
+    precompiled (`wrapper_header`), and, in a thread, the CUDA driver initialised and, where
+    launch-config tuning will run (Options.autotune, a local GPU of a target architecture),
+    the compile workers started (one per core, triton_aot.Workers) with Triton's driver
+    utilities built (triton_aot.warm_driver). Before, these started after the export; the
+    first tuning compiles then waited for the workers and Triton's key (ResNet-18 on the
+    H100, under cProfile: 1.6 s of its tuning). `workers()` joins the thread: the Workers,
+    or None where tuning will not run (the `workers` stage then sizes them by the graph)."""
+
+    def __init__(self, opts: Options) -> None:
+        self.opts = opts
+        self._workers: Workers | None = None
+        warm_key()
+        self.header = (prebuild_header(cuda_toolchain(opts), list(WRAPPER_INCLUDES),
+                                       WRAPPER_FLAGS) if _workers(opts) >= 4 else None)
+        self._thread = threading.Thread(target=self._start, name="kiln-prestart", daemon=True)
+        self._thread.start()
+
+    def _start(self) -> None:
+        o = self.opts
+        try:
+            if o.autotune and _local(o):
+                warm_driver()
+                n = _workers(o) if _workers(o) >= 2 else 0  # (one: tuning compiles here)
+                self._workers = Workers(n) if n >= 1 else None
+        except Exception:  # noqa: BLE001 - no usable CUDA: the stages decide without it
+            self._workers = None
+
+    def workers(self) -> Workers | None:
+        self._thread.join()
+        return self._workers
+
+    def close(self) -> None:
+        """Ends the workers (the export failed: no build follows)."""
+        w = self.workers()
+        if w is not None:
+            w.close(kill=True)
+
+
+def prestart(opts: Options) -> Early:
+    """The CUDA target's `prestart`: `Early`."""
+    return Early(opts)
+
+
 def start_workers(state: CudaBuild) -> CudaBuild:
     """Triton compile workers (triton_aot.Workers) started while the front end runs, so that
     launch_autotune and cubins find them running (each takes about half a second to start:
@@ -323,12 +375,41 @@ def start_workers(state: CudaBuild) -> CudaBuild:
     launch_autotune will run, Triton's CUDA driver utilities are built meanwhile too
     (triton_aot.warm_driver)."""
     o, nodes = state.options, len(state.graph.nodes)
+    early = state.early.workers() if state.early is not None else None
+    state = replace(state, early=None)
+    if early is not None:  # started before the export (`prestart`)
+        return replace(state, workers=early)
     if o.autotune and _local(o):
         warm_driver()  # the first launch's C extension, built meanwhile
         n = _workers(o) if _workers(o) >= 2 else 0  # (one: tuning compiles in this process)
     else:
         n = min(_workers(o) - 1, nodes // 4) if nodes >= 8 else 0
     return replace(state, workers=Workers(n)) if n >= 1 else state
+
+
+#: the leading includes of every wrapper (targets/cuda/wrapper_parts.py `_tables`; models with
+#: ATen fallbacks or collectives add more and compile without the precompiled header) and the
+#: wrapper's own compile flags
+WRAPPER_INCLUDES = ("#include <cstring>", '#include "kiln_cuda_rt.h"', '#include "kiln_plan.h"')
+WRAPPER_FLAGS = ("-O1",)
+#: the longest the compile stage waits for the precompiled header still being built: about
+#: what it saves (H100 machine: the wrapper 1.1 s whole, 0.5 s after the header)
+HEADER_WAIT_S = 0.5
+
+
+def wrapper_header(state: CudaBuild) -> CudaBuild:
+    """The wrapper's includes (WRAPPER_INCLUDES: the CUDA runtime support, most of the
+    wrapper's compile) precompiled by a compiler process started now, while the front end
+    runs, so that the compile stage compiles only the model's own code (toolchain/cxx.py
+    `prebuild_header`; where it is not ready then, within HEADER_WAIT_S, the whole wrapper
+    is compiled, as before). Only with at least 4 cores (Options.jobs): a spare core runs
+    it."""
+    if state.early is not None and state.early.header is not None:
+        return replace(state, header=state.early.header)  # started before the export
+    if _workers(state.options) < 4:
+        return state
+    return replace(state, header=prebuild_header(cuda_toolchain(state.options),
+                                                 list(WRAPPER_INCLUDES), WRAPPER_FLAGS))
 
 
 def launch_autotune(state: CudaBuild) -> CudaBuild:
@@ -478,14 +559,18 @@ def compile_library(state: CudaBuild) -> CudaBuild:
     """The wrapper compiled against cuda.h and linked (with the CUTLASS objects and CUDA's
     static runtime when there are any)."""
     tc = cuda_toolchain(state.options)
+    t0 = time.perf_counter()
+    if state.header is not None:
+        state.header.join(timeout=HEADER_WAIT_S)
+    waited = time.perf_counter() - t0
     if state.objects:
         tc = dataclasses.replace(tc, ldflags=(*tc.ldflags, *map(str, state.objects),
                                               *cudart_static()))
     # the wrapper is host glue around launches (replayed as a CUDA graph where it can be):
     # -O1 compiles it in about 2/3 of -O3's time, as the CPU target's wrapper
     lib, times = build_shared(tc, {"model_cuda.cpp": state.sources["model_cuda.cpp"]},
-                              {"model_cuda.cpp": ("-O1",)})
-    return replace(state, library=lib, times=times)
+                              {"model_cuda.cpp": WRAPPER_FLAGS})
+    return replace(state, library=lib, times={**times, "header_wait": waited}, header=None)
 
 
 # -- helpers ---------------------------------------------------------------------------------

@@ -458,6 +458,7 @@ def tune_all(families, buffers, hints: dict[str, int], arch: int, cache: Path,
             n = compiled.store_extra()
             if stats is not None:
                 stats["prebuilt"] = float(n)
+                stats.update({f"worker_{k}": v for k, v in compiled.pool.seconds().items()})
     except BaseException:
         if hasattr(compiled, "close"):
             compiled.close(kill=True)  # the build fails: the workers' queues are not needed

@@ -1,10 +1,17 @@
 """The CUDA target's compiler: its stages, in order (the driver is kiln/pipeline.py).
 
+Before the export (kiln.compile; `prestart`, targets/cuda/build.py `Early`): Triton's cache
+key hashed, the wrapper's header precompiled and, where launch configs will be tuned, the
+CUDA driver initialised and the compile workers started, all beside torch.export; the stages
+triton_key, workers and wrapper_header then take what was started.
+
     import            torch.export -> Graph IR; ops kiln would lower to CPU library routines
                       call ATen; scaled_dot_product_attention stays one `attention` node
                       (Options.fused_attention)
     triton_key        Triton's cache key hashed in a thread while the front end runs (the
                       compile workers need it)
+    wrapper_header    the wrapper's includes precompiled by a compiler process started
+                      while the front end runs (the compile stage uses it where ready)
     workers           Triton compile worker processes started while the front end runs,
                       used by launch_autotune and cubins (triton_aot.Workers)
     dce               dead nodes and unused weights dropped
@@ -55,7 +62,7 @@ from kiln.targets.cuda.build import (CudaBuild, check_routines, codegen_triton, 
                                      gqa_attention,
                                      has_attention, has_cutlass,
                                      has_user_kernels, launch_autotune, libraries,
-                                     start_workers,
+                                     prestart, start_workers, wrapper_header,
                                      mixed_gemm, nhwc_conv, nhwc_conv_enabled,
                                      triton_allowed, triton_key, tunes,
                                      user_kernel_configs)
@@ -69,6 +76,7 @@ from kiln.targets.stages import (DCE, FREEZE, LOWER_STORING_SUMS, MERGE_GEMMS, P
 TARGET = Target("cuda", (
     import_stage(library_routines=False, fused_attention=True),
     Stage("triton_key", triton_key),
+    Stage("wrapper_header", wrapper_header),
     Stage("workers", start_workers),
     DCE,
     Stage("gqa_attention", gqa_attention, dump=graph_text, verify=check_graph,
@@ -99,4 +107,4 @@ TARGET = Target("cuda", (
     Stage("codegen_wrapper", codegen_wrapper, dump_files=source_files),
     Stage("compile", compile_library),
 ), state=CudaBuild, numbered=True, kernel_kind="triton", libraries=libraries,
-   torch_libraries="libtorch_cpu.so and libtorch_cuda.so")
+   torch_libraries="libtorch_cpu.so and libtorch_cuda.so", prestart=prestart)
