@@ -160,10 +160,41 @@ def _last_product(p: _Parts, x: str, dim: int) -> tuple[str, str]:
                         index=shape[dim]) for v in (re, im))
 
 
+def _library_scan(b, n, x: str) -> bool:
+    """Whether complex kiln value x (of node n's complex type) takes kiln's CPU library scan
+    (kiln_lib.h `scan_complex`: complex64 / complex128 rows, sequential like eager's loops)."""
+    dt = b.types[x].dtype
+    return b.library_routines and dt in (dtypes.complex64, dtypes.complex128) and \
+        b.meta_dtype(n) == dt.torch
+
+
+def _sequential_product(p: _Parts, x: str, dim: int) -> tuple[str, str]:
+    """The product along `dim` of complex kiln value x, left to right in its own precision:
+    the last element of kiln's CPU library scan of kind prod_own (eager's prod reduction
+    loop: from 1 + 0i, textbook products, so infinities give eager's NaN pattern; eager's
+    vectorised loop for rows of 4 vectors or more multiplies in another order). A 1 + 0i put
+    before the scan (pad) makes the empty product 1, at static and dynamic sizes."""
+    b, n = p.b, p.n
+    shape = tuple(b.types[x].shape)
+    rank = len(shape)
+    scan = b.emit("scan", [x], None, like=n, shape=shape, dtype=b.types[x].dtype,
+                  kind="prod_own", dim=dim)
+    pad = [0] * (2 * (rank - dim))
+    pad[-2:] = [1, 0]
+    longer = tuple(s + 1 if d == dim else s for d, s in enumerate(shape))
+    out = tuple(s for d, s in enumerate(shape) if d != dim)
+    return tuple(
+        b.emit("select", [b.emit("pad", [v], None, like=n, shape=longer, dtype=p.rdt,
+                                 pad=tuple(pad), value=c)],
+               None, like=n, shape=out, dtype=p.rdt, dim=dim, index=shape[dim])
+        for v, c in zip(p.parts_of(scan), (1.0, 0.0)))
+
+
 @register("aten.prod.default", "aten.prod.dim_int")
 def _prod(b, n):
-    """The product of complex values along one dimension (or all) as a pairwise tree of complex
-    products (log2 n levels of pointwise ops); eager multiplies in its own reduction order."""
+    """The product of complex values along one dimension (or all). CPU: left to right
+    (`_sequential_product`, eager's loop); CUDA: a pairwise tree of complex products (log2 n
+    levels of pointwise ops; eager's GPU reduction has its own order too)."""
     p = _start(b, n)
     if n.kwargs.get("dtype") is not None and not n.kwargs["dtype"].is_complex:
         raise UnsupportedError("complex prod to a real dtype")
@@ -176,6 +207,8 @@ def _prod(b, n):
         dim = 0
     if len(b.types[x].shape) == 0:
         return p.join(*p.parts_of(x))
+    if _library_scan(b, n, x):
+        return p.join(*(p.view(v, b.shape(n)) for v in _sequential_product(p, x, dim)))
     size = b.types[x].shape[dim]
     if not size.is_Integer:  # a dynamic size: the last prefix product (1 when empty)
         return p.join(*(p.view(v, b.shape(n)) for v in _last_product(p, x, dim)))
@@ -275,12 +308,17 @@ def _logcumsumexp(b, n):
 
 @register("aten.cumprod.default")
 def _cumprod(b, n):
-    """Prefix products by doubling (`_doubling`, static or dynamic size)."""
+    """Prefix products. CPU: kiln's library scan (kiln_lib.h `scan_complex`, eager's loop in
+    complex128, so special values give eager's NaN pattern); CUDA: by doubling (`_doubling`,
+    static or dynamic size; infinities may give another NaN pattern than eager's loop)."""
     p = _start(b, n)
     if n.kwargs.get("dtype") is not None and not n.kwargs["dtype"].is_complex:
         raise UnsupportedError("complex cumprod to a real dtype")
-    re, im = p.parts(n.args[0])
     shape = tuple(b.shape(n))
+    if shape and isinstance(n.args[0], torch.fx.Node) and \
+            _library_scan(b, n, b.tensor(n.args[0])):
+        return b.emit("scan", [b.tensor(n.args[0])], n, kind="prod", dim=n.args[1] % len(shape))
+    re, im = p.parts(n.args[0])
     if not shape:
         return p.join(re, im)
     dim = n.args[1] % len(shape)

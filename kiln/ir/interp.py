@@ -20,6 +20,7 @@ from kiln.ir.sym import evaluate, ivars, rvars
 from kiln.ir.quant import routine as quant_routine
 from kiln.errors import UnsupportedError
 import cmath
+import fractions
 import math
 import torch
 
@@ -357,11 +358,34 @@ def _log_add_exp_c(x: complex, y: complex) -> complex:
     return (lu if u - 1 == z else lu * (z / (u - 1))) + mx
 
 
+def _fma(a, b, c, own):
+    """a * b + c rounded once to `own` (float32: through float64, a second rounding in rare
+    ties); the IEEE product / sum rules for non-finite operands."""
+    if not all(math.isfinite(float(v)) for v in (a, b, c)):
+        return own(float(a) * float(b) + float(c))
+    exact = fractions.Fraction(float(a)) * fractions.Fraction(float(b)) + \
+        fractions.Fraction(float(c))
+    try:
+        return own(float(exact))
+    except OverflowError:
+        return own(math.copysign(math.inf, exact))
+
+
 def _lib_scan(outs, attrs, x):
     dt = dtypes.dtype(outs[0][0]).numpy
     if np.issubdtype(dt, np.complexfloating):
         rows = _rows(x).astype(np.complex128)
         out = np.empty_like(rows)
+        if attrs["kind"] in (1, 3):  # products, left to right, with kiln_lib.h's fmas
+            own = np.float64 if attrs["kind"] == 1 else np.finfo(dt).dtype.type
+            with np.errstate(all="ignore"):
+                for r, row in enumerate(rows):
+                    ar, ai = own(1), own(0)
+                    for j, v in enumerate(row):
+                        c, d = own(v.real), own(v.imag)
+                        ar, ai = _fma(ar, c, -(ai * d), own), _fma(ar, d, ai * c, own)
+                        out[r, j] = complex(ar, ai)
+            return [out.astype(dt)]
         for r, row in enumerate(rows):
             acc = complex(-math.inf, 0.0)
             for j, v in enumerate(row):

@@ -25,7 +25,7 @@ from kiln.lowering.indexing import _broadcast_shapes
 from kiln.ops.build import cast, const, op
 
 # kiln_lib.h enumerations (ScanKind, PutMode, BagMode)
-SCAN_KINDS = {"sum": 0, "prod": 1, "logsumexp": 2}
+SCAN_KINDS = {"sum": 0, "prod": 1, "logsumexp": 2, "prod_own": 3}
 PUT_MODES = {"set": 0, "sum": 1, "prod": 2, "mean": 3, "amax": 4, "amin": 5}
 BAG_MODES = {"sum": 0, "mean": 1, "max": 2}
 

@@ -149,7 +149,9 @@ int topk(kr::Err &, const char *, T *vals, int64_t *idx, int64_t k, bool largest
   return 0;
 }
 
-enum ScanKind : int64_t { kScanSum = 0, kScanProd = 1, kScanLogSumExp = 2 };
+// kScanProdOwn: a product accumulated in the element's own type (complex only: eager's
+// complex prod reduction, a left-to-right loop in scalar_t; cumprod accumulates in acc_type)
+enum ScanKind : int64_t { kScanSum = 0, kScanProd = 1, kScanLogSumExp = 2, kScanProdOwn = 3 };
 
 template <class A> inline A log_add_exp(A a, A b) {
   if (is_nan(a) || is_nan(b)) return a + b;
@@ -363,8 +365,14 @@ int put_mean(kr::Err &e, const char *where, T *out, int64_t *counts, int64_t mod
                      index...);
 }
 
-/* scan of complex values: logcumsumexp only (the frontend writes complex cumsum / cumprod on
- * the parts), eager's CPU loop exactly: in std::complex<double> (acc_type of complex64 and
+/* scan of complex values: logcumsumexp and products (the frontend writes complex cumsum on
+ * the parts). Products: eager's cumprod loop (c10::complex<double> acc *= x, the textbook
+ * product with eager's fused multiply-adds, from 1 + 0i, each result rounded to the output's
+ * parts), so that infinities and
+ * NaNs come out as eager's sequential loop gives them (a pairwise tree gives other NaN
+ * patterns: (0.5+0.5i)(2-i)(inf+0i) is inf+inf i left to right, inf+NaN i from the right);
+ * kScanProdOwn: the same in the element's own precision (eager's prod reduction loop).
+ * logcumsumexp: eager's CPU loop exactly: in std::complex<double> (acc_type of complex64 and
  * complex128), acc = log_add_exp(x_j, acc) from -inf + 0i, each result rounded to the
  * output's parts. log_add_exp is ATen's _log_add_exp_helper (LogAddExp.h): the operand with
  * the smaller real part is `min` (ties: the running value), NaN anywhere gives NaN + NaN i,
@@ -409,8 +417,36 @@ inline cd log_add_exp(cd x, cd y) {
 }
 template <class C>
 int scan_complex(kr::Err &e, const char *where, C *out, int64_t kind, View<C> x) {
-  if (kind != kScanLogSumExp) return e.fail("%s: complex scan of kind %lld", where, (long long)kind);
+  using P = decltype(C::re);
   const int64_t rows = rows_of(x), n = row_len(x), s = row_stride(x);
+  if (kind == kScanProd || kind == kScanProdOwn) {
+    kr::parallel_for(rows, rows > 1 && rows * n > 4096 ? kr::max_threads() : 1, [&](int64_t r0_, int64_t r1_) {
+    for (int64_t r = r0_; r < r1_; ++r) {
+      const C *row = x.data + x.offset(r, x.rank - 1);
+      double ar = 1.0, ai = 0.0;  // kScanProd: c10::complex<double> acc
+      P pr = 1, pi = 0;           // kScanProdOwn: the element's own type
+      for (int64_t j = 0; j < n; ++j) {
+        const C v = row[j * s];
+        // eager's c10::complex operator*= as GCC contracts it in torch's CPU kernels
+        // (-ffp-contract=fast, FMA): re = fma(a, c, -(b d)), im = fma(a, d, b c); with a
+        // cancelling sum the residue decides whether a later inf gives inf or NaN
+        if (kind == kScanProd) {
+          const double c = v.re, d = v.im, a = ar, b = ai;
+          ar = std::fma(a, c, -(b * d));
+          ai = std::fma(a, d, b * c);
+          out[r * n + j] = C{static_cast<P>(ar), static_cast<P>(ai)};
+        } else {
+          const P a = pr, b = pi;
+          pr = std::fma(a, v.re, -(b * v.im));
+          pi = std::fma(a, v.im, b * v.re);
+          out[r * n + j] = C{pr, pi};
+        }
+      }
+    }
+    });
+    return 0;
+  }
+  if (kind != kScanLogSumExp) return e.fail("%s: complex scan of kind %lld", where, (long long)kind);
   kr::parallel_for(rows, rows > 1 && rows * n > 4096 ? kr::max_threads() : 1, [&](int64_t r0_, int64_t r1_) {
   for (int64_t r = r0_; r < r1_; ++r) {
     const C *row = x.data + x.offset(r, x.rank - 1);
