@@ -451,6 +451,10 @@ def _lib_put(outs, attrs, self_, values, *index):
             out[p] = v
         elif mode in (1, 3):
             out[p] = out[p] + v
+        elif mode == 2 and np.iscomplexobj(out):  # kiln_lib.h cput_combine: with fmas
+            own = np.finfo(out.dtype).dtype.type
+            a, b_, c, d = (own(t) for t in (out[p].real, out[p].imag, v.real, v.imag))
+            out[p] = complex(_fma(a, c, -(b_ * d), own), _fma(a, d, b_ * c, own))
         elif mode == 2:
             out[p] = out[p] * v
         elif mode == 4:

@@ -238,6 +238,30 @@ template <class T> inline T put_combine(int64_t mode, T old, T v) {
   }
 }
 
+// complex puts (the frontend sends products here; sets and sums go part by part): a product is
+// eager's c10::complex operator*= as GCC contracts it (re = fma(a, c, -bd), im = fma(a, d, bc);
+// see scan_complex), applied in update order, so infinities give eager's NaN pattern
+template <class C> inline C cput_combine(int64_t mode, C old, C v) {
+  switch (mode) {
+    case kAdd: case kMean: return C{old.re + v.re, old.im + v.im};
+    case kMul: return C{std::fma(old.re, v.re, -(old.im * v.im)),
+                        std::fma(old.re, v.im, old.im * v.re)};
+    default: return v;
+  }
+}
+inline kr_complex64 put_combine(int64_t mode, kr_complex64 old, kr_complex64 v) {
+  return cput_combine(mode, old, v);
+}
+inline kr_complex128 put_combine(int64_t mode, kr_complex128 old, kr_complex128 v) {
+  return cput_combine(mode, old, v);
+}
+template <> inline kr_complex64 put_identity<kr_complex64>(int64_t mode) {
+  return {mode == kMul ? 1.0f : 0.0f, 0.0f};
+}
+template <> inline kr_complex128 put_identity<kr_complex128>(int64_t mode) {
+  return {mode == kMul ? 1.0 : 0.0, 0.0};
+}
+
 /* put: out = self, then for every element `it` of the iteration space (the shape of `values`),
  * in row-major order, out[dest(it)] = combine(out[dest(it)], values[it]). Coordinate d of
  * dest is it[dims[d]] when dims[d] >= 0, else the value of index operand -dims[d]-1 at `it`
@@ -340,8 +364,10 @@ int put_counted(kr::Err &e, const char *where, T *out, int64_t *counts, int64_t 
   if (mode == kMean) {
     for (int64_t p = 0; p < total; ++p) {
       if (counts[p] == 0) continue;
-      if (std::is_floating_point<T>::value) out[p] = static_cast<T>(out[p] / static_cast<T>(counts[p]));
-      else {
+      if constexpr (std::is_floating_point<T>::value) {
+        out[p] = static_cast<T>(out[p] / static_cast<T>(counts[p]));
+      } else if constexpr (!std::is_same_v<T, kr_complex64> &&
+                           !std::is_same_v<T, kr_complex128>) {  // (complex: no mean here)
         const int64_t q = static_cast<int64_t>(out[p]), c = counts[p];
         out[p] = static_cast<T>(q / c - ((q % c != 0) && ((q < 0) != (c < 0))));  // floor
       }
