@@ -507,6 +507,16 @@ def _nonzero(p: _Parts, x) -> str:
     return p.e("logical_or", p.e("ne", a, p.const(0.0)), p.e("ne", bi, p.const(0.0)))
 
 
+@register("aten.nonzero.default")
+def _nonzero_coords(b, n):
+    """The coordinates of the nonzero complex values (either part nonzero, NaN included):
+    kiln's nonzero of that mask (aten_library.nonzero_of_mask)."""
+    from kiln.frontend.aten_library import nonzero_of_mask, nonzero_rows
+
+    rows = nonzero_rows(b, n)
+    return nonzero_of_mask(b, n, _nonzero(_start(b, n), n.args[0]), rows)
+
+
 @register("aten.logical_not.default", "aten.logical_and.default", "aten.logical_or.default",
           "aten.logical_xor.default")
 def _logical(b, n):

@@ -29,7 +29,7 @@ import kiln.frontend.aten_library  # noqa: F401  (registers library-call convert
 import kiln.frontend.aten_lowp  # noqa: F401  (registers _scaled_mm, _int_mm)
 import kiln.frontend.aten_collectives  # noqa: F401  (registers the functional collectives)
 from kiln.frontend.aten_high import Fallback
-from kiln.frontend.aten_library import cpu_only
+from kiln.frontend.aten_library import DATA_DEPENDENT_NATIVE, cpu_only
 from kiln.frontend.aten_table import TABLE
 from kiln.frontend.aten_complex import COMPLEX
 from kiln.frontend import aten_complex_fft, aten_complex_linalg, aten_complex_math  # noqa: F401
@@ -405,7 +405,8 @@ def convert_node(b: Builder, n: torch.fx.Node, gm: torch.fx.GraphModule) -> None
         if conv is None and not b.aten_fallback:
             raise UnsupportedError(f"operator {n.target} (node {n.name}) computes on complex "
                                    "values in a way kiln leaves to ATen: enable aten_fallback")
-    if b.aten_fallback and (conv is None or _data_dependent(n, b.syms)):
+    if b.aten_fallback and (conv is None or (_data_dependent(n, b.syms) and
+                                             str(n.target) not in DATA_DEPENDENT_NATIVE)):
         conv = fallback.aten_fallback
     if conv is None:
         raise UnsupportedError(f"operator {n.target} (node {n.name}) is not supported yet")

@@ -480,6 +480,14 @@ def _lib_masked_scatter(outs, attrs, self_, mask, source):
     return [out]
 
 
+def _lib_nonzero(outs, attrs, mask, count):
+    m = np.asarray(mask, dtype=bool)
+    out = np.argwhere(m).astype(np.int64).reshape(-1, m.ndim)
+    if len(out) != int(np.asarray(count).reshape(-1)[0]):
+        raise InterpError("nonzero: the count differs from the true elements")
+    return [out]
+
+
 def _lib_embedding_bag(outs, attrs, weight, indices, offsets, psw=None):
     n = indices.size
     ids, offs = indices.reshape(-1).astype(np.int64), offsets.reshape(-1).astype(np.int64)
@@ -650,6 +658,7 @@ def _lib_max_pool2d_nchwc(outs, attrs, x):
 ROUTINES = {"sort": _lib_sort, "topk": _lib_topk, "scan": _lib_scan,
             "scan_extreme": _lib_scan_extreme, "put": _lib_put, "put_mean": _lib_put,
             "masked_scatter": _lib_masked_scatter, "embedding_bag": _lib_embedding_bag,
+            "nonzero": _lib_nonzero,
             "attention": _lib_attention, "conv2d_nchwc": _lib_conv2d_nchwc,
             "conv2d_block_nchwc": _lib_conv2d_block_nchwc,
             "conv2d_nhwc": _lib_conv2d_nhwc,

@@ -493,6 +493,33 @@ inline int scan(kr::Err &e, const char *where, kr_complex128 *out, int64_t kind,
   return scan_complex(e, where, out, kind, x);
 }
 
+/* nonzero: the coordinates of x's true elements in row-major order, one row of x.rank int64s
+ * each. `count` holds the number of true elements, counted by the program before the call:
+ * its value bound the output's data-dependent row count (a read_size), so a mismatch is an
+ * error, never a write past the output. */
+inline int nonzero(kr::Err &e, const char *where, int64_t *out, View<bool> x,
+                   View<int64_t> count) {
+  const int R = x.rank;
+  const int64_t total = x.numel(), want = count.data[0];
+  std::vector<int64_t> c(static_cast<size_t>(R > 0 ? R : 1), 0);
+  int64_t k = 0;
+  for (int64_t p = 0; p < total; ++p) {
+    if (x.at(p)) {
+      if (k < want)
+        for (int d = 0; d < R; ++d) out[k * R + d] = c[d];
+      ++k;
+    }
+    for (int d = R - 1; d >= 0; --d) {  // the next coordinate in row-major order
+      if (++c[d] < x.size(d)) break;
+      c[d] = 0;
+    }
+  }
+  if (k != want)
+    return e.fail("%s: nonzero found %lld elements where the count said %lld", where,
+                  (long long)k, (long long)want);
+  return 0;
+}
+
 /* masked_scatter: out = self; the positions where `mask` (broadcast to self's shape) is true
  * take the elements of `source` one after another, in row-major order. */
 template <class T>
