@@ -7,6 +7,7 @@ importing this module registers them (frontend/export.py imports it)."""
 
 from __future__ import annotations
 
+import math
 
 import torch
 
@@ -295,15 +296,63 @@ def _cumsum(b, n):
     return p.join(re, im)
 
 
+def _log_add_exp_parts(p: _Parts):
+    """combine(s, v) = log(exp(v) + exp(s)) on parts, as ATen's _log_add_exp_helper(v, s)
+    (kiln_lib.h `log_add_exp`): NaN anywhere gives NaN + NaN i; max: the operand with the
+    larger real part (ties: v), min the other; two equal infinite real parts: -inf gives min,
+    +inf log(exp(min) + exp(max)); else max + log1p(exp(min - max)), log1p(w) as
+    (log1p(wr (2 + wr) + wi^2) / 2, atan2(wi, 1 + wr))."""
+    e, c = p.e, p.const
+
+    def combine(sr, si, vr, vi):
+        nan = e("logical_or", e("logical_or", e("isnan", sr), e("isnan", si)),
+                e("logical_or", e("isnan", vr), e("isnan", vi)))
+        v_max = e("logical_not", e("lt", vr, sr))
+        mxr, mxi = e("where", v_max, vr, sr), e("where", v_max, vi, si)
+        mnr, mni = e("where", v_max, sr, vr), e("where", v_max, si, vi)
+        # general: max + log1p(exp(min - max))
+        scale = e("exp", e("sub", mnr, mxr))
+        di = e("sub", mni, mxi)
+        wr, wi = e("mul", scale, e("cos", di)), e("mul", scale, e("sin", di))
+        q = e("add", e("mul", wr, e("add", c(2.0), wr)), e("mul", wi, wi))
+        gr = e("add", mxr, e("mul", c(0.5), e("log1p", q)))
+        gi = e("add", mxi, e("atan2", wi, e("add", c(1.0), wr)))
+        # both real parts +inf: log(exp(min) + exp(max)), exp(inf + i t) = inf (cos t, sin t)
+        # (t = 0: inf + 0i, C99)
+        def ex(r, t):
+            zero = e("eq", t, c(0.0))
+            return (e("where", zero, r, e("mul", r, e("cos", t))),
+                    e("where", zero, t, e("mul", r, e("sin", t))))
+        ar, ai = ex(mnr, mni)
+        br, bi = ex(mxr, mxi)
+        tr, ti = e("add", ar, br), e("add", ai, bi)
+        hr = e("log", e("sqrt", e("add", e("mul", tr, tr), e("mul", ti, ti))))
+        hi = e("atan2", ti, tr)
+        both_inf = e("logical_and", e("isinf", mnr), e("eq", mnr, mxr))
+        pos = e("logical_and", both_inf, e("lt", c(0.0), mnr))
+        neg = e("logical_and", both_inf, e("lt", mnr, c(0.0)))
+        rr = e("where", pos, hr, e("where", neg, mnr, gr))
+        ri = e("where", pos, hi, e("where", neg, mni, gi))
+        return e("where", nan, c(math.nan), rr), e("where", nan, c(math.nan), ri)
+    return combine
+
+
 @register("aten.logcumsumexp.default")
 def _logcumsumexp(b, n):
-    """kiln's CPU library scan on the complex values themselves (kiln_lib.h `scan_complex`):
+    """CPU: kiln's library scan on the complex values themselves (kiln_lib.h `scan_complex`):
     eager's sequential loop in complex128, so the imaginary part keeps eager's branch (each
     step adds to the larger-real-part operand's angle: the result depends on the order).
-    Targets without the library (CUDA) leave it to ATen."""
-    _start(b, n)
-    x = b.tensor(n.args[0])
-    return b.emit("scan", [x], n, kind="logsumexp", dim=n.args[1] % max(b.rank(n.args[0]), 1))
+    Targets without the library (CUDA): by doubling (`_doubling`, from -inf + 0i as eager's
+    loop) with `_log_add_exp_parts`: the real part as eager's, the imaginary part equal modulo
+    2 pi (another order of combination; eager's CUDA scan has its own order too)."""
+    p = _start(b, n)
+    dim = n.args[1] % max(b.rank(n.args[0]), 1)
+    if b.library_routines or not b.rank(n.args[0]):
+        x = b.tensor(n.args[0])
+        return b.emit("scan", [x], n, kind="logsumexp", dim=dim)
+    return p.join(*_doubling(p, *p.parts(n.args[0]), b.shape(n), dim,
+                             _size_bound(b, n.args[0], dim), _log_add_exp_parts(p),
+                             -math.inf))
 
 
 @register("aten.cumprod.default")
