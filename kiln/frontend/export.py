@@ -502,6 +502,7 @@ def _import(ep: ExportedProgram, fold: bool, aten_fallback: bool = False, seed: 
     int_outputs: list[int] = []
     mutations = []
     input_writes: list[tuple[int, str]] = []  # (user input position, its new value)
+    written_fx: dict[str, str] = {}  # FX node of a written input's new contents -> the input
     by_fqn = {i.fqn: i.name for i in inputs if i.kind == "weight"}
     for spec in ep.graph_signature.output_specs:
         if spec.kind == OutputKind.BUFFER_MUTATION and spec.target in by_fqn:
@@ -511,6 +512,7 @@ def _import(ep: ExportedProgram, fold: bool, aten_fallback: bool = False, seed: 
             written = _input_mutation(b, spec, inputs)
             if written is not None:
                 input_writes.append(written)
+                written_fx[spec.arg.name] = spec.target
             continue
         if spec.kind != OutputKind.USER_OUTPUT:
             raise UnsupportedError(f"output {spec.arg} of kind {spec.kind.name} is not "
@@ -558,7 +560,8 @@ def _import(ep: ExportedProgram, fold: bool, aten_fallback: bool = False, seed: 
                         "int_outputs": tuple(int_outputs),
                         # eager's storage sharing between outputs and inputs (aliasing.py)
                         "output_aliases": output_aliases(
-                            ep, [i.name for i in inputs if i.kind == "user"], out_nodes, syms),
+                            ep, [i.name for i in inputs if i.kind == "user"], out_nodes, syms,
+                            written_fx),
                         "mutations": tuple(mutations),
                         "input_mutations": tuple(input_mutations)})
     return Imported(graph, weights)
