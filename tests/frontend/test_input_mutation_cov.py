@@ -130,3 +130,20 @@ def test_dynamic_shapes_views_and_repeated_writes(check):
         mine, theirs, got, want = _run_both(runner, _views_and_repeats, args)
         for a, b in zip(mine + list(got), theirs + list(want)):
             torch.testing.assert_close(a, b)
+
+
+def test_entry_point_writes_its_inputs(tmp_path):
+    """A package of several entry points: the entry's manifest record carries its
+    input_mutations (package/entries.py ENTRY_KEYS)."""
+    import kiln
+
+    g = gen("input_mutation_entries")
+    x, y = torch.randn(3, 4, generator=g), torch.randn(4, generator=g)
+    c = kiln.compile({"writes": (Fn(_adds), (x.clone(), y.clone())),
+                      "reads": (Fn(lambda t: t * 2), (x.clone(),))})
+    r = c.load(tmp_path / "e.kiln")
+    mine, theirs = (x.clone(), y.clone()), (x.clone(), y.clone())
+    got, want = r.writes(*mine), _adds(*theirs)
+    for a, b in zip(list(mine) + list(got), list(theirs) + list(want)):
+        torch.testing.assert_close(a, b)
+    torch.testing.assert_close(r.reads(mine[0]), theirs[0] * 2)
