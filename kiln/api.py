@@ -119,6 +119,11 @@ def _manifest(built: Built, opts: Options, report: dict) -> dict[str, Any]:
                          True} if k in g.meta.get("int_outputs", ()) else {}),
                      **({"alias": dict(a)} if (a := _alias(g, k)) else {})}
                     for k, o in enumerate(g.outputs)],
+        # user inputs the program writes in place: output `output` (after the user outputs)
+        # is input `input`'s new contents, which the Python runner copies into the caller's
+        # tensor after each run (C callers copy it themselves)
+        **({"input_mutations": [{"input": i, "output": k} for i, k in muts]}
+           if (muts := g.meta.get("input_mutations", ())) else {}),
         "constant_inputs": [dict(c) for c in g.meta.get("constant_inputs", ())],
         "symbols": {s.name: {"min": s.min, "max": s.max, "example": s.example}
                     for s in g.symbols},

@@ -143,7 +143,7 @@ class InPlace(torch.nn.Module):
 
 
 class WritesInput(torch.nn.Module):
-    """A kernel that writes a user input in place (kiln refuses)."""
+    """A kernel that writes a user input in place (written back by the runner)."""
 
     def forward(self, x):
         n = x.numel()

@@ -305,9 +305,15 @@ def _contiguous_record(n: torch.fx.Node, user_inputs: list[str], syms: SymbolTab
 
 
 def output_aliases(ep: torch.export.ExportedProgram, user_inputs: list[str],
-                   outputs: list[str | None], syms: SymbolTable) -> tuple[dict | None, ...]:
-    """`outputs`: the FX node name of each user output (None: not a tensor node)."""
+                   outputs: list[str | None], syms: SymbolTable,
+                   written: dict[str, str] | None = None) -> tuple[dict | None, ...]:
+    """`outputs`: the FX node name of each user output (None: not a tensor node). `written`:
+    FX node name of the new contents of a user input the program writes in place -> that
+    input's name: in eager such an output is the input itself (the runner writes the contents
+    back before it shares storage; a view of it stays a copy with the same values)."""
     nodes = {n.name: n for n in ep.graph.nodes}
+    written = written or {}
+    outputs = [written.get(o, o) if o is not None else None for o in outputs]
     first_output: dict[str, int] = {}
     roots = []
     for j, name in enumerate(outputs):

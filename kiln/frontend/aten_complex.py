@@ -507,6 +507,16 @@ def _nonzero(p: _Parts, x) -> str:
     return p.e("logical_or", p.e("ne", a, p.const(0.0)), p.e("ne", bi, p.const(0.0)))
 
 
+@register("aten.nonzero.default")
+def _nonzero_coords(b, n):
+    """The coordinates of the nonzero complex values (either part nonzero, NaN included):
+    kiln's nonzero of that mask (aten_library.nonzero_of_mask)."""
+    from kiln.frontend.aten_library import nonzero_of_mask, nonzero_rows
+
+    rows = nonzero_rows(b, n)
+    return nonzero_of_mask(b, n, _nonzero(_start(b, n), n.args[0]), rows)
+
+
 @register("aten.logical_not.default", "aten.logical_and.default", "aten.logical_or.default",
           "aten.logical_xor.default")
 def _logical(b, n):
@@ -571,7 +581,7 @@ _SCATTER_MODES = {"add": "sum", "sum": "sum", "mean": "mean"}
           "aten.scatter.value_reduce", "aten.scatter_add.default", "aten.scatter_reduce.two")
 def _scatter(b, n):
     """Scatters that set, sum or average: the same scatter of each part (set and sum act on
-    the parts independently; a product does not: ATen's)."""
+    the parts independently); products: `_scatter_product`."""
     target = str(n.target)
     x, dim, index, src = n.args[:4]
     mode, include_self = "set", True
@@ -582,12 +592,11 @@ def _scatter(b, n):
         include_self = bool(_arg(n, 5, "include_self", True))
     elif "reduce" in target:
         mode = _SCATTER_MODES.get(_arg(n, 4, "reduce"))
-    if mode is None:
-        raise UnsupportedError(f"a scatter product (node {n.name}) computes on complex values "
-                               "in a way kiln leaves to ATen: enable aten_fallback")
     p = _start(b, n)
     shape = b.shape(n)
     idx = b.tensor(index)
+    if mode is None:
+        return _scatter_product(b, n, p, x, dim, idx, src, include_self)
     if isinstance(src, torch.fx.Node):
         sparts = p.parts(src)
     else:
@@ -597,6 +606,29 @@ def _scatter(b, n):
                      dim=dim % max(len(shape), 1), mode=mode, include_self=include_self)
               for xp, sp in zip(p.parts(x), sparts))
     return p.join(re, im)
+
+
+def _scatter_product(b, n, p: _Parts, x, dim: int, idx: str, src, include_self: bool) -> str:
+    """scatter(reduce="multiply") / scatter_reduce("prod") of complex values: kiln's CPU put
+    routine on the complex values themselves (kiln_lib.h `cput_combine`: eager's in-order
+    products, with eager's fmas). CUDA (no library routine) leaves it to ATen."""
+    reduce = n.args[4] if str(n.target) == "aten.scatter_reduce.two" else _arg(n, 4, "reduce")
+    cdt = b.meta_dtype(n)
+    if reduce not in ("multiply", "prod") or not b.library_routines or \
+            cdt not in (torch.complex64, torch.complex128):
+        raise UnsupportedError(f"a complex scatter with reduce={reduce!r} (node {n.name}) "
+                               "computes in a way kiln leaves to ATen: enable aten_fallback")
+    if isinstance(src, torch.fx.Node):
+        s = b.tensor(src)
+    else:  # a Python number: the value at every index
+        ishape = b.types[idx].shape
+        s = p.join_as(*(b.emit("expand", [c], None, like=n, shape=ishape, dtype=p.rdt)
+                        for c in p.parts(src)), ishape, to_dtype(cdt))
+    xs = b.tensor(x)
+    if b.types[xs].dtype != to_dtype(cdt) or b.types[s].dtype != to_dtype(cdt):
+        raise UnsupportedError(f"a complex scatter product (node {n.name}) of mixed dtypes")
+    return b.emit("scatter", [xs, idx, s], n, dim=dim % max(len(b.shape(n)), 1), mode="prod",
+                  include_self=include_self)
 
 
 @register("aten.index_put.default")

@@ -7,6 +7,7 @@ importing this module registers them (frontend/export.py imports it)."""
 
 from __future__ import annotations
 
+import math
 
 import torch
 
@@ -160,10 +161,41 @@ def _last_product(p: _Parts, x: str, dim: int) -> tuple[str, str]:
                         index=shape[dim]) for v in (re, im))
 
 
+def _library_scan(b, n, x: str) -> bool:
+    """Whether complex kiln value x (of node n's complex type) takes kiln's CPU library scan
+    (kiln_lib.h `scan_complex`: complex64 / complex128 rows, sequential like eager's loops)."""
+    dt = b.types[x].dtype
+    return b.library_routines and dt in (dtypes.complex64, dtypes.complex128) and \
+        b.meta_dtype(n) == dt.torch
+
+
+def _sequential_product(p: _Parts, x: str, dim: int) -> tuple[str, str]:
+    """The product along `dim` of complex kiln value x, left to right in its own precision:
+    the last element of kiln's CPU library scan of kind prod_own (eager's prod reduction
+    loop: from 1 + 0i, textbook products, so infinities give eager's NaN pattern; eager's
+    vectorised loop for rows of 4 vectors or more multiplies in another order). A 1 + 0i put
+    before the scan (pad) makes the empty product 1, at static and dynamic sizes."""
+    b, n = p.b, p.n
+    shape = tuple(b.types[x].shape)
+    rank = len(shape)
+    scan = b.emit("scan", [x], None, like=n, shape=shape, dtype=b.types[x].dtype,
+                  kind="prod_own", dim=dim)
+    pad = [0] * (2 * (rank - dim))
+    pad[-2:] = [1, 0]
+    longer = tuple(s + 1 if d == dim else s for d, s in enumerate(shape))
+    out = tuple(s for d, s in enumerate(shape) if d != dim)
+    return tuple(
+        b.emit("select", [b.emit("pad", [v], None, like=n, shape=longer, dtype=p.rdt,
+                                 pad=tuple(pad), value=c)],
+               None, like=n, shape=out, dtype=p.rdt, dim=dim, index=shape[dim])
+        for v, c in zip(p.parts_of(scan), (1.0, 0.0)))
+
+
 @register("aten.prod.default", "aten.prod.dim_int")
 def _prod(b, n):
-    """The product of complex values along one dimension (or all) as a pairwise tree of complex
-    products (log2 n levels of pointwise ops); eager multiplies in its own reduction order."""
+    """The product of complex values along one dimension (or all). CPU: left to right
+    (`_sequential_product`, eager's loop); CUDA: a pairwise tree of complex products (log2 n
+    levels of pointwise ops; eager's GPU reduction has its own order too)."""
     p = _start(b, n)
     if n.kwargs.get("dtype") is not None and not n.kwargs["dtype"].is_complex:
         raise UnsupportedError("complex prod to a real dtype")
@@ -176,6 +208,8 @@ def _prod(b, n):
         dim = 0
     if len(b.types[x].shape) == 0:
         return p.join(*p.parts_of(x))
+    if _library_scan(b, n, x):
+        return p.join(*(p.view(v, b.shape(n)) for v in _sequential_product(p, x, dim)))
     size = b.types[x].shape[dim]
     if not size.is_Integer:  # a dynamic size: the last prefix product (1 when empty)
         return p.join(*(p.view(v, b.shape(n)) for v in _last_product(p, x, dim)))
@@ -262,25 +296,78 @@ def _cumsum(b, n):
     return p.join(re, im)
 
 
+def _log_add_exp_parts(p: _Parts):
+    """combine(s, v) = log(exp(v) + exp(s)) on parts, as ATen's _log_add_exp_helper(v, s)
+    (kiln_lib.h `log_add_exp`): NaN anywhere gives NaN + NaN i; max: the operand with the
+    larger real part (ties: v), min the other; two equal infinite real parts: -inf gives min,
+    +inf log(exp(min) + exp(max)); else max + log1p(exp(min - max)), log1p(w) as
+    (log1p(wr (2 + wr) + wi^2) / 2, atan2(wi, 1 + wr))."""
+    e, c = p.e, p.const
+
+    def combine(sr, si, vr, vi):
+        nan = e("logical_or", e("logical_or", e("isnan", sr), e("isnan", si)),
+                e("logical_or", e("isnan", vr), e("isnan", vi)))
+        v_max = e("logical_not", e("lt", vr, sr))
+        mxr, mxi = e("where", v_max, vr, sr), e("where", v_max, vi, si)
+        mnr, mni = e("where", v_max, sr, vr), e("where", v_max, si, vi)
+        # general: max + log1p(exp(min - max))
+        scale = e("exp", e("sub", mnr, mxr))
+        di = e("sub", mni, mxi)
+        wr, wi = e("mul", scale, e("cos", di)), e("mul", scale, e("sin", di))
+        q = e("add", e("mul", wr, e("add", c(2.0), wr)), e("mul", wi, wi))
+        gr = e("add", mxr, e("mul", c(0.5), e("log1p", q)))
+        gi = e("add", mxi, e("atan2", wi, e("add", c(1.0), wr)))
+        # both real parts +inf: log(exp(min) + exp(max)), exp(inf + i t) = inf (cos t, sin t)
+        # (t = 0: inf + 0i, C99)
+        def ex(r, t):
+            zero = e("eq", t, c(0.0))
+            return (e("where", zero, r, e("mul", r, e("cos", t))),
+                    e("where", zero, t, e("mul", r, e("sin", t))))
+        ar, ai = ex(mnr, mni)
+        br, bi = ex(mxr, mxi)
+        tr, ti = e("add", ar, br), e("add", ai, bi)
+        hr = e("log", e("sqrt", e("add", e("mul", tr, tr), e("mul", ti, ti))))
+        hi = e("atan2", ti, tr)
+        both_inf = e("logical_and", e("isinf", mnr), e("eq", mnr, mxr))
+        pos = e("logical_and", both_inf, e("lt", c(0.0), mnr))
+        neg = e("logical_and", both_inf, e("lt", mnr, c(0.0)))
+        rr = e("where", pos, hr, e("where", neg, mnr, gr))
+        ri = e("where", pos, hi, e("where", neg, mni, gi))
+        return e("where", nan, c(math.nan), rr), e("where", nan, c(math.nan), ri)
+    return combine
+
+
 @register("aten.logcumsumexp.default")
 def _logcumsumexp(b, n):
-    """kiln's CPU library scan on the complex values themselves (kiln_lib.h `scan_complex`):
+    """CPU: kiln's library scan on the complex values themselves (kiln_lib.h `scan_complex`):
     eager's sequential loop in complex128, so the imaginary part keeps eager's branch (each
     step adds to the larger-real-part operand's angle: the result depends on the order).
-    Targets without the library (CUDA) leave it to ATen."""
-    _start(b, n)
-    x = b.tensor(n.args[0])
-    return b.emit("scan", [x], n, kind="logsumexp", dim=n.args[1] % max(b.rank(n.args[0]), 1))
+    Targets without the library (CUDA): by doubling (`_doubling`, from -inf + 0i as eager's
+    loop) with `_log_add_exp_parts`: the real part as eager's, the imaginary part equal modulo
+    2 pi (another order of combination; eager's CUDA scan has its own order too)."""
+    p = _start(b, n)
+    dim = n.args[1] % max(b.rank(n.args[0]), 1)
+    if b.library_routines or not b.rank(n.args[0]):
+        x = b.tensor(n.args[0])
+        return b.emit("scan", [x], n, kind="logsumexp", dim=dim)
+    return p.join(*_doubling(p, *p.parts(n.args[0]), b.shape(n), dim,
+                             _size_bound(b, n.args[0], dim), _log_add_exp_parts(p),
+                             -math.inf))
 
 
 @register("aten.cumprod.default")
 def _cumprod(b, n):
-    """Prefix products by doubling (`_doubling`, static or dynamic size)."""
+    """Prefix products. CPU: kiln's library scan (kiln_lib.h `scan_complex`, eager's loop in
+    complex128, so special values give eager's NaN pattern); CUDA: by doubling (`_doubling`,
+    static or dynamic size; infinities may give another NaN pattern than eager's loop)."""
     p = _start(b, n)
     if n.kwargs.get("dtype") is not None and not n.kwargs["dtype"].is_complex:
         raise UnsupportedError("complex cumprod to a real dtype")
-    re, im = p.parts(n.args[0])
     shape = tuple(b.shape(n))
+    if shape and isinstance(n.args[0], torch.fx.Node) and \
+            _library_scan(b, n, b.tensor(n.args[0])):
+        return b.emit("scan", [b.tensor(n.args[0])], n, kind="prod", dim=n.args[1] % len(shape))
+    re, im = p.parts(n.args[0])
     if not shape:
         return p.join(re, im)
     dim = n.args[1] % len(shape)

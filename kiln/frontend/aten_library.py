@@ -10,14 +10,22 @@ from __future__ import annotations
 
 import operator
 
+import sympy
+import torch
+
 from kiln.errors import UnsupportedError
 from kiln.frontend.aten_table import register
+from kiln.ir import dtypes
+from kiln.ir.graph import Node, TensorType
 
 # Graph IR ops these converters emit that lower to kiln_lib.h routines, which are CPU code: a
 # target without them (import_program's `library_routines`, off for CUDA) calls ATen for the
 # aten op instead (frontend/export.py: convert_node)
 CPU_ONLY_OPS = frozenset({"sort", "topk", "scan", "scan_extreme", "scatter", "index_put",
-                          "masked_scatter", "embedding_bag"})
+                          "masked_scatter", "embedding_bag", "nonzero"})
+# ops with a data-dependent result size that kiln computes itself where the target has its
+# library routines (else ATen does, as for every other data-dependent op: frontend/export.py)
+DATA_DEPENDENT_NATIVE = frozenset({"aten.nonzero.default"})
 
 
 def cpu_only(node, types) -> bool:
@@ -202,3 +210,54 @@ def _embedding_bag(b, n):
     out = b.emit("embedding_bag", ins, None, like=n, result=0, mode=mode,
                  include_last_offset=include_last, padding_idx=padding_idx)
     return [out, None, None, None]
+
+
+def nonzero_rows(b, n) -> str:
+    """Claims the data-dependent row count of aten.nonzero node `n` (torch's unbacked symbol:
+    at most the input's element count) as a kiln size symbol; call before emitting any node
+    like `n`. "" when torch gave it the row count of an earlier nonzero (of the same input:
+    torch's memo). CPU only (kiln_lib.h's `nonzero`): other targets leave nonzero to ATen."""
+    if not b.library_routines:
+        raise UnsupportedError(f"nonzero (node {n.name}) on a target without kiln's library "
+                               "routines: enable aten_fallback to run it through ATen")
+    size = n.meta["val"].shape[0]
+    s = size.node.expr if isinstance(size, torch.SymInt) else None
+    if s is not None and s.is_Symbol and s in b.syms.rename and \
+            b.syms.rename[s].name in b.syms.unbacked:
+        return ""  # torch's: the row count of an earlier nonzero of the same input
+    if s is None or not s.is_Symbol or s in b.syms.rename:
+        raise UnsupportedError(f"nonzero (node {n.name}) whose row count is not a new "
+                               f"data-dependent size ({size})")
+    return b.syms.add_unbacked(s, sympy.Mul(*b.shape(n.args[0]))).name
+
+
+def nonzero_of_mask(b, n, mask: str, rows_symbol: str) -> str:
+    """aten.nonzero of node `n` from kiln bool value `mask` (x != 0; complex: either part):
+    the count of true elements (a sum), bound at run time to the result's row count
+    `rows_symbol` (`nonzero_rows`; a `read_size` node, as `x.item()` used as a size), then
+    kiln_lib.h's `nonzero` writes the coordinates in row-major order."""
+    shape = tuple(b.types[mask].shape)
+    numel = sympy.Mul(*shape)
+    i64 = dtypes.int64
+    flat = b.emit("view", [b.emit("cast", [mask], None, like=n, shape=shape, dtype=i64)], None,
+                  like=n, shape=(numel,), dtype=i64)
+    count = b.emit("reduce", [flat], None, like=n, shape=(), dtype=i64, kind="sum", dims=(0,),
+                   keepdim=False)
+    if not rows_symbol:  # a size bound before (`nonzero_rows`): the count is its value
+        return b.emit("nonzero", [mask, count], n)
+    rows = b.fresh(f"{n.name}_rows")
+    t = TensorType(i64, ())
+    binds = ((0, rows_symbol, b.syms.unbacked[rows_symbol]),)
+    b.nodes.append(Node(rows, "read_size", (count,), t, (("binds", binds), ("lo", 0)), n.name))
+    b.types[rows] = t
+    return b.emit("nonzero", [mask, rows], n)
+
+
+@register("aten.nonzero.default")
+def _nonzero(b, n):
+    rows = nonzero_rows(b, n)
+    x = b.tensor(n.args[0])
+    t = b.types[x]
+    mask = x if t.dtype == dtypes.bool_ else b.emit(
+        "ne", [x, b.scalar(0, t.dtype.torch)], None, like=n, shape=t.shape, dtype=dtypes.bool_)
+    return nonzero_of_mask(b, n, mask, rows)

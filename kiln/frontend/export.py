@@ -29,7 +29,7 @@ import kiln.frontend.aten_library  # noqa: F401  (registers library-call convert
 import kiln.frontend.aten_lowp  # noqa: F401  (registers _scaled_mm, _int_mm)
 import kiln.frontend.aten_collectives  # noqa: F401  (registers the functional collectives)
 from kiln.frontend.aten_high import Fallback
-from kiln.frontend.aten_library import cpu_only
+from kiln.frontend.aten_library import DATA_DEPENDENT_NATIVE, cpu_only
 from kiln.frontend.aten_table import TABLE
 from kiln.frontend.aten_complex import COMPLEX
 from kiln.frontend import aten_complex_fft, aten_complex_linalg, aten_complex_math  # noqa: F401
@@ -405,7 +405,8 @@ def convert_node(b: Builder, n: torch.fx.Node, gm: torch.fx.GraphModule) -> None
         if conv is None and not b.aten_fallback:
             raise UnsupportedError(f"operator {n.target} (node {n.name}) computes on complex "
                                    "values in a way kiln leaves to ATen: enable aten_fallback")
-    if b.aten_fallback and (conv is None or _data_dependent(n, b.syms)):
+    if b.aten_fallback and (conv is None or (_data_dependent(n, b.syms) and
+                                             str(n.target) not in DATA_DEPENDENT_NATIVE)):
         conv = fallback.aten_fallback
     if conv is None:
         raise UnsupportedError(f"operator {n.target} (node {n.name}) is not supported yet")
@@ -439,16 +440,38 @@ def _triton_hop():
     return getattr(torch.ops.higher_order, "triton_kernel_wrapper_functional", None)
 
 
-def _input_mutation(b: Builder, spec, inputs) -> None:
-    """A user input the program writes: accepted only when the value written back is the
-    input itself (a user Triton kernel torch could not analyse without a GPU lists every
-    tensor argument as mutated; kiln's own analysis found it unwritten)."""
+def _input_mutation(b: Builder, spec, inputs) -> tuple[int, str] | None:
+    """A user input the program writes in place (`x.add_(1)`, batch norm's running stats
+    passed as inputs): (the input's position among the user inputs, the kiln value of its new
+    contents, cast to the input's dtype). The value becomes an extra output after the user
+    outputs, listed in the manifest's `input_mutations`; the Python runner copies it into the
+    caller's tensor after each run (runtime/loader.py), C callers get it as that output. None
+    when the value written back is the input itself (a user Triton kernel torch could not
+    analyse without a GPU lists every tensor argument as mutated; kiln's own analysis found
+    it unwritten)."""
     value = b.env.get(spec.arg.name)
-    source = next((i.name for i in inputs if i.kind == "user" and i.name == value), None)
-    if source is None:
+    user = [i for i in inputs if i.kind == "user"]
+    if any(i.name == value for i in user):
+        return None
+    pos = next((k for k, i in enumerate(user) if i.name == spec.target), None)
+    if pos is None or value is None or value not in b.types:
         raise UnsupportedError(f"the program writes user input {spec.target} in place "
-                               f"(through {spec.arg.name}); kiln packages never write their "
-                               "inputs: write the result into a new tensor (torch.empty_like)")
+                               f"(through {spec.arg.name}), which kiln cannot follow")
+    want, got = user[pos].type, b.types[value]
+    if tuple(want.shape) != tuple(got.shape):
+        raise UnsupportedError(f"the program writes user input {spec.target} in place with a "
+                               f"value of shape {list(got.shape)}; expected its shape "
+                               f"{list(want.shape)}")
+    if want.dtype != got.dtype:
+        value = b.cast_to(value, want.dtype.torch, _FakeRef(spec.arg.name))
+    return pos, value
+
+
+class _FakeRef:
+    """A stand-in FX node (only its name is read) for nodes made for an output spec."""
+
+    def __init__(self, name: str) -> None:
+        self.name = name
 
 
 def _import(ep: ExportedProgram, fold: bool, aten_fallback: bool = False, seed: int = 0,
@@ -478,13 +501,18 @@ def _import(ep: ExportedProgram, fold: bool, aten_fallback: bool = False, seed: 
     out_nodes: list[str | None] = []  # the FX node of each user output
     int_outputs: list[int] = []
     mutations = []
+    input_writes: list[tuple[int, str]] = []  # (user input position, its new value)
+    written_fx: dict[str, str] = {}  # FX node of a written input's new contents -> the input
     by_fqn = {i.fqn: i.name for i in inputs if i.kind == "weight"}
     for spec in ep.graph_signature.output_specs:
         if spec.kind == OutputKind.BUFFER_MUTATION and spec.target in by_fqn:
             mutations.append((by_fqn[spec.target], b.env[spec.arg.name]))
             continue
         if spec.kind == OutputKind.USER_INPUT_MUTATION:
-            _input_mutation(b, spec, inputs)
+            written = _input_mutation(b, spec, inputs)
+            if written is not None:
+                input_writes.append(written)
+                written_fx[spec.arg.name] = spec.target
             continue
         if spec.kind != OutputKind.USER_OUTPUT:
             raise UnsupportedError(f"output {spec.arg} of kind {spec.kind.name} is not "
@@ -511,6 +539,11 @@ def _import(ep: ExportedProgram, fold: bool, aten_fallback: bool = False, seed: 
             raise UnsupportedError(f"output {spec.arg} is not a tensor")
         out_nodes.append(None if int_outputs and int_outputs[-1] == len(outputs) else name)
         outputs.append(b.env[name])
+    input_mutations = []
+    for pos, value in input_writes:  # extra outputs after the user outputs
+        input_mutations.append((pos, len(outputs)))
+        out_nodes.append(None)
+        outputs.append(value)
     if b.rng is not None:  # random ops: the seed and run counter are state, updated per run
         inputs = inputs + (Input(RNG_STATE, b.types[RNG_STATE], "weight", RNG_FQN),)
         weights[RNG_STATE] = torch.tensor([seed, 0], dtype=torch.int64)
@@ -527,6 +560,8 @@ def _import(ep: ExportedProgram, fold: bool, aten_fallback: bool = False, seed: 
                         "int_outputs": tuple(int_outputs),
                         # eager's storage sharing between outputs and inputs (aliasing.py)
                         "output_aliases": output_aliases(
-                            ep, [i.name for i in inputs if i.kind == "user"], out_nodes, syms),
-                        "mutations": tuple(mutations)})
+                            ep, [i.name for i in inputs if i.kind == "user"], out_nodes, syms,
+                            written_fx),
+                        "mutations": tuple(mutations),
+                        "input_mutations": tuple(input_mutations)})
     return Imported(graph, weights)

@@ -20,6 +20,7 @@ from kiln.ir.sym import evaluate, ivars, rvars
 from kiln.ir.quant import routine as quant_routine
 from kiln.errors import UnsupportedError
 import cmath
+import fractions
 import math
 import torch
 
@@ -357,11 +358,34 @@ def _log_add_exp_c(x: complex, y: complex) -> complex:
     return (lu if u - 1 == z else lu * (z / (u - 1))) + mx
 
 
+def _fma(a, b, c, own):
+    """a * b + c rounded once to `own` (float32: through float64, a second rounding in rare
+    ties); the IEEE product / sum rules for non-finite operands."""
+    if not all(math.isfinite(float(v)) for v in (a, b, c)):
+        return own(float(a) * float(b) + float(c))
+    exact = fractions.Fraction(float(a)) * fractions.Fraction(float(b)) + \
+        fractions.Fraction(float(c))
+    try:
+        return own(float(exact))
+    except OverflowError:
+        return own(math.copysign(math.inf, exact))
+
+
 def _lib_scan(outs, attrs, x):
     dt = dtypes.dtype(outs[0][0]).numpy
     if np.issubdtype(dt, np.complexfloating):
         rows = _rows(x).astype(np.complex128)
         out = np.empty_like(rows)
+        if attrs["kind"] in (1, 3):  # products, left to right, with kiln_lib.h's fmas
+            own = np.float64 if attrs["kind"] == 1 else np.finfo(dt).dtype.type
+            with np.errstate(all="ignore"):
+                for r, row in enumerate(rows):
+                    ar, ai = own(1), own(0)
+                    for j, v in enumerate(row):
+                        c, d = own(v.real), own(v.imag)
+                        ar, ai = _fma(ar, c, -(ai * d), own), _fma(ar, d, ai * c, own)
+                        out[r, j] = complex(ar, ai)
+            return [out.astype(dt)]
         for r, row in enumerate(rows):
             acc = complex(-math.inf, 0.0)
             for j, v in enumerate(row):
@@ -427,6 +451,10 @@ def _lib_put(outs, attrs, self_, values, *index):
             out[p] = v
         elif mode in (1, 3):
             out[p] = out[p] + v
+        elif mode == 2 and np.iscomplexobj(out):  # kiln_lib.h cput_combine: with fmas
+            own = np.finfo(out.dtype).dtype.type
+            a, b_, c, d = (own(t) for t in (out[p].real, out[p].imag, v.real, v.imag))
+            out[p] = complex(_fma(a, c, -(b_ * d), own), _fma(a, d, b_ * c, own))
         elif mode == 2:
             out[p] = out[p] * v
         elif mode == 4:
@@ -449,6 +477,14 @@ def _lib_masked_scatter(outs, attrs, self_, mask, source):
         raise InterpError(f"masked_scatter: the mask selects more elements than source has "
                           f"({src.size})")
     out[m] = src[:int(m.sum())]
+    return [out]
+
+
+def _lib_nonzero(outs, attrs, mask, count):
+    m = np.asarray(mask, dtype=bool)
+    out = np.argwhere(m).astype(np.int64).reshape(-1, m.ndim)
+    if len(out) != int(np.asarray(count).reshape(-1)[0]):
+        raise InterpError("nonzero: the count differs from the true elements")
     return [out]
 
 
@@ -622,6 +658,7 @@ def _lib_max_pool2d_nchwc(outs, attrs, x):
 ROUTINES = {"sort": _lib_sort, "topk": _lib_topk, "scan": _lib_scan,
             "scan_extreme": _lib_scan_extreme, "put": _lib_put, "put_mean": _lib_put,
             "masked_scatter": _lib_masked_scatter, "embedding_bag": _lib_embedding_bag,
+            "nonzero": _lib_nonzero,
             "attention": _lib_attention, "conv2d_nchwc": _lib_conv2d_nchwc,
             "conv2d_block_nchwc": _lib_conv2d_block_nchwc,
             "conv2d_nhwc": _lib_conv2d_nhwc,

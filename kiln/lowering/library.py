@@ -1,7 +1,7 @@
 """Lowering rules for ops computed by kiln runtime routines (`Extern` nodes, kiln_lib.h):
 sort / topk, scans (cumsum, cumprod, logcumsumexp, cummax, cummin), scatters (scatter,
 scatter_reduce, index_put: index_add / index_copy / index_fill decompose into it),
-masked_scatter and embedding_bag.
+masked_scatter, embedding_bag and nonzero.
 
 Operands are passed as strided views (`LibArg`): a transposed or sliced input is not copied;
 a value that is not a view of a buffer (a fused pointwise expression) is materialised first.
@@ -25,7 +25,7 @@ from kiln.lowering.indexing import _broadcast_shapes
 from kiln.ops.build import cast, const, op
 
 # kiln_lib.h enumerations (ScanKind, PutMode, BagMode)
-SCAN_KINDS = {"sum": 0, "prod": 1, "logsumexp": 2}
+SCAN_KINDS = {"sum": 0, "prod": 1, "logsumexp": 2, "prod_own": 3}
 PUT_MODES = {"set": 0, "sum": 1, "prod": 2, "mean": 3, "amax": 4, "amin": 5}
 BAG_MODES = {"sum": 0, "mean": 1, "max": 2}
 
@@ -342,6 +342,19 @@ def lower_masked_scatter(ctx: LowerCtx, node: Node, args: list[Lazy]) -> Lazy:
     return ctx.buffer_lazy(names[0], node.type.dtype, shape)
 
 
+def lower_nonzero(ctx: LowerCtx, node: Node, args: list[Lazy]) -> Lazy:
+    """The coordinates of a bool mask's true elements (kiln_lib.h `nonzero`); the second
+    operand, the count a read_size bound the row count with, orders the call after it."""
+    mask, count = args
+    base = node.source or node.name
+    mask = _viewed(ctx, mask, base + "_mask", node, dtypes.bool_)
+    count = _viewed(ctx, count, base + "_count", node, dtypes.int64)
+    shape = node.type.shape
+    names = _emit(ctx, node, "nonzero", [("", dtypes.int64, shape)], [_arg(mask), _arg(count)],
+                  [])
+    return ctx.buffer_lazy(names[0], dtypes.int64, shape)
+
+
 def lower_embedding_bag(ctx: LowerCtx, node: Node, args: list[Lazy]) -> Lazy:
     weight, indices, offsets, *psw = args
     base = node.source or node.name
@@ -364,6 +377,7 @@ RULES = {
     "sort": lower_sort,
     "topk": lower_topk,
     "scan": lower_scan,
+    "nonzero": lower_nonzero,
     "scan_extreme": lower_scan_extreme,
     "scatter": lower_scatter,
     "index_put": lower_index_put,

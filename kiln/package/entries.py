@@ -39,7 +39,7 @@ ENTRY_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*\Z")
 DEFAULT_ENTRY = "forward"
 #: the keys of an entry's own manifest copied into its record
 ENTRY_KEYS = ("inputs", "outputs", "in_spec", "out_spec", "symbols", "constant_inputs",
-              "requires", "kernels")
+              "requires", "kernels", "input_mutations")
 #: a view's byte offset into its stored tensor is a multiple of this: CUDA uploads each weight
 #: 256-byte aligned (kernels assume 16), safetensors' data and the CPU's weights are 8-aligned
 VIEW_ALIGNMENT = 256
@@ -208,6 +208,9 @@ def entry_manifest(manifest: Mapping[str, Any], name: str) -> dict[str, Any]:
     else:
         for e in entries:
             if e["name"] == name:
-                return {**manifest, **e}
+                out = {**manifest, **e}
+                if "input_mutations" not in e:  # (the first entry's, in the top level)
+                    out.pop("input_mutations", None)
+                return out
     raise KilnError(f"no entry point {name!r} in this package (its entry points: "
                     f"{', '.join(entry_names(manifest))})")

@@ -231,7 +231,11 @@ class Runner:
             self.close()
             raise PackageError(f"package '{self._path}': in_spec has "
                                f"{self._in_spec.num_leaves} leaves, the model {self._n_in} inputs")
-        if self._out_spec is not None and self._out_spec.num_leaves != self._n_out:
+        # outputs after the user outputs: new contents of inputs the program writes in place
+        self._writes = [(int(w["input"]), int(w["output"]))
+                        for w in m.get("input_mutations", [])]
+        n_user = self._n_out - len(self._writes)
+        if self._out_spec is not None and self._out_spec.num_leaves != n_user:
             self.close()
             raise PackageError(f"package '{self._path}': out_spec has {self._out_spec.num_leaves}"
                                f" leaves, the model {self._n_out} outputs")
@@ -612,11 +616,21 @@ class Runner:
             results = _adopt_pointers(s.read_outputs(buf, s.out_off))
         finally:
             free.append(s)
+        if self._writes:
+            results = self._write_inputs(results, args)
         if self._aliases:
             share_storage(self._aliases, results, args)
         for k in self._int_outputs:  # numbers the program returns (Python ints, ...)
             results[k] = results[k].item()  # int, float or bool
         return self._unflatten(results)
+
+    def _write_inputs(self, results: list, inputs) -> list:
+        """The program's in-place writes of user inputs (manifest `input_mutations`): each
+        extra output copied into the caller's tensor (any strides), then dropped."""
+        with torch.no_grad():
+            for i, k in self._writes:
+                inputs[i].copy_(results[k])
+        return results[:self._n_out - len(self._writes)]
 
     def _call_general(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         flat = self._flatten(args, kwargs)
@@ -642,6 +656,8 @@ class Runner:
             msg = last_error()
             raise (InputError if msg.startswith("input ") else KilnError)(msg)
         results = _adopt_outputs(outputs, self._n_out)
+        if self._writes:
+            results = self._write_inputs(results, flat)
         if self._aliases:
             share_storage(self._aliases, results, flat)
         for k in self._int_outputs:  # numbers the program returns (Python ints, ...)

@@ -296,8 +296,9 @@ def _lib(routine, attrs, outs, *operands):
     got = ROUTINES[routine](specs, attrs, *[
         (x.float() if x.dtype in (torch.bfloat16, torch.float16) else x).numpy()
         for x in operands])
-    for o, g in zip(outs, got):
-        o.view(-1).copy_(torch.from_numpy(np.ascontiguousarray(g).reshape(-1)).to(o.dtype))
+    for o, g in zip(outs, got):  # (a data-dependent result, nonzero's: the buffer's front)
+        src = torch.from_numpy(np.ascontiguousarray(g).reshape(-1)).to(o.dtype)
+        o.view(-1)[:src.numel()].copy_(src)
 
 
 STATE = {{{", ".join(repr(w.name) for w in prog.weights if w.mutable)}}}

@@ -149,7 +149,9 @@ int topk(kr::Err &, const char *, T *vals, int64_t *idx, int64_t k, bool largest
   return 0;
 }
 
-enum ScanKind : int64_t { kScanSum = 0, kScanProd = 1, kScanLogSumExp = 2 };
+// kScanProdOwn: a product accumulated in the element's own type (complex only: eager's
+// complex prod reduction, a left-to-right loop in scalar_t; cumprod accumulates in acc_type)
+enum ScanKind : int64_t { kScanSum = 0, kScanProd = 1, kScanLogSumExp = 2, kScanProdOwn = 3 };
 
 template <class A> inline A log_add_exp(A a, A b) {
   if (is_nan(a) || is_nan(b)) return a + b;
@@ -234,6 +236,30 @@ template <class T> inline T put_combine(int64_t mode, T old, T v) {
       default: return v;
     }
   }
+}
+
+// complex puts (the frontend sends products here; sets and sums go part by part): a product is
+// eager's c10::complex operator*= as GCC contracts it (re = fma(a, c, -bd), im = fma(a, d, bc);
+// see scan_complex), applied in update order, so infinities give eager's NaN pattern
+template <class C> inline C cput_combine(int64_t mode, C old, C v) {
+  switch (mode) {
+    case kAdd: case kMean: return C{old.re + v.re, old.im + v.im};
+    case kMul: return C{std::fma(old.re, v.re, -(old.im * v.im)),
+                        std::fma(old.re, v.im, old.im * v.re)};
+    default: return v;
+  }
+}
+inline kr_complex64 put_combine(int64_t mode, kr_complex64 old, kr_complex64 v) {
+  return cput_combine(mode, old, v);
+}
+inline kr_complex128 put_combine(int64_t mode, kr_complex128 old, kr_complex128 v) {
+  return cput_combine(mode, old, v);
+}
+template <> inline kr_complex64 put_identity<kr_complex64>(int64_t mode) {
+  return {mode == kMul ? 1.0f : 0.0f, 0.0f};
+}
+template <> inline kr_complex128 put_identity<kr_complex128>(int64_t mode) {
+  return {mode == kMul ? 1.0 : 0.0, 0.0};
 }
 
 /* put: out = self, then for every element `it` of the iteration space (the shape of `values`),
@@ -338,8 +364,10 @@ int put_counted(kr::Err &e, const char *where, T *out, int64_t *counts, int64_t 
   if (mode == kMean) {
     for (int64_t p = 0; p < total; ++p) {
       if (counts[p] == 0) continue;
-      if (std::is_floating_point<T>::value) out[p] = static_cast<T>(out[p] / static_cast<T>(counts[p]));
-      else {
+      if constexpr (std::is_floating_point<T>::value) {
+        out[p] = static_cast<T>(out[p] / static_cast<T>(counts[p]));
+      } else if constexpr (!std::is_same_v<T, kr_complex64> &&
+                           !std::is_same_v<T, kr_complex128>) {  // (complex: no mean here)
         const int64_t q = static_cast<int64_t>(out[p]), c = counts[p];
         out[p] = static_cast<T>(q / c - ((q % c != 0) && ((q < 0) != (c < 0))));  // floor
       }
@@ -363,8 +391,14 @@ int put_mean(kr::Err &e, const char *where, T *out, int64_t *counts, int64_t mod
                      index...);
 }
 
-/* scan of complex values: logcumsumexp only (the frontend writes complex cumsum / cumprod on
- * the parts), eager's CPU loop exactly: in std::complex<double> (acc_type of complex64 and
+/* scan of complex values: logcumsumexp and products (the frontend writes complex cumsum on
+ * the parts). Products: eager's cumprod loop (c10::complex<double> acc *= x, the textbook
+ * product with eager's fused multiply-adds, from 1 + 0i, each result rounded to the output's
+ * parts), so that infinities and
+ * NaNs come out as eager's sequential loop gives them (a pairwise tree gives other NaN
+ * patterns: (0.5+0.5i)(2-i)(inf+0i) is inf+inf i left to right, inf+NaN i from the right);
+ * kScanProdOwn: the same in the element's own precision (eager's prod reduction loop).
+ * logcumsumexp: eager's CPU loop exactly: in std::complex<double> (acc_type of complex64 and
  * complex128), acc = log_add_exp(x_j, acc) from -inf + 0i, each result rounded to the
  * output's parts. log_add_exp is ATen's _log_add_exp_helper (LogAddExp.h): the operand with
  * the smaller real part is `min` (ties: the running value), NaN anywhere gives NaN + NaN i,
@@ -409,8 +443,36 @@ inline cd log_add_exp(cd x, cd y) {
 }
 template <class C>
 int scan_complex(kr::Err &e, const char *where, C *out, int64_t kind, View<C> x) {
-  if (kind != kScanLogSumExp) return e.fail("%s: complex scan of kind %lld", where, (long long)kind);
+  using P = decltype(C::re);
   const int64_t rows = rows_of(x), n = row_len(x), s = row_stride(x);
+  if (kind == kScanProd || kind == kScanProdOwn) {
+    kr::parallel_for(rows, rows > 1 && rows * n > 4096 ? kr::max_threads() : 1, [&](int64_t r0_, int64_t r1_) {
+    for (int64_t r = r0_; r < r1_; ++r) {
+      const C *row = x.data + x.offset(r, x.rank - 1);
+      double ar = 1.0, ai = 0.0;  // kScanProd: c10::complex<double> acc
+      P pr = 1, pi = 0;           // kScanProdOwn: the element's own type
+      for (int64_t j = 0; j < n; ++j) {
+        const C v = row[j * s];
+        // eager's c10::complex operator*= as GCC contracts it in torch's CPU kernels
+        // (-ffp-contract=fast, FMA): re = fma(a, c, -(b d)), im = fma(a, d, b c); with a
+        // cancelling sum the residue decides whether a later inf gives inf or NaN
+        if (kind == kScanProd) {
+          const double c = v.re, d = v.im, a = ar, b = ai;
+          ar = std::fma(a, c, -(b * d));
+          ai = std::fma(a, d, b * c);
+          out[r * n + j] = C{static_cast<P>(ar), static_cast<P>(ai)};
+        } else {
+          const P a = pr, b = pi;
+          pr = std::fma(a, v.re, -(b * v.im));
+          pi = std::fma(a, v.im, b * v.re);
+          out[r * n + j] = C{pr, pi};
+        }
+      }
+    }
+    });
+    return 0;
+  }
+  if (kind != kScanLogSumExp) return e.fail("%s: complex scan of kind %lld", where, (long long)kind);
   kr::parallel_for(rows, rows > 1 && rows * n > 4096 ? kr::max_threads() : 1, [&](int64_t r0_, int64_t r1_) {
   for (int64_t r = r0_; r < r1_; ++r) {
     const C *row = x.data + x.offset(r, x.rank - 1);
@@ -429,6 +491,33 @@ inline int scan(kr::Err &e, const char *where, kr_complex64 *out, int64_t kind, 
 }
 inline int scan(kr::Err &e, const char *where, kr_complex128 *out, int64_t kind, View<kr_complex128> x) {
   return scan_complex(e, where, out, kind, x);
+}
+
+/* nonzero: the coordinates of x's true elements in row-major order, one row of x.rank int64s
+ * each. `count` holds the number of true elements, counted by the program before the call:
+ * its value bound the output's data-dependent row count (a read_size), so a mismatch is an
+ * error, never a write past the output. */
+inline int nonzero(kr::Err &e, const char *where, int64_t *out, View<bool> x,
+                   View<int64_t> count) {
+  const int R = x.rank;
+  const int64_t total = x.numel(), want = count.data[0];
+  std::vector<int64_t> c(static_cast<size_t>(R > 0 ? R : 1), 0);
+  int64_t k = 0;
+  for (int64_t p = 0; p < total; ++p) {
+    if (x.at(p)) {
+      if (k < want)
+        for (int d = 0; d < R; ++d) out[k * R + d] = c[d];
+      ++k;
+    }
+    for (int d = R - 1; d >= 0; --d) {  // the next coordinate in row-major order
+      if (++c[d] < x.size(d)) break;
+      c[d] = 0;
+    }
+  }
+  if (k != want)
+    return e.fail("%s: nonzero found %lld elements where the count said %lld", where,
+                  (long long)k, (long long)want);
+  return 0;
 }
 
 /* masked_scatter: out = self; the positions where `mask` (broadcast to self's shape) is true
