@@ -230,3 +230,21 @@ def export_batched(model: nn.Module, batch: int, max_len: int = 128,
         d = torch.export.export(decode, (ids[:, :1], lens), dynamic_shapes=None)
     prefill.m.reset()
     return {"prefill": p, "decode": d}
+
+
+@torch.no_grad()
+def eager_generate_batch(model_or_core: nn.Module, prompts: list[list[int]],
+                         max_new_tokens: int, batch: int | None = None,
+                         max_len: int | None = None, **sampling: Any):
+    """kiln.runtime.generate_batch's loop in eager over a BatchedDecoder (given, or built
+    from a model at `batch` (default len(prompts)) and `max_len`): a BatchGeneration."""
+    from kiln.runtime.generation import batched_loop
+
+    if not isinstance(model_or_core, BatchedDecoder):
+        batch = batch or len(prompts)
+        max_len = max_len or max(map(len, prompts)) + max_new_tokens
+    prefill, decode = entries(model_or_core, batch, max_len)
+    core = prefill.m
+    dev = next(core.parameters()).device
+    return batched_loop(prefill, decode, core.reset, core.batch, core.max_len, dev, prompts,
+                        max_new_tokens, **sampling)
