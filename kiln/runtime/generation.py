@@ -189,6 +189,15 @@ class BatchGeneration:
         return sum(map(len, self.tokens)) / total if total > 0 else 0.0
 
 
+def is_batched(runner: Runner) -> bool:
+    """Whether `runner` is a batched package (kiln.models.batched_decoder.export_batched):
+    its prefill takes (input_ids [B, T], lengths [B])."""
+    if "prefill" not in runner.entries:
+        return False
+    return [s.get("name") for s in runner.entry("prefill").input_specs] == \
+        ["input_ids", "lengths"]
+
+
 def batched_shape(runner: Runner) -> tuple[int, int]:
     """(batch, cache length) of a batched package (kiln.models.batched_decoder): the batch
     from decode's input_ids [B, 1], the cache length from its state [B, kv, L, head_dim]."""
