@@ -46,7 +46,7 @@ def package(model, tmp_path_factory):
     """The batch-4 package, compiled once for the module's tests."""
     c = kiln.compile(bd.export_batched(model, 4, MAX_LEN, max_prompt=MAX_PROMPT))
     path = c.save(tmp_path_factory.mktemp("batched") / "llama_b4.kiln")
-    return path, kiln.load(path)
+    return path, kiln.load(path), c.manifest
 
 
 @torch.no_grad()
@@ -96,7 +96,7 @@ def check_against_hf(model, toks, seen, prompts, tol=TOL):
 
 @pytest.mark.parametrize("n", sorted(SETS))
 def test_compiled_batch_matches_hf_per_sequence(model, package, n):
-    path, runner = package
+    path, runner, _ = package
     prompts = SETS[n]
     runner.reset_state()
     toks, seen = batched_steps(runner.entry("prefill"), runner.entry("decode"), 4, prompts, NEW)
@@ -108,8 +108,18 @@ def test_compiled_batch_matches_hf_per_sequence(model, package, n):
     assert g.batch == 4 and g.decode_steps == NEW - 1
 
 
+def test_weights_once_caches_shared_state(package):
+    m = package[2]
+    fqns = [w["fqn"] for w in m["weights"] if not w.get("state")]
+    assert len(fqns) == len(set(fqns))  # each weight stored once for both entry points
+    state = {w["fqn"]: w for w in m["weights"] if w.get("state")}
+    assert set(state) == {f"m.{kv}_cache_{i}" for kv in "kv" for i in range(2)}
+    for e in m["entries"]:
+        assert {w["name"] for w in state.values()} <= set(e["weights"].values())
+
+
 def test_cache_rows_filled_at_own_positions(package):
-    path, runner = package
+    path, runner, _ = package
     prompts = SETS[3]
     generate_batch(runner, prompts, 3)
     k = runner.state()["m.k_cache_0"]
@@ -142,7 +152,7 @@ def test_float64_logits(model):
 
 
 def test_cli_several_prompts(model, package):
-    path, _ = package
+    path = package[0]
     prompts = SETS[3]
     cmd = [sys.executable, "-m", "kiln.cli.main", "generate", str(path), "--max-new-tokens",
            str(NEW), "--json"]
@@ -155,7 +165,7 @@ def test_cli_several_prompts(model, package):
 
 
 def test_bad_inputs_clear_errors(model, package):
-    _, runner = package
+    runner = package[1]
     decode = runner.entry("decode")
     with pytest.raises(InputError, match="expected size 4 for dim 0"):  # wrong B
         decode(torch.zeros(3, 1, dtype=torch.long), torch.zeros(3, dtype=torch.long))
@@ -194,6 +204,16 @@ def test_compiled_exact_batch(model, batch, tmp_path):
     toks, seen = batched_steps(runner.entry("prefill"), runner.entry("decode"), batch,
                                prompts, NEW)
     check_against_hf(model, toks, seen, prompts)
+
+
+@pytest.mark.slow
+def test_cuda_sm90_compiles_without_gpu():
+    """The batched package compiles for CUDA (sm_90) on a machine without a GPU."""
+    from kiln.options import Options
+
+    c = kiln.compile(bd.export_batched(tiny(), 3, MAX_LEN, max_prompt=MAX_PROMPT),
+                     device="cuda", options=Options(cuda_archs=(90,)))
+    assert [e["name"] for e in c.manifest["entries"]] == ["prefill", "decode"]
 
 
 @pytest.mark.gpu
