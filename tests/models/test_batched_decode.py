@@ -171,6 +171,10 @@ def test_bad_inputs_clear_errors(model, package):
         decode(torch.zeros(3, 1, dtype=torch.long), torch.zeros(3, dtype=torch.long))
     with pytest.raises(KilnError, match="out of bounds"):  # a position past max_len
         decode(torch.zeros(4, 1, dtype=torch.long), torch.tensor([0, 1, MAX_LEN, 2]))
+    with pytest.raises(KilnError, match="index out of range in gather"):  # a length of 0
+        runner.entry("prefill")(torch.zeros(4, 3, dtype=torch.long), torch.tensor([0, 3, 1, 2]))
+    with pytest.raises(InputError, match=r"expected a value in \[1, 16\]"):  # > max_prompt
+        generate_batch(runner, [[1] * 20, [2]], 2)
     with pytest.raises(InputError, match="cache"):  # prompt + new tokens past the cache
         generate_batch(runner, [[1] * 20, [2]], MAX_LEN)
     with pytest.raises(InputError, match="at most 4"):
