@@ -22,6 +22,7 @@ from __future__ import annotations
 import argparse
 import random
 import statistics
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -40,6 +41,14 @@ from kiln.models import hf_decoder  # noqa: E402
 
 def load_avg() -> str:
     return " ".join(Path("/proc/loadavg").read_text().split()[:3])
+
+
+def tree() -> str:
+    try:
+        return subprocess.run(["git", "-C", str(ROOT), "rev-parse", "--short", "HEAD"],
+                              capture_output=True, text=True, timeout=10).stdout.strip()
+    except OSError:
+        return "?"
 
 
 def prompts_for(batch: int, lo: int, hi: int, seed: int, vocab: int) -> list[list[int]]:
@@ -187,12 +196,14 @@ def main() -> None:
     head = (f"Llama-shaped decoder, {args.layers} layers x {args.hidden} (heads {args.heads}, "
             f"kv heads {args.kv_heads}, intermediate {args.inter}, vocab {args.vocab}), fp32, "
             f"cache {args.max_len} positions per sequence, {args.steps} decode steps a round, "
-            f"median of {args.rounds} rounds; CPU {cpu_name()}, {args.threads} threads{gpu}")
+            f"median of {args.rounds} rounds; CPU {cpu_name()}, {args.threads} threads{gpu}; "
+            f"tree {tree()}; load average at the end {load_avg()}")
     text = "\n".join([head, "", table(rows)])
     print(text)
     if args.markdown:
         command = "python bench/llm_batch.py " + " ".join(sys.argv[1:])
-        splice(args.markdown, "<!-- llm-batch:begin -->", "<!-- llm-batch:end -->",
+        tag = f"llm-batch-t{args.threads}"
+        splice(args.markdown, f"<!-- {tag}:begin -->", f"<!-- {tag}:end -->",
                f"Command: `{command}`\n\n{text}",
                heading="## Session of 2026-11-27 (fourteenth): batched decode (s14bat)")
 
