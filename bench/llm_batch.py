@@ -39,6 +39,9 @@ from kiln.models import batched_decoder as bd  # noqa: E402
 from kiln.models import hf_decoder  # noqa: E402
 
 
+HEADING = "## Session of 2026-11-27 (fourteenth): batched decode (s14bat)"
+
+
 def load_avg() -> str:
     return " ".join(Path("/proc/loadavg").read_text().split()[:3])
 
@@ -205,7 +208,7 @@ def main() -> None:
         tag = f"llm-batch-t{args.threads}"
         splice(args.markdown, f"<!-- {tag}:begin -->", f"<!-- {tag}:end -->",
                f"Command: `{command}`\n\n{text}",
-               heading="## Session of 2026-11-27 (fourteenth): batched decode (s14bat)")
+               heading="" if HEADING in Path(args.markdown).read_text() else HEADING)
 
 
 if __name__ == "__main__":
