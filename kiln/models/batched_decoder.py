@@ -8,7 +8,9 @@ cache `k_cache_<i>` / `v_cache_<i>` of shape [B, kv_heads, max_len, head_dim] (r
 buffers: kiln keeps them as the package's mutable state), sequence b writes its keys and
 values at its own positions (a scatter along the position dimension), rotary embeddings are
 taken at those positions, and each query attends to the cache slots at positions <= its own
-(a boolean mask from the positions; GQA by repeating the kv heads).
+(a boolean mask from the positions; GQA: in decode the query heads of each kv head are
+grouped as rows against its cache, which is never repeated; in prefill the kv heads are
+repeated).
 
     model = hf_decoder.build("llama")
     progs = export_batched(model, batch=4, max_len=64)       # {"prefill", "decode"}
@@ -147,11 +149,21 @@ class BatchedDecoder(nn.Module):
         v_cache.scatter_(2, idx, v)
         rep = self.heads // self.kv_heads
         keys, values = k_cache, v_cache
-        if rep > 1:
-            keys = keys.repeat_interleave(rep, dim=1)
-            values = values.repeat_interleave(rep, dim=1)
-        out = nn.functional.scaled_dot_product_attention(q, keys, values, attn_mask=mask,
-                                                         scale=attn.scaling)
+        if rep > 1 and isinstance(t, int) and t == 1:
+            # decode, GQA by grouping: the `rep` query heads of a kv head are `rep` query
+            # rows against that kv head's cache (never repeated; query head h = g * rep + r)
+            q = q.reshape(b, self.kv_heads, rep, self.head_dim)
+            out = nn.functional.scaled_dot_product_attention(q, keys, values, attn_mask=mask,
+                                                             scale=attn.scaling)
+            out = out.reshape(b, self.heads, 1, self.head_dim)
+        else:
+            # prefill (t tokens, compute-bound): the kv heads repeated (grouping rep * t query
+            # rows puts a guard on the dynamic prompt length in torch.export)
+            if rep > 1:
+                keys = keys.repeat_interleave(rep, dim=1)
+                values = values.repeat_interleave(rep, dim=1)
+            out = nn.functional.scaled_dot_product_attention(q, keys, values, attn_mask=mask,
+                                                             scale=attn.scaling)
         return attn.o_proj(out.transpose(1, 2).reshape(b, t, self.heads * self.head_dim))
 
 
