@@ -108,6 +108,25 @@ def test_compiled_batch_matches_hf_per_sequence(model, package, n):
     assert g.batch == 4 and g.decode_steps == NEW - 1
 
 
+def test_seeded_sampling_per_sequence(model, package):
+    """Temperature / top-k sampling, each sequence with its own generator (seed + b): the
+    package gives the eager module's tokens, the same on every run, and a stop token ends
+    only its own sequence."""
+    runner = package[1]
+    prompts = SETS[3]
+    kw = dict(temperature=0.9, top_k=20, seed=5)
+    got = generate_batch(runner, prompts, NEW, **kw).tokens
+    assert got == generate_batch(runner, prompts, NEW, **kw).tokens
+    assert got == bd.eager_generate_batch(model, prompts, NEW, batch=4, max_len=MAX_LEN,
+                                          **kw).tokens
+    assert got != generate_batch(runner, prompts, NEW, **{**kw, "seed": 6}).tokens
+    stop = got[1][2]
+    cut = generate_batch(runner, prompts, NEW, stop=stop, **kw).tokens
+    for want, have in zip(got, cut):
+        end = want.index(stop) + 1 if stop in want else len(want)
+        assert have == want[:end]
+
+
 def test_weights_once_caches_shared_state(package):
     m = package[2]
     fqns = [w["fqn"] for w in m["weights"] if not w.get("state")]
