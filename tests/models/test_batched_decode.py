@@ -243,8 +243,10 @@ def test_cuda_sm90_compiles_without_gpu():
 @pytest.mark.parametrize("n", sorted(SETS))
 def test_cuda_batch_matches_hf_per_sequence(n, tmp_path):
     model = tiny().to("cuda")
+    from kiln.options import Options
+
     c = kiln.compile(bd.export_batched(model, 4, MAX_LEN, max_prompt=MAX_PROMPT),
-                     device="cuda")
+                     device="cuda", options=Options(autotune=False))  # compile time
     runner = kiln.load(c.save(tmp_path / "b.kiln"), device="cuda")
     prompts = SETS[n]
     runner.reset_state()
@@ -254,6 +256,6 @@ def test_cuda_batch_matches_hf_per_sequence(n, tmp_path):
 
     toks, seen = batched_steps(on(runner.entry("prefill")), on(runner.entry("decode")), 4,
                                prompts, NEW)
-    cpu = tiny()  # the reference on the CPU in float32 (no TF32)
-    check_against_hf(cpu, toks, seen, prompts, tol=dict(atol=2e-3, rtol=2e-3))
+    cpu = tiny()  # the reference on the CPU in float32; the tolerance allows TF32 GEMMs
+    check_against_hf(cpu, toks, seen, prompts, tol=dict(atol=1e-2, rtol=1e-2))
     assert generate_batch(runner, prompts, NEW).tokens == toks
