@@ -27,9 +27,16 @@ Entry points (both share the weights and the caches):
 `BatchedDecoder.forward(input_ids [B, T], positions [B])` -> logits [B, T, vocab] is the
 general step (token t of row b at positions[b] + t).
 
+Bad input: the eager module raises InputError (wrong B, positions outside the cache, lengths
+outside [1, T]); in a package, kiln's input checks refuse a wrong B or T > max_prompt and its
+scatter / gather bounds checks refuse a position past max_len or a length of 0 (KilnError,
+no write outside the cache); kiln.runtime.generate_batch checks prompts, their count and
+the cache room before running.
+
 Families: Llama, Mistral (without a sliding window) and Qwen2 (without a sliding window): the
 same decoder layer (pre-norm attention + gated MLP, rotary on all of the head); others are
-refused with an error naming the supported ones. Needs `transformers`.
+refused with an error naming the supported ones. Takes a `transformers` model (this module
+imports nothing of transformers itself).
 """
 
 from __future__ import annotations
