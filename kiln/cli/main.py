@@ -79,8 +79,9 @@ def build_parser() -> argparse.ArgumentParser:
     g = sub.add_parser("generate", help="generate tokens with a prefill/decode package")
     g.add_argument("package", help="a package with entry points prefill and decode "
                                    "(kiln.models.hf_decoder.export_decoder)")
-    g.add_argument("--prompt-ids", required=True, metavar="ID,ID,...",
-                   help="the prompt's token ids, comma-separated")
+    g.add_argument("--prompt-ids", required=True, metavar="ID,ID,...", action="append",
+                   help="the prompt's token ids, comma-separated; repeat it for several "
+                        "prompts (a batched package: kiln.models.batched_decoder)")
     g.add_argument("--max-new-tokens", type=int, default=32)
     g.add_argument("--temperature", type=float, default=0.0, help="0: greedy (the default)")
     g.add_argument("--top-k", type=int, default=0, help="keep the k most likely (0: all)")

@@ -166,3 +166,123 @@ def _call(entry: Runner):
         return entry
     a, b = names
     return lambda ids, pos: entry(**{a: ids, b: pos})
+
+
+@dataclass(frozen=True)
+class BatchGeneration:
+    """Generation of several prompts together (a batched package: generate_batch)."""
+    tokens: list[list[int]]  # the new tokens of each prompt, in the prompts' order
+    prefill_seconds: float   # the padded prompts' run, the first tokens chosen
+    decode_seconds: float    # every decode step
+    decode_steps: int        # batched steps (each gives one token per sequence)
+    batch: int               # the package's batch (rows past len(tokens) were padding)
+
+    @property
+    def decode_tokens_per_s(self) -> float:
+        """New tokens of the real sequences from the decode steps, per second."""
+        n = sum(max(len(t) - 1, 0) for t in self.tokens)
+        return n / self.decode_seconds if self.decode_seconds > 0 else 0.0
+
+    @property
+    def tokens_per_s(self) -> float:
+        total = self.prefill_seconds + self.decode_seconds
+        return sum(map(len, self.tokens)) / total if total > 0 else 0.0
+
+
+def is_batched(runner: Runner) -> bool:
+    """Whether `runner` is a batched package (kiln.models.batched_decoder.export_batched):
+    its prefill takes (input_ids [B, T], lengths [B])."""
+    if "prefill" not in runner.entries:
+        return False
+    return [s.get("name") for s in runner.entry("prefill").input_specs] == \
+        ["input_ids", "lengths"]
+
+
+def batched_shape(runner: Runner) -> tuple[int, int]:
+    """(batch, cache length) of a batched package (kiln.models.batched_decoder): the batch
+    from decode's input_ids [B, 1], the cache length from its state [B, kv, L, head_dim]."""
+    missing = [e for e in ("prefill", "decode") if e not in runner.entries]
+    if missing:
+        raise KilnError(f"generate_batch: the package has no entry point {missing[0]!r} (its "
+                        f"entry points: {', '.join(runner.entries)}); compile it with "
+                        "kiln.models.batched_decoder.export_batched")
+    specs = runner.entry("decode").input_specs
+    shape = specs[0].get("shape") if len(specs) == 2 else None
+    if not shape or len(shape) != 2 or shape[1] != 1 or not isinstance(shape[0], int):
+        raise KilnError("generate_batch: the decode entry point takes "
+                        f"{[(s.get('name'), s.get('shape')) for s in specs]}; expected "
+                        "input_ids [B, 1] and positions [B] (kiln.models.batched_decoder)")
+    caches = [t for t in runner.state().values() if t.dim() == 4 and t.shape[0] == shape[0]]
+    if not caches:
+        raise KilnError("generate_batch: the package has no KV-cache state of shape "
+                        f"[{shape[0]}, kv_heads, max_len, head_dim]")
+    return int(shape[0]), int(caches[0].shape[2])
+
+
+def generate_batch(runner: Runner, prompts: list[list[int]], max_new_tokens: int, *,
+                   temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0,
+                   seed: int = 0, stop: int | None = None) -> BatchGeneration:
+    """Generate up to max_new_tokens tokens for each of `prompts` (of any lengths, at most the
+    package's batch of them) with a batched package (kiln.models.batched_decoder): one
+    prefill of the padded prompts, then decode steps of the whole batch, each sequence at its
+    own position. Sequence b samples with its own generator (seed + b); a sequence that
+    generates `stop` ends there (the batch runs on while others have not). Rows past
+    len(prompts) run a one-token dummy prompt whose tokens are dropped. The runner's state is
+    reset first."""
+    batch, max_len = batched_shape(runner)
+    dev = getattr(runner, "_device", torch.device("cpu"))
+    return batched_loop(_call(runner.entry("prefill")), _call(runner.entry("decode")),
+                        runner.reset_state, batch, max_len, dev, prompts, max_new_tokens,
+                        temperature=temperature, top_k=top_k, top_p=top_p, seed=seed,
+                        stop=stop)
+
+
+def batched_loop(prefill, decode, reset, batch: int, max_len: int, dev: torch.device,
+                 prompts: list[list[int]], max_new_tokens: int, *, temperature: float = 0.0,
+                 top_k: int = 0, top_p: float = 1.0, seed: int = 0,
+                 stop: int | None = None) -> BatchGeneration:
+    """generate_batch's loop over any prefill(ids [B, T], lengths [B]) -> logits [B, V] and
+    decode(ids [B, 1], positions [B]) -> logits [B, V] (the eager module's too)."""
+    if not prompts or any(not p for p in prompts):
+        raise InputError("generate_batch: give at least one prompt, each of at least one "
+                         "token id")
+    if len(prompts) > batch:
+        raise InputError(f"generate_batch: {len(prompts)} prompts for a package of batch "
+                         f"{batch}; give at most {batch} (or compile a larger batch)")
+    if max_new_tokens < 1:
+        raise InputError(f"generate_batch: max_new_tokens must be >= 1, got {max_new_tokens}")
+    longest = max(map(len, prompts))
+    if longest + max_new_tokens - 1 > max_len:
+        raise InputError(f"generate_batch: a prompt of {longest} tokens and {max_new_tokens} "
+                         f"new tokens need {longest + max_new_tokens - 1} cache positions; the "
+                         f"package's cache holds {max_len}")
+    _check_params(temperature, top_k, top_p)
+    rows = [list(map(int, p)) for p in prompts] + [[0]] * (batch - len(prompts))
+    samplers = [Sampler(temperature, top_k, top_p, seed + b) for b in range(batch)]
+    lens = [len(p) for p in rows]
+    ids = torch.tensor([p + [0] * (longest - len(p)) for p in rows], dtype=torch.long,
+                       device=dev)
+    reset()
+    sync = torch.cuda.synchronize if dev.type == "cuda" else (lambda _d: None)
+    sync(dev)
+    t0 = time.perf_counter()
+    logits = prefill(ids, torch.tensor(lens, dtype=torch.long, device=dev)).to("cpu")
+    out = [[samplers[b](logits[b])] for b in range(batch)]
+    t1 = time.perf_counter()
+    done = [stop is not None and o[-1] == stop for o in out]
+    step_ids = torch.zeros(batch, 1, dtype=torch.long)
+    pos = torch.tensor(lens, dtype=torch.long)
+    steps = 0
+    while steps < max_new_tokens - 1 and not all(done[:len(prompts)]):
+        for b in range(batch):
+            step_ids[b, 0] = out[b][-1]
+        logits = decode(step_ids.to(dev), pos.to(dev)).to("cpu")
+        pos += 1
+        steps += 1
+        for b in range(batch):
+            if not done[b]:
+                out[b].append(samplers[b](logits[b]))
+                done[b] = stop is not None and out[b][-1] == stop
+    sync(dev)
+    t2 = time.perf_counter()
+    return BatchGeneration(out[:len(prompts)], t1 - t0, t2 - t1, steps, batch)
