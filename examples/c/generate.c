@@ -2,8 +2,8 @@
  * "decode" (e.g. kiln.models.hf_decoder.export_decoder of a Hugging Face decoder), sharing the
  * weights and the KV cache of one loaded model.
  *
- * Usage: generate [-n MAX_NEW] [-T TEMPERATURE] [-k TOP_K] [-p TOP_P] [-s SEED] [-t THREADS]
- *                 [-d DEVICE] <package.kiln> <id,id,...>
+ * Usage: generate [-n MAX_NEW] [-T TEMPERATURE] [-k TOP_K] [-p TOP_P] [-s SEED] [-e STOP]
+ *                 [-t THREADS] [-d DEVICE] <package.kiln> <id,id,...> [<id,id,...> ...]
  *
  * The loop: prefill runs the whole prompt (input_ids int64 [1, T], cache_position int64 [T] =
  * 0..T-1) and fills the cache; every decode step runs one token (input_ids [1, 1],
@@ -13,6 +13,26 @@
  * `kiln generate`, which calls the same function). Prints
  *     tokens: t1,t2,...
  *     prefill: <T> tokens in <ms> ms; decode: <n> tokens, <ms> ms/token, <x> tokens/s
+ * -e STOP ends the generation at token STOP (printed as the last token).
+ *
+ * A batched package (kiln.models.batched_decoder.export_batched: prefill(input_ids int64 [B, T],
+ * lengths int64 [B]), decode(input_ids int64 [B, 1], positions int64 [B]), both -> logits
+ * [B, vocab]; told apart by its input names and shapes, kiln_model_entry_input_name / _shape,
+ * libkiln minor 7) takes up to B prompts, one positional id list each, of any lengths: the
+ * loop of kiln.runtime.generate_batch. One prefill of the prompts padded with 0 to the longest
+ * (rows past the prompts run the one-token dummy prompt 0), then decode steps of the whole
+ * batch, each sequence at its own position (its length, then one more per step). Sequence b
+ * samples from row b of the logits with its own generator, seeded with SEED + b; one that
+ * generates STOP ends there while the others go on; the loop ends when every prompt's
+ * sequence has ended or has MAX_NEW tokens. Prints
+ *     tokens[b]: t1,t2,...        (one line per prompt, in order)
+ *     batch <B> (<n> prompts); prefill: <ms> ms; decode: <steps> steps, <ms> ms/step, <x> tokens/s
+ * The same options give the same tokens as `kiln generate PKG --prompt-ids ... --prompt-ids
+ * ...` and generate_batch. Usage errors (exit status 2): more prompts than B, an empty or
+ * malformed prompt, a prompt that with MAX_NEW tokens does not fit the cache (longest + MAX_NEW
+ * - 1 > its length), several prompts for a batch-1 package; batched packages run on the CPU
+ * only here (-d cuda: use `kiln generate`).
+ *
  * Exit status: 0 on success, 1 when kiln reports an error (kiln_last_error() on stderr), 2 on
  * usage errors.
  *
@@ -42,7 +62,9 @@ static double now_s(void) {
 
 static int usage(void) {
   fprintf(stderr, "usage: generate [-n MAX_NEW] [-T TEMPERATURE] [-k TOP_K] [-p TOP_P] "
-                  "[-s SEED] [-t THREADS] [-d DEVICE] <package.kiln> <id,id,...>\n");
+                  "[-s SEED] [-e STOP] [-t THREADS] [-d DEVICE] <package.kiln> <id,id,...> "
+                  "[<id,id,...> ...]\n"
+                  "  (several id lists: one prompt each, for a batched package)\n");
   return 2;
 }
 
@@ -89,6 +111,171 @@ static int step(kiln_model *m, const char *name, int64_t *ids, int64_t *pos, int
   int rc = kiln_sample(&out[0]->dl_tensor, temperature, top_k, top_p, rng, token);
   out[0]->deleter(out[0]);
   return rc;
+}
+
+/* Whether entry point `entry` of m has an input `name` at index i (libkiln minor 7). */
+static int input_named(kiln_model *m, const char *entry, int64_t i, const char *name) {
+  const char *got = kiln_model_entry_input_name(m, entry, i);
+  return got && strcmp(got, name) == 0;
+}
+
+/* A batched package (kiln.models.batched_decoder; kiln.runtime.generation.is_batched and
+ * batched_shape): prefill takes (input_ids, lengths). Returns 1 with *batch (decode's
+ * input_ids [B, 1]) and *max_len (a KV cache [B, kv_heads, max_len, head_dim]), 0 for another
+ * package (or a libkiln before minor 7), -1 (message on stderr) for a batched one whose shapes
+ * are not those. */
+static int batched_shape(kiln_model *m, int64_t *batch, int64_t *max_len) {
+  if (kiln_abi_minor() < 7 || kiln_model_entry_num_inputs(m, "prefill") != 2 ||
+      !input_named(m, "prefill", 0, "input_ids") || !input_named(m, "prefill", 1, "lengths"))
+    return 0;
+  int64_t shape[4] = {0, 0, 0, 0};
+  if (kiln_model_entry_num_inputs(m, "decode") != 2 ||
+      kiln_model_entry_input_shape(m, "decode", 0, shape, 4) != 2 || shape[0] < 1 ||
+      shape[1] != 1) {
+    fprintf(stderr, "generate: the package's prefill takes (input_ids, lengths), but its decode "
+                    "entry point does not take input_ids [B, 1] and positions [B] "
+                    "(kiln.models.batched_decoder)\n");
+    return -1;
+  }
+  *batch = shape[0];
+  int64_t n_state = kiln_model_num_state(m);
+  for (int64_t k = 0; k < n_state; ++k) {
+    int64_t cache[4];
+    if (kiln_model_state_shape(m, k, cache, 4) == 4 && cache[0] == *batch && cache[2] > 0) {
+      *max_len = cache[2];
+      return 1;
+    }
+  }
+  fprintf(stderr, "generate: the package has no KV-cache state of shape [%lld, kv_heads, "
+                  "max_len, head_dim]\n", (long long)*batch);
+  return -1;
+}
+
+/* Row b of logits [B, V] as a [V] tensor (a view: kiln_sample reads the last row). */
+static DLTensor logits_row(const DLTensor *l, int64_t b) {
+  DLTensor r = *l;
+  int64_t stride0 = l->strides ? l->strides[0] : l->shape[1];
+  r.ndim = 1;
+  r.shape = l->shape + 1;
+  r.strides = l->strides ? l->strides + 1 : NULL;
+  r.byte_offset = l->byte_offset +
+                  (uint64_t)(b * stride0) * (uint64_t)((l->dtype.bits * l->dtype.lanes + 7) / 8);
+  return r;
+}
+
+/* Runs entry `name` on (ids [batch, width], vec [batch]) and samples token b of each row b
+ * that is not done[b] into tokens[b * max_new + n[b]++] with generator rng[b]. */
+static int batched_step(kiln_model *m, const char *name, int64_t *ids, int64_t width,
+                        int64_t *vec, int64_t batch, float temperature, int64_t top_k,
+                        float top_p, uint64_t *rng, const int *done, int64_t *tokens,
+                        long max_new, long *n) {
+  int64_t ids_shape[2] = {batch, width}, vec_shape[1] = {batch};
+  DLTensor a = int64_tensor(ids, 2, ids_shape), v = int64_tensor(vec, 1, vec_shape);
+  const DLTensor *in[2] = {&a, &v};
+  DLManagedTensor *out[1] = {NULL};
+  if (kiln_model_run_entry(m, name, in, 2, out, 1) != 0) return -1;
+  const DLTensor *l = &out[0]->dl_tensor;
+  int rc = 0;
+  if (l->ndim != 2 || l->shape[0] != batch) {
+    fprintf(stderr, "generate: %s returned logits of rank %d, expected [%lld, vocab]\n", name,
+            (int)l->ndim, (long long)batch);
+    rc = -2;
+  }
+  for (int64_t b = 0; rc == 0 && b < batch; ++b) {
+    if (done[b]) continue;
+    DLTensor row = logits_row(l, b);
+    rc = kiln_sample(&row, temperature, top_k, top_p, &rng[b], &tokens[b * max_new + n[b]]);
+    n[b] += rc == 0;
+  }
+  out[0]->deleter(out[0]);
+  return rc;
+}
+
+/* kiln.runtime.generate_batch's loop over the n_prompts prompts (at most batch) of a batched
+ * package; prints the tokens and the timing line. 0, 1 (a kiln error) or 2 (usage). */
+static int generate_batched(kiln_model *m, int64_t batch, int64_t max_len, int64_t **prompts,
+                            const int64_t *lens_in, int64_t n_prompts, long max_new,
+                            float temperature, int64_t top_k, float top_p, uint64_t seed,
+                            int has_stop, int64_t stop) {
+  if (n_prompts > batch) {
+    fprintf(stderr, "generate: %lld prompts for a package of batch %lld; give at most %lld "
+                    "(or compile a larger batch)\n", (long long)n_prompts, (long long)batch,
+            (long long)batch);
+    return 2;
+  }
+  int64_t longest = 0;
+  for (int64_t b = 0; b < n_prompts; ++b) longest = lens_in[b] > longest ? lens_in[b] : longest;
+  if (longest + max_new - 1 > max_len) {
+    fprintf(stderr, "generate: a prompt of %lld tokens and %ld new tokens need %lld cache "
+                    "positions; the package's cache holds %lld\n", (long long)longest, max_new,
+            (long long)(longest + max_new - 1), (long long)max_len);
+    return 2;
+  }
+  int status = 1;
+  int64_t *ids = calloc((size_t)(batch * longest), sizeof(int64_t));
+  int64_t *vec = calloc((size_t)batch, sizeof(int64_t));
+  int64_t *tokens = calloc((size_t)batch * (size_t)max_new, sizeof(int64_t));
+  uint64_t *rng = calloc((size_t)batch, sizeof(uint64_t));
+  long *n = calloc((size_t)batch, sizeof(long));
+  int *done = calloc((size_t)batch, sizeof(int));
+  if (!ids || !vec || !tokens || !rng || !n || !done) {
+    fprintf(stderr, "generate: out of memory\n");
+    goto out;
+  }
+  /* rows past the prompts: the one-token dummy prompt 0 (ids already 0) */
+  for (int64_t b = 0; b < batch; ++b) {
+    vec[b] = b < n_prompts ? lens_in[b] : 1;
+    if (b < n_prompts) memcpy(&ids[b * longest], prompts[b], (size_t)lens_in[b] * 8);
+    rng[b] = seed + (uint64_t)b; /* generate_batch: Sampler(..., seed + b) */
+  }
+  if (kiln_model_reset_state(m) != 0) goto fail;
+  double t0 = now_s();
+  int rc = batched_step(m, "prefill", ids, longest, vec, batch, temperature, top_k, top_p,
+                        rng, done, tokens, max_new, n);
+  if (rc) goto step_fail;
+  double t1 = now_s();
+  for (int64_t b = 0; b < batch; ++b) done[b] = has_stop && tokens[b * max_new] == stop;
+  long steps = 0;
+  for (;;) {
+    int all_done = 1;
+    for (int64_t b = 0; b < n_prompts; ++b) all_done &= done[b];
+    if (steps >= max_new - 1 || all_done) break;
+    /* vec holds each row's next position: its length, then one more per step */
+    for (int64_t b = 0; b < batch; ++b) ids[b] = tokens[b * max_new + n[b] - 1];
+    rc = batched_step(m, "decode", ids, 1, vec, batch, temperature, top_k, top_p, rng, done,
+                      tokens, max_new, n);
+    if (rc) goto step_fail;
+    for (int64_t b = 0; b < batch; ++b) {
+      vec[b] += 1;
+      if (!done[b]) done[b] = has_stop && tokens[b * max_new + n[b] - 1] == stop;
+    }
+    ++steps;
+  }
+  double t2 = now_s();
+  long decoded = 0;
+  for (int64_t b = 0; b < n_prompts; ++b) {
+    printf("tokens[%lld]: ", (long long)b);
+    for (long k = 0; k < n[b]; ++k) printf("%s%lld", k ? "," : "", (long long)tokens[b * max_new + k]);
+    printf("\n");
+    decoded += n[b] - 1;
+  }
+  printf("batch %lld (%lld prompts); prefill: %.2f ms; decode: %ld steps, %.2f ms/step, "
+         "%.1f tokens/s\n", (long long)batch, (long long)n_prompts, (t1 - t0) * 1e3, steps,
+         steps ? (t2 - t1) * 1e3 / steps : 0.0, t2 > t1 ? decoded / (t2 - t1) : 0.0);
+  status = 0;
+  goto out;
+step_fail:
+  if (rc == -2) goto out; /* message printed */
+fail:
+  fprintf(stderr, "generate: %s\n", kiln_last_error());
+out:
+  free(ids);
+  free(vec);
+  free(tokens);
+  free(rng);
+  free(n);
+  free(done);
+  return status;
 }
 
 /* The few CUDA driver functions the device loop needs (libcuda.so.1, opened at run time). */
@@ -236,7 +423,8 @@ int main(int argc, char **argv) {
   long long top_k = 0;
   unsigned long long seed = 0;
   const char *device = "cpu";
-  int i = 1;
+  long long stop = 0;
+  int has_stop = 0, i = 1;
   for (; i < argc && argv[i][0] == '-' && argv[i][1] && !argv[i][2]; i += 2) {
     if (i + 1 >= argc) return usage();
     const char *v = argv[i + 1];
@@ -248,29 +436,61 @@ int main(int argc, char **argv) {
       case 's': seed = strtoull(v, NULL, 10); break;
       case 't': threads = strtol(v, NULL, 10); break;
       case 'd': device = v; break;
+      case 'e': stop = strtoll(v, NULL, 10); has_stop = 1; break;
       default: return usage();
     }
   }
-  if (argc - i != 2 || max_new < 1) return usage();
-  int64_t *prompt = NULL, n_prompt = 0;
-  if (parse_ids(argv[i + 1], &prompt, &n_prompt) != 0) {
-    fprintf(stderr, "generate: bad prompt ids '%s' (expected e.g. 1,2,3)\n", argv[i + 1]);
-    free(prompt);
-    return 2;
+  if (argc - i < 2 || max_new < 1) return usage();
+  int64_t n_prompts = argc - i - 1;
+  int64_t **prompts = calloc((size_t)n_prompts, sizeof *prompts);
+  int64_t *lens = calloc((size_t)n_prompts, sizeof *lens);
+  kiln_model *m = NULL;
+  int64_t *tokens = NULL, *pos = NULL;
+  int status = 2;
+  if (!prompts || !lens) {
+    status = 1;
+    goto done;
   }
+  for (int64_t b = 0; b < n_prompts; ++b) {
+    if (parse_ids(argv[i + 1 + b], &prompts[b], &lens[b]) != 0) {
+      fprintf(stderr, "generate: bad prompt ids '%s' (expected e.g. 1,2,3; a prompt has at "
+                      "least one id)\n", argv[i + 1 + b]);
+      goto done;
+    }
+  }
+  status = 1;
+  int64_t *prompt = prompts[0], n_prompt = lens[0];
   if (kiln_abi_version() != KILN_ABI_VERSION || kiln_abi_minor() < 5) {
     fprintf(stderr, "generate: libkiln ABI %d.%d, need %d.5 or later\n", kiln_abi_version(),
             kiln_abi_minor(), KILN_ABI_VERSION);
-    free(prompt);
-    return 1;
+    goto done;
   }
-  kiln_model *m = NULL;
-  int64_t *tokens = malloc((size_t)max_new * sizeof(int64_t));
-  int64_t *pos = malloc((size_t)n_prompt * sizeof(int64_t));
-  int status = 1;
+  tokens = malloc((size_t)max_new * sizeof(int64_t));
+  pos = malloc((size_t)n_prompt * sizeof(int64_t));
   if (!tokens || !pos) goto done;
   if (kiln_model_load(argv[i], device, &m) != 0) goto fail;
   if (threads > 0 && kiln_model_set_num_threads(m, (int)threads) != 0) goto fail;
+  int64_t batch = 1, max_len = 0;
+  int batched = batched_shape(m, &batch, &max_len);
+  if (batched < 0) goto done;
+  if (batched && strcmp(device, "cpu") != 0) {
+    fprintf(stderr, "generate: batched packages run on the CPU here; on %s use `kiln generate "
+                    "PKG --device %s --prompt-ids ... --prompt-ids ...`\n", device, device);
+    status = 2;
+    goto done;
+  }
+  if (batched) {
+    status = generate_batched(m, batch, max_len, prompts, lens, n_prompts, max_new,
+                              temperature, top_k, top_p, seed, has_stop, stop);
+    goto done;
+  }
+  if (n_prompts > 1) {
+    fprintf(stderr, "generate: %lld prompts, but this package decodes one sequence; compile a "
+                    "batched package (kiln.models.batched_decoder.export_batched) for several\n",
+            (long long)n_prompts);
+    status = 2;
+    goto done;
+  }
   if (kiln_model_reset_state(m) != 0) goto fail; /* a fresh KV cache */
   long n = 1;
   double t0 = 0, t1 = 0, t2 = 0;
@@ -282,6 +502,8 @@ int main(int argc, char **argv) {
       goto done;
     t1 = tp;
     t2 = tp + td;
+    for (long k = 0; has_stop && k < n; ++k) /* the tokens up to the first STOP */
+      if (tokens[k] == stop) n = k + 1;
     goto print;
   }
   uint64_t rng = seed;
@@ -290,7 +512,7 @@ int main(int argc, char **argv) {
   if (step(m, "prefill", prompt, pos, n_prompt, temperature, top_k, top_p, &rng, &tokens[0]))
     goto fail;
   t1 = now_s();
-  for (; n < max_new; ++n) {
+  for (; n < max_new && !(has_stop && tokens[n - 1] == stop); ++n) {
     int64_t id = tokens[n - 1], p = n_prompt + n - 1;
     if (step(m, "decode", &id, &p, 1, temperature, top_k, top_p, &rng, &tokens[n])) goto fail;
   }
@@ -309,6 +531,8 @@ done:
   kiln_model_free(m);
   free(tokens);
   free(pos);
-  free(prompt);
+  for (int64_t b = 0; prompts && b < n_prompts; ++b) free(prompts[b]);
+  free(prompts);
+  free(lens);
   return status;
 }

@@ -275,7 +275,10 @@ def test_libkiln_exports_only_api(libkiln_path: pathlib.Path) -> None:
                      # minor 6: per-step profiling
                      "kiln_model_set_profiling", "kiln_model_profile_num_steps",
                      "kiln_model_profile_runs", "kiln_model_profile_step",
-                     "kiln_model_profile_write"}
+                     "kiln_model_profile_write",
+                     # minor 7: input and state records
+                     "kiln_model_entry_input_name", "kiln_model_entry_input_shape",
+                     "kiln_model_state_shape"}
 
 
 # --- C level, in subprocesses (a crash fails the test instead of killing pytest) ----------------

@@ -51,8 +51,10 @@
  *    kiln_model_state_nbytes, kiln_model_read_state, kiln_model_write_state,
  *    kiln_model_copy_state) and kiln_sample
  * 6: per-step profiling (kiln_model_set_profiling, kiln_model_profile_num_steps,
- *    kiln_model_profile_runs, kiln_model_profile_step, kiln_model_profile_write) */
-#define KILN_ABI_MINOR 6
+ *    kiln_model_profile_runs, kiln_model_profile_step, kiln_model_profile_write)
+ * 7: input and state records (kiln_model_entry_input_name, kiln_model_entry_input_shape,
+ *    kiln_model_state_shape) */
+#define KILN_ABI_MINOR 7
 
 #if defined(_WIN32)
 #define KILN_API
@@ -230,6 +232,24 @@ KILN_API int kiln_model_copy_state(kiln_model *dst, kiln_model *src);
  * Returns 0, or non-zero with kiln_last_error() set (bad arguments, NaN logits). */
 KILN_API int kiln_sample(const DLTensor *logits, float temperature, int64_t top_k, float top_p,
                          uint64_t *rng_state, int64_t *token);
+
+/* Input and state records (minor 7), as the package's manifest records them: e.g. to tell a
+ * batched decoder (prefill(input_ids [B, T], lengths [B])) from a batch-1 one
+ * (prefill(input_ids [1, T], cache_position [T])), and its batch and cache length, before
+ * running it (examples/c/generate.c).
+ *  - kiln_model_entry_input_name: the name of flat input i of the named entry point ("" when
+ *    the record has none); valid until kiln_model_free; NULL (kiln_last_error set) for an
+ *    unknown entry, i out of range, or a package written before inputs were recorded.
+ *  - kiln_model_entry_input_shape / kiln_model_state_shape: the rank of input i of the entry
+ *    / of state buffer i (kiln_model_state_name), its sizes written to shape[0 .. min(rank,
+ *    capacity)) with -1 for a dynamic size (one given at run time, e.g. a prompt length);
+ *    -1 on error (as above; shape may be NULL only when capacity is 0). */
+KILN_API const char *kiln_model_entry_input_name(const kiln_model *m, const char *entry,
+                                                 int64_t i);
+KILN_API int64_t kiln_model_entry_input_shape(const kiln_model *m, const char *entry, int64_t i,
+                                              int64_t *shape, int64_t capacity);
+KILN_API int64_t kiln_model_state_shape(const kiln_model *m, int64_t i, int64_t *shape,
+                                        int64_t capacity);
 
 /* Per-step profiling of CPU models (minor 6). Every CPU package's compiled wrapper times each
  * of its steps (a fused kernel, a GEMM, a library routine, an ATen fallback call) when

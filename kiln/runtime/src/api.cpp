@@ -117,10 +117,17 @@ struct WeightView {
   uint64_t offset = 0;  // bytes into it
 };
 
+// A flat input of an entry point as the manifest records it (kiln_model_entry_input_*).
+struct InputRecord {
+  std::string name;
+  std::vector<int64_t> shape;  // -1: a dynamic dim
+};
+
 // An entry point of the package (manifest "entries"; a package without them has one, the
 // default, named "forward"): its library and its instance.
 struct ModelEntry {
   std::string name;
+  std::vector<InputRecord> inputs;  // manifest "inputs" (empty in a package without them)
   std::map<std::string, std::string> keys;  // library weight name -> weights blob key
   std::map<std::string, WeightView> views;  // library weight name -> its bytes in another
   std::vector<CpuLevel> levels;  // requires.cpu_levels, else the one build
@@ -346,6 +353,22 @@ std::map<std::string, std::vector<int64_t>> weight_shapes(const kiln::Json &man)
   return out;
 }
 
+// An entry's "inputs" records (name, shape) from its manifest object.
+std::vector<kiln::InputRecord> input_records(const kiln::Json *ins) {
+  std::vector<kiln::InputRecord> out;
+  if (!ins || ins->type != kiln::Json::Array) return out;
+  for (const kiln::Json &i : ins->items) {
+    kiln::InputRecord r;
+    const kiln::Json *name = i.get("name");
+    const kiln::Json *shape = i.get("shape");
+    if (name && name->type == kiln::Json::String) r.name = name->str;
+    if (shape && shape->type == kiln::Json::Array)
+      for (const kiln::Json &d : shape->items) r.shape.push_back(d.is_int ? d.integer : -1);
+    out.push_back(std::move(r));
+  }
+  return out;
+}
+
 std::string shape_text(const std::vector<int64_t> &shape) {
   std::string out = "[";
   for (size_t i = 0; i < shape.size(); ++i) {
@@ -419,6 +442,7 @@ ManifestInfo check_manifest(const kiln::ZipReader &zip) {
   if (!es) {  // one entry point: the package's top level
     ModelEntry e;
     e.name = "forward";
+    e.inputs = input_records(man.get("inputs"));
     cpu_levels(man.get("requires"), march, "lib/model.so", what, &e);
     info.entries.push_back(std::move(e));
     return info;
@@ -433,6 +457,7 @@ ManifestInfo check_manifest(const kiln::ZipReader &zip) {
     if (e.name.empty() || library.empty()) {
       kiln::fail("%s: an entry of \"entries\" lacks its \"name\" or \"library\"", what.c_str());
     }
+    e.inputs = input_records(j.get("inputs"));
     const kiln::Json *keys = j.get("weights");
     if (keys && keys->type == kiln::Json::Object) {
       for (const auto &kv : keys->members) {
@@ -1091,6 +1116,65 @@ KILN_API int64_t kiln_model_state_nbytes(const kiln_model *m, int64_t i) {
   guarded([&] {
     if (!m) kiln::fail("kiln_model_state_nbytes: model is NULL");
     out = state_slot(m, i, "kiln_model_state_nbytes").nbytes;
+  });
+  return out;
+}
+
+namespace {
+// Copies shape into out[0..min(ndim, capacity)) and returns ndim.
+int64_t put_shape(const std::vector<int64_t> &shape, int64_t *out, int64_t capacity,
+                  const char *fn) {
+  if (capacity < 0 || (capacity > 0 && !out))
+    kiln::fail("%s: shape is NULL or capacity %lld < 0", fn, static_cast<long long>(capacity));
+  const int64_t n = static_cast<int64_t>(shape.size());
+  for (int64_t d = 0; d < n && d < capacity; ++d) out[d] = shape[static_cast<size_t>(d)];
+  return n;
+}
+
+const kiln::InputRecord &input_record(const kiln_model *m, const char *entry, int64_t i,
+                                      const char *fn) {
+  if (!m) kiln::fail("%s: model is NULL", fn);
+  const kiln::ModelEntry &e = m->entries[find_entry(m, entry, fn)];
+  if (e.inputs.empty())
+    kiln::fail("%s: the package records no inputs of entry point '%s' (written by an older "
+               "kiln)", fn, e.name.c_str());
+  if (i < 0 || i >= static_cast<int64_t>(e.inputs.size()))
+    kiln::fail("%s: input %lld out of range (entry point '%s' has %zu inputs)", fn,
+               static_cast<long long>(i), e.name.c_str(), e.inputs.size());
+  return e.inputs[static_cast<size_t>(i)];
+}
+}  // namespace
+
+KILN_API const char *kiln_model_entry_input_name(const kiln_model *m, const char *entry,
+                                                 int64_t i) {
+  const char *out = nullptr;
+  guarded([&] {
+    out = input_record(m, entry, i, "kiln_model_entry_input_name").name.c_str();
+  });
+  return out;
+}
+
+KILN_API int64_t kiln_model_entry_input_shape(const kiln_model *m, const char *entry,
+                                              int64_t i, int64_t *shape, int64_t capacity) {
+  int64_t out = -1;
+  guarded([&] {
+    const char *fn = "kiln_model_entry_input_shape";
+    out = put_shape(input_record(m, entry, i, fn).shape, shape, capacity, fn);
+  });
+  return out;
+}
+
+KILN_API int64_t kiln_model_state_shape(const kiln_model *m, int64_t i, int64_t *shape,
+                                        int64_t capacity) {
+  int64_t out = -1;
+  guarded([&] {
+    const char *fn = "kiln_model_state_shape";
+    if (!m) kiln::fail("%s: model is NULL", fn);
+    const std::string &key = state_slot(m, i, fn).key;
+    auto it = m->weight_shapes.find(key);
+    if (it == m->weight_shapes.end())
+      kiln::fail("%s: the package records no shape of state buffer '%s'", fn, key.c_str());
+    out = put_shape(it->second, shape, capacity, fn);
   });
   return out;
 }
