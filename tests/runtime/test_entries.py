@@ -288,3 +288,15 @@ def test_cuda_package_of_entries_builds(tmp_path):
             assert "int share_weight(" in text and "weight_buffer, share_weight};" in text
             assert "if (!weights[i]) continue;" in text  # a shared weight is not uploaded
         assert {"lib/model.so", "entries/b/lib/model.so"} <= set(z.namelist())
+
+
+def test_c_stop_token_and_several_prompts_for_a_batch_1_package(package, generate_exe):
+    r = kiln.load(package)
+    free = generate(r, PROMPT, 12).tokens
+    stop = free[3]
+    want = generate(r, PROMPT, 12, stop=stop).tokens
+    assert want == free[:free.index(stop) + 1]
+    assert _c_tokens(generate_exe, package, PROMPT, "-n", "12", "-e", str(stop)) == want
+    proc = subprocess.run([str(generate_exe), str(package), "1,2", "3,4"], capture_output=True,
+                          text=True)
+    assert proc.returncode == 2 and "decodes one sequence" in proc.stderr, proc.stderr
