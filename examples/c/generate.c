@@ -13,7 +13,8 @@
  * `kiln generate`, which calls the same function). Prints
  *     tokens: t1,t2,...
  *     prefill: <T> tokens in <ms> ms; decode: <n> tokens, <ms> ms/token, <x> tokens/s
- * -e STOP ends the generation at token STOP (printed as the last token).
+ * -e STOP ends the generation at token STOP (printed as the last token; with -d cuda the device
+ * loop runs its MAX_NEW steps and the tokens are cut after the first STOP).
  *
  * A batched package (kiln.models.batched_decoder.export_batched: prefill(input_ids int64 [B, T],
  * lengths int64 [B]), decode(input_ids int64 [B, 1], positions int64 [B]), both -> logits
@@ -255,7 +256,8 @@ static int generate_batched(kiln_model *m, int64_t batch, int64_t max_len, int64
   long decoded = 0;
   for (int64_t b = 0; b < n_prompts; ++b) {
     printf("tokens[%lld]: ", (long long)b);
-    for (long k = 0; k < n[b]; ++k) printf("%s%lld", k ? "," : "", (long long)tokens[b * max_new + k]);
+    for (long k = 0; k < n[b]; ++k)
+      printf("%s%lld", k ? "," : "", (long long)tokens[b * max_new + k]);
     printf("\n");
     decoded += n[b] - 1;
   }
