@@ -33,6 +33,7 @@ from kiln.toolchain.cxx import compiler_identity
 from kiln.runtime import load
 from kiln.runtime.build import build_in_background, shipped
 from kiln.runtime.ab_time import time_ab
+from kiln.targets.cpu.never_lose import differing
 
 MANIFEST_SCHEMA = "kiln.manifest/1"
 
@@ -238,7 +239,7 @@ def _never_lose(built: Built, ep, opts: Options) -> tuple[Built, dict[str, Any],
     kept = "tuned" if res.a_wins(NEVER_LOSE_MARGIN) else "default"
     check = {"tuned_ms": res.a_s * 1e3, "default_ms": res.b_s * 1e3, "rounds": res.rounds,
              "margin": NEVER_LOSE_MARGIN, "kept": kept,
-             "differing_gemms": _differing(tuned.gemms, default.gemms)}
+             "differing_gemms": differing(tuned.gemms, default.gemms)}
     return (tuned if kept == "tuned" else default), manifests[kept], check
 
 
@@ -466,18 +467,16 @@ def compile(model, example_args=None, *, example_kwargs=None, dynamic_shapes=Non
     return CompiledModel(built, manifest, report)
 
 
-def _differing(tuned: dict, default: dict) -> list:
-    # deferred: the CPU target's max_autotune check only (0.2 s of every first compile's
-    # imports otherwise)
-    from kiln.targets.cpu.never_lose import differing
-    return differing(tuned, default)
+#: seconds the import of this module took where `import kiln` deferred it to the first use
+#: of `kiln.compile` (kiln/__init__.py sets it after the import), told once: to the compile
+#: that paid it
+IMPORT_SECONDS = 0.0
 
 
 def _first_import() -> float:
-    """Seconds the import of this module took where `import kiln` deferred it to the first
-    use of `kiln.compile` (kiln/__init__.py), told once: to the compile that paid it."""
-    import kiln
-    return kiln.IMPORT_SECONDS.pop(__name__, 0.0)
+    global IMPORT_SECONDS
+    seconds, IMPORT_SECONDS = IMPORT_SECONDS, 0.0
+    return seconds
 
 
 @dataclass(frozen=True)

@@ -55,6 +55,7 @@ import sympy
 import torch
 
 from kiln.errors import UnsupportedError
+from kiln.frontend.aten_library import nonzero_of_mask, nonzero_rows
 from kiln.frontend.aten_table import _dims
 from kiln.frontend.builder import to_dtype
 from kiln.ir import dtypes
@@ -511,8 +512,6 @@ def _nonzero(p: _Parts, x) -> str:
 def _nonzero_coords(b, n):
     """The coordinates of the nonzero complex values (either part nonzero, NaN included):
     kiln's nonzero of that mask (aten_library.nonzero_of_mask)."""
-    from kiln.frontend.aten_library import nonzero_of_mask, nonzero_rows
-
     rows = nonzero_rows(b, n)
     return nonzero_of_mask(b, n, _nonzero(_start(b, n), n.args[0]), rows)
 

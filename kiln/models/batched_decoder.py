@@ -46,9 +46,11 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch._guards import detect_fake_mode
 from torch.export import Dim
 
 from kiln.errors import InputError, KilnError
+from kiln.runtime.generation import batched_loop
 
 #: model_type of the supported families
 FAMILIES = ("llama", "mistral", "qwen2")
@@ -175,11 +177,7 @@ class BatchedDecoder(nn.Module):
 
 
 def _tracing() -> bool:
-    try:
-        from torch._guards import detect_fake_mode
-        return detect_fake_mode() is not None
-    except Exception:  # pragma: no cover - older torch
-        return False
+    return detect_fake_mode() is not None
 
 
 class _Prefill(nn.Module):
@@ -257,8 +255,6 @@ def eager_generate_batch(model_or_core: nn.Module, prompts: list[list[int]],
                          max_len: int | None = None, **sampling: Any):
     """kiln.runtime.generate_batch's loop in eager over a BatchedDecoder (given, or built
     from a model at `batch` (default len(prompts)) and `max_len`): a BatchGeneration."""
-    from kiln.runtime.generation import batched_loop
-
     if not isinstance(model_or_core, BatchedDecoder):
         batch = batch or len(prompts)
         max_len = max_len or max(map(len, prompts)) + max_new_tokens

@@ -53,6 +53,8 @@ the wrappers launch for a call: the attention kernel, then the combine when spli
 
 from __future__ import annotations
 
+import os
+
 import sympy
 
 from kiln.errors import CompileError
@@ -463,7 +465,6 @@ _LEGACY = "256,264"
 def _split_limits() -> tuple[int, int, int]:
     """(DECODE_KEYS_PER_SPLIT, DECODE_TARGET_PROGRAMS, DECODE_TILE_BYTES), or what the
     environment's KILN_DECODE_SPLIT says (A/B runs)."""
-    import os
     env = os.environ.get("KILN_DECODE_SPLIT", "")
     env = _LEGACY if env == "legacy" else env
     out = [DECODE_KEYS_PER_SPLIT, DECODE_TARGET_PROGRAMS, DECODE_TILE_BYTES]
@@ -564,7 +565,6 @@ def _live_range(call: L.Extern) -> bool:
     bool or float mask, one query row (L = 1) and one mask row for the group's heads (G = 1,
     or the mask broadcast over heads). `KILN_DECODE_SPLIT` with a fourth field 0 turns it
     off (A/B runs)."""
-    import os
     env = os.environ.get("KILN_DECODE_SPLIT", "")
     if env == "legacy" or env.count(",") >= 3 and env.split(",")[3] == "0":
         return False
