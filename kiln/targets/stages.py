@@ -37,6 +37,7 @@ from kiln.passes.store_once import gemm_sums
 from kiln.memory.assign import assign_offsets
 from kiln.options import Options
 from kiln.passes.dce import dce
+from kiln.passes.fold_pad import fold_pads
 from kiln.passes.freeze import freeze
 from kiln.passes.merge_gemms import merge_gemms
 from kiln.schedule import schedule
@@ -222,6 +223,12 @@ def drop_dead(state: Build) -> Build:
     return replace(state, graph=dce(state.graph))
 
 
+def fold_zero_pads(state: Build) -> Build:
+    """Zero pads folded into the convolutions they feed, identity pads dropped
+    (passes/fold_pad.py), then the pads left without users."""
+    return replace(state, graph=dce(fold_pads(state.graph)))
+
+
 def freeze_weights(state: Build) -> Build:
     """Weights stored in the layout their GEMMs read (passes/freeze.py)."""
     graph, weights = freeze(state.graph, dict(state.weights))
@@ -296,6 +303,7 @@ def plan_memory(state: Build) -> Build:
 
 
 DCE = Stage("dce", drop_dead, dump=graph_text, verify=check_graph)
+FOLD_PADS = Stage("fold_pads", fold_zero_pads, dump=graph_text, verify=check_graph)
 MERGE_GEMMS = Stage("merge_gemms", merge_projections, dump=graph_text, verify=check_graph,
                     when=merging_gemms)
 FREEZE = Stage("freeze", freeze_weights, dump=graph_text, verify=check_graph, when=freezing)

@@ -3,6 +3,8 @@
     import            torch.export -> Graph IR; library routines allowed; attention as one
                       `attention` step (kiln_attention.h; Options.fused_attention)
     dce               dead nodes and unused weights dropped
+    fold_pads         zero pads folded into the convolutions they feed, identity pads dropped
+                      (passes/fold_pad.py)
     gqa_attention     (attention nodes) grouped-query attention reads the kv heads in place,
                       not repeat_kv copies (passes/gqa_attention.py)
     check_user_kernels  user Triton kernels refused (a package cannot run them on the CPU)
@@ -46,13 +48,14 @@ from kiln.targets.cpu.build import (CpuBuild, check_user_kernels, codegen, codeg
 from kiln.targets.cpu.never_lose import default_variant, tuned
 from kiln.targets.cpu.conv import direct_conv, direct_conv_enabled
 from kiln.targets.cpu.quant import quant_enabled, quant_weights
-from kiln.targets.stages import (DCE, FREEZE, LOWER, PLAN, REORDER, SCHEDULE, Stage, Target,
-                                 check_graph, graph_text, import_stage, program_stage,
-                                 source_files, steps_text)
+from kiln.targets.stages import (DCE, FOLD_PADS, FREEZE, LOWER, PLAN, REORDER, SCHEDULE,
+                                 Stage, Target, check_graph, graph_text, import_stage,
+                                 program_stage, source_files, steps_text)
 
 TARGET = Target("cpu", (
     import_stage(library_routines=True, fused_attention=True),
     DCE,
+    FOLD_PADS,
     Stage("gqa_attention", gqa_attention, dump=graph_text, verify=check_graph,
           when=has_attention),
     Stage("check_user_kernels", check_user_kernels),
