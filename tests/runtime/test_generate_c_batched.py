@@ -13,13 +13,15 @@ import ctypes
 import subprocess
 
 import pytest
+import test_entries
 
 import kiln
 from kiln.models import batched_decoder as bd
 from kiln.models import hf_decoder
 from kiln.runtime import generate_batch
-from kiln.runtime.build import include_dir
 from kiln.runtime.loader import libkiln
+
+generate_exe = test_entries.generate_exe  # the fixture: examples/c/generate.c built
 
 #: lengths 6, 2, 9, 1: every set mixes lengths (the 1-prompt set is the longest alone)
 PROMPTS = [[3, 17, 42, 5, 99, 7], [8, 1], [5, 6, 7, 8, 9, 10, 11, 12, 13], [4]]
@@ -34,18 +36,6 @@ def package(tmp_path_factory):
     c = kiln.compile(bd.export_batched(model, BATCH, MAX_LEN, max_prompt=MAX_PROMPT))
     path = c.save(tmp_path_factory.mktemp("cgen_batched") / "llama_b4.kiln")
     return path, kiln.load(path)
-
-
-@pytest.fixture(scope="module")
-def generate_exe(libkiln_path, tmp_path_factory):
-    """examples/c/generate.c built against libkiln (-Wall -Wextra -Werror)."""
-    exe = tmp_path_factory.mktemp("cgen_b") / "generate"
-    libdir = str(libkiln_path.parent)
-    subprocess.run(["cc", "-O2", "-Wall", "-Wextra", "-Werror", "-I", str(include_dir()),
-                    str(include_dir().parents[2] / "examples" / "c" / "generate.c"),
-                    f"-L{libdir}", "-lkiln", f"-Wl,-rpath,{libdir}", "-o", str(exe)],
-                   check=True)
-    return exe
 
 
 def _run(exe, path, prompts, *flags):

@@ -49,7 +49,12 @@ Config: XBLOCK = BLOCK_M (queries per program; the decode path: key splits), RBL
 `choose_attention_config` is the heuristic; targets/cuda/launch_tune.py times
 `attention_candidates` on the local GPU (the decode path's candidates vary the split; the
 tuner times the attention kernel, not the combine after it). `attention_kernels` lists what
-the wrappers launch for a call: the attention kernel, then the combine when split."""
+the wrappers launch for a call: the attention kernel, then the combine when split.
+
+Size: about 840 lines, prefill and decode in one module. Both paths share the Config, the
+head / item-size / shared-memory helpers and the dispatch of `attention_kernels` and
+`attention_candidates`; moving the decode path out alone would make the two modules import
+each other. Splitting it means a third module for those shared helpers first."""
 
 from __future__ import annotations
 
