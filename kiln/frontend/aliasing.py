@@ -133,6 +133,18 @@ def _compact(val: torch.Tensor) -> bool:
         return False
 
 
+def _same_layout(a, b) -> bool:
+    """Whether fake tensors `a` and `b` have the same dtype, sizes, strides and offset."""
+    try:
+        return isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor) and \
+            a.dtype == b.dtype and a.dim() == b.dim() and \
+            all(bool(x == y) for x, y in zip(a.shape, b.shape)) and \
+            all(bool(x == y) for x, y in zip(a.stride(), b.stride())) and \
+            bool(a.storage_offset() == b.storage_offset())
+    except Exception:  # a guard on symbolic sizes that cannot be decided: not provably equal
+        return False
+
+
 def _whole(val, root_val) -> bool:
     """Whether `val` views all of `root_val` compactly from its first element: kiln's compact
     buffer for it then holds the root's elements in the root's own order."""
@@ -309,8 +321,10 @@ def output_aliases(ep: torch.export.ExportedProgram, user_inputs: list[str],
                    written: dict[str, str] | None = None) -> tuple[dict | None, ...]:
     """`outputs`: the FX node name of each user output (None: not a tensor node). `written`:
     FX node name of the new contents of a user input the program writes in place -> that
-    input's name: in eager such an output is the input itself (the runner writes the contents
-    back before it shares storage; a view of it stays a copy with the same values)."""
+    input's name: in eager such an output is the input itself, and a view of the new contents
+    (`x.add_(1); return x[1:]`) a view of the input (the runner writes the contents back
+    before it shares storage). The new contents stand in for the input only where they have
+    its dtype, shape and strides at export, so the view's record reads the same over both."""
     nodes = {n.name: n for n in ep.graph.nodes}
     written = written or {}
     outputs = [written.get(o, o) if o is not None else None for o in outputs]
@@ -320,6 +334,9 @@ def output_aliases(ep: torch.export.ExportedProgram, user_inputs: list[str],
         n = nodes.get(name) if name is not None else None
         while n is not None and _view_source(n) is not None:
             n = _view_source(n)
+        if n is not None and n.name in written and written[n.name] in nodes and \
+                _same_layout(n.meta.get("val"), nodes[written[n.name]].meta.get("val")):
+            n = nodes[written[n.name]]  # a view of a written input's new contents
         roots.append(n)
         if name is not None and name in nodes and _view_source(nodes[name]) is None:
             first_output.setdefault(name, j)  # an output that owns (or is) its root

@@ -147,3 +147,45 @@ def test_entry_point_writes_its_inputs(tmp_path):
     for a, b in zip(list(mine) + list(got), list(theirs) + list(want)):
         torch.testing.assert_close(a, b)
     torch.testing.assert_close(r.reads(mine[0]), theirs[0] * 2)
+
+
+def _returns_views(x):
+    x.add_(1)
+    return x[1:], x.t(), x * 2
+
+
+def _shares(a, base) -> bool:
+    return a.untyped_storage().data_ptr() == base.untyped_storage().data_ptr()
+
+
+@pytest.mark.parametrize("dynamic", (False, True), ids=("static", "dynamic"))
+def test_views_of_a_written_input_share_its_storage(check, dynamic):
+    """`x.add_(1); return x[1:], x.t()`: eager returns views of the caller's x, holding the new
+    contents; so does the runner (the manifest records them as views of input 0). An input
+    given with other strides than the export's keeps kiln's own copies (same values)."""
+    from torch.export import Dim
+    g = gen("input_mutation_views", str(dynamic))
+    x0 = torch.randn(4, 5, generator=g)
+    dyn = ({0: Dim("n", min=3, max=16)},) if dynamic else None
+    compiled, runner = check.compile(Fn(_returns_views), [x0.clone()], dynamic_shapes=dyn)
+    aliases = [o.get("alias") for o in compiled.manifest["outputs"]]
+    assert [a and (a["of"], a["index"]) for a in aliases[:2]] == [("input", 0), ("input", 0)]
+    assert aliases[2] is None
+    for rows in ((4, 7, 3) if dynamic else (4,)):
+        x = torch.randn(rows, 5, generator=g)
+        mine, theirs = x.clone(), x.clone()
+        got, want = runner(mine), _returns_views(theirs)
+        torch.testing.assert_close(mine, theirs)
+        for k, (a, b) in enumerate(zip(got, want)):
+            torch.testing.assert_close(a, b)
+            assert a.shape == b.shape and a.stride() == b.stride()
+            assert _shares(a, mine) == _shares(b, theirs), k
+        mine[0, 0] = 123.0  # a later write to the caller's x shows through the views
+        assert got[1][0, 0].item() == 123.0
+    # other strides than at export (transposed storage): values right, storage kiln's own
+    x = torch.randn(5, 4, generator=g).t()
+    mine, theirs = x.clone().t().contiguous().t(), x.clone()
+    got, want = runner(mine), _returns_views(theirs)
+    torch.testing.assert_close(mine, theirs)
+    for a, b in zip(got, want):
+        torch.testing.assert_close(a, b)
