@@ -56,6 +56,12 @@ npyc=$(ls "$site/torch/_dynamo/__pycache__" 2>/dev/null | wc -l)
     "PYTHONDONTWRITEBYTECODE=${PYTHONDONTWRITEBYTECODE:-}"
 } >"$OUT/env.log" 2>&1
 cat "$OUT/env.log"
+# DIAG_IMPORTS=1: scripts/diag_imports.py (import costs of a fresh process) before and
+# after the bytecode step
+if [ -n "${DIAG_IMPORTS:-}" ]; then  # (kiln's own bytecode first, as the bench's install step)
+  $PY -m compileall -q -j 0 kiln >/dev/null 2>&1
+  $PY scripts/diag_imports.py 2>&1 | tee "$OUT/imports.log"
+fi
 if [ -n "${PKG_BYTECODE:-}" ] && [ "$npyc" -eq 0 ]; then
   t0=$SECONDS
   pkgs=()
@@ -65,11 +71,13 @@ if [ -n "${PKG_BYTECODE:-}" ] && [ "$npyc" -eq 0 ]; then
     [ -e "$site/$p" ] && pkgs+=("$site/$p")
   done
   [ "$(ls "$stdlib/__pycache__" 2>/dev/null | wc -l)" -eq 0 ] && pkgs+=("$stdlib")
-  $PY -m compileall -q -j 0 -x '/(tests?|testing)/' "${pkgs[@]}" >"$OUT/bytecode.log" 2>&1
+  $PY -m compileall -q -j 0 -x '/tests?/' "${pkgs[@]}" >"$OUT/bytecode.log" 2>&1
   brc=$?
   echo "bytecode of ${#pkgs[@]} packages written in $((SECONDS - t0)) s (rc $brc)" \
     | tee -a "$OUT/env.log"
 fi
+[ -n "${DIAG_IMPORTS:-}" ] && [ -n "${PKG_BYTECODE:-}" ] && [ "$npyc" -eq 0 ] && \
+  $PY scripts/diag_imports.py 2>&1 | sed 's/^/with bytecode: /' | tee -a "$OUT/imports.log"
 rc=0
 ab_cases=""
 if [ -n "${AB_TREES:-}" ]; then
