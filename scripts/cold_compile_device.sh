@@ -22,10 +22,12 @@
 # JSON, e.g. '{"tune_prune": false}' for the full search).
 # Run time of the pruned tuning against the full search: python bench/tune_prune_ab.py
 # (not part of this script: about 2 compiles and 6 timings per model and dtype).
-# PKG_BYTECODE=1: first write the bytecode of the installed packages the compile imports
-# (torch, sympy, triton, numpy, transformers, ...; compileall, as `pip install` does) where
-# the image has none (env.log: `torch bytecode`): without it every fresh process compiles
-# torch's sources again (seconds of import, inside torch.export and kiln's first compile).
+# PKG_BYTECODE (default 1; 0: the image as it is): first write the bytecode of the installed
+# packages the compile imports (torch, sympy, triton, numpy, transformers, ...; compileall
+# into their own __pycache__, as `pip install` does) where the image has none (env.log:
+# `torch bytecode`; the H100 image of 2026-11 has none and sets PYTHONDONTWRITEBYTECODE=1):
+# without it every fresh process compiles torch's sources again, 4-5 s of a cold compile
+# inside torch.export and kiln's first compile (BENCHMARKS.md, fifteenth session, s15cc).
 # AB_TREES (e.g. new=.,base=base) with AB_MODELS / AB_DTYPES: those first, the trees
 # interleaved per model (bench/compile_time.py --trees), then MODELS x DTYPES on this tree,
 # less the cases the A/B ran.
@@ -62,7 +64,9 @@ if [ -n "${DIAG_IMPORTS:-}" ]; then  # (kiln's own bytecode first, as the bench'
   $PY -m compileall -q -j 0 kiln >/dev/null 2>&1
   $PY scripts/diag_imports.py 2>&1 | tee "$OUT/imports.log"
 fi
-if [ -n "${PKG_BYTECODE:-}" ] && [ "$npyc" -eq 0 ]; then
+PKG_BYTECODE=${PKG_BYTECODE:-1}
+[ "$PKG_BYTECODE" = 0 ] && PKG_BYTECODE=""
+if [ -n "$PKG_BYTECODE" ] && [ "$npyc" -eq 0 ]; then
   t0=$SECONDS
   pkgs=()
   for p in torch torchgen sympy mpmath networkx numpy triton cuda filelock fsspec jinja2 \
@@ -76,7 +80,7 @@ if [ -n "${PKG_BYTECODE:-}" ] && [ "$npyc" -eq 0 ]; then
   echo "bytecode of ${#pkgs[@]} packages written in $((SECONDS - t0)) s (rc $brc)" \
     | tee -a "$OUT/env.log"
 fi
-[ -n "${DIAG_IMPORTS:-}" ] && [ -n "${PKG_BYTECODE:-}" ] && [ "$npyc" -eq 0 ] && \
+[ -n "${DIAG_IMPORTS:-}" ] && [ -n "$PKG_BYTECODE" ] && [ "$npyc" -eq 0 ] && \
   $PY scripts/diag_imports.py 2>&1 | sed 's/^/with bytecode: /' | tee -a "$OUT/imports.log"
 rc=0
 ab_cases=""
