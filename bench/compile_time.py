@@ -384,6 +384,8 @@ def main() -> None:
                     help="name=path of kiln checkouts to time, interleaved per model")
     ap.add_argument("--rounds", type=int, default=1)
     ap.add_argument("--dtypes", default="fp32", help="fp32,bf16,fp16")
+    ap.add_argument("--cases", default="",
+                    help="model:dtype pairs in this order, instead of --models x --dtypes")
     ap.add_argument("--load-rounds", type=int, default=1,
                     help="cold first loads per kiln compile, each in a fresh process")
     ap.add_argument("--options", default="",
@@ -418,7 +420,8 @@ def main() -> None:
                            env=_fresh_env(tree, Path(tempfile.gettempdir())),
                            capture_output=True)
     rows = []
-    cases = [(m, d) for m in a.models.split(",") for d in a.dtypes.split(",")]
+    cases = ([tuple(c.split(":", 1)) for c in a.cases.split(",")] if a.cases else
+             [(m, d) for m in a.models.split(",") for d in a.dtypes.split(",")])
     for (model, dtype), system in ((c, s) for c in cases for s in systems):
         for name, tree in trees if system != "aoti" else trees[:1]:
             runs = []

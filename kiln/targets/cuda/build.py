@@ -60,7 +60,7 @@ from kiln.passes.dce import dce
 from kiln.passes.gqa_attention import fold_repeat_kv
 from kiln.targets.cuda.put import print_fused_puts, print_put_kernels
 from kiln.targets.cuda.launch_tune import (device_available, kernel_family, template_family,
-                                           tune_all)
+                                           tune_all, warm_context)
 from kiln.targets.cuda.ops import PRELUDE
 from kiln.targets.cuda.wrapper import (blaslt_choices, capturable, cubin_blob, not_capturable,
                                        print_cuda_wrapper)
@@ -325,7 +325,8 @@ class Early:
     precompiled (`wrapper_header`), and, in a thread, the CUDA driver initialised and, where
     launch-config tuning will run (Options.autotune, a local GPU of a target architecture),
     the compile workers started (one per core, triton_aot.Workers) with Triton's driver
-    utilities built (triton_aot.warm_driver). Before, these started after the export; the
+    utilities built (triton_aot.warm_driver), then the CUDA context created
+    (launch_tune.warm_context). Before, these started after the export; the
     first tuning compiles then waited for the workers and Triton's key (ResNet-18 on the
     H100, under cProfile: 1.6 s of its tuning). `workers()` joins the thread: the Workers,
     or None where tuning will not run (the `workers` stage then sizes them by the graph)."""
@@ -346,6 +347,10 @@ class Early:
                 warm_driver()
                 n = _workers(o) if _workers(o) >= 2 else 0  # (one: tuning compiles here)
                 self._workers = Workers(n) if n >= 1 else None
+                # the CUDA context, which the tuning's first buffer paid (0.3 s): now here,
+                # beside the export (the driver's work, the GIL released), once the workers'
+                # spawning thread is going
+                warm_context()
         except Exception:  # noqa: BLE001 - no usable CUDA: the stages decide without it
             self._workers = None
 

@@ -64,6 +64,18 @@ def device_available() -> bool:
         return False
 
 
+def warm_context() -> None:
+    """Creates this process's CUDA context (torch's first allocation on the device) ahead of
+    the tuning, which would otherwise pay it on its first buffer: 0.3 s on the H100 machine,
+    most of it in the driver with the GIL released, so a thread can do it while the caller
+    runs Python (kiln.compile's export: targets/cuda/build.py `Early`). Quiet where it fails:
+    the tuning's own first allocation reports it."""
+    try:
+        torch.empty(1, device="cuda")
+    except Exception:  # noqa: BLE001 - no usable device: the tuning reports it
+        pass
+
+
 def candidates(base: Config, width: int = 1) -> list[Config]:
     """The heuristic config first, then its neighbours (distinct, within Triton's limits);
     for members wider than RBLOCK, one more with a single tile covering the widest member (up
@@ -212,6 +224,21 @@ def _time_cold_ms(ck, grid, sets, consts, torch, reps: int = 20) -> float:
     return event_ms(lambda: run(*sets[next(it) % len(sets)], *consts), max(reps, len(sets)))
 
 
+def launcher_tasks(kernels) -> list[bool]:
+    """Per candidate kernel (in the order they are timed), whether its compile task builds
+    Triton's host launcher too: the first of each signature. The launcher's C source is a
+    function of the parameter types only (triton/backends/nvidia/driver.py `make_launcher`:
+    not of the kernel, its constexpr values or its config), and Triton's cache keys it by that
+    source, so one build serves every kernel of the same types."""
+    seen: set[tuple] = set()
+    out = []
+    for tk in kernels:
+        sig = tuple(tk.signature.values())
+        out.append(sig not in seen)
+        seen.add(sig)
+    return out
+
+
 class _Compiling:
     """The candidates of every (step, kernels, cache path) of `todo`, being compiled for
     `arch` by worker processes (kiln/toolchain/triton_warm.py, one per core up to the number of
@@ -235,11 +262,13 @@ class _Compiling:
         if self.extra:
             text = print_triton_module(self.extra)
             tasks += [(text, tk, arch) for tk in self.extra]
-        # Triton's host launcher depends on the kernel's signature, which a step's candidates
-        # share: the worker of its first candidate (timed first) builds it; the others would
-        # build the same C extension again (a C compile, about a second each)
+        # Triton's host launcher depends on the kernel's parameter types alone, which a step's
+        # candidates share and often many steps too (ResNet-18's tuned convolutions: one
+        # signature): the worker of the first candidate of each signature (timed before the
+        # others of it) builds it; the others would build the same C extension again (a C
+        # compile, a quarter to a whole second each)
         self.pool = triton_aot.Pool(tasks, cache, workers,
-                                    launchers=[j == 0 for _, j, _ in cands] +
+                                    launchers=launcher_tasks([tk for _, _, tk in cands]) +
                                     [False] * len(self.extra), started=started)
         self.first_extra = len(cands)
         self.task = {(i, j): n for n, (i, j, _) in enumerate(cands)}
