@@ -15,6 +15,8 @@ triton_key, workers and wrapper_header then take what was started.
     workers           Triton compile worker processes started while the front end runs,
                       used by launch_autotune and cubins (triton_aot.Workers)
     dce               dead nodes and unused weights dropped
+    fold_pads         zero pads folded into the convolutions they feed, identity pads dropped
+                      (passes/fold_pad.py, as on the CPU)
     gqa_attention     (attention nodes) grouped-query attention reads the kv heads in place,
                       not repeat_kv copies (passes/gqa_attention.py)
     merge_gemms       (Options.fold_constants) GEMMs sharing their input and reading weights
@@ -68,8 +70,8 @@ from kiln.targets.cuda.build import (CudaBuild, check_routines, codegen_triton, 
                                      user_kernel_configs)
 from kiln.targets.collectives import async_collectives, has_collectives
 from kiln.targets.cuda.quant import quant_enabled, quant_weights
-from kiln.targets.stages import (DCE, FREEZE, LOWER_STORING_SUMS, MERGE_GEMMS, PLAN, REORDER,
-                                 SCHEDULE_TINY, Stage, Target, check_graph, check_program,
+from kiln.targets.stages import (DCE, FOLD_PADS, FREEZE, LOWER_STORING_SUMS, MERGE_GEMMS, PLAN,
+                                 REORDER, SCHEDULE_TINY, Stage, Target, check_graph, check_program,
                                  graph_text, import_stage, program_stage, program_text,
                                  source_files, steps_text)
 
@@ -79,6 +81,7 @@ TARGET = Target("cuda", (
     Stage("wrapper_header", wrapper_header),
     Stage("workers", start_workers),
     DCE,
+    FOLD_PADS,
     Stage("gqa_attention", gqa_attention, dump=graph_text, verify=check_graph,
           when=has_attention),
     MERGE_GEMMS,
