@@ -59,14 +59,18 @@ each other. Splitting it means a third module for those shared helpers first."""
 from __future__ import annotations
 
 import os
+import re
 
 import sympy
 
 from kiln.errors import CompileError
-from kiln.targets.cuda.kernel import Config, TritonKernel
-from kiln.targets.cuda.ops import SIG_PTR, TL_DTYPE, to_tl
+from kiln.schedule import Kernel
+from kiln.schedule.steps import CutlassGemm, GemmKernel, PutKernel
+from kiln.targets.cuda.cse import render, text
+from kiln.targets.cuda.kernel import Config, TritonKernel, _Scope
+from kiln.targets.cuda.ops import COMPUTE, SIG_PTR, TL_DTYPE, to_tl
 from kiln.ir import loop as L
-from kiln.ir.sym import evaluate
+from kiln.ir.sym import contiguous_strides, evaluate, free_size_symbols, product, unravel
 from kiln.ir.sym import FloorDiv
 from kiln.lowering.attention import DECODE_MAX_L
 
@@ -602,9 +606,14 @@ def _scratch(call: L.Extern) -> str | None:
 
 
 def print_decode_kernel(call: L.Extern, buffers, hints: dict[str, int],
-                        config: Config) -> TritonKernel:
-    """The decode path's attention kernel (see the comment above)."""
+                        config: Config, fused: PutKernel | None = None) -> TritonKernel:
+    """The decode path's attention kernel (see the comment above); with `fused` (a
+    `PutKernel` whose attention is `call`: `fuse_decode_puts`), also that step's kernel
+    members where the attention reads them and its cache writes."""
     t = to_tl
+    members = {m.name: m for m in fused.kernel.members} \
+        if fused is not None and fused.kernel is not None else {}
+    counter = [0]
     q, k, v = call.args[:3]
     mask = call.args[3] if len(call.args) > 3 else None
     kind = call.attr("mask", 0)
@@ -623,11 +632,26 @@ def print_decode_kernel(call: L.Extern, buffers, hints: dict[str, int],
         raise CompileError(f"{name}: a launch config of {split} key splits (XBLOCK), but the "
                            f"call's scratch {part or '(none)'} holds {call.attr('splits', 1)}")
     bufs = [("out", call.name)] + ([("out", part)] if part else [])
+    if fused is not None:
+        bufs += [("out", p.name) for p in fused.puts]
     for a in call.args:
-        if a.buf not in [b for _, b in bufs]:
+        if a.buf not in [b for _, b in bufs] and a.buf not in members:
             bufs.append(("in", a.buf))
     exprs = [B, H, S] + [x for a in call.args for x in (a.offset, *a.strides)]
+    if fused is not None:
+        used = [members[b] for b in [call.args[0].buf, *(a.buf for a in call.args[3:]),
+                                     *(p.args[1].buf for p in fused.puts)] if b in members]
+        extra = [ld.buf for m in used for ld in L.loads(m.body)]
+        extra += [a.buf for p in fused.puts for a in p.args[1:] if a.buf not in members]
+        for b in extra:
+            if b not in [x for _, x in bufs]:
+                bufs.append(("in", b))
+        exprs += [x for p in fused.puts for a in p.args for x in (a.offset, *a.strides)]
     params, sig = _signature(call, buffers, exprs, bufs)
+    if fused is not None:  # the cache writes' index checks
+        params = (*params, ("status", "kiln_status"))
+        sig = {k: v for k, v in sig.items() if k not in ("XBLOCK", "RBLOCK")}
+        sig.update({"kiln_status": "*i32", "XBLOCK": "constexpr", "RBLOCK": "constexpr"})
     prec = f', input_precision="{DOT_PRECISION[dt]}"' if dt in DOT_PRECISION else ""
     S_, H_ = t(_c(S)), t(_c(H))
     hkv = H_ if g == 1 else f"({H_} // {g})"
@@ -667,11 +691,30 @@ def print_decode_kernel(call: L.Extern, buffers, hints: dict[str, int],
         f"    lq = r % {lq}" if lq > 1 else "    lq = r * 0",
         f"    d = tl.arange(0, {ep})",
         f"    dv = tl.arange(0, {evp})",
-        f"    q = tl.load({q_ptr}, mask=row_ok[:, None]{dmask}, other=0.0)",
+    ]
+    if q.buf in members:  # the absorbed kernel's member, computed here (not stored)
+        m = members[q.buf]
+        lines.append(f"    # q: {m.name} <- {', '.join(m.source)}, computed here")
+        lines.append(f"    qmask = row_ok[:, None]{dmask}")
+        more, val = _member_value(m, buffers, _flat(q, ("b", qs[0]), ("h[:, None]", qs[1]),
+                                                    ("lq[:, None]", qs[2]), ("d[None, :]", qs[3])),
+                                  "qmask", counter, "q_", "    ")
+        lines += more
+        lines.append(f"    q = tl.where(qmask, {val}, 0.0).to({TL_DTYPE[buffers[q.buf].dtype]})")
+    else:
+        lines.append(f"    q = tl.load({q_ptr}, mask=row_ok[:, None]{dmask}, other=0.0)")
+    lines += [
         f"    k_ptr = {ptr(k, (hk_k, ks[1]))}",
         f"    v_ptr = {ptr(v, (hk_k, vs[1]))}",
     ]
-    if mask is not None:
+    new_rows = {}  # "k" / "v" -> the put writing that cache
+    if fused is not None:
+        for p in fused.puts:
+            role = "k" if p.name == k.buf else "v"
+            new_rows[role] = p
+            lines += _new_row_lines(p, role, "d" if role == "k" else "dv", e if role == "k"
+                                    else ev, hk_k, buffers, members, counter)
+    if mask is not None and mask.buf not in members:
         ms = mask.strides
         lines.append(f"    m_ptr = {ptr(mask, ('h[:, None]', ms[1]), ('lq[:, None]', ms[2]))}")
     lines += [
@@ -687,15 +730,29 @@ def print_decode_kernel(call: L.Extern, buffers, hints: dict[str, int],
         # the row, and the splits share that range, not the whole cache: a step over a
         # static cache spreads its filled part over every program
         sc = _scan_width(call, hints)
+        ms = mask.strides
         alive = "(mr != 0)" if kind == 1 else "(mr.to(tl.float32) > float(\"-inf\"))"
         lines += [
-            f"    m_row = {ptr(mask, (hk_k, ms[1]))}",
             f"    lo_live = {S_}",
             "    hi_live = 0",
             f"    for ci in range(0, ({S_} + {sc - 1}) // {sc}):",
             f"        pc = ci * {sc} + tl.arange(0, {sc})",
-            f"        mr = tl.load({' + '.join(['m_row', *(_term('pc', ms[3]) or ['pc * 0'])])}, "
-            f"mask=pc < {S_}, other=0)",
+        ]
+        if mask.buf in members:
+            m = members[mask.buf]
+            lines += [f"        # the mask row: {m.name} <- {', '.join(m.source)}, computed here",
+                      f"        pc_ok = pc < {S_}"]
+            more, val = _member_value(m, buffers, _flat(mask, ("b", ms[0]), (hk_k, ms[1]),
+                                                        ("pc", ms[3])),
+                                      "pc_ok", counter, "mr_", "        ")
+            lines += more + [f"        mr = tl.where(pc_ok, {val}, 0)"]
+        else:
+            row = " + ".join(["m_row", *(_term("pc", ms[3]) or ["pc * 0"])])
+            lines += [
+                f"        m_row = {ptr(mask, (hk_k, ms[1]))}",
+                f"        mr = tl.load({row}, mask=pc < {S_}, other=0)",
+            ]
+        lines += [
             f"        alive = {alive} & (pc < {S_})",
             f"        lo_live = tl.minimum(lo_live, tl.min(tl.where(alive, pc, {S_})))",
             "        hi_live = tl.maximum(hi_live, tl.max(tl.where(alive, pc + 1, 0)))",
@@ -723,7 +780,14 @@ def print_decode_kernel(call: L.Extern, buffers, hints: dict[str, int],
     if causal:
         lines.append("        keep = keep & (cols[None, :] <= lq[:, None])")
     ind = "        "
-    if mask is not None:
+    if mask is not None and mask.buf in members:
+        m, ms = members[mask.buf], mask.strides
+        more, val = _member_value(m, buffers, _flat(mask, ("b", ms[0]), ("h[:, None]", ms[1]),
+                                                    ("lq[:, None]", ms[2]),
+                                                    ("cols[None, :]", ms[3])),
+                                  "keep", counter, "mt_", "        ")
+        lines += more + [f"        mt = tl.where(keep, {val}, 0)"]
+    elif mask is not None:
         lines.append(f"        mt = tl.load({_tile_cols('m_ptr', mask.strides[3])}, mask=keep, "
                      "other=0)")
         if kind == 1:
@@ -748,6 +812,12 @@ def print_decode_kernel(call: L.Extern, buffers, hints: dict[str, int],
         f"mask={cols_read}[None, :]{kmask}, other=0.0)",
         f"vt = tl.load(v_ptr + {_cols_expr('cols[:, None]', vs[2], 'dv[None, :]', vs[3])}, "
         f"mask={cols_read}[:, None]{vmask}, other=0.0)",
+    ]
+    if "k" in new_rows:  # the new token's key / value: this call's, not the cache's old row
+        body.append("kt = tl.where(cols[None, :] == pos_k, k_new[:, None], kt)")
+    if "v" in new_rows:
+        body.append("vt = tl.where(cols[:, None] == pos_v, v_new[None, :], vt)")
+    body += [
         f"s = tl.dot(q, kt{prec}) * qk_scale",
     ]
     if mask is not None and kind == 2:
@@ -839,3 +909,191 @@ def print_decode_combine(call: L.Extern, buffers, config: Config) -> TritonKerne
     rows = sympy.expand(_c(B * H * Lq))
     return TritonKernel(name, "\n".join(lines) + "\n", params, sig,
                         Config(1, sp2, 4 if split * evp > 4096 else 1, 0), rows, call.source)
+
+
+# -- KV-cache writes in the decode attention's launch (issue 17.3, fifteenth session) --------
+# A decode step writes each layer's new key and value rows into the static caches (two `put`
+# calls, index_copy_ at the cache position) right after the one-row kernel that computes the
+# rotary queries and keys (and the mask): schedule/puts.py made those one launch of one
+# program (`PutKernel`, 3.3-3.7 us a layer on an H100: load -> store -> barrier -> load ->
+# store, then the attention's launch). `fuse_decode_puts` folds that whole step into the
+# attention call after it when the attention reads the puts' outputs as its keys and values:
+#   - the kernel's members are computed where the attention reads them (the query tile, the
+#     mask row of the live-range scan and of each key tile, the new key row), never stored;
+#   - each program computes the new key and value rows of its kv head (E elements each) and
+#     uses them in place of the cache's row at the written position (`tl.where` over the
+#     tile: the other programs of the head may not have written it yet); the programs of
+#     split 0 store them into the caches (in place, as the puts did);
+#   - a position outside the cache stores nothing and sets the run's index status, as the
+#     put did.
+# Conditions (else the steps stay as they were): the attention is on the decode path with one
+# query row (L = 1), static sizes; the step's puts are exactly the two writes whose outputs
+# are the attention's key and value operands (whole, contiguous), each writing one position
+# (an index tensor of one element) along dim 2 of a [B, Hkv, S, E] cache from values
+# [B, Hkv, 1, E]; every member of the step's kernel is pointwise, loads only buffers outside
+# the kernel (no indirect loads) and is read by the attention (its query or mask) or a put
+# (its values) and nothing else (no later step, no program output). `KILN_DECODE_FUSED_PUTS=0`
+# at compile time keeps the old steps (A/B runs).
+
+
+def _flat(a: L.LibArg, *idx: tuple[str, object]) -> str:
+    """Triton text of `a`'s element offset at index variables `idx` ((var, stride) pairs)."""
+    off = [] if _c(a.offset) == 0 else [to_tl(_c(a.offset))]
+    return " + ".join([*off, *(x for var, st in idx for x in _term(var, st))]) or "0"
+
+
+def _member_value(m: L.Compute, buffers, flat: str, mask: str, counter: list[int],
+                  prefix: str, indent: str) -> tuple[list[str], str]:
+    """(lines, value): pointwise member `m` evaluated at the flat positions `flat` (a block)
+    of its (contiguous) buffer, its loads masked by `mask`; the value as its buffer holds it."""
+    z = f"{prefix}z"
+    lines = [f"{indent}{prefix}f = {flat}", f"{indent}{z} = {prefix}f * 0"]
+    names: dict[str, str] = {}
+    for d, ex in enumerate(unravel(sympy.Symbol("FLAT"), m.shape)):
+        if sympy.sympify(m.shape[d]) == 1:
+            names[f"i{d}"] = "0"
+            continue
+        names[f"i{d}"] = f"{prefix}i{d}"
+        lines.append(f"{indent}{prefix}i{d} = {to_tl(ex, {'FLAT': f'{prefix}f'})}")
+    sc = _Scope(names, mask, {}, counter)
+    v = text(sc.value(m.body))
+    lines += [re.sub(r"\bxidx\b", z, x) for x in render(sc.lines, indent)]
+    v = re.sub(r"\bxidx\b", z, v)
+    dt = buffers[m.name].dtype
+    if dt.name in COMPUTE:
+        v = f"{v}.to({TL_DTYPE[dt]})"
+    return lines, v
+
+
+def _new_row_lines(p: L.Extern, role: str, dvar: str, width: int, hk: str, buffers,
+                   members: dict, counter: list[int]) -> list[str]:
+    """The new `role` row (k_new / v_new, [width padded] of the cache's dtype) of kv head
+    `hk`, its position pos_<role> (-1 when outside the cache), and its store into the cache
+    by the programs of split 0."""
+    vals, idx = p.args[1], p.args[2]
+    out = buffers[p.name]
+    st = contiguous_strides(out.shape)
+    size = to_tl(_c(out.shape[2]))
+    pos, bad, new = f"pos_{role}", f"bad_{role}", f"{role}_new"
+    vs, dims = vals.strides, tuple(p.attr("dims"))  # self dim -> iteration dim
+    lines = [f"    # {p.name} = index_put({', '.join(a.buf for a in p.args)}) <- "
+             f"{', '.join(p.source)}: the new {'key' if role == 'k' else 'value'} row, "
+             "written by split 0, used by every split",
+             f"    {pos} = tl.load(buf_{idx.buf} + {_flat(idx)}).to(tl.int64)"]
+    if p.attr("wrap"):
+        lines.append(f"    {pos} = tl.where({pos} < 0, {pos} + {size}, {pos})")
+    lines.append(f"    {bad} = ({pos} < 0) | ({pos} >= {size})")
+    flat = _flat(vals, ("b", vs[dims[0]]), (hk, vs[dims[1]]), (dvar, vs[dims[3]]))
+    dm = f"{dvar} < {width}"
+    if vals.buf in members:
+        m = members[vals.buf]
+        lines.append(f"    {role}_ok = {dm}")
+        more, val = _member_value(m, buffers, flat, f"{role}_ok", counter, f"{role}n_", "    ")
+        lines += more
+    else:
+        val = f"tl.load(buf_{vals.buf} + {flat}, mask={dm}, other=0.0)"
+    dst = " + ".join([f"buf_{p.name}", *_term("b", st[0]), *_term(hk, st[1]),
+                      *_term(pos, st[2]), *_term(dvar, st[3])])
+    lines += [
+        f"    {new} = tl.where({dm}, {val}, 0.0).to({TL_DTYPE[out.dtype]})",
+        f"    tl.store({dst}, {new}, mask=({dm}) & (split == 0) & ~{bad})",
+        f"    tl.store(kiln_status + {dvar}.to(tl.int32) * 0, 1, mask=({dvar} == 0) & {bad})",
+        f"    {pos} = tl.where({bad}, -1, {pos})",
+    ]
+    return lines
+
+
+def _static(*exprs) -> bool:
+    return all(_c(e).is_Integer for e in exprs)
+
+
+def _step_reads(s) -> set[str]:
+    if isinstance(s, Kernel):
+        return {ld.buf for m in s.members for ld in L.loads(m.body)}
+    if isinstance(s, (GemmKernel, CutlassGemm, PutKernel)):
+        return set(s.reads())
+    if isinstance(s, L.CONTROL):
+        return set(s.reads)
+    return set(L.node_reads(s))
+
+
+def _whole(a: L.LibArg, buf: L.Buffer) -> bool:
+    """`a` is the whole of `buf`, contiguous, in its shape."""
+    return (_c(a.offset) == 0 and len(a.shape) == len(buf.shape) and
+            all(_c(x - y) == 0 for x, y in zip(a.shape, buf.shape)) and
+            all(_c(x - y) == 0 for x, y in zip(a.strides, contiguous_strides(buf.shape))))
+
+
+def absorbs(s: PutKernel, a, later: list, buffers, outputs) -> bool:
+    """Whether decode attention `a`, the step after `s`, can take over `s` (the conditions
+    above)."""
+    if not (isinstance(s, PutKernel) and s.attention is None and isinstance(a, L.Extern)
+            and a.routine == "attention" and is_decode(a) and int(_c(a.args[0].shape[2])) == 1):
+        return False
+    q, k, v = a.args[:3]
+    if not _static(*q.shape, *k.shape, *v.shape) or len(s.puts) != 2 or \
+            {p.name for p in s.puts} != {k.buf, v.buf} or k.buf == v.buf:
+        return False
+    for p, op in ((next(p for p in s.puts if p.name == k.buf), k),
+                  (next(p for p in s.puts if p.name == v.buf), v)):
+        out = buffers[p.name]
+        dims = tuple(p.attr("dims"))
+        if len(p.args) != 3 or len(dims) != 4 or dims[2] != -1 or \
+                min(dims[0], dims[1], dims[3]) < 0 or \
+                not _whole(op, out) or not _static(*out.shape, *p.args[1].shape):
+            return False
+        vals, idx = p.args[1], p.args[2]
+        want = [1] * len(vals.shape)
+        for d in (0, 1, 3):
+            want[dims[d]] = int(_c(out.shape[d]))
+        if [int(_c(x)) for x in vals.shape] != want:
+            return False
+        if any(_c(st) != 0 and _c(n) != 1 for st, n in zip(idx.strides, idx.shape)):
+            return False  # one position for every row
+        if buffers[idx.buf].dtype.is_float or not _static(idx.offset, vals.offset,
+                                                           *vals.strides):
+            return False
+    if any(free_size_symbols(_c(x)) for x in (*a.args[0].strides, *k.strides)):
+        return False
+    members = {m.name: m for m in s.kernel.members} if s.kernel is not None else {}
+    used = {a.args[0].buf, *(x.buf for x in a.args[3:]), *(p.args[1].buf for p in s.puts)}
+    if any(p.args[2].buf in members or p.args[0].buf in members for p in s.puts):
+        return False
+    if s.kernel is not None and (s.kernel.locals or s.kernel.row_locals):
+        return False
+    for m in members.values():
+        if m.reduce is not None or m.name not in used or m.name in outputs:
+            return False
+        if any(ld.buf in members or ld.indirect for ld in L.loads(m.body)):
+            return False
+        if int(_c(product(buffers[m.name].shape))) != int(_c(product(m.shape))):
+            return False
+    read_later = set().union(set(), *(_step_reads(x) for x in later))
+    return not (set(members) & read_later)
+
+
+def fuse_decode_puts(steps: tuple, buffers, hints: dict[str, int],
+                     outputs=frozenset()) -> tuple:
+    """Each `PutKernel` that the decode attention after it absorbs (`absorbs`) becomes that
+    attention's launch (PutKernel.attention, with its heuristic config); the attention step
+    goes. Top-level steps only; pure."""
+    if os.environ.get("KILN_DECODE_FUSED_PUTS", "1") == "0":
+        return steps
+    out = list(steps)
+    for i in range(len(out) - 1):
+        s, a = out[i], out[i + 1]
+        if s is None or a is None or not absorbs(s, a, [x for x in out[i + 2:] if x is not None],
+                                                 buffers, outputs):
+            continue
+        out[i] = PutKernel(s.kernel, s.puts, a, decode_config(a, buffers, hints))
+        out[i + 1] = None
+    return tuple(x for x in out if x is not None)
+
+
+def fused_puts_attention_kernels(step: PutKernel, buffers, hints: dict[str, int]
+                                 ) -> list[TritonKernel]:
+    """The kernels of a `PutKernel` with an attention: the decode kernel (the step's name),
+    then its combine when split (the step's `launches`)."""
+    call, cfg = step.attention, step.config
+    main = print_decode_kernel(call, buffers, hints, cfg, fused=step)
+    return [main] + ([print_decode_combine(call, buffers, cfg)] if cfg.xblock > 1 else [])
