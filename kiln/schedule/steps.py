@@ -159,7 +159,8 @@ class PutKernel:
     launch is that attention kernel instead: it computes the kernel's members where it reads
     them (the rotary queries, the mask, the new key row: none is stored), writes the new key
     and value rows into the caches itself and uses them in place of the rows it reads there;
-    `config` is its launch config (key splits > 1: its combine kernel is launched after)."""
+    `config` is its launch (attention.py `FusedLaunch`: with `separate_combine`, the key
+    splits' combine kernel is launched after it)."""
 
     kernel: Kernel | None
     puts: tuple[L.Extern, ...]
@@ -175,7 +176,7 @@ class PutKernel:
     @property
     def launches(self) -> tuple[str, ...]:
         """The kernels launched, in order (the puts' copy kernels aside)."""
-        if self.attention is not None and getattr(self.config, "xblock", 1) > 1:
+        if self.attention is not None and getattr(self.config, "separate_combine", False):
             return (self.name, f"{self.name}_combine")
         return (self.name,)
 

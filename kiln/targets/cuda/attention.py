@@ -60,6 +60,7 @@ from __future__ import annotations
 
 import os
 import re
+from dataclasses import dataclass
 
 import sympy
 
@@ -69,6 +70,7 @@ from kiln.schedule.steps import CutlassGemm, GemmKernel, PutKernel
 from kiln.targets.cuda.cse import render, text
 from kiln.targets.cuda.kernel import Config, TritonKernel, _Scope
 from kiln.targets.cuda.ops import COMPUTE, SIG_PTR, TL_DTYPE, to_tl
+from kiln.targets.cuda.put import STATUS_COUNTER_BASE, STATUS_COUNTERS
 from kiln.ir import loop as L
 from kiln.ir.sym import contiguous_strides, evaluate, free_size_symbols, product, unravel
 from kiln.ir.sym import FloorDiv
@@ -606,14 +608,15 @@ def _scratch(call: L.Extern) -> str | None:
 
 
 def print_decode_kernel(call: L.Extern, buffers, hints: dict[str, int],
-                        config: Config, fused: PutKernel | None = None) -> TritonKernel:
+                        config: Config, fused: PutKernel | None = None,
+                        counter: int | None = None) -> TritonKernel:
     """The decode path's attention kernel (see the comment above); with `fused` (a
     `PutKernel` whose attention is `call`: `fuse_decode_puts`), also that step's kernel
     members where the attention reads them and its cache writes."""
     t = to_tl
     members = {m.name: m for m in fused.kernel.members} \
         if fused is not None and fused.kernel is not None else {}
-    counter = [0]
+    counter_ = [0]
     q, k, v = call.args[:3]
     mask = call.args[3] if len(call.args) > 3 else None
     kind = call.attr("mask", 0)
@@ -698,7 +701,7 @@ def print_decode_kernel(call: L.Extern, buffers, hints: dict[str, int],
         lines.append(f"    qmask = row_ok[:, None]{dmask}")
         more, val = _member_value(m, buffers, _flat(q, ("b", qs[0]), ("h[:, None]", qs[1]),
                                                     ("lq[:, None]", qs[2]), ("d[None, :]", qs[3])),
-                                  "qmask", counter, "q_", "    ")
+                                  "qmask", counter_, "q_", "    ")
         lines += more
         lines.append(f"    q = tl.where(qmask, {val}, 0.0).to({TL_DTYPE[buffers[q.buf].dtype]})")
     else:
@@ -713,7 +716,7 @@ def print_decode_kernel(call: L.Extern, buffers, hints: dict[str, int],
             role = "k" if p.name == k.buf else "v"
             new_rows[role] = p
             lines += _new_row_lines(p, role, "d" if role == "k" else "dv", e if role == "k"
-                                    else ev, hk_k, buffers, members, counter)
+                                    else ev, hk_k, buffers, members, counter_)
     if mask is not None and mask.buf not in members:
         ms = mask.strides
         lines.append(f"    m_ptr = {ptr(mask, ('h[:, None]', ms[1]), ('lq[:, None]', ms[2]))}")
@@ -744,7 +747,7 @@ def print_decode_kernel(call: L.Extern, buffers, hints: dict[str, int],
                       f"        pc_ok = pc < {S_}"]
             more, val = _member_value(m, buffers, _flat(mask, ("b", ms[0]), (hk_k, ms[1]),
                                                         ("pc", ms[3])),
-                                      "pc_ok", counter, "mr_", "        ")
+                                      "pc_ok", counter_, "mr_", "        ")
             lines += more + [f"        mr = tl.where(pc_ok, {val}, 0)"]
         else:
             row = " + ".join(["m_row", *(_term("pc", ms[3]) or ["pc * 0"])])
@@ -785,7 +788,7 @@ def print_decode_kernel(call: L.Extern, buffers, hints: dict[str, int],
         more, val = _member_value(m, buffers, _flat(mask, ("b", ms[0]), ("h[:, None]", ms[1]),
                                                     ("lq[:, None]", ms[2]),
                                                     ("cols[None, :]", ms[3])),
-                                  "keep", counter, "mt_", "        ")
+                                  "keep", counter_, "mt_", "        ")
         lines += more + [f"        mt = tl.where(keep, {val}, 0)"]
     elif mask is not None:
         lines.append(f"        mt = tl.load({_tile_cols('m_ptr', mask.strides[3])}, mask=keep, "
@@ -845,12 +848,47 @@ def print_decode_kernel(call: L.Extern, buffers, hints: dict[str, int],
         most = int(call.attr("splits"))
         lines += [
             f"    # this split's partial state -> {part}[row, split, :]: m, l, acc "
-            f"(attn_{call.name}_combine merges the splits)",
+            + ("(the last split to arrive merges them)" if counter is not None else
+               f"(attn_{call.name}_combine merges the splits)"),
             f"    p_ptr = buf_{part} + (({orow}) * {most} + split) * {ev + 2}",
             "    tl.store(p_ptr, m_i, mask=row_ok)",
             "    tl.store(p_ptr + 1, l_i, mask=row_ok)",
             f"    tl.store(p_ptr[:, None] + 2 + dv[None, :], acc, mask=row_ok[:, None]{vmask})",
         ]
+        if counter is not None:  # the last split of the kv head to arrive merges them
+            cnt = f"kiln_status + {counter} + bhk"
+            ptr_r = f"buf_{part} + ({orow}) * {most * (ev + 2)}"
+            lines += [
+                "    # the splits' arrival counter (a word of the status buffer, zero at load):",
+                "    # the last split of this kv head to arrive merges the partial states, as",
+                f"    # attn_{call.name}_combine did, and zeroes the counter for the next call",
+                "    tl.debug_barrier()  # every thread's partial state stored",
+                f"    arrived = tl.atomic_add({cnt}, 1, sem=\"acq_rel\", scope=\"gpu\")",
+                "    if arrived == XBLOCK - 1:",
+                f"        tl.store({cnt}, 0)",
+                f"        sp = tl.arange(0, {_pow2(split, 1)})",
+                "        sp_ok = row_ok[:, None] & (sp[None, :] < XBLOCK)",
+                f"        c_ptr = {ptr_r}",
+                f"        mm = tl.load(c_ptr[:, None] + sp[None, :] * {ev + 2}, mask=sp_ok, "
+                "other=float(\"-inf\"), cache_modifier=\".cg\")",
+                f"        ll = tl.load(c_ptr[:, None] + sp[None, :] * {ev + 2} + 1, mask=sp_ok, "
+                "other=0.0, cache_modifier=\".cg\")",
+                "        top = tl.max(mm, 1)",
+                "        top = tl.where(top == float(\"-inf\"), 0.0, top)  # no split kept a key",
+                "        w = tl.exp2(mm - top[:, None])",
+                "        total = tl.sum(w * ll, 1)",
+                f"        o = tl.zeros([{mb}, {evp}], tl.float32)",
+                "        for j in tl.static_range(XBLOCK):",
+                "            wj = tl.sum(tl.where(sp[None, :] == j, w, 0.0), 1)",
+                f"            aj = tl.load(c_ptr[:, None] + j * {ev + 2} + 2 + dv[None, :], "
+                f"mask=row_ok[:, None]{vmask}, other=0.0, cache_modifier=\".cg\")",
+                "            o += wj[:, None] * aj",
+                "        # rows whose keys were all masked: zeros (total == 0), as eager gives",
+                "        o = tl.where(total[:, None] > 0, o / tl.where(total > 0, total, 1.0)"
+                "[:, None], 0.0)",
+                f"        tl.store(buf_{call.name} + ({orow})[:, None] * {ev} + dv[None, :], "
+                f"o.to({TL_DTYPE[out.dtype]}), mask=row_ok[:, None]{vmask})",
+            ]
     src = "\n".join(lines) + "\n"
     heads = _c(H) if g == 1 else sympy.Integer(int(_c(H)) // g) if _c(H).is_Integer else \
         FloorDiv(_c(H), g)
@@ -1080,20 +1118,50 @@ def fuse_decode_puts(steps: tuple, buffers, hints: dict[str, int],
     if os.environ.get("KILN_DECODE_FUSED_PUTS", "1") == "0":
         return steps
     out = list(steps)
+    used = 0  # arrival counters handed out
     for i in range(len(out) - 1):
         s, a = out[i], out[i + 1]
         if s is None or a is None or not absorbs(s, a, [x for x in out[i + 2:] if x is not None],
                                                  buffers, outputs):
             continue
-        out[i] = PutKernel(s.kernel, s.puts, a, decode_config(a, buffers, hints))
+        cfg = decode_config(a, buffers, hints)
+        slots = int(_c(a.args[0].shape[0])) * int(_c(a.args[0].shape[1])) // \
+            int(a.attr("group", 1))
+        base = None
+        if cfg.xblock > 1 and os.environ.get("KILN_DECODE_COMBINE", "last") != "launch" and \
+                used + slots <= STATUS_COUNTERS:
+            base, used = STATUS_COUNTER_BASE + used, used + slots
+        out[i] = PutKernel(s.kernel, s.puts, a, FusedLaunch(cfg, base))
         out[i + 1] = None
     return tuple(x for x in out if x is not None)
+
+
+@dataclass(frozen=True)
+class FusedLaunch:
+    """The launch of a decode attention that absorbed a `PutKernel`: its config and, when
+    split, where its arrival counters start in the status buffer (one a kv head and batch
+    row: the last split to arrive merges the partial states in the same launch), or None
+    (split: `attn_<call>_combine` is launched after it, as on the unfused path;
+    `KILN_DECODE_COMBINE=launch` at compile time asks for that)."""
+
+    config: Config
+    counter: int | None = None
+
+    @property
+    def xblock(self) -> int:
+        return self.config.xblock
+
+    @property
+    def separate_combine(self) -> bool:
+        return self.config.xblock > 1 and self.counter is None
 
 
 def fused_puts_attention_kernels(step: PutKernel, buffers, hints: dict[str, int]
                                  ) -> list[TritonKernel]:
     """The kernels of a `PutKernel` with an attention: the decode kernel (the step's name),
     then its combine when split (the step's `launches`)."""
-    call, cfg = step.attention, step.config
-    main = print_decode_kernel(call, buffers, hints, cfg, fused=step)
-    return [main] + ([print_decode_combine(call, buffers, cfg)] if cfg.xblock > 1 else [])
+    call, launch = step.attention, step.config
+    cfg = launch.config
+    main = print_decode_kernel(call, buffers, hints, cfg, fused=step, counter=launch.counter)
+    return [main] + ([print_decode_combine(call, buffers, cfg)] if launch.separate_combine
+                     else [])

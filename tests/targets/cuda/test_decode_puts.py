@@ -69,7 +69,9 @@ def test_fused_source_writes_the_rows_and_computes_the_members():
     assert "kt = tl.where(cols[None, :] == pos_k" in body
     assert "kiln_status" in body and "computed here" in body
     assert "def puts_" not in src  # no launch of its own left
-    assert "_combine" in src  # cache 256: 4 key splits, merged by the combine
+    # cache 256: 4 key splits, merged by the last split to arrive (an arrival counter in
+    # the status buffer), not by a combine kernel
+    assert "_combine(" not in src and "arrived == XBLOCK - 1" in body, body
 
 
 def test_prefill_keeps_its_kernels():
@@ -157,13 +159,16 @@ def test_fused_decode_steps_match_eager_in_triton_interpreter():
 # -- on a GPU (-m gpu) --------------------------------------------------------------------------
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
-def test_fused_decode_matches_eager_on_gpu(dtype, tmp_path):
-    """One package per dtype (the 8B layout's head dim 128, GQA 4, cache 512: 8 key splits),
-    decoded at every filled length 1 .. 512 (position 0 .. 511) against eager float64 of the
-    same weights and eager in `dtype`; then the cache contents against eager's."""
+@pytest.mark.parametrize("dtype,combine", [(torch.bfloat16, "last"), (torch.float16, "last"),
+                                           (torch.float32, "last"), (torch.bfloat16, "launch")])
+def test_fused_decode_matches_eager_on_gpu(dtype, combine, tmp_path, monkeypatch):
+    """One package per dtype (the 8B layout's head dim 128, GQA 4, cache 512: 8 key splits,
+    merged by the last split to arrive, or by the combine kernel with `launch`), decoded at
+    every filled length 1 .. 512 (position 0 .. 511: each step reads the rows the earlier
+    ones wrote) against eager float64 of the same weights and eager in `dtype`."""
     if not torch.cuda.is_available():
         pytest.skip("needs a CUDA GPU")
+    monkeypatch.setenv("KILN_DECODE_COMBINE", combine)
     from kiln.models.hf_decoder import eager_step, export_step, llama
     torch.manual_seed(0)
     model = llama(layers=2, hidden=512, heads=4, kv_heads=1, vocab=256, inter=256)
@@ -172,6 +177,9 @@ def test_fused_decode_matches_eager_on_gpu(dtype, tmp_path):
     cm = kiln.compile(ep, device="cuda", options=Options(autotune=False))
     assert [k for k in cm.manifest["kernels"] if k["kind"] == "triton_put" and
             k["name"].startswith("attn_")], cm.manifest["kernels"]
+    src = cm.built.sources["kernels_triton.py"]
+    assert ("_combine(" in src) == (combine == "launch") and ("atomic_add" in src) == (
+        combine == "last")
     r = cm.load(tmp_path / "d.kiln", device="cuda:0")
     ref = export_step(copy.deepcopy(model), cache, device="cuda", dtype=torch.float64)[0]
     same = export_step(copy.deepcopy(model), cache, device="cuda", dtype=dtype)[0]
