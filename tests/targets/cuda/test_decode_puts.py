@@ -5,7 +5,8 @@ it, which computes those members where it reads them, writes the new key / value
 and uses them in place of the cache's rows. Checked without a GPU: which steps the fusion
 takes (decode yes; prefill, batched decode and `KILN_DECODE_FUSED_PUTS=0` keep the old
 kernels), the generated source, and whole decode steps run by Triton's interpreter against
-eager (float32, float16; 1 and 4 key splits; positions 0 .. the cache's end and one past it).
+eager (float32, float16; 1 and 4 key splits, merged by the combine kernel or by the last
+split to arrive; positions 0 .. the cache's end and one past it).
 On a GPU (-m gpu): bf16 / fp16 / fp32 against eager, filled lengths 1 .. the cache's size."""
 
 from __future__ import annotations
@@ -58,9 +59,13 @@ def test_decode_step_attention_takes_the_cache_writes(monkeypatch):
     assert len(old) == len(kinds) + 2
 
 
-def test_fused_source_writes_the_rows_and_computes_the_members():
+def test_fused_source_writes_the_rows_and_computes_the_members(monkeypatch):
     from kiln.models.hf_decoder import export_step
     _, ep = export_step(_model(layers=1), 256, dtype=torch.bfloat16)
+    # the default: the key splits merged by the combine kernel, launched after
+    src = kiln.compile(ep, device="cuda", options=OPTS).built.sources["kernels_triton.py"]
+    assert "_combine(" in src and "atomic_add" not in src
+    monkeypatch.setenv("KILN_DECODE_COMBINE", "last")
     b = kiln.compile(ep, device="cuda", options=OPTS).built
     src = b.sources["kernels_triton.py"]
     start = src.index("def attn_")
@@ -86,7 +91,7 @@ def test_prefill_keeps_its_kernels():
 
 
 _INTERP = textwrap.dedent("""
-    import copy, dataclasses, sys, torch
+    import copy, dataclasses, os, sys, torch
     import kiln
     from kiln.ir import program as P
     from kiln.models.hf_decoder import eager_step, export_step, llama
@@ -95,9 +100,12 @@ _INTERP = textwrap.dedent("""
     from kiln.targets.cuda.build import triton_kernels
 
     bad = []
-    for dtype, cache, positions in ((torch.float32, 64, [0, 1, 2, 15, 16, 17, 62, 63]),
-                                    (torch.float32, 256, [0, 1, 5, 63, 64, 65, 130, 255]),
-                                    (torch.float16, 256, [0, 3, 64, 200, 255])):
+    for dtype, cache, positions, combine in (
+            (torch.float32, 64, [0, 1, 2, 15, 16, 17, 62, 63], "launch"),
+            (torch.float32, 256, [0, 1, 5, 63, 64, 65, 130, 255], "last"),
+            (torch.float16, 256, [0, 3, 64, 200, 255], "launch"),
+            (torch.float16, 256, [0, 3, 64, 200, 255], "last")):
+        os.environ["KILN_DECODE_COMBINE"] = combine
         torch.manual_seed(0)
         model = llama(layers=2, hidden=64, heads=4, kv_heads=2, vocab=128, inter=128)
         w, ep = export_step(copy.deepcopy(model), cache, dtype=dtype)
@@ -130,9 +138,10 @@ _INTERP = textwrap.dedent("""
             scale = want.abs().max().item()
             err, eager = (got - want).abs().max().item(), (mine - want).abs().max().item()
             bound = 1e-4 * scale if dtype == torch.float32 else 2 * eager + 1e-2 * scale
-            print(dtype, cache, pos, f"err {err:.3g} eager {eager:.3g} bound {bound:.3g}")
+            print(dtype, cache, combine, pos, f"err {err:.3g} eager {eager:.3g} "
+                  f"bound {bound:.3g}")
             if not err <= bound:
-                bad.append(f"{dtype} cache {cache} position {pos}: {err} > {bound}")
+                bad.append(f"{dtype} cache {cache} {combine} position {pos}: {err} > {bound}")
         try:  # one past the cache: an index error, as the put raised
             run_program(prog, ks, mod, b.weights, [torch.tensor([[1]]),
                                                         torch.tensor([cache])])
@@ -144,15 +153,102 @@ _INTERP = textwrap.dedent("""
 
 
 @pytest.mark.slow  # whole decode steps in Triton's interpreter (a few minutes)
-def test_fused_decode_steps_match_eager_in_triton_interpreter():
+def test_fused_decode_steps_match_eager_in_triton_interpreter(monkeypatch):
     from kiln.models.hf_decoder import export_step
-    for dtype, cache in ((torch.float32, 64), (torch.float32, 256), (torch.float16, 256)):
+    for dtype, cache, combine in ((torch.float32, 64, "launch"), (torch.float32, 256, "last"),
+                                  (torch.float16, 256, "launch"), (torch.float16, 256, "last")):
+        monkeypatch.setenv("KILN_DECODE_COMBINE", combine)
         torch.manual_seed(0)  # cubins first: the AOT compiler cannot run in interpreter mode
         kiln.compile(export_step(_model(), cache, dtype=dtype)[1], device="cuda",
                      options=OPTS)
     env = dict(os.environ, TRITON_INTERPRET="1")
     out = subprocess.run([sys.executable, "-c", _INTERP], env=env, capture_output=True,
                          text=True, timeout=1200, cwd=pathlib.Path(__file__).parents[3])
+    assert out.returncode == 0 and "ALL OK" in out.stdout, out.stdout + out.stderr[-3000:]
+
+
+_FAMILIES = textwrap.dedent('''
+    import copy, dataclasses, sys, torch
+    import kiln
+    import transformers as tf
+    from transformers.integrations.executorch import TorchExportableModuleForDecoderOnlyLM
+    from kiln.ir import program as P
+    from kiln.models.llm import eager_step
+    from kiln.options import Options
+    from kiln.targets.cuda.wrapper_py import import_triton_module, run_program
+    from kiln.targets.cuda.build import triton_kernels
+
+    bad = []
+    for name in sys.argv[1:]:
+        torch.manual_seed(0)
+        m = family(name)
+        mk = lambda mm: TorchExportableModuleForDecoderOnlyLM(mm, batch_size=1,
+                                                              max_cache_len=16, device="cpu")
+        ep = mk(copy.deepcopy(m)).export(input_ids=torch.zeros(1, 1, dtype=torch.long),
+                                         cache_position=torch.arange(1))
+        cm = kiln.compile(ep, device="cuda", options=Options(cuda_archs=(90,), autotune=False))
+        fused = [k["name"] for k in cm.manifest["kernels"] if k["kind"] == "triton_put"]
+        if len(fused) != 2 or not all(n.startswith("attn_") for n in fused):
+            bad.append(f"{name}: not fused {fused}")
+        b = cm.built
+        mod = import_triton_module(b.sources["kernels_triton.py"])
+        ks = {k.name: k for k in triton_kernels(b.steps, {x.name: x for x in b.loop.buffers},
+                                                  {})}
+        states = [x.state for x in b.program.lines if isinstance(x, P.Alloc) and x.state]
+        prog = dataclasses.replace(b.program, lines=tuple(
+            P.Return(x.buffers + tuple(states)) if isinstance(x, P.Return) else x
+            for x in b.program.lines))
+        ref = mk(copy.deepcopy(m).double())
+        for pos in range(16):
+            ids, cp = torch.tensor([[(pos * 37) % 256]]), torch.tensor([pos])
+            outs = run_program(prog, ks, mod, b.weights, [ids, cp])
+            for n, t in zip(states, outs[1:]):
+                b.weights[n].reshape(-1).copy_(t.reshape(-1))
+            with torch.no_grad():
+                want = eager_step(ref)(ids, cp).double()
+            got = outs[0].double().reshape(want.shape)
+            err, scale = (got - want).abs().max().item(), want.abs().max().item()
+            print(name, pos, f"err {err:.3g} scale {scale:.3g}")
+            if not err <= 1e-4 * scale:
+                bad.append(f"{name} position {pos}: {err} > 1e-4 * {scale}")
+    print("BAD" if bad else "ALL OK", *bad, sep="\\n")
+''')
+
+FAMILIES = {"qwen2": "Qwen2Config", "mistral": "MistralConfig", "gemma": "GemmaConfig",
+            "phi3": "Phi3Config"}
+
+
+def family(name: str):
+    """A tiny decoder of another family (q/k/v biases, Gemma's head dim 32, Phi-3's fused
+    qkv projection), float32, random weights, static cache."""
+    import transformers as tf
+    cfg = getattr(tf, FAMILIES[name])(
+        vocab_size=256, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
+        pad_token_id=0, **({"head_dim": 32} if name == "gemma" else {}))
+    m = tf.AutoModelForCausalLM.from_config(cfg).eval()
+    m.generation_config.cache_implementation = "static"
+    return m
+
+
+@pytest.mark.slow  # 4 decoders x 16 steps in Triton's interpreter (about 4 minutes)
+def test_other_families_fused_decode_in_triton_interpreter():
+    """Qwen2, Mistral, Gemma, Phi-3 (float32, 2 layers, GQA, cache 16): every layer fused,
+    positions 0 .. 15 in order (the caches carried over) against eager float64, 1e-4."""
+    from transformers.integrations.executorch import TorchExportableModuleForDecoderOnlyLM
+    script = "from test_decode_puts import family\n" + _FAMILIES
+    for name in FAMILIES:  # cubins first: the AOT compiler cannot run in interpreter mode
+        torch.manual_seed(0)
+        w = TorchExportableModuleForDecoderOnlyLM(family(name), batch_size=1, max_cache_len=16,
+                                                  device="cpu")
+        ep = w.export(input_ids=torch.zeros(1, 1, dtype=torch.long),
+                      cache_position=torch.arange(1))
+        kiln.compile(ep, device="cuda", options=OPTS)
+    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=os.pathsep.join(
+        [str(pathlib.Path(__file__).parents[3]), os.environ.get("PYTHONPATH", "")]))
+    out = subprocess.run([sys.executable, "-c", script, *FAMILIES], env=env,
+                         capture_output=True, text=True, timeout=1500,
+                         cwd=pathlib.Path(__file__).parent)
     assert out.returncode == 0 and "ALL OK" in out.stdout, out.stdout + out.stderr[-3000:]
 
 
