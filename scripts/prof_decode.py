@@ -9,7 +9,9 @@ cache, for one or more compile modes in one process (A/B on one machine).
 A mode is a name, optionally with environment variables set while it compiles: `legacy`
 is `KILN_DECODE_SPLIT=legacy` (the twelfth session's split heuristic), `new` the tree's
 defaults, `t64k` the defaults with key / value tiles of up to 64 KiB, `static` the
-defaults with the splits over the whole cache (not over the mask's live range),
+defaults with the splits over the whole cache (not over the mask's live range), `unfused`
+the defaults with the KV-cache writes in a launch of their own (before the fifteenth session),
+`launch` the defaults with the key splits merged by a combine kernel (not by the last split),
 `NAME:VAR=VALUE[+VAR=VALUE]` anything else. Per layer: attention (the decode kernel
 `attn_*`), its combine (`attn_*_combine`, when the keys are split), the kernel that writes
 the new key / value rows (`puts_*`: the keys' and queries' rotary embedding, the mask
@@ -37,7 +39,9 @@ from kiln.models.llm import llama, static_cache_module  # noqa: E402
 
 MODES = {"new": {}, "legacy": {"KILN_DECODE_SPLIT": "legacy"},
          "t64k": {"KILN_DECODE_SPLIT": "64,512,65536"},
-         "static": {"KILN_DECODE_SPLIT": "64,512,32768,0"}}
+         "static": {"KILN_DECODE_SPLIT": "64,512,32768,0"},
+         "unfused": {"KILN_DECODE_FUSED_PUTS": "0"},
+         "launch": {"KILN_DECODE_COMBINE": "launch"}}
 
 
 def parse_mode(spec: str) -> tuple[str, dict[str, str]]:

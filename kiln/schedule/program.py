@@ -207,10 +207,12 @@ def build_program(graph: Graph, prog: L.LoopProgram, steps: tuple[Step, ...],
             lines += control_lines(step, inplace)
         elif isinstance(step, PutKernel):
             # each put's copy (out = self) where it is not in place, then the one launch
-            lines += [P.CallLib(replace(p, attrs=p.attrs + (("copy_only", True),)))
+            # (absorbed by an attention, a put's values are not stored: its copy reads self)
+            lines += [P.CallLib(replace(p, args=p.args[:1] if step.attention else p.args,
+                                        attrs=p.attrs + (("copy_only", True),)))
                       for p in step.puts]
-            lines.append(P.CallKernel(step.name, tuple(step.params(buffers)), True,
-                                      step.members, step.source))
+            lines += [P.CallKernel(name, tuple(step.params(buffers)), True, step.members,
+                                   step.source) for name in step.launches]
         elif isinstance(step, L.Extern):
             lines.append(P.CallLib(step))
         elif isinstance(step, L.UserKernel):

@@ -152,40 +152,71 @@ class PutKernel:
     one program after `kernel` (a schedule Kernel whose outer is one row, or None): the
     program runs the kernel's members, then each put's scatter in order
     (kiln/schedule/puts.py builds it, targets/cuda/put.py prints it). A put whose output is
-    not its state's own storage is copied (out = self) by its copy kernel, launched before."""
+    not its state's own storage is copied (out = self) by its copy kernel, launched before.
+
+    With `attention` (a decode step's attention call right after them, which reads the puts'
+    outputs as its keys and values: targets/cuda/attention.py `fuse_decode_puts`), the
+    launch is that attention kernel instead: it computes the kernel's members where it reads
+    them (the rotary queries, the mask, the new key row: none is stored), writes the new key
+    and value rows into the caches itself and uses them in place of the rows it reads there;
+    `config` is its launch (attention.py `FusedLaunch`: with `separate_combine`, the key
+    splits' combine kernel is launched after it)."""
 
     kernel: Kernel | None
     puts: tuple[L.Extern, ...]
+    attention: L.Extern | None = None
+    config: object = None
 
     @property
     def name(self) -> str:
+        if self.attention is not None:
+            return f"attn_{self.attention.name}"
         return f"puts_{self.puts[-1].name}"
+
+    @property
+    def launches(self) -> tuple[str, ...]:
+        """The kernels launched, in order (the puts' copy kernels aside)."""
+        if self.attention is not None and getattr(self.config, "separate_combine", False):
+            return (self.name, f"{self.name}_combine")
+        return (self.name,)
 
     @property
     def source(self) -> tuple[str, ...]:
         out = list(self.kernel.source) if self.kernel is not None else []
-        for p in self.puts:
+        for p in (*self.puts, *((self.attention,) if self.attention is not None else ())):
             out += [s for s in p.source if s not in out]
         return tuple(out)
 
     @property
     def members(self) -> tuple[str, ...]:
-        """The buffers it computes: the kernel's members', then the puts' outputs."""
+        """The buffers it computes: the kernel's members' (none stored with `attention`), then
+        the puts' outputs (then the attention's)."""
+        if self.attention is not None:
+            return tuple(p.name for p in self.puts) + tuple(self.attention.outs)
         own = tuple(m.name for m in self.kernel.members) if self.kernel is not None else ()
         return own + tuple(p.name for p in self.puts)
 
+    def _computed(self) -> set[str]:
+        """What it computes, stored or not."""
+        own = {m.name for m in self.kernel.members} if self.kernel is not None else set()
+        return own | set(self.members)
+
     def reads(self) -> list[str]:
         """Buffers read: the kernel's inputs, then each put's self, values and indices (self
-        by its copy kernel)."""
-        own = set(self.members)
+        by its copy kernel), then the attention's operands."""
+        own = self._computed()
         out: list[str] = []
         if self.kernel is not None:
             out += [ld.buf for m in self.kernel.members for ld in L.loads(m.body)
                     if ld.buf not in own]
         out += [a.buf for p in self.puts for a in p.args if a.buf not in own]
+        if self.attention is not None:
+            out += [a.buf for a in self.attention.args if a.buf not in own]
         return list(dict.fromkeys(out))
 
     def writes(self) -> list[str]:
+        if self.attention is not None:
+            return list(self.members)
         private = (self.kernel.locals | self.kernel.row_locals) if self.kernel else frozenset()
         return [b for b in self.members if b not in private]
 
@@ -197,9 +228,19 @@ class PutKernel:
         outs = [n for k, n in kp if k == "out"] + [p.name for p in self.puts]
         ins = [n for k, n in kp if k == "in"]
         syms = {n for k, n in kp if k == "size"}
+        if self.attention is not None:  # nothing of the kernel's is stored
+            own = self._computed()
+            outs = list(self.members)
+            ins = [n for n in ins if n not in own]
+            for a in self.attention.args:
+                if a.buf not in own and a.buf not in ins:
+                    ins.append(a.buf)
+                for e in (a.offset, *a.shape, *a.strides):
+                    syms |= {s.name for s in free_size_symbols(sympy.sympify(e))}
+        skip = self._computed() if self.attention is not None else set()
         for p in self.puts:
             for a in p.args[1:]:
-                if a.buf not in outs and a.buf not in ins:
+                if a.buf not in outs and a.buf not in ins and a.buf not in skip:
                     ins.append(a.buf)
             for a in p.args:
                 for e in (a.offset, *a.shape, *a.strides):

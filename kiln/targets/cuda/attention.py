@@ -32,6 +32,10 @@ per kv head), the keys are split among programs (flash-decoding: XBLOCK is the n
 splits, partial states in the call's float32 scratch, `attn_<call>_combine` merges them), and
 a key tile that a bool mask (or causality) hides for every row is skipped before its keys and
 values are loaded: a step over a static cache reads the filled part, whatever the model.
+A decode step's KV-cache writes and the one-row kernel before them (rotary queries and keys,
+the mask) run in the decode kernel's launch where the pattern allows (`fuse_decode_puts`, see
+the comment above it; fifteenth session): the kernel then computes those values where it
+reads them and writes the new key / value rows itself.
 
 Longer static query blocks with a mask (16 < L <= XBLOCK, one query block): a first pass over
 the mask finds the key range [lo_live, hi_live) the mask keeps for some row, and the two loops
@@ -51,7 +55,8 @@ Config: XBLOCK = BLOCK_M (queries per program; the decode path: key splits), RBL
 tuner times the attention kernel, not the combine after it). `attention_kernels` lists what
 the wrappers launch for a call: the attention kernel, then the combine when split.
 
-Size: about 840 lines, prefill and decode in one module. Both paths share the Config, the
+Size: about 1170 lines (the decode path's cache-write fusion at the end), prefill and decode
+in one module. Both paths share the Config, the
 head / item-size / shared-memory helpers and the dispatch of `attention_kernels` and
 `attention_candidates`; moving the decode path out alone would make the two modules import
 each other. Splitting it means a third module for those shared helpers first."""
@@ -59,14 +64,20 @@ each other. Splitting it means a third module for those shared helpers first."""
 from __future__ import annotations
 
 import os
+import re
+from dataclasses import dataclass
 
 import sympy
 
 from kiln.errors import CompileError
-from kiln.targets.cuda.kernel import Config, TritonKernel
-from kiln.targets.cuda.ops import SIG_PTR, TL_DTYPE, to_tl
+from kiln.schedule import Kernel
+from kiln.schedule.steps import CutlassGemm, GemmKernel, PutKernel
+from kiln.targets.cuda.cse import render, text
+from kiln.targets.cuda.kernel import Config, TritonKernel, _Scope
+from kiln.targets.cuda.ops import COMPUTE, SIG_PTR, TL_DTYPE, to_tl
+from kiln.targets.cuda.put import STATUS_COUNTER_BASE, STATUS_COUNTERS
 from kiln.ir import loop as L
-from kiln.ir.sym import evaluate
+from kiln.ir.sym import contiguous_strides, evaluate, free_size_symbols, product, unravel
 from kiln.ir.sym import FloorDiv
 from kiln.lowering.attention import DECODE_MAX_L
 
@@ -454,6 +465,9 @@ def _ceil_div(x: sympy.Expr, n: int) -> sympy.Expr:
 # every call (the arena's bytes are not, and a memset is a launch as well), and its atomics
 # and fences serialise the splits' tails; the combine reads B * H * L * splits * (Ev + 2)
 # floats (tens of KB), a microsecond-scale launch that a CUDA graph queues back to back.
+# (Fifteenth session: where the attention absorbed the step's KV-cache writes, such counters
+# exist: words of the status buffer, zeroed at load, each reset by the split that merges;
+# `KILN_DECODE_COMBINE=last`. Measured no faster than the combine launch: see `FusedLaunch`.)
 # A row that no split kept (fully masked) gets zeros, as on the other path.
 
 #: key splits: the heuristic wants at least this many keys a split ...
@@ -602,9 +616,15 @@ def _scratch(call: L.Extern) -> str | None:
 
 
 def print_decode_kernel(call: L.Extern, buffers, hints: dict[str, int],
-                        config: Config) -> TritonKernel:
-    """The decode path's attention kernel (see the comment above)."""
+                        config: Config, fused: PutKernel | None = None,
+                        counter: int | None = None) -> TritonKernel:
+    """The decode path's attention kernel (see the comment above); with `fused` (a
+    `PutKernel` whose attention is `call`: `fuse_decode_puts`), also that step's kernel
+    members where the attention reads them and its cache writes."""
     t = to_tl
+    members = {m.name: m for m in fused.kernel.members} \
+        if fused is not None and fused.kernel is not None else {}
+    counter_ = [0]
     q, k, v = call.args[:3]
     mask = call.args[3] if len(call.args) > 3 else None
     kind = call.attr("mask", 0)
@@ -623,11 +643,26 @@ def print_decode_kernel(call: L.Extern, buffers, hints: dict[str, int],
         raise CompileError(f"{name}: a launch config of {split} key splits (XBLOCK), but the "
                            f"call's scratch {part or '(none)'} holds {call.attr('splits', 1)}")
     bufs = [("out", call.name)] + ([("out", part)] if part else [])
+    if fused is not None:
+        bufs += [("out", p.name) for p in fused.puts]
     for a in call.args:
-        if a.buf not in [b for _, b in bufs]:
+        if a.buf not in [b for _, b in bufs] and a.buf not in members:
             bufs.append(("in", a.buf))
     exprs = [B, H, S] + [x for a in call.args for x in (a.offset, *a.strides)]
+    if fused is not None:
+        used = [members[b] for b in [call.args[0].buf, *(a.buf for a in call.args[3:]),
+                                     *(p.args[1].buf for p in fused.puts)] if b in members]
+        extra = [ld.buf for m in used for ld in L.loads(m.body)]
+        extra += [a.buf for p in fused.puts for a in p.args[1:] if a.buf not in members]
+        for b in extra:
+            if b not in [x for _, x in bufs]:
+                bufs.append(("in", b))
+        exprs += [x for p in fused.puts for a in p.args for x in (a.offset, *a.strides)]
     params, sig = _signature(call, buffers, exprs, bufs)
+    if fused is not None:  # the cache writes' index checks
+        params = (*params, ("status", "kiln_status"))
+        sig = {k: v for k, v in sig.items() if k not in ("XBLOCK", "RBLOCK")}
+        sig.update({"kiln_status": "*i32", "XBLOCK": "constexpr", "RBLOCK": "constexpr"})
     prec = f', input_precision="{DOT_PRECISION[dt]}"' if dt in DOT_PRECISION else ""
     S_, H_ = t(_c(S)), t(_c(H))
     hkv = H_ if g == 1 else f"({H_} // {g})"
@@ -667,11 +702,30 @@ def print_decode_kernel(call: L.Extern, buffers, hints: dict[str, int],
         f"    lq = r % {lq}" if lq > 1 else "    lq = r * 0",
         f"    d = tl.arange(0, {ep})",
         f"    dv = tl.arange(0, {evp})",
-        f"    q = tl.load({q_ptr}, mask=row_ok[:, None]{dmask}, other=0.0)",
+    ]
+    if q.buf in members:  # the absorbed kernel's member, computed here (not stored)
+        m = members[q.buf]
+        lines.append(f"    # q: {m.name} <- {', '.join(m.source)}, computed here")
+        lines.append(f"    qmask = row_ok[:, None]{dmask}")
+        more, val = _member_value(m, buffers, _flat(q, ("b", qs[0]), ("h[:, None]", qs[1]),
+                                                    ("lq[:, None]", qs[2]), ("d[None, :]", qs[3])),
+                                  "qmask", counter_, "q_", "    ")
+        lines += more
+        lines.append(f"    q = tl.where(qmask, {val}, 0.0).to({TL_DTYPE[buffers[q.buf].dtype]})")
+    else:
+        lines.append(f"    q = tl.load({q_ptr}, mask=row_ok[:, None]{dmask}, other=0.0)")
+    lines += [
         f"    k_ptr = {ptr(k, (hk_k, ks[1]))}",
         f"    v_ptr = {ptr(v, (hk_k, vs[1]))}",
     ]
-    if mask is not None:
+    new_rows = {}  # "k" / "v" -> the put writing that cache
+    if fused is not None:
+        for p in fused.puts:
+            role = "k" if p.name == k.buf else "v"
+            new_rows[role] = p
+            lines += _new_row_lines(p, role, "d" if role == "k" else "dv", e if role == "k"
+                                    else ev, hk_k, buffers, members, counter_)
+    if mask is not None and mask.buf not in members:
         ms = mask.strides
         lines.append(f"    m_ptr = {ptr(mask, ('h[:, None]', ms[1]), ('lq[:, None]', ms[2]))}")
     lines += [
@@ -687,15 +741,29 @@ def print_decode_kernel(call: L.Extern, buffers, hints: dict[str, int],
         # the row, and the splits share that range, not the whole cache: a step over a
         # static cache spreads its filled part over every program
         sc = _scan_width(call, hints)
+        ms = mask.strides
         alive = "(mr != 0)" if kind == 1 else "(mr.to(tl.float32) > float(\"-inf\"))"
         lines += [
-            f"    m_row = {ptr(mask, (hk_k, ms[1]))}",
             f"    lo_live = {S_}",
             "    hi_live = 0",
             f"    for ci in range(0, ({S_} + {sc - 1}) // {sc}):",
             f"        pc = ci * {sc} + tl.arange(0, {sc})",
-            f"        mr = tl.load({' + '.join(['m_row', *(_term('pc', ms[3]) or ['pc * 0'])])}, "
-            f"mask=pc < {S_}, other=0)",
+        ]
+        if mask.buf in members:
+            m = members[mask.buf]
+            lines += [f"        # the mask row: {m.name} <- {', '.join(m.source)}, computed here",
+                      f"        pc_ok = pc < {S_}"]
+            more, val = _member_value(m, buffers, _flat(mask, ("b", ms[0]), (hk_k, ms[1]),
+                                                        ("pc", ms[3])),
+                                      "pc_ok", counter_, "mr_", "        ")
+            lines += more + [f"        mr = tl.where(pc_ok, {val}, 0)"]
+        else:
+            row = " + ".join(["m_row", *(_term("pc", ms[3]) or ["pc * 0"])])
+            lines += [
+                f"        m_row = {ptr(mask, (hk_k, ms[1]))}",
+                f"        mr = tl.load({row}, mask=pc < {S_}, other=0)",
+            ]
+        lines += [
             f"        alive = {alive} & (pc < {S_})",
             f"        lo_live = tl.minimum(lo_live, tl.min(tl.where(alive, pc, {S_})))",
             "        hi_live = tl.maximum(hi_live, tl.max(tl.where(alive, pc + 1, 0)))",
@@ -723,7 +791,14 @@ def print_decode_kernel(call: L.Extern, buffers, hints: dict[str, int],
     if causal:
         lines.append("        keep = keep & (cols[None, :] <= lq[:, None])")
     ind = "        "
-    if mask is not None:
+    if mask is not None and mask.buf in members:
+        m, ms = members[mask.buf], mask.strides
+        more, val = _member_value(m, buffers, _flat(mask, ("b", ms[0]), ("h[:, None]", ms[1]),
+                                                    ("lq[:, None]", ms[2]),
+                                                    ("cols[None, :]", ms[3])),
+                                  "keep", counter_, "mt_", "        ")
+        lines += more + [f"        mt = tl.where(keep, {val}, 0)"]
+    elif mask is not None:
         lines.append(f"        mt = tl.load({_tile_cols('m_ptr', mask.strides[3])}, mask=keep, "
                      "other=0)")
         if kind == 1:
@@ -748,6 +823,12 @@ def print_decode_kernel(call: L.Extern, buffers, hints: dict[str, int],
         f"mask={cols_read}[None, :]{kmask}, other=0.0)",
         f"vt = tl.load(v_ptr + {_cols_expr('cols[:, None]', vs[2], 'dv[None, :]', vs[3])}, "
         f"mask={cols_read}[:, None]{vmask}, other=0.0)",
+    ]
+    if "k" in new_rows:  # the new token's key / value: this call's, not the cache's old row
+        body.append("kt = tl.where(cols[None, :] == pos_k, k_new[:, None], kt)")
+    if "v" in new_rows:
+        body.append("vt = tl.where(cols[:, None] == pos_v, v_new[None, :], vt)")
+    body += [
         f"s = tl.dot(q, kt{prec}) * qk_scale",
     ]
     if mask is not None and kind == 2:
@@ -775,12 +856,47 @@ def print_decode_kernel(call: L.Extern, buffers, hints: dict[str, int],
         most = int(call.attr("splits"))
         lines += [
             f"    # this split's partial state -> {part}[row, split, :]: m, l, acc "
-            f"(attn_{call.name}_combine merges the splits)",
+            + ("(the last split to arrive merges them)" if counter is not None else
+               f"(attn_{call.name}_combine merges the splits)"),
             f"    p_ptr = buf_{part} + (({orow}) * {most} + split) * {ev + 2}",
             "    tl.store(p_ptr, m_i, mask=row_ok)",
             "    tl.store(p_ptr + 1, l_i, mask=row_ok)",
             f"    tl.store(p_ptr[:, None] + 2 + dv[None, :], acc, mask=row_ok[:, None]{vmask})",
         ]
+        if counter is not None:  # the last split of the kv head to arrive merges them
+            cnt = f"kiln_status + {counter} + bhk"
+            ptr_r = f"buf_{part} + ({orow}) * {most * (ev + 2)}"
+            lines += [
+                "    # the splits' arrival counter (a word of the status buffer, zero at load):",
+                "    # the last split of this kv head to arrive merges the partial states, as",
+                f"    # attn_{call.name}_combine did, and zeroes the counter for the next call",
+                "    tl.debug_barrier()  # every thread's partial state stored",
+                f"    arrived = tl.atomic_add({cnt}, 1, sem=\"acq_rel\", scope=\"gpu\")",
+                "    if arrived == XBLOCK - 1:",
+                f"        tl.store({cnt}, 0)",
+                f"        sp = tl.arange(0, {_pow2(split, 1)})",
+                "        sp_ok = row_ok[:, None] & (sp[None, :] < XBLOCK)",
+                f"        c_ptr = {ptr_r}",
+                f"        mm = tl.load(c_ptr[:, None] + sp[None, :] * {ev + 2}, mask=sp_ok, "
+                "other=float(\"-inf\"), cache_modifier=\".cg\")",
+                f"        ll = tl.load(c_ptr[:, None] + sp[None, :] * {ev + 2} + 1, mask=sp_ok, "
+                "other=0.0, cache_modifier=\".cg\")",
+                "        top = tl.max(mm, 1)",
+                "        top = tl.where(top == float(\"-inf\"), 0.0, top)  # no split kept a key",
+                "        w = tl.exp2(mm - top[:, None])",
+                "        total = tl.sum(w * ll, 1)",
+                f"        o = tl.zeros([{mb}, {evp}], tl.float32)",
+                "        for j in tl.static_range(XBLOCK):",
+                "            wj = tl.sum(tl.where(sp[None, :] == j, w, 0.0), 1)",
+                f"            aj = tl.load(c_ptr[:, None] + j * {ev + 2} + 2 + dv[None, :], "
+                f"mask=row_ok[:, None]{vmask}, other=0.0, cache_modifier=\".cg\")",
+                "            o += wj[:, None] * aj",
+                "        # rows whose keys were all masked: zeros (total == 0), as eager gives",
+                "        o = tl.where(total[:, None] > 0, o / tl.where(total > 0, total, 1.0)"
+                "[:, None], 0.0)",
+                f"        tl.store(buf_{call.name} + ({orow})[:, None] * {ev} + dv[None, :], "
+                f"o.to({TL_DTYPE[out.dtype]}), mask=row_ok[:, None]{vmask})",
+            ]
     src = "\n".join(lines) + "\n"
     heads = _c(H) if g == 1 else sympy.Integer(int(_c(H)) // g) if _c(H).is_Integer else \
         FloorDiv(_c(H), g)
@@ -839,3 +955,225 @@ def print_decode_combine(call: L.Extern, buffers, config: Config) -> TritonKerne
     rows = sympy.expand(_c(B * H * Lq))
     return TritonKernel(name, "\n".join(lines) + "\n", params, sig,
                         Config(1, sp2, 4 if split * evp > 4096 else 1, 0), rows, call.source)
+
+
+# -- KV-cache writes in the decode attention's launch (issue 17.3, fifteenth session) --------
+# A decode step writes each layer's new key and value rows into the static caches (two `put`
+# calls, index_copy_ at the cache position) right after the one-row kernel that computes the
+# rotary queries and keys (and the mask): schedule/puts.py made those one launch of one
+# program (`PutKernel`, 3.3-3.7 us a layer on an H100: load -> store -> barrier -> load ->
+# store, then the attention's launch). `fuse_decode_puts` folds that whole step into the
+# attention call after it when the attention reads the puts' outputs as its keys and values:
+#   - the kernel's members are computed where the attention reads them (the query tile, the
+#     mask row of the live-range scan and of each key tile, the new key row), never stored;
+#   - each program computes the new key and value rows of its kv head (E elements each) and
+#     uses them in place of the cache's row at the written position (`tl.where` over the
+#     tile: the other programs of the head may not have written it yet); the programs of
+#     split 0 store them into the caches (in place, as the puts did);
+#   - a position outside the cache stores nothing and sets the run's index status, as the
+#     put did.
+# Conditions (else the steps stay as they were): the attention is on the decode path with one
+# query row (L = 1), static sizes; the step's puts are exactly the two writes whose outputs
+# are the attention's key and value operands (whole, contiguous), each writing one position
+# (an index tensor of one element) along dim 2 of a [B, Hkv, S, E] cache from values
+# [B, Hkv, 1, E]; every member of the step's kernel is pointwise, loads only buffers outside
+# the kernel (no indirect loads) and is read by the attention (its query or mask) or a put
+# (its values) and nothing else (no later step, no program output). `KILN_DECODE_FUSED_PUTS=0`
+# at compile time keeps the old steps (A/B runs).
+
+
+def _flat(a: L.LibArg, *idx: tuple[str, object]) -> str:
+    """Triton text of `a`'s element offset at index variables `idx` ((var, stride) pairs)."""
+    off = [] if _c(a.offset) == 0 else [to_tl(_c(a.offset))]
+    return " + ".join([*off, *(x for var, st in idx for x in _term(var, st))]) or "0"
+
+
+def _member_value(m: L.Compute, buffers, flat: str, mask: str, counter: list[int],
+                  prefix: str, indent: str) -> tuple[list[str], str]:
+    """(lines, value): pointwise member `m` evaluated at the flat positions `flat` (a block)
+    of its (contiguous) buffer, its loads masked by `mask`; the value as its buffer holds it."""
+    z = f"{prefix}z"
+    lines = [f"{indent}{prefix}f = {flat}", f"{indent}{z} = {prefix}f * 0"]
+    names: dict[str, str] = {}
+    for d, ex in enumerate(unravel(sympy.Symbol("FLAT"), m.shape)):
+        if sympy.sympify(m.shape[d]) == 1:
+            names[f"i{d}"] = "0"
+            continue
+        names[f"i{d}"] = f"{prefix}i{d}"
+        lines.append(f"{indent}{prefix}i{d} = {to_tl(ex, {'FLAT': f'{prefix}f'})}")
+    sc = _Scope(names, mask, {}, counter)
+    v = text(sc.value(m.body))
+    lines += [re.sub(r"\bxidx\b", z, x) for x in render(sc.lines, indent)]
+    v = re.sub(r"\bxidx\b", z, v)
+    dt = buffers[m.name].dtype
+    if dt.name in COMPUTE:
+        v = f"{v}.to({TL_DTYPE[dt]})"
+    return lines, v
+
+
+def _new_row_lines(p: L.Extern, role: str, dvar: str, width: int, hk: str, buffers,
+                   members: dict, counter: list[int]) -> list[str]:
+    """The new `role` row (k_new / v_new, [width padded] of the cache's dtype) of kv head
+    `hk`, its position pos_<role> (-1 when outside the cache), and its store into the cache
+    by the programs of split 0."""
+    vals, idx = p.args[1], p.args[2]
+    out = buffers[p.name]
+    st = contiguous_strides(out.shape)
+    size = to_tl(_c(out.shape[2]))
+    pos, bad, new = f"pos_{role}", f"bad_{role}", f"{role}_new"
+    vs, dims = vals.strides, tuple(p.attr("dims"))  # self dim -> iteration dim
+    lines = [f"    # {p.name} = index_put({', '.join(a.buf for a in p.args)}) <- "
+             f"{', '.join(p.source)}: the new {'key' if role == 'k' else 'value'} row, "
+             "written by split 0, used by every split",
+             f"    {pos} = tl.load(buf_{idx.buf} + {_flat(idx)}).to(tl.int64)"]
+    if p.attr("wrap"):
+        lines.append(f"    {pos} = tl.where({pos} < 0, {pos} + {size}, {pos})")
+    lines.append(f"    {bad} = ({pos} < 0) | ({pos} >= {size})")
+    flat = _flat(vals, ("b", vs[dims[0]]), (hk, vs[dims[1]]), (dvar, vs[dims[3]]))
+    dm = f"{dvar} < {width}"
+    if vals.buf in members:
+        m = members[vals.buf]
+        lines.append(f"    {role}_ok = {dm}")
+        more, val = _member_value(m, buffers, flat, f"{role}_ok", counter, f"{role}n_", "    ")
+        lines += more
+    else:
+        val = f"tl.load(buf_{vals.buf} + {flat}, mask={dm}, other=0.0)"
+    dst = " + ".join([f"buf_{p.name}", *_term("b", st[0]), *_term(hk, st[1]),
+                      *_term(pos, st[2]), *_term(dvar, st[3])])
+    lines += [
+        f"    {new} = tl.where({dm}, {val}, 0.0).to({TL_DTYPE[out.dtype]})",
+        f"    tl.store({dst}, {new}, mask=({dm}) & (split == 0) & ~{bad})",
+        f"    tl.store(kiln_status + {dvar}.to(tl.int32) * 0, 1, mask=({dvar} == 0) & {bad})",
+        f"    {pos} = tl.where({bad}, -1, {pos})",
+    ]
+    return lines
+
+
+def _static(*exprs) -> bool:
+    return all(_c(e).is_Integer for e in exprs)
+
+
+def _step_reads(s) -> set[str]:
+    if isinstance(s, Kernel):
+        return {ld.buf for m in s.members for ld in L.loads(m.body)}
+    if isinstance(s, (GemmKernel, CutlassGemm, PutKernel)):
+        return set(s.reads())
+    if isinstance(s, L.CONTROL):
+        return set(s.reads)
+    return set(L.node_reads(s))
+
+
+def _whole(a: L.LibArg, buf: L.Buffer) -> bool:
+    """`a` is the whole of `buf`, contiguous, in its shape."""
+    return (_c(a.offset) == 0 and len(a.shape) == len(buf.shape) and
+            all(_c(x - y) == 0 for x, y in zip(a.shape, buf.shape)) and
+            all(_c(x - y) == 0 for x, y in zip(a.strides, contiguous_strides(buf.shape))))
+
+
+def absorbs(s: PutKernel, a, later: list, buffers, outputs) -> bool:
+    """Whether decode attention `a`, the step after `s`, can take over `s` (the conditions
+    above)."""
+    if not (isinstance(s, PutKernel) and s.attention is None and isinstance(a, L.Extern)
+            and a.routine == "attention" and is_decode(a) and int(_c(a.args[0].shape[2])) == 1):
+        return False
+    q, k, v = a.args[:3]
+    if not _static(*q.shape, *k.shape, *v.shape) or len(s.puts) != 2 or \
+            {p.name for p in s.puts} != {k.buf, v.buf} or k.buf == v.buf:
+        return False
+    for p, op in ((next(p for p in s.puts if p.name == k.buf), k),
+                  (next(p for p in s.puts if p.name == v.buf), v)):
+        out = buffers[p.name]
+        dims = tuple(p.attr("dims"))
+        if len(p.args) != 3 or len(dims) != 4 or dims[2] != -1 or \
+                min(dims[0], dims[1], dims[3]) < 0 or \
+                not _whole(op, out) or not _static(*out.shape, *p.args[1].shape):
+            return False
+        vals, idx = p.args[1], p.args[2]
+        want = [1] * len(vals.shape)
+        for d in (0, 1, 3):
+            want[dims[d]] = int(_c(out.shape[d]))
+        if [int(_c(x)) for x in vals.shape] != want:
+            return False
+        if any(_c(st) != 0 and _c(n) != 1 for st, n in zip(idx.strides, idx.shape)):
+            return False  # one position for every row
+        if buffers[idx.buf].dtype.is_float or not _static(idx.offset, vals.offset,
+                                                           *vals.strides):
+            return False
+    if any(free_size_symbols(_c(x)) for x in (*a.args[0].strides, *k.strides)):
+        return False
+    members = {m.name: m for m in s.kernel.members} if s.kernel is not None else {}
+    used = {a.args[0].buf, *(x.buf for x in a.args[3:]), *(p.args[1].buf for p in s.puts)}
+    if any(p.args[2].buf in members or p.args[0].buf in members for p in s.puts):
+        return False
+    if s.kernel is not None and (s.kernel.locals or s.kernel.row_locals):
+        return False
+    for m in members.values():
+        if m.reduce is not None or m.name not in used or m.name in outputs:
+            return False
+        if any(ld.buf in members or ld.indirect for ld in L.loads(m.body)):
+            return False
+        if int(_c(product(buffers[m.name].shape))) != int(_c(product(m.shape))):
+            return False
+    read_later = set().union(set(), *(_step_reads(x) for x in later))
+    return not (set(members) & read_later)
+
+
+def fuse_decode_puts(steps: tuple, buffers, hints: dict[str, int],
+                     outputs=frozenset()) -> tuple:
+    """Each `PutKernel` that the decode attention after it absorbs (`absorbs`) becomes that
+    attention's launch (PutKernel.attention, with its heuristic config); the attention step
+    goes. Top-level steps only; pure."""
+    if os.environ.get("KILN_DECODE_FUSED_PUTS", "1") == "0":
+        return steps
+    out = list(steps)
+    used = 0  # arrival counters handed out
+    for i in range(len(out) - 1):
+        s, a = out[i], out[i + 1]
+        if s is None or a is None or not absorbs(s, a, [x for x in out[i + 2:] if x is not None],
+                                                 buffers, outputs):
+            continue
+        cfg = decode_config(a, buffers, hints)
+        slots = int(_c(a.args[0].shape[0])) * int(_c(a.args[0].shape[1])) // \
+            int(a.attr("group", 1))
+        base = None
+        if cfg.xblock > 1 and os.environ.get("KILN_DECODE_COMBINE", "launch") == "last" and \
+                used + slots <= STATUS_COUNTERS:
+            base, used = STATUS_COUNTER_BASE + used, used + slots
+        out[i] = PutKernel(s.kernel, s.puts, a, FusedLaunch(cfg, base))
+        out[i + 1] = None
+    return tuple(x for x in out if x is not None)
+
+
+@dataclass(frozen=True)
+class FusedLaunch:
+    """The launch of a decode attention that absorbed a `PutKernel`: its config and, when
+    split with `KILN_DECODE_COMBINE=last` at compile time, where its arrival counters start
+    in the status buffer (one a kv head and batch row: the last split to arrive merges the
+    partial states in the same launch); else None (split: `attn_<call>_combine` is launched
+    after it, as on the unfused path). The combine launch is the default: on the H100 (2
+    layers of the 8B widths, cache 256 at position 128, fifteenth session) the in-kernel
+    merge made the attention kernel 1.55 us longer (its fence, atomic and the merge's L2
+    loads after the last split's own work), the combine kernel costs 1.3 us: the step's
+    device time was 666 us against 665."""
+
+    config: Config
+    counter: int | None = None
+
+    @property
+    def xblock(self) -> int:
+        return self.config.xblock
+
+    @property
+    def separate_combine(self) -> bool:
+        return self.config.xblock > 1 and self.counter is None
+
+
+def fused_puts_attention_kernels(step: PutKernel, buffers, hints: dict[str, int]
+                                 ) -> list[TritonKernel]:
+    """The kernels of a `PutKernel` with an attention: the decode kernel (the step's name),
+    then its combine when split (the step's `launches`)."""
+    call, launch = step.attention, step.config
+    cfg = launch.config
+    main = print_decode_kernel(call, buffers, hints, cfg, fused=step, counter=launch.counter)
+    return [main] + ([print_decode_combine(call, buffers, cfg)] if launch.separate_combine
+                     else [])

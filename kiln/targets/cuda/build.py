@@ -43,7 +43,8 @@ from kiln.schedule.puts import fuse_puts
 from kiln.schedule.steps import GemmKernel, PutKernel
 from kiln.targets.cuda import user_triton
 from kiln.targets.cuda.attention import (attention_candidates, attention_kernels,
-                                         choose_attention_config, print_attention_kernel)
+                                         choose_attention_config, fuse_decode_puts,
+                                         fused_puts_attention_kernels, print_attention_kernel)
 from kiln.targets.cuda.conv_template import ROUTINE as CONV_ROUTINE
 from kiln.targets.cuda.conv_template import (choose_conv_config, conv_candidates,
                                              print_conv_kernel)
@@ -233,7 +234,10 @@ def fusing(state: Build) -> bool:
 def fuse_put_calls(state: Build) -> Build:
     """KV-cache writes (small `put` calls) in one launch with the one-row kernel before them
     (schedule/puts.py)."""
-    return replace(state, steps=fuse_puts(state.steps))
+    steps = fuse_puts(state.steps)
+    hints = {s.name: s.example for s in state.graph.symbols}
+    return replace(state, steps=fuse_decode_puts(steps, L.all_buffers(state.loop), hints,
+                                                 _kept(state.loop)))
 
 
 def check_routines(state: Build) -> Build:
@@ -632,6 +636,9 @@ def triton_kernels(steps, buffers, hints: dict[str, int], configs: dict | None =
             out.append(print_template_kernel(s, buffers))
         elif isinstance(s, Kernel):
             out.append(print_triton_kernel(s, buffers, hints, configs.get(s.name)))
+        elif isinstance(s, PutKernel) and s.attention is not None:  # decode attention
+            out.extend(fused_puts_attention_kernels(s, buffers, hints))
+            out.extend(print_put_kernels(p, buffers)[0] for p in s.puts)  # copies
         elif isinstance(s, PutKernel):  # one program: a kernel, then the scatters
             out.append(print_fused_puts(s, buffers, hints, configs.get(s.name)))
             out.extend(print_put_kernels(p, buffers)[0] for p in s.puts)  # copies

@@ -30,6 +30,13 @@ from kiln.targets.cuda.ops import SIG_PTR, to_tl
 XBLOCK = 256
 NUM_WARPS = 4
 
+#: the run's index status buffer (`kiln_status`, int32 words; the wrapper allocates and zeroes
+#: it at load) holds the status in word 0 and, from word STATUS_COUNTER_BASE, this many
+#: arrival counters that kernels reset themselves (the decode attention's last split merges
+#: the others' partial states: targets/cuda/attention.py `FusedLaunch`)
+STATUS_COUNTER_BASE = 4
+STATUS_COUNTERS = 4096
+
 
 def put_kernel_names(call: L.Extern) -> tuple[str, str]:
     """(the copy kernel, the scatter kernel) of `call`."""

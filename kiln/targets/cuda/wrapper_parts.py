@@ -18,6 +18,9 @@ from kiln.ir import program as P
 from kiln.schedule.analysis import aten_fallback_ops
 from kiln.targets import collectives, state_abi
 from kiln.targets.cxx_wrapper import _cstr, run_prologue
+from kiln.targets.cuda.put import STATUS_COUNTER_BASE, STATUS_COUNTERS
+
+STATUS_WORDS = STATUS_COUNTER_BASE + STATUS_COUNTERS
 
 
 
@@ -268,12 +271,15 @@ def _init(archs: tuple[int, ...], n_w: int, aten_ops: list[str], status: bool, g
         "  }",
         "  if (kc::output_pool(e, device_id, &self->pool)) return 1;",
         *([
-            "  if (kc::check(e, d.cuMemAlloc(&self->status, 16), \"status\")) return 1;",
+            f"  if (kc::check(e, d.cuMemAlloc(&self->status, {4 * STATUS_WORDS}), \"status\")) "
+            "return 1;",
             "  { void* h = nullptr;",
             "    if (kc::check(e, d.cuMemAllocHost(&h, 16), \"pinned status\")) return 1;",
             "    self->status_host = static_cast<volatile int32_t*>(h);",
             "    *self->status_host = 0; }",
-            "  if (kc::check(e, d.cuMemsetD32Async(self->status, 0, 1, nullptr), \"status\") ||",
+            # the status word, then the kernels' arrival counters (put.py STATUS_COUNTERS)
+            f"  if (kc::check(e, d.cuMemsetD32Async(self->status, 0, {STATUS_WORDS}, nullptr), "
+            "\"status\") ||",
             "      kc::check(e, d.cuStreamSynchronize(nullptr), \"status\")) return 1;",
         ] if status else []),
     ]

@@ -32,7 +32,7 @@ from kiln.ir.sym import evaluate, unbounded
 from kiln.gemm.cutlass_evt import evaluate_torch, from_epilogue
 from kiln.ir.interp import call_aten
 from kiln.errors import UnsupportedError
-from kiln.targets.cuda.put import put_kernel_names
+from kiln.targets.cuda.put import STATUS_COUNTER_BASE, STATUS_COUNTERS, put_kernel_names
 import numpy as np
 
 
@@ -243,7 +243,9 @@ def run_program(prog: P.Program, kernels: dict, module, weights: dict, inputs: l
     env: dict[str, int] = {}
     bufs: dict[str, torch.Tensor] = {w: t.reshape(-1).to(device).clone()
                                      for w, t in weights.items()}
-    status = torch.zeros(1, dtype=torch.int32, device=device)
+    # word 0: the index status; then the kernels' arrival counters (put.py STATUS_COUNTERS)
+    status = torch.zeros(STATUS_COUNTER_BASE + STATUS_COUNTERS, dtype=torch.int32,
+                         device=device)[:1]
     for x in prog.lines:
         if isinstance(x, P.CheckInput) and x.host:  # an int input: only its value is used
             continue
