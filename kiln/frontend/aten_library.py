@@ -22,7 +22,7 @@ from kiln.ir.graph import Node, TensorType
 # target without them (import_program's `library_routines`, off for CUDA) calls ATen for the
 # aten op instead (frontend/export.py: convert_node)
 CPU_ONLY_OPS = frozenset({"sort", "topk", "scan", "scan_extreme", "scatter", "index_put",
-                          "masked_scatter", "embedding_bag", "nonzero"})
+                          "masked_scatter", "embedding_bag"})
 # ops with a data-dependent result size that kiln computes itself where the target has its
 # library routines (else ATen does, as for every other data-dependent op: frontend/export.py)
 DATA_DEPENDENT_NATIVE = frozenset({"aten.nonzero.default"})
@@ -31,10 +31,12 @@ DATA_DEPENDENT_NATIVE = frozenset({"aten.nonzero.default"})
 def cpu_only(node, types) -> bool:
     """Whether Graph IR `node` lowers to a routine only the CPU library has. index_put that
     sets (no accumulate) through integer indices is the `put` routine, which CUDA builds print
-    as a Triton kernel (targets/cuda/put.py: a KV cache updated in place); `types`: the
-    builder's value types, by name."""
+    as a Triton kernel (targets/cuda/put.py: a KV cache updated in place), and so are scans
+    of real values (targets/cuda/scan.py); `types`: the builder's value types, by name."""
     if node.op == "index_put" and not node.attr("accumulate"):
         return any(types[i].dtype.name == "bool" for i in node.inputs[2:])
+    if node.op in ("scan", "scan_extreme"):  # real scans: Triton kernels (targets/cuda/scan.py)
+        return node.type.dtype.is_complex or types[node.inputs[0]].dtype.is_complex
     return node.op in CPU_ONLY_OPS
 
 
@@ -216,10 +218,8 @@ def nonzero_rows(b, n) -> str:
     """Claims the data-dependent row count of aten.nonzero node `n` (torch's unbacked symbol:
     at most the input's element count) as a kiln size symbol; call before emitting any node
     like `n`. "" when torch gave it the row count of an earlier nonzero (of the same input:
-    torch's memo). CPU only (kiln_lib.h's `nonzero`): other targets leave nonzero to ATen."""
-    if not b.library_routines:
-        raise UnsupportedError(f"nonzero (node {n.name}) on a target without kiln's library "
-                               "routines: enable aten_fallback to run it through ATen")
+    torch's memo). The CPU runs kiln_lib.h's `nonzero`, CUDA a Triton kernel
+    (targets/cuda/scan.py)."""
     size = n.meta["val"].shape[0]
     s = size.node.expr if isinstance(size, torch.SymInt) else None
     if s is not None and s.is_Symbol and s in b.syms.rename and \

@@ -59,6 +59,8 @@ from kiln.targets.cuda.kernel import (choose_config, print_triton_kernel, print_
 from kiln.passes.dce import dce
 from kiln.passes.gqa_attention import fold_repeat_kv
 from kiln.targets.cuda.put import print_fused_puts, print_put_kernels
+from kiln.targets.cuda.scan import (NONZERO_ROUTINE, SCAN_ROUTINES, print_nonzero_kernel,
+                                    print_scan_kernel)
 from kiln.targets.cuda.launch_tune import (device_available, kernel_family, template_family,
                                            tune_all)
 from kiln.targets.cuda.ops import PRELUDE
@@ -72,7 +74,7 @@ from kiln.toolchain.triton_aot import Workers, compile_cubins, warm_driver, warm
 
 # Extern routines CUDA builds run: attention, the NHWC convolution and index_put (generated
 # Triton kernels), the collectives (NCCL)
-CUDA_ROUTINES = ("attention", CONV_ROUTINE, "put", *COLLECTIVES)
+CUDA_ROUTINES = ("attention", CONV_ROUTINE, "put", *SCAN_ROUTINES, NONZERO_ROUTINE, *COLLECTIVES)
 
 
 @dataclass(frozen=True)
@@ -305,7 +307,9 @@ def _pdl_kernels(kernels_of):
 def _launched(steps) -> list:
     """The steps codegen_triton prints, in its order."""
     return ([s for s in L.flat_steps(steps) if isinstance(s, (Kernel, GemmKernel, PutKernel))] +
-            attention_steps(steps) + conv_steps(steps) + put_steps(steps))
+            attention_steps(steps) + conv_steps(steps) + put_steps(steps) +
+            [s for s in L.flat_steps(steps) if isinstance(s, L.Extern) and
+             s.routine in (*SCAN_ROUTINES, NONZERO_ROUTINE)])
 
 
 def untuned_kernels(state: Build, families) -> list:
@@ -636,6 +640,10 @@ def triton_kernels(steps, buffers, hints: dict[str, int], configs: dict | None =
             out.append(print_conv_kernel(s, buffers, hints, configs.get(s.name)))
         elif isinstance(s, L.Extern) and s.routine == "put":
             out.extend(print_put_kernels(s, buffers))
+        elif isinstance(s, L.Extern) and s.routine in SCAN_ROUTINES:
+            out.append(print_scan_kernel(s, buffers, hints))
+        elif isinstance(s, L.Extern) and s.routine == NONZERO_ROUTINE:
+            out.append(print_nonzero_kernel(s, buffers))
     return [with_pdl(k) for k in out] if pdl else out
 
 

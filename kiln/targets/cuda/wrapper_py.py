@@ -33,6 +33,7 @@ from kiln.gemm.cutlass_evt import evaluate_torch, from_epilogue
 from kiln.ir.interp import call_aten
 from kiln.errors import UnsupportedError
 from kiln.targets.cuda.put import put_kernel_names
+from kiln.targets.cuda.scan import NONZERO_ROUTINE, SCAN_ROUTINES, scan_kernel_name
 import numpy as np
 
 
@@ -270,6 +271,10 @@ def run_program(prog: P.Program, kernels: dict, module, weights: dict, inputs: l
                               device)
         elif isinstance(x, P.CallLib) and x.call.routine == "conv2d_nhwc":
             launch_kernel(module, kernels[f"conv_{x.call.name}"], env, bufs, status, device)
+        elif isinstance(x, P.CallLib) and x.call.routine in (*SCAN_ROUTINES, NONZERO_ROUTINE):
+            launch_kernel(module, kernels[scan_kernel_name(x.call)], env, bufs, status, device)
+            if int(status.item()):
+                raise IndexError(f"nonzero: the count did not match in {', '.join(x.call.source)}")
         elif isinstance(x, P.CallLib) and x.call.routine == "put":
             copy, scatter = put_kernel_names(x.call)
             if bufs[x.call.name] is not bufs[x.call.args[0].buf]:

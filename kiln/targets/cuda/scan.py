@@ -1,0 +1,277 @@
+"""Scan and nonzero Extern steps -> Triton kernels for CUDA builds (issue 16: they went to the
+ATen fallback on CUDA). `scan` (cumsum, cumprod, logcumsumexp of real values) and
+`scan_extreme` (cummax, cummin: values and indices) along the operand's last dim
+(lowering/library.py permutes the op's dim last: the operand is a strided `LibArg`, the
+outputs contiguous [rows..., n]); `nonzero` (the coordinates of a bool mask's true elements,
+lowering/library.py `lower_nonzero`).
+
+Scans: program p takes rows [p*XBLOCK, (p+1)*XBLOCK) and walks each row in RBLOCK-wide tiles:
+a tile is scanned by `tl.associative_scan` along its columns, combined with the carry (the
+inclusive result at the end of the tiles before it) and stored; the carry becomes the tile's
+last column. Any length, static or dynamic: a row longer than a tile takes several tiles in
+order (rows are spread over programs; a tile's columns over threads). Arithmetic as eager's
+CUDA kernels: 16-bit floats accumulate in float32, float32 in float32, float64 in float64,
+integers and bools in int64 and are rounded to the output dtype where stored (wrapping
+arithmetic: the same bits as accumulating in the output type); logcumsumexp combines with
+ATen's `_log_add_exp_helper` (NaN from either side, equal infinities kept); cummax / cummin
+take the later element on ties and on NaN (eager's `binary_op_update`, CPU and CUDA: the index
+of the most recent NaN once one is seen).
+
+nonzero: one program over the flattened mask in tiles: the exclusive count of true elements
+before each one (a tile's cumsum plus the carry) is its output row, where its row-major
+coordinates are stored; the count the program bound the row count with (a read_size) is
+checked against the total (a mismatch sets the run's index status: never a write past the
+output)."""
+
+from __future__ import annotations
+
+import sympy
+
+from kiln.errors import UnsupportedError
+from kiln.ir import loop as L
+from kiln.ir.sym import evaluate, product
+from kiln.targets.cuda.kernel import Config, TritonKernel
+from kiln.targets.cuda.ops import INT_LIMITS, SIG_PTR, TL_DTYPE, to_tl
+
+SCAN_ROUTINES = ("scan", "scan_extreme")
+NONZERO_ROUTINE = "nonzero"
+# lowering/library.py SCAN_KINDS: sum, prod, logsumexp (prod_own: complex values only)
+_COMBINE = {0: "_kl_add", 1: "_kl_mul", 2: "_kl_lse"}
+_IDENT = {0: "0", 1: "1", 2: "float('-inf')"}
+_KIND = {0: "sum", 1: "product", 2: "log-sum-exp"}
+TILE = 2048  # elements of a tile (XBLOCK x RBLOCK)
+NZ_BLOCK = 1024  # nonzero: elements of the mask per tile
+
+
+def scan_kernel_name(call: L.Extern) -> str:
+    return f"{call.routine}_{call.name}"
+
+
+def _c(e) -> sympy.Expr:
+    return sympy.expand(sympy.sympify(e))
+
+
+def _pow2(n: int) -> int:
+    return 1 << max(0, int(n) - 1).bit_length()
+
+
+def _coords(var: str, shape) -> list[str]:
+    """Row-major coordinates of flat index `var` over `shape` (size-1 dims: "0")."""
+    out, inner = [], sympy.Integer(1)
+    for n in reversed(shape):
+        n = _c(n)
+        if n == 1:
+            out.append("0")
+        else:
+            q = var if inner == 1 else f"({var} // {to_tl(inner)})"
+            out.append(f"({q} % {to_tl(n)})")
+        inner = inner * n
+    return out[::-1]
+
+
+def _offset(offset, coords: list[str], strides, var: str) -> str:
+    parts = [] if _c(offset) == 0 else [to_tl(_c(offset))]
+    for c, st in zip(coords, strides):
+        st = _c(st)
+        if st != 0 and c != "0":
+            parts.append(c if st == 1 else f"{c} * {to_tl(st)}")
+    parts.append(f"{var} * 0")  # a block like `var` even when no coordinate varies
+    return " + ".join(parts)
+
+
+def _acc(dt) -> str:
+    """The Triton type a scan of output dtype `dt` accumulates in."""
+    if dt.name == "float64":
+        return "tl.float64"
+    if dt.is_float:
+        return "tl.float32"
+    return "tl.int64"  # integers and bool: wrapping, rounded to the output where stored
+
+
+def _to_out(x: str, out) -> str:
+    """`x` (in the compute type) converted for a store into dtype `out`."""
+    return f"({x} != 0)" if out.name == "bool" else f"{x}.to({TL_DTYPE[out]})"
+
+
+def _config(n, rows, stride_one: bool, hints) -> Config:
+    """Tile shape from the example sizes: long rows read along the row when the scanned dim
+    is contiguous, else many rows a tile (neighbouring rows are neighbours in memory)."""
+    n = max(1, evaluate(n, hints))
+    rows = max(1, evaluate(rows, hints))
+    if stride_one:
+        rblock = min(_pow2(n), 1024)
+    else:
+        rblock = min(_pow2(n), 16)
+    xblock = max(1, min(TILE // rblock, _pow2(rows)))
+    while xblock > 1 and -(-rows // xblock) < 132:  # programs for every H100 SM
+        xblock //= 2
+    warps = max(1, min(8, _pow2(xblock * rblock // 256)))
+    return Config(xblock, rblock, warps)
+
+
+def _head(name: str, params, buffers, comment: list[str]):
+    sig = {}
+    for kind, n in params:
+        if kind == "size":
+            sig[n] = "i64"
+        elif kind == "status":
+            sig[n] = "*i32"
+        else:
+            sig[f"buf_{n}"] = SIG_PTR[buffers[n].dtype]
+    sig["XBLOCK"] = sig["RBLOCK"] = "constexpr"
+    head = ["@triton.jit",
+            f"def {name}({', '.join(a for a in sig if a not in ('XBLOCK', 'RBLOCK'))}, "
+            "XBLOCK: tl.constexpr, RBLOCK: tl.constexpr):", *comment]
+    return sig, head
+
+
+def _syms(exprs) -> list[str]:
+    return sorted({str(s) for x in exprs for s in sympy.sympify(x).free_symbols})
+
+
+def print_scan_kernel(call: L.Extern, buffers, hints: dict[str, int],
+                      config: Config | None = None) -> TritonKernel:
+    """The kernel of one `scan` / `scan_extreme` call (real values)."""
+    (x,) = call.args
+    src_dt = buffers[x.buf].dtype
+    out_dt = buffers[call.outs[0]].dtype
+    if src_dt.is_complex or out_dt.is_complex:
+        raise UnsupportedError(f"complex {call.routine} (for {', '.join(call.source)}) in a "
+                               "Triton kernel: the frontend writes complex scans as doubling")
+    n = _c(x.shape[-1])
+    rows_shape = x.shape[:-1]
+    rows = _c(product(rows_shape)) if rows_shape else sympy.Integer(1)
+    sn = _c(x.strides[-1])
+    name = scan_kernel_name(call)
+    config = config or _config(n, rows, sn == 1, hints)
+    exprs = [n, rows, x.offset, *rows_shape, *x.strides]
+    syms = _syms(exprs)
+    params = tuple([("out", o) for o in call.outs] + [("in", x.buf)] +
+                   [("size", s) for s in syms])
+    extreme = call.routine == "scan_extreme"
+    what = (f"cum{'max' if call.attr('is_max') else 'min'}" if extreme
+            else f"cumulative {_KIND[call.attr('kind')]}")
+    sig, head = _head(name, params, buffers, [
+        f"    # {name}: {', '.join(call.outs)} = {what} of {x.buf} along its last dim "
+        f"(routine {call.routine})",
+        f"    #   from graph nodes: {', '.join(call.source)}"])
+    ntl, stl = to_tl(n), to_tl(sn)
+    row_off = _offset(x.offset, _coords("xidx", rows_shape), x.strides[:-1], "xidx")
+    body = [
+        "    pid = tl.program_id(1).to(tl.int64) * tl.num_programs(0) + tl.program_id(0)",
+        "    xidx = pid * XBLOCK + tl.arange(0, XBLOCK)[:, None]",
+        f"    xmask = xidx < {to_tl(rows)}",
+        f"    xoff = {row_off}",
+        "    last = tl.arange(0, RBLOCK)[None, :] == RBLOCK - 1",
+    ]
+    load = (f"tl.load(buf_{x.buf} + xoff + r * {stl}, mask=m, other=0)" if sn != 1
+            else f"tl.load(buf_{x.buf} + xoff + r, mask=m, other=0)")
+    if not extreme:
+        kind = int(call.attr("kind"))
+        if kind not in _COMBINE:
+            raise UnsupportedError(f"scan kind {kind} (for {', '.join(call.source)}) has no "
+                                   "Triton kernel")
+        acc = _acc(out_dt)
+        if kind == 2 and not out_dt.is_float:
+            raise UnsupportedError(f"logcumsumexp of {out_dt.name} (for "
+                                   f"{', '.join(call.source)})")
+        fn = _COMBINE[kind]
+        # the element as the output dtype (eager converts first), then the accumulator's
+        if src_dt == out_dt or out_dt.name in ("float32", "float64", "int64"):
+            conv = f"v.to({acc})" if src_dt.name != "bool" else f"v.to(tl.int8).to({acc})"
+        elif out_dt.name == "bool":
+            conv = f"(v != 0).to({acc})"
+        else:
+            first = "v.to(tl.int8)" if src_dt.name == "bool" else "v"
+            conv = f"{first}.to({TL_DTYPE[out_dt]}).to({acc})"
+        body += [
+            f"    carry = tl.full([XBLOCK, 1], {_IDENT[kind]}, {acc})",
+            f"    for r0 in range(0, {ntl}, RBLOCK):",
+            "        r = r0 + tl.arange(0, RBLOCK)[None, :].to(tl.int64)",
+            f"        m = xmask & (r < {ntl})",
+            f"        v = {load}",
+            f"        v = {conv}",
+            f"        s = {fn}(carry, tl.associative_scan(v, 1, {fn}))",
+            f"        tl.store(buf_{call.outs[0]} + xidx * {ntl} + r, {_to_out('s', out_dt)}, "
+            "mask=m)",
+            f"        carry = tl.sum(tl.where(last, s, 0), 1, keep_dims=True).to({acc})",
+        ]
+    else:
+        vals, idx = call.outs
+        is_max = bool(call.attr("is_max"))
+        if src_dt.name == "bool":
+            vt, conv = "tl.int8", "v.to(tl.int8)"
+            ident = "0" if is_max else "1"
+        elif src_dt.is_float:
+            vt = "tl.float64" if src_dt.name == "float64" else "tl.float32"
+            conv = f"v.to({vt})"
+            ident = "float('-inf')" if is_max else "float('inf')"
+        else:
+            vt, conv = TL_DTYPE[src_dt], "v"
+            lo, hi = INT_LIMITS[src_dt.name]
+            ident = str(lo if is_max else hi)
+        fn = "_kl_cummax" if is_max else "_kl_cummin"
+        body += [
+            f"    cv = tl.full([XBLOCK, 1], {ident}, {vt})",
+            "    ci = tl.full([XBLOCK, 1], 0, tl.int64)",
+            f"    for r0 in range(0, {ntl}, RBLOCK):",
+            "        r = r0 + tl.arange(0, RBLOCK)[None, :].to(tl.int64)",
+            f"        m = xmask & (r < {ntl})",
+            f"        v = {load}",
+            f"        v = {conv}",
+            "        i = tl.broadcast_to(r, [XBLOCK, RBLOCK])",
+            f"        sv, si = tl.associative_scan((v, i), 1, {fn})",
+            f"        sv, si = {fn}(cv, ci, sv, si)",
+            f"        tl.store(buf_{vals} + xidx * {ntl} + r, {_to_out('sv', src_dt)}, mask=m)",
+            f"        tl.store(buf_{idx} + xidx * {ntl} + r, si, mask=m)",
+            f"        cv = tl.sum(tl.where(last, sv, 0), 1, keep_dims=True).to({vt})",
+            "        ci = tl.sum(tl.where(last, si, 0), 1, keep_dims=True).to(tl.int64)",
+        ]
+    src = "\n".join(head + body) + "\n"
+    return TritonKernel(name, src, params, sig, config, rows, call.source)
+
+
+def print_nonzero_kernel(call: L.Extern, buffers, config: Config | None = None
+                         ) -> TritonKernel:
+    """The kernel of one `nonzero` call: one program over the flattened mask (operand 0, a
+    strided bool LibArg) in tiles; operand 1 the count (int64, 0-d) the row count was bound
+    with."""
+    mask, count = call.args
+    out = call.name
+    rank = len(mask.shape)
+    total = _c(product(mask.shape)) if rank else sympy.Integer(1)
+    name = scan_kernel_name(call)
+    exprs = [total, mask.offset, *mask.shape, *mask.strides, count.offset]
+    syms = _syms(exprs)
+    params = tuple([("out", out), ("in", mask.buf)] +
+                   ([("in", count.buf)] if count.buf != mask.buf else []) +
+                   [("size", s) for s in syms] + [("status", "kiln_status")])
+    sig, head = _head(name, params, buffers, [
+        f"    # {name}: {out} = nonzero({mask.buf}), {count.buf}: the count of true elements "
+        "(routine nonzero)",
+        f"    #   from graph nodes: {', '.join(call.source)}"])
+    coords = _coords("p", mask.shape)
+    ttl = to_tl(total)
+    body = [
+        f"    want = tl.load(buf_{count.buf} + {to_tl(_c(count.offset))})",
+        "    carry = tl.full([1], 0, tl.int64)",
+        f"    for p0 in range(0, {ttl}, RBLOCK):",
+        "        p = p0 + tl.arange(0, RBLOCK).to(tl.int64)",
+        f"        ok = p < {ttl}",
+        f"        v = tl.load(buf_{mask.buf} + {_offset(mask.offset, coords, mask.strides, 'p')}, "
+        "mask=ok, other=0)",
+        "        v = (v != 0).to(tl.int64)",
+        "        pos = carry + tl.associative_scan(v, 0, _kl_add) - v  # true elements before",
+        "        sel = ok & (v != 0) & (pos < want)",
+    ]
+    for d, c in enumerate(coords):
+        body.append(f"        tl.store(buf_{out} + pos * {rank} + {d}, ({c}).to(tl.int64) + p * 0,"
+                    " mask=sel)")
+    body += [
+        "        carry = carry + tl.sum(v, 0)",
+        "    bad = carry != want  # the count the output was sized by",
+        "    tl.store(kiln_status + tl.zeros([1], tl.int32), 1, mask=bad)",
+    ]
+    config = config or Config(1, NZ_BLOCK, 4)
+    src = "\n".join(head + body) + "\n"
+    return TritonKernel(name, src, params, sig, config, sympy.Integer(1), call.source)
