@@ -115,7 +115,10 @@ def _arg(lz: Lazy, perm=None, shape=None) -> L.LibArg:
 
 
 def _key(node: Node) -> tuple:
-    return (node.op, node.inputs, tuple((k, v) for k, v in node.attrs if k != "part"))
+    """The call a result node reads: the same op, operands and attributes (but `part`) and
+    the same result dtype (cumsum(x) and cumsum(x, dtype=float64) are two calls)."""
+    dt = node.type.dtype if node.op == "scan" else None  # (one result: no `part`)
+    return (node.op, node.inputs, tuple((k, v) for k, v in node.attrs if k != "part"), dt)
 
 
 def _emit(ctx: LowerCtx, node: Node, routine: str, outs, args, attrs) -> tuple[str, ...]:
