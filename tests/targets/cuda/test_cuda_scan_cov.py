@@ -9,8 +9,8 @@ element, as eager's CPU and CUDA kernels); floating scans (float32, float16, bfl
 within twice eager's own distance from float64 math plus a few ulps of the dtype, with eager's
 inf / NaN pattern; rows longer than a tile (several tiles in order), scans over outer and
 middle dims, transposed operands, a dynamic scanned dim; nonzero / argwhere / nonzero(as_tuple)
-of masks over several tiles, empty and full. With a GPU (`-m gpu`): the packages against eager
-on the device at sizes up to a million elements a row."""
+/ masked_select / x[mask] of masks over several tiles, empty and full. With a GPU (`-m gpu`):
+the packages against eager on the device at sizes up to a million elements a row."""
 
 from __future__ import annotations
 
@@ -60,7 +60,9 @@ def int_scans(x, y):
 
 def nonzeros(m, x, b):
     return {"nz": torch.nonzero(m), "aw": torch.argwhere(x < 0),
-            "tup": torch.nonzero(b, as_tuple=True), "used": torch.nonzero(x > 1).sum(0) * 2 + 1}
+            "tup": torch.nonzero(b, as_tuple=True), "ms": torch.masked_select(x, x > 0.3),
+            "inner": x[:, b[:3] > 0], "rows": x[x[:, 0, 0] > 0].sum(0),
+            "used": torch.nonzero(x > 1).sum(0) * 2 + 1}
 
 
 def _special(x: torch.Tensor) -> torch.Tensor:
