@@ -38,6 +38,8 @@ def cpu_only(node, types) -> bool:
         return any(types[i].dtype.name == "bool" for i in node.inputs[2:])
     if node.op in ("scan", "scan_extreme"):  # real scans: Triton kernels (targets/cuda/scan.py)
         return node.type.dtype.is_complex or types[node.inputs[0]].dtype.is_complex
+    if node.op == "scatter" and node.type.dtype.is_complex and node.attr("mode") == "prod":
+        return False  # complex scatter products: a Triton kernel too
     return node.op in CPU_ONLY_OPS
 
 

@@ -59,8 +59,8 @@ from kiln.targets.cuda.kernel import (choose_config, print_triton_kernel, print_
 from kiln.passes.dce import dce
 from kiln.passes.gqa_attention import fold_repeat_kv
 from kiln.targets.cuda.put import print_fused_puts, print_put_kernels
-from kiln.targets.cuda.scan import (NONZERO_ROUTINE, SCAN_ROUTINES, print_nonzero_kernel,
-                                    print_scan_kernel)
+from kiln.targets.cuda.scan import (NONZERO_ROUTINE, SCAN_ROUTINES, is_complex_product,
+                                    print_cput_kernel, print_nonzero_kernel, print_scan_kernel)
 from kiln.targets.cuda.launch_tune import (device_available, kernel_family, template_family,
                                            tune_all)
 from kiln.targets.cuda.ops import PRELUDE
@@ -245,7 +245,8 @@ def check_routines(state: Build) -> Build:
         if isinstance(s, L.Extern) and s.routine not in CUDA_ROUTINES:
             raise UnsupportedError(f"library routine {s.routine} (for {', '.join(s.source)}) "
                                    "has no CUDA version yet; compile for the CPU")
-        if isinstance(s, L.Extern) and s.routine == "put" and s.attr("mode") != 0:
+        if isinstance(s, L.Extern) and s.routine == "put" and s.attr("mode") != 0 and not \
+                is_complex_product(s, L.all_buffers(state.loop)[s.name].dtype):
             raise UnsupportedError(f"index_put / scatter with accumulation (for "
                                    f"{', '.join(s.source)}) has no CUDA routine yet; enable "
                                    "aten_fallback or compile for the CPU")
@@ -638,6 +639,8 @@ def triton_kernels(steps, buffers, hints: dict[str, int], configs: dict | None =
             out.extend(attention_kernels(s, buffers, hints, configs.get(s.name)))
         elif isinstance(s, L.Extern) and s.routine == CONV_ROUTINE:
             out.append(print_conv_kernel(s, buffers, hints, configs.get(s.name)))
+        elif isinstance(s, L.Extern) and is_complex_product(s, buffers[s.name].dtype):
+            out.append(print_cput_kernel(s, buffers))  # (targets/cuda/scan.py)
         elif isinstance(s, L.Extern) and s.routine == "put":
             out.extend(print_put_kernels(s, buffers))
         elif isinstance(s, L.Extern) and s.routine in SCAN_ROUTINES:

@@ -275,3 +275,110 @@ def print_nonzero_kernel(call: L.Extern, buffers, config: Config | None = None
     config = config or Config(1, NZ_BLOCK, 4)
     src = "\n".join(head + body) + "\n"
     return TritonKernel(name, src, params, sig, config, sympy.Integer(1), call.source)
+
+
+# -- complex scatter products -------------------------------------------------------------------
+
+_PART_FLOAT = {"complex64": "tl.float32", "complex128": "tl.float64"}
+
+
+def is_complex_product(call: L.Extern, dtype) -> bool:
+    """A `put` call multiplying complex values (scatter(reduce="multiply"),
+    scatter_reduce("prod") of complex64 / complex128): `print_cput_kernel`'s. `dtype`: its
+    output's dtype."""
+    return call.routine == "put" and call.attr("mode") == 2 and dtype.name in _PART_FLOAT
+
+
+def cput_kernel_name(call: L.Extern) -> str:
+    return f"cput_{call.name}"
+
+
+def print_cput_kernel(call: L.Extern, buffers) -> TritonKernel:
+    """The kernel of a complex scatter product: one lane per output element, each walking
+    the updates in row-major order of the index (eager's CPU order: the products of one place
+    in update order, with eager's contracted product re = fma(a, c, -(b d)), im = fma(a, d,
+    b c); without include_self a place's first update starts from 1 + 0i); an index out of
+    its dim sets the run's index status (an error, as the CPU routine's)."""
+    self_, values, index = call.args
+    out = call.name
+    dt = buffers[out].dtype
+    F = _PART_FLOAT[dt.name]
+    bits = "tl.int32" if dt.name == "complex64" else "tl.int64"
+    dims = tuple(call.attr("dims"))
+    include_self = bool(call.attr("include_self", True))
+    if sum(1 for d in dims if d < 0) != 1 or len(dims) != len(self_.shape):
+        raise UnsupportedError(f"complex scatter product {out} (for {', '.join(call.source)})"
+                               " with other than one index tensor")
+    shape = self_.shape
+    total = _c(product(shape)) if shape else sympy.Integer(1)
+    iters = values.shape
+    m = _c(product(iters)) if iters else sympy.Integer(1)
+    name = cput_kernel_name(call)
+    exprs = [total, m, self_.offset, *shape, *self_.strides, values.offset, *iters,
+             *values.strides, index.offset, *index.strides]
+    syms = _syms(exprs)
+    bufs = [out] + [b for b in dict.fromkeys((self_.buf, values.buf, index.buf)) if b != out]
+    params = tuple([("out", out)] + [("in", b) for b in bufs[1:]] +
+                   [("size", s) for s in syms] + [("status", "kiln_status")])
+    sig, head = _head(name, params, buffers, [
+        f"    # {name}: {out} = scatter product of {values.buf} into {self_.buf} at "
+        f"{index.buf} (complex, in update order)",
+        f"    #   from graph nodes: {', '.join(call.source)}"])
+    oc = _coords("o", shape)
+    it = _coords("j", iters)
+    ostr, st = [], sympy.Integer(1)
+    for n in reversed(shape):
+        ostr.append(st)
+        st = st * _c(n)
+    ostr = ostr[::-1]
+    dest = []
+    for d, k in enumerate(dims):
+        c = "v" if k < 0 else it[k]
+        if c != "0" and _c(ostr[d]) != 0 and not (k >= 0 and _c(shape[d]) == 1):
+            dest.append(c if _c(ostr[d]) == 1 else f"{c} * {to_tl(_c(ostr[d]))}")
+    dsize = to_tl(_c(shape[dims.index(next(d for d in dims if d < 0))]))
+    soff = _offset(self_.offset, oc, self_.strides, "o")
+    body = [
+        "    pid = tl.program_id(1).to(tl.int64) * tl.num_programs(0) + tl.program_id(0)",
+        "    o = pid * XBLOCK + tl.arange(0, XBLOCK).to(tl.int64)",
+        f"    ok = o < {to_tl(total)}",
+        f"    re = tl.load(buf_{self_.buf} + 2 * ({soff}), mask=ok, other=0)"
+        f".to({F}, bitcast=True)",
+        f"    im = tl.load(buf_{self_.buf} + 2 * ({soff}) + 1, mask=ok, other=0)"
+        f".to({F}, bitcast=True)",
+        "    seen = o < 0  # (a place's first update, without include_self)",
+        f"    for j in range(0, {to_tl(m)}):",
+        f"        v = tl.load(buf_{index.buf} + {_scalar_off(index.offset, it, index.strides)})"
+        ".to(tl.int64)",
+        f"        bad = (v < 0) | (v >= {dsize})",
+        "        tl.store(kiln_status + tl.zeros([1], tl.int32), 1, mask=tl.full([1], 0, tl.int1) "
+        "| bad)",
+        f"        hit = ok & (o == ({' + '.join(dest) or '0'})) & ~bad",
+        f"        voff = 2 * ({_scalar_off(values.offset, it, values.strides)})",
+        f"        sr = tl.load(buf_{values.buf} + voff).to({F}, bitcast=True)",
+        f"        si = tl.load(buf_{values.buf} + voff + 1).to({F}, bitcast=True)",
+    ]
+    if not include_self:
+        body += ["        first = hit & ~seen",
+                 "        re = tl.where(first, 1.0, re)",
+                 "        im = tl.where(first, 0.0, im)",
+                 "        seen = seen | hit"]
+    body += [
+        "        nr = tl.fma(re, sr, -(im * si))",
+        "        ni = tl.fma(re, si, im * sr)",
+        "        re = tl.where(hit, nr, re)",
+        "        im = tl.where(hit, ni, im)",
+        f"    tl.store(buf_{out} + 2 * o, re.to({bits}, bitcast=True), mask=ok)",
+        f"    tl.store(buf_{out} + 2 * o + 1, im.to({bits}, bitcast=True), mask=ok)",
+    ]
+    src = "\n".join(head + body) + "\n"
+    return TritonKernel(name, src, params, sig, Config(128, 1, 4), total, call.source)
+
+
+def _scalar_off(offset, coords: list[str], strides) -> str:
+    parts = [] if _c(offset) == 0 else [to_tl(_c(offset))]
+    for c, s in zip(coords, strides):
+        s = _c(s)
+        if s != 0 and c != "0":
+            parts.append(c if s == 1 else f"{c} * {to_tl(s)}")
+    return " + ".join(parts) or "0"

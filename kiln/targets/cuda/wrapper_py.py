@@ -33,7 +33,9 @@ from kiln.gemm.cutlass_evt import evaluate_torch, from_epilogue
 from kiln.ir.interp import call_aten
 from kiln.errors import UnsupportedError
 from kiln.targets.cuda.put import put_kernel_names
-from kiln.targets.cuda.scan import NONZERO_ROUTINE, SCAN_ROUTINES, scan_kernel_name
+from kiln.targets.cuda.scan import (NONZERO_ROUTINE, SCAN_ROUTINES, cput_kernel_name,
+                                    is_complex_product, scan_kernel_name)
+from kiln.ir import dtypes
 import numpy as np
 
 
@@ -275,6 +277,11 @@ def run_program(prog: P.Program, kernels: dict, module, weights: dict, inputs: l
             launch_kernel(module, kernels[scan_kernel_name(x.call)], env, bufs, status, device)
             if int(status.item()):
                 raise IndexError(f"nonzero: the count did not match in {', '.join(x.call.source)}")
+        elif isinstance(x, P.CallLib) and is_complex_product(
+                x.call, dtypes.from_torch(bufs[x.call.name].dtype)):
+            launch_kernel(module, kernels[cput_kernel_name(x.call)], env, bufs, status, device)
+            if int(status.item()):
+                raise IndexError(f"index out of range in {', '.join(x.call.source)}")
         elif isinstance(x, P.CallLib) and x.call.routine == "put":
             copy, scatter = put_kernel_names(x.call)
             if bufs[x.call.name] is not bufs[x.call.args[0].buf]:

@@ -31,7 +31,8 @@ OPTS = Options(cuda_archs=(90,), autotune=False, cuda_graphs=False)
 FLOATS = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
 INTS = (torch.int32, torch.int64, torch.int8, torch.uint8, torch.bool)
 # a few ulps of each dtype, relative (finite values)
-EPS = {torch.float32: 4e-6, torch.float16: 2e-3, torch.bfloat16: 1.6e-2, torch.float64: 1e-13}
+EPS = {torch.float32: 4e-6, torch.float16: 2e-3, torch.bfloat16: 1.6e-2, torch.float64: 1e-13,
+       torch.complex64: 4e-6, torch.complex128: 1e-13}
 
 
 def float_scans(x, y, z, w):
@@ -63,6 +64,26 @@ def nonzeros(m, x, b):
             "tup": torch.nonzero(b, as_tuple=True), "ms": torch.masked_select(x, x > 0.3),
             "inner": x[:, b[:3] > 0], "rows": x[x[:, 0, 0] > 0].sum(0),
             "used": torch.nonzero(x > 1).sum(0) * 2 + 1}
+
+
+def cscatter(x, i0, i1, src):
+    """Complex scatter products (CUDA: targets/cuda/scan.py `print_cput_kernel`)."""
+    return {"m0": x.scatter(0, i0, src, reduce="multiply"),
+            "p1": x.scatter_reduce(1, i1, src, "prod", include_self=False),
+            "p0": x.scatter_reduce(0, i0, src, "prod"),
+            "p_t": x.t().scatter_reduce(1, i0.t(), src[:4, :6].t(), "prod",
+                                        include_self=False)}
+
+
+def _cscatter_inputs(dt, g, special=False):
+    x = torch.randn(5, 6, dtype=dt, generator=g)
+    i0 = torch.randint(0, 5, (4, 6), generator=g)  # duplicates: products in update order
+    i1 = torch.randint(0, 6, (5, 3), generator=g)
+    src = torch.randn(6, 7, dtype=dt, generator=g)
+    if special:
+        src[1, 1], src[2, 0] = complex(math.inf, 0), complex(0, math.nan)
+        src[0, 2], x[3, 3] = complex(math.inf, -math.inf), complex(0, 0)
+    return x, i0, i1, src
 
 
 def _special(x: torch.Tensor) -> torch.Tensor:
@@ -124,6 +145,8 @@ def _builds():
     for dt in INTS:
         out[f"int_{dt}"] = (int_scans, _int_inputs(dt, g), None)
     out["nonzero"] = (nonzeros, _nz_inputs(g), None)
+    for dt in (torch.complex64, torch.complex128):
+        out[f"cput_{dt}"] = (cscatter, _cscatter_inputs(dt, g), None)
     out["float_dyn"] = (float_scans, _float_inputs(torch.float32, g, n=50, m=20),
                         ({1: Dim("n", min=41, max=4096)}, {0: Dim("m", min=2, max=4096)}, None,
                          {1: Dim("n", min=41, max=4096)}))
@@ -145,8 +168,11 @@ def test_cuda_scans_and_nonzero_build_without_aten():
         assert cm.manifest["requires"]["aten_fallback_ops"] == [], name
         assert cm.manifest["requires"]["libtorch"] is False, name
         src = cm.sources["kernels_triton.py"]
-        assert "tl.associative_scan(" in src, name
         routines = {s.routine for s in cm.built.steps if hasattr(s, "routine")}
+        if name.startswith("cput_"):
+            assert "def cput_" in src and "tl.fma(" in src and "put" in routines, name
+            continue
+        assert "tl.associative_scan(" in src, name
         assert routines & {"scan", "scan_extreme", "nonzero"}, (name, routines)
 
 
@@ -162,6 +188,9 @@ def _inputs_for(name, g):
     if name == "float_dyn":
         return [_float_inputs(torch.float32, g, n=n, m=m, special=sp)
                 for n, m, sp in ((41, 2, False), (1500, 70, True))]
+    if name.startswith("cput_"):
+        dt = getattr(torch, name.split(".")[1])
+        return [_cscatter_inputs(dt, g), _cscatter_inputs(dt, g, special=True)]
     if name == "nonzero":
         return [_nz_inputs(g, p) for p in (0.0, 0.4, 1.0)]
     return [(torch.rand(r, 60, generator=g) < 0.5, *_nz_inputs(g)[1:]) for r in (2, 3, 90)]
@@ -181,6 +210,8 @@ def check_outputs(got, fn, args, what="", device="cpu"):
         g = g.cpu().reshape(w.shape)
         where = f"{what} output {k} ({w.dtype}, {tuple(w.shape)})"
         assert g.dtype == w.dtype, where
+        if w.is_complex():  # each part as a float
+            g, w, r = (torch.view_as_real(t) for t in (g, w, r))
         if not w.is_floating_point():
             assert torch.equal(g, w), f"{where}: {(g != w).nonzero()[:5].tolist()}"
             continue
@@ -201,9 +232,9 @@ def check_outputs(got, fn, args, what="", device="cpu"):
 _INTERP = textwrap.dedent("""
     import pickle, sys, torch
     sys.path.insert(0, sys.argv[2])
-    from test_cuda_scan_cov import check_outputs, float_scans, int_scans, nonzeros
+    from test_cuda_scan_cov import check_outputs, cscatter, float_scans, int_scans, nonzeros
     from kiln.targets.cuda.wrapper_py import import_triton_module, run_program
-    fns = {"float": float_scans, "int": int_scans, "nonzero": nonzeros}
+    fns = {"float": float_scans, "int": int_scans, "nonzero": nonzeros, "cput": cscatter}
     with open(sys.argv[1], "rb") as f:
         cases = pickle.load(f)
     for name, prog, kernels, module, weights, calls in cases:
@@ -236,6 +267,11 @@ def _interpret(tmp_path, which):
 @pytest.mark.slow  # CUDA builds and Triton's interpreter
 def test_cuda_float_scans_in_interpreter(tmp_path):
     _interpret(tmp_path, [f"float_{dt}" for dt in FLOATS] + ["float_dyn"])
+
+
+@pytest.mark.slow  # CUDA builds and Triton's interpreter
+def test_cuda_complex_scatter_products_in_interpreter(tmp_path):
+    _interpret(tmp_path, ["cput_torch.complex64", "cput_torch.complex128"])
 
 
 @pytest.mark.slow  # CUDA builds and Triton's interpreter
@@ -306,3 +342,19 @@ def test_gpu_scans_match_eager(k, tmp_path):
     for call in (args, *calls):
         got = pytree.tree_leaves(runner(*[a.cuda() for a in call]))
         check_outputs(got, fn, call, name, device="cuda")
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("dt", (torch.complex64, torch.complex128), ids=("c64", "c128"))
+def test_gpu_complex_scatter_products_match_eager_cpu(dt, tmp_path):
+    """Against eager on the CPU (eager's CUDA scatter products of complex values were not
+    implemented in the torch versions we know of: pytorch/pytorch#121965)."""
+    g = torch.Generator().manual_seed(4)
+    args = _cscatter_inputs(dt, g)
+    cm = kiln.compile(torch.export.export(Fn(cscatter), args), device="cuda")
+    assert cm.manifest["requires"]["aten_fallback_ops"] == []
+    runner = kiln.load(cm.save(tmp_path / "cput.kiln"), device="cuda:0")
+    for call in (args, _cscatter_inputs(dt, g, special=True)):
+        got = pytree.tree_leaves(runner(*[a.cuda() for a in call]))
+        check_outputs(got, cscatter, call, str(dt), device="cpu")
