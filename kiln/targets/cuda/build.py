@@ -60,7 +60,7 @@ from kiln.passes.dce import dce
 from kiln.passes.gqa_attention import fold_repeat_kv
 from kiln.targets.cuda.put import print_fused_puts, print_put_kernels
 from kiln.targets.cuda.scan import (NONZERO_ROUTINE, SCAN_ROUTINES, is_complex_product,
-                                    print_cput_kernel, print_nonzero_kernel, print_scan_kernel)
+                                    print_cput_kernel, print_nonzero_kernel, print_scan_kernels)
 from kiln.targets.cuda.launch_tune import (device_available, kernel_family, template_family,
                                            tune_all)
 from kiln.targets.cuda.ops import PRELUDE
@@ -644,7 +644,7 @@ def triton_kernels(steps, buffers, hints: dict[str, int], configs: dict | None =
         elif isinstance(s, L.Extern) and s.routine == "put":
             out.extend(print_put_kernels(s, buffers))
         elif isinstance(s, L.Extern) and s.routine in SCAN_ROUTINES:
-            out.append(print_scan_kernel(s, buffers, hints))
+            out.extend(print_scan_kernels(s, buffers, hints))
         elif isinstance(s, L.Extern) and s.routine == NONZERO_ROUTINE:
             out.append(print_nonzero_kernel(s, buffers))
     return [with_pdl(k) for k in out] if pdl else out

@@ -29,7 +29,7 @@ import sympy
 
 from kiln.errors import UnsupportedError
 from kiln.ir import loop as L
-from kiln.ir.sym import evaluate, product
+from kiln.ir.sym import FloorDiv, evaluate, product
 from kiln.targets.cuda.kernel import Config, TritonKernel
 from kiln.targets.cuda.ops import INT_LIMITS, SIG_PTR, TL_DTYPE, to_tl
 
@@ -40,6 +40,10 @@ _COMBINE = {0: "_kl_add", 1: "_kl_mul", 2: "_kl_lse"}
 _IDENT = {0: "0", 1: "1", 2: "float('-inf')"}
 _KIND = {0: "sum", 1: "product", 2: "log-sum-exp"}
 TILE = 2048  # elements of a tile (XBLOCK x RBLOCK)
+CHUNK = 2048  # the multi-block scan: elements of a row one program scans
+# output dtypes the multi-block scan may carry through the output (rounding a chunk's total
+# to the output once more is exact or the accumulator's own rounding)
+_BLOCK_DTYPES = ("float32", "float64", "int64", "int32", "int16", "int8", "uint8")
 NZ_BLOCK = 1024  # nonzero: elements of the mask per tile
 
 
@@ -96,8 +100,10 @@ def _to_out(x: str, out) -> str:
 def _config(n, rows, stride_one: bool, hints) -> Config:
     """Tile shape from the example sizes: long rows read along the row when the scanned dim
     is contiguous, else many rows a tile (neighbouring rows are neighbours in memory)."""
-    n = max(1, evaluate(n, hints))
-    rows = max(1, evaluate(rows, hints))
+    try:
+        n, rows = max(1, evaluate(n, hints)), max(1, evaluate(rows, hints))
+    except (KeyError, TypeError, ValueError):  # sizes without a hint
+        n, rows = 1024, 1
     if stride_one:
         rblock = min(_pow2(n), 1024)
     else:
@@ -129,9 +135,27 @@ def _syms(exprs) -> list[str]:
     return sorted({str(s) for x in exprs for s in sympy.sympify(x).free_symbols})
 
 
+def print_scan_kernels(call: L.Extern, buffers, hints: dict[str, int]) -> list[TritonKernel]:
+    """The kernels of one `scan` / `scan_extreme` call (real values): one kernel walking
+    each row's tiles in order, or, for few long rows (by the example sizes), the multi-block
+    scan's three (`_print_scan_blocks`)."""
+    (x,) = call.args
+    n = _c(x.shape[-1])
+    rows = _c(product(x.shape[:-1])) if x.shape[:-1] else sympy.Integer(1)
+    out_dt = buffers[call.outs[0]].dtype
+    try:
+        nh, rh = evaluate(n, hints), evaluate(rows, hints)
+    except (KeyError, TypeError, ValueError):
+        nh, rh = 0, 0
+    exact = call.routine == "scan_extreme" or out_dt.name in _BLOCK_DTYPES
+    if exact and nh > 2 * CHUNK and rh < 132:
+        return _print_scan_blocks(call, buffers)
+    return [print_scan_kernel(call, buffers, hints)]
+
+
 def print_scan_kernel(call: L.Extern, buffers, hints: dict[str, int],
                       config: Config | None = None) -> TritonKernel:
-    """The kernel of one `scan` / `scan_extreme` call (real values)."""
+    """The single kernel of one `scan` / `scan_extreme` call (real values)."""
     (x,) = call.args
     src_dt = buffers[x.buf].dtype
     out_dt = buffers[call.outs[0]].dtype
@@ -382,3 +406,149 @@ def _scalar_off(offset, coords: list[str], strides) -> str:
         if s != 0 and c != "0":
             parts.append(c if s == 1 else f"{c} * {to_tl(s)}")
     return " + ".join(parts) or "0"
+
+
+def _ops(call: L.Extern, buffers):
+    """(combine helper, identity, compute type, element conversion `v` -> compute) of a scan
+    call: eager's arithmetic (see the module doc)."""
+    (x,) = call.args
+    src_dt = buffers[x.buf].dtype
+    out_dt = buffers[call.outs[0]].dtype
+    if call.routine == "scan_extreme":
+        is_max = bool(call.attr("is_max"))
+        fn = "_kl_cummax" if is_max else "_kl_cummin"
+        if src_dt.name == "bool":
+            return fn, "0" if is_max else "1", "tl.int8", "v.to(tl.int8)"
+        if src_dt.is_float:
+            vt = "tl.float64" if src_dt.name == "float64" else "tl.float32"
+            return fn, "float('-inf')" if is_max else "float('inf')", vt, f"v.to({vt})"
+        lo, hi = INT_LIMITS[src_dt.name]
+        return fn, str(lo if is_max else hi), TL_DTYPE[src_dt], "v"
+    kind = int(call.attr("kind"))
+    acc = _acc(out_dt)
+    if src_dt == out_dt or out_dt.name in ("float32", "float64", "int64"):
+        conv = f"v.to({acc})" if src_dt.name != "bool" else f"v.to(tl.int8).to({acc})"
+    elif out_dt.name == "bool":
+        conv = f"(v != 0).to({acc})"
+    else:
+        first = "v.to(tl.int8)" if src_dt.name == "bool" else "v"
+        conv = f"{first}.to({TL_DTYPE[out_dt]}).to({acc})"
+    return _COMBINE[kind], _IDENT[kind], acc, conv
+
+
+def _print_scan_blocks(call: L.Extern, buffers) -> list[TritonKernel]:
+    """The multi-block scan of few long rows: three kernels over chunks of CHUNK elements
+    (NB of them a row), the output carrying the partial results (no scratch buffer):
+    `_local`: program (row, chunk) scans its chunk and stores it; `_carry`: a program per row
+    scans the chunks' last elements (NB - 1 of them, in tiles with a carry) and stores them
+    back, now inclusive over the row; `_fix`: program (row, chunk >= 1) combines the last
+    element before its chunk (final) with its chunk's other elements (a full chunk's last is
+    already final)."""
+    (x,) = call.args
+    extreme = call.routine == "scan_extreme"
+    fn, ident, vt, conv = _ops(call, buffers)
+    out_dt = buffers[call.outs[0]].dtype
+    n = _c(x.shape[-1])
+    rows_shape = x.shape[:-1]
+    rows = _c(product(rows_shape)) if rows_shape else sympy.Integer(1)
+    sn = _c(x.strides[-1])
+    nb = sympy.sympify(FloorDiv(n + CHUNK - 1, CHUNK))
+    base = scan_kernel_name(call)
+    ntl, nbt = to_tl(n), to_tl(nb)
+    exprs = [n, rows, x.offset, *rows_shape, *x.strides, nb]
+    syms = _syms(exprs)
+    outs = list(call.outs)
+    vals = outs[0]
+    what = f"{call.routine} of {x.buf} ({', '.join(call.source)})"
+    stored = _to_out("s", out_dt) if not extreme else _to_out("sv", buffers[x.buf].dtype)
+    back = conv if extreme else f"v.to({vt})"  # what the output holds, as computed values
+    kernels = []
+
+    def kernel(suffix, params, body, rows_expr, xblock, rblock, comment):
+        name = f"{base}_{suffix}"
+        sig, head = _head(name, params, buffers, [f"    # {name}: {comment}",
+                                                  f"    #   {what}"])
+        head.append("    pid = tl.program_id(1).to(tl.int64) * tl.num_programs(0) + "
+                    "tl.program_id(0)")
+        src = "\n".join(head + body) + "\n"
+        kernels.append(TritonKernel(name, src, params, sig, Config(xblock, rblock, 4),
+                                    rows_expr, call.source))
+
+    size_params = [("size", s_) for s_ in syms]
+    # 1. each chunk on its own
+    row_off = _offset(x.offset, _coords("r", rows_shape), x.strides[:-1], "r")
+    load = f"tl.load(buf_{x.buf} + xoff + col{'' if sn == 1 else ' * ' + to_tl(sn)}, mask=m, " \
+        "other=0)"
+    body = [f"    r = pid // {nbt}",
+            f"    c = pid % {nbt}",
+            f"    xoff = {row_off}",
+            "    col = c * RBLOCK + tl.arange(0, RBLOCK)[None, :].to(tl.int64)",
+            f"    m = col < {ntl}",
+            f"    v = {load}",
+            f"    v = {conv}"]
+    if extreme:
+        body += ["    i = col + r * 0",
+                 f"    sv, si = tl.associative_scan((v, i), 1, {fn})",
+                 f"    tl.store(buf_{vals} + r * {ntl} + col, {stored}, mask=m)",
+                 f"    tl.store(buf_{outs[1]} + r * {ntl} + col, si, mask=m)"]
+    else:
+        body += [f"    s = tl.associative_scan(v, 1, {fn})",
+                 f"    tl.store(buf_{vals} + r * {ntl} + col, {stored}, mask=m)"]
+    kernel("local", tuple([("out", o) for o in outs] + [("in", x.buf)] + size_params), body,
+           rows * nb, 1, CHUNK, "each chunk scanned on its own")
+    # 2. the chunks' last elements, inclusive over the row
+    oparams = tuple([("out", o) for o in outs] + size_params)
+    body = ["    r = pid",
+            "    last = tl.arange(0, RBLOCK)[None, :] == RBLOCK - 1",
+            f"    cv = tl.full([1, 1], {ident}, {vt})"]
+    if extreme:
+        body.append("    ci = tl.full([1, 1], 0, tl.int64)")
+    body += [f"    for c0 in range(0, {nbt} - 1, RBLOCK):",
+             "        c = c0 + tl.arange(0, RBLOCK)[None, :].to(tl.int64)",
+             f"        m = c < {nbt} - 1",
+             f"        at = r * {ntl} + c * {CHUNK} + {CHUNK - 1}",
+             f"        v = tl.load(buf_{vals} + at, mask=m, other=0)",
+             f"        v = {back}"]
+    if extreme:
+        body += [f"        i = tl.load(buf_{outs[1]} + at, mask=m, other=0)",
+                 f"        sv, si = tl.associative_scan((v, i), 1, {fn})",
+                 f"        sv, si = {fn}(cv, ci, sv, si)",
+                 f"        tl.store(buf_{vals} + at, {stored}, mask=m)",
+                 f"        tl.store(buf_{outs[1]} + at, si, mask=m)",
+                 f"        cv = tl.sum(tl.where(last, sv, 0), 1, keep_dims=True).to({vt})",
+                 "        ci = tl.sum(tl.where(last, si, 0), 1, keep_dims=True).to(tl.int64)"]
+    else:
+        body += [f"        s = {fn}(cv, tl.associative_scan(v, 1, {fn}))",
+                 f"        tl.store(buf_{vals} + at, {stored}, mask=m)",
+                 f"        cv = tl.sum(tl.where(last, s, 0), 1, keep_dims=True).to({vt})"]
+    kernel("carry", oparams, body, rows, 1, 1024, "the chunks' last elements, inclusive")
+    # 3. every other element of chunks 1 .. NB-1
+    body = [f"    r = pid // ({nbt} - 1)",
+            f"    c = pid % ({nbt} - 1) + 1",
+            f"    prev = r * {ntl} + c * {CHUNK} - 1",
+            "    col = c * RBLOCK + tl.arange(0, RBLOCK)[None, :].to(tl.int64)",
+            f"    m = (col < {ntl}) & ((col != c * RBLOCK + RBLOCK - 1) | (c == {nbt} - 1))",
+            f"    v = tl.load(buf_{vals} + prev + col * 0)",
+            f"    cv = {back}",
+            f"    v = tl.load(buf_{vals} + r * {ntl} + col, mask=m, other=0)",
+            f"    v = {back}"]
+    if extreme:
+        body += [f"    ci = tl.load(buf_{outs[1]} + prev + col * 0)",
+                 f"    i = tl.load(buf_{outs[1]} + r * {ntl} + col, mask=m, other=0)",
+                 f"    sv, si = {fn}(cv, ci, v, i)",
+                 f"    tl.store(buf_{vals} + r * {ntl} + col, {stored}, mask=m)",
+                 f"    tl.store(buf_{outs[1]} + r * {ntl} + col, si, mask=m)"]
+    else:
+        body += [f"    s = {fn}(cv, v)",
+                 f"    tl.store(buf_{vals} + r * {ntl} + col, {stored}, mask=m)"]
+    kernel("fix", oparams, body, rows * (nb - 1), 1, CHUNK, "chunks 1.. combined with the "
+           "final element before them")
+    return kernels
+
+
+def scan_kernel_names(call: L.Extern, kernels) -> list[str]:
+    """The kernels a scan call launches, in order (those of `kernels`, by name)."""
+    base = scan_kernel_name(call)
+    if f"{base}_local" in kernels:
+        return [f"{base}_local", f"{base}_carry", f"{base}_fix"]
+    return [base]

@@ -34,7 +34,7 @@ from kiln.ir.interp import call_aten
 from kiln.errors import UnsupportedError
 from kiln.targets.cuda.put import put_kernel_names
 from kiln.targets.cuda.scan import (NONZERO_ROUTINE, SCAN_ROUTINES, cput_kernel_name,
-                                    is_complex_product, scan_kernel_name)
+                                    is_complex_product, scan_kernel_names)
 from kiln.ir import dtypes
 import numpy as np
 
@@ -274,7 +274,8 @@ def run_program(prog: P.Program, kernels: dict, module, weights: dict, inputs: l
         elif isinstance(x, P.CallLib) and x.call.routine == "conv2d_nhwc":
             launch_kernel(module, kernels[f"conv_{x.call.name}"], env, bufs, status, device)
         elif isinstance(x, P.CallLib) and x.call.routine in (*SCAN_ROUTINES, NONZERO_ROUTINE):
-            launch_kernel(module, kernels[scan_kernel_name(x.call)], env, bufs, status, device)
+            for k in scan_kernel_names(x.call, kernels):
+                launch_kernel(module, kernels[k], env, bufs, status, device)
             if int(status.item()):
                 raise IndexError(f"nonzero: the count did not match in {', '.join(x.call.source)}")
         elif isinstance(x, P.CallLib) and is_complex_product(

@@ -66,6 +66,24 @@ def nonzeros(m, x, b):
             "used": torch.nonzero(x > 1).sum(0) * 2 + 1}
 
 
+def long_scans(x, i, b):
+    """Few rows longer than 2 chunks (the multi-block scan: targets/cuda/scan.py
+    `_print_scan_blocks`), the last chunk partial."""
+    return {"cs": torch.cumsum(x, 1), "lse": torch.logcumsumexp(x, 1),
+            "cmax": tuple(torch.cummax(x, 1)), "cmin0": tuple(torch.cummin(x.t(), 0)),
+            "ci": torch.cumsum(i, 0), "cp": torch.cumprod(i[:, :1] % 3 - 1, 0),
+            "cmb": tuple(torch.cummax(b, 1)), "csb": torch.cumsum(b, 1, dtype=torch.int32)}
+
+
+def _long_inputs(g, n=5000, special=False):
+    x = torch.randn(2, n, generator=g)
+    if special:
+        x[0, 100], x[0, 3000], x[1, 2047], x[1, 2048] = math.nan, math.inf, -math.inf, math.nan
+        x[1, 4000:] = 0.5  # ties across chunks
+    return (x, torch.randint(-9, 9, (n, 2), generator=g).to(torch.int32),
+            torch.rand(3, n, generator=g) < 0.01)
+
+
 def cscatter(x, i0, i1, src):
     """Complex scatter products (CUDA: targets/cuda/scan.py `print_cput_kernel`)."""
     return {"m0": x.scatter(0, i0, src, reduce="multiply"),
@@ -145,6 +163,7 @@ def _builds():
     for dt in INTS:
         out[f"int_{dt}"] = (int_scans, _int_inputs(dt, g), None)
     out["nonzero"] = (nonzeros, _nz_inputs(g), None)
+    out["long"] = (long_scans, _long_inputs(g), None)
     for dt in (torch.complex64, torch.complex128):
         out[f"cput_{dt}"] = (cscatter, _cscatter_inputs(dt, g), None)
     out["float_dyn"] = (float_scans, _float_inputs(torch.float32, g, n=50, m=20),
@@ -188,6 +207,8 @@ def _inputs_for(name, g):
     if name == "float_dyn":
         return [_float_inputs(torch.float32, g, n=n, m=m, special=sp)
                 for n, m, sp in ((41, 2, False), (1500, 70, True))]
+    if name == "long":
+        return [_long_inputs(g), _long_inputs(g, special=True)]
     if name.startswith("cput_"):
         dt = getattr(torch, name.split(".")[1])
         return [_cscatter_inputs(dt, g), _cscatter_inputs(dt, g, special=True)]
@@ -232,9 +253,11 @@ def check_outputs(got, fn, args, what="", device="cpu"):
 _INTERP = textwrap.dedent("""
     import pickle, sys, torch
     sys.path.insert(0, sys.argv[2])
-    from test_cuda_scan_cov import check_outputs, cscatter, float_scans, int_scans, nonzeros
+    from test_cuda_scan_cov import (check_outputs, cscatter, float_scans, int_scans,
+                                    long_scans, nonzeros)
     from kiln.targets.cuda.wrapper_py import import_triton_module, run_program
-    fns = {"float": float_scans, "int": int_scans, "nonzero": nonzeros, "cput": cscatter}
+    fns = {"float": float_scans, "int": int_scans, "nonzero": nonzeros, "cput": cscatter,
+           "long": long_scans}
     with open(sys.argv[1], "rb") as f:
         cases = pickle.load(f)
     for name, prog, kernels, module, weights, calls in cases:
@@ -267,6 +290,16 @@ def _interpret(tmp_path, which):
 @pytest.mark.slow  # CUDA builds and Triton's interpreter
 def test_cuda_float_scans_in_interpreter(tmp_path):
     _interpret(tmp_path, [f"float_{dt}" for dt in FLOATS] + ["float_dyn"])
+
+
+@pytest.mark.slow  # CUDA builds and Triton's interpreter
+def test_cuda_multi_block_scans_in_interpreter(tmp_path):
+    from test_cuda_dds import triton_kernels_of
+
+    cm = _build("long", *_builds()["long"][:2])
+    names = set(triton_kernels_of(cm))
+    assert {n for n in names if n.endswith(("_local", "_carry", "_fix"))}, names
+    _interpret(tmp_path, ["long"])
 
 
 @pytest.mark.slow  # CUDA builds and Triton's interpreter
