@@ -247,16 +247,20 @@ def nonzero_of_mask(b, n, mask: str, rows_symbol: str, rows=None) -> str:
                   like=n, shape=(numel,), dtype=i64)
     count = b.emit("reduce", [flat], None, like=n, shape=(), dtype=i64, kind="sum", dims=(0,),
                    keepdim=False)
+    # CUDA: the inclusive count before each element (a scan, multi-block when long) places
+    # every true element at once (targets/cuda/scan.py `print_nonzero_kernel`)
+    extra = [] if b.library_routines else [
+        b.emit("scan", [flat], None, like=n, shape=(numel,), dtype=i64, kind="sum", dim=0)]
     out = {} if rows is None else {"shape": (rows, len(shape)), "dtype": i64}
     node = n if rows is None else None  # (an intermediate of `n`: [rows, rank of the mask])
     if not rows_symbol:  # a size bound before (`nonzero_rows`): the count is its value
-        return b.emit("nonzero", [mask, count], node, like=n, **out)
+        return b.emit("nonzero", [mask, count, *extra], node, like=n, **out)
     read = b.fresh(f"{n.name}_rows")
     t = TensorType(i64, ())
     binds = ((0, rows_symbol, b.syms.unbacked[rows_symbol]),)
     b.nodes.append(Node(read, "read_size", (count,), t, (("binds", binds), ("lo", 0)), n.name))
     b.types[read] = t
-    return b.emit("nonzero", [mask, read], node, like=n, **out)
+    return b.emit("nonzero", [mask, read, *extra], node, like=n, **out)
 
 
 @register("aten.nonzero.default")

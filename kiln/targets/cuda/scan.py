@@ -260,8 +260,10 @@ def print_nonzero_kernel(call: L.Extern, buffers, config: Config | None = None
     """The kernel of one `nonzero` call: one program over the flattened mask (operand 0, a
     strided bool LibArg) in tiles; operand 1 the count (int64, 0-d) the row count was bound
     with."""
-    mask, count = call.args
+    mask, count, *csum = call.args
     out = call.name
+    if csum:
+        return _print_nonzero_parallel(call, buffers)
     rank = len(mask.shape)
     total = _c(product(mask.shape)) if rank else sympy.Integer(1)
     name = scan_kernel_name(call)
@@ -552,3 +554,45 @@ def scan_kernel_names(call: L.Extern, kernels) -> list[str]:
     if f"{base}_local" in kernels:
         return [f"{base}_local", f"{base}_carry", f"{base}_fix"]
     return [base]
+
+
+def _print_nonzero_parallel(call: L.Extern, buffers) -> TritonKernel:
+    """nonzero with the inclusive count before each element given (operand 2, a flat int64
+    scan of the mask): one lane per element, a true one stored at row count - 1; the total
+    (the scan's last element) checked against the count the output was sized by."""
+    mask, count, csum = call.args
+    out = call.name
+    rank = len(mask.shape)
+    total = _c(product(mask.shape)) if rank else sympy.Integer(1)
+    name = scan_kernel_name(call)
+    exprs = [total, mask.offset, *mask.shape, *mask.strides, count.offset, csum.offset,
+             *csum.strides]
+    syms = _syms(exprs)
+    bufs = [b for b in dict.fromkeys((mask.buf, count.buf, csum.buf))]
+    params = tuple([("out", out)] + [("in", b) for b in bufs] + [("size", s) for s in syms] +
+                   [("status", "kiln_status")])
+    sig, head = _head(name, params, buffers, [
+        f"    # {name}: {out} = nonzero({mask.buf}); {csum.buf}: the inclusive count of true "
+        f"elements, {count.buf}: their number (routine nonzero)",
+        f"    #   from graph nodes: {', '.join(call.source)}"])
+    coords = _coords("p", mask.shape)
+    cst = _c(csum.strides[0]) if csum.strides else sympy.Integer(1)
+    csoff = to_tl(_c(csum.offset))
+    body = [
+        "    pid = tl.program_id(1).to(tl.int64) * tl.num_programs(0) + tl.program_id(0)",
+        "    p = pid * XBLOCK + tl.arange(0, XBLOCK).to(tl.int64)",
+        f"    ok = p < {to_tl(total)}",
+        f"    want = tl.load(buf_{count.buf} + {to_tl(_c(count.offset))})",
+        f"    have = tl.load(buf_{csum.buf} + {csoff} + ({to_tl(total)} - 1) * {to_tl(cst)})",
+        f"    v = tl.load(buf_{mask.buf} + {_offset(mask.offset, coords, mask.strides, 'p')}, "
+        "mask=ok, other=0) != 0",
+        f"    pos = tl.load(buf_{csum.buf} + {csoff} + p * {to_tl(cst)}, mask=ok, other=0) - 1",
+        "    sel = ok & v & (pos < want)",
+    ]
+    for d, c in enumerate(coords):
+        body.append(f"    tl.store(buf_{out} + pos * {rank} + {d}, ({c}).to(tl.int64) + p * 0, "
+                    "mask=sel)")
+    body.append("    tl.store(kiln_status + p.to(tl.int32) * 0, 1, mask=(p == 0) & "
+                "(have != want))  # the count the output was sized by")
+    src = "\n".join(head + body) + "\n"
+    return TritonKernel(name, src, params, sig, Config(1024, 1, 4), total, call.source)

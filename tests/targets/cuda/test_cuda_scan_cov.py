@@ -72,7 +72,8 @@ def long_scans(x, i, b):
     return {"cs": torch.cumsum(x, 1), "lse": torch.logcumsumexp(x, 1),
             "cmax": tuple(torch.cummax(x, 1)), "cmin0": tuple(torch.cummin(x.t(), 0)),
             "ci": torch.cumsum(i, 0), "cp": torch.cumprod(i[:, :1] % 3 - 1, 0),
-            "cmb": tuple(torch.cummax(b, 1)), "csb": torch.cumsum(b, 1, dtype=torch.int32)}
+            "cmb": tuple(torch.cummax(b, 1)), "csb": torch.cumsum(b, 1, dtype=torch.int32),
+            "nz": torch.nonzero(b), "ms": torch.masked_select(x, x > 2)}
 
 
 def _long_inputs(g, n=5000, special=False):
