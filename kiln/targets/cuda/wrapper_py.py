@@ -142,7 +142,7 @@ def launch_kernel(module, k, env, bufs, status, device) -> None:
     """Launch TritonKernel `k`: over its rows, or (the GEMM template) persistently over
     min(tiles, #SMs) programs; nothing for an empty grid."""
     rows = evaluate(k.tiles if k.tiles is not None else k.rows, env)
-    if rows == 0:
+    if rows <= 0:  # (a multi-block scan of empty rows: rows x (0 - 1) chunks to fix)
         return
     sms = _sm_count(device) if k.tiles is not None else 0
     args = []
