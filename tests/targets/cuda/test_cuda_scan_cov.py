@@ -320,7 +320,8 @@ def test_scan_kernel_walks_a_row_in_tiles():
 
     from kiln.ir import dtypes
     from kiln.ir import loop as L
-    from kiln.targets.cuda.scan import print_nonzero_kernel, print_scan_kernel
+    from kiln.targets.cuda.scan import (print_nonzero_kernel, print_scan_kernel,
+                                        print_scan_kernels)
 
     n = sympy.Symbol("s0")
     bufs = {"x": L.Buffer("x", dtypes.float16, (n, 5), "input"),
@@ -337,6 +338,16 @@ def test_scan_kernel_walks_a_row_in_tiles():
     k = print_scan_kernel(L.Extern("scan_extreme", ("y", "i"), (arg,), (("is_max", True),),
                                    ("cummax",)), bufs, {"s0": 3000})
     assert "_kl_cummax" in k.source and "buf_i" in k.source
+    # few long rows: the multi-block scan (three kernels) where the output can carry partial
+    # results; a float16 output keeps the one-kernel form
+    bufs["y32"] = L.Buffer("y32", dtypes.float32, (5, n), "temp")
+    call = L.Extern("scan", ("y32",), (arg,), (("kind", 0),), ("cumsum",))
+    ks = print_scan_kernels(call, bufs, {"s0": 100000})
+    assert [k.name for k in ks] == ["scan_y32_local", "scan_y32_carry", "scan_y32_fix"]
+    assert "// 2048)" in ks[0].source and "FloorDiv" in str(ks[0].rows)
+    assert len(print_scan_kernels(call, bufs, {"s0": 3000})) == 1  # short rows
+    half = L.Extern("scan", ("y",), (arg,), (("kind", 0),), ("cumsum",))
+    assert len(print_scan_kernels(half, bufs, {"s0": 100000})) == 1
     m = L.Buffer("m", dtypes.bool_, (n, 5), "input")
     c = L.Buffer("c", dtypes.int64, (), "temp")
     o = L.Buffer("o", dtypes.int64, (sympy.Symbol("u0"), 2), "temp")
