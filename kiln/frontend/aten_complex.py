@@ -610,11 +610,11 @@ def _scatter(b, n):
 def _scatter_product(b, n, p: _Parts, x, dim: int, idx: str, src, include_self: bool) -> str:
     """scatter(reduce="multiply") / scatter_reduce("prod") of complex values: kiln's CPU put
     routine on the complex values themselves (kiln_lib.h `cput_combine`: eager's in-order
-    products, with eager's fmas). CUDA (no library routine) leaves it to ATen."""
+    products, with eager's fmas); CUDA: a Triton kernel with the same order and arithmetic
+    (targets/cuda/scan.py `print_cput_kernel`)."""
     reduce = n.args[4] if str(n.target) == "aten.scatter_reduce.two" else _arg(n, 4, "reduce")
     cdt = b.meta_dtype(n)
-    if reduce not in ("multiply", "prod") or not b.library_routines or \
-            cdt not in (torch.complex64, torch.complex128):
+    if reduce not in ("multiply", "prod") or cdt not in (torch.complex64, torch.complex128):
         raise UnsupportedError(f"a complex scatter with reduce={reduce!r} (node {n.name}) "
                                "computes in a way kiln leaves to ATen: enable aten_fallback")
     if isinstance(src, torch.fx.Node):

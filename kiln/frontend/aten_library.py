@@ -14,7 +14,7 @@ import sympy
 import torch
 
 from kiln.errors import UnsupportedError
-from kiln.frontend.aten_table import register
+from kiln.frontend.aten_table import TABLE, register
 from kiln.ir import dtypes
 from kiln.ir.graph import Node, TensorType
 
@@ -22,19 +22,24 @@ from kiln.ir.graph import Node, TensorType
 # target without them (import_program's `library_routines`, off for CUDA) calls ATen for the
 # aten op instead (frontend/export.py: convert_node)
 CPU_ONLY_OPS = frozenset({"sort", "topk", "scan", "scan_extreme", "scatter", "index_put",
-                          "masked_scatter", "embedding_bag", "nonzero"})
+                          "masked_scatter", "embedding_bag"})
 # ops with a data-dependent result size that kiln computes itself where the target has its
 # library routines (else ATen does, as for every other data-dependent op: frontend/export.py)
-DATA_DEPENDENT_NATIVE = frozenset({"aten.nonzero.default"})
+DATA_DEPENDENT_NATIVE = frozenset({"aten.nonzero.default", "aten.masked_select.default",
+                                   "aten.index.Tensor"})
 
 
 def cpu_only(node, types) -> bool:
     """Whether Graph IR `node` lowers to a routine only the CPU library has. index_put that
     sets (no accumulate) through integer indices is the `put` routine, which CUDA builds print
-    as a Triton kernel (targets/cuda/put.py: a KV cache updated in place); `types`: the
-    builder's value types, by name."""
+    as a Triton kernel (targets/cuda/put.py: a KV cache updated in place), and so are scans
+    of real values (targets/cuda/scan.py); `types`: the builder's value types, by name."""
     if node.op == "index_put" and not node.attr("accumulate"):
         return any(types[i].dtype.name == "bool" for i in node.inputs[2:])
+    if node.op in ("scan", "scan_extreme"):  # real scans: Triton kernels (targets/cuda/scan.py)
+        return node.type.dtype.is_complex or types[node.inputs[0]].dtype.is_complex
+    if node.op == "scatter" and node.type.dtype.is_complex and node.attr("mode") == "prod":
+        return False  # complex scatter products: a Triton kernel too
     return node.op in CPU_ONLY_OPS
 
 
@@ -212,15 +217,13 @@ def _embedding_bag(b, n):
     return [out, None, None, None]
 
 
-def nonzero_rows(b, n) -> str:
+def nonzero_rows(b, n, dim: int = 0, bound=None) -> str:
     """Claims the data-dependent row count of aten.nonzero node `n` (torch's unbacked symbol:
     at most the input's element count) as a kiln size symbol; call before emitting any node
     like `n`. "" when torch gave it the row count of an earlier nonzero (of the same input:
-    torch's memo). CPU only (kiln_lib.h's `nonzero`): other targets leave nonzero to ATen."""
-    if not b.library_routines:
-        raise UnsupportedError(f"nonzero (node {n.name}) on a target without kiln's library "
-                               "routines: enable aten_fallback to run it through ATen")
-    size = n.meta["val"].shape[0]
+    torch's memo). The CPU runs kiln_lib.h's `nonzero`, CUDA a Triton kernel
+    (targets/cuda/scan.py)."""
+    size = n.meta["val"].shape[dim]
     s = size.node.expr if isinstance(size, torch.SymInt) else None
     if s is not None and s.is_Symbol and s in b.syms.rename and \
             b.syms.rename[s].name in b.syms.unbacked:
@@ -228,10 +231,11 @@ def nonzero_rows(b, n) -> str:
     if s is None or not s.is_Symbol or s in b.syms.rename:
         raise UnsupportedError(f"nonzero (node {n.name}) whose row count is not a new "
                                f"data-dependent size ({size})")
-    return b.syms.add_unbacked(s, sympy.Mul(*b.shape(n.args[0]))).name
+    return b.syms.add_unbacked(s, sympy.Mul(*b.shape(n.args[0])) if bound is None
+                               else bound).name
 
 
-def nonzero_of_mask(b, n, mask: str, rows_symbol: str) -> str:
+def nonzero_of_mask(b, n, mask: str, rows_symbol: str, rows=None) -> str:
     """aten.nonzero of node `n` from kiln bool value `mask` (x != 0; complex: either part):
     the count of true elements (a sum), bound at run time to the result's row count
     `rows_symbol` (`nonzero_rows`; a `read_size` node, as `x.item()` used as a size), then
@@ -243,14 +247,20 @@ def nonzero_of_mask(b, n, mask: str, rows_symbol: str) -> str:
                   like=n, shape=(numel,), dtype=i64)
     count = b.emit("reduce", [flat], None, like=n, shape=(), dtype=i64, kind="sum", dims=(0,),
                    keepdim=False)
+    # CUDA: the inclusive count before each element (a scan, multi-block when long) places
+    # every true element at once (targets/cuda/scan.py `print_nonzero_kernel`)
+    extra = [] if b.library_routines else [
+        b.emit("scan", [flat], None, like=n, shape=(numel,), dtype=i64, kind="sum", dim=0)]
+    out = {} if rows is None else {"shape": (rows, len(shape)), "dtype": i64}
+    node = n if rows is None else None  # (an intermediate of `n`: [rows, rank of the mask])
     if not rows_symbol:  # a size bound before (`nonzero_rows`): the count is its value
-        return b.emit("nonzero", [mask, count], n)
-    rows = b.fresh(f"{n.name}_rows")
+        return b.emit("nonzero", [mask, count, *extra], node, like=n, **out)
+    read = b.fresh(f"{n.name}_rows")
     t = TensorType(i64, ())
     binds = ((0, rows_symbol, b.syms.unbacked[rows_symbol]),)
-    b.nodes.append(Node(rows, "read_size", (count,), t, (("binds", binds), ("lo", 0)), n.name))
-    b.types[rows] = t
-    return b.emit("nonzero", [mask, rows], n)
+    b.nodes.append(Node(read, "read_size", (count,), t, (("binds", binds), ("lo", 0)), n.name))
+    b.types[read] = t
+    return b.emit("nonzero", [mask, read, *extra], node, like=n, **out)
 
 
 @register("aten.nonzero.default")
@@ -261,3 +271,90 @@ def _nonzero(b, n):
     mask = x if t.dtype == dtypes.bool_ else b.emit(
         "ne", [x, b.scalar(0, t.dtype.torch)], None, like=n, shape=t.shape, dtype=dtypes.bool_)
     return nonzero_of_mask(b, n, mask, rows)
+
+
+def _selected(b, n, x: str, mask: str, p: int, rows_symbol: str) -> str:
+    """x[(:,) * p + (mask,)] for node `n` (x's dims p .. p + m - 1 selected by bool `mask`,
+    m its rank): nonzero(mask) gives the selected positions in row-major order, as flat
+    indices into those dims, which index x viewed with them merged into one dim."""
+    mshape = tuple(b.types[mask].shape)
+    xshape = tuple(b.types[x].shape)
+    m = len(mshape)
+    numel = sympy.Mul(*mshape)
+    rows = b.shape(n)[p]
+    i64 = dtypes.int64
+    coords = nonzero_of_mask(b, n, mask, rows_symbol, rows=rows)
+    flat, stride = None, sympy.Integer(1)
+    for d in reversed(range(m)):  # row-major flat index over the mask's dims
+        c = b.emit("select", [coords], None, like=n, shape=(rows,), dtype=i64, dim=1, index=d)
+        if stride != 1:
+            c = b.emit("mul", [c, b.scalar(int(stride), torch.int64)], None, like=n,
+                       shape=(rows,), dtype=i64)
+        flat = c if flat is None else b.emit("add", [flat, c], None, like=n, shape=(rows,),
+                                             dtype=i64)
+        stride = stride * mshape[d]
+    if flat is None:  # a 0-d mask: one position, selected or not
+        flat = b.emit("expand", [b.scalar(0, torch.int64)], None, like=n, shape=(rows,),
+                      dtype=i64)
+    merged = xshape[:p] + (numel,) + xshape[p + m:]
+    xv = b.emit("view", [x], None, like=n, shape=merged, dtype=b.types[x].dtype)
+    return b.emit("index", [xv, flat], n, positions=(p,), select=True)
+
+
+@register("aten.masked_select.default")
+def _masked_select(b, n):
+    """masked_select(x, mask): x and mask broadcast to one shape, the selected elements in
+    row-major order (kiln's nonzero, then a gather: no ATen)."""
+    x, mask = b.tensor(n.args[0]), b.tensor(n.args[1])
+    sx, sm = b.shape(n.args[0]), b.shape(n.args[1])
+    r = max(len(sx), len(sm))
+    sx, sm = (1,) * (r - len(sx)) + tuple(sx), (1,) * (r - len(sm)) + tuple(sm)
+    shape = tuple(a if b_ == 1 else b_ for a, b_ in zip(sx, sm))
+    rows_symbol = nonzero_rows(b, n, 0, sympy.Mul(*shape))  # (before any node like n)
+    for v, s_ in ((0, sx), (1, sm)):
+        val = (x, mask)[v]
+        if tuple(s_) != tuple(b.types[val].shape):
+            val = b.emit("view", [val], None, like=n, shape=s_, dtype=b.types[val].dtype)
+        if tuple(s_) != shape:
+            val = b.emit("expand", [val], None, like=n, shape=shape, dtype=b.types[val].dtype)
+        if v == 0:
+            x = val
+        else:
+            mask = val
+    if b.types[mask].dtype != dtypes.bool_:
+        raise UnsupportedError(f"masked_select with a {b.types[mask].dtype.name} mask (node "
+                               f"{n.name})")
+    if not shape:  # 0-d: select from one element
+        x = b.emit("view", [x], None, like=n, shape=(1,), dtype=b.types[x].dtype)
+        mask = b.emit("view", [mask], None, like=n, shape=(1,), dtype=dtypes.bool_)
+    return _selected(b, n, x, mask, 0, rows_symbol)
+
+
+_INDEX = TABLE["aten.index.Tensor"]  # integer indices (aten_table.py)
+
+
+@register("aten.index.Tensor")
+def _index(b, n):
+    """x[mask] / x[:, mask] (one bool index and no other): kiln's nonzero, then a gather;
+    other forms: aten_table's converter."""
+    picked = bool_index(b, n)
+    if picked is None and any(isinstance(t, torch.fx.Node) and b.meta_dtype(t) == torch.bool
+                              for t in n.args[1]):
+        raise UnsupportedError(f"a bool index among other indices (node {n.name})")
+    return _INDEX(b, n) if picked is None else picked
+
+
+def bool_index(b, n):
+    """aten.index.Tensor with one bool index and no other (x[mask], x[:, mask]): None when
+    the node has another form."""
+    idx = n.args[1]
+    present = [i for i, t in enumerate(idx) if t is not None]
+    if len(present) != 1:
+        return None
+    p = present[0]
+    t = idx[p]
+    if not isinstance(t, torch.fx.Node) or b.meta_dtype(t) != torch.bool or not b.rank(t) or \
+            b.rank(n.args[0]) < p + b.rank(t):
+        return None
+    rows_symbol = nonzero_rows(b, n, p, sympy.Mul(*b.shape(t)))
+    return _selected(b, n, b.tensor(n.args[0]), b.tensor(t), p, rows_symbol)

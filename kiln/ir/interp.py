@@ -412,7 +412,7 @@ def _lib_scan_extreme(outs, attrs, x):
     for r, row in enumerate(rows):
         best, at = None, 0
         for j, v in enumerate(row):
-            if best is None or (best == best and (v != v or better(v, best))):
+            if best is None or v != v or (best == best and better(v, best)):
                 best, at = v, j
             vals[r, j], idx[r, j] = best, at
     return [vals, idx]

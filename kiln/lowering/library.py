@@ -115,7 +115,10 @@ def _arg(lz: Lazy, perm=None, shape=None) -> L.LibArg:
 
 
 def _key(node: Node) -> tuple:
-    return (node.op, node.inputs, tuple((k, v) for k, v in node.attrs if k != "part"))
+    """The call a result node reads: the same op, operands and attributes (but `part`) and
+    the same result dtype (cumsum(x) and cumsum(x, dtype=float64) are two calls)."""
+    dt = node.type.dtype if node.op == "scan" else None  # (one result: no `part`)
+    return (node.op, node.inputs, tuple((k, v) for k, v in node.attrs if k != "part"), dt)
 
 
 def _emit(ctx: LowerCtx, node: Node, routine: str, outs, args, attrs) -> tuple[str, ...]:
@@ -345,13 +348,15 @@ def lower_masked_scatter(ctx: LowerCtx, node: Node, args: list[Lazy]) -> Lazy:
 def lower_nonzero(ctx: LowerCtx, node: Node, args: list[Lazy]) -> Lazy:
     """The coordinates of a bool mask's true elements (kiln_lib.h `nonzero`); the second
     operand, the count a read_size bound the row count with, orders the call after it."""
-    mask, count = args
+    mask, count, *csum = args  # (CUDA: the inclusive count before each element, flat)
     base = node.source or node.name
     mask = _viewed(ctx, mask, base + "_mask", node, dtypes.bool_)
     count = _viewed(ctx, count, base + "_count", node, dtypes.int64)
+    ops = [_arg(mask), _arg(count)]
+    if csum:
+        ops.append(_arg(_viewed(ctx, csum[0], base + "_csum", node, dtypes.int64)))
     shape = node.type.shape
-    names = _emit(ctx, node, "nonzero", [("", dtypes.int64, shape)], [_arg(mask), _arg(count)],
-                  [])
+    names = _emit(ctx, node, "nonzero", [("", dtypes.int64, shape)], ops, [])
     return ctx.buffer_lazy(names[0], dtypes.int64, shape)
 
 

@@ -214,10 +214,11 @@ def test_effect_tokens_are_a_clear_error(tmp_path):
 
 
 def select_positive(x):
-    # data-dependent sizes: nonzero's rows (u0) and the masked values (u1), with kiln kernels
-    # consuming them (a u1-long pointwise chain and a reduction over u1 elements)
+    # data-dependent sizes: nonzero's rows (u0), the masked values (u1) and their distinct
+    # values (u2), with kiln kernels consuming them (a u2-long pointwise chain and a reduction
+    # over u2 elements); nonzero and x[mask] are kiln's own (sessions 14, 15), unique is ATen's
     idx = torch.nonzero(x > 0)
-    v = x[x > 0]
+    v = torch.unique(x[x > 0])
     return idx * 2, torch.relu(v) + 1, (v * 2).sum()
 
 
@@ -227,8 +228,9 @@ def test_data_dependent_sizes(tmp_path, dynamic):
     if dynamic:
         shapes = (({0: torch.export.Dim("n", min=1, max=64)},),)
     cm, path = _compile(tmp_path, select_positive, (torch.randn(6, 5),), dynamic_shapes=shapes)
-    # (nonzero is kiln's own since session 14: tests/frontend/test_nonzero_cov.py)
-    assert cm.manifest["requires"]["aten_fallback_ops"] == ["aten::index.Tensor"]
+    # (nonzero is kiln's own since session 14: tests/frontend/test_nonzero_cov.py; x[mask]
+    # since session 15: tests/frontend/test_masked_select_cov.py)
+    assert cm.manifest["requires"]["aten_fallback_ops"] == ["aten::_unique2.default"]
     runner = kiln.load(path)
     rows = (6, 1, 17, 64) if dynamic else (6,)
     for n in rows:
@@ -244,7 +246,7 @@ def test_data_dependent_sizes_in_python_printer_and_interpreter(tmp_path):
     from kiln.ir.interp import run_loop
 
     cm, _ = _compile(tmp_path, select_positive, (torch.randn(6, 5),))
-    assert "u1 = _r.shape[0]" in cm.sources["model.py"]  # (index.Tensor: ATen; u0: nonzero)
+    assert "u2 = _r[0].shape[0]" in cm.sources["model.py"]  # (unique: ATen; u0, u1: nonzero)
     x = torch.randn(6, 5)
     got = run_loop(cm.built.loop, {cm.built.loop.buffers[0].name: x.numpy()}, {})
     for g, r in zip(got, select_positive(x)):

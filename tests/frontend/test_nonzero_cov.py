@@ -3,7 +3,7 @@ complex): the element count of x != 0 (complex: either part nonzero; NaN counts)
 time as the result's data-dependent row count, then kiln_lib.h's `nonzero` writes the
 coordinates in row-major order. Results used by later kiln ops; strided (transposed, step-2)
 inputs; 0-d, empty and all-zero inputs; dynamic input shapes. Compared with eager exactly;
-the package calls no ATen op. CUDA programs still call ATen's nonzero (no library routine)."""
+the package calls no ATen op. CUDA programs run kiln's Triton nonzero since session 15."""
 
 from __future__ import annotations
 
@@ -75,16 +75,23 @@ def test_nonzero_dynamic_shapes(check):
         _check(runner(x), f(x))
 
 
-def test_nonzero_cuda_leaves_it_to_aten():
-    """A CUDA program keeps ATen's nonzero (kiln's routine is a CPU library routine): the
-    import declines before claiming the row count, so the fallback binds it."""
+def test_nonzero_cuda_is_kiln_own_unique_stays_on_aten():
+    """A CUDA program lowers nonzero itself since session 15 (a Triton compaction:
+    targets/cuda/scan.py, tests/targets/cuda/test_cuda_scan_cov.py), with or without the
+    fallback; a data-dependent op kiln has no kernel for (unique) still goes to ATen there,
+    and without the fallback is refused naming it."""
     from kiln.frontend.export import import_program
 
     ep = torch.export.export(Fn(torch.nonzero), (torch.randn(3, 4),))
-    imported = import_program(ep, aten_fallback=True, library_routines=False)
-    ops = [n.op for n in imported.graph.nodes]
-    assert "nonzero" not in ops and "aten" in ops, ops
+    for fallback in (True, False):
+        ops = [n.op for n in import_program(ep, aten_fallback=fallback,
+                                            library_routines=False).graph.nodes]
+        assert "nonzero" in ops and "aten" not in ops, ops
     cpu = [n.op for n in import_program(ep, aten_fallback=True).graph.nodes]
     assert "nonzero" in cpu and "aten" not in cpu, cpu
-    with pytest.raises(kiln.errors.UnsupportedError, match="nonzero"):
+    ep = torch.export.export(Fn(lambda x: torch.unique(x) * 2), (torch.randn(7),))
+    ops = [n.op for n in import_program(ep, aten_fallback=True, library_routines=False)
+           .graph.nodes]
+    assert "aten" in ops, ops
+    with pytest.raises(kiln.errors.UnsupportedError, match="unique"):
         import_program(ep, aten_fallback=False, library_routines=False)

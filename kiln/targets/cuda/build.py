@@ -60,6 +60,8 @@ from kiln.targets.cuda.kernel import (choose_config, print_triton_kernel, print_
 from kiln.passes.dce import dce
 from kiln.passes.gqa_attention import fold_repeat_kv
 from kiln.targets.cuda.put import print_fused_puts, print_put_kernels
+from kiln.targets.cuda.scan import (NONZERO_ROUTINE, SCAN_ROUTINES, is_complex_product,
+                                    print_cput_kernel, print_nonzero_kernel, print_scan_kernels)
 from kiln.targets.cuda.launch_tune import (device_available, kernel_family, template_family,
                                            tune_all, warm_context)
 from kiln.targets.cuda.ops import PRELUDE
@@ -73,7 +75,7 @@ from kiln.toolchain.triton_aot import Workers, compile_cubins, warm_driver, warm
 
 # Extern routines CUDA builds run: attention, the NHWC convolution and index_put (generated
 # Triton kernels), the collectives (NCCL)
-CUDA_ROUTINES = ("attention", CONV_ROUTINE, "put", *COLLECTIVES)
+CUDA_ROUTINES = ("attention", CONV_ROUTINE, "put", *SCAN_ROUTINES, NONZERO_ROUTINE, *COLLECTIVES)
 
 
 @dataclass(frozen=True)
@@ -247,7 +249,8 @@ def check_routines(state: Build) -> Build:
         if isinstance(s, L.Extern) and s.routine not in CUDA_ROUTINES:
             raise UnsupportedError(f"library routine {s.routine} (for {', '.join(s.source)}) "
                                    "has no CUDA version yet; compile for the CPU")
-        if isinstance(s, L.Extern) and s.routine == "put" and s.attr("mode") != 0:
+        if isinstance(s, L.Extern) and s.routine == "put" and s.attr("mode") != 0 and not \
+                is_complex_product(s, L.all_buffers(state.loop)[s.name].dtype):
             raise UnsupportedError(f"index_put / scatter with accumulation (for "
                                    f"{', '.join(s.source)}) has no CUDA routine yet; enable "
                                    "aten_fallback or compile for the CPU")
@@ -309,7 +312,9 @@ def _pdl_kernels(kernels_of):
 def _launched(steps) -> list:
     """The steps codegen_triton prints, in its order."""
     return ([s for s in L.flat_steps(steps) if isinstance(s, (Kernel, GemmKernel, PutKernel))] +
-            attention_steps(steps) + conv_steps(steps) + put_steps(steps))
+            attention_steps(steps) + conv_steps(steps) + put_steps(steps) +
+            [s for s in L.flat_steps(steps) if isinstance(s, L.Extern) and
+             s.routine in (*SCAN_ROUTINES, NONZERO_ROUTINE)])
 
 
 def untuned_kernels(state: Build, families) -> list:
@@ -646,8 +651,14 @@ def triton_kernels(steps, buffers, hints: dict[str, int], configs: dict | None =
             out.extend(attention_kernels(s, buffers, hints, configs.get(s.name)))
         elif isinstance(s, L.Extern) and s.routine == CONV_ROUTINE:
             out.append(print_conv_kernel(s, buffers, hints, configs.get(s.name)))
+        elif isinstance(s, L.Extern) and is_complex_product(s, buffers[s.name].dtype):
+            out.append(print_cput_kernel(s, buffers))  # (targets/cuda/scan.py)
         elif isinstance(s, L.Extern) and s.routine == "put":
             out.extend(print_put_kernels(s, buffers))
+        elif isinstance(s, L.Extern) and s.routine in SCAN_ROUTINES:
+            out.extend(print_scan_kernels(s, buffers, hints))
+        elif isinstance(s, L.Extern) and s.routine == NONZERO_ROUTINE:
+            out.append(print_nonzero_kernel(s, buffers))
     return [with_pdl(k) for k in out] if pdl else out
 
 

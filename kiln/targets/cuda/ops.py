@@ -321,6 +321,35 @@ def _kl_mul(a, b):
 
 
 @triton.jit
+def _kl_add(a, b):
+    return a + b
+
+
+@triton.jit
+def _kl_lse(a, b):
+    # ATen's _log_add_exp_helper (logcumsumexp): NaN from either side; equal infinities kept
+    mx = tl.maximum(a, b)
+    mn = tl.minimum(a, b)
+    r = mx + libdevice.log1p(tl.exp(mn - mx))
+    r = tl.where((mn == mx) & ((mn - mn) != 0), a, r)
+    return tl.where((a != a) | (b != b), a + b, r)
+
+
+@triton.jit
+def _kl_cummax(v1, i1, v2, i2):
+    # scans (targets/cuda/scan.py): the later element on ties and on NaN (eager's
+    # binary_op_update), the earlier one after a NaN
+    t = (v2 != v2) | ((v1 == v1) & (v2 >= v1))
+    return tl.where(t, v2, v1), tl.where(t, i2, i1)
+
+
+@triton.jit
+def _kl_cummin(v1, i1, v2, i2):
+    t = (v2 != v2) | ((v1 == v1) & (v2 <= v1))
+    return tl.where(t, v2, v1), tl.where(t, i2, i1)
+
+
+@triton.jit
 def _kl_argmax(v1, i1, v2, i2):
     n1 = v1 != v1
     n2 = v2 != v2

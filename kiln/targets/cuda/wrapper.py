@@ -36,6 +36,8 @@ from kiln.gemm.cutlass_evt import Evt, from_epilogue
 from kiln.gemm.cutlass_link import entry, workspace_entry
 from kiln.ir.sym import UNBOUNDED_NOMINAL, evaluate
 from kiln.targets.cuda.put import put_kernel_names
+from kiln.targets.cuda.scan import (NONZERO_ROUTINE, SCAN_ROUTINES, cput_kernel_name,
+                                    is_complex_product, scan_kernel_names)
 from kiln.targets.cuda.wrapper_parts import print_cuda_model
 from kiln.errors import UnsupportedError
 from kiln.gemm.problem import layout
@@ -326,6 +328,17 @@ class _Printer(SizeCheckPrinter):
             self.emit(f"{{  // conv_{c.name}: {c.name} = conv2d_nhwc({ops})  <- "
                       f"{', '.join(c.source)}")
             self._launch(f"conv_{c.name}")
+            return
+        if c.routine in SCAN_ROUTINES or c.routine == NONZERO_ROUTINE:  # targets/cuda/scan.py
+            for k in scan_kernel_names(c, self.kernels):  # (a multi-block scan: three)
+                self.emit(f"{{  // {k}: {', '.join(c.outs)} = {c.routine}("
+                          f"{', '.join(a.buf for a in c.args)})  <- {', '.join(c.source)}")
+                self._launch(k)
+            return
+        if is_complex_product(c, self.p.buffer_dtypes[c.name]):  # (targets/cuda/scan.py)
+            self.emit(f"{{  // {cput_kernel_name(c)}: {c.name} = complex scatter product("
+                      f"{', '.join(a.buf for a in c.args)})  <- {', '.join(c.source)}")
+            self._launch(cput_kernel_name(c))
             return
         if c.routine == "put":  # index_put (targets/cuda/put.py): in place on a state
             copy, scatter = put_kernel_names(c)

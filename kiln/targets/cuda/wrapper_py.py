@@ -33,6 +33,9 @@ from kiln.gemm.cutlass_evt import evaluate_torch, from_epilogue
 from kiln.ir.interp import call_aten
 from kiln.errors import UnsupportedError
 from kiln.targets.cuda.put import STATUS_COUNTER_BASE, STATUS_COUNTERS, put_kernel_names
+from kiln.targets.cuda.scan import (NONZERO_ROUTINE, SCAN_ROUTINES, cput_kernel_name,
+                                    is_complex_product, scan_kernel_names)
+from kiln.ir import dtypes
 import numpy as np
 
 
@@ -139,7 +142,7 @@ def launch_kernel(module, k, env, bufs, status, device) -> None:
     """Launch TritonKernel `k`: over its rows, or (the GEMM template) persistently over
     min(tiles, #SMs) programs; nothing for an empty grid."""
     rows = evaluate(k.tiles if k.tiles is not None else k.rows, env)
-    if rows == 0:
+    if rows <= 0:  # (a multi-block scan of empty rows: rows x (0 - 1) chunks to fix)
         return
     sms = _sm_count(device) if k.tiles is not None else 0
     args = []
@@ -272,6 +275,16 @@ def run_program(prog: P.Program, kernels: dict, module, weights: dict, inputs: l
                               device)
         elif isinstance(x, P.CallLib) and x.call.routine == "conv2d_nhwc":
             launch_kernel(module, kernels[f"conv_{x.call.name}"], env, bufs, status, device)
+        elif isinstance(x, P.CallLib) and x.call.routine in (*SCAN_ROUTINES, NONZERO_ROUTINE):
+            for k in scan_kernel_names(x.call, kernels):
+                launch_kernel(module, kernels[k], env, bufs, status, device)
+            if int(status.item()):
+                raise IndexError(f"nonzero: the count did not match in {', '.join(x.call.source)}")
+        elif isinstance(x, P.CallLib) and is_complex_product(
+                x.call, dtypes.from_torch(bufs[x.call.name].dtype)):
+            launch_kernel(module, kernels[cput_kernel_name(x.call)], env, bufs, status, device)
+            if int(status.item()):
+                raise IndexError(f"index out of range in {', '.join(x.call.source)}")
         elif isinstance(x, P.CallLib) and x.call.routine == "put":
             copy, scatter = put_kernel_names(x.call)
             if bufs[x.call.name] is not bufs[x.call.args[0].buf]:

@@ -282,12 +282,13 @@ def test_int_inputs_are_host_values_in_cuda_packages():
 
 
 class _LibraryOps(torch.nn.Module):
-    """Ops kiln runs as CPU library routines (sort, cumsum, scatter_add) and one it does not
-    lower at all (special.i1): on CUDA all of them call ATen on the device."""
+    """Ops kiln runs as CPU library routines (sort, topk, scatter_add) and one it does not
+    lower at all (special.i1): on CUDA all of them call ATen on the device. (cumsum was one
+    until session 15: CUDA scans are Triton kernels, tests/targets/cuda/test_cuda_scan_cov.py.)"""
 
     def forward(self, x, idx):
         s, i = torch.sort(x, dim=-1)
-        y = torch.special.i1(x) + s.cumsum(-1)
+        y = torch.special.i1(x) + s * torch.topk(x, 5, -1).values
         return y.scatter_add(1, idx, torch.ones_like(x)) * 2, i
 
 
@@ -296,8 +297,8 @@ def test_cuda_aten_fallback_wrapper():
     cm = kiln.compile(_LibraryOps(), (x, idx), device="cuda", options=OPTS)
     req = cm.manifest["requires"]
     assert req["libtorch"] and req["aten_fallback_ops"] == [
-        "aten::cumsum.default", "aten::scatter_add.default", "aten::sort.default",
-        "aten::special_i1.default"]
+        "aten::scatter_add.default", "aten::sort.default", "aten::special_i1.default",
+        "aten::topk.default"]
     assert cm.manifest["cuda"]["graphs"] is False  # torch's allocator cannot be captured
     src = cm.sources["model_cuda.cpp"]
     # four calls: sort's values and indices come from one

@@ -182,7 +182,8 @@ int scan(kr::Err &, const char *, Out *out, int64_t kind, View<In> x) {
 }
 
 /* cummax / cummin: running extreme and its index along each row. A later equal value takes
- * over the index; once a NaN is seen it stays (with the index of the first NaN), as torch. */
+ * over the index; once a NaN is seen the value stays NaN and each later NaN takes over the
+ * index (eager's CPU and CUDA kernels: the index of the most recent NaN). */
 template <class T>
 int scan_extreme(kr::Err &, const char *, T *vals, int64_t *idx, bool is_max, View<T> x) {
   const int64_t rows = rows_of(x), n = row_len(x), s = row_stride(x);
@@ -193,7 +194,7 @@ int scan_extreme(kr::Err &, const char *, T *vals, int64_t *idx, bool is_max, Vi
     int64_t at = 0;
     for (int64_t j = 0; j < n; ++j) {
       const T v = row[j * s];
-      if (!is_nan(best) && (is_nan(v) || (is_max ? v >= best : v <= best))) {
+      if (is_nan(v) || (!is_nan(best) && (is_max ? v >= best : v <= best))) {
         best = v;
         at = j;
       }
