@@ -549,7 +549,12 @@ def _lib_conv2d_nchwc(outs, attrs, x, w, b, res=None):
         wf = w.astype(np.float64).transpose(0, 5, 1, 4, 2, 3)
         wf = wf.reshape(wf.shape[0] * blk, wf.shape[2] * wf.shape[3], *wf.shape[4:])
     kh, kw = wf.shape[-2:]
-    xp = np.pad(x, ((0, 0), (0, 0), (a["ph"], a["ph"]), (a["pw"], a["pw"])))
+    # padding after: what the output size needs (an asymmetric pad folded into the
+    # convolution, passes/fold_pad.py's edge_pad, reads zeros past the bottom / right edge)
+    after = [max(p, (o - 1) * st + (k - 1) * d + 1 - i - p) for p, o, st, k, d, i in (
+        (a["ph"], oh, a["sh"], kh, a["dh"], x.shape[2]),
+        (a["pw"], ow, a["sw"], kw, a["dw"], x.shape[3]))]
+    xp = np.pad(x, ((0, 0), (0, 0), (a["ph"], after[0]), (a["pw"], after[1])))
     out = np.zeros((n, ocb * blk, oh, ow))
     for ky in range(kh):
         for kx in range(kw):

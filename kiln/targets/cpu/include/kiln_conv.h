@@ -512,10 +512,14 @@ inline void dense_tile_1x1(const Shape &s, const float *x, const float *w, int64
                        res ? res + ow0 * B : nullptr, ep);
 }
 
-// whether dense_tile_1x1 computes this convolution's tiles
+// whether dense_tile_1x1 computes this convolution's tiles: no window leaves the input (no
+// padding before, and none after: an asymmetric pad folded into the convolution, passes/
+// fold_pad.py's edge_pad, gives output rows / columns past the input's last, which the
+// checked tiles compute)
 inline bool pointwise_1x1(const Shape &s, int64_t block) {
   return s.kh == 1 && s.kw == 1 && s.ph == 0 && s.pw == 0 && s.icn == block &&
-         s.xs_pix == block && s.xs_ch == 1;
+         s.xs_pix == block && s.xs_ch == 1 && (s.oh - 1) * s.sh < s.ih &&
+         (s.ow - 1) * s.sw < s.iw;
 }
 
 // widest tile (pixels) for OB output blocks: OB * P accumulators in registers
