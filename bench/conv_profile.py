@@ -1,7 +1,7 @@
 """Where a convolutional network's time goes, kiln against ONNX Runtime, layer by layer (issue 14):
-kiln's per-step profile (`kiln profile PKG --json`) beside ORT's per-node profile
-(SessionOptions.enable_profiling), both at the same thread count, grouped by kiln step: a kiln
-step (a convolution with its epilogue, an inverted residual block of three) names the source
+kiln's per-step profile (`kiln profile PKG --json`'s hooks, at --threads) beside ORT's per-node
+profile (SessionOptions.enable_profiling), both at the same thread count, grouped by kiln step: a
+kiln step (a convolution with its epilogue, an inverted residual block of three) names the source
 convolutions it computes (`conv2d`, `conv2d_1`, ...: the export's order), and each ORT node
 (named after its output tensor, `<tensor>_nchwc` in ORT's blocked regions) joins the group of
 the latest convolution at or before that tensor's producer in the ONNX graph (torch's ONNX
@@ -27,11 +27,40 @@ import tempfile
 import numpy as np
 
 
-def kiln_steps(pkg: str, repeat: int) -> dict:
-    """`kiln profile PKG --json`, run in a child process (the thread count is the package's)."""
-    out = subprocess.run([sys.executable, "-m", "kiln.cli.main", "profile", pkg, "--json",
-                          "--repeat", str(repeat)], check=True, capture_output=True, text=True)
+def kiln_steps(pkg: str, repeat: int, threads: int) -> dict:
+    """`kiln profile PKG --json`'s per-step medians (the package's own profiling hooks), at
+    `threads` threads, in a child process."""
+    out = subprocess.run([sys.executable, __file__, "--kiln-child", pkg, str(repeat),
+                          str(threads)], check=True, capture_output=True, text=True)
     return json.loads(out.stdout)
+
+
+def _kiln_child(pkg: str, repeat: int, threads: int) -> None:
+    import statistics as st
+    import time
+
+    import torch
+
+    from kiln.cli import profile as kp
+    from kiln.cli.manifest_view import random_inputs
+    from kiln.package.reader import read_package
+    from kiln.runtime import load
+
+    manifest = read_package(pkg).manifest
+    args, kwargs = random_inputs(manifest, 0)
+    runner = load(pkg, num_threads=threads)
+    with torch.no_grad():
+        for _ in range(5):
+            runner(*args, **kwargs)
+        totals = []
+        for _ in range(repeat):
+            t = time.perf_counter()
+            runner(*args, **kwargs)
+            totals.append(time.perf_counter() - t)
+        runs = kp._hooked_runs(runner, args, kwargs, repeat)
+    med = st.median(totals)
+    print(json.dumps({"package_run_median_s": med, "threads": threads,
+                      **kp._hooked_steps(manifest, runs, med)}))
 
 
 def conv_index(op: str) -> int | None:
@@ -75,6 +104,8 @@ def ort_nodes(d: str, threads: int, repeat: int) -> tuple[dict[str, float], list
 
 
 def main() -> None:
+    if sys.argv[1:2] == ["--kiln-child"]:
+        return _kiln_child(sys.argv[2], int(sys.argv[3]), int(sys.argv[4]))
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("dir")
     ap.add_argument("package")
@@ -82,7 +113,7 @@ def main() -> None:
     ap.add_argument("--repeat", type=int, default=50)
     ap.add_argument("--json", metavar="PATH")
     a = ap.parse_args()
-    prof = kiln_steps(a.package, a.repeat)
+    prof = kiln_steps(a.package, a.repeat, a.threads)
     ort_us, order, ort_run = ort_nodes(a.dir, a.threads, a.repeat)
     rows = []  # (label, kiln us, [conv indices])
     group_of: dict[int, int] = {}

@@ -1144,11 +1144,30 @@ void block_share(const Block &k, float *ebuf, float *dbuf, int t, int nt) {
   }
 }
 
+/* The (image, channel block) units [u0, u1) of images of nb blocks as groups of at most gmax
+ * (4 or 2) blocks of one image, the last ones of a run 2 and / or 1 (dense_any's widths):
+ * fn(image, first block, blocks). */
+template <class Fn>
+inline void block_groups(int64_t nb, int64_t u0, int64_t u1, int64_t gmax, Fn &&fn) {
+  for (int64_t u = u0; u < u1;) {
+    const int64_t n = u / nb, c0 = u % nb, c1 = std::min(nb, c0 + (u1 - u));
+    for (int64_t c = c0; c < c1;) {
+      const int64_t left = c1 - c, gn = left >= gmax ? gmax : left >= 2 ? 2 : 1;
+      fn(n, c, gn);
+      c += gn;
+    }
+    u += c1 - c0;
+  }
+}
+
 /* Thread t of nt, where the rows do not split evenly (small maps, e.g. 7 rows on 2 threads):
- * first the t-th share of the (image, group of hidden blocks) units, each group expanded
- * whole into ebuf [4][H][W][B] (the depthwise of a hidden block reads that block only) and
- * its depthwise stored into dall [N][HCb][oh][ow][B]; then, after a barrier, the t-th share of
- * the (image, group of output blocks) units of the project. */
+ * first the t-th contiguous share of the (image, hidden block) units, in groups of up to 4
+ * blocks, each group expanded whole into ebuf [4][H][W][B] (the depthwise of a hidden block
+ * reads that block only) and its depthwise stored into dall [N][HCb][oh][ow][B]; then, after a
+ * barrier, the t-th share of the (image, output block) units of the project. Shares of blocks,
+ * not of groups: MobileNetV2's 7x7 blocks have 10 or 20 output blocks, whose groups (4, 4, 2 /
+ * 5 x 4) split 4 : 6 and 8 : 12 blocks over 2 threads, where shares of blocks split 5 : 5
+ * (4 + 1) and 10 : 10 (4 + 4 + 2). */
 template <int B>
 void block_channels(const Block &k, float *ebuf, float *dall, int t, int nt) {
   const int64_t span = (k.kw - 1) * k.dw;
@@ -1165,12 +1184,9 @@ void block_channels(const Block &k, float *ebuf, float *dall, int t, int nt) {
   sd.n = 1, sd.icb = sd.ocb = k.hcb, sd.icn = B, sd.ih = k.h, sd.iw = k.w;
   sd.oh = k.oh, sd.ow = k.ow, sd.kh = k.kh, sd.kw = k.kw, sd.sh = k.sh, sd.sw = k.sw;
   sd.ph = k.ph, sd.pw = k.pw, sd.dh = k.dh, sd.dw = k.dw, sd.xs_blk = eblk;
-  const Groups<B> ge(se);
-  const int64_t u1s = k.n * ge.ng;
-  for (int64_t u = u1s * t / nt; u < u1s * (t + 1) / nt; ++u) {
-    const int64_t n = u / ge.ng;
-    int64_t g0, gn;
-    ge.at(u % ge.ng, g0, gn);
+  const int64_t e1s = k.n * k.hcb;
+  block_groups(k.hcb, e1s * t / nt, e1s * (t + 1) / nt, 4, [&](int64_t n, int64_t g0,
+                                                               int64_t gn) {
     // the group's hidden blocks g0.. land at ebuf (the weights and bias offset by g0)
     dense_any<B>(se, k.x + n * k.icb * eblk, k.w1 + g0 * k.icb * B * B, k.b1 + g0 * B, nullptr,
                  ebuf, 0, 0, gn, 0, 1, 0, se.ow, k.e1);
@@ -1178,21 +1194,20 @@ void block_channels(const Block &k, float *ebuf, float *dall, int t, int nt) {
       for (int64_t r = 0; r < k.oh; ++r)
         dw_row<B>(sd, ebuf, k.w2 + g0 * k.kh * k.kw * B, k.b2 + g0 * B, nullptr,
                   dall + n * dimg + g0 * k.oh * k.ow * B, k.e2, 0, j, r, lo, hi);
-  }
+  });
   kr::barrier();  // the expanded and depthwise blocks are all written
   Shape sp{};
   sp.n = 1, sp.icb = k.hcb, sp.icn = B, sp.ih = 1, sp.iw = k.oh * k.ow;
   sp.ocb = k.ocb, sp.oh = 1, sp.ow = sp.iw, sp.kh = sp.kw = sp.sh = sp.sw = sp.dh = sp.dw = 1;
   sp.xs_pix = B, sp.xs_ch = 1, sp.xs_row = sp.iw * B, sp.xs_blk = k.oh * k.ow * B;
   const Groups<B> gp(sp);
-  const int64_t u2s = k.n * gp.ng;
-  for (int64_t u = u2s * t / nt; u < u2s * (t + 1) / nt; ++u) {
-    const int64_t n = u / gp.ng, off = n * k.ocb * k.oh * k.ow * B;
-    int64_t g0, gn;
-    gp.at(u % gp.ng, g0, gn);
+  const int64_t u2s = k.n * k.ocb;
+  block_groups(k.ocb, u2s * t / nt, u2s * (t + 1) / nt, gp.gw, [&](int64_t n, int64_t g0,
+                                                                   int64_t gn) {
+    const int64_t off = n * k.ocb * k.oh * k.ow * B;
     dense_any<B>(sp, dall + n * dimg, k.w3, k.b3, k.res ? k.res + off : nullptr, k.out + off, 0,
                  g0, gn, 0, 1, 0, sp.ow, k.e3);
-  }
+  });
 }
 
 template <int B>
