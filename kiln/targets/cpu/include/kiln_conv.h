@@ -71,6 +71,21 @@ int conv2d_block_nchwc(kr::Err &e, const char *where, float *out, int64_t oh, in
                        View<float> x, View<float> w1, View<float> b1, View<float> w2,
                        View<float> b2, View<float> w3, View<float> b3, View<float> res);
 
+/* The block without an expand (MobileNetV2's first, expand ratio 1): depthwise w2 of x itself
+ * ([N, HCb, H, W, B]) -> project w3 [+ res], in the same row bands (act1, lo1, hi1 unused). */
+int conv2d_block_nchwc(kr::Err &e, const char *where, float *out, int64_t oh, int64_t ow,
+                       int64_t sh, int64_t sw, int64_t ph, int64_t pw, int64_t dh, int64_t dw,
+                       int64_t act1, double lo1, double hi1, int64_t act2, double lo2,
+                       double hi2, int64_t act3, double lo3, double hi3, int64_t threads,
+                       View<float> x, View<float> w2, View<float> b2, View<float> w3,
+                       View<float> b3);
+int conv2d_block_nchwc(kr::Err &e, const char *where, float *out, int64_t oh, int64_t ow,
+                       int64_t sh, int64_t sw, int64_t ph, int64_t pw, int64_t dh, int64_t dw,
+                       int64_t act1, double lo1, double hi1, int64_t act2, double lo2,
+                       double hi2, int64_t act3, double lo3, double hi3, int64_t threads,
+                       View<float> x, View<float> w2, View<float> b2, View<float> w3,
+                       View<float> b3, View<float> res);
+
 /* 2-D max pooling of an NCHWc value x [N, Cb, H, W, B] into out [N, Cb, oh, ow, B]: the
  * window (kh x kw, stride, padding, dilation; padding never wins) of each output pixel, B
  * channels per vector; NaN propagates (as torch's max_pool2d). */
@@ -1052,6 +1067,8 @@ struct Block {
   int64_t n, icb, h, w, hcb, ocb, oh, ow, kh, kw, sh, sw, ph, pw, dh, dw;
   int64_t rows, in_rows;  // output rows per band; expanded rows a band's windows span at most
   int64_t icl;  // the expand's Shape::icl (active channels of x's last block; 0: all)
+  // w1 == nullptr: no expand (MobileNetV2's first block, expand ratio 1: depthwise ->
+  // project), the depthwise reads x itself (hcb == icb) and ebuf is not used
   const float *x, *w1, *b1, *w2, *b2, *w3, *b3, *res;
   float *out;
   Epi e1, e2, e3;
@@ -1063,11 +1080,32 @@ inline void band_rows(Block &k) {
 #ifndef KILN_CONV_BAND_BYTES
 #define KILN_CONV_BAND_BYTES (384 << 10)
 #endif
-  const int64_t erow = k.hcb * k.w * 16 * 4, drow = k.hcb * k.ow * 16 * 4;  // bytes (B <= 16)
+  // bytes (B <= 16); without an expand the input rows are read in place, not buffered
+  const int64_t erow = k.w1 ? k.hcb * k.w * 16 * 4 : 0, drow = k.hcb * k.ow * 16 * 4;
   auto in_rows = [&](int64_t r) { return std::min(k.h, (r - 1) * k.sh + (k.kh - 1) * k.dh + 1); };
   int64_t r = 1;
   while (r < k.oh && in_rows(r + 1) * erow + (r + 1) * drow <= KILN_CONV_BAND_BYTES) ++r;
   k.rows = r, k.in_rows = in_rows(r);
+}
+
+/* The project of a band: its depthwise rows dbuf [HCb][rows][ow][B] (block stride dblk), output
+ * rows [r0, r1) of image n, as one flat 1x1 row, into out (+ res). */
+template <int B>
+inline void block_project(const Block &k, const float *dbuf, int64_t dblk, int64_t n,
+                          int64_t r0, int64_t r1) {
+  Shape sp{};
+  sp.n = 1, sp.icb = k.hcb, sp.icn = B, sp.ih = 1, sp.iw = (r1 - r0) * k.ow;
+  sp.ocb = k.ocb, sp.oh = 1, sp.ow = sp.iw, sp.kh = sp.kw = sp.sh = sp.sw = sp.dh = sp.dw = 1;
+  sp.xs_pix = B, sp.xs_ch = 1, sp.xs_row = sp.iw * B, sp.xs_blk = dblk;
+  sp.os_blk = k.oh * k.ow * B;
+  const int64_t off = (n * k.ocb * k.oh + r0) * k.ow * B;
+  const Groups<B> gs(sp);
+  for (int64_t gi = 0; gi < gs.ng; ++gi) {
+    int64_t g0, gn;
+    gs.at(gi, g0, gn);
+    dense_any<B>(sp, dbuf, k.w3, k.b3, k.res ? k.res + off : nullptr, k.out + off, 0, g0, gn, 0,
+                 1, 0, sp.ow, k.e3);
+  }
 }
 
 /* Thread t of nt: the t-th contiguous share of the (image, output row) units, in bands of
@@ -1088,6 +1126,20 @@ void block_share(const Block &k, float *ebuf, float *dbuf, int t, int nt) {
   for (int64_t u = u0; u < u1;) {
     const int64_t n = u / k.oh, r0 = u % k.oh;
     const int64_t r1 = std::min({k.oh, r0 + k.rows, r0 + (u1 - u)});
+    if (!k.w1) {  // no expand: the depthwise reads the input's rows in place
+      Shape sd{};
+      sd.n = 1, sd.icb = sd.ocb = k.hcb, sd.icn = B, sd.ih = k.h, sd.iw = k.w;
+      sd.oh = k.oh, sd.ow = k.ow, sd.kh = k.kh, sd.kw = k.kw, sd.sh = k.sh, sd.sw = k.sw;
+      sd.ph = k.ph, sd.pw = k.pw, sd.dh = k.dh, sd.dw = k.dw;
+      sd.xs_blk = k.h * k.w * B, sd.os_blk = dblk, sd.o0 = r0;
+      for (int64_t cb = 0; cb < k.hcb; ++cb)
+        for (int64_t r = r0; r < r1; ++r)
+          dw_row<B>(sd, k.x + n * k.icb * k.h * k.w * B, k.w2, k.b2, nullptr, dbuf, k.e2, 0, cb,
+                    r, lo, hi);
+      block_project<B>(k, dbuf, dblk, n, r0, r1);
+      u += r1 - r0;
+      continue;
+    }
     const int64_t need_lo = std::max<int64_t>(0, r0 * k.sh - k.ph);
     const int64_t need_hi = std::max(need_lo, std::min(k.h, (r1 - 1) * k.sh - k.ph +
                                                                 (k.kh - 1) * k.dh + 1));
@@ -1125,21 +1177,7 @@ void block_share(const Block &k, float *ebuf, float *dbuf, int t, int nt) {
         for (int64_t r = r0; r < r1; ++r)
           dw_row<B>(sd, ebuf, k.w2, k.b2, nullptr, dbuf, k.e2, 0, cb, r, lo, hi);
     }
-    {  // project: the band's depthwise rows as one flat 1x1 row, into out (+ res)
-      Shape sp{};
-      sp.n = 1, sp.icb = k.hcb, sp.icn = B, sp.ih = 1, sp.iw = (r1 - r0) * k.ow;
-      sp.ocb = k.ocb, sp.oh = 1, sp.ow = sp.iw, sp.kh = sp.kw = sp.sh = sp.sw = sp.dh = sp.dw = 1;
-      sp.xs_pix = B, sp.xs_ch = 1, sp.xs_row = sp.iw * B, sp.xs_blk = dblk;
-      sp.os_blk = k.oh * k.ow * B;
-      const int64_t off = (n * k.ocb * k.oh + r0) * k.ow * B;
-      const Groups<B> gs(sp);
-      for (int64_t gi = 0; gi < gs.ng; ++gi) {
-        int64_t g0, gn;
-        gs.at(gi, g0, gn);
-        dense_any<B>(sp, dbuf, k.w3, k.b3, k.res ? k.res + off : nullptr, k.out + off, 0, g0,
-                     gn, 0, 1, 0, sp.ow, k.e3);
-      }
-    }
+    block_project<B>(k, dbuf, dblk, n, r0, r1);
     u += r1 - r0;
   }
 }
@@ -1187,12 +1225,17 @@ void block_channels(const Block &k, float *ebuf, float *dall, int t, int nt) {
   const int64_t e1s = k.n * k.hcb;
   block_groups(k.hcb, e1s * t / nt, e1s * (t + 1) / nt, 4, [&](int64_t n, int64_t g0,
                                                                int64_t gn) {
-    // the group's hidden blocks g0.. land at ebuf (the weights and bias offset by g0)
-    dense_any<B>(se, k.x + n * k.icb * eblk, k.w1 + g0 * k.icb * B * B, k.b1 + g0 * B, nullptr,
-                 ebuf, 0, 0, gn, 0, 1, 0, se.ow, k.e1);
+    // the group's hidden blocks g0.. land at ebuf (the weights and bias offset by g0); without
+    // an expand the depthwise reads them in x
+    const float *src = k.x + (n * k.icb + g0) * eblk;
+    if (k.w1) {
+      dense_any<B>(se, k.x + n * k.icb * eblk, k.w1 + g0 * k.icb * B * B, k.b1 + g0 * B,
+                   nullptr, ebuf, 0, 0, gn, 0, 1, 0, se.ow, k.e1);
+      src = ebuf;
+    }
     for (int64_t j = 0; j < gn; ++j)
       for (int64_t r = 0; r < k.oh; ++r)
-        dw_row<B>(sd, ebuf, k.w2 + g0 * k.kh * k.kw * B, k.b2 + g0 * B, nullptr,
+        dw_row<B>(sd, src, k.w2 + g0 * k.kh * k.kw * B, k.b2 + g0 * B, nullptr,
                   dall + n * dimg + g0 * k.oh * k.ow * B, k.e2, 0, j, r, lo, hi);
   });
   kr::barrier();  // the expanded and depthwise blocks are all written
@@ -1216,7 +1259,8 @@ int run_block(kr::Err &e, const char *where, Block &k, int64_t threads) {
   const int nt0 = team(threads);
   const int64_t units = k.n * k.oh;
   // MACs of the block (expand, depthwise, project): below ~4 us of one core, one thread
-  const int64_t work = k.n * (k.h * k.w * k.icb + k.oh * k.ow * (k.kh * k.kw + k.ocb)) * k.hcb * B;
+  const int64_t work =
+      k.n * ((k.w1 ? k.h * k.w * k.icb : 0) + k.oh * k.ow * (k.kh * k.kw + k.ocb)) * k.hcb * B;
   const int nt = nt0 > 1 && units >= nt0 && work >= 16384 * 16 ? nt0 : 1;
   if (nt > 1 && !even_split(units, nt)) {  // rows that do not split: by channel groups
     const int64_t per = 4 * k.h * k.w * B, dall = k.n * k.hcb * k.oh * k.ow * B;
@@ -1227,13 +1271,14 @@ int run_block(kr::Err &e, const char *where, Block &k, int64_t threads) {
     std::free(buf);
     return 0;
   }
-  const int64_t per = k.hcb * (k.in_rows * k.w + k.rows * k.ow) * B;  // floats per thread
+  const int64_t erows = k.w1 ? k.hcb * k.in_rows * k.w * B : 0;  // no expand: no ebuf
+  const int64_t per = erows + k.hcb * k.rows * k.ow * B;  // floats per thread
   const size_t bytes = ((size_t(per) * nt * sizeof(float)) + 63) / 64 * 64;
   float *buf = static_cast<float *>(std::aligned_alloc(64, bytes));
   if (!buf) return e.fail("%s: cannot allocate the %zu-byte band buffers", where, bytes);
   kr::parallel(nt, [&](int t, int m) {
     float *eb = buf + per * t;
-    block_share<B>(k, eb, eb + k.hcb * k.in_rows * k.w * B, t, m);
+    block_share<B>(k, eb, eb + erows, t, m);
   });
   std::free(buf);
   return 0;
@@ -1242,33 +1287,36 @@ int run_block(kr::Err &e, const char *where, Block &k, int64_t threads) {
 inline int block_dispatch(kr::Err &e, const char *where, float *out, int64_t oh, int64_t ow,
                           int64_t sh, int64_t sw, int64_t ph, int64_t pw, int64_t dh,
                           int64_t dw, const Epi (&eps)[3], int64_t threads,
-                          const View<float> &x, const View<float> &w1, const View<float> &b1,
+                          const View<float> &x, const View<float> *w1, const View<float> *b1,
                           const View<float> &w2, const View<float> &b2, const View<float> &w3,
                           const View<float> &b3, const float *res) {
+  // w1, b1: the expand's (nullptr: a block without one, whose depthwise reads x)
   const int64_t blk = w2.size(w2.rank - 1);
-  if (x.rank != 5 || w1.rank != 6 || w2.rank != 4 || w3.rank != 6 || x.size(4) != blk ||
-      w1.size(1) != x.size(1) || w1.size(0) != w2.size(0) || w3.size(1) != w2.size(0) ||
-      w1.size(2) * w1.size(3) * w3.size(2) * w3.size(3) != 1)
+  const bool chained = w1 ? w1->rank == 6 && w1->size(1) == x.size(1) &&
+                                w1->size(0) == w2.size(0) && w1->size(2) * w1->size(3) == 1
+                          : x.size(1) == w2.size(0);
+  if (x.rank != 5 || w2.rank != 4 || w3.rank != 6 || x.size(4) != blk || !chained ||
+      w3.size(1) != w2.size(0) || w3.size(2) * w3.size(3) != 1)
     return e.fail("%s: inverted residual block of x [rank %d], expand weight [rank %d], "
                   "depthwise weight [rank %d], project weight [rank %d] whose blocks do not "
-                  "chain", where, x.rank, w1.rank, w2.rank, w3.rank);
+                  "chain", where, x.rank, w1 ? w1->rank : 0, w2.rank, w3.rank);
   Block k{};
   k.n = x.size(0), k.icb = x.size(1), k.h = x.size(2), k.w = x.size(3);
   k.hcb = w2.size(0), k.kh = w2.size(1), k.kw = w2.size(2), k.ocb = w3.size(0);
   k.oh = oh, k.ow = ow, k.sh = sh, k.sw = sw, k.ph = ph, k.pw = pw, k.dh = dh, k.dw = dw;
-  k.x = x.data, k.w1 = w1.data, k.b1 = b1.data, k.w2 = w2.data, k.b2 = b2.data;
-  k.w3 = w3.data, k.b3 = b3.data, k.res = res, k.out = out;
+  k.x = x.data, k.w1 = w1 ? w1->data : nullptr, k.b1 = b1 ? b1->data : nullptr;
+  k.w2 = w2.data, k.b2 = b2.data, k.w3 = w3.data, k.b3 = b3.data, k.res = res, k.out = out;
   k.e1 = eps[0], k.e2 = eps[1], k.e3 = eps[2];
 #ifdef KILN_CONV_B16
   if (blk == 16) {
-    k.icl = active_channels<16>(k.w1, k.hcb, k.icb, 1);
+    k.icl = k.w1 ? active_channels<16>(k.w1, k.hcb, k.icb, 1) : 0;
     if (k.icl && !tail_finite<16>(k.x, k.n, k.icb, k.h * k.w, k.icl)) k.icl = 0;
     return run_block<16>(e, where, k, threads);
   }
 #endif
 #ifdef KILN_CONV_B8
   if (blk == 8) {
-    k.icl = active_channels<8>(k.w1, k.hcb, k.icb, 1);
+    k.icl = k.w1 ? active_channels<8>(k.w1, k.hcb, k.icb, 1) : 0;
     if (k.icl && !tail_finite<8>(k.x, k.n, k.icb, k.h * k.w, k.icl)) k.icl = 0;
     return run_block<8>(e, where, k, threads);
   }
@@ -1288,7 +1336,7 @@ int conv2d_block_nchwc(kr::Err &e, const char *where, float *out, int64_t oh, in
                             {int(act2), float(lo2), float(hi2)},
                             {int(act3), float(lo3), float(hi3)}};
   return conv::block_dispatch(e, where, out, oh, ow, sh, sw, ph, pw, dh, dw, eps, threads, x,
-                              w1, b1, w2, b2, w3, b3, nullptr);
+                              &w1, &b1, w2, b2, w3, b3, nullptr);
 }
 
 int conv2d_block_nchwc(kr::Err &e, const char *where, float *out, int64_t oh, int64_t ow,
@@ -1301,7 +1349,33 @@ int conv2d_block_nchwc(kr::Err &e, const char *where, float *out, int64_t oh, in
                             {int(act2), float(lo2), float(hi2)},
                             {int(act3), float(lo3), float(hi3)}};
   return conv::block_dispatch(e, where, out, oh, ow, sh, sw, ph, pw, dh, dw, eps, threads, x,
-                              w1, b1, w2, b2, w3, b3, res.data);
+                              &w1, &b1, w2, b2, w3, b3, res.data);
+}
+
+int conv2d_block_nchwc(kr::Err &e, const char *where, float *out, int64_t oh, int64_t ow,
+                       int64_t sh, int64_t sw, int64_t ph, int64_t pw, int64_t dh, int64_t dw,
+                       int64_t act1, double lo1, double hi1, int64_t act2, double lo2,
+                       double hi2, int64_t act3, double lo3, double hi3, int64_t threads,
+                       View<float> x, View<float> w2, View<float> b2, View<float> w3,
+                       View<float> b3) {
+  const conv::Epi eps[3] = {{int(act1), float(lo1), float(hi1)},
+                            {int(act2), float(lo2), float(hi2)},
+                            {int(act3), float(lo3), float(hi3)}};
+  return conv::block_dispatch(e, where, out, oh, ow, sh, sw, ph, pw, dh, dw, eps, threads, x,
+                              nullptr, nullptr, w2, b2, w3, b3, nullptr);
+}
+
+int conv2d_block_nchwc(kr::Err &e, const char *where, float *out, int64_t oh, int64_t ow,
+                       int64_t sh, int64_t sw, int64_t ph, int64_t pw, int64_t dh, int64_t dw,
+                       int64_t act1, double lo1, double hi1, int64_t act2, double lo2,
+                       double hi2, int64_t act3, double lo3, double hi3, int64_t threads,
+                       View<float> x, View<float> w2, View<float> b2, View<float> w3,
+                       View<float> b3, View<float> res) {
+  const conv::Epi eps[3] = {{int(act1), float(lo1), float(hi1)},
+                            {int(act2), float(lo2), float(hi2)},
+                            {int(act3), float(lo3), float(hi3)}};
+  return conv::block_dispatch(e, where, out, oh, ow, sh, sw, ph, pw, dh, dw, eps, threads, x,
+                              nullptr, nullptr, w2, b2, w3, b3, res.data);
 }
 
 namespace conv {
