@@ -1382,14 +1382,17 @@ namespace conv {
 
 /* One output row of max pooling: B channels per vector, the window's rows and columns clipped
  * to the input; max(a, v) keeps a NaN of either side (v > a is false for a NaN, v != v is true
- * for one). */
+ * for one). The window rows inside the input are found once per row; the pixels whose window
+ * columns lie inside the width go 4 at a time without tests (4 independent compare / select
+ * chains: one pixel's chain of kh * kw dependent steps left ResNet's 3x3 pool 1.8x slower than
+ * ONNX Runtime's), each pixel's taps in the same order as the checked loop of the edges. */
 template <int B>
 inline void pool_row(const float *xc, float *orow, int64_t ih, int64_t iw, int64_t ow,
                      int64_t oh_, int64_t kh, int64_t kw, int64_t sh, int64_t sw, int64_t ph,
                      int64_t pw, int64_t dh, int64_t dw) {
   typedef typename V<B>::type vec;
   const vec lowest = splat<B>(-__builtin_inff());
-  for (int64_t o = 0; o < ow; ++o) {
+  auto one = [&](int64_t o) {  // any pixel: every tap tested
     vec acc = lowest;
     for (int64_t ky = 0; ky < kh; ++ky) {
       const int64_t iy = oh_ * sh + ky * dh - ph;
@@ -1403,7 +1406,30 @@ inline void pool_row(const float *xc, float *orow, int64_t ih, int64_t iw, int64
       }
     }
     store<B>(orow + o * B, acc);
+  };
+  int64_t ky0 = 0, ky1 = kh;  // the window rows inside the input
+  while (ky0 < kh && oh_ * sh + ky0 * dh - ph < 0) ++ky0;
+  while (ky1 > ky0 && oh_ * sh + (ky1 - 1) * dh - ph >= ih) --ky1;
+  const int64_t span = (kw - 1) * dw;  // columns whose window lies inside the width: [lo, hi)
+  const int64_t lo = std::min(ow, pw > 0 ? (pw + sw - 1) / sw : int64_t(0));
+  const int64_t hi = std::min(ow, iw - span + pw <= 0 ? 0 : (iw - span + pw - 1) / sw + 1);
+  int64_t o = 0;
+  for (; o < lo; ++o) one(o);
+  constexpr int P = 4;
+  for (; o + P <= hi; o += P) {
+    vec acc[P];
+    for (int p = 0; p < P; ++p) acc[p] = lowest;
+    for (int64_t ky = ky0; ky < ky1; ++ky) {
+      const float *xr = xc + ((oh_ * sh + ky * dh - ph) * iw + o * sw - pw) * B;
+      for (int64_t kx = 0; kx < kw; ++kx)
+        for (int p = 0; p < P; ++p) {
+          const vec v = load<B>(xr + (p * sw + kx * dw) * B);
+          acc[p] = (v > acc[p]) | (v != v) ? v : acc[p];
+        }
+    }
+    for (int p = 0; p < P; ++p) store<B>(orow + (o + p) * B, acc[p]);
   }
+  for (; o < ow; ++o) one(o);
 }
 
 template <int B>
