@@ -37,8 +37,9 @@ def _stage(n: Node) -> tuple:
     return (n.attr("act"), float(n.attr("lo")), float(n.attr("hi")))
 
 
-def conv_block(g: Graph) -> Graph:
-    """Fuse the inverted residual chains of `g` (see the module docstring)."""
+def conv_block(g: Graph, bare: bool = True) -> Graph:
+    """Fuse the inverted residual chains of `g` (see the module docstring); `bare`: also the
+    depthwise -> project pairs without an expand."""
     types = dict(g.types())
     users: dict[str, list[Node]] = {}
     for n in g.nodes:
@@ -70,8 +71,8 @@ def conv_block(g: Graph) -> Graph:
         fused[p.name] = (e, d)
         gone.update((e.name, d.name))
     # blocks without an expand (MobileNetV2's first, expand ratio 1): depthwise -> project
-    bare: dict[str, Node] = {}  # project name -> depthwise
-    for d in g.nodes:
+    no_expand: dict[str, Node] = {}  # project name -> depthwise
+    for d in g.nodes if bare else ():
         if d.name in gone or d.op != "conv_nchwc" or not d.attr("depthwise") or \
                 len(d.inputs) != 3 or types[d.inputs[0]].rank != 5:
             continue
@@ -81,18 +82,18 @@ def conv_block(g: Graph) -> Graph:
                 not _pointwise_1x1(p, types[p.inputs[1]].shape) or \
                 (len(p.inputs) > 3 and p.inputs[3] == d.name):
             continue
-        bare[p.name] = d
+        no_expand[p.name] = d
         gone.add(d.name)
-    if not fused and not bare:
+    if not fused and not no_expand:
         return g
     nodes = []
     for n in g.nodes:
         if n.name in gone:
             continue
-        if n.name not in fused and n.name not in bare:
+        if n.name not in fused and n.name not in no_expand:
             nodes.append(n)
             continue
-        e, d = fused[n.name] if n.name in fused else (None, bare[n.name])
+        e, d = fused[n.name] if n.name in fused else (None, no_expand[n.name])
         (a1, l1, h1) = _stage(e) if e is not None else ("none", 0.0, 0.0)
         (a2, l2, h2), (a3, l3, h3) = _stage(d), _stage(n)
         attrs = (("stride", tuple(d.attr("stride"))), ("padding", tuple(d.attr("padding"))),

@@ -44,7 +44,9 @@ def direct_conv(state: Build) -> Build:
     block = channel_block(state.options, state.options.cxx or config.cxx())
     graph, weights = conv_nchwc(state.graph, dict(state.weights), block,
                                 state.options.num_threads)
-    graph = conv_block(graph)
+    # ("onednn",) alone puts every direct convolution on oneDNN: a depthwise -> project pair
+    # then stays two convolutions (a block without an expand would be kiln's own)
+    graph = conv_block(graph, bare="direct" in state.options.cpu_conv_backends)
     return replace(state, graph=graph, weights=weights)
 
 

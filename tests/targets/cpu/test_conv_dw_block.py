@@ -63,11 +63,12 @@ class FirstBlock(nn.Module):
 
 
 class DwProject(nn.Module):
-    """A 1x1 (so the depthwise reads NCHWc) -> depthwise k x k stride s -> project [+ input]."""
+    """A dense 3x3 (so the depthwise reads NCHWc, and no 1x1 expand makes it a three-stage
+    block) -> depthwise k x k stride s -> project [+ the 3x3's output]."""
 
     def __init__(self, g, c, k, s, out, act, residual) -> None:
         super().__init__()
-        self.a = nn.Conv2d(c, c, 1)
+        self.a = nn.Conv2d(c, c, 3, padding=1)
         self.d = nn.Conv2d(c, c, k, s, k // 2, groups=c)
         self.p = nn.Conv2d(c, out, 1)
         self.act, self.residual = act, residual
@@ -108,7 +109,9 @@ def test_dw_project_blocks(check, case):
     m = DwProject(g, **args)
     x = rand(shape, F32, gen("dw_project", name), -2, 2)
     compiled = check(m, [x], tol=TOL, options=kiln.Options(num_threads=threads))
-    assert compiled.sources["model.cpp"].count("kl::conv2d_block_nchwc(") == 1
+    src = compiled.sources["model.cpp"]
+    assert src.count("kl::conv2d_block_nchwc(") == 1 and src.count("kl::conv2d_nchwc(") == 1
+    assert "inverted residual block (depthwise" in src  # no expand stage
 
 
 def test_x86_64_v3(check, monkeypatch):
