@@ -140,3 +140,22 @@ def test_interpreter_twin(check):
     with torch.no_grad():
         want = m.double()(x.double())
     torch.testing.assert_close(torch.tensor(got).double(), want, **TOL)
+
+
+@pytest.mark.parametrize("threads", [3, 4])
+def test_blocks_with_more_threads_than_cores(check, threads):
+    """Teams of 3 and 4 on this 2-core machine: members the OS has not scheduled have their
+    shares taken by the others (kiln_conv.h's steal_for: the row bands of a block, with the
+    expanded rows at the seams recomputed; the hidden and the output blocks of the
+    channel-group path), results unchanged. Row path (28 rows) and channel path (14 rows on 3
+    and 4 threads), with and without an expand."""
+    g = torch.Generator().manual_seed(11)
+    m = nn.Sequential(FirstBlock(g, c=32, out=16), nn.Conv2d(16, 96, 1, bias=False), _bn(96, g),
+                      nn.ReLU6(), nn.Conv2d(96, 96, 3, 2, 1, groups=96), nn.ReLU6(),
+                      nn.Conv2d(96, 24, 1))
+    _init(m, g)
+    x = rand((1, 3, 56, 54), F32, gen("steal", threads), -2, 2)
+    compiled = check(m, [x], tol=TOL, options=kiln.Options(num_threads=threads),
+                     more=[(rand((1, 3, 56, 54), F32, gen("steal2", threads), -2, 2),)])
+    src = compiled.sources["model.cpp"]
+    assert src.count("kl::conv2d_block_nchwc(") == 2 and src.count("kl::conv2d_nchwc(") == 1

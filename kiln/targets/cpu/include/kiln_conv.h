@@ -1108,21 +1108,24 @@ inline void block_project(const Block &k, const float *dbuf, int64_t dblk, int64
   }
 }
 
-/* Thread t of nt: the t-th contiguous share of the (image, output row) units, in bands of
- * k.rows rows. ebuf [HCb][in_rows][W][B] holds expanded rows [ylo, yhi) of image `img` (the
- * rows a band shares with the previous one are moved to the front, not recomputed); dbuf
- * [HCb][rows][ow][B] the band's depthwise rows. */
+// the expanded rows [ylo, yhi) of image img that a member's ebuf holds (img -1: none)
+struct Rows {
+  int64_t img = -1, ylo = 0, yhi = 0;
+};
+
+/* The (image, output row) units [u0, u1), in bands of k.rows rows. ebuf [HCb][in_rows][W][B]
+ * holds the expanded rows `have` says (the rows a band shares with the previous one of the same
+ * member are moved to the front, not recomputed); dbuf [HCb][rows][ow][B] the band's depthwise
+ * rows. */
 template <int B>
-void block_share(const Block &k, float *ebuf, float *dbuf, int t, int nt) {
+void block_range(const Block &k, float *ebuf, float *dbuf, Rows &have, int64_t u0, int64_t u1) {
   const int64_t eblk = k.in_rows * k.w * B, dblk = k.rows * k.ow * B;
   // the depthwise stage's columns whose windows stay inside the width (kiln_conv.h's dw_row)
   const int64_t span = (k.kw - 1) * k.dw;
   const int64_t lo = k.pw > 0 ? (k.pw + k.sw - 1) / k.sw : 0;
   int64_t hi = k.w - span + k.pw <= 0 ? 0 : (k.w - span + k.pw - 1) / k.sw + 1;
   hi = std::min(hi, k.ow);
-  const int64_t units = k.n * k.oh;
-  const int64_t u0 = units * t / nt, u1 = units * (t + 1) / nt;
-  int64_t img = -1, ylo = 0, yhi = 0;
+  int64_t &img = have.img, &ylo = have.ylo, &yhi = have.yhi;
   for (int64_t u = u0; u < u1;) {
     const int64_t n = u / k.oh, r0 = u % k.oh;
     const int64_t r1 = std::min({k.oh, r0 + k.rows, r0 + (u1 - u)});
@@ -1198,16 +1201,16 @@ inline void block_groups(int64_t nb, int64_t u0, int64_t u1, int64_t gmax, Fn &&
   }
 }
 
-/* Thread t of nt, where the rows do not split evenly (small maps, e.g. 7 rows on 2 threads):
- * first the t-th contiguous share of the (image, hidden block) units, in groups of up to 4
- * blocks, each group expanded whole into ebuf [4][H][W][B] (the depthwise of a hidden block
- * reads that block only) and its depthwise stored into dall [N][HCb][oh][ow][B]; then, after a
- * barrier, the t-th share of the (image, output block) units of the project. Shares of blocks,
- * not of groups: MobileNetV2's 7x7 blocks have 10 or 20 output blocks, whose groups (4, 4, 2 /
- * 5 x 4) split 4 : 6 and 8 : 12 blocks over 2 threads, where shares of blocks split 5 : 5
- * (4 + 1) and 10 : 10 (4 + 4 + 2). */
+/* Where the rows do not split evenly over the team (small maps, e.g. 7 rows on 2 threads), two
+ * regions: first the (image, hidden block) units [u0, u1), in groups of up to 4 blocks, each
+ * group expanded whole into the member's ebuf [4][H][W][B] (the depthwise of a hidden block
+ * reads that block only) and its depthwise stored into dall [N][HCb][oh][ow][B]; then the
+ * (image, output block) units of the project. Shares of blocks, not of 4-block groups:
+ * MobileNetV2's 7x7 blocks have 10 or 20 output blocks, whose groups (4, 4, 2 / 5 x 4) split
+ * 4 : 6 and 8 : 12 blocks over 2 threads, where shares of blocks split 5 : 5 (4 + 1) and
+ * 10 : 10 (4 + 4 + 2). */
 template <int B>
-void block_channels(const Block &k, float *ebuf, float *dall, int t, int nt) {
+void block_hidden(const Block &k, float *ebuf, float *dall, int64_t u0, int64_t u1) {
   const int64_t span = (k.kw - 1) * k.dw;
   const int64_t lo = k.pw > 0 ? (k.pw + k.sw - 1) / k.sw : 0;
   int64_t hi = k.w - span + k.pw <= 0 ? 0 : (k.w - span + k.pw - 1) / k.sw + 1;
@@ -1222,9 +1225,7 @@ void block_channels(const Block &k, float *ebuf, float *dall, int t, int nt) {
   sd.n = 1, sd.icb = sd.ocb = k.hcb, sd.icn = B, sd.ih = k.h, sd.iw = k.w;
   sd.oh = k.oh, sd.ow = k.ow, sd.kh = k.kh, sd.kw = k.kw, sd.sh = k.sh, sd.sw = k.sw;
   sd.ph = k.ph, sd.pw = k.pw, sd.dh = k.dh, sd.dw = k.dw, sd.xs_blk = eblk;
-  const int64_t e1s = k.n * k.hcb;
-  block_groups(k.hcb, e1s * t / nt, e1s * (t + 1) / nt, 4, [&](int64_t n, int64_t g0,
-                                                               int64_t gn) {
+  block_groups(k.hcb, u0, u1, 4, [&](int64_t n, int64_t g0, int64_t gn) {
     // the group's hidden blocks g0.. land at ebuf (the weights and bias offset by g0); without
     // an expand the depthwise reads them in x
     const float *src = k.x + (n * k.icb + g0) * eblk;
@@ -1238,19 +1239,55 @@ void block_channels(const Block &k, float *ebuf, float *dall, int t, int nt) {
         dw_row<B>(sd, src, k.w2 + g0 * k.kh * k.kw * B, k.b2 + g0 * B, nullptr,
                   dall + n * dimg + g0 * k.oh * k.ow * B, k.e2, 0, j, r, lo, hi);
   });
-  kr::barrier();  // the expanded and depthwise blocks are all written
+}
+
+template <int B>
+void block_out(const Block &k, const float *dall, int64_t u0, int64_t u1) {
+  const int64_t dimg = k.hcb * k.oh * k.ow * B;
   Shape sp{};
   sp.n = 1, sp.icb = k.hcb, sp.icn = B, sp.ih = 1, sp.iw = k.oh * k.ow;
   sp.ocb = k.ocb, sp.oh = 1, sp.ow = sp.iw, sp.kh = sp.kw = sp.sh = sp.sw = sp.dh = sp.dw = 1;
   sp.xs_pix = B, sp.xs_ch = 1, sp.xs_row = sp.iw * B, sp.xs_blk = k.oh * k.ow * B;
   const Groups<B> gp(sp);
-  const int64_t u2s = k.n * k.ocb;
-  block_groups(k.ocb, u2s * t / nt, u2s * (t + 1) / nt, gp.gw, [&](int64_t n, int64_t g0,
-                                                                   int64_t gn) {
+  block_groups(k.ocb, u0, u1, gp.gw, [&](int64_t n, int64_t g0, int64_t gn) {
     const int64_t off = n * k.ocb * k.oh * k.ow * B;
     dense_any<B>(sp, dall + n * dimg, k.w3, k.b3, k.res ? k.res + off : nullptr, k.out + off, 0,
                  g0, gn, 0, 1, 0, sp.ow, k.e3);
   });
+}
+
+/* [0, n) over a team of nt (kr::parallel_for's schedule, with the member's id for per-member
+ * buffers): member t owns the static share [n t / nt, n (t+1) / nt) and runs it front to back
+ * in pieces of g, fn(t, lo, hi); done with its own, it takes pieces from the back of the
+ * others'. Members are optional (the caller drains every share), so a member the OS has not
+ * scheduled (a loaded machine) does not hold the region up: the others do its share. On an idle
+ * machine every member runs its own share. Teams above 16: static shares, all members. */
+template <class Fn>
+inline void steal_for(int nt, int64_t n, int64_t g, Fn &&fn) {
+  constexpr int kMaxShares = 16;
+  if (nt <= 1 || nt > kMaxShares || n >= (int64_t(1) << 31)) {
+    kr::parallel(nt, [&](int t, int m) {
+      const int64_t lo = n * t / m, hi = n * (t + 1) / m;
+      if (lo < hi) fn(t, lo, hi);
+    });
+    return;
+  }
+  kr::pool_detail::Share shares[kMaxShares];
+  for (int t = 0; t < nt; ++t)
+    shares[t].r.store((uint64_t(n * (t + 1) / nt) << 32) | uint64_t(n * t / nt),
+                      std::memory_order_relaxed);
+  kr::pool_detail::parallel(nt, [&](int t, int m) {
+    int64_t lo, hi;
+    if (m != nt)  // a smaller team than asked: the absent members' shares
+      for (int v = 0; v < nt; ++v)
+        if (v % m == t)
+          while (shares[v].take(g, true, lo, hi)) fn(t, lo, hi);
+    while (shares[t].take(g, true, lo, hi)) fn(t, lo, hi);
+    for (int j = 1; j < nt; ++j) {
+      kr::pool_detail::Share &v = shares[(t + j) % nt];
+      while (v.take(g, false, lo, hi)) fn(t, lo, hi);
+    }
+  }, true);
 }
 
 template <int B>
@@ -1267,7 +1304,17 @@ int run_block(kr::Err &e, const char *where, Block &k, int64_t threads) {
     const size_t bytes = ((size_t(per * nt + dall) * sizeof(float)) + 63) / 64 * 64;
     float *buf = static_cast<float *>(std::aligned_alloc(64, bytes));
     if (!buf) return e.fail("%s: cannot allocate the %zu-byte block buffers", where, bytes);
-    kr::parallel(nt, [&](int t, int m) { block_channels<B>(k, buf + dall + per * t, buf, t, m); });
+    // two regions (a member may be absent from either): hidden blocks, then output blocks
+    steal_for(nt, k.n * k.hcb, 4, [&](int t, int64_t lo, int64_t hi) {
+      block_hidden<B>(k, buf + dall + per * t, buf, lo, hi);
+    });
+    Shape sp{};  // the project's flat row (its groups' width: block_out's)
+    sp.n = 1, sp.icb = k.hcb, sp.icn = B, sp.ih = 1, sp.iw = sp.ow = k.oh * k.ow;
+    sp.ocb = k.ocb, sp.oh = 1;
+    const int64_t gw = Groups<B>(sp).gw;
+    steal_for(nt, k.n * k.ocb, gw, [&](int, int64_t lo, int64_t hi) {
+      block_out<B>(k, buf, lo, hi);
+    });
     std::free(buf);
     return 0;
   }
@@ -1276,9 +1323,14 @@ int run_block(kr::Err &e, const char *where, Block &k, int64_t threads) {
   const size_t bytes = ((size_t(per) * nt * sizeof(float)) + 63) / 64 * 64;
   float *buf = static_cast<float *>(std::aligned_alloc(64, bytes));
   if (!buf) return e.fail("%s: cannot allocate the %zu-byte band buffers", where, bytes);
-  kr::parallel(nt, [&](int t, int m) {
+  // member t owns the t-th contiguous share of the (image, row) units, a band at a time, and
+  // then takes bands from the back of the others' (steal_for: on a loaded machine the others
+  // do an unscheduled member's rows, recomputing the few expanded rows at the seams)
+  Rows have[16];  // per member (teams above 16: static shares, one call per member)
+  steal_for(nt, units, k.rows, [&](int t, int64_t lo, int64_t hi) {
     float *eb = buf + per * t;
-    block_share<B>(k, eb, eb + erows, t, m);
+    Rows once;
+    block_range<B>(k, eb, eb + erows, nt > 16 ? once : have[t], lo, hi);
   });
   std::free(buf);
   return 0;
