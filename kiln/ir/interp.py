@@ -549,7 +549,12 @@ def _lib_conv2d_nchwc(outs, attrs, x, w, b, res=None):
         wf = w.astype(np.float64).transpose(0, 5, 1, 4, 2, 3)
         wf = wf.reshape(wf.shape[0] * blk, wf.shape[2] * wf.shape[3], *wf.shape[4:])
     kh, kw = wf.shape[-2:]
-    xp = np.pad(x, ((0, 0), (0, 0), (a["ph"], a["ph"]), (a["pw"], a["pw"])))
+    # padding after: what the output size needs (an asymmetric pad folded into the
+    # convolution, passes/fold_pad.py's edge_pad, reads zeros past the bottom / right edge)
+    after = [max(p, (o - 1) * st + (k - 1) * d + 1 - i - p) for p, o, st, k, d, i in (
+        (a["ph"], oh, a["sh"], kh, a["dh"], x.shape[2]),
+        (a["pw"], ow, a["sw"], kw, a["dw"], x.shape[3]))]
+    xp = np.pad(x, ((0, 0), (0, 0), (a["ph"], after[0]), (a["pw"], after[1])))
     out = np.zeros((n, ocb * blk, oh, ow))
     for ky in range(kh):
         for kx in range(kw):
@@ -575,10 +580,22 @@ def _lib_conv2d_nchwc(outs, attrs, x, w, b, res=None):
     return [out]
 
 
-def _lib_conv2d_block_nchwc(outs, attrs, x, w1, b1, w2, b2, w3, b3, res=None):
+def _lib_conv2d_block_nchwc(outs, attrs, x, *ops):
     """kiln_conv.h's inverted residual block: expand 1x1 -> depthwise -> project 1x1
-    [+ res], each stage's epilogue (act{i}, lo{i}, hi{i}), in float64."""
+    [+ res], each stage's epilogue (act{i}, lo{i}, hi{i}), in float64; operands (w1, b1, w2,
+    b2, w3, b3[, res]), or without the expand (w2, b2, w3, b3[, res])."""
     a = attrs
+    if len(ops) in (4, 5):  # no expand: the depthwise reads x
+        w2, b2, w3, b3, *rest = ops
+        geo = {k: a[k] for k in ("oh", "ow", "sh", "sw", "ph", "pw", "dh", "dw")}
+        (d,) = _lib_conv2d_nchwc(outs, {"act": a["act2"], "lo": a["lo2"], "hi": a["hi2"],
+                                        "depthwise": True, **geo}, x, w2, b2)
+        return _lib_conv2d_nchwc(outs, {"act": a["act3"], "lo": a["lo3"], "hi": a["hi3"],
+                                        "ph": 0, "pw": 0, "sh": 1, "sw": 1, "dh": 1, "dw": 1,
+                                        "depthwise": False, "oh": a["oh"], "ow": a["ow"]},
+                                 d, w3, b3, *rest)
+    w1, b1, w2, b2, w3, b3, *rest = ops
+    res = rest[0] if rest else None
     h, w = x.shape[2], x.shape[3]
 
     def stage(i, **geo):

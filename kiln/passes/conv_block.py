@@ -8,7 +8,11 @@ passes/conv_nchwc.py, a chain of three `conv_nchwc` nodes
 where the expand's and the depthwise's outputs are read by the next node only (not a graph
 output, not converted back to NCHW) becomes one `conv_block_nchwc` node under the project's
 name, operands (x, expand w, b, depthwise w, b, project w, b[, residual]), attributes the
-depthwise's geometry and the three stages' epilogues. kiln_conv.h's conv2d_block_nchwc
+depthwise's geometry and the three stages' epilogues. A depthwise -> project pair outside
+such a chain (MobileNetV2's first block, expand ratio 1: its 112x112 depthwise output is
+never stored whole either) becomes a `conv_block_nchwc` of operands (x, depthwise w, b,
+project w, b[, residual]), stage 1's epilogue "none" (kiln_conv.h's overloads of 5 and 6
+views). kiln_conv.h's conv2d_block_nchwc
 computes it in bands of output rows: the expanded tensor (expand ratio x the block's input,
 6x in MobileNetV2) is never stored whole, its rows live in a per-thread buffer in L2.
 
@@ -33,8 +37,9 @@ def _stage(n: Node) -> tuple:
     return (n.attr("act"), float(n.attr("lo")), float(n.attr("hi")))
 
 
-def conv_block(g: Graph) -> Graph:
-    """Fuse the inverted residual chains of `g` (see the module docstring)."""
+def conv_block(g: Graph, bare: bool = True) -> Graph:
+    """Fuse the inverted residual chains of `g` (see the module docstring); `bare`: also the
+    depthwise -> project pairs without an expand."""
     types = dict(g.types())
     users: dict[str, list[Node]] = {}
     for n in g.nodes:
@@ -65,27 +70,44 @@ def conv_block(g: Graph) -> Graph:
             continue
         fused[p.name] = (e, d)
         gone.update((e.name, d.name))
-    if not fused:
+    # blocks without an expand (MobileNetV2's first, expand ratio 1): depthwise -> project
+    no_expand: dict[str, Node] = {}  # project name -> depthwise
+    for d in g.nodes if bare else ():
+        if d.name in gone or d.op != "conv_nchwc" or not d.attr("depthwise") or \
+                len(d.inputs) != 3 or types[d.inputs[0]].rank != 5:
+            continue
+        p = sole_user(d.name)
+        if p is None or p.name in gone or p.name in fused or p.op != "conv_nchwc" or \
+                len(p.inputs) < 3 or p.inputs[0] != d.name or \
+                not _pointwise_1x1(p, types[p.inputs[1]].shape) or \
+                (len(p.inputs) > 3 and p.inputs[3] == d.name):
+            continue
+        no_expand[p.name] = d
+        gone.add(d.name)
+    if not fused and not no_expand:
         return g
     nodes = []
     for n in g.nodes:
         if n.name in gone:
             continue
-        if n.name not in fused:
+        if n.name not in fused and n.name not in no_expand:
             nodes.append(n)
             continue
-        e, d = fused[n.name]
-        (a1, l1, h1), (a2, l2, h2), (a3, l3, h3) = _stage(e), _stage(d), _stage(n)
+        e, d = fused[n.name] if n.name in fused else (None, no_expand[n.name])
+        (a1, l1, h1) = _stage(e) if e is not None else ("none", 0.0, 0.0)
+        (a2, l2, h2), (a3, l3, h3) = _stage(d), _stage(n)
         attrs = (("stride", tuple(d.attr("stride"))), ("padding", tuple(d.attr("padding"))),
                  ("dilation", tuple(d.attr("dilation"))),
                  ("acts", (a1, a2, a3)), ("los", (l1, l2, l3)), ("his", (h1, h2, h3)),
                  ("channels", n.attr("channels")), ("block", n.attr("block")),
                  ("threads", n.attr("threads")),
-                 ("fused", tuple(e.attr("fused")) + tuple(d.attr("fused"))
-                  + tuple(n.attr("fused"))),
-                 ("epilogue", f"expand {e.name}: {e.attr('epilogue')}; depthwise {d.name}: "
-                              f"{d.attr('epilogue')}; project: {n.attr('epilogue')}"))
-        ins = (e.inputs[0], e.inputs[1], e.inputs[2], d.inputs[1], d.inputs[2], n.inputs[1],
-               n.inputs[2]) + tuple(n.inputs[3:])
-        nodes.append(Node(n.name, "conv_block_nchwc", ins, n.type, attrs, e.source))
+                 ("fused", (tuple(e.attr("fused")) if e is not None else ())
+                  + tuple(d.attr("fused")) + tuple(n.attr("fused"))),
+                 ("epilogue", (f"expand {e.name}: {e.attr('epilogue')}; " if e is not None
+                               else "") + f"depthwise {d.name}: {d.attr('epilogue')}; "
+                              f"project: {n.attr('epilogue')}"))
+        head = (e.inputs[0], e.inputs[1], e.inputs[2]) if e is not None else (d.inputs[0],)
+        ins = head + (d.inputs[1], d.inputs[2], n.inputs[1], n.inputs[2]) + tuple(n.inputs[3:])
+        nodes.append(Node(n.name, "conv_block_nchwc", ins, n.type, attrs,
+                          (e if e is not None else d).source))
     return replace(g, nodes=tuple(nodes))

@@ -15,6 +15,13 @@ Weights are stored packed, in float32 computed from float64:
     depthwise  [C/B, KH, KW, B]
     bias       [OC/B * B]
 
+A zero pad (amounts >= 0, spatial dims only) that a supported convolution reads is read
+through (passes/fold_pad.py's edge_pad): the `conv_nchwc` node takes the pad's input, the
+top / left amounts added to its padding, and keeps the output size of the padded input, so
+the kernel reads zeros past the bottom / right edge. This is how the asymmetric pads of
+TensorFlow's "same" padding at stride 2 (0 before, 1 after) go (the symmetric ones are the
+conv's padding already, the fold_pads stage); a pad read by other nodes too stays for them.
+
 Layout regions: a value is converted only where the layout changes. A convolution reads its
 input and its residual in NCHWc: the blocked output `<v>_nchwc` of the convolution that made
 `v`, or else a `to_nchwc` node named `<v>_nchwc`. Where a convolution's result is also read
@@ -43,6 +50,7 @@ from kiln.ir import dtypes
 from kiln.ir.graph import Graph, Input, Node, TensorType
 from kiln.passes.conv_epilogue import Fused, chains, describe, folded_fqns, scale_shift, users_of
 from kiln.passes.dce import dce
+from kiln.passes.fold_pad import edge_pad
 
 
 def _static(shape) -> bool:
@@ -105,6 +113,13 @@ def conv_nchwc(g: Graph, weights: dict[str, torch.Tensor], block: int, threads: 
     fused = chains(g, types, users, weights_in, by_name, supported)  # last node -> chain
     if not fused:
         return g, weights
+    # zero pads the convolutions read through (passes/fold_pad.py's edge_pad: the asymmetric
+    # ones that TensorFlow's "same" padding writes before a strided convolution): pad -> (its
+    # input, top / left amounts); the bottom / right ones are the kernel's reads past the edge
+    through = {n.name: (n.inputs[0], extra) for n in g.nodes
+               if n.op == "pad" and len(n.inputs) == 1 and n.type.rank == 4
+               and n.type.dtype == dtypes.float32 and types[n.inputs[0]].rank == 4
+               and (extra := edge_pad(n, 4)) is not None}
     chain_of = {a: f for f in fused.values() for a in f.absorbed}
     absorbed = set(chain_of)
     outputs = set(g.outputs)
@@ -154,7 +169,7 @@ def conv_nchwc(g: Graph, weights: dict[str, torch.Tensor], block: int, threads: 
             continue
         f = fused[node.name]
         conv = f.conv
-        x = conv.inputs[0]
+        x, extra = through.get(conv.inputs[0], (conv.inputs[0], (0, 0)))
         ic = int(types[x].shape[1])
         unblocked = x not in blocked and conv.attr("groups") == 1 and ic < block
         xin = x if unblocked else to_blocked(x)
@@ -173,7 +188,8 @@ def conv_nchwc(g: Graph, weights: dict[str, torch.Tensor], block: int, threads: 
         out_t = f.conv.type
         nb, oc, oh, ow = out_t.shape
         ocb = _padded(int(oc), block) // block
-        attrs = (("stride", tuple(conv.attr("stride"))), ("padding", tuple(conv.attr("padding"))),
+        padding = tuple(p + e for p, e in zip(conv.attr("padding"), extra))
+        attrs = (("stride", tuple(conv.attr("stride"))), ("padding", padding),
                  ("dilation", tuple(conv.attr("dilation"))),
                  ("depthwise", conv.attr("groups") != 1), ("act", f.act), ("lo", f.lo),
                  ("hi", f.hi), ("channels", int(oc)), ("block", block), ("threads", threads),

@@ -10,7 +10,11 @@ activation (HF MobileNetV2 on the CPU: 52 pad kernels, a third of its run).
   convolutions keep it.
 
 Asymmetric pads (TensorFlow's "same" at stride 2 pads one more at the bottom / right) stay
-separate pads."""
+pads on Graph IR, whose `conv` has one padding per dim; the CPU direct convolution folds them
+(passes/conv_nchwc.py, through `edge_pad` below): its `conv_nchwc` node takes the pad's input,
+the top / left amounts as its padding and the output size of the padded input, and
+kiln_conv.h's kernels read zeros past the bottom / right edge of the input (their index math
+tests every window row and column against the input, not against the padding)."""
 
 from __future__ import annotations
 
@@ -49,6 +53,20 @@ def _conv_padding(n: Node, rank: int) -> tuple[int, ...] | None:
     if any(lo != hi for lo, hi in pairs):
         return None
     return tuple(lo for lo, _ in reversed(pairs))  # torch's pad lists the last dim first
+
+
+def edge_pad(n: Node, rank: int) -> tuple[int, ...] | None:
+    """For a pad node `n` of a value of `rank` dims that a convolution of `rank - 2` spatial
+    dims can read through as padding (+0, amounts >= 0, batch and channels unpadded, symmetric
+    or not): the top / left amounts per spatial dim (first spatial dim first), which with the
+    convolution's output size (that of the padded input) say everything; else None."""
+    pad = _amounts(n)
+    if pad is None or not _zero_value(n.attr("value", 0)) or any(p < 0 for p in pad):
+        return None
+    d = rank - 2
+    if len(pad) > 2 * d and any(pad[2 * d:]):
+        return None
+    return tuple(pad[2 * j] if 2 * j < len(pad) else 0 for j in reversed(range(d)))
 
 
 def fold_pads(g: Graph) -> Graph:

@@ -44,8 +44,20 @@ def direct_conv(state: Build) -> Build:
     block = channel_block(state.options, state.options.cxx or config.cxx())
     graph, weights = conv_nchwc(state.graph, dict(state.weights), block,
                                 state.options.num_threads)
-    graph = conv_block(graph)
+    # ("onednn",) alone puts every direct convolution on oneDNN: a depthwise -> project pair
+    # then stays two convolutions (a block without an expand would be kiln's own)
+    graph = conv_block(graph, bare="direct" in state.options.cpu_conv_backends)
     return replace(state, graph=graph, weights=weights)
+
+
+def block_expands(x: L.Extern) -> bool:
+    """Whether a conv2d_block_nchwc call has an expand stage: operands (x, w1, b1, w2, b2, w3,
+    b3[, res]); without one (x, w2, b2, w3, b3[, res])."""
+    return len(x.args) >= 7
+
+
+def block_residual(x: L.Extern) -> bool:
+    return len(x.args) == (8 if block_expands(x) else 6)
 
 
 def epilogue_pairs(steps) -> set[int]:
@@ -60,7 +72,9 @@ def epilogue_pairs(steps) -> set[int]:
         if s.routine == ROUTINE and a.get("backend") != ONEDNN:
             pairs.add(a["act"] * 2 + (len(s.args) > 3))
         elif s.routine == BLOCK:
-            pairs |= {a["act1"] * 2, a["act2"] * 2, a["act3"] * 2 + (len(s.args) > 7)}
+            pairs |= {a["act2"] * 2, a["act3"] * 2 + block_residual(s)}
+            if block_expands(s):
+                pairs.add(a["act1"] * 2)
     return pairs
 
 
@@ -101,15 +115,19 @@ def call_comment(x: L.Extern) -> str | None:
                 f"{', '.join(x.source)}")
     if x.routine == BLOCK:
         a = dict(x.attrs)
-        k = f"{x.args[3].shape[1]}x{x.args[3].shape[2]}"
+        ex = block_expands(x)
+        w2 = x.args[3 if ex else 1]
+        k = f"{w2.shape[1]}x{w2.shape[2]}"
         epi = []
         for i, stage in enumerate(("expand 1x1", f"depthwise {k} stride {a['sh']}x{a['sw']}",
                                    "project 1x1"), 1):
+            if i == 1 and not ex:
+                continue
             act = ACT_NAMES[a[f"act{i}"]]
             if act == "clamp":
                 act = f"clamp({a[f'lo{i}']:g}, {a[f'hi{i}']:g})"
             epi.append(stage + (f" + {act}" if act else ""))
-        res = f" + residual {x.args[7].buf}" if len(x.args) > 7 else ""
+        res = f" + residual {x.args[-1].buf}" if block_residual(x) else ""
         return (f"// inverted residual block ({'; '.join(epi)}{res}; NCHWc, in row bands) of "
                 f"{', '.join(x.source)}")
     if x.routine != ROUTINE:

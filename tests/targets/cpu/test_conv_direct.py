@@ -285,8 +285,9 @@ def test_other_isa_builds(check, march, monkeypatch):
                      options=kiln.Options(march=march))
     assert "#define KILN_CONV_B8" in compiled.sources["conv.cpp"]
     assert "#define KILN_CONV_EPIS 0xff" not in compiled.sources["conv.cpp"]
-    assert _direct_calls(compiled) == 4 + (3 if v3 else 1)
-    assert _block_calls(compiled) == 1
+    # (x86-64-v3: the 7x7 depthwise and the 1x1 after it are a block without an expand)
+    assert _direct_calls(compiled) == 4 + 1
+    assert _block_calls(compiled) == (2 if v3 else 1)
     if not v3:
         src = compiled.sources["model.cpp"]
         assert "kl::max_pool2d_nchwc(" in src
@@ -377,7 +378,8 @@ def test_dynamic_batch_falls_back(check):
 
 def test_layout_kept_across_a_chain(check):
     """conv-bn-relu -> depthwise -> 1x1 (+ residual): one conversion into NCHWc at the input
-    and one out of it at the output, every convolution a direct call with its epilogue."""
+    and one out of it at the output, the first convolution a direct call with its epilogue, the
+    depthwise -> 1x1 (+ residual) one block call without an expand."""
     g = torch.Generator().manual_seed(5)
 
     class Chain(nn.Module):
@@ -395,14 +397,15 @@ def test_layout_kept_across_a_chain(check):
     x = rand((1, 24, 10, 10), F32, gen("conv_chain"), -2, 2)
     compiled = check(Chain(), [x], tol=TOL)
     src = compiled.sources["model.cpp"]
-    assert _direct_calls(compiled) == 3
-    assert len(set(re.findall(r"\bbuf_(\w+_nchwc) =", src)) - {"x_nchwc"}) == 3  # conv outputs
+    assert _direct_calls(compiled) == 1 and _block_calls(compiled) == 1
+    assert len(set(re.findall(r"\bbuf_(\w+_nchwc) =", src)) - {"x_nchwc"}) == 2  # call outputs
     assert "buf_x_nchwc" in src  # the one input conversion
     assert len(re.findall(r"// k\d+_\w+: \w*x_nchwc\b", src)) == 1
     # each call named after its source ops, with its epilogue
-    assert re.search(r"// direct conv \(depthwise 3x3, stride 1x1, NCHWc\) of [\w, ]*; "
-                     r"epilogue: bias, clamp\(0, 6\)", src)
-    assert re.search(r"epilogue: bias, \+ residual x_nchwc", src)
+    assert re.search(r"// direct conv \(dense 3x3, stride 1x1, NCHWc\) of [\w, ]*; "
+                     r"epilogue: bias, relu", src)
+    assert re.search(r"// inverted residual block \(depthwise 3x3 stride 1x1 \+ "
+                     r"clamp\(0, 6\); project 1x1 \+ residual x_nchwc", src)
     assert "im2col" not in _sources(compiled)
 
 
@@ -461,8 +464,8 @@ def test_mobilenet_v2_chain(check):
                       nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(64, 10)).eval()
     x = rand((2, 3, 32, 32), F32, gen("mbv2"), -2, 2)
     compiled = check(m, [x], tol={"rtol": 1e-3, "atol": 1e-3})
-    # the stem, the block without expansion (2), the last 1x1; three expanding blocks fused
-    assert _direct_calls(compiled) == 4 and _block_calls(compiled) == 3
+    # the stem, the last 1x1; the block without expansion and three expanding blocks fused
+    assert _direct_calls(compiled) == 2 and _block_calls(compiled) == 4
     assert "im2col" not in _sources(compiled)
 
 
@@ -662,7 +665,8 @@ def test_inverted_residual_block(check, threads):
 
 
 def test_inverted_residual_block_not_fused(check):
-    """The expand's result also read elsewhere (a second output): three direct calls."""
+    """The expand's result also read elsewhere (a second output): the expand a direct call,
+    the depthwise -> project a block without an expand."""
     g = torch.Generator().manual_seed(31)
     m = _Block(16, 96, 16, 3, 1, 1, 1, (nn.ReLU6(), nn.ReLU6()), g).eval()
 
@@ -678,4 +682,5 @@ def test_inverted_residual_block_not_fused(check):
 
     x = rand((1, 16, 30, 30), F32, gen("conv_block_nf"), -2, 2)
     compiled = check(Both().eval(), [x], tol=TOL)
-    assert _block_calls(compiled) == 0 and _direct_calls(compiled) == 3
+    assert _block_calls(compiled) == 1 and _direct_calls(compiled) == 1
+    assert "inverted residual block (depthwise 3x3" in compiled.sources["model.cpp"]

@@ -111,7 +111,8 @@ def test_default_package_never_needs_onednn(check, tmp_path):
     x = torch.randn(1, 3, 12, 12)
     for opts in (kiln.Options(), kiln.Options(cpu_conv_backends=("direct",), max_autotune=True)):
         compiled = kiln.compile(Chain().eval(), (x,), options=opts)
-        assert _counts(compiled) == (4, 0)
+        assert _counts(compiled) == (2, 0)  # the depthwise -> 1x1: a block without an expand
+        assert compiled.sources["model.cpp"].count("kl::conv2d_block_nchwc(") == 1
         assert "kiln_dnnl.h" not in compiled.sources["model.cpp"]
         compiled.save(tmp_path / "m.kiln")
         assert not any("libdnnl" in s for s in _requires(tmp_path / "m.kiln"))
