@@ -138,6 +138,17 @@ def gen(*key) -> torch.Generator:
     return torch.Generator().manual_seed(zlib.crc32(repr(key).encode()))
 
 
+def batch_norm(c: int, g: torch.Generator) -> torch.nn.BatchNorm2d:
+    """A 2-D batch norm in eval mode with non-trivial statistics and affine parameters."""
+    bn = torch.nn.BatchNorm2d(c)
+    with torch.no_grad():
+        bn.running_mean.copy_(torch.randn(c, generator=g))
+        bn.running_var.copy_(torch.rand(c, generator=g) + 0.5)
+        bn.weight.copy_(torch.randn(c, generator=g))
+        bn.bias.copy_(torch.randn(c, generator=g))
+    return bn.eval()
+
+
 def rand(shape, dtype=torch.float32, g: torch.Generator | None = None, low=-20, high=20):
     """Random values: normal floats, integers in [low, high), bools."""
     g = g or gen(shape, dtype)

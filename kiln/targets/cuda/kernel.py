@@ -522,6 +522,22 @@ def kernel_body(kernel: Kernel, buffers: dict[str, L.Buffer], config: Config) ->
     return body
 
 
+def signature(params, buffers: dict[str, L.Buffer]) -> dict[str, str]:
+    """Triton's signature of a kiln kernel's parameters ((kind, name) pairs: sizes are i64,
+    the status flag *i32, buffers `buf_<name>` pointers of their dtype), then XBLOCK and
+    RBLOCK as constexprs."""
+    sig: dict[str, str] = {}
+    for kind, n in params:
+        if kind == "size":
+            sig[n] = "i64"
+        elif kind == "status":
+            sig[n] = "*i32"
+        else:
+            sig[f"buf_{n}"] = SIG_PTR[buffers[n].dtype]
+    sig["XBLOCK"] = sig["RBLOCK"] = "constexpr"
+    return sig
+
+
 def print_triton_kernel(kernel: Kernel, buffers: dict[str, L.Buffer], hints: dict[str, int],
                         config: Config | None = None, *, name: str | None = None,
                         params: list | None = None, tail: tuple[str, ...] = (),
@@ -537,15 +553,7 @@ def print_triton_kernel(kernel: Kernel, buffers: dict[str, L.Buffer], hints: dic
         if indexes_through_data(kernel):
             params.append(("status", "kiln_status"))
     kname, ksource = name or kernel.name, source or kernel.source
-    sig: dict[str, str] = {}
-    for kind, n in params:
-        if kind == "size":
-            sig[n] = "i64"
-        elif kind == "status":
-            sig[n] = "*i32"
-        else:
-            sig[f"buf_{n}"] = SIG_PTR[buffers[n].dtype]
-    sig["XBLOCK"] = sig["RBLOCK"] = "constexpr"
+    sig = signature(params, buffers)
     rows = product(kernel.outer)
     head = [
         "@triton.jit",

@@ -435,3 +435,18 @@ def _kl_philox(seed, run, stream, index, lane):
     r = tl.where(lane == 0, r0, tl.where(lane == 1, r1, tl.where(lane == 2, r2, r3)))
     return r.to(tl.int64)
 '''
+
+
+def unravel(var: str, shape) -> list[str]:
+    """Triton expressions of the row-major coordinates of flat index `var` over `shape`
+    (size-1 dims: "0"; sizes are expressions over size symbols)."""
+    out, inner = [], sympy.Integer(1)
+    for n in reversed(shape):
+        n = sympy.expand(sympy.sympify(n))
+        if n == 1:
+            out.append("0")
+        else:
+            q = var if inner == 1 else f"({var} // {to_tl(inner)})"
+            out.append(f"({q} % {to_tl(n)})")
+        inner = inner * n
+    return out[::-1]

@@ -25,7 +25,7 @@ import sympy
 from kiln.ir import loop as L
 from kiln.ir.sym import contiguous_strides, product
 from kiln.targets.cuda.kernel import Config, TritonKernel, print_triton_kernel
-from kiln.targets.cuda.ops import SIG_PTR, to_tl
+from kiln.targets.cuda.ops import SIG_PTR, to_tl, unravel
 
 XBLOCK = 256
 NUM_WARPS = 4
@@ -49,20 +49,6 @@ def _c(e) -> sympy.Expr:
 
 def _syms(exprs) -> list[str]:
     return sorted({str(s) for x in exprs for s in sympy.sympify(x).free_symbols})
-
-
-def _unravel(var: str, shape) -> list[str]:
-    """Row-major coordinates of flat index `var` over `shape` (size-1 dims: 0)."""
-    out, inner = [], sympy.Integer(1)
-    for n in reversed(shape):
-        n = _c(n)
-        if n == 1:
-            out.append("0")
-        else:
-            q = var if inner == 1 else f"({var} // {to_tl(inner)})"
-            out.append(f"({q} % {to_tl(n)})")
-        inner = inner * n
-    return out[::-1]
 
 
 def _offset(arg: L.LibArg, coords: list[str], i: str = "i") -> str:
@@ -118,7 +104,7 @@ def scatter_lines(call: L.Extern, buffers, p: str = "", indent: str = "    "
         if a.buf not in bufs:
             bufs.append(a.buf)
     i, ok, bad = f"{p}i", f"{p}ok", f"{p}bad"
-    it = _unravel(i, iters)
+    it = unravel(i, iters)
     body = [f"{p}v = tl.load(buf_{values.buf} + {_offset(values, it, i)}, mask={ok})",
             f"{bad} = {i} < 0  # an index outside its dim"]
     dest = []
@@ -158,7 +144,7 @@ def print_put_kernels(call: L.Extern, buffers) -> tuple[TritonKernel, TritonKern
     # out = self (self strided, out contiguous of self's shape)
     n = product(self_.shape)
     cbufs = [call.name] + ([self_.buf] if self_.buf != call.name else [])
-    coords = _unravel("i", self_.shape)
+    coords = unravel("i", self_.shape)
     copy = _kernel(copy_name, call, buffers, cbufs, [n, self_.offset, *self_.shape,
                                                      *self_.strides], False, [
         f"    x = tl.load(buf_{self_.buf} + {_offset(self_, coords)}, mask=ok)",

@@ -30,8 +30,8 @@ import sympy
 from kiln.errors import UnsupportedError
 from kiln.ir import loop as L
 from kiln.ir.sym import FloorDiv, evaluate, product
-from kiln.targets.cuda.kernel import Config, TritonKernel
-from kiln.targets.cuda.ops import INT_LIMITS, SIG_PTR, TL_DTYPE, to_tl
+from kiln.targets.cuda.kernel import Config, TritonKernel, signature
+from kiln.targets.cuda.ops import INT_LIMITS, TL_DTYPE, to_tl, unravel
 
 SCAN_ROUTINES = ("scan", "scan_extreme")
 NONZERO_ROUTINE = "nonzero"
@@ -57,20 +57,6 @@ def _c(e) -> sympy.Expr:
 
 def _pow2(n: int) -> int:
     return 1 << max(0, int(n) - 1).bit_length()
-
-
-def _coords(var: str, shape) -> list[str]:
-    """Row-major coordinates of flat index `var` over `shape` (size-1 dims: "0")."""
-    out, inner = [], sympy.Integer(1)
-    for n in reversed(shape):
-        n = _c(n)
-        if n == 1:
-            out.append("0")
-        else:
-            q = var if inner == 1 else f"({var} // {to_tl(inner)})"
-            out.append(f"({q} % {to_tl(n)})")
-        inner = inner * n
-    return out[::-1]
 
 
 def _offset(offset, coords: list[str], strides, var: str) -> str:
@@ -116,15 +102,7 @@ def _config(n, rows, stride_one: bool, hints) -> Config:
 
 
 def _head(name: str, params, buffers, comment: list[str]):
-    sig = {}
-    for kind, n in params:
-        if kind == "size":
-            sig[n] = "i64"
-        elif kind == "status":
-            sig[n] = "*i32"
-        else:
-            sig[f"buf_{n}"] = SIG_PTR[buffers[n].dtype]
-    sig["XBLOCK"] = sig["RBLOCK"] = "constexpr"
+    sig = signature(params, buffers)
     head = ["@triton.jit",
             f"def {name}({', '.join(a for a in sig if a not in ('XBLOCK', 'RBLOCK'))}, "
             "XBLOCK: tl.constexpr, RBLOCK: tl.constexpr):", *comment]
@@ -180,7 +158,7 @@ def print_scan_kernel(call: L.Extern, buffers, hints: dict[str, int],
         f"(routine {call.routine})",
         f"    #   from graph nodes: {', '.join(call.source)}"])
     ntl, stl = to_tl(n), to_tl(sn)
-    row_off = _offset(x.offset, _coords("xidx", rows_shape), x.strides[:-1], "xidx")
+    row_off = _offset(x.offset, unravel("xidx", rows_shape), x.strides[:-1], "xidx")
     body = [
         "    pid = tl.program_id(1).to(tl.int64) * tl.num_programs(0) + tl.program_id(0)",
         "    xidx = pid * XBLOCK + tl.arange(0, XBLOCK)[:, None]",
@@ -195,21 +173,13 @@ def print_scan_kernel(call: L.Extern, buffers, hints: dict[str, int],
         if kind not in _COMBINE:
             raise UnsupportedError(f"scan kind {kind} (for {', '.join(call.source)}) has no "
                                    "Triton kernel")
-        acc = _acc(out_dt)
         if kind == 2 and not out_dt.is_float:
             raise UnsupportedError(f"logcumsumexp of {out_dt.name} (for "
                                    f"{', '.join(call.source)})")
-        fn = _COMBINE[kind]
         # the element as the output dtype (eager converts first), then the accumulator's
-        if src_dt == out_dt or out_dt.name in ("float32", "float64", "int64"):
-            conv = f"v.to({acc})" if src_dt.name != "bool" else f"v.to(tl.int8).to({acc})"
-        elif out_dt.name == "bool":
-            conv = f"(v != 0).to({acc})"
-        else:
-            first = "v.to(tl.int8)" if src_dt.name == "bool" else "v"
-            conv = f"{first}.to({TL_DTYPE[out_dt]}).to({acc})"
+        fn, ident, acc, conv = _ops(call, buffers)
         body += [
-            f"    carry = tl.full([XBLOCK, 1], {_IDENT[kind]}, {acc})",
+            f"    carry = tl.full([XBLOCK, 1], {ident}, {acc})",
             f"    for r0 in range(0, {ntl}, RBLOCK):",
             "        r = r0 + tl.arange(0, RBLOCK)[None, :].to(tl.int64)",
             f"        m = xmask & (r < {ntl})",
@@ -276,7 +246,7 @@ def print_nonzero_kernel(call: L.Extern, buffers, config: Config | None = None
         f"    # {name}: {out} = nonzero({mask.buf}), {count.buf}: the count of true elements "
         "(routine nonzero)",
         f"    #   from graph nodes: {', '.join(call.source)}"])
-    coords = _coords("p", mask.shape)
+    coords = unravel("p", mask.shape)
     ttl = to_tl(total)
     body = [
         f"    want = tl.load(buf_{count.buf} + {to_tl(_c(count.offset))})",
@@ -350,8 +320,8 @@ def print_cput_kernel(call: L.Extern, buffers) -> TritonKernel:
         f"    # {name}: {out} = scatter product of {values.buf} into {self_.buf} at "
         f"{index.buf} (complex, in update order)",
         f"    #   from graph nodes: {', '.join(call.source)}"])
-    oc = _coords("o", shape)
-    it = _coords("j", iters)
+    oc = unravel("o", shape)
+    it = unravel("j", iters)
     ostr, st = [], sympy.Integer(1)
     for n in reversed(shape):
         ostr.append(st)
@@ -478,7 +448,7 @@ def _print_scan_blocks(call: L.Extern, buffers) -> list[TritonKernel]:
 
     size_params = [("size", s_) for s_ in syms]
     # 1. each chunk on its own
-    row_off = _offset(x.offset, _coords("r", rows_shape), x.strides[:-1], "r")
+    row_off = _offset(x.offset, unravel("r", rows_shape), x.strides[:-1], "r")
     load = f"tl.load(buf_{x.buf} + xoff + col{'' if sn == 1 else ' * ' + to_tl(sn)}, mask=m, " \
         "other=0)"
     body = [f"    r = pid // {nbt}",
@@ -575,7 +545,7 @@ def _print_nonzero_parallel(call: L.Extern, buffers) -> TritonKernel:
         f"    # {name}: {out} = nonzero({mask.buf}); {csum.buf}: the inclusive count of true "
         f"elements, {count.buf}: their number (routine nonzero)",
         f"    #   from graph nodes: {', '.join(call.source)}"])
-    coords = _coords("p", mask.shape)
+    coords = unravel("p", mask.shape)
     cst = _c(csum.strides[0]) if csum.strides else sympy.Integer(1)
     csoff = to_tl(_c(csum.offset))
     body = [

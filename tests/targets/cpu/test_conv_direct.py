@@ -18,7 +18,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import kiln
-from difftest import Cases, Checker, dim, gen, rand
+from difftest import Checker, Cases, batch_norm, dim, gen, rand
 from kiln.errors import InputError
 from kiln.ir import loop as L
 from kiln.ir.interp import run_loop
@@ -35,15 +35,6 @@ def check(tmp_path_factory) -> Checker:
     return Checker(tmp_path_factory.mktemp("conv_direct"))
 
 
-def _bn(c: int, g: torch.Generator) -> nn.BatchNorm2d:
-    """A batch norm in eval mode with non-trivial statistics and affine parameters."""
-    bn = nn.BatchNorm2d(c)
-    with torch.no_grad():
-        bn.running_mean.copy_(torch.randn(c, generator=g))
-        bn.running_var.copy_(torch.rand(c, generator=g) + 0.5)
-        bn.weight.copy_(torch.randn(c, generator=g))
-        bn.bias.copy_(torch.randn(c, generator=g))
-    return bn.eval()
 
 
 class ConvBlock(nn.Module):
@@ -57,7 +48,7 @@ class ConvBlock(nn.Module):
         self.conv = nn.Conv2d(cin, cout, k, stride, padding, dilation, groups, bias=bias)
         with torch.no_grad():
             self.conv.weight.copy_(torch.randn(self.conv.weight.shape, generator=g) * 0.3)
-        self.bn = _bn(cout, g) if bn else None
+        self.bn = batch_norm(cout, g) if bn else None
         self.act = act
         self.proj = None
         if residual:
@@ -253,7 +244,7 @@ def _avx2_build():
     (the checked edges and last tiles of stride-1 3x3 and 7x7 rows, 13 and 11 pixels wide),
     the 1x1 tiles of the inverted residual block (3 direct calls and a block)."""
     g = torch.Generator().manual_seed(17)
-    m = nn.Sequential(nn.Conv2d(3, 24, 3, 2, 1, bias=False), _bn(24, g), nn.ReLU(),
+    m = nn.Sequential(nn.Conv2d(3, 24, 3, 2, 1, bias=False), batch_norm(24, g), nn.ReLU(),
                       nn.Conv2d(24, 24, 7, 1, 3, groups=24), nn.Conv2d(24, 40, 1), nn.ReLU6(),
                       InvertedResidual(40, 40, 1, 3, g)).eval()
     return m, rand((2, 3, 25, 22), F32, gen("avx2"), -2, 2)
@@ -263,7 +254,7 @@ def _plain_x86_64_build():
     """march="x86-64" (SSE2 only): the header's vectors split into SSE registers, channel
     block 8 (one direct call, a max pool, a block)."""
     g = torch.Generator().manual_seed(13)
-    m = nn.Sequential(nn.Conv2d(3, 24, 3, 2, 1, bias=False), _bn(24, g), nn.ReLU(),
+    m = nn.Sequential(nn.Conv2d(3, 24, 3, 2, 1, bias=False), batch_norm(24, g), nn.ReLU(),
                       nn.MaxPool2d(3, 1, 1), InvertedResidual(24, 24, 1, 2, g)).eval()
     return m, rand((2, 3, 12, 12), F32, gen("x86"), -2, 2)
 
@@ -311,8 +302,8 @@ def test_epilogue_pairs_selected_and_the_plain_store(check, monkeypatch):
     class M(nn.Module):  # relu (pair 2), + residual and relu (3), a bare projection (0)
         def __init__(self) -> None:
             super().__init__()
-            self.c1, self.b1 = nn.Conv2d(16, 16, 3, padding=1, bias=False), _bn(16, g)
-            self.c2, self.b2 = nn.Conv2d(16, 16, 3, padding=1, bias=False), _bn(16, g)
+            self.c1, self.b1 = nn.Conv2d(16, 16, 3, padding=1, bias=False), batch_norm(16, g)
+            self.c2, self.b2 = nn.Conv2d(16, 16, 3, padding=1, bias=False), batch_norm(16, g)
             self.c3 = nn.Conv2d(16, 32, 1, stride=2)
 
         def forward(self, x):
@@ -334,7 +325,7 @@ def test_residual_is_the_input(check):
     class M(nn.Module):
         def __init__(self) -> None:
             super().__init__()
-            self.conv, self.bn = nn.Conv2d(24, 24, 3, padding=1, bias=False), _bn(24, g)
+            self.conv, self.bn = nn.Conv2d(24, 24, 3, padding=1, bias=False), batch_norm(24, g)
 
         def forward(self, x):
             return F.relu(self.bn(self.conv(x)) + x)
@@ -385,9 +376,10 @@ def test_layout_kept_across_a_chain(check):
     class Chain(nn.Module):
         def __init__(self) -> None:
             super().__init__()
-            self.c1, self.b1 = nn.Conv2d(24, 48, 3, padding=1, bias=False), _bn(48, g)
-            self.dw, self.b2 = nn.Conv2d(48, 48, 3, padding=1, groups=48, bias=False), _bn(48, g)
-            self.pw, self.b3 = nn.Conv2d(48, 24, 1, bias=False), _bn(24, g)
+            self.c1, self.b1 = nn.Conv2d(24, 48, 3, padding=1, bias=False), batch_norm(48, g)
+            self.dw = nn.Conv2d(48, 48, 3, padding=1, groups=48, bias=False)
+            self.b2 = batch_norm(48, g)
+            self.pw, self.b3 = nn.Conv2d(48, 24, 1, bias=False), batch_norm(24, g)
 
         def forward(self, x):
             y = F.relu(self.b1(self.c1(x)))
@@ -444,9 +436,9 @@ class InvertedResidual(nn.Module):
         hid = cin * expand
         layers = []
         if expand != 1:
-            layers += [nn.Conv2d(cin, hid, 1, bias=False), _bn(hid, g), nn.ReLU6()]
-        layers += [nn.Conv2d(hid, hid, 3, stride, 1, groups=hid, bias=False), _bn(hid, g),
-                   nn.ReLU6(), nn.Conv2d(hid, cout, 1, bias=False), _bn(cout, g)]
+            layers += [nn.Conv2d(cin, hid, 1, bias=False), batch_norm(hid, g), nn.ReLU6()]
+        layers += [nn.Conv2d(hid, hid, 3, stride, 1, groups=hid, bias=False), batch_norm(hid, g),
+                   nn.ReLU6(), nn.Conv2d(hid, cout, 1, bias=False), batch_norm(cout, g)]
         self.body = nn.Sequential(*layers)
         self.skip = stride == 1 and cin == cout
 
@@ -457,10 +449,10 @@ class InvertedResidual(nn.Module):
 
 def test_mobilenet_v2_chain(check):
     g = torch.Generator().manual_seed(11)
-    m = nn.Sequential(nn.Conv2d(3, 32, 3, 2, 1, bias=False), _bn(32, g), nn.ReLU6(),
+    m = nn.Sequential(nn.Conv2d(3, 32, 3, 2, 1, bias=False), batch_norm(32, g), nn.ReLU6(),
                       InvertedResidual(32, 16, 1, 1, g), InvertedResidual(16, 24, 2, 6, g),
                       InvertedResidual(24, 24, 1, 6, g), InvertedResidual(24, 40, 2, 6, g),
-                      nn.Conv2d(40, 64, 1, bias=False), _bn(64, g), nn.ReLU6(),
+                      nn.Conv2d(40, 64, 1, bias=False), batch_norm(64, g), nn.ReLU6(),
                       nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(64, 10)).eval()
     x = rand((2, 3, 32, 32), F32, gen("mbv2"), -2, 2)
     compiled = check(m, [x], tol={"rtol": 1e-3, "atol": 1e-3})
@@ -486,7 +478,7 @@ def test_portable_levels(tmp_path):
     matches eager on a stem, a 7x7 depthwise row (28 pixels: checked edge and last tiles)
     and a 3x3 convolution over 28-pixel rows (4 x 7 tiles with AVX-512's block)."""
     g = torch.Generator().manual_seed(19)
-    m = nn.Sequential(nn.Conv2d(3, 64, 3, 2, 1, bias=False), _bn(64, g), nn.ReLU6(),
+    m = nn.Sequential(nn.Conv2d(3, 64, 3, 2, 1, bias=False), batch_norm(64, g), nn.ReLU6(),
                       nn.Conv2d(64, 64, 7, 1, 3, groups=64), nn.Conv2d(64, 64, 3, 1, 1),
                       nn.ReLU()).eval()
     x = rand((1, 3, 56, 56), F32, gen("portable"), -2, 2)
@@ -518,7 +510,7 @@ def test_max_pool_inside_a_region(check):
     for i, (kernel, stride, padding, ceil, dilation, hw, batch) in enumerate(POOLS):
         g = torch.Generator().manual_seed(17)
         mods[f"pool{i}"] = (nn.Sequential(
-            nn.Conv2d(3, 24, 3, padding=1, bias=False), _bn(24, g), nn.ReLU(),
+            nn.Conv2d(3, 24, 3, padding=1, bias=False), batch_norm(24, g), nn.ReLU(),
             nn.MaxPool2d(kernel, stride, padding, dilation, ceil_mode=ceil),
             nn.Conv2d(24, 16, 3, padding=1)).eval(), 1)
         xs.append(rand((batch, 3, *hw), F32, gen("pool", kernel, stride, hw), -2, 2))
@@ -553,7 +545,7 @@ def test_interpreter_twin_matches_eager(check):
     runs the compiled Loop IR: dense (NCHW input), the inverted residual block (expand,
     depthwise, project + residual, relu6), max pooling in NCHWc."""
     g = torch.Generator().manual_seed(19)
-    m = nn.Sequential(nn.Conv2d(3, 24, 3, 2, 1, bias=False), _bn(24, g), nn.ReLU6(),
+    m = nn.Sequential(nn.Conv2d(3, 24, 3, 2, 1, bias=False), batch_norm(24, g), nn.ReLU6(),
                       nn.MaxPool2d(2), InvertedResidual(24, 24, 1, 2, g)).eval()
     x = rand((2, 3, 14, 14), F32, gen("twin"), -2, 2)
     compiled, _ = check.compile(m, [x])
@@ -581,7 +573,7 @@ def test_profile_runs_a_direct_conv_package(check, tmp_path):
     from kiln.package.reader import read_package
 
     g = torch.Generator().manual_seed(23)
-    m = nn.Sequential(nn.Conv2d(3, 24, 3, 2, 1, bias=False), _bn(24, g), nn.ReLU(),
+    m = nn.Sequential(nn.Conv2d(3, 24, 3, 2, 1, bias=False), batch_norm(24, g), nn.ReLU(),
                       nn.MaxPool2d(3, 2, 1), InvertedResidual(24, 24, 1, 2, g)).eval()
     x = rand((2, 3, 16, 16), F32, gen("profile"), -2, 2)
     compiled, runner = check.compile(m, [x])
@@ -607,7 +599,7 @@ class _Block(nn.Module):
         self.e = nn.Conv2d(cin, hid, 1, bias=False)
         self.d = nn.Conv2d(hid, hid, k, stride, pad, dil, groups=hid, bias=True)
         self.p = nn.Conv2d(hid, cout, 1, bias=False)
-        self.bns = nn.ModuleList([_bn(hid, g), _bn(hid, g), _bn(cout, g)])
+        self.bns = nn.ModuleList([batch_norm(hid, g), batch_norm(hid, g), batch_norm(cout, g)])
         self.acts = acts
         self.skip = stride == 1 and cin == cout and k == 2 * pad // dil + 1
         for c in (self.e, self.d, self.p):

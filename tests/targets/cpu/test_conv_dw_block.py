@@ -13,7 +13,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import kiln
-from difftest import Checker, gen, rand
+from difftest import Checker, batch_norm, gen, rand
 from kiln.ir import loop as L
 from kiln.ir.interp import run_loop
 
@@ -26,14 +26,6 @@ def check(tmp_path_factory) -> Checker:
     return Checker(tmp_path_factory.mktemp("conv_dw_block"))
 
 
-def _bn(c: int, g: torch.Generator) -> nn.BatchNorm2d:
-    bn = nn.BatchNorm2d(c)
-    with torch.no_grad():
-        bn.running_mean.copy_(torch.randn(c, generator=g))
-        bn.running_var.copy_(torch.rand(c, generator=g) + 0.5)
-        bn.weight.copy_(torch.randn(c, generator=g))
-        bn.bias.copy_(torch.randn(c, generator=g))
-    return bn.eval()
 
 
 def _init(m: nn.Module, g: torch.Generator) -> nn.Module:
@@ -53,7 +45,7 @@ class FirstBlock(nn.Module):
         self.stem = nn.Conv2d(3, c, 3, 2, 1, bias=False)
         self.d = nn.Conv2d(c, c, 3, 1, 1, groups=c, bias=False)
         self.p = nn.Conv2d(c, out, 1, bias=False)
-        self.bns = nn.ModuleList([_bn(c, g), _bn(c, g), _bn(out, g)])
+        self.bns = nn.ModuleList([batch_norm(c, g), batch_norm(c, g), batch_norm(out, g)])
         _init(self, g)
 
     def forward(self, x):
@@ -150,7 +142,8 @@ def test_blocks_with_more_threads_than_cores(check, threads):
     channel-group path), results unchanged. Row path (28 rows) and channel path (14 rows on 3
     and 4 threads), with and without an expand."""
     g = torch.Generator().manual_seed(11)
-    m = nn.Sequential(FirstBlock(g, c=32, out=16), nn.Conv2d(16, 96, 1, bias=False), _bn(96, g),
+    m = nn.Sequential(FirstBlock(g, c=32, out=16), nn.Conv2d(16, 96, 1, bias=False),
+                      batch_norm(96, g),
                       nn.ReLU6(), nn.Conv2d(96, 96, 3, 2, 1, groups=96), nn.ReLU6(),
                       nn.Conv2d(96, 24, 1))
     _init(m, g)

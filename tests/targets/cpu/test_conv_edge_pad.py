@@ -16,7 +16,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import kiln
-from difftest import Checker, gen, rand
+from difftest import Checker, batch_norm, gen, rand
 from kiln.ir import loop as L
 from kiln.ir.interp import run_loop
 
@@ -29,14 +29,6 @@ def check(tmp_path_factory) -> Checker:
     return Checker(tmp_path_factory.mktemp("conv_edge_pad"))
 
 
-def _bn(c: int, g: torch.Generator) -> nn.BatchNorm2d:
-    bn = nn.BatchNorm2d(c)
-    with torch.no_grad():
-        bn.running_mean.copy_(torch.randn(c, generator=g))
-        bn.running_var.copy_(torch.rand(c, generator=g) + 0.5)
-        bn.weight.copy_(torch.randn(c, generator=g))
-        bn.bias.copy_(torch.randn(c, generator=g))
-    return bn.eval()
 
 
 class HfStyle(nn.Module):
@@ -53,7 +45,7 @@ class HfStyle(nn.Module):
         self.e2 = nn.Conv2d(24, 144, 1, bias=False)
         self.d2 = nn.Conv2d(144, 144, 3, 1, 1, groups=144, bias=False)
         self.p2 = nn.Conv2d(144, 24, 1, bias=False)
-        self.bns = nn.ModuleList([_bn(c, g) for c in (32, 96, 96, 24, 144, 144, 24)])
+        self.bns = nn.ModuleList([batch_norm(c, g) for c in (32, 96, 96, 24, 144, 144, 24)])
         for m in self.modules():
             if isinstance(m, nn.Conv2d):
                 with torch.no_grad():
