@@ -30,6 +30,8 @@ import torch
 from torch.utils import _pytree as pytree
 
 import kiln
+from kiln.ir import loop as L
+from kiln.ir.interp import run_loop
 
 F32_TOL = {"rtol": 1e-4, "atol": 1e-4}
 F64_TOL = {"rtol": 1e-10, "atol": 1e-10}
@@ -147,6 +149,19 @@ def batch_norm(c: int, g: torch.Generator) -> torch.nn.BatchNorm2d:
         bn.weight.copy_(torch.randn(c, generator=g))
         bn.bias.copy_(torch.randn(c, generator=g))
     return bn.eval()
+
+
+def run_twin(built, x: torch.Tensor) -> tuple[torch.Tensor, dict[str, int]]:
+    """A compiled CPU build's Loop IR run by kiln's numpy interpreter (the package's twin) on
+    its one user input `x`: (its one output, the count of each library routine it calls)."""
+    feeds = {i.name: x.numpy() for i in built.graph.user_inputs}
+    feeds.update({k: v.numpy() for k, v in built.weights.items()})
+    (got,) = run_loop(built.loop, feeds, {})
+    calls: dict[str, int] = {}
+    for s in built.loop.nodes:
+        if isinstance(s, L.Extern):
+            calls[s.routine] = calls.get(s.routine, 0) + 1
+    return torch.tensor(got), calls
 
 
 def rand(shape, dtype=torch.float32, g: torch.Generator | None = None, low=-20, high=20):
