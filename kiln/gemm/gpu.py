@@ -50,6 +50,7 @@ from kiln.gemm.problem import GemmProblem
 from kiln.gemm import cutlass
 from kiln.gemm import gemv as GV
 from kiln.options import GemmBackend
+from kiln.toolchain.cuda import default_archs, shared_per_block
 
 TRITON_DTYPES = ("float16", "bfloat16", "float32")
 
@@ -112,10 +113,15 @@ def eligible(problem: GemmProblem, allowed, opts) -> list[GemmBackend]:
     return out
 
 
-def triton_configs(sizes, tma: bool = False) -> list[TritonConfig]:
-    """The template's configs for a problem; `tma`: its operands allow TMA loads."""
+def triton_configs(problem: GemmProblem, sizes, opts, tma: bool = False) -> list[TritonConfig]:
+    """The template's configs for a problem, each fitting the shared memory of a block on
+    every target architecture; `tma`: its operands allow TMA loads."""
     _, m, n, k = sizes
-    return T.config_space(m, n, k, tma) or [TritonConfig(16, 64, 256, 8, 3, 4)]
+    item = 4 if problem.dtype == "float32" else 2
+    limit = shared_per_block(tuple(opts.cuda_archs) or default_archs())
+    return (T.config_space(m, n, k, tma, item, limit)
+            or [T.fit(TritonConfig(16, 64, 256, 8, 3, 4), item, limit)
+                or TritonConfig(16, 64, 64, 8, 2, 4)])
 
 
 def cutlass_candidates(problem: GemmProblem, opts, evt=None) -> list:
@@ -140,7 +146,7 @@ def heuristic(problem: GemmProblem, backends: list[GemmBackend], sizes, opts, ev
     if GemmBackend.BLAS in backends:
         return GemmBackend.BLAS, BlasConfig()
     if GemmBackend.TRITON in backends:
-        return GemmBackend.TRITON, triton_configs(sizes)[0]
+        return GemmBackend.TRITON, triton_configs(problem, sizes, opts)[0]
     cands = cutlass_candidates(problem, opts, evt)
     if cands:
         return GemmBackend.CUTLASS, cutlass_config(cands[0])
@@ -169,7 +175,8 @@ def candidates(problem: GemmProblem, backends: list[GemmBackend], sizes, opts, w
             except Exception as e:  # noqa: BLE001 - no helper: cuBLAS's own choice only
                 dropped += [(name, f"helper library: {str(e)[-200:]}") for name, _ in lt]
     if GemmBackend.TRITON in backends:
-        out += [Candidate(c.name, GemmBackend.TRITON, c) for c in triton_configs(sizes, tma)]
+        out += [Candidate(c.name, GemmBackend.TRITON, c)
+                for c in triton_configs(problem, sizes, opts, tma)]
         if gemv:
             item = {"float32": 4}.get(problem.dtype, 2)
             out += [Candidate(c.name, GemmBackend.TRITON, c)

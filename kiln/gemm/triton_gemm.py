@@ -20,9 +20,14 @@ which TMA does not feed."""
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import sympy
 
 from kiln.gemm.configs import TritonConfig
+from kiln.toolchain.cuda import SHARED_PER_BLOCK
+
+SM90_SHARED = SHARED_PER_BLOCK[90]
 
 # TMA variants: the tiles that feed Hopper's warp-group MMA (64 rows per warp group) from
 # shared memory, with one more pipeline stage where shared memory allows (TMA copies need no
@@ -40,11 +45,28 @@ SKINNY_SPACE = [TritonConfig(16, 32, 256, 8, 5, 4), TritonConfig(32, 32, 256, 8,
                 TritonConfig(16, 16, 512, 8, 4, 4)]
 
 
-def config_space(m: int, n: int, k: int, tma: bool = False) -> list[TritonConfig]:
+def pipeline_bytes(c: TritonConfig, itemsize: int) -> int:
+    """Shared memory of the template's pipelined A and B tiles: one buffer of each a stage
+    (Triton 3.6 for sm_90: a float32 128 x 128 x 64 config at 4 stages compiled to exactly
+    4 * (128 * 64 + 64 * 128) * 4 = 262,144 bytes)."""
+    return c.num_stages * (c.block_m + c.block_n) * c.block_k * itemsize
+
+
+def fit(c: TritonConfig, itemsize: int, limit: int) -> TritonConfig | None:
+    """`c` with fewer stages (down to 2) until its tiles fit `limit` bytes, or None."""
+    while pipeline_bytes(c, itemsize) > limit and c.num_stages > 2:
+        c = replace(c, num_stages=c.num_stages - 1)
+    return c if pipeline_bytes(c, itemsize) <= limit else None
+
+
+def config_space(m: int, n: int, k: int, tma: bool = False, itemsize: int = 2,
+                 shared_limit: int = SM90_SHARED) -> list[TritonConfig]:
     """Configs for a problem: large tiles for large problems, small tiles for skinny ones
     (a tile larger than the padded problem only wastes work). `tma`: the GEMM's operands allow
     TMA loads (`tma_refusal` found nothing): the TMA variants follow the plain configs (the
-    first config, which the heuristic takes without profiling, stays a plain one)."""
+    first config, which the heuristic takes without profiling, stays a plain one). Each
+    config's pipeline fits `shared_limit` bytes a block for operands of `itemsize` bytes
+    (float32's tiles are twice bfloat16's: fewer stages, or the config is dropped)."""
     space = [TritonConfig(128, 256, 64, 8, 3, 8), TritonConfig(128, 128, 64, 8, 4, 8),
              TritonConfig(128, 128, 32, 8, 4, 4), TritonConfig(64, 128, 64, 8, 4, 4),
              TritonConfig(128, 64, 64, 8, 4, 4), TritonConfig(64, 64, 64, 8, 4, 4),
@@ -56,8 +78,13 @@ def config_space(m: int, n: int, k: int, tma: bool = False) -> list[TritonConfig
     if min(p2(m), p2(n)) <= 64:
         space += SKINNY_SPACE
     space += TMA_SPACE if tma else []
-    return [c for c in space if c.block_m <= p2(m) and c.block_n <= p2(n)
-            and c.block_k <= max(32, p2(k))]
+    out = []
+    for c in space:
+        if c.block_m <= p2(m) and c.block_n <= p2(n) and c.block_k <= max(32, p2(k)):
+            c = fit(c, itemsize, shared_limit)
+            if c is not None and c not in out:
+                out.append(c)
+    return out
 
 
 

@@ -155,11 +155,11 @@ class PutKernel:
     not its state's own storage is copied (out = self) by its copy kernel, launched before.
 
     With `attention` (a decode step's attention call right after them, which reads the puts'
-    outputs as its keys and values: targets/cuda/attention.py `fuse_decode_puts`), the
+    outputs as its keys and values: targets/cuda/attention_decode.py `fuse_decode_puts`), the
     launch is that attention kernel instead: it computes the kernel's members where it reads
     them (the rotary queries, the mask, the new key row: none is stored), writes the new key
     and value rows into the caches itself and uses them in place of the rows it reads there;
-    `config` is its launch (attention.py `FusedLaunch`: with `separate_combine`, the key
+    `config` is its launch (attention_decode.py `FusedLaunch`: with `separate_combine`, the key
     splits' combine kernel is launched after it)."""
 
     kernel: Kernel | None

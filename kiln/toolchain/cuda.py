@@ -29,6 +29,20 @@ def default_archs() -> tuple[int, ...]:
     return (90,)
 
 
+#: the most dynamic shared memory one block may use, per architecture (the CUDA programming
+#: guide's table: 227 KiB on sm_90 / sm_100, 163 KiB on sm_80 / sm_87, 99 KiB on sm_86 / sm_89
+#: / sm_120)
+SHARED_PER_BLOCK = {80: 166912, 86: 101376, 87: 166912, 89: 101376, 90: 232448, 100: 232448,
+                    120: 101376}
+
+
+def shared_per_block(archs: tuple[int, ...]) -> int:
+    """What one block may use on every architecture of `archs` (sm_90's figure for one this
+    table does not know)."""
+    return min((SHARED_PER_BLOCK.get(a, SHARED_PER_BLOCK[90]) for a in archs),
+               default=SHARED_PER_BLOCK[90])
+
+
 def cuda_include_dir(opts: Options) -> Path:
     """A directory holding cuda.h: the option, else Triton's bundled copy, else CUDA's."""
     cands = [opts.cuda_include] if opts.cuda_include else []

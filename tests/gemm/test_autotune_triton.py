@@ -37,3 +37,38 @@ def test_template_compiles_to_cubin(tmp_path):
     assert k.config.num_warps == 4 and k.num_stages == 3
     cubins, _ = compile_cubins(print_triton_module([k]), [k], (90,), tmp_path, prelude=PRELUDE)
     assert cubins[(k.name, 90)].cubin[:4] == b"\x7fELF"
+
+
+def test_config_space_fits_shared_memory():
+    """float32 tiles are twice bfloat16's: a config keeps fewer pipeline stages (down to 2)
+    or is dropped, so that every config's tiles fit a block's shared memory (the heuristic's
+    first float32 config used to need 262,144 bytes and failed the sm_90 compile)."""
+    for item, limit in ((2, T.SM90_SHARED), (4, T.SM90_SHARED), (4, 101376), (2, 101376)):
+        space = T.config_space(4096, 4096, 4096, itemsize=item, shared_limit=limit)
+        assert space and all(T.pipeline_bytes(c, item) <= limit for c in space)
+        assert all(c.num_stages >= 2 for c in space)
+    # bfloat16 on sm_90: every config as listed (nothing to shrink)
+    assert T.config_space(4096, 4096, 4096) == T.config_space(4096, 4096, 4096, itemsize=2)
+    f32 = T.config_space(4096, 4096, 4096, itemsize=4)
+    assert f32[0].num_stages == 2 and (f32[0].block_m, f32[0].block_n) == (128, 256)
+
+
+def test_float32_triton_gemm_builds_for_sm90(tmp_path):
+    """A float32 Linear with the Triton template only (no profiling: the heuristic's first
+    config) compiles for sm_90 and its kernel fits the block's shared memory."""
+    import torch
+    import kiln
+    from kiln.options import Options
+
+    class Lin(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.fc = torch.nn.Linear(256, 512)
+
+        def forward(self, x):
+            return self.fc(x)
+
+    ep = torch.export.export(Lin(), (torch.randn(256, 256),))
+    cm = kiln.compile(ep, device="cuda", options=Options(
+        cuda_archs=(90,), autotune=False, gemm_backends=("triton",), cache_dir=str(tmp_path)))
+    assert any(k["name"].startswith("gemm_") for k in cm.manifest["kernels"])

@@ -43,8 +43,8 @@ from kiln.schedule.puts import fuse_puts
 from kiln.schedule.steps import GemmKernel, PutKernel
 from kiln.targets.cuda import user_triton
 from kiln.targets.cuda.attention import (attention_candidates, attention_kernels,
-                                         choose_attention_config, fuse_decode_puts,
-                                         fused_puts_attention_kernels, print_attention_kernel)
+                                         choose_attention_config, print_attention_kernel)
+from kiln.targets.cuda.attention_decode import fuse_decode_puts, fused_puts_attention_kernels
 from kiln.targets.cuda.conv_template import ROUTINE as CONV_ROUTINE
 from kiln.targets.cuda.conv_template import (choose_conv_config, conv_candidates,
                                              print_conv_kernel)
@@ -69,7 +69,7 @@ from kiln.targets.cuda.wrapper import (blaslt_choices, capturable, cubin_blob, n
                                        print_cuda_wrapper)
 from kiln.targets.collectives import COLLECTIVES
 from kiln.targets.stages import Build, ticker
-from kiln.toolchain.cuda import cuda_toolchain, default_archs
+from kiln.toolchain.cuda import SHARED_PER_BLOCK, cuda_toolchain, default_archs
 from kiln.toolchain.cxx import build_shared, prebuild_header
 from kiln.toolchain.triton_aot import Workers, compile_cubins, warm_driver, warm_key
 
@@ -471,13 +471,6 @@ def cubins(state: CudaBuild) -> CudaBuild:
             state.workers.close()
     _check_shared(out)
     return replace(state, cubins=out, times=times, workers=None)
-
-
-#: the most dynamic shared memory one block may use, per architecture (the CUDA programming
-#: guide's table: 227 KiB on sm_90 / sm_100, 163 KiB on sm_80 / sm_87, 99 KiB on sm_86 / sm_89
-#: / sm_120)
-SHARED_PER_BLOCK = {80: 166912, 86: 101376, 87: 166912, 89: 101376, 90: 232448, 100: 232448,
-                    120: 101376}
 
 
 def _check_shared(cubins: Mapping) -> None:

@@ -33,7 +33,7 @@ NUM_WARPS = 4
 #: the run's index status buffer (`kiln_status`, int32 words; the wrapper allocates and zeroes
 #: it at load) holds the status in word 0 and, from word STATUS_COUNTER_BASE, this many
 #: arrival counters that kernels reset themselves (the decode attention's last split merges
-#: the others' partial states: targets/cuda/attention.py `FusedLaunch`)
+#: the others' partial states: targets/cuda/attention_decode.py `FusedLaunch`)
 STATUS_COUNTER_BASE = 4
 STATUS_COUNTERS = 4096
 

@@ -28,7 +28,8 @@ from __future__ import annotations
 
 from kiln.ir import loop as L
 from kiln.ir.sym import evaluate, product
-from kiln.targets.cuda.attention import choose_attention_config, is_decode
+from kiln.targets.cuda.attention import choose_attention_config
+from kiln.targets.cuda.attention_decode import is_decode
 from kiln.targets.cuda.conv_template import _block_k, _m, _split, _taps, geometry
 from kiln.targets.cuda.kernel import Config
 
@@ -194,7 +195,7 @@ def attention_us(batch_heads: int, lq: int, s: int, e: int, ev: int, itemsize: i
                  causal: bool, group: int = 1, splits: int | None = None) -> float:
     """Predicted microseconds of a flash-attention call: the longer of its two products on
     the tensor cores (half the score matrix when causal) and its q, k, v and output bytes,
-    plus LAUNCH_US. The decode path (`splits` given: targets/cuda/attention.py) reads each kv
+    plus LAUNCH_US. The decode path (`splits` given: targets/cuda/attention_decode.py) reads each kv
     head's keys and values once for its `group` query heads, in batch_heads / group x splits
     programs: `roofline_us` of those bytes (a program's share at one SM's bandwidth when they
     are few), plus its serial key steps' latency, plus half a launch for the combine kernel

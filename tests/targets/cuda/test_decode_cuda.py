@@ -139,7 +139,7 @@ def test_cuda_package_updates_cache_in_place_and_replays_a_graph():
     src = cm.sources["kernels_triton.py"]
     # the key and value writes: one launch (schedule/puts.py), after the copies' guards
     # attention's decode path: both query heads of a kv head in one program, masked key
-    # tiles skipped (targets/cuda/attention.py)
+    # tiles skipped (targets/cuda/attention_decode.py)
     assert "def puts_index_put" in src and "hk * 2 + r" in src
     assert "col_live = tl.max(live.to(tl.int32), 0) > 0" in src  # (a float mask)
     assert "if tl.max(col_live.to(tl.int32)) > 0:" in src

@@ -128,7 +128,7 @@ def test_decode_package_has_no_whole_cache_copy(tmp_path):
     cm = kiln.compile(ep, device="cuda")
     kinds = [k["kind"] for k in cm.manifest["kernels"]]
     # one launch per layer writes both caches and computes the attention (the rotary kernel
-    # and the puts absorbed: targets/cuda/attention.py fuse_decode_puts)
+    # and the puts absorbed: targets/cuda/attention_decode.py fuse_decode_puts)
     puts = [k for k in cm.manifest["kernels"] if k["kind"] in ("lib.put", "triton_put")]
     assert sum(s.startswith("index_put") for k in puts for s in k["source_ops"]) == 2 * 2
     assert len(puts) == 2 and kinds.count("lib.attention") == 0, kinds

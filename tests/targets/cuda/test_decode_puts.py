@@ -1,5 +1,5 @@
 """The KV-cache writes of a decode step in the decode attention's launch (issue 17.3,
-targets/cuda/attention.py `fuse_decode_puts`): the one-row kernel of the rotary queries and
+targets/cuda/attention_decode.py `fuse_decode_puts`): the one-row kernel of the rotary queries and
 keys, the mask and the two cache writes (a `PutKernel`) is absorbed by the attention after
 it, which computes those members where it reads them, writes the new key / value rows itself
 and uses them in place of the cache's rows. Checked without a GPU: which steps the fusion
