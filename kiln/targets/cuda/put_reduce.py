@@ -220,7 +220,8 @@ def print_put_reduce_kernels(call: L.Extern, buffers) -> list[TritonKernel]:
         kernels.append(_kernel(f"put_init_{out}", call, buffers, [out], ins, exprs, True, [
             *body,
             f"tl.store(buf_{out} + {dest}, tl.full([XBLOCK], {ident}, {_compute(dt)})"
-            f".to({TL_DTYPE[dt]}), mask=ok & ~bad)", *status], m, f"{out}'s updated places = {ident}"))
+            f".to({TL_DTYPE[dt]}), mask=ok & ~bad)", *status], m,
+            f"{out}'s updated places = {ident}"))
     upd = [*body, "todo = ok & ~bad", *status]
     if mean:  # (before the update: a CAS loop consumes `todo`)
         upd.append(f"tl.atomic_add(buf_{count} + tl.where(todo, {dest}, 0), "
