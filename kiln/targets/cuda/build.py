@@ -60,6 +60,7 @@ from kiln.targets.cuda.kernel import (choose_config, print_triton_kernel, print_
 from kiln.passes.dce import dce
 from kiln.passes.gqa_attention import fold_repeat_kv
 from kiln.targets.cuda.put import print_fused_puts, print_put_kernels
+from kiln.frontend.aten_library import ACC_PUT_DTYPES
 from kiln.targets.cuda.put_reduce import is_reducing_put, print_put_reduce_kernels
 from kiln.targets.cuda.scan import (NONZERO_ROUTINE, SCAN_ROUTINES, is_complex_product,
                                     print_cput_kernel, print_nonzero_kernel, print_scan_kernels)
@@ -257,6 +258,10 @@ def check_routines(state: Build) -> Build:
                 raise UnsupportedError(f"complex index_put / scatter with accumulation (for "
                                        f"{', '.join(s.source)}) has no CUDA routine; enable "
                                        "aten_fallback or compile for the CPU")
+            if is_reducing_put(s, dt) and dt.name not in ACC_PUT_DTYPES:
+                raise UnsupportedError(f"index_put / scatter with accumulation of {dt.name} "
+                                       f"(for {', '.join(s.source)}) has no CUDA routine; "
+                                       "enable aten_fallback or compile for the CPU")
     return state
 
 
