@@ -29,17 +29,29 @@ DATA_DEPENDENT_NATIVE = frozenset({"aten.nonzero.default", "aten.masked_select.d
                                    "aten.index.Tensor"})
 
 
+# dtypes whose accumulating index_put / scatter (sum, product, mean, amax, amin) CUDA builds
+# print as Triton kernels (targets/cuda/put_reduce.py)
+ACC_PUT_DTYPES = frozenset({"float32", "float64", "float16", "bfloat16", "int64", "int32",
+                            "int16", "int8", "uint8", "bool"})
+
+
 def cpu_only(node, types) -> bool:
-    """Whether Graph IR `node` lowers to a routine only the CPU library has. index_put that
-    sets (no accumulate) through integer indices is the `put` routine, which CUDA builds print
-    as a Triton kernel (targets/cuda/put.py: a KV cache updated in place), and so are scans
-    of real values (targets/cuda/scan.py); `types`: the builder's value types, by name."""
-    if node.op == "index_put" and not node.attr("accumulate"):
-        return any(types[i].dtype.name == "bool" for i in node.inputs[2:])
+    """Whether Graph IR `node` lowers to a routine only the CPU library has. index_put and
+    scatter through integer indices are the `put` routine, which CUDA builds print as Triton
+    kernels: setting (targets/cuda/put.py: a KV cache updated in place), accumulating and
+    reducing (targets/cuda/put_reduce.py, the dtypes of ACC_PUT_DTYPES), complex products
+    (targets/cuda/scan.py); so are scans of real values (targets/cuda/scan.py); `types`: the
+    builder's value types, by name."""
+    if node.op == "index_put":
+        if any(types[i].dtype.name == "bool" for i in node.inputs[2:]):
+            return True  # (a mask: masked_scatter)
+        return bool(node.attr("accumulate")) and node.type.dtype.name not in ACC_PUT_DTYPES
     if node.op in ("scan", "scan_extreme"):  # real scans: Triton kernels (targets/cuda/scan.py)
         return node.type.dtype.is_complex or types[node.inputs[0]].dtype.is_complex
-    if node.op == "scatter" and node.type.dtype.is_complex and node.attr("mode") == "prod":
-        return False  # complex scatter products: a Triton kernel too
+    if node.op == "scatter":
+        if node.type.dtype.is_complex:  # complex scatter products: a Triton kernel too
+            return node.attr("mode") != "prod"
+        return node.attr("mode") != "set" and node.type.dtype.name not in ACC_PUT_DTYPES
     return node.op in CPU_ONLY_OPS
 
 

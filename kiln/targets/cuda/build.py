@@ -60,6 +60,8 @@ from kiln.targets.cuda.kernel import (choose_config, print_triton_kernel, print_
 from kiln.passes.dce import dce
 from kiln.passes.gqa_attention import fold_repeat_kv
 from kiln.targets.cuda.put import print_fused_puts, print_put_kernels
+from kiln.frontend.aten_library import ACC_PUT_DTYPES
+from kiln.targets.cuda.put_reduce import is_reducing_put, print_put_reduce_kernels
 from kiln.targets.cuda.scan import (NONZERO_ROUTINE, SCAN_ROUTINES, is_complex_product,
                                     print_cput_kernel, print_nonzero_kernel, print_scan_kernels)
 from kiln.targets.cuda.launch_tune import (device_available, kernel_family, template_family,
@@ -73,9 +75,10 @@ from kiln.toolchain.cuda import SHARED_PER_BLOCK, cuda_toolchain, default_archs
 from kiln.toolchain.cxx import build_shared, prebuild_header
 from kiln.toolchain.triton_aot import Workers, compile_cubins, warm_driver, warm_key
 
-# Extern routines CUDA builds run: attention, the NHWC convolution and index_put (generated
-# Triton kernels), the collectives (NCCL)
-CUDA_ROUTINES = ("attention", CONV_ROUTINE, "put", *SCAN_ROUTINES, NONZERO_ROUTINE, *COLLECTIVES)
+# Extern routines CUDA builds run: attention, the NHWC convolution, index_put / scatter, scans
+# and nonzero (generated Triton kernels), the collectives (NCCL)
+CUDA_ROUTINES = ("attention", CONV_ROUTINE, "put", "put_mean", *SCAN_ROUTINES, NONZERO_ROUTINE,
+                 *COLLECTIVES)
 
 
 @dataclass(frozen=True)
@@ -249,11 +252,16 @@ def check_routines(state: Build) -> Build:
         if isinstance(s, L.Extern) and s.routine not in CUDA_ROUTINES:
             raise UnsupportedError(f"library routine {s.routine} (for {', '.join(s.source)}) "
                                    "has no CUDA version yet; compile for the CPU")
-        if isinstance(s, L.Extern) and s.routine == "put" and s.attr("mode") != 0 and not \
-                is_complex_product(s, L.all_buffers(state.loop)[s.name].dtype):
-            raise UnsupportedError(f"index_put / scatter with accumulation (for "
-                                   f"{', '.join(s.source)}) has no CUDA routine yet; enable "
-                                   "aten_fallback or compile for the CPU")
+        if isinstance(s, L.Extern) and s.routine in ("put", "put_mean"):
+            dt = L.all_buffers(state.loop)[s.name].dtype
+            if dt.is_complex and s.attr("mode") != 0 and not is_complex_product(s, dt):
+                raise UnsupportedError(f"complex index_put / scatter with accumulation (for "
+                                       f"{', '.join(s.source)}) has no CUDA routine; enable "
+                                       "aten_fallback or compile for the CPU")
+            if is_reducing_put(s, dt) and dt.name not in ACC_PUT_DTYPES:
+                raise UnsupportedError(f"index_put / scatter with accumulation of {dt.name} "
+                                       f"(for {', '.join(s.source)}) has no CUDA routine; "
+                                       "enable aten_fallback or compile for the CPU")
     return state
 
 
@@ -616,8 +624,10 @@ def conv_steps(steps) -> list[L.Extern]:
 
 
 def put_steps(steps) -> list[L.Extern]:
-    """The index_put calls of `steps` (regions' too) that CUDA prints (targets/cuda/put.py)."""
-    return [s for s in L.flat_steps(steps) if isinstance(s, L.Extern) and s.routine == "put"]
+    """The index_put / scatter calls of `steps` (regions' too) that CUDA prints
+    (targets/cuda/put.py, put_reduce.py)."""
+    return [s for s in L.flat_steps(steps) if isinstance(s, L.Extern) and
+            s.routine in ("put", "put_mean")]
 
 
 def triton_kernels(steps, buffers, hints: dict[str, int], configs: dict | None = None,
@@ -646,6 +656,8 @@ def triton_kernels(steps, buffers, hints: dict[str, int], configs: dict | None =
             out.append(print_conv_kernel(s, buffers, hints, configs.get(s.name)))
         elif isinstance(s, L.Extern) and is_complex_product(s, buffers[s.name].dtype):
             out.append(print_cput_kernel(s, buffers))  # (targets/cuda/scan.py)
+        elif isinstance(s, L.Extern) and is_reducing_put(s, buffers[s.name].dtype):
+            out.extend(print_put_reduce_kernels(s, buffers))  # (targets/cuda/put_reduce.py)
         elif isinstance(s, L.Extern) and s.routine == "put":
             out.extend(print_put_kernels(s, buffers))
         elif isinstance(s, L.Extern) and s.routine in SCAN_ROUTINES:

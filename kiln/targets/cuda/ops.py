@@ -425,6 +425,15 @@ def _kl_shr(a, b):
 
 
 @triton.jit
+def _kl_bf16_bits(x):
+    # the bfloat16 bits (in the low half of an int32) of float32 x, rounded to nearest even
+    # as c10::BFloat16's round_to_nearest_even (NaN: 0x7FC0)
+    b = x.to(tl.int32, bitcast=True)
+    r = (b + 0x7FFF + ((b >> 16) & 1)) >> 16
+    return tl.where(x != x, 0x7FC0, r & 0xFFFF)
+
+
+@triton.jit
 def _kl_philox(seed, run, stream, index, lane):
     # same words as kr::philox: key = seed, counter = (index lo, index hi, stream, run)
     c0 = (index & 0xFFFFFFFF).to(tl.uint32)

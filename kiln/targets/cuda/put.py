@@ -88,11 +88,12 @@ def _kernel(name: str, call: L.Extern, buffers, bufs: list[str], exprs, status: 
                         call.source)
 
 
-def scatter_lines(call: L.Extern, buffers, p: str = "", indent: str = "    "
-                  ) -> tuple[list[str], list[str], list, sympy.Expr]:
-    """(the scatter's lines, the buffers it names (out first), the size expressions it
-    prints, its element count) of one `put` call: out[dest(i)] = values[i] for the flat
-    index `{p}i` (masked by `{p}ok`, both defined by the caller); variables prefixed `p`."""
+def destination(call: L.Extern, buffers, p: str = "", indent: str = "    "
+                ) -> tuple[list[str], str, list[str], list, sympy.Expr]:
+    """(the lines loading `{p}v` = values[i] and computing `{p}bad` (an index outside its dim),
+    the destination's offset in out (contiguous), the buffers they name (out first), the size
+    expressions they print, the element count) of one `put` call, for the flat index `{p}i`
+    (masked by `{p}ok`, both defined by the caller)."""
     self_, values, *index = call.args
     out = buffers[call.name]
     dims = tuple(call.attr("dims"))
@@ -126,11 +127,34 @@ def scatter_lines(call: L.Extern, buffers, p: str = "", indent: str = "    "
         st = _c(ostrides[d])
         if c != "0" and size != 1 or k < 0:
             dest.append(c if st == 1 else f"{c} * {to_tl(st)}")
+    return [indent + x for x in body], " + ".join(dest) or "0", bufs, exprs, m
+
+
+def scatter_lines(call: L.Extern, buffers, p: str = "", indent: str = "    "
+                  ) -> tuple[list[str], list[str], list, sympy.Expr]:
+    """(the scatter's lines, the buffers it names (out first), the size expressions it
+    prints, its element count) of one `put` call: out[dest(i)] = values[i] for the flat
+    index `{p}i` (masked by `{p}ok`, both defined by the caller); variables prefixed `p`."""
+    body, dest, bufs, exprs, m = destination(call, buffers, p, indent)
+    ok, bad = f"{p}ok", f"{p}bad"
     body += [
-        f"tl.store(buf_{call.name} + {' + '.join(dest) or '0'}, {p}v, mask={ok} & ~{bad})",
-        f"tl.store(kiln_status + {i}.to(tl.int32) * 0, 1, mask={ok} & {bad})",
+        f"{indent}tl.store(buf_{call.name} + {dest}, {p}v, mask={ok} & ~{bad})",
+        f"{indent}tl.store(kiln_status + {p}i.to(tl.int32) * 0, 1, mask={ok} & {bad})",
     ]
-    return [indent + x for x in body], bufs, exprs, m
+    return body, bufs, exprs, m
+
+
+def print_put_copy(call: L.Extern, buffers) -> TritonKernel:
+    """`put_copy_<out>`: out = self (self strided, out contiguous of self's shape)."""
+    self_ = call.args[0]
+    n = product(self_.shape)
+    cbufs = [call.name] + ([self_.buf] if self_.buf != call.name else [])
+    coords = unravel("i", self_.shape)
+    return _kernel(put_kernel_names(call)[0], call, buffers, cbufs,
+                   [n, self_.offset, *self_.shape, *self_.strides], False, [
+        f"    x = tl.load(buf_{self_.buf} + {_offset(self_, coords)}, mask=ok)",
+        f"    tl.store(buf_{call.name} + i, x, mask=ok)",
+    ], n)
 
 
 def print_put_kernels(call: L.Extern, buffers) -> tuple[TritonKernel, TritonKernel]:
@@ -138,22 +162,11 @@ def print_put_kernels(call: L.Extern, buffers) -> tuple[TritonKernel, TritonKern
     if call.attr("mode") != 0 or not call.attr("include_self", True):
         raise ValueError(f"put {call.name}: the CUDA kernel only sets (mode 0), got "
                          f"mode {call.attr('mode')}")
-    self_ = call.args[0]
-    copy_name, put_name = put_kernel_names(call)
-
-    # out = self (self strided, out contiguous of self's shape)
-    n = product(self_.shape)
-    cbufs = [call.name] + ([self_.buf] if self_.buf != call.name else [])
-    coords = unravel("i", self_.shape)
-    copy = _kernel(copy_name, call, buffers, cbufs, [n, self_.offset, *self_.shape,
-                                                     *self_.strides], False, [
-        f"    x = tl.load(buf_{self_.buf} + {_offset(self_, coords)}, mask=ok)",
-        f"    tl.store(buf_{call.name} + i, x, mask=ok)",
-    ], n)
+    copy = print_put_copy(call, buffers)
 
     # out[dest(i)] = values[i] over the iteration space
     body, bufs, exprs, m = scatter_lines(call, buffers)
-    scatter = _kernel(put_name, call, buffers, bufs, exprs, True, body, m)
+    scatter = _kernel(put_kernel_names(call)[1], call, buffers, bufs, exprs, True, body, m)
     return copy, scatter
 
 

@@ -43,7 +43,8 @@ triton_key, workers and wrapper_header then take what was started.
                       operand kept until then (targets/collectives.py)
     plan              the arena plan
     check_routines    library routines without a CUDA version refused (CUDA has attention,
-                      put: index_put without accumulate, targets/cuda/put.py; collectives)
+                      put / put_mean: index_put and scatter, targets/cuda/put.py and
+                      put_reduce.py; scans and nonzero, scan.py; collectives)
     launch_autotune   (Options.autotune, a local GPU) kernels' launch configs, attention
                       block sizes and NHWC convolution tiles measured, what the cost model
                       says can matter (targets/cuda/tune_plan.py), all compiled in one pass

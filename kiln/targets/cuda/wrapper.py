@@ -36,6 +36,7 @@ from kiln.gemm.cutlass_evt import Evt, from_epilogue
 from kiln.gemm.cutlass_link import entry, workspace_entry
 from kiln.ir.sym import UNBOUNDED_NOMINAL, evaluate
 from kiln.targets.cuda.put import put_kernel_names
+from kiln.targets.cuda.put_reduce import is_reducing_put, put_reduce_kernel_names
 from kiln.targets.cuda.scan import (NONZERO_ROUTINE, SCAN_ROUTINES, cput_kernel_name,
                                     is_complex_product, scan_kernel_names)
 from kiln.targets.cuda.wrapper_parts import print_cuda_model
@@ -339,6 +340,17 @@ class _Printer(SizeCheckPrinter):
             self.emit(f"{{  // {cput_kernel_name(c)}: {c.name} = complex scatter product("
                       f"{', '.join(a.buf for a in c.args)})  <- {', '.join(c.source)}")
             self._launch(cput_kernel_name(c))
+            return
+        if is_reducing_put(c, self.p.buffer_dtypes[c.name]):  # (targets/cuda/put_reduce.py)
+            ops = ", ".join(a.buf for a in c.args)
+            self.emit(f"// {', '.join(c.outs)} = index_put / scatter reduce({ops})  <- "
+                      f"{', '.join(c.source)}")
+            copy, *rest = put_reduce_kernel_names(c)
+            self.emit(f"if (buf_{c.name} != buf_{c.args[0].buf}) {{  // not in place: out = self")
+            self._launch(copy)
+            for k in rest:
+                self.emit("{")
+                self._launch(k)
             return
         if c.routine == "put":  # index_put (targets/cuda/put.py): in place on a state
             copy, scatter = put_kernel_names(c)

@@ -33,6 +33,7 @@ from kiln.gemm.cutlass_evt import evaluate_torch, from_epilogue
 from kiln.ir.interp import call_aten
 from kiln.errors import UnsupportedError
 from kiln.targets.cuda.put import STATUS_COUNTER_BASE, STATUS_COUNTERS, put_kernel_names
+from kiln.targets.cuda.put_reduce import is_reducing_put, put_reduce_kernel_names
 from kiln.targets.cuda.scan import (NONZERO_ROUTINE, SCAN_ROUTINES, cput_kernel_name,
                                     is_complex_product, scan_kernel_names)
 from kiln.ir import dtypes
@@ -283,6 +284,15 @@ def run_program(prog: P.Program, kernels: dict, module, weights: dict, inputs: l
         elif isinstance(x, P.CallLib) and is_complex_product(
                 x.call, dtypes.from_torch(bufs[x.call.name].dtype)):
             launch_kernel(module, kernels[cput_kernel_name(x.call)], env, bufs, status, device)
+            if int(status.item()):
+                raise IndexError(f"index out of range in {', '.join(x.call.source)}")
+        elif isinstance(x, P.CallLib) and is_reducing_put(
+                x.call, dtypes.from_torch(bufs[x.call.name].dtype)):  # (put_reduce.py)
+            copy, *rest = put_reduce_kernel_names(x.call)
+            if bufs[x.call.name] is not bufs[x.call.args[0].buf]:
+                launch_kernel(module, kernels[copy], env, bufs, status, device)
+            for k in rest:
+                launch_kernel(module, kernels[k], env, bufs, status, device)
             if int(status.item()):
                 raise IndexError(f"index out of range in {', '.join(x.call.source)}")
         elif isinstance(x, P.CallLib) and x.call.routine == "put":

@@ -274,8 +274,8 @@ def test_dynamic_int_inputs_on_cuda(tmp_path, graphs):
 
 
 def test_aten_fallback_on_cuda(tmp_path):
-    """sort / topk / scatter_add / special.i1 through ATen on the device, on the caller's
-    stream (a non-default stream here), against eager on fresh inputs."""
+    """sort / topk / special.i1 through ATen on the device (scatter_add a Triton kernel), on
+    the caller's stream (a non-default stream here), against eager on fresh inputs."""
     from test_cuda_codegen import _LibraryOps
 
     m = _LibraryOps()

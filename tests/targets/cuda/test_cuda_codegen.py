@@ -282,9 +282,10 @@ def test_int_inputs_are_host_values_in_cuda_packages():
 
 
 class _LibraryOps(torch.nn.Module):
-    """Ops kiln runs as CPU library routines (sort, topk, scatter_add) and one it does not
-    lower at all (special.i1): on CUDA all of them call ATen on the device. (cumsum was one
-    until session 15: CUDA scans are Triton kernels, tests/targets/cuda/test_cuda_scan_cov.py.)"""
+    """Ops kiln runs as CPU library routines (sort, topk) and one it does not lower at all
+    (special.i1): on CUDA all of them call ATen on the device. (cumsum was one until session
+    15, scatter_add until session 16: CUDA scans and scatters are Triton kernels,
+    tests/targets/cuda/test_cuda_scan_cov.py, test_cuda_put_reduce.py.)"""
 
     def forward(self, x, idx):
         s, i = torch.sort(x, dim=-1)
@@ -297,12 +298,12 @@ def test_cuda_aten_fallback_wrapper():
     cm = kiln.compile(_LibraryOps(), (x, idx), device="cuda", options=OPTS)
     req = cm.manifest["requires"]
     assert req["libtorch"] and req["aten_fallback_ops"] == [
-        "aten::scatter_add.default", "aten::sort.default", "aten::special_i1.default",
-        "aten::topk.default"]
+        "aten::sort.default", "aten::special_i1.default", "aten::topk.default"]
     assert cm.manifest["cuda"]["graphs"] is False  # torch's allocator cannot be captured
     src = cm.sources["model_cuda.cpp"]
-    # four calls: sort's values and indices come from one
-    assert src.count("c.on_cuda(self->device_id, static_cast<void*>(stream))") == 4
+    # three calls: sort's values and indices come from one; scatter_add a Triton kernel
+    assert src.count("c.on_cuda(self->device_id, static_cast<void*>(stream))") == 3
+    assert "put_scatter_add" in cm.sources["kernels_triton.py"]
     assert "kr_aten::require(e, " in src and "kc::run_graph(" not in src
     assert cm.library.exists()
     with pytest.raises(kiln.errors.UnsupportedError, match="CPU library routine"):
