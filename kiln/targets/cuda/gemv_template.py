@@ -316,6 +316,13 @@ def _prefetch() -> int:
     return int(v)
 
 
+def _evict() -> str:
+    """KILN_GEMV_EVICT=1 (an A/B knob, off): the int4 weight words are loaded with
+    `evict_first`, so a decode step's streamed weights do not push the activations, scales
+    and KV cache out of the L2."""
+    return ', eviction_policy="evict_first"' if os.environ.get("KILN_GEMV_EVICT") == "1" else ""
+
+
 def _early_loads() -> bool:
     """KILN_GEMV_EARLY_LOADS=1 (not measured yet, so off): with the prefetch, an int4 GEMV's
     first weight words and scales are loaded before its programmatic-dependent-launch wait
@@ -440,7 +447,7 @@ def _print_quant_gemv(gk: GemmKernel, buffers: dict[str, L.Buffer], name: str) -
         wload = [
             f"        gi = k0 // {gs} + rg  # the step's groups",
             f"        gmask = nmask & (gi < {to_tl(g.k)} // {gs})",
-            f"        w = tl.load(pw + k0 // 8 + rw, mask=gmask, other={_NIB8})  "
+            f"        w = tl.load(pw + k0 // 8 + rw, mask=gmask, other={_NIB8}{_evict()})  "
             f"# {mx.qdtype.name}: 8 nibbles (+ 8) a word",
             f"        s = tl.load(ps + gi * {to_tl(sc.rows)}, mask=gmask, other=0.0)"
             f".to(tl.float32)",
