@@ -36,7 +36,8 @@ Quantised weights (weight-only, a `MixedGemm` on side "b"; kiln/gemm/gemv.py):
                 the end; the outputs are [XBLOCK, 1, 1]. The loop is software-pipelined by
                 hand: the next step's words, scales and x (the prologue) are loaded before
                 this step's products, so a step's weight loads are in flight while the
-                previous step is converted (`_prefetch`)."""
+                previous step is converted (`_prefetch`; KILN_GEMV_PREFETCH=2 / 3 keep
+                that many steps in flight, in slots rotated each step: measured slower)."""
 
 from __future__ import annotations
 
@@ -308,19 +309,13 @@ def _prefetch() -> int:
     plain loop, 1 the default, 2 or 3 deeper, for A/B runs). Measured on an H100
     (BENCHMARKS.md, thirteenth session): with 1, int4's down, q/k/v and gate/up GEMVs 4-11%
     faster; int8's unchanged or slower (its loop is short, already near the copy bandwidth),
-    so int8 keeps the plain loop."""
+    so int8 keeps the plain loop. 2 and 3 made the 2-layer int4 step 4% and 12% slower
+    (sixteenth session): more registers, and the loads were not what the loop waited for."""
     v = os.environ.get("KILN_GEMV_PREFETCH", "1")
     if v not in ("0", "1", "2", "3"):
         raise UnsupportedError(f"KILN_GEMV_PREFETCH: expected 0, 1, 2 or 3 (steps loaded "
                                f"ahead), got {v!r}")
     return int(v)
-
-
-def _evict() -> str:
-    """KILN_GEMV_EVICT=1 (an A/B knob, off): the int4 weight words are loaded with
-    `evict_first`, so a decode step's streamed weights do not push the activations, scales
-    and KV cache out of the L2."""
-    return ', eviction_policy="evict_first"' if os.environ.get("KILN_GEMV_EVICT") == "1" else ""
 
 
 def _early_loads() -> bool:
@@ -447,7 +442,7 @@ def _print_quant_gemv(gk: GemmKernel, buffers: dict[str, L.Buffer], name: str) -
         wload = [
             f"        gi = k0 // {gs} + rg  # the step's groups",
             f"        gmask = nmask & (gi < {to_tl(g.k)} // {gs})",
-            f"        w = tl.load(pw + k0 // 8 + rw, mask=gmask, other={_NIB8}{_evict()})  "
+            f"        w = tl.load(pw + k0 // 8 + rw, mask=gmask, other={_NIB8})  "
             f"# {mx.qdtype.name}: 8 nibbles (+ 8) a word",
             f"        s = tl.load(ps + gi * {to_tl(sc.rows)}, mask=gmask, other=0.0)"
             f".to(tl.float32)",

@@ -9,7 +9,9 @@ measured (steps not tuned keep their heuristic config).
 GEMV template kernels (M = 1, decode's weight streaming) are a template family ("gemv") timed
 with cold operands: each call reads another copy of its weights (`_cold_sets`, twice the L2
 in all), as a decode step reads each weight once; repeated on one copy, a GEMV of up to 50 MB
-of weights would be timed from the L2 and the tuner would pick for the wrong memory.
+of weights would be timed from the L2 and the tuner would pick for the wrong memory. Their
+launches are queued behind a device-side wait (`event_ms` `queued`): a decode GEMV of 6-20 us
+is shorter than a Triton launch from Python, which would otherwise set the time measured.
 
 Method: which steps and candidates are worth it is decided by the caller (targets/cuda/build.py
 `tuning_families` with the cost model of tune_plan.py; without it, `worth_tuning`: reductions
