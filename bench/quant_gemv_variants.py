@@ -398,6 +398,15 @@ def sass_counts() -> None:
             print(f"| {vname} | ({xb}, {rb}, {nw}) | {per_byte:.1f} | {top} |", flush=True)
 
 
+def _regs(cubin: str) -> str:
+    """Registers a thread of a cubin file (cuobjdump's resource usage)."""
+    import subprocess
+    tool = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
+    out = subprocess.run([str(tool), "-res-usage", cubin], capture_output=True, text=True).stdout
+    m = re.search(r"REG:(\d+)", out)
+    return m.group(1) if m else "?"
+
+
 def decode_sass(mode: str, cfgs: list[tuple[int, int, int]]) -> None:
     """No GPU: kiln's own decode GEMVs (the GEMV template with its prologues and epilogues) of a
     1-layer decoder at the 8B widths (vocab 256), weights `mode`, compiled for sm_90 at each
@@ -425,8 +434,8 @@ def decode_sass(mode: str, cfgs: list[tuple[int, int, int]]) -> None:
     nvdisasm = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "nvdisasm"
     per = {"int4": 0.5, "int8": 1, "none": 2}[mode]
     print("| kernel | config (XBLOCK, RBLOCK, warps) | loop instructions / weight byte | "
-          "STL | top opcodes |")
-    print("|---|---|---:|---:|---|")
+          "STL | registers | top opcodes |")
+    print("|---|---|---:|---:|---:|---|")
     for k in triton_kernels(b.steps, bufs, hints):
         if not k.name.startswith("gemm"):
             continue
@@ -438,12 +447,13 @@ def decode_sass(mode: str, cfgs: list[tuple[int, int, int]]) -> None:
                 f.flush()
                 sass = subprocess.run([str(nvdisasm), "-c", f.name], capture_output=True,
                                       text=True, check=True).stdout
+                regs = _regs(f.name)
             body = _loop_sass(sass)
             ops = collections.Counter(re.sub(r"^@!?U?P\w+\s+", "", t).split()[0].split(".")[0]
                                       for t in body)
             top = ", ".join(f"{o} {c}" for o, c in ops.most_common(6))
             print(f"| {k.name} | ({xb}, {rb}, {nw}) | {len(body) / (xb * rb * per / (32 * nw)):.1f}"
-                  f" | {sass.count('STL')} | {top} |", flush=True)
+                  f" | {sass.count('STL')} | {regs} | {top} |", flush=True)
 
 
 def main() -> None:

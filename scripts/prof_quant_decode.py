@@ -6,7 +6,10 @@ step spends its time.
     python scripts/prof_quant_decode.py [layers 2] [hidden 4096] [inter 14336] [heads 32]
                                         [kv_heads 8] [vocab 128256] [modes none,int8,int4]
 
-A mode may carry an environment variable for its compile, e.g. `int4:KILN_GEMV_PREFETCH=0`.
+A mode may carry environment variables for its compile, e.g. `int4:KILN_GEMV_PREFETCH=0` or
+`int4:KILN_GEMV_PREFETCH=2:PROF_WIDE=1`. PROF_WIDE=1 (this script's own) adds a grid of GEMV
+launch configs (BLOCK_N 8-64, BLOCK_K 512-4096, 4 / 8 warps) to the tuner's candidates; each
+mode prints the tuner's cold time of every GEMV candidate (the manifest's "autotuned").
 """
 import collections
 import os
@@ -31,15 +34,37 @@ w, ep = static_cache_module(model, 256, device="cuda", dtype=torch.bfloat16)
 ids = torch.tensor([[11]], device="cuda")
 pos = torch.tensor([128], device="cuda")
 summary = []
-for spec in modes:  # a mode, or mode:NAME=VALUE (an environment variable set for its compile)
-    mode, _, env = spec.partition(":")
-    name, _, value = env.partition("=")
-    old = os.environ.get(name) if name else None
-    if name:
+
+from kiln.targets.cuda import gemv_template as GT  # noqa: E402
+
+_configs = GT.configs
+
+
+def _wide(n, k, itemsize, min_k=16):
+    """The tuner's GEMV candidates, then a grid of larger / smaller tiles (PROF_WIDE=1)."""
+    out = list(_configs(n, k, itemsize, min_k))
+    if os.environ.get("PROF_WIDE") == "1":
+        from kiln.gemm.configs import GemvConfig
+        for bn in (8, 16, 32, 64):
+            for bk in (512, 1024, 2048, 4096):
+                for w in (4, 8):
+                    c = GemvConfig(bn, max(bk, min_k), w, 1)
+                    if bk <= max(k, min_k) and c not in out:
+                        out.append(c)
+    return out
+
+
+GT.configs = _wide
+for spec in modes:  # a mode, or mode:NAME=VALUE[:NAME=VALUE] (environment for its compile)
+    mode, *envs = spec.split(":")
+    olds = {}
+    for env in envs:
+        name, _, value = env.partition("=")
+        olds[name] = os.environ.get(name)
         os.environ[name] = value
     t0 = time.perf_counter()
     cm = kiln.compile(ep, device="cuda", options=kiln.Options(weight_quant=mode))
-    if name:
+    for name, old in olds.items():
         os.environ.pop(name) if old is None else os.environ.__setitem__(name, old)
     cs = time.perf_counter() - t0
     r = cm.load(Path(tempfile.mkdtemp()) / f"{mode}.kiln", device="cuda:0")
@@ -67,6 +92,11 @@ for spec in modes:  # a mode, or mode:NAME=VALUE (an environment variable set fo
         cs_ = f"[{c.get('xblock')}x{c.get('rblock')} w{c.get('num_warps')}]" if c else ""
         print(f"{v[0] / 10:5.1f} x {v[1] / v[0]:8.2f} us = {v[1] / 10:8.1f} us/token {cs_:18s} "
               f"{k[:90]}", flush=True)
+    for k, ms in sorted(cm.manifest.get("cuda", {}).get("autotuned", {}).items()):
+        if k.startswith("gemv_"):
+            best = sorted(ms.items(), key=lambda kv: kv[1])
+            print(f"  tuner {k[5:50]}: " + ", ".join(f"{c} {v * 1000:.1f}" for c, v in best[:6])
+                  + f" ({len(best)} candidates, us cold)", flush=True)
     summary.append((spec, tot / 10))
     r.close()
 print("\n| weights | device us/token |")

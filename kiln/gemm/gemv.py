@@ -118,8 +118,13 @@ def configs(n: int, k: int, itemsize: float, min_k: int = 16) -> list[GemvConfig
         if c not in out:
             out.append(c)
     if itemsize < 2:  # quantised: more rows a program, so a prologue (recomputed by each
-        # program: silu(gate) * up, a norm) costs 1 / BLOCK_N of its instructions per weight
-        for cand_bn, cand_bk, warps in ((bn * 4, bk, 8), (bn * 4, max(16, bk // 2), 4)):
+        # program: silu(gate) * up, a norm) costs 1 / BLOCK_N of its instructions per weight;
+        # then 4-warp programs of the heuristic's rows at half its step, of twice its rows, and
+        # of twice its rows over twice its step (the fastest of a 32-config grid for int4's
+        # gate/up, q/k/v and o at the 8B widths on an H100, BENCHMARKS.md sixteenth session)
+        for cand_bn, cand_bk, warps in ((bn * 4, bk, 8), (bn * 4, max(16, bk // 2), 4),
+                                        (bn, max(16, bk // 2), 4), (bn * 2, bk, 4),
+                                        (bn * 2, min(2 * bk, kp), 4)):
             c = GemvConfig(cand_bn, cand_bk, warps, 1)
             if c not in out:
                 out.append(c)

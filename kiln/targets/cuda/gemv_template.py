@@ -36,7 +36,8 @@ Quantised weights (weight-only, a `MixedGemm` on side "b"; kiln/gemm/gemv.py):
                 the end; the outputs are [XBLOCK, 1, 1]. The loop is software-pipelined by
                 hand: the next step's words, scales and x (the prologue) are loaded before
                 this step's products, so a step's weight loads are in flight while the
-                previous step is converted (`_prefetch`)."""
+                previous step is converted (`_prefetch`; KILN_GEMV_PREFETCH=2 / 3 keep
+                that many steps in flight, in slots rotated each step: measured slower)."""
 
 from __future__ import annotations
 
@@ -303,13 +304,18 @@ _NIB8 = "-2004318072"
 _EIGHT_EPS = "9.5367431640625e-07"
 
 
-def _prefetch() -> bool:
-    """int4 GEMVs load the next step's operands before this step's products
-    (KILN_GEMV_PREFETCH=0: the plain loop, for A/B runs). Measured on an H100 (BENCHMARKS.md,
-    thirteenth session): int4's down, q/k/v and gate/up GEMVs 4-11% faster; int8's unchanged
-    or slower (its loop is short, already near the copy bandwidth), so int8 keeps the plain
-    loop."""
-    return os.environ.get("KILN_GEMV_PREFETCH", "1") != "0"
+def _prefetch() -> int:
+    """Steps of operands an int4 GEMV loads ahead of its products (KILN_GEMV_PREFETCH: 0 the
+    plain loop, 1 the default, 2 or 3 deeper, for A/B runs). Measured on an H100
+    (BENCHMARKS.md, thirteenth session): with 1, int4's down, q/k/v and gate/up GEMVs 4-11%
+    faster; int8's unchanged or slower (its loop is short, already near the copy bandwidth),
+    so int8 keeps the plain loop. 2 and 3 made the 2-layer int4 step 4% and 12% slower
+    (sixteenth session): more registers, and the loads were not what the loop waited for."""
+    v = os.environ.get("KILN_GEMV_PREFETCH", "1")
+    if v not in ("0", "1", "2", "3"):
+        raise UnsupportedError(f"KILN_GEMV_PREFETCH: expected 0, 1, 2 or 3 (steps loaded "
+                               f"ahead), got {v!r}")
+    return int(v)
 
 
 def _early_loads() -> bool:
@@ -321,9 +327,10 @@ def _early_loads() -> bool:
 
 
 def _renamed(line: str, names: dict[str, str]) -> str:
-    """`line` with the whole-word names of `names` replaced."""
+    """`line` with the whole-word names of `names` replaced (not in its comment)."""
+    code, hash_, note = line.partition("  #")
     return re.sub(r"\b(" + "|".join(map(re.escape, names)) + r")\b",
-                  lambda m: names[m.group(1)], line)
+                  lambda m: names[m.group(1)], code) + hash_ + note
 
 
 def _quant_sig(gk: GemmKernel, buffers) -> tuple[list, dict[str, str]]:
@@ -466,7 +473,8 @@ def _print_quant_gemv(gk: GemmKernel, buffers: dict[str, L.Buffer], name: str) -
             idx = f" + rn * {to_tl(sc.cols)}" if sympy.sympify(sc.cols) != 0 else " + rn * 0"
             tot += (f" * tl.load(buf_{sc.buf} + {to_tl(sc.offset)}{idx}, mask=nmask, "
                     f"other=0.0).to(tl.float32)")
-    if gs and _prefetch():
+    depth = min(_prefetch(), int(sympy.sympify(g.k)) // cfg.block_k) if gs else 0
+    if depth == 1:
         # the next step's operands are loaded (and the prologue computed) before this step's
         # products: the weight loads of one step are in flight while the previous one's are
         # converted (no pipelining otherwise: a program waits for each step's loads)
@@ -484,6 +492,26 @@ def _print_quant_gemv(gk: GemmKernel, buffers: dict[str, L.Buffer], name: str) -
         lines += ["        # the next step's operands"] + step
         lines += [_renamed(t, cur) for t in use]
         lines += ["    # the last step"] + [t[4:] for t in use]
+    elif depth > 1:
+        # `depth` steps' operands in flight: slot j holds the step `j` steps ahead of the one
+        # whose products are computed (K spans at least `depth` steps)
+        slot = [{c: f"{c}_{j}" for c in carried} for j in range(depth)]
+        cur = {c: f"{c}_c" for c in carried}
+        for j in range(depth):
+            lines.append(f"    # step {j}'s operands")
+            lines += [_renamed(_renamed(t, slot[j]), {"k0": str(j * cfg.block_k)})[4:]
+                      for t in step]
+        lines.append(f"    for k0 in range({depth * cfg.block_k}, K, RBLOCK):  # k0: the step "
+                     f"loaded")
+        lines += [f"        {cur[c]} = {slot[0][c]}  # this step's" for c in carried]
+        for j in range(depth - 1):
+            lines += [f"        {slot[j][c]} = {slot[j + 1][c]}" for c in carried]
+        lines += [f"        # the operands {depth} steps ahead"]
+        lines += [_renamed(t, slot[depth - 1]) for t in step]
+        lines += [_renamed(t, cur) for t in use]
+        for j in range(depth):
+            lines.append(f"    # the last steps: {j + 1} of {depth}")
+            lines += [_renamed(t, slot[j])[4:] for t in use]
     else:
         lines += ["    for k0 in range(0, K, RBLOCK):"] + step + use
     if factored is not None:

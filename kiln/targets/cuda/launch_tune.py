@@ -9,7 +9,9 @@ measured (steps not tuned keep their heuristic config).
 GEMV template kernels (M = 1, decode's weight streaming) are a template family ("gemv") timed
 with cold operands: each call reads another copy of its weights (`_cold_sets`, twice the L2
 in all), as a decode step reads each weight once; repeated on one copy, a GEMV of up to 50 MB
-of weights would be timed from the L2 and the tuner would pick for the wrong memory.
+of weights would be timed from the L2 and the tuner would pick for the wrong memory. Their
+launches are queued behind a device-side wait (`event_ms` `queued`): a decode GEMV of 6-20 us
+is shorter than a Triton launch from Python, which would otherwise set the time measured.
 
 Method: which steps and candidates are worth it is decided by the caller (targets/cuda/build.py
 `tuning_families` with the cost model of tune_plan.py; without it, `worth_tuning`: reductions
@@ -182,12 +184,22 @@ def _args(tk, buffers, hints, torch):
     return args
 
 
-def event_ms(run, reps: int = 20) -> float:
+def event_ms(run, reps: int = 20, queued: bool = False) -> float:
     """Milliseconds a call of `run()` takes on the device: three calls to warm up, then the
-    mean of `reps` calls enqueued back to back, timed with CUDA events."""
+    mean of `reps` calls enqueued back to back, timed with CUDA events. `queued`: the calls
+    are enqueued behind a device-side wait (`torch.cuda._sleep`) longer than the host takes
+    to enqueue them, so they run back to back on the device whatever a launch costs the host
+    (a Triton launch from Python takes 10-20 us: a kernel shorter than that would otherwise
+    be timed at the host's launch rate)."""
+    t0 = time.perf_counter()
     for _ in range(3):
         run()
+    host = (time.perf_counter() - t0) / 3
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    if queued:
+        torch.cuda.synchronize()
+        # cycles at up to 2 GHz: at least 1.5x the host's enqueue time of the reps, + 50 us
+        torch.cuda._sleep(int(min((1.5 * reps * host + 5e-5) * 2e9, 2**31 - 1)))
     start.record()
     for _ in range(reps):
         run()
@@ -217,11 +229,26 @@ def _cold_sets(args, torch) -> list:
                      for _ in range(n - 1)]
 
 
+def queued_cold() -> bool:
+    """Cold families are timed with their launches queued on the device (`event_ms`
+    `queued`); KILN_TUNE_QUEUED=0 times them at the host's launch rate, as before (A/B)."""
+    return os.environ.get("KILN_TUNE_QUEUED", "1") != "0"
+
+
+def timed_as(label: str, version: str) -> str:
+    """The autotune cache key's version part for a family labelled `label`: a cold family's
+    results timed with queued launches are kept apart from those timed without."""
+    return version + ("-queued" if label in COLD_FAMILIES and queued_cold() else "")
+
+
 def _time_cold_ms(ck, grid, sets, consts, torch, reps: int = 20) -> float:
-    """`_time_ms` with the call's operands taken from `sets` in turn (`_cold_sets`)."""
+    """`_time_ms` with the call's operands taken from `sets` in turn (`_cold_sets`), the
+    launches queued (`queued_cold`): a decode GEMV takes 6-20 us on an H100, the Python
+    launch about as long."""
     run = ck[grid]
     it = iter(range(1 << 62))
-    return event_ms(lambda: run(*sets[next(it) % len(sets)], *consts), max(reps, len(sets)))
+    return event_ms(lambda: run(*sets[next(it) % len(sets)], *consts), max(reps, len(sets)),
+                    queued=queued_cold())
 
 
 def launcher_tasks(kernels) -> list[bool]:
@@ -405,7 +432,8 @@ def plan(families, hints: dict[str, int], cache: Path | None = None, device: str
     for fam in families:
         for it in fam.items:
             cands, tks = fam.kernels_of(it)
-            path, hit = _cached(root, tks, cands, hints, device, version, look=cache is not None)
+            path, hit = _cached(root, tks, cands, hints, device, timed_as(fam.label, version),
+                                look=cache is not None)
             if hit is not None:
                 hits[it.name] = hit
                 continue

@@ -429,6 +429,37 @@ def test_cold_operand_sets_exceed_the_l2():
     assert len(_cold_sets([torch.zeros(COLD_BYTES)], torch)) == 1
 
 
+def test_cold_timings_are_cached_by_how_they_were_taken(monkeypatch):
+    """The GEMV family is timed with its launches queued on the device (launch_tune.py
+    `queued_cold`); results timed at the host's launch rate (KILN_TUNE_QUEUED=0) live under
+    another autotune cache key, so neither method reads the other's picks."""
+    from kiln.targets.cuda import launch_tune as LT
+    monkeypatch.delenv("KILN_TUNE_QUEUED", raising=False)
+    assert LT.queued_cold() and LT.timed_as("gemv", "3.6") == "3.6-queued"
+    assert LT.timed_as("", "3.6") == "3.6" and LT.timed_as("attention", "3.6") == "3.6"
+    monkeypatch.setenv("KILN_TUNE_QUEUED", "0")
+    assert not LT.queued_cold() and LT.timed_as("gemv", "3.6") == "3.6"
+
+
+@pytest.mark.gpu
+def test_queued_timing_is_the_device_time_not_the_launch_rate():
+    """`event_ms(..., queued=True)` times calls that cost the host 300 us each but the device
+    a few us at the device's rate; without `queued` they are timed at the host's rate."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+    import time as _time
+
+    from kiln.targets.cuda.launch_tune import event_ms
+    x = torch.zeros(1024, device="cuda")
+
+    def run():
+        _time.sleep(3e-4)
+        x.add_(1)
+
+    slow, fast = event_ms(run, 10), event_ms(run, 10, queued=True)
+    assert slow > 0.25 and fast < 0.05, (slow, fast)
+
+
 def test_rmsnorm_factor_leaves_the_k_loop():
     """RMSNorm's row factors as rsqrt(mean + eps) times w[k] * cast(x[k]) (gemm/prologue.py
     `factor_row`): its sum of squares accumulates in the GEMV's own K loop and the factor

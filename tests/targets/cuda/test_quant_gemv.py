@@ -200,6 +200,71 @@ def test_quantised_gemv_programs_match_float64_in_triton_interpreter():
     _interpret(_INTERP)
 
 
+_DEPTHS = textwrap.dedent("""
+    import os, sys, torch
+    sys.path.insert(0, sys.argv[1])
+    from test_quant_gemv import build, dequantised, depth_cases
+    from kiln.ir import loop as L
+    from kiln.targets.cuda.build import triton_kernels
+    from kiln.targets.cuda.kernel import Config, print_triton_module
+    from kiln.targets.cuda.wrapper_py import import_triton_module, run_program
+
+    bad = []
+    for name, m, shapes, dtype, mode, group, rblock in depth_cases():
+        m, args, cm = build(name, m, shapes, dtype, mode, group)
+        b = cm.built
+        bufs = {x.name: x for x in b.loop.buffers}
+        hints = {s.name: s.example for s in b.graph.symbols}
+        gemvs = [s.name for s in L.flat_steps(b.steps)
+                 if getattr(getattr(s, "config", None), "gemv", False)]
+        ref_m = dequantised(m, mode, group, torch.float64)
+        eager_m = dequantised(m, mode, group, dtype)
+        g = torch.Generator().manual_seed(3)
+        xs = [torch.randn(s, generator=g).to(dtype) for s in shapes]
+        with torch.no_grad():
+            ref = ref_m(*[x.double() for x in xs])
+            mine = eager_m(*xs).double()
+        scale = ref.abs().max().item()
+        eager = (mine - ref).abs().max().item()
+        bound = 1e-4 * scale if dtype == torch.float32 else 2 * eager + 1e-2 * scale
+        for depth in ("0", "1", "2", "3"):
+            os.environ["KILN_GEMV_PREFETCH"] = depth
+            tks = triton_kernels(b.steps, bufs, hints, {n: Config(4, rblock, 4, 1) for n in gemvs})
+            src = {t.name: t.source for t in tks}
+            loads = max(src[n].count("tl.load(pw + ") for n in gemvs)
+            want = 1 if depth == "0" else int(depth) + 1
+            if loads != want:
+                bad.append(f"{name} depth {depth}: {loads} weight loads printed, not {want}")
+            got = run_program(b.program, {t.name: t for t in tks},
+                              import_triton_module(print_triton_module(tks)), b.weights, xs)[0]
+            err = (got.double().reshape(ref.shape) - ref).abs().max().item()
+            print(name, depth, f"err {err:.3g} bound {bound:.3g}")
+            if not err <= bound:
+                bad.append(f"{name} depth {depth}: {err} > {bound}")
+    print("BAD" if bad else "ALL OK", *bad, sep="\\n")
+""")
+
+
+def depth_cases():
+    """int4 GEMVs run at BLOCK_K of one or two groups, so K spans 3 to 10 steps: every
+    prefetch depth's loop (0: plain, 1: one step ahead, 2 / 3: slots rotated) runs, with a
+    prologue (RMSNorm, silu(gate) * up) and an epilogue (bias + residual); the last step
+    partly masked where K is not a multiple of BLOCK_K."""
+    return [
+        ("res_depth_fp32", ResLin(640, 20), [(1, 640), (1, 20)], torch.float32, "int4", 32, 64),
+        ("norm_depth_bf16", NormLin(448, 12), [(1, 448)], torch.bfloat16, "int4", 64, 128),
+        ("glu_depth_fp16", GluLin(64, 96, 9), [(1, 64)], torch.float16, "int4", 32, 32),
+    ]
+
+
+def test_int4_prefetch_depths_match_float64_in_triton_interpreter():
+    """KILN_GEMV_PREFETCH 0 / 1 / 2 / 3 (gemv_template.py `_prefetch`): the same programs at
+    each depth against float64 math of the dequantised module."""
+    for c in depth_cases():  # cubins first: the AOT compiler cannot run in interpreter mode
+        build(*c[:6])
+    _interpret(_DEPTHS)
+
+
 def _decode_step(dtype=torch.bfloat16):
     pytest.importorskip("transformers")
     from kiln.models.hf_decoder import export_step, llama
