@@ -17,10 +17,10 @@ The one copy left is the channels-last pad (C * (T + pads) floats, 1 / K of im2c
 pointwise producer (a previous convolution's GELU) fuses into it.
 
 Rewritten: `conv` nodes with a rank-3 float32 / float64 input, a constant weight, groups 1,
-dilation 1, not transposed, static sizes. The result keeps the conv's name and type
-([N, OC, T_out], a permute of the GEMM's [N, T_out, OC]), so its readers are unchanged; a
-reader that permutes it back to channels-last (Whisper's encoder) reads the GEMM's result in
-place. Wt's FQN is `<folded ...>` (update_weights refuses it, as the direct 2-D convolution's
+dilation 1, not transposed, static sizes, a result that is not empty. The result keeps the
+conv's name and type ([N, OC, T_out], a permute of the GEMM's [N, T_out, OC]), so its readers
+are unchanged; a reader that permutes it back to channels-last (Whisper's encoder) reads the
+GEMM's result in place. Wt's FQN is `<folded ...>` (update_weights refuses it, as the direct 2-D convolution's
 packed weights). A pure pass: returns a new graph and weight table."""
 
 from __future__ import annotations
@@ -51,7 +51,9 @@ def supported(n: Node, types, weights: dict) -> bool:
         return False
     if n.attr("groups") != 1 or tuple(n.attr("dilation")) != (1,):
         return False
-    return all(sympy.sympify(d).is_Integer for t in (x, w, n.type) for d in t.shape)
+    if not all(sympy.sympify(d).is_Integer for t in (x, w, n.type) for d in t.shape):
+        return False
+    return all(int(d) > 0 for d in n.type.shape)  # (an empty result stays im2col's)
 
 
 def conv1d_gemm(g: Graph, weights: dict[str, torch.Tensor]

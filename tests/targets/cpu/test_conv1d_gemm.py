@@ -149,8 +149,8 @@ def test_result_read_twice(check):
 
 
 def test_what_stays_on_im2col(check):
-    """Dilated and grouped 1-D convolutions, and any where kiln's GEMM is not allowed, stay
-    im2col + GEMM (BLAS cannot read overlapping rows)."""
+    """Dilated and grouped 1-D convolutions, an empty batch, and any convolution where kiln's
+    GEMM is not allowed stay im2col + GEMM (BLAS cannot read overlapping rows)."""
     class M(nn.Module):
         def __init__(self) -> None:
             super().__init__()
@@ -162,6 +162,8 @@ def test_what_stays_on_im2col(check):
 
     x = rand((1, 8, 25), F32, gen("stays"))
     compiled = check(M(), [x], tol=TOL)
+    assert _convs_left(compiled) == 2
+    compiled = check(M(), [rand((0, 8, 25), F32, gen("stays", 0))], tol=TOL)  # empty batch
     assert _convs_left(compiled) == 2
     g = torch.Generator().manual_seed(9)
     compiled = check(One(g, 8, 12, 3, 1, 1, True, None), [x], tol=TOL,
