@@ -20,8 +20,8 @@ Rewritten: `conv` nodes with a rank-3 float32 / float64 input, a constant weight
 dilation 1, not transposed, static sizes, a result that is not empty. The result keeps the
 conv's name and type ([N, OC, T_out], a permute of the GEMM's [N, T_out, OC]), so its readers
 are unchanged; a reader that permutes it back to channels-last (Whisper's encoder) reads the
-GEMM's result in place. Wt's FQN is `<folded ...>` (update_weights refuses it, as the direct 2-D convolution's
-packed weights). A pure pass: returns a new graph and weight table."""
+GEMM's result in place. Wt's FQN is `<folded ...>` (update_weights refuses it, as the direct
+2-D convolution's packed weights). A pure pass: returns a new graph and weight table."""
 
 from __future__ import annotations
 
