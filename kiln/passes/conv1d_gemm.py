@@ -32,7 +32,7 @@ import torch
 
 from kiln.ir import dtypes
 from kiln.ir.graph import Graph, Input, Node, TensorType
-from kiln.passes.conv_epilogue import users_of
+from kiln.passes.conv_epilogue import per_channel, users_of
 from kiln.passes.dce import dce
 
 DTYPES = (dtypes.float32, dtypes.float64)
@@ -114,6 +114,7 @@ def _tail(conv: Node, g: Graph, users, types, weights_in, by_name, taken) -> lis
     if nxt is not None and nxt.op == "add" and len(nxt.inputs) == 2:
         v = by_name.get(nxt.inputs[1])
         if v is not None and v.op == "view" and v.inputs[0] in weights_in and \
+                per_channel(types[v.name].shape, 3, oc) and \
                 tuple(int(d) for d in types[v.inputs[0]].shape) == (oc,) and \
                 types[v.inputs[0]].dtype == conv.type.dtype:
             out.append(replace(nxt, inputs=(nxt.inputs[0], v.inputs[0])))

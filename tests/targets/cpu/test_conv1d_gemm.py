@@ -148,6 +148,22 @@ def test_result_read_twice(check):
     assert _convs_left(compiled) == 0
 
 
+def test_bias_along_time_stays_after_the_permute(check):
+    """An add of a [OC] weight viewed along time (T == OC) is not the convolution's bias: it
+    stays an add of the [N, OC, T] result."""
+    class M(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.conv = nn.Conv1d(4, 12, 3, padding=1, bias=False)
+            self.b = nn.Parameter(torch.arange(12.0))
+
+        def forward(self, x):
+            return F.relu(self.conv(x) + self.b.view(1, 1, 12))
+
+    compiled = check(M(), [rand((2, 4, 12), F32, gen("time_bias"))], tol=TOL)
+    assert _convs_left(compiled) == 0
+
+
 def test_what_stays_on_im2col(check):
     """Dilated and grouped 1-D convolutions, an empty batch, and any convolution where kiln's
     GEMM is not allowed stay im2col + GEMM (BLAS cannot read overlapping rows)."""
