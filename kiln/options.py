@@ -179,8 +179,9 @@ class Options:
     #: CPU builds: how 2-D float32 convolutions run. "direct": kiln's direct convolution in the
     #: blocked channel layout NCHWc (kiln/targets/cpu/include/kiln_conv.h; weights packed and
     #: batch norm folded at compile time, bias / residual add / activation in its store; see
-    #: passes/conv_nchwc.py), with im2col + GEMM for what it does not cover (transposed, 1-D
-    #: and 3-D, grouped but not depthwise, other dtypes, dynamic sizes). "im2col": every
+    #: passes/conv_nchwc.py); 1-D convolutions as one GEMM over a channels-last view of the
+    #: input (passes/conv1d_gemm.py); im2col + GEMM for what neither covers (transposed, 3-D,
+    #: grouped but not depthwise, other dtypes, dynamic sizes). "im2col": every
     #: convolution as im2col + GEMM. The direct path packs weights, a compile-time fold: with
     #: fold_constants=False it is off. max_autotune does not time the two against each other
     #: (yet): a supported convolution always runs direct.

@@ -243,23 +243,37 @@ def choose_gemms(steps, symbols, opts: Options, device: str = "cpu", tc=None,
         problem = problem_of(g, ranges)
         if g.name in packable:
             problem = dataclasses.replace(problem, const_b=True)
+        mine = _cpu_backends(g, allowed)
         choice = None
         if opts.max_autotune and tc is not None:
             tick = None if tell is None else partial(
                 tell, f"GEMM {len(out) + 1}/{n_gemms} ({g.name}): candidates timed")
-            choice, results = _profile_cpu(problem, sizes, allowed, opts, tc, tick)
-            _store(root, problem, dev_id, choice, results)
+            choice, results = _profile_cpu(problem, sizes, mine, opts, tc, tick)
+            if mine == allowed:  # (a cache entry holds every allowed backend's time)
+                _store(root, problem, dev_id, choice, results)
         elif cached:
             hit = acache.load(root, problem, dev_id)
             if hit is not None:
-                choice = _from_results(_cached_results(hit, allowed), allowed, "cache", problem)
+                choice = _from_results(_cached_results(hit, mine), mine, "cache", problem)
         if choice is None:
-            backend, cfg = cpu.heuristic(problem, allowed, opts.march)
+            backend, cfg = cpu.heuristic(problem, mine, opts.march)
             choice = Choice(backend, cfg, "heuristic", problem.describe())
         out[g.name] = choice
     if tell is not None and dev != "cpu":
         tell("GEMMs autotuned", n_gemms, n_gemms)
     return out
+
+
+def _cpu_backends(g: L.Gemm, allowed) -> tuple[GemmBackend, ...]:
+    """The allowed CPU backends that can read `g`'s operands: kiln's own ("cpp") alone for
+    an A whose rows overlap (L.Gemm.blas_operands); lowering makes one only where "cpp" is
+    allowed (passes/conv1d_gemm.py runs only then)."""
+    if g.blas_operands():
+        return allowed
+    if GemmBackend.CPP not in allowed:
+        raise UnsupportedError(f"GEMM {g.name}: an operand whose rows overlap needs kiln's "
+                               f"CPU GEMM (\"cpp\" in Options.gemm_backends)")
+    return (GemmBackend.CPP,)
 
 
 def _cuda_arch(opts: Options) -> tuple[int, bool]:

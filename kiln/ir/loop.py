@@ -107,6 +107,20 @@ class Compute:
     source: tuple[str, ...] = ()
 
 
+def blas_ok(strides, shape) -> bool:
+    """Whether a [rows, cols] matrix with these strides is one BLAS takes, as the run time's
+    `kr::blas_layout` decides (kiln_model_rt.h): unit stride along one dim and a leading
+    dimension covering the other (an expanded operand, row stride 0, is not one; nor are rows
+    that overlap); where a size is symbolic, only when that holds for every size."""
+    rs, cs = (sympy.sympify(x) for x in strides[-2:])
+    rows, cols = (sympy.sympify(x) for x in shape[-2:])
+
+    def covers(ld, n) -> bool:
+        return n == 1 or (ld - n).is_nonnegative is True
+    return ((cs == 1 or cols == 1) and (rows == 1 or covers(rs, cols))) or \
+        ((rs == 1 or rows == 1) and (cols == 1 or covers(cs, rows)))
+
+
 @dataclass(frozen=True)
 class Operand:
     """A strided matrix operand of a GEMM: element (b..., x, y) sits at
@@ -196,6 +210,13 @@ class Gemm:
     @property
     def shape(self) -> tuple[sympy.Expr, ...]:
         return (*self.batch, self.m, self.n)
+
+    def blas_operands(self) -> bool:
+        """Whether BLAS (and oneDNN) can take both operands: not so for an A whose rows
+        overlap (the im2col view of a 1-D convolution, passes/conv1d_gemm.py), which only
+        kiln's own CPU GEMM reads."""
+        return blas_ok((self.a.rows, self.a.cols), (self.m, self.k)) and \
+            blas_ok((self.b.rows, self.b.cols), (self.k, self.n))
 
     def extra_reads(self) -> list[str]:
         """Buffers read besides the operands (scales, bias, a fused epilogue's inputs)."""

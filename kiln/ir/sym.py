@@ -120,39 +120,41 @@ def free_size_symbols(e: Expr) -> set[sympy.Symbol]:
     return {s for s in sympy.sympify(e).free_symbols if s.name[0] in "su"}
 
 
-def _c(e: Expr) -> str:
+def _c(e: Expr, kernel: bool = False) -> str:
+    def c(x: Expr) -> str:
+        return _c(x, kernel)
     if e.is_Integer:
         v = int(e)
         return f"{v}" if -(2**31) < v < 2**31 else f"INT64_C({v})"
     if e.is_Symbol:
         return e.name
     if isinstance(e, FloorDiv):
-        return f"({_c(e.args[0])} / {_c(e.args[1])})"
+        return f"({c(e.args[0])} / {c(e.args[1])})"
     if isinstance(e, ModIdx):
-        return f"({_c(e.args[0])} % {_c(e.args[1])})"
+        return f"({c(e.args[0])} % {c(e.args[1])})"
     if e.is_Add:
-        terms = [_c(a) for a in sorted(e.args, key=sympy.default_sort_key)]
+        terms = [c(a) for a in sorted(e.args, key=sympy.default_sort_key)]
         return "(" + " + ".join(terms) + ")"
     if e.is_Mul:
-        return "(" + " * ".join(_c(a) for a in sorted(e.args, key=sympy.default_sort_key)) + ")"
+        return "(" + " * ".join(c(a) for a in sorted(e.args, key=sympy.default_sort_key)) + ")"
     if e.is_Pow and e.exp.is_Integer and int(e.exp) > 0:
-        return "(" + " * ".join([_c(e.base)] * int(e.exp)) + ")"
-    if isinstance(e, sympy.Max):
-        out = _c(e.args[0])
+        return "(" + " * ".join([c(e.base)] * int(e.exp)) + ")"
+    if isinstance(e, (sympy.Max, sympy.Min)):
+        big = isinstance(e, sympy.Max)
+        f = ("kr::imax" if big else "kr::imin") if kernel else \
+            ("std::max<int64_t>" if big else "std::min<int64_t>")
+        out = c(e.args[0])
         for a in e.args[1:]:
-            out = f"std::max<int64_t>({out}, {_c(a)})"
-        return out
-    if isinstance(e, sympy.Min):
-        out = _c(e.args[0])
-        for a in e.args[1:]:
-            out = f"std::min<int64_t>({out}, {_c(a)})"
+            out = f"{f}({out}, {c(a)})"
         return out
     raise ValueError(f"cannot print index expression {e!r} as C")
 
 
-def to_c(e) -> str:
-    """Print a size or index expression as a C++ int64 expression."""
-    return _c(sympy.sympify(e))
+def to_c(e, kernel: bool = False) -> str:
+    """Print a size or index expression as a C++ int64 expression; `kernel`: for generated
+    kernels, Max / Min as kiln_kernels.h's by-value kr::imax / kr::imin (std::max's references
+    to temporaries keep GCC from vectorising an `omp simd` loop)."""
+    return _c(sympy.sympify(e), kernel)
 
 
 def _py(e: Expr) -> str:

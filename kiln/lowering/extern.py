@@ -17,20 +17,6 @@ from kiln.ops.build import cast, op
 from kiln.errors import UnsupportedError
 
 
-def _blas_ok(strides, shape) -> bool:
-    """Whether a [rows, cols] matrix with these strides is one BLAS takes, as the run time's
-    `kr::blas_layout` decides (kiln_model_rt.h): unit stride along one dim and a leading
-    dimension covering the other (an expanded operand, row stride 0, is not one); where a
-    size is symbolic, only when that holds for every size."""
-    rs, cs = (sympy.sympify(x) for x in strides[-2:])
-    rows, cols = (sympy.sympify(x) for x in shape[-2:])
-
-    def covers(ld, n) -> bool:
-        return n == 1 or (ld - n).is_nonnegative is True
-    return ((cs == 1 or cols == 1) and (rows == 1 or covers(rs, cols))) or \
-        ((rs == 1 or rows == 1) and (cols == 1 or covers(cs, rows)))
-
-
 def _reads_transposed(lz: Lazy) -> bool:
     """Whether `lz`'s element (..., r, c) reads its sources column by column: every load's
     index steps further along c than along r (a converted Linear weight, cast(W).t())."""
@@ -48,12 +34,25 @@ def _reads_transposed(lz: Lazy) -> bool:
     return True
 
 
-def operand(ctx: LowerCtx, lz: Lazy, name: str, source) -> tuple[L.Operand, Lazy]:
+def _overlapping_rows(lz: Lazy) -> bool:
+    """Whether `lz` is a view of unit column stride whose rows start a positive static stride
+    apart, overlapping or not (the im2col view of passes/conv1d_gemm.py)."""
+    if lz.view is None:
+        return False
+    rs, cs = (sympy.sympify(x) for x in lz.view.strides[-2:])
+    return cs == 1 and rs.is_Integer and int(rs) > 0 and all(
+        sympy.sympify(x).is_nonnegative is True for x in (*lz.view.strides[:-2], lz.view.offset))
+
+
+def operand(ctx: LowerCtx, lz: Lazy, name: str, source, overlap: bool = False
+            ) -> tuple[L.Operand, Lazy]:
     """A GEMM operand for `lz` ([..., rows, cols]); materialise it when not BLAS-compatible,
     in its sources' order: an operand read column by column (a bf16 Linear weight converted,
     then transposed) is stored transposed and passed as a transposed view, so the copy reads
-    and writes memory in order."""
-    if lz.view is None or not _blas_ok(lz.view.strides, lz.shape):
+    and writes memory in order. `overlap`: a view whose rows overlap is taken as it is (only
+    kiln's CPU GEMM reads it: L.Gemm.blas_operands)."""
+    in_place = overlap and _overlapping_rows(lz)
+    if not in_place and (lz.view is None or not L.blas_ok(lz.view.strides, lz.shape)):
         if lz.view is None and _reads_transposed(lz):
             src = lz
             shape = (*lz.shape[:-2], lz.shape[-1], lz.shape[-2])
@@ -106,7 +105,7 @@ def _probe(lz: Lazy, batch, split) -> tuple[L.Operand, object] | None:
     if any(c.free_symbols & set(iv) for c in coeffs) or off.free_symbols & set(iv) or \
             sympy.expand(index - off - sum(c * v for c, v in zip(coeffs, iv))) != 0:
         return None
-    if not _blas_ok(coeffs[-2:], shape[-2:]) or any(sympy.sympify(c).is_nonnegative is not True
+    if not L.blas_ok(coeffs[-2:], shape[-2:]) or any(sympy.sympify(c).is_nonnegative is not True
                                         for c in (off, *coeffs)):
         return None
     return L.Operand(e.buf, off, tuple(coeffs[:-2]), coeffs[-2], coeffs[-1]), scale
@@ -118,7 +117,7 @@ def _in_place(ctx: LowerCtx, a: Lazy, b: Lazy, batch, name: str, source):
     is materialised (a fused expression: the query); both operands then take the first split
     that suits both: none, else a static batch dim split into two (the CPU GEMM's limit of two
     batch dims), smallest factor first."""
-    if all(x.view is not None and _blas_ok(x.view.strides, x.shape) for x in (a, b)):
+    if all(x.view is not None and L.blas_ok(x.view.strides, x.shape) for x in (a, b)):
         return None
     splits = [None]
     if len(batch) == 1 and isinstance(sympy.sympify(batch[0]), sympy.Integer):
@@ -129,13 +128,13 @@ def _in_place(ctx: LowerCtx, a: Lazy, b: Lazy, batch, name: str, source):
         got = {split: _probe(x, batch, split) for split in splits}
         probes.append(got)
     nonview = [j for j, x in enumerate((a, b))
-               if not (x.view is not None and _blas_ok(x.view.strides, x.shape))]
+               if not (x.view is not None and L.blas_ok(x.view.strides, x.shape))]
     if not any(p is not None for j in nonview for p in probes[j].values()):
         return None
     ops = [a, b]
     for j, x in enumerate((a, b)):
         if all(p is None for p in probes[j].values()):
-            if x.view is not None and _blas_ok(x.view.strides, x.shape):
+            if x.view is not None and L.blas_ok(x.view.strides, x.shape):
                 continue
             ops[j] = ctx.realize(x.origin or f"{name}_{'lhs' if j == 0 else 'rhs'}", x, source)
             probes[j] = {split: _probe(ops[j], batch, split) for split in splits}
@@ -146,8 +145,13 @@ def _in_place(ctx: LowerCtx, a: Lazy, b: Lazy, batch, name: str, source):
     return None
 
 
-def gemm(ctx: LowerCtx, name: str, a: Lazy, b: Lazy, batch, source, dt) -> Lazy:
-    found = _in_place(ctx, a, b, batch, name, source) if dt.is_float else None
+def gemm(ctx: LowerCtx, name: str, a: Lazy, b: Lazy, batch, source, dt,
+         overlap_a: bool = False) -> Lazy:
+    """out = a @ b as an L.Gemm; `overlap_a`: A may be a view whose rows overlap, read in
+    place (a matmul node's `rows_overlap`, set by passes/conv1d_gemm.py)."""
+    overlap_a = overlap_a and _overlapping_rows(a)
+    found = _in_place(ctx, a, b, batch, name, source) if dt.is_float and not overlap_a \
+        else None
     if found is not None:
         split, oa, ob, scale = found
         gbatch = tuple(batch) if split is None else (batch[0] // split[1], split[1])
@@ -161,7 +165,7 @@ def gemm(ctx: LowerCtx, name: str, a: Lazy, b: Lazy, batch, source, dt) -> Lazy:
             return res
         return pointwise(dt, shape, lambda idx: op("mul", res.load(idx), L.Const(scale, dt)),
                          res)
-    oa, a = operand(ctx, a, name + "_lhs", source)
+    oa, a = operand(ctx, a, name + "_lhs", source, overlap_a)
     ob, b = operand(ctx, b, name + "_rhs", source)
     out = ctx.unique(name)
     m, k, n = a.shape[-2], a.shape[-1], b.shape[-1]
@@ -180,7 +184,8 @@ def lower_matmul(ctx: LowerCtx, node: Node, args: list[Lazy]) -> Lazy:
         raise UnsupportedError(f"matmul of dtype {node.type.dtype} (node {node.name})")
     if a.shape[-1] == 1 and len(a.shape) == len(b.shape) == len(node.type.shape):
         return outer_product(node, a, b)
-    return gemm(ctx, node.name, a, b, batch, (node.source or node.name,), node.type.dtype)
+    return gemm(ctx, node.name, a, b, batch, (node.source or node.name,), node.type.dtype,
+                bool(node.attr("rows_overlap", False)))
 
 
 def outer_product(node: Node, a: Lazy, b: Lazy) -> Lazy:

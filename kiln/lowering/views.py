@@ -248,7 +248,10 @@ def lower_pad(ctx: LowerCtx, node: Node, args: list[Lazy]) -> Lazy:
     value = node.attr("value")
     shape, dt = node.type.shape, node.type.dtype
     rank = len(shape)
-    pads = {rank - 1 - k // 2: (pad[k], pad[k + 1]) for k in range(0, len(pad), 2)}
+    pads = {rank - 1 - k // 2: (pad[k], pad[k + 1]) for k in range(0, len(pad), 2)
+            if (pad[k], pad[k + 1]) != (0, 0)}  # (a dim padded by nothing reads as it is)
+    if not pads and tuple(shape) == tuple(x.shape) and x.dtype == dt:
+        return x
 
     def fn(idx: Index) -> L.Expr:
         src = list(idx)

@@ -72,6 +72,15 @@ def _ints(shape) -> tuple[int, ...]:
     return tuple(int(d) for d in shape)
 
 
+def per_channel(shape, rank: int, oc: int) -> bool:
+    """Whether a value of `shape` added to a [N, OC, ...] result of `rank` dims varies along
+    the channels only (a bias [OC] viewed [OC, 1, 1] or [1, OC, 1, 1]; not one viewed along
+    the last dim, which only broadcasts when that dim happens to be OC long)."""
+    dims = (1,) * (rank - len(shape)) + tuple(int(d) for d in shape)
+    return len(dims) == rank and dims[1] == oc and all(d == 1 for k, d in enumerate(dims)
+                                                       if k != 1)
+
+
 def chain(conv: Node, g: Graph, users, types, weights_in, by_name, taken) -> Fused:
     """The longest chain after `conv` that its epilogue computes (`taken`: nodes already in
     another chain)."""
@@ -93,7 +102,8 @@ def chain(conv: Node, g: Graph, users, types, weights_in, by_name, taken) -> Fus
     if nxt is not None and nxt.op == "add" and nxt.type == conv.type and nxt.inputs[0] == f.last:
         v = by_name.get(nxt.inputs[1])
         if v is not None and v.op == "view" and const(v.inputs[0]) and \
-                _ints(types[v.inputs[0]].shape) == (oc,):
+                _ints(types[v.inputs[0]].shape) == (oc,) and \
+                per_channel(types[v.name].shape, conv.type.rank, oc):
             f = replace(f, last=nxt.name, absorbed=f.absorbed + (nxt.name,), bias=v.inputs[0])
             nxt = sole_user(f.last)
     if nxt is not None and nxt.op == "batch_norm" and nxt.inputs[0] == f.last and \

@@ -100,6 +100,15 @@ def test_simplifier_removes_reshape_div_mod():
     assert to_c(64 * i1 + i2) == "((64 * i1) + i2)"
 
 
+def test_to_c_max_min_by_value_in_kernels():
+    """Kernels print Max / Min as kr::imax / kr::imin (by value: std::max's references keep
+    GCC from vectorising an `omp simd` loop); other C++ keeps std::max / std::min."""
+    i0, i1 = ivars(2)
+    e = 384 * sympy.Max(0, sympy.Min(1499, i0 - 1)) + i1
+    assert to_c(e, kernel=True) == "(i1 + (384 * kr::imax(0, kr::imin(1499, (-1 + i0)))))"
+    assert to_c(e) == "(i1 + (384 * std::max<int64_t>(0, std::min<int64_t>(1499, (-1 + i0)))))"
+
+
 def test_loop_load_collects_indirect():
     inner = L.Load("idx", sympy.Integer(0), dtypes.int64)
     x = sympy.Symbol("x1", integer=True)

@@ -40,6 +40,12 @@ template <class T> inline T highest() {
 }
 inline void flag(int32_t *status) { __atomic_store_n(status, 1, __ATOMIC_RELAXED); }
 
+/* the maximum / minimum of index values, taken by value: std::max's references to temporaries
+ * make GCC privatise them as arrays in `omp simd` loops, where it then gives up vectorising
+ * (an index clamped by a pad or a slice: kiln/ir/sym.py's to_c with kernel=True) */
+constexpr int64_t imax(int64_t a, int64_t b) { return a > b ? a : b; }
+constexpr int64_t imin(int64_t a, int64_t b) { return a < b ? a : b; }
+
 inline float bits_to_float(int32_t b) { float f; std::memcpy(&f, &b, 4); return f; }
 
 /* 16-bit float storage types. Kernels never compute in them (passes/widen_half.py): a value

@@ -10,6 +10,7 @@ from dataclasses import replace
 from kiln import config
 from kiln.ir import loop as L
 from kiln.options import Options
+from kiln.passes.conv1d_gemm import conv1d_gemm
 from kiln.passes.conv_block import conv_block
 from kiln.passes.conv_nchwc import conv_nchwc
 from kiln.targets.stages import Build
@@ -40,10 +41,14 @@ def direct_conv_enabled(state: Build) -> bool:
 
 def direct_conv(state: Build) -> Build:
     """Supported convolutions as NCHWc direct convolutions, weights packed, epilogues fused;
-    inverted residual blocks (expand -> depthwise -> project) as one banded call."""
+    inverted residual blocks (expand -> depthwise -> project) as one banded call; 1-D
+    convolutions as one GEMM over a channels-last view (passes/conv1d_gemm.py) where kiln's
+    GEMM is allowed (it alone reads that view)."""
     block = channel_block(state.options, state.options.cxx or config.cxx())
-    graph, weights = conv_nchwc(state.graph, dict(state.weights), block,
-                                state.options.num_threads)
+    graph, weights = state.graph, dict(state.weights)
+    if "cpp" in state.options.gemm_backends:
+        graph, weights = conv1d_gemm(graph, weights)
+    graph, weights = conv_nchwc(graph, weights, block, state.options.num_threads)
     # ("onednn",) alone puts every direct convolution on oneDNN: a depthwise -> project pair
     # then stays two convolutions (a block without an expand would be kiln's own)
     graph = conv_block(graph, bare="direct" in state.options.cpu_conv_backends)

@@ -269,6 +269,8 @@ def candidate(g: L.Gemm, constants: set[str]) -> DnnlGemmConfig | str:
         return "a batched GEMM"
     if g.b.buf not in constants or g.b.buf == g.a.buf:
         return "B is not a constant weight"
+    if not g.blas_operands():
+        return "A's rows overlap (a 1-D convolution's im2col view)"
     dims = (g.m, g.n, g.k, g.a.rows, g.a.cols, g.b.rows, g.b.cols, g.b.offset, g.a.offset)
     if any(_int(x) is None for x in dims):
         return "dynamic sizes or strides"

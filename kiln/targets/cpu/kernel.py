@@ -22,10 +22,15 @@ from kiln.targets.float8 import cpp_cast
 from kiln.targets.cpu.ops import ACC_TYPES, CPP_OPS, REDUCTIONS
 from kiln.ir import dtypes
 from kiln.ir import loop as L
-from kiln.ir.sym import contiguous_strides, ivars, linear_index, rvars, to_c
+from kiln.ir.sym import contiguous_strides, ivars, linear_index, rvars, to_c as _to_c
 from kiln.memory.inplace import alias_pairs
 from kiln.schedule import Kernel
 from kiln.schedule.analysis import indexes_through_data, kernel_params
+
+
+def to_c(e) -> str:
+    """An index or size as kernel C++ (Max / Min by value: kiln/ir/sym.py's to_c)."""
+    return _to_c(e, kernel=True)
 
 
 def _storage(dt) -> bool:

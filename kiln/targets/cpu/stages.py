@@ -9,7 +9,8 @@
                       not repeat_kv copies (passes/gqa_attention.py)
     check_user_kernels  user Triton kernels refused (a package cannot run them on the CPU)
     conv_nchwc        (Options.cpu_conv "direct") convolutions as NCHWc direct convolutions,
-                      weights packed, epilogues fused (passes/conv_nchwc.py)
+                      weights packed, epilogues fused (passes/conv_nchwc.py); 1-D ones as
+                      one GEMM over a channels-last view (passes/conv1d_gemm.py)
     quant_weights     (Options.weight_quant, cpu_bf16_gemm) constant GEMM weights stored
                       quantised / bf16-packed for kiln_qgemm.h (passes/quant_weights.py)
     freeze            (Options.freeze) weights stored in the layout their GEMMs read

@@ -427,3 +427,38 @@ def test_bfloat16_keys_and_values_read_in_place(march, tmp_path):
                 nan_args[4 * i + 2] = v  # case i's value input
                 torch.testing.assert_close(runner(*nan_args)[i], got, rtol=0, atol=0,
                                            msg=lambda m, e=e: f"head size {e}: {m}")
+
+
+@pytest.mark.parametrize("march", ["native", "x86-64-v3", "x86-64"])
+def test_key_blocks_at_each_vector_width(march, tmp_path):
+    """The packed path's key blocks (BN keys) and lane reductions (sum and maximum by shuffle
+    trees) at W = 16, 8 and 4: keys over several blocks with a partial last one, a float mask
+    with -inf (a fully masked row gives zeros), causal with L != S, and a NaN query value (its
+    row NaN, the others exact)."""
+    g = torch.Generator().manual_seed(17)
+    models = [Sdpa("float"), Sdpa(causal=True), Sdpa()]
+    per_case = [(*_qkv(g, 1, 2, 37, 300, 64, torch.float32), _mask(g, (37, 300), (5,))),
+                (*_qkv(g, 2, 3, 70, 90, 48, torch.float32), torch.zeros(1)),
+                (*_qkv(g, 1, 3, 45, 259, 32, torch.float32), torch.zeros(1))]
+    per_case[2][0][0, 1, 4, 7] = float("nan")
+    model = Each([_Drop(m) if k else m for k, m in enumerate(models)], 4)
+    c = kiln.compile(model, tuple(t for a in per_case for t in a),
+                     options=kiln.Options(march=march))
+    runner = kiln.load(c.save(tmp_path / f"blocks_{march}.kiln"))
+    assert len(_attention_steps(c)) == 3
+    outs = runner(*(t for a in per_case for t in a))
+    for k, (got, m, a) in enumerate(zip(outs, models, per_case)):
+        _check(got, m, a if k == 0 else a[:3], torch.float32)
+    assert torch.isnan(outs[2][0, 1, 4]).all() and not torch.isnan(outs[2][0, 0]).any()
+    assert torch.equal(outs[0][:, :, 5], torch.zeros_like(outs[0][:, :, 5]))
+
+
+class _Drop(torch.nn.Module):
+    """`inner` on the first three inputs (the fourth is a placeholder)."""
+
+    def __init__(self, inner: torch.nn.Module) -> None:
+        super().__init__()
+        self.inner = inner
+
+    def forward(self, q, k, v, _unused):
+        return self.inner(q, k, v)

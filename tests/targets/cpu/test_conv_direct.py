@@ -333,6 +333,23 @@ def test_residual_is_the_input(check):
     assert _direct_calls(compiled) == 1
 
 
+def test_weight_added_along_the_width_is_not_a_bias(check):
+    """conv(x) + b.view(1, 1, 1, OC) with the width OC long broadcasts along the width, not
+    the channels: it stays an add after the direct convolution (its epilogue took it as the
+    bias before: a wrong result)."""
+    class M(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.conv = nn.Conv2d(4, 8, 3, padding=1, bias=False)
+            self.b = nn.Parameter(torch.arange(8.0))
+
+        def forward(self, x):
+            return self.conv(x) + self.b.view(1, 1, 1, 8)
+
+    compiled = check(M(), [rand((1, 4, 5, 8), F32, gen("conv_width_add"), -2, 2)], tol=TOL)
+    assert _direct_calls(compiled) == 1
+
+
 def test_non_contiguous_weight(check):
     conv = nn.Conv2d(16, 24, 3, padding=1)
     w = torch.randn(3, 3, 16, 24).permute(3, 2, 0, 1)  # [24, 16, 3, 3], not contiguous

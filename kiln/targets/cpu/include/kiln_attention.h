@@ -112,7 +112,7 @@ typedef float vec __attribute__((vector_size(W * 4), aligned(4), may_alias));
 typedef int32_t ivec __attribute__((vector_size(W * 4), aligned(4), may_alias));
 typedef uint8_t bvec __attribute__((vector_size(W), aligned(1), may_alias));
 
-constexpr int BN = 64;           // keys per block (a multiple of W)
+constexpr int BN = 128;          // keys per block (a multiple of W)
 constexpr int RM = W == 16 ? 6 : 2;  // rows of a micro-kernel tile
 constexpr int QC = W == 16 ? 48 : 32;  // query rows of a chunk (a multiple of RM)
 constexpr int CV = 4;            // vectors of a micro-kernel tile
@@ -179,6 +179,31 @@ template <class M> struct Mask {
   const int64_t *st;  // strides of the [B, H, L, S] view
 };
 
+/* x with lanes l and l ^ H exchanged (H a power of two below W: the halves, quarters, ...) */
+template <int H> inline vec swap_lanes(vec x) {
+  ivec m;
+  for (int l = 0; l < W; ++l) m[l] = l ^ H;
+  return __builtin_shuffle(x, m);
+}
+
+/* the sum / maximum of x's lanes by a tree of log2(W) shuffles (a scalar loop over the lanes
+ * is a chain of W dependent adds, paid once per row and key block) */
+template <int H = W / 2> inline float lane_sum(vec x) {
+  if constexpr (H == 0) {
+    return x[0];
+  } else {
+    return lane_sum<H / 2>(x + swap_lanes<H>(x));
+  }
+}
+template <int H = W / 2> inline float lane_max(vec x) {
+  if constexpr (H == 0) {
+    return x[0];
+  } else {
+    const vec y = swap_lanes<H>(x);
+    return lane_max<H / 2>(y > x ? y : x);
+  }
+}
+
 /* the maximum of s[0, n) (n a multiple of W); NaN when some element is NaN */
 inline float row_max(const float *s, int64_t n) {
   const float ninf = -std::numeric_limits<float>::infinity();
@@ -188,12 +213,8 @@ inline float row_max(const float *s, int64_t n) {
     top = x > top ? x : top;
     nan = x != x ? x : nan;
   }
-  float t = ninf;
-  for (int l = 0; l < W; ++l) {
-    if (nan[l] != nan[l]) return nan[l];
-    t = top[l] > t ? top[l] : t;
-  }
-  return t;
+  const float any_nan = lane_sum(nan);  // lanes 0 or NaN: NaN when one is
+  return any_nan != any_nan ? any_nan : lane_max(top);
 }
 
 /* s[rows][BN] = Qp[rows][E] . Kt[E][BN] for a tile of RM rows (and CV * W keys a pass) */
@@ -371,8 +392,7 @@ bool run(const Shape &sh, float *out, bool causal, float scale, const View<float
               store(s + c, p);
               total += p;
             }
-            float tsum = 0.0f;
-            for (int l = 0; l < W; ++l) tsum += total[l];
+            const float tsum = lane_sum(total);
             const float alpha = mx[r] == ninf ? 0.0f : std::exp(mx[r] - m_new);
             if (alpha != 1.0f) {
               float *orow = o + r * evp;
@@ -520,7 +540,7 @@ bool run_rows(const Shape &sh, float *out, bool causal, float scale, const View<
           store(sc + j, p);
           tv += p;
         }
-        for (int l = 0; l < W; ++l) total += tv[l];
+        total = lane_sum(tv);
         // the keys P @ V sums: those a bool mask keeps (a dropped key's weight is 0; its
         // value row is not read, so a non-finite value there does not reach the output,
         // where eager's 0 * inf gives NaN), else all of [0, lim)
