@@ -75,8 +75,9 @@ def all_dtypes(*xs):
     for x in xs:
         name = str(x.dtype).split(".")[1]
         out.update({f"{k}:{name}": v for k, v in sorts(x).items()})
-        if x.dtype != torch.bool:
-            out.update({f"{k}:{name}": v for k, v in order_stats(x).items()})
+        if x.dtype != torch.bool:  # (median() of all elements: one row of at most 4096)
+            whole = x.numel() <= 4096
+            out.update({f"{k}:{name}": v for k, v in order_stats(x, whole).items()})
     return out
 
 
@@ -365,14 +366,14 @@ def test_gpu_sorts_match_eager(r, n, tmp_path):
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 def test_gpu_sorts_dynamic_match_eager(tmp_path):
     g = torch.Generator().manual_seed(6)
-    r, n = Dim("r", min=6, max=1 << 20), Dim("n", min=8, max=4096)
+    r, n = Dim("r", min=6, max=4096), Dim("n", min=8, max=4096)  # (both dims sorted along)
     args = (make(torch.float32, (6, 9), g), make(torch.int32, (6, 9), g))
     cm = kiln.compile(torch.export.export(Fn(dynamic), args,
                                           dynamic_shapes=(({0: r, 1: n}, {0: r, 1: n}),)),
                       device="cuda")
     assert cm.manifest["requires"]["aten_fallback_ops"] == []
     runner = kiln.load(cm.save(tmp_path / "dyn.kiln"), device="cuda:0")
-    for rows, cols in ((6, 8), (1000, 129), (50, 4096)):
+    for rows, cols in ((6, 8), (1000, 129), (50, 4096), (4096, 40)):
         call = (make(torch.float32, (rows, cols), g), make(torch.int32, (rows, cols), g))
         got = pytree.tree_leaves(runner(*[a.cuda() for a in call]))
         check_outputs(got, dynamic, call, f"dyn [{rows}, {cols}]", device="cpu")
