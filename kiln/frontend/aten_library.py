@@ -98,15 +98,25 @@ def _upper(b, e) -> int | None:
     return up(sympy.sympify(e))
 
 
-def _row_max(b, x, dim: int) -> dict:
-    """Attribute `row_max` (the sorted dim's largest length) of a sort / topk node where the
-    target has no library routines (CUDA) and its sort kernel takes the row: 32-bit or
-    narrower values, at most SORT_MAX_ROW a row; else no attribute (ATen sorts on CUDA)."""
-    if b.library_routines or b.types[x].dtype.name not in SORT_DTYPES:
+def _row_max(b, n, x, dim: int) -> dict:
+    """Attribute `row_max` (the sorted dim's largest length) of a sort / topk node of FX node
+    `n` where the target has no library routines (CUDA); its sort kernel takes rows of
+    32-bit or narrower values, at most SORT_MAX_ROW long (a bound known at build time): else
+    an UnsupportedError saying why (ATen sorts it where the fallback is on). On the CPU: no
+    attribute."""
+    if b.library_routines:
         return {}
+    dt = b.types[x].dtype.name
     shape = b.types[x].shape
     hi = _upper(b, shape[dim]) if shape else 1
-    return {} if hi is None or hi > SORT_MAX_ROW else {"row_max": max(hi, 1)}
+    why = (f"{dt} values (the sort kernel's keys hold 32 bits of order)"
+           if dt not in SORT_DTYPES else
+           f"rows of {shape[dim]} elements without a bound (a Dim's max)" if hi is None else
+           f"rows of up to {hi} elements (the sort kernel's limit: {SORT_MAX_ROW})"
+           if hi > SORT_MAX_ROW else None)
+    if why is not None:
+        raise UnsupportedError(f"{n.target} (node {n.name}) on CUDA: {why}")
+    return {"row_max": max(hi, 1)}
 
 
 @register("aten.sort.default", "aten.sort.stable")
@@ -118,7 +128,7 @@ def _sort(b, n):
     x = b.tensor(n.args[0])
     stable = stable and bool(n.kwargs.get("stable", False))
     return [b.emit("sort", [x], None, like=n, result=k, part=k, dim=dim, descending=desc,
-                   stable=stable, **_row_max(b, x, dim)) for k in range(2)]
+                   stable=stable, **_row_max(b, n, x, dim)) for k in range(2)]
 
 
 @register("aten.topk.default")
@@ -129,7 +139,7 @@ def _topk(b, n):
     is_sorted = bool(_arg(n, 4, "sorted", True))
     x = b.tensor(n.args[0])
     return [b.emit("topk", [x], None, like=n, result=r, part=r, k=k, dim=dim, largest=largest,
-                   sorted=is_sorted, **_row_max(b, x, dim)) for r in range(2)]
+                   sorted=is_sorted, **_row_max(b, n, x, dim)) for r in range(2)]
 
 
 def _order_statistic(b, n, x: str, shape, dim: int, k, keepdim: bool, nan: bool = False):
@@ -138,7 +148,7 @@ def _order_statistic(b, n, x: str, shape, dim: int, k, keepdim: bool, nan: bool 
     eager's median (CPU; CUDA's: the index of some NaN): the row's max and argmax (both NaN's
     where there is one, argmax the first) replace the pick where the max is NaN."""
     out = []
-    row = _row_max(b, x, dim)
+    row = _row_max(b, n, x, dim)
     for r in range(2):
         s = b.emit("sort", [x], None, like=n, result=r, shape=shape, part=r, dim=dim,
                    descending=False, stable=True, **row)
@@ -195,7 +205,7 @@ def _median(b, n):
         numel = numel * d
     flat = b.emit("view", [b.tensor(x)], None, like=n, shape=(numel,))
     s = b.emit("sort", [flat], None, like=n, shape=(numel,), part=0, dim=0, descending=False,
-               stable=True, **_row_max(b, flat, 0))
+               stable=True, **_row_max(b, n, flat, 0))
     # (nodes named afresh, not after `n`: a median.dim before it named its results
     # `<its name>_0` / `_1`, which may be this node's name)
     picked = b.emit("select", [s], None, like=n, dim=0, index=_lower_middle(numel))

@@ -284,23 +284,29 @@ def test_cuda_sort_longest_row_in_interpreter(tmp_path):
     run_interpreted(_INTERP, str(data), str(pathlib.Path(__file__).parent), timeout=1800)
 
 
-def _fallback_ops(fn, args, dyn=None):
+def _fallback_ops(fn, args, dyn=None, why=None):
+    """The package's ATen ops; `why`: a phrase the manifest's reason for them has."""
     ep = torch.export.export(Fn(fn), args, dynamic_shapes=dyn and (dyn,))
-    return kiln.compile(ep, device="cuda", options=OPTS).manifest["requires"][
-        "aten_fallback_ops"]
+    req = kiln.compile(ep, device="cuda", options=OPTS).manifest["requires"]
+    if why is not None:
+        assert why in " ".join(req["aten_fallback_why"].values()), req
+    return req["aten_fallback_ops"]
 
 
 def test_sorts_kiln_leaves_to_aten_on_cuda():
     """64-bit values (int64 keys hold 32 bits of order), rows over 4096 and a sorted dim
-    without a bound go to ATen; a bounded dynamic dim and the other dim long do not."""
+    without a bound go to ATen, the manifest saying why; a bounded dynamic dim and the other
+    dim long do not."""
     def sort1(x):
         return tuple(torch.sort(x, 1))
     x = torch.randn(3, 10)
-    assert _fallback_ops(sort1, (x.double(),))
-    assert _fallback_ops(sort1, (x.long(),))
-    assert _fallback_ops(sort1, (torch.randn(2, 4097),))
+    assert _fallback_ops(sort1, (x.double(),), why="float64 values")
+    assert _fallback_ops(sort1, (x.long(),), why="int64 values")
+    assert _fallback_ops(sort1, (torch.randn(2, 4097),), why="rows of up to 4097 elements")
+    assert _fallback_ops(lambda x: tuple(torch.median(x, 1)), (torch.randn(2, 5000),),
+                         why="the sort kernel's limit: 4096")
     assert _fallback_ops(lambda x: tuple(torch.topk(x, 2, 1)), (x,),
-                         ({1: Dim("n", min=3)},))  # (no max)
+                         ({1: Dim("n", min=3)},), why="without a bound")  # (no max)
     assert not _fallback_ops(sort1, (torch.randn(5000, 4096),))
     assert not _fallback_ops(lambda x: tuple(torch.topk(x, 2, 1)), (x,),
                              ({0: Dim("r"), 1: Dim("n", min=3, max=4096)},))
