@@ -188,9 +188,9 @@ def check_outputs(got, fn, args, what="", device="cpu", exact=True):
 _INTERP = textwrap.dedent("""
     import pickle, sys, torch
     sys.path.insert(0, sys.argv[2])
-    from test_cuda_sort_cov import all_dtypes, check_outputs, dynamic
+    from test_cuda_sort_cov import all_dtypes, check_outputs, dynamic, long_rows
     from kiln.targets.cuda.wrapper_py import import_triton_module, run_program
-    fns = {"all": all_dtypes, "dyn": dynamic, "dyn_long": dynamic}
+    fns = {"all": all_dtypes, "dyn": dynamic, "dyn_long": dynamic, "long": long_rows}
     with open(sys.argv[1], "rb") as f:
         cases = pickle.load(f)
     for name, prog, kernels, module, weights, calls in cases:
@@ -261,23 +261,26 @@ def test_cuda_sorts_dynamic_sizes_in_interpreter(tmp_path, name, sizes):
     assert out.count("checked") == len(sizes)
 
 
-@pytest.mark.slow  # a 4096-element row in Triton's interpreter
-def test_cuda_sort_longest_row_in_interpreter(tmp_path):
-    """Rows of exactly MAX_ROW (4096) elements, float16 and bfloat16 with special values (the
-    16-bit keys sign-extended), through the runner."""
-    _compiled.pop("long", None)
-    g = torch.Generator().manual_seed(3)
+def long_rows(*xs):
+    """Sorts and topk of rows of 4096 (xs: float16, bfloat16, float32)."""
+    return {f"{k}:{str(x.dtype).split('.')[1]}": v for x in xs for k, v in
+            (("s_asc", tuple(torch.sort(x, dim=1, stable=True))),
+             ("s_desc", tuple(torch.sort(x, dim=1, descending=True, stable=True))),
+             ("u_topk", tuple(torch.topk(x, 3, 1))))}
 
-    def args(spec):
-        return tuple(make(dt, (6, 4096), g, spec) for dt in DTYPES)
-    ep = torch.export.export(Fn(all_dtypes), args(True))
-    cm = kiln.compile(ep, device="cuda", options=OPTS)
-    _compiled["all_long"] = cm
+
+@pytest.mark.slow  # 4096-element rows in Triton's interpreter
+def test_cuda_sort_longest_row_in_interpreter(tmp_path):
+    """Rows of exactly MAX_ROW (4096) elements, float16, bfloat16 and float32 with special
+    values (the 16-bit keys sign-extended), through the runner."""
     from test_cuda_dds import triton_kernels_of
 
+    g = torch.Generator().manual_seed(3)
+    args = tuple(make(dt, (6, 4096), g) for dt in FLOATS)
+    cm = kiln.compile(torch.export.export(Fn(long_rows), args), device="cuda", options=OPTS)
     assert cm.manifest["requires"]["aten_fallback_ops"] == []
-    case = ("all", cm.built.program, triton_kernels_of(cm), cm.built.sources["kernels_triton.py"],
-            cm.built.weights, [args(True)])
+    case = ("long", cm.built.program, triton_kernels_of(cm),
+            cm.built.sources["kernels_triton.py"], cm.built.weights, [args])
     data = tmp_path / "cases.pkl"
     data.write_bytes(pickle.dumps([case]))
     import pathlib
