@@ -156,7 +156,11 @@ def _requires(built: Built) -> dict[str, Any]:
     libs = target.libraries(built.steps, built.gemms)
     if aten_ops:
         libs = [*libs, f"{target.torch_libraries} (torch >= 2.10), for the ATen fallback"]
-    return {"libtorch": bool(aten_ops), "aten_fallback_ops": aten_ops, "shared_libraries": libs,
+    why = {op: r for op, r in built.graph.meta.get("aten_fallback_why", ())}
+    return {"libtorch": bool(aten_ops), "aten_fallback_ops": aten_ops,
+            # why a converter kiln has left an op to ATen (the target's kernel declined it)
+            **({"aten_fallback_why": why} if why and aten_ops else {}),
+            "shared_libraries": libs,
             # instruction-set extensions the code uses: checked at load, before mapping it
             **({"cpu_features": list(built.cpu_features)}
                if built.cpu_features is not None else {}),

@@ -8,6 +8,7 @@ index_put, which is."""
 
 from __future__ import annotations
 
+import math
 import operator
 
 import sympy
@@ -15,7 +16,7 @@ import torch
 
 from kiln.errors import UnsupportedError
 from kiln.frontend.aten_table import TABLE, register
-from kiln.ir import dtypes
+from kiln.ir import dtypes, sym
 from kiln.ir.graph import Node, TensorType
 
 # Graph IR ops these converters emit that lower to kiln_lib.h routines, which are CPU code: a
@@ -52,6 +53,8 @@ def cpu_only(node, types) -> bool:
         if node.type.dtype.is_complex:  # complex scatter products: a Triton kernel too
             return node.attr("mode") != "prod"
         return node.attr("mode") != "set" and node.type.dtype.name not in ACC_PUT_DTYPES
+    if node.op in ("sort", "topk"):  # short rows of <= 32-bit values: targets/cuda/sort.py
+        return node.attr("row_max") is None
     return node.op in CPU_ONLY_OPS
 
 
@@ -69,6 +72,65 @@ def _used(n, k: int) -> bool:
     return any(u.target is operator.getitem and u.args[1] == k and u.users for u in n.users)
 
 
+# what CUDA's sort kernel takes (targets/cuda/sort.py: int64 keys of a 32-bit order and the
+# column, one row a tile); other sorts go to ATen on CUDA
+SORT_DTYPES = frozenset({"bool", "uint8", "int8", "int16", "int32", "float16", "bfloat16",
+                         "float32"})
+SORT_MAX_ROW = 4096
+
+
+def _upper(b, e) -> int | None:
+    """The largest value of size expression `e` over the export's Dim ranges; None when a
+    symbol has no bound or `e` is not built from sums, products with positive constants and
+    floor divisions by positive constants (forms that grow with every symbol)."""
+    theirs = {ours: t for t, ours in b.syms.rename.items()}
+
+    def up(e):
+        if e.is_Integer:
+            return int(e)
+        if e.is_Symbol:
+            vr = getattr(b, "ranges", {}).get(theirs.get(e))
+            try:
+                return int(vr.upper)
+            except (TypeError, ValueError, OverflowError, AttributeError):
+                return None
+        if e.is_Add:
+            parts = [int(a) if a.is_Integer else up(a) for a in e.args]
+            return None if None in parts else sum(parts)
+        if e.is_Mul:
+            coeff, rest = e.as_coeff_Mul()
+            parts = [up(a) for a in (rest.args if rest.is_Mul else (rest,))]
+            if not coeff.is_Integer or coeff < 0 or None in parts:
+                return None
+            return int(coeff) * math.prod(parts)
+        if isinstance(e, sym.FloorDiv) and e.args[1].is_Integer and e.args[1] > 0:
+            top = up(e.args[0])
+            return None if top is None else top // int(e.args[1])
+        return None
+    return up(sympy.sympify(e))
+
+
+def _row_max(b, n, x, dim: int) -> dict:
+    """Attribute `row_max` (the sorted dim's largest length) of a sort / topk node of FX node
+    `n` where the target has no library routines (CUDA); its sort kernel takes rows of
+    32-bit or narrower values, at most SORT_MAX_ROW long (a bound known at build time): else
+    an UnsupportedError saying why (ATen sorts it where the fallback is on). On the CPU: no
+    attribute."""
+    if b.library_routines:
+        return {}
+    dt = b.types[x].dtype.name
+    shape = b.types[x].shape
+    hi = _upper(b, shape[dim]) if shape else 1
+    why = (f"{dt} values (the sort kernel's keys hold 32 bits of order)"
+           if dt not in SORT_DTYPES else
+           f"rows of {shape[dim]} elements without a bound (a Dim's max)" if hi is None else
+           f"rows of up to {hi} elements (the sort kernel's limit: {SORT_MAX_ROW})"
+           if hi > SORT_MAX_ROW else None)
+    if why is not None:
+        raise UnsupportedError(f"{n.target} (node {n.name}) on CUDA: {why}")
+    return {"row_max": max(hi, 1)}
+
+
 @register("aten.sort.default", "aten.sort.stable")
 def _sort(b, n):
     stable = str(n.target).endswith("stable")
@@ -78,7 +140,7 @@ def _sort(b, n):
     x = b.tensor(n.args[0])
     stable = stable and bool(n.kwargs.get("stable", False))
     return [b.emit("sort", [x], None, like=n, result=k, part=k, dim=dim, descending=desc,
-                   stable=stable) for k in range(2)]
+                   stable=stable, **_row_max(b, n, x, dim)) for k in range(2)]
 
 
 @register("aten.topk.default")
@@ -89,20 +151,32 @@ def _topk(b, n):
     is_sorted = bool(_arg(n, 4, "sorted", True))
     x = b.tensor(n.args[0])
     return [b.emit("topk", [x], None, like=n, result=r, part=r, k=k, dim=dim, largest=largest,
-                   sorted=is_sorted) for r in range(2)]
+                   sorted=is_sorted, **_row_max(b, n, x, dim)) for r in range(2)]
 
 
-def _order_statistic(b, n, x: str, shape, dim: int, k, keepdim: bool):
-    """(values, indices) of the k-th smallest (0-based) along `dim`: a sort, then a select."""
+def _order_statistic(b, n, x: str, shape, dim: int, k, keepdim: bool, nan: bool = False):
+    """(values, indices) of the k-th smallest (0-based) along `dim`: a sort, then a select.
+    `nan` (median of floats): a row with a NaN gives NaN and the index of its first NaN, as
+    eager's median (CPU; CUDA's: the index of some NaN): the row's max and argmax (both NaN's
+    where there is one, argmax the first) replace the pick where the max is NaN."""
     out = []
+    row = _row_max(b, n, x, dim)
     for r in range(2):
         s = b.emit("sort", [x], None, like=n, result=r, shape=shape, part=r, dim=dim,
-                   descending=False, stable=True)
-        picked = b.emit("select", [s], None if keepdim else n, like=n, result=r, dim=dim,
-                        index=k, shape=shape[:dim] + shape[dim + 1:])
+                   descending=False, stable=True, **row)
+        picked = b.emit("select", [s], None, like=n, result=r, dim=dim, index=k,
+                        shape=shape[:dim] + shape[dim + 1:])
         if keepdim:
             picked = b.emit("view", [picked], None, like=n, result=r)
         out.append(picked)
+    if nan and b.types[x].dtype.is_float:
+        mx = b.emit("reduce", [x], None, like=n, result=0, kind="max", dims=(dim,),
+                    keepdim=keepdim)
+        am = b.emit("reduce", [x], None, like=n, result=1, kind="argmax", dims=(dim,),
+                    keepdim=keepdim)
+        has = b.emit("isnan", [mx], None, like=n, result=0, dtype=dtypes.bool_)
+        out = [b.emit("where", [has, mx, out[0]], None, like=n, result=0),
+               b.emit("where", [has, am, out[1]], None, like=n, result=1)]
     return out
 
 
@@ -117,6 +191,13 @@ def _kthvalue(b, n):
     return _order_statistic(b, n, xs, shape, dim, int(_arg(n, 1, "k")) - 1, keep)
 
 
+def _lower_middle(size):
+    """(size - 1) // 2, the lower middle position, as kiln's FloorDiv where size is symbolic
+    (sympy's own floor has no Triton or C++ spelling)."""
+    size = sympy.sympify(size)
+    return (size - 1) // 2 if size.is_Integer else sym.FloorDiv(size - 1, 2)
+
+
 @register("aten.median.dim")
 def _median_dim(b, n):
     x = n.args[0]
@@ -125,7 +206,7 @@ def _median_dim(b, n):
     shape = tuple(b.shape(x)) or (1,)
     xs = b.tensor(x) if b.rank(x) else b.emit("view", [b.tensor(x)], None, like=n, result=0,
                                               shape=(1,))
-    return _order_statistic(b, n, xs, shape, dim, (shape[dim] - 1) // 2, keep)
+    return _order_statistic(b, n, xs, shape, dim, _lower_middle(shape[dim]), keep, nan=True)
 
 
 @register("aten.median.default")
@@ -136,8 +217,15 @@ def _median(b, n):
         numel = numel * d
     flat = b.emit("view", [b.tensor(x)], None, like=n, shape=(numel,))
     s = b.emit("sort", [flat], None, like=n, shape=(numel,), part=0, dim=0, descending=False,
-               stable=True)
-    return b.emit("select", [s], n, dim=0, index=(numel - 1) // 2)
+               stable=True, **_row_max(b, n, flat, 0))
+    # (nodes named afresh, not after `n`: a median.dim before it named its results
+    # `<its name>_0` / `_1`, which may be this node's name)
+    picked = b.emit("select", [s], None, like=n, dim=0, index=_lower_middle(numel))
+    if not b.types[flat].dtype.is_float:
+        return picked
+    mx = b.emit("reduce", [flat], None, like=n, kind="max", dims=(0,), keepdim=False)
+    has = b.emit("isnan", [mx], None, like=n, dtype=dtypes.bool_)
+    return b.emit("where", [has, mx, picked], None, like=n)  # NaN where there is one
 
 
 _SCANS = {"cumsum": "sum", "cumprod": "prod", "logcumsumexp": "logsumexp"}

@@ -47,6 +47,9 @@ class Builder:
         self.env: dict[str, str] = {}
         self.multi: dict[str, list[str]] = {}  # multi-result ops: node -> one value per result
         self.constant_inputs: list[dict] = []  # scalars export specialised to their value
+        # ATen ops a converter declined for the target, with its reason (the manifest's
+        # `requires.aten_fallback_why`)
+        self.fallback_why: dict[str, str] = {}
         self.types: dict[str, TensorType] = {}
         self.counter = 0
         self.ranges: dict = {}  # torch symbol -> value range (ep.range_constraints)

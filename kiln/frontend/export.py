@@ -425,6 +425,7 @@ def convert_node(b: Builder, n: torch.fx.Node, gm: torch.fx.GraphModule) -> None
             del b.types[k]
         try:
             result = fallback.aten_fallback(b, n)
+            b.fallback_why.setdefault(str(n.target), str(declined))
         except ScalarArgument:
             raise  # the importer rewrites the op (scalar_ops.py)
         except UnsupportedError:
@@ -556,6 +557,7 @@ def _import(ep: ExportedProgram, fold: bool, aten_fallback: bool = False, seed: 
                   in_spec=pytree.treespec_dumps(ep.call_spec.in_spec),
                   out_spec=_dump_spec(ep.call_spec.out_spec),
                   meta={"constant_inputs": tuple(b.constant_inputs),
+                        "aten_fallback_why": tuple(sorted(b.fallback_why.items())),
                         "relations": tuple(b.relations),
                         "int_outputs": tuple(int_outputs),
                         # eager's storage sharing between outputs and inputs (aliasing.py)

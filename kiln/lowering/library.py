@@ -165,10 +165,15 @@ def _row_call(ctx: LowerCtx, node: Node, x: Lazy, routine: str, attrs, outs, len
     return from_view(dt, node.type.shape, View(names[r], sympy.Integer(0), tuple(strides)))
 
 
+def _row_max(node: Node) -> list:
+    """The row bound CUDA's sort kernel is printed for (frontend/aten_library.py `_row_max`)."""
+    return [] if node.attr("row_max") is None else [("row_max", int(node.attr("row_max")))]
+
+
 def lower_sort(ctx: LowerCtx, node: Node, args: list[Lazy]) -> Lazy:
     (x,) = args
     attrs = [("descending", bool(node.attr("descending"))), ("stable", bool(node.attr("stable")))]
-    return _row_call(ctx, node, x, "sort", attrs,
+    return _row_call(ctx, node, x, "sort", attrs + _row_max(node),
                      [("values", x.dtype), ("indices", dtypes.int64)])
 
 
@@ -176,7 +181,7 @@ def lower_topk(ctx: LowerCtx, node: Node, args: list[Lazy]) -> Lazy:
     (x,) = args
     k = node.attr("k")
     attrs = [("k", int(k)), ("largest", node.attr("largest")), ("sorted", node.attr("sorted"))]
-    return _row_call(ctx, node, x, "topk", attrs,
+    return _row_call(ctx, node, x, "topk", attrs + _row_max(node),
                      [("values", x.dtype), ("indices", dtypes.int64)], length=sympy.Integer(k))
 
 

@@ -64,6 +64,7 @@ from kiln.frontend.aten_library import ACC_PUT_DTYPES
 from kiln.targets.cuda.put_reduce import is_reducing_put, print_put_reduce_kernels
 from kiln.targets.cuda.scan import (NONZERO_ROUTINE, SCAN_ROUTINES, is_complex_product,
                                     print_cput_kernel, print_nonzero_kernel, print_scan_kernels)
+from kiln.targets.cuda.sort import SORT_ROUTINES, print_sort_kernel
 from kiln.targets.cuda.launch_tune import (device_available, kernel_family, template_family,
                                            tune_all, warm_context)
 from kiln.targets.cuda.ops import PRELUDE
@@ -75,10 +76,10 @@ from kiln.toolchain.cuda import SHARED_PER_BLOCK, cuda_toolchain, default_archs
 from kiln.toolchain.cxx import build_shared, prebuild_header
 from kiln.toolchain.triton_aot import Workers, compile_cubins, warm_driver, warm_key
 
-# Extern routines CUDA builds run: attention, the NHWC convolution, index_put / scatter, scans
-# and nonzero (generated Triton kernels), the collectives (NCCL)
+# Extern routines CUDA builds run: attention, the NHWC convolution, index_put / scatter, scans,
+# nonzero and sorts (generated Triton kernels), the collectives (NCCL)
 CUDA_ROUTINES = ("attention", CONV_ROUTINE, "put", "put_mean", *SCAN_ROUTINES, NONZERO_ROUTINE,
-                 *COLLECTIVES)
+                 *SORT_ROUTINES, *COLLECTIVES)
 
 
 @dataclass(frozen=True)
@@ -322,7 +323,7 @@ def _launched(steps) -> list:
     return ([s for s in L.flat_steps(steps) if isinstance(s, (Kernel, GemmKernel, PutKernel))] +
             attention_steps(steps) + conv_steps(steps) + put_steps(steps) +
             [s for s in L.flat_steps(steps) if isinstance(s, L.Extern) and
-             s.routine in (*SCAN_ROUTINES, NONZERO_ROUTINE)])
+             s.routine in (*SCAN_ROUTINES, NONZERO_ROUTINE, *SORT_ROUTINES)])
 
 
 def untuned_kernels(state: Build, families) -> list:
@@ -664,6 +665,8 @@ def triton_kernels(steps, buffers, hints: dict[str, int], configs: dict | None =
             out.extend(print_scan_kernels(s, buffers, hints))
         elif isinstance(s, L.Extern) and s.routine == NONZERO_ROUTINE:
             out.append(print_nonzero_kernel(s, buffers))
+        elif isinstance(s, L.Extern) and s.routine in SORT_ROUTINES:
+            out.append(print_sort_kernel(s, buffers, hints))
     return [with_pdl(k) for k in out] if pdl else out
 
 

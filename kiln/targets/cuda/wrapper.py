@@ -39,6 +39,7 @@ from kiln.targets.cuda.put import put_kernel_names
 from kiln.targets.cuda.put_reduce import is_reducing_put, put_reduce_kernel_names
 from kiln.targets.cuda.scan import (NONZERO_ROUTINE, SCAN_ROUTINES, cput_kernel_name,
                                     is_complex_product, scan_kernel_names)
+from kiln.targets.cuda.sort import SORT_ROUTINES
 from kiln.targets.cuda.wrapper_parts import print_cuda_model
 from kiln.errors import UnsupportedError
 from kiln.gemm.problem import layout
@@ -330,7 +331,7 @@ class _Printer(SizeCheckPrinter):
                       f"{', '.join(c.source)}")
             self._launch(f"conv_{c.name}")
             return
-        if c.routine in SCAN_ROUTINES or c.routine == NONZERO_ROUTINE:  # targets/cuda/scan.py
+        if c.routine in (*SCAN_ROUTINES, NONZERO_ROUTINE, *SORT_ROUTINES):  # scan.py, sort.py
             for k in scan_kernel_names(c, self.kernels):  # (a multi-block scan: three)
                 self.emit(f"{{  // {k}: {', '.join(c.outs)} = {c.routine}("
                           f"{', '.join(a.buf for a in c.args)})  <- {', '.join(c.source)}")

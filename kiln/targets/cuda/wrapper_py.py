@@ -36,8 +36,11 @@ from kiln.targets.cuda.put import STATUS_COUNTER_BASE, STATUS_COUNTERS, put_kern
 from kiln.targets.cuda.put_reduce import is_reducing_put, put_reduce_kernel_names
 from kiln.targets.cuda.scan import (NONZERO_ROUTINE, SCAN_ROUTINES, cput_kernel_name,
                                     is_complex_product, scan_kernel_names)
+from kiln.targets.cuda.sort import SORT_ROUTINES
 from kiln.ir import dtypes
 import numpy as np
+
+_ROW_ROUTINES = (*SCAN_ROUTINES, NONZERO_ROUTINE, *SORT_ROUTINES)  # scan.py, sort.py
 
 
 def import_triton_module(text: str):
@@ -276,7 +279,7 @@ def run_program(prog: P.Program, kernels: dict, module, weights: dict, inputs: l
                               device)
         elif isinstance(x, P.CallLib) and x.call.routine == "conv2d_nhwc":
             launch_kernel(module, kernels[f"conv_{x.call.name}"], env, bufs, status, device)
-        elif isinstance(x, P.CallLib) and x.call.routine in (*SCAN_ROUTINES, NONZERO_ROUTINE):
+        elif isinstance(x, P.CallLib) and x.call.routine in _ROW_ROUTINES:
             for k in scan_kernel_names(x.call, kernels):
                 launch_kernel(module, kernels[k], env, bufs, status, device)
             if int(status.item()):

@@ -282,14 +282,15 @@ def test_int_inputs_are_host_values_in_cuda_packages():
 
 
 class _LibraryOps(torch.nn.Module):
-    """Ops kiln runs as CPU library routines (sort, topk) and one it does not lower at all
-    (special.i1): on CUDA all of them call ATen on the device. (cumsum was one until session
-    15, scatter_add until session 16: CUDA scans and scatters are Triton kernels,
-    tests/targets/cuda/test_cuda_scan_cov.py, test_cuda_put_reduce.py.)"""
+    """Ops kiln runs as CPU library routines (sort and topk of float64) and one it does not
+    lower at all (special.i1): on CUDA all of them call ATen on the device. (cumsum was one
+    until session 15, scatter_add and sort / topk of 32-bit values until session 16: CUDA
+    scans, scatters and sorts are Triton kernels, tests/targets/cuda/test_cuda_scan_cov.py,
+    test_cuda_put_reduce.py, test_cuda_sort_cov.py.)"""
 
     def forward(self, x, idx):
-        s, i = torch.sort(x, dim=-1)
-        y = torch.special.i1(x) + s * torch.topk(x, 5, -1).values
+        s, i = torch.sort(x.double(), dim=-1)
+        y = torch.special.i1(x) + (s * torch.topk(x.double(), 5, -1).values).float()
         return y.scatter_add(1, idx, torch.ones_like(x)) * 2, i
 
 
@@ -306,7 +307,7 @@ def test_cuda_aten_fallback_wrapper():
     assert "put_scatter_add" in cm.sources["kernels_triton.py"]
     assert "kr_aten::require(e, " in src and "kc::run_graph(" not in src
     assert cm.library.exists()
-    with pytest.raises(kiln.errors.UnsupportedError, match="CPU library routine"):
+    with pytest.raises(kiln.errors.UnsupportedError, match="on CUDA: float64 values"):
         kiln.compile(_LibraryOps(), (x, idx), device="cuda",
                      options=Options(cuda_archs=(90,), aten_fallback=False))
 

@@ -1,0 +1,63 @@
+"""kiln's CUDA sort kernel (targets/cuda/sort.py) beside eager's CUDA sort / topk / median on a
+few row shapes: device time per call (CUDA events over back-to-back calls, `stream_ms`), the
+ratio kiln / eager, and whether kiln's package has no ATen op.
+
+Usage (a GPU machine): `PYTHONPATH=. python bench/sort_gpu.py [--repeat 20]`."""
+
+from __future__ import annotations
+
+import argparse
+import tempfile
+
+import torch
+
+import kiln
+from bench.cuda_timing import stream_ms
+
+CASES = [  # (name, fn, shape, dtype)
+    ("sort f32 [4096, 1024]", lambda x: tuple(torch.sort(x, 1)), (4096, 1024), torch.float32),
+    ("sort bf16 [16384, 256]", lambda x: tuple(torch.sort(x, 1)), (16384, 256), torch.bfloat16),
+    ("sort f32 dim0 [64, 8192]", lambda x: tuple(torch.sort(x, 0)), (64, 8192), torch.float32),
+    ("argsort i32 [8192, 128]", lambda x: torch.argsort(x, 1, stable=True), (8192, 128),
+     torch.int32),
+    ("topk 8 f32 [8192, 4096]", lambda x: tuple(torch.topk(x, 8, 1)), (8192, 4096),
+     torch.float32),
+    ("topk 50 f16 [128, 4096]", lambda x: tuple(torch.topk(x, 50, 1)), (128, 4096),
+     torch.float16),
+    ("median f32 [4096, 512]", lambda x: tuple(torch.median(x, 1)), (4096, 512),
+     torch.float32),
+]
+
+
+class _Fn(torch.nn.Module):
+    def __init__(self, fn):
+        super().__init__()
+        self.fn = fn
+
+    def forward(self, x):
+        return self.fn(x)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--repeat", type=int, default=20)
+    a = p.parse_args()
+    rows = []
+    with tempfile.TemporaryDirectory() as d:
+        for k, (name, fn, shape, dt) in enumerate(CASES):
+            x = (torch.randn(shape) * 100).to(dt) if dt.is_floating_point else \
+                torch.randint(-50, 50, shape, dtype=dt)
+            cm = kiln.compile(torch.export.export(_Fn(fn), (x,)), device="cuda")
+            native = cm.manifest["requires"]["aten_fallback_ops"] == []
+            run = kiln.load(cm.save(f"{d}/{k}.kiln"), device="cuda:0")
+            xc = x.cuda()
+            t_k = stream_ms(lambda: run(xc), 10, a.repeat)
+            t_e = stream_ms(lambda: fn(xc), 10, a.repeat)
+            rows.append((name, t_k * 1e3, t_e * 1e3, native))
+    print("| case | kiln µs | eager µs | kiln / eager | no ATen op |\n|---|---|---|---|---|")
+    for name, tk, te, native in rows:
+        print(f"| {name} | {tk:.1f} | {te:.1f} | {tk / te:.2f} | {'yes' if native else 'no'} |")
+
+
+if __name__ == "__main__":
+    main()
