@@ -144,11 +144,22 @@ def _operand(key: str, args):
     return next(a for a in args if str(a.dtype).split(".")[1] == name)
 
 
+def _plain_nan(a: torch.Tensor) -> torch.Tensor:
+    """`a` with every NaN made a NaN without the sign bit."""
+    return torch.where(a.isnan(), torch.nan, a) if a.is_floating_point() else a
+
+
 def check_outputs(got, fn, args, what="", device="cpu", exact=True):
     """Kiln's outputs `got` (leaves of fn's dict) against eager on `device` (see the module
     doc). `exact`: stable sorts' values bit for bit and indices equal (else: values equal,
     the count of indices unlike eager's is added to the count returned). Returns the number
-    of indices unlike eager's where those are unspecified (or not `exact`)."""
+    of indices unlike eager's where those are unspecified (or not `exact`).
+    Eager's CUDA sort does not order a NaN with the sign bit set among the largest values as
+    eager's CPU does (and kiln on both targets): on the H100 (torch 2.11) only the test rows
+    holding such NaNs differed from it, the rows with other NaNs matched, and kiln matched
+    eager's CPU bit for bit. Against eager's CUDA, the NaNs are given without the sign bit."""
+    if device != "cpu":
+        args = [_plain_nan(a) for a in args]
     out = fn(*[a.to(device) for a in args])
     keys = [(k, part) for k, v in out.items() for part, _ in enumerate(pytree.tree_leaves(v))]
     want = [t.cpu() for t in pytree.tree_leaves(out)]
