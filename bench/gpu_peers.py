@@ -79,6 +79,12 @@ def worker(a) -> dict:
     from bench.cpu_peers_models import build
 
     torch.manual_seed(0)
+    # float32 is float32 for every system (issue 15's "TF32 off"): cuDNN's convolutions in
+    # eager and torch.compile otherwise run on TF32 tensor cores (cudnn.allow_tf32 defaults to
+    # True), 10 mantissa bits, while kiln computes float32 (until the sixteenth session this
+    # worker left cuDNN's default: its float32 convolution rows favoured the peers)
+    torch.backends.cuda.matmul.allow_tf32 = False
+    torch.backends.cudnn.allow_tf32 = False
     case = build(a.one)
     dtype = DT[a.dtype]
     if a.batch > 1 and any(t.shape[0] != 1 for t in case.args):
