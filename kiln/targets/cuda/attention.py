@@ -65,10 +65,10 @@ from __future__ import annotations
 
 import sympy
 
-from kiln.targets.cuda.attention_parts import (DOT_PRECISION, LOG2E, SHARED_LIMIT, canon,
-                                               finite_log2, head_dims, itemsize, pow2)
+from kiln.targets.cuda.attention_parts import (DOT_PRECISION, LOG2E, SHARED_LIMIT, finite_log2,
+                                               head_dims, itemsize, operands, pow2)
 from kiln.targets.cuda.kernel import Config, TritonKernel
-from kiln.targets.cuda.ops import SIG_PTR, TL_DTYPE, to_tl
+from kiln.targets.cuda.ops import SIG_PTR, TL_DTYPE, canon, to_tl
 from kiln.ir import loop as L
 from kiln.ir.sym import evaluate
 from kiln.ir.sym import FloorDiv
@@ -181,14 +181,7 @@ def print_attention_kernel(call: L.Extern, buffers, hints: dict[str, int],
     config = config or choose_attention_config(call, buffers, hints)
     if is_decode(call):
         return print_decode_kernel(call, buffers, hints, config)
-    q, k, v = call.args[:3]
-    mask = call.args[3] if len(call.args) > 3 else None
-    kind = call.attr("mask", 0)
-    causal = bool(call.attr("causal"))
-    scale = float(call.attr("scale"))
-    name = f"attn_{call.name}"
-    out = buffers[call.name]
-    dt = buffers[q.buf].dtype.name
+    q, k, v, mask, kind, causal, scale, name, out, dt = operands(call, buffers)
     e, ev = head_dims(call)
     ep, evp = pow2(e), pow2(ev)
     B, H, Lq, S = q.shape[0], q.shape[1], q.shape[2], k.shape[2]

@@ -17,12 +17,11 @@ import sympy
 from kiln.errors import CompileError
 from kiln.schedule import Kernel
 from kiln.schedule.steps import CutlassGemm, GemmKernel, PutKernel
-from kiln.targets.cuda.attention_parts import (DOT_PRECISION, LOG2E, SHARED_LIMIT, canon,
-                                               finite_log2, head_dims, itemsize, pow2,
-                                               shared_estimate)
+from kiln.targets.cuda.attention_parts import (DOT_PRECISION, LOG2E, SHARED_LIMIT, finite_log2,
+                                               head_dims, itemsize, operands, pow2, shared_estimate)
 from kiln.targets.cuda.cse import render, text
 from kiln.targets.cuda.kernel import Config, TritonKernel, _Scope
-from kiln.targets.cuda.ops import COMPUTE, SIG_PTR, TL_DTYPE, to_tl
+from kiln.targets.cuda.ops import COMPUTE, SIG_PTR, TL_DTYPE, canon, to_tl
 from kiln.targets.cuda.put import STATUS_COUNTER_BASE, STATUS_COUNTERS
 from kiln.ir import loop as L
 from kiln.ir.sym import contiguous_strides, evaluate, free_size_symbols, product, unravel
@@ -226,14 +225,7 @@ def print_decode_kernel(call: L.Extern, buffers, hints: dict[str, int],
     members = {m.name: m for m in fused.kernel.members} \
         if fused is not None and fused.kernel is not None else {}
     counter_ = [0]
-    q, k, v = call.args[:3]
-    mask = call.args[3] if len(call.args) > 3 else None
-    kind = call.attr("mask", 0)
-    causal = bool(call.attr("causal"))
-    scale = float(call.attr("scale"))
-    name = f"attn_{call.name}"
-    out = buffers[call.name]
-    dt = buffers[q.buf].dtype.name
+    q, k, v, mask, kind, causal, scale, name, out, dt = operands(call, buffers)
     e, ev = head_dims(call)
     ep, evp = pow2(e), pow2(ev)
     g, lq, mb = _decode_rows(call)

@@ -5,10 +5,12 @@ tiles' estimate of it, the static head dims and item size of a call, power-of-tw
 
 from __future__ import annotations
 
-import sympy
+from typing import NamedTuple
+
 
 from kiln.ir import loop as L
 from kiln.targets.cuda.kernel import Config
+from kiln.toolchain.cuda import SHARED_PER_BLOCK
 
 LOG2E = 1.4426950408889634
 F32_MAX = 3.4028234663852886e38
@@ -22,7 +24,7 @@ def finite_log2(m: str) -> str:
             f"-{F32_MAX!r}, {m} * {LOG2E!r})")
 
 
-SHARED_LIMIT = 232448  # bytes of shared memory one sm_90 block may use (227 KiB)
+SHARED_LIMIT = SHARED_PER_BLOCK[90]  # bytes of shared memory one sm_90 block may use (227 KiB)
 
 
 # tl.dot's input precision per operand dtype where Triton's default is not eager's: float32
@@ -53,5 +55,23 @@ def shared_estimate(cfg: Config, e_pad: int, ev_pad: int, size: int) -> int:
     return stages * cfg.rblock * (e_pad + ev_pad) * size + cfg.xblock * e_pad * size
 
 
-def canon(e) -> sympy.Expr:
-    return sympy.expand(sympy.sympify(e))
+class Operands(NamedTuple):
+    """What both kernels' printers read off an attention call."""
+
+    q: L.LibArg
+    k: L.LibArg
+    v: L.LibArg
+    mask: L.LibArg | None
+    kind: int  # the mask's kind (lowering/attention.py)
+    causal: bool
+    scale: float
+    name: str  # the kernel's: attn_<call>
+    out: L.Buffer
+    dt: str  # q's dtype name
+
+
+def operands(call: L.Extern, buffers) -> Operands:
+    q, k, v = call.args[:3]
+    return Operands(q, k, v, call.args[3] if len(call.args) > 3 else None, call.attr("mask", 0),
+                    bool(call.attr("causal")), float(call.attr("scale")), f"attn_{call.name}",
+                    buffers[call.name], buffers[q.buf].dtype.name)

@@ -39,7 +39,7 @@ import sympy
 from kiln.ir import loop as L
 from kiln.ir.sym import FloorDiv, evaluate
 from kiln.targets.cuda.kernel import Config, TritonKernel
-from kiln.targets.cuda.ops import SIG_PTR, TL_DTYPE, to_tl
+from kiln.targets.cuda.ops import SIG_PTR, TL_DTYPE, canon, to_tl
 
 ROUTINE = "conv2d_nhwc"
 DOT_PRECISION = {"float32": "tf32x3"}
@@ -51,10 +51,6 @@ DENSE_SPACE = [(128, 128, 64, 8, 3), (128, 64, 64, 4, 4), (64, 128, 64, 4, 4),
 DW_SPACE = [(32, 64, 0, 4, 1), (16, 64, 0, 4, 1), (64, 64, 0, 4, 1), (32, 128, 0, 4, 1),
             (16, 128, 0, 4, 1), (8, 128, 0, 4, 1), (64, 32, 0, 4, 1)]
 GROUP_M = 8
-
-
-def _c(e) -> sympy.Expr:
-    return sympy.expand(sympy.sympify(e))
 
 
 def _pow2(n: int, least: int = 16) -> int:
@@ -97,7 +93,7 @@ def choose_conv_config(call: L.Extern, buffers, hints: dict[str, int]) -> Config
 def _m(call: L.Extern, buffers, hints) -> int:
     oh, ow = _out_hw(call, buffers)
     try:
-        return max(1, evaluate(_c(buffers[call.name].shape[-4] * oh * ow), hints))
+        return max(1, evaluate(canon(buffers[call.name].shape[-4] * oh * ow), hints))
     except Exception:  # noqa: BLE001 - no hints (a printer called without sizes)
         return 4096
 
@@ -182,11 +178,11 @@ def _print(call: L.Extern, buffers, cfg: Config, body) -> TritonKernel:
             + {0: "", 1: ", relu", 2: f", clamp({a['lo']:g}, {a['hi']:g})", 3: ", silu"}[
                 a["act"]]),
         "    pid = tl.program_id(1).to(tl.int64) * tl.num_programs(0) + tl.program_id(0)",
-        f"    H = {to_tl(_c(gm['h']))}",
-        f"    W = {to_tl(_c(gm['w']))}",
-        f"    OH = {to_tl(_c(oh))}",
-        f"    OW = {to_tl(_c(ow))}",
-        f"    M = {to_tl(_c(gm['n']))} * OH * OW",
+        f"    H = {to_tl(canon(gm['h']))}",
+        f"    W = {to_tl(canon(gm['w']))}",
+        f"    OH = {to_tl(canon(oh))}",
+        f"    OW = {to_tl(canon(ow))}",
+        f"    M = {to_tl(canon(gm['n']))} * OH * OW",
     ]
     blines, rows = body(call, buffers, cfg, gm, big)
     lines += blines
@@ -205,10 +201,10 @@ def _print(call: L.Extern, buffers, cfg: Config, body) -> TritonKernel:
 def _ptr(arg: L.LibArg, idx: list[str]) -> str:
     """buf + offset + sum(idx_d * stride_d) (zero strides left out)."""
     parts = [f"buf_{arg.buf}"]
-    if _c(arg.offset) != 0:
-        parts.append(to_tl(_c(arg.offset)))
+    if canon(arg.offset) != 0:
+        parts.append(to_tl(canon(arg.offset)))
     for var, st in zip(idx, arg.strides):
-        st = _c(st)
+        st = canon(st)
         if st != 0 and var != "0":
             parts.append(var if st == 1 else f"{var} * {to_tl(st)}")
     return " + ".join(parts)
@@ -253,10 +249,10 @@ def _dense_body(call: L.Extern, buffers, cfg: Config, gm: dict, big: bool):
         f"    n_ok = rn < {ocg}",
         "    rk = tl.arange(0, BLOCK_K)",
         f"    xb = {_ptr(x, ['n_', '0', '0', f'grp * {cg}'])}",
-        f"    wb = buf_{w.buf} + {to_tl(_c(w.offset))} + grp * {ktot * ocg}",
+        f"    wb = buf_{w.buf} + {to_tl(canon(w.offset))} + grp * {ktot * ocg}",
         "    acc = tl.zeros((XBLOCK, RBLOCK), dtype=tl.float32)",
     ]
-    sxh, sxw, sxc = (_c(s) for s in x.strides[1:])
+    sxh, sxw, sxc = (canon(s) for s in x.strides[1:])
 
     def off(var, st):
         return var if st == 1 else f"{var} * {to_tl(st)}"
@@ -315,7 +311,7 @@ def _dense_body(call: L.Extern, buffers, cfg: Config, gm: dict, big: bool):
             f"        acc = tl.dot(a, b, acc{prec})",
         ]
     lines.append(f"    oc = grp * {ocg} + rn")
-    m_pad = FloorDiv(_c(gm["n"] * _out_hw(call, buffers)[0] * _out_hw(call, buffers)[1])
+    m_pad = FloorDiv(canon(gm["n"] * _out_hw(call, buffers)[0] * _out_hw(call, buffers)[1])
                      + cfg.xblock - 1, cfg.xblock) * cfg.xblock
     rows = sympy.expand(m_pad * (-(-ocg // cfg.rblock)) * g * _split(call))
     return lines, rows
@@ -325,7 +321,7 @@ def _depthwise_body(call: L.Extern, buffers, cfg: Config, gm: dict, big: bool):
     a = dict(call.attrs)
     x, w = call.args[0], call.args[1]
     c = gm["c"]
-    sxh, sxw, sxc = (_c(s) for s in x.strides[1:])
+    sxh, sxw, sxc = (canon(s) for s in x.strides[1:])
     nb = -(-c // cfg.rblock)
     lines = [
         f"    pid_m = pid // {nb}",
@@ -347,13 +343,13 @@ def _depthwise_body(call: L.Extern, buffers, cfg: Config, gm: dict, big: bool):
         f"{'iw' if sxw == 1 else f'iw * {to_tl(sxw)}'})[:, None] + "
         f"{'rn' if sxc == 1 else f'(rn * {to_tl(sxc)})'}[None, :], "
         "mask=ok[:, None] & n_ok[None, :], other=0.0)",
-        f"            wv = tl.load(buf_{w.buf} + {to_tl(_c(w.offset))} + "
+        f"            wv = tl.load(buf_{w.buf} + {to_tl(canon(w.offset))} + "
         f"(ky * {a['kw']} + kx) * {c} + rn, mask=n_ok, other=0.0)",
         "            acc += v.to(tl.float32) * wv.to(tl.float32)[None, :]",
         "    oc = rn",
     ]
     oh, ow = _out_hw(call, buffers)
-    m_pad = FloorDiv(_c(gm["n"] * oh * ow) + cfg.xblock - 1, cfg.xblock) * cfg.xblock
+    m_pad = FloorDiv(canon(gm["n"] * oh * ow) + cfg.xblock - 1, cfg.xblock) * cfg.xblock
     return lines, sympy.expand(m_pad * nb)
 
 
@@ -362,7 +358,7 @@ def _epilogue(call: L.Extern, dt, gm: dict) -> list[str]:
     contiguous NHWC output."""
     a = dict(call.attrs)
     b = call.args[2]
-    sb = f"buf_{b.buf}" + (f" + {to_tl(_c(b.offset))}" if _c(b.offset) != 0 else "")
+    sb = f"buf_{b.buf}" + (f" + {to_tl(canon(b.offset))}" if canon(b.offset) != 0 else "")
     lines = [
         "    mask = m_ok[:, None] & n_ok[None, :]",
         "    # batch norm's scale (1 without one) and the shift (bias, batch norm), float32",
@@ -372,12 +368,12 @@ def _epilogue(call: L.Extern, dt, gm: dict) -> list[str]:
     ]
     if len(call.args) > 3:
         r = call.args[3]
-        sn, sh, sw, sc = (_c(s) for s in r.strides)
+        sn, sh, sw, sc = (canon(s) for s in r.strides)
 
         def term(var, st):
             return [] if st == 0 else [var if st == 1 else f"{var} * {to_tl(st)}"]
         rows = " + ".join(term("n_", sn) + term("oh_", sh) + term("ow_", sw)) or "0"
-        base = f"buf_{r.buf}" + (f" + {to_tl(_c(r.offset))}" if _c(r.offset) != 0 else "")
+        base = f"buf_{r.buf}" + (f" + {to_tl(canon(r.offset))}" if canon(r.offset) != 0 else "")
         cols = "oc" if sc == 1 else f"(oc * {to_tl(sc)})"
         lines.append(f"    acc = acc + tl.load({base} + ({rows})[:, None] + {cols}[None, :], "
                      "mask=mask, other=0.0).to(tl.float32)  # the residual")

@@ -40,7 +40,7 @@ from kiln.ir import loop as L
 from kiln.ir.sym import evaluate, ivars, product, rvars, unravel
 from kiln.schedule import Kernel
 from kiln.ir.sym import contiguous_strides, linear_index
-from kiln.targets.cuda.ops import PRELUDE
+from kiln.targets.cuda.ops import PRELUDE, pow2
 
 BIG_INDEX = 2**62  # argmax/argmin: index of a lane that has seen no element yet
 _NATIVE = ("float32", "float64", "int32", "int64")  # same-dtype arithmetic keeps the dtype
@@ -261,13 +261,6 @@ class _Scope:
         return code("tl.load(buf_{} + {}, mask={}, other={}){}", e.buf, idx, mask, other, up)
 
 
-def _pow2(n: int) -> int:
-    p = 1
-    while p < n:
-        p *= 2
-    return p
-
-
 def choose_config(kernel: Kernel, hints: dict[str, int], max_rblock: int = 4096,
                   num_warps: int = 0) -> Config:
     """Block sizes from the example sizes (the autotuning hook: a tuner would replace this).
@@ -279,12 +272,12 @@ def choose_config(kernel: Kernel, hints: dict[str, int], max_rblock: int = 4096,
     for m in kernel.members:
         n = m.reduce.sizes if m.reduce is not None else m.shape[k:]
         widths.append(max(1, evaluate(product(n), hints)))
-    rblock = min(_pow2(max(widths)), max_rblock)
+    rblock = min(pow2(max(widths)), max_rblock)
     rows = max(1, evaluate(product(kernel.outer), hints))
-    xblock = max(1, min(2048 // rblock, _pow2(rows)))
+    xblock = max(1, min(2048 // rblock, pow2(rows)))
     while xblock > 1 and -(-rows // xblock) < 264:
         xblock //= 2
-    warps = num_warps or max(1, min(8, _pow2(xblock * rblock // 256)))
+    warps = num_warps or max(1, min(8, pow2(xblock * rblock // 256)))
     return Config(xblock, rblock, warps)
 
 

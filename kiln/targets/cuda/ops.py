@@ -175,6 +175,23 @@ def to_tl(e, names: dict[str, str] | None = None) -> str:
     raise ValueError(f"cannot print index expression {e!r} for Triton")
 
 
+def canon(e) -> sympy.Expr:
+    """A size expression (int, string or sympy) in its expanded form: what the kernel printers
+    compare and print."""
+    return sympy.expand(sympy.sympify(e))
+
+
+def pow2(n: int, least: int = 1) -> int:
+    """The smallest power of two >= n, at least `least` (tile sizes: Triton's blocks are
+    powers of two)."""
+    return max(least, 1 << max(0, int(n) - 1).bit_length())
+
+
+def size_names(exprs) -> list[str]:
+    """The size symbols of `exprs`, sorted by name: a kernel's size parameters."""
+    return sorted({str(s) for x in exprs for s in sympy.sympify(x).free_symbols})
+
+
 def part_literal(value, dt, part: int) -> str:
     """The bits of part `part` (0 real, 1 imaginary) of complex constant `value` of dtype
     `dt`, as an integer literal."""

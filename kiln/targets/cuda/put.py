@@ -25,7 +25,7 @@ import sympy
 from kiln.ir import loop as L
 from kiln.ir.sym import contiguous_strides, product
 from kiln.targets.cuda.kernel import Config, TritonKernel, print_triton_kernel
-from kiln.targets.cuda.ops import SIG_PTR, to_tl, unravel
+from kiln.targets.cuda.ops import SIG_PTR, canon, pow2, size_names, to_tl, unravel
 
 XBLOCK = 256
 NUM_WARPS = 4
@@ -43,28 +43,20 @@ def put_kernel_names(call: L.Extern) -> tuple[str, str]:
     return f"put_copy_{call.name}", f"put_{call.name}"
 
 
-def _c(e) -> sympy.Expr:
-    return sympy.expand(sympy.sympify(e))
-
-
-def _syms(exprs) -> list[str]:
-    return sorted({str(s) for x in exprs for s in sympy.sympify(x).free_symbols})
-
-
 def _offset(arg: L.LibArg, coords: list[str], i: str = "i") -> str:
-    parts = [] if _c(arg.offset) == 0 else [to_tl(_c(arg.offset))]
+    parts = [] if canon(arg.offset) == 0 else [to_tl(canon(arg.offset))]
     for c, st in zip(coords, arg.strides):
-        st = _c(st)
+        st = canon(st)
         if st != 0 and c != "0":
             parts.append(c if st == 1 else f"{c} * {to_tl(st)}")
-    if not any(c != "0" and _c(st) != 0 for c, st in zip(coords, arg.strides)):
+    if not any(c != "0" and canon(st) != 0 for c, st in zip(coords, arg.strides)):
         parts.append(f"{i} * 0")  # one element for every lane: still a block of pointers
     return " + ".join(parts)
 
 
 def _kernel(name: str, call: L.Extern, buffers, bufs: list[str], exprs, status: bool,
             body: list[str], rows) -> TritonKernel:
-    syms = _syms(exprs)
+    syms = size_names(exprs)
     params = (("out", call.name), *(("in", b) for b in bufs[1:]), *(("size", s) for s in syms))
     if status:
         params += (("status", "kiln_status"),)
@@ -81,10 +73,10 @@ def _kernel(name: str, call: L.Extern, buffers, bufs: list[str], exprs, status: 
         f"    #   from graph nodes: {', '.join(call.source)}",
         "    pid = tl.program_id(1).to(tl.int64) * tl.num_programs(0) + tl.program_id(0)",
         "    i = pid * XBLOCK + tl.arange(0, XBLOCK)",
-        f"    ok = i < {to_tl(_c(rows))}",
+        f"    ok = i < {to_tl(canon(rows))}",
     ]
     src = "\n".join(head + body) + "\n"
-    return TritonKernel(name, src, params, sig, Config(XBLOCK, 1, NUM_WARPS), _c(rows),
+    return TritonKernel(name, src, params, sig, Config(XBLOCK, 1, NUM_WARPS), canon(rows),
                         call.source)
 
 
@@ -112,7 +104,7 @@ def destination(call: L.Extern, buffers, p: str = "", indent: str = "    "
     ostrides = contiguous_strides(out.shape)
     exprs = [m, *out.shape, values.offset, *iters, *values.strides]
     for d, k in enumerate(dims):
-        size = _c(out.shape[d])
+        size = canon(out.shape[d])
         if k >= 0:
             c = it[k]
         else:
@@ -124,7 +116,7 @@ def destination(call: L.Extern, buffers, p: str = "", indent: str = "    "
             if wrap:
                 body.append(f"{c} = tl.where({c} < 0, {c} + {to_tl(size)}, {c})")
             body.append(f"{bad} = {bad} | ({c} < 0) | ({c} >= {to_tl(size)})")
-        st = _c(ostrides[d])
+        st = canon(ostrides[d])
         if c != "0" and size != 1 or k < 0:
             dest.append(c if st == 1 else f"{c} * {to_tl(st)}")
     return [indent + x for x in body], " + ".join(dest) or "0", bufs, exprs, m
@@ -170,10 +162,6 @@ def print_put_kernels(call: L.Extern, buffers) -> tuple[TritonKernel, TritonKern
     return copy, scatter
 
 
-def _pow2(n: int) -> int:
-    return 1 << max(0, int(n) - 1).bit_length()
-
-
 def print_fused_puts(step, buffers, hints, config: Config | None = None) -> TritonKernel:
     """One program for a `PutKernel` (schedule/puts.py): its kernel's members (printed by
     the row-kernel printer), a barrier, then each put's scatter over its (static, small)
@@ -184,10 +172,10 @@ def print_fused_puts(step, buffers, hints, config: Config | None = None) -> Trit
         if call.attr("mode") != 0 or not call.attr("include_self", True):
             raise ValueError(f"put {call.name}: the CUDA kernel only sets (mode 0)")
         p = f"p{j}_"
-        m = int(_c(product(call.args[1].shape)))
+        m = int(canon(product(call.args[1].shape)))
         tail += [f"    # {call.name} = index_put({', '.join(a.buf for a in call.args)})  <- "
                  f"{', '.join(call.source)}",
-                 f"    {p}i = tl.arange(0, {_pow2(max(m, 16))})",
+                 f"    {p}i = tl.arange(0, {pow2(max(m, 16))})",
                  f"    {p}ok = {p}i < {m}"]
         tail += scatter_lines(call, buffers, p)[0]
     if step.kernel is not None:

@@ -30,14 +30,13 @@ routine's arithmetic on bool); integer sums and products wrap."""
 
 from __future__ import annotations
 
-import sympy
 
 from kiln.errors import UnsupportedError
 from kiln.frontend.aten_library import ACC_PUT_DTYPES
 from kiln.ir import loop as L
 from kiln.ir.sym import product
 from kiln.targets.cuda.kernel import Config, TritonKernel, signature
-from kiln.targets.cuda.ops import INT_LIMITS, TL_DTYPE, to_tl
+from kiln.targets.cuda.ops import INT_LIMITS, TL_DTYPE, canon, size_names, to_tl
 from kiln.targets.cuda.put import destination, print_put_copy, put_kernel_names
 
 XBLOCK = 256
@@ -73,17 +72,9 @@ def put_reduce_kernel_names(call: L.Extern, include_copy: bool = True) -> list[s
     return out
 
 
-def _c(e) -> sympy.Expr:
-    return sympy.expand(sympy.sympify(e))
-
-
-def _syms(exprs) -> list[str]:
-    return sorted({str(s) for x in exprs for s in sympy.sympify(x).free_symbols})
-
-
 def _kernel(name: str, call: L.Extern, buffers, outs: list[str], ins: list[str], exprs,
             status: bool, body: list[str], rows, comment: str) -> TritonKernel:
-    syms = _syms([rows, *exprs])
+    syms = size_names([rows, *exprs])
     params = tuple([("out", o) for o in outs] + [("in", b) for b in ins if b not in outs] +
                    [("size", s) for s in syms] + ([("status", "kiln_status")] if status else []))
     sig = signature(params, buffers)
@@ -95,10 +86,10 @@ def _kernel(name: str, call: L.Extern, buffers, outs: list[str], ins: list[str],
         f"    #   from graph nodes: {', '.join(call.source)}",
         "    pid = tl.program_id(1).to(tl.int64) * tl.num_programs(0) + tl.program_id(0)",
         "    i = pid * XBLOCK + tl.arange(0, XBLOCK)",
-        f"    ok = i < {to_tl(_c(rows))}",
+        f"    ok = i < {to_tl(canon(rows))}",
     ]
     src = "\n".join(head + [f"    {x}" for x in body]) + "\n"
-    return TritonKernel(name, src, params, sig, Config(XBLOCK, 1, NUM_WARPS), _c(rows),
+    return TritonKernel(name, src, params, sig, Config(XBLOCK, 1, NUM_WARPS), canon(rows),
                         call.source)
 
 
@@ -206,7 +197,7 @@ def print_put_reduce_kernels(call: L.Extern, buffers) -> list[TritonKernel]:
     what = (f"{out} = scatter {_MODE[mode]} of {call.args[1].buf} into {call.args[0].buf}"
             f"{'' if include_self else ' (without self)'}")
     kernels = [print_put_copy(call, buffers)]
-    n = _c(product(buffers[out].shape))
+    n = canon(product(buffers[out].shape))
     count = call.outs[1] if mean else None
     if mean:
         kernels.append(_kernel(f"put_count_{out}", call, buffers, [count], [], [], False, [

@@ -31,7 +31,7 @@ from kiln.errors import UnsupportedError
 from kiln.ir import loop as L
 from kiln.ir.sym import FloorDiv, evaluate, product
 from kiln.targets.cuda.kernel import Config, TritonKernel, signature
-from kiln.targets.cuda.ops import INT_LIMITS, TL_DTYPE, to_tl, unravel
+from kiln.targets.cuda.ops import INT_LIMITS, TL_DTYPE, canon, pow2, size_names, to_tl, unravel
 
 SCAN_ROUTINES = ("scan", "scan_extreme")
 NONZERO_ROUTINE = "nonzero"
@@ -51,18 +51,10 @@ def scan_kernel_name(call: L.Extern) -> str:
     return f"{call.routine}_{call.name}"
 
 
-def _c(e) -> sympy.Expr:
-    return sympy.expand(sympy.sympify(e))
-
-
-def _pow2(n: int) -> int:
-    return 1 << max(0, int(n) - 1).bit_length()
-
-
 def _offset(offset, coords: list[str], strides, var: str) -> str:
-    parts = [] if _c(offset) == 0 else [to_tl(_c(offset))]
+    parts = [] if canon(offset) == 0 else [to_tl(canon(offset))]
     for c, st in zip(coords, strides):
-        st = _c(st)
+        st = canon(st)
         if st != 0 and c != "0":
             parts.append(c if st == 1 else f"{c} * {to_tl(st)}")
     parts.append(f"{var} * 0")  # a block like `var` even when no coordinate varies
@@ -91,13 +83,13 @@ def _config(n, rows, stride_one: bool, hints) -> Config:
     except (KeyError, TypeError, ValueError):  # sizes without a hint
         n, rows = 1024, 1
     if stride_one:
-        rblock = min(_pow2(n), 1024)
+        rblock = min(pow2(n), 1024)
     else:
-        rblock = min(_pow2(n), 16)
-    xblock = max(1, min(TILE // rblock, _pow2(rows)))
+        rblock = min(pow2(n), 16)
+    xblock = max(1, min(TILE // rblock, pow2(rows)))
     while xblock > 1 and -(-rows // xblock) < 132:  # programs for every H100 SM
         xblock //= 2
-    warps = max(1, min(8, _pow2(xblock * rblock // 256)))
+    warps = max(1, min(8, pow2(xblock * rblock // 256)))
     return Config(xblock, rblock, warps)
 
 
@@ -109,17 +101,13 @@ def _head(name: str, params, buffers, comment: list[str]):
     return sig, head
 
 
-def _syms(exprs) -> list[str]:
-    return sorted({str(s) for x in exprs for s in sympy.sympify(x).free_symbols})
-
-
 def print_scan_kernels(call: L.Extern, buffers, hints: dict[str, int]) -> list[TritonKernel]:
     """The kernels of one `scan` / `scan_extreme` call (real values): one kernel walking
     each row's tiles in order, or, for few long rows (by the example sizes), the multi-block
     scan's three (`_print_scan_blocks`)."""
     (x,) = call.args
-    n = _c(x.shape[-1])
-    rows = _c(product(x.shape[:-1])) if x.shape[:-1] else sympy.Integer(1)
+    n = canon(x.shape[-1])
+    rows = canon(product(x.shape[:-1])) if x.shape[:-1] else sympy.Integer(1)
     out_dt = buffers[call.outs[0]].dtype
     try:
         nh, rh = evaluate(n, hints), evaluate(rows, hints)
@@ -140,14 +128,14 @@ def print_scan_kernel(call: L.Extern, buffers, hints: dict[str, int],
     if src_dt.is_complex or out_dt.is_complex:
         raise UnsupportedError(f"complex {call.routine} (for {', '.join(call.source)}) in a "
                                "Triton kernel: the frontend writes complex scans as doubling")
-    n = _c(x.shape[-1])
+    n = canon(x.shape[-1])
     rows_shape = x.shape[:-1]
-    rows = _c(product(rows_shape)) if rows_shape else sympy.Integer(1)
-    sn = _c(x.strides[-1])
+    rows = canon(product(rows_shape)) if rows_shape else sympy.Integer(1)
+    sn = canon(x.strides[-1])
     name = scan_kernel_name(call)
     config = config or _config(n, rows, sn == 1, hints)
     exprs = [n, rows, x.offset, *rows_shape, *x.strides]
-    syms = _syms(exprs)
+    syms = size_names(exprs)
     params = tuple([("out", o) for o in call.outs] + [("in", x.buf)] +
                    [("size", s) for s in syms])
     extreme = call.routine == "scan_extreme"
@@ -235,10 +223,10 @@ def print_nonzero_kernel(call: L.Extern, buffers, config: Config | None = None
     if csum:
         return _print_nonzero_parallel(call, buffers)
     rank = len(mask.shape)
-    total = _c(product(mask.shape)) if rank else sympy.Integer(1)
+    total = canon(product(mask.shape)) if rank else sympy.Integer(1)
     name = scan_kernel_name(call)
     exprs = [total, mask.offset, *mask.shape, *mask.strides, count.offset]
-    syms = _syms(exprs)
+    syms = size_names(exprs)
     params = tuple([("out", out), ("in", mask.buf)] +
                    ([("in", count.buf)] if count.buf != mask.buf else []) +
                    [("size", s) for s in syms] + [("status", "kiln_status")])
@@ -249,7 +237,7 @@ def print_nonzero_kernel(call: L.Extern, buffers, config: Config | None = None
     coords = unravel("p", mask.shape)
     ttl = to_tl(total)
     body = [
-        f"    want = tl.load(buf_{count.buf} + {to_tl(_c(count.offset))})",
+        f"    want = tl.load(buf_{count.buf} + {to_tl(canon(count.offset))})",
         "    carry = tl.full([1], 0, tl.int64)",
         f"    for p0 in range(0, {ttl}, RBLOCK):",
         "        p = p0 + tl.arange(0, RBLOCK).to(tl.int64)",
@@ -306,13 +294,13 @@ def print_cput_kernel(call: L.Extern, buffers) -> TritonKernel:
         raise UnsupportedError(f"complex scatter product {out} (for {', '.join(call.source)})"
                                " with other than one index tensor")
     shape = self_.shape
-    total = _c(product(shape)) if shape else sympy.Integer(1)
+    total = canon(product(shape)) if shape else sympy.Integer(1)
     iters = values.shape
-    m = _c(product(iters)) if iters else sympy.Integer(1)
+    m = canon(product(iters)) if iters else sympy.Integer(1)
     name = cput_kernel_name(call)
     exprs = [total, m, self_.offset, *shape, *self_.strides, values.offset, *iters,
              *values.strides, index.offset, *index.strides]
-    syms = _syms(exprs)
+    syms = size_names(exprs)
     bufs = [out] + [b for b in dict.fromkeys((self_.buf, values.buf, index.buf)) if b != out]
     params = tuple([("out", out)] + [("in", b) for b in bufs[1:]] +
                    [("size", s) for s in syms] + [("status", "kiln_status")])
@@ -325,14 +313,14 @@ def print_cput_kernel(call: L.Extern, buffers) -> TritonKernel:
     ostr, st = [], sympy.Integer(1)
     for n in reversed(shape):
         ostr.append(st)
-        st = st * _c(n)
+        st = st * canon(n)
     ostr = ostr[::-1]
     dest = []
     for d, k in enumerate(dims):
         c = "v" if k < 0 else it[k]
-        if c != "0" and _c(ostr[d]) != 0 and not (k >= 0 and _c(shape[d]) == 1):
-            dest.append(c if _c(ostr[d]) == 1 else f"{c} * {to_tl(_c(ostr[d]))}")
-    dsize = to_tl(_c(shape[dims.index(next(d for d in dims if d < 0))]))
+        if c != "0" and canon(ostr[d]) != 0 and not (k >= 0 and canon(shape[d]) == 1):
+            dest.append(c if canon(ostr[d]) == 1 else f"{c} * {to_tl(canon(ostr[d]))}")
+    dsize = to_tl(canon(shape[dims.index(next(d for d in dims if d < 0))]))
     soff = _offset(self_.offset, oc, self_.strides, "o")
     body = [
         "    pid = tl.program_id(1).to(tl.int64) * tl.num_programs(0) + tl.program_id(0)",
@@ -372,9 +360,9 @@ def print_cput_kernel(call: L.Extern, buffers) -> TritonKernel:
 
 
 def _scalar_off(offset, coords: list[str], strides) -> str:
-    parts = [] if _c(offset) == 0 else [to_tl(_c(offset))]
+    parts = [] if canon(offset) == 0 else [to_tl(canon(offset))]
     for c, s in zip(coords, strides):
-        s = _c(s)
+        s = canon(s)
         if s != 0 and c != "0":
             parts.append(c if s == 1 else f"{c} * {to_tl(s)}")
     return " + ".join(parts) or "0"
@@ -420,15 +408,15 @@ def _print_scan_blocks(call: L.Extern, buffers) -> list[TritonKernel]:
     extreme = call.routine == "scan_extreme"
     fn, ident, vt, conv = _ops(call, buffers)
     out_dt = buffers[call.outs[0]].dtype
-    n = _c(x.shape[-1])
+    n = canon(x.shape[-1])
     rows_shape = x.shape[:-1]
-    rows = _c(product(rows_shape)) if rows_shape else sympy.Integer(1)
-    sn = _c(x.strides[-1])
+    rows = canon(product(rows_shape)) if rows_shape else sympy.Integer(1)
+    sn = canon(x.strides[-1])
     nb = sympy.sympify(FloorDiv(n + CHUNK - 1, CHUNK))
     base = scan_kernel_name(call)
     ntl, nbt = to_tl(n), to_tl(nb)
     exprs = [n, rows, x.offset, *rows_shape, *x.strides, nb]
-    syms = _syms(exprs)
+    syms = size_names(exprs)
     outs = list(call.outs)
     vals = outs[0]
     what = f"{call.routine} of {x.buf} ({', '.join(call.source)})"
@@ -533,11 +521,11 @@ def _print_nonzero_parallel(call: L.Extern, buffers) -> TritonKernel:
     mask, count, csum = call.args
     out = call.name
     rank = len(mask.shape)
-    total = _c(product(mask.shape)) if rank else sympy.Integer(1)
+    total = canon(product(mask.shape)) if rank else sympy.Integer(1)
     name = scan_kernel_name(call)
     exprs = [total, mask.offset, *mask.shape, *mask.strides, count.offset, csum.offset,
              *csum.strides]
-    syms = _syms(exprs)
+    syms = size_names(exprs)
     bufs = [b for b in dict.fromkeys((mask.buf, count.buf, csum.buf))]
     params = tuple([("out", out)] + [("in", b) for b in bufs] + [("size", s) for s in syms] +
                    [("status", "kiln_status")])
@@ -546,13 +534,13 @@ def _print_nonzero_parallel(call: L.Extern, buffers) -> TritonKernel:
         f"elements, {count.buf}: their number (routine nonzero)",
         f"    #   from graph nodes: {', '.join(call.source)}"])
     coords = unravel("p", mask.shape)
-    cst = _c(csum.strides[0]) if csum.strides else sympy.Integer(1)
-    csoff = to_tl(_c(csum.offset))
+    cst = canon(csum.strides[0]) if csum.strides else sympy.Integer(1)
+    csoff = to_tl(canon(csum.offset))
     body = [
         "    pid = tl.program_id(1).to(tl.int64) * tl.num_programs(0) + tl.program_id(0)",
         "    p = pid * XBLOCK + tl.arange(0, XBLOCK).to(tl.int64)",
         f"    ok = p < {to_tl(total)}",
-        f"    want = tl.load(buf_{count.buf} + {to_tl(_c(count.offset))})",
+        f"    want = tl.load(buf_{count.buf} + {to_tl(canon(count.offset))})",
         f"    have = tl.load(buf_{csum.buf} + {csoff} + ({to_tl(total)} - 1) * {to_tl(cst)})",
         f"    v = tl.load(buf_{mask.buf} + {_offset(mask.offset, coords, mask.strides, 'p')}, "
         "mask=ok, other=0) != 0",

@@ -33,8 +33,8 @@ from kiln.errors import UnsupportedError
 from kiln.ir import loop as L
 from kiln.ir.sym import evaluate, product
 from kiln.targets.cuda.kernel import Config, TritonKernel
-from kiln.targets.cuda.ops import to_tl, unravel
-from kiln.targets.cuda.scan import _head, _offset, _syms
+from kiln.targets.cuda.ops import canon, pow2, size_names, to_tl, unravel
+from kiln.targets.cuda.scan import _head, _offset
 
 SORT_ROUTINES = ("sort", "topk")
 MAX_ROW = 4096  # the longest row one tile sorts (int64 keys: 32 KiB a row)
@@ -48,14 +48,6 @@ SORTABLE = frozenset({*_FLOAT_BITS, "bool", "uint8", "int8", "int16", "int32"})
 
 def sort_kernel_name(call: L.Extern) -> str:
     return f"{call.routine}_{call.name}"
-
-
-def _c(e) -> sympy.Expr:
-    return sympy.expand(sympy.sympify(e))
-
-
-def _pow2(n: int) -> int:
-    return 1 << max(0, int(n) - 1).bit_length()
 
 
 def order_lines(dtype_name: str, descending: bool) -> list[str]:
@@ -86,10 +78,10 @@ def _config(row_block: int, rows, hints) -> Config:
         rows = max(1, evaluate(rows, hints))
     except (KeyError, TypeError, ValueError):  # sizes without a hint
         rows = 1
-    xblock = max(1, min(TILE // row_block, _pow2(rows)))
+    xblock = max(1, min(TILE // row_block, pow2(rows)))
     while xblock > 1 and -(-rows // xblock) < 132:  # programs for every H100 SM
         xblock //= 2
-    warps = max(1, min(8, _pow2(xblock * row_block // 256)))
+    warps = max(1, min(8, pow2(xblock * row_block // 256)))
     return Config(xblock, row_block, warps)
 
 
@@ -106,14 +98,14 @@ def print_sort_kernel(call: L.Extern, buffers, hints: dict[str, int],
                                f"without a row bound of at most {MAX_ROW} elements")
     descending = bool(call.attr("descending") if call.routine == "sort"
                       else call.attr("largest"))
-    n = _c(x.shape[-1])
-    m = n if call.routine == "sort" else _c(int(call.attr("k")))
+    n = canon(x.shape[-1])
+    m = n if call.routine == "sort" else canon(int(call.attr("k")))
     rows_shape = x.shape[:-1]
-    rows = _c(product(rows_shape)) if rows_shape else sympy.Integer(1)
-    sn = _c(x.strides[-1])
+    rows = canon(product(rows_shape)) if rows_shape else sympy.Integer(1)
+    sn = canon(x.strides[-1])
     name = sort_kernel_name(call)
-    config = config or _config(max(2, _pow2(int(row_max))), rows, hints)
-    syms = _syms([n, rows, x.offset, *rows_shape, *x.strides])
+    config = config or _config(max(2, pow2(int(row_max))), rows, hints)
+    syms = size_names([n, rows, x.offset, *rows_shape, *x.strides])
     params = tuple([("out", vals), ("out", idx), ("in", x.buf)] + [("size", s) for s in syms])
     what = ("sort" + (" descending" if descending else "") if call.routine == "sort" else
             f"top {call.attr('k')} ({'largest' if descending else 'smallest'})")
