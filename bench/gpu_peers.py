@@ -2,9 +2,10 @@
 
 Per model, dtype and batch, one worker process builds the model (bench/cpu_peers_models.py:
 the zoo models and Hugging Face models built from configs with random weights), moves it to
-the GPU in the dtype, and times, in this order: eager, torch.compile default,
-mode="reduce-overhead", mode="max-autotune", and kiln (default options, CUDA graphs on). Each
-system is timed two ways after a warm-up:
+the GPU in the dtype, and times, in this order: eager, kiln (default options, CUDA graphs on),
+torch.compile default, mode="reduce-overhead" and mode="max-autotune". The row is saved after
+each system, so a worker stopped at its limit (max-autotune's autotuning, mostly) keeps the
+cells it timed and marks the one it was in. Each system is timed two ways after a warm-up:
 
 - back to back (`bench/cuda_timing.stream_ms`): `--calls` calls enqueued between two CUDA
   events, median over `--repeat` batches: device time, host overhead hidden (as do_bench);
@@ -75,7 +76,6 @@ def _first(x):
 
 
 def worker(a) -> dict:
-    import kiln
     from bench.cpu_peers_models import build
 
     torch.manual_seed(0)
@@ -95,8 +95,12 @@ def worker(a) -> dict:
     with torch.no_grad():
         want = _first(module(*args)).float()
         _timed(row, "eager", lambda: module(*args), a)
+        _kiln(row, module, args, want, a)
+        _save(row, a)
         for mode in a.modes.split(","):
             key = MODE_KEYS[mode]
+            row["running"] = key  # what a timed-out worker was doing
+            _save(row, a)
             try:
                 torch._dynamo.reset()
                 compiled = torch.compile(module, mode=mode)
@@ -107,26 +111,40 @@ def worker(a) -> dict:
                 _timed(row, key, lambda c=compiled: c(*args), a)
             except Exception as e:  # noqa: BLE001 - reported in the cell, the others go on
                 row[f"{key}_error"] = f"{type(e).__name__}: {e}"[:160]
-        torch._dynamo.reset()
-        try:
-            t0 = time.perf_counter()
-            ep = torch.export.export(module, args)
-            row["kiln_export_s"] = time.perf_counter() - t0
-            t0 = time.perf_counter()
-            cm = kiln.compile(ep, device="cuda")
-            runner = cm.load(Path(tempfile.mkdtemp()) / f"{a.one}.kiln", device="cuda:0")
-            row["kiln_compile_s"] = time.perf_counter() - t0
-            # where the compile went (the report's stages, the slowest ten), for compiles
-            # that take longer here than in a fresh process
-            stages = sorted(cm.report["stages"].items(), key=lambda kv: -kv[1])[:10]
-            row["kiln_stages"] = {k: round(v, 2) for k, v in stages}
-            got = _first(runner(*args)).float()
-            row["kiln_err"] = float((got - want).abs().max() / want.abs().max().clamp_min(1e-30))
-            _timed(row, "kiln", lambda: runner(*args), a)
-        except Exception as e:  # noqa: BLE001
-            row["kiln_error"] = f"{type(e).__name__}: {e}"[:160]
-            traceback.print_exc()
+        row.pop("running", None)
     return row
+
+
+def _save(row: dict, a) -> None:
+    """The row so far, so that a worker killed at its limit (max-autotune's compile, mostly)
+    still reports the systems it timed."""
+    Path(a.out).write_text(json.dumps(row))
+
+
+def _kiln(row: dict, module, args, want, a) -> None:
+    """kiln right after eager, before torch.compile's modes: a mode whose compile runs past
+    the worker's limit then costs only its own cell."""
+    import kiln
+
+    torch._dynamo.reset()
+    try:
+        t0 = time.perf_counter()
+        ep = torch.export.export(module, args)
+        row["kiln_export_s"] = time.perf_counter() - t0
+        t0 = time.perf_counter()
+        cm = kiln.compile(ep, device="cuda")
+        runner = cm.load(Path(tempfile.mkdtemp()) / f"{a.one}.kiln", device="cuda:0")
+        row["kiln_compile_s"] = time.perf_counter() - t0
+        # where the compile went (the report's stages, the slowest ten), for compiles
+        # that take longer here than in a fresh process
+        stages = sorted(cm.report["stages"].items(), key=lambda kv: -kv[1])[:10]
+        row["kiln_stages"] = {k: round(v, 2) for k, v in stages}
+        got = _first(runner(*args)).float()
+        row["kiln_err"] = float((got - want).abs().max() / want.abs().max().clamp_min(1e-30))
+        _timed(row, "kiln", lambda: runner(*args), a)
+    except Exception as e:  # noqa: BLE001
+        row["kiln_error"] = f"{type(e).__name__}: {e}"[:160]
+        traceback.print_exc()
 
 
 def _cell(row: dict, key: str, suffix: str = "_ms") -> str:
@@ -218,17 +236,27 @@ def main(argv=None) -> int:
                         subprocess.run(cmd, timeout=a.timeout, check=False)
                         row = json.loads(Path(f.name).read_text() or '{"error": "no result"}')
                     except subprocess.TimeoutExpired:
-                        row = {"error": f"timed out after {a.timeout:.0f} s"}
+                        text = Path(f.name).read_text()
+                        row = json.loads(text) if text else {"error": "timed out"}
+                        what = row.pop("running", None)
+                        if what:  # the systems timed before the limit keep their cells
+                            row[f"{what}_error"] = f"timed out after {a.timeout:.0f} s"
+                        else:
+                            row = {"error": f"timed out after {a.timeout:.0f} s"}
                 row.update(model=model, dtype=dtype, batch=batch)
                 rows.append(row)
                 print(json.dumps(row), flush=True)
-    text = table(rows, a.modes.split(","))
-    print("\n" + text)
+                _write(rows, a)  # after every row: a run stopped at its limit keeps the rest
+    print("\n" + table(rows, a.modes.split(",")))
+    return 0
+
+
+def _write(rows: list[dict], a) -> None:
     if a.json:
         Path(a.json).write_text(json.dumps(rows, indent=1))
     if a.markdown:
-        splice(a.markdown, BEGIN, END, text, "## GPU: kiln against torch.compile's modes")
-    return 0
+        splice(a.markdown, BEGIN, END, table(rows, a.modes.split(",")),
+               "## GPU: kiln against torch.compile's modes")
 
 
 if __name__ == "__main__":

@@ -1,7 +1,11 @@
 #!/usr/bin/env bash
-# Issue 15's rows in one device call: each line of ROWS is "<models> <dtypes> <batches> <modes>",
-# run as one bench/gpu_peers.py invocation under its own limit (T_ROW s); logs and tables under
-# $OUT, the tables printed last.  Example:
+# Issue 15's rows in one device call: each line of ROWS is "<models> <dtypes> <batches> <modes>
+# [<limit s>]", run as one bench/gpu_peers.py invocation under that limit (default T_ROW s;
+# the table is written after every model, so a row stopped at its limit keeps what it timed,
+# and a worker stopped at T_WORKER keeps the systems timed before it); logs and tables under
+# $OUT, the tables printed last.  On a machine of several GPUs the rows go round-robin to one
+# lane per GPU (CUDA_VISIBLE_DEVICES), each lane running its rows one after another, so no two
+# rows share a GPU; LANES=1 runs them all on GPU 0.  Example:
 #   ROWS=$'hf_llama,gpt fp32 1 reduce-overhead\nhf_bert_base bf16 8 reduce-overhead,max-autotune' \
 #     bash scripts/peers_device.sh
 set -u
@@ -12,17 +16,38 @@ if ls .whl/*.whl >/dev/null 2>&1; then
   export PYTHONPATH=/tmp/site
 fi
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
-export KILN_CACHE_DIR=${KILN_CACHE_DIR:-/tmp/kiln_cache}
-nvidia-smi --query-gpu=name,driver_version --format=csv,noheader > "$OUT/env.log" 2>&1
-i=0
-while read -r models dtypes batches modes; do
-  [ -z "$models" ] && continue
-  i=$((i + 1)); t0=$SECONDS
-  timeout "${T_ROW:-300}" python3 bench/gpu_peers.py --models "$models" --dtypes "$dtypes" \
-    --batches "$batches" --modes "$modes" --repeat 20 --timeout "${T_WORKER:-150}" \
+nvidia-smi --query-gpu=index,name,driver_version --format=csv,noheader > "$OUT/env.log" 2>&1
+GPUS=$(nvidia-smi -L 2>/dev/null | wc -l)
+LANES=${LANES:-$(( GPUS > 0 ? GPUS : 1 ))}
+
+run_row() {  # <row number> <lane> <models> <dtypes> <batches> <modes> [<limit s>]
+  local i=$1 lane=$2 t0=$SECONDS limit=${7:-${T_ROW:-300}}
+  CUDA_VISIBLE_DEVICES=$lane KILN_CACHE_DIR=${KILN_CACHE_DIR:-/tmp/kiln_cache}_$lane \
+    TORCHINDUCTOR_CACHE_DIR=/tmp/inductor_cache_$lane \
+    timeout "$limit" python3 bench/gpu_peers.py --models "$3" --dtypes "$4" \
+    --batches "$5" --modes "$6" --repeat 20 --timeout "${T_WORKER:-150}" \
     --markdown "$OUT/peers_$i.md" > "$OUT/peers_$i.log" 2>&1
-  echo "row $i ($models $dtypes b$batches $modes): rc $? in $((SECONDS - t0)) s; load $(cut -d' ' -f1-3 /proc/loadavg)" | tee -a "$OUT/steps.log"
+  echo "row $i (gpu $lane: $3 $4 b$5 $6): rc $? in $((SECONDS - t0)) s; load $(cut -d' ' -f1-3 /proc/loadavg)" >> "$OUT/steps.log"
+}
+
+i=0
+declare -a LANE_ROWS
+while read -r models dtypes batches modes limit; do
+  [ -z "$models" ] && continue
+  lane=$(( i % LANES )); i=$((i + 1))
+  LANE_ROWS[$lane]+="$i $models $dtypes $batches $modes ${limit:-}"$'\n'
 done <<< "$ROWS"
+for lane in $(seq 0 $((LANES - 1))); do
+  ( while read -r n models dtypes batches modes limit; do
+      [ -z "$n" ] && continue
+      run_row "$n" "$lane" "$models" "$dtypes" "$batches" "$modes" $limit
+    done <<< "${LANE_ROWS[$lane]:-}" ) &
+done
+wait
+# what comes back is at most 8 files: one archive of the logs, one file of all the tables
+tar -C "$OUT" -czf "$OUT/logs.tgz" $(cd "$OUT" && ls peers_*.log 2>/dev/null) && rm -f "$OUT"/peers_*.log
+for f in $(ls "$OUT"/peers_*.md 2>/dev/null | sort -V); do echo "-- $(basename "$f")"; cat "$f"; done > "$OUT/tables.md"
+rm -f "$OUT"/peers_*.md
 echo "== tables"
-cat "$OUT/env.log" "$OUT/steps.log"
-for f in "$OUT"/peers_*.md; do [ -f "$f" ] && { echo "-- $f"; cat "$f"; }; done
+cat "$OUT/env.log"; sort -V "$OUT/steps.log"
+grep -h "^| \|geometric" "$OUT/tables.md" | grep -v "^| model\|^|---"
