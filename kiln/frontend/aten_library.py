@@ -282,9 +282,100 @@ def _index_put(b, n):
     present = tuple(i for i, t in enumerate(indices) if t is not None)
     if not present:
         raise UnsupportedError(f"index_put without index tensors (node {n.name})")
+    if len(present) > 1 and any(_is_mask(indices[i]) for i in present):
+        positions, names = _mask_coordinates(b, n, indices)
+        return b.emit("index_put", [b.tensor(x), b.tensor(values), *names], n,
+                      positions=positions, accumulate=accumulate)
     return b.emit("index_put", [b.tensor(x), b.tensor(values)] +
                   [b.tensor(indices[i]) for i in present], n, positions=present,
                   accumulate=accumulate)
+
+
+def _is_mask(t) -> bool:
+    return t is not None and t.meta["val"].dtype in (torch.bool, torch.uint8)
+
+
+def _mask_coordinates(b, n, indices) -> tuple[tuple[int, ...], list[str]]:
+    """x[mask, idx] = v (a bool mask beside index tensors): torch replaces the mask of rank m
+    by the m coordinate columns of its true elements (nonzero), which then broadcast with the
+    other index tensors. Their count k is data-dependent; when the other indices' broadcast
+    ends in a size L > 1, k must be L or 1, checked at run time (a `read_size` of the count,
+    whose error names it), and a count of 1 reads coordinate row 0 for every position. Returns
+    the x dims indexed and the int64 index tensors, one per dim."""
+    masks = [t for t in indices if _is_mask(t)]
+    others = [t for t in indices if t is not None and not _is_mask(t)]
+    if len(masks) > 1:
+        raise UnsupportedError(f"index_put with {len(masks)} boolean masks among its indices "
+                               f"(node {n.name}): at most one is supported beside index "
+                               "tensors")
+    shape = torch.broadcast_shapes(*(tuple(t.meta["val"].shape) for t in others))
+    last = shape[-1] if shape else 1
+    if not isinstance(last, int):
+        raise UnsupportedError(f"index_put with a boolean mask beside index tensors whose "
+                               f"broadcast size {last} is known only at run time (node "
+                               f"{n.name})")
+    i64 = dtypes.int64
+    positions, names, d = [], [], 0
+    for t in indices:
+        if t is None:
+            d += 1
+            continue
+        if not _is_mask(t):
+            positions.append(d)
+            names.append(b.tensor(t))
+            d += 1
+            continue
+        mask = b.tensor(t)
+        if b.types[mask].dtype != dtypes.bool_:  # (a uint8 mask, which torch still takes)
+            mask = b.emit("ne", [mask, b.scalar(0, torch.uint8)], None, like=n,
+                          shape=b.types[mask].shape, dtype=dtypes.bool_)
+        mshape = tuple(b.types[mask].shape)
+        numel = sympy.Mul(*mshape)
+        rows = b.syms.add_unbacked(sympy.Symbol(b.fresh(f"{n.name}_mask_rows")), numel)
+        coords = nonzero_of_mask(b, n, mask, rows.name, rows=rows)
+        pick = None
+        if last != 1:  # row j of the coordinates, or row 0 for every j when k is 1
+            pick = _broadcast_rows(b, n, mask, numel, last)
+        for c in range(len(mshape)):
+            col = b.emit("select", [coords], None, like=n, shape=(rows,), dtype=i64, dim=1,
+                         index=c)
+            if pick is not None:
+                col = b.emit("index", [col, pick], None, like=n, shape=(last,), dtype=i64,
+                             positions=(0,), select=True)
+            positions.append(d + c)
+            names.append(col)
+        d += len(mshape)
+    return tuple(positions), names
+
+
+def _broadcast_rows(b, n, mask: str, numel, last: int) -> str:
+    """[last] int64: which coordinate row of bool `mask`'s true elements each of `last`
+    broadcast positions reads: j when the mask has `last` true elements, 0 when it has one;
+    any other count fails at run time, naming the count and the size it had to be."""
+    i64 = dtypes.int64
+    flat = b.emit("view", [b.emit("cast", [mask], None, like=n, shape=b.types[mask].shape,
+                                  dtype=i64)], None, like=n, shape=(numel,), dtype=i64)
+    count = b.emit("reduce", [flat], None, like=n, shape=(), dtype=i64, kind="sum", dims=(0,),
+                   keepdim=False)
+    one = b.emit("eq", [count, b.scalar(1, torch.int64)], None, like=n, shape=(),
+                 dtype=dtypes.bool_)
+    # the checked value: the count, with a count of 1 (which broadcasts) standing for `last`
+    value = b.emit("where", [one, b.scalar(last, torch.int64), count], None, like=n, shape=(),
+                   dtype=i64)
+    name = b.fresh(f"{n.name}_mask_true_count")
+    symbol = b.syms.add_unbacked(sympy.Symbol(name), sympy.Integer(last)).name
+    t = TensorType(i64, ())
+    b.nodes.append(Node(name, "read_size", (value,), t,
+                        (("binds", ((0, symbol, sympy.Integer(last)),)), ("lo", last)), n.name))
+    b.types[name] = t
+    j = b.emit("iota", [], None, like=n, shape=(last,), dtype=i64, start=0, step=1)
+    # min(j, count - 1): j, or 0 for a count of 1; plus (checked - last), which is 0, so that
+    # no coordinate is read before the check has passed
+    lim = b.emit("sub", [count, b.scalar(1, torch.int64)], None, like=n, shape=(), dtype=i64)
+    j = b.emit("minimum", [j, lim], None, like=n, shape=(last,), dtype=i64)
+    zero = b.emit("sub", [name, b.scalar(last, torch.int64)], None, like=n, shape=(),
+                  dtype=i64)
+    return b.emit("add", [j, zero], None, like=n, shape=(last,), dtype=i64)
 
 
 @register("aten.masked_scatter.default")

@@ -427,6 +427,43 @@ def test_index_put_boolean_mask(check):
           more=[(x, torch.ones(5, dtype=BOOL), torch.zeros(6, dtype=BOOL), x[0])])
 
 
+def mask_beside_index(x, m, i, v, m2, j, w):
+    """x[m, i] = v: the bool mask's true coordinates broadcast with the index tensor (torch's
+    data-dependent count); a 2-d mask between a broadcast index pair, accumulating."""
+    y = x.clone()
+    y[m, i] = v
+    z = torch.ops.aten.index_put(x, [torch.arange(x.shape[0]).unsqueeze(1), m2, j], w, True)
+    return {"set": y, "acc": z, "one_per_row": x.index_put((m, i[:1]), v[:1, :1])}
+
+
+def test_index_put_mask_beside_index_tensors(check):
+    g = gen("mask-idx")
+    x = rand((4, 3, 4), F32, g)
+    m = torch.tensor([True, False, True, True])
+    m2 = torch.zeros(3, dtype=BOOL)
+    m2[[0, 2]] = True
+    i, j = torch.tensor([0, 2, 1]), torch.tensor([1, -1])
+    v, w = rand((3, 1), F32, g), rand((4, 2), F32, g)
+    one = torch.tensor([False, False, True, False])  # one true element broadcasts to i's 3
+    check(Fn(mask_beside_index), (x, m, i, v, m2, j, w),
+          more=[(x, one, i, v, m2, j, w), (x, m, i.flip(0), -v, m2.flip(0), j.flip(0), w)])
+
+
+@pytest.mark.parametrize("count", [0, 2, 4])
+def test_index_put_mask_count_must_match_the_index(check, count):
+    """A mask whose true count neither matches the other indices' size nor is 1 is torch's
+    "shape mismatch": a clear error naming the count, never a read past the coordinates."""
+    g = gen("mask-idx-bad")
+    x, i, v = rand((4, 3), F32, g), torch.tensor([0, 2, 1]), rand((3,), F32, g)
+    m = torch.tensor([True, False, True, True])
+    _, runner = check.compile(Fn(lambda x, m, i, v: x.index_put((m, i), v)), (x, m, i, v))
+    bad = torch.arange(4) < count
+    with pytest.raises(KilnError, match=f"mask_true_count.*is {count}, outside \\[3, 3\\]"):
+        runner(x, bad, i, v)
+    with pytest.raises((IndexError, RuntimeError), match="shape mismatch"):
+        x.index_put((bad, i), v)
+
+
 def test_large_scatters_run_in_parallel_slices(check):
     """Above 65536 updates `put` runs disjoint slices in parallel: same answer, duplicates
     included (sums add in order). (Eager's index_put without accumulate runs in parallel at

@@ -316,3 +316,33 @@ def test_gpu_scatter_reduce_dynamic_sizes(tmp_path):
     for call in (*calls, _dyn_inputs(g, 3000, 4000, special=True)):
         got = pytree.tree_leaves(runner(*[a.cuda() for a in call]))
         check_outputs(got, fn, call, "dyn", device="cuda")
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_gpu_index_put_mask_beside_index_tensors(tmp_path):
+    """x[m, i] = v on CUDA: the mask's coordinates (kiln's nonzero) broadcast with the index
+    tensor, no ATen; a true count that neither matches nor is 1 is a clear error."""
+    def mask_beside_index(x, m, i, v, m2, j, w):  # (tests/ops/test_ops_library.py's)
+        y = x.clone()
+        y[m, i] = v
+        z = torch.ops.aten.index_put(x, [torch.arange(4).unsqueeze(1), m2, j], w, True)
+        return {"set": y, "acc": z, "one_per_row": x.index_put((m, i[:1]), v[:1, :1])}
+
+    g = torch.Generator().manual_seed(7)
+    x, v, w = torch.randn(4, 3, 4, generator=g), torch.randn(3, 1, generator=g), \
+        torch.randn(4, 2, generator=g)
+    m, m2 = torch.tensor([True, False, True, True]), torch.tensor([True, False, True])
+    i, j = torch.tensor([0, 2, 1]), torch.tensor([1, -1])
+    args = (x, m, i, v, m2, j, w)
+    cm = kiln.compile(torch.export.export(Fn(mask_beside_index), args), device="cuda")
+    assert cm.manifest["requires"]["aten_fallback_ops"] == []
+    runner = kiln.load(cm.save(tmp_path / "m.kiln"), device="cuda:0")
+    one = torch.tensor([False, False, True, False])
+    for call in (args, (x, one, *args[2:])):
+        got = pytree.tree_leaves(runner(*[a.cuda() for a in call]))
+        want = pytree.tree_leaves(mask_beside_index(*call))
+        for a, b in zip(got, want):
+            torch.testing.assert_close(a.cpu(), b)
+    with pytest.raises(Exception, match="mask_true_count"):
+        runner(*[a.cuda() for a in (x, torch.ones(4, dtype=torch.bool), *args[2:])])
