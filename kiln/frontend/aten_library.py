@@ -308,6 +308,9 @@ def _mask_coordinates(b, n, indices) -> tuple[tuple[int, ...], list[str]]:
         raise UnsupportedError(f"index_put with {len(masks)} boolean masks among its indices "
                                f"(node {n.name}): at most one is supported beside index "
                                "tensors")
+    if masks[0].meta["val"].dim() == 0:
+        raise UnsupportedError(f"index_put with a 0-d boolean mask beside index tensors (node "
+                               f"{n.name})")
     shape = torch.broadcast_shapes(*(tuple(t.meta["val"].shape) for t in others))
     last = shape[-1] if shape else 1
     if not isinstance(last, int):
