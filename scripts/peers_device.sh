@@ -18,16 +18,18 @@ fi
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
 nvidia-smi --query-gpu=index,name,driver_version --format=csv,noheader > "$OUT/env.log" 2>&1
 GPUS=$(nvidia-smi -L 2>/dev/null | wc -l)
-LANES=${LANES:-$(( GPUS > 0 ? GPUS : 1 ))}
+# GPU_LIST (e.g. "2 3"): the GPUs the lanes use, when others run something else
+read -r -a GPU_IDS <<< "${GPU_LIST:-$(seq -s ' ' 0 $(( GPUS > 0 ? GPUS - 1 : 0 )))}"
+LANES=${LANES:-${#GPU_IDS[@]}}
 
 run_row() {  # <row number> <lane> <models> <dtypes> <batches> <modes> [<limit s>]
   local i=$1 lane=$2 t0=$SECONDS limit=${7:-${T_ROW:-300}}
-  CUDA_VISIBLE_DEVICES=$lane KILN_CACHE_DIR=${KILN_CACHE_DIR:-/tmp/kiln_cache}_$lane \
+  CUDA_VISIBLE_DEVICES=${GPU_IDS[$lane]:-$lane} KILN_CACHE_DIR=${KILN_CACHE_DIR:-/tmp/kiln_cache}_$lane \
     TORCHINDUCTOR_CACHE_DIR=/tmp/inductor_cache_$lane \
     timeout "$limit" python3 bench/gpu_peers.py --models "$3" --dtypes "$4" \
     --batches "$5" --modes "$6" --repeat 20 --timeout "${T_WORKER:-150}" \
     --markdown "$OUT/peers_$i.md" > "$OUT/peers_$i.log" 2>&1
-  echo "row $i (gpu $lane: $3 $4 b$5 $6): rc $? in $((SECONDS - t0)) s; load $(cut -d' ' -f1-3 /proc/loadavg)" >> "$OUT/steps.log"
+  echo "row $i (gpu ${GPU_IDS[$lane]:-$lane}: $3 $4 b$5 $6): rc $? in $((SECONDS - t0)) s; load $(cut -d' ' -f1-3 /proc/loadavg)" >> "$OUT/steps.log"
 }
 
 i=0
