@@ -1,0 +1,186 @@
+"""The int4 GEMV on tensor cores (kiln/gemm/int4_tc.py) against the CUDA-core int4 GEMV of
+the template (bench/quant_gemv_variants.py `i4_nib`, the loop kiln prints) and the bf16 GEMV,
+at the decode GEMVs of Llama-3-8B (issue 17 item 4): standalone kernels, M = 1, bf16 x,
+int4 group 128, weights cold (each shape has >= 400 MB of copies, one launch a copy in a CUDA
+graph; the time per launch is the graph's / copies). Split-K rows (`tc_sk2`, `tc_sk4`)
+include the zeroing of their float32 result (a memset node in the graph).
+
+    python bench/int4_tc_gemv.py [--shapes o,kv] [--quick]
+    python bench/int4_tc_gemv.py --sass   # no GPU: SASS instructions a weight byte in the
+                                          # K loops (sm_90, compiled here)
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+import torch  # noqa: E402
+import triton  # noqa: E402
+
+from bench.quant_gemv_variants import gemv_bf16, gemv_i4_nib, graph_us  # noqa: E402
+from kiln.gemm.int4_tc import gemv_int4_tc_kernel, pack_tc  # noqa: E402
+from kiln.gemm.quant_gemv import dequantize, quantize_int4  # noqa: E402
+
+G = 128
+SHAPES = [("o", 4096, 4096), ("kv", 1024, 4096), ("gate", 14336, 4096),
+          ("down", 4096, 14336), ("qkv", 6144, 4096), ("gate_up", 28672, 4096)]
+#: (XBLOCK, RBLOCK, warps): bf16 and i4_nib: the tuner's picks of earlier sessions (BENCHMARKS.md,
+#: eleventh and sixteenth sessions); tc: 16 or 8 words a thread and step (no spills)
+BF16 = [(8, 512, 4), (16, 512, 4)]
+NIB = [(16, 1024, 4), (16, 2048, 4), (8, 2048, 4), (32, 1024, 4)]
+TC = [(16, 512, 1), (32, 256, 1), (64, 512, 4), (128, 256, 4), (32, 128, 1), (64, 256, 4),
+      (32, 256, 2)]
+TC_SPLIT = [(16, 512, 1), (32, 256, 1), (64, 256, 4)]
+
+
+def _tc_launch(x, n, k, split):
+    def run(out, t, c):
+        if split > 1:
+            out.zero_()
+        gemv_int4_tc_kernel[(triton.cdiv(n, c[0]), split)](
+            x, t[0], t[1], out, n, k, G=G, XBLOCK=c[0], RBLOCK=c[1], USE_MMA=True,
+            SPLIT=split, num_warps=c[2])
+    return run
+
+
+def bench(shapes: list[str], quick: bool) -> None:
+    from bench.llm_gpu import copy_gbs
+    torch.manual_seed(0)
+    bw = copy_gbs()
+    print(f"GPU {torch.cuda.get_device_name(0)}, copy bandwidth {bw:.0f} GB/s", flush=True)
+    best: dict[tuple[str, str], tuple[float, tuple, int]] = {}
+    for name, n, k in [s for s in SHAPES if s[0] in shapes]:
+        w = torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * 0.02
+        x = torch.randn(k, device="cuda", dtype=torch.bfloat16)
+        q4 = quantize_int4(w.float().cpu(), G)
+        i4_bytes = n * k // 2 + 4 * n * (k // G)
+        forms = {"bf16": ([w], n * k * 2),
+                 "i4": ([q4["q"].cuda(), q4["s"].cuda()], i4_bytes),
+                 "i4tc": ([pack_tc(q4["q"]).cuda(), q4["s"].cuda()], i4_bytes)}
+        ref4 = dequantize("int4", q4, G).cuda() @ x.double()
+        refs = {"bf16": w.double() @ x.double(), "i4": ref4, "i4tc": ref4}
+        variants = {
+            "bf16": ("bf16", BF16, torch.bfloat16, lambda o, t, c: gemv_bf16[(
+                triton.cdiv(n, c[0]),)](x, t[0], o, n, k, XBLOCK=c[0], RBLOCK=c[1],
+                                        num_warps=c[2])),
+            "i4_nib": ("i4", NIB, torch.bfloat16, lambda o, t, c: gemv_i4_nib[(
+                triton.cdiv(n, c[0]),)](x, t[0], t[1], o, n, k, GS=G, XBLOCK=c[0],
+                                        RBLOCK=c[1], num_warps=c[2])),
+            "tc": ("i4tc", TC, torch.bfloat16, _tc_launch(x, n, k, 1)),
+        }
+        if n * k <= 6144 * 4096 or k > 4096:
+            for sp in (2, 4):
+                variants[f"tc_sk{sp}"] = ("i4tc", TC_SPLIT, torch.float32, _tc_launch(x, n, k, sp))
+        for vname, (form, cfgs, odt, fn) in variants.items():
+            tensors, nbytes = forms[form]
+            copies = max(2, math.ceil(400e6 / nbytes))
+            sets = [tensors] + [[t.clone() for t in tensors] for _ in range(copies - 1)]
+            out = torch.empty(n, device="cuda", dtype=odt)
+            for cfg in cfgs[:3] if quick else cfgs:
+                xb, rb, nw = cfg
+                split = int(vname[5:]) if vname.startswith("tc_sk") else 1
+                if rb > k // split or (k // split) % rb:
+                    continue
+                try:
+                    out.fill_(float("nan"))
+                    fn(out, sets[0], cfg)
+                    torch.cuda.synchronize()
+                    ref = refs[form]
+                    err = ((out.double() - ref).norm() / ref.norm()).item()
+                    if not err < 1e-2:  # (NaN too: an unwritten output)
+                        print(f"{name} {vname} {cfg}: WRONG (rel err {err:.3g})", flush=True)
+                        continue
+                    us = graph_us([lambda t=t: fn(out, t, cfg) for t in sets])
+                except Exception as e:  # noqa: BLE001 - a config that does not compile
+                    print(f"{name} {vname} {cfg}: {type(e).__name__}: {str(e)[:200]}",
+                          flush=True)
+                    continue
+                gbs = nbytes / us / 1e3
+                print(f"{name} {n}x{k} {vname} {cfg}: {us:.2f} us, {gbs:.0f} GB/s "
+                      f"({100 * gbs / bw:.0f}%), err {err:.1e}", flush=True)
+                if (name, vname) not in best or us < best[name, vname][0]:
+                    best[name, vname] = (us, cfg, nbytes)
+            del sets
+        del forms, refs
+        torch.cuda.empty_cache()
+    names = [s[0] for s in SHAPES if s[0] in shapes]
+    vnames = ["bf16", "i4_nib", "tc", "tc_sk2", "tc_sk4"]
+    print(f"\nbest config per shape: us, GB/s (% of the copy bandwidth {bw:.0f} GB/s), "
+          f"(XBLOCK, RBLOCK, warps)\n")
+    print("| variant | " + " | ".join(f"{s} {n}x{k}" for s, n, k in SHAPES if s in names)
+          + " |")
+    print("|---|" + "---|" * len(names))
+    for v in vnames:
+        cells = []
+        for s in names:
+            if (s, v) in best:
+                us, cfg, nbytes = best[s, v]
+                gbs = nbytes / us / 1e3
+                cells.append(f"{us:.2f} us, {gbs:.0f} ({100 * gbs / bw:.0f}%) {cfg}")
+            else:
+                cells.append("-")
+        print(f"| {v} | " + " | ".join(cells) + " |")
+
+
+def sass() -> None:
+    """SASS instructions a weight byte in the K loop, tc and i4_nib, compiled here (sm_90)."""
+    import collections
+    import re
+    import subprocess
+    import tempfile
+
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    from bench.quant_gemv_variants import _loop_sass
+    nvdisasm = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "nvdisasm"
+    ptrs = {"x_ptr": "*bf16", "p_ptr": "*u8", "s_ptr": "*fp32", "out_ptr": "*bf16", "N": "i32"}
+    print("| kernel | K | (XBLOCK, RBLOCK, warps) | loop SASS / weight byte | STL | top opcodes |")
+    print("|---|---:|---|---:|---:|---|")
+    for kname, fn, extra, cfgs in (
+            ("i4_nib", gemv_i4_nib, {"GS": G}, NIB),
+            ("tc", gemv_int4_tc_kernel, {"G": G, "USE_MMA": True, "SPLIT": 1}, TC)):
+        for k in (4096, 14336):
+            for xb, rb, nw in cfgs:
+                if k % rb:
+                    continue
+                consts = {"K": k, **extra, "XBLOCK": xb, "RBLOCK": rb}
+                sig = {**ptrs, **{c: "constexpr" for c in consts}}
+                src = ASTSource(fn=fn, signature=sig, constexprs=consts,
+                                attrs={(i,): [["tt.divisibility", 16]] for i in range(5)})
+                ck = triton.compile(src, target=GPUTarget("cuda", 90, 32),
+                                    options={"num_warps": nw})
+                with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+                    f.write(ck.asm["cubin"])
+                    f.flush()
+                    text = subprocess.run([str(nvdisasm), "-c", f.name], capture_output=True,
+                                          text=True, check=True).stdout
+                body = _loop_sass(text)
+                ops = collections.Counter(re.sub(r"^@!?U?P\w+\s+", "", t).split()[0]
+                                          .split(".")[0] for t in body)
+                per = len(body) / (xb * rb / 2 / (32 * nw))
+                top = ", ".join(f"{o} {c}" for o, c in ops.most_common(6))
+                print(f"| {kname} | {k} | ({xb}, {rb}, {nw}) | {per:.2f} | "
+                      f"{text.count('STL')} | {top} |", flush=True)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--shapes", default=",".join(s[0] for s in SHAPES))
+    ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--sass", action="store_true")
+    a = ap.parse_args()
+    if a.sass:
+        sass()
+        return
+    bench(a.shapes.split(","), a.quick)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,108 @@
+"""The int4 GEMV on tensor cores (kiln/gemm/int4_tc.py; issue 17 item 4) against float64 math
+of the dequantised weights (quant_gemv.py's values and scales): the packing, the argument
+checks, the kernel's addressing in Triton's interpreter (its stand-in for the inline PTX:
+`USE_MMA=False`), and on a GPU the tensor-core kernel itself (odd N, groups 128 / 256, K of
+several steps, split-K, several tiles)."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+
+from kiln.gemm import int4_tc as TC
+from kiln.gemm.quant_gemv import dequantize, quantize_int4
+
+
+def test_packing_places_value_k_at_nibble_i_of_word_j():
+    torch.manual_seed(0)
+    n, k = 3, 96
+    q = torch.randint(0, 16, (n, k), dtype=torch.uint8)
+    stored = (q[:, 0::2] | (q[:, 1::2] << 4)).contiguous()  # quant_gemv.py's K order
+    packed = TC.pack_tc(stored)
+    words = packed.view(torch.int32).to(torch.int64) & 0xFFFFFFFF
+    for r in range(n):
+        for c in range(k // 32):
+            for j in range(4):
+                w = int(words[r, 4 * c + j])
+                for i in range(8):
+                    assert (w >> (4 * i)) & 15 == int(q[r, 32 * c + 4 * i + j])
+    assert torch.equal(TC.unpack_tc(packed), stored)
+
+
+def test_bad_arguments_are_named():
+    x = torch.zeros(256, dtype=torch.bfloat16)
+    parts = quantize_int4(torch.randn(8, 256), 64)
+    with pytest.raises(ValueError, match="group a power of two >= 128"):
+        TC.check(8, 256, 64, 8, 128)
+    with pytest.raises(ValueError, match="K a multiple of the group"):
+        TC.check(8, 320, 128, 8, 128)
+    with pytest.raises(ValueError, match="K a multiple of RBLOCK"):
+        TC.check(8, 384, 128, 8, 256)
+    with pytest.raises(ValueError, match="XBLOCK a power of two"):
+        TC.check(8, 256, 128, 6, 128)
+    with pytest.raises(ValueError, match="rows of a multiple of 16 bytes"):
+        TC.pack_tc(torch.zeros(2, 8, dtype=torch.uint8))
+    pytest.importorskip("triton")
+    with pytest.raises(ValueError, match=r"x: expected shape \(256,\)"):
+        TC.gemv_int4_tc(x[:128], TC.pack_tc(parts["q"]), parts["s"], 64)
+    with pytest.raises(ValueError, match="scales: expected shape"):
+        TC.gemv_int4_tc(x, TC.pack_tc(parts["q"]), parts["s"], 128)
+
+
+#: (N, K, group, XBLOCK, RBLOCK, warps, split): odd N, a partial last program, K of 1-8
+#: steps, groups 128 / 256, split-K
+CASES = [(37, 512, 128, 8, 256, 1, 1), (5, 384, 128, 4, 128, 1, 1),
+         (19, 1024, 256, 16, 512, 1, 1), (33, 1024, 128, 8, 128, 2, 2),
+         (20, 1024, 128, 4, 256, 1, 4)]
+
+_SCRIPT = textwrap.dedent("""
+    import sys
+    import torch
+    from kiln.gemm import int4_tc as TC
+    from kiln.gemm.quant_gemv import dequantize, quantize_int4
+    torch.manual_seed(1)
+    for n, k, g, xb, rb, nw, sp in {cases}:
+        w = torch.randn(n, k) * 0.05
+        parts = quantize_int4(w, g)
+        x = torch.randn(k).to(torch.bfloat16)
+        ref = dequantize("int4", parts, g) @ x.double()
+        y = TC.gemv_int4_tc(x, TC.pack_tc(parts["q"]), parts["s"], g, xblock=xb, rblock=rb,
+                            num_warps=nw, split=sp, use_mma=False)
+        err = ((y.double() - ref).abs().max() / ref.abs().max()).item()
+        print(n, k, g, xb, rb, sp, err)
+        assert err < 5e-3, (n, k, g, xb, rb, sp, err)  # bf16 output rounding: <= 2^-8
+""")
+
+
+def test_addressing_matches_float64_in_triton_interpreter():
+    pytest.importorskip("triton")
+    env = dict(os.environ, TRITON_INTERPRET="1")
+    r = subprocess.run([sys.executable, "-c", _SCRIPT.format(cases=CASES)], env=env,
+                       capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert len(r.stdout.splitlines()) == len(CASES)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("n,k,g,xb,rb,nw,sp", CASES + [
+    (4099, 4096, 128, 32, 256, 1, 1), (4096, 4096, 128, 16, 512, 1, 1),
+    (1027, 4096, 128, 64, 512, 4, 1), (4096, 14336, 128, 32, 256, 2, 1),
+    (4101, 4096, 256, 128, 256, 4, 1), (1024, 4096, 128, 32, 256, 1, 4),
+    (4096, 14336, 128, 16, 512, 1, 2)])
+def test_tensor_core_gemv_matches_float64(n, k, g, xb, rb, nw, sp):
+    if not torch.cuda.is_available():
+        pytest.skip("needs a GPU")
+    torch.manual_seed(n + k)
+    parts = quantize_int4(torch.randn(n, k) * 0.05, g)
+    x = torch.randn(k).to(torch.bfloat16)
+    ref = dequantize("int4", parts, g) @ x.double()
+    y = TC.gemv_int4_tc(x.cuda(), TC.pack_tc(parts["q"]).cuda(), parts["s"].cuda(), g,
+                        xblock=xb, rblock=rb, num_warps=nw, split=sp)
+    assert y.shape == (n,) and not y.isnan().any()
+    err = ((y.cpu().double() - ref).abs().max() / ref.abs().max()).item()
+    assert err < 5e-3, err  # bf16 output rounding: <= 2^-8 of a value
