@@ -31,12 +31,13 @@ G = 128
 SHAPES = [("o", 4096, 4096), ("kv", 1024, 4096), ("gate", 14336, 4096),
           ("down", 4096, 14336), ("qkv", 6144, 4096), ("gate_up", 28672, 4096)]
 #: (XBLOCK, RBLOCK, warps): bf16 and i4_nib: the tuner's picks of earlier sessions (BENCHMARKS.md,
-#: eleventh and sixteenth sessions); tc: 16 or 8 words a thread and step (no spills)
+#: eleventh and sixteenth sessions); tc: 16 or 8 words a thread and step (no spills), 2 to 16
+#: rows a warp
 BF16 = [(8, 512, 4), (16, 512, 4)]
 NIB = [(16, 1024, 4), (16, 2048, 4), (8, 2048, 4), (32, 1024, 4)]
-TC = [(16, 512, 1), (32, 256, 1), (64, 512, 4), (128, 256, 4), (32, 128, 1), (64, 256, 4),
-      (32, 256, 2)]
-TC_SPLIT = [(16, 512, 1), (32, 256, 1), (64, 256, 4)]
+TC = [(8, 1024, 1), (16, 512, 1), (16, 1024, 2), (32, 1024, 4), (4, 1024, 1), (8, 512, 1),
+      (8, 1024, 2), (16, 256, 1)]
+TC_SPLIT = [(8, 1024, 1), (16, 512, 1), (4, 1024, 1), (8, 512, 1)]
 
 
 def _tc_launch(x, n, k, split):

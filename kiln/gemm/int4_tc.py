@@ -19,18 +19,19 @@ A warp's lane l = 4 * g + t (g < 8, t < 4) holds, in the layout Triton gives the
 the 4 words of 32-value chunk t of one row r (tile half "a") and of row r + H (half "b").
 Each of the thread's words is one `mma` pair: A row g is that word of row r, A row g + 8 the
 word of row r + H; A's k slots (2t, 2t + 1, 2t + 8, 2t + 9) are nibbles (0, 4, 1, 5) of
-the word (then 2, 6, 3, 7 for the second mma), and B's column entries at those slots are the
-x values of the same k (every column the same x). The mma sums over its 16 slots, the four
-lanes t of a quad: 4 chunks, 128 values, one group when G >= 128 (so the group's scale can
-multiply the sum). C rows g and g + 8 are then the chunk-quad's sums of rows r and r + H,
-the same in all four lanes of the quad (a reduction over the tile counts them 4 times).
+the word (then 2, 6, 3, 7 for the second mma), and B's entries at those slots in column g
+are the x values of lane group g's k. The mma sums over its 16 slots, the four lanes t of a
+quad: 4 chunks, 128 values, one group when G >= 128 (so the group's scale can multiply the
+sum). C[g, g] and C[g + 8, g] pair rows r and r + H with their own chunks' x (other columns
+take another lane group's x where a step spans several groups): lane (g, t = g / 2) holds
+them (d0 / d2 for even g, d1 / d3 for odd) and returns them; the other lanes return 0.
 The values are 128 + 8 + q: two more mmas with A = -136 (0xC308) take 136 * x off, exactly
 (float32 accumulation of exact bf16 products).
 
 The mapping relies on Triton's blocked layout of the [H, T, 4] tile: lanes fastest along T
 with 4 lanes a quad (T = 4 * groups a step). The GPU tests compare against float64 math; the
 Triton interpreter (no inline PTX) runs the same addressing with `USE_MMA=False`, where each
-element's products are summed by Triton instead (no factor 4)."""
+element's products are summed by Triton instead."""
 
 from __future__ import annotations
 
@@ -46,11 +47,12 @@ except ImportError:
 MIN_GROUP = 128
 
 #: one word pair (rows r and r + H of one 32-value chunk) through two data mmas and two
-#: offset mmas; $0 / $1: the C rows g / g + 8 (float32), $2 / $3: the words, $4-$7: x at
-#: nibbles 0-3 (k = 4i + j), $8-$11: x at nibbles 4-7 (bf16)
+#: offset mmas; $0 / $1: C[g, g] / C[g + 8, g] in lane (g, g / 2), else 0 (float32);
+#: $2 / $3: the words; $4-$7: x at nibbles 0-3 (k = 4i + j), $8-$11: at nibbles 4-7 (bf16)
 MMA_PTX = """{
-.reg .b32 a0, a1, a2, a3, b0, b1, s, t, m0, m1, m2, m3;
+.reg .b32 a0, a1, a2, a3, b0, b1, s, t, m0, m1, m2, m3, l, g;
 .reg .f32 d0, d1, d2, d3;
+.reg .pred pd, po;
 mov.b32 m0, 0xC308C308;
 mov.b32 m1, 0xC308C308;
 mov.b32 m2, 0xC308C308;
@@ -81,8 +83,16 @@ lop3.b32 a2, s, 0x000F000F, 0x43004300, 0xEA;
 lop3.b32 a3, t, 0x000F000F, 0x43004300, 0xEA;
 MMA {m0, m1, m2, m3};
 MMA {a0, a1, a2, a3};
-mov.f32 $0, d0;
-mov.f32 $1, d2;
+mov.u32 l, %laneid;
+shr.u32 g, l, 3;
+and.b32 t, l, 3;
+setp.eq.u32 pd, g, t;
+and.b32 s, l, 4;
+setp.ne.u32 po, s, 0;
+selp.f32 d0, d1, d0, po;
+selp.f32 d2, d3, d2, po;
+selp.f32 $0, d0, 0f00000000, pd;
+selp.f32 $1, d2, 0f00000000, pd;
 }""".replace("MMA {m0, m1, m2, m3};", "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 "
              "{d0, d1, d2, d3}, {m0, m1, m2, m3}, {b0, b1}, {d0, d1, d2, d3};").replace(
     "MMA {a0, a1, a2, a3};", "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 "
@@ -142,8 +152,9 @@ if triton is not None:
 
     @triton.jit
     def mma_pair(wa, wb, x0, x1, x2, x3, x4, x5, x6, x7, USE_MMA: tl.constexpr):
-        """(rows a, rows b) of one word pair: the quad's sums through the tensor cores
-        (USE_MMA), or this element's own products (the interpreter's stand-in)."""
+        """(rows a, rows b) of one word pair: the quad's sums through the tensor cores in one
+        lane of the quad, 0 in the others (USE_MMA), or this element's own products (the
+        interpreter's stand-in); either way the tile's sum is the GEMV's."""
         if USE_MMA:
             return tl.inline_asm_elementwise(
                 _PTX, _CONSTRAINTS, [wa, wb, x0, x1, x2, x3, x4, x5, x6, x7],
@@ -208,9 +219,8 @@ if triton is not None:
             wa, wb, sa, sb = _step_loads(pwa, pwb, psa, psb, k0, G)
             acc_a, acc_b = _step(acc_a, acc_b, ca, cb, csa, csb, px + k0 - RBLOCK, USE_MMA)
         acc_a, acc_b = _step(acc_a, acc_b, wa, wb, sa, sb, px + KS - RBLOCK, USE_MMA)
-        rep: tl.constexpr = 0.25 if USE_MMA else 1.0  # (a quad's lanes hold the same sums)
-        ya = tl.sum(tl.sum(acc_a, 2), 0) * rep
-        yb = tl.sum(tl.sum(acc_b, 2), 0) * rep
+        ya = tl.sum(tl.sum(acc_a, 2), 0)
+        yb = tl.sum(tl.sum(acc_b, 2), 0)
         rn = tl.program_id(0) * XBLOCK + tl.arange(0, H)
         if SPLIT == 1:
             tl.store(out_ptr + rn, ya.to(out_ptr.dtype.element_ty), mask=rn < N)
