@@ -2,10 +2,13 @@
 the template (bench/quant_gemv_variants.py `i4_nib`, the loop kiln prints) and the bf16 GEMV,
 at the decode GEMVs of Llama-3-8B (issue 17 item 4): standalone kernels, M = 1, bf16 x,
 int4 group 128, weights cold (each shape has >= 400 MB of copies, one launch a copy in a CUDA
-graph; the time per launch is the graph's / copies). Split-K rows (`tc_sk2`, `tc_sk4`)
-include the zeroing of their float32 result (a memset node in the graph).
+graph; the time per launch is the graph's / copies). Split-K rows (`*_sk2/4/8`: SPLIT
+programs a block of rows, each over K / SPLIT, adding into a float32 result atomically)
+include the zeroing of that result (a memset node in the graph); `i8` is the template's int8
+loop (quant_gemv_variants `i8_sub`), `bf16_sk*` / `i8_sk*` the lane-wise loop split
+(`gemv_sk`), `tc_pf0` the tensor-core kernel without its hand prefetch.
 
-    python bench/int4_tc_gemv.py [--shapes o,kv] [--quick]
+    python bench/int4_tc_gemv.py [--shapes o,kv] [--quick] [--variants tc,tc_sk2]
     python bench/int4_tc_gemv.py --sass   # no GPU: SASS instructions a weight byte in the
                                           # K loops (sm_90, compiled here)
 """
@@ -22,10 +25,11 @@ sys.path.insert(0, str(ROOT))
 
 import torch  # noqa: E402
 import triton  # noqa: E402
+import triton.language as tl  # noqa: E402
 
-from bench.quant_gemv_variants import gemv_bf16, gemv_i4_nib, graph_us  # noqa: E402
+from bench.quant_gemv_variants import gemv_bf16, gemv_i4_nib, gemv_i8, graph_us  # noqa: E402
 from kiln.gemm.int4_tc import gemv_int4_tc_kernel, pack_tc  # noqa: E402
-from kiln.gemm.quant_gemv import dequantize, quantize_int4  # noqa: E402
+from kiln.gemm.quant_gemv import dequantize, quantize_int4, quantize_int8  # noqa: E402
 
 G = 128
 SHAPES = [("o", 4096, 4096), ("kv", 1024, 4096), ("gate", 14336, 4096),
@@ -34,23 +38,60 @@ SHAPES = [("o", 4096, 4096), ("kv", 1024, 4096), ("gate", 14336, 4096),
 #: eleventh and sixteenth sessions); tc: 16 or 8 words a thread and step (no spills), 2 to 16
 #: rows a warp
 BF16 = [(8, 512, 4), (16, 512, 4)]
+I8 = [(8, 1024, 4), (16, 512, 4)]
 NIB = [(16, 1024, 4), (16, 2048, 4), (8, 2048, 4), (32, 1024, 4)]
 TC = [(8, 1024, 1), (16, 512, 1), (16, 1024, 2), (32, 1024, 4), (4, 1024, 1), (8, 512, 1),
       (8, 1024, 2), (16, 256, 1)]
 TC_SPLIT = [(8, 1024, 1), (16, 512, 1), (4, 1024, 1), (8, 512, 1)]
+SK = [(8, 512, 4), (16, 512, 4), (4, 1024, 4)]  # bf16 / int8 split-K (RBLOCK elements)
 
 
-def _tc_launch(x, n, k, split):
+@triton.jit
+def gemv_sk(x_ptr, w_ptr, s_ptr, out_ptr, N, K: tl.constexpr, XBLOCK: tl.constexpr,
+            RBLOCK: tl.constexpr, INT8: tl.constexpr, SPLIT: tl.constexpr):
+    """bf16 or int8 (per-channel scale) GEMV, split-K: program (i, j) sums part j of SPLIT
+    of K (lane-wise float32 accumulator, as the template) and adds it to the float32 out."""
+    KS: tl.constexpr = K // SPLIT
+    rn = tl.program_id(0) * XBLOCK + tl.arange(0, XBLOCK)[:, None]
+    nmask = rn < N
+    rk = tl.program_id(1) * KS + tl.arange(0, RBLOCK)[None, :]
+    acc = tl.zeros((XBLOCK, RBLOCK), dtype=tl.float32)
+    for k0 in range(0, KS, RBLOCK):
+        kk = k0 + rk
+        x = tl.load(x_ptr + kk).to(tl.float32)
+        if INT8:
+            q = tl.load(w_ptr + rn * K + kk, mask=nmask, other=0)
+            w = (q.to(tl.uint8, bitcast=True).to(tl.int32) ^ 0x4B000080).to(
+                tl.float32, bitcast=True) - 8388736.0
+        else:
+            w = tl.load(w_ptr + rn * K + kk, mask=nmask, other=0.0).to(tl.float32)
+        acc += w * x
+    tot = tl.sum(acc, 1, keep_dims=True)
+    if INT8:
+        tot = tot * tl.load(s_ptr + rn, mask=nmask, other=0.0)
+    tl.atomic_add(out_ptr + rn, tot, mask=nmask, sem="relaxed")
+
+
+def _tc_launch(x, n, k, split, prefetch=1):
     def run(out, t, c):
         if split > 1:
             out.zero_()
         gemv_int4_tc_kernel[(triton.cdiv(n, c[0]), split)](
             x, t[0], t[1], out, n, k, G=G, XBLOCK=c[0], RBLOCK=c[1], USE_MMA=True,
+            SPLIT=split, PREFETCH=prefetch, num_warps=c[2])
+    return run
+
+
+def _sk_launch(x, n, k, split, int8):
+    def run(out, t, c):
+        out.zero_()
+        gemv_sk[(triton.cdiv(n, c[0]), split)](
+            x, t[0], t[1] if int8 else t[0], out, n, k, XBLOCK=c[0], RBLOCK=c[1], INT8=int8,
             SPLIT=split, num_warps=c[2])
     return run
 
 
-def bench(shapes: list[str], quick: bool) -> None:
+def bench(shapes: list[str], quick: bool, only: list[str]) -> None:
     from bench.llm_gpu import copy_gbs
     torch.manual_seed(0)
     bw = copy_gbs()
@@ -61,11 +102,13 @@ def bench(shapes: list[str], quick: bool) -> None:
         x = torch.randn(k, device="cuda", dtype=torch.bfloat16)
         q4 = quantize_int4(w.float().cpu(), G)
         i4_bytes = n * k // 2 + 4 * n * (k // G)
-        forms = {"bf16": ([w], n * k * 2),
+        q8 = quantize_int8(w.float().cpu())
+        forms = {"bf16": ([w], n * k * 2), "i8": ([q8["q"].cuda(), q8["s"].cuda()], n * k + 4 * n),
                  "i4": ([q4["q"].cuda(), q4["s"].cuda()], i4_bytes),
                  "i4tc": ([pack_tc(q4["q"]).cuda(), q4["s"].cuda()], i4_bytes)}
         ref4 = dequantize("int4", q4, G).cuda() @ x.double()
-        refs = {"bf16": w.double() @ x.double(), "i4": ref4, "i4tc": ref4}
+        refs = {"bf16": w.double() @ x.double(), "i4": ref4, "i4tc": ref4,
+                "i8": dequantize("int8", q8).cuda() @ x.double()}
         variants = {
             "bf16": ("bf16", BF16, torch.bfloat16, lambda o, t, c: gemv_bf16[(
                 triton.cdiv(n, c[0]),)](x, t[0], o, n, k, XBLOCK=c[0], RBLOCK=c[1],
@@ -73,11 +116,17 @@ def bench(shapes: list[str], quick: bool) -> None:
             "i4_nib": ("i4", NIB, torch.bfloat16, lambda o, t, c: gemv_i4_nib[(
                 triton.cdiv(n, c[0]),)](x, t[0], t[1], o, n, k, GS=G, XBLOCK=c[0],
                                         RBLOCK=c[1], num_warps=c[2])),
+            "i8": ("i8", I8, torch.bfloat16, lambda o, t, c: gemv_i8[(triton.cdiv(n, c[0]),)](
+                x, t[0], t[1], o, n, k, XBLOCK=c[0], RBLOCK=c[1], SUB=16, num_warps=c[2])),
             "tc": ("i4tc", TC, torch.bfloat16, _tc_launch(x, n, k, 1)),
+            "tc_pf0": ("i4tc", TC, torch.bfloat16, _tc_launch(x, n, k, 1, 0)),
         }
-        if n * k <= 6144 * 4096 or k > 4096:
-            for sp in (2, 4):
-                variants[f"tc_sk{sp}"] = ("i4tc", TC_SPLIT, torch.float32, _tc_launch(x, n, k, sp))
+        for sp in (2, 4, 8):
+            variants[f"tc_sk{sp}"] = ("i4tc", TC_SPLIT, torch.float32, _tc_launch(x, n, k, sp))
+            variants[f"bf16_sk{sp}"] = ("bf16", SK, torch.float32, _sk_launch(x, n, k, sp, False))
+            variants[f"i8_sk{sp}"] = ("i8", SK, torch.float32, _sk_launch(x, n, k, sp, True))
+        if only:
+            variants = {v: f for v, f in variants.items() if v in only}
         for vname, (form, cfgs, odt, fn) in variants.items():
             tensors, nbytes = forms[form]
             copies = max(2, math.ceil(400e6 / nbytes))
@@ -85,7 +134,7 @@ def bench(shapes: list[str], quick: bool) -> None:
             out = torch.empty(n, device="cuda", dtype=odt)
             for cfg in cfgs[:3] if quick else cfgs:
                 xb, rb, nw = cfg
-                split = int(vname[5:]) if vname.startswith("tc_sk") else 1
+                split = int(vname.rsplit("_sk", 1)[1]) if "_sk" in vname else 1
                 if rb > k // split or (k // split) % rb:
                     continue
                 try:
@@ -111,7 +160,9 @@ def bench(shapes: list[str], quick: bool) -> None:
         del forms, refs
         torch.cuda.empty_cache()
     names = [s[0] for s in SHAPES if s[0] in shapes]
-    vnames = ["bf16", "i4_nib", "tc", "tc_sk2", "tc_sk4"]
+    vnames = [v for v in ["bf16", "bf16_sk2", "bf16_sk4", "bf16_sk8", "i8", "i8_sk2", "i8_sk4",
+                          "i8_sk8", "i4_nib", "tc", "tc_pf0", "tc_sk2", "tc_sk4", "tc_sk8"]
+              if any((s, v) in best for s in names)]
     print(f"\nbest config per shape: us, GB/s (% of the copy bandwidth {bw:.0f} GB/s), "
           f"(XBLOCK, RBLOCK, warps)\n")
     print("| variant | " + " | ".join(f"{s} {n}x{k}" for s, n, k in SHAPES if s in names)
@@ -176,11 +227,12 @@ def main() -> None:
     ap.add_argument("--shapes", default=",".join(s[0] for s in SHAPES))
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--sass", action="store_true")
+    ap.add_argument("--variants", default="", help="comma-separated subset")
     a = ap.parse_args()
     if a.sass:
         sass()
         return
-    bench(a.shapes.split(","), a.quick)
+    bench(a.shapes.split(","), a.quick, [v for v in a.variants.split(",") if v])
 
 
 if __name__ == "__main__":

@@ -184,11 +184,12 @@ if triton is not None:
     @triton.jit
     def gemv_int4_tc_kernel(x_ptr, p_ptr, s_ptr, out_ptr, N, K: tl.constexpr,
                             G: tl.constexpr, XBLOCK: tl.constexpr, RBLOCK: tl.constexpr,
-                            USE_MMA: tl.constexpr, SPLIT: tl.constexpr = 1):
+                            USE_MMA: tl.constexpr, SPLIT: tl.constexpr = 1,
+                            PREFETCH: tl.constexpr = 1):
         """y = x @ W^T, W `pack_tc`-packed int4 [N, K / 2] bytes, scales float32 [N, K / G];
         XBLOCK rows a program (two halves of H), RBLOCK values of K a step. SPLIT > 1: program
         (i, j) sums part j of SPLIT of K and adds it to the float32 `out` (zeroed first)
-        atomically (split-K)."""
+        atomically (split-K). PREFETCH 0: each step waits for its own loads (A/B runs)."""
         KS: tl.constexpr = K // SPLIT
         base = tl.program_id(1) * KS
         H: tl.constexpr = XBLOCK // 2
@@ -213,12 +214,18 @@ if triton is not None:
         acc_b = tl.zeros((T, H, 4), dtype=tl.float32)
         # software-pipelined by hand: the next step's words and scales are loaded before this
         # step's products (x, a few KB read by every program, is loaded where it is used)
-        wa, wb, sa, sb = _step_loads(pwa, pwb, psa, psb, 0, G)
-        for k0 in range(RBLOCK, KS, RBLOCK):
-            ca, cb, csa, csb = wa, wb, sa, sb
-            wa, wb, sa, sb = _step_loads(pwa, pwb, psa, psb, k0, G)
-            acc_a, acc_b = _step(acc_a, acc_b, ca, cb, csa, csb, px + k0 - RBLOCK, USE_MMA)
-        acc_a, acc_b = _step(acc_a, acc_b, wa, wb, sa, sb, px + KS - RBLOCK, USE_MMA)
+        if PREFETCH:
+            wa, wb, sa, sb = _step_loads(pwa, pwb, psa, psb, 0, G)
+            for k0 in range(RBLOCK, KS, RBLOCK):
+                ca, cb, csa, csb = wa, wb, sa, sb
+                wa, wb, sa, sb = _step_loads(pwa, pwb, psa, psb, k0, G)
+                acc_a, acc_b = _step(acc_a, acc_b, ca, cb, csa, csb, px + k0 - RBLOCK,
+                                     USE_MMA)
+            acc_a, acc_b = _step(acc_a, acc_b, wa, wb, sa, sb, px + KS - RBLOCK, USE_MMA)
+        else:
+            for k0 in range(0, KS, RBLOCK):
+                wa, wb, sa, sb = _step_loads(pwa, pwb, psa, psb, k0, G)
+                acc_a, acc_b = _step(acc_a, acc_b, wa, wb, sa, sb, px + k0, USE_MMA)
         ya = tl.sum(tl.sum(acc_a, 2), 0)
         yb = tl.sum(tl.sum(acc_b, 2), 0)
         rn = tl.program_id(0) * XBLOCK + tl.arange(0, H)
