@@ -6,7 +6,8 @@ graph; the time per launch is the graph's / copies). Split-K rows (`*_sk2/4/8`: 
 programs a block of rows, each over K / SPLIT, adding into a float32 result atomically)
 include the zeroing of that result (a memset node in the graph); `i8` is the template's int8
 loop (quant_gemv_variants `i8_sub`), `bf16_sk*` / `i8_sk*` the lane-wise loop split
-(`gemv_sk`), `tc_pf0` the tensor-core kernel without its hand prefetch.
+(`gemv_sk`), `tc_pf0` / `tc_pf2` the tensor-core kernel with 0 / 2 steps of prefetch,
+`tc_wide` with steps of 2048 values (two chunks a lane).
 
     python bench/int4_tc_gemv.py [--shapes o,kv] [--quick] [--variants tc,tc_sk2]
     python bench/int4_tc_gemv.py --sass   # no GPU: SASS instructions a weight byte in the
@@ -43,6 +44,7 @@ NIB = [(16, 1024, 4), (16, 2048, 4), (8, 2048, 4), (32, 1024, 4)]
 TC = [(8, 1024, 1), (16, 512, 1), (16, 1024, 2), (32, 1024, 4), (4, 1024, 1), (8, 512, 1),
       (8, 1024, 2), (16, 256, 1)]
 TC_SPLIT = [(8, 1024, 1), (16, 512, 1), (4, 1024, 1), (8, 512, 1)]
+TC_WIDE = [(4, 2048, 1), (8, 2048, 2), (16, 2048, 4)]  # 2 chunks a lane: fewer, longer steps
 SK = [(8, 512, 4), (16, 512, 4), (4, 1024, 4)]  # bf16 / int8 split-K (RBLOCK elements)
 
 
@@ -120,6 +122,8 @@ def bench(shapes: list[str], quick: bool, only: list[str]) -> None:
                 x, t[0], t[1], o, n, k, XBLOCK=c[0], RBLOCK=c[1], SUB=16, num_warps=c[2])),
             "tc": ("i4tc", TC, torch.bfloat16, _tc_launch(x, n, k, 1)),
             "tc_pf0": ("i4tc", TC, torch.bfloat16, _tc_launch(x, n, k, 1, 0)),
+            "tc_pf2": ("i4tc", TC + TC_WIDE, torch.bfloat16, _tc_launch(x, n, k, 1, 2)),
+            "tc_wide": ("i4tc", TC_WIDE, torch.bfloat16, _tc_launch(x, n, k, 1)),
         }
         for sp in (2, 4, 8):
             variants[f"tc_sk{sp}"] = ("i4tc", TC_SPLIT, torch.float32, _tc_launch(x, n, k, sp))
@@ -135,7 +139,8 @@ def bench(shapes: list[str], quick: bool, only: list[str]) -> None:
             for cfg in cfgs[:3] if quick else cfgs:
                 xb, rb, nw = cfg
                 split = int(vname.rsplit("_sk", 1)[1]) if "_sk" in vname else 1
-                if rb > k // split or (k // split) % rb:
+                if rb > k // split or (k // split) % rb or \
+                        (vname == "tc_pf2" and k // split < 2 * rb):
                     continue
                 try:
                     out.fill_(float("nan"))
@@ -160,9 +165,9 @@ def bench(shapes: list[str], quick: bool, only: list[str]) -> None:
         del forms, refs
         torch.cuda.empty_cache()
     names = [s[0] for s in SHAPES if s[0] in shapes]
-    vnames = [v for v in ["bf16", "bf16_sk2", "bf16_sk4", "bf16_sk8", "i8", "i8_sk2", "i8_sk4",
-                          "i8_sk8", "i4_nib", "tc", "tc_pf0", "tc_sk2", "tc_sk4", "tc_sk8"]
-              if any((s, v) in best for s in names)]
+    order = ["bf16", "bf16_sk2", "bf16_sk4", "bf16_sk8", "i8", "i8_sk2", "i8_sk4", "i8_sk8",
+             "i4_nib", "tc", "tc_pf0", "tc_pf2", "tc_wide", "tc_sk2", "tc_sk4", "tc_sk8"]
+    vnames = [v for v in order if any((s, v) in best for s in names)]
     print(f"\nbest config per shape: us, GB/s (% of the copy bandwidth {bw:.0f} GB/s), "
           f"(XBLOCK, RBLOCK, warps)\n")
     print("| variant | " + " | ".join(f"{s} {n}x{k}" for s, n, k in SHAPES if s in names)

@@ -189,7 +189,8 @@ if triton is not None:
         """y = x @ W^T, W `pack_tc`-packed int4 [N, K / 2] bytes, scales float32 [N, K / G];
         XBLOCK rows a program (two halves of H), RBLOCK values of K a step. SPLIT > 1: program
         (i, j) sums part j of SPLIT of K and adds it to the float32 `out` (zeroed first)
-        atomically (split-K). PREFETCH 0: each step waits for its own loads (A/B runs)."""
+        atomically (split-K). PREFETCH: steps of words in flight ahead of the one multiplied (0:
+        each step waits for its own loads; 2 needs K / SPLIT >= 2 RBLOCK), for A/B runs."""
         KS: tl.constexpr = K // SPLIT
         base = tl.program_id(1) * KS
         H: tl.constexpr = XBLOCK // 2
@@ -214,7 +215,18 @@ if triton is not None:
         acc_b = tl.zeros((T, H, 4), dtype=tl.float32)
         # software-pipelined by hand: the next step's words and scales are loaded before this
         # step's products (x, a few KB read by every program, is loaded where it is used)
-        if PREFETCH:
+        if PREFETCH == 2:  # two steps in flight (K / SPLIT spans at least two steps)
+            wa, wb, sa, sb = _step_loads(pwa, pwb, psa, psb, 0, G)
+            na, nb, nsa, nsb = _step_loads(pwa, pwb, psa, psb, RBLOCK, G)
+            for k0 in range(2 * RBLOCK, KS, RBLOCK):
+                ca, cb, csa, csb = wa, wb, sa, sb
+                wa, wb, sa, sb = na, nb, nsa, nsb
+                na, nb, nsa, nsb = _step_loads(pwa, pwb, psa, psb, k0, G)
+                acc_a, acc_b = _step(acc_a, acc_b, ca, cb, csa, csb, px + k0 - 2 * RBLOCK,
+                                     USE_MMA)
+            acc_a, acc_b = _step(acc_a, acc_b, wa, wb, sa, sb, px + KS - 2 * RBLOCK, USE_MMA)
+            acc_a, acc_b = _step(acc_a, acc_b, na, nb, nsa, nsb, px + KS - RBLOCK, USE_MMA)
+        elif PREFETCH == 1:
             wa, wb, sa, sb = _step_loads(pwa, pwb, psa, psb, 0, G)
             for k0 in range(RBLOCK, KS, RBLOCK):
                 ca, cb, csa, csb = wa, wb, sa, sb
