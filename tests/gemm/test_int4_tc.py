@@ -1,7 +1,8 @@
 """The int4 GEMV on tensor cores (kiln/gemm/int4_tc.py; issue 17 item 4) against float64 math
 of the dequantised weights (quant_gemv.py's values and scales): the packing, the argument
 checks, the kernel's addressing in Triton's interpreter (its stand-in for the inline PTX:
-`USE_MMA=False`), and on a GPU the tensor-core kernel itself (odd N, groups 128 / 256, K of
+`USE_MMA=False`), the lane mapping Triton gives the inline PTX's operands (compiled for sm_90
+here, no GPU), and on a GPU the tensor-core kernel itself (odd N, groups 128 / 256, K of
 several steps, split-K, several tiles)."""
 
 from __future__ import annotations
@@ -106,3 +107,39 @@ def test_tensor_core_gemv_matches_float64(n, k, g, xb, rb, nw, sp):
     assert y.shape == (n,) and not y.isnan().any()
     err = ((y.cpu().double() - ref).abs().max() / ref.abs().max()).item()
     assert err < 5e-3, err  # bf16 output rounding: <= 2^-8 of a value
+
+
+def _layout(ttgir: str) -> dict:
+    """The blocked layout of the inline-PTX op's operands and results in `ttgir` (exactly one)."""
+    import re
+    line = next(t for t in ttgir.splitlines() if "tt.elementwise_inline_asm" in t)
+    names = set(re.findall(r"tensor<[0-9x]+x(?:i32|bf16|f32), (#blocked\d*)>", line))
+    assert len(names) == 1, names  # every operand and result in one layout
+    m = re.search(re.escape(names.pop()) + r" = #ttg\.blocked<\{(.*)\}>", ttgir)
+    return {k: [int(v) for v in vs.split(",")] for k, vs in
+            re.findall(r"(\w+) = \[([0-9, ]+)\]", m.group(1))}
+
+
+@pytest.mark.parametrize("xb,rb,nw,pf", [(8, 1024, 2, 1), (16, 512, 1, 1), (4, 1024, 1, 2),
+                                         (32, 128, 1, 1), (16, 2048, 4, 2)])
+def test_mma_operands_get_the_lane_mapping_the_ptx_assumes(xb, rb, nw, pf):
+    """Compiled for sm_90 here (no GPU): the inline PTX's operands share one blocked layout
+    of the [T, H, 4] tile whose lanes run along T first (no lane along the 4 words), in
+    quads: lanes 4m..4m+3 hold 4 consecutive 32-value chunks, one group of 128. A Triton
+    whose layouts differ fails here, not with wrong sums on a GPU."""
+    triton = pytest.importorskip("triton")
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+    consts = {"K": 4096, "G": 128, "XBLOCK": xb, "RBLOCK": rb, "USE_MMA": True, "SPLIT": 1,
+              "PREFETCH": pf}
+    sig = {"x_ptr": "*bf16", "p_ptr": "*u8", "s_ptr": "*fp32", "out_ptr": "*bf16",
+           "N": "i32", **{c: "constexpr" for c in consts}}
+    src = ASTSource(fn=TC.gemv_int4_tc_kernel, signature=sig, constexprs=consts,
+                    attrs={(i,): [["tt.divisibility", 16]] for i in range(5)})
+    k = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": nw})
+    lay = _layout(k.asm["ttgir"])
+    assert lay["order"][:2] == [2, 0], lay  # words in a thread, then lanes along T
+    assert lay["threadsPerWarp"][2] == 1 and lay["threadsPerWarp"][0] % 4 == 0, lay
+    assert lay["sizePerThread"][0] == 1, lay  # lane t holds chunk t (no chunks in registers
+    # between a quad's lanes)
+    assert "mma.sync.aligned.m16n8k16" in k.asm["ptx"]
