@@ -202,7 +202,9 @@ def sass() -> None:
     print("|---|---:|---|---:|---:|---|")
     for kname, fn, extra, cfgs in (
             ("i4_nib", gemv_i4_nib, {"GS": G}, NIB),
-            ("tc", gemv_int4_tc_kernel, {"G": G, "USE_MMA": True, "SPLIT": 1}, TC)):
+            ("tc", gemv_int4_tc_kernel, {"G": G, "USE_MMA": True, "SPLIT": 1, "PREFETCH": 1}, TC),
+            ("tc_pf2", gemv_int4_tc_kernel, {"G": G, "USE_MMA": True, "SPLIT": 1, "PREFETCH": 2},
+             TC[:3])):
         for k in (4096, 14336):
             for xb, rb, nw in cfgs:
                 if k % rb:

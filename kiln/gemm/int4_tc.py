@@ -49,54 +49,51 @@ MIN_GROUP = 128
 #: one word pair (rows r and r + H of one 32-value chunk) through two data mmas and two
 #: offset mmas; $0 / $1: C[g, g] / C[g + 8, g] in lane (g, g / 2), else 0 (float32);
 #: $2 / $3: the words; $4-$7: x at nibbles 0-3 (k = 4i + j), $8-$11: at nibbles 4-7 (bf16)
-MMA_PTX = """{
-.reg .b32 a0, a1, a2, a3, b0, b1, s, t, m0, m1, m2, m3, l, g;
-.reg .f32 d0, d1, d2, d3;
-.reg .pred pd, po;
-mov.b32 m0, 0xC308C308;
-mov.b32 m1, 0xC308C308;
-mov.b32 m2, 0xC308C308;
-mov.b32 m3, 0xC308C308;
-mov.f32 d0, 0f00000000;
-mov.f32 d1, 0f00000000;
-mov.f32 d2, 0f00000000;
-mov.f32 d3, 0f00000000;
-mov.b32 b0, {$4, $8};
-mov.b32 b1, {$5, $9};
-lop3.b32 a0, $2, 0x000F000F, 0x43004300, 0xEA;
-lop3.b32 a1, $3, 0x000F000F, 0x43004300, 0xEA;
-shr.u32 s, $2, 4;
-shr.u32 t, $3, 4;
-lop3.b32 a2, s, 0x000F000F, 0x43004300, 0xEA;
-lop3.b32 a3, t, 0x000F000F, 0x43004300, 0xEA;
-MMA {m0, m1, m2, m3};
-MMA {a0, a1, a2, a3};
-mov.b32 b0, {$6, $10};
-mov.b32 b1, {$7, $11};
-shr.u32 s, $2, 8;
-shr.u32 t, $3, 8;
-lop3.b32 a0, s, 0x000F000F, 0x43004300, 0xEA;
-lop3.b32 a1, t, 0x000F000F, 0x43004300, 0xEA;
-shr.u32 s, $2, 12;
-shr.u32 t, $3, 12;
-lop3.b32 a2, s, 0x000F000F, 0x43004300, 0xEA;
-lop3.b32 a3, t, 0x000F000F, 0x43004300, 0xEA;
-MMA {m0, m1, m2, m3};
-MMA {a0, a1, a2, a3};
-mov.u32 l, %laneid;
-shr.u32 g, l, 3;
-and.b32 t, l, 3;
-setp.eq.u32 pd, g, t;
-and.b32 s, l, 4;
-setp.ne.u32 po, s, 0;
-selp.f32 d0, d1, d0, po;
-selp.f32 d2, d3, d2, po;
-selp.f32 $0, d0, 0f00000000, pd;
-selp.f32 $1, d2, 0f00000000, pd;
-}""".replace("MMA {m0, m1, m2, m3};", "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 "
-             "{d0, d1, d2, d3}, {m0, m1, m2, m3}, {b0, b1}, {d0, d1, d2, d3};").replace(
-    "MMA {a0, a1, a2, a3};", "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 "
-    "{d0, d1, d2, d3}, {a0, a1, a2, a3}, {b0, b1}, {d0, d1, d2, d3};")
+def _mma(a: str) -> str:
+    """D += A (the registers `a`) x B (b0, b1): bf16 operands, float32 accumulators d0-d3."""
+    return ("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {d0, d1, d2, d3}, "
+            f"{{{a}}}, {{b0, b1}}, {{d0, d1, d2, d3}};")
+
+
+def _pairs(w: str, dst: str) -> str:
+    """Nibbles 0 and 4 of the word in `w` as the bf16 pair (128 + nibble, 128 + nibble)."""
+    return f"lop3.b32 {dst}, {w}, 0x000F000F, 0x43004300, 0xEA;"
+
+
+MMA_PTX = "\n".join([
+    "{",
+    ".reg .b32 a0, a1, a2, a3, b0, b1, s, t, m0, m1, m2, m3, l, g;",
+    ".reg .f32 d0, d1, d2, d3;",
+    ".reg .pred pd, po;",
+    *(f"mov.b32 m{i}, 0xC308C308;" for i in range(4)),  # bf16 -136, -136
+    *(f"mov.f32 d{i}, 0f00000000;" for i in range(4)),
+    # nibbles 0, 4 (A rows g, g + 8: slots 2t, 2t + 1) and 1, 5 (slots 2t + 8, 2t + 9)
+    "mov.b32 b0, {$4, $8};",
+    "mov.b32 b1, {$5, $9};",
+    _pairs("$2", "a0"), _pairs("$3", "a1"),
+    "shr.u32 s, $2, 4;", "shr.u32 t, $3, 4;",
+    _pairs("s", "a2"), _pairs("t", "a3"),
+    _mma("m0, m1, m2, m3"), _mma("a0, a1, a2, a3"),
+    # nibbles 2, 6 and 3, 7
+    "mov.b32 b0, {$6, $10};",
+    "mov.b32 b1, {$7, $11};",
+    "shr.u32 s, $2, 8;", "shr.u32 t, $3, 8;",
+    _pairs("s", "a0"), _pairs("t", "a1"),
+    "shr.u32 s, $2, 12;", "shr.u32 t, $3, 12;",
+    _pairs("s", "a2"), _pairs("t", "a3"),
+    _mma("m0, m1, m2, m3"), _mma("a0, a1, a2, a3"),
+    # C[g, g] (d0 / d1 for even / odd g) and C[g + 8, g] (d2 / d3) in lane (g, g / 2)
+    "mov.u32 l, %laneid;",
+    "shr.u32 g, l, 3;",
+    "and.b32 t, l, 3;",
+    "setp.eq.u32 pd, g, t;",
+    "and.b32 s, l, 4;",
+    "setp.ne.u32 po, s, 0;",
+    "selp.f32 d0, d1, d0, po;",
+    "selp.f32 d2, d3, d2, po;",
+    "selp.f32 $0, d0, 0f00000000, pd;",
+    "selp.f32 $1, d2, 0f00000000, pd;",
+    "}"])
 
 #: the constraint string of MMA_PTX
 MMA_CONSTRAINTS = "=f,=f,r,r,h,h,h,h,h,h,h,h"
