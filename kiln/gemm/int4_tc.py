@@ -212,7 +212,11 @@ if triton is not None:
         acc_b = tl.zeros((T, H, 4), dtype=tl.float32)
         # software-pipelined by hand: the next step's words and scales are loaded before this
         # step's products (x, a few KB read by every program, is loaded where it is used)
-        if PREFETCH == 2:  # two steps in flight (K / SPLIT spans at least two steps)
+        if PREFETCH == 0:  # each step waits for its own loads
+            for k0 in range(0, KS, RBLOCK):
+                wa, wb, sa, sb = _step_loads(pwa, pwb, psa, psb, k0, G)
+                acc_a, acc_b = _step(acc_a, acc_b, wa, wb, sa, sb, px + k0, USE_MMA)
+        elif PREFETCH == 2:  # two steps in flight (K / SPLIT spans at least two steps)
             wa, wb, sa, sb = _step_loads(pwa, pwb, psa, psb, 0, G)
             na, nb, nsa, nsb = _step_loads(pwa, pwb, psa, psb, RBLOCK, G)
             for k0 in range(2 * RBLOCK, KS, RBLOCK):
@@ -223,7 +227,7 @@ if triton is not None:
                                      USE_MMA)
             acc_a, acc_b = _step(acc_a, acc_b, wa, wb, sa, sb, px + KS - 2 * RBLOCK, USE_MMA)
             acc_a, acc_b = _step(acc_a, acc_b, na, nb, nsa, nsb, px + KS - RBLOCK, USE_MMA)
-        elif PREFETCH == 1:
+        else:  # 1 (the default)
             wa, wb, sa, sb = _step_loads(pwa, pwb, psa, psb, 0, G)
             for k0 in range(RBLOCK, KS, RBLOCK):
                 ca, cb, csa, csb = wa, wb, sa, sb
@@ -231,10 +235,6 @@ if triton is not None:
                 acc_a, acc_b = _step(acc_a, acc_b, ca, cb, csa, csb, px + k0 - RBLOCK,
                                      USE_MMA)
             acc_a, acc_b = _step(acc_a, acc_b, wa, wb, sa, sb, px + KS - RBLOCK, USE_MMA)
-        else:
-            for k0 in range(0, KS, RBLOCK):
-                wa, wb, sa, sb = _step_loads(pwa, pwb, psa, psb, k0, G)
-                acc_a, acc_b = _step(acc_a, acc_b, wa, wb, sa, sb, px + k0, USE_MMA)
         ya = tl.sum(tl.sum(acc_a, 2), 0)
         yb = tl.sum(tl.sum(acc_b, 2), 0)
         rn = tl.program_id(0) * XBLOCK + tl.arange(0, H)
@@ -248,10 +248,12 @@ if triton is not None:
 
 def gemv_int4_tc(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, group: int,
                  xblock: int = 32, rblock: int = 256, num_warps: int = 1,
-                 use_mma: bool | None = None, split: int = 1) -> torch.Tensor:
+                 use_mma: bool | None = None, split: int = 1,
+                 prefetch: int = 1) -> torch.Tensor:
     """y [N] = x [K] @ W^T with W `pack_tc(quantize_int4(W)["q"])`; x bf16 (float16 / float32
     too in the interpreter's stand-in). `use_mma` None: the tensor cores on a GPU. `split` > 1:
-    split-K into a float32 result (returned in x's dtype)."""
+    split-K into a float32 result (returned in x's dtype). `prefetch`: steps of words in
+    flight, 0-2 (2 needs K / split >= 2 rblock)."""
     n, k = packed.shape[0], packed.shape[1] * 2
     if x.shape != (k,):
         raise ValueError(f"gemv_int4_tc: x: expected shape ({k},) for packed weights "
@@ -262,6 +264,9 @@ def gemv_int4_tc(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, gr
     check(n, k // split, group, xblock, rblock)
     if split < 1 or k % split:
         raise ValueError(f"gemv_int4_tc: split: expected a divisor of K {k}, got {split}")
+    if prefetch not in (0, 1, 2) or (prefetch == 2 and k // split < 2 * rblock):
+        raise ValueError(f"gemv_int4_tc: prefetch: expected 0, 1 or 2 (2: K / split >= 2 "
+                         f"RBLOCK, here {k // split} and {rblock}), got {prefetch}")
     if use_mma is None:
         use_mma = x.is_cuda
     if use_mma and x.dtype != torch.bfloat16:
@@ -272,5 +277,5 @@ def gemv_int4_tc(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, gr
         out = torch.empty(n, device=x.device, dtype=x.dtype)
     gemv_int4_tc_kernel[(triton.cdiv(n, xblock), split)](
         x, packed, scales, out, n, k, G=group, XBLOCK=xblock, RBLOCK=rblock,
-        USE_MMA=use_mma, SPLIT=split, num_warps=num_warps)
+        USE_MMA=use_mma, SPLIT=split, PREFETCH=prefetch, num_warps=num_warps)
     return out.to(x.dtype)

@@ -53,6 +53,10 @@ def test_bad_arguments_are_named():
         TC.gemv_int4_tc(x[:128], TC.pack_tc(parts["q"]), parts["s"], 64)
     with pytest.raises(ValueError, match="scales: expected shape"):
         TC.gemv_int4_tc(x, TC.pack_tc(parts["q"]), parts["s"], 128)
+    p128 = quantize_int4(torch.randn(8, 256), 128)
+    with pytest.raises(ValueError, match="prefetch: expected 0, 1 or 2"):
+        TC.gemv_int4_tc(x, TC.pack_tc(p128["q"]), p128["s"], 128, rblock=128, prefetch=2,
+                        split=2)
 
 
 #: (N, K, group, XBLOCK, RBLOCK, warps, split): odd N, a partial last program, K of 1-8
@@ -67,26 +71,29 @@ _SCRIPT = textwrap.dedent("""
     from kiln.gemm import int4_tc as TC
     from kiln.gemm.quant_gemv import dequantize, quantize_int4
     torch.manual_seed(1)
-    for n, k, g, xb, rb, nw, sp in {cases}:
+    for n, k, g, xb, rb, nw, sp, pf in {cases}:
         w = torch.randn(n, k) * 0.05
         parts = quantize_int4(w, g)
         x = torch.randn(k).to(torch.bfloat16)
         ref = dequantize("int4", parts, g) @ x.double()
         y = TC.gemv_int4_tc(x, TC.pack_tc(parts["q"]), parts["s"], g, xblock=xb, rblock=rb,
-                            num_warps=nw, split=sp, use_mma=False)
+                            num_warps=nw, split=sp, prefetch=pf, use_mma=False)
         err = ((y.double() - ref).abs().max() / ref.abs().max()).item()
-        print(n, k, g, xb, rb, sp, err)
-        assert err < 5e-3, (n, k, g, xb, rb, sp, err)  # bf16 output rounding: <= 2^-8
+        print(n, k, g, xb, rb, sp, pf, err)
+        assert err < 5e-3, (n, k, g, xb, rb, sp, pf, err)  # bf16 output rounding: <= 2^-8
 """)
 
 
 def test_addressing_matches_float64_in_triton_interpreter():
     pytest.importorskip("triton")
     env = dict(os.environ, TRITON_INTERPRET="1")
-    r = subprocess.run([sys.executable, "-c", _SCRIPT.format(cases=CASES)], env=env,
+    cases = [c + (1,) for c in CASES] + [(37, 1024, 128, 8, 256, 1, 1, 2),
+                                         (20, 2048, 128, 4, 256, 1, 2, 2),
+                                         (9, 512, 128, 4, 128, 1, 1, 0)]  # prefetch 2, 0
+    r = subprocess.run([sys.executable, "-c", _SCRIPT.format(cases=cases)], env=env,
                        capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stdout + r.stderr
-    assert len(r.stdout.splitlines()) == len(CASES)
+    assert len(r.stdout.splitlines()) == len(cases)
 
 
 @pytest.mark.gpu
