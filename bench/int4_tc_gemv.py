@@ -29,7 +29,7 @@ import triton  # noqa: E402
 import triton.language as tl  # noqa: E402
 
 from bench.quant_gemv_variants import gemv_bf16, gemv_i4_nib, gemv_i8, graph_us  # noqa: E402
-from kiln.gemm.int4_tc import gemv_int4_tc_kernel, pack_tc  # noqa: E402
+from kiln.gemm.int4_tc import _step_loads, gemv_int4_tc_kernel, mma_pair, pack_tc  # noqa: E402
 from kiln.gemm.quant_gemv import dequantize, quantize_int4, quantize_int8  # noqa: E402
 
 G = 128
@@ -72,6 +72,62 @@ def gemv_sk(x_ptr, w_ptr, s_ptr, out_ptr, N, K: tl.constexpr, XBLOCK: tl.constex
     if INT8:
         tot = tot * tl.load(s_ptr + rn, mask=nmask, other=0.0)
     tl.atomic_add(out_ptr + rn, tot, mask=nmask, sem="relaxed")
+
+
+@triton.jit
+def _norm_x(ph, pg, k0):
+    """x = h * gamma at one nibble place (the RMSNorm prologue, its 1 / rms factored out),
+    rounded to bf16 as the template rounds the prologue's row."""
+    return (tl.load(ph + k0).to(tl.float32) * tl.load(pg + k0).to(tl.float32)).to(tl.bfloat16)
+
+
+@triton.jit
+def gemv_int4_tc_norm(h_ptr, g_ptr, p_ptr, s_ptr, out_ptr, N, K: tl.constexpr,
+                      G: tl.constexpr, XBLOCK: tl.constexpr, RBLOCK: tl.constexpr):
+    """The tensor-core GEMV (prefetch 1) of RMSNorm(h) * gamma as the template would print
+    it: x at the 8 nibble places computed from h and gamma in the weight tile's shape (so it
+    gets the words' layout), the sum of squares from a [T, 1, 4] load (the [T, H, 4] tile
+    would count each value H times), 1 / rms on the row sums. SASS only (`--sass`)."""
+    H: tl.constexpr = XBLOCK // 2
+    T: tl.constexpr = RBLOCK // 32
+    r0 = tl.program_id(0) * XBLOCK + tl.arange(0, H)[None, :, None]
+    ra = tl.minimum(r0, N - 1)
+    rb = tl.minimum(r0 + H, N - 1)
+    rt = tl.arange(0, T)[:, None, None]
+    rj = tl.arange(0, 4)[None, None, :]
+    rw = rt * 4 + rj
+    pw = p_ptr.to(tl.pointer_type(tl.int32), bitcast=True)
+    pwa = pw + ra * (K // 8) + rw
+    pwb = pw + rb * (K // 8) + rw
+    psa = s_ptr + ra * (K // G) + rt * 32 // G
+    psb = s_ptr + rb * (K // G) + rt * 32 // G
+    ph = h_ptr + rt * 32 + rj + r0 * 0
+    pg = g_ptr + rt * 32 + rj + r0 * 0
+    ps2 = h_ptr + rt * 32 + rj  # [T, 1, 4]
+    acc_a = tl.zeros((T, H, 4), dtype=tl.float32)
+    acc_b = tl.zeros((T, H, 4), dtype=tl.float32)
+    ss = tl.zeros((T, 1, 4), dtype=tl.float32)
+    wa, wb, sa, sb = _step_loads(pwa, pwb, psa, psb, 0, G)
+    for k0 in range(RBLOCK, K + RBLOCK, RBLOCK):
+        ca, cb, csa, csb = wa, wb, sa, sb
+        if k0 < K:
+            wa, wb, sa, sb = _step_loads(pwa, pwb, psa, psb, k0, G)
+        c = k0 - RBLOCK
+        for i in tl.static_range(8):
+            hv = tl.load(ps2 + c + 4 * i).to(tl.float32)
+            ss += hv * hv
+        da, db = mma_pair(ca, cb, _norm_x(ph, pg, c), _norm_x(ph, pg, c + 4),
+                          _norm_x(ph, pg, c + 8), _norm_x(ph, pg, c + 12),
+                          _norm_x(ph, pg, c + 16), _norm_x(ph, pg, c + 20),
+                          _norm_x(ph, pg, c + 24), _norm_x(ph, pg, c + 28), True)
+        acc_a += da * csa
+        acc_b += db * csb
+    inv = tl.rsqrt(tl.sum(tl.sum(tl.sum(ss, 2), 1), 0) / K + 1e-5)
+    ya = tl.sum(tl.sum(acc_a, 2), 0) * inv
+    yb = tl.sum(tl.sum(acc_b, 2), 0) * inv
+    rn = tl.program_id(0) * XBLOCK + tl.arange(0, H)
+    tl.store(out_ptr + rn, ya.to(out_ptr.dtype.element_ty), mask=rn < N)
+    tl.store(out_ptr + rn + H, yb.to(out_ptr.dtype.element_ty), mask=rn + H < N)
 
 
 def _tc_launch(x, n, k, split, prefetch=1):
@@ -185,6 +241,10 @@ def bench(shapes: list[str], quick: bool, only: list[str]) -> None:
         print(f"| {v} | " + " | ".join(cells) + " |")
 
 
+NORM_PTRS = {"h_ptr": "*bf16", "g_ptr": "*bf16", "p_ptr": "*u8", "s_ptr": "*fp32",
+             "out_ptr": "*bf16", "N": "i32"}
+
+
 def sass() -> None:
     """SASS instructions a weight byte in the K loop, tc and i4_nib, compiled here (sm_90)."""
     import collections
@@ -204,15 +264,18 @@ def sass() -> None:
             ("i4_nib", gemv_i4_nib, {"GS": G}, NIB),
             ("tc", gemv_int4_tc_kernel, {"G": G, "USE_MMA": True, "SPLIT": 1, "PREFETCH": 1}, TC),
             ("tc_pf2", gemv_int4_tc_kernel, {"G": G, "USE_MMA": True, "SPLIT": 1, "PREFETCH": 2},
-             TC[:3])):
+             TC[:3]),
+            ("tc + RMSNorm prologue", gemv_int4_tc_norm, {"G": G}, TC[:3] + TC[4:7])):
         for k in (4096, 14336):
             for xb, rb, nw in cfgs:
                 if k % rb:
                     continue
                 consts = {"K": k, **extra, "XBLOCK": xb, "RBLOCK": rb}
-                sig = {**ptrs, **{c: "constexpr" for c in consts}}
+                base = NORM_PTRS if fn is gemv_int4_tc_norm else ptrs
+                sig = {**base, **{c: "constexpr" for c in consts}}
                 src = ASTSource(fn=fn, signature=sig, constexprs=consts,
-                                attrs={(i,): [["tt.divisibility", 16]] for i in range(5)})
+                                attrs={(i,): [["tt.divisibility", 16]]
+                                       for i in range(len(base))})
                 ck = triton.compile(src, target=GPUTarget("cuda", 90, 32),
                                     options={"num_warps": nw})
                 with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
