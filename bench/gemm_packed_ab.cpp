@@ -8,7 +8,7 @@
 // Variants: main (base tree), rows (Order 1: row tile outer), blis (Order 2: BLIS order, no
 // prefetch), auto (Order 0: this tree's rule), blis128 (Order 2 at KC 128), blispf (Order 3:
 // BLIS order, the next panel's K block prefetched into L2).
-// main2: main again (a control: its ratio to main shows the noise).
+// main2: main again (a control: its ratio to main shows the noise); auto128: auto at KC 128.
 // Thread setting "2p": 2 threads, each pool member pinned to its own CPU of the allowed set.
 // Mode "cold": every call reads another copy of the packed weight (COLD_MIB of copies, past
 // the L3), as a model's GEMMs do; "warm": the same with WARM_MIB of copies (past the L2s, in
@@ -47,7 +47,8 @@ struct BiasRelu {  // the epilogue of a Linear + ReLU
   }
 };
 
-static const char *kVariants[] = {"main", "rows", "blis", "auto", "blis128", "blispf", "main2"};
+static const char *kVariants[] = {"main", "rows", "blis", "auto", "blis128", "blispf", "main2",
+                                  "auto128"};
 
 static void call(int v, int64_t M, int64_t N, int64_t K, const float *A, const float *Bp,
                  float *C, BiasRelu e) {
@@ -59,6 +60,7 @@ static void call(int v, int64_t M, int64_t N, int64_t K, const float *A, const f
     case 4: kr::gemm_cpp_packed<float, NR, MR, 128, 2>(1, 1, M, N, K, A, 0, 0, K, 1, Bp, C, e); break;
     case 5: kr::gemm_cpp_packed<float, NR, MR, 256, 3>(1, 1, M, N, K, A, 0, 0, K, 1, Bp, C, e); break;
     case 6: kr_a::gemm_cpp_packed<float, NR, MR, 256>(1, 1, M, N, K, A, 0, 0, K, 1, Bp, C, e); break;
+    case 7: kr::gemm_cpp_packed<float, NR, MR, 128, 0>(1, 1, M, N, K, A, 0, 0, K, 1, Bp, C, e); break;
 
   }
 }

@@ -5,7 +5,8 @@ panel swept by every row tile; MR-row tiles and a 4- or 8-row tail), with and wi
 prefetch of the next panel or of the next K block's first (Order 0 automatic, 1 row tile
 outer, 2 BLIS order, 3 BLIS order with the prefetch). A C++ program calls both at ragged M
 (chunk boundaries at 132 rows), N (partial panels), K (partial K blocks, 3 K blocks, K = 0),
-a strided A (row stride past K, and of 4 KiB), 1 and 2 threads, with an epilogue that must
+a strided A (row stride past K, and of 4 KiB), KC 256 (the smaller K block of the BLIS
+order from 8 row tiles up), 1 and 2 threads, with an epilogue that must
 see each element of C exactly once and after its last K block; checked against a long double
 reference. Built for the host's best level (AVX-512 where it has it), x86-64-v3 (AVX2) and
 plain x86-64 (SSE2)."""
@@ -92,6 +93,21 @@ static int shapes() {
   return bad;
 }
 
+// KC 256 (the packages' float tile): from 8 row tiles up the BLIS order blocks K by
+// packed_cols_kc's smaller block (128 with 32-float panels), a K of 2 and 3 such blocks plus a
+// part, rows past one chunk
+template <class T, int NR, int MR, int KC>
+static int shapes_small_kc() {
+  int bad = 0;
+  for (int64_t M : {int64_t(8 * MR), int64_t(133), int64_t(270)})
+    for (int64_t K : {int64_t(KC + 17), int64_t(3 * KC / 2 + 5)})
+      for (int64_t ar : {K, int64_t(1024)}) {
+        bad |= check<T, NR, MR, KC, 0>(M, 3 * NR - 3, K, ar);
+        bad |= check<T, NR, MR, KC, 2>(M, 3 * NR - 3, K, ar);
+      }
+  return bad;
+}
+
 int main() {
   kr::Pool pool;
   kr::RunScope scope(&pool);
@@ -99,7 +115,7 @@ int main() {
   // MR 12: AVX-512's default (tails of 4 and 8 rows); MR 6:
   // AVX2's; doubles at MR 8
   int bad = shapes<float, NR, 12, 64>() | shapes<float, NR, 6, 64>() |
-            shapes<double, NRD, 8, 64>();
+            shapes<double, NRD, 8, 64>() | shapes_small_kc<float, NR, 12, 256>();
   std::printf(bad ? "FAILED\n" : "OK\n");
   return bad;
 }

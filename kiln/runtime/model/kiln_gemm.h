@@ -598,6 +598,19 @@ inline void packed_cols_pack(int64_t mc, int64_t kc, const T *a, int64_t ar, int
   }
 }
 
+/* The K block of `packed_block_cols` for M rows: KC, or from 8 row tiles up the largest
+ * that keeps a panel's K block within 16 KiB (128 rows of a 32-float panel; AVX2's 16-float
+ * panels keep KC 256), so that the K block being swept and the next one, prefetched during
+ * the sweep, fit L1 (48 KiB) together. With the weight in DRAM or L3 (a model's) 0.87-0.93 of
+ * KC 256's time at M 128-197 on the Zen 5 box, and no faster where the panel is cached; with
+ * 5 row tiles (M = 64) it was 6% slower at 2 threads (BENCHMARKS.md, s17enc). */
+template <class T, int NR, int MR, int KC>
+constexpr int64_t packed_cols_kc(int64_t M) {
+  constexpr int64_t fit = int64_t(16384) / (NR * int64_t(sizeof(T)));
+  constexpr int64_t small = fit < KC ? (fit < 32 ? 32 : fit) : KC;
+  return M >= 8 * MR ? small : KC;
+}
+
 /* The same GEMM as `packed_block` for several row blocks, loops in the order of BLIS's
  * macro-kernel: per K block and chunk of up to packed_cols_mc rows, A is packed once
  * (k-major MR-row tiles, rows past M zero) unless its full tiles may read it in place
@@ -617,10 +630,10 @@ inline void packed_block_cols(int64_t M, int64_t N, int64_t K, const T *a, int64
     return packed_block<T, NR, MR, KC>(M, N, K, a, ar, ac, bp, p0, p1, c, ldc, apack, epi);
   constexpr int64_t MC = packed_cols_mc<MR>();
   constexpr int PG = 4;  // panels per epilogue call
-  const int64_t pstride = K * NR;
+  const int64_t pstride = K * NR, kcb = packed_cols_kc<T, NR, MR, KC>(M);
   const bool direct = MR > 1 && direct_a_ok<T>(ar, ac);
-  for (int64_t pc = 0; pc < K; pc += KC) {
-    const int64_t kc = std::min<int64_t>(KC, K - pc);
+  for (int64_t pc = 0; pc < K; pc += kcb) {
+    const int64_t kc = std::min<int64_t>(kcb, K - pc);
     const bool last = pc + kc == K;
     for (int64_t ic = 0; ic < M; ic += MC) {
       const int64_t mc = std::min<int64_t>(MC, M - ic);
@@ -635,7 +648,7 @@ inline void packed_block_cols(int64_t M, int64_t N, int64_t K, const T *a, int64
       pf.inner = ic == 0;
       if (ic + mc == M && !last) {
         pf.wrap = bp + (pc + kc) * NR;
-        pf.kcw = std::min<int64_t>(KC, K - pc - kc);
+        pf.kcw = std::min<int64_t>(kcb, K - pc - kc);
       }
       if (!last) {
         packed_cols_panels<T, NR, MR>(mc, kc, apack, bp + pc * NR, pstride, p0, p1, N,
