@@ -8,6 +8,7 @@
 // Variants: main (base tree), rows (Order 1: row tile outer), blis (Order 2: BLIS order, no
 // prefetch), auto (Order 0: this tree's rule), blis128 (Order 2 at KC 128), blispf (Order 3:
 // BLIS order, the next panel's K block prefetched into L2).
+// main2: main again (a control: its ratio to main shows the noise); auto128: auto at KC 128.
 // Thread setting "2p": 2 threads, each pool member pinned to its own CPU of the allowed set.
 // Mode "cold": every call reads another copy of the packed weight (COLD_MIB of copies, past
 // the L3), as a model's GEMMs do; "warm": the same with WARM_MIB of copies (past the L2s, in
@@ -17,7 +18,9 @@
 #include "kiln_model_rt.h"
 #include "gemm_a.h"
 #include <sched.h>
+#include <sys/mman.h>
 #include <algorithm>
+#include <array>
 #include <chrono>
 #include <cmath>
 #include <cstdio>
@@ -44,7 +47,8 @@ struct BiasRelu {  // the epilogue of a Linear + ReLU
   }
 };
 
-static const char *kVariants[] = {"main", "rows", "blis", "auto", "blis128", "blispf"};
+static const char *kVariants[] = {"main", "rows", "blis", "auto", "blis128", "blispf", "main2",
+                                  "auto128"};
 
 static void call(int v, int64_t M, int64_t N, int64_t K, const float *A, const float *Bp,
                  float *C, BiasRelu e) {
@@ -55,6 +59,9 @@ static void call(int v, int64_t M, int64_t N, int64_t K, const float *A, const f
     case 3: kr::gemm_cpp_packed<float, NR, MR, 256, 0>(1, 1, M, N, K, A, 0, 0, K, 1, Bp, C, e); break;
     case 4: kr::gemm_cpp_packed<float, NR, MR, 128, 2>(1, 1, M, N, K, A, 0, 0, K, 1, Bp, C, e); break;
     case 5: kr::gemm_cpp_packed<float, NR, MR, 256, 3>(1, 1, M, N, K, A, 0, 0, K, 1, Bp, C, e); break;
+    case 6: kr_a::gemm_cpp_packed<float, NR, MR, 256>(1, 1, M, N, K, A, 0, 0, K, 1, Bp, C, e); break;
+    case 7: kr::gemm_cpp_packed<float, NR, MR, 128, 0>(1, 1, M, N, K, A, 0, 0, K, 1, Bp, C, e); break;
+
   }
 }
 
@@ -108,9 +115,20 @@ int main(int argc, char **argv) {
     for (int i = 0; i < int(sizeof kVariants / sizeof *kVariants); ++i)
       if (n == kVariants[i]) vars.push_back(i);
   const auto cpus = allowed_cpus();
-  const int64_t shapes[][3] = {{64, 1024, 1024}, {64, 256, 1024}, {128, 768, 768},
-                               {128, 3072, 768}, {128, 768, 3072}, {1, 768, 768},
-                               {8, 768, 768},    {16, 768, 768},   {16, 3072, 768}};
+  std::vector<std::array<int64_t, 3>> shapes = {
+      {64, 1024, 1024}, {64, 256, 1024}, {128, 768, 768}, {128, 3072, 768}, {128, 768, 3072},
+      {1, 768, 768},    {8, 768, 768},   {16, 768, 768},  {16, 3072, 768}};
+  if (const char *env = std::getenv("GEMM_AB_SHAPES")) {  // "MxNxK,MxNxK,..."
+    shapes.clear();
+    for (auto &t : split(env)) {
+      long m, n, k;
+      if (std::sscanf(t.c_str(), "%ldx%ldx%ld", &m, &n, &k) != 3) {
+        std::fprintf(stderr, "GEMM_AB_SHAPES: expected MxNxK, got '%s'\n", t.c_str());
+        return 2;
+      }
+      shapes.push_back({m, n, k});
+    }
+  }
   kr::Pool pool;
   for (const auto &th : threads) {
     const bool pinned = th.size() > 1 && th.back() == 'p';
@@ -125,7 +143,11 @@ int main(int argc, char **argv) {
         const double mib = cold ? cold_mib : warm ? warm_mib : 0;
         const int64_t copies = std::max<int64_t>(1, int64_t(mib * (1 << 20) / (pb * 4.0)));
         std::vector<float> A(M * K), W(N * K), bias(N), C(M * N);
-        float *Bp = static_cast<float *>(std::aligned_alloc(64, size_t(pb * 4 * copies)));
+        // GEMM_AB_HUGE=1: the weight copies on 2 MiB pages (madvise; THP in "madvise" mode)
+        const bool huge = std::getenv("GEMM_AB_HUGE") && std::getenv("GEMM_AB_HUGE")[0] == '1';
+        const size_t bbytes = (size_t(pb * 4 * copies) + (2u << 20) - 1) / (2u << 20) * (2u << 20);
+        float *Bp = static_cast<float *>(std::aligned_alloc(huge ? 2u << 20 : 64, bbytes));
+        if (huge) madvise(Bp, bbytes, MADV_HUGEPAGE);
         uint64_t s = 88172645463325252ull;
         auto rnd = [&]() { s ^= s << 13; s ^= s >> 7; s ^= s << 17; return float((s >> 11) * 0x1p-53 - 0.5); };
         for (auto &x : A) x = rnd();
@@ -165,10 +187,13 @@ int main(int argc, char **argv) {
             }
             meds[vi].push_back(median(t) * 1e6);
           }
-        for (size_t vi = 0; vi < vars.size(); ++vi)
-          std::printf("R %s %s %ldx%ldx%ld %s %.2f %.2f\n", th.c_str(), mode.c_str(), (long)M,
-                      (long)N, (long)K, kVariants[vars[vi]], median(meds[vi]),
-                      *std::min_element(meds[vi].begin(), meds[vi].end()));
+        for (size_t vi = 0; vi < vars.size(); ++vi) {
+          std::vector<double> ratio;  // per round, to the first variant (paired in time)
+          for (int r = 0; r < rounds; ++r) ratio.push_back(meds[vi][r] / meds[0][r]);
+          std::printf("R %s %s %ldx%ldx%ld %s %.2f %.2f %.4f\n", th.c_str(), mode.c_str(),
+                      (long)M, (long)N, (long)K, kVariants[vars[vi]], median(meds[vi]),
+                      *std::min_element(meds[vi].begin(), meds[vi].end()), median(ratio));
+        }
         std::fflush(stdout);
         std::free(Bp);
       }

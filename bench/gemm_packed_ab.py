@@ -4,7 +4,8 @@ process (bench/gemm_packed_ab.cpp), interleaved burst by burst, at 1 and 2 threa
 ONNX Runtime's MatMul + Add + Relu on the same shapes (MLAS, intra-op threads = the count).
 
   python bench/gemm_packed_ab.py BASE_ROOT [--rounds 9] [--burst 0.01] [--threads 1,2,2p]
-      [--modes hot,warm,cold] [--variants main,rows,blis,blispf,auto] [--ort] [--json OUT]
+      [--shapes MxNxK,...] [--modes hot,warm,cold] [--variants main,rows,blis,blispf,auto,main2]
+      [--ort] [--json OUT]
 
 BASE_ROOT is a checkout (or a folder holding kiln/runtime/model/kiln_gemm.h and
 kiln_model_rt.h) whose GEMM is variant "main": its kiln_gemm.h and gemm_cpp_packed are copied
@@ -14,7 +15,10 @@ reads another copy of the weight (--cold-mib of copies, past the L3), as a large
 read theirs from memory; "warm": --warm-mib of copies (past the L2s, within the L3: a small
 model's weights); "hot": one weight, cached by the previous call. Times: per round each
 variant runs a burst (>= 3 calls, >= --burst s) and keeps the burst's median; the table shows
-the median over rounds (us) and the ratio to "main"."""
+the median over rounds (us) and the median over rounds of each round's ratio to "main" (the
+variants of a round run back to back; "main2" is main again, a control for the noise).
+--shapes replaces the mlp / BERT shapes (e.g. the encoders': 128x768x768,750x384x384).
+GEMM_AB_HUGE=1 in the environment puts the weight copies on 2 MiB pages (madvise)."""
 
 from __future__ import annotations
 
@@ -210,6 +214,8 @@ def main() -> None:
     ap.add_argument("--cold-mib", type=float, default=512)
     ap.add_argument("--warm-mib", type=float, default=48)
     ap.add_argument("--variants", default="main,rows,blis,auto")
+    ap.add_argument("--shapes", help="M x N x K list instead of the mlp / BERT shapes, e.g. "
+                    "'128x768x768,750x384x384'")
     ap.add_argument("--ort", action="store_true", help="also time ONNX Runtime per shape")
     ap.add_argument("--json", help="write the raw results here")
     ap.add_argument("--fma", help="only the FMA throughput of threads pinned to these CPU "
@@ -217,21 +223,24 @@ def main() -> None:
     args = ap.parse_args()
     if args.fma:
         return fma_pairs(args.fma, 0.3)
+    if args.shapes:
+        SHAPES[:] = [tuple(int(x) for x in t.split("x")) for t in args.shapes.split(",")]
     tmp = Path(tempfile.mkdtemp(prefix="gemm_ab_"))
     exe = build(Path(args.base), tmp)
     proc = subprocess.run([str(exe), str(args.rounds), str(args.burst), args.threads, args.modes,
                            str(args.cold_mib), args.variants, str(args.warm_mib)], text=True,
                           capture_output=True,
-                          env={**os.environ, "OMP_NUM_THREADS": "1"})
+                          env={**os.environ, "OMP_NUM_THREADS": "1",
+                               "GEMM_AB_SHAPES": ",".join(f"{m}x{n}x{k}" for m, n, k in SHAPES)})
     print(proc.stdout, end="")
     if proc.returncode:
         raise SystemExit(proc.stderr or f"gemm_packed_ab exited {proc.returncode}")
-    res: dict[tuple[str, str, str, str], tuple[float, float]] = {}
+    res: dict[tuple[str, str, str, str], tuple[float, float, float]] = {}
     pool = []
     for line in proc.stdout.splitlines():
         f = line.split()
         if f and f[0] == "R":
-            res[(f[1], f[2], f[3], f[4])] = (float(f[5]), float(f[6]))
+            res[(f[1], f[2], f[3], f[4])] = (float(f[5]), float(f[6]), float(f[7]))
         elif f and f[0] == "P":
             pool.append(line)
     ort_res = {}
@@ -241,7 +250,8 @@ def main() -> None:
     variants = args.variants.split(",")
     for th in args.threads.split(","):
         for mode in args.modes.split(","):
-            print(f"\nthreads {th}, {mode}, {args.rounds} rounds: median us (ratio to main)"
+            print(f"\nthreads {th}, {mode}, {args.rounds} rounds: median us (median over "
+                  "rounds of the ratio to main, timed next to it)"
                   + ("; ORT: one weight, cached" if ort_res and mode != "hot" else ""))
             hdr = "| shape | " + " | ".join(variants) + (" | ORT |" if ort_res else " |")
             print(hdr)
@@ -252,7 +262,7 @@ def main() -> None:
                 cells = []
                 for v in variants:
                     t = res.get((th, mode, s, v))
-                    ratio = f" ({t[0] / base:.3f})" if t and base and v != "main" else ""
+                    ratio = f" ({t[2]:.3f})" if t and base and v != "main" else ""
                     cells.append("-" if t is None else f"{t[0]:.1f}{ratio}")
                 if ort_res:
                     o = ort_res.get((int(th.rstrip("p")), s))

@@ -1,13 +1,15 @@
 """kr::gemm_cpp_packed's two loop orders (kiln_gemm.h): `packed_block` (row tile outer: small
 M, and A read in place) and `packed_block_cols` (BLIS order: per K block a chunk of rows
-packed once, each panel swept by every row tile; MR-row tiles and a 4- or 8-row tail), with
-and without its prefetch of the next panel (Order 0 automatic, 1 row tile outer, 2 BLIS
-order, 3 BLIS order with the prefetch). A C++
-program calls both at ragged M (chunk boundaries at 132 rows), N (partial panels), K (partial
-K blocks, 3 K blocks, K = 0), a strided A (row stride past K), 1 and 2 threads, with an
-epilogue that must see each element of C exactly once and after its last K block; checked
-against a long double reference. Built for the host's best level (AVX-512 where it has it),
-x86-64-v3 (AVX2) and plain x86-64 (SSE2)."""
+packed once, or its full tiles reading A in place where its rows do not alias in L1, each
+panel swept by every row tile; MR-row tiles and a 4- or 8-row tail), with and without its
+prefetch of the next panel or of the next K block's first (Order 0 automatic, 1 row tile
+outer, 2 BLIS order, 3 BLIS order with the prefetch). A C++ program calls both at ragged M
+(chunk boundaries at 132 rows), N (partial panels), K (partial K blocks, 3 K blocks, K = 0),
+a strided A (row stride past K, and of 4 KiB), KC 256 (the smaller K block of the BLIS
+order from 8 row tiles up), 1 and 2 threads, with an epilogue that must
+see each element of C exactly once and after its last K block; checked against a long double
+reference. Built for the host's best level (AVX-512 where it has it), x86-64-v3 (AVX2) and
+plain x86-64 (SSE2)."""
 
 from __future__ import annotations
 
@@ -79,13 +81,30 @@ static int shapes() {
   for (int64_t M : Ms) {
     if (M < 1) continue;
     for (auto nk : NKs)
-      for (int64_t ar : {nk[1], nk[1] + 3}) {
+      // row strides: K; K + 3; 1024 elements (4 KiB of floats: rows alias in L1, so the BLIS
+      // order packs A; at the others its full tiles read A in place)
+      for (int64_t ar : {nk[1], nk[1] + 3, int64_t(1024)}) {
         bad |= check<T, NR, MR, KC, 1>(M, nk[0], nk[1], ar);
         bad |= check<T, NR, MR, KC, 2>(M, nk[0], nk[1], ar);
         bad |= check<T, NR, MR, KC, 0>(M, nk[0], nk[1], ar);
         bad |= check<T, NR, MR, KC, 3>(M, nk[0], nk[1], ar);
       }
   }
+  return bad;
+}
+
+// KC 256 (the packages' float tile): from 8 row tiles up the BLIS order blocks K by
+// packed_cols_kc's smaller block (128 with 32-float panels), a K of 2 and 3 such blocks plus a
+// part, rows past one chunk
+template <class T, int NR, int MR, int KC>
+static int shapes_small_kc() {
+  int bad = 0;
+  for (int64_t M : {int64_t(8 * MR), int64_t(133), int64_t(270)})
+    for (int64_t K : {int64_t(KC + 17), int64_t(3 * KC / 2 + 5)})
+      for (int64_t ar : {K, int64_t(1024)}) {
+        bad |= check<T, NR, MR, KC, 0>(M, 3 * NR - 3, K, ar);
+        bad |= check<T, NR, MR, KC, 2>(M, 3 * NR - 3, K, ar);
+      }
   return bad;
 }
 
@@ -96,7 +115,7 @@ int main() {
   // MR 12: AVX-512's default (tails of 4 and 8 rows); MR 6:
   // AVX2's; doubles at MR 8
   int bad = shapes<float, NR, 12, 64>() | shapes<float, NR, 6, 64>() |
-            shapes<double, NRD, 8, 64>();
+            shapes<double, NRD, 8, 64>() | shapes_small_kc<float, NR, 12, 256>();
   std::printf(bad ? "FAILED\n" : "OK\n");
   return bad;
 }

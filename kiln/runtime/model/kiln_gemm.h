@@ -502,41 +502,74 @@ constexpr int packed_cols_h(int64_t mr) {
   return mr == MR ? MR : mr <= 4 && MR > 4 ? 4 : mr <= 8 && MR > 8 ? 8 : MR;
 }
 
-/* Rows [0, mc) of a chunk (A packed by `packed_cols_pack`) times the K block of panels
- * [pg, pe): per panel, every full row tile while the panel's K block (KC x NR) stays in L1,
+/* Which K block of which panel the sweep of panel p asks into the caches (`packed_cols_panels`'s
+ * prefetch). A thread's sweeps visit, per K block and chunk of rows, panels [p0, p1) of its
+ * part: the target is the next panel of this K block (`inner`: in the first chunk only; later
+ * chunks find the block's panels in L2, where the first chunk left them), and from the last
+ * panel on, the first panel of the next K block (`wrap`, `kcw` rows; null after the last K
+ * block or before the last chunk). */
+template <class T>
+struct PanelPrefetch {
+  const T *bk = nullptr, *wrap = nullptr;
+  int64_t p0 = 0, p1 = 0, kc = 0, kcw = 0;
+  bool inner = true;
+  const char *target(int64_t p, int64_t pstride, int64_t &rows) const {
+    if (p + 1 < p1) {
+      rows = kc;
+      return inner ? reinterpret_cast<const char *>(bk + (p + 1) * pstride) : nullptr;
+    }
+    rows = kcw;
+    return wrap ? reinterpret_cast<const char *>(wrap + p0 * pstride) : nullptr;
+  }
+};
+
+/* Rows [0, mc) of a chunk times the K block of panels [pg, pe): the full row tiles read A
+ * packed by `packed_cols_pack` (`apack`), or with `adirect` in place (its rows at stride ar:
+ * the broadcasts of MLAS's and oneDNN brgemm's fp32 kernels; the tail tile is still packed).
+ * Per panel, every full row tile while the panel's K block (KC x NR) stays in L1,
  * the tiles' A streaming from L2, and the last mr < MR rows, if any, in a tile of 8 or MR
  * rows; a tail of 4 rows runs after the sweep, over groups of 3 panels (packed_block's 4-row
  * tile: 8 accumulators a panel would wait on the FMA latency). Not inlined: compiled
  * once per (T, NR, MR), not once per GEMM and epilogue of a package (each fused epilogue is
  * its own instantiation of the loop around it). The call costs nothing next to its at least
  * MR x NR x kc multiply-adds.
- * prefetch: while the full tiles sweep panel p, the next panel's K block (kc x NR: 512 lines
- * of 64 bytes at KC 256) is asked into L2 in even slices, one slice before each tile. Its K
- * block starts a new run of 4 KiB pages (pstride away), which the L2 streamer only follows
- * after its first misses in each page: without it the first tile of each panel waits for
- * memory (a weight read once per call, from DRAM or L3 in a model). (A line asked per k
- * inside the tile's loop instead was 13-20% slower with the weight cached.) */
+ * prefetch: while the full tiles sweep panel p, the K block `pf` names (the next panel's, or
+ * the next K block's first: kc x NR, 512 lines of 64 bytes at KC 256) is asked into the
+ * caches in even slices, one slice before each tile. Its K block starts a new run of 4 KiB
+ * pages (pstride away), which the L2 streamer only follows after its first misses in each
+ * page: without it the first tile of each panel waits for memory (a weight read once per
+ * call, from DRAM or L3 in a model). Hint T0 (all levels): on the Zen 5 box's 2 threads,
+ * 2-8% faster than T1 with the weight in DRAM or L3 and 1% slower with it in L2
+ * (BENCHMARKS.md, s17enc). (A line asked per k inside the tile's loop instead was 13-20%
+ * slower with the weight cached.) */
 template <class T, int NR, int MR>
 __attribute__((noinline)) void packed_cols_panels(int64_t mc, int64_t kc, const T *apack,
                                                   const T *bk, int64_t pstride, int64_t pg,
                                                   int64_t pe, int64_t N, T *c, int64_t ldc,
-                                                  bool accumulate, bool prefetch) {
-  const int64_t P = (N + NR - 1) / NR, full = mc / MR * MR, tiles = full / MR;
-  const int64_t lines = kc * NR * int64_t(sizeof(T)) / 64, mr = mc - full;
+                                                  bool accumulate, bool prefetch,
+                                                  const T *adirect, int64_t ar,
+                                                  const PanelPrefetch<T> &pf) {
+  const int64_t full = mc / MR * MR, tiles = full / MR;
+  const int64_t mr = mc - full;
   const int h = packed_cols_h<MR>(mr);
   const T *ap = apack + full * kc;  // the last mr rows' tile
   for (int64_t p = pg; p < pe; ++p) {
     const T *b = bk + p * pstride;
     const int64_t ncols = std::min<int64_t>(NR, N - p * NR);
     T *cp = c + p * NR;
-    const char *next = prefetch && p + 1 < P ? reinterpret_cast<const char *>(b + pstride)
-                                             : nullptr;
+    int64_t rows = 0;
+    const char *next = prefetch ? pf.target(p, pstride, rows) : nullptr;
+    const int64_t lines = rows * NR * int64_t(sizeof(T)) / 64;
     for (int64_t t = 0; t < tiles; ++t) {
       if (next)
         for (int64_t l = lines * t / tiles, e = lines * (t + 1) / tiles; l < e; ++l)
-          __builtin_prefetch(next + l * 64, 0, 2);
-      packed_tile<T, NR, MR, 1>(kc, apack + t * MR * kc, b, pstride, cp + t * MR * ldc, ldc,
-                                MR, ncols, accumulate);
+          __builtin_prefetch(next + l * 64, 0, 3);
+      if (adirect)
+        packed_tile<T, NR, MR, 1, true>(kc, adirect + t * MR * ar, b, pstride,
+                                        cp + t * MR * ldc, ldc, MR, ncols, accumulate, ar);
+      else
+        packed_tile<T, NR, MR, 1>(kc, apack + t * MR * kc, b, pstride, cp + t * MR * ldc, ldc,
+                                  MR, ncols, accumulate);
     }
     if (mr == 0 || (MR > 4 && h == 4)) continue;
     if constexpr (MR > 8)
@@ -558,16 +591,31 @@ __attribute__((noinline)) void packed_cols_panels(int64_t mc, int64_t kc, const 
  * the last one of packed_cols_h rows (rows past mc zero). */
 template <class T, int MR>
 inline void packed_cols_pack(int64_t mc, int64_t kc, const T *a, int64_t ar, int64_t ac,
-                             T *apack) {
-  for (int64_t ir = 0; ir < mc; ir += MR) {
+                             T *apack, bool tail_only = false) {
+  for (int64_t ir = tail_only ? mc / MR * MR : 0; ir < mc; ir += MR) {
     const int64_t mr = std::min<int64_t>(MR, mc - ir);
     pack_a_rows<T>(mr, packed_cols_h<MR>(mr), kc, a + ir * ar, ar, ac, apack + ir * kc);
   }
 }
 
+/* The K block of `packed_block_cols` for M rows: KC, or from 8 row tiles up the largest
+ * that keeps a panel's K block within 16 KiB (128 rows of a 32-float panel; AVX2's 16-float
+ * panels keep KC 256), so that the K block being swept and the next one, prefetched during
+ * the sweep, fit L1 (48 KiB) together. With the weight in DRAM or L3 (a model's) 0.87-0.93 of
+ * KC 256's time at M 128-197 on the Zen 5 box, and no faster where the panel is cached; with
+ * 5 row tiles (M = 64) it was 6% slower at 2 threads (BENCHMARKS.md, s17enc). */
+template <class T, int NR, int MR, int KC>
+constexpr int64_t packed_cols_kc(int64_t M) {
+  constexpr int64_t fit = int64_t(16384) / (NR * int64_t(sizeof(T)));
+  constexpr int64_t small = fit < KC ? (fit < 32 ? 32 : fit) : KC;
+  return M >= 8 * MR ? small : KC;
+}
+
 /* The same GEMM as `packed_block` for several row blocks, loops in the order of BLIS's
  * macro-kernel: per K block and chunk of up to packed_cols_mc rows, A is packed once
- * (k-major MR-row tiles, rows past M zero), then each panel's K block (KC x NR, 32 KiB) is
+ * (k-major MR-row tiles, rows past M zero) unless its full tiles may read it in place
+ * (direct_a_ok: rows that do not alias in L1; only the tail tile is packed then, which saves
+ * each thread a pass over A per K block: 2-6% at M = 750, K = 384), then each panel's K block (KC x NR, 32 KiB) is
  * swept by every row tile of the chunk while it stays in L1, and the tiles' A streams from
  * L2. `packed_block`'s order (row tile outer) keeps a tile's A in L1 instead and streams the
  * panels from L2 once per row tile: 2.7 times the L2 bytes per multiply-add for a 12 x 32
@@ -582,22 +630,35 @@ inline void packed_block_cols(int64_t M, int64_t N, int64_t K, const T *a, int64
     return packed_block<T, NR, MR, KC>(M, N, K, a, ar, ac, bp, p0, p1, c, ldc, apack, epi);
   constexpr int64_t MC = packed_cols_mc<MR>();
   constexpr int PG = 4;  // panels per epilogue call
-  const int64_t pstride = K * NR;
-  for (int64_t pc = 0; pc < K; pc += KC) {
-    const int64_t kc = std::min<int64_t>(KC, K - pc);
+  const int64_t pstride = K * NR, kcb = packed_cols_kc<T, NR, MR, KC>(M);
+  const bool direct = MR > 1 && direct_a_ok<T>(ar, ac);
+  for (int64_t pc = 0; pc < K; pc += kcb) {
+    const int64_t kc = std::min<int64_t>(kcb, K - pc);
     const bool last = pc + kc == K;
     for (int64_t ic = 0; ic < M; ic += MC) {
       const int64_t mc = std::min<int64_t>(MC, M - ic);
-      packed_cols_pack<T, MR>(mc, kc, a + ic * ar + pc * ac, ar, ac, apack);
+      const T *ablk = a + ic * ar + pc * ac;
+      packed_cols_pack<T, MR>(mc, kc, ablk, ar, ac, apack, direct);
+      const T *adirect = direct ? ablk : nullptr;
+      PanelPrefetch<T> pf;
+      pf.bk = bp + pc * NR;
+      pf.p0 = p0;
+      pf.p1 = p1;
+      pf.kc = kc;
+      pf.inner = ic == 0;
+      if (ic + mc == M && !last) {
+        pf.wrap = bp + (pc + kc) * NR;
+        pf.kcw = std::min<int64_t>(kcb, K - pc - kc);
+      }
       if (!last) {
         packed_cols_panels<T, NR, MR>(mc, kc, apack, bp + pc * NR, pstride, p0, p1, N,
-                                      c + ic * ldc, ldc, pc > 0, prefetch);
+                                      c + ic * ldc, ldc, pc > 0, prefetch, adirect, ar, pf);
         continue;
       }
       for (int64_t pg = p0; pg < p1; pg += PG) {
         const int64_t pe = std::min<int64_t>(p1, pg + PG);
         packed_cols_panels<T, NR, MR>(mc, kc, apack, bp + pc * NR, pstride, pg, pe, N,
-                                      c + ic * ldc, ldc, pc > 0, prefetch);
+                                      c + ic * ldc, ldc, pc > 0, prefetch, adirect, ar, pf);
         epi(ic, ic + mc, pg * NR, std::min<int64_t>(N, pe * NR));
       }
     }
