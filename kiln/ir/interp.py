@@ -469,7 +469,7 @@ def _lib_put(outs, attrs, self_, values, *index):
     return [out, count] if len(outs) == 2 else [out]
 
 
-def _lib_masked_scatter(outs, attrs, self_, mask, source):
+def _lib_masked_scatter(outs, attrs, self_, mask, source, csum=None):
     out = np.array(self_, copy=True).reshape(-1)
     m = np.broadcast_to(mask, self_.shape).reshape(-1)
     src = np.asarray(source).reshape(-1)
