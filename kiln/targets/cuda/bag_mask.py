@@ -14,16 +14,18 @@ status's "index out of range in <node>" (the CPU routine names the count).
 embedding_bag (`embedding_bag_<out>`): operands weight [rows, D] (strided), indices and
 offsets (int32 / int64, strided), per_sample_weights (sum only) optionally; attributes mode
 (0 sum, 1 mean, 2 max), include_last_offset, padding_idx (-1: none). Program (bag b, column
-tile) walks indices[offsets[b] .. end of bag) in order (the end: offsets[b + 1], or the
-number of indices for the last bag without include_last_offset) and combines the weight rows'
-RBLOCK columns: padding_idx rows are skipped and not counted; an empty bag (or one of padding
+tile) walks indices[offsets[b] .. end of bag) (the end: offsets[b + 1], or the number of
+indices for the last bag without include_last_offset) JBLOCK rows at a time (their loads in
+flight together) and combines the weight rows' RBLOCK columns: padding_idx rows are skipped and not counted; an empty bag (or one of padding
 only) gives 0; mean divides by the count; max takes a bag's first row, then each row greater
 than the maximum so far (eager's CPU and CUDA kernels: a NaN is kept only where it comes
-first, a later NaN is passed over). Arithmetic as eager's CUDA kernel (EmbeddingBag.cu
+first, a later NaN is passed over: the maximum of the non-NaN rows unless the first taken
+row is NaN). Arithmetic as eager's CUDA kernel (EmbeddingBag.cu
 `EmbeddingBag_updateOutputKernel_sum_mean`: `accscalar_t` = at::acc_type<scalar_t, true>): sum
 and mean of float16 / bfloat16 / float32 accumulate in float32 (float64 in float64), the
 per-sample weight multiplied in the accumulator's type, the mean divided there, rounded to
-the weight's dtype once at the store; max compares in the weight's values (exact in float32).
+the weight's dtype once at the store (a block's rows summed as a tree, then added: the
+order differs from eager's row by row sum within float32's rounding); max compares in the weight's values (exact in float32).
 An index outside the weight's rows, or offsets that decrease or leave [0, number of indices],
 set the run's index status (an "index out of range" error); such a bag's row is not read."""
 
@@ -42,6 +44,7 @@ MASKED_SCATTER = "masked_scatter"
 EMBEDDING_BAG = "embedding_bag"
 BAG_MASK_ROUTINES = (MASKED_SCATTER, EMBEDDING_BAG)
 XBLOCK = 1024  # masked_scatter: elements a program
+JBLOCK = 16  # embedding_bag: a bag's rows loaded at once (8 for column tiles of 256)
 _BAG_MODE = {0: "sum", 1: "mean", 2: "max"}
 
 
@@ -174,7 +177,8 @@ def print_embedding_bag_kernel(call: L.Extern, buffers, hints: dict[str, int]) -
         base = to_tl(canon(a.offset))
         return f"{base} + {var} * {to_tl(st)}" if st != 0 else f"{base} + {var} * 0"
 
-    cols = "c" if ws1 == 1 else f"c * {to_tl(ws1)}"
+    cols = "c" if ws1 == 1 else f"(c * {to_tl(ws1)})"
+    ident = "float('-inf')" if mode == 2 else "0"
     body = [
         f"    b = pid // {tl_t}",
         f"    c = (pid % {tl_t}) * RBLOCK + tl.arange(0, RBLOCK).to(tl.int64)",
@@ -186,26 +190,44 @@ def print_embedding_bag_kernel(call: L.Extern, buffers, hints: dict[str, int]) -
         f"    hi = tl.where(more, hi, {tl_n})",
         f"    bad = (lo < 0) | (lo > hi) | (hi > {tl_n})  # offsets out of order",
         "    hi = tl.where(bad, lo, hi)",
-        f"    s = tl.zeros([RBLOCK], {acc})",
-        "    used = tl.zeros([1], tl.int64)",
-        "    j = lo",
-        "    while j < hi:  # (a while loop: the bounds are data)",
-        f"        i = tl.load(buf_{indices.buf} + {at(indices, 'j')}).to(tl.int64)",
-        f"        out_of_range = (i < 0) | (i >= {to_tl(nw)})",
-        "        bad = bad | out_of_range",
-        "        take = ~out_of_range" + (f" & (i != {pad})" if pad >= 0 else ""),
+        f"    s = tl.full([RBLOCK], {ident}, {acc})",
+        "    used = lo * 0  # rows taken (not padding)",
+    ]
+    if mode == 2:
+        body.append("    nan_first = c < 0  # the bag's first row is NaN here")
+    jb = JBLOCK if rblock <= 128 else JBLOCK // 2
+    body += [
+        "    j0 = lo",
+        f"    while j0 < hi:  # {jb} rows at a time (a while loop: the bounds are data)",
+        f"        j = j0 + tl.arange(0, {jb}).to(tl.int64)",
+        "        jm = j < hi",
+        f"        i = tl.load(buf_{indices.buf} + {at(indices, 'j')}, mask=jm, other=0)"
+        ".to(tl.int64)",
+        f"        out_of_range = jm & ((i < 0) | (i >= {to_tl(nw)}))",
+        "        bad = bad | (tl.max(out_of_range.to(tl.int32), 0) > 0)",
+        "        take = jm & ~out_of_range" + (f" & (i != {pad})" if pad >= 0 else ""),
         f"        w = tl.load(buf_{weight.buf} + {to_tl(canon(weight.offset))} + "
-        f"i * {to_tl(ws0)} + {cols}, mask=cm & take, other=0).to({acc})",
+        f"i[:, None] * {to_tl(ws0)} + {cols}[None, :], mask=take[:, None] & cm[None, :], "
+        f"other=0).to({acc})",
     ]
     if psw:
-        body.append(f"        w = w * tl.load(buf_{psw[0].buf} + {at(psw[0], 'j')})"
-                    f".to({acc})")
-    if mode == 2:
-        body.append("        s = tl.where(take & ((used == 0) | (w > s)), w, s)  # (eager's NaNs)")
+        body.append(f"        w = w * tl.load(buf_{psw[0].buf} + {at(psw[0], 'j')}, mask=take, "
+                    f"other=0).to({acc})[:, None]")
+    if mode == 2:  # eager: the first row, then each greater one (a later NaN passed over)
+        body += [
+            f"        first = tl.min(tl.where(take, j, {tl_n}), 0)",
+            "        lead = take & (j == first) & (used == 0)",
+            "        nan_first = nan_first | (tl.max(tl.where(lead[:, None] & (w != w), 1, 0), 0)"
+            " > 0)",
+            "        w = tl.where(take[:, None] & (w == w), w, float('-inf'))",
+            "        s = tl.maximum(s, tl.max(w, 0))",
+        ]
     else:
-        body.append("        s = s + tl.where(take, w, 0)")
-    body += ["        used = used + take.to(tl.int64)",
-             "        j = j + 1"]
+        body.append("        s = s + tl.sum(w, 0)")
+    body += ["        used = used + tl.sum(take.to(tl.int64), 0)",
+             f"        j0 = j0 + {jb}"]
+    if mode == 2:
+        body.append("    s = tl.where(nan_first, float('nan'), s)")
     if mode == 1:
         body.append(f"    s = s / tl.maximum(used, 1).to({acc})")
     body += [

@@ -101,6 +101,7 @@ def _bag_inputs(dt, g, N, D, n, B):
     cut = torch.sort(torch.randint(0, n + 1, (B - 1,), generator=g)).values
     off = torch.cat([torch.zeros(1, dtype=torch.int64), cut])
     off[min(2, B - 1)] = off[min(1, B - 1)]  # an empty bag
+    off = off.clamp(max=max(0, n - 20))  # the last bag: 20 rows or more (several row blocks)
     off_last = torch.cat([off, torch.tensor([n])])
     psw = torch.rand(n, generator=g).to(dt)
     return w, wt, idx, off, off_last, psw, idx.int(), off.int()
@@ -184,6 +185,9 @@ def _case(name, g):
     special[0] = special[0].clone()
     special[0][3, 2] = float("nan")
     special[0][4, 1] = float("-inf")
+    special[2] = special[2].clone()
+    special[2][0] = special[2][-1] = 3  # NaN in the first row of bag 0, the last of the last
+    special[6] = special[2].int()
     return bags, args, None, [args, tuple(special)], "check_bags"
 
 
