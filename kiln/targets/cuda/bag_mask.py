@@ -16,18 +16,19 @@ offsets (int32 / int64, strided), per_sample_weights (sum only) optionally; attr
 (0 sum, 1 mean, 2 max), include_last_offset, padding_idx (-1: none). Program (bag b, column
 tile) walks indices[offsets[b] .. end of bag) (the end: offsets[b + 1], or the number of
 indices for the last bag without include_last_offset) JBLOCK rows at a time (their loads in
-flight together) and combines the weight rows' RBLOCK columns: padding_idx rows are skipped and not counted; an empty bag (or one of padding
-only) gives 0; mean divides by the count; max takes a bag's first row, then each row greater
-than the maximum so far (eager's CPU and CUDA kernels: a NaN is kept only where it comes
-first, a later NaN is passed over: the maximum of the non-NaN rows unless the first taken
-row is NaN). Arithmetic as eager's CUDA kernel (EmbeddingBag.cu
-`EmbeddingBag_updateOutputKernel_sum_mean`: `accscalar_t` = at::acc_type<scalar_t, true>): sum
-and mean of float16 / bfloat16 / float32 accumulate in float32 (float64 in float64), the
-per-sample weight multiplied in the accumulator's type, the mean divided there, rounded to
-the weight's dtype once at the store (a block's rows summed as a tree, then added: the
-order differs from eager's row by row sum within float32's rounding); max compares in the weight's values (exact in float32).
-An index outside the weight's rows, or offsets that decrease or leave [0, number of indices],
-set the run's index status (an "index out of range" error); such a bag's row is not read."""
+flight together) and combines the weight rows' RBLOCK columns: padding_idx rows are skipped
+and not counted; an empty bag (or one of padding only) gives 0; mean divides by the count;
+max takes a bag's first row, then each row greater than the maximum so far (eager's CPU and
+CUDA kernels: a NaN is kept only where it comes first, a later NaN is passed over: the
+maximum of the non-NaN rows unless the first taken row is NaN). Arithmetic as eager's CUDA
+kernel (EmbeddingBag.cu `EmbeddingBag_updateOutputKernel_sum_mean`: `accscalar_t` =
+at::acc_type<scalar_t, true>): sum and mean of float16 / bfloat16 / float32 accumulate in
+float32 (float64 in float64), the per-sample weight multiplied in the accumulator's type, the
+mean divided there, rounded to the weight's dtype once at the store (a block's rows summed as
+a tree, then added: the order differs from eager's row-by-row sum within float32's rounding);
+max compares the weight's values (exact in float32). An index outside the weight's rows, or
+offsets that decrease or leave [0, number of indices], set the run's index status (an "index
+out of range" error): such an index is not read, such a bag is left empty."""
 
 from __future__ import annotations
 
