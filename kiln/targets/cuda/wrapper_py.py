@@ -284,7 +284,9 @@ def run_program(prog: P.Program, kernels: dict, module, weights: dict, inputs: l
             launch_kernel(module, kernels[f"{x.call.routine}_{x.call.name}"], env, bufs, status,
                           device)
             if int(status.item()):
-                raise IndexError(f"index out of range in {', '.join(x.call.source)}")
+                why = (": the mask selects more elements than source has"
+                       if x.call.routine == "masked_scatter" else "")
+                raise IndexError(f"index out of range in {', '.join(x.call.source)}{why}")
         elif isinstance(x, P.CallLib) and x.call.routine in _ROW_ROUTINES:
             for k in scan_kernel_names(x.call, kernels):
                 launch_kernel(module, kernels[k], env, bufs, status, device)
