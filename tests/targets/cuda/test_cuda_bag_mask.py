@@ -41,7 +41,7 @@ def masks(m, mt, mrow, *xs):
     """For each dtype's (x [R, C], xt [C, R], s [S >= R * C], s2 [C + 1, R]): masked_scatter
     with a mask of x's shape, of xt.t() (self and mask transposed), a mask broadcast over rows
     [C], a transposed source, a 0-d self; x.index_put((mrow,), v) with one row of v per
-    selected row."""
+    selected row, setting and accumulating."""
     out = {}
     for k in range(0, len(xs), 4):
         x, xt, s, s2 = xs[k:k + 4]
@@ -51,6 +51,8 @@ def masks(m, mt, mrow, *xs):
         out[f"{d}_bc"] = x.masked_scatter(m[0], s2.t())
         out[f"{d}_rows"] = x.index_put((mrow,), s[:x.shape[1] * 3].reshape(3, x.shape[1]))
         out[f"{d}_0d"] = x[1, 2].masked_scatter(m[1, 2], s[1:])
+        out[f"{d}_acc"] = x.index_put((mrow,), s[:x.shape[1] * 3].reshape(3, x.shape[1]).flip(0),
+                                      accumulate=True)
     return out
 
 
@@ -114,7 +116,7 @@ def _longest(idx, off) -> int:
     return int((ends - off).max()) if off.numel() else 0
 
 
-def check_bags(got, fn, args, what=""):
+def check_bags(got, fn, args, what="", interpreted=False):
     """Kiln's bags against eager (CPU): max exactly (the NaN pattern too), sum / mean within
     2x eager's own distance from float64 math plus EPS of the dtype times (the longest bag +
     2) times the float64 sum of the magnitudes."""
@@ -139,15 +141,22 @@ def check_bags(got, fn, args, what=""):
         assert not bool(bad.any()), (where, gd[bad][:4].tolist(), rd[bad][:4].tolist())
 
 
-def check_masks(got, fn, args, what=""):
+def check_masks(got, fn, args, what="", interpreted=False):
+    """Exactly, but for the sums of x[mask] += v in 16-bit floats in Triton's interpreter,
+    whose float32 -> bfloat16 / float16 stores truncate (the device rounds to nearest, as
+    eager): there one unit in the last place."""
     want = fn(*args)
     for k, g in zip(list(want), got, strict=True):
         w = want[k]
         g = g.cpu()
         where = f"{what} {k} ({w.dtype}, {tuple(w.shape)})"
         assert g.dtype == w.dtype and g.shape == w.shape, where
-        assert torch.equal(g, w) or (w.is_floating_point() and torch.equal(g.isnan(), w.isnan())
-                                     and torch.equal(g.nan_to_num(0), w.nan_to_num(0))), where
+        same = (g == w) | (g.isnan() & w.isnan()) if w.is_floating_point() else g == w
+        if interpreted and k.endswith("_acc") and w.dtype in (torch.float16, torch.bfloat16):
+            ulp = torch.finfo(w.dtype).eps * w.double().abs().clamp(min=1e-30)
+            same = same | ((g.double() - w.double()).abs() <= ulp)
+        assert bool(same.all()), (where, (~same).nonzero()[:4].tolist(), g[~same][:4].tolist(),
+                                  w[~same][:4].tolist())
 
 
 # -- builds ----------------------------------------------------------------------------------
@@ -160,7 +169,7 @@ def _case(name, g):
                 [_mask_inputs(g, 6, 5), _mask_inputs(g, 6, 5, p=0.9)], "check_masks")
     if name == "masks_dyn":  # R and C at run time, a bool and a float32 self
         dts = (torch.float32, torch.bool)
-        R, C = Dim("R", min=4, max=4096), Dim("C", min=2, max=100)
+        R, C = Dim("R", min=4, max=4096), Dim("C", min=3, max=100)
         dyn = ({0: R, 1: C}, {0: C, 1: R}, {0: R}) + ({0: R, 1: C}, {0: C, 1: R}, None,
                                                         {0: C + 1, 1: R}) * len(dts)
         big = [_mask_inputs(g, 9, 40, dts)]
@@ -224,7 +233,7 @@ _INTERP = textwrap.dedent("""
         fn = T.masks if name.startswith("masks") else T.bags
         for args in calls:
             got = run_program(prog, kernels, mod, weights, list(args))
-            getattr(T, check)(got, fn, args, name)
+            getattr(T, check)(got, fn, args, name, interpreted=True)
         bad = list(calls[0])
         if name == "masks":  # x[mrow] = v selecting more rows than v has: a short source
             bad[2] = torch.ones_like(bad[2])
