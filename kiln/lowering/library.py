@@ -360,6 +360,14 @@ def _mask_count(ctx: LowerCtx, node: Node, mask: Lazy, shape) -> list[L.LibArg]:
     in order)."""
     if not node.attr("counted", False):
         return []
+    # one scan for the calls of one mask: a view by what it reads, else by identity (the
+    # entry keeps `mask` alive, so its id stays its own)
+    v = mask.view
+    key = ("mask_count", tuple(shape), tuple(mask.shape)) + (
+        (v.buf, v.offset, tuple(v.strides)) if v is not None else (id(mask),))
+    hit = ctx.shared.get(key)
+    if hit is not None and (v is not None or hit[0] is mask):
+        return [hit[1]]
     base = node.source or node.name
     numel = sympy.Integer(1)
     for n in shape:
@@ -371,14 +379,15 @@ def _mask_count(ctx: LowerCtx, node: Node, mask: Lazy, shape) -> list[L.LibArg]:
                                     for k in range(mask.rank))), dtypes.int64)
 
     full = pointwise(dtypes.int64, tuple(shape), one, mask)
-    flat = ctx.realize(base + "_mask_i64", full, _src(node))
-    v = flat.view
-    if tuple(v.strides) != tuple(contiguous_strides(shape)):
+    flat = ctx.realize(base + "_mask_i64", full, _src(node)).view
+    if tuple(flat.strides) != tuple(contiguous_strides(shape)):
         raise ValueError(f"masked_scatter {base}: the realized mask is not contiguous")
-    arg = L.LibArg(v.buf, v.offset, (numel,), (sympy.Integer(1),))
+    arg = L.LibArg(flat.buf, flat.offset, (numel,), (sympy.Integer(1),))
     names = _emit(ctx, node, "scan", [("mask_csum", dtypes.int64, (numel,))], [arg],
                   [("kind", SCAN_KINDS["sum"])])
-    return [L.LibArg(names[0], sympy.Integer(0), (numel,), (sympy.Integer(1),))]
+    ctx.shared[key] = (mask, L.LibArg(names[0], sympy.Integer(0), (numel,),
+                                      (sympy.Integer(1),)))
+    return [ctx.shared[key][1]]
 
 
 def lower_nonzero(ctx: LowerCtx, node: Node, args: list[Lazy]) -> Lazy:
