@@ -82,7 +82,7 @@ def _mask_inputs(g, R, C, dts=MASK_DTYPES, rows=3, p=0.5):
 def bags(w, wt, idx, off, off_last, psw, idx32, off32):
     """w [N, D], wt [D, N] (w's transpose read through .t()), idx [n] in [0, N), off [B]
     (non-decreasing from 0, repeats: empty bags), off_last [B + 1] (the last n), psw [n];
-    idx32 / off32 the int32 indices and offsets."""
+    idx32 / off32 the int32 indices and offsets; 2-D indices (bags of 3, offsets a constant)."""
     return {
         "sum": F.embedding_bag(idx, w, off, mode="sum"),
         "mean": F.embedding_bag(idx, w, off, mode="mean"),
@@ -94,6 +94,7 @@ def bags(w, wt, idx, off, off_last, psw, idx32, off32):
                                          include_last_offset=True),
         "pad_max": F.embedding_bag(idx32, w, off32, mode="max", padding_idx=1),
         "i32": F.embedding_bag(idx32, wt.t(), off32, mode="sum", per_sample_weights=psw),
+        "2d_mean": F.embedding_bag(idx[:12].view(4, 3), w, mode="mean"),  # (constant offsets)
     }
 
 
@@ -185,10 +186,10 @@ def _case(name, g):
             ex[k] = _vals(ex[k].dtype, g, 9 * 40 + 5)
         return masks, tuple(ex), dyn, fix, "check_masks"
     if name == "bags_dyn":  # the number of indices and of bags at run time
-        n, B = Dim("n", min=2, max=100000), Dim("B", min=3, max=10000)
+        n, B = Dim("n", min=12, max=200000), Dim("B", min=3, max=10000)
         dyn = (None, None, {0: n}, {0: B}, {0: B + 1}, {0: n}, {0: n}, {0: B})
         return (bags, _bag_inputs(torch.float32, g, 20, 7, 30, 6), dyn,
-                [_bag_inputs(torch.float32, g, 20, 7, 3, 3),
+                [_bag_inputs(torch.float32, g, 20, 7, 12, 3),
                  _bag_inputs(torch.float32, g, 20, 7, 300, 40)], "check_bags")
     dt = getattr(torch, name)
     args = _bag_inputs(dt, g, 20, 7, 30, 6)
