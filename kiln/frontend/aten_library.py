@@ -21,7 +21,7 @@ from kiln.ir.graph import Node, TensorType
 
 # Graph IR ops these converters emit that lower to kiln_lib.h routines, which are CPU code: a
 # target without them (import_program's `library_routines`, off for CUDA) calls ATen for the
-# aten op instead (frontend/export.py: convert_node)
+# aten op instead (frontend/export.py: convert_node), unless `cpu_only` finds a Triton kernel
 CPU_ONLY_OPS = frozenset({"sort", "topk", "scan", "scan_extreme", "scatter", "index_put",
                           "masked_scatter", "embedding_bag"})
 # ops with a data-dependent result size that kiln computes itself where the target has its
@@ -31,9 +31,12 @@ DATA_DEPENDENT_NATIVE = frozenset({"aten.nonzero.default", "aten.masked_select.d
 
 
 # dtypes whose accumulating index_put / scatter (sum, product, mean, amax, amin) CUDA builds
-# print as Triton kernels (targets/cuda/put_reduce.py)
+# print as Triton kernels (targets/cuda/put_reduce.py); masked_scatter's too
+# (targets/cuda/bag_mask.py)
 ACC_PUT_DTYPES = frozenset({"float32", "float64", "float16", "bfloat16", "int64", "int32",
                             "int16", "int8", "uint8", "bool"})
+# embedding_bag weights CUDA builds print a Triton kernel for (targets/cuda/bag_mask.py)
+BAG_DTYPES = frozenset({"float32", "float64", "float16", "bfloat16"})
 
 
 def cpu_only(node, types) -> bool:
@@ -41,11 +44,17 @@ def cpu_only(node, types) -> bool:
     scatter through integer indices are the `put` routine, which CUDA builds print as Triton
     kernels: setting (targets/cuda/put.py: a KV cache updated in place), accumulating and
     reducing (targets/cuda/put_reduce.py, the dtypes of ACC_PUT_DTYPES), complex products
-    (targets/cuda/scan.py); so are scans of real values (targets/cuda/scan.py); `types`: the
-    builder's value types, by name."""
+    (targets/cuda/scan.py); so are scans of real values (targets/cuda/scan.py), and
+    masked_scatter (x[mask] = v too) and embedding_bag (targets/cuda/bag_mask.py, the dtypes
+    of ACC_PUT_DTYPES and BAG_DTYPES); `types`: the builder's value types, by name."""
+    if node.op == "masked_scatter" or (node.op == "index_put" and any(
+            types[i].dtype.name == "bool" for i in node.inputs[2:])):
+        # (x[mask] = v: a pointwise select or a masked_scatter, lowering/library.py)
+        return node.type.dtype.name not in ACC_PUT_DTYPES or (
+            node.op == "index_put" and not node.attr("counted", False))
+    if node.op == "embedding_bag":
+        return node.type.dtype.name not in BAG_DTYPES
     if node.op == "index_put":
-        if any(types[i].dtype.name == "bool" for i in node.inputs[2:]):
-            return True  # (a mask: masked_scatter)
         return bool(node.attr("accumulate")) and node.type.dtype.name not in ACC_PUT_DTYPES
     if node.op in ("scan", "scan_extreme"):  # real scans: Triton kernels (targets/cuda/scan.py)
         return node.type.dtype.is_complex or types[node.inputs[0]].dtype.is_complex
@@ -286,9 +295,13 @@ def _index_put(b, n):
         positions, names = _mask_coordinates(b, n, indices)
         return b.emit("index_put", [b.tensor(x), b.tensor(values), *names], n,
                       positions=positions, accumulate=accumulate)
+    counted = {}
+    if not b.library_routines and any(indices[i].meta["val"].dtype == torch.bool
+                                      for i in present):
+        counted = {"counted": True}  # (x[mask] = v on CUDA: see `_masked_scatter`)
     return b.emit("index_put", [b.tensor(x), b.tensor(values)] +
                   [b.tensor(indices[i]) for i in present], n, positions=present,
-                  accumulate=accumulate)
+                  accumulate=accumulate, **counted)
 
 
 def _is_mask(t) -> bool:
@@ -383,7 +396,10 @@ def _broadcast_rows(b, n, mask: str, numel, last: int) -> str:
 
 @register("aten.masked_scatter.default")
 def _masked_scatter(b, n):
-    return b.emit("masked_scatter", [b.tensor(a) for a in n.args[:3]], n)
+    """Attribute `counted` (CUDA): lowering also scans the mask, whose inclusive count of true
+    elements before each one gives its source element (targets/cuda/bag_mask.py)."""
+    counted = {} if b.library_routines else {"counted": True}
+    return b.emit("masked_scatter", [b.tensor(a) for a in n.args[:3]], n, **counted)
 
 
 @register("aten._embedding_bag_forward_only.default", "aten._embedding_bag.default",

@@ -469,7 +469,7 @@ def _lib_put(outs, attrs, self_, values, *index):
     return [out, count] if len(outs) == 2 else [out]
 
 
-def _lib_masked_scatter(outs, attrs, self_, mask, source):
+def _lib_masked_scatter(outs, attrs, self_, mask, source, csum=None):
     out = np.array(self_, copy=True).reshape(-1)
     m = np.broadcast_to(mask, self_.shape).reshape(-1)
     src = np.asarray(source).reshape(-1)
@@ -502,7 +502,13 @@ def _lib_embedding_bag(outs, attrs, weight, indices, offsets, psw=None):
             continue
         vecs = np.stack([weight[j].astype(np.float64) * (1 if psw is None else psw[i])
                          for i, j in rows])
-        out[b] = [vecs.sum(0), vecs.mean(0), vecs.max(0)][attrs["mode"]]
+        if attrs["mode"] == 2:  # the first row, then each greater one (eager's NaN rule)
+            top = vecs[0].copy()
+            for v in vecs[1:]:
+                top = np.where(v > top, v, top)
+            out[b] = top
+            continue
+        out[b] = [vecs.sum(0), vecs.mean(0)][attrs["mode"]]
     return [out.astype(weight.dtype)]
 
 

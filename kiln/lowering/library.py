@@ -325,7 +325,8 @@ def _mask_scatter(ctx: LowerCtx, node: Node, self_: Lazy, values: Lazy, mask: La
     into = _viewed(ctx, into, base + ("_zeros" if accumulate else "_self"), node, dt)
     full = _viewed(ctx, full, base + "_mask", node)
     names = _emit(ctx, node, "masked_scatter", [("", dt, shape)],
-                  [_arg(into, shape=shape), _arg(full, shape=shape), _arg(source)], [])
+                  [_arg(into, shape=shape), _arg(full, shape=shape), _arg(source),
+                   *_mask_count(ctx, node, full, shape)], [])
     scattered = ctx.buffer_lazy(names[0], dt, shape)
     if not accumulate:
         return scattered
@@ -346,8 +347,47 @@ def lower_masked_scatter(ctx: LowerCtx, node: Node, args: list[Lazy]) -> Lazy:
     mask = _viewed(ctx, mask, base + "_mask", node, dtypes.bool_)
     source = _viewed(ctx, source, base + "_source", node, node.type.dtype)
     names = _emit(ctx, node, "masked_scatter", [("", node.type.dtype, shape)],
-                  [_arg(self_, shape=shape), _arg(mask, shape=shape), _arg(source)], [])
+                  [_arg(self_, shape=shape), _arg(mask, shape=shape), _arg(source),
+                   *_mask_count(ctx, node, mask, shape)], [])
     return ctx.buffer_lazy(names[0], node.type.dtype, shape)
+
+
+def _mask_count(ctx: LowerCtx, node: Node, mask: Lazy, shape) -> list[L.LibArg]:
+    """With node attribute `counted` (CUDA builds: frontend/aten_library.py), the masked_scatter
+    call's fourth operand: the inclusive count of true elements of `mask` broadcast to `shape`
+    (flat, row-major: a `scan` call, multi-block when long: targets/cuda/scan.py), from which
+    each true element finds its source element. [] otherwise (the CPU routine walks the mask
+    in order)."""
+    if not node.attr("counted", False):
+        return []
+    # one scan for the calls of one mask: a view by what it reads, else by identity (the
+    # entry keeps `mask` alive, so its id stays its own)
+    v = mask.view
+    key = ("mask_count", tuple(shape), tuple(mask.shape)) + (
+        (v.buf, v.offset, tuple(v.strides)) if v is not None else (id(mask),))
+    hit = ctx.shared.get(key)
+    if hit is not None and (v is not None or hit[0] is mask):
+        return [hit[1]]
+    base = node.source or node.name
+    numel = sympy.Integer(1)
+    for n in shape:
+        numel = numel * n
+    off = len(shape) - mask.rank  # (the mask broadcast from the right)
+
+    def one(idx):
+        return cast(mask.load(tuple(sympy.Integer(0) if mask.shape[k] == 1 else idx[k + off]
+                                    for k in range(mask.rank))), dtypes.int64)
+
+    full = pointwise(dtypes.int64, tuple(shape), one, mask)
+    flat = ctx.realize(base + "_mask_i64", full, _src(node)).view
+    if tuple(flat.strides) != tuple(contiguous_strides(shape)):
+        raise ValueError(f"masked_scatter {base}: the realized mask is not contiguous")
+    arg = L.LibArg(flat.buf, flat.offset, (numel,), (sympy.Integer(1),))
+    names = _emit(ctx, node, "scan", [("mask_csum", dtypes.int64, (numel,))], [arg],
+                  [("kind", SCAN_KINDS["sum"])])
+    ctx.shared[key] = (mask, L.LibArg(names[0], sympy.Integer(0), (numel,),
+                                      (sympy.Integer(1),)))
+    return [ctx.shared[key][1]]
 
 
 def lower_nonzero(ctx: LowerCtx, node: Node, args: list[Lazy]) -> Lazy:

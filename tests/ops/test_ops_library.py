@@ -265,8 +265,11 @@ def test_embedding_bag(check):
         ids = torch.tensor([3, 1, 3, 9, 0, 3, 5, 5, 2, 7], dtype=idt)
         offs = torch.tensor([0, 2, 2, 7], dtype=idt)  # bag 1 is empty
         psw = rand((10,), dtype, gen("bag-p"))
+        wn = w.clone()
+        wn[3, 1] = wn[5, 2] = float("nan")  # max: a NaN counts only as a bag's first row
         cases[_ids((dtype, idt))] = (Fn(bags), [
-            (w, ids, offs, psw), (w, ids.flip(0), torch.tensor([0, 0, 5, 10], dtype=idt), psw)])
+            (w, ids, offs, psw), (w, ids.flip(0), torch.tensor([0, 0, 5, 10], dtype=idt), psw),
+            (wn, ids, offs, psw), (wn, ids.flip(0), offs, psw)])
     check_cases(check, cases)
 
 

@@ -61,6 +61,7 @@ from kiln.passes.dce import dce
 from kiln.passes.gqa_attention import fold_repeat_kv
 from kiln.targets.cuda.put import print_fused_puts, print_put_kernels
 from kiln.frontend.aten_library import ACC_PUT_DTYPES
+from kiln.targets.cuda.bag_mask import BAG_MASK_ROUTINES, print_bag_mask_kernel
 from kiln.targets.cuda.put_reduce import is_reducing_put, print_put_reduce_kernels
 from kiln.targets.cuda.scan import (NONZERO_ROUTINE, SCAN_ROUTINES, is_complex_product,
                                     print_cput_kernel, print_nonzero_kernel, print_scan_kernels)
@@ -77,9 +78,10 @@ from kiln.toolchain.cxx import build_shared, prebuild_header
 from kiln.toolchain.triton_aot import Workers, compile_cubins, warm_driver, warm_key
 
 # Extern routines CUDA builds run: attention, the NHWC convolution, index_put / scatter, scans,
-# nonzero and sorts (generated Triton kernels), the collectives (NCCL)
+# nonzero, sorts, masked_scatter and embedding_bag (generated Triton kernels), the collectives
+# (NCCL)
 CUDA_ROUTINES = ("attention", CONV_ROUTINE, "put", "put_mean", *SCAN_ROUTINES, NONZERO_ROUTINE,
-                 *SORT_ROUTINES, *COLLECTIVES)
+                 *SORT_ROUTINES, *BAG_MASK_ROUTINES, *COLLECTIVES)
 
 
 @dataclass(frozen=True)
@@ -323,7 +325,7 @@ def _launched(steps) -> list:
     return ([s for s in L.flat_steps(steps) if isinstance(s, (Kernel, GemmKernel, PutKernel))] +
             attention_steps(steps) + conv_steps(steps) + put_steps(steps) +
             [s for s in L.flat_steps(steps) if isinstance(s, L.Extern) and
-             s.routine in (*SCAN_ROUTINES, NONZERO_ROUTINE, *SORT_ROUTINES)])
+             s.routine in (*SCAN_ROUTINES, NONZERO_ROUTINE, *SORT_ROUTINES, *BAG_MASK_ROUTINES)])
 
 
 def untuned_kernels(state: Build, families) -> list:
@@ -667,6 +669,8 @@ def triton_kernels(steps, buffers, hints: dict[str, int], configs: dict | None =
             out.append(print_nonzero_kernel(s, buffers))
         elif isinstance(s, L.Extern) and s.routine in SORT_ROUTINES:
             out.append(print_sort_kernel(s, buffers, hints))
+        elif isinstance(s, L.Extern) and s.routine in BAG_MASK_ROUTINES:
+            out.append(print_bag_mask_kernel(s, buffers, hints))  # (targets/cuda/bag_mask.py)
     return [with_pdl(k) for k in out] if pdl else out
 
 

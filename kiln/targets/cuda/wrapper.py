@@ -36,6 +36,7 @@ from kiln.gemm.cutlass_evt import Evt, from_epilogue
 from kiln.gemm.cutlass_link import entry, workspace_entry
 from kiln.ir.sym import UNBOUNDED_NOMINAL, evaluate
 from kiln.targets.cuda.put import put_kernel_names
+from kiln.targets.cuda.bag_mask import BAG_MASK_ROUTINES
 from kiln.targets.cuda.put_reduce import is_reducing_put, put_reduce_kernel_names
 from kiln.targets.cuda.scan import (NONZERO_ROUTINE, SCAN_ROUTINES, cput_kernel_name,
                                     is_complex_product, scan_kernel_names)
@@ -331,7 +332,8 @@ class _Printer(SizeCheckPrinter):
                       f"{', '.join(c.source)}")
             self._launch(f"conv_{c.name}")
             return
-        if c.routine in (*SCAN_ROUTINES, NONZERO_ROUTINE, *SORT_ROUTINES):  # scan.py, sort.py
+        if c.routine in (*SCAN_ROUTINES, NONZERO_ROUTINE, *SORT_ROUTINES, *BAG_MASK_ROUTINES):
+            # (scan.py, sort.py, bag_mask.py: one kernel `<routine>_<out>`)
             for k in scan_kernel_names(c, self.kernels):  # (a multi-block scan: three)
                 self.emit(f"{{  // {k}: {', '.join(c.outs)} = {c.routine}("
                           f"{', '.join(a.buf for a in c.args)})  <- {', '.join(c.source)}")

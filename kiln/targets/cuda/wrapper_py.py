@@ -33,6 +33,7 @@ from kiln.gemm.cutlass_evt import evaluate_torch, from_epilogue
 from kiln.ir.interp import call_aten
 from kiln.errors import UnsupportedError
 from kiln.targets.cuda.put import STATUS_COUNTER_BASE, STATUS_COUNTERS, put_kernel_names
+from kiln.targets.cuda.bag_mask import BAG_MASK_ROUTINES
 from kiln.targets.cuda.put_reduce import is_reducing_put, put_reduce_kernel_names
 from kiln.targets.cuda.scan import (NONZERO_ROUTINE, SCAN_ROUTINES, cput_kernel_name,
                                     is_complex_product, scan_kernel_names)
@@ -279,6 +280,13 @@ def run_program(prog: P.Program, kernels: dict, module, weights: dict, inputs: l
                               device)
         elif isinstance(x, P.CallLib) and x.call.routine == "conv2d_nhwc":
             launch_kernel(module, kernels[f"conv_{x.call.name}"], env, bufs, status, device)
+        elif isinstance(x, P.CallLib) and x.call.routine in BAG_MASK_ROUTINES:  # (bag_mask.py)
+            launch_kernel(module, kernels[f"{x.call.routine}_{x.call.name}"], env, bufs, status,
+                          device)
+            if int(status.item()):
+                why = (": the mask selects more elements than source has"
+                       if x.call.routine == "masked_scatter" else "")
+                raise IndexError(f"index out of range in {', '.join(x.call.source)}{why}")
         elif isinstance(x, P.CallLib) and x.call.routine in _ROW_ROUTINES:
             for k in scan_kernel_names(x.call, kernels):
                 launch_kernel(module, kernels[k], env, bufs, status, device)

@@ -546,7 +546,9 @@ enum BagMode : int64_t { kBagSum = 0, kBagMean = 1, kBagMax = 2 };
 
 /* embedding_bag: bag b sums / averages / takes the max of weight rows indices[offsets[b] ..
  * offsets[b+1]) (the last bag ends at the end of `indices` unless include_last_offset),
- * skipping padding_idx (-1: none); empty bags give zeros. Bags run in parallel. */
+ * skipping padding_idx (-1: none); empty bags give zeros. max takes a bag's first row, then
+ * each greater one (eager's CPU and CUDA kernels: a NaN counts only where it comes first).
+ * Bags run in parallel. */
 template <class T, class I>
 int embedding_bag_weighted(kr::Err &e, const char *where, T *out, int64_t mode,
                            bool include_last_offset, int64_t padding_idx, View<T> weight,
@@ -579,7 +581,7 @@ int embedding_bag_weighted(kr::Err &e, const char *where, T *out, int64_t mode,
       const T scale = psw ? psw->at(i) : T(1);
       for (int64_t c = 0; c < D; ++c) {
         const T w = weight.data[id * weight.stride(0) + c * weight.stride(1)];
-        if (mode == kBagMax) o[c] = is_nan(w) || w > o[c] ? w : o[c];
+        if (mode == kBagMax) o[c] = used == 1 || w > o[c] ? w : o[c];  // (eager's NaNs)
         else o[c] += psw ? w * scale : w;
       }
     }
