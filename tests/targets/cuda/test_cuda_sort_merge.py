@@ -84,7 +84,7 @@ def per_dtype_dyn(*xs):
 def outer(x):
     """A strided operand: x [n, 2] (strides (8, 1)) sorted along dim 0, and x.t()'s rows."""
     return {"s_outer:float32": tuple(torch.sort(x, dim=0, stable=True)),
-            "u_sort:float32": tuple(torch.sort(x.t(), 1))}
+            "s_rows:float32": tuple(torch.sort(x.t(), dim=1, descending=True, stable=True))}
 
 
 def few(*xs):
