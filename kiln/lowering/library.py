@@ -139,7 +139,8 @@ def _row_call(ctx: LowerCtx, node: Node, x: Lazy, routine: str, attrs, outs, len
               scratch=()):
     """Call a row routine along node's `dim`; returns the Lazy of output `node.attr(part)`.
     outs: [(suffix, dtype)]; every output is [rows..., length (default: the dim's size)];
-    `scratch` [(suffix, dtype)]: more outputs after them, [rows..., the dim's size]."""
+    `scratch` [(suffix, dtype, lead)]: more outputs after them, of shape `lead` followed by
+    [rows..., the dim's size] (lead None: the shape (1,))."""
     key = _key(node)
     if key not in ctx.shared:
         rank = x.rank
@@ -155,7 +156,8 @@ def _row_call(ctx: LowerCtx, node: Node, x: Lazy, routine: str, attrs, outs, len
             shape = arg.shape[:-1] + ((length if length is not None else arg.shape[-1]),)
         full = arg.shape
         names = _emit(ctx, node, routine, [(s, dt, shape) for s, dt in outs] +
-                      [(s, dt, full) for s, dt in scratch], [arg], attrs)
+                      [(s, dt, (sympy.Integer(1),) if lead is None else lead + tuple(full))
+                       for s, dt, lead in scratch], [arg], attrs)
         ctx.shared[key] = (names, shape, perm)
     names, shape, perm = ctx.shared[key]
     r = node.attr("part", 0)
@@ -176,10 +178,13 @@ def _row_max(node: Node) -> list:
 
 
 def _sort_scratch(node: Node) -> list:
-    """CUDA's merge sort (targets/cuda/sort.py): keys and indices, twice, as int64."""
+    """CUDA's merge sort (targets/cuda/sort.py): keys and indices, twice ([2, rows..., n]),
+    and its pass counter, as int64."""
     if not node.attr("merge"):
         return []
-    return [(s, dtypes.int64) for s in ("keys0", "index0", "keys1", "index1")]
+    two = (sympy.Integer(2),)
+    return [("keys", dtypes.int64, two), ("index", dtypes.int64, two),
+            ("pass", dtypes.int64, None)]
 
 
 def lower_sort(ctx: LowerCtx, node: Node, args: list[Lazy]) -> Lazy:

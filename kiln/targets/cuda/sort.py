@@ -153,11 +153,11 @@ def _config(row_block: int, rows, hints) -> Config:
     return Config(xblock, row_block, warps)
 
 
-def merge_passes(row_max: int) -> int:
+def merge_passes(row_max: int, tile: int | None = None) -> int:
     """The merge passes of the merge sort for rows of up to `row_max` elements (0: no
-    bound)."""
-    n, p = (row_max or UNBOUNDED), 0
-    while TILE << p < n:
+    bound) in tiles of `tile` (default TILE)."""
+    n, p, tile = (row_max or UNBOUNDED), 0, tile or TILE
+    while tile << p < n:
         p += 1
     return p
 
@@ -211,31 +211,26 @@ def _single(call: L.Extern, buffers, hints: dict[str, int]) -> TritonKernel:
 
 
 def _final_or_scratch(x: L.LibArg, vals: str, idx: str, keys: str, inds: str, pos: str,
-                      done, m, n, mask: str, key: str, col: str) -> list[str]:
+                      done: str, m, n, mask: str, key: str, col: str) -> list[str]:
     """Lines storing element (order `key`, column `col`) at position `pos` of its row:
     into the outputs (its first m positions) where `done` (the row is complete), else into
-    scratch `keys` / `inds`."""
+    the scratch half at offset `dst` of `keys` / `inds`."""
     sn = canon(x.strides[-1])
     at = col if sn == 1 else f"{col} * {to_tl(sn)}"
-    final = [f"    keep = {mask} & ({pos} < {to_tl(m)})",
-             f"    sv = tl.load(buf_{x.buf} + xoff + {at}, mask=keep, other=0)",
-             f"    tl.store(buf_{vals} + row * {to_tl(m)} + {pos}, sv, mask=keep)",
-             f"    tl.store(buf_{idx} + row * {to_tl(m)} + {pos}, {col}, mask=keep)"]
-    scratch = [f"    tl.store(buf_{keys} + row * {to_tl(n)} + {pos}, {key}, mask={mask})",
-               f"    tl.store(buf_{inds} + row * {to_tl(n)} + {pos}, {col}, mask={mask})"]
-    done = sympy.sympify(done)
-    if done is sympy.true:
-        return final
-    if done is sympy.false:
-        return scratch
-    return [f"    if {to_tl(done.lhs)} <= {to_tl(done.rhs)}:  # the row is complete",
-            *["    " + ln for ln in final], "    else:", *["    " + ln for ln in scratch]]
+    return [f"    if {done}:  # the row is complete: the outputs",
+            f"        keep = {mask} & ({pos} < {to_tl(m)})",
+            f"        sv = tl.load(buf_{x.buf} + xoff + {at}, mask=keep, other=0)",
+            f"        tl.store(buf_{vals} + row * {to_tl(m)} + {pos}, sv, mask=keep)",
+            f"        tl.store(buf_{idx} + row * {to_tl(m)} + {pos}, {col}, mask=keep)",
+            "    else:",
+            f"        tl.store(buf_{keys} + dst + row * {to_tl(n)} + {pos}, {key}, mask={mask})",
+            f"        tl.store(buf_{inds} + dst + row * {to_tl(n)} + {pos}, {col}, mask={mask})"]
 
 
 def _merge_sort(call: L.Extern, buffers, row_max: int) -> list[TritonKernel]:
-    """`_tiles`, then a `_merge<p>` kernel a pass (see the module doc)."""
+    """`_tiles`, `_merge` and `_next` (see the module doc)."""
     x, dt, descending, n, m, rows, what = _parts(call, buffers)
-    vals, idx, k0, i0, k1, i1 = call.outs
+    vals, idx, keys, inds, count = call.outs
     rows_shape = x.shape[:-1]
     base = sort_kernel_name(call)
     ntl = to_tl(n)
@@ -244,6 +239,7 @@ def _merge_sort(call: L.Extern, buffers, row_max: int) -> list[TritonKernel]:
     sizes = [("size", s) for s in syms]
     params = tuple([("out", o) for o in call.outs] + [("in", x.buf)] + sizes)
     row_off = _offset(x.offset, unravel("row", rows_shape), x.strides[:-1], "row")
+    half = to_tl(canon(rows * n))
     kernels = []
 
     def kernel(suffix, body, grid, rblock, comment):
@@ -251,7 +247,7 @@ def _merge_sort(call: L.Extern, buffers, row_max: int) -> list[TritonKernel]:
         sig, head = _head(name, params, buffers, [
             f"    # {name}: {comment}",
             f"    #   {vals}, {idx} = {what} of {x.buf} along its last dim (stable; merge "
-            f"sort, scratch {k0}, {i0}, {k1}, {i1})",
+            f"sort through {keys}, {inds}, pass counter {count})",
             f"    #   from graph nodes: {', '.join(call.source)}",
             "    pid = tl.program_id(1).to(tl.int64) * tl.num_programs(0) + tl.program_id(0)"])
         src = "\n".join(head + body) + "\n"
@@ -260,61 +256,65 @@ def _merge_sort(call: L.Extern, buffers, row_max: int) -> list[TritonKernel]:
                                     call.source))
 
     ntiles = to_tl(nt)
+    sn = canon(x.strides[-1])
     body = [f"    row = pid // {ntiles}",
             f"    c0 = (pid % {ntiles}) * RBLOCK",
             "    xmask = row * 0 == 0",
             f"    xoff = {row_off}",
             "    r = tl.arange(0, RBLOCK)[None, :].to(tl.int64)",
+            f"    tl.store(buf_{count} + r * 0, r * 0, mask=(pid == 0) & (r == 0))  # pass 0",
             *tile_lines(x, dt, descending, "c0", ntl),
             "    col = c0 + i  # the row's columns, sorted within the tile",
-            f"    v = tl.load(buf_{x.buf} + xoff + "
-            f"{'col' if canon(x.strides[-1]) == 1 else 'col * ' + to_tl(canon(x.strides[-1]))}"
+            f"    v = tl.load(buf_{x.buf} + xoff + {'col' if sn == 1 else 'col * ' + to_tl(sn)}"
             ", mask=inrow, other=0)",
             *order_lines(dt, descending),
             "    o = o.to(tl.int64)",
-            *_final_or_scratch(x, vals, idx, k0, i0, "c0 + r", sympy.Le(n, TILE), m, n,
+            "    dst = 0",
+            *_final_or_scratch(x, vals, idx, keys, inds, "c0 + r", f"{ntl} <= RBLOCK", m, n,
                                "inrow", "o", "col")]
     kernel("tiles", body, rows * nt, TILE, f"each tile of {TILE} columns sorted")
-    nb = sympy.sympify(FloorDiv(n + MERGE_BLOCK - 1, MERGE_BLOCK))
-    bufs = ((k0, i0), (k1, i1))
-    for p in range(merge_passes(row_max)):
-        w = TILE << p
-        (ks, is_), (kd, id_) = bufs[p % 2], bufs[(p + 1) % 2]
-        steps = w.bit_length() + 1
-        body = [f"    row = pid // {to_tl(nb)}",
-                f"    c = (pid % {to_tl(nb)}) * RBLOCK + tl.arange(0, RBLOCK).to(tl.int64)",
-                f"    cm = c < {ntl}",
-                f"    xoff = {row_off}",
-                f"    k = tl.load(buf_{ks} + row * {ntl} + c, mask=cm, other=0)",
-                f"    col = tl.load(buf_{is_} + row * {ntl} + c, mask=cm, other=0)",
-                f"    s = c // {2 * w} * {2 * w}  # the pair of runs: [s, s + {w}), the rest",
-                f"    left = c - s < {w}",
-                f"    lo = tl.where(left, s + {w}, s)  # the other run",
-                f"    hi = tl.where(left, tl.minimum(s + {2 * w}, {ntl}), s + {w})",
-                "    first = lo",
-                f"    for _ in range({steps}):  # elements of the other run below k (left: "
-                "strictly)",
-                "        on = lo < hi",
-                "        mid = (lo + hi) // 2",
-                f"        km = tl.load(buf_{ks} + row * {ntl} + mid, mask=cm & on, other=0)",
-                "        right = tl.where(left, km < k, km <= k)",
-                "        lo = tl.where(on & right, mid + 1, lo)",
-                "        hi = tl.where(on & ~right, mid, hi)",
-                f"    pos = tl.where(left, c, c - {w}) + (lo - first)",
-                *_final_or_scratch(x, vals, idx, kd, id_, "pos", sympy.Le(n, 2 * w), m, n,
-                                   "cm", "k", "col")]
-        grid = rows * nb * sympy.Min(1, FloorDiv(n + w - 1, 2 * w))
-        kernel(f"merge{p}", body, grid, MERGE_BLOCK,
-               f"merge pass {p}: sorted runs of {w} merged in pairs")
+    nb = to_tl(sympy.sympify(FloorDiv(n + MERGE_BLOCK - 1, MERGE_BLOCK)))
+    body = [f"    p = tl.load(buf_{count})  # this pass: runs of w = {TILE} << p merged in pairs",
+            f"    w = tl.full([], {TILE}, tl.int64) << p",
+            f"    row = pid // {nb}",
+            f"    c = (pid % {nb}) * RBLOCK + tl.arange(0, RBLOCK).to(tl.int64)",
+            f"    cm = (c < {ntl}) & ({ntl} > w)  # (a row of one run: nothing to merge)",
+            f"    xoff = {row_off}",
+            f"    src = (p % 2) * {half}",
+            f"    dst = ((p + 1) % 2) * {half}",
+            f"    k = tl.load(buf_{keys} + src + row * {ntl} + c, mask=cm, other=0)",
+            f"    col = tl.load(buf_{inds} + src + row * {ntl} + c, mask=cm, other=0)",
+            "    s = c // (2 * w) * (2 * w)  # the pair of runs: [s, s + w), the rest",
+            "    left = c - s < w",
+            "    lo = tl.where(left, s + w, s)  # the other run",
+            f"    hi = tl.where(left, tl.minimum(s + 2 * w, {ntl}), s + w)",
+            "    hi = tl.where(cm, hi, lo)",
+            "    first = lo",
+            f"    for _ in range({TILE.bit_length() + merge_passes(row_max)}):  # the other "
+            "run's elements below k (left: strictly; once found, no-ops)",
+            "        on = lo < hi",
+            "        mid = (lo + hi) // 2",
+            f"        km = tl.load(buf_{keys} + src + row * {ntl} + mid, mask=on, other=0)",
+            "        right = tl.where(left, km < k, km <= k)",
+            "        lo = tl.where(on & right, mid + 1, lo)",
+            "        hi = tl.where(on & ~right, mid, hi)",
+            "    pos = tl.where(left, c, c - w) + (lo - first)",
+            *_final_or_scratch(x, vals, idx, keys, inds, "pos", f"{ntl} <= 2 * w", m, n, "cm",
+                               "k", "col")]
+    kernel("merge", body, rows * sympy.sympify(FloorDiv(n + MERGE_BLOCK - 1, MERGE_BLOCK)),
+           MERGE_BLOCK, "one merge pass (the pass counter's)")
+    body = [f"    tl.store(buf_{count}, tl.load(buf_{count}) + 1, mask=pid == 0)"]
+    kernel("next", body, sympy.Integer(1), 16, "the pass counter moved on")
     return kernels
 
 
 def sort_kernel_names(call: L.Extern, kernels) -> list[str]:
-    """The kernels a sort call launches, in order (those of `kernels`, by name)."""
+    """The kernels a sort call launches, in order (those of `kernels`, by name): the merge
+    sort's `_merge` once a pass its row bound may need, `_next` between."""
     base = sort_kernel_name(call)
     if f"{base}_tiles" not in kernels:
         return [base]
-    p = 0
-    while f"{base}_merge{p}" in kernels:
-        p += 1
-    return [f"{base}_tiles", *(f"{base}_merge{q}" for q in range(p))]
+    tile = kernels[f"{base}_tiles"].config.rblock  # (the tiles it was printed for)
+    passes = merge_passes(int(call.attr("row_max")), tile)
+    return [f"{base}_tiles"] + [f"{base}_{k}" for p in range(passes)
+                                for k in (("next", "merge") if p else ("merge",))]
