@@ -9,8 +9,9 @@ Which calls come here: every dtype of SORTABLE (bool, the integers up to int64, 
 bfloat16, float32, float64), any row length. The frontend gives each node attribute `row_max`
 (frontend/aten_library.py `_row_max`): the sorted dim's largest length, 0 where it has no
 bound. A row bound of at most MAX_ROW takes one kernel (`_single`); a larger or missing bound
-takes the merge sort (`_tiles`, then `_merge<p>` passes), whose call has four scratch outputs
-from the arena (lowering/library.py: keys and indices, twice, [rows..., n] int64).
+takes the merge sort (`_tiles`, then `_merge` once a pass with `_next` between), whose call
+has three scratch outputs from the arena (lowering/library.py: keys and indices, [2, rows...,
+n] int64 each, and a one-element pass counter).
 
 `order` of a value (`order_lines`): an integer whose order is the value order (eager's: NaN
 above +inf, -0.0 equal to +0.0), 32 bits for dtypes of at most 32 bits, else 64. Integers and
@@ -29,15 +30,17 @@ whose sorted position j and column p[j] go into the second's key (high 32 bits o
 row get the largest key. The sorted columns index the operand: the values are loaded from it
 (eager's values bit for bit: -0.0 stays -0.0, a NaN keeps its payload).
 
-The merge sort (rows of any length): `_tiles` sorts each TILE-column tile of a row and stores
-(order as int64, column) at the tile's place in scratch 0. Pass p merges pairs of sorted runs
-of W = TILE << p elements from scratch p % 2 into scratch (p + 1) % 2: an element of the left
-run goes to its own offset plus the count of right-run elements below its order, one of the
-right run to its own offset plus the count of left-run elements at or below its order (binary
-searches), which keeps the merge stable. A pass that finds a single run (n <= W) is launched
-with no programs (its grid has the factor min(1, (n + W - 1) // 2W)). The kernel that
-completes the row (n <= 2W, or n <= TILE for `_tiles`) stores the first m elements into the
-outputs instead of the scratch. The passes cover rows up to the bound (no bound: 2^31)."""
+The merge sort (rows of any length): `_tiles` sorts each TILE-column tile of a row, stores
+(order as int64, column) at the tile's place in scratch half 0 and sets the pass counter to 0.
+`_merge` reads pass p from the counter and merges pairs of sorted runs of W = TILE << p
+elements from half p % 2 into half (p + 1) % 2: an element of the left run goes to its own
+offset plus the count of right-run elements below its order, one of the right run to its own
+offset plus the count of left-run elements at or below its order (binary searches), which
+keeps the merge stable. A row of a single run (n <= W) stores nothing in that pass. The kernel
+that completes the row (n <= 2W, or n <= TILE for `_tiles`) stores the first m elements into
+the outputs instead of the scratch. `_next` (one program) moves the counter on; the wrappers
+launch `_merge` once a pass the bound may need (`sort_kernel_names`; no bound: rows up to 2^31
+elements), so a call is three kernels whatever its bound."""
 
 from __future__ import annotations
 
