@@ -2,7 +2,7 @@
 few row shapes: device time per call (CUDA events over back-to-back calls, `stream_ms`), the
 ratio kiln / eager, and whether kiln's package has no ATen op.
 
-Usage (a GPU machine): `PYTHONPATH=. python bench/sort_gpu.py [--repeat 20] [--only A,B]`."""
+Usage (a GPU machine): `PYTHONPATH=. python bench/sort_gpu.py [--repeat 20] [--only 'A;B']`."""
 
 from __future__ import annotations
 
@@ -50,12 +50,12 @@ def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--repeat", type=int, default=20)
     p.add_argument("--only", default="", help="cases whose name holds one of these "
-                   "comma-separated strings")
+                   "';'-separated strings (case names hold commas)")
     a = p.parse_args()
     rows = []
     with tempfile.TemporaryDirectory() as d:
         for k, (name, fn, shape, dt) in enumerate(CASES):
-            if not any(part in name for part in a.only.split(",")):
+            if not any(part in name for part in a.only.split(";")):
                 continue
             x = (torch.randn(shape) * 100).to(dt) if dt.is_floating_point else \
                 torch.randint(-50, 50, shape, dtype=dt)

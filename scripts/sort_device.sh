@@ -3,7 +3,7 @@
 # and 64-bit sorts (tests/targets/cuda/test_cuda_sort_merge.py) and the one-tile sorts of
 # test_cuda_sort_cov.py, then bench/sort_gpu.py (kiln against eager torch.sort / topk /
 # median). Logs to $OUT (default ./sort_out); each phase stopped at its timeout.
-#   [TEST_TIMEOUT=110] [BENCH_TIMEOUT=80] [BENCH_ONLY=substring] [PY=python3] scripts/sort_device.sh
+#   [TEST_TIMEOUT=110] [BENCH_TIMEOUT=80] [BENCH_ONLY='a;b'] [PY=python3] scripts/sort_device.sh
 set -u
 OUT=${OUT:-sort_out}
 PY=${PY:-python3}
