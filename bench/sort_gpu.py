@@ -2,7 +2,7 @@
 few row shapes: device time per call (CUDA events over back-to-back calls, `stream_ms`), the
 ratio kiln / eager, and whether kiln's package has no ATen op.
 
-Usage (a GPU machine): `PYTHONPATH=. python bench/sort_gpu.py [--repeat 20]`."""
+Usage (a GPU machine): `PYTHONPATH=. python bench/sort_gpu.py [--repeat 20] [--only 'A;B']`."""
 
 from __future__ import annotations
 
@@ -26,6 +26,14 @@ CASES = [  # (name, fn, shape, dtype)
      torch.float16),
     ("median f32 [4096, 512]", lambda x: tuple(torch.median(x, 1)), (4096, 512),
      torch.float32),
+    # 64-bit values (two tl.sort passes) and the merge sort (rows over 4096; s17cov)
+    ("sort f64 [4096, 1024]", lambda x: tuple(torch.sort(x, 1)), (4096, 1024), torch.float64),
+    ("sort i64 [16384, 256]", lambda x: tuple(torch.sort(x, 1)), (16384, 256), torch.int64),
+    ("sort f32 [64, 65536]", lambda x: tuple(torch.sort(x, 1)), (64, 65536), torch.float32),
+    ("sort f32 [1, 1048576]", lambda x: tuple(torch.sort(x, 1)), (1, 1 << 20), torch.float32),
+    ("sort i64 [8, 200000]", lambda x: tuple(torch.sort(x, 1)), (8, 200000), torch.int64),
+    ("topk 1000 f32 [16, 100000]", lambda x: tuple(torch.topk(x, 1000, 1)), (16, 100000),
+     torch.float32),
 ]
 
 
@@ -41,10 +49,14 @@ class _Fn(torch.nn.Module):
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--repeat", type=int, default=20)
+    p.add_argument("--only", default="", help="cases whose name holds one of these "
+                   "';'-separated strings (case names hold commas)")
     a = p.parse_args()
     rows = []
     with tempfile.TemporaryDirectory() as d:
         for k, (name, fn, shape, dt) in enumerate(CASES):
+            if not any(part in name for part in a.only.split(";")):
+                continue
             x = (torch.randn(shape) * 100).to(dt) if dt.is_floating_point else \
                 torch.randint(-50, 50, shape, dtype=dt)
             cm = kiln.compile(torch.export.export(_Fn(fn), (x,)), device="cuda")
@@ -54,6 +66,7 @@ def main() -> None:
             t_k = stream_ms(lambda: run(xc), 10, a.repeat)
             t_e = stream_ms(lambda: fn(xc), 10, a.repeat)
             rows.append((name, t_k * 1e3, t_e * 1e3, native))
+            print(name, f"{t_k * 1e3:.1f} {t_e * 1e3:.1f}", flush=True)
     print("| case | kiln µs | eager µs | kiln / eager | no ATen op |\n|---|---|---|---|---|")
     for name, tk, te, native in rows:
         print(f"| {name} | {tk:.1f} | {te:.1f} | {tk / te:.2f} | {'yes' if native else 'no'} |")

@@ -65,7 +65,8 @@ def _fuzz(args: argparse.Namespace) -> int:
             break
         ran += 1
         ps = program_seed(args.seed, k)
-        spec = generate(ps, max_ops=args.max_ops, bounded_dims=args.bounded_dims)
+        spec = generate(ps, max_ops=args.max_ops, bounded_dims=args.bounded_dims,
+                        index_sort=args.index_sort)
         if device != "cpu":
             spec["device"] = device
         out = check(spec, interp=not args.no_interp, run=run)

@@ -111,6 +111,8 @@ def build_parser() -> argparse.ArgumentParser:
     f.add_argument("--out", default="tests/fuzz_regressions",
                    help="where minimised reproducers are written")
     f.add_argument("--max-ops", type=int, default=8)
+    f.add_argument("--index-sort", type=float, default=0.3, metavar="P",
+                   help="share of programs given scatters and sorts (kiln/fuzz/gen_index_sort.py)")
     f.add_argument("--no-minimise", action="store_true")
     f.add_argument("--no-interp", action="store_true", help="skip the Loop IR interpreter")
     f.add_argument("--bounded-dims", action="store_true",

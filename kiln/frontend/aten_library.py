@@ -62,7 +62,7 @@ def cpu_only(node, types) -> bool:
         if node.type.dtype.is_complex:  # complex scatter products: a Triton kernel too
             return node.attr("mode") != "prod"
         return node.attr("mode") != "set" and node.type.dtype.name not in ACC_PUT_DTYPES
-    if node.op in ("sort", "topk"):  # short rows of <= 32-bit values: targets/cuda/sort.py
+    if node.op in ("sort", "topk"):  # every dtype of SORT_DTYPES: targets/cuda/sort.py
         return node.attr("row_max") is None
     return node.op in CPU_ONLY_OPS
 
@@ -81,10 +81,10 @@ def _used(n, k: int) -> bool:
     return any(u.target is operator.getitem and u.args[1] == k and u.users for u in n.users)
 
 
-# what CUDA's sort kernel takes (targets/cuda/sort.py: int64 keys of a 32-bit order and the
-# column, one row a tile); other sorts go to ATen on CUDA
-SORT_DTYPES = frozenset({"bool", "uint8", "int8", "int16", "int32", "float16", "bfloat16",
-                         "float32"})
+# what CUDA's sort kernels take (targets/cuda/sort.py): rows of up to SORT_MAX_ROW elements
+# (the bound known at build time) in one tile, longer or unbounded ones through its merge sort
+SORT_DTYPES = frozenset({"bool", "uint8", "int8", "int16", "int32", "int64", "float16",
+                         "bfloat16", "float32", "float64"})
 SORT_MAX_ROW = 4096
 
 
@@ -120,24 +120,22 @@ def _upper(b, e) -> int | None:
 
 
 def _row_max(b, n, x, dim: int) -> dict:
-    """Attribute `row_max` (the sorted dim's largest length) of a sort / topk node of FX node
-    `n` where the target has no library routines (CUDA); its sort kernel takes rows of
-    32-bit or narrower values, at most SORT_MAX_ROW long (a bound known at build time): else
-    an UnsupportedError saying why (ATen sorts it where the fallback is on). On the CPU: no
-    attribute."""
+    """Attributes of a sort / topk node of FX node `n` where the target has no library
+    routines (CUDA): `row_max`, the sorted dim's largest length (0: no bound), and `merge`
+    where that is over SORT_MAX_ROW or unbounded (CUDA's merge sort, with scratch buffers:
+    lowering/library.py); a dtype its kernels do not sort is an UnsupportedError saying why
+    (ATen sorts it where the fallback is on). On the CPU: no attribute."""
     if b.library_routines:
         return {}
     dt = b.types[x].dtype.name
+    if dt not in SORT_DTYPES:
+        raise UnsupportedError(f"{n.target} (node {n.name}) on CUDA: {dt} values (the sort "
+                               f"kernels take {', '.join(sorted(SORT_DTYPES))})")
     shape = b.types[x].shape
     hi = _upper(b, shape[dim]) if shape else 1
-    why = (f"{dt} values (the sort kernel's keys hold 32 bits of order)"
-           if dt not in SORT_DTYPES else
-           f"rows of {shape[dim]} elements without a bound (a Dim's max)" if hi is None else
-           f"rows of up to {hi} elements (the sort kernel's limit: {SORT_MAX_ROW})"
-           if hi > SORT_MAX_ROW else None)
-    if why is not None:
-        raise UnsupportedError(f"{n.target} (node {n.name}) on CUDA: {why}")
-    return {"row_max": max(hi, 1)}
+    if hi is not None and hi <= SORT_MAX_ROW:
+        return {"row_max": max(hi, 1)}
+    return {"row_max": hi or 0, "merge": True}
 
 
 @register("aten.sort.default", "aten.sort.stable")

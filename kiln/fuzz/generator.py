@@ -17,7 +17,7 @@ import random
 
 from kiln.fuzz.program import B_MIN, UNARY, V
 from kiln.fuzz.program import bshape as _bshape
-from kiln.fuzz import gen_coverage, gen_heavy
+from kiln.fuzz import gen_coverage, gen_heavy, gen_index_sort
 
 SMOOTH = [k for k in UNARY if k not in ("floor", "ceil", "round", "sign", "trunc")]
 DISCONT = ["floor", "ceil", "round", "sign", "trunc"]
@@ -305,9 +305,10 @@ def _factor(n: int, r: random.Random) -> list[int]:
 
 
 def generate(seed: int, dynamic: bool | None = None, max_ops: int = 8,
-             bounded_dims: bool = False) -> dict:
+             bounded_dims: bool = False, index_sort: float = 0.3) -> dict:
     """One random program spec, reproducible from `seed` (`bounded_dims`: every Dim gets
-    a min and a max, skipping the declarations that hit known compile crashes)."""
+    a min and a max, skipping the declarations that hit known compile crashes;
+    `index_sort`: the share of programs with scatters and sorts, gen_index_sort.py)."""
 
     r = random.Random(seed)
     dynamic = r.random() < 0.35 if dynamic is None else dynamic
@@ -332,7 +333,8 @@ def generate(seed: int, dynamic: bool | None = None, max_ops: int = 8,
             pass
     if not g.spec["ops"]:
         g.op_unary()
-    spec = _finish(g, r, gen_coverage.alias_outputs(g))
+    made = gen_index_sort.apply(g, seed, index_sort, (Skip, ValueError))
+    spec = _finish(g, r, made + gen_coverage.alias_outputs(g))
     layout = gen_coverage.export_layout(seed)
     if layout:
         spec["export_layout"] = layout

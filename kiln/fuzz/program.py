@@ -178,7 +178,49 @@ def _apply(op: str, xs: list, a: dict, p, ref64: bool):
         if fn == "fft_abs":
             return torch.fft.fft(za, dim=-1).abs()
         return za * 2  # "keep": a complex output
+    if op in SCATTERS or op in SORTS:
+        return (SCATTERS.get(op) or SORTS[op])(x, xs, a)
     raise ValueError(f"unknown fuzz op {op!r}")
+
+
+def _index_put(x, xs, a, acc: bool):
+    return x.index_put((xs[1],), xs[2], accumulate=acc)
+
+
+# kiln/fuzz/gen_index_sort.py's ops: (x, [x, index, src], attrs) -> value
+SCATTERS = {
+    "index_put": lambda x, xs, a: _index_put(x, xs, a, False),
+    "index_put_acc": lambda x, xs, a: _index_put(x, xs, a, True),
+    "index_add": lambda x, xs, a: torch.index_add(x, a["dim"], xs[1], xs[2], alpha=a["alpha"]),
+    "index_copy": lambda x, xs, a: torch.index_copy(x, a["dim"], xs[1], xs[2]),
+    "scatter": lambda x, xs, a: torch.scatter(x, a["dim"], xs[1], xs[2]),
+    "scatter_add": lambda x, xs, a: torch.scatter_add(x, a["dim"], xs[1], xs[2]),
+    "scatter_reduce": lambda x, xs, a: torch.scatter_reduce(
+        x, a["dim"], xs[1], xs[2], a["reduce"], include_self=a["include_self"]),
+}
+
+
+def _unique(x, a):
+    if a["dim"] is None:
+        out = torch.unique(x, sorted=True, return_inverse=True, return_counts=True)
+    else:
+        out = torch.unique_consecutive(x, return_inverse=True, return_counts=True, dim=a["dim"])
+    return out[a["part"]]
+
+
+SORTS = {
+    "sort": lambda x, xs, a: torch.sort(x, dim=a["dim"], descending=a["descending"],
+                                        stable=True)[a["part"]],
+    "argsort": lambda x, xs, a: torch.argsort(x, dim=a["dim"], descending=a["descending"],
+                                              stable=True),
+    "msort": lambda x, xs, a: torch.msort(x),
+    "topk": lambda x, xs, a: torch.topk(x, a["k"], a["dim"], largest=a["largest"])[0],
+    "kthvalue": lambda x, xs, a: torch.kthvalue(x, a["k"], a["dim"], a["keepdim"])[0],
+    "median": lambda x, xs, a: torch.median(x, a["dim"], a["keepdim"])[0],
+    "unique": lambda x, xs, a: _unique(x, a),
+    "unique_consecutive": lambda x, xs, a: torch.unique_consecutive(
+        x, return_inverse=True, return_counts=True, dim=a["dim"])[a["part"]],
+}
 
 
 def _init(shape, kind: str, g: torch.Generator) -> torch.Tensor:

@@ -131,8 +131,9 @@ class _Eval:
         self.memo: dict = {}
 
     def index(self, e: sympy.Expr, extra: Mapping) -> np.ndarray:
-        e = sympy.sympify(e).xreplace({sympy.Symbol(k, integer=True, positive=True):
-                                       sympy.Integer(v) for k, v in self.env.items()})
+        e = sympy.sympify(e)  # (sizes by name: an unbacked size's symbol may be nonnegative)
+        e = e.xreplace({s: sympy.Integer(self.env[s.name]) for s in e.free_symbols
+                        if s.name in self.env})
         syms = sorted(e.free_symbols, key=lambda s: s.name)
         if not syms:
             return np.asarray(int(e), dtype=np.int64)

@@ -135,9 +135,12 @@ def _emit(ctx: LowerCtx, node: Node, routine: str, outs, args, attrs) -> tuple[s
 
 # --- row routines: sort, topk, scans ----------------------------------------------------------
 
-def _row_call(ctx: LowerCtx, node: Node, x: Lazy, routine: str, attrs, outs, length=None):
+def _row_call(ctx: LowerCtx, node: Node, x: Lazy, routine: str, attrs, outs, length=None,
+              scratch=()):
     """Call a row routine along node's `dim`; returns the Lazy of output `node.attr(part)`.
-    outs: [(suffix, dtype)]; every output is [rows..., length (default: the dim's size)]."""
+    outs: [(suffix, dtype)]; every output is [rows..., length (default: the dim's size)];
+    `scratch` [(suffix, dtype, lead)]: more outputs after them, of shape `lead` followed by
+    [rows..., the dim's size] (lead None: the shape (1,))."""
     key = _key(node)
     if key not in ctx.shared:
         rank = x.rank
@@ -151,7 +154,10 @@ def _row_call(ctx: LowerCtx, node: Node, x: Lazy, routine: str, attrs, outs, len
             perm = [d for d in range(rank) if d != dim] + [dim]
             arg = _arg(x, perm)
             shape = arg.shape[:-1] + ((length if length is not None else arg.shape[-1]),)
-        names = _emit(ctx, node, routine, [(s, dt, shape) for s, dt in outs], [arg], attrs)
+        full = arg.shape
+        names = _emit(ctx, node, routine, [(s, dt, shape) for s, dt in outs] +
+                      [(s, dt, (sympy.Integer(1),) if lead is None else lead + tuple(full))
+                       for s, dt, lead in scratch], [arg], attrs)
         ctx.shared[key] = (names, shape, perm)
     names, shape, perm = ctx.shared[key]
     r = node.attr("part", 0)
@@ -166,15 +172,27 @@ def _row_call(ctx: LowerCtx, node: Node, x: Lazy, routine: str, attrs, outs, len
 
 
 def _row_max(node: Node) -> list:
-    """The row bound CUDA's sort kernel is printed for (frontend/aten_library.py `_row_max`)."""
+    """The row bound CUDA's sort kernels are printed for (frontend/aten_library.py
+    `_row_max`; 0: no bound)."""
     return [] if node.attr("row_max") is None else [("row_max", int(node.attr("row_max")))]
+
+
+def _sort_scratch(node: Node) -> list:
+    """CUDA's merge sort (targets/cuda/sort.py): keys and indices, twice ([2, rows..., n]),
+    and its pass counter, as int64."""
+    if not node.attr("merge"):
+        return []
+    two = (sympy.Integer(2),)
+    return [("keys", dtypes.int64, two), ("index", dtypes.int64, two),
+            ("pass", dtypes.int64, None)]
 
 
 def lower_sort(ctx: LowerCtx, node: Node, args: list[Lazy]) -> Lazy:
     (x,) = args
     attrs = [("descending", bool(node.attr("descending"))), ("stable", bool(node.attr("stable")))]
     return _row_call(ctx, node, x, "sort", attrs + _row_max(node),
-                     [("values", x.dtype), ("indices", dtypes.int64)])
+                     [("values", x.dtype), ("indices", dtypes.int64)],
+                     scratch=_sort_scratch(node))
 
 
 def lower_topk(ctx: LowerCtx, node: Node, args: list[Lazy]) -> Lazy:
@@ -182,7 +200,8 @@ def lower_topk(ctx: LowerCtx, node: Node, args: list[Lazy]) -> Lazy:
     k = node.attr("k")
     attrs = [("k", int(k)), ("largest", node.attr("largest")), ("sorted", node.attr("sorted"))]
     return _row_call(ctx, node, x, "topk", attrs + _row_max(node),
-                     [("values", x.dtype), ("indices", dtypes.int64)], length=sympy.Integer(k))
+                     [("values", x.dtype), ("indices", dtypes.int64)], length=sympy.Integer(k),
+                     scratch=_sort_scratch(node))
 
 
 def lower_scan(ctx: LowerCtx, node: Node, args: list[Lazy]) -> Lazy:

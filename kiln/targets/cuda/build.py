@@ -65,7 +65,7 @@ from kiln.targets.cuda.bag_mask import BAG_MASK_ROUTINES, print_bag_mask_kernel
 from kiln.targets.cuda.put_reduce import is_reducing_put, print_put_reduce_kernels
 from kiln.targets.cuda.scan import (NONZERO_ROUTINE, SCAN_ROUTINES, is_complex_product,
                                     print_cput_kernel, print_nonzero_kernel, print_scan_kernels)
-from kiln.targets.cuda.sort import SORT_ROUTINES, print_sort_kernel
+from kiln.targets.cuda.sort import SORT_ROUTINES, print_sort_kernels
 from kiln.targets.cuda.launch_tune import (device_available, kernel_family, template_family,
                                            tune_all, warm_context)
 from kiln.targets.cuda.ops import PRELUDE
@@ -668,7 +668,7 @@ def triton_kernels(steps, buffers, hints: dict[str, int], configs: dict | None =
         elif isinstance(s, L.Extern) and s.routine == NONZERO_ROUTINE:
             out.append(print_nonzero_kernel(s, buffers))
         elif isinstance(s, L.Extern) and s.routine in SORT_ROUTINES:
-            out.append(print_sort_kernel(s, buffers, hints))
+            out.extend(print_sort_kernels(s, buffers, hints))
         elif isinstance(s, L.Extern) and s.routine in BAG_MASK_ROUTINES:
             out.append(print_bag_mask_kernel(s, buffers, hints))  # (targets/cuda/bag_mask.py)
     return [with_pdl(k) for k in out] if pdl else out

@@ -40,7 +40,7 @@ from kiln.targets.cuda.bag_mask import BAG_MASK_ROUTINES
 from kiln.targets.cuda.put_reduce import is_reducing_put, put_reduce_kernel_names
 from kiln.targets.cuda.scan import (NONZERO_ROUTINE, SCAN_ROUTINES, cput_kernel_name,
                                     is_complex_product, scan_kernel_names)
-from kiln.targets.cuda.sort import SORT_ROUTINES
+from kiln.targets.cuda.sort import SORT_ROUTINES, sort_kernel_names
 from kiln.targets.cuda.wrapper_parts import print_cuda_model
 from kiln.errors import UnsupportedError
 from kiln.gemm.problem import layout
@@ -333,8 +333,11 @@ class _Printer(SizeCheckPrinter):
             self._launch(f"conv_{c.name}")
             return
         if c.routine in (*SCAN_ROUTINES, NONZERO_ROUTINE, *SORT_ROUTINES, *BAG_MASK_ROUTINES):
-            # (scan.py, sort.py, bag_mask.py: one kernel `<routine>_<out>`)
-            for k in scan_kernel_names(c, self.kernels):  # (a multi-block scan: three)
+            # (scan.py, sort.py, bag_mask.py; a multi-block scan: three kernels, a merge
+            # sort: its passes)
+            names = (sort_kernel_names if c.routine in SORT_ROUTINES else scan_kernel_names)(
+                c, self.kernels)
+            for k in names:
                 self.emit(f"{{  // {k}: {', '.join(c.outs)} = {c.routine}("
                           f"{', '.join(a.buf for a in c.args)})  <- {', '.join(c.source)}")
                 self._launch(k)

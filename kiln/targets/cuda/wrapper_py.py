@@ -37,7 +37,7 @@ from kiln.targets.cuda.bag_mask import BAG_MASK_ROUTINES
 from kiln.targets.cuda.put_reduce import is_reducing_put, put_reduce_kernel_names
 from kiln.targets.cuda.scan import (NONZERO_ROUTINE, SCAN_ROUTINES, cput_kernel_name,
                                     is_complex_product, scan_kernel_names)
-from kiln.targets.cuda.sort import SORT_ROUTINES
+from kiln.targets.cuda.sort import SORT_ROUTINES, sort_kernel_names
 from kiln.ir import dtypes
 import numpy as np
 
@@ -288,7 +288,8 @@ def run_program(prog: P.Program, kernels: dict, module, weights: dict, inputs: l
                        if x.call.routine == "masked_scatter" else "")
                 raise IndexError(f"index out of range in {', '.join(x.call.source)}{why}")
         elif isinstance(x, P.CallLib) and x.call.routine in _ROW_ROUTINES:
-            for k in scan_kernel_names(x.call, kernels):
+            names = sort_kernel_names if x.call.routine in SORT_ROUTINES else scan_kernel_names
+            for k in names(x.call, kernels):
                 launch_kernel(module, kernels[k], env, bufs, status, device)
             if int(status.item()):
                 raise IndexError(f"nonzero: the count did not match in {', '.join(x.call.source)}")
