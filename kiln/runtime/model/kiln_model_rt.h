@@ -397,6 +397,10 @@ inline int gemm_cpp_packed(int64_t nb0, int64_t nb1, int64_t M, int64_t N, int64
   const int64_t groups = by_rows ? blocks : (cut ? std::min<int64_t>(blocks, 8) : 1);
   const int64_t row_parts = by_rows ? 1 : parts;  // parts along N
   const int64_t tasks = row_parts * nb * groups;
+  // one K block for the whole GEMM, chosen from all its rows: each row's sums then run in the
+  // same order whichever thread, row group or loop order computes it (results independent of
+  // the thread count; tests/targets/cpu/test_pool.py)
+  const int64_t kcg = Order == 1 ? KC : packed_cols_kc<T, NR, MR, KC>(M);
   parallel_for(tasks, int(std::min<int64_t>(threads, tasks)), [&](int64_t t0, int64_t t1) {
     static thread_local std::vector<T> apack;
     apack.resize(static_cast<size_t>(packed_apack_size<MR, KC>(M, K)));
@@ -426,10 +430,10 @@ inline int gemm_cpp_packed(int64_t nb0, int64_t nb1, int64_t M, int64_t N, int64
       const bool cols = Order >= 2 || (Order == 0 && hi - lo >= 4 * MR);
       if (cols)
         packed_block_cols<T, NR, MR, KC>(hi - lo, N, K, a + lo * ar, ar, ac, Bp, p0, p1,
-                                         c + lo * N, N, apack.data(), rows_epi, Order != 2);
+                                         c + lo * N, N, apack.data(), rows_epi, Order != 2, kcg);
       else
         packed_block<T, NR, MR, KC>(hi - lo, N, K, a + lo * ar, ar, ac, Bp, p0, p1, c + lo * N,
-                                    N, apack.data(), rows_epi);
+                                    N, apack.data(), rows_epi, kcg);
     }
   });
   return 0;

@@ -14,7 +14,6 @@ GPU (`-m gpu`): a 50k x 128 table with 4k bags, masks of 1M elements."""
 
 from __future__ import annotations
 
-import pickle
 import textwrap
 
 import pytest
@@ -25,7 +24,7 @@ from torch.utils import _pytree as pytree
 
 import kiln
 from kiln.options import Options
-from tests.difftest import Fn, run_interpreted
+from tests.difftest import Fn
 
 OPTS = Options(cuda_archs=(90,), autotune=False, cuda_graphs=False)
 MASK_DTYPES = (torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int64,
@@ -257,9 +256,7 @@ _INTERP = textwrap.dedent("""
 
 
 def _interpret(tmp_path, which):
-    import pathlib
-
-    from test_cuda_dds import triton_kernels_of
+    from test_cuda_dds import interpret_builds
 
     g = torch.Generator().manual_seed(1)
     cases = []
@@ -269,11 +266,8 @@ def _interpret(tmp_path, which):
         assert cm.manifest["requires"]["aten_fallback_ops"] == [], name
         assert not cm.manifest["requires"].get("aten_fallback_why"), name
         assert cm.manifest["requires"]["libtorch"] is False, name
-        cases.append((name, cm.built.program, triton_kernels_of(cm),
-                      cm.built.sources["kernels_triton.py"], cm.built.weights, calls, check))
-    data = tmp_path / "cases.pkl"
-    data.write_bytes(pickle.dumps(cases))
-    run_interpreted(_INTERP, str(data), str(pathlib.Path(__file__).parent), timeout=900)
+        cases.append((name, cm, calls, check))
+    interpret_builds(tmp_path, _INTERP, cases, timeout=900)
 
 
 def test_cuda_masked_scatter_in_interpreter(tmp_path):

@@ -282,16 +282,16 @@ def test_int_inputs_are_host_values_in_cuda_packages():
 
 
 class _LibraryOps(torch.nn.Module):
-    """Ops kiln runs as CPU library routines (sort and topk of float64) and one it does not
-    lower at all (special.i1): on CUDA all of them call ATen on the device. (cumsum was one
-    until session 15, scatter_add and sort / topk of 32-bit values until session 16: CUDA
-    scans, scatters and sorts are Triton kernels, tests/targets/cuda/test_cuda_scan_cov.py,
-    test_cuda_put_reduce.py, test_cuda_sort_cov.py.)"""
+    """Ops kiln does not lower on CUDA (frexp, two results from one call; special.i1): they
+    call ATen on the device. (cumsum was one until session 15, scatter_add and sort / topk of
+    32-bit values until session 16, sort / topk of float64 until session 17: CUDA scans,
+    scatters and sorts are Triton kernels, tests/targets/cuda/test_cuda_scan_cov.py,
+    test_cuda_put_reduce.py, test_cuda_sort_cov.py, test_cuda_sort_merge.py.)"""
 
     def forward(self, x, idx):
-        s, i = torch.sort(x.double(), dim=-1)
-        y = torch.special.i1(x) + (s * torch.topk(x.double(), 5, -1).values).float()
-        return y.scatter_add(1, idx, torch.ones_like(x)) * 2, i
+        m, e = torch.frexp(x)
+        y = torch.special.i1(x) + m * torch.topk(x.double(), 5, -1).values.float()
+        return y.scatter_add(1, idx, torch.ones_like(x)) * 2, e
 
 
 def test_cuda_aten_fallback_wrapper():
@@ -299,15 +299,16 @@ def test_cuda_aten_fallback_wrapper():
     cm = kiln.compile(_LibraryOps(), (x, idx), device="cuda", options=OPTS)
     req = cm.manifest["requires"]
     assert req["libtorch"] and req["aten_fallback_ops"] == [
-        "aten::sort.default", "aten::special_i1.default", "aten::topk.default"]
+        "aten::frexp.Tensor", "aten::special_i1.default"]
     assert cm.manifest["cuda"]["graphs"] is False  # torch's allocator cannot be captured
     src = cm.sources["model_cuda.cpp"]
-    # three calls: sort's values and indices come from one; scatter_add a Triton kernel
-    assert src.count("c.on_cuda(self->device_id, static_cast<void*>(stream))") == 3
+    # two calls: frexp's mantissa and exponent come from one; topk and scatter_add are Triton
+    # kernels
+    assert src.count("c.on_cuda(self->device_id, static_cast<void*>(stream))") == 2
     assert "put_scatter_add" in cm.sources["kernels_triton.py"]
     assert "kr_aten::require(e, " in src and "kc::run_graph(" not in src
     assert cm.library.exists()
-    with pytest.raises(kiln.errors.UnsupportedError, match="on CUDA: float64 values"):
+    with pytest.raises(kiln.errors.UnsupportedError, match="frexp"):
         kiln.compile(_LibraryOps(), (x, idx), device="cuda",
                      options=Options(cuda_archs=(90,), aten_fallback=False))
 

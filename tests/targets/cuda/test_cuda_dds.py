@@ -236,6 +236,19 @@ _INTERP = textwrap.dedent("""
 """)
 
 
+def interpret_builds(tmp_path, script: str, cases, timeout: float = 1800) -> str:
+    """Runs `script` (python -c, under TRITON_INTERPRET=1, with this folder on its path as
+    argv[2]) over CUDA builds: `cases` are (name, compiled model, *rest), passed to the script
+    pickled (argv[1]) as (name, program, kernels, kernels_triton.py's source, weights, *rest)."""
+    import pathlib
+
+    data = [(name, cm.built.program, triton_kernels_of(cm), cm.built.sources["kernels_triton.py"],
+             cm.built.weights, *rest) for name, cm, *rest in cases]
+    path = tmp_path / "cases.pkl"
+    path.write_bytes(pickle.dumps(data))
+    return run_interpreted(script, str(path), str(pathlib.Path(__file__).parent), timeout=timeout)
+
+
 def triton_kernels_of(cm) -> dict:
     """The TritonKernels of a CUDA build by name, with the configs the pipeline chose."""
     from kiln.ir.sym import UNBOUNDED_NOMINAL, evaluate, unbounded

@@ -16,7 +16,6 @@ updates of one place race, every dtype."""
 from __future__ import annotations
 
 import math
-import pickle
 import textwrap
 
 import pytest
@@ -26,7 +25,7 @@ from torch.utils import _pytree as pytree
 
 import kiln
 from kiln.options import Options
-from tests.difftest import Fn, run_interpreted
+from tests.difftest import Fn
 
 OPTS = Options(cuda_archs=(90,), autotune=False, cuda_graphs=False)
 FLOATS = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
@@ -191,9 +190,7 @@ _INTERP = textwrap.dedent("""
 
 
 def _interpret(tmp_path, which):
-    import pathlib
-
-    from test_cuda_dds import triton_kernels_of
+    from test_cuda_dds import interpret_builds
 
     g = torch.Generator().manual_seed(1)
     cases = []
@@ -202,11 +199,8 @@ def _interpret(tmp_path, which):
         cm = _build(name, fn, args, dyn)
         assert cm.manifest["requires"]["aten_fallback_ops"] == [], name
         assert cm.manifest["requires"]["libtorch"] is False, name
-        cases.append((name, cm.built.program, triton_kernels_of(cm),
-                      cm.built.sources["kernels_triton.py"], cm.built.weights, calls))
-    data = tmp_path / "cases.pkl"
-    data.write_bytes(pickle.dumps(cases))
-    run_interpreted(_INTERP, str(data), str(pathlib.Path(__file__).parent), timeout=900)
+        cases.append((name, cm, calls))
+    interpret_builds(tmp_path, _INTERP, cases, timeout=900)
 
 
 def test_cuda_scatter_reduce_in_interpreter(tmp_path):

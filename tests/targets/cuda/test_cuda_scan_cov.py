@@ -15,7 +15,6 @@ the packages against eager on the device at sizes up to a million elements a row
 from __future__ import annotations
 
 import math
-import pickle
 import textwrap
 
 import pytest
@@ -25,7 +24,7 @@ from torch.utils import _pytree as pytree
 
 import kiln
 from kiln.options import Options
-from tests.difftest import Fn, run_interpreted
+from tests.difftest import Fn
 
 OPTS = Options(cuda_archs=(90,), autotune=False, cuda_graphs=False)
 FLOATS = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
@@ -285,19 +284,14 @@ _INTERP = textwrap.dedent("""
 
 
 def _interpret(tmp_path, which):
-    from test_cuda_dds import triton_kernels_of
+    from test_cuda_dds import interpret_builds
 
     builds = _builds()
     g = torch.Generator().manual_seed(1)
     cases = []
     for name, cm in _cases(builds, which):
-        cases.append((name, cm.built.program, triton_kernels_of(cm),
-                      cm.built.sources["kernels_triton.py"], cm.built.weights,
-                      _inputs_for(name, g)))
-    data = tmp_path / "cases.pkl"
-    data.write_bytes(pickle.dumps(cases))
-    import pathlib
-    run_interpreted(_INTERP, str(data), str(pathlib.Path(__file__).parent), timeout=1800)
+        cases.append((name, cm, _inputs_for(name, g)))
+    interpret_builds(tmp_path, _INTERP, cases)
 
 
 @pytest.mark.slow  # CUDA builds and Triton's interpreter

@@ -20,7 +20,6 @@ bound stay on ATen (checked here)."""
 from __future__ import annotations
 
 import math
-import pickle
 import textwrap
 
 import pytest
@@ -31,7 +30,7 @@ from torch.utils import _pytree as pytree
 import kiln
 from kiln.errors import UnsupportedError
 from kiln.options import Options
-from tests.difftest import Fn, run_interpreted
+from tests.difftest import Fn
 
 OPTS = Options(cuda_archs=(90,), autotune=False, cuda_graphs=False)
 FLOATS = (torch.float32, torch.float16, torch.bfloat16)
@@ -233,17 +232,12 @@ def _build(name):
 
 
 def _interpret(tmp_path, name, calls):
-    from test_cuda_dds import triton_kernels_of
+    from test_cuda_dds import interpret_builds
 
     cm = _build(name)
     assert cm.manifest["requires"]["aten_fallback_ops"] == [], name
     assert cm.manifest["requires"]["libtorch"] is False, name
-    case = (name, cm.built.program, triton_kernels_of(cm), cm.built.sources["kernels_triton.py"],
-            cm.built.weights, calls)
-    data = tmp_path / "cases.pkl"
-    data.write_bytes(pickle.dumps([case]))
-    import pathlib
-    return run_interpreted(_INTERP, str(data), str(pathlib.Path(__file__).parent), timeout=1800)
+    return interpret_builds(tmp_path, _INTERP, [(name, cm, calls)])
 
 
 def test_cuda_sorts_every_dtype_in_interpreter(tmp_path):
@@ -285,18 +279,13 @@ def long_rows(*xs):
 def test_cuda_sort_longest_row_in_interpreter(tmp_path):
     """Rows of exactly MAX_ROW (4096) elements, float16, bfloat16 and float32 with special
     values (the 16-bit keys sign-extended), through the runner."""
-    from test_cuda_dds import triton_kernels_of
+    from test_cuda_dds import interpret_builds
 
     g = torch.Generator().manual_seed(3)
     args = tuple(make(dt, (6, 4096), g) for dt in FLOATS)
     cm = kiln.compile(torch.export.export(Fn(long_rows), args), device="cuda", options=OPTS)
     assert cm.manifest["requires"]["aten_fallback_ops"] == []
-    case = ("long", cm.built.program, triton_kernels_of(cm),
-            cm.built.sources["kernels_triton.py"], cm.built.weights, [args])
-    data = tmp_path / "cases.pkl"
-    data.write_bytes(pickle.dumps([case]))
-    import pathlib
-    run_interpreted(_INTERP, str(data), str(pathlib.Path(__file__).parent), timeout=1800)
+    interpret_builds(tmp_path, _INTERP, [("long", cm, [args])])
 
 
 def _fallback_ops(fn, args, dyn=None, why=None):

@@ -14,8 +14,6 @@ every dtype, static and unbounded dims, against eager's CPU (bit for bit) and ea
 
 from __future__ import annotations
 
-import pathlib
-import pickle
 import textwrap
 
 import pytest
@@ -26,7 +24,7 @@ from torch.utils import _pytree as pytree
 import kiln
 from kiln.frontend import aten_library
 from kiln.targets.cuda import sort as cuda_sort
-from tests.difftest import Fn, run_interpreted
+from tests.difftest import Fn
 from test_cuda_sort_cov import OPTS, check_outputs, make, special
 
 WIDE = (torch.float64, torch.int64)
@@ -130,16 +128,11 @@ def small_tiles(monkeypatch):
 
 
 def _interpret(tmp_path, cases):
-    from test_cuda_dds import triton_kernels_of
+    from test_cuda_dds import interpret_builds
 
-    data = []
-    for name, cm, calls in cases:
+    for name, cm, _ in cases:
         assert cm.manifest["requires"]["aten_fallback_ops"] == [], name
-        data.append((name, cm.built.program, triton_kernels_of(cm),
-                     cm.built.sources["kernels_triton.py"], cm.built.weights, calls))
-    (tmp_path / "cases.pkl").write_bytes(pickle.dumps(data))
-    return run_interpreted(_INTERP, str(tmp_path / "cases.pkl"), str(pathlib.Path(__file__).parent),
-                           timeout=1800)
+    return interpret_builds(tmp_path, _INTERP, cases)
 
 
 def _compile(fn, args, dyn=None):
