@@ -274,7 +274,7 @@ def test_dynamic_int_inputs_on_cuda(tmp_path, graphs):
 
 
 def test_aten_fallback_on_cuda(tmp_path):
-    """sort / topk / special.i1 through ATen on the device (scatter_add a Triton kernel), on
+    """frexp / special.i1 through ATen on the device (topk, scatter_add Triton kernels), on
     the caller's stream (a non-default stream here), against eager on fresh inputs."""
     from test_cuda_codegen import _LibraryOps
 
