@@ -346,10 +346,11 @@ def _mask_coordinates(b, n, indices) -> tuple[tuple[int, ...], list[str]]:
         mshape = tuple(b.types[mask].shape)
         numel = sympy.Mul(*mshape)
         rows = b.syms.add_unbacked(sympy.Symbol(b.fresh(f"{n.name}_mask_rows")), numel)
-        coords = nonzero_of_mask(b, n, mask, rows.name, rows=rows)
+        counted = true_count(b, n, mask)
+        coords = nonzero_of_mask(b, n, mask, rows.name, rows=rows, counted=counted)
         pick = None
         if last != 1:  # row j of the coordinates, or row 0 for every j when k is 1
-            pick = _broadcast_rows(b, n, mask, numel, last)
+            pick = _broadcast_rows(b, n, counted[1], last)
         for c in range(len(mshape)):
             col = b.emit("select", [coords], None, like=n, shape=(rows,), dtype=i64, dim=1,
                          index=c)
@@ -362,15 +363,11 @@ def _mask_coordinates(b, n, indices) -> tuple[tuple[int, ...], list[str]]:
     return tuple(positions), names
 
 
-def _broadcast_rows(b, n, mask: str, numel, last: int) -> str:
-    """[last] int64: which coordinate row of bool `mask`'s true elements each of `last`
-    broadcast positions reads: j when the mask has `last` true elements, 0 when it has one;
-    any other count fails at run time, naming the count and the size it had to be."""
+def _broadcast_rows(b, n, count: str, last: int) -> str:
+    """[last] int64: which coordinate row of a mask's true elements (`count` of them) each of
+    `last` broadcast positions reads: j when the mask has `last` true elements, 0 when it has
+    one; any other count fails at run time, naming the count and the size it had to be."""
     i64 = dtypes.int64
-    flat = b.emit("view", [b.emit("cast", [mask], None, like=n, shape=b.types[mask].shape,
-                                  dtype=i64)], None, like=n, shape=(numel,), dtype=i64)
-    count = b.emit("reduce", [flat], None, like=n, shape=(), dtype=i64, kind="sum", dims=(0,),
-                   keepdim=False)
     one = b.emit("eq", [count, b.scalar(1, torch.int64)], None, like=n, shape=(),
                  dtype=dtypes.bool_)
     # the checked value: the count, with a count of 1 (which broadcasts) standing for `last`
@@ -443,11 +440,9 @@ def nonzero_rows(b, n, dim: int = 0, bound=None) -> str:
                                else bound).name
 
 
-def nonzero_of_mask(b, n, mask: str, rows_symbol: str, rows=None) -> str:
-    """aten.nonzero of node `n` from kiln bool value `mask` (x != 0; complex: either part):
-    the count of true elements (a sum), bound at run time to the result's row count
-    `rows_symbol` (`nonzero_rows`; a `read_size` node, as `x.item()` used as a size), then
-    kiln_lib.h's `nonzero` writes the coordinates in row-major order."""
+def true_count(b, n, mask: str) -> tuple[str, str]:
+    """For node `n`: bool value `mask` as a flat int64 vector, and the count of its true
+    elements (a sum of it)."""
     shape = tuple(b.types[mask].shape)
     numel = sympy.Mul(*shape)
     i64 = dtypes.int64
@@ -455,6 +450,19 @@ def nonzero_of_mask(b, n, mask: str, rows_symbol: str, rows=None) -> str:
                   like=n, shape=(numel,), dtype=i64)
     count = b.emit("reduce", [flat], None, like=n, shape=(), dtype=i64, kind="sum", dims=(0,),
                    keepdim=False)
+    return flat, count
+
+
+def nonzero_of_mask(b, n, mask: str, rows_symbol: str, rows=None, counted=None) -> str:
+    """aten.nonzero of node `n` from kiln bool value `mask` (x != 0; complex: either part):
+    the count of true elements (`true_count`, or `counted` where the caller has it), bound at
+    run time to the result's row count `rows_symbol` (`nonzero_rows`; a `read_size` node, as
+    `x.item()` used as a size), then kiln_lib.h's `nonzero` writes the coordinates in row-major
+    order."""
+    shape = tuple(b.types[mask].shape)
+    numel = sympy.Mul(*shape)
+    i64 = dtypes.int64
+    flat, count = counted or true_count(b, n, mask)
     # CUDA: the inclusive count before each element (a scan, multi-block when long) places
     # every true element at once (targets/cuda/scan.py `print_nonzero_kernel`)
     extra = [] if b.library_routines else [

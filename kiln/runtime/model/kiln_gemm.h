@@ -626,15 +626,14 @@ template <class T, int NR, int MR, int KC, class RowEpi = NoEpilogue>
 inline void packed_block_cols(int64_t M, int64_t N, int64_t K, const T *a, int64_t ar,
                               int64_t ac, const T *bp, int64_t p0, int64_t p1, T *c,
                               int64_t ldc, T *apack, RowEpi epi = {}, bool prefetch = true,
-                              int64_t kc_block = 0) {
+                              int64_t kc_block = KC) {
   if (K == 0)  // C = 0, then the epilogue
     return packed_block<T, NR, MR, KC>(M, N, K, a, ar, ac, bp, p0, p1, c, ldc, apack, epi);
   constexpr int64_t MC = packed_cols_mc<MR>();
   constexpr int PG = 4;  // panels per epilogue call
-  // K blocks of `kc_block` where the caller chose them for the whole GEMM (a thread's rows
-  // then sum in the same order whatever the thread count), else from this call's rows
-  const int64_t pstride = K * NR,
-                kcb = kc_block > 0 ? kc_block : packed_cols_kc<T, NR, MR, KC>(M);
+  // K blocks of `kc_block`, which the caller chooses for the whole GEMM (packed_cols_kc of
+  // all its rows: a thread's rows then sum in the same order whatever the thread count)
+  const int64_t pstride = K * NR, kcb = kc_block;
   const bool direct = MR > 1 && direct_a_ok<T>(ar, ac);
   for (int64_t pc = 0; pc < K; pc += kcb) {
     const int64_t kc = std::min<int64_t>(kcb, K - pc);
