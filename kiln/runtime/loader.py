@@ -16,7 +16,7 @@ are serialised by libkiln. A CUDA runner
 stream of its device (``kiln_model_run_on_stream``); its outputs are CUDA tensors ordered on
 that stream, as torch's own results would be.
 
-Size: about 830 lines, kept in one module on purpose. The Runner's two call paths (the fast
+Size: about 810 lines, kept in one module on purpose. The Runner's two call paths (the fast
 path's preallocated DLTensor slots and capsule adoption, the general path's ctypes structs)
 share the slot layout, the capsule prototypes and the output adoption; split apart they would
 import each other's private details. Output aliasing (aliases.py) and call-structure errors
