@@ -27,7 +27,8 @@ CPU_ONLY_OPS = frozenset({"sort", "topk", "scan", "scan_extreme", "scatter", "in
 # ops with a data-dependent result size that kiln computes itself where the target has its
 # library routines (else ATen does, as for every other data-dependent op: frontend/export.py)
 DATA_DEPENDENT_NATIVE = frozenset({"aten.nonzero.default", "aten.masked_select.default",
-                                   "aten.index.Tensor"})
+                                   "aten.index.Tensor", "aten._unique2.default",
+                                   "aten.unique_consecutive.default"})
 
 
 # dtypes whose accumulating index_put / scatter (sum, product, mean, amax, amin) CUDA builds
