@@ -16,7 +16,7 @@ x.flatten()[perm[i]]):
 The sort orders values as kiln's sort kernels do (frontend/aten_library.py `_sort`; every NaN
 above +inf, either sign). Eager's CPU unique orders them so; its CUDA kernel radix-sorts the
 bits, which puts NaNs with the sign bit set before -inf (the CUDA target's sort is given
-`nan_order="bits"` for that: targets/cuda/sort.py)."""
+`nan_bits=True` for that: targets/cuda/sort.py)."""
 
 from __future__ import annotations
 
@@ -128,7 +128,7 @@ def _unique(b, n):
     s = b.emit("view", [x], None, like=n, shape=(numel,), dtype=t.dtype)
     perm = None
     if not consecutive:  # a stable sort: each run keeps its elements in x's order
-        order = {} if b.library_routines else {"nan_order": "bits"}
+        order = {} if b.library_routines else {"nan_bits": True}
         sort = dict(dim=0, descending=False, stable=True, **_row_max(b, n, s, 0), **order)
         flat = s
         s = b.emit("sort", [flat], None, like=n, shape=(numel,), dtype=t.dtype, part=0, **sort)

@@ -76,7 +76,7 @@ def order_lines(dtype_name: str, descending: bool, v: str = "v", o: str = "o",
                 nan_high: bool = True) -> list[str]:
     """Kernel lines turning loaded values `v` into `o`: int32 (int64 for WIDE dtypes),
     ordered as the values (see the module doc), complemented for a descending sort.
-    `nan_high` False (a call's `nan_order` "bits": unique on CUDA, frontend/aten_unique.py):
+    `nan_high` False (a call's attribute `nan_bits`: unique on CUDA, frontend/aten_unique.py):
     NaNs keep the order of their bits, as eager's CUDA radix sorts (cub) order them: a NaN
     with the sign bit set below -inf, one without above +inf, larger payloads outward."""
     if dtype_name == "bool":
@@ -151,12 +151,9 @@ def _parts(call: L.Extern, buffers):
 
 
 def _nan_high(call: L.Extern) -> bool:
-    """Whether the call orders every NaN above +inf (eager's CPU order; see `order_lines`)."""
-    order = call.attr("nan_order") or "high"
-    if order not in ("high", "bits"):
-        raise UnsupportedError(f"{call.routine} {call.name}: nan_order {order!r} (expected "
-                               "'high' or 'bits')")
-    return order == "high"
+    """Whether the call orders every NaN above +inf (eager's CPU order), not by its bits
+    (attribute `nan_bits`; see `order_lines`)."""
+    return not call.attr("nan_bits", False)
 
 
 def _config(row_block: int, rows, hints) -> Config:
