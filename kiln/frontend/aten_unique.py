@@ -20,6 +20,8 @@ bits, which puts NaNs with the sign bit set before -inf (the CUDA target's sort 
 
 from __future__ import annotations
 
+import operator
+
 import sympy
 import torch
 
@@ -55,6 +57,24 @@ def _result_rows(b, n) -> tuple[sympy.Expr, str]:
     return rows, rows.name
 
 
+def _check_index_results(b, n) -> None:
+    """Results 1 and 2 (inverse, counts) are int64 whatever the export says: torch 2.11's
+    export records them with the input's dtype (frontend/fallback.py `RESULT_DTYPES`). kiln
+    returns int64, as eager; an op of the program that reads such a result was traced with the
+    wrong dtype, so that program is refused."""
+    for g in n.users:
+        k = g.args[1] if g.target is operator.getitem else None
+        if k not in (1, 2):
+            continue
+        got = n.meta["val"][k].dtype
+        if got != torch.int64 and any(u.op != "output" for u in g.users):
+            raise UnsupportedError(
+                f"{n.target} (node {n.name}): the exported program says result {k} is {got}, "
+                f"but the op returns torch.int64, and node {next(iter(g.users)).name} reads it "
+                f"as {got}; this torch version ({torch.__version__}) records wrong metadata "
+                "for unique (torch 2.11 does). Export with a newer torch")
+
+
 def _flags(b, n, s: str, numel) -> str:
     """[numel] bool: element i of `s` starts a run (i == 0 or s[i] != s[i - 1])."""
     i64, bool_ = dtypes.int64, dtypes.bool_
@@ -86,7 +106,7 @@ def _counts(b, n, starts: str, count: str, rows, numel) -> str:
     inside = b.emit("lt", [j1, count], None, like=n, shape=(rows,), dtype=bool_)
     end = b.emit("where", [inside, nxt, _size(b, n, numel)], None, like=n, shape=(rows,),
                  dtype=i64)
-    return b.emit("sub", [end, starts], None, like=n, result=2)
+    return b.emit("sub", [end, starts], None, like=n, result=2, dtype=i64)
 
 
 def _size(b, n, e) -> str:
@@ -104,7 +124,8 @@ def _empty(b, n, k: int) -> str:
     if shape != (0,):
         raise UnsupportedError(f"result {k} of {n.target} (node {n.name}), not asked for, has "
                                f"shape {list(shape)}; expected [0]")
-    return b.emit("expand", [b.scalar(0, torch.int64)], None, like=n, result=k)
+    return b.emit("expand", [b.scalar(0, torch.int64)], None, like=n, result=k,
+                  dtype=dtypes.int64)
 
 
 @register("aten._unique2.default", "aten.unique_consecutive.default")
@@ -122,6 +143,7 @@ def _unique(b, n):
     if t.dtype.name not in UNIQUE_DTYPES:
         raise UnsupportedError(f"{n.target} (node {n.name}) of {t.dtype.name} values (kiln's "
                                f"unique takes {', '.join(sorted(UNIQUE_DTYPES))})")
+    _check_index_results(b, n)
     rows, rows_symbol = _result_rows(b, n)  # (before any node like n)
     numel = sympy.Mul(*t.shape)
     i64 = dtypes.int64
@@ -154,7 +176,7 @@ def _unique(b, n):
                               shape=(numel,), dtype=i64)
                 run = b.emit("scatter", [zero, perm, run], None, like=n, shape=(numel,),
                              dtype=i64, dim=0, mode="set", include_self=True)
-            out[1] = b.emit("view", [run], None, like=n, result=1)
+            out[1] = b.emit("view", [run], None, like=n, result=1, dtype=i64)
     if _used(n, 2):
         out[2] = _counts(b, n, starts, counted[1], rows, numel) if counts else _empty(b, n, 2)
     return out

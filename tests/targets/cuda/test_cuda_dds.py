@@ -1,6 +1,7 @@
 """Data-dependent sizes on CUDA: nonzero, boolean-mask indexing and masked_select (kiln's own
-Triton compaction since session 15: the count read as a size, then the coordinates) and unique
-through the ATen fallback (the size u<k> bound when the call returns), `x.item()` used as a size
+Triton compaction since session 15: the count read as a size, then the coordinates), unique
+(kiln's since session 18: a sort, nonzero's compaction) and unique over a dim through the ATen
+fallback (the size u<k> bound when the call returns), `x.item()` used as a size
 (read on the host, range-checked) and sizes derived from one (2*u0 + 1).
 
 Without a GPU: each program compiles to a CUDA package (model.so built with the host compiler),
@@ -88,6 +89,12 @@ class Unique(torch.nn.Module):
         return u * 2, inv + 1, counts
 
 
+class UniqueDim(torch.nn.Module):  # (aten.unique_dim: still ATen's)
+    def forward(self, x):
+        u, inv, counts = torch.unique(x, dim=0, return_inverse=True, return_counts=True)
+        return u * 2, inv + 1, counts
+
+
 def _signed(shape, p):
     """Values > 0 (and > 0.5) with probability p: p = 0 gives an empty selection."""
     x = torch.rand(shape) + 0.6
@@ -117,6 +124,8 @@ CASES = {
                      (0.0, 0.5, 1.0)),
     "unique": (Unique, (torch.randint(0, 5, (12,)).float(),),
                lambda k: (torch.randint(0, k, (12,)).float(),), (1, 4, 50)),
+    "unique_dim": (UniqueDim, (torch.randint(0, 5, (12,)).float(),),
+                   lambda k: (torch.randint(0, k, (12,)).float(),), (1, 4, 50)),
 }
 
 
@@ -185,9 +194,10 @@ def test_item_is_read_on_the_host_and_range_checked():
 
 
 def test_aten_bound_is_checked_before_the_copy():
-    """(nonzero was the case until session 15, when it became kiln's own Triton kernel:
-    unique is a data-dependent op still through ATen on CUDA.)"""
-    src = _cuda("unique").sources["model_cuda.cpp"]
+    """(nonzero was the case until session 15, unique until session 18, when they became
+    kiln's own Triton kernels: unique over a dim is a data-dependent op still through ATen on
+    CUDA.)"""
+    src = _cuda("unique_dim").sources["model_cuda.cpp"]
     bind = src.index("u0 = c.result_size(0, 0);")
     check = src.index("data-dependent size u0 = %lld exceeds its bound 12")
     assert bind < check < src.index("c.copy_out(0", bind)

@@ -259,3 +259,36 @@ def test_gpu_unique_matches_eager(dt, tmp_path):
     for n in (0, 1, 4097, 1 << 20):
         call = values(dt, g, n)
         _check_gpu(dyn(call.cuda()), call, f"{dt} n={n}")
+
+
+def _retyped(fn, x):
+    """The export of fn(x) with unique's inverse and counts recorded as x's dtype, as torch
+    2.11's export records them (frontend/fallback.py `RESULT_DTYPES`)."""
+    ep = torch.export.export(Fn(fn), (x,))
+    for node in ep.graph.nodes:
+        if node.target is torch.ops.aten._unique2.default:
+            v = node.meta["val"]
+            node.meta["val"] = (v[0], v[1].to(x.dtype), v[2].to(x.dtype))
+    return ep
+
+
+def test_wrong_result_dtypes_in_the_export():
+    """Exported inverse / counts typed as the input (torch 2.11): returned as int64 (eager's
+    dtype, which kiln computes); a program reading them as the wrong dtype is refused. (The
+    importer as it is, without import_program's decomposition, which would re-run torch's
+    metadata.)"""
+    from kiln.errors import UnsupportedError
+    from kiln.frontend.export import _import
+
+    def import_program(ep, aten_fallback, library_routines):
+        return _import(ep, True, aten_fallback, 0, library_routines, False)
+
+    x = torch.randint(0, 5, (12,)).float()
+    ep = _retyped(lambda x: torch.unique(x, return_inverse=True, return_counts=True), x)
+    for routines in (True, False):
+        g = import_program(ep, aten_fallback=False, library_routines=routines).graph
+        types = {n.name: n.type for n in g.nodes}
+        assert [types[o].dtype.name for o in g.outputs] == ["float32", "int64", "int64"]
+    ep = _retyped(lambda x: torch.unique(x, return_counts=True)[1] + 1, x)
+    with pytest.raises(UnsupportedError, match="records wrong metadata for unique"):
+        import_program(ep, aten_fallback=False, library_routines=False)
