@@ -7,7 +7,11 @@ interpreter through the Python runner, and the CPU package runs, both against ea
 for bit (a set or a masked copy moves parts unchanged; `+=` of one update a place is one
 rounding of each part, as eager's): a transposed self and mask, a mask broadcast over self, a
 source longer than the selection, a 0-d self, inf / NaN parts. With a GPU (`-m gpu`): 1M-element
-masks against eager's CUDA kernels."""
+masks against eager's CUDA kernels, bit for bit except the payload of a NaN part of a sum
+(`+=`: kiln adds with atomics, eager's CUDA index_put adds in registers; GPU adds do not keep
+the payload of a NaN operand, and the two need not make the same NaN). The first run of this
+test on the H100 (session 18) failed on complex64 `+=` for a reason it did not show (the
+test named no element then); this form has not run on a GPU."""
 
 from __future__ import annotations
 
@@ -132,7 +136,11 @@ def test_gpu_complex_masks_match_eager(tmp_path):
         got = pytree.tree_leaves(runner(*dev))
         want = masks(*dev)
         for (name, b), a in zip(want.items(), got):
+            nan_a, nan_b = (torch.view_as_real(t.cpu()).isnan() for t in (a, b))
             a, b = _bits(a.cpu()), _bits(b.cpu())
+            if name.endswith("_acc"):  # sums: where a part is NaN, its payload is the add's
+                assert torch.equal(nan_a, nan_b), name  # own (see the module doc)
+                a, b = torch.where(nan_b, 0, a), torch.where(nan_b, 0, b)
             bad = (a != b).nonzero()
             assert not len(bad), (name, bad[:4].tolist(), a[tuple(bad[:4].t())].tolist(),
                                   b[tuple(bad[:4].t())].tolist())
