@@ -28,7 +28,7 @@ CPU_ONLY_OPS = frozenset({"sort", "topk", "scan", "scan_extreme", "scatter", "in
 # library routines (else ATen does, as for every other data-dependent op: frontend/export.py)
 DATA_DEPENDENT_NATIVE = frozenset({"aten.nonzero.default", "aten.masked_select.default",
                                    "aten.index.Tensor", "aten._unique2.default",
-                                   "aten.unique_consecutive.default"})
+                                   "aten.unique_consecutive.default", "aten.unique_dim.default"})
 
 
 # dtypes whose accumulating index_put / scatter (sum, product, mean, amax, amin) CUDA builds

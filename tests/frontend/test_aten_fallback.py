@@ -117,8 +117,9 @@ def test_fallback_on_cuda(tmp_path):
     assert cm.manifest["requires"]["aten_fallback_ops"] == ["aten::lgamma.default"]
 
 
-def unique_parts(x):  # (over a dim: aten.unique_dim, still ATen's; unique is kiln's)
-    u, inv, counts = torch.unique(x, dim=0, return_inverse=True, return_counts=True)
+def unique_parts(x):  # (over a dim with rows of 17 elements: ATen's; unique is kiln's)
+    u, inv, counts = torch.unique(x.unsqueeze(1).expand(-1, 17), dim=0, return_inverse=True,
+                                  return_counts=True)
     return u * 2, inv + 1, counts
 
 
@@ -217,9 +218,9 @@ def select_positive(x):
     # data-dependent sizes: nonzero's rows (u0), the masked values (u1) and their distinct
     # values (u2), with kiln kernels consuming them (a u2-long pointwise chain and a reduction
     # over u2 elements); nonzero and x[mask] are kiln's own (sessions 14, 15), unique over a
-    # dim is ATen's (unique itself is kiln's since session 18)
+    # dim with rows of more than 16 elements is ATen's (unique is kiln's since session 18)
     idx = torch.nonzero(x > 0)
-    v = torch.unique(x[x > 0], dim=0)
+    v = torch.unique(x[x > 0].unsqueeze(1).expand(-1, 17), dim=0)[:, 0]
     return idx * 2, torch.relu(v) + 1, (v * 2).sum()
 
 

@@ -154,6 +154,39 @@ def _build(fn, args, dyn=None, device="cuda"):
     return kiln.compile(ep, device=device, options=OPTS if device == "cuda" else None)
 
 
+def dims(x, y, z):
+    """unique over a dim: x [N, 3] int64 rows (dim 0) with inverse and counts, then
+    unique_consecutive over dim 0; y [2, N] float32 (dim 1: columns of 2); z [N, 2] bool."""
+    out = list(torch.unique(x, dim=0, return_inverse=True, return_counts=True))
+    out += torch.unique_consecutive(x, dim=0, return_inverse=True, return_counts=True)
+    out += torch.unique(y, dim=1, return_inverse=True, return_counts=True)
+    out += torch.unique(z, dim=0, return_inverse=True, return_counts=True)
+    return out
+
+
+def dim_inputs(g, n):
+    """Rows with repeats (and repeated neighbours), floats with +-0.0 and +-inf (no NaN:
+    eager orders rows with `<`, which gives a NaN no place)."""
+    x = torch.randint(-2, 2, (n, 3), generator=g)
+    x[n // 2:n // 2 + 2] = x[0]
+    y = (torch.randint(-2, 3, (2, n), generator=g) / 2).float()
+    y[0, ::3] = float("inf")
+    y[1, 1::4] = -0.0
+    z = torch.rand(n, 2, generator=g) < 0.5
+    return x, y, z
+
+
+def check_dims(got, args, what):
+    """Against eager (on the inputs' device) by value (which of two rows equal up to a zero's
+    sign eager keeps depends on its unstable sort), dtypes and shapes exactly."""
+    want = dims(*args)
+    assert len(got) == len(want), what
+    for k, (a, b) in enumerate(zip(got, want)):
+        a, b = a.cpu(), b.cpu()
+        assert a.dtype == b.dtype and a.shape == b.shape, (what, k, a.shape, b.shape)
+        assert torch.equal(a, b), (what, k, a, b)
+
+
 _INTERP = textwrap.dedent("""
     import pickle, sys
     sys.path.insert(0, sys.argv[2])
@@ -165,6 +198,9 @@ _INTERP = textwrap.dedent("""
         mod = import_triton_module(module)
         for args in calls:
             got = run_program(prog, kernels, mod, weights, list(args))
+            if name == "dims":
+                T.check_dims(got, args, name)
+                continue
             k = len(got) // len(args)
             for j, x in enumerate(args):
                 T.check(got[j * k:(j + 1) * k], x, f"{name} input {j} {tuple(x.shape)}")
@@ -198,8 +234,18 @@ def test_cuda_unique_in_interpreter(tmp_path):
     dcm = _build(uniques, (dyn_x,), ({0: Dim("n", min=0, max=100)},))
     assert dcm.manifest["requires"]["aten_fallback_ops"] == []
     dyn_calls = [(values(torch.float32, g, n),) for n in (1, 0, 37)]
+    d_args = dim_inputs(g, 9)
+    n = Dim("n", min=1, max=64)
+    dims_cm = _build(dims, d_args, ({0: n}, {1: n}, {0: n}))
+    assert dims_cm.manifest["requires"]["aten_fallback_ops"] == []
+    dim_calls = [dim_inputs(g, k) for k in (9, 1, 40)]
     interpret_builds(tmp_path, _INTERP, [("static", cm, [args, make()]),
-                                         ("dynamic", dcm, dyn_calls)])
+                                         ("dynamic", dcm, dyn_calls), ("dims", dims_cm, dim_calls)])
+    dcpu = _build(dims, d_args, ({0: n}, {1: n}, {0: n}), device="cpu")
+    assert dcpu.manifest["requires"]["aten_fallback_ops"] == []
+    drun = kiln.load(dcpu.save(tmp_path / "dims_cpu.kiln"))
+    for call in dim_calls:
+        check_dims(drun(*call), call, "dims cpu")
     ccm = _build(several, args, device="cpu")  # the CPU package: eager's CPU order of NaNs
     assert ccm.manifest["requires"]["aten_fallback_ops"] == []
     runner = kiln.load(ccm.save(tmp_path / "cpu.kiln"))
@@ -212,15 +258,22 @@ def test_cuda_unique_in_interpreter(tmp_path):
 
 
 def test_unique_refusals():
-    """unique_consecutive over a dim: a clear error without the ATen fallback (with it, ATen
-    computes it)."""
+    """unique over a dim whose rows have more than DIM_MAX_COLUMNS elements or a length known
+    only at run time, and over a dim that may be empty: clear errors without the ATen fallback
+    (with it, ATen computes them)."""
     from kiln.errors import UnsupportedError
 
     opts = Options(cuda_archs=(90,), autotune=False, cuda_graphs=False, aten_fallback=False)
-    ep = torch.export.export(Fn(lambda x: torch.unique_consecutive(x, dim=1)),
-                             (torch.randint(0, 3, (4, 5)),))
-    with pytest.raises(UnsupportedError, match="unique_consecutive over a dim"):
-        kiln.compile(ep, device="cuda", options=opts)
+    cases = [(lambda x: torch.unique_consecutive(x, dim=1), torch.randint(0, 3, (17, 5)), None,
+              "rows of 17 elements"),
+             (lambda x: torch.unique(x, dim=1), torch.randint(0, 3, (4, 5)),
+              ({0: Dim("r", min=1, max=8)},), "rows of s"),
+             (lambda x: torch.unique(x, dim=0), torch.randint(0, 3, (4, 5)),
+              ({0: Dim("n", min=0, max=8)},), "may be 0")]
+    for fn, x, dyn, why in cases:
+        ep = torch.export.export(Fn(fn), (x,), dynamic_shapes=dyn and (dyn,))
+        with pytest.raises(UnsupportedError, match=why):
+            kiln.compile(ep, device="cuda", options=opts)
 
 
 # -- on a GPU ---------------------------------------------------------------------------------
@@ -292,3 +345,16 @@ def test_wrong_result_dtypes_in_the_export():
     ep = _retyped(lambda x: torch.unique(x, return_counts=True)[1] + 1, x)
     with pytest.raises(UnsupportedError, match="records wrong metadata for unique"):
         import_program(ep, aten_fallback=False, library_routines=False)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_gpu_unique_dim_matches_eager(tmp_path):
+    """Over a dim, against eager's CUDA kernels: 3000 rows (one sort tile per column) and
+    20000 (the merge sort)."""
+    g = torch.Generator().manual_seed(22)
+    n = Dim("n", min=1, max=1 << 16)
+    runner = _runner(dims, dim_inputs(g, 50), tmp_path, "dims", ({0: n}, {1: n}, {0: n}))
+    for k in (1, 3000, 20000):
+        call = tuple(a.cuda() for a in dim_inputs(g, k))
+        check_dims(runner(*call), call, f"dims n={k}")
