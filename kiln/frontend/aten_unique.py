@@ -1,7 +1,8 @@
-"""unique (aten._unique2: sorted, return_inverse, return_counts) and unique_consecutive (dim
-None) as kiln ops, on both targets: no new kernel, no ATen. The result's length is
-data-dependent (torch's unbacked symbol, at most the input's element count), bound at run time
-as nonzero's row count is (frontend/aten_library.py `nonzero_of_mask`).
+"""unique (aten._unique2: sorted, return_inverse, return_counts), unique_consecutive, and both
+over a dim (aten.unique_dim, unique_consecutive(dim=k): `_unique_dim`, rows of at most
+DIM_MAX_COLUMNS elements) as kiln ops, on both targets: no new kernel, no ATen. The result's
+length is data-dependent (torch's unbacked symbol, at most the input's element count), bound
+at run time as nonzero's row count is (frontend/aten_library.py `nonzero_of_mask`).
 
 For x flattened to s (n elements; unique sorts it first, a stable sort, so s[i] came from
 x.flatten()[perm[i]]):

@@ -1,7 +1,8 @@
-"""unique (sorted, return_inverse, return_counts) and unique_consecutive (dim None) without ATen
-(issue 16: both went to the ATen fallback on CUDA, and on the CPU): kiln's stable sort, an
-adjacent compare, nonzero's compaction to the data-dependent length, a scan and a scatter for
-the inverse, the next run start for the counts (frontend/aten_unique.py).
+"""unique (sorted, return_inverse, return_counts) and unique_consecutive, flat and over a dim,
+without ATen (issue 16: they went to the ATen fallback on CUDA, and on the CPU): kiln's stable
+sort (over a dim: one per column of the rows), an adjacent compare, nonzero's compaction to the
+data-dependent length, a scan and a scatter for the inverse, the next run start for the counts
+(frontend/aten_unique.py).
 
 Eager's CUDA unique radix-sorts the values (cub): a NaN with the sign bit set comes before
 -inf, larger payloads outward; its CPU unique puts every NaN after +inf. -0.0 and +0.0 are one
@@ -14,8 +15,10 @@ Without a GPU: the programs compile for sm_90 with no ATen op, and their Triton 
 Triton's interpreter through the Python runner: bit for bit (values, inverse, counts) for
 float32 with -0.0 / +0.0 / inf / NaNs of both signs and payloads, int64 with its extremes,
 bool, bfloat16, a dynamic size with an empty input and a single element, a transposed input.
-The CPU package of the same program is checked against eager's CPU unique. With a GPU: every
-dtype eager's CUDA unique takes, 1M elements (the merge sort's rows), a dynamic size."""
+The CPU package of the same program is checked against eager's CPU unique. Over a dim (no NaN:
+eager's row order has no place for one), interpreter and CPU package against eager by value.
+With a GPU: every dtype eager's CUDA unique takes, 1M elements (the merge sort's rows), a
+dynamic size; over a dim, up to 20000 rows."""
 
 from __future__ import annotations
 
