@@ -235,6 +235,14 @@ def _unique_dim(b, n, dim: int, consecutive: bool, inverse: bool, counts: bool):
     if low is None or low < 1:  # (eager returns a 1-d empty tensor for an empty dim)
         raise UnsupportedError(f"{n.target} over dim {dim} (node {n.name}) whose length {big} "
                                "may be 0: kiln takes dims of at least one element")
+    got = tuple(n.meta["val"][0].shape)
+    if len(got) != len(shape) or any(
+            k != dim and b.syms.convert(g) != sympy.sympify(e)
+            for k, (g, e) in enumerate(zip(got, shape))):
+        raise UnsupportedError(  # (torch's meta of unique_consecutive with a negative dim)
+            f"{n.target} over dim {dim} (node {n.name}): the exported program says result 0 "
+            f"has shape {list(got)}, which is not the input's shape {list(shape)} with one "
+            "data-dependent length; this torch version records wrong metadata for it")
     _check_index_results(b, n)
     rows, rows_symbol = _result_rows(b, n, dim, big)  # (before any node like n)
     m = int(m)

@@ -260,7 +260,7 @@ def test_cuda_unique_in_interpreter(tmp_path):
     check_model(torch.where(torch.isnan(y), -float("inf"), y))
 
 
-def test_unique_refusals():
+def test_unique_refusals(tmp_path):
     """unique over a dim whose rows have more than DIM_MAX_COLUMNS elements or a length known
     only at run time, and over a dim that may be empty: clear errors without the ATen fallback
     (with it, ATen computes them)."""
@@ -277,6 +277,20 @@ def test_unique_refusals():
         ep = torch.export.export(Fn(fn), (x,), dynamic_shapes=dyn and (dyn,))
         with pytest.raises(UnsupportedError, match=why):
             kiln.compile(ep, device="cuda", options=opts)
+    # torch 2.13 records unique_consecutive over dim -1 of [5, 4] as [5, u, 5, 4] (eager: [5,
+    # u]): refused by name, never compiled with that shape
+    x = torch.randint(0, 3, (5, 4))
+    fn = Fn(lambda x: torch.unique_consecutive(x, dim=-1))
+    ep = torch.export.export(fn, (x,))
+    node = next(n for n in ep.graph.nodes if "unique" in str(n.target))
+    if len(node.meta["val"][0].shape) != 2:
+        with pytest.raises(UnsupportedError, match="records wrong metadata"):
+            kiln.compile(ep, device="cuda", options=opts)
+    else:  # (a torch whose metadata is right)
+        cm = kiln.compile(ep)
+        assert cm.manifest["requires"]["aten_fallback_ops"] == []
+        got = kiln.load(cm.save(tmp_path / "neg.kiln"))(x)
+        assert torch.equal(got, fn(x))
 
 
 # -- on a GPU ---------------------------------------------------------------------------------
