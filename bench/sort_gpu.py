@@ -1,6 +1,10 @@
 """kiln's CUDA sort kernel (targets/cuda/sort.py) beside eager's CUDA sort / topk / median on a
-few row shapes: device time per call (CUDA events over back-to-back calls, `stream_ms`), the
-ratio kiln / eager, and whether kiln's package has no ATen op.
+few row shapes, and kiln's unique / unique_consecutive (a sort, an adjacent compare, nonzero's
+compaction: frontend/aten_unique.py) beside eager's: device time per call (CUDA events over
+back-to-back calls, `stream_ms`; a call of either that returns a data-dependent length reads
+it back to the host, so that synchronisation is in both), the ratio kiln / eager, and
+whether kiln's package has no ATen op. The unique cases round randn * 100 first (about 600
+distinct floats; the same round in both) or draw integers in [-50, 50).
 
 Usage (a GPU machine): `PYTHONPATH=. python bench/sort_gpu.py [--repeat 20] [--only 'A;B']`."""
 
@@ -34,6 +38,14 @@ CASES = [  # (name, fn, shape, dtype)
     ("sort i64 [8, 200000]", lambda x: tuple(torch.sort(x, 1)), (8, 200000), torch.int64),
     ("topk 1000 f32 [16, 100000]", lambda x: tuple(torch.topk(x, 1000, 1)), (16, 100000),
      torch.float32),
+    # unique (s18cov): one sort tile, the merge sort, no sort (consecutive)
+    ("unique inv+counts f32 [4096]", lambda x: torch.unique(
+        x.round(), return_inverse=True, return_counts=True), (4096,), torch.float32),
+    ("unique inv+counts f32 [1048576]", lambda x: torch.unique(
+        x.round(), return_inverse=True, return_counts=True), (1 << 20,), torch.float32),
+    ("unique i64 [1048576]", lambda x: torch.unique(x), (1 << 20,), torch.int64),
+    ("unique_consecutive inv+counts i32 [1048576]", lambda x: torch.unique_consecutive(
+        x, return_inverse=True, return_counts=True), (1 << 20,), torch.int32),
 ]
 
 

@@ -26,7 +26,7 @@ each complex formula:
   where, casts (complex -> real keeps the real part, -> bool tests both parts, real ->
   complex has imaginary part +0), sum / mean / var (of each part), logical_not / and / or /
   xor and any (either part nonzero), constant pad, scatter / scatter_add / scatter_reduce
-  (set, sum, mean) and index_put (the same op on each part);
+  (set, sum, mean) and index_put (x[mask] = v too; the same op on each part);
 - the matmul family (mm, bmm, matmul, mv, dot, vdot, linear, addmm, baddbmm): one real GEMM
   per product (`_gemm`);
 - pow (eager's special cases by a Scalar, else exp(y log x) with C99's product, as glibc's
@@ -55,7 +55,7 @@ import sympy
 import torch
 
 from kiln.errors import UnsupportedError
-from kiln.frontend.aten_library import nonzero_of_mask, nonzero_rows
+from kiln.frontend.aten_library import _is_mask, _mask_coordinates, nonzero_of_mask, nonzero_rows
 from kiln.frontend.aten_table import _dims
 from kiln.frontend.builder import to_dtype
 from kiln.ir import dtypes
@@ -639,12 +639,19 @@ def _index_put(b, n):
     if not present:
         raise UnsupportedError(f"complex index_put without index tensors (node {n.name})")
     p = _start(b, n)
-    idx = [b.tensor(indices[i]) for i in present]
+    extra = {}
+    if len(present) > 1 and any(_is_mask(indices[i]) for i in present):
+        present, idx = _mask_coordinates(b, n, indices)  # x[mask, idx] = v
+    else:
+        idx = [b.tensor(indices[i]) for i in present]
+        if not b.library_routines and any(_is_mask(indices[i]) for i in present):
+            extra = {"counted": True}  # x[mask] = v on CUDA (aten_library.py `_index_put`)
     vshape = b.shape(values) if isinstance(values, torch.fx.Node) else ()
     vparts = [v if tuple(b.types[v].shape) == tuple(vshape) else
               b.emit("expand", [v], None, like=n, shape=vshape, dtype=p.rdt)
               for v in p.parts(values)]
     re, im = (b.emit("index_put", [xp, vp] + idx, None, like=n, shape=b.shape(n),
-                     dtype=p.rdt, positions=present, accumulate=accumulate)
+                     dtype=p.rdt, positions=present, accumulate=accumulate, **extra)
               for xp, vp in zip(p.parts(x), vparts))
     return p.join(re, im)
+

@@ -27,7 +27,8 @@ CPU_ONLY_OPS = frozenset({"sort", "topk", "scan", "scan_extreme", "scatter", "in
 # ops with a data-dependent result size that kiln computes itself where the target has its
 # library routines (else ATen does, as for every other data-dependent op: frontend/export.py)
 DATA_DEPENDENT_NATIVE = frozenset({"aten.nonzero.default", "aten.masked_select.default",
-                                   "aten.index.Tensor"})
+                                   "aten.index.Tensor", "aten._unique2.default",
+                                   "aten.unique_consecutive.default", "aten.unique_dim.default"})
 
 
 # dtypes whose accumulating index_put / scatter (sum, product, mean, amax, amin) CUDA builds
@@ -394,7 +395,34 @@ def _masked_scatter(b, n):
     """Attribute `counted` (CUDA): lowering also scans the mask, whose inclusive count of true
     elements before each one gives its source element (targets/cuda/bag_mask.py)."""
     counted = {} if b.library_routines else {"counted": True}
-    return b.emit("masked_scatter", [b.tensor(a) for a in n.args[:3]], n, **counted)
+    x, mask, source = (b.tensor(a) for a in n.args[:3])
+    if counted and b.types[x].dtype.is_complex:
+        return _complex_masked_scatter(b, n, x, mask, source)
+    return b.emit("masked_scatter", [x, mask, source], n, **counted)
+
+
+def _complex_masked_scatter(b, n, x: str, mask: str, source: str) -> str:
+    """Complex masked_scatter on CUDA: the real masked_scatter of x's parts viewed as
+    [..., 2] with the mask (broadcast to x's shape) repeated for both parts, from the
+    source's parts viewed so too: the true places come in (real, imaginary) pairs in
+    row-major order, as the source's parts do, so each part is copied from its own."""
+    t = b.types[x]
+    part = dtypes.complex_part(t.dtype)
+    shape, two = tuple(t.shape), (sympy.Integer(2),)
+    mshape = tuple(b.types[mask].shape)
+    if mshape != shape:  # (broadcast to x's shape, as eager's masked_scatter)
+        mask = b.emit("view", [mask], None, like=n, shape=(1,) * (len(shape) - len(mshape)) +
+                      mshape, dtype=dtypes.bool_)
+        mask = b.emit("expand", [mask], None, like=n, shape=shape, dtype=dtypes.bool_)
+    mask = b.emit("view", [mask], None, like=n, shape=shape + (1,), dtype=dtypes.bool_)
+    mask = b.emit("expand", [mask], None, like=n, shape=shape + two, dtype=dtypes.bool_)
+    parts = [b.emit("view_as_real", [v], None, like=n, shape=tuple(b.types[v].shape) + two,
+                    dtype=part) for v in (x, source)]
+    out = b.emit("masked_scatter", [parts[0], mask, parts[1]], None, like=n,
+                 shape=shape + two, dtype=part, counted=True)
+    re, im = (b.emit("select", [out], None, like=n, shape=shape, dtype=part, dim=len(shape),
+                     index=k) for k in (0, 1))
+    return b.emit("complex", [re, im], n)
 
 
 @register("aten._embedding_bag_forward_only.default", "aten._embedding_bag.default",

@@ -26,6 +26,7 @@ from kiln.frontend.scalar_ops import ScalarArgument, rewrite_table
 from kiln.frontend import aten_extra, aten_random  # noqa: F401 - register their converters
 from kiln.frontend import aten_spatial  # noqa: F401  (registers spatial converters)
 import kiln.frontend.aten_library  # noqa: F401  (registers library-call converters)
+import kiln.frontend.aten_unique  # noqa: F401  (registers unique, unique_consecutive)
 import kiln.frontend.aten_lowp  # noqa: F401  (registers _scaled_mm, _int_mm)
 import kiln.frontend.aten_collectives  # noqa: F401  (registers the functional collectives)
 from kiln.frontend.aten_high import Fallback

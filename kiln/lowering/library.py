@@ -190,6 +190,8 @@ def _sort_scratch(node: Node) -> list:
 def lower_sort(ctx: LowerCtx, node: Node, args: list[Lazy]) -> Lazy:
     (x,) = args
     attrs = [("descending", bool(node.attr("descending"))), ("stable", bool(node.attr("stable")))]
+    if node.attr("nan_bits"):  # NaNs by their bits (unique on CUDA: frontend/aten_unique.py)
+        attrs.append(("nan_bits", True))
     return _row_call(ctx, node, x, "sort", attrs + _row_max(node),
                      [("values", x.dtype), ("indices", dtypes.int64)],
                      scratch=_sort_scratch(node))

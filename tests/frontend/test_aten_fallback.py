@@ -117,8 +117,9 @@ def test_fallback_on_cuda(tmp_path):
     assert cm.manifest["requires"]["aten_fallback_ops"] == ["aten::lgamma.default"]
 
 
-def unique_parts(x):
-    u, inv, counts = torch.unique(x, return_inverse=True, return_counts=True)
+def unique_parts(x):  # (over a dim with rows of 17 elements: ATen's; unique is kiln's)
+    u, inv, counts = torch.unique(x.unsqueeze(1).expand(-1, 17), dim=0, return_inverse=True,
+                                  return_counts=True)
     return u * 2, inv + 1, counts
 
 
@@ -216,9 +217,10 @@ def test_effect_tokens_are_a_clear_error(tmp_path):
 def select_positive(x):
     # data-dependent sizes: nonzero's rows (u0), the masked values (u1) and their distinct
     # values (u2), with kiln kernels consuming them (a u2-long pointwise chain and a reduction
-    # over u2 elements); nonzero and x[mask] are kiln's own (sessions 14, 15), unique is ATen's
+    # over u2 elements); nonzero and x[mask] are kiln's own (sessions 14, 15), unique over a
+    # dim with rows of more than 16 elements is ATen's (unique is kiln's since session 18)
     idx = torch.nonzero(x > 0)
-    v = torch.unique(x[x > 0])
+    v = torch.unique(x[x > 0].unsqueeze(1).expand(-1, 17), dim=0)[:, 0]
     return idx * 2, torch.relu(v) + 1, (v * 2).sum()
 
 
@@ -230,7 +232,7 @@ def test_data_dependent_sizes(tmp_path, dynamic):
     cm, path = _compile(tmp_path, select_positive, (torch.randn(6, 5),), dynamic_shapes=shapes)
     # (nonzero is kiln's own since session 14: tests/frontend/test_nonzero_cov.py; x[mask]
     # since session 15: tests/frontend/test_masked_select_cov.py)
-    assert cm.manifest["requires"]["aten_fallback_ops"] == ["aten::_unique2.default"]
+    assert cm.manifest["requires"]["aten_fallback_ops"] == ["aten::unique_dim.default"]
     runner = kiln.load(path)
     rows = (6, 1, 17, 64) if dynamic else (6,)
     for n in rows:
@@ -246,7 +248,7 @@ def test_data_dependent_sizes_in_python_printer_and_interpreter(tmp_path):
     from kiln.ir.interp import run_loop
 
     cm, _ = _compile(tmp_path, select_positive, (torch.randn(6, 5),))
-    assert "u2 = _r[0].shape[0]" in cm.sources["model.py"]  # (unique: ATen; u0, u1: nonzero)
+    assert "u2 = _r[0].shape[0]" in cm.sources["model.py"]  # (unique_dim: ATen; u0, u1: nonzero)
     x = torch.randn(6, 5)
     got = run_loop(cm.built.loop, {cm.built.loop.buffers[0].name: x.numpy()}, {})
     for g, r in zip(got, select_positive(x)):
@@ -348,11 +350,11 @@ def test_wrong_result_dtypes_in_the_export_are_refused():
         def forward(self, x):
             return unique_parts(x)
     ep = torch.export.export(M(), (torch.randint(0, 5, (12,)).float(),))
-    node = next(n for n in ep.graph.nodes if n.target is torch.ops.aten._unique2.default)
+    node = next(n for n in ep.graph.nodes if n.target is torch.ops.aten.unique_dim.default)
     vals = node.meta["val"]
     schema = node.target._schema
     check_result_dtypes(node, schema, list(vals))  # as exported here: right
     wrong = [vals[0], vals[1].to(torch.float32), vals[2].to(torch.float32)]
-    with pytest.raises(UnsupportedError, match=r"_unique2 .*result 1 is torch.float32, but "
+    with pytest.raises(UnsupportedError, match=r"unique_dim .*result 1 is torch.float32, but "
                                                r"the op returns torch.int64"):
         check_result_dtypes(node, schema, wrong)

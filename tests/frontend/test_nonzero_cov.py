@@ -75,10 +75,11 @@ def test_nonzero_dynamic_shapes(check):
         _check(runner(x), f(x))
 
 
-def test_nonzero_cuda_is_kiln_own_unique_stays_on_aten():
+def test_nonzero_cuda_is_kiln_own_unique_dim_stays_on_aten():
     """A CUDA program lowers nonzero itself since session 15 (a Triton compaction:
     targets/cuda/scan.py, tests/targets/cuda/test_cuda_scan_cov.py), with or without the
-    fallback; a data-dependent op kiln has no kernel for (unique) still goes to ATen there,
+    fallback; a data-dependent op kiln has no kernel for (unique over a dim with rows of more
+    than 16 elements) still goes to ATen there,
     and without the fallback is refused naming it."""
     from kiln.frontend.export import import_program
 
@@ -89,7 +90,8 @@ def test_nonzero_cuda_is_kiln_own_unique_stays_on_aten():
         assert "nonzero" in ops and "aten" not in ops, ops
     cpu = [n.op for n in import_program(ep, aten_fallback=True).graph.nodes]
     assert "nonzero" in cpu and "aten" not in cpu, cpu
-    ep = torch.export.export(Fn(lambda x: torch.unique(x) * 2), (torch.randn(7),))
+    ep = torch.export.export(Fn(lambda x: torch.unique(x.unsqueeze(1).expand(-1, 17), dim=0) * 2),
+                             (torch.randn(7),))
     ops = [n.op for n in import_program(ep, aten_fallback=True, library_routines=False)
            .graph.nodes]
     assert "aten" in ops, ops

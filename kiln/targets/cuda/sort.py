@@ -72,9 +72,13 @@ def sort_kernel_name(call: L.Extern) -> str:
     return f"{call.routine}_{call.name}"
 
 
-def order_lines(dtype_name: str, descending: bool, v: str = "v", o: str = "o") -> list[str]:
+def order_lines(dtype_name: str, descending: bool, v: str = "v", o: str = "o",
+                nan_high: bool = True) -> list[str]:
     """Kernel lines turning loaded values `v` into `o`: int32 (int64 for WIDE dtypes),
-    ordered as the values (see the module doc), complemented for a descending sort."""
+    ordered as the values (see the module doc), complemented for a descending sort.
+    `nan_high` False (a call's attribute `nan_bits`: unique on CUDA, frontend/aten_unique.py):
+    NaNs keep the order of their bits, as eager's CUDA radix sorts (cub) order them: a NaN
+    with the sign bit set below -inf, one without above +inf, larger payloads outward."""
     if dtype_name == "bool":
         lines = [f"    {o} = ({v} != 0).to(tl.int32)"]
     elif dtype_name in _FLOAT_BITS:
@@ -83,9 +87,10 @@ def order_lines(dtype_name: str, descending: bool, v: str = "v", o: str = "o") -
         lines = [f"    {o} = {v}.to({bits}, bitcast=True){wide}",
                  f"    mag = {o} & {absmask:#x}",
                  f"    {o} = tl.where(mag == 0, 0, {o})  # -0.0 as +0.0",
-                 f"    {o} = {o} ^ (({o} >> {top}) & {absmask if top == 63 else 0x7FFFFFFF:#x})",
-                 f"    {o} = tl.where(mag > {inf:#x}, {absmask if top == 63 else 0x7FFFFFFF:#x}, "
-                 f"{o})  # every NaN above +inf"]
+                 f"    {o} = {o} ^ (({o} >> {top}) & {absmask if top == 63 else 0x7FFFFFFF:#x})"]
+        if nan_high:
+            lines.append(f"    {o} = tl.where(mag > {inf:#x}, "
+                         f"{absmask if top == 63 else 0x7FFFFFFF:#x}, {o})  # every NaN above +inf")
     elif dtype_name == "int64":
         lines = [f"    {o} = {v}.to(tl.int64)"]
     elif dtype_name in SORTABLE:
@@ -98,7 +103,8 @@ def order_lines(dtype_name: str, descending: bool, v: str = "v", o: str = "o") -
     return lines
 
 
-def tile_lines(x: L.LibArg, dt: str, descending: bool, c0: str, n: str) -> list[str]:
+def tile_lines(x: L.LibArg, dt: str, descending: bool, c0: str, n: str,
+               nan_high: bool = True) -> list[str]:
     """Lines sorting the tile of columns `c0` + r (r = tl.arange over RBLOCK, `inrow`: the
     column is below `n`) of rows at offsets `xoff` (`xmask`): `i`, the tile's columns in
     sorted order (relative to `c0`; see the module doc)."""
@@ -110,7 +116,7 @@ def tile_lines(x: L.LibArg, dt: str, descending: bool, c0: str, n: str) -> list[
         return f"tl.load(buf_{x.buf} + xoff + {at}, mask={m}, other=0)"
 
     lines = [f"    inrow = {c0} + r < {n}", f"    v = {load('r', 'xmask & inrow')}"]
-    lines += order_lines(dt, descending)
+    lines += order_lines(dt, descending, nan_high=nan_high)
     if dt not in WIDE:
         return lines + [
             "    key = (o.to(tl.int64) << 32) | r",
@@ -123,7 +129,7 @@ def tile_lines(x: L.LibArg, dt: str, descending: bool, c0: str, n: str) -> list[
         "    key = tl.sort(key, 1)",
         "    p = key & 0xffffffff  # columns by the low half (then column)",
         f"    v = {load('p', 'xmask & inrow')}",
-        *order_lines(dt, descending),
+        *order_lines(dt, descending, nan_high=nan_high),
         "    key = ((o >> 32) << 32) | (r << 16) | p  # the high half, then the first order",
         "    key = tl.where(inrow, key, 0x7fffffffffffffff)",
         "    key = tl.sort(key, 1)",
@@ -142,6 +148,12 @@ def _parts(call: L.Extern, buffers):
     what = ("sort" + (" descending" if descending else "") if call.routine == "sort" else
             f"top {call.attr('k')} ({'largest' if descending else 'smallest'})")
     return x, dt, descending, n, m, rows, what
+
+
+def _nan_high(call: L.Extern) -> bool:
+    """Whether the call orders every NaN above +inf (eager's CPU order), not by its bits
+    (attribute `nan_bits`; see `order_lines`)."""
+    return not call.attr("nan_bits", False)
 
 
 def _config(row_block: int, rows, hints) -> Config:
@@ -203,7 +215,7 @@ def _single(call: L.Extern, buffers, hints: dict[str, int]) -> TritonKernel:
         f"    xmask = xidx < {to_tl(rows)}",
         f"    xoff = {_offset(x.offset, unravel('xidx', rows_shape), x.strides[:-1], 'xidx')}",
         "    r = tl.arange(0, RBLOCK)[None, :].to(tl.int64)",
-        *tile_lines(x, dt, descending, "0", to_tl(n)),
+        *tile_lines(x, dt, descending, "0", to_tl(n), _nan_high(call)),
         f"    keep = xmask & (r < {mtl})",
         f"    sv = tl.load(buf_{x.buf} + xoff + {at}, mask=keep, other=0)",
         f"    tl.store(buf_{vals} + xidx * {mtl} + r, sv, mask=keep)",
@@ -266,11 +278,11 @@ def _merge_sort(call: L.Extern, buffers, row_max: int) -> list[TritonKernel]:
             f"    xoff = {row_off}",
             "    r = tl.arange(0, RBLOCK)[None, :].to(tl.int64)",
             f"    tl.store(buf_{count} + r * 0, r * 0, mask=(pid == 0) & (r == 0))  # pass 0",
-            *tile_lines(x, dt, descending, "c0", ntl),
+            *tile_lines(x, dt, descending, "c0", ntl, _nan_high(call)),
             "    col = c0 + i  # the row's columns, sorted within the tile",
             f"    v = tl.load(buf_{x.buf} + xoff + {'col' if sn == 1 else 'col * ' + to_tl(sn)}"
             ", mask=inrow, other=0)",
-            *order_lines(dt, descending),
+            *order_lines(dt, descending, nan_high=_nan_high(call)),
             "    o = o.to(tl.int64)",
             "    dst = 0",
             *_final_or_scratch(x, vals, idx, keys, inds, "c0 + r", f"{ntl} <= RBLOCK", m, n,

@@ -1,5 +1,6 @@
 """Data-dependent sizes on CUDA: nonzero, boolean-mask indexing and masked_select (kiln's own
-Triton compaction since session 15: the count read as a size, then the coordinates) and unique
+Triton compaction since session 15: the count read as a size, then the coordinates), unique
+(kiln's since session 18: a sort, nonzero's compaction) and unique over a dim with long rows
 through the ATen fallback (the size u<k> bound when the call returns), `x.item()` used as a size
 (read on the host, range-checked) and sizes derived from one (2*u0 + 1).
 
@@ -88,6 +89,13 @@ class Unique(torch.nn.Module):
         return u * 2, inv + 1, counts
 
 
+class UniqueDim(torch.nn.Module):  # (aten.unique_dim with rows of 17 elements: ATen's)
+    def forward(self, x):
+        u, inv, counts = torch.unique(x.unsqueeze(1).expand(-1, 17), dim=0, return_inverse=True,
+                                      return_counts=True)
+        return u * 2, inv + 1, counts
+
+
 def _signed(shape, p):
     """Values > 0 (and > 0.5) with probability p: p = 0 gives an empty selection."""
     x = torch.rand(shape) + 0.6
@@ -117,6 +125,8 @@ CASES = {
                      (0.0, 0.5, 1.0)),
     "unique": (Unique, (torch.randint(0, 5, (12,)).float(),),
                lambda k: (torch.randint(0, k, (12,)).float(),), (1, 4, 50)),
+    "unique_dim": (UniqueDim, (torch.randint(0, 5, (12,)).float(),),
+                   lambda k: (torch.randint(0, k, (12,)).float(),), (1, 4, 50)),
 }
 
 
@@ -185,11 +195,12 @@ def test_item_is_read_on_the_host_and_range_checked():
 
 
 def test_aten_bound_is_checked_before_the_copy():
-    """(nonzero was the case until session 15, when it became kiln's own Triton kernel:
-    unique is a data-dependent op still through ATen on CUDA.)"""
-    src = _cuda("unique").sources["model_cuda.cpp"]
+    """(nonzero was the case until session 15, unique until session 18, when they became
+    kiln's own Triton kernels: unique over a dim with rows of more than 16 elements is a
+    data-dependent op still through ATen on CUDA; its bound is the input's element count.)"""
+    src = _cuda("unique_dim").sources["model_cuda.cpp"]
     bind = src.index("u0 = c.result_size(0, 0);")
-    check = src.index("data-dependent size u0 = %lld exceeds its bound 12")
+    check = src.index("data-dependent size u0 = %lld exceeds its bound 204")
     assert bind < check < src.index("c.copy_out(0", bind)
 
 
