@@ -10,6 +10,9 @@ Mapping: the kernel's outer index space is flattened to rows; program p handles 
 in order over its own inner space, flattened and walked in RBLOCK-wide tiles, so a tile is
 [XBLOCK, RBLOCK]. A reduction accumulates tiles lane-wise and reduces the lanes at the end
 (tl.sum / tl.reduce); one with extra non-reduced inner dims loops over them one by one.
+A pointwise kernel of too few rows to fill the GPU (a 1-d tensor is a single row) splits each
+row into chunks (`row_split`): its grid's rows are (row, chunk) pairs, so a vector of 2**20
+elements runs on about a thousand programs, not on one that walks it all.
 Reductions kept in registers (`Kernel.locals`) are [XBLOCK, 1] values `v_<name>`.
 
 The body is printed as statements (kiln/targets/cuda/cse.py), every member on its own;
@@ -37,7 +40,7 @@ from kiln.targets.cuda.ops import (COMPLEX_PART, COMPUTE, FLOAT_OPS, FNUZ, INT_L
                                    REDUCTIONS, ROUND8, SIG_PTR, TL_DTYPE, literal, op_spelling,
                                    part_literal, tl_compute, to_tl)
 from kiln.ir import loop as L
-from kiln.ir.sym import evaluate, ivars, product, rvars, unravel
+from kiln.ir.sym import FloorDiv, evaluate, ivars, product, rvars, unravel
 from kiln.schedule import Kernel
 from kiln.ir.sym import contiguous_strides, linear_index
 from kiln.targets.cuda.ops import PRELUDE, pow2
@@ -261,6 +264,43 @@ class _Scope:
         return code("tl.load(buf_{} + {}, mask={}, other={}){}", e.buf, idx, mask, other, up)
 
 
+#: a pointwise kernel whose rows give fewer programs than this splits its rows (`row_split`)
+SPLIT_BELOW = 264  # 2 per H100 SM
+#: the programs a split kernel aims at (8 per H100 SM)
+SPLIT_TARGET = 1056
+#: the widest tile of a split kernel's heuristic config
+SPLIT_RBLOCK = 1024
+
+
+def row_split(kernel: Kernel, hints: dict[str, int], rblock: int, tail: bool = False) -> int:
+    """The elements of a row each program takes (a multiple of `rblock`), or 0 for a kernel
+    whose rows are not split: pointwise kernels with fewer rows than SPLIT_BELOW (at the
+    example sizes) and rows of at least two tiles, whose members share one inner extent and
+    read nothing another member stored (a chunk's program then needs no other program's
+    stores). A kernel followed by more work in the same program (`tail`) is not split."""
+    if tail or kernel.locals or read_after_store(kernel) or \
+            any(m.reduce is not None for m in kernel.members):
+        return 0
+    k = len(kernel.outer)
+    inner = {sympy.expand(product(m.shape[k:])) for m in kernel.members}
+    if len(inner) != 1:
+        return 0
+    n = evaluate(inner.pop(), hints)
+    rows = max(1, evaluate(product(kernel.outer), hints))
+    if rows >= SPLIT_BELOW or n < 2 * rblock:
+        return 0
+    chunk = max(rblock, pow2(-(-n // -(-SPLIT_TARGET // rows))))
+    return chunk if chunk < n else 0
+
+
+def _chunks(kernel: Kernel, chunk: int) -> sympy.Expr:
+    """The chunks of a split kernel's row: ceil(inner extent / chunk)."""
+    n = sympy.sympify(product(kernel.members[0].shape[len(kernel.outer):]))
+    if n.is_Integer:
+        return sympy.Integer(-(-int(n) // chunk))
+    return FloorDiv(n + chunk - 1, chunk)
+
+
 def choose_config(kernel: Kernel, hints: dict[str, int], max_rblock: int = 4096,
                   num_warps: int = 0) -> Config:
     """Block sizes from the example sizes (the autotuning hook: a tuner would replace this).
@@ -277,6 +317,8 @@ def choose_config(kernel: Kernel, hints: dict[str, int], max_rblock: int = 4096,
     xblock = max(1, min(2048 // rblock, pow2(rows)))
     while xblock > 1 and -(-rows // xblock) < 264:
         xblock //= 2
+    if row_split(kernel, hints, min(rblock, SPLIT_RBLOCK)):
+        rblock, xblock = min(rblock, SPLIT_RBLOCK), 1
     warps = num_warps or max(1, min(8, pow2(xblock * rblock // 256)))
     return Config(xblock, rblock, warps)
 
@@ -291,13 +333,26 @@ def _small_indices(kernel: Kernel, buffers: dict[str, L.Buffer]) -> bool:
     return all(sympy.sympify(s).is_Integer and int(s) < 2**31 - 2**20 for s in sizes)
 
 
-def _tile(body: list[Stmt], var, extent, mask, idx_t, depth, rblock, body_fn):
-    """A loop over `extent` elements in RBLOCK tiles (no loop when one tile covers it)."""
+def _tile(body: list[Stmt], var, extent, mask, idx_t, depth, rblock, body_fn, chunk: int = 0):
+    """A loop over `extent` elements in RBLOCK tiles (no loop when one tile covers it); in a
+    split kernel (`chunk` > 0), over the program's chunk of them."""
     static = sympy.sympify(extent).is_Integer
     ext = to_tl(extent)
     cast = ".to(tl.int64)" if idx_t == "tl.int64" else ""
     single = static and int(extent) <= rblock
-    if single:
+    if chunk:
+        start = f"xsplit * {chunk}"
+        if chunk == rblock:
+            body.append(Assign(var, code(f"{start} + tl.arange(0, RBLOCK)[None, :]{cast}"),
+                               depth))
+            inner = depth
+        else:
+            off = Ref(f"{var}_off")
+            body.append(Line(code(f"for {{}} in range(0, {chunk}, RBLOCK):", off), depth))
+            inner = depth + 1
+            body.append(Assign(var, code(f"{start} + {{}} + tl.arange(0, RBLOCK)[None, :]{cast}",
+                                         off), inner))
+    elif single:
         body.append(Assign(var, code("tl.arange(0, RBLOCK)[None, :]{}", cast), depth))
         inner = depth
     else:
@@ -335,8 +390,10 @@ class _Member:
 
 
 class _KernelPrinter:
-    def __init__(self, kernel: Kernel, buffers, config: Config, idx_t: str) -> None:
+    def __init__(self, kernel: Kernel, buffers, config: Config, idx_t: str,
+                 chunk: int = 0) -> None:
         self.kernel, self.buffers, self.config, self.idx_t = kernel, buffers, config, idx_t
+        self.chunk = chunk  # a split kernel's elements of a row per program (`row_split`)
         self.k = len(kernel.outer)
         self.locals = {n: f"v_{n}" for n in kernel.locals}
         self.counter = [0]
@@ -383,7 +440,7 @@ class _KernelPrinter:
                 body.append(Store(m.name, _store_offset(idx, names, self.blocks), v,
                                   (Ref(f"mask_m{j}"),), depth))
         _tile(body, self.tile_var(j), product(dims), f"mask_m{j}", self.idx_t, 0,
-              self.config.rblock, tile_body)
+              self.config.rblock, tile_body, self.chunk)
 
     def reduction(self, j: int, m: L.Compute, body: list[Stmt]) -> None:
         mem = _Member(self, j, m)
@@ -500,11 +557,12 @@ def _out_index(m: L.Compute) -> sympy.Expr:
     return linear_index(ivars(len(m.shape)), contiguous_strides(m.shape))
 
 
-def kernel_body(kernel: Kernel, buffers: dict[str, L.Buffer], config: Config) -> list[Stmt]:
+def kernel_body(kernel: Kernel, buffers: dict[str, L.Buffer], config: Config,
+                chunk: int = 0) -> list[Stmt]:
     """The kernel's body as statements, every member printed on its own (before
-    `cse.value_number`)."""
+    `cse.value_number`); `chunk`: a split kernel's (`row_split`)."""
     idx_t = "tl.int32" if _small_indices(kernel, buffers) else "tl.int64"
-    kp = _KernelPrinter(kernel, buffers, config, idx_t)
+    kp = _KernelPrinter(kernel, buffers, config, idx_t, chunk)
     body: list[Stmt] = []
     read_later = read_after_store(kernel)
     for j, m in enumerate(kernel.members):
@@ -540,7 +598,8 @@ def print_triton_kernel(kernel: Kernel, buffers: dict[str, L.Buffer], hints: dic
     kernel followed by more work in the same program (targets/cuda/put.py's fused puts)."""
     config = config or choose_config(kernel, hints)
     idx_t = "tl.int32" if _small_indices(kernel, buffers) else "tl.int64"
-    body = kernel_body(kernel, buffers, config)
+    chunk = row_split(kernel, hints, config.rblock, bool(tail))
+    body = kernel_body(kernel, buffers, config, chunk)
     if params is None:
         params = list(kernel_params(kernel, buffers))
         if indexes_through_data(kernel):
@@ -548,6 +607,7 @@ def print_triton_kernel(kernel: Kernel, buffers: dict[str, L.Buffer], hints: dic
     kname, ksource = name or kernel.name, source or kernel.source
     sig = signature(params, buffers)
     rows = product(kernel.outer)
+    chunks = _chunks(kernel, chunk) if chunk else sympy.Integer(1)
     head = [
         "@triton.jit",
         f"def {kname}({', '.join(a for a in sig if a not in ('XBLOCK', 'RBLOCK'))}"
@@ -561,13 +621,17 @@ def print_triton_kernel(kernel: Kernel, buffers: dict[str, L.Buffer], hints: dic
     else:
         head.append("    pid = tl.program_id(1) * tl.num_programs(0) + tl.program_id(0)")
     head.append("    xidx = pid * XBLOCK + tl.arange(0, XBLOCK)[:, None]")
-    head.append(f"    xmask = xidx < {to_tl(rows)}")
+    head.append(f"    xmask = xidx < {to_tl(rows * chunks)}")
+    if chunk:  # grid rows are (row, chunk) pairs
+        head.append(f"    xsplit = xidx % {to_tl(chunks)}  # this program's chunk of "
+                    f"{chunk} elements of its row")
+        head.append(f"    xidx = xidx // {to_tl(chunks)}")
     for s, e in zip(ivars(len(kernel.outer)), unravel(sympy.Symbol("xidx"), kernel.outer)):
         head.append(f"    {s.name} = {to_tl(e)}")
     tail = ["    tl.debug_barrier()  # what follows reads what the members stored",
             *tail] if tail else []
     src = "\n".join(head + render(value_number(body)) + tail) + "\n"
-    return TritonKernel(kname, src, tuple(params), sig, config, rows, ksource)
+    return TritonKernel(kname, src, tuple(params), sig, config, rows * chunks, ksource)
 
 
 def print_triton_module(kernels: list[TritonKernel]) -> str:
