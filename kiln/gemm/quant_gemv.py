@@ -174,7 +174,8 @@ def tc_packed(group: int, dtype) -> bool:
     tensor-core GEMV's order (module docstring): with KILN_INT4_TC=1, bfloat16 (the mma's
     operands) and a power-of-two group >= int4_tc.MIN_GROUP. Off by default (KILN_INT4_TC=0,
     the plain order and the CUDA-core GEMV): a 16-layer 8B-shaped bf16 decode took 1.499
-    ms/token with it on an H100 against 1.305 without (BENCHMARKS.md, eighteenth session)."""
+    ms/token with it on an H100, against 1.305 without on another H100 in the sixteenth
+    session (bf16 2.889 / 2.883 on the two; BENCHMARKS.md, eighteenth session, s18q4)."""
     v = os.environ.get("KILN_INT4_TC", "0")
     if v not in ("0", "1"):
         raise ValueError(f"KILN_INT4_TC: expected 0 or 1, got {v!r}")
