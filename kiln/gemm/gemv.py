@@ -98,11 +98,14 @@ def tc_configs(n: int, k: int, group: int) -> list[GemvConfig]:
 
 
 def gemv_configs(g: L.Gemm) -> list[GemvConfig]:
-    """`configs` of GEMM `g` (static N and K), or `tc_configs` for a tensor-core int4 one."""
+    """`configs` of GEMM `g` (static N and K); for int4 weights in the tensor-core order
+    (`MixedGemm.tc`), `tc_configs` then `configs` of variant "cc" (the CUDA-core loop reading
+    that order), so that the launch tuner picks between the two kernels per GEMV."""
     n, k = _int(g.n), _int(g.k)
+    plain = configs(n, k, weight_bytes(g), min_block_k(g))
     if g.mixed is not None and g.mixed.tc:
-        return tc_configs(n, k, g.mixed.group)
-    return configs(n, k, weight_bytes(g), min_block_k(g))
+        return tc_configs(n, k, g.mixed.group) + [replace(c, variant="cc") for c in plain]
+    return plain
 
 
 def streams_rows(g: L.Gemm) -> bool:

@@ -170,7 +170,7 @@ def print_gemv_kernel(gk: GemmKernel, buffers: dict[str, L.Buffer],
                                f"bfloat16 / float32 (B also int8 / int4 weights); got M = "
                                f"{g.m}, batch {g.batch}, {g.dtype.name}"
                                + (f", {g.mixed}" if g.mixed is not None else ""))
-    if g.mixed is not None and g.mixed.tc:
+    if g.mixed is not None and g.mixed.tc and cfg.variant != "cc":
         return _print_int4_tc_gemv(gk, buffers, name)
     if g.mixed is not None:
         return _print_quant_gemv(gk, buffers, name)
@@ -272,7 +272,8 @@ def print_gemv_kernel(gk: GemmKernel, buffers: dict[str, L.Buffer],
     lines.append(f"    tl.store(buf_{out} + {to_tl(flat)}, {value}, mask=mask)")
     sig["XBLOCK"] = sig["RBLOCK"] = "constexpr"
     return TritonKernel(name, "\n".join(lines) + "\n", tuple(params), sig,
-                        Config(cfg.block_n, cfg.block_k, cfg.num_warps, cfg.num_stages),
+                        Config(cfg.block_n, cfg.block_k, cfg.num_warps, cfg.num_stages,
+                               cfg.variant),
                         g.n, gk.source)
 
 
@@ -359,6 +360,7 @@ def _print_quant_gemv(gk: GemmKernel, buffers: dict[str, L.Buffer], name: str) -
                                f"int4 group {gs}")
     what = [f"{g.name} = {g.a.buf if pro is None else pro.row.name} @ {g.b.buf} (M = 1)",
             f"B {'int4 in groups of ' + str(gs) if gs else mx.qdtype.name}"
+            + (" (tensor-core order, read by the CUDA-core loop)" if mx.tc else "")
             + (f", scales {mx.scale.buf}" if mx.scale is not None else "")]
     lines = _head(gk, name, sig, what)
     if gs:
@@ -371,7 +373,10 @@ def _print_quant_gemv(gk: GemmKernel, buffers: dict[str, L.Buffer], name: str) -
             f"    rg = tl.arange(0, RBLOCK // {gs})[None, :, None]{cast}",
             f"    rw = rg * {wg} + tl.arange(0, {wg})[None, None, :]{cast}  # the step's words",
             "    ri = tl.arange(0, 8)[None, None, None, :]  # a word's nibbles",
-            f"    rk = rw[:, :, :, None] * 8 + ri{cast}",
+            # k of nibble i of word w: 8 w + i, or in the tensor-core order (MixedGemm.tc)
+            # 32 (w // 4) + 4 i + w % 4
+            f"    rk = (rw[:, :, :, None] // 4) * 32 + ri * 4 + rw[:, :, :, None] % 4{cast}"
+            if mx.tc else f"    rk = rw[:, :, :, None] * 8 + ri{cast}",
             "    xidx = rk * 0  # the row's shape, for loads of scalars",
             "    # nibble i: bits 4i..4i+3 of the word (i < 6) or of the word >> 16 (place "
             "i - 4); as a float32",
@@ -547,7 +552,8 @@ def _print_quant_gemv(gk: GemmKernel, buffers: dict[str, L.Buffer], name: str) -
     lines.append(f"    tl.store(buf_{out} + {to_tl(flat)}, {value}, mask=mask)")
     sig["XBLOCK"] = sig["RBLOCK"] = "constexpr"
     return TritonKernel(name, "\n".join(lines) + "\n", tuple(params), sig,
-                        Config(cfg.block_n, cfg.block_k, cfg.num_warps, cfg.num_stages),
+                        Config(cfg.block_n, cfg.block_k, cfg.num_warps, cfg.num_stages,
+                               cfg.variant),
                         g.n, gk.source)
 
 
@@ -721,7 +727,8 @@ def _print_int4_tc_gemv(gk: GemmKernel, buffers: dict[str, L.Buffer], name: str
         lines.append(f"    tl.store(buf_{out} + {to_tl(flat)}, {value}, mask=mask)")
     sig["XBLOCK"] = sig["RBLOCK"] = "constexpr"
     return TritonKernel(name, "\n".join(lines) + "\n", tuple(params), sig,
-                        Config(cfg.block_n, cfg.block_k, cfg.num_warps, cfg.num_stages),
+                        Config(cfg.block_n, cfg.block_k, cfg.num_warps, cfg.num_stages,
+                               cfg.variant),
                         g.n, gk.source)
 
 
@@ -743,7 +750,7 @@ def gemv_steps(steps) -> list[GemmKernel]:
 
 
 def _as_gemv(c: Config) -> GemvConfig:
-    return GemvConfig(c.xblock, c.rblock, c.num_warps, c.num_stages)
+    return GemvConfig(c.xblock, c.rblock, c.num_warps, c.num_stages, c.variant)
 
 
 def gemv_candidates(gk: GemmKernel, buffers=None, hints=None) -> list[Config]:
@@ -752,9 +759,9 @@ def gemv_candidates(gk: GemmKernel, buffers=None, hints=None) -> list[Config]:
     then kiln/gemm/gemv.py's variations, as `Config(BLOCK_N, BLOCK_K, warps, stages)`."""
     g = gk.gemm
     own = gk.config
-    out = [Config(own.block_n, own.block_k, own.num_warps, own.num_stages)]
+    out = [Config(own.block_n, own.block_k, own.num_warps, own.num_stages, own.variant)]
     for c in GV.gemv_configs(g):
-        cand = Config(c.block_n, c.block_k, c.num_warps, c.num_stages)
+        cand = Config(c.block_n, c.block_k, c.num_warps, c.num_stages, c.variant)
         if cand not in out:
             out.append(cand)
     return out

@@ -170,17 +170,20 @@ _GEMVS = textwrap.dedent("""
         scale = ref.abs().max().item()
         eager = (mine - ref).abs().max().item()
         bound = 2 * eager + 1e-2 * scale
-        for depth in (None, "1"):  # None: the heuristic's configs, depths 0 and 2 (glu's down)
-            if depth is None:
-                os.environ.pop("KILN_GEMV_PREFETCH", None)
-                cfgs = {}
-            else:  # one group a step: K of 2-4 steps
+        # None: the heuristic's configs, depths 0 and 2 (glu's down); "1": one group a step
+        # (K of 2-4 steps); "cc": the CUDA-core loop reading the tensor-core order
+        for depth in (None, "1", "cc"):
+            os.environ.pop("KILN_GEMV_PREFETCH", None)
+            cfgs = {}
+            if depth == "1":
                 os.environ["KILN_GEMV_PREFETCH"] = depth
                 cfgs = {n: Config(4, group, 1, 1) for n in gemvs}
+            elif depth == "cc":
+                cfgs = {n: Config(4, group, 4, 1, "cc") for n in gemvs}
             tks = triton_kernels(b.steps, bufs, hints, cfgs)
             src = {t.name: t.source for t in tks}
-            if not all("_kl_i4mma(" in src[n] for n in gemvs):
-                bad.append(f"{name}: a GEMV without the tensor-core product")
+            if not all(("= _kl_i4mma(" in src[n]) == (depth != "cc") for n in gemvs):
+                bad.append(f"{name} {depth}: the wrong kernel printed")
             got = run_program(b.program, {t.name: t for t in tks},
                               import_triton_module(print_triton_module(tks)), b.weights, xs)[0]
             err = (got.double().reshape(ref.shape) - ref).abs().max().item()
@@ -202,8 +205,9 @@ def test_tc_gemvs_match_float64_in_triton_interpreter():
 
 def test_decode_step_prints_the_tc_gemvs():
     """A bf16 Llama decode step with int4 group 128: every GEMV the tensor-core kernel (the
-    same kernel list as bf16: prologues and epilogues kept), weights stored tc-ordered; group
-    64, or KILN_INT4_TC unset, keep the CUDA-core kernel."""
+    same kernel list as bf16: prologues and epilogues kept), weights stored tc-ordered, and
+    the tuner's candidates both kernels (variant "cc": the CUDA-core loop on that order);
+    group 64, or KILN_INT4_TC unset, keep the CUDA-core kernel."""
     pytest.importorskip("transformers")
     from kiln.models.hf_decoder import export_step, llama
     model = llama(layers=1, hidden=256, heads=4, kv_heads=2, vocab=256, inter=512)
@@ -216,6 +220,16 @@ def test_decode_step_prints_the_tc_gemvs():
     assert len(gv) == 4 + 1 and all(":tc" in k["gemm"]["problem"] for k in gv), gv
     src = cm.built.sources["kernels_triton.py"]
     assert src.count("(tensor-core order)") == 5 and src.count("= _kl_i4mma(") >= 5
+    # the launch tuner's candidates: the tensor-core configs first, then the CUDA-core loop's
+    from kiln.gemm.configs import GemvConfig
+    from kiln.ir import loop as L
+    from kiln.targets.cuda.gemv_template import gemv_candidates
+    for gk in [s for s in L.flat_steps(cm.built.steps)
+               if getattr(getattr(s, "config", None), "gemv", False)]:
+        cands = gemv_candidates(gk)
+        assert cands[0].variant == "" and {c.variant for c in cands} == {"", "cc"}, cands
+    c = GemvConfig(8, 1024, 2, 1, "cc")
+    assert GemvConfig.from_json(c.to_json()) == c and c.name.endswith("_cc")
     cm64 = kiln.compile(ep, device="cuda", options=quant_opts("int4", 64))
     assert "= _kl_i4mma(" not in cm64.built.sources["kernels_triton.py"]
     os.environ.pop("KILN_INT4_TC")  # (the fixture restores it)
