@@ -647,8 +647,9 @@ def _print_int4_tc_gemv(gk: GemmKernel, buffers: dict[str, L.Buffer], name: str
                   for r in pro.reductions]
     if pro is not None:  # (the loop ends with this shape too)
         lines.append("    xidx = rx * 0  # the tile's shape, for loads of scalars")
-    lines += ["    acc_a = tl.zeros((T, H, 4), dtype=tl.float32)",
-              "    acc_b = tl.zeros((T, H, 4), dtype=tl.float32)"]
+    # a thread's 4 words of a chunk summed in registers each step: [T, H, 1] accumulators
+    lines += ["    acc_a = tl.zeros((T, H, 1), dtype=tl.float32)",
+              "    acc_b = tl.zeros((T, H, 1), dtype=tl.float32)"]
     # one step's loads at k0 (carried: words and scales), and its products at kc
     load = ["        wa = tl.load(pwa + k0 // 8)  # rows r0: 8 nibbles (+ 8) a word",
             "        wb = tl.load(pwb + k0 // 8)  # rows r0 + H",
@@ -677,8 +678,8 @@ def _print_int4_tc_gemv(gk: GemmKernel, buffers: dict[str, L.Buffer], name: str
         use += render(scope.lines, "        ")
         use.append(f"        x{i} = ({v}).to(tl.bfloat16)")
     use += ["        da, db = _kl_i4mma(wa, wb, " + ", ".join(f"x{i}" for i in range(8)) + ")",
-            "        acc_a += da * sa",
-            "        acc_b += db * sb"]
+            "        acc_a += tl.sum(da, 2, keep_dims=True) * sa",
+            "        acc_b += tl.sum(db, 2, keep_dims=True) * sb"]
     depth = _tc_depth(n, k // rb)
     slot = [{c: f"{c}_{j}" for c in carried} for j in range(depth + 1)]
     for j in range(depth):
