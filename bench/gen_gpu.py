@@ -9,7 +9,10 @@ target supports them; a refusal is reported, not fatal): decode GEMVs of kiln's 
 reading the quantised weights (norm / silu*mul prologues, residual epilogues fused);
 `int8-calls` / `int4-calls` are the same without the Triton GEMM backend, so every quantised
 GEMM is a call of quant_gemv.py's kernels (the path before the GEMV template took them; no
-fusions). The last column is each package's decode speed over the unquantised one's ("none",
+fusions); `int4-tc` is int4 with KILN_INT4_TC=1 (bf16, groups >= 128): the tensor-core
+weight order, each decode GEMV the tensor-core kernel or the CUDA-core loop, as the tuner
+picks.
+The last column is each package's decode speed over the unquantised one's ("none",
 device greedy) in the same run.
 
 Random weights (std 0.02) at the given shapes, no downloads. Each generation runs twice and
@@ -17,7 +20,7 @@ the second is reported (the first captures the CUDA graphs).
 
     python bench/gen_gpu.py [--layers 16] [--hidden 2048] [--inter 5632] [--heads 32]
         [--kv-heads 4] [--vocab 32000] [--cache 512] [--new 128] [--dtype bf16]
-        [--weight-quant none,int8,int4,int8-calls,int4-calls] [--group 128]
+        [--weight-quant none,int8,int4,int8-calls,int4-calls,int4-tc] [--group 128]
         [--json out.json] [--c-exe path/to/generate] [--autotune 1] [--prefill-len 512]
 
 --prefill-len N (N <= --cache - --new) also times the prefill of an N-token prompt (the package's
@@ -30,6 +33,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import os
 import statistics
 import subprocess
 import sys
@@ -93,9 +97,12 @@ def main() -> None:
     for wq in a.weight_quant.split(","):
         row = {"weights": wq}
         rows.append(row)
-        mode = wq.removesuffix("-calls")
+        mode = wq.removesuffix("-calls").removesuffix("-tc")
         opts = kiln.Options(autotune=bool(a.autotune), weight_quant=mode,
                             weight_quant_group=a.group)
+        # int4-tc: bf16 int4 weights in the tensor-core order, the decode GEMVs the tensor-core
+        # kernel or the CUDA-core loop as the tuner picks (quant_gemv.py `tc_packed`)
+        os.environ["KILN_INT4_TC"] = "1" if wq.endswith("-tc") else "0"
         if wq.endswith("-calls"):  # no Triton GEMMs: quant_gemv.py's kernel calls at M = 1
             opts = dataclasses.replace(opts, gemm_backends=tuple(
                 b for b in opts.gemm_backends if b != "triton"))

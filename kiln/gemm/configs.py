@@ -119,22 +119,27 @@ class GemvConfig:
     block_k: int
     num_warps: int = 4
     num_stages: int = 1
+    #: "" the template's kernel for the GEMM; "cc": for int4 weights in the tensor-core
+    #: order (MixedGemm.tc), the CUDA-core loop reading that order instead of the tensor-core
+    #: kernel (gemm/gemv.py `gemv_configs`)
+    variant: str = ""
     gemv: ClassVar[bool] = True
     backend: ClassVar[GemmBackend] = GemmBackend.TRITON
 
     @property
     def name(self) -> str:
-        return f"gemv_{self.block_n}x{self.block_k}_s{self.num_stages}_w{self.num_warps}"
+        return f"gemv_{self.block_n}x{self.block_k}_s{self.num_stages}_w{self.num_warps}" + (
+            f"_{self.variant}" if self.variant else "")
 
     def to_json(self) -> dict:
         return {"name": self.name, "gemv": True, "block_n": self.block_n,
                 "block_k": self.block_k, "num_warps": self.num_warps,
-                "num_stages": self.num_stages}
+                "num_stages": self.num_stages, "variant": self.variant}
 
     @classmethod
     def from_json(cls, d: dict) -> GemvConfig:
         return cls(int(d["block_n"]), int(d["block_k"]), int(d.get("num_warps", 4)),
-                   int(d.get("num_stages", 1)))
+                   int(d.get("num_stages", 1)), str(d.get("variant", "")))
 
 
 @dataclass(frozen=True)

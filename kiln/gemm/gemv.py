@@ -58,6 +58,8 @@ def applies(g: L.Gemm) -> bool:
     if mx is not None and mx.group and (mx.group < 32 or mx.group & (mx.group - 1) or
                                         k is None or k % mx.group or mx.scale is None):
         return False
+    if mx is not None and mx.tc and (g.dtype.name != "bfloat16" or mx.group < 128):
+        return False
     return n is not None and k is not None and n > 0
 
 
@@ -73,6 +75,37 @@ def weight_bytes(g: L.Gemm) -> float:
 def min_block_k(g: L.Gemm) -> int:
     """The smallest BLOCK_K: 16, or an int4 weight's group (a step covers whole groups)."""
     return g.mixed.group if g.mixed is not None and g.mixed.group else 16
+
+
+def tc_configs(n: int, k: int, group: int) -> list[GemvConfig]:
+    """Launch configurations of the tensor-core int4 GEMV (`MixedGemm.tc`, kiln/gemm/
+    int4_tc.py; BLOCK_N the XBLOCK rows, two halves of XBLOCK / 2, BLOCK_K the RBLOCK values
+    of K a step, a multiple of the group dividing K), the heuristic's first: the fastest of
+    each decoder shape standalone on an H100 (BENCHMARKS.md, seventeenth session: 16 x 512
+    on 1 warp for gate / up and wider, 8 x 1024 on 2 warps for o, k / v and down, 4 x 1024 on
+    1 warp between), then the others and two wider tiles."""
+    first = (16, 512, 1) if n >= 8192 else (8, 1024, 2) if n <= 4096 else (4, 1024, 1)
+    out: list[GemvConfig] = []
+    for bn, bk, warps in (first, (16, 512, 1), (8, 1024, 2), (4, 1024, 1), (8, 2048, 2),
+                          (16, 1024, 2), (32, 1024, 4), (8, 512, 1)):
+        bk = max(bk, group)
+        while bk > group and k % bk:
+            bk //= 2
+        c = GemvConfig(bn, bk, warps, 1)
+        if k % bk == 0 and bk % group == 0 and c not in out:
+            out.append(c)
+    return out
+
+
+def gemv_configs(g: L.Gemm) -> list[GemvConfig]:
+    """`configs` of GEMM `g` (static N and K); for int4 weights in the tensor-core order
+    (`MixedGemm.tc`), `tc_configs` then `configs` of variant "cc" (the CUDA-core loop reading
+    that order), so that the launch tuner picks between the two kernels per GEMV."""
+    n, k = _int(g.n), _int(g.k)
+    plain = configs(n, k, weight_bytes(g), min_block_k(g))
+    if g.mixed is not None and g.mixed.tc:
+        return tc_configs(n, k, g.mixed.group) + [replace(c, variant="cc") for c in plain]
+    return plain
 
 
 def streams_rows(g: L.Gemm) -> bool:

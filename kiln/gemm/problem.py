@@ -91,7 +91,8 @@ def problem_of(g: L.Gemm, ranges: dict[str, tuple[int, int]], epilogue: str = ""
     ldb = g.b.rows if lb == "n" else g.b.cols
     mx = g.mixed
     mixed = "" if mx is None else f"{mx.side}:{mx.qdtype.name}" + (
-        f":int4g{mx.group}" if mx.group else "") + (":scaled" if mx.scale is not None else "")
+        f":int4g{mx.group}" if mx.group else "") + (":tc" if mx.tc else "") + (
+        ":scaled" if mx.scale is not None else "")
     return GemmProblem(g.dtype.name, tuple(_size(b, ranges) for b in g.batch),
                        _size(g.m, ranges), _size(g.n, ranges), _size(g.k, ranges), la, lb,
                        _alignment([g.a.offset, g.b.offset, lda, ldb]), epilogue,

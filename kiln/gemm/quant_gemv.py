@@ -10,6 +10,12 @@ y[M, N] = x[M, K] @ W^T for a constant W [N, K] (nn.Linear's layout) stored quan
            s[n, k // G] = max |W| over the group / 7 (float32); K a multiple of G
 
 Rows of q / p are contiguous along K: a program streams whole 16-byte vectors of each row.
+int4 weights of bfloat16 GEMMs in groups of 128 or more can be stored (`tc_packed`,
+KILN_INT4_TC=1; off by default: slower end to end so far) in the tensor-core GEMV's order
+(kiln/gemm/int4_tc.py `pack_tc`: the same bytes, each 16 bytes' nibbles permuted): the decode
+GEMV (targets/cuda/gemv_template.py) multiplies them
+on the tensor cores, and `qlinear_int4_kernel` (TC) reads each nibble's x at its K position
+(`_tc_k`), so that prefill and decode share one stored weight.
 
 Kernels (`qlinear_int8_kernel`, `qlinear_int4_kernel`), one program per BLOCK_N outputs of
 BLOCK_M rows (grid (ceil(N / BLOCK_N), ceil(M / BLOCK_M))):
@@ -26,7 +32,11 @@ without a GPU. Needs Triton (kiln[cuda])."""
 
 from __future__ import annotations
 
+import os
+
 import torch
+
+from kiln.gemm.int4_tc import MIN_GROUP, pack_tc, unpack_tc
 
 try:  # the kernels need Triton (kiln[cuda]); a CPU-only install imports this module without
     import triton
@@ -76,15 +86,25 @@ if triton is not None:
 
 
     @triton.jit
+    def _tc_k(b, TC: tl.constexpr):
+        """The K position of the low nibble of byte b of a row (the high one's: + 4 with TC,
+        + 1 without): 2b, or in pack_tc's order 32 (b // 16) + 8 (b % 4) + (b % 16) // 4."""
+        if TC:
+            return 32 * (b // 16) + 8 * (b % 4) + (b % 16) // 4
+        else:
+            return 2 * b
+
+    @triton.jit
     def qlinear_int4_kernel(x_ptr, p_ptr, s_ptr, out_ptr, M, N, K: tl.constexpr,
                             G: tl.constexpr, PRECISION: tl.constexpr, BLOCK_M: tl.constexpr,
-                            BLOCK_N: tl.constexpr, GPI: tl.constexpr):
+                            BLOCK_N: tl.constexpr, GPI: tl.constexpr, TC: tl.constexpr = False):
         pid_n = tl.program_id(0)
         pid_m = tl.program_id(1)
         rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
         nmask = rn < N
         HALF: tl.constexpr = G // 2
         NG: tl.constexpr = K // G
+        HI: tl.constexpr = 4 if TC else 1  # the high nibble's K position, less the low one's
         if BLOCK_M == 1:
             # GPI groups per step: bytes [BLOCK_N, GPI * HALF], x's even / odd values of them
             rj = tl.arange(0, GPI * HALF)
@@ -95,9 +115,9 @@ if triton is not None:
                 m2 = nmask[:, None] & gmask[None, :]
                 b = tl.load(p_ptr + rn[:, None] * (K // 2) + g0 * HALF + rj[None, :], mask=m2,
                             other=136).to(tl.int32)
-                xe = tl.load(x_ptr + pid_m * K + g0 * G + 2 * rj, mask=gmask,
-                             other=0.0).to(tl.float32)
-                xo = tl.load(x_ptr + pid_m * K + g0 * G + 2 * rj + 1, mask=gmask,
+                kl = _tc_k(g0 * HALF + rj, TC)  # the low nibbles' K positions
+                xe = tl.load(x_ptr + pid_m * K + kl, mask=gmask, other=0.0).to(tl.float32)
+                xo = tl.load(x_ptr + pid_m * K + kl + HI, mask=gmask,
                              other=0.0).to(tl.float32)
                 sc = tl.load(s_ptr + rn[:, None] * NG + rg[None, :], mask=m2, other=0.0)
                 lo = ((b & 15) - 8).to(tl.float32)
@@ -111,10 +131,10 @@ if triton is not None:
             rh = tl.arange(0, HALF)
             acc2 = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
             for g in tl.range(0, NG):
-                xe = tl.load(x_ptr + rm[:, None] * K + g * G + 2 * rh[None, :],
-                             mask=mmask[:, None], other=0.0)
-                xo = tl.load(x_ptr + rm[:, None] * K + g * G + 2 * rh[None, :] + 1,
-                             mask=mmask[:, None], other=0.0)
+                kl = _tc_k(g * HALF + rh[None, :], TC)
+                xe = tl.load(x_ptr + rm[:, None] * K + kl, mask=mmask[:, None], other=0.0)
+                xo = tl.load(x_ptr + rm[:, None] * K + kl + HI, mask=mmask[:, None],
+                             other=0.0)
                 b = tl.load(p_ptr + rn[None, :] * (K // 2) + g * HALF + rh[:, None],
                             mask=nmask[None, :], other=136).to(tl.int32)
                 lo = ((b & 15) - 8).to(xe.dtype)
@@ -149,23 +169,41 @@ def quantize_int8(w: torch.Tensor) -> dict[str, torch.Tensor]:
     return {"q": q.contiguous(), "s": s.float().contiguous()}
 
 
-def quantize_int4(w: torch.Tensor, group: int) -> dict[str, torch.Tensor]:
+def tc_packed(group: int, dtype) -> bool:
+    """Whether int4 weights of a GEMM of `dtype` in groups of `group` are stored in the
+    tensor-core GEMV's order (module docstring): with KILN_INT4_TC=1, bfloat16 (the mma's
+    operands) and a power-of-two group >= int4_tc.MIN_GROUP. Off by default (KILN_INT4_TC=0,
+    the plain order and the CUDA-core GEMV): a 16-layer 8B-shaped bf16 decode took 1.499
+    ms/token with it on an H100, against 1.305 without on another H100 in the sixteenth
+    session (bf16 2.889 / 2.883 on the two; BENCHMARKS.md, eighteenth session, s18q4)."""
+    v = os.environ.get("KILN_INT4_TC", "0")
+    if v not in ("0", "1"):
+        raise ValueError(f"KILN_INT4_TC: expected 0 or 1, got {v!r}")
+    return v == "1" and dtype == torch.bfloat16 and group >= MIN_GROUP and \
+        group & (group - 1) == 0
+
+
+def quantize_int4(w: torch.Tensor, group: int, tc: bool = False) -> dict[str, torch.Tensor]:
     """W [N, K] float, K a multiple of `group` -> {"q": uint8 [N, K / 2], "s": float32
-    [N, K / group]}."""
+    [N, K / group]}; `tc`: q in pack_tc's order."""
     n, k = w.shape
     g = w.detach().double().reshape(n, k // group, group)
     s = g.abs().amax(dim=2) / 7
     s = torch.where(s > 0, s, torch.ones_like(s))
     q = (torch.round(g / s[:, :, None]).clamp(-7, 7) + 8).to(torch.uint8).reshape(n, k)
     packed = q[:, 0::2] | (q[:, 1::2] << 4)
+    if tc:
+        packed = pack_tc(packed)
     return {"q": packed.contiguous(), "s": s.float().contiguous()}
 
 
-def dequantize(mode: str, parts: dict[str, torch.Tensor], group: int = 0) -> torch.Tensor:
-    """The float64 W [N, K] a stored form stands for (the tests' reference)."""
+def dequantize(mode: str, parts: dict[str, torch.Tensor], group: int = 0,
+               tc: bool = False) -> torch.Tensor:
+    """The float64 W [N, K] a stored form stands for (the tests' reference); `tc`: int4 q in
+    pack_tc's order."""
     if mode == "int8":
         return parts["q"].double() * parts["s"].double()[:, None]
-    p = parts["q"].to(torch.int16)
+    p = (unpack_tc(parts["q"]) if tc else parts["q"]).to(torch.int16)
     n = p.shape[0]
     q = torch.stack([(p & 15) - 8, (p >> 4) - 8], dim=2).reshape(n, -1).double()
     return (q.reshape(n, -1, group) * parts["s"].double()[:, :, None]).reshape(n, -1)

@@ -369,7 +369,7 @@ def _choose_cuda_backend(g: L.Gemm, problem: GemmProblem, sizes, backends, allow
                 f"is read by the GEMV template only (M = 1, static N and K, groups of a power "
                 f"of two >= 32 dividing K, Triton allowed); got M = {g.m}, K = {g.k}, group "
                 f"{g.mixed.group}, Options.gemm_backends={_names(allowed)!r}")
-        cfg = GV.configs(sizes[2], sizes[3], GV.weight_bytes(g), GV.min_block_k(g))[0]
+        cfg = GV.gemv_configs(g)[0]
         return Choice(GemmBackend.TRITON, cfg, "heuristic", problem.describe())
     arch, here = _cuda_arch(opts)
     dev_id = gpu.device_id(arch)

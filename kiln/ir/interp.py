@@ -212,6 +212,9 @@ def _gemm(g: L.Gemm, bufs, env) -> np.ndarray:
     if g.mixed is not None and g.mixed.group:  # int4: two nibbles a byte, per-group scales
         p = view(g.b, k // 2, n).astype(np.int64)
         q = np.stack([(p & 15) - 8, (p >> 4) - 8], axis=-2).reshape(p.shape[:-2] + (k, n))
+        if g.mixed.tc:  # pack_tc's order: position 8 j + i of each 32 holds k = 4 i + j
+            q = np.swapaxes(q.reshape(q.shape[:-2] + (k // 32, 4, 8, n)), -3, -2).reshape(
+                q.shape)
         s = view(g.mixed.scale, k // g.mixed.group, n).astype(np.float64)
         out = np.matmul(a, q * np.repeat(s, g.mixed.group, axis=-2))
         return out.astype(g.dtype.numpy).reshape(-1)

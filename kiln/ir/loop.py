@@ -169,13 +169,17 @@ class MixedGemm:
     qdtype uint8, the GEMV template only): B[k, n] = nibble - 8 of the byte at
     b.offset + (k // 2) * b.rows + n * b.cols (k even: its low nibble, odd: its high one), and
     `scale` is the [K // group, N] matrix of per-group scales, (j, n) at
-    offset + j * rows + n * cols, each multiplying its group's partial sum."""
+    offset + j * rows + n * cols, each multiplying its group's partial sum. `tc`: the bytes
+    are in kiln/gemm/int4_tc.py's `pack_tc` order (each 16 bytes along K, 32 values, hold
+    k = 32 c + 4 i + j at nibble i of their 32-bit word j; the GEMV template then multiplies
+    on the tensor cores)."""
 
     side: str  # "a" | "b"
     qdtype: DType
     scale: Operand | None = None
     scale_dtype: DType | None = None
     group: int = 0
+    tc: bool = False
 
     def reads(self) -> list[str]:
         return [self.scale.buf] if self.scale is not None else []

@@ -95,7 +95,8 @@ def node_text(n: L.LoopNode) -> str:
         if n.mixed:
             kind = "mixed_gemm"
             extra = f", {n.mixed.side}={n.mixed.qdtype.name}" + (
-                f", int4 group={n.mixed.group}" if n.mixed.group else "") + "".join(
+                f", int4 group={n.mixed.group}" + (" tc" if n.mixed.tc else "")
+                if n.mixed.group else "") + "".join(
                 f", scale=%{b}" for b in n.mixed.reads())
         if n.epilogue is not None:  # CPU: fused, in place (gemm/fuse_cpu.py)
             extra += f", epilogue={expr_text(n.epilogue.body)}"

@@ -342,7 +342,8 @@ def _fmt(line: Line) -> str:
             f"%{b}" for b in g.lowp.reads()) + ")"
         if g.mixed is not None:
             lp += f" mixed({g.mixed.side}={g.mixed.qdtype.name}" + (
-                f", int4 group={g.mixed.group}" if g.mixed.group else "") + "".join(
+                f", int4 group={g.mixed.group}" + (" tc" if g.mixed.tc else "")
+                if g.mixed.group else "") + "".join(
                 f", scale=%{b}" for b in g.mixed.reads()) + ")"
         epi = "" if line.epilogue is None else f"%{line.epilogue.name} = epilogue(" + ", ".join(
             f"%{b}" for b in _epilogue_reads(line)) + ") of "

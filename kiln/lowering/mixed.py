@@ -4,7 +4,7 @@ int8 copy when its strides are not a matrix's); the scale becomes a strided view
 over the output [*batch, M, N] (materialised first when it is computed, e.g. a constant).
 With attr `group` (int4 weights, targets/cuda/quant.py): B is the [K / 2, N] view of the
 packed bytes and the scale the [K / group, N] view of the per-group scales (ir/loop.py's
-MixedGemm)."""
+MixedGemm); attr `tc`: the bytes in int4_tc.py's `pack_tc` order (`MixedGemm.tc`)."""
 
 from __future__ import annotations
 
@@ -38,7 +38,8 @@ def lower_mixed_mm(ctx: LowerCtx, node: Node, args: list[Lazy]) -> Lazy:
     group = node.attr("group", 0)
     sshape = (scale[0].shape if group else shape) if scale else shape
     so = _scale(ctx, scale[0], sshape, node.name + "_scale", source) if scale else None
-    mixed = L.MixedGemm(side, q.dtype, so, scale[0].dtype if scale else None, group)
+    mixed = L.MixedGemm(side, q.dtype, so, scale[0].dtype if scale else None, group,
+                        bool(node.attr("tc", False)))
     out = ctx.unique(node.name)
     ctx.declare(out, dt, shape, "temp")
     ctx.nodes.append(L.Gemm(out, dt, tuple(batch), a.shape[-2], b.shape[-1], a.shape[-1], oa,

@@ -37,7 +37,11 @@ Quantised weights (weight-only, a `MixedGemm` on side "b"; kiln/gemm/gemv.py):
                 hand: the next step's words, scales and x (the prologue) are loaded before
                 this step's products, so a step's weight loads are in flight while the
                 previous step is converted (`_prefetch`; KILN_GEMV_PREFETCH=2 / 3 keep
-                that many steps in flight, in slots rotated each step: measured slower)."""
+                that many steps in flight, in slots rotated each step: measured slower).
+  int4, tensor-core order (`MixedGemm.tc`, KILN_INT4_TC=1; bf16, groups >= 128)
+                config variant "": kiln/gemm/int4_tc.py's mma kernel with the prologue and
+                epilogue (`_print_int4_tc_gemv`); variant "cc": the loop above, its x
+                positions permuted to that order. The launch tuner picks per GEMV."""
 
 from __future__ import annotations
 
@@ -50,7 +54,7 @@ import sympy
 from kiln.errors import UnsupportedError
 from kiln.gemm import gemv as GV
 from kiln.gemm.configs import GemvConfig
-from kiln.gemm.gemv import applies, configs
+from kiln.gemm.gemv import applies
 from kiln.gemm.prologue import factor_row
 from kiln.ir import loop as L
 from kiln.ir.sym import contiguous_strides, linear_index, product, unravel
@@ -170,6 +174,8 @@ def print_gemv_kernel(gk: GemmKernel, buffers: dict[str, L.Buffer],
                                f"bfloat16 / float32 (B also int8 / int4 weights); got M = "
                                f"{g.m}, batch {g.batch}, {g.dtype.name}"
                                + (f", {g.mixed}" if g.mixed is not None else ""))
+    if g.mixed is not None and g.mixed.tc and cfg.variant != "cc":
+        return _print_int4_tc_gemv(gk, buffers, name)
     if g.mixed is not None:
         return _print_quant_gemv(gk, buffers, name)
     out = gk.out
@@ -270,7 +276,8 @@ def print_gemv_kernel(gk: GemmKernel, buffers: dict[str, L.Buffer],
     lines.append(f"    tl.store(buf_{out} + {to_tl(flat)}, {value}, mask=mask)")
     sig["XBLOCK"] = sig["RBLOCK"] = "constexpr"
     return TritonKernel(name, "\n".join(lines) + "\n", tuple(params), sig,
-                        Config(cfg.block_n, cfg.block_k, cfg.num_warps, cfg.num_stages),
+                        Config(cfg.block_n, cfg.block_k, cfg.num_warps, cfg.num_stages,
+                               cfg.variant),
                         g.n, gk.source)
 
 
@@ -357,6 +364,7 @@ def _print_quant_gemv(gk: GemmKernel, buffers: dict[str, L.Buffer], name: str) -
                                f"int4 group {gs}")
     what = [f"{g.name} = {g.a.buf if pro is None else pro.row.name} @ {g.b.buf} (M = 1)",
             f"B {'int4 in groups of ' + str(gs) if gs else mx.qdtype.name}"
+            + (" (tensor-core order, read by the CUDA-core loop)" if mx.tc else "")
             + (f", scales {mx.scale.buf}" if mx.scale is not None else "")]
     lines = _head(gk, name, sig, what)
     if gs:
@@ -369,7 +377,10 @@ def _print_quant_gemv(gk: GemmKernel, buffers: dict[str, L.Buffer], name: str) -
             f"    rg = tl.arange(0, RBLOCK // {gs})[None, :, None]{cast}",
             f"    rw = rg * {wg} + tl.arange(0, {wg})[None, None, :]{cast}  # the step's words",
             "    ri = tl.arange(0, 8)[None, None, None, :]  # a word's nibbles",
-            f"    rk = rw[:, :, :, None] * 8 + ri{cast}",
+            # k of nibble i of word w: 8 w + i, or in the tensor-core order (MixedGemm.tc)
+            # 32 (w // 4) + 4 i + w % 4
+            f"    rk = (rw[:, :, :, None] // 4) * 32 + ri * 4 + rw[:, :, :, None] % 4{cast}"
+            if mx.tc else f"    rk = rw[:, :, :, None] * 8 + ri{cast}",
             "    xidx = rk * 0  # the row's shape, for loads of scalars",
             "    # nibble i: bits 4i..4i+3 of the word (i < 6) or of the word >> 16 (place "
             "i - 4); as a float32",
@@ -545,7 +556,184 @@ def _print_quant_gemv(gk: GemmKernel, buffers: dict[str, L.Buffer], name: str) -
     lines.append(f"    tl.store(buf_{out} + {to_tl(flat)}, {value}, mask=mask)")
     sig["XBLOCK"] = sig["RBLOCK"] = "constexpr"
     return TritonKernel(name, "\n".join(lines) + "\n", tuple(params), sig,
-                        Config(cfg.block_n, cfg.block_k, cfg.num_warps, cfg.num_stages),
+                        Config(cfg.block_n, cfg.block_k, cfg.num_warps, cfg.num_stages,
+                               cfg.variant),
+                        g.n, gk.source)
+
+
+def _tc_depth(n: int, steps: int) -> int:
+    """Steps of words and scales the tensor-core int4 GEMV loads ahead of its products: 2
+    where few programs share the SMs (N <= 4096: o, k / v, down at the 8B widths, 4-24%
+    faster standalone on an H100 than 1, BENCHMARKS.md seventeenth session), 1 for more rows
+    (q / k / v, gate / up: 2-5% slower at 2), less where K has fewer steps.
+    KILN_GEMV_PREFETCH (0-2) overrides it, for A/B runs."""
+    v = os.environ.get("KILN_GEMV_PREFETCH")
+    depth = 2 if n <= 4096 else 1
+    if v is not None:
+        depth = min(_prefetch(), 2)
+    return min(depth, steps - 1)
+
+
+def _print_int4_tc_gemv(gk: GemmKernel, buffers: dict[str, L.Buffer], name: str
+                        ) -> TritonKernel:
+    """The GEMV of an int4 B in pack_tc's order (`MixedGemm.tc`) on the tensor cores: kiln/
+    gemm/int4_tc.py's kernel with the template's prologue and epilogue.
+
+    A program's XBLOCK rows are two halves of H = XBLOCK / 2 (rows r0 and r0 + H); a step's
+    tile is [T, H, 4] 32-bit words (T = RBLOCK / 32 chunks of 32 values, 4 words a chunk),
+    chunks before rows so that Triton lays a quad of lanes along the chunks, and every
+    operand of `_kl_i4mma` (the words, x at the 8 nibble places k = 32 t + 4 i + j of word j,
+    computed in the tile's shape by the prologue where there is one) has that one layout.
+    Rows past N read row N - 1 (not stored). The prologue's whole-row reductions run on
+    [1, 1, RBLOCK] rows (before the loop, or in it where they factor out: gemm/prologue.py),
+    so each value counts once. Each half's [1, H, 1] sums go through the epilogue and are
+    stored on their own."""
+    g, epi, cfg, pro, mx = gk.gemm, gk.epilogue, gk.config, gk.prologue, gk.gemm.mixed
+    out = gk.out
+    params, sig = _quant_sig(gk, buffers)
+    gs, k, n = mx.group, int(sympy.sympify(g.k)), int(sympy.sympify(g.n))
+    xb, rb = cfg.block_n, cfg.block_k
+    bad = []
+    if xb < 2 or xb & (xb - 1):
+        bad.append(f"BLOCK_N a power of two >= 2 (got {xb})")
+    if rb < gs or rb % gs or k % rb:
+        bad.append(f"BLOCK_K a multiple of the group {gs} dividing K {k} (got {rb})")
+    if sympy.sympify(g.b.rows) != 1 or any(
+            not (sympy.sympify(e) % 4).is_zero for e in (g.b.offset, g.b.cols)):
+        bad.append(f"the weight's rows contiguous along K, 4-byte aligned (got offset "
+                   f"{g.b.offset}, strides {g.b.rows}, {g.b.cols})")
+    if g.dtype.name != "bfloat16" or (pro is None and buffers[g.a.buf].dtype.name != "bfloat16"):
+        bad.append(f"bfloat16 operands (got {g.dtype.name})")
+    if bad:
+        raise UnsupportedError(f"GEMV {gk.name} (int4 on tensor cores): expected "
+                               + "; ".join(bad))
+    i64 = not _small(gk, buffers)
+    cast = ".to(tl.int64)" if i64 else ""
+    sc = mx.scale
+    what = [f"{g.name} = {g.a.buf if pro is None else pro.row.name} @ {g.b.buf} (M = 1)",
+            f"B int4 in groups of {gs} (tensor-core order), scales {sc.buf}"]
+    lines = _head(gk, name, sig, what) + [
+        "    # int4 on the tensor cores (kiln/gemm/int4_tc.py): rows r0 and r0 + H, a step's "
+        "words [T, H, 4]",
+        "    H: tl.constexpr = XBLOCK // 2",
+        "    T: tl.constexpr = RBLOCK // 32",
+        f"    r0 = (tl.program_id(0) * XBLOCK + tl.arange(0, H)[None, :, None]){cast}",
+        "    ra = tl.minimum(r0, N - 1)  # rows past N read the last one (not stored)",
+        "    rb = tl.minimum(r0 + H, N - 1)",
+        f"    rt = tl.arange(0, T)[:, None, None]{cast}",
+        f"    rw = rt * 4 + tl.arange(0, 4)[None, None, :]{cast}  # the step's words",
+        "    rx = rt * 32 + rw % 4 + r0 * 0  # nibble 0's K position of each word, in its shape",
+        f"    pw = (buf_{g.b.buf} + {to_tl(g.b.offset)}).to(tl.pointer_type(tl.int32), "
+        f"bitcast=True)",
+        f"    pwa = pw + ra * ({to_tl(g.b.cols)} // 4) + rw",
+        f"    pwb = pw + rb * ({to_tl(g.b.cols)} // 4) + rw",
+        f"    ps = buf_{sc.buf} + {to_tl(sc.offset)} + (rt * 32 // {gs}) * {to_tl(sc.rows)}",
+        f"    psa = ps + ra * {to_tl(sc.cols)}",
+        f"    psb = ps + rb * {to_tl(sc.cols)}",
+        "    xmask = rx < K",
+    ]
+    counter = [0]
+    regs: dict[str, str] = {}
+    factored = _factored(gk)
+    row, total = "[1, 1, RBLOCK]", "tl.sum({}, 2, keep_dims=True)"
+    if pro is not None and pro.reductions:
+        lines += [f"    rk = tl.arange(0, RBLOCK)[None, None, :]{cast}  # a row's slice",
+                  "    xidx = rk * 0  # the row's shape, for loads of scalars"]
+    if pro is not None and factored is None:
+        more, regs = _prologue_lines(gk, counter, row, total)
+        lines += more
+    elif factored is not None:
+        lines += [f"    acc_{r.name} = tl.zeros({row}, dtype=tl.float32)"
+                  for r in pro.reductions]
+    if pro is not None:  # (the loop ends with this shape too)
+        lines.append("    xidx = rx * 0  # the tile's shape, for loads of scalars")
+    # a thread's 4 words of a chunk summed in registers each step: [T, H, 1] accumulators
+    lines += ["    acc_a = tl.zeros((T, H, 1), dtype=tl.float32)",
+              "    acc_b = tl.zeros((T, H, 1), dtype=tl.float32)"]
+    # one step's loads at k0 (carried: words and scales), and its products at kc
+    load = ["        wa = tl.load(pwa + k0 // 8)  # rows r0: 8 nibbles (+ 8) a word",
+            "        wb = tl.load(pwb + k0 // 8)  # rows r0 + H",
+            f"        sa = tl.load(psa + (k0 // {gs}) * {to_tl(sc.rows)})",
+            f"        sb = tl.load(psb + (k0 // {gs}) * {to_tl(sc.rows)})"]
+    carried = ("wa", "wb", "sa", "sb")
+    use: list[str] = []
+    if factored is not None:  # the whole-row sums over this step's K slice, once each
+        use += ["        kk = kc + rk", "        kmask = kk < K",
+                "        xidx = rk * 0"]
+        use += _fused_reduction_lines(gk, counter)
+    if pro is not None:
+        use.append("        xidx = rx * 0  # the tile's shape, for loads of scalars")
+    for i in range(8):
+        flat = f"kx{i}"
+        use.append(f"        {flat} = kc + rx + {4 * i}  # x at nibble {i}")
+        if pro is None:
+            use.append(f"        x{i} = tl.load(buf_{g.a.buf} + {to_tl(g.a.offset)} + {flat} * "
+                       f"{to_tl(g.a.cols)})")
+            continue
+        prow = pro.row
+        names, defs = _unravel_lines(f"a{i}_", flat, prow.shape, "i", "        ")
+        use += defs
+        scope = _Scope(names, "xmask", {} if factored is not None else regs, counter)
+        v = text(scope.value(prow.body if factored is None else factored[1]))
+        use += render(scope.lines, "        ")
+        use.append(f"        x{i} = ({v}).to(tl.bfloat16)")
+    use += ["        da, db = _kl_i4mma(wa, wb, " + ", ".join(f"x{i}" for i in range(8)) + ")",
+            "        acc_a += tl.sum(da, 2, keep_dims=True) * sa",
+            "        acc_b += tl.sum(db, 2, keep_dims=True) * sb"]
+    depth = _tc_depth(n, k // rb)
+    slot = [{c: f"{c}_{j}" for c in carried} for j in range(depth + 1)]
+    for j in range(depth):
+        lines.append(f"    # step {j}'s words and scales")
+        lines += [_renamed(_renamed(t, slot[j]), {"k0": str(j * rb)})[4:] for t in load]
+    cur = slot[depth] if depth == 0 else {c: f"{c}_c" for c in carried}
+    lines.append(f"    for k0 in range({depth * rb}, K, RBLOCK):  # k0: the step loaded")
+    if depth:
+        lines += [f"        {cur[c]} = {slot[0][c]}  # this step's" for c in carried]
+        for j in range(depth - 1):
+            lines += [f"        {slot[j][c]} = {slot[j + 1][c]}" for c in carried]
+        lines.append(f"        # the words and scales {depth} steps ahead")
+        lines += [_renamed(t, slot[depth - 1]) for t in load]
+        lines.append(f"        kc = k0 - {depth * rb}  # this step's")
+    else:
+        lines += [_renamed(t, cur) for t in load] + ["        kc = k0"]
+    lines += [_renamed(t, cur) for t in use]
+    for j in range(depth):
+        lines.append(f"    # the last steps: {j + 1} of {depth}")
+        lines.append(f"    kc = K - {(depth - j) * rb}")
+        lines += [_renamed(t, slot[j])[4:] for t in use]
+    if factored is not None:
+        for r in pro.reductions:
+            regs[r.name] = f"v_{r.name}"
+            lines.append(f"    v_{r.name} = {_rounded(total.format(f'acc_{r.name}'), r.dtype)}")
+        lines.append(f"    # the row's whole-row factor, from {', '.join(regs)}")
+        scope = _Scope({}, "(r0 < N)", dict(regs), counter)
+        factor = text(scope.value(factored[0]))
+        lines += render(scope.lines, "    ")
+    flat = linear_index([sympy.Symbol("i_m"), sympy.Symbol("i_n")],
+                        contiguous_strides(g.shape))
+    for half, rows, acc in (("r0", "r0", "acc_a"), ("r0 + H", "r0 + H", "acc_b")):
+        lines += [f"    # rows {half}",
+                  f"    tot = tl.sum(tl.sum({acc}, 2, keep_dims=True), 0, keep_dims=True)"
+                  + (f" * {factor}" if factored is not None else ""),
+                  f"    i_n = {rows}",
+                  "    i_m = i_n * 0",
+                  "    mask = i_n < N"]
+        if epi is None:
+            value = f"tot.to({TL_DTYPE[g.dtype]})"
+        else:
+            names = _epilogue_names(g, epi, flat)
+            lines.append("    xidx = i_n * 0  # the outputs' shape, for loads of scalars")
+            lines.append(f"    v_{g.name} = {_rounded('tot', g.dtype)}  # the GEMM result, as "
+                         f"its buffer would hold it")
+            lines.append(f"    # epilogue {epi.name} <- {', '.join(epi.source)}")
+            scope = _Scope(names, "mask", {g.name: f"v_{g.name}"}, counter)
+            value = text(scope.value(epi.body))
+            lines += render(scope.lines, "    ")
+        lines.append(f"    tl.store(buf_{out} + {to_tl(flat)}, {value}, mask=mask)")
+    sig["XBLOCK"] = sig["RBLOCK"] = "constexpr"
+    return TritonKernel(name, "\n".join(lines) + "\n", tuple(params), sig,
+                        Config(cfg.block_n, cfg.block_k, cfg.num_warps, cfg.num_stages,
+                               cfg.variant),
                         g.n, gk.source)
 
 
@@ -567,7 +755,7 @@ def gemv_steps(steps) -> list[GemmKernel]:
 
 
 def _as_gemv(c: Config) -> GemvConfig:
-    return GemvConfig(c.xblock, c.rblock, c.num_warps, c.num_stages)
+    return GemvConfig(c.xblock, c.rblock, c.num_warps, c.num_stages, c.variant)
 
 
 def gemv_candidates(gk: GemmKernel, buffers=None, hints=None) -> list[Config]:
@@ -576,10 +764,9 @@ def gemv_candidates(gk: GemmKernel, buffers=None, hints=None) -> list[Config]:
     then kiln/gemm/gemv.py's variations, as `Config(BLOCK_N, BLOCK_K, warps, stages)`."""
     g = gk.gemm
     own = gk.config
-    out = [Config(own.block_n, own.block_k, own.num_warps, own.num_stages)]
-    for c in configs(int(sympy.sympify(g.n)), int(sympy.sympify(g.k)), GV.weight_bytes(g),
-                     GV.min_block_k(g)):
-        cand = Config(c.block_n, c.block_k, c.num_warps, c.num_stages)
+    out = [Config(own.block_n, own.block_k, own.num_warps, own.num_stages, own.variant)]
+    for c in GV.gemv_configs(g):
+        cand = Config(c.block_n, c.block_k, c.num_warps, c.num_stages, c.variant)
         if cand not in out:
             out.append(cand)
     return out

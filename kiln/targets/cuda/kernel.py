@@ -55,6 +55,9 @@ class Config:
     rblock: int
     num_warps: int
     num_stages: int = 0  # software-pipelining depth of loops with loads; 0: Triton's default
+    #: which of a template's kernels ("": its own; a GEMV of tc-ordered int4 weights, "cc":
+    #: the CUDA-core loop instead of the tensor-core kernel, gemm/gemv.py `gemv_configs`)
+    variant: str = ""
 
 
 @dataclass(frozen=True)

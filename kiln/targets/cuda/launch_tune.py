@@ -129,7 +129,8 @@ def _cached(root: Path, tks, cands, hints, device: str, version: str, look: bool
     if not look or not path.exists():
         return path, None
     hit = json.loads(path.read_text())
-    return path, Config(hit["xblock"], hit["rblock"], hit["num_warps"], hit.get("num_stages", 0))
+    return path, Config(hit["xblock"], hit["rblock"], hit["num_warps"], hit.get("num_stages", 0),
+                        hit.get("variant", ""))
 
 
 def _store(path: Path, cfg: Config, kernel: str, device: str, ms: dict) -> None:
@@ -138,7 +139,8 @@ def _store(path: Path, cfg: Config, kernel: str, device: str, ms: dict) -> None:
     fd, tmp = tempfile.mkstemp(dir=path.parent, suffix=".tmp")
     with os.fdopen(fd, "w") as f:
         json.dump({"xblock": cfg.xblock, "rblock": cfg.rblock, "num_warps": cfg.num_warps,
-                   "num_stages": cfg.num_stages, "kernel": kernel, "device": device,
+                   "num_stages": cfg.num_stages, "variant": cfg.variant, "kernel": kernel,
+                   "device": device,
                    "ms": ms}, f)
     os.replace(tmp, path)
 
@@ -444,7 +446,8 @@ def plan(families, hints: dict[str, int], cache: Path | None = None, device: str
 
 def _config_text(c: Config, template: bool) -> str:
     if template:
-        return f"m{c.xblock}n{c.rblock}w{c.num_warps}s{c.num_stages}"
+        return f"m{c.xblock}n{c.rblock}w{c.num_warps}s{c.num_stages}" + (
+            f"_{c.variant}" if c.variant else "")
     return f"x{c.xblock}r{c.rblock}w{c.num_warps}"
 
 

@@ -15,6 +15,7 @@ import struct
 
 import sympy
 
+from kiln.gemm.int4_tc import MMA_CONSTRAINTS, MMA_PTX
 from kiln.ir import dtypes
 from kiln.ir.dtypes import DType
 from kiln.ir.sym import FloorDiv, ModIdx
@@ -461,6 +462,38 @@ def _kl_philox(seed, run, stream, index, lane):
     r = tl.where(lane == 0, r0, tl.where(lane == 1, r1, tl.where(lane == 2, r2, r3)))
     return r.to(tl.int64)
 '''
+#: the tensor-core int4 GEMV's word-pair product (kiln/gemm/int4_tc.py `mma_pair`; printed by
+#: targets/cuda/gemv_template.py): `_kl_i4mma(wa, wb, x0..x7)` -> the float32 sums of the
+#: 8 nibbles (less 8) of words wa / wb times x0..x7 (bf16, x at nibble i), summed over a
+#: quad of lanes on the tensor cores and returned in one lane of it (0 in the others); in
+#: Triton's interpreter (no inline PTX) each element's own sums, which sum to the same tile
+PRELUDE += f"""
+
+_KL_I4MMA_PTX = tl.constexpr({MMA_PTX!r})
+
+
+if _os.environ.get("TRITON_INTERPRET") == "1":
+    @triton.jit
+    def _kl_i4nib(w, i: tl.constexpr):
+        return (((w >> (4 * i)) & 15) - 8).to(tl.float32)
+
+    @triton.jit
+    def _kl_i4mma(wa, wb, x0, x1, x2, x3, x4, x5, x6, x7):
+        ra = _kl_i4nib(wa, 0) * x0 + _kl_i4nib(wa, 1) * x1 + _kl_i4nib(wa, 2) * x2 + \\
+            _kl_i4nib(wa, 3) * x3 + _kl_i4nib(wa, 4) * x4 + _kl_i4nib(wa, 5) * x5 + \\
+            _kl_i4nib(wa, 6) * x6 + _kl_i4nib(wa, 7) * x7
+        rb = _kl_i4nib(wb, 0) * x0 + _kl_i4nib(wb, 1) * x1 + _kl_i4nib(wb, 2) * x2 + \\
+            _kl_i4nib(wb, 3) * x3 + _kl_i4nib(wb, 4) * x4 + _kl_i4nib(wb, 5) * x5 + \\
+            _kl_i4nib(wb, 6) * x6 + _kl_i4nib(wb, 7) * x7
+        return ra, rb
+else:
+    @triton.jit
+    def _kl_i4mma(wa, wb, x0, x1, x2, x3, x4, x5, x6, x7):
+        return tl.inline_asm_elementwise(
+            _KL_I4MMA_PTX, {MMA_CONSTRAINTS!r}, [wa, wb, x0, x1, x2, x3, x4, x5, x6, x7],
+            dtype=(tl.float32, tl.float32), is_pure=False, pack=1)
+"""
+
 
 
 def unravel(var: str, shape) -> list[str]:

@@ -11,6 +11,8 @@ a `Gemm` with `mixed` side "b", ir/loop.py's MixedGemm):
 
     int8   mixed_mm(x, permute(q, (1, 0)), s)                  s[n] scales row n's sum
     int4   mixed_mm(x, permute(p, (1, 0)), permute(s, (1, 0))) attr group: s[n, k // G]
+           (attr tc: p in int4_tc.py's `pack_tc` order, quant_gemv.py `tc_packed`: bfloat16,
+           groups >= 128; the GEMV template then multiplies on the tensor cores)
 
 which the GEMV template computes (gemm/select.py, gemm/gemv.py, targets/cuda/
 gemv_template.py) with every fusion of a float GEMV: the RMSNorm or silu * mul producing x
@@ -68,7 +70,7 @@ def _static_int(e) -> int | None:
     return int(e) if isinstance(e, sympy.Integer) else None
 
 
-def _spec(mode: str, m, n: int, k: int, group: int, dtype) -> UserKernelSpec:
+def _spec(mode: str, m, n: int, k: int, group: int, dtype, tc: bool = False) -> UserKernelSpec:
     """The user-kernel call of one quantised GEMM (operands: x, q, s, out)."""
     fn = QG.KERNELS[mode]
     m_static = _static_int(m)
@@ -80,6 +82,8 @@ def _spec(mode: str, m, n: int, k: int, group: int, dtype) -> UserKernelSpec:
     if mode == "int4":
         args.append(("G", L.UserConstexpr(group)))
     args.append(("PRECISION", L.UserConstexpr(QG.PRECISION[dtype.torch])))
+    if tc:
+        args.append(("TC", L.UserConstexpr(True)))
     tunable = ("BLOCK_M", "BLOCK_N", "BLOCK_K") if mode == "int8" else ("BLOCK_M", "BLOCK_N",
                                                                          "GPI")
     args += [(p, L.UserConfigured()) for p in tunable]
@@ -94,7 +98,7 @@ def _spec(mode: str, m, n: int, k: int, group: int, dtype) -> UserKernelSpec:
 
 
 def _gemv_nodes(n: Node, mode: str, group: int, q: str, s: str, types, names: set[str],
-                views: dict[str, str]) -> list[Node]:
+                views: dict[str, str], tc: bool = False) -> list[Node]:
     """The decode GEMM of quantised weight (q, s) as a `mixed_mm` the GEMV template reads:
     the views of q (and int4's s) it takes, made once per weight (`views`), then the GEMM."""
     src = n.source or n.name
@@ -109,7 +113,8 @@ def _gemv_nodes(n: Node, mode: str, group: int, q: str, s: str, types, names: se
         return views[x]
 
     ins = (n.inputs[0], transposed(q), s if mode == "int8" else transposed(s))
-    attrs = (("side", "b"), ("scaled", True)) + ((("group", group),) if mode == "int4" else ())
+    attrs = (("side", "b"), ("scaled", True)) + ((("group", group),) if mode == "int4" else ()) \
+        + ((("tc", True),) if tc else ())
     return out + [Node(n.name, "mixed_mm", ins, n.type, attrs, src)]
 
 
@@ -125,7 +130,8 @@ def quantize_gemms(g: Graph, weights: dict[str, torch.Tensor], mode: str, group:
     names = set(types)
     new_weights = dict(weights)
     added: list[Input] = []
-    done: dict[tuple[str, bool], tuple[str, str]] = {}  # (weight, transposed) -> (q, s)
+    # (weight, transposed) -> (q, s, stored in pack_tc's order)
+    done: dict[tuple[str, bool], tuple[str, str, bool]] = {}
     views: dict[str, str] = {}  # quantised weight -> its permute (the GEMV's B / scales)
     out_nodes: list[Node] = []
     for n in g.nodes:
@@ -141,20 +147,23 @@ def quantize_gemms(g: Graph, weights: dict[str, torch.Tensor], mode: str, group:
         wname, transposed = wb
         if (wname, transposed) not in done:
             w = weights[wname] if transposed else weights[wname].t()  # [N, K]
-            parts = QG.quantize_int8(w) if mode == "int8" else QG.quantize_int4(w, group)
+            # (the order depends on the dtype and group only: prefill and decode graphs of
+            # one package store the same bytes)
+            tc = mode == "int4" and QG.tc_packed(group, n.type.dtype.torch)
+            parts = QG.quantize_int8(w) if mode == "int8" else QG.quantize_int4(w, group, tc)
             new = quantised_inputs(wname, mode, SUFFIX[mode], parts, weights_in, names)
             added += [i for i, _ in new]
             new_weights.update((i.name, t) for i, t in new)
-            done[(wname, transposed)] = (new[0][0].name, new[1][0].name)
-        q, s = done[(wname, transposed)]
+            done[(wname, transposed)] = (new[0][0].name, new[1][0].name, tc)
+        q, s, tc = done[(wname, transposed)]
         m = shape[0]
         if gemv and _static_int(m) == 1:
             new_types = {**types, **{i.name: i.type for i in added}}
-            out_nodes += _gemv_nodes(n, mode, group, q, s, new_types, names, views)
+            out_nodes += _gemv_nodes(n, mode, group, q, s, new_types, names, views, tc)
             continue
         out = fresh_name(f"{n.name}_out", names)
         call = fresh_name(f"{n.name}_{SUFFIX[mode]}", names)
-        spec = _spec(mode, m, nn_, k, group, n.type.dtype)
+        spec = _spec(mode, m, nn_, k, group, n.type.dtype, tc)
         src = n.source or n.name
         out_nodes += [
             Node(out, "full", (), n.type, (("value", 0),), src),

@@ -170,14 +170,17 @@ def _gpu():
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("mode", ["int8", "int4"])
+@pytest.mark.parametrize("mode,group,tc", [("int8", 64, "0"), ("int4", 64, "0"),
+                                           ("int4", 128, "0"), ("int4", 128, "1")])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_quantised_step_on_gpu_matches_dequantised_eager(tmp_path, mode, dtype):
+def test_quantised_step_on_gpu_matches_dequantised_eager(tmp_path, mode, group, tc, dtype,
+                                                         monkeypatch):
     """Each step's logits against the dequantised model in fp32 on the same token stream
     (kiln's own greedy tokens fed to every model): fp32 within 1e-3 of the logit scale with the
-    same tokens; bf16 within twice eager bf16's own error plus 1% of the scale."""
+    same tokens; bf16 within twice eager bf16's own error plus 1% of the scale. (tc "1": bf16
+    int4 in groups of 128 are the tensor-core GEMVs, test_int4_tc_gemv.py.)"""
     _gpu()
-    group = 64
+    monkeypatch.setenv("KILN_INT4_TC", tc)
     model = hf_decoder.llama(layers=2, hidden=256, heads=8, kv_heads=4, vocab=512, inter=512)
     w, ep = hf_decoder.export_step(model, 32, device="cuda", dtype=dtype)
     # the reference quantises the weights kiln quantises: those of the package's dtype
