@@ -9,9 +9,9 @@ target supports them; a refusal is reported, not fatal): decode GEMVs of kiln's 
 reading the quantised weights (norm / silu*mul prologues, residual epilogues fused);
 `int8-calls` / `int4-calls` are the same without the Triton GEMM backend, so every quantised
 GEMM is a call of quant_gemv.py's kernels (the path before the GEMV template took them; no
-fusions); `int4-tc` is int4 with KILN_INT4_TC=1 (bf16, groups >= 128): the tensor-core
-weight order, each decode GEMV the tensor-core kernel or the CUDA-core loop, as the tuner
-picks.
+fusions); `int4-tc` is int4 with Options(cuda_int4_tensor_core=True) (bf16, groups >= 128):
+the tensor-core weight order, each decode GEMV the tensor-core kernel or the CUDA-core loop,
+as the tuner picks.
 The last column is each package's decode speed over the unquantised one's ("none",
 device greedy) in the same run.
 
@@ -33,7 +33,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
-import os
 import statistics
 import subprocess
 import sys
@@ -98,11 +97,11 @@ def main() -> None:
         row = {"weights": wq}
         rows.append(row)
         mode = wq.removesuffix("-calls").removesuffix("-tc")
-        opts = kiln.Options(autotune=bool(a.autotune), weight_quant=mode,
-                            weight_quant_group=a.group)
         # int4-tc: bf16 int4 weights in the tensor-core order, the decode GEMVs the tensor-core
         # kernel or the CUDA-core loop as the tuner picks (quant_gemv.py `tc_packed`)
-        os.environ["KILN_INT4_TC"] = "1" if wq.endswith("-tc") else "0"
+        opts = kiln.Options(autotune=bool(a.autotune), weight_quant=mode,
+                            weight_quant_group=a.group,
+                            cuda_int4_tensor_core=wq.endswith("-tc"))
         if wq.endswith("-calls"):  # no Triton GEMMs: quant_gemv.py's kernel calls at M = 1
             opts = dataclasses.replace(opts, gemm_backends=tuple(
                 b for b in opts.gemm_backends if b != "triton"))

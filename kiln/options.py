@@ -238,6 +238,12 @@ class Options:
     #: multiplies integers (AVX-512 VNNI vpdpbusd where the -march has it, exact integer loops
     #: elsewhere): faster, less accurate (measure with kiln.models.quant_report).
     weight_quant_kernel: str = "dequant"
+    #: CUDA builds, weight_quant="int4": bfloat16 weights in power-of-two groups >= 128 stored
+    #: in the tensor-core GEMV's order (gemm/int4_tc.py), the launch tuner choosing per decode
+    #: GEMV between the tensor-core kernel and the CUDA-core loop on that order; prefill reads
+    #: the same bytes. Off by default: slower end to end so far (BENCHMARKS.md, eighteenth
+    #: session, s18q4).
+    cuda_int4_tensor_core: bool = False
     #: CPU builds: bfloat16 GEMMs with a constant bf16 weight run kiln_qgemm.h's bf16 kernel
     #: (vdpbf16ps where the -march has avx512_bf16; fp32 products elsewhere), the weight stored
     #: repacked, not converted; False widens them to float32 GEMMs like other bf16 ops.

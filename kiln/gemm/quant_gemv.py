@@ -11,7 +11,8 @@ y[M, N] = x[M, K] @ W^T for a constant W [N, K] (nn.Linear's layout) stored quan
 
 Rows of q / p are contiguous along K: a program streams whole 16-byte vectors of each row.
 int4 weights of bfloat16 GEMMs in groups of 128 or more can be stored (`tc_packed`,
-KILN_INT4_TC=1; off by default: slower end to end so far) in the tensor-core GEMV's order
+Options.cuda_int4_tensor_core; off by default: slower end to end so far) in the tensor-core
+GEMV's order
 (kiln/gemm/int4_tc.py `pack_tc`: the same bytes, each 16 bytes' nibbles permuted): the decode
 GEMV (targets/cuda/gemv_template.py) multiplies them
 on the tensor cores, and `qlinear_int4_kernel` (TC) reads each nibble's x at its K position
@@ -32,7 +33,6 @@ without a GPU. Needs Triton (kiln[cuda])."""
 
 from __future__ import annotations
 
-import os
 
 import torch
 
@@ -169,17 +169,14 @@ def quantize_int8(w: torch.Tensor) -> dict[str, torch.Tensor]:
     return {"q": q.contiguous(), "s": s.float().contiguous()}
 
 
-def tc_packed(group: int, dtype) -> bool:
+def tc_packed(group: int, dtype, enabled: bool) -> bool:
     """Whether int4 weights of a GEMM of `dtype` in groups of `group` are stored in the
-    tensor-core GEMV's order (module docstring): with KILN_INT4_TC=1, bfloat16 (the mma's
-    operands) and a power-of-two group >= int4_tc.MIN_GROUP. Off by default (KILN_INT4_TC=0,
-    the plain order and the CUDA-core GEMV): a 16-layer 8B-shaped bf16 decode took 1.499
+    tensor-core GEMV's order (module docstring): `enabled` (Options.cuda_int4_tensor_core),
+    bfloat16 (the mma's operands) and a power-of-two group >= int4_tc.MIN_GROUP. Off by
+    default (the plain order and the CUDA-core GEMV): a 16-layer 8B-shaped bf16 decode took 1.499
     ms/token with it on an H100, against 1.305 without on another H100 in the sixteenth
     session (bf16 2.889 / 2.883 on the two; BENCHMARKS.md, eighteenth session, s18q4)."""
-    v = os.environ.get("KILN_INT4_TC", "0")
-    if v not in ("0", "1"):
-        raise ValueError(f"KILN_INT4_TC: expected 0 or 1, got {v!r}")
-    return v == "1" and dtype == torch.bfloat16 and group >= MIN_GROUP and \
+    return enabled and dtype == torch.bfloat16 and group >= MIN_GROUP and \
         group & (group - 1) == 0
 
 

@@ -38,7 +38,7 @@ Quantised weights (weight-only, a `MixedGemm` on side "b"; kiln/gemm/gemv.py):
                 this step's products, so a step's weight loads are in flight while the
                 previous step is converted (`_prefetch`; KILN_GEMV_PREFETCH=2 / 3 keep
                 that many steps in flight, in slots rotated each step: measured slower).
-  int4, tensor-core order (`MixedGemm.tc`, KILN_INT4_TC=1; bf16, groups >= 128)
+  int4, tensor-core order (`MixedGemm.tc`, Options.cuda_int4_tensor_core; bf16, groups >= 128)
                 config variant "": kiln/gemm/int4_tc.py's mma kernel with the prologue and
                 epilogue (`_print_int4_tc_gemv`); variant "cc": the loop above, its x
                 positions permuted to that order. The launch tuner picks per GEMV."""

@@ -61,7 +61,8 @@ def quant_weights(state: Build) -> Build:
     o = state.options
     graph, weights = quantize_gemms(state.graph, dict(state.weights), o.weight_quant,
                                     o.weight_quant_group,
-                                    gemv=GemmBackend.TRITON in o.gemm_backends)
+                                    gemv=GemmBackend.TRITON in o.gemm_backends,
+                                    tc_order=o.cuda_int4_tensor_core)
     return replace(state, graph=graph, weights=weights)
 
 
@@ -119,9 +120,10 @@ def _gemv_nodes(n: Node, mode: str, group: int, q: str, s: str, types, names: se
 
 
 def quantize_gemms(g: Graph, weights: dict[str, torch.Tensor], mode: str, group: int,
-                   gemv: bool = False) -> tuple[Graph, dict[str, torch.Tensor]]:
+                   gemv: bool = False, tc_order: bool = False
+                   ) -> tuple[Graph, dict[str, torch.Tensor]]:
     """`gemv`: M = 1 GEMMs become GEMMs of the quantised weight (the GEMV template's; needs
-    the Triton GEMM backend), not kernel calls."""
+    the Triton GEMM backend), not kernel calls. `tc_order`: Options.cuda_int4_tensor_core."""
     if mode not in QG.KERNELS:
         return g, weights
     types = g.types()
@@ -149,7 +151,7 @@ def quantize_gemms(g: Graph, weights: dict[str, torch.Tensor], mode: str, group:
             w = weights[wname] if transposed else weights[wname].t()  # [N, K]
             # (the order depends on the dtype and group only: prefill and decode graphs of
             # one package store the same bytes)
-            tc = mode == "int4" and QG.tc_packed(group, n.type.dtype.torch)
+            tc = mode == "int4" and QG.tc_packed(group, n.type.dtype.torch, tc_order)
             parts = QG.quantize_int8(w) if mode == "int8" else QG.quantize_int4(w, group, tc)
             new = quantised_inputs(wname, mode, SUFFIX[mode], parts, weights_in, names)
             added += [i for i, _ in new]

@@ -1,7 +1,7 @@
-"""The tensor-core int4 GEMV in the compiler (issue 17 item 4): with KILN_INT4_TC=1 (off by
-default: slower end to end on an H100 so far), bfloat16 GEMMs with int4 weights in groups of
-128 or more are stored in kiln/gemm/int4_tc.py's `pack_tc` order (quant_gemv.py
-`tc_packed`), the decode GEMVs print the tensor-core kernel (gemv_template.py
+"""The tensor-core int4 GEMV in the compiler (issue 17 item 4): with
+Options(cuda_int4_tensor_core=True) (off by default: slower end to end on an H100 so far),
+bfloat16 GEMMs with int4 weights in groups of 128 or more are stored in
+kiln/gemm/int4_tc.py's `pack_tc` order (quant_gemv.py `tc_packed`), the decode GEMVs print the tensor-core kernel (gemv_template.py
 `_print_int4_tc_gemv`: `_kl_i4mma`, inline PTX) with the template's prologue and epilogue, and
 the prefill kernel (`qlinear_int4_kernel`, TC) reads the same bytes.
 
@@ -38,25 +38,16 @@ from test_gemv import GluLin, NormLin, ResLin  # noqa: E402
 from test_quant_gemv import build, dequantised, gemv_kernels, quant_opts  # noqa: E402
 
 
-@pytest.fixture(autouse=True)
-def _tc_on(monkeypatch):
-    """Every test here compiles with the tensor-core order (subprocesses inherit it)."""
-    monkeypatch.setenv("KILN_INT4_TC", "1")
-
-
-def test_packing_rule_and_its_switch(monkeypatch):
-    """KILN_INT4_TC=1: bf16 and a power-of-two group >= 128 only; unset or 0: the plain order;
-    a bad value is named."""
-    assert QG.tc_packed(128, torch.bfloat16) and QG.tc_packed(256, torch.bfloat16)
-    assert not QG.tc_packed(64, torch.bfloat16) and not QG.tc_packed(128, torch.float16)
-    assert not QG.tc_packed(128, torch.float32) and not QG.tc_packed(192, torch.bfloat16)
-    monkeypatch.setenv("KILN_INT4_TC", "0")
-    assert not QG.tc_packed(128, torch.bfloat16)
-    monkeypatch.delenv("KILN_INT4_TC")
-    assert not QG.tc_packed(128, torch.bfloat16)
-    monkeypatch.setenv("KILN_INT4_TC", "yes")
-    with pytest.raises(ValueError, match="KILN_INT4_TC: expected 0 or 1, got 'yes'"):
-        QG.tc_packed(128, torch.bfloat16)
+def test_packing_rule_and_its_switch():
+    """Options.cuda_int4_tensor_core: bf16 and a power-of-two group >= 128 only; off (the
+    default): the plain order."""
+    assert QG.tc_packed(128, torch.bfloat16, True) and QG.tc_packed(256, torch.bfloat16, True)
+    assert not QG.tc_packed(64, torch.bfloat16, True)
+    assert not QG.tc_packed(128, torch.float16, True)
+    assert not QG.tc_packed(128, torch.float32, True)
+    assert not QG.tc_packed(192, torch.bfloat16, True)
+    assert not QG.tc_packed(128, torch.bfloat16, False)
+    assert not Options().cuda_int4_tensor_core
 
 
 def test_tc_storage_is_the_same_values():
@@ -154,7 +145,7 @@ _GEMVS = textwrap.dedent("""
     bad = []
     for name, m, shapes, dtype, mode, group, _ in tc_cases():
         os.environ.pop("KILN_GEMV_PREFETCH", None)  # (as the cubins were built: cached)
-        m, args, cm = build(name, m, shapes, dtype, mode, group)
+        m, args, cm = build(name, m, shapes, dtype, mode, group, tc=True)
         b = cm.built
         bufs = {x.name: x for x in b.loop.buffers}
         hints = {s.name: s.example for s in b.graph.symbols}
@@ -199,7 +190,7 @@ def test_tc_gemvs_match_float64_in_triton_interpreter():
     heuristic's config, in the interpreter, against float64 math of the dequantised module
     within twice eager's own bf16 error plus 1e-2 of the scale."""
     for c in tc_cases():  # cubins first: the AOT compiler cannot run in interpreter mode
-        build(*c[:6])
+        build(*c[:6], tc=True)
     _run(_GEMVS, {"TRITON_INTERPRET": "1"})
 
 
@@ -207,14 +198,14 @@ def test_decode_step_prints_the_tc_gemvs():
     """A bf16 Llama decode step with int4 group 128: every GEMV the tensor-core kernel (the
     same kernel list as bf16: prologues and epilogues kept), weights stored tc-ordered, and
     the tuner's candidates both kernels (variant "cc": the CUDA-core loop on that order);
-    group 64, or KILN_INT4_TC unset, keep the CUDA-core kernel."""
+    group 64, or the option off, keep the CUDA-core kernel."""
     pytest.importorskip("transformers")
     from kiln.models.hf_decoder import export_step, llama
     model = llama(layers=1, hidden=256, heads=4, kv_heads=2, vocab=256, inter=512)
     _, ep = export_step(model, 16, dtype=torch.bfloat16)
     base = [k["kind"] for k in kiln.compile(ep, device="cuda", options=replace(
         quant_opts("none"), weight_quant="none")).manifest["kernels"]]
-    cm = kiln.compile(ep, device="cuda", options=quant_opts("int4", 128))
+    cm = kiln.compile(ep, device="cuda", options=quant_opts("int4", 128, tc=True))
     assert [k["kind"] for k in cm.manifest["kernels"]] == base
     gv = gemv_kernels(cm)
     assert len(gv) == 4 + 1 and all(":tc" in k["gemm"]["problem"] for k in gv), gv
@@ -230,9 +221,8 @@ def test_decode_step_prints_the_tc_gemvs():
         assert cands[0].variant == "" and {c.variant for c in cands} == {"", "cc"}, cands
     c = GemvConfig(8, 1024, 2, 1, "cc")
     assert GemvConfig.from_json(c.to_json()) == c and c.name.endswith("_cc")
-    cm64 = kiln.compile(ep, device="cuda", options=quant_opts("int4", 64))
+    cm64 = kiln.compile(ep, device="cuda", options=quant_opts("int4", 64, tc=True))
     assert "= _kl_i4mma(" not in cm64.built.sources["kernels_triton.py"]
-    os.environ.pop("KILN_INT4_TC")  # (the fixture restores it)
     plain = kiln.compile(ep, device="cuda", options=quant_opts("int4", 128))
     assert "= _kl_i4mma(" not in plain.built.sources["kernels_triton.py"]
     assert not any(":tc" in k["gemm"]["problem"] for k in gemv_kernels(plain))
@@ -248,7 +238,7 @@ def test_package_prefill_reads_what_decode_stores():
     model = hf_decoder.llama(layers=1, hidden=256, heads=8, kv_heads=4, vocab=512,
                              inter=512).to(torch.bfloat16)
     cm = kiln.compile(hf_decoder.export_decoder(model, max_cache_len=64, max_prompt=16),
-                      device="cuda", options=quant_opts("int4", 128))
+                      device="cuda", options=quant_opts("int4", 128, tc=True))
     pre, dec = cm.entries["prefill"], cm.entries["decode"]
     calls = re.findall(r"# (\w+) <- \w+: config 0 \{([^}]*)\}", pre.sources["user_triton.py"])
     assert len(calls) == 5 and all("'TC': True" in c for _, c in calls), calls
@@ -270,7 +260,8 @@ def test_tc_gemv_compiles_to_the_layout_the_ptx_assumes():
     from kiln.targets.cuda.kernel import Config, print_triton_module
     from kiln.targets.cuda.wrapper_py import import_triton_module
     from kiln.toolchain.triton_aot import compile_kernel
-    _, _, cm = build("norm", NormLin(1024, 300), [(1, 1024)], torch.bfloat16, "int4", 128)
+    _, _, cm = build("norm", NormLin(1024, 300), [(1, 1024)], torch.bfloat16, "int4", 128,
+                     tc=True)
     b = cm.built
     bufs = {x.name: x for x in b.loop.buffers}
     (gk,) = [s for s in L.flat_steps(b.steps) if getattr(getattr(s, "config", None), "gemv",
@@ -320,7 +311,8 @@ def test_tc_gemvs_match_float64_on_gpu(tmp_path, case):
     eager_m = dequantised(m, "int4", group, dtype).cuda()
     args = tuple(torch.randn(s).to(dtype) for s in shapes)
     cm = kiln.compile(torch.export.export(m, args), device="cuda",
-                      options=Options(weight_quant="int4", weight_quant_group=group))
+                      options=Options(weight_quant="int4", weight_quant_group=group,
+                                      cuda_int4_tensor_core=True))
     assert gemv_kernels(cm) and "= _kl_i4mma(" in cm.built.sources["kernels_triton.py"]
     runner = cm.load(tmp_path / "q.kiln", device="cuda:0")
     for seed in (1, 2):
@@ -351,7 +343,7 @@ def test_bf16_int4_package_prefill_reads_the_tc_order(tmp_path):
     deq = fake_quant(copy.deepcopy(model).float(), "int4", 128)  # the bf16 weights quantised
     progs = hf_decoder.export_decoder(model, max_cache_len=64, max_prompt=16)
     cm = kiln.compile(progs, device="cuda", options=Options(
-        weight_quant="int4", weight_quant_group=128, autotune=False))
+        weight_quant="int4", weight_quant_group=128, autotune=False, cuda_int4_tensor_core=True))
     assert "= _kl_i4mma(" in cm.entries["decode"].sources["kernels_triton.py"]
     r = kiln.load(cm.save(tmp_path / "p.kiln"), device="cuda")
     ids = torch.tensor([[3, 17, 42, 5, 99, 7, 1, 2]], device="cuda")

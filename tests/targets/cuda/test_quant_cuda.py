@@ -173,20 +173,19 @@ def _gpu():
 @pytest.mark.parametrize("mode,group,tc", [("int8", 64, "0"), ("int4", 64, "0"),
                                            ("int4", 128, "0"), ("int4", 128, "1")])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_quantised_step_on_gpu_matches_dequantised_eager(tmp_path, mode, group, tc, dtype,
-                                                         monkeypatch):
+def test_quantised_step_on_gpu_matches_dequantised_eager(tmp_path, mode, group, tc, dtype):
     """Each step's logits against the dequantised model in fp32 on the same token stream
     (kiln's own greedy tokens fed to every model): fp32 within 1e-3 of the logit scale with the
     same tokens; bf16 within twice eager bf16's own error plus 1% of the scale. (tc "1": bf16
     int4 in groups of 128 are the tensor-core GEMVs, test_int4_tc_gemv.py.)"""
     _gpu()
-    monkeypatch.setenv("KILN_INT4_TC", tc)
     model = hf_decoder.llama(layers=2, hidden=256, heads=8, kv_heads=4, vocab=512, inter=512)
     w, ep = hf_decoder.export_step(model, 32, device="cuda", dtype=dtype)
     # the reference quantises the weights kiln quantises: those of the package's dtype
     deq = fake_quant(copy.deepcopy(model).float(), mode, group)
     cm = kiln.compile(ep, device="cuda", options=Options(weight_quant=mode, autotune=False,
-                                                         weight_quant_group=group))
+                                                         weight_quant_group=group,
+                                                         cuda_int4_tensor_core=tc == "1"))
     r = cm.load(tmp_path / "q.kiln", device="cuda")
     prompt = [3, 17, 42, 5, 99]
     got_t, got = hf_decoder.greedy_steps(lambda i, c: r(input_ids=i, cache_position=c),

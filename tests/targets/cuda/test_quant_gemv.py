@@ -42,8 +42,8 @@ from test_gemv import GluLin, NormLin, ResLin  # noqa: E402
 OPTS = Options(cuda_archs=(90,), autotune=False)
 
 
-def quant_opts(mode: str, group: int = 128, base: Options = OPTS) -> Options:
-    return replace(base, weight_quant=mode, weight_quant_group=group)
+def quant_opts(mode: str, group: int = 128, base: Options = OPTS, tc: bool = False) -> Options:
+    return replace(base, weight_quant=mode, weight_quant_group=group, cuda_int4_tensor_core=tc)
 
 
 def dequantised(model: torch.nn.Module, mode: str, group: int, dtype) -> torch.nn.Module:
@@ -77,12 +77,12 @@ def cases():
     ]
 
 
-def build(name, m, shapes, dtype, mode, group, seed=0):
+def build(name, m, shapes, dtype, mode, group, seed=0, tc=False):
     torch.manual_seed(seed)
     m = m.to(dtype).eval()
     args = tuple(torch.randn(s).to(dtype) for s in shapes)
     cm = kiln.compile(torch.export.export(m, args), device="cuda",
-                      options=quant_opts(mode, group or 128))
+                      options=quant_opts(mode, group or 128, tc=tc))
     return m, args, cm
 
 
