@@ -1,16 +1,16 @@
 """The tensor-core int4 GEMV in the compiler (issue 17 item 4): with
 Options(cuda_int4_tensor_core=True) (off by default: slower end to end on an H100 so far),
-bfloat16 GEMMs with int4 weights in groups of 128 or more are stored in
-kiln/gemm/int4_tc.py's `pack_tc` order (quant_gemv.py `tc_packed`), the decode GEMVs print the tensor-core kernel (gemv_template.py
-`_print_int4_tc_gemv`: `_kl_i4mma`, inline PTX) with the template's prologue and epilogue, and
-the prefill kernel (`qlinear_int4_kernel`, TC) reads the same bytes.
+bfloat16 GEMMs with int4 weights in groups of 128 or more are stored in kiln/gemm/int4_tc.py's
+`pack_tc` order (quant_gemv.py `tc_packed`), the decode GEMVs print the tensor-core kernel
+(gemv_template.py `_print_int4_tc_gemv`: `_kl_i4mma`, inline PTX) with the template's prologue
+and epilogue, and the prefill kernel (`qlinear_int4_kernel`, TC) reads the same bytes.
 
 Here (no GPU): the packing rule and its errors, the tensor-core configs, the prefill kernel's
-TC addressing and the printed GEMVs (RMSNorm, silu(gate) * up, bias + residual; prefetch
-depths 0-2) in Triton's interpreter, whose `_kl_i4mma` sums each element's own products,
-against float64 math of the dequantised module; a decode step's kernels, and the layout the
-PTX relies on in a GEMV compiled for sm_90. On a GPU (`-m gpu`): the same modules at decoder
-widths and a bf16 decode + prefill package against dequantised eager."""
+TC addressing and the printed GEMVs (RMSNorm, silu(gate) * up, bias + residual; prefetch depths
+0-2) in Triton's interpreter, whose `_kl_i4mma` sums each element's own products, against
+float64 math of the dequantised module; a decode step's kernels, and the layout the PTX relies
+on in a GEMV compiled for sm_90. On a GPU (`-m gpu`): the same modules at decoder widths and a
+bf16 decode + prefill package against dequantised eager."""
 
 from __future__ import annotations
 
