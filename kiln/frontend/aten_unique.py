@@ -34,6 +34,8 @@ from kiln.ir.graph import Node, TensorType
 
 # what eager's unique takes (its CPU and CUDA kernels: every real dtype and bool; complex and
 # float8 values are refused by eager too)
+#: unique_consecutive of these on CUDA stays ATen's (`_unique`)
+CUDA_CONSECUTIVE_ATEN = frozenset({"float16", "bfloat16", "float32", "float64"})
 UNIQUE_DTYPES = frozenset({"bool", "uint8", "int8", "int16", "int32", "int64", "float16",
                            "bfloat16", "float32", "float64"})
 
@@ -150,6 +152,11 @@ def _unique(b, n):
     if t.dtype.name not in UNIQUE_DTYPES:
         raise UnsupportedError(f"{n.target} (node {n.name}) of {t.dtype.name} values (kiln's "
                                f"unique takes {', '.join(sorted(UNIQUE_DTYPES))})")
+    if consecutive and not b.library_routines and t.dtype.name in CUDA_CONSECUTIVE_ATEN:
+        raise UnsupportedError(
+            f"{n.target} (node {n.name}) of {t.dtype.name} values on CUDA: on an H100, eager's "
+            "CUDA kernel kept other bits than kiln's first element for some run of equal "
+            "values (session 18, not yet explained); ATen's kernel runs it")
     _check_index_results(b, n)
     rows, rows_symbol = _result_rows(b, n)  # (before any node like n)
     numel = sympy.Mul(*t.shape)

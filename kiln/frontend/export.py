@@ -429,8 +429,9 @@ def convert_node(b: Builder, n: torch.fx.Node, gm: torch.fx.GraphModule) -> None
             b.fallback_why.setdefault(str(n.target), str(declined))
         except ScalarArgument:
             raise  # the importer rewrites the op (scalar_ops.py)
-        except UnsupportedError:
-            raise declined from None
+        except UnsupportedError as refused:
+            raise UnsupportedError(f"{declined}; the ATen fallback refused it too: {refused}"
+                                   ) from None
     if isinstance(result, list):
         b.multi[n.name] = result
     else:

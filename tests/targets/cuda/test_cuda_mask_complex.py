@@ -7,11 +7,9 @@ interpreter through the Python runner, and the CPU package runs, both against ea
 for bit (a set or a masked copy moves parts unchanged; `+=` of one update a place is one
 rounding of each part, as eager's): a transposed self and mask, a mask broadcast over self, a
 source longer than the selection, a 0-d self, inf / NaN parts. With a GPU (`-m gpu`): 1M-element
-masks against eager's CUDA kernels, bit for bit except the payload of a NaN part of a sum
-(`+=`: kiln adds with atomics, eager's CUDA index_put adds in registers; GPU adds do not keep
-the payload of a NaN operand, and the two need not make the same NaN). The first run of this
-test on the H100 (session 18) failed on complex64 `+=` for a reason it did not show (the
-test named no element then); this form has not run on a GPU."""
+masks against eager's CUDA kernels, bit for bit except the payload of a NaN part of a sum.
+`x[mask] += v` of complex values on CUDA is ATen's: on the H100 (session 18) kiln's NaN parts of
+complex64 `+=` differed from eager's CUDA kernel, unexplained; the CPU keeps kiln's own."""
 
 from __future__ import annotations
 
@@ -26,6 +24,8 @@ from kiln.options import Options
 from tests.difftest import Fn
 
 OPTS = Options(cuda_archs=(90,), autotune=False, cuda_graphs=False)
+# x[mask] += v of complex values stays ATen's on CUDA (frontend/aten_complex.py `_index_put`)
+CUDA_ATEN = ["aten::index_put.default"]
 _PART = {torch.complex64: torch.float32, torch.complex128: torch.float64}
 
 
@@ -111,8 +111,7 @@ def test_cuda_complex_masks_in_interpreter(tmp_path):
     g = torch.Generator().manual_seed(3)
     args = inputs(g, 6, 5)
     cm = kiln.compile(_export(args), device="cuda", options=OPTS)
-    assert cm.manifest["requires"]["aten_fallback_ops"] == []
-    assert cm.manifest["requires"]["libtorch"] is False
+    assert cm.manifest["requires"]["aten_fallback_ops"] == CUDA_ATEN
     calls = [args, inputs(g, 6, 5, p=0.9)]
     interpret_builds(tmp_path, _INTERP, [("complex", cm, calls)])
     ccm = kiln.compile(_export(args))
@@ -129,7 +128,7 @@ def test_gpu_complex_masks_match_eager(tmp_path):
     g = torch.Generator().manual_seed(4)
     args = inputs(g, 1000, 1000)
     cm = kiln.compile(_export(args), device="cuda")
-    assert cm.manifest["requires"]["aten_fallback_ops"] == []
+    assert cm.manifest["requires"]["aten_fallback_ops"] == CUDA_ATEN
     runner = kiln.load(cm.save(tmp_path / "c.kiln"), device="cuda:0")
     for call in (args, inputs(g, 1000, 1000, p=0.97)):
         dev = [a.cuda() for a in call]

@@ -117,7 +117,7 @@ def test_split_kernels_match_eager_in_interpreter(tmp_path):
 @pytest.mark.gpu
 def test_gpu_split_kernels_match_eager(tmp_path):
     for name, cm, calls in _cases(scale=16):
-        runner = kiln.load(cm.save(tmp_path / f"{name}.kiln"))
+        runner = kiln.load(cm.save(tmp_path / f"{name}.kiln"), device="cuda")
         m = globals()[name]()
         for args in calls:
             got = runner(*[a.cuda() for a in args])
