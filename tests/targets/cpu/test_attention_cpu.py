@@ -540,3 +540,51 @@ def test_probabilities_exact_scores(march, tmp_path):
         assert len(_attention_steps(c)) == 1
         want = torch.softmax(q.double(), dim=-1)
         torch.testing.assert_close(got.double(), want, rtol=2e-6, atol=1e-30)
+
+
+class _ConstMask(torch.nn.Module):
+    """Attention under a mask computed from no input: `keep` all keys (Hugging Face's
+    `arange(S) + 0 >= 0` for an encoder without a padding mask, or a float mask of zeros), or
+    only the first 5 (`first5`); `input` derives it from an input instead."""
+
+    def __init__(self, kind: str) -> None:
+        super().__init__()
+        self.kind = kind
+
+    def forward(self, q, k, v):
+        lq, s = q.shape[2], k.shape[2]
+        if self.kind == "keep":
+            m = (torch.arange(s) + 0 >= 0)[None, None, None, :].expand(1, 1, lq, s)
+        elif self.kind == "zeros":
+            m = torch.zeros(lq, s, dtype=q.dtype)
+        elif self.kind == "first5":
+            m = (torch.arange(s) < 5)[None, None, None, :].expand(1, 1, lq, s)
+        else:
+            m = (k[:, :, :, 0] > -1.0)[:, :, None, :]
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=m)
+
+
+@pytest.mark.parametrize("fused", [True, False])
+def test_constant_masks_keeping_every_key_are_dropped(fused, tmp_path):
+    """A mask computed from no input that keeps every key (bool all true, float all zeros) is
+    dropped at import (frontend/aten_high.py _noop_mask): the fused step runs unmasked; a
+    constant mask that drops keys, and a mask read from an input, stay. Each against eager in
+    float64 at two lengths (L != S), fused and decomposed."""
+    kinds = ("keep", "zeros", "first5", "input")
+    want_mask = {"keep": 0, "zeros": 0, "first5": 1, "input": 1}  # MASK_KINDS: none, bool
+    for kind in kinds:
+        for lq, s in ((37, 197), (9, 6)):
+            g = torch.Generator().manual_seed(90 + s)
+            args = _qkv(g, 1, 3, lq, s, 64, torch.float32)
+            model = _ConstMask(kind)
+            c, runner = _compile(model, args, tmp_path, f"const_{kind}_{fused}_{s}",
+                                 fused=fused)
+            steps = _attention_steps(c)
+            if fused:
+                assert [dict(st.attrs)["mask"] for st in steps] == [want_mask[kind]], kind
+            else:
+                assert not steps
+            try:
+                _check(runner(*args), model, args, torch.float32)
+            except AssertionError as err:
+                raise AssertionError(f"{kind} at L {lq}, S {s}: {err}") from err

@@ -335,12 +335,14 @@ inline float mask_row(float *s, int64_t i, int64_t j0, int64_t nb, int64_t ncols
   int64_t lim = nb;  // keys [0, lim) of the block may be kept
   if (causal) lim = i - j0 + 1 < nb ? i - j0 + 1 : nb;
   if (lim < 0) lim = 0;
-  if (kind == 1 && ms == 1 && lim == BN) {  // W bools at a time
+  if (kind == 1 && ms == 1) {  // W bools at a time (also in a partial block), then the rest
     const vec drop = splat(ninf);
-    for (int c = 0; c < BN; c += W) {
+    int64_t c = 0;
+    for (; c + W <= lim; c += W) {
       const ivec keep = __builtin_convertvector(*reinterpret_cast<const bvec *>(mr + c), ivec);
       store(s + c, keep != 0 ? load(s + c) : drop);
     }
+    for (; c < lim; ++c) s[c] = mr[c] ? s[c] : ninf;
   } else if (kind == 1) {
     for (int64_t c = 0; c < lim; ++c) s[c] = mr[c * ms] ? s[c] : ninf;
   } else if (kind == 2 && ms == 1) {
