@@ -16,9 +16,11 @@
  * with a register-tiled micro-kernel (RM query rows x CV vectors of keys, query values
  * broadcast), causal / mask applied, each row's running maximum and sum updated (online
  * softmax: earlier contributions rescaled by exp(m_old - m_new)), P @ V accumulated into a
- * [QC, Ev] float accumulator. The [L, S] scores are never stored; causal tiles stop at their
- * last row's key. Tasks are cut into one contiguous share per thread of kr::parallel_for
- * (kiln's pool), each share allocating its scratch once. Up to ROWS_DIRECT query rows (a
+ * [QC, Ev] float accumulator (each row's sum kept as a vector until the end). A partial last
+ * key block computes only the vectors holding its keys (S = 197: 13 vectors, not 16). The
+ * [L, S] scores are never stored; causal tiles stop at their last row's key. Tasks are cut
+ * into one contiguous share per thread of kr::parallel_for (kiln's pool), each share
+ * allocating its scratch once. Up to ROWS_DIRECT query rows (a
  * decode step) packing would cost more than the products: `run_rows` takes one (batch, head,
  * row) per task and reads the keys and values in place (dot products along E, 4 keys at a
  * time; the output in registers while the keys are walked), its [S] scores in scratch
