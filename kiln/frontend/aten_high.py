@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import math
 import operator
+import weakref
 
 import sympy
 
@@ -297,11 +298,28 @@ def _noop_mask(mask, scores_shape) -> bool:
     mask all true, or a float mask all zeros, broadcast to the scores without growing them.
     Hugging Face builds such masks for encoders called without a padding mask (ViT:
     `arange(S) + 0 >= 0`, expanded to [1, 1, L, S]); the attention then skips the mask's work
-    (the fused CPU kernel: 15% of ViT-base's attention). The mask's subgraph (at most
-    _NOOP_MASK_NODES deterministic ops of static shapes) is evaluated here with torch; it stays
-    in the program if anything else reads it."""
+    (the fused CPU kernel: 15% of ViT-base's attention). The mask stays in the program if
+    anything else reads it."""
     if not isinstance(mask, torch.fx.Node):
         return False
+    shape = tuple(mask.meta["val"].shape) if isinstance(mask.meta.get("val"), torch.Tensor) \
+        else None
+    if shape is None or len(shape) > len(scores_shape) or any(
+            not isinstance(d, int) or (d != 1 and not (
+                sympy.sympify(want).is_Integer and int(want) == d))
+            for d, want in zip(reversed(shape), reversed(scores_shape))):
+        return False
+    if mask not in _KEEPS_ALL:  # one evaluation per mask node (every layer reads the same one)
+        _KEEPS_ALL[mask] = _keeps_every_key(mask)
+    return _KEEPS_ALL[mask]
+
+
+_KEEPS_ALL: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def _keeps_every_key(mask) -> bool:
+    """The mask's subgraph (at most _NOOP_MASK_NODES deterministic ops of static shapes, no
+    placeholder: no input, weight or buffer) evaluated with torch: all true, or all zeros."""
     seen, stack = {}, [mask]
     while stack:
         x = stack.pop()
@@ -318,11 +336,6 @@ def _noop_mask(mask, scores_shape) -> bool:
             return False
         seen[x] = None
         stack.extend(x.all_input_nodes)
-    shape = tuple(mask.meta["val"].shape)
-    if len(shape) > len(scores_shape) or any(
-            d != 1 and not (sympy.sympify(want).is_Integer and int(want) == d)
-            for d, want in zip(reversed(shape), reversed(scores_shape))):
-        return False
     pos = {x: i for i, x in enumerate(mask.graph.nodes)}
     values: dict = {}
     with torch.no_grad():
