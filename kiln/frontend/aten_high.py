@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import math
 import operator
+import weakref
 
 import sympy
 
@@ -253,6 +254,8 @@ def _attention(b, n, qkv, mask, dropout, causal, scale, result, need_scores=Fals
     elif len(qs) != 4 or qs[:2] != ks[:2] or ks[:2] != vs[:2]:
         raise Fallback("attention with broadcast or non-4D operands")
     lq, s, e = qs[2], ks[2], qs[3]
+    if mask is not None and _noop_mask(mask, (*qs[:2], lq, s)):
+        mask = None
     if scale is None:
         if not e.is_Integer:
             raise Fallback("attention with a dynamic head size")
@@ -285,6 +288,65 @@ def _attention(b, n, qkv, mask, dropout, causal, scale, result, need_scores=Fals
                             dtype=to_dtype(dt))
     probs = _safe_softmax(b, n, scores, shape)
     return b.emit("matmul", [probs, b.tensor(v)], node, like=n, result=result), scores
+
+
+_NOOP_MASK_NODES, _NOOP_MASK_NUMEL = 64, 1 << 24
+
+
+def _noop_mask(mask, scores_shape) -> bool:
+    """Whether an attention mask computed from no input and no weight keeps every key: a bool
+    mask all true, or a float mask all zeros, broadcast to the scores without growing them.
+    Hugging Face builds such masks for encoders called without a padding mask (ViT:
+    `arange(S) + 0 >= 0`, expanded to [1, 1, L, S]); the attention then skips the mask's work
+    (the fused CPU kernel: 15% of ViT-base's attention). The mask stays in the program if
+    anything else reads it."""
+    if not isinstance(mask, torch.fx.Node):
+        return False
+    shape = tuple(mask.meta["val"].shape) if isinstance(mask.meta.get("val"), torch.Tensor) \
+        else None
+    if shape is None or len(shape) > len(scores_shape) or any(
+            not isinstance(d, int) or (d != 1 and not (
+                sympy.sympify(want).is_Integer and int(want) == d))
+            for d, want in zip(reversed(shape), reversed(scores_shape))):
+        return False
+    if mask not in _KEEPS_ALL:  # one evaluation per mask node (every layer reads the same one)
+        _KEEPS_ALL[mask] = _keeps_every_key(mask)
+    return _KEEPS_ALL[mask]
+
+
+_KEEPS_ALL: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def _keeps_every_key(mask) -> bool:
+    """The mask's subgraph (at most _NOOP_MASK_NODES deterministic ops of static shapes, no
+    placeholder: no input, weight or buffer) evaluated with torch: all true, or all zeros."""
+    seen, stack = {}, [mask]
+    while stack:
+        x = stack.pop()
+        if x in seen:
+            continue
+        t = x.target
+        if x.op != "call_function" or len(seen) >= _NOOP_MASK_NODES or not isinstance(
+                t, torch._ops.OpOverload) or torch.Tag.nondeterministic_seeded in t.tags or any(
+                a.alias_info is not None and a.alias_info.is_write for a in t._schema.arguments):
+            return False
+        val = x.meta.get("val")
+        if not isinstance(val, torch.Tensor) or not all(isinstance(d, int) for d in val.shape) \
+                or val.numel() > _NOOP_MASK_NUMEL:
+            return False
+        seen[x] = None
+        stack.extend(x.all_input_nodes)
+    pos = {x: i for i, x in enumerate(mask.graph.nodes)}
+    values: dict = {}
+    with torch.no_grad():
+        for x in sorted(seen, key=pos.__getitem__):
+            args = torch.fx.node.map_arg(x.args, values.__getitem__)
+            kwargs = torch.fx.node.map_arg(x.kwargs, values.__getitem__)
+            values[x] = x.target(*args, **kwargs)
+    out = values[mask]
+    if out.dtype == torch.bool:
+        return bool(out.all())
+    return out.is_floating_point() and bool((out == 0).all())
 
 
 def _logsumexp(b, n, scores, shape):

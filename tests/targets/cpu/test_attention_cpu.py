@@ -462,3 +462,129 @@ class _Drop(torch.nn.Module):
 
     def forward(self, q, k, v, _unused):
         return self.inner(q, k, v)
+
+
+def _ramped(g, b, h, lq, s, e, slope):
+    """q, k, v whose scores q . k_j grow (slope > 0) or fall (slope < 0) along the keys by
+    about `slope` a key, plus noise: the row maximum moves into every key block, or stays in
+    the first."""
+    q, k, v = _qkv(g, b, h, lq, s, e, torch.float32)
+    u = torch.zeros(e)
+    u[0] = 1.0
+    q = q * 0.1 + u * 4.0
+    k = k * 0.1 + u * (slope / 4.0) * torch.arange(s, dtype=torch.float32)[:, None]
+    return q, k, v
+
+
+@pytest.mark.parametrize("march", ["native", "x86-64-v3"])
+def test_partial_blocks_running_maximum_and_exp_range(march, tmp_path):
+    """The packed path's partial last key block (only the vectors holding its keys are
+    computed: 1, 2 or 3 vectors past the full passes, and fewer keys than one vector), the
+    online softmax's rescaling (scores that grow along the keys move the maximum into every
+    block; falling ones keep it in the first; the row sums stay vectors to the end) and exp
+    over its range (scale 6: scores down to about -700, underflowing to 0, beside -inf and a
+    float mask), each against eager in float64 over several lengths."""
+    models = [Sdpa(), Sdpa(), Sdpa("float"), Sdpa(causal=True, scale=6.0)]
+
+    def draw(seed, lq, s):
+        g = torch.Generator().manual_seed(seed)
+        return [(*_ramped(g, 1, 2, lq, s, 64, 0.05), torch.zeros(1)),
+                (*_ramped(g, 2, 1, lq, s, 48, -0.05), torch.zeros(1)),
+                (*_qkv(g, 1, 3, lq, s, 32, torch.float32), _mask(g, (lq, s), (2,))),
+                (*_qkv(g, 1, 2, lq, s, 40, torch.float32), torch.zeros(1))]
+
+    per_case = draw(40, 37, 148)
+
+    def dyn(k):
+        lq, s = _dims(k, "L", "S")
+        return ({2: lq}, {2: s}, {2: s}, {0: lq, 1: s} if k == 2 else {})
+
+    model = Each([m if k == 2 else _Drop(m) for k, m in enumerate(models)], 4)
+    flat = tuple(t for a in per_case for t in a)
+    shapes = (tuple(d for k in range(len(per_case)) for d in dyn(k)),)
+    c = kiln.compile(model, flat, dynamic_shapes=shapes, options=kiln.Options(march=march))
+    runner = kiln.load(c.save(tmp_path / f"partial_{march}.kiln"))
+    assert len(_attention_steps(c)) == len(models)
+    # S past whole blocks of 128 by 20 (2 vectors of 16), 69 (4 + 1), 44 (3), 3 (fewer than a
+    # vector); S under a vector, and long rows of several blocks
+    for seed, (lq, s) in enumerate([(37, 148), (50, 197), (9, 300), (12, 131), (7, 5),
+                                    (130, 515), (197, 197)]):
+        per_case = draw(41 + seed, lq, s)
+        outs = runner(*(t for a in per_case for t in a))
+        for k, (got, m, a) in enumerate(zip(outs, models, per_case)):
+            try:
+                _check(got, m, a if k == 2 else a[:3], torch.float32)
+            except AssertionError as err:
+                raise AssertionError(f"case {k} at L {lq}, S {s}: {err}") from err
+        assert torch.equal(outs[2][:, :, 2], torch.zeros_like(outs[2][:, :, 2]))
+
+
+@pytest.mark.parametrize("march", ["native", "x86-64-v3"])
+def test_probabilities_exact_scores(march, tmp_path):
+    """Keys and values the identity and scale 1: every score is a query value exactly and the
+    output row is softmax(q) itself, so the kernel's exp is checked to float32 accuracy
+    (rtol 2e-6: a few ulp of exp plus the row sum's rounding), not behind the products'
+    rounding. Queries of spread 30 and one of -1e4 reach the exp's underflow to 0; S 64 and
+    200 (a partial block)."""
+    model = Sdpa(scale=1.0)
+    for s in (64, 200):
+        g = torch.Generator().manual_seed(60 + s)
+        # multiples of 1/64: score - maximum is exact in float32 (else its rounding, up to
+        # |x| 2^-24, would be the error measured)
+        q = torch.round(torch.randn(1, 2, 9, s, generator=g) * 30.0 * 64) / 64
+        q[0, 0, 3, 5] = -1e4
+        eye = torch.eye(s)[None, None].expand(1, 2, s, s).contiguous()
+        args = (q, eye, eye)
+        c = kiln.compile(model, args, options=kiln.Options(march=march))
+        got = kiln.load(c.save(tmp_path / f"exact_{march}_{s}.kiln"))(*args)
+        assert len(_attention_steps(c)) == 1
+        want = torch.softmax(q.double(), dim=-1)
+        torch.testing.assert_close(got.double(), want, rtol=2e-6, atol=1e-30)
+
+
+class _ConstMask(torch.nn.Module):
+    """Attention under a mask computed from no input: `keep` all keys (Hugging Face's
+    `arange(S) + 0 >= 0` for an encoder without a padding mask, or a float mask of zeros), or
+    only the first 5 (`first5`); `input` derives it from an input instead."""
+
+    def __init__(self, kind: str) -> None:
+        super().__init__()
+        self.kind = kind
+
+    def forward(self, q, k, v):
+        lq, s = q.shape[2], k.shape[2]
+        if self.kind == "keep":
+            m = (torch.arange(s) + 0 >= 0)[None, None, None, :].expand(1, 1, lq, s)
+        elif self.kind == "zeros":
+            m = torch.zeros(lq, s, dtype=q.dtype)
+        elif self.kind == "first5":
+            m = (torch.arange(s) < 5)[None, None, None, :].expand(1, 1, lq, s)
+        else:
+            m = (k[:, :, :, 0] > -1.0)[:, :, None, :]
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=m)
+
+
+@pytest.mark.parametrize("fused", [True, False])
+def test_constant_masks_keeping_every_key_are_dropped(fused, tmp_path):
+    """A mask computed from no input that keeps every key (bool all true, float all zeros) is
+    dropped at import (frontend/aten_high.py _noop_mask): the fused step runs unmasked; a
+    constant mask that drops keys, and a mask read from an input, stay. Each against eager in
+    float64 at two lengths (L != S), fused and decomposed."""
+    kinds = ("keep", "zeros", "first5", "input")
+    want_mask = {"keep": 0, "zeros": 0, "first5": 1, "input": 1}  # MASK_KINDS: none, bool
+    for kind in kinds:
+        for lq, s in ((37, 197), (9, 6)):
+            g = torch.Generator().manual_seed(90 + s)
+            args = _qkv(g, 1, 3, lq, s, 64, torch.float32)
+            model = _ConstMask(kind)
+            c, runner = _compile(model, args, tmp_path, f"const_{kind}_{fused}_{s}",
+                                 fused=fused)
+            steps = _attention_steps(c)
+            if fused:
+                assert [dict(st.attrs)["mask"] for st in steps] == [want_mask[kind]], kind
+            else:
+                assert not steps
+            try:
+                _check(runner(*args), model, args, torch.float32)
+            except AssertionError as err:
+                raise AssertionError(f"{kind} at L {lq}, S {s}: {err}") from err

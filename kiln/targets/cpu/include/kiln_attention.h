@@ -16,9 +16,11 @@
  * with a register-tiled micro-kernel (RM query rows x CV vectors of keys, query values
  * broadcast), causal / mask applied, each row's running maximum and sum updated (online
  * softmax: earlier contributions rescaled by exp(m_old - m_new)), P @ V accumulated into a
- * [QC, Ev] float accumulator. The [L, S] scores are never stored; causal tiles stop at their
- * last row's key. Tasks are cut into one contiguous share per thread of kr::parallel_for
- * (kiln's pool), each share allocating its scratch once. Up to ROWS_DIRECT query rows (a
+ * [QC, Ev] float accumulator (each row's sum kept as a vector until the end). A partial last
+ * key block computes only the vectors holding its keys (S = 197: 13 vectors, not 16). The
+ * [L, S] scores are never stored; causal tiles stop at their last row's key. Tasks are cut
+ * into one contiguous share per thread of kr::parallel_for (kiln's pool), each share
+ * allocating its scratch once. Up to ROWS_DIRECT query rows (a
  * decode step) packing would cost more than the products: `run_rows` takes one (batch, head,
  * row) per task and reads the keys and values in place (dot products along E, 4 keys at a
  * time; the output in registers while the keys are walked), its [S] scores in scratch
@@ -145,6 +147,34 @@ inline vec load_kv(const kr::bfloat16 *p) {
   return r;
 }
 
+#if defined(__AVX512F__)
+/* exp of each lane, 2^n * 2^f with n = round(x log2 e) (vrndscaleps), f = x log2 e - n in
+ * [-1/2, 1/2] (log2 e in two parts, by FMAs), 2^f a degree-5 minimax polynomial (relative
+ * error 7.5e-8) and 2^n applied by vscalefps: within 3 ulp of exp over [-87.3, 88.7] (the
+ * float64 reference, every float32 of [-87.3, 0] checked), 12 instructions against the 16
+ * of the integer-exponent form below (at head size 64, exp was a quarter of the operations
+ * of a score). 0 below -87.3 (so -inf gives 0), NaN for NaN, +inf above 88.7. */
+inline vec exp_v(vec x) {
+  const vec hi = splat(88.72283935546875f), lo = splat(-87.33654022216797f);
+  vec xc = x > hi ? hi : x;
+  xc = xc < lo ? lo : xc;
+  const vec n = (vec)_mm512_roundscale_ps((__m512)(xc * 1.442695022e+00f),
+                                          _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  // FMAs by intrinsics (x log2 e - n unrounded, whatever -ffp-contract says): a * b + c
+  const auto fma = [](vec a, vec b, float c) {
+    return (vec)_mm512_fmadd_ps((__m512)a, (__m512)b, _mm512_set1_ps(c));
+  };
+  vec f = (vec)_mm512_fmsub_ps((__m512)xc, _mm512_set1_ps(1.442695022e+00f), (__m512)n);
+  f = (vec)_mm512_fmadd_ps((__m512)xc, _mm512_set1_ps(1.925963034e-08f), (__m512)f);
+  vec y = fma(f, splat(1.327647129e-03f), 9.675540961e-03f);
+  y = fma(y, f, 5.550713092e-02f);
+  y = fma(y, f, 2.402212024e-01f);
+  y = fma(y, f, 6.931469440e-01f);
+  y = fma(y, f, 1.000000119e+00f);
+  y = (vec)_mm512_scalef_ps((__m512)y, (__m512)n);  // 2^128 overflows to inf
+  return x < lo ? splat(0.0f) : y;
+}
+#else
 /* exp of each lane (Cephes' expf polynomial, about 1 ulp): 0 below -87.3 (so -inf gives 0),
  * NaN for NaN, +inf above 88.7. */
 inline vec exp_v(vec x) {
@@ -169,6 +199,7 @@ inline vec exp_v(vec x) {
   y = x > hi ? splat(std::numeric_limits<float>::infinity()) : y;
   return x < lo ? splat(0.0f) : y;
 }
+#endif
 
 struct Shape {
   int64_t B, H, L, S, E, Ev, G;
@@ -207,6 +238,17 @@ template <int H = W / 2> inline float lane_max(vec x) {
 /* the maximum of s[0, n) (n a multiple of W); NaN when some element is NaN */
 inline float row_max(const float *s, int64_t n) {
   const float ninf = -std::numeric_limits<float>::infinity();
+#if defined(__AVX512F__)
+  // NaN lanes gathered in a mask register: one lane reduction (the maximum), not two
+  __m512 top = _mm512_set1_ps(ninf);
+  __mmask16 nan = 0;
+  for (int64_t c = 0; c < n; c += W) {
+    const __m512 x = _mm512_loadu_ps(s + c);
+    nan |= _mm512_cmp_ps_mask(x, x, _CMP_UNORD_Q);
+    top = _mm512_max_ps(x, top);
+  }
+  return nan ? std::numeric_limits<float>::quiet_NaN() : lane_max((vec)top);
+#else
   vec top = splat(ninf), nan = splat(0.0f);
   for (int64_t c = 0; c < n; c += W) {
     const vec x = load(s + c);
@@ -215,28 +257,41 @@ inline float row_max(const float *s, int64_t n) {
   }
   const float any_nan = lane_sum(nan);  // lanes 0 or NaN: NaN when one is
   return any_nan != any_nan ? any_nan : lane_max(top);
+#endif
 }
 
-/* s[rows][BN] = Qp[rows][E] . Kt[E][BN] for a tile of RM rows (and CV * W keys a pass) */
-inline void scores_tile(const float *qp, int64_t E, const float *kt, float *s) {
-  for (int c0 = 0; c0 < BN; c0 += CV * W) {
-    vec acc[RM][CV];
-    for (int r = 0; r < RM; ++r)
-      for (int c = 0; c < CV; ++c) acc[r][c] = splat(0.0f);
-    for (int64_t e = 0; e < E; ++e) {
-      vec kv[CV];
-      for (int c = 0; c < CV; ++c) {
-        kv[c] = load(kt + e * BN + c0 + c * W);
-        in_register(kv[c]);
-      }
-      for (int r = 0; r < RM; ++r) {
-        const vec qb = splat(qp[r * E + e]);
-        for (int c = 0; c < CV; ++c) acc[r][c] += qb * kv[c];
-      }
+/* s[rows][0, ncols) = Qp[rows][E] . Kt[E][0, ncols) for a tile of RM rows (ncols a multiple
+ * of W, at most BN: a partial last key block computes only the vectors holding its keys),
+ * CV * W keys a pass, then the rest in one pass of fewer vectors (inlined: as a call, the
+ * passes of S = 128 were 3% slower than the loop they replaced) */
+template <int C>
+__attribute__((always_inline)) inline void scores_pass(const float *qp, int64_t E,
+                                                       const float *kt, float *s) {
+  vec acc[RM][C];
+  for (int r = 0; r < RM; ++r)
+    for (int c = 0; c < C; ++c) acc[r][c] = splat(0.0f);
+  for (int64_t e = 0; e < E; ++e) {
+    vec kv[C];
+    for (int c = 0; c < C; ++c) {
+      kv[c] = load(kt + e * BN + c * W);
+      in_register(kv[c]);
     }
-    for (int r = 0; r < RM; ++r)
-      for (int c = 0; c < CV; ++c) store(s + r * BN + c0 + c * W, acc[r][c]);
+    for (int r = 0; r < RM; ++r) {
+      const vec qb = splat(qp[r * E + e]);
+      for (int c = 0; c < C; ++c) acc[r][c] += qb * kv[c];
+    }
   }
+  for (int r = 0; r < RM; ++r)
+    for (int c = 0; c < C; ++c) store(s + r * BN + c * W, acc[r][c]);
+}
+
+inline void scores_tile(const float *qp, int64_t E, const float *kt, float *s, int64_t ncols) {
+  int64_t c0 = 0;
+  for (; c0 + CV * W <= ncols; c0 += CV * W) scores_pass<CV>(qp, E, kt + c0, s + c0);
+  const int64_t left = (ncols - c0) / W;  // 0 to CV - 1 vectors
+  if (left == 3) scores_pass<3>(qp, E, kt + c0, s + c0);
+  if (left == 2) scores_pass<2>(qp, E, kt + c0, s + c0);
+  if (left == 1) scores_pass<1>(qp, E, kt + c0, s + c0);
 }
 
 /* o[rows][evp] += p[rows][:nb] @ vp[:nb][evp] for a tile of RM rows */
@@ -271,22 +326,25 @@ inline void pv_tile(const float *p, int64_t nb, const float *vp, int64_t evp, fl
   }
 }
 
-/* the [BN]-key block's scores s of query row i (global), keys [j0, j0 + BN): causal and mask
- * applied (a dropped key becomes -inf), keys past `nb` -inf; returns the block's maximum (NaN
- * when a score is NaN: the row then becomes NaN, as eager's softmax) */
+/* the block's scores s of query row i (global), keys [j0, j0 + ncols) (ncols a multiple of W,
+ * at most BN): causal and mask applied (a dropped key becomes -inf), keys past `nb` -inf;
+ * returns the block's maximum (NaN when a score is NaN: the row then becomes NaN, as eager's
+ * softmax) */
 template <class M>
-inline float mask_row(float *s, int64_t i, int64_t j0, int64_t nb, bool causal, int kind,
-                      const M *mr, int64_t ms) {
+inline float mask_row(float *s, int64_t i, int64_t j0, int64_t nb, int64_t ncols, bool causal,
+                      int kind, const M *mr, int64_t ms) {
   const float ninf = -std::numeric_limits<float>::infinity();
   int64_t lim = nb;  // keys [0, lim) of the block may be kept
   if (causal) lim = i - j0 + 1 < nb ? i - j0 + 1 : nb;
   if (lim < 0) lim = 0;
-  if (kind == 1 && ms == 1 && lim == BN) {  // W bools at a time
+  if (kind == 1 && ms == 1) {  // W bools at a time (also in a partial block), then the rest
     const vec drop = splat(ninf);
-    for (int c = 0; c < BN; c += W) {
+    int64_t c = 0;
+    for (; c + W <= lim; c += W) {
       const ivec keep = __builtin_convertvector(*reinterpret_cast<const bvec *>(mr + c), ivec);
       store(s + c, keep != 0 ? load(s + c) : drop);
     }
+    for (; c < lim; ++c) s[c] = mr[c] ? s[c] : ninf;
   } else if (kind == 1) {
     for (int64_t c = 0; c < lim; ++c) s[c] = mr[c * ms] ? s[c] : ninf;
   } else if (kind == 2 && ms == 1) {
@@ -295,8 +353,8 @@ inline float mask_row(float *s, int64_t i, int64_t j0, int64_t nb, bool causal, 
   } else if (kind == 2) {
     for (int64_t c = 0; c < lim; ++c) s[c] += float(mr[c * ms]);
   }
-  for (int64_t c = lim; c < BN; ++c) s[c] = ninf;
-  return row_max(s, BN);
+  for (int64_t c = lim; c < ncols; ++c) s[c] = ninf;
+  return row_max(s, ncols);
 }
 
 template <class M>
@@ -316,8 +374,9 @@ bool run(const Shape &sh, float *out, bool causal, float scale, const View<float
   const float ninf = -std::numeric_limits<float>::infinity();
   kr::parallel_for(heads * parts, nt, [&](int64_t t0, int64_t t1) {
     // scratch of this share: Kt [blocks][E][BN], Vp [blocks * BN][evp], Qp [QC, E],
-    // P [QC, BN], O [QC, evp], row maxima and sums
-    const size_t n = size_t(blocks * BN * (E + evp) + QC * E + QC * BN + QC * evp + 2 * QC);
+    // P [QC, BN], O [QC, evp], row maxima [QC] and sums [QC][W]
+    const size_t n =
+        size_t(blocks * BN * (E + evp) + QC * E + QC * BN + QC * evp + QC + QC * W);
     float *buf = static_cast<float *>(std::aligned_alloc(64, (n * 4 + 63) / 64 * 64));
     if (!buf) {
       failed = true;
@@ -346,25 +405,36 @@ bool run(const Shape &sh, float *out, bool causal, float scale, const View<float
       for (int64_t j = 0; j < kpad; ++j) {
         float *dst = vp + j * evp;
         const float *src = vb + j * v.stride(2);
-        if (j < kend)
-          for (int64_t d = 0; d < Ev; ++d) dst[d] = src[d * v.stride(3)];
-        else
-          for (int64_t d = 0; d < Ev; ++d) dst[d] = 0.0f;
-        for (int64_t d = Ev; d < evp; ++d) dst[d] = 0.0f;
+        int64_t d = 0;
+        if (j < kend && v.stride(3) == 1) {
+          std::memcpy(dst, src, sizeof(float) * size_t(Ev));
+          d = Ev;
+        } else if (j < kend) {
+          for (; d < Ev; ++d) dst[d] = src[d * v.stride(3)];
+        }
+        for (; d < evp; ++d) dst[d] = 0.0f;
       }
       for (int64_t ch = c0; ch < c1; ++ch) {
         const int64_t i0 = ch * QC;
         const int64_t rows = L - i0 < QC ? L - i0 : QC, tiles = (rows + RM - 1) / RM;
         std::memset(qp, 0, sizeof(float) * size_t(QC * E));
-        for (int64_t r = 0; r < rows; ++r)
-          for (int64_t e = 0; e < E; ++e)
-            qp[r * E + e] = qb[(i0 + r) * q.stride(2) + e * q.stride(3)] * scale;
+        for (int64_t r = 0; r < rows; ++r) {
+          const float *src = qb + (i0 + r) * q.stride(2);
+          if (q.stride(3) == 1) {
+#pragma omp simd
+            for (int64_t e = 0; e < E; ++e) qp[r * E + e] = src[e] * scale;
+          } else {
+            for (int64_t e = 0; e < E; ++e) qp[r * E + e] = src[e * q.stride(3)] * scale;
+          }
+        }
         std::memset(o, 0, sizeof(float) * size_t(QC * evp));
-        for (int64_t r = 0; r < QC; ++r) mx[r] = ninf, sum[r] = 0.0f;
+        for (int64_t r = 0; r < QC; ++r) mx[r] = ninf;
+        std::memset(sum, 0, sizeof(float) * size_t(QC * W));
         // causal: the chunk's last row sees keys [0, i0 + rows)
         const int64_t cend = causal ? (i0 + rows < S ? i0 + rows : S) : S;
-        for (int64_t j0 = 0; j0 < cend; j0 += BN) {
-          const int64_t nb = cend - j0 < BN ? cend - j0 : BN;
+        // one key block [j0, j0 + nb): ncols = the vectors holding its keys, a constant BN
+        // (the loops over the row unrolled) for every block but a partial last one
+        auto block = [&](int64_t j0, int64_t nb, auto ncols) {
           const float *ktb = kt + j0 * E, *vpb = vp + j0 * evp;
           // causal: a tile's rows see the block's keys [0, tile_keys(tl)); none: skipped
           auto tile_keys = [&](int64_t tl) {
@@ -372,33 +442,37 @@ bool run(const Shape &sh, float *out, bool causal, float scale, const View<float
             return !causal || n > nb ? nb : n;
           };
           for (int64_t tl = 0; tl < tiles; ++tl)
-            if (tile_keys(tl) > 0) scores_tile(qp + tl * RM * E, E, ktb, pp + tl * RM * BN);
+            if (tile_keys(tl) > 0)
+              scores_tile(qp + tl * RM * E, E, ktb, pp + tl * RM * BN, ncols);
           // online softmax of each row over this block: pp becomes the block's probabilities
           for (int64_t r = 0; r < rows; ++r) {
             const int64_t i = i0 + r;
             float *s = pp + r * BN;
             const M *mr = kind ? mask.data + b * mask.st[0] + h * mask.st[1] +
                                      i * mask.st[2] + j0 * mask.st[3] : nullptr;
-            const float top = mask_row(s, i, j0, nb, causal, kind, mr, mask.st[3]);
+            const float top = mask_row(s, i, j0, nb, ncols, causal, kind, mr, mask.st[3]);
             const float m_new = mx[r] > top ? mx[r] : top;
             if (m_new == ninf) {  // no key kept so far: nothing to add
-              for (int64_t c = 0; c < BN; ++c) s[c] = 0.0f;
+              for (int64_t c = 0; c < ncols; ++c) s[c] = 0.0f;
               continue;
             }
             vec total = splat(0.0f);
             const vec mv = splat(m_new);
-            for (int64_t c = 0; c < BN; c += W) {
+            for (int64_t c = 0; c < ncols; c += W) {
               const vec p = exp_v(load(s + c) - mv);
               store(s + c, p);
               total += p;
             }
-            const float tsum = lane_sum(total);
-            const float alpha = mx[r] == ninf ? 0.0f : std::exp(mx[r] - m_new);
-            if (alpha != 1.0f) {
+            // the row's running sum stays a vector (one lane reduction at the end); alpha
+            // rescales the earlier keys' sum and output where the maximum grew (NaN stays)
+            float *sr = sum + r * W;
+            if (mx[r] != m_new) {
+              const float alpha = mx[r] == ninf ? 0.0f : exp_v(splat(mx[r] - m_new))[0];
               float *orow = o + r * evp;
               for (int64_t d = 0; d < evp; d += W) store(orow + d, load(orow + d) * alpha);
+              store(sr, load(sr) * alpha);
             }
-            sum[r] = sum[r] * alpha + tsum;
+            store(sr, load(sr) + total);
             mx[r] = m_new;
           }
           for (int64_t r = rows; r < tiles * RM; ++r)
@@ -406,11 +480,18 @@ bool run(const Shape &sh, float *out, bool causal, float scale, const View<float
           for (int64_t tl = 0; tl < tiles; ++tl)
             if (tile_keys(tl) > 0)
               pv_tile(pp + tl * RM * BN, tile_keys(tl), vpb, evp, o + tl * RM * evp);
+        };
+        for (int64_t j0 = 0; j0 < cend; j0 += BN) {
+          if (cend - j0 >= BN)
+            block(j0, BN, std::integral_constant<int64_t, BN>());
+          else
+            block(j0, cend - j0, (cend - j0 + W - 1) / W * W);
         }
         float *ob = out + ((b * sh.H + h) * L + i0) * Ev;
         for (int64_t r = 0; r < rows; ++r) {
           // no key kept: zeros (eager); a NaN sum stays NaN
-          const float inv = sum[r] == 0.0f ? 0.0f : 1.0f / sum[r];
+          const float total = lane_sum(load(sum + r * W));
+          const float inv = total == 0.0f ? 0.0f : 1.0f / total;
           for (int64_t d = 0; d < Ev; ++d) ob[r * Ev + d] = o[r * evp + d] * inv;
         }
       }
@@ -525,7 +606,8 @@ bool run_rows(const Shape &sh, float *out, bool causal, float scale, const View<
           for (int64_t c = 0; c < BN; ++c) blk[c] = c < nb ? sc[j0 + c] : ninf;
           const M *mr = mask.data + b * mask.st[0] + h * mask.st[1] + i * mask.st[2] +
                         j0 * mask.st[3];
-          const float m = mask_row(blk, i, j0, nb < 0 ? 0 : nb, false, kind, mr, mask.st[3]);
+          const float m = mask_row(blk, i, j0, nb < 0 ? 0 : nb, BN, false, kind, mr,
+                                   mask.st[3]);
           for (int64_t c = 0; c < len; ++c) sc[j0 + c] = blk[c];
           top = (m > top || m != m) ? m : top;
         }
