@@ -262,23 +262,8 @@ def print_gemv_kernel(gk: GemmKernel, buffers: dict[str, L.Buffer],
     ]
     flat = linear_index([sympy.Symbol("i_m"), sympy.Symbol("i_n")],
                         contiguous_strides(g.shape))
-    if epi is None:
-        value = f"{dot}.to({TL_DTYPE[g.dtype]})"
-    else:
-        names = _epilogue_names(g, epi, flat)
-        lines.append("    xidx = rn * 0  # the outputs' shape, for loads of scalars")
-        rounded = _rounded(dot, g.dtype)
-        lines.append(f"    v_{g.name} = {rounded}  # the GEMM result, as its buffer would hold it")
-        lines.append(f"    # epilogue {epi.name} <- {', '.join(epi.source)}")
-        sc = _Scope(names, "mask", {g.name: f"v_{g.name}"}, counter)
-        value = text(sc.value(epi.body))
-        lines += render(sc.lines, "    ")
-    lines.append(f"    tl.store(buf_{out} + {to_tl(flat)}, {value}, mask=mask)")
-    sig["XBLOCK"] = sig["RBLOCK"] = "constexpr"
-    return TritonKernel(name, "\n".join(lines) + "\n", tuple(params), sig,
-                        Config(cfg.block_n, cfg.block_k, cfg.num_warps, cfg.num_stages,
-                               cfg.variant),
-                        g.n, gk.source)
+    lines += _stored(g, epi, flat, out, counter, "rn", dot)
+    return _gemv_kernel(name, lines, params, sig, cfg, gk)
 
 
 #: why the accumulators are narrower than the tile
@@ -542,23 +527,8 @@ def _print_quant_gemv(gk: GemmKernel, buffers: dict[str, L.Buffer], name: str) -
     ]
     flat = linear_index([sympy.Symbol("i_m"), sympy.Symbol("i_n")],
                         contiguous_strides(g.shape))
-    if epi is None:
-        value = f"tot.to({TL_DTYPE[g.dtype]})"
-    else:
-        names = _epilogue_names(g, epi, flat)
-        lines.append("    xidx = rn * 0  # the outputs' shape, for loads of scalars")
-        lines.append(f"    v_{g.name} = {_rounded('tot', g.dtype)}  # the GEMM result, as its "
-                     f"buffer would hold it")
-        lines.append(f"    # epilogue {epi.name} <- {', '.join(epi.source)}")
-        scope = _Scope(names, "mask", {g.name: f"v_{g.name}"}, counter)
-        value = text(scope.value(epi.body))
-        lines += render(scope.lines, "    ")
-    lines.append(f"    tl.store(buf_{out} + {to_tl(flat)}, {value}, mask=mask)")
-    sig["XBLOCK"] = sig["RBLOCK"] = "constexpr"
-    return TritonKernel(name, "\n".join(lines) + "\n", tuple(params), sig,
-                        Config(cfg.block_n, cfg.block_k, cfg.num_warps, cfg.num_stages,
-                               cfg.variant),
-                        g.n, gk.source)
+    lines += _stored(g, epi, flat, out, counter, "rn")
+    return _gemv_kernel(name, lines, params, sig, cfg, gk)
 
 
 def _tc_depth(n: int, steps: int) -> int:
@@ -718,23 +688,35 @@ def _print_int4_tc_gemv(gk: GemmKernel, buffers: dict[str, L.Buffer], name: str
                   f"    i_n = {rows}",
                   "    i_m = i_n * 0",
                   "    mask = i_n < N"]
-        if epi is None:
-            value = f"tot.to({TL_DTYPE[g.dtype]})"
-        else:
-            names = _epilogue_names(g, epi, flat)
-            lines.append("    xidx = i_n * 0  # the outputs' shape, for loads of scalars")
-            lines.append(f"    v_{g.name} = {_rounded('tot', g.dtype)}  # the GEMM result, as "
-                         f"its buffer would hold it")
-            lines.append(f"    # epilogue {epi.name} <- {', '.join(epi.source)}")
-            scope = _Scope(names, "mask", {g.name: f"v_{g.name}"}, counter)
-            value = text(scope.value(epi.body))
-            lines += render(scope.lines, "    ")
-        lines.append(f"    tl.store(buf_{out} + {to_tl(flat)}, {value}, mask=mask)")
+        lines += _stored(g, epi, flat, out, counter, "i_n")
+    return _gemv_kernel(name, lines, params, sig, cfg, gk)
+
+
+def _stored(g, epi, flat, out: str, counter, rows: str, total: str = "tot") -> list[str]:
+    """The lines storing a GEMV's sums `total` (outputs `rows`, masked by `mask`) at `flat`:
+    rounded to the output's dtype, or through the epilogue `epi` (None: none)."""
+    lines: list[str] = []
+    if epi is None:
+        value = f"{total}.to({TL_DTYPE[g.dtype]})"
+    else:
+        names = _epilogue_names(g, epi, flat)
+        lines.append(f"    xidx = {rows} * 0  # the outputs' shape, for loads of scalars")
+        lines.append(f"    v_{g.name} = {_rounded(total, g.dtype)}  # the GEMM result, as its "
+                     f"buffer would hold it")
+        lines.append(f"    # epilogue {epi.name} <- {', '.join(epi.source)}")
+        scope = _Scope(names, "mask", {g.name: f"v_{g.name}"}, counter)
+        value = text(scope.value(epi.body))
+        lines += render(scope.lines, "    ")
+    lines.append(f"    tl.store(buf_{out} + {to_tl(flat)}, {value}, mask=mask)")
+    return lines
+
+
+def _gemv_kernel(name: str, lines: list[str], params, sig: dict, cfg, gk) -> TritonKernel:
     sig["XBLOCK"] = sig["RBLOCK"] = "constexpr"
     return TritonKernel(name, "\n".join(lines) + "\n", tuple(params), sig,
                         Config(cfg.block_n, cfg.block_k, cfg.num_warps, cfg.num_stages,
                                cfg.variant),
-                        g.n, gk.source)
+                        gk.gemm.n, gk.source)
 
 
 def print_template_kernel(gk: GemmKernel, buffers: dict[str, L.Buffer],
