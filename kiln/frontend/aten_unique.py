@@ -176,23 +176,32 @@ def _unique(b, n):
     coords = nonzero_of_mask(b, n, first, rows_symbol, rows=rows, counted=counted)
     starts = b.emit("select", [coords], None, like=n, shape=(rows,), dtype=i64, dim=1, index=0)
     values = b.emit("index", [s, starts], None, like=n, result=0, positions=(0,), select=True)
+    return _results(b, n, values, starts, counted, perm, rows, numel, inverse, counts)
+
+
+def _results(b, n, values, starts, counted, perm, rows, length, inverse: bool, counts: bool):
+    """[values, inverse, counts] of unique over `length` elements (or rows): the inverse (when
+    asked) is the run of each sorted element, cumsum(first) - 1, scattered back to x's order
+    through the sort's `perm` (None: unsorted, unique_consecutive); the counts from the run
+    `starts`; an unasked result empty."""
+    i64 = dtypes.int64
     out = [values, None, None]
     if _used(n, 1):
         if not inverse:
             out[1] = _empty(b, n, 1)
-        else:  # the run of each sorted element, scattered back to x's order
-            run = b.emit("scan", [counted[0]], None, like=n, shape=(numel,), dtype=i64,
+        else:
+            run = b.emit("scan", [counted[0]], None, like=n, shape=(length,), dtype=i64,
                          kind="sum", dim=0)
-            run = b.emit("sub", [run, b.scalar(1, torch.int64)], None, like=n, shape=(numel,),
+            run = b.emit("sub", [run, b.scalar(1, torch.int64)], None, like=n, shape=(length,),
                          dtype=i64)
             if perm is not None:
                 zero = b.emit("expand", [b.scalar(0, torch.int64)], None, like=n,
-                              shape=(numel,), dtype=i64)
-                run = b.emit("scatter", [zero, perm, run], None, like=n, shape=(numel,),
+                              shape=(length,), dtype=i64)
+                run = b.emit("scatter", [zero, perm, run], None, like=n, shape=(length,),
                              dtype=i64, dim=0, mode="set", include_self=True)
             out[1] = b.emit("view", [run], None, like=n, result=1, dtype=i64)
     if _used(n, 2):
-        out[2] = _counts(b, n, starts, counted[1], rows, numel) if counts else _empty(b, n, 2)
+        out[2] = _counts(b, n, starts, counted[1], rows, length) if counts else _empty(b, n, 2)
     return out
 
 
@@ -295,21 +304,4 @@ def _unique_dim(b, n, dim: int, consecutive: bool, inverse: bool, counts: bool):
                                               shape=(rows,), dtype=i64, positions=(0,),
                                               select=True)
     values = b.emit("index", [x, pick], None, like=n, result=0, positions=(dim,), select=True)
-    out = [values, None, None]
-    if _used(n, 1):
-        if not inverse:
-            out[1] = _empty(b, n, 1)
-        else:
-            run = b.emit("scan", [counted[0]], None, like=n, shape=(big,), dtype=i64,
-                         kind="sum", dim=0)
-            run = b.emit("sub", [run, b.scalar(1, torch.int64)], None, like=n, shape=(big,),
-                         dtype=i64)
-            if perm is not None:
-                zero = b.emit("expand", [b.scalar(0, torch.int64)], None, like=n,
-                              shape=(big,), dtype=i64)
-                run = b.emit("scatter", [zero, perm, run], None, like=n, shape=(big,),
-                             dtype=i64, dim=0, mode="set", include_self=True)
-            out[1] = b.emit("view", [run], None, like=n, result=1, dtype=i64)
-    if _used(n, 2):
-        out[2] = _counts(b, n, starts, counted[1], rows, big) if counts else _empty(b, n, 2)
-    return out
+    return _results(b, n, values, starts, counted, perm, rows, big, inverse, counts)
