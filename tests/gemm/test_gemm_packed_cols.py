@@ -8,8 +8,8 @@ outer, 2 BLIS order, 3 BLIS order with the prefetch). A C++ program calls both a
 a strided A (row stride past K, and of 4 KiB), KC 256 (the smaller K block of the BLIS
 order from 8 row tiles up), 1 and 2 threads, with an epilogue that must
 see each element of C exactly once and after its last K block; checked against a long double
-reference. Built for the host's best level (AVX-512 where it has it), x86-64-v3 (AVX2) and
-plain x86-64 (SSE2)."""
+reference; and the same bits at 1 to 7 threads. Built for the host's best level (AVX-512
+where it has it), x86-64-v3 (AVX2) and plain x86-64 (SSE2)."""
 
 from __future__ import annotations
 
@@ -24,8 +24,10 @@ RT = Path(__file__).resolve().parents[2] / "kiln" / "runtime"
 
 SOURCE = r'''
 #include "kiln_model_rt.h"
+#include <array>
 #include <cmath>
 #include <cstdio>
+#include <cstring>
 #include <vector>
 
 template <class T, int NR, int MR, int KC, int Order>
@@ -108,6 +110,40 @@ static int shapes_small_kc() {
   return bad;
 }
 
+// The same GEMM at 1, 2, 3, 5 and 7 threads gives the same bits: the K block is chosen for the
+// whole GEMM, not per row group (mlp's 64 x 256 x 1024, cut into row groups of 12 at 2 threads,
+// once summed K in one block there and in KC blocks at 1 thread).
+template <class T, int NR, int MR, int KC>
+static int same_at_every_thread_count(int64_t M, int64_t N, int64_t K) {
+  std::vector<T> A(M * K), W(N * K), Bp((N + NR - 1) / NR * NR * K);
+  uint64_t s = 2463534242ull + M * 131 + N * 17 + K;
+  for (auto *v : {&A, &W})
+    for (auto &x : *v) {
+      s ^= s << 13; s ^= s >> 7; s ^= s << 17;
+      x = T((s >> 11) * 0x1p-53 - 0.5);
+    }
+  kr::pack_b_panels<T, NR>(K, N, W.data(), 1, K, Bp.data());
+  // 5 and 7 threads: a member's static share then holds a lone row group of MR rows
+  const int counts[] = {1, 2, 3, 5, 7};
+  std::vector<T> C[5];
+  for (int i = 0; i < 5; ++i) {
+    kr::tls().requested = counts[i];  // the run's budget, as libkiln sets it
+    kr::RunScope run(kr::tls().pool);
+    C[i].assign(M * N, T(0));
+    kr::gemm_cpp_packed<T, NR, MR, KC>(1, 1, M, N, K, A.data(), 0, 0, K, 1, Bp.data(),
+                                       C[i].data());
+  }
+  kr::tls().requested = 0;
+  for (int i = 1; i < 5; ++i)
+    if (std::memcmp(C[0].data(), C[i].data(), sizeof(T) * M * N)) {
+      const int nt = counts[i];
+      std::printf("FAIL threads %d differ from 1 thread: NR %d MR %d KC %d M %ld N %ld K %ld\n",
+                  nt, NR, MR, KC, (long)M, (long)N, (long)K);
+      return 1;
+    }
+  return 0;
+}
+
 int main() {
   kr::Pool pool;
   kr::RunScope scope(&pool);
@@ -116,6 +152,9 @@ int main() {
   // AVX2's; doubles at MR 8
   int bad = shapes<float, NR, 12, 64>() | shapes<float, NR, 6, 64>() |
             shapes<double, NRD, 8, 64>() | shapes_small_kc<float, NR, 12, 256>();
+  for (auto mnk : {std::array<int64_t, 3>{64, 8 * NR, 1024}, {24, 2 * NR, 2048},
+                   {64, 2 * NR + 3, 3 * 256 + 5}, {133, 8 * NR, 600}, {12, 4 * NR, 1024}})
+    bad |= same_at_every_thread_count<float, NR, 12, 256>(mnk[0], mnk[1], mnk[2]);
   std::printf(bad ? "FAILED\n" : "OK\n");
   return bad;
 }

@@ -284,12 +284,14 @@ constexpr int panels_per_tile() {
  * c[0:mrows][0:ncols] (+)= a (MR rows x kc) times NP consecutive K-blocks of panels (panel
  * q's block at b + q * pstride, row k at + k * NR); `ncols` (<= NP * NR) columns of c are
  * stored. Element (i, k) of a is a[k * MR + i] (packed, rows past mrows zero), or with
- * DirectA A itself, a[i * ars + k] (rows of contiguous k, read in place). */
+ * DirectA A itself, a[i * ars + k] (rows of contiguous k, read in place). `pfn` lines from
+ * `pf` on are prefetched (hint T0) one every second k, the rest after the loop. */
 template <class T, int NR, int MR, int NP, bool DirectA = false>
 KILN_NOCLONE inline void packed_tile(int64_t kc, const T *__restrict__ a,
                                      const T *__restrict__ b, int64_t pstride,
                                      T *__restrict__ c, int64_t ldc, int64_t mrows,
-                                     int64_t ncols, bool accumulate, int64_t ars = 0) {
+                                     int64_t ncols, bool accumulate, int64_t ars = 0,
+                                     const char *pf = nullptr, int64_t pfn = 0) {
   typedef PanelVec<T, NR> P;
   typedef typename P::type V;
   constexpr int L = P::lanes, NV = P::per_row;
@@ -329,7 +331,13 @@ KILN_NOCLONE inline void packed_tile(int64_t kc, const T *__restrict__ a,
 #pragma GCC unroll 8
       for (int g = 0; g < NG; ++g) rows[g] += sizeof(T);
     }
+    if ((k & 1) && pfn > 0) {
+      __builtin_prefetch(pf, 0, 3);
+      pf += 64;
+      --pfn;
+    }
   }
+  for (; pfn > 0; --pfn, pf += 64) __builtin_prefetch(pf, 0, 3);
 #pragma GCC unroll 32
   for (int i = 0; i < MR; ++i) {
     if (i >= mrows) break;
@@ -457,10 +465,12 @@ __attribute__((noinline)) void packed_row_block(int64_t mr, int64_t kc, const T 
     packed_rows<T, NR, 1>(kc, apack, bk, pstride, p0, p1, N, c, ldc, mr, accumulate);
 }
 
-/* One GEMM C[M][N] = A * B (B packed, `bp`) over panels [p0, p1): K blocked by KC when M has
- * more than one row block (each K block of the panels is reused by every row block while it is
- * in L2), else the whole K at once (C written once, B streamed once). `apack`: MR * K
- * elements (`packed_apack_size`). */
+/* One GEMM C[M][N] = A * B (B packed, `bp`) over panels [p0, p1): K blocked by `kc_block`
+ * (each K block of the panels is reused by every row block while it is in L2; the caller
+ * passes K itself for a GEMM of at most MR rows: C written once, B streamed once). The caller
+ * chooses the block for the whole GEMM, not per part of its rows: a row's sums then run in the
+ * same order whichever part or thread count computes it. `apack`: MR * K elements
+ * (`packed_apack_size`). */
 template <class T, int NR, int MR, int KC, class RowEpi = NoEpilogue>
 inline void packed_block(int64_t M, int64_t N, int64_t K, const T *a, int64_t ar, int64_t ac,
                          const T *bp, int64_t p0, int64_t p1, T *c, int64_t ldc, T *apack,
@@ -473,7 +483,7 @@ inline void packed_block(int64_t M, int64_t N, int64_t K, const T *a, int64_t ar
     epi(int64_t(0), M, j0, j1);
     return;
   }
-  const int64_t kcb = M <= MR ? K : kc_block, pstride = K * NR;
+  const int64_t kcb = kc_block, pstride = K * NR;
   for (int64_t pc = 0; pc < K; pc += kcb) {
     const int64_t kc = std::min<int64_t>(kcb, K - pc);
     for (int64_t ir = 0; ir < M; ir += MR) {
@@ -535,13 +545,17 @@ struct PanelPrefetch {
  * MR x NR x kc multiply-adds.
  * prefetch: while the full tiles sweep panel p, the K block `pf` names (the next panel's, or
  * the next K block's first: kc x NR, 512 lines of 64 bytes at KC 256) is asked into the
- * caches in even slices, one slice before each tile. Its K block starts a new run of 4 KiB
- * pages (pstride away), which the L2 streamer only follows after its first misses in each
- * page: without it the first tile of each panel waits for memory (a weight read once per
- * call, from DRAM or L3 in a model). Hint T0 (all levels): on the Zen 5 box's 2 threads,
- * 2-8% faster than T1 with the weight in DRAM or L3 and 1% slower with it in L2
- * (BENCHMARKS.md, s17enc). (A line asked per k inside the tile's loop instead was 13-20%
- * slower with the weight cached.) */
+ * caches in even slices, one slice per tile, a line every second k of the tile's loop
+ * (`packed_tile`'s pf / pfn; lines left at its end asked then). The slice asked all at once
+ * before the tile instead (the tree before the eighteenth session) stalled the tile behind
+ * its ~100 misses: with the weight in L3 (mlp's 64 x 1024 x 1024) 0.78-0.83 of that time
+ * on the Zen 5 box at 1 and 2 threads, 0.93-0.97 with it cached (BENCHMARKS.md, s18cpu).
+ * The block starts a new run of 4 KiB pages (pstride away), which the L2 streamer only
+ * follows after its first misses in each page: without it the first tile of each panel waits
+ * for memory (a weight read once per call, from DRAM or L3 in a model). Hint T0 (all
+ * levels): on the Zen 5 box's 2 threads, 2-8% faster than T1 with the weight in DRAM or L3
+ * and 1% slower with it in L2 (BENCHMARKS.md, s17enc). (s17enc's line per k in every tile,
+ * not a slice of the next block's, was 13-20% slower with the weight cached.) */
 template <class T, int NR, int MR>
 __attribute__((noinline)) void packed_cols_panels(int64_t mc, int64_t kc, const T *apack,
                                                   const T *bk, int64_t pstride, int64_t pg,
@@ -561,15 +575,15 @@ __attribute__((noinline)) void packed_cols_panels(int64_t mc, int64_t kc, const 
     const char *next = prefetch ? pf.target(p, pstride, rows) : nullptr;
     const int64_t lines = rows * NR * int64_t(sizeof(T)) / 64;
     for (int64_t t = 0; t < tiles; ++t) {
-      if (next)
-        for (int64_t l = lines * t / tiles, e = lines * (t + 1) / tiles; l < e; ++l)
-          __builtin_prefetch(next + l * 64, 0, 3);
+      const int64_t l0 = next ? lines * t / tiles : 0, l1 = next ? lines * (t + 1) / tiles : 0;
+      const char *pt = next ? next + l0 * 64 : nullptr;
       if (adirect)
         packed_tile<T, NR, MR, 1, true>(kc, adirect + t * MR * ar, b, pstride,
-                                        cp + t * MR * ldc, ldc, MR, ncols, accumulate, ar);
+                                        cp + t * MR * ldc, ldc, MR, ncols, accumulate, ar, pt,
+                                        l1 - l0);
       else
         packed_tile<T, NR, MR, 1>(kc, apack + t * MR * kc, b, pstride, cp + t * MR * ldc, ldc,
-                                  MR, ncols, accumulate);
+                                  MR, ncols, accumulate, 0, pt, l1 - l0);
     }
     if (mr == 0 || (MR > 4 && h == 4)) continue;
     if constexpr (MR > 8)

@@ -399,8 +399,11 @@ inline int gemm_cpp_packed(int64_t nb0, int64_t nb1, int64_t M, int64_t N, int64
   const int64_t tasks = row_parts * nb * groups;
   // one K block for the whole GEMM, chosen from all its rows: each row's sums then run in the
   // same order whichever thread, row group or loop order computes it (results independent of
-  // the thread count; tests/targets/cpu/test_pool.py)
-  const int64_t kcg = Order == 1 ? KC : packed_cols_kc<T, NR, MR, KC>(M);
+  // the thread count; tests/targets/cpu/test_pool.py, tests/gemm/test_gemm_packed_cols.py).
+  // At most MR rows: the whole K at once. (Chosen from a row group's rows instead, a GEMM of
+  // more rows cut into groups of MR at 2 threads summed K in one block there and in KC blocks
+  // at 1 thread: mlp's 64x256x1024 differed by 3e-7 between the two.)
+  const int64_t kcg = M <= MR ? K : Order == 1 ? KC : packed_cols_kc<T, NR, MR, KC>(M);
   parallel_for(tasks, int(std::min<int64_t>(threads, tasks)), [&](int64_t t0, int64_t t1) {
     static thread_local std::vector<T> apack;
     apack.resize(static_cast<size_t>(packed_apack_size<MR, KC>(M, K)));

@@ -168,7 +168,8 @@ def test_conv_direct_matches_eager(check, batch):
 
 # the work splits of kiln_conv.h: a spatial share per thread (activations outweigh weights;
 # shares that cross image boundaries, flat 1x1 rows split in pixel tiles), the dynamic split
-# over output-channel groups (weights outweigh activations), depthwise row bands; wide rows
+# over output-channel groups (weights outweigh activations; also weights past 1 MiB, which
+# the tap loop prefetches), depthwise row bands; wide rows
 # so the interior depthwise tiles (stride 1 and 2, 3x3 and 5x5) run
 SPLITS = [
     ("1x1_flat_spatial", dict(cout=24, k=1, bias=False, bn=True, act="relu6"), 16, (20, 23)),
@@ -177,6 +178,9 @@ SPLITS = [
      (13, 17)),
     ("1x1_weights_heavy", dict(cout=96, k=1, bn=True, act="relu"), 256, (5, 5)),
     ("3x3_s2_weights_heavy", dict(cout=72, k=3, stride=2, padding=1), 128, (7, 6)),
+    # weights past 1 MiB (11 x 13 blocks x 3x3: 1.3 MB): the tap loop prefetches them ahead
+    ("3x3_weights_past_l2", dict(cout=170, k=3, padding=1, residual=True, act="relu"), 200,
+     (6, 9)),
     ("dw3x3_s2_wide", dict(cout=40, k=3, stride=2, padding=1, groups=40, bn=True,
                            act="relu6"), 40, (9, 37)),
     ("dw3x3_s1_wide_res", dict(cout=32, k=3, padding=1, groups=32, residual=True), 32,

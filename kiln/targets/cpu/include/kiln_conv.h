@@ -187,6 +187,9 @@ struct Shape {
   // channel whose weights are all zero is skipped only while its values are finite
   // (`tail_finite`): an Inf / NaN there makes the outputs NaN, as 0 * Inf does in eager.
   int64_t icl;
+  // dense weights larger than an L2 (a model reads them from L3 or DRAM once per call): the
+  // tap loop prefetches each output block's weight stream this many floats ahead (0: none)
+  int64_t wpf;
 };
 
 /* The 1x1 tile's s.icl for dense weights [OCb][ICb][KHW][B][B]: 1 + the highest channel of
@@ -352,13 +355,17 @@ template <int B, int OB, int P, int L, int R, int ST = 0>
 __attribute__((always_inline)) inline void dense_tap(typename V<B>::type (&acc)[OB][P],
                                                      const float *wk, int64_t wstride,
                                                      const float *xp, int64_t step_, int64_t icn,
-                                                     int64_t xs_ch) {
+                                                     int64_t xs_ch, int64_t wpf) {
   typedef typename V<B>::type vec;
   // ST: the pixel step as a constant (the broadcasts' addresses then differ by immediate
   // displacements, not P index registers that GCC spilled and reloaded)
   const int64_t step = ST ? ST : step_;
   for (int64_t c = 0; c < icn; ++c) {
     vec wv[OB];
+    if (wpf)  // (Shape::wpf; an address past the weights' end is only prefetched: no fault)
+      for (int o = 0; o < OB; ++o)
+        __builtin_prefetch(reinterpret_cast<const void *>(
+            reinterpret_cast<uintptr_t>(wk + o * wstride + c * B) + wpf * sizeof(float)), 0, 3);
     for (int o = 0; o < OB; ++o) wv[o] = load<B>(wk + o * wstride + c * B);
     const float *xc = xp + c * xs_ch;
     for (int p = L; p < P - R; ++p) {
@@ -414,25 +421,26 @@ inline void dense_tile(const Shape &s, const float *x, const float *w, int64_t w
           if (nl + nr >= P) continue;
           if (nl <= 1 && nr <= 1) {
             if (nl == 0 && nr == 0)
-              dense_tap<B, OB, P, 0, 0>(acc, wk, wstride, xp, step, icn, s.xs_ch);
+              dense_tap<B, OB, P, 0, 0>(acc, wk, wstride, xp, step, icn, s.xs_ch, s.wpf);
             else if (nl == 1 && nr == 0)
-              dense_tap<B, OB, P, 1, 0>(acc, wk, wstride, xp, step, icn, s.xs_ch);
+              dense_tap<B, OB, P, 1, 0>(acc, wk, wstride, xp, step, icn, s.xs_ch, s.wpf);
             else if (nl == 0)
-              dense_tap<B, OB, P, 0, 1>(acc, wk, wstride, xp, step, icn, s.xs_ch);
+              dense_tap<B, OB, P, 0, 1>(acc, wk, wstride, xp, step, icn, s.xs_ch, s.wpf);
             else if constexpr (P > 2)
-              dense_tap<B, OB, P, 1, 1>(acc, wk, wstride, xp, step, icn, s.xs_ch);
+              dense_tap<B, OB, P, 1, 1>(acc, wk, wstride, xp, step, icn, s.xs_ch, s.wpf);
             continue;
           }
         }
         if constexpr (!CHECK) {
+          const int64_t xc = s.xs_ch, pf = s.wpf;
           switch (step) {
-            case 2: dense_tap<B, OB, P, 0, 0, 2>(acc, wk, wstride, xp, step, icn, s.xs_ch); break;
-            case 4: dense_tap<B, OB, P, 0, 0, 4>(acc, wk, wstride, xp, step, icn, s.xs_ch); break;
-            case B: dense_tap<B, OB, P, 0, 0, B>(acc, wk, wstride, xp, step, icn, s.xs_ch); break;
+            case 2: dense_tap<B, OB, P, 0, 0, 2>(acc, wk, wstride, xp, step, icn, xc, pf); break;
+            case 4: dense_tap<B, OB, P, 0, 0, 4>(acc, wk, wstride, xp, step, icn, xc, pf); break;
+            case B: dense_tap<B, OB, P, 0, 0, B>(acc, wk, wstride, xp, step, icn, xc, pf); break;
             case 2 * B:
-              dense_tap<B, OB, P, 0, 0, 2 * B>(acc, wk, wstride, xp, step, icn, s.xs_ch);
+              dense_tap<B, OB, P, 0, 0, 2 * B>(acc, wk, wstride, xp, step, icn, xc, pf);
               break;
-            default: dense_tap<B, OB, P, 0, 0>(acc, wk, wstride, xp, step, icn, s.xs_ch);
+            default: dense_tap<B, OB, P, 0, 0>(acc, wk, wstride, xp, step, icn, xc, pf);
           }
           continue;
         }
@@ -1014,6 +1022,12 @@ int run(kr::Err &e, const char *where, float *out, int64_t oh, int64_t ow, int64
     s.icl = active_channels<B>(w.data, s.ocb, s.icb, 1);
     if (s.icl && !tail_finite<B>(x.data, s.n, s.icb, s.ih * s.iw, s.icl)) s.icl = 0;
   }
+  // weights past 1 MiB (ResNet-18's 14x14 and 7x7 stages: 2.3 and 9.4 MB a convolution, read
+  // from L3 / DRAM in the model): prefetched 40 lines ahead in each output block's stream;
+  // 0.86-0.90 of the time of the 7x7 stage's convolutions at one thread on the Zen 5 box
+  // (BENCHMARKS.md, s18cpu). Smaller weights stay in L2 between the row tiles: no prefetch.
+  const int64_t wbytes = s.ocb * s.icb * s.kh * s.kw * s.icn * B * int64_t(sizeof(float));
+  s.wpf = wbytes > (int64_t(1) << 20) ? 40 * 64 / int64_t(sizeof(float)) : 0;
   if (s.kh == 1 && s.kw == 1 && sh == 1 && sw == 1 && ph == 0 && pw == 0 && s.ih == oh &&
       s.iw == ow) {  // 1x1: the pixels as one flat row
     s.iw = s.ih * s.iw, s.ow = s.iw, s.ih = 1, s.oh = 1, s.xs_row = s.iw * s.xs_pix;
