@@ -245,14 +245,8 @@ def print_gemv_kernel(gk: GemmKernel, buffers: dict[str, L.Buffer],
     ]
     dot = "tl.sum(acc, 1, keep_dims=True)"
     if factored is not None:
-        for r in pro.reductions:
-            regs[r.name] = f"v_{r.name}"
-            lines.append(f"    v_{r.name} = "
-                         f"{_rounded(f'tl.sum(acc_{r.name}, 1, keep_dims=True)', r.dtype)}")
-        lines.append(f"    # the row's whole-row factor, from {', '.join(regs)}")
-        sc = _Scope({}, "nmask", dict(regs), counter)
-        scale = text(sc.value(factored[0]))
-        lines += render(sc.lines, "    ")
+        scale = _row_factor(lines, pro, regs, "tl.sum({}, 1, keep_dims=True)", factored,
+                            counter, "nmask")
         lines.append(f"    dot = tl.sum(acc, 1, keep_dims=True) * {scale}")
         dot = "dot"
     lines += [
@@ -511,13 +505,7 @@ def _print_quant_gemv(gk: GemmKernel, buffers: dict[str, L.Buffer], name: str) -
     else:
         lines += ["    for k0 in range(0, K, RBLOCK):"] + step + use
     if factored is not None:
-        for r in pro.reductions:
-            regs[r.name] = f"v_{r.name}"
-            lines.append(f"    v_{r.name} = {_rounded(total.format(f'acc_{r.name}'), r.dtype)}")
-        lines.append(f"    # the row's whole-row factor, from {', '.join(regs)}")
-        scope = _Scope({}, "nmask", dict(regs), counter)
-        factor = text(scope.value(factored[0]))
-        lines += render(scope.lines, "    ")
+        factor = _row_factor(lines, pro, regs, total, factored, counter, "nmask")
         tot = f"{tot} * {factor}"
     lines += [
         f"    tot = {tot}",
@@ -672,13 +660,7 @@ def _print_int4_tc_gemv(gk: GemmKernel, buffers: dict[str, L.Buffer], name: str
         lines.append(f"    kc = K - {(depth - j) * rb}")
         lines += [_renamed(t, slot[j])[4:] for t in use]
     if factored is not None:
-        for r in pro.reductions:
-            regs[r.name] = f"v_{r.name}"
-            lines.append(f"    v_{r.name} = {_rounded(total.format(f'acc_{r.name}'), r.dtype)}")
-        lines.append(f"    # the row's whole-row factor, from {', '.join(regs)}")
-        scope = _Scope({}, "(r0 < N)", dict(regs), counter)
-        factor = text(scope.value(factored[0]))
-        lines += render(scope.lines, "    ")
+        factor = _row_factor(lines, pro, regs, total, factored, counter, "(r0 < N)")
     flat = linear_index([sympy.Symbol("i_m"), sympy.Symbol("i_n")],
                         contiguous_strides(g.shape))
     for half, rows, acc in (("r0", "r0", "acc_a"), ("r0 + H", "r0 + H", "acc_b")):
@@ -690,6 +672,21 @@ def _print_int4_tc_gemv(gk: GemmKernel, buffers: dict[str, L.Buffer], name: str
                   "    mask = i_n < N"]
         lines += _stored(g, epi, flat, out, counter, "i_n")
     return _gemv_kernel(name, lines, params, sig, cfg, gk)
+
+
+def _row_factor(lines: list[str], pro, regs: dict, total: str, factored, counter,
+                mask: str) -> str:
+    """Appends to `lines` the prologue's whole-row reductions (each `total` of its
+    accumulator, rounded to its dtype) and the factor computed from them; returns the
+    factor's expression."""
+    for r in pro.reductions:
+        regs[r.name] = f"v_{r.name}"
+        lines.append(f"    v_{r.name} = {_rounded(total.format(f'acc_{r.name}'), r.dtype)}")
+    lines.append(f"    # the row's whole-row factor, from {', '.join(regs)}")
+    scope = _Scope({}, mask, dict(regs), counter)
+    factor = text(scope.value(factored[0]))
+    lines += render(scope.lines, "    ")
+    return factor
 
 
 def _stored(g, epi, flat, out: str, counter, rows: str, total: str = "tot") -> list[str]:
