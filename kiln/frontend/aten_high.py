@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import math
 import operator
-import weakref
 
 import sympy
 
@@ -254,7 +253,7 @@ def _attention(b, n, qkv, mask, dropout, causal, scale, result, need_scores=Fals
     elif len(qs) != 4 or qs[:2] != ks[:2] or ks[:2] != vs[:2]:
         raise Fallback("attention with broadcast or non-4D operands")
     lq, s, e = qs[2], ks[2], qs[3]
-    if mask is not None and _noop_mask(mask, (*qs[:2], lq, s)):
+    if mask is not None and _noop_mask(b, mask, (*qs[:2], lq, s)):
         mask = None
     if scale is None:
         if not e.is_Integer:
@@ -293,7 +292,7 @@ def _attention(b, n, qkv, mask, dropout, causal, scale, result, need_scores=Fals
 _NOOP_MASK_NODES, _NOOP_MASK_NUMEL = 64, 1 << 24
 
 
-def _noop_mask(mask, scores_shape) -> bool:
+def _noop_mask(b, mask, scores_shape) -> bool:
     """Whether an attention mask computed from no input and no weight keeps every key: a bool
     mask all true, or a float mask all zeros, broadcast to the scores without growing them.
     Hugging Face builds such masks for encoders called without a padding mask (ViT:
@@ -309,12 +308,9 @@ def _noop_mask(mask, scores_shape) -> bool:
                 sympy.sympify(want).is_Integer and int(want) == d))
             for d, want in zip(reversed(shape), reversed(scores_shape))):
         return False
-    if mask not in _KEEPS_ALL:  # one evaluation per mask node (every layer reads the same one)
-        _KEEPS_ALL[mask] = _keeps_every_key(mask)
-    return _KEEPS_ALL[mask]
-
-
-_KEEPS_ALL: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+    if mask not in b.noop_masks:  # one evaluation per mask node (every layer reads the same one)
+        b.noop_masks[mask] = _keeps_every_key(mask)
+    return b.noop_masks[mask]
 
 
 def _keeps_every_key(mask) -> bool:

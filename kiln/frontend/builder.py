@@ -53,6 +53,9 @@ class Builder:
         self.types: dict[str, TensorType] = {}
         self.counter = 0
         self.ranges: dict = {}  # torch symbol -> value range (ep.range_constraints)
+        # attention masks of the program evaluated as keeping every key or not (FX node ->
+        # bool; aten_high._noop_mask): one evaluation per mask, which every layer reads
+        self.noop_masks: dict = {}
         self.aten_fallback = False  # unknown ops call ATen (frontend/fallback.py)
         # the target links kiln's CPU library routines (kiln_lib.h); without them the ops
         # kiln lowers to one call ATen instead (frontend/export.py: convert_node)
