@@ -112,6 +112,21 @@ def _prologue_lines(gk: GemmKernel, counter: list[int], row: str = "[1, RBLOCK]"
     return lines, regs
 
 
+def _row_start(gk: GemmKernel, lines: list[str], counter: list[int], row: str, total: str):
+    """(`_factored(gk)`, the registers of the prologue's whole-row reductions): appends to
+    `lines` those reductions' loops (run before the K loop), or, where they factor into the K
+    loop, their [row] accumulators."""
+    factored = _factored(gk)
+    regs: dict[str, str] = {}
+    if gk.prologue is not None and factored is None:
+        more, regs = _prologue_lines(gk, counter, row, total)
+        lines += more
+    elif factored is not None:
+        lines += [f"    acc_{r.name} = tl.zeros({row}, dtype=tl.float32)"
+                  for r in gk.prologue.reductions]
+    return factored, regs
+
+
 def _factored(gk: GemmKernel):
     """(scale, rest) of the prologue's row (gemm/prologue.py `factor_row`) when its whole-row
     reductions can accumulate in the GEMV's own K loop: each a sum over exactly K elements
@@ -381,14 +396,7 @@ def _print_quant_gemv(gk: GemmKernel, buffers: dict[str, L.Buffer], name: str) -
         ]
         row, total = "[1, RBLOCK]", "tl.sum({}, 1, keep_dims=True)"
     counter = [0]
-    regs: dict[str, str] = {}
-    factored = _factored(gk)
-    if pro is not None and factored is None:
-        more, regs = _prologue_lines(gk, counter, row, total)
-        lines += more
-    elif factored is not None:
-        lines += [f"    acc_{r.name} = tl.zeros({row}, dtype=tl.float32)"
-                  for r in pro.reductions]
+    factored, regs = _row_start(gk, lines, counter, row, total)
     lines.append(f"    pb = buf_{g.b.buf} + {to_tl(g.b.offset)} + rn * {to_tl(g.b.cols)}")
     sc = mx.scale
     sub = _vector(cfg.block_k, 1)  # 16 bytes of B a thread
@@ -591,18 +599,11 @@ def _print_int4_tc_gemv(gk: GemmKernel, buffers: dict[str, L.Buffer], name: str
         "    xmask = rx < K",
     ]
     counter = [0]
-    regs: dict[str, str] = {}
-    factored = _factored(gk)
     row, total = "[1, 1, RBLOCK]", "tl.sum({}, 2, keep_dims=True)"
     if pro is not None and pro.reductions:
         lines += [f"    rk = tl.arange(0, RBLOCK)[None, None, :]{cast}  # a row's slice",
                   "    xidx = rk * 0  # the row's shape, for loads of scalars"]
-    if pro is not None and factored is None:
-        more, regs = _prologue_lines(gk, counter, row, total)
-        lines += more
-    elif factored is not None:
-        lines += [f"    acc_{r.name} = tl.zeros({row}, dtype=tl.float32)"
-                  for r in pro.reductions]
+    factored, regs = _row_start(gk, lines, counter, row, total)
     if pro is not None:  # (the loop ends with this shape too)
         lines.append("    xidx = rx * 0  # the tile's shape, for loads of scalars")
     # a thread's 4 words of a chunk summed in registers each step: [T, H, 1] accumulators
