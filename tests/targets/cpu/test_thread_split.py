@@ -204,6 +204,9 @@ import kiln
 import scipy_openblas32 as blas
 lib = ctypes.CDLL(os.path.join(blas.get_lib_dir(), f"lib{blas.get_library()}.so"))
 lib.scipy_openblas_set_num_threads(4)  # as a process that uses OpenBLAS itself may
+# OpenBLAS's new workers spin-wait a while before they sleep (tens of ms); on a quiet machine
+# that spin, the process's own, reached into the timed window
+time.sleep(1.0)
 torch.set_num_threads(1)
 path, budget = sys.argv[1], int(sys.argv[2])
 g = torch.Generator().manual_seed(3)
